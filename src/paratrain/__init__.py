@@ -1,0 +1,38 @@
+"""paratrain: run single-device PyTorch training across processes, GPUs and nodes.
+
+Public names are imported lazily so that ``paratrain run`` starts as fast as ``torchrun``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Parallel": ".parallel",
+    "StepInfo": ".parallel",
+    "ClusterEnv": ".env",
+    "launch": ".launch.spawn",
+    "ParatrainError": ".errors",
+    "ConfigError": ".errors",
+    "UnknownStrategyError": ".errors",
+    "LaunchError": ".errors",
+    "RankFailedError": ".errors",
+    "JobTimeoutError": ".errors",
+    "DDPConfig": ".strategies",
+    "DDPStrategy": ".strategies",
+    "SingleDevice": ".strategies",
+    "Strategy": ".strategies",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

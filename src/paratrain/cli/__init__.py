@@ -1,0 +1,1 @@
+"""Command-line interface: argument parsing only; every command calls one library function."""

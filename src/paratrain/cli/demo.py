@@ -1,0 +1,29 @@
+"""``paratrain demo``: the digits CNN trained on N processes through ``paratrain run``."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="train a CNN on the bundled handwritten digits",
+                       description="Train a small CNN on scikit-learn's digits across N processes (2 on CPU, "
+                                   "every GPU when present) and report accuracy, time and throughput.")
+    p.add_argument("-n", "--nproc", type=str, default=None, help="processes (default: GPUs, or 2 on CPU)")
+    p.add_argument("--strategy", default="auto", help="parallel strategy (default: auto)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def execute(args: argparse.Namespace) -> int:
+    from ..demo import check_args
+    from ..launch.torchrun import run
+
+    check_args(args)
+    nproc = [] if args.nproc is None else ["--nproc-per-node", args.nproc]
+    run([*nproc, "-m", "paratrain.demo", "--strategy", args.strategy, "--epochs", str(args.epochs),
+         "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate), "--lr", str(args.lr),
+         "--seed", str(args.seed)])
+    return 0

@@ -1,0 +1,69 @@
+"""paratrain — run PyTorch training on many processes, GPUs and nodes.
+
+Commands:
+  paratrain run [-n N] [torchrun flags…] script.py [args…]   launch a script on N processes per node
+  paratrain demo [-n N] [--strategy S] [--epochs E]          train a CNN on the bundled digits data
+
+Errors print one line; add --debug (before the command) for the full traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ..errors import ParatrainError, RankFailedError
+from . import demo, run
+
+COMMANDS = {"run": run, "demo": demo}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paratrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # argparse's REMAINDER drops leading options of a sub-command; hand `run`'s arguments over untouched.
+    head = 0
+    while head < len(argv) and argv[head] == "--debug":
+        head += 1
+    if head < len(argv) and argv[head] == "run":
+        args = parser.parse_args([*argv[:head], "run"])
+        args.argv = argv[head + 1:]
+    else:
+        args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command].execute(args)
+    except RankFailedError as err:
+        if args.debug:
+            raise
+        from ..launch.failure import format_failure
+
+        print(format_failure(err), file=sys.stderr)
+        return 1
+    except ParatrainError as err:
+        if args.debug:
+            raise
+        print(f"paratrain: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("paratrain: interrupted", file=sys.stderr)
+        return 130
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return f"paratrain {__version__}"

@@ -1,0 +1,53 @@
+"""paratrain's exceptions.
+
+Every error a user can cause is a :class:`ParatrainError` whose message is one line saying what is wrong and
+how to fix it. The CLI prints that line without a traceback (``--debug`` shows it).
+"""
+from __future__ import annotations
+
+
+class ParatrainError(Exception):
+    """Base class: a problem the user can fix, described in one line."""
+
+
+class ConfigError(ParatrainError, ValueError):
+    """An invalid option or combination of options."""
+
+
+class UnknownStrategyError(ConfigError):
+    """A strategy name that is not registered."""
+
+
+class LaunchError(ParatrainError):
+    """A job could not be started (bad script, taken port, bad process count)."""
+
+
+class RankFailedError(LaunchError):
+    """A rank of a running job failed; the job was stopped.
+
+    Carries the root cause so callers (and the CLI) can lead with it.
+    """
+
+    def __init__(self, rank: int, exitcode: int, host: str, pid: int | None, traceback: str | None) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.host = host
+        self.pid = pid
+        self.traceback = traceback
+        super().__init__(f"rank {rank} failed on {host} ({describe_exitcode(exitcode)}); the job was stopped")
+
+
+class JobTimeoutError(LaunchError):
+    """A job ran past its deadline and was stopped."""
+
+
+def describe_exitcode(exitcode: int) -> str:
+    """'exit code 1' or 'killed by SIGKILL' for a negative (signal) exit code."""
+    if exitcode < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"

@@ -1,0 +1,32 @@
+"""Runs the user's script or module inside each torchrun worker.
+
+``paratrain run`` starts ``python -m paratrain.launch.worker [-m] TARGET ARGS…`` instead of the target itself, so
+that an exception is recorded (torchelastic's ``@record``) and the launcher can show the failing rank's
+traceback first. The target runs as ``__main__`` with its own ``sys.argv`` and ``sys.path[0]``, exactly as
+``python TARGET`` or ``python -m TARGET`` would run it.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "-m":
+        module, rest = argv[1], argv[2:]
+        sys.argv = [module, *rest]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""``Parallel``: the one object a training script holds.
+
+It reads the launcher's environment, starts the process group, picks the device, and wraps the user's model,
+optimizer and data loaders for the chosen strategy. Every piece of state lives on the object: two
+``Parallel`` objects in one process (in tests, say) do not share anything by accident.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import strategies
+from .data import ShardSampler, shard_loader
+from .devices import backend_for, select_device
+from .env import ClusterEnv
+from .errors import ConfigError
+from .mesh import build_mesh
+from .precision import Precision, create_precision
+from .seeding import rank_seed, seed_all
+from .strategies.base import Runtime, Strategy
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one ``Parallel.step`` micro-step is."""
+
+    micro_step: int
+    """Index inside the accumulation window, 0 … accumulate-1."""
+    sync: bool
+    """True on the last micro-step: gradients are communicated and the optimizer steps."""
+
+
+class Parallel:
+    """Run a single-device training loop on every process of the job.
+
+    Args:
+        strategy: a registered name (``"ddp"``, ``"single"``, ``"auto"``…) or a ``Strategy`` instance.
+        precision: ``"fp32"``.
+        accumulate: micro-batches per optimizer step (gradient accumulation).
+        accelerator: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
+        timeout_s: how long any collective waits for the other ranks before failing.
+        seed: when given, ``seed_everything(seed)`` is called at construction.
+        env: where this process sits; read from the environment when omitted.
+        **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
+    """
+
+    def __init__(
+        self,
+        strategy: str | Strategy = "auto",
+        *,
+        precision: str = "fp32",
+        accumulate: int = 1,
+        accelerator: str = "auto",
+        timeout_s: float = 300.0,
+        seed: int | None = None,
+        env: ClusterEnv | None = None,
+        **strategy_options: Any,
+    ) -> None:
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+        self.env = env if env is not None else ClusterEnv.from_environ()
+        self.strategy = _resolve_strategy(strategy, self.env, strategy_options)
+        self.strategy.validate(self.env)
+        self.precision: Precision = create_precision(precision)
+        self.accumulate = accumulate
+        self.device = select_device(self.env.local_rank, accelerator)
+        self._owns_group = False
+        self._init_process_group(timeout_s)
+        dims = self.strategy.mesh_dims(self.env.world_size)
+        self.mesh = build_mesh(self.device, dims, self.env.world_size) if dims and self._distributed else None
+        self._seed: int | None = None
+        self._micro_step = 0
+        self._loaders: list[DataLoader] = []
+        self.logger = _rank_logger(self.env)
+        if seed is not None:
+            self.seed_everything(seed)
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0."""
+        return self.env.rank == 0
+
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _init_process_group(self, timeout_s: float) -> None:
+        if not self.env.launched:
+            return
+        if dist.is_initialized():  # the script started it itself: use it, leave it to the script
+            if dist.get_world_size() != self.env.world_size:
+                raise ConfigError(
+                    f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE={self.env.world_size}"
+                )
+            return
+        dist.init_process_group(
+            backend=backend_for(self.device),
+            init_method="env://",
+            timeout=timedelta(seconds=timeout_s),
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+        self._owns_group = True
+
+    # ----------------------------------------------------------------- seeding
+    def seed_everything(self, seed: int) -> None:
+        """Seed every RNG identically on all ranks, so models built next initialise identically.
+
+        After ``prepare`` has wrapped a model, each rank's global RNGs move to a stream of their own (derived
+        from ``seed`` and the rank), so random augmentation differs across ranks; DataLoader workers get
+        per-rank, per-worker seeds through the loader's generator.
+        """
+        self._seed = seed
+        seed_all(seed)
+
+    # ----------------------------------------------------------------- preparation
+    def prepare(self, *objects: Any) -> Any:
+        """Wrap models, optimizers and data loaders for the strategy; returns them in the same order.
+
+        Pass each model before its optimizer. Loaders are sharded for training (``prepare_loader``'s
+        defaults); use ``prepare_loader(loader, even=False)`` for evaluation.
+        """
+        out: list[Any] = []
+        model: nn.Module | None = None
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                model = self.prepare_model(obj)
+                out.append(model)
+            elif isinstance(obj, torch.optim.Optimizer):
+                if model is None:
+                    raise ConfigError("prepare() got an optimizer before any model; pass the model first")
+                out.append(self.strategy.wrap_optimizer(obj, model, self._runtime()))
+            elif isinstance(obj, DataLoader):
+                out.append(self.prepare_loader(obj))
+            else:
+                raise ConfigError(
+                    f"prepare() takes nn.Module, torch.optim.Optimizer and DataLoader objects, got {type(obj).__name__}"
+                )
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Place and wrap one model for the strategy."""
+        wrapped = self.strategy.wrap_model(model, self._runtime())
+        if self._seed is not None:  # model init is done: give each rank its own random stream
+            seed_all(rank_seed(self._seed, self.rank))
+        return wrapped
+
+    def prepare_loader(self, loader: DataLoader, *, even: bool = True, shard: bool = True) -> DataLoader:
+        """A per-rank copy of ``loader`` (see :mod:`paratrain.data` for what happens to the tail).
+
+        Args:
+            even: pad so every rank runs the same number of steps (training); ``False`` sees every sample exactly
+                once with uneven shards (evaluation).
+            shard: ``False`` keeps the loader as it is (it already reads a per-rank part of the data).
+        """
+        if not shard or not self._distributed:
+            return loader
+        seed = self._seed if self._seed is not None else 0
+        generator = torch.Generator()
+        generator.manual_seed(rank_seed(seed, self.rank))
+        sharded = shard_loader(loader, rank=self.rank, world_size=self.world_size, seed=seed, even=even,
+                               generator=generator)
+        self._loaders.append(sharded)
+        return sharded
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the strategy's wrapper (for saving, inspection)."""
+        return self.strategy.unwrap(model)
+
+    def _runtime(self) -> Runtime:
+        return Runtime(env=self.env, device=self.device, mesh=self.mesh)
+
+    # ----------------------------------------------------------------- the loop
+    def epochs(self, n: int, start: int = 0) -> Iterator[int]:
+        """Yield epoch numbers ``start … n-1``, setting every prepared sampler's epoch so the order changes."""
+        for epoch in range(start, n):
+            for loader in self._loaders:
+                if isinstance(loader.sampler, ShardSampler):
+                    loader.sampler.set_epoch(epoch)
+            yield epoch
+
+    @contextmanager
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StepInfo]:
+        """One micro-step. Backward inside it; on the last micro-step of the accumulation window the gradients
+        are synchronised, the optimizer steps and the gradients are zeroed when the block exits cleanly."""
+        info = StepInfo(micro_step=self._micro_step, sync=self._micro_step == self.accumulate - 1)
+        with nullcontext() if info.sync else self.strategy.no_sync(model):
+            yield info
+        self._micro_step = (self._micro_step + 1) % self.accumulate
+        if info.sync:
+            self.precision.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss``, divided by the accumulation count so accumulated gradients are a mean."""
+        self.precision.backward(loss / self.accumulate if self.accumulate > 1 else loss)
+
+    # ----------------------------------------------------------------- collectives for metrics
+    def sum(self, value: torch.Tensor | float) -> torch.Tensor | float:
+        """Sum of ``value`` over all ranks (a tensor stays a tensor, a number stays a number)."""
+        return self._reduce(value, mean=False)
+
+    def mean(self, value: torch.Tensor | float) -> torch.Tensor | float:
+        """Mean of ``value`` over all ranks."""
+        return self._reduce(value, mean=True)
+
+    def _reduce(self, value: torch.Tensor | float, *, mean: bool) -> torch.Tensor | float:
+        if isinstance(value, torch.Tensor):
+            floating = value.is_floating_point()
+            out_dtype = value.dtype if floating or not mean else torch.float64
+            # float64 on the wire: exact counts, and gloo cannot average integers
+            t = value.detach().to(self.device, torch.float64 if floating or mean else value.dtype, copy=True)
+        else:
+            t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        if self._distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        if mean:
+            t = t / self.world_size
+        if isinstance(value, torch.Tensor):
+            return t.to(value.device, out_dtype)
+        return t.item()
+
+    def barrier(self) -> None:
+        """Wait for every rank (bounded by the process-group timeout)."""
+        if self._distributed:
+            dist.barrier()
+
+    # ----------------------------------------------------------------- output
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        if self.is_main:
+            kwargs.setdefault("flush", True)
+            print(*args, **kwargs)
+
+    # ----------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Destroy the process group if this object created it."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def __enter__(self) -> "Parallel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Parallel(strategy={self.strategy.describe()}, rank={self.rank}/{self.world_size}, "
+                f"device={self.device}, precision={self.precision.name}, accumulate={self.accumulate})")
+
+
+def _resolve_strategy(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> Strategy:
+    if isinstance(spec, Strategy):
+        if options:
+            raise ConfigError(f"strategy options {sorted(options)} given with a Strategy instance; set them on it")
+        return spec
+    if not isinstance(spec, str):
+        raise ConfigError(f"strategy must be a name or a Strategy, got {type(spec).__name__}")
+    if spec == "auto":
+        spec = "ddp" if env.world_size > 1 else "single"
+    try:
+        return strategies.create(spec, **options)
+    except TypeError as e:
+        raise ConfigError(f"bad option for strategy {spec!r}: {e}") from None
+
+
+def _rank_logger(env: ClusterEnv) -> logging.LoggerAdapter:
+    """A logger whose records say which rank wrote them."""
+    logger = logging.getLogger("paratrain.train")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s/%(world)s] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logging.LoggerAdapter(logger, {"rank": env.rank, "world": env.world_size})

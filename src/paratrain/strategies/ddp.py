@@ -1,0 +1,91 @@
+"""``ddp``: DistributedDataParallel — a full replica per process, gradients all-reduced in buckets."""
+from __future__ import annotations
+
+import inspect
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..errors import ConfigError
+
+_DDP_PARAMS = frozenset(inspect.signature(DDP.__init__).parameters)
+from .base import Runtime, Strategy
+from .registry import register
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    """Options passed to ``DistributedDataParallel``."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size; larger buckets mean fewer, bigger all-reduces."""
+    find_unused_parameters: bool = False
+    """Walk the autograd graph each step to find parameters that got no gradient (slower)."""
+    static_graph: bool = False
+    """The graph is the same every step: lets DDP skip per-step bookkeeping."""
+    gradient_as_bucket_view: bool = False
+    """Gradients alias the communication buckets: saves one gradient-sized copy of memory."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) at every forward."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0:
+            raise ConfigError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device, config: DDPConfig) -> DDP:
+    """Wrap ``model`` (moved to ``device``) in DDP over the 1-D ``mesh``."""
+    model = model.to(device)
+    buffers = {}
+    if not config.broadcast_buffers:  # newer torch renamed the flag; the default (sync) needs neither
+        buffers = {"forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMS else "broadcast_buffers": False}
+    return DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        device_mesh=mesh,
+        bucket_cap_mb=config.bucket_cap_mb,
+        find_unused_parameters=config.find_unused_parameters,
+        static_graph=config.static_graph,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+        **buffers,
+    )
+
+
+@register("ddp")
+class DDPStrategy(Strategy):
+    """Data parallel with a full replica per process."""
+
+    name = "ddp"
+
+    def __init__(self, config: DDPConfig | None = None, **options: object) -> None:
+        self.config = config if config is not None else DDPConfig(**options)  # type: ignore[arg-type]
+        self._synced_once = False
+
+    def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
+        assert rt.mesh is not None, "ddp needs a mesh"
+        return apply_ddp(model, rt.mesh, rt.device, self.config)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        # static_graph + no_sync before the first synchronised step trips a reducer assert
+        # (pytorch#143580). Syncing that one micro-step early gives the same summed gradient.
+        if self.config.static_graph and not self._synced_once:
+            self._synced_once = True
+            return nullcontext()
+        self._synced_once = True
+        return _ddp(model).no_sync()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return _ddp(model).module if isinstance(model, DDP) else model
+
+    def describe(self) -> str:
+        return f"ddp(bucket_cap_mb={self.config.bucket_cap_mb:g})"
+
+
+def _ddp(model: nn.Module) -> DDP:
+    if not isinstance(model, DDP):
+        raise ConfigError("this model was not prepared by paratrain's ddp strategy; pass the model prepare() returned")
+    return model
