@@ -1,0 +1,67 @@
+"""Helpers for testing distributed training code on CPU, shipped for users' own test suites.
+
+``spawn`` runs a function on N gloo processes with a hard timeout; ``max_abs_diff`` compares state dicts;
+``alive`` tells whether processes are still running (to check that nothing was left behind).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..launch.spawn import launch
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
+          **kwargs: Any) -> list[Any]:
+    """``paratrain.launch`` with a hard timeout by default, so a hung collective fails the test instead of CI."""
+    return launch(fn, nprocs, args, timeout_s=timeout_s, **kwargs)
+
+
+def max_abs_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two state dicts with the same keys."""
+    if a.keys() != b.keys():
+        raise AssertionError(f"different keys: {sorted(set(a) ^ set(b))}")
+    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a), default=0.0)
+
+
+def alive(pids: Iterable[int]) -> list[int]:
+    """The pids that still name a running (not zombie) process."""
+    running = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            running.append(pid)
+    return running
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """Direct children of ``parent`` (default: this process), from /proc, leaving out multiprocessing's own
+    helpers (resource tracker, fork server), which live as long as the parent by design."""
+    parent = os.getpid() if parent is None else parent
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+            if ppid == parent and not _is_mp_helper(int(entry)):
+                kids.append(int(entry))
+    return kids
+
+
+def _is_mp_helper(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return False
+    return b"resource_tracker" in cmd or b"forkserver" in cmd

@@ -1,0 +1,34 @@
+"""Shared fixtures: every test starts with a clean environment and no process group, and leaves none."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+
+
+@pytest.fixture(autouse=True)
+def clean_distributed_env():
+    saved = dict(os.environ)
+    for key in _LAUNCH_VARS:
+        os.environ.pop(key, None)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def paratrain_cmd() -> list[str]:
+    """The CLI as a subprocess command, from this interpreter's environment."""
+    return [sys.executable, "-m", "paratrain"]

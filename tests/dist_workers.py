@@ -1,0 +1,122 @@
+"""Module-level functions that tests run on several processes through ``paratrain.launch``."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import paratrain
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def global_batches(steps: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    n = steps * global_batch
+    return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def train_params(strategy: str, accumulate: int, steps: int, per_rank_batch: int, world: int,
+                 options: dict | None = None) -> dict[str, torch.Tensor]:
+    """``steps`` optimizer steps; each reads a global batch of world x accumulate x per_rank_batch samples.
+
+    Rank r takes its slice of every micro-batch, so any world size trains on the same global batches.
+    """
+    par = paratrain.Parallel(strategy, accumulate=accumulate, **(options or {}))
+    model = build_model()
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    micro = world * per_rank_batch
+    x, y = global_batches(steps * accumulate, micro)
+    r = par.rank
+    for s in range(steps * accumulate):
+        xs = x[s * micro:(s + 1) * micro][r * per_rank_batch:(r + 1) * per_rank_batch]
+        ys = y[s * micro:(s + 1) * micro][r * per_rank_batch:(r + 1) * per_rank_batch]
+        with par.step(model, opt):
+            par.backward(nn.functional.cross_entropy(model(xs), ys))
+    out = {k: v.detach().clone() for k, v in par.unwrap(model).state_dict().items()}
+    par.close()
+    return out
+
+
+def epoch_indices(n: int, epochs: int, batch: int, even: bool) -> list[list[int]]:
+    """The sample indices this rank read in each epoch through a prepared loader."""
+    par = paratrain.Parallel("ddp")
+    loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=batch, shuffle=True)
+    loader = par.prepare_loader(loader, even=even)
+    seen = [[int(i) for (b,) in loader for i in b] for _ in par.epochs(epochs)]
+    par.close()
+    return seen
+
+
+class _RandomItems(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> float:
+        return torch.rand(()).item()
+
+
+def seeding_probe(seed: int) -> dict[str, object]:
+    """What a rank sees of seeding: its init weights, its first random draw after prepare, its worker draws."""
+    par = paratrain.Parallel("ddp", seed=seed)
+    model = nn.Linear(4, 4)
+    init = model.weight.detach().clone()
+    model = par.prepare(model)
+    after = torch.rand(3)
+    loader = par.prepare_loader(DataLoader(_RandomItems(), batch_size=4, num_workers=1))
+    worker_draws = [b.tolist() for b in loader]
+    par.close()
+    return {"init": init, "after": after, "worker": worker_draws}
+
+
+def reductions() -> tuple[float, float, list[float], int]:
+    par = paratrain.Parallel("ddp")
+    r = par.rank
+    out = (par.mean(float(r)), par.sum(r + 1.0), par.mean(torch.tensor([r, 2.0 * r])).tolist(),
+           int(par.sum(torch.tensor(r + 1))))
+    par.barrier()
+    par.close()
+    return out
+
+
+def existing_group_is_reused() -> tuple[bool, bool]:
+    dist.init_process_group("gloo")
+    par = paratrain.Parallel("ddp")
+    par.close()  # must not destroy a group it did not create
+    still = dist.is_initialized()
+    dist.destroy_process_group()
+    return par._owns_group, still
+
+
+def fail_at(rank: int, step: int, how: str, pid_dir: str) -> None:
+    """Train until ``step``, then rank ``rank`` raises or SIGKILLs itself."""
+    import signal
+
+    par = paratrain.Parallel("ddp")
+    with open(os.path.join(pid_dir, f"{par.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    model = nn.Linear(4, 1)
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for s in range(100_000):
+        if par.rank == rank and s == step:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError(f"planted failure at step {s}")
+        with par.step(model, opt):
+            par.backward(model(torch.randn(8, 4)).pow(2).mean())
+        time.sleep(0.01)
+
+
+def sleep_forever() -> None:
+    time.sleep(3600)
+
+
+def rank_and_threads() -> tuple[int, int, int]:
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), torch.get_num_threads()

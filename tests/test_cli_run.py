@@ -1,0 +1,84 @@
+"""End-to-end ``paratrain run``: plain torchrun scripts, fail-fast, bad input — each rank writes files we check."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS
+from paratrain.testing import alive
+
+
+def _run(cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def test_plain_torchrun_script_runs_unchanged(paratrain_cmd, tmp_path):
+    res = _run([*paratrain_cmd, "run", "-n", "2", str(SCRIPTS / "plain_torchrun.py"), str(tmp_path)])
+    assert res.returncode == 0, res.stderr
+    lines = sorted((tmp_path / f"rank{r}.txt").read_text().split() for r in range(2))
+    # rank, world, local rank, all-reduced sum, threads per process (2 cores / 2 processes), __name__
+    assert [line[:4] for line in lines] == [["0", "2", "0", "3"], ["1", "2", "1", "3"]]
+    assert all(line[5] == "__main__" for line in lines)
+    assert {line[4] for line in lines} == {str(max(1, len(os.sched_getaffinity(0)) // 2))}
+
+
+def test_underscore_flags_and_module_entry_point(paratrain_cmd, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS)}
+    res = _run([*paratrain_cmd, "run", "--nproc_per_node=2", "-m", "plain_torchrun", str(tmp_path)], env=env)
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.txt", "rank1.txt"]
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_failing_rank_ends_the_job_fast_and_names_the_rank(paratrain_cmd, tmp_path, how):
+    start = time.monotonic()
+    res = _run([*paratrain_cmd, "run", "-n", "2", str(SCRIPTS / "failing_job.py"), "--fail-rank", "1",
+                "--fail-step", "5", "--how", how, "--pid-dir", str(tmp_path)], timeout=30)
+    elapsed = time.monotonic() - start
+    assert res.returncode != 0
+    assert elapsed < 10, f"job took {elapsed:.1f} s to fail"
+    report = res.stderr[res.stderr.index("paratrain: rank 1 failed"):]
+    if how == "raise":
+        assert "(exit code 1)" in report and "RuntimeError: planted failure at step 5" in report
+        assert "worker.py" not in report  # the launcher's own frames are hidden
+    else:
+        assert "killed by SIGKILL" in report
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2 and not alive(pids)
+
+
+def _one_line_error(res: subprocess.CompletedProcess, words: str) -> None:
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert words in lines[0]
+
+
+def test_bad_input_gives_one_line_errors(paratrain_cmd, tmp_path):
+    script = str(SCRIPTS / "plain_torchrun.py")
+    _one_line_error(_run([*paratrain_cmd, "run", "-n", "0", script]), "at least 1")
+    _one_line_error(_run([*paratrain_cmd, "run", "-n", "2", str(tmp_path / "missing.py")]), "not found")
+    _one_line_error(_run([*paratrain_cmd, "run", "-m", "no_such_module_xyz"]), "not found")
+    _one_line_error(_run([*paratrain_cmd, "run", "--no-such-flag", script]), "unrecognized")
+    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "nope"]), "unknown strategy 'nope'; choose one of")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        _one_line_error(_run([*paratrain_cmd, "run", "-n", "2", "--master-port", str(port), script, str(tmp_path)]),
+                        f"--master-port {port} is already in use")
+
+
+def test_debug_shows_the_traceback(paratrain_cmd):
+    res = _run([*paratrain_cmd, "--debug", "run", "-n", "0", "x.py"])
+    assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+def test_console_script_is_installed():
+    exe = Path(sys.executable).with_name("paratrain")
+    res = _run([str(exe), "--version"])
+    assert res.returncode == 0 and res.stdout.startswith("paratrain ")

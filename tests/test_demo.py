@@ -1,0 +1,16 @@
+"""The embedded default job: ``paratrain demo`` trains on the real digits data across 2 processes."""
+import re
+import subprocess
+
+
+def test_demo_reaches_95_percent_and_reports_throughput(paratrain_cmd):
+    res = subprocess.run([*paratrain_cmd, "demo", "-n", "2"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "2 process(es)" in out and "strategy=ddp" in out
+    epochs = re.findall(r"^epoch\s+\d+/10 .* test acc\s+([\d.]+)%", out, flags=re.M)
+    assert len(epochs) == 10  # rank 0 prints once per epoch, other ranks stay quiet
+    final = float(re.search(r"final test acc ([\d.]+)%", out).group(1))
+    assert final >= 95.0, out
+    assert re.search(r"[\d,]+ samples/s over 2 process", out)
+    assert re.search(r"sha256 [0-9a-f]{64}", out)

@@ -1,0 +1,47 @@
+"""In-process ``paratrain.launch``: results, fail-fast, timeouts, nothing left behind."""
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_workers import fail_at, rank_and_threads, sleep_forever
+from paratrain import JobTimeoutError, LaunchError, RankFailedError, launch
+from paratrain.testing import alive, child_pids
+
+
+def _pids(d: Path) -> list[int]:
+    return [int(p.read_text()) for p in d.glob("*.pid")]
+
+
+def test_launch_returns_each_ranks_value_with_a_torchrun_environment():
+    assert launch(rank_and_threads, 2, timeout_s=60) == [(0, 2, 1), (1, 2, 1)]
+    assert not alive(child_pids())
+
+
+@pytest.mark.parametrize("how, words", [("raise", "ValueError: planted failure at step 5"), ("kill", None)])
+def test_a_failing_rank_stops_the_job_within_seconds(tmp_path, how, words):
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(fail_at, 2, (1, 5, how, str(tmp_path)), timeout_s=60)
+    assert time.monotonic() - start < 10
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1 failed" in str(err)
+    if words:
+        assert words in err.traceback and err.exitcode == 1
+    else:
+        assert err.exitcode == -9 and "SIGKILL" in str(err)
+    assert len(_pids(tmp_path)) == 2 and not alive(_pids(tmp_path))
+
+
+def test_timeout_stops_every_process():
+    start = time.monotonic()
+    with pytest.raises(JobTimeoutError, match="within 2 s"):
+        launch(sleep_forever, 2, timeout_s=2)
+    assert time.monotonic() - start < 15
+    assert not alive(child_pids())
+
+
+def test_bad_process_count():
+    with pytest.raises(LaunchError, match="nprocs"):
+        launch(sleep_forever, 0)
