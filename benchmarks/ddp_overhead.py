@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ import paratrain
 from ddp_workers import step_time_worker, throughput_worker
 
 HERE = Path(__file__).resolve().parent
+CORES = len(os.sched_getaffinity(0))
 BATCH_PER_RANK = 64
 GLOBAL_BATCH = 128
 STEP_TARGET = 1.01
@@ -39,6 +42,28 @@ SCALING = {"1 proc x 1 thread": (1, 1), "2 procs x 1 thread (DDP)": (2, 1), "1 p
 
 def median_ms(seconds: list[float]) -> float:
     return 1000 * statistics.median(seconds)
+
+
+# ----------------------------------------------------------------------------------------------- background load
+def machine_cpu_s() -> float:
+    """CPU seconds every process on this machine has used since boot (from /proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and every descendant it has reaped (launchers, their workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def audited(bench: Callable[[], dict]) -> dict:
+    """Run ``bench`` and add ``background_share``: the fraction of the machine other processes used meanwhile."""
+    machine0, own0, t0 = machine_cpu_s(), own_cpu_s(), time.perf_counter()
+    result = bench()
+    foreign = (machine_cpu_s() - machine0) - (own_cpu_s() - own0)
+    wall = time.perf_counter() - t0
+    return {**result, "wall_s": wall, "background_share": max(0.0, foreign) / (wall * CORES)}
 
 
 # ----------------------------------------------------------------------------------------------- 1. step time
@@ -52,7 +77,9 @@ def bench_step_time(rounds: int, warmup: int, steps: int) -> dict:
     times = ranks[0]["times"]
     per_round = {name: [median_ms(block) for block in blocks] for name, blocks in times.items()}
     overall = {name: median_ms([t for block in blocks for t in block]) for name, blocks in times.items()}
+    paired = statistics.median(p / t for p, t in zip(per_round["paratrain"], per_round["torch"]))
     return {"per_round_ms": per_round, "median_ms": overall, "ratio": overall["paratrain"] / overall["torch"],
+            "median_round_ratio": paired,
             "max_param_diff": max(r["max_param_diff"] for r in ranks), "rank_times_s": [r["times"] for r in ranks]}
 
 
@@ -117,8 +144,14 @@ def verdict(ratio: float, target: float) -> str:
     return f"target <= {target:.2f}: {'met' if ratio <= target else 'MISSED'}"
 
 
+def background_line(result: dict) -> str:
+    share = result["background_share"]
+    note = "  ** machine was not idle: numbers are suspect **" if share > 0.05 else ""
+    return f"   other processes used {100 * share:.1f}% of the {CORES} cores during this part ({result['wall_s']:.0f} s){note}"
+
+
 def format_report(cfg: dict, step: dict, launch: dict, scaling: dict) -> str:
-    lines = [f"torch {torch.__version__}, {os.cpu_count()} cores, gloo, MLP 784-1024-1024-10, SGD; "
+    lines = [f"torch {torch.__version__}, {CORES} cores, gloo, MLP 784-1024-1024-10, SGD; "
              f"rounds={cfg['rounds']} warmup={cfg['warmup']} steps={cfg['steps']}", "",
              f"1. Step time, world 2, batch {BATCH_PER_RANK}/rank, 1 thread/rank (rank 0, ms per step)",
              f"   {'round':<8}{'paratrain':>11}{'torch':>11}{'ratio':>9}"]
@@ -127,8 +160,9 @@ def format_report(cfg: dict, step: dict, launch: dict, scaling: dict) -> str:
     m = step["median_ms"]
     lines += [f"   {'median':<8}{m['paratrain']:>11.2f}{m['torch']:>11.2f}{step['ratio']:>9.3f}   "
               f"({verdict(step['ratio'], STEP_TARGET)})",
+              f"   median of the per-round ratios: {step['median_round_ratio']:.3f}",
               f"   paratrain vs torch parameters after training: max |diff| = {step['max_param_diff']:.3g}; "
-              "each model identical on both ranks", "",
+              "each model identical on both ranks", background_line(step), "",
               "2. Launch to first step, 2 processes, OMP_NUM_THREADS=1 (seconds)",
               f"   {'round':<8}{'paratrain run':>15}{'torchrun':>11}"]
     for i, (p, t) in enumerate(zip(launch["first_step_s"]["paratrain run"], launch["first_step_s"]["torchrun"]), 1):
@@ -137,13 +171,14 @@ def format_report(cfg: dict, step: dict, launch: dict, scaling: dict) -> str:
     lines += [f"   {'median':<8}{mf['paratrain run']:>15.3f}{mf['torchrun']:>11.3f}   ratio {launch['ratio']:.3f} "
               f"({verdict(launch['ratio'], LAUNCH_TARGET)})",
               f"   {'to exit':<8}{me['paratrain run']:>15.3f}{me['torchrun']:>11.3f}   (median, launcher start to exit)",
-              "",
+              background_line(launch), "",
               f"3. Scaling, fixed global batch {GLOBAL_BATCH}, {cfg['steps']} steps (median of {cfg['rounds']} jobs)",
               f"   {'config':<28}{'time s':>9}{'samples/s':>11}{'speedup':>9}{'efficiency':>12}"]
     for name, (nprocs, threads) in SCALING.items():
         sp = scaling["speedup"][name]
         lines.append(f"   {name:<28}{scaling['median_elapsed_s'][name]:>9.3f}{scaling['samples_per_s'][name]:>11.0f}"
                      f"{sp:>8.2f}x{sp / (nprocs * threads):>12.2f}")
+    lines.append(background_line(scaling))
     return "\n".join(lines)
 
 
@@ -164,13 +199,13 @@ def main() -> None:
     args = parse_args()
     cfg = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
     t0 = time.perf_counter()
-    step = bench_step_time(args.rounds, args.warmup, args.steps)
-    launch = bench_launch(args.rounds)
-    scaling = bench_scaling(args.rounds, args.warmup, args.steps)
+    step = audited(lambda: bench_step_time(args.rounds, args.warmup, args.steps))
+    launch = audited(lambda: bench_launch(args.rounds))
+    scaling = audited(lambda: bench_scaling(args.rounds, args.warmup, args.steps))
     print(format_report(cfg, step, launch, scaling))
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
     if args.json:
-        meta = {"torch": torch.__version__, "cores": os.cpu_count(), **cfg}
+        meta = {"torch": torch.__version__, "cores": CORES, **cfg}
         args.json.write_text(json.dumps({"config": meta, "step_time": step, "launch": launch, "scaling": scaling},
                                         indent=1))
 

@@ -60,8 +60,15 @@ def timed_block(step: Step, warmup: int, steps: int) -> list[float]:
     return times
 
 
+@torch.no_grad()
 def checksum(model: nn.Module) -> float:
-    return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
+    """Sum of |parameters|: equal on every rank exactly when the replicas are identical."""
+    return float(sum(p.double().abs().sum() for p in model.parameters()))
+
+
+@torch.no_grad()
+def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 def step_time_worker(rounds: int, warmup: int, steps: int, batch: int) -> dict:
@@ -79,9 +86,8 @@ def step_time_worker(rounds: int, warmup: int, steps: int, batch: int) -> dict:
     for r in range(rounds):
         for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
             times[name].append(timed_block(runs[name], warmup, steps))
-    max_diff = max(float((a - b).abs().max()) for a, b in zip(pt_model.parameters(), raw_model.parameters()))
     result = {"times": times, "checksums": {"paratrain": checksum(pt_model), "torch": checksum(raw_model)},
-              "max_param_diff": max_diff}
+              "max_param_diff": max_abs_diff(pt_model, raw_model)}
     dist.destroy_process_group()
     return result
 

@@ -76,3 +76,9 @@ def test_prepare_rejects_foreign_objects_and_optimizer_first():
     model = nn.Linear(1, 1)
     with pytest.raises(ConfigError, match="model first"):
         par.prepare(torch.optim.SGD(model.parameters(), lr=1.0), model)
+
+
+def test_logger_lines_carry_the_rank(capsys):
+    par = paratrain.Parallel()
+    par.logger.info("hello")
+    assert "[rank 0/1] INFO hello" in capsys.readouterr().err

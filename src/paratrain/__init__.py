@@ -12,7 +12,6 @@ _EXPORTS = {
     "Parallel": ".parallel",
     "StepInfo": ".parallel",
     "ClusterEnv": ".env",
-    "launch": ".launch.spawn",
     "ParatrainError": ".errors",
     "ConfigError": ".errors",
     "UnknownStrategyError": ".errors",
@@ -25,7 +24,10 @@ _EXPORTS = {
     "Strategy": ".strategies",
 }
 
-__all__ = sorted(_EXPORTS)
+# Bound eagerly: the subpackage `paratrain.launch` would otherwise shadow the function once imported.
+from .launch.spawn import launch  # noqa: E402  (imports nothing heavy)
+
+__all__ = sorted([*_EXPORTS, "launch"])
 
 
 def __getattr__(name: str) -> Any:

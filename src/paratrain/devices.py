@@ -29,13 +29,3 @@ def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
 def backend_for(device: torch.device) -> str:
     """The collective backend that serves tensors on ``device``."""
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-def cpu_count() -> int:
-    """Cores this process may run on (respects taskset/cgroup affinity)."""
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1

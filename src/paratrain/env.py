@@ -78,3 +78,11 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
         return int(raw)
     except ValueError:
         raise ConfigError(f"{key}={raw!r} is not an integer") from None
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (respects taskset/cgroup affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1

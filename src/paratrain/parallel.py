@@ -258,16 +258,25 @@ class Parallel:
 
     # ----------------------------------------------------------------- teardown
     def close(self) -> None:
-        """Destroy the process group if this object created it."""
+        """Wait for every rank, then destroy the process group if this object created it.
+
+        The barrier matters: a rank that tears its group down while a peer still finishes its last collective
+        can abort the peer at exit (gloo's worker threads die with "terminate called without an active
+        exception").
+        """
         if self._owns_group and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
         self._owns_group = False
 
     def __enter__(self) -> "Parallel":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        # On an error the peers may be gone or stuck mid-collective: a barrier would only wait for the
+        # timeout. The process is ending; the launcher stops the others.
 
     def __repr__(self) -> str:
         return (f"Parallel(strategy={self.strategy.describe()}, rank={self.rank}/{self.world_size}, "
@@ -289,11 +298,23 @@ def _resolve_strategy(spec: str | Strategy, env: ClusterEnv, options: dict[str, 
         raise ConfigError(f"bad option for strategy {spec!r}: {e}") from None
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record (it may be redirected later)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: D401
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 def _rank_logger(env: ClusterEnv) -> logging.LoggerAdapter:
     """A logger whose records say which rank wrote them."""
     logger = logging.getLogger("paratrain.train")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s/%(world)s] %(levelname)s %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

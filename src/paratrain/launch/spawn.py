@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ..devices import cpu_count
+from ..env import cpu_count
 from ..errors import JobTimeoutError, LaunchError, RankFailedError
 
 LOOPBACK = "127.0.0.1"

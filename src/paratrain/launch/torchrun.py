@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-from ..devices import cpu_count
+from ..env import cpu_count
 from ..errors import LaunchError
 from .failure import from_child_failed
 from .ports import port_in_use
