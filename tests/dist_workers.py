@@ -24,12 +24,12 @@ def global_batches(steps: int, global_batch: int) -> tuple[torch.Tensor, torch.T
 
 
 def train_params(strategy: str, accumulate: int, steps: int, per_rank_batch: int, world: int,
-                 options: dict | None = None) -> dict[str, torch.Tensor]:
+                 options: dict | None = None, **parallel_kwargs: object) -> dict[str, torch.Tensor]:
     """``steps`` optimizer steps; each reads a global batch of world x accumulate x per_rank_batch samples.
 
     Rank r takes its slice of every micro-batch, so any world size trains on the same global batches.
     """
-    par = paratrain.Parallel(strategy, accumulate=accumulate, **(options or {}))
+    par = paratrain.Parallel(strategy, accumulate=accumulate, **parallel_kwargs, **(options or {}))
     model = build_model()
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     micro = world * per_rank_batch
@@ -40,7 +40,7 @@ def train_params(strategy: str, accumulate: int, steps: int, per_rank_batch: int
         ys = y[s * micro:(s + 1) * micro][r * per_rank_batch:(r + 1) * per_rank_batch]
         with par.step(model, opt):
             par.backward(nn.functional.cross_entropy(model(xs), ys))
-    out = {k: v.detach().clone() for k, v in par.unwrap(model).state_dict().items()}
+    out = par.full_state_dict(model, rank0_only=False)
     par.close()
     return out
 

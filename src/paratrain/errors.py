@@ -34,11 +34,20 @@ class RankFailedError(LaunchError):
         self.host = host
         self.pid = pid
         self.traceback = traceback
-        super().__init__(f"rank {rank} failed on {host} ({describe_exitcode(exitcode)}); the job was stopped")
+        cause = _last_line(traceback)
+        super().__init__(f"rank {rank} failed on {host} ({describe_exitcode(exitcode)}"
+                         f"{': ' + cause if cause else ''}); the job was stopped")
+        if traceback:  # shown under an uncaught error in Python; the CLI prints its own report
+            self.add_note(f"traceback of rank {rank}:\n{traceback.rstrip()}")
 
 
 class JobTimeoutError(LaunchError):
     """A job ran past its deadline and was stopped."""
+
+
+def _last_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
 
 
 def describe_exitcode(exitcode: int) -> str:

@@ -27,6 +27,7 @@ from .errors import ConfigError
 from .mesh import build_mesh
 from .precision import Precision, create_precision
 from .seeding import rank_seed, seed_all
+from .state_dict import full_state_dict
 from .strategies.base import Runtime, Strategy
 
 
@@ -44,9 +45,11 @@ class Parallel:
     """Run a single-device training loop on every process of the job.
 
     Args:
-        strategy: a registered name (``"ddp"``, ``"single"``, ``"auto"``…) or a ``Strategy`` instance.
-        precision: ``"fp32"``.
+        strategy: a registered name (``"ddp"``, ``"zero3"``, ``"auto"``…) or a ``Strategy`` instance.
+        precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"`` (CUDA) or ``"bf16-true"``.
         accumulate: micro-batches per optimizer step (gradient accumulation).
+        clip_grad_norm: clip the global gradient norm to this value before each optimizer step (sharded
+            strategies compute the norm over every shard).
         accelerator: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         timeout_s: how long any collective waits for the other ranks before failing.
         seed: when given, ``seed_everything(seed)`` is called at construction.
@@ -60,6 +63,7 @@ class Parallel:
         *,
         precision: str = "fp32",
         accumulate: int = 1,
+        clip_grad_norm: float | None = None,
         accelerator: str = "auto",
         timeout_s: float = 300.0,
         seed: int | None = None,
@@ -70,15 +74,20 @@ class Parallel:
             raise ConfigError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+        if clip_grad_norm is not None and clip_grad_norm <= 0:
+            raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         self.env = env if env is not None else ClusterEnv.from_environ()
         self.strategy = _resolve_strategy(strategy, self.env, strategy_options)
         self.strategy.validate(self.env)
         self.precision: Precision = create_precision(precision)
         self.accumulate = accumulate
+        self.clip_grad_norm = clip_grad_norm
+        self.last_grad_norm: float | None = None
         self.device = select_device(self.env.local_rank, accelerator)
+        self.precision.validate(self.device)
         self._owns_group = False
         self._init_process_group(timeout_s)
-        dims = self.strategy.mesh_dims(self.env.world_size)
+        dims = self.strategy.mesh_dims(self.env)
         self.mesh = build_mesh(self.device, dims, self.env.world_size) if dims and self._distributed else None
         self._seed: int | None = None
         self._micro_step = 0
@@ -163,8 +172,16 @@ class Parallel:
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Place and wrap one model for the strategy."""
-        wrapped = self.strategy.wrap_model(model, self._runtime())
+        """Place and wrap one model for the strategy and the precision.
+
+        ``par.device`` then names where the model's outputs land (the last stage for ``model_parallel``), so
+        moving targets there is always right.
+        """
+        rt = self._runtime()
+        wrapped = self.strategy.wrap_model(self.precision.convert_module(model), rt)
+        if not self.strategy.native_precision:
+            self.precision.wrap_forward(wrapped, rt.device)
+        self.device = self.strategy.output_device(rt)
         if self._seed is not None:  # model init is done: give each rank its own random stream
             seed_all(rank_seed(self._seed, self.rank))
         return wrapped
@@ -188,11 +205,18 @@ class Parallel:
         return sharded
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module inside the strategy's wrapper (for saving, inspection)."""
+        """The user's module inside the strategy's wrapper (for inspection; its tensors may be shards)."""
         return self.strategy.unwrap(model)
 
+    def full_state_dict(self, model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The full, unsharded, unprefixed state dict on the CPU (collective: call on every rank).
+
+        With ``rank0_only`` other ranks get ``{}``; loadable into the plain model with ``load_state_dict``.
+        """
+        return full_state_dict(self.unwrap(model), rank0_only=rank0_only)
+
     def _runtime(self) -> Runtime:
-        return Runtime(env=self.env, device=self.device, mesh=self.mesh)
+        return Runtime(env=self.env, device=self.device, mesh=self.mesh, precision=self.precision)
 
     # ----------------------------------------------------------------- the loop
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
@@ -212,6 +236,9 @@ class Parallel:
             yield info
         self._micro_step = (self._micro_step + 1) % self.accumulate
         if info.sync:
+            if self.clip_grad_norm is not None:
+                self.precision.unscale(optimizer)
+                self.last_grad_norm = clip_grad_norm(model.parameters(), self.clip_grad_norm)
             self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
 
@@ -281,6 +308,18 @@ class Parallel:
     def __repr__(self) -> str:
         return (f"Parallel(strategy={self.strategy.describe()}, rank={self.rank}/{self.world_size}, "
                 f"device={self.device}, precision={self.precision.name}, accumulate={self.accumulate})")
+
+
+def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float) -> float:
+    """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads)
+    if hasattr(norm, "full_tensor"):  # DTensor: the norm of every shard together
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    return float(norm)
 
 
 def _resolve_strategy(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> Strategy:

@@ -1,27 +1,138 @@
-"""Numeric precision of training: how the loss is back-propagated and the optimizer stepped.
+"""Numeric precision of training, one small plugin per mode, apart from strategies.
 
-Kept apart from strategies so every strategy gets every precision without a branch of its own.
+| name         | parameters | forward                        | backward / step             |
+|--------------|------------|--------------------------------|-----------------------------|
+| fp32         | fp32       | fp32                           | plain                       |
+| bf16-mixed   | fp32       | autocast to bf16, outputs fp32 | plain (bf16 needs no scale) |
+| fp16-mixed   | fp32       | autocast to fp16, outputs fp32 | GradScaler (CUDA only)      |
+| bf16-true    | bf16       | inputs cast to bf16, outputs fp32 | plain                    |
+
+Sharded strategies (FSDP) take the same choice as a ``MixedPrecisionPolicy`` (bf16/fp16 compute, fp32 gradient
+reduction) instead of autocast; every other strategy gets autocast around the model's forward.
 """
 from __future__ import annotations
 
+import functools
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
 import torch
+from torch import nn
+from torch.utils._pytree import tree_map
 
 from .errors import ConfigError
 
 
 class Precision:
-    """Full fp32 training: plain backward and step."""
+    """Full fp32 training: plain backward and step. Subclasses change one hook each."""
 
     name = "fp32"
+    autocast_dtype: torch.dtype | None = None
+    input_dtype: torch.dtype | None = None
+    """Floating inputs are cast to this dtype before the forward (bf16-true's parameters are bf16)."""
+
+    def validate(self, device: torch.device) -> None:
+        """Raise ConfigError when this precision cannot run on ``device``."""
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        """Change parameter dtypes before wrapping (only bf16-true does)."""
+        return model
+
+    def fsdp_policy(self) -> Any:
+        """The FSDP2 ``MixedPrecisionPolicy`` for this precision."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.autocast_dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.autocast_dtype, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32)
+
+    def forward_context(self, device: torch.device) -> AbstractContextManager:
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
+
+    def wrap_forward(self, model: nn.Module, device: torch.device) -> None:
+        """Run ``model``'s forward under autocast (or on cast inputs) and hand fp32 outputs to the loss."""
+        if self.autocast_dtype is None and self.input_dtype is None:
+            return
+        inner = model.forward
+        cast = functools.partial(_cast_floating, dtype=self.input_dtype)
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.input_dtype is not None:
+                args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+            with self.forward_context(device):
+                out = inner(*args, **kwargs)
+            return tree_map(functools.partial(_cast_floating, dtype=torch.float32), out)
+
+        model.forward = forward  # type: ignore[method-assign]
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make gradients true gradients before clipping (only loss scaling changes them)."""
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
 
-_PRECISIONS: dict[str, type[Precision]] = {"fp32": Precision, "32": Precision}
+def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
+class BF16Mixed(Precision):
+    name = "bf16-mixed"
+    autocast_dtype = torch.bfloat16
+
+
+class FP16Mixed(Precision):
+    """fp16 autocast with dynamic loss scaling, since fp16 gradients underflow."""
+
+    name = "fp16-mixed"
+    autocast_dtype = torch.float16
+
+    def __init__(self) -> None:
+        self.scaler: torch.amp.GradScaler | None = None
+
+    def validate(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ConfigError("precision 'fp16-mixed' needs CUDA (loss scaling for fp16 GPUs); use 'bf16-mixed' on CPU")
+        self.scaler = torch.amp.GradScaler(device.type)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        assert self.scaler is not None
+        self.scaler.scale(loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.scaler is not None
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.scaler is not None
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
+class BF16True(Precision):
+    """Everything in bf16, parameters and optimizer state included: half the memory, less accuracy."""
+
+    name = "bf16-true"
+    input_dtype = torch.bfloat16
+
+    def convert_module(self, model: nn.Module) -> nn.Module:
+        return model.to(torch.bfloat16)
+
+
+_PRECISIONS: dict[str, type[Precision]] = {
+    "fp32": Precision, "32": Precision,
+    "bf16-mixed": BF16Mixed, "fp16-mixed": FP16Mixed, "16-mixed": FP16Mixed,
+    "bf16-true": BF16True,
+}
 
 
 def create_precision(name: str) -> Precision:

@@ -1,7 +1,16 @@
 """Registered strategies. Importing this package registers every built-in one."""
 from .base import Runtime, Strategy
 from .ddp import DDPConfig, DDPStrategy, apply_ddp
+from .dp import DataParallelStrategy
+from .fsdp import FSDPConfig, HSDPStrategy, Zero2Strategy, Zero3Strategy, apply_fsdp
+from .model_parallel import ModelParallelConfig, ModelParallelStrategy, apply_model_parallel
 from .registry import available, check_name, create, register
 from .single import SingleDevice
+from .zero import Zero1Strategy
 
-__all__ = ["Runtime", "Strategy", "DDPConfig", "DDPStrategy", "apply_ddp", "SingleDevice", "available", "check_name", "create", "register"]
+__all__ = [
+    "Runtime", "Strategy", "available", "check_name", "create", "register",
+    "SingleDevice", "DataParallelStrategy", "DDPConfig", "DDPStrategy", "apply_ddp", "Zero1Strategy",
+    "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "apply_fsdp",
+    "ModelParallelConfig", "ModelParallelStrategy", "apply_model_parallel",
+]

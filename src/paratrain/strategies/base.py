@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..env import ClusterEnv
+from ..precision import Precision
 
 
 @dataclass(frozen=True)
@@ -24,16 +25,19 @@ class Runtime:
     env: ClusterEnv
     device: torch.device
     mesh: DeviceMesh | None
+    precision: Precision
 
 
 class Strategy(ABC):
     """Base class of every registered strategy."""
 
     name: ClassVar[str]
+    native_precision: ClassVar[bool] = False
+    """True when the strategy applies mixed precision itself (FSDP's policy) instead of autocast."""
 
-    def mesh_dims(self, world_size: int) -> dict[str, int] | None:
+    def mesh_dims(self, env: ClusterEnv) -> dict[str, int] | None:
         """Named parallel degrees this strategy needs, or None when it uses no process group."""
-        return {"dp": world_size}
+        return {"dp": env.world_size}
 
     def validate(self, env: ClusterEnv) -> None:
         """Raise a ConfigError when this strategy cannot run in ``env``."""
@@ -49,6 +53,10 @@ class Strategy(ABC):
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         """Context in which backward accumulates gradients without communicating."""
         return nullcontext()
+
+    def output_device(self, rt: Runtime) -> torch.device:
+        """Where the prepared model's outputs land, and so where targets belong."""
+        return rt.device
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper ``wrap_model`` added."""

@@ -31,28 +31,74 @@ class DDPConfig:
     """Gradients alias the communication buckets: saves one gradient-sized copy of memory."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) at every forward."""
+    comm_hook: str | None = None
+    """Gradient compression: ``fp16``, ``bf16`` or ``powersgd`` (see ``paratrain.strategies.hooks``)."""
+    powersgd_rank: int = 1
+    """Rank of PowerSGD's low-rank approximation (higher: more accurate, more traffic)."""
+    powersgd_start_iter: int = 10
+    """Optimizer steps of exact all-reduce before PowerSGD compression starts."""
 
     def __post_init__(self) -> None:
+        from .hooks import HOOKS
+
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        if self.comm_hook is not None and self.comm_hook not in HOOKS:
+            raise ConfigError(f"unknown comm_hook {self.comm_hook!r}; choose one of: {', '.join(HOOKS)}")
+        if self.powersgd_rank < 1:
+            raise ConfigError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device, config: DDPConfig) -> DDP:
-    """Wrap ``model`` (moved to ``device``) in DDP over the 1-D ``mesh``."""
-    model = model.to(device)
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, config: DDPConfig) -> DDP:
+    """Wrap ``model`` in DDP over the 1-D ``mesh``, after moving it to ``device`` (None: a module already spread
+    over several devices, as model parallelism leaves it)."""
+    from .hooks import register_comm_hook, single_bucket_mb
+
+    if device is not None:
+        model = model.to(device)
     buffers = {}
     if not config.broadcast_buffers:  # newer torch renamed the flag; the default (sync) needs neither
         buffers = {"forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMS else "broadcast_buffers": False}
-    return DDP(
+    bucket_cap_mb = config.bucket_cap_mb
+    if config.comm_hook == "powersgd" and mesh.get_group().name() == "gloo":
+        bucket_cap_mb = single_bucket_mb(model)  # PowerSGD on gloo breaks with more than one bucket
+    ddp = _DDP(
         model,
-        device_ids=[device.index] if device.type == "cuda" else None,
+        device_ids=[device.index] if device is not None and device.type == "cuda" else None,
         device_mesh=mesh,
-        bucket_cap_mb=config.bucket_cap_mb,
+        bucket_cap_mb=bucket_cap_mb,
         find_unused_parameters=config.find_unused_parameters,
         static_graph=config.static_graph,
         gradient_as_bucket_view=config.gradient_as_bucket_view,
         **buffers,
     )
+    if config.comm_hook is not None:
+        register_comm_hook(ddp, config)
+    return ddp
+
+
+class _DDP(DDP):
+    """DDP whose unused-parameter error names the parameters and the fix instead of indices."""
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as err:
+            if "Expected to have finished reduction" not in str(err):
+                raise
+            raise ConfigError(unused_parameters_message(self.module, str(err))) from None
+
+
+def unused_parameters_message(module: nn.Module, ddp_message: str) -> str:
+    """One line naming the parameters DDP says got no gradient, with the two fixes."""
+    import re
+
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", ddp_message)
+    unused = [names[int(i)] for i in found.group(1).split()] if found else []
+    which = ", ".join(unused) if unused else "some parameters (set TORCH_DISTRIBUTED_DEBUG=INFO to see which)"
+    return (f"ddp: these parameters got no gradient in the last step: {which}; pass find_unused_parameters=True "
+            "if they are used only sometimes, or freeze them with requires_grad_(False)")
 
 
 @register("ddp")

@@ -15,7 +15,7 @@ class SingleDevice(Strategy):
 
     name = "single"
 
-    def mesh_dims(self, world_size: int) -> None:
+    def mesh_dims(self, env: ClusterEnv) -> None:
         return None
 
     def validate(self, env: ClusterEnv) -> None:

@@ -1,0 +1,161 @@
+"""Sharded data parallel on FSDP2 (``fully_shard``): ``zero2``, ``zero3``/``fsdp`` and ``hsdp``.
+
+Parameters, gradients and optimizer state are sharded across the ``shard`` mesh dimension. Each block chosen
+by the wrapping policy is one communication unit: its parameters are all-gathered before its forward and its
+gradients reduce-scattered after its backward.
+
+* ``zero3`` / ``fsdp``: parameters are re-sharded after each block's forward (least memory, a second
+  all-gather in backward).
+* ``zero2``: parameters stay gathered from forward to backward (ZeRO-2-like: more memory, less traffic).
+* ``hsdp``: a 2-D mesh (replicate x shard): shard within a group of ranks (a node), replicate across groups.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..env import ClusterEnv
+from ..errors import ConfigError
+from .base import Runtime, Strategy
+from .optim import param_names, rebuild
+from .registry import register
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """How the model is cut into sharding units and when parameters are re-sharded."""
+
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each unit's forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
+    wrap_classes: Sequence[type[nn.Module]] = ()
+    """Module classes that each become a unit (e.g. a transformer block); empty: by size."""
+    min_params: int = 100_000
+    """With no ``wrap_classes``: a sub-module becomes a unit when it holds at least this many parameters that
+    no smaller unit already took."""
+    shard_size: int | None = None
+    """hsdp only: ranks per shard group (default: processes per node, or half the world on one node)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory."""
+
+    def __post_init__(self) -> None:
+        if self.min_params < 1:
+            raise ConfigError(f"min_params must be >= 1, got {self.min_params}")
+        for cls in self.wrap_classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise ConfigError(f"wrap_classes must hold nn.Module classes, got {cls!r}")
+
+
+def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
+    """The sub-modules (never the root) that become their own sharding unit, innermost first."""
+    units: list[nn.Module] = []
+    taken: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model:
+            return
+        if config.wrap_classes:
+            chosen = isinstance(module, tuple(config.wrap_classes))
+        else:
+            free = sum(p.numel() for p in module.parameters() if id(p) not in taken)
+            chosen = free >= config.min_params
+        if chosen:
+            units.append(module)
+            taken.update(id(p) for p in module.parameters())
+
+    visit(model)
+    return units
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy: object | None = None) -> nn.Module:
+    """``fully_shard`` every unit of the wrapping policy, then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+    }
+    for unit in wrap_units(model, config):
+        fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
+    return model
+
+
+class FSDPStrategy(Strategy):
+    """Shared behaviour of zero2, zero3/fsdp and hsdp."""
+
+    name = "fsdp"
+    native_precision = True
+    reshard_after_forward = True
+
+    def __init__(self, config: FSDPConfig | None = None, **options: object) -> None:
+        options.setdefault("reshard_after_forward", self.reshard_after_forward)
+        self.config = config if config is not None else FSDPConfig(**options)  # type: ignore[arg-type]
+        self._names: dict[int, dict[int, str]] = {}
+
+    def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
+        assert rt.mesh is not None, "fsdp needs a mesh"
+        names = param_names(model)
+        model = model.to(rt.device) if not self.config.cpu_offload else model
+        apply_fsdp(model, rt.mesh, self.config, rt.precision.fsdp_policy())
+        self._names[id(model)] = names
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
+        # fully_shard replaced the parameters with sharded DTensors: the optimizer must hold those
+        return rebuild(optimizer, self._names[id(model)], model)
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def describe(self) -> str:
+        return f"{self.name}(reshard_after_forward={self.config.reshard_after_forward})"
+
+
+@register("zero3", "fsdp")
+class Zero3Strategy(FSDPStrategy):
+    name = "zero3"
+
+
+@register("zero2")
+class Zero2Strategy(FSDPStrategy):
+    name = "zero2"
+    reshard_after_forward = False
+
+
+@register("hsdp")
+class HSDPStrategy(FSDPStrategy):
+    """Shard within groups of ``shard_size`` ranks, replicate across the groups."""
+
+    name = "hsdp"
+
+    def validate(self, env: ClusterEnv) -> None:
+        self.mesh_dims(env)
+
+    def mesh_dims(self, env: ClusterEnv) -> dict[str, int]:
+        world_size, shard = env.world_size, self.config.shard_size
+        if shard is None:
+            shard = env.local_world_size if env.local_world_size < world_size else world_size // 2
+        if shard < 1 or world_size % shard or world_size // shard < 1:
+            raise ConfigError(
+                f"hsdp cannot split {world_size} processes into shard groups of {shard}; "
+                "set shard_size to a divisor of the world size"
+            )
+        if shard == world_size or shard == 1:
+            raise ConfigError(
+                f"hsdp with shard groups of {shard} out of {world_size} processes is plain "
+                f"{'zero3' if shard == world_size else 'ddp'}; use that, or more processes (e.g. -n 4)"
+            )
+        return {"replicate": world_size // shard, "shard": shard}

@@ -1,0 +1,36 @@
+"""Re-creating the user's optimizer over new parameter objects (sharded or wrapped), keeping its settings."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) → qualified name, taken before a wrapper replaces the parameters."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def param_groups_for(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> list[dict[str, Any]]:
+    """The optimizer's param groups (same hyper-parameters) pointing at ``model``'s current parameters."""
+    if any(optimizer.state.values()):
+        raise ConfigError("the optimizer already has state; call prepare() before the first step and before loading "
+                          "optimizer state")
+    current = dict(model.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        try:
+            params = [current[names[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise ConfigError("the optimizer holds parameters that are not in the prepared model; build it from "
+                              "model.parameters() of the model passed to prepare()") from None
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    return groups
+
+
+def rebuild(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> torch.optim.Optimizer:
+    """A new optimizer of the same class and settings over ``model``'s current parameters."""
+    return type(optimizer)(param_groups_for(optimizer, names, model), **optimizer.defaults)
