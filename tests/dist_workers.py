@@ -25,21 +25,22 @@ def global_batches(steps: int, global_batch: int) -> tuple[torch.Tensor, torch.T
 
 def train_params(strategy: str, accumulate: int, steps: int, per_rank_batch: int, world: int,
                  options: dict | None = None, **parallel_kwargs: object) -> dict[str, torch.Tensor]:
-    """``steps`` optimizer steps; each reads a global batch of world x accumulate x per_rank_batch samples.
+    """``steps`` optimizer steps; each reads a global batch of replicas x accumulate x per_rank_batch samples.
 
-    Rank r takes its slice of every micro-batch, so any world size trains on the same global batches.
+    Each data-parallel replica takes its slice of every micro-batch (the stages of a pipeline read the same
+    one), so any world size trains on the same global batches.
     """
     par = paratrain.Parallel(strategy, accumulate=accumulate, **parallel_kwargs, **(options or {}))
     model = build_model()
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    micro = world * per_rank_batch
+    replicas, r = par.data_parallel_size, par.data_parallel_rank
+    micro = replicas * per_rank_batch
     x, y = global_batches(steps * accumulate, micro)
-    r = par.rank
     for s in range(steps * accumulate):
-        xs = x[s * micro:(s + 1) * micro][r * per_rank_batch:(r + 1) * per_rank_batch]
-        ys = y[s * micro:(s + 1) * micro][r * per_rank_batch:(r + 1) * per_rank_batch]
+        xs = x[s * micro:(s + 1) * micro][r * per_rank_batch:(r + 1) * per_rank_batch].to(par.device)
+        ys = y[s * micro:(s + 1) * micro][r * per_rank_batch:(r + 1) * per_rank_batch].to(par.device)
         with par.step(model, opt):
-            par.backward(nn.functional.cross_entropy(model(xs), ys))
+            par.forward_backward(model, xs, ys, nn.functional.cross_entropy)
     out = par.full_state_dict(model, rank0_only=False)
     par.close()
     return out
@@ -120,3 +121,29 @@ def sleep_forever() -> None:
 
 def rank_and_threads() -> tuple[int, int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), torch.get_num_threads()
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def state_bytes(strategy: str, blocks: int = 8, width: int = 64) -> dict[str, int]:
+    """Per-rank bytes of parameters (largest of at rest and between forward and backward), gradients and
+    Adam state, counted from the local tensors/shards this rank holds."""
+    par = paratrain.Parallel(strategy, **({"min_params": 1000} if strategy in ("zero2", "zero3") else {}))
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)])
+    model, opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    x = torch.randn(4, width)
+    with par.step(model, opt):
+        at_rest = sum(_local_bytes(p) for p in model.parameters())
+        loss = model(x).pow(2).mean()
+        in_step = sum(_local_bytes(p) for p in model.parameters())
+        par.backward(loss)
+        grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's shard in .optim
+    optim_state = sum(_local_bytes(v) for s in inner.state.values() for v in s.values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0)
+    par.close()
+    return {"params": max(at_rest, in_step), "grads": grads, "optim": optim_state,
+            "full_params": sum(p.numel() * 4 for p in nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)]).parameters())}

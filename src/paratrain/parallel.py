@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,7 +27,6 @@ from .errors import ConfigError
 from .mesh import build_mesh
 from .precision import Precision, create_precision
 from .seeding import rank_seed, seed_all
-from .state_dict import full_state_dict
 from .strategies.base import Runtime, Strategy
 
 
@@ -108,6 +107,16 @@ class Parallel:
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the replicas that read different data (the ranks of one pipeline share it)."""
+        return self.strategy.data_parallel(self._runtime())[0] if self._distributed else 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many replicas read different data: the world size, divided by the pipeline depth if any."""
+        return self.strategy.data_parallel(self._runtime())[1] if self._distributed else 1
 
     @property
     def is_main(self) -> bool:
@@ -197,10 +206,10 @@ class Parallel:
         if not shard or not self._distributed:
             return loader
         seed = self._seed if self._seed is not None else 0
+        rank, size, _ = self.strategy.data_parallel(self._runtime())  # pipeline stages share their batches
         generator = torch.Generator()
-        generator.manual_seed(rank_seed(seed, self.rank))
-        sharded = shard_loader(loader, rank=self.rank, world_size=self.world_size, seed=seed, even=even,
-                               generator=generator)
+        generator.manual_seed(rank_seed(seed, rank))
+        sharded = shard_loader(loader, rank=rank, world_size=size, seed=seed, even=even, generator=generator)
         self._loaders.append(sharded)
         return sharded
 
@@ -213,7 +222,7 @@ class Parallel:
 
         With ``rank0_only`` other ranks get ``{}``; loadable into the plain model with ``load_state_dict``.
         """
-        return full_state_dict(self.unwrap(model), rank0_only=rank0_only)
+        return self.strategy.full_state_dict(model, rank0_only)
 
     def _runtime(self) -> Runtime:
         return Runtime(env=self.env, device=self.device, mesh=self.mesh, precision=self.precision)
@@ -238,9 +247,23 @@ class Parallel:
         if info.sync:
             if self.clip_grad_norm is not None:
                 self.precision.unscale(optimizer)
-                self.last_grad_norm = clip_grad_norm(model.parameters(), self.clip_grad_norm)
+                self.last_grad_norm = clip_grad_norm(model.parameters(), self.clip_grad_norm,
+                                                     group=self.strategy.grad_norm_group(model))
             self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor,
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``loss_fn(model(x), target)`` and its backward, for every strategy; returns the detached loss.
+
+        The same as ``loss = loss_fn(model(x), target); par.backward(loss)``, except that pipeline strategies
+        run it as a micro-batch schedule. Every rank gets the loss (a pipeline's last stage shares it).
+        """
+        loss = self.strategy.forward_backward(model, x, target, loss_fn, 1.0 / self.accumulate)
+        if loss is None:
+            loss = loss_fn(model(x), target)
+            self.backward(loss)
+        return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided by the accumulation count so accumulated gradients are a mean."""
@@ -256,6 +279,7 @@ class Parallel:
         return self._reduce(value, mean=True)
 
     def _reduce(self, value: torch.Tensor | float, *, mean: bool) -> torch.Tensor | float:
+        """All-reduce over the data-parallel replicas (a pipeline's stages hold one replica's value)."""
         if isinstance(value, torch.Tensor):
             floating = value.is_floating_point()
             out_dtype = value.dtype if floating or not mean else torch.float64
@@ -263,10 +287,11 @@ class Parallel:
             t = value.detach().to(self.device, torch.float64 if floating or mean else value.dtype, copy=True)
         else:
             t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        if self._distributed:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        _, size, group = self.strategy.data_parallel(self._runtime()) if self._distributed else (0, 1, None)
+        if size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         if mean:
-            t = t / self.world_size
+            t = t / size
         if isinstance(value, torch.Tensor):
             return t.to(value.device, out_dtype)
         return t.item()
@@ -310,15 +335,24 @@ class Parallel:
                 f"device={self.device}, precision={self.precision.name}, accumulate={self.accumulate})")
 
 
-def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float) -> float:
-    """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return 0.0
-    norm = torch.nn.utils.get_total_norm(grads)
+def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
+                   group: dist.ProcessGroup | None = None) -> float:
+    """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping.
+
+    ``group``: ranks whose local norms make up the global one (the stages of a pipeline).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     if hasattr(norm, "full_tensor"):  # DTensor: the norm of every shard together
         norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    if group is not None:
+        squared = norm.detach().pow(2)
+        dist.all_reduce(squared, group=group)
+        norm = squared.sqrt()
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
 
 

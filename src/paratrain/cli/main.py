@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import ParatrainError, RankFailedError
-from . import demo, run
+from . import demo, doctor, plan, run
 
-COMMANDS = {"run": run, "demo": demo}
+COMMANDS = {"run": run, "demo": demo, "doctor": doctor, "plan": plan}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,12 +13,32 @@ iterations.
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import combinations
+from typing import TYPE_CHECKING
 
-KIB = 1024
-MIB = 1024 * KIB
-GB = 1e9
+from .checks import GB, KIB, MIB, Check, format_bytes
+from .gpu_checks import pcie_gbps
+from .nvidia import Gpu
+
+if TYPE_CHECKING:
+    import torch
+
 WARMUP = 2
+NVLINK_GBPS_PER_LINK = 25.0
+"""Per link and direction for NVLink 2, 3 and 4 (V100, A100, H100)."""
+LINK_EFFICIENCY = 0.8
+"""Share of a link's speed nccl-tests' all-reduce busbw reaches at large sizes."""
+CPU_EXPECTED_BUSBW_GBPS = 1.0
+"""gloo over loopback on a small CPU box (FIELD-NOTES: 1.0–1.5 GB/s at world size 2)."""
+CPU_WARN_FRACTION = 0.1
+"""Warn (never fail) below a tenth: a loaded machine can halve gloo's speed without anything being wrong."""
+GPU_WARN_FRACTION = 0.25
+"""The sweep stops at 64 MiB, below the sizes where NCCL peaks, so only a large shortfall is flagged."""
+GPU_FAIL_FRACTION = 0.05
+"""A twentieth of the link: NCCL is not using it at all (P2P off, traffic through host memory)."""
 SWEEP_BUDGET_S = 3.0
 """Stop growing the buffer once the timed loops have taken this long, so a slow link keeps the doctor fast."""
 
@@ -79,12 +99,16 @@ def iterations(size_bytes: int) -> int:
 
 
 def measure_allreduce(*, nprocs: int, accelerator: str, max_bytes: int, timeout_s: float = 60.0,
-                      budget_s: float = SWEEP_BUDGET_S) -> BandwidthResult:
-    """Run the sweep on ``nprocs`` local processes; raises the launcher's errors when a rank fails or hangs."""
+                      budget_s: float = SWEEP_BUDGET_S, start_method: str = "spawn") -> BandwidthResult:
+    """Run the sweep on ``nprocs`` local processes; raises the launcher's errors when a rank fails or hangs.
+
+    ``start_method="fork"`` starts CPU ranks in milliseconds (they inherit the imported torch); CUDA needs
+    ``"spawn"``.
+    """
     from ..launch import launch
 
     sizes = sweep_sizes(max_bytes)
-    results = launch(sweep, nprocs, (sizes, accelerator, budget_s), timeout_s=timeout_s)
+    results = launch(sweep, nprocs, (sizes, accelerator, budget_s), timeout_s=timeout_s, start_method=start_method)
     backend, device, timings, _ = results[0]
     rows = tuple(BandwidthRow(size_bytes=size, seconds=t, algbw_gbps=algbw(size, t),
                               busbw_gbps=allreduce_busbw(algbw(size, t), nprocs)) for size, t in timings)
@@ -136,8 +160,64 @@ def sweep(sizes: list[int], accelerator: str, budget_s: float) -> tuple[str, str
     return backend, device.type, timings, correct
 
 
-def _sync(device) -> None:
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so the clock measures the collective and not its launch."""
     if device.type == "cuda":
         import torch
 
         torch.cuda.synchronize(device)
+
+
+def expected_busbw(device: str, gpus: Sequence[Gpu], links: Mapping[tuple[int, int], str]
+                   ) -> tuple[float, str] | None:
+    """Rough all-reduce busbw the slowest path should reach, and what it is based on; None if unknown.
+
+    CPU: gloo over loopback. GPUs: NVLink links × per-link speed when every pair has NVLink, else the
+    slowest GPU's PCIe link; either times the share of a link that all-reduce reaches.
+    """
+    if device == "cpu":
+        return CPU_EXPECTED_BUSBW_GBPS, "gloo on loopback"
+    cells = [links.get((a, b)) for a, b in combinations([g.index for g in gpus], 2)]
+    counts = [int(m.group(1)) for c in cells if c and (m := re.fullmatch(r"NV(\d+)", c))]
+    if cells and len(counts) == len(cells):
+        return NVLINK_GBPS_PER_LINK * min(counts) * LINK_EFFICIENCY, f"NV{min(counts)}"
+    speeds = [(pcie_gbps(g.pcie_gen_max, g.pcie_width), g) for g in gpus]
+    if not speeds or any(s is None for s, _ in speeds):
+        return None
+    speed, slowest = min(speeds, key=lambda item: item[0] or 0.0)
+    return (speed or 0.0) * LINK_EFFICIENCY, f"PCIe gen{slowest.pcie_gen_max} x{slowest.pcie_width}"
+
+
+def check_bandwidth(result: BandwidthResult, expected: tuple[float, str] | None) -> Check:
+    """The measured all-reduce: a correct sum, and a bus bandwidth not far below the link's speed.
+
+    On CPU the verdict is at worst warn: gloo over loopback is memory-bound and shares cores with everything
+    else on the machine.
+    """
+    peak = max(result.rows, key=lambda row: row.busbw_gbps)
+    evidence = (f"busbw {peak.busbw_gbps:.2f} GB/s at {format_bytes(peak.size_bytes)}, {result.backend}, "
+                f"{result.world_size} ranks")
+    if not result.correct:
+        return Check.fail("all-reduce", f"{evidence}; WRONG SUM",
+                          "the backend corrupts data: rerun with NCCL_DEBUG=INFO and report it with the --json output")
+    if expected is None:
+        return Check.ok("all-reduce", evidence)
+    speed, basis = expected
+    warn_at, fail_at = (CPU_WARN_FRACTION, 0.0) if result.device == "cpu" else (GPU_WARN_FRACTION, GPU_FAIL_FRACTION)
+    evidence += f" (expect ≈{speed:.3g} for {basis})"
+    fix = ("check the interconnect and env rows above; rerun with NCCL_DEBUG=INFO to see the transport NCCL picked"
+           if result.device == "cuda" else "the machine is busy or slow: close other jobs and rerun")
+    if peak.busbw_gbps < speed * fail_at:
+        return Check.fail("all-reduce", evidence, fix)
+    if peak.busbw_gbps < speed * warn_at:
+        return Check.warn("all-reduce", evidence, fix)
+    return Check.ok("all-reduce", evidence)
+
+
+def check_bandwidth_error(error: Exception) -> Check:
+    """The live collective could not run: the job a user starts will not run either."""
+    evidence = f"the test job failed: {error}"
+    last = (getattr(error, "traceback", None) or "").strip().splitlines()
+    if last:
+        evidence += f": {last[-1]}"
+    return Check.fail("all-reduce", evidence, "fix the failed checks above first; on GPUs rerun with NCCL_DEBUG=INFO")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..env import cpu_count
+from ..errors import ConfigError
 from ..launch.ports import port_in_use
 
 TORCHRUN_DEFAULT_PORT = 29500
@@ -117,13 +118,13 @@ def gather_host(environ: Mapping[str, str] | None = None) -> HostFacts:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return HostFacts(
         cores=cpu_count(),
-        ram_bytes=min(ram, cgroup_limit or ram),
-        ram_limited_by_cgroup=cgroup_limit is not None and cgroup_limit < ram,
+        ram_bytes=cgroup_limit or ram,
+        ram_limited_by_cgroup=cgroup_limit is not None,
         shm_bytes=shm[0] if shm else None,
         shm_free_bytes=shm[1] if shm else None,
         nofile_soft=_limit(soft),
         nofile_hard=_limit(hard),
-        interfaces=tuple(name for _, name in socket.if_nameindex()),
+        interfaces=_interfaces(),
         loopback=probe_loopback(),
         env={k: v for k, v in env.items() if k.startswith(ENV_PREFIXES)},
     )
@@ -164,7 +165,7 @@ def probe_master(host: str, port: int, timeout_s: float = 2.0) -> MasterFacts:
 
 
 def _ram_bytes() -> tuple[int, int | None]:
-    """Physical RAM from /proc/meminfo (sysconf elsewhere) and the cgroup memory limit, if any."""
+    """Physical RAM from /proc/meminfo (sysconf elsewhere) and the cgroup memory limit when it is lower."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as f:
@@ -187,6 +188,13 @@ def _ram_bytes() -> tuple[int, int | None]:
     return ram, limit
 
 
+def _interfaces() -> tuple[str, ...]:
+    try:
+        return tuple(name for _, name in socket.if_nameindex())
+    except OSError:
+        return ()
+
+
 def _statvfs(path: str) -> tuple[int, int] | None:
     try:
         st = os.statvfs(path)
@@ -198,3 +206,24 @@ def _statvfs(path: str) -> tuple[int, int] | None:
 def _limit(value: int) -> int:
     """RLIM_INFINITY as a large number, so comparisons stay simple."""
     return 2**31 - 1 if value == resource.RLIM_INFINITY else value
+
+
+def parse_master_addr(text: str) -> tuple[str, int]:
+    """'HOST', 'HOST:PORT', '[IPv6]:PORT' or a bare IPv6 address → (host, port); the port defaults to 29500."""
+    text = text.strip()
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":") if rest.startswith(":") else None
+        if not bracket or (rest and port_text is None):
+            raise ConfigError(f"--master-addr {text!r}: expected [IPv6]:PORT")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host, port_text = text, None
+    if not host:
+        raise ConfigError(f"--master-addr {text!r} has no host; expected HOST or HOST:PORT")
+    if port_text is None:
+        return host, TORCHRUN_DEFAULT_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"--master-addr {text!r}: port must be a number in 1..65535")
+    return host, int(port_text)

@@ -3,6 +3,7 @@ from .base import Runtime, Strategy
 from .ddp import DDPConfig, DDPStrategy, apply_ddp
 from .dp import DataParallelStrategy
 from .fsdp import FSDPConfig, HSDPStrategy, Zero2Strategy, Zero3Strategy, apply_fsdp
+from .pipeline import HybridPipeline, PipelineConfig, PipelinedModel, PurePipeline
 from .model_parallel import ModelParallelConfig, ModelParallelStrategy, apply_model_parallel
 from .registry import available, check_name, create, register
 from .single import SingleDevice
@@ -12,5 +13,6 @@ __all__ = [
     "Runtime", "Strategy", "available", "check_name", "create", "register",
     "SingleDevice", "DataParallelStrategy", "DDPConfig", "DDPStrategy", "apply_ddp", "Zero1Strategy",
     "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "apply_fsdp",
+    "PipelineConfig", "PipelinedModel", "PurePipeline", "HybridPipeline",
     "ModelParallelConfig", "ModelParallelStrategy", "apply_model_parallel",
 ]

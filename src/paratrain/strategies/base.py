@@ -6,11 +6,13 @@ strategies compose them instead of copying them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -61,6 +63,28 @@ class Strategy(ABC):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper ``wrap_model`` added."""
         return model
+
+    def data_parallel(self, rt: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
+        """(rank, size, group) among the replicas that read different data; metrics are reduced over it.
+
+        Every rank for data-parallel strategies; pipeline ranks of one replica read the same batch.
+        """
+        return rt.env.rank, rt.env.world_size, None
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable,
+                         scale: float) -> torch.Tensor | None:
+        """Run forward and backward of one batch when the strategy owns that loop (pipelines); None: it doesn't."""
+        return None
+
+    def grad_norm_group(self, model: nn.Module) -> dist.ProcessGroup | None:
+        """Group over which local gradient norms add up to the global one (pipeline stages); None: no such group."""
+        return None
+
+    def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
+        """The consolidated state dict (see :func:`paratrain.state_dict.full_state_dict`)."""
+        from ..state_dict import full_state_dict
+
+        return full_state_dict(self.unwrap(model), rank0_only=rank0_only)
 
     def describe(self) -> str:
         return self.name

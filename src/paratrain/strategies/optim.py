@@ -14,8 +14,12 @@ def param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def param_groups_for(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> list[dict[str, Any]]:
-    """The optimizer's param groups (same hyper-parameters) pointing at ``model``'s current parameters."""
+def param_groups_for(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, *,
+                     subset: bool = False) -> list[dict[str, Any]]:
+    """The optimizer's param groups (same hyper-parameters) pointing at ``model``'s current parameters.
+
+    With ``subset`` (a pipeline rank holds only its stages) parameters that ``model`` lacks are left out.
+    """
     if any(optimizer.state.values()):
         raise ConfigError("the optimizer already has state; call prepare() before the first step and before loading "
                           "optimizer state")
@@ -23,7 +27,7 @@ def param_groups_for(optimizer: torch.optim.Optimizer, names: dict[int, str], mo
     groups = []
     for group in optimizer.param_groups:
         try:
-            params = [current[names[id(p)]] for p in group["params"]]
+            params = [current[names[id(p)]] for p in group["params"] if not subset or names.get(id(p)) in current]
         except KeyError:
             raise ConfigError("the optimizer holds parameters that are not in the prepared model; build it from "
                               "model.parameters() of the model passed to prepare()") from None
@@ -31,6 +35,8 @@ def param_groups_for(optimizer: torch.optim.Optimizer, names: dict[int, str], mo
     return groups
 
 
-def rebuild(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> torch.optim.Optimizer:
+def rebuild(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, *,
+            subset: bool = False) -> torch.optim.Optimizer:
     """A new optimizer of the same class and settings over ``model``'s current parameters."""
-    return type(optimizer)(param_groups_for(optimizer, names, model), **optimizer.defaults)
+    groups = [g for g in param_groups_for(optimizer, names, model, subset=subset) if g["params"]]
+    return type(optimizer)(groups, **optimizer.defaults)

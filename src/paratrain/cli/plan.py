@@ -1,0 +1,72 @@
+"""``paratrain plan``: memory per GPU, step time and scaling of every strategy, and which one to use.
+
+Examples:
+  paratrain plan --model gpt2-medium --gpus 8 --gpu h100 --interconnect nvlink
+  paratrain plan --params 7.5B --layers 32 --hidden 4096 --seq-len 4096 --gpus 8 --nodes 4 --inter-node eth-100g
+  paratrain plan --model mymodels:build --input 3x224x224 --gpu a100-40gb --gpus 4 --breakdown
+  paratrain plan --model mlp --gpu cpu --gpus 2 --measure
+
+Nothing is allocated or launched: a built-in GPT or --params uses closed forms, any other model is traced on
+the meta device. Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="estimate memory and step time per strategy and recommend one",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help="mlp, cnn, gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-7b, or module:factory")
+    m.add_argument("--input", dest="input_spec", metavar="SHAPE",
+                   help="one sample's input for module:factory, e.g. 3x224x224 or long:1024")
+    m.add_argument("--params", help="plan a transformer of this many parameters, e.g. 7.5B (no --model)")
+    for flag in ("--layers", "--hidden", "--heads", "--seq-len", "--vocab"):
+        m.add_argument(flag, type=int, help="transformer shape (overrides a built-in GPT's)")
+    m.add_argument("--measure", action="store_true",
+                   help="run the model here for its activations and step time (calibrates --gpu cpu)")
+    h = p.add_argument_group("hardware")
+    h.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100-80gb, h200-141gb, l4, rtx-4090, cpu")
+    h.add_argument("--gpus", type=int, default=1, help="GPUs (or CPU processes) per node")
+    h.add_argument("--nodes", type=int, default=1)
+    h.add_argument("--interconnect", help="link within a node: nvlink, nvlink3, nvlink4, pcie3/4/5[-x8|-x4], loopback-gloo")
+    h.add_argument("--inter-node", help="link between nodes: ib-hdr, ib-ndr, eth-10g/25g/100g/200g/400g, roce-*")
+    h.add_argument("--gpu-mem-gb", type=float, help="override device memory (GiB)")
+    h.add_argument("--tflops", type=float, help="override peak TFLOP/s")
+    h.add_argument("--mfu", type=float, help="override the sustained fraction of peak (default 0.4 GPU, 0.5 CPU)")
+    h.add_argument("--intra-bw-gbs", type=float, help="override intra-node bandwidth (GB/s, one direction)")
+    h.add_argument("--inter-bw-gbs", type=float, help="override inter-node bandwidth (GB/s per node)")
+    h.add_argument("--step-time", type=float, metavar="SECONDS",
+                   help="measured seconds of one training step of --batch on one device: calibrates the MFU")
+    t = p.add_argument_group("training")
+    t.add_argument("--precision", default="auto", help="fp32, bf16-mixed, fp16-mixed (auto: fp32 on cpu, else bf16-mixed)")
+    t.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum")
+    t.add_argument("--batch", dest="micro_batch", type=int, default=8, help="per-GPU micro-batch (default 8)")
+    t.add_argument("--global-batch", type=int, help="samples per optimizer step (default batch x GPUs)")
+    t.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step")
+    t.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
+    t.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing of every block")
+    t.add_argument("--base-lr", type=float, help="an LR tuned at --batch on one device: print it scaled")
+    o = p.add_argument_group("output")
+    o.add_argument("--breakdown", action="store_true", help="show memory per category")
+    o.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def execute(args: argparse.Namespace) -> int:
+    from ..planner import format_plan, make_plan, plan_to_json
+
+    plan = make_plan(model=args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                     seq_len=args.seq_len, vocab=args.vocab, input_spec=args.input_spec, measure=args.measure,
+                     gpu=args.gpu, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
+                     inter_node=args.inter_node, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
+                     intra_bw_gbs=args.intra_bw_gbs, inter_bw_gbs=args.inter_bw_gbs, step_time=args.step_time,
+                     precision=args.precision, optimizer=args.optimizer, micro_batch=args.micro_batch,
+                     global_batch=args.global_batch, micro_batches=args.micro_batches, schedule=args.schedule,
+                     checkpointing=args.checkpointing)
+    if args.json:
+        print(json.dumps(plan_to_json(plan, base_lr=args.base_lr), indent=2))
+    else:
+        print(format_plan(plan, breakdown=args.breakdown, base_lr=args.base_lr))
+    return 0

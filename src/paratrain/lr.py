@@ -1,0 +1,28 @@
+"""Learning-rate scaling when data parallelism makes the global batch larger than the one an LR was tuned at."""
+from __future__ import annotations
+
+import math
+
+from .errors import ConfigError
+
+RULES = ("linear", "sqrt")
+
+
+def scale_lr(base_lr: float, world_size: float, rule: str = "linear") -> float:
+    """The LR for a global batch ``world_size`` times the one ``base_lr`` was tuned at.
+
+    ``linear`` multiplies by the factor (Goyal et al. 2017, "Accurate, Large Minibatch SGD": keeps SGD's
+    update per sample the same; pair it with a warmup). ``sqrt`` multiplies by its square root (Krizhevsky
+    2014; Hoffer et al. 2017: keeps the gradient noise the same), the safer choice for Adam-type optimizers.
+    ``world_size`` is the number of data-parallel replicas when each keeps the tuned per-device batch, times
+    the accumulation steps if any.
+    """
+    if base_lr <= 0:
+        raise ConfigError(f"base LR must be > 0, got {base_lr}")
+    if world_size < 1:
+        raise ConfigError(f"world size (batch factor) must be >= 1, got {world_size}")
+    if rule == "linear":
+        return base_lr * world_size
+    if rule == "sqrt":
+        return base_lr * math.sqrt(world_size)
+    raise ConfigError(f"unknown LR scaling rule {rule!r}; choose one of: {', '.join(RULES)}")

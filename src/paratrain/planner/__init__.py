@@ -1,0 +1,24 @@
+"""The planner: pure functions from model statistics x hardware x strategy to memory per rank, step time and
+a recommended strategy. No process group, no weights allocated; a plan takes milliseconds.
+
+See docs/planner.md for the formulas and their sources.
+"""
+from .hardware import DEVICES, LINKS, Cluster, Device, Link, calibrated, cpu_host, get_device, get_link, make_cluster
+from .layout import Layout, layouts
+from .make import make_plan
+from .memory import MemoryBreakdown, memory_per_rank
+from .model_stats import InputSpec, ModelStats, measure_module, trace_module, transformer_shape, transformer_stats
+from .models import resolve_model
+from .recommend import Estimate, Plan, estimate, estimate_all, recommend
+from .report import format_plan, plan_to_json
+from .timing import StepTime, all_gather_s, all_reduce_s, bubble_fraction, p2p_s, reduce_scatter_s, step_time
+from .training import Batching, Training, batching
+
+__all__ = [
+    "DEVICES", "LINKS", "Cluster", "Device", "Link", "calibrated", "cpu_host", "get_device", "get_link",
+    "make_cluster", "Layout", "layouts", "make_plan", "MemoryBreakdown", "memory_per_rank", "InputSpec",
+    "ModelStats", "measure_module", "trace_module", "transformer_shape", "transformer_stats", "resolve_model",
+    "Estimate", "Plan", "estimate", "estimate_all", "recommend", "format_plan", "plan_to_json", "StepTime",
+    "all_gather_s", "all_reduce_s", "bubble_fraction", "p2p_s", "reduce_scatter_s", "step_time", "Batching",
+    "Training", "batching",
+]

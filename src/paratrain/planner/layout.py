@@ -1,0 +1,98 @@
+"""Each strategy as parallel degrees, so memory and time follow from one formula instead of a branch per name.
+
+Ranks are laid out with tensor parallelism innermost, then data parallelism, then pipeline stages — so a
+hybrid keeps its gradient all-reduce inside a node and sends only activations between nodes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .hardware import Cluster
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A strategy as degrees: ``dp`` replicas x ``pp`` stages x ``tp`` tensor shards."""
+
+    name: str
+    dp: int = 1
+    """Data-parallel ranks: each sees different samples."""
+    zero: int = 0
+    """What the data-parallel ranks shard (ZeRO stage): 1 optimizer states, 2 and gradients, 3 and parameters."""
+    shard: int = 1
+    """Ranks one shard group spans: ``dp`` for zero1-3/fsdp, a node for hsdp (replicated across nodes)."""
+    pp: int = 1
+    """Pipeline stages."""
+    tp: int = 1
+    """Tensor-parallel (Megatron-style) shards of every layer."""
+
+    def __post_init__(self) -> None:
+        if min(self.dp, self.shard, self.pp, self.tp) < 1 or self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"layout {self.name}: degrees must be >= 1 and zero in 0..3")
+        if self.dp % self.shard:
+            raise ConfigError(f"layout {self.name}: shard {self.shard} must divide dp {self.dp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each shard: 1 for fsdp, the node count for hsdp."""
+        return self.dp // self.shard
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if v > 1]
+        if self.zero:
+            parts.append(f"shard={self.shard}")
+        return " ".join(parts) or "1 rank"
+
+
+STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "hybrid", "pipeline", "model_parallel")
+"""Simplest first: when two strategies are about as fast, the earlier one is recommended."""
+
+
+def layouts(cluster: Cluster, n_units: int) -> list[Layout]:
+    """Every strategy the cluster can run, in ``STRATEGY_ORDER``; ``single`` is one rank (the baseline).
+
+    ``hsdp`` shards within a node and replicates across nodes (multi-node only); ``hybrid`` puts one pipeline
+    stage per node (two stages on one node of >= 4 ranks) and data parallelism inside; pipelines need at
+    least as many wrap units as stages.
+    """
+    n, per_node = cluster.world_size, cluster.ranks_per_node
+    out = [Layout(name="single")]
+    if n == 1:
+        return out
+    out += [Layout(name="ddp", dp=n), Layout(name="zero1", dp=n, zero=1, shard=n),
+            Layout(name="zero2", dp=n, zero=2, shard=n), Layout(name="fsdp", dp=n, zero=3, shard=n)]
+    if cluster.nodes > 1 and per_node > 1:
+        out.append(Layout(name="hsdp", dp=n, zero=3, shard=per_node))
+    stages = cluster.nodes if cluster.nodes > 1 else (2 if n >= 4 and n % 2 == 0 else 0)
+    if stages and n // stages > 1 and stages <= n_units:
+        out.append(Layout(name="hybrid", dp=n // stages, pp=stages))
+    if n <= n_units:
+        out.append(Layout(name="pipeline", pp=n))
+    out.append(Layout(name="model_parallel", tp=n))
+    return out
+
+
+def stage_params(units: tuple[tuple[str, int], ...], stages: int) -> int:
+    """Parameters of the fullest stage when ``units`` are cut into ``stages`` contiguous, balanced runs.
+
+    Binary search on the answer: the smallest cap for which a greedy left-to-right cut needs <= ``stages`` runs.
+    """
+    sizes = [s for _, s in units]
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:
+        cap = (lo + hi) // 2
+        runs, run = 1, 0
+        for s in sizes:
+            if run + s > cap:
+                runs, run = runs + 1, 0
+            run += s
+        if runs <= stages:
+            hi = cap
+        else:
+            lo = cap + 1
+    return lo

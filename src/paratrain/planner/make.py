@@ -1,0 +1,36 @@
+"""One call from the CLI's options to a Plan: model stats, cluster, training setup, calibration, recommendation."""
+from __future__ import annotations
+
+from .hardware import calibrated, make_cluster
+from .models import resolve_model
+from .recommend import Plan, recommend
+from .training import Training
+
+
+def make_plan(*, model: str | None = None, params: str | None = None, layers: int | None = None,
+              hidden: int | None = None, heads: int | None = None, seq_len: int | None = None,
+              vocab: int | None = None, input_spec: str | None = None, measure: bool = False,
+              gpu: str = "h100", gpus: int = 1, nodes: int = 1, interconnect: str | None = None,
+              inter_node: str | None = None, gpu_mem_gb: float | None = None, tflops: float | None = None,
+              mfu: float | None = None, intra_bw_gbs: float | None = None, inter_bw_gbs: float | None = None,
+              step_time: float | None = None, **training: object) -> Plan:
+    """The plan for ``paratrain plan``'s options (``training`` holds ``Training``'s fields; precision ``auto``
+    is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
+
+    ``step_time`` (seconds of one forward+backward+step of one micro-batch on one device) calibrates the
+    device's MFU; ``measure`` runs the model here and, when the device is this CPU, calibrates from that.
+    """
+    cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
+                           gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, intra_bw_gbs=intra_bw_gbs,
+                           inter_bw_gbs=inter_bw_gbs)
+    if training.get("precision", "auto") == "auto":
+        training["precision"] = "fp32" if cluster.device.shared_by_ranks else "bf16-mixed"
+    setup = Training(**training)  # type: ignore[arg-type]
+    stats = resolve_model(model, params=params, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
+                          vocab=vocab, input_spec=input_spec, measure_batch=setup.micro_batch if measure else None)
+    if step_time is None and stats.measured_step_s is not None and cluster.device.shared_by_ranks:
+        step_time = stats.measured_step_s
+    if step_time is not None:
+        cluster = calibrated(cluster, flops_per_step=stats.flops_per_sample * setup.micro_batch,
+                             step_time_s=step_time, precision=setup.precision)
+    return recommend(stats, cluster, setup)

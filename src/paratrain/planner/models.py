@@ -1,0 +1,106 @@
+"""Turning what the user names (a built-in model, ``module:factory``, or ``--params 7.5B``) into ModelStats."""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from types import MappingProxyType
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..workloads.gpt import GPT_CONFIGS, gpt_config
+from .model_stats import InputSpec, ModelStats, measure_module, trace_module, transformer_shape, transformer_stats
+
+
+def _mlp() -> nn.Module:
+    """The MLP of the field notes' scaling measurements: 784-1024-1024-10, 1.86M parameters."""
+    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def _cnn() -> nn.Module:
+    from ..workloads.digits import DigitsCNN
+
+    return DigitsCNN()
+
+
+SMALL_MODELS = MappingProxyType({"mlp": (_mlp, "784"), "cnn": (_cnn, "1x8x8")})
+"""Traced built-ins: factory and one sample's input."""
+
+
+def model_names() -> list[str]:
+    return [*SMALL_MODELS, *GPT_CONFIGS]
+
+
+def parse_count(text: str) -> float:
+    """``7.5B`` → 7.5e9; also K, M, T suffixes and plain numbers."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", text.lower())
+    if not match:
+        raise ConfigError(f"cannot read {text!r} as a parameter count; write e.g. 7.5B, 350M or 124000000")
+    return float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2)]
+
+
+def load_factory(path: str) -> Callable[[], nn.Module]:
+    """The callable named by ``package.module:function`` (the working directory is importable)."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"--model {path!r}: write module:factory, e.g. mymodels:build")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"--model {path!r}: cannot import {module_name!r} ({err})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"--model {path!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def resolve_model(model: str | None = None, *, params: str | None = None, layers: int | None = None,
+                  hidden: int | None = None, heads: int | None = None, seq_len: int | None = None,
+                  vocab: int | None = None, input_spec: str | None = None, measure_batch: int | None = None,
+                  ) -> ModelStats:
+    """ModelStats for the CLI's model options.
+
+    Built-in GPT sizes and ``--params`` use the closed forms (shape figures override the built-in ones);
+    ``mlp``, ``cnn`` and ``module:factory`` are traced on the meta device, or, with ``measure_batch``, run
+    for real on this machine.
+    """
+    if model is not None and params is not None:
+        raise ConfigError("give --model or --params, not both")
+    if model is None and params is None:
+        raise ConfigError(f"give --model (one of {', '.join(model_names())}, or module:factory) or --params")
+    shape = {k: v for k, v in dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab).items()
+             if v is not None}
+    if params is not None:
+        n = parse_count(params)
+        cfg = transformer_shape(n, **shape)
+        return transformer_stats(cfg, name=f"{params} transformer", params=round(n))
+    assert model is not None
+    if model in GPT_CONFIGS and measure_batch is None:
+        cfg = replace(gpt_config(model), **shape)
+        return transformer_stats(cfg, name=model)
+    if shape and model not in GPT_CONFIGS:
+        raise ConfigError(f"--layers/--hidden/--heads/--seq-len/--vocab shape transformers; {model!r} is not one")
+    if model in GPT_CONFIGS:
+        from ..workloads.gpt import GPT
+
+        cfg = replace(gpt_config(model), **shape)
+        factory, default_input = (lambda: GPT(cfg)), f"long:{cfg.seq_len}"
+    elif model in SMALL_MODELS:
+        factory, default_input = SMALL_MODELS[model]
+    elif ":" in model:
+        factory, default_input = load_factory(model), None
+    else:
+        raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(model_names())}, or module:factory")
+    text = input_spec or default_input
+    if text is None:
+        raise ConfigError(f"--model {model} needs --input: one sample's shape, e.g. 3x224x224 or long:1024")
+    spec = InputSpec.parse(text)
+    if measure_batch is not None:
+        return measure_module(factory, spec, name=model, batch=measure_batch)
+    return trace_module(factory, spec, name=model)

@@ -1,0 +1,238 @@
+"""Every strategy estimated for a model on a cluster, and the one to use, with the reason.
+
+The rule: among strategies that fit (at the requested micro-batch, else a smaller one, else with activation
+checkpointing), the fastest; when several are within ``TIE`` of it, the simplest (ddp before any sharding,
+sharding before pipelines). So ddp wins whenever it fits on a good interconnect — its
+one all-reduce per step is the least communication — and pipelines win across slow inter-node links, where
+sending activations beats all-reducing gradients.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ..errors import ConfigError
+from .hardware import GIB, Cluster
+from .layout import STRATEGY_ORDER, Layout, layouts
+from .memory import MemoryBreakdown, memory_per_rank
+from .model_stats import ModelStats
+from .timing import StepTime, bubble_fraction, step_time
+from .training import Batching, Training, batching
+
+TIE = 0.03
+"""Throughputs within 3% count as equal: the simpler strategy is recommended."""
+TIGHT = 0.9
+"""Above this share of device memory a plan is flagged: allocator fragmentation can push it over."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """One strategy's memory and time on the cluster."""
+
+    layout: Layout
+    batch: Batching
+    memory: MemoryBreakdown
+    time: StepTime
+    capacity: float
+    """Bytes one rank may use."""
+    checkpointing: bool
+    """Planned with activation checkpointing."""
+    samples_per_s: float
+    speedup: float
+    """Throughput over one rank's ('single') at the same micro-batch."""
+    efficiency: float
+    """Speedup per device: per GPU, or per host when ranks share a CPU host."""
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    @property
+    def tight(self) -> bool:
+        return self.fits and self.memory.total > TIGHT * self.capacity
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The estimates and the recommendation, with what to change and why."""
+
+    stats: ModelStats
+    cluster: Cluster
+    training: Training
+    global_batch: int
+    estimates: tuple[Estimate, ...]
+    """Every strategy at the requested micro-batch, in ``STRATEGY_ORDER``."""
+    choice: Estimate
+    """The recommendation (at a smaller micro-batch when none fits at the requested one)."""
+    reason: str
+    suggestions: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def lr_factor(self) -> float:
+        """How many times the batch an LR was tuned at (one device's micro-batch) the global batch is."""
+        return self.global_batch / self.training.micro_batch
+
+
+def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster,
+             baseline_samples_per_s: float | None = None) -> Estimate:
+    """Memory and time of one layout; ``baseline_samples_per_s`` is the single rank's, for the speedup."""
+    world = cluster.world_size
+    batch = batching(training, dp=layout.dp, pp=layout.pp, world_size=world)
+    mem = memory_per_rank(stats, layout, batch, training, cluster)
+    t = step_time(stats, layout, batch, training, cluster)
+    sps = training.global_for(world) / t.step_s
+    base = baseline_samples_per_s or sps
+    devices = cluster.nodes if cluster.device.shared_by_ranks else layout.world_size
+    return Estimate(layout=layout, batch=batch, memory=mem, time=t, checkpointing=training.checkpointing,
+                    capacity=cluster.memory_bytes(cluster.ranks_per_node if layout.world_size > 1 else 1),
+                    samples_per_s=sps, speedup=sps / base, efficiency=sps / base / devices)
+
+
+def estimate_all(stats: ModelStats, cluster: Cluster, training: Training) -> list[Estimate]:
+    """Every layout the cluster can run, at ``training``'s micro-batch; the first is the single-rank baseline."""
+    found = layouts(cluster, len(stats.units))
+    single = estimate(stats, found[0], replace(training, global_batch=training.micro_batch), cluster)
+    return [single, *(estimate(stats, lay, training, cluster, single.samples_per_s) for lay in found[1:])]
+
+
+def largest_micro_batch(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster,
+                        share: float = 1.0) -> int:
+    """The largest per-GPU micro-batch <= the requested one whose plan uses at most ``share`` of memory (0: none).
+
+    Memory grows with the micro-batch (activations), so a binary search finds it.
+    """
+    def ok(b: int) -> bool:
+        e = estimate(stats, layout, replace(training, micro_batch=b), cluster)
+        return e.memory.total <= share * e.capacity
+
+    lo, hi = 0, training.micro_batch
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = None) -> Plan:
+    """The plan for training ``stats``' model on ``cluster``: what ``strategy="auto"`` should pick.
+
+    A strategy that does not fit at the requested micro-batch is tried at smaller ones (same global batch,
+    more micro-batches), then with activation checkpointing. Raises ``ConfigError`` when none fits even so.
+    """
+    training = training or Training()
+    world = cluster.world_size
+    global_batch = training.global_for(world)
+    if global_batch < world:
+        raise ConfigError(f"--global-batch {global_batch} is smaller than the {world} GPUs; "
+                          "give every GPU at least one sample")
+    training = replace(training, global_batch=global_batch)
+    estimates = estimate_all(stats, cluster, training)
+    candidates = estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:]
+    fitting = [f for e in candidates for f in _fitting(stats, e, training, cluster, estimates[0].samples_per_s)]
+    if not fitting:
+        raise ConfigError(_fits_nowhere(stats, cluster, training, candidates))
+    best = max(e.samples_per_s for e in fitting)
+    choice = min((e for e in fitting if e.samples_per_s >= (1 - TIE) * best),
+                 key=lambda e: (e.checkpointing, STRATEGY_ORDER.index(e.name)))
+    suggestions = []
+    if choice.checkpointing and not training.checkpointing:
+        suggestions.append("turn on activation checkpointing of every block (--checkpointing): one more forward "
+                           "pass per step is the cheapest way to fit")
+    as_asked = next(e for e in estimates if e.name == choice.name)
+    if choice.batch.micro_batch < as_asked.batch.micro_batch:
+        suggestions.append(f"{choice.name} does not fit micro-batches of {as_asked.batch.micro_batch:g}: use --batch "
+                           f"{choice.batch.micro_batch:g} x {choice.batch.micro_batches} micro-batches "
+                           f"(same global batch {global_batch})")
+    suggestions += _suggestions(stats, cluster, training, choice)
+    return Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
+                estimates=tuple(estimates), choice=choice, reason=_reason(choice, estimates, cluster),
+                suggestions=tuple(suggestions), notes=tuple(_notes(cluster)))
+
+
+def _fitting(stats: ModelStats, e: Estimate, training: Training, cluster: Cluster, baseline: float) -> list[Estimate]:
+    """``e`` if it fits; else its layout at the largest micro-batch that fits, without and with checkpointing."""
+    if e.fits:
+        return [e]
+    out = []
+    for setup in (training, replace(training, checkpointing=True)):
+        b = largest_micro_batch(stats, e.layout, setup, cluster)
+        if b >= 1:
+            out.append(estimate(stats, e.layout, replace(setup, micro_batch=b), cluster, baseline))
+    return out
+
+
+def _fits_nowhere(stats: ModelStats, cluster: Cluster, training: Training, candidates: list[Estimate]) -> str:
+    at_one = replace(training, micro_batch=1, checkpointing=True)
+    least = min((estimate(stats, e.layout, at_one, cluster) for e in candidates), key=lambda e: e.memory.total)
+    tries = []
+    if not cluster.device.shared_by_ranks:
+        more = next((c for c in (_grown(cluster, 2**k) for k in range(1, 13)) if c.world_size > cluster.world_size
+                     and any(e.fits for e in estimate_all(stats, c, at_one)[1:])), None)
+        if more is not None:
+            tries.append(f"--gpus {more.ranks_per_node} --nodes {more.nodes}")
+    if training.precision == "fp32":
+        tries.append("--precision bf16-mixed")
+    tries.append("a device with more memory (--gpu)")
+    return (f"no strategy fits: need {least.memory.total / GIB:.1f} GiB per GPU ({least.name} at micro-batch 1 "
+            f"with activation checkpointing), have {least.capacity / GIB:.1f}; try {', '.join(tries)}")
+
+
+def _grown(cluster: Cluster, ranks: int) -> Cluster:
+    """``ranks`` ranks in nodes of at least 8 (or the cluster's node size when larger)."""
+    per_node = min(ranks, max(8, cluster.ranks_per_node))
+    return replace(cluster, ranks_per_node=per_node, nodes=math.ceil(ranks / per_node))
+
+
+def _reason(choice: Estimate, estimates: list[Estimate], cluster: Cluster) -> str:
+    by_name = {e.name: e for e in estimates}
+    mem = f"{choice.memory.total / GIB:.1f} of {choice.capacity / GIB:.1f} GiB per rank"
+    if choice.name == "single" and cluster.world_size > 1:
+        return (f"one process using all cores is fastest: the {cluster.world_size} processes would share this "
+                f"host's compute and add gradient traffic ({mem})")
+    if choice.name in ("single", "ddp"):
+        return f"{choice.name} fits ({mem}) and shards nothing, so it communicates least"
+    ddp = by_name.get("ddp")
+    if ddp is not None and not ddp.fits:
+        return (f"ddp needs {ddp.memory.total / GIB:.1f} GiB per GPU, more than {ddp.capacity / GIB:.1f}; "
+                f"{choice.name} is the fastest strategy that fits ({mem})")
+    if ddp is not None:
+        link = cluster.inter if cluster.nodes > 1 else cluster.intra
+        return (f"{choice.name} is {choice.samples_per_s / ddp.samples_per_s:.1f}x faster than ddp, which would "
+                f"spend {ddp.time.exposed_comm_s / ddp.time.step_s:.0%} of each step waiting on its gradient "
+                f"all-reduce over {link.name} ({link.bandwidth_gbs:g} GB/s); {choice.name} fits ({mem})")
+    return f"{choice.name} is the fastest strategy that fits ({mem})"
+
+
+def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice: Estimate) -> list[str]:
+    out = []
+    lay, m = choice.layout, choice.batch.micro_batches
+    if lay.pp > 1:
+        bubble = bubble_fraction(lay.pp, m)
+        if bubble > 0.2:
+            better = 4 * lay.pp
+            out.append(f"pipeline bubble {bubble:.0%} with {m} micro-batches: --micro-batches {better} brings it to "
+                       f"{bubble_fraction(lay.pp, better):.0%} (micro-batch "
+                       f"{choice.batch.micro_batch * m / better:g})")
+    if choice.tight:
+        setup = replace(training, micro_batch=max(1, math.floor(choice.batch.micro_batch)),
+                        checkpointing=choice.checkpointing)
+        b = largest_micro_batch(stats, lay, setup, cluster, share=0.8)
+        if b >= 1:
+            roomy = estimate(stats, lay, replace(setup, micro_batch=b), cluster).batch
+            out.append(f"memory is tight ({choice.memory.total / choice.capacity:.0%}): --batch "
+                       f"{roomy.micro_batch:g} x {roomy.micro_batches} micro-batches keeps the global batch and "
+                       "leaves 20% free")
+    return out
+
+
+def _notes(cluster: Cluster) -> list[str]:
+    if not (cluster.device.shared_by_ranks and cluster.world_size > 1):
+        return []
+    return [f"CPU host: the {cluster.ranks_per_node} processes split the same cores, so more processes add no "
+            "compute, only gradient traffic. Measured on 2 cores (docs/planner.md): DDP over 2 processes ran at "
+            "0.75-0.84x one single-threaded process, 2 threads in one process at 1.59x. More processes are slower "
+            "than threads here: use them to test correctness, not for speed"]

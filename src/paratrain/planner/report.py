@@ -1,0 +1,139 @@
+"""A plan as a table for people or as JSON for programs."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+from ..lr import scale_lr
+from .hardware import GIB, Link
+from .recommend import Estimate, Plan
+from .timing import bubble_fraction
+
+_BREAKDOWN = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer_states"),
+              ("acts", "activations"), ("buffers", "buffers"), ("overhead", "overhead"))
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
+
+
+def _link(link: Link) -> str:
+    return f"{link.name} {link.bandwidth_gbs:g} GB/s"
+
+
+def _fits(e: Estimate) -> str:
+    return "tight" if e.tight else "yes" if e.fits else "no"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:g} B"
+
+
+def _flops(n: float) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:g} FLOP"
+
+
+def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = None) -> str:
+    """The plan as text: model, cluster, one row per strategy, the recommendation and what to change."""
+    s, c, t = plan.stats, plan.cluster, plan.training
+    d = c.device
+    rank = "process" if d.shared_by_ranks else "GPU"
+    act = s.activation_bytes_per_sample * t.bytes.activation / s.activation_dtype_bytes
+    built = ", ".join(f"{k} {_bytes(v)}" for k, v in s.param_bytes.items())
+    lines = [
+        f"model     {s.name}: {_count(s.params)} parameters ({built} as built); {s.source}",
+        f"          largest layer {s.largest_layer[0]} ({_count(s.largest_layer[1])}), largest wrap unit "
+        f"{s.largest_unit[0]} ({_count(s.largest_unit[1])}); per sample {_flops(s.flops_per_sample)} forward+backward, "
+        f"{_bytes(act)} of activations",
+        f"cluster   {c.world_size} x {d.name}" + (" process" if d.shared_by_ranks else "")
+        + f" on {c.nodes} node{'s' if c.nodes > 1 else ''} ({d.memory_gib:.3g} GiB, {d.peak_tflops(t.precision):g} "
+        f"TFLOP/s peak x MFU {d.mfu:.2f}); intra-node {_link(c.intra)}"
+        + (f", inter-node {_link(c.inter)}" if c.nodes > 1 else ""),
+        f"training  {t.precision}, {t.optimizer}{', activation checkpointing' if t.checkpointing else ''}; "
+        f"micro-batch {t.micro_batch} per {rank}, global batch {plan.global_batch}"
+        + (f", pipeline schedule {t.schedule}" if any(e.layout.pp > 1 for e in plan.estimates) else ""),
+        "",
+    ]
+    head = f"{'strategy':<18} {'layout':<14} {'fits':<5} {f'GiB/{rank}':>11}"
+    if breakdown:
+        head += "".join(f" {short:>8}" for short, _ in _BREAKDOWN)
+    head += f" {'micro x n':>10} {'step ms':>9} {'samples/s':>10} {'speedup':>8} {'eff':>5}"
+    lines += [head, "-" * len(head)]
+    for e in plan.estimates:
+        name = e.name + (f" (1 {rank})" if e.name == "single" and c.world_size > 1 else "")
+        row = f"{name:<18} {e.layout.describe():<14} {_fits(e):<5} {e.memory.total / GIB:>11.1f}"
+        if breakdown:
+            row += "".join(f" {getattr(e.memory, key) / GIB:>8.2f}" for _, key in _BREAKDOWN)
+        row += (f" {f'{e.batch.micro_batch:g} x {e.batch.micro_batches}':>10} {e.time.step_s * 1e3:>9.1f} "
+                f"{e.samples_per_s:>10,.1f} {e.speedup:>7.2f}x {e.efficiency:>5.0%}")
+        lines.append(row)
+    ch = plan.choice
+    how = f"{ch.layout.describe()}, micro-batch {ch.batch.micro_batch:g} x {ch.batch.micro_batches}"
+    if ch.checkpointing and not t.checkpointing:
+        how += ", activation checkpointing"
+    if ch is not plan.estimates[[e.name for e in plan.estimates].index(ch.name)]:
+        how += f"; {ch.memory.total / GIB:.1f} GiB, {ch.samples_per_s:,.1f} samples/s"
+    lines += ["", f"recommended: {ch.name} ({how}) — {plan.reason}"]
+    if ch.layout.pp > 1:
+        lines.append(f"  - pipeline bubble {bubble_fraction(ch.layout.pp, ch.batch.micro_batches):.0%} = (p-1)/(m+p-1) "
+                     f"with p={ch.layout.pp} stages, m={ch.batch.micro_batches} micro-batches")
+    lines += [f"  - {text}" for text in plan.suggestions]
+    lines.append(_lr_line(plan, base_lr))
+    lines += [f"note: {text}" for text in plan.notes]
+    return "\n".join(lines)
+
+
+def _lr_line(plan: Plan, base_lr: float | None) -> str:
+    k = plan.lr_factor
+    if k <= 1:
+        return f"LR: the global batch is one micro-batch ({plan.global_batch}); keep the LR tuned for it"
+    if base_lr is None:
+        rates = f"by {k:g} (linear rule, with warmup) or {math.sqrt(k):.3g} (sqrt rule, safer for Adam)"
+    else:
+        rates = (f"{base_lr:g} → {scale_lr(base_lr, k, 'linear'):.3g} (linear rule, with warmup) or "
+                 f"{scale_lr(base_lr, k, 'sqrt'):.3g} (sqrt rule, safer for Adam)")
+    return (f"LR: global batch {plan.global_batch} is {k:g}x the micro-batch {plan.training.micro_batch} an LR is "
+            f"tuned at on one device: scale it {rates}; paratrain.lr.scale_lr does this")
+
+
+def _estimate_json(e: Estimate) -> dict[str, Any]:
+    return {"name": e.name, "layout": {k: v for k, v in asdict(e.layout).items() if k != "name"}, "fits": e.fits,
+            "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch, "micro_batches": e.batch.micro_batches,
+            "memory_bytes": e.memory.as_dict(), "capacity_bytes": e.capacity, "time": e.time.as_dict(),
+            "samples_per_s": e.samples_per_s, "speedup": e.speedup, "efficiency": e.efficiency}
+
+
+def plan_to_json(plan: Plan, *, base_lr: float | None = None) -> dict[str, Any]:
+    """The plan as plain data: per strategy the per-rank memory breakdown in bytes and the step times."""
+    s, c, t = plan.stats, plan.cluster, plan.training
+    k = plan.lr_factor
+    lr: dict[str, Any] = {"factor": k, "linear": k, "sqrt": math.sqrt(k)}
+    if base_lr is not None:
+        lr.update(base_lr=base_lr, linear_lr=scale_lr(base_lr, max(k, 1), "linear"),
+                  sqrt_lr=scale_lr(base_lr, max(k, 1), "sqrt"))
+    return {
+        "model": {"name": s.name, "params": s.params, "param_bytes": dict(s.param_bytes), "source": s.source,
+                  "largest_layer": {"name": s.largest_layer[0], "params": s.largest_layer[1]},
+                  "largest_unit": {"name": s.largest_unit[0], "params": s.largest_unit[1]}, "units": len(s.units),
+                  "flops_per_sample": s.flops_per_sample,
+                  "activation_bytes_per_sample": s.activation_bytes_per_sample * t.bytes.activation
+                  / s.activation_dtype_bytes},
+        "cluster": {"device": asdict(c.device), "ranks_per_node": c.ranks_per_node, "nodes": c.nodes,
+                    "world_size": c.world_size, "intra": asdict(c.intra), "inter": asdict(c.inter)},
+        "training": {**asdict(t), "global_batch": plan.global_batch},
+        "strategies": [_estimate_json(e) for e in plan.estimates],
+        "recommendation": {**_estimate_json(plan.choice), "reason": plan.reason},
+        "suggestions": list(plan.suggestions),
+        "notes": list(plan.notes),
+        "lr_scaling": lr,
+    }

@@ -1,0 +1,113 @@
+"""How the model is trained: precision, optimizer and batch sizes, and the bytes per parameter they imply."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionBytes:
+    """Bytes per parameter (and per activation element) under one precision.
+
+    Mixed precision follows the ZeRO paper (Rajbhandari et al. 2020, section 3.1): 16-bit parameters and
+    gradients plus an fp32 master copy the optimizer updates. (PyTorch autocast keeps fp32 parameters and
+    gradients instead, 4 + 4 bytes, and no master copy: the same 8 bytes for SGD and the same 16 for Adam.)
+    """
+
+    param: int
+    grad: int
+    master: int
+    activation: int
+
+
+PRECISIONS = MappingProxyType({
+    "fp32": PrecisionBytes(param=4, grad=4, master=0, activation=4),
+    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4, activation=2),
+    "fp16-mixed": PrecisionBytes(param=2, grad=2, master=4, activation=2),
+})
+
+OPTIMIZER_STATE_BYTES = MappingProxyType({"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8})
+"""fp32 state per parameter: none for plain SGD, a momentum buffer, or Adam's two moments."""
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """The training setup a plan is made for."""
+
+    precision: str = "bf16-mixed"
+    """``fp32``, ``bf16-mixed`` or ``fp16-mixed``."""
+    optimizer: str = "adamw"
+    """``adamw``, ``adam``, ``sgd`` or ``sgd-momentum``."""
+    micro_batch: int = 8
+    """Samples per GPU per forward pass (``--batch``)."""
+    global_batch: int | None = None
+    """Samples per optimizer step over the whole job; default ``micro_batch`` x world size."""
+    micro_batches: int | None = None
+    """Pipeline micro-batches per step (``--micro-batches``); default global batch / (dp x micro_batch)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``1f1b`` keeps at most p micro-batches in flight, ``gpipe`` all m."""
+    checkpointing: bool = False
+    """Activation checkpointing of every wrap unit: far less activation memory for one more forward pass."""
+    bucket_mb: float = 25.0
+    """DDP gradient bucket size (MiB); DDP keeps two buckets in flight."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of: "
+                              f"{', '.join(OPTIMIZER_STATE_BYTES)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        for name, flag in (("micro_batch", "--batch"), ("global_batch", "--global-batch"),
+                           ("micro_batches", "--micro-batches")):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket size must be > 0 MiB, got {self.bucket_mb}")
+
+    @property
+    def bytes(self) -> PrecisionBytes:
+        return PRECISIONS[self.precision]
+
+    @property
+    def flops_factor(self) -> float:
+        """Training FLOPs over forward+backward's: checkpointing recomputes the forward (1/3 of them)."""
+        return 4 / 3 if self.checkpointing else 1.0
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Bytes per parameter the optimizer step needs besides the gradient: fp32 master copy plus states."""
+        return self.bytes.master + OPTIMIZER_STATE_BYTES[self.optimizer]
+
+    def global_for(self, world_size: int) -> int:
+        return self.global_batch if self.global_batch is not None else self.micro_batch * world_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batching:
+    """How one replica's share of the global batch is cut: ``micro_batches`` forwards of ``micro_batch``."""
+
+    micro_batch: float
+    micro_batches: int
+    """Gradient-accumulation steps, or a pipeline's micro-batches."""
+
+
+def batching(training: Training, *, dp: int, pp: int, world_size: int) -> Batching:
+    """Micro-batch size and count for ``dp`` replicas: the largest micro-batch <= ``training.micro_batch``
+    that divides a replica's share of the global batch; a pipeline takes ``--micro-batches`` when given."""
+    per_replica = training.global_for(world_size) / dp
+    if pp > 1 and training.micro_batches is not None:
+        count = training.micro_batches
+    elif per_replica.is_integer():
+        size = next(d for d in range(min(training.micro_batch, int(per_replica)), 0, -1) if per_replica % d == 0)
+        count = int(per_replica) // size
+    else:
+        count = max(1, math.ceil(per_replica / training.micro_batch))
+    return Batching(micro_batch=per_replica / count, micro_batches=count)

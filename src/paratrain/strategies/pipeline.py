@@ -1,0 +1,324 @@
+"""``pipeline`` and ``hybrid``: pipeline parallelism with micro-batches on ``torch.distributed.pipelining``.
+
+The model (an ``nn.Sequential``) is cut into stages, one per rank of the ``pp`` mesh dimension (two or more
+per rank for the interleaved schedule). Each batch is split into micro-batches that flow through the stages
+under a schedule: GPipe (all forwards, then all backwards), 1F1B (one forward, one backward: at most ``p``
+micro-batches of activations alive instead of ``m``) or interleaved 1F1B (several stages per rank, a
+smaller bubble). The loss is computed on the last stage; gradients are the mean over micro-batches.
+
+``hybrid`` adds a data-parallel dimension: ``dp`` x ``pp`` ranks, each pipeline's stages replicated with DDP
+(or sharded with FSDP, ``data="fsdp"``) across the ``dp`` dimension.
+
+Training runs through ``par.forward_backward(model, x, y, loss_fn)``; calling the prepared model runs a
+forward-only pass and gives every rank of the pipeline the last stage's output.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..env import ClusterEnv
+from ..errors import ConfigError
+from .base import Runtime, Strategy
+from .ddp import DDPConfig, apply_ddp
+from .fsdp import FSDPConfig, apply_fsdp
+from .model_parallel import balance
+from .optim import param_names, rebuild
+from .registry import register
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """How the model is cut and scheduled."""
+
+    schedule: str = "1f1b"
+    """``gpipe``, ``1f1b`` or ``interleaved-1f1b``."""
+    microbatches: int = 4
+    """Micro-batches per batch; the batch size must divide by it."""
+    split: Sequence[int] | None = None
+    """Indices of the ``nn.Sequential`` where stages 2, 3, … begin; None: balance by parameter count."""
+    stages_per_rank: int | None = None
+    """Stages each rank holds (default 1, or 2 for the interleaved schedule)."""
+    dp: int | None = None
+    """hybrid only: data-parallel degree (default: half the processes, so 4 processes = 2 x 2)."""
+    data: str = "ddp"
+    """hybrid only: how stages are replicated across ``dp``: ``ddp`` or ``fsdp``."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if self.microbatches < 1:
+            raise ConfigError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.stages_per_rank is None:
+            self.stages_per_rank = 2 if self.schedule == "interleaved-1f1b" else 1
+        if self.schedule == "interleaved-1f1b" and self.stages_per_rank < 2:
+            raise ConfigError("the interleaved-1f1b schedule needs stages_per_rank >= 2")
+        if self.schedule != "interleaved-1f1b" and self.stages_per_rank != 1:
+            raise ConfigError(f"schedule {self.schedule!r} runs one stage per rank; use interleaved-1f1b for more")
+        if self.data not in ("ddp", "fsdp"):
+            raise ConfigError(f"hybrid data must be 'ddp' or 'fsdp', got {self.data!r}")
+
+
+class PipelinedModel(nn.Module):
+    """This rank's layers of the pipeline, under their original names, plus the stages that run them."""
+
+    def __init__(self, owned: list[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        for name, layer in owned:
+            self.add_module(name, layer)
+        self.stages: list[Any] = []
+        self.pp_group: dist.ProcessGroup | None = None
+        self.last_rank: int = 0  # global rank holding the last stage
+        self.microbatches = 1
+        self.schedule_name = "1f1b"
+        self._schedule: Any = None
+        self._eval_schedule: Any = None
+        self._loss_fn: Callable | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def is_last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        """Forward only, through the whole pipeline; every rank gets the last stage's output."""
+        if self._eval_schedule is None:
+            self._eval_schedule = _make_schedule(self.schedule_name, self.stages, self.microbatches, None)
+        if self.is_first:
+            _check_divisible(args[0], self.microbatches)
+            out = self._eval_schedule.eval(*args)
+        else:
+            out = self._eval_schedule.eval()
+        return _share_from_last(out, self)
+
+    def forward_backward(self, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable, scale: float) -> torch.Tensor:
+        """One batch through the schedule (forward and backward); returns the batch loss on every rank."""
+        if self._schedule is None or loss_fn is not self._loss_fn:
+            self._loss_fn = loss_fn
+            # Each micro-batch's loss is divided here, not by the schedule's scale_grads: that rescales every
+            # gradient in place and would shrink gradients accumulated over earlier steps again.
+            factor = scale / self.microbatches
+            self._schedule = _make_schedule(self.schedule_name, self.stages, self.microbatches,
+                                            lambda out, tgt: loss_fn(out, tgt) * factor)
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.is_last:
+            _check_divisible(target, self.microbatches)
+            kwargs = {"target": target, "losses": losses}
+        if self.is_first:
+            _check_divisible(x, self.microbatches)
+            self._schedule.step(x, **kwargs)
+        else:
+            self._schedule.step(**kwargs)
+        loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=x.device)
+        return _share_from_last(loss, self)
+
+
+def _check_divisible(t: torch.Tensor, microbatches: int) -> None:
+    if t.shape[0] % microbatches:
+        raise ConfigError(
+            f"a batch of {t.shape[0]} does not split into {microbatches} equal micro-batches; "
+            f"use a batch size divisible by {microbatches} (DataLoader drop_last=True helps) or change microbatches"
+        )
+
+
+def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
+    """Broadcast the last stage's tensor to every rank of the pipeline (shape sent first)."""
+    if model.pp_group is None:
+        return value
+    if model.is_last:
+        shape = torch.tensor(list(value.shape) + [-1] * (8 - value.dim()), dtype=torch.long)
+    else:
+        shape = torch.zeros(8, dtype=torch.long)
+    device = next(iter(model.stages)).device
+    shape = shape.to(device)
+    dist.broadcast(shape, src=model.last_rank, group=model.pp_group)
+    dims = [int(d) for d in shape.tolist() if d >= 0]
+    buf = value.detach().float().contiguous() if model.is_last else torch.empty(dims, device=device)
+    dist.broadcast(buf, src=model.last_rank, group=model.pp_group)
+    return buf
+
+
+def _make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable | None) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    if name == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+    return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def cut_points(model: nn.Sequential, n_stages: int, split: Sequence[int] | None) -> list[int]:
+    """Start index of every stage (the first is 0), validated against the model."""
+    n = len(model)
+    if split is None:
+        return [0, *balance([sum(p.numel() for p in layer.parameters()) for layer in model], n_stages)]
+    points = [0, *split]
+    if len(points) != n_stages or points != sorted(set(points)) or points[-1] >= n:
+        raise ConfigError(
+            f"pipeline split {list(split)} does not fit: {n_stages} stages need {n_stages - 1} increasing cut "
+            f"points between 1 and {n - 1} for this {n}-layer model"
+        )
+    return points
+
+
+class PipelineStrategy(Strategy):
+    """Shared by ``pipeline`` (pp = world) and ``hybrid`` (dp x pp)."""
+
+    name = "pipeline"
+    native_precision = True  # applied to each stage, not to the prepared model
+
+    def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
+        self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
+        self._names: dict[int, dict[int, str]] = {}
+
+    def degrees(self, env: ClusterEnv) -> tuple[int, int]:
+        """(dp, pp)."""
+        return 1, env.world_size
+
+    def mesh_dims(self, env: ClusterEnv) -> dict[str, int]:
+        dp, pp = self.degrees(env)
+        return {"dp": dp, "pp": pp}
+
+    def validate(self, env: ClusterEnv) -> None:
+        dp, pp = self.degrees(env)
+        if pp < 2:
+            raise ConfigError(f"{self.name} needs at least 2 pipeline stages (processes); launch more with -n")
+
+    def data_parallel(self, rt: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
+        assert rt.mesh is not None
+        dp = rt.mesh["dp"]
+        return dp.get_local_rank(), dp.size(), dp.get_group() if dp.size() > 1 else None
+
+    def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
+        from torch.distributed.pipelining import PipelineStage
+
+        if not isinstance(model, nn.Sequential):
+            raise ConfigError(
+                f"{self.name} cuts an nn.Sequential into stages; express the model as nn.Sequential(...) "
+                f"(got {type(model).__name__})"
+            )
+        if rt.precision.name == "fp16-mixed":
+            raise ConfigError(f"{self.name} does not support fp16-mixed (loss scaling across stages); use bf16-mixed")
+        assert rt.mesh is not None
+        pp_mesh = rt.mesh["pp"]
+        pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+        per_rank = self.config.stages_per_rank or 1
+        total = pp * per_rank
+        if len(model) < total:
+            raise ConfigError(f"{self.name} needs at least {total} layers for {total} stages; the model has {len(model)}")
+        starts = cut_points(model, total, self.config.split)
+        bounds = list(zip(starts, [*starts[1:], len(model)]))
+        names = list(model._modules)
+        original_names = param_names(model)
+        mine = [pp_rank + k * pp for k in range(per_rank)]  # interleaved: loop placement
+        owned = [(names[i], model[i]) for s in mine for i in range(*bounds[s])]
+        out = PipelinedModel(owned)
+        for s in mine:
+            part = self._place(model[bounds[s][0]:bounds[s][1]], rt)
+            out.stages.append(PipelineStage(part, s, total, rt.device, group=pp_mesh.get_group()))
+        out.pp_group = pp_mesh.get_group()
+        out.last_rank = dist.get_global_rank(out.pp_group, (total - 1) % pp)
+        out.microbatches = self.config.microbatches
+        out.schedule_name = self.config.schedule
+        self._names[id(out)] = original_names
+        return out
+
+    def _replicate(self, part: nn.Module, rt: Runtime) -> nn.Module:
+        assert rt.mesh is not None
+        dp_mesh = rt.mesh["dp"]
+        if dp_mesh.size() == 1:
+            return part
+        if self.config.data == "fsdp":
+            return apply_fsdp(part, dp_mesh, FSDPConfig(), rt.precision.fsdp_policy())
+        return apply_ddp(part, dp_mesh, rt.device, DDPConfig())
+
+    def _place(self, part: nn.Module, rt: Runtime) -> nn.Module:
+        part = self._replicate(part.to(rt.device), rt)
+        if not (self.config.data == "fsdp" and rt.mesh is not None and rt.mesh["dp"].size() > 1):
+            rt.precision.wrap_forward(part, rt.device)  # FSDP took the precision as its policy
+        return part
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
+        return rebuild(optimizer, self._names[id(model)], model, subset=True)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return nullcontext()  # the stages already synchronise once per batch, after the last micro-batch
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable,
+                         scale: float) -> torch.Tensor:
+        if not isinstance(model, PipelinedModel):
+            raise ConfigError("pass the model that prepare() returned to forward_backward")
+        return model.forward_backward(x, target, loss_fn, scale)
+
+    def grad_norm_group(self, model: nn.Module) -> dist.ProcessGroup | None:
+        return model.pp_group if isinstance(model, PipelinedModel) else None
+
+    def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
+        assert isinstance(model, PipelinedModel)
+        local = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+                 for k, v in model.state_dict().items()}
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(model.pp_group))]
+        dist.all_gather_object(parts, local, group=model.pp_group)
+        merged = {k: v for part in parts for k, v in part.items()}
+        if rank0_only and dist.get_rank() != 0:
+            return {}
+        return OrderedDict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
+
+    def describe(self) -> str:
+        return f"{self.name}(schedule={self.config.schedule}, microbatches={self.config.microbatches})"
+
+
+def _layer_order(key: str) -> tuple[int, str]:
+    head = key.split(".", 1)[0]
+    return (int(head), key) if head.isdigit() else (math.inf, key)  # type: ignore[return-value]
+
+
+@register("pipeline", "pp")
+class PurePipeline(PipelineStrategy):
+    name = "pipeline"
+
+    def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
+        super().__init__(config, **options)
+        if self.config.dp not in (None, 1):
+            raise ConfigError("strategy 'pipeline' has no data-parallel dimension; use 'hybrid' with dp=…")
+
+
+@register("hybrid")
+class HybridPipeline(PipelineStrategy):
+    """Data parallel (DDP or FSDP) x pipeline on a 2-D mesh."""
+
+    name = "hybrid"
+
+    def degrees(self, env: ClusterEnv) -> tuple[int, int]:
+        dp = self.config.dp if self.config.dp is not None else max(env.world_size // 2, 1)
+        if dp < 1 or env.world_size % dp:
+            raise ConfigError(
+                f"hybrid cannot split {env.world_size} processes into dp={dp} pipelines; "
+                "choose dp dividing the number of processes (e.g. -n 4 with dp=2)"
+            )
+        return dp, env.world_size // dp
+
+    def validate(self, env: ClusterEnv) -> None:
+        dp, pp = self.degrees(env)
+        if pp < 2 or dp < 2:
+            raise ConfigError(
+                f"hybrid needs dp >= 2 and pp >= 2 (got dp={dp} x pp={pp} from {env.world_size} processes); "
+                "launch 4 processes, or use 'pipeline' or 'ddp'"
+            )
+
+    def describe(self) -> str:
+        return f"hybrid({self.config.data} x pipeline, schedule={self.config.schedule})"
