@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from .digest import state_digest
 from .parallel import Parallel
 from .progress import Progress
-from .workloads.digits import DigitsCNN, load_digits_split
+from .workloads.digits import digits_cnn, load_digits_split
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,10 +65,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     check_args(args)
     with Parallel(args.strategy, accumulate=args.accumulate, seed=args.seed) as par:
         train_set, test_set = load_digits_split(seed=args.seed)
-        model = DigitsCNN()
+        model = digits_cnn()
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-        train = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
-        test = DataLoader(test_set, batch_size=256)
+        # drop_last: every step has a full batch, which pipelines split into equal micro-batches
+        train = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
+        test = DataLoader(test_set, batch_size=120)
         model, optimizer, train = par.prepare(model, optimizer, train)
         steps = args.epochs * -(-len(train) // args.accumulate)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
@@ -85,8 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                 for x, y in train:
                     x, y = x.to(par.device), y.to(par.device)
                     with par.step(model, optimizer) as step:
-                        loss = nn.functional.cross_entropy(model(x), y)
-                        par.backward(loss)
+                        loss = par.forward_backward(model, x, y, nn.functional.cross_entropy)
                     if step.sync:
                         schedule.step()
                     running += loss.item()

@@ -22,6 +22,8 @@ def execute(args: argparse.Namespace) -> int:
     from ..launch.torchrun import run
 
     check_args(args)
+    if args.nproc is None and args.strategy == "dp":
+        args.nproc = "1"  # nn.DataParallel drives every GPU from one process
     nproc = [] if args.nproc is None else ["--nproc-per-node", args.nproc]
     run([*nproc, "-m", "paratrain.demo", "--strategy", args.strategy, "--epochs", str(args.epochs),
          "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate), "--lr", str(args.lr),

@@ -70,60 +70,71 @@ class PipelineConfig:
 
 
 class PipelinedModel(nn.Module):
-    """This rank's layers of the pipeline, under their original names, plus the stages that run them."""
+    """This rank's layers of the pipeline, under their original names, and the schedules that run them.
+
+    A pipeline stage fixes its communication buffers to the shapes of the first batch it sees, so each batch
+    size (and each of training and evaluation) gets stages and a schedule of its own, made on first use. All
+    ranks of a pipeline read the same batch, so they agree on the size without talking.
+    """
 
     def __init__(self, owned: list[tuple[str, nn.Module]]) -> None:
         super().__init__()
         for name, layer in owned:
             self.add_module(name, layer)
-        self.stages: list[Any] = []
+        self.parts: list[tuple[int, nn.Module]] = []  # (stage index, the stage's module), this rank's
+        self.num_stages = 1
+        self.device = torch.device("cpu")
         self.pp_group: dist.ProcessGroup | None = None
         self.last_rank: int = 0  # global rank holding the last stage
         self.microbatches = 1
         self.schedule_name = "1f1b"
-        self._schedule: Any = None
-        self._eval_schedule: Any = None
+        self._schedules: dict[tuple[str, int], Any] = {}
         self._loss_fn: Callable | None = None
 
     @property
     def is_first(self) -> bool:
-        return any(s.is_first for s in self.stages)
+        return any(index == 0 for index, _ in self.parts)
 
     @property
     def is_last(self) -> bool:
-        return any(s.is_last for s in self.stages)
+        return any(index == self.num_stages - 1 for index, _ in self.parts)
 
-    def forward(self, *args: Any) -> torch.Tensor:
+    def _schedule(self, kind: str, batch: int, loss_fn: Callable | None = None) -> Any:
+        key = (kind, batch)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            stages = [PipelineStage(part, index, self.num_stages, self.device, group=self.pp_group)
+                      for index, part in self.parts]
+            if kind == "eval":  # forward only: one micro-batch of any size, no bubble to hide
+                self._schedules[key] = _make_schedule("gpipe", stages, 1, None)
+            else:
+                self._schedules[key] = _make_schedule(self.schedule_name, stages, self.microbatches, loss_fn)
+        return self._schedules[key]
+
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:
         """Forward only, through the whole pipeline; every rank gets the last stage's output."""
-        if self._eval_schedule is None:
-            self._eval_schedule = _make_schedule(self.schedule_name, self.stages, self.microbatches, None)
-        if self.is_first:
-            _check_divisible(args[0], self.microbatches)
-            out = self._eval_schedule.eval(*args)
-        else:
-            out = self._eval_schedule.eval()
+        schedule = self._schedule("eval", x.shape[0])
+        out = schedule.eval(x, *rest) if self.is_first else schedule.eval()
         return _share_from_last(out, self)
 
     def forward_backward(self, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable, scale: float) -> torch.Tensor:
         """One batch through the schedule (forward and backward); returns the batch loss on every rank."""
-        if self._schedule is None or loss_fn is not self._loss_fn:
+        _check_divisible(x, self.microbatches)
+        if loss_fn is not self._loss_fn:
             self._loss_fn = loss_fn
-            # Each micro-batch's loss is divided here, not by the schedule's scale_grads: that rescales every
-            # gradient in place and would shrink gradients accumulated over earlier steps again.
-            factor = scale / self.microbatches
-            self._schedule = _make_schedule(self.schedule_name, self.stages, self.microbatches,
-                                            lambda out, tgt: loss_fn(out, tgt) * factor)
+            self._schedules = {k: v for k, v in self._schedules.items() if k[0] == "eval"}
+        # Each micro-batch's loss is divided here, not by the schedule's scale_grads: that rescales every
+        # gradient in place and would shrink gradients accumulated over earlier steps again.
+        factor = scale / self.microbatches
+        schedule = self._schedule("train", x.shape[0], lambda out, tgt: loss_fn(out, tgt) * factor)
         losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {}
-        if self.is_last:
-            _check_divisible(target, self.microbatches)
-            kwargs = {"target": target, "losses": losses}
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         if self.is_first:
-            _check_divisible(x, self.microbatches)
-            self._schedule.step(x, **kwargs)
+            schedule.step(x, **kwargs)
         else:
-            self._schedule.step(**kwargs)
-        loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=x.device)
+            schedule.step(**kwargs)
+        loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
         return _share_from_last(loss, self)
 
 
@@ -143,7 +154,7 @@ def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
         shape = torch.tensor(list(value.shape) + [-1] * (8 - value.dim()), dtype=torch.long)
     else:
         shape = torch.zeros(8, dtype=torch.long)
-    device = next(iter(model.stages)).device
+    device = model.device
     shape = shape.to(device)
     dist.broadcast(shape, src=model.last_rank, group=model.pp_group)
     dims = [int(d) for d in shape.tolist() if d >= 0]
@@ -153,10 +164,12 @@ def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
 
 
 def _make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable | None) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleLoopedBFS)
 
-    if name == "interleaved-1f1b":
-        return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    if len(stages) > 1:  # several stages per rank: interleaved 1F1B, or its all-forward-first twin
+        multi = ScheduleInterleaved1F1B if name == "interleaved-1f1b" else ScheduleLoopedBFS
+        return multi(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
     return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
@@ -204,8 +217,6 @@ class PipelineStrategy(Strategy):
         return dp.get_local_rank(), dp.size(), dp.get_group() if dp.size() > 1 else None
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        from torch.distributed.pipelining import PipelineStage
-
         if not isinstance(model, nn.Sequential):
             raise ConfigError(
                 f"{self.name} cuts an nn.Sequential into stages; express the model as nn.Sequential(...) "
@@ -227,9 +238,8 @@ class PipelineStrategy(Strategy):
         mine = [pp_rank + k * pp for k in range(per_rank)]  # interleaved: loop placement
         owned = [(names[i], model[i]) for s in mine for i in range(*bounds[s])]
         out = PipelinedModel(owned)
-        for s in mine:
-            part = self._place(model[bounds[s][0]:bounds[s][1]], rt)
-            out.stages.append(PipelineStage(part, s, total, rt.device, group=pp_mesh.get_group()))
+        out.parts = [(s, self._place(model[bounds[s][0]:bounds[s][1]], rt)) for s in mine]
+        out.num_stages, out.device = total, rt.device
         out.pp_group = pp_mesh.get_group()
         out.last_rank = dist.get_global_rank(out.pp_group, (total - 1) % pp)
         out.microbatches = self.config.microbatches
