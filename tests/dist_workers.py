@@ -147,3 +147,61 @@ def state_bytes(strategy: str, blocks: int = 8, width: int = 64) -> dict[str, in
     par.close()
     return {"params": max(at_rest, in_step), "grads": grads, "optim": optim_state,
             "full_params": sum(p.numel() * 4 for p in nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)]).parameters())}
+
+
+class _LiveBytes:
+    """Bytes of tensors autograd saved for backward that are still alive, and their peak."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> "_Saved":
+        return _Saved(t, self)
+
+
+class _Saved:
+    def __init__(self, t: torch.Tensor, live: _LiveBytes) -> None:
+        self.t, self.live, self.n = t, live, t.numel() * t.element_size()
+        live.now += self.n
+        live.peak = max(live.peak, live.now)
+
+    def __del__(self) -> None:
+        self.live.now -= self.n
+
+
+def peak_saved_activations(schedule: str, microbatches: int) -> int:
+    """Peak bytes of saved activations on this rank during one pipelined batch."""
+    par = paratrain.Parallel("pipeline", schedule=schedule, microbatches=microbatches)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())])
+    model = par.prepare(model)
+    x, y = torch.randn(8 * microbatches, 64), torch.randn(8 * microbatches, 64)
+    live = _LiveBytes()
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, lambda saved: saved.t):
+        par.forward_backward(model, x, y, nn.functional.mse_loss)
+    par.close()
+    return live.peak
+
+
+def pipeline_bad_inputs() -> list[str]:
+    """One-line errors for pipeline misuse, collected on every rank (each error is raised on all ranks).
+
+    The group is started once and shared: the Parallel objects below use it and leave it alone.
+    """
+    dist.init_process_group("gloo")
+    errors = []
+    cases = [
+        ({"split": [9]}, build_model(), 8),                # cut point past the last layer
+        ({}, nn.Linear(4, 4), 8),                          # not an nn.Sequential
+        ({"microbatches": 3}, build_model(), 8),           # 8 samples do not split into 3
+    ]
+    for options, model, batch in cases:
+        par = paratrain.Parallel("pipeline", **options)
+        try:
+            model = par.prepare(model)
+            par.forward_backward(model, torch.randn(batch, 8), torch.randint(0, 4, (batch,)),
+                                 nn.functional.cross_entropy)
+        except paratrain.ConfigError as err:
+            errors.append(str(err))
+    dist.destroy_process_group()
+    return errors

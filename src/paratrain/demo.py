@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                       f"test acc {acc:6.2%}  ({time.perf_counter() - t0:.2f} s)")
         wall = time.perf_counter() - start
         total = par.sum(float(seen))
-        digest = state_digest(par.unwrap(model))
+        state = par.full_state_dict(model)  # consolidated on rank 0, whatever the sharding
+        digest = state_digest(state) if par.is_main else ""
         par.print(f"done in {wall:.2f} s  ({total / wall:,.0f} samples/s over {par.world_size} process(es))  "
                   f"final test acc {acc:.2%}")
         par.print(f"final parameters sha256 {digest}")

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 
-def state_digest(model: nn.Module) -> str:
+def state_digest(state: nn.Module | Mapping[str, torch.Tensor]) -> str:
     """Hex SHA-256 over every state_dict entry's name, dtype, shape and raw bytes, in name order."""
     h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    items = state.state_dict().items() if isinstance(state, nn.Module) else state.items()
+    for name, tensor in sorted(items):
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

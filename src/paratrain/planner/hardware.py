@@ -129,7 +129,7 @@ LINKS = MappingProxyType({link.name: link for link in (
     Link(name="ib-hdr", bandwidth_gbs=25, latency_us=2.0),
     Link(name="ib-ndr", bandwidth_gbs=50, latency_us=2.0),
     *(_ethernet(g, roce=False) for g in (10, 25, 100, 200, 400)),
-    *(_ethernet(g, roce=True) for g in (25, 100, 200, 400)),
+    *(_ethernet(g, roce=True) for g in (10, 25, 100, 200, 400)),
     # gloo between processes of one host: all-reduce 1.0-1.5 GB/s, point-to-point 3-4 GB/s (FIELD-NOTES).
     Link(name="loopback-gloo", bandwidth_gbs=1.2, latency_us=100.0, p2p_gbs=3.5),
 )})
@@ -159,7 +159,7 @@ def get_device(name: str) -> Device:
         return cpu_host()
     if key not in DEVICES:
         raise ConfigError(f"unknown GPU {name!r}; choose one of: {', '.join(device_names())} "
-                          "(or override figures with --gpu-mem-gb/--tflops)")
+                          "(or take the closest and override --gpu-mem-gb/--tflops)")
     return DEVICES[key]
 
 
@@ -211,8 +211,21 @@ class Cluster:
         return d.peak_tflops(precision) * 1e12 * d.mfu * self.share(ranks_per_node or self.ranks_per_node)
 
     def link_for(self, size: int, stride: int) -> Link:
-        """The link a group of ``size`` ranks, ``stride`` apart, is limited by: inter-node once it spans nodes."""
-        return self.inter if self.nodes > 1 and size * stride > self.ranks_per_node else self.intra
+        """The link a group of ``size`` ranks, ``stride`` apart, is limited by.
+
+        A group within a node uses the intra-node link. One spanning nodes is limited by the inter-node link,
+        which the ``min(stride, ranks_per_node)`` groups of a node that cross it at once share: a ring of
+        consecutive ranks crosses each node boundary once, while HSDP's replica groups (one per local rank)
+        and a hybrid's stage-to-stage sends all cross it together.
+        """
+        if self.nodes == 1 or size * stride <= self.ranks_per_node:
+            return self.intra
+        sharers = min(stride, self.ranks_per_node)
+        if sharers == 1:
+            return self.inter
+        p2p = self.inter.p2p_gbs / sharers if self.inter.p2p_gbs else None
+        return replace(self.inter, name=f"{self.inter.name} / {sharers}",
+                       bandwidth_gbs=self.inter.bandwidth_gbs / sharers, p2p_gbs=p2p)
 
 
 def make_cluster(gpu: str = "h100", *, gpus: int = 1, nodes: int = 1, interconnect: str | None = None,

@@ -1,7 +1,8 @@
 """Each strategy as parallel degrees, so memory and time follow from one formula instead of a branch per name.
 
-Ranks are laid out with tensor parallelism innermost, then data parallelism, then pipeline stages — so a
-hybrid keeps its gradient all-reduce inside a node and sends only activations between nodes.
+Ranks are placed as paratrain's strategies build their meshes: a model-parallel process's GPUs innermost
+(consecutive local GPUs), then pipeline stages (``hybrid``'s mesh is ``(dp, pp)``), then data parallelism;
+``hsdp`` shards within a node and replicates across nodes.
 """
 from __future__ import annotations
 
@@ -13,29 +14,36 @@ from .hardware import Cluster
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """A strategy as degrees: ``dp`` replicas x ``pp`` stages x ``tp`` tensor shards."""
+    """A strategy as degrees: ``dp`` replicas x ``pp`` pipeline stages x ``mp`` model-parallel stages."""
 
     name: str
+    """The strategy's registered name."""
     dp: int = 1
-    """Data-parallel ranks: each sees different samples."""
+    """Data-parallel replicas: each sees different samples."""
     zero: int = 0
     """What the data-parallel ranks shard (ZeRO stage): 1 optimizer states, 2 and gradients, 3 and parameters."""
     shard: int = 1
     """Ranks one shard group spans: ``dp`` for zero1-3/fsdp, a node for hsdp (replicated across nodes)."""
     pp: int = 1
-    """Pipeline stages."""
-    tp: int = 1
-    """Tensor-parallel (Megatron-style) shards of every layer."""
+    """Pipeline stages, one per process, computing different micro-batches at once."""
+    mp: int = 1
+    """Model-parallel stages: the GPUs of one process, holding consecutive layers and taking turns."""
 
     def __post_init__(self) -> None:
-        if min(self.dp, self.shard, self.pp, self.tp) < 1 or self.zero not in (0, 1, 2, 3):
+        if min(self.dp, self.shard, self.pp, self.mp) < 1 or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"layout {self.name}: degrees must be >= 1 and zero in 0..3")
         if self.dp % self.shard:
             raise ConfigError(f"layout {self.name}: shard {self.shard} must divide dp {self.dp}")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        """Devices (GPUs, or CPU processes) the layout uses."""
+        return self.dp * self.pp * self.mp
+
+    @property
+    def stages(self) -> int:
+        """Parts the layers are cut into."""
+        return self.pp * self.mp
 
     @property
     def replicas(self) -> int:
@@ -43,7 +51,7 @@ class Layout:
         return self.dp // self.shard
 
     def describe(self) -> str:
-        parts = [f"{k}={v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if v > 1]
+        parts = [f"{k}={v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("mp", self.mp)) if v > 1]
         if self.zero:
             parts.append(f"shard={self.shard}")
         return " ".join(parts) or "1 rank"
@@ -54,11 +62,11 @@ STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "hybrid", "
 
 
 def layouts(cluster: Cluster, n_units: int) -> list[Layout]:
-    """Every strategy the cluster can run, in ``STRATEGY_ORDER``; ``single`` is one rank (the baseline).
+    """Every strategy (and degree split) the cluster can run, in ``STRATEGY_ORDER``; ``single`` is one rank.
 
-    ``hsdp`` shards within a node and replicates across nodes (multi-node only); ``hybrid`` puts one pipeline
-    stage per node (two stages on one node of >= 4 ranks) and data parallelism inside; pipelines need at
-    least as many wrap units as stages.
+    ``hsdp`` needs several nodes of several ranks; ``hybrid`` comes in every dp x pp split with both >= 2;
+    pipelines need at least as many wrap units as stages; ``model_parallel`` cuts the model over 2 or more GPUs
+    of a node per process (not on a CPU host, where every stage would be the same CPU).
     """
     n, per_node = cluster.world_size, cluster.ranks_per_node
     out = [Layout(name="single")]
@@ -68,13 +76,16 @@ def layouts(cluster: Cluster, n_units: int) -> list[Layout]:
             Layout(name="zero2", dp=n, zero=2, shard=n), Layout(name="fsdp", dp=n, zero=3, shard=n)]
     if cluster.nodes > 1 and per_node > 1:
         out.append(Layout(name="hsdp", dp=n, zero=3, shard=per_node))
-    stages = cluster.nodes if cluster.nodes > 1 else (2 if n >= 4 and n % 2 == 0 else 0)
-    if stages and n // stages > 1 and stages <= n_units:
-        out.append(Layout(name="hybrid", dp=n // stages, pp=stages))
+    out += [Layout(name="hybrid", dp=n // pp, pp=pp) for pp in _divisors(n) if 2 <= pp <= min(n // 2, n_units)]
     if n <= n_units:
         out.append(Layout(name="pipeline", pp=n))
-    out.append(Layout(name="model_parallel", tp=n))
+    if not cluster.device.shared_by_ranks:
+        out += [Layout(name="model_parallel", dp=n // mp, mp=mp) for mp in _divisors(per_node) if 2 <= mp <= n_units]
     return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def stage_params(units: tuple[tuple[str, int], ...], stages: int) -> int:

@@ -31,6 +31,6 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
     if step_time is None and stats.measured_step_s is not None and cluster.device.shared_by_ranks:
         step_time = stats.measured_step_s
     if step_time is not None:
-        cluster = calibrated(cluster, flops_per_step=stats.flops_per_sample * setup.micro_batch,
+        cluster = calibrated(cluster, flops_per_step=stats.flops_per_sample * setup.flops_factor * setup.micro_batch,
                              step_time_s=step_time, precision=setup.precision)
     return recommend(stats, cluster, setup)

@@ -13,14 +13,10 @@ from .layout import Layout, stage_params
 from .model_stats import ModelStats
 from .training import Batching, Training
 
-TP_REPLICATED_ACTIVATIONS = 10 / 34
-"""Share of a transformer layer's activations tensor parallelism does not split (layer-norm and dropout
-inputs, residuals: 10 of the 34·s·b·h bytes, Korthikanti et al. 2022, section 4.2.2, no sequence parallelism)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:
-    """Bytes one rank holds at its peak (end of the forward pass of the last in-flight micro-batch)."""
+    """Bytes one device holds at its peak (end of the forward pass of the last in-flight micro-batch)."""
 
     parameters: float
     gradients: float
@@ -28,7 +24,7 @@ class MemoryBreakdown:
     """Optimizer states plus, under mixed precision, the fp32 master copy of the parameters."""
     activations: float
     buffers: float
-    """Communication buffers: DDP buckets, FSDP's gathered unit, pipeline and tensor-parallel transfers."""
+    """Communication buffers: DDP buckets, FSDP's gathered unit, activations passed between stages."""
     overhead: float
     """CUDA context, library workspaces, allocator slack (or a CPU process's own footprint)."""
 
@@ -45,9 +41,8 @@ class MemoryBreakdown:
 
 
 def ranked_params(stats: ModelStats, layout: Layout) -> float:
-    """Parameters one rank computes with: its pipeline stage's (the fullest one), split ``tp`` ways."""
-    stage = stats.params if layout.pp == 1 else stage_params(stats.units, layout.pp)
-    return stage / layout.tp
+    """Parameters one device holds: all of them, or the fullest stage's when the layers are cut."""
+    return stats.params if layout.stages == 1 else stage_params(stats.units, layout.stages)
 
 
 def in_flight(layout: Layout, batch: Batching, training: Training) -> int:
@@ -65,7 +60,14 @@ def activation_scale(stats: ModelStats, training: Training) -> float:
 
 def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training: Training,
                     cluster: Cluster) -> MemoryBreakdown:
-    """Peak bytes on the busiest rank of ``layout``."""
+    """Peak bytes on the busiest device of ``layout``.
+
+    Sharded states divide by the shard group; a stage holds its layers' states and activations (balanced
+    stages: 1/stages of the activations of each micro-batch in flight). Buffers: DDP's two 25 MiB buckets
+    in flight (with ``gradient_as_bucket_view=False`` DDP keeps a whole second gradient-sized copy, not
+    counted), FSDP's gathered largest unit (the one computing and the one prefetched) and its unsharded
+    gradient, and a stage's outgoing and incoming activations.
+    """
     psi = ranked_params(stats, layout)
     b = training.bytes
     shard3 = layout.shard if layout.zero >= 3 else 1
@@ -73,18 +75,17 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     shard1 = layout.shard if layout.zero >= 1 else 1
     grads = psi * b.grad / shard2
     scale = activation_scale(stats, training)
-    tp_share = TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / layout.tp if layout.tp > 1 else 1.0
     per_sample = stats.checkpointed_bytes_per_sample if training.checkpointing else stats.activation_bytes_per_sample
-    activations = per_sample * scale * batch.micro_batch * in_flight(layout, batch, training) / layout.pp * tp_share
+    activations = per_sample * scale * batch.micro_batch * in_flight(layout, batch, training) / layout.stages
     boundary = stats.boundary_bytes_per_sample * scale * batch.micro_batch
-    if layout.zero >= 3:  # the gathered unit being computed, the next one prefetched, and its full gradient
-        unit = stats.largest_unit[1] / layout.tp
+    if layout.zero >= 3:
+        unit = stats.largest_unit[1]
         buffers = 2 * unit * b.param + unit * b.grad
     elif layout.dp > 1:
         buffers = min(2 * training.bucket_mb * 2**20, grads)
     else:
         buffers = 0.0
-    buffers += (2 * boundary if layout.pp > 1 else 0.0) + (boundary if layout.tp > 1 else 0.0)
+    buffers += 2 * boundary if layout.stages > 1 else 0.0
     return MemoryBreakdown(parameters=psi * b.param / shard3, gradients=grads,
                            optimizer_states=psi * training.optimizer_bytes / shard1, activations=activations,
                            buffers=buffers, overhead=cluster.device.overhead_gib * 2**30)

@@ -42,8 +42,8 @@ class ModelStats:
     """The same with activation checkpointing of every wrap unit: each unit's input is kept, and one unit's
     activations at a time are rebuilt during backward (Korthikanti et al. 2022, section 5)."""
     boundary_bytes_per_sample: float
-    """Bytes of the largest output of a unit other than the last, for one sample: what a pipeline stage sends
-    on, what tensor parallelism all-reduces."""
+    """Bytes of the largest output of a unit other than the last, for one sample: what a pipeline or
+    model-parallel stage passes on to the next."""
     activation_dtype_bytes: int = 4
     """Element size the activation figures were found at: 4 (traced in fp32) or 2 (16-bit formulas)."""
     param_bytes: Mapping[str, int] = field(default_factory=dict)

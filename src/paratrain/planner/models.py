@@ -12,7 +12,7 @@ from types import MappingProxyType
 from torch import nn
 
 from ..errors import ConfigError
-from ..workloads.gpt import GPT_CONFIGS, gpt_config
+from ..workloads.gpt import GPT, GPT_CONFIGS
 from .model_stats import InputSpec, ModelStats, measure_module, trace_module, transformer_shape, transformer_stats
 
 
@@ -22,9 +22,9 @@ def _mlp() -> nn.Module:
 
 
 def _cnn() -> nn.Module:
-    from ..workloads.digits import DigitsCNN
+    from ..workloads.digits import digits_cnn
 
-    return DigitsCNN()
+    return digits_cnn()
 
 
 SMALL_MODELS = MappingProxyType({"mlp": (_mlp, "784"), "cnn": (_cnn, "1x8x8")})
@@ -81,15 +81,12 @@ def resolve_model(model: str | None = None, *, params: str | None = None, layers
         cfg = transformer_shape(n, **shape)
         return transformer_stats(cfg, name=f"{params} transformer", params=round(n))
     assert model is not None
-    if model in GPT_CONFIGS and measure_batch is None:
-        cfg = replace(gpt_config(model), **shape)
-        return transformer_stats(cfg, name=model)
     if shape and model not in GPT_CONFIGS:
         raise ConfigError(f"--layers/--hidden/--heads/--seq-len/--vocab shape transformers; {model!r} is not one")
     if model in GPT_CONFIGS:
-        from ..workloads.gpt import GPT
-
-        cfg = replace(gpt_config(model), **shape)
+        cfg = replace(GPT_CONFIGS[model], **shape)
+        if measure_batch is None:
+            return transformer_stats(cfg, name=model)
         factory, default_input = (lambda: GPT(cfg)), f"long:{cfg.seq_len}"
     elif model in SMALL_MODELS:
         factory, default_input = SMALL_MODELS[model]

@@ -94,10 +94,23 @@ def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Clu
 
 
 def estimate_all(stats: ModelStats, cluster: Cluster, training: Training) -> list[Estimate]:
-    """Every layout the cluster can run, at ``training``'s micro-batch; the first is the single-rank baseline."""
+    """One estimate per strategy at ``training``'s micro-batch; the first is the single-rank baseline.
+
+    Where a strategy comes in several degree splits (hybrid's dp x pp, model_parallel's GPUs per process),
+    the fastest that fits is kept, or the least memory-hungry when none fits.
+    """
     found = layouts(cluster, len(stats.units))
     single = estimate(stats, found[0], replace(training, global_batch=training.micro_batch), cluster)
-    return [single, *(estimate(stats, lay, training, cluster, single.samples_per_s) for lay in found[1:])]
+    best: dict[str, Estimate] = {}
+    for lay in found[1:]:
+        e = estimate(stats, lay, training, cluster, single.samples_per_s)
+        if lay.name not in best or _rank(e) > _rank(best[lay.name]):
+            best[lay.name] = e
+    return [single, *best.values()]
+
+
+def _rank(e: Estimate) -> tuple[bool, float]:
+    return e.fits, e.samples_per_s if e.fits else -e.memory.total
 
 
 def largest_micro_batch(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster,
@@ -150,7 +163,7 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     suggestions += _suggestions(stats, cluster, training, choice)
     return Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
                 estimates=tuple(estimates), choice=choice, reason=_reason(choice, estimates, cluster),
-                suggestions=tuple(suggestions), notes=tuple(_notes(cluster)))
+                suggestions=tuple(suggestions), notes=tuple(_notes(cluster, choice)))
 
 
 def _fitting(stats: ModelStats, e: Estimate, training: Training, cluster: Cluster, baseline: float) -> list[Estimate]:
@@ -229,10 +242,16 @@ def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice
     return out
 
 
-def _notes(cluster: Cluster) -> list[str]:
-    if not (cluster.device.shared_by_ranks and cluster.world_size > 1):
+def _notes(cluster: Cluster, choice: Estimate) -> list[str]:
+    if cluster.world_size == 1:
         return []
-    return [f"CPU host: the {cluster.ranks_per_node} processes split the same cores, so more processes add no "
-            "compute, only gradient traffic. Measured on 2 cores (docs/planner.md): DDP over 2 processes ran at "
-            "0.75-0.84x one single-threaded process, 2 threads in one process at 1.59x. More processes are slower "
-            "than threads here: use them to test correctness, not for speed"]
+    if cluster.device.shared_by_ranks:
+        return [f"CPU host: the {cluster.ranks_per_node} processes split the same cores, so more processes add no "
+                "compute, only gradient traffic. Measured on 2 cores (docs/planner.md): DDP over 2 processes ran "
+                "at 0.75-0.84x one single-threaded process, 2 threads in one process at 1.59x. More processes are "
+                "slower than threads here: use them to test correctness, not for speed"]
+    if choice.speedup < 1:
+        link = cluster.inter if cluster.nodes > 1 else cluster.intra
+        return [f"even {choice.name} runs at {choice.speedup:.2f}x one GPU: {link.name} ({link.bandwidth_gbs:g} "
+                "GB/s) is too slow for this model; use fewer nodes, a faster link, or a larger batch per step"]
+    return []

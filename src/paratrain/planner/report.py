@@ -7,6 +7,7 @@ from typing import Any
 
 from ..lr import scale_lr
 from .hardware import GIB, Link
+from .memory import activation_scale
 from .recommend import Estimate, Plan
 from .timing import bubble_fraction
 
@@ -48,7 +49,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
     s, c, t = plan.stats, plan.cluster, plan.training
     d = c.device
     rank = "process" if d.shared_by_ranks else "GPU"
-    act = s.activation_bytes_per_sample * t.bytes.activation / s.activation_dtype_bytes
+    act = s.activation_bytes_per_sample * activation_scale(s, t)
     built = ", ".join(f"{k} {_bytes(v)}" for k, v in s.param_bytes.items())
     lines = [
         f"model     {s.name}: {_count(s.params)} parameters ({built} as built); {s.source}",
@@ -57,7 +58,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
         f"{_bytes(act)} of activations",
         f"cluster   {c.world_size} x {d.name}" + (" process" if d.shared_by_ranks else "")
         + f" on {c.nodes} node{'s' if c.nodes > 1 else ''} ({d.memory_gib:.3g} GiB, {d.peak_tflops(t.precision):g} "
-        f"TFLOP/s peak x MFU {d.mfu:.2f}); intra-node {_link(c.intra)}"
+        f"TFLOP/s peak x MFU {d.mfu:.2g}); intra-node {_link(c.intra)}"
         + (f", inter-node {_link(c.inter)}" if c.nodes > 1 else ""),
         f"training  {t.precision}, {t.optimizer}{', activation checkpointing' if t.checkpointing else ''}; "
         f"micro-batch {t.micro_batch} per {rank}, global batch {plan.global_batch}"
@@ -81,12 +82,11 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
     how = f"{ch.layout.describe()}, micro-batch {ch.batch.micro_batch:g} x {ch.batch.micro_batches}"
     if ch.checkpointing and not t.checkpointing:
         how += ", activation checkpointing"
-    if ch is not plan.estimates[[e.name for e in plan.estimates].index(ch.name)]:
+    if ch is not next(e for e in plan.estimates if e.name == ch.name):  # re-planned to fit
         how += f"; {ch.memory.total / GIB:.1f} GiB, {ch.samples_per_s:,.1f} samples/s"
-    lines += ["", f"recommended: {ch.name} ({how}) — {plan.reason}"]
     if ch.layout.pp > 1:
-        lines.append(f"  - pipeline bubble {bubble_fraction(ch.layout.pp, ch.batch.micro_batches):.0%} = (p-1)/(m+p-1) "
-                     f"with p={ch.layout.pp} stages, m={ch.batch.micro_batches} micro-batches")
+        how += f", bubble {bubble_fraction(ch.layout.pp, ch.batch.micro_batches):.0%}"
+    lines += ["", f"recommended: {ch.name} ({how}) — {plan.reason}"]
     lines += [f"  - {text}" for text in plan.suggestions]
     lines.append(_lr_line(plan, base_lr))
     lines += [f"note: {text}" for text in plan.notes]
@@ -108,8 +108,8 @@ def _lr_line(plan: Plan, base_lr: float | None) -> str:
 
 def _estimate_json(e: Estimate) -> dict[str, Any]:
     return {"name": e.name, "layout": {k: v for k, v in asdict(e.layout).items() if k != "name"}, "fits": e.fits,
-            "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch, "micro_batches": e.batch.micro_batches,
-            "memory_bytes": e.memory.as_dict(), "capacity_bytes": e.capacity, "time": e.time.as_dict(),
+            "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch,
+            "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "capacity_bytes": e.capacity, "time": e.time.as_dict(),
             "samples_per_s": e.samples_per_s, "speedup": e.speedup, "efficiency": e.efficiency}
 
 
@@ -126,8 +126,7 @@ def plan_to_json(plan: Plan, *, base_lr: float | None = None) -> dict[str, Any]:
                   "largest_layer": {"name": s.largest_layer[0], "params": s.largest_layer[1]},
                   "largest_unit": {"name": s.largest_unit[0], "params": s.largest_unit[1]}, "units": len(s.units),
                   "flops_per_sample": s.flops_per_sample,
-                  "activation_bytes_per_sample": s.activation_bytes_per_sample * t.bytes.activation
-                  / s.activation_dtype_bytes},
+                  "activation_bytes_per_sample": s.activation_bytes_per_sample * activation_scale(s, t)},
         "cluster": {"device": asdict(c.device), "ranks_per_node": c.ranks_per_node, "nodes": c.nodes,
                     "world_size": c.world_size, "intra": asdict(c.intra), "inter": asdict(c.inter)},
         "training": {**asdict(t), "global_batch": plan.global_batch},

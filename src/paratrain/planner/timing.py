@@ -72,22 +72,23 @@ class StepTime:
 def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster) -> StepTime:
     """Step time of ``layout``: compute plus the communication compute cannot hide.
 
-    Gradient sync (all-reduce, reduce-scatter) hides in up to ``device.overlap`` of a micro-batch's backward;
-    FSDP's parameter gathers, prefetched, in that share of its forward and backward. Parameter all-gathers
-    after the optimizer step (zero1/zero2), pipeline sends (one per forward and per backward slot, m+p−1
-    slots) and tensor-parallel all-reduces (four per unit per micro-batch, Megatron-LM) are not hidden.
-    zero2 and fsdp reduce-scatter gradients every micro-batch; ddp and zero1 all-reduce once per step.
+    Pipeline stages compute different micro-batches at once (m + p − 1 slots of 1/p of a micro-batch each);
+    model-parallel stages take turns, so a process computes as fast as one of its GPUs. ddp and zero1
+    all-reduce gradients once per step, hidden in up to ``device.overlap`` of a micro-batch's backward; zero1
+    then gathers the updated parameters (not hidden). zero2 and fsdp gather parameters (fsdp twice: forward
+    and backward) and reduce-scatter gradients every micro-batch, prefetched into up to ``overlap`` of its
+    compute; hsdp adds an all-reduce of the shard across nodes. Stage-to-stage sends (one per forward and per
+    backward, per slot) are not hidden.
     """
     ranks_per_node = cluster.ranks_per_node if layout.world_size > 1 else 1
     rate = cluster.flops_per_s(training.precision, ranks_per_node)
-    micro_s = stats.flops_per_sample * training.flops_factor * batch.micro_batch / (layout.pp * layout.tp) / rate
+    micro_s = stats.flops_per_sample * training.flops_factor * batch.micro_batch / layout.pp / rate
     m = batch.micro_batches
     overlap = cluster.device.overlap
     psi = ranked_params(stats, layout)
     grads, params = psi * training.bytes.grad, psi * training.bytes.param
     boundary = stats.boundary_bytes_per_sample * activation_scale(stats, training) * batch.micro_batch
-    dp_link = cluster.link_for(layout.dp, layout.tp)
-    shard_link = cluster.link_for(layout.shard, layout.tp)
+    inner = layout.stages  # data-parallel peers are this many ranks apart
     hidden_in_backward = overlap * BACKWARD_SHARE * micro_s
 
     total = exposed = 0.0
@@ -97,22 +98,19 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
         total += times * seconds
         exposed += times * max(0.0, seconds - window)
 
-    if layout.dp > 1:
-        if layout.zero <= 1:
-            add(all_reduce_s(grads, layout.dp, dp_link), hidden_in_backward)
-        if layout.zero in (1, 2):
+    if layout.zero <= 1 and layout.dp > 1:
+        dp_link = cluster.link_for(layout.dp, inner)
+        add(all_reduce_s(grads, layout.dp, dp_link), hidden_in_backward)
+        if layout.zero == 1:
             add(all_gather_s(params, layout.dp, dp_link))
-        if layout.zero == 2:
-            add(reduce_scatter_s(grads, layout.dp, dp_link), hidden_in_backward, times=m)
-        if layout.zero == 3:
-            gathers = 2 * all_gather_s(params, layout.shard, shard_link) + reduce_scatter_s(grads, layout.shard, shard_link)
-            add(gathers, overlap * micro_s, times=m)
-            replica_link = cluster.link_for(layout.replicas, layout.tp * layout.shard)
-            add(all_reduce_s(grads / layout.shard, layout.replicas, replica_link), hidden_in_backward)
+    if layout.zero >= 2:
+        shard_link = cluster.link_for(layout.shard, inner)
+        gathers = (2 if layout.zero == 3 else 1) * all_gather_s(params, layout.shard, shard_link)
+        add(gathers + reduce_scatter_s(grads, layout.shard, shard_link), overlap * micro_s, times=m)
+        replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
+        add(all_reduce_s(grads / layout.shard, layout.replicas, replica_link), hidden_in_backward)
     if layout.pp > 1:
-        pp_link = cluster.link_for(layout.pp, layout.tp * layout.dp)
-        add(2 * p2p_s(boundary, pp_link), times=m + layout.pp - 1)
-    if layout.tp > 1:
-        add(4 * len(stats.units) * all_reduce_s(boundary, layout.tp, cluster.link_for(layout.tp, 1)), times=m)
-    bubble = (layout.pp - 1) * micro_s
-    return StepTime(compute_s=m * micro_s, bubble_s=bubble, comm_s=total, exposed_comm_s=exposed)
+        add(2 * p2p_s(boundary, cluster.link_for(layout.pp, layout.mp)), times=m + layout.pp - 1)
+    if layout.mp > 1:
+        add(2 * (layout.mp - 1) * p2p_s(boundary, cluster.intra), times=m)
+    return StepTime(compute_s=m * micro_s, bubble_s=(layout.pp - 1) * micro_s, comm_s=total, exposed_comm_s=exposed)

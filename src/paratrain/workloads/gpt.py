@@ -139,10 +139,3 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.norm(x))
 
-
-def gpt_config(name: str) -> GPTConfig:
-    """The built-in configuration called ``name``; unknown names are answered with the valid ones."""
-    try:
-        return GPT_CONFIGS[name]
-    except KeyError:
-        raise ConfigError(f"unknown GPT size {name!r}; choose one of: {', '.join(GPT_CONFIGS)}") from None

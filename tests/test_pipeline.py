@@ -1,0 +1,41 @@
+"""Pipeline and hybrid strategies on real gloo processes: equal to one process, memory of the schedules,
+and clear errors."""
+import pytest
+
+from dist_workers import peak_saved_activations, pipeline_bad_inputs, train_params
+from paratrain.testing import max_abs_diff, spawn
+
+STEPS, GLOBAL_BATCH = 20, 16
+
+
+@pytest.mark.parametrize("strategy, world, accumulate, options", [
+    ("pipeline", 2, 1, {"schedule": "gpipe"}),
+    ("pipeline", 2, 1, {"schedule": "1f1b"}),
+    ("pipeline", 2, 2, {"schedule": "1f1b", "microbatches": 8}),
+    ("pipeline", 2, 1, {"schedule": "interleaved-1f1b"}),
+    ("hybrid", 4, 1, {}),                                  # 2 DDP replicas x 2 stages
+    ("hybrid", 4, 2, {"data": "fsdp"}),                    # 2 FSDP shards x 2 stages, accumulating
+])
+def test_pipeline_equals_serial(strategy, world, accumulate, options):
+    dp = 1 if strategy == "pipeline" else 2
+    ranks = spawn(train_params, world, (strategy, accumulate, STEPS, GLOBAL_BATCH // dp, world, options))
+    serial = train_params("single", accumulate, STEPS, GLOBAL_BATCH, 1)
+    for params in ranks:  # every rank gathers the whole model: all stages, original parameter names
+        assert params.keys() == serial.keys()
+        assert max_abs_diff(params, serial) <= 1e-5
+
+
+def test_1f1b_holds_fewer_live_activations_than_gpipe():
+    gpipe = spawn(peak_saved_activations, 2, ("gpipe", 8))
+    one_f_one_b = spawn(peak_saved_activations, 2, ("1f1b", 8))
+    # the first stage keeps all 8 micro-batches alive under GPipe, at most 2 (the stage count) under 1F1B
+    assert one_f_one_b[0] < 0.5 * gpipe[0], (one_f_one_b, gpipe)
+
+
+def test_pipeline_misuse_gives_one_line_errors():
+    errors = spawn(pipeline_bad_inputs, 2)[0]
+    assert len(errors) == 3, errors
+    assert "does not fit" in errors[0]
+    assert "nn.Sequential" in errors[1]
+    assert "does not split into 3 equal micro-batches" in errors[2]
+    assert all("\n" not in e for e in errors)

@@ -1,0 +1,57 @@
+"""``paratrain plan`` end to end: the table, JSON, and one-line errors for bad input."""
+import json
+import re
+import subprocess
+
+import pytest
+
+from paratrain.cli.main import main
+
+
+def test_plan_gpt2_medium_on_8_h100_recommends_ddp_or_a_zero_stage(paratrain_cmd):
+    res = subprocess.run([*paratrain_cmd, "plan", "--model", "gpt2-medium", "--gpus", "8", "--gpu", "h100",
+                          "--interconnect", "nvlink"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    for name in ("single", "ddp", "zero1", "zero2", "fsdp", "pipeline", "model_parallel"):
+        assert re.search(rf"^{name}\b", res.stdout, flags=re.M), name
+    choice = re.search(r"^recommended: (\w+) ", res.stdout, flags=re.M).group(1)
+    assert choice in ("ddp", "zero1", "zero2", "fsdp")
+    assert "LR: global batch 64" in res.stdout
+
+
+def test_plan_json_has_the_per_gpu_breakdown_and_times(paratrain_cmd):
+    res = subprocess.run([*paratrain_cmd, "plan", "--model", "llama-7b", "--gpus", "8", "--nodes", "2",
+                          "--inter-node", "ib-ndr", "--json"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert plan["model"]["params"] == 6_738_415_616
+    for entry in plan["strategies"]:
+        assert set(entry["memory_bytes"]) == {"parameters", "gradients", "optimizer_states", "activations",
+                                              "buffers", "overhead", "total"}
+        assert {"compute_s", "bubble_s", "comm_s", "exposed_comm_s", "step_s"} <= set(entry["time"])
+    assert plan["recommendation"]["fits"] and plan["recommendation"]["reason"]
+    assert plan["lr_scaling"]["factor"] == 16
+
+
+def test_breakdown_and_base_lr_in_process(capsys):
+    assert main(["plan", "--model", "cnn", "--gpu", "l4", "--gpus", "2", "--breakdown", "--base-lr", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "params" in out and "optim" in out and "0.001 → 0.002" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt2", "--gpu", "v100"], "unknown GPU 'v100'; choose one of: a100-40gb, a100-80gb, h100-80gb"),
+    (["--model", "gpt2", "--batch", "-4"], "--batch must be >= 1, got -4"),
+    (["--model", "gpt9"], "unknown model 'gpt9'; choose one of: mlp, cnn, gpt2"),
+    (["--params", "70B", "--gpu", "l4", "--gpus", "1"], "no strategy fits: need "),
+    (["--model", "gpt2", "--interconnect", "carrier-pigeon"], "unknown link 'carrier-pigeon'"),
+    (["--model", "nosuchmodule:build", "--input", "4"], "cannot import 'nosuchmodule'"),
+    (["--model", "gpt2", "--params", "1B"], "give --model or --params, not both"),
+    (["--model", "gpt2", "--gpus", "0"], "--gpus must be >= 1, got 0"),
+    (["--model", "gpt2", "--gpus", "8", "--global-batch", "4"], "--global-batch 4 is smaller than the 8 GPUs"),
+])
+def test_bad_input_is_one_line(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paratrain: error: ") and message in err, err
+    assert err.count("\n") == 1

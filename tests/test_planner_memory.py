@@ -1,0 +1,106 @@
+"""Planner memory model: ZeRO's accounting exactly, pipeline in-flight micro-batches, buffers, checkpointing."""
+import pytest
+
+from paratrain.errors import ConfigError
+from paratrain.planner import Layout, Training, batching, make_cluster, memory_per_rank, transformer_stats
+from paratrain.planner.layout import layouts, stage_params
+from paratrain.workloads.gpt import GPT_CONFIGS
+
+STATS = transformer_stats(GPT_CONFIGS["gpt2-medium"], name="gpt2-medium")
+PSI = STATS.params
+
+
+def _memory(layout, training=None, cluster=None):
+    training = training or Training(precision="bf16-mixed", optimizer="adamw", micro_batch=1)
+    cluster = cluster or make_cluster("h100", gpus=layout.world_size)
+    batch = batching(training, dp=layout.dp, pp=layout.pp, world_size=layout.world_size)
+    return memory_per_rank(STATS, layout, batch, training, cluster)
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_model_states_match_the_zero_paper_for_mixed_precision_adam(n):
+    expected = {  # Rajbhandari et al. 2020, figure 1: bytes per GPU for Ψ parameters on N GPUs
+        Layout(name="ddp", dp=n): 16 * PSI,
+        Layout(name="zero1", dp=n, zero=1, shard=n): 4 * PSI + 12 * PSI / n,
+        Layout(name="zero2", dp=n, zero=2, shard=n): 2 * PSI + 14 * PSI / n,
+        Layout(name="fsdp", dp=n, zero=3, shard=n): 16 * PSI / n,
+    }
+    for layout, states in expected.items():
+        assert _memory(layout).model_states == pytest.approx(states, rel=1e-12), layout.name
+
+
+@pytest.mark.parametrize("precision, optimizer, per_param", [
+    ("fp32", "adamw", 16), ("fp32", "sgd", 8), ("fp32", "sgd-momentum", 12), ("bf16-mixed", "sgd", 8),
+])
+def test_bytes_per_parameter_by_precision_and_optimizer(precision, optimizer, per_param):
+    training = Training(precision=precision, optimizer=optimizer, micro_batch=1)
+    assert _memory(Layout(name="single"), training).model_states == per_param * PSI
+
+
+def test_activations_scale_with_micro_batch_and_shrink_with_checkpointing():
+    one = _memory(Layout(name="single"), Training(micro_batch=1)).activations
+    assert one == pytest.approx(STATS.activation_bytes_per_sample)  # 16-bit formula, bf16 training
+    assert _memory(Layout(name="single"), Training(micro_batch=4)).activations == pytest.approx(4 * one)
+    fp32 = _memory(Layout(name="single"), Training(micro_batch=1, precision="fp32")).activations
+    assert fp32 == pytest.approx(2 * one)
+    ckpt = _memory(Layout(name="single"), Training(micro_batch=1, checkpointing=True)).activations
+    assert ckpt < one / 5
+
+
+def test_pipeline_holds_m_micro_batches_under_gpipe_and_at_most_p_under_1f1b():
+    p, m = 4, 16
+    layout = Layout(name="pipeline", pp=p)
+    per_micro = STATS.activation_bytes_per_sample / p  # one micro-batch of one sample on a quarter of the layers
+    for schedule, in_flight in (("gpipe", m), ("1f1b", p)):
+        training = Training(micro_batch=1, global_batch=m, schedule=schedule)
+        assert _memory(layout, training).activations == pytest.approx(in_flight * per_micro), schedule
+    few = Training(micro_batch=1, global_batch=2, schedule="1f1b")  # m < p: only m in flight
+    assert _memory(layout, few).activations == pytest.approx(2 * per_micro)
+
+
+def test_pipeline_stage_holds_the_fullest_contiguous_run_of_units():
+    units = (("a", 5), ("b", 1), ("c", 1), ("d", 1), ("e", 5))
+    assert stage_params(units, 1) == 13
+    assert stage_params(units, 2) == 7   # a+b+c | d+e  (or a+b | c+d+e)
+    assert stage_params(units, 3) == 5   # a | b+c+d | e
+    assert stage_params(units, 5) == 5
+
+
+def test_buffers_ddp_two_buckets_fsdp_the_largest_unit_gathered():
+    ddp = _memory(Layout(name="ddp", dp=8))
+    assert ddp.buffers == 2 * 25 * 2**20
+    fsdp = _memory(Layout(name="fsdp", dp=8, zero=3, shard=8))
+    unit = STATS.largest_unit[1]
+    assert fsdp.buffers == 2 * unit * 2 + unit * 2  # current + prefetched bf16 unit, its bf16 gradient
+    assert ddp.overhead == fsdp.overhead == 0.75 * 2**30
+
+
+def test_layouts_follow_the_cluster_and_the_strategies_meshes():
+    cluster = make_cluster("h100", gpus=8, nodes=4)
+    found = layouts(cluster, n_units=26)
+    names = list(dict.fromkeys(lay.name for lay in found))
+    assert names == ["single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "hybrid", "model_parallel"]  # 32 stages > 26 units
+    assert [(lay.dp, lay.pp) for lay in found if lay.name == "hybrid"] == [(16, 2), (8, 4), (4, 8), (2, 16)]
+    assert [(lay.dp, lay.mp) for lay in found if lay.name == "model_parallel"] == [(16, 2), (8, 4), (4, 8)]
+    assert "pipeline" in [lay.name for lay in layouts(cluster, n_units=32)]
+    assert [lay.name for lay in layouts(make_cluster("h100", gpus=1), 26)] == ["single"]
+    assert "model_parallel" not in [lay.name for lay in layouts(make_cluster("cpu", gpus=2), 26)]
+
+
+def test_hsdp_shards_within_a_node_and_model_parallel_splits_layers_over_a_processs_gpus():
+    cluster = make_cluster("h100", gpus=8, nodes=4)
+    hsdp = Layout(name="hsdp", dp=32, zero=3, shard=8)
+    assert hsdp.replicas == 4
+    assert _memory(hsdp, cluster=cluster).model_states == pytest.approx(16 * PSI / 8)
+    mp = _memory(Layout(name="model_parallel", mp=4))
+    assert mp.model_states == 16 * stage_params(STATS.units, 4)
+    assert mp.activations == pytest.approx(STATS.activation_bytes_per_sample / 4)
+
+
+def test_bad_training_options_are_config_errors():
+    with pytest.raises(ConfigError, match="--batch must be >= 1, got -2"):
+        Training(micro_batch=-2)
+    with pytest.raises(ConfigError, match="unknown optimizer 'lamb'; choose one of: sgd, sgd-momentum, adam, adamw"):
+        Training(optimizer="lamb")
+    with pytest.raises(ConfigError, match="unknown precision"):
+        Training(precision="fp8")

@@ -1,0 +1,90 @@
+"""Planner recommendations: ddp when it fits, sharding when it does not, pipelines across slow links, honest CPU."""
+import math
+
+import pytest
+
+from paratrain.errors import ConfigError
+from paratrain.lr import scale_lr
+from paratrain.planner import Training, bubble_fraction, make_cluster, make_plan, recommend, transformer_stats
+from paratrain.planner.models import resolve_model
+from paratrain.workloads.gpt import GPT_CONFIGS
+
+
+def _stats(name):
+    return transformer_stats(GPT_CONFIGS[name], name=name)
+
+
+def test_ddp_when_it_fits_since_sharding_costs_time():
+    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8), Training(micro_batch=4))
+    assert plan.choice.name == "ddp" and plan.choice.fits
+    assert "shards nothing" in plan.reason
+    by_name = {e.name: e for e in plan.estimates}
+    assert by_name["zero1"].samples_per_s < by_name["ddp"].samples_per_s  # the extra parameter all-gather
+    assert by_name["single"].speedup == 1.0 and by_name["ddp"].speedup == pytest.approx(8, rel=0.05)
+
+
+def test_a_sharded_strategy_when_ddp_does_not_fit():
+    plan = recommend(_stats("gpt2-xl"), make_cluster("l4", gpus=8), Training(micro_batch=1))
+    by_name = {e.name: e for e in plan.estimates}
+    assert not by_name["ddp"].fits
+    assert plan.choice.name in ("zero1", "zero2", "fsdp") and plan.choice.fits
+    assert plan.reason.startswith("ddp needs") and "GiB per GPU" in plan.reason
+
+
+def test_pipeline_or_hybrid_across_a_slow_inter_node_link():
+    training = Training(micro_batch=8, global_batch=512)
+    fast = recommend(_stats("gpt2-large"), make_cluster("h100", gpus=8, nodes=4, inter_node="ib-ndr"), training)
+    slow = recommend(_stats("gpt2-large"), make_cluster("h100", gpus=8, nodes=4, inter_node="eth-10g"), training)
+    assert fast.choice.name == "ddp"
+    assert slow.choice.name in ("hybrid", "pipeline", "hsdp")
+    assert "faster than ddp" in slow.reason and "eth-10g" in slow.reason
+
+
+def test_smaller_micro_batch_and_accumulation_when_memory_is_tight():
+    plan = recommend(_stats("gpt2-medium"), make_cluster("l4", gpus=4), Training(micro_batch=32))
+    assert plan.choice.fits and plan.choice.batch.micro_batch < 32
+    assert plan.choice.batch.micro_batch * plan.choice.batch.micro_batches * 4 >= 128  # same global batch
+    assert any("does not fit micro-batches of 32" in s for s in plan.suggestions)
+
+
+def test_pipeline_suggests_more_micro_batches_when_the_bubble_is_large():
+    plan = recommend(_stats("gpt2-xl"), make_cluster("h100", gpus=4, nodes=2, inter_node="eth-10g"),
+                     Training(micro_batch=8, global_batch=32))
+    p, m = plan.choice.layout.pp, plan.choice.batch.micro_batches
+    assert plan.choice.name in ("hybrid", "pipeline") and p > 1  # gradients over 10 Gb/s ethernet are too slow
+    assert bubble_fraction(p, m) > 0.2
+    assert plan.suggestions[0].startswith(f"pipeline bubble {bubble_fraction(p, m):.0%} with {m} micro-batches: "
+                                          f"--micro-batches {4 * p} brings it to {bubble_fraction(p, 4 * p):.0%}")
+
+
+def test_a_cpu_host_says_more_processes_are_slower_than_threads():
+    plan = make_plan(model="mlp", gpu="cpu", gpus=2, micro_batch=64)
+    assert plan.training.precision == "fp32"
+    assert plan.choice.name == "single"
+    ddp = next(e for e in plan.estimates if e.name == "ddp")
+    assert ddp.speedup < 1
+    assert any("slower than threads" in n for n in plan.notes)
+
+
+def test_no_strategy_fits_names_the_need_and_what_to_try():
+    with pytest.raises(ConfigError) as err:
+        recommend(resolve_model(params="70B"), make_cluster("rtx-4090", gpus=2), Training(micro_batch=1))
+    message = str(err.value)
+    assert message.startswith("no strategy fits: need ") and "GiB per GPU" in message and "have 24.0; try " in message
+    assert "\n" not in message
+
+
+def test_lr_scaling_rules():
+    assert scale_lr(1e-3, 8) == pytest.approx(8e-3)
+    assert scale_lr(1e-3, 8, rule="sqrt") == pytest.approx(1e-3 * math.sqrt(8))
+    assert scale_lr(0.1, 1) == 0.1
+    with pytest.raises(ConfigError, match="unknown LR scaling rule 'cubic'"):
+        scale_lr(0.1, 4, rule="cubic")
+    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8), Training(micro_batch=4, global_batch=128))
+    assert plan.lr_factor == 32
+
+
+def test_says_so_when_every_multi_gpu_plan_is_slower_than_one_gpu():
+    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=4, nodes=2, inter_node="eth-10g"), Training())
+    assert plan.choice.speedup < 1
+    assert plan.notes and plan.notes[0].startswith(f"even {plan.choice.name} runs at") and "eth-10g" in plan.notes[0]

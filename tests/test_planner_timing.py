@@ -1,0 +1,97 @@
+"""Planner time model: collective formulas, pipeline bubble, overlap, calibration, hardware catalogue."""
+import pytest
+
+from paratrain.errors import ConfigError
+from paratrain.planner import (Layout, Link, Training, all_gather_s, all_reduce_s, batching, bubble_fraction,
+                               calibrated, get_device, make_cluster, p2p_s, reduce_scatter_s, step_time,
+                               transformer_stats)
+from paratrain.workloads.gpt import GPT_CONFIGS
+
+LINK = Link(name="test", bandwidth_gbs=100, latency_us=0)
+STATS = transformer_stats(GPT_CONFIGS["gpt2"], name="gpt2")
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_ring_collectives_follow_the_bandwidth_formulas(n):
+    size = 1e9
+    assert all_reduce_s(size, n, LINK) == pytest.approx(2 * (n - 1) / n * size / 100e9)
+    assert all_gather_s(size, n, LINK) == pytest.approx((n - 1) / n * size / 100e9)
+    assert reduce_scatter_s(size, n, LINK) == all_gather_s(size, n, LINK)
+    slow = Link(name="slow", bandwidth_gbs=100, latency_us=10)
+    assert all_reduce_s(size, n, slow) == pytest.approx(all_reduce_s(size, n, LINK) + 2 * (n - 1) * 10e-6)
+    assert all_reduce_s(size, 1, LINK) == 0.0
+
+
+def test_gloo_loopback_matches_the_field_notes():
+    # FIELD-NOTES: a 7.45 MB gradient takes 5-8 ms to all-reduce at world 2 over gloo on one host.
+    gloo = make_cluster("cpu", gpus=2).intra
+    assert 5e-3 <= all_reduce_s(7.45e6, 2, gloo) <= 8e-3
+    assert p2p_s(7.45e6, gloo) < all_reduce_s(7.45e6, 2, gloo) / 2  # point-to-point runs at 3-4 GB/s
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (4, 4), (4, 16), (8, 32)])
+def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
+    assert bubble_fraction(p, m) == pytest.approx((p - 1) / (m + p - 1))
+    training = Training(micro_batch=1, global_batch=m)
+    cluster = make_cluster("h100", gpus=p)
+    layout = Layout(name="pipeline", pp=p)
+    t = step_time(STATS, layout, batching(training, dp=1, pp=p, world_size=p), training, cluster)
+    assert t.bubble_s / (t.compute_s + t.bubble_s) == pytest.approx(bubble_fraction(p, m))
+
+
+def test_compute_time_is_flops_over_sustained_rate_and_ddp_hides_its_all_reduce():
+    training = Training(micro_batch=8)
+    cluster = make_cluster("h100", gpus=8)
+    single = step_time(STATS, Layout(name="single"), batching(training, dp=1, pp=1, world_size=1), training, cluster)
+    assert single.compute_s == pytest.approx(STATS.flops_per_sample * 8 / (989e12 * 0.4))
+    ddp = step_time(STATS, Layout(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, cluster)
+    assert ddp.comm_s == pytest.approx(all_reduce_s(STATS.params * 2, 8, cluster.intra))
+    assert ddp.exposed_comm_s == 0.0  # 0.25 GB over NVLink hides in backward
+    slow = make_cluster("h100", gpus=8, interconnect="pcie3-x4", mfu=1.0)
+    ddp_slow = step_time(STATS, Layout(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, slow)
+    hidden = slow.device.overlap * 2 / 3 * ddp_slow.compute_s
+    assert ddp_slow.exposed_comm_s == pytest.approx(ddp_slow.comm_s - hidden)
+
+
+def test_model_parallel_stages_take_turns_while_pipeline_stages_overlap():
+    training = Training(micro_batch=4, global_batch=32)
+    cluster = make_cluster("h100", gpus=8)
+    one = step_time(STATS, Layout(name="single"), batching(training, dp=1, pp=1, world_size=1), training, cluster)
+    mp = step_time(STATS, Layout(name="model_parallel", mp=8), batching(training, dp=1, pp=1, world_size=8),
+                   training, cluster)
+    assert mp.compute_s == pytest.approx(one.compute_s)  # 8 GPUs, one computing at a time
+    assert mp.comm_s == pytest.approx(8 * 2 * 7 * p2p_s(STATS.boundary_bytes_per_sample * 4, cluster.intra))
+    pp = step_time(STATS, Layout(name="pipeline", pp=8), batching(training, dp=1, pp=8, world_size=8), training, cluster)
+    assert pp.compute_s == pytest.approx(one.compute_s / 8)
+
+
+def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients_every_micro_batch():
+    training = Training(micro_batch=2, global_batch=64)
+    cluster = make_cluster("h100", gpus=8)
+    batch = batching(training, dp=8, pp=1, world_size=8)
+    assert (batch.micro_batch, batch.micro_batches) == (2, 4)
+    t = step_time(STATS, Layout(name="fsdp", dp=8, zero=3, shard=8), batch, training, cluster)
+    per_micro = 2 * all_gather_s(STATS.params * 2, 8, cluster.intra) + reduce_scatter_s(STATS.params * 2, 8, cluster.intra)
+    assert t.comm_s == pytest.approx(4 * per_micro)
+
+
+def test_calibration_sets_mfu_from_a_measured_step():
+    cluster = make_cluster("a100", gpus=1)
+    flops = 312e12 * 0.25  # a quarter of peak, sustained for one second
+    assert calibrated(cluster, flops_per_step=flops, step_time_s=1.0, precision="bf16-mixed").device.mfu == pytest.approx(0.25)
+    with pytest.raises(ConfigError, match="above a100-80gb's peak"):
+        calibrated(cluster, flops_per_step=flops, step_time_s=0.1, precision="bf16-mixed")
+
+
+def test_catalogue_names_aliases_and_overrides():
+    assert get_device("H100").name == "h100-80gb" and get_device("a100-40gb").memory_gib == 40
+    for name in ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "l4", "rtx-4090", "cpu"):
+        assert get_device(name).memory_gib > 0
+    c = make_cluster("a100", gpus=8, interconnect="nvlink", gpu_mem_gb=70, tflops=200, intra_bw_gbs=111)
+    assert (c.intra.name, c.intra.bandwidth_gbs) == ("nvlink3 (override)", 111)
+    assert (c.device.memory_gib, c.device.bf16_tflops) == (70, 200)
+    assert make_cluster("h100", gpus=8, interconnect="nvlink").intra.bandwidth_gbs == 450  # NVLink4: 900 both ways
+    with pytest.raises(ConfigError, match="unknown GPU 'v100'; choose one of: a100-40gb, .*, cpu"):
+        get_device("v100")
+    with pytest.raises(ConfigError, match="l4 has no NVLink"):
+        make_cluster("l4", gpus=2, interconnect="nvlink")
