@@ -82,3 +82,54 @@ def test_logger_lines_carry_the_rank(capsys):
     par = paratrain.Parallel()
     par.logger.info("hello")
     assert "[rank 0/1] INFO hello" in capsys.readouterr().err
+
+
+def _env(world: int) -> ClusterEnv:
+    return ClusterEnv(rank=0, world_size=world, local_world_size=world, master_port=1, launched=True)
+
+
+@pytest.mark.parametrize("strategy, options, world, words", [
+    ("dp", {}, 2, "use strategy 'ddp'"),
+    ("hybrid", {"dp": 3}, 4, "cannot split 4 processes into dp=3"),
+    ("hybrid", {}, 2, "needs dp >= 2 and pp >= 2"),
+    ("hsdp", {"shard_size": 3}, 4, "shard groups of 3"),
+    ("hsdp", {}, 2, "plain"),
+    ("pipeline", {}, 1, "at least 2 pipeline stages"),
+    ("pipeline", {"schedule": "zigzag"}, 2, "unknown pipeline schedule"),
+    ("pipeline", {"schedule": "gpipe", "stages_per_rank": 2}, 2, "one stage per rank"),
+    ("zero3", {"min_params": 0}, 2, "min_params"),
+    ("ddp", {"comm_hook": "int8"}, 2, "unknown comm_hook"),
+])
+def test_bad_strategy_setups_are_one_line_errors_before_any_process_group(strategy, options, world, words):
+    with pytest.raises(ConfigError, match=words) as info:
+        paratrain.Parallel(strategy, env=_env(world), **options)
+    assert "\n" not in str(info.value)
+
+
+def test_fp16_mixed_needs_cuda():
+    with pytest.raises(ConfigError, match="fp16-mixed' needs CUDA.*use 'bf16-mixed'"):
+        paratrain.Parallel(precision="fp16-mixed", accelerator="cpu")
+
+
+def test_model_parallel_split_must_fit_the_model():
+    from paratrain.strategies.model_parallel import balance, stage_of_layers
+
+    with pytest.raises(ConfigError, match="does not fit a model with 3 layers"):
+        stage_of_layers(3, [5])
+    with pytest.raises(ConfigError, match="at most 2 stages"):
+        balance([1, 1], 3)
+    assert balance([4, 1, 1, 1, 1], 2) == [1]  # the big first layer stands alone
+    assert stage_of_layers(5, [1, 3]) == [0, 1, 1, 2, 2]
+
+
+def test_lr_scaling_and_warmup():
+    assert paratrain.scale_lr(0.1, 4) == pytest.approx(0.4)
+    assert paratrain.scale_lr(0.1, 4, rule="sqrt") == pytest.approx(0.2)
+    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0)
+    sched = paratrain.linear_warmup(opt, 4)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])

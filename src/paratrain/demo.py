@@ -22,7 +22,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="paratrain.demo", description=__doc__)
     p.add_argument("--strategy", default="auto", help="parallel strategy (default: auto)")
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="global batch per optimizer step, split over replicas and accumulation steps")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -40,6 +41,17 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
+
+
+def micro_batch(args: argparse.Namespace, par: Parallel) -> int:
+    """Samples each replica reads per micro-step for the requested global batch."""
+    from .errors import ConfigError
+
+    parts = par.data_parallel_size * args.accumulate
+    if args.batch_size % parts:
+        raise ConfigError(f"--batch-size {args.batch_size} does not split over {par.data_parallel_size} replica(s) "
+                          f"x {args.accumulate} accumulation step(s); use a multiple of {parts}")
+    return args.batch_size // parts
 
 
 def evaluate(par: Parallel, model: nn.Module, loader: DataLoader) -> tuple[float, float]:
@@ -67,8 +79,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         train_set, test_set = load_digits_split(seed=args.seed)
         model = digits_cnn()
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-        # drop_last: every step has a full batch, which pipelines split into equal micro-batches
-        train = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
+        # The global batch is fixed, so every strategy and world size trains the same math per step.
+        # drop_last: every step has a full batch, which pipelines split into equal micro-batches.
+        train = DataLoader(train_set, batch_size=micro_batch(args, par), shuffle=True, drop_last=True)
         test = DataLoader(test_set, batch_size=120)
         model, optimizer, train = par.prepare(model, optimizer, train)
         steps = args.epochs * -(-len(train) // args.accumulate)

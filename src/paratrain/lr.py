@@ -26,3 +26,19 @@ def scale_lr(base_lr: float, world_size: float, rule: str = "linear") -> float:
     if rule == "sqrt":
         return base_lr * math.sqrt(world_size)
     raise ConfigError(f"unknown LR scaling rule {rule!r}; choose one of: {', '.join(RULES)}")
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """LR multiplier of a linear warmup: (step + 1) / warmup_steps for the first steps, then 1."""
+    if warmup_steps < 0:
+        raise ConfigError(f"warmup steps must be >= 0, got {warmup_steps}")
+    return 1.0 if step >= warmup_steps else (step + 1) / warmup_steps
+
+
+def linear_warmup(optimizer: "torch.optim.Optimizer", warmup_steps: int) -> "torch.optim.lr_scheduler.LambdaLR":
+    """A scheduler that ramps every group's LR linearly up over ``warmup_steps`` optimizer steps: the usual
+    companion of a scaled LR, since a large LR from step one can diverge."""
+    import torch
+
+    warmup_factor(0, warmup_steps)  # validates
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step, warmup_steps))

@@ -11,7 +11,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--nproc", type=str, default=None, help="processes (default: GPUs, or 2 on CPU)")
     p.add_argument("--strategy", default="auto", help="parallel strategy (default: auto)")
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="global batch per optimizer step (split over processes and accumulation steps)")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)

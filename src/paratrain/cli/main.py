@@ -3,6 +3,8 @@
 Commands:
   paratrain run [-n N] [torchrun flags…] script.py [args…]   launch a script on N processes per node
   paratrain demo [-n N] [--strategy S] [--epochs E]          train a CNN on the bundled digits data
+  paratrain plan --model gpt2-medium --gpus 8 --gpu h100    memory per GPU and step time of every strategy
+  paratrain doctor [--json] [--skip-bandwidth]              check the environment, measure all-reduce bandwidth
 
 Errors print one line; add --debug (before the command) for the full traceback.
 """
