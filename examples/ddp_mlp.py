@@ -12,6 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 
+# test-launch: python | paratrain run -n 2
+
 
 def main() -> None:
     p = argparse.ArgumentParser()

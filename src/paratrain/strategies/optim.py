@@ -1,6 +1,7 @@
 """Re-creating the user's optimizer over new parameter objects (sharded or wrapped), keeping its settings."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -35,8 +36,16 @@ def param_groups_for(optimizer: torch.optim.Optimizer, names: dict[int, str], mo
     return groups
 
 
+def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its class's constructor accepts (AdamW's include one it does not)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
 def rebuild(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, *,
             subset: bool = False) -> torch.optim.Optimizer:
     """A new optimizer of the same class and settings over ``model``'s current parameters."""
     groups = [g for g in param_groups_for(optimizer, names, model, subset=subset) if g["params"]]
-    return type(optimizer)(groups, **optimizer.defaults)
+    return type(optimizer)(groups, **constructor_defaults(optimizer))

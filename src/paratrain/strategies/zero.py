@@ -8,7 +8,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .base import Runtime
 from .ddp import DDPStrategy
-from .optim import param_groups_for
+from .optim import constructor_defaults, param_groups_for
 from .registry import register
 
 
@@ -24,7 +24,7 @@ class Zero1Strategy(DDPStrategy):
         groups = param_groups_for(optimizer, names, inner)
         return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
                                        process_group=rt.mesh.get_group() if rt.mesh is not None else None,
-                                       **optimizer.defaults)
+                                       **constructor_defaults(optimizer))
 
     def describe(self) -> str:
         return "zero1(ddp + ZeroRedundancyOptimizer)"
