@@ -43,7 +43,7 @@ def test_failing_rank_ends_the_job_fast_and_names_the_rank(paratrain_cmd, tmp_pa
     assert elapsed < 10, f"job took {elapsed:.1f} s to fail"
     report = res.stderr[res.stderr.index("paratrain: rank 1 failed"):]
     if how == "raise":
-        assert "(exit code 1)" in report and "RuntimeError: planted failure at step 5" in report
+        assert "(exit code 1: " in report and "RuntimeError: planted failure at step 5" in report
         assert "worker.py" not in report  # the launcher's own frames are hidden
     else:
         assert "killed by SIGKILL" in report
@@ -65,6 +65,8 @@ def test_bad_input_gives_one_line_errors(paratrain_cmd, tmp_path):
     _one_line_error(_run([*paratrain_cmd, "run", "-m", "no_such_module_xyz"]), "not found")
     _one_line_error(_run([*paratrain_cmd, "run", "--no-such-flag", script]), "unrecognized")
     _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "nope"]), "unknown strategy 'nope'; choose one of")
+    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "dp", "-n", "2"]), "use strategy 'ddp'")
+    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "hybrid", "-n", "2"]), "launch 4 processes")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -82,3 +84,10 @@ def test_console_script_is_installed():
     exe = Path(sys.executable).with_name("paratrain")
     res = _run([str(exe), "--version"])
     assert res.returncode == 0 and res.stdout.startswith("paratrain ")
+
+
+def test_a_paratrain_error_inside_the_ranks_ends_in_one_line(paratrain_cmd):
+    res = _run([*paratrain_cmd, "run", "-n", "2", str(SCRIPTS.parent.parent / "examples" / "data_parallel_dp.py")])
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("paratrain: error: strategy 'dp' (nn.DataParallel) runs in one process") and "(rank " in last

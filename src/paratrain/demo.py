@@ -30,12 +30,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Reject bad options before any process starts."""
+def check_args(args: argparse.Namespace, nproc: int | None = None) -> None:
+    """Reject bad options before any process starts (with ``nproc``: also a strategy that cannot run on it)."""
     from .errors import ConfigError
     from .strategies import check_name
 
     check_name(args.strategy)
+    if nproc is not None and args.strategy != "auto":
+        from .env import ClusterEnv
+        from .strategies import create
+
+        create(args.strategy).validate(ClusterEnv(world_size=nproc, local_world_size=nproc, launched=True))
     for name in ("epochs", "batch_size", "accumulate"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -20,11 +20,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def execute(args: argparse.Namespace) -> int:
     from ..demo import check_args
-    from ..launch.torchrun import run
+    from ..launch.torchrun import default_nproc, run
 
-    check_args(args)
     if args.nproc is None and args.strategy == "dp":
         args.nproc = "1"  # nn.DataParallel drives every GPU from one process
+    check_args(args, int(args.nproc) if args.nproc and args.nproc.isdigit() else default_nproc())
     nproc = [] if args.nproc is None else ["--nproc-per-node", args.nproc]
     run([*nproc, "-m", "paratrain.demo", "--strategy", args.strategy, "--epochs", str(args.epochs),
          "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate), "--lr", str(args.lr),

@@ -6,6 +6,8 @@ import socket
 from ..errors import RankFailedError
 
 _MAX_TRACE_LINES = 30
+_OWN_ERRORS = tuple(f"paratrain.errors.{name}" for name in ("ParatrainError", "ConfigError", "UnknownStrategyError",
+                                                            "LaunchError"))
 
 
 # Errors a rank raises because a peer died first: never the root cause when a real one is there.
@@ -57,7 +59,15 @@ def user_frames(trace: str) -> str:
 
 
 def format_failure(err: RankFailedError) -> str:
-    """A short report that leads with the failing rank and ends with the tail of its traceback."""
+    """A short report that leads with the failing rank and ends with the tail of its traceback.
+
+    A paratrain error (bad options, detected identically on every rank) is already a one-line diagnosis:
+    it is shown alone, without the traceback.
+    """
+    last = err.traceback.strip().splitlines()[-1] if err.traceback and err.traceback.strip() else ""
+    own = next((last.split(": ", 1)[1] for prefix in _OWN_ERRORS if last.startswith(prefix + ": ")), None)
+    if own is not None:
+        return f"paratrain: error: {own} (rank {err.rank})"
     lines = [f"paratrain: {err}", f"  rank {err.rank}  host {err.host}  pid {err.pid}"]
     if err.traceback:
         tb = user_frames(err.traceback).splitlines()
