@@ -67,8 +67,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             )
     if isinstance(args.nproc_per_node, int) and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cpu_count() // args.nproc_per_node))
-    # Restarted workers must not reuse the previous attempt's store address (a known torchrun trap).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if args.max_restarts > 0:
+        # Restarted gloo workers can reconnect to the previous attempt's store address (a torchrun trap);
+        # a store of their own per attempt avoids it. Not by default: rank 0 then starts that store and the
+        # other ranks wait for it, which costs about a second at every launch.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not args.no_python and not args.run_path:
         target = ["-m", args.training_script] if args.module else [args.training_script]
         args.training_script_args = [*target, *args.training_script_args]
