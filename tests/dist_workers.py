@@ -205,3 +205,10 @@ def pipeline_bad_inputs() -> list[str]:
             errors.append(str(err))
     dist.destroy_process_group()
     return errors
+
+
+def backend_and_device() -> tuple[str, str]:
+    par = paratrain.Parallel("ddp")
+    out = (dist.get_backend(), str(par.device))
+    par.close()
+    return out
