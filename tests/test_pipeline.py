@@ -10,9 +10,12 @@ STEPS, GLOBAL_BATCH = 20, 16
 
 @pytest.mark.parametrize("strategy, world, accumulate, options", [
     ("pipeline", 2, 1, {"schedule": "gpipe"}),
+    ("pipeline", 2, 2, {"schedule": "gpipe"}),
     ("pipeline", 2, 1, {"schedule": "1f1b"}),
     ("pipeline", 2, 2, {"schedule": "1f1b", "microbatches": 8}),
+    ("pipeline", 4, 1, {"schedule": "1f1b", "split": [1, 2, 4]}),  # 4 stages of a 5-layer model
     ("pipeline", 2, 1, {"schedule": "interleaved-1f1b"}),
+    ("pipeline", 2, 2, {"schedule": "interleaved-1f1b"}),
     ("hybrid", 4, 1, {}),                                  # 2 DDP replicas x 2 stages
     ("hybrid", 4, 2, {"data": "fsdp"}),                    # 2 FSDP shards x 2 stages, accumulating
 ])
