@@ -9,6 +9,9 @@
 3. Scaling on a fixed global batch of 128: 1 process x 1 thread, 2 processes x 1 thread (DDP), and
    1 process x 2 threads, each a fresh ``paratrain.launch`` job per round, order rotated every round.
 
+Each part also reports the share of the machine that other processes used while it ran (machine CPU time from
+/proc/stat minus this process tree's own); above 5% the part is flagged, since 2 busy cores skew everything.
+
 Run (about 2-3 minutes on 2 cores):
     cd /work/main && .venv/bin/python benchmarks/ddp_overhead.py [--rounds 5] [--steps 50] [--quick] [--json PATH]
 """
@@ -147,39 +150,54 @@ def verdict(ratio: float, target: float) -> str:
 def background_line(result: dict) -> str:
     share = result["background_share"]
     note = "  ** machine was not idle: numbers are suspect **" if share > 0.05 else ""
-    return f"   other processes used {100 * share:.1f}% of the {CORES} cores during this part ({result['wall_s']:.0f} s){note}"
+    return (f"   other processes used {100 * share:.1f}% of the {CORES} cores during this part "
+            f"({result['wall_s']:.0f} s){note}")
+
+
+def format_step(step: dict) -> list[str]:
+    rounds, m = step["per_round_ms"], step["median_ms"]
+    lines = [f"1. Step time, world 2, batch {BATCH_PER_RANK}/rank, 1 thread/rank (rank 0, ms per step)",
+             f"   {'round':<8}{'paratrain':>11}{'torch':>11}{'ratio':>9}"]
+    for i, (p, t) in enumerate(zip(rounds["paratrain"], rounds["torch"]), 1):
+        lines.append(f"   {i:<8}{p:>11.2f}{t:>11.2f}{p / t:>9.3f}")
+    return [*lines,
+            f"   {'median':<8}{m['paratrain']:>11.2f}{m['torch']:>11.2f}{step['ratio']:>9.3f}   "
+            f"({verdict(step['ratio'], STEP_TARGET)})",
+            f"   median of the per-round ratios: {step['median_round_ratio']:.3f}",
+            f"   paratrain vs torch parameters after training: max |diff| = {step['max_param_diff']:.3g}; "
+            "each model identical on both ranks",
+            background_line(step)]
+
+
+def format_launch(launch: dict) -> list[str]:
+    first, mf, me = launch["first_step_s"], launch["median_first_step_s"], launch["median_exit_s"]
+    lines = ["2. Launch to first step, 2 processes, OMP_NUM_THREADS=1 (seconds)",
+             f"   {'round':<8}{'paratrain run':>15}{'torchrun':>11}"]
+    for i, (p, t) in enumerate(zip(first["paratrain run"], first["torchrun"]), 1):
+        lines.append(f"   {i:<8}{p:>15.3f}{t:>11.3f}")
+    return [*lines,
+            f"   {'median':<8}{mf['paratrain run']:>15.3f}{mf['torchrun']:>11.3f}   ratio {launch['ratio']:.3f} "
+            f"({verdict(launch['ratio'], LAUNCH_TARGET)})",
+            f"   {'to exit':<8}{me['paratrain run']:>15.3f}{me['torchrun']:>11.3f}   (median, launcher start to exit)",
+            background_line(launch)]
+
+
+def format_scaling(scaling: dict, cfg: dict) -> list[str]:
+    lines = [f"3. Scaling, fixed global batch {GLOBAL_BATCH}, {cfg['steps']} steps (median of {cfg['rounds']} jobs)",
+             f"   {'config':<28}{'time s':>9}{'samples/s':>11}{'speedup':>9}{'efficiency':>12}"]
+    for name, (nprocs, threads) in SCALING.items():
+        t, sp = scaling["median_elapsed_s"][name], scaling["speedup"][name]
+        lines.append(f"   {name:<28}{t:>9.3f}{scaling['samples_per_s'][name]:>11.0f}{sp:>8.2f}x"
+                     f"{sp / (nprocs * threads):>12.2f}")
+    return [*lines, background_line(scaling)]
 
 
 def format_report(cfg: dict, step: dict, launch: dict, scaling: dict) -> str:
-    lines = [f"torch {torch.__version__}, {CORES} cores, gloo, MLP 784-1024-1024-10, SGD; "
-             f"rounds={cfg['rounds']} warmup={cfg['warmup']} steps={cfg['steps']}", "",
-             f"1. Step time, world 2, batch {BATCH_PER_RANK}/rank, 1 thread/rank (rank 0, ms per step)",
-             f"   {'round':<8}{'paratrain':>11}{'torch':>11}{'ratio':>9}"]
-    for i, (p, t) in enumerate(zip(step["per_round_ms"]["paratrain"], step["per_round_ms"]["torch"]), 1):
-        lines.append(f"   {i:<8}{p:>11.2f}{t:>11.2f}{p / t:>9.3f}")
-    m = step["median_ms"]
-    lines += [f"   {'median':<8}{m['paratrain']:>11.2f}{m['torch']:>11.2f}{step['ratio']:>9.3f}   "
-              f"({verdict(step['ratio'], STEP_TARGET)})",
-              f"   median of the per-round ratios: {step['median_round_ratio']:.3f}",
-              f"   paratrain vs torch parameters after training: max |diff| = {step['max_param_diff']:.3g}; "
-              "each model identical on both ranks", background_line(step), "",
-              "2. Launch to first step, 2 processes, OMP_NUM_THREADS=1 (seconds)",
-              f"   {'round':<8}{'paratrain run':>15}{'torchrun':>11}"]
-    for i, (p, t) in enumerate(zip(launch["first_step_s"]["paratrain run"], launch["first_step_s"]["torchrun"]), 1):
-        lines.append(f"   {i:<8}{p:>15.3f}{t:>11.3f}")
-    mf, me = launch["median_first_step_s"], launch["median_exit_s"]
-    lines += [f"   {'median':<8}{mf['paratrain run']:>15.3f}{mf['torchrun']:>11.3f}   ratio {launch['ratio']:.3f} "
-              f"({verdict(launch['ratio'], LAUNCH_TARGET)})",
-              f"   {'to exit':<8}{me['paratrain run']:>15.3f}{me['torchrun']:>11.3f}   (median, launcher start to exit)",
-              background_line(launch), "",
-              f"3. Scaling, fixed global batch {GLOBAL_BATCH}, {cfg['steps']} steps (median of {cfg['rounds']} jobs)",
-              f"   {'config':<28}{'time s':>9}{'samples/s':>11}{'speedup':>9}{'efficiency':>12}"]
-    for name, (nprocs, threads) in SCALING.items():
-        sp = scaling["speedup"][name]
-        lines.append(f"   {name:<28}{scaling['median_elapsed_s'][name]:>9.3f}{scaling['samples_per_s'][name]:>11.0f}"
-                     f"{sp:>8.2f}x{sp / (nprocs * threads):>12.2f}")
-    lines.append(background_line(scaling))
-    return "\n".join(lines)
+    header = [f"paratrain {paratrain.__version__} from {cfg['paratrain']}, torch {torch.__version__}, "
+              f"{CORES} cores, gloo",
+              f"MLP 784-1024-1024-10, SGD; rounds={cfg['rounds']} warmup={cfg['warmup']} steps={cfg['steps']}"]
+    sections = [header, format_step(step), format_launch(launch), format_scaling(scaling, cfg)]
+    return "\n\n".join("\n".join(lines) for lines in sections)
 
 
 def parse_args() -> argparse.Namespace:
@@ -197,7 +215,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    cfg = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
+    cfg = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+           "paratrain": str(Path(paratrain.__file__).parent)}
     t0 = time.perf_counter()
     step = audited(lambda: bench_step_time(args.rounds, args.warmup, args.steps))
     launch = audited(lambda: bench_launch(args.rounds))
