@@ -212,3 +212,29 @@ def backend_and_device() -> tuple[str, str]:
     out = (dist.get_backend(), str(par.device))
     par.close()
     return out
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 1)
+        self.spare = nn.Linear(4, 1)  # never called: DDP waits for its gradient forever
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def unused_parameter_error() -> str:
+    """The error a DDP model with a parameter that gets no gradient raises at its next step."""
+    par = paratrain.Parallel("ddp")
+    model = _TwoHeads()
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        for _ in range(2):
+            with par.step(model, opt):
+                par.backward(model(torch.randn(2, 4)).sum())
+    except paratrain.ConfigError as err:
+        return str(err)
+    finally:
+        dist.destroy_process_group()
+    return ""

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from dist_workers import epoch_indices, existing_group_is_reused, reductions, seeding_probe, train_params
+from dist_workers import (epoch_indices, existing_group_is_reused, reductions, seeding_probe, train_params,
+                          unused_parameter_error)
 from paratrain.testing import max_abs_diff, spawn
 
 STEPS, BATCH = 20, 8
@@ -59,3 +60,9 @@ def test_metric_reductions_across_ranks():
 def test_a_group_started_by_the_script_is_used_and_left_alone():
     for owns, still in spawn(existing_group_is_reused, 2):
         assert not owns and still
+
+
+def test_unused_parameters_are_named_with_the_fix():
+    for message in spawn(unused_parameter_error, 2):
+        assert "spare.weight, spare.bias" in message and "find_unused_parameters=True" in message
+        assert "\n" not in message

@@ -14,7 +14,6 @@ The tail, when the dataset size N does not divide by the world size W:
 """
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterator
 
@@ -105,9 +104,3 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int, e
         pin_memory_device=loader.pin_memory_device,
         **extra,
     )
-
-
-def steps_per_epoch(n_samples: int, world_size: int, batch_size: int, drop_last: bool) -> int:
-    """Batches each rank reads per epoch with ``even=True`` sharding."""
-    per_rank = n_samples // world_size if drop_last else math.ceil(n_samples / world_size)
-    return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)

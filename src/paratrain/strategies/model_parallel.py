@@ -12,11 +12,13 @@ The root module's own parameters (those not inside a layer) stay on the first st
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_map
 
 from ..env import ClusterEnv
@@ -154,12 +156,8 @@ class ModelParallelStrategy(Strategy):
             return model
         return apply_ddp(model, rt.mesh, None, DDPConfig())
 
-    def no_sync(self, model: nn.Module):
-        from contextlib import nullcontext
-
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return model.no_sync() if isinstance(model, DDP) else nullcontext()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return getattr(model, "module", model)
+        return model.module if isinstance(model, DDP) else model
