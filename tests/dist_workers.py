@@ -132,7 +132,7 @@ def state_bytes(strategy: str, blocks: int = 8, width: int = 64) -> dict[str, in
     """Per-rank bytes of parameters (largest of at rest and between forward and backward), gradients and
     Adam state, counted from the local tensors/shards this rank holds."""
     par = paratrain.Parallel(strategy, **({"min_params": 1000} if strategy in ("zero2", "zero3") else {}))
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)])
+    model = state_model(blocks, width)
     model, opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     x = torch.randn(4, width)
     with par.step(model, opt):
@@ -146,7 +146,12 @@ def state_bytes(strategy: str, blocks: int = 8, width: int = 64) -> dict[str, in
                       if isinstance(v, torch.Tensor) and v.dim() > 0)
     par.close()
     return {"params": max(at_rest, in_step), "grads": grads, "optim": optim_state,
-            "full_params": sum(p.numel() * 4 for p in nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)]).parameters())}
+            "full_params": sum(p.numel() * 4 for p in state_model(blocks, width).parameters())}
+
+
+def state_model(blocks: int = 8, width: int = 64) -> nn.Sequential:
+    """The model the state-accounting tests shard (also a factory the planner can load)."""
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)])
 
 
 class _LiveBytes:

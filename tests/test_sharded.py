@@ -3,6 +3,7 @@ and sharding really shrinks per-rank state by the ZeRO accounting."""
 import pytest
 
 from dist_workers import state_bytes, train_params
+from paratrain.planner import make_plan
 from paratrain.testing import max_abs_diff, spawn
 
 STEPS, BATCH = 20, 8
@@ -75,8 +76,8 @@ def _train_kw(strategy, world, options, parallel_kwargs):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting(world):
-    results = {s: spawn(state_bytes, world, (s,))[0] for s in ("ddp", "zero1", "zero2", "zero3")}
+def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planner_predicts_it(world):
+    results = {s: _largest(spawn(state_bytes, world, (s,))) for s in ("ddp", "zero1", "zero2", "zero3")}
     p = results["ddp"]["full_params"]  # fp32 parameters, bytes
     expected = {  # (params, grads, Adam state) per rank, in bytes
         "ddp": (p, p, 2 * p),
@@ -88,3 +89,17 @@ def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting(world):
         got = results[strategy]
         for key, want in (("params", ep), ("grads", eg), ("optim", eo)):
             assert abs(got[key] - want) <= 0.05 * want, (strategy, key, got[key], want)
+    # the planner, which never runs the model, predicts the same bytes
+    plan = make_plan(model="dist_workers:state_model", input_spec="64", gpu="cpu", gpus=world,
+                     precision="fp32", optimizer="adam", micro_batch=4)
+    predicted = {e.name: e.memory for e in plan.estimates}
+    for strategy, got in results.items():
+        memory = predicted["fsdp" if strategy == "zero3" else strategy]
+        for key, planned in (("params", memory.parameters), ("grads", memory.gradients),
+                             ("optim", memory.optimizer_states)):
+            assert abs(planned - got[key]) <= 0.05 * got[key], (strategy, key, planned, got[key])
+
+
+def _largest(ranks: list[dict[str, int]]) -> dict[str, int]:
+    """Per key, the largest count over ranks (ZeRO-1 can shard unevenly)."""
+    return {key: max(r[key] for r in ranks) for key in ranks[0]}
