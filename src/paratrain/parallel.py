@@ -77,6 +77,8 @@ class Parallel:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         self.env = env if env is not None else ClusterEnv.from_environ()
         self.strategy = _resolve_strategy(strategy, self.env, strategy_options)
+        # "auto" with several processes starts as ddp and may move to a ZeRO stage once prepare sees the model
+        self._auto_pending = strategy == "auto" and self.env.world_size > 1 and not strategy_options
         self.strategy.validate(self.env)
         self.precision: Precision = create_precision(precision)
         self.accumulate = accumulate
@@ -186,6 +188,8 @@ class Parallel:
         ``par.device`` then names where the model's outputs land (the last stage for ``model_parallel``), so
         moving targets there is always right.
         """
+        if self._auto_pending:
+            self._choose_auto(model)
         rt = self._runtime()
         wrapped = self.strategy.wrap_model(self.precision.convert_module(model), rt)
         if not self.strategy.native_precision:
@@ -194,6 +198,20 @@ class Parallel:
         if self._seed is not None:  # model init is done: give each rank its own random stream
             seed_all(rank_seed(self._seed, self.rank))
         return wrapped
+
+    def _choose_auto(self, model: nn.Module) -> None:
+        """Let the planner pick ddp or a ZeRO stage for this model on this hardware; say which and why."""
+        from .planner.auto import choose, local_cluster
+
+        self._auto_pending = False
+        cluster = local_cluster(self.device, self.env.world_size, self.env.local_world_size)
+        choice = choose(model, cluster, self.precision.name)
+        if choice.strategy != self.strategy.name:
+            self.strategy = strategies.create(choice.strategy)
+        self.print(f"paratrain: strategy 'auto' chose {choice.strategy}: {choice.reason}")
+        if self.device.type == "cpu":
+            self.print("paratrain: note: on a CPU-only host, several processes are usually slower than one process "
+                       "with as many threads (gradients cross gloo at ~1 GB/s); `paratrain plan --gpu cpu` estimates it")
 
     def prepare_loader(self, loader: DataLoader, *, even: bool = True, shard: bool = True) -> DataLoader:
         """A per-rank copy of ``loader`` (see :mod:`paratrain.data` for what happens to the tail).

@@ -1,0 +1,70 @@
+"""``strategy="auto"``: the data-parallel strategy a job should use for a model, from the planner's memory model.
+
+``Parallel`` decides when ``prepare`` first sees the model, before anything is wrapped. It knows the
+parameters and the hardware, not the batch, so it decides on model states (parameters, gradients, optimizer
+state, buffers, overhead): DDP when they fit, since sharding only costs time, else the least sharding that
+fits (zero1, zero2, zero3). Activation memory depends on the batch: ``paratrain plan`` weighs it too.
+All candidates share the one-dimensional data-parallel mesh, so the choice never changes the process layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .hardware import Cluster, make_cluster
+from .layout import Layout
+from .model_stats import ModelStats, wrap_units
+from .recommend import estimate
+from .training import Training
+
+CANDIDATES = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoChoice:
+    strategy: str
+    reason: str
+
+
+def parameter_stats(model: nn.Module) -> ModelStats:
+    """Sizes only (no trace, no batch): enough to decide on model states."""
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    units = tuple((name, sum(p.numel() for p in m.parameters())) for name, m in wrap_units(model)) or (("model", params),)
+    largest = max(((n, sum(p.numel() for p in m.parameters(recurse=False))) for n, m in model.named_modules()),
+                  key=lambda x: x[1])
+    return ModelStats(name=type(model).__name__, params=params, units=units, largest_layer=largest,
+                      flops_per_sample=0.0, activation_bytes_per_sample=0.0, checkpointed_bytes_per_sample=0.0,
+                      boundary_bytes_per_sample=0.0, source="parameters only (strategy='auto')")
+
+
+def local_cluster(device: torch.device, world_size: int, local_world_size: int) -> Cluster:
+    """This job's hardware: the GPUs' real memory, or this host's RAM shared by its CPU processes."""
+    nodes = max(world_size // max(local_world_size, 1), 1)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory / GIB
+        return make_cluster("h100", gpus=local_world_size, nodes=nodes, gpu_mem_gb=memory)
+    return make_cluster("cpu", gpus=local_world_size, nodes=nodes)
+
+
+def choose(model: nn.Module, cluster: Cluster, precision: str) -> AutoChoice:
+    """The first of ddp, zero1, zero2, zero3 whose model states fit one rank's memory (Adam assumed)."""
+    stats = parameter_stats(model)
+    n = cluster.world_size
+    training = Training(precision=precision if precision in ("fp32", "bf16-mixed", "fp16-mixed") else "fp32",
+                        optimizer="adamw", micro_batch=1)
+    tried = []
+    for name, zero in CANDIDATES:
+        layout = Layout(name=name if zero < 3 else "fsdp", dp=n, zero=zero, shard=n if zero else 1)
+        e = estimate(stats, layout, training, cluster)
+        tried.append(f"{name} {e.memory.total / GIB:.2f}")
+        if e.fits:
+            why = (f"{stats.params / 1e6:.1f}M parameters need {e.memory.total / GIB:.2f} GiB per rank under {name} "
+                   f"(model states with Adam, buffers, runtime), of {e.capacity / GIB:.1f} GiB")
+            if name != "ddp":
+                why += f" (ddp would need {tried[0].split()[1]} GiB)"
+            return AutoChoice(strategy=name, reason=why)
+    return AutoChoice(strategy="zero3", reason=f"nothing fits by the planner ({', '.join(tried)} GiB per rank); "
+                                               "zero3 shards the most — see `paratrain plan`")
