@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,7 @@ BATCH_PER_RANK = 64
 GLOBAL_BATCH = 128
 STEP_TARGET = 1.01
 LAUNCH_TARGET = 1.0
+JOB_TIMEOUT_S = 120
 SCALING = {"1 proc x 1 thread": (1, 1), "2 procs x 1 thread (DDP)": (2, 1), "1 proc x 2 threads": (1, 2)}
 
 
@@ -94,26 +96,36 @@ def launch_commands(out_dir: Path) -> dict[str, list[str]]:
             "torchrun": [str(bindir / "torchrun"), "--nproc-per-node", "2", script, str(out_dir)]}
 
 
-def time_first_step(name: str) -> tuple[float, float]:
-    """(seconds to the last rank's first finished step, seconds until the launcher exited)."""
+def time_first_step(name: str) -> tuple[float, float | None]:
+    """(seconds to the last rank's first finished step, seconds until the launcher exited).
+
+    A job that records both first steps but then does not exit within ``JOB_TIMEOUT_S`` is killed with its
+    workers and reported as hung (exit time None); any other failure stops the benchmark.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="ddp-overhead-") as tmp:
         cmd = launch_commands(Path(tmp))[name]
         t0 = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        exited = time.time() - t0
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # its own process group: a hung job dies whole
+        try:
+            _, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
+            exited: float | None = time.time() - t0
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate()
+            exited = None
         stamps = [float(p.read_text()) for p in Path(tmp).glob("rank*.txt")]
-    if len(stamps) != 2:
-        raise RuntimeError(f"{name}: expected 2 rank time stamps, got {len(stamps)}")
+    if len(stamps) != 2 or (exited is not None and proc.returncode != 0):
+        raise RuntimeError(f"{' '.join(cmd)}: exit code {proc.returncode}, {len(stamps)} of 2 first steps "
+                           f"recorded:\n{stderr[-3000:]}")
     return max(stamps) - t0, exited
 
 
 def bench_launch(rounds: int) -> dict:
     names = list(launch_commands(Path()))
     first: dict[str, list[float]] = {n: [] for n in names}
-    exit_: dict[str, list[float]] = {n: [] for n in names}
+    exit_: dict[str, list[float | None]] = {n: [] for n in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             t_first, t_exit = time_first_step(name)
@@ -121,7 +133,8 @@ def bench_launch(rounds: int) -> dict:
             exit_[name].append(t_exit)
     med = {n: statistics.median(v) for n, v in first.items()}
     return {"first_step_s": first, "exit_s": exit_, "median_first_step_s": med,
-            "median_exit_s": {n: statistics.median(v) for n, v in exit_.items()},
+            "median_exit_s": {n: statistics.median([t for t in v if t is not None]) for n, v in exit_.items()},
+            "hung_at_exit": {n: v.count(None) for n, v in exit_.items()},
             "ratio": med["paratrain run"] / med["torchrun"]}
 
 
@@ -132,8 +145,9 @@ def bench_scaling(rounds: int, warmup: int, steps: int) -> dict:
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             nprocs, threads = SCALING[name]
-            out = paratrain.launch(throughput_worker, nprocs, args=(GLOBAL_BATCH, warmup, steps), threads=threads,
-                                   timeout_s=300)
+            strategy = "ddp" if nprocs > 1 else "single"
+            out = paratrain.launch(throughput_worker, nprocs, args=(strategy, GLOBAL_BATCH, warmup, steps),
+                                   threads=threads, timeout_s=300)
             elapsed[name].append(out[0])
     med = {n: statistics.median(v) for n, v in elapsed.items()}
     base = med[names[0]]
@@ -170,7 +184,7 @@ def format_step(step: dict) -> list[str]:
 
 
 def format_launch(launch: dict) -> list[str]:
-    first, mf, me = launch["first_step_s"], launch["median_first_step_s"], launch["median_exit_s"]
+    first, mf, me, hung = (launch[k] for k in ("first_step_s", "median_first_step_s", "median_exit_s", "hung_at_exit"))
     lines = ["2. Launch to first step, 2 processes, OMP_NUM_THREADS=1 (seconds)",
              f"   {'round':<8}{'paratrain run':>15}{'torchrun':>11}"]
     for i, (p, t) in enumerate(zip(first["paratrain run"], first["torchrun"]), 1):
@@ -179,6 +193,8 @@ def format_launch(launch: dict) -> list[str]:
             f"   {'median':<8}{mf['paratrain run']:>15.3f}{mf['torchrun']:>11.3f}   ratio {launch['ratio']:.3f} "
             f"({verdict(launch['ratio'], LAUNCH_TARGET)})",
             f"   {'to exit':<8}{me['paratrain run']:>15.3f}{me['torchrun']:>11.3f}   (median, launcher start to exit)",
+            f"   {'hung':<8}{hung['paratrain run']:>15}{hung['torchrun']:>11}   (jobs that recorded their first step "
+            f"but did not exit within {JOB_TIMEOUT_S} s; killed)",
             background_line(launch)]
 
 

@@ -92,9 +92,9 @@ def step_time_worker(rounds: int, warmup: int, steps: int, batch: int) -> dict:
     return result
 
 
-def throughput_worker(global_batch: int, warmup: int, steps: int) -> float:
+def throughput_worker(strategy: str, global_batch: int, warmup: int, steps: int) -> float:
     """Seconds for ``steps`` paratrain steps on a fixed global batch split over the ranks (until the last rank ends)."""
-    with paratrain.Parallel("auto") as par:  # world 1: single, world 2: ddp
+    with paratrain.Parallel(strategy) as par:
         model = build_mlp()
         model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
         step = paratrain_step(par, model, opt, *make_batch(global_batch // par.world_size, par.rank))
