@@ -14,7 +14,8 @@ import paratrain
 
 def build_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
 
 
 def global_batches(steps: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:

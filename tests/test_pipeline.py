@@ -13,7 +13,7 @@ STEPS, GLOBAL_BATCH = 20, 16
     ("pipeline", 2, 2, {"schedule": "gpipe"}),
     ("pipeline", 2, 1, {"schedule": "1f1b"}),
     ("pipeline", 2, 2, {"schedule": "1f1b", "microbatches": 8}),
-    ("pipeline", 4, 1, {"schedule": "1f1b", "split": [1, 2, 4]}),  # 4 stages of a 5-layer model
+    ("pipeline", 4, 1, {"schedule": "1f1b", "split": [2, 4, 6]}),  # 4 stages of a 7-layer model
     ("pipeline", 2, 1, {"schedule": "interleaved-1f1b"}),
     ("pipeline", 2, 2, {"schedule": "interleaved-1f1b"}),
     ("hybrid", 4, 1, {}),                                  # 2 DDP replicas x 2 stages
@@ -42,3 +42,15 @@ def test_pipeline_misuse_gives_one_line_errors():
     assert "nn.Sequential" in errors[1]
     assert "does not split into 3 equal micro-batches" in errors[2]
     assert all("\n" not in e for e in errors)
+
+
+def test_a_stage_without_parameters_is_refused():
+    from torch import nn
+
+    from paratrain import ConfigError
+    from paratrain.strategies.pipeline import cut_points
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
+    assert cut_points(model, 2, [2]) == [0, 2]
+    with pytest.raises(ConfigError, match="stage 1 \\(layers 1..1\\) holds no parameters"):
+        cut_points(model, 3, [1, 2])

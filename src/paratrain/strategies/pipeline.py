@@ -177,14 +177,19 @@ def _make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Cal
 def cut_points(model: nn.Sequential, n_stages: int, split: Sequence[int] | None) -> list[int]:
     """Start index of every stage (the first is 0), validated against the model."""
     n = len(model)
-    if split is None:
-        return [0, *balance([sum(p.numel() for p in layer.parameters()) for layer in model], n_stages)]
-    points = [0, *split]
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    points = [0, *balance(sizes, n_stages)] if split is None else [0, *split]
     if len(points) != n_stages or points != sorted(set(points)) or points[-1] >= n:
         raise ConfigError(
-            f"pipeline split {list(split)} does not fit: {n_stages} stages need {n_stages - 1} increasing cut "
-            f"points between 1 and {n - 1} for this {n}-layer model"
+            f"pipeline split {list(split or [])} does not fit: {n_stages} stages need {n_stages - 1} increasing "
+            f"cut points between 1 and {n - 1} for this {n}-layer model"
         )
+    for stage, (start, end) in enumerate(zip(points, [*points[1:], n])):
+        if not any(sizes[start:end]):  # checked on every rank alike, so all fail together
+            raise ConfigError(
+                f"pipeline stage {stage} (layers {start}..{end - 1}) holds no parameters; move its cut points or use "
+                "fewer stages"
+            )
     return points
 
 
