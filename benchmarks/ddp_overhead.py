@@ -6,6 +6,7 @@
 2. Launch to first step: ``paratrain run -n 2 first_step.py`` vs ``torchrun --nproc-per-node 2 first_step.py``
    (same script, default single-node rendezvous, OMP_NUM_THREADS=1 for both), alternating which goes first;
    from ``time.time()`` just before the launcher starts to the last rank's ``time.time()`` after its first step.
+   A job that does not exit within 120 s after that is killed and counted as hung.
 3. Scaling on a fixed global batch of 128: 1 process x 1 thread, 2 processes x 1 thread (DDP), and
    1 process x 2 threads, each a fresh ``paratrain.launch`` job per round, order rotated every round.
 
@@ -14,11 +15,15 @@ Each part also reports the share of the machine that other processes used while 
 
 Run (about 2-3 minutes on 2 cores):
     cd /work/main && .venv/bin/python benchmarks/ddp_overhead.py [--rounds 5] [--steps 50] [--quick] [--json PATH]
+To measure one commit while ``src/`` is being edited, put a frozen copy first on the path:
+    git archive COMMIT src | tar -x -C /tmp/pt && PYTHONPATH=/tmp/pt/src .venv/bin/python benchmarks/ddp_overhead.py
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import resource
 import signal
@@ -105,21 +110,40 @@ def time_first_step(name: str) -> tuple[float, float | None]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="ddp-overhead-") as tmp:
         cmd = launch_commands(Path(tmp))[name]
-        t0 = time.time()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # its own process group: a hung job dies whole
-        try:
-            _, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
-            exited: float | None = time.time() - t0
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, stderr = proc.communicate()
-            exited = None
+        log = Path(tmp) / "launcher.log"
+        with log.open("w") as err:
+            t0 = time.time()
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+            try:
+                proc.wait(timeout=JOB_TIMEOUT_S)
+                exited: float | None = time.time() - t0
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+                proc.wait()
+                exited = None
         stamps = [float(p.read_text()) for p in Path(tmp).glob("rank*.txt")]
-    if len(stamps) != 2 or (exited is not None and proc.returncode != 0):
-        raise RuntimeError(f"{' '.join(cmd)}: exit code {proc.returncode}, {len(stamps)} of 2 first steps "
-                           f"recorded:\n{stderr[-3000:]}")
+        if len(stamps) != 2 or (exited is not None and proc.returncode != 0):
+            raise RuntimeError(f"{' '.join(cmd)}: exit code {proc.returncode}, {len(stamps)} of 2 first steps "
+                               f"recorded:\n{log.read_text()[-3000:]}")
     return max(stamps) - t0, exited
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree += children.get(tree[i], [])
+        i += 1
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 def bench_launch(rounds: int) -> dict:
@@ -132,8 +156,9 @@ def bench_launch(rounds: int) -> dict:
             first[name].append(t_first)
             exit_[name].append(t_exit)
     med = {n: statistics.median(v) for n, v in first.items()}
+    exited = {n: [t for t in v if t is not None] for n, v in exit_.items()}
     return {"first_step_s": first, "exit_s": exit_, "median_first_step_s": med,
-            "median_exit_s": {n: statistics.median([t for t in v if t is not None]) for n, v in exit_.items()},
+            "median_exit_s": {n: statistics.median(v) if v else math.nan for n, v in exited.items()},
             "hung_at_exit": {n: v.count(None) for n, v in exit_.items()},
             "ratio": med["paratrain run"] / med["torchrun"]}
 
