@@ -25,6 +25,7 @@ from .devices import backend_for, select_device
 from .env import ClusterEnv
 from .errors import ConfigError
 from .mesh import build_mesh
+from .monitor import MonitorConfig, monitor_for, resolve
 from .precision import Precision, create_precision
 from .seeding import rank_seed, seed_all
 from .strategies.base import Runtime, Strategy
@@ -53,6 +54,8 @@ class Parallel:
         timeout_s: how long any collective waits for the other ranks before failing.
         seed: when given, ``seed_everything(seed)`` is called at construction.
         env: where this process sits; read from the environment when omitted.
+        monitor: watch step time, data wait, stragglers and memory across ranks (``par.monitor``) and print a
+            summary table at ``close()``; ``False`` turns it off, a ``MonitorConfig`` tunes it.
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
     """
 
@@ -67,6 +70,7 @@ class Parallel:
         timeout_s: float = 300.0,
         seed: int | None = None,
         env: ClusterEnv | None = None,
+        monitor: bool | MonitorConfig = True,
         **strategy_options: Any,
     ) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -75,6 +79,7 @@ class Parallel:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
+        monitor_config = resolve(monitor)
         self.env = env if env is not None else ClusterEnv.from_environ()
         self.strategy = _resolve_strategy(strategy, self.env, strategy_options)
         # "auto" with several processes starts as ddp and may move to a ZeRO stage once prepare sees the model
@@ -94,6 +99,7 @@ class Parallel:
         self._micro_step = 0
         self._loaders: list[DataLoader] = []
         self.logger = _rank_logger(self.env)
+        self.monitor = monitor_for(monitor_config, self)
         if seed is not None:
             self.seed_everything(seed)
 
@@ -222,14 +228,17 @@ class Parallel:
             shard: ``False`` keeps the loader as it is (it already reads a per-rank part of the data).
         """
         if not shard or not self._distributed:
-            return loader
+            return self._monitored(loader)
         seed = self._seed if self._seed is not None else 0
         rank, size, _ = self.strategy.data_parallel(self._runtime())  # pipeline stages share their batches
         generator = torch.Generator()
         generator.manual_seed(rank_seed(seed, rank))
         sharded = shard_loader(loader, rank=rank, world_size=size, seed=seed, even=even, generator=generator)
         self._loaders.append(sharded)
-        return sharded
+        return self._monitored(sharded)
+
+    def _monitored(self, loader: DataLoader) -> DataLoader:
+        return self.monitor.wrap_loader(loader) if self.monitor is not None else loader
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper (for inspection; its tensors may be shards)."""
@@ -259,7 +268,8 @@ class Parallel:
         """One micro-step. Backward inside it; on the last micro-step of the accumulation window the gradients
         are synchronised, the optimizer steps and the gradients are zeroed when the block exits cleanly."""
         info = StepInfo(micro_step=self._micro_step, sync=self._micro_step == self.accumulate - 1)
-        with nullcontext() if info.sync else self.strategy.no_sync(model):
+        with (nullcontext() if info.sync else self.strategy.no_sync(model),
+              nullcontext() if self.monitor is None else self.monitor.block(model, info.sync)):
             yield info
         self._micro_step = (self._micro_step + 1) % self.accumulate
         if info.sync:
@@ -269,6 +279,8 @@ class Parallel:
                                                      group=self.strategy.grad_norm_group(model))
             self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
+            if self.monitor is not None:
+                self.monitor.stepped()
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -334,6 +346,8 @@ class Parallel:
         can abort the peer at exit (gloo's worker threads die with "terminate called without an active
         exception").
         """
+        if self.monitor is not None:
+            self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
         if self._owns_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -1,0 +1,27 @@
+"""The training monitor: per-rank step time, data wait, time to the sync point and memory, compared across
+ranks every few steps; warnings for stragglers, slow data loading and unbalanced GPU memory; a table at the end.
+
+``Parallel`` owns one (``par.monitor``); ``Parallel(monitor=False)`` turns it off and
+``Parallel(monitor=MonitorConfig(...))`` tunes it. See docs/monitor.md.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .config import MonitorConfig, resolve
+from .monitor import Monitor
+from .report import RunSummary
+from .rules import Finding, Persistence, RankStats, find_all, find_data_stalls, find_memory_imbalance, find_stragglers
+
+__all__ = ["Finding", "Monitor", "MonitorConfig", "Persistence", "RankStats", "RunSummary", "find_all",
+           "find_data_stalls", "find_memory_imbalance", "find_stragglers", "monitor_for", "resolve"]
+
+
+def monitor_for(config: MonitorConfig | None, par: Any) -> Monitor | None:
+    """The monitor a ``Parallel`` object owns (None when monitoring is off)."""
+    if config is None:
+        return None
+    mesh = par.mesh
+    peer = mesh.get_local_rank("pp") if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 0
+    return Monitor(config, rank=par.rank, world_size=par.world_size, local_world_size=par.env.local_world_size,
+                   device=par.device, peer=peer, emit=par.logger.warning, accumulate=par.accumulate)

@@ -1,0 +1,60 @@
+"""What the training monitor measures, how often it compares ranks, and when it warns."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """Options of ``Parallel(monitor=MonitorConfig(...))``; the defaults cost well under 1% of a step."""
+
+    every: int = 50
+    """Optimizer steps per window: each rank summarises a window by medians, then one small all-gather."""
+    persist: int = 3
+    """Consecutive windows a condition must hold before it is reported (one slow window is noise)."""
+    straggler_threshold: float = 0.2
+    """A rank is a straggler when it reaches the sync point this fraction later than its peers' median …"""
+    straggler_min_cost: float = 0.05
+    """… and the others wait for it at least this fraction of the step (so sub-millisecond jitter is ignored)."""
+    data_threshold: float = 0.2
+    """Warn when a rank waits for its next batch this fraction of the step or more."""
+    memory_threshold: float = 0.2
+    """Warn when the least-used GPU uses this fraction less memory than the most-used one (CUDA only)."""
+    memory_min_gib: float = 0.5
+    """… and the gap is at least this many GiB."""
+    summary: bool = True
+    """Print the per-rank summary table on rank 0 at ``Parallel.close()``."""
+    csv: str | Path | None = None
+    """Append one row per rank and window to this CSV file (rank 0 writes it)."""
+    tensorboard_dir: str | Path | None = None
+    """Write the same figures as TensorBoard scalars here (needs the ``tensorboard`` package)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"MonitorConfig.every must be an integer >= 1, got {self.every!r}")
+        if not isinstance(self.persist, int) or self.persist < 1:
+            raise ConfigError(f"MonitorConfig.persist must be an integer >= 1, got {self.persist!r}")
+        for name in ("straggler_threshold", "straggler_min_cost", "data_threshold", "memory_threshold"):
+            value = getattr(self, name)
+            if not 0 < value < 10:
+                raise ConfigError(f"MonitorConfig.{name} is a fraction (0.2 = 20%), got {value!r}")
+        if self.memory_min_gib < 0:
+            raise ConfigError(f"MonitorConfig.memory_min_gib must be >= 0, got {self.memory_min_gib}")
+        if self.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("MonitorConfig.tensorboard_dir needs the tensorboard package: pip install tensorboard "
+                              "(or log with csv=... instead)")
+
+
+def resolve(monitor: bool | MonitorConfig | None) -> MonitorConfig | None:
+    """``Parallel``'s ``monitor`` argument as a config, or None when monitoring is off."""
+    if monitor is True:
+        return MonitorConfig()
+    if monitor is False or monitor is None:
+        return None
+    if isinstance(monitor, MonitorConfig):
+        return monitor
+    raise ConfigError(f"monitor must be True, False or a MonitorConfig, got {type(monitor).__name__}")

@@ -1,0 +1,152 @@
+"""``Monitor``: the per-rank recorder, one small all-gather every ``every`` optimizer steps, the rules on the
+gathered figures, warnings on rank 0, and the end-of-run table.
+
+Every rank reaches the gather at the same optimizer-step count (the counter advances in ``Parallel.step`` on
+all ranks alike), so it cannot deadlock a job that trains; it waits no longer than the process group's timeout.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..env import cpu_count
+from .config import MonitorConfig
+from .recorder import SYNC_POINTS, Recorder
+from .report import CsvLog, RunSummary, TensorBoardLog
+from .rules import Finding, Persistence, RankStats, find_all
+
+
+class _Block:
+    """The context ``Parallel.step`` wraps around the user's block (reused; no allocation per step)."""
+
+    __slots__ = ("rec", "sync")
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec, self.sync = rec, False
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.rec.end(self.sync)
+
+
+class Monitor:
+    """Watches one rank's training; ``Parallel`` owns one (``par.monitor``) unless ``monitor=False``.
+
+    Args:
+        config: thresholds, window size, logs.
+        rank, world_size, local_world_size: where this process sits.
+        device: the rank's device (where the gather's tensor lives: a GPU for NCCL).
+        peer: ranks with equal ``peer`` do the same work and are compared (a pipeline's stage index).
+        emit: writes a warning line (rank 0 only calls it).
+        accumulate: micro-batches per optimizer step, for the table's header.
+    """
+
+    def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, local_world_size: int,
+                 device: torch.device, peer: int = 0, emit: Callable[[str], None] = print,
+                 accumulate: int = 1) -> None:
+        self.config = config
+        self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
+        self.device, self.peer, self.emit, self.accumulate = device, peer, emit, accumulate
+        self.recorder = Recorder(device, track_arrival=world_size > 1)
+        self.warnings: list[Finding] = []
+        """Warnings raised so far (the same list on every rank)."""
+        self.last_window: list[RankStats] = []
+        """Every rank's figures over the last window."""
+        self._persistence = Persistence(config.persist)
+        self._block = _Block(self.recorder)
+        self._logs: list[CsvLog | TensorBoardLog] = []
+        if rank == 0:
+            if config.csv is not None:
+                self._logs.append(CsvLog(config.csv))
+            if config.tensorboard_dir is not None:
+                self._logs.append(TensorBoardLog(config.tensorboard_dir))
+        self._closed = False
+
+    # ----------------------------------------------------------------- hooks called by Parallel
+    def wrap_loader(self, loader: DataLoader) -> DataLoader:
+        """Time the loader's ``__next__`` (the same object is returned, its batches unchanged)."""
+        return self.recorder.wrap_loader(loader)
+
+    def block(self, model: nn.Module, sync: bool) -> _Block:
+        """Context for one micro-step's block."""
+        self.recorder.begin(model, sync)
+        self._block.sync = sync
+        return self._block
+
+    def stepped(self) -> None:
+        """The optimizer stepped: every ``every`` steps, gather the window and apply the rules."""
+        self.recorder.stepped()
+        if self.recorder.steps % self.config.every == 0:
+            self._window()
+
+    # ----------------------------------------------------------------- windows
+    def _window(self) -> None:
+        stats = self._gather(self.recorder.window(self.rank, self.peer))
+        self.last_window = stats
+        due = self._persistence.update(find_all(stats, self.config, sync_point=self.sync_point_label,
+                                                data_advice=self._data_advice()))
+        self.warnings.extend(due)
+        if self.rank == 0:
+            for finding in due:
+                self.emit(f"paratrain monitor: {finding.message}")
+            for log in self._logs:
+                log.write(self.recorder.steps, stats)
+
+    def _gather(self, mine: RankStats) -> list[RankStats]:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return [mine]
+        t = torch.tensor(mine.to_list(), dtype=torch.float64, device=self.device)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        return [RankStats.from_list(p.tolist()) for p in parts]
+
+    @property
+    def sync_point_label(self) -> str:
+        return SYNC_POINTS[self.recorder.sync_point]
+
+    def _data_advice(self) -> str:
+        loader = self.recorder.current_loader
+        if loader is None:
+            return ""
+        cores = max(cpu_count() // max(self.local_world_size, 1), 1)
+        tips = []
+        if loader.num_workers == 0:
+            tips.append(f"load in background processes with DataLoader(num_workers={max(min(cores - 1, 8), 1)}) "
+                        f"(now 0; {cores} core(s) per rank here)")
+        else:
+            tips.append(f"raise num_workers (now {loader.num_workers}; {cores} core(s) per rank here)")
+            if not loader.persistent_workers:
+                tips.append("set persistent_workers=True (workers restart every epoch)")
+        if self.recorder.cuda and not loader.pin_memory:
+            tips.append("set pin_memory=True and copy with .to(device, non_blocking=True)")
+        tips.append("or make __getitem__ cheaper (decode and resize once, ahead of time)")
+        return "; ".join(tips)
+
+    # ----------------------------------------------------------------- the end
+    def summary(self) -> RunSummary:
+        """The whole run per rank (a collective: call it on every rank, like ``close``)."""
+        rows = self._gather(self.recorder.run(self.rank, self.peer))
+        return RunSummary(rows=rows, warnings=list(self.warnings), sync_point=self.sync_point_label,
+                          memory="peak alloc" if self.recorder.cuda else "peak RSS", every=self.config.every,
+                          accumulate=self.accumulate)
+
+    def close(self, print_fn: Callable[[str], Any] = print) -> RunSummary | None:
+        """Print the summary table on rank 0 (unless ``summary=False``), close the logs, remove the hooks."""
+        if self._closed:
+            return None
+        self._closed = True
+        summary = self.summary() if self.config.summary else None
+        if summary is not None and self.rank == 0 and self.recorder.steps > 0:
+            print_fn(summary.table())
+        for log in self._logs:
+            log.close()
+        self.recorder.close()
+        return summary

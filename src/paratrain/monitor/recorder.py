@@ -1,0 +1,264 @@
+"""One rank's timings: step time, time waiting for data, time to reach the sync point, peak memory.
+
+Timeline of one optimizer step on one rank (accumulated micro-steps included)::
+
+    previous sync done ── data ── forward ── backward ──┤ sync point ├── wait + comm ── sync done
+    └──────────────────── busy: this rank's own time ───┘
+
+All ranks leave a gradient sync together, so the rank that reaches the next one last (largest *busy*) is
+the one the others wait for; its wall step time is the same as theirs. Where the first blocking collective of
+a step sits depends on the wrapper (:func:`sync_point_of`). On CUDA, busy is measured with CUDA events on the
+current stream (a GPU that computes slowly shows up); the rest with the host clock.
+
+The hot path is a few clock reads per step: one hook on the model (the parameter whose gradient is produced
+last, learned on the first step, or a forward pre-hook) and a wrapper around the prepared loaders' iterator.
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+from collections.abc import Iterator
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .rules import RankStats
+
+SYNC_POINTS = {
+    "grads": "the gradient sync (end of its backward)",
+    "forward": "the first collective of its forward (parameter all-gather or buffer broadcast)",
+    "step": "the start of its step (pipeline stages also wait for each other inside the step)",
+    "none": "the end of its step (one process: no sync)",
+}
+
+
+def sync_point_of(model: nn.Module) -> str:
+    """Where a step of ``model`` first blocks on the other ranks: ``"grads"``, ``"forward"`` or ``"step"``."""
+    from ..strategies.pipeline import PipelinedModel
+
+    if isinstance(model, PipelinedModel):
+        return "step"  # later stages wait for activations from the very first micro-batch
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6 kept it under _composable
+        from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "forward"  # parameters are all-gathered before the first layer runs
+    buffers = getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", False))
+    if buffers and len(getattr(model, "modules_buffers", ())) > 0:
+        return "forward"  # DDP broadcasts buffers (BatchNorm statistics) at every forward
+    return "grads"
+
+
+class _TimedIterator:
+    """The loader's own iterator, timing each ``__next__``; yields exactly what the loader yields."""
+
+    __slots__ = ("_it", "_rec")
+
+    def __init__(self, it: Iterator[Any], rec: "Recorder") -> None:
+        self._it, self._rec = it, rec
+
+    def __iter__(self) -> "_TimedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        t0 = perf_counter()
+        item = next(self._it)
+        self._rec.data_s += perf_counter() - t0
+        return item
+
+    def __len__(self) -> int:
+        return len(self._it)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+
+def _timed_subclass(base: type[DataLoader]) -> type[DataLoader]:
+    class Timed(base):  # type: ignore[valid-type, misc]
+        def __iter__(self) -> Iterator[Any]:
+            it = super().__iter__()
+            rec = self.__dict__.get("_paratrain_recorder")
+            if rec is None:
+                return it
+            rec.current_loader = self
+            return _TimedIterator(it, rec)
+
+        def __reduce_ex__(self, protocol: Any) -> Any:  # copies and pickles are the plain, unmonitored loader
+            state = {k: v for k, v in self.__dict__.items() if k != "_paratrain_recorder"}
+            return _restore, (base, state)
+
+    Timed.__name__, Timed.__qualname__, Timed.__module__ = base.__name__, base.__qualname__, base.__module__
+    return Timed
+
+
+def _restore(cls: type, state: dict[str, Any]) -> Any:
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+def peak_host_rss() -> float:
+    """This process's resident-set high-water mark in bytes (-1 where the OS does not say)."""
+    try:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (AttributeError, OSError):
+        return -1.0
+    return float(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class Recorder:
+    """Collects one rank's figures; ``window()`` summarises the steps since the last call by medians."""
+
+    def __init__(self, device: torch.device, *, track_arrival: bool = True) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.track_arrival = track_arrival
+        self.sync_point = "grads" if track_arrival else "none"
+        self.data_s = 0.0
+        self.current_loader: DataLoader | None = None
+        self.steps = 0
+        self._sync = False
+        self._depart: tuple[float, Any] | None = None  # (host time, device mark) when the last sync finished
+        self._arrive: Any = None
+        self._pending: list[tuple[float, float, Any, Any]] = []  # (step s, data s, depart mark, arrive mark)
+        self._windows: list[tuple[float, float, float]] = []  # per-window medians (step, busy, data) in ms
+        self._hooked: dict[int, list[Any]] = {}  # id(model) -> hook handles
+        self._grad_handles: list[Any] = []
+        self._last_grad: int | None = None
+        self._learning = False
+        self._classes: dict[type, type] = {}
+        self._device_used = -1.0
+
+    # ----------------------------------------------------------------- marks
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return perf_counter()
+
+    def _elapsed_ms(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            end.synchronize()
+            start.synchronize()
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+    # ----------------------------------------------------------------- loaders
+    def wrap_loader(self, loader: DataLoader) -> DataLoader:
+        """Time ``loader``'s ``__next__`` in place: same object, same batches, ``len`` and ``sampler``; its class
+        becomes a subclass of the original one that wraps the iterator."""
+        cls = type(loader)
+        if cls not in self._classes.values():
+            if cls not in self._classes:
+                self._classes[cls] = _timed_subclass(cls)
+            loader.__class__ = self._classes[cls]
+        loader.__dict__["_paratrain_recorder"] = self
+        return loader
+
+    # ----------------------------------------------------------------- model hooks
+    def _hook(self, model: nn.Module) -> None:
+        if id(model) in self._hooked:
+            return
+        handles: list[Any] = []
+        self._hooked[id(model)] = handles
+        if not self.track_arrival:
+            return
+        self.sync_point = sync_point_of(model)
+        if self.sync_point == "forward":
+            handles.append(model.register_forward_pre_hook(self._on_forward, prepend=True))
+        elif self.sync_point == "grads":
+            params = [p for p in model.parameters() if p.requires_grad]
+            self._grad_handles = [p.register_post_accumulate_grad_hook(self._grad_hook(i))
+                                  for i, p in enumerate(params)]
+            handles.extend(self._grad_handles)
+            self._learning = True
+
+    def _grad_hook(self, index: int) -> Any:
+        def hook(_param: torch.Tensor) -> None:
+            if self._sync:
+                self._last_grad = index
+                if not self._learning:
+                    self._arrive = self._mark()
+        return hook
+
+    def _on_forward(self, _module: nn.Module, _args: Any) -> None:
+        if self._arrive is None and torch.is_grad_enabled():  # evaluation forwards do not count
+            self._arrive = self._mark()
+
+    def _learned(self) -> None:
+        """After the first synchronised backward keep only the hook of the parameter whose gradient came last."""
+        self._learning = False
+        for i, handle in enumerate(self._grad_handles):
+            if i != self._last_grad:
+                handle.remove()
+
+    # ----------------------------------------------------------------- the step
+    def begin(self, model: nn.Module, sync: bool) -> None:
+        """A micro-step's block starts."""
+        self._hook(model)
+        self._sync = sync
+        if self.sync_point == "step" and self._arrive is None:
+            self._arrive = self._mark()
+
+    def end(self, sync: bool) -> None:
+        """A micro-step's block ended cleanly; on the last micro-step the gradients are synchronised now."""
+        self._sync = False
+        if not sync:
+            return
+        now, mark = perf_counter(), self._mark()
+        if self._depart is not None:
+            self._pending.append((now - self._depart[0], self.data_s, self._depart[1],
+                                  self._arrive if self._arrive is not None else mark))
+        if self._learning:
+            self._learned()
+        self._depart = (now, mark)
+        self._arrive = None
+        self.data_s = 0.0
+
+    def stepped(self) -> None:
+        """The optimizer stepped."""
+        self.steps += 1
+
+    # ----------------------------------------------------------------- summaries
+    def window(self, rank: int, peer: int) -> RankStats:
+        """Medians over the steps since the last window, and the memory high-water marks so far."""
+        step_ms = [p[0] * 1e3 for p in self._pending]
+        data_ms = [p[1] * 1e3 for p in self._pending]
+        busy_ms = [self._elapsed_ms(p[2], p[3]) for p in self._pending]
+        self._pending.clear()
+        if step_ms:
+            self._windows.append((statistics.median(step_ms), statistics.median(busy_ms), statistics.median(data_ms)))
+            medians = self._windows[-1]
+        else:
+            medians = (0.0, 0.0, 0.0)
+        return RankStats(rank, peer, len(step_ms), *medians, *self._memory())
+
+    def run(self, rank: int, peer: int) -> RankStats:
+        """Medians of the window medians over the whole run (the unfinished window counted as one)."""
+        if self._pending:
+            self.window(rank, peer)
+        if not self._windows:
+            return RankStats(rank, peer, self.steps, 0.0, 0.0, 0.0, *self._memory())
+        step, busy, data = (statistics.median(w[i] for w in self._windows) for i in range(3))
+        return RankStats(rank, peer, self.steps, step, busy, data, *self._memory())
+
+    def _memory(self) -> tuple[float, float]:
+        """(peak bytes of this process, bytes in use on its GPU by every process or -1)."""
+        if not self.cuda:
+            return peak_host_rss(), -1.0
+        free, total = torch.cuda.mem_get_info(self.device)
+        self._device_used = max(self._device_used, float(total - free))
+        return float(torch.cuda.max_memory_allocated(self.device)), self._device_used
+
+    def close(self) -> None:
+        """Remove the hooks from the models."""
+        for handles in self._hooked.values():
+            for handle in handles:
+                handle.remove()
+        self._hooked.clear()
