@@ -34,11 +34,11 @@ class _Items(Dataset):
 
 
 def _train(strategy: str, *, steps: int, sleep_ms: dict[int, float], item_sleep_ms: float = 0.0,
-           accumulate: int = 1, csv: str | None = None) -> dict:
+           accumulate: int = 1, csv: str | None = None, **parallel_kwargs: object) -> dict:
     """``steps`` optimizer steps of a tiny MLP; rank r sleeps ``sleep_ms[r]`` in each micro-step, before its
     forward. Returns what the monitor raised and its summary, as plain data."""
     config = MonitorConfig(every=4, persist=2, csv=csv)
-    par = paratrain.Parallel(strategy, accumulate=accumulate, monitor=config)
+    par = paratrain.Parallel(strategy, accumulate=accumulate, monitor=config, **parallel_kwargs)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -49,11 +49,16 @@ def _train(strategy: str, *, steps: int, sleep_ms: dict[int, float], item_sleep_
     for x, y in loader:
         with par.step(model, optimizer):
             time.sleep(pause)
-            par.forward_backward(model, x, y, nn.functional.cross_entropy)
+            par.forward_backward(model, x.to(par.device), y.to(par.device), nn.functional.cross_entropy)
     summary = par.monitor.summary()
     par.close()
     return {"warnings": [(w.kind, w.rank, w.value, w.message) for w in summary.warnings],
             "rows": summary.rows, "table": summary.table()}
+
+
+def cuda_straggler() -> dict:
+    """The planted straggler on GPUs (NCCL, CUDA-event timing)."""
+    return _train("ddp", steps=12, sleep_ms={0: 10, 1: 70}, accelerator="cuda")
 
 
 def monitor_scenarios(csv: str) -> dict[str, dict]:

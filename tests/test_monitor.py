@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from monitor_workers import monitor_scenarios
+from monitor_workers import cuda_straggler, monitor_scenarios
 from paratrain.errors import ConfigError
 from paratrain.monitor import (Finding, MonitorConfig, Persistence, RankStats, RunSummary, find_data_stalls,
                                find_memory_imbalance, find_stragglers)
@@ -148,14 +148,14 @@ def test_a_prepared_loader_is_timed_without_changing_what_it_yields():
     par.close()
 
 
-def _train_one_process(monitor, steps=5):
-    par = paratrain.Parallel("single", monitor=monitor)
+def _train_one_process(monitor, steps=5, **kwargs):
+    par = paratrain.Parallel("single", monitor=monitor, **kwargs)
     model = nn.Linear(2, 10)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, loader = par.prepare(model, optimizer, _loader())
     for _, (x, y) in zip(range(steps), loader):
         with par.step(model, optimizer):
-            par.forward_backward(model, x, y, nn.functional.cross_entropy)
+            par.forward_backward(model, x.to(par.device), y.to(par.device), nn.functional.cross_entropy)
     par.close()
     return par
 
@@ -217,3 +217,21 @@ def test_the_csv_log_holds_every_rank_every_window(runs):
     rows = list(csv.DictReader(path.open()))
     assert [(r["step"], r["rank"]) for r in rows] == [(s, r) for s in ("4", "8", "12") for r in ("0", "1")]
     assert [r["steps"] for r in rows[:2]] == ["3", "3"]  # the first step only starts the clock
+
+
+# ----------------------------------------------------------------- CUDA (marker gpu; skipped without one)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_table_shows_gpu_memory(capsys):
+    par = _train_one_process(MonitorConfig(every=2), steps=6, accelerator="cuda")
+    out = capsys.readouterr().out
+    assert "peak alloc" in out and "GPU used" in out
+    (row,) = par.monitor.last_window
+    assert row.device_used > 0 and row.peak_mem > 0 and 0 < row.busy_ms
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_on_two_gpus_the_planted_slow_rank_is_named():
+    run = spawn(cuda_straggler, 2)[0]
+    assert [(kind, rank) for kind, rank, _, _ in run["warnings"]] == [("straggler", 1)]

@@ -24,6 +24,7 @@ _EXPORTS = {
     "ModelParallelConfig": ".strategies",
     "scale_lr": ".lr",
     "linear_warmup": ".lr",
+    "MonitorConfig": ".monitor",
     "DDPStrategy": ".strategies",
     "SingleDevice": ".strategies",
     "Strategy": ".strategies",

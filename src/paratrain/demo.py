@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .digest import state_digest
+from .monitor import MonitorConfig
 from .parallel import Parallel
 from .progress import Progress
 from .workloads.digits import digits_cnn, load_digits_split
@@ -27,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--monitor-csv", metavar="PATH", help="log the training monitor's per-rank figures to this CSV")
     return p.parse_args(argv)
 
 
@@ -80,7 +82,8 @@ def evaluate(par: Parallel, model: nn.Module, loader: DataLoader) -> tuple[float
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
     args = parse_args(argv)
     check_args(args)
-    with Parallel(args.strategy, accumulate=args.accumulate, seed=args.seed) as par:
+    monitor = MonitorConfig(csv=args.monitor_csv)  # its summary table closes the output
+    with Parallel(args.strategy, accumulate=args.accumulate, seed=args.seed, monitor=monitor) as par:
         train_set, test_set = load_digits_split(seed=args.seed)
         model = digits_cnn()
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)

@@ -16,6 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--monitor-csv", metavar="PATH", help="log the training monitor's per-rank figures to this CSV")
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -28,5 +29,5 @@ def execute(args: argparse.Namespace) -> int:
     nproc = [] if args.nproc is None else ["--nproc-per-node", args.nproc]
     run([*nproc, "-m", "paratrain.demo", "--strategy", args.strategy, "--epochs", str(args.epochs),
          "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate), "--lr", str(args.lr),
-         "--seed", str(args.seed)])
+         "--seed", str(args.seed), *(["--monitor-csv", args.monitor_csv] if args.monitor_csv else [])])
     return 0

@@ -138,7 +138,7 @@ class Recorder:
     def _mark(self) -> Any:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # this rank's GPU, whatever the current device
             return event
         return perf_counter()
 
