@@ -211,7 +211,8 @@ class Recorder:
         self._sync = False
         if not sync:
             return
-        now, mark = perf_counter(), self._mark()
+        now = perf_counter()
+        mark = self._mark() if self.cuda else now
         if self._depart is not None:
             self._pending.append((now - self._depart[0], self.data_s, self._depart[1],
                                   self._arrive if self._arrive is not None else mark))
