@@ -93,7 +93,7 @@ def _env(world: int) -> ClusterEnv:
     ("hybrid", {"dp": 3}, 4, "cannot split 4 processes into dp=3"),
     ("hybrid", {}, 2, "needs dp >= 2 and pp >= 2"),
     ("hsdp", {"shard_size": 3}, 4, "shard groups of 3"),
-    ("hsdp", {}, 2, "plain"),
+    ("hsdp", {}, 2, "at least 4 processes"),
     ("pipeline", {}, 1, "at least 2 pipeline stages"),
     ("pipeline", {"schedule": "zigzag"}, 2, "unknown pipeline schedule"),
     ("pipeline", {"schedule": "gpipe", "stages_per_rank": 2}, 2, "one stage per rank"),
