@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -233,13 +233,18 @@ class Parallel:
         """
         if not shard or not self._distributed:
             return loader
-        seed = self._seed if self._seed is not None else 0
+        seed = self.data_seed
         rank, size, _ = self.strategy.data_parallel(self._runtime())  # pipeline stages share their batches
         generator = torch.Generator()
         generator.manual_seed(rank_seed(seed, rank))
         sharded = shard_loader(loader, rank=rank, world_size=size, seed=seed, even=even, generator=generator)
         self._loaders.append(sharded)
         return sharded
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the order in which prepared loaders shuffle: ``seed_everything``'s, else 0."""
+        return self._seed if self._seed is not None else 0
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper (for inspection; its tensors may be shards)."""
@@ -376,7 +381,15 @@ def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
     ``group``: ranks whose local norms make up the global one (the stages of a pipeline).
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
+    norm = global_grad_norm(params, group)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
+def global_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The 2-norm of every gradient of the model (collective for sharded gradients and with ``group``)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     if hasattr(norm, "full_tensor"):  # DTensor: the norm of every shard together
         norm = norm.full_tensor()
@@ -384,10 +397,7 @@ def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
         squared = norm.detach().pow(2)
         dist.all_reduce(squared, group=group)
         norm = squared.sqrt()
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
+    return norm
 
 
 def _resolve_strategy(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> Strategy:

@@ -5,6 +5,8 @@ Commands:
   paratrain demo [-n N] [--strategy S] [--epochs E]          train a CNN on the bundled digits data
   paratrain plan --model gpt2-medium --gpus 8 --gpu h100    memory per GPU and step time of every strategy
   paratrain doctor [--json] [--skip-bandwidth]              check the environment, measure all-reduce bandwidth
+  paratrain bench [--workload W] [-n 1,2] [--compare torch-ddp]  speedup, efficiency and their causes, measured
+  paratrain verify module:factory [--strategy S] [-n N]     does the parallel run equal one process?
 
 Errors print one line; add --debug (before the command) for the full traceback.
 """
@@ -15,9 +17,9 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import ParatrainError, RankFailedError
-from . import demo, doctor, plan, run
+from . import bench, demo, doctor, plan, run, verify
 
-COMMANDS = {"run": run, "demo": demo, "doctor": doctor, "plan": plan}
+COMMANDS = {"run": run, "demo": demo, "doctor": doctor, "plan": plan, "bench": bench, "verify": verify}
 
 
 def build_parser() -> argparse.ArgumentParser:
