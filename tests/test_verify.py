@@ -25,7 +25,7 @@ def world2_reports() -> dict[tuple[str, str], object]:
     cases += [Case(factory="verify_cases:good_accumulating", strategy="zero2"),
               Case(factory="verify_cases:rank_seeded", strategy="ddp")]
     cases += [Case(factory=f"verify_cases:{name}", strategy=strategy) for name, (strategy, _, _) in BUGS.items()]
-    reports = verify_cases(cases, 2, timeout_s=150)
+    reports = verify_cases(cases, 2, timeout_s=150, accelerator="cpu")
     return {(c.factory.split(":")[1], c.strategy): r for c, r in zip(cases, reports)}
 
 
@@ -76,7 +76,8 @@ def test_different_initial_weights_are_a_warning_where_ddp_broadcasts_them(world
 
 @pytest.mark.slow
 def test_world4_strategies_pass_through_the_cli(capsys):
-    assert main(["verify", "verify_cases:good", "--strategy", "hsdp,hybrid", "-n", "4", "--timeout", "170"]) == 0
+    assert main(["verify", "verify_cases:good", "--strategy", "hsdp,hybrid", "-n", "4", "--timeout", "170",
+                 "--accelerator", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.count("\nPASS: ") == 2 and "strategy hsdp, 4 processes" in out and "strategy hybrid" in out
 

@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest difference counted as equal, relative to values above 1 (default: 1e-5, for fp32)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the parallel job is stopped")
+    p.add_argument("--accelerator", default="auto",
+                   help="auto (a GPU per process when there are enough, else the CPU), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
 
 
@@ -36,4 +38,5 @@ def execute(args: argparse.Namespace) -> int:
     from ..verify.command import verify_command
 
     return verify_command(factory=args.factory, strategies=args.strategies, nprocs=args.nproc, steps=args.steps,
-                          tolerance=args.tolerance, timeout_s=args.timeout, as_json=args.json)
+                          tolerance=args.tolerance, timeout_s=args.timeout, accelerator=args.accelerator,
+                          as_json=args.json)

@@ -24,17 +24,26 @@ __all__ = ["Case", "VerifyReport", "VerifySpec", "format_report", "paratrain_loo
 
 def verify(factory: str, strategies: str | Sequence[str] = "ddp", nprocs: int = 2, *, steps: int | None = None,
            options: dict[str, Any] | None = None, tolerance: float = 1e-5, timeout_s: float = 300.0,
-           ) -> list[VerifyReport]:
+           accelerator: str = "auto") -> list[VerifyReport]:
     """Check ``factory``'s setup under each of ``strategies`` on ``nprocs`` processes (one job for all)."""
     names = [strategies] if isinstance(strategies, str) else list(strategies)
     cases = [Case(factory=factory, strategy=name, options=dict(options or {}), steps=steps) for name in names]
-    return verify_cases(cases, nprocs, tolerance=tolerance, timeout_s=timeout_s)
+    return verify_cases(cases, nprocs, tolerance=tolerance, timeout_s=timeout_s, accelerator=accelerator)
 
 
-def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float = 1e-5,
-                 timeout_s: float = 300.0) -> list[VerifyReport]:
-    """Run every case in one job of ``nprocs`` processes, then each reference here; one report per case."""
+def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float = 1e-5, timeout_s: float = 300.0,
+                 accelerator: str = "auto") -> list[VerifyReport]:
+    """Run every case in one job of ``nprocs`` processes, then each reference here (on the CPU); one report per
+    case. ``accelerator``: where the parallel run trains (``auto``: one GPU per process when there are enough)."""
+    from ..devices import ACCELERATORS
     from ..errors import ConfigError
+
+    if accelerator not in ACCELERATORS:
+        raise ConfigError(f"unknown accelerator {accelerator!r}; choose one of {', '.join(ACCELERATORS)}")
+    if accelerator == "auto":
+        import torch
+
+        accelerator = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "cpu"
 
     if tolerance <= 0:
         raise ConfigError(f"tolerance must be > 0, got {tolerance}")
@@ -45,7 +54,7 @@ def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float = 1e-5,
         if case.steps is not None and case.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {case.steps}")
     build_spec(cases[0].factory)  # a factory that cannot be imported or built fails here, in one line
-    ranks = launch(run_cases, nprocs, args=(list(cases), timeout_s), timeout_s=timeout_s)
+    ranks = launch(run_cases, nprocs, args=(list(cases), timeout_s, accelerator), timeout_s=timeout_s)
     references: dict[tuple, Record] = {}
     reports = []
     for i in range(len(cases)):

@@ -89,16 +89,16 @@ class _Stop(Exception):
     """Raised by the optimizer hook once enough steps ran: ends the user's loop wherever it is."""
 
 
-def run_cases(cases: list[Case], timeout_s: float) -> list[RankEvidence]:
+def run_cases(cases: list[Case], timeout_s: float, accelerator: str = "auto") -> list[RankEvidence]:
     """The job's body on every rank (started by ``paratrain.launch``)."""
-    device = select_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = select_device(int(os.environ.get("LOCAL_RANK", "0")), accelerator)
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
     out = []
     for case in cases:
         evidence = RankEvidence(case=case)
         try:
-            _run_case(case, evidence)
+            _run_case(case, evidence, accelerator)
         except ConfigError as err:  # raised alike on every rank (bad setup): report it, go on with the next case
             evidence.error = str(err)
         out.append(evidence)
@@ -107,14 +107,14 @@ def run_cases(cases: list[Case], timeout_s: float) -> list[RankEvidence]:
     return out
 
 
-def _run_case(case: Case, ev: RankEvidence) -> None:
+def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
     spec = build_spec(case.factory)
     ev.init_digest = state_digest(spec.model)
     rank = dist.get_rank()
     if rank == 0:
         ev.init_state = {k: v.detach().cpu().clone() for k, v in spec.model.state_dict().items()}
     recorder = Recorder(spec.model)
-    par = Parallel(case.strategy, accumulate=spec.accumulate, **case.options)
+    par = Parallel(case.strategy, accumulate=spec.accumulate, accelerator=accelerator, **case.options)
     loader, recording = recording_loader(spec.loader)
     model, optimizer = par.prepare(spec.model, spec.optimizer(spec.model.parameters()))
     ev.replica, ev.accumulate = par.data_parallel_rank, spec.accumulate
