@@ -355,9 +355,7 @@ class Parallel:
         for the worker forever. Sleeping releases the GIL so the worker finishes first.
         """
         if self._owns_group and dist.is_initialized():
-            dist.barrier()
-            time.sleep(_GLOO_DRAIN_S)
-            dist.destroy_process_group()
+            finish_group()
         self._owns_group = False
 
     def __enter__(self) -> "Parallel":
@@ -372,6 +370,14 @@ class Parallel:
     def __repr__(self) -> str:
         return (f"Parallel(strategy={self.strategy.describe()}, rank={self.rank}/{self.world_size}, "
                 f"device={self.device}, precision={self.precision.name}, accumulate={self.accumulate})")
+
+
+def finish_group() -> None:
+    """Wait for every rank, let gloo's worker finish with the GIL released, then destroy the default group (the
+    reasons are in ``Parallel.close``). For code that started the group itself."""
+    dist.barrier()
+    time.sleep(_GLOO_DRAIN_S)
+    dist.destroy_process_group()
 
 
 def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,

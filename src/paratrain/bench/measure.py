@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..devices import backend_for, select_device
 from ..errors import ConfigError
+from ..parallel import finish_group
 from ..progress import Progress
 from ..seeding import rank_seed
 from ..workloads import Workload, get_workload
@@ -79,8 +80,7 @@ def run_job(config: BenchConfig, runs: list[Run]) -> dict[str, RankRecord]:
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=config.timeout_s),
                             device_id=device if device.type == "cuda" else None)
     records = _measure_all(config, runs, device)
-    dist.barrier()  # on an error the launcher stops every rank instead
-    dist.destroy_process_group()
+    finish_group()  # on an error the launcher stops every rank instead
     return records
 
 

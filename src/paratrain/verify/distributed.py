@@ -19,7 +19,7 @@ from ..data import ShardSampler, describe_sampler
 from ..devices import backend_for, select_device
 from ..digest import state_digest
 from ..errors import ConfigError
-from ..parallel import Parallel, global_grad_norm
+from ..parallel import Parallel, finish_group, global_grad_norm
 from .record import Record, Recorder, recording_loader
 from .spec import build_spec
 
@@ -103,7 +103,7 @@ def run_cases(cases: list[Case], timeout_s: float, accelerator: str = "auto") ->
             evidence.error = str(err)
         out.append(evidence)
         dist.barrier()
-    dist.destroy_process_group()
+    finish_group()
     return out
 
 
