@@ -28,7 +28,6 @@ import contextlib
 import json
 import math
 import os
-import resource
 import signal
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ import torch
 
 import paratrain
 from paratrain.bench import BenchConfig, run_bench, to_json
+from paratrain.bench.machine import BackgroundLoad
 
 HERE = Path(__file__).resolve().parent
 CORES = len(os.sched_getaffinity(0))
@@ -51,25 +51,11 @@ LAUNCH_TARGET = 1.0
 JOB_TIMEOUT_S = 120
 
 # ----------------------------------------------------------------------------------------------- background load
-def machine_cpu_s() -> float:
-    """CPU seconds every process on this machine has used since boot (from /proc/stat)."""
-    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process and every descendant it has reaped (launchers, their workers)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def audited(bench: Callable[[], dict]) -> dict:
     """Run ``bench`` and add ``background_share``: the fraction of the machine other processes used meanwhile."""
-    machine0, own0, t0 = machine_cpu_s(), own_cpu_s(), time.perf_counter()
+    load, t0 = BackgroundLoad(), time.perf_counter()
     result = bench()
-    foreign = (machine_cpu_s() - machine0) - (own_cpu_s() - own0)
-    wall = time.perf_counter() - t0
-    return {**result, "wall_s": wall, "background_share": max(0.0, foreign) / (wall * CORES)}
+    return {**result, "wall_s": time.perf_counter() - t0, "background_share": load.share()}
 
 
 # ----------------------------------------------------------------------------------------------- 1. step time, scaling

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from paratrain import ConfigError, UnknownStrategyError
+from paratrain import ConfigError
 from paratrain.bench import BenchConfig, BenchResult, Row, format_report
 from paratrain.bench.machine import Machine
 from paratrain.bench.runner import plan_jobs

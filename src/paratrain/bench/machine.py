@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import re
+import resource
+import time
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,32 @@ def physical_cores() -> int:
     return max(len(cores), 1)
 
 
+def machine_cpu_s() -> float:
+    """CPU seconds every process on this machine has used since boot (from /proc/stat)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and every descendant it has reaped (launched jobs and their workers)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class BackgroundLoad:
+    """The share of this machine's CPUs that *other* processes used while a measurement ran: a shared machine
+    skews every timing, so a report says so instead of hiding it."""
+
+    def __init__(self) -> None:
+        self._machine, self._own, self._wall = machine_cpu_s(), own_cpu_s(), time.perf_counter()
+
+    def share(self) -> float:
+        foreign = (machine_cpu_s() - self._machine) - (own_cpu_s() - self._own)
+        wall = time.perf_counter() - self._wall
+        return max(0.0, foreign) / max(wall * cpu_count(), 1e-9)
+
+
 class PeakMemory:
     """The peak memory of this rank over a stretch of work: CUDA allocations on a GPU, resident set on a CPU.
 
@@ -90,6 +118,4 @@ class PeakMemory:
                 return int(found.group(1)) * 1024
         except OSError:
             pass
-        import resource
-
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

@@ -20,7 +20,7 @@ def to_json(result: BenchResult) -> dict[str, Any]:
     return {"config": asdict(result.config), "machine": asdict(result.machine), "workload": result.workload,
             "versions": result.versions, "rows": rows, "comparisons": [asdict(c) for c in result.comparisons],
             "fastest": result.fastest.name if result.fastest else None, "notes": result.notes,
-            "wall_s": result.wall_s}
+            "wall_s": result.wall_s, "background_share": result.background_share}
 
 
 def write_json(result: BenchResult, path: Path) -> None:
@@ -65,12 +65,13 @@ def write_plot(result: BenchResult, path: Path) -> None:
         else:
             key, x = r.label, r.world
         series.setdefault(key, []).append((x, r.speedup))
+    styles = {"torch-ddp": dict(color="gray", linestyle="--", marker="s")}
     baseline = next((r for r in rows if r.speedup == 1.0 and r.world == 1), None)
     for key, points in series.items():
         if baseline is not None and key != "1 process, more threads":
             points = [(1, 1.0), *points]
         points.sort()
-        left.plot([p[0] for p in points], [p[1] for p in points], "o-", label=key)
+        left.plot([p[0] for p in points], [p[1] for p in points], **styles.get(key, {"marker": "o"}), label=key)
     over = [r for r in rows if r.oversubscribed and r.speedup is not None]
     if over:
         left.scatter([r.world for r in over], [r.speedup for r in over], s=140, facecolors="none",

@@ -78,6 +78,8 @@ class BenchResult:
     notes: list[str]
     versions: dict[str, str]
     wall_s: float
+    background_share: float = 0.0
+    """Share of the machine's CPUs other processes used while the bench ran."""
 
     @property
     def fastest(self) -> Row | None:

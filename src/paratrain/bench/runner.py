@@ -17,9 +17,13 @@ from ..launch.spawn import launch
 from ..strategies import check_world
 from ..workloads import get_workload
 from .config import BASELINE, BenchConfig
-from .machine import Machine
+from .machine import BackgroundLoad, Machine
 from .measure import TORCH_DDP, Run, run_job
 from .result import BenchResult, Comparison, Row, add_speedups, compare, summarise
+
+
+BUSY = 0.05
+"""Above this share of the CPUs used by other processes, the report calls its timings suspect."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +86,7 @@ def run_bench(config: BenchConfig, *, log: TextIO | None = None) -> BenchResult:
 
     log = sys.stderr if log is None else log
     started = time.perf_counter()
+    load = BackgroundLoad()
     machine = Machine.here(config.accelerator)
     workload = get_workload(config.workload)  # a bad name or factory fails here, before any launch
     jobs, rows, notes = plan_jobs(config, machine)
@@ -104,9 +109,13 @@ def run_bench(config: BenchConfig, *, log: TextIO | None = None) -> BenchResult:
             if found is not None:
                 comparisons.append(found)
     add_speedups(rows)
+    background = load.share()
+    if background > BUSY:
+        notes.append(f"other processes used {100 * background:.0f}% of this machine's CPUs while the bench ran: "
+                     "the timings are suspect; measure on an idle machine")
     order = [BASELINE, *config.strategies, TORCH_DDP]
     rows.sort(key=lambda r: (r.world * r.threads, r.world, order.index(r.label)))
     return BenchResult(config=config, machine=machine, workload=workload.description or workload.name, rows=rows,
                        comparisons=comparisons, notes=notes,
                        versions={"paratrain": __version__, "torch": torch.__version__},
-                       wall_s=time.perf_counter() - started)
+                       wall_s=time.perf_counter() - started, background_share=background)
