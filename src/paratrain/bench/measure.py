@@ -29,7 +29,7 @@ from ..seeding import rank_seed
 from ..workloads import Workload, get_workload
 from .config import BenchConfig
 from .machine import PeakMemory
-from .subjects import ParatrainSubject, TorchDDPSubject, checksum
+from .subjects import ParatrainSubject, TorchDDPSubject
 
 TORCH_DDP = "torch-ddp"
 
@@ -57,7 +57,6 @@ class Block:
     local_pass_s: float | None = None
     """Median forward+backward without it (probe)."""
     peak_bytes: int = 0
-    checksum: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -142,11 +141,11 @@ def _block(config: BenchConfig, workload: Workload, run: Run, device: torch.devi
         assert isinstance(subject, ParatrainSubject)
         block.local_pass_s, block.synced_pass_s = _probe(subject, workload, batch, config, sync)
     block.peak_bytes = memory.peak_bytes()
-    params = subject.parameters()
-    block.checksum = checksum(params)
-    kept = [p.detach().cpu().clone() for p in params] if config.compare and run.label in ("ddp", TORCH_DDP) else None
+    kept = None
+    if config.compare and run.label in ("ddp", TORCH_DDP):  # plain replicas: no gathering needed
+        kept = [p.detach().cpu().clone() for p in subject.model.parameters()]
     subject.close()
-    del subject, params
+    del subject
     return block, kept
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-from torch import nn
-
 from ..parallel import Parallel
 from ..workloads import Workload
 
@@ -41,9 +39,6 @@ class ParatrainSubject:
             self.par.forward_backward(self.model, x, y, self.loss)
         self.optimizer.zero_grad(set_to_none=True)
 
-    def parameters(self) -> list[torch.Tensor]:
-        return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.model.parameters()]
-
     def close(self) -> None:
         self.par.close()
 
@@ -69,14 +64,5 @@ class TorchDDPSubject:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
-
     def close(self) -> None:
         pass
-
-
-@torch.no_grad()
-def checksum(params: list[nn.Parameter | torch.Tensor]) -> float:
-    """Sum of |parameters| in float64: equal for two models exactly when they trained alike (in practice)."""
-    return float(sum(p.detach().double().abs().sum().item() for p in params))

@@ -56,6 +56,10 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, *, world: int, t
     if main.error is not None or ref is None or main.data is None:
         report.error = main.error or "the parallel run recorded nothing"
         return report
+    if main.record.steps == 0:
+        report.error = ("the training loop ended before its first optimizer step; give it more data or fewer "
+                        "accumulation steps")
+        return report
     report.steps = min(main.record.steps, ref.steps)
     report.epochs = report.steps / max(main.data.steps_per_epoch(main.accumulate), 1e-9)
     if main.record.steps < main.steps:
