@@ -60,6 +60,8 @@ class BenchConfig:
             raise ConfigError("give at least one strategy")
         for name in self.strategies:
             check_name(name)
+        if len(set(self.strategies)) != len(self.strategies):
+            raise ConfigError(f"a strategy is named twice in {list(self.strategies)}")
         for name in self.strategy_options:
             if name not in self.strategies:
                 raise ConfigError(f"options given for strategy {name!r}, which is not among {list(self.strategies)}")

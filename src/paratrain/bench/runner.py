@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TextIO
 
+from ..devices import select_device
 from ..errors import ConfigError
 from ..launch.spawn import launch
 from ..strategies import check_world
@@ -87,8 +88,9 @@ def run_bench(config: BenchConfig, *, log: TextIO | None = None) -> BenchResult:
     log = sys.stderr if log is None else log
     started = time.perf_counter()
     load = BackgroundLoad()
+    select_device(0, config.accelerator)  # accelerator='cuda' without CUDA fails here, in one line
     machine = Machine.here(config.accelerator)
-    workload = get_workload(config.workload)  # a bad name or factory fails here, before any launch
+    workload = get_workload(config.workload)  # so does a bad workload name or factory
     jobs, rows, notes = plan_jobs(config, machine)
     comparisons: list[Comparison] = []
     for i, job in enumerate(jobs, 1):

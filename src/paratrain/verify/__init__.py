@@ -40,10 +40,14 @@ def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float = 1e-5,
 
     if accelerator not in ACCELERATORS:
         raise ConfigError(f"unknown accelerator {accelerator!r}; choose one of {', '.join(ACCELERATORS)}")
-    if accelerator == "auto":
-        import torch
+    import torch
 
-        accelerator = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if accelerator == "auto":
+        accelerator = "cuda" if gpus >= nprocs else "cpu"
+    elif accelerator == "cuda" and gpus < nprocs:
+        raise ConfigError(f"{nprocs} processes on the GPU need {nprocs} GPUs, {gpus} visible; use fewer processes or "
+                          "--accelerator cpu")
 
     if tolerance <= 0:
         raise ConfigError(f"tolerance must be > 0, got {tolerance}")

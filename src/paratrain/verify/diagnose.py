@@ -157,15 +157,18 @@ def data_findings(ranks: list[RankEvidence], data: DataSetup) -> tuple[list[Find
              "every rank, and call set_epoch each epoch")], notes
 
 
+def _apart_from_rank0(digests: list[str]) -> str | None:
+    """'rank 1' / 'ranks 1, 3': the ranks whose digest differs from rank 0's, or None when all agree."""
+    others = [str(i) for i, d in enumerate(digests) if d != digests[0]]
+    return None if not others else f"rank{'s' if len(others) > 1 else ''} {', '.join(others)}"
+
+
 def init_finding(ranks: list[RankEvidence]) -> Finding | None:
-    digests = [r.init_digest for r in ranks]
-    if len(set(digests)) == 1:
+    apart = _apart_from_rank0([r.init_digest for r in ranks])
+    if apart is None:
         return None
-    others = [i for i, d in enumerate(digests) if d != digests[0]]
     return Finding(cause="different initial weights across ranks",
-                   evidence=f"the model rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} built "
-                            "differs from rank 0's before prepare "
-                            f"(state digests {digests[0][:10]} vs {digests[others[0]][:10]})",
+                   evidence=f"the model {apart} built differs from rank 0's before prepare (state digests compared)",
                    hint="seed identically on every rank before building the model (paratrain.Parallel(seed=...) or "
                         "torch.manual_seed(s) first, not s + rank), and draw no rank-dependent random numbers before it")
 
@@ -209,12 +212,9 @@ def batchnorm_finding(ranks: list[RankEvidence], ref: Record, tolerance: float) 
 
 
 def replicas_finding(ranks: list[RankEvidence]) -> Finding | None:
-    digests = [r.final_digest for r in ranks]
-    if len(set(digests)) == 1:
+    apart = _apart_from_rank0([r.final_digest for r in ranks])
+    if apart is None:
         return None
-    others = [i for i, d in enumerate(digests) if d != digests[0]]
-    return Finding(cause="replicas drifted apart",
-                   evidence=f"at the end, rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
-                            "hold other parameters than rank 0",
+    return Finding(cause="replicas drifted apart", evidence=f"at the end, {apart} hold other parameters than rank 0",
                    hint="gradients or parameters changed on one rank outside paratrain's step (a second optimizer over "
                         "the unwrapped model, a no_sync block left open, rank-dependent code)")

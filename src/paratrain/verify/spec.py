@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import ConfigError
 from ..parallel import Parallel
-from ..workloads.workload import load_callable
+from ..factory import load_callable
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 TrainLoop = Callable[[Parallel, nn.Module, torch.optim.Optimizer, DataLoader, Loss], None]

@@ -7,17 +7,14 @@ returns a :class:`Workload` or a ``(model, loss, make_batch)`` tuple.
 from __future__ import annotations
 
 import copy
-import importlib
-import os
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..factory import load_callable
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 MakeBatch = Callable[[int, torch.Generator], Batch]
@@ -87,20 +84,3 @@ def _builder(model: nn.Module | Callable[[], nn.Module]) -> Callable[[], nn.Modu
     if callable(model):
         return model
     raise ConfigError(f"a workload's model must be an nn.Module or a function building one, got {type(model).__name__}")
-
-
-def load_callable(path: str, what: str) -> Callable[..., Any]:
-    """The function named by ``package.module:function`` (the working directory is importable)."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{what} {path!r}: write module:function, e.g. mymodels:build")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"{what} {path!r}: cannot import {module_name!r} ({err})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"{what} {path!r}: {module_name} has no function {attr!r}")
-    return factory
