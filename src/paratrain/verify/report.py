@@ -69,15 +69,16 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, *, world: int, t
     report.notes += notes
     report.findings += data
     init = init_finding(ranks)
-    if init is not None:
-        harmless = report.divergence is None and main.case.strategy in BROADCASTING
-        if harmless:
-            init = Finding(cause=init.cause, hint=init.hint,
-                           evidence=f"{init.evidence}; {main.case.strategy} copied rank 0's weights to every rank at "
-                                    "prepare, so this run is consistent, but zero2/zero3/fsdp/hsdp and pipelines "
-                                    "do not and would train a mix of the ranks' weights")
-        (report.warnings if harmless else report.findings).append(init)
-    if not data and init is None:  # the first step saw the reference's weights and samples
+    broadcast = main.case.strategy in BROADCASTING  # the run itself started from rank 0's weights everywhere
+    if init is not None and broadcast:
+        report.warnings.append(Finding(
+            cause=init.cause, hint=init.hint,
+            evidence=f"{init.evidence}; {main.case.strategy} copied rank 0's weights to every rank at prepare, so "
+                     "this run is consistent, but zero2/zero3/fsdp/hsdp and pipelines do not and would train a mix "
+                     "of the ranks' weights"))
+    elif init is not None:
+        report.findings.append(init)
+    if not data and (init is None or broadcast):  # the first step saw the reference's weights and samples
         for finding in (gradient_scale_finding(ranks, ref, main.accumulate, main.data.replicas),
                         batchnorm_finding(ranks, ref, max(tolerance, 1e-4))):
             if finding is not None:
