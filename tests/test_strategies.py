@@ -157,3 +157,22 @@ def test_distributed_strategies_run_as_one_plain_process_and_equal_single(strate
 def test_hsdp_needs_four_processes():
     with pytest.raises(ConfigError, match="at least 4 processes"):
         paratrain.Parallel("hsdp")
+
+
+def test_clipping_matches_torch_clip_grad_norm():
+    """The reference is torch's own clip_grad_norm_: once, to exactly max_norm."""
+    from paratrain.parallel import clip_grad_norm
+
+    def grads() -> list[nn.Parameter]:
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
+        for p in params:
+            p.grad = torch.randn_like(p) * 10
+        return params
+
+    ours, ref = grads(), grads()
+    norm = clip_grad_norm(iter(ours), 1.0)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert norm == pytest.approx(float(ref_norm))
+    assert all(torch.allclose(a.grad, b.grad) for a, b in zip(ours, ref))
+    assert float(torch.nn.utils.get_total_norm([p.grad for p in ours])) == pytest.approx(1.0, rel=1e-5)
