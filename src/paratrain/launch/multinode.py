@@ -132,6 +132,7 @@ def rendezvous_errors() -> tuple[type[BaseException], ...]:
 
 _ERRNO = re.compile(r"errno: \d+ - ([^)]+)\)")
 _JOINED = re.compile(r"(\d+)/(\d+) clients joined")
+_LOST = ("Connection reset by peer", "Broken pipe", "Connection closed by peer")
 
 
 def rendezvous_error(args: argparse.Namespace, err: BaseException) -> LaunchError:
@@ -147,6 +148,12 @@ def rendezvous_error(args: argparse.Namespace, err: BaseException) -> LaunchErro
         present, expected = int(joined[1]), int(joined[2])
         return LaunchError(f"only {present} of {expected} nodes joined the rendezvous at {where} within {waited}; "
                            f"{same}, or raise --rdzv-timeout")
+    if any(marker in text for marker in _LOST):
+        return LaunchError(f"lost the connection to the rendezvous at {where} before it completed: the node "
+                           f"hosting it stopped (its own error is the cause); {same}")
+    if type(err).__name__ == "RendezvousTimeoutError":
+        return LaunchError(f"the rendezvous at {where} did not complete within {waited}: fewer than "
+                           f"{nnodes_range(args.nnodes)[0]} nodes joined; {same}, or raise --rdzv-timeout")
     reason = _ERRNO.search(text)
     unreachable = reason or "failed to connect" in text or type(err).__name__ == "RendezvousConnectionError"
     if unreachable:

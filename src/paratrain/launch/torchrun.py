@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from ..env import cpu_count
 from ..errors import LaunchError
 from .agreement import NNODES_VAR
+from .pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
 from .failure import from_child_failed
 from .multinode import (DEFAULT_RDZV_TIMEOUT_S, max_nodes, nnodes_range, prepare_network, rendezvous_error,
                         rendezvous_errors, set_rendezvous_timeout)
@@ -61,6 +62,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="processes per node (default: visible GPUs, or 2 on CPU)")
     parser.add_argument("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", type=int, default=None,
                         help=f"seconds to wait for the other nodes (default {DEFAULT_RDZV_TIMEOUT_S})")
+    parser.add_argument("--pg-timeout", "--pg_timeout", dest="pg_timeout", type=float, default=DEFAULT_PG_TIMEOUT_S,
+                        help="default timeout in seconds of process groups the script creates without one "
+                             f"(default {DEFAULT_PG_TIMEOUT_S:g}; torch's own is 30 min for gloo)")
     if "PET_NPROC_PER_NODE" not in os.environ:
         parser.set_defaults(nproc_per_node=None)
     defaults = {dest: parser.get_default(dest) for dest in _SLURM_FILLED if f"PET_{dest.upper()}" not in os.environ}
@@ -98,6 +102,9 @@ def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> ar
         if args.rdzv_timeout < 1:
             raise LaunchError(f"--rdzv-timeout must be at least 1 second, got {args.rdzv_timeout}")
         set_rendezvous_timeout(args, args.rdzv_timeout)
+    if args.pg_timeout <= 0:
+        raise LaunchError(f"--pg-timeout must be > 0 seconds, got {args.pg_timeout:g}")
+    os.environ[PG_TIMEOUT_VAR] = f"{args.pg_timeout:g}"
     if not single_node:
         prepare_network(args, note)
         os.environ[NNODES_VAR] = "{}:{}".format(*nnodes_range(args.nnodes))
