@@ -154,10 +154,9 @@ def rendezvous_error(args: argparse.Namespace, err: BaseException) -> LaunchErro
     if type(err).__name__ == "RendezvousTimeoutError":
         return LaunchError(f"the rendezvous at {where} did not complete within {waited}: fewer than "
                            f"{nnodes_range(args.nnodes)[0]} nodes joined; {same}, or raise --rdzv-timeout")
-    reason = _ERRNO.search(text)
-    unreachable = reason or "failed to connect" in text or type(err).__name__ == "RendezvousConnectionError"
-    if unreachable:
-        why = f" ({reason[1]})" if reason else ""
+    if type(err).__name__ in ("DistNetworkError", "RendezvousConnectionError"):
+        reason = _ERRNO.search(text)
+        why = f" ({reason[1]})" if reason else " (no answer)" if "timed out" in text else ""
         return LaunchError(f"could not reach the rendezvous at {where} within {waited}{why}; check that node 0 "
                            f"is running and that {host} is its address as seen from this node, with port {port} "
                            "open; --rdzv-timeout sets the wait")

@@ -85,7 +85,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> argparse.Namespace:
     """Validate and fill in paratrain's defaults; sets ``OMP_NUM_THREADS`` (and for multi-node jobs
     ``GLOO_SOCKET_IFNAME``) in this process's environment, which the workers inherit."""
-    _apply_slurm(args, note)
+    apply_slurm(args, note)
     args.nproc_per_node = _nproc(args.nproc_per_node)
     _check_target(args)
     single_node = max_nodes(args.nnodes) == 1
@@ -184,8 +184,9 @@ def _check_target(args: argparse.Namespace) -> None:
         raise LaunchError(f"script {target!r} not found (working directory {os.getcwd()})")
 
 
-def _apply_slurm(args: argparse.Namespace, note: Callable[[str], None]) -> None:
-    """Inside a SLURM job step, fill in the flags the user left out from the allocation."""
+def apply_slurm(args: argparse.Namespace, note: Callable[[str], None]) -> None:
+    """Inside a SLURM job step, fill in the flags the user left out (``args.explicit``) from the allocation;
+    refuse several tasks per node; note an allocation of several nodes entered without srun."""
     job = read_slurm(os.environ)
     if job is None:
         return
