@@ -97,19 +97,19 @@ def store():
 
 def _node_env(port: int, node: int, nnodes: str) -> dict[str, str]:
     return {NNODES_VAR: nnodes, "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+            "MASTER_PORT": str(port), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}
 
 
 def test_nodes_that_agree_on_nnodes_pass_and_a_disagreeing_one_is_named(store):
     server, port = store
-    server.set("paratrain/nnodes/0/1", "2:2")  # node 1 published its --nnodes
+    server.set("paratrain/nnodes/0/4/1", "2:2")  # node 1 published its --nnodes
     check_same_nnodes(_node_env(port, 0, "2:2"), timeout_s=5)
-    server.set("paratrain/nnodes/0/1", "3:3")
+    server.set("paratrain/nnodes/0/4/1", "3:3")
     with pytest.raises(LaunchError, match="node 1 was started with --nnodes 3 but node 0 .this one. with "
                                           "--nnodes 2; start every node with the same --nnodes"):
         check_same_nnodes(_node_env(port, 0, "2:2"), timeout_s=5)
     with pytest.raises(LaunchError, match="node 0 was started with --nnodes 2:4 but node 1"):
-        server.set("paratrain/nnodes/0/0", "2:4")
+        server.set("paratrain/nnodes/0/4/0", "2:4")
         check_same_nnodes(_node_env(port, 1, "3:3"), timeout_s=5)
 
 

@@ -35,7 +35,9 @@ def check_same_nnodes(environ: Mapping[str, str] | None = None, timeout_s: float
     node, nodes = int(env["GROUP_RANK"]), int(env["GROUP_WORLD_SIZE"])
     client = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                       timeout=timedelta(seconds=timeout_s))
-    store = PrefixStore(f"paratrain/nnodes/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+    # A new attempt, or a new membership round with another world size, must not read the last one's keys.
+    attempt = f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{env.get('WORLD_SIZE', '')}"
+    store = PrefixStore(f"paratrain/nnodes/{attempt}", client)
     if env.get("LOCAL_RANK") == "0":
         store.set(str(node), mine)
     # Node 0 compares every node with itself; the others compare themselves with node 0.

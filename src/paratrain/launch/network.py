@@ -17,19 +17,22 @@ _SIOCGIFADDR = 0x8915
 
 
 def resolve(host: str) -> str | None:
-    """The IPv4 address of ``host``, or None when it does not resolve."""
+    """An address of ``host`` (IPv4 first), or None when it does not resolve."""
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-    except (socket.gaierror, UnicodeError, IndexError):
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
         return None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return str(infos[0][4][0]) if infos else None
 
 
 def route_source(address: str, port: int = 9) -> str | None:
-    """The local IPv4 address the kernel would use to reach ``address``, or None when there is no route.
+    """The local address the kernel would use to reach ``address``, or None when there is no route.
 
     A UDP ``connect`` only looks the route up; no packet is sent.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
             s.connect((address, port))
         except OSError:
@@ -38,7 +41,7 @@ def route_source(address: str, port: int = 9) -> str | None:
 
 
 def interface_of(address: str) -> str | None:
-    """The name of the interface whose (primary) IPv4 address is ``address``, or None."""
+    """The name of the interface whose (primary) IPv4 address is ``address``, or None (also for IPv6)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
@@ -59,7 +62,7 @@ def is_loopback(address: str) -> bool:
 
 def is_own_address(address: str) -> bool:
     """True when ``address`` belongs to one of this host's interfaces (it can be bound)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((address, 0))
         except OSError:
