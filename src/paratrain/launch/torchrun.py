@@ -8,7 +8,12 @@ of processes per node. What paratrain adds:
 * ``OMP_NUM_THREADS`` = cores / processes per node unless set (torchrun forces 1);
 * a rank that fails stops the job within a second, and the report leads with that rank's host, exit code and
   traceback;
-* bad input (no such script, ``-n 0``, a taken ``--master-port``) is one line, not a traceback.
+* bad input (no such script, ``-n 0``, a taken ``--master-port``) is one line, not a traceback;
+* multi-node jobs bind gloo to the interface that reaches the master, wait at most ``--rdzv-timeout`` for the
+  other nodes and say which address did not answer, and stop when the nodes disagree on ``--nnodes``
+  (:mod:`paratrain.launch.multinode`);
+* inside a SLURM ``srun`` step the allocation fills in the flags not given (:mod:`paratrain.launch.slurm`);
+* a process group the script creates without a timeout gets ``--pg-timeout`` (600 s), not torch's 30 min.
 """
 from __future__ import annotations
 
@@ -23,10 +28,10 @@ from collections.abc import Callable, Iterator, Sequence
 from ..env import cpu_count
 from ..errors import LaunchError
 from .agreement import NNODES_VAR
-from .pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
 from .failure import from_child_failed
 from .multinode import (DEFAULT_RDZV_TIMEOUT_S, max_nodes, nnodes_range, prepare_network, rendezvous_error,
                         rendezvous_errors, set_rendezvous_timeout)
+from .pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
 from .ports import port_in_use
 from .slurm import read_slurm
 
@@ -50,7 +55,8 @@ _SLURM_FILLED = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endp
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """torchrun's own parser, plus ``-n`` and ``--rdzv-timeout``; errors become one-line ``LaunchError``s.
+    """torchrun's own parser, plus ``-n``, ``--rdzv-timeout`` and ``--pg-timeout``; errors become one-line
+    ``LaunchError``s.
 
     ``args.explicit`` holds the SLURM-fillable flags the user gave (on the command line or as ``PET_*``).
     """
