@@ -200,7 +200,7 @@ def apply_slurm(args: argparse.Namespace, note: Callable[[str], None]) -> None:
         raise LaunchError(job.problem())
     if job.warning():
         note(job.warning())
-    if not job.under_srun:
+    if not job.under_srun or args.standalone:
         return
     for dest, value in job.torchrun_args(args.rdzv_backend).items():
         if dest not in args.explicit and not (dest == "nproc_per_node" and args.nproc_per_node is not None):
