@@ -111,7 +111,9 @@ def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> ar
     if args.pg_timeout <= 0:
         raise LaunchError(f"--pg-timeout must be > 0 seconds, got {args.pg_timeout:g}")
     os.environ[PG_TIMEOUT_VAR] = f"{args.pg_timeout:g}"
-    if not single_node:
+    if single_node:
+        os.environ.pop(NNODES_VAR, None)
+    else:
         prepare_network(args, note)
         os.environ[NNODES_VAR] = "{}:{}".format(*nnodes_range(args.nnodes))
     if isinstance(args.nproc_per_node, int) and "OMP_NUM_THREADS" not in os.environ:
