@@ -190,6 +190,9 @@ def test_paratrain_slurm_prints_or_writes_the_script(paratrain_cmd, tmp_path):
     res = subprocess.run([*paratrain_cmd, "slurm", "--time", "soon", "train.py"], capture_output=True, text=True,
                          timeout=30)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "not a SLURM time limit" in res.stderr
+    res = subprocess.run([*paratrain_cmd, "slurm", "--run-args=--rdzv-timout 9", "train.py"], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "unrecognized" in res.stderr, res.stderr
 
 
 def test_the_console_script_lists_the_command():

@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--setup", action="append", default=[], metavar="LINE",
                    help="a shell line to run before srun, e.g. 'source .venv/bin/activate' (repeatable)")
     p.add_argument("--run-args", default="", metavar="FLAGS",
-                   help="more `paratrain run` flags, quoted as one string, e.g. '--rdzv-timeout 900'")
+                   help="more `paratrain run` flags as one string: --run-args='--rdzv-timeout 900'")
     p.add_argument("-m", "--module", action="store_true", help="the target is a module (python -m)")
     p.add_argument("--output", metavar="FILE", help="write the script to FILE instead of printing it")
     p.add_argument("target", help="training script (or module with -m)")

@@ -115,9 +115,13 @@ def render_sbatch(spec: SbatchSpec) -> str:
 
 
 def write_sbatch(spec: SbatchSpec, path: str | None) -> None:
-    """Print the script, or write it (executable) to ``path`` and say how to submit it."""
+    """Check the ``paratrain run`` line with ``paratrain run``'s own parser (a mistyped flag fails here, not
+    hours later in the queue), then print the script, or write it (executable) to ``path``."""
     import sys
 
+    from .torchrun import parse_args
+
+    parse_args(spec.run_command()[2:])
     text = render_sbatch(spec)
     if path is None:
         sys.stdout.write(text)
