@@ -11,6 +11,7 @@ import pytest
 
 from conftest import SCRIPTS
 from paratrain import ConfigError, LaunchError
+from paratrain.cli.main import main
 from paratrain.launch.ports import port_in_use
 from paratrain.launch.sbatch import SbatchSpec, render_sbatch
 from paratrain.launch.slurm import PORT_BASE, expand_hostlist, read_slurm
@@ -179,20 +180,20 @@ def test_bad_sbatch_options_are_one_line_errors(kw, words):
         _spec(**kw)
 
 
-def test_paratrain_slurm_prints_or_writes_the_script(paratrain_cmd, tmp_path):
+def test_paratrain_slurm_prints_or_writes_the_script(tmp_path, capsys):
     out = tmp_path / "job.sbatch"
-    res = subprocess.run([*paratrain_cmd, "slurm", "--nodes", "2", "--gpus-per-node", "4", "--output", str(out),
-                          "train.py", "--epochs", "3"], capture_output=True, text=True, timeout=30)
-    assert res.returncode == 0 and f"sbatch {out}" in res.stderr, res.stderr
+    assert main(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--output", str(out), "train.py",
+                 "--epochs", "3"]) == 0
+    assert f"sbatch {out}" in capsys.readouterr().err
     assert os.access(out, os.X_OK) and "paratrain run --nproc-per-node 4 train.py --epochs 3" in out.read_text()
-    res = subprocess.run([*paratrain_cmd, "slurm", "-N", "2", "train.py"], capture_output=True, text=True, timeout=30)
-    assert res.returncode == 0 and res.stdout.startswith("#!/bin/bash") and "--nodes=2" in res.stdout
-    res = subprocess.run([*paratrain_cmd, "slurm", "--time", "soon", "train.py"], capture_output=True, text=True,
-                         timeout=30)
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "not a SLURM time limit" in res.stderr
-    res = subprocess.run([*paratrain_cmd, "slurm", "--run-args=--rdzv-timout 9", "train.py"], capture_output=True,
-                         text=True, timeout=30)
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "unrecognized" in res.stderr, res.stderr
+    assert main(["slurm", "-N", "2", "train.py"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("#!/bin/bash") and "--nodes=2" in printed
+    for argv, words in ((["--time", "soon"], "not a SLURM time limit"),
+                        (["--run-args=--rdzv-timout 9"], "unrecognized arguments: --rdzv-timout")):
+        assert main(["slurm", *argv, "train.py"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
 
 
 def test_the_console_script_lists_the_command():
