@@ -29,6 +29,7 @@ def max_nodes(nnodes: str) -> int:
 
 
 def nnodes_range(nnodes: str) -> tuple[int, int]:
+    """``(MIN, MAX)`` of ``--nnodes N`` or ``MIN:MAX``; anything else is a one-line error."""
     parts = str(nnodes).split(":")
     try:
         lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, 0)
