@@ -26,5 +26,5 @@ def apply_default_pg_timeout(environ: Mapping[str, str] | None = None) -> None:
 
     timeout = timedelta(seconds=float(seconds))
     distributed_c10d.default_pg_timeout = timeout  # read by init_process_group/new_group when given none
-    if distributed_c10d.default_pg_nccl_timeout is not None:
+    if getattr(distributed_c10d, "default_pg_nccl_timeout", None) is not None:
         distributed_c10d.default_pg_nccl_timeout = timeout
