@@ -5,6 +5,7 @@ from paratrain.errors import ConfigError
 from paratrain.planner import (Layout, Link, Training, all_gather_s, all_reduce_s, batching, bubble_fraction,
                                calibrated, get_device, make_cluster, p2p_s, reduce_scatter_s, step_time,
                                transformer_stats)
+from paratrain.planner.layout import stage_params
 from paratrain.workloads.gpt import GPT_CONFIGS
 
 LINK = Link(name="test", bandwidth_gbs=100, latency_us=0)
@@ -39,11 +40,13 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
     assert t.bubble_s / (t.compute_s + t.bubble_s) == pytest.approx(bubble_fraction(p, m))
 
 
-def test_compute_time_is_flops_over_sustained_rate_and_ddp_hides_its_all_reduce():
+def test_compute_time_is_flops_over_sustained_rate_plus_weights_and_ddp_hides_its_all_reduce():
     training = Training(micro_batch=8)
     cluster = make_cluster("h100", gpus=8)
     single = step_time(STATS, Layout(name="single"), batching(training, dp=1, pp=1, world_size=1), training, cluster)
-    assert single.compute_s == pytest.approx(STATS.flops_per_sample * 8 / (989e12 * 0.4))
+    weights = 3 * STATS.params * 2 / 3350e9  # bf16 weights read in forward and backward, gradient written, HBM3
+    assert single.compute_s == pytest.approx(STATS.flops_per_sample * 8 / (989e12 * 0.4) + weights)
+    assert single.optimizer_s == pytest.approx(STATS.params * 80 / 3350e9)  # AdamW streams 80 bytes a parameter
     ddp = step_time(STATS, Layout(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, cluster)
     assert ddp.comm_s == pytest.approx(all_reduce_s(STATS.params * 2, 8, cluster.intra))
     assert ddp.exposed_comm_s == 0.0  # 0.25 GB over NVLink hides in backward
@@ -62,7 +65,10 @@ def test_model_parallel_stages_take_turns_while_pipeline_stages_overlap():
     assert mp.compute_s == pytest.approx(one.compute_s)  # 8 GPUs, one computing at a time
     assert mp.comm_s == pytest.approx(8 * 2 * 7 * p2p_s(STATS.boundary_bytes_per_sample * 4, cluster.intra))
     pp = step_time(STATS, Layout(name="pipeline", pp=8), batching(training, dp=1, pp=8, world_size=8), training, cluster)
-    assert pp.compute_s == pytest.approx(one.compute_s / 8)
+    flops_s = STATS.flops_per_sample * 32 / (989e12 * 0.4)
+    stage_weights_s = 3 * stage_params(STATS.units, 8) * 2 / 3350e9  # streamed once per micro-batch, 8 of them
+    assert pp.compute_s == pytest.approx(flops_s / 8 + 8 * stage_weights_s)
+    assert pp.optimizer_s == pytest.approx(one.optimizer_s * stage_params(STATS.units, 8) / STATS.params)
 
 
 def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients_every_micro_batch():

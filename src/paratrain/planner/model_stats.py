@@ -53,6 +53,8 @@ class ModelStats:
     measured_step_s: float | None = None
     """Seconds of one forward + backward at ``measured_batch`` on this machine (``measure_module`` only)."""
     measured_batch: int | None = None
+    measured_threads: int | None = None
+    """The intra-op threads that forward + backward ran on."""
 
     def __post_init__(self) -> None:
         if self.params < 1:
@@ -320,4 +322,5 @@ def measure_module(factory: Callable[[], nn.Module], example: InputSpec, *, name
         start = time.perf_counter()
         _first_tensor(model(x)).float().sum().backward()
         times.append(time.perf_counter() - start)
-    return replace(stats, measured_step_s=sorted(times)[len(times) // 2], measured_batch=batch)
+    return replace(stats, measured_step_s=sorted(times)[len(times) // 2], measured_batch=batch,
+                   measured_threads=torch.get_num_threads())
