@@ -1,11 +1,14 @@
 """One call from the CLI's options to a Plan: model stats, cluster, training setup, calibration, recommendation."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
+
 from ..errors import ConfigError
 from .hardware import calibrated, make_cluster
 from .models import resolve_model
 from .recommend import Plan, recommend
-from .timing import optimizer_step_bytes, weight_bytes
+from .timing import measured_link, optimizer_step_bytes, weight_bytes
 from .training import Training
 
 
@@ -16,7 +19,8 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
               inter_node: str | None = None, gpu_mem_gb: float | None = None, tflops: float | None = None,
               mfu: float | None = None, mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None,
               inter_bw_gbs: float | None = None, step_time: float | None = None, optimizer_time: float | None = None,
-              threads: int | None = None, **training: object) -> Plan:
+              threads: int | None = None, link_timings: Mapping[str, tuple[float, float]] | None = None,
+              **training: object) -> Plan:
     """The plan for ``paratrain plan``'s options (``training`` holds ``Training``'s fields; precision ``auto``
     is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
 
@@ -24,11 +28,14 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
     device's MFU; with ``optimizer_time`` (the optimizer step timed apart) ``step_time`` is the forward+backward
     alone and the optimizer's time also calibrates the memory bandwidth. ``threads``: on a CPU host, the cores
     the measured step used. ``measure`` runs the model here and, when the device is this CPU, calibrates from
-    that (a forward+backward on torch's threads).
+    that (a forward+backward on torch's threads). ``link_timings`` (collective name -> (bytes, seconds), measured
+    on ``gpus`` ranks of one node) replace the intra-node link's figures: see ``timing.measured_link``.
     """
     cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
                            gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, mem_bw_gbs=mem_bw_gbs,
                            intra_bw_gbs=intra_bw_gbs, inter_bw_gbs=inter_bw_gbs)
+    if link_timings:
+        cluster = replace(cluster, intra=measured_link(cluster.intra, gpus, link_timings))
     if training.get("precision", "auto") == "auto":
         training["precision"] = "fp32" if cluster.device.shared_by_ranks else "bf16-mixed"
     setup = Training(**training)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from .hardware import GB, Cluster, Link
 from .layout import Layout
-from .memory import activation_scale, ranked_params
+from .memory import activation_figures, ranked_params
 from .model_stats import ModelStats
 from .training import Batching, Training
 
@@ -155,7 +155,7 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     m = batch.micro_batches
     overlap = cluster.device.overlap
     grads, params = psi * training.bytes.grad, psi * training.bytes.param
-    boundary = stats.boundary_bytes_per_sample * activation_scale(stats, training) * batch.micro_batch
+    boundary = activation_figures(stats, training, layout)[2] * batch.micro_batch
     inner = layout.stages  # data-parallel peers are this many ranks apart
     hidden_in_backward = overlap * BACKWARD_SHARE * micro_s
 

@@ -10,7 +10,7 @@ from ..errors import ConfigError
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionBytes:
-    """Bytes per parameter (and per activation element) under one precision.
+    """Bytes per parameter under one precision.
 
     Mixed precision follows the ZeRO paper (Rajbhandari et al. 2020, section 3.1): 16-bit parameters and
     gradients plus an fp32 master copy the optimizer updates. (PyTorch autocast keeps fp32 parameters and
@@ -20,13 +20,12 @@ class PrecisionBytes:
     param: int
     grad: int
     master: int
-    activation: int
 
 
 PRECISIONS = MappingProxyType({
-    "fp32": PrecisionBytes(param=4, grad=4, master=0, activation=4),
-    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4, activation=2),
-    "fp16-mixed": PrecisionBytes(param=2, grad=2, master=4, activation=2),
+    "fp32": PrecisionBytes(param=4, grad=4, master=0),
+    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4),
+    "fp16-mixed": PrecisionBytes(param=2, grad=2, master=4),
 })
 
 OPTIMIZER_STATE_BYTES = MappingProxyType({"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8})
