@@ -164,7 +164,7 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     suggestions += _suggestions(stats, cluster, training, choice)
     return Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
                 estimates=tuple(estimates), choice=choice, reason=_reason(choice, estimates, cluster),
-                suggestions=tuple(suggestions), notes=tuple(_notes(cluster, choice)))
+                suggestions=tuple(suggestions), notes=tuple(_notes(cluster, choice, estimates)))
 
 
 def _fitting(stats: ModelStats, e: Estimate, training: Training, cluster: Cluster, baseline: float) -> list[Estimate]:
@@ -249,14 +249,19 @@ def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice
     return out
 
 
-def _notes(cluster: Cluster, choice: Estimate) -> list[str]:
+def _notes(cluster: Cluster, choice: Estimate, estimates: list[Estimate]) -> list[str]:
     if cluster.world_size == 1:
         return []
     if cluster.device.shared_by_ranks:
-        return [f"CPU host: the {cluster.ranks_per_node} processes split the same cores, so more processes add no "
-                "compute, only gradient traffic. Measured on 2 cores (docs/planner.md): DDP over 2 processes ran "
-                "at 0.75-0.84x one single-threaded process, 2 threads in one process at 1.59x. More processes are "
-                "slower than threads here: use them to test correctness, not for speed"]
+        n, cores = cluster.ranks_per_node, cluster.device.cores or cluster.ranks_per_node
+        best = max(estimates[1:], key=lambda e: e.speedup)
+        shared = f"the {n} processes split its {cores} cores" if n <= cores else \
+            f"the {n} processes time-share its {cores} cores"
+        verdict = ("more processes are slower than threads here: use them to test correctness, not for speed"
+                   if best.speedup < 1 else "here more processes beat threads")
+        return [f"CPU host: {shared} and its memory bandwidth, each repeats what is not sharded (the optimizer "
+                f"step, the weights' streaming) and they add gradient traffic over gloo; the fastest, {best.name}, runs "
+                f"at {best.speedup:.2f}x one process using every core as threads, so {verdict}"]
     if choice.speedup < 1:
         link = cluster.inter if cluster.nodes > 1 else cluster.intra
         return [f"even {choice.name} runs at {choice.speedup:.2f}x one GPU: {link.name} ({link.bandwidth_gbs:g} "
