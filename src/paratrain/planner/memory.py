@@ -32,8 +32,9 @@ class MemoryBreakdown:
     activations: float
     """What autograd saved for backward (under autocast including its 16-bit copies of the weights)."""
     transient: float
-    """Short-lived tensors at the peak: the loss's gradient and log-softmax's input gradient (two fp32
-    output-sized tensors) when backward starts, or the optimizer step's temporaries."""
+    """Short-lived tensors at the peak: when backward starts, two gradients of the largest tensor it meets (the
+    loss's: the logits' gradient and log-softmax's input gradient, fp32; or the largest saved activation's);
+    during the optimizer step, its temporaries."""
     buffers: float
     """Communication buffers: DDP buckets, FSDP's gathered units, activations passed between stages."""
     overhead: float
@@ -110,7 +111,8 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
 
     Model states follow ``model_states``. When backward starts a device holds its parameters and optimizer
     states, the activations of its micro-batches in flight (a stage 1/stages of each; under autocast also the
-    16-bit weight copies), the loss's two output-sized fp32 gradients, its buffers, and gradients only where
+    16-bit weight copies), two gradients of the largest tensor backward meets first (the loss's fp32 output, or
+    the largest saved activation), its buffers, and gradients only where
     they outlive ``zero_grad(set_to_none=True)``: accumulated over several micro-batches or in DDP's buckets.
     During the optimizer step it holds every state and the step's temporaries (Adam: a parameter-sized
     denominator). Buffers: DDP's two 25 MiB buckets in flight (with ``gradient_as_bucket_view=False`` DDP keeps
@@ -134,10 +136,12 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     buffers += 2 * boundary * batch.micro_batch if layout.stages > 1 else 0.0
     kept = batch.micro_batches > 1 or ddp_buckets > 0
     overhead = cluster.device.overhead_gib * 2**30
+    largest = stats.largest_activation_bytes_per_sample * (1.0 if training.precision == "fp32" else 0.5)
     at_backward = MemoryBreakdown(
         parameters=states.parameters, gradients=states.gradients if kept else 0.0,
         optimizer_states=states.optimizer_states, activations=activations,
-        transient=2 * stats.output_bytes_per_sample * batch.micro_batch, buffers=buffers, overhead=overhead)
+        transient=2 * max(stats.output_bytes_per_sample, largest) * batch.micro_batch, buffers=buffers,
+        overhead=overhead)
     shard = layout.shard if layout.zero >= 1 else 1
     at_step = MemoryBreakdown(
         parameters=states.parameters, gradients=states.gradients, optimizer_states=states.optimizer_states,

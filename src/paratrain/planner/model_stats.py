@@ -53,6 +53,9 @@ class ModelStats:
     their 16-bit copies are saved for backward."""
     output_bytes_per_sample: float = 0.0
     """Bytes of the model's output for one sample in fp32, as the loss reads it."""
+    largest_activation_bytes_per_sample: float = 0.0
+    """The largest single tensor autograd saves, for one sample, in fp32: backward holds a gradient of that size
+    coming in and one going out while it is still saved."""
     param_bytes: Mapping[str, int] = field(default_factory=dict)
     """Bytes of the parameters as built, by dtype."""
     source: str = ""
@@ -163,7 +166,8 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
                       flops_per_sample=float(flops), activation_bytes_per_sample=fp32[0],
                       checkpointed_bytes_per_sample=fp32[1], boundary_bytes_per_sample=fp32[2],
                       mixed={"autocast": figures(4, 2), "param_dtype": figures(2, 2)}, matmul_params=matmul,
-                      output_bytes_per_sample=4.0 * s * v, param_bytes={"float32": 4 * total},
+                      output_bytes_per_sample=4.0 * s * v, largest_activation_bytes_per_sample=4.0 * s * fc,
+                      param_bytes={"float32": 4 * total},
                       source=f"closed-form transformer ({shape})")
 
 
@@ -295,6 +299,7 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
                       checkpointed_bytes_per_sample=min(checkpointed, sum(per_unit.values(), outside)) / batch,
                       boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
                       matmul_params=sum(matmul.values()), output_bytes_per_sample=4 * out.numel() / batch,
+                      largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
                       param_bytes=dict(by_dtype), source=source)
 
 
