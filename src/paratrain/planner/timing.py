@@ -21,6 +21,9 @@ from .training import Batching, Training
 
 BACKWARD_SHARE = 2 / 3
 """Backward is about two thirds of a step's FLOPs (twice the forward's), the window gradient sync can hide in."""
+DDP_BUCKET_PASSES = 6
+"""Memory passes over the gradients DDP makes per synchronised step (``gradient_as_bucket_view=False``, its
+default): copy into the bucket, divide by the world size, copy back out, each a read and a write."""
 
 
 def all_reduce_s(nbytes: float, ranks: int, link: Link) -> float:
@@ -99,7 +102,8 @@ class StepTime:
     """Seconds of one optimizer step on the busiest rank."""
 
     compute_s: float
-    """Forward and backward of every micro-batch (FLOPs, and the weights each one streams), bubble excluded."""
+    """Forward and backward of every micro-batch (FLOPs, the weights each one streams, FSDP's and DDP's buffer
+    copies), bubble excluded."""
     bubble_s: float
     """Pipeline fill and drain."""
     optimizer_s: float
@@ -136,9 +140,10 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     stages' weights. ddp and zero1 all-reduce gradients once per step, hidden in up to ``device.overlap`` of a
     micro-batch's backward; zero1 steps the optimizer on its shard, then every rank broadcasts its updated
     shard (not hidden). zero2 and fsdp gather parameters (fsdp twice: forward and backward) and
-    reduce-scatter gradients every micro-batch, prefetched into up to ``overlap`` of its compute, and copy each
-    gathered unit out of (each gradient into) the collective's flat buffer: a read and a write per collective;
-    hsdp adds an all-reduce of the shard across nodes. Stage-to-stage sends (one per forward and per backward, per slot)
+    reduce-scatter gradients every micro-batch, one call per wrap unit, prefetched into up to ``overlap`` of its
+    compute, and copy each gathered unit out of (each gradient into) the collective's flat buffer: a read and a
+    write per collective; hsdp adds an all-reduce of the shard across nodes. DDP's buckets cost
+    ``DDP_BUCKET_PASSES`` passes over the gradients. Stage-to-stage sends (one per forward and per backward, per slot)
     are not hidden. On a shared CPU host every rank gets 1/ranks of the host's compute and memory bandwidth.
     """
     ranks_per_node = cluster.ranks_per_node if layout.world_size > 1 else 1
@@ -152,6 +157,9 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
                + (weight_bytes(streamed, training, cluster) + copies) / bandwidth)
     shard = layout.shard if layout.zero >= 1 else 1
     optimizer_s = optimizer_step_bytes(psi / shard, training) / bandwidth
+    ddp = layout.zero <= 1 and layout.dp > 1
+    # DDP copies each gradient into its bucket, divides the bucket by the world size and copies it back
+    bucket_s = DDP_BUCKET_PASSES * psi * training.bytes.grad / bandwidth if ddp else 0.0
     m = batch.micro_batches
     overlap = cluster.device.overlap
     grads, params = psi * training.bytes.grad, psi * training.bytes.param
@@ -166,20 +174,22 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
         total += times * seconds
         exposed += times * max(0.0, seconds - window)
 
-    if layout.zero <= 1 and layout.dp > 1:
+    if ddp:
         dp_link = cluster.link_for(layout.dp, inner)
         add(all_reduce_s(grads, layout.dp, dp_link), hidden_in_backward)
         if layout.zero == 1:
             add(broadcast_s(params, layout.dp, dp_link))
     if layout.zero >= 2:
         shard_link = cluster.link_for(layout.shard, inner)
-        add(gathers * all_gather_s(params, layout.shard, shard_link) + reduce_scatter_s(grads, layout.shard, shard_link),
-            overlap * micro_s, times=m)
+        units = sum(1 for _, n in stats.units if n > 0)  # one collective call per unit: a latency each
+        calls = (units - 1) * (gathers + 1) * (layout.shard - 1) * shard_link.latency_us * 1e-6
+        add(gathers * all_gather_s(params, layout.shard, shard_link) + reduce_scatter_s(grads, layout.shard, shard_link)
+            + calls, overlap * micro_s, times=m)
         replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
         add(all_reduce_s(grads / layout.shard, layout.replicas, replica_link), hidden_in_backward)
     if layout.pp > 1:
         add(2 * p2p_s(boundary, cluster.link_for(layout.pp, layout.mp)), times=m + layout.pp - 1)
     if layout.mp > 1:
         add(2 * (layout.mp - 1) * p2p_s(boundary, cluster.intra), times=m)
-    return StepTime(compute_s=m * micro_s, bubble_s=(layout.pp - 1) * micro_s, optimizer_s=optimizer_s,
+    return StepTime(compute_s=m * micro_s + bucket_s, bubble_s=(layout.pp - 1) * micro_s, optimizer_s=optimizer_s,
                     comm_s=total, exposed_comm_s=exposed)
