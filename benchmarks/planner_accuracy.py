@@ -7,10 +7,11 @@
 Model and setup are ``strategies.py``'s: MLP 784-1024x4-10, Adam, fp32, global batch 128 fixed.
 
 Calibration, world 1 only: the plain model in this process on one thread, the forward+backward of the whole
-batch of 128 and the Adam step timed apart (median of interleaved rounds). ``make_plan(step_time=forward+backward,
-optimizer_time=Adam step, threads=1)`` turns them into the host's FLOP rate and memory bandwidth (docs/planner.md,
-"Calibrating"); the planner then splits the global batch per replica itself. The same is timed at torch's default
-thread count for reference.
+batch of 128 and the Adam step timed apart (median of interleaved rounds), before and after each launched world
+size; that world is predicted from the mean of the two, so a machine whose load drifts skews it less.
+``make_plan(step_time=forward+backward, optimizer_time=Adam step, threads=1)`` turns them into the host's FLOP rate
+and memory bandwidth (docs/planner.md, "Calibrating"); the planner then splits the global batch per replica itself.
+The same is timed at torch's default thread count once, for reference.
 
 Link figures, per world size: each launched job first times the collectives the strategies use on the model's
 15.8 MB of gradients (all-reduce, all-gather, reduce-scatter, ZeRO-1's per-shard broadcasts) and point-to-point
@@ -114,9 +115,8 @@ def single_phases(threads: int, steps: int, warmup: int) -> tuple[float, float]:
         torch.set_num_threads(before)
 
 
-def measure_single(rounds: int, steps: int, warmup: int) -> dict[int, tuple[float, float]]:
-    """Per thread count (1, default): medians over interleaved rounds of (forward+backward, Adam step)."""
-    counts = sorted({torch.get_num_threads(), 1})
+def measure_single(rounds: int, steps: int, warmup: int, counts: list[int]) -> dict[int, tuple[float, float]]:
+    """Per thread count: medians over interleaved rounds of (forward+backward, Adam step)."""
     per_round: dict[int, list[tuple[float, float]]] = {n: [] for n in counts}
     for r in range(rounds):
         for n in (counts if r % 2 == 0 else counts[::-1]):
@@ -196,33 +196,40 @@ def main() -> None:
     worlds = [2] if a.quick else [int(w) for w in a.worlds.split(",")]
     rounds, steps = (1, 5) if a.quick else (a.rounds, a.steps)
     default_threads = torch.get_num_threads()
+    calibration_rounds = rounds if a.quick else max(rounds, 3)
     print(f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; "
           f"MLP 784-{strategies.MODEL_WIDTH}x4-10, Adam, fp32, global batch {GLOBAL}; {rounds} round(s) x {steps} "
           f"timed steps")
 
-    single, wall, share = audited(lambda: measure_single(max(rounds, 3), steps, a.warmup))
-    fb, opt = single[1]
-    print(f"world 1, 1 thread: forward+backward {1e3 * fb:.1f} ms + Adam step {1e3 * opt:.1f} ms (calibrates the "
-          f"planner); at {default_threads} threads {1e3 * single[default_threads][0]:.1f} + "
-          f"{1e3 * single[default_threads][1]:.1f} ms; {load_note(wall, share)}")
-    shares, links, rows = {1: share}, {}, []
+    single, wall, share = audited(lambda: measure_single(calibration_rounds, steps, a.warmup,
+                                                         sorted({1, default_threads})))
+    before = single[1]
+    print(f"world 1, 1 thread: forward+backward {1e3 * before[0]:.1f} ms + Adam step {1e3 * before[1]:.1f} ms; at "
+          f"{default_threads} threads {1e3 * single[default_threads][0]:.1f} + {1e3 * single[default_threads][1]:.1f} "
+          f"ms; {load_note(wall, share)}")
+    shares, links, rows, calibrations = {"1": share}, {}, [], {}
     for world in worlds:
-        catalogue = predict(world, fb, opt, None)
+        catalogue = predict(world, *before, None)
         labels = {name: label for name, label in PLANNER_TO_LABEL.items() if name in catalogue}
-        ranks, wall, shares[world] = audited(lambda: paratrain.launch(
+        ranks, wall, shares[str(world)] = audited(lambda: paratrain.launch(
             accuracy_job, world, (list(labels.values()), rounds, steps, a.warmup), timeout_s=900))
         links[world] = slowest_link(ranks)
         measured = {r["strategy"]: r["step_ms"] / 1e3 for r in strategies.summarise(world, [r["rounds"] for r in ranks])}
-        with_link = predict(world, fb, opt, links[world])
+        figures = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, (_, s) in links[world].items())
+        print(f"world {world}: measured in {load_note(wall, shares[str(world)])}; link: {figures}")
+        after, wall, shares[f"1 after {world}"] = audited(lambda: measure_single(calibration_rounds, steps, a.warmup, [1]))
+        after = after[1]
+        fb, opt = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2  # the world 1 step around this job
+        calibrations[world] = {"before_ms": [1e3 * t for t in before], "after_ms": [1e3 * t for t in after]}
+        print(f"world 1 again, 1 thread: {1e3 * after[0]:.1f} + {1e3 * after[1]:.1f} ms "
+              f"({sum(after) / sum(before) - 1:+.1%}); world {world} is predicted from the mean, "
+              f"{1e3 * fb:.1f} + {1e3 * opt:.1f} ms; {load_note(wall, shares[f'1 after {world}'])}")
+        catalogue, with_link = predict(world, fb, opt, None), predict(world, fb, opt, links[world])
         rows += [{"world": world, "strategy": label, "measured_ms": 1e3 * measured[label],
                   "predicted_ms": 1e3 * with_link[name], "error": error(with_link[name], measured[label]),
                   "catalogue_link_ms": 1e3 * catalogue[name], "catalogue_link_error": error(catalogue[name], measured[label])}
                  for name, label in labels.items()]
-        figures = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, (_, s) in links[world].items())
-        print(f"world {world}: measured in {load_note(wall, shares[world])}; link: {figures}")
-    end, wall, share = audited(lambda: measure_single(1, steps, a.warmup))
-    print(f"world 1 again at the end, 1 thread: {1e3 * end[1][0]:.1f} + {1e3 * end[1][1]:.1f} ms "
-          f"({(end[1][0] + end[1][1]) / (fb + opt) - 1:+.1%} vs the calibration); {load_note(wall, share)}")
+        before = after
 
     print(f"\n{'world':>5} {'strategy':<16} {'measured ms':>11} {'predicted ms':>12} {'error':>8}  {'within 20%?':<11}"
           f" {'catalogue link':>14} {'error':>8}")
@@ -237,11 +244,9 @@ def main() -> None:
           f"{len(rows)} with the catalogue's")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"calibration_ms": {"forward_backward": 1e3 * fb, "adam_step": 1e3 * opt, "threads": 1},
-                       "default_threads": default_threads,
+            json.dump({"calibration_ms": calibrations, "threads": 1, "default_threads": default_threads,
                        "default_threads_ms": [1e3 * t for t in single[default_threads]],
-                       "end_check_ms": [1e3 * t for t in end[1]], "background_share": shares,
-                       "link_timings": links, "rows": rows}, f, indent=2)
+                       "background_share": shares, "link_timings": links, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
