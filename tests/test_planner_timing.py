@@ -2,9 +2,9 @@
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.planner import (Layout, Link, Training, all_gather_s, all_reduce_s, batching, bubble_fraction,
-                               calibrated, get_device, make_cluster, p2p_s, reduce_scatter_s, step_time,
-                               transformer_stats)
+from paratrain.planner import (Layout, Link, Training, all_gather_s, all_reduce_s, batching, broadcast_s,
+                               bubble_fraction, calibrated, get_device, make_cluster, make_plan, measured_link, p2p_s,
+                               reduce_scatter_s, step_time, transformer_stats)
 from paratrain.planner.layout import stage_params
 from paratrain.workloads.gpt import GPT_CONFIGS
 
@@ -104,3 +104,43 @@ def test_catalogue_names_aliases_and_overrides():
         get_device("v100")
     with pytest.raises(ConfigError, match="l4 has no NVLink"):
         make_cluster("l4", gpus=2, interconnect="nvlink")
+
+
+def test_calibration_splits_a_measured_step_into_flops_and_memory_traffic():
+    host = make_cluster("cpu", gpus=2)
+    cores = host.device.cores
+    flops, weights, adam = 3e9, 2e8, 3e8  # FLOPs of the step, bytes the weights stream, bytes the optimizer streams
+    c = calibrated(host, flops_per_step=flops, step_time_s=0.05, precision="fp32", streamed_bytes=weights,
+                   optimizer_bytes=adam, optimizer_s=0.015, threads=1)
+    assert c.device.memory_gbs == pytest.approx(adam / 0.015 * cores / 1e9)  # one thread's bandwidth, x cores
+    per_core_rate = flops / (0.05 - weights / (adam / 0.015))
+    assert c.device.mfu * c.device.fp32_tflops * 1e12 == pytest.approx(per_core_rate * cores)
+    with pytest.raises(ConfigError, match="no longer than streaming the weights"):
+        calibrated(host, flops_per_step=flops, step_time_s=0.005, precision="fp32", streamed_bytes=weights,
+                   optimizer_bytes=adam, optimizer_s=0.015, threads=1)
+    with pytest.raises(ConfigError, match="--optimizer-time calibrates together with --step-time"):
+        make_plan(model="mlp", gpu="cpu", gpus=2, optimizer_time=0.01)
+
+
+def test_a_link_measured_at_a_world_size_reproduces_its_timings():
+    timings = {"all_reduce": (16e6, 0.012), "all_gather": (16e6, 0.02), "reduce_scatter": (16e6, 0.03),
+               "broadcast": (16e6, 0.006), "p2p": (4e6, 0.0015), "p2p_small": (65536, 0.0003)}
+    link = measured_link(make_cluster("cpu", gpus=4).intra, 4, timings)
+    assert all_reduce_s(16e6, 4, link) == pytest.approx(0.012)
+    assert all_gather_s(16e6, 4, link) == pytest.approx(0.02)
+    assert reduce_scatter_s(16e6, 4, link) == pytest.approx(0.03)
+    assert broadcast_s(16e6, 4, link) == pytest.approx(0.006)
+    assert p2p_s(4e6, link) == pytest.approx(0.0015) and p2p_s(65536, link) == pytest.approx(0.0003)
+    plan = make_plan(model="mlp", gpu="cpu", gpus=4, link_timings=timings)
+    assert plan.cluster.intra.name == "loopback-gloo (measured)"
+
+
+def test_zero_stages_step_only_their_shard_and_zero1_broadcasts_it():
+    training = Training(micro_batch=8, precision="fp32", optimizer="adam")
+    cluster = make_cluster("cpu", gpus=4)
+    batch = batching(training, dp=4, pp=1, world_size=4)
+    ddp = step_time(STATS, Layout(name="ddp", dp=4), batch, training, cluster)
+    zero1 = step_time(STATS, Layout(name="zero1", dp=4, zero=1, shard=4), batch, training, cluster)
+    assert ddp.optimizer_s == pytest.approx(4 * zero1.optimizer_s)
+    assert ddp.optimizer_s == pytest.approx(STATS.params * 72 / (cluster.device.memory_gbs * 1e9 / 4))
+    assert zero1.comm_s == pytest.approx(ddp.comm_s + broadcast_s(STATS.params * 4, 4, cluster.intra))
