@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from .mesh import build_mesh
 from .precision import Precision, create_precision
 from .seeding import rank_seed, seed_all
 from .strategies.base import Runtime, Strategy
+
+_GLOO_DRAIN_S = 0.1
+"""Seconds ``close`` releases the GIL after its barrier (see ``close``)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,12 @@ class Parallel:
 
     def _init_process_group(self, timeout_s: float) -> None:
         if not self.env.launched:
+            if self.strategy.mesh_dims(self.env) is not None:
+                # `python train.py` with a distributed strategy: a private one-rank group, so the same code path
+                # runs (DDP and FSDP at world 1) instead of failing for want of a launcher.
+                dist.init_process_group(backend=backend_for(self.device), store=dist.HashStore(), rank=0,
+                                        world_size=1, timeout=timedelta(seconds=timeout_s))
+                self._owns_group = True
             return
         if dist.is_initialized():  # the script started it itself: use it, leave it to the script
             if dist.get_world_size() != self.env.world_size:
@@ -332,9 +342,15 @@ class Parallel:
         The barrier matters: a rank that tears its group down while a peer still finishes its last collective
         can abort the peer at exit (gloo's worker threads die with "terminate called without an active
         exception").
+
+        The pause after it matters too: gloo's worker thread frees the barrier's work object (and the last
+        gradient all-reduce it holds) after the barrier returns, and that needs the GIL. If this thread then frees
+        the DDP model (the last owner of the process group) while holding the GIL, the group's destructor waits
+        for the worker forever. Sleeping releases the GIL so the worker finishes first.
         """
         if self._owns_group and dist.is_initialized():
             dist.barrier()
+            time.sleep(_GLOO_DRAIN_S)
             dist.destroy_process_group()
         self._owns_group = False
 

@@ -149,6 +149,9 @@ class HSDPStrategy(FSDPStrategy):
 
     def mesh_dims(self, env: ClusterEnv) -> dict[str, int]:
         world_size, shard = env.world_size, self.config.shard_size
+        if world_size < 4:
+            raise ConfigError(f"hsdp shards within groups and replicates across them: it needs at least 4 "
+                              f"processes, got {world_size}; use zero3 or ddp, or launch more (-n 4)")
         if shard is None:
             shard = env.local_world_size if env.local_world_size < world_size else world_size // 2
         if shard < 1 or world_size % shard or world_size // shard < 1:
