@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             r = rows[-1]
             got = "OOM" if r.get("oom") else r.get("failure") or (
                 "ran" if r["measured_bytes"] is None else f"{r['measured_bytes'] / GIB:.2f} GiB, {r['error']:+.1%}")
-            print(f"[{i}/{len(todo)}] {case.label}: predicted {predicted['allocated'] / GIB:.2f} GiB, {got}", flush=True)
+            print(f"[{i}/{len(todo)}] {case.label}: predicted {predicted['allocated'] / GIB:.2f} GiB, {got}",
+                  flush=True)
     print()
     print_table(rows, a.dry_run)
     compared = [r for r in rows if r["error"] is not None]

@@ -121,7 +121,8 @@ def measure_single(rounds: int, steps: int, warmup: int, counts: list[int]) -> d
     for r in range(rounds):
         for n in (counts if r % 2 == 0 else counts[::-1]):
             per_round[n].append(single_phases(n, steps, warmup))
-    return {n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for n, ts in per_round.items()}
+    return {n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+            for n, ts in per_round.items()}
 
 
 def link_timings(nbytes: int, repeats: int) -> dict[str, tuple[float, float]]:
@@ -214,11 +215,13 @@ def main() -> None:
         ranks, wall, shares[str(world)] = audited(lambda: paratrain.launch(
             accuracy_job, world, (list(labels.values()), rounds, steps, a.warmup), timeout_s=900))
         links[world] = slowest_link(ranks)
-        measured = {r["strategy"]: r["step_ms"] / 1e3 for r in strategies.summarise(world, [r["rounds"] for r in ranks])}
+        summary = strategies.summarise(world, [r["rounds"] for r in ranks])
+        measured = {r["strategy"]: r["step_ms"] / 1e3 for r in summary}
         figures = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, (_, s) in links[world].items())
         print(f"world {world}: measured in {load_note(wall, shares[str(world)])}; link: {figures}")
-        after, wall, shares[f"1 after {world}"] = audited(lambda: measure_single(calibration_rounds, steps, a.warmup, [1]))
-        after = after[1]
+        again, wall, shares[f"1 after {world}"] = audited(
+            lambda: measure_single(calibration_rounds, steps, a.warmup, [1]))
+        after = again[1]
         fb, opt = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2  # the world 1 step around this job
         calibrations[world] = {"before_ms": [1e3 * t for t in before], "after_ms": [1e3 * t for t in after]}
         print(f"world 1 again, 1 thread: {1e3 * after[0]:.1f} + {1e3 * after[1]:.1f} ms "
@@ -227,7 +230,8 @@ def main() -> None:
         catalogue, with_link = predict(world, fb, opt, None), predict(world, fb, opt, links[world])
         rows += [{"world": world, "strategy": label, "measured_ms": 1e3 * measured[label],
                   "predicted_ms": 1e3 * with_link[name], "error": error(with_link[name], measured[label]),
-                  "catalogue_link_ms": 1e3 * catalogue[name], "catalogue_link_error": error(catalogue[name], measured[label])}
+                  "catalogue_link_ms": 1e3 * catalogue[name],
+                  "catalogue_link_error": error(catalogue[name], measured[label])}
                  for name, label in labels.items()]
         before = after
 

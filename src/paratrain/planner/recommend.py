@@ -161,7 +161,7 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     as_asked = next(e for e in estimates if e.name == choice.name)
     if choice.batch.micro_batch < as_asked.batch.micro_batch:
         suggestions.append(f"{choice.name} does not fit micro-batches of {as_asked.batch.micro_batch:g}: "
-                           f"{_cut(choice.layout, choice.batch)}, for the same global batch {global_batch}")
+                           f"{_cut(choice.layout, choice.batch, cluster)}, for the same global batch {global_batch}")
     suggestions += _suggestions(stats, cluster, training, choice)
     return Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
                 estimates=tuple(estimates), choice=choice, reason=_reason(choice, estimates, cluster),
@@ -244,18 +244,19 @@ def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice
         b = largest_micro_batch(stats, lay, setup, cluster, share=0.8)
         if b >= 1:
             roomy = estimate(stats, lay, replace(setup, micro_batch=b), cluster).batch
-            out.append(f"memory is tight ({choice.memory.total / choice.capacity:.0%}): {_cut(lay, roomy)} keeps the "
-                       "global batch and leaves 20% free")
+            out.append(f"memory is tight ({choice.memory.total / choice.capacity:.0%}): "
+                       f"{_cut(lay, roomy, cluster)} keeps the global batch and leaves 20% free")
     return out
 
 
-def _cut(layout: Layout, batch: Batching) -> str:
+def _cut(layout: Layout, batch: Batching, cluster: Cluster) -> str:
     """How to run ``batch``: a pipeline's micro-batches, or per-GPU batch and gradient accumulation."""
     if layout.pp > 1:
         return f"--batch {batch.micro_batch:g} --micro-batches {batch.micro_batches}"
+    rank = "process" if cluster.device.shared_by_ranks else "GPU"
     if batch.micro_batches == 1:
-        return f"--batch {batch.micro_batch:g} per GPU"
-    return (f"--batch {batch.micro_batch:g} per GPU with {batch.micro_batches} accumulation steps, "
+        return f"--batch {batch.micro_batch:g} per {rank}"
+    return (f"--batch {batch.micro_batch:g} per {rank} with {batch.micro_batches} accumulation steps, "
             f"Parallel(accumulate={batch.micro_batches})")
 
 

@@ -111,7 +111,8 @@ def _lr_line(plan: Plan, base_lr: float | None) -> str:
 def _estimate_json(e: Estimate) -> dict[str, Any]:
     return {"name": e.name, "layout": {k: v for k, v in asdict(e.layout).items() if k != "name"}, "fits": e.fits,
             "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch,
-            "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "memory_peak": e.memory.phase, "capacity_bytes": e.capacity, "time": e.time.as_dict(),
+            "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "memory_peak": e.memory.phase,
+            "capacity_bytes": e.capacity, "time": e.time.as_dict(),
             "samples_per_s": e.samples_per_s, "speedup": e.speedup, "efficiency": e.efficiency}
 
 
