@@ -2,8 +2,10 @@
 
 ``Parallel`` decides when ``prepare`` first sees the model, before anything is wrapped. It knows the
 parameters and the hardware, not the batch, so it decides on model states (parameters, gradients, optimizer
-state, buffers, overhead): DDP when they fit, since sharding only costs time, else the least sharding that
-fits (zero1, zero2, zero3). Activation memory depends on the batch: ``paratrain plan`` weighs it too.
+state, buffers, overhead): DDP when they fit — its communication is the least and nothing about the speed of
+the rest of the step is known here —, else the least sharding that fits (zero1, zero2, zero3). Activation
+memory depends on the batch: ``paratrain plan`` weighs it too, and speed (a ZeRO stage can beat ddp by sharding
+the optimizer step). On a CPU host ``processes_vs_threads`` says what the processes cost over threads.
 All candidates share the one-dimensional data-parallel mesh, so the choice never changes the process layout.
 """
 from __future__ import annotations
