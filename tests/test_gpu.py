@@ -12,6 +12,7 @@ from functools import partial
 import pytest
 import torch
 
+from conftest import ROOT
 from dist_workers import backend_and_device, train_params
 from paratrain.testing import max_abs_diff, spawn
 
@@ -89,3 +90,17 @@ def test_doctor_reads_the_real_nvidia_smi():
     report = json.loads(res.stdout)
     assert res.returncode in (0, 1), res.stderr
     assert any(c["name"] == "gpus" and c["status"] == "ok" for c in report["checks"]), report
+
+
+def test_planner_memory_prediction_is_within_15_percent_of_max_memory_allocated():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the launched rank unpickles gpu_memory.run_case
+    try:
+        import gpu_memory
+
+        case = gpu_memory.Case("gpt-52m", "single", "fp32", 2)
+        result = gpu_memory.measure(case, 3, "cuda")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert result.get("measured"), result
+    predicted = gpu_memory.predict(case)["allocated"]
+    assert abs(predicted / result["measured"] - 1) <= 0.15, (predicted, result["measured"])

@@ -211,7 +211,7 @@ class Parallel:
 
     def _choose_auto(self, model: nn.Module) -> None:
         """Let the planner pick ddp or a ZeRO stage for this model on this hardware; say which and why."""
-        from .planner.auto import choose, local_cluster
+        from .planner.auto import choose, local_cluster, processes_vs_threads
 
         self._auto_pending = False
         cluster = local_cluster(self.device, self.env.world_size, self.env.local_world_size)
@@ -220,8 +220,7 @@ class Parallel:
             self.strategy = strategies.create(choice.strategy)
         self.print(f"paratrain: strategy 'auto' chose {choice.strategy}: {choice.reason}")
         if self.device.type == "cpu":
-            self.print("paratrain: note: on a CPU-only host, several processes are usually slower than one process "
-                       "with as many threads (gradients cross gloo at ~1 GB/s); `paratrain plan --gpu cpu` estimates it")
+            self.print(f"paratrain: note: {processes_vs_threads(model, cluster, self.precision.name, choice.strategy)}")
 
     def prepare_loader(self, loader: DataLoader, *, even: bool = True, shard: bool = True) -> DataLoader:
         """A per-rank copy of ``loader`` (see :mod:`paratrain.data` for what happens to the tail).
