@@ -116,7 +116,10 @@ def fail_at(rank: int, step: int, how: str, pid_dir: str) -> None:
         time.sleep(0.01)
 
 
-def sleep_forever() -> None:
+def sleep_forever(pid_dir: str | None = None) -> None:
+    if pid_dir is not None:
+        with open(os.path.join(pid_dir, f"{os.environ['RANK']}.pid"), "w") as f:
+            f.write(str(os.getpid()))
     time.sleep(3600)
 
 
