@@ -1,14 +1,17 @@
 """What paratrain's DDP costs over hand-written torch DDP on CPU/gloo at world size 2, measured side by side.
 
-1. Step time: one job of 2 processes holds a ``Parallel("ddp")``-prepared MLP and a raw ``DistributedDataParallel``
-   MLP on one shared gloo group; timed blocks (warm-up, barrier, N steps timed one by one with
-   ``time.perf_counter``) alternate between them, the order flipped every round. Rank 0's times are reported.
+1. Step time and scaling, one ``paratrain.bench`` run (the library behind ``paratrain bench``) of the MLP
+   784-1024-1024-10 on a fixed global batch of 128, every rank 1 thread: 1 process; 2 processes with
+   paratrain's ddp and a hand-written ``DistributedDataParallel`` loop, whose timed blocks alternate inside one
+   job (warm-up, barrier, N steps timed one by one, the order flipped every round; each block starts from the
+   same seeded weights and data, so both end with the same parameters); and 1 process x 2 threads. The
+   overhead is the median over rounds of paratrain's block median over torch's (slowest rank). It is the
+   same measurement as ``paratrain bench --workload mlp --nproc 1,2 --compare torch-ddp --threads
+   --scaling strong --batch 128 --threads-per-rank 1``.
 2. Launch to first step: ``paratrain run -n 2 first_step.py`` vs ``torchrun --nproc-per-node 2 first_step.py``
    (same script, default single-node rendezvous, OMP_NUM_THREADS=1 for both), alternating which goes first;
    from ``time.time()`` just before the launcher starts to the last rank's ``time.time()`` after its first step.
    A job that does not exit within 120 s after that is killed and counted as hung.
-3. Scaling on a fixed global batch of 128: 1 process x 1 thread, 2 processes x 1 thread (DDP), and
-   1 process x 2 threads, each a fresh ``paratrain.launch`` job per round, order rotated every round.
 
 Each part also reports the share of the machine that other processes used while it ran (machine CPU time from
 /proc/stat minus this process tree's own); above 5% the part is flagged, since 2 busy cores skew everything.
@@ -25,7 +28,6 @@ import contextlib
 import json
 import math
 import os
-import resource
 import signal
 import statistics
 import subprocess
@@ -38,59 +40,34 @@ from pathlib import Path
 import torch
 
 import paratrain
-from ddp_workers import step_time_worker, throughput_worker
+from paratrain.bench import BenchConfig, run_bench, to_json
+from paratrain.bench.machine import BackgroundLoad
 
 HERE = Path(__file__).resolve().parent
 CORES = len(os.sched_getaffinity(0))
-BATCH_PER_RANK = 64
 GLOBAL_BATCH = 128
 STEP_TARGET = 1.01
 LAUNCH_TARGET = 1.0
 JOB_TIMEOUT_S = 120
-SCALING = {"1 proc x 1 thread": (1, 1), "2 procs x 1 thread (DDP)": (2, 1), "1 proc x 2 threads": (1, 2)}
-
-
-def median_ms(seconds: list[float]) -> float:
-    return 1000 * statistics.median(seconds)
-
 
 # ----------------------------------------------------------------------------------------------- background load
-def machine_cpu_s() -> float:
-    """CPU seconds every process on this machine has used since boot (from /proc/stat)."""
-    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process and every descendant it has reaped (launchers, their workers)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def audited(bench: Callable[[], dict]) -> dict:
     """Run ``bench`` and add ``background_share``: the fraction of the machine other processes used meanwhile."""
-    machine0, own0, t0 = machine_cpu_s(), own_cpu_s(), time.perf_counter()
+    load, t0 = BackgroundLoad(), time.perf_counter()
     result = bench()
-    foreign = (machine_cpu_s() - machine0) - (own_cpu_s() - own0)
-    wall = time.perf_counter() - t0
-    return {**result, "wall_s": wall, "background_share": max(0.0, foreign) / (wall * CORES)}
+    return {**result, "wall_s": time.perf_counter() - t0, "background_share": load.share()}
 
 
-# ----------------------------------------------------------------------------------------------- 1. step time
-def bench_step_time(rounds: int, warmup: int, steps: int) -> dict:
-    ranks = paratrain.launch(step_time_worker, 2, args=(rounds, warmup, steps, BATCH_PER_RANK), threads=1,
-                             timeout_s=900)
-    for name in ("paratrain", "torch"):
-        sums = {r["checksums"][name] for r in ranks}
-        if len(sums) != 1:
-            raise RuntimeError(f"{name} model differs across ranks ({sums}): gradients were not synchronised")
-    times = ranks[0]["times"]
-    per_round = {name: [median_ms(block) for block in blocks] for name, blocks in times.items()}
-    overall = {name: median_ms([t for block in blocks for t in block]) for name, blocks in times.items()}
-    paired = statistics.median(p / t for p, t in zip(per_round["paratrain"], per_round["torch"]))
-    return {"per_round_ms": per_round, "median_ms": overall, "ratio": overall["paratrain"] / overall["torch"],
-            "median_round_ratio": paired,
-            "max_param_diff": max(r["max_param_diff"] for r in ranks), "rank_times_s": [r["times"] for r in ranks]}
+# ----------------------------------------------------------------------------------------------- 1. step time, scaling
+def bench_step_and_scaling(rounds: int, warmup: int, steps: int) -> dict:
+    config = BenchConfig(workload="mlp", nprocs=(1, 2), strategies=("ddp",), scaling="strong", batch=GLOBAL_BATCH,
+                         compare="torch-ddp", threads=True, threads_per_rank=1, rounds=rounds, warmup=warmup,
+                         steps=steps, timeout_s=900)
+    result = to_json(run_bench(config))
+    (comparison,) = result["comparisons"]
+    if comparison["max_param_diff"] != 0.0:
+        raise RuntimeError(f"paratrain and torch DDP ended with different parameters ({comparison['max_param_diff']})")
+    return result
 
 
 # ----------------------------------------------------------------------------------------------- 2. launch
@@ -163,24 +140,6 @@ def bench_launch(rounds: int) -> dict:
             "ratio": med["paratrain run"] / med["torchrun"]}
 
 
-# ----------------------------------------------------------------------------------------------- 3. scaling
-def bench_scaling(rounds: int, warmup: int, steps: int) -> dict:
-    names = list(SCALING)
-    elapsed: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            nprocs, threads = SCALING[name]
-            strategy = "ddp" if nprocs > 1 else "single"
-            out = paratrain.launch(throughput_worker, nprocs, args=(strategy, GLOBAL_BATCH, warmup, steps),
-                                   threads=threads, timeout_s=300)
-            elapsed[name].append(out[0])
-    med = {n: statistics.median(v) for n, v in elapsed.items()}
-    base = med[names[0]]
-    return {"elapsed_s": elapsed, "median_elapsed_s": med,
-            "samples_per_s": {n: GLOBAL_BATCH * steps / t for n, t in med.items()},
-            "speedup": {n: base / t for n, t in med.items()}}
-
-
 # ----------------------------------------------------------------------------------------------- report
 def verdict(ratio: float, target: float) -> str:
     return f"target <= {target:.2f}: {'met' if ratio <= target else 'MISSED'}"
@@ -193,19 +152,31 @@ def background_line(result: dict) -> str:
             f"({result['wall_s']:.0f} s){note}")
 
 
-def format_step(step: dict) -> list[str]:
-    rounds, m = step["per_round_ms"], step["median_ms"]
-    lines = [f"1. Step time, world 2, batch {BATCH_PER_RANK}/rank, 1 thread/rank (rank 0, ms per step)",
+def format_step(bench: dict) -> list[str]:
+    rows = {r["name"]: r for r in bench["rows"]}
+    ours, theirs, c = rows["ddp x2"], rows["torch-ddp x2"], bench["comparisons"][0]
+    lines = [f"1. Step time, world 2, batch {GLOBAL_BATCH // 2}/rank, 1 thread/rank (slowest rank, ms per step)",
              f"   {'round':<8}{'paratrain':>11}{'torch':>11}{'ratio':>9}"]
-    for i, (p, t) in enumerate(zip(rounds["paratrain"], rounds["torch"]), 1):
-        lines.append(f"   {i:<8}{p:>11.2f}{t:>11.2f}{p / t:>9.3f}")
+    for i, (p, t, ratio) in enumerate(zip(ours["rounds_ms"], theirs["rounds_ms"], c["rounds"]), 1):
+        lines.append(f"   {i:<8}{p:>11.2f}{t:>11.2f}{ratio:>9.3f}")
     return [*lines,
-            f"   {'median':<8}{m['paratrain']:>11.2f}{m['torch']:>11.2f}{step['ratio']:>9.3f}   "
-            f"({verdict(step['ratio'], STEP_TARGET)})",
-            f"   median of the per-round ratios: {step['median_round_ratio']:.3f}",
-            f"   paratrain vs torch parameters after training: max |diff| = {step['max_param_diff']:.3g}; "
-            "each model identical on both ranks",
-            background_line(step)]
+            f"   {'median':<8}{c['paratrain_ms']:>11.2f}{c['torch_ms']:>11.2f}{c['overhead']:>9.3f}   "
+            f"(median of the per-round ratios; {verdict(c['overhead'], STEP_TARGET)})",
+            f"   paratrain vs torch parameters after the same steps: max |diff| = {c['max_param_diff']:.3g}",
+            f"   communication: {100 * ours['comm_share']:.0f}% of paratrain's step waits for the gradient all-reduce "
+            f"(step with minus without gradient sync)",
+            background_line(bench)]
+
+
+def format_scaling(bench: dict) -> list[str]:
+    lines = [f"3. Scaling, fixed global batch {GLOBAL_BATCH} (median step of {bench['config']['rounds']} blocks "
+             f"of {bench['config']['steps']} steps; the same run as part 1)",
+             f"   {'config':<22}{'step ms':>9}{'samples/s':>11}{'speedup':>9}{'efficiency':>12}{'comm':>7}"]
+    for r in bench["rows"]:
+        comm = "-" if r["comm_share"] is None else f"{100 * r['comm_share']:.0f}%"
+        lines.append(f"   {r['name']:<22}{r['step_ms']:>9.2f}{r['samples_per_s']:>11.0f}{r['speedup']:>8.2f}x"
+                     f"{r['efficiency']:>12.2f}{comm:>7}")
+    return [*lines, f"   fastest: {bench['fastest']}"]
 
 
 def format_launch(launch: dict) -> list[str]:
@@ -223,21 +194,11 @@ def format_launch(launch: dict) -> list[str]:
             background_line(launch)]
 
 
-def format_scaling(scaling: dict, cfg: dict) -> list[str]:
-    lines = [f"3. Scaling, fixed global batch {GLOBAL_BATCH}, {cfg['steps']} steps (median of {cfg['rounds']} jobs)",
-             f"   {'config':<28}{'time s':>9}{'samples/s':>11}{'speedup':>9}{'efficiency':>12}"]
-    for name, (nprocs, threads) in SCALING.items():
-        t, sp = scaling["median_elapsed_s"][name], scaling["speedup"][name]
-        lines.append(f"   {name:<28}{t:>9.3f}{scaling['samples_per_s'][name]:>11.0f}{sp:>8.2f}x"
-                     f"{sp / (nprocs * threads):>12.2f}")
-    return [*lines, background_line(scaling)]
-
-
-def format_report(cfg: dict, step: dict, launch: dict, scaling: dict) -> str:
+def format_report(cfg: dict, bench: dict, launch: dict) -> str:
     header = [f"paratrain {paratrain.__version__} from {cfg['paratrain']}, torch {torch.__version__}, "
               f"{CORES} cores, gloo",
               f"MLP 784-1024-1024-10, SGD; rounds={cfg['rounds']} warmup={cfg['warmup']} steps={cfg['steps']}"]
-    sections = [header, format_step(step), format_launch(launch), format_scaling(scaling, cfg)]
+    sections = [header, format_step(bench), format_launch(launch), format_scaling(bench)]
     return "\n\n".join("\n".join(lines) for lines in sections)
 
 
@@ -259,15 +220,13 @@ def main() -> None:
     cfg = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
            "paratrain": str(Path(paratrain.__file__).parent)}
     t0 = time.perf_counter()
-    step = audited(lambda: bench_step_time(args.rounds, args.warmup, args.steps))
+    bench = audited(lambda: bench_step_and_scaling(args.rounds, args.warmup, args.steps))
     launch = audited(lambda: bench_launch(args.rounds))
-    scaling = audited(lambda: bench_scaling(args.rounds, args.warmup, args.steps))
-    print(format_report(cfg, step, launch, scaling))
+    print(format_report(cfg, bench, launch))
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
     if args.json:
         meta = {"torch": torch.__version__, "cores": CORES, **cfg}
-        args.json.write_text(json.dumps({"config": meta, "step_time": step, "launch": launch, "scaling": scaling},
-                                        indent=1))
+        args.json.write_text(json.dumps({"config": meta, "bench": bench, "launch": launch}, indent=1))
 
 
 if __name__ == "__main__":

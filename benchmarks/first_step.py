@@ -10,19 +10,20 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import paratrain
-from ddp_workers import LR, build_mlp, make_batch
+from paratrain.workloads import get_workload
 
 
 def main(out_dir: Path) -> None:
     with paratrain.Parallel("ddp") as par:
-        model = build_mlp()
-        model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
-        x, y = make_batch(64, par.rank)
+        mlp = get_workload("mlp")
+        torch.manual_seed(0)
+        model = mlp.model()
+        model, opt = par.prepare(model, mlp.optimizer(model.parameters()))
+        x, y = mlp.make_batch(64, torch.Generator().manual_seed(par.rank))
         with par.step(model, opt):
-            par.backward(F.cross_entropy(model(x), y))
+            par.backward(mlp.loss(model(x), y))
         done = time.time()
         (out_dir / f"rank{par.rank}.txt").write_text(repr(done))
 

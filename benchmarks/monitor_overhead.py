@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 from ddp_overhead import CORES, audited, background_line
-from ddp_workers import build_mlp
 from paratrain.monitor import Monitor, MonitorConfig
+from paratrain.workloads.synthetic import mlp
 
 BATCH_PER_RANK = 64
 TARGET = 0.01
@@ -40,7 +40,8 @@ TARGET = 0.01
 
 def _job(monitor: bool | MonitorConfig, steps: int) -> tuple[paratrain.Parallel, nn.Module, torch.optim.Optimizer, DataLoader]:
     par = paratrain.Parallel("ddp", monitor=monitor)
-    model = build_mlp()
+    torch.manual_seed(0)
+    model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
     n = BATCH_PER_RANK * par.world_size * steps

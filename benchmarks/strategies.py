@@ -79,12 +79,18 @@ def measure(label: str, steps: int, warmup: int) -> dict[str, object]:
 def job(labels: list[str], rounds: int, steps: int, warmup: int) -> dict[str, list[dict]]:
     """One rank's results: per strategy, one entry per round."""
     dist.init_process_group("gloo")
+    out = run_rounds(labels, rounds, steps, warmup)
+    dist.destroy_process_group()
+    return out
+
+
+def run_rounds(labels: list[str], rounds: int, steps: int, warmup: int) -> dict[str, list[dict]]:
+    """Every strategy once per round, the order rotating each round (inside a started process group)."""
     out: dict[str, list[dict]] = {label: [] for label in labels}
     for r in range(rounds):
         order = labels[r % len(labels):] + labels[: r % len(labels)]
         for label in order:
             out[label].append(measure(label, steps, warmup))
-    dist.destroy_process_group()
     return out
 
 

@@ -19,6 +19,8 @@ def clean_distributed_env():
     saved = dict(os.environ)
     for key in _LAUNCH_VARS:
         os.environ.pop(key, None)
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:  # a suite run inside an allocation
+        del os.environ[key]
     yield
     import torch.distributed as dist
 

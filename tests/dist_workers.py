@@ -116,7 +116,14 @@ def fail_at(rank: int, step: int, how: str, pid_dir: str) -> None:
         time.sleep(0.01)
 
 
-def sleep_forever() -> None:
+def sleep_forever(pid_dir: str | None = None) -> None:
+    """Sleep; with ``pid_dir``, record the pid and ignore Ctrl-C, like a rank stuck inside a collective."""
+    if pid_dir is not None:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with open(os.path.join(pid_dir, f"{os.environ['RANK']}.pid"), "w") as f:
+            f.write(str(os.getpid()))
     time.sleep(3600)
 
 

@@ -1,32 +1,56 @@
 """Checks that need CUDA (marker `gpu`; `pytest -m gpu` on a GPU machine). Each skips cleanly without CUDA.
 
-Results on real hardware are recorded in docs/gpu-validation.md.
+Results on real hardware are recorded in docs/gpu-validation.md. With one GPU, jobs run one process per GPU
+(NCCL refuses two ranks on one device), so the multi-rank NCCL checks need 2+ GPUs and skip otherwise.
 """
 import json
 import shutil
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 
+from conftest import ROOT
 from dist_workers import backend_and_device, train_params
 from paratrain.testing import max_abs_diff, spawn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+WORLD = min(GPUS, 2)
 
 
 def _on_cuda(strategy: str, world: int, **kwargs) -> dict:
     return train_params(strategy, 1, 20, 8, world, {}, accelerator="cuda", **kwargs)
 
 
+def _launched(strategy: str, **kwargs) -> dict:
+    """``strategy`` trained by WORLD launched NCCL processes, one GPU each; rank 0's full state."""
+    fn = partial(train_params, accelerator="cuda", **kwargs)
+    return spawn(fn, WORLD, (strategy, 1, 20, 8, WORLD, {}))[0]
+
+
 def test_ddp_over_nccl_places_the_model_on_its_gpu_and_equals_serial():
-    world = min(GPUS, 2)
-    ranks = spawn(_on_cuda, world, ("ddp", world)) if world > 1 else [_on_cuda("ddp", 1)]
-    serial = train_params("single", 1, 20, 8 * world, 1)  # CPU, fp32
-    assert max_abs_diff(ranks[0], serial) <= 1e-4  # cuBLAS vs CPU kernels round differently
+    serial = train_params("single", 1, 20, 8 * WORLD, 1)  # CPU, fp32
+    assert max_abs_diff(_launched("ddp"), serial) <= 1e-4  # cuBLAS vs CPU kernels round differently
+
+
+def test_nccl_backend_and_device_are_chosen_for_cuda():
+    assert spawn(backend_and_device, WORLD) == [("nccl", f"cuda:{r}") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "model_parallel"])
+def test_every_data_parallel_strategy_on_nccl_equals_single_on_cuda(strategy):
+    single = _on_cuda("single", 1) if WORLD == 1 else train_params("single", 1, 20, 8 * WORLD, 1,
+                                                                   accelerator="cuda")
+    assert max_abs_diff(_launched(strategy), single) <= 1e-5
+
+
+def test_a_plain_process_runs_ddp_on_a_private_nccl_group():
+    """`python train.py` with strategy='ddp' on a GPU: a one-rank NCCL group, same math as 'single'."""
+    assert max_abs_diff(_on_cuda("ddp", 1), _on_cuda("single", 1)) <= 1e-6
 
 
 @pytest.mark.parametrize("precision, tolerance", [("bf16-mixed", 3e-3), ("fp16-mixed", 3e-3)])
@@ -34,11 +58,24 @@ def test_mixed_precision_on_cuda_stays_close_to_fp32(precision, tolerance):
     assert max_abs_diff(_on_cuda("single", 1, precision=precision), _on_cuda("single", 1)) <= tolerance
 
 
-def test_nccl_backend_and_device_are_chosen_for_cuda():
-    world = min(GPUS, 2)
-    if world < 2:
-        pytest.skip("needs 2 GPUs for a 2-process NCCL job")
-    assert spawn(backend_and_device, world) == [("nccl", "cuda:0"), ("nccl", "cuda:1")]
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_fsdp_mixed_precision_on_nccl_stays_close_to_fp32(precision):
+    assert max_abs_diff(_launched("zero3", precision=precision), _launched("zero3")) <= 3e-3
+
+
+def test_fp16_mixed_scales_the_loss_and_skips_steps_with_inf_gradients():
+    import paratrain
+
+    par = paratrain.Parallel("single", precision="fp16-mixed", accelerator="cuda")
+    model = torch.nn.Linear(4, 1)
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert par.precision.scaler is not None and par.precision.scaler.get_scale() > 1
+    before = model.weight.detach().clone()
+    with par.step(model, opt):
+        par.backward(model(torch.full((2, 4), float("inf"), device=par.device)).sum())
+    assert torch.equal(model.weight, before)  # the inf step was skipped
+    assert par.precision.scaler.get_scale() < 2.0 ** 16  # and the scale backed off
+    par.close()
 
 
 @pytest.mark.skipif(GPUS < 2, reason="nn.DataParallel splits a batch only over 2+ GPUs")
@@ -53,3 +90,17 @@ def test_doctor_reads_the_real_nvidia_smi():
     report = json.loads(res.stdout)
     assert res.returncode in (0, 1), res.stderr
     assert any(c["name"] == "gpus" and c["status"] == "ok" for c in report["checks"]), report
+
+
+def test_planner_memory_prediction_is_within_15_percent_of_max_memory_allocated():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the launched rank unpickles gpu_memory.run_case
+    try:
+        import gpu_memory
+
+        case = gpu_memory.Case("gpt-52m", "single", "fp32", 2)
+        result = gpu_memory.measure(case, 3, "cuda")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert result.get("measured"), result
+    predicted = gpu_memory.predict(case)["allocated"]
+    assert abs(predicted / result["measured"] - 1) <= 0.15, (predicted, result["measured"])

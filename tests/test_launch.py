@@ -45,3 +45,33 @@ def test_timeout_stops_every_process():
 def test_bad_process_count():
     with pytest.raises(LaunchError, match="nprocs"):
         launch(sleep_forever, 0)
+
+
+def test_ranks_die_with_a_caller_that_is_killed(tmp_path):
+    """SIGKILL of the launching process skips its cleanup; the kernel still stops its ranks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    tests = str(Path(__file__).parent)
+    code = ("import paratrain, dist_workers, sys; "
+            f"paratrain.launch(dist_workers.sleep_forever, 2, ({str(tmp_path)!r},))")
+    caller = subprocess.Popen([sys.executable, "-c", code],
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])})
+    try:
+        deadline = time.monotonic() + 60
+        while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ranks = _pids(tmp_path)
+        assert len(ranks) == 2, "the ranks did not start"
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while alive(ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(ranks)
+    finally:
+        caller.kill()
+        for pid in alive(_pids(tmp_path)):
+            os.kill(pid, signal.SIGKILL)

@@ -27,8 +27,9 @@ def test_plan_json_has_the_per_gpu_breakdown_and_times(paratrain_cmd):
     assert plan["model"]["params"] == 6_738_415_616
     for entry in plan["strategies"]:
         assert set(entry["memory_bytes"]) == {"parameters", "gradients", "optimizer_states", "activations",
-                                              "buffers", "overhead", "total"}
-        assert {"compute_s", "bubble_s", "comm_s", "exposed_comm_s", "step_s"} <= set(entry["time"])
+                                              "transient", "buffers", "overhead", "total"}
+        assert entry["memory_peak"] in ("backward", "optimizer step")
+        assert {"compute_s", "bubble_s", "optimizer_s", "comm_s", "exposed_comm_s", "step_s"} <= set(entry["time"])
     assert plan["recommendation"]["fits"] and plan["recommendation"]["reason"]
     assert plan["lr_scaling"]["factor"] == 16
 

@@ -1,9 +1,11 @@
-"""Planner memory model: ZeRO's accounting exactly, pipeline in-flight micro-batches, buffers, checkpointing."""
+"""Planner memory model: ZeRO's accounting exactly, the two peaks, pipeline in-flight micro-batches, buffers,
+checkpointing."""
 import pytest
 
 from paratrain.errors import ConfigError
 from paratrain.planner import Layout, Training, batching, make_cluster, memory_per_rank, transformer_stats
 from paratrain.planner.layout import layouts, stage_params
+from paratrain.planner.memory import activation_figures, model_states
 from paratrain.workloads.gpt import GPT_CONFIGS
 
 STATS = transformer_stats(GPT_CONFIGS["gpt2-medium"], name="gpt2-medium")
@@ -17,6 +19,10 @@ def _memory(layout, training=None, cluster=None):
     return memory_per_rank(STATS, layout, batch, training, cluster)
 
 
+def _states(layout, training=None):
+    return model_states(STATS, layout, training or Training(precision="bf16-mixed", optimizer="adamw", micro_batch=1))
+
+
 @pytest.mark.parametrize("n", [2, 8, 64])
 def test_model_states_match_the_zero_paper_for_mixed_precision_adam(n):
     expected = {  # Rajbhandari et al. 2020, figure 1: bytes per GPU for Ψ parameters on N GPUs
@@ -26,7 +32,7 @@ def test_model_states_match_the_zero_paper_for_mixed_precision_adam(n):
         Layout(name="fsdp", dp=n, zero=3, shard=n): 16 * PSI / n,
     }
     for layout, states in expected.items():
-        assert _memory(layout).model_states == pytest.approx(states, rel=1e-12), layout.name
+        assert _states(layout).total == pytest.approx(states, rel=1e-12), layout.name
 
 
 @pytest.mark.parametrize("precision, optimizer, per_param", [
@@ -34,17 +40,37 @@ def test_model_states_match_the_zero_paper_for_mixed_precision_adam(n):
 ])
 def test_bytes_per_parameter_by_precision_and_optimizer(precision, optimizer, per_param):
     training = Training(precision=precision, optimizer=optimizer, micro_batch=1)
-    assert _memory(Layout(name="single"), training).model_states == per_param * PSI
+    assert _states(Layout(name="single"), training).total == per_param * PSI
+
+
+def test_the_peak_is_backward_with_large_activations_else_the_optimizer_step():
+    big = _memory(Layout(name="single"), Training(precision="fp32", micro_batch=8))
+    assert big.phase == "backward" and big.gradients == 0  # zero_grad(set_to_none=True) freed them
+    assert big.transient == 2 * STATS.output_bytes_per_sample * 8  # the loss's two fp32 logit-sized gradients
+    states = _states(Layout(name="single"), Training(precision="fp32", micro_batch=8))
+    small = memory_per_rank(STATS.__class__(**{**STATS.__dict__, "activation_bytes_per_sample": 0.0,
+                                               "output_bytes_per_sample": 0.0}),
+                            Layout(name="single"), batching(Training(precision="fp32", micro_batch=8), dp=1, pp=1,
+                                                            world_size=1),
+                            Training(precision="fp32", micro_batch=8), make_cluster("h100"))
+    assert small.phase == "optimizer step" and small.activations == 0
+    assert small.model_states == states.total and small.transient == 4 * PSI  # Adam's sqrt(v) temporaries
+    accumulating = _memory(Layout(name="single"), Training(precision="fp32", micro_batch=8, global_batch=32))
+    assert accumulating.gradients == states.gradients  # earlier micro-batches' gradients are alive
+    ddp = _memory(Layout(name="ddp", dp=8), Training(precision="fp32", micro_batch=8))
+    assert ddp.gradients == states.gradients  # DDP's buckets
 
 
 def test_activations_scale_with_micro_batch_and_shrink_with_checkpointing():
-    one = _memory(Layout(name="single"), Training(micro_batch=1)).activations
-    assert one == pytest.approx(STATS.activation_bytes_per_sample)  # 16-bit formula, bf16 training
-    assert _memory(Layout(name="single"), Training(micro_batch=4)).activations == pytest.approx(4 * one)
-    fp32 = _memory(Layout(name="single"), Training(micro_batch=1, precision="fp32")).activations
-    assert fp32 == pytest.approx(2 * one)
-    ckpt = _memory(Layout(name="single"), Training(micro_batch=1, checkpointing=True)).activations
-    assert ckpt < one / 5
+    copies = 2 * STATS.matmul_params  # autocast's bf16 weight copies, saved for backward
+    four = _memory(Layout(name="single"), Training(micro_batch=4)).activations
+    assert four == pytest.approx(4 * STATS.mixed["autocast"][0] + copies)
+    assert _memory(Layout(name="single"), Training(micro_batch=16)).activations == pytest.approx(4 * (four - copies) + copies)
+    fp32 = _memory(Layout(name="single"), Training(micro_batch=4, precision="fp32")).activations
+    assert fp32 == pytest.approx(4 * STATS.activation_bytes_per_sample)
+    assert 1.6 < STATS.activation_bytes_per_sample / STATS.mixed["autocast"][0] < 2  # autocast keeps x in fp32
+    saved, checkpointed, _ = activation_figures(STATS, Training(), Layout(name="single"))
+    assert checkpointed < saved / 3  # each block's input and one block; the loss's fp32 log-probabilities stay
 
 
 def test_pipeline_holds_m_micro_batches_under_gpipe_and_at_most_p_under_1f1b():
@@ -52,9 +78,9 @@ def test_pipeline_holds_m_micro_batches_under_gpipe_and_at_most_p_under_1f1b():
     layout = Layout(name="pipeline", pp=p)
     per_micro = STATS.activation_bytes_per_sample / p  # one micro-batch of one sample on a quarter of the layers
     for schedule, in_flight in (("gpipe", m), ("1f1b", p)):
-        training = Training(micro_batch=1, global_batch=m, schedule=schedule)
+        training = Training(micro_batch=1, global_batch=m, schedule=schedule, precision="fp32")
         assert _memory(layout, training).activations == pytest.approx(in_flight * per_micro), schedule
-    few = Training(micro_batch=1, global_batch=2, schedule="1f1b")  # m < p: only m in flight
+    few = Training(micro_batch=1, global_batch=2, schedule="1f1b", precision="fp32")  # m < p: only m in flight
     assert _memory(layout, few).activations == pytest.approx(2 * per_micro)
 
 
@@ -91,10 +117,12 @@ def test_hsdp_shards_within_a_node_and_model_parallel_splits_layers_over_a_proce
     cluster = make_cluster("h100", gpus=8, nodes=4)
     hsdp = Layout(name="hsdp", dp=32, zero=3, shard=8)
     assert hsdp.replicas == 4
-    assert _memory(hsdp, cluster=cluster).model_states == pytest.approx(16 * PSI / 8)
-    mp = _memory(Layout(name="model_parallel", mp=4))
-    assert mp.model_states == 16 * stage_params(STATS.units, 4)
+    assert _states(hsdp).total == pytest.approx(16 * PSI / 8)
+    mp_layout = Layout(name="model_parallel", mp=4)
+    assert _states(mp_layout).total == 16 * stage_params(STATS.units, 4)
+    mp = _memory(mp_layout, Training(micro_batch=1, precision="fp32"))
     assert mp.activations == pytest.approx(STATS.activation_bytes_per_sample / 4)
+    assert activation_figures(STATS, Training(), hsdp) == STATS.mixed["param_dtype"]  # FSDP: bf16 parameters
 
 
 def test_bad_training_options_are_config_errors():

@@ -15,12 +15,20 @@ def _stats(name):
 
 
 def test_ddp_when_it_fits_since_sharding_costs_time():
-    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8), Training(micro_batch=4))
+    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8), Training(micro_batch=4, optimizer="sgd"))
     assert plan.choice.name == "ddp" and plan.choice.fits
     assert "shards nothing" in plan.reason
     by_name = {e.name: e for e in plan.estimates}
     assert by_name["zero1"].samples_per_s < by_name["ddp"].samples_per_s  # the extra parameter all-gather
     assert by_name["single"].speedup == 1.0 and by_name["ddp"].speedup == pytest.approx(8, rel=0.05)
+
+
+def test_a_zero_stage_when_the_replicated_adam_step_costs_more_than_sharding():
+    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8), Training(micro_batch=4, optimizer="adamw"))
+    by_name = {e.name: e for e in plan.estimates}
+    assert by_name["ddp"].time.optimizer_s == pytest.approx(8 * by_name["zero1"].time.optimizer_s)
+    assert plan.choice.name in ("zero1", "zero2") and by_name["ddp"].fits
+    assert "every ddp rank repeats the whole optimizer step" in plan.reason
 
 
 def test_a_sharded_strategy_when_ddp_does_not_fit():
@@ -32,7 +40,7 @@ def test_a_sharded_strategy_when_ddp_does_not_fit():
 
 
 def test_pipeline_or_hybrid_across_a_slow_inter_node_link():
-    training = Training(micro_batch=8, global_batch=512)
+    training = Training(micro_batch=8, global_batch=512, optimizer="sgd")
     fast = recommend(_stats("gpt2-large"), make_cluster("h100", gpus=8, nodes=4, inter_node="ib-ndr"), training)
     slow = recommend(_stats("gpt2-large"), make_cluster("h100", gpus=8, nodes=4, inter_node="eth-10g"), training)
     assert fast.choice.name == "ddp"

@@ -2,9 +2,10 @@
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.planner import (Layout, Link, Training, all_gather_s, all_reduce_s, batching, bubble_fraction,
-                               calibrated, get_device, make_cluster, p2p_s, reduce_scatter_s, step_time,
-                               transformer_stats)
+from paratrain.planner import (Layout, Link, Training, all_gather_s, all_reduce_s, batching, broadcast_s,
+                               bubble_fraction, calibrated, get_device, make_cluster, make_plan, measured_link, p2p_s,
+                               reduce_scatter_s, step_time, transformer_stats)
+from paratrain.planner.layout import stage_params
 from paratrain.workloads.gpt import GPT_CONFIGS
 
 LINK = Link(name="test", bandwidth_gbs=100, latency_us=0)
@@ -39,17 +40,21 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
     assert t.bubble_s / (t.compute_s + t.bubble_s) == pytest.approx(bubble_fraction(p, m))
 
 
-def test_compute_time_is_flops_over_sustained_rate_and_ddp_hides_its_all_reduce():
+def test_compute_time_is_flops_over_sustained_rate_plus_weights_and_ddp_hides_its_all_reduce():
     training = Training(micro_batch=8)
     cluster = make_cluster("h100", gpus=8)
     single = step_time(STATS, Layout(name="single"), batching(training, dp=1, pp=1, world_size=1), training, cluster)
-    assert single.compute_s == pytest.approx(STATS.flops_per_sample * 8 / (989e12 * 0.4))
+    weights = 3 * STATS.params * 2 / 3350e9  # bf16 weights read in forward and backward, gradient written, HBM3
+    assert single.compute_s == pytest.approx(STATS.flops_per_sample * 8 / (989e12 * 0.4) + weights)
+    assert single.optimizer_s == pytest.approx(STATS.params * 80 / 3350e9)  # AdamW streams 80 bytes a parameter
     ddp = step_time(STATS, Layout(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, cluster)
     assert ddp.comm_s == pytest.approx(all_reduce_s(STATS.params * 2, 8, cluster.intra))
     assert ddp.exposed_comm_s == 0.0  # 0.25 GB over NVLink hides in backward
     slow = make_cluster("h100", gpus=8, interconnect="pcie3-x4", mfu=1.0)
     ddp_slow = step_time(STATS, Layout(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, slow)
-    hidden = slow.device.overlap * 2 / 3 * ddp_slow.compute_s
+    buckets = 6 * STATS.params * 2 / 3350e9  # DDP copies gradients into its buckets, divides, copies back
+    assert ddp.compute_s == pytest.approx(single.compute_s + buckets)
+    hidden = slow.device.overlap * 2 / 3 * (ddp_slow.compute_s - buckets)
     assert ddp_slow.exposed_comm_s == pytest.approx(ddp_slow.comm_s - hidden)
 
 
@@ -62,7 +67,10 @@ def test_model_parallel_stages_take_turns_while_pipeline_stages_overlap():
     assert mp.compute_s == pytest.approx(one.compute_s)  # 8 GPUs, one computing at a time
     assert mp.comm_s == pytest.approx(8 * 2 * 7 * p2p_s(STATS.boundary_bytes_per_sample * 4, cluster.intra))
     pp = step_time(STATS, Layout(name="pipeline", pp=8), batching(training, dp=1, pp=8, world_size=8), training, cluster)
-    assert pp.compute_s == pytest.approx(one.compute_s / 8)
+    flops_s = STATS.flops_per_sample * 32 / (989e12 * 0.4)
+    stage_weights_s = 3 * stage_params(STATS.units, 8) * 2 / 3350e9  # streamed once per micro-batch, 8 of them
+    assert pp.compute_s == pytest.approx(flops_s / 8 + 8 * stage_weights_s)
+    assert pp.optimizer_s == pytest.approx(one.optimizer_s * stage_params(STATS.units, 8) / STATS.params)
 
 
 def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients_every_micro_batch():
@@ -72,7 +80,8 @@ def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients_every_micro
     assert (batch.micro_batch, batch.micro_batches) == (2, 4)
     t = step_time(STATS, Layout(name="fsdp", dp=8, zero=3, shard=8), batch, training, cluster)
     per_micro = 2 * all_gather_s(STATS.params * 2, 8, cluster.intra) + reduce_scatter_s(STATS.params * 2, 8, cluster.intra)
-    assert t.comm_s == pytest.approx(4 * per_micro)
+    per_unit_calls = (len(STATS.units) - 1) * 3 * 7 * cluster.intra.latency_us * 1e-6  # a call per unit, each pays
+    assert t.comm_s == pytest.approx(4 * (per_micro + per_unit_calls))
 
 
 def test_calibration_sets_mfu_from_a_measured_step():
@@ -95,3 +104,43 @@ def test_catalogue_names_aliases_and_overrides():
         get_device("v100")
     with pytest.raises(ConfigError, match="l4 has no NVLink"):
         make_cluster("l4", gpus=2, interconnect="nvlink")
+
+
+def test_calibration_splits_a_measured_step_into_flops_and_memory_traffic():
+    host = make_cluster("cpu", gpus=2)
+    cores = host.device.cores
+    flops, weights, adam = 3e9, 2e8, 3e8  # FLOPs of the step, bytes the weights stream, bytes the optimizer streams
+    c = calibrated(host, flops_per_step=flops, step_time_s=0.05, precision="fp32", streamed_bytes=weights,
+                   optimizer_bytes=adam, optimizer_s=0.015, threads=1)
+    assert c.device.memory_gbs == pytest.approx(adam / 0.015 * cores / 1e9)  # one thread's bandwidth, x cores
+    per_core_rate = flops / (0.05 - weights / (adam / 0.015))
+    assert c.device.mfu * c.device.fp32_tflops * 1e12 == pytest.approx(per_core_rate * cores)
+    with pytest.raises(ConfigError, match="no longer than streaming the weights"):
+        calibrated(host, flops_per_step=flops, step_time_s=0.005, precision="fp32", streamed_bytes=weights,
+                   optimizer_bytes=adam, optimizer_s=0.015, threads=1)
+    with pytest.raises(ConfigError, match="--optimizer-time calibrates together with --step-time"):
+        make_plan(model="mlp", gpu="cpu", gpus=2, optimizer_time=0.01)
+
+
+def test_a_link_measured_at_a_world_size_reproduces_its_timings():
+    timings = {"all_reduce": (16e6, 0.012), "all_gather": (16e6, 0.02), "reduce_scatter": (16e6, 0.03),
+               "broadcast": (16e6, 0.006), "p2p": (4e6, 0.0015), "p2p_small": (65536, 0.0003)}
+    link = measured_link(make_cluster("cpu", gpus=4).intra, 4, timings)
+    assert all_reduce_s(16e6, 4, link) == pytest.approx(0.012)
+    assert all_gather_s(16e6, 4, link) == pytest.approx(0.02)
+    assert reduce_scatter_s(16e6, 4, link) == pytest.approx(0.03)
+    assert broadcast_s(16e6, 4, link) == pytest.approx(0.006)
+    assert p2p_s(4e6, link) == pytest.approx(0.0015) and p2p_s(65536, link) == pytest.approx(0.0003)
+    plan = make_plan(model="mlp", gpu="cpu", gpus=4, link_timings=timings)
+    assert plan.cluster.intra.name == "loopback-gloo (measured)"
+
+
+def test_zero_stages_step_only_their_shard_and_zero1_broadcasts_it():
+    training = Training(micro_batch=8, precision="fp32", optimizer="adam")
+    cluster = make_cluster("cpu", gpus=4)
+    batch = batching(training, dp=4, pp=1, world_size=4)
+    ddp = step_time(STATS, Layout(name="ddp", dp=4), batch, training, cluster)
+    zero1 = step_time(STATS, Layout(name="zero1", dp=4, zero=1, shard=4), batch, training, cluster)
+    assert ddp.optimizer_s == pytest.approx(4 * zero1.optimizer_s)
+    assert ddp.optimizer_s == pytest.approx(STATS.params * 72 / (cluster.device.memory_gbs * 1e9 / 4))
+    assert zero1.comm_s == pytest.approx(ddp.comm_s + broadcast_s(STATS.params * 4, 4, cluster.intra))

@@ -4,6 +4,7 @@ import pytest
 
 from dist_workers import state_bytes, train_params
 from paratrain.planner import make_plan
+from paratrain.planner.memory import model_states
 from paratrain.testing import max_abs_diff, spawn
 
 STEPS, BATCH = 20, 8
@@ -92,7 +93,7 @@ def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planne
     # the planner, which never runs the model, predicts the same bytes
     plan = make_plan(model="dist_workers:state_model", input_spec="64", gpu="cpu", gpus=world,
                      precision="fp32", optimizer="adam", micro_batch=4)
-    predicted = {e.name: e.memory for e in plan.estimates}
+    predicted = {e.name: model_states(plan.stats, e.layout, plan.training) for e in plan.estimates}
     for strategy, got in results.items():
         memory = predicted["fsdp" if strategy == "zero3" else strategy]
         for key, planned in (("params", memory.parameters), ("grads", memory.gradients),

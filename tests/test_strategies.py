@@ -93,7 +93,7 @@ def _env(world: int) -> ClusterEnv:
     ("hybrid", {"dp": 3}, 4, "cannot split 4 processes into dp=3"),
     ("hybrid", {}, 2, "needs dp >= 2 and pp >= 2"),
     ("hsdp", {"shard_size": 3}, 4, "shard groups of 3"),
-    ("hsdp", {}, 2, "plain"),
+    ("hsdp", {}, 2, "at least 4 processes"),
     ("pipeline", {}, 1, "at least 2 pipeline stages"),
     ("pipeline", {"schedule": "zigzag"}, 2, "unknown pipeline schedule"),
     ("pipeline", {"schedule": "gpipe", "stages_per_rank": 2}, 2, "one stage per rank"),
@@ -133,3 +133,46 @@ def test_lr_scaling_and_warmup():
         opt.step()
         sched.step()
     assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3", "model_parallel"])
+def test_distributed_strategies_run_as_one_plain_process_and_equal_single(strategy):
+    """`python train.py` with a distributed strategy: a private one-rank group, the same math as 'single'."""
+    def train(name: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        with paratrain.Parallel(name) as par:
+            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            for i in range(3):
+                x = torch.randn(6, 4, generator=torch.Generator().manual_seed(i))
+                with par.step(model, opt):
+                    par.backward(model(x).square().mean())
+            return par.full_state_dict(model)
+
+    ours, single = train(strategy), train("single")
+    assert all(torch.equal(ours[k], single[k]) for k in single)
+    assert not torch.distributed.is_initialized()
+
+
+def test_hsdp_needs_four_processes():
+    with pytest.raises(ConfigError, match="at least 4 processes"):
+        paratrain.Parallel("hsdp")
+
+
+def test_clipping_matches_torch_clip_grad_norm():
+    """The reference is torch's own clip_grad_norm_: once, to exactly max_norm."""
+    from paratrain.parallel import clip_grad_norm
+
+    def grads() -> list[nn.Parameter]:
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
+        for p in params:
+            p.grad = torch.randn_like(p) * 10
+        return params
+
+    ours, ref = grads(), grads()
+    norm = clip_grad_norm(iter(ours), 1.0)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert norm == pytest.approx(float(ref_norm))
+    assert all(torch.allclose(a.grad, b.grad) for a, b in zip(ours, ref))
+    assert float(torch.nn.utils.get_total_norm([p.grad for p in ours])) == pytest.approx(1.0, rel=1e-5)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +30,9 @@ from .monitor import MonitorConfig, monitor_for, resolve
 from .precision import Precision, create_precision
 from .seeding import rank_seed, seed_all
 from .strategies.base import Runtime, Strategy
+
+_GLOO_DRAIN_S = 0.1
+"""Seconds ``close`` releases the GIL after its barrier (see ``close``)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,12 @@ class Parallel:
 
     def _init_process_group(self, timeout_s: float) -> None:
         if not self.env.launched:
+            if self.strategy.mesh_dims(self.env) is not None:
+                # `python train.py` with a distributed strategy: a private one-rank group, so the same code path
+                # runs (DDP and FSDP at world 1) instead of failing for want of a launcher.
+                dist.init_process_group(backend=backend_for(self.device), store=dist.HashStore(), rank=0,
+                                        world_size=1, timeout=timedelta(seconds=timeout_s))
+                self._owns_group = True
             return
         if dist.is_initialized():  # the script started it itself: use it, leave it to the script
             if dist.get_world_size() != self.env.world_size:
@@ -207,7 +217,7 @@ class Parallel:
 
     def _choose_auto(self, model: nn.Module) -> None:
         """Let the planner pick ddp or a ZeRO stage for this model on this hardware; say which and why."""
-        from .planner.auto import choose, local_cluster
+        from .planner.auto import choose, local_cluster, processes_vs_threads
 
         self._auto_pending = False
         cluster = local_cluster(self.device, self.env.world_size, self.env.local_world_size)
@@ -216,8 +226,7 @@ class Parallel:
             self.strategy = strategies.create(choice.strategy)
         self.print(f"paratrain: strategy 'auto' chose {choice.strategy}: {choice.reason}")
         if self.device.type == "cpu":
-            self.print("paratrain: note: on a CPU-only host, several processes are usually slower than one process "
-                       "with as many threads (gradients cross gloo at ~1 GB/s); `paratrain plan --gpu cpu` estimates it")
+            self.print(f"paratrain: note: {processes_vs_threads(model, cluster, self.precision.name, choice.strategy)}")
 
     def prepare_loader(self, loader: DataLoader, *, even: bool = True, shard: bool = True) -> DataLoader:
         """A per-rank copy of ``loader`` (see :mod:`paratrain.data` for what happens to the tail).
@@ -229,7 +238,7 @@ class Parallel:
         """
         if not shard or not self._distributed:
             return self._monitored(loader)
-        seed = self._seed if self._seed is not None else 0
+        seed = self.data_seed
         rank, size, _ = self.strategy.data_parallel(self._runtime())  # pipeline stages share their batches
         generator = torch.Generator()
         generator.manual_seed(rank_seed(seed, rank))
@@ -239,6 +248,11 @@ class Parallel:
 
     def _monitored(self, loader: DataLoader) -> DataLoader:
         return self.monitor.wrap_loader(loader) if self.monitor is not None else loader
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the order in which prepared loaders shuffle: ``seed_everything``'s, else 0."""
+        return self._seed if self._seed is not None else 0
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper (for inspection; its tensors may be shards)."""
@@ -345,12 +359,16 @@ class Parallel:
         The barrier matters: a rank that tears its group down while a peer still finishes its last collective
         can abort the peer at exit (gloo's worker threads die with "terminate called without an active
         exception").
+
+        The pause after it matters too: gloo's worker thread frees the barrier's work object (and the last
+        gradient all-reduce it holds) after the barrier returns, and that needs the GIL. If this thread then frees
+        the DDP model (the last owner of the process group) while holding the GIL, the group's destructor waits
+        for the worker forever. Sleeping releases the GIL so the worker finishes first.
         """
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
         if self._owns_group and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+            finish_group()
         self._owns_group = False
 
     def __enter__(self) -> "Parallel":
@@ -367,6 +385,14 @@ class Parallel:
                 f"device={self.device}, precision={self.precision.name}, accumulate={self.accumulate})")
 
 
+def finish_group() -> None:
+    """Wait for every rank, let gloo's worker finish with the GIL released, then destroy the default group (the
+    reasons are in ``Parallel.close``). For code that started the group itself."""
+    dist.barrier()
+    time.sleep(_GLOO_DRAIN_S)
+    dist.destroy_process_group()
+
+
 def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
                    group: dist.ProcessGroup | None = None) -> float:
     """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping.
@@ -374,7 +400,15 @@ def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
     ``group``: ranks whose local norms make up the global one (the stages of a pipeline).
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
+    norm = global_grad_norm(params, group)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
+def global_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The 2-norm of every gradient of the model (collective for sharded gradients and with ``group``)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     if hasattr(norm, "full_tensor"):  # DTensor: the norm of every shard together
         norm = norm.full_tensor()
@@ -382,10 +416,7 @@ def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
         squared = norm.detach().pow(2)
         dist.all_reduce(squared, group=group)
         norm = squared.sqrt()
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
+    return norm
 
 
 def _resolve_strategy(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> Strategy:

@@ -5,6 +5,9 @@ Commands:
   paratrain demo [-n N] [--strategy S] [--epochs E]          train a CNN on the bundled digits data
   paratrain plan --model gpt2-medium --gpus 8 --gpu h100    memory per GPU and step time of every strategy
   paratrain doctor [--json] [--skip-bandwidth]              check the environment, measure all-reduce bandwidth
+  paratrain bench [--workload W] [-n 1,2] [--compare torch-ddp]  speedup, efficiency and their causes, measured
+  paratrain verify module:factory [--strategy S] [-n N]     does the parallel run equal one process?
+  paratrain slurm --nodes 4 --gpus-per-node 8 train.py      write an sbatch script (srun paratrain run …)
 
 Errors print one line; add --debug (before the command) for the full traceback.
 """
@@ -15,9 +18,10 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import ParatrainError, RankFailedError
-from . import demo, doctor, plan, run
+from . import bench, demo, doctor, plan, run, slurm, verify
 
-COMMANDS = {"run": run, "demo": demo, "doctor": doctor, "plan": plan}
+COMMANDS = {"run": run, "demo": demo, "doctor": doctor, "plan": plan, "bench": bench, "verify": verify,
+            "slurm": slurm}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,10 +36,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--gpu-mem-gb", type=float, help="override device memory (GiB)")
     h.add_argument("--tflops", type=float, help="override peak TFLOP/s")
     h.add_argument("--mfu", type=float, help="override the sustained fraction of peak (default 0.4 GPU, 0.5 CPU)")
+    h.add_argument("--mem-bw-gbs", type=float, help="override device memory bandwidth (GB/s)")
     h.add_argument("--intra-bw-gbs", type=float, help="override intra-node bandwidth (GB/s, one direction)")
     h.add_argument("--inter-bw-gbs", type=float, help="override inter-node bandwidth (GB/s per node)")
     h.add_argument("--step-time", type=float, metavar="SECONDS",
                    help="measured seconds of one training step of --batch on one device: calibrates the MFU")
+    h.add_argument("--optimizer-time", type=float, metavar="SECONDS",
+                   help="the optimizer step of that measurement timed apart (then --step-time is forward+backward "
+                        "alone): calibrates the memory bandwidth too")
+    h.add_argument("--threads", type=int, help="with --gpu cpu: the cores the measured step ran on")
     t = p.add_argument_group("training")
     t.add_argument("--precision", default="auto", help="fp32, bf16-mixed, fp16-mixed (auto: fp32 on cpu, else bf16-mixed)")
     t.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd-momentum")
@@ -61,7 +66,8 @@ def execute(args: argparse.Namespace) -> int:
                      seq_len=args.seq_len, vocab=args.vocab, input_spec=args.input_spec, measure=args.measure,
                      gpu=args.gpu, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
                      inter_node=args.inter_node, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
-                     intra_bw_gbs=args.intra_bw_gbs, inter_bw_gbs=args.inter_bw_gbs, step_time=args.step_time,
+                     mem_bw_gbs=args.mem_bw_gbs, intra_bw_gbs=args.intra_bw_gbs, inter_bw_gbs=args.inter_bw_gbs,
+                     step_time=args.step_time, optimizer_time=args.optimizer_time, threads=args.threads,
                      precision=args.precision, optimizer=args.optimizer, micro_batch=args.micro_batch,
                      global_batch=args.global_batch, micro_batches=args.micro_batches, schedule=args.schedule,
                      checkpointing=args.checkpointing)

@@ -13,5 +13,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def execute(args: argparse.Namespace) -> int:
     from ..launch.torchrun import run
 
-    run(args.argv)
+    run(args.argv, quiet_agent=not args.debug)
     return 0

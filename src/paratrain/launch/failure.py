@@ -69,6 +69,9 @@ def format_failure(err: RankFailedError) -> str:
     if own is not None:
         return f"paratrain: error: {own} (rank {err.rank})"
     lines = [f"paratrain: {err}", f"  rank {err.rank}  host {err.host}  pid {err.pid}"]
+    if _is_secondary(last):
+        lines.append("  this rank lost a peer that failed first: on a multi-node job, the root cause is in the "
+                     "report of the node that failed first")
     if err.traceback:
         tb = user_frames(err.traceback).splitlines()
         if len(tb) > _MAX_TRACE_LINES:

@@ -8,22 +8,38 @@ of processes per node. What paratrain adds:
 * ``OMP_NUM_THREADS`` = cores / processes per node unless set (torchrun forces 1);
 * a rank that fails stops the job within a second, and the report leads with that rank's host, exit code and
   traceback;
-* bad input (no such script, ``-n 0``, a taken ``--master-port``) is one line, not a traceback.
+* bad input (no such script, ``-n 0``, a taken ``--master-port``) is one line, not a traceback;
+* multi-node jobs bind gloo to the interface that reaches the master, wait at most ``--rdzv-timeout`` for the
+  other nodes and say which address did not answer, and stop when the nodes disagree on ``--nnodes``
+  (:mod:`paratrain.launch.multinode`);
+* inside a SLURM ``srun`` step the allocation fills in the flags not given (:mod:`paratrain.launch.slurm`);
+* a process group the script creates without a timeout gets ``--pg-timeout`` (600 s), not torch's 30 min.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 
 from ..env import cpu_count
 from ..errors import LaunchError
+from .agreement import NNODES_VAR
 from .failure import from_child_failed
+from .multinode import (DEFAULT_RDZV_TIMEOUT_S, max_nodes, nnodes_range, prepare_network, rendezvous_error,
+                        rendezvous_errors, set_rendezvous_timeout)
+from .pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
 from .ports import port_in_use
+from .slurm import read_slurm
 
 LOOPBACK = "127.0.0.1"
+
+
+def _note(message: str) -> None:
+    print(f"paratrain run: {message}", file=sys.stderr, flush=True)
 
 
 def default_nproc() -> int:
@@ -33,29 +49,52 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+_UNSET = object()
+_SLURM_FILLED = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id")
+"""Flags a SLURM allocation fills in when the user did not give them (``nproc_per_node`` too, via None)."""
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """torchrun's own parser, plus ``-n``; errors become one-line ``LaunchError``s."""
+    """torchrun's own parser, plus ``-n``, ``--rdzv-timeout`` and ``--pg-timeout``; errors become one-line
+    ``LaunchError``s.
+
+    ``args.explicit`` holds the SLURM-fillable flags the user gave (on the command line or as ``PET_*``).
+    """
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "paratrain run"
     parser.add_argument("-n", "--nproc", dest="nproc_per_node", type=str,
                         help="processes per node (default: visible GPUs, or 2 on CPU)")
+    parser.add_argument("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", type=int, default=None,
+                        help=f"seconds to wait for the other nodes (default {DEFAULT_RDZV_TIMEOUT_S})")
+    parser.add_argument("--pg-timeout", "--pg_timeout", dest="pg_timeout", type=float, default=DEFAULT_PG_TIMEOUT_S,
+                        help="default timeout in seconds of process groups the script creates without one "
+                             f"(default {DEFAULT_PG_TIMEOUT_S:g}; torch's own is 30 min for gloo)")
     if "PET_NPROC_PER_NODE" not in os.environ:
         parser.set_defaults(nproc_per_node=None)
+    defaults = {dest: parser.get_default(dest) for dest in _SLURM_FILLED if f"PET_{dest.upper()}" not in os.environ}
+    parser.set_defaults(**dict.fromkeys(defaults, _UNSET))
 
     def error(message: str) -> None:
         raise LaunchError(f"paratrain run: {message} (see `paratrain run --help`)")
 
     parser.error = error  # type: ignore[method-assign]
-    return parser.parse_args(list(argv))
+    args = parser.parse_args(list(argv))
+    args.explicit = {dest for dest in _SLURM_FILLED if getattr(args, dest) is not _UNSET}
+    for dest, default in defaults.items():
+        if getattr(args, dest) is _UNSET:
+            setattr(args, dest, default)
+    return args
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Validate and fill in paratrain's defaults; sets ``OMP_NUM_THREADS`` in this process's environment."""
+def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> argparse.Namespace:
+    """Validate and fill in paratrain's defaults; sets ``OMP_NUM_THREADS`` (and for multi-node jobs
+    ``GLOO_SOCKET_IFNAME``) in this process's environment, which the workers inherit."""
+    apply_slurm(args, note)
     args.nproc_per_node = _nproc(args.nproc_per_node)
     _check_target(args)
-    single_node = _max_nodes(args.nnodes) == 1
+    single_node = max_nodes(args.nnodes) == 1
     if single_node and not args.rdzv_endpoint and args.rdzv_backend == "static" and args.master_port is None:
         # torchrun then uses a c10d rendezvous on localhost:0 (a free port); keep the workers on loopback too.
         args.local_addr = args.local_addr or LOOPBACK
@@ -65,6 +104,18 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                 f"--master-port {args.master_port} is already in use on {args.master_addr}; "
                 "pick another port or omit --master-port to get a free one"
             )
+    if args.rdzv_timeout is not None:
+        if args.rdzv_timeout < 1:
+            raise LaunchError(f"--rdzv-timeout must be at least 1 second, got {args.rdzv_timeout}")
+        set_rendezvous_timeout(args, args.rdzv_timeout)
+    if args.pg_timeout <= 0:
+        raise LaunchError(f"--pg-timeout must be > 0 seconds, got {args.pg_timeout:g}")
+    os.environ[PG_TIMEOUT_VAR] = f"{args.pg_timeout:g}"
+    if single_node:
+        os.environ.pop(NNODES_VAR, None)
+    else:
+        prepare_network(args, note)
+        os.environ[NNODES_VAR] = "{}:{}".format(*nnodes_range(args.nnodes))
     if isinstance(args.nproc_per_node, int) and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cpu_count() // args.nproc_per_node))
     if args.max_restarts > 0:
@@ -82,8 +133,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 def run(argv: Sequence[str], *, quiet_agent: bool = True) -> None:
     """Launch the job described by torchrun-style ``argv``; raise ``RankFailedError`` when a rank fails."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run as torchrun
+    with _quiet_cpp_logs(quiet_agent):  # the store's C++ warnings and stack dumps: ours is one line
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import run as torchrun
 
     args = resolve(parse_args(argv))
     if quiet_agent:  # our own report replaces the agent's warnings and its long exception dump
@@ -92,6 +144,23 @@ def run(argv: Sequence[str], *, quiet_agent: bool = True) -> None:
         torchrun(args)
     except ChildFailedError as err:
         raise from_child_failed(err) from None
+    except rendezvous_errors() as err:
+        raise rendezvous_error(args, err) from None
+
+
+@contextlib.contextmanager
+def _quiet_cpp_logs(quiet: bool) -> Iterator[None]:
+    """Import torch with its C++ log level at FATAL in this process only (torch reads it once, at import);
+    the workers inherit the environment as the user set it."""
+    if not quiet or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    yield
 
 
 def _nproc(value: str | None) -> int | str:
@@ -123,11 +192,21 @@ def _check_target(args: argparse.Namespace) -> None:
         raise LaunchError(f"script {target!r} not found (working directory {os.getcwd()})")
 
 
-def _max_nodes(nnodes: str) -> int:
-    try:
-        return int(str(nnodes).split(":")[-1])
-    except ValueError:
-        raise LaunchError(f"--nnodes must be N or MIN:MAX, got {nnodes!r}") from None
+def apply_slurm(args: argparse.Namespace, note: Callable[[str], None]) -> None:
+    """Inside a SLURM job step, fill in the flags the user left out (``args.explicit``) from the allocation;
+    refuse several tasks per node; note an allocation of several nodes entered without srun."""
+    job = read_slurm(os.environ)
+    if job is None:
+        return
+    if job.problem():
+        raise LaunchError(job.problem())
+    if job.warning():
+        note(job.warning())
+    if not job.under_srun or args.standalone:
+        return
+    for dest, value in job.torchrun_args(args.rdzv_backend).items():
+        if dest not in args.explicit and not (dest == "nproc_per_node" and args.nproc_per_node is not None):
+            setattr(args, dest, value)
 
 
 def _is_local(host: str) -> bool:

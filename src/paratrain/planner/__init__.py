@@ -11,7 +11,8 @@ from .model_stats import InputSpec, ModelStats, measure_module, trace_module, tr
 from .models import resolve_model
 from .recommend import Estimate, Plan, estimate, estimate_all, recommend
 from .report import format_plan, plan_to_json
-from .timing import StepTime, all_gather_s, all_reduce_s, bubble_fraction, p2p_s, reduce_scatter_s, step_time
+from .timing import (StepTime, all_gather_s, all_reduce_s, broadcast_s, bubble_fraction, measured_link, p2p_s,
+                     reduce_scatter_s, step_time)
 from .training import Batching, Training, batching
 
 __all__ = [
@@ -19,6 +20,6 @@ __all__ = [
     "make_cluster", "Layout", "layouts", "make_plan", "MemoryBreakdown", "memory_per_rank", "InputSpec",
     "ModelStats", "measure_module", "trace_module", "transformer_shape", "transformer_stats", "resolve_model",
     "Estimate", "Plan", "estimate", "estimate_all", "recommend", "format_plan", "plan_to_json", "StepTime",
-    "all_gather_s", "all_reduce_s", "bubble_fraction", "p2p_s", "reduce_scatter_s", "step_time", "Batching",
-    "Training", "batching",
+    "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction", "measured_link", "p2p_s", "reduce_scatter_s",
+    "step_time", "Batching", "Training", "batching",
 ]

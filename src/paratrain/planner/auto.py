@@ -2,8 +2,10 @@
 
 ``Parallel`` decides when ``prepare`` first sees the model, before anything is wrapped. It knows the
 parameters and the hardware, not the batch, so it decides on model states (parameters, gradients, optimizer
-state, buffers, overhead): DDP when they fit, since sharding only costs time, else the least sharding that
-fits (zero1, zero2, zero3). Activation memory depends on the batch: ``paratrain plan`` weighs it too.
+state, buffers, overhead): DDP when they fit — its communication is the least and nothing about the speed of
+the rest of the step is known here —, else the least sharding that fits (zero1, zero2, zero3). Activation
+memory depends on the batch: ``paratrain plan`` weighs it too, and speed (a ZeRO stage can beat ddp by sharding
+the optimizer step). On a CPU host ``processes_vs_threads`` says what the processes cost over threads.
 All candidates share the one-dimensional data-parallel mesh, so the choice never changes the process layout.
 """
 from __future__ import annotations
@@ -49,16 +51,24 @@ def local_cluster(device: torch.device, world_size: int, local_world_size: int) 
     return make_cluster("cpu", gpus=local_world_size, nodes=nodes)
 
 
+def _training(precision: str) -> Training:
+    return Training(precision=precision if precision in ("fp32", "bf16-mixed", "fp16-mixed") else "fp32",
+                    optimizer="adamw", micro_batch=1)
+
+
+def _layout(name: str, n: int) -> Layout:
+    zero = dict(CANDIDATES)[name]
+    return Layout(name=name if zero < 3 else "fsdp", dp=n, zero=zero, shard=n if zero else 1)
+
+
 def choose(model: nn.Module, cluster: Cluster, precision: str) -> AutoChoice:
     """The first of ddp, zero1, zero2, zero3 whose model states fit one rank's memory (Adam assumed)."""
     stats = parameter_stats(model)
     n = cluster.world_size
-    training = Training(precision=precision if precision in ("fp32", "bf16-mixed", "fp16-mixed") else "fp32",
-                        optimizer="adamw", micro_batch=1)
+    training = _training(precision)
     tried = []
-    for name, zero in CANDIDATES:
-        layout = Layout(name=name if zero < 3 else "fsdp", dp=n, zero=zero, shard=n if zero else 1)
-        e = estimate(stats, layout, training, cluster)
+    for name, _ in CANDIDATES:
+        e = estimate(stats, _layout(name, n), training, cluster)
         tried.append(f"{name} {e.memory.total / GIB:.2f}")
         if e.fits:
             why = (f"{stats.params / 1e6:.1f}M parameters need {e.memory.total / GIB:.2f} GiB per rank under {name} "
@@ -68,3 +78,21 @@ def choose(model: nn.Module, cluster: Cluster, precision: str) -> AutoChoice:
             return AutoChoice(strategy=name, reason=why)
     return AutoChoice(strategy="zero3", reason=f"nothing fits by the planner ({', '.join(tried)} GiB per rank); "
                                                "zero3 shards the most — see `paratrain plan`")
+
+
+def processes_vs_threads(model: nn.Module, cluster: Cluster, precision: str, strategy: str) -> str:
+    """On a CPU host: what ``cluster.ranks_per_node`` processes add to a step over one process using every core
+    as threads, by the planner's time model (Adam assumed; compute, which they split evenly, left out)."""
+    stats = parameter_stats(model)
+    training = _training(precision)
+    one = estimate(stats, Layout(name="single"), training, cluster).time
+    many = estimate(stats, _layout(strategy, cluster.world_size), training, cluster).time
+    n, cores = cluster.ranks_per_node, cluster.device.cores or cluster.ranks_per_node
+    shared = f"{n} processes on {cores} cores" + (" time-share them" if n > cores else " split them")
+    return (f"{shared}, so together they compute no faster than one process with {cores} threads, and by the "
+            f"planner each step takes {1e3 * (many.step_s - one.step_s):.1f} ms longer: "
+            f"{1e3 * many.exposed_comm_s:.1f} ms of {strategy}'s gradient traffic over gloo, and every process runs "
+            f"its optimizer step and streams all the weights at its share of the cores (the Adam step alone: "
+            f"{1e3 * many.optimizer_s:.1f} ms instead of {1e3 * one.optimizer_s:.1f}). More processes will be slower "
+            f"here than threads: use them to test parallel code (`paratrain plan --gpu cpu --measure` estimates "
+            f"whole steps)")

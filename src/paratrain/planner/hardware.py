@@ -4,7 +4,8 @@ Figures are vendors' dense (no sparsity) peak numbers; what a training step sust
 MFU-like efficiency (``mfu``), which ``calibrated`` can set from one measured step. Memory is in GiB (2**30
 bytes, what ``nvidia-smi`` and ``torch.cuda.mem_get_info`` report); bandwidth in GB/s (1e9 bytes/s), one
 direction, as collectives use it. Every figure can be overridden (``make_cluster`` and ``paratrain plan``'s
-``--gpu-mem-gb``, ``--tflops``, ``--mfu``, ``--intra-bw-gbs``, ``--inter-bw-gbs``).
+``--gpu-mem-gb``, ``--tflops``, ``--mfu``, ``--mem-bw-gbs``, ``--intra-bw-gbs``, ``--inter-bw-gbs``), and a
+link's per-collective figures can be set from a measurement (``measured_link``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ class Device:
     """Dense peak for bf16/fp16 tensor-core matmuls (TFLOP/s); the mixed-precision compute rate."""
     fp32_tflops: float
     """Dense peak for plain fp32 (no TF32: PyTorch's default for matmuls since 1.12)."""
+    memory_gbs: float
+    """Memory bandwidth streaming kernels sustain (GB/s): what the optimizer step and a forward/backward's
+    reads of the weights run at. For a shared CPU host, the whole host's."""
+    weight_passes: float = 3.0
+    """Times a forward+backward streams the weights whatever the batch: read in forward, read in backward for
+    the input gradient, gradient written (cuBLAS reads the operands in place). CPU BLAS also packs the weight
+    operand of each matrix product into panels first, which makes it about twice as many."""
     mfu: float = 0.4
     """Sustained fraction of peak over a training step (model FLOPs utilisation); 30-50% is typical for
     well-tuned transformer training on GPUs."""
@@ -45,9 +53,12 @@ class Device:
     communication. GPUs run NCCL on a separate stream; a CPU rank's gloo threads compete with compute."""
     shared_by_ranks: bool = False
     """True for a CPU host: ranks on a node split its compute and memory instead of owning one device each."""
+    cores: int | None = None
+    """A CPU host's cores. Its processes share them: each of N gets cores/N of the host's compute and memory
+    bandwidth, so beyond one process per core (oversubscription) a process computes N/cores times slower."""
 
     def __post_init__(self) -> None:
-        for name in ("memory_gib", "bf16_tflops", "fp32_tflops", "mfu"):
+        for name in ("memory_gib", "bf16_tflops", "fp32_tflops", "mfu", "memory_gbs"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"device {self.name}: {name} must be > 0, got {getattr(self, name)}")
         if self.mfu > 1:
@@ -56,6 +67,8 @@ class Device:
             raise ConfigError(f"device {self.name}: overlap must be in [0, 1], got {self.overlap}")
         if self.overhead_gib < 0:
             raise ConfigError(f"device {self.name}: overhead_gib must be >= 0, got {self.overhead_gib}")
+        if self.weight_passes < 0:
+            raise ConfigError(f"device {self.name}: weight_passes must be >= 0, got {self.weight_passes}")
 
     def peak_tflops(self, precision: str) -> float:
         return self.fp32_tflops if precision == "fp32" else self.bf16_tflops
@@ -63,21 +76,36 @@ class Device:
 
 @dataclass(frozen=True, kw_only=True)
 class Link:
-    """A connection collectives run over, as an alpha-beta model: time = latency + bytes / bandwidth."""
+    """A connection collectives run over, as an alpha-beta model: time = latency + bytes / bandwidth.
+
+    ``bandwidth_gbs`` is the all-reduce's bus bandwidth (what ``paratrain doctor`` and nccl-tests report as
+    busbw). The other collectives reach a fraction of it, their efficiency: about 1 for NCCL's rings (nccl-tests
+    report similar busbw for all of them), far from 1 for gloo, whose all-gather and reduce-scatter are not
+    rings and run 2-5x slower than its all-reduce on the same bytes.
+    """
 
     name: str
     bandwidth_gbs: float
-    """Bandwidth per rank in one direction (GB/s). For an inter-node link: what one node injects."""
+    """All-reduce bus bandwidth per rank in one direction (GB/s). For an inter-node link: what one node injects."""
     latency_us: float = 5.0
     """Per-message latency (microseconds); a ring collective pays it once per step of the ring."""
     p2p_gbs: float | None = None
     """Point-to-point bandwidth when it differs from the collectives' (gloo over loopback)."""
+    all_gather_eff: float = 1.0
+    """All-gather's bus bandwidth over the all-reduce's."""
+    reduce_scatter_eff: float = 1.0
+    """Reduce-scatter's bus bandwidth over the all-reduce's."""
+    broadcast_eff: float = 1.0
+    """Broadcast's bus bandwidth (bytes broadcast / time) over the all-reduce's."""
 
     def __post_init__(self) -> None:
         if not self.bandwidth_gbs > 0:
             raise ConfigError(f"link {self.name}: bandwidth must be > 0 GB/s, got {self.bandwidth_gbs}")
         if self.latency_us < 0:
             raise ConfigError(f"link {self.name}: latency must be >= 0, got {self.latency_us}")
+        for name in ("all_gather_eff", "reduce_scatter_eff", "broadcast_eff"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"link {self.name}: {name} must be > 0, got {getattr(self, name)}")
 
     @property
     def bytes_per_s(self) -> float:
@@ -99,26 +127,37 @@ def _ethernet(gbit: int, roce: bool) -> Link:
 
 
 DEVICES = MappingProxyType({d.name: d for d in (
-    Device(name="a100-40gb", memory_gib=40, bf16_tflops=312, fp32_tflops=19.5, intra_link="nvlink3",
-           inter_link="ib-hdr"),
-    Device(name="a100-80gb", memory_gib=80, bf16_tflops=312, fp32_tflops=19.5, intra_link="nvlink3",
-           inter_link="ib-hdr"),
-    Device(name="h100-80gb", memory_gib=79.6, bf16_tflops=989, fp32_tflops=67, intra_link="nvlink4",
-           inter_link="ib-ndr"),
-    Device(name="h200-141gb", memory_gib=140.4, bf16_tflops=989, fp32_tflops=67, intra_link="nvlink4",
-           inter_link="ib-ndr"),
-    Device(name="l4", memory_gib=22.5, bf16_tflops=121, fp32_tflops=30.3, overhead_gib=0.6),
-    Device(name="rtx-4090", memory_gib=24, bf16_tflops=165, fp32_tflops=82.6, overhead_gib=0.6),
+    Device(name="a100-40gb", memory_gib=40, bf16_tflops=312, fp32_tflops=19.5, memory_gbs=1555,
+           intra_link="nvlink3", inter_link="ib-hdr"),
+    Device(name="a100-80gb", memory_gib=80, bf16_tflops=312, fp32_tflops=19.5, memory_gbs=2039,
+           intra_link="nvlink3", inter_link="ib-hdr"),
+    Device(name="h100-80gb", memory_gib=79.6, bf16_tflops=989, fp32_tflops=67, memory_gbs=3350,
+           intra_link="nvlink4", inter_link="ib-ndr"),
+    Device(name="h200-141gb", memory_gib=140.4, bf16_tflops=989, fp32_tflops=67, memory_gbs=4800,
+           intra_link="nvlink4", inter_link="ib-ndr"),
+    Device(name="l4", memory_gib=22.5, bf16_tflops=121, fp32_tflops=30.3, memory_gbs=300, overhead_gib=0.6),
+    Device(name="rtx-4090", memory_gib=24, bf16_tflops=165, fp32_tflops=82.6, memory_gbs=1008, overhead_gib=0.6),
 )})
-"""GPUs (SXM versions where there is a choice). Memory as ``nvidia-smi`` reports it."""
+"""GPUs (SXM versions where there is a choice). Memory as ``nvidia-smi`` reports it; bandwidth the vendor's."""
 
 DEVICE_ALIASES = MappingProxyType({"a100": "a100-80gb", "h100": "h100-80gb", "h200": "h200-141gb",
                                    "4090": "rtx-4090", "rtx4090": "rtx-4090"})
 
-CPU_GFLOPS_PER_CORE = 96.0
-"""Peak fp32 GFLOP/s of one x86 core with two 256-bit FMA units at ~3 GHz (32 FLOP/cycle). An MLP's forward and
-backward sustained 77-96 GFLOP/s on one core of the 2-core EPYC this was written on; with ``mfu=0.5`` the
-default plans ~48 GFLOP/s per core, leaving room for the elementwise work a transformer adds."""
+CPU_GFLOPS_PER_CORE = 128.0
+"""Peak fp32 GFLOP/s of one x86 core with two 256-bit FMA units (32 FLOP/cycle) at a 4 GHz boost clock. An MLP's
+forward and backward sustained 77-96 GFLOP/s on one core of the 2-core EPYC this was written on, so the default
+``mfu=0.6`` plans ~77 GFLOP/s per core; ``calibrated`` replaces it with a measured step."""
+CPU_MEMORY_GBS_PER_CORE = 20.0
+"""What one core streams through PyTorch's optimizer kernels (GB/s): a 3.96M-parameter Adam step (72 bytes per
+parameter, see ``training.OPTIMIZER_STEP_BYTES``) took 13-14 ms on one thread of that EPYC."""
+CPU_WEIGHT_PASSES = 7.0
+"""Weight passes of a CPU forward+backward: that MLP's step time is affine in the batch (8-128 samples, one
+thread), with 5-6 ms at batch 0 — seven passes over its 15.8 MB of weights at 20 GB/s."""
+
+GLOO_ALL_GATHER_EFF, GLOO_REDUCE_SCATTER_EFF, GLOO_BROADCAST_EFF = 0.4, 0.3, 2.0
+"""gloo on one host, world 2, 15.8 MB: all-reduce 10.6-15 ms, all-gather 15.8-24 ms, reduce-scatter 20.6-37 ms,
+broadcast 6.1 ms (``benchmarks/planner_accuracy.py``'s link calibration and its probe; the larger times under
+load). gloo broadcasts from the root to each peer in turn, so its broadcast efficiency falls as 1/(N-1)."""
 
 LINKS = MappingProxyType({link.name: link for link in (
     # NVLink: A100 600 GB/s and H100 900 GB/s in total, both directions: half each way.
@@ -130,21 +169,24 @@ LINKS = MappingProxyType({link.name: link for link in (
     Link(name="ib-ndr", bandwidth_gbs=50, latency_us=2.0),
     *(_ethernet(g, roce=False) for g in (10, 25, 100, 200, 400)),
     *(_ethernet(g, roce=True) for g in (10, 25, 100, 200, 400)),
-    # gloo between processes of one host: all-reduce 1.0-1.5 GB/s, point-to-point 3-4 GB/s (FIELD-NOTES).
-    Link(name="loopback-gloo", bandwidth_gbs=1.2, latency_us=100.0, p2p_gbs=3.5),
+    # gloo between processes of one host: all-reduce 1.0-1.5 GB/s, point-to-point 3-4 GB/s (FIELD-NOTES);
+    # all-gather, reduce-scatter and broadcast of 15.8 MB at world 2 against the all-reduce (docs/planner.md).
+    Link(name="loopback-gloo", bandwidth_gbs=1.2, latency_us=100.0, p2p_gbs=3.5, all_gather_eff=GLOO_ALL_GATHER_EFF,
+         reduce_scatter_eff=GLOO_REDUCE_SCATTER_EFF, broadcast_eff=GLOO_BROADCAST_EFF),
 )})
 """Links by name. PCIe names without a lane count are x16 (``pcie4``); others name it (``pcie4-x8``)."""
 
 
 def cpu_host(*, cores: int | None = None, memory_gib: float | None = None) -> Device:
-    """This machine's class: memory is host RAM, compute ``CPU_GFLOPS_PER_CORE`` x cores, ranks share both."""
+    """This machine's class: memory is host RAM, compute ``CPU_GFLOPS_PER_CORE`` x cores and memory bandwidth
+    ``CPU_MEMORY_GBS_PER_CORE`` x cores; ranks share all three."""
     cores = cores if cores is not None else len(os.sched_getaffinity(0))
     if memory_gib is None:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     tflops = cores * CPU_GFLOPS_PER_CORE / 1000
-    return Device(name="cpu", memory_gib=memory_gib, bf16_tflops=tflops, fp32_tflops=tflops, mfu=0.5,
-                  overhead_gib=0.25, intra_link="loopback-gloo", inter_link="eth-10g", overlap=0.0,
-                  shared_by_ranks=True)
+    return Device(name="cpu", memory_gib=memory_gib, bf16_tflops=tflops, fp32_tflops=tflops, mfu=0.6,
+                  memory_gbs=cores * CPU_MEMORY_GBS_PER_CORE, weight_passes=CPU_WEIGHT_PASSES, overhead_gib=0.25,
+                  intra_link="loopback-gloo", inter_link="eth-10g", overlap=0.0, shared_by_ranks=True, cores=cores)
 
 
 def device_names() -> list[str]:
@@ -210,6 +252,10 @@ class Cluster:
         d = self.device
         return d.peak_tflops(precision) * 1e12 * d.mfu * self.share(ranks_per_node or self.ranks_per_node)
 
+    def stream_bytes_per_s(self, ranks_per_node: int | None = None) -> float:
+        """Memory bandwidth of one rank, split among ranks on a shared host."""
+        return self.device.memory_gbs * GB * self.share(ranks_per_node or self.ranks_per_node)
+
     def link_for(self, size: int, stride: int) -> Link:
         """The link a group of ``size`` ranks, ``stride`` apart, is limited by.
 
@@ -230,11 +276,13 @@ class Cluster:
 
 def make_cluster(gpu: str = "h100", *, gpus: int = 1, nodes: int = 1, interconnect: str | None = None,
                  inter_node: str | None = None, gpu_mem_gb: float | None = None, tflops: float | None = None,
-                 mfu: float | None = None, intra_bw_gbs: float | None = None,
+                 mfu: float | None = None, mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None,
                  inter_bw_gbs: float | None = None) -> Cluster:
     """A cluster from catalogue names and optional overrides (``tflops`` replaces both peaks)."""
     device = get_device(gpu)
     changes: dict[str, float] = {}
+    if mem_bw_gbs is not None:
+        changes["memory_gbs"] = mem_bw_gbs
     if gpu_mem_gb is not None:
         changes["memory_gib"] = gpu_mem_gb
     if tflops is not None:
@@ -251,17 +299,40 @@ def make_cluster(gpu: str = "h100", *, gpus: int = 1, nodes: int = 1, interconne
     return Cluster(device=device, ranks_per_node=gpus, nodes=nodes, intra=intra, inter=inter)
 
 
-def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, precision: str) -> Cluster:
-    """The cluster with its device's MFU set so that one rank alone runs ``flops_per_step`` in ``step_time_s``.
+def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, precision: str,
+               streamed_bytes: float = 0.0, optimizer_bytes: float = 0.0, optimizer_s: float | None = None,
+               threads: int | None = None) -> Cluster:
+    """The cluster with its device's MFU (and memory bandwidth) set from one rank's measured step.
 
-    A measured single-device step is the best predictor of the sustained rate; the catalogue peak only
-    fixes the scale. Raises when the measurement implies more than the catalogue peak (raise --tflops).
+    The step is modelled as the time model does (docs/planner.md): ``flops_per_step`` at the sustained rate plus
+    ``streamed_bytes`` (the weights a forward+backward streams) and ``optimizer_bytes`` (the optimizer step's) at
+    the memory bandwidth. ``optimizer_s``, the optimizer step timed apart, sets the bandwidth
+    (``optimizer_bytes / optimizer_s``) and ``step_time_s`` is then the forward+backward alone; without it the
+    catalogue bandwidth stands and ``step_time_s`` includes the optimizer step. ``threads``: on a CPU host, the
+    cores the step ran on; the host's rates are cores/threads times theirs. A measured step is the best
+    predictor of the sustained rate; the catalogue peak only fixes the scale. Raises when the measurement
+    implies more than the catalogue peak (raise --tflops).
     """
     if step_time_s <= 0:
         raise ConfigError(f"--step-time must be > 0 seconds, got {step_time_s}")
-    peak = cluster.device.peak_tflops(precision) * 1e12
-    mfu = flops_per_step / step_time_s / peak
-    if mfu > 1:
-        raise ConfigError(f"a {step_time_s} s step means {flops_per_step / step_time_s / 1e12:.1f} TFLOP/s, above "
-                          f"{cluster.device.name}'s peak {peak / 1e12:g}; check --step-time or raise --tflops")
-    return replace(cluster, device=replace(cluster.device, mfu=mfu))
+    d = cluster.device
+    scale = d.cores / threads if d.shared_by_ranks and d.cores and threads else 1.0
+    if optimizer_s is not None:
+        if optimizer_s <= 0 or optimizer_bytes <= 0:
+            raise ConfigError(f"a measured optimizer step needs its time and bytes > 0, got {optimizer_s} s, "
+                              f"{optimizer_bytes} bytes")
+        bandwidth = optimizer_bytes / optimizer_s
+        d = replace(d, memory_gbs=bandwidth * scale / GB)
+        compute_s = step_time_s - streamed_bytes / bandwidth
+    else:
+        bandwidth = d.memory_gbs * GB / scale
+        compute_s = step_time_s - (streamed_bytes + optimizer_bytes) / bandwidth
+    if compute_s <= 0:
+        raise ConfigError(f"a {step_time_s} s step is no longer than streaming the weights and optimizer state at "
+                          f"{bandwidth / GB:.3g} GB/s; check --step-time or raise --mem-bw-gbs")
+    peak = d.peak_tflops(precision) * 1e12
+    rate = flops_per_step / compute_s * scale
+    if rate > peak:
+        raise ConfigError(f"a {step_time_s} s step means {rate / 1e12:.1f} TFLOP/s, above "
+                          f"{d.name}'s peak {peak / 1e12:g}; check --step-time or raise --tflops")
+    return replace(cluster, device=replace(d, mfu=rate / peak))

@@ -1,9 +1,14 @@
 """One call from the CLI's options to a Plan: model stats, cluster, training setup, calibration, recommendation."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
+
+from ..errors import ConfigError
 from .hardware import calibrated, make_cluster
 from .models import resolve_model
 from .recommend import Plan, recommend
+from .timing import measured_link, optimizer_step_bytes, weight_bytes
 from .training import Training
 
 
@@ -12,25 +17,39 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
               vocab: int | None = None, input_spec: str | None = None, measure: bool = False,
               gpu: str = "h100", gpus: int = 1, nodes: int = 1, interconnect: str | None = None,
               inter_node: str | None = None, gpu_mem_gb: float | None = None, tflops: float | None = None,
-              mfu: float | None = None, intra_bw_gbs: float | None = None, inter_bw_gbs: float | None = None,
-              step_time: float | None = None, **training: object) -> Plan:
+              mfu: float | None = None, mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None,
+              inter_bw_gbs: float | None = None, step_time: float | None = None, optimizer_time: float | None = None,
+              threads: int | None = None, link_timings: Mapping[str, tuple[float, float]] | None = None,
+              **training: object) -> Plan:
     """The plan for ``paratrain plan``'s options (``training`` holds ``Training``'s fields; precision ``auto``
     is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
 
     ``step_time`` (seconds of one forward+backward+step of one micro-batch on one device) calibrates the
-    device's MFU; ``measure`` runs the model here and, when the device is this CPU, calibrates from that.
+    device's MFU; with ``optimizer_time`` (the optimizer step timed apart) ``step_time`` is the forward+backward
+    alone and the optimizer's time also calibrates the memory bandwidth. ``threads``: on a CPU host, the cores
+    the measured step used. ``measure`` runs the model here and, when the device is this CPU, calibrates from
+    that (a forward+backward on torch's threads). ``link_timings`` (collective name -> (bytes, seconds), measured
+    on ``gpus`` ranks of one node) replace the intra-node link's figures: see ``timing.measured_link``.
     """
     cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
-                           gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, intra_bw_gbs=intra_bw_gbs,
-                           inter_bw_gbs=inter_bw_gbs)
+                           gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, mem_bw_gbs=mem_bw_gbs,
+                           intra_bw_gbs=intra_bw_gbs, inter_bw_gbs=inter_bw_gbs)
+    if link_timings:
+        cluster = replace(cluster, intra=measured_link(cluster.intra, gpus, link_timings))
     if training.get("precision", "auto") == "auto":
         training["precision"] = "fp32" if cluster.device.shared_by_ranks else "bf16-mixed"
     setup = Training(**training)  # type: ignore[arg-type]
     stats = resolve_model(model, params=params, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
                           vocab=vocab, input_spec=input_spec, measure_batch=setup.micro_batch if measure else None)
+    if optimizer_time is not None and step_time is None:
+        raise ConfigError("--optimizer-time calibrates together with --step-time (the forward+backward alone)")
+    with_optimizer = step_time is not None
     if step_time is None and stats.measured_step_s is not None and cluster.device.shared_by_ranks:
-        step_time = stats.measured_step_s
+        step_time, threads = stats.measured_step_s, stats.measured_threads
     if step_time is not None:
         cluster = calibrated(cluster, flops_per_step=stats.flops_per_sample * setup.flops_factor * setup.micro_batch,
-                             step_time_s=step_time, precision=setup.precision)
+                             step_time_s=step_time, precision=setup.precision,
+                             streamed_bytes=weight_bytes(stats.params, setup, cluster),
+                             optimizer_bytes=optimizer_step_bytes(stats.params, setup) if with_optimizer else 0.0,
+                             optimizer_s=optimizer_time, threads=threads)
     return recommend(stats, cluster, setup)

@@ -1,4 +1,4 @@
-"""Memory per rank: model states (ZeRO's accounting), activations, communication buffers and overhead.
+"""Memory per rank: model states (ZeRO's accounting), activations, transients, communication buffers, overhead.
 
 For mixed-precision Adam with Ψ parameters on N data-parallel ranks the model states come to the ZeRO
 paper's figures (Rajbhandari et al. 2020, figure 1): 16Ψ (ddp), 4Ψ + 12Ψ/N (zero1), 2Ψ + 14Ψ/N (zero2) and
@@ -16,17 +16,31 @@ from .training import Batching, Training
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:
-    """Bytes one device holds at its peak (end of the forward pass of the last in-flight micro-batch)."""
+    """Bytes one device holds at its peak, by what holds them.
+
+    The peak comes at one of two moments: when ``backward`` starts (every activation saved, the loss's gradient
+    just made) or during the ``optimizer step`` (every gradient, and the step's temporaries); the breakdown is
+    the larger one's.
+    """
 
     parameters: float
     gradients: float
+    """Gradients alive at the peak: all of them during the optimizer step; when backward starts, only those of
+    earlier micro-batches (accumulation) or DDP's gradient buckets."""
     optimizer_states: float
     """Optimizer states plus, under mixed precision, the fp32 master copy of the parameters."""
     activations: float
+    """What autograd saved for backward (under autocast including its 16-bit copies of the weights)."""
+    transient: float
+    """Short-lived tensors at the peak: when backward starts, two gradients of the largest tensor it meets (the
+    loss's: the logits' gradient and log-softmax's input gradient, fp32; or the largest saved activation's);
+    during the optimizer step, its temporaries."""
     buffers: float
-    """Communication buffers: DDP buckets, FSDP's gathered unit, activations passed between stages."""
+    """Communication buffers: DDP buckets, FSDP's gathered units, activations passed between stages."""
     overhead: float
     """CUDA context, library workspaces, allocator slack (or a CPU process's own footprint)."""
+    phase: str = "backward"
+    """``backward`` or ``optimizer step``: when the peak comes."""
 
     @property
     def model_states(self) -> float:
@@ -34,15 +48,43 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.buffers + self.overhead
+        return self.model_states + self.activations + self.transient + self.buffers + self.overhead
+
+    @property
+    def allocated(self) -> float:
+        """What tensors hold at the peak, overhead excluded: ``torch.cuda.max_memory_allocated``'s measure."""
+        return self.total - self.overhead
 
     def as_dict(self) -> dict[str, float]:
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "total": self.total}
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "phase"}, "total": self.total}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStates:
+    """Bytes of the model states one device keeps across steps (ZeRO's accounting)."""
+
+    parameters: float
+    gradients: float
+    optimizer_states: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_states
 
 
 def ranked_params(stats: ModelStats, layout: Layout) -> float:
     """Parameters one device holds: all of them, or the fullest stage's when the layers are cut."""
     return stats.params if layout.stages == 1 else stage_params(stats.units, layout.stages)
+
+
+def model_states(stats: ModelStats, layout: Layout, training: Training) -> ModelStates:
+    """Parameters, gradients and optimizer states of one device: sharded over the shard group from ZeRO stage
+    3, 2 and 1 on; a stage holds its layers'."""
+    psi = ranked_params(stats, layout)
+    b = training.bytes
+    shard = {stage: layout.shard if layout.zero >= stage else 1 for stage in (1, 2, 3)}
+    return ModelStates(parameters=psi * b.param / shard[3], gradients=psi * b.grad / shard[2],
+                       optimizer_states=psi * training.optimizer_bytes / shard[1])
 
 
 def in_flight(layout: Layout, batch: Batching, training: Training) -> int:
@@ -52,40 +94,57 @@ def in_flight(layout: Layout, batch: Batching, training: Training) -> int:
     return batch.micro_batches if training.schedule == "gpipe" else min(batch.micro_batches, layout.pp)
 
 
-def activation_scale(stats: ModelStats, training: Training) -> float:
-    """From the element size the stats were found at to the precision's (fp32 trace → 16-bit: x0.5, approximate:
-    autocast keeps some tensors, e.g. norm statistics, in fp32)."""
-    return training.bytes.activation / stats.activation_dtype_bytes
+def activation_figures(stats: ModelStats, training: Training, layout: Layout) -> tuple[float, float, float]:
+    """Per-sample (activations, checkpointed activations, stage boundary) bytes as ``layout`` trains: fp32, or
+    16-bit under autocast (FSDP strategies: its 16-bit parameters); half the fp32 figures where the model's stats
+    do not say (a traced model: approximate, autocast keeps some tensors in fp32)."""
+    fp32 = (stats.activation_bytes_per_sample, stats.checkpointed_bytes_per_sample, stats.boundary_bytes_per_sample)
+    if training.precision == "fp32":
+        return fp32
+    mode = "param_dtype" if layout.zero >= 2 else "autocast"
+    return stats.mixed.get(mode) or (fp32[0] / 2, fp32[1] / 2, fp32[2] / 2)
 
 
 def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training: Training,
                     cluster: Cluster) -> MemoryBreakdown:
-    """Peak bytes on the busiest device of ``layout``.
+    """Peak bytes on the busiest device of ``layout``: the larger of the backward and optimizer-step peaks.
 
-    Sharded states divide by the shard group; a stage holds its layers' states and activations (balanced
-    stages: 1/stages of the activations of each micro-batch in flight). Buffers: DDP's two 25 MiB buckets
-    in flight (with ``gradient_as_bucket_view=False`` DDP keeps a whole second gradient-sized copy, not
-    counted), FSDP's gathered largest unit (the one computing and the one prefetched) and its unsharded
-    gradient, and a stage's outgoing and incoming activations.
+    Model states follow ``model_states``. When backward starts a device holds its parameters and optimizer
+    states, the activations of its micro-batches in flight (a stage 1/stages of each; under autocast also the
+    16-bit weight copies), two gradients of the largest tensor backward meets first (the loss's fp32 output, or
+    the largest saved activation), its buffers, and gradients only where
+    they outlive ``zero_grad(set_to_none=True)``: accumulated over several micro-batches or in DDP's buckets.
+    During the optimizer step it holds every state and the step's temporaries (Adam: a parameter-sized
+    denominator). Buffers: DDP's two 25 MiB buckets in flight (with ``gradient_as_bucket_view=False`` DDP keeps
+    a whole second gradient-sized copy, not counted), FSDP's gathered largest unit (the one computing and the
+    one prefetched) and its unsharded gradient, and a stage's outgoing and incoming activations.
     """
+    states = model_states(stats, layout, training)
     psi = ranked_params(stats, layout)
     b = training.bytes
-    shard3 = layout.shard if layout.zero >= 3 else 1
-    shard2 = layout.shard if layout.zero >= 2 else 1
-    shard1 = layout.shard if layout.zero >= 1 else 1
-    grads = psi * b.grad / shard2
-    scale = activation_scale(stats, training)
-    per_sample = stats.checkpointed_bytes_per_sample if training.checkpointing else stats.activation_bytes_per_sample
-    activations = per_sample * scale * batch.micro_batch * in_flight(layout, batch, training) / layout.stages
-    boundary = stats.boundary_bytes_per_sample * scale * batch.micro_batch
+    per_sample, checkpointed, boundary = activation_figures(stats, training, layout)
+    saved = (checkpointed if training.checkpointing else per_sample) * batch.micro_batch
+    activations = saved * in_flight(layout, batch, training) / layout.stages
+    if training.precision != "fp32" and layout.zero < 2:
+        activations += 2 * stats.matmul_params * psi / stats.params
+    ddp_buckets = min(2 * training.bucket_mb * 2**20, states.gradients) if layout.dp > 1 and layout.zero < 2 else 0.0
     if layout.zero >= 3:
         unit = stats.largest_unit[1]
         buffers = 2 * unit * b.param + unit * b.grad
-    elif layout.dp > 1:
-        buffers = min(2 * training.bucket_mb * 2**20, grads)
     else:
-        buffers = 0.0
-    buffers += 2 * boundary if layout.stages > 1 else 0.0
-    return MemoryBreakdown(parameters=psi * b.param / shard3, gradients=grads,
-                           optimizer_states=psi * training.optimizer_bytes / shard1, activations=activations,
-                           buffers=buffers, overhead=cluster.device.overhead_gib * 2**30)
+        buffers = ddp_buckets
+    buffers += 2 * boundary * batch.micro_batch if layout.stages > 1 else 0.0
+    kept = batch.micro_batches > 1 or ddp_buckets > 0
+    overhead = cluster.device.overhead_gib * 2**30
+    largest = stats.largest_activation_bytes_per_sample * (1.0 if training.precision == "fp32" else 0.5)
+    at_backward = MemoryBreakdown(
+        parameters=states.parameters, gradients=states.gradients if kept else 0.0,
+        optimizer_states=states.optimizer_states, activations=activations,
+        transient=2 * max(stats.output_bytes_per_sample, largest) * batch.micro_batch, buffers=buffers,
+        overhead=overhead)
+    shard = layout.shard if layout.zero >= 1 else 1
+    at_step = MemoryBreakdown(
+        parameters=states.parameters, gradients=states.gradients, optimizer_states=states.optimizer_states,
+        activations=0.0, transient=psi / shard * training.optimizer_temp_bytes, buffers=ddp_buckets,
+        overhead=overhead, phase="optimizer step")
+    return max(at_backward, at_step, key=lambda m: m.total)

@@ -37,15 +37,25 @@ class ModelStats:
     flops_per_sample: float
     """Forward + backward FLOPs of one sample (matmuls and convolutions; elementwise work is not counted)."""
     activation_bytes_per_sample: float
-    """Bytes autograd keeps from forward to backward for one sample, at ``activation_dtype_bytes`` per element."""
+    """Bytes autograd keeps from forward to backward for one sample, training in fp32."""
     checkpointed_bytes_per_sample: float
     """The same with activation checkpointing of every wrap unit: each unit's input is kept, and one unit's
     activations at a time are rebuilt during backward (Korthikanti et al. 2022, section 5)."""
     boundary_bytes_per_sample: float
     """Bytes of the largest output of a unit other than the last, for one sample: what a pipeline or
     model-parallel stage passes on to the next."""
-    activation_dtype_bytes: int = 4
-    """Element size the activation figures were found at: 4 (traced in fp32) or 2 (16-bit formulas)."""
+    mixed: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
+    """The three figures above (activations, checkpointed, boundary) under 16-bit training, by how it is done:
+    ``autocast`` (fp32 parameters and residual stream, 16-bit matrix products: single, ddp, zero1, pipelines)
+    and ``param_dtype`` (FSDP's mixed precision: everything 16-bit). Missing: half the fp32 figures."""
+    matmul_params: int = 0
+    """Parameters autocast casts to 16-bit for its matrix products (weights of linear and convolution layers):
+    their 16-bit copies are saved for backward."""
+    output_bytes_per_sample: float = 0.0
+    """Bytes of the model's output for one sample in fp32, as the loss reads it."""
+    largest_activation_bytes_per_sample: float = 0.0
+    """The largest single tensor autograd saves, for one sample, in fp32: backward holds a gradient of that size
+    coming in and one going out while it is still saved."""
     param_bytes: Mapping[str, int] = field(default_factory=dict)
     """Bytes of the parameters as built, by dtype."""
     source: str = ""
@@ -53,6 +63,8 @@ class ModelStats:
     measured_step_s: float | None = None
     """Seconds of one forward + backward at ``measured_batch`` on this machine (``measure_module`` only)."""
     measured_batch: int | None = None
+    measured_threads: int | None = None
+    """The intra-op threads that forward + backward ran on."""
 
     def __post_init__(self) -> None:
         if self.params < 1:
@@ -62,8 +74,6 @@ class ModelStats:
         if min(self.flops_per_sample, self.activation_bytes_per_sample, self.checkpointed_bytes_per_sample,
                self.boundary_bytes_per_sample) < 0:
             raise ConfigError(f"model {self.name!r}: FLOPs and byte counts must be >= 0")
-        if self.activation_dtype_bytes not in (2, 4):
-            raise ConfigError(f"activation_dtype_bytes must be 2 or 4, got {self.activation_dtype_bytes}")
 
     @property
     def largest_unit(self) -> tuple[str, int]:
@@ -85,6 +95,29 @@ def transformer_params(cfg: GPTConfig) -> dict[str, int]:
     return {"embedding": embedding, "block": block, "head": head, "total": embedding + cfg.layers * block + head}
 
 
+def transformer_activations(cfg: GPTConfig, *, residual: int, act: int) -> tuple[float, float]:
+    """Bytes autograd saves per sample for ``workloads.gpt.GPT(cfg)``: (one block, everything outside the blocks).
+
+    ``residual`` is the element size of the residual stream and the norms, ``act`` that of the matrix products'
+    inputs and outputs: 4 and 4 in fp32, 4 and 2 under autocast, 2 and 2 with FSDP's 16-bit parameters.
+    Counted from what each operation saves, and equal to ``saved_tensors_hooks``' count on the real module
+    (tests/test_planner_stats.py). A block (s tokens, width h, MLP width f, a heads) keeps its input x, the input
+    and output of the QKV projection, the attention output (the projection reads it in place) and a log-sum-exp of
+    a·s fp32 values (``scaled_dot_product_attention``'s fused kernels store no s x s scores), the residual after
+    attention, the MLP's input, its inner activation and its activation function's output (SwiGLU: gate and up,
+    the SiLU output and the product); LayerNorm two fp32 statistics per token, RMSNorm its normalised input and one
+    per token. Outside the blocks: the final norm's input, the head's input, log-softmax's fp32 output for the
+    loss (4·V per token), the token ids and the targets.
+    """
+    s, h, a, f, v = cfg.seq_len, cfg.hidden, cfg.heads, cfg.ffn_width, cfg.vocab
+    norm = 8 * s if cfg.bias else residual * s * h + residual * s  # LayerNorm: mean, rstd; RMSNorm: x·r and r
+    mlp = act * s * f * (4 if cfg.gated else 2)
+    block = (residual * s * h + norm + act * s * h + 3 * act * s * h + act * s * h + 4 * a * s
+             + residual * s * h + norm + act * s * h + mlp)
+    outside = residual * s * h + norm + act * s * h + 4 * s * v + 16 * s
+    return float(block), float(outside)
+
+
 def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -> ModelStats:
     """Stats of a decoder-only transformer from its shape alone.
 
@@ -92,12 +125,10 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
     backward (Kaplan et al. 2020) plus the attention scores and weighted sum (PaLM, Chowdhery et al. 2022,
     appendix B); N leaves out embedding lookups, which do no matmul. Within 1% of ``FlopCounterMode``.
 
-    Activations per sample (16-bit): ``L·s·h·(34 + 5·a·s/h)`` for the blocks (Korthikanti et al. 2022,
-    "Reducing Activation Recomputation in Large Transformer Models", eq. 1, no recomputation, attention
-    scores stored), plus ``s·(5h + 4V)`` for the embedding dropout mask, the final norm and projection inputs
-    and the fp32 logits of the loss (same paper, section 4.2). Fused attention kernels (FlashAttention, SDPA)
-    do not store the ``5·a·s/h`` scores term, so this errs high for them. With every block checkpointed:
-    ``2·s·h`` per block (its input) plus one block's activations during its recompute (same paper, section 5).
+    Activations: ``transformer_activations`` for fp32, autocast and 16-bit parameters. For GPT-2 shapes a block
+    keeps 64·s·h bytes in fp32 and 36·s·h under autocast, where Korthikanti et al. (2022, eq. 1) count
+    ``s·h·(34 + 5·a·s/h)`` for 16-bit training that stores the attention scores. With every block
+    checkpointed: each block's input plus one block's activations during its recompute (same paper, section 5).
 
     ``params`` replaces the exact count (``--params 7.5B``); the blocks then share what the embedding and head
     leave.
@@ -114,8 +145,6 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
                               "lower --vocab/--hidden or raise --params")
     non_matmul = (s * h if cfg.learned_positions else 0) + (0 if cfg.tied else v * h)
     flops = 6 * (total - non_matmul) * s + 12 * n_layers * h * s * s
-    layer = s * h * (34 + 5 * cfg.heads * s / h)
-    output = s * (5 * h + 4 * v)
     fc = (2 if cfg.gated else 1) * cfg.ffn_width
     layers = [("wte", v * h), ("blocks.0.qkv", 3 * h * h + 3 * h * cfg.bias),
               ("blocks.0.fc", h * fc + fc * cfg.bias)]
@@ -125,10 +154,19 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
              ("head", counts["head"]))
     shape = (f"{n_layers} layers, hidden {h}, {cfg.heads} heads, seq {s}, vocab {v}"
              + (", SwiGLU" if cfg.gated else ""))
+
+    def figures(residual: int, act: int) -> tuple[float, float, float]:
+        per_block, outside = transformer_activations(cfg, residual=residual, act=act)
+        return (n_layers * per_block + outside, n_layers * residual * s * h + per_block + outside,
+                float(residual * s * h))
+
+    fp32 = figures(4, 4)
+    matmul = n_layers * (4 * h * h + h * (fc + cfg.ffn_width)) + v * h  # the head's (possibly tied) weight
     return ModelStats(name=name, params=total, units=units, largest_layer=max(layers, key=lambda x: x[1]),
-                      flops_per_sample=float(flops), activation_bytes_per_sample=float(n_layers * layer + output),
-                      checkpointed_bytes_per_sample=float(n_layers * 2 * s * h + layer + output),
-                      boundary_bytes_per_sample=float(2 * s * h), activation_dtype_bytes=2,
+                      flops_per_sample=float(flops), activation_bytes_per_sample=fp32[0],
+                      checkpointed_bytes_per_sample=fp32[1], boundary_bytes_per_sample=fp32[2],
+                      mixed={"autocast": figures(4, 2), "param_dtype": figures(2, 2)}, matmul_params=matmul,
+                      output_bytes_per_sample=4.0 * s * v, largest_activation_bytes_per_sample=4.0 * s * fc,
                       param_bytes={"float32": 4 * total},
                       source=f"closed-form transformer ({shape})")
 
@@ -205,7 +243,8 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
     """Stats from one forward + backward of ``model`` on ``x`` (``batch`` samples).
 
     A saved-tensors hook records each tensor autograd keeps (once, by ``key``; parameters and buffers
-    excluded) and which wrap unit was running; forward hooks record each unit's output size.
+    excluded) and which wrap unit was running; forward hooks record each unit's output size. The loss is assumed
+    to be cross-entropy, which saves its fp32 log-probabilities: one output-sized tensor more.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -231,14 +270,15 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
     hooks = [h for n, m in units for h in (m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave))]
     try:
         with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _first_tensor(model(x)).float().sum().backward()
+            out = _first_tensor(model(x))
+            out.float().sum().backward()
     finally:
         for h in hooks:
             h.remove()
     per_unit: Counter[str] = Counter()
     for nbytes, unit in saved.values():
         per_unit[unit] += nbytes
-    outside = per_unit.pop("(root)", 0)
+    outside = per_unit.pop("(root)", 0) + 4 * out.numel()
     # Checkpointing every unit keeps each unit's input and, during one unit's recompute, its activations.
     checkpointed = x.numel() * x.element_size() + sum(outputs[:-1]) + outside + max(per_unit.values(), default=0)
 
@@ -250,13 +290,17 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
     for p in model.parameters():
         by_dtype[str(p.dtype).removeprefix("torch.")] += p.numel() * p.element_size()
     layers = [(n or "(root)", _count(m.parameters(recurse=False))) for n, m in model.named_modules()]
+    matmul = {id(m.weight): m.weight.numel() for m in model.modules()
+              if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.weight.requires_grad}
     return ModelStats(name=name, params=_count(model.parameters()), units=tuple(sizes),
                       largest_layer=max(layers, key=lambda x: x[1]),
                       flops_per_sample=counter.get_total_flops() / batch,
                       activation_bytes_per_sample=sum(per_unit.values(), outside) / batch,
                       checkpointed_bytes_per_sample=min(checkpointed, sum(per_unit.values(), outside)) / batch,
                       boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
-                      activation_dtype_bytes=4, param_bytes=dict(by_dtype), source=source)
+                      matmul_params=sum(matmul.values()), output_bytes_per_sample=4 * out.numel() / batch,
+                      largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
+                      param_bytes=dict(by_dtype), source=source)
 
 
 def _tensor_bytes(out: object) -> int:
@@ -320,4 +364,5 @@ def measure_module(factory: Callable[[], nn.Module], example: InputSpec, *, name
         start = time.perf_counter()
         _first_tensor(model(x)).float().sum().backward()
         times.append(time.perf_counter() - start)
-    return replace(stats, measured_step_s=sorted(times)[len(times) // 2], measured_batch=batch)
+    return replace(stats, measured_step_s=sorted(times)[len(times) // 2], measured_batch=batch,
+                   measured_threads=torch.get_num_threads())

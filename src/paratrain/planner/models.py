@@ -1,24 +1,17 @@
 """Turning what the user names (a built-in model, ``module:factory``, or ``--params 7.5B``) into ModelStats."""
 from __future__ import annotations
 
-import importlib
-import os
 import re
-import sys
-from collections.abc import Callable
 from dataclasses import replace
 from types import MappingProxyType
 
 from torch import nn
 
 from ..errors import ConfigError
+from ..factory import load_callable
 from ..workloads.gpt import GPT, GPT_CONFIGS
+from ..workloads.synthetic import mlp
 from .model_stats import InputSpec, ModelStats, measure_module, trace_module, transformer_shape, transformer_stats
-
-
-def _mlp() -> nn.Module:
-    """The MLP of the field notes' scaling measurements: 784-1024-1024-10, 1.86M parameters."""
-    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
 def _cnn() -> nn.Module:
@@ -27,7 +20,7 @@ def _cnn() -> nn.Module:
     return digits_cnn()
 
 
-SMALL_MODELS = MappingProxyType({"mlp": (_mlp, "784"), "cnn": (_cnn, "1x8x8")})
+SMALL_MODELS = MappingProxyType({"mlp": (mlp, "784"), "cnn": (_cnn, "1x8x8")})
 """Traced built-ins: factory and one sample's input."""
 
 
@@ -41,23 +34,6 @@ def parse_count(text: str) -> float:
     if not match:
         raise ConfigError(f"cannot read {text!r} as a parameter count; write e.g. 7.5B, 350M or 124000000")
     return float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2)]
-
-
-def load_factory(path: str) -> Callable[[], nn.Module]:
-    """The callable named by ``package.module:function`` (the working directory is importable)."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"--model {path!r}: write module:factory, e.g. mymodels:build")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"--model {path!r}: cannot import {module_name!r} ({err})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"--model {path!r}: {module_name} has no callable {attr!r}")
-    return factory
 
 
 def resolve_model(model: str | None = None, *, params: str | None = None, layers: int | None = None,
@@ -91,7 +67,7 @@ def resolve_model(model: str | None = None, *, params: str | None = None, layers
     elif model in SMALL_MODELS:
         factory, default_input = SMALL_MODELS[model]
     elif ":" in model:
-        factory, default_input = load_factory(model), None
+        factory, default_input = load_callable(model, "--model"), None
     else:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(model_names())}, or module:factory")
     text = input_spec or default_input

@@ -7,12 +7,13 @@ from typing import Any
 
 from ..lr import scale_lr
 from .hardware import GIB, Link
-from .memory import activation_scale
+from .layout import Layout
+from .memory import activation_figures
 from .recommend import Estimate, Plan
 from .timing import bubble_fraction
 
 _BREAKDOWN = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer_states"),
-              ("acts", "activations"), ("buffers", "buffers"), ("overhead", "overhead"))
+              ("acts", "activations"), ("temp", "transient"), ("buffers", "buffers"), ("overhead", "overhead"))
 
 
 def _count(n: float) -> str:
@@ -49,7 +50,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
     s, c, t = plan.stats, plan.cluster, plan.training
     d = c.device
     rank = "process" if d.shared_by_ranks else "GPU"
-    act = s.activation_bytes_per_sample * activation_scale(s, t)
+    act = activation_figures(s, t, Layout(name="single"))[0]
     built = ", ".join(f"{k} {_bytes(v)}" for k, v in s.param_bytes.items())
     lines = [
         f"model     {s.name}: {_count(s.params)} parameters ({built} as built); {s.source}",
@@ -67,7 +68,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
     ]
     head = f"{'strategy':<18} {'layout':<14} {'fits':<5} {f'GiB/{rank}':>11}"
     if breakdown:
-        head += "".join(f" {short:>8}" for short, _ in _BREAKDOWN)
+        head += "".join(f" {short:>8}" for short, _ in _BREAKDOWN) + f" {'peak':>4}"
     head += f" {'micro x n':>10} {'step ms':>9} {'samples/s':>10} {'speedup':>8} {'eff':>5}"
     lines += [head, "-" * len(head)]
     for e in plan.estimates:
@@ -75,6 +76,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
         row = f"{name:<18} {e.layout.describe():<14} {_fits(e):<5} {e.memory.total / GIB:>11.1f}"
         if breakdown:
             row += "".join(f" {getattr(e.memory, key) / GIB:>8.2f}" for _, key in _BREAKDOWN)
+            row += f" {'bwd' if e.memory.phase == 'backward' else 'opt':>4}"
         row += (f" {f'{e.batch.micro_batch:g} x {e.batch.micro_batches}':>10} {e.time.step_s * 1e3:>9.1f} "
                 f"{e.samples_per_s:>10,.1f} {e.speedup:>7.2f}x {e.efficiency:>5.0%}")
         lines.append(row)
@@ -109,7 +111,8 @@ def _lr_line(plan: Plan, base_lr: float | None) -> str:
 def _estimate_json(e: Estimate) -> dict[str, Any]:
     return {"name": e.name, "layout": {k: v for k, v in asdict(e.layout).items() if k != "name"}, "fits": e.fits,
             "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch,
-            "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "capacity_bytes": e.capacity, "time": e.time.as_dict(),
+            "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "memory_peak": e.memory.phase,
+            "capacity_bytes": e.capacity, "time": e.time.as_dict(),
             "samples_per_s": e.samples_per_s, "speedup": e.speedup, "efficiency": e.efficiency}
 
 
@@ -126,7 +129,7 @@ def plan_to_json(plan: Plan, *, base_lr: float | None = None) -> dict[str, Any]:
                   "largest_layer": {"name": s.largest_layer[0], "params": s.largest_layer[1]},
                   "largest_unit": {"name": s.largest_unit[0], "params": s.largest_unit[1]}, "units": len(s.units),
                   "flops_per_sample": s.flops_per_sample,
-                  "activation_bytes_per_sample": s.activation_bytes_per_sample * activation_scale(s, t)},
+                  "activation_bytes_per_sample": activation_figures(s, t, Layout(name="single"))[0]},
         "cluster": {"device": asdict(c.device), "ranks_per_node": c.ranks_per_node, "nodes": c.nodes,
                     "world_size": c.world_size, "intra": asdict(c.intra), "inter": asdict(c.inter)},
         "training": {**asdict(t), "global_batch": plan.global_batch},

@@ -1,21 +1,29 @@
-"""Step time: compute from FLOPs and the sustained rate, communication from each collective's bytes and link.
+"""Step time: compute, the optimizer step, and each collective's bytes over its link.
 
-Collectives follow the ring algorithm's alpha-beta cost for N ranks and S bytes over bandwidth B
-(Patarasuk & Yuan 2009; the "bus bandwidth" of nccl-tests): all-reduce 2(N−1)/N·S/B, all-gather and
-reduce-scatter (N−1)/N·S/B (S the full, unsharded size), plus the link latency once per ring step.
+A micro-batch's forward and backward take its FLOPs at the sustained rate plus the weights it streams through
+memory (``device.weight_passes`` passes, whatever the batch: what makes small micro-batches slow); the
+optimizer step streams ``Training.optimizer_step_bytes`` per parameter of the rank's shard. Collectives follow
+the ring algorithm's alpha-beta cost for N ranks and S bytes over the all-reduce bus bandwidth B (Patarasuk &
+Yuan 2009; the "bus bandwidth" of nccl-tests): all-reduce 2(N−1)/N·S/B, all-gather and reduce-scatter
+(N−1)/N·S/(B·e) (S the full, unsharded size), a broadcast S/(B·e), plus the link latency once per ring step;
+e is the link's measured efficiency of that collective against the all-reduce.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
-from .hardware import Cluster, Link
+from .hardware import GB, Cluster, Link
 from .layout import Layout
-from .memory import activation_scale, ranked_params
+from .memory import activation_figures, ranked_params
 from .model_stats import ModelStats
 from .training import Batching, Training
 
 BACKWARD_SHARE = 2 / 3
 """Backward is about two thirds of a step's FLOPs (twice the forward's), the window gradient sync can hide in."""
+DDP_BUCKET_PASSES = 6
+"""Memory passes over the gradients DDP makes per synchronised step (``gradient_as_bucket_view=False``, its
+default): copy into the bucket, divide by the world size, copy back out, each a read and a write."""
 
 
 def all_reduce_s(nbytes: float, ranks: int, link: Link) -> float:
@@ -29,16 +37,58 @@ def all_gather_s(nbytes: float, ranks: int, link: Link) -> float:
     """Ring all-gather of a tensor of ``nbytes`` in total (each rank starts with nbytes/N)."""
     if ranks <= 1:
         return 0.0
-    return (ranks - 1) * link.latency_us * 1e-6 + (ranks - 1) / ranks * nbytes / link.bytes_per_s
+    return (ranks - 1) * link.latency_us * 1e-6 + (ranks - 1) / ranks * nbytes / (link.bytes_per_s * link.all_gather_eff)
 
 
-reduce_scatter_s = all_gather_s
-"""Ring reduce-scatter moves the same bytes as an all-gather, in the other direction."""
+def reduce_scatter_s(nbytes: float, ranks: int, link: Link) -> float:
+    """Ring reduce-scatter of a tensor of ``nbytes`` in total: the all-gather's bytes in the other direction."""
+    if ranks <= 1:
+        return 0.0
+    return ((ranks - 1) * link.latency_us * 1e-6
+            + (ranks - 1) / ranks * nbytes / (link.bytes_per_s * link.reduce_scatter_eff))
+
+
+def broadcast_s(nbytes: float, ranks: int, link: Link) -> float:
+    """Broadcasting ``nbytes`` in total to every rank (ZeRO-1's parameter sync: each rank broadcasts its
+    shard): a pipelined ring moves every byte over each link once."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * link.latency_us * 1e-6 + nbytes / (link.bytes_per_s * link.broadcast_eff)
 
 
 def p2p_s(nbytes: float, link: Link) -> float:
     """One send between two ranks (pipeline stages)."""
     return link.latency_us * 1e-6 + nbytes / link.p2p_bytes_per_s
+
+
+def measured_link(link: Link, ranks: int, timings: Mapping[str, tuple[float, float]]) -> Link:
+    """``link`` with the figures measured on ``ranks`` ranks: collective name -> (bytes, seconds).
+
+    ``all_reduce`` sets the bus bandwidth; ``all_gather``, ``reduce_scatter`` and ``broadcast`` their
+    efficiencies against it; ``p2p`` (a large send) and ``p2p_small`` (a small one) the point-to-point bandwidth
+    and the latency. Each inverts this module's formula for that collective, so a plan made with the result
+    reproduces the timings it was given. Missing names keep ``link``'s figures.
+    """
+    out, alpha = link, link.latency_us * 1e-6
+    if "p2p" in timings and "p2p_small" in timings:
+        (big, t_big), (small, t_small) = timings["p2p"], timings["p2p_small"]
+        per_byte = max(t_big - t_small, 1e-12) / max(big - small, 1)
+        alpha = max(t_small - small * per_byte, 0.0)
+        out = replace(out, latency_us=alpha * 1e6, p2p_gbs=1 / per_byte / GB)
+    elif "p2p" in timings:
+        size, seconds = timings["p2p"]
+        out = replace(out, p2p_gbs=size / max(seconds - alpha, 1e-9) / GB)
+    if "all_reduce" in timings:
+        size, seconds = timings["all_reduce"]
+        moved = 2 * (ranks - 1) / ranks * size
+        out = replace(out, bandwidth_gbs=moved / max(seconds - 2 * (ranks - 1) * alpha, 1e-9) / GB)
+    unit = out.bytes_per_s
+    for name, factor in (("all_gather", (ranks - 1) / ranks), ("reduce_scatter", (ranks - 1) / ranks),
+                         ("broadcast", 1.0)):
+        if name in timings:
+            size, seconds = timings[name]
+            out = replace(out, **{f"{name}_eff": factor * size / unit / max(seconds - (ranks - 1) * alpha, 1e-9)})
+    return replace(out, name=f"{link.name} (measured)")
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -52,9 +102,12 @@ class StepTime:
     """Seconds of one optimizer step on the busiest rank."""
 
     compute_s: float
-    """Forward and backward of every micro-batch, pipeline bubble excluded."""
+    """Forward and backward of every micro-batch (FLOPs, the weights each one streams, FSDP's and DDP's buffer
+    copies), bubble excluded."""
     bubble_s: float
     """Pipeline fill and drain."""
+    optimizer_s: float
+    """The optimizer step over the parameters (or the shard) this rank updates."""
     comm_s: float
     """All communication, hidden or not."""
     exposed_comm_s: float
@@ -62,32 +115,55 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.exposed_comm_s
+        return self.compute_s + self.bubble_s + self.optimizer_s + self.exposed_comm_s
 
     def as_dict(self) -> dict[str, float]:
-        return {"compute_s": self.compute_s, "bubble_s": self.bubble_s, "comm_s": self.comm_s,
-                "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s}
+        return {"compute_s": self.compute_s, "bubble_s": self.bubble_s, "optimizer_s": self.optimizer_s,
+                "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s}
+
+
+def weight_bytes(params: float, training: Training, cluster: Cluster) -> float:
+    """Bytes a forward+backward streams for the weights of ``params`` parameters, whatever the batch."""
+    return cluster.device.weight_passes * params * training.bytes.param
+
+
+def optimizer_step_bytes(params: float, training: Training) -> float:
+    """Bytes one optimizer step streams for ``params`` parameters."""
+    return params * training.optimizer_step_bytes
 
 
 def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster) -> StepTime:
-    """Step time of ``layout``: compute plus the communication compute cannot hide.
+    """Step time of ``layout``: compute, the optimizer step, and the communication compute cannot hide.
 
     Pipeline stages compute different micro-batches at once (m + p − 1 slots of 1/p of a micro-batch each);
-    model-parallel stages take turns, so a process computes as fast as one of its GPUs. ddp and zero1
-    all-reduce gradients once per step, hidden in up to ``device.overlap`` of a micro-batch's backward; zero1
-    then gathers the updated parameters (not hidden). zero2 and fsdp gather parameters (fsdp twice: forward
-    and backward) and reduce-scatter gradients every micro-batch, prefetched into up to ``overlap`` of its
-    compute; hsdp adds an all-reduce of the shard across nodes. Stage-to-stage sends (one per forward and per
-    backward, per slot) are not hidden.
+    model-parallel stages take turns, so a process computes as fast as one of its GPUs and streams all of its
+    stages' weights. ddp and zero1 all-reduce gradients once per step, hidden in up to ``device.overlap`` of a
+    micro-batch's backward; zero1 steps the optimizer on its shard, then every rank broadcasts its updated
+    shard (not hidden). zero2 and fsdp gather parameters (fsdp twice: forward and backward) and
+    reduce-scatter gradients every micro-batch, one call per wrap unit, prefetched into up to ``overlap`` of its
+    compute, and copy each gathered unit out of (each gradient into) the collective's flat buffer: a read and a
+    write per collective; hsdp adds an all-reduce of the shard across nodes. DDP's buckets cost
+    ``DDP_BUCKET_PASSES`` passes over the gradients. Stage-to-stage sends (one per forward and per backward, per slot)
+    are not hidden. On a shared CPU host every rank gets 1/ranks of the host's compute and memory bandwidth.
     """
     ranks_per_node = cluster.ranks_per_node if layout.world_size > 1 else 1
     rate = cluster.flops_per_s(training.precision, ranks_per_node)
-    micro_s = stats.flops_per_sample * training.flops_factor * batch.micro_batch / layout.pp / rate
+    bandwidth = cluster.stream_bytes_per_s(ranks_per_node)
+    psi = ranked_params(stats, layout)
+    streamed = stats.params if layout.mp > 1 else psi
+    gathers = 2 if layout.zero == 3 else 1
+    copies = 2 * (gathers + 1) * psi * training.bytes.param if layout.zero >= 2 else 0.0
+    micro_s = (stats.flops_per_sample * training.flops_factor * batch.micro_batch / layout.pp / rate
+               + (weight_bytes(streamed, training, cluster) + copies) / bandwidth)
+    shard = layout.shard if layout.zero >= 1 else 1
+    optimizer_s = optimizer_step_bytes(psi / shard, training) / bandwidth
+    ddp = layout.zero <= 1 and layout.dp > 1
+    # DDP copies each gradient into its bucket, divides the bucket by the world size and copies it back
+    bucket_s = DDP_BUCKET_PASSES * psi * training.bytes.grad / bandwidth if ddp else 0.0
     m = batch.micro_batches
     overlap = cluster.device.overlap
-    psi = ranked_params(stats, layout)
     grads, params = psi * training.bytes.grad, psi * training.bytes.param
-    boundary = stats.boundary_bytes_per_sample * activation_scale(stats, training) * batch.micro_batch
+    boundary = activation_figures(stats, training, layout)[2] * batch.micro_batch
     inner = layout.stages  # data-parallel peers are this many ranks apart
     hidden_in_backward = overlap * BACKWARD_SHARE * micro_s
 
@@ -98,19 +174,22 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
         total += times * seconds
         exposed += times * max(0.0, seconds - window)
 
-    if layout.zero <= 1 and layout.dp > 1:
+    if ddp:
         dp_link = cluster.link_for(layout.dp, inner)
         add(all_reduce_s(grads, layout.dp, dp_link), hidden_in_backward)
         if layout.zero == 1:
-            add(all_gather_s(params, layout.dp, dp_link))
+            add(broadcast_s(params, layout.dp, dp_link))
     if layout.zero >= 2:
         shard_link = cluster.link_for(layout.shard, inner)
-        gathers = (2 if layout.zero == 3 else 1) * all_gather_s(params, layout.shard, shard_link)
-        add(gathers + reduce_scatter_s(grads, layout.shard, shard_link), overlap * micro_s, times=m)
+        units = sum(1 for _, n in stats.units if n > 0)  # one collective call per unit: a latency each
+        calls = (units - 1) * (gathers + 1) * (layout.shard - 1) * shard_link.latency_us * 1e-6
+        add(gathers * all_gather_s(params, layout.shard, shard_link) + reduce_scatter_s(grads, layout.shard, shard_link)
+            + calls, overlap * micro_s, times=m)
         replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
         add(all_reduce_s(grads / layout.shard, layout.replicas, replica_link), hidden_in_backward)
     if layout.pp > 1:
         add(2 * p2p_s(boundary, cluster.link_for(layout.pp, layout.mp)), times=m + layout.pp - 1)
     if layout.mp > 1:
         add(2 * (layout.mp - 1) * p2p_s(boundary, cluster.intra), times=m)
-    return StepTime(compute_s=m * micro_s, bubble_s=(layout.pp - 1) * micro_s, comm_s=total, exposed_comm_s=exposed)
+    return StepTime(compute_s=m * micro_s + bucket_s, bubble_s=(layout.pp - 1) * micro_s, optimizer_s=optimizer_s,
+                    comm_s=total, exposed_comm_s=exposed)

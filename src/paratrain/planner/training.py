@@ -10,7 +10,7 @@ from ..errors import ConfigError
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionBytes:
-    """Bytes per parameter (and per activation element) under one precision.
+    """Bytes per parameter under one precision.
 
     Mixed precision follows the ZeRO paper (Rajbhandari et al. 2020, section 3.1): 16-bit parameters and
     gradients plus an fp32 master copy the optimizer updates. (PyTorch autocast keeps fp32 parameters and
@@ -20,17 +20,28 @@ class PrecisionBytes:
     param: int
     grad: int
     master: int
-    activation: int
 
 
 PRECISIONS = MappingProxyType({
-    "fp32": PrecisionBytes(param=4, grad=4, master=0, activation=4),
-    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4, activation=2),
-    "fp16-mixed": PrecisionBytes(param=2, grad=2, master=4, activation=2),
+    "fp32": PrecisionBytes(param=4, grad=4, master=0),
+    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4),
+    "fp16-mixed": PrecisionBytes(param=2, grad=2, master=4),
 })
 
 OPTIMIZER_STATE_BYTES = MappingProxyType({"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8})
 """fp32 state per parameter: none for plain SGD, a momentum buffer, or Adam's two moments."""
+
+OPTIMIZER_STEP_BYTES = MappingProxyType({"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80})
+"""Bytes the optimizer step streams per parameter, counting each elementwise kernel of PyTorch's default
+(unfused: for-each on GPUs, one tensor at a time on CPU) implementation as a read of its inputs and a write of
+its output, fp32: SGD ``p -= lr*g`` 12; momentum ``buf = m*buf + g`` then ``p -= lr*buf`` 32; Adam lerp of the
+first moment 12, the second moment's mul and addcmul 20, sqrt, divide and add-eps of the denominator 24, and
+``addcdiv`` into the parameters 16: 72; AdamW's decoupled weight decay multiplies the parameters first, 8 more.
+(``fused=True`` Adam reads parameter, gradient and both moments and writes three of them: 28.)"""
+
+OPTIMIZER_TEMP_BYTES = MappingProxyType({"sgd": 0, "sgd-momentum": 0, "adam": 4, "adamw": 4})
+"""Bytes per parameter the optimizer step allocates for its duration: Adam's for-each step computes the
+denominator sqrt(v) into a new list of parameter-sized fp32 tensors; SGD works in place."""
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -85,6 +96,16 @@ class Training:
     def optimizer_bytes(self) -> int:
         """Bytes per parameter the optimizer step needs besides the gradient: fp32 master copy plus states."""
         return self.bytes.master + OPTIMIZER_STATE_BYTES[self.optimizer]
+
+    @property
+    def optimizer_step_bytes(self) -> int:
+        """Bytes per parameter one optimizer step streams through memory."""
+        return OPTIMIZER_STEP_BYTES[self.optimizer]
+
+    @property
+    def optimizer_temp_bytes(self) -> int:
+        """Bytes per parameter the optimizer step holds while it runs."""
+        return OPTIMIZER_TEMP_BYTES[self.optimizer]
 
     def global_for(self, world_size: int) -> int:
         return self.global_batch if self.global_batch is not None else self.micro_batch * world_size

@@ -5,12 +5,12 @@ from .dp import DataParallelStrategy
 from .fsdp import FSDPConfig, HSDPStrategy, Zero2Strategy, Zero3Strategy, apply_fsdp
 from .pipeline import HybridPipeline, PipelineConfig, PipelinedModel, PurePipeline
 from .model_parallel import ModelParallelConfig, ModelParallelStrategy, apply_model_parallel
-from .registry import available, check_name, create, register
+from .registry import available, check_name, check_world, create, register
 from .single import SingleDevice
 from .zero import Zero1Strategy
 
 __all__ = [
-    "Runtime", "Strategy", "available", "check_name", "create", "register",
+    "Runtime", "Strategy", "available", "check_name", "check_world", "create", "register",
     "SingleDevice", "DataParallelStrategy", "DDPConfig", "DDPStrategy", "apply_ddp", "Zero1Strategy",
     "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "apply_fsdp",
     "PipelineConfig", "PipelinedModel", "PurePipeline", "HybridPipeline",

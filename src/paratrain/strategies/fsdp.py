@@ -11,6 +11,7 @@ gradients reduce-scattered after its backward.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,17 +75,19 @@ def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy: object | None = None) -> nn.Module:
-    """``fully_shard`` every unit of the wrapping policy, then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP)."""
+    """``fully_shard`` every unit of the wrapping policy, then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP).
+
+    Only the root casts its output (the policy's ``output_dtype``): a unit's output stays in the compute dtype, as
+    the root's own layers after the last unit (a final norm with 16-bit weights) expect it.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    kwargs = {
-        "mesh": mesh,
-        "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
-        "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
-    }
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()}
     for unit in wrap_units(model, config):
-        fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
+        fully_shard(unit, reshard_after_forward=config.reshard_after_forward,
+                    mp_policy=dataclasses.replace(policy, output_dtype=None), **kwargs)
+    fully_shard(model, reshard_after_forward=config.reshard_after_forward, mp_policy=policy, **kwargs)
     return model
 
 
@@ -146,6 +149,9 @@ class HSDPStrategy(FSDPStrategy):
 
     def mesh_dims(self, env: ClusterEnv) -> dict[str, int]:
         world_size, shard = env.world_size, self.config.shard_size
+        if world_size < 4:
+            raise ConfigError(f"hsdp shards within groups and replicates across them: it needs at least 4 "
+                              f"processes, got {world_size}; use zero3 or ddp, or launch more (-n 4)")
         if shard is None:
             shard = env.local_world_size if env.local_world_size < world_size else world_size // 2
         if shard < 1 or world_size % shard or world_size // shard < 1:

@@ -38,3 +38,16 @@ def create(name: str, **options: Any) -> Strategy:
     """Build the strategy registered as ``name`` with its options."""
     check_name(name)
     return _FACTORIES[name](**options)
+
+
+def check_world(name: str, world_size: int, **options: Any) -> None:
+    """Raise the strategy's own one-line ``ConfigError`` unless ``name`` with ``options`` can run on
+    ``world_size`` local processes (checked before anything is launched)."""
+    from ..env import ClusterEnv
+    from ..errors import ConfigError
+
+    try:
+        strategy = create(name, **options)
+    except TypeError as err:
+        raise ConfigError(f"bad option for strategy {name!r}: {err}") from None
+    strategy.validate(ClusterEnv(world_size=world_size, local_world_size=world_size, launched=True))

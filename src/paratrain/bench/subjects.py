@@ -1,0 +1,68 @@
+"""The things a benchmark times on one rank: a paratrain-prepared model, or a hand-written DDP loop beside it.
+
+Both take the same workload, seed and data, so their step times and final parameters can be compared.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from ..parallel import Parallel
+from ..workloads import Workload
+
+
+class ParatrainSubject:
+    """A ``Parallel``-prepared model and optimizer of one strategy (on the job's process group)."""
+
+    def __init__(self, workload: Workload, strategy: str, options: dict, seed: int, accelerator: str) -> None:
+        self.par = Parallel(strategy, accelerator=accelerator, **options)
+        torch.manual_seed(seed)
+        model = workload.model()
+        self.model, self.optimizer = self.par.prepare(model, workload.optimizer(model.parameters()))
+        self.loss = workload.loss
+        self.device = self.par.device
+        self.replicas, self.replica_rank = self.par.data_parallel_size, self.par.data_parallel_rank
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        with self.par.step(self.model, self.optimizer):
+            self.par.forward_backward(self.model, x, y, self.loss)
+
+    @property
+    def can_skip_sync(self) -> bool:
+        """True when the strategy's ``no_sync`` really leaves gradient communication out (not for pipelines)."""
+        return self.par.world_size > 1 and not isinstance(self.par.strategy.no_sync(self.model), nullcontext)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> None:
+        """A forward and backward with or without gradient synchronisation; gradients are dropped, the
+        parameters stay as they are (FSDP's gradients kept back by ``no_sync`` go out with the next synced pass)."""
+        with nullcontext() if sync else self.par.strategy.no_sync(self.model):
+            self.par.forward_backward(self.model, x, y, self.loss)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        self.par.close()
+
+
+class TorchDDPSubject:
+    """The loop people write by hand from the PyTorch DDP tutorial: ``DDP(model)``, backward, step, zero_grad."""
+
+    def __init__(self, workload: Workload, seed: int, device: torch.device) -> None:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(seed)
+        model = workload.model().to(device)
+        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.optimizer = workload.optimizer(self.model.parameters())
+        self.loss = workload.loss
+        self.device = device
+        self.replicas, self.replica_rank = dist.get_world_size(), dist.get_rank()
+        self.can_skip_sync = False  # only paratrain's runs are probed
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.loss(self.model(x), y).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        pass

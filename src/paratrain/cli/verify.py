@@ -1,0 +1,42 @@
+"""``paratrain verify``: train your setup in parallel and in one process, and say whether they agree.
+
+Examples:
+  paratrain verify train_module:build                          # ddp on 2 processes
+  paratrain verify train_module:build --strategy ddp,zero3,pipeline -n 2
+  paratrain verify train_module:build --strategy hsdp -n 4 --steps 20
+
+``build()`` returns a paratrain.verify.VerifySpec: the model as your script builds it, an optimizer factory,
+the loss, the training DataLoader (per-rank batch size) and optionally your own loop. Each strategy trains K
+steps on N processes (two epochs by default); the same setup then trains K steps here on the global batch,
+from rank 0's initial weights. Losses, gradient norms and parameters are compared at every step: PASS, or
+FAIL with the first diverging step and parameter and the causes found (unsharded data, missing reshuffle,
+loss not divided under accumulation, unsynchronised BatchNorm, different initial weights). Exit code 0 when
+every strategy passes, 1 otherwise. See docs/verify.md.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="check that a parallel run equals one process on the global batch",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("factory", help="module:function returning a paratrain.verify.VerifySpec")
+    p.add_argument("--strategy", "--strategies", dest="strategies", default="ddp",
+                   help="strategy, or several comma-separated (default: ddp)")
+    p.add_argument("-n", "--nproc", type=int, default=2, help="processes (default: 2)")
+    p.add_argument("--steps", type=int, help="optimizer steps to compare (default: two epochs, at most 50)")
+    p.add_argument("--tolerance", type=float, default=1e-5,
+                   help="largest difference counted as equal, relative to values above 1 (default: 1e-5, for fp32)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the parallel job is stopped")
+    p.add_argument("--accelerator", default="auto",
+                   help="auto (a GPU per process when there are enough, else the CPU), cpu or cuda")
+    p.add_argument("--json", action="store_true", help="print the reports as JSON")
+
+
+def execute(args: argparse.Namespace) -> int:
+    from ..verify.command import verify_command
+
+    return verify_command(factory=args.factory, strategies=args.strategies, nprocs=args.nproc, steps=args.steps,
+                          tolerance=args.tolerance, timeout_s=args.timeout, accelerator=args.accelerator,
+                          as_json=args.json)

@@ -1,0 +1,80 @@
+"""``paratrain verify``: does training in parallel compute what one process computes on the global batch?
+
+The user's factory (``module:function`` returning a :class:`VerifySpec`) is built on every rank of a job of
+``nprocs`` processes and trained with a strategy for K optimizer steps; the same setup is then trained in this
+process on the global batches, from rank 0's initial weights. Losses, gradient norms and parameters are
+compared step by step. The verdict is PASS, or FAIL with the first diverging step and parameter and the causes
+the evidence points at. See docs/verify.md.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..launch.spawn import launch
+from ..strategies import check_world
+from .distributed import Case, RankEvidence, run_cases
+from .record import Record
+from .reference import reference_run
+from .report import VerifyReport, build_report, format_report
+from .spec import VerifySpec, build_spec, paratrain_loop
+
+__all__ = ["Case", "VerifyReport", "VerifySpec", "format_report", "paratrain_loop", "verify", "verify_cases"]
+
+
+def verify(factory: str, strategies: str | Sequence[str] = "ddp", nprocs: int = 2, *, steps: int | None = None,
+           options: dict[str, Any] | None = None, tolerance: float = 1e-5, timeout_s: float = 300.0,
+           accelerator: str = "auto") -> list[VerifyReport]:
+    """Check ``factory``'s setup under each of ``strategies`` on ``nprocs`` processes (one job for all)."""
+    names = [strategies] if isinstance(strategies, str) else list(strategies)
+    cases = [Case(factory=factory, strategy=name, options=dict(options or {}), steps=steps) for name in names]
+    return verify_cases(cases, nprocs, tolerance=tolerance, timeout_s=timeout_s, accelerator=accelerator)
+
+
+def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float = 1e-5, timeout_s: float = 300.0,
+                 accelerator: str = "auto") -> list[VerifyReport]:
+    """Run every case in one job of ``nprocs`` processes, then each reference here (on the CPU); one report per
+    case. ``accelerator``: where the parallel run trains (``auto``: one GPU per process when there are enough)."""
+    from ..devices import ACCELERATORS
+    from ..errors import ConfigError
+
+    if accelerator not in ACCELERATORS:
+        raise ConfigError(f"unknown accelerator {accelerator!r}; choose one of {', '.join(ACCELERATORS)}")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if accelerator == "auto":
+        accelerator = "cuda" if gpus >= nprocs else "cpu"
+    elif accelerator == "cuda" and gpus < nprocs:
+        raise ConfigError(f"{nprocs} processes on the GPU need {nprocs} GPUs, {gpus} visible; use fewer processes or "
+                          "--accelerator cpu")
+
+    if tolerance <= 0:
+        raise ConfigError(f"tolerance must be > 0, got {tolerance}")
+    if nprocs < 2:
+        raise ConfigError(f"verify compares a parallel run with one process: use 2 or more processes, got {nprocs}")
+    for case in cases:
+        check_world(case.strategy, nprocs, **case.options)
+        if case.steps is not None and case.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {case.steps}")
+    build_spec(cases[0].factory)  # a factory that cannot be imported or built fails here, in one line
+    ranks = launch(run_cases, nprocs, args=(list(cases), timeout_s, accelerator), timeout_s=timeout_s)
+    references: dict[tuple, Record] = {}
+    reports = []
+    for i in range(len(cases)):
+        evidence = [rank[i] for rank in ranks]
+        reports.append(build_report(evidence, _reference(evidence[0], references), world=nprocs, tolerance=tolerance))
+    return reports
+
+
+def _reference(main: RankEvidence, cache: dict[tuple, Record]) -> Record | None:
+    """The single-process run matching ``main``'s setup (shared by strategies with the same data split)."""
+    if main.error is not None or main.data is None or main.init_state is None:
+        return None
+    d = main.data
+    key = (main.case.factory, main.init_digest, d.replicas, d.seed, d.shuffle, d.drop_last, d.micro_batch,
+           main.accumulate, main.record.steps)
+    if key not in cache:
+        cache[key] = reference_run(build_spec(main.case.factory), main.init_state, d, main.accumulate,
+                                   main.record.steps)
+    return cache[key]

@@ -1,0 +1,21 @@
+"""``paratrain verify`` end to end: run the checks, print each verdict (or JSON), exit 0 only when all pass."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from . import verify
+from .report import format_report
+
+
+def verify_command(*, factory: str, strategies: str, nprocs: int, steps: int | None, tolerance: float,
+                   timeout_s: float, accelerator: str, as_json: bool) -> int:
+    """Check ``factory`` under each comma-separated strategy on ``nprocs`` processes; 0 when every one passes."""
+    names = [s.strip() for s in strategies.split(",") if s.strip()]
+    reports = verify(factory, names, nprocs, steps=steps, tolerance=tolerance, timeout_s=timeout_s,
+                     accelerator=accelerator)
+    if as_json:
+        print(json.dumps([{"verdict": r.verdict, **asdict(r)} for r in reports], indent=1))
+    else:
+        print("\n\n".join(format_report(r) for r in reports))
+    return 0 if all(r.passed for r in reports) else 1

@@ -1,0 +1,220 @@
+"""Where the parallel run left the single-process one, and why: each cause is named from evidence gathered in
+the run (which samples each rank read, the gradient scale, BatchNorm statistics, initial-weight digests),
+not guessed from the symptom."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from ..data import ShardSampler
+from .distributed import DataSetup, RankEvidence
+from .record import Record
+
+BROADCASTING = frozenset({"ddp", "zero1", "model_parallel", "mp"})
+"""Strategies that copy rank 0's weights to every rank when they wrap the model (DDP does, at construction)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """A cause, the evidence for it, and the fix."""
+
+    cause: str
+    evidence: str
+    hint: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Divergence:
+    """The first place the parallel run differs from the reference by more than the tolerance."""
+
+    step: int
+    """Optimizer step, from 0."""
+    what: str
+    """``loss`` (before the step), ``gradient norm`` (before the step) or ``parameters`` (after it)."""
+    parallel: float
+    reference: float
+    parameter: str | None = None
+    """For ``parameters``: the entry of the state dict that differs most."""
+    max_diff: float = 0.0
+
+
+def _close(a: float, b: float, tolerance: float) -> bool:
+    return abs(a - b) <= tolerance * max(1.0, abs(b))
+
+
+def parallel_losses(ranks: list[RankEvidence], steps: int) -> list[float | None]:
+    """Per step: the mean loss over the ranks that computed one (a pipeline's last stages)."""
+    out: list[float | None] = []
+    for s in range(steps):
+        means = [statistics.fmean(r.record.losses[s]) for r in ranks if s < len(r.record.losses) and r.record.losses[s]]
+        out.append(statistics.fmean(means) if means else None)
+    return out
+
+
+def state_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[str | None, float, float]:
+    """(entry that differs most, its max |difference|, the largest |value| of the reference)."""
+    worst, largest, scale = None, 0.0, 0.0
+    for key in a.keys() & b.keys():
+        ref = b[key].double()
+        diff = float((a[key].double() - ref).abs().max()) if ref.numel() else 0.0
+        scale = max(scale, float(ref.abs().max()) if ref.numel() else 0.0)
+        if diff > largest or worst is None:
+            worst, largest = key, diff
+    return worst, largest, scale
+
+
+def first_divergence(ranks: list[RankEvidence], ref: Record,
+                     tolerance: float) -> tuple[Divergence | None, Divergence | None, float]:
+    """(the first step where loss, gradient norm or parameters differ; the first step where parameters do; the
+    largest parameter difference seen)."""
+    main = ranks[0].record
+    steps = min(main.steps, ref.steps)
+    losses = parallel_losses(ranks, steps)
+    largest = 0.0
+    found: Divergence | None = None
+    apart: Divergence | None = None
+    for s in range(steps):
+        mine = losses[s]
+        theirs = statistics.fmean(ref.losses[s]) if ref.losses[s] else None
+        key, diff, scale = state_diff(main.states[s], ref.states[s])
+        largest = max(largest, diff)
+        if apart is None and diff > tolerance * max(1.0, scale):
+            apart = Divergence(step=s, what="parameters", parallel=diff, reference=0.0, parameter=key, max_diff=diff)
+        if found is not None:
+            continue
+        if mine is not None and theirs is not None and not _close(mine, theirs, tolerance):
+            found = Divergence(step=s, what="loss", parallel=mine, reference=theirs)
+        elif not _close(main.grad_norms[s], ref.grad_norms[s], tolerance):
+            found = Divergence(step=s, what="gradient norm", parallel=main.grad_norms[s], reference=ref.grad_norms[s])
+        else:
+            found = apart
+    return found, apart, largest
+
+
+# ----------------------------------------------------------------------------------------------- evidence
+def expected_order(data: DataSetup, replica: int, length: int, *, reshuffle: bool = True) -> list[int]:
+    """The first ``length`` indices a distributed sampler hands ``replica``, epoch after epoch."""
+    sampler = ShardSampler(range(data.size), num_replicas=data.replicas, rank=replica, shuffle=data.shuffle,
+                           seed=data.seed, drop_last=data.drop_last)
+    usable = sampler.num_samples - (sampler.num_samples % data.micro_batch if data.drop_last else 0)
+    out: list[int] = []
+    epoch = 0
+    while len(out) < length and usable > 0:
+        sampler.set_epoch(epoch if reshuffle else 0)
+        out += list(sampler)[:usable]
+        epoch += 1
+    return out[:length]
+
+
+def data_findings(ranks: list[RankEvidence], data: DataSetup) -> tuple[list[Finding], list[str]]:
+    """Causes in the samples each replica read, and notes on what could not be checked."""
+    fetched: dict[int, list[int]] = {}
+    for r in ranks:
+        fetched.setdefault(r.replica, r.fetched)
+    notes = []
+    per_epoch = data.per_replica
+    longest = max(len(f) for f in fetched.values())
+    if data.shuffle and longest <= per_epoch:
+        notes.append("the per-epoch reshuffle was not checked: the steps compared stay inside the first epoch "
+                     "(pass more --steps or use a smaller dataset)")
+    expected = {rep: expected_order(data, rep, len(f)) for rep, f in fetched.items()}
+    if all(f == expected[rep] for rep, f in fetched.items()):
+        return [], notes
+    stale = {rep: expected_order(data, rep, len(f), reshuffle=False) for rep, f in fetched.items()}
+    if data.shuffle and all(f == stale[rep] for rep, f in fetched.items()):
+        rep = next(iter(fetched))
+        first = next(i for i, (a, b) in enumerate(zip(fetched[rep], expected[rep])) if a != b)
+        return [Finding(
+            cause="missing per-epoch reshuffle",
+            evidence=f"epoch 1 repeated epoch 0's sample order on every rank (replica {rep}, sample {first}: index "
+                     f"{fetched[rep][first]}, a reshuffled epoch gives {expected[rep][first]})",
+            hint="loop over epochs with `for epoch in par.epochs(n)`, which sets the epoch of every prepared loader's "
+                 "sampler, or call loader.sampler.set_epoch(epoch) at the start of each epoch")], notes
+    if len(fetched) > 1:
+        window = {rep: set(f[:per_epoch]) for rep, f in fetched.items()}
+        reps = sorted(window)
+        if all(fetched[rep][:per_epoch] == fetched[reps[0]][:per_epoch] for rep in reps):
+            evidence = f"every rank read the same samples in the same order (first: {fetched[reps[0]][:4]})"
+        else:
+            shared = len(window[reps[0]] & window[reps[1]])
+            evidence = (f"ranks of replicas {reps[0]} and {reps[1]} read {shared} of the same samples within one "
+                        f"epoch's share ({per_epoch} samples each); a distributed sampler gives each a disjoint shard")
+        if len(set().union(*window.values())) < sum(len(w) for w in window.values()):
+            return [Finding(
+                cause="data loader without distributed sampling",
+                evidence=evidence,
+                hint="shard the loader: par.prepare(model, optimizer, loader) or par.prepare_loader(loader) (not "
+                     "shard=False), or give it a DistributedSampler(dataset) yourself")], notes
+    rep = next(rep for rep, f in fetched.items() if f != expected[rep])
+    first = next((i for i, (a, b) in enumerate(zip(fetched[rep], expected[rep])) if a != b), len(expected[rep]))
+    return [Finding(
+        cause="data order",
+        evidence=f"replica {rep} read other samples than a distributed sampler (seed {data.seed}) gives it, from "
+                 f"sample {first} on",
+        hint="let paratrain shard the loader (par.prepare_loader), or use a DistributedSampler with the same seed on "
+             "every rank, and call set_epoch each epoch")], notes
+
+
+def _apart_from_rank0(digests: list[str]) -> str | None:
+    """'rank 1' / 'ranks 1, 3': the ranks whose digest differs from rank 0's, or None when all agree."""
+    others = [str(i) for i, d in enumerate(digests) if d != digests[0]]
+    return None if not others else f"rank{'s' if len(others) > 1 else ''} {', '.join(others)}"
+
+
+def init_finding(ranks: list[RankEvidence]) -> Finding | None:
+    apart = _apart_from_rank0([r.init_digest for r in ranks])
+    if apart is None:
+        return None
+    return Finding(cause="different initial weights across ranks",
+                   evidence=f"the model {apart} built differs from rank 0's before prepare (state digests compared)",
+                   hint="seed identically on every rank before building the model (paratrain.Parallel(seed=...) or "
+                        "torch.manual_seed(s) first, not s + rank), and draw no rank-dependent random numbers before it")
+
+
+def gradient_scale_finding(ranks: list[RankEvidence], ref: Record, accumulate: int, replicas: int) -> Finding | None:
+    """The first step's gradient norm against the reference's: a factor of the accumulation count (loss not
+    divided) or of 1/replicas (a summed loss, which data parallelism averages over the ranks)."""
+    if not ranks[0].record.steps or not ref.steps or ref.grad_norms[0] == 0:
+        return None
+    ratio = ranks[0].record.grad_norms[0] / ref.grad_norms[0]
+    if accumulate > 1 and abs(ratio / accumulate - 1) < 0.02:
+        return Finding(cause="accumulation without loss division",
+                       evidence=f"the first step's gradient norm is {ratio:.3f}x the single-process one: the "
+                                f"accumulation count is {accumulate}",
+                       hint="divide each micro-batch's loss by the accumulation count: par.backward(loss) and "
+                            "par.forward_backward(...) do; loss.backward() inside par.step does not")
+    if replicas > 1 and abs(ratio * replicas - 1) < 0.02:
+        return Finding(cause="summed loss",
+                       evidence=f"the first step's gradient norm is 1/{replicas} of the single-process one",
+                       hint="the loss sums over the batch while gradients are averaged over ranks: use a mean loss "
+                            "(reduction='mean') or multiply the loss by par.data_parallel_size")
+    return None
+
+
+def batchnorm_finding(ranks: list[RankEvidence], ref: Record, tolerance: float) -> Finding | None:
+    worst: tuple[float, str] | None = None
+    for name, theirs in ref.batchnorm_means.items():
+        for r in ranks:
+            mine = r.record.batchnorm_means.get(name)
+            if mine is not None and mine.shape == theirs.shape:
+                diff = float((mine - theirs).abs().max())
+                if diff > tolerance * max(1.0, float(theirs.abs().max())) and (worst is None or diff > worst[0]):
+                    worst = (diff, name)
+    if worst is None:
+        return None
+    return Finding(cause="BatchNorm without synchronisation",
+                   evidence=f"BatchNorm '{worst[1]}' normalised each rank's micro-batch with that rank's own "
+                            f"statistics: its input's channel means differ from the global batch's by up to {worst[0]:.3g}",
+                   hint="convert it before prepare: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) (torch's "
+                        "SyncBatchNorm runs on GPUs only; on a CPU use GroupNorm or LayerNorm, or accept per-rank statistics)")
+
+
+def replicas_finding(ranks: list[RankEvidence]) -> Finding | None:
+    apart = _apart_from_rank0([r.final_digest for r in ranks])
+    if apart is None:
+        return None
+    return Finding(cause="replicas drifted apart", evidence=f"at the end, {apart} hold other parameters than rank 0",
+                   hint="gradients or parameters changed on one rank outside paratrain's step (a second optimizer over "
+                        "the unwrapped model, a no_sync block left open, rank-dependent code)")

@@ -1,0 +1,162 @@
+"""The parallel half of verify, on every rank: build the user's setup, run their loop, gather the evidence.
+
+Several cases (factory x strategy) run one after the other in the same processes, on one process group.
+The loop runs until the optimizer has stepped ``steps`` times; a hook after that step stops it.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
+
+from ..data import ShardSampler, describe_sampler
+from ..devices import backend_for, select_device
+from ..digest import state_digest
+from ..errors import ConfigError
+from ..parallel import Parallel, finish_group, global_grad_norm
+from .record import Record, Recorder, recording_loader
+from .spec import build_spec
+
+MAX_DEFAULT_STEPS = 50
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One check: a factory's setup trained with one strategy."""
+
+    factory: str
+    """``module:function`` returning a ``VerifySpec``."""
+    strategy: str
+    options: dict[str, Any] = field(default_factory=dict)
+    """Strategy options, passed to ``Parallel``."""
+    steps: int | None = None
+    """Optimizer steps to compare; None: two epochs' worth, at most 50."""
+
+
+@dataclass(kw_only=True)
+class DataSetup:
+    """How the data should be split, as a distributed sampler would split it."""
+
+    size: int
+    micro_batch: int
+    shuffle: bool
+    drop_last: bool
+    seed: int
+    replicas: int
+    """Data-parallel replicas."""
+
+    @property
+    def per_replica(self) -> int:
+        """Samples each replica reads per epoch."""
+        return ShardSampler(range(self.size), num_replicas=self.replicas, rank=0, shuffle=False,
+                            drop_last=self.drop_last).num_samples
+
+    def steps_per_epoch(self, accumulate: int) -> float:
+        per_rank = self.per_replica
+        batches = per_rank // self.micro_batch if self.drop_last else math.ceil(per_rank / self.micro_batch)
+        return batches / accumulate
+
+
+@dataclass(kw_only=True)
+class RankEvidence:
+    """What one rank brings back from one case."""
+
+    case: Case
+    error: str | None = None
+    record: Record = field(default_factory=Record)
+    init_digest: str = ""
+    init_state: dict[str, torch.Tensor] | None = None
+    """The model's state before ``prepare`` (rank 0 only): the reference starts from it."""
+    final_digest: str = ""
+    """Digest of this rank's own full state at the end."""
+    fetched: list[int] = field(default_factory=list)
+    """Sample indices this rank's loader fetched, in order."""
+    replica: int = 0
+    """This rank's data-parallel index."""
+    data: DataSetup | None = None
+    accumulate: int = 1
+    steps: int = 0
+    """Steps asked for (the record holds how many ran)."""
+
+
+class _Stop(Exception):
+    """Raised by the optimizer hook once enough steps ran: ends the user's loop wherever it is."""
+
+
+def run_cases(cases: list[Case], timeout_s: float, accelerator: str = "auto") -> list[RankEvidence]:
+    """The job's body on every rank (started by ``paratrain.launch``)."""
+    device = select_device(int(os.environ.get("LOCAL_RANK", "0")), accelerator)
+    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    out = []
+    for case in cases:
+        evidence = RankEvidence(case=case)
+        try:
+            _run_case(case, evidence, accelerator)
+        except ConfigError as err:  # raised alike on every rank (bad setup): report it, go on with the next case
+            evidence.error = str(err)
+        out.append(evidence)
+        dist.barrier()
+    finish_group()
+    return out
+
+
+def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
+    spec = build_spec(case.factory)
+    ev.init_digest = state_digest(spec.model)
+    rank = dist.get_rank()
+    if rank == 0:
+        ev.init_state = {k: v.detach().cpu().clone() for k, v in spec.model.state_dict().items()}
+    recorder = Recorder(spec.model)
+    par = Parallel(case.strategy, accumulate=spec.accumulate, accelerator=accelerator, **case.options)
+    loader, recording = recording_loader(spec.loader)
+    model, optimizer = par.prepare(spec.model, spec.optimizer(spec.model.parameters()))
+    ev.replica, ev.accumulate = par.data_parallel_rank, spec.accumulate
+    ev.data = _data_setup(spec.loader, par)
+    ev.steps = case.steps or _default_steps(ev.data, spec.accumulate)
+    group = par.strategy.grad_norm_group(model)
+    norms: list[float] = []
+
+    def before_step(*_: object) -> None:
+        norms.append(float(global_grad_norm(model.parameters(), group)))
+
+    def after_step(*_: object) -> None:
+        state = par.full_state_dict(model)  # collective; rank 0 keeps a copy (it may alias the live tensors)
+        recorder.end_step(norms.pop(), {k: v.clone() for k, v in state.items()} if rank == 0 else None)
+        if recorder.record.steps >= ev.steps:
+            raise _Stop
+
+    optimizer.register_step_pre_hook(before_step)
+    optimizer.register_step_post_hook(after_step)
+    try:
+        spec.loop(par, model, optimizer, loader, recorder.wrap_loss(spec.loss))
+    except _Stop:
+        pass
+    ev.data = _data_setup(spec.loader, par)  # again: the loop may have seeded the data order
+    ev.record, ev.fetched = recorder.record, recording.fetched
+    ev.final_digest = state_digest(par.full_state_dict(model, rank0_only=False))
+    par.close()
+
+
+def _data_setup(loader: Any, par: Parallel) -> DataSetup:
+    shuffle, batch, drop_last = describe_sampler(loader)
+    own = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
+    seed = own.seed if own is not None else par.data_seed
+    setup = DataSetup(size=len(loader.dataset), micro_batch=batch, shuffle=shuffle, drop_last=drop_last, seed=seed,
+                      replicas=par.data_parallel_size)
+    if not drop_last and setup.size % setup.replicas:
+        raise ConfigError(f"verify: the dataset has {setup.size} samples, not a multiple of the {setup.replicas} "
+                          "data-parallel ranks, so a distributed sampler repeats samples that one process never reads; "
+                          "use drop_last=True or a dataset size divisible by the ranks")
+    return setup
+
+
+def _default_steps(data: DataSetup, accumulate: int) -> int:
+    """Two epochs (so a missing reshuffle shows), at most ``MAX_DEFAULT_STEPS``."""
+    return max(1, min(MAX_DEFAULT_STEPS, int(2 * data.steps_per_epoch(accumulate))))

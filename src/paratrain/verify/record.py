@@ -1,0 +1,109 @@
+"""Evidence a verify run gathers as it trains, the same way in the parallel run and in the reference.
+
+Per optimizer step: the loss of every micro-batch, the global gradient norm before the step, the full state
+after it. Once: the channel means each non-synchronised BatchNorm saw at its first call. And which samples
+the loader handed out, through a dataset wrapper that notes every index fetched.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .spec import Loss
+
+
+@dataclass(kw_only=True)
+class Record:
+    """What one process saw, step by step."""
+
+    losses: list[list[float]] = field(default_factory=list)
+    """Per optimizer step: the loss of every micro-batch (or pipeline micro-batch) this process computed."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Per optimizer step: the global gradient norm just before the step."""
+    states: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per optimizer step: the full state after it (the parallel run keeps rank 0's only)."""
+    batchnorm_means: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per non-synchronised BatchNorm: the channel means of its input at its first call."""
+
+    @property
+    def steps(self) -> int:
+        return len(self.grad_norms)
+
+
+class Recorder:
+    """Fills a :class:`Record` from hooks on the user's model and a wrapper around the loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.record = Record()
+        self._pending: list[float] = []
+        for name, module in model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, nn.SyncBatchNorm):
+                module.register_forward_pre_hook(self._batchnorm_hook(name))
+
+    def _batchnorm_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if name not in self.record.batchnorm_means and module.training:
+                x = args[0].detach().float()
+                self.record.batchnorm_means[name] = x.transpose(0, 1).reshape(x.shape[1], -1).mean(1).cpu()
+        return hook
+
+    def wrap_loss(self, loss: Loss) -> Loss:
+        """``loss`` that also notes its value (for the step the optimizer is in)."""
+        def recorded(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            value = loss(outputs, targets)
+            if not _pipeline_metadata_pass():
+                self._pending.append(float(value.detach()))
+            return value
+        return recorded
+
+    def end_step(self, grad_norm: float, state: dict[str, torch.Tensor] | None) -> None:
+        self.record.losses.append(self._pending)
+        self._pending = []
+        self.record.grad_norms.append(grad_norm)
+        if state is not None:
+            self.record.states.append(state)
+
+
+def _pipeline_metadata_pass() -> bool:
+    """True inside torch.distributed.pipelining's shape inference, which calls the loss once on placeholder
+    tensors when a schedule is first used: not a training loss."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in _PIPELINE_METADATA_FRAMES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_PIPELINE_METADATA_FRAMES = frozenset({"_prepare_backward_infra", "_backward_metadata_inference"})
+
+
+class RecordingDataset(Dataset):
+    """The user's dataset, noting the index of every sample fetched (in this process, so no loader workers)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.fetched: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int):
+        self.fetched.append(int(index))
+        return self.dataset[index]
+
+
+def recording_loader(loader: DataLoader) -> tuple[DataLoader, RecordingDataset]:
+    """``loader`` over a :class:`RecordingDataset`: same sampler, batch size and collation, no worker processes."""
+    dataset = RecordingDataset(loader.dataset)
+    rebuilt = DataLoader(dataset, batch_size=loader.batch_size, sampler=loader.sampler, num_workers=0,
+                         collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                         generator=loader.generator)
+    return rebuilt, dataset

@@ -1,0 +1,126 @@
+"""A verify verdict, built from both runs' evidence, and its text for the terminal."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .diagnose import (BROADCASTING, Divergence, Finding, batchnorm_finding, data_findings, first_divergence,
+                       gradient_scale_finding, init_finding, replicas_finding)
+from .distributed import RankEvidence
+from .record import Record
+
+GENERIC_CAUSES = (
+    "randomness that differs per rank: dropout or augmentation draw from per-rank random streams after prepare "
+    "(verify with dropout off)",
+    "model or loop code that depends on the rank, the world size or the batch size",
+    "a loop that steps, zeroes or clips gradients differently from par.step",
+    "numerics: the tolerance is meant for fp32; raise --tolerance for bf16/fp16 or long runs",
+)
+
+
+@dataclass(kw_only=True)
+class VerifyReport:
+    """PASS or FAIL for one factory and strategy, with where and why."""
+
+    factory: str
+    strategy: str
+    world: int
+    accumulate: int = 1
+    steps: int = 0
+    """Optimizer steps compared."""
+    epochs: float = 0.0
+    """How many epochs those steps span."""
+    tolerance: float = 1e-5
+    passed: bool = False
+    divergence: Divergence | None = None
+    """The first step where anything differs."""
+    parameters_apart: Divergence | None = None
+    """The first step after which the parameters differ, and the entry that differs most."""
+    findings: list[Finding] = field(default_factory=list)
+    """Causes found in the evidence (any makes the check fail)."""
+    warnings: list[Finding] = field(default_factory=list)
+    """Problems that did not change this run's math (they would under another strategy)."""
+    notes: list[str] = field(default_factory=list)
+    max_param_diff: float = 0.0
+    error: str | None = None
+    """The setup could not run (a one-line paratrain error)."""
+
+    @property
+    def verdict(self) -> str:
+        return "ERROR" if self.error else ("PASS" if self.passed else "FAIL")
+
+
+def build_report(ranks: list[RankEvidence], ref: Record | None, *, world: int, tolerance: float) -> VerifyReport:
+    main = ranks[0]
+    report = VerifyReport(factory=main.case.factory, strategy=main.case.strategy, world=world,
+                          accumulate=main.accumulate, tolerance=tolerance)
+    if main.error is not None or ref is None or main.data is None:
+        report.error = main.error or "the parallel run recorded nothing"
+        return report
+    if main.record.steps == 0:
+        report.error = ("the training loop ended before its first optimizer step; give it more data or fewer "
+                        "accumulation steps")
+        return report
+    report.steps = min(main.record.steps, ref.steps)
+    report.epochs = report.steps / max(main.data.steps_per_epoch(main.accumulate), 1e-9)
+    if main.record.steps < main.steps:
+        report.notes.append(f"the training loop ended after {main.record.steps} of {main.steps} steps")
+    report.divergence, report.parameters_apart, report.max_param_diff = first_divergence(ranks, ref, tolerance)
+    data, notes = data_findings(ranks, main.data)
+    report.notes += notes
+    report.findings += data
+    init = init_finding(ranks)
+    broadcast = main.case.strategy in BROADCASTING  # the run itself started from rank 0's weights everywhere
+    if init is not None and broadcast:
+        report.warnings.append(Finding(
+            cause=init.cause, hint=init.hint,
+            evidence=f"{init.evidence}; {main.case.strategy} copied rank 0's weights to every rank at prepare, so "
+                     "this run is consistent, but zero2/zero3/fsdp/hsdp and pipelines do not and would train a mix "
+                     "of the ranks' weights"))
+    elif init is not None:
+        report.findings.append(init)
+    if not data and (init is None or broadcast):  # the first step saw the reference's weights and samples
+        for finding in (gradient_scale_finding(ranks, ref, main.accumulate, main.data.replicas),
+                        batchnorm_finding(ranks, ref, max(tolerance, 1e-4))):
+            if finding is not None:
+                report.findings.append(finding)
+    drift = replicas_finding(ranks)
+    if drift is not None and not report.findings:
+        report.findings.append(drift)
+    report.passed = report.divergence is None and not report.findings
+    return report
+
+
+def format_report(report: VerifyReport) -> str:
+    head = (f"paratrain verify {report.factory}: strategy {report.strategy}, {report.world} processes, "
+            f"accumulate {report.accumulate}")
+    if report.error:
+        return f"{head}\nERROR: {report.error}"
+    lines = [f"{head}, {report.steps} steps ({report.epochs:.1f} epochs) against one process on the global batch"]
+    d = report.divergence
+    if report.passed:
+        lines.append(f"PASS: losses, gradient norms and parameters equal the single-process run at every step "
+                     f"(max |parameter diff| {report.max_param_diff:.2g}, tolerance {report.tolerance:g})")
+    elif d is None:
+        lines.append("FAIL: the numbers agree within tolerance, but the run is not equivalent:")
+    elif d.what == "parameters":
+        lines.append(f"FAIL: diverges at step {d.step}: after the update, parameter '{d.parameter}' differs by "
+                     f"{d.max_diff:.3g} (tolerance {report.tolerance:g})")
+    else:
+        p = report.parameters_apart
+        apart = (f"first parameter apart: '{p.parameter}' after step {p.step} (|diff| {p.max_diff:.3g})" if p else
+                 "the parameters stay within tolerance")
+        lines.append(f"FAIL: diverges at step {d.step}: {d.what} {d.parallel:.6g} in parallel vs {d.reference:.6g} in "
+                     f"one process (|diff| {abs(d.parallel - d.reference):.3g}, tolerance {report.tolerance:g}); "
+                     f"{apart}")
+    if report.findings:
+        lines.append("likely cause" + ("s:" if len(report.findings) > 1 else ":"))
+        for f in report.findings:
+            lines += [f"  - {f.cause}: {f.evidence}", f"    fix: {f.hint}"]
+    elif not report.passed:
+        lines.append("no cause found in the evidence (samples read, gradient scale, BatchNorm statistics, initial "
+                     "weights all match); other likely causes:")
+        lines += [f"  - {c}" for c in GENERIC_CAUSES]
+    for w in report.warnings:
+        lines += [f"warning: {w.cause}: {w.evidence}", f"    fix: {w.hint}"]
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)

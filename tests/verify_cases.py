@@ -1,0 +1,91 @@
+"""Factories for ``paratrain verify`` tests: a correct setup, and one with each bug verify must name.
+
+Every factory builds what a training script would; the planted bug sits where users put it (the loop, the
+model, the seeding), not in a flag.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from paratrain.verify import VerifySpec
+
+
+def _data(n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g))
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _spec(model: nn.Module, **kwargs: object) -> VerifySpec:
+    return VerifySpec(model=model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                      loss=F.cross_entropy, loader=DataLoader(_data(), batch_size=8, shuffle=True), **kwargs)
+
+
+def good() -> VerifySpec:
+    torch.manual_seed(0)
+    return _spec(_model())
+
+
+def good_accumulating() -> VerifySpec:
+    torch.manual_seed(0)
+    return _spec(_model(), accumulate=2)
+
+
+def unsharded() -> VerifySpec:
+    """The loop iterates the loader as built: every rank reads the whole dataset."""
+    def train(par, model, optimizer, loader, loss):
+        for _ in par.epochs(sys.maxsize):
+            for x, y in loader:
+                with par.step(model, optimizer):
+                    par.forward_backward(model, x, y, loss)
+    torch.manual_seed(0)
+    return _spec(_model(), train=train)
+
+
+def no_reshuffle() -> VerifySpec:
+    """The loop shards the loader but counts epochs itself, so the sampler never hears of a new epoch."""
+    def train(par, model, optimizer, loader, loss):
+        loader = par.prepare_loader(loader)
+        for _ in range(sys.maxsize):
+            for x, y in loader:
+                with par.step(model, optimizer):
+                    par.forward_backward(model, x, y, loss)
+    torch.manual_seed(0)
+    return _spec(_model(), train=train)
+
+
+def undivided() -> VerifySpec:
+    """Accumulation over 2 micro-batches with a plain ``loss.backward()``: gradients come out twice too big."""
+    def train(par, model, optimizer, loader, loss):
+        loader = par.prepare_loader(loader)
+        for _ in par.epochs(sys.maxsize):
+            for x, y in loader:
+                with par.step(model, optimizer):
+                    loss(model(x), y).backward()
+    torch.manual_seed(0)
+    return _spec(_model(), accumulate=2, train=train)
+
+
+def batchnorm() -> VerifySpec:
+    """A plain BatchNorm: each rank normalises with its own micro-batch's statistics."""
+    torch.manual_seed(0)
+    return _spec(nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4)))
+
+
+def rank_seeded() -> VerifySpec:
+    """Seeded with the rank before the model is built: every rank starts from other weights."""
+    torch.manual_seed(100 + int(os.environ.get("RANK", "0")))
+    return _spec(_model())
+
+
+def not_a_spec() -> dict:
+    return {}
