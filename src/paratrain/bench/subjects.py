@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+from ..monitor import MonitorConfig
 from ..parallel import Parallel
 from ..workloads import Workload
 
@@ -15,7 +16,8 @@ class ParatrainSubject:
     """A ``Parallel``-prepared model and optimizer of one strategy (on the job's process group)."""
 
     def __init__(self, workload: Workload, strategy: str, options: dict, seed: int, accelerator: str) -> None:
-        self.par = Parallel(strategy, accelerator=accelerator, **options)
+        # the monitor stays on, as users have it, but its end-of-run table would break into the bench's output
+        self.par = Parallel(strategy, accelerator=accelerator, monitor=MonitorConfig(summary=False), **options)
         torch.manual_seed(seed)
         model = workload.model()
         self.model, self.optimizer = self.par.prepare(model, workload.optimizer(model.parameters()))
