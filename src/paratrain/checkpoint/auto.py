@@ -1,0 +1,47 @@
+"""Automatic checkpoints: save every N optimizer steps, resume once at start-up.
+
+A save is due after the N-th optimizer step but is written just before the next batch is fetched (or the next
+step begins, or the job closes): by then the user's loop has finished that step (``scheduler.step()``, logging,
+anything else that touches state or draws random numbers), and nothing of the next step has happened yet. A job
+resumed from it continues exactly where the uninterrupted one went on.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from . import layout
+from .config import CheckpointConfig
+
+
+class AutoCheckpoint:
+    """The save-every-N and resume-at-start bookkeeping of one ``Parallel``."""
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        self.config = config
+        self._due = False
+        self._started = False
+
+    def stepped(self, step: int) -> None:
+        """Called after each optimizer step (``step`` counts them): marks a save as due every N steps."""
+        if self.config.every is not None and step % self.config.every == 0:
+            self._due = True
+
+    def flush(self, save: Callable[[], object]) -> None:
+        """Write the due save, if any."""
+        if self._due:
+            self._due = False
+            save()
+
+    def start(self) -> Path | None:
+        """The checkpoint to resume from, the first time it is asked and only if the job is set to resume."""
+        if self._started:
+            return None
+        self._started = True
+        if not self.config.should_resume() or self.config.dir is None:
+            return None
+        return layout.latest(Path(self.config.dir))
+
+    def loaded(self) -> None:
+        """A checkpoint was loaded by hand: start-up has nothing left to resume."""
+        self._started = True
