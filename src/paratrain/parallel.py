@@ -418,8 +418,11 @@ class Parallel:
         from .checkpoint.io import load
 
         position = load(self._checkpoint_targets(), self._checkpoint_root(path))
-        self.optimizer_steps, self.epoch, self._resume_epoch = position.step, position.epoch, position.epoch
         self._auto_checkpoint.loaded()
+        if not self._optimizers:
+            self.print(f"paratrain: loaded the model weights of {position.folder} (no optimizer was prepared)")
+            return position.folder
+        self.optimizer_steps, self.epoch, self._resume_epoch = position.step, position.epoch, position.epoch
         where = f", epoch {position.epoch}" if position.epoch is not None else ""
         moved = f", saved by {position.world_size} process(es)" if position.world_size != self.world_size else ""
         self.print(f"paratrain: resumed from {position.folder} (step {position.step}{where}{moved})")

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import CheckpointError
 from . import layout
-from .io import first_failure
+from .io import DCP_ERRORS, first_failure, quiet_single_process
 from .safety import SafePlanner, SafeReader
 
 
@@ -38,8 +38,9 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0) -
                            if isinstance(item, TensorStorageMetadata) else None)
     single = {"no_dist": True} if "no_dist" in inspect.signature(load).parameters else {}
     try:
-        load({prefix[:-1]: state}, storage_reader=reader, planner=SafePlanner(), **single)
-    except Exception as e:
+        with quiet_single_process():
+            load({prefix[:-1]: state}, storage_reader=reader, planner=SafePlanner(), **single)
+    except DCP_ERRORS as e:
         raise CheckpointError(f"could not read checkpoint {folder}: {first_failure(e)}") from None
     buf = io.BytesIO()
     torch.save(state, buf)

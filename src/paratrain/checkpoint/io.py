@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from . import layout, rng
@@ -28,6 +31,7 @@ from .safety import SafePlanner, SafeReader, load_file
 
 FORMAT = 1
 TRAIN = "train.pt"
+DCP_ERRORS = (Exception, CheckpointException)  # DCP's own error derives from BaseException
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,8 +92,9 @@ def save(t: Targets, root: Path, keep: int) -> Path:
             "schedulers": [s.state_dict() for s in t.schedulers], "precision": t.precision.state_dict(),
         }))
     try:
-        dcp.save(_tensor_state(t, optimizer=t.step > 0), storage_writer=dcp.FileSystemWriter(tmp))
-    except Exception as e:
+        with quiet_single_process():
+            dcp.save(_tensor_state(t, optimizer=t.step > 0), storage_writer=dcp.FileSystemWriter(tmp))
+    except DCP_ERRORS as e:
         raise CheckpointError(f"could not write checkpoint {tmp}: {first_failure(e)}") from None
     t.barrier()  # every rank's files are complete
     if t.rank == 0:
@@ -101,25 +106,31 @@ def save(t: Targets, root: Path, keep: int) -> Path:
 
 
 def load(t: Targets, path: str | Path) -> Position:
-    """Restore the job from the checkpoint at ``path`` (a ``step-…`` folder, or a root: its latest one)."""
+    """Restore the job from the checkpoint at ``path`` (a ``step-…`` folder, or a root: its latest one).
+
+    A job that prepared models but no optimizer (evaluation, inference) gets the models' weights only.
+    """
     import torch.distributed.checkpoint as dcp
 
     folder = layout.resolve(path)
     meta = layout.read_meta(folder)
-    _check_meta(folder, meta, t)
+    weights_only = not t.optimizers
+    _check_meta(folder, meta, t, weights_only)
     reader = SafeReader(folder)
     saved = reader.read_metadata().state_dict_metadata
-    state = _tensor_state(t, optimizer=meta["optimizer_state"])
+    state = _tensor_state(t, optimizer=meta["optimizer_state"] and not weights_only)
     _check_fit(folder, saved, state, t)
     try:
-        dcp.load(state, storage_reader=reader, planner=SafePlanner())
-    except Exception as e:
+        with quiet_single_process():
+            dcp.load(state, storage_reader=reader, planner=SafePlanner())
+    except DCP_ERRORS as e:
         raise CheckpointError(f"could not load checkpoint {folder}: {first_failure(e)}") from None
     for i, model in enumerate(t.models):
         t.strategy.load_model_state(model, state[_key("model", i)])
-    if meta["optimizer_state"]:
-        for j, (model, optimizer) in enumerate(t.optimizers):
-            t.strategy.load_optimizer_state(model, optimizer, state[_key("optim", j)])
+    for j, (model, optimizer) in enumerate(t.optimizers if meta["optimizer_state"] else []):
+        t.strategy.load_optimizer_state(model, optimizer, state[_key("optim", j)])
+    if weights_only:
+        return Position(folder=folder, step=int(meta["step"]), epoch=None, world_size=meta["world_size"])
 
     train = load_file(folder / TRAIN)
     same_world = meta["world_size"] == t.world_size
@@ -171,11 +182,13 @@ def _optimizer_class(optimizer: torch.optim.Optimizer) -> str:
     return type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer).__name__
 
 
-def _check_meta(folder: Path, meta: dict[str, Any], t: Targets) -> None:
+def _check_meta(folder: Path, meta: dict[str, Any], t: Targets, weights_only: bool) -> None:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {folder} has format {meta.get('format')!r}; this paratrain reads "
                               f"format {FORMAT}")
     _check_count(folder, "model", len(meta["models"]), len(t.models), "prepare the same models")
+    if weights_only:
+        return
     _check_count(folder, "optimizer", len(meta["optimizers"]), len(t.optimizers), "prepare the same optimizers")
     here = [_optimizer_class(o) for _, o in t.optimizers]
     if meta["optimizers"] != here:
@@ -192,7 +205,11 @@ def _check_count(folder: Path, what: str, saved: int, here: int, fix: str) -> No
 
 
 def _check_fit(folder: Path, saved: dict[str, Any], state: dict[str, dict[str, Any]], t: Targets) -> None:
-    """Refuse, on every rank alike, a checkpoint whose entries do not match what this job would load."""
+    """Refuse, on every rank alike, a checkpoint whose entries do not match what this job would load.
+
+    The models are compared first: when they differ, the optimizer entries of the differing parameters would
+    only repeat it.
+    """
     missing, shapes = [], []
     for top, part in state.items():
         for name, value in part.items():
@@ -201,22 +218,24 @@ def _check_fit(folder: Path, saved: dict[str, Any], state: dict[str, dict[str, A
                 missing.append(key)
             elif isinstance(value, torch.Tensor) and tuple(getattr(saved[key], "size", value.shape)) != tuple(value.shape):
                 shapes.append(f"{key} (saved {tuple(saved[key].size)}, here {tuple(value.shape)})")
-    model_keys = {f"{top}.{name}" for top, part in state.items() if top.startswith("model") for name in part}
-    gathered = t.gather((sorted(model_keys), missing, shapes))  # a rank may hold only part of the model
-    wanted = set().union(*(set(keys) for keys, _, _ in gathered))
-    missing = sorted({k for _, m, _ in gathered for k in m})
-    shapes = sorted({s for _, _, s in gathered for s in s})
+    model_keys = [f"{top}.{name}" for top, part in state.items() if top.startswith("model") for name in part]
+    gathered = t.gather((model_keys, missing, shapes))  # a rank may hold only part of the model
+    wanted = {k for keys, _, _ in gathered for k in keys}
     extra = sorted(k for k in saved if k.startswith("model") and k not in wanted)
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} entr{'y' if len(missing) == 1 else 'ies'} missing from it ({_few(missing)})")
-    if extra:
-        problems.append(f"{len(extra)} this job lacks ({_few(extra)})")
-    if shapes:
-        problems.append(f"different shapes: {_few(shapes)}")
-    if problems:
-        raise CheckpointError(f"checkpoint {folder} does not fit this job: {'; '.join(problems)}; load it into the "
-                              "model and optimizer it was saved from")
+    missing = sorted({k for _, m, _ in gathered for k in m})
+    shapes = sorted({s for _, _, ss in gathered for s in ss})
+    for part in ("model", "optim"):
+        problems = []
+        if any(k.startswith(part) for k in missing):
+            some = [k for k in missing if k.startswith(part)]
+            problems.append(f"{len(some)} entr{'y' if len(some) == 1 else 'ies'} missing from it ({_few(some)})")
+        if part == "model" and extra:
+            problems.append(f"{len(extra)} this job lacks ({_few(extra)})")
+        if any(k.startswith(part) for k in shapes):
+            problems.append(f"different shapes: {_few([k for k in shapes if k.startswith(part)])}")
+        if problems:
+            raise CheckpointError(f"checkpoint {folder} does not fit this job's {part if part == 'model' else 'optimizer'}"
+                                  f": {'; '.join(problems)}; load it into the model and optimizer it was saved from")
 
 
 def _few(items: list[str], n: int = 3) -> str:
@@ -227,6 +246,14 @@ def _serialise(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+@contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """Without a process group DCP works in one process, as intended here; it need not warn about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def first_failure(err: Exception) -> str:
