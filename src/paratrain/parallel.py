@@ -433,8 +433,13 @@ class Parallel:
 
         ``epochs()`` calls it; call it yourself before a loop that does not use ``epochs()``.
         """
+        if not self._auto_checkpoint.wants_resume():
+            return None
         found = self._auto_checkpoint.start()
-        return self.load(found) if found is not None else None
+        if found is None:
+            self.print(f"paratrain: no checkpoint in {self.checkpoint_config.dir} yet; starting from the beginning")
+            return None
+        return self.load(found)
 
     def _checkpoint_root(self, path: str | os.PathLike | None) -> Path:
         if path is None:

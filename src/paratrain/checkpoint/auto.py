@@ -33,14 +33,14 @@ class AutoCheckpoint:
             self._due = False
             save()
 
+    def wants_resume(self) -> bool:
+        """True until start-up has resumed (or a checkpoint was loaded), if the job is set to resume."""
+        return not self._started and self.config.should_resume()
+
     def start(self) -> Path | None:
-        """The checkpoint to resume from, the first time it is asked and only if the job is set to resume."""
-        if self._started:
-            return None
+        """The checkpoint to resume from (once): ``dir``'s latest, or None when there is none yet."""
         self._started = True
-        if not self.config.should_resume() or self.config.dir is None:
-            return None
-        return layout.latest(Path(self.config.dir))
+        return layout.latest(Path(self.config.dir)) if self.config.dir else None
 
     def loaded(self) -> None:
         """A checkpoint was loaded by hand: start-up has nothing left to resume."""
