@@ -181,14 +181,14 @@ def test_missing_checkpoints_and_bad_options(tmp_path):
         par.prepare(torch.optim.lr_scheduler.StepLR(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1), 1))
 
 
-def test_export_writes_a_plain_state_dict(saved, tmp_path, paratrain_cmd):
-    res = subprocess.run([*paratrain_cmd, "export", str(saved.parent), str(tmp_path / "model.pt")],
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert "6 tensors" in res.stdout and "(step 3)" in res.stdout
+def test_export_writes_a_plain_state_dict(saved, tmp_path, capsys):
+    from paratrain.cli.main import main
+
+    assert main(["export", str(saved.parent), str(tmp_path / "model.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "6 tensors" in out and "(step 3)" in out
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     assert _equal(state, _load_params(saved))
     dropout_model().load_state_dict(state)  # plain names, no wrapper prefix
-    res = subprocess.run([*paratrain_cmd, "export", str(tmp_path / "none"), str(tmp_path / "x.pt")],
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and res.stderr.startswith("paratrain: error: no checkpoint at")
+    assert main(["export", str(tmp_path / "none"), str(tmp_path / "x.pt")]) == 2
+    assert capsys.readouterr().err.startswith("paratrain: error: no checkpoint at")

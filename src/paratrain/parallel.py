@@ -406,7 +406,10 @@ class Parallel:
         if self._micro_step != 0:
             raise CheckpointError(f"save() inside an accumulation window (micro-step {self._micro_step} of "
                                   f"{self.accumulate}); call it after the optimizer step")
-        return save(self._checkpoint_targets(), self._checkpoint_root(path), self.checkpoint_config.keep)
+        root = self._checkpoint_root(path)
+        folder = save(self._checkpoint_targets(), root, self.checkpoint_config.keep)
+        self._auto_checkpoint.saved(root, self.optimizer_steps)
+        return folder
 
     def load(self, path: str | os.PathLike | None = None) -> Path:
         """Restore everything ``save`` wrote (collective), from a ``step-…`` folder or a root's latest checkpoint.
@@ -450,7 +453,7 @@ class Parallel:
         return Path(path)
 
     def _flush_checkpoint(self) -> None:
-        self._auto_checkpoint.flush(self.save)
+        self._auto_checkpoint.flush(self.save, self.optimizer_steps)
 
     def _checkpoint_targets(self) -> Any:
         from .checkpoint.io import Targets

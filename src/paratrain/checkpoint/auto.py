@@ -21,17 +21,23 @@ class AutoCheckpoint:
         self.config = config
         self._due = False
         self._started = False
+        self._saved: tuple[Path, int] | None = None
 
     def stepped(self, step: int) -> None:
         """Called after each optimizer step (``step`` counts them): marks a save as due every N steps."""
         if self.config.every is not None and step % self.config.every == 0:
             self._due = True
 
-    def flush(self, save: Callable[[], object]) -> None:
-        """Write the due save, if any."""
+    def flush(self, save: Callable[[], object], step: int) -> None:
+        """Write the due save, if any and unless an explicit ``par.save`` already wrote this step there."""
         if self._due:
             self._due = False
-            save()
+            if self.config.dir is not None and self._saved != (Path(self.config.dir).absolute(), step):
+                save()
+
+    def saved(self, root: Path, step: int) -> None:
+        """A checkpoint of ``step`` was written into ``root``."""
+        self._saved = (root.absolute(), step)
 
     def wants_resume(self) -> bool:
         """True until start-up has resumed (or a checkpoint was loaded), if the job is set to resume."""
