@@ -120,6 +120,18 @@ def load(t: Targets, path: str | Path) -> Position:
     saved = reader.read_metadata().state_dict_metadata
     state = _tensor_state(t, optimizer=meta["optimizer_state"] and not weights_only)
     _check_fit(folder, saved, state, t)
+    train, mine = None, None
+    if not weights_only:  # all that can refuse the checkpoint comes before anything is loaded
+        train = load_file(folder / TRAIN)
+        mine = load_file(folder / rank_file(t.rank)) if t.rank < meta["world_size"] else None
+        same_world = meta["world_size"] == t.world_size
+        positions = mine["loaders"] if same_world and mine is not None else train["loaders"]
+        _check_count(folder, "data loader", len(positions), len(t.loaders),
+                     "prepare the same loaders in the same order")
+        _check_count(folder, "LR scheduler", len(train["schedulers"]), len(t.schedulers),
+                     "pass the same schedulers to prepare()")
+        for loader, position in zip(t.loaders, positions):
+            loader.load_state_dict(position, train["epoch"])  # takes effect at the loader's next pass
     try:
         with quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=SafePlanner())
@@ -127,20 +139,10 @@ def load(t: Targets, path: str | Path) -> Position:
         raise CheckpointError(f"could not load checkpoint {folder}: {first_failure(e)}") from None
     for i, model in enumerate(t.models):
         t.strategy.load_model_state(model, state[_key("model", i)])
+    if train is None:
+        return Position(folder=folder, step=int(meta["step"]), epoch=None, world_size=meta["world_size"])
     for j, (model, optimizer) in enumerate(t.optimizers if meta["optimizer_state"] else []):
         t.strategy.load_optimizer_state(model, optimizer, state[_key("optim", j)])
-    if weights_only:
-        return Position(folder=folder, step=int(meta["step"]), epoch=None, world_size=meta["world_size"])
-
-    train = load_file(folder / TRAIN)
-    same_world = meta["world_size"] == t.world_size
-    mine = load_file(folder / rank_file(t.rank)) if t.rank < meta["world_size"] else None
-    positions = mine["loaders"] if same_world and mine is not None else train["loaders"]
-    _check_count(folder, "data loader", len(positions), len(t.loaders), "prepare the same loaders in the same order")
-    _check_count(folder, "LR scheduler", len(train["schedulers"]), len(t.schedulers),
-                 "pass the same schedulers to prepare()")
-    for loader, position in zip(t.loaders, positions):
-        loader.load_state_dict(position, train["epoch"])
     for scheduler, s in zip(t.schedulers, train["schedulers"]):
         scheduler.load_state_dict(s)
     t.precision.load_state_dict(train["precision"])
