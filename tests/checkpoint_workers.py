@@ -46,10 +46,12 @@ def train(strategy: str, steps: int, ckpt: str, *, save_at: int | None = None, l
     for _ in par.epochs(100 if par.optimizer_steps < steps else 0):
         for x, y in loader:
             x = x + 0.01 * torch.randn_like(x) + 0.01 * float(np.random.rand()) + 0.01 * random.random()
-            with par.step(model, optimizer):
+            with par.step(model, optimizer) as step:
                 par.forward_backward(model, x.to(par.device), y.to(par.device), nn.functional.cross_entropy)
-            scheduler.step()
             batches.append(int(y.sum()))
+            if not step.sync:
+                continue
+            scheduler.step()
             if par.optimizer_steps == save_at:
                 par.save(ckpt)
             if par.optimizer_steps == steps:
