@@ -22,11 +22,13 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_mid_epoch_in_one_process_is_bitwise_exact(tmp_path):
-    whole = train("single", 18, str(tmp_path), save_at=7)  # 12 steps per epoch: saved inside epoch 0
-    resumed = train("single", 18, str(tmp_path), load=True)
-    assert resumed["resumed_at"] == (7, 0)
-    assert resumed["batches"] == whole["batches"][7:]  # the rest of the epoch: no batch replayed or skipped
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_resume_mid_epoch_in_one_process_is_bitwise_exact(tmp_path, accumulate):
+    options = {"accumulate": accumulate}
+    whole = train("single", 18, str(tmp_path), save_at=7, options=options)  # 12 batches per epoch
+    resumed = train("single", 18, str(tmp_path), load=True, options=options)
+    assert resumed["resumed_at"] == (7, 7 * accumulate // 12)  # inside epoch 0, or 1 with accumulation
+    assert resumed["batches"] == whole["batches"][7 * accumulate:]  # no batch replayed or skipped
     assert _equal(whole["params"], resumed["params"]) and _equal(whole["optim"], resumed["optim"])
     assert whole["lr"] == resumed["lr"]
 
