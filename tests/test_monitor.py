@@ -4,6 +4,7 @@ import copy
 import csv
 import importlib.util
 import pickle
+import time
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 from monitor_workers import cuda_straggler, monitor_scenarios
+from paratrain.data import shard_loader
 from paratrain.errors import ConfigError
-from paratrain.monitor import (Finding, MonitorConfig, Persistence, RankStats, RunSummary, find_data_stalls,
+from paratrain.monitor import (Finding, Monitor, MonitorConfig, Persistence, RankStats, RunSummary, find_data_stalls,
                                find_memory_imbalance, find_stragglers)
 from paratrain.monitor.report import CsvLog
 from paratrain.testing import spawn
@@ -136,16 +138,32 @@ def _loader():
 
 def test_a_prepared_loader_is_timed_without_changing_what_it_yields():
     par = paratrain.Parallel("single")
-    plain, loader = _loader(), _loader()
-    prepared = par.prepare_loader(loader)
-    assert prepared is loader and isinstance(prepared, DataLoader)
-    assert len(prepared) == 4 and type(prepared.sampler) is type(plain.sampler) and prepared.batch_size == 3
-    got, want = [b for b in prepared], [b for b in plain]
-    assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want)) and len(got) == 4
+    plain = paratrain.Parallel("single", monitor=False).prepare_loader(_loader())
+    prepared = par.prepare_loader(_loader())
+    assert type(prepared).__name__ == type(plain).__name__ and type(prepared) is not type(plain)
+    assert isinstance(prepared, DataLoader) and len(prepared) == 4 and prepared.batch_size == 3
+    got, want = list(prepared), list(plain)
+    assert len(got) == 4 and all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
     assert par.monitor.recorder.data_s > 0
-    assert type(pickle.loads(pickle.dumps(prepared))) is DataLoader  # copies are plain loaders
-    assert type(copy.deepcopy(prepared)) is DataLoader
     par.close()
+
+
+def test_the_loader_wrapper_keeps_the_object_and_copies_drop_it():
+    monitor = Monitor(MonitorConfig(), rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    loader = _loader()
+    sampler = loader.sampler
+    assert monitor.wrap_loader(loader) is loader and isinstance(loader, DataLoader) and loader.sampler is sampler
+    assert type(loader).__name__ == "DataLoader" and monitor.wrap_loader(loader) is loader  # wrapped once
+    assert type(pickle.loads(pickle.dumps(loader))) is DataLoader  # copies are plain loaders
+    assert type(copy.deepcopy(loader)) is DataLoader
+
+
+def test_work_a_loader_does_for_a_checkpoint_is_not_data_wait():
+    monitor = Monitor(MonitorConfig(), rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    loader = shard_loader(_loader(), rank=0, world_size=1, seed=0)
+    loader.before_fetch = lambda: time.sleep(0.05)  # where Parallel saves a pending checkpoint
+    batches = list(monitor.wrap_loader(loader))
+    assert len(batches) == 4 and 0 <= monitor.recorder.data_s < 0.1  # not the 0.2 s spent "saving"
 
 
 def _train_one_process(monitor, steps=5, **kwargs):

@@ -11,17 +11,22 @@ The tail, when the dataset size N does not divide by the world size W:
   W-1 samples is dropped instead, and nothing is seen twice.
 * ``even=False`` (evaluation): every sample is seen exactly once; ranks differ by at most one sample.
   Use it for metrics, where a rank with one batch fewer does no harm.
+
+A prepared loader also knows where its current pass stands (:class:`ShardedLoader`), so a checkpoint taken in
+the middle of an epoch resumes with exactly the batches that were not trained yet.
 """
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 
 
 class ShardSampler(DistributedSampler):
@@ -32,14 +37,17 @@ class ShardSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.even = even
+        self.skip = 0
+        """Samples of this rank's shard that the next pass leaves out (they were trained before a checkpoint)."""
         if not even:
             n = len(dataset)  # type: ignore[arg-type]
             self.num_samples = len(range(rank, n, num_replicas))
             self.total_size = n
 
     def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
         if self.even:
-            return super().__iter__()
+            return itertools.islice(super().__iter__(), skip, None)
         n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             g = torch.Generator()
@@ -47,7 +55,91 @@ class ShardSampler(DistributedSampler):
             order = torch.randperm(n, generator=g).tolist()
         else:
             order = list(range(n))
-        return iter(order[self.rank : n : self.num_replicas])
+        return iter(order[self.rank : n : self.num_replicas][skip:])
+
+
+class ShardedLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ShardSampler` that remembers where its current pass stands.
+
+    ``state_dict()`` says which epoch the latest pass belongs to, how many batches it yielded and the loader
+    generator's state when the pass began; ``load_state_dict()`` makes the next pass of that epoch yield only the
+    batches after those, drawing the same worker seeds. ``before_fetch`` (set by ``Parallel``) runs before each
+    batch is fetched: the one moment between two steps at which a checkpoint sees everything the previous step
+    did and nothing of the next.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.before_fetch: Callable[[], None] | None = None
+        self._pass: dict[str, Any] = {"epoch": None, "batches": 0, "finished": False, "generator": None}
+        self._resume: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.sampler
+        assert isinstance(sampler, ShardSampler)
+        resume, self._resume = self._resume, None
+        if resume is not None and resume["epoch"] != sampler.epoch:
+            resume = None  # the user moved on to another epoch: that one starts from its beginning
+        if resume is not None and resume["generator"] is not None and self.generator is not None:
+            self.generator.set_state(resume["generator"])
+        generator = self.generator.get_state() if self.generator is not None else None
+        batches = 0
+        if resume is not None:
+            sampler.skip = resume["skip"]
+            batches = resume["batches"]
+        self._pass = {"epoch": sampler.epoch, "batches": batches, "finished": False, "generator": generator}
+        return self._track(super().__iter__())
+
+    def _track(self, inner: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            if self.before_fetch is not None:
+                self.before_fetch()
+            try:
+                batch = next(inner)
+            except StopIteration:
+                self._pass["finished"] = True
+                return
+            self._pass["batches"] += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the latest pass stands (plain values and a tensor: checkpoint-safe)."""
+        sampler = self.sampler
+        assert isinstance(sampler, ShardSampler)
+        return {**self._pass, "batch_size": self.batch_size, "replicas": sampler.num_replicas}
+
+    def load_state_dict(self, state: dict[str, Any], epoch: int | None) -> None:
+        """Make the next pass continue the one ``state`` describes, if that pass belongs to ``epoch``.
+
+        ``epoch`` is the epoch the job resumes in (None: the job does not count epochs, so only an unfinished
+        pass is continued). The position carries over to another world size or per-rank batch size when the
+        samples already trained fill whole new global batches.
+        """
+        if state["epoch"] is None or (epoch is not None and state["epoch"] != epoch):
+            return
+        if epoch is None and state["finished"]:
+            return
+        sampler = self.sampler
+        assert isinstance(sampler, ShardSampler) and self.batch_size is not None
+        batches, size, replicas = state["batches"], state["batch_size"], state["replicas"]
+        if (size, replicas) == (self.batch_size, sampler.num_replicas):
+            skip = batches * size
+        else:
+            trained = batches * size * replicas  # a prefix of the epoch's global order (see ShardSampler)
+            step = self.batch_size * sampler.num_replicas
+            if state["finished"]:
+                skip = sampler.num_samples
+            elif trained % step:
+                raise CheckpointError(
+                    f"cannot continue the interrupted epoch with {sampler.num_replicas} replica(s) x batch "
+                    f"{self.batch_size}: {trained} of its samples were trained, not a whole number of global "
+                    f"batches of {step}; resume with a global batch dividing {trained}, or from a checkpoint "
+                    "taken at the end of an epoch"
+                )
+            else:
+                skip, batches = trained // sampler.num_replicas, trained // step
+        self._resume = {"epoch": state["epoch"], "skip": min(skip, sampler.num_samples), "batches": batches,
+                        "generator": state["generator"] if replicas == sampler.num_replicas else None}
 
 
 def describe_sampler(loader: DataLoader) -> tuple[bool, int, bool]:
@@ -74,6 +166,17 @@ def describe_sampler(loader: DataLoader) -> tuple[bool, int, bool]:
     return shuffle, batch_size, drop_last
 
 
+def shardable(loader: DataLoader) -> bool:
+    """True when ``shard_loader`` can rebuild ``loader``: a map-style dataset and a built-in sampler."""
+    if isinstance(loader.dataset, IterableDataset):
+        return False
+    try:
+        describe_sampler(loader)
+    except ConfigError:
+        return False
+    return True
+
+
 def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int, even: bool = True,
                  generator: torch.Generator | None = None) -> DataLoader:
     """A copy of ``loader`` whose sampler gives this rank its shard; all other settings are kept."""
@@ -89,7 +192,7 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int, e
     extra = {}
     if loader.num_workers > 0:
         extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
-    return DataLoader(
+    return ShardedLoader(
         loader.dataset,
         batch_size=batch_size,
         sampler=sampler,

@@ -2,10 +2,17 @@
 
 Run it with ``paratrain demo`` (which launches this module on every process), or by hand:
 ``paratrain run -n 2 -m paratrain.demo --epochs 10``.
+
+With ``--checkpoint-dir D --checkpoint-every N`` it checkpoints itself; ``--fail-at-step S --fail-rank R`` then
+SIGKILLs rank R after optimizer step S on the job's first attempt, so ``paratrain demo --max-restarts 1`` shows
+a restart resuming from the latest checkpoint and ending with the same final SHA-256 as an uninterrupted run.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import sys
 import time
 
 import torch
@@ -28,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (and resume from them)")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint every N optimizer steps")
+    p.add_argument("--resume", action="store_true", help="start from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--fail-at-step", type=int, default=None,
+                   help="fault injection: SIGKILL --fail-rank after this optimizer step, on the first attempt only")
+    p.add_argument("--fail-rank", type=int, default=0, help="the rank --fail-at-step kills")
     p.add_argument("--monitor-csv", metavar="PATH", help="log the training monitor's per-rank figures to this CSV")
     return p.parse_args(argv)
 
@@ -48,6 +61,13 @@ def check_args(args: argparse.Namespace, nproc: int | None = None) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
+    for name in ("checkpoint_every", "fail_at_step"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if (args.checkpoint_every is not None or args.resume) and not args.checkpoint_dir:
+        raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+    if args.fail_at_step is not None and nproc is not None and not 0 <= args.fail_rank < nproc:
+        raise ConfigError(f"--fail-rank {args.fail_rank} is not a rank of a {nproc}-process job (0..{nproc - 1})")
 
 
 def micro_batch(args: argparse.Namespace, par: Parallel) -> int:
@@ -83,7 +103,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     args = parse_args(argv)
     check_args(args)
     monitor = MonitorConfig(csv=args.monitor_csv)  # its summary table closes the output
-    with Parallel(args.strategy, accumulate=args.accumulate, seed=args.seed, monitor=monitor) as par:
+    with Parallel(args.strategy, accumulate=args.accumulate, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
+                  checkpoint_every=args.checkpoint_every, resume=True if args.resume else None,
+                  monitor=monitor) as par:
         train_set, test_set = load_digits_split(seed=args.seed)
         model = digits_cnn()
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -93,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         test = DataLoader(test_set, batch_size=120)
         model, optimizer, train = par.prepare(model, optimizer, train)
         steps = args.epochs * -(-len(train) // args.accumulate)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1))
+        schedule = par.prepare(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1)))
         test = par.prepare_loader(test, even=False)
         par.print(f"paratrain demo: digits CNN, {len(train_set)} train / {len(test_set)} test samples, "
                   f"{par.world_size} process(es), {par!r}")
@@ -103,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         for epoch in par.epochs(args.epochs):
             t0 = time.perf_counter()
             running = torch.zeros((), dtype=torch.float64)
+            batches = 0  # fewer than len(train) in an epoch resumed from a checkpoint
             with Progress(len(train), f"epoch {epoch + 1}/{args.epochs}", enabled=par.is_main) as bar:
                 for x, y in train:
                     x, y = x.to(par.device), y.to(par.device)
@@ -110,10 +133,12 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                         loss = par.forward_backward(model, x, y, nn.functional.cross_entropy)
                     if step.sync:
                         schedule.step()
+                        inject_fault(args, par)
                     running += loss.item()
+                    batches += 1
                     seen += len(y)
                     bar.update(loss=loss.item())
-            train_loss = float(par.mean(running / max(len(train), 1)))
+            train_loss = float(par.mean(running / max(batches, 1)))
             test_loss, acc = evaluate(par, model, test)
             par.print(f"epoch {epoch + 1:2d}/{args.epochs}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
                       f"test acc {acc:6.2%}  ({time.perf_counter() - t0:.2f} s)")
@@ -125,6 +150,15 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                   f"final test acc {acc:.2%}")
         par.print(f"final parameters sha256 {digest}")
         return {"test_acc": acc, "wall_s": wall, "samples_per_s": total / wall, "sha256": digest}
+
+
+def inject_fault(args: argparse.Namespace, par: Parallel) -> None:
+    """SIGKILL this rank after optimizer step ``--fail-at-step`` if it is ``--fail-rank``, on the first attempt."""
+    if (args.fail_at_step == par.optimizer_steps and par.rank == args.fail_rank
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        print(f"paratrain demo: fault injection: SIGKILL rank {par.rank} after step {par.optimizer_steps}",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,10 @@ class JobTimeoutError(LaunchError):
     """A job ran past its deadline and was stopped."""
 
 
+class CheckpointError(ParatrainError):
+    """A checkpoint that cannot be written or loaded: missing, damaged, unsafe, or from another model."""
+
+
 def _last_line(text: str | None) -> str:
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     return lines[-1][:200] if lines else ""

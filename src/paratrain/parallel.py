@@ -7,12 +7,14 @@ optimizer and data loaders for the chosen strategy. Every piece of state lives o
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,10 +23,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import strategies
-from .data import ShardSampler, shard_loader
+from .checkpoint.auto import AutoCheckpoint
+from .checkpoint.config import CheckpointConfig
+from .data import ShardedLoader, ShardSampler, shard_loader, shardable
 from .devices import backend_for, select_device
 from .env import ClusterEnv
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .mesh import build_mesh
 from .monitor import MonitorConfig, monitor_for, resolve
 from .precision import Precision, create_precision
@@ -57,6 +61,12 @@ class Parallel:
         accelerator: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         timeout_s: how long any collective waits for the other ranks before failing.
         seed: when given, ``seed_everything(seed)`` is called at construction.
+        checkpoint_dir: where ``save``/``load`` keep checkpoints by default, and automatic ones go.
+        checkpoint_every: save a checkpoint automatically every this many optimizer steps.
+        keep_checkpoints: how many of the newest checkpoints to keep (default 3).
+        resume: True: resume from ``checkpoint_dir``'s latest checkpoint, if any, when ``epochs()`` starts;
+            None (default): only when torchrun restarted the job after a failure; False: never. The four
+            checkpoint options default to ``paratrain run --checkpoint-dir/--checkpoint-every/--resume``.
         env: where this process sits; read from the environment when omitted.
         monitor: watch step time, data wait, stragglers and memory across ranks (``par.monitor``) and print a
             summary table at ``close()``; ``False`` turns it off, a ``MonitorConfig`` tunes it.
@@ -73,6 +83,10 @@ class Parallel:
         accelerator: str = "auto",
         timeout_s: float = 300.0,
         seed: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int | None = None,
+        resume: bool | None = None,
         env: ClusterEnv | None = None,
         monitor: bool | MonitorConfig = True,
         **strategy_options: Any,
@@ -84,6 +98,8 @@ class Parallel:
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         monitor_config = resolve(monitor)
+        self.checkpoint_config = CheckpointConfig.resolve(dir=checkpoint_dir, every=checkpoint_every,
+                                                          keep=keep_checkpoints, resume=resume)
         self.env = env if env is not None else ClusterEnv.from_environ()
         self.strategy = _resolve_strategy(strategy, self.env, strategy_options)
         # "auto" with several processes starts as ddp and may move to a ZeRO stage once prepare sees the model
@@ -101,7 +117,16 @@ class Parallel:
         self.mesh = build_mesh(self.device, dims, self.env.world_size) if dims and self._distributed else None
         self._seed: int | None = None
         self._micro_step = 0
+        self.optimizer_steps = 0
+        """Optimizer steps taken (restored by ``load``)."""
+        self.epoch: int | None = None
+        """The epoch ``epochs()`` is in (its end value once it is done); None before it starts."""
+        self._resume_epoch: int | None = None
+        self._models: list[nn.Module] = []
+        self._optimizers: list[tuple[nn.Module, torch.optim.Optimizer]] = []
+        self._schedulers: list[Any] = []
         self._loaders: list[DataLoader] = []
+        self._auto_checkpoint = AutoCheckpoint(self.checkpoint_config)
         self.logger = _rank_logger(self.env)
         self.monitor = monitor_for(monitor_config, self)
         if seed is not None:
@@ -178,7 +203,9 @@ class Parallel:
         """Wrap models, optimizers and data loaders for the strategy; returns them in the same order.
 
         Pass each model before its optimizer. Loaders are sharded for training (``prepare_loader``'s
-        defaults); use ``prepare_loader(loader, even=False)`` for evaluation.
+        defaults); use ``prepare_loader(loader, even=False)`` for evaluation. An LR scheduler built on a prepared
+        optimizer may be passed too (``sched = par.prepare(CosineAnnealingLR(optimizer, …))``): checkpoints then
+        save and restore it. Everything prepared is what ``save`` and ``load`` cover.
         """
         out: list[Any] = []
         model: nn.Module | None = None
@@ -189,12 +216,18 @@ class Parallel:
             elif isinstance(obj, torch.optim.Optimizer):
                 if model is None:
                     raise ConfigError("prepare() got an optimizer before any model; pass the model first")
-                out.append(self.strategy.wrap_optimizer(obj, model, self._runtime()))
+                wrapped = self.strategy.wrap_optimizer(obj, model, self._runtime())
+                self._optimizers.append((model, wrapped))
+                out.append(wrapped)
             elif isinstance(obj, DataLoader):
                 out.append(self.prepare_loader(obj))
+            elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                self._prepare_scheduler(obj)
+                out.append(obj)
             else:
                 raise ConfigError(
-                    f"prepare() takes nn.Module, torch.optim.Optimizer and DataLoader objects, got {type(obj).__name__}"
+                    f"prepare() takes nn.Module, torch.optim.Optimizer, DataLoader and LR scheduler objects, got "
+                    f"{type(obj).__name__}"
                 )
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -213,7 +246,14 @@ class Parallel:
         self.device = self.strategy.output_device(rt)
         if self._seed is not None:  # model init is done: give each rank its own random stream
             seed_all(rank_seed(self._seed, self.rank))
+        self._models.append(wrapped)
         return wrapped
+
+    def _prepare_scheduler(self, scheduler: Any) -> None:
+        if not any(scheduler.optimizer is opt for _, opt in self._optimizers):
+            raise ConfigError("this LR scheduler is not built on an optimizer that prepare() returned; prepare the "
+                              "optimizer first, then build the scheduler on the returned one and pass it to prepare()")
+        self._schedulers.append(scheduler)
 
     def _choose_auto(self, model: nn.Module) -> None:
         """Let the planner pick ddp or a ZeRO stage for this model on this hardware; say which and why."""
@@ -236,14 +276,21 @@ class Parallel:
                 once with uneven shards (evaluation).
             shard: ``False`` keeps the loader as it is (it already reads a per-rank part of the data).
         """
-        if not shard or not self._distributed:
+        if not shard:
+            return self._monitored(loader)
+        if self._distributed:
+            rank, size, _ = self.strategy.data_parallel(self._runtime())  # pipeline stages share their batches
+        elif shardable(loader):  # one process: a shard of one, so its position is tracked all the same
+            rank, size = 0, 1
+        else:
             return self._monitored(loader)
         seed = self.data_seed
-        rank, size, _ = self.strategy.data_parallel(self._runtime())  # pipeline stages share their batches
         generator = torch.Generator()
         generator.manual_seed(rank_seed(seed, rank))
         sharded = shard_loader(loader, rank=rank, world_size=size, seed=seed, even=even, generator=generator)
-        self._loaders.append(sharded)
+        if isinstance(sharded, ShardedLoader):
+            sharded.before_fetch = self._flush_checkpoint
+            self._loaders.append(sharded)
         return self._monitored(sharded)
 
     def _monitored(self, loader: DataLoader) -> DataLoader:
@@ -270,17 +317,27 @@ class Parallel:
 
     # ----------------------------------------------------------------- the loop
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
-        """Yield epoch numbers ``start … n-1``, setting every prepared sampler's epoch so the order changes."""
-        for epoch in range(start, n):
+        """Yield epoch numbers ``start … n-1``, setting every prepared sampler's epoch so the order changes.
+
+        It first resumes from the latest checkpoint when the job is set to (see ``resume``); after a load it
+        starts at the checkpoint's epoch, whose prepared loaders then yield only the batches not yet trained.
+        """
+        self.resume()
+        first = self._resume_epoch if self._resume_epoch is not None else start
+        self._resume_epoch = None
+        for epoch in range(first, n):
+            self.epoch = epoch
             for loader in self._loaders:
                 if isinstance(loader.sampler, ShardSampler):
                     loader.sampler.set_epoch(epoch)
             yield epoch
+            self.epoch = epoch + 1
 
     @contextmanager
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StepInfo]:
         """One micro-step. Backward inside it; on the last micro-step of the accumulation window the gradients
         are synchronised, the optimizer steps and the gradients are zeroed when the block exits cleanly."""
+        self._flush_checkpoint()
         info = StepInfo(micro_step=self._micro_step, sync=self._micro_step == self.accumulate - 1)
         with (nullcontext() if info.sync else self.strategy.no_sync(model),
               nullcontext() if self.monitor is None else self.monitor.block(model, info.sync)):
@@ -293,6 +350,8 @@ class Parallel:
                                                      group=self.strategy.grad_norm_group(model))
             self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
+            self.optimizer_steps += 1
+            self._auto_checkpoint.stepped(self.optimizer_steps)
             if self.monitor is not None:
                 self.monitor.stepped()
 
@@ -345,6 +404,84 @@ class Parallel:
         if self._distributed:
             dist.barrier()
 
+    # ----------------------------------------------------------------- checkpoints
+    def save(self, path: str | os.PathLike | None = None) -> Path:
+        """Checkpoint everything an exact resume needs into ``path/step-<step>`` (collective; atomic).
+
+        ``path`` defaults to ``checkpoint_dir``. Saved: every prepared model and optimizer (sharded strategies
+        write one shard per rank), LR schedulers and the grad scaler passed through ``prepare``, the optimizer
+        step, the epoch and each prepared loader's position in it, and every rank's RNG states. Call it between
+        optimizer steps. Returns the checkpoint's folder.
+        """
+        from .checkpoint.io import save
+
+        if self._micro_step != 0:
+            raise CheckpointError(f"save() inside an accumulation window (micro-step {self._micro_step} of "
+                                  f"{self.accumulate}); call it after the optimizer step")
+        root = self._checkpoint_root(path)
+        folder = save(self._checkpoint_targets(), root, self.checkpoint_config.keep)
+        self._auto_checkpoint.saved(root, self.optimizer_steps)
+        return folder
+
+    def load(self, path: str | os.PathLike | None = None) -> Path:
+        """Restore everything ``save`` wrote (collective), from a ``step-…`` folder or a root's latest checkpoint.
+
+        Call it after ``prepare`` (and after building the schedulers); the next ``epochs()`` continues from the
+        saved epoch and position. Works at another world size or strategy: sharded state is resharded. Returns
+        the checkpoint's folder.
+        """
+        from .checkpoint.io import load
+
+        position = load(self._checkpoint_targets(), self._checkpoint_root(path))
+        self._auto_checkpoint.loaded()
+        if not self._optimizers:
+            self.print(f"paratrain: loaded the model weights of {position.folder} (no optimizer was prepared)")
+            return position.folder
+        self.optimizer_steps, self.epoch, self._resume_epoch = position.step, position.epoch, position.epoch
+        where = f", epoch {position.epoch}" if position.epoch is not None else ""
+        moved = f", saved by {position.world_size} process(es)" if position.world_size != self.world_size else ""
+        self.print(f"paratrain: resumed from {position.folder} (step {position.step}{where}{moved})")
+        return position.folder
+
+    def resume(self) -> Path | None:
+        """Load ``checkpoint_dir``'s latest checkpoint if the job is set to resume and one exists (once).
+
+        ``epochs()`` calls it; call it yourself before a loop that does not use ``epochs()``.
+        """
+        if not self._auto_checkpoint.wants_resume():
+            return None
+        found = self._auto_checkpoint.start()
+        if found is None:
+            self.print(f"paratrain: no checkpoint in {self.checkpoint_config.dir} yet; starting from the beginning")
+            return None
+        return self.load(found)
+
+    def _checkpoint_root(self, path: str | os.PathLike | None) -> Path:
+        if path is None:
+            if self.checkpoint_config.dir is None:
+                raise CheckpointError("no checkpoint path given and no checkpoint_dir set (Parallel(checkpoint_dir=…) "
+                                      "or paratrain run --checkpoint-dir)")
+            path = self.checkpoint_config.dir
+        return Path(path)
+
+    def _flush_checkpoint(self) -> None:
+        self._auto_checkpoint.flush(self.save, self.optimizer_steps)
+
+    def _checkpoint_targets(self) -> Any:
+        from .checkpoint.io import Targets
+
+        def gather(value: Any) -> list[Any]:
+            if not self._distributed:
+                return [value]
+            out: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(out, value)
+            return out
+
+        return Targets(strategy=self.strategy, models=self._models, optimizers=self._optimizers,
+                       schedulers=self._schedulers, loaders=self._loaders, precision=self.precision,
+                       step=self.optimizer_steps, epoch=self.epoch, rank=self.rank, world_size=self.world_size,
+                       barrier=self.barrier, gather=gather)
+
     # ----------------------------------------------------------------- output
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
@@ -365,6 +502,7 @@ class Parallel:
         the DDP model (the last owner of the process group) while holding the GIL, the group's destructor waits
         for the worker forever. Sleeping releases the GIL so the worker finishes first.
         """
+        self._flush_checkpoint()
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
         if self._owns_group and dist.is_initialized():

@@ -78,6 +78,13 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this plugin (the grad scaler's state, if it has one)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s result."""
+
 
 def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
@@ -116,6 +123,13 @@ class FP16Mixed(Precision):
         assert self.scaler is not None
         self.scaler.step(optimizer)
         self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
 
 
 class BF16True(Precision):

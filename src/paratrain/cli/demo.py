@@ -16,6 +16,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (and resume from them)")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint every N optimizer steps")
+    p.add_argument("--resume", action="store_true", help="start from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the job this many times after a failure (it resumes from the latest checkpoint)")
+    p.add_argument("--fail-at-step", type=int, default=None,
+                   help="fault injection: SIGKILL --fail-rank after this optimizer step, on the first attempt only")
+    p.add_argument("--fail-rank", type=int, default=0, help="the rank --fail-at-step kills (default 0)")
     p.add_argument("--monitor-csv", metavar="PATH", help="log the training monitor's per-rank figures to this CSV")
 
 
@@ -26,8 +34,19 @@ def execute(args: argparse.Namespace) -> int:
     if args.nproc is None and args.strategy == "dp":
         args.nproc = "1"  # nn.DataParallel drives every GPU from one process
     check_args(args, int(args.nproc) if args.nproc and args.nproc.isdigit() else default_nproc())
+    if args.max_restarts < 0:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     nproc = [] if args.nproc is None else ["--nproc-per-node", args.nproc]
-    run([*nproc, "-m", "paratrain.demo", "--strategy", args.strategy, "--epochs", str(args.epochs),
-         "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate), "--lr", str(args.lr),
-         "--seed", str(args.seed), *(["--monitor-csv", args.monitor_csv] if args.monitor_csv else [])])
+    optional = [f"--{name.replace('_', '-')}={getattr(args, name)}"
+                for name in ("checkpoint_dir", "checkpoint_every", "fail_at_step", "monitor_csv")
+                if getattr(args, name) is not None]
+    if args.fail_at_step is not None:
+        optional.append(f"--fail-rank={args.fail_rank}")
+    if args.resume:
+        optional.append("--resume")
+    run([*nproc, "--max-restarts", str(args.max_restarts), "-m", "paratrain.demo", "--strategy", args.strategy,
+         "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--accumulate", str(args.accumulate),
+         "--lr", str(args.lr), "--seed", str(args.seed), *optional])
     return 0

@@ -8,6 +8,7 @@ Commands:
   paratrain bench [--workload W] [-n 1,2] [--compare torch-ddp]  speedup, efficiency and their causes, measured
   paratrain verify module:factory [--strategy S] [-n N]     does the parallel run equal one process?
   paratrain slurm --nodes 4 --gpus-per-node 8 train.py      write an sbatch script (srun paratrain run …)
+  paratrain export CKPT OUT.pt                              a checkpoint's model as one plain state_dict file
 
 Errors print one line; add --debug (before the command) for the full traceback.
 """
@@ -18,10 +19,10 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import ParatrainError, RankFailedError
-from . import bench, demo, doctor, plan, run, slurm, verify
+from . import bench, demo, doctor, export, plan, run, slurm, verify
 
 COMMANDS = {"run": run, "demo": demo, "doctor": doctor, "plan": plan, "bench": bench, "verify": verify,
-            "slurm": slurm}
+            "slurm": slurm, "export": export}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ from ..errors import RankFailedError
 
 _MAX_TRACE_LINES = 30
 _OWN_ERRORS = tuple(f"paratrain.errors.{name}" for name in ("ParatrainError", "ConfigError", "UnknownStrategyError",
-                                                            "LaunchError"))
+                                                            "LaunchError", "CheckpointError"))
 
 
 # Errors a rank raises because a peer died first: never the root cause when a real one is there.

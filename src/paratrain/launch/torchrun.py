@@ -13,7 +13,9 @@ of processes per node. What paratrain adds:
   other nodes and say which address did not answer, and stop when the nodes disagree on ``--nnodes``
   (:mod:`paratrain.launch.multinode`);
 * inside a SLURM ``srun`` step the allocation fills in the flags not given (:mod:`paratrain.launch.slurm`);
-* a process group the script creates without a timeout gets ``--pg-timeout`` (600 s), not torch's 30 min.
+* a process group the script creates without a timeout gets ``--pg-timeout`` (600 s), not torch's 30 min;
+* ``--checkpoint-dir D --checkpoint-every N [--resume]`` make every ``Parallel`` of the job checkpoint itself
+  and, with ``--max-restarts K``, resume from the latest checkpoint after a failure (see docs/checkpoints.md).
 """
 from __future__ import annotations
 
@@ -75,6 +77,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.set_defaults(nproc_per_node=None)
     defaults = {dest: parser.get_default(dest) for dest in _SLURM_FILLED if f"PET_{dest.upper()}" not in os.environ}
     parser.set_defaults(**dict.fromkeys(defaults, _UNSET))
+    parser.add_argument("--checkpoint-dir", "--checkpoint_dir", dest="checkpoint_dir", default=None,
+                        help="paratrain: where Parallel saves checkpoints and resumes from")
+    parser.add_argument("--checkpoint-every", "--checkpoint_every", dest="checkpoint_every", type=int, default=None,
+                        help="paratrain: checkpoint every N optimizer steps")
+    parser.add_argument("--resume", action="store_true",
+                        help="paratrain: start from the latest checkpoint in --checkpoint-dir (restarts always do)")
 
     def error(message: str) -> None:
         raise LaunchError(f"paratrain run: {message} (see `paratrain run --help`)")
@@ -118,6 +126,7 @@ def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> ar
         os.environ[NNODES_VAR] = "{}:{}".format(*nnodes_range(args.nnodes))
     if isinstance(args.nproc_per_node, int) and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cpu_count() // args.nproc_per_node))
+    _export_checkpointing(args)
     if args.max_restarts > 0:
         # Restarted gloo workers can reconnect to the previous attempt's store address (a torchrun trap);
         # a store of their own per attempt avoids it. Not by default: rank 0 then starts that store and the
@@ -161,6 +170,19 @@ def _quiet_cpp_logs(quiet: bool) -> Iterator[None]:
     finally:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
     yield
+
+
+def _export_checkpointing(args: argparse.Namespace) -> None:
+    """Hand the checkpoint options to every rank through the environment (``Parallel`` reads them)."""
+    from ..checkpoint.config import CheckpointConfig
+    from ..errors import ConfigError
+
+    try:
+        config = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
+                                  resume=True if args.resume else None)
+    except ConfigError as e:
+        raise LaunchError(f"paratrain run: {e}") from None
+    os.environ.update(config.environ())
 
 
 def _nproc(value: str | None) -> int | str:

@@ -67,15 +67,31 @@ class _TimedIterator:
 
     def __next__(self) -> Any:
         t0 = perf_counter()
-        item = next(self._it)
-        self._rec.data_s += perf_counter() - t0
-        return item
+        try:
+            return next(self._it)
+        finally:  # the pass's last call, which raises StopIteration, counts too (workers shutting down)
+            self._rec.data_s += perf_counter() - t0
 
     def __len__(self) -> int:
         return len(self._it)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._it, name)
+
+
+class _Untimed:
+    """Work a loader runs inside ``__next__`` that is not loading data (``ShardedLoader.before_fetch``: a pending
+    checkpoint is saved there); its time is taken back out of the data wait."""
+
+    __slots__ = ("fn", "rec")
+
+    def __init__(self, fn: Any, rec: "Recorder") -> None:
+        self.fn, self.rec = fn, rec
+
+    def __call__(self) -> None:
+        t0 = perf_counter()
+        self.fn()
+        self.rec.data_s -= perf_counter() - t0
 
 
 def _timed_subclass(base: type[DataLoader]) -> type[DataLoader]:
@@ -159,6 +175,9 @@ class Recorder:
                 self._classes[cls] = _timed_subclass(cls)
             loader.__class__ = self._classes[cls]
         loader.__dict__["_paratrain_recorder"] = self
+        before = loader.__dict__.get("before_fetch")
+        if callable(before) and not isinstance(before, _Untimed):
+            loader.before_fetch = _Untimed(before, self)  # type: ignore[attr-defined]
         return loader
 
     # ----------------------------------------------------------------- model hooks

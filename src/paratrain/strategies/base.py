@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,32 @@ class Strategy(ABC):
         from ..state_dict import full_state_dict
 
         return full_state_dict(self.unwrap(model), rank0_only=rank0_only)
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """This rank's part of the model state for a checkpoint (see :mod:`paratrain.checkpoint.states`): keyed
+        by the user's parameter names, sharded tensors left sharded, so a load onto another world size or
+        strategy reshards."""
+        from ..checkpoint.states import model_state
+
+        return model_state(self.unwrap(model))
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Copy a loaded ``model_state`` into ``model``."""
+        from ..checkpoint.states import load_model_state
+
+        load_model_state(self.unwrap(model), state)
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state for a checkpoint, per parameter name of ``model``."""
+        from ..checkpoint.states import optimizer_state
+
+        return optimizer_state(self.unwrap(model), optimizer)
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Put a loaded ``optimizer_state`` into ``optimizer``."""
+        from ..checkpoint.states import load_optimizer_state
+
+        load_optimizer_state(self.unwrap(model), optimizer, state)
 
     def describe(self) -> str:
         return self.name

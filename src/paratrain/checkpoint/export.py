@@ -1,0 +1,53 @@
+"""A checkpoint's model as one plain file: ``{name: tensor}`` with full (unsharded) tensors and no wrapper
+prefixes, readable with ``torch.load(path, weights_only=True)`` and loadable into the plain model."""
+from __future__ import annotations
+
+import inspect
+import io
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from . import layout
+from .io import DCP_ERRORS, first_failure, quiet_single_process
+from .safety import SafePlanner, SafeReader
+
+
+def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0) -> dict[str, object]:
+    """Consolidate model ``model`` of the checkpoint at ``path`` (a ``step-…`` folder or a root) into ``out``.
+
+    Runs in one process, whatever world size wrote the checkpoint: torch.distributed.checkpoint reads every
+    shard. Returns what was written (path, step, tensors, bytes).
+    """
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = layout.resolve(path)
+    meta = layout.read_meta(folder)
+    if not 0 <= model < len(meta["models"]):
+        raise CheckpointError(f"checkpoint {folder} holds {len(meta['models'])} model(s); there is no model {model}")
+    reader = SafeReader(folder)
+    prefix = ("model" if model == 0 else f"model_{model}") + "."
+    state: dict[str, object] = {}
+    for key, item in reader.read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            state[name] = (torch.empty(item.size, dtype=item.properties.dtype)
+                           if isinstance(item, TensorStorageMetadata) else None)
+    single = {"no_dist": True} if "no_dist" in inspect.signature(load).parameters else {}
+    try:
+        with quiet_single_process():
+            load({prefix[:-1]: state}, storage_reader=reader, planner=SafePlanner(), **single)
+    except DCP_ERRORS as e:
+        raise CheckpointError(f"could not read checkpoint {folder}: {first_failure(e)}") from None
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    out = Path(out)
+    if out.parent != Path(""):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    layout.write_file(out, buf.getvalue())
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return {"path": out, "step": meta["step"], "tensors": len(tensors), "bytes": out.stat().st_size,
+            "parameters": sum(t.numel() for t in tensors)}

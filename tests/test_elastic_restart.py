@@ -1,0 +1,81 @@
+"""Elastic restart end to end: a rank SIGKILLed mid-training, torchrun restarts the job, it resumes from the
+latest checkpoint and ends bitwise equal to an uninterrupted run; without restarts it fails fast, names the rank
+and leaves nothing running."""
+import os
+import random
+import re
+import subprocess
+import threading
+import time
+
+import pytest
+
+from paratrain.launch.torchrun import parse_args, resolve
+from paratrain.testing import alive, child_pids
+
+DEMO = ["demo", "-n", "2", "--epochs", "1"]  # 22 optimizer steps of the digits CNN
+
+
+def _digest(out: str) -> str:
+    found = re.search(r"final parameters sha256 ([0-9a-f]{64})", out)
+    assert found, out
+    return found.group(1)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_and_the_result_is_bitwise_equal(paratrain_cmd, tmp_path):
+    step, rank = random.randint(1, 21), random.randint(0, 1)
+    clean = subprocess.run([*paratrain_cmd, *DEMO], capture_output=True, text=True, timeout=180)
+    assert clean.returncode == 0, clean.stderr
+    killed = subprocess.run([*paratrain_cmd, *DEMO, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4",
+                             "--max-restarts", "1", "--fail-at-step", str(step), "--fail-rank", str(rank)],
+                            capture_output=True, text=True, timeout=240)
+    why = f"killed rank {rank} after step {step}\n{killed.stderr[-3000:]}"
+    assert killed.returncode == 0, why
+    assert f"fault injection: SIGKILL rank {rank} after step {step}" in killed.stderr, why
+    last = (step - 1) // 4 * 4  # a save due after step k is written before step k + 1 begins
+    if last:
+        assert f"resumed from {tmp_path}/step-{last:08d}" in killed.stdout, why
+    assert _digest(killed.stdout) == _digest(clean.stdout), why
+
+
+def test_without_restarts_a_killed_rank_ends_the_job_within_seconds(paratrain_cmd, tmp_path):
+    proc = subprocess.Popen([*paratrain_cmd, *DEMO, "--fail-at-step", "3", "--fail-rank", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: dict[str, object] = {}
+
+    def read() -> None:
+        lines = []
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if "fault injection" in line and "killed_at" not in seen:
+                seen["killed_at"], seen["workers"] = time.monotonic(), child_pids(proc.pid)
+            lines.append(line)
+        seen["stderr"] = "".join(lines)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        proc.wait(timeout=180)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+    ended = time.monotonic()
+    stderr = str(seen.get("stderr", ""))
+    assert proc.returncode == 1 and "killed_at" in seen, stderr
+    assert ended - seen["killed_at"] < 10, f"the job took {ended - seen['killed_at']:.1f} s to end"  # type: ignore[operator]
+    assert "paratrain: rank 1 failed" in stderr and "killed by SIGKILL" in stderr, stderr
+    assert len(seen["workers"]) == 2 and not alive(seen["workers"])  # type: ignore[arg-type]
+
+
+def test_run_hands_checkpoint_options_to_every_rank(monkeypatch, tmp_path):
+    for key in ("PARATRAIN_CHECKPOINT_DIR", "PARATRAIN_CHECKPOINT_EVERY", "PARATRAIN_RESUME"):
+        monkeypatch.delenv(key, raising=False)
+    script = str(tmp_path / "train.py")
+    open(script, "w").close()
+    resolve(parse_args(["-n", "2", "--checkpoint-dir", "ck", "--checkpoint-every", "50", "--resume", script]))
+    assert os.environ["PARATRAIN_CHECKPOINT_DIR"] == os.path.abspath("ck")
+    assert os.environ["PARATRAIN_CHECKPOINT_EVERY"] == "50" and os.environ["PARATRAIN_RESUME"] == "1"
+    from paratrain.checkpoint import CheckpointConfig
+
+    config = CheckpointConfig.resolve(dir=None, every=None, keep=None, resume=None)
+    assert (config.dir, config.every, config.should_resume()) == (os.path.abspath("ck"), 50, True)
