@@ -157,6 +157,16 @@ def state_bytes(strategy: str, blocks: int = 8, width: int = 64) -> dict[str, in
             "full_params": sum(p.numel() * 4 for p in state_model(blocks, width).parameters())}
 
 
+def state_bytes_per_strategy(strategies: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """``state_bytes`` of each strategy, one after the other in one job (one process group, saving launches)."""
+    from paratrain.parallel import finish_group
+
+    dist.init_process_group("gloo")
+    out = {s: state_bytes(s) for s in strategies}
+    finish_group()
+    return out
+
+
 def state_model(blocks: int = 8, width: int = 64) -> nn.Sequential:
     """The model the state-accounting tests shard (also a factory the planner can load)."""
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)])

@@ -2,7 +2,7 @@
 and sharding really shrinks per-rank state by the ZeRO accounting."""
 import pytest
 
-from dist_workers import state_bytes, train_params
+from dist_workers import state_bytes_per_strategy, train_params
 from paratrain.planner import make_plan
 from paratrain.planner.memory import model_states
 from paratrain.testing import max_abs_diff, spawn
@@ -78,7 +78,9 @@ def _train_kw(strategy, world, options, parallel_kwargs):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planner_predicts_it(world):
-    results = {s: _largest(spawn(state_bytes, world, (s,))) for s in ("ddp", "zero1", "zero2", "zero3")}
+    strategies = ("ddp", "zero1", "zero2", "zero3")
+    ranks = spawn(state_bytes_per_strategy, world, (strategies,))
+    results = {s: _largest([r[s] for r in ranks]) for s in strategies}
     p = results["ddp"]["full_params"]  # fp32 parameters, bytes
     expected = {  # (params, grads, Adam state) per rank, in bytes
         "ddp": (p, p, 2 * p),
