@@ -6,16 +6,27 @@
 
 Model and setup are ``strategies.py``'s: MLP 784-1024x4-10, Adam, fp32, global batch 128 fixed.
 
-Calibration, world 1 only: the plain model in this process on one thread, the forward+backward of the whole
-batch of 128 and the Adam step timed apart (median of interleaved rounds), before and after each launched world
-size; that world is predicted from the mean of the two, so a machine whose load drifts skews it less.
-``make_plan(step_time=forward+backward, optimizer_time=Adam step, threads=1)`` turns them into the host's FLOP rate
-and memory bandwidth (docs/planner.md, "Calibrating"); the planner then splits the global batch per replica itself.
-The same is timed at torch's default thread count once, for reference.
+Calibration, world 1 only, in this process (median of interleaved rounds, before and after each launched world
+size; that world is predicted from the mean of the two, so a machine whose load drifts skews it less):
+
+- one thread: the forward+backward of the whole batch of 128, the same batch as 8 micro-batches of 16 (per
+  micro-batch), and the Adam step, each timed apart: the FLOP rate, the weight passes (the batch-independent
+  part of a forward+backward) and the memory bandwidth;
+- all cores (threads of this process): the same forward+backward and Adam step: what the host sustains when
+  every core is busy, which each of N processes gets 1/N of;
+- whole steps of ``single``, ``zero2`` and ``zero3`` through ``paratrain.Parallel`` on one thread, the FSDP ones on
+  a private one-rank group: FSDP's own machinery (hooks, copies, DTensor optimizer step) with nothing to
+  communicate is their difference.
+
+``make_plan(step_time=..., optimizer_time=..., micro_step_time=..., host_step_time=..., fsdp_overhead=...,
+threads=1)`` turns them into the planner's constants (docs/planner.md, "Calibrating"); the planner then splits
+the global batch per replica itself. glibc's allocator is told to keep freed memory (``MALLOC_ENV``, for this
+process and the ranks alike): by default the Adam step's timing depends on page faults.
 
 Link figures, per world size: each launched job first times the collectives the strategies use on the model's
-15.8 MB of gradients (all-reduce, all-gather, reduce-scatter, ZeRO-1's per-shard broadcasts) and point-to-point
-sends of a pipeline's 64 KB activations and of 4 MB, before it runs any strategy; ``make_plan(link_timings=...)``
+15.8 MB of gradients (all-reduce, all-gather, reduce-scatter, ZeRO-1's per-shard broadcasts), a few-byte
+all-reduce (latency) and point-to-point sends of a pipeline's 64 KB activations and of 4 MB, before it runs any
+strategy; ``make_plan(link_timings=...)``
 sets the link from them (``timing.measured_link``). Predictions are shown with those figures and with the
 catalogue's ``loopback-gloo``.
 
@@ -26,6 +37,8 @@ share of the cores other processes used meanwhile (as ``ddp_overhead.py`` does);
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import resource
@@ -55,6 +68,11 @@ MICRO_BATCHES = 8
 BOUNDARY_BYTES = GLOBAL // MICRO_BATCHES * strategies.MODEL_WIDTH * 4
 """What a pipeline stage sends per micro-batch: 16 samples x 1024 fp32 activations."""
 CORES = len(os.sched_getaffinity(0))
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+"""glibc keeps freed memory instead of returning it to the OS: by default it gives back what PyTorch frees (the
+optimizer step's and FSDP's multi-MB temporaries) and faults it in again on the next step, which made a one-thread
+Adam step take 7.5 ms with no page faults and 20-30 ms with 6,000 per step, depending on the heap's history. Set
+for the whole benchmark (calibration and ranks alike); ``--default-malloc`` keeps the default."""
 T = TypeVar("T")
 
 
@@ -95,8 +113,10 @@ def _median_s(fn: Callable[[], object], steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def single_phases(threads: int, steps: int, warmup: int) -> tuple[float, float]:
-    """Median seconds of the plain model's forward+backward on the global batch, and of its Adam step."""
+def single_phases(steps: int, warmup: int, threads: int = 1) -> dict[str, float]:
+    """Median seconds of the plain model's ``forward_backward`` on the global batch, of one forward+backward of a
+    pipeline's micro-batch (``micro_batch``: the batch cut in ``MICRO_BATCHES``, all run, divided by their number)
+    and of its ``adam`` step."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -109,24 +129,73 @@ def single_phases(threads: int, steps: int, warmup: int) -> tuple[float, float]:
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x), y).backward()
 
+        def micro_batches() -> None:
+            opt.zero_grad(set_to_none=True)
+            for xs, ys in zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES)):
+                nn.functional.cross_entropy(model(xs), ys).backward()
+
         forward_backward()
-        return _median_s(forward_backward, steps, warmup), _median_s(opt.step, steps, warmup)
+        return {"forward_backward": _median_s(forward_backward, steps, warmup),
+                "micro_batch": _median_s(micro_batches, steps, warmup) / MICRO_BATCHES,
+                "adam": _median_s(opt.step, steps, warmup)}
     finally:
         torch.set_num_threads(before)
 
 
-def measure_single(rounds: int, steps: int, warmup: int, counts: list[int]) -> dict[int, tuple[float, float]]:
-    """Per thread count: medians over interleaved rounds of (forward+backward, Adam step)."""
-    per_round: dict[int, list[tuple[float, float]]] = {n: [] for n in counts}
+def one_rank_step_s(label: str, steps: int, warmup: int) -> float:
+    """Median seconds of a whole training step of ``label`` (``single`` or a ``strategies.STRATEGIES`` label) in
+    this plain process on one thread: the strategy runs on its private one-rank group, so FSDP runs its hooks,
+    copies and sharded optimizer step with nobody to communicate with."""
+    strategy, options = strategies.STRATEGIES.get(label, (label, {}))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    par = paratrain.Parallel(strategy, **options)
+    try:
+        model = strategies.build_model()
+        model, opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(GLOBAL, 784, generator=g), torch.randint(0, 10, (GLOBAL,), generator=g)
+
+        def step() -> None:
+            with par.step(model, opt):
+                par.forward_backward(model, x, y, nn.functional.cross_entropy)
+
+        return _median_s(step, steps, warmup)
+    finally:
+        with contextlib.redirect_stdout(io.StringIO()):  # the monitor's one-rank summary table
+            par.close()
+        torch.set_num_threads(before)
+
+
+ONE_RANK = ("single", "zero2", "zero3")
+"""Strategies timed whole at world 1: FSDP's own machinery is zero2's and zero3's step minus single's."""
+
+
+def measure_world1(rounds: int, steps: int, warmup: int) -> dict[str, float]:
+    """World 1, one thread, medians over interleaved rounds: ``single_phases`` and ``ONE_RANK``'s whole steps."""
+    parts: list[Callable[[], dict[str, float]]] = [
+        lambda: single_phases(steps, warmup),
+        lambda: {f"host_{k}": v for k, v in single_phases(steps, warmup, threads=CORES).items()},
+        *(lambda label=label: {label: one_rank_step_s(label, steps, warmup)} for label in ONE_RANK)]
+    per_round: dict[str, list[float]] = {}
     for r in range(rounds):
-        for n in (counts if r % 2 == 0 else counts[::-1]):
-            per_round[n].append(single_phases(n, steps, warmup))
-    return {n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
-            for n, ts in per_round.items()}
+        for part in (parts if r % 2 == 0 else parts[::-1]):
+            for name, seconds in part().items():
+                per_round.setdefault(name, []).append(seconds)
+    return {name: statistics.median(ts) for name, ts in per_round.items()}
+
+
+def describe_world1(w: dict[str, float]) -> str:
+    ms = {k: 1e3 * v for k, v in w.items()}
+    return (f"forward+backward {ms['forward_backward']:.1f} ms (per micro-batch of {GLOBAL // MICRO_BATCHES}: "
+            f"{ms['micro_batch']:.1f}) + Adam {ms['adam']:.1f} ms; whole steps: single {ms['single']:.1f}, zero2 "
+            f"{ms['zero2']:.1f}, zero3 {ms['zero3']:.1f} ms")
 
 
 def link_timings(nbytes: int, repeats: int) -> dict[str, tuple[float, float]]:
-    """This rank's median seconds per collective, as the strategies issue them (inside a process group)."""
+    """This rank's median seconds per collective, as the strategies issue them (inside a process group): every
+    call starts after a barrier, the collectives in turn, so a slow spell of the machine hits all of them alike
+    and back-to-back sends do not queue behind a receiver that is not scheduled."""
     n, rank = dist.get_world_size(), dist.get_rank()
     numel = nbytes // 4 // n * n
     full, shard = torch.randn(numel), torch.empty(numel // n)
@@ -141,24 +210,30 @@ def link_timings(nbytes: int, repeats: int) -> dict[str, tuple[float, float]]:
         # pipeline neighbours: even ranks send to the next, odd ones receive from the previous
         return (lambda: dist.send(buf, rank + 1)) if rank % 2 == 0 else (lambda: dist.recv(buf, rank - 1))
 
+    tiny = torch.zeros(2)
     ops = {"all_reduce": (numel * 4, lambda: dist.all_reduce(full)),
+           "all_reduce_small": (tiny.numel() * 4, lambda: dist.all_reduce(tiny)),
            "all_gather": (numel * 4, lambda: dist.all_gather_into_tensor(full, shard)),
            "reduce_scatter": (numel * 4, lambda: dist.reduce_scatter_tensor(shard, full)),
            "broadcast": (numel * 4, broadcasts),
            "p2p_small": (BOUNDARY_BYTES, p2p(BOUNDARY_BYTES)),
            "p2p": (4 * 2**20, p2p(4 * 2**20))}
-    out = {}
-    for name, (size, op) in ops.items():
-        dist.barrier()
-        out[name] = (size, _median_s(op, repeats, 2))
-    return out
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for r in range(2 + repeats):  # round-robin, each call started together after a barrier; two rounds warm up
+        for name, (_, op) in ops.items():
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            if r >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {name: (size, statistics.median(times[name])) for name, (size, _) in ops.items()}
 
 
 def accuracy_job(labels: list[str], rounds: int, steps: int, warmup: int) -> dict[str, object]:
     """One rank: the link figures first, then every strategy (``strategies.run_rounds``)."""
     dist.init_process_group("gloo")
     params = sum(p.numel() for p in strategies.build_model().parameters())
-    link = link_timings(params * 4, repeats=max(steps, 5))
+    link = link_timings(params * 4, repeats=max(2 * steps, 10))
     out = {"link": link, "rounds": strategies.run_rounds(labels, rounds, steps, warmup)}
     dist.destroy_process_group()
     return out
@@ -171,18 +246,28 @@ def slowest_link(ranks: list[dict[str, object]]) -> dict[str, tuple[float, float
     return {name: (links[0][name][0], max(link[name][1] for link in links)) for name in links[0]}
 
 
-def predict(world: int, forward_backward_s: float, optimizer_s: float,
-            link: dict[str, tuple[float, float]] | None) -> dict[str, float]:
+def predict(world: int, world1: dict[str, float], link: dict[str, tuple[float, float]] | None) -> dict[str, float]:
     """Predicted step seconds per planner strategy at ``world`` ranks on this host, calibrated on world 1."""
     plan = make_plan(model="strategies:build_model", input_spec="784", gpu="cpu", gpus=world, precision="fp32",
                      optimizer="adam", micro_batch=GLOBAL, global_batch=GLOBAL, micro_batches=MICRO_BATCHES,
-                     schedule="1f1b", step_time=forward_backward_s, optimizer_time=optimizer_s, threads=1,
-                     link_timings=link)
+                     schedule="1f1b", step_time=world1["forward_backward"], optimizer_time=world1["adam"],
+                     micro_step_time=(GLOBAL // MICRO_BATCHES, world1["micro_batch"]),
+                     host_step_time=(world1["host_forward_backward"], world1["host_adam"]),
+                     fsdp_overhead={"zero2": world1["zero2"] - world1["single"],
+                                    "fsdp": world1["zero3"] - world1["single"]},
+                     threads=1, link_timings=link)
     return {e.name: e.time.step_s for e in plan.estimates}
 
 
 def error(predicted_s: float, measured_s: float) -> float:
     return predicted_s / measured_s - 1
+
+
+def with_steady_allocator() -> None:
+    """Re-run this script with ``MALLOC_ENV`` set when it is not (glibc reads it at start; ranks inherit it)."""
+    if all(os.environ.get(k) == v for k, v in MALLOC_ENV.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
 
 
 def main() -> None:
@@ -191,26 +276,31 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--calibration-steps", type=int, default=30, help="timed steps per world-1 part and round")
     p.add_argument("--quick", action="store_true", help="world 1 and 2, 1 round, 5 steps")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="keep glibc's default trimming (freed memory goes back to the OS and faults in again)")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
+    if not a.default_malloc:
+        with_steady_allocator()
     worlds = [2] if a.quick else [int(w) for w in a.worlds.split(",")]
     rounds, steps = (1, 5) if a.quick else (a.rounds, a.steps)
+    cal_rounds, cal_steps = (1, 5) if a.quick else (max(rounds, 3), a.calibration_steps)
     default_threads = torch.get_num_threads()
-    calibration_rounds = rounds if a.quick else max(rounds, 3)
+    malloc = "glibc default" if a.default_malloc else " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
     print(f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; "
           f"MLP 784-{strategies.MODEL_WIDTH}x4-10, Adam, fp32, global batch {GLOBAL}; {rounds} round(s) x {steps} "
-          f"timed steps")
+          f"timed steps; world 1: {cal_rounds} round(s) x {cal_steps}; allocator: {malloc}")
 
-    single, wall, share = audited(lambda: measure_single(calibration_rounds, steps, a.warmup,
-                                                         sorted({1, default_threads})))
-    before = single[1]
-    print(f"world 1, 1 thread: forward+backward {1e3 * before[0]:.1f} ms + Adam step {1e3 * before[1]:.1f} ms; at "
-          f"{default_threads} threads {1e3 * single[default_threads][0]:.1f} + {1e3 * single[default_threads][1]:.1f} "
-          f"ms; {load_note(wall, share)}")
+    before, wall, share = audited(lambda: measure_world1(cal_rounds, cal_steps, a.warmup))
+    print(f"world 1, 1 thread: {describe_world1(before)}; {load_note(wall, share)}")
+    threaded = single_phases(cal_steps, a.warmup, threads=default_threads)
+    print(f"world 1, {default_threads} threads (reference): forward+backward {1e3 * threaded['forward_backward']:.1f}"
+          f" + Adam {1e3 * threaded['adam']:.1f} ms")
     shares, links, rows, calibrations = {"1": share}, {}, [], {}
     for world in worlds:
-        catalogue = predict(world, *before, None)
+        catalogue = predict(world, before, None)
         labels = {name: label for name, label in PLANNER_TO_LABEL.items() if name in catalogue}
         ranks, wall, shares[str(world)] = audited(lambda: paratrain.launch(
             accuracy_job, world, (list(labels.values()), rounds, steps, a.warmup), timeout_s=900))
@@ -219,15 +309,13 @@ def main() -> None:
         measured = {r["strategy"]: r["step_ms"] / 1e3 for r in summary}
         figures = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, (_, s) in links[world].items())
         print(f"world {world}: measured in {load_note(wall, shares[str(world)])}; link: {figures}")
-        again, wall, shares[f"1 after {world}"] = audited(
-            lambda: measure_single(calibration_rounds, steps, a.warmup, [1]))
-        after = again[1]
-        fb, opt = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2  # the world 1 step around this job
-        calibrations[world] = {"before_ms": [1e3 * t for t in before], "after_ms": [1e3 * t for t in after]}
-        print(f"world 1 again, 1 thread: {1e3 * after[0]:.1f} + {1e3 * after[1]:.1f} ms "
-              f"({sum(after) / sum(before) - 1:+.1%}); world {world} is predicted from the mean, "
-              f"{1e3 * fb:.1f} + {1e3 * opt:.1f} ms; {load_note(wall, shares[f'1 after {world}'])}")
-        catalogue, with_link = predict(world, fb, opt, None), predict(world, fb, opt, links[world])
+        after, wall, shares[f"1 after {world}"] = audited(lambda: measure_world1(cal_rounds, cal_steps, a.warmup))
+        mean = {k: (before[k] + after[k]) / 2 for k in before}  # the world-1 figures around this job
+        calibrations[world] = {"before_ms": {k: 1e3 * v for k, v in before.items()},
+                               "after_ms": {k: 1e3 * v for k, v in after.items()}}
+        print(f"world 1 again ({after['single'] / before['single'] - 1:+.1%} single step): {describe_world1(after)}; "
+              f"{load_note(wall, shares[f'1 after {world}'])}")
+        catalogue, with_link = predict(world, mean, None), predict(world, mean, links[world])
         rows += [{"world": world, "strategy": label, "measured_ms": 1e3 * measured[label],
                   "predicted_ms": 1e3 * with_link[name], "error": error(with_link[name], measured[label]),
                   "catalogue_link_ms": 1e3 * catalogue[name],
@@ -248,8 +336,9 @@ def main() -> None:
           f"{len(rows)} with the catalogue's")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"calibration_ms": calibrations, "threads": 1, "default_threads": default_threads,
-                       "default_threads_ms": [1e3 * t for t in single[default_threads]],
+            json.dump({"calibration_ms": calibrations, "threads": 1, "allocator": malloc,
+                       "default_threads": default_threads,
+                       "default_threads_ms": {k: 1e3 * v for k, v in threaded.items()},
                        "background_share": shares, "link_timings": links, "rows": rows}, f, indent=2)
 
 

@@ -56,6 +56,15 @@ class Device:
     cores: int | None = None
     """A CPU host's cores. Its processes share them: each of N gets cores/N of the host's compute and memory
     bandwidth, so beyond one process per core (oversubscription) a process computes N/cores times slower."""
+    core_speedup: float | None = None
+    """What all of a CPU host's cores compute together over one of them; default: the number of cores. Measured
+    (``calibrated``'s ``host_step``) it is often less: cores share caches, memory channels or a physical core."""
+    fsdp_call_s: float = 0.0
+    """Seconds of FSDP's own machinery per wrap unit and collective call (all-gather or reduce-scatter), per
+    micro-batch, beyond the copies the time model counts: its pre/post forward and backward hooks, DTensor
+    bookkeeping and the sharded optimizer step's per-tensor work. Host-side Python, one thread: on a CPU host it is
+    one core's time (``calibrated`` sets it from FSDP timed on a one-rank group against a plain step); on GPUs it
+    runs ahead of the kernels it queues, so the catalogue leaves it at 0."""
 
     def __post_init__(self) -> None:
         for name in ("memory_gib", "bf16_tflops", "fp32_tflops", "mfu", "memory_gbs"):
@@ -69,9 +78,21 @@ class Device:
             raise ConfigError(f"device {self.name}: overhead_gib must be >= 0, got {self.overhead_gib}")
         if self.weight_passes < 0:
             raise ConfigError(f"device {self.name}: weight_passes must be >= 0, got {self.weight_passes}")
+        if self.core_speedup is not None and not self.core_speedup > 0:
+            raise ConfigError(f"device {self.name}: core_speedup must be > 0, got {self.core_speedup}")
+        if self.fsdp_call_s < 0:
+            raise ConfigError(f"device {self.name}: fsdp_call_s must be >= 0, got {self.fsdp_call_s}")
 
     def peak_tflops(self, precision: str) -> float:
         return self.fp32_tflops if precision == "fp32" else self.bf16_tflops
+
+    def serial_slowdown(self, ranks: int) -> float:
+        """How much slower one-threaded host work (Python, hooks) runs per rank than on one idle core: 1 on a GPU;
+        on a CPU host, ranks / ``core_speedup`` when that is more than 1 (each rank gets 1/ranks of what the
+        cores compute together)."""
+        if not self.shared_by_ranks or not self.cores:
+            return 1.0
+        return max(1.0, ranks / (self.core_speedup or self.cores))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +112,9 @@ class Link:
     """Per-message latency (microseconds); a ring collective pays it once per step of the ring."""
     p2p_gbs: float | None = None
     """Point-to-point bandwidth when it differs from the collectives' (gloo over loopback)."""
+    p2p_latency_us: float | None = None
+    """Point-to-point latency when it differs from the collectives' (measured apart: a blocking send waits for
+    its receiver to be scheduled, which on an oversubscribed CPU host costs milliseconds)."""
     all_gather_eff: float = 1.0
     """All-gather's bus bandwidth over the all-reduce's."""
     reduce_scatter_eff: float = 1.0
@@ -101,7 +125,7 @@ class Link:
     def __post_init__(self) -> None:
         if not self.bandwidth_gbs > 0:
             raise ConfigError(f"link {self.name}: bandwidth must be > 0 GB/s, got {self.bandwidth_gbs}")
-        if self.latency_us < 0:
+        if self.latency_us < 0 or (self.p2p_latency_us or 0) < 0:
             raise ConfigError(f"link {self.name}: latency must be >= 0, got {self.latency_us}")
         for name in ("all_gather_eff", "reduce_scatter_eff", "broadcast_eff"):
             if not getattr(self, name) > 0:
@@ -114,6 +138,10 @@ class Link:
     @property
     def p2p_bytes_per_s(self) -> float:
         return (self.p2p_gbs or self.bandwidth_gbs) * GB
+
+    @property
+    def p2p_latency_s(self) -> float:
+        return (self.latency_us if self.p2p_latency_us is None else self.p2p_latency_us) * 1e-6
 
 
 def _pcie(gen: int, lanes: int) -> Link:
@@ -301,7 +329,8 @@ def make_cluster(gpu: str = "h100", *, gpus: int = 1, nodes: int = 1, interconne
 
 def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, precision: str,
                streamed_bytes: float = 0.0, optimizer_bytes: float = 0.0, optimizer_s: float | None = None,
-               threads: int | None = None) -> Cluster:
+               threads: int | None = None, micro_step: tuple[float, float] | None = None,
+               host_step: tuple[float, float] | None = None) -> Cluster:
     """The cluster with its device's MFU (and memory bandwidth) set from one rank's measured step.
 
     The step is modelled as the time model does (docs/planner.md): ``flops_per_step`` at the sustained rate plus
@@ -312,26 +341,64 @@ def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, p
     cores the step ran on; the host's rates are cores/threads times theirs. A measured step is the best
     predictor of the sustained rate; the catalogue peak only fixes the scale. Raises when the measurement
     implies more than the catalogue peak (raise --tflops).
+
+    ``micro_step`` (FLOPs, seconds): a smaller forward+backward timed the same way. Two batch sizes give the line
+    time = FLOPs / rate + a fixed part; the fixed part (what a forward+backward costs whatever the batch) sets the
+    weight passes, at the bandwidth above, instead of the catalogue's.
+
+    ``host_step`` (forward+backward seconds, optimizer seconds): on a CPU host, the same two timed on all its
+    cores (threads of one process). They set the host's rates instead of cores/threads times one thread's — cores
+    that share caches, memory channels or a physical core (SMT) compute less together than apart — and
+    ``Device.core_speedup``.
     """
     if step_time_s <= 0:
         raise ConfigError(f"--step-time must be > 0 seconds, got {step_time_s}")
     d = cluster.device
     scale = d.cores / threads if d.shared_by_ranks and d.cores and threads else 1.0
+    if (micro_step is not None or host_step is not None) and optimizer_s is None:
+        raise ConfigError("a smaller or an all-cores forward+backward calibrates together with the optimizer step "
+                          "timed apart")
     if optimizer_s is not None:
         if optimizer_s <= 0 or optimizer_bytes <= 0:
             raise ConfigError(f"a measured optimizer step needs its time and bytes > 0, got {optimizer_s} s, "
                               f"{optimizer_bytes} bytes")
         bandwidth = optimizer_bytes / optimizer_s
-        d = replace(d, memory_gbs=bandwidth * scale / GB)
-        compute_s = step_time_s - streamed_bytes / bandwidth
+        fixed_s = streamed_bytes / bandwidth
     else:
         bandwidth = d.memory_gbs * GB / scale
-        compute_s = step_time_s - (streamed_bytes + optimizer_bytes) / bandwidth
+        fixed_s = (streamed_bytes + optimizer_bytes) / bandwidth
+    if micro_step is not None:
+        micro_flops, micro_s = micro_step
+        if not 0 < micro_flops < flops_per_step or not 0 < micro_s < step_time_s or streamed_bytes <= 0:
+            raise ConfigError(f"a smaller forward+backward ({micro_flops:.3g} FLOPs in {micro_s} s) calibrates "
+                              f"against the step ({flops_per_step:.3g} FLOPs in {step_time_s} s): it needs fewer "
+                              "FLOPs and less time")
+        fitted_s = step_time_s - flops_per_step * (step_time_s - micro_s) / (flops_per_step - micro_flops)
+        if fitted_s <= 0:
+            raise ConfigError(f"forward+backward {micro_s} s at {micro_flops:.3g} FLOPs and {step_time_s} s at "
+                              f"{flops_per_step:.3g} leave no batch-independent time; time both again")
+        d = replace(d, weight_passes=d.weight_passes * fitted_s / fixed_s)
+        streamed_bytes *= fitted_s / fixed_s
+        fixed_s = fitted_s
+    compute_s = step_time_s - fixed_s
     if compute_s <= 0:
         raise ConfigError(f"a {step_time_s} s step is no longer than streaming the weights and optimizer state at "
                           f"{bandwidth / GB:.3g} GB/s; check --step-time or raise --mem-bw-gbs")
+    rate, host_bandwidth = flops_per_step / compute_s * scale, bandwidth * scale
+    if host_step is not None and d.shared_by_ranks:
+        host_fb, host_opt = host_step
+        if host_fb <= 0 or host_opt <= 0:
+            raise ConfigError(f"an all-cores step needs times > 0, got {host_fb} s and {host_opt} s")
+        host_bandwidth = optimizer_bytes / host_opt
+        host_compute_s = host_fb - streamed_bytes / host_bandwidth
+        if host_compute_s <= 0:
+            raise ConfigError(f"an all-cores forward+backward of {host_fb} s is no longer than streaming the weights "
+                              f"at {host_bandwidth / GB:.3g} GB/s; time it again")
+        d = replace(d, core_speedup=compute_s / host_compute_s)
+        rate = flops_per_step / host_compute_s
+    if optimizer_s is not None:
+        d = replace(d, memory_gbs=host_bandwidth / GB)
     peak = d.peak_tflops(precision) * 1e12
-    rate = flops_per_step / compute_s * scale
     if rate > peak:
         raise ConfigError(f"a {step_time_s} s step means {rate / 1e12:.1f} TFLOP/s, above "
                           f"{d.name}'s peak {peak / 1e12:g}; check --step-time or raise --tflops")

@@ -107,3 +107,17 @@ def stage_params(units: tuple[tuple[str, int], ...], stages: int) -> int:
         else:
             lo = cap + 1
     return lo
+
+
+def stage_flops(units: tuple[tuple[str, int], ...], unit_flops: tuple[float, ...], stages: int) -> float:
+    """FLOPs of the busiest stage when ``units`` are cut as ``stage_params`` cuts them (balanced by parameters,
+    as paratrain's pipeline cuts a model): the greedy left-to-right runs under that cap."""
+    cap = stage_params(units, stages)
+    busiest = run_flops = 0.0
+    run = 0
+    for (_, size), flops in zip(units, unit_flops):
+        if run + size > cap:
+            busiest, run, run_flops = max(busiest, run_flops), 0, 0.0
+        run += size
+        run_flops += flops
+    return max(busiest, run_flops)

@@ -6,9 +6,10 @@ from dataclasses import replace
 
 from ..errors import ConfigError
 from .hardware import calibrated, make_cluster
+from .model_stats import ModelStats
 from .models import resolve_model
 from .recommend import Plan, recommend
-from .timing import measured_link, optimizer_step_bytes, weight_bytes
+from .timing import fsdp_call_from, measured_link, optimizer_step_bytes, weight_bytes
 from .training import Training
 
 
@@ -20,6 +21,8 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
               mfu: float | None = None, mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None,
               inter_bw_gbs: float | None = None, step_time: float | None = None, optimizer_time: float | None = None,
               threads: int | None = None, link_timings: Mapping[str, tuple[float, float]] | None = None,
+              micro_step_time: tuple[float, float] | None = None,
+              host_step_time: tuple[float, float] | None = None, fsdp_overhead: Mapping[str, float] | None = None,
               **training: object) -> Plan:
     """The plan for ``paratrain plan``'s options (``training`` holds ``Training``'s fields; precision ``auto``
     is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
@@ -30,6 +33,12 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
     the measured step used. ``measure`` runs the model here and, when the device is this CPU, calibrates from
     that (a forward+backward on torch's threads). ``link_timings`` (collective name -> (bytes, seconds), measured
     on ``gpus`` ranks of one node) replace the intra-node link's figures: see ``timing.measured_link``.
+    ``micro_step_time`` (samples, seconds): with ``step_time`` and ``optimizer_time``, a forward+backward of fewer
+    samples timed the same way; the two set the batch-independent part (the weight passes). ``host_step_time``
+    (forward+backward seconds, optimizer seconds): on a CPU host, the same step timed on all its cores; sets the
+    host's rates (see ``hardware.calibrated``). ``fsdp_overhead``
+    (``zero2`` and/or ``fsdp`` -> seconds): what that strategy's step on a one-rank group added to a plain step of
+    ``--batch`` samples on ``threads`` threads; sets ``Device.fsdp_call_s`` (the mean over the strategies given).
     """
     cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
                            gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, mem_bw_gbs=mem_bw_gbs,
@@ -51,5 +60,28 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
                              step_time_s=step_time, precision=setup.precision,
                              streamed_bytes=weight_bytes(stats.params, setup, cluster),
                              optimizer_bytes=optimizer_step_bytes(stats.params, setup) if with_optimizer else 0.0,
-                             optimizer_s=optimizer_time, threads=threads)
+                             optimizer_s=optimizer_time, threads=threads,
+                             micro_step=None if micro_step_time is None else (
+                                 stats.flops_per_sample * setup.flops_factor * micro_step_time[0], micro_step_time[1]),
+                             host_step=host_step_time)
+    elif micro_step_time is not None or host_step_time is not None:
+        raise ConfigError("a smaller or an all-cores forward+backward calibrates together with --step-time and "
+                          "--optimizer-time")
+    if fsdp_overhead:
+        if optimizer_time is None:
+            raise ConfigError("FSDP's overhead calibrates together with --step-time and --optimizer-time")
+        bandwidth = optimizer_step_bytes(stats.params, setup) / optimizer_time  # the measuring thread's
+        cluster = replace(cluster, device=replace(cluster.device, fsdp_call_s=fsdp_call_s(
+            fsdp_overhead, stats, setup, bandwidth)))
     return recommend(stats, cluster, setup)
+
+
+def fsdp_call_s(overhead: Mapping[str, float], stats: ModelStats, setup: Training, bandwidth: float) -> float:
+    """``Device.fsdp_call_s`` from FSDP's one-rank overheads (``make_plan``'s ``fsdp_overhead``), averaged;
+    ``bandwidth``: the measuring thread's."""
+    stages = {"zero2": 2, "fsdp": 3, "zero3": 3}
+    unknown = sorted(set(overhead) - set(stages))
+    if unknown:
+        raise ConfigError(f"FSDP overhead for {', '.join(unknown)}: give it for zero2 and/or fsdp")
+    per_call = [fsdp_call_from(s, stats, stages[name], setup, bandwidth) for name, s in overhead.items()]
+    return sum(per_call) / len(per_call)

@@ -56,6 +56,10 @@ class ModelStats:
     largest_activation_bytes_per_sample: float = 0.0
     """The largest single tensor autograd saves, for one sample, in fp32: backward holds a gradient of that size
     coming in and one going out while it is still saved."""
+    unit_flops: tuple[float, ...] = ()
+    """Forward + backward FLOPs of one sample per wrap unit, in ``units``' order (traced models: what
+    ``FlopCounterMode`` charges each unit, backward included); empty when not known (closed forms), and a
+    pipeline's stages are then taken to split the FLOPs evenly."""
     param_bytes: Mapping[str, int] = field(default_factory=dict)
     """Bytes of the parameters as built, by dtype."""
     source: str = ""
@@ -71,6 +75,8 @@ class ModelStats:
             raise ConfigError(f"model {self.name!r} has no trainable parameters")
         if not self.units:
             raise ConfigError(f"model {self.name!r}: no units")
+        if self.unit_flops and len(self.unit_flops) != len(self.units):
+            raise ConfigError(f"model {self.name!r}: {len(self.unit_flops)} unit FLOP counts for {len(self.units)} units")
         if min(self.flops_per_sample, self.activation_bytes_per_sample, self.checkpointed_bytes_per_sample,
                self.boundary_bytes_per_sample) < 0:
             raise ConfigError(f"model {self.name!r}: FLOPs and byte counts must be >= 0")
@@ -283,9 +289,12 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
     checkpointed = x.numel() * x.element_size() + sum(outputs[:-1]) + outside + max(per_unit.values(), default=0)
 
     sizes = [(n, _count(m.parameters())) for n, m in units]
+    by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    unit_flops = [by_module.get(f"{type(model).__name__}.{n}", 0) / batch for n, _ in units]
     direct = _count(model.parameters(recurse=False))
     if direct or not sizes:
         sizes.insert(0, ("(root)", direct))
+        unit_flops.insert(0, max(0.0, counter.get_total_flops() / batch - sum(unit_flops)))
     by_dtype: Counter[str] = Counter()
     for p in model.parameters():
         by_dtype[str(p.dtype).removeprefix("torch.")] += p.numel() * p.element_size()
@@ -294,7 +303,7 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
               if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.weight.requires_grad}
     return ModelStats(name=name, params=_count(model.parameters()), units=tuple(sizes),
                       largest_layer=max(layers, key=lambda x: x[1]),
-                      flops_per_sample=counter.get_total_flops() / batch,
+                      flops_per_sample=counter.get_total_flops() / batch, unit_flops=tuple(unit_flops),
                       activation_bytes_per_sample=sum(per_unit.values(), outside) / batch,
                       checkpointed_bytes_per_sample=min(checkpointed, sum(per_unit.values(), outside)) / batch,
                       boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,

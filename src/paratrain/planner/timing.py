@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .hardware import GB, Cluster, Link
-from .layout import Layout
+from .layout import Layout, stage_flops
 from .memory import activation_figures, ranked_params
 from .model_stats import ModelStats
 from .training import Batching, Training
@@ -58,7 +58,7 @@ def broadcast_s(nbytes: float, ranks: int, link: Link) -> float:
 
 def p2p_s(nbytes: float, link: Link) -> float:
     """One send between two ranks (pipeline stages)."""
-    return link.latency_us * 1e-6 + nbytes / link.p2p_bytes_per_s
+    return link.p2p_latency_s + nbytes / link.p2p_bytes_per_s
 
 
 def measured_link(link: Link, ranks: int, timings: Mapping[str, tuple[float, float]]) -> Link:
@@ -66,7 +66,8 @@ def measured_link(link: Link, ranks: int, timings: Mapping[str, tuple[float, flo
 
     ``all_reduce`` sets the bus bandwidth; ``all_gather``, ``reduce_scatter`` and ``broadcast`` their
     efficiencies against it; ``p2p`` (a large send) and ``p2p_small`` (a small one) the point-to-point bandwidth
-    and the latency. Each inverts this module's formula for that collective, so a plan made with the result
+    and latency; ``all_reduce_small`` (a few bytes) the collectives' latency, which is otherwise the
+    point-to-point one. Each inverts this module's formula for that collective, so a plan made with the result
     reproduces the timings it was given. Missing names keep ``link``'s figures.
     """
     out, alpha = link, link.latency_us * 1e-6
@@ -74,10 +75,13 @@ def measured_link(link: Link, ranks: int, timings: Mapping[str, tuple[float, flo
         (big, t_big), (small, t_small) = timings["p2p"], timings["p2p_small"]
         per_byte = max(t_big - t_small, 1e-12) / max(big - small, 1)
         alpha = max(t_small - small * per_byte, 0.0)
-        out = replace(out, latency_us=alpha * 1e6, p2p_gbs=1 / per_byte / GB)
+        out = replace(out, latency_us=alpha * 1e6, p2p_latency_us=alpha * 1e6, p2p_gbs=1 / per_byte / GB)
     elif "p2p" in timings:
         size, seconds = timings["p2p"]
-        out = replace(out, p2p_gbs=size / max(seconds - alpha, 1e-9) / GB)
+        out = replace(out, p2p_gbs=size / max(seconds - out.p2p_latency_s, 1e-9) / GB)
+    if "all_reduce_small" in timings and ranks > 1:
+        alpha = timings["all_reduce_small"][1] / (2 * (ranks - 1))  # a few bytes: latency alone
+        out = replace(out, latency_us=alpha * 1e6)
     if "all_reduce" in timings:
         size, seconds = timings["all_reduce"]
         moved = 2 * (ranks - 1) / ranks * size
@@ -132,6 +136,30 @@ def optimizer_step_bytes(params: float, training: Training) -> float:
     return params * training.optimizer_step_bytes
 
 
+def fsdp_calls(zero: int) -> int:
+    """Collective calls per wrap unit and micro-batch: zero2 gathers once and reduce-scatters, zero3 gathers twice."""
+    return 3 if zero == 3 else 2
+
+
+def fsdp_copy_bytes(params: float, zero: int, training: Training) -> float:
+    """Bytes FSDP copies per micro-batch for ``params`` parameters: each gathered unit out of the all-gather's flat
+    buffer and each gradient into the reduce-scatter's, a read and a write per collective."""
+    return 2 * fsdp_calls(zero) * params * training.bytes.param
+
+
+def wrap_units(stats: ModelStats) -> int:
+    """Wrap units that hold parameters: one FSDP group (and collective call) each."""
+    return sum(1 for _, n in stats.units if n > 0)
+
+
+def fsdp_call_from(overhead_s: float, stats: ModelStats, zero: int, training: Training, bandwidth: float) -> float:
+    """``Device.fsdp_call_s`` from FSDP's measured overhead at world 1: a one-rank step of the ``zero`` stage minus a
+    plain one (same model and batch, one micro-batch), less the copies the model counts (at ``bandwidth``, the
+    measuring thread's), over the calls. Never below 0: a one-rank FSDP step may even run faster."""
+    copies_s = fsdp_copy_bytes(stats.params, zero, training) / bandwidth
+    return max(0.0, (overhead_s - copies_s) / (wrap_units(stats) * fsdp_calls(zero)))
+
+
 def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster) -> StepTime:
     """Step time of ``layout``: compute, the optimizer step, and the communication compute cannot hide.
 
@@ -152,9 +180,14 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     psi = ranked_params(stats, layout)
     streamed = stats.params if layout.mp > 1 else psi
     gathers = 2 if layout.zero == 3 else 1
-    copies = 2 * (gathers + 1) * psi * training.bytes.param if layout.zero >= 2 else 0.0
-    micro_s = (stats.flops_per_sample * training.flops_factor * batch.micro_batch / layout.pp / rate
-               + (weight_bytes(streamed, training, cluster) + copies) / bandwidth)
+    copies = fsdp_copy_bytes(psi, layout.zero, training) if layout.zero >= 2 else 0.0
+    units = wrap_units(stats)
+    machinery_s = (units * fsdp_calls(layout.zero) * cluster.device.fsdp_call_s
+                   * cluster.device.serial_slowdown(ranks_per_node) if layout.zero >= 2 else 0.0)
+    stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) if layout.pp > 1 and stats.unit_flops
+                              else stats.flops_per_sample / layout.pp)
+    micro_s = (stage_flops_per_sample * training.flops_factor * batch.micro_batch / rate
+               + (weight_bytes(streamed, training, cluster) + copies) / bandwidth + machinery_s)
     shard = layout.shard if layout.zero >= 1 else 1
     optimizer_s = optimizer_step_bytes(psi / shard, training) / bandwidth
     ddp = layout.zero <= 1 and layout.dp > 1
@@ -181,7 +214,6 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
             add(broadcast_s(params, layout.dp, dp_link))
     if layout.zero >= 2:
         shard_link = cluster.link_for(layout.shard, inner)
-        units = sum(1 for _, n in stats.units if n > 0)  # one collective call per unit: a latency each
         calls = (units - 1) * (gathers + 1) * (layout.shard - 1) * shard_link.latency_us * 1e-6
         add(gathers * all_gather_s(params, layout.shard, shard_link) + reduce_scatter_s(grads, layout.shard, shard_link)
             + calls, overlap * micro_s, times=m)
