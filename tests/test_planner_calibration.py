@@ -68,7 +68,8 @@ def test_fsdp_machinery_is_measured_on_one_rank_and_paid_per_unit_and_call():
     cluster = make_cluster("cpu", gpus=4)
     timed = replace(cluster, device=replace(cluster.device, fsdp_call_s=per_call))
     batch = batching(training, dp=4, pp=1, world_size=4)
-    for layout, calls in ((Layout(name="zero2", dp=4, zero=2, shard=4), 2), (Layout(name="fsdp", dp=4, zero=3, shard=4), 3)):
+    for layout, calls in ((Layout(name="zero2", dp=4, zero=2, shard=4), 2),
+                          (Layout(name="fsdp", dp=4, zero=3, shard=4), 3)):
         extra = step_time(stats, layout, batch, training, timed).compute_s - step_time(
             stats, layout, batch, training, cluster).compute_s
         assert extra == pytest.approx(units * calls * per_call * cluster.device.serial_slowdown(4))

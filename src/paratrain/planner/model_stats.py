@@ -76,7 +76,8 @@ class ModelStats:
         if not self.units:
             raise ConfigError(f"model {self.name!r}: no units")
         if self.unit_flops and len(self.unit_flops) != len(self.units):
-            raise ConfigError(f"model {self.name!r}: {len(self.unit_flops)} unit FLOP counts for {len(self.units)} units")
+            raise ConfigError(f"model {self.name!r}: {len(self.unit_flops)} unit FLOP counts for "
+                              f"{len(self.units)} units")
         if min(self.flops_per_sample, self.activation_bytes_per_sample, self.checkpointed_bytes_per_sample,
                self.boundary_bytes_per_sample) < 0:
             raise ConfigError(f"model {self.name!r}: FLOPs and byte counts must be >= 0")

@@ -163,14 +163,16 @@ def fsdp_call_from(overhead_s: float, stats: ModelStats, zero: int, training: Tr
 def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster) -> StepTime:
     """Step time of ``layout``: compute, the optimizer step, and the communication compute cannot hide.
 
-    Pipeline stages compute different micro-batches at once (m + p − 1 slots of 1/p of a micro-batch each);
+    Pipeline stages compute different micro-batches at once (m + p − 1 slots of the busiest stage's share of a
+    micro-batch: its units' FLOPs when the model was traced, else 1/p);
     model-parallel stages take turns, so a process computes as fast as one of its GPUs and streams all of its
     stages' weights. ddp and zero1 all-reduce gradients once per step, hidden in up to ``device.overlap`` of a
     micro-batch's backward; zero1 steps the optimizer on its shard, then every rank broadcasts its updated
     shard (not hidden). zero2 and fsdp gather parameters (fsdp twice: forward and backward) and
     reduce-scatter gradients every micro-batch, one call per wrap unit, prefetched into up to ``overlap`` of its
     compute, and copy each gathered unit out of (each gradient into) the collective's flat buffer: a read and a
-    write per collective; hsdp adds an all-reduce of the shard across nodes. DDP's buckets cost
+    write per collective, and pay ``Device.fsdp_call_s`` of host-side machinery per unit and call; hsdp adds an
+    all-reduce of the shard across nodes. DDP's buckets cost
     ``DDP_BUCKET_PASSES`` passes over the gradients. Stage-to-stage sends (one per forward and per backward, per slot)
     are not hidden. On a shared CPU host every rank gets 1/ranks of the host's compute and memory bandwidth.
     """
@@ -184,7 +186,8 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     units = wrap_units(stats)
     machinery_s = (units * fsdp_calls(layout.zero) * cluster.device.fsdp_call_s
                    * cluster.device.serial_slowdown(ranks_per_node) if layout.zero >= 2 else 0.0)
-    stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) if layout.pp > 1 and stats.unit_flops
+    traced = layout.pp > 1 and stats.unit_flops
+    stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) if traced
                               else stats.flops_per_sample / layout.pp)
     micro_s = (stage_flops_per_sample * training.flops_factor * batch.micro_batch / rate
                + (weight_bytes(streamed, training, cluster) + copies) / bandwidth + machinery_s)
