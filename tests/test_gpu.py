@@ -104,3 +104,15 @@ def test_planner_memory_prediction_is_within_15_percent_of_max_memory_allocated(
     assert result.get("measured"), result
     predicted = gpu_memory.predict(case)["allocated"]
     assert abs(predicted / result["measured"] - 1) <= 0.15, (predicted, result["measured"])
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp", "zero3"])
+def test_resume_on_cuda_is_bitwise_exact_with_cuda_rng(tmp_path, strategy):
+    """Dropout draws from the CUDA generator: a resume is exact only if its state was saved and restored."""
+    from checkpoint_workers import train
+
+    options = {"accelerator": "cuda"}
+    whole = train(strategy, 18, str(tmp_path), save_at=7, options=options)
+    resumed = train(strategy, 18, str(tmp_path), load=True, options=options)
+    assert resumed["resumed_at"][0] == 7
+    assert all(torch.equal(whole["params"][k], resumed["params"][k]) for k in whole["params"])
