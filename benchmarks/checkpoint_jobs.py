@@ -40,7 +40,7 @@ def save_load_worker(strategy: str, width: int, layers: int, root: str, rounds: 
     """One Adam step (so the optimizer state exists), then ``rounds`` x (save, load) with ``par.save``/``par.load``,
     and for ddp also the single-file way: rank 0 ``torch.save`` of the full model and optimizer state dicts,
     every rank ``torch.load(weights_only=True)`` and ``load_state_dict``."""
-    par = paratrain.Parallel(strategy, seed=0)
+    par = paratrain.Parallel(strategy, seed=0, monitor=False)
     model = build_mlp(width, layers)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)

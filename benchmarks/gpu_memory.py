@@ -114,7 +114,8 @@ def _build(name: str) -> tuple[nn.Module, Callable[[int, torch.device], tuple[to
 def run_case(case: Case, steps: int, accelerator: str) -> dict[str, Any]:
     """One rank (inside ``paratrain.launch``): train ``case`` for ``steps`` steps; the peak bytes it allocated."""
     options = {"wrap_classes": (Block,)} if case.strategy == "zero3" and case.model in GPTS else {}
-    par = paratrain.Parallel(case.strategy, precision=case.precision, accelerator=accelerator, **options)
+    par = paratrain.Parallel(case.strategy, precision=case.precision, accelerator=accelerator, monitor=False,
+                             **options)
     cuda = par.device.type == "cuda"
     try:
         if cuda:  # cuBLAS's workspace comes from the caching allocator: allocate it before the baseline

@@ -210,11 +210,14 @@ def link_timings(nbytes: int, repeats: int) -> dict[str, tuple[float, float]]:
         # pipeline neighbours: even ranks send to the next, odd ones receive from the previous
         return (lambda: dist.send(buf, rank + 1)) if rank % 2 == 0 else (lambda: dist.recv(buf, rank - 1))
 
+    # torch 2.13 renamed the tensor forms (*_single) and deprecated the old names; older torch has only those
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     tiny = torch.zeros(2)
     ops = {"all_reduce": (numel * 4, lambda: dist.all_reduce(full)),
            "all_reduce_small": (tiny.numel() * 4, lambda: dist.all_reduce(tiny)),
-           "all_gather": (numel * 4, lambda: dist.all_gather_into_tensor(full, shard)),
-           "reduce_scatter": (numel * 4, lambda: dist.reduce_scatter_tensor(shard, full)),
+           "all_gather": (numel * 4, lambda: all_gather(full, shard)),
+           "reduce_scatter": (numel * 4, lambda: reduce_scatter(shard, full)),
            "broadcast": (numel * 4, broadcasts),
            "p2p_small": (BOUNDARY_BYTES, p2p(BOUNDARY_BYTES)),
            "p2p": (4 * 2**20, p2p(4 * 2**20))}

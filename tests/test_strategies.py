@@ -176,3 +176,19 @@ def test_clipping_matches_torch_clip_grad_norm():
     assert norm == pytest.approx(float(ref_norm))
     assert all(torch.allclose(a.grad, b.grad) for a, b in zip(ours, ref))
     assert float(torch.nn.utils.get_total_norm([p.grad for p in ours])) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_deterministic_kernels_are_switched_on_when_asked(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    try:
+        paratrain.Parallel("single", deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+        import os
+
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]

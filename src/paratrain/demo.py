@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     args = parse_args(argv)
     check_args(args)
     monitor = MonitorConfig(csv=args.monitor_csv)  # its summary table closes the output
-    with Parallel(args.strategy, accumulate=args.accumulate, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
+    # deterministic kernels: the final SHA-256 then compares two runs bit for bit on a GPU too
+    with Parallel(args.strategy, accumulate=args.accumulate, seed=args.seed, deterministic=True,
+                  checkpoint_dir=args.checkpoint_dir,
                   checkpoint_every=args.checkpoint_every, resume=True if args.resume else None,
                   monitor=monitor) as par:
         train_set, test_set = load_digits_split(seed=args.seed)

@@ -32,7 +32,7 @@ from .errors import CheckpointError, ConfigError
 from .mesh import build_mesh
 from .monitor import MonitorConfig, monitor_for, resolve
 from .precision import Precision, create_precision
-from .seeding import rank_seed, seed_all
+from .seeding import rank_seed, seed_all, use_deterministic_kernels
 from .strategies.base import Runtime, Strategy
 
 _GLOO_DRAIN_S = 0.1
@@ -61,6 +61,9 @@ class Parallel:
         accelerator: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
         timeout_s: how long any collective waits for the other ranks before failing.
         seed: when given, ``seed_everything(seed)`` is called at construction.
+        deterministic: use deterministic kernels (cuDNN, cuBLAS, torch's deterministic ops), so that two runs of the
+            same job on a GPU end with bitwise equal parameters; slower on some models. CPU runs are already
+            repeatable.
         checkpoint_dir: where ``save``/``load`` keep checkpoints by default, and automatic ones go.
         checkpoint_every: save a checkpoint automatically every this many optimizer steps.
         keep_checkpoints: how many of the newest checkpoints to keep (default 3).
@@ -83,6 +86,7 @@ class Parallel:
         accelerator: str = "auto",
         timeout_s: float = 300.0,
         seed: int | None = None,
+        deterministic: bool = False,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int | None = None,
@@ -98,6 +102,8 @@ class Parallel:
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         monitor_config = resolve(monitor)
+        if deterministic:
+            use_deterministic_kernels()
         self.checkpoint_config = CheckpointConfig.resolve(dir=checkpoint_dir, every=checkpoint_every,
                                                           keep=keep_checkpoints, resume=resume)
         self.env = env if env is not None else ClusterEnv.from_environ()

@@ -144,7 +144,7 @@ class Monitor:
             return None
         self._closed = True
         summary = self.summary() if self.config.summary else None
-        if summary is not None and self.rank == 0 and self.recorder.steps > 0:
+        if summary is not None and self.rank == 0 and self.recorder.steps > 1:  # a step's time needs the one before
             print_fn(summary.table())
         for log in self._logs:
             log.close()
