@@ -21,9 +21,9 @@ from .timing import StepTime, bubble_fraction, step_time
 from .training import Batching, Training, batching
 
 TIE = 0.10
-"""Throughputs within 10% count as equal: the simpler strategy is recommended. The margin covers what the time
-model leaves out and grows with a strategy's machinery — FSDP's per-unit hooks and sharded-tensor dispatch, a
-pipeline schedule's bookkeeping: on CPU, zero2/zero3 and pipelines ran 10-25% slower than the model's terms."""
+"""Throughputs within 10% count as equal: the simpler strategy is recommended. Predicted step times land within
+about 20% of measured ones on CPU (benchmarks/RESULTS.md §3), so a smaller lead is not evidence enough to pay
+for a strategy's extra machinery."""
 TIGHT = 0.9
 """Above this share of device memory a plan is flagged: allocator fragmentation can push it over."""
 
