@@ -24,10 +24,10 @@ the global batch per replica itself. glibc's allocator is told to keep freed mem
 process and the ranks alike): by default the Adam step's timing depends on page faults.
 
 Link figures, per world size: each launched job first times the collectives the strategies use on the model's
-15.8 MB of gradients (all-reduce, all-gather, reduce-scatter, ZeRO-1's per-shard broadcasts), a few-byte
+15.8 MB of gradients (all-reduce, all-gather, reduce-scatter, ZeRO-1's per-shard broadcasts), all-gather and
+reduce-scatter again split into one call per FSDP wrap unit (what a call costs beyond its bytes), a few-byte
 all-reduce (latency) and point-to-point sends of a pipeline's 64 KB activations and of 4 MB, before it runs any
-strategy; ``make_plan(link_timings=...)``
-sets the link from them (``timing.measured_link``). Predictions are shown with those figures and with the
+strategy; ``make_plan(link_timings=...)`` sets the link from them (``timing.measured_link``). Predictions are shown with those figures and with the
 catalogue's ``loopback-gloo``.
 
 Measured: ``strategies.run_rounds`` (every strategy in the same processes, interleaved rounds, slowest rank,
@@ -58,6 +58,7 @@ import strategies  # noqa: E402
 
 import paratrain  # noqa: E402
 from paratrain.planner import make_plan  # noqa: E402
+from paratrain.planner.models import resolve_model  # noqa: E402
 
 TARGET = 0.20
 PLANNER_TO_LABEL = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3",
@@ -67,6 +68,8 @@ GLOBAL = strategies.GLOBAL_BATCH
 MICRO_BATCHES = 8
 BOUNDARY_BYTES = GLOBAL // MICRO_BATCHES * strategies.MODEL_WIDTH * 4
 """What a pipeline stage sends per micro-batch: 16 samples x 1024 fp32 activations."""
+UNIT_PARAMS = [n for _, n in resolve_model("strategies:build_model", input_spec="784").units if n > 0]
+"""Parameters per FSDP wrap unit, as the planner counts them (``timing.wrap_units``): one collective call each."""
 CORES = len(os.sched_getaffinity(0))
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 """glibc keeps freed memory instead of returning it to the OS: by default it gives back what PyTorch frees (the
@@ -192,14 +195,19 @@ def describe_world1(w: dict[str, float]) -> str:
             f"{ms['zero2']:.1f}, zero3 {ms['zero3']:.1f} ms")
 
 
-def link_timings(nbytes: int, repeats: int) -> dict[str, tuple[float, float]]:
+def link_timings(unit_params: list[int], repeats: int) -> dict[str, tuple[float, ...]]:
     """This rank's median seconds per collective, as the strategies issue them (inside a process group): every
     call starts after a barrier, the collectives in turn, so a slow spell of the machine hits all of them alike
-    and back-to-back sends do not queue behind a receiver that is not scheduled."""
+    and back-to-back sends do not queue behind a receiver that is not scheduled. All-gather and reduce-scatter
+    run twice: on the whole model's bytes in one call, and split into one call per FSDP wrap unit
+    (``unit_params``, each unit's parameter count) as FSDP issues them (``*_split``: bytes, seconds, calls)."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    numel = nbytes // 4 // n * n
+    units = [p // n * n for p in unit_params]
+    numel = sum(units)
     full, shard = torch.randn(numel), torch.empty(numel // n)
     shards = full.chunk(n)
+    unit_full = list(full.split(units))
+    unit_shard = [torch.empty(u // n) for u in units]
 
     def broadcasts() -> None:  # ZeroRedundancyOptimizer: every rank broadcasts the parameters it updated
         for work in [dist.broadcast(shards[r], src=r, async_op=True) for r in range(n)]:
@@ -218,6 +226,8 @@ def link_timings(nbytes: int, repeats: int) -> dict[str, tuple[float, float]]:
            "all_reduce_small": (tiny.numel() * 4, lambda: dist.all_reduce(tiny)),
            "all_gather": (numel * 4, lambda: all_gather(full, shard)),
            "reduce_scatter": (numel * 4, lambda: reduce_scatter(shard, full)),
+           "all_gather_split": (numel * 4, lambda: [all_gather(f, s) for f, s in zip(unit_full, unit_shard)]),
+           "reduce_scatter_split": (numel * 4, lambda: [reduce_scatter(s, f) for f, s in zip(unit_full, unit_shard)]),
            "broadcast": (numel * 4, broadcasts),
            "p2p_small": (BOUNDARY_BYTES, p2p(BOUNDARY_BYTES)),
            "p2p": (4 * 2**20, p2p(4 * 2**20))}
@@ -229,27 +239,28 @@ def link_timings(nbytes: int, repeats: int) -> dict[str, tuple[float, float]]:
             op()
             if r >= 2:
                 times[name].append(time.perf_counter() - start)
-    return {name: (size, statistics.median(times[name])) for name, (size, _) in ops.items()}
+    return {name: (size, statistics.median(times[name])) + ((len(units),) if name.endswith("_split") else ())
+            for name, (size, _) in ops.items()}
 
 
 def accuracy_job(labels: list[str], rounds: int, steps: int, warmup: int) -> dict[str, object]:
     """One rank: the link figures first, then every strategy (``strategies.run_rounds``)."""
     dist.init_process_group("gloo")
-    params = sum(p.numel() for p in strategies.build_model().parameters())
-    link = link_timings(params * 4, repeats=max(2 * steps, 10))
+    link = link_timings(UNIT_PARAMS, repeats=max(2 * steps, 10))
     out = {"link": link, "rounds": strategies.run_rounds(labels, rounds, steps, warmup)}
     dist.destroy_process_group()
     return out
 
 
-def slowest_link(ranks: list[dict[str, object]]) -> dict[str, tuple[float, float]]:
+def slowest_link(ranks: list[dict[str, object]]) -> dict[str, tuple[float, ...]]:
     """Per collective, the slowest rank's time (a collective ends when its last rank does; a send when it is
     received)."""
     links = [r["link"] for r in ranks]
-    return {name: (links[0][name][0], max(link[name][1] for link in links)) for name in links[0]}
+    return {name: (links[0][name][0], max(link[name][1] for link in links), *links[0][name][2:])
+            for name in links[0]}
 
 
-def predict(world: int, world1: dict[str, float], link: dict[str, tuple[float, float]] | None) -> dict[str, float]:
+def predict(world: int, world1: dict[str, float], link: dict[str, tuple[float, ...]] | None) -> dict[str, float]:
     """Predicted step seconds per planner strategy at ``world`` ranks on this host, calibrated on world 1."""
     plan = make_plan(model="strategies:build_model", input_spec="784", gpu="cpu", gpus=world, precision="fp32",
                      optimizer="adam", micro_batch=GLOBAL, global_batch=GLOBAL, micro_batches=MICRO_BATCHES,
@@ -310,7 +321,7 @@ def main() -> None:
         links[world] = slowest_link(ranks)
         summary = strategies.summarise(world, [r["rounds"] for r in ranks])
         measured = {r["strategy"]: r["step_ms"] / 1e3 for r in summary}
-        figures = ", ".join(f"{name} {1e3 * s:.1f} ms" for name, (_, s) in links[world].items())
+        figures = ", ".join(f"{name} {1e3 * t[1]:.1f} ms" for name, t in links[world].items())
         print(f"world {world}: measured in {load_note(wall, shares[str(world)])}; link: {figures}")
         after, wall, shares[f"1 after {world}"] = audited(lambda: measure_world1(cal_rounds, cal_steps, a.warmup))
         mean = {k: (before[k] + after[k]) / 2 for k in before}  # the world-1 figures around this job

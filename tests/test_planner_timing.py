@@ -135,6 +135,23 @@ def test_a_link_measured_at_a_world_size_reproduces_its_timings():
     assert plan.cluster.intra.name == "loopback-gloo (measured)"
 
 
+def test_collectives_split_per_wrap_unit_set_what_each_further_call_costs():
+    whole = {"all_gather": (16e6, 0.02), "reduce_scatter": (16e6, 0.03)}
+    split = {**whole, "all_gather_split": (16e6, 0.032, 5), "reduce_scatter_split": (16e6, 0.05, 5)}
+    default = measured_link(make_cluster("cpu", gpus=4).intra, 4, whole)
+    link = measured_link(make_cluster("cpu", gpus=4).intra, 4, split)
+    assert default.call_us is None and default.call_s(4) == pytest.approx(3 * default.latency_us * 1e-6)
+    assert link.call_s(4) == pytest.approx(0.004)  # 12 and 20 ms over 4 further calls, averaged
+    assert all_gather_s(16e6, 4, link) == pytest.approx(0.02)  # the whole collective's figures are kept
+    plans = [{e.name: e.time for e in make_plan(model="mlp", gpu="cpu", gpus=4, link_timings=t).estimates}
+             for t in (whole, split)]
+    units = 3  # the built-in mlp's wrap units; zero3 (fsdp) makes 3 calls per unit, zero2 2
+    for name, calls in (("fsdp", 3), ("zero2", 2)):
+        extra = plans[1][name].exposed_comm_s - plans[0][name].exposed_comm_s
+        assert extra == pytest.approx((units - 1) * calls * (0.004 - default.call_s(4)))
+    assert plans[1]["ddp"].step_s == plans[0]["ddp"].step_s  # one all-reduce: no split calls
+
+
 def test_zero_stages_step_only_their_shard_and_zero1_broadcasts_it():
     training = Training(micro_batch=8, precision="fp32", optimizer="adam")
     cluster = make_cluster("cpu", gpus=4)

@@ -121,11 +121,15 @@ class Link:
     """Reduce-scatter's bus bandwidth over the all-reduce's."""
     broadcast_eff: float = 1.0
     """Broadcast's bus bandwidth (bytes broadcast / time) over the all-reduce's."""
+    call_us: float | None = None
+    """What one more call adds when a collective's bytes are split into one call per FSDP wrap unit (microseconds).
+    None: a ring's latency per step, (N−1)·``latency_us``. Measured apart because on an oversubscribed CPU host a
+    call costs far more than its ring steps' latency: every call waits for each rank to be scheduled."""
 
     def __post_init__(self) -> None:
         if not self.bandwidth_gbs > 0:
             raise ConfigError(f"link {self.name}: bandwidth must be > 0 GB/s, got {self.bandwidth_gbs}")
-        if self.latency_us < 0 or (self.p2p_latency_us or 0) < 0:
+        if self.latency_us < 0 or (self.p2p_latency_us or 0) < 0 or (self.call_us or 0) < 0:
             raise ConfigError(f"link {self.name}: latency must be >= 0, got {self.latency_us}")
         for name in ("all_gather_eff", "reduce_scatter_eff", "broadcast_eff"):
             if not getattr(self, name) > 0:
@@ -142,6 +146,10 @@ class Link:
     @property
     def p2p_latency_s(self) -> float:
         return (self.latency_us if self.p2p_latency_us is None else self.p2p_latency_us) * 1e-6
+
+    def call_s(self, ranks: int) -> float:
+        """Seconds one more collective call costs on ``ranks`` ranks, beyond its bytes (see ``call_us``)."""
+        return ((ranks - 1) * self.latency_us if self.call_us is None else self.call_us) * 1e-6
 
 
 def _pcie(gen: int, lanes: int) -> Link:

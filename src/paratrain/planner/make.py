@@ -20,7 +20,7 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
               inter_node: str | None = None, gpu_mem_gb: float | None = None, tflops: float | None = None,
               mfu: float | None = None, mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None,
               inter_bw_gbs: float | None = None, step_time: float | None = None, optimizer_time: float | None = None,
-              threads: int | None = None, link_timings: Mapping[str, tuple[float, float]] | None = None,
+              threads: int | None = None, link_timings: Mapping[str, tuple[float, ...]] | None = None,
               micro_step_time: tuple[float, float] | None = None,
               host_step_time: tuple[float, float] | None = None, fsdp_overhead: Mapping[str, float] | None = None,
               **training: object) -> Plan:

@@ -61,14 +61,17 @@ def p2p_s(nbytes: float, link: Link) -> float:
     return link.p2p_latency_s + nbytes / link.p2p_bytes_per_s
 
 
-def measured_link(link: Link, ranks: int, timings: Mapping[str, tuple[float, float]]) -> Link:
+def measured_link(link: Link, ranks: int, timings: Mapping[str, tuple[float, ...]]) -> Link:
     """``link`` with the figures measured on ``ranks`` ranks: collective name -> (bytes, seconds).
 
     ``all_reduce`` sets the bus bandwidth; ``all_gather``, ``reduce_scatter`` and ``broadcast`` their
     efficiencies against it; ``p2p`` (a large send) and ``p2p_small`` (a small one) the point-to-point bandwidth
     and latency; ``all_reduce_small`` (a few bytes) the collectives' latency, which is otherwise the
-    point-to-point one. Each inverts this module's formula for that collective, so a plan made with the result
-    reproduces the timings it was given. Missing names keep ``link``'s figures.
+    point-to-point one. ``all_gather_split`` and ``reduce_scatter_split`` -> (bytes, seconds, calls): the same
+    bytes as ``all_gather`` / ``reduce_scatter`` moved in ``calls`` calls, as FSDP issues them (one per wrap
+    unit); what each further call added, averaged over the two, sets ``Link.call_us``. Each inverts this module's
+    formula for that collective, so a plan made with the result reproduces the timings it was given. Missing
+    names keep ``link``'s figures.
     """
     out, alpha = link, link.latency_us * 1e-6
     if "p2p" in timings and "p2p_small" in timings:
@@ -92,6 +95,11 @@ def measured_link(link: Link, ranks: int, timings: Mapping[str, tuple[float, flo
         if name in timings:
             size, seconds = timings[name]
             out = replace(out, **{f"{name}_eff": factor * size / unit / max(seconds - (ranks - 1) * alpha, 1e-9)})
+    per_call = [(timings[f"{name}_split"][1] - timings[name][1]) / (timings[f"{name}_split"][2] - 1)
+                for name in ("all_gather", "reduce_scatter")
+                if name in timings and f"{name}_split" in timings and timings[f"{name}_split"][2] > 1]
+    if per_call:
+        out = replace(out, call_us=max(0.0, sum(per_call) / len(per_call)) * 1e6)
     return replace(out, name=f"{link.name} (measured)")
 
 
@@ -169,7 +177,8 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     stages' weights. ddp and zero1 all-reduce gradients once per step, hidden in up to ``device.overlap`` of a
     micro-batch's backward; zero1 steps the optimizer on its shard, then every rank broadcasts its updated
     shard (not hidden). zero2 and fsdp gather parameters (fsdp twice: forward and backward) and
-    reduce-scatter gradients every micro-batch, one call per wrap unit, prefetched into up to ``overlap`` of its
+    reduce-scatter gradients every micro-batch, one call per wrap unit (each call after the first costs
+    ``Link.call_s``), prefetched into up to ``overlap`` of its
     compute, and copy each gathered unit out of (each gradient into) the collective's flat buffer: a read and a
     write per collective, and pay ``Device.fsdp_call_s`` of host-side machinery per unit and call; hsdp adds an
     all-reduce of the shard across nodes. DDP's buckets cost
@@ -217,7 +226,7 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
             add(broadcast_s(params, layout.dp, dp_link))
     if layout.zero >= 2:
         shard_link = cluster.link_for(layout.shard, inner)
-        calls = (units - 1) * (gathers + 1) * (layout.shard - 1) * shard_link.latency_us * 1e-6
+        calls = (units - 1) * (gathers + 1) * shard_link.call_s(layout.shard)
         add(gathers * all_gather_s(params, layout.shard, shard_link) + reduce_scatter_s(grads, layout.shard, shard_link)
             + calls, overlap * micro_s, times=m)
         replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
