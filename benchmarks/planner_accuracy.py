@@ -32,7 +32,7 @@ catalogue's ``loopback-gloo``.
 
 Measured: ``strategies.run_rounds`` (every strategy in the same processes, interleaved rounds, slowest rank,
 median of round medians). Error is predicted / measured - 1; the target is |error| <= 20%. Each part reports the
-share of the cores other processes used meanwhile (as ``ddp_overhead.py`` does); above 5% the numbers are skewed.
+share of the cores other processes (and the hypervisor: steal) used meanwhile (as ``ddp_overhead.py`` does); above 5% the numbers are skewed.
 """
 from __future__ import annotations
 
@@ -80,9 +80,11 @@ T = TypeVar("T")
 
 
 def machine_cpu_s() -> float:
-    """CPU seconds every process on this machine has used since boot (from /proc/stat)."""
-    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds every process on this machine has used since boot, plus the time the hypervisor gave this
+    virtual machine's cores to others (steal): both slow the measured runs down (from /proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+        int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> float:
@@ -92,7 +94,8 @@ def own_cpu_s() -> float:
 
 
 def audited(fn: Callable[[], T]) -> tuple[T, float, float]:
-    """``fn()``, its wall seconds, and the share of the machine other processes used meanwhile."""
+    """``fn()``, its wall seconds, and the share of the machine other processes (and the hypervisor) used
+    meanwhile."""
     machine0, own0, t0 = machine_cpu_s(), own_cpu_s(), time.perf_counter()
     result = fn()
     wall = time.perf_counter() - t0
@@ -101,7 +104,7 @@ def audited(fn: Callable[[], T]) -> tuple[T, float, float]:
 
 
 def load_note(wall: float, share: float) -> str:
-    return f"{wall:.0f} s, other processes used {100 * share:.1f}% of the {CORES} cores" + (
+    return f"{wall:.0f} s, other processes and steal used {100 * share:.1f}% of the {CORES} cores" + (
         " (above 5%: skewed)" if share > 0.05 else "")
 
 
