@@ -32,7 +32,8 @@ catalogue's ``loopback-gloo``.
 
 Measured: ``strategies.run_rounds`` (every strategy in the same processes, interleaved rounds, slowest rank,
 median of round medians). Error is predicted / measured - 1; the target is |error| <= 20%. Each part reports the
-share of the cores other processes (and the hypervisor: steal) used meanwhile (as ``ddp_overhead.py`` does); above 5% the numbers are skewed.
+share of the cores other processes (and the hypervisor: steal) used meanwhile (as ``ddp_overhead.py`` does);
+above 5% the numbers are skewed.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import argparse
 import contextlib
 import io
 import json
+import multiprocessing
 import os
 import resource
 import statistics
@@ -173,6 +175,26 @@ def one_rank_step_s(label: str, steps: int, warmup: int) -> float:
         torch.set_num_threads(before)
 
 
+def _phases_after(barrier: object, steps: int, warmup: int, out: object) -> None:
+    barrier.wait()  # type: ignore[attr-defined]
+    out.put(single_phases(steps, warmup))  # type: ignore[attr-defined]
+
+
+def concurrent_phases(steps: int, warmup: int) -> dict[str, float]:
+    """``single_phases`` on one thread in each of ``CORES`` processes at once, as host-equivalent seconds (each
+    process's median over ``CORES``, averaged): what the host sustains when every core runs a process of its own,
+    as the ranks do. Separate processes, unlike threads of one, share no intra-op thread pool or allocator."""
+    ctx = multiprocessing.get_context("spawn")  # the parent's OpenMP pool is not fork-safe
+    barrier, out = ctx.Barrier(CORES), ctx.Queue()
+    procs = [ctx.Process(target=_phases_after, args=(barrier, steps, warmup, out)) for _ in range(CORES)]
+    for proc in procs:
+        proc.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    return {k: statistics.mean(r[k] for r in results) / CORES for k in results[0]}
+
+
 ONE_RANK = ("single", "zero2", "zero3")
 """Strategies timed whole at world 1: FSDP's own machinery is zero2's and zero3's step minus single's."""
 
@@ -182,6 +204,7 @@ def measure_world1(rounds: int, steps: int, warmup: int) -> dict[str, float]:
     parts: list[Callable[[], dict[str, float]]] = [
         lambda: single_phases(steps, warmup),
         lambda: {f"host_{k}": v for k, v in single_phases(steps, warmup, threads=CORES).items()},
+        lambda: {f"procs_{k}": v for k, v in concurrent_phases(steps, warmup).items()},
         *(lambda label=label: {label: one_rank_step_s(label, steps, warmup)} for label in ONE_RANK)]
     per_round: dict[str, list[float]] = {}
     for r in range(rounds):
@@ -263,13 +286,19 @@ def slowest_link(ranks: list[dict[str, object]]) -> dict[str, tuple[float, ...]]
             for name in links[0]}
 
 
-def predict(world: int, world1: dict[str, float], link: dict[str, tuple[float, ...]] | None) -> dict[str, float]:
+HOST_RATES = {"threads": "host_", "processes": "procs_"}
+"""``--host-rate``: which all-cores timing sets the host's rates (``measure_world1``'s key prefix)."""
+
+
+def predict(world: int, world1: dict[str, float], link: dict[str, tuple[float, ...]] | None,
+            host_rate: str = "threads") -> dict[str, float]:
     """Predicted step seconds per planner strategy at ``world`` ranks on this host, calibrated on world 1."""
+    host = HOST_RATES[host_rate]
     plan = make_plan(model="strategies:build_model", input_spec="784", gpu="cpu", gpus=world, precision="fp32",
                      optimizer="adam", micro_batch=GLOBAL, global_batch=GLOBAL, micro_batches=MICRO_BATCHES,
                      schedule="1f1b", step_time=world1["forward_backward"], optimizer_time=world1["adam"],
                      micro_step_time=(GLOBAL // MICRO_BATCHES, world1["micro_batch"]),
-                     host_step_time=(world1["host_forward_backward"], world1["host_adam"]),
+                     host_step_time=(world1[f"{host}forward_backward"], world1[f"{host}adam"]),
                      fsdp_overhead={"zero2": world1["zero2"] - world1["single"],
                                     "fsdp": world1["zero3"] - world1["single"]},
                      threads=1, link_timings=link)
@@ -297,6 +326,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="world 1 and 2, 1 round, 5 steps")
     p.add_argument("--default-malloc", action="store_true",
                    help="keep glibc's default trimming (freed memory goes back to the OS and faults in again)")
+    p.add_argument("--host-rate", choices=sorted(HOST_RATES), default="threads",
+                   help="the all-cores timing that sets the host's rates: one process on every core's thread, or "
+                        "one single-threaded process per core at once")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
     if not a.default_malloc:
@@ -317,7 +349,7 @@ def main() -> None:
           f" + Adam {1e3 * threaded['adam']:.1f} ms")
     shares, links, rows, calibrations = {"1": share}, {}, [], {}
     for world in worlds:
-        catalogue = predict(world, before, None)
+        catalogue = predict(world, before, None, a.host_rate)
         labels = {name: label for name, label in PLANNER_TO_LABEL.items() if name in catalogue}
         ranks, wall, shares[str(world)] = audited(lambda: paratrain.launch(
             accuracy_job, world, (list(labels.values()), rounds, steps, a.warmup), timeout_s=900))
@@ -332,7 +364,7 @@ def main() -> None:
                                "after_ms": {k: 1e3 * v for k, v in after.items()}}
         print(f"world 1 again ({after['single'] / before['single'] - 1:+.1%} single step): {describe_world1(after)}; "
               f"{load_note(wall, shares[f'1 after {world}'])}")
-        catalogue, with_link = predict(world, mean, None), predict(world, mean, links[world])
+        catalogue, with_link = predict(world, mean, None, a.host_rate), predict(world, mean, links[world], a.host_rate)
         rows += [{"world": world, "strategy": label, "measured_ms": 1e3 * measured[label],
                   "predicted_ms": 1e3 * with_link[name], "error": error(with_link[name], measured[label]),
                   "catalogue_link_ms": 1e3 * catalogue[name],
@@ -353,7 +385,7 @@ def main() -> None:
           f"{len(rows)} with the catalogue's")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"calibration_ms": calibrations, "threads": 1, "allocator": malloc,
+            json.dump({"calibration_ms": calibrations, "threads": 1, "allocator": malloc, "host_rate": a.host_rate,
                        "default_threads": default_threads,
                        "default_threads_ms": {k: 1e3 * v for k, v in threaded.items()},
                        "background_share": shares, "link_timings": links, "rows": rows}, f, indent=2)
