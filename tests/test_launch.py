@@ -34,6 +34,18 @@ def test_a_failing_rank_stops_the_job_within_seconds(tmp_path, how, words):
     assert len(_pids(tmp_path)) == 2 and not alive(_pids(tmp_path))
 
 
+def test_the_summary_names_the_last_exception_not_the_last_line_of_its_message():
+    wrapped = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: assert failed\n\n"
+               "The above exception was the direct cause of the following exception:\n\nTraceback (most recent call "
+               "last):\n  File \"y.py\", line 2, in g\nRuntimeError: \n            [Stage 0] failed to run forward:\n"
+               "            args: ('Tensor(torch.Size([1, 8]))',)\nkwargs: {}\n")
+    assert "(exit code 1: RuntimeError: [Stage 0] failed to run forward:)" in str(
+        RankFailedError(rank=0, exitcode=1, host="h", pid=1, traceback=wrapped))
+    plain = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: bad value\n"
+    assert "(exit code 1: ValueError: bad value)" in str(RankFailedError(0, 1, "h", 1, plain))
+    assert "(exit code 1: something odd)" in str(RankFailedError(0, 1, "h", 1, "something odd\n"))
+
+
 def test_timeout_stops_every_process():
     start = time.monotonic()
     with pytest.raises(JobTimeoutError, match="within 2 s"):

@@ -17,6 +17,7 @@ STEPS, GLOBAL_BATCH = 20, 16
     ("pipeline", 2, 1, {"schedule": "interleaved-1f1b"}),
     ("pipeline", 2, 2, {"schedule": "interleaved-1f1b"}),
     ("hybrid", 4, 1, {}),                                  # 2 DDP replicas x 2 stages
+    ("hybrid", 4, 2, {"schedule": "gpipe"}),               # DDP stages run every backward before a forward
     ("hybrid", 4, 2, {"data": "fsdp"}),                    # 2 FSDP shards x 2 stages, accumulating
 ])
 def test_pipeline_equals_serial(strategy, world, accumulate, options):

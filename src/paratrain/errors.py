@@ -5,6 +5,8 @@ how to fix it. The CLI prints that line without a traceback (``--debug`` shows i
 """
 from __future__ import annotations
 
+import re
+
 
 class ParatrainError(Exception):
     """Base class: a problem the user can fix, described in one line."""
@@ -49,9 +51,20 @@ class CheckpointError(ParatrainError):
     """A checkpoint that cannot be written or loaded: missing, damaged, unsafe, or from another model."""
 
 
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Iteration|Failure)(: |:?$)")
+
+
 def _last_line(text: str | None) -> str:
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1][:200] if lines else ""
+    """The traceback's last exception line ("ValueError: …"), with the first line of its message when the message
+    starts on a line of its own (pipelining's stage errors do); else the last line."""
+    lines = [line.rstrip() for line in (text or "").splitlines() if line.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if _EXCEPTION_LINE.match(lines[i]):
+            line = lines[i]
+            if line.endswith(":") and i + 1 < len(lines):
+                line = f"{line} {lines[i + 1].strip()}"
+            return line[:200]
+    return lines[-1].strip()[:200] if lines else ""
 
 
 def describe_exitcode(exitcode: int) -> str:

@@ -259,7 +259,12 @@ class PipelineStrategy(Strategy):
             return part
         if self.config.data == "fsdp":
             return apply_fsdp(part, dp_mesh, FSDPConfig(), rt.precision.fsdp_policy())
-        return apply_ddp(part, dp_mesh, rt.device, DDPConfig())
+        # find_unused_parameters keeps DDP from rebuilding its buckets: it records the order gradients arrive in
+        # on the first step and rebuilds at the next forward, but a stage that runs two backward chunks before its
+        # next forward (GPipe; 1F1B with few micro-batches) records every parameter twice and DDP's rebuild then
+        # fails an internal assert. Pipelining hands DDP the stage's outputs, so the unused-parameter search is
+        # exact, and once per step.
+        return apply_ddp(part, dp_mesh, rt.device, DDPConfig(find_unused_parameters=True))
 
     def _place(self, part: nn.Module, rt: Runtime) -> nn.Module:
         part = self._replicate(part.to(rt.device), rt)
