@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 from ddp_overhead import CORES, audited, background_line
 from paratrain.monitor import Monitor, MonitorConfig
+from paratrain.parallel import finish_group
 from paratrain.workloads.synthetic import mlp
 
 BATCH_PER_RANK = 64
@@ -71,7 +72,7 @@ def end_to_end_worker(rounds: int, steps: int) -> dict[str, list[float]]:
             times[name].append(_block(*jobs[name]))
     for par, *_ in jobs.values():
         par.close()
-    dist.destroy_process_group()
+    finish_group()
     return times
 
 

@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # strategies.py,
 import strategies  # noqa: E402
 
 import paratrain  # noqa: E402
+from paratrain.parallel import finish_group  # noqa: E402
 from paratrain.planner import make_plan  # noqa: E402
 from paratrain.planner.models import resolve_model  # noqa: E402
 
@@ -274,7 +275,7 @@ def accuracy_job(labels: list[str], rounds: int, steps: int, warmup: int) -> dic
     dist.init_process_group("gloo")
     link = link_timings(UNIT_PARAMS, repeats=max(2 * steps, 10))
     out = {"link": link, "rounds": strategies.run_rounds(labels, rounds, steps, warmup)}
-    dist.destroy_process_group()
+    finish_group()
     return out
 
 

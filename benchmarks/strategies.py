@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import paratrain
+from paratrain.parallel import finish_group
 
 MODEL_WIDTH, GLOBAL_BATCH = 1024, 128
 STRATEGIES: dict[str, tuple[str, dict]] = {  # label -> (strategy, options)
@@ -80,7 +81,7 @@ def job(labels: list[str], rounds: int, steps: int, warmup: int) -> dict[str, li
     """One rank's results: per strategy, one entry per round."""
     dist.init_process_group("gloo")
     out = run_rounds(labels, rounds, steps, warmup)
-    dist.destroy_process_group()
+    finish_group()
     return out
 
 

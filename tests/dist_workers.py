@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import paratrain
+from paratrain.parallel import finish_group
 
 
 def build_model() -> nn.Module:
@@ -159,8 +160,6 @@ def state_bytes(strategy: str, blocks: int = 8, width: int = 64) -> dict[str, in
 
 def state_bytes_per_strategy(strategies: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """``state_bytes`` of each strategy, one after the other in one job (one process group, saving launches)."""
-    from paratrain.parallel import finish_group
-
     dist.init_process_group("gloo")
     out = {s: state_bytes(s) for s in strategies}
     finish_group()
@@ -226,7 +225,7 @@ def pipeline_bad_inputs() -> list[str]:
                                  nn.functional.cross_entropy)
         except paratrain.ConfigError as err:
             errors.append(str(err))
-    dist.destroy_process_group()
+    finish_group()
     return errors
 
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import paratrain
 from paratrain.monitor import MonitorConfig
+from paratrain.parallel import finish_group
 
 
 class _Items(Dataset):
@@ -63,12 +64,11 @@ def cuda_straggler() -> dict:
 
 def monitor_scenarios(csv: str) -> dict[str, dict]:
     dist.init_process_group("gloo")
-    try:
-        return {
-            "straggler": _train("ddp", steps=12, sleep_ms={0: 10, 1: 70}, csv=csv),
-            "straggler_zero2": _train("zero2", steps=12, sleep_ms={0: 10, 1: 70}),
-            "data": _train("ddp", steps=12, sleep_ms={}, item_sleep_ms=3),
-            "balanced": _train("ddp", steps=12, sleep_ms={0: 25, 1: 25}, accumulate=2),
-        }
-    finally:
-        dist.destroy_process_group()
+    results = {
+        "straggler": _train("ddp", steps=12, sleep_ms={0: 10, 1: 70}, csv=csv),
+        "straggler_zero2": _train("zero2", steps=12, sleep_ms={0: 10, 1: 70}),
+        "data": _train("ddp", steps=12, sleep_ms={}, item_sleep_ms=3),
+        "balanced": _train("ddp", steps=12, sleep_ms={0: 25, 1: 25}, accumulate=2),
+    }
+    finish_group()  # on an error the launcher stops every rank instead
+    return results
