@@ -1,7 +1,8 @@
 """A DDP job where one rank fails at a given step, by raising or by SIGKILL.
 
 Usage: paratrain run -n 2 failing_job.py --fail-rank R --fail-step S --how raise|kill --pid-dir D
-Each rank writes its pid to D so a test can check that nothing is left running.
+Each rank writes its pid to D so a test can check that nothing is left running, and the failing rank writes
+the wall-clock time it fails at to D/failed_at, so a test can time the failure to the job's exit.
 """
 import argparse
 import os
@@ -28,6 +29,8 @@ if __name__ == "__main__":
         model, opt = par.prepare(model, opt)
         for step in range(10_000):
             if par.rank == a.fail_rank and step == a.fail_step:
+                with open(os.path.join(a.pid_dir, "failed_at"), "w") as f:
+                    f.write(repr(time.time()))
                 if a.how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"planted failure at step {step}")

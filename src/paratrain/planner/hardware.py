@@ -129,8 +129,9 @@ class Link:
     def __post_init__(self) -> None:
         if not self.bandwidth_gbs > 0:
             raise ConfigError(f"link {self.name}: bandwidth must be > 0 GB/s, got {self.bandwidth_gbs}")
-        if self.latency_us < 0 or (self.p2p_latency_us or 0) < 0 or (self.call_us or 0) < 0:
-            raise ConfigError(f"link {self.name}: latency must be >= 0, got {self.latency_us}")
+        for name in ("latency_us", "p2p_latency_us", "call_us"):
+            if (getattr(self, name) or 0) < 0:
+                raise ConfigError(f"link {self.name}: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("all_gather_eff", "reduce_scatter_eff", "broadcast_eff"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"link {self.name}: {name} must be > 0, got {getattr(self, name)}")
