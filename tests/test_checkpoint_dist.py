@@ -28,6 +28,19 @@ def test_resume_in_a_fresh_job_is_bitwise_exact(tmp_path, strategy):
     assert not alive(child_pids())
 
 
+def test_hybrid_with_ddp_stages_resumes_bitwise(tmp_path):
+    """DDP replicas of GPipe stages: the resumed job's first step must round like any other (the stage's metadata
+    inference, on its first batch, must not leave DDP's reducer synchronising the first micro-batch early)."""
+    options = {"schedule": "gpipe", "microbatches": 2}
+    whole = spawn(functools.partial(train, save_at=4, options=options), 4, ("hybrid", 6, str(tmp_path)),
+                  timeout_s=180)
+    resumed = spawn(functools.partial(train, load=True, options=options), 4, ("hybrid", 6, str(tmp_path)),
+                    timeout_s=180)
+    for rank, (a, b) in enumerate(zip(whole, resumed)):
+        assert b["resumed_at"][0] == 4 and b["batches"] == a["batches"][4:]
+        assert _equal(a["params"], b["params"]), f"rank {rank}: parameters differ after the resume"
+
+
 @pytest.mark.slow
 def test_zero3_checkpoint_of_4_ranks_loads_onto_2_and_exports(tmp_path):
     saved = spawn(functools.partial(train, save_at=20), 4, ("zero3", 20, str(tmp_path)), timeout_s=240)

@@ -259,12 +259,15 @@ class PipelineStrategy(Strategy):
             return part
         if self.config.data == "fsdp":
             return apply_fsdp(part, dp_mesh, FSDPConfig(), rt.precision.fsdp_policy())
-        # find_unused_parameters keeps DDP from rebuilding its buckets: it records the order gradients arrive in
-        # on the first step and rebuilds at the next forward, but a stage that runs two backward chunks before its
-        # next forward (GPipe; 1F1B with few micro-batches) records every parameter twice and DDP's rebuild then
-        # fails an internal assert. Pipelining hands DDP the stage's outputs, so the unused-parameter search is
-        # exact, and once per step.
-        return apply_ddp(part, dp_mesh, rt.device, DDPConfig(find_unused_parameters=True))
+        ddp = apply_ddp(part, dp_mesh, rt.device, DDPConfig())
+        # The pipeline stage runs every forward under no_sync and prepares DDP's reducer itself before a batch's
+        # last backward chunk. Its metadata inference, on the first batch, runs one more forward outside no_sync,
+        # which left the reducer expecting the first chunk's gradients: they were synchronised early (the first
+        # step rounded differently from later ones, so a resumed run was not bitwise equal) and recorded twice for
+        # DDP's bucket rebuild (an internal assert on the second step when no forward came between, as in GPipe).
+        # A DDP forward here therefore never prepares the reducer.
+        ddp.require_backward_grad_sync = False
+        return ddp
 
     def _place(self, part: nn.Module, rt: Runtime) -> nn.Module:
         part = self._replicate(part.to(rt.device), rt)
