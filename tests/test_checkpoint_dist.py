@@ -1,4 +1,5 @@
-"""Checkpoints across processes: bitwise-exact resume (ddp, zero3, hybrid with DDP stages), resharding onto another world size, export."""
+"""Checkpoints across processes: bitwise-exact resume (ddp, zero3, hybrid with DDP stages), resharding onto another
+world size, export."""
 import functools
 
 import pytest
