@@ -12,8 +12,9 @@ size; that world is predicted from the mean of the two, so a machine whose load 
 - one thread: the forward+backward of the whole batch of 128, the same batch as 8 micro-batches of 16 (per
   micro-batch), and the Adam step, each timed apart: the FLOP rate, the weight passes (the batch-independent
   part of a forward+backward) and the memory bandwidth;
-- all cores (threads of this process): the same forward+backward and Adam step: what the host sustains when
-  every core is busy, which each of N processes gets 1/N of;
+- all cores (threads of this process; with ``--host-rate processes``, one single-threaded process per core
+  instead): the same forward+backward and Adam step: what the host sustains when every core is busy, which each
+  of N processes gets 1/N of;
 - whole steps of ``single``, ``zero2`` and ``zero3`` through ``paratrain.Parallel`` on one thread, the FSDP ones on
   a private one-rank group: FSDP's own machinery (hooks, copies, DTensor optimizer step) with nothing to
   communicate is their difference.
@@ -196,16 +197,22 @@ def concurrent_phases(steps: int, warmup: int) -> dict[str, float]:
     return {k: statistics.mean(r[k] for r in results) / CORES for k in results[0]}
 
 
+HOST_RATES = {"threads": "host_", "processes": "procs_"}
+"""``--host-rate``: which all-cores timing sets the host's rates (``measure_world1``'s key prefix)."""
+
+
 ONE_RANK = ("single", "zero2", "zero3")
 """Strategies timed whole at world 1: FSDP's own machinery is zero2's and zero3's step minus single's."""
 
 
-def measure_world1(rounds: int, steps: int, warmup: int) -> dict[str, float]:
-    """World 1, one thread, medians over interleaved rounds: ``single_phases`` and ``ONE_RANK``'s whole steps."""
+def measure_world1(rounds: int, steps: int, warmup: int, host_rate: str = "threads") -> dict[str, float]:
+    """World 1, medians over interleaved rounds: ``single_phases`` on one thread, the all-cores timing
+    ``host_rate`` names (``HOST_RATES``) and ``ONE_RANK``'s whole steps."""
+    all_cores = {"threads": lambda: single_phases(steps, warmup, threads=CORES),
+                 "processes": lambda: concurrent_phases(steps, warmup)}[host_rate]
     parts: list[Callable[[], dict[str, float]]] = [
         lambda: single_phases(steps, warmup),
-        lambda: {f"host_{k}": v for k, v in single_phases(steps, warmup, threads=CORES).items()},
-        lambda: {f"procs_{k}": v for k, v in concurrent_phases(steps, warmup).items()},
+        lambda: {f"{HOST_RATES[host_rate]}{k}": v for k, v in all_cores().items()},
         *(lambda label=label: {label: one_rank_step_s(label, steps, warmup)} for label in ONE_RANK)]
     per_round: dict[str, list[float]] = {}
     for r in range(rounds):
@@ -287,10 +294,6 @@ def slowest_link(ranks: list[dict[str, object]]) -> dict[str, tuple[float, ...]]
             for name in links[0]}
 
 
-HOST_RATES = {"threads": "host_", "processes": "procs_"}
-"""``--host-rate``: which all-cores timing sets the host's rates (``measure_world1``'s key prefix)."""
-
-
 def predict(world: int, world1: dict[str, float], link: dict[str, tuple[float, ...]] | None,
             host_rate: str = "threads") -> dict[str, float]:
     """Predicted step seconds per planner strategy at ``world`` ranks on this host, calibrated on world 1."""
@@ -343,7 +346,7 @@ def main() -> None:
           f"MLP 784-{strategies.MODEL_WIDTH}x4-10, Adam, fp32, global batch {GLOBAL}; {rounds} round(s) x {steps} "
           f"timed steps; world 1: {cal_rounds} round(s) x {cal_steps}; allocator: {malloc}")
 
-    before, wall, share = audited(lambda: measure_world1(cal_rounds, cal_steps, a.warmup))
+    before, wall, share = audited(lambda: measure_world1(cal_rounds, cal_steps, a.warmup, a.host_rate))
     print(f"world 1, 1 thread: {describe_world1(before)}; {load_note(wall, share)}")
     threaded = single_phases(cal_steps, a.warmup, threads=default_threads)
     print(f"world 1, {default_threads} threads (reference): forward+backward {1e3 * threaded['forward_backward']:.1f}"
@@ -359,7 +362,8 @@ def main() -> None:
         measured = {r["strategy"]: r["step_ms"] / 1e3 for r in summary}
         figures = ", ".join(f"{name} {1e3 * t[1]:.1f} ms" for name, t in links[world].items())
         print(f"world {world}: measured in {load_note(wall, shares[str(world)])}; link: {figures}")
-        after, wall, shares[f"1 after {world}"] = audited(lambda: measure_world1(cal_rounds, cal_steps, a.warmup))
+        after, wall, shares[f"1 after {world}"] = audited(
+            lambda: measure_world1(cal_rounds, cal_steps, a.warmup, a.host_rate))
         mean = {k: (before[k] + after[k]) / 2 for k in before}  # the world-1 figures around this job
         calibrations[world] = {"before_ms": {k: 1e3 * v for k, v in before.items()},
                                "after_ms": {k: 1e3 * v for k, v in after.items()}}

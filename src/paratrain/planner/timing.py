@@ -226,7 +226,7 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
             add(broadcast_s(params, layout.dp, dp_link))
     if layout.zero >= 2:
         shard_link = cluster.link_for(layout.shard, inner)
-        calls = (units - 1) * (gathers + 1) * shard_link.call_s(layout.shard)
+        calls = (units - 1) * fsdp_calls(layout.zero) * shard_link.call_s(layout.shard)
         add(gathers * all_gather_s(params, layout.shard, shard_link) + reduce_scatter_s(grads, layout.shard, shard_link)
             + calls, overlap * micro_s, times=m)
         replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
