@@ -1,0 +1,106 @@
+"""A model's repeated blocks: the unit that sharding, checkpointing, compiling and pipeline stages work on.
+
+Everyone who shards transformers uses the same unit: one transformer block (PyTorch's FSDP notes, torchtitan,
+Accelerate's ``_no_split_modules``-based wrapping). The blocks are found, in this order:
+
+1. a transformers model says which classes must not be split (``_no_split_modules``, also on a PEFT model's
+   base model): the blocks are the modules of those classes that repeat inside one ``ModuleList`` or
+   ``Sequential``;
+2. otherwise, the container (``ModuleList``/``Sequential``) whose children with parameters are two or more
+   instances of one *composite* class (a module with children of its own: a block, not a bare ``nn.Linear``),
+   the one holding the most parameters if several qualify.
+
+A stack of plain layers (an MLP as ``nn.Sequential(Linear, ReLU, Linear)``) has no blocks; callers fall back to
+their size-based rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Where a model's repeated blocks live."""
+
+    container: str
+    """Qualified name of the ``ModuleList``/``Sequential`` that holds them (``""`` for the root itself)."""
+    names: tuple[str, ...]
+    """Qualified names of the blocks, in order."""
+    cls: type[nn.Module]
+    """The blocks' class."""
+
+    def modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model.get_submodule(n) for n in self.names]
+
+
+def _no_split_classes(model: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for module in model.modules():
+        found = getattr(module, "_no_split_modules", None)
+        if found:
+            names.update(found)
+    return names
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _candidates(model: nn.Module, allowed: set[str] | None) -> list[Blocks]:
+    found = []
+    for qual, container in model.named_modules():
+        if not isinstance(container, _CONTAINERS):
+            continue
+        weighted = [(name, child) for name, child in container.named_children() if _has_params(child)]
+        classes = {type(child) for _, child in weighted}
+        if len(weighted) < 2 or len(classes) != 1:
+            continue
+        cls = classes.pop()
+        if allowed is not None and cls.__name__ not in allowed:
+            continue
+        if allowed is None and not any(True for _ in next(iter(weighted))[1].children()):
+            continue  # a stack of plain layers, not blocks
+        prefix = f"{qual}." if qual else ""
+        found.append(Blocks(container=qual, names=tuple(prefix + name for name, _ in weighted), cls=cls))
+    return found
+
+
+def find_blocks(model: nn.Module) -> Blocks | None:
+    """The model's repeated blocks (see the module docstring), or None when it has none."""
+    allowed = _no_split_classes(model)
+    found = _candidates(model, allowed) if allowed else []
+    if not found:
+        found = _candidates(model, None)
+    if not found:
+        return None
+
+    def size(b: Blocks) -> int:
+        return sum(p.numel() for m in b.modules(model) for p in m.parameters())
+
+    return max(found, key=size)
+
+
+def outer_modules(model: nn.Module, blocks: Blocks) -> tuple[list[str], list[str]]:
+    """The modules on the way to the blocks that are registered before them and after them.
+
+    Walking from the root to the blocks' container, each level's other children are the pieces that run around
+    the blocks: the embeddings before (registered first), the final norm and the output head after. Returns the
+    qualified names ``(before, after)``; modules without parameters (rotary embeddings, dropout) are listed too.
+    """
+    before: list[str] = []
+    after: list[str] = []
+    path = blocks.container.split(".") if blocks.container else []
+    module, prefix = model, ""
+    for part in path:
+        seen_path = False
+        for name, child in module.named_children():
+            if name == part:
+                seen_path = True
+                continue
+            (after if seen_path else before).append(prefix + name)
+        module, prefix = module.get_submodule(part), f"{prefix}{part}."
+    return before, after
