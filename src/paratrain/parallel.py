@@ -30,6 +30,7 @@ from .devices import backend_for, select_device
 from .env import ClusterEnv
 from .errors import CheckpointError, ConfigError
 from .mesh import build_mesh
+from .model.audit import ModelRecord
 from .monitor import MonitorConfig, monitor_for, resolve
 from .precision import Precision, create_precision
 from .seeding import rank_seed, seed_all, use_deterministic_kernels
@@ -129,6 +130,7 @@ class Parallel:
         """The epoch ``epochs()`` is in (its end value once it is done); None before it starts."""
         self._resume_epoch: int | None = None
         self._models: list[nn.Module] = []
+        self._records: dict[int, ModelRecord] = {}  # id(prepared model) → what it held before wrapping
         self._optimizers: list[tuple[nn.Module, torch.optim.Optimizer]] = []
         self._schedulers: list[Any] = []
         self._loaders: list[DataLoader] = []
@@ -222,7 +224,10 @@ class Parallel:
             elif isinstance(obj, torch.optim.Optimizer):
                 if model is None:
                     raise ConfigError("prepare() got an optimizer before any model; pass the model first")
+                record = self._records[id(model)]
+                record.check_source(obj)
                 wrapped = self.strategy.wrap_optimizer(obj, model, self._runtime())
+                record.check_kept(obj, wrapped, self.strategy.unwrap(model), self.strategy.name)
                 self._optimizers.append((model, wrapped))
                 out.append(wrapped)
             elif isinstance(obj, DataLoader):
@@ -246,7 +251,10 @@ class Parallel:
         if self._auto_pending:
             self._choose_auto(model)
         rt = self._runtime()
+        record = ModelRecord.of(model)
         wrapped = self.strategy.wrap_model(self.precision.convert_module(model), rt)
+        record.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
+        self._records[id(wrapped)] = record
         if not self.strategy.native_precision:
             self.precision.wrap_forward(wrapped, rt.device)
         self.device = self.strategy.output_device(rt)

@@ -76,6 +76,22 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
+def _rank0_planner() -> Any:
+    """A save planner that writes a tensor every rank holds from rank 0, where torch lets it choose.
+
+    Replicated tensors can differ across ranks: BatchNorm's running statistics are each rank's own (DDP
+    broadcasts rank 0's at every forward). DCP writes one rank's copy, by default whichever balances the files; rank
+    0's is the one ``full_state_dict`` shows and DDP continues from, so a resumed run matches the uninterrupted one.
+    """
+    import inspect
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    if "dedup_save_to_lowest_rank" in inspect.signature(DefaultSavePlanner.__init__).parameters:
+        return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    return DefaultSavePlanner()
+
+
 def save(t: Targets, root: Path, keep: int) -> Path:
     """Write a checkpoint of the job's current state to ``root/step-<step>``, atomically; return that folder."""
     import torch.distributed.checkpoint as dcp
@@ -93,7 +109,8 @@ def save(t: Targets, root: Path, keep: int) -> Path:
         }))
     try:
         with quiet_single_process():
-            dcp.save(_tensor_state(t, optimizer=t.step > 0), storage_writer=dcp.FileSystemWriter(tmp))
+            dcp.save(_tensor_state(t, optimizer=t.step > 0), storage_writer=dcp.FileSystemWriter(tmp),
+                     planner=_rank0_planner())
     except DCP_ERRORS as e:
         raise CheckpointError(f"could not write checkpoint {tmp}: {first_failure(e)}") from None
     t.barrier()  # every rank's files are complete

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..env import ClusterEnv
 from ..errors import ConfigError
+from ..model.units import shard_units
 from .base import Runtime, Strategy
 from .optim import param_names, rebuild
 from .registry import register
@@ -34,10 +35,10 @@ class FSDPConfig:
     reshard_after_forward: bool = True
     """Free gathered parameters after each unit's forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
     wrap_classes: Sequence[type[nn.Module]] = ()
-    """Module classes that each become a unit (e.g. a transformer block); empty: by size."""
+    """Module classes that each become a unit; empty: the model's repeated blocks (transformer blocks)."""
     min_params: int = 100_000
-    """With no ``wrap_classes``: a sub-module becomes a unit when it holds at least this many parameters that
-    no smaller unit already took."""
+    """Outside those units (and in models without blocks) a sub-module becomes a unit when it holds at least this
+    many parameters that no smaller unit already took."""
     shard_size: int | None = None
     """hsdp only: ranks per shard group (default: processes per node, or half the world on one node)."""
     cpu_offload: bool = False
@@ -51,31 +52,8 @@ class FSDPConfig:
                 raise ConfigError(f"wrap_classes must hold nn.Module classes, got {cls!r}")
 
 
-def wrap_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
-    """The sub-modules (never the root) that become their own sharding unit, innermost first."""
-    units: list[nn.Module] = []
-    taken: set[int] = set()
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            visit(child)
-        if module is model:
-            return
-        if config.wrap_classes:
-            chosen = isinstance(module, tuple(config.wrap_classes))
-        else:
-            free = sum(p.numel() for p in module.parameters() if id(p) not in taken)
-            chosen = free >= config.min_params
-        if chosen:
-            units.append(module)
-            taken.update(id(p) for p in module.parameters())
-
-    visit(model)
-    return units
-
-
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy: object | None = None) -> nn.Module:
-    """``fully_shard`` every unit of the wrapping policy, then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP).
+    """``fully_shard`` every unit of the wrap policy (:func:`paratrain.model.units.shard_units`), then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP).
 
     Only the root casts its output (the policy's ``output_dtype``): a unit's output stays in the compute dtype, as
     the root's own layers after the last unit (a final norm with 16-bit weights) expect it.
@@ -84,8 +62,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy
 
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()}
-    for unit in wrap_units(model, config):
-        fully_shard(unit, reshard_after_forward=config.reshard_after_forward,
+    for unit in shard_units(model, wrap_classes=config.wrap_classes, min_params=config.min_params):
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=config.reshard_after_forward,
                     mp_policy=dataclasses.replace(policy, output_dtype=None), **kwargs)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, mp_policy=policy, **kwargs)
     return model
