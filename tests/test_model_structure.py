@@ -83,3 +83,15 @@ def test_audit_names_a_split_tie_and_a_parameter_the_optimizer_lost():
     rebuilt = torch.optim.SGD([p for n, p in model.named_parameters() if n != "head.weight"], lr=0.1)
     with pytest.raises(ConfigError, match="no longer trains 'head.weight' \\(tied to 'wte.weight'\\)"):
         record.check_kept(opt, rebuilt, model, "zero3")
+
+
+def test_model_parallel_opens_a_transformers_model_to_its_blocks_and_keeps_ties_on_one_stage():
+    from paratrain.strategies.model_parallel import layers, placement
+
+    model = ZOO["gpt2"].build()
+    names = [n for n, _ in layers(model)]
+    assert names == ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
+                     "transformer.ln_f", "lm_head"]
+    stages = dict(zip(names, placement(model, [4])))
+    assert stages["transformer.h.0"] == 0 and stages["transformer.h.1"] == 1
+    assert stages["transformer.wte"] == stages["lm_head"] == 1  # one tensor, one device: the head's stage

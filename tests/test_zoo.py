@@ -16,7 +16,7 @@ import torch
 import paratrain
 from paratrain.testing import max_abs_diff, spawn
 from zoo import ZOO
-from zoo_workers import PER_RANK, STEPS, run_cases, step_batch
+from zoo_workers import PER_RANK, STEPS, run_case, run_cases, step_batch
 
 # fp32 tolerance: the parallel runs sum the same gradients in another order (all-reduce, reduce-scatter); over 3
 # steps that moves parameters by a few 1e-7 (SGD) and a few 1e-6 (AdamW, whose update divides by sqrt(v)).
@@ -59,29 +59,45 @@ def world2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    cases = [(m, "hsdp", {}) for m in ZOO]
+    return spawn(run_cases, 4, (cases, str(tmp_path_factory.mktemp("zoo4"))), timeout_s=600)[0]
+
+
+@pytest.fixture(scope="module")
 def references():
     return {m: reference(m, 2) for m in ZOO}
+
+
+def check(result: dict, expected: dict[str, torch.Tensor], model_name: str) -> None:
+    assert "error" not in result, result.get("error")
+    assert not result["problems"], result["problems"]
+    assert max_abs_diff(result["state"], expected) <= TOL
+    assert result["resumed"] <= 1e-6, "save -> load -> continue differs from the uninterrupted run"
+    ZOO[model_name].build().load_state_dict(result["state"])  # the full state dict loads into the plain model
 
 
 @pytest.mark.parametrize("strategy", WORLD2)
 @pytest.mark.parametrize("model_name", list(ZOO))
 def test_zoo_world2_equals_one_process(world2, references, model_name, strategy):
-    result = world2[f"{model_name}/{strategy}"]
-    assert "error" not in result, result.get("error")
-    assert not result["problems"], result["problems"]
-    assert max_abs_diff(result["state"], references[model_name]) <= TOL
-    assert result["resumed"] <= 1e-6, "save -> load -> continue differs from the uninterrupted run"
-    plain = ZOO[model_name].build()
-    plain.load_state_dict(result["state"])  # the full state dict loads into the plain model
+    check(world2[f"{model_name}/{strategy}"], references[model_name], model_name)
 
 
 @pytest.mark.parametrize("model_name, strategy", SMALL_UNITS)
 def test_zoo_with_embedding_and_head_as_units(world2, references, model_name, strategy):
-    result = world2[f"{model_name}/{strategy}{{'min_params': 1}}"]
-    assert "error" not in result, result.get("error")
-    assert not result["problems"], result["problems"]
-    assert max_abs_diff(result["state"], references[model_name]) <= TOL
-    assert result["resumed"] <= 1e-6
+    check(world2[f"{model_name}/{strategy}{{'min_params': 1}}"], references[model_name], model_name)
+
+
+@pytest.mark.parametrize("model_name", list(ZOO))
+def test_zoo_hsdp_world4_equals_one_process(world4, model_name):
+    check(world4[f"{model_name}/hsdp"], reference(model_name, 4), model_name)
+
+
+@pytest.mark.filterwarnings("ignore:strategy 'dp' on the CPU")
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("model_name", list(ZOO))
+def test_zoo_in_one_process(tmp_path, model_name, strategy):
+    check(run_case(model_name, strategy, {}, str(tmp_path)), reference(model_name, 1), model_name)
 
 
 def test_batch_norm_reference_is_per_replica_and_the_rest_is_the_global_batch():

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 from ..env import ClusterEnv
 from ..errors import ConfigError
+from ..model import find_blocks, find_ties
 from .base import Runtime, Strategy
 from .ddp import DDPConfig, apply_ddp
 from .registry import register
@@ -43,13 +44,17 @@ class ModelParallelConfig:
 
 
 def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's layers in definition order: top-level children, containers opened up."""
+    """The model's layers in definition order: top-level children, with containers and the modules on the way to
+    the repeated blocks (a transformers model's ``transformer``/``model``) opened up, so each block is a layer."""
     out: list[tuple[str, nn.Module]] = []
+    blocks = find_blocks(model)
+    path = blocks.container.split(".") if blocks and blocks.container else []
+    opened = {".".join(path[:i]) for i in range(1, len(path) + 1)}
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             qual = f"{prefix}{name}"
-            if isinstance(child, (nn.Sequential, nn.ModuleList)):
+            if isinstance(child, (nn.Sequential, nn.ModuleList)) or qual in opened:
                 visit(qual + ".", child)
             else:
                 out.append((qual, child))
@@ -96,15 +101,43 @@ def stage_of_layers(n_layers: int, split: Sequence[int]) -> list[int]:
 
 
 def apply_model_parallel(model: nn.Module, devices: Sequence[torch.device], split: Sequence[int]) -> nn.Module:
-    """Place each layer on its stage's device and move inputs along with forward pre-hooks."""
+    """Place each layer on its stage's device and move inputs along with forward pre-hooks.
+
+    Layers that share a parameter (a tied embedding and output head) must sit on one device, since one tensor
+    lives on one device: they all go to the stage of the last of them, so the model's output still comes from
+    the last stage.
+    """
     named = layers(model)
-    stage = stage_of_layers(len(named), split)
+    stage = placement(model, split)
     model.to(devices[0])  # root parameters and buffers stay on the first stage
     for (_, layer), s in zip(named, stage):
         device = devices[s]
         layer.to(device)
         layer.register_forward_pre_hook(_mover(device), with_kwargs=True)
     return model
+
+
+def placement(model: nn.Module, split: Sequence[int]) -> list[int]:
+    """Stage of every layer of ``layers(model)`` for the cut points ``split``, tied layers moved together to the
+    stage of the last of them (see ``apply_model_parallel``)."""
+    named = layers(model)
+    stage = stage_of_layers(len(named), split)
+    index = {name: i for i, (name, _) in enumerate(named)}
+    for owners in find_ties(model).owners():
+        tied = [i for i in (_layer_of(o, index) for o in owners) if i is not None]
+        for i in tied:
+            stage[i] = max(stage[j] for j in tied)
+    return stage
+
+
+def _layer_of(module_name: str, index: dict[str, int]) -> int | None:
+    """Index of the layer that is ``module_name`` or holds it."""
+    parts = module_name.split(".")
+    for k in range(len(parts), 0, -1):
+        found = index.get(".".join(parts[:k]))
+        if found is not None:
+            return found
+    return None
 
 
 def _mover(device: torch.device):
