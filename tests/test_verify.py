@@ -25,6 +25,8 @@ def world2_reports() -> dict[tuple[str, str], object]:
     cases += [Case(factory="verify_cases:good_accumulating", strategy="zero2"),
               Case(factory="verify_cases:rank_seeded", strategy="ddp")]
     cases += [Case(factory=f"verify_cases:{name}", strategy=strategy) for name, (strategy, _, _) in BUGS.items()]
+    cases += [Case(factory="verify_cases:gpt2", strategy=s, steps=4) for s in ("ddp", "zero3")]
+    cases += [Case(factory="verify_cases:split_tie", strategy="ddp", steps=4)]
     reports = verify_cases(cases, 2, timeout_s=150, accelerator="cpu")
     return {(c.factory.split(":")[1], c.strategy): r for c, r in zip(cases, reports)}
 
@@ -54,6 +56,21 @@ def test_each_planted_bug_fails_with_its_cause(world2_reports, factory):
     assert fix in report.findings[0].hint
     assert report.divergence is not None and report.parameters_apart is not None, text
     assert f"diverges at step {report.divergence.step}" in text and report.parameters_apart.parameter in text
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_transformers_model_with_a_tied_head_passes(world2_reports, strategy):
+    report = world2_reports[("gpt2", strategy)]
+    assert report.passed, format_report(report)
+
+
+def test_a_split_tie_is_named_with_the_parameter_it_left_untrained(world2_reports):
+    report = world2_reports[("split_tie", "ddp")]
+    text = format_report(report)
+    assert not report.passed, text
+    assert [f.cause for f in report.findings] == ["tied parameters split", "parameters never trained"], text
+    assert "'lm_head.weight' and 'transformer.wte.weight'" in report.findings[0].evidence
+    assert "lm_head.weight" in report.findings[1].evidence
 
 
 def test_where_each_bug_first_shows(world2_reports):

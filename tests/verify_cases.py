@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from paratrain.verify import VerifySpec
+from paratrain.verify import VerifySpec, paratrain_loop
 
 
 def _data(n: int = 64) -> TensorDataset:
@@ -85,6 +85,30 @@ def rank_seeded() -> VerifySpec:
     """Seeded with the rank before the model is built: every rank starts from other weights."""
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))
     return _spec(_model())
+
+
+def _gpt2_spec(**kwargs: object) -> VerifySpec:
+    from zoo import ZOO, _lm_loss, _tokens
+
+    x, y = _tokens(32, torch.Generator().manual_seed(1))
+    return VerifySpec(model=ZOO["gpt2"].build(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                      loss=_lm_loss, loader=DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True), **kwargs)
+
+
+def gpt2() -> VerifySpec:
+    """transformers' GPT-2 with its tied head (tests/zoo.py)."""
+    return _gpt2_spec()
+
+
+def split_tie() -> VerifySpec:
+    """GPT-2 whose head gets a weight of its own after prepare in the parallel run only — what FSDP2 on torch 2.11
+    did to tied weights: the head is no longer the embedding and no optimizer trains it."""
+    def train(par, model, optimizer, loader, loss):
+        if par.world_size > 1:
+            head = par.unwrap(model).lm_head
+            head.weight = nn.Parameter(head.weight.detach().clone())
+        paratrain_loop(par, model, optimizer, loader, loss)
+    return _gpt2_spec(train=train)
 
 
 def not_a_spec() -> dict:

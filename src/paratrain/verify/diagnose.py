@@ -218,3 +218,47 @@ def replicas_finding(ranks: list[RankEvidence]) -> Finding | None:
     return Finding(cause="replicas drifted apart", evidence=f"at the end, {apart} hold other parameters than rank 0",
                    hint="gradients or parameters changed on one rank outside paratrain's step (a second optimizer over "
                         "the unwrapped model, a no_sync block left open, rank-dependent code)")
+
+
+def _changed(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape != b.shape or not torch.equal(a, b)
+
+
+def untrained_finding(ranks: list[RankEvidence], ref: Record) -> Finding | None:
+    """Parameters the reference moved that the parallel run never moved: the optimizer lost them (a parameter
+    left out of a rebuilt optimizer, the second name of a tie that was split into two tensors)."""
+    mine = ranks[0].record.states
+    if len(mine) < 2 or len(ref.states) < 2:
+        return None
+    stuck = [k for k in ref.states[0].keys() & mine[0].keys()
+             if ref.states[0][k].is_floating_point() and _changed(ref.states[0][k], ref.states[-1][k])
+             and not _changed(mine[0][k], mine[-1][k])]
+    if not stuck:
+        return None
+    return Finding(cause="parameters never trained",
+                   evidence=f"{len(stuck)} parameter(s) changed in the single-process run but not in the parallel one "
+                            f"({', '.join(sorted(stuck)[:3])}{', …' if len(stuck) > 3 else ''})",
+                   hint="every trainable parameter must be in the prepared optimizer: build the optimizer from the "
+                        "model passed to prepare() and pass both to prepare(); do not re-tie or replace parameters "
+                        "after prepare()")
+
+
+def tie_finding(ranks: list[RankEvidence], ref: Record) -> Finding | None:
+    """Entries that are one tensor in the reference (equal at every step though training moved them) but that
+    the parallel run ended with different values: a tied embedding and head split into two tensors."""
+    mine, theirs = ranks[0].record.states, ref.states
+    if not mine or len(theirs) < 2:
+        return None
+    first, last = theirs[0], theirs[-1]
+    keys = sorted(k for k in first.keys() & mine[-1].keys() if first[k].is_floating_point())
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            tied = (not _changed(first[a], first[b]) and not _changed(last[a], last[b])
+                    and _changed(first[a], last[a]))
+            if tied and _changed(mine[-1][a], mine[-1][b]):
+                return Finding(cause="tied parameters split",
+                               evidence=f"'{a}' and '{b}' are one tensor in the single-process run but ended with "
+                                        "different values in the parallel one",
+                               hint="keep ties through prepare(): tie the weights before prepare() and never re-tie or "
+                                    "resize embeddings after it; report it if prepare() itself split them")
+    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .diagnose import (BROADCASTING, Divergence, Finding, batchnorm_finding, data_findings, first_divergence,
-                       gradient_scale_finding, init_finding, replicas_finding)
+                       gradient_scale_finding, init_finding, replicas_finding, tie_finding, untrained_finding)
 from .distributed import RankEvidence
 from .record import Record
 
@@ -83,6 +83,9 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, *, world: int, t
                         batchnorm_finding(ranks, ref, max(tolerance, 1e-4))):
             if finding is not None:
                 report.findings.append(finding)
+    for finding in (tie_finding(ranks, ref), untrained_finding(ranks, ref)):
+        if finding is not None:
+            report.findings.append(finding)
     drift = replicas_finding(ranks)
     if drift is not None and not report.findings:
         report.findings.append(drift)
