@@ -95,3 +95,8 @@ def test_model_parallel_opens_a_transformers_model_to_its_blocks_and_keeps_ties_
     stages = dict(zip(names, placement(model, [4])))
     assert stages["transformer.h.0"] == 0 and stages["transformer.h.1"] == 1
     assert stages["transformer.wte"] == stages["lm_head"] == 1  # one tensor, one device: the head's stage
+
+
+def test_a_tied_module_of_a_user_class_is_sharded_only_with_its_partner():
+    units = _unit_names(ZOO["nanogpt"].build(), wrap_classes=[nn.Linear, nn.Embedding], min_params=10**9)
+    assert units[-1] == ["wte", "head"] and sum(u.count("head") for u in units) == 1

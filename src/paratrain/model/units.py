@@ -40,6 +40,7 @@ def shard_units(model: nn.Module, *, wrap_classes: Sequence[type[nn.Module]] = (
     tie_groups = [list({id(m): m for m in (model.get_submodule(o) for o in owners)}.values())
                   for owners in find_ties(model).owners()]
     tied = {id(m) for group in tie_groups for m in group}
+    fixed -= tied  # a tied module is sharded with its partners, never alone
     units: list[list[nn.Module]] = []
     taken: set[int] = set()
 

@@ -1,0 +1,153 @@
+"""zero3's default units against hand-written FSDP2 with one unit per transformer block (CPU, gloo, world 2).
+
+    .venv/bin/python benchmarks/fsdp_units.py                  # 5 interleaved rounds
+    .venv/bin/python benchmarks/fsdp_units.py --rounds 1 --steps 3   # a quick look
+
+Subjects, each on the same model, batch and AdamW, one after the other in every round (the order rotating):
+
+* ``paratrain``: ``Parallel("zero3")`` with its default units (the repeated blocks; a tied embedding and head as
+  one group);
+* ``hand-fsdp2``: ``fully_shard`` on every block, then on the root, written out as the PyTorch FSDP tutorial and
+  torchtitan do (the tied embedding and head stay with the root);
+* ``every-linear``: zero3 with every ``nn.Linear``/``nn.Embedding`` as a unit (``wrap_classes``), what the
+  size-based default amounted to on large models.
+
+Models: our nanoGPT-style GPT and transformers' GPT-2 at the same small size (tied heads). Step time: the median of
+each round's median, on the slowest rank. Peak memory: the rise of the process's peak resident set over the
+timed steps (``/proc/self/clear_refs`` resets it; large allocations are mmapped, so freed memory leaves the RSS).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import paratrain
+from paratrain.parallel import finish_group
+
+LAYERS, HIDDEN, HEADS, SEQ, VOCAB, PER_RANK = 4, 192, 4, 64, 4096, 8
+SUBJECTS = ("paratrain", "hand-fsdp2", "every-linear")
+
+
+def build(kind: str) -> tuple[nn.Module, type[nn.Module]]:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        from paratrain.workloads.gpt import GPT, Block, GPTConfig
+
+        return GPT(GPTConfig(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ, vocab=VOCAB)), Block
+    import logging
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cfg = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=SEQ, vocab_size=VOCAB,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg), GPT2Block
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def _loss(out: object, y: torch.Tensor) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def prepared(subject: str, kind: str) -> tuple[object, nn.Module, torch.optim.Optimizer]:
+    """(something with ``step``-like use, model, optimizer) for one subject."""
+    model, block = build(kind)
+    if subject == "hand-fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for m in [m for m in model.modules() if isinstance(m, block)]:
+            fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return None, model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    options = {"wrap_classes": (nn.Linear, nn.Embedding)} if subject == "every-linear" else {}
+    par = paratrain.Parallel("zero3", monitor=False, **options)
+    model, opt = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    return par, model, opt
+
+
+def measure(subject: str, kind: str, steps: int, warmup: int) -> dict[str, float]:
+    par, model, opt = prepared(subject, kind)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ids = torch.randint(0, VOCAB, (PER_RANK, SEQ + 1), generator=g)
+    x, y = ids[:, :-1], ids[:, 1:]
+    times = []
+    base = 0
+    for i in range(warmup + steps):
+        if i == warmup:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            base = _rss_kib("VmRSS")
+        dist.barrier()
+        start = time.perf_counter()
+        if par is None:
+            _loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            with par.step(model, opt):
+                par.forward_backward(model, x, y, _loss)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "peak_rise_mib": (_rss_kib("VmHWM") - base) / 1024}
+
+
+def job(kinds: list[str], rounds: int, steps: int, warmup: int) -> dict[str, list[dict]]:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out: dict[str, list[dict]] = {f"{k}/{s}": [] for k in kinds for s in SUBJECTS}
+    for r in range(rounds):
+        for kind in kinds:
+            order = SUBJECTS[r % 3:] + SUBJECTS[:r % 3]
+            for subject in order:
+                out[f"{kind}/{subject}"].append(measure(subject, kind, steps, warmup))
+    finish_group()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--models", default="gpt,gpt2")
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args()
+    kinds = a.models.split(",")
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+    ranks = paratrain.launch(job, 2, (kinds, a.rounds, a.steps, a.warmup), timeout_s=1800, env=env)
+    rows = []
+    for key in ranks[0]:
+        per_round = [max(rank[key][r]["median_s"] for rank in ranks) for r in range(a.rounds)]
+        peak = statistics.median(max(rank[key][r]["peak_rise_mib"] for rank in ranks) for r in range(a.rounds))
+        rows.append({"case": key, "step_ms": 1e3 * statistics.median(per_round), "peak_rise_mib": peak,
+                     "rounds_ms": [round(1e3 * t, 1) for t in per_round]})
+    by = {r["case"]: r for r in rows}
+    print(f"model: {LAYERS} blocks, hidden {HIDDEN}, seq {SEQ}, vocab {VOCAB}, tied head; {PER_RANK} samples per "
+          f"rank, AdamW, fp32, world 2; {a.rounds} rounds x {a.steps} steps")
+    print(f"{'case':<24} {'step ms':>8} {'x hand':>7} {'peak rise MiB':>14} {'x hand':>7}  rounds (ms)")
+    for r in rows:
+        hand = by[r["case"].split("/")[0] + "/hand-fsdp2"]
+        print(f"{r['case']:<24} {r['step_ms']:>8.1f} {r['step_ms'] / hand['step_ms']:>7.3f} {r['peak_rise_mib']:>14.1f} "
+              f"{r['peak_rise_mib'] / max(hand['peak_rise_mib'], 1e-9):>7.3f}  {r['rounds_ms']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
