@@ -25,6 +25,8 @@ WORLD2 = ("ddp", "zero1", "zero2", "zero3", "model_parallel")
 # At real sizes the embedding and head exceed the size rule's threshold and become units of their own; these tiny
 # models need a small threshold for that, which is where a tie split across units used to fail.
 SMALL_UNITS = [("gpt2", "zero3"), ("nanogpt", "zero2"), ("lora", "zero3"), ("llama", "zero3")]
+CHECKPOINTED = [("gpt2", "zero3", True), ("llama", "ddp", True), ("nanogpt", "zero2", 2), ("bert", "zero1", True),
+                ("lora", "model_parallel", True)]
 
 
 def reference(model_name: str, replicas: int, slices: int | None = None) -> dict[str, torch.Tensor]:
@@ -54,6 +56,7 @@ def reference(model_name: str, replicas: int, slices: int | None = None) -> dict
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     cases = [(m, s, {}) for m in ZOO for s in WORLD2] + [(m, s, {"min_params": 1}) for m, s in SMALL_UNITS]
+    cases += [(m, s, {"activation_checkpointing": k}) for m, s, k in CHECKPOINTED]
     return spawn(run_cases, 2,
                  (cases, str(tmp_path_factory.mktemp("zoo2"))), timeout_s=600)[0]
 
@@ -86,6 +89,12 @@ def test_zoo_world2_equals_one_process(world2, references, model_name, strategy)
 @pytest.mark.parametrize("model_name, strategy", SMALL_UNITS)
 def test_zoo_with_embedding_and_head_as_units(world2, references, model_name, strategy):
     check(world2[f"{model_name}/{strategy}{{'min_params': 1}}"], references[model_name], model_name)
+
+
+@pytest.mark.parametrize("model_name, strategy, every", CHECKPOINTED)
+def test_zoo_with_activation_checkpointing(world2, references, model_name, strategy, every):
+    check(world2[f"{model_name}/{strategy}{{'activation_checkpointing': {every}}}"], references[model_name],
+          model_name)
 
 
 @pytest.mark.parametrize("model_name", list(ZOO))

@@ -31,6 +31,7 @@ from .env import ClusterEnv
 from .errors import CheckpointError, ConfigError
 from .mesh import build_mesh
 from .model.audit import ModelRecord
+from .model.checkpointing import apply_checkpointing, every_kth_block
 from .monitor import MonitorConfig, monitor_for, resolve
 from .precision import Precision, create_precision
 from .seeding import rank_seed, seed_all, use_deterministic_kernels
@@ -74,6 +75,8 @@ class Parallel:
         env: where this process sits; read from the environment when omitted.
         monitor: watch step time, data wait, stragglers and memory across ranks (``par.monitor``) and print a
             summary table at ``close()``; ``False`` turns it off, a ``MonitorConfig`` tunes it.
+        activation_checkpointing: recompute the model's repeated blocks in backward instead of keeping their
+            activations: ``True`` for every block, ``k`` for every k-th (see :mod:`paratrain.model.checkpointing`).
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
     """
 
@@ -94,6 +97,7 @@ class Parallel:
         resume: bool | None = None,
         env: ClusterEnv | None = None,
         monitor: bool | MonitorConfig = True,
+        activation_checkpointing: bool | int = False,
         **strategy_options: Any,
     ) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -103,6 +107,8 @@ class Parallel:
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         monitor_config = resolve(monitor)
+        self.activation_checkpointing = every_kth_block(activation_checkpointing)
+        """Activation checkpointing of every k-th block (0: off)."""
         if deterministic:
             use_deterministic_kernels()
         self.checkpoint_config = CheckpointConfig.resolve(dir=checkpoint_dir, every=checkpoint_every,
@@ -251,6 +257,8 @@ class Parallel:
         if self._auto_pending:
             self._choose_auto(model)
         rt = self._runtime()
+        if self.activation_checkpointing:
+            apply_checkpointing(model, self.activation_checkpointing)
         record = ModelRecord.of(model)
         wrapped = self.strategy.wrap_model(self.precision.convert_module(model), rt)
         record.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
