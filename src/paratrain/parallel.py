@@ -263,8 +263,7 @@ class Parallel:
         wrapped = self.strategy.wrap_model(self.precision.convert_module(model), rt)
         record.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
         self._records[id(wrapped)] = record
-        if not self.strategy.native_precision:
-            self.precision.wrap_forward(wrapped, rt.device)
+        self.precision.wrap_forward(wrapped, rt.device, autocast=not self.strategy.native_precision)
         self.device = self.strategy.output_device(rt)
         if self._seed is not None:  # model init is done: give each rank its own random stream
             seed_all(rank_seed(self._seed, self.rank))
@@ -382,11 +381,13 @@ class Parallel:
         """``loss_fn(model(x), target)`` and its backward, for every strategy; returns the detached loss.
 
         The same as ``loss = loss_fn(model(x), target); par.backward(loss)``, except that pipeline strategies
-        run it as a micro-batch schedule. Every rank gets the loss (a pipeline's last stage shares it).
+        run it as a micro-batch schedule, and that under mixed precision ``loss_fn`` sees the output in the compute
+        dtype and runs under autocast (no fp32 copy of the logits; see :mod:`paratrain.precision`). Every rank gets
+        the loss (a pipeline's last stage shares it).
         """
         loss = self.strategy.forward_backward(model, x, target, loss_fn, 1.0 / self.accumulate)
         if loss is None:
-            loss = loss_fn(model(x), target)
+            loss = self.precision.loss(model, x, target, loss_fn, self.device)
             self.backward(loss)
         return loss.detach()
 

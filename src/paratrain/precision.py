@@ -9,11 +9,18 @@
 
 Sharded strategies (FSDP) take the same choice as a ``MixedPrecisionPolicy`` (bf16/fp16 compute, fp32 gradient
 reduction) instead of autocast; every other strategy gets autocast around the model's forward.
+
+Outputs: a model called directly hands the loss fp32 outputs, since a loss computed outside autocast on 16-bit
+logits loses accuracy. ``Parallel.forward_backward`` owns the loss call, so there the outputs stay in the compute
+dtype and the loss runs under autocast, whose fp32 ops (log-softmax, cross-entropy, norms) upcast what they
+need as they go: no fp32 copy of the whole output is made — for a GPT with a 50k vocabulary that copy is the
+size of the logits, a quarter of the activation memory.
 """
 from __future__ import annotations
 
 import functools
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -52,8 +59,10 @@ class Precision:
             return nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
-    def wrap_forward(self, model: nn.Module, device: torch.device) -> None:
-        """Run ``model``'s forward under autocast (or on cast inputs) and hand fp32 outputs to the loss."""
+    def wrap_forward(self, model: nn.Module, device: torch.device, *, autocast: bool = True) -> None:
+        """Run ``model``'s forward under autocast (or on cast inputs) and hand fp32 outputs to the loss, except
+        inside ``compute_dtype_outputs``. ``autocast=False``: the strategy casts (FSDP's policy); only the
+        outputs are handled here."""
         if self.autocast_dtype is None and self.input_dtype is None:
             return
         inner = model.forward
@@ -61,13 +70,34 @@ class Precision:
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self.input_dtype is not None:
+            if autocast and self.input_dtype is not None:
                 args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-            with self.forward_context(device):
+            with self.forward_context(device) if autocast else nullcontext():
                 out = inner(*args, **kwargs)
+            if self._compute_outputs:
+                return out
             return tree_map(functools.partial(_cast_floating, dtype=torch.float32), out)
 
         model.forward = forward  # type: ignore[method-assign]
+
+    _compute_outputs = False
+
+    @contextmanager
+    def compute_dtype_outputs(self) -> Iterator[None]:
+        """Inside: wrapped forwards return their outputs in the compute dtype, not cast to fp32."""
+        self._compute_outputs = True
+        try:
+            yield
+        finally:
+            self._compute_outputs = False
+
+    def loss(self, model: nn.Module, x: Any, target: Any, loss_fn: Callable, device: torch.device) -> torch.Tensor:
+        """``loss_fn(model(x), target)``, the output left in the compute dtype and the loss run under autocast (see
+        the module docstring)."""
+        with self.compute_dtype_outputs():
+            out = model(x)
+        with self.forward_context(device):
+            return loss_fn(out, target)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -56,7 +56,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy
     """``fully_shard`` every unit of the wrap policy (:func:`paratrain.model.units.shard_units`), then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP).
 
     Only the root casts its output (the policy's ``output_dtype``): a unit's output stays in the compute dtype, as
-    the root's own layers after the last unit (a final norm with 16-bit weights) expect it.
+    the root's own layers after the last unit (a final norm with 16-bit weights) expect it. The ``zero*``/``hsdp``
+    strategies give a policy without ``output_dtype``: ``Parallel`` casts the root's outputs itself, except where
+    the loss takes them in the compute dtype (``forward_backward``).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -85,7 +87,7 @@ class FSDPStrategy(Strategy):
         assert rt.mesh is not None, "fsdp needs a mesh"
         names = param_names(model)
         model = model.to(rt.device) if not self.config.cpu_offload else model
-        apply_fsdp(model, rt.mesh, self.config, rt.precision.fsdp_policy())
+        apply_fsdp(model, rt.mesh, self.config, dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None))
         self._names[id(model)] = names
         return model
 

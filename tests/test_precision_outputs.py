@@ -1,0 +1,46 @@
+"""Lean mixed precision: forward_backward hands the loss the output in the compute dtype, under autocast, so no
+fp32 copy of the whole output is made; a direct call of the model still returns fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import paratrain
+from zoo import ZOO
+
+
+@pytest.mark.parametrize("strategy", ["single", "zero3"])
+def test_loss_sees_the_compute_dtype_and_a_direct_call_gets_fp32(strategy):
+    spec = ZOO["nanogpt"]
+    x, y = spec.inputs(4, torch.Generator().manual_seed(0))
+    par = paratrain.Parallel(strategy, precision="bf16-mixed", monitor=False)
+    model = spec.build()
+    model, opt = par.prepare(model, spec.optimizer(model))
+    seen = []
+
+    def loss_fn(out, target):
+        seen.append((out.dtype, torch.is_autocast_enabled("cpu")))
+        return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    with torch.no_grad():  # the same weights, the loss computed both ways
+        upcast = loss_fn(model(x), y)
+        lean = par.precision.loss(model, x, y, loss_fn, par.device)
+    assert seen == [(torch.float32, False), (torch.bfloat16, True)]
+    assert float(lean) == pytest.approx(float(upcast), rel=1e-2)
+    with par.step(model, opt):
+        par.forward_backward(model, x, y, loss_fn)
+    assert seen[-1] == (torch.bfloat16, True)
+    par.close()
+
+
+def test_fp32_is_untouched():
+    spec = ZOO["gpt2"]
+    x, y = spec.inputs(4, torch.Generator().manual_seed(0))
+    par = paratrain.Parallel("single", monitor=False)
+    model = spec.build()
+    model, opt = par.prepare(model, spec.optimizer(model))
+    seen = []
+    with par.step(model, opt):
+        par.forward_backward(model, x, y, lambda out, t: (seen.append(out.logits.dtype), spec.loss(out, t))[1])
+    assert seen == [torch.float32]
