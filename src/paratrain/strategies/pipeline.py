@@ -300,12 +300,12 @@ class PipelineStrategy(Strategy):
         # (the head's on the last stage), not only under its first name (the embedding's).
         names = {**param_names(model), **{id(p): n for n, p in here.named_parameters()}}
         out.key_order = list(model.state_dict())
+        out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)  # before FSDP swaps the parameters
         units = FSDPConfig(wrap_classes=(plan.blocks.cls,))  # one sharding unit per block, never a bare container
         for s in mine:
             stage = StageModule(build_stage(model, plan, [s]), first=s == 0)
             out.stage_modules[s] = stage
             out.parts.append((s, self._place(stage, rt, units)))
-        out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)
         self._names[id(out)] = names
         return out
 
