@@ -87,7 +87,7 @@ def _train(par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer
 
 
 def _case(family: str, strategy: str, options: dict, accumulate: int, clip: float | None,
-          resume: bool, ckpt: str) -> dict:
+          resume: bool | str, ckpt: str) -> dict:
     par = paratrain.Parallel(strategy, accumulate=accumulate, clip_grad_norm=clip, monitor=False, **options)
     plain = build(family)
     model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9))
@@ -95,6 +95,11 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
     in_opt = [id(p) for g in opt.param_groups for p in g["params"]]
     norms = []
     if resume:  # two steps, save, one more; then a fresh job loads and takes the third step again
+        if isinstance(resume, str):  # the first two steps under another strategy (ddp), the last under this one
+            par.close()
+            par = paratrain.Parallel(resume, accumulate=accumulate, clip_grad_norm=clip, monitor=False)
+            plain = build(family)
+            model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9))
         _train(par, model, opt, 0, 2)
         folder = par.save(ckpt)
         _train(par, model, opt, 2, STEPS)

@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 from pipeline_model_workers import build, run_cases, serial  # noqa: E402
 
 BOUND = 1e-5
-# name, family, strategy, options, accumulate, clip_grad_norm, save -> load -> continue
+# name, family, strategy, options, accumulate, clip_grad_norm, save -> load -> continue (a name: saved by that
+# strategy, loaded by this one)
 WORLD2 = [
     ("gpt2 1f1b clip", "gpt2", "pipeline", {"schedule": "1f1b"}, 1, 0.5, False),
     ("gpt2 gpipe split_points resume", "gpt2", "pipeline",
@@ -22,6 +23,7 @@ WORLD2 = [
     ("llama 1f1b", "llama", "pipeline", {"schedule": "1f1b"}, 1, None, False),
     ("gpt interleaved clip", "gpt", "pipeline", {"schedule": "interleaved-1f1b"}, 1, 0.5, False),
     ("gpt 1f1b resume", "gpt", "pipeline", {"schedule": "1f1b"}, 1, None, True),
+    ("gpt2 1f1b resumes a ddp checkpoint", "gpt2", "pipeline", {"schedule": "1f1b"}, 1, None, "ddp"),
     ("sequential split_points", "seq", "pipeline", {"schedule": "1f1b", "split_points": ["3"]}, 1, None, False),
 ]
 WORLD4 = [
@@ -30,7 +32,7 @@ WORLD4 = [
     ("llama hybrid fsdp", "llama", "hybrid", {"data": "fsdp"}, 1, None, False),
     ("llama hybrid ddp gpipe", "llama", "hybrid", {"schedule": "gpipe"}, 1, None, False),
     ("gpt hybrid fsdp accumulate", "gpt", "hybrid", {"data": "fsdp"}, 2, None, False),
-    ("gpt hybrid ddp resume", "gpt", "hybrid", {}, 1, None, True),
+    ("gpt hybrid fsdp resume", "gpt", "hybrid", {"data": "fsdp"}, 1, None, True),
 ]
 TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"), "gpt": ("wte.weight", "head.weight")}
 
@@ -52,7 +54,7 @@ def check(world: int, cases: list[tuple]) -> None:
             if clip is not None:                 # the tied weight counted once in the global norm
                 assert max(abs(x - y) for x, y in zip(got["norms"], ref["norms"])) <= 1e-5, where
                 assert min(ref["norms"]) > clip, "the case must clip"
-            if resume:
+            if resume is True:
                 assert max_abs_diff(got["state"], got["uninterrupted"]) == 0.0, where
             else:  # forward only: the plain model's kind of output (a ModelOutput with logits) on every rank
                 out = got["output"]

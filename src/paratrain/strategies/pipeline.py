@@ -107,6 +107,7 @@ class PipelinedModel(nn.Module):
         self.key_order: list[str] | None = None  # the plain model's state-dict order
         self.tied: list[tuple[dist.ProcessGroup, str]] = []  # (ranks holding it, its name here) per tied weight
         self.uncounted: set[str] = set()  # tied weights another rank counts in the gradient norm
+        self.aliases: dict[str, str] = {}  # a tied weight held here under another name -> its first name
         self._eval_kind: OutputKind | None = None
 
     @property
@@ -298,7 +299,9 @@ class PipelineStrategy(Strategy):
         out = PipelinedModel(list(here.named_children()))
         # The optimizer maps its parameters by name: a tied tensor is found under the name this rank holds it by
         # (the head's on the last stage), not only under its first name (the embedding's).
-        names = {**param_names(model), **{id(p): n for n, p in here.named_parameters()}}
+        first = param_names(model)
+        names = {**first, **{id(p): n for n, p in here.named_parameters()}}
+        out.aliases = {n: first[i] for i, n in names.items() if n != first.get(i, n)}
         out.key_order = list(model.state_dict())
         out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)  # before FSDP swaps the parameters
         units = FSDPConfig(wrap_classes=(plan.blocks.cls,))  # one sharding unit per block, never a bare container
@@ -365,6 +368,16 @@ class PipelineStrategy(Strategy):
             return list(model.parameters())
         return [p for n, p in model.named_parameters() if n not in model.uncounted]
 
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Keyed as one process keys it: a tied weight's state under the tensor's first name (the embedding's),
+        also on the stage that holds it as the head, so checkpoints move between pipeline and other strategies
+        (the two stages' identical copies are written once)."""
+        return _renamed(super().optimizer_state(model, optimizer), getattr(model, "aliases", {}))
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        back = {v: k for k, v in getattr(model, "aliases", {}).items()}
+        super().load_optimizer_state(model, optimizer, _renamed(state, back))
+
     def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
         assert isinstance(model, PipelinedModel)
         local = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
@@ -417,6 +430,22 @@ def _tie_groups(model: nn.Module, plan: StagePlan, rt: Runtime,
                 if me != ranks[0]:
                     uncounted.add(name)
     return tied, uncounted
+
+
+def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """Flattened optimizer state (``state.<param>.<field>``, ``param_groups.<param>.<key>``) with parameter names
+    mapped through ``names``."""
+    if not names:
+        return state
+    out = {}
+    for key, value in state.items():
+        section, _, rest = key.partition(".")
+        for old, new in names.items():
+            if rest.startswith(old + "."):
+                key = f"{section}.{new}{rest[len(old):]}"
+                break
+        out[key] = value
+    return out
 
 
 def _layer_order(key: str) -> tuple[int, str]:
