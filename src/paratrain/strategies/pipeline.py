@@ -4,10 +4,12 @@ The model is cut into stages, one per rank of the ``pp`` mesh dimension (two or 
 interleaved schedule): an ``nn.Sequential`` between its layers, any other model between its repeated blocks
 (GPT-2's ``transformer.h.*``, Llama's ``model.layers.*``), each stage being the model itself with the other
 stages' pieces swapped out (:mod:`paratrain.model.stages`). A weight tied across stages (an embedding reused by
-the output head) lives on both stages; their gradients are summed before clipping and the optimizer step. Each batch is split into micro-batches that flow through the stages
-under a schedule: GPipe (all forwards, then all backwards), 1F1B (one forward, one backward: at most ``p``
-micro-batches of activations alive instead of ``m``) or interleaved 1F1B (several stages per rank, a
-smaller bubble). The loss is computed on the last stage; gradients are the mean over micro-batches.
+the output head) lives on both stages; their gradients are summed before clipping and the optimizer step.
+
+Each batch is split into micro-batches that flow through the stages under a schedule: GPipe (all forwards,
+then all backwards), 1F1B (one forward, one backward: at most ``p`` micro-batches of activations alive instead
+of ``m``) or interleaved 1F1B (several stages per rank, a smaller bubble). The loss is computed on the last
+stage; gradients are the mean over micro-batches.
 
 ``hybrid`` adds a data-parallel dimension: ``dp`` x ``pp`` ranks, each pipeline's stages replicated with DDP
 (or sharded with FSDP, ``data="fsdp"``) across the ``dp`` dimension.
