@@ -117,10 +117,13 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
             norms.append(par.last_grad_norm)
     state = par.full_state_dict(model, rank0_only=False)
     broken = find_ties(build(family)).broken(model)
+    model.eval()  # reaches the stages' copies of the model's root too
+    evaluating = not any(m.training for _, part in model.parts for m in part.modules())
     output = model(batches(1)[0][:4])  # forward only: the plain model's kind of output, on every rank
     par.close()
     return {"state": state, "uninterrupted": uninterrupted, "norms": norms, "broken": broken, "output": output,
-            "optimizer_once": sorted(in_opt) == sorted(held) and len(set(in_opt)) == len(in_opt)}
+            "optimizer_once": sorted(in_opt) == sorted(held) and len(set(in_opt)) == len(in_opt),
+            "evaluating": evaluating}
 
 
 def run_cases(cases: list[tuple]) -> dict[str, dict]:

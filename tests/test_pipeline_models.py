@@ -48,6 +48,7 @@ def check(world: int, cases: list[tuple]) -> None:
             assert max_abs_diff(got["state"], ref["state"]) <= BOUND, where
             assert got["optimizer_once"], where  # every parameter a rank holds is in its optimizer, once
             assert not got["broken"], where      # a tie inside a stage is still one tensor
+            assert got["evaluating"], where      # model.eval() reached every stage
             if family in TIED:                   # both stages' copies of a tied weight stayed equal
                 a, b = TIED[family]
                 assert got["state"][a].equal(got["state"][b]), where

@@ -112,6 +112,14 @@ class PipelinedModel(nn.Module):
         self.aliases: dict[str, str] = {}  # a tied weight held here under another name -> its first name
         self._eval_kind: OutputKind | None = None
 
+    def train(self, mode: bool = True) -> "PipelinedModel":
+        """Also the stages: a stage cut from a model holds copies of the modules above its blocks (the model's
+        root), which are not children of this module."""
+        super().train(mode)
+        for _, part in self.parts:
+            part.train(mode)
+        return self
+
     @property
     def is_first(self) -> bool:
         return any(index == 0 for index, _ in self.parts)
