@@ -1,6 +1,7 @@
 """``pipeline`` and ``hybrid`` on real models: transformers' GPT-2 (tied head) and Llama (GQA, rotary
 embeddings), and our GPT (tied head), cut between their blocks. Each equals one plain process on the same global
-batches after 3 SGD (momentum) steps, in fp32: measured ≤ 3e-7, asserted ≤ 1e-5.
+batches after 3 SGD (momentum) steps, in fp32: measured ≤ 2.4e-7 (our GPT's default init gives it larger
+weights than the transformers models, ≤ 1.2e-8), asserted ≤ 1e-5.
 
 One job per world size runs every case in sequence (importing transformers costs seconds per process).
 """
@@ -28,7 +29,8 @@ WORLD2 = [
 ]
 WORLD4 = [
     ("gpt2 hybrid ddp", "gpt2", "hybrid", {}, 1, None, False),
-    ("gpt2 hybrid fsdp clip", "gpt2", "hybrid", {"data": "fsdp"}, 1, 0.5, False),
+    ("gpt2 hybrid fsdp interleaved clip", "gpt2", "hybrid", {"data": "fsdp", "schedule": "interleaved-1f1b"}, 1,
+     0.5, False),
     ("llama hybrid fsdp", "llama", "hybrid", {"data": "fsdp"}, 1, None, False),
     ("llama hybrid ddp gpipe", "llama", "hybrid", {"schedule": "gpipe"}, 1, None, False),
     ("gpt hybrid fsdp accumulate", "gpt", "hybrid", {"data": "fsdp"}, 2, None, False),
