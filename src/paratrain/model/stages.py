@@ -266,4 +266,14 @@ class StageModule(nn.Module):
         else:
             out = self.stage(inputs_embeds=x, **self.extra)
         tensor, self.kind = split_output(out)
+        if tensor._base is not None and _sharded(self):
+            # A middle stage's hidden states come out as a view (GPT-2's ``view``, the logits slice); FSDP warns
+            # on every such root output, since an in-place op on it would skip its hooks. A copy is one activation.
+            tensor = tensor.clone()
         return tensor
+
+
+def _sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
