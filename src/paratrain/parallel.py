@@ -365,10 +365,12 @@ class Parallel:
             yield info
         self._micro_step = (self._micro_step + 1) % self.accumulate
         if info.sync:
+            self.strategy.sync_gradients(model)
             if self.clip_grad_norm is not None:
                 self.precision.unscale(optimizer)
                 self.last_grad_norm = clip_grad_norm(model.parameters(), self.clip_grad_norm,
-                                                     group=self.strategy.grad_norm_group(model))
+                                                     group=self.strategy.grad_norm_group(model),
+                                                     counted=self.strategy.grad_norm_parameters(model))
             self.precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
             self.optimizer_steps += 1
@@ -555,13 +557,15 @@ def finish_group() -> None:
 
 
 def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
-                   group: dist.ProcessGroup | None = None) -> float:
+                   group: dist.ProcessGroup | None = None, counted: Iterable[nn.Parameter] | None = None) -> float:
     """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping.
 
-    ``group``: ranks whose local norms make up the global one (the stages of a pipeline).
+    ``group``: ranks whose local norms make up the global one (the stages of a pipeline). ``counted``: the
+    parameters whose gradients this rank adds to the norm, when not all of ``parameters`` (a tied weight that
+    another stage counts).
     """
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params, group)
+    norm = global_grad_norm(params if counted is None else counted, group)
     if params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)

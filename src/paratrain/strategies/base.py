@@ -80,6 +80,15 @@ class Strategy(ABC):
         """Group over which local gradient norms add up to the global one (pipeline stages); None: no such group."""
         return None
 
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Complete the gradients on the step that synchronises, before clipping and the optimizer step, where the
+        wrapped model's backward does not (a weight tied across pipeline stages); the default has nothing to do."""
+
+    def grad_norm_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """This rank's parameters whose gradients make up its part of the global norm, so that a tensor held on
+        several ranks of ``grad_norm_group`` (a tied weight on two pipeline stages) is counted once."""
+        return list(model.parameters())
+
     def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
         """The consolidated state dict (see :func:`paratrain.state_dict.full_state_dict`)."""
         from ..state_dict import full_state_dict

@@ -1,10 +1,15 @@
 """``pipeline`` and ``hybrid``: pipeline parallelism with micro-batches on ``torch.distributed.pipelining``.
 
-The model (an ``nn.Sequential``) is cut into stages, one per rank of the ``pp`` mesh dimension (two or more
-per rank for the interleaved schedule). Each batch is split into micro-batches that flow through the stages
-under a schedule: GPipe (all forwards, then all backwards), 1F1B (one forward, one backward: at most ``p``
-micro-batches of activations alive instead of ``m``) or interleaved 1F1B (several stages per rank, a
-smaller bubble). The loss is computed on the last stage; gradients are the mean over micro-batches.
+The model is cut into stages, one per rank of the ``pp`` mesh dimension (two or more per rank for the
+interleaved schedule): an ``nn.Sequential`` between its layers, any other model between its repeated blocks
+(GPT-2's ``transformer.h.*``, Llama's ``model.layers.*``), each stage being the model itself with the other
+stages' pieces swapped out (:mod:`paratrain.model.stages`). A weight tied across stages (an embedding reused by
+the output head) lives on both stages; their gradients are summed before clipping and the optimizer step.
+
+Each batch is split into micro-batches that flow through the stages under a schedule: GPipe (all forwards,
+then all backwards), 1F1B (one forward, one backward: at most ``p`` micro-batches of activations alive instead
+of ``m``) or interleaved 1F1B (several stages per rank, a smaller bubble). The loss is computed on the last
+stage; gradients are the mean over micro-batches.
 
 ``hybrid`` adds a data-parallel dimension: ``dp`` x ``pp`` ranks, each pipeline's stages replicated with DDP
 (or sharded with FSDP, ``data="fsdp"``) across the ``dp`` dimension.
@@ -27,6 +32,8 @@ from torch import nn
 
 from ..env import ClusterEnv
 from ..errors import ConfigError
+from ..model import find_ties
+from ..model.stages import OutputKind, StageModule, StagePlan, build_stage, plan_stages
 from .base import Runtime, Strategy
 from .ddp import DDPConfig, apply_ddp
 from .fsdp import FSDPConfig, apply_fsdp
@@ -46,7 +53,11 @@ class PipelineConfig:
     microbatches: int = 4
     """Micro-batches per batch; the batch size must divide by it."""
     split: Sequence[int] | None = None
-    """Indices of the ``nn.Sequential`` where stages 2, 3, … begin; None: balance by parameter count."""
+    """Indices where stages 2, 3, … begin (of an ``nn.Sequential``'s layers, or of a model's blocks); None:
+    balance by parameter count."""
+    split_points: Sequence[str] | None = None
+    """Names of the modules where stages 2, 3, … begin (``["transformer.h.6"]``; an ``nn.Sequential``'s are
+    ``"0"``, ``"1"``, …); instead of ``split``."""
     stages_per_rank: int | None = None
     """Stages each rank holds (default 1, or 2 for the interleaved schedule)."""
     dp: int | None = None
@@ -67,6 +78,10 @@ class PipelineConfig:
             raise ConfigError(f"schedule {self.schedule!r} runs one stage per rank; use interleaved-1f1b for more")
         if self.data not in ("ddp", "fsdp"):
             raise ConfigError(f"hybrid data must be 'ddp' or 'fsdp', got {self.data!r}")
+        if self.split is not None and self.split_points is not None:
+            raise ConfigError("give either split (indices) or split_points (module names), not both")
+        if isinstance(self.split_points, str):
+            self.split_points = [self.split_points]
 
 
 class PipelinedModel(nn.Module):
@@ -90,6 +105,20 @@ class PipelinedModel(nn.Module):
         self.schedule_name = "1f1b"
         self._schedules: dict[tuple[str, int], Any] = {}
         self._loss_fn: Callable | None = None
+        self.stage_modules: dict[int, StageModule] = {}  # a model cut at its blocks: this rank's stages
+        self.key_order: list[str] | None = None  # the plain model's state-dict order
+        self.tied: list[tuple[dist.ProcessGroup, str]] = []  # (ranks holding it, its name here) per tied weight
+        self.uncounted: set[str] = set()  # tied weights another rank counts in the gradient norm
+        self.aliases: dict[str, str] = {}  # a tied weight held here under another name -> its first name
+        self._eval_kind: OutputKind | None = None
+
+    def train(self, mode: bool = True) -> "PipelinedModel":
+        """Also the stages: a stage cut from a model holds copies of the modules above its blocks (the model's
+        root), which are not children of this module."""
+        super().train(mode)
+        for _, part in self.parts:
+            part.train(mode)
+        return self
 
     @property
     def is_first(self) -> bool:
@@ -116,7 +145,19 @@ class PipelinedModel(nn.Module):
         """Forward only, through the whole pipeline; every rank gets the last stage's output."""
         schedule = self._schedule("eval", x.shape[0])
         out = schedule.eval(x, *rest) if self.is_first else schedule.eval()
-        return _share_from_last(out, self)
+        out = _share_from_last(out, self)
+        if not self.stage_modules:
+            return out
+        if self._eval_kind is None:  # the model's kind of output, known on the last stage: told to every rank
+            kind = [self.output_kind()]
+            dist.broadcast_object_list(kind, src=self.last_rank, group=self.pp_group)
+            self._eval_kind = kind[0]
+        return self._eval_kind.wrap(out)
+
+    def output_kind(self) -> OutputKind:
+        """How the last stage's tensor becomes what the plain model returns (a ``ModelOutput`` with ``logits``)."""
+        last = self.stage_modules.get(self.num_stages - 1)
+        return last.kind if last is not None else OutputKind()
 
     def forward_backward(self, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable, scale: float) -> torch.Tensor:
         """One batch through the schedule (forward and backward); returns the batch loss on every rank."""
@@ -127,7 +168,8 @@ class PipelinedModel(nn.Module):
         # Each micro-batch's loss is divided here, not by the schedule's scale_grads: that rescales every
         # gradient in place and would shrink gradients accumulated over earlier steps again.
         factor = scale / self.microbatches
-        schedule = self._schedule("train", x.shape[0], lambda out, tgt: loss_fn(out, tgt) * factor)
+        schedule = self._schedule("train", x.shape[0],
+                                  lambda out, tgt: loss_fn(self.output_kind().wrap(out), tgt) * factor)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         if self.is_first:
@@ -222,43 +264,71 @@ class PipelineStrategy(Strategy):
         return dp.get_local_rank(), dp.size(), dp.get_group() if dp.size() > 1 else None
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        if not isinstance(model, nn.Sequential):
-            raise ConfigError(
-                f"{self.name} cuts an nn.Sequential into stages; express the model as nn.Sequential(...) "
-                f"(got {type(model).__name__})"
-            )
         if rt.precision.name == "fp16-mixed":
             raise ConfigError(f"{self.name} does not support fp16-mixed (loss scaling across stages); use bf16-mixed")
         assert rt.mesh is not None
         pp_mesh = rt.mesh["pp"]
         pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-        per_rank = self.config.stages_per_rank or 1
-        total = pp * per_rank
-        if len(model) < total:
-            raise ConfigError(f"{self.name} needs at least {total} layers for {total} stages; the model has {len(model)}")
-        starts = cut_points(model, total, self.config.split)
-        bounds = list(zip(starts, [*starts[1:], len(model)]))
-        names = list(model._modules)
-        original_names = param_names(model)
-        mine = [pp_rank + k * pp for k in range(per_rank)]  # interleaved: loop placement
-        owned = [(names[i], model[i]) for s in mine for i in range(*bounds[s])]
-        out = PipelinedModel(owned)
-        out.parts = [(s, self._place(model[bounds[s][0]:bounds[s][1]], rt)) for s in mine]
+        total = pp * (self.config.stages_per_rank or 1)
+        mine = [pp_rank + k * pp for k in range(self.config.stages_per_rank or 1)]  # interleaved: loop placement
+        if isinstance(model, nn.Sequential):
+            out = self._wrap_sequential(model, rt, total, mine)
+        else:
+            out = self._wrap_blocks(model, rt, total, mine)
         out.num_stages, out.device = total, rt.device
         out.pp_group = pp_mesh.get_group()
         out.last_rank = dist.get_global_rank(out.pp_group, (total - 1) % pp)
         out.microbatches = self.config.microbatches
         out.schedule_name = self.config.schedule
+        return out
+
+    def _wrap_sequential(self, model: nn.Sequential, rt: Runtime, total: int, mine: list[int]) -> PipelinedModel:
+        if len(model) < total:
+            raise ConfigError(f"{self.name} needs at least {total} layers for {total} stages; the model has {len(model)}")
+        names = list(model._modules)
+        split = self.config.split
+        if self.config.split_points is not None:
+            unknown = [p for p in self.config.split_points if p not in names]
+            if unknown:
+                raise ConfigError(f"pipeline split points {unknown} are not layers of this nn.Sequential; name "
+                                  f"layers such as {names[min(1, len(names) - 1)]!r}")
+            split = [names.index(p) for p in self.config.split_points]
+        starts = cut_points(model, total, split)
+        bounds = list(zip(starts, [*starts[1:], len(model)]))
+        original_names = param_names(model)
+        owned = [(names[i], model[i]) for s in mine for i in range(*bounds[s])]
+        out = PipelinedModel(owned)
+        out.parts = [(s, self._place(model[bounds[s][0]:bounds[s][1]], rt)) for s in mine]
         self._names[id(out)] = original_names
         return out
 
-    def _replicate(self, part: nn.Module, rt: Runtime) -> nn.Module:
+    def _wrap_blocks(self, model: nn.Module, rt: Runtime, total: int, mine: list[int]) -> PipelinedModel:
+        """Cut a model between its repeated blocks; each stage is the model's own forward on a stage copy."""
+        plan = plan_stages(model, total, self.config.split_points, self.config.split)
+        here = build_stage(model, plan, mine)  # everything this rank holds, under the user's names
+        out = PipelinedModel(list(here.named_children()))
+        # The optimizer maps its parameters by name: a tied tensor is found under the name this rank holds it by
+        # (the head's on the last stage), not only under its first name (the embedding's).
+        first = param_names(model)
+        names = {**first, **{id(p): n for n, p in here.named_parameters()}}
+        out.aliases = {n: first[i] for i, n in names.items() if n != first.get(i, n)}
+        out.key_order = list(model.state_dict())
+        out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)  # before FSDP swaps the parameters
+        units = FSDPConfig(wrap_classes=(plan.blocks.cls,))  # one sharding unit per block, never a bare container
+        for s in mine:
+            stage = StageModule(build_stage(model, plan, [s]), first=s == 0)
+            out.stage_modules[s] = stage
+            out.parts.append((s, self._place(stage, rt, units)))
+        self._names[id(out)] = names
+        return out
+
+    def _replicate(self, part: nn.Module, rt: Runtime, units: FSDPConfig) -> nn.Module:
         assert rt.mesh is not None
         dp_mesh = rt.mesh["dp"]
         if dp_mesh.size() == 1:
             return part
         if self.config.data == "fsdp":
-            return apply_fsdp(part, dp_mesh, FSDPConfig(), rt.precision.fsdp_policy())
+            return apply_fsdp(part, dp_mesh, units, rt.precision.fsdp_policy())
         ddp = apply_ddp(part, dp_mesh, rt.device, DDPConfig())
         # The pipeline stage runs every forward under no_sync and prepares DDP's reducer itself before a batch's
         # last backward chunk. Its metadata inference, on the first batch, runs one more forward outside no_sync,
@@ -269,8 +339,8 @@ class PipelineStrategy(Strategy):
         ddp.require_backward_grad_sync = False
         return ddp
 
-    def _place(self, part: nn.Module, rt: Runtime) -> nn.Module:
-        part = self._replicate(part.to(rt.device), rt)
+    def _place(self, part: nn.Module, rt: Runtime, units: FSDPConfig | None = None) -> nn.Module:
+        part = self._replicate(part.to(rt.device), rt, units or FSDPConfig())
         if not (self.config.data == "fsdp" and rt.mesh is not None and rt.mesh["dp"].size() > 1):
             rt.precision.wrap_forward(part, rt.device)  # FSDP took the precision as its policy
         return part
@@ -290,6 +360,34 @@ class PipelineStrategy(Strategy):
     def grad_norm_group(self, model: nn.Module) -> dist.ProcessGroup | None:
         return model.pp_group if isinstance(model, PipelinedModel) else None
 
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Sum a tied weight's gradients over the stages that hold it (Megatron's embedding group): each stage saw
+        only its own use of the weight. Under hybrid the stages' gradients are already the mean over ``dp``
+        (the sum commutes with it) or that mean's shard (FSDP shards the two copies alike)."""
+        if not isinstance(model, PipelinedModel) or not model.tied:
+            return
+        params = dict(model.named_parameters())
+        for group, name in model.tied:
+            grad = params[name].grad
+            if grad is None:  # a stage that did not use it this step: its part is zero
+                grad = params[name].grad = torch.zeros_like(params[name])
+            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
+
+    def grad_norm_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        if not isinstance(model, PipelinedModel):
+            return list(model.parameters())
+        return [p for n, p in model.named_parameters() if n not in model.uncounted]
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Keyed as one process keys it: a tied weight's state under the tensor's first name (the embedding's),
+        also on the stage that holds it as the head, so checkpoints move between pipeline and other strategies
+        (the two stages' identical copies are written once)."""
+        return _renamed(super().optimizer_state(model, optimizer), getattr(model, "aliases", {}))
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        back = {v: k for k, v in getattr(model, "aliases", {}).items()}
+        super().load_optimizer_state(model, optimizer, _renamed(state, back))
+
     def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
         assert isinstance(model, PipelinedModel)
         local = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
@@ -299,10 +397,65 @@ class PipelineStrategy(Strategy):
         merged = {k: v for part in parts for k, v in part.items()}
         if rank0_only and dist.get_rank() != 0:
             return {}
+        if model.key_order is not None:
+            return OrderedDict((k, merged[k]) for k in model.key_order if k in merged)
         return OrderedDict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
 
     def describe(self) -> str:
         return f"{self.name}(schedule={self.config.schedule}, microbatches={self.config.microbatches})"
+
+
+def _tie_groups(model: nn.Module, plan: StagePlan, rt: Runtime,
+                mine: list[int]) -> tuple[list[tuple[dist.ProcessGroup, str]], set[str]]:
+    """For each weight tied across stages, one process group per pipeline of the ranks holding it.
+
+    Returns this rank's (group, parameter name) pairs and the names whose gradient another rank of the group
+    counts in the global norm (the group's first rank counts it, so it is counted once). Every rank creates every
+    group, in the same order, as ``new_group`` requires.
+    """
+    assert rt.mesh is not None
+    grid = rt.mesh.mesh.reshape(-1, rt.mesh["pp"].size()).tolist()  # [dp][pp] -> global rank
+    pp = len(grid[0])
+    me = dist.get_rank()
+    tied: list[tuple[dist.ProcessGroup, str]] = []
+    uncounted: set[str] = set()
+    for names in find_ties(model).groups:
+        by_stage: dict[int, str] = {}
+        for name in names:
+            stage = plan.stage_of(name)
+            if stage is not None:
+                by_stage.setdefault(stage, name)
+        if len(by_stage) < 2:
+            continue  # on one stage: still one tensor there
+        holders = sorted({s % pp for s in by_stage})
+        if len(holders) < len(by_stage):
+            raise ConfigError(f"{', '.join(names)} are one tensor used by stages {sorted(by_stage)}, two of which "
+                              "run on one rank; choose split points that put its users on different ranks")
+        for row in grid:
+            ranks = [row[h] for h in holders]
+            group = dist.new_group(ranks)
+            if me in ranks:
+                name = next(n for s, n in by_stage.items() if s in mine)
+                tied.append((group, name))
+                if me != ranks[0]:
+                    uncounted.add(name)
+    return tied, uncounted
+
+
+def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """Flattened optimizer state (``state.<param>.<field>``, ``param_groups.<param>.<key>``) with parameter names
+    mapped through ``names``."""
+    if not names:
+        return state
+    out = {}
+    for key, value in state.items():
+        section, _, rest = key.partition(".")
+        for old, new in names.items():
+            if rest.startswith(old + "."):
+                key = f"{section}.{new}{rest[len(old):]}"
+                break
+        out[key] = value
+    return out
 
 
 def _layer_order(key: str) -> tuple[int, str]:

@@ -1,0 +1,279 @@
+"""Pipeline stages cut from a model itself, so the model's own ``forward`` runs on every stage.
+
+The tracing front end of ``torch.distributed.pipelining`` needs a model ``torch.export`` can capture whole, which
+rotary embeddings and many transformers models are not. So, as torchtitan does (``distributed/pipeline_parallel.py``),
+a stage is the model with everything it does not run swapped out:
+
+* the blocks container keeps only this stage's blocks, under their own keys (``transformer.h`` holding ``"6"``
+  and ``"7"``), so parameter names, the optimizer's mapping and checkpoints stay the user's;
+* on every stage but the first, the modules before the blocks become stand-ins: the input embedding a
+  pass-through (or it is not called at all: a transformers model gets the hidden states as ``inputs_embeds=``),
+  an embedding that is *added* (GPT-2's positions ``wpe``) a zero, dropout a pass-through (it ran on the first
+  stage already);
+* on every stage but the last, the modules after the blocks (final norm, head) become pass-throughs, so the
+  stage's "logits" are its hidden states;
+* parameter-free pieces other than dropout (Llama's ``rotary_emb``, computed from the positions) stay on every
+  stage.
+
+A stage is a shallow copy: only the modules on the way from the root to the blocks are copied (with a
+``_modules`` dict of their own); blocks, embeddings and head are the user's module objects, so a tie inside one
+stage stays a tie. What a stage returns is a tensor (a ``ModelOutput``'s first field, ``logits``);
+:class:`OutputKind` rebuilds an object of the model's own kind around the last stage's tensor, so a loss
+written for the plain model's output (``out.logits``) works unchanged.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .structure import Blocks, find_blocks, outer_modules
+
+
+class PassThrough(nn.Module):
+    """Stands in for a module this stage does not run: gives back its input (the hidden states)."""
+
+    def forward(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+class AddsNothing(nn.Module):
+    """Stands in for an embedding whose output is *added* to the hidden states (positions): a zero, so a later
+    stage does not add it a second time."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros((), device=x.device)  # 0-dim: broadcasts and keeps the hidden states' dtype
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How a model is cut: which blocks each stage runs and what lies around them."""
+
+    blocks: Blocks
+    before: tuple[str, ...]
+    """Qualified names of the modules before the blocks (embeddings, dropout)."""
+    after: tuple[str, ...]
+    """… and after them (final norm, head; rotary embeddings registered last)."""
+    bounds: tuple[tuple[int, int], ...]
+    """Per stage, the half-open range of block indices it runs."""
+    input_embedding: str | None
+    """The module that reads the model's input (token ids)."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds)
+
+    def stage_of(self, param_name: str) -> int | None:
+        """The stage holding the parameter called ``param_name`` (None: a parameter-free piece on every stage)."""
+        for i, (start, end) in enumerate(self.bounds):
+            if any(_inside(param_name, b) for b in self.blocks.names[start:end]):
+                return i
+        if any(_inside(param_name, m) for m in self.before):
+            return 0
+        if any(_inside(param_name, m) for m in self.after):
+            return self.num_stages - 1
+        return None
+
+
+def _inside(name: str, module: str) -> bool:
+    return name.startswith(module + ".")
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _input_embedding(model: nn.Module, before: Sequence[str]) -> str | None:
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            emb = getter()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        for name, module in model.named_modules():
+            if emb is not None and module is emb:
+                return name
+    return next((n for n in before if _has_params(model.get_submodule(n))), None)
+
+
+def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] | None = None,
+                split: Sequence[int] | None = None) -> StagePlan:
+    """Cut ``model`` into ``num_stages`` stages at the named blocks (``split_points``, where stages 2, 3, … begin),
+    at block indices (``split``), or balanced by the blocks' parameter counts; one-line ``ConfigError`` when the
+    model cannot be split this way."""
+    kind = type(model).__name__
+    if any(c.__name__ == "PeftModel" for c in type(model).__mro__):
+        raise ConfigError(f"pipeline cannot split the PEFT model {kind}: its adapters wrap the blocks' layers and "
+                          "its forward goes through the base model; merge the adapters (merge_and_unload()) first, "
+                          "or use ddp or zero1")
+    blocks = find_blocks(model)
+    if blocks is None:
+        raise ConfigError(f"pipeline cannot split {kind}: it has no repeated blocks (a ModuleList/Sequential of one "
+                          "block class) to cut between; express it as nn.Sequential(...) or use ddp or fsdp")
+    before, after = outer_modules(model, blocks)
+    _check_path(model, blocks)
+    input_embedding = _input_embedding(model, before)
+    for name in before:
+        module = model.get_submodule(name)
+        if _has_params(module) and name != input_embedding and not isinstance(module, nn.Embedding):
+            raise ConfigError(
+                f"pipeline cannot split {kind}: {name} ({type(module).__name__}) runs before the blocks and does "
+                "more than look up an embedding, so later stages cannot skip it; use ddp or fsdp"
+            )
+    n = len(blocks.names)
+    if num_stages > n:
+        raise ConfigError(f"pipeline needs at least {num_stages} blocks for {num_stages} stages; {kind} has {n} "
+                          f"({blocks.container}); use fewer processes or stages")
+    if split_points is not None and split is not None:
+        raise ConfigError("give either split (indices) or split_points (block names), not both")
+    if split_points is not None:
+        unknown = [p for p in split_points if p not in blocks.names]
+        if unknown:
+            raise ConfigError(f"pipeline split points {unknown} are not blocks of {kind}; name blocks such as "
+                              f"{blocks.names[min(1, n - 1)]!r} (the first block of a stage)")
+        split = [blocks.names.index(p) for p in split_points]
+    if split is None:
+        from ..strategies.model_parallel import balance
+
+        sizes = [sum(p.numel() for p in m.parameters()) for m in blocks.modules(model)]
+        starts = [0, *balance(sizes, num_stages)]
+    else:
+        starts = [0, *split]
+    if len(starts) != num_stages or starts != sorted(set(starts)) or starts[-1] >= n:
+        given = list(split_points) if split_points is not None else list(split or [])
+        raise ConfigError(f"pipeline split {given} does not fit: {num_stages} stages need {num_stages - 1} "
+                          f"increasing split points among blocks 1..{n - 1} of {blocks.container}")
+    bounds = tuple(zip(starts, [*starts[1:], n]))
+    return StagePlan(blocks=blocks, before=tuple(before), after=tuple(after), bounds=bounds,
+                     input_embedding=input_embedding)
+
+
+def _path(blocks: Blocks) -> list[str]:
+    """Qualified names of the modules from the root (``""``) down to the blocks' container."""
+    parts = blocks.container.split(".") if blocks.container else []
+    return [""] + [".".join(parts[:i + 1]) for i in range(len(parts))]
+
+
+def _check_path(model: nn.Module, blocks: Blocks) -> None:
+    for name in _path(blocks):
+        module = model.get_submodule(name)
+        own = next(iter(module._parameters), None)
+        if own is not None:
+            where = f"{name}.{own}" if name else own
+            raise ConfigError(f"pipeline cannot split {type(model).__name__}: the parameter {where} sits on a module "
+                              "that every stage runs through, so no single stage can own it; move it into a "
+                              "sub-module, or use ddp or fsdp")
+
+
+def stand_in(plan: StagePlan, name: str, module: nn.Module) -> nn.Module:
+    """What a stage that does not run the outer module ``name`` puts in its place (see the module docstring)."""
+    if not _has_params(module):
+        return PassThrough() if isinstance(module, nn.Dropout) else module
+    if name in plan.before and name != plan.input_embedding and isinstance(module, nn.Embedding):
+        return AddsNothing()
+    return PassThrough()
+
+
+def build_stage(model: nn.Module, plan: StagePlan, stages: Sequence[int]) -> nn.Module:
+    """The model as the given stages (one, or every stage a rank holds) run it: a shallow copy down to the blocks'
+    container, which keeps only those stages' blocks; outer modules of other stages replaced by stand-ins."""
+    first, last = 0 in stages, plan.num_stages - 1 in stages
+    kept = {plan.blocks.names[i] for s in stages for i in range(*plan.bounds[s])}
+    copies: dict[str, nn.Module] = {}
+    for name in _path(plan.blocks):
+        original = model.get_submodule(name)
+        twin = copy.copy(original)
+        twin.__dict__["_modules"] = dict(original._modules)
+        copies[name] = twin
+        if name:
+            parent, _, child = name.rpartition(".")
+            copies[parent]._modules[child] = twin
+    container = copies[plan.blocks.container]
+    prefix = f"{plan.blocks.container}." if plan.blocks.container else ""
+    owner = stages[0] if first else None  # parameter-free children go with the block before them
+    for key in list(container._modules):
+        qual = prefix + key
+        if qual in plan.blocks.names:
+            owner = qual if qual in kept else None
+        if owner is None:
+            del container._modules[key]
+    for names, keep in ((plan.before, first), (plan.after, last)):
+        if keep:
+            continue
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            copies[parent]._modules[child] = stand_in(plan, name, model.get_submodule(name))
+    return copies[""]
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """What the model returns around its main tensor, so the last stage's tensor can be handed back as that."""
+
+    cls: type | None = None
+    """The output's class: a ``ModelOutput`` or tuple type; None for a bare tensor."""
+    field: str | None = None
+    """The ``ModelOutput`` field holding the tensor (``logits``)."""
+
+    def wrap(self, tensor: torch.Tensor) -> Any:
+        if self.cls is None:
+            return tensor
+        if self.field is None:
+            return self.cls((tensor,))
+        return self.cls(**{self.field: tensor})
+
+
+def split_output(out: Any) -> tuple[torch.Tensor, OutputKind]:
+    """The tensor a stage passes on (or the loss reads), and how to rebuild the model's kind of output from it."""
+    if isinstance(out, torch.Tensor):
+        return out, OutputKind()
+    if isinstance(out, Mapping):  # transformers' ModelOutput: fields in order, unset ones absent
+        field = next((k for k, v in out.items() if isinstance(v, torch.Tensor)), None)
+        if field is not None:
+            return out[field], OutputKind(type(out), field)
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return out[0], OutputKind(tuple)
+    raise ConfigError(f"a pipeline stage must produce a tensor, a ModelOutput or a tuple starting with one; the "
+                      f"model returned {type(out).__name__}")
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: tensor in, tensor out, through the model's own forward on a stage copy.
+
+    A transformers model takes a later stage's input as ``inputs_embeds=`` (its embedding is then not called) and
+    runs without a key/value cache (``use_cache=False``: training needs none, and a cache is no tensor to pass).
+    """
+
+    def __init__(self, stage: nn.Module, first: bool) -> None:
+        super().__init__()
+        self.stage = stage
+        self.first = first
+        accepted = inspect.signature(type(stage).forward).parameters
+        self.embeds_keyword = "inputs_embeds" in accepted
+        self.extra = {"use_cache": False} if "use_cache" in accepted else {}
+        self.kind = OutputKind()
+        """The kind of output the model produced on the last forward (read on the last stage)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first or not self.embeds_keyword:
+            out = self.stage(x, **self.extra)
+        else:
+            out = self.stage(inputs_embeds=x, **self.extra)
+        tensor, self.kind = split_output(out)
+        if tensor._base is not None and _sharded(self):
+            # A middle stage's hidden states come out as a view (GPT-2's ``view``, the logits slice); FSDP warns
+            # on every such root output, since an in-place op on it would skip its hooks. A copy is one activation.
+            tensor = tensor.clone()
+        return tensor
+
+
+def _sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
