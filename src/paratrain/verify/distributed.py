@@ -125,7 +125,8 @@ def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
     norms: list[float] = []
 
     def before_step(*_: object) -> None:
-        norms.append(float(global_grad_norm(model.parameters(), group)))
+        # a tied weight that two pipeline stages hold counts once
+        norms.append(float(global_grad_norm(par.strategy.grad_norm_parameters(model), group)))
 
     def after_step(*_: object) -> None:
         state = par.full_state_dict(model)  # collective; rank 0 keeps a copy (it may alias the live tensors)
