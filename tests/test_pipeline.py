@@ -53,5 +53,5 @@ def test_a_stage_without_parameters_is_refused():
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
     assert cut_points(model, 2, [2]) == [0, 2]
-    with pytest.raises(ConfigError, match="stage 1 \\(layers 1..1\\) holds no parameters"):
+    with pytest.raises(ConfigError, match="stage 1 \\(layers 1..1\\) holds no trainable parameter"):
         cut_points(model, 3, [1, 2])

@@ -25,18 +25,25 @@ WORLD2 = ("ddp", "zero1", "zero2", "zero3", "model_parallel")
 # At real sizes the embedding and head exceed the size rule's threshold and become units of their own; these tiny
 # models need a small threshold for that, which is where a tie split across units used to fail.
 SMALL_UNITS = [("gpt2", "zero3"), ("nanogpt", "zero2"), ("lora", "zero3"), ("llama", "zero3")]
+# Pipelines split nn.Sequential models between layers and transformers between blocks (tests/test_pipeline_models.py
+# covers GPT-2, Llama and our GPT); the zoo's other models run here, or are refused in one line.
+PIPELINED = {"cnn": None, "frozen": None, "bert": "BertEmbeddings", "lora": "PEFT"}
+SPLIT = {"frozen": {"split": [3]}}  # by size the first stage would hold only the frozen layer: refused, see below
+MICRO = 4  # the pipelines' default micro-batches
 CHECKPOINTED = [("gpt2", "zero3", True), ("llama", "ddp", True), ("nanogpt", "zero2", 2), ("bert", "zero1", True),
                 ("lora", "model_parallel", True)]
 
 
-def reference(model_name: str, replicas: int, slices: int | None = None) -> dict[str, torch.Tensor]:
+def reference(model_name: str, replicas: int, slices: int | None = None,
+              microbatches: int = 1) -> dict[str, torch.Tensor]:
     """One process, ``STEPS`` steps on global batches of ``replicas x PER_RANK``, each cut into ``slices`` forward
-    passes (default: one per replica)."""
+    passes (default: one per replica and micro-batch); buffers (BatchNorm's running statistics) follow replica 0's
+    ``microbatches`` forwards, as rank 0's do."""
     spec = ZOO[model_name]
     model = spec.build()
     opt = spec.optimizer(model)
     buffers = dict(model.named_buffers())
-    slices = slices or replicas
+    slices = slices or replicas * microbatches
     size = replicas * PER_RANK // slices
     for s in range(STEPS):
         x, y = step_batch(spec, s, replicas * PER_RANK)
@@ -44,7 +51,7 @@ def reference(model_name: str, replicas: int, slices: int | None = None) -> dict
         for r in range(slices):
             sl = slice(r * size, (r + 1) * size)
             (spec.loss(model(x[sl]), y[sl]) / slices).backward()
-            if r == 0:
+            if r == microbatches - 1:
                 kept = {k: v.clone() for k, v in buffers.items()}
         for k, v in buffers.items():  # rank 0's running statistics
             v.copy_(kept[k])
@@ -57,6 +64,7 @@ def reference(model_name: str, replicas: int, slices: int | None = None) -> dict
 def world2(tmp_path_factory):
     cases = [(m, s, {}) for m in ZOO for s in WORLD2] + [(m, s, {"min_params": 1}) for m, s in SMALL_UNITS]
     cases += [(m, s, {"activation_checkpointing": k}) for m, s, k in CHECKPOINTED]
+    cases += [(m, "pipeline", SPLIT.get(m, {})) for m in PIPELINED] + [("frozen", "pipeline", {})]
     return spawn(run_cases, 2,
                  (cases, str(tmp_path_factory.mktemp("zoo2"))), timeout_s=600)[0]
 
@@ -64,6 +72,7 @@ def world2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     cases = [(m, "hsdp", {}) for m in ZOO]
+    cases += [(m, "hybrid", {"data": d, **SPLIT.get(m, {})}) for m in PIPELINED for d in ("ddp", "fsdp")]
     return spawn(run_cases, 4, (cases, str(tmp_path_factory.mktemp("zoo4"))), timeout_s=600)[0]
 
 
@@ -100,6 +109,30 @@ def test_zoo_with_activation_checkpointing(world2, references, model_name, strat
 @pytest.mark.parametrize("model_name", list(ZOO))
 def test_zoo_hsdp_world4_equals_one_process(world4, model_name):
     check(world4[f"{model_name}/hsdp"], reference(model_name, 4), model_name)
+
+
+@pytest.mark.parametrize("model_name", list(PIPELINED))
+def test_zoo_pipeline_world2(world2, model_name):
+    result = world2[f"{model_name}/pipeline{SPLIT.get(model_name, '')}"]
+    if PIPELINED[model_name] is not None:
+        assert PIPELINED[model_name] in result.get("error", ""), result
+        assert "\n" not in result["error"]
+    else:  # one replica: the global batch is PER_RANK samples, in MICRO micro-batches
+        check(result, reference(model_name, 1, microbatches=MICRO), model_name)
+
+
+def test_a_pipeline_stage_of_frozen_layers_is_refused(world2):
+    assert "stage 0 (layers 0..0) holds no trainable parameter" in world2["frozen/pipeline"]["error"]
+
+
+@pytest.mark.parametrize("data", ["ddp", "fsdp"])
+@pytest.mark.parametrize("model_name", list(PIPELINED))
+def test_zoo_hybrid_world4(world4, model_name, data):
+    result = world4[f"{model_name}/hybrid{ {'data': data, **SPLIT.get(model_name, {})} }"]
+    if PIPELINED[model_name] is not None:
+        assert PIPELINED[model_name] in result.get("error", ""), result
+    else:  # 2 replicas x 2 stages
+        check(result, reference(model_name, 2, microbatches=MICRO), model_name)
 
 
 @pytest.mark.filterwarnings("ignore:strategy 'dp' on the CPU")

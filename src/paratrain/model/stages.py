@@ -150,6 +150,13 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] |
         raise ConfigError(f"pipeline split {given} does not fit: {num_stages} stages need {num_stages - 1} "
                           f"increasing split points among blocks 1..{n - 1} of {blocks.container}")
     bounds = tuple(zip(starts, [*starts[1:], n]))
+    for stage, (start, end) in enumerate(bounds):  # checked on every rank alike, so all refuse together
+        outer = (before if stage == 0 else []) + (after if stage == len(bounds) - 1 else [])
+        modules = blocks.modules(model)[start:end] + [model.get_submodule(o) for o in outer]
+        if not any(p.requires_grad for m in modules for p in m.parameters()):
+            raise ConfigError(f"pipeline stage {stage} ({blocks.names[start]}..{blocks.names[end - 1]}) holds no "
+                              "trainable parameter, so its rank would have nothing to optimise; move the split points "
+                              "or use fewer stages")
     return StagePlan(blocks=blocks, before=tuple(before), after=tuple(after), bounds=bounds,
                      input_embedding=input_embedding)
 

@@ -48,4 +48,8 @@ def rebuild(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.M
             subset: bool = False) -> torch.optim.Optimizer:
     """A new optimizer of the same class and settings over ``model``'s current parameters."""
     groups = [g for g in param_groups_for(optimizer, names, model, subset=subset) if g["params"]]
+    if not groups:  # torch refuses an optimizer over nothing ("optimizer got an empty parameter list")
+        raise ConfigError("this rank's part of the model holds no parameter the optimizer trains (a pipeline stage of "
+                          "frozen layers); move the split points so that every stage trains something, or use fewer "
+                          "stages")
     return type(optimizer)(groups, **constructor_defaults(optimizer))

@@ -39,6 +39,7 @@ from .ddp import DDPConfig, apply_ddp
 from .fsdp import FSDPConfig, apply_fsdp
 from .model_parallel import balance
 from .optim import param_names, rebuild
+from .pipeline_metadata import keep_buffers_through_metadata_pass
 from .registry import register
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -226,11 +227,12 @@ def cut_points(model: nn.Sequential, n_stages: int, split: Sequence[int] | None)
             f"pipeline split {list(split or [])} does not fit: {n_stages} stages need {n_stages - 1} increasing "
             f"cut points between 1 and {n - 1} for this {n}-layer model"
         )
+    trainable = [any(p.requires_grad for p in layer.parameters()) for layer in model]
     for stage, (start, end) in enumerate(zip(points, [*points[1:], n])):
-        if not any(sizes[start:end]):  # checked on every rank alike, so all fail together
+        if not any(trainable[start:end]):  # checked on every rank alike, so all fail together
             raise ConfigError(
-                f"pipeline stage {stage} (layers {start}..{end - 1}) holds no parameters; move its cut points or use "
-                "fewer stages"
+                f"pipeline stage {stage} (layers {start}..{end - 1}) holds no trainable parameter, so its rank would "
+                "have nothing to optimise; move its cut points or use fewer stages"
             )
     return points
 
@@ -340,6 +342,7 @@ class PipelineStrategy(Strategy):
         return ddp
 
     def _place(self, part: nn.Module, rt: Runtime, units: FSDPConfig | None = None) -> nn.Module:
+        keep_buffers_through_metadata_pass(part)
         part = self._replicate(part.to(rt.device), rt, units or FSDPConfig())
         if not (self.config.data == "fsdp" and rt.mesh is not None and rt.mesh["dp"].size() > 1):
             rt.precision.wrap_forward(part, rt.device)  # FSDP took the precision as its policy

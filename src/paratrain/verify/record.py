@@ -6,7 +6,6 @@ the loader handed out, through a dataset wrapper that notes every index fetched.
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..strategies.pipeline_metadata import LOSS_FRAMES, inside
 from .spec import Loss
 
 
@@ -56,7 +56,7 @@ class Recorder:
         """``loss`` that also notes its value (for the step the optimizer is in)."""
         def recorded(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             value = loss(outputs, targets)
-            if not _pipeline_metadata_pass():
+            if not inside(LOSS_FRAMES):  # pipelining's shape pass calls the loss on placeholders
                 self._pending.append(float(value.detach()))
             return value
         return recorded
@@ -67,22 +67,6 @@ class Recorder:
         self.record.grad_norms.append(grad_norm)
         if state is not None:
             self.record.states.append(state)
-
-
-def _pipeline_metadata_pass() -> bool:
-    """True inside torch.distributed.pipelining's shape inference, which calls the loss once on placeholder
-    tensors when a schedule is first used: not a training loss."""
-    frame = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return False
-        if frame.f_code.co_name in _PIPELINE_METADATA_FRAMES:
-            return True
-        frame = frame.f_back
-    return False
-
-
-_PIPELINE_METADATA_FRAMES = frozenset({"_prepare_backward_infra", "_backward_metadata_inference"})
 
 
 class RecordingDataset(Dataset):
