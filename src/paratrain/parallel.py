@@ -32,6 +32,7 @@ from .errors import CheckpointError, ConfigError
 from .mesh import build_mesh
 from .model.audit import ModelRecord
 from .model.checkpointing import apply_checkpointing, every_kth_block
+from .model.compiling import apply_compile
 from .monitor import MonitorConfig, monitor_for, resolve
 from .precision import Precision, create_precision
 from .seeding import rank_seed, seed_all, use_deterministic_kernels
@@ -77,6 +78,8 @@ class Parallel:
             summary table at ``close()``; ``False`` turns it off, a ``MonitorConfig`` tunes it.
         activation_checkpointing: recompute the model's repeated blocks in backward instead of keeping their
             activations: ``True`` for every block, ``k`` for every k-th (see :mod:`paratrain.model.checkpointing`).
+        compile: ``torch.compile`` each repeated block (or the whole model without blocks) before the strategy
+            wraps it; a dict is passed to ``torch.compile`` as options (see :mod:`paratrain.model.compiling`).
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
     """
 
@@ -98,6 +101,7 @@ class Parallel:
         env: ClusterEnv | None = None,
         monitor: bool | MonitorConfig = True,
         activation_checkpointing: bool | int = False,
+        compile: bool | dict[str, Any] = False,
         **strategy_options: Any,
     ) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -109,6 +113,11 @@ class Parallel:
         monitor_config = resolve(monitor)
         self.activation_checkpointing = every_kth_block(activation_checkpointing)
         """Activation checkpointing of every k-th block (0: off)."""
+        if not isinstance(compile, (bool, dict)):
+            raise ConfigError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
+        self.compile_options: dict[str, Any] | None = (dict(compile) if isinstance(compile, dict)
+                                                       else {} if compile else None)
+        """``torch.compile`` options when blocks are compiled in prepare; None: not compiled."""
         if deterministic:
             use_deterministic_kernels()
         self.checkpoint_config = CheckpointConfig.resolve(dir=checkpoint_dir, every=checkpoint_every,
@@ -259,6 +268,8 @@ class Parallel:
         rt = self._runtime()
         if self.activation_checkpointing:
             apply_checkpointing(model, self.activation_checkpointing)
+        if self.compile_options is not None:
+            apply_compile(model, **self.compile_options)
         record = ModelRecord.of(model)
         wrapped = self.strategy.wrap_model(self.precision.convert_module(model), rt)
         record.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
