@@ -8,9 +8,25 @@
 * :mod:`.safety`: loading never unpickles arbitrary objects;
 * :mod:`.export`: a plain single-file state_dict.
 """
+from __future__ import annotations
+
+from typing import Any
+
 from .config import CheckpointConfig
-from .export import export
-from .io import Position, Targets, load, save
 from .layout import latest
 
-__all__ = ["CheckpointConfig", "Position", "Targets", "export", "latest", "load", "save"]
+_LAZY = {"export": ".export", "Position": ".io", "Targets": ".io", "load": ".io", "save": ".io"}
+"""Imported on first use: torch.distributed.checkpoint takes 1-2 s to import, and every ``Parallel`` imports
+this package for its configuration."""
+
+__all__ = sorted(["CheckpointConfig", "latest", *_LAZY])
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'paratrain.checkpoint' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .base import Runtime
 from .ddp import DDPStrategy
@@ -24,6 +23,8 @@ class Zero1Strategy(DDPStrategy):
         inner = self.unwrap(model)
         names = {id(p): n for n, p in inner.named_parameters()}
         groups = param_groups_for(optimizer, names, inner)
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports FSDP and DTensor: 1-2 s, when used
+
         return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
                                        process_group=rt.mesh.get_group() if rt.mesh is not None else None,
                                        **constructor_defaults(optimizer))
@@ -39,7 +40,6 @@ class Zero1Strategy(DDPStrategy):
         """
         from ..checkpoint.states import hyperparameters, optimizer_state
 
-        assert isinstance(optimizer, ZeroRedundancyOptimizer)
         _copy_settings(optimizer.param_groups, optimizer.optim.param_groups)
         inner = self.unwrap(model)
         state = optimizer_state(inner, optimizer.optim)
@@ -49,7 +49,6 @@ class Zero1Strategy(DDPStrategy):
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         from ..checkpoint.states import load_optimizer_state
 
-        assert isinstance(optimizer, ZeroRedundancyOptimizer)
         inner = self.unwrap(model)
         load_optimizer_state(inner, optimizer.optim, state)
         names = {id(p): n for n, p in inner.named_parameters()}
