@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/fsdp_units.py                  # 5 interleaved rounds
     .venv/bin/python benchmarks/fsdp_units.py --rounds 1 --steps 3   # a quick look
+    .venv/bin/python benchmarks/fsdp_units.py --precision bf16-mixed --vocab 32768   # lean bf16 outputs
 
 Subjects, each on the same model, batch and AdamW, one after the other in every round (the order rotating):
 
@@ -11,6 +12,11 @@ Subjects, each on the same model, batch and AdamW, one after the other in every 
   torchtitan do (the tied embedding and head stay with the root);
 * ``every-linear``: zero3 with every ``nn.Linear``/``nn.Embedding`` as a unit (``wrap_classes``), what the
   size-based default amounted to on large models.
+
+With ``--precision bf16-mixed`` the subjects are ``paratrain`` (``forward_backward``: the loss sees bf16 logits
+under autocast), ``paratrain-direct`` (``loss_fn(model(x), y)`` + ``par.backward``: the model hands fp32 outputs,
+as every output was before) and ``hand-fsdp2`` (``MixedPrecisionPolicy(bf16, reduce fp32)``, the loss on
+``logits.float()`` as torchtitan computes it); a large ``--vocab`` makes the logits the largest activation.
 
 Models: our nanoGPT-style GPT and transformers' GPT-2 at the same small size (tied heads). Step time: the median of
 each round's median, on the slowest rank. Peak memory: the rise of the process's peak resident set over the
@@ -31,23 +37,24 @@ from torch.nn import functional as F
 import paratrain
 from paratrain.parallel import finish_group
 
-LAYERS, HIDDEN, HEADS, SEQ, VOCAB, PER_RANK = 4, 192, 4, 64, 4096, 8
-SUBJECTS = ("paratrain", "hand-fsdp2", "every-linear")
+LAYERS, HIDDEN, HEADS, SEQ, PER_RANK = 4, 192, 4, 64, 8
+SUBJECTS = {"fp32": ("paratrain", "hand-fsdp2", "every-linear"),
+            "bf16-mixed": ("paratrain", "paratrain-direct", "hand-fsdp2")}
 
 
-def build(kind: str) -> tuple[nn.Module, type[nn.Module]]:
+def build(kind: str, vocab: int) -> tuple[nn.Module, type[nn.Module]]:
     torch.manual_seed(0)
     if kind == "gpt":
         from paratrain.workloads.gpt import GPT, Block, GPTConfig
 
-        return GPT(GPTConfig(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ, vocab=VOCAB)), Block
+        return GPT(GPTConfig(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq_len=SEQ, vocab=vocab)), Block
     import logging
 
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    cfg = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=SEQ, vocab_size=VOCAB,
+    cfg = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=SEQ, vocab_size=vocab,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(cfg), GPT2Block
 
@@ -62,28 +69,35 @@ def _loss(out: object, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def prepared(subject: str, kind: str) -> tuple[object, nn.Module, torch.optim.Optimizer]:
-    """(something with ``step``-like use, model, optimizer) for one subject."""
-    model, block = build(kind)
+def _hand_loss(out: object, y: torch.Tensor) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def prepared(subject: str, kind: str, precision: str, vocab: int) -> tuple[object, nn.Module, torch.optim.Optimizer]:
+    """(the ``Parallel`` or None for hand-written FSDP2, model, optimizer) for one subject."""
+    model, block = build(kind, vocab)
     if subject == "hand-fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if precision == "bf16-mixed" else MixedPrecisionPolicy())
         for m in [m for m in model.modules() if isinstance(m, block)]:
-            fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         return None, model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     options = {"wrap_classes": (nn.Linear, nn.Embedding)} if subject == "every-linear" else {}
-    par = paratrain.Parallel("zero3", monitor=False, **options)
+    par = paratrain.Parallel("zero3", monitor=False, precision=precision, **options)
     model, opt = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     return par, model, opt
 
 
-def measure(subject: str, kind: str, steps: int, warmup: int) -> dict[str, float]:
-    par, model, opt = prepared(subject, kind)
+def measure(subject: str, kind: str, steps: int, warmup: int, precision: str, vocab: int) -> dict[str, float]:
+    par, model, opt = prepared(subject, kind, precision, vocab)
     g = torch.Generator().manual_seed(dist.get_rank())
-    ids = torch.randint(0, VOCAB, (PER_RANK, SEQ + 1), generator=g)
+    ids = torch.randint(0, vocab, (PER_RANK, SEQ + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
     times = []
     base = 0
@@ -95,9 +109,12 @@ def measure(subject: str, kind: str, steps: int, warmup: int) -> dict[str, float
         dist.barrier()
         start = time.perf_counter()
         if par is None:
-            _loss(model(x), y).backward()
+            _hand_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+        elif subject == "paratrain-direct":
+            with par.step(model, opt):
+                par.backward(_loss(model(x), y))
         else:
             with par.step(model, opt):
                 par.forward_backward(model, x, y, _loss)
@@ -106,15 +123,16 @@ def measure(subject: str, kind: str, steps: int, warmup: int) -> dict[str, float
     return {"median_s": statistics.median(times), "peak_rise_mib": (_rss_kib("VmHWM") - base) / 1024}
 
 
-def job(kinds: list[str], rounds: int, steps: int, warmup: int) -> dict[str, list[dict]]:
+def job(kinds: list[str], rounds: int, steps: int, warmup: int, precision: str, vocab: int) -> dict[str, list[dict]]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    out: dict[str, list[dict]] = {f"{k}/{s}": [] for k in kinds for s in SUBJECTS}
+    subjects = SUBJECTS[precision]
+    out: dict[str, list[dict]] = {f"{k}/{s}": [] for k in kinds for s in subjects}
     for r in range(rounds):
         for kind in kinds:
-            order = SUBJECTS[r % 3:] + SUBJECTS[:r % 3]
+            order = subjects[r % 3:] + subjects[:r % 3]
             for subject in order:
-                out[f"{kind}/{subject}"].append(measure(subject, kind, steps, warmup))
+                out[f"{kind}/{subject}"].append(measure(subject, kind, steps, warmup, precision, vocab))
     finish_group()
     return out
 
@@ -125,11 +143,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--models", default="gpt,gpt2")
+    p.add_argument("--precision", default="fp32", choices=sorted(SUBJECTS))
+    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
     kinds = a.models.split(",")
     env = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-    ranks = paratrain.launch(job, 2, (kinds, a.rounds, a.steps, a.warmup), timeout_s=1800, env=env)
+    ranks = paratrain.launch(job, 2, (kinds, a.rounds, a.steps, a.warmup, a.precision, a.vocab), timeout_s=1800,
+                             env=env)
     rows = []
     for key in ranks[0]:
         per_round = [max(rank[key][r]["median_s"] for rank in ranks) for r in range(a.rounds)]
@@ -137,8 +158,8 @@ def main() -> None:
         rows.append({"case": key, "step_ms": 1e3 * statistics.median(per_round), "peak_rise_mib": peak,
                      "rounds_ms": [round(1e3 * t, 1) for t in per_round]})
     by = {r["case"]: r for r in rows}
-    print(f"model: {LAYERS} blocks, hidden {HIDDEN}, seq {SEQ}, vocab {VOCAB}, tied head; {PER_RANK} samples per "
-          f"rank, AdamW, fp32, world 2; {a.rounds} rounds x {a.steps} steps")
+    print(f"model: {LAYERS} blocks, hidden {HIDDEN}, seq {SEQ}, vocab {a.vocab}, tied head; {PER_RANK} samples per "
+          f"rank, AdamW, {a.precision}, world 2; {a.rounds} rounds x {a.steps} steps")
     print(f"{'case':<24} {'step ms':>8} {'x hand':>7} {'peak rise MiB':>14} {'x hand':>7}  rounds (ms)")
     for r in rows:
         hand = by[r["case"].split("/")[0] + "/hand-fsdp2"]
