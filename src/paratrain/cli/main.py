@@ -18,7 +18,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..errors import ParatrainError, RankFailedError
+from ..errors import JobInterrupted, ParatrainError, RankFailedError
 from . import bench, demo, doctor, export, plan, run, slurm, verify
 
 COMMANDS = {"run": run, "demo": demo, "doctor": doctor, "plan": plan, "bench": bench, "verify": verify,
@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[args.command].execute(args)
+    except JobInterrupted as err:
+        print(f"paratrain: {err}", file=sys.stderr)
+        return err.exit_code
     except RankFailedError as err:
         if args.debug:
             raise
