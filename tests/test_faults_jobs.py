@@ -22,6 +22,14 @@ JOB = str(SCRIPTS / "fault_job.py")
 HARD_TIMEOUT_S = 90
 
 
+@pytest.fixture(autouse=True)
+def _no_rank_survives(tmp_path):
+    """Even when a test fails, no rank it started outlives it."""
+    yield
+    for pid in alive(_pids(tmp_path)):
+        os.kill(pid, signal.SIGKILL)
+
+
 def _pids(out) -> list[int]:
     return [int(p.read_text()) for p in out.glob("*.pid")]
 
