@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import strategies
-from .checkpoint.auto import AutoCheckpoint
 from .call_watch import CallWatch, collective
+from .checkpoint.auto import AutoCheckpoint
 from .checkpoint.config import CheckpointConfig
 from .data import ShardedLoader, ShardSampler, shard_loader, shardable
 from .devices import backend_for, select_device
