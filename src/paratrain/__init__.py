@@ -18,6 +18,8 @@ _EXPORTS = {
     "LaunchError": ".errors",
     "RankFailedError": ".errors",
     "JobTimeoutError": ".errors",
+    "JobInterrupted": ".errors",
+    "CollectiveError": ".errors",
     "DDPConfig": ".strategies",
     "FSDPConfig": ".strategies",
     "PipelineConfig": ".strategies",

@@ -166,6 +166,15 @@ def describe_sampler(loader: DataLoader) -> tuple[bool, int, bool]:
     return shuffle, batch_size, drop_last
 
 
+def _refuse_empty(samples: int, per_rank: int, batch_size: int, drop_last: bool, world_size: int) -> None:
+    """A training loader that gives every rank zero batches trains nothing, silently: refuse it."""
+    batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+    if batches == 0:
+        raise ConfigError(f"this loader gives each of the {world_size} data-parallel ranks 0 batches ({samples} "
+                          f"samples, {per_rank} per rank, batch size {batch_size}, drop_last={drop_last}): an epoch would "
+                          "take no optimizer step; use drop_last=False, a smaller batch or fewer ranks")
+
+
 def shardable(loader: DataLoader) -> bool:
     """True when ``shard_loader`` can rebuild ``loader``: a map-style dataset and a built-in sampler."""
     if isinstance(loader.dataset, IterableDataset):
@@ -189,6 +198,8 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int, e
     shuffle, batch_size, drop_last = describe_sampler(loader)
     sampler = ShardSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
                            drop_last=drop_last, even=even)
+    if even:
+        _refuse_empty(len(loader.dataset), len(sampler), batch_size, drop_last, world_size)
     extra = {}
     if loader.num_workers > 0:
         extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}

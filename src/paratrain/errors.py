@@ -30,8 +30,11 @@ class RankFailedError(LaunchError):
     Carries the root cause so callers (and the CLI) can lead with it.
     """
 
-    def __init__(self, rank: int, exitcode: int, host: str, pid: int | None, traceback: str | None) -> None:
+    def __init__(self, rank: int, exitcode: int, host: str, pid: int | None, traceback: str | None,
+                 ranks: tuple[int, ...] = ()) -> None:
         self.rank = rank
+        self.ranks = ranks or (rank,)
+        """Every rank that failed with the same error (the root cause's rank first)."""
         self.exitcode = exitcode
         self.host = host
         self.pid = pid
@@ -45,6 +48,27 @@ class RankFailedError(LaunchError):
 
 class JobTimeoutError(LaunchError):
     """A job ran past its deadline and was stopped."""
+
+
+class JobInterrupted(LaunchError):
+    """The launcher got SIGINT or SIGTERM and stopped every rank.
+
+    ``exit_code`` is the shell's convention for a process ended by that signal: 128 + its number (130, 143).
+    """
+
+    def __init__(self, sig: int, ranks: int, seconds: float, left: int = 0) -> None:
+        import signal
+
+        self.signal = signal.Signals(sig)
+        self.ranks, self.seconds, self.left = ranks, seconds, left
+        self.exit_code = 128 + int(self.signal)
+        still = f"; {left} still running" if left else ""
+        super().__init__(f"interrupted ({self.signal.name}), {ranks} rank{'s' if ranks != 1 else ''} stopped in "
+                         f"{seconds:.1f} s{still}")
+
+
+class CollectiveError(ParatrainError):
+    """Ranks that did not meet in a collective: one left early, or they called different things."""
 
 
 class CheckpointError(ParatrainError):

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import strategies
+from .call_watch import CallWatch, collective
 from .checkpoint.auto import AutoCheckpoint
 from .checkpoint.config import CheckpointConfig
 from .data import ShardedLoader, ShardSampler, shard_loader, shardable
@@ -35,6 +36,7 @@ from .model.checkpointing import apply_checkpointing, every_kth_block
 from .model.compiling import apply_compile
 from .monitor import MonitorConfig, monitor_for, resolve
 from .precision import Precision, create_precision
+from .rank_agreement import check_ranks_agree
 from .seeding import rank_seed, seed_all, use_deterministic_kernels
 from .strategies.base import Runtime, Strategy
 
@@ -80,6 +82,8 @@ class Parallel:
             activations: ``True`` for every block, ``k`` for every k-th (see :mod:`paratrain.model.checkpointing`).
         compile: ``torch.compile`` each repeated block (or the whole model without blocks) before the strategy
             wraps it; a dict is passed to ``torch.compile`` as options (see :mod:`paratrain.model.compiling`).
+        wait_report_s: a collective that waits this long prints which ranks have not arrived and what each last
+            called (default: a fifth of ``timeout_s``, at most 60 s); see :mod:`paratrain.call_watch`.
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
     """
 
@@ -102,6 +106,7 @@ class Parallel:
         monitor: bool | MonitorConfig = True,
         activation_checkpointing: bool | int = False,
         compile: bool | dict[str, Any] = False,
+        wait_report_s: float | None = None,
         **strategy_options: Any,
     ) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -135,6 +140,11 @@ class Parallel:
         self.precision.validate(self.device)
         self._owns_group = False
         self._init_process_group(timeout_s)
+        self._calls = CallWatch(self.rank, self.world_size, timeout_s=timeout_s, report_after_s=wait_report_s,
+                                enabled=self._distributed and self.env.launched)
+        if self._distributed:
+            with self._calls.call("Parallel()"):
+                check_ranks_agree(self._agreed_values(), self.rank, dist.get_world_size())
         dims = self.strategy.mesh_dims(self.env)
         self.mesh = build_mesh(self.device, dims, self.env.world_size) if dims and self._distributed else None
         self._seed: int | None = None
@@ -186,6 +196,12 @@ class Parallel:
     @property
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
+
+    def _agreed_values(self) -> dict[str, str]:
+        """What every rank must have alike (checked once at construction)."""
+        return {"strategy": "auto" if self._auto_pending else self.strategy.describe(),
+                "precision": self.precision.name, "accumulate": str(self.accumulate),
+                "world": f"{self.env.world_size} ranks, {self.env.local_world_size} per node"}
 
     def _init_process_group(self, timeout_s: float) -> None:
         if not self.env.launched:
@@ -337,6 +353,7 @@ class Parallel:
         """The user's module inside the strategy's wrapper (for inspection; its tensors may be shards)."""
         return self.strategy.unwrap(model)
 
+    @collective("par.full_state_dict")
     def full_state_dict(self, model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The full, unsharded, unprefixed state dict on the CPU (collective: call on every rank).
 
@@ -356,16 +373,29 @@ class Parallel:
         """
         self.resume()
         first = self._resume_epoch if self._resume_epoch is not None else start
-        self._resume_epoch = None
+        resumed, warned = self._resume_epoch_of(first), False
         for epoch in range(first, n):
             self.epoch = epoch
             for loader in self._loaders:
                 if isinstance(loader.sampler, ShardSampler):
                     loader.sampler.set_epoch(epoch)
+            steps = self.optimizer_steps
             yield epoch
+            if self._optimizers and self.optimizer_steps == steps and epoch != resumed and not warned:
+                warned = True  # once per loop: accumulate more micro-steps than an epoch has batches, say
+                if self.is_main:
+                    print(f"paratrain: warning: epoch {epoch} took no optimizer step (accumulate={self.accumulate}, "
+                          "batches this epoch fewer than that, or none); check the loader and accumulate",
+                          file=sys.stderr, flush=True)
             self.epoch = epoch + 1
 
+    def _resume_epoch_of(self, first: int) -> int | None:
+        """The epoch a load resumes inside (it may have no batch left to train), once."""
+        resumed, self._resume_epoch = self._resume_epoch, None
+        return first if resumed is not None else None
+
     @contextmanager
+    @collective("par.step")
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[StepInfo]:
         """One micro-step. Backward inside it; on the last micro-step of the accumulation window the gradients
         are synchronised, the optimizer steps and the gradients are zeroed when the block exits cleanly."""
@@ -409,10 +439,12 @@ class Parallel:
         self.precision.backward(loss / self.accumulate if self.accumulate > 1 else loss)
 
     # ----------------------------------------------------------------- collectives for metrics
+    @collective("par.sum")
     def sum(self, value: torch.Tensor | float) -> torch.Tensor | float:
         """Sum of ``value`` over all ranks (a tensor stays a tensor, a number stays a number)."""
         return self._reduce(value, mean=False)
 
+    @collective("par.mean")
     def mean(self, value: torch.Tensor | float) -> torch.Tensor | float:
         """Mean of ``value`` over all ranks."""
         return self._reduce(value, mean=True)
@@ -435,12 +467,14 @@ class Parallel:
             return t.to(value.device, out_dtype)
         return t.item()
 
+    @collective("par.barrier")
     def barrier(self) -> None:
         """Wait for every rank (bounded by the process-group timeout)."""
         if self._distributed:
             dist.barrier()
 
     # ----------------------------------------------------------------- checkpoints
+    @collective("par.save")
     def save(self, path: str | os.PathLike | None = None) -> Path:
         """Checkpoint everything an exact resume needs into ``path/step-<step>`` (collective; atomic).
 
@@ -459,6 +493,7 @@ class Parallel:
         self._auto_checkpoint.saved(root, self.optimizer_steps)
         return folder
 
+    @collective("par.load")
     def load(self, path: str | os.PathLike | None = None) -> Path:
         """Restore everything ``save`` wrote (collective), from a ``step-…`` folder or a root's latest checkpoint.
 
@@ -526,6 +561,7 @@ class Parallel:
             print(*args, **kwargs)
 
     # ----------------------------------------------------------------- teardown
+    @collective("par.close")
     def close(self) -> None:
         """Wait for every rank, then destroy the process group if this object created it.
 
@@ -544,6 +580,7 @@ class Parallel:
         if self._owns_group and dist.is_initialized():
             finish_group()
         self._owns_group = False
+        self._calls.close()
 
     def __enter__(self) -> "Parallel":
         return self

@@ -11,16 +11,18 @@ import torch
 
 from ..errors import CheckpointError
 from . import layout
-from .io import DCP_ERRORS, first_failure, quiet_single_process
+from .io import DCP_ERRORS, load_failure, quiet_single_process
 from .safety import SafePlanner, SafeReader
 
 
-def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0) -> dict[str, object]:
+def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0, force: bool = False) -> dict[str, object]:
     """Consolidate model ``model`` of the checkpoint at ``path`` (a ``step-…`` folder or a root) into ``out``.
 
     Runs in one process, whatever world size wrote the checkpoint: torch.distributed.checkpoint reads every
-    shard. Returns what was written (path, step, tensors, bytes).
+    shard. An existing ``out`` is replaced only with ``force`` (it may be the only copy of other weights); a
+    directory never is. Returns what was written (path, step, tensors, bytes).
     """
+    _check_out(Path(out), force)
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -41,13 +43,22 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0) -
         with quiet_single_process():
             load({prefix[:-1]: state}, storage_reader=reader, planner=SafePlanner(), **single)
     except DCP_ERRORS as e:
-        raise CheckpointError(f"could not read checkpoint {folder}: {first_failure(e)}") from None
+        raise load_failure(folder, e) from None
     buf = io.BytesIO()
     torch.save(state, buf)
     out = Path(out)
+    _check_out(out, force)  # again: the read took a while
     if out.parent != Path(""):
         out.parent.mkdir(parents=True, exist_ok=True)
     layout.write_file(out, buf.getvalue())
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
     return {"path": out, "step": meta["step"], "tensors": len(tensors), "bytes": out.stat().st_size,
             "parameters": sum(t.numel() for t in tensors)}
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.is_dir():
+        raise CheckpointError(f"cannot export to {out}: it is a directory; give a file path such as "
+                              f"{out / 'model.pt'}")
+    if out.exists() and not force:
+        raise CheckpointError(f"{out} exists; pass --force (force=True) to replace it, or choose another path")

@@ -26,8 +26,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
-from . import layout, rng
-from .safety import SafePlanner, SafeReader, load_file
+from . import layout, rng, space
+from .space import out_of_space
+from .safety import SafePlanner, SafeReader, load_file, torch_reason
 
 FORMAT = 1
 TRAIN = "train.pt"
@@ -96,28 +97,41 @@ def save(t: Targets, root: Path, keep: int) -> Path:
     """Write a checkpoint of the job's current state to ``root/step-<step>``, atomically; return that folder."""
     import torch.distributed.checkpoint as dcp
 
+    layout.check_root(root)  # every rank, before any waits on the others
     tmp = root / f"{layout.TMP_PREFIX}{layout.step_name(t.step)}"
     if t.rank == 0:
         layout.begin(root, t.step)
     t.barrier()
-    loaders = [loader.state_dict() for loader in t.loaders]
-    layout.write_file(tmp / rank_file(t.rank), _serialise({"rng": rng.capture(), "loaders": loaders}))
-    if t.rank == 0:
-        layout.write_file(tmp / TRAIN, _serialise({
-            "step": t.step, "epoch": t.epoch, "loaders": loaders,
-            "schedulers": [s.state_dict() for s in t.schedulers], "precision": t.precision.state_dict(),
-        }))
+    state: dict[str, dict[str, Any]] = {}
     try:
+        loaders = [loader.state_dict() for loader in t.loaders]
+        layout.write_file(tmp / rank_file(t.rank), _serialise({"rng": rng.capture(), "loaders": loaders}))
+        if t.rank == 0:
+            layout.write_file(tmp / TRAIN, _serialise({
+                "step": t.step, "epoch": t.epoch, "loaders": loaders,
+                "schedulers": [s.state_dict() for s in t.schedulers], "precision": t.precision.state_dict(),
+            }))
+        written = None
+    except OSError as e:
+        written = e
+    failed = [f for f in t.gather(None if written is None else _why(written)) if f is not None]
+    try:
+        if failed:  # every rank stops here alike, before DCP's collectives
+            raise written or OSError(failed[0])
+        state = _tensor_state(t, optimizer=t.step > 0)
         with quiet_single_process():
-            dcp.save(_tensor_state(t, optimizer=t.step > 0), storage_writer=dcp.FileSystemWriter(tmp),
-                     planner=_rank0_planner())
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_rank0_planner())
+        t.barrier()  # every rank's files are complete
+        if t.rank == 0:
+            layout.write_meta(tmp, _meta(t))
+            layout.commit(root, tmp, t.step)
+            layout.prune(root, keep)
     except DCP_ERRORS as e:
+        if t.rank == 0:
+            space.remove_partial(tmp)
+        if out_of_space(e) or any(f == _NO_SPACE for f in failed):
+            raise CheckpointError(space.no_space_message(root, tmp, _bytes(state))) from None
         raise CheckpointError(f"could not write checkpoint {tmp}: {first_failure(e)}") from None
-    t.barrier()  # every rank's files are complete
-    if t.rank == 0:
-        layout.write_meta(tmp, _meta(t))
-        layout.commit(root, tmp, t.step)
-        layout.prune(root, keep)
     t.barrier()  # nobody reads the folder before it is published
     return root / layout.step_name(t.step)
 
@@ -153,7 +167,7 @@ def load(t: Targets, path: str | Path) -> Position:
         with quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=SafePlanner())
     except DCP_ERRORS as e:
-        raise CheckpointError(f"could not load checkpoint {folder}: {first_failure(e)}") from None
+        raise load_failure(folder, e) from None
     for i, model in enumerate(t.models):
         t.strategy.load_model_state(model, state[_key("model", i)])
     if train is None:
@@ -166,6 +180,18 @@ def load(t: Targets, path: str | Path) -> Position:
     if mine is not None:
         rng.restore(mine["rng"])  # last: nothing above may draw from the restored generators
     return Position(folder=folder, step=int(train["step"]), epoch=train["epoch"], world_size=meta["world_size"])
+
+
+_NO_SPACE = "no space left"
+
+
+def _why(err: OSError) -> str:
+    return _NO_SPACE if out_of_space(err) else first_failure(err)
+
+
+def _bytes(state: dict[str, dict[str, Any]]) -> int:
+    return sum(v.numel() * v.element_size() for part in state.values() for v in part.values()
+               if isinstance(v, torch.Tensor))
 
 
 def _key(kind: str, index: int) -> str:
@@ -275,13 +301,22 @@ def quiet_single_process() -> Iterator[None]:
         yield
 
 
-def first_failure(err: Exception) -> str:
-    """The first rank's error inside DCP's ``CheckpointException``, in one line."""
+def first_failure(err: BaseException) -> str:
+    """The first rank's error inside DCP's ``CheckpointException``, in one line (without torch's advice)."""
+    return str(_inner(err)) if isinstance(_inner(err), CheckpointError) else torch_reason(_inner(err))
+
+
+def load_failure(folder: Path, err: BaseException) -> CheckpointError:
+    """A failed DCP read: a refusal as it is, anything else (bytes that do not unpickle) as a damaged folder."""
+    if isinstance(_inner(err), CheckpointError):
+        return CheckpointError(f"could not load checkpoint {folder}: {_inner(err)}")
+    return CheckpointError(f"checkpoint {folder} is damaged or unsafe: a tensor file cannot be read "
+                           f"({first_failure(err)}); load an older checkpoint (delete this folder)")
+
+
+def _inner(err: BaseException) -> BaseException:
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
-        err = first[0] if isinstance(first, tuple) else first
-    if isinstance(err, CheckpointError):
-        return str(err)
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+        return first[0] if isinstance(first, tuple) else first
+    return err

@@ -37,6 +37,13 @@ def step_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
+def check_root(root: Path) -> None:
+    """A checkpoint directory must be a directory (or not exist yet)."""
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"cannot save a checkpoint into {root}: it is a file; checkpoints go into a directory "
+                              "(give a folder path, e.g. ckpt/)")
+
+
 def begin(root: Path, step: int) -> Path:
     """Rank 0: make ``root``, clear what crashed saves left behind, and return a fresh temporary folder."""
     root.mkdir(parents=True, exist_ok=True)
@@ -125,11 +132,15 @@ def read_meta(folder: Path) -> dict[str, Any]:
 def write_file(path: Path, data: bytes) -> None:
     """Write ``path`` atomically and durably: a temporary file, fsync, ``os.replace``, fsync of the folder."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk or a bad target must not leave the temporary file behind
+        raise
     fsync_dir(path.parent)
 
 

@@ -77,10 +77,23 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             torch.load(value, weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"refusing to load the value of {read_item.dest_index.fqn!r}: it is not plain "
-                                  f"data ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            raise CheckpointError(f"refusing to load the value of {read_item.dest_index.fqn!r}: it is damaged or not "
+                                  f"plain data ({torch_reason(e)})") from None
         value.seek(0)
         super().load_bytes(read_item, value)
+
+
+_ADVICE = (" In PyTorch 2.6", " Re-running `torch.load`", " This is an internal", " If you are seeing this", " Please file")
+
+
+def torch_reason(err: BaseException) -> str:
+    """``Type: first sentence`` of an error torch raised while reading, without its advice: torch's advice for a
+    file that fails ``weights_only=True`` is to load it with ``weights_only=False``, which is what a damaged or
+    planted file must never get."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    for marker in _ADVICE:
+        text = text.split(marker, 1)[0]
+    return f"{type(err).__name__}: {text.strip()[:200]}"
 
 
 def load_file(path: Path) -> Any:
@@ -90,6 +103,5 @@ def load_file(path: Path) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path.parent} is incomplete: {path.name} is missing") from None
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"checkpoint {path.parent} is damaged or unsafe: cannot load {path.name} "
-                              f"({type(e).__name__}: {first[:200]})") from None
+                              f"({torch_reason(e)}); load an older checkpoint (delete this folder)") from None

@@ -12,12 +12,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder (step-…) or a checkpoint directory (its latest one)")
     p.add_argument("out", help="the .pt file to write")
     p.add_argument("--model", type=int, default=0, help="which prepared model, when the job had several (default 0)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
 
 def execute(args: argparse.Namespace) -> int:
     from ..checkpoint.export import export
 
-    info = export(args.checkpoint, args.out, model=args.model)
+    info = export(args.checkpoint, args.out, model=args.model, force=args.force)
     print(f"wrote {info['path']}: {info['tensors']} tensors, {info['parameters']:,} values, "
           f"{info['bytes'] / 2**20:.1f} MiB (step {info['step']})")
     return 0

@@ -17,20 +17,27 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-from ..errors import ParatrainError, RankFailedError
+from ..errors import JobInterrupted, ParatrainError, RankFailedError
 from . import bench, demo, doctor, export, plan, run, slurm, verify
 
 COMMANDS = {"run": run, "demo": demo, "doctor": doctor, "plan": plan, "bench": bench, "verify": verify,
             "slurm": slurm, "export": export}
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line pointing at ``--help`` instead of the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paratrain", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="paratrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, module in COMMANDS.items():
         module.add_parser(sub)
     return parser
@@ -53,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[args.command].execute(args)
+    except JobInterrupted as err:
+        print(f"paratrain: {err}", file=sys.stderr)
+        return err.exit_code
     except RankFailedError as err:
         if args.debug:
             raise

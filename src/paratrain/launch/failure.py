@@ -1,13 +1,23 @@
 """The root cause of a failed job, in one screen: rank, host, exit code, traceback."""
 from __future__ import annotations
 
+import re
+import signal
 import socket
 
 from ..errors import RankFailedError
 
 _MAX_TRACE_LINES = 30
-_OWN_ERRORS = tuple(f"paratrain.errors.{name}" for name in ("ParatrainError", "ConfigError", "UnknownStrategyError",
-                                                            "LaunchError", "CheckpointError"))
+_OWN_ERROR = re.compile(r"^paratrain\.errors\.\w+: (.*)$")
+"""The last line of a traceback that ends in one of paratrain's own (one-line) errors."""
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "the process was killed (out of memory? killed by a scheduler?)",
+    signal.SIGABRT: ("the process aborted inside torch's C++ code: gloo and NCCL abort a rank whose peer failed or "
+                     "that called a different collective than its peers (TORCH_DISTRIBUTED_DEBUG=DETAIL names "
+                     "mismatched collectives); the other ranks' errors may say more"),
+    signal.SIGSEGV: "the process crashed (segmentation fault) in native code",
+    signal.SIGTERM: "the process was terminated (by a scheduler, a user, or its launcher)",
+}
 
 
 # Errors a rank raises because a peer died first: never the root cause when a real one is there.
@@ -22,14 +32,29 @@ def from_child_failed(err: object) -> RankFailedError:
     comes before errors that only report a dead peer.
     """
     failures = err.failures  # type: ignore[attr-defined]
-    rank = min(failures, key=lambda r: (failures[r].timestamp, _is_secondary(failures[r].message)))
+    rank = min(failures, key=lambda r: (failures[r].timestamp, _is_secondary(failures[r].message),
+                                        failures[r].exitcode < 0, r))
     failure = failures[rank]
-    data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
-    trace = None
-    if isinstance(data, dict):
-        trace = data.get("extraInfo", {}).get("py_callstack") or data.get("message")
+    trace = _trace(failure)
+    own = own_error(trace)
+    same = tuple(r for r in sorted(failures) if r != rank and own is not None and own_error(_trace(failures[r])) == own)
     return RankFailedError(rank=rank, exitcode=failure.exitcode, host=socket.gethostname(), pid=failure.pid,
-                           traceback=trace)
+                           traceback=trace, ranks=(rank, *same))
+
+
+def _trace(failure: object) -> str | None:
+    file_data = getattr(failure, "error_file_data", None)
+    data = file_data.get("message") if isinstance(file_data, dict) else None
+    if isinstance(data, dict):
+        return data.get("extraInfo", {}).get("py_callstack") or data.get("message")
+    return None
+
+
+def own_error(trace: str | None) -> str | None:
+    """The message of a paratrain error a traceback ends in, or None."""
+    last = trace.strip().splitlines()[-1] if trace and trace.strip() else ""
+    found = _OWN_ERROR.match(last)
+    return found[1] if found else None
 
 
 def _is_secondary(message: object) -> bool:
@@ -65,9 +90,11 @@ def format_failure(err: RankFailedError) -> str:
     it is shown alone, without the traceback.
     """
     last = err.traceback.strip().splitlines()[-1] if err.traceback and err.traceback.strip() else ""
-    own = next((last.split(": ", 1)[1] for prefix in _OWN_ERRORS if last.startswith(prefix + ": ")), None)
+    own = own_error(err.traceback)
     if own is not None:
-        return f"paratrain: error: {own} (rank {err.rank})"
+        ranks = getattr(err, "ranks", (err.rank,))
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"
+        return f"paratrain: error: {own} ({which})"
     lines = [f"paratrain: {err}", f"  rank {err.rank}  host {err.host}  pid {err.pid}"]
     if _is_secondary(last):
         lines.append("  this rank lost a peer that failed first: on a multi-node job, the root cause is in the "
@@ -79,5 +106,6 @@ def format_failure(err: RankFailedError) -> str:
         lines.append(f"  traceback of rank {err.rank}:")
         lines.extend("    " + line for line in tb)
     elif err.exitcode < 0:
-        lines.append("  no traceback: the process was killed by a signal (out of memory? killed by a scheduler?)")
+        hint = _SIGNAL_HINTS.get(-err.exitcode, "the process was killed by a signal")  # type: ignore[call-overload]
+        lines.append(f"  no traceback: {hint}")
     return "\n".join(lines)

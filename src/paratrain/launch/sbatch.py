@@ -122,6 +122,9 @@ def write_sbatch(spec: SbatchSpec, path: str | None) -> None:
     from .torchrun import parse_args
 
     parse_args(spec.run_command()[2:])
+    if not spec.module and not os.path.isfile(spec.target):
+        print(f"paratrain slurm: warning: {spec.target} does not exist in {os.getcwd()}; the job runs it from the "
+              "directory you submit from", file=sys.stderr)
     text = render_sbatch(spec)
     if path is None:
         sys.stdout.write(text)

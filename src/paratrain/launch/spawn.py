@@ -8,9 +8,7 @@ are stopped at once and a ``RankFailedError`` names the rank and carries its tra
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +17,7 @@ from typing import Any
 
 from ..env import cpu_count
 from ..errors import JobTimeoutError, LaunchError, RankFailedError
+from .parent_death import die_with_parent
 
 LOOPBACK = "127.0.0.1"
 
@@ -83,26 +82,13 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[
            result_dir: str, parent: int) -> None:
     import torch
 
-    _die_with_parent(parent)
+    die_with_parent(parent)
     os.environ.update(base_env)
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
                        "TORCHELASTIC_RESTART_COUNT": "0"})
     torch.set_num_threads(threads)
     result = fn(*args)
     torch.save(result, os.path.join(result_dir, f"{local_rank}.pt"))
-
-
-def _die_with_parent(parent: int) -> None:
-    """Have the kernel SIGKILL this rank when the launching process dies, however it dies (a SIGTERM or SIGKILL
-    of the caller skips its ``finally``, and the ranks would run on, orphaned). Linux only."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
 
 
 def _load(path: str) -> Any:

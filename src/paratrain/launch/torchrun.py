@@ -33,9 +33,13 @@ from .agreement import NNODES_VAR
 from .failure import from_child_failed
 from .multinode import (DEFAULT_RDZV_TIMEOUT_S, max_nodes, nnodes_range, prepare_network, rendezvous_error,
                         rendezvous_errors, set_rendezvous_timeout)
+from .parent_death import LAUNCHER_PID_VAR
 from .pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
 from .ports import port_in_use
+from .rendezvous_progress import rendezvous_progress
+from .signals import stop_signals
 from .slurm import read_slurm
+from .worker import DEBUG_VAR
 
 LOOPBACK = "127.0.0.1"
 
@@ -89,11 +93,38 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
     parser.error = error  # type: ignore[method-assign]
     args = parser.parse_args(list(argv))
+    _check_one_nproc(list(argv), args)
     args.explicit = {dest for dest in _SLURM_FILLED if getattr(args, dest) is not _UNSET}
     for dest, default in defaults.items():
         if getattr(args, dest) is _UNSET:
             setattr(args, dest, default)
     return args
+
+
+_NPROC_FLAGS = ("-n", "--nproc", "--nproc-per-node", "--nproc_per_node")
+
+
+def _check_one_nproc(argv: list[str], args: argparse.Namespace) -> None:
+    """``-n 2 --nproc-per-node 3``: argparse would silently keep the last; refuse differing values instead."""
+    end = len(argv)
+    if args.training_script in argv:  # the script's own arguments may reuse the flags
+        end = argv.index(args.training_script)
+    seen: list[tuple[str, str]] = []
+    i = 0
+    while i < end:
+        item = argv[i]
+        flag, eq, value = item.partition("=")
+        if flag in _NPROC_FLAGS and eq:
+            seen.append((flag, value))
+        elif item in _NPROC_FLAGS and i + 1 < end:
+            seen.append((item, argv[i + 1]))
+            i += 1
+        elif item.startswith("-n") and not item.startswith("--") and len(item) > 2:
+            seen.append(("-n", item[2:]))
+        i += 1
+    if len({value for _, value in seen}) > 1:
+        given = " and ".join(f"{flag} {value}" for flag, value in seen)
+        raise LaunchError(f"paratrain run: {given} disagree on the number of processes per node; give it once")
 
 
 def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> argparse.Namespace:
@@ -102,6 +133,7 @@ def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> ar
     apply_slurm(args, note)
     args.nproc_per_node = _nproc(args.nproc_per_node)
     _check_target(args)
+    _check_layout(args)
     single_node = max_nodes(args.nnodes) == 1
     if single_node and not args.rdzv_endpoint and args.rdzv_backend == "static" and args.master_port is None:
         # torchrun then uses a c10d rendezvous on localhost:0 (a free port); keep the workers on loopback too.
@@ -141,16 +173,24 @@ def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> ar
 
 
 def run(argv: Sequence[str], *, quiet_agent: bool = True) -> None:
-    """Launch the job described by torchrun-style ``argv``; raise ``RankFailedError`` when a rank fails."""
+    """Launch the job described by torchrun-style ``argv``; raise ``RankFailedError`` when a rank fails and
+    ``JobInterrupted`` on SIGINT/SIGTERM (every rank stopped)."""
     with _quiet_cpp_logs(quiet_agent):  # the store's C++ warnings and stack dumps: ours is one line
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import run as torchrun
 
     args = resolve(parse_args(argv))
-    if quiet_agent:  # our own report replaces the agent's warnings and its long exception dump
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # each worker dies with this process
+    if quiet_agent:  # our own report replaces the agent's warnings, its "failed (exitcode …)" line and its dump
+        for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+            if name.startswith("torch.distributed.elastic"):  # each has a level of its own
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+        os.environ.pop(DEBUG_VAR, None)
+    else:
+        os.environ[DEBUG_VAR] = "1"  # every rank prints its own traceback too
     try:
-        torchrun(args)
+        with stop_signals(args), rendezvous_progress(args, _note):
+            torchrun(args)
     except ChildFailedError as err:
         raise from_child_failed(err) from None
     except rendezvous_errors() as err:
@@ -197,6 +237,17 @@ def _nproc(value: str | None) -> int | str:
     if n < 1:
         raise LaunchError(f"-n/--nproc-per-node must be at least 1, got {n}")
     return n
+
+
+def _check_layout(args: argparse.Namespace) -> None:
+    """Refuse at once what no rendezvous can satisfy (it would otherwise wait for its whole timeout)."""
+    lo, hi = nnodes_range(args.nnodes)
+    if args.node_rank < 0 or (lo == hi and args.node_rank >= hi):
+        raise LaunchError(f"--node-rank {args.node_rank} is outside a job of --nnodes {lo if lo == hi else args.nnodes} "
+                          f"(node ranks are 0 … {hi - 1}); give each node its own rank below --nnodes")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise LaunchError(f"--master-port {args.master_port} is not a TCP port (1 … 65535); omit it to get a free "
+                          "one on a single node")
 
 
 def _check_target(args: argparse.Namespace) -> None:

@@ -1,11 +1,17 @@
 """Runs the user's script or module inside each torchrun worker.
 
 ``paratrain run`` starts ``python -m paratrain.launch.worker [-m] TARGET ARGS…`` instead of the target itself, so
-that an exception is recorded (torchelastic's ``@record``) and the launcher can show the failing rank's
-traceback first. Before the target runs, the default process-group timeout is bounded
-(:mod:`paratrain.launch.pg_timeout`) and the nodes of a multi-node job check that they agree
-(:mod:`paratrain.launch.agreement`). The target runs as ``__main__`` with its own ``sys.argv`` and
-``sys.path[0]``, exactly as ``python TARGET`` or ``python -m TARGET`` would run it.
+that:
+
+* the worker dies with the launcher, even when the launcher is SIGKILLed (:mod:`paratrain.launch.parent_death`);
+* an exception is recorded for the launcher (torchelastic's error file, as ``@record`` does) and *not* printed
+  here: the launcher shows one report for the whole job, instead of one traceback per rank
+  (``paratrain --debug run`` prints them all again);
+* the default process-group timeout is bounded (:mod:`paratrain.launch.pg_timeout`) and the nodes of a multi-node
+  job check that they agree (:mod:`paratrain.launch.agreement`).
+
+The target runs as ``__main__`` with its own ``sys.argv`` and ``sys.path[0]``, exactly as ``python TARGET`` or
+``python -m TARGET`` would run it.
 """
 from __future__ import annotations
 
@@ -13,17 +19,39 @@ import os
 import runpy
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 from paratrain.launch.agreement import check_same_nnodes
+from paratrain.launch.parent_death import die_with_parent, launcher_pid
 from paratrain.launch.pg_timeout import apply_default_pg_timeout
+from paratrain.launch.signals import restore_worker_signals
+
+DEBUG_VAR = "PARATRAIN_DEBUG"
+"""Set by ``paratrain --debug run``: every rank prints its own traceback as well."""
 
 
-@record
 def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
     argv = sys.argv[1:] if argv is None else argv
-    apply_default_pg_timeout()
-    check_same_nnodes()
+    die_with_parent(launcher_pid())
+    restore_worker_signals()
+    errors = get_error_handler()
+    errors.initialize()
+    try:
+        apply_default_pg_timeout()
+        check_same_nnodes()
+        _run(argv)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    except BaseException as e:  # noqa: BLE001 - recorded for the launcher, which reports it once
+        errors.record_exception(e)
+        if os.environ.get(DEBUG_VAR):
+            raise
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+def _run(argv: list[str]) -> None:
     if argv and argv[0] == "-m":
         module, rest = argv[1], argv[2:]
         sys.argv = [module, *rest]

@@ -145,6 +145,10 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     if global_batch < world:
         raise ConfigError(f"--global-batch {global_batch} is smaller than the {world} GPUs; "
                           "give every GPU at least one sample")
+    if global_batch % world:
+        lower, upper = global_batch // world * world, (global_batch // world + 1) * world
+        raise ConfigError(f"--global-batch {global_batch} does not split evenly over {world} GPUs "
+                          f"({global_batch / world:g} samples each); use a multiple of {world}, e.g. {lower} or {upper}")
     training = replace(training, global_batch=global_batch)
     estimates = estimate_all(stats, cluster, training)
     candidates = estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:]

@@ -1,0 +1,275 @@
+"""Every wait on other ranks speaks: which ranks have not arrived, and what each last called.
+
+A collective only completes when every rank calls it. When one rank calls ``par.mean`` and its peer does not,
+torch waits silently for the whole process-group timeout and then says "Timed out waiting … for recv"; when a
+peer leaves early (``sys.exit(0)``), the rank still waiting is the one that fails, and is blamed.
+
+Each ``Parallel`` of a multi-process job keeps a :class:`CallWatch`: its collective calls (``par.mean``,
+``par.step``, ``par.save`` …) note their name, their count and the user's line that made them; a thread
+publishes that to the job's rendezvous store (torch's own ``TCPStore``, the key ``paratrain/calls/<rank>``) a
+few times a minute, at once when a call starts to wait, and when the process exits. From it:
+
+* a call that has waited longer than ``report_after_s`` (default a fifth of the timeout, at most 60 s) prints,
+  once per such period and from the lowest waiting rank only, one line naming the ranks that have not arrived
+  and the last paratrain call of each;
+* a call that fails because a peer left or because the timeout passed is re-raised as a one-line
+  :class:`~paratrain.errors.CollectiveError` naming the rank that left first, or the calls that did not match.
+
+Nothing is sent on the collective's own channel; a watched call costs about 4.5 µs (benchmarks/RESULTS.md §8)
+and the store is written only by the thread, at most every 5 s per rank while nothing waits.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from .errors import CollectiveError
+
+F = TypeVar("F", bound=Callable[..., Any])
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_STDLIB_CONTEXT = "contextlib.py"
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "has been closed",
+              "NCCL communicator was aborted")
+_TIMED_OUT = ("Timed out waiting", "collective operation timeout", "Socket Timeout", "wait timeout")
+"""How gloo, NCCL's watchdog and the store say a collective's timeout passed (not any error with "timeout")."""
+MAX_REPORT_AFTER_S = 60.0
+
+
+@dataclass(slots=True)
+class Call:
+    """One rank's latest paratrain call, as published (never changed once made; slots, not frozen: a step makes
+    two, and a frozen dataclass costs twice as much to build)."""
+
+    name: str = ""
+    """``par.mean``, ``par.step`` …"""
+    nth: int = 0
+    """How many calls of that name this rank has made (1 for the first)."""
+    where: str = ""
+    """``train.py:12``: the user's line that made it."""
+    since: float = 0.0
+    """Wall-clock time it started (or ended, once ``active`` is False)."""
+    active: bool = False
+    """Inside the call now (possibly waiting on the others)."""
+    exited: bool = False
+    """The process has ended (or closed its ``Parallel``)."""
+
+    def describe(self, now: float) -> str:
+        if not self.name:
+            return "has made no paratrain call"
+        call = f"{self.name} #{self.nth} ({self.where})"
+        if self.exited:
+            return f"exited {now - self.since:.0f} s ago after {call}"
+        if self.active:
+            return f"is in {call} for {now - self.since:.0f} s"
+        return f"last called {call}, {now - self.since:.0f} s ago, and is not in a paratrain call"
+
+    def same_call(self, other: "Call") -> bool:
+        return self.active and other.active and (self.name, self.nth) == (other.name, other.nth)
+
+
+def default_report_after(timeout_s: float) -> float:
+    return min(MAX_REPORT_AFTER_S, timeout_s / 5)
+
+
+class CallWatch:
+    """The collective calls of one rank (see the module docstring). ``enabled=False``: calls are only counted."""
+
+    def __init__(self, rank: int, world_size: int, *, timeout_s: float, report_after_s: float | None = None,
+                 enabled: bool = True, environ: dict[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.report_after_s = report_after_s if report_after_s is not None else default_report_after(timeout_s)
+        self._current = Call()
+        self._counts: dict[str, int] = {}
+        self._address = (env.get("MASTER_ADDR"), env.get("MASTER_PORT"))
+        self._prefix = f"paratrain/calls/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.enabled = enabled and world_size > 1 and all(self._address)
+        self._store: Any = None
+        self._published: Call | None = None
+        self._published_at = 0.0
+        self._report_key: tuple[str, int] = ("", 0)
+        self._reports = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name="paratrain-call-watch", daemon=True)
+            self._thread.start()
+            atexit.register(self._exit)
+
+    # ----------------------------------------------------------------- the training thread
+    @contextmanager
+    def call(self, name: str) -> Iterator[None]:
+        """Mark a collective paratrain call; a peer lost or a timeout inside it becomes a ``CollectiveError``."""
+        outer = self._current if self._current.active else None  # a save inside a step, say
+        if outer is not None:
+            yield
+            return
+        nth = self._counts[name] = self._counts.get(name, 0) + 1
+        self._current = Call(name, nth, _user_line(), time.time(), active=True)
+        try:
+            yield
+        except Exception as e:
+            better = self._explain(e) if self.enabled else None
+            if better is None:
+                raise
+            raise better from None
+        finally:
+            done = self._current
+            self._current = Call(done.name, done.nth, done.where, time.time())  # not dataclasses.replace: 3x slower
+
+    def close(self) -> None:
+        """Publish that this rank is done and stop the thread."""
+        if not self.enabled:
+            return
+        self._stop.set()
+        atexit.unregister(self._exit)
+        self._exit()
+
+    # ----------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        poll = max(0.05, min(1.0, self.report_after_s / 4))
+        while not self._stop.wait(poll):
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - diagnostics must never take the job down
+                self._store = None
+
+    def _tick(self) -> None:
+        now, current = time.time(), self._current
+        started_waiting = current.active and now - current.since > poll_min(self.report_after_s)
+        if current != self._published and (started_waiting or now - self._published_at > 5.0):
+            self._publish(current)
+        if not current.active:
+            return
+        if (current.name, current.nth) != self._report_key:
+            self._report_key, self._reports = (current.name, current.nth), 0
+        if now - current.since < self.report_after_s * (self._reports + 1):
+            return
+        self._reports += 1
+        calls = self._read_all()
+        waiting = [r for r, c in calls.items() if c.active and now - c.since >= self.report_after_s]
+        if waiting and min(waiting) != self.rank:
+            return  # the lowest waiting rank speaks for all
+        print(f"paratrain: {self._waiting_line(current, calls, now)}", file=sys.stderr, flush=True)
+
+    def _waiting_line(self, mine: Call, calls: dict[int, Call], now: float) -> str:
+        missing = {r: c for r, c in calls.items() if r != self.rank and not mine.same_call(c)}
+        head = (f"rank {self.rank} has waited {now - mine.since:.0f} s in {mine.name} #{mine.nth} ({mine.where})")
+        left = max(0.0, self.timeout_s - (now - mine.since))
+        if not missing:
+            return (f"{head}; every rank is in it (a collective inside it does not complete; "
+                    f"TORCH_DISTRIBUTED_DEBUG=DETAIL names mismatched collectives); it fails in {left:.0f} s")
+        return (f"{head} for rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}: "
+                + "; ".join(f"rank {r} {c.describe(now)}" for r, c in sorted(missing.items())[:8])
+                + f"; it fails in {left:.0f} s")
+
+    def _publish(self, call: Call) -> None:
+        store = self._connect()
+        store.set(f"{self._prefix}/{self.rank}", json.dumps(asdict(call)))
+        self._published, self._published_at = call, time.time()
+
+    def _read_all(self) -> dict[int, Call]:
+        store = self._connect()
+        keys = [f"{self._prefix}/{r}" for r in range(self.world_size)]
+        present = [k for k in keys if store.check([k])]
+        values = store.multi_get(present) if present else []
+        calls = {int(k.rsplit("/", 1)[1]): Call(**json.loads(bytes(v).decode())) for k, v in zip(present, values)}
+        calls[self.rank] = self._current
+        return calls
+
+    def _connect(self) -> Any:
+        if self._store is None:
+            from torch.distributed import TCPStore
+
+            host, port = self._address
+            self._store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=10))
+        return self._store
+
+    def _exit(self) -> None:
+        try:
+            self._publish(replace(self._current, active=False, exited=True, since=time.time()))
+        except Exception:  # noqa: BLE001 - the store may be gone already
+            pass
+
+    # ----------------------------------------------------------------- failures
+    def _explain(self, err: Exception) -> CollectiveError | None:
+        text = str(err)
+        lost, timed_out = any(m in text for m in _PEER_LOST), any(m in text for m in _TIMED_OUT)
+        if not (lost or timed_out):
+            return None
+        mine = self._current
+        try:
+            calls = self._read_all()
+        except Exception:  # noqa: BLE001 - no store: keep torch's own error
+            return None
+        now = time.time()
+        here = f"{mine.name} #{mine.nth} ({mine.where})"
+        gone = sorted((c.since, r) for r, c in calls.items() if c.exited and r != self.rank)
+        if gone:
+            r = gone[0][1]
+            return CollectiveError(f"rank {r} left the job first ({calls[r].describe(now)}) while rank {self.rank} "
+                                   f"was in {here}; every rank must make the same paratrain calls until the end")
+        other = {r: c for r, c in calls.items() if r != self.rank and not mine.same_call(c)}
+        if timed_out and other:
+            return CollectiveError(f"rank {self.rank} gave up on {here} after {self.timeout_s:g} s: the ranks made "
+                                   "different paratrain calls: " + "; ".join(
+                                       f"rank {r} {c.describe(now)}" for r, c in sorted(other.items())[:8])
+                                   + "; every rank must make the same paratrain calls in the same order")
+        return None
+
+
+def collective(name: str) -> Callable[[F], F]:
+    """Mark a ``Parallel`` method (or generator method, under ``@contextmanager``) as the collective call
+    ``name`` of ``self._calls``."""
+    def wrap(fn: F) -> F:
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def steps(self: Any, *args: Any, **kwargs: Any) -> Any:
+                with self._calls.call(name):
+                    return (yield from fn(self, *args, **kwargs))
+            return steps  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with self._calls.call(name):
+                return fn(self, *args, **kwargs)
+        return method  # type: ignore[return-value]
+    return wrap
+
+
+def poll_min(report_after_s: float) -> float:
+    """How long a call runs before its state is published at once (shorter calls wait for the next round)."""
+    return min(1.0, report_after_s / 4)
+
+
+def _ranks(calls: dict[int, Call]) -> str:
+    ranks = sorted(calls)
+    return ", ".join(map(str, ranks[:8])) + (f" … ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+
+
+def _user_line() -> str:
+    """``file.py:line`` of the first frame outside paratrain and contextlib."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_PACKAGE) and not name.endswith(_STDLIB_CONTEXT):
+            return f"{_basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+@functools.lru_cache(maxsize=256)
+def _basename(path: str) -> str:
+    return os.path.basename(path)

@@ -1,0 +1,93 @@
+"""What the fault suite (tests/test_faults_*.py) asserts about every bad input and fault, and its tally.
+
+Each case's outcome is checked for its class: a one-line error (or the one report of a failed rank), the exit
+code, a bounded time, no process left, no file lost. With ``PARATRAIN_FAULT_LOG=FILE`` every checked case is
+also appended to FILE as a JSON line; ``python tests/faults.py FILE`` prints the counts for
+benchmarks/RESULTS.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from paratrain.testing import alive
+
+
+@dataclass
+class Outcome:
+    case: str
+    kind: str
+    """one-line error, report, warning, interrupted, wait report …"""
+    raw_traceback: bool = False
+    silent: bool = False
+    unbounded: bool = False
+    orphans: int = 0
+    files_lost: int = 0
+
+
+def check(case: str, *, rc: int | None, stderr: str, kind: str = "one-line error", expect_rc: int | Iterable[int] = 2,
+          words: Iterable[str] = (), lines: int | None = 1, seconds: float | None = None, max_s: float | None = None,
+          pids: Iterable[int] = (), kept: Iterable[str] = ()) -> Outcome:
+    """Assert the outcome of one case and record it (see the module docstring)."""
+    text = stderr.strip()
+    expected = {expect_rc} if isinstance(expect_rc, int) else set(expect_rc)
+    traceback_lines = text.count("Traceback (most recent call last)")
+    outcome = Outcome(
+        case=case, kind=kind,
+        raw_traceback=traceback_lines > (1 if kind == "report" else 0),
+        silent=not text or rc not in expected,
+        unbounded=seconds is not None and max_s is not None and seconds > max_s,
+        orphans=len(alive(list(pids))),
+        files_lost=sum(not os.path.exists(path) for path in kept),
+    )
+    _log(outcome)
+    assert not outcome.raw_traceback, f"{case}: traceback in\n{stderr}"
+    assert rc in expected, f"{case}: exit code {rc}, expected {sorted(expected)}\n{stderr}"
+    assert text, f"{case}: nothing was said"
+    if lines is not None:
+        assert len(text.splitlines()) == lines, f"{case}: {len(text.splitlines())} lines, expected {lines}\n{stderr}"
+    for word in words:
+        assert word in text, f"{case}: {word!r} not in\n{stderr}"
+    assert not outcome.unbounded, f"{case}: took {seconds:.1f} s (bound {max_s} s)"
+    assert not outcome.orphans, f"{case}: {outcome.orphans} process(es) left running"
+    assert not outcome.files_lost, f"{case}: a file that must be kept is gone"
+    return outcome
+
+
+def wait_for(paths: Iterable[str], timeout_s: float) -> bool:
+    """Wait until every path exists (a job's ranks have started)."""
+    deadline = time.monotonic() + timeout_s
+    paths = list(paths)
+    while time.monotonic() < deadline:
+        if all(os.path.exists(p) for p in paths):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _log(outcome: Outcome) -> None:
+    path = os.environ.get("PARATRAIN_FAULT_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(asdict(outcome)) + "\n")
+
+
+def tally(path: str) -> dict[str, int]:
+    """Counts over a log (the last record of each case wins)."""
+    with open(path) as f:
+        cases = {o["case"]: o for o in map(json.loads, filter(None, f.read().splitlines()))}
+    counts = {"cases": len(cases)}
+    for kind in sorted({o["kind"] for o in cases.values()}):
+        counts[f"kind: {kind}"] = sum(o["kind"] == kind for o in cases.values())
+    for key in ("raw_traceback", "silent", "unbounded", "orphans", "files_lost"):
+        counts[key] = sum(int(o[key]) for o in cases.values())
+    return counts
+
+
+if __name__ == "__main__":
+    for key, value in tally(sys.argv[1]).items():
+        print(f"{key}: {value}")

@@ -1,0 +1,146 @@
+"""The fault machinery's parts in one process: failure reports, rank agreement, the call watch over a real
+store, the launcher's signal settings, the epoch without a step."""
+import io
+import json
+import os
+import signal
+import time
+from contextlib import redirect_stderr
+from dataclasses import asdict
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain
+from faults import check
+from paratrain.call_watch import Call, CallWatch
+from paratrain.errors import CollectiveError, RankFailedError
+from paratrain.launch.failure import format_failure, from_child_failed
+from paratrain.launch.signals import SIGNALS_VAR, restore_worker_signals
+from paratrain.rank_agreement import disagreements
+
+
+def _failure(exitcode: int, trace: str | None, timestamp: int = 100):
+    data = {"message": {"message": "x", "extraInfo": {"py_callstack": trace}}} if trace else {}
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, message=trace or "", pid=1, error_file_data=data)
+
+
+def test_a_sigabrt_is_not_blamed_on_memory():
+    report = format_failure(RankFailedError(rank=1, exitcode=-6, host="h", pid=2, traceback=None))
+    check("report: rank aborted by SIGABRT", rc=1, expect_rc=1, stderr=report, kind="report", lines=3,
+          words=["killed by SIGABRT", "aborted inside torch's C++ code", "TORCH_DISTRIBUTED_DEBUG=DETAIL"])
+    assert "out of memory" not in report
+
+
+def test_a_paratrain_error_is_one_line_with_every_rank_that_raised_it():
+    trace = "Traceback (most recent call last):\n  File \"t.py\", line 1\nparatrain.errors.ConfigError: bad thing\n"
+    err = from_child_failed(SimpleNamespace(failures={1: _failure(1, trace), 0: _failure(1, trace)}))
+    assert format_failure(err) == "paratrain: error: bad thing (ranks 0, 1)"
+
+
+def test_the_root_cause_is_a_ranks_own_error_not_the_peer_that_lost_it():
+    lost = "Traceback …\nRuntimeError: Connection closed by peer [127.0.0.1]:1234\n"
+    own = "Traceback …\nValueError: the real cause\n"
+    err = from_child_failed(SimpleNamespace(failures={0: _failure(1, lost), 1: _failure(1, own)}))
+    assert err.rank == 1
+    killed = from_child_failed(SimpleNamespace(failures={0: _failure(1, lost), 1: _failure(-9, None)}))
+    assert killed.rank == 1
+
+
+def test_disagreements_name_the_ranks_and_values():
+    per_rank = [{"strategy": "ddp", "accumulate": "1"}, {"strategy": "zero3", "accumulate": "1"},
+                {"strategy": "ddp", "accumulate": "1"}]
+    assert disagreements(per_rank) == ["strategy: 'ddp' on ranks 0, 2, 'zero3' on rank 1"]
+    assert disagreements(per_rank[:1] * 3) == []
+
+
+@pytest.fixture
+def store(monkeypatch):
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    yield server
+
+
+def _publish(store, rank: int, call: Call) -> None:
+    store.set(f"paratrain/calls/0/{rank}", json.dumps(asdict(call)))
+
+
+def test_a_long_wait_names_the_rank_not_arrived_and_its_last_call(store):
+    _publish(store, 1, Call("par.step", 7, "train.py:9", time.time() - 3, active=False))
+    watch = CallWatch(0, 2, timeout_s=30, report_after_s=0.3)
+    err = io.StringIO()
+    with redirect_stderr(err), watch.call("par.mean"):
+        time.sleep(1.0)
+    watch.close()
+    lines = err.getvalue().strip().splitlines()
+    check("watch: a wait past the report threshold", rc=1, expect_rc=1, stderr=lines[0] if lines else "",
+          kind="wait report", words=["rank 0 has waited", "in par.mean #1 (test_faults_units.py:",
+                                     "for rank 1: rank 1 last called par.step #7 (train.py:9)", "it fails in"])
+    assert 1 <= len(lines) <= 3
+
+
+def test_a_peer_that_exited_first_is_named_in_place_of_a_lost_connection(store):
+    watch = CallWatch(0, 2, timeout_s=30, report_after_s=10)
+    _publish(store, 1, Call("par.step", 3, "train.py:9", time.time(), exited=True))
+    with pytest.raises(CollectiveError, match=r"rank 1 left the job first \(exited .* after par.step #3 "
+                                              r"\(train.py:9\)\) while rank 0 was in par.barrier #1"):
+        with watch.call("par.barrier"):
+            raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:555")
+    with pytest.raises(ValueError, match="a user's own error"):  # anything else passes through unchanged
+        with watch.call("par.step"):
+            raise ValueError("a user's own error")
+    watch.close()
+
+
+def test_a_timeout_names_the_calls_that_did_not_match(store):
+    watch = CallWatch(0, 2, timeout_s=5, report_after_s=10)
+    _publish(store, 1, Call("par.close", 1, "train.py:20", time.time() - 5, active=True))
+    with pytest.raises(CollectiveError, match=r"gave up on par.mean #1 .* after 5 s: the ranks made different "
+                                              r"paratrain calls: rank 1 is in par.close #1 \(train.py:20\)"):
+        with watch.call("par.mean"):
+            raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+    watch.close()
+
+
+def test_workers_see_the_signal_settings_torchrun_would_give_them():
+    env = {SIGNALS_VAR: "SIGHUP,SIGQUIT", "PARATRAIN_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGUSR1"}
+    restore_worker_signals(env)
+    assert env == {SIGNALS_VAR: "SIGTERM,SIGINT,SIGUSR1"}
+
+
+def test_the_launcher_signal_handler_stops_the_agent_with_sigterm():
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from paratrain.errors import JobInterrupted
+    from paratrain.launch.signals import stop_signals
+
+    args = SimpleNamespace(signals_to_handle="SIGTERM,SIGINT,SIGHUP")
+    with pytest.raises(JobInterrupted) as info, stop_signals(args):
+        assert args.signals_to_handle == "SIGHUP"
+        with pytest.raises(SignalException) as inner:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert inner.value.sigval == signal.SIGTERM  # what the agent forwards to the workers
+        raise inner.value
+    assert info.value.exit_code == 130 and "interrupted (SIGINT), 0 ranks stopped in" in str(info.value)
+    assert args.signals_to_handle == "SIGTERM,SIGINT,SIGHUP" and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_epoch_without_an_optimizer_step_is_said_once(capsys):
+    par = paratrain.Parallel("single", accumulate=4, monitor=False)
+    model = torch.nn.Linear(2, 1)
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = par.prepare(DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2))
+    for _ in par.epochs(2):
+        for (x,) in loader:
+            with par.step(model, opt):
+                par.backward(model(x).sum())
+    err = capsys.readouterr().err
+    check("loop: an epoch that takes no optimizer step", rc=0, expect_rc=0, stderr=err, kind="warning",
+          words=["paratrain: warning: epoch 0 took no optimizer step (accumulate=4"])
