@@ -29,7 +29,10 @@ def _train(**kwargs) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_compiled_blocks_under_zero3_equal_eager():
+def test_compiled_blocks_under_zero3_equal_eager(monkeypatch):
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)  # no worker pool outliving the test
     eager = _train()
     compiled = _train(compile=True)
     assert compiled.keys() == eager.keys()
