@@ -19,8 +19,10 @@ as every output was before) and ``hand-fsdp2`` (``MixedPrecisionPolicy(bf16, red
 ``logits.float()`` as torchtitan computes it); a large ``--vocab`` makes the logits the largest activation.
 
 Models: our nanoGPT-style GPT and transformers' GPT-2 at the same small size (tied heads). Step time: the median of
-each round's median, on the slowest rank. Peak memory: the rise of the process's peak resident set over the
-timed steps (``/proc/self/clear_refs`` resets it; large allocations are mmapped, so freed memory leaves the RSS).
+each round's median, on the slowest rank. Peak memory: the most tensor bytes alive at once on a rank during one
+more step (parameters, gradients, optimizer state, activations, temporaries), from torch's ``MemTracker``, which
+follows every storage; the allocator's caching and fragmentation are left out, as ``max_memory_allocated`` leaves
+them out on a GPU.
 """
 from __future__ import annotations
 
@@ -59,11 +61,6 @@ def build(kind: str, vocab: int) -> tuple[nn.Module, type[nn.Module]]:
     return GPT2LMHeadModel(cfg), GPT2Block
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field))
-
-
 def _loss(out: object, y: torch.Tensor) -> torch.Tensor:
     logits = out.logits if hasattr(out, "logits") else out
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -100,27 +97,34 @@ def measure(subject: str, kind: str, steps: int, warmup: int, precision: str, vo
     ids = torch.randint(0, vocab, (PER_RANK, SEQ + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
     times = []
-    base = 0
     for i in range(warmup + steps):
-        if i == warmup:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            base = _rss_kib("VmRSS")
         dist.barrier()
         start = time.perf_counter()
-        if par is None:
-            _hand_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        elif subject == "paratrain-direct":
-            with par.step(model, opt):
-                par.backward(_loss(model(x), y))
-        else:
-            with par.step(model, opt):
-                par.forward_backward(model, x, y, _loss)
+        _one_step(par, subject, model, opt, x, y)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "peak_rise_mib": (_rss_kib("VmHWM") - base) / 1024}
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()  # one more step, every tensor's storage tracked (slow, so not timed)
+    tracker.track_external(model, opt)
+    with tracker:
+        _one_step(par, subject, model, opt, x, y)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {"median_s": statistics.median(times), "peak_mib": peak["Total"] / 2**20}
+
+
+def _one_step(par: object, subject: str, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+              y: torch.Tensor) -> None:
+    if par is None:
+        _hand_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    elif subject == "paratrain-direct":
+        with par.step(model, opt):
+            par.backward(_loss(model(x), y))
+    else:
+        with par.step(model, opt):
+            par.forward_backward(model, x, y, _loss)
 
 
 def job(kinds: list[str], rounds: int, steps: int, warmup: int, precision: str, vocab: int) -> dict[str, list[dict]]:
@@ -148,23 +152,21 @@ def main() -> None:
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
     kinds = a.models.split(",")
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-    ranks = paratrain.launch(job, 2, (kinds, a.rounds, a.steps, a.warmup, a.precision, a.vocab), timeout_s=1800,
-                             env=env)
+    ranks = paratrain.launch(job, 2, (kinds, a.rounds, a.steps, a.warmup, a.precision, a.vocab), timeout_s=1800)
     rows = []
     for key in ranks[0]:
         per_round = [max(rank[key][r]["median_s"] for rank in ranks) for r in range(a.rounds)]
-        peak = statistics.median(max(rank[key][r]["peak_rise_mib"] for rank in ranks) for r in range(a.rounds))
-        rows.append({"case": key, "step_ms": 1e3 * statistics.median(per_round), "peak_rise_mib": peak,
+        peak = statistics.median(max(rank[key][r]["peak_mib"] for rank in ranks) for r in range(a.rounds))
+        rows.append({"case": key, "step_ms": 1e3 * statistics.median(per_round), "peak_mib": peak,
                      "rounds_ms": [round(1e3 * t, 1) for t in per_round]})
     by = {r["case"]: r for r in rows}
     print(f"model: {LAYERS} blocks, hidden {HIDDEN}, seq {SEQ}, vocab {a.vocab}, tied head; {PER_RANK} samples per "
           f"rank, AdamW, {a.precision}, world 2; {a.rounds} rounds x {a.steps} steps")
-    print(f"{'case':<24} {'step ms':>8} {'x hand':>7} {'peak rise MiB':>14} {'x hand':>7}  rounds (ms)")
+    print(f"{'case':<24} {'step ms':>8} {'x hand':>7} {'peak MiB':>9} {'x hand':>7}  rounds (ms)")
     for r in rows:
         hand = by[r["case"].split("/")[0] + "/hand-fsdp2"]
-        print(f"{r['case']:<24} {r['step_ms']:>8.1f} {r['step_ms'] / hand['step_ms']:>7.3f} {r['peak_rise_mib']:>14.1f} "
-              f"{r['peak_rise_mib'] / max(hand['peak_rise_mib'], 1e-9):>7.3f}  {r['rounds_ms']}")
+        print(f"{r['case']:<24} {r['step_ms']:>8.1f} {r['step_ms'] / hand['step_ms']:>7.3f} {r['peak_mib']:>9.1f} "
+              f"{r['peak_mib'] / hand['peak_mib']:>7.3f}  {r['rounds_ms']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -115,7 +115,7 @@ def test_api_misuse_inside_a_job_is_one_paratrain_error_each(tmp_path):
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     per_rank = [(tmp_path / f"misuse-{r}.txt").read_text().splitlines() for r in range(2)]
     assert [line.split("\t")[:2] for line in per_rank[0]] == [line.split("\t")[:2] for line in per_rank[1]]
-    assert len(per_rank[0]) == 21
+    assert len(per_rank[0]) == 22
     for line in per_rank[0]:
         case, kind, message = line.split("\t")
         check(f"job API: {case}", rc=2 if kind.startswith("paratrain.errors.") else 0, stderr=message,

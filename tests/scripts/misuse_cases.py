@@ -62,6 +62,10 @@ def cases(out: str, par: paratrain.Parallel) -> dict:
         other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
         par.prepare(torch.optim.lr_scheduler.StepLR(other, 1))
 
+    def foreign_optimizer():
+        model, other = nn.Linear(4, 2), nn.Linear(4, 2)
+        paratrain.Parallel("ddp", monitor=False).prepare(model, torch.optim.SGD(other.parameters(), lr=0.1))
+
     return {
         "unknown strategy": lambda: paratrain.Parallel("nope"),
         "strategy of a wrong type": lambda: paratrain.Parallel(123),
@@ -73,6 +77,7 @@ def cases(out: str, par: paratrain.Parallel) -> dict:
         "fp16-mixed on CPU": lambda: paratrain.Parallel("ddp", precision="fp16-mixed"),
         "dp with 2 processes": lambda: paratrain.Parallel("dp"),
         "hybrid with 2 processes": lambda: paratrain.Parallel("hybrid"),
+        "optimizer of another model": foreign_optimizer,
         "optimizer before model": lambda: par.prepare(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)),
         "prepare of a string": lambda: par.prepare("model"),
         "scheduler on another optimizer": foreign_scheduler,
