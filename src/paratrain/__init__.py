@@ -4,8 +4,6 @@ Public names are imported lazily so that ``paratrain run`` starts as fast as ``t
 """
 from __future__ import annotations
 
-from typing import Any
-
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -32,17 +30,10 @@ _EXPORTS = {
     "Strategy": ".strategies",
 }
 
+from .lazy import lazy_getattr  # noqa: E402
+
 # Bound eagerly: the subpackage `paratrain.launch` would otherwise shadow the function once imported.
 from .launch.spawn import launch  # noqa: E402  (imports nothing heavy)
 
 __all__ = sorted([*_EXPORTS, "launch"])
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

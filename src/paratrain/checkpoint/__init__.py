@@ -10,8 +10,7 @@
 """
 from __future__ import annotations
 
-from typing import Any
-
+from ..lazy import lazy_getattr
 from .config import CheckpointConfig
 from .layout import latest
 
@@ -20,13 +19,4 @@ _LAZY = {"export": ".export", "Position": ".io", "Targets": ".io", "load": ".io"
 this package for its configuration."""
 
 __all__ = sorted(["CheckpointConfig", "latest", *_LAZY])
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'paratrain.checkpoint' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
