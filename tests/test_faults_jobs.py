@@ -98,10 +98,15 @@ def test_a_collective_only_one_rank_calls_speaks_while_it_waits_and_names_the_ca
     lines = res.stderr.strip().splitlines()
     waits = [line for line in lines if "has waited" in line]
     assert waits and all("rank 1 is in par.close #1 (fault_job.py:" in line for line in waits), res.stderr
+    # Both ranks wait with the same timeout: rank 0 in par.mean gives up first (the calls did not match), or rank 1's
+    # barrier in par.close does and it leaves, and rank 0 names it as the rank that left first. Either way the one
+    # line names both calls.
     check("job: only rank 0 calls par.mean", rc=res.returncode, expect_rc=1, stderr=res.stderr, kind="wait report",
-          lines=len(waits) + 1, words=["gave up on par.mean #1 (fault_job.py:", "made different paratrain calls",
-                                       "rank 1 is in par.close #1"],
+          lines=len(waits) + 1, words=["par.mean #1 (fault_job.py:", "par.close #1"],
           seconds=seconds, max_s=60, pids=_pids(tmp_path))
+    last = lines[-1]
+    assert ("gave up on par.mean #1" in last and "made different paratrain calls" in last) or (
+        "rank 1 left the job first" in last), res.stderr
 
 
 def test_the_rank_that_left_first_is_named(tmp_path):
