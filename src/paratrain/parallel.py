@@ -425,8 +425,8 @@ class Parallel:
 
         The same as ``loss = loss_fn(model(x), target); par.backward(loss)``, except that pipeline strategies
         run it as a micro-batch schedule, and that under mixed precision ``loss_fn`` sees the output in the compute
-        dtype and runs under autocast (no fp32 copy of the logits; see :mod:`paratrain.precision`). Every rank gets
-        the loss (a pipeline's last stage shares it).
+        dtype and runs under autocast (its fp32 ops upcast what they read; see :mod:`paratrain.precision`). Every
+        rank gets the loss (a pipeline's last stage shares it).
         """
         loss = self.strategy.forward_backward(model, x, target, loss_fn, 1.0 / self.accumulate)
         if loss is None:

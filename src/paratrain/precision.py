@@ -12,9 +12,10 @@ reduction) instead of autocast; every other strategy gets autocast around the mo
 
 Outputs: a model called directly hands the loss fp32 outputs, since a loss computed outside autocast on 16-bit
 logits loses accuracy. ``Parallel.forward_backward`` owns the loss call, so there the outputs stay in the compute
-dtype and the loss runs under autocast, whose fp32 ops (log-softmax, cross-entropy, norms) upcast what they
-need as they go: no fp32 copy of the whole output is made — for a GPT with a 50k vocabulary that copy is the
-size of the logits, a quarter of the activation memory.
+dtype and the loss runs under autocast, whose fp32 ops (log-softmax, cross-entropy, norms) upcast what they read
+as a hand-written autocast loop does, instead of the model's whole output being cast to fp32 first. Whether
+that lowers the peak depends on where the step's peak lies: at the CPU sizes measured (benchmarks/RESULTS.md §9)
+it did not; the large-vocabulary case on a GPU is not measured yet.
 """
 from __future__ import annotations
 
