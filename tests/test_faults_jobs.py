@@ -94,19 +94,23 @@ def test_ranks_that_disagree_are_refused_at_construction_in_one_line(tmp_path):
 
 
 def test_a_collective_only_one_rank_calls_speaks_while_it_waits_and_names_the_calls(tmp_path):
-    res, seconds = _launch("mismatch", tmp_path)
-    lines = res.stderr.strip().splitlines()
+    for attempt in range(2):  # the two ranks' equal timeouts race; a rare exit abort of gloo's gets one more try
+        res, seconds = _launch("mismatch", tmp_path)
+        lines = res.stderr.strip().splitlines()
+        if "terminate called" not in res.stderr:
+            break
     waits = [line for line in lines if "has waited" in line]
-    assert waits and all("rank 1 is in par.close #1 (fault_job.py:" in line for line in waits), res.stderr
-    # Both ranks wait with the same timeout: rank 0 in par.mean gives up first (the calls did not match), or rank 1's
-    # barrier in par.close does and it leaves, and rank 0 names it as the rank that left first. Either way the one
-    # line names both calls.
+    # each wait report names rank 1's call: it is in par.close, or has just left it when its own timeout fired first
+    assert waits and all("rank 1 is in par.close #1 (fault_job.py:" in line
+                         or "rank 1 exited 0 s ago after par.close #1 (fault_job.py:" in line for line in waits), res.stderr
+    # Both ranks wait with the same timeout: whichever gives up first says the calls did not match (rank 0 in
+    # par.mean, or rank 1 in par.close), or rank 1 leaves and rank 0 names it as the rank that left first. Either
+    # way the one line names both calls.
     check("job: only rank 0 calls par.mean", rc=res.returncode, expect_rc=1, stderr=res.stderr, kind="wait report",
           lines=len(waits) + 1, words=["par.mean #1 (fault_job.py:", "par.close #1"],
           seconds=seconds, max_s=60, pids=_pids(tmp_path))
     last = lines[-1]
-    assert ("gave up on par.mean #1" in last and "made different paratrain calls" in last) or (
-        "rank 1 left the job first" in last), res.stderr
+    assert "made different paratrain calls" in last or "rank 1 left the job first" in last, res.stderr
 
 
 def test_the_rank_that_left_first_is_named(tmp_path):

@@ -68,6 +68,7 @@ class Call:
         if not self.name:
             return "has made no paratrain call"
         call = f"{self.name} #{self.nth} ({self.where})"
+        now = max(now, self.since)  # clocks read an instant apart: never "-0 s ago"
         if self.exited:
             return f"exited {now - self.since:.0f} s ago after {call}"
         if self.active:
