@@ -109,3 +109,34 @@ def test_a_small_all_reduce_sets_the_collectives_latency_apart_from_point_to_poi
     assert all_reduce_s(8, 4, link) == pytest.approx(0.0006, rel=1e-3)
     assert all_reduce_s(16e6, 4, link) == pytest.approx(0.03)
     assert p2p_s(65536, link) == pytest.approx(0.0022) and p2p_s(4e6, link) == pytest.approx(0.0045)
+
+
+def test_a_gpu_measurement_calibrates_only_the_gpu_it_ran_on():
+    from paratrain.planner.gpu_step import check_same_gpu
+    from paratrain.planner.hardware import get_device
+
+    check_same_gpu(get_device("h100"), "NVIDIA H100 80GB HBM3")
+    check_same_gpu(get_device("rtx-4090"), "NVIDIA GeForce RTX 4090")
+    with pytest.raises(ConfigError, match=r"H100 80GB HBM3, but the plan is for --gpu a100-40gb.*--gpu a100"):
+        check_same_gpu(get_device("a100-40gb"), "NVIDIA H100 80GB HBM3")
+
+
+def test_gpu_timing_without_cuda_is_one_line(monkeypatch):
+    import torch
+
+    from paratrain.planner.gpu_step import time_gpu_step
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        time_gpu_step(lambda: nn.Linear(2, 2), InputSpec(shape=(2,)).make, batch=2, precision="fp32",
+                      optimizer="adamw")
+
+
+def test_token_inputs_for_timing_are_real_ids_below_the_vocabulary():
+    from paratrain.planner.models import model_input
+
+    _, spec = model_input("gpt-tiny")
+    ids = spec.make(4, "cpu")
+    assert ids.shape == (4, 64) and 0 <= int(ids.min()) and int(ids.max()) < 512 and ids.unique().numel() > 1
+    _, given = model_input("gpt-tiny", input_spec="long:16")
+    assert given.high is None and not given.make(2, "cpu").any()  # the user's own shape: no vocabulary known

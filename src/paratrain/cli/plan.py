@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for flag in ("--layers", "--hidden", "--heads", "--seq-len", "--vocab"):
         m.add_argument(flag, type=int, help="transformer shape (overrides a built-in GPT's)")
     m.add_argument("--measure", action="store_true",
-                   help="run the model here for its activations and step time (calibrates --gpu cpu)")
+                   help="run the model here: on the CPU for its activations and step time (calibrates --gpu cpu); "
+                        "on this machine's GPU, timed steps calibrate that GPU's compute and bandwidth")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100-80gb, h200-141gb, l4, rtx-4090, cpu")
     h.add_argument("--gpus", type=int, default=1, help="GPUs (or CPU processes) per node")

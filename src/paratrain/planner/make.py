@@ -4,10 +4,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+import torch
+
 from ..errors import ConfigError
-from .hardware import calibrated, make_cluster
+from .gpu_step import GpuStep, check_same_gpu, time_gpu_step
+from .hardware import Cluster, calibrated, make_cluster
 from .model_stats import ModelStats
-from .models import resolve_model
+from .models import model_input, resolve_model
 from .recommend import Plan, recommend
 from .timing import fsdp_call_from, measured_link, optimizer_step_bytes, weight_bytes
 from .training import Training
@@ -48,8 +51,16 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
     if training.get("precision", "auto") == "auto":
         training["precision"] = "fp32" if cluster.device.shared_by_ranks else "bf16-mixed"
     setup = Training(**training)  # type: ignore[arg-type]
+    on_gpu = measure and not cluster.device.shared_by_ranks and torch.cuda.is_available()
     stats = resolve_model(model, params=params, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-                          vocab=vocab, input_spec=input_spec, measure_batch=setup.micro_batch if measure else None)
+                          vocab=vocab, input_spec=input_spec,
+                          measure_batch=setup.micro_batch if measure and not on_gpu else None)
+    gpu = None
+    if on_gpu:
+        gpu = _time_on_gpu(model, cluster, setup, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
+                           vocab=vocab, input_spec=input_spec)
+        if step_time is None:
+            step_time, optimizer_time = gpu.forward_backward_s, gpu.optimizer_s
     if optimizer_time is not None and step_time is None:
         raise ConfigError("--optimizer-time calibrates together with --step-time (the forward+backward alone)")
     with_optimizer = step_time is not None
@@ -73,7 +84,30 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
         bandwidth = optimizer_step_bytes(stats.params, setup) / optimizer_time  # the measuring thread's
         cluster = replace(cluster, device=replace(cluster.device, fsdp_call_s=fsdp_call_s(
             fsdp_overhead, stats, setup, bandwidth)))
-    return recommend(stats, cluster, setup)
+    plan = recommend(stats, cluster, setup)
+    if gpu is None:
+        return plan
+    return replace(plan, notes=(*plan.notes, (
+        f"measured on this machine's {gpu.gpu} at batch {gpu.batch}: forward+backward "
+        f"{gpu.forward_backward_s * 1e3:.1f} ms, optimizer step {gpu.optimizer_s * 1e3:.1f} ms, peak "
+        f"{gpu.peak_bytes / 2**30:.2f} GiB allocated (the plan's single rank, overhead excluded: "
+        f"{_single_allocated(plan) / 2**30:.2f} GiB)")))
+
+
+def _time_on_gpu(model: str | None, cluster: Cluster, setup: Training, **shape: object) -> GpuStep:
+    """A few real steps of ``model`` on this machine's GPU, which must be the one planned for."""
+    if model is None:
+        raise ConfigError("--measure runs a model: give --model (a built-in or module:factory), not --params")
+    check_same_gpu(cluster.device, torch.cuda.get_device_name())
+    dims = {k: v for k, v in shape.items() if k != "input_spec" and v is not None}
+    factory, spec = model_input(model, shape=dims, input_spec=shape.get("input_spec"))  # type: ignore[arg-type]
+    return time_gpu_step(factory, spec.make, batch=setup.micro_batch, precision=setup.precision,
+                         optimizer=setup.optimizer)
+
+
+def _single_allocated(plan: Plan) -> float:
+    single = next((e for e in plan.estimates if e.layout.name == "single"), plan.choice)
+    return single.memory.allocated
 
 
 def fsdp_call_s(overhead: Mapping[str, float], stats: ModelStats, setup: Training, bandwidth: float) -> float:

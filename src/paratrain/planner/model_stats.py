@@ -206,6 +206,9 @@ class InputSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32
+    high: int | None = None
+    """Token ids are drawn below this (a vocabulary's size); None: all zero. Timing wants real ids: the
+    embedding's backward on one repeated id serialises on that row."""
 
     def __post_init__(self) -> None:
         if not self.shape or min(self.shape) < 1:
@@ -227,7 +230,9 @@ class InputSpec:
     def make(self, batch: int, device: str | torch.device) -> torch.Tensor:
         if self.dtype.is_floating_point:
             return torch.randn(batch, *self.shape, dtype=self.dtype, device=device)
-        return torch.zeros(batch, *self.shape, dtype=self.dtype, device=device)
+        if self.high is None:
+            return torch.zeros(batch, *self.shape, dtype=self.dtype, device=device)
+        return torch.randint(0, self.high, (batch, *self.shape), dtype=self.dtype, device=device)
 
 
 def wrap_units(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -57,13 +58,23 @@ def resolve_model(model: str | None = None, *, params: str | None = None, layers
         cfg = transformer_shape(n, **shape)
         return transformer_stats(cfg, name=f"{params} transformer", params=round(n))
     assert model is not None
+    if model in GPT_CONFIGS and measure_batch is None:
+        return transformer_stats(replace(GPT_CONFIGS[model], **shape), name=model)
+    factory, spec = model_input(model, shape=shape, input_spec=input_spec)
+    if measure_batch is not None:
+        return measure_module(factory, spec, name=model, batch=measure_batch)
+    return trace_module(factory, spec, name=model)
+
+
+def model_input(model: str, *, shape: dict[str, int] | None = None,
+                input_spec: str | None = None) -> tuple[Callable[[], nn.Module], InputSpec]:
+    """The factory of a model the CLI names and one sample's input (``--input``, or the built-in's own)."""
+    shape, high = shape or {}, None
     if shape and model not in GPT_CONFIGS:
         raise ConfigError(f"--layers/--hidden/--heads/--seq-len/--vocab shape transformers; {model!r} is not one")
     if model in GPT_CONFIGS:
         cfg = replace(GPT_CONFIGS[model], **shape)
-        if measure_batch is None:
-            return transformer_stats(cfg, name=model)
-        factory, default_input = (lambda: GPT(cfg)), f"long:{cfg.seq_len}"
+        factory, default_input, high = (lambda: GPT(cfg)), f"long:{cfg.seq_len}", cfg.vocab
     elif model in SMALL_MODELS:
         factory, default_input = SMALL_MODELS[model]
     elif ":" in model:
@@ -73,7 +84,4 @@ def resolve_model(model: str | None = None, *, params: str | None = None, layers
     text = input_spec or default_input
     if text is None:
         raise ConfigError(f"--model {model} needs --input: one sample's shape, e.g. 3x224x224 or long:1024")
-    spec = InputSpec.parse(text)
-    if measure_batch is not None:
-        return measure_module(factory, spec, name=model, batch=measure_batch)
-    return trace_module(factory, spec, name=model)
+    return factory, replace(InputSpec.parse(text), high=high if input_spec is None else None)
