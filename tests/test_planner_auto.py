@@ -1,11 +1,19 @@
-"""strategy='auto': ddp while the model states fit, then the least ZeRO sharding that fits."""
+"""strategy='auto': ddp while the model states fit, then the least ZeRO sharding that fits; tensor parallelism only
+when given the model's TP shape."""
 from dataclasses import replace
 
 import pytest
 from torch import nn
 
-from paratrain.planner.auto import choose, processes_vs_threads
+from paratrain.planner import Layout, Training
+from paratrain.planner.auto import choose, parameter_stats, processes_vs_threads
 from paratrain.planner.hardware import cpu_host, make_cluster
+from paratrain.planner.model_stats import transformer_params
+from paratrain.planner.recommend import estimate
+from paratrain.planner.tensor_parallel import TPShape
+from paratrain.workloads.gpt import GPT, GPTConfig
+
+ADAM_FP32 = Training(precision="fp32", optimizer="adamw", micro_batch=1)  # what auto plans with on a CPU
 
 
 def _big() -> nn.Module:  # 100M parameters on the meta device: nothing allocated
@@ -40,3 +48,21 @@ def test_demo_prints_the_auto_choice(paratrain_cmd):
     assert res.stdout.count("strategy 'auto' chose ddp") == 1  # once, on rank 0
     assert "2 processes on 2 cores" in res.stdout or "cores split them" in res.stdout
     assert "More processes will be slower here than threads" in res.stdout
+
+
+def test_auto_stays_on_the_data_parallel_mesh_unless_given_a_tp_shape():
+    cfg = GPTConfig(layers=2, hidden=64, heads=4, seq_len=8, vocab=65536, learned_positions=False, tied=False)
+    model = GPT(cfg).to("meta")  # units: wte, blocks.0, blocks.1, norm, head; the vocab tables are the largest
+    block = transformer_params(cfg)["block_split"]
+    shape = TPShape(layers=2, hidden=64, heads=4, ffn=256, vocab=65536, seq_len=8,
+                    split=(65536 * 64, block, block, 0, 65536 * 64))
+    stats = replace(parameter_stats(model), tp=shape)
+    cluster = make_cluster("h100", gpus=4)
+    zero3 = estimate(stats, Layout(name="fsdp", dp=4, zero=3, shard=4), ADAM_FP32, cluster).memory.total
+    split = estimate(stats, Layout(name="fsdp", dp=2, zero=3, shard=2, tp=2), ADAM_FP32, cluster).memory.total
+    assert split < zero3  # the gathered vocab tables are half as large
+    tight = make_cluster("h100", gpus=4, gpu_mem_gb=(zero3 + split) / 2 / 2**30)
+    assert choose(model, tight, "fp32").strategy == "zero3" and choose(model, tight, "fp32").tp == 1
+    chosen = choose(model, tight, "fp32", tp=shape)
+    assert (chosen.strategy, chosen.tp) == ("zero3", 2)
+    assert chosen.reason.startswith("zero3 alone needs ") and "tp=2 splits the units it gathers" in chosen.reason

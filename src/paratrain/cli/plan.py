@@ -5,6 +5,7 @@ Examples:
   paratrain plan --params 7.5B --layers 32 --hidden 4096 --seq-len 4096 --gpus 8 --nodes 4 --inter-node eth-100g
   paratrain plan --model mymodels:build --input 3x224x224 --gpu a100-40gb --gpus 4 --breakdown
   paratrain plan --model mlp --gpu cpu --gpus 2 --measure
+  paratrain plan --model llama-7b --gpus 8 --nodes 2 --tp 8
 
 Nothing is allocated or launched: a built-in GPT or --params uses closed forms, any other model is traced on
 the meta device. Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md.
@@ -54,6 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step")
     t.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
     t.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing of every block")
+    t.add_argument("--tp", type=int, help="tensor-parallel degree to plan (default: every one that divides a node "
+                                          "and the model; 1: none; more than a node's GPUs is planned but slow)")
     t.add_argument("--base-lr", type=float, help="an LR tuned at --batch on one device: print it scaled")
     o = p.add_argument_group("output")
     o.add_argument("--breakdown", action="store_true", help="show memory per category")
@@ -71,7 +74,7 @@ def execute(args: argparse.Namespace) -> int:
                      step_time=args.step_time, optimizer_time=args.optimizer_time, threads=args.threads,
                      precision=args.precision, optimizer=args.optimizer, micro_batch=args.micro_batch,
                      global_batch=args.global_batch, micro_batches=args.micro_batches, schedule=args.schedule,
-                     checkpointing=args.checkpointing)
+                     checkpointing=args.checkpointing, tp=args.tp)
     if args.json:
         print(json.dumps(plan_to_json(plan, base_lr=args.base_lr), indent=2))
     else:

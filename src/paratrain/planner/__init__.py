@@ -10,6 +10,7 @@ from .memory import MemoryBreakdown, memory_per_rank
 from .model_stats import InputSpec, ModelStats, measure_module, trace_module, transformer_shape, transformer_stats
 from .models import resolve_model
 from .recommend import Estimate, Plan, estimate, estimate_all, recommend
+from .tensor_parallel import TPShape
 from .report import format_plan, plan_to_json
 from .timing import (StepTime, all_gather_s, all_reduce_s, broadcast_s, bubble_fraction, measured_link, p2p_s,
                      reduce_scatter_s, step_time)
@@ -21,5 +22,5 @@ __all__ = [
     "ModelStats", "measure_module", "trace_module", "transformer_shape", "transformer_stats", "resolve_model",
     "Estimate", "Plan", "estimate", "estimate_all", "recommend", "format_plan", "plan_to_json", "StepTime",
     "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction", "measured_link", "p2p_s", "reduce_scatter_s",
-    "step_time", "Batching", "Training", "batching",
+    "step_time", "Batching", "Training", "batching", "TPShape",
 ]

@@ -6,11 +6,13 @@ state, buffers, overhead): DDP when they fit — its communication is the least 
 the rest of the step is known here —, else the least sharding that fits (zero1, zero2, zero3). Activation
 memory depends on the batch: ``paratrain plan`` weighs it too, and speed (a ZeRO stage can beat ddp by sharding
 the optimizer step). On a CPU host ``processes_vs_threads`` says what the processes cost over threads.
-All candidates share the one-dimensional data-parallel mesh, so the choice never changes the process layout.
+All candidates share the one-dimensional data-parallel mesh, so the choice never changes the process layout —
+unless the caller gives the model's tensor-parallel shape (``choose``'s ``tp``), which ``Parallel`` does not do
+until the runtime runs tensor-parallel layouts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from .hardware import Cluster, make_cluster
 from .layout import Layout
 from .model_stats import ModelStats, wrap_units
 from .recommend import estimate
+from .tensor_parallel import TPShape, tp_degrees
 from .training import Training
 
 CANDIDATES = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
@@ -29,6 +32,8 @@ GIB = 2**30
 class AutoChoice:
     strategy: str
     reason: str
+    tp: int = 1
+    """Tensor-parallel ranks per group (consecutive, within a node): 1 unless ``choose`` was given a TP shape."""
 
 
 def parameter_stats(model: nn.Module) -> ModelStats:
@@ -61,9 +66,14 @@ def _layout(name: str, n: int) -> Layout:
     return Layout(name=name if zero < 3 else "fsdp", dp=n, zero=zero, shard=n if zero else 1)
 
 
-def choose(model: nn.Module, cluster: Cluster, precision: str) -> AutoChoice:
-    """The first of ddp, zero1, zero2, zero3 whose model states fit one rank's memory (Adam assumed)."""
-    stats = parameter_stats(model)
+def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None) -> AutoChoice:
+    """The first of ddp, zero1, zero2, zero3 whose model states fit one rank's memory (Adam assumed).
+
+    ``tp``: what the model's tensor-parallel plan splits, per wrap unit (``model_stats.wrap_units``' order). Given,
+    and when even zero3 does not fit, zero3 over groups of tp ranks is tried, least tp first: it splits the
+    largest unit FSDP gathers. None (``Parallel`` today) keeps every choice on the one-dimensional mesh.
+    """
+    stats = replace(parameter_stats(model), tp=tp)
     n = cluster.world_size
     training = _training(precision)
     tried = []
@@ -76,6 +86,13 @@ def choose(model: nn.Module, cluster: Cluster, precision: str) -> AutoChoice:
             if name != "ddp":
                 why += f" (ddp would need {tried[0].split()[1]} GiB)"
             return AutoChoice(strategy=name, reason=why)
+    for t in tp_degrees(stats, cluster):
+        e = estimate(stats, Layout(name="fsdp", dp=n // t, zero=3, shard=n // t, tp=t), training, cluster)
+        tried.append(f"zero3 tp={t} {e.memory.total / GIB:.2f}")
+        if e.fits:
+            return AutoChoice(strategy="zero3", tp=t, reason=(
+                f"zero3 alone needs {tried[3].split()[1]} GiB per rank; tp={t} splits the units it gathers: "
+                f"{e.memory.total / GIB:.2f} GiB of {e.capacity / GIB:.1f}"))
     return AutoChoice(strategy="zero3", reason=f"nothing fits by the planner ({', '.join(tried)} GiB per rank); "
                                                "zero3 shards the most — see `paratrain plan`")
 

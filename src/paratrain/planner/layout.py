@@ -1,11 +1,12 @@
 """Each strategy as parallel degrees, so memory and time follow from one formula instead of a branch per name.
 
-Ranks are placed as paratrain's strategies build their meshes: a model-parallel process's GPUs innermost
-(consecutive local GPUs), then pipeline stages (``hybrid``'s mesh is ``(dp, pp)``), then data parallelism;
-``hsdp`` shards within a node and replicates across nodes.
+Ranks are placed as paratrain's strategies build their meshes: tensor-parallel ranks or a model-parallel
+process's GPUs innermost (consecutive local GPUs), then pipeline stages (``hybrid``'s mesh is ``(dp, pp)``, with
+tp ``(dp, pp, tp)``), then data parallelism; ``hsdp`` shards within a node and replicates across nodes.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -14,7 +15,8 @@ from .hardware import Cluster
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """A strategy as degrees: ``dp`` replicas x ``pp`` pipeline stages x ``mp`` model-parallel stages."""
+    """A strategy as degrees: ``dp`` replicas x ``pp`` pipeline stages x ``mp`` model-parallel stages x ``tp``
+    tensor-parallel ranks."""
 
     name: str
     """The strategy's registered name."""
@@ -28,17 +30,26 @@ class Layout:
     """Pipeline stages, one per process, computing different micro-batches at once."""
     mp: int = 1
     """Model-parallel stages: the GPUs of one process, holding consecutive layers and taking turns."""
+    tp: int = 1
+    """Tensor-parallel ranks: consecutive ranks that split every block's matrices and activations."""
 
     def __post_init__(self) -> None:
-        if min(self.dp, self.shard, self.pp, self.mp) < 1 or self.zero not in (0, 1, 2, 3):
+        if min(self.dp, self.shard, self.pp, self.mp, self.tp) < 1 or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"layout {self.name}: degrees must be >= 1 and zero in 0..3")
         if self.dp % self.shard:
             raise ConfigError(f"layout {self.name}: shard {self.shard} must divide dp {self.dp}")
+        if self.mp > 1 and self.tp > 1:
+            raise ConfigError(f"layout {self.name}: model-parallel stages and tensor parallelism do not compose")
 
     @property
     def world_size(self) -> int:
         """Devices (GPUs, or CPU processes) the layout uses."""
-        return self.dp * self.pp * self.mp
+        return self.dp * self.pp * self.mp * self.tp
+
+    @property
+    def label(self) -> str:
+        """The strategy's name, marked ``+tp`` when composed with tensor parallelism: one row of a plan each."""
+        return f"{self.name}+tp" if self.tp > 1 and self.name != "tp" else self.name
 
     @property
     def stages(self) -> int:
@@ -54,19 +65,24 @@ class Layout:
         parts = [f"{k}={v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("mp", self.mp)) if v > 1]
         if self.zero:
             parts.append(f"shard={self.shard}")
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
         return " ".join(parts) or "1 rank"
 
 
-STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "hybrid", "pipeline", "model_parallel")
-"""Simplest first: when two strategies are about as fast, the earlier one is recommended."""
+STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "hybrid", "pipeline", "model_parallel", "tp")
+"""Simplest first: when two strategies are about as fast, the earlier one is recommended (and any layout without
+tensor parallelism before one with it)."""
 
 
-def layouts(cluster: Cluster, n_units: int) -> list[Layout]:
+def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = ()) -> list[Layout]:
     """Every strategy (and degree split) the cluster can run, in ``STRATEGY_ORDER``; ``single`` is one rank.
 
     ``hsdp`` needs several nodes of several ranks; ``hybrid`` comes in every dp x pp split with both >= 2;
     pipelines need at least as many wrap units as stages; ``model_parallel`` cuts the model over 2 or more GPUs
-    of a node per process (not on a CPU host, where every stage would be the same CPU).
+    of a node per process (not on a CPU host, where every stage would be the same CPU). Then, for each of
+    ``tp_degrees`` that divides the ranks, the compositions paratrain's strategies offer: ``tp`` over every rank,
+    or ddp, zero2, fsdp, hybrid and pipeline over the groups of tp ranks.
     """
     n, per_node = cluster.world_size, cluster.ranks_per_node
     out = [Layout(name="single")]
@@ -81,6 +97,20 @@ def layouts(cluster: Cluster, n_units: int) -> list[Layout]:
         out.append(Layout(name="pipeline", pp=n))
     if not cluster.device.shared_by_ranks:
         out += [Layout(name="model_parallel", dp=n // mp, mp=mp) for mp in _divisors(per_node) if 2 <= mp <= n_units]
+    for tp in (t for t in tp_degrees if n % t == 0):
+        out += _with_tp(n // tp, tp, n_units)
+    return out
+
+
+def _with_tp(d: int, tp: int, n_units: int) -> list[Layout]:
+    """The layouts of ``d`` groups of ``tp`` tensor-parallel ranks."""
+    if d == 1:
+        return [Layout(name="tp", tp=tp)]
+    out = [Layout(name="ddp", dp=d, tp=tp), Layout(name="zero2", dp=d, zero=2, shard=d, tp=tp),
+           Layout(name="fsdp", dp=d, zero=3, shard=d, tp=tp)]
+    out += [Layout(name="hybrid", dp=d // pp, pp=pp, tp=tp) for pp in _divisors(d) if 2 <= pp <= min(d // 2, n_units)]
+    if d <= n_units:
+        out.append(Layout(name="pipeline", pp=d, tp=tp))
     return out
 
 

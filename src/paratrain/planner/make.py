@@ -26,7 +26,7 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
               threads: int | None = None, link_timings: Mapping[str, tuple[float, ...]] | None = None,
               micro_step_time: tuple[float, float] | None = None,
               host_step_time: tuple[float, float] | None = None, fsdp_overhead: Mapping[str, float] | None = None,
-              **training: object) -> Plan:
+              tp: int | None = None, stats: ModelStats | None = None, **training: object) -> Plan:
     """The plan for ``paratrain plan``'s options (``training`` holds ``Training``'s fields; precision ``auto``
     is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
 
@@ -42,6 +42,9 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
     host's rates (see ``hardware.calibrated``). ``fsdp_overhead``
     (``zero2`` and/or ``fsdp`` -> seconds): what that strategy's step on a one-rank group added to a plain step of
     ``--batch`` samples on ``threads`` threads; sets ``Device.fsdp_call_s`` (the mean over the strategies given).
+    ``tp``: the tensor-parallel degree to plan (``--tp``; None: every one that divides a node and the model's heads,
+    MLP width and vocabulary; 1: none). ``stats``: the model's statistics, found already (instead of ``model`` or
+    ``params`` and their shape: a transformer the built-in names do not spell).
     """
     cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
                            gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, mem_bw_gbs=mem_bw_gbs,
@@ -52,9 +55,9 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
         training["precision"] = "fp32" if cluster.device.shared_by_ranks else "bf16-mixed"
     setup = Training(**training)  # type: ignore[arg-type]
     on_gpu = measure and not cluster.device.shared_by_ranks and torch.cuda.is_available()
-    stats = resolve_model(model, params=params, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-                          vocab=vocab, input_spec=input_spec,
-                          measure_batch=setup.micro_batch if measure and not on_gpu else None)
+    stats = stats or resolve_model(model, params=params, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
+                                   vocab=vocab, input_spec=input_spec,
+                                   measure_batch=setup.micro_batch if measure and not on_gpu else None)
     gpu = None
     if on_gpu:
         gpu = _time_on_gpu(model, cluster, setup, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
@@ -84,7 +87,7 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
         bandwidth = optimizer_step_bytes(stats.params, setup) / optimizer_time  # the measuring thread's
         cluster = replace(cluster, device=replace(cluster.device, fsdp_call_s=fsdp_call_s(
             fsdp_overhead, stats, setup, bandwidth)))
-    plan = recommend(stats, cluster, setup)
+    plan = recommend(stats, cluster, setup, tp=tp)
     if gpu is None:
         return plan
     return replace(plan, notes=(*plan.notes, (

@@ -2,7 +2,8 @@
 
 For mixed-precision Adam with Ψ parameters on N data-parallel ranks the model states come to the ZeRO
 paper's figures (Rajbhandari et al. 2020, figure 1): 16Ψ (ddp), 4Ψ + 12Ψ/N (zero1), 2Ψ + 14Ψ/N (zero2) and
-16Ψ/N (zero3 / fsdp) bytes.
+16Ψ/N (zero3 / fsdp) bytes. Tensor parallelism divides what its plan splits by its degree
+(``tensor_parallel``).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass, fields
 from .hardware import Cluster
 from .layout import Layout, stage_params
 from .model_stats import ModelStats
+from .tensor_parallel import rank_activations, rank_params, rank_units
 from .training import Batching, Training
 
 
@@ -73,8 +75,11 @@ class ModelStates:
 
 
 def ranked_params(stats: ModelStats, layout: Layout) -> float:
-    """Parameters one device holds: all of them, or the fullest stage's when the layers are cut."""
-    return stats.params if layout.stages == 1 else stage_params(stats.units, layout.stages)
+    """Parameters one device holds: all of them, or the fullest stage's when the layers are cut; of a
+    tensor-parallel rank, its share of each split layer."""
+    if layout.stages == 1:
+        return rank_params(stats, layout.tp)
+    return stage_params(rank_units(stats, layout.tp), layout.stages)
 
 
 def model_states(stats: ModelStats, layout: Layout, training: Training) -> ModelStates:
@@ -94,15 +99,22 @@ def in_flight(layout: Layout, batch: Batching, training: Training) -> int:
     return batch.micro_batches if training.schedule == "gpipe" else min(batch.micro_batches, layout.pp)
 
 
-def activation_figures(stats: ModelStats, training: Training, layout: Layout) -> tuple[float, float, float]:
-    """Per-sample (activations, checkpointed activations, stage boundary) bytes as ``layout`` trains: fp32, or
-    16-bit under autocast (FSDP strategies: its 16-bit parameters); half the fp32 figures where the model's stats
-    do not say (a traced model: approximate, autocast keeps some tensors in fp32)."""
-    fp32 = (stats.activation_bytes_per_sample, stats.checkpointed_bytes_per_sample, stats.boundary_bytes_per_sample)
+def activation_mode(training: Training, layout: Layout) -> str:
+    """How ``layout`` trains: ``fp32``, ``autocast`` or, for the FSDP strategies under mixed precision, in their
+    16-bit parameters (``param_dtype``)."""
     if training.precision == "fp32":
-        return fp32
-    mode = "param_dtype" if layout.zero >= 2 else "autocast"
-    return stats.mixed.get(mode) or (fp32[0] / 2, fp32[1] / 2, fp32[2] / 2)
+        return "fp32"
+    return "param_dtype" if layout.zero >= 2 else "autocast"
+
+
+def activation_figures(stats: ModelStats, training: Training, layout: Layout) -> tuple[float, float, float]:
+    """Per-sample (activations, checkpointed activations, stage boundary) bytes as ``layout`` trains
+    (``activation_mode``), on one tensor-parallel rank; half the fp32 figures where the model's stats do not say
+    (a traced model: approximate, autocast keeps some tensors in fp32)."""
+    fp32 = (stats.activation_bytes_per_sample, stats.checkpointed_bytes_per_sample, stats.boundary_bytes_per_sample)
+    mode = activation_mode(training, layout)
+    figures = fp32 if mode == "fp32" else stats.mixed.get(mode) or (fp32[0] / 2, fp32[1] / 2, fp32[2] / 2)
+    return rank_activations(stats, figures, mode, layout.tp)
 
 
 def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training: Training,
@@ -117,7 +129,10 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     During the optimizer step it holds every state and the step's temporaries (Adam: a parameter-sized
     denominator). Buffers: DDP's two 25 MiB buckets in flight (with ``gradient_as_bucket_view=False`` DDP keeps
     a whole second gradient-sized copy, not counted), FSDP's gathered largest unit (the one computing and the
-    one prefetched) and its unsharded gradient, and a stage's outgoing and incoming activations.
+    one prefetched) and its unsharded gradient, and a stage's outgoing and incoming activations. A
+    tensor-parallel rank holds 1/tp of the split layers (so of the 16-bit weight copies, all of which are split),
+    of most activations (``tensor_parallel.rank_activations``), of the vocab-sharded logits and of the MLP's
+    inner activation, the largest tensor saved.
     """
     states = model_states(stats, layout, training)
     psi = ranked_params(stats, layout)
@@ -126,10 +141,10 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     saved = (checkpointed if training.checkpointing else per_sample) * batch.micro_batch
     activations = saved * in_flight(layout, batch, training) / layout.stages
     if training.precision != "fp32" and layout.zero < 2:
-        activations += 2 * stats.matmul_params * psi / stats.params
+        activations += 2 * stats.matmul_params / layout.tp * psi / rank_params(stats, layout.tp)
     ddp_buckets = min(2 * training.bucket_mb * 2**20, states.gradients) if layout.dp > 1 and layout.zero < 2 else 0.0
     if layout.zero >= 3:
-        unit = stats.largest_unit[1]
+        unit = max(n for _, n in rank_units(stats, layout.tp))
         buffers = 2 * unit * b.param + unit * b.grad
     else:
         buffers = ddp_buckets
@@ -140,7 +155,7 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     at_backward = MemoryBreakdown(
         parameters=states.parameters, gradients=states.gradients if kept else 0.0,
         optimizer_states=states.optimizer_states, activations=activations,
-        transient=2 * max(stats.output_bytes_per_sample, largest) * batch.micro_batch, buffers=buffers,
+        transient=2 * max(stats.output_bytes_per_sample, largest) * batch.micro_batch / layout.tp, buffers=buffers,
         overhead=overhead)
     shard = layout.shard if layout.zero >= 1 else 1
     at_step = MemoryBreakdown(

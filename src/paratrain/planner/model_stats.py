@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..workloads.gpt import GPTConfig
+from .tensor_parallel import ELEMENT_BYTES, TPShape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,12 +70,17 @@ class ModelStats:
     measured_batch: int | None = None
     measured_threads: int | None = None
     """The intra-op threads that forward + backward ran on."""
+    tp: TPShape | None = None
+    """What tensor parallelism splits (closed-form transformers); None: the model is not planned with tp."""
 
     def __post_init__(self) -> None:
         if self.params < 1:
             raise ConfigError(f"model {self.name!r} has no trainable parameters")
         if not self.units:
             raise ConfigError(f"model {self.name!r}: no units")
+        if self.tp is not None and len(self.tp.split) != len(self.units):
+            raise ConfigError(f"model {self.name!r}: {len(self.tp.split)} tensor-parallel splits for "
+                              f"{len(self.units)} units")
         if self.unit_flops and len(self.unit_flops) != len(self.units):
             raise ConfigError(f"model {self.name!r}: {len(self.unit_flops)} unit FLOP counts for "
                               f"{len(self.units)} units")
@@ -91,7 +97,8 @@ class ModelStats:
 
 def transformer_params(cfg: GPTConfig) -> dict[str, int]:
     """Exact parameter counts of ``workloads.gpt.GPT(cfg)`` by part: embedding, one block, head (final norm
-    and, when untied, the output matrix)."""
+    and, when untied, the output matrix), and what tensor parallelism splits of a block (all but its norms and
+    the row-parallel layers' biases, which are added after the reduction)."""
     h, f, v = cfg.hidden, cfg.ffn_width, cfg.vocab
     b = int(cfg.bias)
     norm = 2 * h if cfg.bias else h
@@ -99,7 +106,8 @@ def transformer_params(cfg: GPTConfig) -> dict[str, int]:
     block = 2 * norm + (3 * h * h + 3 * h * b) + (h * h + h * b) + (h * fc + fc * b) + (f * h + h * b)
     embedding = v * h + (cfg.seq_len * h if cfg.learned_positions else 0)
     head = norm + (0 if cfg.tied else v * h)
-    return {"embedding": embedding, "block": block, "head": head, "total": embedding + cfg.layers * block + head}
+    return {"embedding": embedding, "block": block, "head": head, "total": embedding + cfg.layers * block + head,
+            "block_split": block - 2 * norm - 2 * h * b}
 
 
 def transformer_activations(cfg: GPTConfig, *, residual: int, act: int) -> tuple[float, float]:
@@ -167,12 +175,16 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
         return (n_layers * per_block + outside, n_layers * residual * s * h + per_block + outside,
                 float(residual * s * h))
 
-    fp32 = figures(4, 4)
+    fp32 = figures(*ELEMENT_BYTES["fp32"])
+    block_split = counts["block_split"] * block // counts["block"]
+    tp = TPShape(layers=n_layers, hidden=h, heads=cfg.heads, ffn=cfg.ffn_width, vocab=v, seq_len=s,
+                 split=(v * h, *(block_split,) * n_layers, 0 if cfg.tied else v * h))
     matmul = n_layers * (4 * h * h + h * (fc + cfg.ffn_width)) + v * h  # the head's (possibly tied) weight
     return ModelStats(name=name, params=total, units=units, largest_layer=max(layers, key=lambda x: x[1]),
                       flops_per_sample=float(flops), activation_bytes_per_sample=fp32[0],
                       checkpointed_bytes_per_sample=fp32[1], boundary_bytes_per_sample=fp32[2],
-                      mixed={"autocast": figures(4, 2), "param_dtype": figures(2, 2)}, matmul_params=matmul,
+                      mixed={mode: figures(*ELEMENT_BYTES[mode]) for mode in ("autocast", "param_dtype")},
+                      matmul_params=matmul, tp=tp,
                       output_bytes_per_sample=4.0 * s * v, largest_activation_bytes_per_sample=4.0 * s * fc,
                       param_bytes={"float32": 4 * total},
                       source=f"closed-form transformer ({shape})")

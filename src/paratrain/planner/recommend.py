@@ -5,7 +5,9 @@ checkpointing), the fastest; when several are within ``TIE`` (10%) of it, the si
 sharding before pipelines). ddp's one all-reduce per step is the least communication, but every ddp rank
 repeats the whole optimizer step: on a fast interconnect a ZeRO stage that hides its collectives and steps only
 its shard can be faster (with Adam), while a cheap optimizer (SGD) leaves ddp the choice. Pipelines win across
-slow inter-node links, where sending activations beats all-reducing gradients.
+slow inter-node links, where sending activations beats all-reducing gradients. Tensor parallelism, which adds
+collectives to every layer, is chosen when it is the only layout that fits or more than ``TIE`` faster than every
+layout without it.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from dataclasses import dataclass, replace
 from ..errors import ConfigError
 from .hardware import GIB, Cluster
 from .layout import STRATEGY_ORDER, Layout, layouts
-from .memory import MemoryBreakdown, memory_per_rank
+from .memory import MemoryBreakdown, activation_mode, memory_per_rank
 from .model_stats import ModelStats
+from .tensor_parallel import collective_bytes, collectives_per_micro_batch, tp_degrees
 from .timing import StepTime, bubble_fraction, step_time
 from .training import Batching, Training, batching
 
@@ -48,7 +51,8 @@ class Estimate:
 
     @property
     def name(self) -> str:
-        return self.layout.name
+        """The strategy, ``+tp`` when composed with tensor parallelism (``Layout.label``)."""
+        return self.layout.label
 
     @property
     def fits(self) -> bool:
@@ -68,7 +72,7 @@ class Plan:
     training: Training
     global_batch: int
     estimates: tuple[Estimate, ...]
-    """Every strategy at the requested micro-batch, in ``STRATEGY_ORDER``."""
+    """Every strategy at the requested micro-batch, in ``STRATEGY_ORDER``, then those with tensor parallelism."""
     choice: Estimate
     """The recommendation (at a smaller micro-batch when none fits at the requested one)."""
     reason: str
@@ -96,19 +100,21 @@ def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Clu
                     samples_per_s=sps, speedup=sps / base, efficiency=sps / base / devices)
 
 
-def estimate_all(stats: ModelStats, cluster: Cluster, training: Training) -> list[Estimate]:
+def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: int | None = None) -> list[Estimate]:
     """One estimate per strategy at ``training``'s micro-batch; the first is the single-rank baseline.
 
-    Where a strategy comes in several degree splits (hybrid's dp x pp, model_parallel's GPUs per process),
-    the fastest that fits is kept, or the least memory-hungry when none fits.
+    Where a strategy comes in several degree splits (hybrid's dp x pp, model_parallel's GPUs per process, the
+    tensor-parallel degree), the fastest that fits is kept, or the least memory-hungry when none fits. ``tp``:
+    the tensor-parallel degree to plan (``tensor_parallel.tp_degrees``: None every one that fits the model and a
+    node, 1 none).
     """
-    found = layouts(cluster, len(stats.units))
+    found = layouts(cluster, len(stats.units), tp_degrees(stats, cluster, tp))
     single = estimate(stats, found[0], replace(training, global_batch=training.micro_batch), cluster)
     best: dict[str, Estimate] = {}
     for lay in found[1:]:
         e = estimate(stats, lay, training, cluster, single.samples_per_s)
-        if lay.name not in best or _rank(e) > _rank(best[lay.name]):
-            best[lay.name] = e
+        if lay.label not in best or _rank(e) > _rank(best[lay.label]):
+            best[lay.label] = e
     return [single, *best.values()]
 
 
@@ -133,11 +139,13 @@ def largest_micro_batch(stats: ModelStats, layout: Layout, training: Training, c
     return lo
 
 
-def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = None) -> Plan:
+def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = None, *,
+              tp: int | None = None) -> Plan:
     """The plan for training ``stats``' model on ``cluster``: what ``strategy="auto"`` should pick.
 
     A strategy that does not fit at the requested micro-batch is tried at smaller ones (same global batch,
     more micro-batches), then with activation checkpointing. Raises ``ConfigError`` when none fits even so.
+    ``tp``: the tensor-parallel degree to plan (None: every one that fits the model and a node; 1: none).
     """
     training = training or Training()
     world = cluster.world_size
@@ -150,14 +158,14 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
         raise ConfigError(f"--global-batch {global_batch} does not split evenly over {world} GPUs "
                           f"({global_batch / world:g} samples each); use a multiple of {world}, e.g. {lower} or {upper}")
     training = replace(training, global_batch=global_batch)
-    estimates = estimate_all(stats, cluster, training)
+    estimates = estimate_all(stats, cluster, training, tp)
     candidates = estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:]
     fitting = [f for e in candidates for f in _fitting(stats, e, training, cluster, estimates[0].samples_per_s)]
     if not fitting:
         raise ConfigError(_fits_nowhere(stats, cluster, training, candidates))
     best = max(e.samples_per_s for e in fitting)
     choice = min((e for e in fitting if e.samples_per_s >= (1 - TIE) * best),
-                 key=lambda e: (e.checkpointing, STRATEGY_ORDER.index(e.name)))
+                 key=lambda e: (e.checkpointing, e.layout.tp > 1, STRATEGY_ORDER.index(e.layout.name)))
     suggestions = []
     if choice.checkpointing and not training.checkpointing:
         suggestions.append("turn on activation checkpointing of every block (--checkpointing): one more forward "
@@ -168,8 +176,8 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
                            f"{_cut(choice.layout, choice.batch, cluster)}, for the same global batch {global_batch}")
     suggestions += _suggestions(stats, cluster, training, choice)
     return Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
-                estimates=tuple(estimates), choice=choice, reason=_reason(choice, estimates, cluster),
-                suggestions=tuple(suggestions), notes=tuple(_notes(cluster, choice, estimates)))
+                estimates=tuple(estimates), choice=choice, reason=_reason(choice, estimates, fitting, cluster),
+                suggestions=tuple(suggestions), notes=tuple(_notes(stats, cluster, training, choice, estimates)))
 
 
 def _fitting(stats: ModelStats, e: Estimate, training: Training, cluster: Cluster, baseline: float) -> list[Estimate]:
@@ -206,9 +214,11 @@ def _grown(cluster: Cluster, ranks: int) -> Cluster:
     return replace(cluster, ranks_per_node=per_node, nodes=math.ceil(ranks / per_node))
 
 
-def _reason(choice: Estimate, estimates: list[Estimate], cluster: Cluster) -> str:
+def _reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate], cluster: Cluster) -> str:
     by_name = {e.name: e for e in estimates}
     mem = f"{choice.memory.total / GIB:.1f} of {choice.capacity / GIB:.1f} GiB per rank"
+    if choice.layout.tp > 1:
+        return _tp_reason(choice, estimates, fitting, cluster, mem)
     if choice.name == "single" and cluster.world_size > 1:
         return (f"one process using all cores is fastest: the {cluster.world_size} processes would share this "
                 f"host's compute and add gradient traffic ({mem})")
@@ -230,6 +240,27 @@ def _reason(choice: Estimate, estimates: list[Estimate], cluster: Cluster) -> st
         return (f"{choice.name} is {choice.samples_per_s / ddp.samples_per_s:.2f}x faster than ddp: "
                 f"{' and '.join(why) or 'it communicates less'}; {choice.name} fits ({mem})")
     return f"{choice.name} is the fastest strategy that fits ({mem})"
+
+
+def _tp_reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate], cluster: Cluster,
+               mem: str) -> str:
+    """Why a tensor-parallel layout: nothing without it fits, or it is more than ``TIE`` faster than all that do."""
+    t, lay = choice.time, choice.layout
+    link = cluster.link_for(lay.tp, 1)
+    cost = (f"for {1e3 * t.tp_comm_s:.3g} ms of per-layer activation collectives per step over {link.name} "
+            f"({link.bandwidth_gbs:g} GB/s, {t.tp_comm_s / t.step_s:.0%} of the step)")
+    plain = [e for e in fitting if e.layout.tp == 1]
+    if not plain:
+        least = min((e for e in estimates[1:] if e.layout.tp == 1), key=lambda e: e.memory.total, default=None)
+        need = (f"; the least, {least.name}, needs {least.memory.total / GIB:.1f} GiB at micro-batch "
+                f"{least.batch.micro_batch:g}" if least is not None else "")
+        return (f"no layout without tensor parallelism fits{need}; tp={lay.tp} splits every block's weights and "
+                f"activations {lay.tp} ways ({mem}), {cost}")
+    rival = max(plain, key=lambda e: e.samples_per_s)
+    how = " (with activation checkpointing)" if rival.checkpointing and not choice.checkpointing else ""
+    return (f"{choice.name} ({lay.describe()}) is {choice.samples_per_s / rival.samples_per_s:.2f}x faster than "
+            f"{rival.name}{how}, the fastest without tensor parallelism: tp={lay.tp} splits each micro-batch's "
+            f"compute and the weights it streams {lay.tp} ways, {cost}; it fits ({mem})")
 
 
 def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice: Estimate) -> list[str]:
@@ -264,9 +295,32 @@ def _cut(layout: Layout, batch: Batching, cluster: Cluster) -> str:
             f"Parallel(accumulate={batch.micro_batches})")
 
 
-def _notes(cluster: Cluster, choice: Estimate, estimates: list[Estimate]) -> list[str]:
+def _notes(stats: ModelStats, cluster: Cluster, training: Training, choice: Estimate,
+           estimates: list[Estimate]) -> list[str]:
     if cluster.world_size == 1:
         return []
+    return _speed_notes(cluster, choice, estimates) + _tp_notes(stats, cluster, training, estimates)
+
+
+def _tp_notes(stats: ModelStats, cluster: Cluster, training: Training, estimates: list[Estimate]) -> list[str]:
+    """Tensor parallelism spanning nodes (slow), or not planned because the model's shape does not divide."""
+    out = []
+    wide = max(estimates, key=lambda e: e.layout.tp)
+    if wide.layout.tp > cluster.ranks_per_node:
+        size = collective_bytes(stats, activation_mode(training, wide.layout), wide.batch.micro_batch)[0]
+        out.append(f"tp={wide.layout.tp} spans nodes: each micro-batch's "
+                   f"{collectives_per_micro_batch(stats, training.checkpointing)} activation collectives (up to "
+                   f"{size / 2**20:.3g} MiB each) wait on {cluster.inter.name} ({cluster.inter.bandwidth_gbs:g} GB/s)"
+                   f" instead of {cluster.intra.name} ({cluster.intra.bandwidth_gbs:g} GB/s), and compute cannot "
+                   f"hide them: keep tp <= {cluster.ranks_per_node}, within a node")
+    if stats.tp is not None and cluster.ranks_per_node > 1 and all(e.layout.tp == 1 for e in estimates):
+        why = stats.tp.why_not(2)
+        if why is not None:
+            out.append(f"tensor parallelism not planned: {why}")
+    return out
+
+
+def _speed_notes(cluster: Cluster, choice: Estimate, estimates: list[Estimate]) -> list[str]:
     if cluster.device.shared_by_ranks:
         n, cores = cluster.ranks_per_node, cluster.device.cores or cluster.ranks_per_node
         best = max(estimates[1:], key=lambda e: e.speedup)

@@ -66,14 +66,14 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
         + (f", pipeline schedule {t.schedule}" if any(e.layout.pp > 1 for e in plan.estimates) else ""),
         "",
     ]
-    head = f"{'strategy':<18} {'layout':<14} {'fits':<5} {f'GiB/{rank}':>11}"
+    head = f"{'strategy':<18} {'layout':<20} {'fits':<5} {f'GiB/{rank}':>11}"
     if breakdown:
         head += "".join(f" {short:>8}" for short, _ in _BREAKDOWN) + f" {'peak':>4}"
     head += f" {'micro x n':>10} {'step ms':>9} {'samples/s':>10} {'speedup':>8} {'eff':>5}"
     lines += [head, "-" * len(head)]
     for e in plan.estimates:
         name = e.name + (f" (1 {rank})" if e.name == "single" and c.world_size > 1 else "")
-        row = f"{name:<18} {e.layout.describe():<14} {_fits(e):<5} {e.memory.total / GIB:>11.1f}"
+        row = f"{name:<18} {e.layout.describe():<20} {_fits(e):<5} {e.memory.total / GIB:>11.1f}"
         if breakdown:
             row += "".join(f" {getattr(e.memory, key) / GIB:>8.2f}" for _, key in _BREAKDOWN)
             row += f" {'bwd' if e.memory.phase == 'backward' else 'opt':>4}"
@@ -109,7 +109,7 @@ def _lr_line(plan: Plan, base_lr: float | None) -> str:
 
 
 def _estimate_json(e: Estimate) -> dict[str, Any]:
-    return {"name": e.name, "layout": {k: v for k, v in asdict(e.layout).items() if k != "name"}, "fits": e.fits,
+    return {"name": e.name, "strategy": e.layout.name, "layout": {k: v for k, v in asdict(e.layout).items() if k != "name"}, "fits": e.fits,
             "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch,
             "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "memory_peak": e.memory.phase,
             "capacity_bytes": e.capacity, "time": e.time.as_dict(),

@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 
 from .hardware import GB, Cluster, Link
 from .layout import Layout, stage_flops
-from .memory import activation_figures, ranked_params
+from .memory import activation_figures, activation_mode, ranked_params
 from .model_stats import ModelStats
+from .tensor_parallel import tp_comm_s
 from .training import Batching, Training
 
 BACKWARD_SHARE = 2 / 3
@@ -124,6 +125,8 @@ class StepTime:
     """All communication, hidden or not."""
     exposed_comm_s: float
     """Communication the step waits for."""
+    tp_comm_s: float = 0.0
+    """Of ``comm_s`` (and, never hidden, of ``exposed_comm_s``): tensor parallelism's activation collectives."""
 
     @property
     def step_s(self) -> float:
@@ -131,7 +134,8 @@ class StepTime:
 
     def as_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "bubble_s": self.bubble_s, "optimizer_s": self.optimizer_s,
-                "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s}
+                "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "tp_comm_s": self.tp_comm_s,
+                "step_s": self.step_s}
 
 
 def weight_bytes(params: float, training: Training, cluster: Cluster) -> float:
@@ -183,7 +187,11 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     write per collective, and pay ``Device.fsdp_call_s`` of host-side machinery per unit and call; hsdp adds an
     all-reduce of the shard across nodes. DDP's buckets cost
     ``DDP_BUCKET_PASSES`` passes over the gradients. Stage-to-stage sends (one per forward and per backward, per slot)
-    are not hidden. On a shared CPU host every rank gets 1/ranks of the host's compute and memory bandwidth.
+    are not hidden. Tensor-parallel ranks compute 1/tp of each micro-batch's FLOPs and wait for its activation
+    collectives (``tensor_parallel.tp_comm_s``, not hidden; a pipeline stage its 1/p share of them in every
+    slot) over the link of tp consecutive ranks; the
+    data-parallel and pipeline groups are then tp times further apart. On a shared CPU host every rank gets
+    1/ranks of the host's compute and memory bandwidth.
     """
     ranks_per_node = cluster.ranks_per_node if layout.world_size > 1 else 1
     rate = cluster.flops_per_s(training.precision, ranks_per_node)
@@ -198,7 +206,7 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     traced = layout.pp > 1 and stats.unit_flops
     stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) if traced
                               else stats.flops_per_sample / layout.pp)
-    micro_s = (stage_flops_per_sample * training.flops_factor * batch.micro_batch / rate
+    micro_s = (stage_flops_per_sample * training.flops_factor * batch.micro_batch / layout.tp / rate
                + (weight_bytes(streamed, training, cluster) + copies) / bandwidth + machinery_s)
     shard = layout.shard if layout.zero >= 1 else 1
     optimizer_s = optimizer_step_bytes(psi / shard, training) / bandwidth
@@ -209,7 +217,7 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     overlap = cluster.device.overlap
     grads, params = psi * training.bytes.grad, psi * training.bytes.param
     boundary = activation_figures(stats, training, layout)[2] * batch.micro_batch
-    inner = layout.stages  # data-parallel peers are this many ranks apart
+    inner = layout.stages * layout.tp  # data-parallel peers are this many ranks apart
     hidden_in_backward = overlap * BACKWARD_SHARE * micro_s
 
     total = exposed = 0.0
@@ -232,8 +240,13 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
         replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
         add(all_reduce_s(grads / layout.shard, layout.replicas, replica_link), hidden_in_backward)
     if layout.pp > 1:
-        add(2 * p2p_s(boundary, cluster.link_for(layout.pp, layout.mp)), times=m + layout.pp - 1)
+        add(2 * p2p_s(boundary, cluster.link_for(layout.pp, layout.mp * layout.tp)), times=m + layout.pp - 1)
     if layout.mp > 1:
         add(2 * (layout.mp - 1) * p2p_s(boundary, cluster.intra), times=m)
+    # a stage runs its share of the blocks' collectives in every slot, as it sends its activations
+    slots = m + layout.pp - 1
+    tp_s = tp_comm_s(stats, activation_mode(training, layout), batch.micro_batch, layout.tp,
+                     cluster.link_for(layout.tp, 1), training.checkpointing) / layout.pp
+    add(tp_s, times=slots)
     return StepTime(compute_s=m * micro_s + bucket_s, bubble_s=(layout.pp - 1) * micro_s, optimizer_s=optimizer_s,
-                    comm_s=total, exposed_comm_s=exposed)
+                    comm_s=total, exposed_comm_s=exposed, tp_comm_s=slots * tp_s)

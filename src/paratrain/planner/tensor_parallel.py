@@ -1,0 +1,160 @@
+"""Tensor parallelism as the planner sees it: what a transformer's TP plan splits, and what it communicates.
+
+The plan is Megatron's (Shoeybi et al. 2019) with sequence parallelism (Korthikanti et al. 2022), as torchtitan
+applies it with ``torch.distributed.tensor.parallel``: per block, the attention's QKV projection and the MLP's
+first linear column-parallel, the attention output and the MLP's second linear row-parallel, the norms sequence
+parallel (activations between the split regions sharded on the sequence); a vocab-parallel embedding and head,
+and the loss on vocab-sharded logits. What that costs per micro-batch of b samples over t ranks:
+
+- each split region opens with an all-gather of its input and closes with a reduce-scatter of its output, both
+  b·s·h elements: per block 2 of each in forward and, as their gradients, 2 of each in backward (a
+  checkpointed block's recompute: 2 more of each); the embedding reduce-scatters its output and the head
+  all-gathers its input (and their gradients in backward); the loss all-reduces 3 values per token (max, sum of
+  exponentials, the target's logit).
+- parameters of the split layers are 1/t per rank; norms, position embeddings and the row-parallel layers'
+  biases stay whole.
+- activations are 1/t except each column-parallel linear's input, which autograd saves as gathered (whole:
+  torch does not re-gather it in backward, unlike Megatron), and the token ids and targets.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .hardware import Cluster, Link
+    from .model_stats import ModelStats
+
+ELEMENT_BYTES = MappingProxyType({"fp32": (4, 4), "autocast": (4, 2), "param_dtype": (2, 2)})
+"""(residual, compute) element sizes by how a model trains: the residual stream and norms, and the matrix
+products' inputs and outputs (``model_stats.transformer_activations``' r and c)."""
+LOSS_ALL_REDUCES = 3
+"""Vocab-parallel cross-entropy's all-reduces of one fp32 value per token: max, sum of exponentials, target logit."""
+VOCAB_ALIGN = 128
+"""What to pad a vocabulary to so that any tensor-parallel degree up to 128 divides it (GPT-2: 50257 -> 50304)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPShape:
+    """What a transformer's tensor-parallel plan splits: its shape and, per wrap unit, the parameters sharded."""
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    """MLP inner width (a SwiGLU's gate and up each)."""
+    vocab: int
+    seq_len: int
+    split: tuple[int, ...]
+    """Parameters each wrap unit (``ModelStats.units``' order) shards over the tensor-parallel ranks."""
+
+    def why_not(self, tp: int) -> str | None:
+        """Why ``tp`` ranks cannot split this model (heads, MLP width and vocabulary must divide), or None."""
+        bad = [f"{name} {n}" for name, n in (("heads", self.heads), ("MLP width", self.ffn), ("vocab", self.vocab))
+               if n % tp]
+        if not bad:
+            return None
+        fix = (f" (pad it to {VOCAB_ALIGN * math.ceil(self.vocab / VOCAB_ALIGN)}: --vocab)"
+               if bad == [f"vocab {self.vocab}"] else "")
+        return f"{' and '.join(bad)} {'does' if len(bad) == 1 else 'do'} not divide by tp={tp}{fix}"
+
+
+def rank_units(stats: ModelStats, tp: int) -> tuple[tuple[str, int], ...]:
+    """The wrap units as one tensor-parallel rank holds them: split parameters 1/tp, the rest whole."""
+    if tp == 1:
+        return stats.units
+    shape = _shape(stats)
+    return tuple((name, n - s + s // tp) for (name, n), s in zip(stats.units, shape.split))
+
+
+def rank_params(stats: ModelStats, tp: int) -> int:
+    """Parameters one tensor-parallel rank holds of the whole model."""
+    return stats.params if tp == 1 else sum(n for _, n in rank_units(stats, tp))
+
+
+def rank_activations(stats: ModelStats, figures: tuple[float, float, float], mode: str,
+                     tp: int) -> tuple[float, float, float]:
+    """Per-sample (activations, checkpointed, boundary) bytes on one of ``tp`` ranks, from the whole model's
+    ``figures`` under ``mode`` (``ELEMENT_BYTES``' keys): 1/tp, except the column-parallel linears' gathered inputs
+    (two per block, one for the head) and the token ids and targets (16 bytes a token), which every rank keeps
+    whole (never more than ``figures`` hold: stats of parameters alone hold none); a checkpointed model keeps one
+    block's. The boundary, a block's output, is sequence-sharded."""
+    if tp == 1:
+        return figures
+    shape = _shape(stats)
+    _, c = ELEMENT_BYTES[mode]
+    sh, ids = shape.seq_len * shape.hidden, 16.0 * shape.seq_len
+    acts, checkpointed, boundary = figures
+    whole = (min(acts, shape.layers * 2 * c * sh + c * sh + ids), min(checkpointed, 3 * c * sh + ids))
+    return (whole[0] + (acts - whole[0]) / tp, whole[1] + (checkpointed - whole[1]) / tp, boundary / tp)
+
+
+def collective_bytes(stats: ModelStats, mode: str, micro_batch: float) -> tuple[float, float]:
+    """Bytes of one TP all-gather or reduce-scatter of a micro-batch's activations, (residual, compute) dtype."""
+    shape = _shape(stats)
+    r, c = ELEMENT_BYTES[mode]
+    elements = micro_batch * shape.seq_len * shape.hidden
+    return elements * r, elements * c
+
+
+def tp_comm_s(stats: ModelStats, mode: str, micro_batch: float, tp: int, link: Link, checkpointing: bool) -> float:
+    """Seconds of one micro-batch's tensor-parallel collectives over ``link`` (they are not overlapped).
+
+    Per block, forward all-gathers the norms' outputs (residual dtype) and reduce-scatters the row-parallel
+    outputs (compute dtype), two each; backward does the reverse on their gradients; a recompute repeats forward.
+    The embedding's reduce-scatter and the head's all-gather, and their gradients, carry the residual dtype.
+    """
+    from .timing import all_gather_s, all_reduce_s, reduce_scatter_s
+
+    if tp == 1:
+        return 0.0
+    shape = _shape(stats)
+    residual, compute = collective_bytes(stats, mode, micro_batch)
+    passes = 2 if checkpointing else 1
+    block = (passes * 2 * (all_gather_s(residual, tp, link) + reduce_scatter_s(compute, tp, link))
+             + 2 * (reduce_scatter_s(residual, tp, link) + all_gather_s(compute, tp, link)))
+    ends = 2 * (all_gather_s(residual, tp, link) + reduce_scatter_s(residual, tp, link))
+    loss = LOSS_ALL_REDUCES * all_reduce_s(4 * micro_batch * shape.seq_len, tp, link)
+    return shape.layers * block + ends + loss
+
+
+def collectives_per_micro_batch(stats: ModelStats, checkpointing: bool) -> int:
+    """Tensor-parallel collective calls per micro-batch (see ``tp_comm_s``)."""
+    per_block = 8 + (4 if checkpointing else 0)
+    return _shape(stats).layers * per_block + 4 + LOSS_ALL_REDUCES
+
+
+def tp_degrees(stats: ModelStats, cluster: Cluster, tp: int | None = None) -> tuple[int, ...]:
+    """Tensor-parallel degrees to plan: ``tp`` when given (1: none), else every power of two >= 2 that divides a
+    node's ranks and the model (``TPShape.why_not``). Models without a TP shape (traced ones) get none."""
+    if tp is not None and tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {tp}")
+    if tp == 1:
+        return ()
+    if stats.tp is None:
+        if tp is not None:
+            raise ConfigError(f"--tp needs a transformer's shape: {stats.name!r} is not a built-in GPT or --params")
+        return ()
+    if tp is not None:
+        why = stats.tp.why_not(tp)
+        if why is None and cluster.world_size % tp:
+            why = f"tp={tp} does not divide the {cluster.world_size} ranks"
+        if why is not None:
+            raise ConfigError(f"--tp {tp}: {why}")
+        return (tp,)
+    degrees, t = [], 2
+    while t <= cluster.ranks_per_node:
+        if cluster.ranks_per_node % t == 0 and stats.tp.why_not(t) is None:
+            degrees.append(t)
+        t *= 2
+    return tuple(degrees)
+
+
+def _shape(stats: ModelStats) -> TPShape:
+    if stats.tp is None:
+        raise ConfigError(f"model {stats.name!r} has no tensor-parallel shape; plan tp with a transformer")
+    return stats.tp
