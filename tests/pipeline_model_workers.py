@@ -128,6 +128,9 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
 
 def run_cases(cases: list[tuple]) -> dict[str, dict]:
     """Every case one after another on one process group (each ``Parallel`` uses it and leaves it)."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1  # a compiled case: no worker pool outliving the job
     dist.init_process_group("gloo")
     out = {}
     with tempfile.TemporaryDirectory() as scratch:

@@ -1,7 +1,9 @@
 """``Parallel(compile=True)``: each block compiled in place before sharding; the same training math as eager, the
-user's parameter names kept. One small case (compiling costs seconds on 2 cores)."""
+user's parameter names kept, under zero3 and ddp (one process); under a pipeline in tests/test_pipeline_models.py.
+Small cases: compiling costs seconds on 2 cores."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn import functional as F
 
@@ -11,8 +13,8 @@ from paratrain.testing import max_abs_diff
 from paratrain.workloads.gpt import GPT, GPTConfig
 
 
-def _train(**kwargs) -> dict[str, torch.Tensor]:
-    par = paratrain.Parallel("zero3", monitor=False, activation_checkpointing=True, **kwargs)
+def _train(strategy: str, **kwargs) -> dict[str, torch.Tensor]:
+    par = paratrain.Parallel(strategy, monitor=False, activation_checkpointing=True, **kwargs)
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=32))
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -29,12 +31,13 @@ def _train(**kwargs) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_compiled_blocks_under_zero3_equal_eager(monkeypatch):
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_compiled_blocks_equal_eager(strategy):
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)  # no worker pool outliving the test
-    eager = _train()
-    compiled = _train(compile=True)
+    eager = _train(strategy)
+    with torch._inductor.config.patch(compile_threads=1):  # no worker pool outliving the test
+        compiled = _train(strategy, compile=True)
     assert compiled.keys() == eager.keys()
     assert max_abs_diff(compiled, eager) <= 1e-5
 

@@ -25,6 +25,7 @@ WORLD2 = [
      False),
     ("gpt interleaved clip", "gpt", "pipeline", {"schedule": "interleaved-1f1b"}, 1, 0.5, False),
     ("gpt 1f1b resume", "gpt", "pipeline", {"schedule": "1f1b"}, 1, None, True),
+    ("gpt 1f1b compiled", "gpt", "pipeline", {"schedule": "1f1b", "compile": True}, 1, None, False),
     ("gpt2 1f1b resumes a ddp checkpoint", "gpt2", "pipeline", {"schedule": "1f1b"}, 1, None, "ddp"),
     ("sequential split_points", "seq", "pipeline", {"schedule": "1f1b", "split_points": ["3"]}, 1, None, False),
 ]
