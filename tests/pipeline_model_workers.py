@@ -140,3 +140,28 @@ def run_cases(cases: list[tuple]) -> dict[str, dict]:
             out[name] = _case(family, strategy, options, accumulate, clip, resume, f"{shared[0]}/{i}")
         finish_group()
     return out
+
+
+def lean_precision(family: str, strategy: str) -> dict:
+    """``family`` trained under bf16-mixed by ``strategy``: the dtype and autocast state each loss call saw, and the
+    parameters after ``STEPS`` steps."""
+    dist.init_process_group("gloo")
+    par = paratrain.Parallel(strategy, precision="bf16-mixed", monitor=False)
+    plain = build(family)
+    model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9))
+    seen = []
+
+    def watched(out: object, y: torch.Tensor) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out
+        seen.append((logits.dtype, torch.is_autocast_enabled("cpu")))
+        return loss_fn(out, y)
+
+    x, y = batches(STEPS)
+    for s in range(STEPS):
+        with par.step(model, opt):
+            par.forward_backward(model, x[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH],
+                                 y[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], watched)
+    state = par.full_state_dict(model, rank0_only=False)
+    par.close()
+    finish_group()
+    return {"seen": sorted(set(seen), key=str), "state": state}

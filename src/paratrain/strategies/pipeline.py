@@ -34,6 +34,7 @@ from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model import find_ties
 from ..model.stages import OutputKind, StageModule, StagePlan, build_stage, plan_stages
+from ..precision import Precision
 from .base import Runtime, Strategy
 from .ddp import DDPConfig, apply_ddp
 from .fsdp import FSDPConfig, apply_fsdp
@@ -112,6 +113,7 @@ class PipelinedModel(nn.Module):
         self.uncounted: set[str] = set()  # tied weights another rank counts in the gradient norm
         self.aliases: dict[str, str] = {}  # a tied weight held here under another name -> its first name
         self._eval_kind: OutputKind | None = None
+        self.precision: Precision | None = None
 
     def train(self, mode: bool = True) -> "PipelinedModel":
         """Also the stages: a stage cut from a model holds copies of the modules above its blocks (the model's
@@ -169,14 +171,22 @@ class PipelinedModel(nn.Module):
         # Each micro-batch's loss is divided here, not by the schedule's scale_grads: that rescales every
         # gradient in place and would shrink gradients accumulated over earlier steps again.
         factor = scale / self.microbatches
-        schedule = self._schedule("train", x.shape[0],
-                                  lambda out, tgt: loss_fn(self.output_kind().wrap(out), tgt) * factor)
+        precision = self.precision
+
+        def loss(out: Any, tgt: torch.Tensor) -> torch.Tensor:
+            with nullcontext() if precision is None else precision.forward_context(self.device):
+                return loss_fn(self.output_kind().wrap(out), tgt) * factor
+
+        schedule = self._schedule("train", x.shape[0], loss)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
-        if self.is_first:
-            schedule.step(x, **kwargs)
-        else:
-            schedule.step(**kwargs)
+        # As forward_backward without stages: the stages hand on (and the loss reads) their outputs in the compute
+        # dtype, not cast to fp32 — the same values one process computes, and no fp32 copy of the logits.
+        with nullcontext() if precision is None else precision.compute_dtype_outputs():
+            if self.is_first:
+                schedule.step(x, **kwargs)
+            else:
+                schedule.step(**kwargs)
         loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
         return _share_from_last(loss, self)
 
@@ -282,6 +292,7 @@ class PipelineStrategy(Strategy):
         out.last_rank = dist.get_global_rank(out.pp_group, (total - 1) % pp)
         out.microbatches = self.config.microbatches
         out.schedule_name = self.config.schedule
+        out.precision = rt.precision
         return out
 
     def _wrap_sequential(self, model: nn.Sequential, rt: Runtime, total: int, mine: list[int]) -> PipelinedModel:
