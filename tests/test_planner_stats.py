@@ -151,3 +151,16 @@ def test_module_factory_is_traced_on_meta_and_units_expand_module_lists():
     model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
     model.head = nn.Linear(2, 1)
     assert [n for n, _ in wrap_units(model)] == ["layers.0", "layers.1", "layers.2", "head"]
+
+
+def test_a_transformers_model_is_planned_with_its_blocks_as_units():
+    """The units FSDP shards (model.units): the embeddings, each block, the final norm, the head — not the root's
+    children (``transformer`` whole and ``lm_head``), which made the gathered unit the whole model."""
+    from zoo import ZOO
+
+    from paratrain.planner.model_stats import wrap_units
+
+    names = [n for n, _ in wrap_units(ZOO["gpt2"].build())]
+    assert names == ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
+                     "transformer.ln_f", "lm_head"]
+    assert [n for n, _ in wrap_units(ZOO["cnn"].build())] == [str(i) for i in range(9)]  # no blocks: the children

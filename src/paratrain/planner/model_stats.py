@@ -248,7 +248,21 @@ class InputSpec:
 
 
 def wrap_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The root's direct children, with ModuleList/ModuleDict items taken one by one (they have no forward)."""
+    """The model's units in forward order, as FSDP shards it and a pipeline cuts it: for a model with repeated
+    blocks (:func:`paratrain.model.find_blocks`), the modules before the blocks, the blocks, and the modules after
+    them; otherwise the root's direct children, with ModuleList/ModuleDict items taken one by one (they have no
+    forward)."""
+    from ..model.structure import find_blocks, outer_modules
+
+    blocks = find_blocks(model)
+    if blocks is not None:  # the blocks' container holds them and, in an nn.Sequential, the pieces around them
+        before, after = outer_modules(model, blocks)
+        prefix = f"{blocks.container}." if blocks.container else ""
+        container = model.get_submodule(blocks.container) if blocks.container else model
+        inner = [(prefix + k, c) for k, c in container.named_children()]
+        after = sorted(after, key=lambda n: -n.count("."))  # the final norm inside runs before the head outside
+        return ([(n, model.get_submodule(n)) for n in before] + inner
+                + [(n, model.get_submodule(n)) for n in after])
     units: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
