@@ -292,8 +292,8 @@ class Parallel:
         self._records[id(wrapped)] = record
         self.precision.wrap_forward(wrapped, rt.device, autocast=not self.strategy.native_precision)
         self.device = self.strategy.output_device(rt)
-        if self._seed is not None:  # model init is done: give each rank its own random stream
-            seed_all(rank_seed(self._seed, self.rank))
+        if self._seed is not None:  # model init is done: give each rank (each tp group) its own random stream
+            seed_all(rank_seed(self._seed, self.strategy.rng_rank(rt) if self._distributed else self.rank))
         self._models.append(wrapped)
         return wrapped
 

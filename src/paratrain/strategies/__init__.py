@@ -7,6 +7,7 @@ from .pipeline import HybridPipeline, PipelineConfig, PipelinedModel, PurePipeli
 from .model_parallel import ModelParallelConfig, ModelParallelStrategy, apply_model_parallel
 from .registry import available, check_name, check_world, create, register
 from .single import SingleDevice
+from .tensor_parallel import TPStrategy
 from .zero import Zero1Strategy
 
 __all__ = [
@@ -14,5 +15,5 @@ __all__ = [
     "SingleDevice", "DataParallelStrategy", "DDPConfig", "DDPStrategy", "apply_ddp", "Zero1Strategy",
     "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "apply_fsdp",
     "PipelineConfig", "PipelinedModel", "PurePipeline", "HybridPipeline",
-    "ModelParallelConfig", "ModelParallelStrategy", "apply_model_parallel",
+    "ModelParallelConfig", "ModelParallelStrategy", "apply_model_parallel", "TPStrategy",
 ]

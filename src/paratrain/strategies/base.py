@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..env import ClusterEnv
 from ..precision import Precision
+
+if TYPE_CHECKING:
+    from ..tensor_parallel.compose import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,19 @@ class Strategy(ABC):
     name: ClassVar[str]
     native_precision: ClassVar[bool] = False
     """True when the strategy applies mixed precision itself (FSDP's policy) instead of autocast."""
+    tp: TensorParallel | None = None
+    """Tensor parallelism inside this strategy (``tp=`` option; see :mod:`paratrain.tensor_parallel`)."""
 
     def mesh_dims(self, env: ClusterEnv) -> dict[str, int] | None:
         """Named parallel degrees this strategy needs, or None when it uses no process group."""
+        if self.tp is not None:
+            return self.tp.mesh_dims(self.name, env.world_size)
         return {"dp": env.world_size}
 
     def validate(self, env: ClusterEnv) -> None:
         """Raise a ConfigError when this strategy cannot run in ``env``."""
+        if self.tp is not None:
+            self.mesh_dims(env)
 
     @abstractmethod
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
@@ -67,13 +76,26 @@ class Strategy(ABC):
     def data_parallel(self, rt: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
         """(rank, size, group) among the replicas that read different data; metrics are reduced over it.
 
-        Every rank for data-parallel strategies; pipeline ranks of one replica read the same batch.
+        Every rank for data-parallel strategies; pipeline ranks of one replica read the same batch, and so do
+        the ranks of one tensor-parallel group.
         """
+        if self.tp is not None and rt.mesh is not None:
+            return self.tp.data_parallel(rt.mesh)
         return rt.env.rank, rt.env.world_size, None
+
+    def rng_rank(self, rt: Runtime) -> int:
+        """The index that seeds this rank's random stream after ``prepare``: its rank, or its replica's index
+        where ranks compute one replica together (tensor parallelism), so they draw alike."""
+        if self.tp is not None and rt.mesh is not None:
+            return self.tp.rng_rank(rt.mesh)
+        return rt.env.rank
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable,
                          scale: float) -> torch.Tensor | None:
-        """Run forward and backward of one batch when the strategy owns that loop (pipelines); None: it doesn't."""
+        """Run forward and backward of one batch when the strategy owns that loop (pipelines, the vocabulary-split
+        loss of tensor parallelism); None: it doesn't."""
+        if self.tp is not None:
+            return self.tp.forward_backward(model, x, target, loss_fn, scale)
         return None
 
     def grad_norm_group(self, model: nn.Module) -> dist.ProcessGroup | None:

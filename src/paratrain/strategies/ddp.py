@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import inspect
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ConfigError
+from ..tensor_parallel.compose import TensorParallel
+from ..tensor_parallel.layout import TPConfig
 
 _DDP_PARAMS = frozenset(inspect.signature(DDP.__init__).parameters)
 from .base import Runtime, Strategy
+from .optim import param_names, rebuild
 from .registry import register
 
 
@@ -77,6 +81,25 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, c
     return ddp
 
 
+def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """DDP's algorithm for a model whose parameters are DTensors (tensor parallel): a full replica per rank of the
+    1-D ``mesh``, gradients all-reduced over it, by FSDP2's ``replicate`` (``DistributedDataParallel`` refuses
+    DTensor parameters); the model is changed in place."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicate(model, mesh=mesh)
+    return model
+
+
+@contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
 class _DDP(DDP):
     """DDP whose unused-parameter error names the parameters and the fix instead of indices."""
 
@@ -108,14 +131,32 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, config: DDPConfig | None = None, **options: object) -> None:
+        tp = TPConfig.pop(options)
+        self.tp = TensorParallel(tp) if tp is not None else None
         self.config = config if config is not None else DDPConfig(**options)  # type: ignore[arg-type]
+        if self.tp is not None and self.config != DDPConfig():
+            raise ConfigError("ddp with tp replicates through FSDP2's replicate, which takes none of "
+                              "DistributedDataParallel's options; drop them (bucket_cap_mb, comm_hook, …) or drop tp")
         self._synced_once = False
+        self._names: dict[int, dict[int, str]] = {}
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
         assert rt.mesh is not None, "ddp needs a mesh"
+        if self.tp is not None:
+            names = param_names(model)
+            model = apply_replicate(self.tp.apply(model, rt.mesh, rt.precision, rt.device), rt.mesh["dp"])
+            self._names[id(model)] = names
+            return model
         return apply_ddp(model, rt.mesh, rt.device, self.config)
 
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
+        if id(model) in self._names:  # tensor parallel and replicate made new parameter objects
+            return rebuild(optimizer, self._names[id(model)], model)
+        return optimizer
+
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        if self.tp is not None:
+            return _no_gradient_sync(model)
         # static_graph + no_sync before the first synchronised step trips a reducer assert
         # (pytorch#143580). Syncing that one micro-step early gives the same summed gradient.
         if self.config.static_graph and not self._synced_once:
@@ -128,6 +169,8 @@ class DDPStrategy(Strategy):
         return _ddp(model).module if isinstance(model, DDP) else model
 
     def describe(self) -> str:
+        if self.tp is not None:
+            return f"ddp({self.tp.describe()})"
         return f"ddp(bucket_cap_mb={self.config.bucket_cap_mb:g})"
 
 

@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model.units import shard_units
+from ..tensor_parallel.compose import TensorParallel
+from ..tensor_parallel.layout import TPConfig
 from .base import Runtime, Strategy
 from .optim import param_names, rebuild
 from .registry import register
@@ -79,6 +81,8 @@ class FSDPStrategy(Strategy):
     reshard_after_forward = True
 
     def __init__(self, config: FSDPConfig | None = None, **options: object) -> None:
+        tp = TPConfig.pop(options)
+        self.tp = TensorParallel(tp) if tp is not None else None
         options.setdefault("reshard_after_forward", self.reshard_after_forward)
         self.config = config if config is not None else FSDPConfig(**options)  # type: ignore[arg-type]
         self._names: dict[int, dict[int, str]] = {}
@@ -86,8 +90,11 @@ class FSDPStrategy(Strategy):
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
         assert rt.mesh is not None, "fsdp needs a mesh"
         names = param_names(model)
+        mesh = rt.mesh
+        if self.tp is not None:  # split each layer over tp first, then shard what it made over dp (torchtitan's order)
+            model, mesh = self.tp.apply(model, rt.mesh, rt.precision, rt.device), rt.mesh["dp"]
         model = model.to(rt.device) if not self.config.cpu_offload else model
-        apply_fsdp(model, rt.mesh, self.config, dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None))
+        apply_fsdp(model, mesh, self.config, dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None))
         self._names[id(model)] = names
         return model
 
@@ -104,7 +111,8 @@ class FSDPStrategy(Strategy):
             model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def describe(self) -> str:
-        return f"{self.name}(reshard_after_forward={self.config.reshard_after_forward})"
+        tp = f", {self.tp.describe()}" if self.tp is not None else ""
+        return f"{self.name}(reshard_after_forward={self.config.reshard_after_forward}{tp})"
 
 
 @register("zero3", "fsdp")
@@ -128,6 +136,9 @@ class HSDPStrategy(FSDPStrategy):
         self.mesh_dims(env)
 
     def mesh_dims(self, env: ClusterEnv) -> dict[str, int]:
+        if self.tp is not None:
+            raise ConfigError("hsdp does not take tp yet; for tensor parallelism inside sharded data parallelism use "
+                              "Parallel('zero3', tp=2)")
         world_size, shard = env.world_size, self.config.shard_size
         if world_size < 4:
             raise ConfigError(f"hsdp shards within groups and replicates across them: it needs at least 4 "

@@ -87,13 +87,17 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm attention and MLP with residuals."""
+    """Pre-norm attention and MLP with residuals.
+
+    ``qkv``'s outputs are grouped per head (``q k v`` of head 0, then of head 1, …) and a gated ``fc``'s per unit
+    (gate, up), so that a contiguous column split — tensor parallelism — gives each rank whole heads and units.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         h, f = cfg.hidden, cfg.ffn_width
         norm = (lambda: nn.LayerNorm(h)) if cfg.bias else (lambda: RMSNorm(h))
-        self.heads = cfg.heads
+        self.head_dim = h // cfg.heads
         self.gated = cfg.gated
         self.norm1 = norm()
         self.qkv = nn.Linear(h, 3 * h, bias=cfg.bias)
@@ -103,14 +107,16 @@ class Block(nn.Module):
         self.out = nn.Linear(f, h, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(h, dim=2)
-        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        # Shapes come from the projections' outputs, not from x: under tensor parallelism x holds a slice of the
+        # sequence and qkv this rank's heads.
+        qkv = self.qkv(self.norm1(x))
+        b, t, _ = qkv.shape
+        q, k, v = qkv.view(b, t, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         z = self.fc(self.norm2(x))
         if self.gated:
-            gate, up = z.chunk(2, dim=-1)
+            gate, up = z.unflatten(-1, (-1, 2)).unbind(-1)
             z = F.silu(gate) * up
         else:
             z = F.gelu(z)

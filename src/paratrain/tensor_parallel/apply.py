@@ -1,0 +1,60 @@
+"""Splitting a model's layers over a tensor-parallel mesh with PyTorch's ``parallelize_module``."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from ..errors import ConfigError
+from ..model.ties import find_ties
+from .outputs import ShardedOutputs
+from .plans import Plan
+from .styles import Replicated
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan, outputs: ShardedOutputs) -> nn.Module:
+    """Split ``model`` in place over the 1-D ``mesh`` by ``plan``; every parameter ends a DTensor on ``mesh``.
+
+    Ties survive: ``parallelize_module`` gives each module a parameter of its own, so a tied embedding and head
+    are tied again to one DTensor (their plans shard both ``Shard(0)``: one sharding, one gradient).
+    """
+    degree = mesh.size()
+    for what, size in plan.divisible(model).items():
+        if size % degree:
+            raise ConfigError(f"{plan.name}: {what}={size} does not split over tp={degree}; choose a tp that divides "
+                              f"{size}")
+    ties = find_ties(model)
+    for name, style in plan.resolve(model):
+        parallelize_module(model.get_submodule(name), mesh, style)
+    _retie(model, ties.groups)
+    for module in model.modules():  # what the plan left whole: replicated, so every parameter is a DTensor
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            Replicated()._apply(module, mesh)
+    plan.adjust(model, degree)
+    if plan.sequence_parallel:
+        model.register_forward_pre_hook(lambda m, args: _check_sequence(args, degree))
+    outputs.install(model)
+    return model
+
+
+def _retie(model: nn.Module, groups: tuple[tuple[str, ...], ...]) -> None:
+    for group in groups:
+        first = model.get_parameter(group[0])
+        for name in group[1:]:
+            owner, _, attr = name.rpartition(".")
+            param = model.get_parameter(name)
+            if isinstance(first, DTensor) and isinstance(param, DTensor) and first.placements != param.placements:
+                raise ConfigError(f"tp plan splits the tied weights {group[0]!r} ({first.placements}) and {name!r} "
+                                  f"({param.placements}) differently; give both modules styles with one sharding")
+            setattr(model.get_submodule(owner), attr, first)
+
+
+def _check_sequence(args: tuple[Any, ...], degree: int) -> None:
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % degree:
+        raise ConfigError(f"a sequence of {x.shape[1]} tokens does not split over tp={degree} (sequence parallel); "
+                          f"use a length divisible by {degree}")

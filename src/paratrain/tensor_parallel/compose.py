@@ -1,0 +1,57 @@
+"""What a strategy holds to add tensor parallelism to itself: the ``tp`` strategy alone, or inside ddp/zero2/zero3.
+
+The strategy builds the ``(dp, tp)`` mesh from :func:`~paratrain.tensor_parallel.layout.mesh_dims`, splits the model
+over ``mesh["tp"]`` first, then wraps it for data parallelism over ``mesh["dp"]`` (torchtitan's order: TP, then FSDP
+or replication on the parameters TP made). The ranks of one tp group read the same batch and keep one RNG stream
+(``rng_rank``), so dropout on replicated activations drops the same units on all of them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .apply import apply_tp
+from .layout import TPConfig, mesh_dims
+from .outputs import ShardedOutputs, forward_backward
+from .plans import plan_for
+
+
+class TensorParallel:
+    """Tensor parallelism as part of one strategy (one per ``Parallel``)."""
+
+    def __init__(self, config: TPConfig) -> None:
+        self.config = config
+        self.outputs = ShardedOutputs()
+        self._precision: Any = None
+        self._device = torch.device("cpu")
+
+    def mesh_dims(self, strategy: str, world_size: int) -> dict[str, int]:
+        return mesh_dims(strategy, self.config.degree, world_size)
+
+    def apply(self, model: nn.Module, mesh: DeviceMesh, precision: Any, device: torch.device) -> nn.Module:
+        """Split ``model`` (moved to ``device``) over ``mesh["tp"]``."""
+        self._precision, self._device = precision, device
+        plan = plan_for(model, self.config.plan)
+        return apply_tp(model.to(device), mesh["tp"], plan, self.outputs)
+
+    @staticmethod
+    def data_parallel(mesh: DeviceMesh) -> tuple[int, int, dist.ProcessGroup | None]:
+        """The ``dp`` coordinate: ranks of one tp group are one replica."""
+        dp = mesh["dp"]
+        return dp.get_local_rank(), dp.size(), dp.get_group() if dp.size() > 1 else None
+
+    @staticmethod
+    def rng_rank(mesh: DeviceMesh) -> int:
+        return mesh["dp"].get_local_rank()
+
+    def forward_backward(self, model: nn.Module, x: Any, target: Any, loss_fn: Callable,
+                         scale: float) -> torch.Tensor:
+        return forward_backward(self.outputs, model, x, target, loss_fn, scale, self._precision, self._device)
+
+    def describe(self) -> str:
+        return f"tp={self.config.degree or 'all'}" + (", tp_plan" if self.config.plan is not None else "")

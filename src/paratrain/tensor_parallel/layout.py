@@ -1,0 +1,50 @@
+"""How a tensor-parallel degree sits with the other degrees of a job: one option spelling, one mesh.
+
+``Parallel("tp")`` splits every layer over all ranks; ``Parallel("ddp", tp=2)`` / ``Parallel("zero3", tp=2)`` make
+groups of 2 ranks that split every layer and replicate (or shard) across the groups. The mesh is ``(dp, tp)`` with
+``tp`` innermost, as torchtitan lays it out: the ranks of one tensor-parallel group are neighbours (on a GPU node,
+the ones joined by NVLink), since they talk inside every layer.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPConfig:
+    """Tensor parallelism as a strategy option."""
+
+    degree: int | None = None
+    """Ranks that split each layer (``tp=``); None: every rank (the ``tp`` strategy)."""
+    plan: Mapping[str, str | ParallelStyle] | None = None
+    """Module-name patterns → styles (``tp_plan=``); None: the model's built-in plan."""
+
+    def __post_init__(self) -> None:
+        if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 1):
+            raise ConfigError(f"tp must be an integer >= 1 (ranks that split each layer), got {self.degree!r}")
+
+    @classmethod
+    def pop(cls, options: dict[str, Any]) -> "TPConfig | None":
+        """The ``tp``/``tp_plan`` options taken out of a strategy's options; None when tensor parallelism is off."""
+        degree, plan = options.pop("tp", None), options.pop("tp_plan", None)
+        if degree in (None, 1) and plan is None:
+            return None
+        if degree is None:
+            raise ConfigError("tp_plan given without tp; say how many ranks split each layer, e.g. tp=2")
+        return cls(degree=degree, plan=plan)
+
+
+def mesh_dims(strategy: str, degree: int | None, world_size: int) -> dict[str, int]:
+    """``{"dp": world / tp, "tp": tp}``; a world size the degree does not divide names the layouts that fit."""
+    tp = world_size if degree is None else degree
+    if world_size % tp:
+        fits = [f"{strategy} tp={d} ({world_size // d} x {d})" for d in range(2, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"{strategy} with tp={tp} does not fit {world_size} processes (tp must divide them); "
+                          f"valid layouts: {', '.join(fits) or 'none, launch an even number of processes'}")
+    return {"dp": world_size // tp, "tp": tp}

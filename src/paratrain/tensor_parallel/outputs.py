@@ -1,0 +1,53 @@
+"""What a tensor-parallel model hands back, and the loss over logits that stay split.
+
+The output head keeps its logits split over the vocabulary (a ``Shard(-1)`` DTensor). Inside
+``Parallel.forward_backward`` they stay so, and the loss and its backward run under PyTorch's ``loss_parallel``:
+each rank computes the softmax's pieces over its slice of the vocabulary and only per-token sums cross the
+ranks, never the ``batch x seq x vocab`` logits. Anywhere else — a script calling ``model(x)`` itself, evaluation —
+the model's outputs are gathered into plain full tensors, so code written for one process gets the values it
+expects (and a correct gradient: every rank of the group computes the same loss from the same logits).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._pytree import tree_map
+
+
+class ShardedOutputs:
+    """Gathers a model's DTensor outputs into plain tensors, except inside ``kept()``."""
+
+    def __init__(self) -> None:
+        self._keep = False
+
+    def install(self, model: nn.Module) -> None:
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: Any, out: Any) -> Any:
+        if self._keep:
+            return out
+        return tree_map(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, out)
+
+    @contextmanager
+    def kept(self) -> Iterator[None]:
+        self._keep = True
+        try:
+            yield
+        finally:
+            self._keep = False
+
+
+def forward_backward(outputs: ShardedOutputs, model: nn.Module, x: Any, target: Any, loss_fn: Callable,
+                     scale: float, precision: Any, device: torch.device) -> torch.Tensor:
+    """``loss_fn(model(x), target)`` and its backward with the logits left split (see the module docstring);
+    returns the loss as a plain tensor."""
+    with outputs.kept(), loss_parallel():
+        loss = precision.loss(model, x, target, loss_fn, device)
+        precision.backward(loss * scale if scale != 1.0 else loss)
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -1,0 +1,134 @@
+"""The ways one module is split over the tensor-parallel ranks: PyTorch's ``ParallelStyle`` classes, by name, plus
+three small extensions of them for layers PyTorch's styles do not take.
+
+* ``colwise`` / ``rowwise`` also take transformers' ``Conv1D`` (GPT-2's linear layers, whose weight is stored
+  transposed: ``in x out``), by sharding the other weight dimension; ``nn.Linear`` and ``nn.Embedding`` go to
+  PyTorch's own code.
+* ``fused_colwise(parts)`` is a column split of a projection whose output is ``parts`` blocks side by side (GPT-2's
+  ``c_attn`` computes ``[q | k | v]``). A plain column split would give rank 0 all of q and half of k; here the
+  weight is split plainly (so checkpoints and resharding see an ordinary ``Shard``), and the output is gathered
+  once and each rank keeps its heads of every block. That costs one all-gather of the projection's output per
+  call, which a layout interleaved per head (our GPT's) does not need.
+* ``replicate`` keeps a module's parameters whole on every rank, as DTensors, so that every parameter of a tensor
+  parallel model is a DTensor on one mesh (clipping and FSDP need that); inputs and outputs stay plain tensors.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel)
+
+from ..errors import ConfigError
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D``: a linear layer with an ``in x out`` weight."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Any], src: int | None) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, nn.Parameter(
+            distribute_tensor(param, mesh, [placements[name]], src_data_rank=src), requires_grad=param.requires_grad))
+
+
+class Colwise(ColwiseParallel):
+    """``ColwiseParallel`` that also splits a ``Conv1D`` (weight ``Shard(1)``, bias ``Shard(0)``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if is_conv1d(module):
+            partition = lambda _, m, mesh: _shard_params(m, mesh, {"weight": Shard(1), "bias": Shard(0)},  # noqa: E731
+                                                         self.src_data_rank)
+        elif isinstance(module, nn.Embedding):
+            partition = self._partition_embedding_fn
+        elif isinstance(module, nn.Linear):
+            partition = self._partition_linear_fn
+        else:
+            raise ConfigError(f"colwise splits nn.Linear, nn.Embedding and Conv1D layers, not {type(module).__name__}")
+        return distribute_module(module, device_mesh, partition,
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 self._output())
+
+    def _output(self) -> Callable[..., Any]:
+        return partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+
+
+class Rowwise(RowwiseParallel):
+    """``RowwiseParallel`` that also splits a ``Conv1D`` (weight ``Shard(0)``, bias replicated)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
+                raise ConfigError(f"rowwise splits nn.Linear, nn.Embedding and Conv1D layers, not "
+                                  f"{type(module).__name__}")
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh,
+            lambda _, m, mesh: _shard_params(m, mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class FusedColwise(Colwise):
+    """A column split of a projection computing ``parts`` equal blocks side by side; each rank's output is its
+    slice of every block, concatenated (see the module docstring)."""
+
+    def __init__(self, parts: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.parts = parts
+
+    def _output(self) -> Callable[..., Any]:
+        return partial(_own_slices, self.parts)
+
+
+def _own_slices(parts: int, module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    # Each rank's backward reaches only its own slices: the gathered tensor's gradient is a partial sum.
+    full = out.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    rank, size = mesh.get_local_rank(), mesh.size()
+    return torch.cat([block.tensor_split(size, dim=-1)[rank] for block in full.chunk(parts, dim=-1)], dim=-1)
+
+
+class Replicated(ParallelStyle):
+    """Parameters whole on every rank (``Replicate`` DTensors); plain tensors in and out."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(_: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        def outputs(_: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, None, inputs, outputs)
+
+
+STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": Colwise,
+    "rowwise": Rowwise,
+    "sequence_parallel": SequenceParallel,
+    "replicate": Replicated,
+}
+"""Style names a user plan may use (``tp_plan={"layers.*.mlp.up": "colwise"}``), each a fresh style."""
+
+
+def style_of(value: str | ParallelStyle, pattern: str) -> ParallelStyle:
+    """The ``ParallelStyle`` a plan entry names, or the one it gives."""
+    if isinstance(value, ParallelStyle):
+        return value
+    factory = STYLES.get(value) if isinstance(value, str) else None
+    if factory is None:
+        raise ConfigError(f"tp_plan entry {pattern!r}: {value!r} is not a style; use one of {', '.join(STYLES)} or "
+                          "a torch.distributed.tensor.parallel ParallelStyle")
+    return factory()
+
+
+__all__ = ["Colwise", "Rowwise", "FusedColwise", "Replicated", "STYLES", "style_of", "is_conv1d",
+           "PrepareModuleInput", "PrepareModuleInputOutput", "SequenceParallel"]

@@ -1,0 +1,189 @@
+"""Tensor parallelism on the zoo models that have a plan (GPT-2, Llama, our GPT), equal to one plain process on the
+same global batch: ``tp`` at world 2, ddp/zero2/zero3 x tp=2 at world 4 (one launched job per world size,
+tests/tp_workers.py), with accumulation, clipping over the sharded gradients, bf16 autocast, checkpoints that resume
+bitwise, load onto another tp degree and export to one plain file.
+
+Tolerances: fp32 runs sum the same products in another order (a row-split layer's partial sums are all-reduced)
+and match one process to ~1e-8 with SGD; our GPT trains with AdamW, whose update divides by sqrt(v) and turns the
+attention key bias's ~1e-9 rounding noise into larger steps (see tests/zoo.py), ~1e-5 — hence ``TOL`` as in
+tests/test_zoo.py. bf16 autocast rounds every matmul's output to 8 bits of mantissa, and a split matmul rounds
+partial sums before adding them: ``BF16_TOL``.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.strategies import check_world
+from paratrain.tensor_parallel import plan_for
+from paratrain.testing import max_abs_diff, spawn
+from test_zoo import TOL
+from tp_workers import STEPS, case_key, run_cases, step_batch
+from zoo import ZOO
+
+BF16_TOL = 2e-3
+MODELS = ("gpt2", "llama", "nanogpt")
+CLIP = 0.05  # below every model's gradient norm, so every step clips
+WORLD2 = [(m, "tp", {}) for m in MODELS] + [(m, "tp", {"clip_grad_norm": CLIP}) for m in MODELS] + [
+    ("gpt2", "tp", {"accumulate": 2}), ("nanogpt", "tp", {"accumulate": 2}),
+    ("llama", "tp", {"precision": "bf16-mixed"}), ("gpt2", "tp", {"precision": "bf16-mixed"}),
+    ("frozen", "tp", {"tp_plan": {"2": "colwise", "4": "rowwise"}}),
+    ("gpt2", "tp", {}, ("zero2", {})),  # tp=2 -> tp=1
+    ("llama", "ddp", {}, ("tp", {})),  # tp=1 -> tp=2
+]
+LAYOUTS4 = ("ddp", "zero2", "zero3")
+WORLD4 = [(m, s, {"tp": 2}) for m in MODELS for s in LAYOUTS4] + [
+    ("nanogpt", "zero3", {"tp": 2}, ("ddp", {})),  # 2 x tp=2 -> 4 replicas, tp=1
+    ("llama", "zero3", {}, ("zero3", {"tp": 2})),  # 4 shards -> 2 shards x tp=2
+]
+
+
+def plain(model_name: str, clip: float | None = None, bf16: bool = False) -> tuple[dict, list[float], torch.nn.Module]:
+    """One process, plain PyTorch: the final state, each step's gradient norm, and the model."""
+    spec = ZOO[model_name]
+    model = spec.build()
+    opt = spec.optimizer(model)
+    norms = []
+    for s in range(STEPS):
+        x, y = step_batch(spec, s)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = spec.loss(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or math.inf)))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, model
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return spawn(run_cases, 2, (WORLD2, str(tmp_path_factory.mktemp("tp2"))), timeout_s=300)[0]
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp4")
+    return spawn(run_cases, 4, (WORLD4, str(tmp)), timeout_s=300)[0], tmp
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {m: plain(m) for m in (*MODELS, "frozen")}
+
+
+def check(result: dict, expected: dict, tol: float = TOL) -> None:
+    assert "error" not in result, result.get("error")
+    assert max_abs_diff(result["state"], expected) <= tol
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_tp_world2_equals_one_process(world2, references, model_name):
+    result = world2[case_key(model_name, "tp", {})]
+    check(result, references[model_name][0])
+    assert result["resumed"] == 0.0, "save -> load -> continue differs from the uninterrupted run"
+    assert result["seen"] == ["DTensor(Shard(dim=2),)"], "the loss must get the logits split over the vocabulary"
+    # called directly, the model hands back full plain logits, the one-process values
+    assert result["logits_type"] == "Tensor"
+    x = step_batch(ZOO[model_name], 0)[0]
+    expected = getattr(out := references[model_name][2](x), "logits", out).detach()
+    assert max_abs_diff({"l": result["logits"]}, {"l": expected}) <= TOL * expected.abs().max()  # logits reach ~16
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_tp_clips_the_global_norm_of_the_sharded_gradients(world2, model_name):
+    result = world2[case_key(model_name, "tp", {"clip_grad_norm": CLIP})]
+    state, norms, _ = plain(model_name, clip=CLIP)
+    check(result, state)
+    assert result["norms"] == pytest.approx(norms, rel=1e-5)
+    assert min(norms) > CLIP
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "nanogpt"])
+def test_tp_accumulation_equals_the_whole_batch(world2, references, model_name):
+    check(world2[case_key(model_name, "tp", {"accumulate": 2})], references[model_name][0])
+
+
+@pytest.mark.parametrize("model_name", ["llama", "gpt2"])
+def test_tp_bf16_mixed_matches_one_process_under_autocast(world2, model_name):
+    check(world2[case_key(model_name, "tp", {"precision": "bf16-mixed"})], plain(model_name, bf16=True)[0], BF16_TOL)
+
+
+def test_tp_with_a_user_plan(world2, references):
+    result = world2[case_key("frozen", "tp", {"tp_plan": {"2": "colwise", "4": "rowwise"}})]
+    check(result, references["frozen"][0])
+    assert result["resumed"] == 0.0
+
+
+@pytest.mark.parametrize("case", [c for c in WORLD2 if len(c) == 4], ids=lambda c: case_key(*c))
+def test_tp_checkpoint_loads_onto_another_tp_degree(world2, references, case):
+    result = world2[case_key(*case)]
+    check(result, references[case[0]][0])
+    assert result["resumed"] <= TOL
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS4)
+@pytest.mark.parametrize("model_name", MODELS)
+def test_data_parallel_x_tp_world4_equals_one_process(world4, references, model_name, strategy):
+    result = world4[0][case_key(model_name, strategy, {"tp": 2})]
+    check(result, references[model_name][0])
+    assert result["resumed"] == 0.0
+    assert result["seen"] == ["DTensor(Shard(dim=2),)"]
+
+
+@pytest.mark.parametrize("case", [c for c in WORLD4 if len(c) == 4], ids=lambda c: case_key(*c))
+def test_2d_checkpoint_loads_onto_another_layout(world4, references, case):
+    result = world4[0][case_key(*case)]
+    check(result, references[case[0]][0])
+    assert result["resumed"] <= TOL
+
+
+def test_export_consolidates_a_2d_checkpoint(world4, paratrain_cmd, tmp_path):
+    results, tmp = world4
+    index = WORLD4.index(("llama", "zero3", {"tp": 2}))
+    out = tmp_path / "llama.pt"
+    subprocess.run([*paratrain_cmd, "export", str(tmp / str(index)), str(out)], check=True, capture_output=True)
+    exported = torch.load(out, weights_only=True)
+    assert max_abs_diff(exported, results[case_key("llama", "zero3", {"tp": 2})]["saved"]) == 0.0
+    ZOO["llama"].build().load_state_dict(exported)
+
+
+def test_a_model_without_a_plan_is_refused_in_one_line():
+    with pytest.raises(paratrain.ConfigError, match=r"no plan for BertForSequenceClassification.*tp_plan=") as err:
+        plan_for(ZOO["bert"].build(), None)
+    assert "\n" not in str(err.value)
+
+
+def test_a_plan_pattern_that_matches_nothing_is_refused():
+    plan = plan_for(ZOO["frozen"].build(), {"layers.*.up": "colwise"})
+    with pytest.raises(paratrain.ConfigError, match="matches no module"):
+        plan.resolve(ZOO["frozen"].build())
+    with pytest.raises(paratrain.ConfigError, match="not a style"):
+        plan_for(ZOO["frozen"].build(), {"2": "diagonal"}).resolve(ZOO["frozen"].build())
+
+
+def test_degrees_that_do_not_divide_the_world_name_the_valid_layouts():
+    with pytest.raises(paratrain.ConfigError, match=r"valid layouts: zero3 tp=2 \(3 x 2\), zero3 tp=3 \(2 x 3\), "
+                                                    r"zero3 tp=6 \(1 x 6\)"):
+        check_world("zero3", 6, tp=4)
+    with pytest.raises(paratrain.ConfigError, match=r"Parallel\('ddp', tp=2\)"):
+        check_world("tp", 4, tp=2)
+    with pytest.raises(paratrain.ConfigError, match="without tp"):
+        paratrain.Parallel("ddp", tp_plan={"0": "colwise"})
+    with pytest.raises(paratrain.ConfigError, match="options"):
+        paratrain.Parallel("ddp", tp=2, bucket_cap_mb=5)
+
+
+def test_one_process_tp_runs_the_model_unsplit():
+    """``python train.py`` with tp: a one-rank group, the plan applied over one rank."""
+    par = paratrain.Parallel("tp", monitor=False)
+    model = ZOO["nanogpt"].build()
+    model, opt = par.prepare(model, ZOO["nanogpt"].optimizer(model))
+    x, y = step_batch(ZOO["nanogpt"], 0)
+    with par.step(model, opt):
+        loss = par.forward_backward(model, x, y, ZOO["nanogpt"].loss)
+    assert isinstance(loss, torch.Tensor) and type(loss) is torch.Tensor
+    par.close()

@@ -1,0 +1,103 @@
+"""The tensor-parallel job: every case of one world size in one launched job, on one process group.
+
+A case trains a zoo model (tests/zoo.py) under a layout for ``STEPS`` optimizer steps on global batches of ``BATCH``
+samples, each replica taking its slice and cutting it into ``accumulate`` micro-batches; it saves after
+``STEPS - 1`` steps, and a fresh ``Parallel`` — the same layout, or ``resume_as`` another one (another tp degree) —
+loads that checkpoint and takes the last step again. Rank 0 returns, per case, the full state at the save and at the
+end, how far the resumed run ended from the uninterrupted one, the gradient norms, what the loss received (the
+logits' type and placements), and the logits a direct ``model(x)`` call returns.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import paratrain
+from paratrain.model import find_ties
+from paratrain.parallel import finish_group
+from paratrain.testing import max_abs_diff
+from zoo import ZOO
+
+STEPS, BATCH = 3, 4
+
+
+def step_batch(spec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return spec.inputs(BATCH, torch.Generator().manual_seed(100 + step))
+
+
+def _prepared(model_name: str, strategy: str, options: dict):
+    spec = ZOO[model_name]
+    par = paratrain.Parallel(strategy, monitor=False, **options)
+    model = spec.build()
+    ties = find_ties(model).groups
+    model, opt = par.prepare(model, spec.optimizer(model))
+    if find_ties(par.unwrap(model)).groups != ties:
+        raise AssertionError(f"ties {find_ties(par.unwrap(model)).groups} != {ties}")
+    return spec, par, model, opt
+
+
+def _train(spec, par, model, opt, steps: range, seen: list[str]) -> list[float]:
+    size, rank, k = par.data_parallel_size, par.data_parallel_rank, par.accumulate
+    per = BATCH // size
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out
+        seen.append(f"{type(logits).__name__}{tuple(getattr(logits, 'placements', ()))}")
+        return spec.loss(out, target)
+
+    norms = []
+    for s in steps:
+        x, y = step_batch(spec, s)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        for i in range(k):
+            micro = slice(i * per // k, (i + 1) * per // k)
+            with par.step(model, opt):
+                par.forward_backward(model, x[micro].to(par.device), y[micro].to(par.device), loss_fn)
+        norms.append(par.last_grad_norm)
+    return norms
+
+
+def run_case(model_name: str, strategy: str, options: dict, folder: str,
+             resume_as: tuple[str, dict] | None = None) -> dict[str, Any]:
+    spec, par, model, opt = _prepared(model_name, strategy, options)
+    seen: list[str] = []
+    norms = _train(spec, par, model, opt, range(STEPS - 1), seen)
+    par.save(folder)
+    saved = par.full_state_dict(model, rank0_only=False)
+    norms += _train(spec, par, model, opt, range(STEPS - 1, STEPS), seen)
+    final = par.full_state_dict(model, rank0_only=False)
+    logits = model(step_batch(spec, 0)[0].to(par.device))
+    logits = logits.logits if hasattr(logits, "logits") else logits
+    par.close()
+
+    spec, par, model, opt = _prepared(model_name, *(resume_as or (strategy, options)))
+    par.load(folder)
+    _train(spec, par, model, opt, range(STEPS - 1, STEPS), [])
+    resumed = par.full_state_dict(model, rank0_only=False)
+    par.close()
+    return {"saved": saved, "state": final, "resumed": max_abs_diff(final, resumed), "norms": norms,
+            "seen": sorted(set(seen)), "logits_type": type(logits).__name__, "logits": logits.detach().cpu()}
+
+
+def run_cases(cases: list[tuple], tmp: str) -> dict[str, dict]:
+    """Every case in order, keyed ``model/strategy{options}`` (and ``->resume layout``); a case that raises a
+    paratrain error is reported with its one-line message (every rank refuses alike, in ``prepare``)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = {}
+    for i, case in enumerate(cases):
+        try:
+            out[case_key(*case)] = run_case(*case[:3], os.path.join(tmp, str(i)), *case[3:])
+        except paratrain.ParatrainError as err:
+            out[case_key(*case)] = {"error": str(err), "folder": os.path.join(tmp, str(i))}
+    rank = dist.get_rank()
+    finish_group()
+    return out if rank == 0 else {}
+
+
+def case_key(model_name: str, strategy: str, options: dict, resume_as: tuple[str, dict] | None = None) -> str:
+    key = f"{model_name}/{strategy}{options or ''}"
+    return key + (f"->{resume_as[0]}{resume_as[1] or ''}" if resume_as else "")
