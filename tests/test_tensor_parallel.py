@@ -175,6 +175,9 @@ def test_degrees_that_do_not_divide_the_world_name_the_valid_layouts():
         paratrain.Parallel("ddp", tp_plan={"0": "colwise"})
     with pytest.raises(paratrain.ConfigError, match="options"):
         paratrain.Parallel("ddp", tp=2, bucket_cap_mb=5)
+    for strategy in ("zero1", "hsdp", "pipeline", "hybrid"):
+        with pytest.raises(paratrain.ConfigError, match=f"'{strategy}' does not take tp"):
+            check_world(strategy, 4, tp=2)
 
 
 def test_one_process_tp_runs_the_model_unsplit():

@@ -92,7 +92,7 @@ def run_cases(cases: list[tuple], tmp: str) -> dict[str, dict]:
         try:
             out[case_key(*case)] = run_case(*case[:3], os.path.join(tmp, str(i)), *case[3:])
         except paratrain.ParatrainError as err:
-            out[case_key(*case)] = {"error": str(err), "folder": os.path.join(tmp, str(i))}
+            out[case_key(*case)] = {"error": str(err)}
     rank = dist.get_rank()
     finish_group()
     return out if rank == 0 else {}

@@ -24,7 +24,7 @@ from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model.units import shard_units
 from ..tensor_parallel.compose import TensorParallel
-from ..tensor_parallel.layout import TPConfig
+from ..tensor_parallel.layout import TPConfig, refuse_tp
 from .base import Runtime, Strategy
 from .optim import param_names, rebuild
 from .registry import register
@@ -137,8 +137,7 @@ class HSDPStrategy(FSDPStrategy):
 
     def mesh_dims(self, env: ClusterEnv) -> dict[str, int]:
         if self.tp is not None:
-            raise ConfigError("hsdp does not take tp yet; for tensor parallelism inside sharded data parallelism use "
-                              "Parallel('zero3', tp=2)")
+            refuse_tp(self.name, {"tp": self.tp.config.degree})
         world_size, shard = env.world_size, self.config.shard_size
         if world_size < 4:
             raise ConfigError(f"hsdp shards within groups and replicates across them: it needs at least 4 "

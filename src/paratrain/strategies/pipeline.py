@@ -35,6 +35,7 @@ from ..errors import ConfigError
 from ..model import find_ties
 from ..model.stages import OutputKind, StageModule, StagePlan, build_stage, plan_stages
 from ..precision import Precision
+from ..tensor_parallel.layout import refuse_tp
 from .base import Runtime, Strategy
 from .ddp import DDPConfig, apply_ddp
 from .fsdp import FSDPConfig, apply_fsdp
@@ -254,6 +255,7 @@ class PipelineStrategy(Strategy):
     native_precision = True  # applied to each stage, not to the prepared model
 
     def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
+        refuse_tp(self.name, options)
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
         self._names: dict[int, dict[int, str]] = {}
 

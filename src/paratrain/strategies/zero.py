@@ -7,8 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..tensor_parallel.layout import refuse_tp
 from .base import Runtime
-from .ddp import DDPStrategy
+from .ddp import DDPConfig, DDPStrategy
 from .optim import constructor_defaults, param_groups_for
 from .registry import register
 
@@ -18,6 +19,10 @@ class Zero1Strategy(DDPStrategy):
     """DDP + ZeroRedundancyOptimizer."""
 
     name = "zero1"
+
+    def __init__(self, config: DDPConfig | None = None, **options: object) -> None:
+        refuse_tp(self.name, options)
+        super().__init__(config, **options)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         inner = self.unwrap(model)

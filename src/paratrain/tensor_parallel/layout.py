@@ -48,3 +48,10 @@ def mesh_dims(strategy: str, degree: int | None, world_size: int) -> dict[str, i
         raise ConfigError(f"{strategy} with tp={tp} does not fit {world_size} processes (tp must divide them); "
                           f"valid layouts: {', '.join(fits) or 'none, launch an even number of processes'}")
     return {"dp": world_size // tp, "tp": tp}
+
+
+def refuse_tp(strategy: str, options: dict[str, Any]) -> None:
+    """One line for a strategy that does not compose with tensor parallelism (yet) but was given ``tp``."""
+    if "tp" in options or "tp_plan" in options:
+        raise ConfigError(f"strategy {strategy!r} does not take tp; tensor parallelism runs alone (Parallel('tp')) or "
+                          "inside ddp, zero2 and zero3 (Parallel('zero3', tp=2))")

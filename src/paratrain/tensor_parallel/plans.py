@@ -23,11 +23,11 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import (ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+                                               SequenceParallel)
 
 from ..errors import ConfigError
-from .styles import (Colwise, FusedColwise, PrepareModuleInput, PrepareModuleInputOutput, Replicated, Rowwise,
-                     SequenceParallel, style_of)
+from .styles import Colwise, FusedColwise, Replicated, Rowwise, style_of
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ..errors import ConfigError
 
@@ -128,7 +127,3 @@ def style_of(value: str | ParallelStyle, pattern: str) -> ParallelStyle:
         raise ConfigError(f"tp_plan entry {pattern!r}: {value!r} is not a style; use one of {', '.join(STYLES)} or "
                           "a torch.distributed.tensor.parallel ParallelStyle")
     return factory()
-
-
-__all__ = ["Colwise", "Rowwise", "FusedColwise", "Replicated", "STYLES", "style_of", "is_conv1d",
-           "PrepareModuleInput", "PrepareModuleInputOutput", "SequenceParallel"]
