@@ -119,7 +119,7 @@ def one_step(par: object, model: torch.nn.Module, opt: torch.optim.Optimizer, x:
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        return float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach())
     with par.step(model, opt):
         loss = par.forward_backward(model, x, y, _loss)
     return float(loss)

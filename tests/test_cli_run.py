@@ -66,6 +66,9 @@ def test_bad_input_gives_one_line_errors(paratrain_cmd, tmp_path):
     _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "nope"]), "unknown strategy 'nope'; choose one of")
     _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "dp", "-n", "2"]), "use strategy 'ddp'")
     _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "hybrid", "-n", "2"]), "launch 4 processes")
+    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "zero3", "--tp", "3", "-n", "4"]),
+                    "valid layouts: zero3 tp=2 (2 x 2), zero3 tp=4 (1 x 4)")
+    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "zero1", "--tp", "2", "-n", "4"]), "does not take tp")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

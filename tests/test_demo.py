@@ -14,3 +14,11 @@ def test_demo_reaches_95_percent_and_reports_throughput(paratrain_cmd):
     assert final >= 95.0, out
     assert re.search(r"[\d,]+ samples/s over 2 process", out)
     assert re.search(r"sha256 [0-9a-f]{64}", out)
+
+
+def test_demo_runs_tensor_parallel_with_the_cnns_own_plan(paratrain_cmd):
+    res = subprocess.run([*paratrain_cmd, "demo", "-n", "2", "--strategy", "tp", "--epochs", "2"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "strategy=tp" in res.stdout
+    assert float(re.search(r"final test acc ([\d.]+)%", res.stdout).group(1)) >= 80.0, res.stdout  # 83.01% seen

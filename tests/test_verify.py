@@ -25,7 +25,7 @@ def world2_reports() -> dict[tuple[str, str], object]:
     cases += [Case(factory="verify_cases:good_accumulating", strategy="zero2"),
               Case(factory="verify_cases:rank_seeded", strategy="ddp")]
     cases += [Case(factory=f"verify_cases:{name}", strategy=strategy) for name, (strategy, _, _) in BUGS.items()]
-    cases += [Case(factory="verify_cases:gpt2", strategy=s, steps=4) for s in ("ddp", "zero3")]
+    cases += [Case(factory="verify_cases:gpt2", strategy=s, steps=4) for s in ("ddp", "zero3", "tp")]
     cases += [Case(factory="verify_cases:split_tie", strategy="ddp", steps=4)]
     reports = verify_cases(cases, 2, timeout_s=150, accelerator="cpu")
     return {(c.factory.split(":")[1], c.strategy): r for c, r in zip(cases, reports)}
@@ -58,7 +58,7 @@ def test_each_planted_bug_fails_with_its_cause(world2_reports, factory):
     assert f"diverges at step {report.divergence.step}" in text and report.parameters_apart.parameter in text
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "tp"])
 def test_a_transformers_model_with_a_tied_head_passes(world2_reports, strategy):
     report = world2_reports[("gpt2", strategy)]
     assert report.passed, format_report(report)

@@ -23,12 +23,14 @@ from .digest import state_digest
 from .monitor import MonitorConfig
 from .parallel import Parallel
 from .progress import Progress
-from .workloads.digits import digits_cnn, load_digits_split
+from .workloads.digits import DIGITS_TP_PLAN, digits_cnn, load_digits_split
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="paratrain.demo", description=__doc__)
     p.add_argument("--strategy", default="auto", help="parallel strategy (default: auto)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel degree inside ddp/zero2/zero3 (the CNN's linear layers split over it)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64,
                    help="global batch per optimizer step, split over replicas and accumulation steps")
@@ -52,10 +54,9 @@ def check_args(args: argparse.Namespace, nproc: int | None = None) -> None:
 
     check_name(args.strategy)
     if nproc is not None and args.strategy != "auto":
-        from .env import ClusterEnv
-        from .strategies import create
+        from .strategies import check_world
 
-        create(args.strategy).validate(ClusterEnv(world_size=nproc, local_world_size=nproc, launched=True))
+        check_world(args.strategy, nproc, **strategy_options(args))
     for name in ("epochs", "batch_size", "accumulate"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -68,6 +69,13 @@ def check_args(args: argparse.Namespace, nproc: int | None = None) -> None:
         raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
     if args.fail_at_step is not None and nproc is not None and not 0 <= args.fail_rank < nproc:
         raise ConfigError(f"--fail-rank {args.fail_rank} is not a rank of a {nproc}-process job (0..{nproc - 1})")
+
+
+def strategy_options(args: argparse.Namespace) -> dict[str, object]:
+    """``--tp``'s options, with the CNN's own plan (it has no built-in one)."""
+    from .tensor_parallel.layout import cli_options
+
+    return cli_options(args.strategy, args.tp, DIGITS_TP_PLAN)
 
 
 def micro_batch(args: argparse.Namespace, par: Parallel) -> int:
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     with Parallel(args.strategy, accumulate=args.accumulate, seed=args.seed, deterministic=True,
                   checkpoint_dir=args.checkpoint_dir,
                   checkpoint_every=args.checkpoint_every, resume=True if args.resume else None,
-                  monitor=monitor) as par:
+                  monitor=monitor, **strategy_options(args)) as par:
         train_set, test_set = load_digits_split(seed=args.seed)
         model = digits_cnn()
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)

@@ -621,10 +621,13 @@ def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
 
 def global_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The 2-norm of every gradient of the model (collective for sharded gradients and with ``group``)."""
+    from .tensor_parallel.quiet import quiet_sequential_collectives
+
     grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    if hasattr(norm, "full_tensor"):  # DTensor: the norm of every shard together
-        norm = norm.full_tensor()
+    with quiet_sequential_collectives():  # a norm over (dp, tp) shards reduces one dimension after the other
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if hasattr(norm, "full_tensor"):  # DTensor: the norm of every shard together
+            norm = norm.full_tensor()
     if group is not None:
         squared = norm.detach().pow(2)
         dist.all_reduce(squared, group=group)

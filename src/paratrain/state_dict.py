@@ -16,6 +16,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from .tensor_parallel.quiet import quiet_sequential_collectives
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    state = get_model_state_dict(model, options=options)
+    with quiet_sequential_collectives():  # FSDP x TP parameters gather one mesh dimension after the other
+        state = get_model_state_dict(model, options=options)
     return {k: v.detach().cpu() for k, v in state.items()}

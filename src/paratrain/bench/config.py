@@ -24,6 +24,9 @@ class BenchConfig:
     """Strategies to run at each world size above 1 (world 1 runs 'single')."""
     strategy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Options per strategy name, passed to ``Parallel`` (e.g. ``{"pipeline": {"microbatches": 8}}``)."""
+    tp: int | None = None
+    """Tensor-parallel degree inside ddp, zero2 and zero3 (``--tp``); the ``tp`` strategy splits over every rank.
+    Models without a built-in plan use the workload's ``tp_plan``."""
     scaling: str = "weak"
     """``weak``: ``batch`` samples per replica at every size; ``strong``: ``batch`` samples per step in total."""
     batch: int = 64

@@ -50,11 +50,13 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
             continue
         runs = []
         for name in config.strategies:
-            reason = _cannot_run(name, config.strategy_options.get(name, {}), world)
+            options = {**config.strategy_options.get(name, {}), **_tp_options(config, name)}
+            label = f"{name}+tp{config.tp}" if "tp" in options and name != "tp" else name
+            reason = _cannot_run(name, options, world)
             if reason:
-                skipped.append(Row(label=name, world=world, threads=threads, skipped=reason))
+                skipped.append(Row(label=label, world=world, threads=threads, skipped=reason))
             else:
-                runs.append(Run(label=name, strategy=name, options=config.strategy_options.get(name, {})))
+                runs.append(Run(label=label, strategy=name, options=options))
         if config.compare and any(r.label == "ddp" for r in runs):
             runs.append(Run(label=TORCH_DDP, strategy=None))
         if runs:
@@ -68,6 +70,17 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
                 jobs.append(Job(world=1, threads=threads * world, config=replace(config, batch=batch),
                                 runs=(Run(label=BASELINE, strategy=BASELINE),)))
     return jobs, skipped, notes
+
+
+def _tp_options(config: BenchConfig, strategy: str) -> dict:
+    """``--tp``'s options for ``strategy``, with the workload's own plan when it has one."""
+    from ..tensor_parallel.layout import cli_options
+    from ..workloads import get_workload
+
+    if strategy != "tp" and config.tp in (None, 1):
+        return {}
+    # the tp strategy splits over every rank of each world size: --tp is the degree of the others
+    return cli_options(strategy, None if strategy == "tp" else config.tp, get_workload(config.workload).tp_plan)
 
 
 def _cannot_run(strategy: str, options: dict, world: int) -> str | None:
@@ -116,7 +129,7 @@ def run_bench(config: BenchConfig, *, log: TextIO | None = None) -> BenchResult:
         notes.append(f"other processes used {100 * background:.0f}% of this machine's CPUs while the bench ran: "
                      "the timings are suspect; measure on an idle machine")
     order = [BASELINE, *config.strategies, TORCH_DDP]
-    rows.sort(key=lambda r: (r.world * r.threads, r.world, order.index(r.label)))
+    rows.sort(key=lambda r: (r.world * r.threads, r.world, order.index(r.label.split("+tp")[0])))
     return BenchResult(config=config, machine=machine, workload=workload.description or workload.name, rows=rows,
                        comparisons=comparisons, notes=notes,
                        versions={"paratrain": __version__, "torch": torch.__version__},

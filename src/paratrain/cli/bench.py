@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--nproc", default=None,
                    help="world sizes, comma-separated (default: 1,2 on a CPU, 1,2,4… up to the GPUs)")
     p.add_argument("--strategies", default="ddp", help="comma-separated strategies (default: ddp)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree inside ddp, zero2 and zero3 (and the 'tp' strategy)")
     p.add_argument("--scaling", choices=("weak", "strong"), default="weak")
     p.add_argument("--batch", type=int, default=64, help="samples per replica (weak) or per step (strong); default 64")
     p.add_argument("--steps", type=int, default=20, help="timed steps per block (default 20)")
@@ -47,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def execute(args: argparse.Namespace) -> int:
     from ..bench import run_bench_cli
 
-    return run_bench_cli(workload=args.workload, nproc=args.nproc, strategies=args.strategies, scaling=args.scaling,
+    return run_bench_cli(workload=args.workload, nproc=args.nproc, strategies=args.strategies, tp=args.tp,
+                         scaling=args.scaling,
                          batch=args.batch, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
                          compare=args.compare, threads=args.threads, threads_per_rank=args.threads_per_rank,
                          accelerator=args.accelerator, comm_probe=not args.no_comm_probe, seed=args.seed,

@@ -25,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", "--strategies", dest="strategies", default="ddp",
                    help="strategy, or several comma-separated (default: ddp)")
     p.add_argument("-n", "--nproc", type=int, default=2, help="processes (default: 2)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree inside ddp, zero2 and zero3 (the model's built-in plan)")
     p.add_argument("--steps", type=int, help="optimizer steps to compare (default: two epochs, at most 50)")
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest difference counted as equal, relative to values above 1 (default: 1e-5, for fp32)")
@@ -39,4 +40,4 @@ def execute(args: argparse.Namespace) -> int:
 
     return verify_command(factory=args.factory, strategies=args.strategies, nprocs=args.nproc, steps=args.steps,
                           tolerance=args.tolerance, timeout_s=args.timeout, accelerator=args.accelerator,
-                          as_json=args.json)
+                          as_json=args.json, tp=args.tp)

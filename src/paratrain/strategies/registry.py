@@ -50,4 +50,6 @@ def check_world(name: str, world_size: int, **options: Any) -> None:
         strategy = create(name, **options)
     except TypeError as err:
         raise ConfigError(f"bad option for strategy {name!r}: {err}") from None
-    strategy.validate(ClusterEnv(world_size=world_size, local_world_size=world_size, launched=True))
+    env = ClusterEnv(world_size=world_size, local_world_size=world_size, launched=True)
+    strategy.validate(env)
+    strategy.mesh_dims(env)  # degrees the world does not divide (tp=3 of 4) say so here

@@ -26,6 +26,11 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0) -> tuple[Tensor
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
+DIGITS_TP_PLAN = {"6": "colwise", "8": "rowwise"}
+"""Tensor parallelism for ``digits_cnn``: its hidden linear layer split by columns, the classifier by rows (one
+all-reduce of the 10 logits); the convolutions stay whole on every rank."""
+
+
 def digits_cnn(channels: int = 16, hidden: int = 128, classes: int = 10) -> nn.Sequential:
     """Two 3x3 conv layers, a pooling step and two linear layers: ~75k parameters, >97% test accuracy.
 

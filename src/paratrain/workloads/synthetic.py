@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .digits import digits_cnn
+from .digits import DIGITS_TP_PLAN, digits_cnn
 from .gpt import GPT, GPT_CONFIGS
 from .workload import Batch, Workload
 
@@ -27,12 +27,14 @@ def _images(shape: tuple[int, ...], classes: int):
 
 def mlp_workload() -> Workload:
     return Workload(name="mlp", model=mlp, loss=F.cross_entropy, make_batch=_images((784,), 10),
-                    description="MLP 784-1024-1024-10 (1.86M parameters), SGD, random 784-float inputs")
+                    description="MLP 784-1024-1024-10 (1.86M parameters), SGD, random 784-float inputs",
+                    tp_plan={"0": "colwise", "2": "rowwise"})
 
 
 def cnn_workload() -> Workload:
     return Workload(name="cnn", model=digits_cnn, loss=F.cross_entropy, make_batch=_images((1, 8, 8), 10),
-                    description="digits CNN (2 conv + 2 linear, 75k parameters), SGD, random 1x8x8 images")
+                    description="digits CNN (2 conv + 2 linear, 75k parameters), SGD, random 1x8x8 images",
+                    tp_plan=DIGITS_TP_PLAN)
 
 
 def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

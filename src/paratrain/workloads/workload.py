@@ -7,7 +7,7 @@ returns a :class:`Workload` or a ``(model, loss, make_batch)`` tuple.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +42,9 @@ class Workload:
     """Builds the optimizer over the model's parameters."""
     description: str = ""
     """One line for reports: the model's shape and the data."""
+    tp_plan: Mapping[str, str] | None = None
+    """Its tensor-parallel plan (module-name patterns → styles) when the model has no built-in one; None: the
+    built-in plan (GPT-2, Llama, our GPT), or none."""
 
     def __post_init__(self) -> None:
         for field in ("model", "loss", "make_batch", "optimizer"):
