@@ -112,7 +112,7 @@ def load_note(wall: float, share: float) -> str:
         " (above 5%: skewed)" if share > 0.05 else "")
 
 
-def _median_s(fn: Callable[[], object], steps: int, warmup: int) -> float:
+def median_s(fn: Callable[[], object], steps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -145,9 +145,9 @@ def single_phases(steps: int, warmup: int, threads: int = 1) -> dict[str, float]
                 nn.functional.cross_entropy(model(xs), ys).backward()
 
         forward_backward()
-        return {"forward_backward": _median_s(forward_backward, steps, warmup),
-                "micro_batch": _median_s(micro_batches, steps, warmup) / MICRO_BATCHES,
-                "adam": _median_s(opt.step, steps, warmup)}
+        return {"forward_backward": median_s(forward_backward, steps, warmup),
+                "micro_batch": median_s(micro_batches, steps, warmup) / MICRO_BATCHES,
+                "adam": median_s(opt.step, steps, warmup)}
     finally:
         torch.set_num_threads(before)
 
@@ -170,7 +170,7 @@ def one_rank_step_s(label: str, steps: int, warmup: int) -> float:
             with par.step(model, opt):
                 par.forward_backward(model, x, y, nn.functional.cross_entropy)
 
-        return _median_s(step, steps, warmup)
+        return median_s(step, steps, warmup)
     finally:
         with contextlib.redirect_stdout(io.StringIO()):  # the monitor's one-rank summary table
             par.close()

@@ -42,6 +42,7 @@ from paratrain.parallel import finish_group
 from paratrain.planner import make_plan, transformer_stats
 from paratrain.planner.tensor_parallel import collectives_per_micro_batch
 from paratrain.workloads.gpt import GPT, GPTConfig
+from planner_accuracy import median_s  # the same timing as the other strategies'
 
 CFG = GPTConfig(layers=2, hidden=256, heads=4, seq_len=128, vocab=2048, learned_positions=False, tied=False)
 BATCH = 8
@@ -57,17 +58,6 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 def build() -> GPT:
     torch.manual_seed(0)
     return GPT(CFG)
-
-
-def _median_s(fn: Callable[[], object], steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def world1(steps: int, warmup: int, threads: int) -> dict[str, float]:
@@ -86,9 +76,9 @@ def world1(steps: int, warmup: int, threads: int) -> dict[str, float]:
             return run
 
         forward_backward(BATCH)()
-        return {"forward_backward": _median_s(forward_backward(BATCH), steps, warmup),
-                "quarter": _median_s(forward_backward(BATCH // 4), steps, warmup),
-                "adam": _median_s(opt.step, steps, warmup)}
+        return {"forward_backward": median_s(forward_backward(BATCH), steps, warmup),
+                "quarter": median_s(forward_backward(BATCH // 4), steps, warmup),
+                "adam": median_s(opt.step, steps, warmup)}
     finally:
         torch.set_num_threads(before)
 
@@ -192,7 +182,7 @@ def job(rounds: int, steps: int, warmup: int) -> dict[str, object]:
     for r in range(rounds):
         for name, step in (("tp", tp_step), ("ddp", ddp_step))[:: 1 if r % 2 == 0 else -1]:
             dist.barrier()
-            per_round[name].append(_median_s(step, steps, warmup))
+            per_round[name].append(median_s(step, steps, warmup))
     finish_group()
     return {"link": link, "first_loss": first_loss,
             "step_s": {k: statistics.median(v) for k, v in per_round.items()}}
@@ -226,7 +216,7 @@ def fake_group(steps: int, warmup: int) -> dict[str, object]:
         def counts(mode: CommDebugMode) -> dict[str, int]:
             return {str(k).rsplit(".", 1)[-1]: v for k, v in mode.get_comm_counts().items()}
 
-        return {"forward_backward": counts(comm), "adam": counts(opt_comm), "step_s": _median_s(step, steps, warmup)}
+        return {"forward_backward": counts(comm), "adam": counts(opt_comm), "step_s": median_s(step, steps, warmup)}
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(before)
