@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 import paratrain
 
-# test-launch: paratrain run -n 4 --steps 6
+# test-launch: paratrain run -n 2 --steps 4
 
 VOCAB, SEQ = 256, 32
 
