@@ -199,9 +199,11 @@ class Parallel:
 
     def _agreed_values(self) -> dict[str, str]:
         """What every rank must have alike (checked once at construction)."""
+        # The mesh, not the processes per node: torchrun lets nodes run different numbers of processes, and only a
+        # layout built from them (hsdp's shard groups of one node) must then be the same everywhere.
         return {"strategy": "auto" if self._auto_pending else self.strategy.describe(),
                 "precision": self.precision.name, "accumulate": str(self.accumulate),
-                "world": f"{self.env.world_size} ranks, {self.env.local_world_size} per node"}
+                "mesh": str(self.strategy.mesh_dims(self.env))}
 
     def _init_process_group(self, timeout_s: float) -> None:
         if not self.env.launched:
