@@ -45,8 +45,8 @@ def _launch(case: str, out, *flags: str, **env: str) -> tuple[subprocess.Complet
     return res, time.monotonic() - start
 
 
-def _start_sleeping_job(out) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "paratrain", "run", "-n", "2", JOB, "sleep", str(out)],
+def _start_sleeping_job(out, *flags: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain", "run", "-n", "2", *flags, JOB, "sleep", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
     if not wait_for([out / "ready-0", out / "ready-1"], 60):
         proc.kill()
@@ -54,8 +54,9 @@ def _start_sleeping_job(out) -> subprocess.Popen:
     return proc
 
 
-def test_sigkill_of_the_launcher_leaves_no_worker(tmp_path):
-    proc = _start_sleeping_job(tmp_path)
+@pytest.mark.parametrize("program", [(), ("--no-python", sys.executable)], ids=["script", "no-python"])
+def test_sigkill_of_the_launcher_leaves_no_worker(tmp_path, program):
+    proc = _start_sleeping_job(tmp_path, *program)  # --no-python: python itself is the program
     pids = _pids(tmp_path)
     proc.kill()
     proc.wait(timeout=10)

@@ -164,11 +164,15 @@ def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> ar
         # a store of their own per attempt avoids it. Not by default: rank 0 then starts that store and the
         # other ranks wait for it, which costs about a second at every launch.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if not args.no_python and not args.run_path:
+    if args.no_python:  # a program of its own: the worker asks to die with the launcher, then becomes that program
+        args.training_script_args = ["-m", "paratrain.launch.worker", "--exec", args.training_script,
+                                     *args.training_script_args]
+        args.training_script = sys.executable
+    else:  # --run-path runs the script as the worker does anyway (runpy.run_path)
         target = ["-m", args.training_script] if args.module else [args.training_script]
         args.training_script_args = [*target, *args.training_script_args]
         args.training_script = "paratrain.launch.worker"
-        args.module = True
+        args.module, args.run_path = True, False
     return args
 
 

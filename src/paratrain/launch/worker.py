@@ -1,6 +1,7 @@
 """Runs the user's script or module inside each torchrun worker.
 
-``paratrain run`` starts ``python -m paratrain.launch.worker [-m] TARGET ARGS…`` instead of the target itself, so
+``paratrain run`` starts ``python -m paratrain.launch.worker [-m] TARGET ARGS…`` instead of the target itself (with
+``--no-python``, ``… --exec PROGRAM ARGS…``, which asks for the parent-death signal and then becomes the program), so
 that:
 
 * the worker dies with the launcher, even when the launcher is SIGKILLed (:mod:`paratrain.launch.parent_death`);
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent(launcher_pid())
     restore_worker_signals()
+    if argv and argv[0] == "--exec":  # paratrain run --no-python: the kernel's parent-death request survives exec
+        _exec(argv[1:])
     errors = get_error_handler()
     errors.initialize()
     try:
@@ -49,6 +52,16 @@ def main(argv: list[str] | None = None) -> None:
             raise
         sys.stderr.flush()
         sys.exit(1)
+
+
+def _exec(argv: list[str]) -> None:
+    """Become ``argv``'s program (``paratrain run --no-python``), or say in one line why it cannot run."""
+    sys.stdout.flush()
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as err:
+        sys.stderr.write(f"paratrain run --no-python: cannot run {argv[0]!r}: {err.strerror}\n")
+        os._exit(127)
 
 
 def _run(argv: list[str]) -> None:
