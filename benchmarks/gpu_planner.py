@@ -11,7 +11,8 @@ plan calibrated at the one batch size, the plan calibrated at this batch size (w
 training the model (cross-entropy, ``forward_backward``), the median of ``--steps`` steps after 3 of warm-up,
 and ``max_memory_allocated`` over them less what was allocated before the model was built. Memory is the
 plan's ``allocated`` (the peak without the CUDA context and allocator slack, which the allocator's statistics
-do not see). Targets (issue #13): time within 20%, memory within 10%.
+do not see). Targets (issue #13): time within 20%, memory within 10%. Then the same with every block
+checkpointed (``activation_checkpointing=True`` against the plan's ``--checkpointing``).
 """
 from __future__ import annotations
 
@@ -48,14 +49,14 @@ def single_estimate(plan) -> object:
     return next(e for e in plan.estimates if e.layout.name == "single")
 
 
-def measured(model: str, batch: int, steps: int) -> tuple[float, float]:
+def measured(model: str, batch: int, steps: int, checkpointing: bool = False) -> tuple[float, float]:
     """(median step seconds, peak bytes) of ``Parallel('single')`` training ``model`` at ``batch``."""
     cfg = GPT_CONFIGS[model]
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    par = paratrain.Parallel("single", precision="bf16-mixed", monitor=False)
+    par = paratrain.Parallel("single", precision="bf16-mixed", monitor=False, activation_checkpointing=checkpointing)
     torch.manual_seed(0)
     net = GPT(cfg)
     net, opt = par.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
@@ -122,6 +123,18 @@ def main() -> None:
                   f"{row['plan_gib']:>8.2f} {row['plan_gib'] / row['measured_gib'] - 1:>+6.0%}", flush=True)
         print(f"  {model}: calibrated MFU {device.mfu:.3f}, bandwidth {device.memory_gbs:.0f} GB/s; "
               f"{calibration.notes[-1]}")
+        for batch in (int(b) for b in a.batches.split(",")):  # every block checkpointed
+            planned = single_estimate(make_plan(model=model, gpu=gpu, micro_batch=batch, precision="bf16-mixed",
+                                                mfu=device.mfu, mem_bw_gbs=device.memory_gbs, checkpointing=True))
+            step_s, peak = measured(model, batch, a.steps, checkpointing=True)
+            row = {"model": model, "batch": batch, "checkpointing": True, "measured_ms": 1e3 * step_s,
+                   "calibrated_ms": 1e3 * planned.time.step_s, "measured_gib": peak / 2**30,
+                   "plan_gib": planned.memory.allocated / 2**30}
+            rows.append(row)
+            print(f"  checkpointed, batch {batch}: {row['measured_ms']:.1f} ms (plan calibrated at batch "
+                  f"{a.calibrate_at}: {row['calibrated_ms']:.1f}, {row['calibrated_ms'] / row['measured_ms'] - 1:+.0%})"
+                  f", {row['measured_gib']:.2f} GiB (plan {row['plan_gib']:.2f}, "
+                  f"{row['plan_gib'] / row['measured_gib'] - 1:+.0%})", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
