@@ -104,7 +104,10 @@ class Strategy(ABC):
 
     def sync_gradients(self, model: nn.Module) -> None:
         """Complete the gradients on the step that synchronises, before clipping and the optimizer step, where the
-        wrapped model's backward does not (a weight tied across pipeline stages); the default has nothing to do."""
+        wrapped model's backward does not (a weight tied across pipeline stages, tensor parallelism's partial
+        sums); the default has nothing else to do."""
+        if self.tp is not None:
+            self.tp.sync_gradients(model)
 
     def grad_norm_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """This rank's parameters whose gradients make up its part of the global norm, so that a tensor held on

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from .apply import apply_tp
 from .layout import TPConfig, mesh_dims
@@ -44,6 +45,18 @@ class TensorParallel:
         """The ``dp`` coordinate: ranks of one tp group are one replica."""
         dp = mesh["dp"]
         return dp.get_local_rank(), dp.size(), dp.get_group() if dp.size() > 1 else None
+
+    @staticmethod
+    def sync_gradients(model: nn.Module) -> None:
+        """Sum the gradients left as per-rank parts (``Partial``: weights replicated over tp but used on slices of
+        the sequence, the sequence-parallel norms) once per step, before clipping and the optimizer. Left partial,
+        every optimizer operation on them all-reduces again (three per parameter for Adam), and torch 2.11's
+        distributed checkpoint refuses to save the optimizer state made from them."""
+        for p in model.parameters():
+            grad = p.grad
+            if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+                p.grad = grad.redistribute(grad.device_mesh,
+                                           [Replicate() if pl.is_partial() else pl for pl in grad.placements])
 
     @staticmethod
     def rng_rank(mesh: DeviceMesh) -> int:
