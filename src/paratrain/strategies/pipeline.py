@@ -307,6 +307,9 @@ class PipelineStrategy(Strategy):
         return dp.get_local_rank(), dp.size(), dp.get_group() if dp.size() > 1 else None
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
+        if self.tp is not None and isinstance(model, nn.Sequential):
+            raise ConfigError(f"{self.name} with tp cuts a model between its repeated blocks, not an nn.Sequential; "
+                              "drop tp, or use Parallel('ddp', tp=...) for a tensor-parallel nn.Sequential")
         if rt.precision.name == "fp16-mixed":
             raise ConfigError(f"{self.name} does not support fp16-mixed (loss scaling across stages); use bf16-mixed")
         assert rt.mesh is not None
@@ -315,9 +318,6 @@ class PipelineStrategy(Strategy):
         total = pp * (self.config.stages_per_rank or 1)
         mine = [pp_rank + k * pp for k in range(self.config.stages_per_rank or 1)]  # interleaved: loop placement
         if isinstance(model, nn.Sequential):
-            if self.tp is not None:
-                raise ConfigError(f"{self.name} with tp cuts a model between its repeated blocks, not an nn.Sequential; "
-                                  "drop tp, or use Parallel('ddp', tp=...) for a tensor-parallel nn.Sequential")
             out = self._wrap_sequential(model, rt, total, mine)
         else:
             out = self._wrap_blocks(model, rt, total, mine)

@@ -3,7 +3,9 @@
 ``Parallel("tp")`` splits every layer over all ranks; ``Parallel("ddp", tp=2)`` / ``Parallel("zero3", tp=2)`` make
 groups of 2 ranks that split every layer and replicate (or shard) across the groups. The mesh is ``(dp, tp)`` with
 ``tp`` innermost, as torchtitan lays it out: the ranks of one tensor-parallel group are neighbours (on a GPU node,
-the ones joined by NVLink), since they talk inside every layer.
+the ones joined by NVLink), since they talk inside every layer. Pipelines put their stages between the two:
+``Parallel("pipeline", tp=2)`` on ``(pp, tp)``, ``Parallel("hybrid", dp=2, tp=2)`` on ``(dp, pp, tp)``
+(:mod:`paratrain.strategies.pipeline`).
 """
 from __future__ import annotations
 
@@ -54,4 +56,4 @@ def refuse_tp(strategy: str, options: dict[str, Any]) -> None:
     """One line for a strategy that does not compose with tensor parallelism (yet) but was given ``tp``."""
     if "tp" in options or "tp_plan" in options:
         raise ConfigError(f"strategy {strategy!r} does not take tp; tensor parallelism runs alone (Parallel('tp')) or "
-                          "inside ddp, zero2 and zero3 (Parallel('zero3', tp=2))")
+                          "inside ddp, zero2, zero3, pipeline and hybrid (Parallel('zero3', tp=2))")
