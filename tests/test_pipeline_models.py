@@ -47,7 +47,8 @@ TP4 = [
     ("gpt tp 1f1b resume", "gpt", "pipeline", {"tp": 2}, 1, None, True),
 ]
 # dp x pp x tp at world 8: one case, the launch of 8 processes on 2 cores being most of its time
-WORLD8 = [("gpt hybrid fsdp tp clip", "gpt", "hybrid", {"dp": 2, "data": "fsdp", "tp": 2}, 1, 0.5, False)]
+WORLD8 = [("gpt hybrid fsdp tp clip", "gpt", "hybrid", {"dp": 2, "data": "fsdp", "tp": 2, "microbatches": 2}, 1, 0.5,
+           False)]
 SPLIT_LOGITS = "DTensor(Shard(dim=2),)"
 TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"), "gpt": ("wte.weight", "head.weight")}
 
@@ -105,7 +106,7 @@ def test_tensor_parallel_stages_equal_one_process(world4):
 
 
 def test_dp_x_pp_x_tp_equals_one_process():
-    check(spawn(run_cases, 8, (WORLD8,), timeout_s=120), WORLD8)
+    check(spawn(run_cases, 8, (WORLD8,), timeout_s=240), WORLD8)
 
 
 def test_models_that_cannot_be_split_say_why():
