@@ -3,6 +3,7 @@ stages, many cases per launched job, and the same training in one plain process 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,8 @@ def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: i
             "output": output}
 
 
-def _train(par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> None:
+def _train(par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer, first: int, last: int,
+           loss: Callable = loss_fn) -> None:
     """Optimizer steps ``first`` … ``last``-1; each replica reads its slice of each micro-batch."""
     x, y = batches(last)
     replicas, r = par.data_parallel_size, par.data_parallel_rank
@@ -83,7 +85,7 @@ def _train(par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer
         for a in range(par.accumulate):
             lo = s * GLOBAL_BATCH + a * micro + r * share
             with par.step(model, opt):
-                par.forward_backward(model, x[lo:lo + share], y[lo:lo + share], loss_fn)
+                par.forward_backward(model, x[lo:lo + share], y[lo:lo + share], loss)
 
 
 def _case(family: str, strategy: str, options: dict, accumulate: int, clip: float | None,
@@ -94,6 +96,13 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
     held = {id(p) for p in model.parameters()}
     in_opt = [id(p) for g in opt.param_groups for p in g["params"]]
     norms = []
+    seen: set[str] = set()  # the logits the loss got: type and placements (vocabulary-split under tp)
+
+    def watched(out: object, y: torch.Tensor) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out
+        seen.add(f"{type(logits).__name__}{tuple(getattr(logits, 'placements', ()))}")
+        return loss_fn(out, y)
+
     if resume:  # two steps, save, one more; then a fresh job loads and takes the third step again
         if isinstance(resume, str):  # the first two steps under another strategy (ddp), the last under this one
             par.close()
@@ -113,7 +122,7 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
     else:
         uninterrupted = None
         for s in range(STEPS):
-            _train(par, model, opt, s, s + 1)
+            _train(par, model, opt, s, s + 1, watched)
             norms.append(par.last_grad_norm)
     state = par.full_state_dict(model, rank0_only=False)
     broken = find_ties(build(family)).broken(model)
@@ -123,7 +132,7 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
     par.close()
     return {"state": state, "uninterrupted": uninterrupted, "norms": norms, "broken": broken, "output": output,
             "optimizer_once": sorted(in_opt) == sorted(held) and len(set(in_opt)) == len(in_opt),
-            "evaluating": evaluating}
+            "evaluating": evaluating, "seen": sorted(seen)}
 
 
 def run_cases(cases: list[tuple]) -> dict[str, dict]:

@@ -1,7 +1,8 @@
 """``pipeline`` and ``hybrid`` on real models: transformers' GPT-2 (tied head) and Llama (GQA, rotary
-embeddings), and our GPT (tied head), cut between their blocks. Each equals one plain process on the same global
-batches after 3 SGD (momentum) steps, in fp32: measured ≤ 2.4e-7 (our GPT's default init gives it larger
-weights than the transformers models, ≤ 1.2e-8), asserted ≤ 1e-5.
+embeddings), and our GPT (tied head), cut between their blocks, also with each stage tensor-parallel (``tp=2``:
+``pipeline`` at world 4 on a (pp, tp) mesh, ``hybrid`` at world 8 on (dp, pp, tp)). Each equals one plain process
+on the same global batches after 3 SGD (momentum) steps, in fp32: measured ≤ 2.4e-7 for our GPT (its default init
+gives it larger weights than the transformers models, ≤ 1.2e-8), with or without tp; asserted ≤ 1e-5.
 
 One job per world size runs every case in sequence (importing transformers costs seconds per process).
 """
@@ -39,12 +40,27 @@ WORLD4 = [
     ("gpt hybrid fsdp accumulate", "gpt", "hybrid", {"data": "fsdp"}, 2, None, False),
     ("gpt hybrid fsdp resume", "gpt", "hybrid", {"data": "fsdp"}, 1, None, True),
 ]
+# tp x pp at world 4: both schedules, clipping over tp shards and stages, a bitwise resume
+TP4 = [
+    ("gpt2 tp 1f1b clip", "gpt2", "pipeline", {"tp": 2, "schedule": "1f1b"}, 1, 0.5, False),
+    ("llama tp gpipe", "llama", "pipeline", {"tp": 2, "schedule": "gpipe"}, 1, None, False),
+    ("gpt tp 1f1b resume", "gpt", "pipeline", {"tp": 2}, 1, None, True),
+]
+# dp x pp x tp at world 8: one case, the launch of 8 processes on 2 cores being most of its time
+WORLD8 = [("gpt hybrid fsdp tp clip", "gpt", "hybrid", {"dp": 2, "data": "fsdp", "tp": 2, "microbatches": 2}, 1, 0.5,
+           False)]
+SPLIT_LOGITS = "DTensor(Shard(dim=2),)"
 TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"), "gpt": ("wte.weight", "head.weight")}
 
 
-def check(world: int, cases: list[tuple]) -> None:
-    ranks = spawn(run_cases, world, (cases,), timeout_s=150)
-    for name, family, _, _, accumulate, clip, resume in cases:
+@pytest.fixture(scope="module")
+def world4() -> list[dict]:
+    """hybrid and tp x pp cases in one job."""
+    return spawn(run_cases, 4, (WORLD4 + TP4,), timeout_s=300)
+
+
+def check(ranks: list[dict], cases: list[tuple]) -> None:
+    for name, family, _, options, accumulate, clip, resume in cases:
         ref = serial(family, accumulate, clip)
         for rank, results in enumerate(ranks):
             got = results[name]
@@ -68,6 +84,8 @@ def check(world: int, cases: list[tuple]) -> None:
                 logits = out.logits if hasattr(out, "logits") else out
                 expected = ref["output"].logits if hasattr(ref["output"], "logits") else ref["output"]
                 assert (logits - expected).abs().max() <= BOUND, where
+        if "tp" in options and not resume:  # the last stage's loss got the logits split over the vocabulary
+            assert {s for results in ranks for s in results[name]["seen"]} == {SPLIT_LOGITS}, name
         plain = build(family)  # the gathered state dict loads into the plain model, ties intact
         plain.load_state_dict(ranks[0][name]["state"])
         if family in TIED:
@@ -76,11 +94,19 @@ def check(world: int, cases: list[tuple]) -> None:
 
 
 def test_pipeline_on_real_models_equals_one_process():
-    check(2, WORLD2)
+    check(spawn(run_cases, 2, (WORLD2,), timeout_s=150), WORLD2)
 
 
-def test_hybrid_on_real_models_equals_one_process():
-    check(4, WORLD4)
+def test_hybrid_on_real_models_equals_one_process(world4):
+    check(world4, WORLD4)
+
+
+def test_tensor_parallel_stages_equal_one_process(world4):
+    check(world4, TP4)
+
+
+def test_dp_x_pp_x_tp_equals_one_process():
+    check(spawn(run_cases, 8, (WORLD8,), timeout_s=240), WORLD8)
 
 
 def test_models_that_cannot_be_split_say_why():

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import paratrain
+from paratrain import strategies
 from paratrain.strategies import check_world
 from paratrain.tensor_parallel import plan_for
 from paratrain.testing import max_abs_diff, spawn
@@ -175,9 +176,27 @@ def test_degrees_that_do_not_divide_the_world_name_the_valid_layouts():
         paratrain.Parallel("ddp", tp_plan={"0": "colwise"})
     with pytest.raises(paratrain.ConfigError, match="options"):
         paratrain.Parallel("ddp", tp=2, bucket_cap_mb=5)
-    for strategy in ("zero1", "hsdp", "pipeline", "hybrid"):
+    for strategy in ("zero1", "hsdp"):
         with pytest.raises(paratrain.ConfigError, match=f"'{strategy}' does not take tp"):
             check_world(strategy, 4, tp=2)
+
+
+def test_tp_under_pipelines_checks_its_layout_in_one_line():
+    check_world("pipeline", 4, tp=2)
+    check_world("hybrid", 8, tp=2)
+    cases = [
+        (("pipeline", 6, {"tp": 4}), r"valid layouts: pipeline tp=2 \(3 x 2\), pipeline tp=3 \(2 x 3\)"),
+        (("pipeline", 2, {"tp": 2}), r"at least 2 pipeline stages \(4 processes with tp=2\)"),
+        (("hybrid", 4, {"tp": 2}), r"dp >= 2 and pp >= 2 \(got dp=1 x pp=2 x tp=2 from 4 processes\); launch 8"),
+        (("hybrid", 8, {"tp": 2, "dp": 3}), r"into dp=3 pipelines of tp=2"),
+        (("pipeline", 4, {"tp": 2, "schedule": "interleaved-1f1b"}), "one stage per rank: use schedule='1f1b'"),
+    ]
+    for (strategy, world, options), message in cases:
+        with pytest.raises(paratrain.ConfigError, match=message) as err:
+            check_world(strategy, world, **options)
+        assert "\n" not in str(err.value)
+    with pytest.raises(paratrain.ConfigError, match="not an nn.Sequential"):
+        strategies.create("pipeline", tp=2).wrap_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), None)
 
 
 def test_one_process_tp_runs_the_model_unsplit():

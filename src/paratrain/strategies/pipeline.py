@@ -14,6 +14,12 @@ stage; gradients are the mean over micro-batches.
 ``hybrid`` adds a data-parallel dimension: ``dp`` x ``pp`` ranks, each pipeline's stages replicated with DDP
 (or sharded with FSDP, ``data="fsdp"``) across the ``dp`` dimension.
 
+``tp=T`` splits each stage's layers over T ranks as well (the model's tensor-parallel plan applied per stage, its
+boundaries whole: :mod:`paratrain.tensor_parallel.stages`): a ``(pp, tp)`` mesh for ``pipeline``, ``(dp, pp, tp)``
+for ``hybrid``, ``tp`` innermost. The last stage's loss runs on logits split over the vocabulary, under
+``loss_parallel``, as ``tp`` without stages does; with DDP the stages are replicated by FSDP2's ``replicate``
+(``DistributedDataParallel`` refuses DTensor parameters), as ``Parallel("ddp", tp=T)`` does.
+
 Training runs through ``par.forward_backward(model, x, y, loss_fn)``; calling the prepared model runs a
 forward-only pass and gives every rank of the pipeline the last stage's output.
 """
@@ -29,15 +35,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model import find_ties
 from ..model.stages import OutputKind, StageModule, StagePlan, build_stage, plan_stages
 from ..precision import Precision
-from ..tensor_parallel.layout import refuse_tp
+from ..tensor_parallel.compose import TensorParallel
+from ..tensor_parallel.layout import TPConfig, mesh_dims
+from ..tensor_parallel.outputs import plain
 from .base import Runtime, Strategy
-from .ddp import DDPConfig, apply_ddp
+from .ddp import DDPConfig, apply_ddp, apply_replicate
 from .fsdp import FSDPConfig, apply_fsdp
 from .model_parallel import balance
 from .optim import param_names, rebuild
@@ -115,6 +124,7 @@ class PipelinedModel(nn.Module):
         self.aliases: dict[str, str] = {}  # a tied weight held here under another name -> its first name
         self._eval_kind: OutputKind | None = None
         self.precision: Precision | None = None
+        self.split_loss: Callable[[], AbstractContextManager] = nullcontext  # tensor parallel: the vocab-split loss
 
     def train(self, mode: bool = True) -> "PipelinedModel":
         """Also the stages: a stage cut from a model holds copies of the modules above its blocks (the model's
@@ -183,11 +193,12 @@ class PipelinedModel(nn.Module):
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         # As forward_backward without stages: the stages hand on (and the loss reads) their outputs in the compute
         # dtype, not cast to fp32 — the same values one process computes, and no fp32 copy of the logits.
-        with nullcontext() if precision is None else precision.compute_dtype_outputs():
+        with nullcontext() if precision is None else precision.compute_dtype_outputs(), self.split_loss():
             if self.is_first:
                 schedule.step(x, **kwargs)
             else:
                 schedule.step(**kwargs)
+        losses = [plain(part) for part in losses]
         loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
         return _share_from_last(loss, self)
 
@@ -255,22 +266,40 @@ class PipelineStrategy(Strategy):
     native_precision = True  # applied to each stage, not to the prepared model
 
     def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
-        refuse_tp(self.name, options)
+        tp = TPConfig.pop(options)
+        self.tp = TensorParallel(tp) if tp is not None else None
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
+        if self.tp is not None and self.config.stages_per_rank != 1:
+            raise ConfigError(f"{self.name} with tp runs one stage per rank: use schedule='1f1b' or 'gpipe' with tp, "
+                              f"or {self.config.schedule!r} without tp")
         self._names: dict[int, dict[int, str]] = {}
+
+    def tp_degree(self, env: ClusterEnv) -> int:
+        """Ranks that split each stage's layers (1 without tp); a degree that does not divide the processes is
+        refused, naming the layouts that fit."""
+        if self.tp is None:
+            return 1
+        return mesh_dims(self.name, self.tp.config.degree, env.world_size)["tp"]
 
     def degrees(self, env: ClusterEnv) -> tuple[int, int]:
         """(dp, pp)."""
-        return 1, env.world_size
+        return 1, env.world_size // self.tp_degree(env)
 
     def mesh_dims(self, env: ClusterEnv) -> dict[str, int]:
         dp, pp = self.degrees(env)
-        return {"dp": dp, "pp": pp}
+        return {"dp": dp, "pp": pp} if self.tp is None else {"dp": dp, "pp": pp, "tp": self.tp_degree(env)}
 
     def validate(self, env: ClusterEnv) -> None:
         dp, pp = self.degrees(env)
         if pp < 2:
-            raise ConfigError(f"{self.name} needs at least 2 pipeline stages (processes); launch more with -n")
+            tp = self.tp_degree(env)
+            need = f"{2 * tp} processes with tp={tp}" if tp > 1 else "processes"
+            raise ConfigError(f"{self.name} needs at least 2 pipeline stages ({need}); launch more with -n")
+
+    def rng_rank(self, rt: Runtime) -> int:
+        """Each stage of each replica its own random stream; the ranks of one tp group share theirs."""
+        assert rt.mesh is not None
+        return rt.mesh["dp"].get_local_rank() * rt.mesh["pp"].size() + rt.mesh["pp"].get_local_rank()
 
     def data_parallel(self, rt: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
         assert rt.mesh is not None
@@ -278,6 +307,9 @@ class PipelineStrategy(Strategy):
         return dp.get_local_rank(), dp.size(), dp.get_group() if dp.size() > 1 else None
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
+        if self.tp is not None and isinstance(model, nn.Sequential):
+            raise ConfigError(f"{self.name} with tp cuts a model between its repeated blocks, not an nn.Sequential; "
+                              "drop tp, or use Parallel('ddp', tp=...) for a tensor-parallel nn.Sequential")
         if rt.precision.name == "fp16-mixed":
             raise ConfigError(f"{self.name} does not support fp16-mixed (loss scaling across stages); use bf16-mixed")
         assert rt.mesh is not None
@@ -295,6 +327,8 @@ class PipelineStrategy(Strategy):
         out.microbatches = self.config.microbatches
         out.schedule_name = self.config.schedule
         out.precision = rt.precision
+        if self.tp is not None:
+            out.split_loss = self.tp.outputs.split_loss
         return out
 
     def _wrap_sequential(self, model: nn.Sequential, rt: Runtime, total: int, mine: list[int]) -> PipelinedModel:
@@ -330,8 +364,14 @@ class PipelineStrategy(Strategy):
         out.key_order = list(model.state_dict())
         out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)  # before FSDP swaps the parameters
         units = FSDPConfig(wrap_classes=(plan.blocks.cls,))  # one sharding unit per block, never a bare container
+        tp_plan = self.tp.plan(model) if self.tp is not None else None
         for s in mine:
             stage = StageModule(build_stage(model, plan, [s]), first=s == 0)
+            if self.tp is not None and tp_plan is not None:
+                (start, end), blocks = plan.bounds[s], plan.blocks.names
+                self.tp.apply_stage(stage.stage, tp_plan, rt.mesh, rt.precision, rt.device,
+                                    first_block=blocks[start] if s > 0 else None,
+                                    last_block=blocks[end - 1] if s < total - 1 else None)
             out.stage_modules[s] = stage
             out.parts.append((s, self._place(stage, rt, units)))
         self._names[id(out)] = names
@@ -344,6 +384,8 @@ class PipelineStrategy(Strategy):
             return part
         if self.config.data == "fsdp":
             return apply_fsdp(part, dp_mesh, units, rt.precision.fsdp_policy())
+        if self.tp is not None:  # DistributedDataParallel refuses DTensor parameters; FSDP2's replicate takes them
+            return apply_replicate(part, dp_mesh)
         ddp = apply_ddp(part, dp_mesh, rt.device, DDPConfig())
         # The pipeline stage runs every forward under no_sync and prepares DDP's reducer itself before a batch's
         # last backward chunk. Its metadata inference, on the first batch, runs one more forward outside no_sync,
@@ -384,10 +426,15 @@ class PipelineStrategy(Strategy):
             return
         params = dict(model.named_parameters())
         for group, name in model.tied:
-            grad = params[name].grad
-            if grad is None:  # a stage that did not use it this step: its part is zero
-                grad = params[name].grad = torch.zeros_like(params[name])
-            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
+            param = params[name]
+            if param.grad is None:  # a stage that did not use it this step: its part is zero
+                param.grad = torch.zeros_like(param)
+            elif isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                # tp: an embedding's gradient comes out replicated, the head's split like the weight; each rank
+                # then adds the same slice
+                param.grad = param.grad.redistribute(placements=param.placements)
+            grad = param.grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
     def grad_norm_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         if not isinstance(model, PipelinedModel):
@@ -418,7 +465,8 @@ class PipelineStrategy(Strategy):
         return OrderedDict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
 
     def describe(self) -> str:
-        return f"{self.name}(schedule={self.config.schedule}, microbatches={self.config.microbatches})"
+        tp = f", {self.tp.describe()}" if self.tp is not None else ""
+        return f"{self.name}(schedule={self.config.schedule}, microbatches={self.config.microbatches}{tp})"
 
 
 def _tie_groups(model: nn.Module, plan: StagePlan, rt: Runtime,
@@ -430,7 +478,8 @@ def _tie_groups(model: nn.Module, plan: StagePlan, rt: Runtime,
     group, in the same order, as ``new_group`` requires.
     """
     assert rt.mesh is not None
-    grid = rt.mesh.mesh.reshape(-1, rt.mesh["pp"].size()).tolist()  # [dp][pp] -> global rank
+    pp_dim = rt.mesh.mesh_dim_names.index("pp")  # type: ignore[union-attr]
+    grid = rt.mesh.mesh.movedim(pp_dim, -1).reshape(-1, rt.mesh["pp"].size()).tolist()  # [dp, tp][pp] -> rank
     pp = len(grid[0])
     me = dist.get_rank()
     tied: list[tuple[dist.ProcessGroup, str]] = []
@@ -496,21 +545,26 @@ class HybridPipeline(PipelineStrategy):
     name = "hybrid"
 
     def degrees(self, env: ClusterEnv) -> tuple[int, int]:
-        dp = self.config.dp if self.config.dp is not None else max(env.world_size // 2, 1)
-        if dp < 1 or env.world_size % dp:
+        tp = self.tp_degree(env)
+        dp = self.config.dp if self.config.dp is not None else max(env.world_size // tp // 2, 1)
+        if dp < 1 or env.world_size % (dp * tp):
+            of = f" of tp={tp}" if tp > 1 else ""
             raise ConfigError(
-                f"hybrid cannot split {env.world_size} processes into dp={dp} pipelines; "
-                "choose dp dividing the number of processes (e.g. -n 4 with dp=2)"
+                f"hybrid cannot split {env.world_size} processes into dp={dp} pipelines{of}; "
+                f"choose dp dividing the number of processes{' / tp' if tp > 1 else ''} (e.g. -n {4 * tp} with dp=2)"
             )
-        return dp, env.world_size // dp
+        return dp, env.world_size // (dp * tp)
 
     def validate(self, env: ClusterEnv) -> None:
         dp, pp = self.degrees(env)
         if pp < 2 or dp < 2:
+            tp = self.tp_degree(env)
+            of = f" x tp={tp}" if tp > 1 else ""
             raise ConfigError(
-                f"hybrid needs dp >= 2 and pp >= 2 (got dp={dp} x pp={pp} from {env.world_size} processes); "
-                "launch 4 processes, or use 'pipeline' or 'ddp'"
+                f"hybrid needs dp >= 2 and pp >= 2 (got dp={dp} x pp={pp}{of} from {env.world_size} processes); "
+                f"launch {4 * tp} processes, or use 'pipeline' or 'ddp'"
             )
 
     def describe(self) -> str:
-        return f"hybrid({self.config.data} x pipeline, schedule={self.config.schedule})"
+        tp = f", {self.tp.describe()}" if self.tp is not None else ""
+        return f"hybrid({self.config.data} x pipeline, schedule={self.config.schedule}{tp})"

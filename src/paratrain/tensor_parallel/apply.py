@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from ..errors import ConfigError
 from ..model.ties import find_ties
@@ -16,8 +16,11 @@ from .plans import Plan
 from .styles import Replicated
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan, outputs: ShardedOutputs) -> nn.Module:
-    """Split ``model`` in place over the 1-D ``mesh`` by ``plan``; every parameter ends a DTensor on ``mesh``.
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan, outputs: ShardedOutputs,
+             styles: list[tuple[str, ParallelStyle]] | None = None) -> nn.Module:
+    """Split ``model`` in place over the 1-D ``mesh`` by ``plan`` (or by ``styles``, the plan resolved for a
+    pipeline stage: :func:`~paratrain.tensor_parallel.stages.stage_styles`); every parameter ends a DTensor on
+    ``mesh``.
 
     Ties survive: ``parallelize_module`` gives each module a parameter of its own, so a tied embedding and head
     are tied again to one DTensor (their plans shard both ``Shard(0)``: one sharding, one gradient).
@@ -28,7 +31,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan, outputs: ShardedOut
             raise ConfigError(f"{plan.name}: {what}={size} does not split over tp={degree}; choose a tp that divides "
                               f"{size}")
     ties = find_ties(model)
-    for name, style in plan.resolve(model):
+    for name, style in plan.resolve(model) if styles is None else styles:
         parallelize_module(model.get_submodule(name), mesh, style)
     _retie(model, ties.groups)
     for module in model.modules():  # what the plan left whole: replicated, so every parameter is a DTensor

@@ -1,4 +1,5 @@
-"""What a strategy holds to add tensor parallelism to itself: the ``tp`` strategy alone, or inside ddp/zero2/zero3.
+"""What a strategy holds to add tensor parallelism to itself: the ``tp`` strategy alone, inside ddp/zero2/zero3, or
+inside the stages of a pipeline (``pipeline``/``hybrid``, :mod:`.stages`).
 
 The strategy builds the ``(dp, tp)`` mesh from :func:`~paratrain.tensor_parallel.layout.mesh_dims`, splits the model
 over ``mesh["tp"]`` first, then wraps it for data parallelism over ``mesh["dp"]`` (torchtitan's order: TP, then FSDP
@@ -19,7 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from .apply import apply_tp
 from .layout import TPConfig, mesh_dims
 from .outputs import ShardedOutputs, forward_backward
-from .plans import plan_for
+from .plans import Plan, plan_for
+from .stages import stage_styles
 
 
 class TensorParallel:
@@ -39,6 +41,21 @@ class TensorParallel:
         self._precision, self._device = precision, device
         plan = plan_for(model, self.config.plan)
         return apply_tp(model.to(device), mesh["tp"], plan, self.outputs)
+
+    def plan(self, model: nn.Module) -> Plan:
+        """The plan for ``model``, checked against the whole model before a pipeline cuts it into stages (a stage
+        lacks the other stages' modules, so a pattern matching none of its own is no mistake there)."""
+        plan = plan_for(model, self.config.plan)
+        plan.resolve(model)
+        return plan
+
+    def apply_stage(self, stage: nn.Module, plan: Plan, mesh: DeviceMesh, precision: Any, device: torch.device,
+                    first_block: str | None, last_block: str | None) -> nn.Module:
+        """Split a pipeline stage (the model with other stages' pieces swapped out) over ``mesh["tp"]`` by the
+        whole model's ``plan``, its boundaries whole (:func:`~paratrain.tensor_parallel.stages.stage_styles`)."""
+        self._precision, self._device = precision, device
+        styles = stage_styles(plan, stage, first_block, last_block)
+        return apply_tp(stage.to(device), mesh["tp"], plan, self.outputs, styles)
 
     @staticmethod
     def data_parallel(mesh: DeviceMesh) -> tuple[int, int, dist.ProcessGroup | None]:

@@ -3,7 +3,9 @@
 ``Parallel("tp")`` splits every layer over all ranks; ``Parallel("ddp", tp=2)`` / ``Parallel("zero3", tp=2)`` make
 groups of 2 ranks that split every layer and replicate (or shard) across the groups. The mesh is ``(dp, tp)`` with
 ``tp`` innermost, as torchtitan lays it out: the ranks of one tensor-parallel group are neighbours (on a GPU node,
-the ones joined by NVLink), since they talk inside every layer.
+the ones joined by NVLink), since they talk inside every layer. Pipelines put their stages between the two:
+``Parallel("pipeline", tp=2)`` on ``(pp, tp)``, ``Parallel("hybrid", dp=2, tp=2)`` on ``(dp, pp, tp)``
+(:mod:`paratrain.strategies.pipeline`).
 """
 from __future__ import annotations
 
@@ -54,13 +56,13 @@ def refuse_tp(strategy: str, options: dict[str, Any]) -> None:
     """One line for a strategy that does not compose with tensor parallelism (yet) but was given ``tp``."""
     if "tp" in options or "tp_plan" in options:
         raise ConfigError(f"strategy {strategy!r} does not take tp; tensor parallelism runs alone (Parallel('tp')) or "
-                          "inside ddp, zero2 and zero3 (Parallel('zero3', tp=2))")
+                          "inside ddp, zero2, zero3, pipeline and hybrid (Parallel('zero3', tp=2))")
 
 
 def cli_options(strategy: str, tp: int | None, plan: Mapping[str, str | ParallelStyle] | None = None) -> dict[str, Any]:
     """The strategy options a command's ``--tp N`` means (demo, bench, verify): nothing when it is off; for the
     ``tp`` strategy, which splits over every rank, the plan (and the degree when given, checked against the world);
-    for ddp/zero2/zero3 the degree and the plan. ``plan``: the command's model's own, when it has no built-in one."""
+    for ddp/zero2/zero3/pipeline/hybrid the degree and the plan. ``plan``: the command's model's own, when it has no built-in one."""
     if strategy != "tp" and tp in (None, 1):
         return {}
     options: dict[str, Any] = {} if tp is None else {"tp": tp}

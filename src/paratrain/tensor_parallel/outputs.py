@@ -42,12 +42,23 @@ class ShardedOutputs:
         finally:
             self._keep = False
 
+    @contextmanager
+    def split_loss(self) -> Iterator[None]:
+        """Forward, loss and backward on the logits left split over the vocabulary, under ``loss_parallel``."""
+        with self.kept(), loss_parallel():
+            yield
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under ``loss_parallel`` (a replicated DTensor) as a plain tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
 
 def forward_backward(outputs: ShardedOutputs, model: nn.Module, x: Any, target: Any, loss_fn: Callable,
                      scale: float, precision: Any, device: torch.device) -> torch.Tensor:
     """``loss_fn(model(x), target)`` and its backward with the logits left split (see the module docstring);
     returns the loss as a plain tensor."""
-    with outputs.kept(), loss_parallel():
+    with outputs.split_loss():
         loss = precision.loss(model, x, target, loss_fn, device)
         precision.backward(loss * scale if scale != 1.0 else loss)
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return plain(loss)

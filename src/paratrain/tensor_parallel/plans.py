@@ -24,10 +24,10 @@ from fnmatch import fnmatchcase
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
-                                               SequenceParallel)
+                                               PrepareModuleOutput, SequenceParallel)
 
 from ..errors import ConfigError
-from .styles import Colwise, FusedColwise, Replicated, Rowwise, style_of
+from .styles import Colwise, FirstInput, FusedColwise, Replicated, Rowwise, style_of
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Plan:
         names = [n for n, _ in model.named_modules() if n]
         out = []
         for pattern, value in self.styles.items():
-            matched = [n for n in names if _matches(pattern, n)]
+            matched = [n for n in names if matches(pattern, n)]
             if not matched:
                 raise ConfigError(f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} "
                                   f"(modules are named like {names[min(len(names) - 1, 3)]!r}); fix the pattern")
@@ -59,14 +59,22 @@ class Plan:
         return out
 
 
-def _matches(pattern: str, name: str) -> bool:
+def matches(pattern: str, name: str) -> bool:
+    """``name`` is matched by ``pattern`` part by part, ``*`` standing for one part."""
     p, n = pattern.split("."), name.split(".")
     return len(p) == len(n) and all(fnmatchcase(b, a) for a, b in zip(p, n))
 
 
-def _to_sequence_shards() -> ParallelStyle:
-    """The first block's input: replicated (the embeddings) → this rank's slice of the sequence."""
-    return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+def sequence_shards() -> ParallelStyle:
+    """The first block's input (of the model, or of a pipeline stage): replicated → this rank's slice of the
+    sequence."""
+    return FirstInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+
+
+def whole_sequence() -> ParallelStyle:
+    """A pipeline stage's last block's output: the sequence slices all-gathered into a plain tensor."""
+    return PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
+                               use_local_output=True)
 
 
 def _gathered(kwarg: str | None = None) -> ParallelStyle:
@@ -125,7 +133,7 @@ def llama_plan() -> Plan:
     layer = "model.layers.*"
     return Plan(name="Llama", sequence_parallel=True, styles={
         "model.embed_tokens": _vocab_embedding(),
-        "model.layers.0": _to_sequence_shards(),
+        "model.layers.0": sequence_shards(),
         f"{layer}.input_layernorm": SequenceParallel(),
         f"{layer}.self_attn": _gathered("hidden_states"),
         f"{layer}.self_attn.q_proj": Colwise(),
@@ -151,7 +159,7 @@ def gpt_plan(model: nn.Module) -> Plan:
     if model.wpe is not None:
         styles["wpe"] = Replicated()
     styles.update({
-        "blocks.0": _to_sequence_shards(),
+        "blocks.0": sequence_shards(),
         "blocks.*.norm1": SequenceParallel(),
         "blocks.*.qkv": Colwise(input_layouts=Shard(1)),
         "blocks.*.proj": Rowwise(output_layouts=Shard(1)),

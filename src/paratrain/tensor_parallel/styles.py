@@ -9,6 +9,9 @@ three small extensions of them for layers PyTorch's styles do not take.
   weight is split plainly (so checkpoints and resharding see an ordinary ``Shard``), and the output is gathered
   once and each rank keeps its heads of every block. That costs one all-gather of the projection's output per
   call, which a layout interleaved per head (our GPT's) does not need.
+* ``FirstInput`` prepares a module's first positional input only, however many more it is called with (a
+  transformers block also gets its cache and mask positionally), where ``PrepareModuleInput`` needs one layout
+  per input.
 * ``replicate`` keeps a module's parameters whole on every rank, as DTensors, so that every parameter of a tensor
   parallel model is a DTensor on one mesh (clipping and FSDP need that); inputs and outputs stay plain tensors.
 """
@@ -22,7 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
 
 from ..errors import ConfigError
 
@@ -93,6 +97,14 @@ def _own_slices(parts: int, module: nn.Module, out: DTensor, mesh: DeviceMesh) -
     full = out.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
     rank, size = mesh.get_local_rank(), mesh.size()
     return torch.cat([block.tensor_split(size, dim=-1)[rank] for block in full.chunk(parts, dim=-1)], dim=-1)
+
+
+class FirstInput(PrepareModuleInput):
+    """``PrepareModuleInput`` with one layout, for the first positional input; the others pass unchanged."""
+
+    def _prepare_input_fn(self, inputs: Any, device_mesh: DeviceMesh) -> Any:
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        return (*super()._prepare_input_fn(inputs[:1], device_mesh), *inputs[1:])
 
 
 class Replicated(ParallelStyle):
