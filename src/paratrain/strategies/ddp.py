@@ -12,7 +12,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ConfigError
-from ..tensor_parallel.compose import TensorParallel
 from ..tensor_parallel.layout import TPConfig
 
 _DDP_PARAMS = frozenset(inspect.signature(DDP.__init__).parameters)
@@ -132,7 +131,7 @@ class DDPStrategy(Strategy):
 
     def __init__(self, config: DDPConfig | None = None, **options: object) -> None:
         tp = TPConfig.pop(options)
-        self.tp = TensorParallel(tp) if tp is not None else None
+        self.tp = tp.build() if tp is not None else None
         self.config = config if config is not None else DDPConfig(**options)  # type: ignore[arg-type]
         if self.tp is not None and self.config != DDPConfig():
             raise ConfigError("ddp with tp replicates through FSDP2's replicate, which takes none of "

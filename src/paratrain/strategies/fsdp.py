@@ -23,7 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model.units import shard_units
-from ..tensor_parallel.compose import TensorParallel
 from ..tensor_parallel.layout import TPConfig, refuse_tp
 from .base import Runtime, Strategy
 from .optim import param_names, rebuild
@@ -82,7 +81,7 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, config: FSDPConfig | None = None, **options: object) -> None:
         tp = TPConfig.pop(options)
-        self.tp = TensorParallel(tp) if tp is not None else None
+        self.tp = tp.build() if tp is not None else None
         options.setdefault("reshard_after_forward", self.reshard_after_forward)
         self.config = config if config is not None else FSDPConfig(**options)  # type: ignore[arg-type]
         self._names: dict[int, dict[int, str]] = {}

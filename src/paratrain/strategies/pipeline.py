@@ -35,16 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model import find_ties
 from ..model.stages import OutputKind, StageModule, StagePlan, build_stage, plan_stages
 from ..precision import Precision
-from ..tensor_parallel.compose import TensorParallel
 from ..tensor_parallel.layout import TPConfig, mesh_dims
-from ..tensor_parallel.outputs import plain
 from .base import Runtime, Strategy
 from .ddp import DDPConfig, apply_ddp, apply_replicate
 from .fsdp import FSDPConfig, apply_fsdp
@@ -198,6 +195,8 @@ class PipelinedModel(nn.Module):
                 schedule.step(x, **kwargs)
             else:
                 schedule.step(**kwargs)
+        from ..tensor_parallel.outputs import plain
+
         losses = [plain(part) for part in losses]
         loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
         return _share_from_last(loss, self)
@@ -267,7 +266,7 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
         tp = TPConfig.pop(options)
-        self.tp = TensorParallel(tp) if tp is not None else None
+        self.tp = tp.build() if tp is not None else None
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
         if self.tp is not None and self.config.stages_per_rank != 1:
             raise ConfigError(f"{self.name} with tp runs one stage per rank: use schedule='1f1b' or 'gpipe' with tp, "
@@ -421,7 +420,9 @@ class PipelineStrategy(Strategy):
     def sync_gradients(self, model: nn.Module) -> None:
         """Sum a tied weight's gradients over the stages that hold it (Megatron's embedding group): each stage saw
         only its own use of the weight. Under hybrid the stages' gradients are already the mean over ``dp``
-        (the sum commutes with it) or that mean's shard (FSDP shards the two copies alike)."""
+        (the sum commutes with it) or that mean's shard (FSDP shards the two copies alike). With ``tp``, the
+        partial gradients tensor parallelism leaves are summed first (see ``Strategy.sync_gradients``)."""
+        super().sync_gradients(model)
         if not isinstance(model, PipelinedModel) or not model.tied:
             return
         params = dict(model.named_parameters())
@@ -429,12 +430,12 @@ class PipelineStrategy(Strategy):
             param = params[name]
             if param.grad is None:  # a stage that did not use it this step: its part is zero
                 param.grad = torch.zeros_like(param)
-            elif isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            elif hasattr(param.grad, "placements") and param.grad.placements != param.placements:  # DTensor
                 # tp: an embedding's gradient comes out replicated, the head's split like the weight; each rank
                 # then adds the same slice
                 param.grad = param.grad.redistribute(placements=param.placements)
             grad = param.grad
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
 
     def grad_norm_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         if not isinstance(model, PipelinedModel):

@@ -8,7 +8,6 @@ from torch import nn
 
 from ..env import ClusterEnv
 from ..errors import ConfigError
-from ..tensor_parallel.compose import TensorParallel
 from ..tensor_parallel.layout import TPConfig
 from .base import Runtime, Strategy
 from .optim import param_names, rebuild
@@ -22,7 +21,7 @@ class TPStrategy(Strategy):
     name = "tp"
 
     def __init__(self, tp: int | None = None, tp_plan: dict | None = None) -> None:
-        self.tp = TensorParallel(TPConfig(degree=tp, plan=tp_plan))
+        self.tp = TPConfig(degree=tp, plan=tp_plan).build()
         self._names: dict[int, dict[int, str]] = {}
 
     def validate(self, env: ClusterEnv) -> None:

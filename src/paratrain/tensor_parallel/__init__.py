@@ -2,10 +2,18 @@
 ``torch.distributed.tensor.parallel`` on a ``DeviceMesh``), alone (``Parallel("tp")``) or inside data parallelism
 (``Parallel("zero3", tp=2)``). Plans say which module is split how (:mod:`.plans`); the loss runs on logits split
 over the vocabulary (:mod:`.outputs`)."""
-from .apply import apply_tp
-from .compose import TensorParallel
-from .layout import TPConfig, mesh_dims
-from .plans import Plan, plan_for
-from .styles import STYLES
+from typing import TYPE_CHECKING
 
-__all__ = ["apply_tp", "TensorParallel", "TPConfig", "mesh_dims", "Plan", "plan_for", "STYLES"]
+from ..lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from .apply import apply_tp
+    from .compose import TensorParallel
+    from .layout import TPConfig, mesh_dims
+    from .plans import Plan, plan_for
+    from .styles import STYLES
+
+_EXPORTS = {"apply_tp": ".apply", "TensorParallel": ".compose", "TPConfig": ".layout", "mesh_dims": ".layout",
+            "Plan": ".plans", "plan_for": ".plans", "STYLES": ".styles"}
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())  # the strategies import .layout alone: cheap
+__all__ = list(_EXPORTS)

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from torch.distributed.tensor.parallel import ParallelStyle
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from .compose import TensorParallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +33,13 @@ class TPConfig:
     def __post_init__(self) -> None:
         if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 1):
             raise ConfigError(f"tp must be an integer >= 1 (ranks that split each layer), got {self.degree!r}")
+
+    def build(self) -> TensorParallel:
+        """The strategy's tensor-parallel part. Imported here, when used: ``torch.distributed.tensor`` takes over a
+        second to import, which every strategy would otherwise pay at ``import paratrain``."""
+        from .compose import TensorParallel
+
+        return TensorParallel(self)
 
     @classmethod
     def pop(cls, options: dict[str, Any]) -> "TPConfig | None":
