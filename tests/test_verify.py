@@ -103,11 +103,11 @@ def test_cli_exits_1_on_a_failure_and_prints_json(world2_reports, monkeypatch, c
     import paratrain.verify.command as command
 
     found = [world2_reports[("good", "ddp")], world2_reports[("undivided", "ddp")]]
-    monkeypatch.setattr(command, "verify", lambda *a, **k: found)
+    monkeypatch.setattr(command, "verify_cases", lambda *a, **k: found)
     assert main(["verify", "verify_cases:undivided"]) == 1
     out = capsys.readouterr().out
     assert "PASS" in out and "FAIL: diverges at step 0: gradient norm" in out
-    monkeypatch.setattr(command, "verify", lambda *a, **k: found[:1])
+    monkeypatch.setattr(command, "verify_cases", lambda *a, **k: found[:1])
     assert main(["verify", "verify_cases:good", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["verdict"] == "PASS"
 
