@@ -265,16 +265,23 @@ def link_timings(unit_params: list[int], repeats: int) -> dict[str, tuple[float,
            "broadcast": (numel * 4, broadcasts),
            "p2p_small": (BOUNDARY_BYTES, p2p(BOUNDARY_BYTES)),
            "p2p": (4 * 2**20, p2p(4 * 2**20))}
+    medians = round_robin_s(ops, repeats)
+    return {name: (size, medians[name]) + ((len(units),) if name.endswith("_split") else ())
+            for name, (size, _) in ops.items()}
+
+
+def round_robin_s(ops: dict[str, tuple[int, Callable[[], object]]], repeats: int) -> dict[str, float]:
+    """Median seconds of each collective in ``ops`` (name -> (bytes, call)), timed round-robin, each call started
+    together after a barrier; two rounds warm up."""
     times: dict[str, list[float]] = {name: [] for name in ops}
-    for r in range(2 + repeats):  # round-robin, each call started together after a barrier; two rounds warm up
+    for r in range(2 + repeats):
         for name, (_, op) in ops.items():
             dist.barrier()
             start = time.perf_counter()
             op()
             if r >= 2:
                 times[name].append(time.perf_counter() - start)
-    return {name: (size, statistics.median(times[name])) + ((len(units),) if name.endswith("_split") else ())
-            for name, (size, _) in ops.items()}
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def accuracy_job(labels: list[str], rounds: int, steps: int, warmup: int) -> dict[str, object]:

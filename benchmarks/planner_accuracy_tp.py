@@ -4,12 +4,13 @@ against the one torch issues.
     .venv/bin/python benchmarks/planner_accuracy_tp.py            # 2 rounds x 8 steps, about a minute on 2 cores
     .venv/bin/python benchmarks/planner_accuracy_tp.py --json out.json
 
-paratrain has no ``tp`` strategy yet, so tensor parallelism is applied by hand, as torchtitan does and as the
-planner assumes (``planner/tensor_parallel.py``): ``parallelize_module`` on ``workloads.gpt.GPT`` with the QKV
+Tensor parallelism is applied by hand, as torchtitan does and as the planner assumes (``planner/tensor_parallel.py``),
+so the comparison is with the plan's arithmetic rather than with paratrain's own ``tp`` (benchmarks/tp_overhead.py
+compares the two): ``parallelize_module`` on ``workloads.gpt.GPT`` with the QKV
 projection and the MLP's first linear column-parallel, the attention output and the MLP's second linear
 row-parallel, the norms sequence-parallel, a vocab-parallel embedding and head, and the loss under
-``loss_parallel``. The QKV weight's rows are reordered so that each rank's shard holds its heads' q, k and v, and
-the blocks run a forward that reads those local heads; the first loss is checked against one process's.
+``loss_parallel``. The GPT stores ``qkv`` per head, so a plain column split gives each rank whole heads; the first
+loss is checked against one process's.
 
 Model: GPT 2 layers, hidden 256, 4 heads, seq 128, vocab 2048, biases, no position table, untied head (TP splits
 an untied head without a tie to keep); fp32, Adam, global batch 8. The planner plans it from its closed forms,
@@ -29,7 +30,6 @@ import argparse
 import json
 import statistics
 import time
-import types
 from typing import Callable
 
 import torch
@@ -42,7 +42,7 @@ from paratrain.parallel import finish_group
 from paratrain.planner import make_plan, transformer_stats
 from paratrain.planner.tensor_parallel import collectives_per_micro_batch
 from paratrain.workloads.gpt import GPT, GPTConfig
-from planner_accuracy import median_s  # the same timing as the other strategies'
+from planner_accuracy import median_s, round_robin_s  # the same timing as the other strategies'
 
 CFG = GPTConfig(layers=2, hidden=256, heads=4, seq_len=128, vocab=2048, learned_positions=False, tied=False)
 BATCH = 8
@@ -83,33 +83,13 @@ def world1(steps: int, warmup: int, threads: int) -> dict[str, float]:
         torch.set_num_threads(before)
 
 
-def _tp_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``Block.forward`` on one rank's heads: the QKV output holds this rank's q, k and v (``parallelize``)."""
-    b = x.shape[0]  # x: this rank's part of the sequence
-    q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=2)  # gathered sequence, local heads
-    heads = self.heads // self.tp
-    q, k, v = (z.reshape(b, -1, heads, z.shape[-1] // heads).transpose(1, 2) for z in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + self.proj(y.transpose(1, 2).flatten(2))
-    return x + self.out(F.gelu(self.fc(self.norm2(x))))
-
-
 def parallelize(model: GPT, mesh: object) -> GPT:
     """Megatron-style TP with sequence parallelism on ``model`` over a 1-D ``mesh`` (torchtitan's plan)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
 
-    tp = mesh.size()  # type: ignore[attr-defined]
-    h = CFG.hidden
-    order = torch.cat([torch.arange(part * h + r * h // tp, part * h + (r + 1) * h // tp)
-                       for r in range(tp) for part in range(3)])  # rank r's shard: its q, k, v rows
-    for block in model.blocks:
-        with torch.no_grad():
-            block.qkv.weight.copy_(block.qkv.weight[order])
-            block.qkv.bias.copy_(block.qkv.bias[order])
-        block.tp = tp
-        block.forward = types.MethodType(_tp_block_forward, block)
+    for block in model.blocks:  # the GPT lays qkv out per head: a plain column split gives each rank whole heads
         parallelize_module(block, mesh, {  # type: ignore[arg-type]
             "norm1": SequenceParallel(), "qkv": ColwiseParallel(input_layouts=Shard(1)),
             "proj": RowwiseParallel(output_layouts=Shard(1)), "norm2": SequenceParallel(),
@@ -139,15 +119,8 @@ def link_timings(repeats: int) -> dict[str, tuple[float, ...]]:
            "all_reduce_small": (8, lambda: dist.all_reduce(tiny)),
            "all_gather": (full.numel() * 4, lambda: all_gather(full, shard)),
            "reduce_scatter": (full.numel() * 4, lambda: reduce_scatter(shard, full))}
-    times: dict[str, list[float]] = {name: [] for name in ops}
-    for r in range(2 + repeats):
-        for name, (_, op) in ops.items():
-            dist.barrier()
-            start = time.perf_counter()
-            op()
-            if r >= 2:
-                times[name].append(time.perf_counter() - start)
-    return {name: (size, statistics.median(times[name])) for name, (size, _) in ops.items()}
+    medians = round_robin_s(ops, repeats)
+    return {name: (size, medians[name]) for name, (size, _) in ops.items()}
 
 
 def job(rounds: int, steps: int, warmup: int) -> dict[str, object]:
