@@ -209,3 +209,15 @@ def test_one_process_tp_runs_the_model_unsplit():
         loss = par.forward_backward(model, x, y, ZOO["nanogpt"].loss)
     assert isinstance(loss, torch.Tensor) and type(loss) is torch.Tensor
     par.close()
+
+
+def test_ddp_with_tp_on_a_torch_without_fsdp2_replicate_is_one_line(monkeypatch):
+    import sys
+
+    from torch import nn
+
+    from paratrain.strategies.ddp import apply_replicate
+
+    monkeypatch.setitem(sys.modules, "torch.distributed._composable.replicate_with_fsdp", None)  # as before 2.9
+    with pytest.raises(paratrain.ConfigError, match=r"replicate, which torch .* does not have.*use zero2 or zero3"):
+        apply_replicate(nn.Linear(2, 2), mesh=None)
