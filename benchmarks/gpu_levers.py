@@ -17,7 +17,8 @@ implementation), cross-entropy over the logits. Two phases:
   step (``--steps`` steps each, the order alternating), so that a clock drifting between rounds (the one-rank
   FSDP step is host-bound and varied 50-77 ms between rounds of one first run) moves both alike. A subject's time
   is the median over rounds of its per-round median; ``x hand`` divides the medians, ``paired`` is the median
-  over rounds of the per-round ratio to the hand-written twin. Pairs: ddp, zero3 (eager), and with compilation ``ddp+compile`` / ``zero3+compile``:
+  over rounds of the per-round ratio to the hand-written twin. Pairs: ddp, zero3 (eager), and with compilation
+  ``ddp+compile`` / ``zero3+compile``:
   ``Parallel(compile=True)`` against each block compiled by hand (``block.compile()``) before ``DDP`` /
   ``fully_shard``. ``hand ddp+compile-whole`` is nanoGPT's ``torch.compile(model)`` then ``DDP``, for scale.
 
@@ -172,7 +173,8 @@ def time_phase(cfg: GPTConfig, batch: tuple[torch.Tensor, torch.Tensor], device:
         out[key]["step_ms"] = statistics.median(out[key]["rounds_ms"])
         hand = out.get(key.split("/")[0] + "/hand", {})
         if hand.get("rounds_ms"):
-            out[key]["paired_ratio"] = statistics.median(a / b for a, b in zip(out[key]["rounds_ms"], hand["rounds_ms"]))
+            pairs_ms = zip(out[key]["rounds_ms"], hand["rounds_ms"])
+            out[key]["paired_ratio"] = statistics.median(a / b for a, b in pairs_ms)
     return out
 
 

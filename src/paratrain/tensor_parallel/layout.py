@@ -72,7 +72,8 @@ def refuse_tp(strategy: str, options: dict[str, Any]) -> None:
 def cli_options(strategy: str, tp: int | None, plan: Mapping[str, str | ParallelStyle] | None = None) -> dict[str, Any]:
     """The strategy options a command's ``--tp N`` means (demo, bench, verify): nothing when it is off; for the
     ``tp`` strategy, which splits over every rank, the plan (and the degree when given, checked against the world);
-    for ddp/zero2/zero3/pipeline/hybrid the degree and the plan. ``plan``: the command's model's own, when it has no built-in one."""
+    for ddp/zero2/zero3/pipeline/hybrid the degree and the plan. ``plan``: the command's model's own, when it has no
+    built-in one."""
     if strategy != "tp" and tp in (None, 1):
         return {}
     options: dict[str, Any] = {} if tp is None else {"tp": tp}
