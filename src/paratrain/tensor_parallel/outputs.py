@@ -32,7 +32,7 @@ class ShardedOutputs:
     def _hook(self, module: nn.Module, args: Any, out: Any) -> Any:
         if self._keep:
             return out
-        return tree_map(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, out)
+        return tree_map(plain, out)
 
     @contextmanager
     def kept(self) -> Iterator[None]:
