@@ -1,23 +1,24 @@
-"""The planner's tensor-parallel step time against a measured one (CPU, gloo, world 2), and its collective count
+"""The planner's tensor-parallel step time against measured ones (CPU, gloo, world 2), and its collective count
 against the one torch issues.
 
     .venv/bin/python benchmarks/planner_accuracy_tp.py            # 2 rounds x 8 steps, about a minute on 2 cores
     .venv/bin/python benchmarks/planner_accuracy_tp.py --json out.json
 
-Tensor parallelism is applied by hand, as torchtitan does and as the planner assumes (``planner/tensor_parallel.py``),
-so the comparison is with the plan's arithmetic rather than with paratrain's own ``tp`` (benchmarks/tp_overhead.py
-compares the two): ``parallelize_module`` on ``workloads.gpt.GPT`` with the QKV
-projection and the MLP's first linear column-parallel, the attention output and the MLP's second linear
-row-parallel, the norms sequence-parallel, a vocab-parallel embedding and head, and the loss under
-``loss_parallel``. The GPT stores ``qkv`` per head, so a plain column split gives each rank whole heads; the first
-loss is checked against one process's.
+Measured: paratrain's ``Parallel("tp")`` on ``workloads.gpt.GPT`` (its built-in plan), and the same plan applied by
+hand with ``parallelize_module`` (torchtitan's way, the planner's arithmetic): the QKV projection and the MLP's first
+linear column-parallel, the attention output and the MLP's second linear row-parallel, the norms
+sequence-parallel, a vocab-parallel embedding and head, and the loss under ``loss_parallel``. The GPT stores
+``qkv`` per head, so a plain column split gives each rank whole heads; the first loss is checked against one
+process's. The hand-written step lets Adam step the norms' ``Partial`` gradients (3 all-reduces each, a step);
+paratrain sums them once (``tensor_parallel.compose``).
 
 Model: GPT 2 layers, hidden 256, 4 heads, seq 128, vocab 2048, biases, no position table, untied head (TP splits
 an untied head without a tie to keep); fp32, Adam, global batch 8. The planner plans it from its closed forms,
 calibrated as ``planner_accuracy.py`` calibrates: world 1 on one thread (forward+backward of the batch and of a
 quarter of it, the Adam step) and on all cores; its link from the collectives timed in the job at the size TP
-sends. ddp at world 2 is measured alongside as a control: its error is the calibration's, not tensor
-parallelism's. Measured: median of round medians, slowest rank.
+sends; and DTensor's machinery (``Device.tp_call_s``) from a TP step on a fake group, predicted with and without
+it. ddp at world 2 is measured alongside as a control: its error is the calibration's, not tensor parallelism's.
+Measured: median of round medians, slowest rank.
 
 Collective count and machinery: the same TP model in this process on a fake two-rank group (collectives return
 at once): the collectives of a forward+backward and of the Adam step under ``CommDebugMode``, against
@@ -134,6 +135,9 @@ def job(rounds: int, steps: int, warmup: int) -> dict[str, object]:
     x, y = data()
     tp_model = parallelize(build(), init_device_mesh("cpu", (WORLD,)))
     tp_opt = torch.optim.Adam(tp_model.parameters(), lr=1e-4)
+    par = paratrain.Parallel("tp", monitor=False)
+    model = build()
+    par_model, par_opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
     ddp_model = DistributedDataParallel(build())
     ddp_opt = torch.optim.Adam(ddp_model.parameters(), lr=1e-4)
     rank = dist.get_rank()
@@ -145,15 +149,20 @@ def job(rounds: int, steps: int, warmup: int) -> dict[str, object]:
         tp_opt.step()
         return loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
 
+    def paratrain_step() -> None:
+        with par.step(par_model, par_opt):
+            par.forward_backward(par_model, x, y, lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
+
     def ddp_step() -> None:
         ddp_opt.zero_grad(set_to_none=True)
         F.cross_entropy(ddp_model(xs).flatten(0, 1), ys.flatten()).backward()
         ddp_opt.step()
 
     first_loss = tp_step()
-    per_round: dict[str, list[float]] = {"tp": [], "ddp": []}
+    steps_by_name = (("paratrain tp", paratrain_step), ("hand tp", tp_step), ("ddp", ddp_step))
+    per_round: dict[str, list[float]] = {name: [] for name, _ in steps_by_name}
     for r in range(rounds):
-        for name, step in (("tp", tp_step), ("ddp", ddp_step))[:: 1 if r % 2 == 0 else -1]:
+        for name, step in steps_by_name[:: 1 if r % 2 == 0 else -1]:
             dist.barrier()
             per_round[name].append(median_s(step, steps, warmup))
     finish_group()
@@ -195,12 +204,19 @@ def fake_group(steps: int, warmup: int) -> dict[str, object]:
         torch.set_num_threads(before)
 
 
-def predict(w1: dict[str, float], link: dict[str, tuple[float, ...]], cores: int) -> dict[str, float]:
+def micro_step_time(w1: dict[str, float]) -> tuple[int, float] | None:
+    """The quarter batch's forward+backward, for the planner's batch-independent part; None when it took a quarter
+    of the whole batch's or more (then there is none to fit: the weights stream at the optimizer's bandwidth)."""
+    return (BATCH // 4, w1["quarter"]) if 4 * w1["quarter"] < w1["forward_backward"] else None
+
+
+def predict(w1: dict[str, float], link: dict[str, tuple[float, ...]], tp_step_time: float | None) -> dict[str, float]:
     plan = make_plan(stats=transformer_stats(CFG, name="gpt-tp-bench"), gpu="cpu", gpus=WORLD, precision="fp32",
                      optimizer="adam", micro_batch=BATCH, global_batch=BATCH,
                      step_time=w1["forward_backward"], optimizer_time=w1["adam"],
-                     micro_step_time=(BATCH // 4, w1["quarter"]),
-                     host_step_time=(w1["host_forward_backward"], w1["host_adam"]), threads=1, link_timings=link)
+                     micro_step_time=micro_step_time(w1),
+                     host_step_time=(w1["host_forward_backward"], w1["host_adam"]), threads=1, link_timings=link,
+                     tp_step_time=tp_step_time)
     by_name = {e.name: e for e in plan.estimates}
     tp = by_name["tp"].time
     return {"tp": tp.step_s, "ddp": by_name["ddp"].time.step_s, "tp_comm": tp.tp_comm_s,
@@ -228,20 +244,22 @@ def main() -> None:
     single_loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
     ranks = paratrain.launch(job, WORLD, (a.rounds, a.steps, a.warmup), timeout_s=600)
     link = {name: (ranks[0]["link"][name][0], max(r["link"][name][1] for r in ranks)) for name in ranks[0]["link"]}
-    measured = {name: max(r["step_s"][name] for r in ranks) for name in ("tp", "ddp")}
-    predicted = predict(w1, link, cores)
-    print(f"first loss: tp {ranks[0]['first_loss']:.6f}, one process {single_loss:.6f}")
+    measured = {name: max(r["step_s"][name] for r in ranks) for name in ranks[0]["step_s"]}
+    plain, calibrated = predict(w1, link, None), predict(w1, link, fake["step_s"])
+    print(f"first loss: hand tp {ranks[0]['first_loss']:.6f}, one process {single_loss:.6f}")
     print("link: " + ", ".join(f"{k} {1e3 * v[1]:.2f} ms" for k, v in link.items()))
-    print(f"{'strategy':<9} {'measured ms':>11} {'predicted ms':>12} {'error':>7}")
+    print(f"{'strategy':<13} {'measured ms':>11} {'predicted ms':>12} {'error':>7} {'with tp_call_s':>14} {'error':>7}")
     rows = []
-    for name in ("tp", "ddp"):
-        err = predicted[name] / measured[name] - 1
-        rows.append({"strategy": name, "measured_ms": 1e3 * measured[name], "predicted_ms": 1e3 * predicted[name],
-                     "error": err})
-        print(f"{name:<9} {1e3 * measured[name]:>11.1f} {1e3 * predicted[name]:>12.1f} {err:>+7.1%}")
-    print(f"tp predicted: {1e3 * predicted['tp_compute']:.1f} ms compute and optimizer (the fake group's step without "
-          f"communication: {1e3 * fake['step_s']:.1f} ms), {1e3 * predicted['tp_comm']:.1f} ms activation collectives "
-          f"(measured step minus the fake group's: {1e3 * (measured['tp'] - fake['step_s']):.1f} ms)")
+    for name, kind in (("paratrain tp", "tp"), ("hand tp", "tp"), ("ddp", "ddp")):
+        err, err_cal = plain[kind] / measured[name] - 1, calibrated[kind] / measured[name] - 1
+        rows.append({"strategy": name, "measured_ms": 1e3 * measured[name], "predicted_ms": 1e3 * plain[kind],
+                     "error": err, "calibrated_ms": 1e3 * calibrated[kind], "calibrated_error": err_cal})
+        print(f"{name:<13} {1e3 * measured[name]:>11.1f} {1e3 * plain[kind]:>12.1f} {err:>+7.1%} "
+              f"{1e3 * calibrated[kind]:>14.1f} {err_cal:>+7.1%}")
+    print(f"tp predicted with tp_call_s: {1e3 * calibrated['tp_compute']:.1f} ms compute, optimizer and DTensor "
+          f"machinery (the fake group's step without communication: {1e3 * fake['step_s']:.1f} ms), "
+          f"{1e3 * calibrated['tp_comm']:.1f} ms activation collectives (paratrain's measured step minus the fake "
+          f"group's: {1e3 * (measured['paratrain tp'] - fake['step_s']):.1f} ms)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"fake_group": fake, "planner_collectives": expected, "world1_ms":

@@ -14,7 +14,7 @@ import paratrain
 from paratrain.model import find_ties
 from paratrain.parallel import finish_group
 
-VOCAB, SEQ, HIDDEN, GLOBAL_BATCH, STEPS, LR = 64, 8, 32, 16, 3, 0.1
+VOCAB, SEQ, HIDDEN, GLOBAL_BATCH, STEPS, LR = 65, 8, 32, 16, 3, 0.1
 
 
 def build(family: str, layers: int = 4) -> nn.Module:

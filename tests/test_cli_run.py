@@ -4,6 +4,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,22 +60,25 @@ def _one_line_error(res: subprocess.CompletedProcess, words: str) -> None:
 
 def test_bad_input_gives_one_line_errors(paratrain_cmd, tmp_path):
     script = str(SCRIPTS / "plain_torchrun.py")
-    _one_line_error(_run([*paratrain_cmd, "run", "-n", "0", script]), "at least 1")
-    _one_line_error(_run([*paratrain_cmd, "run", "-n", "2", str(tmp_path / "missing.py")]), "not found")
-    _one_line_error(_run([*paratrain_cmd, "run", "-m", "no_such_module_xyz"]), "not found")
-    _one_line_error(_run([*paratrain_cmd, "run", "--no-such-flag", script]), "unrecognized")
-    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "nope"]), "unknown strategy 'nope'; choose one of")
-    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "dp", "-n", "2"]), "use strategy 'ddp'")
-    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "hybrid", "-n", "2"]), "launch 4 processes")
-    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "zero3", "--tp", "3", "-n", "4"]),
-                    "valid layouts: zero3 tp=2 (2 x 2), zero3 tp=4 (1 x 4)")
-    _one_line_error(_run([*paratrain_cmd, "demo", "--strategy", "zero1", "--tp", "2", "-n", "4"]), "does not take tp")
-    with socket.socket() as taken:
+    cases = [(["run", "-n", "0", script], "at least 1"),
+             (["run", "-n", "2", str(tmp_path / "missing.py")], "not found"),
+             (["run", "-m", "no_such_module_xyz"], "not found"),
+             (["run", "--no-such-flag", script], "unrecognized"),
+             (["demo", "--strategy", "nope"], "unknown strategy 'nope'; choose one of"),
+             (["demo", "--strategy", "dp", "-n", "2"], "use strategy 'ddp'"),
+             (["demo", "--strategy", "hybrid", "-n", "2"], "launch 4 processes"),
+             (["demo", "--strategy", "zero3", "--tp", "3", "-n", "4"],
+              "valid layouts: zero3 tp=2 (2 x 2), zero3 tp=4 (1 x 4)"),
+             (["demo", "--strategy", "zero1", "--tp", "2", "-n", "4"], "does not take tp")]
+    with socket.socket() as taken, ThreadPoolExecutor(4) as pool:  # each is a fresh interpreter importing torch
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        _one_line_error(_run([*paratrain_cmd, "run", "-n", "2", "--master-port", str(port), script, str(tmp_path)]),
-                        f"--master-port {port} is already in use")
+        cases.append((["run", "-n", "2", "--master-port", str(port), script, str(tmp_path)],
+                      f"--master-port {port} is already in use"))
+        results = list(pool.map(lambda case: _run([*paratrain_cmd, *case[0]]), cases))
+    for (_, words), res in zip(cases, results):
+        _one_line_error(res, words)
 
 
 def test_debug_shows_the_traceback(paratrain_cmd):

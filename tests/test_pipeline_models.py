@@ -40,15 +40,19 @@ WORLD4 = [
     ("gpt hybrid fsdp accumulate", "gpt", "hybrid", {"data": "fsdp"}, 2, None, False),
     ("gpt hybrid fsdp resume", "gpt", "hybrid", {"data": "fsdp"}, 1, None, True),
 ]
-# tp x pp at world 4: both schedules, clipping over tp shards and stages, a bitwise resume
+# tp x pp at world 4: both schedules, clipping over tp shards and stages, a bitwise resume, accumulation with
+# activation checkpointing
 TP4 = [
     ("gpt2 tp 1f1b clip", "gpt2", "pipeline", {"tp": 2, "schedule": "1f1b"}, 1, 0.5, False),
     ("llama tp gpipe", "llama", "pipeline", {"tp": 2, "schedule": "gpipe"}, 1, None, False),
     ("gpt tp 1f1b resume", "gpt", "pipeline", {"tp": 2}, 1, None, True),
+    ("llama tp 1f1b accumulate checkpointed", "llama", "pipeline",
+     {"tp": 2, "schedule": "1f1b", "activation_checkpointing": True}, 2, None, False),
 ]
-# dp x pp x tp at world 8: one case, the launch of 8 processes on 2 cores being most of its time
+# dp x pp x tp at world 8: the launch of 8 processes on 2 cores is most of its time
 WORLD8 = [("gpt hybrid fsdp tp clip", "gpt", "hybrid", {"dp": 2, "data": "fsdp", "tp": 2, "microbatches": 2}, 1, 0.5,
-           False)]
+           False),
+          ("gpt hybrid ddp tp", "gpt", "hybrid", {"dp": 2, "data": "ddp", "tp": 2, "microbatches": 2}, 1, None, False)]
 SPLIT_LOGITS = "DTensor(Shard(dim=2),)"
 TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"), "gpt": ("wte.weight", "head.weight")}
 

@@ -54,7 +54,7 @@ def test_auto_stays_on_the_data_parallel_mesh_unless_given_a_tp_shape():
     cfg = GPTConfig(layers=2, hidden=64, heads=4, seq_len=8, vocab=65536, learned_positions=False, tied=False)
     model = GPT(cfg).to("meta")  # units: wte, blocks.0, blocks.1, norm, head; the vocab tables are the largest
     block = transformer_params(cfg)["block_split"]
-    shape = TPShape(layers=2, hidden=64, heads=4, ffn=256, vocab=65536, seq_len=8,
+    shape = TPShape(layers=2, hidden=64, seq_len=8, divides=(("heads", 4), ("MLP width", 256)),
                     split=(65536 * 64, block, block, 0, 65536 * 64))
     stats = replace(parameter_stats(model), tp=shape)
     cluster = make_cluster("h100", gpus=4)

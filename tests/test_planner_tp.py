@@ -100,6 +100,9 @@ def test_candidate_degrees_divide_a_node_and_the_heads():
     six_heads = transformer_stats(GPTConfig(layers=2, hidden=48, heads=6, seq_len=8, vocab=64), name="six")
     assert tp_degrees(six_heads, make_cluster("h100", gpus=8)) == (2,)  # 6 heads: not 4 or 8
     assert tp_degrees(TINY, make_cluster("h100", gpus=8)) == (2,)
+    gpt2 = transformer_stats(GPT_CONFIGS["gpt2"], name="gpt2")  # 12 heads; vocab 50257 is split unevenly
+    assert tp_degrees(gpt2, make_cluster("h100", gpus=8)) == (2, 4)
+    assert rank_params(gpt2, 2) == gpt2.params - sum(gpt2.tp.split) + sum(-(-s // 2) for s in gpt2.tp.split)
     llama = transformer_stats(GPT_CONFIGS["llama-7b"], name="llama-7b")
     assert tp_degrees(llama, make_cluster("h100", gpus=8)) == (2, 4, 8)
     assert tp_degrees(llama, make_cluster("h100", gpus=8), tp=1) == ()
@@ -110,11 +113,10 @@ def test_candidate_degrees_divide_a_node_and_the_heads():
 
 
 def test_a_model_whose_shape_does_not_divide_gets_no_tp_and_a_note():
-    plan = recommend(transformer_stats(GPT_CONFIGS["gpt2"], name="gpt2"), make_cluster("h100", gpus=8),
-                     Training(micro_batch=4))
+    five_heads = GPTConfig(layers=2, hidden=320, heads=5, seq_len=64, vocab=50257)
+    plan = recommend(transformer_stats(five_heads, name="five"), make_cluster("h100", gpus=8), Training(micro_batch=4))
     assert all(e.layout.tp == 1 for e in plan.estimates)
-    note = "tensor parallelism not planned: vocab 50257 does not divide by tp=2 (pad it to 50304: --vocab)"
-    assert note in plan.notes
+    assert "tensor parallelism not planned: heads 5 does not divide by tp=2" in plan.notes
     with pytest.raises(ConfigError, match=r"^--tp 4: heads 6 does not divide by tp=4$"):
         make_plan(model="gpt2", heads=6, hidden=768, vocab=50304, gpus=4, tp=4)
     with pytest.raises(ConfigError, match="--tp needs a transformer's shape"):
@@ -143,3 +145,18 @@ def test_tp_within_nodes_and_pipelines_across_a_slow_link_is_fastest():
     data = plan_to_json(plan)
     assert data["recommendation"]["layout"]["tp"] == 8 and data["recommendation"]["strategy"] == "pipeline"
     assert data["recommendation"]["time"]["tp_comm_s"] > 0
+
+
+def test_dtensor_machinery_is_calibrated_per_collective_from_a_fake_group_step():
+    options = dict(stats=TINY, gpu="cpu", gpus=2, precision="fp32", optimizer="adam", micro_batch=4, global_batch=4,
+                   tp=2)
+    before = {e.name: e for e in make_plan(**options).estimates}
+    compute = before["tp"].time.step_s - before["tp"].time.exposed_comm_s
+    calls = collectives_per_micro_batch(TINY, False)
+    plan = make_plan(**options, tp_step_time=compute + calls * 0.002)  # 2 ms of machinery per collective
+    assert plan.cluster.device.tp_call_s == pytest.approx(0.002)
+    after = {e.name: e for e in plan.estimates}
+    slowdown = plan.cluster.device.serial_slowdown(2)
+    assert after["tp"].time.step_s - before["tp"].time.step_s == pytest.approx(calls * 0.002 * slowdown)
+    assert after["ddp"].time.step_s == before["ddp"].time.step_s  # layouts without tp pay nothing
+    assert make_plan(**options, tp_step_time=compute / 2).cluster.device.tp_call_s == 0.0  # never below 0

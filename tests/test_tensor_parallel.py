@@ -1,5 +1,6 @@
 """Tensor parallelism on the zoo models that have a plan (GPT-2, Llama, our GPT), equal to one plain process on the
-same global batch: ``tp`` at world 2, ddp/zero2/zero3 x tp=2 at world 4 (one launched job per world size,
+same global batch: ``tp`` at world 2, ddp/zero2/zero3 x tp=2 and ``auto`` choosing zero3 x tp=2 (when the memory
+per rank holds zero3 only with tp) at world 4 (one launched job per world size,
 tests/tp_workers.py), with accumulation, clipping over the sharded gradients, bf16 autocast, checkpoints that resume
 bitwise, load onto another tp degree and export to one plain file.
 
@@ -13,15 +14,21 @@ from __future__ import annotations
 
 import math
 import subprocess
+from dataclasses import replace
 
 import pytest
 import torch
 
 import paratrain
 from paratrain import strategies
+from paratrain.planner import Layout
+from paratrain.planner.auto import local_cluster, parameter_stats
+from paratrain.planner.recommend import estimate
+from paratrain.planner.tensor_parallel import model_shape
 from paratrain.strategies import check_world
 from paratrain.tensor_parallel import plan_for
 from paratrain.testing import max_abs_diff, spawn
+from test_planner_auto import ADAM_FP32
 from test_zoo import TOL
 from tp_workers import STEPS, case_key, run_cases, step_batch
 from zoo import ZOO
@@ -37,9 +44,25 @@ WORLD2 = [(m, "tp", {}) for m in MODELS] + [(m, "tp", {"clip_grad_norm": CLIP}) 
     ("llama", "ddp", {}, ("tp", {})),  # tp=1 -> tp=2
 ]
 LAYOUTS4 = ("ddp", "zero2", "zero3")
+
+
+def memory_for_tp(model_name: str, world: int) -> float:
+    """GiB per rank (of a CPU node of ``world`` ranks) halfway between what zero3 alone and zero3 with tp=2 need for
+    the model by the planner: where ``strategy="auto"`` must choose tp."""
+    model = ZOO[model_name].build()
+    stats = replace(parameter_stats(model), tp=model_shape(model))
+    cluster = local_cluster(torch.device("cpu"), world, world)
+    one_gib = replace(cluster, device=replace(cluster.device, memory_gib=1.0))
+    need = [estimate(stats, Layout(name="fsdp", dp=world // t, zero=3, shard=world // t, tp=t), ADAM_FP32, one_gib)
+            for t in (1, 2)]
+    assert need[1].memory.total < need[0].memory.total
+    return (need[0].memory.total + need[1].memory.total) / 2 / need[0].capacity
+
+
 WORLD4 = [(m, s, {"tp": 2}) for m in MODELS for s in LAYOUTS4] + [
     ("nanogpt", "zero3", {"tp": 2}, ("ddp", {})),  # 2 x tp=2 -> 4 replicas, tp=1
     ("llama", "zero3", {}, ("zero3", {"tp": 2})),  # 4 shards -> 2 shards x tp=2
+    ("llama", "auto", {"memory_gib": memory_for_tp("llama", 4)}),
 ]
 
 
@@ -133,6 +156,26 @@ def test_data_parallel_x_tp_world4_equals_one_process(world4, references, model_
     check(result, references[model_name][0])
     assert result["resumed"] == 0.0
     assert result["seen"] == ["DTensor(Shard(dim=2),)"]
+
+
+def test_auto_chooses_zero3_with_tp_when_zero3_alone_does_not_fit(world4, references):
+    result = world4[0][case_key(*WORLD4[-1])]
+    check(result, references["llama"][0])
+    assert result["layout"] == "zero3(reshard_after_forward=True, tp=2)"
+    assert result["resumed"] == 0.0
+
+
+def test_the_runtime_tp_shape_is_what_the_plan_splits():
+    model = ZOO["gpt2"].build()  # wte and lm_head tied: one weight, split over the vocabulary
+    shape = model_shape(model)
+    units = dict(parameter_stats(model).units)
+    split = dict(zip(units, shape.split))
+    block = model.transformer.h[0]
+    whole = sum(p.numel() for n, p in block.named_parameters() if n.startswith("ln_") or n.endswith("c_proj.bias"))
+    assert split["transformer.h.0"] == units["transformer.h.0"] - whole
+    assert split["transformer.wte"] == units["transformer.wte"] and split["transformer.wpe"] == 0
+    assert dict(shape.divides) == {"n_head": 2, "n_inner": 128} and shape.layers == 2
+    assert model_shape(ZOO["bert"].build()) is None
 
 
 @pytest.mark.parametrize("case", [c for c in WORLD4 if len(c) == 4], ids=lambda c: case_key(*c))

@@ -10,6 +10,9 @@ logits' type and placements), and the logits a direct ``model(x)`` call returns.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,6 +21,7 @@ import torch.distributed as dist
 import paratrain
 from paratrain.model import find_ties
 from paratrain.parallel import finish_group
+from paratrain.planner import auto
 from paratrain.testing import max_abs_diff
 from zoo import ZOO
 
@@ -28,12 +32,33 @@ def step_batch(spec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return spec.inputs(BATCH, torch.Generator().manual_seed(100 + step))
 
 
+@contextmanager
+def _memory_per_rank(gib: float | None) -> Iterator[None]:
+    """``strategy="auto"`` plans for ``gib`` of memory per rank instead of this host's RAM."""
+    if gib is None:
+        yield
+        return
+    real = auto.local_cluster
+
+    def tight(*args: Any) -> Any:
+        cluster = real(*args)
+        return replace(cluster, device=replace(cluster.device, memory_gib=gib))
+
+    auto.local_cluster = tight
+    try:
+        yield
+    finally:
+        auto.local_cluster = real
+
+
 def _prepared(model_name: str, strategy: str, options: dict):
     spec = ZOO[model_name]
-    par = paratrain.Parallel(strategy, monitor=False, **options)
-    model = spec.build()
-    ties = find_ties(model).groups
-    model, opt = par.prepare(model, spec.optimizer(model))
+    options = dict(options)
+    with _memory_per_rank(options.pop("memory_gib", None)):
+        par = paratrain.Parallel(strategy, monitor=False, **options)
+        model = spec.build()
+        ties = find_ties(model).groups
+        model, opt = par.prepare(model, spec.optimizer(model))
     if find_ties(par.unwrap(model)).groups != ties:
         raise AssertionError(f"ties {find_ties(par.unwrap(model)).groups} != {ties}")
     return spec, par, model, opt
@@ -63,6 +88,7 @@ def _train(spec, par, model, opt, steps: range, seen: list[str]) -> list[float]:
 def run_case(model_name: str, strategy: str, options: dict, folder: str,
              resume_as: tuple[str, dict] | None = None) -> dict[str, Any]:
     spec, par, model, opt = _prepared(model_name, strategy, options)
+    layout = par.strategy.describe()
     seen: list[str] = []
     norms = _train(spec, par, model, opt, range(STEPS - 1), seen)
     par.save(folder)
@@ -78,7 +104,7 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str,
     _train(spec, par, model, opt, range(STEPS - 1, STEPS), [])
     resumed = par.full_state_dict(model, rank0_only=False)
     par.close()
-    return {"saved": saved, "state": final, "resumed": max_abs_diff(final, resumed), "norms": norms,
+    return {"layout": layout, "saved": saved, "state": final, "resumed": max_abs_diff(final, resumed), "norms": norms,
             "seen": sorted(set(seen)), "logits_type": type(logits).__name__, "logits": logits.detach().cpu()}
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-VOCAB, SEQ, HIDDEN = 64, 8, 32
+VOCAB, SEQ, HIDDEN = 65, 8, 32
 
 
 @dataclass(frozen=True)

@@ -306,15 +306,23 @@ class Parallel:
         self._schedulers.append(scheduler)
 
     def _choose_auto(self, model: nn.Module) -> None:
-        """Let the planner pick ddp or a ZeRO stage for this model on this hardware; say which and why."""
+        """Let the planner pick ddp, a ZeRO stage or zero3 with tensor parallelism for this model on this hardware;
+        say which and why. A tensor-parallel choice lays the ranks out anew, as (dp, tp)."""
         from .planner.auto import choose, local_cluster, processes_vs_threads
+        from .planner.tensor_parallel import model_shape
 
         self._auto_pending = False
         cluster = local_cluster(self.device, self.env.world_size, self.env.local_world_size)
         choice = choose(model, cluster, self.precision.name)
-        if choice.strategy != self.strategy.name:
+        if not choice.fits and (shape := model_shape(model)) is not None:
+            choice = choose(model, cluster, self.precision.name, tp=shape)
+        if choice.tp > 1:
+            self.strategy = strategies.create(choice.strategy, tp=choice.tp)
+            self.strategy.validate(self.env)
+            self.mesh = build_mesh(self.device, self.strategy.mesh_dims(self.env), self.env.world_size)
+        elif choice.strategy != self.strategy.name:
             self.strategy = strategies.create(choice.strategy)
-        self.print(f"paratrain: strategy 'auto' chose {choice.strategy}: {choice.reason}")
+        self.print(f"paratrain: strategy 'auto' chose {choice.describe()}: {choice.reason}")
         if self.device.type == "cpu":
             self.print(f"paratrain: note: {processes_vs_threads(model, cluster, self.precision.name, choice.strategy)}")
 

@@ -7,8 +7,10 @@ are stopped at once and a ``RankFailedError`` names the rank and carries its tra
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -59,8 +61,8 @@ def launch(
         **(env or {}),
     }
     with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as result_dir:
-        ctx = tmp.start_processes(_entry, args=(fn, tuple(args), base_env, threads, result_dir, os.getpid()), nprocs=nprocs,
-                                  join=False, start_method=start_method)
+        entry_args = (fn, tuple(args), base_env, threads, result_dir, os.getpid(), start_method == "spawn")
+        ctx = tmp.start_processes(_entry, args=entry_args, nprocs=nprocs, join=False, start_method=start_method)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=0.1):
@@ -79,7 +81,7 @@ def launch(
 
 
 def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[str, str], threads: int,
-           result_dir: str, parent: int) -> None:
+           result_dir: str, parent: int, spawned: bool) -> None:
     import torch
 
     die_with_parent(parent)
@@ -89,6 +91,23 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[
     torch.set_num_threads(threads)
     result = fn(*args)
     torch.save(result, os.path.join(result_dir, f"{local_rank}.pt"))
+    if spawned:
+        _exit_without_teardown()
+
+
+def _exit_without_teardown() -> None:
+    """End a spawned rank whose result is saved, skipping the interpreter's finalization, as multiprocessing ends its
+    forked and forkserver children (a spawned one runs it: ``sys.exit``).
+
+    Gloo's worker threads can still hold the last collective's work, tensors with Python references, after the group
+    is destroyed; freed while the interpreter is torn down, they abort the process ("terminate called without an
+    active exception", SIGABRT). That took down a CI run whose cases had all passed. The atexit handlers still run
+    (all this child's own: the call watch tells its peers this rank is done) and the standard streams are flushed.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _load(path: str) -> Any:

@@ -6,9 +6,11 @@ state, buffers, overhead): DDP when they fit — its communication is the least 
 the rest of the step is known here —, else the least sharding that fits (zero1, zero2, zero3). Activation
 memory depends on the batch: ``paratrain plan`` weighs it too, and speed (a ZeRO stage can beat ddp by sharding
 the optimizer step). On a CPU host ``processes_vs_threads`` says what the processes cost over threads.
-All candidates share the one-dimensional data-parallel mesh, so the choice never changes the process layout —
-unless the caller gives the model's tensor-parallel shape (``choose``'s ``tp``), which ``Parallel`` does not do
-until the runtime runs tensor-parallel layouts.
+When even zero3 does not fit and the model has a built-in tensor-parallel plan (``tensor_parallel.model_shape``),
+zero3 over groups of tp ranks is weighed, least tp first: tp splits the blocks FSDP gathers whole, and the
+activations; ``Parallel`` then lays the ranks out as (dp, tp). Otherwise the choice stays on the one-dimensional
+data-parallel mesh. Speed is not weighed here (``paratrain plan`` does, with the batch): a layout that fits
+without tp has less traffic inside every layer.
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ class AutoChoice:
     reason: str
     tp: int = 1
     """Tensor-parallel ranks per group (consecutive, within a node): 1 unless ``choose`` was given a TP shape."""
+    fits: bool = True
+    """False when nothing fits by the planner (the choice is then zero3, which shards the most)."""
+
+    def describe(self) -> str:
+        return self.strategy if self.tp == 1 else f"{self.strategy} with tp={self.tp}"
 
 
 def parameter_stats(model: nn.Module) -> ModelStats:
@@ -71,7 +78,8 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
 
     ``tp``: what the model's tensor-parallel plan splits, per wrap unit (``model_stats.wrap_units``' order). Given,
     and when even zero3 does not fit, zero3 over groups of tp ranks is tried, least tp first: it splits the
-    largest unit FSDP gathers. None (``Parallel`` today) keeps every choice on the one-dimensional mesh.
+    largest unit FSDP gathers. None keeps every choice on the one-dimensional mesh (``Parallel`` passes the shape
+    only once this call, without it, found nothing that fits: reading it imports tensor parallelism).
     """
     stats = replace(parameter_stats(model), tp=tp)
     n = cluster.world_size
@@ -92,9 +100,9 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
         if e.fits:
             return AutoChoice(strategy="zero3", tp=t, reason=(
                 f"zero3 alone needs {tried[3].split()[1]} GiB per rank; tp={t} splits the units it gathers: "
-                f"{e.memory.total / GIB:.2f} GiB of {e.capacity / GIB:.1f}"))
-    return AutoChoice(strategy="zero3", reason=f"nothing fits by the planner ({', '.join(tried)} GiB per rank); "
-                                               "zero3 shards the most — see `paratrain plan`")
+                f"{e.memory.total / GIB:.2f} GiB of {e.capacity / GIB:.2f}"))
+    return AutoChoice(strategy="zero3", fits=False, reason=f"nothing fits by the planner ({', '.join(tried)} GiB per "
+                                                           "rank); zero3 shards the most — see `paratrain plan`")
 
 
 def processes_vs_threads(model: nn.Module, cluster: Cluster, precision: str, strategy: str) -> str:

@@ -65,6 +65,11 @@ class Device:
     bookkeeping and the sharded optimizer step's per-tensor work. Host-side Python, one thread: on a CPU host it is
     one core's time (``calibrated`` sets it from FSDP timed on a one-rank group against a plain step); on GPUs it
     runs ahead of the kernels it queues, so the catalogue leaves it at 0."""
+    tp_call_s: float = 0.0
+    """Seconds of DTensor's own machinery per tensor-parallel collective call, per micro-batch: the sharding
+    propagation, redistribution and dispatch of the DTensor operations between two collectives. Host-side Python
+    like ``fsdp_call_s``, set the same way on a CPU host (``make_plan``'s ``tp_step_time``: a TP step on a fake
+    group, where collectives return at once, against the plan's compute); 0 in the catalogue."""
 
     def __post_init__(self) -> None:
         for name in ("memory_gib", "bf16_tflops", "fp32_tflops", "mfu", "memory_gbs"):
@@ -80,8 +85,9 @@ class Device:
             raise ConfigError(f"device {self.name}: weight_passes must be >= 0, got {self.weight_passes}")
         if self.core_speedup is not None and not self.core_speedup > 0:
             raise ConfigError(f"device {self.name}: core_speedup must be > 0, got {self.core_speedup}")
-        if self.fsdp_call_s < 0:
-            raise ConfigError(f"device {self.name}: fsdp_call_s must be >= 0, got {self.fsdp_call_s}")
+        for name in ("fsdp_call_s", "tp_call_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"device {self.name}: {name} must be >= 0, got {getattr(self, name)}")
 
     def peak_tflops(self, precision: str) -> float:
         return self.fp32_tflops if precision == "fp32" else self.bf16_tflops

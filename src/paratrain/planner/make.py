@@ -9,9 +9,11 @@ import torch
 from ..errors import ConfigError
 from .gpu_step import GpuStep, check_same_gpu, time_gpu_step
 from .hardware import Cluster, calibrated, make_cluster
+from .layout import Layout
 from .model_stats import ModelStats
 from .models import model_input, resolve_model
-from .recommend import Plan, recommend
+from .recommend import Plan, estimate, recommend
+from .tensor_parallel import collectives_per_micro_batch
 from .timing import fsdp_call_from, measured_link, optimizer_step_bytes, weight_bytes
 from .training import Training
 
@@ -26,7 +28,8 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
               threads: int | None = None, link_timings: Mapping[str, tuple[float, ...]] | None = None,
               micro_step_time: tuple[float, float] | None = None,
               host_step_time: tuple[float, float] | None = None, fsdp_overhead: Mapping[str, float] | None = None,
-              tp: int | None = None, stats: ModelStats | None = None, **training: object) -> Plan:
+              tp_step_time: float | None = None, tp: int | None = None, stats: ModelStats | None = None,
+              **training: object) -> Plan:
     """The plan for ``paratrain plan``'s options (``training`` holds ``Training``'s fields; precision ``auto``
     is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
 
@@ -42,8 +45,10 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
     host's rates (see ``hardware.calibrated``). ``fsdp_overhead``
     (``zero2`` and/or ``fsdp`` -> seconds): what that strategy's step on a one-rank group added to a plain step of
     ``--batch`` samples on ``threads`` threads; sets ``Device.fsdp_call_s`` (the mean over the strategies given).
-    ``tp``: the tensor-parallel degree to plan (``--tp``; None: every one that divides a node and the model's heads,
-    MLP width and vocabulary; 1: none). ``stats``: the model's statistics, found already (instead of ``model`` or
+    ``tp_step_time``: a tensor-parallel step over ``gpus`` ranks timed on a fake group (collectives return at once)
+    on ``threads`` threads; sets ``Device.tp_call_s`` (``tp_call_from``).
+    ``tp``: the tensor-parallel degree to plan (``--tp``; None: every one that divides a node and the model's heads
+    and MLP width; 1: none). ``stats``: the model's statistics, found already (instead of ``model`` or
     ``params`` and their shape: a transformer the built-in names do not spell).
     """
     cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
@@ -81,6 +86,9 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
     elif micro_step_time is not None or host_step_time is not None:
         raise ConfigError("a smaller or an all-cores forward+backward calibrates together with --step-time and "
                           "--optimizer-time")
+    if tp_step_time is not None:
+        cluster = replace(cluster, device=replace(cluster.device, tp_call_s=tp_call_from(tp_step_time, stats, setup,
+                                                                                         cluster)))
     if fsdp_overhead:
         if optimizer_time is None:
             raise ConfigError("FSDP's overhead calibrates together with --step-time and --optimizer-time")
@@ -122,3 +130,14 @@ def fsdp_call_s(overhead: Mapping[str, float], stats: ModelStats, setup: Trainin
         raise ConfigError(f"FSDP overhead for {', '.join(unknown)}: give it for zero2 and/or fsdp")
     per_call = [fsdp_call_from(s, stats, stages[name], setup, bandwidth) for name, s in overhead.items()]
     return sum(per_call) / len(per_call)
+
+
+def tp_call_from(step_s: float, stats: ModelStats, training: Training, cluster: Cluster) -> float:
+    """``Device.tp_call_s`` from a tensor-parallel step over a node's ranks timed without communication (a fake
+    group: its collectives return at once): what it took beyond the plan's compute and optimizer step for one such
+    rank, over its collective calls. Never below 0."""
+    if stats.tp is None:
+        raise ConfigError("a TP step time calibrates tensor parallelism: plan a transformer")
+    e = estimate(stats, Layout(name="tp", tp=cluster.ranks_per_node), training, cluster)
+    calls = e.batch.micro_batches * collectives_per_micro_batch(stats, training.checkpointing)
+    return max(0.0, (step_s - (e.time.step_s - e.time.exposed_comm_s)) / calls)

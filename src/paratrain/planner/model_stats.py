@@ -177,7 +177,7 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
 
     fp32 = figures(*ELEMENT_BYTES["fp32"])
     block_split = counts["block_split"] * block // counts["block"]
-    tp = TPShape(layers=n_layers, hidden=h, heads=cfg.heads, ffn=cfg.ffn_width, vocab=v, seq_len=s,
+    tp = TPShape(layers=n_layers, hidden=h, seq_len=s, divides=(("heads", cfg.heads), ("MLP width", cfg.ffn_width)),
                  split=(v * h, *(block_split,) * n_layers, 0 if cfg.tied else v * h))
     matmul = n_layers * (4 * h * h + h * (fc + cfg.ffn_width)) + v * h  # the head's (possibly tied) weight
     return ModelStats(name=name, params=total, units=units, largest_layer=max(layers, key=lambda x: x[1]),

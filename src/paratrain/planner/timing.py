@@ -17,7 +17,7 @@ from .hardware import GB, Cluster, Link
 from .layout import Layout, stage_flops
 from .memory import activation_figures, activation_mode, ranked_params
 from .model_stats import ModelStats
-from .tensor_parallel import tp_comm_s
+from .tensor_parallel import collectives_per_micro_batch, tp_comm_s
 from .training import Batching, Training
 
 BACKWARD_SHARE = 2 / 3
@@ -184,7 +184,8 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     reduce-scatter gradients every micro-batch, one call per wrap unit (each call after the first costs
     ``Link.call_s``), prefetched into up to ``overlap`` of its
     compute, and copy each gathered unit out of (each gradient into) the collective's flat buffer: a read and a
-    write per collective, and pay ``Device.fsdp_call_s`` of host-side machinery per unit and call; hsdp adds an
+    write per collective, and pay ``Device.fsdp_call_s`` of host-side machinery per unit and call (tensor
+    parallelism ``Device.tp_call_s`` per activation collective); hsdp adds an
     all-reduce of the shard across nodes. DDP's buckets cost
     ``DDP_BUCKET_PASSES`` passes over the gradients. Stage-to-stage sends (one per forward and per backward, per slot)
     are not hidden. Tensor-parallel ranks compute 1/tp of each micro-batch's FLOPs and wait for its activation
@@ -201,8 +202,10 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     gathers = 2 if layout.zero == 3 else 1
     copies = fsdp_copy_bytes(psi, layout.zero, training) if layout.zero >= 2 else 0.0
     units = wrap_units(stats)
-    machinery_s = (units * fsdp_calls(layout.zero) * cluster.device.fsdp_call_s
-                   * cluster.device.serial_slowdown(ranks_per_node) if layout.zero >= 2 else 0.0)
+    machinery_s = (units * fsdp_calls(layout.zero) * cluster.device.fsdp_call_s if layout.zero >= 2 else 0.0)
+    if layout.tp > 1:  # a stage runs its share of the blocks' DTensor operations
+        machinery_s += collectives_per_micro_batch(stats, training.checkpointing) * cluster.device.tp_call_s / layout.pp
+    machinery_s *= cluster.device.serial_slowdown(ranks_per_node)
     traced = layout.pp > 1 and stats.unit_flops
     stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) if traced
                               else stats.flops_per_sample / layout.pp)
