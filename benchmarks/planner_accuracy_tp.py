@@ -205,9 +205,10 @@ def fake_group(steps: int, warmup: int) -> dict[str, object]:
 
 
 def micro_step_time(w1: dict[str, float]) -> tuple[int, float] | None:
-    """The quarter batch's forward+backward, for the planner's batch-independent part; None when it took a quarter
-    of the whole batch's or more (then there is none to fit: the weights stream at the optimizer's bandwidth)."""
-    return (BATCH // 4, w1["quarter"]) if 4 * w1["quarter"] < w1["forward_backward"] else None
+    """The quarter batch's forward+backward, for the planner's batch-independent part (what it took beyond a quarter
+    of the whole batch's time); None when it took no more than that: there is none to fit (``calibrated`` refuses
+    it), and the weights stream at the optimizer's bandwidth."""
+    return (BATCH // 4, w1["quarter"]) if 4 * w1["quarter"] > w1["forward_backward"] else None
 
 
 def predict(w1: dict[str, float], link: dict[str, tuple[float, ...]], tp_step_time: float | None) -> dict[str, float]:
