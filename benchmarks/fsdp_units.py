@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 
 LAYERS, HIDDEN, HEADS, SEQ, PER_RANK = 4, 192, 4, 64, 8
 SUBJECTS = {"fp32": ("paratrain", "hand-fsdp2", "every-linear"),

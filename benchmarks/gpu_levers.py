@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 from paratrain.workloads.gpt import GPT, Block, GPTConfig
 
 SIZES = {"124m": GPTConfig(layers=12, hidden=768, heads=12, seq_len=1024, vocab=50304),

@@ -31,6 +31,7 @@ from paratrain.planner import make_plan
 from paratrain.planner.gpu_step import check_same_gpu
 from paratrain.planner.hardware import DEVICES
 from paratrain.workloads.gpt import GPT, GPT_CONFIGS
+from paratrain.workloads.planning import resolve_model
 
 
 def catalogue_name() -> str:
@@ -101,14 +102,15 @@ def main() -> None:
     print(f"{'model':<12} {'batch':>5} {'measured ms':>11} {'plan ms':>8} {'err':>6} {'calibrated':>10} {'err':>6} "
           f"{'at batch':>8} {'err':>6} {'measured GiB':>12} {'plan GiB':>8} {'err':>6}")
     for model in a.models.split(","):
-        calibration = make_plan(model=model, gpu=gpu, micro_batch=a.calibrate_at, measure=True,
+        planned = resolve_model(model)
+        calibration = make_plan(planned, gpu=gpu, micro_batch=a.calibrate_at, measure=True,
                                 precision="bf16-mixed")
         device = calibration.cluster.device
         for batch in (int(b) for b in a.batches.split(",")):
-            plain = single_estimate(make_plan(model=model, gpu=gpu, micro_batch=batch, precision="bf16-mixed"))
-            tuned = single_estimate(make_plan(model=model, gpu=gpu, micro_batch=batch, precision="bf16-mixed",
+            plain = single_estimate(make_plan(planned, gpu=gpu, micro_batch=batch, precision="bf16-mixed"))
+            tuned = single_estimate(make_plan(planned, gpu=gpu, micro_batch=batch, precision="bf16-mixed",
                                               mfu=device.mfu, mem_bw_gbs=device.memory_gbs))
-            here = make_plan(model=model, gpu=gpu, micro_batch=batch, measure=True, precision="bf16-mixed")
+            here = make_plan(planned, gpu=gpu, micro_batch=batch, measure=True, precision="bf16-mixed")
             step_s, peak = measured(model, batch, a.steps)
             row = {"model": model, "batch": batch, "measured_ms": 1e3 * step_s, "plan_ms": 1e3 * plain.time.step_s,
                    "calibrated_ms": 1e3 * tuned.time.step_s,
@@ -124,12 +126,12 @@ def main() -> None:
         print(f"  {model}: calibrated MFU {device.mfu:.3f}, bandwidth {device.memory_gbs:.0f} GB/s; "
               f"{calibration.notes[-1]}")
         for batch in (int(b) for b in a.batches.split(",")):  # every block checkpointed
-            planned = single_estimate(make_plan(model=model, gpu=gpu, micro_batch=batch, precision="bf16-mixed",
-                                                mfu=device.mfu, mem_bw_gbs=device.memory_gbs, checkpointing=True))
+            checkpointed = single_estimate(make_plan(planned, gpu=gpu, micro_batch=batch, precision="bf16-mixed",
+                                                     mfu=device.mfu, mem_bw_gbs=device.memory_gbs, checkpointing=True))
             step_s, peak = measured(model, batch, a.steps, checkpointing=True)
             row = {"model": model, "batch": batch, "checkpointing": True, "measured_ms": 1e3 * step_s,
-                   "calibrated_ms": 1e3 * planned.time.step_s, "measured_gib": peak / 2**30,
-                   "plan_gib": planned.memory.allocated / 2**30}
+                   "calibrated_ms": 1e3 * checkpointed.time.step_s, "measured_gib": peak / 2**30,
+                   "plan_gib": checkpointed.memory.allocated / 2**30}
             rows.append(row)
             print(f"  checkpointed, batch {batch}: {row['measured_ms']:.1f} ms (plan calibrated at batch "
                   f"{a.calibrate_at}: {row['calibrated_ms']:.1f}, {row['calibrated_ms'] / row['measured_ms'] - 1:+.0%})"

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 from ddp_overhead import CORES, audited, background_line
 from paratrain.monitor import Monitor, MonitorConfig
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 from paratrain.workloads.synthetic import mlp
 
 BATCH_PER_RANK = 64

@@ -60,19 +60,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # strategies.py,
 import strategies  # noqa: E402
 
 import paratrain  # noqa: E402
-from paratrain.parallel import finish_group  # noqa: E402
+from paratrain.distributed.process_group import finish_group  # noqa: E402
 from paratrain.planner import make_plan  # noqa: E402
-from paratrain.planner.models import resolve_model  # noqa: E402
+from paratrain.workloads.planning import resolve_model  # noqa: E402
 
 TARGET = 0.20
-PLANNER_TO_LABEL = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3",
+PLANNER_TO_LABEL = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
                     "pipeline": "pipeline-1f1b-8"}
-"""Planner strategy name -> ``strategies.STRATEGIES`` label (zero3 is the planner's ``fsdp``)."""
+"""Planner strategy name -> ``strategies.STRATEGIES`` label."""
 GLOBAL = strategies.GLOBAL_BATCH
 MICRO_BATCHES = 8
 BOUNDARY_BYTES = GLOBAL // MICRO_BATCHES * strategies.MODEL_WIDTH * 4
 """What a pipeline stage sends per micro-batch: 16 samples x 1024 fp32 activations."""
-UNIT_PARAMS = [n for _, n in resolve_model("strategies:build_model", input_spec="784").units if n > 0]
+MODEL = resolve_model("strategies:build_model", input_spec="784")
+"""The benchmark's model as the planner builds and traces it."""
+UNIT_PARAMS = [n for _, n in MODEL.find_stats().units if n > 0]
 """Parameters per FSDP wrap unit, as the planner counts them (``timing.wrap_units``): one collective call each."""
 CORES = len(os.sched_getaffinity(0))
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
@@ -305,13 +307,13 @@ def predict(world: int, world1: dict[str, float], link: dict[str, tuple[float, .
             host_rate: str = "threads") -> dict[str, float]:
     """Predicted step seconds per planner strategy at ``world`` ranks on this host, calibrated on world 1."""
     host = HOST_RATES[host_rate]
-    plan = make_plan(model="strategies:build_model", input_spec="784", gpu="cpu", gpus=world, precision="fp32",
-                     optimizer="adam", micro_batch=GLOBAL, global_batch=GLOBAL, micro_batches=MICRO_BATCHES,
-                     schedule="1f1b", step_time=world1["forward_backward"], optimizer_time=world1["adam"],
+    plan = make_plan(MODEL, gpu="cpu", gpus=world, precision="fp32", optimizer="adam", micro_batch=GLOBAL,
+                     global_batch=GLOBAL, micro_batches=MICRO_BATCHES, schedule="1f1b",
+                     step_time=world1["forward_backward"], optimizer_time=world1["adam"],
                      micro_step_time=(GLOBAL // MICRO_BATCHES, world1["micro_batch"]),
                      host_step_time=(world1[f"{host}forward_backward"], world1[f"{host}adam"]),
                      fsdp_overhead={"zero2": world1["zero2"] - world1["single"],
-                                    "fsdp": world1["zero3"] - world1["single"]},
+                                    "zero3": world1["zero3"] - world1["single"]},
                      threads=1, link_timings=link)
     return {e.name: e.time.step_s for e in plan.estimates}
 

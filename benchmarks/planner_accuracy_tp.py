@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 from paratrain.planner import make_plan, transformer_stats
 from paratrain.planner.tensor_parallel import collectives_per_micro_batch
 from paratrain.workloads.gpt import GPT, GPTConfig
@@ -212,7 +212,7 @@ def micro_step_time(w1: dict[str, float]) -> tuple[int, float] | None:
 
 
 def predict(w1: dict[str, float], link: dict[str, tuple[float, ...]], tp_step_time: float | None) -> dict[str, float]:
-    plan = make_plan(stats=transformer_stats(CFG, name="gpt-tp-bench"), gpu="cpu", gpus=WORLD, precision="fp32",
+    plan = make_plan(transformer_stats(CFG, name="gpt-tp-bench"), gpu="cpu", gpus=WORLD, precision="fp32",
                      optimizer="adam", micro_batch=BATCH, global_batch=BATCH,
                      step_time=w1["forward_backward"], optimizer_time=w1["adam"],
                      micro_step_time=micro_step_time(w1),

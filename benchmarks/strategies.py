@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import paratrain
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 
 MODEL_WIDTH, GLOBAL_BATCH = 1024, 128
 STRATEGIES: dict[str, tuple[str, dict]] = {  # label -> (strategy, options)

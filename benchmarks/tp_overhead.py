@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 import paratrain
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB, SEQ, BATCH = 256, 4, 8, 4, 704, 4096, 128, 8
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.strategies.model_parallel import layers
+from paratrain.model.cuts import layers
 
 # test-launch: python | python --split 2 4 | paratrain run -n 2
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import paratrain
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 
 
 def build_model() -> nn.Module:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import paratrain
 from paratrain.monitor import MonitorConfig
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 
 
 class _Items(Dataset):

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 import paratrain
 from paratrain.model import find_ties
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 
 VOCAB, SEQ, HIDDEN, GLOBAL_BATCH, STEPS, LR = 65, 8, 32, 16, 3, 0.1
 

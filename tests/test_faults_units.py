@@ -50,6 +50,15 @@ def test_the_root_cause_is_a_ranks_own_error_not_the_peer_that_lost_it():
     assert killed.rank == 1
 
 
+def test_a_rank_the_launcher_stopped_is_not_blamed_for_the_one_that_died():
+    """Rank 1 is SIGKILLed; the launcher then SIGTERMs rank 0, in the same second or the next."""
+    for stopped_at in (100, 101):
+        err = from_child_failed(SimpleNamespace(failures={0: _failure(-15, None, stopped_at), 1: _failure(-9, None)}))
+        assert err.rank == 1 and err.exitcode == -9
+    everyone = from_child_failed(SimpleNamespace(failures={1: _failure(-15, None), 0: _failure(-15, None)}))
+    assert everyone.rank == 0  # a scheduler stopped the whole job: the first rank stands for it
+
+
 def test_disagreements_name_the_ranks_and_values():
     per_rank = [{"strategy": "ddp", "accumulate": "1"}, {"strategy": "zero3", "accumulate": "1"},
                 {"strategy": "ddp", "accumulate": "1"}]

@@ -86,7 +86,7 @@ def test_audit_names_a_split_tie_and_a_parameter_the_optimizer_lost():
 
 
 def test_model_parallel_opens_a_transformers_model_to_its_blocks_and_keeps_ties_on_one_stage():
-    from paratrain.strategies.model_parallel import layers, placement
+    from paratrain.model.cuts import layers, placement
 
     model = ZOO["gpt2"].build()
     names = [n for n, _ in layers(model)]

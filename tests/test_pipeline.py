@@ -49,7 +49,7 @@ def test_a_stage_without_parameters_is_refused():
     from torch import nn
 
     from paratrain import ConfigError
-    from paratrain.strategies.pipeline import cut_points
+    from paratrain.model.cuts import cut_points
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
     assert cut_points(model, 2, [2]) == [0, 2]

@@ -11,6 +11,7 @@ from paratrain.planner import measured_link, step_time
 from paratrain.planner.layout import stage_flops
 from paratrain.planner.model_stats import InputSpec, trace_module
 from paratrain.planner.timing import fsdp_call_from, fsdp_copy_bytes
+from paratrain.workloads.planning import model_input, resolve_model
 
 FLOPS, WEIGHTS, ADAM = 3e9, 2e8, 3e8  # FLOPs of a batch, bytes the catalogue's passes stream, optimizer bytes
 
@@ -69,17 +70,17 @@ def test_fsdp_machinery_is_measured_on_one_rank_and_paid_per_unit_and_call():
     timed = replace(cluster, device=replace(cluster.device, fsdp_call_s=per_call))
     batch = batching(training, dp=4, pp=1, world_size=4)
     for layout, calls in ((Layout(name="zero2", dp=4, zero=2, shard=4), 2),
-                          (Layout(name="fsdp", dp=4, zero=3, shard=4), 3)):
+                          (Layout(name="zero3", dp=4, zero=3, shard=4), 3)):
         extra = step_time(stats, layout, batch, training, timed).compute_s - step_time(
             stats, layout, batch, training, cluster).compute_s
         assert extra == pytest.approx(units * calls * per_call * cluster.device.serial_slowdown(4))
     ddp = Layout(name="ddp", dp=4)
     assert step_time(stats, ddp, batch, training, timed) == step_time(stats, ddp, batch, training, cluster)
-    plan = make_plan(model="mlp", gpu="cpu", gpus=2, precision="fp32", optimizer="adam", step_time=0.02,
-                     optimizer_time=0.004, threads=1, fsdp_overhead={"zero2": 0.004, "fsdp": 0.006})
+    plan = make_plan(resolve_model("mlp"), gpu="cpu", gpus=2, precision="fp32", optimizer="adam", step_time=0.02,
+                     optimizer_time=0.004, threads=1, fsdp_overhead={"zero2": 0.004, "zero3": 0.006})
     assert plan.cluster.device.fsdp_call_s > 0
-    with pytest.raises(ConfigError, match="give it for zero2 and/or fsdp"):
-        make_plan(model="mlp", gpu="cpu", gpus=2, step_time=0.02, optimizer_time=0.004, fsdp_overhead={"ddp": 0.1})
+    with pytest.raises(ConfigError, match="give it for zero2 and/or zero3"):
+        make_plan(resolve_model("mlp"), gpu="cpu", gpus=2, step_time=0.02, optimizer_time=0.004, fsdp_overhead={"ddp": 0.1})
 
 
 def test_a_pipeline_stage_computes_its_own_units_flops():
@@ -133,8 +134,6 @@ def test_gpu_timing_without_cuda_is_one_line(monkeypatch):
 
 
 def test_token_inputs_for_timing_are_real_ids_below_the_vocabulary():
-    from paratrain.planner.models import model_input
-
     _, spec = model_input("gpt-tiny")
     ids = spec.make(4, "cpu")
     assert ids.shape == (4, 64) and 0 <= int(ids.min()) and int(ids.max()) < 512 and ids.unique().numel() > 1

@@ -12,10 +12,10 @@ def test_plan_gpt2_medium_on_8_h100_recommends_ddp_or_a_zero_stage(paratrain_cmd
     res = subprocess.run([*paratrain_cmd, "plan", "--model", "gpt2-medium", "--gpus", "8", "--gpu", "h100",
                           "--interconnect", "nvlink"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    for name in ("single", "ddp", "zero1", "zero2", "fsdp", "pipeline", "model_parallel"):
+    for name in ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "model_parallel"):
         assert re.search(rf"^{name}\b", res.stdout, flags=re.M), name
     choice = re.search(r"^recommended: (\w+) ", res.stdout, flags=re.M).group(1)
-    assert choice in ("ddp", "zero1", "zero2", "fsdp")
+    assert choice in ("ddp", "zero1", "zero2", "zero3")
     assert "LR: global batch 64" in res.stdout
 
 

@@ -3,12 +3,12 @@ checkpointing."""
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.planner import Layout, Training, batching, make_cluster, memory_per_rank, transformer_stats
+from paratrain.planner import (TRANSFORMERS, Layout, Training, batching, make_cluster, memory_per_rank,
+                               transformer_stats)
 from paratrain.planner.layout import layouts, stage_params
 from paratrain.planner.memory import activation_figures, model_states
-from paratrain.workloads.gpt import GPT_CONFIGS
 
-STATS = transformer_stats(GPT_CONFIGS["gpt2-medium"], name="gpt2-medium")
+STATS = transformer_stats(TRANSFORMERS["gpt2-medium"], name="gpt2-medium")
 PSI = STATS.params
 
 
@@ -29,7 +29,7 @@ def test_model_states_match_the_zero_paper_for_mixed_precision_adam(n):
         Layout(name="ddp", dp=n): 16 * PSI,
         Layout(name="zero1", dp=n, zero=1, shard=n): 4 * PSI + 12 * PSI / n,
         Layout(name="zero2", dp=n, zero=2, shard=n): 2 * PSI + 14 * PSI / n,
-        Layout(name="fsdp", dp=n, zero=3, shard=n): 16 * PSI / n,
+        Layout(name="zero3", dp=n, zero=3, shard=n): 16 * PSI / n,
     }
     for layout, states in expected.items():
         assert _states(layout).total == pytest.approx(states, rel=1e-12), layout.name
@@ -95,7 +95,7 @@ def test_pipeline_stage_holds_the_fullest_contiguous_run_of_units():
 def test_buffers_ddp_two_buckets_fsdp_the_largest_unit_gathered():
     ddp = _memory(Layout(name="ddp", dp=8))
     assert ddp.buffers == 2 * 25 * 2**20
-    fsdp = _memory(Layout(name="fsdp", dp=8, zero=3, shard=8))
+    fsdp = _memory(Layout(name="zero3", dp=8, zero=3, shard=8))
     unit = STATS.largest_unit[1]
     assert fsdp.buffers == 2 * unit * 2 + unit * 2  # current + prefetched bf16 unit, its bf16 gradient
     assert ddp.overhead == fsdp.overhead == 0.75 * 2**30
@@ -105,7 +105,7 @@ def test_layouts_follow_the_cluster_and_the_strategies_meshes():
     cluster = make_cluster("h100", gpus=8, nodes=4)
     found = layouts(cluster, n_units=26)
     names = list(dict.fromkeys(lay.name for lay in found))
-    assert names == ["single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "hybrid", "model_parallel"]  # 32 stages > 26 units
+    assert names == ["single", "ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid", "model_parallel"]  # 32 stages > 26 units
     assert [(lay.dp, lay.pp) for lay in found if lay.name == "hybrid"] == [(16, 2), (8, 4), (4, 8), (2, 16)]
     assert [(lay.dp, lay.mp) for lay in found if lay.name == "model_parallel"] == [(16, 2), (8, 4), (4, 8)]
     assert "pipeline" in [lay.name for lay in layouts(cluster, n_units=32)]

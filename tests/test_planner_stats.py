@@ -9,10 +9,11 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.planner import InputSpec, make_plan, measure_module, trace_module, transformer_stats
-from paratrain.planner.model_stats import transformer_params, wrap_units
-from paratrain.planner.models import SMALL_MODELS, parse_count, resolve_model
+from paratrain.planner.model_stats import wrap_units
+from paratrain.planner.transformer import transformer_params
 from paratrain.workloads.digits import digits_cnn
 from paratrain.workloads.gpt import GPT, GPT_CONFIGS, GPTConfig
+from paratrain.workloads.planning import SMALL_MODELS, parse_count, resolve_model
 
 
 def _rss() -> int:
@@ -112,12 +113,13 @@ def test_mlp_activation_estimate_is_close_to_a_real_forward():
 
 
 def test_a_7b_model_plans_in_under_a_second_without_allocating_weights():
-    make_plan(model="gpt2", gpu="h100", gpus=8)  # imports warmed up
+    make_plan(resolve_model("gpt2"), gpu="h100", gpus=8)  # imports warmed up
     tracemalloc.start()
     rss = _rss()
     start = time.perf_counter()
-    plan = make_plan(model="llama-7b", gpu="h100", gpus=8)
-    by_params = make_plan(params="7.5B", layers=32, hidden=4096, seq_len=4096, gpu="a100", gpus=8, nodes=2)
+    plan = make_plan(resolve_model("llama-7b"), gpu="h100", gpus=8)
+    by_params = make_plan(resolve_model(params="7.5B", layers=32, hidden=4096, seq_len=4096), gpu="a100", gpus=8,
+                          nodes=2)
     elapsed = time.perf_counter() - start
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -145,7 +147,7 @@ def _factory() -> nn.Module:
 
 
 def test_module_factory_is_traced_on_meta_and_units_expand_module_lists():
-    stats = resolve_model("test_planner_stats:_factory", input_spec="4")
+    stats = resolve_model("test_planner_stats:_factory", input_spec="4").find_stats()
     assert stats.params == 20 and "meta" in stats.source
     model = nn.Module()
     model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))

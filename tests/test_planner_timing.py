@@ -2,14 +2,14 @@
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.planner import (Layout, Link, Training, all_gather_s, all_reduce_s, batching, broadcast_s,
+from paratrain.planner import (TRANSFORMERS, Layout, Link, Training, all_gather_s, all_reduce_s, batching, broadcast_s,
                                bubble_fraction, calibrated, get_device, make_cluster, make_plan, measured_link, p2p_s,
                                reduce_scatter_s, step_time, transformer_stats)
 from paratrain.planner.layout import stage_params
-from paratrain.workloads.gpt import GPT_CONFIGS
+from paratrain.workloads.planning import resolve_model
 
 LINK = Link(name="test", bandwidth_gbs=100, latency_us=0)
-STATS = transformer_stats(GPT_CONFIGS["gpt2"], name="gpt2")
+STATS = transformer_stats(TRANSFORMERS["gpt2"], name="gpt2")
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 64])
@@ -78,7 +78,7 @@ def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients_every_micro
     cluster = make_cluster("h100", gpus=8)
     batch = batching(training, dp=8, pp=1, world_size=8)
     assert (batch.micro_batch, batch.micro_batches) == (2, 4)
-    t = step_time(STATS, Layout(name="fsdp", dp=8, zero=3, shard=8), batch, training, cluster)
+    t = step_time(STATS, Layout(name="zero3", dp=8, zero=3, shard=8), batch, training, cluster)
     per_micro = 2 * all_gather_s(STATS.params * 2, 8, cluster.intra) + reduce_scatter_s(STATS.params * 2, 8, cluster.intra)
     per_unit_calls = (len(STATS.units) - 1) * 3 * 7 * cluster.intra.latency_us * 1e-6  # a call per unit, each pays
     assert t.comm_s == pytest.approx(4 * (per_micro + per_unit_calls))
@@ -119,7 +119,7 @@ def test_calibration_splits_a_measured_step_into_flops_and_memory_traffic():
         calibrated(host, flops_per_step=flops, step_time_s=0.005, precision="fp32", streamed_bytes=weights,
                    optimizer_bytes=adam, optimizer_s=0.015, threads=1)
     with pytest.raises(ConfigError, match="--optimizer-time calibrates together with --step-time"):
-        make_plan(model="mlp", gpu="cpu", gpus=2, optimizer_time=0.01)
+        make_plan(resolve_model("mlp"), gpu="cpu", gpus=2, optimizer_time=0.01)
 
 
 def test_a_link_measured_at_a_world_size_reproduces_its_timings():
@@ -131,7 +131,7 @@ def test_a_link_measured_at_a_world_size_reproduces_its_timings():
     assert reduce_scatter_s(16e6, 4, link) == pytest.approx(0.03)
     assert broadcast_s(16e6, 4, link) == pytest.approx(0.006)
     assert p2p_s(4e6, link) == pytest.approx(0.0015) and p2p_s(65536, link) == pytest.approx(0.0003)
-    plan = make_plan(model="mlp", gpu="cpu", gpus=4, link_timings=timings)
+    plan = make_plan(resolve_model("mlp"), gpu="cpu", gpus=4, link_timings=timings)
     assert plan.cluster.intra.name == "loopback-gloo (measured)"
 
 
@@ -143,10 +143,10 @@ def test_collectives_split_per_wrap_unit_set_what_each_further_call_costs():
     assert default.call_us is None and default.call_s(4) == pytest.approx(3 * default.latency_us * 1e-6)
     assert link.call_s(4) == pytest.approx(0.004)  # 12 and 20 ms over 4 further calls, averaged
     assert all_gather_s(16e6, 4, link) == pytest.approx(0.02)  # the whole collective's figures are kept
-    plans = [{e.name: e.time for e in make_plan(model="mlp", gpu="cpu", gpus=4, link_timings=t).estimates}
+    plans = [{e.name: e.time for e in make_plan(resolve_model("mlp"), gpu="cpu", gpus=4, link_timings=t).estimates}
              for t in (whole, split)]
-    units = 3  # the built-in mlp's wrap units; zero3 (fsdp) makes 3 calls per unit, zero2 2
-    for name, calls in (("fsdp", 3), ("zero2", 2)):
+    units = 3  # the built-in mlp's wrap units; zero3 makes 3 calls per unit, zero2 2
+    for name, calls in (("zero3", 3), ("zero2", 2)):
         extra = plans[1][name].exposed_comm_s - plans[0][name].exposed_comm_s
         assert extra == pytest.approx((units - 1) * calls * (0.004 - default.call_s(4)))
     assert plans[1]["ddp"].step_s == plans[0]["ddp"].step_s  # one all-reduce: no split calls

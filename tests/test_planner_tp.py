@@ -3,12 +3,12 @@ recommender picks it."""
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.planner import (Layout, Link, Training, batching, format_plan, make_cluster, make_plan,
-                               memory_per_rank, plan_to_json, recommend, step_time, transformer_stats)
+from paratrain.planner import (TRANSFORMERS, GPTConfig, Layout, Link, Training, batching, format_plan, make_cluster,
+                               make_plan, memory_per_rank, plan_to_json, recommend, step_time, transformer_stats)
 from paratrain.planner.layout import layouts
 from paratrain.planner.memory import activation_figures, model_states
 from paratrain.planner.tensor_parallel import collectives_per_micro_batch, rank_params, tp_comm_s, tp_degrees
-from paratrain.workloads.gpt import GPT_CONFIGS, GPTConfig
+from paratrain.workloads.planning import resolve_model
 
 # h=8, f=32, V=16, s=4, 2 layers, biases, learned positions, tied head: 1,920 parameters. A block holds 872: its
 # split layers 824 (QKV 3·64+24, projection 64, MLP 8·32+32 and 32·8), its norms 32 and row-parallel biases 16.
@@ -24,7 +24,7 @@ def test_a_tensor_parallel_rank_holds_its_share_of_the_split_layers_and_all_the_
     assert rank_params(TINY, 4) == 1920 - 3 * (128 + 2 * 824) // 4 == 588
     states = model_states(TINY, Layout(name="tp", tp=2), FP32)
     assert (states.parameters, states.gradients, states.optimizer_states) == (4 * 1032, 4 * 1032, 8 * 1032)
-    zero3 = model_states(TINY, Layout(name="fsdp", dp=2, zero=3, shard=2, tp=2), FP32)
+    zero3 = model_states(TINY, Layout(name="zero3", dp=2, zero=3, shard=2, tp=2), FP32)
     assert zero3.total == 16 * 1032 / 2
 
 
@@ -70,7 +70,7 @@ def test_collective_volume_per_block_and_micro_batch():
 
 
 def test_step_time_splits_compute_and_waits_for_every_collective():
-    stats = transformer_stats(GPT_CONFIGS["llama-7b"], name="llama-7b")
+    stats = transformer_stats(TRANSFORMERS["llama-7b"], name="llama-7b")
     training = Training(micro_batch=4, global_batch=8)
     cluster = make_cluster("h100", gpus=8)
 
@@ -86,8 +86,8 @@ def test_step_time_splits_compute_and_waits_for_every_collective():
 
 
 def test_tp_across_nodes_uses_the_slower_link_and_is_flagged():
-    stats = transformer_stats(GPT_CONFIGS["llama-7b"], name="llama-7b")
-    plan = make_plan(model="llama-7b", gpus=8, nodes=2, tp=16, micro_batch=2)
+    stats = transformer_stats(TRANSFORMERS["llama-7b"], name="llama-7b")
+    plan = make_plan(stats, gpus=8, nodes=2, tp=16, micro_batch=2)
     assert [e.layout.tp for e in plan.estimates if e.layout.tp > 1] == [16]
     wide = next(e for e in plan.estimates if e.layout.tp == 16)
     assert wide.batch.micro_batches == 16  # one replica: the global batch of 2 x 16 in micro-batches of 2
@@ -100,15 +100,15 @@ def test_candidate_degrees_divide_a_node_and_the_heads():
     six_heads = transformer_stats(GPTConfig(layers=2, hidden=48, heads=6, seq_len=8, vocab=64), name="six")
     assert tp_degrees(six_heads, make_cluster("h100", gpus=8)) == (2,)  # 6 heads: not 4 or 8
     assert tp_degrees(TINY, make_cluster("h100", gpus=8)) == (2,)
-    gpt2 = transformer_stats(GPT_CONFIGS["gpt2"], name="gpt2")  # 12 heads; vocab 50257 is split unevenly
+    gpt2 = transformer_stats(TRANSFORMERS["gpt2"], name="gpt2")  # 12 heads; vocab 50257 is split unevenly
     assert tp_degrees(gpt2, make_cluster("h100", gpus=8)) == (2, 4)
     assert rank_params(gpt2, 2) == gpt2.params - sum(gpt2.tp.split) + sum(-(-s // 2) for s in gpt2.tp.split)
-    llama = transformer_stats(GPT_CONFIGS["llama-7b"], name="llama-7b")
+    llama = transformer_stats(TRANSFORMERS["llama-7b"], name="llama-7b")
     assert tp_degrees(llama, make_cluster("h100", gpus=8)) == (2, 4, 8)
     assert tp_degrees(llama, make_cluster("h100", gpus=8), tp=1) == ()
     found = layouts(make_cluster("h100", gpus=4), len(llama.units), (2, 4))
     assert {(lay.label, lay.describe()) for lay in found if lay.tp > 1} == {
-        ("ddp+tp", "dp=2 tp=2"), ("zero2+tp", "dp=2 shard=2 tp=2"), ("fsdp+tp", "dp=2 shard=2 tp=2"),
+        ("ddp+tp", "dp=2 tp=2"), ("zero2+tp", "dp=2 shard=2 tp=2"), ("zero3+tp", "dp=2 shard=2 tp=2"),
         ("pipeline+tp", "pp=2 tp=2"), ("tp", "tp=4")}
 
 
@@ -118,9 +118,9 @@ def test_a_model_whose_shape_does_not_divide_gets_no_tp_and_a_note():
     assert all(e.layout.tp == 1 for e in plan.estimates)
     assert "tensor parallelism not planned: heads 5 does not divide by tp=2" in plan.notes
     with pytest.raises(ConfigError, match=r"^--tp 4: heads 6 does not divide by tp=4$"):
-        make_plan(model="gpt2", heads=6, hidden=768, vocab=50304, gpus=4, tp=4)
+        make_plan(resolve_model("gpt2", heads=6, hidden=768, vocab=50304), gpus=4, tp=4)
     with pytest.raises(ConfigError, match="--tp needs a transformer's shape"):
-        make_plan(model="mlp", gpus=2, tp=2)
+        make_plan(resolve_model("mlp"), gpus=2, tp=2)
 
 
 def test_tp_is_chosen_when_it_is_the_only_layout_that_fits():
@@ -135,7 +135,7 @@ def test_tp_is_chosen_when_it_is_the_only_layout_that_fits():
 
 
 def test_tp_within_nodes_and_pipelines_across_a_slow_link_is_fastest():
-    plan = recommend(transformer_stats(GPT_CONFIGS["llama-7b"], name="llama-7b"),
+    plan = recommend(transformer_stats(TRANSFORMERS["llama-7b"], name="llama-7b"),
                      make_cluster("h100", gpus=8, nodes=2, inter_node="eth-10g"), Training(micro_batch=4))
     assert (plan.choice.name, plan.choice.layout.describe()) == ("pipeline+tp", "pp=2 tp=8")
     assert plan.reason.startswith("pipeline+tp (pp=2 tp=8) is ") and "faster than pipeline, the fastest without" in \
@@ -148,15 +148,14 @@ def test_tp_within_nodes_and_pipelines_across_a_slow_link_is_fastest():
 
 
 def test_dtensor_machinery_is_calibrated_per_collective_from_a_fake_group_step():
-    options = dict(stats=TINY, gpu="cpu", gpus=2, precision="fp32", optimizer="adam", micro_batch=4, global_batch=4,
-                   tp=2)
-    before = {e.name: e for e in make_plan(**options).estimates}
+    options = dict(gpu="cpu", gpus=2, precision="fp32", optimizer="adam", micro_batch=4, global_batch=4, tp=2)
+    before = {e.name: e for e in make_plan(TINY, **options).estimates}
     compute = before["tp"].time.step_s - before["tp"].time.exposed_comm_s
     calls = collectives_per_micro_batch(TINY, False)
-    plan = make_plan(**options, tp_step_time=compute + calls * 0.002)  # 2 ms of machinery per collective
+    plan = make_plan(TINY, **options, tp_step_time=compute + calls * 0.002)  # 2 ms of machinery per collective
     assert plan.cluster.device.tp_call_s == pytest.approx(0.002)
     after = {e.name: e for e in plan.estimates}
     slowdown = plan.cluster.device.serial_slowdown(2)
     assert after["tp"].time.step_s - before["tp"].time.step_s == pytest.approx(calls * 0.002 * slowdown)
     assert after["ddp"].time.step_s == before["ddp"].time.step_s  # layouts without tp pay nothing
-    assert make_plan(**options, tp_step_time=compute / 2).cluster.device.tp_call_s == 0.0  # never below 0
+    assert make_plan(TINY, **options, tp_step_time=compute / 2).cluster.device.tp_call_s == 0.0  # never below 0

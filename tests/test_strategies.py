@@ -112,7 +112,7 @@ def test_fp16_mixed_needs_cuda():
 
 
 def test_model_parallel_split_must_fit_the_model():
-    from paratrain.strategies.model_parallel import balance, stage_of_layers
+    from paratrain.model.cuts import balance, stage_of_layers
 
     with pytest.raises(ConfigError, match="does not fit a model with 3 layers"):
         stage_of_layers(3, [5])
@@ -161,7 +161,7 @@ def test_hsdp_needs_four_processes():
 
 def test_clipping_matches_torch_clip_grad_norm():
     """The reference is torch's own clip_grad_norm_: once, to exactly max_norm."""
-    from paratrain.parallel import clip_grad_norm
+    from paratrain.distributed.grad_norm import clip_grad_norm
 
     def grads() -> list[nn.Parameter]:
         torch.manual_seed(0)

@@ -24,9 +24,9 @@ from paratrain import strategies
 from paratrain.planner import Layout
 from paratrain.planner.auto import local_cluster, parameter_stats
 from paratrain.planner.recommend import estimate
-from paratrain.planner.tensor_parallel import model_shape
 from paratrain.strategies import check_world
-from paratrain.tensor_parallel import plan_for
+from paratrain.strategies.tp_shape import model_shape
+from paratrain.distributed.tensor_parallel import plan_for
 from paratrain.testing import max_abs_diff, spawn
 from test_planner_auto import ADAM_FP32
 from test_zoo import TOL
@@ -53,7 +53,7 @@ def memory_for_tp(model_name: str, world: int) -> float:
     stats = replace(parameter_stats(model), tp=model_shape(model))
     cluster = local_cluster(torch.device("cpu"), world, world)
     one_gib = replace(cluster, device=replace(cluster.device, memory_gib=1.0))
-    need = [estimate(stats, Layout(name="fsdp", dp=world // t, zero=3, shard=world // t, tp=t), ADAM_FP32, one_gib)
+    need = [estimate(stats, Layout(name="zero3", dp=world // t, zero=3, shard=world // t, tp=t), ADAM_FP32, one_gib)
             for t in (1, 2)]
     assert need[1].memory.total < need[0].memory.total
     return (need[0].memory.total + need[1].memory.total) / 2 / need[0].capacity
@@ -163,6 +163,10 @@ def test_auto_chooses_zero3_with_tp_when_zero3_alone_does_not_fit(world4, refere
     check(result, references["llama"][0])
     assert result["layout"] == "zero3(reshard_after_forward=True, tp=2)"
     assert result["resumed"] == 0.0
+    assert result["dp"] == 2  # the loader's shards are the dp groups, not the four ranks
+    assert len(result["early"]) == 3
+    for refusal in result["early"]:  # asked before the model: the layout is not chosen yet
+        assert refusal.startswith("strategy 'auto' chooses the layout when prepare() sees the model"), refusal
 
 
 def test_the_runtime_tp_shape_is_what_the_plan_splits():

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import paratrain
 from paratrain.model import find_ties
-from paratrain.parallel import finish_group
-from paratrain.planner import auto
+from paratrain.distributed.process_group import finish_group
+from paratrain.strategies import auto
 from paratrain.testing import max_abs_diff
 from zoo import ZOO
 
@@ -51,11 +51,26 @@ def _memory_per_rank(gib: float | None) -> Iterator[None]:
         auto.local_cluster = real
 
 
-def _prepared(model_name: str, strategy: str, options: dict):
+def _before_the_model(par: paratrain.Parallel) -> list[str]:
+    """What the data-parallel view answers before ``prepare`` has seen the model: under ``auto`` the layout is not
+    chosen yet, so each is refused in one line instead of answering for ddp's layout."""
+    answers = []
+    for ask in (lambda: par.data_parallel_size, lambda: par.mean(1.0),
+                lambda: par.prepare_loader(torch.utils.data.DataLoader(list(range(8)), batch_size=2))):
+        try:
+            answers.append(f"answered {ask()!r}")
+        except paratrain.ConfigError as err:
+            answers.append(str(err))
+    return answers
+
+
+def _prepared(model_name: str, strategy: str, options: dict, early: list[str] | None = None):
     spec = ZOO[model_name]
     options = dict(options)
     with _memory_per_rank(options.pop("memory_gib", None)):
         par = paratrain.Parallel(strategy, monitor=False, **options)
+        if early is not None:
+            early.extend(_before_the_model(par))
         model = spec.build()
         ties = find_ties(model).groups
         model, opt = par.prepare(model, spec.optimizer(model))
@@ -87,7 +102,8 @@ def _train(spec, par, model, opt, steps: range, seen: list[str]) -> list[float]:
 
 def run_case(model_name: str, strategy: str, options: dict, folder: str,
              resume_as: tuple[str, dict] | None = None) -> dict[str, Any]:
-    spec, par, model, opt = _prepared(model_name, strategy, options)
+    early: list[str] = []
+    spec, par, model, opt = _prepared(model_name, strategy, options, early if strategy == "auto" else None)
     layout = par.strategy.describe()
     seen: list[str] = []
     norms = _train(spec, par, model, opt, range(STEPS - 1), seen)
@@ -105,7 +121,8 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str,
     resumed = par.full_state_dict(model, rank0_only=False)
     par.close()
     return {"layout": layout, "saved": saved, "state": final, "resumed": max_abs_diff(final, resumed), "norms": norms,
-            "seen": sorted(set(seen)), "logits_type": type(logits).__name__, "logits": logits.detach().cpu()}
+            "seen": sorted(set(seen)), "early": early, "dp": par.data_parallel_size,
+            "logits_type": type(logits).__name__, "logits": logits.detach().cpu()}
 
 
 def run_cases(cases: list[tuple], tmp: str) -> dict[str, dict]:

@@ -16,7 +16,7 @@ from torch import nn
 
 import paratrain
 from paratrain.model import find_ties
-from paratrain.parallel import finish_group
+from paratrain.distributed.process_group import finish_group
 from paratrain.testing import max_abs_diff
 from zoo import ZOO
 

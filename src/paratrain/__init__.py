@@ -4,7 +4,7 @@ Public names are imported lazily so that ``paratrain run`` starts as fast as ``t
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401  (re-exported)
 
 _EXPORTS = {
     "Parallel": ".parallel",
@@ -18,10 +18,10 @@ _EXPORTS = {
     "JobTimeoutError": ".errors",
     "JobInterrupted": ".errors",
     "CollectiveError": ".errors",
-    "DDPConfig": ".strategies",
-    "FSDPConfig": ".strategies",
-    "PipelineConfig": ".strategies",
-    "ModelParallelConfig": ".strategies",
+    "DDPConfig": ".options",
+    "FSDPConfig": ".options",
+    "PipelineConfig": ".options",
+    "ModelParallelConfig": ".options",
     "scale_lr": ".lr",
     "linear_warmup": ".lr",
     "MonitorConfig": ".monitor",

@@ -73,7 +73,7 @@ def check_args(args: argparse.Namespace, nproc: int | None = None) -> None:
 
 def strategy_options(args: argparse.Namespace) -> dict[str, object]:
     """``--tp``'s options, with the CNN's own plan (it has no built-in one)."""
-    from .tensor_parallel.layout import cli_options
+    from .distributed.tensor_parallel.layout import cli_options
 
     return cli_options(args.strategy, args.tp, DIGITS_TP_PLAN)
 
@@ -119,11 +119,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         train_set, test_set = load_digits_split(seed=args.seed)
         model = digits_cnn()
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+        model, optimizer = par.prepare(model, optimizer)  # first: 'auto' chooses the layout the data follows
         # The global batch is fixed, so every strategy and world size trains the same math per step.
         # drop_last: every step has a full batch, which pipelines split into equal micro-batches.
-        train = DataLoader(train_set, batch_size=micro_batch(args, par), shuffle=True, drop_last=True)
+        train = par.prepare(DataLoader(train_set, batch_size=micro_batch(args, par), shuffle=True, drop_last=True))
         test = DataLoader(test_set, batch_size=120)
-        model, optimizer, train = par.prepare(model, optimizer, train)
         steps = args.epochs * -(-len(train) // args.accumulate)
         schedule = par.prepare(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1)))
         test = par.prepare_loader(test, even=False)

@@ -6,14 +6,11 @@ optimizer and data loaders for the chosen strategy. Every piece of state lives o
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +24,21 @@ from .call_watch import CallWatch, collective
 from .checkpoint.auto import AutoCheckpoint
 from .checkpoint.config import CheckpointConfig
 from .data import ShardedLoader, ShardSampler, shard_loader, shardable
-from .devices import backend_for, select_device
+from .devices import select_device
+from .distributed.grad_norm import clip_grad_norm
+from .distributed.mesh import build_mesh
+from .distributed.process_group import finish_group, start_process_group
 from .env import ClusterEnv
 from .errors import CheckpointError, ConfigError
-from .mesh import build_mesh
 from .model.audit import ModelRecord
 from .model.checkpointing import apply_checkpointing, every_kth_block
 from .model.compiling import apply_compile
 from .monitor import MonitorConfig, monitor_for, resolve
 from .precision import Precision, create_precision
 from .rank_agreement import check_ranks_agree
+from .rank_log import rank_logger
 from .seeding import rank_seed, seed_all, use_deterministic_kernels
 from .strategies.base import Runtime, Strategy
-
-_GLOO_DRAIN_S = 0.1
-"""Seconds ``close`` releases the GIL after its barrier (see ``close``)."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +125,8 @@ class Parallel:
         self.checkpoint_config = CheckpointConfig.resolve(dir=checkpoint_dir, every=checkpoint_every,
                                                           keep=keep_checkpoints, resume=resume)
         self.env = env if env is not None else ClusterEnv.from_environ()
-        self.strategy = _resolve_strategy(strategy, self.env, strategy_options)
-        # "auto" with several processes starts as ddp and may move to a ZeRO stage once prepare sees the model
+        self.strategy = strategies.resolve(strategy, self.env, strategy_options)
+        # "auto" with several processes chooses its layout (and only then builds the mesh) when prepare sees the model
         self._auto_pending = strategy == "auto" and self.env.world_size > 1 and not strategy_options
         self.strategy.validate(self.env)
         self.precision: Precision = create_precision(precision)
@@ -138,15 +135,15 @@ class Parallel:
         self.last_grad_norm: float | None = None
         self.device = select_device(self.env.local_rank, accelerator)
         self.precision.validate(self.device)
-        self._owns_group = False
-        self._init_process_group(timeout_s)
+        needs_group = self._auto_pending or self.strategy.uses_group(self.env)
+        self._owns_group = start_process_group(self.env, self.device, timeout_s, needs_group)
         self._calls = CallWatch(self.rank, self.world_size, timeout_s=timeout_s, report_after_s=wait_report_s,
                                 enabled=self._distributed and self.env.launched)
         if self._distributed:
             with self._calls.call("Parallel()"):
                 check_ranks_agree(self._agreed_values(), self.rank, dist.get_world_size())
-        dims = self.strategy.mesh_dims(self.env)
-        self.mesh = build_mesh(self.device, dims, self.env.world_size) if dims and self._distributed else None
+        uses_mesh = not self._auto_pending and self.strategy.uses_group(self.env) and self._distributed
+        self.mesh = build_mesh(self.device, self.strategy.dims(self.env), self.env.world_size) if uses_mesh else None
         self._seed: int | None = None
         self._micro_step = 0
         self.optimizer_steps = 0
@@ -160,7 +157,7 @@ class Parallel:
         self._schedulers: list[Any] = []
         self._loaders: list[DataLoader] = []
         self._auto_checkpoint = AutoCheckpoint(self.checkpoint_config)
-        self.logger = _rank_logger(self.env)
+        self.logger = rank_logger(self.env)
         self.monitor = monitor_for(monitor_config, self)
         if seed is not None:
             self.seed_everything(seed)
@@ -181,12 +178,20 @@ class Parallel:
     @property
     def data_parallel_rank(self) -> int:
         """This rank's index among the replicas that read different data (the ranks of one pipeline share it)."""
-        return self.strategy.data_parallel(self._runtime())[0] if self._distributed else 0
+        return self._data_parallel()[0]
 
     @property
     def data_parallel_size(self) -> int:
         """How many replicas read different data: the world size, divided by the pipeline depth if any."""
-        return self.strategy.data_parallel(self._runtime())[1] if self._distributed else 1
+        return self._data_parallel()[1]
+
+    def _data_parallel(self) -> tuple[int, int, dist.ProcessGroup | None]:
+        """(rank, size, group) of the replicas that read different data; refused while ``auto`` has not chosen."""
+        if self._auto_pending:
+            from .strategies.auto import BEFORE_THE_MODEL
+
+            raise ConfigError(BEFORE_THE_MODEL)
+        return self.strategy.data_parallel(self._runtime()) if self._distributed else (0, 1, None)
 
     @property
     def is_main(self) -> bool:
@@ -203,30 +208,7 @@ class Parallel:
         # layout built from them (hsdp's shard groups of one node) must then be the same everywhere.
         return {"strategy": "auto" if self._auto_pending else self.strategy.describe(),
                 "precision": self.precision.name, "accumulate": str(self.accumulate),
-                "mesh": str(self.strategy.mesh_dims(self.env))}
-
-    def _init_process_group(self, timeout_s: float) -> None:
-        if not self.env.launched:
-            if self.strategy.mesh_dims(self.env) is not None:
-                # `python train.py` with a distributed strategy: a private one-rank group, so the same code path
-                # runs (DDP and FSDP at world 1) instead of failing for want of a launcher.
-                dist.init_process_group(backend=backend_for(self.device), store=dist.HashStore(), rank=0,
-                                        world_size=1, timeout=timedelta(seconds=timeout_s))
-                self._owns_group = True
-            return
-        if dist.is_initialized():  # the script started it itself: use it, leave it to the script
-            if dist.get_world_size() != self.env.world_size:
-                raise ConfigError(
-                    f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE={self.env.world_size}"
-                )
-            return
-        dist.init_process_group(
-            backend=backend_for(self.device),
-            init_method="env://",
-            timeout=timedelta(seconds=timeout_s),
-            device_id=self.device if self.device.type == "cuda" else None,
-        )
-        self._owns_group = True
+                "mesh": "auto" if self._auto_pending else str(self.strategy.dims(self.env).mesh_shape())}
 
     # ----------------------------------------------------------------- seeding
     def seed_everything(self, seed: int) -> None:
@@ -306,25 +288,21 @@ class Parallel:
         self._schedulers.append(scheduler)
 
     def _choose_auto(self, model: nn.Module) -> None:
-        """Let the planner pick ddp, a ZeRO stage or zero3 with tensor parallelism for this model on this hardware;
-        say which and why. A tensor-parallel choice lays the ranks out anew, as (dp, tp)."""
-        from .planner.auto import choose, local_cluster, processes_vs_threads
-        from .planner.tensor_parallel import model_shape
+        """Choose the layout once for this model (:mod:`paratrain.strategies.auto`), check every rank chose alike,
+        then build its mesh; say which and why."""
+        from .strategies.auto import choose_strategy
 
-        self._auto_pending = False
-        cluster = local_cluster(self.device, self.env.world_size, self.env.local_world_size)
-        choice = choose(model, cluster, self.precision.name)
-        if not choice.fits and (shape := model_shape(model)) is not None:
-            choice = choose(model, cluster, self.precision.name, tp=shape)
-        if choice.tp > 1:
-            self.strategy = strategies.create(choice.strategy, tp=choice.tp)
-            self.strategy.validate(self.env)
-            self.mesh = build_mesh(self.device, self.strategy.mesh_dims(self.env), self.env.world_size)
-        elif choice.strategy != self.strategy.name:
-            self.strategy = strategies.create(choice.strategy)
-        self.print(f"paratrain: strategy 'auto' chose {choice.describe()}: {choice.reason}")
-        if self.device.type == "cpu":
-            self.print(f"paratrain: note: {processes_vs_threads(model, cluster, self.precision.name, choice.strategy)}")
+        def least(value: float) -> float:
+            t = torch.tensor(value, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            return t.item()
+
+        strategy, lines = choose_strategy(model, self.env, self.device, self.precision.name, least)
+        check_ranks_agree({"strategy 'auto' chose": strategy.describe()}, self.rank, self.world_size)
+        self.strategy, self._auto_pending = strategy, False
+        self.mesh = build_mesh(self.device, strategy.dims(self.env), self.env.world_size)
+        for line in lines:
+            self.print(line)
 
     def prepare_loader(self, loader: DataLoader, *, even: bool = True, shard: bool = True) -> DataLoader:
         """A per-rank copy of ``loader`` (see :mod:`paratrain.data` for what happens to the tail).
@@ -337,7 +315,7 @@ class Parallel:
         if not shard:
             return self._monitored(loader)
         if self._distributed:
-            rank, size, _ = self.strategy.data_parallel(self._runtime())  # pipeline stages share their batches
+            rank, size, _ = self._data_parallel()  # pipeline stages share their batches
         elif shardable(loader):  # one process: a shard of one, so its position is tracked all the same
             rank, size = 0, 1
         else:
@@ -468,7 +446,7 @@ class Parallel:
             t = value.detach().to(self.device, torch.float64 if floating or mean else value.dtype, copy=True)
         else:
             t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        _, size, group = self.strategy.data_parallel(self._runtime()) if self._distributed else (0, 1, None)
+        _, size, group = self._data_parallel()
         if size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         if mean:
@@ -573,17 +551,8 @@ class Parallel:
     # ----------------------------------------------------------------- teardown
     @collective("par.close")
     def close(self) -> None:
-        """Wait for every rank, then destroy the process group if this object created it.
-
-        The barrier matters: a rank that tears its group down while a peer still finishes its last collective
-        can abort the peer at exit (gloo's worker threads die with "terminate called without an active
-        exception").
-
-        The pause after it matters too: gloo's worker thread frees the barrier's work object (and the last
-        gradient all-reduce it holds) after the barrier returns, and that needs the GIL. If this thread then frees
-        the DDP model (the last owner of the process group) while holding the GIL, the group's destructor waits
-        for the worker forever. Sleeping releases the GIL so the worker finishes first.
-        """
+        """Wait for every rank, then destroy the process group if this object created it (safely on gloo: see
+        :func:`~paratrain.distributed.process_group.finish_group`)."""
         self._flush_checkpoint()
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
@@ -606,79 +575,3 @@ class Parallel:
                 f"device={self.device}, precision={self.precision.name}, accumulate={self.accumulate})")
 
 
-def finish_group() -> None:
-    """Wait for every rank, let gloo's worker finish with the GIL released, then destroy the default group (the
-    reasons are in ``Parallel.close``). For code that started the group itself."""
-    dist.barrier()
-    time.sleep(_GLOO_DRAIN_S)
-    dist.destroy_process_group()
-
-
-def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
-                   group: dist.ProcessGroup | None = None, counted: Iterable[nn.Parameter] | None = None) -> float:
-    """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping.
-
-    ``group``: ranks whose local norms make up the global one (the stages of a pipeline). ``counted``: the
-    parameters whose gradients this rank adds to the norm, when not all of ``parameters`` (a tied weight that
-    another stage counts).
-    """
-    params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params if counted is None else counted, group)
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
-
-
-def global_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The 2-norm of every gradient of the model (collective for sharded gradients and with ``group``)."""
-    from .tensor_parallel.quiet import quiet_sequential_collectives
-
-    grads = [p.grad for p in parameters if p.grad is not None]
-    with quiet_sequential_collectives():  # a norm over (dp, tp) shards reduces one dimension after the other
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if hasattr(norm, "full_tensor"):  # DTensor: the norm of every shard together
-            norm = norm.full_tensor()
-    if group is not None:
-        squared = norm.detach().pow(2)
-        dist.all_reduce(squared, group=group)
-        norm = squared.sqrt()
-    return norm
-
-
-def _resolve_strategy(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> Strategy:
-    if isinstance(spec, Strategy):
-        if options:
-            raise ConfigError(f"strategy options {sorted(options)} given with a Strategy instance; set them on it")
-        return spec
-    if not isinstance(spec, str):
-        raise ConfigError(f"strategy must be a name or a Strategy, got {type(spec).__name__}")
-    if spec == "auto":
-        spec = "ddp" if env.world_size > 1 else "single"
-    try:
-        return strategies.create(spec, **options)
-    except TypeError as e:
-        raise ConfigError(f"bad option for strategy {spec!r}: {e}") from None
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time of the record (it may be redirected later)."""
-
-    @property  # type: ignore[override]
-    def stream(self):  # noqa: D401
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value: object) -> None:
-        pass
-
-
-def _rank_logger(env: ClusterEnv) -> logging.LoggerAdapter:
-    """A logger whose records say which rank wrote them."""
-    logger = logging.getLogger("paratrain.train")
-    if not logger.handlers:
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s/%(world)s] %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-    return logging.LoggerAdapter(logger, {"rank": env.rank, "world": env.world_size})

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..devices import backend_for, select_device
 from ..errors import ConfigError
-from ..parallel import finish_group
+from ..distributed.process_group import finish_group
 from ..progress import Progress
 from ..seeding import rank_seed
 from ..workloads import Workload, get_workload

@@ -74,7 +74,7 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
 
 def _tp_options(config: BenchConfig, strategy: str) -> dict:
     """``--tp``'s options for ``strategy``, with the workload's own plan when it has one."""
-    from ..tensor_parallel.layout import cli_options
+    from ..distributed.tensor_parallel.layout import cli_options
     from ..workloads import get_workload
 
     if strategy != "tp" and config.tp in (None, 1):
@@ -96,7 +96,7 @@ def run_bench(config: BenchConfig, *, log: TextIO | None = None) -> BenchResult:
     """Run every configuration of ``config`` and return the rows (progress lines go to ``log``, default stderr)."""
     import torch
 
-    from .. import __version__
+    from ..version import __version__
 
     log = sys.stderr if log is None else log
     started = time.perf_counter()

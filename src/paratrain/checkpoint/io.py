@@ -211,7 +211,7 @@ def _tensor_state(t: Targets, *, optimizer: bool) -> dict[str, dict[str, Any]]:
 
 
 def _meta(t: Targets) -> dict[str, Any]:
-    from .. import __version__
+    from ..version import __version__
 
     return {
         "format": FORMAT, "step": t.step, "epoch": t.epoch, "world_size": t.world_size,

@@ -81,6 +81,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..version import __version__
 
     return f"paratrain {__version__}"

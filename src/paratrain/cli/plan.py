@@ -65,16 +65,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def execute(args: argparse.Namespace) -> int:
     from ..planner import format_plan, make_plan, plan_to_json
+    from ..workloads.planning import resolve_model
 
-    plan = make_plan(model=args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                     seq_len=args.seq_len, vocab=args.vocab, input_spec=args.input_spec, measure=args.measure,
-                     gpu=args.gpu, gpus=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
-                     inter_node=args.inter_node, gpu_mem_gb=args.gpu_mem_gb, tflops=args.tflops, mfu=args.mfu,
-                     mem_bw_gbs=args.mem_bw_gbs, intra_bw_gbs=args.intra_bw_gbs, inter_bw_gbs=args.inter_bw_gbs,
-                     step_time=args.step_time, optimizer_time=args.optimizer_time, threads=args.threads,
-                     precision=args.precision, optimizer=args.optimizer, micro_batch=args.micro_batch,
-                     global_batch=args.global_batch, micro_batches=args.micro_batches, schedule=args.schedule,
-                     checkpointing=args.checkpointing, tp=args.tp)
+    model = resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                          seq_len=args.seq_len, vocab=args.vocab, input_spec=args.input_spec)
+    plan = make_plan(model, measure=args.measure, gpu=args.gpu, gpus=args.gpus, nodes=args.nodes,
+                     interconnect=args.interconnect, inter_node=args.inter_node, gpu_mem_gb=args.gpu_mem_gb,
+                     tflops=args.tflops, mfu=args.mfu, mem_bw_gbs=args.mem_bw_gbs, intra_bw_gbs=args.intra_bw_gbs,
+                     inter_bw_gbs=args.inter_bw_gbs, step_time=args.step_time, optimizer_time=args.optimizer_time,
+                     threads=args.threads, precision=args.precision, optimizer=args.optimizer,
+                     micro_batch=args.micro_batch, global_batch=args.global_batch, micro_batches=args.micro_batches,
+                     schedule=args.schedule, checkpointing=args.checkpointing, tp=args.tp)
     if args.json:
         print(json.dumps(plan_to_json(plan, base_lr=args.base_lr), indent=2))
     else:

@@ -28,12 +28,14 @@ _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken p
 def from_child_failed(err: object) -> RankFailedError:
     """Turn torchelastic's ``ChildFailedError`` into a ``RankFailedError`` for its root cause.
 
-    Failures are ordered by time (torchelastic records whole seconds); within a second a rank's own error
-    comes before errors that only report a dead peer.
+    A rank ended by SIGTERM is one the launcher stopped because another failed, unless every rank was (a
+    scheduler stopping the job): it never outranks another failure. Otherwise failures are ordered by time
+    (torchelastic records whole seconds); within a second a rank's own error comes before errors that only report a
+    dead peer.
     """
     failures = err.failures  # type: ignore[attr-defined]
-    rank = min(failures, key=lambda r: (failures[r].timestamp, _is_secondary(failures[r].message),
-                                        failures[r].exitcode < 0, r))
+    rank = min(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, failures[r].timestamp,
+                                        _is_secondary(failures[r].message), failures[r].exitcode < 0, r))
     failure = failures[rank]
     trace = _trace(failure)
     own = own_error(trace)

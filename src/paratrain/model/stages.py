@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .cuts import balance
 from .structure import Blocks, find_blocks, outer_modules
 
 
@@ -139,8 +140,6 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] |
                               f"{blocks.names[min(1, n - 1)]!r} (the first block of a stage)")
         split = [blocks.names.index(p) for p in split_points]
     if split is None:
-        from ..strategies.model_parallel import balance
-
         sizes = [sum(p.numel() for p in m.parameters()) for m in blocks.modules(model)]
         starts = [0, *balance(sizes, num_stages)]
     else:

@@ -3,24 +3,23 @@ a recommended strategy. No process group, no weights allocated; a plan takes mil
 
 See docs/planner.md for the formulas and their sources.
 """
+from .collectives import all_gather_s, all_reduce_s, broadcast_s, measured_link, p2p_s, reduce_scatter_s
 from .hardware import DEVICES, LINKS, Cluster, Device, Link, calibrated, cpu_host, get_device, get_link, make_cluster
 from .layout import Layout, layouts
 from .make import make_plan
 from .memory import MemoryBreakdown, memory_per_rank
-from .model_stats import InputSpec, ModelStats, measure_module, trace_module, transformer_shape, transformer_stats
-from .models import resolve_model
+from .model_stats import InputSpec, ModelStats, RunnableModel, TPShape, measure_module, trace_module
 from .recommend import Estimate, Plan, estimate, estimate_all, recommend
-from .tensor_parallel import TPShape
 from .report import format_plan, plan_to_json
-from .timing import (StepTime, all_gather_s, all_reduce_s, broadcast_s, bubble_fraction, measured_link, p2p_s,
-                     reduce_scatter_s, step_time)
+from .timing import StepTime, bubble_fraction, step_time
 from .training import Batching, Training, batching
+from .transformer import TRANSFORMERS, GPTConfig, transformer_shape, transformer_stats
 
 __all__ = [
     "DEVICES", "LINKS", "Cluster", "Device", "Link", "calibrated", "cpu_host", "get_device", "get_link",
     "make_cluster", "Layout", "layouts", "make_plan", "MemoryBreakdown", "memory_per_rank", "InputSpec",
-    "ModelStats", "measure_module", "trace_module", "transformer_shape", "transformer_stats", "resolve_model",
-    "Estimate", "Plan", "estimate", "estimate_all", "recommend", "format_plan", "plan_to_json", "StepTime",
-    "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction", "measured_link", "p2p_s", "reduce_scatter_s",
-    "step_time", "Batching", "Training", "batching", "TPShape",
+    "ModelStats", "RunnableModel", "measure_module", "trace_module", "transformer_shape", "transformer_stats",
+    "TRANSFORMERS", "GPTConfig", "Estimate", "Plan", "estimate", "estimate_all", "recommend", "format_plan",
+    "plan_to_json", "StepTime", "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction", "measured_link",
+    "p2p_s", "reduce_scatter_s", "step_time", "Batching", "Training", "batching", "TPShape",
 ]

@@ -6,11 +6,11 @@ state, buffers, overhead): DDP when they fit — its communication is the least 
 the rest of the step is known here —, else the least sharding that fits (zero1, zero2, zero3). Activation
 memory depends on the batch: ``paratrain plan`` weighs it too, and speed (a ZeRO stage can beat ddp by sharding
 the optimizer step). On a CPU host ``processes_vs_threads`` says what the processes cost over threads.
-When even zero3 does not fit and the model has a built-in tensor-parallel plan (``tensor_parallel.model_shape``),
-zero3 over groups of tp ranks is weighed, least tp first: tp splits the blocks FSDP gathers whole, and the
-activations; ``Parallel`` then lays the ranks out as (dp, tp). Otherwise the choice stays on the one-dimensional
-data-parallel mesh. Speed is not weighed here (``paratrain plan`` does, with the batch): a layout that fits
-without tp has less traffic inside every layer.
+When even zero3 does not fit and the model has a built-in tensor-parallel plan (its shape read by
+``strategies.tp_shape.model_shape``), zero3 over groups of tp ranks is weighed, least tp first: tp splits the
+blocks FSDP gathers whole, and the activations; ``Parallel`` then lays the ranks out as (dp, tp). Otherwise the
+choice stays on the one-dimensional data-parallel mesh. Speed is not weighed here (``paratrain plan`` does, with
+the batch): a layout that fits without tp has less traffic inside every layer.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from torch import nn
 
 from .hardware import Cluster, make_cluster
 from .layout import Layout
-from .model_stats import ModelStats, wrap_units
+from .model_stats import ModelStats, TPShape, wrap_units
 from .recommend import estimate
-from .tensor_parallel import TPShape, tp_degrees
+from .tensor_parallel import tp_degrees
 from .training import Training
 
 CANDIDATES = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
@@ -70,7 +70,7 @@ def _training(precision: str) -> Training:
 
 def _layout(name: str, n: int) -> Layout:
     zero = dict(CANDIDATES)[name]
-    return Layout(name=name if zero < 3 else "fsdp", dp=n, zero=zero, shard=n if zero else 1)
+    return Layout(name=name, dp=n, zero=zero, shard=n if zero else 1)
 
 
 def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None) -> AutoChoice:
@@ -95,7 +95,7 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
                 why += f" (ddp would need {tried[0].split()[1]} GiB)"
             return AutoChoice(strategy=name, reason=why)
     for t in tp_degrees(stats, cluster):
-        e = estimate(stats, Layout(name="fsdp", dp=n // t, zero=3, shard=n // t, tp=t), training, cluster)
+        e = estimate(stats, Layout(name="zero3", dp=n // t, zero=3, shard=n // t, tp=t), training, cluster)
         tried.append(f"zero3 tp={t} {e.memory.total / GIB:.2f}")
         if e.fits:
             return AutoChoice(strategy="zero3", tp=t, reason=(

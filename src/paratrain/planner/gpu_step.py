@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .hardware import Device
-from .model_stats import _first_tensor
+from .model_stats import first_tensor
 
 _OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-4),
@@ -83,7 +83,7 @@ def time_gpu_step(factory: Callable[[], nn.Module], make_input: Callable[[int, t
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         with autocast:
-            loss = _first_tensor(model(x)).float().sum()
+            loss = first_tensor(model(x)).float().sum()
         loss.backward()
         torch.cuda.synchronize(device)
         middle = time.perf_counter()

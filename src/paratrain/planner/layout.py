@@ -1,5 +1,9 @@
 """Each strategy as parallel degrees, so memory and time follow from one formula instead of a branch per name.
 
+A ``Layout`` is a named :class:`~paratrain.dims.ParallelDims` in the planner's spelling (``dp`` replicas of which
+``shard`` ranks share one copy); ``Layout.dims`` is the runtime's, and tests/test_dims.py holds every candidate
+here equal to what the strategy of that name builds.
+
 Ranks are placed as paratrain's strategies build their meshes: tensor-parallel ranks or a model-parallel
 process's GPUs innermost (consecutive local GPUs), then pipeline stages (``hybrid``'s mesh is ``(dp, pp)``, with
 tp ``(dp, pp, tp)``), then data parallelism; ``hsdp`` shards within a node and replicates across nodes.
@@ -9,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..dims import ParallelDims
 from ..errors import ConfigError
 from .hardware import Cluster
 
@@ -25,7 +30,7 @@ class Layout:
     zero: int = 0
     """What the data-parallel ranks shard (ZeRO stage): 1 optimizer states, 2 and gradients, 3 and parameters."""
     shard: int = 1
-    """Ranks one shard group spans: ``dp`` for zero1-3/fsdp, a node for hsdp (replicated across nodes)."""
+    """Ranks one shard group spans: ``dp`` for zero1-3, a node for hsdp (replicated across nodes)."""
     pp: int = 1
     """Pipeline stages, one per process, computing different micro-batches at once."""
     mp: int = 1
@@ -38,8 +43,14 @@ class Layout:
             raise ConfigError(f"layout {self.name}: degrees must be >= 1 and zero in 0..3")
         if self.dp % self.shard:
             raise ConfigError(f"layout {self.name}: shard {self.shard} must divide dp {self.dp}")
-        if self.mp > 1 and self.tp > 1:
-            raise ConfigError(f"layout {self.name}: model-parallel stages and tensor parallelism do not compose")
+        self.dims  # the runtime's own checks of the degrees (model-parallel stages do not compose with pp or tp)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """This layout as the runtime lays it out (``Strategy.dims``): the one definition of the degrees."""
+        sharded = self.zero > 0
+        return ParallelDims(dp_replicate=self.dp // self.shard if sharded else self.dp,
+                            dp_shard=self.shard if sharded else 1, zero=self.zero, pp=self.pp, tp=self.tp, mp=self.mp)
 
     @property
     def world_size(self) -> int:
@@ -58,7 +69,7 @@ class Layout:
 
     @property
     def replicas(self) -> int:
-        """Copies of each shard: 1 for fsdp, the node count for hsdp."""
+        """Copies of each shard: 1 for zero3, the node count for hsdp."""
         return self.dp // self.shard
 
     def describe(self) -> str:
@@ -70,7 +81,7 @@ class Layout:
         return " ".join(parts) or "1 rank"
 
 
-STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "hybrid", "pipeline", "model_parallel", "tp")
+STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid", "pipeline", "model_parallel", "tp")
 """Simplest first: when two strategies are about as fast, the earlier one is recommended (and any layout without
 tensor parallelism before one with it)."""
 
@@ -82,14 +93,14 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = ()) -> l
     pipelines need at least as many wrap units as stages; ``model_parallel`` cuts the model over 2 or more GPUs
     of a node per process (not on a CPU host, where every stage would be the same CPU). Then, for each of
     ``tp_degrees`` that divides the ranks, the compositions paratrain's strategies offer: ``tp`` over every rank,
-    or ddp, zero2, fsdp, hybrid and pipeline over the groups of tp ranks.
+    or ddp, zero2, zero3, hybrid and pipeline over the groups of tp ranks.
     """
     n, per_node = cluster.world_size, cluster.ranks_per_node
     out = [Layout(name="single")]
     if n == 1:
         return out
     out += [Layout(name="ddp", dp=n), Layout(name="zero1", dp=n, zero=1, shard=n),
-            Layout(name="zero2", dp=n, zero=2, shard=n), Layout(name="fsdp", dp=n, zero=3, shard=n)]
+            Layout(name="zero2", dp=n, zero=2, shard=n), Layout(name="zero3", dp=n, zero=3, shard=n)]
     if cluster.nodes > 1 and per_node > 1:
         out.append(Layout(name="hsdp", dp=n, zero=3, shard=per_node))
     out += [Layout(name="hybrid", dp=n // pp, pp=pp) for pp in _divisors(n) if 2 <= pp <= min(n // 2, n_units)]
@@ -107,7 +118,7 @@ def _with_tp(d: int, tp: int, n_units: int) -> list[Layout]:
     if d == 1:
         return [Layout(name="tp", tp=tp)]
     out = [Layout(name="ddp", dp=d, tp=tp), Layout(name="zero2", dp=d, zero=2, shard=d, tp=tp),
-           Layout(name="fsdp", dp=d, zero=3, shard=d, tp=tp)]
+           Layout(name="zero3", dp=d, zero=3, shard=d, tp=tp)]
     out += [Layout(name="hybrid", dp=d // pp, pp=pp, tp=tp) for pp in _divisors(d) if 2 <= pp <= min(d // 2, n_units)]
     if d <= n_units:
         out.append(Layout(name="pipeline", pp=d, tp=tp))

@@ -1,4 +1,5 @@
-"""One call from the CLI's options to a Plan: model stats, cluster, training setup, calibration, recommendation."""
+"""One call from a model and the CLI's options to a Plan: model stats, cluster, training setup, calibration,
+recommendation. The model comes resolved: what a name means is the caller's to say."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -7,49 +8,48 @@ from dataclasses import replace
 import torch
 
 from ..errors import ConfigError
+from .collectives import measured_link
 from .gpu_step import GpuStep, check_same_gpu, time_gpu_step
 from .hardware import Cluster, calibrated, make_cluster
 from .layout import Layout
-from .model_stats import ModelStats
-from .models import model_input, resolve_model
+from .model_stats import ModelStats, RunnableModel
 from .recommend import Plan, estimate, recommend
 from .tensor_parallel import collectives_per_micro_batch
-from .timing import fsdp_call_from, measured_link, optimizer_step_bytes, weight_bytes
+from .timing import fsdp_call_from, optimizer_step_bytes, weight_bytes
 from .training import Training
 
 
-def make_plan(*, model: str | None = None, params: str | None = None, layers: int | None = None,
-              hidden: int | None = None, heads: int | None = None, seq_len: int | None = None,
-              vocab: int | None = None, input_spec: str | None = None, measure: bool = False,
-              gpu: str = "h100", gpus: int = 1, nodes: int = 1, interconnect: str | None = None,
-              inter_node: str | None = None, gpu_mem_gb: float | None = None, tflops: float | None = None,
-              mfu: float | None = None, mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None,
-              inter_bw_gbs: float | None = None, step_time: float | None = None, optimizer_time: float | None = None,
-              threads: int | None = None, link_timings: Mapping[str, tuple[float, ...]] | None = None,
+def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: str = "h100", gpus: int = 1,
+              nodes: int = 1, interconnect: str | None = None, inter_node: str | None = None,
+              gpu_mem_gb: float | None = None, tflops: float | None = None, mfu: float | None = None,
+              mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None, inter_bw_gbs: float | None = None,
+              step_time: float | None = None, optimizer_time: float | None = None, threads: int | None = None,
+              link_timings: Mapping[str, tuple[float, ...]] | None = None,
               micro_step_time: tuple[float, float] | None = None,
               host_step_time: tuple[float, float] | None = None, fsdp_overhead: Mapping[str, float] | None = None,
-              tp_step_time: float | None = None, tp: int | None = None, stats: ModelStats | None = None,
-              **training: object) -> Plan:
-    """The plan for ``paratrain plan``'s options (``training`` holds ``Training``'s fields; precision ``auto``
-    is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
+              tp_step_time: float | None = None, tp: int | None = None, **training: object) -> Plan:
+    """The plan for ``model`` under ``paratrain plan``'s options (``training`` holds ``Training``'s fields;
+    precision ``auto`` is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
+
+    ``model``: its stats, found already (``--params``' closed forms), or a model the planner may build: its stats
+    are then its closed-form ones or a meta-device trace (``RunnableModel.find_stats``).
 
     ``step_time`` (seconds of one forward+backward+step of one micro-batch on one device) calibrates the
     device's MFU; with ``optimizer_time`` (the optimizer step timed apart) ``step_time`` is the forward+backward
     alone and the optimizer's time also calibrates the memory bandwidth. ``threads``: on a CPU host, the cores
     the measured step used. ``measure`` runs the model here and, when the device is this CPU, calibrates from
     that (a forward+backward on torch's threads). ``link_timings`` (collective name -> (bytes, seconds), measured
-    on ``gpus`` ranks of one node) replace the intra-node link's figures: see ``timing.measured_link``.
+    on ``gpus`` ranks of one node) replace the intra-node link's figures: see ``collectives.measured_link``.
     ``micro_step_time`` (samples, seconds): with ``step_time`` and ``optimizer_time``, a forward+backward of fewer
     samples timed the same way; the two set the batch-independent part (the weight passes). ``host_step_time``
     (forward+backward seconds, optimizer seconds): on a CPU host, the same step timed on all its cores; sets the
     host's rates (see ``hardware.calibrated``). ``fsdp_overhead``
-    (``zero2`` and/or ``fsdp`` -> seconds): what that strategy's step on a one-rank group added to a plain step of
+    (``zero2`` and/or ``zero3`` -> seconds): what that strategy's step on a one-rank group added to a plain step of
     ``--batch`` samples on ``threads`` threads; sets ``Device.fsdp_call_s`` (the mean over the strategies given).
     ``tp_step_time``: a tensor-parallel step over ``gpus`` ranks timed on a fake group (collectives return at once)
     on ``threads`` threads; sets ``Device.tp_call_s`` (``tp_call_from``).
     ``tp``: the tensor-parallel degree to plan (``--tp``; None: every one that divides a node and the model's heads
-    and MLP width; 1: none). ``stats``: the model's statistics, found already (instead of ``model`` or
-    ``params`` and their shape: a transformer the built-in names do not spell).
+    and MLP width; 1: none).
     """
     cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
                            gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, mem_bw_gbs=mem_bw_gbs,
@@ -60,13 +60,11 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
         training["precision"] = "fp32" if cluster.device.shared_by_ranks else "bf16-mixed"
     setup = Training(**training)  # type: ignore[arg-type]
     on_gpu = measure and not cluster.device.shared_by_ranks and torch.cuda.is_available()
-    stats = stats or resolve_model(model, params=params, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-                                   vocab=vocab, input_spec=input_spec,
-                                   measure_batch=setup.micro_batch if measure and not on_gpu else None)
+    stats = model if isinstance(model, ModelStats) else model.find_stats(
+        setup.micro_batch if measure and not on_gpu else None)
     gpu = None
     if on_gpu:
-        gpu = _time_on_gpu(model, cluster, setup, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-                           vocab=vocab, input_spec=input_spec)
+        gpu = _time_on_gpu(model, cluster, setup)
         if step_time is None:
             step_time, optimizer_time = gpu.forward_backward_s, gpu.optimizer_s
     if optimizer_time is not None and step_time is None:
@@ -105,14 +103,12 @@ def make_plan(*, model: str | None = None, params: str | None = None, layers: in
         f"{_single_allocated(plan) / 2**30:.2f} GiB)")))
 
 
-def _time_on_gpu(model: str | None, cluster: Cluster, setup: Training, **shape: object) -> GpuStep:
+def _time_on_gpu(model: ModelStats | RunnableModel, cluster: Cluster, setup: Training) -> GpuStep:
     """A few real steps of ``model`` on this machine's GPU, which must be the one planned for."""
-    if model is None:
+    if isinstance(model, ModelStats):
         raise ConfigError("--measure runs a model: give --model (a built-in or module:factory), not --params")
     check_same_gpu(cluster.device, torch.cuda.get_device_name())
-    dims = {k: v for k, v in shape.items() if k != "input_spec" and v is not None}
-    factory, spec = model_input(model, shape=dims, input_spec=shape.get("input_spec"))  # type: ignore[arg-type]
-    return time_gpu_step(factory, spec.make, batch=setup.micro_batch, precision=setup.precision,
+    return time_gpu_step(model.factory, model.example.make, batch=setup.micro_batch, precision=setup.precision,
                          optimizer=setup.optimizer)
 
 
@@ -127,7 +123,7 @@ def fsdp_call_s(overhead: Mapping[str, float], stats: ModelStats, setup: Trainin
     stages = {"zero2": 2, "fsdp": 3, "zero3": 3}
     unknown = sorted(set(overhead) - set(stages))
     if unknown:
-        raise ConfigError(f"FSDP overhead for {', '.join(unknown)}: give it for zero2 and/or fsdp")
+        raise ConfigError(f"FSDP overhead for {', '.join(unknown)}: give it for zero2 and/or zero3")
     per_call = [fsdp_call_from(s, stats, stages[name], setup, bandwidth) for name, s in overhead.items()]
     return sum(per_call) / len(per_call)
 

@@ -2,7 +2,7 @@
 
 For mixed-precision Adam with Ψ parameters on N data-parallel ranks the model states come to the ZeRO
 paper's figures (Rajbhandari et al. 2020, figure 1): 16Ψ (ddp), 4Ψ + 12Ψ/N (zero1), 2Ψ + 14Ψ/N (zero2) and
-16Ψ/N (zero3 / fsdp) bytes. Tensor parallelism divides what its plan splits by its degree
+16Ψ/N (zero3) bytes. Tensor parallelism divides what its plan splits by its degree
 (``tensor_parallel``).
 """
 from __future__ import annotations

@@ -2,11 +2,14 @@
 
 Three sources, one result (:class:`ModelStats`):
 
-* ``transformer_stats``: closed forms for a decoder-only transformer (the built-in GPT sizes, or
+* ``transformer.transformer_stats``: closed forms for a decoder-only transformer (the named sizes, or
   ``--params 7.5B`` with a shape) — milliseconds, no module built.
 * ``trace_module``: one forward and backward on the meta device under ``FlopCounterMode``, with a
   saved-tensors hook adding up what autograd keeps for backward — shapes only, no weights allocated.
 * ``measure_module``: the same on real tensors on this machine, plus the time of a forward and backward.
+
+A :class:`RunnableModel` is a model the planner may build, to trace it, measure it or time it on a GPU; which
+model a name builds is the caller's to say (``paratrain plan --model``'s names are the application's).
 """
 from __future__ import annotations
 
@@ -14,13 +17,39 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..workloads.gpt import GPTConfig
-from .tensor_parallel import ELEMENT_BYTES, TPShape
+from .hardware import GIB, cpu_host
+
+ELEMENT_BYTES = MappingProxyType({"fp32": (4, 4), "autocast": (4, 2), "param_dtype": (2, 2)})
+"""(residual, compute) element sizes by how a model trains (``ModelStats.mixed``' modes): the residual stream and
+norms, and the matrix products' inputs and outputs (``transformer.transformer_activations``' r and c)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPShape:
+    """What a transformer's tensor-parallel plan splits: its shape and, per wrap unit, the parameters sharded."""
+
+    layers: int
+    hidden: int
+    seq_len: int
+    split: tuple[int, ...]
+    """Parameters each wrap unit (``ModelStats.units``' order) shards over the tensor-parallel ranks."""
+    divides: tuple[tuple[str, int], ...]
+    """Sizes every degree must divide, by name: the heads (query and key/value), the MLP width."""
+
+    def why_not(self, tp: int) -> str | None:
+        """Why ``tp`` ranks cannot split this model, or None. A vocabulary that ``tp`` does not divide is split
+        unevenly (DTensor's ``Shard``: the first ranks hold one row more), as the runtime does it
+        (tests/test_tensor_parallel.py trains GPT-2 with an odd vocabulary)."""
+        bad = [f"{name} {n}" for name, n in self.divides if n % tp]
+        if not bad:
+            return None
+        return f"{' and '.join(bad)} {'does' if len(bad) == 1 else 'do'} not divide by tp={tp}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,123 +120,6 @@ class ModelStats:
     @property
     def largest_unit(self) -> tuple[str, int]:
         return max(self.units, key=lambda u: u[1])
-
-
-# --- closed forms -----------------------------------------------------------------------------------------
-
-def transformer_params(cfg: GPTConfig) -> dict[str, int]:
-    """Exact parameter counts of ``workloads.gpt.GPT(cfg)`` by part: embedding, one block, head (final norm
-    and, when untied, the output matrix), and what tensor parallelism splits of a block (all but its norms and
-    the row-parallel layers' biases, which are added after the reduction)."""
-    h, f, v = cfg.hidden, cfg.ffn_width, cfg.vocab
-    b = int(cfg.bias)
-    norm = 2 * h if cfg.bias else h
-    fc = 2 * f if cfg.gated else f
-    block = 2 * norm + (3 * h * h + 3 * h * b) + (h * h + h * b) + (h * fc + fc * b) + (f * h + h * b)
-    embedding = v * h + (cfg.seq_len * h if cfg.learned_positions else 0)
-    head = norm + (0 if cfg.tied else v * h)
-    return {"embedding": embedding, "block": block, "head": head, "total": embedding + cfg.layers * block + head,
-            "block_split": block - 2 * norm - 2 * h * b}
-
-
-def transformer_activations(cfg: GPTConfig, *, residual: int, act: int) -> tuple[float, float]:
-    """Bytes autograd saves per sample for ``workloads.gpt.GPT(cfg)``: (one block, everything outside the blocks).
-
-    ``residual`` is the element size of the residual stream and the norms, ``act`` that of the matrix products'
-    inputs and outputs: 4 and 4 in fp32, 4 and 2 under autocast, 2 and 2 with FSDP's 16-bit parameters.
-    Counted from what each operation saves, and equal to ``saved_tensors_hooks``' count on the real module
-    (tests/test_planner_stats.py). A block (s tokens, width h, MLP width f, a heads) keeps its input x, the input
-    and output of the QKV projection, the attention output (the projection reads it in place) and a log-sum-exp of
-    a·s fp32 values (``scaled_dot_product_attention``'s fused kernels store no s x s scores), the residual after
-    attention, the MLP's input, its inner activation and its activation function's output (SwiGLU: gate and up,
-    the SiLU output and the product); LayerNorm two fp32 statistics per token, RMSNorm its normalised input and one
-    per token. Outside the blocks: the final norm's input, the head's input, log-softmax's fp32 output for the
-    loss (4·V per token), the token ids and the targets.
-    """
-    s, h, a, f, v = cfg.seq_len, cfg.hidden, cfg.heads, cfg.ffn_width, cfg.vocab
-    norm = 8 * s if cfg.bias else residual * s * h + residual * s  # LayerNorm: mean, rstd; RMSNorm: x·r and r
-    mlp = act * s * f * (4 if cfg.gated else 2)
-    block = (residual * s * h + norm + act * s * h + 3 * act * s * h + act * s * h + 4 * a * s
-             + residual * s * h + norm + act * s * h + mlp)
-    outside = residual * s * h + norm + act * s * h + 4 * s * v + 16 * s
-    return float(block), float(outside)
-
-
-def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -> ModelStats:
-    """Stats of a decoder-only transformer from its shape alone.
-
-    FLOPs per sample (s tokens): ``6·N·s + 12·L·h·s²`` — 6 FLOPs per matmul weight per token for forward and
-    backward (Kaplan et al. 2020) plus the attention scores and weighted sum (PaLM, Chowdhery et al. 2022,
-    appendix B); N leaves out embedding lookups, which do no matmul. Within 1% of ``FlopCounterMode``.
-
-    Activations: ``transformer_activations`` for fp32, autocast and 16-bit parameters. For GPT-2 shapes a block
-    keeps 64·s·h bytes in fp32 and 36·s·h under autocast, where Korthikanti et al. (2022, eq. 1) count
-    ``s·h·(34 + 5·a·s/h)`` for 16-bit training that stores the attention scores. With every block
-    checkpointed: each block's input plus one block's activations during its recompute (same paper, section 5).
-
-    ``params`` replaces the exact count (``--params 7.5B``); the blocks then share what the embedding and head
-    leave.
-    """
-    counts = transformer_params(cfg)
-    h, s, n_layers, v = cfg.hidden, cfg.seq_len, cfg.layers, cfg.vocab
-    total = counts["total"] if params is None else params
-    block = counts["block"]
-    if params is not None:
-        block = (params - counts["embedding"] - counts["head"]) // n_layers
-        if block < 1:
-            raise ConfigError(f"--params {params:,} leaves nothing for {n_layers} layers after the "
-                              f"{counts['embedding'] + counts['head']:,}-parameter embedding and head; "
-                              "lower --vocab/--hidden or raise --params")
-    non_matmul = (s * h if cfg.learned_positions else 0) + (0 if cfg.tied else v * h)
-    flops = 6 * (total - non_matmul) * s + 12 * n_layers * h * s * s
-    fc = (2 if cfg.gated else 1) * cfg.ffn_width
-    layers = [("wte", v * h), ("blocks.0.qkv", 3 * h * h + 3 * h * cfg.bias),
-              ("blocks.0.fc", h * fc + fc * cfg.bias)]
-    if not cfg.tied:
-        layers.append(("head", v * h))
-    units = (("embedding", counts["embedding"]), *((f"blocks.{i}", block) for i in range(n_layers)),
-             ("head", counts["head"]))
-    shape = (f"{n_layers} layers, hidden {h}, {cfg.heads} heads, seq {s}, vocab {v}"
-             + (", SwiGLU" if cfg.gated else ""))
-
-    def figures(residual: int, act: int) -> tuple[float, float, float]:
-        per_block, outside = transformer_activations(cfg, residual=residual, act=act)
-        return (n_layers * per_block + outside, n_layers * residual * s * h + per_block + outside,
-                float(residual * s * h))
-
-    fp32 = figures(*ELEMENT_BYTES["fp32"])
-    block_split = counts["block_split"] * block // counts["block"]
-    tp = TPShape(layers=n_layers, hidden=h, seq_len=s, divides=(("heads", cfg.heads), ("MLP width", cfg.ffn_width)),
-                 split=(v * h, *(block_split,) * n_layers, 0 if cfg.tied else v * h))
-    matmul = n_layers * (4 * h * h + h * (fc + cfg.ffn_width)) + v * h  # the head's (possibly tied) weight
-    return ModelStats(name=name, params=total, units=units, largest_layer=max(layers, key=lambda x: x[1]),
-                      flops_per_sample=float(flops), activation_bytes_per_sample=fp32[0],
-                      checkpointed_bytes_per_sample=fp32[1], boundary_bytes_per_sample=fp32[2],
-                      mixed={mode: figures(*ELEMENT_BYTES[mode]) for mode in ("autocast", "param_dtype")},
-                      matmul_params=matmul, tp=tp,
-                      output_bytes_per_sample=4.0 * s * v, largest_activation_bytes_per_sample=4.0 * s * fc,
-                      param_bytes={"float32": 4 * total},
-                      source=f"closed-form transformer ({shape})")
-
-
-def transformer_shape(params: float, *, layers: int | None = None, hidden: int | None = None,
-                      heads: int | None = None, seq_len: int = 2048, vocab: int = 50257) -> GPTConfig:
-    """A plausible GPT shape for ``params`` parameters when only some figures are known.
-
-    Uses N ≈ 12·L·h² (a block's four h×h-equivalent matrices and its 4h MLP) for the missing one, and when
-    both are missing the aspect ratio h ≈ 128·L of GPT-3's family, with h a multiple of 128 and 128-wide heads.
-    """
-    if params <= 0:
-        raise ConfigError(f"--params must be > 0, got {params:g}")
-    if hidden is None and layers is None:
-        layers = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
-    if hidden is None:
-        hidden = max(128, 128 * round((params / (12 * layers)) ** 0.5 / 128))
-    if layers is None:
-        layers = max(1, round(params / (12 * hidden * hidden)))
-    if heads is None:
-        heads = max(1, hidden // 128) if hidden % 128 == 0 else 1
-    return GPTConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab)
 
 
 # --- tracing and measuring ----------------------------------------------------------------------------------
@@ -308,7 +220,7 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
     hooks = [h for n, m in units for h in (m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave))]
     try:
         with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _first_tensor(model(x))
+            out = first_tensor(model(x))
             out.float().sum().backward()
     finally:
         for h in hooks:
@@ -346,13 +258,15 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
 
 def _tensor_bytes(out: object) -> int:
     try:
-        t = _first_tensor(out)
+        t = first_tensor(out)
     except ConfigError:
         return 0
     return t.numel() * t.element_size()
 
 
-def _first_tensor(out: object) -> torch.Tensor:
+def first_tensor(out: object) -> torch.Tensor:
+    """What the planner takes a model's loss from: its output, or the first tensor of a tuple, list or dict it
+    returns (a model returning logits and more)."""
     if isinstance(out, torch.Tensor):
         return out
     values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
@@ -386,8 +300,6 @@ def measure_module(factory: Callable[[], nn.Module], example: InputSpec, *, name
     Activation bytes are the unique storages autograd saves (by address). The model is first built on the
     meta device to check that its weights, gradients and Adam states fit in half the host's RAM.
     """
-    from .hardware import GIB, cpu_host
-
     with torch.device("meta"):
         size = _count(factory().parameters()) * 16
     ram = cpu_host().memory_gib * GIB
@@ -403,7 +315,28 @@ def measure_module(factory: Callable[[], nn.Module], example: InputSpec, *, name
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        _first_tensor(model(x)).float().sum().backward()
+        first_tensor(model(x)).float().sum().backward()
         times.append(time.perf_counter() - start)
     return replace(stats, measured_step_s=sorted(times)[len(times) // 2], measured_batch=batch,
                    measured_threads=torch.get_num_threads())
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnableModel:
+    """A model the planner may build: traced for its stats, run on this CPU (``--measure`` on a CPU host) or timed
+    on this machine's GPU (``--measure`` on a GPU)."""
+
+    name: str
+    factory: Callable[[], nn.Module]
+    example: InputSpec
+    """One sample's input."""
+    stats: ModelStats | None = None
+    """Its closed-form stats, when its shape is known (a transformer): exact, and found without building it."""
+
+    def find_stats(self, measure_batch: int | None = None) -> ModelStats:
+        """Measured on this CPU at ``measure_batch`` samples; else the closed-form stats, or a meta-device trace."""
+        if measure_batch is not None:
+            return measure_module(self.factory, self.example, name=self.name, batch=measure_batch)
+        if self.stats is not None:
+            return self.stats
+        return trace_module(self.factory, self.example, name=self.name)

@@ -19,45 +19,14 @@ and the loss on vocab-sharded logits. What that costs per micro-batch of b sampl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from .collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from .hardware import Cluster, Link
+from .model_stats import ELEMENT_BYTES, ModelStats, TPShape
 
-if TYPE_CHECKING:
-    from torch import nn
-
-    from .hardware import Cluster, Link
-    from .model_stats import ModelStats
-
-ELEMENT_BYTES = MappingProxyType({"fp32": (4, 4), "autocast": (4, 2), "param_dtype": (2, 2)})
-"""(residual, compute) element sizes by how a model trains: the residual stream and norms, and the matrix
-products' inputs and outputs (``model_stats.transformer_activations``' r and c)."""
 LOSS_ALL_REDUCES = 3
 """Vocab-parallel cross-entropy's all-reduces of one fp32 value per token: max, sum of exponentials, target logit."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TPShape:
-    """What a transformer's tensor-parallel plan splits: its shape and, per wrap unit, the parameters sharded."""
-
-    layers: int
-    hidden: int
-    seq_len: int
-    split: tuple[int, ...]
-    """Parameters each wrap unit (``ModelStats.units``' order) shards over the tensor-parallel ranks."""
-    divides: tuple[tuple[str, int], ...]
-    """Sizes every degree must divide, by name: the heads (query and key/value), the MLP width."""
-
-    def why_not(self, tp: int) -> str | None:
-        """Why ``tp`` ranks cannot split this model, or None. A vocabulary that ``tp`` does not divide is split
-        unevenly (DTensor's ``Shard``: the first ranks hold one row more), as the runtime does it
-        (tests/test_tensor_parallel.py trains GPT-2 with an odd vocabulary)."""
-        bad = [f"{name} {n}" for name, n in self.divides if n % tp]
-        if not bad:
-            return None
-        return f"{' and '.join(bad)} {'does' if len(bad) == 1 else 'do'} not divide by tp={tp}"
 
 
 def rank_units(stats: ModelStats, tp: int) -> tuple[tuple[str, int], ...]:
@@ -106,8 +75,6 @@ def tp_comm_s(stats: ModelStats, mode: str, micro_batch: float, tp: int, link: L
     outputs (compute dtype), two each; backward does the reverse on their gradients; a recompute repeats forward.
     The embedding's reduce-scatter and the head's all-gather, and their gradients, carry the residual dtype.
     """
-    from .timing import all_gather_s, all_reduce_s, reduce_scatter_s
-
     if tp == 1:
         return 0.0
     shape = _shape(stats)
@@ -156,33 +123,3 @@ def _shape(stats: ModelStats) -> TPShape:
     if stats.tp is None:
         raise ConfigError(f"model {stats.name!r} has no tensor-parallel shape; plan tp with a transformer")
     return stats.tp
-
-
-def model_shape(model: nn.Module) -> TPShape | None:
-    """The TP shape of a model with a built-in plan (transformers' GPT-2 and Llama, paratrain's GPT), read from its
-    config and its plan: per wrap unit, the parameters the plan's column- and row-wise styles split (a row-wise
-    linear's bias stays whole). None for any other model: ``auto`` cannot know how a user's plan would split it.
-    Imports tensor parallelism (a second): call it only when a TP layout is worth weighing."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from ..tensor_parallel.plans import plan_for
-    from .model_stats import wrap_units
-
-    try:
-        plan = plan_for(model, None)
-    except ConfigError:
-        return None
-    split: dict[str, int] = {}
-    for name, style in plan.resolve(model):
-        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-            whole = "bias" if isinstance(style, RowwiseParallel) else None
-            split[name] = sum(p.numel() for n, p in model.get_submodule(name).named_parameters() if n != whole)
-    per_unit = tuple(sum(n for name, n in split.items() if name == unit or name.startswith(f"{unit}."))
-                     for unit, _ in wrap_units(model))
-    cfg = getattr(model, "config", None)
-    if cfg is not None:  # transformers
-        layers, hidden, seq_len = cfg.num_hidden_layers, cfg.hidden_size, cfg.max_position_embeddings
-    else:
-        layers, hidden, seq_len = model.cfg.layers, model.cfg.hidden, model.cfg.seq_len
-    return TPShape(layers=layers, hidden=hidden, seq_len=seq_len, split=per_unit,
-                   divides=tuple(plan.divisible(model).items()))

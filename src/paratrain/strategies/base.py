@@ -16,11 +16,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..dims import ParallelDims
+from ..distributed.tensor_parallel.layout import tp_degree
 from ..env import ClusterEnv
 from ..precision import Precision
 
 if TYPE_CHECKING:
-    from ..tensor_parallel.compose import TensorParallel
+    from ..distributed.tensor_parallel.compose import TensorParallel
+    from ..options import TPConfig
 
 
 @dataclass(frozen=True)
@@ -40,18 +43,26 @@ class Strategy(ABC):
     native_precision: ClassVar[bool] = False
     """True when the strategy applies mixed precision itself (FSDP's policy) instead of autocast."""
     tp: TensorParallel | None = None
-    """Tensor parallelism inside this strategy (``tp=`` option; see :mod:`paratrain.tensor_parallel`)."""
+    """Tensor parallelism inside this strategy (``tp=`` option; see :mod:`paratrain.distributed.tensor_parallel`)."""
 
-    def mesh_dims(self, env: ClusterEnv) -> dict[str, int] | None:
-        """Named parallel degrees this strategy needs, or None when it uses no process group."""
-        if self.tp is not None:
-            return self.tp.mesh_dims(self.name, env.world_size)
-        return {"dp": env.world_size}
+    def uses_group(self, env: ClusterEnv) -> bool:
+        """Whether this strategy needs a process group and a mesh in ``env`` (one process gets a private group)."""
+        return True
+
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        """This strategy's degrees over ``env``'s ranks; the default replicates over every rank (or every tp
+        group)."""
+        tp = self.tp_degree(env)
+        return ParallelDims(dp_replicate=env.world_size // tp, tp=tp)
+
+    def tp_degree(self, env: ClusterEnv) -> int:
+        """Ranks that split each layer (1 without tp); a degree that does not divide the processes is refused,
+        naming the layouts that fit."""
+        return 1 if self.tp is None else tp_degree(self.name, self.tp.config.degree, env.world_size)
 
     def validate(self, env: ClusterEnv) -> None:
         """Raise a ConfigError when this strategy cannot run in ``env``."""
-        if self.tp is not None:
-            self.mesh_dims(env)
+        self.dims(env)
 
     @abstractmethod
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
@@ -115,8 +126,8 @@ class Strategy(ABC):
         return list(model.parameters())
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
-        """The consolidated state dict (see :func:`paratrain.state_dict.full_state_dict`)."""
-        from ..state_dict import full_state_dict
+        """The consolidated state dict (see :func:`paratrain.distributed.state_dict.full_state_dict`)."""
+        from ..distributed.state_dict import full_state_dict
 
         return full_state_dict(self.unwrap(model), rank0_only=rank0_only)
 
@@ -148,3 +159,14 @@ class Strategy(ABC):
 
     def describe(self) -> str:
         return self.name
+
+
+def tensor_parallel(config: TPConfig | None) -> TensorParallel | None:
+    """A strategy's tensor-parallel part for ``config`` (None: off). Imported here, when used:
+    ``torch.distributed.tensor`` takes over a second to import, which every strategy would otherwise pay at
+    ``import paratrain``."""
+    if config is None:
+        return None
+    from ..distributed.tensor_parallel.compose import TensorParallel
+
+    return TensorParallel(config)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -12,44 +11,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ConfigError
-from ..tensor_parallel.layout import TPConfig
-
-_DDP_PARAMS = frozenset(inspect.signature(DDP.__init__).parameters)
-from .base import Runtime, Strategy
+from ..options import DDPConfig, TPConfig
+from .base import Runtime, Strategy, tensor_parallel
 from .optim import param_names, rebuild
 from .registry import register
 
-
-@dataclass(kw_only=True)
-class DDPConfig:
-    """Options passed to ``DistributedDataParallel``."""
-
-    bucket_cap_mb: float = 25.0
-    """Gradient bucket size; larger buckets mean fewer, bigger all-reduces."""
-    find_unused_parameters: bool = False
-    """Walk the autograd graph each step to find parameters that got no gradient (slower)."""
-    static_graph: bool = False
-    """The graph is the same every step: lets DDP skip per-step bookkeeping."""
-    gradient_as_bucket_view: bool = False
-    """Gradients alias the communication buckets: saves one gradient-sized copy of memory."""
-    broadcast_buffers: bool = True
-    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) at every forward."""
-    comm_hook: str | None = None
-    """Gradient compression: ``fp16``, ``bf16`` or ``powersgd`` (see ``paratrain.strategies.hooks``)."""
-    powersgd_rank: int = 1
-    """Rank of PowerSGD's low-rank approximation (higher: more accurate, more traffic)."""
-    powersgd_start_iter: int = 10
-    """Optimizer steps of exact all-reduce before PowerSGD compression starts."""
-
-    def __post_init__(self) -> None:
-        from .hooks import HOOKS
-
-        if self.bucket_cap_mb <= 0:
-            raise ConfigError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
-        if self.comm_hook is not None and self.comm_hook not in HOOKS:
-            raise ConfigError(f"unknown comm_hook {self.comm_hook!r}; choose one of: {', '.join(HOOKS)}")
-        if self.powersgd_rank < 1:
-            raise ConfigError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
+_DDP_PARAMS = frozenset(inspect.signature(DDP.__init__).parameters)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, config: DDPConfig) -> DDP:
@@ -133,8 +100,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, config: DDPConfig | None = None, **options: object) -> None:
-        tp = TPConfig.pop(options)
-        self.tp = tp.build() if tp is not None else None
+        self.tp = tensor_parallel(TPConfig.pop(options))
         self.config = config if config is not None else DDPConfig(**options)  # type: ignore[arg-type]
         if self.tp is not None and self.config != DDPConfig():
             raise ConfigError("ddp with tp replicates through FSDP2's replicate, which takes none of "

@@ -10,6 +10,7 @@ import warnings
 import torch
 from torch import nn
 
+from ..dims import ParallelDims
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from .base import Runtime, Strategy
@@ -20,8 +21,11 @@ from .registry import register
 class DataParallelStrategy(Strategy):
     name = "dp"
 
-    def mesh_dims(self, env: ClusterEnv) -> None:
-        return None
+    def uses_group(self, env: ClusterEnv) -> bool:
+        return False
+
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        return ParallelDims()
 
     def validate(self, env: ClusterEnv) -> None:
         if env.world_size > 1:

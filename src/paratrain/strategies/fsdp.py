@@ -12,45 +12,22 @@ gradients reduce-scattered after its backward.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..distributed.tensor_parallel.layout import refuse_tp
+from ..dims import ParallelDims
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model.units import shard_units
-from ..tensor_parallel.layout import TPConfig, refuse_tp
-from .base import Runtime, Strategy
+from ..options import FSDPConfig, TPConfig
+from .base import Runtime, Strategy, tensor_parallel
 from .optim import param_names, rebuild
 from .registry import register
-
-
-@dataclass(kw_only=True)
-class FSDPConfig:
-    """How the model is cut into sharding units and when parameters are re-sharded."""
-
-    reshard_after_forward: bool = True
-    """Free gathered parameters after each unit's forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
-    wrap_classes: Sequence[type[nn.Module]] = ()
-    """Module classes that each become a unit; empty: the model's repeated blocks (transformer blocks)."""
-    min_params: int = 100_000
-    """Outside those units (and in models without blocks) a sub-module becomes a unit when it holds at least this
-    many parameters that no smaller unit already took."""
-    shard_size: int | None = None
-    """hsdp only: ranks per shard group (default: processes per node, or half the world on one node)."""
-    cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in host memory."""
-
-    def __post_init__(self) -> None:
-        if self.min_params < 1:
-            raise ConfigError(f"min_params must be >= 1, got {self.min_params}")
-        for cls in self.wrap_classes:
-            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                raise ConfigError(f"wrap_classes must hold nn.Module classes, got {cls!r}")
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy: object | None = None) -> nn.Module:
@@ -61,7 +38,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy
     strategies give a policy without ``output_dtype``: ``Parallel`` casts the root's outputs itself, except where
     the loss takes them in the compute dtype (``forward_backward``).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()}
@@ -80,8 +62,7 @@ class FSDPStrategy(Strategy):
     reshard_after_forward = True
 
     def __init__(self, config: FSDPConfig | None = None, **options: object) -> None:
-        tp = TPConfig.pop(options)
-        self.tp = tp.build() if tp is not None else None
+        self.tp = tensor_parallel(TPConfig.pop(options))
         options.setdefault("reshard_after_forward", self.reshard_after_forward)
         self.config = config if config is not None else FSDPConfig(**options)  # type: ignore[arg-type]
         self._names: dict[int, dict[int, str]] = {}
@@ -109,6 +90,10 @@ class FSDPStrategy(Strategy):
         finally:
             model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        tp = self.tp_degree(env)
+        return ParallelDims(dp_shard=env.world_size // tp, zero=3 if self.config.reshard_after_forward else 2, tp=tp)
+
     def describe(self) -> str:
         tp = f", {self.tp.describe()}" if self.tp is not None else ""
         return f"{self.name}(reshard_after_forward={self.config.reshard_after_forward}{tp})"
@@ -131,10 +116,7 @@ class HSDPStrategy(FSDPStrategy):
 
     name = "hsdp"
 
-    def validate(self, env: ClusterEnv) -> None:
-        self.mesh_dims(env)
-
-    def mesh_dims(self, env: ClusterEnv) -> dict[str, int]:
+    def dims(self, env: ClusterEnv) -> ParallelDims:
         if self.tp is not None:
             refuse_tp(self.name, {"tp": self.tp.config.degree})
         world_size, shard = env.world_size, self.config.shard_size
@@ -153,4 +135,4 @@ class HSDPStrategy(FSDPStrategy):
                 f"hsdp with shard groups of {shard} out of {world_size} processes is plain "
                 f"{'zero3' if shard == world_size else 'ddp'}; use that, or more processes (e.g. -n 4)"
             )
-        return {"replicate": world_size // shard, "shard": shard}
+        return ParallelDims(dp_replicate=world_size // shard, dp_shard=shard, zero=3)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,83 +20,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_map
 
+from ..dims import ParallelDims
 from ..env import ClusterEnv
 from ..errors import ConfigError
-from ..model import find_blocks, find_ties
+from ..model.cuts import balance, layers, placement
+from ..options import DDPConfig, ModelParallelConfig
 from .base import Runtime, Strategy
-from .ddp import DDPConfig, apply_ddp
+from .ddp import apply_ddp
 from .registry import register
-
-
-@dataclass(kw_only=True)
-class ModelParallelConfig:
-    """Where the model is cut."""
-
-    split: Sequence[int] | None = None
-    """Layer indices where stages 2, 3, … begin (see ``layers()``); None: balance by parameter count."""
-    stages: int | None = None
-    """Number of stages when balancing (default: the GPUs per process, or 2 on the CPU)."""
-
-    def __post_init__(self) -> None:
-        if self.stages is not None and self.stages < 1:
-            raise ConfigError(f"stages must be >= 1, got {self.stages}")
-
-
-def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's layers in definition order: top-level children, with containers and the modules on the way to
-    the repeated blocks (a transformers model's ``transformer``/``model``) opened up, so each block is a layer."""
-    out: list[tuple[str, nn.Module]] = []
-    blocks = find_blocks(model)
-    path = blocks.container.split(".") if blocks and blocks.container else []
-    opened = {".".join(path[:i]) for i in range(1, len(path) + 1)}
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            qual = f"{prefix}{name}"
-            if isinstance(child, (nn.Sequential, nn.ModuleList)) or qual in opened:
-                visit(qual + ".", child)
-            else:
-                out.append((qual, child))
-
-    visit("", model)
-    return out
-
-
-def balance(sizes: Sequence[int], stages: int) -> list[int]:
-    """Cut points (start indices of stages 2…k) of a contiguous split minimising the largest stage."""
-    n = len(sizes)
-    if stages > n:
-        raise ConfigError(f"cannot cut {n} layers into {stages} stages; use at most {n} stages")
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    # best[k][i]: smallest possible largest stage when the first i layers form k stages
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    points, i = [], n
-    for k in range(stages, 1, -1):
-        i = cut[k][i]
-        points.append(i)
-    return sorted(points)
-
-
-def stage_of_layers(n_layers: int, split: Sequence[int]) -> list[int]:
-    """Stage index of every layer given the cut points."""
-    points = list(split)
-    if points != sorted(set(points)) or any(not 0 < p < n_layers for p in points):
-        raise ConfigError(
-            f"split {list(split)} does not fit a model with {n_layers} layers: give increasing indices "
-            f"between 1 and {n_layers - 1} (see paratrain.strategies.model_parallel.layers(model))"
-        )
-    return [sum(i >= p for p in points) for i in range(n_layers)]
 
 
 def apply_model_parallel(model: nn.Module, devices: Sequence[torch.device], split: Sequence[int]) -> nn.Module:
@@ -117,29 +47,6 @@ def apply_model_parallel(model: nn.Module, devices: Sequence[torch.device], spli
     return model
 
 
-def placement(model: nn.Module, split: Sequence[int]) -> list[int]:
-    """Stage of every layer of ``layers(model)`` for the cut points ``split``, tied layers moved together to the
-    stage of the last of them (see ``apply_model_parallel``)."""
-    named = layers(model)
-    stage = stage_of_layers(len(named), split)
-    index = {name: i for i, (name, _) in enumerate(named)}
-    for owners in find_ties(model).owners():
-        tied = [i for i in (_layer_of(o, index) for o in owners) if i is not None]
-        for i in tied:
-            stage[i] = max(stage[j] for j in tied)
-    return stage
-
-
-def _layer_of(module_name: str, index: dict[str, int]) -> int | None:
-    """Index of the layer that is ``module_name`` or holds it."""
-    parts = module_name.split(".")
-    for k in range(len(parts), 0, -1):
-        found = index.get(".".join(parts[:k]))
-        if found is not None:
-            return found
-    return None
-
-
 def _mover(device: torch.device):
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -156,8 +63,14 @@ class ModelParallelStrategy(Strategy):
         self.config = config if config is not None else ModelParallelConfig(**options)  # type: ignore[arg-type]
         self.devices: list[torch.device] = []
 
-    def mesh_dims(self, env: ClusterEnv) -> dict[str, int] | None:
-        return {"dp": env.world_size} if env.world_size > 1 else None
+    def uses_group(self, env: ClusterEnv) -> bool:
+        return env.world_size > 1  # one process cuts its model over its devices without a group
+
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        """Replicas over the processes; the stages it cuts are ``mp`` when given (``stages``/``split``), else decided
+        from the devices at ``prepare``."""
+        mp = self.config.stages or (len(self.config.split) + 1 if self.config.split is not None else 1)
+        return ParallelDims(dp_replicate=env.world_size, mp=mp)
 
     def stage_devices(self, rt: Runtime, n: int) -> list[torch.device]:
         if rt.device.type != "cuda":

@@ -15,7 +15,7 @@ stage; gradients are the mean over micro-batches.
 (or sharded with FSDP, ``data="fsdp"``) across the ``dp`` dimension.
 
 ``tp=T`` splits each stage's layers over T ranks as well (the model's tensor-parallel plan applied per stage, its
-boundaries whole: :mod:`paratrain.tensor_parallel.stages`): a ``(pp, tp)`` mesh for ``pipeline``, ``(dp, pp, tp)``
+boundaries whole: :mod:`paratrain.distributed.tensor_parallel.stages`): a ``(pp, tp)`` mesh for ``pipeline``, ``(dp, pp, tp)``
 for ``hybrid``, ``tp`` innermost. The last stage's loss runs on logits split over the vocabulary, under
 ``loss_parallel``, as ``tp`` without stages does; with DDP the stages are replicated by FSDP2's ``replicate``
 (``DistributedDataParallel`` refuses DTensor parameters), as ``Parallel("ddp", tp=T)`` does.
@@ -27,70 +27,28 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..dims import ParallelDims
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model import find_ties
+from ..model.cuts import cut_points
 from ..model.stages import OutputKind, StageModule, StagePlan, build_stage, plan_stages
+from ..options import DDPConfig, FSDPConfig, PipelineConfig, TPConfig
 from ..precision import Precision
-from ..tensor_parallel.layout import TPConfig, mesh_dims
-from .base import Runtime, Strategy
-from .ddp import DDPConfig, apply_ddp, apply_replicate
-from .fsdp import FSDPConfig, apply_fsdp
-from .model_parallel import balance
+from .base import Runtime, Strategy, tensor_parallel
+from .ddp import apply_ddp, apply_replicate
+from .fsdp import apply_fsdp
 from .optim import param_names, rebuild
 from .pipeline_metadata import keep_buffers_through_metadata_pass
 from .registry import register
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-
-
-@dataclass(kw_only=True)
-class PipelineConfig:
-    """How the model is cut and scheduled."""
-
-    schedule: str = "1f1b"
-    """``gpipe``, ``1f1b`` or ``interleaved-1f1b``."""
-    microbatches: int = 4
-    """Micro-batches per batch; the batch size must divide by it."""
-    split: Sequence[int] | None = None
-    """Indices where stages 2, 3, … begin (of an ``nn.Sequential``'s layers, or of a model's blocks); None:
-    balance by parameter count."""
-    split_points: Sequence[str] | None = None
-    """Names of the modules where stages 2, 3, … begin (``["transformer.h.6"]``; an ``nn.Sequential``'s are
-    ``"0"``, ``"1"``, …); instead of ``split``."""
-    stages_per_rank: int | None = None
-    """Stages each rank holds (default 1, or 2 for the interleaved schedule)."""
-    dp: int | None = None
-    """hybrid only: data-parallel degree (default: half the processes, so 4 processes = 2 x 2)."""
-    data: str = "ddp"
-    """hybrid only: how stages are replicated across ``dp``: ``ddp`` or ``fsdp``."""
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
-        if self.microbatches < 1:
-            raise ConfigError(f"microbatches must be >= 1, got {self.microbatches}")
-        if self.stages_per_rank is None:
-            self.stages_per_rank = 2 if self.schedule == "interleaved-1f1b" else 1
-        if self.schedule == "interleaved-1f1b" and self.stages_per_rank < 2:
-            raise ConfigError("the interleaved-1f1b schedule needs stages_per_rank >= 2")
-        if self.schedule != "interleaved-1f1b" and self.stages_per_rank != 1:
-            raise ConfigError(f"schedule {self.schedule!r} runs one stage per rank; use interleaved-1f1b for more")
-        if self.data not in ("ddp", "fsdp"):
-            raise ConfigError(f"hybrid data must be 'ddp' or 'fsdp', got {self.data!r}")
-        if self.split is not None and self.split_points is not None:
-            raise ConfigError("give either split (indices) or split_points (module names), not both")
-        if isinstance(self.split_points, str):
-            self.split_points = [self.split_points]
 
 
 class PipelinedModel(nn.Module):
@@ -195,7 +153,7 @@ class PipelinedModel(nn.Module):
                 schedule.step(x, **kwargs)
             else:
                 schedule.step(**kwargs)
-        from ..tensor_parallel.outputs import plain
+        from ..distributed.tensor_parallel.outputs import plain
 
         losses = [plain(part) for part in losses]
         loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
@@ -228,34 +186,18 @@ def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
 
 
 def _make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable | None) -> Any:
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleLoopedBFS)
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleLoopedBFS,
+    )
 
     if len(stages) > 1:  # several stages per rank: interleaved 1F1B, or its all-forward-first twin
         multi = ScheduleInterleaved1F1B if name == "interleaved-1f1b" else ScheduleLoopedBFS
         return multi(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
     return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
-
-
-def cut_points(model: nn.Sequential, n_stages: int, split: Sequence[int] | None) -> list[int]:
-    """Start index of every stage (the first is 0), validated against the model."""
-    n = len(model)
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
-    points = [0, *balance(sizes, n_stages)] if split is None else [0, *split]
-    if len(points) != n_stages or points != sorted(set(points)) or points[-1] >= n:
-        raise ConfigError(
-            f"pipeline split {list(split or [])} does not fit: {n_stages} stages need {n_stages - 1} increasing "
-            f"cut points between 1 and {n - 1} for this {n}-layer model"
-        )
-    trainable = [any(p.requires_grad for p in layer.parameters()) for layer in model]
-    for stage, (start, end) in enumerate(zip(points, [*points[1:], n])):
-        if not any(trainable[start:end]):  # checked on every rank alike, so all fail together
-            raise ConfigError(
-                f"pipeline stage {stage} (layers {start}..{end - 1}) holds no trainable parameter, so its rank would "
-                "have nothing to optimise; move its cut points or use fewer stages"
-            )
-    return points
 
 
 class PipelineStrategy(Strategy):
@@ -265,28 +207,21 @@ class PipelineStrategy(Strategy):
     native_precision = True  # applied to each stage, not to the prepared model
 
     def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
-        tp = TPConfig.pop(options)
-        self.tp = tp.build() if tp is not None else None
+        self.tp = tensor_parallel(TPConfig.pop(options))
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
         if self.tp is not None and self.config.stages_per_rank != 1:
             raise ConfigError(f"{self.name} with tp runs one stage per rank: use schedule='1f1b' or 'gpipe' with tp, "
                               f"or {self.config.schedule!r} without tp")
         self._names: dict[int, dict[int, str]] = {}
 
-    def tp_degree(self, env: ClusterEnv) -> int:
-        """Ranks that split each stage's layers (1 without tp); a degree that does not divide the processes is
-        refused, naming the layouts that fit."""
-        if self.tp is None:
-            return 1
-        return mesh_dims(self.name, self.tp.config.degree, env.world_size)["tp"]
-
     def degrees(self, env: ClusterEnv) -> tuple[int, int]:
         """(dp, pp)."""
         return 1, env.world_size // self.tp_degree(env)
 
-    def mesh_dims(self, env: ClusterEnv) -> dict[str, int]:
+    def dims(self, env: ClusterEnv) -> ParallelDims:
         dp, pp = self.degrees(env)
-        return {"dp": dp, "pp": pp} if self.tp is None else {"dp": dp, "pp": pp, "tp": self.tp_degree(env)}
+        data = {"dp_shard": dp, "zero": 3} if self.config.data == "fsdp" and dp > 1 else {"dp_replicate": dp}
+        return ParallelDims(**data, pp=pp, tp=self.tp_degree(env))
 
     def validate(self, env: ClusterEnv) -> None:
         dp, pp = self.degrees(env)

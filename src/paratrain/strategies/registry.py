@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import UnknownStrategyError
+from ..env import ClusterEnv
+from ..errors import ConfigError, UnknownStrategyError
 from .base import Strategy
 
 _FACTORIES: dict[str, Callable[..., Strategy]] = {}
@@ -40,16 +41,30 @@ def create(name: str, **options: Any) -> Strategy:
     return _FACTORIES[name](**options)
 
 
+def resolve(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> Strategy:
+    """The strategy ``Parallel(strategy=spec, **options)`` asks for; ``auto`` stands for ``single`` in one process
+    and for ``ddp`` until ``prepare`` chooses (:mod:`paratrain.strategies.auto`)."""
+    if isinstance(spec, Strategy):
+        if options:
+            raise ConfigError(f"strategy options {sorted(options)} given with a Strategy instance; set them on it")
+        return spec
+    if not isinstance(spec, str):
+        raise ConfigError(f"strategy must be a name or a Strategy, got {type(spec).__name__}")
+    if spec == "auto":
+        spec = "ddp" if env.world_size > 1 else "single"
+    try:
+        return create(spec, **options)
+    except TypeError as e:
+        raise ConfigError(f"bad option for strategy {spec!r}: {e}") from None
+
+
 def check_world(name: str, world_size: int, **options: Any) -> None:
     """Raise the strategy's own one-line ``ConfigError`` unless ``name`` with ``options`` can run on
     ``world_size`` local processes (checked before anything is launched)."""
-    from ..env import ClusterEnv
-    from ..errors import ConfigError
-
     try:
         strategy = create(name, **options)
     except TypeError as err:
         raise ConfigError(f"bad option for strategy {name!r}: {err}") from None
     env = ClusterEnv(world_size=world_size, local_world_size=world_size, launched=True)
     strategy.validate(env)
-    strategy.mesh_dims(env)  # degrees the world does not divide (tp=3 of 4) say so here
+    strategy.dims(env)  # degrees the world does not divide (tp=3 of 4) say so here

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..dims import ParallelDims
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from .base import Runtime, Strategy
@@ -15,8 +16,11 @@ class SingleDevice(Strategy):
 
     name = "single"
 
-    def mesh_dims(self, env: ClusterEnv) -> None:
-        return None
+    def uses_group(self, env: ClusterEnv) -> bool:
+        return False
+
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        return ParallelDims()
 
     def validate(self, env: ClusterEnv) -> None:
         if env.world_size > 1:

@@ -1,15 +1,16 @@
 """``tp``: tensor parallelism over every rank — each layer's weights split across the processes, which compute
-every batch together (see :mod:`paratrain.tensor_parallel` for the plans). With data parallelism around it, use
+every batch together (see :mod:`paratrain.distributed.tensor_parallel` for the plans). With data parallelism around it, use
 ``ddp``, ``zero2`` or ``zero3`` with ``tp=``."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..dims import ParallelDims
 from ..env import ClusterEnv
 from ..errors import ConfigError
-from ..tensor_parallel.layout import TPConfig
-from .base import Runtime, Strategy
+from ..options import TPConfig
+from .base import Runtime, Strategy, tensor_parallel
 from .optim import param_names, rebuild
 from .registry import register
 
@@ -21,10 +22,14 @@ class TPStrategy(Strategy):
     name = "tp"
 
     def __init__(self, tp: int | None = None, tp_plan: dict | None = None) -> None:
-        self.tp = TPConfig(degree=tp, plan=tp_plan).build()
+        self.tp = tensor_parallel(TPConfig(degree=tp, plan=tp_plan))
         self._names: dict[int, dict[int, str]] = {}
 
-    def validate(self, env: ClusterEnv) -> None:
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        self.validate_degree(env)
+        return ParallelDims(tp=env.world_size)
+
+    def validate_degree(self, env: ClusterEnv) -> None:
         degree = self.tp.config.degree  # type: ignore[union-attr]
         if degree is not None and degree != env.world_size:
             raise ConfigError(f"strategy 'tp' splits each layer over all {env.world_size} processes, not tp={degree}; "

@@ -7,9 +7,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..tensor_parallel.layout import refuse_tp
+from ..distributed.tensor_parallel.layout import refuse_tp
+from ..dims import ParallelDims
+from ..env import ClusterEnv
+from ..options import DDPConfig
 from .base import Runtime
-from .ddp import DDPConfig, DDPStrategy
+from .ddp import DDPStrategy
 from .optim import constructor_defaults, param_groups_for
 from .registry import register
 
@@ -28,7 +31,9 @@ class Zero1Strategy(DDPStrategy):
         inner = self.unwrap(model)
         names = {id(p): n for n, p in inner.named_parameters()}
         groups = param_groups_for(optimizer, names, inner)
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports FSDP and DTensor: 1-2 s, when used
+        from torch.distributed.optim import (
+            ZeroRedundancyOptimizer,  # imports FSDP and DTensor: 1-2 s, when used
+        )
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
                                        process_group=rt.mesh.get_group() if rt.mesh is not None else None,
@@ -61,6 +66,9 @@ class Zero1Strategy(DDPStrategy):
             first = names[id(group["params"][0])]
             group.update({k: state[f"param_groups.{first}.{k}"] for k in group if k != "params"})
         _copy_settings(optimizer.param_groups, optimizer.optim.param_groups)
+
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        return ParallelDims(dp_shard=env.world_size, zero=1)
 
     def describe(self) -> str:
         return "zero1(ddp + ZeroRedundancyOptimizer)"

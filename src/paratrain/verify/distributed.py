@@ -19,7 +19,9 @@ from ..data import ShardSampler, describe_sampler
 from ..devices import backend_for, select_device
 from ..digest import state_digest
 from ..errors import ConfigError
-from ..parallel import Parallel, finish_group, global_grad_norm
+from ..distributed.grad_norm import global_grad_norm
+from ..distributed.process_group import finish_group
+from ..parallel import Parallel
 from .record import Record, Recorder, recording_loader
 from .spec import build_spec
 

@@ -1,77 +1,32 @@
 """A minimal decoder-only transformer (GPT-2 / LLaMA shaped) and the built-in size configurations.
 
-The module exists so that sizes can be built on the meta device (``with torch.device("meta"): GPT(cfg)``) and
-checked against the planner's closed-form counts, and so that a tiny one can train for real. It keeps only
+The shapes are the planner's (``planner.transformer.GPTConfig``: pure data, planned in closed form). The module
+exists so that sizes can be built on the meta device (``with torch.device("meta"): GPT(cfg)``) and checked
+against the planner's closed-form counts, and so that a tiny one can train for real. It keeps only
 what changes parameter counts, FLOPs and activation memory: no dropout, no weight-init scheme, and the
 LLaMA-like configuration leaves out rotary position embeddings (they add no parameters and negligible FLOPs).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import ConfigError
+from ..planner.transformer import TRANSFORMERS, GPTConfig
 
-
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """The shape of a decoder-only transformer."""
-
-    layers: int
-    """Transformer blocks."""
-    hidden: int
-    """Model width (d_model)."""
-    heads: int
-    """Attention heads; ``hidden`` must divide evenly."""
-    seq_len: int = 1024
-    """Tokens per sample (context length)."""
-    vocab: int = 50257
-    """Vocabulary size (GPT-2's tokenizer by default)."""
-    ffn: int | None = None
-    """MLP inner width; default 4 x hidden."""
-    gated: bool = False
-    """SwiGLU MLP (three matrices, LLaMA) instead of GELU (two matrices, GPT-2)."""
-    bias: bool = True
-    """Linear layers and norms carry biases (GPT-2 yes, LLaMA no: RMSNorm and bias-free linears)."""
-    learned_positions: bool = True
-    """A learned position table of ``seq_len x hidden`` (GPT-2); LLaMA uses rotary embeddings instead."""
-    tied: bool = True
-    """The output projection shares the token embedding's weights (GPT-2)."""
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"transformer {name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden % self.heads:
-            raise ConfigError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
-        if self.ffn is not None and self.ffn < 1:
-            raise ConfigError(f"transformer ffn must be >= 1, got {self.ffn}")
-
-    @property
-    def ffn_width(self) -> int:
-        return self.ffn if self.ffn is not None else 4 * self.hidden
-
-
-def _llama_ffn(hidden: int) -> int:
-    """LLaMA's MLP width: 2/3 of 4h, rounded up to a multiple of 256 (11008 for h=4096)."""
-    return 256 * math.ceil(8 * hidden / 3 / 256)
+if TYPE_CHECKING:
+    from ..distributed.tensor_parallel.plans import Plan
 
 
 GPT_CONFIGS = MappingProxyType({
-    "gpt2": GPTConfig(layers=12, hidden=768, heads=12),                  # 124M
-    "gpt2-medium": GPTConfig(layers=24, hidden=1024, heads=16),          # 355M
-    "gpt2-large": GPTConfig(layers=36, hidden=1280, heads=20),           # 774M
-    "gpt2-xl": GPTConfig(layers=48, hidden=1600, heads=25),              # 1.56B
-    "llama-7b": GPTConfig(layers=32, hidden=4096, heads=32, seq_len=2048, vocab=32000, ffn=_llama_ffn(4096),
-                          gated=True, bias=False, learned_positions=False, tied=False),  # 6.74B
-    "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),          # 0.17M, for tests
+    **TRANSFORMERS,
+    "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),  # 0.17M, for tests
 })
-"""Built-in sizes: GPT-2's four published sizes and a LLaMA-7B-like shape."""
+"""Built-in sizes: the planner's named shapes (GPT-2's four published sizes and a LLaMA-7B-like one) and a tiny one
+that trains for real in the demos and tests."""
 
 
 class RMSNorm(nn.Module):
@@ -144,4 +99,32 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+    def paratrain_tp_plan(self) -> Plan:
+        """The tensor-parallel plan (see :mod:`paratrain.distributed.tensor_parallel.plans`): ``qkv`` and a gated
+        ``fc`` are laid out per head / per unit, so a plain column split keeps them whole (no gather, unlike GPT-2's
+        ``c_attn``). Imported here, when asked for: tensor parallelism takes a second to import."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        from ..distributed.tensor_parallel.plans import (Plan, final_norm, sequence_shards, vocab_embedding,
+                                                          vocab_head)
+        from ..distributed.tensor_parallel.styles import Colwise, Replicated, Rowwise
+
+        styles: dict[str, object] = {"wte": vocab_embedding()}
+        if self.wpe is not None:
+            styles["wpe"] = Replicated()
+        styles.update({
+            "blocks.0": sequence_shards(),
+            "blocks.*.norm1": SequenceParallel(),
+            "blocks.*.qkv": Colwise(input_layouts=Shard(1)),
+            "blocks.*.proj": Rowwise(output_layouts=Shard(1)),
+            "blocks.*.norm2": SequenceParallel(),
+            "blocks.*.fc": Colwise(input_layouts=Shard(1)),
+            "blocks.*.out": Rowwise(output_layouts=Shard(1)),
+            "norm": final_norm(),
+            "head": vocab_head(),
+        })
+        return Plan(name="paratrain GPT", sequence_parallel=True, styles=styles,
+                    divisible=lambda m: {"heads": m.cfg.heads, "ffn": m.cfg.ffn_width})
 

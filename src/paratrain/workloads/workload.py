@@ -1,12 +1,6 @@
-"""What a workload is (a model builder, a loss and a seeded batch maker) and the one registry of their names.
-
-``paratrain bench`` and the benchmarks run a workload by name: ``mlp``, ``cnn`` and ``gpt-tiny`` are built in
-(:mod:`paratrain.workloads.synthetic`); anything else is ``module:factory``, a function of the user's that
-returns a :class:`Workload` or a ``(model, loss, make_batch)`` tuple.
-"""
+"""What a workload is: a model builder, a loss and a seeded batch maker (named in :mod:`.registry`)."""
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -14,7 +8,6 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..factory import load_callable
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 MakeBatch = Callable[[int, torch.Generator], Batch]
@@ -50,40 +43,3 @@ class Workload:
         for field in ("model", "loss", "make_batch", "optimizer"):
             if not callable(getattr(self, field)):
                 raise ConfigError(f"workload {self.name!r}: {field} must be callable, got {getattr(self, field)!r}")
-
-
-def builtin_workloads() -> dict[str, Callable[[], Workload]]:
-    """Built-in names → constructors (imported here so that the registry is the one list of names)."""
-    from .synthetic import cnn_workload, gpt_tiny_workload, mlp_workload
-
-    return {"mlp": mlp_workload, "cnn": cnn_workload, "gpt-tiny": gpt_tiny_workload}
-
-
-def workload_names() -> list[str]:
-    return list(builtin_workloads())
-
-
-def get_workload(name: str) -> Workload:
-    """The built-in workload ``name``, or the one ``module:factory`` returns; anything else is a one-line error."""
-    builtins = builtin_workloads()
-    if name in builtins:
-        return builtins[name]()
-    if ":" not in name:
-        raise ConfigError(f"unknown workload {name!r}; choose one of: {', '.join(builtins)}, or module:factory")
-    made = load_callable(name, "workload")()
-    if isinstance(made, Workload):
-        return made
-    if isinstance(made, tuple) and len(made) == 3:
-        model, loss, make_batch = made
-        return Workload(name=name, model=_builder(model), loss=loss, make_batch=make_batch)
-    raise ConfigError(f"workload {name!r} returned {type(made).__name__}; return a paratrain.workloads.Workload or a "
-                      "(model, loss, make_batch) tuple")
-
-
-def _builder(model: nn.Module | Callable[[], nn.Module]) -> Callable[[], nn.Module]:
-    """A model builder from a factory's model: a callable as it is, a module copied afresh for every use."""
-    if isinstance(model, nn.Module):
-        return lambda: copy.deepcopy(model)
-    if callable(model):
-        return model
-    raise ConfigError(f"a workload's model must be an nn.Module or a function building one, got {type(model).__name__}")

@@ -1,4 +1,9 @@
-"""Turning what the user names (a built-in model, ``module:factory``, or ``--params 7.5B``) into ModelStats."""
+"""What ``paratrain plan``'s model options name, resolved for the planner: a built-in GPT size, a demo model
+(``mlp``, ``cnn``), ``module:factory``, or ``--params 7.5B``.
+
+The planner plans what it is handed (``planner.make_plan``: stats, or a model it may build) and never imports the
+demo models; the names that build one are this layer's to resolve.
+"""
 from __future__ import annotations
 
 import re
@@ -10,18 +15,12 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..factory import load_callable
-from ..workloads.gpt import GPT, GPT_CONFIGS
-from ..workloads.synthetic import mlp
-from .model_stats import InputSpec, ModelStats, measure_module, trace_module, transformer_shape, transformer_stats
+from ..planner import InputSpec, ModelStats, RunnableModel, transformer_shape, transformer_stats
+from .digits import digits_cnn
+from .gpt import GPT, GPT_CONFIGS
+from .synthetic import mlp
 
-
-def _cnn() -> nn.Module:
-    from ..workloads.digits import digits_cnn
-
-    return digits_cnn()
-
-
-SMALL_MODELS = MappingProxyType({"mlp": (mlp, "784"), "cnn": (_cnn, "1x8x8")})
+SMALL_MODELS = MappingProxyType({"mlp": (mlp, "784"), "cnn": (digits_cnn, "1x8x8")})
 """Traced built-ins: factory and one sample's input."""
 
 
@@ -39,13 +38,12 @@ def parse_count(text: str) -> float:
 
 def resolve_model(model: str | None = None, *, params: str | None = None, layers: int | None = None,
                   hidden: int | None = None, heads: int | None = None, seq_len: int | None = None,
-                  vocab: int | None = None, input_spec: str | None = None, measure_batch: int | None = None,
-                  ) -> ModelStats:
-    """ModelStats for the CLI's model options.
+                  vocab: int | None = None, input_spec: str | None = None) -> ModelStats | RunnableModel:
+    """The model the CLI's model options name, as ``planner.make_plan`` takes it.
 
-    Built-in GPT sizes and ``--params`` use the closed forms (shape figures override the built-in ones);
-    ``mlp``, ``cnn`` and ``module:factory`` are traced on the meta device, or, with ``measure_batch``, run
-    for real on this machine.
+    ``--params`` gives closed-form stats (shape figures given, the rest guessed); a built-in GPT size a model with
+    its closed-form stats (shape figures override the built-in ones); ``mlp``, ``cnn`` and ``module:factory`` a
+    model the planner traces on the meta device. ``--measure`` runs any of the models.
     """
     if model is not None and params is not None:
         raise ConfigError("give --model or --params, not both")
@@ -55,15 +53,11 @@ def resolve_model(model: str | None = None, *, params: str | None = None, layers
              if v is not None}
     if params is not None:
         n = parse_count(params)
-        cfg = transformer_shape(n, **shape)
-        return transformer_stats(cfg, name=f"{params} transformer", params=round(n))
+        return transformer_stats(transformer_shape(n, **shape), name=f"{params} transformer", params=round(n))
     assert model is not None
-    if model in GPT_CONFIGS and measure_batch is None:
-        return transformer_stats(replace(GPT_CONFIGS[model], **shape), name=model)
-    factory, spec = model_input(model, shape=shape, input_spec=input_spec)
-    if measure_batch is not None:
-        return measure_module(factory, spec, name=model, batch=measure_batch)
-    return trace_module(factory, spec, name=model)
+    factory, example = model_input(model, shape=shape, input_spec=input_spec)
+    stats = transformer_stats(replace(GPT_CONFIGS[model], **shape), name=model) if model in GPT_CONFIGS else None
+    return RunnableModel(name=model, factory=factory, example=example, stats=stats)
 
 
 def model_input(model: str, *, shape: dict[str, int] | None = None,

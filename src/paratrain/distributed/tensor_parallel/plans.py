@@ -1,7 +1,8 @@
 """Tensor-parallel plans: which module of a model is split how, as module-name patterns → styles.
 
-Built in for transformers' GPT-2 and Llama causal LMs and for our GPT (:mod:`paratrain.workloads.gpt`), all on
-one pattern (Megatron's, torchtitan's ``apply_tp``):
+Built in for transformers' GPT-2 and Llama causal LMs; a model class may carry its own (a ``paratrain_tp_plan()``
+method, as our GPT in :mod:`paratrain.workloads.gpt` does). All follow one pattern (Megatron's, torchtitan's
+``apply_tp``):
 
 * the token embedding is split over the vocabulary (``rowwise`` of an embedding: each rank looks up its rows,
   the sum is all-reduced); the output head over the vocabulary too (``colwise``), its logits left sharded so the
@@ -23,10 +24,15 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
-                                               PrepareModuleOutput, SequenceParallel)
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    SequenceParallel,
+)
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .styles import Colwise, FirstInput, FusedColwise, Replicated, Rowwise, style_of
 
 
@@ -77,7 +83,7 @@ def whole_sequence() -> ParallelStyle:
                                use_local_output=True)
 
 
-def _gathered(kwarg: str | None = None) -> ParallelStyle:
+def gathered(kwarg: str | None = None) -> ParallelStyle:
     """Attention's or the MLP's input: the sequence slices all-gathered."""
     if kwarg is None:
         return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
@@ -86,15 +92,15 @@ def _gathered(kwarg: str | None = None) -> ParallelStyle:
                               use_local_output=True)
 
 
-def _vocab_embedding() -> ParallelStyle:
+def vocab_embedding() -> ParallelStyle:
     return Rowwise(input_layouts=Replicate(), output_layouts=Replicate())
 
 
-def _vocab_head() -> ParallelStyle:
+def vocab_head() -> ParallelStyle:
     return Colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
 
 
-def _final_norm() -> ParallelStyle:
+def final_norm() -> ParallelStyle:
     # left a DTensor: GPT-2 reshapes it by the full sequence length before the head
     return SequenceParallel(use_local_output=False)
 
@@ -109,21 +115,21 @@ def gpt2_plan() -> Plan:
                 module.split_size = module.embed_dim // degree  # its c_attn output is now this rank's q, k, v
 
     return Plan(name="GPT-2", sequence_parallel=True, adjust=adjust, styles={
-        "transformer.wte": _vocab_embedding(),
+        "transformer.wte": vocab_embedding(),
         "transformer.wpe": Replicated(),
         "transformer.drop": PrepareModuleInputOutput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
             output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True),
         f"{block}.ln_1": SequenceParallel(),
-        f"{block}.attn": _gathered(),
+        f"{block}.attn": gathered(),
         f"{block}.attn.c_attn": FusedColwise(3),
         f"{block}.attn.c_proj": Rowwise(output_layouts=Shard(1)),
         f"{block}.ln_2": SequenceParallel(),
-        f"{block}.mlp": _gathered(),
+        f"{block}.mlp": gathered(),
         f"{block}.mlp.c_fc": Colwise(),
         f"{block}.mlp.c_proj": Rowwise(output_layouts=Shard(1)),
-        "transformer.ln_f": _final_norm(),
-        "lm_head": _vocab_head(),
+        "transformer.ln_f": final_norm(),
+        "lm_head": vocab_head(),
     }, divisible=lambda model: {"n_head": model.config.n_head, "n_inner": model.config.n_inner or
                                 4 * model.config.n_embd})
 
@@ -132,66 +138,46 @@ def llama_plan() -> Plan:
     """transformers' ``LlamaForCausalLM`` (grouped-query attention: key/value heads split too)."""
     layer = "model.layers.*"
     return Plan(name="Llama", sequence_parallel=True, styles={
-        "model.embed_tokens": _vocab_embedding(),
+        "model.embed_tokens": vocab_embedding(),
         "model.layers.0": sequence_shards(),
         f"{layer}.input_layernorm": SequenceParallel(),
-        f"{layer}.self_attn": _gathered("hidden_states"),
+        f"{layer}.self_attn": gathered("hidden_states"),
         f"{layer}.self_attn.q_proj": Colwise(),
         f"{layer}.self_attn.k_proj": Colwise(),
         f"{layer}.self_attn.v_proj": Colwise(),
         f"{layer}.self_attn.o_proj": Rowwise(output_layouts=Shard(1)),
         f"{layer}.post_attention_layernorm": SequenceParallel(),
-        f"{layer}.mlp": _gathered(),
+        f"{layer}.mlp": gathered(),
         f"{layer}.mlp.gate_proj": Colwise(),
         f"{layer}.mlp.up_proj": Colwise(),
         f"{layer}.mlp.down_proj": Rowwise(output_layouts=Shard(1)),
-        "model.norm": _final_norm(),
-        "lm_head": _vocab_head(),
+        "model.norm": final_norm(),
+        "lm_head": vocab_head(),
     }, divisible=lambda model: {"num_attention_heads": model.config.num_attention_heads,
                                 "num_key_value_heads": model.config.num_key_value_heads,
                                 "intermediate_size": model.config.intermediate_size})
 
 
-def gpt_plan(model: nn.Module) -> Plan:
-    """Our GPT: ``qkv`` and a gated ``fc`` are laid out per head / per unit, so a plain column split keeps them
-    whole (no gather, unlike GPT-2's ``c_attn``)."""
-    styles: dict[str, str | ParallelStyle] = {"wte": _vocab_embedding()}
-    if model.wpe is not None:
-        styles["wpe"] = Replicated()
-    styles.update({
-        "blocks.0": sequence_shards(),
-        "blocks.*.norm1": SequenceParallel(),
-        "blocks.*.qkv": Colwise(input_layouts=Shard(1)),
-        "blocks.*.proj": Rowwise(output_layouts=Shard(1)),
-        "blocks.*.norm2": SequenceParallel(),
-        "blocks.*.fc": Colwise(input_layouts=Shard(1)),
-        "blocks.*.out": Rowwise(output_layouts=Shard(1)),
-        "norm": _final_norm(),
-        "head": _vocab_head(),
-    })
-    return Plan(name="paratrain GPT", sequence_parallel=True, styles=styles,
-                divisible=lambda m: {"heads": m.cfg.heads, "ffn": m.cfg.ffn_width})
-
-
 _BUILT_IN: dict[str, Callable[[nn.Module], Plan]] = {
     "GPT2LMHeadModel": lambda model: gpt2_plan(),
     "LlamaForCausalLM": lambda model: llama_plan(),
-    "GPT": gpt_plan,
 }
 
 
 def plan_for(model: nn.Module, user: Mapping[str, str | ParallelStyle] | None) -> Plan:
-    """The user's plan when given, else the built-in one for ``model``'s class; a one-line error when neither."""
+    """The user's plan when given, else the model's own (a ``paratrain_tp_plan()`` method returning a ``Plan``, as
+    paratrain's GPT has), else the built-in one for ``model``'s class; a one-line error when none."""
     if user is not None:
         if not isinstance(user, Mapping) or not user:
             raise ConfigError("tp_plan must be a non-empty dict of module-name patterns to styles, e.g. "
                               "{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}")
         return Plan(name="tp_plan", styles=dict(user))
-    from ..workloads.gpt import GPT
-
+    own = getattr(model, "paratrain_tp_plan", None)
+    if callable(own):
+        return own()
     kind = type(model).__name__
     build = _BUILT_IN.get(kind)
-    if build is None or (kind == "GPT" and not isinstance(model, GPT)):
+    if build is None:
         raise ConfigError(f"tensor parallelism has no plan for {kind} (built in: GPT-2, Llama, paratrain's GPT); "
                           "give one: Parallel('tp', tp_plan={'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': "
                           "'rowwise', ...})")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..model.stages import AddsNothing, PassThrough
+from ...model.stages import AddsNothing, PassThrough
 from .plans import Plan, matches, sequence_shards, whole_sequence
 from .styles import style_of
 

@@ -10,56 +10,23 @@ the ones joined by NVLink), since they talk inside every layer. Pipelines put th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from .compose import TensorParallel
 
-
-@dataclass(frozen=True, kw_only=True)
-class TPConfig:
-    """Tensor parallelism as a strategy option."""
-
-    degree: int | None = None
-    """Ranks that split each layer (``tp=``); None: every rank (the ``tp`` strategy)."""
-    plan: Mapping[str, str | ParallelStyle] | None = None
-    """Module-name patterns → styles (``tp_plan=``); None: the model's built-in plan."""
-
-    def __post_init__(self) -> None:
-        if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 1):
-            raise ConfigError(f"tp must be an integer >= 1 (ranks that split each layer), got {self.degree!r}")
-
-    def build(self) -> TensorParallel:
-        """The strategy's tensor-parallel part. Imported here, when used: ``torch.distributed.tensor`` takes over a
-        second to import, which every strategy would otherwise pay at ``import paratrain``."""
-        from .compose import TensorParallel
-
-        return TensorParallel(self)
-
-    @classmethod
-    def pop(cls, options: dict[str, Any]) -> "TPConfig | None":
-        """The ``tp``/``tp_plan`` options taken out of a strategy's options; None when tensor parallelism is off."""
-        degree, plan = options.pop("tp", None), options.pop("tp_plan", None)
-        if degree in (None, 1) and plan is None:
-            return None
-        if degree is None:
-            raise ConfigError("tp_plan given without tp; say how many ranks split each layer, e.g. tp=2")
-        return cls(degree=degree, plan=plan)
-
-
-def mesh_dims(strategy: str, degree: int | None, world_size: int) -> dict[str, int]:
-    """``{"dp": world / tp, "tp": tp}``; a world size the degree does not divide names the layouts that fit."""
+def tp_degree(strategy: str, degree: int | None, world_size: int) -> int:
+    """The ranks of one tensor-parallel group (``degree``, or every rank when None); a world size the degree does
+    not divide names the layouts that fit."""
     tp = world_size if degree is None else degree
     if world_size % tp:
         fits = [f"{strategy} tp={d} ({world_size // d} x {d})" for d in range(2, world_size + 1) if world_size % d == 0]
         raise ConfigError(f"{strategy} with tp={tp} does not fit {world_size} processes (tp must divide them); "
                           f"valid layouts: {', '.join(fits) or 'none, launch an even number of processes'}")
-    return {"dp": world_size // tp, "tp": tp}
+    return tp
 
 
 def refuse_tp(strategy: str, options: dict[str, Any]) -> None:

@@ -1,9 +1,9 @@
 """What a strategy holds to add tensor parallelism to itself: the ``tp`` strategy alone, inside ddp/zero2/zero3, or
 inside the stages of a pipeline (``pipeline``/``hybrid``, :mod:`.stages`).
 
-The strategy builds the ``(dp, tp)`` mesh from :func:`~paratrain.tensor_parallel.layout.mesh_dims`, splits the model
-over ``mesh["tp"]`` first, then wraps it for data parallelism over ``mesh["dp"]`` (torchtitan's order: TP, then FSDP
-or replication on the parameters TP made). The ranks of one tp group read the same batch and keep one RNG stream
+The strategy builds the ``(dp, tp)`` mesh from its :class:`~paratrain.dims.ParallelDims`, splits the model over
+``mesh["tp"]`` first, then wraps it for data parallelism over ``mesh["dp"]`` (torchtitan's order: TP, then FSDP or
+replication on the parameters TP made). The ranks of one tp group read the same batch and keep one RNG stream
 (``rng_rank``), so dropout on replicated activations drops the same units on all of them.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from ...options import TPConfig
 from .apply import apply_tp
-from .layout import TPConfig, mesh_dims
 from .outputs import ShardedOutputs, forward_backward
 from .plans import Plan, plan_for
 from .stages import stage_styles
@@ -33,12 +33,12 @@ class TensorParallel:
         self._precision: Any = None
         self._device = torch.device("cpu")
 
-    def mesh_dims(self, strategy: str, world_size: int) -> dict[str, int]:
-        return mesh_dims(strategy, self.config.degree, world_size)
-
     def apply(self, model: nn.Module, mesh: DeviceMesh, precision: Any, device: torch.device) -> nn.Module:
-        """Split ``model`` (moved to ``device``) over ``mesh["tp"]``."""
+        """Split ``model`` (moved to ``device``) over ``mesh["tp"]``; a mesh without one (tp over a single rank)
+        leaves it whole."""
         self._precision, self._device = precision, device
+        if "tp" not in (mesh.mesh_dim_names or ()):
+            return model.to(device)
         plan = plan_for(model, self.config.plan)
         return apply_tp(model.to(device), mesh["tp"], plan, self.outputs)
 
@@ -52,7 +52,7 @@ class TensorParallel:
     def apply_stage(self, stage: nn.Module, plan: Plan, mesh: DeviceMesh, precision: Any, device: torch.device,
                     first_block: str | None, last_block: str | None) -> nn.Module:
         """Split a pipeline stage (the model with other stages' pieces swapped out) over ``mesh["tp"]`` by the
-        whole model's ``plan``, its boundaries whole (:func:`~paratrain.tensor_parallel.stages.stage_styles`)."""
+        whole model's ``plan``, its boundaries whole (:func:`~paratrain.distributed.tensor_parallel.stages.stage_styles`)."""
         self._precision, self._device = precision, device
         styles = stage_styles(plan, stage, first_block, last_block)
         return apply_tp(stage.to(device), mesh["tp"], plan, self.outputs, styles)

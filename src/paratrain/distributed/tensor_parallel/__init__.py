@@ -4,16 +4,16 @@
 over the vocabulary (:mod:`.outputs`)."""
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_getattr
+from ...lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from .apply import apply_tp
     from .compose import TensorParallel
-    from .layout import TPConfig, mesh_dims
+    from .layout import tp_degree
     from .plans import Plan, plan_for
     from .styles import STYLES
 
-_EXPORTS = {"apply_tp": ".apply", "TensorParallel": ".compose", "TPConfig": ".layout", "mesh_dims": ".layout",
+_EXPORTS = {"apply_tp": ".apply", "TensorParallel": ".compose", "tp_degree": ".layout",
             "Plan": ".plans", "plan_for": ".plans", "STYLES": ".styles"}
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())  # the strategies import .layout alone: cheap
 __all__ = list(_EXPORTS)

@@ -1,0 +1,85 @@
+"""``ParallelDims``: the one definition of a layout — how many ranks replicate, shard, pipeline and split each layer.
+
+The runtime mesh (:func:`paratrain.distributed.mesh.build_mesh`), every strategy (``Strategy.dims``) and the
+planner's candidate layouts (:class:`paratrain.planner.layout.Layout`) all read their degrees from here, so a
+layout the planner describes is the one the runtime builds. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """The parallel degrees of a job; their product over the mesh dimensions is the number of ranks."""
+
+    dp_replicate: int = 1
+    """Replicas that each hold the whole (unsharded) state and all-reduce gradients: DDP's ranks, HSDP's groups."""
+    dp_shard: int = 1
+    """Ranks one shard group spans (ZeRO/FSDP); 1 without sharding."""
+    zero: int = 0
+    """What the shard group shards (ZeRO stage): 0 nothing, 1 optimizer states, 2 and gradients, 3 and parameters."""
+    pp: int = 1
+    """Pipeline stages, one rank each, computing different micro-batches at once."""
+    tp: int = 1
+    """Tensor-parallel ranks: consecutive ranks that split every layer's matrices."""
+    mp: int = 1
+    """Model-parallel stages inside one process (its GPUs take turns): not a mesh dimension."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "pp", "tp", "mp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel degree {name}={value!r} must be an integer >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.zero == 0 and self.dp_shard > 1:
+            raise ConfigError(f"dp_shard={self.dp_shard} shards nothing at zero stage 0; give a zero stage or "
+                              "replicate instead (dp_replicate)")
+        if self.mp > 1 and (self.tp > 1 or self.pp > 1):
+            raise ConfigError("model-parallel stages inside a process do not compose with pipeline or tensor "
+                              "parallelism; use pipeline stages (pp) instead")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: ranks that read different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes) the layout needs; ``mp``'s devices belong to one process."""
+        return self.dp * self.pp * self.tp
+
+    def mesh_shape(self) -> dict[str, int]:
+        """Mesh dimension names → sizes, outermost first, as the strategies address them.
+
+        The data-parallel dimension is always there: ``dp`` (size 1 when nothing replicates or shards), or
+        ``replicate`` × ``shard`` when both are above 1 (HSDP). ``pp`` and ``tp`` follow when above 1, ``tp``
+        innermost so that the ranks of one tensor-parallel group are neighbours (on a node, NVLink peers).
+        """
+        shape = ({"replicate": self.dp_replicate, "shard": self.dp_shard}
+                 if self.dp_replicate > 1 and self.dp_shard > 1 else {"dp": self.dp})
+        if self.pp > 1:
+            shape["pp"] = self.pp
+        if self.tp > 1:
+            shape["tp"] = self.tp
+        return shape
+
+    def validate(self, world_size: int) -> None:
+        """A ``ConfigError`` naming the degrees unless they multiply to ``world_size``."""
+        if self.world_size != world_size:
+            shape = " x ".join(f"{k}={v}" for k, v in self.mesh_shape().items())
+            raise ConfigError(f"mesh {shape} needs {self.world_size} processes but the world size is {world_size}; "
+                              "change the degrees or the number of processes")
+
+    def describe(self) -> str:
+        """``dp=4 (zero3) pp=2 tp=2``: the degrees above 1, for messages and plans."""
+        parts = [f"{k}={v}" for k, v in self.mesh_shape().items() if v > 1]
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.mp > 1:
+            parts.append(f"mp={self.mp}")
+        return " ".join(parts) or "1 rank"
+

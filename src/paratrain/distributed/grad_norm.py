@@ -1,0 +1,39 @@
+"""The global gradient norm over every shard, stage and tensor-parallel slice, and clipping by it."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .tensor_parallel.quiet import quiet_sequential_collectives
+
+
+def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
+                   group: dist.ProcessGroup | None = None, counted: Iterable[nn.Parameter] | None = None) -> float:
+    """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping.
+
+    ``group``: ranks whose local norms make up the global one (the stages of a pipeline). ``counted``: the
+    parameters whose gradients this rank adds to the norm, when not all of ``parameters`` (a tied weight that
+    another stage counts).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(params if counted is None else counted, group)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
+def global_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The 2-norm of every gradient of the model (collective for sharded gradients and with ``group``)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    with quiet_sequential_collectives():  # a norm over (dp, tp) shards reduces one dimension after the other
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if hasattr(norm, "full_tensor"):  # DTensor: the norm of every shard together
+            norm = norm.full_tensor()
+    if group is not None:
+        squared = norm.detach().pow(2)
+        dist.all_reduce(squared, group=group)
+        norm = squared.sqrt()
+    return norm

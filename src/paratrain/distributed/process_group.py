@@ -1,0 +1,59 @@
+"""Who starts and who ends the default process group, and how it ends without aborting a peer.
+
+``Parallel`` starts the group unless the script already did (then the script owns it), and only the owner
+destroys it. Ending it takes care on gloo: see :func:`finish_group`.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..devices import backend_for
+from ..env import ClusterEnv
+from ..errors import ConfigError
+
+_GLOO_DRAIN_S = 0.1
+"""Seconds ``finish_group`` releases the GIL after its barrier."""
+
+
+def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float, needs_group: bool) -> bool:
+    """Start the default group for this job when it needs one; True when this call started it (and so owns it).
+
+    ``python train.py`` with a distributed strategy gets a private one-rank group, so the same code path runs (DDP
+    and FSDP at world 1) instead of failing for want of a launcher. A group the script started itself is used and
+    left to the script.
+    """
+    if not env.launched:
+        if not needs_group:
+            return False
+        dist.init_process_group(backend=backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
+        return True
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size:
+            raise ConfigError(
+                f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE={env.world_size}")
+        return False
+    dist.init_process_group(backend=backend_for(device), init_method="env://", timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return True
+
+
+def finish_group() -> None:
+    """Wait for every rank, let gloo's worker finish with the GIL released, then destroy the default group. For
+    ``Parallel.close`` and for code that started the group itself.
+
+    The barrier matters: a rank that tears its group down while a peer still finishes its last collective can
+    abort the peer at exit (gloo's worker threads die with "terminate called without an active exception").
+
+    The pause after it matters too: gloo's worker thread frees the barrier's work object (and the last gradient
+    all-reduce it holds) after the barrier returns, and that needs the GIL. If this thread then frees the DDP model
+    (the last owner of the process group) while holding the GIL, the group's destructor waits for the worker
+    forever. Sleeping releases the GIL so the worker finishes first.
+    """
+    dist.barrier()
+    time.sleep(_GLOO_DRAIN_S)
+    dist.destroy_process_group()

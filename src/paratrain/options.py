@@ -1,0 +1,154 @@
+"""The options of each parallel technique, as typed, keyword-only dataclasses validated on construction.
+
+They sit at the bottom of the package (beside :mod:`paratrain.dims`) so that strategies, the free functions of
+:mod:`paratrain.distributed` and the planner all read one definition; nothing here imports torch.distributed.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+COMM_HOOKS = ("fp16", "bf16", "powersgd")
+"""DDP's gradient-compression hooks by name (:mod:`paratrain.strategies.hooks`)."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""Pipeline schedules by name."""
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    """Options passed to ``DistributedDataParallel``."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size; larger buckets mean fewer, bigger all-reduces."""
+    find_unused_parameters: bool = False
+    """Walk the autograd graph each step to find parameters that got no gradient (slower)."""
+    static_graph: bool = False
+    """The graph is the same every step: lets DDP skip per-step bookkeeping."""
+    gradient_as_bucket_view: bool = False
+    """Gradients alias the communication buckets: saves one gradient-sized copy of memory."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) at every forward."""
+    comm_hook: str | None = None
+    """Gradient compression: ``fp16``, ``bf16`` or ``powersgd`` (see ``paratrain.strategies.hooks``)."""
+    powersgd_rank: int = 1
+    """Rank of PowerSGD's low-rank approximation (higher: more accurate, more traffic)."""
+    powersgd_start_iter: int = 10
+    """Optimizer steps of exact all-reduce before PowerSGD compression starts."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0:
+            raise ConfigError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
+            raise ConfigError(f"unknown comm_hook {self.comm_hook!r}; choose one of: {', '.join(COMM_HOOKS)}")
+        if self.powersgd_rank < 1:
+            raise ConfigError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """How the model is cut into sharding units and when parameters are re-sharded."""
+
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each unit's forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
+    wrap_classes: Sequence[type[nn.Module]] = ()
+    """Module classes that each become a unit; empty: the model's repeated blocks (transformer blocks)."""
+    min_params: int = 100_000
+    """Outside those units (and in models without blocks) a sub-module becomes a unit when it holds at least this
+    many parameters that no smaller unit already took."""
+    shard_size: int | None = None
+    """hsdp only: ranks per shard group (default: processes per node, or half the world on one node)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory."""
+
+    def __post_init__(self) -> None:
+        if self.min_params < 1:
+            raise ConfigError(f"min_params must be >= 1, got {self.min_params}")
+        for cls in self.wrap_classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise ConfigError(f"wrap_classes must hold nn.Module classes, got {cls!r}")
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """How the model is cut and scheduled."""
+
+    schedule: str = "1f1b"
+    """``gpipe``, ``1f1b`` or ``interleaved-1f1b``."""
+    microbatches: int = 4
+    """Micro-batches per batch; the batch size must divide by it."""
+    split: Sequence[int] | None = None
+    """Indices where stages 2, 3, … begin (of an ``nn.Sequential``'s layers, or of a model's blocks); None:
+    balance by parameter count."""
+    split_points: Sequence[str] | None = None
+    """Names of the modules where stages 2, 3, … begin (``["transformer.h.6"]``; an ``nn.Sequential``'s are
+    ``"0"``, ``"1"``, …); instead of ``split``."""
+    stages_per_rank: int | None = None
+    """Stages each rank holds (default 1, or 2 for the interleaved schedule)."""
+    dp: int | None = None
+    """hybrid only: data-parallel degree (default: half the processes, so 4 processes = 2 x 2)."""
+    data: str = "ddp"
+    """hybrid only: how stages are replicated across ``dp``: ``ddp`` or ``fsdp``."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if self.microbatches < 1:
+            raise ConfigError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.stages_per_rank is None:
+            self.stages_per_rank = 2 if self.schedule == "interleaved-1f1b" else 1
+        if self.schedule == "interleaved-1f1b" and self.stages_per_rank < 2:
+            raise ConfigError("the interleaved-1f1b schedule needs stages_per_rank >= 2")
+        if self.schedule != "interleaved-1f1b" and self.stages_per_rank != 1:
+            raise ConfigError(f"schedule {self.schedule!r} runs one stage per rank; use interleaved-1f1b for more")
+        if self.data not in ("ddp", "fsdp"):
+            raise ConfigError(f"hybrid data must be 'ddp' or 'fsdp', got {self.data!r}")
+        if self.split is not None and self.split_points is not None:
+            raise ConfigError("give either split (indices) or split_points (module names), not both")
+        if isinstance(self.split_points, str):
+            self.split_points = [self.split_points]
+
+
+@dataclass(kw_only=True)
+class ModelParallelConfig:
+    """Where the model is cut."""
+
+    split: Sequence[int] | None = None
+    """Layer indices where stages 2, 3, … begin (see ``layers()``); None: balance by parameter count."""
+    stages: int | None = None
+    """Number of stages when balancing (default: the GPUs per process, or 2 on the CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.stages is not None and self.stages < 1:
+            raise ConfigError(f"stages must be >= 1, got {self.stages}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPConfig:
+    """Tensor parallelism as a strategy option."""
+
+    degree: int | None = None
+    """Ranks that split each layer (``tp=``); None: every rank (the ``tp`` strategy)."""
+    plan: Mapping[str, str | ParallelStyle] | None = None
+    """Module-name patterns → styles (``tp_plan=``); None: the model's built-in plan."""
+
+    def __post_init__(self) -> None:
+        if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 1):
+            raise ConfigError(f"tp must be an integer >= 1 (ranks that split each layer), got {self.degree!r}")
+
+    @classmethod
+    def pop(cls, options: dict[str, Any]) -> "TPConfig | None":
+        """The ``tp``/``tp_plan`` options taken out of a strategy's options; None when tensor parallelism is off."""
+        degree, plan = options.pop("tp", None), options.pop("tp_plan", None)
+        if degree in (None, 1) and plan is None:
+            return None
+        if degree is None:
+            raise ConfigError("tp_plan given without tp; say how many ranks split each layer, e.g. tp=2")
+        return cls(degree=degree, plan=plan)

@@ -1,0 +1,185 @@
+"""Decoder-only transformers in closed form: their shape, the named sizes ``paratrain plan --model`` knows, and
+the parameters, FLOPs and activations of a shape, in milliseconds and with no module built.
+
+The shapes are pure data, so the planner plans GPT-2 or a 7B model without importing a model;
+``workloads.gpt.GPT`` builds the same shapes for real, and tests/test_planner_stats.py holds the counts here equal to
+that module's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from ..errors import ConfigError
+from .model_stats import ELEMENT_BYTES, ModelStats, TPShape
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """The shape of a decoder-only transformer."""
+
+    layers: int
+    """Transformer blocks."""
+    hidden: int
+    """Model width (d_model)."""
+    heads: int
+    """Attention heads; ``hidden`` must divide evenly."""
+    seq_len: int = 1024
+    """Tokens per sample (context length)."""
+    vocab: int = 50257
+    """Vocabulary size (GPT-2's tokenizer by default)."""
+    ffn: int | None = None
+    """MLP inner width; default 4 x hidden."""
+    gated: bool = False
+    """SwiGLU MLP (three matrices, LLaMA) instead of GELU (two matrices, GPT-2)."""
+    bias: bool = True
+    """Linear layers and norms carry biases (GPT-2 yes, LLaMA no: RMSNorm and bias-free linears)."""
+    learned_positions: bool = True
+    """A learned position table of ``seq_len x hidden`` (GPT-2); LLaMA uses rotary embeddings instead."""
+    tied: bool = True
+    """The output projection shares the token embedding's weights (GPT-2)."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"transformer {name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ConfigError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.ffn is not None and self.ffn < 1:
+            raise ConfigError(f"transformer ffn must be >= 1, got {self.ffn}")
+
+    @property
+    def ffn_width(self) -> int:
+        return self.ffn if self.ffn is not None else 4 * self.hidden
+
+
+def _llama_ffn(hidden: int) -> int:
+    """LLaMA's MLP width: 2/3 of 4h, rounded up to a multiple of 256 (11008 for h=4096)."""
+    return 256 * math.ceil(8 * hidden / 3 / 256)
+
+
+TRANSFORMERS = MappingProxyType({
+    "gpt2": GPTConfig(layers=12, hidden=768, heads=12),                  # 124M
+    "gpt2-medium": GPTConfig(layers=24, hidden=1024, heads=16),          # 355M
+    "gpt2-large": GPTConfig(layers=36, hidden=1280, heads=20),           # 774M
+    "gpt2-xl": GPTConfig(layers=48, hidden=1600, heads=25),              # 1.56B
+    "llama-7b": GPTConfig(layers=32, hidden=4096, heads=32, seq_len=2048, vocab=32000, ffn=_llama_ffn(4096),
+                          gated=True, bias=False, learned_positions=False, tied=False),  # 6.74B
+})
+"""The named sizes planned in closed form: GPT-2's four published sizes and a LLaMA-7B-like shape."""
+
+
+def transformer_params(cfg: GPTConfig) -> dict[str, int]:
+    """Exact parameter counts of ``workloads.gpt.GPT(cfg)`` by part: embedding, one block, head (final norm
+    and, when untied, the output matrix), and what tensor parallelism splits of a block (all but its norms and
+    the row-parallel layers' biases, which are added after the reduction)."""
+    h, f, v = cfg.hidden, cfg.ffn_width, cfg.vocab
+    b = int(cfg.bias)
+    norm = 2 * h if cfg.bias else h
+    fc = 2 * f if cfg.gated else f
+    block = 2 * norm + (3 * h * h + 3 * h * b) + (h * h + h * b) + (h * fc + fc * b) + (f * h + h * b)
+    embedding = v * h + (cfg.seq_len * h if cfg.learned_positions else 0)
+    head = norm + (0 if cfg.tied else v * h)
+    return {"embedding": embedding, "block": block, "head": head, "total": embedding + cfg.layers * block + head,
+            "block_split": block - 2 * norm - 2 * h * b}
+
+
+def transformer_activations(cfg: GPTConfig, *, residual: int, act: int) -> tuple[float, float]:
+    """Bytes autograd saves per sample for ``workloads.gpt.GPT(cfg)``: (one block, everything outside the blocks).
+
+    ``residual`` is the element size of the residual stream and the norms, ``act`` that of the matrix products'
+    inputs and outputs: 4 and 4 in fp32, 4 and 2 under autocast, 2 and 2 with FSDP's 16-bit parameters.
+    Counted from what each operation saves, and equal to ``saved_tensors_hooks``' count on the real module
+    (tests/test_planner_stats.py). A block (s tokens, width h, MLP width f, a heads) keeps its input x, the input
+    and output of the QKV projection, the attention output (the projection reads it in place) and a log-sum-exp of
+    a·s fp32 values (``scaled_dot_product_attention``'s fused kernels store no s x s scores), the residual after
+    attention, the MLP's input, its inner activation and its activation function's output (SwiGLU: gate and up,
+    the SiLU output and the product); LayerNorm two fp32 statistics per token, RMSNorm its normalised input and one
+    per token. Outside the blocks: the final norm's input, the head's input, log-softmax's fp32 output for the
+    loss (4·V per token), the token ids and the targets.
+    """
+    s, h, a, f, v = cfg.seq_len, cfg.hidden, cfg.heads, cfg.ffn_width, cfg.vocab
+    norm = 8 * s if cfg.bias else residual * s * h + residual * s  # LayerNorm: mean, rstd; RMSNorm: x·r and r
+    mlp = act * s * f * (4 if cfg.gated else 2)
+    block = (residual * s * h + norm + act * s * h + 3 * act * s * h + act * s * h + 4 * a * s
+             + residual * s * h + norm + act * s * h + mlp)
+    outside = residual * s * h + norm + act * s * h + 4 * s * v + 16 * s
+    return float(block), float(outside)
+
+
+def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -> ModelStats:
+    """Stats of a decoder-only transformer from its shape alone.
+
+    FLOPs per sample (s tokens): ``6·N·s + 12·L·h·s²`` — 6 FLOPs per matmul weight per token for forward and
+    backward (Kaplan et al. 2020) plus the attention scores and weighted sum (PaLM, Chowdhery et al. 2022,
+    appendix B); N leaves out embedding lookups, which do no matmul. Within 1% of ``FlopCounterMode``.
+
+    Activations: ``transformer_activations`` for fp32, autocast and 16-bit parameters. For GPT-2 shapes a block
+    keeps 64·s·h bytes in fp32 and 36·s·h under autocast, where Korthikanti et al. (2022, eq. 1) count
+    ``s·h·(34 + 5·a·s/h)`` for 16-bit training that stores the attention scores. With every block
+    checkpointed: each block's input plus one block's activations during its recompute (same paper, section 5).
+
+    ``params`` replaces the exact count (``--params 7.5B``); the blocks then share what the embedding and head
+    leave.
+    """
+    counts = transformer_params(cfg)
+    h, s, n_layers, v = cfg.hidden, cfg.seq_len, cfg.layers, cfg.vocab
+    total = counts["total"] if params is None else params
+    block = counts["block"]
+    if params is not None:
+        block = (params - counts["embedding"] - counts["head"]) // n_layers
+        if block < 1:
+            raise ConfigError(f"--params {params:,} leaves nothing for {n_layers} layers after the "
+                              f"{counts['embedding'] + counts['head']:,}-parameter embedding and head; "
+                              "lower --vocab/--hidden or raise --params")
+    non_matmul = (s * h if cfg.learned_positions else 0) + (0 if cfg.tied else v * h)
+    flops = 6 * (total - non_matmul) * s + 12 * n_layers * h * s * s
+    fc = (2 if cfg.gated else 1) * cfg.ffn_width
+    layers = [("wte", v * h), ("blocks.0.qkv", 3 * h * h + 3 * h * cfg.bias),
+              ("blocks.0.fc", h * fc + fc * cfg.bias)]
+    if not cfg.tied:
+        layers.append(("head", v * h))
+    units = (("embedding", counts["embedding"]), *((f"blocks.{i}", block) for i in range(n_layers)),
+             ("head", counts["head"]))
+    shape = (f"{n_layers} layers, hidden {h}, {cfg.heads} heads, seq {s}, vocab {v}"
+             + (", SwiGLU" if cfg.gated else ""))
+
+    def figures(residual: int, act: int) -> tuple[float, float, float]:
+        per_block, outside = transformer_activations(cfg, residual=residual, act=act)
+        return (n_layers * per_block + outside, n_layers * residual * s * h + per_block + outside,
+                float(residual * s * h))
+
+    fp32 = figures(*ELEMENT_BYTES["fp32"])
+    block_split = counts["block_split"] * block // counts["block"]
+    tp = TPShape(layers=n_layers, hidden=h, seq_len=s, divides=(("heads", cfg.heads), ("MLP width", cfg.ffn_width)),
+                 split=(v * h, *(block_split,) * n_layers, 0 if cfg.tied else v * h))
+    matmul = n_layers * (4 * h * h + h * (fc + cfg.ffn_width)) + v * h  # the head's (possibly tied) weight
+    return ModelStats(name=name, params=total, units=units, largest_layer=max(layers, key=lambda x: x[1]),
+                      flops_per_sample=float(flops), activation_bytes_per_sample=fp32[0],
+                      checkpointed_bytes_per_sample=fp32[1], boundary_bytes_per_sample=fp32[2],
+                      mixed={mode: figures(*ELEMENT_BYTES[mode]) for mode in ("autocast", "param_dtype")},
+                      matmul_params=matmul, tp=tp,
+                      output_bytes_per_sample=4.0 * s * v, largest_activation_bytes_per_sample=4.0 * s * fc,
+                      param_bytes={"float32": 4 * total},
+                      source=f"closed-form transformer ({shape})")
+
+
+def transformer_shape(params: float, *, layers: int | None = None, hidden: int | None = None,
+                      heads: int | None = None, seq_len: int = 2048, vocab: int = 50257) -> GPTConfig:
+    """A plausible GPT shape for ``params`` parameters when only some figures are known.
+
+    Uses N ≈ 12·L·h² (a block's four h×h-equivalent matrices and its 4h MLP) for the missing one, and when
+    both are missing the aspect ratio h ≈ 128·L of GPT-3's family, with h a multiple of 128 and 128-wide heads.
+    """
+    if params <= 0:
+        raise ConfigError(f"--params must be > 0, got {params:g}")
+    if hidden is None and layers is None:
+        layers = max(1, round((params / (12 * 128**2)) ** (1 / 3)))
+    if hidden is None:
+        hidden = max(128, 128 * round((params / (12 * layers)) ** 0.5 / 128))
+    if layers is None:
+        layers = max(1, round(params / (12 * hidden * hidden)))
+    if heads is None:
+        heads = max(1, hidden // 128) if hidden % 128 == 0 else 1
+    return GPTConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab)

@@ -1,0 +1,43 @@
+"""``strategy="auto"``: the layout chosen once, when ``prepare`` first sees the model, before any mesh exists.
+
+Every rank plans from the same numbers: the least memory any rank has (``least``, a collective ``Parallel``
+passes in), so ranks with different GPUs or free RAM still choose alike. The planner's choice
+(:func:`paratrain.planner.auto.choose`) is ddp, the least ZeRO stage that fits, or zero3 over groups of tp ranks
+when even zero3 does not fit and the model's tensor-parallel shape is known. ``Parallel`` then checks that the
+ranks agree on it and builds the mesh for it; until then the data-parallel view (loaders, ``mean``) has no layout
+to follow and refuses in one line (:data:`BEFORE_THE_MODEL`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..env import ClusterEnv
+from ..planner.auto import choose, local_cluster, processes_vs_threads
+from .base import Strategy
+from .registry import create
+from .tp_shape import model_shape
+
+BEFORE_THE_MODEL = ("strategy 'auto' chooses the layout when prepare() sees the model, and the data's shards and "
+                    "metrics follow that layout; prepare the model first (par.prepare(model, optimizer, loader)), "
+                    "then loaders, mean and sum")
+
+
+def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, precision: str,
+                    least: Callable[[float], float]) -> tuple[Strategy, list[str]]:
+    """The strategy ``auto`` picks for ``model`` on this job, and the lines that say which and why (rank 0 prints
+    them). ``least(x)``: the minimum of ``x`` over the ranks."""
+    cluster = local_cluster(device, env.world_size, env.local_world_size)
+    cluster = replace(cluster, device=replace(cluster.device, memory_gib=least(cluster.device.memory_gib)))
+    choice = choose(model, cluster, precision)
+    if not choice.fits and (shape := model_shape(model)) is not None:
+        choice = choose(model, cluster, precision, tp=shape)
+    strategy = create(choice.strategy, **({"tp": choice.tp} if choice.tp > 1 else {}))
+    strategy.validate(env)
+    lines = [f"paratrain: strategy 'auto' chose {choice.describe()}: {choice.reason}"]
+    if device.type == "cpu":
+        lines.append(f"paratrain: note: {processes_vs_threads(model, cluster, precision, choice.strategy)}")
+    return strategy, lines

@@ -1,0 +1,41 @@
+"""The planner's view of a built model's tensor-parallel plan, for ``strategy="auto"``.
+
+The planner sizes tensor parallelism from a :class:`~paratrain.planner.model_stats.TPShape`; which parameters a real
+model's plan splits only the runtime's plans know (``distributed.tensor_parallel.plans``). This module, above
+both, reads one into the other.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..planner.model_stats import TPShape, wrap_units
+
+
+def model_shape(model: nn.Module) -> TPShape | None:
+    """The TP shape of a model with a built-in plan (transformers' GPT-2 and Llama, paratrain's GPT), read from its
+    config and its plan: per wrap unit, the parameters the plan's column- and row-wise styles split (a row-wise
+    linear's bias stays whole). None for any other model: ``auto`` cannot know how a user's plan would split it.
+    Imports tensor parallelism (a second): call it only when a TP layout is worth weighing."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ..distributed.tensor_parallel.plans import plan_for
+
+    try:
+        plan = plan_for(model, None)
+    except ConfigError:
+        return None
+    split: dict[str, int] = {}
+    for name, style in plan.resolve(model):
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            whole = "bias" if isinstance(style, RowwiseParallel) else None
+            split[name] = sum(p.numel() for n, p in model.get_submodule(name).named_parameters() if n != whole)
+    per_unit = tuple(sum(n for name, n in split.items() if name == unit or name.startswith(f"{unit}."))
+                     for unit, _ in wrap_units(model))
+    cfg = getattr(model, "config", None)
+    if cfg is not None:  # transformers
+        layers, hidden, seq_len = cfg.num_hidden_layers, cfg.hidden_size, cfg.max_position_embeddings
+    else:
+        layers, hidden, seq_len = model.cfg.layers, model.cfg.hidden, model.cfg.seq_len
+    return TPShape(layers=layers, hidden=hidden, seq_len=seq_len, split=per_unit,
+                   divides=tuple(plan.divisible(model).items()))

@@ -1,0 +1,74 @@
+"""``ParallelDims`` is the one definition of a layout: the mesh each strategy builds, and every candidate layout the
+planner weighs is the layout the strategy of that name builds (worlds 1-8, with and without tensor parallelism)."""
+from __future__ import annotations
+
+import pytest
+
+from paratrain import strategies
+from paratrain.dims import ParallelDims
+from paratrain.env import ClusterEnv
+from paratrain.errors import ConfigError
+from paratrain.planner.hardware import make_cluster
+from paratrain.planner.layout import Layout, layouts
+
+
+@pytest.mark.parametrize("dims, shape, world", [
+    (ParallelDims(), {"dp": 1}, 1),
+    (ParallelDims(dp_replicate=4), {"dp": 4}, 4),
+    (ParallelDims(dp_shard=4, zero=3), {"dp": 4}, 4),
+    (ParallelDims(dp_replicate=2, dp_shard=4, zero=3), {"replicate": 2, "shard": 4}, 8),
+    (ParallelDims(pp=4), {"dp": 1, "pp": 4}, 4),
+    (ParallelDims(dp_replicate=2, pp=2, tp=2), {"dp": 2, "pp": 2, "tp": 2}, 8),
+    (ParallelDims(tp=8), {"dp": 1, "tp": 8}, 8),
+    (ParallelDims(dp_replicate=2, mp=4), {"dp": 2}, 2),  # a process's GPUs are no mesh dimension
+])
+def test_mesh_shape_names_the_dimensions_the_strategies_address(dims, shape, world):
+    assert dims.mesh_shape() == shape
+    assert dims.world_size == world
+    dims.validate(world)
+
+
+def test_degrees_that_do_not_make_the_world_are_one_line():
+    with pytest.raises(ConfigError, match=r"mesh dp=2 x tp=2 needs 4 processes but the world size is 8"):
+        ParallelDims(dp_replicate=2, tp=2).validate(8)
+    for bad, match in (({"tp": 0}, "tp=0 must be an integer >= 1"), ({"zero": 4}, "zero stage must be"),
+                       ({"dp_shard": 2}, "shards nothing at zero stage 0"), ({"mp": 2, "tp": 2}, "do not compose")):
+        with pytest.raises(ConfigError, match=match):
+            ParallelDims(**bad)
+
+
+def _runtime(layout: Layout) -> tuple[str, dict]:
+    """The strategy name and options that ask the runtime for ``layout``."""
+    options: dict = {}
+    if layout.tp > 1 and layout.name != "tp":
+        options["tp"] = layout.tp
+    if layout.name == "hsdp":
+        options["shard_size"] = layout.shard
+    if layout.name == "hybrid":
+        options["dp"] = layout.dp
+    if layout.name == "model_parallel":
+        options["stages"] = layout.mp
+    return layout.name, options
+
+
+def _candidates(world: int) -> list[Layout]:
+    degrees = tuple(d for d in range(2, world + 1) if world % d == 0)
+    one_node = layouts(make_cluster("h100", gpus=world, nodes=1), n_units=64, tp_degrees=degrees)
+    two_nodes = layouts(make_cluster("h100", gpus=world // 2, nodes=2), n_units=64) if world % 2 == 0 else []
+    return one_node + [layout for layout in two_nodes if layout.name == "hsdp"]
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_every_planned_layout_is_the_one_its_strategy_builds(world):
+    seen = set()
+    for layout in _candidates(world):
+        name, options = _runtime(layout)
+        ranks = layout.dims.world_size
+        env = ClusterEnv(world_size=ranks, local_world_size=ranks, launched=ranks > 1)
+        strategy = strategies.create(name, **options)
+        strategy.validate(env)
+        assert strategy.dims(env) == layout.dims, (layout, options)
+        seen.add(name)
+    assert seen >= ({"single"} if world == 1 else {"ddp", "zero1", "zero2", "zero3"})
+    if world >= 4 and world % 2 == 0:
+        assert {"hsdp", "hybrid", "tp"} <= seen
