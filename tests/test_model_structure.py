@@ -7,7 +7,7 @@ from torch import nn
 
 from paratrain import ConfigError
 from paratrain.model import find_blocks, find_ties, outer_modules
-from paratrain.model.audit import ModelRecord
+from paratrain.model.facts import ModelFacts
 from paratrain.model.units import shard_units
 from zoo import ZOO
 
@@ -68,12 +68,12 @@ def test_without_blocks_units_go_by_size_and_user_classes_win():
 def test_audit_refuses_an_optimizer_of_another_model():
     model, other = nn.Linear(2, 2), nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="2 of 2 parameters that are not in the model"):
-        ModelRecord.of(model).check_source(torch.optim.SGD(other.parameters(), lr=0.1))
+        ModelFacts.of(model).check_source(torch.optim.SGD(other.parameters(), lr=0.1))
 
 
 def test_audit_names_a_split_tie_and_a_parameter_the_optimizer_lost():
     model = ZOO["nanogpt"].build()
-    record = ModelRecord.of(model)
+    record = ModelFacts.of(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     record.check_ties(model, "zero3")
     record.check_kept(opt, opt, model, "zero3")

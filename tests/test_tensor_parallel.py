@@ -40,6 +40,7 @@ WORLD2 = [(m, "tp", {}) for m in MODELS] + [(m, "tp", {"clip_grad_norm": CLIP}) 
     ("gpt2", "tp", {"accumulate": 2}), ("nanogpt", "tp", {"accumulate": 2}),
     ("llama", "tp", {"precision": "bf16-mixed"}), ("gpt2", "tp", {"precision": "bf16-mixed"}),
     ("frozen", "tp", {"tp_plan": {"2": "colwise", "4": "rowwise"}}),
+    ("nanogpt", "tp", {"compile": True}), ("nanogpt", "tp", {"compile": True, "activation_checkpointing": True}),
     ("gpt2", "tp", {}, ("zero2", {})),  # tp=2 -> tp=1
     ("llama", "ddp", {}, ("tp", {})),  # tp=1 -> tp=2
 ]
@@ -124,6 +125,18 @@ def test_tp_clips_the_global_norm_of_the_sharded_gradients(world2, model_name):
     check(result, state)
     assert result["norms"] == pytest.approx(norms, rel=1e-5)
     assert min(norms) > CLIP
+
+
+def test_tp_compiles_the_split_blocks(world2, references):
+    """Tensor parallelism first, then compile of the blocks it split (torchtitan's order): the same training math
+    as one process, every block compiled. With activation checkpointing too, torch's compiler fails deep inside
+    (a recomputed block of DTensors): refused in one line instead."""
+    result = world2[case_key("nanogpt", "tp", {"compile": True})]
+    check(result, references["nanogpt"][0], tol=5 * TOL)  # inductor's fused kernels round unlike eager's
+    assert result["resumed"] == 0.0
+    assert result["blocks"] == {"compiled": True, "checkpointed": False}
+    refused = world2[case_key("nanogpt", "tp", {"compile": True, "activation_checkpointing": True})]
+    assert refused["error"].startswith("activation checkpointing with compile fails under tensor parallelism"), refused
 
 
 @pytest.mark.parametrize("model_name", ["gpt2", "nanogpt"])

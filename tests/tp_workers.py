@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import paratrain
-from paratrain.model import find_ties
+from paratrain.model import find_blocks, find_ties
 from paratrain.distributed.process_group import finish_group
 from paratrain.strategies import auto
 from paratrain.testing import max_abs_diff
@@ -113,6 +113,7 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str,
     final = par.full_state_dict(model, rank0_only=False)
     logits = model(step_batch(spec, 0)[0].to(par.device))
     logits = logits.logits if hasattr(logits, "logits") else logits
+    blocks = _blocks(par.unwrap(model))
     par.close()
 
     spec, par, model, opt = _prepared(model_name, *(resume_as or (strategy, options)))
@@ -121,13 +122,24 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str,
     resumed = par.full_state_dict(model, rank0_only=False)
     par.close()
     return {"layout": layout, "saved": saved, "state": final, "resumed": max_abs_diff(final, resumed), "norms": norms,
-            "seen": sorted(set(seen)), "early": early, "dp": par.data_parallel_size,
+            "seen": sorted(set(seen)), "early": early, "dp": par.data_parallel_size, "blocks": blocks,
             "logits_type": type(logits).__name__, "logits": logits.detach().cpu()}
+
+
+def _blocks(model: torch.nn.Module) -> dict[str, bool]:
+    """Whether every repeated block is compiled, and checkpointed (its forward replaced by the recomputing one)."""
+    blocks = find_blocks(model)
+    modules = blocks.modules(model) if blocks is not None else []
+    return {"compiled": bool(modules) and all(getattr(b, "_compiled_call_impl", None) is not None for b in modules),
+            "checkpointed": bool(modules) and all("forward" in vars(b) for b in modules)}
 
 
 def run_cases(cases: list[tuple], tmp: str) -> dict[str, dict]:
     """Every case in order, keyed ``model/strategy{options}`` (and ``->resume layout``); a case that raises a
     paratrain error is reported with its one-line message (every rank refuses alike, in ``prepare``)."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1  # compiled cases: no worker pool outliving the job
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = {}

@@ -152,3 +152,31 @@ class TPConfig:
         if degree is None:
             raise ConfigError("tp_plan given without tp; say how many ranks split each layer, e.g. tp=2")
         return cls(degree=degree, plan=plan)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockTransforms:
+    """What happens to each repeated block before data parallelism wraps it (:mod:`paratrain.model.transforms`)."""
+
+    checkpoint_every: int = 0
+    """Recompute every k-th block in backward instead of keeping its activations (0: off)."""
+    compile: Mapping[str, Any] | None = None
+    """``torch.compile`` options of each block (or of the whole model without blocks); None: not compiled."""
+
+    @classmethod
+    def of(cls, activation_checkpointing: bool | int, compile: bool | Mapping[str, Any]) -> "BlockTransforms":
+        """From ``Parallel``'s ``activation_checkpointing=`` (True, False or k) and ``compile=`` (True, False or a
+        dict of ``torch.compile`` options); a bad value is one line."""
+        every = activation_checkpointing
+        if every is False or every is None:
+            every = 0
+        elif every is True:
+            every = 1
+        elif not isinstance(every, int) or every < 1:
+            raise ConfigError(f"activation_checkpointing must be True, False or k >= 1 (every k-th block), got "
+                              f"{activation_checkpointing!r}")
+        if not isinstance(compile, (bool, Mapping)):
+            raise ConfigError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
+        options = dict(compile) if isinstance(compile, Mapping) else {} if compile else None
+        return cls(checkpoint_every=every, compile=options)
+

@@ -30,10 +30,9 @@ from .distributed.mesh import build_mesh
 from .distributed.process_group import finish_group, start_process_group
 from .env import ClusterEnv
 from .errors import CheckpointError, ConfigError
-from .model.audit import ModelRecord
-from .model.checkpointing import apply_checkpointing, every_kth_block
-from .model.compiling import apply_compile
+from .model.facts import ModelFacts
 from .monitor import MonitorConfig, monitor_for, resolve
+from .options import BlockTransforms
 from .precision import Precision, create_precision
 from .rank_agreement import check_ranks_agree
 from .rank_log import rank_logger
@@ -76,9 +75,9 @@ class Parallel:
         monitor: watch step time, data wait, stragglers and memory across ranks (``par.monitor``) and print a
             summary table at ``close()``; ``False`` turns it off, a ``MonitorConfig`` tunes it.
         activation_checkpointing: recompute the model's repeated blocks in backward instead of keeping their
-            activations: ``True`` for every block, ``k`` for every k-th (see :mod:`paratrain.model.checkpointing`).
+            activations: ``True`` for every block, ``k`` for every k-th (see :mod:`paratrain.model.transforms`).
         compile: ``torch.compile`` each repeated block (or the whole model without blocks) before the strategy
-            wraps it; a dict is passed to ``torch.compile`` as options (see :mod:`paratrain.model.compiling`).
+            wraps it; a dict is passed to ``torch.compile`` as options (see :mod:`paratrain.model.transforms`).
         wait_report_s: a collective that waits this long prints which ranks have not arrived and what each last
             called (default: a fifth of ``timeout_s``, at most 60 s); see :mod:`paratrain.call_watch`.
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
@@ -113,13 +112,8 @@ class Parallel:
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         monitor_config = resolve(monitor)
-        self.activation_checkpointing = every_kth_block(activation_checkpointing)
-        """Activation checkpointing of every k-th block (0: off)."""
-        if not isinstance(compile, (bool, dict)):
-            raise ConfigError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
-        self.compile_options: dict[str, Any] | None = (dict(compile) if isinstance(compile, dict)
-                                                       else {} if compile else None)
-        """``torch.compile`` options when blocks are compiled in prepare; None: not compiled."""
+        self.transforms = BlockTransforms.of(activation_checkpointing, compile)
+        """Activation checkpointing and compilation of the model's blocks in ``prepare``."""
         if deterministic:
             use_deterministic_kernels()
         self.checkpoint_config = CheckpointConfig.resolve(dir=checkpoint_dir, every=checkpoint_every,
@@ -152,7 +146,7 @@ class Parallel:
         """The epoch ``epochs()`` is in (its end value once it is done); None before it starts."""
         self._resume_epoch: int | None = None
         self._models: list[nn.Module] = []
-        self._records: dict[int, ModelRecord] = {}  # id(prepared model) → what it held before wrapping
+        self._records: dict[int, ModelFacts] = {}  # id(prepared model) → what it held before wrapping
         self._optimizers: list[tuple[nn.Module, torch.optim.Optimizer]] = []
         self._schedulers: list[Any] = []
         self._loaders: list[DataLoader] = []
@@ -241,7 +235,7 @@ class Parallel:
                     raise ConfigError("prepare() got an optimizer before any model; pass the model first")
                 record = self._records[id(model)]
                 record.check_source(obj)
-                wrapped = self.strategy.wrap_optimizer(obj, model, self._runtime())
+                wrapped = self.strategy.wrap_optimizer(obj, model, self._runtime(record))
                 record.check_kept(obj, wrapped, self.strategy.unwrap(model), self.strategy.name)
                 self._optimizers.append((model, wrapped))
                 out.append(wrapped)
@@ -265,15 +259,11 @@ class Parallel:
         """
         if self._auto_pending:
             self._choose_auto(model)
-        rt = self._runtime()
-        if self.activation_checkpointing:
-            apply_checkpointing(model, self.activation_checkpointing)
-        if self.compile_options is not None:
-            apply_compile(model, **self.compile_options)
-        record = ModelRecord.of(model)
-        wrapped = self.strategy.wrap_model(self.precision.convert_module(model), rt)
-        record.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
-        self._records[id(wrapped)] = record
+        facts = ModelFacts.of(model)  # before anything is wrapped: blocks, ties, names
+        rt = self._runtime(facts)
+        wrapped = self.strategy.wrap_model(model, rt)
+        facts.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
+        self._records[id(wrapped)] = facts
         self.precision.wrap_forward(wrapped, rt.device, autocast=not self.strategy.native_precision)
         self.device = self.strategy.output_device(rt)
         if self._seed is not None:  # model init is done: give each rank (each tp group) its own random stream
@@ -349,8 +339,9 @@ class Parallel:
         """
         return self.strategy.full_state_dict(model, rank0_only)
 
-    def _runtime(self) -> Runtime:
-        return Runtime(env=self.env, device=self.device, mesh=self.mesh, precision=self.precision)
+    def _runtime(self, facts: ModelFacts | None = None) -> Runtime:
+        return Runtime(env=self.env, device=self.device, mesh=self.mesh, precision=self.precision, facts=facts,
+                       transforms=self.transforms)
 
     # ----------------------------------------------------------------- the loop
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:

@@ -2,8 +2,8 @@
 backward. Activation memory falls from every block's intermediates to the blocks' inputs plus one block's
 intermediates, for one more forward pass of compute.
 
-It is applied to the user's model before any strategy wraps it (before sharding, before compiling), by giving each
-chosen block an instance-level ``forward`` that runs the class's forward under ``torch.utils.checkpoint``
+It is applied after tensor parallelism splits a block and before sharding and compiling
+(:func:`paratrain.distributed.parallelize.parallelize`), by giving each chosen block an instance-level ``forward`` that runs the class's forward under ``torch.utils.checkpoint``
 (non-reentrant). Unlike a wrapper module, that keeps the module tree — and so every parameter name, optimizer
 mapping, state dict and checkpoint — exactly the user's; FSDP's hooks stay outside the checkpointed function,
 so a sharded block's parameters are gathered again before its recompute, as they are with torch's own
@@ -20,17 +20,6 @@ from ..errors import ConfigError
 from .structure import find_blocks
 
 
-def every_kth_block(value: bool | int) -> int:
-    """``activation_checkpointing``'s value as "every k-th block" (0: off); raises on a bad value."""
-    if value is False or value is None:
-        return 0
-    if value is True:
-        return 1
-    if isinstance(value, int) and value >= 1:
-        return value
-    raise ConfigError(f"activation_checkpointing must be True, False or k >= 1 (every k-th block), got {value!r}")
-
-
 def apply_checkpointing(model: nn.Module, every: int = 1) -> list[str]:
     """Checkpoint every ``every``-th repeated block of ``model`` (the first, then each ``every``); returns their
     names. Raises when the model has no repeated blocks to checkpoint."""
@@ -40,10 +29,14 @@ def apply_checkpointing(model: nn.Module, every: int = 1) -> list[str]:
                           "(no ModuleList/Sequential of one block class); turn it off for this model")
     chosen = [name for i, name in enumerate(blocks.names) if i % every == 0]
     for name in chosen:
-        block = model.get_submodule(name)
-        if "forward" not in vars(block):  # applied once, even when prepare sees the model twice
-            block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
+        checkpoint_block(model.get_submodule(name))
     return chosen
+
+
+def checkpoint_block(block: nn.Module) -> None:
+    """Recompute ``block`` in backward: its forward runs under ``torch.utils.checkpoint`` from now on."""
+    if "forward" not in vars(block):  # applied once, even when prepare sees the model twice
+        block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
 
 
 def _checkpointed(forward, *args, **kwargs):

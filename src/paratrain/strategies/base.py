@@ -17,8 +17,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..dims import ParallelDims
+from ..distributed.parallelize import Step, parallelize
 from ..distributed.tensor_parallel.layout import tp_degree
 from ..env import ClusterEnv
+from ..model.facts import ModelFacts
+from ..options import BlockTransforms
 from ..precision import Precision
 
 if TYPE_CHECKING:
@@ -28,12 +31,22 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Runtime:
-    """What a strategy needs to know about the running job."""
+    """What a strategy needs to know about the running job (and, while preparing one, about the model)."""
 
     env: ClusterEnv
     device: torch.device
     mesh: DeviceMesh | None
     precision: Precision
+    facts: ModelFacts | None = None
+    """The model being prepared (or whose optimizer is): its blocks, ties and parameter names."""
+    transforms: BlockTransforms = BlockTransforms()
+    """Activation checkpointing and compilation of the blocks."""
+
+    def parallelize(self, model: nn.Module, tp: Step | None = None, data: Step | None = None) -> nn.Module:
+        """:func:`~paratrain.distributed.parallelize.parallelize` with this job's precision and block transforms."""
+        assert self.facts is not None, "parallelize needs the model's facts"
+        return parallelize(model, precision=self.precision, facts=self.facts, transforms=self.transforms, tp=tp,
+                           data=data)
 
 
 class Strategy(ABC):

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..errors import ConfigError
 from ..options import DDPConfig, TPConfig
 from .base import Runtime, Strategy, tensor_parallel
-from .optim import param_names, rebuild
+from .optim import rebuild
 from .registry import register
 
 _DDP_PARAMS = frozenset(inspect.signature(DDP.__init__).parameters)
@@ -106,20 +106,20 @@ class DDPStrategy(Strategy):
             raise ConfigError("ddp with tp replicates through FSDP2's replicate, which takes none of "
                               "DistributedDataParallel's options; drop them (bucket_cap_mb, comm_hook, …) or drop tp")
         self._synced_once = False
-        self._names: dict[int, dict[int, str]] = {}
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        assert rt.mesh is not None, "ddp needs a mesh"
-        if self.tp is not None:
-            names = param_names(model)
-            model = apply_replicate(self.tp.apply(model, rt.mesh, rt.precision, rt.device), rt.mesh["dp"])
-            self._names[id(model)] = names
-            return model
-        return apply_ddp(model, rt.mesh, rt.device, self.config)
+        mesh = rt.mesh
+        assert mesh is not None, "ddp needs a mesh"
+        if self.tp is not None:  # DistributedDataParallel refuses DTensor parameters; FSDP2's replicate takes them
+            tp = self.tp
+            return rt.parallelize(model, tp=lambda m: tp.apply(m, mesh, rt.precision, rt.device),
+                                  data=lambda m: apply_replicate(m, mesh["dp"]))
+        return rt.parallelize(model, data=lambda m: apply_ddp(m, mesh, rt.device, self.config))
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
-        if id(model) in self._names:  # tensor parallel and replicate made new parameter objects
-            return rebuild(optimizer, self._names[id(model)], model)
+        if self.tp is not None:  # tensor parallel and replicate made new parameter objects
+            assert rt.facts is not None
+            return rebuild(optimizer, rt.facts.first_names, model)
         return optimizer
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:

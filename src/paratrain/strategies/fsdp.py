@@ -19,14 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..distributed.tensor_parallel.layout import refuse_tp
 from ..dims import ParallelDims
+from ..distributed.tensor_parallel.layout import refuse_tp
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model.units import shard_units
 from ..options import FSDPConfig, TPConfig
 from .base import Runtime, Strategy, tensor_parallel
-from .optim import param_names, rebuild
+from .optim import rebuild
 from .registry import register
 
 
@@ -65,22 +65,23 @@ class FSDPStrategy(Strategy):
         self.tp = tensor_parallel(TPConfig.pop(options))
         options.setdefault("reshard_after_forward", self.reshard_after_forward)
         self.config = config if config is not None else FSDPConfig(**options)  # type: ignore[arg-type]
-        self._names: dict[int, dict[int, str]] = {}
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        assert rt.mesh is not None, "fsdp needs a mesh"
-        names = param_names(model)
-        mesh = rt.mesh
-        if self.tp is not None:  # split each layer over tp first, then shard what it made over dp (torchtitan's order)
-            model, mesh = self.tp.apply(model, rt.mesh, rt.precision, rt.device), rt.mesh["dp"]
-        model = model.to(rt.device) if not self.config.cpu_offload else model
-        apply_fsdp(model, mesh, self.config, dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None))
-        self._names[id(model)] = names
-        return model
+        mesh, tp = rt.mesh, self.tp
+        assert mesh is not None, "fsdp needs a mesh"
+        policy = dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None)
+
+        def shard(m: nn.Module) -> nn.Module:  # over dp; split over tp first when composed (torchtitan's order)
+            placed = m.to(rt.device) if not self.config.cpu_offload else m
+            return apply_fsdp(placed, mesh["dp"] if tp is not None else mesh, self.config, policy)
+
+        split = (lambda m: tp.apply(m, mesh, rt.precision, rt.device)) if tp is not None else None
+        return rt.parallelize(model, tp=split, data=shard)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         # fully_shard replaced the parameters with sharded DTensors: the optimizer must hold those
-        return rebuild(optimizer, self._names[id(model)], model)
+        assert rt.facts is not None
+        return rebuild(optimizer, rt.facts.first_names, model)
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

@@ -96,11 +96,14 @@ class ModelParallelStrategy(Strategy):
             default = max(torch.cuda.device_count() // rt.env.local_world_size, 1) if rt.device.type == "cuda" else 2
             n_stages = min(self.config.stages or default, len(named))
             split = balance([sum(p.numel() for p in m.parameters()) for _, m in named], n_stages)
-        self.devices = self.stage_devices(rt, len(split) + 1)
-        model = apply_model_parallel(model, self.devices, split)
-        if rt.mesh is None:
-            return model
-        return apply_ddp(model, rt.mesh, None, DDPConfig())
+        self.devices = devices = self.stage_devices(rt, len(split) + 1)
+        mesh = rt.mesh
+
+        def place(m: nn.Module) -> nn.Module:  # the stages over this process's devices, replicated over the others
+            staged = apply_model_parallel(m, devices, split)
+            return staged if mesh is None else apply_ddp(staged, mesh, None, DDPConfig())
+
+        return rt.parallelize(model, data=place)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return model.no_sync() if isinstance(model, DDP) else nullcontext()

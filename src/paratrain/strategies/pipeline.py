@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dims import ParallelDims
+from ..distributed.parallelize import Step
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model import find_ties
@@ -281,7 +282,8 @@ class PipelineStrategy(Strategy):
         original_names = param_names(model)
         owned = [(names[i], model[i]) for s in mine for i in range(*bounds[s])]
         out = PipelinedModel(owned)
-        out.parts = [(s, self._place(model[bounds[s][0]:bounds[s][1]], rt)) for s in mine]
+        out.parts = [(s, rt.parallelize(model[bounds[s][0]:bounds[s][1]], data=lambda m: self._place(m, rt)))
+                     for s in mine]
         self._names[id(out)] = original_names
         return out
 
@@ -298,18 +300,30 @@ class PipelineStrategy(Strategy):
         out.key_order = list(model.state_dict())
         out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)  # before FSDP swaps the parameters
         units = FSDPConfig(wrap_classes=(plan.blocks.cls,))  # one sharding unit per block, never a bare container
-        tp_plan = self.tp.plan(model) if self.tp is not None else None
         for s in mine:
             stage = StageModule(build_stage(model, plan, [s]), first=s == 0)
-            if self.tp is not None and tp_plan is not None:
-                (start, end), blocks = plan.bounds[s], plan.blocks.names
-                self.tp.apply_stage(stage.stage, tp_plan, rt.mesh, rt.precision, rt.device,
-                                    first_block=blocks[start] if s > 0 else None,
-                                    last_block=blocks[end - 1] if s < total - 1 else None)
+            split = self._stage_split(model, plan, s, total, rt)
             out.stage_modules[s] = stage
-            out.parts.append((s, self._place(stage, rt, units)))
+            out.parts.append((s, rt.parallelize(stage, tp=split, data=lambda m: self._place(m, rt, units))))
         self._names[id(out)] = names
         return out
+
+    def _stage_split(self, model: nn.Module, plan: StagePlan, s: int, total: int, rt: Runtime) -> Step | None:
+        """Tensor parallelism of stage ``s`` by the whole model's plan, its boundaries whole (None without tp)."""
+        tp, mesh = self.tp, rt.mesh
+        if tp is None:
+            return None
+        tp_plan = tp.plan(model)
+        (start, end), blocks = plan.bounds[s], plan.blocks.names
+
+        def split(stage: nn.Module) -> nn.Module:
+            assert isinstance(stage, StageModule) and mesh is not None
+            tp.apply_stage(stage.stage, tp_plan, mesh, rt.precision, rt.device,
+                           first_block=blocks[start] if s > 0 else None,
+                           last_block=blocks[end - 1] if s < total - 1 else None)
+            return stage
+
+        return split
 
     def _replicate(self, part: nn.Module, rt: Runtime, units: FSDPConfig) -> nn.Module:
         assert rt.mesh is not None

@@ -30,4 +30,4 @@ class SingleDevice(Strategy):
             )
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        return model.to(rt.device)
+        return rt.parallelize(model.to(rt.device))

@@ -11,7 +11,7 @@ from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..options import TPConfig
 from .base import Runtime, Strategy, tensor_parallel
-from .optim import param_names, rebuild
+from .optim import rebuild
 from .registry import register
 
 
@@ -23,7 +23,6 @@ class TPStrategy(Strategy):
 
     def __init__(self, tp: int | None = None, tp_plan: dict | None = None) -> None:
         self.tp = tensor_parallel(TPConfig(degree=tp, plan=tp_plan))
-        self._names: dict[int, dict[int, str]] = {}
 
     def dims(self, env: ClusterEnv) -> ParallelDims:
         self.validate_degree(env)
@@ -37,15 +36,14 @@ class TPStrategy(Strategy):
                               f"tp={degree} use Parallel('ddp', tp={degree}) or Parallel('zero3', tp={degree})")
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        assert rt.mesh is not None and self.tp is not None, "tp needs a mesh"
-        names = param_names(model)
-        model = self.tp.apply(model, rt.mesh, rt.precision, rt.device)
-        self._names[id(model)] = names
-        return model
+        mesh, tp = rt.mesh, self.tp
+        assert mesh is not None and tp is not None, "tp needs a mesh"
+        return rt.parallelize(model, tp=lambda m: tp.apply(m, mesh, rt.precision, rt.device))
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         # the plan replaced the parameters with DTensors: the optimizer must hold those
-        return rebuild(optimizer, self._names[id(model)], model)
+        assert rt.facts is not None
+        return rebuild(optimizer, rt.facts.first_names, model)
 
     def describe(self) -> str:
         return self.tp.describe()  # type: ignore[union-attr]

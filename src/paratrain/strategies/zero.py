@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed.tensor_parallel.layout import refuse_tp
 from ..dims import ParallelDims
+from ..distributed.tensor_parallel.layout import refuse_tp
 from ..env import ClusterEnv
 from ..options import DDPConfig
 from .base import Runtime

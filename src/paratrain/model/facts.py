@@ -1,8 +1,10 @@
-"""What ``prepare`` must not lose: every parameter the user's optimizer trains, and every tie.
+"""What a model is made of, found once per ``prepare`` and handed to every step that needs it: its repeated blocks,
+its ties, and every parameter's names.
 
-A wrapper that replaces parameters (FSDP's DTensors, a pipeline's stages) makes the optimizer be rebuilt over the
-new objects; a parameter missed there, or a tie split into two tensors, trains silently wrong (the head never
-updates) instead of failing. So the model is recorded before it is wrapped and checked after, on every strategy.
+They are also what ``prepare`` must not lose: every parameter the user's optimizer trains, and every tie. A
+wrapper that replaces parameters (FSDP's DTensors, a pipeline's stages) makes the optimizer be rebuilt over the new
+objects; a parameter missed there, or a tie split into two tensors, trains silently wrong (the head never updates)
+instead of failing. So the facts are taken before the model is wrapped and checked after, on every strategy.
 """
 from __future__ import annotations
 
@@ -12,23 +14,36 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .structure import Blocks, find_blocks
 from .ties import Ties, find_ties
 
 
 @dataclass(frozen=True)
-class ModelRecord:
-    """A model's parameter names and ties, taken before a strategy wraps it."""
+class ModelFacts:
+    """A model's blocks, ties and parameter names, taken before a strategy wraps it."""
 
     names: dict[int, tuple[str, ...]]
-    """id(parameter) → every name it is reachable under."""
+    """id(parameter) → every name it is reachable under, the first being what ``named_parameters`` says."""
     ties: Ties
+    blocks: Blocks | None
+    """The repeated blocks (:mod:`paratrain.model.structure`), or None for a model without them."""
+    block_index: dict[int, int]
+    """id(block module) → its index among the blocks: a pipeline stage finds the blocks it holds by identity."""
 
     @classmethod
-    def of(cls, model: nn.Module) -> "ModelRecord":
+    def of(cls, model: nn.Module) -> "ModelFacts":
         names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
-        return cls(names={k: tuple(v) for k, v in names.items()}, ties=find_ties(model))
+        blocks = find_blocks(model)
+        index = {id(m): i for i, m in enumerate(blocks.modules(model))} if blocks is not None else {}
+        return cls(names={k: tuple(v) for k, v in names.items()}, ties=find_ties(model), blocks=blocks,
+                   block_index=index)
+
+    @property
+    def first_names(self) -> dict[int, str]:
+        """id(parameter) → its qualified name: how a rebuilt optimizer finds the parameters a wrapper replaced."""
+        return {k: v[0] for k, v in self.names.items()}
 
     def check_ties(self, prepared: nn.Module, strategy: str) -> None:
         """Raise unless every tie of the original model is still one tensor in ``prepared`` (the unwrapped

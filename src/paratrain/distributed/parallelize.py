@@ -1,0 +1,37 @@
+"""``parallelize``: the order in which paratrain applies its techniques to a model, stated once.
+
+precision (bf16-true's dtype) → tensor parallelism → activation checkpointing → compile → model parallelism and data
+parallelism (DDP, FSDP, replicate). Every strategy calls it with the steps it takes (``tp``, ``data``) on the whole
+model, a pipeline on each of its stages. The order is torchtitan's: tensor parallelism first, so the blocks that are
+checkpointed and compiled are the split ones (compiling traces DTensor code, not code a later split invalidates);
+sharding last, so FSDP's hooks stay outside the checkpointed and compiled blocks.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..model.facts import ModelFacts
+from ..model.transforms import transform_blocks
+from ..options import BlockTransforms
+from ..precision import Precision
+
+Step = Callable[[nn.Module], nn.Module]
+
+
+def parallelize(model: nn.Module, *, precision: Precision, facts: ModelFacts, transforms: BlockTransforms,
+                tp: Step | None = None, data: Step | None = None) -> nn.Module:
+    """``model`` (or one pipeline stage of it) with every technique applied in the stated order; ``tp`` splits its
+    layers, ``data`` places and wraps it for model and data parallelism. Returns the module to train."""
+    if tp is not None and transforms.checkpoint_every and transforms.compile is not None:
+        raise ConfigError(f"activation checkpointing with compile fails under tensor parallelism on torch "
+                          f"{torch.__version__}: its compiler cannot recompute a block of DTensors; drop one of them "
+                          "(compile=True alone, or activation_checkpointing alone)")
+    model = precision.convert_module(model)
+    if tp is not None:
+        model = tp(model)
+    transform_blocks(model, facts, transforms)
+    return data(model) if data is not None else model

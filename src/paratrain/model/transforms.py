@@ -1,0 +1,41 @@
+"""Activation checkpointing and ``torch.compile`` of the repeated blocks a module holds, in place.
+
+``parallelize`` (:mod:`paratrain.distributed.parallelize`) calls it after tensor parallelism and before data
+parallelism, on the whole model or on one pipeline stage. A stage finds its blocks by identity (``ModelFacts``
+was taken from the whole model), so "every k-th block" counts the model's blocks, not the stage's.
+
+Compiling each block in place (``nn.Module.compile``), before sharding, is the order that works with every strategy:
+FSDP's hooks stay outside the compiled code (compiling a sharded model graph-breaks on them; zero3 on a 124M GPT ran
+140 ms per step compiled after sharding against 76 ms uncompiled), DDP sees the same modules (its graph splitting is
+not needed), and tensor parallelism's DTensors are what the compiled blocks trace. A module without repeated blocks
+is compiled whole. In place means the module tree — parameter names, state dicts, checkpoints — stays the user's
+(``torch.compile(m)`` would add an ``_orig_mod.`` level). Checkpointing comes first, so the recompute is part of what
+is compiled.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..options import BlockTransforms
+from .checkpointing import checkpoint_block
+from .facts import ModelFacts
+
+
+def transform_blocks(module: nn.Module, facts: ModelFacts, transforms: BlockTransforms) -> list[str]:
+    """Checkpoint every k-th and compile each of the blocks ``module`` holds; returns the names (in ``module``) of
+    what was compiled (``""``: ``module`` itself, for a model without blocks)."""
+    if transforms.checkpoint_every and facts.blocks is None:
+        raise ConfigError(f"activation checkpointing works per repeated block, and {type(module).__name__} has none "
+                          "(no ModuleList/Sequential of one block class); turn it off for this model")
+    held = [(name, m) for name, m in module.named_modules() if id(m) in facts.block_index]
+    if transforms.checkpoint_every:
+        for _, block in held:
+            if facts.block_index[id(block)] % transforms.checkpoint_every == 0:
+                checkpoint_block(block)
+    if transforms.compile is None:
+        return []
+    targets = held if facts.blocks is not None else [("", module)]
+    for _, target in targets:
+        target.compile(**transforms.compile)
+    return [name for name, _ in targets]
