@@ -27,6 +27,7 @@ from .data import ShardedLoader, ShardSampler, shard_loader, shardable
 from .devices import select_device
 from .distributed.grad_norm import clip_grad_norm
 from .distributed.mesh import build_mesh
+from .distributed.metrics import gather_object, reduce_value
 from .distributed.process_group import finish_group, start_process_group
 from .env import ClusterEnv
 from .errors import CheckpointError, ConfigError
@@ -430,21 +431,8 @@ class Parallel:
 
     def _reduce(self, value: torch.Tensor | float, *, mean: bool) -> torch.Tensor | float:
         """All-reduce over the data-parallel replicas (a pipeline's stages hold one replica's value)."""
-        if isinstance(value, torch.Tensor):
-            floating = value.is_floating_point()
-            out_dtype = value.dtype if floating or not mean else torch.float64
-            # float64 on the wire: exact counts, and gloo cannot average integers
-            t = value.detach().to(self.device, torch.float64 if floating or mean else value.dtype, copy=True)
-        else:
-            t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
         _, size, group = self._data_parallel()
-        if size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-        if mean:
-            t = t / size
-        if isinstance(value, torch.Tensor):
-            return t.to(value.device, out_dtype)
-        return t.item()
+        return reduce_value(value, mean=mean, size=size, group=group, device=self.device)
 
     @collective("par.barrier")
     def barrier(self) -> None:
@@ -467,7 +455,7 @@ class Parallel:
         if self._micro_step != 0:
             raise CheckpointError(f"save() inside an accumulation window (micro-step {self._micro_step} of "
                                   f"{self.accumulate}); call it after the optimizer step")
-        root = self._checkpoint_root(path)
+        root = self._auto_checkpoint.root(path)
         folder = save(self._checkpoint_targets(), root, self.checkpoint_config.keep)
         self._auto_checkpoint.saved(root, self.optimizer_steps)
         return folder
@@ -482,7 +470,7 @@ class Parallel:
         """
         from .checkpoint.io import load
 
-        position = load(self._checkpoint_targets(), self._checkpoint_root(path))
+        position = load(self._checkpoint_targets(), self._auto_checkpoint.root(path))
         self._auto_checkpoint.loaded()
         if not self._optimizers:
             self.print(f"paratrain: loaded the model weights of {position.folder} (no optimizer was prepared)")
@@ -506,31 +494,16 @@ class Parallel:
             return None
         return self.load(found)
 
-    def _checkpoint_root(self, path: str | os.PathLike | None) -> Path:
-        if path is None:
-            if self.checkpoint_config.dir is None:
-                raise CheckpointError("no checkpoint path given and no checkpoint_dir set (Parallel(checkpoint_dir=…) "
-                                      "or paratrain run --checkpoint-dir)")
-            path = self.checkpoint_config.dir
-        return Path(path)
-
     def _flush_checkpoint(self) -> None:
         self._auto_checkpoint.flush(self.save, self.optimizer_steps)
 
     def _checkpoint_targets(self) -> Any:
         from .checkpoint.io import Targets
 
-        def gather(value: Any) -> list[Any]:
-            if not self._distributed:
-                return [value]
-            out: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(out, value)
-            return out
-
         return Targets(strategy=self.strategy, models=self._models, optimizers=self._optimizers,
                        schedulers=self._schedulers, loaders=self._loaders, precision=self.precision,
                        step=self.optimizer_steps, epoch=self.epoch, rank=self.rank, world_size=self.world_size,
-                       barrier=self.barrier, gather=gather)
+                       barrier=self.barrier, gather=gather_object)
 
     # ----------------------------------------------------------------- output
     def print(self, *args: Any, **kwargs: Any) -> None:

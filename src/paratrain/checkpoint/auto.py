@@ -7,9 +7,11 @@ resumed from it continues exactly where the uninterrupted one went on.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import CheckpointError
 from . import layout
 from .config import CheckpointConfig
 
@@ -22,6 +24,15 @@ class AutoCheckpoint:
         self._due = False
         self._started = False
         self._saved: tuple[Path, int] | None = None
+
+    def root(self, path: str | os.PathLike | None) -> Path:
+        """Where ``par.save``/``par.load`` go: ``path``, else ``checkpoint_dir``; neither is one line."""
+        if path is None:
+            if self.config.dir is None:
+                raise CheckpointError("no checkpoint path given and no checkpoint_dir set "
+                                      "(Parallel(checkpoint_dir=…) or paratrain run --checkpoint-dir)")
+            path = self.config.dir
+        return Path(path)
 
     def stepped(self, step: int) -> None:
         """Called after each optimizer step (``step`` counts them): marks a save as due every N steps."""

@@ -14,10 +14,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     """
     if not (dist.is_available() and dist.is_initialized()):
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from .tensor_parallel.quiet import quiet_sequential_collectives
 

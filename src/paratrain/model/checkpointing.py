@@ -2,12 +2,12 @@
 backward. Activation memory falls from every block's intermediates to the blocks' inputs plus one block's
 intermediates, for one more forward pass of compute.
 
-It is applied after tensor parallelism splits a block and before sharding and compiling
-(:func:`paratrain.distributed.parallelize.parallelize`), by giving each chosen block an instance-level ``forward`` that runs the class's forward under ``torch.utils.checkpoint``
-(non-reentrant). Unlike a wrapper module, that keeps the module tree — and so every parameter name, optimizer
-mapping, state dict and checkpoint — exactly the user's; FSDP's hooks stay outside the checkpointed function,
-so a sharded block's parameters are gathered again before its recompute, as they are with torch's own
-``checkpoint_wrapper``.
+It is applied after tensor parallelism splits a block and before compiling and sharding
+(:func:`paratrain.distributed.parallelize.parallelize`), by giving each chosen block an instance-level ``forward``
+that runs the class's forward under ``torch.utils.checkpoint`` (non-reentrant). Unlike a wrapper module, that keeps
+the module tree — and so every parameter name, optimizer mapping, state dict and checkpoint — exactly the user's;
+FSDP's hooks stay outside the checkpointed function, so a sharded block's parameters are gathered again before its
+recompute, as they are with torch's own ``checkpoint_wrapper``.
 """
 from __future__ import annotations
 

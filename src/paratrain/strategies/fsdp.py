@@ -38,12 +38,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy
     strategies give a policy without ``output_dtype``: ``Parallel`` casts the root's outputs itself, except where
     the loss takes them in the compute dtype (``forward_backward``).
     """
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()}

@@ -15,8 +15,8 @@ stage; gradients are the mean over micro-batches.
 (or sharded with FSDP, ``data="fsdp"``) across the ``dp`` dimension.
 
 ``tp=T`` splits each stage's layers over T ranks as well (the model's tensor-parallel plan applied per stage, its
-boundaries whole: :mod:`paratrain.distributed.tensor_parallel.stages`): a ``(pp, tp)`` mesh for ``pipeline``, ``(dp, pp, tp)``
-for ``hybrid``, ``tp`` innermost. The last stage's loss runs on logits split over the vocabulary, under
+boundaries whole: :mod:`paratrain.distributed.tensor_parallel.stages`): a ``(pp, tp)`` mesh for ``pipeline``,
+``(dp, pp, tp)`` for ``hybrid``, ``tp`` innermost. The last stage's loss runs on logits split over the vocabulary, under
 ``loss_parallel``, as ``tp`` without stages does; with DDP the stages are replicated by FSDP2's ``replicate``
 (``DistributedDataParallel`` refuses DTensor parameters), as ``Parallel("ddp", tp=T)`` does.
 
@@ -187,12 +187,8 @@ def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
 
 
 def _make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable | None) -> Any:
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleLoopedBFS,
-    )
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleLoopedBFS)
 
     if len(stages) > 1:  # several stages per rank: interleaved 1F1B, or its all-forward-first twin
         multi = ScheduleInterleaved1F1B if name == "interleaved-1f1b" else ScheduleLoopedBFS

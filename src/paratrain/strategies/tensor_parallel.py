@@ -1,6 +1,6 @@
 """``tp``: tensor parallelism over every rank — each layer's weights split across the processes, which compute
-every batch together (see :mod:`paratrain.distributed.tensor_parallel` for the plans). With data parallelism around it, use
-``ddp``, ``zero2`` or ``zero3`` with ``tp=``."""
+every batch together (see :mod:`paratrain.distributed.tensor_parallel` for the plans). With data parallelism around
+it, use ``ddp``, ``zero2`` or ``zero3`` with ``tp=``."""
 from __future__ import annotations
 
 import torch

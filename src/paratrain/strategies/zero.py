@@ -31,9 +31,7 @@ class Zero1Strategy(DDPStrategy):
         inner = self.unwrap(model)
         names = {id(p): n for n, p in inner.named_parameters()}
         groups = param_groups_for(optimizer, names, inner)
-        from torch.distributed.optim import (
-            ZeroRedundancyOptimizer,  # imports FSDP and DTensor: 1-2 s, when used
-        )
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports FSDP and DTensor: 1-2 s, when used
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
                                        process_group=rt.mesh.get_group() if rt.mesh is not None else None,

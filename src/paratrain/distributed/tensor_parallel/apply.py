@@ -19,8 +19,8 @@ from .styles import Replicated
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan, outputs: ShardedOutputs,
              styles: list[tuple[str, ParallelStyle]] | None = None) -> nn.Module:
     """Split ``model`` in place over the 1-D ``mesh`` by ``plan`` (or by ``styles``, the plan resolved for a
-    pipeline stage: :func:`~paratrain.distributed.tensor_parallel.stages.stage_styles`); every parameter ends a DTensor on
-    ``mesh``.
+    pipeline stage: :func:`~paratrain.distributed.tensor_parallel.stages.stage_styles`); every parameter ends a
+    DTensor on ``mesh``.
 
     Ties survive: ``parallelize_module`` gives each module a parameter of its own, so a tied embedding and head
     are tied again to one DTensor (their plans shard both ``Shard(0)``: one sharding, one gradient).

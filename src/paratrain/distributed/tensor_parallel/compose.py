@@ -52,7 +52,8 @@ class TensorParallel:
     def apply_stage(self, stage: nn.Module, plan: Plan, mesh: DeviceMesh, precision: Any, device: torch.device,
                     first_block: str | None, last_block: str | None) -> nn.Module:
         """Split a pipeline stage (the model with other stages' pieces swapped out) over ``mesh["tp"]`` by the
-        whole model's ``plan``, its boundaries whole (:func:`~paratrain.distributed.tensor_parallel.stages.stage_styles`)."""
+        whole model's ``plan``, its boundaries whole
+        (:func:`~paratrain.distributed.tensor_parallel.stages.stage_styles`)."""
         self._precision, self._device = precision, device
         styles = stage_styles(plan, stage, first_block, last_block)
         return apply_tp(stage.to(device), mesh["tp"], plan, self.outputs, styles)

@@ -24,13 +24,8 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import (ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+                                               PrepareModuleOutput, SequenceParallel)
 
 from ...errors import ConfigError
 from .styles import Colwise, FirstInput, FusedColwise, Replicated, Rowwise, style_of

@@ -24,21 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import (
-    DTensor,
-    Partial,
-    Replicate,
-    Shard,
-    distribute_module,
-    distribute_tensor,
-)
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
 
 from ...errors import ConfigError
 

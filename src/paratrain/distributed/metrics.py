@@ -1,0 +1,35 @@
+"""Numbers a training loop reports, combined over the data-parallel replicas: sums and means, and gathered objects."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def reduce_value(value: torch.Tensor | float, *, mean: bool, size: int, group: dist.ProcessGroup | None,
+                 device: torch.device) -> torch.Tensor | float:
+    """The sum (or mean) of ``value`` over the ``size`` replicas of ``group``: a tensor stays a tensor on its own
+    device, a number stays a number. Sent as float64: exact counts, and gloo cannot average integers."""
+    if isinstance(value, torch.Tensor):
+        floating = value.is_floating_point()
+        out_dtype = value.dtype if floating or not mean else torch.float64
+        t = value.detach().to(device, torch.float64 if floating or mean else value.dtype, copy=True)
+    else:
+        t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    if size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    if mean:
+        t = t / size
+    if isinstance(value, torch.Tensor):
+        return t.to(value.device, out_dtype)
+    return t.item()
+
+
+def gather_object(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (just ``[value]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
