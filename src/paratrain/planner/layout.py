@@ -10,11 +10,13 @@ tp ``(dp, pp, tp)``), then data parallelism; ``hsdp`` shards within a node and r
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..dims import ParallelDims
 from ..errors import ConfigError
+from ..model.cuts import balance
 from .hardware import Cluster
 
 
@@ -129,36 +131,22 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def stage_params(units: tuple[tuple[str, int], ...], stages: int) -> int:
-    """Parameters of the fullest stage when ``units`` are cut into ``stages`` contiguous, balanced runs.
+@functools.lru_cache(maxsize=512)
+def _runs(sizes: tuple[int, ...], stages: int) -> tuple[tuple[int, int], ...]:
+    """(start, end) of each stage when ``sizes`` are cut into ``stages`` contiguous runs the way the runtime cuts a
+    model (:func:`paratrain.model.cuts.balance`: the split minimising the largest stage)."""
+    starts = [0, *balance(sizes, min(stages, len(sizes)))]
+    return tuple(zip(starts, [*starts[1:], len(sizes)]))
 
-    Binary search on the answer: the smallest cap for which a greedy left-to-right cut needs <= ``stages`` runs.
-    """
-    sizes = [s for _, s in units]
-    lo, hi = max(sizes), sum(sizes)
-    while lo < hi:
-        cap = (lo + hi) // 2
-        runs, run = 1, 0
-        for s in sizes:
-            if run + s > cap:
-                runs, run = runs + 1, 0
-            run += s
-        if runs <= stages:
-            hi = cap
-        else:
-            lo = cap + 1
-    return lo
+
+def stage_params(units: tuple[tuple[str, int], ...], stages: int) -> int:
+    """Parameters of the fullest stage when ``units`` are cut into ``stages`` contiguous, balanced runs."""
+    sizes = tuple(s for _, s in units)
+    return max(sum(sizes[a:b]) for a, b in _runs(sizes, stages))
 
 
 def stage_flops(units: tuple[tuple[str, int], ...], unit_flops: tuple[float, ...], stages: int) -> float:
-    """FLOPs of the busiest stage when ``units`` are cut as ``stage_params`` cuts them (balanced by parameters,
-    as paratrain's pipeline cuts a model): the greedy left-to-right runs under that cap."""
-    cap = stage_params(units, stages)
-    busiest = run_flops = 0.0
-    run = 0
-    for (_, size), flops in zip(units, unit_flops):
-        if run + size > cap:
-            busiest, run, run_flops = max(busiest, run_flops), 0, 0.0
-        run += size
-        run_flops += flops
-    return max(busiest, run_flops)
+    """FLOPs of the busiest stage when ``units`` are cut as ``stage_params`` cuts them (balanced by parameters, as
+    paratrain's pipeline cuts a model)."""
+    sizes = tuple(s for _, s in units)
+    return max(sum(unit_flops[a:b]) for a, b in _runs(sizes, stages))

@@ -25,6 +25,7 @@ forward-only pass and gives every rank of the pipeline the last stage's output.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -147,6 +148,8 @@ class PipelinedModel(nn.Module):
         schedule = self._schedule("train", x.shape[0], loss)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
+        if "return_outputs" in inspect.signature(schedule.step).parameters:  # torch >= 2.10
+            kwargs["return_outputs"] = False  # only the losses are read: the last stage keeps no micro-batch logits
         # As forward_backward without stages: the stages hand on (and the loss reads) their outputs in the compute
         # dtype, not cast to fp32 — the same values one process computes, and no fp32 copy of the logits.
         with nullcontext() if precision is None else precision.compute_dtype_outputs(), self.split_loss():
