@@ -75,7 +75,7 @@ BOUNDARY_BYTES = GLOBAL // MICRO_BATCHES * strategies.MODEL_WIDTH * 4
 MODEL = resolve_model("strategies:build_model", input_spec="784")
 """The benchmark's model as the planner builds and traces it."""
 UNIT_PARAMS = [n for _, n in MODEL.find_stats().units if n > 0]
-"""Parameters per FSDP wrap unit, as the planner counts them (``timing.wrap_units``): one collective call each."""
+"""Parameters per FSDP wrap unit, as the planner counts them (``timing.unit_count``): one collective call each."""
 CORES = len(os.sched_getaffinity(0))
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 """glibc keeps freed memory instead of returning it to the OS: by default it gives back what PyTorch frees (the

@@ -73,7 +73,7 @@ def check_args(args: argparse.Namespace, nproc: int | None = None) -> None:
 
 def strategy_options(args: argparse.Namespace) -> dict[str, object]:
     """``--tp``'s options, with the CNN's own plan (it has no built-in one)."""
-    from .distributed.tensor_parallel.layout import cli_options
+    from .distributed.tensor_parallel.degrees import cli_options
 
     return cli_options(args.strategy, args.tp, DIGITS_TP_PLAN)
 

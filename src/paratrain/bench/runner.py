@@ -74,7 +74,7 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
 
 def _tp_options(config: BenchConfig, strategy: str) -> dict:
     """``--tp``'s options for ``strategy``, with the workload's own plan when it has one."""
-    from ..distributed.tensor_parallel.layout import cli_options
+    from ..distributed.tensor_parallel.degrees import cli_options
     from ..workloads import get_workload
 
     if strategy != "tp" and config.tp in (None, 1):

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..options import BlockTransforms
-from .checkpointing import checkpoint_block
+from .recompute import checkpoint_block
 from .facts import ModelFacts
 
 

@@ -79,7 +79,7 @@ def fsdp_copy_bytes(params: float, zero: int, training: Training) -> float:
     return 2 * fsdp_calls(zero) * params * training.bytes.param
 
 
-def wrap_units(stats: ModelStats) -> int:
+def unit_count(stats: ModelStats) -> int:
     """Wrap units that hold parameters: one FSDP group (and collective call) each."""
     return sum(1 for _, n in stats.units if n > 0)
 
@@ -89,7 +89,7 @@ def fsdp_call_from(overhead_s: float, stats: ModelStats, zero: int, training: Tr
     plain one (same model and batch, one micro-batch), less the copies the model counts (at ``bandwidth``, the
     measuring thread's), over the calls. Never below 0: a one-rank FSDP step may even run faster."""
     copies_s = fsdp_copy_bytes(stats.params, zero, training) / bandwidth
-    return max(0.0, (overhead_s - copies_s) / (wrap_units(stats) * fsdp_calls(zero)))
+    return max(0.0, (overhead_s - copies_s) / (unit_count(stats) * fsdp_calls(zero)))
 
 
 def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster) -> StepTime:
@@ -121,7 +121,7 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     streamed = stats.params if layout.mp > 1 else psi
     gathers = 2 if layout.zero == 3 else 1
     copies = fsdp_copy_bytes(psi, layout.zero, training) if layout.zero >= 2 else 0.0
-    units = wrap_units(stats)
+    units = unit_count(stats)
     machinery_s = (units * fsdp_calls(layout.zero) * cluster.device.fsdp_call_s if layout.zero >= 2 else 0.0)
     if layout.tp > 1:  # a stage runs its share of the blocks' DTensor operations
         machinery_s += collectives_per_micro_batch(stats, training.checkpointing) * cluster.device.tp_call_s / layout.pp

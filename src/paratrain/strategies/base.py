@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..dims import ParallelDims
 from ..distributed.parallelize import Step, parallelize
-from ..distributed.tensor_parallel.layout import tp_degree
+from ..distributed.tensor_parallel.degrees import tp_degree
 from ..env import ClusterEnv
 from ..model.facts import ModelFacts
 from ..options import BlockTransforms

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..dims import ParallelDims
-from ..distributed.tensor_parallel.layout import refuse_tp
+from ..distributed.tensor_parallel.degrees import refuse_tp
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model.units import shard_units

@@ -15,7 +15,7 @@ stage; gradients are the mean over micro-batches.
 (or sharded with FSDP, ``data="fsdp"``) across the ``dp`` dimension.
 
 ``tp=T`` splits each stage's layers over T ranks as well (the model's tensor-parallel plan applied per stage, its
-boundaries whole: :mod:`paratrain.distributed.tensor_parallel.stages`): a ``(pp, tp)`` mesh for ``pipeline``,
+boundaries whole: :mod:`paratrain.distributed.tensor_parallel.stage_styles`): a ``(pp, tp)`` mesh for ``pipeline``,
 ``(dp, pp, tp)`` for ``hybrid``, ``tp`` innermost. The last stage's loss runs on logits split over the vocabulary, under
 ``loss_parallel``, as ``tp`` without stages does; with DDP the stages are replicated by FSDP2's ``replicate``
 (``DistributedDataParallel`` refuses DTensor parameters), as ``Parallel("ddp", tp=T)`` does.

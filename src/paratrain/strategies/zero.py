@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..dims import ParallelDims
-from ..distributed.tensor_parallel.layout import refuse_tp
+from ..distributed.tensor_parallel.degrees import refuse_tp
 from ..env import ClusterEnv
 from ..options import DDPConfig
 from .base import Runtime

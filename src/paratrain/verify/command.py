@@ -13,7 +13,7 @@ def verify_command(*, factory: str, strategies: str, nprocs: int, steps: int | N
                    timeout_s: float, accelerator: str, as_json: bool, tp: int | None = None) -> int:
     """Check ``factory`` under each comma-separated strategy on ``nprocs`` processes; 0 when every one passes.
     ``tp``: the tensor-parallel degree inside ddp/zero2/zero3 (the ``tp`` strategy splits over every rank)."""
-    from ..distributed.tensor_parallel.layout import cli_options
+    from ..distributed.tensor_parallel.degrees import cli_options
 
     names = [s.strip() for s in strategies.split(",") if s.strip()]
     cases = [Case(factory=factory, strategy=name, steps=steps,

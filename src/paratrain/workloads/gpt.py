@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from ..planner.transformer import TRANSFORMERS, GPTConfig
 
 if TYPE_CHECKING:
-    from ..distributed.tensor_parallel.plans import Plan
+    from ..distributed.tensor_parallel.plans import TPPlan
 
 
 GPT_CONFIGS = MappingProxyType({
@@ -100,14 +100,14 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.norm(x))
 
-    def paratrain_tp_plan(self) -> Plan:
+    def paratrain_tp_plan(self) -> TPPlan:
         """The tensor-parallel plan (see :mod:`paratrain.distributed.tensor_parallel.plans`): ``qkv`` and a gated
         ``fc`` are laid out per head / per unit, so a plain column split keeps them whole (no gather, unlike GPT-2's
         ``c_attn``). Imported here, when asked for: tensor parallelism takes a second to import."""
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import SequenceParallel
 
-        from ..distributed.tensor_parallel.plans import (Plan, final_norm, sequence_shards, vocab_embedding,
+        from ..distributed.tensor_parallel.plans import (TPPlan, final_norm, sequence_shards, vocab_embedding,
                                                           vocab_head)
         from ..distributed.tensor_parallel.styles import Colwise, Replicated, Rowwise
 
@@ -125,6 +125,6 @@ class GPT(nn.Module):
             "norm": final_norm(),
             "head": vocab_head(),
         })
-        return Plan(name="paratrain GPT", sequence_parallel=True, styles=styles,
+        return TPPlan(name="paratrain GPT", sequence_parallel=True, styles=styles,
                     divisible=lambda m: {"heads": m.cfg.heads, "ffn": m.cfg.ffn_width})
 

@@ -9,11 +9,11 @@ from ...lazy import lazy_getattr
 if TYPE_CHECKING:
     from .apply import apply_tp
     from .compose import TensorParallel
-    from .layout import tp_degree
-    from .plans import Plan, plan_for
+    from .degrees import tp_degree
+    from .plans import TPPlan, plan_for
     from .styles import STYLES
 
-_EXPORTS = {"apply_tp": ".apply", "TensorParallel": ".compose", "tp_degree": ".layout",
-            "Plan": ".plans", "plan_for": ".plans", "STYLES": ".styles"}
-__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())  # the strategies import .layout alone: cheap
+_EXPORTS = {"apply_tp": ".apply", "TensorParallel": ".compose", "tp_degree": ".degrees",
+            "TPPlan": ".plans", "plan_for": ".plans", "STYLES": ".styles"}
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())  # the strategies import .degrees alone: cheap
 __all__ = list(_EXPORTS)

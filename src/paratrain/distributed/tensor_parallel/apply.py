@@ -12,14 +12,14 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from ...errors import ConfigError
 from ...model.ties import find_ties
 from .outputs import ShardedOutputs
-from .plans import Plan
+from .plans import TPPlan
 from .styles import Replicated
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Plan, outputs: ShardedOutputs,
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedOutputs,
              styles: list[tuple[str, ParallelStyle]] | None = None) -> nn.Module:
     """Split ``model`` in place over the 1-D ``mesh`` by ``plan`` (or by ``styles``, the plan resolved for a
-    pipeline stage: :func:`~paratrain.distributed.tensor_parallel.stages.stage_styles`); every parameter ends a
+    pipeline stage: :func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`); every parameter ends a
     DTensor on ``mesh``.
 
     Ties survive: ``parallelize_module`` gives each module a parameter of its own, so a tied embedding and head

@@ -1,5 +1,5 @@
 """What a strategy holds to add tensor parallelism to itself: the ``tp`` strategy alone, inside ddp/zero2/zero3, or
-inside the stages of a pipeline (``pipeline``/``hybrid``, :mod:`.stages`).
+inside the stages of a pipeline (``pipeline``/``hybrid``, :mod:`.stage_styles`).
 
 The strategy builds the ``(dp, tp)`` mesh from its :class:`~paratrain.dims.ParallelDims`, splits the model over
 ``mesh["tp"]`` first, then wraps it for data parallelism over ``mesh["dp"]`` (torchtitan's order: TP, then FSDP or
@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from ...options import TPConfig
 from .apply import apply_tp
 from .outputs import ShardedOutputs, forward_backward
-from .plans import Plan, plan_for
-from .stages import stage_styles
+from .plans import TPPlan, plan_for
+from .stage_styles import stage_styles
 
 
 class TensorParallel:
@@ -42,18 +42,18 @@ class TensorParallel:
         plan = plan_for(model, self.config.plan)
         return apply_tp(model.to(device), mesh["tp"], plan, self.outputs)
 
-    def plan(self, model: nn.Module) -> Plan:
+    def plan(self, model: nn.Module) -> TPPlan:
         """The plan for ``model``, checked against the whole model before a pipeline cuts it into stages (a stage
         lacks the other stages' modules, so a pattern matching none of its own is no mistake there)."""
         plan = plan_for(model, self.config.plan)
         plan.resolve(model)
         return plan
 
-    def apply_stage(self, stage: nn.Module, plan: Plan, mesh: DeviceMesh, precision: Any, device: torch.device,
+    def apply_stage(self, stage: nn.Module, plan: TPPlan, mesh: DeviceMesh, precision: Any, device: torch.device,
                     first_block: str | None, last_block: str | None) -> nn.Module:
         """Split a pipeline stage (the model with other stages' pieces swapped out) over ``mesh["tp"]`` by the
         whole model's ``plan``, its boundaries whole
-        (:func:`~paratrain.distributed.tensor_parallel.stages.stage_styles`)."""
+        (:func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`)."""
         self._precision, self._device = precision, device
         styles = stage_styles(plan, stage, first_block, last_block)
         return apply_tp(stage.to(device), mesh["tp"], plan, self.outputs, styles)

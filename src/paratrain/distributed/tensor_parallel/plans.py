@@ -32,7 +32,7 @@ from .styles import Colwise, FirstInput, FusedColwise, Replicated, Rowwise, styl
 
 
 @dataclass(frozen=True)
-class Plan:
+class TPPlan:
     """A model's tensor-parallel plan."""
 
     name: str
@@ -100,7 +100,7 @@ def final_norm() -> ParallelStyle:
     return SequenceParallel(use_local_output=False)
 
 
-def gpt2_plan() -> Plan:
+def gpt2_plan() -> TPPlan:
     """transformers' ``GPT2LMHeadModel``: fused ``c_attn`` (``[q | k | v]``), ``Conv1D`` layers, tied head."""
     block = "transformer.h.*"
 
@@ -109,7 +109,7 @@ def gpt2_plan() -> Plan:
             if type(module).__name__ == "GPT2Attention":
                 module.split_size = module.embed_dim // degree  # its c_attn output is now this rank's q, k, v
 
-    return Plan(name="GPT-2", sequence_parallel=True, adjust=adjust, styles={
+    return TPPlan(name="GPT-2", sequence_parallel=True, adjust=adjust, styles={
         "transformer.wte": vocab_embedding(),
         "transformer.wpe": Replicated(),
         "transformer.drop": PrepareModuleInputOutput(
@@ -129,10 +129,10 @@ def gpt2_plan() -> Plan:
                                 4 * model.config.n_embd})
 
 
-def llama_plan() -> Plan:
+def llama_plan() -> TPPlan:
     """transformers' ``LlamaForCausalLM`` (grouped-query attention: key/value heads split too)."""
     layer = "model.layers.*"
-    return Plan(name="Llama", sequence_parallel=True, styles={
+    return TPPlan(name="Llama", sequence_parallel=True, styles={
         "model.embed_tokens": vocab_embedding(),
         "model.layers.0": sequence_shards(),
         f"{layer}.input_layernorm": SequenceParallel(),
@@ -153,20 +153,20 @@ def llama_plan() -> Plan:
                                 "intermediate_size": model.config.intermediate_size})
 
 
-_BUILT_IN: dict[str, Callable[[nn.Module], Plan]] = {
+_BUILT_IN: dict[str, Callable[[nn.Module], TPPlan]] = {
     "GPT2LMHeadModel": lambda model: gpt2_plan(),
     "LlamaForCausalLM": lambda model: llama_plan(),
 }
 
 
-def plan_for(model: nn.Module, user: Mapping[str, str | ParallelStyle] | None) -> Plan:
-    """The user's plan when given, else the model's own (a ``paratrain_tp_plan()`` method returning a ``Plan``, as
+def plan_for(model: nn.Module, user: Mapping[str, str | ParallelStyle] | None) -> TPPlan:
+    """The user's plan when given, else the model's own (a ``paratrain_tp_plan()`` method returning a ``TPPlan``, as
     paratrain's GPT has), else the built-in one for ``model``'s class; a one-line error when none."""
     if user is not None:
         if not isinstance(user, Mapping) or not user:
             raise ConfigError("tp_plan must be a non-empty dict of module-name patterns to styles, e.g. "
                               "{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}")
-        return Plan(name="tp_plan", styles=dict(user))
+        return TPPlan(name="tp_plan", styles=dict(user))
     own = getattr(model, "paratrain_tp_plan", None)
     if callable(own):
         return own()

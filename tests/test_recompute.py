@@ -1,4 +1,4 @@
-"""Activation checkpointing of the repeated blocks (paratrain.model.checkpointing): the same gradients, far less
+"""Activation checkpointing of the repeated blocks (paratrain.model.recompute): the same gradients, far less
 activation memory, the user's parameter names kept, and the planner's --checkpointing figure matched."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 import paratrain
 from paratrain import ConfigError
-from paratrain.model.checkpointing import apply_checkpointing
+from paratrain.model.recompute import apply_checkpointing
 from zoo import ZOO
 
 

@@ -19,11 +19,11 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ...model.stages import AddsNothing, PassThrough
-from .plans import Plan, matches, sequence_shards, whole_sequence
+from .plans import TPPlan, matches, sequence_shards, whole_sequence
 from .styles import style_of
 
 
-def stage_styles(plan: Plan, stage: nn.Module, first_block: str | None,
+def stage_styles(plan: TPPlan, stage: nn.Module, first_block: str | None,
                  last_block: str | None) -> list[tuple[str, ParallelStyle]]:
     """(module name, style) for the modules ``stage`` runs, in plan order; under sequence parallelism the
     sequence is sliced before ``first_block`` and gathered after ``last_block`` (None: the stage holds the model's
