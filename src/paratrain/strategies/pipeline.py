@@ -161,7 +161,7 @@ class PipelinedModel(nn.Module):
 
         losses = [plain(part) for part in losses]
         loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
-        return _share_from_last(loss, self)
+        return _share_loss(loss, self)
 
 
 def _check_divisible(t: torch.Tensor, microbatches: int) -> None:
@@ -170,6 +170,15 @@ def _check_divisible(t: torch.Tensor, microbatches: int) -> None:
             f"a batch of {t.shape[0]} does not split into {microbatches} equal micro-batches; "
             f"use a batch size divisible by {microbatches} (DataLoader drop_last=True helps) or change microbatches"
         )
+
+
+def _share_loss(loss: torch.Tensor, model: PipelinedModel) -> torch.Tensor:
+    """The last stage's batch loss on every rank of the pipeline: one broadcast of a scalar, once a step."""
+    if model.pp_group is None:
+        return loss
+    value = loss.detach().float().reshape(()) if model.is_last else torch.zeros((), device=model.device)
+    dist.broadcast(value, src=model.last_rank, group=model.pp_group)
+    return value
 
 
 def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
