@@ -27,7 +27,7 @@ from .data import ShardedLoader, ShardSampler, shard_loader, shardable
 from .devices import select_device
 from .distributed.grad_norm import clip_grad_norm
 from .distributed.mesh import build_mesh
-from .distributed.metrics import gather_object, reduce_value
+from .distributed.metrics import gather_object, least, reduce_value
 from .distributed.process_group import finish_group, start_process_group
 from .env import ClusterEnv
 from .errors import CheckpointError, ConfigError
@@ -283,12 +283,8 @@ class Parallel:
         then build its mesh; say which and why."""
         from .strategies.auto import choose_strategy
 
-        def least(value: float) -> float:
-            t = torch.tensor(value, dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            return t.item()
-
-        strategy, lines = choose_strategy(model, self.env, self.device, self.precision.name, least)
+        strategy, lines = choose_strategy(model, self.env, self.device, self.precision.name,
+                                          lambda value: least(value, self.device))
         check_ranks_agree({"strategy 'auto' chose": strategy.describe()}, self.rank, self.world_size)
         self.strategy, self._auto_pending = strategy, False
         self.mesh = build_mesh(self.device, strategy.dims(self.env), self.env.world_size)

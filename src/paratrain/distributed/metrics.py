@@ -1,4 +1,4 @@
-"""Numbers a training loop reports, combined over the data-parallel replicas: sums and means, and gathered objects."""
+"""Numbers a job combines over its ranks: sums and means over the data-parallel replicas, minimums, gathered objects."""
 from __future__ import annotations
 
 from typing import Any
@@ -23,6 +23,13 @@ def reduce_value(value: torch.Tensor | float, *, mean: bool, size: int, group: d
         t = t / size
     if isinstance(value, torch.Tensor):
         return t.to(value.device, out_dtype)
+    return t.item()
+
+
+def least(value: float, device: torch.device) -> float:
+    """The smallest ``value`` any rank has (collective over the default group)."""
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return t.item()
 
 

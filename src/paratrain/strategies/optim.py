@@ -10,11 +10,6 @@ from torch import nn
 from ..errors import ConfigError
 
 
-def param_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) → qualified name, taken before a wrapper replaces the parameters."""
-    return {id(p): name for name, p in model.named_parameters()}
-
-
 def param_groups_for(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, *,
                      subset: bool = False) -> list[dict[str, Any]]:
     """The optimizer's param groups (same hyper-parameters) pointing at ``model``'s current parameters.

@@ -48,7 +48,7 @@ from ..precision import Precision
 from .base import Runtime, Strategy, tensor_parallel
 from .ddp import apply_ddp, apply_replicate
 from .fsdp import apply_fsdp
-from .optim import param_names, rebuild
+from .optim import rebuild
 from .pipeline_metadata import keep_buffers_through_metadata_pass
 from .registry import register
 
@@ -287,12 +287,12 @@ class PipelineStrategy(Strategy):
             split = [names.index(p) for p in self.config.split_points]
         starts = cut_points(model, total, split)
         bounds = list(zip(starts, [*starts[1:], len(model)]))
-        original_names = param_names(model)
+        assert rt.facts is not None
         owned = [(names[i], model[i]) for s in mine for i in range(*bounds[s])]
         out = PipelinedModel(owned)
         out.parts = [(s, rt.parallelize(model[bounds[s][0]:bounds[s][1]], data=lambda m: self._place(m, rt)))
                      for s in mine]
-        self._names[id(out)] = original_names
+        self._names[id(out)] = rt.facts.first_names
         return out
 
     def _wrap_blocks(self, model: nn.Module, rt: Runtime, total: int, mine: list[int]) -> PipelinedModel:
@@ -302,7 +302,8 @@ class PipelineStrategy(Strategy):
         out = PipelinedModel(list(here.named_children()))
         # The optimizer maps its parameters by name: a tied tensor is found under the name this rank holds it by
         # (the head's on the last stage), not only under its first name (the embedding's).
-        first = param_names(model)
+        assert rt.facts is not None
+        first = rt.facts.first_names
         names = {**first, **{id(p): n for n, p in here.named_parameters()}}
         out.aliases = {n: first[i] for i, n in names.items() if n != first.get(i, n)}
         out.key_order = list(model.state_dict())
