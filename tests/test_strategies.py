@@ -37,6 +37,34 @@ def test_ddp_options_are_validated():
         paratrain.Parallel("ddp", no_such_option=1)
 
 
+def test_every_data_and_tp_strategy_is_a_row_of_the_preset_table():
+    """One class runs every preset; what tells ddp from zero3 or tp is the row and the options, and the documented
+    constructors build exactly what the name does."""
+    from paratrain import strategies
+
+    env = ClusterEnv(world_size=4, local_world_size=4, launched=True)
+    for name, preset in strategies.PRESETS.items():
+        built = create(name)
+        assert type(built) is strategies.Composed and built.preset is preset
+    assert create("fsdp").preset is strategies.PRESETS["zero3"]
+    documented = {"single": strategies.SingleDevice, "ddp": strategies.DDPStrategy, "zero1": strategies.Zero1Strategy,
+                  "zero2": strategies.Zero2Strategy, "zero3": strategies.Zero3Strategy,
+                  "hsdp": strategies.HSDPStrategy, "tp": strategies.TPStrategy}
+    assert set(documented) == set(strategies.PRESETS)
+    for name, constructor in documented.items():
+        assert constructor().describe() == create(name).describe()
+        if name != "single":
+            assert constructor().dims(env) == create(name).dims(env)
+    config = strategies.DDPStrategy(paratrain.DDPConfig(bucket_cap_mb=50))
+    assert config.describe() == "ddp(bucket_cap_mb=50)"
+    with pytest.raises(ConfigError, match="beside a config object"):
+        strategies.DDPStrategy(paratrain.DDPConfig(), bucket_cap_mb=50)
+    with pytest.raises(ConfigError, match="bad option for strategy 'tp'"):
+        paratrain.Parallel("tp", bucket_cap_mb=1)
+    with pytest.raises(ConfigError, match="'zero1' does not take tp"):
+        create("zero1", tp=2)
+
+
 @pytest.mark.parametrize("kwargs, words", [({"accumulate": 0}, "accumulate"), ({"precision": "fp8"}, "precision"),
                                            ({"accelerator": "tpu"}, "accelerator"), ({"timeout_s": 0}, "timeout")])
 def test_bad_parallel_options(kwargs, words):

@@ -276,7 +276,7 @@ def test_ddp_with_tp_on_a_torch_without_fsdp2_replicate_is_one_line(monkeypatch)
 
     from torch import nn
 
-    from paratrain.strategies.ddp import apply_replicate
+    from paratrain.distributed.data_parallel import apply_replicate
 
     monkeypatch.setitem(sys.modules, "torch.distributed._composable.replicate_with_fsdp", None)  # as before 2.9
     with pytest.raises(paratrain.ConfigError, match=r"replicate, which torch .* does not have.*use zero2 or zero3"):

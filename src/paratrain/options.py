@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 COMM_HOOKS = ("fp16", "bf16", "powersgd")
-"""DDP's gradient-compression hooks by name (:mod:`paratrain.strategies.hooks`)."""
+"""DDP's gradient-compression hooks by name (:mod:`paratrain.distributed.comm_hooks`)."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Pipeline schedules by name."""
 
@@ -37,7 +37,7 @@ class DDPConfig:
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) at every forward."""
     comm_hook: str | None = None
-    """Gradient compression: ``fp16``, ``bf16`` or ``powersgd`` (see ``paratrain.strategies.hooks``)."""
+    """Gradient compression: ``fp16``, ``bf16`` or ``powersgd`` (see ``paratrain.distributed.comm_hooks``)."""
     powersgd_rank: int = 1
     """Rank of PowerSGD's low-rank approximation (higher: more accurate, more traffic)."""
     powersgd_start_iter: int = 10

@@ -75,7 +75,7 @@ def stage_of_layers(n_layers: int, split: Sequence[int]) -> list[int]:
 
 def placement(model: nn.Module, split: Sequence[int]) -> list[int]:
     """Stage of every layer of ``layers(model)`` for the cut points ``split``, tied layers moved together to the
-    stage of the last of them (see ``apply_model_parallel``)."""
+    stage of the last of them (see :func:`paratrain.distributed.model_parallel.apply_model_parallel`)."""
     named = layers(model)
     stage = stage_of_layers(len(named), split)
     index = {name: i for i, (name, _) in enumerate(named)}

@@ -1,20 +1,26 @@
-"""Registered strategies. Importing this package registers every built-in one."""
+"""Registered strategies. Importing this package registers every built-in one: the presets of data and tensor
+parallelism (:mod:`.presets`, run by :class:`~.composed.Composed`) and the engines of their own (pipelines, model
+parallelism, ``nn.DataParallel``). The ``…Strategy`` names are the presets' documented constructors."""
 from ..options import DDPConfig, FSDPConfig, ModelParallelConfig, PipelineConfig
 from .base import Runtime, Strategy
-from .ddp import DDPStrategy, apply_ddp
+from .composed import Composed, preset
 from .dp import DataParallelStrategy
-from .fsdp import HSDPStrategy, Zero2Strategy, Zero3Strategy, apply_fsdp
-from .model_parallel import ModelParallelStrategy, apply_model_parallel
+from .model_parallel import ModelParallelStrategy
 from .pipeline import HybridPipeline, PipelinedModel, PurePipeline
+from .presets import PRESETS, Preset
 from .registry import available, check_name, check_world, create, register, resolve
-from .single import SingleDevice
-from .tensor_parallel import TPStrategy
-from .zero import Zero1Strategy
+
+SingleDevice = preset("single")
+DDPStrategy = preset("ddp")
+Zero1Strategy = preset("zero1")
+Zero2Strategy = preset("zero2")
+Zero3Strategy = preset("zero3")
+HSDPStrategy = preset("hsdp")
+TPStrategy = preset("tp")
 
 __all__ = [
-    "Runtime", "Strategy", "available", "check_name", "check_world", "create", "register", "resolve",
-    "SingleDevice", "DataParallelStrategy", "DDPConfig", "DDPStrategy", "apply_ddp", "Zero1Strategy",
-    "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "apply_fsdp",
-    "PipelineConfig", "PipelinedModel", "PurePipeline", "HybridPipeline",
-    "ModelParallelConfig", "ModelParallelStrategy", "apply_model_parallel", "TPStrategy",
+    "Runtime", "Strategy", "Composed", "Preset", "PRESETS", "preset", "available", "check_name", "check_world",
+    "create", "register", "resolve", "SingleDevice", "DataParallelStrategy", "DDPConfig", "DDPStrategy",
+    "Zero1Strategy", "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "PipelineConfig",
+    "PipelinedModel", "PurePipeline", "HybridPipeline", "ModelParallelConfig", "ModelParallelStrategy", "TPStrategy",
 ]

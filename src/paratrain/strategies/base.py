@@ -1,6 +1,6 @@
 """What a strategy is: a thin object that wraps a model and optimizer for one way of parallelising.
 
-The real work lives in free functions over a model and a ``DeviceMesh`` (``apply_ddp`` and friends) so hybrid
+The real work lives in free functions over a model and a ``DeviceMesh`` (:mod:`paratrain.distributed`) so hybrid
 strategies compose them instead of copying them.
 """
 from __future__ import annotations

@@ -11,48 +11,21 @@ The root module's own parameters (those not inside a layer) stay on the first st
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._pytree import tree_map
 
 from ..dims import ParallelDims
+from ..distributed.data_parallel import apply_ddp
+from ..distributed.model_parallel import apply_model_parallel
 from ..env import ClusterEnv
 from ..errors import ConfigError
-from ..model.cuts import balance, layers, placement
+from ..model.cuts import balance, layers
 from ..options import DDPConfig, ModelParallelConfig
 from .base import Runtime, Strategy
-from .ddp import apply_ddp
 from .registry import register
-
-
-def apply_model_parallel(model: nn.Module, devices: Sequence[torch.device], split: Sequence[int]) -> nn.Module:
-    """Place each layer on its stage's device and move inputs along with forward pre-hooks.
-
-    Layers that share a parameter (a tied embedding and output head) must sit on one device, since one tensor
-    lives on one device: they all go to the stage of the last of them, so the model's output still comes from
-    the last stage.
-    """
-    named = layers(model)
-    stage = placement(model, split)
-    model.to(devices[0])  # root parameters and buffers stay on the first stage
-    for (_, layer), s in zip(named, stage):
-        device = devices[s]
-        layer.to(device)
-        layer.register_forward_pre_hook(_mover(device), with_kwargs=True)
-    return model
-
-
-def _mover(device: torch.device):
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        return tree_map(move, args), tree_map(move, kwargs)
-
-    return hook
 
 
 @register("model_parallel", "mp")

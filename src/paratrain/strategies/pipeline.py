@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dims import ParallelDims
+from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from ..distributed.parallelize import Step
 from ..env import ClusterEnv
 from ..errors import ConfigError
@@ -46,8 +47,6 @@ from ..model.stages import OutputKind, StageModule, StagePlan, build_stage, plan
 from ..options import DDPConfig, FSDPConfig, PipelineConfig, TPConfig
 from ..precision import Precision
 from .base import Runtime, Strategy, tensor_parallel
-from .ddp import apply_ddp, apply_replicate
-from .fsdp import apply_fsdp
 from .optim import rebuild
 from .pipeline_metadata import keep_buffers_through_metadata_pass
 from .registry import register

@@ -11,15 +11,15 @@ from .base import Strategy
 _FACTORIES: dict[str, Callable[..., Strategy]] = {}
 
 
-def register(*names: str) -> Callable[[type[Strategy]], type[Strategy]]:
-    """Class decorator: make a strategy constructible by each of ``names``."""
+def register(*names: str) -> Callable[[Callable[..., Strategy]], Callable[..., Strategy]]:
+    """Decorator of a strategy class (or any factory of one): make it constructible by each of ``names``."""
 
-    def deco(cls: type[Strategy]) -> type[Strategy]:
+    def deco(factory: Callable[..., Strategy]) -> Callable[..., Strategy]:
         for n in names:
             if n in _FACTORIES:
                 raise RuntimeError(f"strategy name {n!r} registered twice")
-            _FACTORIES[n] = cls
-        return cls
+            _FACTORIES[n] = factory
+        return factory
 
     return deco
 

@@ -1,9 +1,16 @@
-"""``ddp``: DistributedDataParallel — a full replica per process, gradients all-reduced in buckets."""
+"""The data-parallel wrappers, as free functions over a model and a ``DeviceMesh``: DDP (``apply_ddp``), FSDP2's
+``replicate`` for tensor-parallel models (``apply_replicate``) and FSDP2's ``fully_shard`` (``apply_fsdp``).
+
+The strategies' presets (:mod:`paratrain.strategies.presets`) and the pipelines' stages both call these, so a
+replica or a shard is made one way everywhere.
+"""
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import re
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -11,10 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ConfigError
-from ..options import DDPConfig, TPConfig
-from .base import Runtime, Strategy, tensor_parallel
-from .optim import rebuild
-from .registry import register
+from ..model.units import shard_units
+from ..options import DDPConfig, FSDPConfig
 
 _DDP_PARAMS = frozenset(inspect.signature(DDP.__init__).parameters)
 
@@ -22,7 +27,7 @@ _DDP_PARAMS = frozenset(inspect.signature(DDP.__init__).parameters)
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, config: DDPConfig) -> DDP:
     """Wrap ``model`` in DDP over the 1-D ``mesh``, after moving it to ``device`` (None: a module already spread
     over several devices, as model parallelism leaves it)."""
-    from .hooks import register_comm_hook, single_bucket_mb
+    from .comm_hooks import register_comm_hook, single_bucket_mb
 
     if device is not None:
         model = model.to(device)
@@ -60,8 +65,29 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy: object | None = None) -> nn.Module:
+    """``fully_shard`` every unit of the wrap policy (:func:`paratrain.model.units.shard_units`), then the root, over
+    ``mesh`` (1-D: FSDP, 2-D: HSDP).
+
+    Only the root casts its output (the policy's ``output_dtype``): a unit's output stays in the compute dtype, as
+    the root's own layers after the last unit (a final norm with 16-bit weights) expect it. The sharding presets
+    give a policy without ``output_dtype``: ``Parallel`` casts the root's outputs itself, except where the loss
+    takes them in the compute dtype (``forward_backward``).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()}
+    for unit in shard_units(model, wrap_classes=config.wrap_classes, min_params=config.min_params):
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=config.reshard_after_forward,
+                    mp_policy=dataclasses.replace(policy, output_dtype=None), **kwargs)
+    fully_shard(model, reshard_after_forward=config.reshard_after_forward, mp_policy=policy, **kwargs)
+    return model
+
+
 @contextmanager
-def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Backward without communication on a model FSDP2 wrapped (``fully_shard`` or ``replicate``)."""
     model.set_requires_gradient_sync(False)  # type: ignore[operator]
     try:
         yield
@@ -83,66 +109,9 @@ class _DDP(DDP):
 
 def unused_parameters_message(module: nn.Module, ddp_message: str) -> str:
     """One line naming the parameters DDP says got no gradient, with the two fixes."""
-    import re
-
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", ddp_message)
     unused = [names[int(i)] for i in found.group(1).split()] if found else []
     which = ", ".join(unused) if unused else "some parameters (set TORCH_DISTRIBUTED_DEBUG=INFO to see which)"
     return (f"ddp: these parameters got no gradient in the last step: {which}; pass find_unused_parameters=True "
             "if they are used only sometimes, or freeze them with requires_grad_(False)")
-
-
-@register("ddp")
-class DDPStrategy(Strategy):
-    """Data parallel with a full replica per process."""
-
-    name = "ddp"
-
-    def __init__(self, config: DDPConfig | None = None, **options: object) -> None:
-        self.tp = tensor_parallel(TPConfig.pop(options))
-        self.config = config if config is not None else DDPConfig(**options)  # type: ignore[arg-type]
-        if self.tp is not None and self.config != DDPConfig():
-            raise ConfigError("ddp with tp replicates through FSDP2's replicate, which takes none of "
-                              "DistributedDataParallel's options; drop them (bucket_cap_mb, comm_hook, …) or drop tp")
-        self._synced_once = False
-
-    def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        mesh = rt.mesh
-        assert mesh is not None, "ddp needs a mesh"
-        if self.tp is not None:  # DistributedDataParallel refuses DTensor parameters; FSDP2's replicate takes them
-            tp = self.tp
-            return rt.parallelize(model, tp=lambda m: tp.apply(m, mesh, rt.precision, rt.device),
-                                  data=lambda m: apply_replicate(m, mesh["dp"]))
-        return rt.parallelize(model, data=lambda m: apply_ddp(m, mesh, rt.device, self.config))
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
-        if self.tp is not None:  # tensor parallel and replicate made new parameter objects
-            assert rt.facts is not None
-            return rebuild(optimizer, rt.facts.first_names, model)
-        return optimizer
-
-    def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        if self.tp is not None:
-            return _no_gradient_sync(model)
-        # static_graph + no_sync before the first synchronised step trips a reducer assert
-        # (pytorch#143580). Syncing that one micro-step early gives the same summed gradient.
-        if self.config.static_graph and not self._synced_once:
-            self._synced_once = True
-            return nullcontext()
-        self._synced_once = True
-        return _ddp(model).no_sync()
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return _ddp(model).module if isinstance(model, DDP) else model
-
-    def describe(self) -> str:
-        if self.tp is not None:
-            return f"ddp({self.tp.describe()})"
-        return f"ddp(bucket_cap_mb={self.config.bucket_cap_mb:g})"
-
-
-def _ddp(model: nn.Module) -> DDP:
-    if not isinstance(model, DDP):
-        raise ConfigError("this model was not prepared by paratrain's ddp strategy; pass the model prepare() returned")
-    return model

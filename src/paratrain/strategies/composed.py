@@ -1,0 +1,134 @@
+"""One strategy class for every preset of :mod:`.presets`: tensor parallelism (when the preset and its options
+ask for it), then the preset's data-parallel engine, in the order :func:`~paratrain.distributed.parallelize.parallelize`
+states. What differs between ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``hsdp``, ``tp`` and ``single`` is data: the
+preset's row and the options given.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..dims import ParallelDims
+from ..distributed.tensor_parallel.degrees import refuse_tp
+from ..env import ClusterEnv
+from ..errors import ConfigError
+from ..options import DDPConfig, FSDPConfig, TPConfig
+from .base import Runtime, Strategy, tensor_parallel
+from .optim import rebuild
+from .presets import PRESETS, Preset
+from .registry import register
+
+
+class Composed(Strategy):
+    """The strategy a :class:`~paratrain.strategies.presets.Preset` describes, with its options."""
+
+    def __init__(self, preset: Preset, config: DDPConfig | FSDPConfig | None = None, **options: object) -> None:
+        self.preset = preset
+        self.name = preset.name  # type: ignore[misc]
+        self.tp = tensor_parallel(_tp_config(preset, options))
+        if config is not None and options:
+            raise ConfigError(f"strategy {preset.name!r} got options {sorted(options)} beside a config object; set "
+                              "them on the config")
+        engine_options = {**preset.defaults, **options} if config is None else {}
+        self.data = preset.engine(engine_options, split=self.tp is not None, config=config)  # type: ignore[arg-type]
+        self.native_precision = self.data.native_precision  # type: ignore[misc]
+
+    def uses_group(self, env: ClusterEnv) -> bool:
+        return self.preset.groups
+
+    def validate(self, env: ClusterEnv) -> None:
+        if not self.preset.groups and env.world_size > 1:
+            raise ConfigError(f"strategy {self.name!r} would train {env.world_size} independent copies "
+                              f"(WORLD_SIZE={env.world_size}); use strategy='ddp' or launch one process")
+        self.dims(env)
+
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        if self.preset.hierarchical:
+            return _hierarchical(self.name, env, self.data.config.shard_size)  # type: ignore[attr-defined]
+        tp = self.tp_degree(env)
+        dp, zero = env.world_size // tp, self.data.zero
+        return ParallelDims(dp_shard=dp, zero=zero, tp=tp) if zero else ParallelDims(dp_replicate=dp, tp=tp)
+
+    def tp_degree(self, env: ClusterEnv) -> int:
+        if self.preset.tp != "all":
+            return super().tp_degree(env)
+        degree = self.tp.config.degree  # type: ignore[union-attr]
+        if degree is not None and degree != env.world_size:
+            replicas = env.world_size // degree if env.world_size % degree == 0 else "k"
+            raise ConfigError(f"strategy {self.name!r} splits each layer over all {env.world_size} processes, not "
+                              f"tp={degree}; for {replicas} replicas of tp={degree} use Parallel('ddp', tp={degree}) "
+                              f"or Parallel('zero3', tp={degree})")
+        return env.world_size
+
+    def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
+        mesh, tp = rt.mesh, self.tp
+        split = None if tp is None else (lambda m: tp.apply(m, mesh, rt.precision, rt.device))
+        # data parallelism spans the whole mesh (1-D, or HSDP's replicate x shard), or its dp part beside tp
+        data_mesh = mesh["dp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else mesh
+        return rt.parallelize(model, tp=split, data=self.data.step(rt, data_mesh))
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
+        if self.data.swaps_parameters or self.tp is not None:  # the optimizer must hold the new parameter objects
+            assert rt.facts is not None
+            optimizer = rebuild(optimizer, rt.facts.first_names, model)
+        return self.data.wrap_optimizer(optimizer, self.unwrap(model), rt)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return self.data.no_sync(model)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.data.unwrap(model)
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self.data.optimizer_state(self.unwrap(model), optimizer)
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        self.data.load_optimizer_state(self.unwrap(model), optimizer, state)
+
+    def describe(self) -> str:
+        if self.preset.tp == "all":
+            return self.tp.describe()  # type: ignore[union-attr]
+        parts = [part for part in (self.data.detail(), self.tp.describe() if self.tp else None) if part]
+        return f"{self.name}({', '.join(parts)})" if parts else self.name
+
+
+def _tp_config(preset: Preset, options: dict[str, Any]) -> TPConfig | None:
+    """The tensor-parallel part of ``options`` (taken out of them) as ``preset`` reads it."""
+    if preset.tp == "never":
+        refuse_tp(preset.name, options)
+        return None
+    if preset.tp == "all":
+        return TPConfig(degree=options.pop("tp", None), plan=options.pop("tp_plan", None))
+    return TPConfig.pop(options)
+
+
+def _hierarchical(name: str, env: ClusterEnv, shard: int | None) -> ParallelDims:
+    """Shard groups of ``shard`` ranks (default: a node's processes, or half the world on one node), replicated
+    across the groups; a split that is plain zero3 or ddp says so."""
+    world_size = env.world_size
+    if world_size < 4:
+        raise ConfigError(f"{name} shards within groups and replicates across them: it needs at least 4 "
+                          f"processes, got {world_size}; use zero3 or ddp, or launch more (-n 4)")
+    if shard is None:
+        shard = env.local_world_size if env.local_world_size < world_size else world_size // 2
+    if shard < 1 or world_size % shard:
+        raise ConfigError(f"{name} cannot split {world_size} processes into shard groups of {shard}; "
+                          "set shard_size to a divisor of the world size")
+    if shard == world_size or shard == 1:
+        raise ConfigError(f"{name} with shard groups of {shard} out of {world_size} processes is plain "
+                          f"{'zero3' if shard == world_size else 'ddp'}; use that, or more processes (e.g. -n 4)")
+    return ParallelDims(dp_replicate=world_size // shard, dp_shard=shard, zero=3)
+
+
+def preset(name: str) -> Callable[..., Composed]:
+    """The constructor of preset ``name``: ``preset("zero3")(FSDPConfig(wrap_classes=[Block]))``."""
+    return partial(Composed, PRESETS[name])
+
+
+for _preset in PRESETS.values():
+    register(_preset.name, *_preset.aliases)(preset(_preset.name))

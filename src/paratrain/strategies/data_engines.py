@@ -1,0 +1,193 @@
+"""What realises a preset's data-parallel dimension: nothing (one replica), DDP, DDP with a sharded optimizer
+(ZeRO-1), or FSDP2's sharding (ZeRO-2/3, HSDP).
+
+An engine says how the model is wrapped over the data mesh, what its wrapper does to the optimizer, how backward
+skips communication inside an accumulation window, and how its optimizer state is checkpointed. The composed
+strategy (:mod:`paratrain.strategies.composed`) puts one engine after tensor parallelism; the wrappers themselves
+are :mod:`paratrain.distributed.data_parallel`'s free functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
+from ..distributed.parallelize import Step
+from ..errors import ConfigError
+from ..options import DDPConfig, FSDPConfig
+from .base import Runtime
+from .optim import constructor_defaults, param_groups_for
+
+
+class OneReplica:
+    """No data parallelism: the model on this rank's device (``single``, and ``tp``'s one group)."""
+
+    zero = 0
+    """The ZeRO stage the engine shards at (0: nothing sharded)."""
+    native_precision = False
+    """True when the wrapper applies mixed precision itself (FSDP's policy) instead of autocast."""
+    swaps_parameters = False
+    """True when the wrapper makes new parameter objects, so the optimizer is rebuilt over them."""
+
+    def __init__(self, options: dict[str, Any], split: bool, config: object | None = None) -> None:
+        if options or config is not None:
+            raise TypeError(f"unexpected option(s) {sorted(options) or [type(config).__name__]}")
+
+    def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
+        """Place (and wrap) the model over ``mesh``, the data-parallel part of the job's mesh."""
+        return lambda m: m.to(rt.device)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module,
+                       rt: Runtime) -> torch.optim.Optimizer:
+        return optimizer
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return nullcontext()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def optimizer_state(self, inner: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from ..checkpoint.states import optimizer_state
+
+        return optimizer_state(inner, optimizer)
+
+    def load_optimizer_state(self, inner: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from ..checkpoint.states import load_optimizer_state
+
+        load_optimizer_state(inner, optimizer, state)
+
+    def detail(self) -> str | None:
+        """The engine's options worth naming in the strategy's description (None: none)."""
+        return None
+
+
+class Replicas(OneReplica):
+    """A full replica per rank, gradients all-reduced: DDP, or FSDP2's ``replicate`` when tensor parallelism made
+    the parameters DTensors (``DistributedDataParallel`` refuses those)."""
+
+    def __init__(self, options: dict[str, Any], split: bool, config: DDPConfig | None = None) -> None:
+        self.config = config if config is not None else DDPConfig(**options)
+        self.split = split
+        if split and self.config != DDPConfig():
+            raise ConfigError("ddp with tp replicates through FSDP2's replicate, which takes none of "
+                              "DistributedDataParallel's options; drop them (bucket_cap_mb, comm_hook, …) or drop tp")
+        self.swaps_parameters = split
+        self._synced_once = False
+
+    def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
+        assert mesh is not None, "data parallelism needs a mesh"
+        if self.split:
+            return lambda m: apply_replicate(m, mesh)
+        return lambda m: apply_ddp(m, mesh, rt.device, self.config)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        if self.split:
+            return no_gradient_sync(model)
+        # static_graph + no_sync before the first synchronised step trips a reducer assert
+        # (pytorch#143580). Syncing that one micro-step early gives the same summed gradient.
+        if self.config.static_graph and not self._synced_once:
+            self._synced_once = True
+            return nullcontext()
+        self._synced_once = True
+        return _ddp(model).no_sync()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DDP) else model
+
+    def detail(self) -> str | None:
+        return None if self.split else f"bucket_cap_mb={self.config.bucket_cap_mb:g}"
+
+
+class ShardedOptimizer(Replicas):
+    """ZeRO-1: DDP for the gradients, the optimizer state sharded by ``ZeroRedundancyOptimizer`` (whole parameters
+    per rank, so the split can be uneven)."""
+
+    zero = 1
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module,
+                       rt: Runtime) -> torch.optim.Optimizer:
+        names = {id(p): n for n, p in inner.named_parameters()}
+        groups = param_groups_for(optimizer, names, inner)
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports FSDP and DTensor: 1-2 s, when used
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                       process_group=rt.mesh.get_group() if rt.mesh is not None else None,
+                                       **constructor_defaults(optimizer))
+
+    def optimizer_state(self, inner: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The state of the parameters this rank's partition holds (so each rank writes its own part), plus
+        every parameter's hyper-parameters.
+
+        ZeroRedundancyOptimizer copies its groups' settings (the LR a scheduler set) into the local optimizer only
+        when it steps, so they are copied here first. The settings of every parameter, not only this rank's,
+        make the state a complete template for loading: a group with no parameter in this rank's partition still
+        gets its LR back.
+        """
+        from ..checkpoint.states import hyperparameters
+
+        _copy_settings(optimizer.param_groups, optimizer.optim.param_groups)
+        names = {id(p): n for n, p in inner.named_parameters()}
+        return {**hyperparameters(optimizer.param_groups, names), **super().optimizer_state(inner, optimizer.optim)}
+
+    def load_optimizer_state(self, inner: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        super().load_optimizer_state(inner, optimizer.optim, state)
+        names = {id(p): n for n, p in inner.named_parameters()}
+        for group in optimizer.param_groups:
+            first = names[id(group["params"][0])]
+            group.update({k: state[f"param_groups.{first}.{k}"] for k in group if k != "params"})
+        _copy_settings(optimizer.param_groups, optimizer.optim.param_groups)
+
+    def detail(self) -> str | None:
+        return "ddp + ZeroRedundancyOptimizer"
+
+
+class Shards(OneReplica):
+    """FSDP2's ``fully_shard``: parameters, gradients and optimizer state sharded over the data mesh (1-D, or
+    HSDP's replicate x shard). Each block of the wrap policy is one communication unit: its parameters are gathered
+    before its forward and its gradients reduce-scattered after its backward; re-sharded after the forward (ZeRO-3)
+    or kept gathered until the backward (ZeRO-2)."""
+
+    native_precision = True
+    swaps_parameters = True
+
+    def __init__(self, options: dict[str, Any], split: bool, config: FSDPConfig | None = None) -> None:
+        self.config = config if config is not None else FSDPConfig(**options)
+
+    @property
+    def zero(self) -> int:  # type: ignore[override]
+        return 3 if self.config.reshard_after_forward else 2
+
+    def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
+        assert mesh is not None, "sharding needs a mesh"
+        policy = dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None)
+
+        def shard(m: nn.Module) -> nn.Module:
+            placed = m.to(rt.device) if not self.config.cpu_offload else m
+            return apply_fsdp(placed, mesh, self.config, policy)
+
+        return shard
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        return no_gradient_sync(model)
+
+    def detail(self) -> str | None:
+        return f"reshard_after_forward={self.config.reshard_after_forward}"
+
+
+def _ddp(model: nn.Module) -> DDP:
+    if not isinstance(model, DDP):
+        raise ConfigError("this model was not prepared by paratrain's ddp strategy; pass the model prepare() returned")
+    return model
+
+
+def _copy_settings(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """Copy every group setting but the parameters, group by group (ZeRO keeps the groups' order per rank)."""
+    for src, dst in zip(source, target, strict=True):
+        dst.update({k: v for k, v in src.items() if k != "params"})
