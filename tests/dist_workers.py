@@ -79,11 +79,11 @@ def seeding_probe(seed: int) -> dict[str, object]:
     return {"init": init, "after": after, "worker": worker_draws}
 
 
-def reductions() -> tuple[float, float, list[float], int]:
+def reductions() -> tuple[float, float, list[float], int, int, float]:
     par = paratrain.Parallel("ddp")
     r = par.rank
     out = (par.mean(float(r)), par.sum(r + 1.0), par.mean(torch.tensor([r, 2.0 * r])).tolist(),
-           int(par.sum(torch.tensor(r + 1))))
+           int(par.sum(torch.tensor(r + 1))), par.sum(30 - r), par.mean(r))
     par.barrier()
     par.close()
     return out

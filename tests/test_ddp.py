@@ -53,8 +53,9 @@ def test_seed_everything_same_init_distinct_data_streams():
 
 
 def test_metric_reductions_across_ranks():
-    for mean, total, vec, isum in spawn(reductions, 2):
+    for mean, total, vec, isum, count, imean in spawn(reductions, 2):
         assert mean == 0.5 and total == 3.0 and vec == [0.5, 1.0] and isum == 3
+        assert f"{count}/512" == "59/512" and isinstance(imean, float) and imean == 0.5  # a count stays an int
 
 
 def test_a_group_started_by_the_script_is_used_and_left_alone():

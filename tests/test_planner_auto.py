@@ -3,12 +3,14 @@ when given the model's TP shape."""
 from dataclasses import replace
 
 import pytest
+import torch
 from torch import nn
 
 from paratrain.planner import Layout, Training
 from paratrain.planner.auto import choose, parameter_stats, processes_vs_threads
 from paratrain.planner.hardware import cpu_host, make_cluster
 from paratrain.planner.model_stats import TPShape
+from paratrain.planner.optimizers import planned, state_tensors
 from paratrain.planner.recommend import estimate
 from paratrain.planner.transformer import transformer_params
 from paratrain.workloads.gpt import GPT, GPTConfig
@@ -66,3 +68,38 @@ def test_auto_stays_on_the_data_parallel_mesh_unless_given_a_tp_shape():
     chosen = choose(model, tight, "fp32", tp=shape)
     assert (chosen.strategy, chosen.tp) == ("zero3", 2)
     assert chosen.reason.startswith("zero3 alone needs ") and "tp=2 splits the units it gathers" in chosen.reason
+
+
+@pytest.mark.parametrize("make, states", [
+    (lambda p: torch.optim.SGD(p, lr=0.1), 0), (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
+    (lambda p: torch.optim.Adam(p), 2), (lambda p: torch.optim.Adam(p, amsgrad=True), 3),
+    (lambda p: torch.optim.AdamW(p), 2), (lambda p: torch.optim.Adadelta(p), 2), (lambda p: torch.optim.Adagrad(p), 1),
+    (lambda p: torch.optim.RMSprop(p), 1), (lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True), 3),
+    (lambda p: torch.optim.Adamax(p), 2), (lambda p: torch.optim.NAdam(p), 2), (lambda p: torch.optim.RAdam(p), 2),
+    (lambda p: torch.optim.Rprop(p), 2), (lambda p: torch.optim.ASGD(p), 1),
+])
+def test_the_planner_counts_the_state_tensors_torch_keeps(make, states):
+    model = nn.Linear(3, 2)
+    opt = make(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    kept = {sum(1 for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.shape == p.shape)
+            for p in model.parameters()}
+    assert state_tensors(opt) == states and kept == {states}
+
+
+def test_auto_names_the_optimizer_it_plans_or_says_what_it_assumes():
+    model, cluster = _mlp(), replace(make_cluster("cpu", gpus=2), device=cpu_host(cores=2))
+    assumed = choose(model, cluster, "fp32")
+    sgd = choose(model, cluster, "fp32", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert "assuming AdamW's 2 optimizer states per parameter" in assumed.reason
+    assert "with SGD, which keeps no optimizer state" in sgd.reason and "Adam" not in sgd.reason
+    need = [float(c.reason.split(" need ")[1].split(" GiB")[0]) for c in (assumed, sgd)]
+    assert need[1] < need[0]  # no moments planned
+    note = processes_vs_threads(model, cluster, "fp32", "ddp", torch.optim.Adagrad(model.parameters()))
+    assert "(the Adagrad step alone: " in note and "Adam" not in note
+    assert "(the optimizer step alone, AdamW's assumed: " in processes_vs_threads(model, cluster, "fp32", "ddp")
+    lbfgs = planned(torch.optim.LBFGS(model.parameters()))
+    assert lbfgs.key == "adamw" and "LBFGS's are not known to the planner" in lbfgs.states
+    assert planned(torch.optim.Adam(model.parameters(), amsgrad=True)).states.endswith("3 optimizer states per "
+                                                                                      "parameter, planned as 2")

@@ -95,6 +95,7 @@ def test_metrics_reduce_in_one_process():
     t = par.mean(torch.tensor([1.0, 2.0]))
     assert t.dtype == torch.float32 and t.tolist() == [1.0, 2.0]
     assert par.sum(torch.tensor(4)).dtype == torch.int64
+    assert repr(par.sum(59)) == "59" and repr(par.sum(59.0)) == "59.0" and repr(par.mean(3)) == "3.0"
 
 
 def test_prepare_rejects_foreign_objects_and_optimizer_first():

@@ -22,6 +22,7 @@ from torch import nn
 from .hardware import Cluster, make_cluster
 from .layout import Layout
 from .model_stats import ModelStats, TPShape, wrap_units
+from .optimizers import PlannedOptimizer, planned
 from .recommend import estimate
 from .tensor_parallel import tp_degrees
 from .training import Training
@@ -63,9 +64,9 @@ def local_cluster(device: torch.device, world_size: int, local_world_size: int) 
     return make_cluster("cpu", gpus=local_world_size, nodes=nodes)
 
 
-def _training(precision: str) -> Training:
+def _training(precision: str, optimizer: PlannedOptimizer) -> Training:
     return Training(precision=precision if precision in ("fp32", "bf16-mixed", "fp16-mixed") else "fp32",
-                    optimizer="adamw", micro_batch=1)
+                    optimizer=optimizer.key, micro_batch=1)
 
 
 def _layout(name: str, n: int) -> Layout:
@@ -73,8 +74,12 @@ def _layout(name: str, n: int) -> Layout:
     return Layout(name=name, dp=n, zero=zero, shard=n if zero else 1)
 
 
-def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None) -> AutoChoice:
-    """The first of ddp, zero1, zero2, zero3 whose model states fit one rank's memory (Adam assumed).
+def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None,
+           optimizer: torch.optim.Optimizer | None = None) -> AutoChoice:
+    """The first of ddp, zero1, zero2, zero3 whose model states fit one rank's memory.
+
+    ``optimizer``: the user's, whose states are planned (:mod:`.optimizers`); None assumes AdamW, and the reason
+    says so.
 
     ``tp``: what the model's tensor-parallel plan splits, per wrap unit (``model_stats.wrap_units``' order). Given,
     and when even zero3 does not fit, zero3 over groups of tp ranks is tried, least tp first: it splits the
@@ -83,14 +88,15 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     """
     stats = replace(parameter_stats(model), tp=tp)
     n = cluster.world_size
-    training = _training(precision)
+    opt = planned(optimizer)
+    training = _training(precision, opt)
     tried = []
     for name, _ in CANDIDATES:
         e = estimate(stats, _layout(name, n), training, cluster)
         tried.append(f"{name} {e.memory.total / GIB:.2f}")
         if e.fits:
             why = (f"{stats.params / 1e6:.1f}M parameters need {e.memory.total / GIB:.2f} GiB per rank under {name} "
-                   f"(model states with Adam, buffers, runtime), of {e.capacity / GIB:.1f} GiB")
+                   f"(model states {opt.states}; buffers, runtime), of {e.capacity / GIB:.1f} GiB")
             if name != "ddp":
                 why += f" (ddp would need {tried[0].split()[1]} GiB)"
             return AutoChoice(strategy=name, reason=why)
@@ -105,11 +111,14 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
                                                            "rank); zero3 shards the most — see `paratrain plan`")
 
 
-def processes_vs_threads(model: nn.Module, cluster: Cluster, precision: str, strategy: str) -> str:
+def processes_vs_threads(model: nn.Module, cluster: Cluster, precision: str, strategy: str,
+                         optimizer: torch.optim.Optimizer | None = None) -> str:
     """On a CPU host: what ``cluster.ranks_per_node`` processes add to a step over one process using every core
-    as threads, by the planner's time model (Adam assumed; compute, which they split evenly, left out)."""
+    as threads, by the planner's time model (the optimizer as in ``choose``; compute, which they split evenly,
+    left out)."""
     stats = parameter_stats(model)
-    training = _training(precision)
+    opt = planned(optimizer)
+    training = _training(precision, opt)
     one = estimate(stats, Layout(name="single"), training, cluster).time
     many = estimate(stats, _layout(strategy, cluster.world_size), training, cluster).time
     n, cores = cluster.ranks_per_node, cluster.device.cores or cluster.ranks_per_node
@@ -117,7 +126,7 @@ def processes_vs_threads(model: nn.Module, cluster: Cluster, precision: str, str
     return (f"{shared}, so together they compute no faster than one process with {cores} threads, and by the "
             f"planner each step takes {1e3 * (many.step_s - one.step_s):.1f} ms longer: "
             f"{1e3 * many.exposed_comm_s:.1f} ms of {strategy}'s gradient traffic over gloo, and every process runs "
-            f"its optimizer step and streams all the weights at its share of the cores (the Adam step alone: "
+            f"its optimizer step and streams all the weights at its share of the cores ({opt.step}: "
             f"{1e3 * many.optimizer_s:.1f} ms instead of {1e3 * one.optimizer_s:.1f}). More processes will be slower "
             f"here than threads: use them to test parallel code (`paratrain plan --gpu cpu --measure` estimates "
             f"whole steps)")

@@ -27,17 +27,19 @@ BEFORE_THE_MODEL = ("strategy 'auto' chooses the layout when prepare() sees the 
 
 
 def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, precision: str,
-                    least: Callable[[float], float]) -> tuple[Strategy, list[str]]:
+                    least: Callable[[float], float], optimizer: torch.optim.Optimizer | None = None,
+                    ) -> tuple[Strategy, list[str]]:
     """The strategy ``auto`` picks for ``model`` on this job, and the lines that say which and why (rank 0 prints
-    them). ``least(x)``: the minimum of ``x`` over the ranks."""
+    them). ``least(x)``: the minimum of ``x`` over the ranks. ``optimizer``: the user's, when ``prepare`` was
+    given it with the model; its states are planned, else AdamW's are assumed (and the lines say so)."""
     cluster = local_cluster(device, env.world_size, env.local_world_size)
     cluster = replace(cluster, device=replace(cluster.device, memory_gib=least(cluster.device.memory_gib)))
-    choice = choose(model, cluster, precision)
+    choice = choose(model, cluster, precision, optimizer=optimizer)
     if not choice.fits and (shape := model_shape(model)) is not None:
-        choice = choose(model, cluster, precision, tp=shape)
+        choice = choose(model, cluster, precision, tp=shape, optimizer=optimizer)
     strategy = create(choice.strategy, **({"tp": choice.tp} if choice.tp > 1 else {}))
     strategy.validate(env)
     lines = [f"paratrain: strategy 'auto' chose {choice.describe()}: {choice.reason}"]
     if device.type == "cpu":
-        lines.append(f"paratrain: note: {processes_vs_threads(model, cluster, precision, choice.strategy)}")
+        lines.append(f"paratrain: note: {processes_vs_threads(model, cluster, precision, choice.strategy, optimizer)}")
     return strategy, lines
