@@ -19,7 +19,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     2: ("model",),
     3: ("distributed", "planner", "checkpoint"),
     4: ("strategies", "launch"),
-    5: ("parallel", "monitor"),
+    5: ("parallel", "loop", "monitor"),
     6: ("workloads", "demo", "bench", "verify", "doctor", "testing"),
     7: ("cli", "__main__", ""),  # "": the package's own __init__, the façade over everything
 }

@@ -27,6 +27,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from torch.utils.data.distributed import DistributedSampler
 
 from .errors import CheckpointError, ConfigError
+from .seeding import rank_seed
 
 
 class ShardSampler(DistributedSampler):
@@ -173,6 +174,17 @@ def _refuse_empty(samples: int, per_rank: int, batch_size: int, drop_last: bool,
         raise ConfigError(f"this loader gives each of the {world_size} data-parallel ranks 0 batches ({samples} "
                           f"samples, {per_rank} per rank, batch size {batch_size}, drop_last={drop_last}): an epoch would "
                           "take no optimizer step; use drop_last=False, a smaller batch or fewer ranks")
+
+
+def prepare_loader(loader: DataLoader, *, rank: int, size: int, seed: int, even: bool, required: bool) -> DataLoader:
+    """``loader``'s shard ``rank`` of ``size``, shuffled by ``seed`` and drawing worker seeds from a per-rank
+    generator. With ``required`` False (one process) a loader that cannot be rebuilt is kept as it is; sharded into
+    one, the others are tracked all the same, so a checkpoint knows their position."""
+    if not required and not shardable(loader):
+        return loader
+    generator = torch.Generator()
+    generator.manual_seed(rank_seed(seed, rank))
+    return shard_loader(loader, rank=rank, world_size=size, seed=seed, even=even, generator=generator)
 
 
 def shardable(loader: DataLoader) -> bool:

@@ -2,7 +2,9 @@
 
 It reads the launcher's environment, starts the process group, picks the device, and wraps the user's model,
 optimizer and data loaders for the chosen strategy. Every piece of state lives on the object: two
-``Parallel`` objects in one process (in tests, say) do not share anything by accident.
+``Parallel`` objects in one process (in tests, say) do not share anything by accident. The work itself lives in
+the components it composes: the strategy, the precision, the loop (:mod:`paratrain.loop`), the checkpoints
+(:mod:`paratrain.checkpoint.auto`), the monitor.
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,14 @@ from . import strategies
 from .call_watch import CallWatch, collective
 from .checkpoint.auto import AutoCheckpoint
 from .checkpoint.config import CheckpointConfig
-from .data import ShardedLoader, ShardSampler, shard_loader, shardable
+from .data import ShardedLoader, prepare_loader
 from .devices import select_device
-from .distributed.grad_norm import clip_grad_norm
 from .distributed.mesh import build_mesh
-from .distributed.metrics import gather_object, least, reduce_value
+from .distributed.metrics import gather_object, reduce_value
 from .distributed.process_group import finish_group, start_process_group
 from .env import ClusterEnv
-from .errors import CheckpointError, ConfigError
+from .errors import ConfigError
+from .loop import StepInfo, finish_step, idle_epoch_warning, start_epoch
 from .model.facts import ModelFacts
 from .monitor import MonitorConfig, monitor_for, resolve
 from .options import BlockTransforms
@@ -40,15 +41,7 @@ from .rank_log import rank_logger
 from .seeding import rank_seed, seed_all, use_deterministic_kernels
 from .strategies.base import Runtime, Strategy
 
-
-@dataclass(frozen=True)
-class StepInfo:
-    """What one ``Parallel.step`` micro-step is."""
-
-    micro_step: int
-    """Index inside the accumulation window, 0 … accumulate-1."""
-    sync: bool
-    """True on the last micro-step: gradients are communicated and the optimizer steps."""
+__all__ = ["Parallel", "StepInfo"]
 
 
 class Parallel:
@@ -112,6 +105,7 @@ class Parallel:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
+        self.accumulate, self.clip_grad_norm = accumulate, clip_grad_norm
         monitor_config = resolve(monitor)
         self.transforms = BlockTransforms.of(activation_checkpointing, compile)
         """Activation checkpointing and compilation of the model's blocks in ``prepare``."""
@@ -125,8 +119,6 @@ class Parallel:
         self._auto_pending = strategy == "auto" and self.env.world_size > 1 and not strategy_options
         self.strategy.validate(self.env)
         self.precision: Precision = create_precision(precision)
-        self.accumulate = accumulate
-        self.clip_grad_norm = clip_grad_norm
         self.last_grad_norm: float | None = None
         self.device = select_device(self.env.local_rank, accelerator)
         self.precision.validate(self.device)
@@ -151,7 +143,7 @@ class Parallel:
         self._optimizers: list[tuple[nn.Module, torch.optim.Optimizer]] = []
         self._schedulers: list[Any] = []
         self._loaders: list[DataLoader] = []
-        self._auto_checkpoint = AutoCheckpoint(self.checkpoint_config)
+        self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print)
         self.logger = rank_logger(self.env)
         self.monitor = monitor_for(monitor_config, self)
         if seed is not None:
@@ -205,7 +197,6 @@ class Parallel:
                 "precision": self.precision.name, "accumulate": str(self.accumulate),
                 "mesh": "auto" if self._auto_pending else str(self.strategy.dims(self.env).mesh_shape())}
 
-    # ----------------------------------------------------------------- seeding
     def seed_everything(self, seed: int) -> None:
         """Seed every RNG identically on all ranks, so models built next initialise identically.
 
@@ -227,39 +218,42 @@ class Parallel:
         """
         out: list[Any] = []
         model: nn.Module | None = None
-        for obj in objects:
+        for i, obj in enumerate(objects):
             if isinstance(obj, nn.Module):
-                model = self.prepare_model(obj)
+                after = next((o for o in objects[i + 1:] if isinstance(o, (nn.Module, torch.optim.Optimizer))), None)
+                model = self.prepare_model(obj, optimizer=after if isinstance(after, torch.optim.Optimizer) else None)
                 out.append(model)
             elif isinstance(obj, torch.optim.Optimizer):
                 if model is None:
                     raise ConfigError("prepare() got an optimizer before any model; pass the model first")
-                record = self._records[id(model)]
-                record.check_source(obj)
-                wrapped = self.strategy.wrap_optimizer(obj, model, self._runtime(record))
-                record.check_kept(obj, wrapped, self.strategy.unwrap(model), self.strategy.name)
-                self._optimizers.append((model, wrapped))
-                out.append(wrapped)
+                out.append(self._prepare_optimizer(model, obj))
             elif isinstance(obj, DataLoader):
                 out.append(self.prepare_loader(obj))
             elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-                self._prepare_scheduler(obj)
+                if not any(obj.optimizer is opt for _, opt in self._optimizers):
+                    raise ConfigError("this LR scheduler is not built on an optimizer that prepare() returned; "
+                                      "prepare the optimizer first, then build the scheduler on the returned one and "
+                                      "pass it to prepare()")
+                self._schedulers.append(obj)
                 out.append(obj)
             else:
-                raise ConfigError(
-                    f"prepare() takes nn.Module, torch.optim.Optimizer, DataLoader and LR scheduler objects, got "
-                    f"{type(obj).__name__}"
-                )
+                raise ConfigError(f"prepare() takes nn.Module, torch.optim.Optimizer, DataLoader and LR scheduler "
+                                  f"objects, got {type(obj).__name__}")
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
         """Place and wrap one model for the strategy and the precision.
 
         ``par.device`` then names where the model's outputs land (the last stage for ``model_parallel``), so
-        moving targets there is always right.
+        moving targets there is always right. ``optimizer`` (``prepare`` passes the one that follows the model) is
+        only read by ``strategy="auto"``, to plan its states rather than assume AdamW's; it is not prepared here.
         """
-        if self._auto_pending:
-            self._choose_auto(model)
+        if self._auto_pending:  # choose the layout once for this model, agreed by every rank, then build its mesh
+            from .strategies.auto import agree_on_strategy
+
+            self.strategy = agree_on_strategy(model, optimizer, self.env, self.device, self.precision.name, self.print)
+            self._auto_pending = False
+            self.mesh = build_mesh(self.device, self.strategy.dims(self.env), self.env.world_size)
         facts = ModelFacts.of(model)  # before anything is wrapped: blocks, ties, names
         rt = self._runtime(facts)
         wrapped = self.strategy.wrap_model(model, rt)
@@ -272,24 +266,13 @@ class Parallel:
         self._models.append(wrapped)
         return wrapped
 
-    def _prepare_scheduler(self, scheduler: Any) -> None:
-        if not any(scheduler.optimizer is opt for _, opt in self._optimizers):
-            raise ConfigError("this LR scheduler is not built on an optimizer that prepare() returned; prepare the "
-                              "optimizer first, then build the scheduler on the returned one and pass it to prepare()")
-        self._schedulers.append(scheduler)
-
-    def _choose_auto(self, model: nn.Module) -> None:
-        """Choose the layout once for this model (:mod:`paratrain.strategies.auto`), check every rank chose alike,
-        then build its mesh; say which and why."""
-        from .strategies.auto import choose_strategy
-
-        strategy, lines = choose_strategy(model, self.env, self.device, self.precision.name,
-                                          lambda value: least(value, self.device))
-        check_ranks_agree({"strategy 'auto' chose": strategy.describe()}, self.rank, self.world_size)
-        self.strategy, self._auto_pending = strategy, False
-        self.mesh = build_mesh(self.device, strategy.dims(self.env), self.env.world_size)
-        for line in lines:
-            self.print(line)
+    def _prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        record = self._records[id(model)]
+        record.check_source(optimizer)
+        wrapped = self.strategy.wrap_optimizer(optimizer, model, self._runtime(record))
+        record.check_kept(optimizer, wrapped, self.strategy.unwrap(model), self.strategy.name)
+        self._optimizers.append((model, wrapped))
+        return wrapped
 
     def prepare_loader(self, loader: DataLoader, *, even: bool = True, shard: bool = True) -> DataLoader:
         """A per-rank copy of ``loader`` (see :mod:`paratrain.data` for what happens to the tail).
@@ -299,25 +282,15 @@ class Parallel:
                 once with uneven shards (evaluation).
             shard: ``False`` keeps the loader as it is (it already reads a per-rank part of the data).
         """
-        if not shard:
-            return self._monitored(loader)
-        if self._distributed:
-            rank, size, _ = self._data_parallel()  # pipeline stages share their batches
-        elif shardable(loader):  # one process: a shard of one, so its position is tracked all the same
-            rank, size = 0, 1
-        else:
-            return self._monitored(loader)
-        seed = self.data_seed
-        generator = torch.Generator()
-        generator.manual_seed(rank_seed(seed, rank))
-        sharded = shard_loader(loader, rank=rank, world_size=size, seed=seed, even=even, generator=generator)
-        if isinstance(sharded, ShardedLoader):
-            sharded.before_fetch = self._flush_checkpoint
-            self._loaders.append(sharded)
-        return self._monitored(sharded)
-
-    def _monitored(self, loader: DataLoader) -> DataLoader:
-        return self.monitor.wrap_loader(loader) if self.monitor is not None else loader
+        prepared = loader
+        if shard:  # pipeline stages and tensor-parallel groups share their batches
+            rank, size, _ = self._data_parallel() if self._distributed else (0, 1, None)
+            prepared = prepare_loader(loader, rank=rank, size=size, seed=self.data_seed, even=even,
+                                      required=self._distributed)
+        if isinstance(prepared, ShardedLoader):
+            prepared.before_fetch = self._flush_checkpoint
+            self._loaders.append(prepared)
+        return self.monitor.wrap_loader(prepared) if self.monitor is not None else prepared
 
     @property
     def data_seed(self) -> int:
@@ -342,33 +315,25 @@ class Parallel:
 
     # ----------------------------------------------------------------- the loop
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
-        """Yield epoch numbers ``start … n-1``, setting every prepared sampler's epoch so the order changes.
+        """Yield ``range(start, n)`` (0-based by default; ``n`` is where it stops, not a count), setting every
+        prepared sampler's epoch so the order changes.
 
         It first resumes from the latest checkpoint when the job is set to (see ``resume``); after a load it
         starts at the checkpoint's epoch, whose prepared loaders then yield only the batches not yet trained.
         """
         self.resume()
-        first = self._resume_epoch if self._resume_epoch is not None else start
-        resumed, warned = self._resume_epoch_of(first), False
-        for epoch in range(first, n):
+        resumed, self._resume_epoch = self._resume_epoch, None  # the epoch a load resumes inside, if any
+        warned = False
+        for epoch in range(resumed if resumed is not None else start, n):
             self.epoch = epoch
-            for loader in self._loaders:
-                if isinstance(loader.sampler, ShardSampler):
-                    loader.sampler.set_epoch(epoch)
+            start_epoch(self._loaders, epoch)
             steps = self.optimizer_steps
             yield epoch
             if self._optimizers and self.optimizer_steps == steps and epoch != resumed and not warned:
                 warned = True  # once per loop: accumulate more micro-steps than an epoch has batches, say
                 if self.is_main:
-                    print(f"paratrain: warning: epoch {epoch} took no optimizer step (accumulate={self.accumulate}, "
-                          "batches this epoch fewer than that, or none); check the loader and accumulate",
-                          file=sys.stderr, flush=True)
+                    print(idle_epoch_warning(epoch, self.accumulate), file=sys.stderr, flush=True)
             self.epoch = epoch + 1
-
-    def _resume_epoch_of(self, first: int) -> int | None:
-        """The epoch a load resumes inside (it may have no batch left to train), once."""
-        resumed, self._resume_epoch = self._resume_epoch, None
-        return first if resumed is not None else None
 
     @contextmanager
     @collective("par.step")
@@ -382,16 +347,10 @@ class Parallel:
             yield info
         self._micro_step = (self._micro_step + 1) % self.accumulate
         if info.sync:
-            self.strategy.sync_gradients(model)
-            if self.clip_grad_norm is not None:
-                self.precision.unscale(optimizer)
-                self.last_grad_norm = clip_grad_norm(model.parameters(), self.clip_grad_norm,
-                                                     group=self.strategy.grad_norm_group(model),
-                                                     counted=self.strategy.grad_norm_parameters(model))
-            self.precision.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+            norm = finish_step(self.strategy, model, optimizer, self.precision, self.clip_grad_norm)
+            self.last_grad_norm = norm if norm is not None else self.last_grad_norm
             self.optimizer_steps += 1
-            self._auto_checkpoint.stepped(self.optimizer_steps)
+            self._checkpoints.stepped(self.optimizer_steps)
             if self.monitor is not None:
                 self.monitor.stepped()
 
@@ -417,18 +376,17 @@ class Parallel:
     # ----------------------------------------------------------------- collectives for metrics
     @collective("par.sum")
     def sum(self, value: torch.Tensor | float) -> torch.Tensor | float:
-        """Sum of ``value`` over all ranks (a tensor stays a tensor, a number stays a number)."""
-        return self._reduce(value, mean=False)
+        """Sum of ``value`` over the data-parallel replicas: a tensor keeps its dtype and device, an int comes back
+        an int, any other number a float."""
+        _, size, group = self._data_parallel()  # a pipeline's stages hold one replica's value
+        return reduce_value(value, mean=False, size=size, group=group, device=self.device)
 
     @collective("par.mean")
     def mean(self, value: torch.Tensor | float) -> torch.Tensor | float:
-        """Mean of ``value`` over all ranks."""
-        return self._reduce(value, mean=True)
-
-    def _reduce(self, value: torch.Tensor | float, *, mean: bool) -> torch.Tensor | float:
-        """All-reduce over the data-parallel replicas (a pipeline's stages hold one replica's value)."""
+        """Mean of ``value`` over the data-parallel replicas: always floating (a float, or float64 for an integer
+        tensor)."""
         _, size, group = self._data_parallel()
-        return reduce_value(value, mean=mean, size=size, group=group, device=self.device)
+        return reduce_value(value, mean=True, size=size, group=group, device=self.device)
 
     @collective("par.barrier")
     def barrier(self) -> None:
@@ -446,15 +404,7 @@ class Parallel:
         step, the epoch and each prepared loader's position in it, and every rank's RNG states. Call it between
         optimizer steps. Returns the checkpoint's folder.
         """
-        from .checkpoint.io import save
-
-        if self._micro_step != 0:
-            raise CheckpointError(f"save() inside an accumulation window (micro-step {self._micro_step} of "
-                                  f"{self.accumulate}); call it after the optimizer step")
-        root = self._auto_checkpoint.root(path)
-        folder = save(self._checkpoint_targets(), root, self.checkpoint_config.keep)
-        self._auto_checkpoint.saved(root, self.optimizer_steps)
-        return folder
+        return self._checkpoints.save(self._checkpoint_targets(), path, self._micro_step, self.accumulate)
 
     @collective("par.load")
     def load(self, path: str | os.PathLike | None = None) -> Path:
@@ -464,17 +414,9 @@ class Parallel:
         saved epoch and position. Works at another world size or strategy: sharded state is resharded. Returns
         the checkpoint's folder.
         """
-        from .checkpoint.io import load
-
-        position = load(self._checkpoint_targets(), self._auto_checkpoint.root(path))
-        self._auto_checkpoint.loaded()
-        if not self._optimizers:
-            self.print(f"paratrain: loaded the model weights of {position.folder} (no optimizer was prepared)")
-            return position.folder
-        self.optimizer_steps, self.epoch, self._resume_epoch = position.step, position.epoch, position.epoch
-        where = f", epoch {position.epoch}" if position.epoch is not None else ""
-        moved = f", saved by {position.world_size} process(es)" if position.world_size != self.world_size else ""
-        self.print(f"paratrain: resumed from {position.folder} (step {position.step}{where}{moved})")
+        position = self._checkpoints.load(self._checkpoint_targets(), path)
+        if self._optimizers:  # weights alone (no optimizer prepared) do not move the loop
+            self.optimizer_steps, self.epoch, self._resume_epoch = position.step, position.epoch, position.epoch
         return position.folder
 
     def resume(self) -> Path | None:
@@ -482,16 +424,11 @@ class Parallel:
 
         ``epochs()`` calls it; call it yourself before a loop that does not use ``epochs()``.
         """
-        if not self._auto_checkpoint.wants_resume():
-            return None
-        found = self._auto_checkpoint.start()
-        if found is None:
-            self.print(f"paratrain: no checkpoint in {self.checkpoint_config.dir} yet; starting from the beginning")
-            return None
-        return self.load(found)
+        found = self._checkpoints.to_resume()
+        return self.load(found) if found is not None else None
 
     def _flush_checkpoint(self) -> None:
-        self._auto_checkpoint.flush(self.save, self.optimizer_steps)
+        self._checkpoints.flush(self.save, self.optimizer_steps)
 
     def _checkpoint_targets(self) -> Any:
         from .checkpoint.io import Targets
@@ -501,14 +438,13 @@ class Parallel:
                        step=self.optimizer_steps, epoch=self.epoch, rank=self.rank, world_size=self.world_size,
                        barrier=self.barrier, gather=gather_object)
 
-    # ----------------------------------------------------------------- output
+    # ----------------------------------------------------------------- output and teardown
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
         if self.is_main:
             kwargs.setdefault("flush", True)
             print(*args, **kwargs)
 
-    # ----------------------------------------------------------------- teardown
     @collective("par.close")
     def close(self) -> None:
         """Wait for every rank, then destroy the process group if this object created it (safely on gloo: see
@@ -533,5 +469,3 @@ class Parallel:
     def __repr__(self) -> str:
         return (f"Parallel(strategy={self.strategy.describe()}, rank={self.rank}/{self.world_size}, "
                 f"device={self.device}, precision={self.precision.name}, accumulate={self.accumulate})")
-
-

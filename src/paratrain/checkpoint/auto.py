@@ -12,15 +12,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CheckpointError
-from . import layout
+from . import io, layout
 from .config import CheckpointConfig
 
 
 class AutoCheckpoint:
-    """The save-every-N and resume-at-start bookkeeping of one ``Parallel``."""
+    """The checkpoints of one ``Parallel``: ``par.save``/``par.load`` where asked or in ``checkpoint_dir``, the
+    save every N steps, and the resume at start-up. ``say`` prints a line on rank 0."""
 
-    def __init__(self, config: CheckpointConfig) -> None:
+    def __init__(self, config: CheckpointConfig, say: Callable[[str], None] = print) -> None:
         self.config = config
+        self._say = say
         self._due = False
         self._started = False
         self._saved: tuple[Path, int] | None = None
@@ -62,3 +64,34 @@ class AutoCheckpoint:
     def loaded(self) -> None:
         """A checkpoint was loaded by hand: start-up has nothing left to resume."""
         self._started = True
+
+    def save(self, targets: io.Targets, path: str | os.PathLike | None, micro_step: int, accumulate: int) -> Path:
+        """Write ``targets`` into ``path`` (else ``checkpoint_dir``); refused inside an accumulation window."""
+        if micro_step != 0:
+            raise CheckpointError(f"save() inside an accumulation window (micro-step {micro_step} of {accumulate}); "
+                                  "call it after the optimizer step")
+        root = self.root(path)
+        folder = io.save(targets, root, self.config.keep)
+        self.saved(root, targets.step)
+        return folder
+
+    def load(self, targets: io.Targets, path: str | os.PathLike | None) -> io.Position:
+        """Restore ``targets`` from ``path`` (a ``step-…`` folder or a root's latest) and say what was loaded."""
+        position = io.load(targets, self.root(path))
+        self.loaded()
+        if not targets.optimizers:
+            self._say(f"paratrain: loaded the model weights of {position.folder} (no optimizer was prepared)")
+            return position
+        where = f", epoch {position.epoch}" if position.epoch is not None else ""
+        moved = f", saved by {position.world_size} process(es)" if position.world_size != targets.world_size else ""
+        self._say(f"paratrain: resumed from {position.folder} (step {position.step}{where}{moved})")
+        return position
+
+    def to_resume(self) -> Path | None:
+        """The checkpoint start-up resumes from, once, if the job is set to resume and one exists."""
+        if not self.wants_resume():
+            return None
+        found = self.start()
+        if found is None:
+            self._say(f"paratrain: no checkpoint in {self.config.dir} yet; starting from the beginning")
+        return found

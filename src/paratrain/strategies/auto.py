@@ -15,8 +15,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..distributed.metrics import least
 from ..env import ClusterEnv
 from ..planner.auto import choose, local_cluster, processes_vs_threads
+from ..rank_agreement import check_ranks_agree
 from .base import Strategy
 from .registry import create
 from .tp_shape import model_shape
@@ -43,3 +45,14 @@ def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, pre
     if device.type == "cpu":
         lines.append(f"paratrain: note: {processes_vs_threads(model, cluster, precision, choice.strategy, optimizer)}")
     return strategy, lines
+
+
+def agree_on_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, env: ClusterEnv, device: torch.device,
+                      precision: str, say: Callable[[str], None]) -> Strategy:
+    """:func:`choose_strategy` from the least memory over the ranks, checked to be the same choice on every rank
+    (collective); ``say`` prints which and why."""
+    strategy, lines = choose_strategy(model, env, device, precision, lambda value: least(value, device), optimizer)
+    check_ranks_agree({"strategy 'auto' chose": strategy.describe()}, env.rank, env.world_size)
+    for line in lines:
+        say(line)
+    return strategy
