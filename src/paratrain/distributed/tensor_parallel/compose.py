@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ...options import TPConfig
+from ...rank_agreement import check_ranks_agree
 from .apply import apply_tp
 from .outputs import ShardedOutputs, forward_backward
 from .infer import choose_plan
@@ -52,8 +53,15 @@ class TensorParallel:
 
     @staticmethod
     def _say(plan: TPPlan) -> TPPlan:
-        """Print an inferred plan's summary on global rank 0: the user sees what ``tp_plan="auto"`` split."""
-        if plan.summary and (not dist.is_initialized() or dist.get_rank() == 0):
+        """An inferred plan (``tp_plan="auto"``): checked to be the same on every rank (each inferred it from its
+        own copy of the model, with a probe whose numbers could differ on another device), its summary printed
+        on global rank 0, so the user sees what was split."""
+        if not plan.summary:
+            return plan
+        if dist.is_initialized():
+            check_ranks_agree({"tp_plan='auto' splits": ", ".join(plan.styles)}, dist.get_rank(),
+                              dist.get_world_size())
+        if not dist.is_initialized() or dist.get_rank() == 0:
             print("\n".join(plan.summary), flush=True)
         return plan
 
