@@ -136,12 +136,15 @@ class TPConfig:
 
     degree: int | None = None
     """Ranks that split each layer (``tp=``); None: every rank (the ``tp`` strategy)."""
-    plan: Mapping[str, str | ParallelStyle] | None = None
-    """Module-name patterns → styles (``tp_plan=``); None: the model's built-in plan."""
+    plan: Mapping[str, str | ParallelStyle] | str | None = None
+    """Module-name patterns → styles (``tp_plan=``), or ``"auto"`` (a plan inferred from the model's blocks);
+    None: the model's built-in plan, else an inferred one."""
 
     def __post_init__(self) -> None:
         if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 1):
             raise ConfigError(f"tp must be an integer >= 1 (ranks that split each layer), got {self.degree!r}")
+        if isinstance(self.plan, str) and self.plan != "auto":
+            raise ConfigError(f"tp_plan must be 'auto' or a dict of module-name patterns to styles, not {self.plan!r}")
 
     @classmethod
     def pop(cls, options: dict[str, Any]) -> "TPConfig | None":

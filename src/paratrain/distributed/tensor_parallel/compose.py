@@ -18,9 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ...options import TPConfig
+from ...rank_agreement import check_ranks_agree
 from .apply import apply_tp
 from .outputs import ShardedOutputs, forward_backward
-from .plans import TPPlan, plan_for
+from .infer import choose_plan
+from .plans import TPPlan
 from .stage_styles import stage_styles
 
 
@@ -39,14 +41,28 @@ class TensorParallel:
         self._precision, self._device = precision, device
         if "tp" not in (mesh.mesh_dim_names or ()):
             return model.to(device)
-        plan = plan_for(model, self.config.plan)
+        plan = self._say(choose_plan(model, self.config.plan, mesh["tp"].size()))
         return apply_tp(model.to(device), mesh["tp"], plan, self.outputs)
 
     def plan(self, model: nn.Module) -> TPPlan:
         """The plan for ``model``, checked against the whole model before a pipeline cuts it into stages (a stage
         lacks the other stages' modules, so a pattern matching none of its own is no mistake there)."""
-        plan = plan_for(model, self.config.plan)
+        plan = self._say(choose_plan(model, self.config.plan, self.config.degree))
         plan.resolve(model)
+        return plan
+
+    @staticmethod
+    def _say(plan: TPPlan) -> TPPlan:
+        """An inferred plan (``tp_plan="auto"``): checked to be the same on every rank (each inferred it from its
+        own copy of the model, with a probe whose numbers could differ on another device), its summary printed
+        on global rank 0, so the user sees what was split."""
+        if not plan.summary:
+            return plan
+        if dist.is_initialized():
+            check_ranks_agree({"tp_plan='auto' splits": ", ".join(plan.styles)}, dist.get_rank(),
+                              dist.get_world_size())
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print("\n".join(plan.summary), flush=True)
         return plan
 
     def apply_stage(self, stage: nn.Module, plan: TPPlan, mesh: DeviceMesh, precision: Any, device: torch.device,
@@ -85,4 +101,6 @@ class TensorParallel:
         return forward_backward(self.outputs, model, x, target, loss_fn, scale, self._precision, self._device)
 
     def describe(self) -> str:
-        return f"tp={self.config.degree or 'all'}" + (", tp_plan" if self.config.plan is not None else "")
+        plan = self.config.plan
+        return f"tp={self.config.degree or 'all'}" + ("" if plan is None else f", tp_plan={plan!r}" if
+                                                      isinstance(plan, str) else ", tp_plan")

@@ -14,7 +14,8 @@ method, as our GPT in :mod:`paratrain.workloads.gpt` does). All follow one patte
 * everything else (GPT-2's position table) replicated.
 
 A pattern matches a module's qualified name part by part, ``*`` standing for one part (``layers.*.mlp``). A user
-plan replaces the built-in one; parameters it does not split are replicated.
+plan replaces the built-in one; parameters it does not split are replicated. A model with no plan gets one
+inferred from its blocks (``tp_plan="auto"``, :mod:`.infer`).
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ class TPPlan:
     """Sizes (heads, widths) that must divide by the degree, by name."""
     adjust: Callable[[nn.Module, int], None] = field(default=lambda model, degree: None)
     """Changes to the model's own bookkeeping once split (GPT-2's attention splits its output by width)."""
+    summary: tuple[str, ...] = ()
+    """What an inferred plan splits and leaves whole, as lines printed once on rank 0 (``tp_plan="auto"``)."""
 
     def resolve(self, model: nn.Module) -> list[tuple[str, ParallelStyle]]:
         """(module name, style) for every module the plan names, in plan order; a pattern matching no module is a
@@ -159,12 +162,18 @@ _BUILT_IN: dict[str, Callable[[nn.Module], TPPlan]] = {
 }
 
 
+def has_plan(model: nn.Module) -> bool:
+    """Whether ``model`` carries a plan of its own or has a built-in one."""
+    return callable(getattr(model, "paratrain_tp_plan", None)) or type(model).__name__ in _BUILT_IN
+
+
 def plan_for(model: nn.Module, user: Mapping[str, str | ParallelStyle] | None) -> TPPlan:
     """The user's plan when given, else the model's own (a ``paratrain_tp_plan()`` method returning a ``TPPlan``, as
-    paratrain's GPT has), else the built-in one for ``model``'s class; a one-line error when none."""
+    paratrain's GPT has), else the built-in one for ``model``'s class; a one-line error when none (the runtime
+    infers one then: :func:`~paratrain.distributed.tensor_parallel.infer.choose_plan`)."""
     if user is not None:
         if not isinstance(user, Mapping) or not user:
-            raise ConfigError("tp_plan must be a non-empty dict of module-name patterns to styles, e.g. "
+            raise ConfigError("tp_plan must be 'auto' or a non-empty dict of module-name patterns to styles, e.g. "
                               "{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}")
         return TPPlan(name="tp_plan", styles=dict(user))
     own = getattr(model, "paratrain_tp_plan", None)
@@ -174,6 +183,6 @@ def plan_for(model: nn.Module, user: Mapping[str, str | ParallelStyle] | None) -
     build = _BUILT_IN.get(kind)
     if build is None:
         raise ConfigError(f"tensor parallelism has no plan for {kind} (built in: GPT-2, Llama, paratrain's GPT); "
-                          "give one: Parallel('tp', tp_plan={'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': "
-                          "'rowwise', ...})")
+                          "infer one (tp_plan='auto') or give one: Parallel('tp', tp_plan={'layers.*.mlp.up': "
+                          "'colwise', 'layers.*.mlp.down': 'rowwise', ...})")
     return build(model)

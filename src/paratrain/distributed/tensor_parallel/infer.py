@@ -1,0 +1,251 @@
+"""``tp_plan="auto"``: a tensor-parallel plan inferred for a transformer paratrain has no plan for.
+
+The model's repeated blocks (:mod:`paratrain.model.structure`) are read for the same pattern the built-in plans
+write by hand (:mod:`.plans`): in each block, attention's query/key/value projections (separate, or one fused
+projection) column-split and its output projection row-split; the MLP's up (and gate) projections column-split
+and its down projection row-split; the token embedding and the output head split over the vocabulary, a tie kept.
+Counts the attention module keeps for its reshapes (``n_head``, ``num_heads``, ``n_embd``, ``split_size`` ...) are
+divided by the degree on every rank; ``head_dim`` stays. Layers are found by their usual names and checked by
+their shapes, and every split of a block is tried on one process before it is kept (:mod:`.probe`): what does
+not compute what the unsplit block computes stays replicated, and the plan's summary says so. No sequence
+parallelism: the norms and the residual stream stay whole on every rank, which asks nothing of the model's code.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ...errors import ConfigError
+from ...model.structure import Blocks, find_blocks, outer_modules
+from ...model.ties import find_ties
+from .plans import TPPlan, has_plan, matches, plan_for, vocab_embedding
+from .probe import Split, block_call, dims, evaluating, verify
+from .styles import Colwise, FusedColwise, Rowwise
+
+QUERY = {"q_proj", "q", "query", "wq", "to_q", "q_lin", "query_proj"}
+KEY = {"k_proj", "k", "key", "wk", "to_k", "k_lin", "key_proj"}
+VALUE = {"v_proj", "v", "value", "wv", "to_v", "v_lin", "value_proj"}
+FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "to_qkv", "att_proj", "in_proj", "attn_proj"}
+OUTPUT = {"o_proj", "out_proj", "c_proj", "proj", "dense", "wo", "o", "out", "to_out", "out_lin", "attn_out",
+          "output", "proj_out"}
+HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nheads")
+KV_HEADS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
+WIDTHS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim", "d_model", "dim")
+
+
+def choose_plan(model: nn.Module, user: Mapping[str, str | ParallelStyle] | str | None, degree: int | None) -> TPPlan:
+    """The plan a job over ``degree`` tp ranks uses: inferred for ``user="auto"``, and for a model with no plan
+    when the user gave none; else :func:`~.plans.plan_for`'s (the user's, the model's own, the built-in one)."""
+    if isinstance(user, str) and user != "auto":
+        raise ConfigError(f"tp_plan must be 'auto' or a dict of module-name patterns to styles, not {user!r}")
+    if user == "auto" or (user is None and not has_plan(model)):
+        if degree is None:
+            raise ConfigError("tp_plan='auto' infers a plan for a tp degree; give tp=N")
+        return infer_plan(model, degree)
+    return plan_for(model, user)  # type: ignore[arg-type]
+
+
+def infer_plan(model: nn.Module, degree: int) -> TPPlan:
+    """The plan ``tp_plan="auto"`` gives ``model`` over ``degree`` ranks (see the module docstring); a one-line
+    ``ConfigError`` when attention's heads do not divide by ``degree`` or nothing can be split."""
+    kind = type(model).__name__
+    blocks = find_blocks(model)
+    styles: dict = {}
+    said: list[str] = []
+    whole: list[str] = []
+    sizes: dict[str, int] = {}
+    vocab = _vocabulary(model, blocks, styles, said, whole)
+    adjust: list[tuple[str, str]] = []
+    if blocks is None:
+        whole.append("no repeated blocks found")
+    else:
+        with evaluating(model):
+            adjust = _split_blocks(model, blocks, degree, vocab, styles, said, whole, sizes)
+    if not styles:
+        raise ConfigError(f"tp_plan='auto' found nothing in {kind} it can split safely ({'; '.join(whole)}); give a "
+                          "tp_plan={'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise', ...}")
+    summary = (f"paratrain: tp_plan='auto' for {kind} over tp={degree} (no sequence parallelism):",
+               *(f"  {line}" for line in said), *(f"  replicated: {w}" for w in [*whole, "everything else"]))
+    return TPPlan(name=f"tp_plan='auto' for {kind}", styles=styles, summary=summary,
+                  divisible=lambda m: dict(sizes), adjust=lambda m, d: _adjust(m, adjust, d))
+
+
+def _vocabulary(model: nn.Module, blocks: Blocks | None, styles: dict, said: list[str], whole: list[str]) -> int:
+    """Split the token embedding and the output head over the vocabulary (both, when they are tied, or neither);
+    returns the vocabulary size (for the probe's token ids)."""
+    before, after = outer_modules(model, blocks) if blocks is not None else ([""], [])
+    embeddings = [(n, m) for n, m in _under(model, before) if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        whole.append("no token embedding before the blocks")
+        return 2
+    embedding = max(embeddings, key=lambda e: e[1].num_embeddings)
+    heads = [(n, m) for n, m in _under(model, after)
+             if isinstance(m, nn.Linear) and m.out_features == embedding[1].num_embeddings]
+    head = heads[-1] if heads else None
+    tied = {g for group in find_ties(model).groups for g in group}
+    pair = {f"{embedding[0]}.weight"} | ({f"{head[0]}.weight"} if head else set())
+    partners = {name for group in find_ties(model).groups if pair & set(group) for name in group}
+    if partners - pair:
+        whole.append(f"{embedding[0]}{' and ' + head[0] if head else ''} (tied to {sorted(partners - pair)[0]})")
+        return embedding[1].num_embeddings
+    styles[embedding[0]] = vocab_embedding()
+    said.append(f"{embedding[0]} -> rowwise (vocabulary)")
+    if head is not None:
+        styles[head[0]] = Colwise(output_layouts=Shard(-1), use_local_output=False)
+        tie = f"; tied to {embedding[0]}" if f"{head[0]}.weight" in tied else ""
+        said.append(f"{head[0]} -> colwise (vocabulary, logits left split for the loss{tie})")
+    return embedding[1].num_embeddings
+
+
+def _under(model: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    out = []
+    for name in names:
+        prefix = f"{name}." if name else ""
+        out.extend((f"{prefix}{n}" if n else name, m) for n, m in model.get_submodule(name).named_modules())
+    return out
+
+
+def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, styles: dict, said: list[str],
+                  whole: list[str], sizes: dict[str, int]) -> list[tuple[str, str]]:
+    """Find attention and the MLP in the first block, keep each split the probe confirms, and give the patterns
+    for every block; returns the (module pattern, attribute) pairs to divide by the degree."""
+    block = model.get_submodule(blocks.names[0])
+    pattern = f"{blocks.container}.*" if blocks.container else "*"
+    layers = {n: m for n, m in block.named_modules() if n and dims(m) is not None}
+    attention = _attention(block, layers, degree, pattern, sizes)
+    taken = set() if isinstance(attention, str) else {n for s in attention for n in (*s.columns, *s.rows)}
+    hidden = None if isinstance(attention, str) else dims(layers[next(iter(attention[0].columns))])[0]  # type: ignore
+    mlp = _mlp({n: m for n, m in layers.items() if n not in taken}, hidden, degree)
+    found = [(what, v) for what, v in (("attention", attention), ("MLP", mlp)) if not isinstance(v, str)]
+    call = block_call(model, block, vocab) if found else ""
+    chosen: list[tuple[str, Split]] = []
+    for what, variants in (("attention", attention), ("MLP", mlp)):
+        if isinstance(variants, str):
+            whole.append(f"{pattern} {what} ({variants})")
+        elif isinstance(call, str):
+            whole.append(f"{pattern} {what} (a split cannot be checked: {call})")
+        elif None in (reasons := [verify(block, v, degree, *call) for v in variants]):
+            chosen.append((what, variants[reasons.index(None)]))
+        else:
+            whole.append(f"{pattern} {what} ({_names(variants[0])}: {reasons[0]})")
+    if len(chosen) == 2 and not isinstance(call, str):
+        why = verify(block, chosen[0][1] + chosen[1][1], degree, *call)
+        if why is not None:
+            whole.append(f"{pattern} MLP (with attention split too: {why})")
+            chosen.pop()
+    adjust = []
+    for what, split in chosen:
+        for name, parts in split.columns.items():
+            styles[f"{pattern}.{name}"] = FusedColwise(parts) if parts > 1 else Colwise()
+            said.append(f"{pattern}.{name} -> {f'fused_colwise({parts})' if parts > 1 else 'colwise'} ({what})")
+        for name in split.rows:
+            styles[f"{pattern}.{name}"] = Rowwise()
+            said.append(f"{pattern}.{name} -> rowwise ({what})")
+        adjust.extend((f"{pattern}.{owner}" if owner else pattern, attr) for owner, attr in split.adjust)
+    if adjust:
+        said.append(f"per rank, divided by {degree}: {', '.join(f'{o}.{a}' for o, a in adjust)}")
+    return adjust
+
+
+def _names(split: Split) -> str:
+    return ", ".join([*split.columns, *split.rows])
+
+
+def _child(layers: dict[str, nn.Module], owner: str, role: set[str]) -> str | None:
+    """The first layer directly under ``owner`` whose own name has ``role``."""
+    return next((n for n in layers if n.rpartition(".")[0] == owner and n.rpartition(".")[2].lower() in role), None)
+
+
+def _attention(block: nn.Module, layers: dict[str, nn.Module], degree: int, pattern: str,
+               sizes: dict[str, int]) -> list[Split] | str:
+    """The ways attention's layers may split, best first, or why there are none; a one-line error when its heads
+    do not divide by ``degree``."""
+    for owner in dict.fromkeys(n.rpartition(".")[0] for n in layers):
+        q, k, v = (_child(layers, owner, role) for role in (QUERY, KEY, VALUE))
+        fused = _child(layers, owner, FUSED)
+        if q and k and v:
+            columns = [{q: 1, k: 1, v: 1}]
+            widths = dims(layers[q])[1], dims(layers[k])[1]  # type: ignore[index]
+            break
+        if fused and dims(layers[fused])[1] % 3 == 0:  # type: ignore[index]
+            columns = [{fused: 3}, {fused: 1}]  # [q | k | v] side by side, or laid out per head
+            widths = (dims(layers[fused])[1] // 3,) * 2  # type: ignore[index]
+            break
+    else:
+        return "no query/key/value projections recognised"
+    out = _output(layers, owner, set(columns[0]), widths[0])
+    if out is None:
+        return f"no output projection taking {widths[0]} features next to {', '.join(columns[0])}"
+    module = block.get_submodule(owner)
+    where = f"{pattern}.{owner}" if owner else pattern
+    for attrs in (HEADS, KV_HEADS):
+        attr, count = _count(module, attrs)
+        if count is not None:
+            if count % degree:
+                raise ConfigError(f"tp_plan='auto': {where} has {attr}={count} heads, which do not split over "
+                                  f"tp={degree}; choose a tp that divides {count}")
+            sizes[f"{where}.{attr}"] = count
+    if any(w % degree for w in widths):
+        return f"its widths {widths} do not split over tp={degree}"
+    adjust = tuple((owner, a) for a in (*HEADS, *KV_HEADS) if _int(module, a) is not None) + tuple(
+        (owner, a) for a in WIDTHS if _int(module, a) in widths)
+    return [Split(columns=c, rows=(out,), adjust=a) for c in columns for a in dict.fromkeys((adjust, ()))]
+
+
+def _output(layers: dict[str, nn.Module], owner: str, columns: set[str], width: int) -> str | None:
+    """Attention's output projection: beside the q/k/v layers, or else beside the module holding them (BERT's
+    ``attention.output.dense`` next to ``attention.self``)."""
+    def takes(n: str) -> bool:
+        return n not in columns and n.rpartition(".")[2].lower() in OUTPUT and dims(layers[n])[0] == width  # type: ignore
+
+    found = next((n for n in layers if n.rpartition(".")[0] == owner and takes(n)), None)
+    if found is None and owner:
+        up = owner.rpartition(".")[0]
+        found = next((n for n in layers if (not up or n.startswith(f"{up}.")) and not n.startswith(f"{owner}.")
+                      and takes(n)), None)
+    return found
+
+
+def _int(module: nn.Module, attr: str) -> int | None:
+    value = getattr(module, attr, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _count(module: nn.Module, attrs: tuple[str, ...]) -> tuple[str, int | None]:
+    """A head count the module keeps, or its transformers config says."""
+    for owner in (module, getattr(module, "config", None)):
+        for attr in attrs:
+            if owner is not None and (value := _int(owner, attr)) is not None:
+                return attr, value
+    return "", None
+
+
+def _mlp(layers: dict[str, nn.Module], hidden: int | None, degree: int) -> list[Split] | str:
+    """The MLP's splits, best first, or why there are none: a down projection ``F -> hidden`` and the layers that
+    feed it, ``hidden -> F`` (up, gate) or one ``hidden -> 2F`` (gate and up fused)."""
+    for down, layer in layers.items():
+        width, h = dims(layer)  # type: ignore[misc]
+        if width == h or (hidden is not None and h != hidden):
+            continue
+        ups = [n for n, m in layers.items() if n != down and dims(m) in ((h, width), (h, 2 * width))]
+        fused = [n for n in ups if dims(layers[n])[1] == 2 * width]  # type: ignore[index]
+        if not ups or len(ups) > 2 or (fused and len(ups) > 1):
+            continue
+        if width % degree:
+            return f"its width {width} does not split over tp={degree}"
+        if fused:
+            return [Split(columns={fused[0]: 2}, rows=(down,)), Split(columns={fused[0]: 1}, rows=(down,))]
+        return [Split(columns=dict.fromkeys(ups, 1), rows=(down,))]
+    return "no up and down projections recognised"
+
+
+def _adjust(model: nn.Module, adjust: list[tuple[str, str]], degree: int) -> None:
+    """Divide the counts the split attention modules read by ``degree`` (on a pipeline stage, in the blocks it
+    holds)."""
+    for pattern, attr in adjust:
+        for name, module in model.named_modules():
+            if matches(pattern, name) and _int(module, attr) is not None:
+                setattr(module, attr, getattr(module, attr) // degree)

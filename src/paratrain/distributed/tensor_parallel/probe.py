@@ -1,0 +1,200 @@
+"""Checking an inferred split on one process, before any rank applies it (``tp_plan="auto"``, :mod:`.infer`).
+
+Names and shapes only suggest which layer is a query or an output projection; whether a block still computes the
+same thing once split depends on its forward, which may reshape by an attribute paratrain did not adjust or by the
+width of its input (nanoGPT's ``C // n_head``) and then run silently wrong or fail. So every proposed split is
+tried: the model runs on a few token ids until its first block is called (those are the block's real arguments:
+masks, rotary angles), and that block is run as each tensor-parallel rank would run it — its split layers cut to
+the rank's slices, its bookkeeping adjusted — with the all-reduce after each row-split layer emulated by summing
+the ranks' partial outputs. A split is kept only when every rank's output equals the unsplit block's.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .styles import is_conv1d
+
+_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Split:
+    """Layers of one block (names relative to it) and how each is split."""
+
+    columns: dict[str, int]
+    """Column-split layers → how many equal blocks their output holds side by side (1: a plain split)."""
+    rows: tuple[str, ...]
+    """Row-split layers (their outputs all-reduced)."""
+    adjust: tuple[tuple[str, str], ...] = ()
+    """(module, attribute): counts and widths the block's code reads, divided by the degree on every rank."""
+
+    def __add__(self, other: "Split") -> "Split":
+        return Split(columns={**self.columns, **other.columns}, rows=self.rows + other.rows,
+                     adjust=self.adjust + other.adjust)
+
+
+def dims(layer: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of an ``nn.Linear`` or transformers' ``Conv1D``; None for anything else."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    if is_conv1d(layer):
+        return layer.weight.shape[0], layer.nf
+    return None
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode without gradients (no dropout, no statistics updated), its modes restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+class _Called(Exception):
+    pass
+
+
+def block_call(model: nn.Module, block: nn.Module, vocab: int) -> tuple[tuple, dict] | str:
+    """The arguments ``block`` gets when ``model`` runs on a few token ids below ``vocab`` (the model stops there),
+    or why they could not be had. Caches are left out, so the block can be run again and again."""
+    weight = next(model.parameters())
+    if weight.is_meta:
+        return "the model is on the meta device"
+    seen: list[tuple[tuple, dict]] = []
+
+    def stop(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.append((tuple(_no_cache(a) for a in args), {k: _no_cache(v) for k, v in kwargs.items()}))
+        raise _Called
+
+    ids = torch.randint(0, vocab, (1, _TOKENS), generator=torch.Generator().manual_seed(0)).to(weight.device)
+    handle = block.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        model(ids)
+    except _Called:
+        pass
+    except Exception as err:  # any model: whatever its forward raises on plain token ids
+        return f"a forward on token ids failed ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
+    finally:
+        handle.remove()
+    if not seen:
+        return "a forward on token ids never reached the blocks"
+    args, kwargs = seen[0]
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _no_cache(value: Any) -> Any:
+    return None if type(value).__name__.endswith("Cache") else value
+
+
+def verify(block: nn.Module, split: Split, degree: int, args: tuple, kwargs: dict) -> str | None:
+    """None when ``block`` split by ``split`` over ``degree`` ranks computes, on every rank, what it computes
+    whole (see the module docstring); else why not, in a few words."""
+    want = _first(block(*args, **kwargs))
+    try:
+        ranks = [_rank_copy(block, split, degree, r) for r in range(degree)]
+        totals: dict[str, torch.Tensor] = {}
+        for _ in range(len(split.rows) + 1):
+            partials: dict[str, list[torch.Tensor]] = {}
+            order: list[str] = []
+            outs = [_run(local, split.rows, totals, partials, order, args, kwargs) for local in ranks]
+            pending = [n for n in order if n not in totals]
+            if not pending:
+                break
+            totals[pending[0]] = sum(partials[pending[0]]) + _bias(block.get_submodule(pending[0]))
+        else:
+            return "its row-split layers do not run once each"
+    except Exception as err:  # the block's own code failing on its split weights: the split is not for it
+        return f"split, its forward fails ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
+    tol = 1e-4 if want.dtype in (torch.float32, torch.float64) else 2e-2
+    for out in outs:
+        if out.shape != want.shape:
+            return f"split, its output has shape {tuple(out.shape)}, not {tuple(want.shape)}"
+        if not torch.allclose(out, want, rtol=tol, atol=tol * float(want.abs().max())):
+            return f"split, its output differs from one process's by {float((out - want).abs().max()):.2g}"
+    return None
+
+
+def _first(out: Any) -> torch.Tensor:
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise ValueError("the block returns no tensor")
+    return leaves[0]
+
+
+def _run(local: nn.Module, rows: tuple[str, ...], totals: dict, partials: dict, order: list, args: tuple,
+         kwargs: dict) -> torch.Tensor:
+    handles = [local.get_submodule(n).register_forward_hook(partial(_reduce, n, totals, partials, order))
+               for n in rows]
+    try:
+        return _first(local(*args, **kwargs))
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _reduce(name: str, totals: dict, partials: dict, order: list, _: nn.Module, args: Any,
+            out: torch.Tensor) -> torch.Tensor:
+    """A row-split layer's output: the emulated all-reduce once known, else this rank's partial sum."""
+    if name in totals:
+        return totals[name]
+    if name not in order:
+        order.append(name)
+    partials.setdefault(name, []).append(out)
+    return out
+
+
+def _bias(layer: nn.Module) -> torch.Tensor | float:
+    return layer.bias if getattr(layer, "bias", None) is not None else 0.0
+
+
+def _rank_copy(block: nn.Module, split: Split, degree: int, rank: int) -> nn.Module:
+    """``block`` as rank ``rank`` of ``degree`` holds it: its slices of the split layers, its counts adjusted."""
+    local = copy.deepcopy(block)
+    for name, parts in split.columns.items():
+        layer = local.get_submodule(name)
+        out = dims(layer)[1]  # type: ignore[index]
+        keep = torch.cat([b.tensor_split(degree)[rank] for b in torch.arange(out).chunk(parts)])
+        _cut(layer, out_index=keep)
+    for name in split.rows:
+        layer = local.get_submodule(name)
+        _cut(layer, in_index=torch.arange(dims(layer)[0]).tensor_split(degree)[rank])  # type: ignore[index]
+    for owner, attr in split.adjust:
+        module = local.get_submodule(owner)
+        setattr(module, attr, getattr(module, attr) // degree)
+    return local
+
+
+def _cut(layer: nn.Module, out_index: torch.Tensor | None = None, in_index: torch.Tensor | None = None) -> None:
+    conv = is_conv1d(layer)
+    w = layer.weight.detach()
+    if out_index is not None:
+        w = w[:, out_index] if conv else w[out_index]
+        if layer.bias is not None:
+            layer.bias = nn.Parameter(layer.bias.detach()[out_index].clone())
+        if conv:
+            layer.nf = len(out_index)
+        else:
+            layer.out_features = len(out_index)
+    if in_index is not None:
+        w = w[in_index] if conv else w[:, in_index]
+        if layer.bias is not None:  # added once, after the emulated all-reduce
+            layer.bias = nn.Parameter(torch.zeros_like(layer.bias))
+        if not conv:
+            layer.in_features = len(in_index)
+    layer.weight = nn.Parameter(w.clone())

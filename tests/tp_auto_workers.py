@@ -1,0 +1,122 @@
+"""Models paratrain has no tensor-parallel plan for, and the one launched job that trains each under ``tp`` with
+``tp_plan="auto"`` (tests/test_tp_auto.py).
+
+``NanoGPT`` is written as nanoGPT's ``model.py`` writes it (fused ``c_attn``, ``c_proj``, MLP ``c_fc``/``c_proj``,
+``lm_head`` tied to ``wte``); ``heads_from_input=True`` keeps nanoGPT's own ``C // n_head`` (the head size from the
+input's width, which no split of the attention can keep right), ``False`` reshapes by ``n_embd`` instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import paratrain
+from paratrain.distributed.process_group import finish_group
+from tp_workers import STEPS, step_batch
+from zoo import HIDDEN, SEQ, VOCAB, ZOO, ZooModel, _lm_loss, _sgd, _tokens
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, heads_from_input: bool) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd, self.heads_from_input = n_head, n_embd, heads_from_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        width = C if self.heads_from_input else self.n_embd
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, heads_from_input: bool) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention(n_embd, n_head, heads_from_input)
+        self.ln_2, self.mlp = nn.LayerNorm(n_embd), MLP(n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, n_head: int = 2, n_embd: int = HIDDEN, heads_from_input: bool = False) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, n_embd), wpe=nn.Embedding(SEQ, n_embd),
+            h=nn.ModuleList(Block(n_embd, n_head, heads_from_input) for _ in range(2)), ln_f=nn.LayerNorm(n_embd)))
+        self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def nano(heads_from_input: bool = False) -> NanoGPT:
+    torch.manual_seed(0)
+    return NanoGPT(heads_from_input=heads_from_input)
+
+
+MODELS: dict[str, ZooModel] = {
+    "nano": ZooModel("nano", nano, _tokens, _lm_loss, _sgd),
+    "nano_input_heads": ZooModel("nano_input_heads", lambda: nano(True), _tokens, _lm_loss, _sgd),
+    "gpt2": ZOO["gpt2"], "llama": ZOO["llama"], "bert": ZOO["bert"],
+}
+
+
+def train(spec: ZooModel, model: nn.Module, opt: torch.optim.Optimizer, par: Any = None) -> None:
+    """``STEPS`` steps on the full batch: under ``par`` (every rank of the tp group reads it), or plainly."""
+    for s in range(STEPS):
+        x, y = step_batch(spec, s)
+        if par is None:
+            spec.loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            continue
+        with par.step(model, opt):
+            par.forward_backward(model, x, y, spec.loss)
+
+
+def run_auto(cases: list[tuple[str, str | None]]) -> dict[str, Any]:
+    """Each case (model, ``tp_plan``) under ``Parallel("tp")``: the final full state and what this rank printed
+    while preparing; a paratrain error as its one line."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out: dict[str, Any] = {}
+    for name, plan in cases:
+        spec = MODELS[name]
+        printed = io.StringIO()
+        try:
+            par = paratrain.Parallel("tp", monitor=False, **({} if plan is None else {"tp_plan": plan}))
+            model = spec.build()
+            with contextlib.redirect_stdout(printed):
+                model, opt = par.prepare(model, spec.optimizer(model))
+            train(spec, model, opt, par)
+            out[name] = {"state": par.full_state_dict(model, rank0_only=False), "printed": printed.getvalue()}
+            par.close()
+        except paratrain.ParatrainError as err:
+            out[name] = {"error": str(err), "printed": printed.getvalue()}
+    finish_group()
+    return out
