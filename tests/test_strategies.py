@@ -221,3 +221,32 @@ def test_deterministic_kernels_are_switched_on_when_asked(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+
+@pytest.mark.parametrize("strategy, options", [("zero3", {}), ("model_parallel", {"stages": 2})])
+def test_prepare_finds_the_models_blocks_and_ties_once(monkeypatch, strategy, options):
+    """ModelFacts are found once per prepare and handed down: the wrap policy, the stage cutter and the tensor-parallel
+    plan read them instead of walking the model again."""
+    import sys
+
+    from paratrain.model import structure, ties
+    from paratrain.workloads.gpt import GPT, GPTConfig
+
+    calls = {"find_blocks": 0, "find_ties": 0}
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    wrappers = {"find_blocks": counted("find_blocks", structure.find_blocks),
+                "find_ties": counted("find_ties", ties.find_ties)}
+    for module in [m for n, m in sys.modules.items() if n.startswith("paratrain")]:
+        for name, wrapper in wrappers.items():
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, wrapper)
+    model = GPT(GPTConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=32))
+    with paratrain.Parallel(strategy, accelerator="cpu", monitor=False, **options) as par:
+        par.prepare(model, torch.optim.AdamW(model.parameters()))
+    assert calls == {"find_blocks": 1, "find_ties": 1}

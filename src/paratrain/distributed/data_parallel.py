@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ConfigError
+from ..model.facts import ModelFacts
 from ..model.units import shard_units
 from ..options import DDPConfig, FSDPConfig
 
@@ -65,9 +66,10 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy: object | None = None) -> nn.Module:
-    """``fully_shard`` every unit of the wrap policy (:func:`paratrain.model.units.shard_units`), then the root, over
-    ``mesh`` (1-D: FSDP, 2-D: HSDP).
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy: object | None = None,
+               facts: ModelFacts | None = None) -> nn.Module:
+    """``fully_shard`` every unit of the wrap policy (:func:`paratrain.model.units.shard_units`; ``facts``:
+    ``model``'s, when ``prepare`` found them), then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP).
 
     Only the root casts its output (the policy's ``output_dtype``): a unit's output stays in the compute dtype, as
     the root's own layers after the last unit (a final norm with 16-bit weights) expect it. The sharding presets
@@ -78,7 +80,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy
 
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()}
-    for unit in shard_units(model, wrap_classes=config.wrap_classes, min_params=config.min_params):
+    for unit in shard_units(model, wrap_classes=config.wrap_classes, min_params=config.min_params, facts=facts):
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=config.reshard_after_forward,
                     mp_policy=dataclasses.replace(policy, output_dtype=None), **kwargs)
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, mp_policy=policy, **kwargs)

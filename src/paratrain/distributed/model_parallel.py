@@ -13,17 +13,19 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..model.cuts import layers, placement
+from ..model.facts import ModelFacts
 
 
-def apply_model_parallel(model: nn.Module, devices: Sequence[torch.device], split: Sequence[int]) -> nn.Module:
+def apply_model_parallel(model: nn.Module, devices: Sequence[torch.device], split: Sequence[int],
+                         facts: ModelFacts | None = None) -> nn.Module:
     """Place each layer on its stage's device and move inputs along with forward pre-hooks.
 
     Layers that share a parameter (a tied embedding and output head) must sit on one device, since one tensor
     lives on one device: they all go to the stage of the last of them, so the model's output still comes from
     the last stage.
     """
-    named = layers(model)
-    stage = placement(model, split)
+    named = layers(model, facts)
+    stage = placement(model, split, facts)
     model.to(devices[0])  # root parameters and buffers stay on the first stage
     for (_, layer), s in zip(named, stage):
         device = devices[s]

@@ -8,6 +8,7 @@ unless the user gives one. Layers that share a parameter are kept on one stage.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -15,12 +16,16 @@ from ..errors import ConfigError
 from .structure import find_blocks
 from .ties import find_ties
 
+if TYPE_CHECKING:
+    from .facts import ModelFacts
 
-def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+
+def layers(model: nn.Module, facts: ModelFacts | None = None) -> list[tuple[str, nn.Module]]:
     """The model's layers in definition order: top-level children, with containers and the modules on the way to
-    the repeated blocks (a transformers model's ``transformer``/``model``) opened up, so each block is a layer."""
+    the repeated blocks (a transformers model's ``transformer``/``model``) opened up, so each block is a layer.
+    ``facts``: ``model``'s, when ``prepare`` found them."""
     out: list[tuple[str, nn.Module]] = []
-    blocks = find_blocks(model)
+    blocks = facts.blocks if facts is not None else find_blocks(model)
     path = blocks.container.split(".") if blocks and blocks.container else []
     opened = {".".join(path[:i]) for i in range(1, len(path) + 1)}
 
@@ -73,13 +78,13 @@ def stage_of_layers(n_layers: int, split: Sequence[int]) -> list[int]:
     return [sum(i >= p for p in points) for i in range(n_layers)]
 
 
-def placement(model: nn.Module, split: Sequence[int]) -> list[int]:
+def placement(model: nn.Module, split: Sequence[int], facts: ModelFacts | None = None) -> list[int]:
     """Stage of every layer of ``layers(model)`` for the cut points ``split``, tied layers moved together to the
     stage of the last of them (see :func:`paratrain.distributed.model_parallel.apply_model_parallel`)."""
-    named = layers(model)
+    named = layers(model, facts)
     stage = stage_of_layers(len(named), split)
     index = {name: i for i, (name, _) in enumerate(named)}
-    for owners in find_ties(model).owners():
+    for owners in (facts.ties if facts is not None else find_ties(model)).owners():
         tied = [i for i in (_layer_of(o, index) for o in owners) if i is not None]
         for i in tied:
             stage[i] = max(stage[j] for j in tied)

@@ -27,7 +27,7 @@ import copy
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from torch import nn
 from ..errors import ConfigError
 from .cuts import balance
 from .structure import Blocks, find_blocks, outer_modules
+
+if TYPE_CHECKING:
+    from .facts import ModelFacts
 
 
 class PassThrough(nn.Module):
@@ -104,16 +107,16 @@ def _input_embedding(model: nn.Module, before: Sequence[str]) -> str | None:
 
 
 def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] | None = None,
-                split: Sequence[int] | None = None) -> StagePlan:
+                split: Sequence[int] | None = None, facts: ModelFacts | None = None) -> StagePlan:
     """Cut ``model`` into ``num_stages`` stages at the named blocks (``split_points``, where stages 2, 3, … begin),
     at block indices (``split``), or balanced by the blocks' parameter counts; one-line ``ConfigError`` when the
-    model cannot be split this way."""
+    model cannot be split this way. ``facts``: ``model``'s, when ``prepare`` found them."""
     kind = type(model).__name__
     if any(c.__name__ == "PeftModel" for c in type(model).__mro__):
         raise ConfigError(f"pipeline cannot split the PEFT model {kind}: its adapters wrap the blocks' layers and "
                           "its forward goes through the base model; merge the adapters (merge_and_unload()) first, "
                           "or use ddp or zero1")
-    blocks = find_blocks(model)
+    blocks = facts.blocks if facts is not None else find_blocks(model)
     if blocks is None:
         raise ConfigError(f"pipeline cannot split {kind}: it has no repeated blocks (a ModuleList/Sequential of one "
                           "block class) to cut between; express it as nn.Sequential(...) or use ddp or fsdp")

@@ -17,28 +17,34 @@ Two rules keep every model shardable:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from .structure import find_blocks
 from .ties import find_ties
 
+if TYPE_CHECKING:
+    from .facts import ModelFacts
+
 _NO_FORWARD = (nn.ModuleList, nn.ModuleDict)
 
 
 def shard_units(model: nn.Module, *, wrap_classes: Sequence[type[nn.Module]] = (),
-                min_params: int = 100_000) -> list[list[nn.Module]]:
+                min_params: int = 100_000, facts: ModelFacts | None = None) -> list[list[nn.Module]]:
     """The units of ``model`` (never the root), innermost first; each is one module or a tied group.
 
-    ``wrap_classes``: the user's unit classes instead of the found blocks.
+    ``wrap_classes``: the user's unit classes instead of the found blocks. ``facts``: ``model``'s, found by
+    ``prepare`` (else its blocks and ties are found here).
     """
     if wrap_classes:
         fixed = {id(m) for m in model.modules() if isinstance(m, tuple(wrap_classes)) and m is not model}
     else:
-        blocks = find_blocks(model)
+        blocks = facts.blocks if facts is not None else find_blocks(model)
         fixed = {id(m) for m in blocks.modules(model)} if blocks else set()
+    ties = facts.ties if facts is not None else find_ties(model)
     tie_groups = [list({id(m): m for m in (model.get_submodule(o) for o in owners)}.values())
-                  for owners in find_ties(model).owners()]
+                  for owners in ties.owners()]
     tied = {id(m) for group in tie_groups for m in group}
     fixed -= tied  # a tied module is sharded with its partners, never alone
     units: list[list[nn.Module]] = []

@@ -67,7 +67,7 @@ class Composed(Strategy):
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
         mesh, tp = rt.mesh, self.tp
-        split = None if tp is None else (lambda m: tp.apply(m, mesh, rt.precision, rt.device))
+        split = None if tp is None else (lambda m: tp.apply(m, mesh, rt.precision, rt.device, rt.facts))
         # data parallelism spans the whole mesh (1-D, or HSDP's replicate x shard), or its dp part beside tp
         data_mesh = mesh["dp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else mesh
         return rt.parallelize(model, tp=split, data=self.data.step(rt, data_mesh))

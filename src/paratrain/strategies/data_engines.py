@@ -170,7 +170,7 @@ class Shards(OneReplica):
 
         def shard(m: nn.Module) -> nn.Module:
             placed = m.to(rt.device) if not self.config.cpu_offload else m
-            return apply_fsdp(placed, mesh, self.config, policy)
+            return apply_fsdp(placed, mesh, self.config, policy, rt.facts)
 
         return shard
 

@@ -52,7 +52,8 @@ class ModelParallelStrategy(Strategy):
         if first + n > torch.cuda.device_count():
             raise ConfigError(
                 f"model_parallel with {n} stages on {rt.env.local_world_size} process(es) needs "
-                f"{n * rt.env.local_world_size} GPUs, {torch.cuda.device_count()} visible; use fewer stages or processes"
+                f"{n * rt.env.local_world_size} GPUs, {torch.cuda.device_count()} visible; use fewer stages or "
+                "processes"
             )
         return [torch.device("cuda", first + i) for i in range(n)]
 
@@ -60,7 +61,7 @@ class ModelParallelStrategy(Strategy):
         return self.devices[-1] if self.devices else rt.device
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        named = layers(model)
+        named = layers(model, rt.facts)
         if not named:
             raise ConfigError("model_parallel needs a model made of layers (sub-modules); this one has none")
         if self.config.split is not None:
@@ -73,7 +74,7 @@ class ModelParallelStrategy(Strategy):
         mesh = rt.mesh
 
         def place(m: nn.Module) -> nn.Module:  # the stages over this process's devices, replicated over the others
-            staged = apply_model_parallel(m, devices, split)
+            staged = apply_model_parallel(m, devices, split, rt.facts)
             return staged if mesh is None else apply_ddp(staged, mesh, None, DDPConfig())
 
         return rt.parallelize(model, data=place)

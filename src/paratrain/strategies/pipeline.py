@@ -41,7 +41,6 @@ from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from ..distributed.parallelize import Step
 from ..env import ClusterEnv
 from ..errors import ConfigError
-from ..model import find_ties
 from ..model.cuts import cut_points
 from ..model.stages import OutputKind, StageModule, StagePlan, build_stage, plan_stages
 from ..options import DDPConfig, FSDPConfig, PipelineConfig, TPConfig
@@ -275,7 +274,8 @@ class PipelineStrategy(Strategy):
 
     def _wrap_sequential(self, model: nn.Sequential, rt: Runtime, total: int, mine: list[int]) -> PipelinedModel:
         if len(model) < total:
-            raise ConfigError(f"{self.name} needs at least {total} layers for {total} stages; the model has {len(model)}")
+            raise ConfigError(f"{self.name} needs at least {total} layers for {total} stages; the model has "
+                              f"{len(model)}")
         names = list(model._modules)
         split = self.config.split
         if self.config.split_points is not None:
@@ -296,7 +296,7 @@ class PipelineStrategy(Strategy):
 
     def _wrap_blocks(self, model: nn.Module, rt: Runtime, total: int, mine: list[int]) -> PipelinedModel:
         """Cut a model between its repeated blocks; each stage is the model's own forward on a stage copy."""
-        plan = plan_stages(model, total, self.config.split_points, self.config.split)
+        plan = plan_stages(model, total, self.config.split_points, self.config.split, rt.facts)
         here = build_stage(model, plan, mine)  # everything this rank holds, under the user's names
         out = PipelinedModel(list(here.named_children()))
         # The optimizer maps its parameters by name: a tied tensor is found under the name this rank holds it by
@@ -321,7 +321,7 @@ class PipelineStrategy(Strategy):
         tp, mesh = self.tp, rt.mesh
         if tp is None:
             return None
-        tp_plan = tp.plan(model)
+        tp_plan = tp.plan(model, rt.facts)
         (start, end), blocks = plan.bounds[s], plan.blocks.names
 
         def split(stage: nn.Module) -> nn.Module:
@@ -442,7 +442,8 @@ def _tie_groups(model: nn.Module, plan: StagePlan, rt: Runtime,
     me = dist.get_rank()
     tied: list[tuple[dist.ProcessGroup, str]] = []
     uncounted: set[str] = set()
-    for names in find_ties(model).groups:
+    assert rt.facts is not None
+    for names in rt.facts.ties.groups:
         by_stage: dict[int, str] = {}
         for name in names:
             stage = plan.stage_of(name)

@@ -10,17 +10,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from ...errors import ConfigError
-from ...model.ties import find_ties
+from ...model.ties import Ties, find_ties
 from .outputs import ShardedOutputs
 from .plans import TPPlan
 from .styles import Replicated
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedOutputs,
-             styles: list[tuple[str, ParallelStyle]] | None = None) -> nn.Module:
+             styles: list[tuple[str, ParallelStyle]] | None = None, ties: Ties | None = None) -> nn.Module:
     """Split ``model`` in place over the 1-D ``mesh`` by ``plan`` (or by ``styles``, the plan resolved for a
     pipeline stage: :func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`); every parameter ends a
-    DTensor on ``mesh``.
+    DTensor on ``mesh``. ``ties``: ``model``'s, when ``prepare`` found them.
 
     Ties survive: ``parallelize_module`` gives each module a parameter of its own, so a tied embedding and head
     are tied again to one DTensor (their plans shard both ``Shard(0)``: one sharding, one gradient).
@@ -30,7 +30,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedO
         if size % degree:
             raise ConfigError(f"{plan.name}: {what}={size} does not split over tp={degree}; choose a tp that divides "
                               f"{size}")
-    ties = find_ties(model)
+    ties = ties if ties is not None else find_ties(model)
     for name, style in plan.resolve(model) if styles is None else styles:
         parallelize_module(model.get_submodule(name), mesh, style)
     _retie(model, ties.groups)

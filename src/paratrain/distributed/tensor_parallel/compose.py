@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from ...model.facts import ModelFacts
 from ...options import TPConfig
 from ...rank_agreement import check_ranks_agree
 from .apply import apply_tp
@@ -35,19 +36,21 @@ class TensorParallel:
         self._precision: Any = None
         self._device = torch.device("cpu")
 
-    def apply(self, model: nn.Module, mesh: DeviceMesh, precision: Any, device: torch.device) -> nn.Module:
+    def apply(self, model: nn.Module, mesh: DeviceMesh, precision: Any, device: torch.device,
+              facts: ModelFacts | None = None) -> nn.Module:
         """Split ``model`` (moved to ``device``) over ``mesh["tp"]``; a mesh without one (tp over a single rank)
         leaves it whole."""
         self._precision, self._device = precision, device
         if "tp" not in (mesh.mesh_dim_names or ()):
             return model.to(device)
-        plan = self._say(choose_plan(model, self.config.plan, mesh["tp"].size()))
-        return apply_tp(model.to(device), mesh["tp"], plan, self.outputs)
+        plan = self._say(choose_plan(model, self.config.plan, mesh["tp"].size(), facts))
+        return apply_tp(model.to(device), mesh["tp"], plan, self.outputs,
+                        ties=facts.ties if facts is not None else None)
 
-    def plan(self, model: nn.Module) -> TPPlan:
+    def plan(self, model: nn.Module, facts: ModelFacts | None = None) -> TPPlan:
         """The plan for ``model``, checked against the whole model before a pipeline cuts it into stages (a stage
         lacks the other stages' modules, so a pattern matching none of its own is no mistake there)."""
-        plan = self._say(choose_plan(model, self.config.plan, self.config.degree))
+        plan = self._say(choose_plan(model, self.config.plan, self.config.degree, facts))
         plan.resolve(model)
         return plan
 

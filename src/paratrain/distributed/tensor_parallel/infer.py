@@ -19,8 +19,9 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ...errors import ConfigError
+from ...model.facts import ModelFacts
 from ...model.structure import Blocks, find_blocks, outer_modules
-from ...model.ties import find_ties
+from ...model.ties import Ties, find_ties
 from .plans import TPPlan, has_plan, matches, plan_for, vocab_embedding
 from .probe import Split, block_call, dims, evaluating, verify
 from .styles import Colwise, FusedColwise, Rowwise
@@ -36,7 +37,8 @@ KV_HEADS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 WIDTHS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim", "d_model", "dim")
 
 
-def choose_plan(model: nn.Module, user: Mapping[str, str | ParallelStyle] | str | None, degree: int | None) -> TPPlan:
+def choose_plan(model: nn.Module, user: Mapping[str, str | ParallelStyle] | str | None, degree: int | None,
+                facts: ModelFacts | None = None) -> TPPlan:
     """The plan a job over ``degree`` tp ranks uses: inferred for ``user="auto"``, and for a model with no plan
     when the user gave none; else :func:`~.plans.plan_for`'s (the user's, the model's own, the built-in one)."""
     if isinstance(user, str) and user != "auto":
@@ -44,20 +46,21 @@ def choose_plan(model: nn.Module, user: Mapping[str, str | ParallelStyle] | str 
     if user == "auto" or (user is None and not has_plan(model)):
         if degree is None:
             raise ConfigError("tp_plan='auto' infers a plan for a tp degree; give tp=N")
-        return infer_plan(model, degree)
+        return infer_plan(model, degree, facts)
     return plan_for(model, user)  # type: ignore[arg-type]
 
 
-def infer_plan(model: nn.Module, degree: int) -> TPPlan:
+def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -> TPPlan:
     """The plan ``tp_plan="auto"`` gives ``model`` over ``degree`` ranks (see the module docstring); a one-line
     ``ConfigError`` when attention's heads do not divide by ``degree`` or nothing can be split."""
     kind = type(model).__name__
-    blocks = find_blocks(model)
+    blocks = facts.blocks if facts is not None else find_blocks(model)
+    ties = facts.ties if facts is not None else find_ties(model)
     styles: dict = {}
     said: list[str] = []
     whole: list[str] = []
     sizes: dict[str, int] = {}
-    vocab = _vocabulary(model, blocks, styles, said, whole)
+    vocab = _vocabulary(model, blocks, ties, styles, said, whole)
     adjust: list[tuple[str, str]] = []
     if blocks is None:
         whole.append("no repeated blocks found")
@@ -73,7 +76,8 @@ def infer_plan(model: nn.Module, degree: int) -> TPPlan:
                   divisible=lambda m: dict(sizes), adjust=lambda m, d: _adjust(m, adjust, d))
 
 
-def _vocabulary(model: nn.Module, blocks: Blocks | None, styles: dict, said: list[str], whole: list[str]) -> int:
+def _vocabulary(model: nn.Module, blocks: Blocks | None, ties: Ties, styles: dict, said: list[str],
+                whole: list[str]) -> int:
     """Split the token embedding and the output head over the vocabulary (both, when they are tied, or neither);
     returns the vocabulary size (for the probe's token ids)."""
     before, after = outer_modules(model, blocks) if blocks is not None else ([""], [])
@@ -85,9 +89,9 @@ def _vocabulary(model: nn.Module, blocks: Blocks | None, styles: dict, said: lis
     heads = [(n, m) for n, m in _under(model, after)
              if isinstance(m, nn.Linear) and m.out_features == embedding[1].num_embeddings]
     head = heads[-1] if heads else None
-    tied = {g for group in find_ties(model).groups for g in group}
+    tied = {g for group in ties.groups for g in group}
     pair = {f"{embedding[0]}.weight"} | ({f"{head[0]}.weight"} if head else set())
-    partners = {name for group in find_ties(model).groups if pair & set(group) for name in group}
+    partners = {name for group in ties.groups if pair & set(group) for name in group}
     if partners - pair:
         whole.append(f"{embedding[0]}{' and ' + head[0] if head else ''} (tied to {sorted(partners - pair)[0]})")
         return embedding[1].num_embeddings
