@@ -38,7 +38,7 @@ SYNC_POINTS = {
 
 def sync_point_of(model: nn.Module) -> str:
     """Where a step of ``model`` first blocks on the other ranks: ``"grads"``, ``"forward"`` or ``"step"``."""
-    from ..strategies.pipeline import PipelinedModel
+    from ..distributed.pipeline import PipelinedModel
 
     if isinstance(model, PipelinedModel):
         return "step"  # later stages wait for activations from the very first micro-batch

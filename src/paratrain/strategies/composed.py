@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from ..dims import ParallelDims
+from ..distributed.optimizer import rebuild
 from ..distributed.tensor_parallel.degrees import refuse_tp
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..options import DDPConfig, FSDPConfig, TPConfig
 from .base import Runtime, Strategy, tensor_parallel
-from .optim import rebuild
 from .presets import PRESETS, Preset
 from .registry import register
 

@@ -18,11 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
+from ..distributed.optimizer import constructor_defaults, param_groups_for
 from ..distributed.parallelize import Step
 from ..errors import ConfigError
 from ..options import DDPConfig, FSDPConfig
 from .base import Runtime
-from .optim import constructor_defaults, param_groups_for
 
 
 class OneReplica:

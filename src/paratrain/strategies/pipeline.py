@@ -25,7 +25,6 @@ forward-only pass and gives every rank of the pipeline the last stage's output.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,173 +37,17 @@ from torch import nn
 
 from ..dims import ParallelDims
 from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
+from ..distributed.optimizer import rebuild
 from ..distributed.parallelize import Step
+from ..distributed.pipeline import PipelinedModel
+from ..distributed.pipeline_metadata import keep_buffers_through_metadata_pass
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model.cuts import cut_points
-from ..model.stages import OutputKind, StageModule, StagePlan, build_stage, plan_stages
+from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
 from ..options import DDPConfig, FSDPConfig, PipelineConfig, TPConfig
-from ..precision import Precision
 from .base import Runtime, Strategy, tensor_parallel
-from .optim import rebuild
-from .pipeline_metadata import keep_buffers_through_metadata_pass
 from .registry import register
-
-
-class PipelinedModel(nn.Module):
-    """This rank's layers of the pipeline, under their original names, and the schedules that run them.
-
-    A pipeline stage fixes its communication buffers to the shapes of the first batch it sees, so each batch
-    size (and each of training and evaluation) gets stages and a schedule of its own, made on first use. All
-    ranks of a pipeline read the same batch, so they agree on the size without talking.
-    """
-
-    def __init__(self, owned: list[tuple[str, nn.Module]]) -> None:
-        super().__init__()
-        for name, layer in owned:
-            self.add_module(name, layer)
-        self.parts: list[tuple[int, nn.Module]] = []  # (stage index, the stage's module), this rank's
-        self.num_stages = 1
-        self.device = torch.device("cpu")
-        self.pp_group: dist.ProcessGroup | None = None
-        self.last_rank: int = 0  # global rank holding the last stage
-        self.microbatches = 1
-        self.schedule_name = "1f1b"
-        self._schedules: dict[tuple[str, int], Any] = {}
-        self._loss_fn: Callable | None = None
-        self.stage_modules: dict[int, StageModule] = {}  # a model cut at its blocks: this rank's stages
-        self.key_order: list[str] | None = None  # the plain model's state-dict order
-        self.tied: list[tuple[dist.ProcessGroup, str]] = []  # (ranks holding it, its name here) per tied weight
-        self.uncounted: set[str] = set()  # tied weights another rank counts in the gradient norm
-        self.aliases: dict[str, str] = {}  # a tied weight held here under another name -> its first name
-        self._eval_kind: OutputKind | None = None
-        self.precision: Precision | None = None
-        self.split_loss: Callable[[], AbstractContextManager] = nullcontext  # tensor parallel: the vocab-split loss
-
-    def train(self, mode: bool = True) -> "PipelinedModel":
-        """Also the stages: a stage cut from a model holds copies of the modules above its blocks (the model's
-        root), which are not children of this module."""
-        super().train(mode)
-        for _, part in self.parts:
-            part.train(mode)
-        return self
-
-    @property
-    def is_first(self) -> bool:
-        return any(index == 0 for index, _ in self.parts)
-
-    @property
-    def is_last(self) -> bool:
-        return any(index == self.num_stages - 1 for index, _ in self.parts)
-
-    def _schedule(self, kind: str, batch: int, loss_fn: Callable | None = None) -> Any:
-        key = (kind, batch)
-        if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage
-
-            stages = [PipelineStage(part, index, self.num_stages, self.device, group=self.pp_group)
-                      for index, part in self.parts]
-            if kind == "eval":  # forward only: one micro-batch of any size, no bubble to hide
-                self._schedules[key] = _make_schedule("gpipe", stages, 1, None)
-            else:
-                self._schedules[key] = _make_schedule(self.schedule_name, stages, self.microbatches, loss_fn)
-        return self._schedules[key]
-
-    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:
-        """Forward only, through the whole pipeline; every rank gets the last stage's output."""
-        schedule = self._schedule("eval", x.shape[0])
-        out = schedule.eval(x, *rest) if self.is_first else schedule.eval()
-        out = _share_from_last(out, self)
-        if not self.stage_modules:
-            return out
-        if self._eval_kind is None:  # the model's kind of output, known on the last stage: told to every rank
-            kind = [self.output_kind()]
-            dist.broadcast_object_list(kind, src=self.last_rank, group=self.pp_group)
-            self._eval_kind = kind[0]
-        return self._eval_kind.wrap(out)
-
-    def output_kind(self) -> OutputKind:
-        """How the last stage's tensor becomes what the plain model returns (a ``ModelOutput`` with ``logits``)."""
-        last = self.stage_modules.get(self.num_stages - 1)
-        return last.kind if last is not None else OutputKind()
-
-    def forward_backward(self, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable, scale: float) -> torch.Tensor:
-        """One batch through the schedule (forward and backward); returns the batch loss on every rank."""
-        _check_divisible(x, self.microbatches)
-        if loss_fn is not self._loss_fn:
-            self._loss_fn = loss_fn
-            self._schedules = {k: v for k, v in self._schedules.items() if k[0] == "eval"}
-        # Each micro-batch's loss is divided here, not by the schedule's scale_grads: that rescales every
-        # gradient in place and would shrink gradients accumulated over earlier steps again.
-        factor = scale / self.microbatches
-        precision = self.precision
-
-        def loss(out: Any, tgt: torch.Tensor) -> torch.Tensor:
-            with nullcontext() if precision is None else precision.forward_context(self.device):
-                return loss_fn(self.output_kind().wrap(out), tgt) * factor
-
-        schedule = self._schedule("train", x.shape[0], loss)
-        losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
-        if "return_outputs" in inspect.signature(schedule.step).parameters:  # torch >= 2.10
-            kwargs["return_outputs"] = False  # only the losses are read: the last stage keeps no micro-batch logits
-        # As forward_backward without stages: the stages hand on (and the loss reads) their outputs in the compute
-        # dtype, not cast to fp32 — the same values one process computes, and no fp32 copy of the logits.
-        with nullcontext() if precision is None else precision.compute_dtype_outputs(), self.split_loss():
-            if self.is_first:
-                schedule.step(x, **kwargs)
-            else:
-                schedule.step(**kwargs)
-        from ..distributed.tensor_parallel.outputs import plain
-
-        losses = [plain(part) for part in losses]
-        loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
-        return _share_loss(loss, self)
-
-
-def _check_divisible(t: torch.Tensor, microbatches: int) -> None:
-    if t.shape[0] % microbatches:
-        raise ConfigError(
-            f"a batch of {t.shape[0]} does not split into {microbatches} equal micro-batches; "
-            f"use a batch size divisible by {microbatches} (DataLoader drop_last=True helps) or change microbatches"
-        )
-
-
-def _share_loss(loss: torch.Tensor, model: PipelinedModel) -> torch.Tensor:
-    """The last stage's batch loss on every rank of the pipeline: one broadcast of a scalar, once a step."""
-    if model.pp_group is None:
-        return loss
-    value = loss.detach().float().reshape(()) if model.is_last else torch.zeros((), device=model.device)
-    dist.broadcast(value, src=model.last_rank, group=model.pp_group)
-    return value
-
-
-def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
-    """Broadcast the last stage's tensor to every rank of the pipeline (shape sent first)."""
-    if model.pp_group is None:
-        return value
-    if model.is_last:
-        shape = torch.tensor(list(value.shape) + [-1] * (8 - value.dim()), dtype=torch.long)
-    else:
-        shape = torch.zeros(8, dtype=torch.long)
-    device = model.device
-    shape = shape.to(device)
-    dist.broadcast(shape, src=model.last_rank, group=model.pp_group)
-    dims = [int(d) for d in shape.tolist() if d >= 0]
-    buf = value.detach().float().contiguous() if model.is_last else torch.empty(dims, device=device)
-    dist.broadcast(buf, src=model.last_rank, group=model.pp_group)
-    return buf
-
-
-def _make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable | None) -> Any:
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleLoopedBFS)
-
-    if len(stages) > 1:  # several stages per rank: interleaved 1F1B, or its all-forward-first twin
-        multi = ScheduleInterleaved1F1B if name == "interleaved-1f1b" else ScheduleLoopedBFS
-        return multi(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
-    return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 class PipelineStrategy(Strategy):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..strategies.pipeline_metadata import LOSS_FRAMES, inside
+from ..distributed.pipeline_metadata import LOSS_FRAMES, inside
 from .spec import Loss
 
 
