@@ -61,6 +61,7 @@ def test_a_finished_script_is_a_success_even_when_its_exit_crashes_or_hangs(para
     for rank in range(2):
         assert f"paratrain: rank {rank} finished, then stuck at exit for 2 s; ended it" in res.stderr
         assert (tmp_path / f"rank{rank}.atexit").exists()  # the script's own atexit handlers ran
+        assert (tmp_path / f"rank{rank}.unclosed").read_text() == "written\n"  # a file it left open was flushed
     pids = [int((tmp_path / f"rank{rank}.done").read_text()) for rank in range(2)]
     assert not alive(pids)
 

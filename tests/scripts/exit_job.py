@@ -5,7 +5,8 @@ Usage: torchrun --nproc-per-node 2 exit_job.py [--end none|destroy|stuck-atexit]
 ``none`` leaves the process group open (as transformers' ``Trainer`` and many scripts do), ``destroy`` calls
 ``destroy_process_group()``, ``stuck-atexit`` registers an atexit handler that never returns. With ``--out`` each
 rank writes ``DIR/rank{RANK}.done`` when the script has returned and ``DIR/rank{RANK}.atexit`` from its atexit
-handler (the stuck one writes it before it blocks). ``--crash-at-teardown`` makes the interpreter's finalization
+handler (the stuck one writes it before it blocks), and leaves ``DIR/rank{RANK}.unclosed`` open with its text
+unflushed. ``--crash-at-teardown`` makes the interpreter's finalization
 abort the process (SIGABRT), as gloo's threads do at random: a stand-in that always happens.
 """
 import argparse
@@ -55,4 +56,6 @@ if __name__ == "__main__":
         atexit.register(_mark, args.out, "atexit")
     if args.crash_at_teardown:
         sys.modules["_exit_job_abort_when_freed"] = _AbortWhenFreed()  # type: ignore[assignment]
+    if args.out:  # left open and unflushed, as careless scripts do: its text must still reach the file
+        open(os.path.join(args.out, f"rank{os.environ['RANK']}.unclosed"), "w").write("written\n")
     _mark(args.out, "done")

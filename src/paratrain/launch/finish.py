@@ -26,6 +26,8 @@ would stop that thread too; torch releases it in blocking calls and before destr
 from __future__ import annotations
 
 import atexit
+import gc
+import io
 import os
 import sys
 import threading
@@ -66,6 +68,7 @@ def leave(code: int, environ: Mapping[str, str] | None = None) -> NoReturn:
     try:
         atexit._run_exitfuncs()  # exceptions in handlers are printed there, as at a normal exit
     finally:
+        _flush_open_files()
         _flush()
         os._exit(code)
 
@@ -84,6 +87,7 @@ def _start_watchdog(code: int, seconds: float, rank: str) -> None:
         message = f"paratrain: rank {rank} {what}, then stuck at exit for {seconds:g} s; ended it\n"
         try:
             os.write(2, message.encode())  # not sys.stderr: a stuck handler may hold its lock
+            _flush_open_files()
         finally:
             os._exit(code)
 
@@ -91,6 +95,21 @@ def _start_watchdog(code: int, seconds: float, rank: str) -> None:
         threading.Thread(target=watch, name="paratrain-exit-watchdog", daemon=True).start()
     except RuntimeError:  # no new threads at this point of an interpreter's life: end without the bound
         pass
+
+
+_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+
+def _flush_open_files() -> None:
+    """Flush the files the script left open (``print(..., file=open(path, "a"))``): the interpreter's finalization
+    would have, as it freed them; ``os._exit`` does not, and what was buffered would be lost."""
+    for obj in gc.get_objects():
+        if type(obj) in _FILE_TYPES:
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except (OSError, ValueError):  # a pipe whose reader is gone, a file closed under it
+                pass
 
 
 def _flush() -> None:
