@@ -57,5 +57,6 @@ if __name__ == "__main__":
     if args.crash_at_teardown:
         sys.modules["_exit_job_abort_when_freed"] = _AbortWhenFreed()  # type: ignore[assignment]
     if args.out:  # left open and unflushed, as careless scripts do: its text must still reach the file
-        open(os.path.join(args.out, f"rank{os.environ['RANK']}.unclosed"), "w").write("written\n")
+        log = open(os.path.join(args.out, f"rank{os.environ['RANK']}.unclosed"), "w")  # noqa: SIM115
+        log.write("written\n")
     _mark(args.out, "done")
