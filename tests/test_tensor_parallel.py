@@ -23,12 +23,13 @@ import paratrain
 from paratrain import strategies
 from paratrain.planner import Layout
 from paratrain.planner.auto import local_cluster, parameter_stats
+from paratrain.planner.optimizers import planned
 from paratrain.planner.recommend import estimate
+from paratrain.planner.training import Training
 from paratrain.strategies import check_world
 from paratrain.strategies.tp_shape import model_shape
 from paratrain.distributed.tensor_parallel import plan_for
 from paratrain.testing import max_abs_diff, spawn
-from test_planner_auto import ADAM_FP32
 from test_zoo import TOL
 from tp_workers import STEPS, case_key, run_cases, step_batch
 from zoo import ZOO
@@ -49,12 +50,14 @@ LAYOUTS4 = ("ddp", "zero2", "zero3")
 
 def memory_for_tp(model_name: str, world: int) -> float:
     """GiB per rank (of a CPU node of ``world`` ranks) halfway between what zero3 alone and zero3 with tp=2 need for
-    the model by the planner: where ``strategy="auto"`` must choose tp."""
+    the model and its optimizer by the planner (``auto`` plans the optimizer ``prepare`` gets with the model): where
+    ``strategy="auto"`` must choose tp."""
     model = ZOO[model_name].build()
     stats = replace(parameter_stats(model), tp=model_shape(model))
     cluster = local_cluster(torch.device("cpu"), world, world)
     one_gib = replace(cluster, device=replace(cluster.device, memory_gib=1.0))
-    need = [estimate(stats, Layout(name="zero3", dp=world // t, zero=3, shard=world // t, tp=t), ADAM_FP32, one_gib)
+    training = Training(precision="fp32", optimizer=planned(ZOO[model_name].optimizer(model)).key, micro_batch=1)
+    need = [estimate(stats, Layout(name="zero3", dp=world // t, zero=3, shard=world // t, tp=t), training, one_gib)
             for t in (1, 2)]
     assert need[1].memory.total < need[0].memory.total
     return (need[0].memory.total + need[1].memory.total) / 2 / need[0].capacity
