@@ -6,8 +6,14 @@ import json
 
 import pytest
 
+import torch
+
 from paratrain.cli.main import main
 from paratrain.verify import Case, format_report, verify_cases
+from paratrain.verify.diagnose import first_divergence
+from paratrain.verify.distributed import RankEvidence
+from paratrain.verify.floor import NoiseFloor, Tolerance
+from paratrain.verify.record import Record
 
 WORLD2_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "pipeline", "model_parallel")
 BUGS = {  # factory -> (strategy, the cause verify must name, words of its fix)
@@ -16,7 +22,11 @@ BUGS = {  # factory -> (strategy, the cause verify must name, words of its fix)
     "undivided": ("ddp", "accumulation without loss division", "par.backward"),
     "batchnorm": ("ddp", "BatchNorm without synchronisation", "convert_sync_batchnorm"),
     "rank_seeded": ("zero3", "different initial weights across ranks", "seed identically"),
+    "dropout": ("ddp", "randomness in the training step", "dropout"),
+    "batchnorm_accumulating": ("ddp", "BatchNorm under gradient accumulation", "accumulate=1"),
 }
+NOISY = {"adamw": ("ddp", "zero3"), "adadelta": ("ddp",), "scheduled": ("ddp",)}
+"""Correct setups whose rounding an optimizer amplifies, or whose loop steps a scheduler: they must pass."""
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +37,7 @@ def world2_reports() -> dict[tuple[str, str], object]:
     cases += [Case(factory=f"verify_cases:{name}", strategy=strategy) for name, (strategy, _, _) in BUGS.items()]
     cases += [Case(factory="verify_cases:gpt2", strategy=s, steps=4) for s in ("ddp", "zero3", "tp")]
     cases += [Case(factory="verify_cases:split_tie", strategy="ddp", steps=4)]
+    cases += [Case(factory=f"verify_cases:{name}", strategy=s) for name, names in NOISY.items() for s in names]
     reports = verify_cases(cases, 2, timeout_s=150, accelerator="cpu")
     return {(c.factory.split(":")[1], c.strategy): r for c, r in zip(cases, reports)}
 
@@ -56,6 +67,36 @@ def test_each_planted_bug_fails_with_its_cause(world2_reports, factory):
     assert fix in report.findings[0].hint
     assert report.divergence is not None and report.parameters_apart is not None, text
     assert f"diverges at step {report.divergence.step}" in text and report.parameters_apart.parameter in text
+
+
+@pytest.mark.parametrize("factory, strategy", [(f, s) for f, strategies in NOISY.items() for s in strategies])
+def test_correct_code_passes_against_the_measured_noise_floor(world2_reports, factory, strategy):
+    report = world2_reports[(factory, strategy)]
+    text = format_report(report)
+    assert report.passed and report.findings == [], text
+    assert report.tolerance is None and report.floor is not None and report.floor.margin == 10
+    assert len(report.floor.parameters_by_step) == report.steps and report.epochs == pytest.approx(2.0)
+    assert "noise floor" in text.splitlines()[1]
+
+
+def test_adamw_amplifies_rounding_past_the_old_fixed_tolerance(world2_reports):
+    # the GroupNorm'd bias has a gradient of pure rounding noise, which AdamW turns into steps of up to lr: two
+    # correct one-process runs already part by more than the old fixed 1e-5, and so does the parallel run
+    for strategy in NOISY["adamw"]:
+        report = world2_reports[("adamw", strategy)]
+        assert report.floor.parameters_by_step[0] > 1e-5 and report.max_param_diff > 1e-5, format_report(report)
+    assert world2_reports[("adadelta", "ddp")].floor.parameters < 1e-5  # without such a bias, Adadelta's stays low
+
+
+def test_the_reference_runs_the_users_loop(world2_reports):
+    # mnist/main.py's StepLR, stepped once an epoch inside the loop, halves the rate after epoch 0 in both runs
+    report = world2_reports[("scheduled", "ddp")]
+    assert report.passed and report.steps == 8 and report.epochs == pytest.approx(2.0), format_report(report)
+
+
+def test_dropout_is_named_not_absorbed_into_the_floor(world2_reports):
+    report = world2_reports[("dropout", "ddp")]
+    assert "first losses" in report.findings[0].evidence and report.tolerance == 1e-5, format_report(report)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3", "tp"])
@@ -89,6 +130,31 @@ def test_different_initial_weights_are_a_warning_where_ddp_broadcasts_them(world
     assert report.passed, format_report(report)
     assert [w.cause for w in report.warnings] == ["different initial weights across ranks"]
     assert "zero3" in report.warnings[0].evidence
+
+
+def _record(*weights: float, bias: float = 0.5) -> Record:
+    """One step per weight, a loss of 1 and a gradient norm of 1 each."""
+    return Record(losses=[[1.0]] * len(weights), grad_norms=[1.0] * len(weights),
+                  states=[{"w": torch.tensor([w]), "b": torch.tensor([bias])} for w in weights])
+
+
+def test_each_entry_is_judged_against_its_own_floor_at_its_step():
+    ref, twin = _record(0.1, 0.2), _record(0.1 + 1e-4, 0.2)  # the floor of w: 1e-4 from step 0 on (running max)
+    floor = NoiseFloor(ref, twin)
+    within = [RankEvidence(case=Case(factory="f:g", strategy="ddp"), record=_record(0.1 + 9e-4, 0.2 - 9e-4))]
+    assert first_divergence(within, ref, floor)[0] is None
+    beyond = [RankEvidence(case=Case(factory="f:g", strategy="ddp"), record=_record(0.1, 0.2 + 2e-3))]
+    d = first_divergence(beyond, ref, floor)[0]
+    assert (d.step, d.parameter, d.floor) == (1, "w", pytest.approx(1e-4, rel=1e-3))
+    assert d.allowed == pytest.approx(1e-3, rel=1e-2)
+    # b's floor is exactly zero: one rounding passes, a real difference does not
+    ulp = [RankEvidence(case=Case(factory="f:g", strategy="ddp"), record=_record(0.1, 0.2, bias=0.5 + 6e-8))]
+    assert first_divergence(ulp, ref, floor)[0] is None
+    off = [RankEvidence(case=Case(factory="f:g", strategy="ddp"), record=_record(0.1, 0.2, bias=0.5 + 1e-5))]
+    assert first_divergence(off, ref, floor)[0].parameter == "b"
+    # a fixed tolerance (--tolerance) ignores the floor
+    assert first_divergence(within, ref, Tolerance(1e-5))[0].parameter == "w"
+    assert first_divergence(beyond, ref, Tolerance(1e-2))[0] is None
 
 
 @pytest.mark.slow

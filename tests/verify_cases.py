@@ -40,6 +40,44 @@ def good_accumulating() -> VerifySpec:
     return _spec(_model(), accumulate=2)
 
 
+def _mnist_like(optimizer: object, n: int = 128, norm: bool = False, **kwargs: object) -> VerifySpec:
+    """pytorch/examples' mnist/main.py in small, dropout off: two convolutions, max-pooling, two linear layers.
+    ``norm``: a per-channel GroupNorm after the first convolution, which keeps its bias: a bias the norm subtracts
+    again has a gradient of exactly zero in exact arithmetic, so in floats it is pure rounding noise."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(n, 1, 12, 12, generator=g), torch.randint(0, 10, (n,), generator=g))
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.GroupNorm(8, 8) if norm else nn.Identity(), nn.ReLU(),
+                          nn.Conv2d(8, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1), nn.Linear(16 * 4 * 4, 32),
+                          nn.ReLU(), nn.Linear(32, 10), nn.LogSoftmax(1))
+    return VerifySpec(model=model, optimizer=optimizer, loss=F.nll_loss,
+                      loader=DataLoader(data, batch_size=8, shuffle=True), **kwargs)
+
+
+def adamw() -> VerifySpec:
+    """Correct, with AdamW, which divides by the square root of the second moments: where a gradient is rounding
+    noise (the GroupNorm'd bias) each step moves by up to lr whatever the noise, so two correct runs part by 1e-4."""
+    return _mnist_like(lambda p: torch.optim.AdamW(p, lr=1e-3), norm=True)
+
+
+def adadelta() -> VerifySpec:
+    """Correct, with mnist/main.py's Adadelta (lr 1.0)."""
+    return _mnist_like(lambda p: torch.optim.Adadelta(p, lr=1.0))
+
+
+def scheduled() -> VerifySpec:
+    """Correct: mnist/main.py's loop, its StepLR stepped once an epoch inside the user's loop."""
+    def train(par, model, optimizer, loader, loss):
+        loader = par.prepare_loader(loader)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        for _ in par.epochs(sys.maxsize):
+            for x, y in loader:
+                with par.step(model, optimizer):
+                    par.forward_backward(model, x, y, loss)
+            scheduler.step()
+    return _mnist_like(lambda p: torch.optim.Adadelta(p, lr=1.0), n=64, train=train)
+
+
 def unsharded() -> VerifySpec:
     """The loop iterates the loader as built: every rank reads the whole dataset."""
     def train(par, model, optimizer, loader, loss):
@@ -79,6 +117,18 @@ def batchnorm() -> VerifySpec:
     """A plain BatchNorm: each rank normalises with its own micro-batch's statistics."""
     torch.manual_seed(0)
     return _spec(nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4)))
+
+
+def batchnorm_accumulating() -> VerifySpec:
+    """BatchNorm with accumulation: each micro-batch is normalised alone, one process normalises the global batch."""
+    torch.manual_seed(0)
+    return _spec(nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4)), accumulate=2)
+
+
+def dropout() -> VerifySpec:
+    """Dropout left on: after prepare each rank draws its own masks, so no parallel run equals one process."""
+    torch.manual_seed(0)
+    return _spec(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 4)))
 
 
 def rank_seeded() -> VerifySpec:

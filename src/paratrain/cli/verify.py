@@ -8,7 +8,9 @@ Examples:
 ``build()`` returns a paratrain.verify.VerifySpec: the model as your script builds it, an optimizer factory,
 the loss, the training DataLoader (per-rank batch size) and optionally your own loop. Each strategy trains K
 steps on N processes (two epochs by default); the same setup then trains K steps here on the global batch,
-from rank 0's initial weights. Losses, gradient norms and parameters are compared at every step: PASS, or
+from rank 0's initial weights, through the same loop, twice: the second time with its sums in another order,
+which measures the noise floor. Losses, gradient norms and parameters are compared at every step, each
+against 10x its floor (or a fixed --tolerance): PASS, or
 FAIL with the first diverging step and parameter and the causes found (unsharded data, missing reshuffle,
 loss not divided under accumulation, unsynchronised BatchNorm, different initial weights). Exit code 0 when
 every strategy passes, 1 otherwise. See docs/verify.md.
@@ -25,10 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", "--strategies", dest="strategies", default="ddp",
                    help="strategy, or several comma-separated (default: ddp)")
     p.add_argument("-n", "--nproc", type=int, default=2, help="processes (default: 2)")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree inside ddp, zero2 and zero3 (the model's built-in plan)")
+    p.add_argument("--tp", type=int,
+                   help="tensor-parallel degree inside ddp, zero2 and zero3 (the model's built-in plan)")
     p.add_argument("--steps", type=int, help="optimizer steps to compare (default: two epochs, at most 50)")
-    p.add_argument("--tolerance", type=float, default=1e-5,
-                   help="largest difference counted as equal, relative to values above 1 (default: 1e-5, for fp32)")
+    p.add_argument("--tolerance", type=float,
+                   help="judge with this fixed tolerance, relative to values above 1, instead of the noise floor "
+                        "measured by a second reference run (default: the floor)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the parallel job is stopped")
     p.add_argument("--accelerator", default="auto",
                    help="auto (a GPU per process when there are enough, else the CPU), cpu or cuda")

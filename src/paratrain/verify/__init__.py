@@ -3,8 +3,9 @@
 The user's factory (``module:function`` returning a :class:`VerifySpec`) is built on every rank of a job of
 ``nprocs`` processes and trained with a strategy for K optimizer steps; the same setup is then trained in this
 process on the global batches, from rank 0's initial weights. Losses, gradient norms and parameters are
-compared step by step. The verdict is PASS, or FAIL with the first diverging step and parameter and the causes
-the evidence points at. See docs/verify.md.
+compared step by step, against the noise floor that the reference measures by training a second time with
+its sums in another order (or a fixed ``tolerance``). The verdict is PASS, or FAIL with the first diverging step
+and parameter and the causes the evidence points at. See docs/verify.md.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ __all__ = ["Case", "VerifyReport", "VerifySpec", "format_report", "paratrain_loo
 
 
 def verify(factory: str, strategies: str | Sequence[str] = "ddp", nprocs: int = 2, *, steps: int | None = None,
-           options: dict[str, Any] | None = None, tolerance: float = 1e-5, timeout_s: float = 300.0,
+           options: dict[str, Any] | None = None, tolerance: float | None = None, timeout_s: float = 300.0,
            accelerator: str = "auto") -> list[VerifyReport]:
     """Check ``factory``'s setup under each of ``strategies`` on ``nprocs`` processes (one job for all)."""
     names = [strategies] if isinstance(strategies, str) else list(strategies)
@@ -31,10 +32,11 @@ def verify(factory: str, strategies: str | Sequence[str] = "ddp", nprocs: int = 
     return verify_cases(cases, nprocs, tolerance=tolerance, timeout_s=timeout_s, accelerator=accelerator)
 
 
-def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float = 1e-5, timeout_s: float = 300.0,
+def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float | None = None, timeout_s: float = 300.0,
                  accelerator: str = "auto") -> list[VerifyReport]:
     """Run every case in one job of ``nprocs`` processes, then each reference here (on the CPU); one report per
-    case. ``accelerator``: where the parallel run trains (``auto``: one GPU per process when there are enough)."""
+    case. ``accelerator``: where the parallel run trains (``auto``: one GPU per process when there are enough).
+    ``tolerance``: judge with this fixed tolerance instead of the measured noise floor (no second reference)."""
     from ..devices import ACCELERATORS
     from ..errors import ConfigError
 
@@ -49,7 +51,7 @@ def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float = 1e-5,
         raise ConfigError(f"{nprocs} processes on the GPU need {nprocs} GPUs, {gpus} visible; use fewer processes or "
                           "--accelerator cpu")
 
-    if tolerance <= 0:
+    if tolerance is not None and tolerance <= 0:
         raise ConfigError(f"tolerance must be > 0, got {tolerance}")
     if nprocs < 2:
         raise ConfigError(f"verify compares a parallel run with one process: use 2 or more processes, got {nprocs}")
@@ -63,18 +65,20 @@ def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float = 1e-5,
     reports = []
     for i in range(len(cases)):
         evidence = [rank[i] for rank in ranks]
-        reports.append(build_report(evidence, _reference(evidence[0], references), world=nprocs, tolerance=tolerance))
+        ref = _reference(evidence[0], references, "global")
+        twin = _reference(evidence[0], references, "shards") if tolerance is None else None
+        reports.append(build_report(evidence, ref, twin, world=nprocs, tolerance=tolerance))
     return reports
 
 
-def _reference(main: RankEvidence, cache: dict[tuple, Record]) -> Record | None:
-    """The single-process run matching ``main``'s setup (shared by strategies with the same data split)."""
+def _reference(main: RankEvidence, cache: dict[tuple, Record], order: str) -> Record | None:
+    """The single-process run matching ``main``'s setup, its global batches in ``order`` (shared by strategies
+    with the same data split)."""
     if main.error is not None or main.data is None or main.init_state is None:
         return None
     d = main.data
     key = (main.case.factory, main.init_digest, d.replicas, d.seed, d.shuffle, d.drop_last, d.micro_batch,
-           main.accumulate, main.record.steps)
+           main.accumulate, main.record.steps, order)
     if key not in cache:
-        cache[key] = reference_run(build_spec(main.case.factory), main.init_state, d, main.accumulate,
-                                   main.record.steps)
+        cache[key] = reference_run(main.case.factory, main.init_state, d, main.accumulate, main.record.steps, order)
     return cache[key]

@@ -9,7 +9,7 @@ from .distributed import Case
 from .report import format_report
 
 
-def verify_command(*, factory: str, strategies: str, nprocs: int, steps: int | None, tolerance: float,
+def verify_command(*, factory: str, strategies: str, nprocs: int, steps: int | None, tolerance: float | None,
                    timeout_s: float, accelerator: str, as_json: bool, tp: int | None = None) -> int:
     """Check ``factory`` under each comma-separated strategy on ``nprocs`` processes; 0 when every one passes.
     ``tp``: the tensor-parallel degree inside ddp/zero2/zero3 (the ``tp`` strategy splits over every rank)."""

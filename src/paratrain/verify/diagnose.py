@@ -10,6 +10,7 @@ import torch
 
 from ..data import ShardSampler
 from .distributed import DataSetup, RankEvidence
+from .floor import Judge
 from .record import Record
 
 BROADCASTING = frozenset({"ddp", "zero1", "model_parallel", "mp"})
@@ -27,7 +28,7 @@ class Finding:
 
 @dataclass(frozen=True, kw_only=True)
 class Divergence:
-    """The first place the parallel run differs from the reference by more than the tolerance."""
+    """The first place the parallel run differs from the reference by more than is allowed."""
 
     step: int
     """Optimizer step, from 0."""
@@ -36,12 +37,12 @@ class Divergence:
     parallel: float
     reference: float
     parameter: str | None = None
-    """For ``parameters``: the entry of the state dict that differs most."""
+    """For ``parameters``: the entry of the state dict furthest beyond what is allowed."""
     max_diff: float = 0.0
-
-
-def _close(a: float, b: float, tolerance: float) -> bool:
-    return abs(a - b) <= tolerance * max(1.0, abs(b))
+    allowed: float = 0.0
+    """The largest difference counted as equal there (the tolerance, or the margin times the noise floor)."""
+    floor: float | None = None
+    """The measured noise floor there; None under a fixed tolerance."""
 
 
 def parallel_losses(ranks: list[RankEvidence], steps: int) -> list[float | None]:
@@ -53,22 +54,37 @@ def parallel_losses(ranks: list[RankEvidence], steps: int) -> list[float | None]
     return out
 
 
-def state_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[str | None, float, float]:
-    """(entry that differs most, its max |difference|, the largest |value| of the reference)."""
-    worst, largest, scale = None, 0.0, 0.0
-    for key in a.keys() & b.keys():
-        ref = b[key].double()
-        diff = float((a[key].double() - ref).abs().max()) if ref.numel() else 0.0
-        scale = max(scale, float(ref.abs().max()) if ref.numel() else 0.0)
-        if diff > largest or worst is None:
-            worst, largest = key, diff
-    return worst, largest, scale
+def _entries_apart(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], step: int,
+                   judge: Judge) -> tuple[Divergence | None, float]:
+    """(the entry furthest beyond what ``judge`` allows, if any; the largest |difference| of any entry)."""
+    worst: tuple[float, Divergence] | None = None
+    largest = 0.0
+    for key in sorted(mine.keys() & ref.keys()):
+        theirs = ref[key].double()
+        if not theirs.numel():
+            continue
+        diff = float((mine[key].double() - theirs).abs().max())
+        largest = max(largest, diff)
+        bound = judge.entry(step, key, float(theirs.abs().max()))
+        if diff > bound.allowed and (worst is None or diff / bound.allowed > worst[0]):
+            worst = (diff / bound.allowed, Divergence(step=step, what="parameters", parallel=diff, reference=0.0,
+                                                      parameter=key, max_diff=diff, allowed=bound.allowed,
+                                                      floor=bound.floor))
+    return (worst[1] if worst else None), largest
+
+
+def _scalar_apart(what: str, step: int, mine: float, theirs: float, judge: Judge) -> Divergence | None:
+    bound = judge.scalar(what, step, theirs)
+    if abs(mine - theirs) <= bound.allowed:
+        return None
+    return Divergence(step=step, what=what, parallel=mine, reference=theirs, max_diff=abs(mine - theirs),
+                      allowed=bound.allowed, floor=bound.floor)
 
 
 def first_divergence(ranks: list[RankEvidence], ref: Record,
-                     tolerance: float) -> tuple[Divergence | None, Divergence | None, float]:
-    """(the first step where loss, gradient norm or parameters differ; the first step where parameters do; the
-    largest parameter difference seen)."""
+                     judge: Judge) -> tuple[Divergence | None, Divergence | None, float]:
+    """(the first step where loss, gradient norm or parameters differ by more than ``judge`` allows; the first
+    step where parameters do; the largest parameter difference seen)."""
     main = ranks[0].record
     steps = min(main.steps, ref.steps)
     losses = parallel_losses(ranks, steps)
@@ -78,18 +94,14 @@ def first_divergence(ranks: list[RankEvidence], ref: Record,
     for s in range(steps):
         mine = losses[s]
         theirs = statistics.fmean(ref.losses[s]) if ref.losses[s] else None
-        key, diff, scale = state_diff(main.states[s], ref.states[s])
+        entry, diff = _entries_apart(main.states[s], ref.states[s], s, judge)
         largest = max(largest, diff)
-        if apart is None and diff > tolerance * max(1.0, scale):
-            apart = Divergence(step=s, what="parameters", parallel=diff, reference=0.0, parameter=key, max_diff=diff)
+        apart = apart or entry
         if found is not None:
             continue
-        if mine is not None and theirs is not None and not _close(mine, theirs, tolerance):
-            found = Divergence(step=s, what="loss", parallel=mine, reference=theirs)
-        elif not _close(main.grad_norms[s], ref.grad_norms[s], tolerance):
-            found = Divergence(step=s, what="gradient norm", parallel=main.grad_norms[s], reference=ref.grad_norms[s])
-        else:
-            found = apart
+        if mine is not None and theirs is not None:
+            found = _scalar_apart("loss", s, mine, theirs, judge)
+        found = found or _scalar_apart("gradient norm", s, main.grad_norms[s], ref.grad_norms[s], judge) or apart
     return found, apart, largest
 
 
@@ -170,7 +182,8 @@ def init_finding(ranks: list[RankEvidence]) -> Finding | None:
     return Finding(cause="different initial weights across ranks",
                    evidence=f"the model {apart} built differs from rank 0's before prepare (state digests compared)",
                    hint="seed identically on every rank before building the model (paratrain.Parallel(seed=...) or "
-                        "torch.manual_seed(s) first, not s + rank), and draw no rank-dependent random numbers before it")
+                        "torch.manual_seed(s) first, not s + rank), and draw no rank-dependent random numbers "
+                        "before it")
 
 
 def gradient_scale_finding(ranks: list[RankEvidence], ref: Record, accumulate: int, replicas: int) -> Finding | None:
@@ -193,7 +206,9 @@ def gradient_scale_finding(ranks: list[RankEvidence], ref: Record, accumulate: i
     return None
 
 
-def batchnorm_finding(ranks: list[RankEvidence], ref: Record, tolerance: float) -> Finding | None:
+def batchnorm_finding(ranks: list[RankEvidence], ref: Record, tolerance: float, window: int = 1) -> Finding | None:
+    """A BatchNorm whose input statistics on a rank differ from the global batch's. ``window``: micro-batches per
+    reference batch (the reference takes a whole accumulation window at once, see verify/reference.py)."""
     worst: tuple[float, str] | None = None
     for name, theirs in ref.batchnorm_means.items():
         for r in ranks:
@@ -204,11 +219,19 @@ def batchnorm_finding(ranks: list[RankEvidence], ref: Record, tolerance: float) 
                     worst = (diff, name)
     if worst is None:
         return None
+    if window > 1:
+        return Finding(cause="BatchNorm under gradient accumulation",
+                       evidence=f"BatchNorm '{worst[1]}' normalised each micro-batch with its own statistics, one "
+                                f"process normalises the global batch of {window} micro-batches at once (channel "
+                                f"means apart by up to {worst[0]:.3g}): accumulation is not the global batch's math",
+                       hint="verify with accumulate=1, or use GroupNorm or LayerNorm, which do not mix samples")
     return Finding(cause="BatchNorm without synchronisation",
                    evidence=f"BatchNorm '{worst[1]}' normalised each rank's micro-batch with that rank's own "
-                            f"statistics: its input's channel means differ from the global batch's by up to {worst[0]:.3g}",
-                   hint="convert it before prepare: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) (torch's "
-                        "SyncBatchNorm runs on GPUs only; on a CPU use GroupNorm or LayerNorm, or accept per-rank statistics)")
+                            f"statistics: its input's channel means differ from the global batch's by up to "
+                            f"{worst[0]:.3g}",
+                   hint="convert it before prepare: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) "
+                        "(torch's SyncBatchNorm runs on GPUs only; on a CPU use GroupNorm or LayerNorm, or accept "
+                        "per-rank statistics)")
 
 
 def replicas_finding(ranks: list[RankEvidence]) -> Finding | None:

@@ -19,10 +19,9 @@ from ..data import ShardSampler, describe_sampler
 from ..devices import backend_for, select_device
 from ..digest import state_digest
 from ..errors import ConfigError
-from ..distributed.grad_norm import global_grad_norm
 from ..distributed.process_group import finish_group
 from ..parallel import Parallel
-from .record import Record, Recorder, recording_loader
+from .record import Record, Recorder, recording_loader, run_loop
 from .spec import build_spec
 
 MAX_DEFAULT_STEPS = 50
@@ -87,10 +86,6 @@ class RankEvidence:
     """Steps asked for (the record holds how many ran)."""
 
 
-class _Stop(Exception):
-    """Raised by the optimizer hook once enough steps ran: ends the user's loop wherever it is."""
-
-
 def run_cases(cases: list[Case], timeout_s: float, accelerator: str = "auto") -> list[RankEvidence]:
     """The job's body on every rank (started by ``paratrain.launch``)."""
     device = select_device(int(os.environ.get("LOCAL_RANK", "0")), accelerator)
@@ -123,25 +118,7 @@ def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
     ev.replica, ev.accumulate = par.data_parallel_rank, spec.accumulate
     ev.data = _data_setup(spec.loader, par)
     ev.steps = case.steps or _default_steps(ev.data, spec.accumulate)
-    group = par.strategy.grad_norm_group(model)
-    norms: list[float] = []
-
-    def before_step(*_: object) -> None:
-        # a tied weight that two pipeline stages hold counts once
-        norms.append(float(global_grad_norm(par.strategy.grad_norm_parameters(model), group)))
-
-    def after_step(*_: object) -> None:
-        state = par.full_state_dict(model)  # collective; rank 0 keeps a copy (it may alias the live tensors)
-        recorder.end_step(norms.pop(), {k: v.clone() for k, v in state.items()} if rank == 0 else None)
-        if recorder.record.steps >= ev.steps:
-            raise _Stop
-
-    optimizer.register_step_pre_hook(before_step)
-    optimizer.register_step_post_hook(after_step)
-    try:
-        spec.loop(par, model, optimizer, loader, recorder.wrap_loss(spec.loss))
-    except _Stop:
-        pass
+    run_loop(spec, par, model, optimizer, loader, recorder, ev.steps, keep_states=rank == 0)
     ev.data = _data_setup(spec.loader, par)  # again: the loop may have seeded the data order
     ev.record, ev.fetched = recorder.record, recording.fetched
     ev.final_digest = state_digest(par.full_state_dict(model, rank0_only=False))

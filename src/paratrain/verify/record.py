@@ -2,7 +2,8 @@
 
 Per optimizer step: the loss of every micro-batch, the global gradient norm before the step, the full state
 after it. Once: the channel means each non-synchronised BatchNorm saw at its first call. And which samples
-the loader handed out, through a dataset wrapper that notes every index fetched.
+the loader handed out, through a dataset wrapper that notes every index fetched. Both runs train through the
+user's loop with a ``Parallel``; :func:`run_loop` hooks the optimizer and stops the loop after K steps.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..distributed.grad_norm import global_grad_norm
 from ..distributed.pipeline_metadata import LOSS_FRAMES, inside
-from .spec import Loss
+from ..parallel import Parallel
+from .spec import Loss, VerifySpec
 
 
 @dataclass(kw_only=True)
@@ -91,3 +94,33 @@ def recording_loader(loader: DataLoader) -> tuple[DataLoader, RecordingDataset]:
                          collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
                          generator=loader.generator)
     return rebuilt, dataset
+
+
+class _Stop(Exception):
+    """Raised by the optimizer hook once enough steps ran: ends the user's loop wherever it is."""
+
+
+def run_loop(spec: VerifySpec, par: Parallel, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
+             recorder: Recorder, steps: int, *, keep_states: bool) -> None:
+    """The user's loop (or :func:`~paratrain.verify.spec.paratrain_loop`) on the prepared ``model`` and
+    ``optimizer`` until the optimizer has stepped ``steps`` times, recording the global gradient norm before each
+    step and (with ``keep_states``) the full state after it. Collective in the parallel run: every rank calls it."""
+    group = par.strategy.grad_norm_group(model)
+    norms: list[float] = []
+
+    def before_step(*_: object) -> None:
+        # a tied weight that two pipeline stages hold counts once
+        norms.append(float(global_grad_norm(par.strategy.grad_norm_parameters(model), group)))
+
+    def after_step(*_: object) -> None:
+        state = par.full_state_dict(model)  # collective; rank 0 keeps a copy (it may alias the live tensors)
+        recorder.end_step(norms.pop(), {k: v.clone() for k, v in state.items()} if keep_states else None)
+        if recorder.record.steps >= steps:
+            raise _Stop
+
+    optimizer.register_step_pre_hook(before_step)
+    optimizer.register_step_post_hook(after_step)
+    try:
+        spec.loop(par, model, optimizer, loader, recorder.wrap_loss(spec.loss))
+    except _Stop:
+        pass

@@ -1,19 +1,30 @@
 """A verify verdict, built from both runs' evidence, and its text for the terminal."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .diagnose import (BROADCASTING, Divergence, Finding, batchnorm_finding, data_findings, first_divergence,
                        gradient_scale_finding, init_finding, replicas_finding, tie_finding, untrained_finding)
 from .distributed import RankEvidence
+from .floor import FloorSummary, Judge, NoiseFloor, Tolerance
 from .record import Record
+from .reference import whole_windows
 
+FALLBACK_TOLERANCE = 1e-5
+"""The tolerance when no floor could be measured (the reference is not repeatable): fp32 rounding, relative."""
+UNREPEATABLE = Finding(
+    cause="randomness in the training step",
+    evidence="",
+    hint="verify with dropout and random augmentation off (p=0, not only model.eval() if the loop calls "
+         "model.train()): after prepare each rank draws its own random numbers, so no parallel run can equal one "
+         "process; and make the loss independent of the order of the samples in a batch")
 GENERIC_CAUSES = (
     "randomness that differs per rank: dropout or augmentation draw from per-rank random streams after prepare "
     "(verify with dropout off)",
     "model or loop code that depends on the rank, the world size or the batch size",
     "a loop that steps, zeroes or clips gradients differently from par.step",
-    "numerics: the tolerance is meant for fp32; raise --tolerance for bf16/fp16 or long runs",
+    "numerics the noise floor does not hold: the parallel run on a GPU and the reference on the CPU use other "
+    "kernels (pass --tolerance)",
 )
 
 
@@ -29,7 +40,10 @@ class VerifyReport:
     """Optimizer steps compared."""
     epochs: float = 0.0
     """How many epochs those steps span."""
-    tolerance: float = 1e-5
+    tolerance: float | None = None
+    """The user's fixed tolerance; None: judged against the measured noise floor."""
+    floor: FloorSummary | None = None
+    """The noise floor measured between two correct one-process runs (None under a fixed tolerance)."""
     passed: bool = False
     divergence: Divergence | None = None
     """The first step where anything differs."""
@@ -49,11 +63,14 @@ class VerifyReport:
         return "ERROR" if self.error else ("PASS" if self.passed else "FAIL")
 
 
-def build_report(ranks: list[RankEvidence], ref: Record | None, *, world: int, tolerance: float) -> VerifyReport:
+def build_report(ranks: list[RankEvidence], ref: Record | None, twin: Record | None, *, world: int,
+                 tolerance: float | None) -> VerifyReport:
+    """The verdict on one case: ``ref`` is the reference run, ``twin`` the same in another summation order (the
+    noise floor; None with a fixed ``tolerance``)."""
     main = ranks[0]
     report = VerifyReport(factory=main.case.factory, strategy=main.case.strategy, world=world,
                           accumulate=main.accumulate, tolerance=tolerance)
-    if main.error is not None or ref is None or main.data is None:
+    if main.error is not None or ref is None or main.data is None or (twin is None and tolerance is None):
         report.error = main.error or "the parallel run recorded nothing"
         return report
     if main.record.steps == 0:
@@ -64,7 +81,17 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, *, world: int, t
     report.epochs = report.steps / max(main.data.steps_per_epoch(main.accumulate), 1e-9)
     if main.record.steps < main.steps:
         report.notes.append(f"the training loop ended after {main.record.steps} of {main.steps} steps")
-    report.divergence, report.parameters_apart, report.max_param_diff = first_divergence(ranks, ref, tolerance)
+    judge: Judge = Tolerance(tolerance or FALLBACK_TOLERANCE)
+    if tolerance is None:
+        floor = NoiseFloor(ref, twin)
+        report.floor = floor.summary()
+        unrepeatable = floor.unrepeatable(ref)
+        if unrepeatable is None:
+            judge = floor
+        else:  # the floor measured the randomness, not rounding: judge by fp32's tolerance, name the cause
+            report.findings.append(replace(UNREPEATABLE, evidence=unrepeatable))
+            report.tolerance = FALLBACK_TOLERANCE
+    report.divergence, report.parameters_apart, report.max_param_diff = first_divergence(ranks, ref, judge)
     data, notes = data_findings(ranks, main.data)
     report.notes += notes
     report.findings += data
@@ -78,9 +105,10 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, *, world: int, t
                      "of the ranks' weights"))
     elif init is not None:
         report.findings.append(init)
+    window = main.accumulate if whole_windows(main.data, main.accumulate) else 1
     if not data and (init is None or broadcast):  # the first step saw the reference's weights and samples
         for finding in (gradient_scale_finding(ranks, ref, main.accumulate, main.data.replicas),
-                        batchnorm_finding(ranks, ref, max(tolerance, 1e-4))):
+                        batchnorm_finding(ranks, ref, max(tolerance or 0.0, 1e-4), window)):
             if finding is not None:
                 report.findings.append(finding)
     for finding in (tie_finding(ranks, ref), untrained_finding(ranks, ref)):
@@ -102,19 +130,18 @@ def format_report(report: VerifyReport) -> str:
     d = report.divergence
     if report.passed:
         lines.append(f"PASS: losses, gradient norms and parameters equal the single-process run at every step "
-                     f"(max |parameter diff| {report.max_param_diff:.2g}, tolerance {report.tolerance:g})")
+                     f"(max |parameter diff| {report.max_param_diff:.2g}, {_judged(report)})")
     elif d is None:
-        lines.append("FAIL: the numbers agree within tolerance, but the run is not equivalent:")
+        lines.append("FAIL: the numbers agree within what is allowed, but the run is not equivalent:")
     elif d.what == "parameters":
         lines.append(f"FAIL: diverges at step {d.step}: after the update, parameter '{d.parameter}' differs by "
-                     f"{d.max_diff:.3g} (tolerance {report.tolerance:g})")
+                     f"{d.max_diff:.3g} ({_allowed(d)})")
     else:
         p = report.parameters_apart
         apart = (f"first parameter apart: '{p.parameter}' after step {p.step} (|diff| {p.max_diff:.3g})" if p else
-                 "the parameters stay within tolerance")
+                 "the parameters stay within what is allowed")
         lines.append(f"FAIL: diverges at step {d.step}: {d.what} {d.parallel:.6g} in parallel vs {d.reference:.6g} in "
-                     f"one process (|diff| {abs(d.parallel - d.reference):.3g}, tolerance {report.tolerance:g}); "
-                     f"{apart}")
+                     f"one process (|diff| {d.max_diff:.3g}, {_allowed(d)}); {apart}")
     if report.findings:
         lines.append("likely cause" + ("s:" if len(report.findings) > 1 else ":"))
         for f in report.findings:
@@ -127,3 +154,17 @@ def format_report(report: VerifyReport) -> str:
         lines += [f"warning: {w.cause}: {w.evidence}", f"    fix: {w.hint}"]
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
+
+
+def _judged(report: VerifyReport) -> str:
+    """How the verdict was judged, for the PASS line."""
+    if report.floor is None:
+        return f"tolerance {report.tolerance:g}"
+    return (f"noise floor {report.floor.parameters:.2g}: two correct one-process runs summing in other orders "
+            f"differ by that much; allowed {report.floor.margin:g}x the floor")
+
+
+def _allowed(d: Divergence) -> str:
+    if d.floor is None:
+        return f"allowed {d.allowed:.3g} by the fixed tolerance"
+    return f"allowed {d.allowed:.3g}: noise floor {d.floor:.3g} there"

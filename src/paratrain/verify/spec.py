@@ -56,7 +56,8 @@ class VerifySpec:
     """Micro-batches per optimizer step (``Parallel(accumulate=...)``)."""
     train: TrainLoop | None = None
     """The script's loop, ``train(par, model, optimizer, loader, loss)``, called with the prepared model and
-    optimizer and the loader as built; it may loop for ever, verify stops it. None: :func:`paratrain_loop`."""
+    optimizer and the loader as built, in the parallel run and in the one-process reference alike (there the
+    loader yields the global batches); it may loop for ever, verify stops it. None: :func:`paratrain_loop`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
