@@ -34,7 +34,7 @@ def test_underscore_flags_and_module_entry_point(paratrain_cmd, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.txt", "rank1.txt"]
 
 
-@pytest.mark.parametrize("how", ["raise", "kill"])
+@pytest.mark.parametrize("how", ["raise", "kill", "abort"])
 def test_failing_rank_ends_the_job_fast_and_names_the_rank(paratrain_cmd, tmp_path, how):
     res = _run([*paratrain_cmd, "run", "-n", "2", str(SCRIPTS / "failing_job.py"), "--fail-rank", "1",
                 "--fail-step", "5", "--how", how, "--pid-dir", str(tmp_path)], timeout=30)
@@ -46,9 +46,23 @@ def test_failing_rank_ends_the_job_fast_and_names_the_rank(paratrain_cmd, tmp_pa
         assert "(exit code 1: " in report and "RuntimeError: planted failure at step 5" in report
         assert "worker.py" not in report  # the launcher's own frames are hidden
     else:
-        assert "killed by SIGKILL" in report
+        assert f"killed by SIG{'KILL' if how == 'kill' else 'ABRT'}" in report
+    assert "Fatal Python error" not in res.stderr  # no faulthandler dump of every thread unless --debug
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 2 and not alive(pids)
+
+
+def test_a_finished_script_is_a_success_even_when_its_exit_crashes_or_hangs(paratrain_cmd, tmp_path):
+    """Both ranks return; the interpreter's teardown would then abort them, and their atexit handlers never return."""
+    env = {**os.environ, "PARATRAIN_EXIT_TIMEOUT": "2"}
+    res = _run([*paratrain_cmd, "run", "-n", "2", str(SCRIPTS / "exit_job.py"), "--end", "stuck-atexit",
+                "--crash-at-teardown", "--out", str(tmp_path)], timeout=45, env=env)
+    assert res.returncode == 0, res.stderr
+    for rank in range(2):
+        assert f"paratrain: rank {rank} finished, then stuck at exit for 2 s; ended it" in res.stderr
+        assert (tmp_path / f"rank{rank}.atexit").exists()  # the script's own atexit handlers ran
+    pids = [int((tmp_path / f"rank{rank}.done").read_text()) for rank in range(2)]
+    assert not alive(pids)
 
 
 def _one_line_error(res: subprocess.CompletedProcess, words: str) -> None:

@@ -19,6 +19,7 @@ from faults import check
 from paratrain.call_watch import Call, CallWatch
 from paratrain.errors import CollectiveError, RankFailedError
 from paratrain.launch.failure import format_failure, from_child_failed
+from paratrain.launch.finish import DEFAULT_EXIT_TIMEOUT_S, EXIT_TIMEOUT_VAR, exit_code, exit_timeout
 from paratrain.launch.signals import SIGNALS_VAR, restore_worker_signals
 from paratrain.rank_agreement import disagreements
 
@@ -48,6 +49,9 @@ def test_the_root_cause_is_a_ranks_own_error_not_the_peer_that_lost_it():
     assert err.rank == 1
     killed = from_child_failed(SimpleNamespace(failures={0: _failure(1, lost), 1: _failure(-9, None)}))
     assert killed.rank == 1
+    left = ("Traceback …\nparatrain.errors.CollectiveError: rank 1 left the job first (exited 0 s ago after "
+            "par.step #5 (job.py:9)) while rank 0 was in par.step #6 (job.py:9); every rank must make the same …\n")
+    assert from_child_failed(SimpleNamespace(failures={0: _failure(1, left), 1: _failure(1, own)})).rank == 1
 
 
 def test_a_rank_the_launcher_stopped_is_not_blamed_for_the_one_that_died():
@@ -57,6 +61,28 @@ def test_a_rank_the_launcher_stopped_is_not_blamed_for_the_one_that_died():
         assert err.rank == 1 and err.exitcode == -9
     everyone = from_child_failed(SimpleNamespace(failures={1: _failure(-15, None), 0: _failure(-15, None)}))
     assert everyone.rank == 0  # a scheduler stopped the whole job: the first rank stands for it
+
+
+def test_the_ranks_the_launcher_stopped_are_listed_as_stopped():
+    failures = {0: _failure(-15, None, 101), 1: _failure(-9, None), 2: _failure(-15, None, 101)}
+    err = from_child_failed(SimpleNamespace(failures=failures))
+    assert err.rank == 1 and err.stopped == (0, 2)
+    report = format_failure(err)
+    assert "  ranks 0, 2 stopped by the launcher (SIGTERM) after this failure" in report.splitlines()
+    one = format_failure(from_child_failed(SimpleNamespace(failures={0: _failure(-15, None), 1: _failure(-6, None)})))
+    assert "  rank 0 stopped by the launcher (SIGTERM) after this failure" in one.splitlines()
+    everyone = from_child_failed(SimpleNamespace(failures={1: _failure(-15, None), 0: _failure(-15, None)}))
+    assert everyone.stopped == () and "stopped by the launcher" not in format_failure(everyone)
+
+
+def test_a_finished_workers_exit_code_and_exit_timeout():
+    assert [exit_code(c) for c in (None, 0, 3, 256 + 2)] == [0, 0, 3, 2]
+    with redirect_stderr(io.StringIO()) as err:
+        assert exit_code("bad input") == 1  # the interpreter prints the message and exits 1
+    assert err.getvalue() == "bad input\n"
+    assert exit_timeout({}) == DEFAULT_EXIT_TIMEOUT_S
+    assert exit_timeout({EXIT_TIMEOUT_VAR: "2.5"}) == 2.5
+    assert exit_timeout({EXIT_TIMEOUT_VAR: "never"}) == exit_timeout({EXIT_TIMEOUT_VAR: "0"}) == DEFAULT_EXIT_TIMEOUT_S
 
 
 def test_disagreements_name_the_ranks_and_values():

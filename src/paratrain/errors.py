@@ -31,10 +31,12 @@ class RankFailedError(LaunchError):
     """
 
     def __init__(self, rank: int, exitcode: int, host: str, pid: int | None, traceback: str | None,
-                 ranks: tuple[int, ...] = ()) -> None:
+                 ranks: tuple[int, ...] = (), stopped: tuple[int, ...] = ()) -> None:
         self.rank = rank
         self.ranks = ranks or (rank,)
         """Every rank that failed with the same error (the root cause's rank first)."""
+        self.stopped = stopped
+        """Ranks the launcher stopped (SIGTERM) because this one failed: not failures of their own."""
         self.exitcode = exitcode
         self.host = host
         self.pid = pid

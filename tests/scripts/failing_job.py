@@ -1,6 +1,6 @@
-"""A DDP job where one rank fails at a given step, by raising or by SIGKILL.
+"""A DDP job where one rank fails at a given step, by raising, by SIGKILL or by SIGABRT.
 
-Usage: paratrain run -n 2 failing_job.py --fail-rank R --fail-step S --how raise|kill --pid-dir D
+Usage: paratrain run -n 2 failing_job.py --fail-rank R --fail-step S --how raise|kill|abort --pid-dir D
 Each rank writes its pid to D so a test can check that nothing is left running, and the failing rank writes
 the wall-clock time it fails at to D/failed_at, so a test can time the failure to the job's exit.
 """
@@ -18,7 +18,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--fail-step", type=int, default=5)
-    p.add_argument("--how", choices=["raise", "kill"], default="raise")
+    p.add_argument("--how", choices=["raise", "kill", "abort"], default="raise")
     p.add_argument("--pid-dir", required=True)
     a = p.parse_args()
     with paratrain.Parallel("ddp") as par:
@@ -33,6 +33,8 @@ if __name__ == "__main__":
                     f.write(repr(time.time()))
                 if a.how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if a.how == "abort":
+                    os.abort()
                 raise RuntimeError(f"planted failure at step {step}")
             with par.step(model, opt):
                 par.backward(model(torch.randn(8, 4)).pow(2).mean())

@@ -22,7 +22,7 @@ _SIGNAL_HINTS = {
 
 # Errors a rank raises because a peer died first: never the root cause when a real one is there.
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-              "has been closed", "Socket Timeout")
+              "has been closed", "Socket Timeout", "left the job first")
 
 
 def from_child_failed(err: object) -> RankFailedError:
@@ -40,8 +40,10 @@ def from_child_failed(err: object) -> RankFailedError:
     trace = _trace(failure)
     own = own_error(trace)
     same = tuple(r for r in sorted(failures) if r != rank and own is not None and own_error(_trace(failures[r])) == own)
+    stopped = () if failure.exitcode == -signal.SIGTERM else tuple(
+        r for r in sorted(failures) if failures[r].exitcode == -signal.SIGTERM)
     return RankFailedError(rank=rank, exitcode=failure.exitcode, host=socket.gethostname(), pid=failure.pid,
-                           traceback=trace, ranks=(rank, *same))
+                           traceback=trace, ranks=(rank, *same), stopped=stopped)
 
 
 def _trace(failure: object) -> str | None:
@@ -98,6 +100,10 @@ def format_failure(err: RankFailedError) -> str:
         which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"
         return f"paratrain: error: {own} ({which})"
     lines = [f"paratrain: {err}", f"  rank {err.rank}  host {err.host}  pid {err.pid}"]
+    stopped = getattr(err, "stopped", ())
+    if stopped:
+        which = f"rank {stopped[0]}" if len(stopped) == 1 else f"ranks {', '.join(map(str, stopped))}"
+        lines.append(f"  {which} stopped by the launcher (SIGTERM) after this failure")
     if _is_secondary(last):
         lines.append("  this rank lost a peer that failed first: on a multi-node job, the root cause is in the "
                      "report of the node that failed first")

@@ -8,6 +8,10 @@ that:
 * an exception is recorded for the launcher (torchelastic's error file, as ``@record`` does) and *not* printed
   here: the launcher shows one report for the whole job, instead of one traceback per rank
   (``paratrain --debug run`` prints them all again);
+* the script's end is the worker's end: its exit code, after its ``atexit`` handlers, without the interpreter
+  finalization that gloo's threads can abort, and at most ``PARATRAIN_EXIT_TIMEOUT`` seconds stuck in those
+  handlers (:mod:`paratrain.launch.finish`);
+* no faulthandler dump of every thread when a rank dies of a signal, unless ``paratrain --debug run``;
 * the default process-group timeout is bounded (:mod:`paratrain.launch.pg_timeout`) and the nodes of a multi-node
   job check that they agree (:mod:`paratrain.launch.agreement`).
 
@@ -19,8 +23,10 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 
 from paratrain.launch.agreement import check_same_nnodes
+from paratrain.launch.finish import exit_code, leave
 from paratrain.launch.parent_death import die_with_parent, launcher_pid
 from paratrain.launch.pg_timeout import apply_default_pg_timeout
 from paratrain.launch.signals import restore_worker_signals
@@ -38,20 +44,21 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "--exec":  # paratrain run --no-python: the kernel's parent-death request survives exec
         _exec(argv[1:])
     errors = get_error_handler()
-    errors.initialize()
+    debug = bool(os.environ.get(DEBUG_VAR))
+    if debug:  # torchelastic's handler enables faulthandler: a dump of every thread on each signal exit
+        errors.initialize()
     try:
         apply_default_pg_timeout()
         check_same_nnodes()
         _run(argv)
     except SystemExit as e:
-        if e.code not in (None, 0):
-            raise
+        leave(exit_code(e.code))
     except BaseException as e:  # noqa: BLE001 - recorded for the launcher, which reports it once
         errors.record_exception(e)
-        if os.environ.get(DEBUG_VAR):
-            raise
-        sys.stderr.flush()
-        sys.exit(1)
+        if debug:
+            traceback.print_exc()
+        leave(1)
+    leave(0)
 
 
 def _exec(argv: list[str]) -> None:
