@@ -49,7 +49,27 @@ def test_breakdown_and_base_lr_in_process(capsys):
     (["--model", "nosuchmodule:build", "--input", "4"], "cannot import 'nosuchmodule'"),
     (["--model", "gpt2", "--params", "1B"], "give --model or --params, not both"),
     (["--model", "gpt2", "--gpus", "0"], "--gpus must be >= 1, got 0"),
-    (["--model", "gpt2", "--gpus", "8", "--global-batch", "4"], "--global-batch 4 is smaller than the 8 GPUs"),
+    (["--model", "gpt2", "--gpus", "8", "--dp", "8", "--global-batch", "4"],
+     "--global-batch 4 does not split evenly over dp=8 replicas (0.5 samples each); use a multiple of 8, e.g. 8"),
+    (["--model", "gpt2", "--gpus", "8", "--layout", "dp=2,pp=2,tp=2", "--global-batch", "6", "--micro-batches", "2"],
+     "over dp=2 replicas x 2 micro-batches (1.5 samples each); use a multiple of 4, e.g. 4 or 8, or change"),
+    (["--model", "gpt2", "--gpus", "8", "--nodes", "2", "--layout", "dp=8,pp=2,tp=2"],
+     "the layout dp=8 x pp=2 x tp=2 needs 32 GPUs but the cluster has 16 (8 per node x 2 nodes); change the"),
+    (["--model", "gpt2", "--gpus", "8", "--dp", "1", "--tp", "8"],
+     "--tp 8: heads 12 does not divide by tp=8; use a degree that divides them: 1, 2, 4"),
+    (["--model", "llama3-8b", "--gpus", "8", "--nodes", "2", "--tp", "16", "--dp", "1"],
+     "key/value heads 8 does not divide by tp=16; use a degree that divides them: 1, 2, 4, 8"),
+    (["--model", "gpt2", "--gpus", "8", "--nodes", "4", "--layout", "dp=1,pp=32"],
+     "cuts the model into 32 pipeline stages but it has only 14 units to cut (its blocks, embedding and head); "
+     "use --pp 14 or fewer"),
+    (["--model", "gpt2", "--gpus", "8", "--layout", "dp=8,cp=2"], "--layout 'dp=8,cp=2': cannot read 'cp=2'"),
+    (["--model", "gpt2", "--layout", "dp=1", "--pp", "2"], "give the layout once"),
+    (["--model", "gpt2", "--kv-heads", "5"], "heads 12 is not divisible by kv_heads 5: each key/value head serves "
+     "a whole group of query heads; give --kv-heads that divides --heads"),
+    (["--model", "llama3-8b", "--heads", "30"], "hidden 4096 is not divisible by heads 30"),
+    (["--model", "mlp", "--ffn-hidden", "64"], "shape transformers; 'mlp' is not one"),
+    (["--model", "gpt2", "--model-config", "x.json"], "give --model or --model-config, not both"),
+    (["--model-config", "pyproject.toml"], "--model-config pyproject.toml: not a transformers config.json"),
 ])
 def test_bad_input_is_one_line(capsys, argv, message):
     assert main(["plan", *argv]) == 2

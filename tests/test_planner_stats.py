@@ -82,7 +82,9 @@ def _saved_bytes(model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
     GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),
     GPTConfig(layers=2, hidden=128, heads=2, seq_len=64, vocab=300, ffn=256, gated=True, bias=False,
               learned_positions=False, tied=False),  # LLaMA-shaped: RMSNorm, SwiGLU, untied head
-], ids=["gpt2-like", "llama-like"])
+    GPTConfig(layers=2, hidden=128, heads=8, kv_heads=2, seq_len=64, vocab=300, ffn=256, gated=True, bias=False,
+              learned_positions=False, tied=False, qkv_bias=True),  # Qwen2-shaped: grouped-query attention
+], ids=["gpt2-like", "llama-like", "gqa"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_closed_form_activations_equal_what_autograd_saves_on_cpu(cfg, autocast):
     stats = transformer_stats(cfg, name="tiny")

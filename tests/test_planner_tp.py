@@ -117,7 +117,8 @@ def test_a_model_whose_shape_does_not_divide_gets_no_tp_and_a_note():
     plan = recommend(transformer_stats(five_heads, name="five"), make_cluster("h100", gpus=8), Training(micro_batch=4))
     assert all(e.layout.tp == 1 for e in plan.estimates)
     assert "tensor parallelism not planned: heads 5 does not divide by tp=2" in plan.notes
-    with pytest.raises(ConfigError, match=r"^--tp 4: heads 6 does not divide by tp=4$"):
+    with pytest.raises(ConfigError, match=r"^--tp 4: heads 6 does not divide by tp=4; use a degree that "
+                                          r"divides them: 1, 2$"):
         make_plan(resolve_model("gpt2", heads=6, hidden=768, vocab=50304), gpus=4, tp=4)
     with pytest.raises(ConfigError, match="--tp needs a transformer's shape"):
         make_plan(resolve_model("mlp"), gpus=2, tp=2)

@@ -6,6 +6,8 @@ Examples:
   paratrain plan --model mymodels:build --input 3x224x224 --gpu a100-40gb --gpus 4 --breakdown
   paratrain plan --model mlp --gpu cpu --gpus 2 --measure
   paratrain plan --model llama-7b --gpus 8 --nodes 2 --tp 8
+  paratrain plan --model llama3-70b --gpus 8 --nodes 48 --layout dp=8,pp=12,tp=4 --global-batch 2048
+  paratrain plan --model-config ./Mistral-7B/config.json --seq-len 4096 --gpus 8
 
 Nothing is allocated or launched: a built-in GPT or --params uses closed forms, any other model is traced on
 the meta device. Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md.
@@ -20,12 +22,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="estimate memory and step time per strategy and recommend one",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", help="mlp, cnn, gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-7b, or module:factory")
+    m.add_argument("--model", help="mlp, cnn, gpt2[-medium|-large|-xl], llama-7b, gpt3-175b, llama3-8b/70b/405b, "
+                                   "mistral-7b, qwen2-7b, or module:factory")
     m.add_argument("--input", dest="input_spec", metavar="SHAPE",
                    help="one sample's input for module:factory, e.g. 3x224x224 or long:1024")
+    m.add_argument("--model-config", metavar="PATH",
+                   help="a transformers config.json (or its checkpoint directory): llama, mistral, qwen2 or gpt2")
     m.add_argument("--params", help="plan a transformer of this many parameters, e.g. 7.5B (no --model)")
-    for flag in ("--layers", "--hidden", "--heads", "--seq-len", "--vocab"):
-        m.add_argument(flag, type=int, help="transformer shape (overrides a built-in GPT's)")
+    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn-hidden", "--seq-len", "--vocab"):
+        m.add_argument(flag, type=int, help="transformer shape (overrides a built-in GPT's or a config's)")
+    m.add_argument("--tied", dest="tied", action="store_const", const=True,
+                   help="the output head shares the token embedding's weights")
+    m.add_argument("--untied", dest="tied", action="store_const", const=False, help="a separate output head")
     m.add_argument("--measure", action="store_true",
                    help="run the model here: on the CPU for its activations and step time (calibrates --gpu cpu); "
                         "on this machine's GPU, timed steps calibrate that GPU's compute and bandwidth")
@@ -57,6 +65,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing of every block")
     t.add_argument("--tp", type=int, help="tensor-parallel degree to plan (default: every one that divides a node "
                                           "and the model; 1: none; more than a node's GPUs is planned but slow)")
+    t.add_argument("--dp", type=int, help="with --pp and/or --tp: plan exactly this layout (dp x pp x tp = all GPUs) "
+                                          "instead of searching")
+    t.add_argument("--pp", type=int, help="pipeline stages of the exact layout (default 1 with --dp)")
+    t.add_argument("--layout", help="the exact layout in one flag, e.g. dp=8,pp=12,tp=4")
     t.add_argument("--base-lr", type=float, help="an LR tuned at --batch on one device: print it scaled")
     o = p.add_argument_group("output")
     o.add_argument("--breakdown", action="store_true", help="show memory per category")
@@ -64,18 +76,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    from ..planner import format_plan, make_plan, plan_to_json
+    from ..planner import exact_layout, format_plan, make_plan, plan_to_json
     from ..workloads.planning import resolve_model
 
     model = resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                          seq_len=args.seq_len, vocab=args.vocab, input_spec=args.input_spec)
+                          seq_len=args.seq_len, vocab=args.vocab, ffn=args.ffn_hidden, kv_heads=args.kv_heads,
+                          tied=args.tied, model_config=args.model_config, input_spec=args.input_spec)
     plan = make_plan(model, measure=args.measure, gpu=args.gpu, gpus=args.gpus, nodes=args.nodes,
                      interconnect=args.interconnect, inter_node=args.inter_node, gpu_mem_gb=args.gpu_mem_gb,
                      tflops=args.tflops, mfu=args.mfu, mem_bw_gbs=args.mem_bw_gbs, intra_bw_gbs=args.intra_bw_gbs,
                      inter_bw_gbs=args.inter_bw_gbs, step_time=args.step_time, optimizer_time=args.optimizer_time,
                      threads=args.threads, precision=args.precision, optimizer=args.optimizer,
                      micro_batch=args.micro_batch, global_batch=args.global_batch, micro_batches=args.micro_batches,
-                     schedule=args.schedule, checkpointing=args.checkpointing, tp=args.tp)
+                     schedule=args.schedule, checkpointing=args.checkpointing, tp=args.tp,
+                     exact=exact_layout(args.layout, dp=args.dp, pp=args.pp, tp=args.tp))
     if args.json:
         print(json.dumps(plan_to_json(plan, base_lr=args.base_lr), indent=2))
     else:

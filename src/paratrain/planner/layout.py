@@ -115,6 +115,48 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = ()) -> l
     return out
 
 
+def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | None = None,
+                 tp: int | None = None) -> ParallelDims | None:
+    """The degrees ``--layout dp=8,pp=12,tp=4`` (or ``--dp``/``--pp`` with ``--tp``) pin, or None: search.
+
+    ``--tp`` alone keeps the search (over that tensor-parallel degree), as it always has."""
+    if text is None and dp is None and pp is None:
+        return None
+    degrees = {"dp": dp, "pp": pp, "tp": tp}
+    if text is not None:
+        if dp is not None or pp is not None:
+            raise ConfigError("give the layout once: --layout dp=..,pp=..,tp=.. or --dp/--pp/--tp, not both")
+        for part in text.replace(" ", "").split(","):
+            key, _, value = part.partition("=")
+            if key not in degrees or not value.isdigit():
+                raise ConfigError(f"--layout {text!r}: cannot read {part!r}; write degrees as dp=8,pp=12,tp=4 "
+                                  "(keys dp, pp, tp; the ones left out are 1)")
+            if key == "tp" and tp is not None and tp != int(value):
+                raise ConfigError(f"--layout says tp={value} but --tp {tp}; give the degree once")
+            degrees[key] = int(value)
+    return ParallelDims(**{"dp_replicate" if k == "dp" else k: 1 if v is None else v for k, v in degrees.items()})
+
+
+def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims) -> list[Layout]:
+    """``single`` and the layouts with exactly ``dims``' degrees (``ParallelDims.dp``, ``pp``, ``tp``): one, or for
+    a data-parallel group without pipeline stages each way of running it (ddp, zero1-3, hsdp, as ``layouts``
+    offers them), which the plan compares. One-line errors for degrees the cluster or the model cannot take."""
+    given = f"dp={dims.dp} x pp={dims.pp} x tp={dims.tp}"
+    if dims.world_size != cluster.world_size:
+        raise ConfigError(f"the layout {given} needs {dims.world_size} GPUs but the cluster has "
+                          f"{cluster.world_size} ({cluster.ranks_per_node} per node x {cluster.nodes} nodes); "
+                          "change the degrees or --gpus/--nodes so that dp x pp x tp equals the GPUs")
+    if dims.pp > n_units:
+        raise ConfigError(f"the layout {given} cuts the model into {dims.pp} pipeline stages but it has only "
+                          f"{n_units} units to cut (its blocks, embedding and head); use --pp {n_units} or fewer")
+    found = [lay for lay in layouts(cluster, n_units, (dims.tp,) if dims.tp > 1 else ())
+             if (lay.dims.dp, lay.pp, lay.tp, lay.mp) == (dims.dp, dims.pp, dims.tp, 1)]
+    if not found:  # a degree split the search leaves out, e.g. a pipeline of 2 stages replicated once
+        raise ConfigError(f"the layout {given} is not one paratrain's strategies build on {cluster.world_size} "
+                          "GPUs; change the degrees")
+    return [Layout(name="single"), *(lay for lay in found if lay.name != "single")]
+
+
 def _with_tp(d: int, tp: int, n_units: int) -> list[Layout]:
     """The layouts of ``d`` groups of ``tp`` tensor-parallel ranks."""
     if d == 1:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import torch
 
+from ..dims import ParallelDims
 from ..errors import ConfigError
 from .collectives import measured_link
 from .gpu_step import GpuStep, check_same_gpu, time_gpu_step
@@ -27,7 +28,8 @@ def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: 
               link_timings: Mapping[str, tuple[float, ...]] | None = None,
               micro_step_time: tuple[float, float] | None = None,
               host_step_time: tuple[float, float] | None = None, fsdp_overhead: Mapping[str, float] | None = None,
-              tp_step_time: float | None = None, tp: int | None = None, **training: object) -> Plan:
+              tp_step_time: float | None = None, tp: int | None = None, exact: ParallelDims | None = None,
+              **training: object) -> Plan:
     """The plan for ``model`` under ``paratrain plan``'s options (``training`` holds ``Training``'s fields;
     precision ``auto`` is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
 
@@ -49,7 +51,8 @@ def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: 
     ``tp_step_time``: a tensor-parallel step over ``gpus`` ranks timed on a fake group (collectives return at once)
     on ``threads`` threads; sets ``Device.tp_call_s`` (``tp_call_from``).
     ``tp``: the tensor-parallel degree to plan (``--tp``; None: every one that divides a node and the model's heads
-    and MLP width; 1: none).
+    and MLP width; 1: none). ``exact``: the degrees to plan instead of searching (``--layout``,
+    ``layout.exact_layout``).
     """
     cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
                            gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, mem_bw_gbs=mem_bw_gbs,
@@ -93,7 +96,7 @@ def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: 
         bandwidth = optimizer_step_bytes(stats.params, setup) / optimizer_time  # the measuring thread's
         cluster = replace(cluster, device=replace(cluster.device, fsdp_call_s=fsdp_call_s(
             fsdp_overhead, stats, setup, bandwidth)))
-    plan = recommend(stats, cluster, setup, tp=tp)
+    plan = recommend(stats, cluster, setup, tp=tp, exact=exact)
     if gpu is None:
         return plan
     return replace(plan, notes=(*plan.notes, (

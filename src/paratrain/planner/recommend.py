@@ -14,14 +14,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ..dims import ParallelDims
 from ..errors import ConfigError
 from .hardware import GIB, Cluster
-from .layout import STRATEGY_ORDER, Layout, layouts
+from .layout import STRATEGY_ORDER, Layout, exact_layouts, layouts
 from .memory import MemoryBreakdown, activation_mode, memory_per_rank
 from .model_stats import ModelStats
 from .tensor_parallel import collective_bytes, collectives_per_micro_batch, tp_degrees
 from .timing import StepTime, bubble_fraction, step_time
-from .training import Batching, Training, batching
+from .training import Batching, Training, batch_split_error, batching
 
 TIE = 0.10
 """Throughputs within 10% count as equal: the simpler strategy is recommended. Predicted step times land within
@@ -100,22 +101,35 @@ def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Clu
                     samples_per_s=sps, speedup=sps / base, efficiency=sps / base / devices)
 
 
-def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: int | None = None) -> list[Estimate]:
+def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: int | None = None,
+                 exact: ParallelDims | None = None) -> list[Estimate]:
     """One estimate per strategy at ``training``'s micro-batch; the first is the single-rank baseline.
 
     Where a strategy comes in several degree splits (hybrid's dp x pp, model_parallel's GPUs per process, the
     tensor-parallel degree), the fastest that fits is kept, or the least memory-hungry when none fits. ``tp``:
     the tensor-parallel degree to plan (``tensor_parallel.tp_degrees``: None every one that fits the model and a
-    node, 1 none).
+    node, 1 none). ``exact``: plan only the layouts of these degrees (``layout.exact_layouts``). Layouts whose
+    data-parallel replicas cannot share the global batch evenly (``training.batch_split_error``) are left out.
     """
-    found = layouts(cluster, len(stats.units), tp_degrees(stats, cluster, tp))
+    found = candidate_layouts(stats, cluster, tp, exact)
     single = estimate(stats, found[0], replace(training, global_batch=training.micro_batch), cluster)
     best: dict[str, Estimate] = {}
-    for lay in found[1:]:
+    world = cluster.world_size
+    for lay in (lay for lay in found[1:] if batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)
+                is None):
         e = estimate(stats, lay, training, cluster, single.samples_per_s)
         if lay.label not in best or _rank(e) > _rank(best[lay.label]):
             best[lay.label] = e
     return [single, *best.values()]
+
+
+def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None,
+                      exact: ParallelDims | None = None) -> list[Layout]:
+    """The layouts a plan weighs, ``single`` first: every one the cluster can run, or ``exact``'s."""
+    if exact is None:
+        return layouts(cluster, len(stats.units), tp_degrees(stats, cluster, tp))
+    tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
+    return exact_layouts(cluster, len(stats.units), exact)
 
 
 def _rank(e: Estimate) -> tuple[bool, float]:
@@ -140,25 +154,30 @@ def largest_micro_batch(stats: ModelStats, layout: Layout, training: Training, c
 
 
 def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = None, *,
-              tp: int | None = None) -> Plan:
+              tp: int | None = None, exact: ParallelDims | None = None) -> Plan:
     """The plan for training ``stats``' model on ``cluster``: what ``strategy="auto"`` should pick.
 
     A strategy that does not fit at the requested micro-batch is tried at smaller ones (same global batch,
     more micro-batches), then with activation checkpointing. Raises ``ConfigError`` when none fits even so.
     ``tp``: the tensor-parallel degree to plan (None: every one that fits the model and a node; 1: none).
+    ``exact``: the degrees to plan instead of searching (``--layout``); its flavours of data parallelism are
+    compared. The global batch must split evenly over each layout's data-parallel replicas (not over the GPUs:
+    tensor and pipeline ranks share their replica's samples); layouts it does not split over are left out, and
+    when none is left, or the exact layout is one of them, the error says which multiple to use.
     """
     training = training or Training()
     world = cluster.world_size
     global_batch = training.global_for(world)
-    if global_batch < world:
-        raise ConfigError(f"--global-batch {global_batch} is smaller than the {world} GPUs; "
-                          "give every GPU at least one sample")
-    if global_batch % world:
-        lower, upper = global_batch // world * world, (global_batch // world + 1) * world
-        raise ConfigError(f"--global-batch {global_batch} does not split evenly over {world} GPUs "
-                          f"({global_batch / world:g} samples each); use a multiple of {world}, e.g. {lower} or {upper}")
     training = replace(training, global_batch=global_batch)
-    estimates = estimate_all(stats, cluster, training, tp)
+    found = candidate_layouts(stats, cluster, tp, exact)
+    refused = [(lay, why) for lay in found[1:]
+               if (why := batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)) is not None]
+    if refused and len(refused) == len(found) - 1:
+        raise ConfigError(refused[0][1] if exact is not None else
+                          f"--global-batch {global_batch} does not split evenly over the data-parallel replicas of "
+                          f"any layout of {world} GPUs; use a multiple of {world}, e.g. "
+                          f"{max(world, global_batch // world * world)}")
+    estimates = estimate_all(stats, cluster, training, tp, exact)
     candidates = estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:]
     fitting = [f for e in candidates for f in _fitting(stats, e, training, cluster, estimates[0].samples_per_s)]
     if not fitting:
@@ -175,9 +194,16 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
         suggestions.append(f"{choice.name} does not fit micro-batches of {as_asked.batch.micro_batch:g}: "
                            f"{_cut(choice.layout, choice.batch, cluster)}, for the same global batch {global_batch}")
     suggestions += _suggestions(stats, cluster, training, choice)
+    notes = _notes(stats, cluster, training, choice, estimates)
+    if refused:
+        notes.append(f"--global-batch {global_batch} does not split evenly over {world} GPUs: layouts of "
+                     f"{', '.join(f'dp={d}' for d in sorted({lay.dp for lay, _ in refused}))} data-parallel replicas "
+                     "are left out")
     return Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
-                estimates=tuple(estimates), choice=choice, reason=_reason(choice, estimates, fitting, cluster),
-                suggestions=tuple(suggestions), notes=tuple(_notes(stats, cluster, training, choice, estimates)))
+                estimates=tuple(estimates), choice=choice,
+                reason=(_exact_reason(choice, fitting) if exact is not None
+                        else _reason(choice, estimates, fitting, cluster)),
+                suggestions=tuple(suggestions), notes=tuple(notes))
 
 
 def _fitting(stats: ModelStats, e: Estimate, training: Training, cluster: Cluster, baseline: float) -> list[Estimate]:
@@ -240,6 +266,15 @@ def _reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate]
         return (f"{choice.name} is {choice.samples_per_s / ddp.samples_per_s:.2f}x faster than ddp: "
                 f"{' and '.join(why) or 'it communicates less'}; {choice.name} fits ({mem})")
     return f"{choice.name} is the fastest strategy that fits ({mem})"
+
+
+def _exact_reason(choice: Estimate, fitting: list[Estimate]) -> str:
+    """The layout was asked for (``--layout``): say so, and which way of running its data parallelism won."""
+    mem = f"{choice.memory.total / GIB:.1f} of {choice.capacity / GIB:.1f} GiB per rank"
+    others = sorted({e.name for e in fitting} - {choice.name})
+    rivals = (f"; of the ways to run it, {choice.name} beats {', '.join(others)} or ties and is simpler"
+              if others else "")
+    return f"the layout asked for ({choice.layout.describe()}) fits as {choice.name} ({mem}){rivals}"
 
 
 def _tp_reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate], cluster: Cluster,

@@ -109,7 +109,9 @@ def tp_degrees(stats: ModelStats, cluster: Cluster, tp: int | None = None) -> tu
         if why is None and cluster.world_size % tp:
             why = f"tp={tp} does not divide the {cluster.world_size} ranks"
         if why is not None:
-            raise ConfigError(f"--tp {tp}: {why}")
+            common = math.gcd(cluster.world_size, *(n for _, n in stats.tp.divides))
+            fits = [t for t in range(1, min(common, 2 * cluster.ranks_per_node) + 1) if common % t == 0]
+            raise ConfigError(f"--tp {tp}: {why}; use a degree that divides them: {', '.join(map(str, fits))}")
         return (tp,)
     degrees, t = [], 2
     while t <= cluster.ranks_per_node:

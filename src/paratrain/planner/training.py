@@ -132,3 +132,20 @@ def batching(training: Training, *, dp: int, pp: int, world_size: int) -> Batchi
     else:
         count = max(1, math.ceil(per_replica / training.micro_batch))
     return Batching(micro_batch=per_replica / count, micro_batches=count)
+
+
+def batch_split_error(training: Training, *, dp: int, pp: int, world_size: int) -> str | None:
+    """Why the global batch cannot be cut for ``dp`` replicas (of ``pp`` stages), or None.
+
+    Each data-parallel replica takes an equal share of the global batch, whatever tensor and pipeline parallelism
+    do inside it (a 384-GPU job of dp=8 x pp=12 x tp=4 takes 2048 samples as 8 x 256); a pipeline given
+    ``--micro-batches`` cuts its share into that many equal micro-batches."""
+    g = training.global_for(world_size)
+    m = training.micro_batches if pp > 1 and training.micro_batches is not None else 1
+    if g % (dp * m) == 0:
+        return None
+    lower, upper = g // (dp * m) * dp * m, (g // (dp * m) + 1) * dp * m
+    split = f"dp={dp} replicas" + (f" x {m} micro-batches" if m > 1 else "")
+    return (f"--global-batch {g} does not split evenly over {split} ({g / (dp * m):g} samples each); use a "
+            f"multiple of {dp * m}, e.g. {lower or upper} or {upper}"
+            + (", or change --micro-batches" if m > 1 else ""))

@@ -25,8 +25,8 @@ GPT_CONFIGS = MappingProxyType({
     **TRANSFORMERS,
     "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),  # 0.17M, for tests
 })
-"""Built-in sizes: the planner's named shapes (GPT-2's four published sizes and a LLaMA-7B-like one) and a tiny one
-that trains for real in the demos and tests."""
+"""Built-in sizes: the planner's named shapes (``planner.transformer.TRANSFORMERS``) and a tiny one that trains for
+real in the demos and tests."""
 
 
 class RMSNorm(nn.Module):
@@ -46,6 +46,9 @@ class Block(nn.Module):
 
     ``qkv``'s outputs are grouped per head (``q k v`` of head 0, then of head 1, …) and a gated ``fc``'s per unit
     (gate, up), so that a contiguous column split — tensor parallelism — gives each rank whole heads and units.
+    With grouped-query attention (``kv_heads`` < ``heads``) the queries come from ``q`` and the keys and values
+    from ``kv`` (``k v`` per key/value head): one fused output could not be viewed as heads without a copy of the
+    queries, which autograd would save besides the projection's output.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -55,7 +58,12 @@ class Block(nn.Module):
         self.head_dim = h // cfg.heads
         self.gated = cfg.gated
         self.norm1 = norm()
-        self.qkv = nn.Linear(h, 3 * h, bias=cfg.bias)
+        if cfg.key_value_heads == cfg.heads:
+            self.qkv = nn.Linear(h, 3 * h, bias=cfg.has_qkv_bias)
+        else:
+            self.q = nn.Linear(h, h, bias=cfg.has_qkv_bias)
+            self.kv = nn.Linear(h, 2 * cfg.kv_width, bias=cfg.has_qkv_bias)
+        self.grouped = cfg.key_value_heads != cfg.heads
         self.proj = nn.Linear(h, h, bias=cfg.bias)
         self.norm2 = norm()
         self.fc = nn.Linear(h, 2 * f if cfg.gated else f, bias=cfg.bias)
@@ -64,10 +72,21 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Shapes come from the projections' outputs, not from x: under tensor parallelism x holds a slice of the
         # sequence and qkv this rank's heads.
-        qkv = self.qkv(self.norm1(x))
-        b, t, _ = qkv.shape
-        q, k, v = qkv.view(b, t, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        n = self.norm1(x)
+        if self.grouped:
+            kind = n.device.type
+            # one 16-bit copy of the input for both projections, as a fused projection casts it once
+            if kind != "meta" and torch.is_autocast_enabled(kind):
+                n = n.to(torch.get_autocast_dtype(kind))
+            q = self.q(n)
+            b, t, _ = q.shape
+            q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+            k, v = self.kv(n).view(b, t, -1, 2 * self.head_dim).transpose(1, 2).chunk(2, dim=-1)
+        else:
+            qkv = self.qkv(n)
+            b, t, _ = qkv.shape
+            q, k, v = qkv.view(b, t, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         z = self.fc(self.norm2(x))
         if self.gated:
@@ -117,7 +136,8 @@ class GPT(nn.Module):
         styles.update({
             "blocks.0": sequence_shards(),
             "blocks.*.norm1": SequenceParallel(),
-            "blocks.*.qkv": Colwise(input_layouts=Shard(1)),
+            **{f"blocks.*.{name}": Colwise(input_layouts=Shard(1))  # grouped: q and kv each gather the input
+               for name in (("q", "kv") if self.cfg.key_value_heads != self.cfg.heads else ("qkv",))},
             "blocks.*.proj": Rowwise(output_layouts=Shard(1)),
             "blocks.*.norm2": SequenceParallel(),
             "blocks.*.fc": Colwise(input_layouts=Shard(1)),
@@ -126,5 +146,6 @@ class GPT(nn.Module):
             "head": vocab_head(),
         })
         return TPPlan(name="paratrain GPT", sequence_parallel=True, styles=styles,
-                    divisible=lambda m: {"heads": m.cfg.heads, "ffn": m.cfg.ffn_width})
+                    divisible=lambda m: {"heads": m.cfg.heads, "kv_heads": m.cfg.key_value_heads,
+                                         "ffn": m.cfg.ffn_width})
 

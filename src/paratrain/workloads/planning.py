@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType
 
 from torch import nn
@@ -16,6 +17,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..factory import load_callable
 from ..planner import InputSpec, ModelStats, RunnableModel, transformer_shape, transformer_stats
+from ..planner.hf_config import read_model_config
 from .digits import digits_cnn
 from .gpt import GPT, GPT_CONFIGS
 from .synthetic import mlp
@@ -38,34 +40,49 @@ def parse_count(text: str) -> float:
 
 def resolve_model(model: str | None = None, *, params: str | None = None, layers: int | None = None,
                   hidden: int | None = None, heads: int | None = None, seq_len: int | None = None,
-                  vocab: int | None = None, input_spec: str | None = None) -> ModelStats | RunnableModel:
+                  vocab: int | None = None, ffn: int | None = None, kv_heads: int | None = None,
+                  tied: bool | None = None, model_config: str | None = None,
+                  input_spec: str | None = None) -> ModelStats | RunnableModel:
     """The model the CLI's model options name, as ``planner.make_plan`` takes it.
 
-    ``--params`` gives closed-form stats (shape figures given, the rest guessed); a built-in GPT size a model with
-    its closed-form stats (shape figures override the built-in ones); ``mlp``, ``cnn`` and ``module:factory`` a
-    model the planner traces on the meta device. ``--measure`` runs any of the models.
+    ``--params`` gives closed-form stats (shape figures given, the rest guessed); a built-in GPT size or a
+    transformers ``config.json`` (``--model-config``) a model with its closed-form stats (shape figures override
+    the named ones); ``mlp``, ``cnn`` and ``module:factory`` a model the planner traces on the meta device.
+    ``--measure`` runs any of the models (a config's shape as ``workloads.gpt.GPT``).
     """
-    if model is not None and params is not None:
-        raise ConfigError("give --model or --params, not both")
-    if model is None and params is None:
-        raise ConfigError(f"give --model (one of {', '.join(model_names())}, or module:factory) or --params")
-    shape = {k: v for k, v in dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab).items()
-             if v is not None}
+    given = [flag for flag, value in (("--model", model), ("--model-config", model_config), ("--params", params))
+             if value is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give {' or '.join(given)}, not {'both' if len(given) == 2 else 'all three'}")
+    if not given:
+        raise ConfigError(f"give --model (one of {', '.join(model_names())}, or module:factory), --model-config "
+                          "or --params")
+    shape = {k: v for k, v in dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
+                                   kv_heads=kv_heads, tied=tied).items() if v is not None}
     if params is not None:
         n = parse_count(params)
-        return transformer_stats(transformer_shape(n, **shape), name=f"{params} transformer", params=round(n))
+        guessed = {k: v for k, v in shape.items() if k in ("layers", "hidden", "heads", "seq_len", "vocab")}
+        cfg = replace(transformer_shape(n, **guessed), **{k: v for k, v in shape.items() if k not in guessed})
+        return transformer_stats(cfg, name=f"{params} transformer", params=round(n))
+    if model_config is not None:
+        cfg = replace(read_model_config(model_config), **shape)
+        name = Path(model_config).parent.name if Path(model_config).name == "config.json" else Path(model_config).name
+        return RunnableModel(name=name, factory=lambda: GPT(cfg), example=replace(
+            InputSpec.parse(input_spec or f"long:{cfg.seq_len}"), high=None if input_spec else cfg.vocab),
+            stats=transformer_stats(cfg, name=name))
     assert model is not None
     factory, example = model_input(model, shape=shape, input_spec=input_spec)
     stats = transformer_stats(replace(GPT_CONFIGS[model], **shape), name=model) if model in GPT_CONFIGS else None
     return RunnableModel(name=model, factory=factory, example=example, stats=stats)
 
 
-def model_input(model: str, *, shape: dict[str, int] | None = None,
+def model_input(model: str, *, shape: dict[str, int | bool] | None = None,
                 input_spec: str | None = None) -> tuple[Callable[[], nn.Module], InputSpec]:
     """The factory of a model the CLI names and one sample's input (``--input``, or the built-in's own)."""
     shape, high = shape or {}, None
     if shape and model not in GPT_CONFIGS:
-        raise ConfigError(f"--layers/--hidden/--heads/--seq-len/--vocab shape transformers; {model!r} is not one")
+        raise ConfigError(f"--layers/--hidden/--heads/--kv-heads/--ffn-hidden/--seq-len/--vocab/--tied shape "
+                          f"transformers; {model!r} is not one: drop them or plan a built-in GPT")
     if model in GPT_CONFIGS:
         cfg = replace(GPT_CONFIGS[model], **shape)
         factory, default_input, high = (lambda: GPT(cfg)), f"long:{cfg.seq_len}", cfg.vocab
