@@ -1,7 +1,8 @@
 """How often a finished job is reported failed (or hangs) at exit: ``paratrain run`` against plain torchrun.
 
 Runs ``tests/scripts/exit_job.py`` (a few gloo DDP steps, then return) ``--runs`` times per launcher and ending
-(``none``: no ``destroy_process_group``; ``destroy``: the script calls it), one job at a time, each with a hard
+(``none``: no ``destroy_process_group``; ``destroy``: the script calls it; ``trainer``: transformers' ``Trainer`` on a
+tiny GPT-2 instead, ``tests/clients/hf_trainer.py``), one job at a time, each with a hard
 timeout (a job past it counts as a hang and its process group is killed). A run fails when the launcher exits
 non-zero; ``abort`` counts runs whose output shows gloo's exit abort or a fatal signal.
 
@@ -15,11 +16,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "exit_job.py"
+TRAINER = ROOT / "tests" / "clients" / "hf_trainer.py"
 _ABORT = ("terminate called", "SIGABRT", "SIGSEGV", "Fatal Python error", "Signal 6", "Signal 11")
 
 
@@ -31,7 +34,12 @@ def launcher_cmd(name: str) -> list[str]:
 
 
 def one_run(launcher: str, end: str, timeout_s: float) -> dict[str, object]:
-    cmd = [*launcher_cmd(launcher), str(SCRIPT), "--end", end]
+    with tempfile.TemporaryDirectory() as out_dir:
+        script = [str(TRAINER), out_dir] if end == "trainer" else [str(SCRIPT), "--end", end]
+        return _timed([*launcher_cmd(launcher), *script], timeout_s)
+
+
+def _timed(cmd: list[str], timeout_s: float) -> dict[str, object]:
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

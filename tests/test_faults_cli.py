@@ -35,8 +35,9 @@ ONE_LINE = [
     (["run", "--no-such-flag", SCRIPT], "unrecognized"),
     (["run"], "required"),
     # paratrain plan
-    (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "12"], "1.5 samples each"),
-    (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "4"], "smaller than the 8 GPUs"),
+    (["plan", "--model", "gpt2", "--gpus", "8", "--dp", "8", "--global-batch", "12"], "1.5 samples each"),
+    (["plan", "--model", "gpt2", "--gpus", "8", "--dp", "8", "--global-batch", "4"],
+     "(0.5 samples each); use a multiple of 8, e.g. 8"),
     (["plan", "--model", "nope"], "unknown model 'nope'"),
     (["plan", "--model", "gpt2", "--gpus", "0"], "--gpus must be >= 1"),
     (["plan", "--model", "gpt2", "--gpu", "nope"], "unknown GPU 'nope'"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import subprocess
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -49,18 +50,24 @@ LAYOUTS4 = ("ddp", "zero2", "zero3")
 
 
 def memory_for_tp(model_name: str, world: int) -> float:
-    """GiB per rank (of a CPU node of ``world`` ranks) halfway between what zero3 alone and zero3 with tp=2 need for
-    the model and its optimizer by the planner (``auto`` plans the optimizer ``prepare`` gets with the model): where
-    ``strategy="auto"`` must choose tp."""
+    """GiB per rank (of a CPU node of ``world`` ranks) halfway between what zero3 with tp=2 needs and the least any
+    layout without tp needs (ddp, zero1, zero2, zero3), for the model and its optimizer by the planner (``auto`` plans
+    the optimizer ``prepare`` gets with the model): where ``strategy="auto"`` must choose tp."""
     model = ZOO[model_name].build()
     stats = replace(parameter_stats(model), tp=model_shape(model))
     cluster = local_cluster(torch.device("cpu"), world, world)
     one_gib = replace(cluster, device=replace(cluster.device, memory_gib=1.0))
     training = Training(precision="fp32", optimizer=planned(ZOO[model_name].optimizer(model)).key, micro_batch=1)
-    need = [estimate(stats, Layout(name="zero3", dp=world // t, zero=3, shard=world // t, tp=t), training, one_gib)
-            for t in (1, 2)]
-    assert need[1].memory.total < need[0].memory.total
-    return (need[0].memory.total + need[1].memory.total) / 2 / need[0].capacity
+
+    def need(zero: int, tp: int = 1) -> Any:
+        name = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[zero]
+        return estimate(stats, Layout(name=name, dp=world // tp, zero=zero, shard=world // tp if zero else 1, tp=tp),
+                        training, one_gib)
+
+    with_tp = need(3, tp=2)
+    without = min((need(zero) for zero in (0, 1, 2, 3)), key=lambda e: e.memory.total)
+    assert with_tp.memory.total < without.memory.total
+    return (without.memory.total + with_tp.memory.total) / 2 / with_tp.capacity
 
 
 WORLD4 = [(m, s, {"tp": 2}) for m in MODELS for s in LAYOUTS4] + [

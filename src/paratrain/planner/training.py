@@ -147,5 +147,5 @@ def batch_split_error(training: Training, *, dp: int, pp: int, world_size: int) 
     lower, upper = g // (dp * m) * dp * m, (g // (dp * m) + 1) * dp * m
     split = f"dp={dp} replicas" + (f" x {m} micro-batches" if m > 1 else "")
     return (f"--global-batch {g} does not split evenly over {split} ({g / (dp * m):g} samples each); use a "
-            f"multiple of {dp * m}, e.g. {lower or upper} or {upper}"
+            f"multiple of {dp * m}, e.g. {f'{lower} or {upper}' if lower else upper}"
             + (", or change --micro-batches" if m > 1 else ""))
