@@ -76,3 +76,25 @@ def test_bad_input_is_one_line(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("paratrain: error: ") and message in err, err
     assert err.count("\n") == 1
+
+
+def test_show_tp_plan_prints_the_plan_prepare_would_apply(capsys):
+    """The model's own plan by default, the inferred one with 'auto'; nothing is planned or launched."""
+    assert main(["plan", "--model", "gpt-tiny", "--tp", "2", "--show-tp-plan"]) == 0
+    own = capsys.readouterr().out
+    assert "tp plan 'paratrain GPT' over tp=2 (sequence parallel):" in own and "blocks.*.qkv -> Colwise" in own
+    assert main(["plan", "--model", "gpt-tiny", "--tp", "2", "--show-tp-plan", "auto"]) == 0
+    inferred = capsys.readouterr().out
+    assert "tp_plan='auto' for GPT over tp=2" in inferred and "blocks.*.qkv -> colwise (attention)" in inferred
+    assert "head -> colwise (vocabulary, logits left split for the loss; tied to wte)" in inferred
+    assert "Memory" not in own + inferred and "recommend" not in (own + inferred).lower()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "gpt-tiny", "--show-tp-plan"], "--show-tp-plan needs --tp N"),
+    (["--params", "1B", "--tp", "2", "--show-tp-plan"], "builds the model"),
+])
+def test_show_tp_plan_refuses_in_one_line(argv, words, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0]

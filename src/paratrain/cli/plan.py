@@ -8,6 +8,7 @@ Examples:
   paratrain plan --model llama-7b --gpus 8 --nodes 2 --tp 8
   paratrain plan --model llama3-70b --gpus 8 --nodes 48 --layout dp=8,pp=12,tp=4 --global-batch 2048
   paratrain plan --model-config ./Mistral-7B/config.json --seq-len 4096 --gpus 8
+  paratrain plan --model mymodels:build_gpt --tp 2 --show-tp-plan
 
 Nothing is allocated or launched: a built-in GPT or --params uses closed forms, any other model is traced on
 the meta device. Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md.
@@ -73,6 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--breakdown", action="store_true", help="show memory per category")
     o.add_argument("--json", action="store_true", help="print the plan as JSON")
+    o.add_argument("--show-tp-plan", nargs="?", const="model", choices=["model", "auto"],
+                   help="with --tp N: print the tensor-parallel plan prepare would apply (the model's own or built-in "
+                        "one, else inferred; 'auto': inferred even where one is built in) and plan nothing")
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -82,6 +86,11 @@ def execute(args: argparse.Namespace) -> int:
     model = resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
                           seq_len=args.seq_len, vocab=args.vocab, ffn=args.ffn_hidden, kv_heads=args.kv_heads,
                           tied=args.tied, model_config=args.model_config, input_spec=args.input_spec)
+    if args.show_tp_plan:
+        from .tp_plan import tp_plan_lines
+
+        print("\n".join(tp_plan_lines(model, args.tp, infer=args.show_tp_plan == "auto")))
+        return 0
     plan = make_plan(model, measure=args.measure, gpu=args.gpu, gpus=args.gpus, nodes=args.nodes,
                      interconnect=args.interconnect, inter_node=args.inter_node, gpu_mem_gb=args.gpu_mem_gb,
                      tflops=args.tflops, mfu=args.mfu, mem_bw_gbs=args.mem_bw_gbs, intra_bw_gbs=args.intra_bw_gbs,
