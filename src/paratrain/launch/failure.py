@@ -96,14 +96,11 @@ def format_failure(err: RankFailedError) -> str:
     last = err.traceback.strip().splitlines()[-1] if err.traceback and err.traceback.strip() else ""
     own = own_error(err.traceback)
     if own is not None:
-        ranks = getattr(err, "ranks", (err.rank,))
-        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"
-        return f"paratrain: error: {own} ({which})"
+        return f"paratrain: error: {own} ({_which(getattr(err, 'ranks', (err.rank,)))})"
     lines = [f"paratrain: {err}", f"  rank {err.rank}  host {err.host}  pid {err.pid}"]
     stopped = getattr(err, "stopped", ())
     if stopped:
-        which = f"rank {stopped[0]}" if len(stopped) == 1 else f"ranks {', '.join(map(str, stopped))}"
-        lines.append(f"  {which} stopped by the launcher (SIGTERM) after this failure")
+        lines.append(f"  {_which(stopped)} stopped by the launcher (SIGTERM) after this failure")
     if _is_secondary(last):
         lines.append("  this rank lost a peer that failed first: on a multi-node job, the root cause is in the "
                      "report of the node that failed first")
@@ -117,3 +114,8 @@ def format_failure(err: RankFailedError) -> str:
         hint = _SIGNAL_HINTS.get(-err.exitcode, "the process was killed by a signal")  # type: ignore[call-overload]
         lines.append(f"  no traceback: {hint}")
     return "\n".join(lines)
+
+
+def _which(ranks: tuple[int, ...]) -> str:
+    """``rank 3`` or ``ranks 0, 2``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"

@@ -9,7 +9,7 @@ a forced unwind through a C++ destructor, and the process dies of ``terminate ca
 exception`` (SIGABRT), or of a SIGSEGV. A job that had finished was reported failed, and with ``--max-restarts``
 run again.
 
-So the worker ends the way ``paratrain.launch`` ends its spawned ranks: it waits for the script's non-daemon
+So the worker (and each rank ``paratrain.launch`` spawns) ends this way: it waits for the script's non-daemon
 threads (as the interpreter would), runs the ``atexit`` handlers (the user's too), flushes the standard streams
 and calls ``os._exit`` with the script's exit code, skipping the finalization that aborts. Nothing of torch is
 torn down: the process groups, their threads and sockets end with the process (a peer sees the connection

@@ -7,10 +7,8 @@ are stopped at once and a ``RankFailedError`` names the rank and carries its tra
 """
 from __future__ import annotations
 
-import atexit
 import os
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +17,7 @@ from typing import Any
 
 from ..env import cpu_count
 from ..errors import JobTimeoutError, LaunchError, RankFailedError
+from .finish import leave
 from .parent_death import die_with_parent
 
 LOOPBACK = "127.0.0.1"
@@ -91,23 +90,8 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[
     torch.set_num_threads(threads)
     result = fn(*args)
     torch.save(result, os.path.join(result_dir, f"{local_rank}.pt"))
-    if spawned:
-        _exit_without_teardown()
-
-
-def _exit_without_teardown() -> None:
-    """End a spawned rank whose result is saved, skipping the interpreter's finalization, as multiprocessing ends its
-    forked and forkserver children (a spawned one runs it: ``sys.exit``).
-
-    Gloo's worker threads can still hold the last collective's work, tensors with Python references, after the group
-    is destroyed; freed while the interpreter is torn down, they abort the process ("terminate called without an
-    active exception", SIGABRT). That took down a CI run whose cases had all passed. The atexit handlers still run
-    (all this child's own: the call watch tells its peers this rank is done) and the standard streams are flushed.
-    """
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if spawned:  # end as multiprocessing ends its forked children, without the finalization gloo's threads abort
+        leave(0)
 
 
 def _load(path: str) -> Any:
