@@ -95,7 +95,7 @@ def existing_group_is_reused() -> tuple[bool, bool]:
     par.close()  # must not destroy a group it did not create
     still = dist.is_initialized()
     dist.destroy_process_group()
-    return par._owns_group, still
+    return par._session.owns_group, still
 
 
 def fail_at(rank: int, step: int, how: str, pid_dir: str) -> None:

@@ -96,14 +96,11 @@ def test_nodes_with_different_process_counts_agree_unless_the_layout_follows_the
     """torchrun lets nodes run different numbers of processes: ranks compare the mesh they build, which for ddp
     does not depend on it and for hsdp (shard groups of one node) does."""
     from paratrain.env import ClusterEnv
-    from paratrain.parallel import Parallel
+    from paratrain.strategies.chosen import ChosenStrategy
 
     def agreed(strategy: str, per_node: int) -> dict[str, str]:
-        par = Parallel.__new__(Parallel)  # the values alone: no process group
-        par._auto_pending, par.accumulate = False, 1
-        par.strategy, par.precision = paratrain.strategies.create(strategy), paratrain.precision.create_precision("fp32")
-        par.env = ClusterEnv(world_size=8, local_world_size=per_node, launched=True)
-        return par._agreed_values()
+        env = ClusterEnv(world_size=8, local_world_size=per_node, launched=True)
+        return ChosenStrategy(strategy, env, {}).agreed_values()
 
     assert disagreements([agreed("ddp", 4), agreed("ddp", 2)]) == []
     assert disagreements([agreed("hsdp", 4), agreed("hsdp", 2)]) == [

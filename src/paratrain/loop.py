@@ -1,14 +1,16 @@
-"""What ``par.step`` and ``par.epochs`` do besides counting: what one micro-step is, the optimizer step at the end of
-an accumulation window, and each epoch's sample order."""
+"""Where the training loop is and what ``par.step`` and ``par.epochs`` do at its boundaries: what one micro-step
+is, the optimizer step at the end of an accumulation window, each epoch's sample order, and the counters a
+checkpoint saves and a resume restores."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .data import ShardSampler
+from .errors import ConfigError
 from .distributed.grad_norm import clip_grad_norm
 from .precision import Precision
 from .strategies.base import Strategy
@@ -53,3 +55,55 @@ def idle_epoch_warning(epoch: int, accumulate: int) -> str:
     """The line for an epoch that took no optimizer step."""
     return (f"paratrain: warning: epoch {epoch} took no optimizer step (accumulate={accumulate}, batches this epoch "
             "fewer than that, or none); check the loader and accumulate")
+
+
+class Loop:
+    """The loop's position: the micro-step inside the accumulation window, the optimizer steps taken, the epoch.
+
+    ``Parallel``'s verbs advance it; it is kept apart from them so the façade holds no counting rules.
+    """
+
+    def __init__(self, accumulate: int, clip_grad_norm: float | None) -> None:
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        if clip_grad_norm is not None and clip_grad_norm <= 0:
+            raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
+        self.accumulate, self.clip_grad_norm = accumulate, clip_grad_norm
+        self.micro_step = 0
+        self.optimizer_steps = 0
+        self.epoch: int | None = None
+        self.resume_epoch: int | None = None  # the epoch a load resumes inside, until epochs() starts it
+        self.last_grad_norm: float | None = None
+
+    def epochs(self, n: int, start: int, loaders: Iterable[object], training: Callable[[], bool],
+               warn: Callable[[str], None]) -> Iterator[int]:
+        """``range(start, n)``, or from the resumed epoch; each epoch reorders the loaders, and the first epoch that
+        takes no optimizer step while ``training()`` is ``warn``-ed about (once per loop)."""
+        resumed, self.resume_epoch = self.resume_epoch, None
+        warned = False
+        for epoch in range(resumed if resumed is not None else start, n):
+            self.epoch = epoch
+            start_epoch(loaders, epoch)
+            steps = self.optimizer_steps
+            yield epoch
+            if training() and self.optimizer_steps == steps and epoch != resumed and not warned:
+                warned = True  # accumulate more micro-steps than an epoch has batches, say
+                warn(idle_epoch_warning(epoch, self.accumulate))
+            self.epoch = epoch + 1
+
+    def next_step(self) -> StepInfo:
+        """What the coming micro-step is."""
+        return StepInfo(micro_step=self.micro_step, sync=self.micro_step == self.accumulate - 1)
+
+    def stepped(self, info: StepInfo, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
+                precision: Precision) -> None:
+        """After the user's block of micro-step ``info`` exited cleanly: the optimizer step when it ends a window."""
+        self.micro_step = (self.micro_step + 1) % self.accumulate
+        if info.sync:
+            norm = finish_step(strategy, model, optimizer, precision, self.clip_grad_norm)
+            self.last_grad_norm = norm if norm is not None else self.last_grad_norm
+            self.optimizer_steps += 1
+
+    def resume_at(self, step: int, epoch: int | None) -> None:
+        """Continue from a checkpoint's position: ``epochs()`` restarts inside ``epoch``."""
+        self.optimizer_steps, self.epoch, self.resume_epoch = step, epoch, epoch

@@ -1,0 +1,51 @@
+"""This process's seat in the job: its device, the process group it started or joined (and so whether it ends it),
+the watch over its collective calls, and the check that every rank was configured alike.
+
+``Parallel`` owns one. Kept apart so that the façade holds no process-group bookkeeping: who ends the group, and
+how, is decided here once (see :mod:`paratrain.distributed.process_group`).
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .call_watch import CallWatch
+from .devices import select_device
+from .distributed.process_group import finish_group, start_process_group
+from .env import ClusterEnv
+from .errors import ConfigError
+from .precision import Precision
+from .rank_agreement import check_ranks_agree
+
+
+class Session:
+    """Start (or join) the job's process group on this process's device; ``close`` ends what it started."""
+
+    def __init__(self, env: ClusterEnv, accelerator: str, precision: Precision, *, timeout_s: float,
+                 wait_report_s: float | None, needs_group: bool) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+        self.env = env
+        self.device = select_device(env.local_rank, accelerator)
+        precision.validate(self.device)
+        self.owns_group = start_process_group(env, self.device, timeout_s, needs_group)
+        """True when this session started the group (a group the script started is left to the script)."""
+        self.calls = CallWatch(env.rank, env.world_size, timeout_s=timeout_s, report_after_s=wait_report_s,
+                               enabled=self.distributed and env.launched)
+
+    @property
+    def distributed(self) -> bool:
+        """True while a process group is up (also the private one-rank group of an unlaunched script)."""
+        return dist.is_available() and dist.is_initialized()
+
+    def agree(self, values: dict[str, str]) -> None:
+        """Fail on every rank, in one line, unless every rank has the same ``values`` (collective)."""
+        if self.distributed:
+            with self.calls.call("Parallel()"):
+                check_ranks_agree(values, self.env.rank, dist.get_world_size())
+
+    def close(self) -> None:
+        """End the group if this session started it (safely on gloo), and stop watching calls."""
+        if self.owns_group and dist.is_initialized():
+            finish_group()
+        self.owns_group = False
+        self.calls.close()

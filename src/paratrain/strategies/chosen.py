@@ -1,0 +1,66 @@
+"""The strategy a job runs and the device mesh it runs on, decided once.
+
+A named strategy is decided at construction. ``auto`` at several processes is not: it is chosen when ``prepare``
+first sees the model (:mod:`.auto`), by every rank alike, and only then is the mesh built. Until that moment the
+data-parallel view (loaders, ``mean``) has no layout to follow and refuses in one line.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..distributed.mesh import build_mesh
+from ..env import ClusterEnv
+from ..errors import ConfigError
+from .auto import BEFORE_THE_MODEL, agree_on_strategy
+from .base import Runtime, Strategy
+from .registry import resolve
+
+
+class ChosenStrategy:
+    """``Parallel(strategy=spec, **options)``'s strategy and mesh, with ``auto``'s choice deferred to the model."""
+
+    def __init__(self, spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> None:
+        self.env = env
+        self.strategy = resolve(spec, env, options)
+        self.pending = spec == "auto" and env.world_size > 1 and not options
+        """True while ``auto`` waits for the model (it stands for ddp until then)."""
+        self.strategy.validate(env)
+        self.mesh: DeviceMesh | None = None
+
+    @property
+    def needs_group(self) -> bool:
+        return self.pending or self.strategy.uses_group(self.env)
+
+    def agreed_values(self) -> dict[str, str]:
+        """What every rank must have alike. The mesh, not the processes per node: torchrun lets nodes run different
+        numbers of processes, and only a layout built from them (hsdp's shard groups of one node) must then be the
+        same everywhere."""
+        if self.pending:
+            return {"strategy": "auto", "mesh": "auto"}
+        return {"strategy": self.strategy.describe(), "mesh": str(self.strategy.dims(self.env).mesh_shape())}
+
+    def build_mesh(self, device: torch.device) -> None:
+        """The mesh of the decided strategy, when it runs on a process group (none while ``auto`` waits)."""
+        if not self.pending and self.strategy.uses_group(self.env) and dist.is_initialized():
+            self.mesh = build_mesh(device, self.strategy.dims(self.env), self.env.world_size)
+
+    def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
+               precision: str, say: Callable[[str], None]) -> None:
+        """Choose ``auto``'s layout for ``model`` (collective, agreed by every rank), then build its mesh; nothing
+        when the strategy was already decided."""
+        if self.pending:
+            self.strategy = agree_on_strategy(model, optimizer, self.env, device, precision, say)
+            self.pending = False
+            self.build_mesh(device)
+
+    def data_parallel(self, runtime: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
+        """(rank, size, group) of the replicas that read different data."""
+        if self.pending:
+            raise ConfigError(BEFORE_THE_MODEL)
+        return self.strategy.data_parallel(runtime) if dist.is_initialized() else (0, 1, None)
