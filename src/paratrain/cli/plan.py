@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--gpus", type=int, default=1, help="GPUs (or CPU processes) per node")
     h.add_argument("--nodes", type=int, default=1)
     h.add_argument("--interconnect", help="link within a node: nvlink, nvlink3, nvlink4, pcie3/4/5[-x8|-x4], loopback-gloo")
-    h.add_argument("--inter-node", help="link between nodes: ib-hdr, ib-ndr, eth-10g/25g/100g/200g/400g, roce-*")
+    h.add_argument("--inter-node", help="link between nodes: ib-hdr, ib-ndr (one port a node), ib-hdr-x8, ib-ndr-x8 "
+                                        "(one a GPU), eth-10g/25g/100g/200g/400g, roce-*")
     h.add_argument("--gpu-mem-gb", type=float, help="override device memory (GiB)")
     h.add_argument("--tflops", type=float, help="override peak TFLOP/s")
     h.add_argument("--mfu", type=float, help="override the sustained fraction of peak (default 0.4 GPU, 0.5 CPU)")

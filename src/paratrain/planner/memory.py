@@ -92,11 +92,18 @@ def model_states(stats: ModelStats, layout: Layout, training: Training) -> Model
                        optimizer_states=psi * training.optimizer_bytes / shard[1])
 
 
-def in_flight(layout: Layout, batch: Batching, training: Training) -> int:
-    """Micro-batches whose activations a stage holds at once: GPipe all m, 1F1B at most p (the first stage)."""
+def in_flight(layout: Layout, batch: Batching, training: Training) -> float:
+    """Micro-batches whose activations a rank holds at once, in whole-stage units: GPipe all m, 1F1B at most p
+    (the first stage), interleaved 1F1B with v stages per rank p·(1 + (p−1)/(p·v)) = p + (p−1)/v (Korthikanti et
+    al. 2022, section 4.2.3: its warm-up runs (p−1)/v more micro-batches' worth of chunks), never more than m."""
     if layout.pp == 1:
         return 1
-    return batch.micro_batches if training.schedule == "gpipe" else min(batch.micro_batches, layout.pp)
+    m, p = batch.micro_batches, layout.pp
+    if training.schedule == "gpipe":
+        return m
+    if training.schedule == "interleaved-1f1b":
+        return min(m, p + (p - 1) / training.stages_per_rank)
+    return min(m, p)
 
 
 def activation_mode(training: Training, layout: Layout) -> str:
@@ -114,7 +121,7 @@ def activation_figures(stats: ModelStats, training: Training, layout: Layout) ->
     fp32 = (stats.activation_bytes_per_sample, stats.checkpointed_bytes_per_sample, stats.boundary_bytes_per_sample)
     mode = activation_mode(training, layout)
     figures = fp32 if mode == "fp32" else stats.mixed.get(mode) or (fp32[0] / 2, fp32[1] / 2, fp32[2] / 2)
-    return rank_activations(stats, figures, mode, layout.tp)
+    return rank_activations(stats, figures, mode, layout.tp, training.sequence_parallel)
 
 
 def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training: Training,

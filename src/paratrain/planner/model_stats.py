@@ -66,6 +66,10 @@ class ModelStats:
     """The module holding the most parameters directly (an embedding table, a big linear)."""
     flops_per_sample: float
     """Forward + backward FLOPs of one sample (matmuls and convolutions; elementwise work is not counted)."""
+    attention_flops_per_sample: float = 0.0
+    """Of ``flops_per_sample``: the attention scores and their weighted sum, forward and backward, counted over the
+    whole s x s matrix (0 when not known). A causal kernel computes about half of them (it skips the masked
+    blocks); selective recomputation repeats their forward third."""
     activation_bytes_per_sample: float
     """Bytes autograd keeps from forward to backward for one sample, training in fp32."""
     checkpointed_bytes_per_sample: float

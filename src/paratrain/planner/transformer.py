@@ -206,7 +206,8 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
                  split=(v * h, *(block_split,) * n_layers, 0 if cfg.tied else v * h))
     matmul = n_layers * (h * q + h * h + h * (fc + cfg.ffn_width)) + v * h  # the head's (possibly tied) weight
     return ModelStats(name=name, params=total, units=units, largest_layer=max(layers, key=lambda x: x[1]),
-                      flops_per_sample=float(flops), activation_bytes_per_sample=fp32[0],
+                      flops_per_sample=float(flops), attention_flops_per_sample=float(12 * n_layers * h * s * s),
+                      activation_bytes_per_sample=fp32[0],
                       checkpointed_bytes_per_sample=fp32[1], boundary_bytes_per_sample=fp32[2],
                       mixed={mode: figures(*ELEMENT_BYTES[mode]) for mode in ("autocast", "param_dtype")},
                       matmul_params=matmul, tp=tp,
