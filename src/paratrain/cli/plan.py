@@ -7,6 +7,8 @@ Examples:
   paratrain plan --model mlp --gpu cpu --gpus 2 --measure
   paratrain plan --model llama-7b --gpus 8 --nodes 2 --tp 8
   paratrain plan --model llama3-70b --gpus 8 --nodes 48 --layout dp=8,pp=12,tp=4 --global-batch 2048
+  paratrain plan --model gpt3-175b --gpu a100 --gpus 8 --nodes 8 --inter-node ib-hdr-x8 --layout pp=8,tp=8 \
+      --batch 1 --global-batch 64 --recompute selective --schedule interleaved-1f1b --virtual-stages 2
   paratrain plan --model-config ./Mistral-7B/config.json --seq-len 4096 --gpus 8
   paratrain plan --model mymodels:build_gpt --tp 2 --show-tp-plan
 
@@ -63,8 +65,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch", dest="micro_batch", type=int, default=8, help="per-GPU micro-batch (default 8)")
     t.add_argument("--global-batch", type=int, help="samples per optimizer step (default batch x GPUs)")
     t.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step")
-    t.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
+    t.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b, gpipe or interleaved-1f1b")
+    t.add_argument("--virtual-stages", type=int, help="with --schedule interleaved-1f1b: stages per rank (default 2)")
     t.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing of every block")
+    t.add_argument("--recompute", choices=("none", "selective", "full"),
+                   help="activation recomputation: full (= --checkpointing), selective (the attention core: "
+                        "Korthikanti et al. 2022) or none")
+    t.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=True,
+                   help="tensor parallelism shards norms and residuals on the sequence (default, as paratrain runs it)")
+    t.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="plain tensor parallelism: every tp rank keeps them whole")
     t.add_argument("--tp", type=int, help="tensor-parallel degree to plan (default: every one that divides a node "
                                           "and the model; 1: none; more than a node's GPUs is planned but slow)")
     t.add_argument("--dp", type=int, help="with --pp and/or --tp: plan exactly this layout (dp x pp x tp = all GPUs) "
@@ -98,7 +108,8 @@ def execute(args: argparse.Namespace) -> int:
                      inter_bw_gbs=args.inter_bw_gbs, step_time=args.step_time, optimizer_time=args.optimizer_time,
                      threads=args.threads, precision=args.precision, optimizer=args.optimizer,
                      micro_batch=args.micro_batch, global_batch=args.global_batch, micro_batches=args.micro_batches,
-                     schedule=args.schedule, checkpointing=args.checkpointing, tp=args.tp,
+                     schedule=args.schedule, virtual_stages=args.virtual_stages, checkpointing=args.checkpointing,
+                     recompute=args.recompute, sequence_parallel=args.sequence_parallel, tp=args.tp,
                      exact=exact_layout(args.layout, dp=args.dp, pp=args.pp, tp=args.tp))
     if args.json:
         print(json.dumps(plan_to_json(plan, base_lr=args.base_lr), indent=2))

@@ -302,11 +302,12 @@ def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice
     out = []
     lay, m = choice.layout, choice.batch.micro_batches
     if lay.pp > 1:
-        bubble = bubble_fraction(lay.pp, m)
+        v = training.stages_per_rank
+        bubble = bubble_fraction(lay.pp, m, v)
         if bubble > 0.2:
             better = 4 * lay.pp
             out.append(f"pipeline bubble {bubble:.0%} with {m} micro-batches: --micro-batches {better} brings it to "
-                       f"{bubble_fraction(lay.pp, better):.0%} (micro-batch "
+                       f"{bubble_fraction(lay.pp, better, v):.0%} (micro-batch "
                        f"{choice.batch.micro_batch * m / better:g})")
     if choice.tight:
         setup = replace(training, micro_batch=max(1, math.floor(choice.batch.micro_batch)),
