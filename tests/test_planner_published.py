@@ -53,3 +53,26 @@ def test_selective_recompute_with_sequence_parallelism_is_predicted_faster_as_pu
         full, present = (PREDICTIONS[f"megatron-{size} {how}"] for how in ("full", "selective+sp"))
         published = full.run.step_s / present.run.step_s
         assert full.step_s / present.step_s == pytest.approx(published, abs=0.15)
+
+
+NOT_FITTING = {"megatron-1t selective+sp", "torchtitan llama3.1-8b fsdp 8", "torchtitan llama3.1-8b fsdp 128"}
+"""Published layouts the plan says do not fit: the 1T model's first stage keeps every block's gathered column-parallel
+inputs whole, as torch's tensor parallelism saves them (Megatron's re-gathers them in backward); torchtitan's
+per-op selective AC keeps far less than the plan's selective (every activation)."""
+
+
+def test_the_recommendation_on_a_published_run_fits_and_is_as_fast_as_the_published_layout():
+    """Within ``TIE``, where the plan prefers the simpler layout; faster where the published one does not fit."""
+    from paratrain.planner import format_plan, make_cluster, recommend, transformer_stats
+    from paratrain.planner.recommend import TIE
+
+    for run in RUNS:
+        cluster = make_cluster(run.gpu, gpus=run.gpus_per_node, nodes=run.nodes, inter_node=run.inter_node,
+                               gpu_mem_gb=run.gpu_mem_gb, mem_bw_gbs=run.mem_bw_gbs)
+        plan = recommend(transformer_stats(run.model, name=run.name), cluster, run.training)
+        published = PREDICTIONS[run.name].estimate
+        assert plan.choice.fits and f"recommended: {plan.choice.name} (" in format_plan(plan), run.name
+        assert plan.reason and ("fits" in plan.reason or "faster" in plan.reason), run.name
+        assert published.fits == (run.name not in NOT_FITTING), run.name
+        if published.fits:
+            assert plan.choice.samples_per_s >= (1 - TIE) * published.samples_per_s, run.name

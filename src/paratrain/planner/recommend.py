@@ -112,11 +112,17 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
     data-parallel replicas cannot share the global batch evenly (``training.batch_split_error``) are left out.
     """
     found = candidate_layouts(stats, cluster, tp, exact)
-    single = estimate(stats, found[0], replace(training, global_batch=training.micro_batch), cluster)
-    best: dict[str, Estimate] = {}
     world = cluster.world_size
-    for lay in (lay for lay in found[1:] if batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)
-                is None):
+    splits = [lay for lay in found[1:] if batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world) is None]
+    return _estimates(stats, cluster, training, found[0], splits)
+
+
+def _estimates(stats: ModelStats, cluster: Cluster, training: Training, single_layout: Layout,
+               found: list[Layout]) -> list[Estimate]:
+    """``estimate_all``'s estimates of layouts already enumerated and checked against the global batch."""
+    single = estimate(stats, single_layout, replace(training, global_batch=training.micro_batch), cluster)
+    best: dict[str, Estimate] = {}
+    for lay in found:
         e = estimate(stats, lay, training, cluster, single.samples_per_s)
         if lay.label not in best or _rank(e) > _rank(best[lay.label]):
             best[lay.label] = e
@@ -170,14 +176,14 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     global_batch = training.global_for(world)
     training = replace(training, global_batch=global_batch)
     found = candidate_layouts(stats, cluster, tp, exact)
-    refused = [(lay, why) for lay in found[1:]
-               if (why := batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)) is not None]
+    why_not = [(lay, batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)) for lay in found[1:]]
+    refused = [(lay, why) for lay, why in why_not if why is not None]
     if refused and len(refused) == len(found) - 1:
         raise ConfigError(refused[0][1] if exact is not None else
                           f"--global-batch {global_batch} does not split evenly over the data-parallel replicas of "
                           f"any layout of {world} GPUs; use a multiple of {world}, e.g. "
                           f"{max(world, global_batch // world * world)}")
-    estimates = estimate_all(stats, cluster, training, tp, exact)
+    estimates = _estimates(stats, cluster, training, found[0], [lay for lay, why in why_not if why is None])
     candidates = estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:]
     fitting = [f for e in candidates for f in _fitting(stats, e, training, cluster, estimates[0].samples_per_s)]
     if not fitting:
