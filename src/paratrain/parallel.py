@@ -221,7 +221,9 @@ class Parallel:
         for i, obj in enumerate(objects):
             if isinstance(obj, nn.Module):
                 after = next((o for o in objects[i + 1:] if isinstance(o, (nn.Module, torch.optim.Optimizer))), None)
-                model = self.prepare_model(obj, optimizer=after if isinstance(after, torch.optim.Optimizer) else None)
+                loader = next((o for o in objects[i + 1:] if isinstance(o, DataLoader)), None)
+                model = self.prepare_model(obj, optimizer=after if isinstance(after, torch.optim.Optimizer) else None,
+                                           loader=loader)
                 out.append(model)
             elif isinstance(obj, torch.optim.Optimizer):
                 if model is None:
@@ -241,17 +243,20 @@ class Parallel:
                                   f"objects, got {type(obj).__name__}")
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
+    def prepare_model(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+                      loader: DataLoader | None = None) -> nn.Module:
         """Place and wrap one model for the strategy and the precision.
 
         ``par.device`` then names where the model's outputs land (the last stage for ``model_parallel``), so
         moving targets there is always right. ``optimizer`` (``prepare`` passes the one that follows the model) is
         only read by ``strategy="auto"``, to plan its states rather than assume AdamW's; it is not prepared here.
+        ``loader`` (``prepare`` passes the one given after the model) likewise: ``auto`` plans its batch's activations.
         """
         if self._auto_pending:  # choose the layout once for this model, agreed by every rank, then build its mesh
             from .strategies.auto import agree_on_strategy
 
-            self.strategy = agree_on_strategy(model, optimizer, self.env, self.device, self.precision.name, self.print)
+            self.strategy = agree_on_strategy(model, optimizer, self.env, self.device, self.precision.name, self.print,
+                                              loader)
             self._auto_pending = False
             self.mesh = build_mesh(self.device, self.strategy.dims(self.env), self.env.world_size)
         facts = ModelFacts.of(model)  # before anything is wrapped: blocks, ties, names
