@@ -109,3 +109,22 @@ def test_plan_takes_the_schedule_recompute_and_sequence_parallel_flags(capsys):
     assert "without sequence parallelism" in out and "bubble 3%" in out  # 7/4 over 64 + 7/4
     assert main([*argv[:-5], "--virtual-stages", "2"]) == 2
     assert "needs --schedule interleaved-1f1b" in capsys.readouterr().err
+
+
+def test_per_op_selective_ac_keeps_half_the_matmul_outputs_and_recomputes_half_their_forward():
+    """torchtitan's "op" policy: each block's input, every other matrix product's output and the attention kernel's
+    output and log-sum-exp are kept (16-bit under FSDP's param_dtype); outside the blocks nothing changes."""
+    from paratrain.planner.transformer import transformer_activations
+
+    cfg = TRANSFORMERS["llama3-8b"]
+    stats = transformer_stats(cfg, name="llama3-8b")
+    s, h, f = cfg.seq_len, cfg.hidden, cfg.ffn_width
+    per_block, outside = transformer_activations(cfg, residual=2, act=2)
+    kept = 2 * s * h + 2 * s * (cfg.qkv_width + h + 2 * f + h) / 2 + 2 * s * h + 4 * cfg.heads * s
+    layout = Layout(name="zero3", dp=8, zero=3, shard=8)
+    assert activation_figures(stats, Training(recompute="op"), layout)[0] == pytest.approx(
+        cfg.layers * kept + outside)
+    assert kept < per_block / 2
+    executed = executed_flops_per_sample(stats, Training(recompute="op"))
+    plain = executed_flops_per_sample(stats, Training())
+    assert executed - plain == pytest.approx((stats.flops_per_sample - stats.attention_flops_per_sample) / 6)

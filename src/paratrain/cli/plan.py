@@ -68,9 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b, gpipe or interleaved-1f1b")
     t.add_argument("--virtual-stages", type=int, help="with --schedule interleaved-1f1b: stages per rank (default 2)")
     t.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing of every block")
-    t.add_argument("--recompute", choices=("none", "selective", "full"),
+    t.add_argument("--recompute", choices=("none", "selective", "op", "full"),
                    help="activation recomputation: full (= --checkpointing), selective (the attention core: "
-                        "Korthikanti et al. 2022) or none")
+                        "Korthikanti et al. 2022), op (torchtitan's per-op selective AC) or none")
     t.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=True,
                    help="tensor parallelism shards norms and residuals on the sequence (default, as paratrain runs it)")
     t.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",

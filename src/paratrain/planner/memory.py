@@ -121,6 +121,8 @@ def activation_figures(stats: ModelStats, training: Training, layout: Layout) ->
     fp32 = (stats.activation_bytes_per_sample, stats.checkpointed_bytes_per_sample, stats.boundary_bytes_per_sample)
     mode = activation_mode(training, layout)
     figures = fp32 if mode == "fp32" else stats.mixed.get(mode) or (fp32[0] / 2, fp32[1] / 2, fp32[2] / 2)
+    if training.recompute_mode == "op" and mode in stats.op_checkpointed:  # what per-op selective AC keeps
+        figures = (stats.op_checkpointed[mode], *figures[1:])
     return rank_activations(stats, figures, mode, layout.tp, training.sequence_parallel)
 
 

@@ -82,6 +82,9 @@ class ModelStats:
     """The three figures above (activations, checkpointed, boundary) under 16-bit training, by how it is done:
     ``autocast`` (fp32 parameters and residual stream, 16-bit matrix products: single, ddp, zero1, pipelines)
     and ``param_dtype`` (FSDP's mixed precision: everything 16-bit). Missing: half the fp32 figures."""
+    op_checkpointed: Mapping[str, float] = field(default_factory=dict)
+    """Per-sample activation bytes under per-operation selective AC (``recompute="op"``), by mode (``fp32``,
+    ``autocast``, ``param_dtype``); empty when not known (the plan then keeps every activation)."""
     matmul_params: int = 0
     """Parameters autocast casts to 16-bit for its matrix products (weights of linear and convolution layers):
     their 16-bit copies are saved for backward."""

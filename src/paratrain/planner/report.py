@@ -107,8 +107,8 @@ def _efficiency(d: Device) -> str:
 
 
 def _recompute(t: Training) -> str:
-    return {"full": ", activation checkpointing", "selective": ", selective recomputation (attention core)"}.get(
-        t.recompute_mode, "")
+    return {"full": ", activation checkpointing", "selective": ", selective recomputation (attention core)",
+            "op": ", per-operation selective recomputation"}.get(t.recompute_mode, "")
 
 
 def _lr_line(plan: Plan, base_lr: float | None) -> str:

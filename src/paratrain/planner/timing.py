@@ -7,7 +7,7 @@ takes its ring-algorithm time over its link (``collectives``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
 from .hardware import Cluster
@@ -40,6 +40,8 @@ def executed_flops_per_sample(stats: ModelStats, training: Training) -> float:
     executed = stats.flops_per_sample - stats.attention_flops_per_sample / 2
     if training.recompute_mode == "selective":
         return executed + stats.attention_flops_per_sample / 2 / 3
+    if training.recompute_mode == "op":  # half the matrix products' forward again (the attention kernel is kept)
+        return executed + (stats.flops_per_sample - stats.attention_flops_per_sample) / 6
     return executed * training.flops_factor
 
 
@@ -78,13 +80,14 @@ def weight_bytes(params: float, training: Training, cluster: Cluster) -> float:
 
 def activation_stream_bytes(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster) -> float:
     """Bytes a rank's elementwise work (norms, activation functions, residual adds, casts, the loss) streams per
-    sample of a micro-batch: ``device.activation_passes`` passes over the activations its stage saves (a
-    recomputed forward repeats its share)."""
+    sample of a micro-batch: ``device.activation_passes`` passes over the activations its stage would save without
+    recomputation (a recomputed forward, full or per-op, repeats its share)."""
     passes = cluster.device.activation_passes
     if not passes:
         return 0.0
-    per_sample = activation_figures(stats, training, layout)[0] / layout.stages
-    return passes * per_sample * (training.flops_factor if training.recompute_mode == "full" else 1.0)
+    whole = replace(training, recompute="none") if training.recompute_mode == "op" else training
+    per_sample = activation_figures(stats, whole, layout)[0] / layout.stages
+    return passes * per_sample * (4 / 3 if training.recompute_mode in ("full", "op") else 1.0)
 
 
 def optimizer_step_bytes(params: float, training: Training) -> float:

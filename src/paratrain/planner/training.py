@@ -44,11 +44,13 @@ OPTIMIZER_TEMP_BYTES = MappingProxyType({"sgd": 0, "sgd-momentum": 0, "adam": 4,
 denominator sqrt(v) into a new list of parameter-sized fp32 tensors; SGD works in place."""
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "op", "full")
 """Activation recomputation: ``full`` keeps each block's input and recomputes the block in backward (one more
 forward pass); ``selective`` recomputes only the attention core (Korthikanti et al. 2022, section 5: the
 softmax and the two attention products, whose s x s tensors dominate a block's activations when they are
-stored; a fused attention kernel stores none and recomputes them anyway)."""
+stored; a fused attention kernel stores none and recomputes them anyway); ``op`` is torchtitan's per-operation
+selective AC (``torch.utils.checkpoint``'s selective policy): every other matrix product's output and the
+attention kernel's are kept, the other products and all elementwise work recomputed."""
 
 
 @dataclass(frozen=True, kw_only=True)
