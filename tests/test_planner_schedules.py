@@ -109,6 +109,8 @@ def test_plan_takes_the_schedule_recompute_and_sequence_parallel_flags(capsys):
     assert "without sequence parallelism" in out and "bubble 3%" in out  # 7/4 over 64 + 7/4
     assert main([*argv[:-5], "--virtual-stages", "2"]) == 2
     assert "needs --schedule interleaved-1f1b" in capsys.readouterr().err
+    assert main([*argv, "--checkpointing"]) == 2
+    assert "give one of --checkpointing or --recompute selective" in capsys.readouterr().err
 
 
 def test_per_op_selective_ac_keeps_half_the_matmul_outputs_and_recomputes_half_their_forward():

@@ -91,9 +91,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
     from ..planner import exact_layout, format_plan, make_plan, plan_to_json
     from ..workloads.planning import resolve_model
 
+    if args.checkpointing and args.recompute not in (None, "full"):
+        raise ConfigError(f"--checkpointing is --recompute full; give one of --checkpointing or --recompute "
+                          f"{args.recompute}")
     model = resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
                           seq_len=args.seq_len, vocab=args.vocab, ffn=args.ffn_hidden, kv_heads=args.kv_heads,
                           tied=args.tied, model_config=args.model_config, input_spec=args.input_spec)

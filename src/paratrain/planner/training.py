@@ -78,8 +78,9 @@ class Training:
     """Activation checkpointing of every wrap unit: far less activation memory for one more forward pass
     (``recompute="full"``)."""
     recompute: str | None = None
-    """``none``, ``selective`` or ``full`` (``RECOMPUTE``); default ``full`` with ``checkpointing``, else
-    ``none``. ``full`` turns ``checkpointing`` on."""
+    """``none``, ``selective``, ``op`` or ``full`` (``RECOMPUTE``); default ``full`` with ``checkpointing``, else
+    ``none``. ``full`` turns ``checkpointing`` on, and ``checkpointing`` (the fallback ``recommend`` tries when
+    nothing fits) overrides the others."""
     sequence_parallel: bool = True
     """Tensor parallelism shards the activations between its split regions on the sequence (norms, residuals:
     Korthikanti et al. 2022), as paratrain's tensor-parallel plan does; False: they are kept whole on every tp
@@ -119,7 +120,7 @@ class Training:
 
     @property
     def recompute_mode(self) -> str:
-        """``full``, ``selective`` or ``none``: what backward recomputes."""
+        """``full``, ``op``, ``selective`` or ``none``: what backward recomputes."""
         return "full" if self.checkpointing else (self.recompute or "none")
 
     @property
