@@ -111,7 +111,7 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
     node, 1 none). ``exact``: plan only the layouts of these degrees (``layout.exact_layouts``). Layouts whose
     data-parallel replicas cannot share the global batch evenly (``training.batch_split_error``) are left out.
     """
-    found = candidate_layouts(stats, cluster, tp, exact)
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank)
     world = cluster.world_size
     splits = [lay for lay in found[1:] if batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world) is None]
     return _estimates(stats, cluster, training, found[0], splits)
@@ -130,12 +130,20 @@ def _estimates(stats: ModelStats, cluster: Cluster, training: Training, single_l
 
 
 def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None,
-                      exact: ParallelDims | None = None) -> list[Layout]:
-    """The layouts a plan weighs, ``single`` first: every one the cluster can run, or ``exact``'s."""
+                      exact: ParallelDims | None = None, virtual_stages: int = 1) -> list[Layout]:
+    """The layouts a plan weighs, ``single`` first: every one the cluster can run, or ``exact``'s; with
+    ``virtual_stages`` per rank (interleaved 1F1B) only pipelines whose p·v stages the model's units can fill."""
+    units = len(stats.units)
     if exact is None:
-        return layouts(cluster, len(stats.units), tp_degrees(stats, cluster, tp))
-    tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
-    return exact_layouts(cluster, len(stats.units), exact)
+        found = layouts(cluster, units, tp_degrees(stats, cluster, tp))
+    else:
+        tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
+        found = exact_layouts(cluster, units, exact)
+        if exact.pp * virtual_stages > units:
+            raise ConfigError(f"--schedule interleaved-1f1b with {virtual_stages} stages per rank cuts the model into "
+                              f"{exact.pp * virtual_stages} stages but it has only {units} units to cut; use "
+                              f"--virtual-stages {max(2, units // exact.pp)} or fewer, or fewer pipeline stages")
+    return [lay for lay in found if lay.pp * virtual_stages <= units or lay.pp == 1]
 
 
 def _rank(e: Estimate) -> tuple[bool, float]:
@@ -175,7 +183,7 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     world = cluster.world_size
     global_batch = training.global_for(world)
     training = replace(training, global_batch=global_batch)
-    found = candidate_layouts(stats, cluster, tp, exact)
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank)
     why_not = [(lay, batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)) for lay in found[1:]]
     refused = [(lay, why) for lay, why in why_not if why is not None]
     if refused and len(refused) == len(found) - 1:
