@@ -17,6 +17,7 @@ from .transformer import TRANSFORMERS, GPTConfig, transformer_stats
 KORTHIKANTI = ("Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models "
                "(arXiv 2205.05198), tables 3 and 4")
 TORCHTITAN = "pytorch/torchtitan docs/performance.md (commit eaea6f6), table {}"
+TORCHTITAN_A100 = "pytorch/torchtitan docs/performance.md (commit 0413364), table {} performance numbers: 64 A100 80GB"
 LLM_FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7), table H100 80GB BF16"
 
 
@@ -67,6 +68,8 @@ class PublishedRun:
     """The device's dense bf16 peak where the source says it differs from the catalogue's."""
     caveat: str = ""
     """What the plan cannot model about this run (it is then not held to the bounds)."""
+    assumed: str = ""
+    """What the source leaves unstated and the plan assumes (the run is still held to the bounds)."""
 
     @property
     def world_size(self) -> int:
@@ -102,6 +105,12 @@ def _korthikanti(size: str, cfg: GPTConfig, *, pp: int, batch: int, full_s: floa
                          step_s=present_s, **base)]
 
 
+def _llama2(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> GPTConfig:
+    """Llama 2 (Touvron et al. 2023, table 1 and the released configs): 4096 tokens, a 32,000-token vocabulary."""
+    return GPTConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, seq_len=4096, vocab=32000, ffn=ffn,
+                     gated=True, bias=False, learned_positions=False, tied=False)
+
+
 def _tokens(tokens_per_gpu_s: float, global_batch: int, seq_len: int, gpus: int) -> float:
     """Seconds per step from published tokens per second per GPU."""
     return global_batch * seq_len / (tokens_per_gpu_s * gpus)
@@ -116,6 +125,8 @@ report ``torch.cuda.max_memory_reserved``."""
 _TITAN_8B = ("predicted 19-22% fast and 14-15% under the reserved memory: the caching allocator's reserve is in the "
              "published figure, and the peak of these 500 W parts is only bounded by the source (the plan takes the "
              "middle of it); the plan's per-op AC halves the matmul outputs kept, torchtitan's list differs a little")
+_TITAN_A100 = dict(gpu="a100-80gb", nodes=8, dp=64, zero=3, inter_node="ib-hdr-x8",
+                   assumed="inter-node links not stated: planned as 200 Gb/s a GPU")
 _LLAMA8 = TRANSFORMERS["llama3-8b"]
 _LLAMA70 = TRANSFORMERS["llama3-70b"]
 _LLAMA405 = TRANSFORMERS["llama3-405b"]
@@ -145,6 +156,22 @@ RUNS: tuple[PublishedRun, ...] = (
                  step_s=_tokens(128, 256, 8192, 512), memory_gib=72.7, **_TITAN,
                  caveat="Float8 matmuls, torch.compile and async TP (overlapped): faster than the plan models; "
                         "stages per rank not published (2 planned)"),
+    PublishedRun(name="torchtitan llama3-8b fsdp 64 a100", source=TORCHTITAN_A100.format("Llama 3"), model=_LLAMA8,
+                 micro_batch=1, global_batch=64, recompute="op", step_s=_tokens(2973, 64, 8192, 64), **_TITAN_A100),
+    PublishedRun(name="torchtitan llama3-70b fsdp 64 a100", source=TORCHTITAN_A100.format("Llama 3"), model=_LLAMA70,
+                 micro_batch=1, global_batch=64, recompute="full", step_s=_tokens(331, 64, 8192, 64), **_TITAN_A100),
+    PublishedRun(name="torchtitan llama2-13b fsdp 64 a100", source=TORCHTITAN_A100.format("Llama 2"),
+                 model=_llama2(40, 5120, 40, 40, 13824), micro_batch=2, global_batch=128,
+                 step_s=_tokens(2162, 128, 4096, 64), **_TITAN_A100),
+    PublishedRun(name="torchtitan llama2-13b fsdp 64 a100, op AC", source=TORCHTITAN_A100.format("Llama 2"),
+                 model=_llama2(40, 5120, 40, 40, 13824), micro_batch=2, global_batch=128, recompute="op",
+                 step_s=_tokens(1904, 128, 4096, 64), **_TITAN_A100),
+    PublishedRun(name="torchtitan llama2-70b fsdp 64 a100, op AC", source=TORCHTITAN_A100.format("Llama 2"),
+                 model=_llama2(80, 8192, 64, 8, 28672), micro_batch=1, global_batch=64, recompute="op",
+                 step_s=_tokens(355, 64, 4096, 64), **_TITAN_A100),
+    PublishedRun(name="torchtitan llama2-70b fsdp 64 a100, full AC", source=TORCHTITAN_A100.format("Llama 2"),
+                 model=_llama2(80, 8192, 64, 8, 28672), micro_batch=2, global_batch=128, recompute="full",
+                 step_s=_tokens(353, 128, 4096, 64), **_TITAN_A100),
     PublishedRun(name="llm-foundry mpt-7b fsdp 8", source=LLM_FOUNDRY, model=_mpt(32, 4096, 32), gpu="h100-80gb",
                  nodes=1, dp=8, zero=3, micro_batch=6, global_batch=48, step_s=_tokens(10643, 48, 2048, 8)),
     PublishedRun(name="llm-foundry mpt-13b fsdp 64", source=LLM_FOUNDRY, model=_mpt(40, 5120, 40), gpu="h100-80gb",
