@@ -142,3 +142,23 @@ def test_interleaving_needs_p_times_v_units_to_cut():
         recommend(STATS, cluster, deep, exact=exact_layout(pp=8))  # gpt2-medium: 24 blocks, embedding, head
     plan = recommend(STATS, cluster, deep)
     assert all(e.layout.pp * 4 <= 26 for e in plan.estimates)
+
+
+def test_fsdp_under_a_pipeline_keeps_its_stage_gathered_and_syncs_once():
+    """torch's PipelineStage defers FSDP's reshard and gradient sync to the last micro-batch: the stage's bf16
+    parameters stay gathered, its gradients accumulate unsharded in fp32, and more micro-batches add only sends."""
+    from paratrain.planner.collectives import p2p_s
+    from paratrain.planner.layout import stage_params
+
+    p = 4
+    layout = Layout(name="hybrid", dp=2, zero=3, shard=2, pp=p)
+    cluster = make_cluster("h100", gpus=8)
+    boundary = STATS.mixed["param_dtype"][2]  # one sample's block output, 16-bit
+    times = []
+    for m in (8, 16):
+        training = Training(micro_batch=1, global_batch=2 * m)
+        batch = batching(training, dp=2, pp=p, world_size=8)
+        mem = memory_per_rank(STATS, layout, batch, training, cluster)
+        assert mem.buffers == pytest.approx(stage_params(STATS.units, p) * (2 + 4) + 2 * boundary)
+        times.append(step_time(STATS, layout, batch, training, cluster).comm_s)
+    assert times[1] - times[0] == pytest.approx(8 * 2 * p2p_s(boundary, cluster.intra))

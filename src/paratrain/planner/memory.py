@@ -126,6 +126,16 @@ def activation_figures(stats: ModelStats, training: Training, layout: Layout) ->
     return rank_activations(stats, figures, mode, layout.tp, training.sequence_parallel)
 
 
+def fsdp_under_pipeline(psi: float, layout: Layout, training: Training) -> float:
+    """Bytes a stage sharded by FSDP keeps between its micro-batches: torch's pipelining defers FSDP's resharding
+    and gradient sync to the last micro-batch (``PipelineStage`` sets ``set_reshard_after_backward(False)`` and
+    ``set_requires_gradient_sync(False)`` before the others), and torchtitan keeps the parameters gathered after
+    forward under a pipeline, so a rank holds its stage's parameters gathered (zero3) and their gradients unsharded,
+    accumulated in FSDP's fp32 reduce dtype under mixed precision."""
+    grad_bytes = training.bytes.grad if training.precision == "fp32" else 4
+    return (psi * training.bytes.param if layout.zero >= 3 else 0.0) + psi * grad_bytes
+
+
 def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training: Training,
                     cluster: Cluster) -> MemoryBreakdown:
     """Peak bytes on the busiest device of ``layout``: the larger of the backward and optimizer-step peaks.
@@ -152,7 +162,9 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     if training.precision != "fp32" and layout.zero < 2:
         activations += 2 * stats.matmul_params / layout.tp * psi / rank_params(stats, layout.tp)
     ddp_buckets = min(2 * training.bucket_mb * 2**20, states.gradients) if layout.dp > 1 and layout.zero < 2 else 0.0
-    if layout.zero >= 3:
+    if layout.zero >= 2 and layout.pp > 1:  # FSDP under a pipeline: see fsdp_under_pipeline
+        buffers = fsdp_under_pipeline(psi, layout, training)
+    elif layout.zero >= 3:
         unit = max(n for _, n in rank_units(stats, layout.tp))
         buffers = 2 * unit * b.param + unit * b.grad
     else:

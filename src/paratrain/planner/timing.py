@@ -192,8 +192,11 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     if layout.zero >= 2:
         shard_link = cluster.link_for(layout.shard, inner)
         calls = (units - 1) * fsdp_calls(layout.zero) * shard_link.call_s(layout.shard)
-        add(gathers * all_gather_s(params, layout.shard, shard_link) + reduce_scatter_s(grads, layout.shard, shard_link)
-            + calls, overlap * micro_s, times=m)
+        # under a pipeline the stage stays gathered and syncs its gradients once, after the last micro-batch
+        # (memory.fsdp_under_pipeline); otherwise every micro-batch gathers and reduce-scatters
+        once = layout.pp > 1
+        add((1 if once else gathers) * all_gather_s(params, layout.shard, shard_link)
+            + reduce_scatter_s(grads, layout.shard, shard_link) + calls, overlap * micro_s, times=1 if once else m)
         replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
         add(all_reduce_s(grads / layout.shard, layout.replicas, replica_link), hidden_in_backward)
     v = training.stages_per_rank if layout.pp > 1 else 1
