@@ -36,7 +36,7 @@ def rows() -> list[dict]:
                     "published_memory_gib": run.memory_gib, "memory_kind": run.memory_kind,
                     "predicted_memory_gib": p.memory_gib, "memory_ratio": p.memory_ratio,
                     "compute_s": t.compute_s, "bubble_s": t.bubble_s, "exposed_comm_s": t.exposed_comm_s,
-                    "tp_comm_s": t.tp_comm_s, "caveat": run.caveat})
+                    "tp_comm_s": t.tp_comm_s, "caveat": run.caveat, "assumed": run.assumed})
     return out
 
 
@@ -66,6 +66,9 @@ def main() -> None:
     for r in data:
         if r["caveat"]:
             print(f"- {r['name']}: {r['caveat']}")
+    for run in RUNS:
+        if run.assumed:
+            print(f"- {run.name} assumes: {run.assumed}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)

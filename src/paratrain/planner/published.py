@@ -2,12 +2,15 @@
 the planner's closed forms are held to at cluster scale (benchmarks/RESULTS.md §19, tests/test_planner_published.py).
 
 Each run is pure data, quoted from its source (paper and table, or repository file and commit); ``predict`` plans
-it with the published layout and nothing tuned to it: catalogue devices and links, the default MFU.
+it with the published layout and nothing tuned to it: catalogue devices and links, the catalogue's matmul
+efficiency and elementwise passes, a device figure only where the source gives one. What a source leaves unstated
+and the plan assumes is said (``PublishedRun.assumed``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from .hardware import GIB, make_cluster
 from .layout import Layout
 from .recommend import Estimate, estimate
@@ -78,7 +81,7 @@ class PublishedRun:
     @property
     def layout(self) -> Layout:
         if self.dp * self.pp * self.tp != self.world_size:
-            raise ValueError(f"{self.name}: dp x pp x tp != {self.world_size}")
+            raise ConfigError(f"published run {self.name}: dp x pp x tp != its {self.world_size} GPUs")
         name = ("tp" if self.dp == 1 and self.pp == 1 else "pipeline" if self.dp == 1 else
                 "hybrid" if self.pp > 1 else f"zero{self.zero}" if self.zero else "ddp")
         return Layout(name=name, dp=self.dp, zero=self.zero, shard=self.dp if self.zero else 1, pp=self.pp,
@@ -98,7 +101,8 @@ def _korthikanti(size: str, cfg: GPTConfig, *, pp: int, batch: int, full_s: floa
     their "present work" (selective recomputation with sequence parallelism). Table 3: tp 8, micro-batch 1, data
     parallelism 1, A100 80GB on Selene (DGX A100 nodes, eight 200 Gb/s HDR ports each)."""
     base = dict(source=KORTHIKANTI, model=cfg, gpu="a100-80gb", nodes=pp, inter_node="ib-hdr-x8", pp=pp, tp=8,
-                micro_batch=1, global_batch=batch)
+                micro_batch=1, global_batch=batch,
+                assumed="1F1B without interleaving; the full-recompute baseline without sequence parallelism")
     return [PublishedRun(name=f"megatron-{size} full", recompute="full", sequence_parallel=False, step_s=full_s,
                          **base),
             PublishedRun(name=f"megatron-{size} selective+sp", recompute="selective", sequence_parallel=True,
@@ -125,6 +129,7 @@ report ``torch.cuda.max_memory_reserved``."""
 _TITAN_8B = ("predicted 19-22% fast and 14-15% under the reserved memory: the caching allocator's reserve is in the "
              "published figure, and the peak of these 500 W parts is only bounded by the source (the plan takes the "
              "middle of it); the plan's per-op AC halves the matmul outputs kept, torchtitan's list differs a little")
+_FOUNDRY_LINKS = "inter-node links not stated: planned as 400 Gb/s a GPU"
 _TITAN_A100 = dict(gpu="a100-80gb", nodes=8, dp=64, zero=3, inter_node="ib-hdr-x8",
                    assumed="inter-node links not stated: planned as 200 Gb/s a GPU")
 _LLAMA8 = TRANSFORMERS["llama3-8b"]
@@ -173,16 +178,20 @@ RUNS: tuple[PublishedRun, ...] = (
                  model=_llama2(80, 8192, 64, 8, 28672), micro_batch=2, global_batch=128, recompute="full",
                  step_s=_tokens(353, 128, 4096, 64), **_TITAN_A100),
     PublishedRun(name="llm-foundry mpt-7b fsdp 8", source=LLM_FOUNDRY, model=_mpt(32, 4096, 32), gpu="h100-80gb",
-                 nodes=1, dp=8, zero=3, micro_batch=6, global_batch=48, step_s=_tokens(10643, 48, 2048, 8)),
+                 nodes=1, dp=8, zero=3, micro_batch=6, global_batch=48, assumed=_FOUNDRY_LINKS,
+                 step_s=_tokens(10643, 48, 2048, 8)),
     PublishedRun(name="llm-foundry mpt-13b fsdp 64", source=LLM_FOUNDRY, model=_mpt(40, 5120, 40), gpu="h100-80gb",
-                 nodes=8, dp=64, zero=3, micro_batch=2, global_batch=128, step_s=_tokens(4800, 128, 2048, 64),
+                 nodes=8, dp=64, zero=3, micro_batch=2, global_batch=128, assumed=_FOUNDRY_LINKS,
+                 step_s=_tokens(4800, 128, 2048, 64),
                  caveat="not explained: the plan hides FSDP's collectives (0.21 s a step over 8 nodes) behind 0.65 s "
                         "of compute; at 2 samples a GPU the published run is 23% slower than that"),
     PublishedRun(name="llm-foundry mpt-30b fsdp 32", source=LLM_FOUNDRY, model=_mpt(48, 7168, 64), gpu="h100-80gb",
                  nodes=4, dp=32, zero=3, micro_batch=14, global_batch=1344, recompute="full",
+                 assumed=_FOUNDRY_LINKS,
                  step_s=_tokens(2308, 1344, 2048, 32)),
     PublishedRun(name="llm-foundry mpt-70b fsdp 64", source=LLM_FOUNDRY, model=_mpt(80, 8192, 64), gpu="h100-80gb",
                  nodes=8, dp=64, zero=3, micro_batch=8, global_batch=2048, recompute="full",
+                 assumed=_FOUNDRY_LINKS,
                  step_s=_tokens(1039, 2048, 2048, 64)),
 )
 """The runs of benchmarks/RESULTS.md §19."""
