@@ -49,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                         "(one a GPU), eth-10g/25g/100g/200g/400g, roce-*")
     h.add_argument("--gpu-mem-gb", type=float, help="override device memory (GiB)")
     h.add_argument("--tflops", type=float, help="override peak TFLOP/s")
-    h.add_argument("--mfu", type=float, help="override the sustained fraction of peak (default 0.4 GPU, 0.5 CPU)")
+    h.add_argument("--mfu", type=float, help="a whole step's sustained fraction of peak (default: A100/H100/H200 0.7 "
+                                             "in matmuls plus elementwise passes, other GPUs 0.4, CPU 0.6)")
     h.add_argument("--mem-bw-gbs", type=float, help="override device memory bandwidth (GB/s)")
     h.add_argument("--intra-bw-gbs", type=float, help="override intra-node bandwidth (GB/s, one direction)")
     h.add_argument("--inter-bw-gbs", type=float, help="override inter-node bandwidth (GB/s per node)")
