@@ -103,3 +103,52 @@ def test_auto_names_the_optimizer_it_plans_or_says_what_it_assumes():
     assert lbfgs.key == "adamw" and "LBFGS's are not known to the planner" in lbfgs.states
     assert planned(torch.optim.Adam(model.parameters(), amsgrad=True)).states.endswith("3 optimizer states per "
                                                                                       "parameter, planned as 2")
+
+
+def _meta_gpt() -> nn.Module:
+    with torch.device("meta"):
+        return GPT(GPTConfig(layers=4, hidden=256, heads=4, seq_len=1024, vocab=1000))
+
+
+def test_auto_plans_the_loaders_batch_for_a_model_it_knows_in_closed_form():
+    """The model states fit 2 GiB whatever the batch; 64 samples of 1024 tokens' activations do not (under any
+    data-parallel strategy: none shards them), 64 of 128 tokens (the loader's samples) do."""
+    cluster = make_cluster("h100", gpus=8, gpu_mem_gb=2)
+    model = _meta_gpt()
+    assert choose(model, cluster, "fp32").strategy == "ddp"  # no loader: model states alone
+    small = choose(model, cluster, "fp32", batch=(1, None))
+    assert small.strategy == "ddp" and small.fits and "activations of the loader's 1 samples" in small.reason
+    big = choose(model, cluster, "fp32", batch=(64, None))
+    assert not big.fits and "nothing fits" in big.reason
+    short = choose(model, cluster, "fp32", batch=(64, 128))
+    assert short.fits and short.strategy == "ddp"
+
+
+def test_auto_says_when_it_cannot_plan_a_models_activations():
+    choice = choose(_big(), make_cluster("h100", gpus=8, gpu_mem_gb=4), "fp32", batch=(32, None))
+    assert choice.strategy == "ddp" and "activations not planned" in choice.reason
+
+
+def test_the_loaders_batch_and_sample_length_are_read_without_iterating_it():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from paratrain.strategies.auto import loader_batch
+
+    ids = torch.zeros(10, 96, dtype=torch.long)
+    assert loader_batch(DataLoader(TensorDataset(ids, ids), batch_size=4)) == (4, 96)
+    assert loader_batch(DataLoader(TensorDataset(ids), batch_size=None)) is None
+    assert loader_batch(None) is None
+
+
+def test_a_transformers_model_is_known_in_closed_form_when_its_counts_match():
+    transformers = pytest.importorskip("transformers")
+    from paratrain.planner.auto import closed_form_shape
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=300,
+                                      max_position_embeddings=128)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    cfg = closed_form_shape(model)
+    assert cfg is not None and (cfg.layers, cfg.hidden, cfg.kv_heads, cfg.seq_len) == (2, 64, 2, 128)
+    assert closed_form_shape(_big()) is None

@@ -173,14 +173,16 @@ class Parallel:
     def prepare(self, *objects: Any) -> Any:
         """Wrap models (each before its optimizer), optimizers, loaders (sharded for training) and LR schedulers
         built on a prepared optimizer; returns them in the same order. ``save`` and ``load`` cover exactly these."""
-        return prepare_each(objects, model=lambda m, opt: self.prepare_model(m, optimizer=opt),
+        return prepare_each(objects, model=lambda m, opt, data: self.prepare_model(m, optimizer=opt, loader=data),
                             optimizer=lambda m, opt: self._prepared.add_optimizer(self.strategy, m, opt, self._runtime),
                             loader=self.prepare_loader, scheduler=self._prepared.add_scheduler)
 
-    def prepare_model(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
+    def prepare_model(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+                      loader: DataLoader | None = None) -> nn.Module:
         """Place and wrap one model; ``par.device`` then names where its outputs land (the last stage for
-        ``model_parallel``). ``optimizer`` is only read by ``auto``, to plan its states; it is not prepared here."""
-        self._chosen.decide(model, optimizer, self.device, self.precision.name, self.print)  # auto: once, agreed
+        ``model_parallel``). ``optimizer`` and ``loader`` (``prepare`` passes those given after the model) are only
+        read by ``auto``, to plan the optimizer's states and the batch's activations; they are not prepared here."""
+        self._chosen.decide(model, optimizer, loader, self.device, self.precision.name, self.print)  # auto: once
         facts = ModelFacts.of(model)  # before anything is wrapped: blocks, ties, names
         rt = self._runtime(facts)
         wrapped = self.strategy.wrap_model(model, rt)

@@ -66,18 +66,20 @@ class Prepared:
                        schedulers=self.schedulers, loaders=self.loaders, precision=precision, **position)
 
 
-def prepare_each(objects: tuple[Any, ...], *, model: Callable[[nn.Module, Optimizer | None], nn.Module],
+def prepare_each(objects: tuple[Any, ...], *,
+                 model: Callable[[nn.Module, Optimizer | None, DataLoader | None], nn.Module],
                  optimizer: Callable[[nn.Module, Optimizer], Optimizer], loader: Callable[[DataLoader], DataLoader],
                  scheduler: Callable[[Scheduler], Scheduler]) -> Any:
     """``prepare``'s arguments, each handed to the verb for its kind, in order; one object back alone, several as
-    a tuple. A model is given the optimizer that follows it (``auto`` plans that optimizer's states); an
-    optimizer goes with the model before it."""
+    a tuple. A model is given the optimizer that follows it and the first loader after it (``auto`` plans that
+    optimizer's states and that loader's batch); an optimizer goes with the model before it."""
     out: list[Any] = []
     current: nn.Module | None = None
     for i, obj in enumerate(objects):
         if isinstance(obj, nn.Module):
             after = next((o for o in objects[i + 1:] if isinstance(o, (nn.Module, Optimizer))), None)
-            current = model(obj, after if isinstance(after, Optimizer) else None)
+            loader_after = next((o for o in objects[i + 1:] if isinstance(o, DataLoader)), None)
+            current = model(obj, after if isinstance(after, Optimizer) else None, loader_after)
             out.append(current)
         elif isinstance(obj, Optimizer):
             if current is None:

@@ -7,6 +7,8 @@ Examples:
   paratrain plan --model mlp --gpu cpu --gpus 2 --measure
   paratrain plan --model llama-7b --gpus 8 --nodes 2 --tp 8
   paratrain plan --model llama3-70b --gpus 8 --nodes 48 --layout dp=8,pp=12,tp=4 --global-batch 2048
+  paratrain plan --model gpt3-175b --gpu a100 --gpus 8 --nodes 8 --inter-node ib-hdr-x8 --layout pp=8,tp=8 \
+      --batch 1 --global-batch 64 --recompute selective --schedule interleaved-1f1b --virtual-stages 2
   paratrain plan --model-config ./Mistral-7B/config.json --seq-len 4096 --gpus 8
   paratrain plan --model mymodels:build_gpt --tp 2 --show-tp-plan
 
@@ -43,10 +45,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--gpus", type=int, default=1, help="GPUs (or CPU processes) per node")
     h.add_argument("--nodes", type=int, default=1)
     h.add_argument("--interconnect", help="link within a node: nvlink, nvlink3, nvlink4, pcie3/4/5[-x8|-x4], loopback-gloo")
-    h.add_argument("--inter-node", help="link between nodes: ib-hdr, ib-ndr, eth-10g/25g/100g/200g/400g, roce-*")
+    h.add_argument("--inter-node", help="link between nodes: ib-hdr, ib-ndr (one port a node), ib-hdr-x8, ib-ndr-x8 "
+                                        "(one a GPU), eth-10g/25g/100g/200g/400g, roce-*")
     h.add_argument("--gpu-mem-gb", type=float, help="override device memory (GiB)")
     h.add_argument("--tflops", type=float, help="override peak TFLOP/s")
-    h.add_argument("--mfu", type=float, help="override the sustained fraction of peak (default 0.4 GPU, 0.5 CPU)")
+    h.add_argument("--mfu", type=float, help="a whole step's sustained fraction of peak (default: A100/H100/H200 0.7 "
+                                             "in matmuls plus elementwise passes, other GPUs 0.4, CPU 0.6)")
     h.add_argument("--mem-bw-gbs", type=float, help="override device memory bandwidth (GB/s)")
     h.add_argument("--intra-bw-gbs", type=float, help="override intra-node bandwidth (GB/s, one direction)")
     h.add_argument("--inter-bw-gbs", type=float, help="override inter-node bandwidth (GB/s per node)")
@@ -62,8 +66,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch", dest="micro_batch", type=int, default=8, help="per-GPU micro-batch (default 8)")
     t.add_argument("--global-batch", type=int, help="samples per optimizer step (default batch x GPUs)")
     t.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step")
-    t.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b or gpipe")
+    t.add_argument("--schedule", default="1f1b", help="pipeline schedule: 1f1b, gpipe or interleaved-1f1b")
+    t.add_argument("--virtual-stages", type=int, help="with --schedule interleaved-1f1b: stages per rank (default 2)")
     t.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing of every block")
+    t.add_argument("--recompute", choices=("none", "selective", "op", "full"),
+                   help="activation recomputation: full (= --checkpointing), selective (the attention core: "
+                        "Korthikanti et al. 2022), op (torchtitan's per-op selective AC) or none")
+    t.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=True,
+                   help="tensor parallelism shards norms and residuals on the sequence (default, as paratrain runs it)")
+    t.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="plain tensor parallelism: every tp rank keeps them whole")
     t.add_argument("--tp", type=int, help="tensor-parallel degree to plan (default: every one that divides a node "
                                           "and the model; 1: none; more than a node's GPUs is planned but slow)")
     t.add_argument("--dp", type=int, help="with --pp and/or --tp: plan exactly this layout (dp x pp x tp = all GPUs) "
@@ -80,9 +92,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
     from ..planner import exact_layout, format_plan, make_plan, plan_to_json
     from ..workloads.planning import resolve_model
 
+    if args.checkpointing and args.recompute not in (None, "full"):
+        raise ConfigError(f"--checkpointing is --recompute full; give one of --checkpointing or --recompute "
+                          f"{args.recompute}")
     model = resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
                           seq_len=args.seq_len, vocab=args.vocab, ffn=args.ffn_hidden, kv_heads=args.kv_heads,
                           tied=args.tied, model_config=args.model_config, input_spec=args.input_spec)
@@ -97,7 +113,8 @@ def execute(args: argparse.Namespace) -> int:
                      inter_bw_gbs=args.inter_bw_gbs, step_time=args.step_time, optimizer_time=args.optimizer_time,
                      threads=args.threads, precision=args.precision, optimizer=args.optimizer,
                      micro_batch=args.micro_batch, global_batch=args.global_batch, micro_batches=args.micro_batches,
-                     schedule=args.schedule, checkpointing=args.checkpointing, tp=args.tp,
+                     schedule=args.schedule, virtual_stages=args.virtual_stages, checkpointing=args.checkpointing,
+                     recompute=args.recompute, sequence_parallel=args.sequence_parallel, tp=args.tp,
                      exact=exact_layout(args.layout, dp=args.dp, pp=args.pp, tp=args.tp))
     if args.json:
         print(json.dumps(plan_to_json(plan, base_lr=args.base_lr), indent=2))

@@ -1,11 +1,13 @@
 """``strategy="auto"``: the data-parallel strategy a job should use for a model, from the planner's memory model.
 
 ``Parallel`` decides when ``prepare`` first sees the model, before anything is wrapped. It knows the
-parameters and the hardware, not the batch, so it decides on model states (parameters, gradients, optimizer
+parameters and the hardware, and the batch when ``prepare`` was given a loader with the model: for a model whose
+shape the planner has in closed form (paratrain's GPT; transformers' llama, mistral, qwen2 and gpt2) the
+activations of the loader's batch count too, else model states alone decide (parameters, gradients, optimizer
 state, buffers, overhead): DDP when they fit — its communication is the least and nothing about the speed of
-the rest of the step is known here —, else the least sharding that fits (zero1, zero2, zero3). Activation
-memory depends on the batch: ``paratrain plan`` weighs it too, and speed (a ZeRO stage can beat ddp by sharding
-the optimizer step). On a CPU host ``processes_vs_threads`` says what the processes cost over threads.
+the rest of the step is known here —, else the least sharding that fits (zero1, zero2, zero3). ``paratrain plan``
+also weighs speed (a ZeRO stage can beat ddp by sharding the optimizer step). On a CPU host
+``processes_vs_threads`` says what the processes cost over threads.
 When even zero3 does not fit and the model has a built-in tensor-parallel plan (its shape read by
 ``strategies.tp_shape.model_shape``), zero3 over groups of tp ranks is weighed, least tp first: tp splits the
 blocks FSDP gathers whole, and the activations; ``Parallel`` then lays the ranks out as (dp, tp). Otherwise the
@@ -19,13 +21,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .hardware import Cluster, make_cluster
+from .hf_config import config_from_dict
 from .layout import Layout
 from .model_stats import ModelStats, TPShape, wrap_units
 from .optimizers import PlannedOptimizer, planned
 from .recommend import estimate
 from .tensor_parallel import tp_degrees
 from .training import Training
+from .transformer import GPTConfig, transformer_params, transformer_stats
 
 CANDIDATES = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
 GIB = 2**30
@@ -55,6 +60,40 @@ def parameter_stats(model: nn.Module) -> ModelStats:
                       boundary_bytes_per_sample=0.0, source="parameters only (strategy='auto')")
 
 
+def closed_form_shape(model: nn.Module) -> GPTConfig | None:
+    """The transformer shape of ``model`` when the planner has it in closed form: paratrain's GPT (its ``cfg``) or
+    a transformers llama, mistral, qwen2 or gpt2 (its ``config``), and only when that shape's parameter count is the
+    model's; None for any other model (its activations are then not planned)."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, GPTConfig):
+        config = getattr(model, "config", None)
+        to_dict = getattr(config, "to_dict", None)
+        try:
+            cfg = config_from_dict(to_dict(), type(model).__name__) if callable(to_dict) else None
+        except ConfigError:
+            return None
+    if cfg is None:
+        return None
+    params = sum(p.numel() for p in model.parameters())
+    return cfg if transformer_params(cfg)["total"] == params else None
+
+
+def with_activations(stats: ModelStats, cfg: GPTConfig, seq_len: int | None) -> ModelStats:
+    """``stats`` (sizes from the model itself) with the closed form's FLOPs and activations of ``cfg`` at
+    ``seq_len`` tokens a sample (default the model's context)."""
+    if seq_len is not None and 1 <= seq_len < cfg.seq_len:
+        cfg = replace(cfg, seq_len=seq_len)
+    closed = transformer_stats(cfg, name=stats.name)
+    return replace(stats, flops_per_sample=closed.flops_per_sample,
+                   attention_flops_per_sample=closed.attention_flops_per_sample,
+                   activation_bytes_per_sample=closed.activation_bytes_per_sample,
+                   checkpointed_bytes_per_sample=closed.checkpointed_bytes_per_sample,
+                   boundary_bytes_per_sample=closed.boundary_bytes_per_sample, mixed=closed.mixed,
+                   matmul_params=closed.matmul_params, output_bytes_per_sample=closed.output_bytes_per_sample,
+                   largest_activation_bytes_per_sample=closed.largest_activation_bytes_per_sample,
+                   source=f"{closed.source}, at the loader's batch")
+
+
 def local_cluster(device: torch.device, world_size: int, local_world_size: int) -> Cluster:
     """This job's hardware: the GPUs' real memory, or this host's RAM shared by its CPU processes."""
     nodes = max(world_size // max(local_world_size, 1), 1)
@@ -64,9 +103,9 @@ def local_cluster(device: torch.device, world_size: int, local_world_size: int) 
     return make_cluster("cpu", gpus=local_world_size, nodes=nodes)
 
 
-def _training(precision: str, optimizer: PlannedOptimizer) -> Training:
+def _training(precision: str, optimizer: PlannedOptimizer, batch: int = 1) -> Training:
     return Training(precision=precision if precision in ("fp32", "bf16-mixed", "fp16-mixed") else "fp32",
-                    optimizer=optimizer.key, micro_batch=1)
+                    optimizer=optimizer.key, micro_batch=batch)
 
 
 def _layout(name: str, n: int) -> Layout:
@@ -75,8 +114,14 @@ def _layout(name: str, n: int) -> Layout:
 
 
 def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None,
-           optimizer: torch.optim.Optimizer | None = None) -> AutoChoice:
-    """The first of ddp, zero1, zero2, zero3 whose model states fit one rank's memory.
+           optimizer: torch.optim.Optimizer | None = None, batch: tuple[int, int | None] | None = None) -> AutoChoice:
+    """The first of ddp, zero1, zero2, zero3 whose model states (and, given the batch, activations) fit one
+    rank's memory.
+
+    ``batch``: (samples a rank's loader gives per step, tokens a sample or None) from the loader ``prepare`` was
+    given; with a model whose shape the planner has in closed form (``closed_form_shape``) the activations of that
+    micro-batch are planned too, so no layout whose activations do not fit is chosen. Without it, or for another
+    model, model states alone decide (the reason says so).
 
     ``optimizer``: the user's, whose states are planned (:mod:`.optimizers`); None assumes AdamW, and the reason
     says so.
@@ -87,16 +132,23 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     only once this call, without it, found nothing that fits: reading it imports tensor parallelism).
     """
     stats = replace(parameter_stats(model), tp=tp)
+    shape = closed_form_shape(model) if batch is not None else None
+    if shape is not None:
+        stats = with_activations(stats, shape, batch[1])
+    samples = batch[0] if shape is not None else 1
     n = cluster.world_size
     opt = planned(optimizer)
-    training = _training(precision, opt)
+    training = _training(precision, opt, samples)
+    what = (f"model states {opt.states}, activations of the loader's {samples} samples, buffers, runtime"
+            if shape is not None else f"model states {opt.states}; buffers, runtime"
+            + ("" if batch is None else "; activations not planned: the model's shape is not known in closed form"))
     tried = []
     for name, _ in CANDIDATES:
         e = estimate(stats, _layout(name, n), training, cluster)
         tried.append(f"{name} {e.memory.total / GIB:.2f}")
         if e.fits:
             why = (f"{stats.params / 1e6:.1f}M parameters need {e.memory.total / GIB:.2f} GiB per rank under {name} "
-                   f"(model states {opt.states}; buffers, runtime), of {e.capacity / GIB:.1f} GiB")
+                   f"({what}), of {e.capacity / GIB:.1f} GiB")
             if name != "ddp":
                 why += f" (ddp would need {tried[0].split()[1]} GiB)"
             return AutoChoice(strategy=name, reason=why)

@@ -39,8 +39,14 @@ class Device:
     the input gradient, gradient written (cuBLAS reads the operands in place). CPU BLAS also packs the weight
     operand of each matrix product into panels first, which makes it about twice as many."""
     mfu: float = 0.4
-    """Sustained fraction of peak over a training step (model FLOPs utilisation); 30-50% is typical for
-    well-tuned transformer training on GPUs."""
+    """Sustained fraction of peak. Catalogue GPUs: what the matrix products reach (``MATMUL_EFFICIENCY``), with
+    the elementwise work priced apart (``activation_passes``); otherwise, and once calibrated from a measured step
+    or given with ``--mfu``, the whole step's (model FLOPs utilisation; 30-50% is typical for well-tuned
+    transformer training on GPUs)."""
+    activation_passes: float = 0.0
+    """Memory passes a forward+backward makes over the activations it saves, for its elementwise work (norms,
+    activation functions, residual adds, casts, rotary embeddings, the loss), at ``memory_gbs``. With it, ``mfu``
+    is what the matrix products alone sustain; 0 folds that work into ``mfu``, as a measured calibration does."""
     overhead_gib: float = 0.75
     """Memory no tensor of the model accounts for: CUDA context (~0.3-0.5 GiB), cuBLAS/NCCL workspaces and
     allocator slack; for a CPU rank, the process with torch imported (~0.25 GiB measured)."""
@@ -169,15 +175,29 @@ def _ethernet(gbit: int, roce: bool) -> Link:
     return Link(name=f"{'roce' if roce else 'eth'}-{gbit}g", bandwidth_gbs=gbit / 8, latency_us=5.0 if roce else 25.0)
 
 
+MATMUL_EFFICIENCY = 0.7
+"""What large bf16 matrix products sustain of the dense peak on A100/H100-class GPUs (cuBLAS reaches 80-90% on an
+A100 and 60-75% on an H100 SXM in isolation); the rest of a step is priced apart: elementwise work
+(``ACTIVATION_PASSES``), weights streamed, communication, bubbles."""
+ACTIVATION_PASSES = 12.0
+"""Memory passes over the saved activations a forward+backward of eager PyTorch makes (each unfused elementwise
+kernel reads and writes its activation-sized operands, forward and backward). With the two, the sustained
+fraction of peak falls with the model's width as measured: elementwise traffic grows with h per token, matmul FLOPs
+with h² (GPT-2 on an H100 reaches 0.13-0.3, a 70B model 0.5-0.6: benchmarks/RESULTS.md §7 and §19)."""
+
 DEVICES = MappingProxyType({d.name: d for d in (
     Device(name="a100-40gb", memory_gib=40, bf16_tflops=312, fp32_tflops=19.5, memory_gbs=1555,
-           intra_link="nvlink3", inter_link="ib-hdr"),
+           intra_link="nvlink3", mfu=MATMUL_EFFICIENCY, activation_passes=ACTIVATION_PASSES,
+           inter_link="ib-hdr"),
     Device(name="a100-80gb", memory_gib=80, bf16_tflops=312, fp32_tflops=19.5, memory_gbs=2039,
-           intra_link="nvlink3", inter_link="ib-hdr"),
+           intra_link="nvlink3", mfu=MATMUL_EFFICIENCY, activation_passes=ACTIVATION_PASSES,
+           inter_link="ib-hdr"),
     Device(name="h100-80gb", memory_gib=79.6, bf16_tflops=989, fp32_tflops=67, memory_gbs=3350,
-           intra_link="nvlink4", inter_link="ib-ndr"),
+           intra_link="nvlink4", mfu=MATMUL_EFFICIENCY, activation_passes=ACTIVATION_PASSES,
+           inter_link="ib-ndr"),
     Device(name="h200-141gb", memory_gib=140.4, bf16_tflops=989, fp32_tflops=67, memory_gbs=4800,
-           intra_link="nvlink4", inter_link="ib-ndr"),
+           intra_link="nvlink4", mfu=MATMUL_EFFICIENCY, activation_passes=ACTIVATION_PASSES,
+           inter_link="ib-ndr"),
     Device(name="l4", memory_gib=22.5, bf16_tflops=121, fp32_tflops=30.3, memory_gbs=300, overhead_gib=0.6),
     Device(name="rtx-4090", memory_gib=24, bf16_tflops=165, fp32_tflops=82.6, memory_gbs=1008, overhead_gib=0.6),
 )})
@@ -210,6 +230,9 @@ LINKS = MappingProxyType({link.name: link for link in (
     # InfiniBand, one port per node: HDR 200 Gb/s, NDR 400 Gb/s. Nodes with one NIC per GPU: --inter-bw-gbs.
     Link(name="ib-hdr", bandwidth_gbs=25, latency_us=2.0),
     Link(name="ib-ndr", bandwidth_gbs=50, latency_us=2.0),
+    # Eight ports per node, one per GPU (DGX A100 / H100 and the like: NVIDIA's "rail-optimised" nodes).
+    Link(name="ib-hdr-x8", bandwidth_gbs=200, latency_us=2.0),
+    Link(name="ib-ndr-x8", bandwidth_gbs=400, latency_us=2.0),
     *(_ethernet(g, roce=False) for g in (10, 25, 100, 200, 400)),
     *(_ethernet(g, roce=True) for g in (10, 25, 100, 200, 400)),
     # gloo between processes of one host: all-reduce 1.0-1.5 GB/s, point-to-point 3-4 GB/s (FIELD-NOTES);
@@ -330,8 +353,8 @@ def make_cluster(gpu: str = "h100", *, gpus: int = 1, nodes: int = 1, interconne
         changes["memory_gib"] = gpu_mem_gb
     if tflops is not None:
         changes.update(bf16_tflops=tflops, fp32_tflops=tflops)
-    if mfu is not None:
-        changes["mfu"] = mfu
+    if mfu is not None:  # a whole step's fraction of peak: the elementwise work is in it
+        changes.update(mfu=mfu, activation_passes=0.0)
     device = replace(device, **changes)
     intra = get_link(interconnect or device.intra_link, device)
     inter = get_link(inter_node or device.inter_link, device)
@@ -417,4 +440,4 @@ def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, p
     if rate > peak:
         raise ConfigError(f"a {step_time_s} s step means {rate / 1e12:.1f} TFLOP/s, above "
                           f"{d.name}'s peak {peak / 1e12:g}; check --step-time or raise --tflops")
-    return replace(cluster, device=replace(d, mfu=rate / peak))
+    return replace(cluster, device=replace(d, mfu=rate / peak, activation_passes=0.0))

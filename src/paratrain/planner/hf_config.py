@@ -22,7 +22,12 @@ def read_model_config(path: str | Path) -> GPTConfig:
     """The shape a ``config.json`` (or a checkpoint directory holding one) describes; a one-line ``ConfigError``
     for anything else. The context is the pre-training one when the file records it (Llama 3.1's
     ``rope_scaling.original_max_position_embeddings``), else ``max_position_embeddings``: ``--seq-len`` overrides."""
-    raw = _load(Path(path))
+    return config_from_dict(_load(Path(path)), path)
+
+
+def config_from_dict(raw: dict[str, Any], path: str | Path) -> GPTConfig:
+    """``read_model_config`` of a config already read (a ``PretrainedConfig.to_dict()``); ``path`` names it in
+    errors."""
     kind = raw.get("model_type")
     if kind not in SUPPORTED:
         raise ConfigError(f"--model-config {path}: model_type {kind!r} is not planned in closed form (supported: "

@@ -16,7 +16,7 @@ from .layout import Layout
 from .model_stats import ModelStats, RunnableModel
 from .recommend import Plan, estimate, recommend
 from .tensor_parallel import collectives_per_micro_batch
-from .timing import fsdp_call_from, optimizer_step_bytes, weight_bytes
+from .timing import executed_flops_per_sample, fsdp_call_from, optimizer_step_bytes, weight_bytes
 from .training import Training
 
 
@@ -76,13 +76,14 @@ def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: 
     if step_time is None and stats.measured_step_s is not None and cluster.device.shared_by_ranks:
         step_time, threads = stats.measured_step_s, stats.measured_threads
     if step_time is not None:
-        cluster = calibrated(cluster, flops_per_step=stats.flops_per_sample * setup.flops_factor * setup.micro_batch,
+        executed = executed_flops_per_sample(stats, setup)  # what step_time prices: the calibration inverts it
+        cluster = calibrated(cluster, flops_per_step=executed * setup.micro_batch,
                              step_time_s=step_time, precision=setup.precision,
                              streamed_bytes=weight_bytes(stats.params, setup, cluster),
                              optimizer_bytes=optimizer_step_bytes(stats.params, setup) if with_optimizer else 0.0,
                              optimizer_s=optimizer_time, threads=threads,
                              micro_step=None if micro_step_time is None else (
-                                 stats.flops_per_sample * setup.flops_factor * micro_step_time[0], micro_step_time[1]),
+                                 executed * micro_step_time[0], micro_step_time[1]),
                              host_step=host_step_time)
     elif micro_step_time is not None or host_step_time is not None:
         raise ConfigError("a smaller or an all-cores forward+backward calibrates together with --step-time and "

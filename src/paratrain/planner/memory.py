@@ -92,11 +92,18 @@ def model_states(stats: ModelStats, layout: Layout, training: Training) -> Model
                        optimizer_states=psi * training.optimizer_bytes / shard[1])
 
 
-def in_flight(layout: Layout, batch: Batching, training: Training) -> int:
-    """Micro-batches whose activations a stage holds at once: GPipe all m, 1F1B at most p (the first stage)."""
+def in_flight(layout: Layout, batch: Batching, training: Training) -> float:
+    """Micro-batches whose activations a rank holds at once, in whole-stage units: GPipe all m, 1F1B at most p
+    (the first stage), interleaved 1F1B with v stages per rank p·(1 + (p−1)/(p·v)) = p + (p−1)/v (Korthikanti et
+    al. 2022, section 4.2.3: its warm-up runs (p−1)/v more micro-batches' worth of chunks), never more than m."""
     if layout.pp == 1:
         return 1
-    return batch.micro_batches if training.schedule == "gpipe" else min(batch.micro_batches, layout.pp)
+    m, p = batch.micro_batches, layout.pp
+    if training.schedule == "gpipe":
+        return m
+    if training.schedule == "interleaved-1f1b":
+        return min(m, p + (p - 1) / training.stages_per_rank)
+    return min(m, p)
 
 
 def activation_mode(training: Training, layout: Layout) -> str:
@@ -114,7 +121,19 @@ def activation_figures(stats: ModelStats, training: Training, layout: Layout) ->
     fp32 = (stats.activation_bytes_per_sample, stats.checkpointed_bytes_per_sample, stats.boundary_bytes_per_sample)
     mode = activation_mode(training, layout)
     figures = fp32 if mode == "fp32" else stats.mixed.get(mode) or (fp32[0] / 2, fp32[1] / 2, fp32[2] / 2)
-    return rank_activations(stats, figures, mode, layout.tp)
+    if training.recompute_mode == "op" and mode in stats.op_checkpointed:  # what per-op selective AC keeps
+        figures = (stats.op_checkpointed[mode], *figures[1:])
+    return rank_activations(stats, figures, mode, layout.tp, training.sequence_parallel)
+
+
+def fsdp_under_pipeline(psi: float, layout: Layout, training: Training) -> float:
+    """Bytes a stage sharded by FSDP keeps between its micro-batches: torch's pipelining defers FSDP's resharding
+    and gradient sync to the last micro-batch (``PipelineStage`` sets ``set_reshard_after_backward(False)`` and
+    ``set_requires_gradient_sync(False)`` before the others), and torchtitan keeps the parameters gathered after
+    forward under a pipeline, so a rank holds its stage's parameters gathered (zero3) and their gradients unsharded,
+    accumulated in FSDP's fp32 reduce dtype under mixed precision."""
+    grad_bytes = training.bytes.grad if training.precision == "fp32" else 4
+    return (psi * training.bytes.param if layout.zero >= 3 else 0.0) + psi * grad_bytes
 
 
 def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training: Training,
@@ -143,7 +162,9 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     if training.precision != "fp32" and layout.zero < 2:
         activations += 2 * stats.matmul_params / layout.tp * psi / rank_params(stats, layout.tp)
     ddp_buckets = min(2 * training.bucket_mb * 2**20, states.gradients) if layout.dp > 1 and layout.zero < 2 else 0.0
-    if layout.zero >= 3:
+    if layout.zero >= 2 and layout.pp > 1:  # FSDP under a pipeline: see fsdp_under_pipeline
+        buffers = fsdp_under_pipeline(psi, layout, training)
+    elif layout.zero >= 3:
         unit = max(n for _, n in rank_units(stats, layout.tp))
         buffers = 2 * unit * b.param + unit * b.grad
     else:

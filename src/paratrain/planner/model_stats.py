@@ -66,6 +66,10 @@ class ModelStats:
     """The module holding the most parameters directly (an embedding table, a big linear)."""
     flops_per_sample: float
     """Forward + backward FLOPs of one sample (matmuls and convolutions; elementwise work is not counted)."""
+    attention_flops_per_sample: float = 0.0
+    """Of ``flops_per_sample``: the attention scores and their weighted sum, forward and backward, counted over the
+    whole s x s matrix (0 when not known). A causal kernel computes about half of them (it skips the masked
+    blocks); selective recomputation repeats their forward third."""
     activation_bytes_per_sample: float
     """Bytes autograd keeps from forward to backward for one sample, training in fp32."""
     checkpointed_bytes_per_sample: float
@@ -78,6 +82,9 @@ class ModelStats:
     """The three figures above (activations, checkpointed, boundary) under 16-bit training, by how it is done:
     ``autocast`` (fp32 parameters and residual stream, 16-bit matrix products: single, ddp, zero1, pipelines)
     and ``param_dtype`` (FSDP's mixed precision: everything 16-bit). Missing: half the fp32 figures."""
+    op_checkpointed: Mapping[str, float] = field(default_factory=dict)
+    """Per-sample activation bytes under per-operation selective AC (``recompute="op"``), by mode (``fp32``,
+    ``autocast``, ``param_dtype``); empty when not known (the plan then keeps every activation)."""
     matmul_params: int = 0
     """Parameters autocast casts to 16-bit for its matrix products (weights of linear and convolution layers):
     their 16-bit copies are saved for backward."""

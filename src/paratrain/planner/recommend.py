@@ -111,12 +111,18 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
     node, 1 none). ``exact``: plan only the layouts of these degrees (``layout.exact_layouts``). Layouts whose
     data-parallel replicas cannot share the global batch evenly (``training.batch_split_error``) are left out.
     """
-    found = candidate_layouts(stats, cluster, tp, exact)
-    single = estimate(stats, found[0], replace(training, global_batch=training.micro_batch), cluster)
-    best: dict[str, Estimate] = {}
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank)
     world = cluster.world_size
-    for lay in (lay for lay in found[1:] if batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)
-                is None):
+    splits = [lay for lay in found[1:] if batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world) is None]
+    return _estimates(stats, cluster, training, found[0], splits)
+
+
+def _estimates(stats: ModelStats, cluster: Cluster, training: Training, single_layout: Layout,
+               found: list[Layout]) -> list[Estimate]:
+    """``estimate_all``'s estimates of layouts already enumerated and checked against the global batch."""
+    single = estimate(stats, single_layout, replace(training, global_batch=training.micro_batch), cluster)
+    best: dict[str, Estimate] = {}
+    for lay in found:
         e = estimate(stats, lay, training, cluster, single.samples_per_s)
         if lay.label not in best or _rank(e) > _rank(best[lay.label]):
             best[lay.label] = e
@@ -124,12 +130,20 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
 
 
 def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None,
-                      exact: ParallelDims | None = None) -> list[Layout]:
-    """The layouts a plan weighs, ``single`` first: every one the cluster can run, or ``exact``'s."""
+                      exact: ParallelDims | None = None, virtual_stages: int = 1) -> list[Layout]:
+    """The layouts a plan weighs, ``single`` first: every one the cluster can run, or ``exact``'s; with
+    ``virtual_stages`` per rank (interleaved 1F1B) only pipelines whose p·v stages the model's units can fill."""
+    units = len(stats.units)
     if exact is None:
-        return layouts(cluster, len(stats.units), tp_degrees(stats, cluster, tp))
-    tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
-    return exact_layouts(cluster, len(stats.units), exact)
+        found = layouts(cluster, units, tp_degrees(stats, cluster, tp))
+    else:
+        tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
+        found = exact_layouts(cluster, units, exact)
+        if exact.pp * virtual_stages > units:
+            raise ConfigError(f"--schedule interleaved-1f1b with {virtual_stages} stages per rank cuts the model into "
+                              f"{exact.pp * virtual_stages} stages but it has only {units} units to cut; use "
+                              f"--virtual-stages {max(2, units // exact.pp)} or fewer, or fewer pipeline stages")
+    return [lay for lay in found if lay.pp * virtual_stages <= units or lay.pp == 1]
 
 
 def _rank(e: Estimate) -> tuple[bool, float]:
@@ -169,15 +183,15 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     world = cluster.world_size
     global_batch = training.global_for(world)
     training = replace(training, global_batch=global_batch)
-    found = candidate_layouts(stats, cluster, tp, exact)
-    refused = [(lay, why) for lay in found[1:]
-               if (why := batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)) is not None]
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank)
+    why_not = [(lay, batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)) for lay in found[1:]]
+    refused = [(lay, why) for lay, why in why_not if why is not None]
     if refused and len(refused) == len(found) - 1:
         raise ConfigError(refused[0][1] if exact is not None else
                           f"--global-batch {global_batch} does not split evenly over the data-parallel replicas of "
                           f"any layout of {world} GPUs; use a multiple of {world}, e.g. "
                           f"{max(world, global_batch // world * world)}")
-    estimates = estimate_all(stats, cluster, training, tp, exact)
+    estimates = _estimates(stats, cluster, training, found[0], [lay for lay, why in why_not if why is None])
     candidates = estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:]
     fitting = [f for e in candidates for f in _fitting(stats, e, training, cluster, estimates[0].samples_per_s)]
     if not fitting:
@@ -302,11 +316,12 @@ def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice
     out = []
     lay, m = choice.layout, choice.batch.micro_batches
     if lay.pp > 1:
-        bubble = bubble_fraction(lay.pp, m)
+        v = training.stages_per_rank
+        bubble = bubble_fraction(lay.pp, m, v)
         if bubble > 0.2:
             better = 4 * lay.pp
             out.append(f"pipeline bubble {bubble:.0%} with {m} micro-batches: --micro-batches {better} brings it to "
-                       f"{bubble_fraction(lay.pp, better):.0%} (micro-batch "
+                       f"{bubble_fraction(lay.pp, better, v):.0%} (micro-batch "
                        f"{choice.batch.micro_batch * m / better:g})")
     if choice.tight:
         setup = replace(training, micro_batch=max(1, math.floor(choice.batch.micro_batch)),

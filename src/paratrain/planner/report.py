@@ -6,11 +6,12 @@ from dataclasses import asdict
 from typing import Any
 
 from ..lr import scale_lr
-from .hardware import GIB, Link
+from .hardware import GIB, Device, Link
 from .layout import Layout
 from .memory import activation_figures
 from .recommend import Estimate, Plan
 from .timing import bubble_fraction
+from .training import Training
 
 _BREAKDOWN = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer_states"),
               ("acts", "activations"), ("temp", "transient"), ("buffers", "buffers"), ("overhead", "overhead"))
@@ -59,11 +60,15 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
         f"{_bytes(act)} of activations",
         f"cluster   {c.world_size} x {d.name}" + (" process" if d.shared_by_ranks else "")
         + f" on {c.nodes} node{'s' if c.nodes > 1 else ''} ({d.memory_gib:.3g} GiB, {d.peak_tflops(t.precision):g} "
-        f"TFLOP/s peak x MFU {d.mfu:.2g}); intra-node {_link(c.intra)}"
+        f"TFLOP/s peak x {_efficiency(d)}); intra-node {_link(c.intra)}"
         + (f", inter-node {_link(c.inter)}" if c.nodes > 1 else ""),
-        f"training  {t.precision}, {t.optimizer}{', activation checkpointing' if t.checkpointing else ''}; "
+        f"training  {t.precision}, {t.optimizer}{_recompute(t)}; "
         f"micro-batch {t.micro_batch} per {rank}, global batch {plan.global_batch}"
-        + (f", pipeline schedule {t.schedule}" if any(e.layout.pp > 1 for e in plan.estimates) else ""),
+        + (f", pipeline schedule {t.schedule}" + (f" ({t.stages_per_rank} stages per rank)"
+                                                   if t.stages_per_rank > 1 else "")
+           if any(e.layout.pp > 1 for e in plan.estimates) else "")
+        + ("" if t.sequence_parallel or all(e.layout.tp == 1 for e in plan.estimates)
+           else ", tensor parallelism without sequence parallelism"),
         "",
     ]
     head = f"{'strategy':<18} {'layout':<20} {'fits':<5} {f'GiB/{rank}':>11}"
@@ -87,12 +92,23 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
     if ch is not next(e for e in plan.estimates if e.name == ch.name):  # re-planned to fit
         how += f"; {ch.memory.total / GIB:.1f} GiB, {ch.samples_per_s:,.1f} samples/s"
     if ch.layout.pp > 1:
-        how += f", bubble {bubble_fraction(ch.layout.pp, ch.batch.micro_batches):.0%}"
+        how += f", bubble {bubble_fraction(ch.layout.pp, ch.batch.micro_batches, t.stages_per_rank):.0%}"
     lines += ["", f"recommended: {ch.name} ({how}) — {plan.reason}"]
     lines += [f"  - {text}" for text in plan.suggestions]
     lines.append(_lr_line(plan, base_lr))
     lines += [f"note: {text}" for text in plan.notes]
     return "\n".join(lines)
+
+
+def _efficiency(d: Device) -> str:
+    if d.activation_passes:
+        return f"{d.mfu:.2g} in matmuls, elementwise work {d.activation_passes:g} passes over the activations"
+    return f"MFU {d.mfu:.2g}"
+
+
+def _recompute(t: Training) -> str:
+    return {"full": ", activation checkpointing", "selective": ", selective recomputation (attention core)",
+            "op": ", per-operation selective recomputation"}.get(t.recompute_mode, "")
 
 
 def _lr_line(plan: Plan, base_lr: float | None) -> str:

@@ -44,20 +44,29 @@ def rank_params(stats: ModelStats, tp: int) -> int:
 
 
 def rank_activations(stats: ModelStats, figures: tuple[float, float, float], mode: str,
-                     tp: int) -> tuple[float, float, float]:
+                     tp: int, sequence_parallel: bool = True) -> tuple[float, float, float]:
     """Per-sample (activations, checkpointed, boundary) bytes on one of ``tp`` ranks, from the whole model's
     ``figures`` under ``mode`` (``ELEMENT_BYTES``' keys): 1/tp, except the column-parallel linears' gathered inputs
     (two per block, one for the head) and the token ids and targets (16 bytes a token), which every rank keeps
     whole (never more than ``figures`` hold: stats of parameters alone hold none); a checkpointed model keeps one
-    block's. The boundary, a block's output, is sequence-sharded."""
+    block's. The boundary, a block's output, is sequence-sharded.
+
+    Without sequence parallelism every rank also keeps whole what lies between the split regions: each block's
+    input and the residual after attention (residual dtype), so also each checkpointed block's input, and the
+    boundary. Korthikanti et al. (2022, table 2) count the same split: ``sbh(10 + 24/t)`` against ``34·sbh/t``
+    (their 10: the norms' inputs and the dropout masks; a model without dropout keeps the residuals instead)."""
     if tp == 1:
         return figures
     shape = _shape(stats)
-    _, c = ELEMENT_BYTES[mode]
+    r, c = ELEMENT_BYTES[mode]
     sh, ids = shape.seq_len * shape.hidden, 16.0 * shape.seq_len
     acts, checkpointed, boundary = figures
-    whole = (min(acts, shape.layers * 2 * c * sh + c * sh + ids), min(checkpointed, 3 * c * sh + ids))
-    return (whole[0] + (acts - whole[0]) / tp, whole[1] + (checkpointed - whole[1]) / tp, boundary / tp)
+    if sequence_parallel:
+        whole = (min(acts, shape.layers * 2 * c * sh + c * sh + ids), min(checkpointed, 3 * c * sh + ids))
+        return (whole[0] + (acts - whole[0]) / tp, whole[1] + (checkpointed - whole[1]) / tp, boundary / tp)
+    whole = (min(acts, shape.layers * 2 * (c + r) * sh + c * sh + ids),
+             min(checkpointed, shape.layers * r * sh + 2 * (c + r) * sh + c * sh + ids))
+    return (whole[0] + (acts - whole[0]) / tp, whole[1] + (checkpointed - whole[1]) / tp, boundary)
 
 
 def collective_bytes(stats: ModelStats, mode: str, micro_batch: float) -> tuple[float, float]:

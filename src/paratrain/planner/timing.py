@@ -7,7 +7,7 @@ takes its ring-algorithm time over its link (``collectives``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
 from .hardware import Cluster
@@ -24,10 +24,25 @@ DDP_BUCKET_PASSES = 6
 default): copy into the bucket, divide by the world size, copy back out, each a read and a write."""
 
 
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """Idle share of a pipeline step, (p−1)/(m+p−1), for GPipe and 1F1B alike (Huang et al. 2019;
-    Narayanan et al. 2021): filling and draining p stages costs p−1 micro-batch slots out of m+p−1."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle share of a pipeline step, (p−1)/v over m + (p−1)/v, for GPipe and 1F1B alike (v = 1: Huang et al. 2019;
+    Narayanan et al. 2021) and interleaved 1F1B with v stages per rank (Narayanan et al. 2021, section 2.2.2):
+    filling and draining p stages costs p−1 slots of a rank's share of a micro-batch, v times smaller chunks when
+    each rank holds v stages."""
+    fill = (stages - 1) / virtual_stages
+    return fill / (micro_batches + fill)
+
+
+def executed_flops_per_sample(stats: ModelStats, training: Training) -> float:
+    """FLOPs a training step runs per sample: the model's, less the half of the attention matrices a causal kernel
+    skips, plus what recomputation repeats (``full``: the forward, a third; ``selective``: the attention core's
+    forward, a third of its part)."""
+    executed = stats.flops_per_sample - stats.attention_flops_per_sample / 2
+    if training.recompute_mode == "selective":
+        return executed + stats.attention_flops_per_sample / 2 / 3
+    if training.recompute_mode == "op":  # half the matrix products' forward again (the attention kernel is kept)
+        return executed + (stats.flops_per_sample - stats.attention_flops_per_sample) / 6
+    return executed * training.flops_factor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +78,18 @@ def weight_bytes(params: float, training: Training, cluster: Cluster) -> float:
     return cluster.device.weight_passes * params * training.bytes.param
 
 
+def activation_stream_bytes(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster) -> float:
+    """Bytes a rank's elementwise work (norms, activation functions, residual adds, casts, the loss) streams per
+    sample of a micro-batch: ``device.activation_passes`` passes over the activations its stage would save without
+    recomputation (a recomputed forward, full or per-op, repeats its share)."""
+    passes = cluster.device.activation_passes
+    if not passes:
+        return 0.0
+    whole = replace(training, recompute="none") if training.recompute_mode == "op" else training
+    per_sample = activation_figures(stats, whole, layout)[0] / layout.stages
+    return passes * per_sample * (4 / 3 if training.recompute_mode in ("full", "op") else 1.0)
+
+
 def optimizer_step_bytes(params: float, training: Training) -> float:
     """Bytes one optimizer step streams for ``params`` parameters."""
     return params * training.optimizer_step_bytes
@@ -95,8 +122,10 @@ def fsdp_call_from(overhead_s: float, stats: ModelStats, zero: int, training: Tr
 def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster) -> StepTime:
     """Step time of ``layout``: compute, the optimizer step, and the communication compute cannot hide.
 
-    Pipeline stages compute different micro-batches at once (m + p − 1 slots of the busiest stage's share of a
-    micro-batch: its units' FLOPs when the model was traced, else 1/p);
+    Pipeline stages compute different micro-batches at once (m + (p − 1)/v slots of the busiest stage's share of a
+    micro-batch: its units' FLOPs when the model was traced, else 1/p; v stages per rank under interleaved 1F1B,
+    each sending and receiving every micro-batch); the FLOPs are those the step executes
+    (``executed_flops_per_sample``: causal attention computes half its matrices, recomputation adds);
     model-parallel stages take turns, so a process computes as fast as one of its GPUs and streams all of its
     stages' weights. ddp and zero1 all-reduce gradients once per step, hidden in up to ``device.overlap`` of a
     micro-batch's backward; zero1 steps the optimizer on its shard, then every rank broadcasts its updated
@@ -127,10 +156,13 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
         machinery_s += collectives_per_micro_batch(stats, training.checkpointing) * cluster.device.tp_call_s / layout.pp
     machinery_s *= cluster.device.serial_slowdown(ranks_per_node)
     traced = layout.pp > 1 and stats.unit_flops
-    stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) if traced
-                              else stats.flops_per_sample / layout.pp)
-    micro_s = (stage_flops_per_sample * training.flops_factor * batch.micro_batch / layout.tp / rate
-               + (weight_bytes(streamed, training, cluster) + copies) / bandwidth + machinery_s)
+    per_sample = executed_flops_per_sample(stats, training)
+    stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) * per_sample
+                              / stats.flops_per_sample if traced else per_sample / layout.pp)
+    micro_s = (stage_flops_per_sample * batch.micro_batch / layout.tp / rate
+               + (weight_bytes(streamed, training, cluster) + copies
+                  + activation_stream_bytes(stats, layout, training, cluster) * batch.micro_batch) / bandwidth
+               + machinery_s)
     shard = layout.shard if layout.zero >= 1 else 1
     optimizer_s = optimizer_step_bytes(psi / shard, training) / bandwidth
     ddp = layout.zero <= 1 and layout.dp > 1
@@ -140,12 +172,14 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     overlap = cluster.device.overlap
     grads, params = psi * training.bytes.grad, psi * training.bytes.param
     boundary = activation_figures(stats, training, layout)[2] * batch.micro_batch
+    if not training.sequence_parallel:  # each tp rank sends 1/tp of it (Narayanan et al. 2021, scatter/gather)
+        boundary /= layout.tp
     inner = layout.stages * layout.tp  # data-parallel peers are this many ranks apart
     hidden_in_backward = overlap * BACKWARD_SHARE * micro_s
 
     total = exposed = 0.0
 
-    def add(seconds: float, window: float = 0.0, times: int = 1) -> None:
+    def add(seconds: float, window: float = 0.0, times: float = 1) -> None:
         nonlocal total, exposed
         total += times * seconds
         exposed += times * max(0.0, seconds - window)
@@ -158,18 +192,23 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     if layout.zero >= 2:
         shard_link = cluster.link_for(layout.shard, inner)
         calls = (units - 1) * fsdp_calls(layout.zero) * shard_link.call_s(layout.shard)
-        add(gathers * all_gather_s(params, layout.shard, shard_link) + reduce_scatter_s(grads, layout.shard, shard_link)
-            + calls, overlap * micro_s, times=m)
+        # under a pipeline the stage stays gathered and syncs its gradients once, after the last micro-batch
+        # (memory.fsdp_under_pipeline); otherwise every micro-batch gathers and reduce-scatters
+        once = layout.pp > 1
+        add((1 if once else gathers) * all_gather_s(params, layout.shard, shard_link)
+            + reduce_scatter_s(grads, layout.shard, shard_link) + calls, overlap * micro_s, times=1 if once else m)
         replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
         add(all_reduce_s(grads / layout.shard, layout.replicas, replica_link), hidden_in_backward)
-    if layout.pp > 1:
-        add(2 * p2p_s(boundary, cluster.link_for(layout.pp, layout.mp * layout.tp)), times=m + layout.pp - 1)
+    v = training.stages_per_rank if layout.pp > 1 else 1
+    if layout.pp > 1:  # each of a rank's v stages receives and sends every micro-batch, forward and backward
+        add(2 * p2p_s(boundary, cluster.link_for(layout.pp, layout.mp * layout.tp)), times=v * m + layout.pp - 1)
     if layout.mp > 1:
         add(2 * (layout.mp - 1) * p2p_s(boundary, cluster.intra), times=m)
     # a stage runs its share of the blocks' collectives in every slot, as it sends its activations
-    slots = m + layout.pp - 1
+    fill = (layout.pp - 1) / v
+    slots = m + fill
     tp_s = tp_comm_s(stats, activation_mode(training, layout), batch.micro_batch, layout.tp,
                      cluster.link_for(layout.tp, 1), training.checkpointing) / layout.pp
     add(tp_s, times=slots)
-    return StepTime(compute_s=m * micro_s + bucket_s, bubble_s=(layout.pp - 1) * micro_s, optimizer_s=optimizer_s,
+    return StepTime(compute_s=m * micro_s + bucket_s, bubble_s=fill * micro_s, optimizer_s=optimizer_s,
                     comm_s=total, exposed_comm_s=exposed, tp_comm_s=slots * tp_s)

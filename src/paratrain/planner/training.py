@@ -43,7 +43,14 @@ OPTIMIZER_TEMP_BYTES = MappingProxyType({"sgd": 0, "sgd-momentum": 0, "adam": 4,
 """Bytes per parameter the optimizer step allocates for its duration: Adam's for-each step computes the
 denominator sqrt(v) into a new list of parameter-sized fp32 tensors; SGD works in place."""
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+RECOMPUTE = ("none", "selective", "op", "full")
+"""Activation recomputation: ``full`` keeps each block's input and recomputes the block in backward (one more
+forward pass); ``selective`` recomputes only the attention core (Korthikanti et al. 2022, section 5: the
+softmax and the two attention products, whose s x s tensors dominate a block's activations when they are
+stored; a fused attention kernel stores none and recomputes them anyway); ``op`` is torchtitan's per-operation
+selective AC (``torch.utils.checkpoint``'s selective policy): every other matrix product's output and the
+attention kernel's are kept, the other products and all elementwise work recomputed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,9 +68,23 @@ class Training:
     micro_batches: int | None = None
     """Pipeline micro-batches per step (``--micro-batches``); default global batch / (dp x micro_batch)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``1f1b`` keeps at most p micro-batches in flight, ``gpipe`` all m."""
+    """Pipeline schedule: ``1f1b`` keeps at most p micro-batches in flight, ``gpipe`` all m, ``interleaved-1f1b``
+    (Narayanan et al. 2021) gives each rank ``virtual_stages`` stages in a loop: a bubble v times smaller for v
+    times the stage-to-stage sends."""
+    virtual_stages: int | None = None
+    """Stages each pipeline rank holds under ``interleaved-1f1b`` (default 2, as the runtime's
+    ``stages_per_rank``); 1 for the other schedules."""
     checkpointing: bool = False
-    """Activation checkpointing of every wrap unit: far less activation memory for one more forward pass."""
+    """Activation checkpointing of every wrap unit: far less activation memory for one more forward pass
+    (``recompute="full"``)."""
+    recompute: str | None = None
+    """``none``, ``selective``, ``op`` or ``full`` (``RECOMPUTE``); default ``full`` with ``checkpointing``, else
+    ``none``. ``full`` turns ``checkpointing`` on, and ``checkpointing`` (the fallback ``recommend`` tries when
+    nothing fits) overrides the others."""
+    sequence_parallel: bool = True
+    """Tensor parallelism shards the activations between its split regions on the sequence (norms, residuals:
+    Korthikanti et al. 2022), as paratrain's tensor-parallel plan does; False: they are kept whole on every tp
+    rank (Megatron's plain tensor parallelism, all-reduces instead of all-gather/reduce-scatter pairs)."""
     bucket_mb: float = 25.0
     """DDP gradient bucket size (MiB); DDP keeps two buckets in flight."""
 
@@ -75,6 +96,16 @@ class Training:
                               f"{', '.join(OPTIMIZER_STATE_BYTES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if self.recompute is not None and self.recompute not in RECOMPUTE:
+            raise ConfigError(f"unknown recompute {self.recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
+        if self.recompute == "full" and not self.checkpointing:
+            object.__setattr__(self, "checkpointing", True)
+        if self.virtual_stages is not None:
+            if self.schedule != "interleaved-1f1b" and self.virtual_stages != 1:
+                raise ConfigError(f"--virtual-stages {self.virtual_stages} needs --schedule interleaved-1f1b (the "
+                                  f"{self.schedule} schedule runs one stage per rank)")
+            if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
+                raise ConfigError(f"--virtual-stages must be >= 2 with interleaved-1f1b, got {self.virtual_stages}")
         for name, flag in (("micro_batch", "--batch"), ("global_batch", "--global-batch"),
                            ("micro_batches", "--micro-batches")):
             value = getattr(self, name)
@@ -86,6 +117,16 @@ class Training:
     @property
     def bytes(self) -> PrecisionBytes:
         return PRECISIONS[self.precision]
+
+    @property
+    def recompute_mode(self) -> str:
+        """``full``, ``op``, ``selective`` or ``none``: what backward recomputes."""
+        return "full" if self.checkpointing else (self.recompute or "none")
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages one rank holds: ``virtual_stages`` (default 2) under interleaved 1F1B, else 1."""
+        return (self.virtual_stages or 2) if self.schedule == "interleaved-1f1b" else 1
 
     @property
     def flops_factor(self) -> float:

@@ -200,15 +200,27 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
         return (n_layers * per_block + outside, n_layers * residual * s * h + per_block + outside,
                 float(residual * s * h))
 
+    def op_saved(residual: int, act: int) -> float:
+        """Per-sample bytes kept under per-operation selective AC (torchtitan's "op" policy): each block's input,
+        every other matrix product's output (half of QKV, attention-out, MLP-in and MLP-out's outputs) and the
+        attention kernel's output and log-sum-exp; outside the blocks as without AC."""
+        _, outside = transformer_activations(cfg, residual=residual, act=act)
+        matmul_outputs = cfg.qkv_width + h + fc + h
+        block_kept = residual * s * h + act * s * matmul_outputs / 2 + act * s * h + 4 * cfg.heads * s
+        return n_layers * block_kept + outside
+
     fp32 = figures(*ELEMENT_BYTES["fp32"])
     block_split = counts["block_split"] * block // counts["block"]
     tp = TPShape(layers=n_layers, hidden=h, seq_len=s, divides=_tp_divides(cfg),
                  split=(v * h, *(block_split,) * n_layers, 0 if cfg.tied else v * h))
     matmul = n_layers * (h * q + h * h + h * (fc + cfg.ffn_width)) + v * h  # the head's (possibly tied) weight
     return ModelStats(name=name, params=total, units=units, largest_layer=max(layers, key=lambda x: x[1]),
-                      flops_per_sample=float(flops), activation_bytes_per_sample=fp32[0],
+                      flops_per_sample=float(flops), attention_flops_per_sample=float(12 * n_layers * h * s * s),
+                      activation_bytes_per_sample=fp32[0],
                       checkpointed_bytes_per_sample=fp32[1], boundary_bytes_per_sample=fp32[2],
                       mixed={mode: figures(*ELEMENT_BYTES[mode]) for mode in ("autocast", "param_dtype")},
+                      op_checkpointed={mode: op_saved(*ELEMENT_BYTES[mode])
+                                       for mode in ("fp32", "autocast", "param_dtype")},
                       matmul_params=matmul, tp=tp,
                       output_bytes_per_sample=4.0 * s * v, largest_activation_bytes_per_sample=4.0 * s * fc,
                       param_bytes={"float32": 4 * total},

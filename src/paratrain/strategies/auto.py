@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,17 +29,38 @@ BEFORE_THE_MODEL = ("strategy 'auto' chooses the layout when prepare() sees the 
                     "then loaders, mean and sum")
 
 
+def loader_batch(loader: Any) -> tuple[int, int | None] | None:
+    """(samples a rank's step reads, tokens a sample or None) of the loader ``prepare`` was given with the model,
+    read from its ``batch_size`` and its dataset's first sample (a map-style dataset's ``[0]``: nothing is
+    iterated); None without a loader or a batch size."""
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(size, int) or size < 1:
+        return None
+    try:
+        sample = loader.dataset[0]
+    except Exception:  # an iterable dataset, or one that cannot be indexed: the model's context is planned
+        return size, None
+    if isinstance(sample, dict):
+        sample = sample.get("input_ids", next(iter(sample.values()), None))
+    elif isinstance(sample, (tuple, list)) and sample:
+        sample = sample[0]
+    tokens = sample.shape[-1] if isinstance(sample, torch.Tensor) and sample.dim() >= 1 else None
+    return size, tokens
+
+
 def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, precision: str,
                     least: Callable[[float], float], optimizer: torch.optim.Optimizer | None = None,
-                    ) -> tuple[Strategy, list[str]]:
+                    loader: Any = None) -> tuple[Strategy, list[str]]:
     """The strategy ``auto`` picks for ``model`` on this job, and the lines that say which and why (rank 0 prints
     them). ``least(x)``: the minimum of ``x`` over the ranks. ``optimizer``: the user's, when ``prepare`` was
-    given it with the model; its states are planned, else AdamW's are assumed (and the lines say so)."""
+    given it with the model; its states are planned, else AdamW's are assumed (and the lines say so). ``loader``:
+    the one ``prepare`` was given with the model; its batch's activations are planned (``loader_batch``)."""
     cluster = local_cluster(device, env.world_size, env.local_world_size)
     cluster = replace(cluster, device=replace(cluster.device, memory_gib=least(cluster.device.memory_gib)))
-    choice = choose(model, cluster, precision, optimizer=optimizer)
+    batch = loader_batch(loader)
+    choice = choose(model, cluster, precision, optimizer=optimizer, batch=batch)
     if not choice.fits and (shape := model_shape(model)) is not None:
-        choice = choose(model, cluster, precision, tp=shape, optimizer=optimizer)
+        choice = choose(model, cluster, precision, tp=shape, optimizer=optimizer, batch=batch)
     strategy = create(choice.strategy, **({"tp": choice.tp} if choice.tp > 1 else {}))
     strategy.validate(env)
     lines = [f"paratrain: strategy 'auto' chose {choice.describe()}: {choice.reason}"]
@@ -48,10 +70,11 @@ def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, pre
 
 
 def agree_on_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, env: ClusterEnv, device: torch.device,
-                      precision: str, say: Callable[[str], None]) -> Strategy:
+                      precision: str, say: Callable[[str], None], loader: Any = None) -> Strategy:
     """:func:`choose_strategy` from the least memory over the ranks, checked to be the same choice on every rank
     (collective); ``say`` prints which and why."""
-    strategy, lines = choose_strategy(model, env, device, precision, lambda value: least(value, device), optimizer)
+    strategy, lines = choose_strategy(model, env, device, precision, lambda value: least(value, device), optimizer,
+                                      loader)
     check_ranks_agree({"strategy 'auto' chose": strategy.describe()}, env.rank, env.world_size)
     for line in lines:
         say(line)

@@ -50,12 +50,12 @@ class ChosenStrategy:
         if not self.pending and self.strategy.uses_group(self.env) and dist.is_initialized():
             self.mesh = build_mesh(device, self.strategy.dims(self.env), self.env.world_size)
 
-    def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
+    def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loader: Any, device: torch.device,
                precision: str, say: Callable[[str], None]) -> None:
         """Choose ``auto``'s layout for ``model`` (collective, agreed by every rank), then build its mesh; nothing
-        when the strategy was already decided."""
+        when the strategy was already decided. ``optimizer`` and ``loader`` (if given) are planned with it."""
         if self.pending:
-            self.strategy = agree_on_strategy(model, optimizer, self.env, device, precision, say)
+            self.strategy = agree_on_strategy(model, optimizer, self.env, device, precision, say, loader)
             self.pending = False
             self.build_mesh(device)
 
