@@ -33,6 +33,7 @@ from .env import ClusterEnv
 from .errors import ConfigError
 from .loop import StepInfo, finish_step, idle_epoch_warning, start_epoch
 from .model.facts import ModelFacts
+from .model.materialize import Materializer, check_materialized
 from .monitor import MonitorConfig, monitor_for, resolve
 from .options import BlockTransforms
 from .precision import Precision, create_precision
@@ -74,6 +75,8 @@ class Parallel:
             wraps it; a dict is passed to ``torch.compile`` as options (see :mod:`paratrain.model.transforms`).
         wait_report_s: a collective that waits this long prints which ranks have not arrived and what each last
             called (default: a fifth of ``timeout_s``, at most 60 s); see :mod:`paratrain.call_watch`.
+        init_fn: initializes a model built on the meta device, called on every module as ``model.apply`` would
+            (default: the model's own init); see :mod:`paratrain.model.materialize`.
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
     """
 
@@ -97,6 +100,7 @@ class Parallel:
         activation_checkpointing: bool | int = False,
         compile: bool | dict[str, Any] = False,
         wait_report_s: float | None = None,
+        init_fn: Callable[[nn.Module], None] | None = None,
         **strategy_options: Any,
     ) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -105,7 +109,7 @@ class Parallel:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
-        self.accumulate, self.clip_grad_norm = accumulate, clip_grad_norm
+        self.accumulate, self.clip_grad_norm, self.init_fn = accumulate, clip_grad_norm, init_fn
         monitor_config = resolve(monitor)
         self.transforms = BlockTransforms.of(activation_checkpointing, compile)
         """Activation checkpointing and compilation of the model's blocks in ``prepare``."""
@@ -255,8 +259,9 @@ class Parallel:
             self._auto_pending = False
             self.mesh = build_mesh(self.device, self.strategy.dims(self.env), self.env.world_size)
         facts = ModelFacts.of(model)  # before anything is wrapped: blocks, ties, names
-        rt = self._runtime(facts)
+        rt = self._runtime(facts, Materializer.of(model, self.device, self.init_fn))  # None unless built on meta
         wrapped = self.strategy.wrap_model(model, rt)
+        check_materialized(self.strategy.unwrap(wrapped), self.strategy.name)
         facts.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
         self._records[id(wrapped)] = facts
         self.precision.wrap_forward(wrapped, rt.device, autocast=not self.strategy.native_precision)
@@ -309,9 +314,9 @@ class Parallel:
         """
         return self.strategy.full_state_dict(model, rank0_only)
 
-    def _runtime(self, facts: ModelFacts | None = None) -> Runtime:
+    def _runtime(self, facts: ModelFacts | None = None, materialize: Materializer | None = None) -> Runtime:
         return Runtime(env=self.env, device=self.device, mesh=self.mesh, precision=self.precision, facts=facts,
-                       transforms=self.transforms)
+                       transforms=self.transforms, materialize=materialize)
 
     # ----------------------------------------------------------------- the loop
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
