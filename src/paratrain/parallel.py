@@ -424,6 +424,14 @@ class Parallel:
             self.optimizer_steps, self.epoch, self._resume_epoch = position.step, position.epoch, position.epoch
         return position.folder
 
+    @collective("par.load_weights")
+    def load_weights(self, model: nn.Module, path: str | os.PathLike) -> dict[str, Any]:
+        """Read pretrained weights (safetensors file or folder, torch state dict) into a prepared ``model``, each rank
+        only what it holds (collective); see :mod:`paratrain.checkpoint.weights`."""
+        from .checkpoint.weights import load_weights
+
+        return load_weights(self.strategy.unwrap(model), path, self._records.get(id(model)))
+
     def resume(self) -> Path | None:
         """Load ``checkpoint_dir``'s latest checkpoint if the job is set to resume and one exists (once).
 

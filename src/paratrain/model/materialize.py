@@ -38,6 +38,8 @@ from ..errors import ConfigError
 from .structure import find_blocks
 
 InitFn = Callable[[nn.Module], None]
+EMPTY = "empty"
+"""``init_fn=EMPTY``: allocate without initializing, for weights loaded next (``par.load_weights``)."""
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -57,14 +59,17 @@ class Materializer:
     skeleton: nn.Module
     """A meta copy of the user's model, taken before any wrapping: the init program runs on it."""
     device: torch.device
-    init_fn: InitFn | None = None
+    init_fn: InitFn | str | None = None
     rng_state: torch.Tensor = field(default_factory=torch.get_rng_state)
     """The random state ``prepare`` found, where the model's build left it: every replay starts from it."""
     canonical: dict[str, str] = field(default_factory=dict)
     """Every name of every tensor → the name its value is kept under (a tie's first name)."""
+    buffers: set[str] = field(default_factory=set)
+    """The buffers' names."""
 
     @classmethod
-    def of(cls, model: nn.Module, device: torch.device, init_fn: InitFn | None = None) -> "Materializer | None":
+    def of(cls, model: nn.Module, device: torch.device,
+           init_fn: InitFn | str | None = None) -> "Materializer | None":
         """A materializer for ``model`` when it has meta tensors (None otherwise; ``init_fn`` then is refused)."""
         if not is_meta(model):
             if init_fn is not None:
@@ -81,7 +86,10 @@ class Materializer:
             first: dict[int, str] = {}
             for name, t in kind(remove_duplicate=False):
                 canonical[name] = first.setdefault(id(t), name)
-        return cls(skeleton=skeleton, device=device, init_fn=init_fn, canonical=canonical)
+        if isinstance(init_fn, str) and init_fn != EMPTY:
+            raise ConfigError(f"init_fn must be a function of a module or {EMPTY!r}, got {init_fn!r}")
+        return cls(skeleton=skeleton, device=device, init_fn=init_fn, canonical=canonical,
+                   buffers={n for n, _ in skeleton.named_buffers(remove_duplicate=False)})
 
     def __call__(self, module: nn.Module) -> nn.Module:
         """Allocate ``module``'s tensors on the device and write the init program's values into them."""
@@ -100,7 +108,7 @@ class Materializer:
             seen.add(id(t))
             held.setdefault(self._user_name(name), []).append(t)
         written = self._replay(held)
-        missing = [n for n in held if n not in written]
+        missing = [n for n in held if n not in written and (self.init_fn != EMPTY or n in self.buffers)]
         if missing:
             raise ConfigError(f"after building on the meta device nothing initialized {missing[:3]}"
                               f"{' …' if len(missing) > 3 else ''}: give their modules a reset_parameters() or "
@@ -120,9 +128,13 @@ class Materializer:
     def _replay(self, held: dict[str, list[torch.Tensor]]) -> set[str]:
         torch.set_rng_state(self.rng_state)
         names = {id(m): n for n, m in reversed(list(self.skeleton.named_modules(remove_duplicate=False)))}
-        writer = _Writer(held, self.canonical, _scopes(self.skeleton), names)
+        writer = _Writer(held, self.canonical, _scopes(self.skeleton), names, params=self.init_fn != EMPTY)
         with torch.no_grad():
-            if self.init_fn is not None:
+            if self.init_fn == EMPTY:  # parameters come from a checkpoint; buffers (rotary tables) are computed
+                for m in self.skeleton.modules():
+                    if any(b is not None for b in m._buffers.values()):
+                        _buffer_init(self.skeleton, m, writer)
+            elif callable(self.init_fn):
                 init_fn = self.init_fn
                 for m in _post_order(self.skeleton):
                     writer.run(m, lambda m=m: init_fn(m), who="init_fn")
@@ -134,6 +146,19 @@ class Materializer:
                     if callable(reset):
                         writer.run(m, reset, who=f"{type(m).__name__}.reset_parameters")
         return writer.written
+
+
+def _buffer_init(skeleton: nn.Module, module: nn.Module, writer: "_Writer") -> None:
+    """Compute ``module``'s buffers as its init does: the transformers model's ``_init_weights`` that owns it, or its
+    ``reset_parameters``."""
+    owner = None
+    for m in skeleton.modules():  # the innermost transformers model holding ``module``
+        if _is_transformers(m) and any(sub is module for sub in m.modules()):
+            owner = m
+    if owner is not None:
+        writer.run(module, lambda: owner._init_weights(module), who=f"{type(owner).__name__}._init_weights")
+    elif callable(getattr(module, "reset_parameters", None)):
+        writer.run(module, module.reset_parameters, who=f"{type(module).__name__}.reset_parameters")
 
 
 def _post_order(module: nn.Module) -> Iterator[nn.Module]:
@@ -247,6 +272,8 @@ class _Writer:
     subtree: dict[int, bool]
     module_names: dict[int, str]
     """id(skeleton module) → its qualified name."""
+    params: bool = True
+    """False: only buffers are written (the parameters come from a checkpoint)."""
     written: set[str] = field(default_factory=set)
 
     def run(self, module: nn.Module, init: Callable[[], object], who: str) -> None:
@@ -260,9 +287,9 @@ class _Writer:
         recurse = self.subtree.get(id(module), False)
         for prefix, owner in (module.named_modules(remove_duplicate=False) if recurse else [("", module)]):
             for key, original in [*owner._parameters.items(), *owner._buffers.items()]:
-                if original is None or not original.is_meta:
-                    continue
                 is_param = key in owner._parameters
+                if original is None or not original.is_meta or (is_param and not self.params):
+                    continue
                 name = self._path(module, prefix, key)
                 keep = name if name is not None and self.canonical.get(name) == name else None
                 scratch = _blank(original)  # a tie's other owners draw into a scratch of their own, thrown away
