@@ -42,7 +42,7 @@ class OneReplica:
 
     def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
         """Place (and wrap) the model over ``mesh``, the data-parallel part of the job's mesh."""
-        return lambda m: m.to(rt.device)
+        return lambda m: to_device(m, rt.device)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module,
                        rt: Runtime) -> torch.optim.Optimizer:

@@ -44,6 +44,7 @@ from ..distributed.pipeline_metadata import keep_buffers_through_metadata_pass
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model.cuts import cut_points
+from ..model.materialize import to_device
 from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
 from ..options import DDPConfig, FSDPConfig, PipelineConfig, TPConfig
 from .base import Runtime, Strategy, tensor_parallel
@@ -197,7 +198,7 @@ class PipelineStrategy(Strategy):
 
     def _place(self, part: nn.Module, rt: Runtime, units: FSDPConfig | None = None) -> nn.Module:
         keep_buffers_through_metadata_pass(part)
-        part = self._replicate(part.to(rt.device), rt, units or FSDPConfig())
+        part = self._replicate(to_device(part, rt.device), rt, units or FSDPConfig())
         if not (self.config.data == "fsdp" and rt.mesh is not None and rt.mesh["dp"].size() > 1):
             rt.precision.wrap_forward(part, rt.device)  # FSDP took the precision as its policy
         return part
