@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +43,28 @@ class _Source:
     _torch: dict[str, torch.Tensor] | None = None
     bytes_read: int = 0
 
+    @contextmanager
+    def reading(self, file: Path) -> Iterator[None]:
+        """Keep ``file`` mapped while its tensors are read, and only then: the pages a rank touched leave its
+        resident memory when the mapping closes, so at most one file's slices are resident at once."""
+        if self._torch is not None:
+            yield
+            return
+        from safetensors import safe_open
+
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as err:
+            raise _unreadable(file, err) from None
+        with handle:
+            self._open[file] = handle
+            try:
+                yield
+            finally:
+                del self._open[file]
+
     def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
-        """The tensor ``name``, or its ``index`` part (one slice per dimension)."""
+        """The tensor ``name``, or its ``index`` part (one slice per dimension); its file must be ``reading``."""
         try:
             if self._torch is not None:
                 t = self._torch[name]
@@ -77,7 +97,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def open_source(path: str | os.PathLike, stack: ExitStack) -> _Source:
+def open_source(path: str | os.PathLike) -> _Source:
     """The weights at ``path``: a ``.safetensors`` file, a folder of them (with or without transformers' index), or a
     torch state-dict file (``.pt``, ``.bin``, ``paratrain export``'s output, a folder's ``pytorch_model.bin``)."""
     path = Path(path)
@@ -95,15 +115,12 @@ def open_source(path: str | os.PathLike, stack: ExitStack) -> _Source:
             if not f.exists():
                 raise CheckpointError(f"{path / INDEX} names {f.name}, which is missing: copy the whole folder")
             try:
-                handle = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-                for name in handle.keys():
-                    source.files[name] = f
-                    source.shapes[name] = tuple(handle.get_slice(name).get_shape())
-            except CheckpointError:
-                raise
+                with safe_open(str(f), framework="pt", device="cpu") as handle:
+                    for name in handle.keys():
+                        source.files[name] = f
+                        source.shapes[name] = tuple(handle.get_slice(name).get_shape())
             except Exception as err:
                 raise _unreadable(f, err) from None
-            source._open[f] = handle
         return source
     if path.is_dir():
         raise CheckpointError(f"{path} holds no .safetensors file and no pytorch_model.bin")
@@ -216,57 +233,61 @@ def load_weights(model: nn.Module, path: str | os.PathLike, facts: ModelFacts | 
     """Copy the weights at ``path`` into ``model`` (a prepared model, unwrapped: its tensors may be shards), each
     rank reading only what it holds; collective. Returns what was read: tensors, bytes, files."""
     facts = facts if facts is not None else ModelFacts.of(model)
-    with ExitStack() as stack:
-        problem, source = None, None
-        try:
-            source = open_source(path, stack)
-        except CheckpointError as err:
-            problem = str(err)
-        plan: dict[str, str] = {}  # held name → checkpoint key
-        held = held_tensors(model)
-        aliases: set[str] = set()  # keys of a tied tensor's other names: read once, under its first name
-        if source is not None:
-            prefix = _prefix(model)
-            missing, shapes, planned = [], [], set()
-            for name, t in held.items():
-                key = next((k for k in _candidates(name, prefix, facts) if k in source.shapes), None)
-                if key is None and id(t) in planned:
-                    continue  # a tied tensor, read under another of its names
-                if key is None:
-                    missing.append(name)
-                elif source.shapes[key] != _global_shape(t):
-                    shapes.append(f"{name} {list(source.shapes[key])} in the file, {list(_global_shape(t))} here")
-                elif id(t) in planned:
-                    aliases.add(key)
-                else:
-                    planned.add(id(t))
-                    plan[name] = key
-            if missing:
-                problem = (f"{path} lacks {len(missing)} tensor(s) of the model: {_few(missing)}; is it this model's "
-                           "checkpoint?")
-            elif shapes:
-                problem = f"{path} has tensors of other shapes than the model: {_few(shapes)}; is it this model's?"
-        problem = _agreed(problem)
-        if problem is None and source is not None:
-            used = set(plan.values()) | aliases
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                every: list[set[str] | None] = [None] * dist.get_world_size()
-                dist.all_gather_object(every, used)
-                used = set().union(*[u for u in every if u])
-            unexpected = sorted(set(source.shapes) - used)
-            if unexpected:
-                problem = (f"{path} holds {len(unexpected)} tensor(s) the model has not: {_few(unexpected)}; is it "
-                           "this model's checkpoint?")
-        if problem is not None:
-            raise CheckpointError(problem)
-        assert source is not None
-        read_problem = None
-        try:
-            for name, key in plan.items():
-                _read_into(source, key, held[name])
-        except CheckpointError as err:
-            read_problem = str(err)
-        read_problem = _agreed(read_problem)
-        if read_problem is not None:
-            raise CheckpointError(f"{read_problem}; the model's weights are now partly loaded: load again or rebuild")
-        return {"tensors": len(plan), "bytes_read": source.bytes_read, "files": len(set(source.files.values()))}
+    problem, source = None, None
+    try:
+        source = open_source(path)
+    except CheckpointError as err:
+        problem = str(err)
+    plan: dict[str, str] = {}  # held name → checkpoint key
+    held = held_tensors(model)
+    aliases: set[str] = set()  # keys of a tied tensor's other names: read once, under its first name
+    if source is not None:
+        prefix = _prefix(model)
+        missing, shapes, planned = [], [], set()
+        for name, t in held.items():
+            key = next((k for k in _candidates(name, prefix, facts) if k in source.shapes), None)
+            if key is None and id(t) in planned:
+                continue  # a tied tensor, read under another of its names
+            if key is None:
+                missing.append(name)
+            elif source.shapes[key] != _global_shape(t):
+                shapes.append(f"{name} {list(source.shapes[key])} in the file, {list(_global_shape(t))} here")
+            elif id(t) in planned:
+                aliases.add(key)
+            else:
+                planned.add(id(t))
+                plan[name] = key
+        if missing:
+            problem = (f"{path} lacks {len(missing)} tensor(s) of the model: {_few(missing)}; is it this model's "
+                       "checkpoint?")
+        elif shapes:
+            problem = f"{path} has tensors of other shapes than the model: {_few(shapes)}; is it this model's?"
+    problem = _agreed(problem)
+    if problem is None and source is not None:
+        used = set(plan.values()) | aliases
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            every: list[set[str] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, used)
+            used = set().union(*[u for u in every if u])
+        unexpected = sorted(set(source.shapes) - used)
+        if unexpected:
+            problem = (f"{path} holds {len(unexpected)} tensor(s) the model has not: {_few(unexpected)}; is it "
+                       "this model's checkpoint?")
+    if problem is not None:
+        raise CheckpointError(problem)
+    assert source is not None
+    read_problem = None
+    try:
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for name, key in plan.items():
+            by_file.setdefault(source.files[key], []).append((name, key))
+        for file, items in by_file.items():
+            with source.reading(file):
+                for name, key in items:
+                    _read_into(source, key, held[name])
+    except CheckpointError as err:
+        read_problem = str(err)
+    read_problem = _agreed(read_problem)
+    if read_problem is not None:
+        raise CheckpointError(f"{read_problem}; the model's weights are now partly loaded: load again or rebuild")
+    return {"tensors": len(plan), "bytes_read": source.bytes_read, "files": len(set(source.files.values()))}
