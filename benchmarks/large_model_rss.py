@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--strategies", default="zero3,tp")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--first-round", type=int, default=0, help="odd: start with the meta variant")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results: list[dict] = []
@@ -144,7 +145,7 @@ def main() -> None:
         params, largest = write_checkpoint(Path(tmp))
         print(f"model: Llama {SHAPE['num_hidden_layers']} layers x {SHAPE['hidden_size']}, {params / 1e9:.3f}B "
               f"parameters, {params * 4 / 2**30:.2f} GiB fp32; largest tensor {largest / 2**20:.0f} MiB", flush=True)
-        for r in range(args.rounds):
+        for r in range(args.first_round, args.first_round + args.rounds):
             for world in map(int, args.worlds.split(",")):
                 for strategy in args.strategies.split(","):
                     for variant in (("full", "meta") if r % 2 == 0 else ("meta", "full")):

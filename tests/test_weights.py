@@ -68,6 +68,9 @@ def _check(result: dict, model_name: str, options: dict, sharded: bool) -> None:
         expected = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in expected.items()}
         assert all(v.dtype == expected[k].dtype for k, v in result["state"].items())
     assert max_abs_diff(result["state"], expected) == 0.0
+    normal = dict(ZOO[model_name].build().named_buffers())  # init_fn="empty" still computes rotary tables
+    for name, value in result["buffers"].items():
+        assert torch.equal(value, normal[name].to(value.dtype)), name
     total = sum(v.numel() * v.element_size() for v in pretrained(model_name).state_dict().values())
     if sharded:
         assert max(result["bytes"]) < total, "a rank that holds a shard read the whole model"

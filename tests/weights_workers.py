@@ -22,10 +22,11 @@ def weights_case(model_name: str, strategy: str, options: dict, path: str, meta:
     model = par.prepare(model)
     read = par.load_weights(model, path)
     state = {k: v.clone() for k, v in par.full_state_dict(model, rank0_only=False).items()}
+    buffers = {n: b.detach().clone() for n, b in par.unwrap(model).named_buffers() if not hasattr(b, "device_mesh")}
     every: list[int | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, read["bytes_read"])
     par.close()
-    return {"state": state, "bytes": every}
+    return {"state": state, "bytes": every, "buffers": buffers}
 
 
 def run_weights_cases(cases: list[tuple[str, str, dict, str, bool]]) -> dict[str, dict]:

@@ -76,7 +76,8 @@ class Parallel:
         wait_report_s: a collective that waits this long prints which ranks have not arrived and what each last
             called (default: a fifth of ``timeout_s``, at most 60 s); see :mod:`paratrain.call_watch`.
         init_fn: initializes a model built on the meta device, called on every module as ``model.apply`` would
-            (default: the model's own init); see :mod:`paratrain.model.materialize`.
+            (default: the model's own init; ``"empty"``: left for ``load_weights``); see
+            :mod:`paratrain.model.materialize`.
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
     """
 
@@ -100,7 +101,7 @@ class Parallel:
         activation_checkpointing: bool | int = False,
         compile: bool | dict[str, Any] = False,
         wait_report_s: float | None = None,
-        init_fn: Callable[[nn.Module], None] | None = None,
+        init_fn: Callable[[nn.Module], None] | str | None = None,
         **strategy_options: Any,
     ) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:

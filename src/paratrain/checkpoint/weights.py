@@ -233,50 +233,20 @@ def load_weights(model: nn.Module, path: str | os.PathLike, facts: ModelFacts | 
     """Copy the weights at ``path`` into ``model`` (a prepared model, unwrapped: its tensors may be shards), each
     rank reading only what it holds; collective. Returns what was read: tensors, bytes, files."""
     facts = facts if facts is not None else ModelFacts.of(model)
-    problem, source = None, None
+    held = held_tensors(model)
+    source, plan, aliases, problem = None, {}, set(), None
     try:
         source = open_source(path)
+        plan, aliases = _plan(source, held, _prefix(model), facts)
     except CheckpointError as err:
         problem = str(err)
-    plan: dict[str, str] = {}  # held name → checkpoint key
-    held = held_tensors(model)
-    aliases: set[str] = set()  # keys of a tied tensor's other names: read once, under its first name
-    if source is not None:
-        prefix = _prefix(model)
-        missing, shapes, planned = [], [], set()
-        for name, t in held.items():
-            key = next((k for k in _candidates(name, prefix, facts) if k in source.shapes), None)
-            if key is None and id(t) in planned:
-                continue  # a tied tensor, read under another of its names
-            if key is None:
-                missing.append(name)
-            elif source.shapes[key] != _global_shape(t):
-                shapes.append(f"{name} {list(source.shapes[key])} in the file, {list(_global_shape(t))} here")
-            elif id(t) in planned:
-                aliases.add(key)
-            else:
-                planned.add(id(t))
-                plan[name] = key
-        if missing:
-            problem = (f"{path} lacks {len(missing)} tensor(s) of the model: {_few(missing)}; is it this model's "
-                       "checkpoint?")
-        elif shapes:
-            problem = f"{path} has tensors of other shapes than the model: {_few(shapes)}; is it this model's?"
     problem = _agreed(problem)
-    if problem is None and source is not None:
-        used = set(plan.values()) | aliases
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            every: list[set[str] | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, used)
-            used = set().union(*[u for u in every if u])
-        unexpected = sorted(set(source.shapes) - used)
-        if unexpected:
-            problem = (f"{path} holds {len(unexpected)} tensor(s) the model has not: {_few(unexpected)}; is it "
-                       "this model's checkpoint?")
+    if problem is None:
+        assert source is not None
+        problem = _agreed_unexpected(source, set(plan.values()) | aliases)
     if problem is not None:
         raise CheckpointError(problem)
     assert source is not None
-    read_problem = None
     try:
         by_file: dict[Path, list[tuple[str, str]]] = {}
         for name, key in plan.items():
@@ -286,8 +256,50 @@ def load_weights(model: nn.Module, path: str | os.PathLike, facts: ModelFacts | 
                 for name, key in items:
                     _read_into(source, key, held[name])
     except CheckpointError as err:
-        read_problem = str(err)
-    read_problem = _agreed(read_problem)
-    if read_problem is not None:
-        raise CheckpointError(f"{read_problem}; the model's weights are now partly loaded: load again or rebuild")
+        problem = str(err)
+    problem = _agreed(problem)
+    if problem is not None:
+        raise CheckpointError(f"{problem}; the model's weights are now partly loaded: load again or rebuild")
     return {"tensors": len(plan), "bytes_read": source.bytes_read, "files": len(set(source.files.values()))}
+
+
+def _plan(source: _Source, held: dict[str, torch.Tensor], prefix: str | None,
+          facts: ModelFacts) -> tuple[dict[str, str], set[str]]:
+    """held name → checkpoint key, and the keys of tied tensors' other names (read once, under the first); a
+    ``CheckpointError`` naming the first missing or mis-shaped tensors."""
+    plan: dict[str, str] = {}
+    aliases: set[str] = set()
+    missing, shapes, planned = [], [], set()
+    for name, t in held.items():
+        key = next((k for k in _candidates(name, prefix, facts) if k in source.shapes), None)
+        if key is None and id(t) in planned:
+            continue  # a tied tensor, read under another of its names
+        if key is None:
+            missing.append(name)
+        elif source.shapes[key] != _global_shape(t):
+            shapes.append(f"{name} {list(source.shapes[key])} in the file, {list(_global_shape(t))} here")
+        elif id(t) in planned:
+            aliases.add(key)
+        else:
+            planned.add(id(t))
+            plan[name] = key
+    if missing:
+        raise CheckpointError(f"{source.path} lacks {len(missing)} tensor(s) of the model: {_few(missing)}; is it "
+                              "this model's checkpoint?")
+    if shapes:
+        raise CheckpointError(f"{source.path} has tensors of other shapes than the model: {_few(shapes)}; is it "
+                              "this model's?")
+    return plan, aliases
+
+
+def _agreed_unexpected(source: _Source, used: set[str]) -> str | None:
+    """The checkpoint's tensors no rank reads (every rank computes the same line)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        every: list[set[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, used)
+        used = set().union(*[u for u in every if u])
+    unexpected = sorted(set(source.shapes) - used)
+    if not unexpected:
+        return None
+    return (f"{source.path} holds {len(unexpected)} tensor(s) the model has not: {_few(unexpected)}; is it this "
+            "model's checkpoint?")

@@ -7,9 +7,10 @@ checkpointed and compiled are the split ones (compiling traces DTensor code, not
 sharding last, so FSDP's hooks stay outside the checkpointed and compiled blocks.
 
 A model built on the meta device is materialized (:mod:`paratrain.model.materialize`) once, at the last point where
-every step before it took meta tensors: after the data step when that step shards or replicates DTensors on meta
-(``fully_shard``: each rank then allocates only its shard), before it otherwise (DDP broadcasts real tensors). Tensor
-parallelism always runs on meta, so a rank allocates only its slice.
+every step before it took meta tensors: after the data step when that step shards meta tensors (FSDP2's
+``fully_shard``, marked ``takes_meta``: each rank then allocates only its shard), before it otherwise (DDP and FSDP2's
+``replicate`` hold a full replica, and DDP broadcasts real tensors). Tensor parallelism always runs on meta, so a rank
+allocates only its slice.
 """
 from __future__ import annotations
 

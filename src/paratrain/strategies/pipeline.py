@@ -38,7 +38,7 @@ from torch import nn
 from ..dims import ParallelDims
 from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from ..distributed.optimizer import rebuild
-from ..distributed.parallelize import Step
+from ..distributed.parallelize import Step, takes_meta
 from ..distributed.pipeline import PipelinedModel
 from ..distributed.pipeline_metadata import keep_buffers_through_metadata_pass
 from ..env import ClusterEnv
@@ -156,9 +156,15 @@ class PipelineStrategy(Strategy):
             stage = StageModule(build_stage(model, plan, [s]), first=s == 0)
             split = self._stage_split(model, plan, s, total, rt)
             out.stage_modules[s] = stage
-            out.parts.append((s, rt.parallelize(stage, tp=split, data=lambda m: self._place(m, rt, units))))
+            out.parts.append((s, rt.parallelize(stage, tp=split, data=self._stage_step(rt, units))))
         self._names[id(out)] = names
         return out
+
+    def _stage_step(self, rt: Runtime, units: FSDPConfig) -> Step:
+        """Place (and replicate or shard) one stage; FSDP shards a stage still on the meta device, so each rank
+        then materializes only its shard of it (DDP needs real tensors: the stage is materialized first)."""
+        step = lambda m: self._place(m, rt, units)  # noqa: E731
+        return takes_meta(step) if self.config.data == "fsdp" else step
 
     def _stage_split(self, model: nn.Module, plan: StagePlan, s: int, total: int, rt: Runtime) -> Step | None:
         """Tensor parallelism of stage ``s`` by the whole model's plan, its boundaries whole (None without tp)."""
