@@ -214,6 +214,10 @@ def _record_init_calls(skeleton: nn.Module) -> tuple[list[tuple[str, str, torch.
             home.get_torch_context_manager_or_global_device = lambda: None  # type: ignore[attr-defined]
         with torch.device("meta"), _DrawOnScratch():
             replay = type(skeleton)(skeleton.config)
+    except Exception as err:  # a composite the config alone does not rebuild
+        raise ConfigError(f"cannot rebuild {type(skeleton).__name__} from its config to replay its init on the meta "
+                          f"device ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); pass "
+                          "init_fn= to Parallel, or init_fn='empty' and load weights") from None
     finally:
         for cls, fn in saved.items():
             if fn is None:
@@ -277,12 +281,11 @@ class _Writer:
     written: set[str] = field(default_factory=set)
 
     def run(self, module: nn.Module, init: Callable[[], object], who: str) -> None:
-        with self._scratch(module, who) as slots:
+        with self._scratch(module, who):
             init()
-        del slots
 
     @contextmanager
-    def _scratch(self, module: nn.Module, who: str) -> Iterator[list]:
+    def _scratch(self, module: nn.Module, who: str) -> Iterator[None]:
         slots = []  # (owner, key, is_param, original, scratch, the name it is kept under or None)
         recurse = self.subtree.get(id(module), False)
         for prefix, owner in (module.named_modules(remove_duplicate=False) if recurse else [("", module)]):
@@ -297,7 +300,7 @@ class _Writer:
                 (owner._parameters if is_param else owner._buffers)[key] = value
                 slots.append((owner, key, is_param, original, value, keep))
         try:
-            yield slots
+            yield
             for owner, key, is_param, original, value, keep in slots:
                 now = (owner._parameters if is_param else owner._buffers)[key]
                 if keep is None:
