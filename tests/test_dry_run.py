@@ -3,12 +3,12 @@
 the planner's closed-form model states (``planner.memory.model_states``) within 2%, for GPT-2 and Llama from
 transformers and paratrain's tied GPT; layout errors come back as one line.
 
-Two places where the planner does not model the runtime are pinned here (see docs/large-models.md): ZeRO-1's
-optimizer states (``ZeroRedundancyOptimizer`` gives each rank whole parameters, so the busiest holds the embedding's
-states, not Psi/N) and the fullest pipeline stage (the runtime cuts between blocks and adds the embedding to the
-first stage and the head, with its own copy of a tied embedding, to the last; the planner balances the embedding and
-head as units of their own). ZeRO-2's parameters are compared as the planner counts them: gathered, as FSDP keeps
-them from forward to backward (at rest they are sharded).
+Where the planner does not model the runtime it is pinned here (see docs/large-models.md): ZeRO-1's optimizer
+states (``ZeroRedundancyOptimizer`` gives each rank whole parameters, so the busiest holds the embedding's states,
+not Psi/N). ZeRO-2's parameters are compared as the planner counts them: gathered, as FSDP keeps them from forward
+to backward (at rest they are sharded). The dry run found the planner's fullest pipeline stage 26-48% short (it
+balanced the embedding and head as units of their own; the runtime cuts between blocks and adds the embedding to the
+first stage, the head and a tied embedding's copy to the last): fixed in ``planner.layout.block_stage_params``.
 """
 from __future__ import annotations
 
@@ -76,8 +76,6 @@ def test_dry_run_model_states_match_the_planner(models, name, world):
             assert got.parameters * layout.shard == pytest.approx(want.parameters, rel=0.02), where
             assert got.gradients + got.optimizer_states == pytest.approx(
                 want.gradients + want.optimizer_states, rel=0.02), where
-        elif layout.pp > 1:  # the planner's fullest stage is too small (see the module's docstring)
-            assert 1.1 * want.total < got.total < 1.6 * want.total, where
         else:
             assert got.total == pytest.approx(want.total, rel=0.02), where
 
