@@ -25,11 +25,13 @@ from .call_watch import collective
 from .checkpoint.auto import AutoCheckpoint
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.io import Targets
+from .checkpoint.weights import load_weights
 from .data import ShardedLoader, prepare_loader
 from .distributed.metrics import gather_object, reduce_value
 from .env import ClusterEnv
 from .loop import Loop, StepInfo
 from .model.facts import ModelFacts
+from .model.materialize import Materializer, check_materialized
 from .monitor import MonitorConfig, monitor_for, resolve
 from .options import BlockTransforms
 from .precision import Precision, create_precision
@@ -69,6 +71,8 @@ class Parallel:
             transforms: :mod:`paratrain.model.transforms`.
         wait_report_s: a collective waiting this long prints which ranks are missing and what each last called
             (default: a fifth of ``timeout_s``, at most 60 s); see :mod:`paratrain.call_watch`.
+        init_fn: initializes a model built on the meta device, on every module as ``model.apply`` would (default:
+            the model's own init; ``"empty"``: left for ``load_weights``); see :mod:`paratrain.model.materialize`.
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
     """
 
@@ -78,8 +82,9 @@ class Parallel:
                  checkpoint_every: int | None = None, keep_checkpoints: int | None = None, resume: bool | None = None,
                  env: ClusterEnv | None = None, monitor: bool | MonitorConfig = True,
                  activation_checkpointing: bool | int = False, compile: bool | dict[str, Any] = False,
-                 wait_report_s: float | None = None, **strategy_options: Any) -> None:
-        self._loop = Loop(accumulate, clip_grad_norm)
+                 wait_report_s: float | None = None, init_fn: Callable[[nn.Module], None] | str | None = None,
+                 **strategy_options: Any) -> None:
+        self._loop, self.init_fn = Loop(accumulate, clip_grad_norm), init_fn
         monitor_config = resolve(monitor)
         self.transforms = BlockTransforms.of(activation_checkpointing, compile)
         """Activation checkpointing and compilation of the model's blocks in ``prepare``."""
@@ -149,15 +154,12 @@ class Parallel:
     @property
     def data_parallel_rank(self) -> int:
         """This rank's index among the replicas that read different data (the ranks of one pipeline share it)."""
-        return self._data_parallel()[0]
+        return self._chosen.data_parallel(self._runtime())[0]
 
     @property
     def data_parallel_size(self) -> int:
         """How many replicas read different data: the world size, divided by the pipeline depth if any."""
-        return self._data_parallel()[1]
-
-    def _data_parallel(self) -> tuple[int, int, dist.ProcessGroup | None]:
-        return self._chosen.data_parallel(self._runtime())
+        return self._chosen.data_parallel(self._runtime())[1]
 
     @property
     def is_main(self) -> bool:
@@ -184,8 +186,9 @@ class Parallel:
         read by ``auto``, to plan the optimizer's states and the batch's activations; they are not prepared here."""
         self._chosen.decide(model, optimizer, loader, self.device, self.precision.name, self.print)  # auto: once
         facts = ModelFacts.of(model)  # before anything is wrapped: blocks, ties, names
-        rt = self._runtime(facts)
+        rt = self._runtime(facts, Materializer.of(model, self.device, self.init_fn))  # None unless built on meta
         wrapped = self.strategy.wrap_model(model, rt)
+        check_materialized(self.strategy.unwrap(wrapped), self.strategy.name)
         facts.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
         self.precision.wrap_forward(wrapped, rt.device, autocast=not self.strategy.native_precision)
         self.device = self.strategy.output_device(rt)
@@ -199,7 +202,7 @@ class Parallel:
         per-rank part. See :mod:`paratrain.data` for the tail."""
         prepared = loader
         if shard:  # pipeline stages and tensor-parallel groups share their batches
-            rank, size, _ = self._data_parallel() if self._session.distributed else (0, 1, None)
+            rank, size, _ = self._chosen.data_parallel(self._runtime()) if self._session.distributed else (0, 1, None)
             prepared = prepare_loader(loader, rank=rank, size=size, seed=self.data_seed, even=even,
                                       required=self._session.distributed)
         if isinstance(prepared, ShardedLoader):
@@ -222,9 +225,9 @@ class Parallel:
         (collective); with ``rank0_only`` the other ranks get ``{}``."""
         return self.strategy.full_state_dict(model, rank0_only)
 
-    def _runtime(self, facts: ModelFacts | None = None) -> Runtime:
+    def _runtime(self, facts: ModelFacts | None = None, materialize: Materializer | None = None) -> Runtime:
         return Runtime(env=self.env, device=self.device, mesh=self.mesh, precision=self.precision, facts=facts,
-                       transforms=self.transforms)
+                       transforms=self.transforms, materialize=materialize)
 
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
         """``range(start, n)`` (``n`` is where it stops), reshuffling the prepared loaders each epoch. It first
@@ -276,7 +279,7 @@ class Parallel:
         return self._reduce(value, mean=True)
 
     def _reduce(self, value: torch.Tensor | float, mean: bool) -> torch.Tensor | float:
-        _, size, group = self._data_parallel()  # a pipeline's stages hold one replica's value
+        _, size, group = self._chosen.data_parallel(self._runtime())  # a pipeline's stages hold one replica's value
         return reduce_value(value, mean=mean, size=size, group=group, device=self.device)
 
     @collective("par.barrier")
@@ -299,6 +302,12 @@ class Parallel:
         if self._prepared.optimizers:  # weights alone (no optimizer prepared) do not move the loop
             self._loop.resume_at(position.step, position.epoch)
         return position.folder
+
+    @collective("par.load_weights")
+    def load_weights(self, model: nn.Module, path: str | os.PathLike) -> dict[str, Any]:
+        """Read pretrained weights (safetensors file or folder, torch state dict) into a prepared ``model``, each rank
+        only what it holds (collective); see :mod:`paratrain.checkpoint.weights`."""
+        return load_weights(self.strategy.unwrap(model), path, self._prepared.facts.get(id(model)))
 
     def resume(self) -> Path | None:
         """Load ``checkpoint_dir``'s latest checkpoint once, if the job is set to resume and one exists

@@ -11,6 +11,7 @@ Examples:
       --batch 1 --global-batch 64 --recompute selective --schedule interleaved-1f1b --virtual-stages 2
   paratrain plan --model-config ./Mistral-7B/config.json --seq-len 4096 --gpus 8
   paratrain plan --model mymodels:build_gpt --tp 2 --show-tp-plan
+  paratrain plan --dry-run --world 128 --strategy zero3 --tp 8 --model-config ./Llama-3-8B/config.json
 
 Nothing is allocated or launched: a built-in GPT or --params uses closed forms, any other model is traced on
 the meta device. Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md.
@@ -86,12 +87,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--breakdown", action="store_true", help="show memory per category")
     o.add_argument("--json", action="store_true", help="print the plan as JSON")
+    d = p.add_argument_group("dry run (docs/large-models.md)")
+    d.add_argument("--dry-run", action="store_true",
+                   help="lay the model out as prepare would, on the meta device with a fake process group, and print "
+                        "what each rank holds (or the error a launch would hit); with --world, --strategy, --tp, --dp")
+    d.add_argument("--world", type=int, help="with --dry-run: the number of processes (default --gpus x --nodes)")
+    d.add_argument("--strategy", default="zero3", help="with --dry-run: the strategy to lay out (default zero3)")
     o.add_argument("--show-tp-plan", nargs="?", const="model", choices=["model", "auto"],
                    help="with --tp N: print the tensor-parallel plan prepare would apply (the model's own or built-in "
                         "one, else inferred; 'auto': inferred even where one is built in) and plan nothing")
 
 
 def execute(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return _dry_run(args)
     from ..errors import ConfigError
     from ..planner import exact_layout, format_plan, make_plan, plan_to_json
     from ..workloads.planning import resolve_model
@@ -121,3 +130,15 @@ def execute(args: argparse.Namespace) -> int:
     else:
         print(format_plan(plan, breakdown=args.breakdown, base_lr=args.base_lr))
     return 0
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    from ..dry_run import dry_run, model_builder
+
+    options = {k: v for k, v in (("tp", args.tp), ("dp", args.dp)) if v is not None}
+    result = dry_run(model_builder(args.model, args.model_config), world=args.world or args.gpus * args.nodes,
+                     strategy=args.strategy, options=options,
+                     precision="fp32" if args.precision == "auto" else args.precision, optimizer=args.optimizer,
+                     per_node=args.gpus if args.world is None or args.gpus > 1 else 8)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
+    return 1 if result.error is not None else 0

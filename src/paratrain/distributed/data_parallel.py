@@ -19,19 +19,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ConfigError
 from ..model.facts import ModelFacts
+from ..model.materialize import is_meta, to_device
 from ..model.units import shard_units
 from ..options import DDPConfig, FSDPConfig
 
 _DDP_PARAMS = frozenset(inspect.signature(DDP.__init__).parameters)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, config: DDPConfig) -> DDP:
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, config: DDPConfig) -> nn.Module:
     """Wrap ``model`` in DDP over the 1-D ``mesh``, after moving it to ``device`` (None: a module already spread
-    over several devices, as model parallelism leaves it)."""
+    over several devices, as model parallelism leaves it).
+
+    A model still on the meta device is being laid out, not trained (``paratrain.dry_run``; ``prepare``
+    materializes before DDP): DDP would change nothing it holds and needs real tensors, so it is left unwrapped."""
     from .comm_hooks import register_comm_hook, single_bucket_mb
 
+    if is_meta(model):
+        return model
     if device is not None:
-        model = model.to(device)
+        model = to_device(model, device)
     buffers = {}
     if not config.broadcast_buffers:  # newer torch renamed the flag; the default (sync) needs neither
         buffers = {"forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMS else "broadcast_buffers": False}

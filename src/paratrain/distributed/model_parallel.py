@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_map
 
 from ..model.cuts import layers, placement
 from ..model.facts import ModelFacts
+from ..model.materialize import to_device
 
 
 def apply_model_parallel(model: nn.Module, devices: Sequence[torch.device], split: Sequence[int],
@@ -26,10 +27,10 @@ def apply_model_parallel(model: nn.Module, devices: Sequence[torch.device], spli
     """
     named = layers(model, facts)
     stage = placement(model, split, facts)
-    model.to(devices[0])  # root parameters and buffers stay on the first stage
+    to_device(model, devices[0])  # root parameters and buffers stay on the first stage
     for (_, layer), s in zip(named, stage):
         device = devices[s]
-        layer.to(device)
+        to_device(layer, device)
         layer.register_forward_pre_hook(_mover(device), with_kwargs=True)
     return model
 

@@ -5,6 +5,12 @@ parallelism (DDP, FSDP, replicate). Every strategy calls it with the steps it ta
 model, a pipeline on each of its stages. The order is torchtitan's: tensor parallelism first, so the blocks that are
 checkpointed and compiled are the split ones (compiling traces DTensor code, not code a later split invalidates);
 sharding last, so FSDP's hooks stay outside the checkpointed and compiled blocks.
+
+A model built on the meta device is materialized (:mod:`paratrain.model.materialize`) once, at the last point where
+every step before it took meta tensors: after the data step when that step shards meta tensors (FSDP2's
+``fully_shard``, marked ``takes_meta``: each rank then allocates only its shard), before it otherwise (DDP and FSDP2's
+``replicate`` hold a full replica, and DDP broadcasts real tensors). Tensor parallelism always runs on meta, so a rank
+allocates only its slice.
 """
 from __future__ import annotations
 
@@ -22,10 +28,18 @@ from ..precision import Precision
 Step = Callable[[nn.Module], nn.Module]
 
 
+def takes_meta(step: Step) -> Step:
+    """Mark a data step that can lay out a model still on the meta device (FSDP2 shards meta tensors)."""
+    step.takes_meta = True  # type: ignore[attr-defined]
+    return step
+
+
 def parallelize(model: nn.Module, *, precision: Precision, facts: ModelFacts, transforms: BlockTransforms,
-                tp: Step | None = None, data: Step | None = None) -> nn.Module:
+                tp: Step | None = None, data: Step | None = None,
+                materialize: Callable[[nn.Module], object] | None = None) -> nn.Module:
     """``model`` (or one pipeline stage of it) with every technique applied in the stated order; ``tp`` splits its
-    layers, ``data`` places and wraps it for model and data parallelism. Returns the module to train."""
+    layers, ``data`` places and wraps it for model and data parallelism; ``materialize`` (a model built on the meta
+    device) allocates and initializes what this rank holds. Returns the module to train."""
     if tp is not None and transforms.checkpoint_every and transforms.compile is not None:
         raise ConfigError(f"activation checkpointing with compile fails under tensor parallelism on torch "
                           f"{torch.__version__}: its compiler cannot recompute a block of DTensors; drop one of them "
@@ -34,4 +48,10 @@ def parallelize(model: nn.Module, *, precision: Precision, facts: ModelFacts, tr
     if tp is not None:
         model = tp(model)
     transform_blocks(model, facts, transforms)
-    return data(model) if data is not None else model
+    late = materialize is not None and getattr(data, "takes_meta", False)
+    if materialize is not None and not late:
+        materialize(model)
+    model = data(model) if data is not None else model
+    if late:
+        materialize(model)  # type: ignore[misc]
+    return model

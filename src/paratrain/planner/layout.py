@@ -187,6 +187,17 @@ def stage_params(units: tuple[tuple[str, int], ...], stages: int) -> int:
     return max(sum(sizes[a:b]) for a, b in _runs(sizes, stages))
 
 
+def block_stage_params(units: tuple[tuple[str, int], ...], stages: int, copy: int = 0) -> int:
+    """Parameters of the fullest stage when a pipeline cuts only between the blocks (``units`` = embedding, blocks…,
+    head; the blocks balanced as the runtime balances them): the embedding on the first stage, the head and
+    ``copy`` (a tied embedding's second copy) on the last."""
+    blocks = tuple(s for _, s in units[1:-1])
+    sizes = [sum(blocks[a:b]) for a, b in _runs(blocks, stages)]
+    sizes[0] += units[0][1]
+    sizes[-1] += units[-1][1] + copy
+    return max(sizes)
+
+
 def stage_flops(units: tuple[tuple[str, int], ...], unit_flops: tuple[float, ...], stages: int) -> float:
     """FLOPs of the busiest stage when ``units`` are cut as ``stage_params`` cuts them (balanced by parameters, as
     paratrain's pipeline cuts a model)."""

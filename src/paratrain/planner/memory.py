@@ -7,10 +7,11 @@ paper's figures (Rajbhandari et al. 2020, figure 1): 16Ψ (ddp), 4Ψ + 12Ψ/N (z
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from .hardware import Cluster
-from .layout import Layout, stage_params
+from .layout import Layout, block_stage_params, stage_params
 from .model_stats import ModelStats
 from .tensor_parallel import rank_activations, rank_params, rank_units
 from .training import Batching, Training
@@ -79,7 +80,10 @@ def ranked_params(stats: ModelStats, layout: Layout) -> float:
     tensor-parallel rank, its share of each split layer."""
     if layout.stages == 1:
         return rank_params(stats, layout.tp)
-    return stage_params(rank_units(stats, layout.tp), layout.stages)
+    units = rank_units(stats, layout.tp)
+    if layout.pp > 1 and stats.cut_between_blocks:  # a pipeline cuts between blocks; model_parallel between layers
+        return block_stage_params(units, layout.stages, math.ceil(stats.pipeline_copy / layout.tp))
+    return stage_params(units, layout.stages)
 
 
 def model_states(stats: ModelStats, layout: Layout, training: Training) -> ModelStates:

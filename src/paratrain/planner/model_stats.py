@@ -78,6 +78,12 @@ class ModelStats:
     boundary_bytes_per_sample: float
     """Bytes of the largest output of a unit other than the last, for one sample: what a pipeline or
     model-parallel stage passes on to the next."""
+    cut_between_blocks: bool = False
+    """The units are (embedding, blocks…, head) and a pipeline cuts only between the blocks, as the runtime's cutter
+    does (:func:`paratrain.model.stages.plan_stages`): the embedding rides with the first stage, the head with the
+    last."""
+    pipeline_copy: int = 0
+    """Parameters the last pipeline stage holds a second copy of: a head tied to the embedding (GPT-2's)."""
     mixed: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
     """The three figures above (activations, checkpointed, boundary) under 16-bit training, by how it is done:
     ``autocast`` (fp32 parameters and residual stream, 16-bit matrix products: single, ddp, zero1, pipelines)

@@ -221,7 +221,7 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
                       mixed={mode: figures(*ELEMENT_BYTES[mode]) for mode in ("autocast", "param_dtype")},
                       op_checkpointed={mode: op_saved(*ELEMENT_BYTES[mode])
                                        for mode in ("fp32", "autocast", "param_dtype")},
-                      matmul_params=matmul, tp=tp,
+                      matmul_params=matmul, tp=tp, cut_between_blocks=True, pipeline_copy=v * h if cfg.tied else 0,
                       output_bytes_per_sample=4.0 * s * v, largest_activation_bytes_per_sample=4.0 * s * fc,
                       param_bytes={"float32": 4 * total},
                       source=f"closed-form transformer ({shape})")

@@ -41,12 +41,15 @@ class Runtime:
     """The model being prepared (or whose optimizer is): its blocks, ties and parameter names."""
     transforms: BlockTransforms = BlockTransforms()
     """Activation checkpointing and compilation of the blocks."""
+    materialize: Callable[[nn.Module], object] | None = None
+    """For a model built on the meta device: allocates and initializes what this rank holds of a laid-out module
+    (:class:`~paratrain.model.materialize.Materializer`)."""
 
     def parallelize(self, model: nn.Module, tp: Step | None = None, data: Step | None = None) -> nn.Module:
         """:func:`~paratrain.distributed.parallelize.parallelize` with this job's precision and block transforms."""
         assert self.facts is not None, "parallelize needs the model's facts"
         return parallelize(model, precision=self.precision, facts=self.facts, transforms=self.transforms, tp=tp,
-                           data=data)
+                           data=data, materialize=self.materialize)
 
 
 class Strategy(ABC):

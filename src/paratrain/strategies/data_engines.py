@@ -19,8 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
 from ..distributed.optimizer import constructor_defaults, param_groups_for
-from ..distributed.parallelize import Step
+from ..distributed.parallelize import Step, takes_meta
 from ..errors import ConfigError
+from ..model.materialize import to_device
 from ..options import DDPConfig, FSDPConfig
 from .base import Runtime
 
@@ -41,7 +42,7 @@ class OneReplica:
 
     def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
         """Place (and wrap) the model over ``mesh``, the data-parallel part of the job's mesh."""
-        return lambda m: m.to(rt.device)
+        return lambda m: to_device(m, rt.device)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module,
                        rt: Runtime) -> torch.optim.Optimizer:
@@ -169,10 +170,10 @@ class Shards(OneReplica):
         policy = dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None)
 
         def shard(m: nn.Module) -> nn.Module:
-            placed = m.to(rt.device) if not self.config.cpu_offload else m
+            placed = to_device(m, rt.device) if not self.config.cpu_offload else m
             return apply_fsdp(placed, mesh, self.config, policy, rt.facts)
 
-        return shard
+        return takes_meta(shard)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return no_gradient_sync(model)

@@ -36,7 +36,7 @@ class DataParallelStrategy(Strategy):
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
         gpus = torch.cuda.device_count() if rt.device.type == "cuda" else 0
-        model = rt.parallelize(model.to(rt.device))
+        model = rt.parallelize(model, data=lambda m: m.to(rt.device))
         if gpus < 2:
             warnings.warn(
                 f"strategy 'dp' on {'one GPU' if gpus == 1 else 'the CPU'} runs as a single device; "

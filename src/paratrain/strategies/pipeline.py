@@ -38,12 +38,13 @@ from torch import nn
 from ..dims import ParallelDims
 from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from ..distributed.optimizer import rebuild
-from ..distributed.parallelize import Step
+from ..distributed.parallelize import Step, takes_meta
 from ..distributed.pipeline import PipelinedModel
 from ..distributed.pipeline_metadata import keep_buffers_through_metadata_pass
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from ..model.cuts import cut_points
+from ..model.materialize import to_device
 from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
 from ..options import DDPConfig, FSDPConfig, PipelineConfig, TPConfig
 from .base import Runtime, Strategy, tensor_parallel
@@ -155,9 +156,15 @@ class PipelineStrategy(Strategy):
             stage = StageModule(build_stage(model, plan, [s]), first=s == 0)
             split = self._stage_split(model, plan, s, total, rt)
             out.stage_modules[s] = stage
-            out.parts.append((s, rt.parallelize(stage, tp=split, data=lambda m: self._place(m, rt, units))))
+            out.parts.append((s, rt.parallelize(stage, tp=split, data=self._stage_step(rt, units))))
         self._names[id(out)] = names
         return out
+
+    def _stage_step(self, rt: Runtime, units: FSDPConfig) -> Step:
+        """Place (and replicate or shard) one stage; FSDP shards a stage still on the meta device, so each rank
+        then materializes only its shard of it (DDP needs real tensors: the stage is materialized first)."""
+        step = lambda m: self._place(m, rt, units)  # noqa: E731
+        return takes_meta(step) if self.config.data == "fsdp" else step
 
     def _stage_split(self, model: nn.Module, plan: StagePlan, s: int, total: int, rt: Runtime) -> Step | None:
         """Tensor parallelism of stage ``s`` by the whole model's plan, its boundaries whole (None without tp)."""
@@ -197,7 +204,7 @@ class PipelineStrategy(Strategy):
 
     def _place(self, part: nn.Module, rt: Runtime, units: FSDPConfig | None = None) -> nn.Module:
         keep_buffers_through_metadata_pass(part)
-        part = self._replicate(part.to(rt.device), rt, units or FSDPConfig())
+        part = self._replicate(to_device(part, rt.device), rt, units or FSDPConfig())
         if not (self.config.data == "fsdp" and rt.mesh is not None and rt.mesh["dp"].size() > 1):
             rt.precision.wrap_forward(part, rt.device)  # FSDP took the precision as its policy
         return part

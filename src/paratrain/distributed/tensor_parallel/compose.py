@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ...model.facts import ModelFacts
+from ...model.materialize import to_device
 from ...options import TPConfig
 from ...rank_agreement import check_ranks_agree
 from .apply import apply_tp
@@ -42,9 +43,9 @@ class TensorParallel:
         leaves it whole."""
         self._precision, self._device = precision, device
         if "tp" not in (mesh.mesh_dim_names or ()):
-            return model.to(device)
+            return to_device(model, device)
         plan = self._say(choose_plan(model, self.config.plan, mesh["tp"].size(), facts))
-        return apply_tp(model.to(device), mesh["tp"], plan, self.outputs,
+        return apply_tp(to_device(model, device), mesh["tp"], plan, self.outputs,
                         ties=facts.ties if facts is not None else None)
 
     def plan(self, model: nn.Module, facts: ModelFacts | None = None) -> TPPlan:
@@ -75,7 +76,7 @@ class TensorParallel:
         (:func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`)."""
         self._precision, self._device = precision, device
         styles = stage_styles(plan, stage, first_block, last_block)
-        return apply_tp(stage.to(device), mesh["tp"], plan, self.outputs, styles)
+        return apply_tp(to_device(stage, device), mesh["tp"], plan, self.outputs, styles)
 
     @staticmethod
     def data_parallel(mesh: DeviceMesh) -> tuple[int, int, dist.ProcessGroup | None]:
