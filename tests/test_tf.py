@@ -1,0 +1,133 @@
+"""The TensorFlow extra without TensorFlow: TF_CONFIG parsing, the Keras choice, the batch and LR rules, import
+hygiene, and every bad input of ``paratrain run --tf`` answered in one line before anything starts."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from paratrain.cli.main import main
+from paratrain.errors import ConfigError, LaunchError
+from paratrain.tf.config import TFConfig, parse_tf_config
+from paratrain.tf.install import INSTALL_HINT, keras_choice, require_tensorflow
+
+GOOD = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "task": {"type": "worker", "index": 1}}
+
+
+def test_tf_config_round_trip_and_rank():
+    config = TFConfig.for_workers(["a:1", "b:2", "c:3"], 2)
+    assert parse_tf_config(config.to_json()) == config
+    assert (config.address, config.rank, config.num_workers) == ("c:3", 2, 3)
+    chief = parse_tf_config(json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
+                                        "task": {"type": "worker", "index": 0}}))
+    assert (chief.rank, chief.num_workers) == (1, 2)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"task": GOOD["task"]}), 'no "cluster"'),
+    (json.dumps({**GOOD, "task": {"type": "worker", "index": 2}}), "index 2 is out of range"),
+    (json.dumps({**GOOD, "task": {"type": "worker", "index": -1}}), "out of range"),
+    (json.dumps({**GOOD, "task": {"type": "chief", "index": 0}}), "'chief' is not in the cluster"),
+    (json.dumps({"cluster": {"worker": ["nohost"]}, "task": {"type": "worker", "index": 0}}), "not a 'host:port'"),
+    (json.dumps({"cluster": {"worker": ["h:99999"]}, "task": {"type": "worker", "index": 0}}), "port in 1"),
+    (json.dumps({"cluster": {"worker": ["h:1", "h:1"]}, "task": {"type": "worker", "index": 0}}), "share one"),
+    (json.dumps({"cluster": {"boss": ["h:1"]}, "task": {"type": "boss", "index": 0}}), "unknown task type"),
+    (json.dumps({"cluster": GOOD["cluster"]}), 'no "task"'),
+])
+def test_bad_tf_config_is_one_line(text, words):
+    with pytest.raises(LaunchError, match=words) as err:
+        parse_tf_config(text)
+    assert "\n" not in str(err.value)
+
+
+def test_keras_choice():
+    assert keras_choice({"TF_USE_LEGACY_KERAS": "0"}).legacy is False
+    assert "warning" in keras_choice({"TF_USE_LEGACY_KERAS": "0"}).note(2)
+    assert keras_choice({"TF_USE_LEGACY_KERAS": "1"}).note(2) is None  # the user's own choice: nothing to say
+    ours = keras_choice({})
+    assert ours.legacy and ours.set_by_us and "TF_USE_LEGACY_KERAS=1" in ours.note(2)  # tf-keras is installed
+
+
+def test_batch_and_lr_rules_follow_the_replicas():
+    from paratrain.tf import global_batch, scaled_lr
+
+    class Four:
+        num_replicas_in_sync = 4
+
+    assert global_batch(32, Four()) == 128
+    assert scaled_lr(0.1, "linear", Four()) == pytest.approx(0.4)
+    assert scaled_lr(0.1, "sqrt", Four()) == pytest.approx(0.2)
+    with pytest.raises(ConfigError, match="unknown LR scaling rule"):
+        scaled_lr(0.1, "cubic", Four())
+    with pytest.raises(ConfigError, match="per-replica batch"):
+        global_batch(0, Four())
+
+
+def test_importing_paratrain_tf_imports_neither_tensorflow_nor_torch():
+    code = ("import sys, paratrain, paratrain.tf as t; t.scaled_lr; t.TFConfig; import paratrain.tf.worker; "
+            "print(sorted(m for m in ('tensorflow', 'torch', 'keras') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_tensorflow_is_the_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    with pytest.raises(ConfigError) as err:
+        require_tensorflow()
+    assert str(err.value) == INSTALL_HINT
+    rc, stderr = _cli(["run", "--tf", "-n", "2", str(ROOT / "examples" / "tf" / "multi_worker_keras.py")])
+    assert rc == 2 and stderr.strip() == f"paratrain: error: {INSTALL_HINT}"
+
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:
+            rc = e.code
+    return rc, err.getvalue()
+
+
+SCRIPT = str(ROOT / "examples" / "tf" / "multi_worker_keras.py")
+
+
+@pytest.mark.parametrize("tf_config, argv, words", [
+    ("{oops", ["-n", "1"], "TF_CONFIG is not valid JSON"),
+    (json.dumps({**GOOD, "task": {"type": "worker", "index": 5}}), ["-n", "1"], "task index 5 is out of range"),
+    (json.dumps(GOOD), ["-n", "2"], "run `paratrain run --tf -n 1"),
+    (None, ["--nnodes", "2", "--max-restarts", "1"], "restarts the workers of one node"),
+    (None, ["--no-python"], "--no-python cannot be combined"),
+    (None, ["-n", "cpu"], "needs a number of workers"),
+    (None, ["--node-rank", "3", "--nnodes", "2"], "--node-rank 3 is outside"),
+])
+def test_bad_input_under_tf_is_one_line(tf_config, argv, words, monkeypatch):
+    if tf_config is not None:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    rc, stderr = _cli(["run", "--tf", *argv, SCRIPT])
+    assert rc == 2, stderr
+    assert len(stderr.strip().splitlines()) == 1 and words in stderr, stderr
+
+
+def test_a_busy_port_in_tf_config_is_one_line(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]},
+                                                    "task": {"type": "worker", "index": 0}}))
+        rc, stderr = _cli(["run", "--tf", "-n", "1", SCRIPT])
+    assert rc == 2 and len(stderr.strip().splitlines()) == 1 and f"port {port} is already in use" in stderr, stderr
+
+
+def test_a_script_flag_named_tf_stays_a_torch_job():
+    from paratrain.tf.launcher import run
+
+    assert run(["-n", "1", "train.py", "--tf"]) is False

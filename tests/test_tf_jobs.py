@@ -1,0 +1,156 @@
+"""``paratrain run --tf`` for real: two TensorFlow workers on this machine (CPU, localhost).
+
+TensorFlow takes seconds to import, so there are few launches and each checks several things: the guide's
+programs, the demo (accuracy, table) with a SIGKILL + restart resuming bitwise, a SIGKILL without restarts, Ctrl-C,
+a partner that never starts, and scripts that are not TensorFlow scripts. Every launch has a hard timeout and
+the test checks that no worker is left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("tensorflow")  # the extra: `make test` installs it
+
+EXAMPLES = ROOT / "examples" / "tf"
+_NOISE = ("cuInit", "oneDNN", "cuda drivers", "absl::InitializeLog")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _left_running(marker: str) -> list[str]:
+    """Processes whose command line mentions ``marker`` (a test's own tmp path)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd and "pytest" not in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def _cli(argv: list[str], marker: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "paratrain", *argv], capture_output=True, text=True,
+                         timeout=timeout, env=_env(), cwd=marker)
+    time.sleep(0.2)
+    assert not _left_running(str(marker)), _left_running(str(marker))
+    return out
+
+
+def test_the_guides_programs_run_unchanged(tmp_path):
+    out = tmp_path / "mw.json"
+    run = _cli(["run", "--tf", "-n", "2", str(EXAMPLES / "multi_worker_keras.py"), "--epochs", "3", "--out",
+                str(out)], tmp_path)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["replicas"] == 2 and "tf_keras" in result["keras"]  # MWMS over both workers, tf-keras
+    assert result["test_acc"] > 0.6
+    assert run.stdout.count("replicas in sync: 2") == 2
+    assert run.stderr.count("TF_USE_LEGACY_KERAS=1 for the workers") == 1  # said once, by the launcher
+    assert not [line for line in run.stderr.splitlines() if any(n in line for n in _NOISE)], run.stderr
+    one = _cli(["run", "--tf", "-n", "1", str(EXAMPLES / "mirrored_keras.py"), "--epochs", "1"], tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert "replicas in sync: 1" in one.stdout and "test accuracy" in one.stdout
+
+
+def test_demo_reaches_95_percent_and_a_killed_worker_restarts_bitwise(tmp_path):
+    demo = _cli(["demo", "--tf", "--epochs", "10"], tmp_path)
+    assert demo.returncode == 0, demo.stderr
+    assert "MultiWorkerMirroredStrategy" in demo.stdout and "tf.keras = tf-keras" in demo.stdout
+    acc = float(demo.stdout.split("final test acc ")[1].split("%")[0]) / 100
+    assert acc >= 0.95, demo.stdout
+    assert "worker   steps   step ms" in demo.stdout and demo.stdout.count("epoch ") >= 10
+    digest = demo.stdout.split("final weights sha256 ")[1].split()[0]
+
+    restarted = _cli(["demo", "--tf", "--epochs", "10", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                      "--max-restarts", "1", "--fail-at-step", "9", "--fail-rank", "1"], tmp_path)
+    assert restarted.returncode == 0, restarted.stderr
+    assert "rank 1 failed (killed by SIGKILL" in restarted.stderr and "restart 1 of 1" in restarted.stderr
+    assert "resumed at epoch 10 after 1 restart(s)" in restarted.stdout  # BackupAndRestore: only the lost epoch
+    assert restarted.stdout.split("final weights sha256 ")[-1].split()[0] == digest  # as if never interrupted
+
+
+def _watch(argv: list[str], marker: Path, until: str, timeout: float = 120) -> tuple[subprocess.Popen, float]:
+    """Start the CLI and return once ``until`` appears on its stderr or stdout (and when)."""
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env(), cwd=marker)
+    deadline = time.monotonic() + timeout
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if until in line:
+            return proc, time.monotonic()
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    pytest.fail(f"never saw {until!r}:\n{''.join(lines)}")
+
+
+def test_a_killed_worker_stops_the_job_within_seconds_with_one_report(tmp_path):
+    proc, killed = _watch(["demo", "--tf", "--epochs", "20", "--fail-at-step", "1", "--fail-rank", "1"], tmp_path,
+                          "fault injection: SIGKILL worker 1")
+    rest = proc.communicate(timeout=60)[0]
+    seconds = time.monotonic() - killed
+    assert proc.returncode == 1, rest
+    assert seconds < 8, f"the job took {seconds:.1f} s to stop"
+    assert "paratrain: rank 1 failed" in rest and "killed by SIGKILL" in rest, rest
+    assert "Traceback" not in rest
+    assert not _left_running(str(tmp_path))
+
+
+def test_ctrl_c_is_one_line(tmp_path):
+    proc, _ = _watch(["demo", "--tf", "--epochs", "50"], tmp_path, "paratrain demo --tf: digits CNN")
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 130, rest
+    lines = [line for line in rest.splitlines() if not line.startswith("epoch ")]
+    assert len(lines) == 1 and lines[0].startswith("paratrain: interrupted (SIGINT), 2 ranks stopped in"), rest
+    time.sleep(0.2)
+    assert not _left_running(str(tmp_path))
+
+
+def test_a_partner_that_never_starts_and_scripts_that_are_not_tensorflow(tmp_path):
+    tf_config = {"cluster": {"worker": ["127.0.0.1:0", "127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
+    from paratrain.tf.cluster import free_ports
+
+    tf_config["cluster"]["worker"] = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    env = {**_env(), "TF_CONFIG": json.dumps(tf_config)}
+    start = time.monotonic()
+    alone = subprocess.run([sys.executable, "-m", "paratrain", "run", "--tf", "-n", "1", "--rdzv-timeout", "3",
+                            "-m", "paratrain.tf.demo_job", "--out", str(tmp_path / "x")], capture_output=True,
+                           text=True, timeout=120, env=env, cwd=tmp_path)
+    assert alone.returncode == 2, alone.stderr
+    assert time.monotonic() - start < 60
+    assert alone.stderr.strip().splitlines()[-1].startswith("paratrain: error: worker 1 (127.0.0.1:"), alone.stderr
+    assert "never started its TensorFlow server within 3 s" in alone.stderr
+    assert not _left_running(str(tmp_path))
+
+    plain = tmp_path / "plain.py"
+    plain.write_text("print('hello')\n")
+    torchy = tmp_path / "torchy.py"
+    torchy.write_text("import torch\n")
+    for script, words in [(plain, "plain.py ended without importing TensorFlow"),
+                          (torchy, "this --tf worker imports torch")]:
+        run = _cli(["run", "--tf", "-n", "2", str(script)], tmp_path, timeout=60)
+        assert run.returncode == 1, run.stderr
+        reports = [line for line in run.stderr.splitlines() if line.startswith("paratrain:")]
+        assert len(reports) == 1 and words in reports[0], run.stderr
