@@ -131,3 +131,51 @@ def test_a_script_flag_named_tf_stays_a_torch_job():
     from paratrain.tf.launcher import run
 
     assert run(["-n", "1", "train.py", "--tf"]) is False
+
+
+def test_nodes_swap_their_workers_addresses_through_node_0():
+    import threading
+
+    from paratrain.launch.ports import free_port
+    from paratrain.tf.cluster import multi_node
+
+    port, found = free_port(), {}
+
+    def node(rank: int, nproc: int) -> None:
+        found[rank] = multi_node(nproc=nproc, nnodes=2, node_rank=rank, master_addr="127.0.0.1", master_port=port,
+                                 timeout_s=30)
+
+    threads = [threading.Thread(target=node, args=(r, n)) for r, n in ((1, 1), (0, 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert found[0].addresses == found[1].addresses and len(found[0].addresses) == 3
+    assert (list(found[0].indices), list(found[1].indices)) == ([0, 1], [2])
+    assert all(a.startswith("127.0.0.1:") for a in found[0].addresses)
+
+
+def test_a_node_alone_gives_up_after_the_rendezvous_timeout():
+    from paratrain.launch.ports import free_port
+    from paratrain.tf.cluster import multi_node
+
+    with pytest.raises(LaunchError, match="did not all meet at 127.0.0.1"):
+        multi_node(nproc=1, nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=free_port(), timeout_s=1)
+
+
+def test_a_slurm_step_fills_in_the_tf_job(monkeypatch):
+    from paratrain.launch.torchrun import parse_args
+    from paratrain.tf.launcher import plan
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "n[1-2]")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    job = plan(parse_args(["--tf", "-n", "1", SCRIPT]))
+    assert (job.nnodes, job.node_rank, job.master_addr, job.nproc) == (2, 1, "n1", 1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["slurm", "--tf", "--nodes", "2", "-n", "1", SCRIPT]) == 0
+    assert "paratrain run --nproc-per-node 1 --tf " in out.getvalue()
