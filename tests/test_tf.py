@@ -179,3 +179,35 @@ def test_a_slurm_step_fills_in_the_tf_job(monkeypatch):
     with contextlib.redirect_stdout(out):
         assert main(["slurm", "--tf", "--nodes", "2", "-n", "1", SCRIPT]) == 0
     assert "paratrain run --nproc-per-node 1 --tf " in out.getvalue()
+
+
+def test_doctor_tensorflow_section(tmp_path, monkeypatch):
+    from paratrain.doctor.checks import Status
+    from paratrain.tf.doctor import TFFacts, check_tf_config, tf_checks
+    from paratrain.tf.install import KerasChoice
+
+    facts = TFFacts(version="2.21.0", keras=KerasChoice(legacy=True, set_by_us=True), keras_version="3.15.1",
+                    tf_keras_version="2.21.0", devices=("CPU:0",), tf_config=json.dumps(GOOD))
+    both = tmp_path / "both.py"
+    both.write_text("import torch\nfrom tensorflow import keras\n")
+    checks = {c.name: c for c in tf_checks(facts, str(both))}
+    assert checks["tensorflow"].status is Status.OK and "CPU:0" in checks["tensorflow"].evidence
+    assert checks["keras"].status is Status.OK and "tf-keras 2.21.0" in checks["keras"].evidence
+    assert checks["TF_CONFIG"].status is Status.OK and "worker 1 of 2" in checks["TF_CONFIG"].evidence
+    assert checks["script imports"].status is Status.WARN and "torch" in checks["script imports"].evidence
+    keras3 = tf_checks(TFFacts(**{**facts.__dict__, "keras": KerasChoice(legacy=False, set_by_us=False)}))
+    assert keras3[1].status is Status.WARN and "keras#20585" in keras3[1].evidence
+    assert check_tf_config("{bad").status is Status.FAIL
+    assert check_tf_config(json.dumps({**GOOD, "task": {"type": "worker", "index": 9}})).status is Status.FAIL
+    elsewhere = {"cluster": {"worker": ["10.255.255.1:2222"]}, "task": {"type": "worker", "index": 0}}
+    assert check_tf_config(json.dumps(elsewhere)).status is Status.WARN
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        busy = {"cluster": {"worker": [f"127.0.0.1:{taken.getsockname()[1]}"]}, "task": {"type": "worker", "index": 0}}
+        assert check_tf_config(json.dumps(busy)).status is Status.FAIL
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    from paratrain.tf.doctor import gather_tf
+
+    assert gather_tf() is None and tf_checks(None) == []  # no TensorFlow: no section
+    assert tf_checks(None, str(both))[0].status is Status.FAIL  # ... unless the script needs it

@@ -7,6 +7,7 @@ the test checks that no worker is left behind.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -19,7 +20,8 @@ import pytest
 
 from conftest import ROOT
 
-pytest.importorskip("tensorflow")  # the extra: `make test` installs it
+# The extra (`make test` installs it); looked up, not imported: this process has torch.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs paratrain[tf]")
 
 EXAMPLES = ROOT / "examples" / "tf"
 _NOISE = ("cuInit", "oneDNN", "cuda drivers", "absl::InitializeLog")
@@ -154,3 +156,12 @@ def test_a_partner_that_never_starts_and_scripts_that_are_not_tensorflow(tmp_pat
         assert run.returncode == 1, run.stderr
         reports = [line for line in run.stderr.splitlines() if line.startswith("paratrain:")]
         assert len(reports) == 1 and words in reports[0], run.stderr
+
+
+def test_doctor_sees_tensorflow_in_a_process_of_its_own():
+    from paratrain.tf.doctor import gather_tf
+
+    facts = gather_tf()
+    assert facts is not None and facts.devices is not None and "CPU:0" in facts.devices, facts
+    assert facts.keras.legacy and facts.tf_keras_version.startswith("2.21")
+    assert "tensorflow" not in sys.modules  # the doctor's process stays torch-only
