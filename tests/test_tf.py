@@ -211,3 +211,23 @@ def test_doctor_tensorflow_section(tmp_path, monkeypatch):
 
     assert gather_tf() is None and tf_checks(None) == []  # no TensorFlow: no section
     assert tf_checks(None, str(both))[0].status is Status.FAIL  # ... unless the script needs it
+
+
+def test_verify_names_the_cause_from_the_workers_records():
+    from paratrain.tf.verify import diagnose
+
+    ref = {"batch": 4, "seen": [[0, 1, 2, 3]]}
+    good = [{"initial": "a", "batch": 4, "seen": [[0, 1]]}, {"initial": "a", "batch": 4, "seen": [[2, 3]]}]
+    assert diagnose(ref, good) == []
+    seeds = [{**good[0], "initial": "a"}, {**good[1], "initial": "b"}]
+    assert "different initial weights" in diagnose(ref, seeds)[0]
+    same = [{**good[0], "seen": [[0, 1]]}, {**good[1], "seen": [[0, 1]]}]
+    assert "unsharded data: at step 1" in diagnose(ref, same)[0]
+    double = [{**good[0], "seen": [[0, 2]]}, {**good[1], "seen": [[4, 6]]}]
+    assert "double-sharded data" in diagnose(ref, double)[0]
+    halved = [{**good[0], "batch": 2}, {**good[1], "batch": 2}]
+    assert "batch not scaled" in diagnose(ref, halved)[0]
+    with pytest.raises(ConfigError, match="N >= 2"):
+        from paratrain.tf.verify import verify_tf
+
+        verify_tf(nproc=1)

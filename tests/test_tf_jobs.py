@@ -165,3 +165,10 @@ def test_doctor_sees_tensorflow_in_a_process_of_its_own():
     assert facts is not None and facts.devices is not None and "CPU:0" in facts.devices, facts
     assert facts.keras.legacy and facts.tf_keras_version.startswith("2.21")
     assert "tensorflow" not in sys.modules  # the doctor's process stays torch-only
+
+
+def test_verify_two_workers_equal_one(tmp_path):
+    run = _cli(["verify", "--tf", "-n", "2", "--steps", "4"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    diff = float(run.stdout.splitlines()[2].split()[1])
+    assert diff <= 1e-5 and "PASS" in run.stdout

@@ -50,8 +50,10 @@ from .worker import ERROR_FILE_VAR, RANK_VAR
 
 STOP_GRACE_S = 2.0
 """SIGINT, then SIGKILL this much later: a worker blocked in a collective only sees SIGINT when it returns."""
-_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] )")
-"""TensorFlow's C++ log lines (absl format) and absl's preamble."""
+_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] "
+                    r"|Additional GRPC error information from remote target|:UNKNOWN:Error received from peer)")
+"""TensorFlow's C++ log lines (absl format), absl's preamble, and the coordination service's heartbeat errors a
+worker logs when its partner has finished first."""
 _TAIL_LINES = 40
 
 
