@@ -172,3 +172,16 @@ def test_verify_two_workers_equal_one(tmp_path):
     assert run.returncode == 0, run.stderr
     diff = float(run.stdout.splitlines()[2].split()[1])
     assert diff <= 1e-5 and "PASS" in run.stdout
+
+
+def test_bench_reports_speedup_and_efficiency_as_json_and_png(tmp_path):
+    out = tmp_path / "bench.json"
+    run = _cli(["bench", "--tf", "--nproc", "1,2", "--steps", "3", "--rounds", "2", "--warmup", "2", "--json",
+                str(out)], tmp_path)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    rows = {r["world"]: r for r in data["rows"]}
+    assert rows[1]["speedup"] == 1.0 and rows[2]["replicas"] == 2 and rows[2]["global_batch"] == 128
+    assert rows[2]["samples_per_s"] > 0 and rows[2]["efficiency"] == pytest.approx(rows[2]["speedup"] / 2)
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert "mwms x2" in run.stdout and "speedup" in run.stdout
