@@ -156,6 +156,12 @@ def test_a_partner_that_never_starts_and_scripts_that_are_not_tensorflow(tmp_pat
         assert run.returncode == 1, run.stderr
         reports = [line for line in run.stderr.splitlines() if line.startswith("paratrain:")]
         assert len(reports) == 1 and words in reports[0], run.stderr
+    raising = tmp_path / "raising.py"
+    raising.write_text("def build():\n    raise ValueError('bad shape 3')\n\n\nbuild()\n")
+    run = _cli(["run", "--tf", "-n", "2", str(raising)], tmp_path, timeout=60)
+    assert run.returncode == 1 and "failed on" in run.stderr and "ValueError: bad shape 3" in run.stderr, run.stderr
+    assert 'raising.py", line 2, in build' in run.stderr and "paratrain/tf/worker.py" not in run.stderr
+    assert "stopped by the launcher (SIGINT, SIGKILL after 2 s)" in run.stderr or "ranks 0, 1" in run.stderr
 
 
 def test_doctor_sees_tensorflow_in_a_process_of_its_own():

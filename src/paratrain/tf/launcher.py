@@ -54,6 +54,8 @@ _NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IW
                     r"|Additional GRPC error information from remote target|:UNKNOWN:Error received from peer)")
 """TensorFlow's C++ log lines (absl format), absl's preamble, and the coordination service's heartbeat errors a
 worker logs when its partner has finished first."""
+_HARMLESS = re.compile(r"absl::InitializeLog|\] oneDNN custom operations|cudart_stub\.cc|cuInit")
+"""Start-up lines every worker logs on a CPU machine: left out of a failed worker's report too."""
 _TAIL_LINES = 40
 
 
@@ -208,7 +210,8 @@ def _pump(worker: _Worker, debug: bool) -> None:
     assert worker.process.stderr is not None
     for raw in worker.process.stderr:
         line = raw.decode(errors="replace")
-        worker.tail.append(line.rstrip("\n"))
+        if debug or not _HARMLESS.search(line):
+            worker.tail.append(line.rstrip("\n"))
         if worker.quiet.is_set() or (not debug and _NOISE.match(line)):
             continue
         sys.stderr.write(line)
@@ -249,8 +252,10 @@ def _failure(worker: _Worker, others: list[_Worker]) -> RankFailedError:
         trace = "\n".join(worker.tail)
     code = worker.process.returncode
     stopped = tuple(w.rank for w in others if w.process.returncode not in (0,))
-    return RankFailedError(rank=worker.rank, exitcode=code, host=socket.gethostname(), pid=worker.process.pid,
-                           traceback=trace, stopped=stopped)
+    error = RankFailedError(rank=worker.rank, exitcode=code, host=socket.gethostname(), pid=worker.process.pid,
+                            traceback=trace, stopped=stopped)
+    error.stopped_by = f"SIGINT, SIGKILL after {STOP_GRACE_S:g} s"  # type: ignore[attr-defined]
+    return error
 
 
 def _stop(workers: list[_Worker]) -> None:
