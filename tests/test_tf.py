@@ -231,3 +231,14 @@ def test_verify_names_the_cause_from_the_workers_records():
         from paratrain.tf.verify import verify_tf
 
         verify_tf(nproc=1)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "--tf", "--nproc", "1,x"], "--nproc must be world sizes"),
+    (["bench", "--tf", "--nproc", "1,2", "--steps", "0"], "steps must be >= 1"),
+    (["verify", "--tf", "-n", "1"], "N >= 2 workers"),
+    (["demo", "--tf", "--epochs", "0"], "--epochs must be >= 1"),
+])
+def test_bad_tf_command_input_is_one_line(argv, words):
+    rc, stderr = _cli(argv)
+    assert rc == 2 and len(stderr.strip().splitlines()) == 1 and words in stderr, stderr

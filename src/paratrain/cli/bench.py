@@ -51,7 +51,12 @@ def execute(args: argparse.Namespace) -> int:
     if args.tf:
         from ..tf.bench import bench_tf, format_tf_report
 
-        nprocs = tuple(int(n) for n in (args.nproc or "1,2").split(","))
+        try:
+            nprocs = tuple(int(n) for n in (args.nproc or "1,2").split(","))
+        except ValueError:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"--nproc must be world sizes like 1,2, got {args.nproc!r}") from None
         print(format_tf_report(bench_tf(nprocs=nprocs, batch=args.batch, steps=args.steps, warmup=args.warmup,
                                         rounds=args.rounds, json_path=args.json, plot_path=args.plot,
                                         plot=not args.no_plot)))

@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..env import cpu_count
-from ..errors import JobInterrupted, LaunchError, RankFailedError
+from ..errors import JobInterrupted, LaunchError, RankFailedError, _last_line, describe_exitcode
 from ..launch.multinode import DEFAULT_RDZV_TIMEOUT_S, max_nodes
 from ..launch.parent_death import LAUNCHER_PID_VAR
 from ..launch.ports import port_in_use
@@ -103,8 +103,9 @@ def run(argv: Sequence[str], *, debug: bool = False) -> bool:
         except RankFailedError as err:
             if attempt == job.max_restarts:
                 raise
-            note(f"rank {err.rank} failed ({str(err).split('(', 1)[1].split(')')[0]}); restarting all workers "
-                 f"(restart {attempt + 1} of {job.max_restarts})")
+            cause = _last_line(err.traceback)
+            note(f"rank {err.rank} failed ({describe_exitcode(err.exitcode)}{': ' + cause if cause else ''}); "
+                 f"restarting all workers (restart {attempt + 1} of {job.max_restarts})")
     return True
 
 
