@@ -107,6 +107,7 @@ SCRIPT = str(ROOT / "examples" / "tf" / "multi_worker_keras.py")
     (None, ["--no-python"], "--no-python cannot be combined"),
     (None, ["-n", "cpu"], "needs a number of workers"),
     (None, ["--node-rank", "3", "--nnodes", "2"], "--node-rank 3 is outside"),
+    (None, ["--rdzv-timeout", "0"], "--rdzv-timeout must be at least 1"),
 ])
 def test_bad_input_under_tf_is_one_line(tf_config, argv, words, monkeypatch):
     if tf_config is not None:

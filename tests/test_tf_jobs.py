@@ -49,9 +49,9 @@ def _left_running(marker: str) -> list[str]:
     return found
 
 
-def _cli(argv: list[str], marker: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+def _cli(argv: list[str], marker: Path, timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-m", "paratrain", *argv], capture_output=True, text=True,
-                         timeout=timeout, env=_env(), cwd=marker)
+                         timeout=timeout, env={**_env(), **env}, cwd=marker)
     time.sleep(0.2)
     assert not _left_running(str(marker)), _left_running(str(marker))
     return out
@@ -71,6 +71,12 @@ def test_the_guides_programs_run_unchanged(tmp_path):
     one = _cli(["run", "--tf", "-n", "1", str(EXAMPLES / "mirrored_keras.py"), "--epochs", "1"], tmp_path)
     assert one.returncode == 0, one.stderr
     assert "replicas in sync: 1" in one.stdout and "test accuracy" in one.stdout
+
+    # Why the extra has tf-keras: TensorFlow 2.21's own Keras 3 cannot run this program's model.fit.
+    keras3 = _cli(["run", "--tf", "-n", "2", str(EXAMPLES / "multi_worker_keras.py"), "--epochs", "1"], tmp_path,
+                  TF_USE_LEGACY_KERAS="0")
+    assert keras3.returncode == 1 and "warning: tf.keras is Keras 3" in keras3.stderr
+    assert "PerReplica" in keras3.stderr and "failed on" in keras3.stderr
 
 
 def test_demo_reaches_95_percent_and_a_killed_worker_restarts_bitwise(tmp_path):

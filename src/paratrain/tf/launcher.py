@@ -126,6 +126,8 @@ def plan(args: argparse.Namespace, *, debug: bool = False) -> TFJob:
     nnodes = max_nodes(args.nnodes)
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.rdzv_timeout is not None and args.rdzv_timeout < 1:
+        raise LaunchError(f"--rdzv-timeout must be at least 1 second, got {args.rdzv_timeout}")
     if args.max_restarts and nnodes > 1:
         raise LaunchError("--max-restarts with --tf restarts the workers of one node; on several nodes, restart "
                           "the job (every node) and let BackupAndRestore resume it")
