@@ -192,3 +192,46 @@ def test_bench_reports_speedup_and_efficiency_as_json_and_png(tmp_path):
     assert rows[2]["samples_per_s"] > 0 and rows[2]["efficiency"] == pytest.approx(rows[2]["speedup"] / 2)
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "mwms x2" in run.stdout and "speedup" in run.stdout
+
+
+def test_paratrain_tf_in_one_process(tmp_path):
+    """strategy(), global_batch, scaled_lr and auto_shard inside TensorFlow (a process of its own: no torch)."""
+    code = """
+import json, sys
+import paratrain.tf as ptf
+mirrored = ptf.strategy(logical_cpus=2)
+tf = ptf.import_tf()
+ds = ptf.auto_shard(tf.data.Dataset.range(8), "off")
+print(json.dumps({"strategy": type(mirrored).__name__, "replicas": mirrored.num_replicas_in_sync,
+                  "batch": ptf.global_batch(16, mirrored), "lr": ptf.scaled_lr(0.1, "sqrt", mirrored),
+                  "policy_off": ds.options().experimental_distribute.auto_shard_policy
+                  == tf.data.experimental.AutoShardPolicy.OFF,
+                  "keras": tf.keras.__name__, "torch": "torch" in sys.modules, "workers": ptf.num_workers()}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**_env(), "TF_CPP_MIN_LOG_LEVEL": "3"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert facts["strategy"] == "MirroredStrategy" and facts["replicas"] == 2 and facts["batch"] == 32
+    assert facts["lr"] == pytest.approx(0.1 * 2 ** 0.5) and facts["policy_off"] is True
+    assert "tf_keras" in facts["keras"] and facts["torch"] is False and facts["workers"] == 1
+
+
+def test_two_nodes_from_the_torch_flags(tmp_path):
+    """Two launchers on this host, as two nodes: --nnodes 2 --node-rank R --master-addr --master-port."""
+    from paratrain.launch.ports import free_port
+
+    port = str(free_port())
+    def node(rank: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "paratrain", "run", "--tf", "--nnodes", "2", "--node-rank",
+                                 str(rank), "--master-addr", "127.0.0.1", "--master-port", port, "-n", "1", "-m",
+                                 "paratrain.tf.demo_job", "--epochs", "1", "--out", str(tmp_path / f"n{rank}.json")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+
+    nodes = [node(1), node(0)]
+    outs = [p.communicate(timeout=150) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    result = json.loads((tmp_path / "n0.json").read_text())  # written by worker 0, on node 0
+    assert result["workers"] == 2 and result["replicas"] == 2 and result["strategy"] == "MultiWorkerMirroredStrategy"
+    assert not (tmp_path / "n1.json").exists()
+    assert not _left_running(str(tmp_path))
