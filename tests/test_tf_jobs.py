@@ -148,12 +148,13 @@ def test_a_partner_that_never_starts_and_scripts_that_are_not_tensorflow(tmp_pat
     assert not _left_running(str(tmp_path))
 
     plain = tmp_path / "plain.py"
-    plain.write_text("print('hello')\n")
+    plain.write_text("try:\n    import torch\nexcept ImportError:\n    print('no torch here')\n")  # optional: skipped
     torchy = tmp_path / "torchy.py"
     torchy.write_text("import torch\n")
     for script, words in [(plain, "plain.py ended without importing TensorFlow"),
                           (torchy, "this --tf worker imports torch")]:
         run = _cli(["run", "--tf", "-n", "2", str(script)], tmp_path, timeout=60)
+        assert ("no torch here" in run.stdout) == (script is plain), run.stdout  # an optional torch: skipped
         assert run.returncode == 1, run.stderr
         reports = [line for line in run.stderr.splitlines() if line.startswith("paratrain:")]
         assert len(reports) == 1 and words in reports[0], run.stderr

@@ -28,12 +28,17 @@ ERROR_FILE_VAR = "PARATRAIN_TF_ERROR_FILE"
 RANK_VAR = "PARATRAIN_TF_RANK"
 
 
+class TorchInTFWorker(LaunchError, ImportError):
+    """``import torch`` in a TensorFlow worker. Also an ``ImportError``: a library that imports torch only if it can
+    (``try: import torch except ImportError``) carries on without it."""
+
+
 class _NoTorch(importlib.abc.MetaPathFinder):
     """Refuses ``import torch`` in a TensorFlow worker, with the reason."""
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> None:
         if name == "torch" or name.startswith("torch."):
-            raise LaunchError("this --tf worker imports torch: TensorFlow and torch never share a process; run a "
+            raise TorchInTFWorker("this --tf worker imports torch: TensorFlow and torch never share a process; run a "
                               "PyTorch script with `paratrain run` without --tf, and keep TensorFlow scripts "
                               "free of torch")
         return None
