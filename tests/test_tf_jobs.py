@@ -175,9 +175,18 @@ def test_doctor_sees_tensorflow_in_a_process_of_its_own():
     assert "tensorflow" not in sys.modules  # the doctor's process stays torch-only
 
 
-def test_verify_two_workers_equal_one(tmp_path):
-    run = _cli(["verify", "--tf", "-n", "2", "--steps", "4"], tmp_path)
+def test_verify_two_workers_equal_one_on_a_users_model(tmp_path):
+    (tmp_path / "kmodel.py").write_text(
+        "import numpy as np\nimport tensorflow as tf\n\n\ndef build():\n"
+        "    rng = np.random.default_rng(1)\n"
+        "    x = rng.normal(size=(256, 12)).astype(np.float32)\n"
+        "    y = (x @ rng.normal(size=(12, 1))).astype(np.float32)\n"
+        "    model = tf.keras.Sequential([tf.keras.layers.Input(shape=(12,)),\n"
+        "                                 tf.keras.layers.Dense(16, activation='tanh'), tf.keras.layers.Dense(1)])\n"
+        "    return model, x, y, tf.keras.losses.MeanSquaredError()\n")
+    run = _cli(["verify", "--tf", "kmodel:build", "-n", "2", "--steps", "4"], tmp_path)
     assert run.returncode == 0, run.stderr
+    assert "paratrain verify --tf: kmodel:build" in run.stdout
     diff = float(run.stdout.splitlines()[2].split()[1])
     assert diff <= 1e-5 and "PASS" in run.stdout
 

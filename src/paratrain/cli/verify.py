@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("factory", nargs="?", help="module:function returning a paratrain.verify.VerifySpec")
     p.add_argument("--tf", action="store_true",
-                   help="TensorFlow: N Keras workers (MultiWorkerMirroredStrategy) vs one, on the digits CNN")
+                   help="TensorFlow: N Keras workers (MultiWorkerMirroredStrategy) vs one; the factory (optional, "
+                        "default the digits CNN) returns (model, x, y[, loss])")
     p.add_argument("--tf-mistake", choices=("none", "seed", "unsharded", "unscaled"), default="none",
                    help=argparse.SUPPRESS)  # makes a usual mistake on purpose: the diagnosis is tested with it
     p.add_argument("--strategy", "--strategies", dest="strategies", default="ddp",
@@ -48,7 +49,7 @@ def execute(args: argparse.Namespace) -> int:
         from ..tf.verify import DEFAULT_TOLERANCE, verify_tf
 
         result = verify_tf(nproc=args.nproc, steps=args.steps or 5, tolerance=args.tolerance or DEFAULT_TOLERANCE,
-                           mistake=args.tf_mistake)
+                           mistake=args.tf_mistake, factory=args.factory)
         print(result.report())
         return 0 if result.passed else 1
     if args.factory is None:

@@ -1,6 +1,7 @@
 """``paratrain verify --tf``: N TensorFlow workers equal one worker on the same global batch, or the reason why not.
 
-The digits CNN trains K steps of ``model.fit`` (SGD) under ``paratrain run --tf`` twice: one worker (the reference)
+The digits CNN, or the user's ``module:function`` (returning ``(model, x, y[, loss])``), trains K steps of
+``model.fit`` (SGD) under ``paratrain run --tf`` twice: one worker (the reference)
 and N workers (``MultiWorkerMirroredStrategy``), same seed, same global batch. Their weights must agree within the
 tolerance (1e-5: two workers differ from one by the order of the sums, about 3e-8 here). When they do not, the
 workers' own records name the usual causes: different initial weights (a seed per worker, or none), data
@@ -30,6 +31,7 @@ class TFVerifyResult:
     max_abs_diff: float
     tolerance: float
     causes: list[str] = field(default_factory=list)
+    model: str = "digits CNN"
 
     @property
     def passed(self) -> bool:
@@ -37,7 +39,7 @@ class TFVerifyResult:
 
     def report(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
-        lines = [f"paratrain verify --tf: digits CNN, model.fit with SGD, {self.steps} steps, 1 worker vs "
+        lines = [f"paratrain verify --tf: {self.model}, model.fit with SGD, {self.steps} steps, 1 worker vs "
                  f"{self.workers} workers on the same global batch",
                  f"{'workers':>7}  {'max |Δ weight|':>14}  {'tolerance':>9}  verdict",
                  f"{self.workers:>7}  {self.max_abs_diff:>14.3g}  {self.tolerance:>9.0e}  {verdict}"]
@@ -49,7 +51,7 @@ class TFVerifyResult:
 
 
 def verify_tf(*, nproc: int = 2, steps: int = 5, batch_size: int = 32, tolerance: float = DEFAULT_TOLERANCE,
-              mistake: str = "none") -> TFVerifyResult:
+              mistake: str = "none", factory: str | None = None) -> TFVerifyResult:
     """Run the reference and the N-worker job, compare them, diagnose a difference."""
     from .launcher import run
 
@@ -58,13 +60,15 @@ def verify_tf(*, nproc: int = 2, steps: int = 5, batch_size: int = 32, tolerance
     if steps < 1 or batch_size < nproc or batch_size % nproc:
         raise ConfigError(f"--steps must be >= 1 and the global batch ({batch_size}) a multiple of -n {nproc}")
     with tempfile.TemporaryDirectory(prefix="paratrain-tf-verify-") as tmp:
-        job = ["-m", "paratrain.tf.verify_job", "--steps", str(steps), "--batch-size", str(batch_size)]
+        job = ["-m", "paratrain.tf.verify_job", "--steps", str(steps), "--batch-size", str(batch_size),
+               *(["--factory", factory] if factory else [])]
         run(["--tf", "-n", "1", *job, "--out", os.path.join(tmp, "ref")])
         run(["--tf", "-n", str(nproc), *job, "--mistake", mistake, "--out", os.path.join(tmp, "par")])
         ref, ref_weights = _load(os.path.join(tmp, "ref"), 0)
         pars = [_load(os.path.join(tmp, "par"), r) for r in range(nproc)]
     diff = max(float(np.max(np.abs(pars[0][1][k] - ref_weights[k]))) for k in ref_weights)
-    result = TFVerifyResult(workers=nproc, steps=steps, max_abs_diff=diff, tolerance=tolerance)
+    result = TFVerifyResult(workers=nproc, steps=steps, max_abs_diff=diff, tolerance=tolerance,
+                            model=factory or "digits CNN")
     if not result.passed:
         result.causes = diagnose(ref, [p[0] for p in pars])
     return result

@@ -1,5 +1,6 @@
-"""The worker side of ``paratrain verify --tf``: K steps of ``model.fit`` on the digits CNN at a fixed global batch,
-then every worker writes what the comparison and its diagnosis need.
+"""The worker side of ``paratrain verify --tf``: K steps of ``model.fit`` (SGD) at a fixed global batch, on the digits
+CNN or on the user's ``module:function`` (it returns ``(model, x, y[, loss])`` and is called inside the strategy's
+scope, after the seed), then every worker writes what the comparison and its diagnosis need.
 
 Each worker records its initial weights' digest (different seeds show there), the sample indices it was handed
 for each step (a second, identical pipeline run through ``strategy.experimental_distribute_dataset``: unsharded or
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="global batch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mistake", choices=MISTAKES, default="none")
+    p.add_argument("--factory", help="module:function returning (model, x, y[, loss]); default: the digits CNN")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
     p.add_argument("--out", required=True, help="prefix of this worker's result file")
     args = p.parse_args(argv)
 
@@ -35,7 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     config = runtime.tf_config()
     rank, workers = (config.rank, config.num_workers) if config else (0, 1)
     tf.keras.utils.set_random_seed(args.seed + (rank if args.mistake == "seed" else 0))
-    x, y, _, _ = digits_arrays(0)
+    with strategy.scope():  # the user's model is built where the strategy places its variables
+        model, x, y, loss = _build(args.factory, tf)
+        model.compile(optimizer=tf.keras.optimizers.SGD(args.lr), loss=loss)
     batch = args.batch_size // workers if args.mistake == "unscaled" else args.batch_size
     policy = "OFF" if args.mistake == "unsharded" else "DATA"
 
@@ -47,16 +52,30 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.steps):
         local = strategy.experimental_local_results(next(it))
         seen.append(sorted(int(i) for part in local for i in np.asarray(part[0]).ravel()))
-    with strategy.scope():
-        model = digits_model(tf)
-        model.compile(optimizer=tf.keras.optimizers.SGD(0.1),
-                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     initial = weights_digest(model)
     model.fit(pipeline(x, y), epochs=1, steps_per_epoch=args.steps, verbose=0)
     np.savez(f"{args.out}.worker{rank}.npz", *model.get_weights())
     with open(f"{args.out}.worker{rank}.json", "w") as f:
         json.dump({"rank": rank, "workers": workers, "initial": initial, "seen": seen, "batch": batch,
                    "replicas": strategy.num_replicas_in_sync}, f)
+
+
+def _build(factory: str | None, tf):  # type: ignore[no-untyped-def]
+    """``(model, x, y, loss)`` from the user's ``module:function``, or the digits CNN."""
+    import importlib
+
+    from ..errors import ConfigError
+
+    default_loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if not factory:
+        x, y, _, _ = digits_arrays(0)
+        return digits_model(tf), x, y, default_loss
+    module, _, name = factory.partition(":")
+    built = getattr(importlib.import_module(module), name or "build")()
+    if not isinstance(built, tuple) or len(built) not in (3, 4):
+        raise ConfigError(f"{factory} must return (model, x, y) or (model, x, y, loss), got {type(built).__name__}")
+    model, x, y, *loss = built
+    return model, np.asarray(x), np.asarray(y), loss[0] if loss else default_loss
 
 
 if __name__ == "__main__":
