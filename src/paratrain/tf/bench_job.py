@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         model.compile(optimizer=tf.keras.optimizers.SGD(0.01),
                       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(data, epochs=1, steps_per_epoch=args.warmup, verbose=0)
-    timer = _Timer(tf)()
+    timer = _timer_class(tf)()
     model.fit(data, epochs=args.rounds, steps_per_epoch=args.steps, verbose=0, callbacks=[timer])
     if runtime.is_chief():
         with open(args.out, "w") as f:
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
                        "global_batch": args.batch, "rounds": timer.rounds}, f)
 
 
-def _Timer(tf):  # type: ignore[no-untyped-def]
+def _timer_class(tf):  # type: ignore[no-untyped-def]
+    """The timing callback's class (it needs TensorFlow, imported late)."""
     class Timer(tf.keras.callbacks.Callback):
         """Per round (epoch): its wall time over its steps."""
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     backup = runtime.backup_dir()
     if backup:
         callbacks.append(tf.keras.callbacks.BackupAndRestore(backup_dir=backup))
-    report = _Report(tf, args, steps, chief)
+    report = _report_callback(tf, args, steps, chief)
     callbacks.append(report)
     if chief:
         print(f"paratrain demo --tf: digits CNN, {len(x_train)} train / {len(x_test)} test samples, {workers} "
@@ -127,39 +127,39 @@ def main(argv: list[str] | None = None) -> None:
                            "restart": runtime.restart_count()}, f)
 
 
-class _Report:
-    """Keras callback: a progress bar and one line per epoch on the chief; the fault injection."""
+def _report_callback(tf, args, steps, chief):  # type: ignore[no-untyped-def]
+    """A Keras callback (its class needs TensorFlow, imported late): a progress bar and one line per epoch on the
+    chief, every step's time, and the fault injection."""
 
-    def __new__(cls, tf, args, steps, chief):  # type: ignore[no-untyped-def]
-        class Report(tf.keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):  # type: ignore[no-untyped-def]
-                self.t0 = time.perf_counter()
-                self.bar = Progress(steps, f"epoch {epoch + 1}/{args.epochs}", enabled=chief).__enter__()
+    class Report(tf.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):  # type: ignore[no-untyped-def]
+            self.t0 = time.perf_counter()
+            self.bar = Progress(steps, f"epoch {epoch + 1}/{args.epochs}", enabled=chief).__enter__()
 
-            def on_train_batch_begin(self, batch, logs=None):  # type: ignore[no-untyped-def]
-                self.t_step = time.perf_counter()
+        def on_train_batch_begin(self, batch, logs=None):  # type: ignore[no-untyped-def]
+            self.t_step = time.perf_counter()
 
-            def on_train_batch_end(self, batch, logs=None):  # type: ignore[no-untyped-def]
-                self.step_ms.append(1000 * (time.perf_counter() - self.t_step))
-                self.bar.update(loss=float((logs or {}).get("loss", 0.0)))
+        def on_train_batch_end(self, batch, logs=None):  # type: ignore[no-untyped-def]
+            self.step_ms.append(1000 * (time.perf_counter() - self.t_step))
+            self.bar.update(loss=float((logs or {}).get("loss", 0.0)))
 
-            def on_epoch_end(self, epoch, logs=None):  # type: ignore[no-untyped-def]
-                self.bar.__exit__()
-                logs = logs or {}
-                if chief:
-                    print(f"epoch {epoch + 1:2d}/{args.epochs}  train loss {logs.get('loss', 0):.4f}  test loss "
-                          f"{logs.get('val_loss', 0):.4f}  test acc {logs.get('val_accuracy', 0):6.2%}  "
-                          f"({time.perf_counter() - self.t0:.2f} s)", flush=True)
-                config = runtime.tf_config()
-                rank = config.rank if config else 0
-                if args.fail_at_epoch == epoch + 1 and rank == args.fail_rank and runtime.restart_count() == 0:
-                    print(f"paratrain demo --tf: fault injection: SIGKILL worker {rank} after epoch {epoch + 1}",
-                          file=sys.stderr, flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
+        def on_epoch_end(self, epoch, logs=None):  # type: ignore[no-untyped-def]
+            self.bar.__exit__()
+            logs = logs or {}
+            if chief:
+                print(f"epoch {epoch + 1:2d}/{args.epochs}  train loss {logs.get('loss', 0):.4f}  test loss "
+                      f"{logs.get('val_loss', 0):.4f}  test acc {logs.get('val_accuracy', 0):6.2%}  "
+                      f"({time.perf_counter() - self.t0:.2f} s)", flush=True)
+            config = runtime.tf_config()
+            rank = config.rank if config else 0
+            if args.fail_at_epoch == epoch + 1 and rank == args.fail_rank and runtime.restart_count() == 0:
+                print(f"paratrain demo --tf: fault injection: SIGKILL worker {rank} after epoch {epoch + 1}",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
 
-        report = Report()
-        report.step_ms = []
-        return report
+    report = Report()
+    report.step_ms = []
+    return report
 
 
 def _strategy_name(strategy) -> str:  # type: ignore[no-untyped-def]
