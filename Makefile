@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.paratrain-installed
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints-dev.txt -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints-dev.txt -e '.[dev,tf]'
 	touch $(STAMP)
 
 install: $(STAMP)

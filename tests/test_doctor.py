@@ -27,6 +27,12 @@ FILES = {LIST_GPUS: "L.txt", TOPOLOGY: "topo-m.txt", QUERY: "query.csv"}
 OK, WARN, FAIL = Status.OK, Status.WARN, Status.FAIL
 
 
+@pytest.fixture(autouse=True)
+def no_tensorflow_section(monkeypatch):
+    """The machines here are recorded ones: the live TensorFlow probe (tests/test_tf*.py) stays out of them."""
+    monkeypatch.setattr("paratrain.tf.doctor.gather_tf", lambda *args, **kwargs: None)
+
+
 class Replay:
     """A CommandRunner that answers each nvidia-smi command with a recorded output and remembers the calls."""
 

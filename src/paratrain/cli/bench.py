@@ -43,9 +43,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csv", type=Path, metavar="PATH", help="write one line per configuration as CSV")
     p.add_argument("--plot", type=Path, metavar="PATH", help="write the PNG plot here (default: beside --json)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    p.add_argument("--tf", action="store_true",
+                   help="TensorFlow: a Keras job per world size (MultiWorkerMirroredStrategy), weak scaling")
 
 
 def execute(args: argparse.Namespace) -> int:
+    if args.tf:
+        from ..tf.bench import bench_tf, format_tf_report
+
+        try:
+            nprocs = tuple(int(n) for n in (args.nproc or "1,2").split(","))
+        except ValueError:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"--nproc must be world sizes like 1,2, got {args.nproc!r}") from None
+        print(format_tf_report(bench_tf(nprocs=nprocs, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                                        rounds=args.rounds, json_path=args.json, plot_path=args.plot,
+                                        plot=not args.no_plot)))
+        return 0
     from ..bench import run_bench_cli
 
     return run_bench_cli(workload=args.workload, nproc=args.nproc, strategies=args.strategies, tp=args.tp,

@@ -27,9 +27,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fault injection: SIGKILL --fail-rank after this optimizer step, on the first attempt only")
     p.add_argument("--fail-rank", type=int, default=0, help="the rank --fail-at-step kills (default 0)")
     p.add_argument("--monitor-csv", metavar="PATH", help="log the training monitor's per-rank figures to this CSV")
+    p.add_argument("--tf", action="store_true",
+                   help="the TensorFlow demo: a Keras CNN under MultiWorkerMirroredStrategy (needs paratrain[tf]; "
+                        "--fail-at-step then counts epochs)")
 
 
 def execute(args: argparse.Namespace) -> int:
+    if args.tf:
+        from ..tf.demo import run_demo
+
+        run_demo(args)
+        return 0
     from ..demo import check_args
     from ..launch.torchrun import default_nproc, run
 

@@ -13,5 +13,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def execute(args: argparse.Namespace) -> int:
     from ..launch.torchrun import run
 
+    if "--tf" in args.argv:  # unless it is the script's own flag: then a torch job after all
+        from ..tf.launcher import run as run_tf
+
+        if run_tf(args.argv, debug=args.debug):
+            return 0
     run(args.argv, quiet_agent=not args.debug)
     return 0

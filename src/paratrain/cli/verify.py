@@ -23,7 +23,12 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check that a parallel run equals one process on the global batch",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("factory", help="module:function returning a paratrain.verify.VerifySpec")
+    p.add_argument("factory", nargs="?", help="module:function returning a paratrain.verify.VerifySpec")
+    p.add_argument("--tf", action="store_true",
+                   help="TensorFlow: N Keras workers (MultiWorkerMirroredStrategy) vs one; the factory (optional, "
+                        "default the digits CNN) returns (model, x, y[, loss])")
+    p.add_argument("--tf-mistake", choices=("none", "seed", "unsharded", "unscaled"), default="none",
+                   help=argparse.SUPPRESS)  # makes a usual mistake on purpose: the diagnosis is tested with it
     p.add_argument("--strategy", "--strategies", dest="strategies", default="ddp",
                    help="strategy, or several comma-separated (default: ddp)")
     p.add_argument("-n", "--nproc", type=int, default=2, help="processes (default: 2)")
@@ -40,6 +45,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
+    if args.tf:
+        from ..tf.verify import DEFAULT_TOLERANCE, verify_tf
+
+        result = verify_tf(nproc=args.nproc, steps=args.steps or 5, tolerance=args.tolerance or DEFAULT_TOLERANCE,
+                           mistake=args.tf_mistake, factory=args.factory)
+        print(result.report())
+        return 0 if result.passed else 1
+    if args.factory is None:
+        from ..errors import ConfigError
+
+        raise ConfigError("verify needs module:function (or --tf) (see `paratrain verify --help`)")
     from ..verify.command import verify_command
 
     return verify_command(factory=args.factory, strategies=args.strategies, nprocs=args.nproc, steps=args.steps,

@@ -41,6 +41,10 @@ class DoctorOptions:
     """How long to wait for the master to answer."""
     bandwidth_timeout_s: float = 60.0
     """Hard limit on the live test, so a hung collective cannot hang the doctor."""
+    tensorflow: bool = True
+    """The TensorFlow section when TensorFlow is installed (:mod:`paratrain.tf.doctor`; imports it in a child)."""
+    script: str | None = None
+    """A training script to check for torch and TensorFlow imported together."""
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_bytes <= 1 << 30:
@@ -106,6 +110,10 @@ def run_doctor(options: DoctorOptions | None = None, *, runner: CommandRunner = 
     if options.master_addr is not None:
         master_host, port = parse_master_addr(options.master_addr)
         checks.append(check_master(probe_master(master_host, port, options.connect_timeout_s)))
+    if options.tensorflow or options.script:
+        from ..tf.doctor import gather_tf, tf_checks
+
+        checks += tf_checks(gather_tf() if options.tensorflow else None, options.script)
     bandwidth, expected = None, None
     if not options.skip_bandwidth:
         use_gpus = torch_facts.device_count >= 2 and torch_facts.nccl_available

@@ -69,8 +69,8 @@ def _is_secondary(message: object) -> bool:
 def user_frames(trace: str) -> str:
     """The traceback without the launcher's own frames (runpy, the worker bootstrap, ``@record``)."""
     lines = trace.rstrip().splitlines()
-    own = ("<frozen runpy>", "paratrain/launch/worker.py", "elastic/multiprocessing/errors/__init__.py",
-           "multiprocessing/spawn.py")
+    own = ("<frozen runpy>", "paratrain/launch/worker.py", "paratrain/tf/worker.py",
+           "elastic/multiprocessing/errors/__init__.py", "multiprocessing/spawn.py")
     kept: list[str] = []
     skip_body = False
     for line in lines:
@@ -100,7 +100,8 @@ def format_failure(err: RankFailedError) -> str:
     lines = [f"paratrain: {err}", f"  rank {err.rank}  host {err.host}  pid {err.pid}"]
     stopped = getattr(err, "stopped", ())
     if stopped:
-        lines.append(f"  {_which(stopped)} stopped by the launcher (SIGTERM) after this failure")
+        how = getattr(err, "stopped_by", "SIGTERM")  # paratrain run --tf stops TensorFlow workers otherwise
+        lines.append(f"  {_which(stopped)} stopped by the launcher ({how}) after this failure")
     if _is_secondary(last):
         lines.append("  this rank lost a peer that failed first: on a multi-node job, the root cause is in the "
                      "report of the node that failed first")

@@ -87,6 +87,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="paratrain: checkpoint every N optimizer steps")
     parser.add_argument("--resume", action="store_true",
                         help="paratrain: start from the latest checkpoint in --checkpoint-dir (restarts always do)")
+    parser.add_argument("--tf", action="store_true",
+                        help="paratrain: a TensorFlow (Keras tf.distribute) script: each worker gets a TF_CONFIG "
+                             "(docs/tensorflow.md)")
 
     def error(message: str) -> None:
         raise LaunchError(f"paratrain run: {message} (see `paratrain run --help`)")
