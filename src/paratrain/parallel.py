@@ -452,6 +452,7 @@ class Parallel:
         self._flush_checkpoint()
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
+        self.strategy.close()
         if self._owns_group and dist.is_initialized():
             finish_group()
         self._owns_group = False

@@ -6,6 +6,7 @@ from .base import Runtime, Strategy
 from .composed import Composed, preset
 from .dp import DataParallelStrategy
 from .model_parallel import ModelParallelStrategy
+from .param_server import ParameterServer
 from .pipeline import HybridPipeline, PipelinedModel, PurePipeline
 from .presets import PRESETS, Preset
 from .registry import available, check_name, check_world, create, register, resolve
@@ -23,4 +24,5 @@ __all__ = [
     "create", "register", "resolve", "SingleDevice", "DataParallelStrategy", "DDPConfig", "DDPStrategy",
     "Zero1Strategy", "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "PipelineConfig",
     "PipelinedModel", "PurePipeline", "HybridPipeline", "ModelParallelConfig", "ModelParallelStrategy", "TPStrategy",
+    "ParameterServer",
 ]

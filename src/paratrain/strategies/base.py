@@ -122,6 +122,13 @@ class Strategy(ABC):
             return self.tp.forward_backward(model, x, target, loss_fn, scale)
         return None
 
+    def monitor_group(self, rt: Runtime) -> dist.ProcessGroup | None:
+        """The ranks whose monitors compare notes (None: every rank); a parameter server's servers train nothing."""
+        return None
+
+    def close(self) -> None:
+        """The job's training is over on this rank (``Parallel.close``); the default has nothing to end."""
+
     def grad_norm_group(self, model: nn.Module) -> dist.ProcessGroup | None:
         """Group over which local gradient norms add up to the global one (pipeline stages); None: no such group."""
         return None

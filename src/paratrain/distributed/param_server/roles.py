@@ -1,0 +1,47 @@
+"""The two roles a rank of a ``ps`` job plays: a server serves from ``prepare`` until training ends and then ends
+its process (the job's result is the workers'); a worker trains with its tables and optimizer swapped for
+stand-ins that talk to the servers."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .client import Client
+from .config import PSConfig
+from .layout import Layout
+from .server import Server, ServerStats
+from .shards import ServerShards
+from .tables import RemoteTable, replace_tables
+from .worker import PushingOptimizer
+
+
+def serve(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, rank: int,
+          config: PSConfig) -> ServerStats:
+    """Hold this server's shards and serve until every worker is done."""
+    shards = ServerShards(model, optimizer, layout, layout.servers.index(rank), config.table_optimizer)
+    del model, optimizer  # what this server does not own goes now (the caller drops its references too)
+    return Server(shards, layout, rank, config.staleness, config.max_rows).serve()
+
+
+class WorkerSide:
+    """A worker's connection to the servers and the stand-ins it put into the model."""
+
+    def __init__(self, model: nn.Module, layout: Layout, rank: int, config: PSConfig) -> None:
+        self.layout, self.config = layout, config
+        skip = {f"{t.name}.weight" for t in layout.tables}
+        dense = {n: p for n, p in model.named_parameters() if n not in skip}
+        self.client = Client(layout, rank, dense, config.max_rows)
+        self.tables: list[RemoteTable] = replace_tables(model, layout.tables, self.client)
+        self.client.pull_dense()
+
+    def optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> PushingOptimizer:
+        return PushingOptimizer(optimizer, {id(p) for p in model.parameters()}, self.client, self.tables)
+
+    def full_state(self, model: nn.Module, chunk: int = 1 << 16) -> dict[str, torch.Tensor]:
+        """The model's whole state: the dense part held here, each table's rows pulled from the servers."""
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for remote in self.tables:
+            t = remote.table
+            parts = [torch.arange(i, min(i + chunk, t.rows)) for i in range(0, t.rows, chunk)]
+            state[f"{t.name}.weight"] = torch.cat([self.client.pull_rows(t.index, ids) for ids in parts])
+        return dict(sorted(state.items()))

@@ -1,0 +1,95 @@
+"""``ps``: parameter-server training. The last ``servers`` ranks hold the parameters and their optimizer; the other
+ranks train, pulling parameters and pushing gradients (:mod:`paratrain.distributed.param_server`).
+
+``Parallel("ps", servers=1, staleness=0)``: synchronous by default (every step equals one process on the global
+batch); ``staleness=tau`` applies each push as it arrives and lets a worker run at most tau steps ahead of the
+slowest. A server rank serves from inside ``prepare`` (model, then optimizer) and ends its process when every worker
+has closed; the code after ``prepare`` runs on the workers only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dims import ParallelDims
+from ..distributed.param_server.config import PSConfig
+from ..distributed.param_server.layout import plan_layout
+from ..distributed.param_server.roles import WorkerSide, serve
+from ..distributed.process_group import finish_group
+from ..env import ClusterEnv
+from ..errors import ConfigError
+from .base import Runtime, Strategy
+from .registry import register
+
+
+@register("ps")
+class ParameterServer(Strategy):
+    name = "ps"
+
+    def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise ConfigError(f"strategy 'ps' got options {sorted(options)} beside a PSConfig; set them on it")
+        self.config = config if config is not None else PSConfig(**options)
+        self.worker: WorkerSide | None = None
+        self._model: nn.Module | None = None
+        self._group: dist.ProcessGroup | None = None
+
+    def validate(self, env: ClusterEnv) -> None:
+        self.config.check_world(env.world_size)
+
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        return ParallelDims(dp_replicate=env.world_size)
+
+    def is_server(self, env: ClusterEnv) -> bool:
+        return env.rank >= env.world_size - self.config.servers
+
+    def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
+        if self.worker is not None or self._model is not None:
+            raise ConfigError("strategy 'ps' prepares one model per Parallel object")
+        layout = plan_layout(model, rt.env.world_size, self.config)
+        if self.is_server(rt.env):
+            self._layout, self._model = layout, model  # served once the optimizer is known
+            return model
+        self.worker = WorkerSide(model, layout, rt.env.rank, self.config)
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
+        if self.worker is not None:
+            self.worker.optimizer(optimizer, model)  # the same refusals as the servers', on every rank
+            return self.worker.optimizer(optimizer, model)
+        assert self._model is not None
+        model, self._model = self._model, None
+        serve(model, optimizer, self._layout, rt.env.rank, self.config)
+        finish_group()  # meets the workers' Parallel.close, which waits for every rank before the group goes
+        raise SystemExit(0)  # training is over: the workers' results are the job's
+
+    def data_parallel(self, rt: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
+        workers = rt.env.world_size - self.config.servers
+        if self.is_server(rt.env):
+            return 0, 1, None  # a server reads no data
+        return rt.env.rank, workers, self.monitor_group(rt)
+
+    def monitor_group(self, rt: Runtime) -> dist.ProcessGroup | None:
+        """The workers' own group (made by the workers alone: the servers are serving); None on a server."""
+        if self.is_server(rt.env) or not dist.is_initialized():
+            return None
+        if self._group is None:
+            workers = list(range(rt.env.world_size - self.config.servers))
+            self._group = dist.new_group(workers, use_local_synchronization=True)
+        return self._group
+
+    def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
+        if self.worker is None:
+            return {}
+        return self.worker.full_state(model) if not rank0_only or self.worker.client.rank == 0 else {}
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.client.finish()
+
+    def describe(self) -> str:
+        c = self.config
+        return f"ps(servers={c.servers}, {'sync' if c.synchronous else f'staleness={c.staleness}'})"

@@ -1,0 +1,118 @@
+"""The parameter-server jobs of tests/test_param_server.py.
+
+A server rank serves from inside ``prepare`` and ends its process when the workers close, so each case is one
+launch of :func:`run_zoo` or :func:`run_sparse`. Rank 0 (a worker) returns the final full state dict, the servers'
+tables included; every rank writes its peak memory to ``folder/<rank>.json`` (a server from its way out).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import paratrain
+from zoo import ZOO
+
+STEPS, PER_RANK = 3, 4
+ROWS, BAG_ROWS, DIM = 300, 200, 8
+
+
+def step_batch(spec, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return spec.inputs(global_batch, torch.Generator().manual_seed(100 + step))
+
+
+def _memory_mb(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (the peak since the last reset) of this process, in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _reset_peak() -> float:
+    """Start measuring the peak from here (Linux: ``5`` into clear_refs resets VmHWM); returns the RSS now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _memory_mb("VmRSS")
+
+
+def run_zoo(model_name: str, options: dict) -> dict | None:
+    spec = ZOO[model_name]
+    par = paratrain.Parallel("ps", monitor=False, **options)
+    model = spec.build()
+    model, opt = par.prepare(model, spec.optimizer(model))  # a server serves here and never returns
+    size, rank = par.data_parallel_size, par.data_parallel_rank
+    for s in range(STEPS):
+        x, y = step_batch(spec, s, size * PER_RANK)
+        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        with par.step(model, opt):
+            par.forward_backward(model, x, y, spec.loss)
+    state = par.full_state_dict(model)
+    par.close()
+    return {"state": state, "workers": size}
+
+
+class Recommender(nn.Module):
+    """DLRM-like: a bag of ids (summed rows of a big table), one more id from a second table, and an MLP."""
+
+    def __init__(self, rows: int = ROWS, bag_rows: int = BAG_ROWS, dim: int = DIM, device: str | None = None,
+                 sparse: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bag = nn.EmbeddingBag(bag_rows, dim, mode="sum", sparse=sparse, device=device)
+        self.emb = nn.Embedding(rows, dim, sparse=sparse, device=device)
+        self.mlp = nn.Sequential(nn.Linear(2 * dim, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        bag_ids, ids = x
+        return self.mlp(torch.cat([self.bag(bag_ids), self.emb(ids)], dim=1))
+
+
+def recommender_batch(step: int, n: int, rows: int = ROWS, bag_rows: int = BAG_ROWS):
+    g = torch.Generator().manual_seed(200 + step)
+    return (torch.randint(0, bag_rows, (n, 3), generator=g), torch.randint(0, rows, (n,), generator=g)), \
+        torch.randint(0, 2, (n,), generator=g)
+
+
+def recommender_optimizer(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    """``kind`` over the model; with ``adam`` in one process the tables get SparseAdam (``sparse`` embeddings)."""
+    if kind == "sgd":
+        return [torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)]
+    if kind == "adagrad":
+        return [torch.optim.Adagrad(model.parameters(), lr=0.3)]
+    dense = [p for n, p in model.named_parameters() if n.startswith("mlp")]
+    return [torch.optim.Adam(dense, lr=0.05)] + ([torch.optim.SparseAdam(
+        [model.bag.weight, model.emb.weight], lr=0.05)] if model.bag.sparse else [])
+
+
+def run_sparse(kind: str, options: dict, folder: str, rows: int = ROWS, dim: int = DIM, meta: bool = False,
+               steps: int = STEPS) -> dict | None:
+    rank = int(os.environ["RANK"])
+    par = paratrain.Parallel("ps", monitor=False, **options)
+    model = Recommender(rows=rows, dim=dim, device="meta" if meta else None)
+    if meta:
+        model.mlp.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for m in model.mlp:
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+    start = _reset_peak()  # the process group and the model's dense part are here: what follows is the table's
+    try:
+        model, opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=0.05) if kind == "adam"
+                                 else recommender_optimizer(model, kind)[0])
+    finally:  # a server leaves prepare only to end its process
+        with open(os.path.join(folder, f"{rank}.json"), "w") as f:
+            json.dump({"start_mb": start, "peak_mb": _memory_mb("VmHWM")}, f)
+    size, dp_rank = par.data_parallel_size, par.data_parallel_rank
+    for s in range(steps):
+        x, y = recommender_batch(s, size * PER_RANK, rows=rows)
+        sl = slice(dp_rank * PER_RANK, (dp_rank + 1) * PER_RANK)
+        with par.step(model, opt):
+            loss = F.cross_entropy(model((x[0][sl], x[1][sl])), y[sl])
+            par.backward(loss)
+    state = par.full_state_dict(model) if not meta else {}
+    par.close()
+    with open(os.path.join(folder, f"{rank}.json"), "w") as f:
+        json.dump({"start_mb": start, "peak_mb": _memory_mb("VmHWM")}, f)
+    return {"state": state}

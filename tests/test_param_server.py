@@ -1,0 +1,131 @@
+"""The ``ps`` strategy: parameter servers on torch.distributed point-to-point.
+
+Synchronous mode equals one plain process on the same global batch, on zoo models (dense parameters on the servers)
+and on a recommender whose tables live row-sharded on the servers; a table built on the meta device trains
+without any process holding it whole (peak memory measured per rank); bad options are one line before anything
+starts.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import paratrain
+from paratrain.errors import ConfigError
+from paratrain.testing import max_abs_diff, spawn
+from ps_workers import (PER_RANK, STEPS, Recommender, recommender_batch, recommender_optimizer, run_sparse, run_zoo,
+                        step_batch)
+from zoo import ZOO
+
+TOL = 2e-5
+
+
+def zoo_reference(model_name: str, replicas: int) -> dict[str, torch.Tensor]:
+    spec = ZOO[model_name]
+    model = spec.build()
+    opt = spec.optimizer(model)
+    for s in range(STEPS):
+        x, y = step_batch(spec, s, replicas * PER_RANK)
+        for r in range(replicas):
+            sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
+            (spec.loss(model(x[sl]), y[sl]) / replicas).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def sparse_reference(kind: str, replicas: int) -> dict[str, torch.Tensor]:
+    model = Recommender(sparse=True)
+    opts = recommender_optimizer(model, kind)
+    for s in range(STEPS):
+        x, y = recommender_batch(s, replicas * PER_RANK)
+        for r in range(replicas):
+            sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
+            (F.cross_entropy(model((x[0][sl], x[1][sl])), y[sl]) / replicas).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("model_name,world,servers", [("gpt2", 4, 2), ("nanogpt", 3, 1)])
+def test_sync_equals_one_process_on_zoo_models(model_name, world, servers):
+    results = spawn(run_zoo, world, (model_name, {"servers": servers}), timeout_s=180)
+    assert results[world - servers:] == [None] * servers  # the servers ended their processes cleanly
+    got = results[0]
+    assert got["workers"] == world - servers
+    assert max_abs_diff(got["state"], zoo_reference(model_name, world - servers)) <= TOL
+
+
+@pytest.mark.parametrize("kind,world,servers", [("sgd", 4, 2), ("adagrad", 3, 1), ("adam", 5, 3)])
+def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers):
+    options = {"servers": servers, "tables": ["bag", "emb"]}
+    if kind == "adam":
+        options["table_optimizer"] = "adam"
+    got = spawn(run_sparse, world, (kind, options, str(tmp_path)), timeout_s=180)[0]
+    expected = sparse_reference(kind, world - servers)
+    assert max_abs_diff(got["state"], expected) <= TOL
+    assert got["state"]["emb.weight"].shape == expected["emb.weight"].shape
+
+
+def test_a_table_larger_than_any_process_holds_trains(tmp_path):
+    """A 1.2M x 64 fp32 table (293 MiB) built on the meta device, on 3 servers: each server's peak memory grows by
+    about a third of it, a worker's by the rows its batches touch; no process ever holds the whole table."""
+    rows, dim, servers, world = 1_200_000, 64, 3, 5
+    table_mb = rows * dim * 4 / 2**20
+    spawn(run_sparse, world, ("sgd", {"servers": servers, "tables": "auto"}, str(tmp_path), rows, dim, True, 2),
+          timeout_s=240)
+    grown = {}
+    for rank in range(world):
+        m = json.loads((tmp_path / f"{rank}.json").read_text())
+        grown[rank] = m["peak_mb"] - m["start_mb"]
+    cap = 0.5 * table_mb  # the table is twice this per-process cap
+    print(f"table {table_mb:.0f} MiB; peak growth per rank (MiB): { {r: round(g) for r, g in grown.items()} }")
+    assert all(g < cap for g in grown.values()), grown
+    for rank in range(world - servers, world):  # a server holds its third, give or take the process's own
+        assert 0.8 * table_mb / servers < grown[rank] < cap, grown
+    for rank in range(world - servers):
+        assert grown[rank] < 0.2 * table_mb, grown
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"servers": 2}, "leaves no worker among 2 processes"),
+    ({"staleness": -1}, "staleness must be an integer >= 0"),
+    ({"servers": 0}, "servers >= 1"),
+    ({"table_optimizer": "lamb"}, "table_optimizer must be one of"),
+])
+def test_bad_options_are_one_line_before_anything_starts(options, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        paratrain.strategies.check_world("ps", 2, **options)
+    assert "\n" not in str(err.value)
+
+
+def test_a_table_on_a_dense_only_optimizer_is_refused():
+    from paratrain.distributed.param_server.layout import plan_layout
+    from paratrain.distributed.param_server.optimizers import group_of, table_kind
+    from paratrain.distributed.param_server.config import PSConfig
+
+    model = Recommender()
+    layout = plan_layout(model, 3, PSConfig(servers=1, tables=["emb"]))
+    assert [t.name for t in layout.tables] == ["emb"]
+    opt = torch.optim.Adam(model.parameters())
+    settings = group_of(opt, {id(p): n for n, p in model.named_parameters()})
+    with pytest.raises(ConfigError, match="updates every row each step; pass Parallel"):
+        table_kind(opt, "emb", settings["emb.weight"], None)
+    assert table_kind(opt, "emb", settings["emb.weight"], "adam") == "adam"
+    with pytest.raises(ConfigError, match="not an nn.Embedding"):
+        plan_layout(model, 3, PSConfig(tables=["mlp"]))
+
+
+def test_dense_parameters_are_balanced_by_size():
+    from paratrain.distributed.param_server.config import PSConfig
+    from paratrain.distributed.param_server.layout import plan_layout
+
+    layout = plan_layout(ZOO["gpt2"].build(), 4, PSConfig(servers=2))
+    loads = [layout.dense_numel(s) for s in range(2)]
+    total = sum(p.numel() for p in ZOO["gpt2"].build().parameters())
+    assert sum(loads) == total and max(loads) / min(loads) < 1.1, loads
+    assert layout.servers == (2, 3) and layout.workers == (0, 1)
