@@ -116,3 +116,44 @@ def run_sparse(kind: str, options: dict, folder: str, rows: int = ROWS, dim: int
     with open(os.path.join(folder, f"{rank}.json"), "w") as f:
         json.dump({"start_mb": start, "peak_mb": _memory_mb("VmHWM")}, f)
     return {"state": state}
+
+
+def run_async(options: dict, slow_rank: int | None, slow_factor: float, epochs: int) -> dict | None:
+    """The digits CNN with Adam; rank ``slow_rank`` sleeps ``slow_factor - 1`` times its own step time after each
+    step. Returns this worker's samples/s and steps, and (rank 0) the test accuracy of the servers' final
+    parameters."""
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from paratrain.workloads.digits import digits_cnn, load_digits_split
+
+    par = paratrain.Parallel("ps", monitor=False, seed=0, **options)
+    train_set, test_set = load_digits_split(seed=0)
+    model = digits_cnn()
+    model, opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=2e-3))
+    loader = par.prepare(DataLoader(train_set, batch_size=16, shuffle=True, drop_last=True))
+    seen, start, steps = 0, time.perf_counter(), 0
+    for _ in par.epochs(epochs):
+        for x, y in loader:
+            t0 = time.perf_counter()
+            with par.step(model, opt):
+                par.forward_backward(model, x, y, F.cross_entropy)
+            if par.rank == slow_rank:
+                time.sleep((slow_factor - 1) * (time.perf_counter() - t0))
+            seen += len(y)
+            steps += 1
+    wall = time.perf_counter() - start
+    stats = par.strategy.worker.client.stats
+    state = par.full_state_dict(model, rank0_only=False)  # the servers' parameters now
+    par.close()
+    acc = None
+    if par.rank == 0:
+        final = digits_cnn()
+        final.load_state_dict(state)
+        x = torch.stack([s[0] for s in test_set])
+        y = torch.tensor([int(s[1]) for s in test_set])
+        with torch.no_grad():
+            acc = float((final(x).argmax(1) == y).float().mean())
+    return {"samples_per_s": seen / wall, "steps": steps, "accuracy": acc, "dropped": stats.dropped,
+            "max_staleness": stats.max_staleness}

@@ -25,8 +25,10 @@ class ClientStats:
     push_bytes: int = 0
     steps: int = 0
     staleness: int = 0
-    """Max over servers of (server's update count - this worker's steps) at the last answer."""
+    """Updates the servers applied between this worker's pull and its last push (max over servers; 0 in sync)."""
     max_staleness: int = 0
+    dropped: int = 0
+    """Pushes a server did not apply: computed on parameters older than the staleness bound."""
 
 
 class Client:
@@ -34,6 +36,8 @@ class Client:
         self.layout, self.rank, self.max_rows = layout, rank, max_rows
         self.params = [[params[s.name] for s in slots] for slots in layout.dense]
         self.step_no = 0
+        self.versions = [0] * len(layout.servers)
+        """Each server's version of the parameters this worker holds (sent with a push: its age is checked)."""
         self.done = False
         self.stats = ClientStats()
 
@@ -44,8 +48,9 @@ class Client:
         self._answers(works, PULL_DENSE)
         self.stats.pull_s += time.perf_counter() - start
 
-    def push(self, rows: list[list[tuple[int, torch.Tensor, torch.Tensor]]]) -> None:
-        """Push this step's gradients (dense, and ``rows[server]``'s (table, ids, grads)), take the new parameters."""
+    def push(self, rows: list[list[tuple[int, torch.Tensor, torch.Tensor]]], lrs: list[float]) -> None:
+        """Push this step's gradients (dense, and ``rows[server]``'s (table, ids, grads)) and each param group's
+        learning rate ``lrs``; take the new parameters."""
         start = time.perf_counter()
         self.step_no += 1
         dtype = DTYPE_CODES[self.layout.dtype]
@@ -58,7 +63,9 @@ class Client:
                                            pack(part, g.to(self.layout.dtype)))
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]) \
                 if params else torch.empty(0, dtype=self.layout.dtype)
-            works += self._request(s, Header(PUSH_DENSE, self.step_no, count=flat.numel(), dtype=dtype), pack(flat))
+            works += self._request(s, Header(PUSH_DENSE, self.versions[s], count=flat.numel(), width=len(lrs),
+                                             dtype=dtype),
+                                   pack(flat, torch.tensor(lrs, dtype=torch.float64)))
         self.stats.push_s += time.perf_counter() - start
         start = time.perf_counter()
         self._answers(works, PUSH_DENSE)
@@ -68,8 +75,9 @@ class Client:
     def _answers(self, works: list, kind: int) -> None:
         for s, params in enumerate(self.params):
             h = self._answer(s, kind)
-            staleness = max(self.step_no - h.step, 0)  # steps ahead of the slowest worker's last push
-            self.stats.staleness = staleness if s == 0 else max(self.stats.staleness, staleness)
+            self.versions[s] = h.step
+            self.stats.staleness = h.width if s == 0 else max(self.stats.staleness, h.width)
+            self.stats.dropped += h.table
             if h.count:
                 flat = torch.empty(h.count, dtype=self.layout.dtype)
                 dist.recv(flat, src=self.layout.servers[s], tag=REPLY_TAG)

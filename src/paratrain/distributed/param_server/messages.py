@@ -66,7 +66,7 @@ class Header:
     def payload_bytes(self) -> int:
         """Bytes that follow a request (trailer included), from the header alone: 0 for none."""
         item = DTYPES[self.dtype].itemsize if self.dtype in DTYPES else 0
-        body = {PUSH_DENSE: self.count * item, PULL_ROWS: self.count * 8,
+        body = {PUSH_DENSE: self.count * item + self.width * 8, PULL_ROWS: self.count * 8,
                 PUSH_ROWS: self.count * 8 + self.count * self.width * item}.get(self.kind, 0)
         return body + TRAILER.numel() if self.kind in (PUSH_DENSE, PULL_ROWS, PUSH_ROWS) else 0
 
@@ -101,13 +101,16 @@ class Schema:
     dense_dtype: torch.dtype
     tables: tuple[TableBounds, ...]
     max_rows: int
+    groups: int
+    """The training optimizer's param groups: a push carries each one's learning rate (a schedule runs on the
+    workers)."""
 
     @property
     def max_payload(self) -> int:
         """The largest legitimate payload in bytes (trailer included): the size of the server's receive buffer."""
         item = self.dense_dtype.itemsize
         rows = max((self.max_rows * (8 + t.dim * item) for t in self.tables), default=0)
-        return max(self.dense_numel * item, rows) + TRAILER.numel()
+        return max(self.dense_numel * item + self.groups * 8, rows) + TRAILER.numel()
 
     def check(self, h: Header) -> None:
         """Raise Refused unless this server serves ``h`` as it stands."""
@@ -116,8 +119,9 @@ class Schema:
         if h.kind == PUSH_DENSE:
             if h.dtype != DTYPE_CODES[self.dense_dtype]:
                 raise Refused(4, f"{_dtype_name(h.dtype)} gradients, expected {self.dense_dtype}", drain=True)
-            if h.count != self.dense_numel:
-                raise Refused(3, f"{h.count} values pushed, this server holds {self.dense_numel}", drain=True)
+            if h.count != self.dense_numel or h.width != self.groups:
+                raise Refused(3, f"{h.count} values and {h.width} learning rates pushed, this server holds "
+                              f"{self.dense_numel} in {self.groups} group(s)", drain=True)
         elif h.kind in (PULL_ROWS, PUSH_ROWS):
             if not 0 <= h.table < len(self.tables):
                 raise Refused(5, f"table {h.table} (there are {len(self.tables)})", drain=True)
@@ -145,7 +149,8 @@ def unpack(buffer: torch.Tensor, h: Header) -> tuple[torch.Tensor, ...]:
         raise Refused(8, f"{n} bytes announced, fewer arrived", drain=False)
     body = buffer[:n - TRAILER.numel()]
     if h.kind == PUSH_DENSE:
-        return (body.view(DTYPES[h.dtype]),)
+        grads = h.count * DTYPES[h.dtype].itemsize
+        return body[:grads].view(DTYPES[h.dtype]), body[grads:].view(torch.float64)
     ids = body[:h.count * 8].view(torch.int64)
     if h.kind == PULL_ROWS:
         return (ids,)

@@ -18,10 +18,10 @@ _BUILD = {"sgd": (torch.optim.SGD, ("lr", "momentum", "dampening", "nesterov", "
 
 
 def group_of(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, Any]]:
-    """Each trained parameter name → the hyper-parameters of its group."""
+    """Each trained parameter name → the hyper-parameters of its group (and the group's index, ``"group"``)."""
     out = {}
-    for group in optimizer.param_groups:
-        settings = {k: v for k, v in group.items() if k != "params"}
+    for i, group in enumerate(optimizer.param_groups):
+        settings = {**{k: v for k, v in group.items() if k != "params"}, "group": i}
         for p in group["params"]:
             if id(p) not in names:
                 raise ConfigError("the optimizer holds parameters that are not in the prepared model; build it from "
@@ -44,23 +44,28 @@ def table_kind(optimizer: torch.optim.Optimizer, table: str, settings: dict[str,
 
 
 def dense_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
-                    settings: dict[str, dict[str, Any]]) -> torch.optim.Optimizer | None:
-    """The user's optimizer class and groups over the dense parameters a server owns (None: it owns none)."""
-    groups: list[dict[str, Any]] = []
+                    settings: dict[str, dict[str, Any]]) -> tuple[torch.optim.Optimizer | None, list[int]]:
+    """The user's optimizer class and groups over the dense parameters a server owns (None: it owns none), and the
+    index of the user's group each of its groups is (a push's learning rates are per user group)."""
+    by_group: dict[int, dict[str, Any]] = {}
     for name, p in params.items():
-        match = next((g for g in groups if _same(g, settings[name])), None)
-        if match is None:
-            groups.append({**settings[name], "params": [p]})
-        else:
-            match["params"].append(p)
-    return type(optimizer)(groups, **constructor_defaults(optimizer)) if groups else None
+        index = settings[name]["group"]
+        if index not in by_group:
+            by_group[index] = {k: v for k, v in settings[name].items() if k != "group"} | {"params": []}
+        by_group[index]["params"].append(p)
+    if not by_group:
+        return None, []
+    order = sorted(by_group)
+    return type(optimizer)([by_group[i] for i in order], **constructor_defaults(optimizer)), order
+
+
+def set_learning_rates(optimizer: torch.optim.Optimizer | None, groups: list[int], lrs: list[float]) -> None:
+    """Give each group of ``optimizer`` (user's group ``groups[i]``) the learning rate the worker pushed."""
+    if optimizer is not None:
+        for group, index in zip(optimizer.param_groups, groups):
+            group["lr"] = lrs[index]
 
 
 def sparse_optimizer(kind: str, weight: nn.Parameter, settings: dict[str, Any]) -> torch.optim.Optimizer:
     cls, keys = _BUILD[kind]
     return cls([weight], **{k: settings[k] for k in keys if k in settings})
-
-
-def _same(group: dict[str, Any], settings: dict[str, Any]) -> bool:
-    return all(group.get(k) is v or group.get(k) == v for k, v in settings.items()) and \
-        len(group) - 1 == len(settings)

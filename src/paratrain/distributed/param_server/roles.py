@@ -38,7 +38,8 @@ class WorkerSide:
         return PushingOptimizer(optimizer, {id(p) for p in model.parameters()}, self.client, self.tables)
 
     def full_state(self, model: nn.Module, chunk: int = 1 << 16) -> dict[str, torch.Tensor]:
-        """The model's whole state: the dense part held here, each table's rows pulled from the servers."""
+        """The model's whole state as the servers hold it now (asynchronous workers may hold older parameters)."""
+        self.client.pull_dense()
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         for remote in self.tables:
             t = remote.table

@@ -26,7 +26,9 @@ class ServerStats:
     """What a server did, for the report and the tests."""
 
     requests: int = 0
-    steps: int = 0
+    dropped: int = 0
+    """Asynchronous pushes computed on parameters more than ``staleness`` updates old (not applied)."""
+    max_staleness: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     refused: list[str] = field(default_factory=list)
@@ -38,10 +40,13 @@ class Server:
         self.shards, self.layout, self.rank, self.staleness = shards, layout, rank, staleness
         self.index = layout.servers.index(rank)
         self.schema = Schema(dense_numel=layout.dense_numel(self.index), dense_dtype=layout.dtype,
-                             tables=tuple(t.bounds[self.index] for t in layout.tables), max_rows=max_rows)
+                             tables=tuple(t.bounds[self.index] for t in layout.tables), max_rows=max_rows,
+                             groups=shards.group_count)
         self.buffer = torch.zeros(self.schema.max_payload, dtype=torch.uint8)
         self.clock = {w: 0 for w in layout.workers}
-        """Pushes applied per worker (its step count here)."""
+        """Pushes per worker."""
+        self.version = 0
+        """Optimizer steps this server has taken: a pull's parameters are of this version."""
         self.training = set(layout.workers)
         self.banned: set[int] = set()
         self.pushed: set[int] = set()  # sync: workers whose push of this step is in
@@ -90,7 +95,7 @@ class Server:
 
     def _handle(self, src: int, h: Header, payload: tuple[torch.Tensor, ...]) -> None:
         if h.kind == PULL_DENSE:
-            self._reply(src, Header(OK, self._slowest(src), count=self.shards.flat.numel()), self.shards.flat.clone())
+            self._reply(src, Header(OK, self.version, count=self.shards.flat.numel()), self.shards.flat.clone())
         elif h.kind == PULL_ROWS:
             (ids,) = payload
             shard = self._rows_of(h.table, ids)
@@ -101,20 +106,30 @@ class Server:
             self._rows_of(h.table, ids)
             self.rows[src].append((h.table, ids.clone(), grads.clone()))
         elif h.kind == PUSH_DENSE:
-            (grad,) = payload
-            self.shards.grad.add_(grad)
+            grad, lrs = payload
+            self.shards.set_learning_rates(lrs.tolist())
             self.clock[src] += 1
             if self.staleness == 0:
+                self.shards.grad.add_(grad)
                 self.pushed.add(src)
                 self.waiting.append(src)
                 self._step_if_all_in()
+                return
+            stale = self.version - h.step  # updates applied since the parameters this gradient was computed on
+            dropped = stale > self.staleness
+            if dropped:
+                self.rows[src].clear()
+                self.stats.dropped += 1
             else:
+                self.shards.grad.add_(grad)
                 self._apply(src, scale=1.0)
-                self.waiting.append(src)
-                self._release()
+            self.stats.max_staleness = max(self.stats.max_staleness, stale)
+            params = self.shards.flat.clone()
+            self._reply(src, Header(OK, self.version, int(dropped), params.numel(), stale), params)
         elif h.kind == DONE:
             self.training.discard(src)
-            self._step_if_all_in() if self.staleness == 0 else self._release()
+            if self.staleness == 0:
+                self._step_if_all_in()
 
     def _rows_of(self, table: int, ids: torch.Tensor):
         shard = self.shards.tables[table]
@@ -134,7 +149,7 @@ class Server:
             pushes.clear()
         for table, parts in per_table.items():
             self.shards.tables[table].apply(torch.cat([i for i, _ in parts]), torch.cat([g for _, g in parts]), scale)
-        self.stats.steps += 1
+        self.version += 1
 
     def _step_if_all_in(self) -> None:
         if self.pushed and self.pushed >= self.training:
@@ -143,20 +158,11 @@ class Server:
             self._release()
 
     def _release(self) -> None:
-        """Answer every held push whose worker is within the staleness bound (sync: all, after the step)."""
-        held = []
+        """Answer every worker whose push this step took, with the new parameters."""
         params = self.shards.flat.clone() if self.waiting else None
         for w in self.waiting:
-            slowest = self._slowest(w)
-            if self.staleness and self.clock[w] - slowest > self.staleness:
-                held.append(w)
-            else:
-                self._reply(w, Header(OK, slowest, count=params.numel()), params)
-        self.waiting = held
-
-    def _slowest(self, worker: int) -> int:
-        """The fewest pushes of any worker still training (``worker``'s own when it is the last one)."""
-        return min((self.clock[w] for w in self.training), default=self.clock[worker])
+            self._reply(w, Header(OK, self.version, count=params.numel()), params)
+        self.waiting = []
 
     # ----------------------------------------------------------------- replies
     def _reply(self, dst: int, h: Header, payload: torch.Tensor | None = None) -> None:

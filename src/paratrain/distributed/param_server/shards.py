@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .layout import Layout, Table
-from .optimizers import dense_optimizer, group_of, sparse_optimizer, table_kind
+from .optimizers import dense_optimizer, group_of, set_learning_rates, sparse_optimizer, table_kind
 
 
 @dataclass
@@ -18,6 +18,8 @@ class TableShard:
     lo: int
     weight: nn.Parameter
     optimizer: torch.optim.Optimizer
+    group: int
+    """The user's param group the table's weight is in (its learning rate comes with each push)."""
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, scale: float) -> None:
         """One optimizer step over the rows ``ids`` (global ids, repeats summed) with ``grads * scale``."""
@@ -47,7 +49,8 @@ class ServerShards:
             p = nn.Parameter(view)
             p.grad = self.grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
             self.params[slot.name] = p
-        self.optimizer = dense_optimizer(optimizer, self.params, settings)
+        self.optimizer, self.groups = dense_optimizer(optimizer, self.params, settings)
+        self.group_count = len(optimizer.param_groups)
         self.tables = [self._shard(model, t, index, settings, optimizer, table_optimizer) for t in layout.tables]
 
     def _shard(self, model: nn.Module, table: Table, index: int, settings: dict, optimizer: torch.optim.Optimizer,
@@ -65,7 +68,15 @@ class ServerShards:
         else:
             rows = module.weight.detach()[b.lo:b.hi].clone()
         weight = nn.Parameter(rows)
-        return TableShard(table, b.lo, weight, sparse_optimizer(kind, weight, settings.get(name, {"lr": 1e-3})))
+        mine = settings.get(name, {"lr": 1e-3, "group": 0})
+        return TableShard(table, b.lo, weight, sparse_optimizer(kind, weight, mine), mine["group"])
+
+    def set_learning_rates(self, lrs: list[float]) -> None:
+        """The learning rate of each user param group, as the worker's optimizer (and its schedule) has it."""
+        set_learning_rates(self.optimizer, self.groups, lrs)
+        for shard in self.tables:
+            for group in shard.optimizer.param_groups:
+                group["lr"] = lrs[shard.group]
 
     def step_dense(self, scale: float) -> None:
         """The optimizer step over the summed dense gradients times ``scale``; the sum restarts at zero."""

@@ -35,7 +35,7 @@ class PushingOptimizer(torch.optim.Optimizer):
             for s, (i, g) in enumerate(split_by_server(remote.table, ids, grads, servers)):
                 if i.numel():
                     rows[s].append((remote.table.index, i, g))
-        self.client.push(rows)
+        self.client.push(rows, [float(g["lr"]) for g in self.param_groups])
         return loss
 
     def __repr__(self) -> str:
