@@ -157,3 +157,80 @@ def run_async(options: dict, slow_rank: int | None, slow_factor: float, epochs: 
             acc = float((final(x).argmax(1) == y).float().mean())
     return {"samples_per_s": seen / wall, "steps": steps, "accuracy": acc, "dropped": stats.dropped,
             "max_staleness": stats.max_staleness}
+
+
+def _linear_job(options: dict):
+    par = paratrain.Parallel("ps", monitor=False, **options)
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    return par, model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def linear_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    return torch.randn(PER_RANK, 6, generator=g), torch.randn(PER_RANK, 3, generator=g)
+
+
+def run_rogue(steps: int) -> dict | None:
+    """Rank 1 sends the server (rank 2) malformed requests; rank 0 trains a linear model meanwhile."""
+    import torch.distributed as dist
+
+    from paratrain.distributed.param_server import messages as m
+
+    par, model, opt = _linear_job({"servers": 1})
+    if par.rank != 1:
+        model, opt = par.prepare(model, opt)
+        for s in range(steps):
+            x, y = linear_batch(s)
+            with par.step(model, opt):
+                par.backward(F.mse_loss(model(x), y))
+        state = par.full_state_dict(model)
+        par.close()
+        return {"state": state}
+    codes = []
+
+    def ask(header: list[int], payload: torch.Tensor | None = None) -> None:
+        dist.send(torch.tensor(header, dtype=torch.int64), 2, tag=m.REQUEST_TAG)
+        if payload is not None:
+            dist.send(payload, 2, tag=m.PAYLOAD_TAG)
+        answer = torch.zeros(m.HEADER_WORDS, dtype=torch.int64)
+        dist.recv(answer, 2, tag=m.REPLY_TAG)
+        codes.append((int(answer[1]), int(answer[6])))
+
+    f64 = m.DTYPE_CODES[torch.float64]
+    f32 = m.DTYPE_CODES[torch.float32]
+    # a push of float64 gradients (one value and its group's learning rate), where the server holds float32
+    ask([m.MAGIC, m.PUSH_DENSE, 0, 0, 1, 1, f64, m.END], m.pack(torch.zeros(2, dtype=torch.float64)))
+    # the right dtype, the wrong number of values (the server holds 6 x 3 + 3 = 21)
+    ask([m.MAGIC, m.PUSH_DENSE, 0, 0, 5, 1, f32, m.END], m.pack(torch.zeros(1, dtype=torch.float64), torch.zeros(5)))
+    # rows of a table that does not exist
+    ask([m.MAGIC, m.PULL_ROWS, 0, 7, 2, 0, 0, m.END], m.pack(torch.tensor([0, 1])))
+    # announces 1e9 values: refused unread, and the sender is refused from then on
+    ask([m.MAGIC, m.PUSH_DENSE, 0, 0, 10**9, 1, f32, m.END])
+    ask([m.MAGIC, m.PULL_DENSE, 0, 0, 0, 0, 0, m.END])
+    par.close()
+    return {"codes": codes}
+
+
+def run_killed(victim: int, folder: str, steps: int = 50) -> dict | None:
+    """Every rank notes its pid; after step 2 rank 0 SIGKILLs ``victim`` (a worker or a server), then trains on."""
+    import signal
+    import time
+
+    par, model, opt = _linear_job({"servers": 1})
+    with open(os.path.join(folder, f"{par.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    model, opt = par.prepare(model, opt)
+    for s in range(steps):
+        x, y = linear_batch(s)
+        with par.step(model, opt):
+            par.backward(F.mse_loss(model(x), y))
+        if s == 2 and par.rank == 0:
+            time.sleep(0.5)  # every pid file is written by now
+            with open(os.path.join(folder, f"{victim}.pid")) as f:
+                pid = int(f.read())
+            with open(os.path.join(folder, "killed_at"), "w") as f:
+                f.write(str(time.time()))
+            os.kill(pid, signal.SIGKILL)
+    par.close()
+    return {}

@@ -16,8 +16,8 @@ from torch.nn import functional as F
 import paratrain
 from paratrain.errors import ConfigError
 from paratrain.testing import max_abs_diff, spawn
-from ps_workers import (PER_RANK, STEPS, Recommender, recommender_batch, recommender_optimizer, run_async, run_sparse,
-                        run_zoo, step_batch)
+from ps_workers import (PER_RANK, STEPS, Recommender, linear_batch, recommender_batch, recommender_optimizer,
+                        run_async, run_killed, run_rogue, run_sparse, run_zoo, step_batch)
 from zoo import ZOO
 
 TOL = 2e-5
@@ -139,3 +139,59 @@ def test_async_converges_with_a_slow_worker():
     assert out[0]["accuracy"] >= 0.95, out[0]
     assert all(o["max_staleness"] >= 1 for o in out[:3]), out  # the pushes really were applied out of lockstep
     assert all(o["steps"] == out[0]["steps"] for o in out[:3])
+
+
+def linear_reference(steps: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(steps):
+        x, y = linear_batch(s)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def test_malformed_messages_are_refused_and_the_server_keeps_serving():
+    from paratrain.distributed.param_server import messages as m
+
+    out = spawn(run_rogue, 3, (3,), timeout_s=120)
+    refused = [(kind, m.REASONS[code]) for kind, code in out[1]["codes"]]
+    assert refused == [(m.REFUSED, "wrong dtype"), (m.REFUSED, "wrong size"), (m.REFUSED, "unknown table"),
+                       (m.REFUSED, "oversized message"),
+                       (m.REFUSED, "sender refused earlier (a message that could not be read)")]
+    # the other worker trained on as if alone (the refused rank no longer counts in the synchronous step)
+    assert max_abs_diff(out[0]["state"], linear_reference(3)) <= 1e-6
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["worker", "server"])
+def test_sync_a_killed_rank_stops_the_job_with_one_report(tmp_path, victim):
+    import time
+
+    with pytest.raises(paratrain.errors.RankFailedError) as err:
+        spawn(run_killed, 3, (victim, str(tmp_path)), timeout_s=120)
+    stopped_after = time.time() - float((tmp_path / "killed_at").read_text())
+    assert stopped_after < 15, stopped_after
+    assert err.value.rank == victim and "SIGKILL" in str(err.value), str(err.value)
+
+
+def test_headers_are_parsed_without_trusting_them():
+    from paratrain.distributed.param_server import messages as m
+
+    def refused(words: list[int]) -> str:
+        with pytest.raises(m.Refused) as err:
+            m.parse(torch.tensor(words, dtype=torch.int64))
+        assert not err.value.drain  # what follows cannot be sized: the sender is refused from then on
+        return m.REASONS[err.value.code]
+
+    assert refused([0, m.PULL_DENSE, 0, 0, 0, 0, 0, m.END]) == "malformed header"
+    assert refused([m.MAGIC, m.PULL_DENSE, 0, 0, 0, 0, 0, 0]) == "malformed header"  # cut short
+    assert refused([m.MAGIC, 99, 0, 0, 0, 0, 0, m.END]) == "unknown message kind"
+    assert refused([m.MAGIC, m.PUSH_DENSE, 0, 0, -4, 0, 1, m.END]) == "malformed header"
+    assert refused([m.MAGIC, m.PUSH_DENSE, 0, 0, 4, 0, 42, m.END]) == "malformed header"
+    h = m.parse(m.Header(m.PUSH_ROWS, 3, 1, 2, 4, 1).tensor())
+    ids, grads = m.unpack(m.pack(torch.tensor([5, 9]), torch.ones(2, 4)), h)
+    assert ids.tolist() == [5, 9] and grads.shape == (2, 4)
+    with pytest.raises(m.Refused, match="truncated"):
+        m.unpack(torch.cat([m.pack(torch.tensor([5, 9]), torch.ones(1, 4)), torch.zeros(16, dtype=torch.uint8)]), h)

@@ -65,7 +65,7 @@ class Client:
                 if params else torch.empty(0, dtype=self.layout.dtype)
             works += self._request(s, Header(PUSH_DENSE, self.versions[s], count=flat.numel(), width=len(lrs),
                                              dtype=dtype),
-                                   pack(flat, torch.tensor(lrs, dtype=torch.float64)))
+                                   pack(torch.tensor(lrs, dtype=torch.float64), flat))
         self.stats.push_s += time.perf_counter() - start
         start = time.perf_counter()
         self._answers(works, PUSH_DENSE)

@@ -148,9 +148,8 @@ def unpack(buffer: torch.Tensor, h: Header) -> tuple[torch.Tensor, ...]:
     if not torch.equal(buffer[n - TRAILER.numel():n], TRAILER):
         raise Refused(8, f"{n} bytes announced, fewer arrived", drain=False)
     body = buffer[:n - TRAILER.numel()]
-    if h.kind == PUSH_DENSE:
-        grads = h.count * DTYPES[h.dtype].itemsize
-        return body[:grads].view(DTYPES[h.dtype]), body[grads:].view(torch.float64)
+    if h.kind == PUSH_DENSE:  # the learning rates first: every part then starts 8-byte aligned
+        return body[h.width * 8:].view(DTYPES[h.dtype]), body[:h.width * 8].view(torch.float64)
     ids = body[:h.count * 8].view(torch.int64)
     if h.kind == PULL_ROWS:
         return (ids,)

@@ -65,7 +65,7 @@ class Server:
             self.stats.requests += 1
             try:
                 if src in self.banned:
-                    raise Refused(9, "its earlier message could not be read", drain=False)
+                    raise Refused(9, "no longer served", drain=False)
                 if src not in self.clock:
                     raise Refused(2, "a request from a server rank", drain=False)
                 header = parse(words)
