@@ -195,3 +195,16 @@ def test_headers_are_parsed_without_trusting_them():
     assert ids.tolist() == [5, 9] and grads.shape == (2, 4)
     with pytest.raises(m.Refused, match="truncated"):
         m.unpack(torch.cat([m.pack(torch.tensor([5, 9]), torch.ones(1, 4)), torch.zeros(16, dtype=torch.uint8)]), h)
+
+
+def test_doctor_warns_when_a_script_imports_torch_distributed_rpc(tmp_path):
+    from paratrain.doctor.scripts import check_script, rpc_imports
+
+    assert rpc_imports("import torch\nfrom torch.distributed import rpc\nimport torch.distributed.rpc as r\n"
+                       "from torch.distributed.rpc import RRef\nfrom torch.distributed import barrier\n") == [2, 3, 4]
+    script = tmp_path / "train.py"
+    script.write_text("import torch.distributed.rpc\n")
+    check = check_script(str(script))
+    assert check.status.value == "warn" and "CVE-2024-7804" in check.evidence and "Parallel('ps'" in check.fix
+    script.write_text("import torch.distributed as dist\n")
+    assert check_script(str(script)).status.value == "ok"

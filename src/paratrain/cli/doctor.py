@@ -18,6 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="multi-node master to resolve and dial once (port 29500 by default)")
     p.add_argument("--max-mb", type=int, default=64, help="largest all-reduce buffer in MiB (default: 64)")
     p.add_argument("-n", "--nproc", type=int, default=2, help="CPU processes for the all-reduce (default: 2)")
+    p.add_argument("--script", action="append", default=[], metavar="PATH",
+                   help="a training script to read (not run) for imports that will hurt, e.g. torch.distributed.rpc")
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -27,7 +29,7 @@ def execute(args: argparse.Namespace) -> int:
     from ..doctor.report import render_json, render_text
 
     options = DoctorOptions(master_addr=args.master_addr, skip_bandwidth=args.skip_bandwidth,
-                            max_bytes=args.max_mb * 1024 * 1024, nproc=args.nproc)
+                            max_bytes=args.max_mb * 1024 * 1024, nproc=args.nproc, scripts=tuple(args.script))
     report = run_doctor(options)
     print(render_json(report) if args.json else render_text(report, shutil.get_terminal_size((100, 40)).columns))
     return report.exit_code

@@ -17,6 +17,7 @@ from .checks import (GB, MIB, Check, Status, check_backends, check_env, check_ho
                      check_master, check_open_files, check_shared_memory, check_torch)
 from .gpu_checks import check_gpu_models, check_interconnect, check_pcie, check_visible_gpus, resolve_visible
 from .nvidia import CommandRunner, Gpu, NvidiaFacts, probe, run_command
+from .scripts import check_script
 from .system import HostFacts, TorchFacts, gather_host, gather_torch, parse_master_addr, probe_master
 
 __all__ = ["Check", "DoctorOptions", "DoctorReport", "Status", "run_doctor"]
@@ -41,6 +42,8 @@ class DoctorOptions:
     """How long to wait for the master to answer."""
     bandwidth_timeout_s: float = 60.0
     """Hard limit on the live test, so a hung collective cannot hang the doctor."""
+    scripts: tuple[str, ...] = ()
+    """Training scripts to read for imports that will hurt (:mod:`.scripts`)."""
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_bytes <= 1 << 30:
@@ -103,6 +106,7 @@ def run_doctor(options: DoctorOptions | None = None, *, runner: CommandRunner = 
     checks += [check_host_memory(host, len(gpus), processes), check_shared_memory(host, processes),
                check_open_files(host), check_backends(torch_facts, len(gpus)), check_env(host.env, host.interfaces),
                check_loopback(host.loopback)]
+    checks += [check_script(path) for path in options.scripts]
     if options.master_addr is not None:
         master_host, port = parse_master_addr(options.master_addr)
         checks.append(check_master(probe_master(master_host, port, options.connect_timeout_s)))
