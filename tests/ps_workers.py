@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import torch
 from torch import nn
@@ -185,8 +186,13 @@ def run_rogue(steps: int) -> dict | None:
             with par.step(model, opt):
                 par.backward(F.mse_loss(model(x), y))
         state = par.full_state_dict(model)
+        try:
+            par.save(tempfile.mkdtemp())
+            refused_save = ""
+        except paratrain.errors.CheckpointError as err:
+            refused_save = str(err)
         par.close()
-        return {"state": state}
+        return {"state": state, "save": refused_save}
     codes = []
 
     def ask(header: list[int], payload: torch.Tensor | None = None) -> None:

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 import paratrain
 from paratrain.errors import ConfigError
+from paratrain.strategies import check_world
 from paratrain.testing import max_abs_diff, spawn
 from ps_workers import (PER_RANK, STEPS, Recommender, linear_batch, recommender_batch, recommender_optimizer,
                         run_async, run_killed, run_rogue, run_sparse, run_zoo, step_batch)
@@ -99,7 +100,7 @@ def test_a_table_larger_than_any_process_holds_trains(tmp_path):
 ])
 def test_bad_options_are_one_line_before_anything_starts(options, message):
     with pytest.raises(ConfigError, match=message) as err:
-        paratrain.strategies.check_world("ps", 2, **options)
+        check_world("ps", 2, **options)
     assert "\n" not in str(err.value)
 
 
@@ -163,6 +164,7 @@ def test_malformed_messages_are_refused_and_the_server_keeps_serving():
                        (m.REFUSED, "sender refused earlier (a message that could not be read)")]
     # the other worker trained on as if alone (the refused rank no longer counts in the synchronous step)
     assert max_abs_diff(out[0]["state"], linear_reference(3)) <= 1e-6
+    assert "do not cover the parameter servers' shards yet" in out[0]["save"]  # refused at once, no rank waits
 
 
 @pytest.mark.parametrize("victim", [1, 2], ids=["worker", "server"])

@@ -433,6 +433,7 @@ class Parallel:
     def _checkpoint_targets(self) -> Any:
         from .checkpoint.io import Targets
 
+        self.strategy.check_checkpoint()
         return Targets(strategy=self.strategy, models=self._models, optimizers=self._optimizers,
                        schedulers=self._schedulers, loaders=self._loaders, precision=self.precision,
                        step=self.optimizer_steps, epoch=self.epoch, rank=self.rank, world_size=self.world_size,

@@ -126,6 +126,10 @@ class Strategy(ABC):
         """The ranks whose monitors compare notes (None: every rank); a parameter server's servers train nothing."""
         return None
 
+    def check_checkpoint(self) -> None:
+        """Raise a one-line ``CheckpointError`` when ``save``/``load`` cannot work with this strategy (before they wait
+        on any rank)."""
+
     def close(self) -> None:
         """The job's training is over on this rank (``Parallel.close``); the default has nothing to end."""
 

@@ -17,10 +17,10 @@ from torch import nn
 from ..dims import ParallelDims
 from ..distributed.param_server.config import PSConfig
 from ..distributed.param_server.layout import plan_layout
-from ..distributed.param_server.roles import WorkerSide, serve
+from ..distributed.param_server.roles import WorkerSide, report, serve
 from ..distributed.process_group import finish_group
 from ..env import ClusterEnv
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from .base import Runtime, Strategy
 from .registry import register
 
@@ -36,9 +36,12 @@ class ParameterServer(Strategy):
         self.worker: WorkerSide | None = None
         self._model: nn.Module | None = None
         self._group: dist.ProcessGroup | None = None
+        self._env: ClusterEnv | None = None
+        self._closed = False
 
     def validate(self, env: ClusterEnv) -> None:
         self.config.check_world(env.world_size)
+        self._env = env
 
     def dims(self, env: ClusterEnv) -> ParallelDims:
         return ParallelDims(dp_replicate=env.world_size)
@@ -73,11 +76,14 @@ class ParameterServer(Strategy):
         return rt.env.rank, workers, self.monitor_group(rt)
 
     def monitor_group(self, rt: Runtime) -> dist.ProcessGroup | None:
+        return self._workers(rt.env)
+
+    def _workers(self, env: ClusterEnv) -> dist.ProcessGroup | None:
         """The workers' own group (made by the workers alone: the servers are serving); None on a server."""
-        if self.is_server(rt.env) or not dist.is_initialized():
+        if self.is_server(env) or not dist.is_initialized():
             return None
         if self._group is None:
-            workers = list(range(rt.env.world_size - self.config.servers))
+            workers = list(range(env.world_size - self.config.servers))
             self._group = dist.new_group(workers, use_local_synchronization=True)
         return self._group
 
@@ -86,9 +92,23 @@ class ParameterServer(Strategy):
             return {}
         return self.worker.full_state(model) if not rank0_only or self.worker.client.rank == 0 else {}
 
+    def check_checkpoint(self) -> None:
+        raise CheckpointError("par.save/par.load do not cover the parameter servers' shards yet; take "
+                              "par.full_state_dict(model) on the workers (it pulls every table row) and save that")
+
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.client.finish()
+        """On a worker: the table of pulls and pushes (rank 0 prints it), then tell the servers it is done."""
+        env = self._env
+        if env is None or self.is_server(env) or self._closed or not dist.is_initialized():
+            return
+        self._closed = True
+        worker = self.worker
+        table = report(self.config.servers, self.config, env.rank, worker.client.stats if worker else None,
+                       self._workers(env))
+        if table:
+            print(table, flush=True)
+        if worker is not None:
+            worker.client.finish()
 
     def describe(self) -> str:
         c = self.config

@@ -4,9 +4,10 @@ stand-ins that talk to the servers."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .client import Client
+from .client import Client, ClientStats
 from .config import PSConfig
 from .layout import Layout
 from .server import Server, ServerStats
@@ -46,3 +47,29 @@ class WorkerSide:
             parts = [torch.arange(i, min(i + chunk, t.rows)) for i in range(0, t.rows, chunk)]
             state[f"{t.name}.weight"] = torch.cat([self.client.pull_rows(t.index, ids) for ids in parts])
         return dict(sorted(state.items()))
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n / 2**10:.1f} KiB"
+
+
+def report(layout_servers: int, config: PSConfig, rank: int, stats: ClientStats | None,
+           group: dist.ProcessGroup | None) -> str:
+    """Every worker's pull/push time and bytes per step and staleness, as a table (a collective over ``group``,
+    the workers; ``stats`` None: a worker rank that trained nothing). Rank 0 gets the table, the others ''."""
+    st = stats or ClientStats()
+    mine = torch.tensor([rank, st.steps, st.pull_s, st.push_s, st.pull_bytes, st.push_bytes, st.max_staleness,
+                         st.dropped], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    if rank != 0:
+        return ""
+    mode = "synchronous" if config.synchronous else f"staleness <= {config.staleness}"
+    lines = [f"paratrain ps: {layout_servers} server(s), {len(rows)} worker(s), {mode}",
+             "rank   steps  pull ms/step  push ms/step  pulled/step  pushed/step  max staleness  dropped"]
+    for r in rows:
+        rank_, steps, pull, push, pulled, pushed, stale, dropped = r.tolist()
+        n = max(steps, 1)
+        lines.append(f"{int(rank_):>4}  {int(steps):>6}  {1e3 * pull / n:>12.2f}  {1e3 * push / n:>12.2f}  "
+                     f"{_mib(pulled / n):>11}  {_mib(pushed / n):>11}  {int(stale):>13}  {int(dropped):>7}")
+    return "\n".join(lines)
