@@ -210,3 +210,25 @@ def test_doctor_warns_when_a_script_imports_torch_distributed_rpc(tmp_path):
     assert check.status.value == "warn" and "CVE-2024-7804" in check.evidence and "Parallel('ps'" in check.fix
     script.write_text("import torch.distributed as dist\n")
     assert check_script(str(script)).status.value == "ok"
+
+
+def test_demo_with_parameter_servers_reaches_95_percent(paratrain_cmd):
+    import re
+    import subprocess
+
+    res = subprocess.run([*paratrain_cmd, "demo", "-n", "3", "--strategy", "ps", "--epochs", "6"], capture_output=True,
+                         text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr  # the server ended cleanly: the job is a success
+    assert float(re.search(r"final test acc ([\d.]+)%", res.stdout).group(1)) >= 95.0, res.stdout
+    assert "paratrain ps: 1 server(s), 2 worker(s), synchronous" in res.stdout
+
+
+def test_ps_without_a_worker_is_one_line_before_the_demo_starts(paratrain_cmd):
+    import subprocess
+
+    res = subprocess.run([*paratrain_cmd, "demo", "-n", "1", "--strategy", "ps"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "leaves no worker among 1 processes" in lines[0], res.stderr
+    assert "paratrain demo:" not in res.stdout  # nothing was launched

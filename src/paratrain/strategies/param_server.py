@@ -2,9 +2,9 @@
 ranks train, pulling parameters and pushing gradients (:mod:`paratrain.distributed.param_server`).
 
 ``Parallel("ps", servers=1, staleness=0)``: synchronous by default (every step equals one process on the global
-batch); ``staleness=tau`` applies each push as it arrives and lets a worker run at most tau steps ahead of the
-slowest. A server rank serves from inside ``prepare`` (model, then optimizer) and ends its process when every worker
-has closed; the code after ``prepare`` runs on the workers only.
+batch); ``staleness=tau`` applies each push as it arrives unless it was computed on parameters more than tau updates
+old, so a slow worker holds no one back. A server rank serves from inside ``prepare`` (model, then optimizer) and
+ends its process when every worker has closed; the code after ``prepare`` runs on the workers only.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from ..dims import ParallelDims
 from ..distributed.param_server.config import PSConfig
-from ..distributed.param_server.layout import plan_layout
+from ..distributed.param_server.layout import Layout, plan_layout
 from ..distributed.param_server.roles import WorkerSide, report, serve
 from ..distributed.process_group import finish_group
 from ..env import ClusterEnv
@@ -35,6 +35,7 @@ class ParameterServer(Strategy):
         self.config = config if config is not None else PSConfig(**options)
         self.worker: WorkerSide | None = None
         self._model: nn.Module | None = None
+        self._layout: Layout | None = None
         self._group: dist.ProcessGroup | None = None
         self._env: ClusterEnv | None = None
         self._closed = False
@@ -61,9 +62,8 @@ class ParameterServer(Strategy):
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         if self.worker is not None:
-            self.worker.optimizer(optimizer, model)  # the same refusals as the servers', on every rank
             return self.worker.optimizer(optimizer, model)
-        assert self._model is not None
+        assert self._model is not None and self._layout is not None
         model, self._model = self._model, None
         serve(model, optimizer, self._layout, rt.env.rank, self.config)
         finish_group()  # meets the workers' Parallel.close, which waits for every rank before the group goes
@@ -97,18 +97,18 @@ class ParameterServer(Strategy):
                               "par.full_state_dict(model) on the workers (it pulls every table row) and save that")
 
     def close(self) -> None:
-        """On a worker: the table of pulls and pushes (rank 0 prints it), then tell the servers it is done."""
+        """On a worker: tell the servers it is done, then the table of pulls, pushes and the servers' load (rank 0
+        prints it)."""
         env = self._env
         if env is None or self.is_server(env) or self._closed or not dist.is_initialized():
             return
         self._closed = True
         worker = self.worker
+        loads = worker.client.finish() if worker is not None else []
         table = report(self.config.servers, self.config, env.rank, worker.client.stats if worker else None,
-                       self._workers(env))
+                       self._workers(env), loads)
         if table:
             print(table, flush=True)
-        if worker is not None:
-            worker.client.finish()
 
     def describe(self) -> str:
         c = self.config

@@ -31,6 +31,18 @@ class ClientStats:
     """Pushes a server did not apply: computed on parameters older than the staleness bound."""
 
 
+@dataclass(frozen=True)
+class ServerLoad:
+    """One server's work so far, as it answers a worker's goodbye."""
+
+    rank: int
+    requests: int
+    dropped: int
+    bytes_in: int
+    bytes_out: int
+    busy_s: float
+
+
 class Client:
     def __init__(self, layout: Layout, rank: int, params: dict[str, nn.Parameter], max_rows: int) -> None:
         self.layout, self.rank, self.max_rows = layout, rank, max_rows
@@ -114,13 +126,20 @@ class Client:
         return out
 
     # ----------------------------------------------------------------- the end
-    def finish(self) -> None:
-        """Tell every server this worker is done (once)."""
+    def finish(self) -> list[ServerLoad]:
+        """Tell every server this worker is done (once); returns their load as they answer."""
         if self.done:
-            return
+            return []
         self.done = True
-        for w in [w for s in range(len(self.layout.servers)) for w in self._request(s, Header(DONE, self.step_no))]:
+        works = [w for s in range(len(self.layout.servers)) for w in self._request(s, Header(DONE, self.step_no))]
+        loads = []
+        for s, rank in enumerate(self.layout.servers):
+            h = self._answer(s, DONE)
+            loads.append(ServerLoad(rank, requests=h.step, dropped=h.table, bytes_in=h.count, bytes_out=h.width,
+                                    busy_s=h.dtype / 1e3))
+        for w in works:
             w.wait()
+        return loads
 
     # ----------------------------------------------------------------- wire
     def _request(self, server: int, h: Header, payload: torch.Tensor | None = None) -> list:

@@ -3,13 +3,16 @@ its process (the job's result is the workers'); a worker trains with its tables 
 stand-ins that talk to the servers."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .client import Client, ClientStats
+from .client import Client, ClientStats, ServerLoad
 from .config import PSConfig
 from .layout import Layout
+from .optimizers import group_of, table_kind
 from .server import Server, ServerStats
 from .shards import ServerShards
 from .tables import RemoteTable, replace_tables
@@ -29,6 +32,7 @@ class WorkerSide:
 
     def __init__(self, model: nn.Module, layout: Layout, rank: int, config: PSConfig) -> None:
         self.layout, self.config = layout, config
+        self.names = {id(p): n for n, p in model.named_parameters()}  # before the tables leave the model
         skip = {f"{t.name}.weight" for t in layout.tables}
         dense = {n: p for n, p in model.named_parameters() if n not in skip}
         self.client = Client(layout, rank, dense, config.max_rows)
@@ -36,6 +40,10 @@ class WorkerSide:
         self.client.pull_dense()
 
     def optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> PushingOptimizer:
+        """The optimizer the worker steps; a table the servers could not update is refused here as there."""
+        settings = group_of(optimizer, self.names)
+        for t in self.layout.tables:
+            table_kind(optimizer, t.name, settings.get(f"{t.name}.weight", {}), self.config.table_optimizer)
         return PushingOptimizer(optimizer, {id(p) for p in model.parameters()}, self.client, self.tables)
 
     def full_state(self, model: nn.Module, chunk: int = 1 << 16) -> dict[str, torch.Tensor]:
@@ -50,13 +58,16 @@ class WorkerSide:
 
 
 def _mib(n: float) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
     return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n / 2**10:.1f} KiB"
 
 
 def report(layout_servers: int, config: PSConfig, rank: int, stats: ClientStats | None,
-           group: dist.ProcessGroup | None) -> str:
-    """Every worker's pull/push time and bytes per step and staleness, as a table (a collective over ``group``,
-    the workers; ``stats`` None: a worker rank that trained nothing). Rank 0 gets the table, the others ''."""
+           group: dist.ProcessGroup | None, servers: Sequence[ServerLoad] = ()) -> str:
+    """Every worker's pull/push time and bytes per step and staleness, and ``servers``' load, as a table (a
+    collective over ``group``, the workers; ``stats`` None: a worker rank that trained nothing). Rank 0 gets the
+    table, the others ''."""
     st = stats or ClientStats()
     mine = torch.tensor([rank, st.steps, st.pull_s, st.push_s, st.pull_bytes, st.push_bytes, st.max_staleness,
                          st.dropped], dtype=torch.float64)
@@ -72,4 +83,8 @@ def report(layout_servers: int, config: PSConfig, rank: int, stats: ClientStats 
         n = max(steps, 1)
         lines.append(f"{int(rank_):>4}  {int(steps):>6}  {1e3 * pull / n:>12.2f}  {1e3 * push / n:>12.2f}  "
                      f"{_mib(pulled / n):>11}  {_mib(pushed / n):>11}  {int(stale):>13}  {int(dropped):>7}")
+    if servers:
+        lines.append("server  requests  received   sent       busy s  dropped")
+        lines += [f"{s.rank:>6}  {s.requests:>8}  {_mib(s.bytes_in):>9}  {_mib(s.bytes_out):>9}  {s.busy_s:>7.2f}  "
+                  f"{s.dropped:>7}" for s in servers]
     return "\n".join(lines)

@@ -91,7 +91,10 @@ class Server:
         self.buffer[n - TRAILER.numel():n].zero_()
         dist.recv(self.buffer, src=src, tag=PAYLOAD_TAG)
         self.stats.bytes_in += n
-        return unpack(self.buffer, h)
+        try:
+            return unpack(self.buffer, h)
+        except RuntimeError as err:  # a view the bytes cannot make (never from a well-formed header)
+            raise Refused(1, str(err).splitlines()[0], drain=False) from None
 
     def _handle(self, src: int, h: Header, payload: tuple[torch.Tensor, ...]) -> None:
         if h.kind == PULL_DENSE:
@@ -126,8 +129,10 @@ class Server:
             self.stats.max_staleness = max(self.stats.max_staleness, stale)
             params = self.shards.flat.clone()
             self._reply(src, Header(OK, self.version, int(dropped), params.numel(), stale), params)
-        elif h.kind == DONE:
+        elif h.kind == DONE:  # answered with this server's load so far
             self.training.discard(src)
+            st = self.stats
+            self._reply(src, Header(OK, st.requests, st.dropped, st.bytes_in, st.bytes_out, int(1e3 * st.busy_s)))
             if self.staleness == 0:
                 self._step_if_all_in()
 
