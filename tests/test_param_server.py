@@ -61,7 +61,7 @@ def test_sync_equals_one_process_on_zoo_models(model_name, world, servers):
     assert max_abs_diff(got["state"], zoo_reference(model_name, world - servers)) <= TOL
 
 
-@pytest.mark.parametrize("kind,world,servers", [("sgd", 4, 2), ("adagrad", 3, 1), ("adam", 5, 3)])
+@pytest.mark.parametrize("kind,world,servers", [("sgd", 4, 2), ("adagrad", 3, 1), ("adam", 4, 2)])
 def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers):
     options = {"servers": servers, "tables": ["bag", "emb"]}
     if kind == "adam":
@@ -73,12 +73,12 @@ def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers
 
 
 def test_a_table_larger_than_any_process_holds_trains(tmp_path):
-    """A 1.2M x 64 fp32 table (293 MiB) built on the meta device, on 3 servers: each server's peak memory grows by
+    """A 600k x 64 fp32 table (146 MiB) built on the meta device, on 3 servers: each server's peak memory grows by
     about a third of it, a worker's by the rows its batches touch; no process ever holds the whole table."""
-    rows, dim, servers, world = 1_200_000, 64, 3, 5
+    rows, dim, servers, world = 600_000, 64, 3, 5
     table_mb = rows * dim * 4 / 2**20
-    spawn(run_sparse, world, ("sgd", {"servers": servers, "tables": "auto"}, str(tmp_path), rows, dim, True, 2),
-          timeout_s=240)
+    options = {"servers": servers, "tables": "auto", "max_rows": 1024}  # a 0.3 MiB receive buffer per server
+    spawn(run_sparse, world, ("sgd", options, str(tmp_path), rows, dim, True, 2), timeout_s=240)
     grown = {}
     for rank in range(world):
         m = json.loads((tmp_path / f"{rank}.json").read_text())
