@@ -104,6 +104,15 @@ def test_bad_options_are_one_line_before_anything_starts(options, message):
     assert "\n" not in str(err.value)
 
 
+def test_tools_that_time_every_rank_refuse_ps_in_one_line():
+    from paratrain.strategies import check_every_rank_trains
+
+    check_every_rank_trains("ddp")
+    with pytest.raises(ConfigError, match="ranks that serve instead of training") as err:
+        check_every_rank_trains("ps", servers=1)
+    assert "\n" not in str(err.value)
+
+
 def test_a_table_on_a_dense_only_optimizer_is_refused():
     from paratrain.distributed.param_server.layout import plan_layout
     from paratrain.distributed.param_server.optimizers import group_of, table_kind

@@ -56,6 +56,8 @@ class Strategy(ABC):
     native_precision: ClassVar[bool] = False
     """True when the strategy applies mixed precision itself (FSDP's policy) instead of autocast."""
     tp: TensorParallel | None = None
+    serves: ClassVar[bool] = False
+    """Some ranks serve the others instead of training (parameter servers): they take no step of their own."""
     """Tensor parallelism inside this strategy (``tp=`` option; see :mod:`paratrain.distributed.tensor_parallel`)."""
 
     def uses_group(self, env: ClusterEnv) -> bool:

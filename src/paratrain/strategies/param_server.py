@@ -28,6 +28,7 @@ from .registry import register
 @register("ps")
 class ParameterServer(Strategy):
     name = "ps"
+    serves = True
 
     def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
         if config is not None and options:
