@@ -88,7 +88,7 @@ def _job(workload: str, strategy: str, options: dict, steps: int, slow_rank: int
         grad = sum(p.numel() * p.element_size() for p in par.unwrap(model).parameters())
         n = par.world_size
         out.update(sent=2 * (n - 1) / n * grad, received=2 * (n - 1) / n * grad)
-    par.barrier() if strategy != "ps" else par.mean(0.0)  # nobody leaves while another still measures
+    par.barrier()  # nobody leaves while another still measures (under ps: the workers)
     par.close()
     return out
 

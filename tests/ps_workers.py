@@ -186,6 +186,7 @@ def run_rogue(steps: int) -> dict | None:
             with par.step(model, opt):
                 par.backward(F.mse_loss(model(x), y))
         state = par.full_state_dict(model)
+        par.barrier()  # the workers' (the server is serving)
         try:
             par.save(tempfile.mkdtemp())
             refused_save = ""
@@ -214,6 +215,7 @@ def run_rogue(steps: int) -> dict | None:
     # announces 1e9 values: refused unread, and the sender is refused from then on
     ask([m.MAGIC, m.PUSH_DENSE, 0, 0, 10**9, 1, f32, m.END])
     ask([m.MAGIC, m.PULL_DENSE, 0, 0, 0, 0, 0, m.END])
+    par.barrier()
     par.close()
     return {"codes": codes}
 

@@ -390,9 +390,9 @@ class Parallel:
 
     @collective("par.barrier")
     def barrier(self) -> None:
-        """Wait for every rank (bounded by the process-group timeout)."""
+        """Wait for every rank that trains (bounded by the process-group timeout)."""
         if self._distributed:
-            dist.barrier()
+            dist.barrier(group=self.strategy.training_group(self._runtime()))
 
     # ----------------------------------------------------------------- checkpoints
     @collective("par.save")

@@ -124,8 +124,9 @@ class Strategy(ABC):
             return self.tp.forward_backward(model, x, target, loss_fn, scale)
         return None
 
-    def monitor_group(self, rt: Runtime) -> dist.ProcessGroup | None:
-        """The ranks whose monitors compare notes (None: every rank); a parameter server's servers train nothing."""
+    def training_group(self, rt: Runtime) -> dist.ProcessGroup | None:
+        """The ranks that train, whose monitors compare notes and whose ``par.barrier`` waits for each other (None:
+        every rank); a parameter server's servers train nothing."""
         return None
 
     def check_checkpoint(self) -> None:

@@ -74,9 +74,9 @@ class ParameterServer(Strategy):
         workers = rt.env.world_size - self.config.servers
         if self.is_server(rt.env):
             return 0, 1, None  # a server reads no data
-        return rt.env.rank, workers, self.monitor_group(rt)
+        return rt.env.rank, workers, self.training_group(rt)
 
-    def monitor_group(self, rt: Runtime) -> dist.ProcessGroup | None:
+    def training_group(self, rt: Runtime) -> dist.ProcessGroup | None:
         return self._workers(rt.env)
 
     def _workers(self, env: ClusterEnv) -> dist.ProcessGroup | None:
