@@ -54,6 +54,9 @@ class ParameterServer(Strategy):
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
         if self.worker is not None or self._model is not None:
             raise ConfigError("strategy 'ps' prepares one model per Parallel object")
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            raise ConfigError(f"ps sends its messages as CPU tensors and receives from any worker, which the "
+                              f"{dist.get_backend()} backend cannot; run the job on gloo (accelerator='cpu') for now")
         layout = plan_layout(model, rt.env.world_size, self.config)
         if self.is_server(rt.env):
             self._layout, self._model = layout, model  # served once the optimizer is known

@@ -94,8 +94,9 @@ class Client:
                 flat = torch.empty(h.count, dtype=self.layout.dtype)
                 dist.recv(flat, src=self.layout.servers[s], tag=REPLY_TAG)
                 self.stats.pull_bytes += flat.numel() * flat.element_size()
-                with torch.no_grad():
-                    torch.nn.utils.vector_to_parameters(flat, params)
+                with torch.no_grad():  # copied in place: the parameters keep their storage (and device)
+                    for p, part in zip(params, flat.split([p.numel() for p in params])):
+                        p.copy_(part.view_as(p))
         self.stats.max_staleness = max(self.stats.max_staleness, self.stats.staleness)
         for w in works:
             w.wait()
