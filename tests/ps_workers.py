@@ -43,12 +43,14 @@ def run_zoo(model_name: str, options: dict) -> dict | None:
     par = paratrain.Parallel("ps", monitor=False, **options)
     model = spec.build()
     model, opt = par.prepare(model, spec.optimizer(model))  # a server serves here and never returns
-    size, rank = par.data_parallel_size, par.data_parallel_rank
+    size, rank, micro = par.data_parallel_size, par.data_parallel_rank, par.accumulate
     for s in range(STEPS):
         x, y = step_batch(spec, s, size * PER_RANK)
         x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-        with par.step(model, opt):
-            par.forward_backward(model, x, y, spec.loss)
+        for m in range(micro):  # with accumulate=k, k micro-steps of PER_RANK / k samples
+            part = slice(m * PER_RANK // micro, (m + 1) * PER_RANK // micro)
+            with par.step(model, opt):
+                par.forward_backward(model, x[part], y[part], spec.loss)
     state = par.full_state_dict(model)
     par.close()
     return {"state": state, "workers": size}
