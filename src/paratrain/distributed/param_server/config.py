@@ -16,7 +16,7 @@ class PSConfig:
     """Ranks that serve (the last ``servers`` ranks); the others train."""
     staleness: int = 0
     """0: synchronous (every step is the mean of every worker's gradient); tau > 0: each push is applied as it
-    arrives and a worker may run at most tau steps ahead of the slowest one."""
+    arrives, unless it was computed on parameters more than tau updates old (then it is dropped and counted)."""
     tables: str | Sequence[str] | None = "auto"
     """Embeddings held row-sharded on the servers: module names, ``"auto"`` (those built on the meta device or of
     at least ``table_min_numel`` elements, untied), or None (every parameter is dense)."""

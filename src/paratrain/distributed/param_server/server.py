@@ -3,8 +3,11 @@
 One thread, one request at a time, from any worker (``recv`` from any source on the request tag). Synchronous
 mode (staleness 0) sums the pushes of a step and steps once every live worker has pushed, then answers them all
 with the new parameters: the step of one process over the global batch. With staleness tau > 0 each push is
-applied as it arrives, and the answer to a worker waits while it is more than tau steps ahead of the slowest
-worker still training. Replies go out with ``isend`` so a slow worker never holds the server up.
+applied as it arrives and answered at once, unless the parameters it was computed on are more than tau updates
+old: such a push is dropped (counted) and the worker gets the current parameters. The bound is on the age of what
+is applied, not on how far a worker runs ahead, so a slow worker never holds the others back (bounding the clock
+difference between workers instead, as stale-synchronous schemes do, makes every worker wait for the slowest once
+it is tau steps behind). Replies go out with ``isend`` so a slow reader never holds the server up.
 """
 from __future__ import annotations
 
