@@ -1,8 +1,10 @@
 """The parameter-server jobs of tests/test_param_server.py.
 
 A server rank serves from inside ``prepare`` and ends its process when the workers close, so each case is one
-launch of :func:`run_zoo` or :func:`run_sparse`. Rank 0 (a worker) returns the final full state dict, the servers'
-tables included; every rank writes its peak memory to ``folder/<rank>.json`` (a server from its way out).
+launch: :func:`run_zoo` (a zoo model), :func:`run_sparse` (a recommender with tables on the servers; every rank
+writes its peak memory to ``folder/<rank>.json``, a server on its way out), :func:`run_async` (the digits CNN with
+a slow worker), :func:`run_rogue` (malformed requests) and :func:`run_killed` (a rank SIGKILLed mid-training).
+Rank 0 (a worker) returns the final full state dict, the servers' tables included.
 """
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ class WorkerSide:
         """The optimizer the worker steps; a table the servers could not update is refused here as there."""
         settings = group_of(optimizer, self.names)
         for t in self.layout.tables:
-            table_kind(optimizer, t.name, settings.get(f"{t.name}.weight", {}), self.config.table_optimizer)
+            if f"{t.name}.weight" in settings:
+                table_kind(optimizer, t.name, settings[f"{t.name}.weight"], self.config.table_optimizer)
         return PushingOptimizer(optimizer, {id(p) for p in model.parameters()}, self.client, self.tables)
 
     def full_state(self, model: nn.Module, chunk: int = 1 << 16) -> dict[str, torch.Tensor]:

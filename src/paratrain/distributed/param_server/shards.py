@@ -17,13 +17,14 @@ class TableShard:
     table: Table
     lo: int
     weight: nn.Parameter
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
+    """None: the training optimizer does not hold the table (frozen rows, only read)."""
     group: int
     """The user's param group the table's weight is in (its learning rate comes with each push)."""
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, scale: float) -> None:
         """One optimizer step over the rows ``ids`` (global ids, repeats summed) with ``grads * scale``."""
-        if ids.numel() == 0:
+        if ids.numel() == 0 or self.optimizer is None:
             return
         local = (ids - self.lo).unsqueeze(0)
         self.weight.grad = torch.sparse_coo_tensor(local, grads * scale, self.weight.shape).coalesce()
@@ -57,7 +58,8 @@ class ServerShards:
                choice: str | None) -> TableShard:
         module = model.get_submodule(table.name)
         name = f"{table.name}.weight"
-        kind = table_kind(optimizer, table.name, settings.get(name, {}), choice)
+        trained = name in settings
+        kind = table_kind(optimizer, table.name, settings[name], choice) if trained else ""
         b = table.bounds[index]
         if module.weight.is_meta:  # built on the meta device: the rows are made here, nowhere else
             g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{b.lo}".encode()))
@@ -67,15 +69,16 @@ class ServerShards:
                 rows[pad - b.lo].zero_()
         else:
             rows = module.weight.detach()[b.lo:b.hi].clone()
-        weight = nn.Parameter(rows)
-        mine = settings.get(name, {"lr": 1e-3, "group": 0})
-        return TableShard(table, b.lo, weight, sparse_optimizer(kind, weight, mine), mine["group"])
+        weight = nn.Parameter(rows, requires_grad=trained)
+        if not trained:
+            return TableShard(table, b.lo, weight, None, 0)
+        return TableShard(table, b.lo, weight, sparse_optimizer(kind, weight, settings[name]), settings[name]["group"])
 
     def set_learning_rates(self, lrs: list[float]) -> None:
         """The learning rate of each user param group, as the worker's optimizer (and its schedule) has it."""
         set_learning_rates(self.optimizer, self.groups, lrs)
         for shard in self.tables:
-            for group in shard.optimizer.param_groups:
+            for group in shard.optimizer.param_groups if shard.optimizer is not None else ():
                 group["lr"] = lrs[shard.group]
 
     def step_dense(self, scale: float) -> None:
@@ -91,6 +94,6 @@ class ServerShards:
         total = 0
         for shard in self.tables:
             total += shard.weight.numel() * shard.weight.element_size()
-            for state in shard.optimizer.state.values():
+            for state in shard.optimizer.state.values() if shard.optimizer is not None else ():
                 total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
         return total

@@ -21,6 +21,7 @@ class RemoteTable(nn.Module):
         self.padding_idx = original.padding_idx
         self.mode = getattr(original, "mode", None)
         self.include_last_offset = getattr(original, "include_last_offset", False)
+        self.trained = original.weight.requires_grad
         self.pulled: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
@@ -29,7 +30,7 @@ class RemoteTable(nn.Module):
             raise IndexError(f"index out of range in table {self.table.name!r} of {self.table.rows} rows")
         ids, inverse = torch.unique(input, sorted=True, return_inverse=True)
         rows = self.client.pull_rows(self.table.index, ids)
-        if torch.is_grad_enabled() and self.training:
+        if torch.is_grad_enabled() and self.training and self.trained:
             rows.requires_grad_(True)
             self.pulled.append((ids, rows))
         pad = None
