@@ -191,7 +191,7 @@ def test_doctor_tensorflow_section(tmp_path, monkeypatch):
                     tf_keras_version="2.21.0", devices=("CPU:0",), tf_config=json.dumps(GOOD))
     both = tmp_path / "both.py"
     both.write_text("import torch\nfrom tensorflow import keras\n")
-    checks = {c.name: c for c in tf_checks(facts, str(both))}
+    checks = {c.name: c for c in tf_checks(facts, (str(both),))}
     assert checks["tensorflow"].status is Status.OK and "CPU:0" in checks["tensorflow"].evidence
     assert checks["keras"].status is Status.OK and "tf-keras 2.21.0" in checks["keras"].evidence
     assert checks["TF_CONFIG"].status is Status.OK and "worker 1 of 2" in checks["TF_CONFIG"].evidence
@@ -211,7 +211,7 @@ def test_doctor_tensorflow_section(tmp_path, monkeypatch):
     from paratrain.tf.doctor import gather_tf
 
     assert gather_tf() is None and tf_checks(None) == []  # no TensorFlow: no section
-    assert tf_checks(None, str(both))[0].status is Status.FAIL  # ... unless the script needs it
+    assert tf_checks(None, (str(both),))[0].status is Status.FAIL  # ... unless the script needs it
 
 
 def test_verify_names_the_cause_from_the_workers_records():

@@ -186,9 +186,10 @@ class Parallel:
         read by ``auto``, to plan the optimizer's states and the batch's activations; they are not prepared here."""
         self._chosen.decide(model, optimizer, loader, self.device, self.precision.name, self.print)  # auto: once
         facts = ModelFacts.of(model)  # before anything is wrapped: blocks, ties, names
-        rt = self._runtime(facts, Materializer.of(model, self.device, self.init_fn))  # None unless built on meta
+        rt = self._runtime(facts, self.strategy.materializer(model, self.device, self.init_fn))  # None unless on meta
         wrapped = self.strategy.wrap_model(model, rt)
-        check_materialized(self.strategy.unwrap(wrapped), self.strategy.name)
+        if rt.materialize is not None:  # nothing may be left on meta
+            check_materialized(self.strategy.unwrap(wrapped), self.strategy.name)
         facts.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
         self.precision.wrap_forward(wrapped, rt.device, autocast=not self.strategy.native_precision)
         self.device = self.strategy.output_device(rt)
@@ -197,12 +198,11 @@ class Parallel:
         return self._prepared.add_model(wrapped, facts)
 
     def prepare_loader(self, loader: DataLoader, *, even: bool = True, shard: bool = True) -> DataLoader:
-        """A per-rank copy of ``loader``. ``even``: pad so every rank runs the same steps (training); ``False``
-        sees each sample once in uneven shards (evaluation). ``shard=False`` keeps a loader that already reads a
-        per-rank part. See :mod:`paratrain.data` for the tail."""
+        """A per-rank copy of ``loader`` (:mod:`paratrain.data`): ``even`` pads so every rank runs the same steps,
+        ``even=False`` sees each sample once (evaluation), ``shard=False`` keeps a loader that reads its own part."""
         prepared = loader
         if shard:  # pipeline stages and tensor-parallel groups share their batches
-            rank, size, _ = self._chosen.data_parallel(self._runtime()) if self._session.distributed else (0, 1, None)
+            rank, size, _ = self._chosen.data_parallel(self._runtime())  # (0, 1, None) without a process group
             prepared = prepare_loader(loader, rank=rank, size=size, seed=self.data_seed, even=even,
                                       required=self._session.distributed)
         if isinstance(prepared, ShardedLoader):
@@ -284,9 +284,9 @@ class Parallel:
 
     @collective("par.barrier")
     def barrier(self) -> None:
-        """Wait for every rank (bounded by the process-group timeout)."""
+        """Wait for every rank that trains (bounded by the process-group timeout)."""
         if self._session.distributed:
-            dist.barrier()
+            dist.barrier(group=self.strategy.training_group(self.env))
 
     @collective("par.save")
     def save(self, path: str | os.PathLike | None = None) -> Path:
@@ -326,8 +326,7 @@ class Parallel:
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
         if self.is_main:
-            kwargs.setdefault("flush", True)
-            print(*args, **kwargs)
+            print(*args, **{"flush": True, **kwargs})
 
     @collective("par.close")
     def close(self) -> None:
@@ -335,6 +334,7 @@ class Parallel:
         self._flush_checkpoint()
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
+        self.strategy.close()
         self._session.close()
 
     def __enter__(self) -> "Parallel":

@@ -61,7 +61,9 @@ class Prepared:
         self.loaders.append(loader)
 
     def targets(self, strategy: Strategy, precision: Any, **position: Any) -> Targets:
-        """What a checkpoint saves or restores: these objects plus ``position`` (step, epoch, rank, …)."""
+        """What a checkpoint saves or restores: these objects plus ``position`` (step, epoch, rank, …); a strategy
+        whose state a checkpoint cannot hold yet refuses here, in one line, before any rank waits."""
+        strategy.check_checkpoint()
         return Targets(strategy=strategy, models=self.models, optimizers=self.optimizers,
                        schedulers=self.schedulers, loaders=self.loaders, precision=precision, **position)
 

@@ -15,7 +15,7 @@ from typing import TextIO
 from ..devices import select_device
 from ..errors import ConfigError
 from ..launch.spawn import launch
-from ..strategies import check_world
+from ..strategies import check_every_rank_trains, check_world
 from ..workloads import get_workload
 from .config import BASELINE, BenchConfig
 from .machine import BackgroundLoad, Machine
@@ -87,6 +87,7 @@ def _cannot_run(strategy: str, options: dict, world: int) -> str | None:
     """Why ``strategy`` cannot run on ``world`` processes (its own one-line error), or None."""
     try:
         check_world(strategy, world, **options)
+        check_every_rank_trains(strategy, **options)
     except ConfigError as err:
         return str(err)
     return None

@@ -19,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-mb", type=int, default=64, help="largest all-reduce buffer in MiB (default: 64)")
     p.add_argument("-n", "--nproc", type=int, default=2, help="CPU processes for the all-reduce (default: 2)")
     p.add_argument("--skip-tf", action="store_true", help="leave out the TensorFlow section")
-    p.add_argument("--script", metavar="PATH", help="also check a training script (torch and TensorFlow together?)")
+    p.add_argument("--script", action="append", default=[], metavar="PATH",
+                   help="a training script to read (not run) for imports that will hurt: torch.distributed.rpc, "
+                        "torch and TensorFlow together")
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -30,7 +32,7 @@ def execute(args: argparse.Namespace) -> int:
 
     options = DoctorOptions(master_addr=args.master_addr, skip_bandwidth=args.skip_bandwidth,
                             max_bytes=args.max_mb * 1024 * 1024, nproc=args.nproc,
-                            tensorflow=not args.skip_tf, script=args.script)
+                            tensorflow=not args.skip_tf, scripts=tuple(args.script))
     report = run_doctor(options)
     print(render_json(report) if args.json else render_text(report, shutil.get_terminal_size((100, 40)).columns))
     return report.exit_code

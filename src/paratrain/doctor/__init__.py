@@ -17,6 +17,7 @@ from .checks import (GB, MIB, Check, Status, check_backends, check_env, check_ho
                      check_master, check_open_files, check_shared_memory, check_torch)
 from .gpu_checks import check_gpu_models, check_interconnect, check_pcie, check_visible_gpus, resolve_visible
 from .nvidia import CommandRunner, Gpu, NvidiaFacts, probe, run_command
+from .scripts import check_script
 from .system import HostFacts, TorchFacts, gather_host, gather_torch, parse_master_addr, probe_master
 
 __all__ = ["Check", "DoctorOptions", "DoctorReport", "Status", "run_doctor"]
@@ -43,8 +44,9 @@ class DoctorOptions:
     """Hard limit on the live test, so a hung collective cannot hang the doctor."""
     tensorflow: bool = True
     """The TensorFlow section when TensorFlow is installed (:mod:`paratrain.tf.doctor`; imports it in a child)."""
-    script: str | None = None
-    """A training script to check for torch and TensorFlow imported together."""
+    scripts: tuple[str, ...] = ()
+    """Training scripts to read for imports that will hurt (:mod:`.scripts`; torch and TensorFlow together:
+    :mod:`paratrain.tf.doctor`)."""
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_bytes <= 1 << 30:
@@ -107,13 +109,14 @@ def run_doctor(options: DoctorOptions | None = None, *, runner: CommandRunner = 
     checks += [check_host_memory(host, len(gpus), processes), check_shared_memory(host, processes),
                check_open_files(host), check_backends(torch_facts, len(gpus)), check_env(host.env, host.interfaces),
                check_loopback(host.loopback)]
+    checks += [check_script(path) for path in options.scripts]
     if options.master_addr is not None:
         master_host, port = parse_master_addr(options.master_addr)
         checks.append(check_master(probe_master(master_host, port, options.connect_timeout_s)))
-    if options.tensorflow or options.script:
+    if options.tensorflow or options.scripts:
         from ..tf.doctor import gather_tf, tf_checks
 
-        checks += tf_checks(gather_tf() if options.tensorflow else None, options.script)
+        checks += tf_checks(gather_tf() if options.tensorflow else None, options.scripts)
     bandwidth, expected = None, None
     if not options.skip_bandwidth:
         use_gpus = torch_facts.device_count >= 2 and torch_facts.nccl_available

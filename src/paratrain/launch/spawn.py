@@ -97,6 +97,8 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[
 def _load(path: str) -> Any:
     import torch
 
+    if not os.path.exists(path):  # the rank ended with exit code 0 before fn returned (a parameter server's)
+        return None
     return torch.load(path, weights_only=False)  # our own file, written a moment ago by a child
 
 

@@ -47,12 +47,14 @@ class Monitor:
         peer: ranks with equal ``peer`` do the same work and are compared (a pipeline's stage index).
         emit: writes a warning line (rank 0 only calls it).
         accumulate: micro-batches per optimizer step, for the table's header.
+        group: the ranks that compare notes (None: every rank; a parameter server's workers).
     """
 
     def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, local_world_size: int,
                  device: torch.device, peer: int = 0, emit: Callable[[str], None] = print,
-                 accumulate: int = 1) -> None:
+                 accumulate: int = 1, group: dist.ProcessGroup | None = None) -> None:
         self.config = config
+        self.group = group
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.device, self.peer, self.emit, self.accumulate = device, peer, emit, accumulate
         self.recorder = Recorder(device, track_arrival=world_size > 1)
@@ -101,11 +103,11 @@ class Monitor:
                 log.write(self.recorder.steps, stats)
 
     def _gather(self, mine: RankStats) -> list[RankStats]:
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1):
             return [mine]
         t = torch.tensor(mine.to_list(), dtype=torch.float64, device=self.device)
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, t, group=self.group)
         return [RankStats.from_list(p.tolist()) for p in parts]
 
     @property

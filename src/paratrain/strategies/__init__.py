@@ -6,9 +6,10 @@ from .base import Runtime, Strategy
 from .composed import Composed, preset
 from .dp import DataParallelStrategy
 from .model_parallel import ModelParallelStrategy
+from .param_server import ParameterServer
 from .pipeline import HybridPipeline, PipelinedModel, PurePipeline
 from .presets import PRESETS, Preset
-from .registry import available, check_name, check_world, create, register, resolve
+from .registry import available, check_every_rank_trains, check_name, check_world, create, register, resolve
 
 SingleDevice = preset("single")
 DDPStrategy = preset("ddp")
@@ -20,7 +21,8 @@ TPStrategy = preset("tp")
 
 __all__ = [
     "Runtime", "Strategy", "Composed", "Preset", "PRESETS", "preset", "available", "check_name", "check_world",
-    "create", "register", "resolve", "SingleDevice", "DataParallelStrategy", "DDPConfig", "DDPStrategy",
-    "Zero1Strategy", "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "PipelineConfig",
+    "check_every_rank_trains", "create", "register", "resolve", "SingleDevice", "DataParallelStrategy", "DDPConfig",
+    "DDPStrategy", "Zero1Strategy", "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "PipelineConfig",
     "PipelinedModel", "PurePipeline", "HybridPipeline", "ModelParallelConfig", "ModelParallelStrategy", "TPStrategy",
+    "ParameterServer",
 ]

@@ -21,6 +21,7 @@ from ..distributed.parallelize import Step, parallelize
 from ..distributed.tensor_parallel.degrees import tp_degree
 from ..env import ClusterEnv
 from ..model.facts import ModelFacts
+from ..model.materialize import Materializer
 from ..options import BlockTransforms
 from ..precision import Precision
 
@@ -60,6 +61,8 @@ class Strategy(ABC):
     """True when the strategy applies mixed precision itself (FSDP's policy) instead of autocast."""
     tp: TensorParallel | None = None
     """Tensor parallelism inside this strategy (``tp=`` option; see :mod:`paratrain.distributed.tensor_parallel`)."""
+    serves: ClassVar[bool] = False
+    """Some ranks serve the others instead of training (parameter servers): they take no step of their own."""
 
     def uses_group(self, env: ClusterEnv) -> bool:
         """Whether this strategy needs a process group and a mesh in ``env`` (one process gets a private group)."""
@@ -79,6 +82,11 @@ class Strategy(ABC):
     def validate(self, env: ClusterEnv) -> None:
         """Raise a ConfigError when this strategy cannot run in ``env``."""
         self.dims(env)
+
+    def materializer(self, model: nn.Module, device: torch.device, init_fn: Any) -> Materializer | None:
+        """How a model built on the meta device gets its tensors (None when it is not on meta): by default the
+        composition path's materialize step, each rank allocating what it holds."""
+        return Materializer.of(model, device, init_fn)
 
     @abstractmethod
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
@@ -124,6 +132,18 @@ class Strategy(ABC):
         if self.tp is not None:
             return self.tp.forward_backward(model, x, target, loss_fn, scale)
         return None
+
+    def training_group(self, env: ClusterEnv) -> dist.ProcessGroup | None:
+        """The ranks that train, whose monitors compare notes and whose ``par.barrier`` waits for each other (None:
+        every rank); a parameter server's servers train nothing."""
+        return None
+
+    def check_checkpoint(self) -> None:
+        """Raise a one-line ``CheckpointError`` when ``save``/``load`` cannot work with this strategy (before they wait
+        on any rank)."""
+
+    def close(self) -> None:
+        """The job's training is over on this rank (``Parallel.close``); the default has nothing to end."""
 
     def grad_norm_group(self, model: nn.Module) -> dist.ProcessGroup | None:
         """Group over which local gradient norms add up to the global one (pipeline stages); None: no such group."""

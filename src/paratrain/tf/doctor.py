@@ -63,19 +63,26 @@ def gather_tf(environ: Mapping[str, str] | None = None, timeout_s: float = 90.0)
                    tf_config=env.get(TF_CONFIG_VAR) or None)
 
 
-def tf_checks(facts: TFFacts | None, script: str | None = None) -> list[Check]:
+def tf_checks(facts: TFFacts | None, scripts: tuple[str, ...] = ()) -> list[Check]:
     """The section's lines: none without TensorFlow (unless a script asks for it)."""
     checks: list[Check] = []
     if facts is None:
-        if script and _imports(script) & {"tensorflow", "keras", "tf_keras"}:
+        if any(_imports_or_none(s) & {"tensorflow", "keras", "tf_keras"} for s in scripts):
             checks.append(Check.fail("tensorflow", "not installed, and the script imports it", INSTALL_HINT))
     else:
         checks += [_check_tensorflow(facts), _check_keras(facts)]
         if facts.tf_config is not None:
             checks.append(check_tf_config(facts.tf_config))
-    if script:
-        checks.append(check_script(script))
+    checks += [check_script(script) for script in scripts]
     return checks
+
+
+def _imports_or_none(path: str) -> set[str]:
+    """The script's imports, or none when it cannot be read (``check_script`` then says so)."""
+    try:
+        return _imports(path)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return set()
 
 
 def _check_tensorflow(facts: TFFacts) -> Check:

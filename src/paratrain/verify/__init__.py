@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..launch.spawn import launch
-from ..strategies import check_world
+from ..strategies import check_every_rank_trains, check_world
 from .distributed import Case, RankEvidence, run_cases
 from .record import Record
 from .reference import reference_run
@@ -57,6 +57,7 @@ def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float | None 
         raise ConfigError(f"verify compares a parallel run with one process: use 2 or more processes, got {nprocs}")
     for case in cases:
         check_world(case.strategy, nprocs, **case.options)
+        check_every_rank_trains(case.strategy, **case.options)
         if case.steps is not None and case.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {case.steps}")
     build_spec(cases[0].factory)  # a factory that cannot be imported or built fails here, in one line

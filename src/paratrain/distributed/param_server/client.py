@@ -1,0 +1,175 @@
+"""A worker's side of the parameter server: pull the dense parameters, pull the rows a batch touches, push the
+gradients of a step and take the parameters that come back. Every request goes to every server it concerns at
+once (``isend``), then the answers are read in turn."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .layout import Layout
+from .messages import (DONE, DTYPE_CODES, HEADER_WORDS, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE,
+                       PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REQUEST_TAG, Header, KIND_NAMES, ProtocolError, pack)
+
+
+@dataclass
+class ClientStats:
+    """Per worker: time and bytes spent pulling and pushing, and how stale its parameters were."""
+
+    pull_s: float = 0.0
+    push_s: float = 0.0
+    pull_bytes: int = 0
+    push_bytes: int = 0
+    steps: int = 0
+    staleness: int = 0
+    """Updates the servers applied between this worker's pull and its last push (max over servers; 0 in sync)."""
+    max_staleness: int = 0
+    dropped: int = 0
+    """Pushes a server did not apply: computed on parameters older than the staleness bound."""
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """One server's work so far, as it answers a worker's goodbye."""
+
+    rank: int
+    requests: int
+    dropped: int
+    bytes_in: int
+    bytes_out: int
+    busy_s: float
+
+
+class Client:
+    def __init__(self, layout: Layout, rank: int, params: dict[str, nn.Parameter], max_rows: int) -> None:
+        self.layout, self.rank, self.max_rows = layout, rank, max_rows
+        self.params = [[params[s.name] for s in slots] for slots in layout.dense]
+        self.step_no = 0
+        self.versions = [0] * len(layout.servers)
+        """Each server's version of the parameters this worker holds (sent with a push: its age is checked)."""
+        self.done = False
+        self.stats = ClientStats()
+
+    # ----------------------------------------------------------------- dense
+    def pull_dense(self) -> None:
+        start = time.perf_counter()
+        works = [w for s in range(len(self.layout.servers)) for w in self._request(s, Header(PULL_DENSE))]
+        self._answers(works, PULL_DENSE)
+        self.stats.pull_s += time.perf_counter() - start
+
+    def push(self, rows: list[list[tuple[int, torch.Tensor, torch.Tensor]]], lrs: list[float]) -> None:
+        """Push this step's gradients (dense, and ``rows[server]``'s (table, ids, grads)) and each param group's
+        learning rate ``lrs``; take the new parameters."""
+        start = time.perf_counter()
+        self.step_no += 1
+        dtype = DTYPE_CODES[self.layout.dtype]
+        works = []
+        for s, params in enumerate(self.params):
+            for table, ids, grads in rows[s]:
+                for i in range(0, ids.numel(), self.max_rows):
+                    part, g = ids[i:i + self.max_rows], grads[i:i + self.max_rows]
+                    works += self._request(s, Header(PUSH_ROWS, self.step_no, table, part.numel(), g.shape[1], dtype),
+                                           pack(part, g.to(self.layout.dtype)))
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]) \
+                if params else torch.empty(0, dtype=self.layout.dtype)
+            works += self._request(s, Header(PUSH_DENSE, self.versions[s], count=flat.numel(), width=len(lrs),
+                                             dtype=dtype),
+                                   pack(torch.tensor(lrs, dtype=torch.float64), flat))
+        self.stats.push_s += time.perf_counter() - start
+        start = time.perf_counter()
+        self._answers(works, PUSH_DENSE)
+        self.stats.pull_s += time.perf_counter() - start
+        self.stats.steps = self.step_no
+
+    def _answers(self, works: list, kind: int) -> None:
+        for s, params in enumerate(self.params):
+            h = self._answer(s, kind)
+            self.versions[s] = h.step
+            self.stats.staleness = h.width if s == 0 else max(self.stats.staleness, h.width)
+            self.stats.dropped += h.table
+            if h.count:
+                flat = torch.empty(h.count, dtype=self.layout.dtype)
+                dist.recv(flat, src=self.layout.servers[s], tag=REPLY_TAG)
+                self.stats.pull_bytes += flat.numel() * flat.element_size()
+                with torch.no_grad():  # copied in place: the parameters keep their storage (and device)
+                    for p, part in zip(params, flat.split([p.numel() for p in params])):
+                        p.copy_(part.view_as(p))
+        self.stats.max_staleness = max(self.stats.max_staleness, self.stats.staleness)
+        for w in works:
+            w.wait()
+
+    # ----------------------------------------------------------------- rows
+    def pull_rows(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        """The current rows ``ids`` (unique, sorted) of ``table``, in that order."""
+        start = time.perf_counter()
+        spec = self.layout.tables[table]
+        owner = spec.owner(ids)
+        out = torch.empty(ids.numel(), spec.dim, dtype=self.layout.dtype)
+        plan, works = [], []
+        for s in range(len(self.layout.servers)):
+            where = (owner == s).nonzero().flatten()
+            for i in range(0, where.numel(), self.max_rows):
+                part = where[i:i + self.max_rows]
+                works += self._request(s, Header(PULL_ROWS, self.step_no, table, part.numel()), pack(ids[part]))
+                plan.append((s, part))
+        for s, part in plan:
+            h = self._answer(s, PULL_ROWS)
+            rows = torch.empty(h.count, h.width, dtype=self.layout.dtype)
+            dist.recv(rows, src=self.layout.servers[s], tag=REPLY_TAG)
+            out[part] = rows
+            self.stats.pull_bytes += rows.numel() * rows.element_size()
+        for w in works:
+            w.wait()
+        self.stats.pull_s += time.perf_counter() - start
+        return out
+
+    # ----------------------------------------------------------------- the end
+    def finish(self) -> list[ServerLoad]:
+        """Tell every server this worker is done (once); returns their load as they answer."""
+        if self.done:
+            return []
+        self.done = True
+        works = [w for s in range(len(self.layout.servers)) for w in self._request(s, Header(DONE, self.step_no))]
+        loads = []
+        for s, rank in enumerate(self.layout.servers):
+            h = self._answer(s, DONE)
+            loads.append(ServerLoad(rank, requests=h.step, dropped=h.table, bytes_in=h.count, bytes_out=h.width,
+                                    busy_s=h.dtype / 1e3))
+        for w in works:
+            w.wait()
+        return loads
+
+    # ----------------------------------------------------------------- wire
+    def _request(self, server: int, h: Header, payload: torch.Tensor | None = None) -> list:
+        dst = self.layout.servers[server]
+        words = h.tensor()
+        works = [_Kept(dist.isend(words, dst, tag=REQUEST_TAG), words)]
+        if payload is not None:
+            works.append(_Kept(dist.isend(payload, dst, tag=PAYLOAD_TAG), payload))
+            self.stats.push_bytes += payload.numel()
+        return works
+
+    def _answer(self, server: int, kind: int) -> Header:
+        words = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+        src = self.layout.servers[server]
+        dist.recv(words, src=src, tag=REPLY_TAG)
+        w = words.tolist()
+        if w[0] != MAGIC or w[1] not in (OK, REFUSED):
+            raise ProtocolError(f"rank {self.rank} got a malformed answer from server rank {src}")
+        if w[1] == REFUSED:
+            raise ProtocolError(f"server rank {src} refused rank {self.rank}'s {KIND_NAMES[kind]}: "
+                                f"{REASONS.get(w[6], 'unknown reason')} (its log has the details)")
+        return Header(*w[1:7])
+
+
+class _Kept:
+    """A send in flight and the tensor it reads, kept alive until it is done."""
+
+    def __init__(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> None:
+        self.work.wait()

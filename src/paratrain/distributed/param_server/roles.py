@@ -1,0 +1,91 @@
+"""The two roles a rank of a ``ps`` job plays: a server serves from ``prepare`` until training ends and then ends
+its process (the job's result is the workers'); a worker trains with its tables and optimizer swapped for
+stand-ins that talk to the servers."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .client import Client, ClientStats, ServerLoad
+from .config import PSConfig
+from .layout import Layout
+from .optimizers import group_of, table_kind
+from .server import Server, ServerStats
+from .shards import ServerShards
+from .tables import RemoteTable, replace_tables
+from .worker import PushingOptimizer
+
+
+def serve(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, rank: int,
+          config: PSConfig) -> ServerStats:
+    """Hold this server's shards and serve until every worker is done."""
+    shards = ServerShards(model, optimizer, layout, layout.servers.index(rank), config.table_optimizer)
+    del model, optimizer  # what this server does not own goes now (the caller drops its references too)
+    return Server(shards, layout, rank, config.staleness, config.max_rows).serve()
+
+
+class WorkerSide:
+    """A worker's connection to the servers and the stand-ins it put into the model."""
+
+    def __init__(self, model: nn.Module, layout: Layout, rank: int, config: PSConfig) -> None:
+        self.layout, self.config = layout, config
+        self.names = {id(p): n for n, p in model.named_parameters()}  # before the tables leave the model
+        skip = {f"{t.name}.weight" for t in layout.tables}
+        dense = {n: p for n, p in model.named_parameters() if n not in skip}
+        self.client = Client(layout, rank, dense, config.max_rows)
+        self.tables: list[RemoteTable] = replace_tables(model, layout.tables, self.client)
+        self.client.pull_dense()
+
+    def optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> PushingOptimizer:
+        """The optimizer the worker steps; a table the servers could not update is refused here as there."""
+        settings = group_of(optimizer, self.names)
+        for t in self.layout.tables:
+            if f"{t.name}.weight" in settings:
+                table_kind(optimizer, t.name, settings[f"{t.name}.weight"], self.config.table_optimizer)
+        return PushingOptimizer(optimizer, {id(p) for p in model.parameters()}, self.client, self.tables)
+
+    def full_state(self, model: nn.Module, chunk: int = 1 << 16) -> dict[str, torch.Tensor]:
+        """The model's whole state as the servers hold it now (asynchronous workers may hold older parameters)."""
+        self.client.pull_dense()
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for remote in self.tables:
+            t = remote.table
+            parts = [torch.arange(i, min(i + chunk, t.rows)) for i in range(0, t.rows, chunk)]
+            state[f"{t.name}.weight"] = torch.cat([self.client.pull_rows(t.index, ids) for ids in parts])
+        return dict(sorted(state.items()))
+
+
+def _mib(n: float) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n / 2**10:.1f} KiB"
+
+
+def report(layout_servers: int, config: PSConfig, rank: int, stats: ClientStats | None,
+           group: dist.ProcessGroup | None, servers: Sequence[ServerLoad] = ()) -> str:
+    """Every worker's pull/push time and bytes per step and staleness, and ``servers``' load, as a table (a
+    collective over ``group``, the workers; ``stats`` None: a worker rank that trained nothing). Rank 0 gets the
+    table, the others ''."""
+    st = stats or ClientStats()
+    mine = torch.tensor([rank, st.steps, st.pull_s, st.push_s, st.pull_bytes, st.push_bytes, st.max_staleness,
+                         st.dropped], dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    if rank != 0:
+        return ""
+    mode = "synchronous" if config.synchronous else f"staleness <= {config.staleness}"
+    lines = [f"paratrain ps: {layout_servers} server(s), {len(rows)} worker(s), {mode}",
+             "rank   steps  pull ms/step  push ms/step  pulled/step  pushed/step  max staleness  dropped"]
+    for r in rows:
+        rank_, steps, pull, push, pulled, pushed, stale, dropped = r.tolist()
+        n = max(steps, 1)
+        lines.append(f"{int(rank_):>4}  {int(steps):>6}  {1e3 * pull / n:>12.2f}  {1e3 * push / n:>12.2f}  "
+                     f"{_mib(pulled / n):>11}  {_mib(pushed / n):>11}  {int(stale):>13}  {int(dropped):>7}")
+    if servers:
+        lines.append("server  requests  received   sent       busy s  dropped")
+        lines += [f"{s.rank:>6}  {s.requests:>8}  {_mib(s.bytes_in):>9}  {_mib(s.bytes_out):>9}  {s.busy_s:>7.2f}  "
+                  f"{s.dropped:>7}" for s in servers]
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""The serving loop a server rank runs from ``prepare`` until every worker is done.
+
+One thread, one request at a time, from any worker (``recv`` from any source on the request tag). Synchronous
+mode (staleness 0) sums the pushes of a step and steps once every live worker has pushed, then answers them all
+with the new parameters: the step of one process over the global batch. With staleness tau > 0 each push is
+applied as it arrives and answered at once, unless the parameters it was computed on are more than tau updates
+old: such a push is dropped (counted) and the worker gets the current parameters. The bound is on the age of what
+is applied, not on how far a worker runs ahead, so a slow worker never holds the others back (bounding the clock
+difference between workers instead, as stale-synchronous schemes do, makes every worker wait for the slowest once
+it is tau steps behind). Replies go out with ``isend`` so a slow reader never holds the server up.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .layout import Layout
+from .messages import (DONE, HEADER_WORDS, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE, PUSH_ROWS, REFUSED,
+                       REPLY_TAG, REQUEST_TAG, Header, Refused, Schema, TRAILER, parse, unpack)
+from .shards import ServerShards
+
+
+@dataclass
+class ServerStats:
+    """What a server did, for the report and the tests."""
+
+    requests: int = 0
+    dropped: int = 0
+    """Asynchronous pushes computed on parameters more than ``staleness`` updates old (not applied)."""
+    max_staleness: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    refused: list[str] = field(default_factory=list)
+    busy_s: float = 0.0
+
+
+class Server:
+    def __init__(self, shards: ServerShards, layout: Layout, rank: int, staleness: int, max_rows: int) -> None:
+        self.shards, self.layout, self.rank, self.staleness = shards, layout, rank, staleness
+        self.index = layout.servers.index(rank)
+        self.schema = Schema(dense_numel=layout.dense_numel(self.index), dense_dtype=layout.dtype,
+                             tables=tuple(t.bounds[self.index] for t in layout.tables), max_rows=max_rows,
+                             groups=shards.group_count)
+        self.buffer = torch.zeros(self.schema.max_payload, dtype=torch.uint8)
+        self.clock = {w: 0 for w in layout.workers}
+        """Pushes per worker."""
+        self.version = 0
+        """Optimizer steps this server has taken: a pull's parameters are of this version."""
+        self.training = set(layout.workers)
+        self.banned: set[int] = set()
+        self.pushed: set[int] = set()  # sync: workers whose push of this step is in
+        self.rows: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {w: [] for w in layout.workers}
+        self.waiting: list[int] = []  # workers whose answer to a push is held back
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.stats = ServerStats()
+
+    def serve(self) -> ServerStats:
+        """Answer requests until every worker has said it is done."""
+        words = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+        while self.training:
+            words.zero_()
+            src = dist.recv(words, src=None, tag=REQUEST_TAG)
+            start = time.perf_counter()
+            self.stats.requests += 1
+            try:
+                if src in self.banned:
+                    raise Refused(9, "no longer served", drain=False)
+                if src not in self.clock:
+                    raise Refused(2, "a request from a server rank", drain=False)
+                header = parse(words)
+                try:
+                    self.schema.check(header)
+                except Refused as r:
+                    if r.drain and header.payload_bytes:
+                        self._receive(src, header)
+                    raise
+                payload = self._receive(src, header) if header.payload_bytes else ()
+                self._handle(src, header, payload)
+            except Refused as r:
+                self._refuse(src, r)
+            self._reap()
+            self.stats.busy_s += time.perf_counter() - start
+        for work, _ in self.sends:
+            work.wait()
+        return self.stats
+
+    # ----------------------------------------------------------------- requests
+    def _receive(self, src: int, h: Header) -> tuple[torch.Tensor, ...]:
+        n = h.payload_bytes
+        self.buffer[n - TRAILER.numel():n].zero_()
+        dist.recv(self.buffer, src=src, tag=PAYLOAD_TAG)
+        self.stats.bytes_in += n
+        try:
+            return unpack(self.buffer, h)
+        except RuntimeError as err:  # a view the bytes cannot make (never from a well-formed header)
+            raise Refused(1, str(err).splitlines()[0], drain=False) from None
+
+    def _handle(self, src: int, h: Header, payload: tuple[torch.Tensor, ...]) -> None:
+        if h.kind == PULL_DENSE:
+            self._reply(src, Header(OK, self.version, count=self.shards.flat.numel()), self.shards.flat.clone())
+        elif h.kind == PULL_ROWS:
+            (ids,) = payload
+            shard = self._rows_of(h.table, ids)
+            self._reply(src, Header(OK, h.step, h.table, ids.numel(), shard.table.dim),
+                        shard.weight.detach()[ids - shard.lo])
+        elif h.kind == PUSH_ROWS:
+            ids, grads = payload
+            self._rows_of(h.table, ids)
+            self.rows[src].append((h.table, ids.clone(), grads.clone()))
+        elif h.kind == PUSH_DENSE:
+            grad, lrs = payload
+            self.shards.set_learning_rates(lrs.tolist())
+            self.clock[src] += 1
+            if self.staleness == 0:
+                self.shards.grad.add_(grad)
+                self.pushed.add(src)
+                self.waiting.append(src)
+                self._step_if_all_in()
+                return
+            stale = self.version - h.step  # updates applied since the parameters this gradient was computed on
+            dropped = stale > self.staleness
+            if dropped:
+                self.rows[src].clear()
+                self.stats.dropped += 1
+            else:
+                self.shards.grad.add_(grad)
+                self._apply(src, scale=1.0)
+            self.stats.max_staleness = max(self.stats.max_staleness, stale)
+            params = self.shards.flat.clone()
+            self._reply(src, Header(OK, self.version, int(dropped), params.numel(), stale), params)
+        elif h.kind == DONE:  # answered with this server's load so far
+            self.training.discard(src)
+            st = self.stats
+            self._reply(src, Header(OK, st.requests, st.dropped, st.bytes_in, st.bytes_out, int(1e3 * st.busy_s)))
+            if self.staleness == 0:
+                self._step_if_all_in()
+
+    def _rows_of(self, table: int, ids: torch.Tensor):
+        shard = self.shards.tables[table]
+        if ids.numel() and (int(ids.min()) < shard.lo or int(ids.max()) >= shard.lo + shard.weight.shape[0]):
+            raise Refused(7, f"table {table} rows {int(ids.min())}..{int(ids.max())}, this server holds "
+                          f"{shard.lo}..{shard.lo + shard.weight.shape[0] - 1}", drain=False)
+        return shard
+
+    def _apply(self, src: int | None, scale: float) -> None:
+        """One optimizer step: the dense gradient sum and the row gradients of ``src`` (None: of every worker)."""
+        self.shards.step_dense(scale)
+        sources = self.rows if src is None else {src: self.rows[src]}
+        per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for pushes in sources.values():
+            for table, ids, grads in pushes:
+                per_table.setdefault(table, []).append((ids, grads))
+            pushes.clear()
+        for table, parts in per_table.items():
+            self.shards.tables[table].apply(torch.cat([i for i, _ in parts]), torch.cat([g for _, g in parts]), scale)
+        self.version += 1
+
+    def _step_if_all_in(self) -> None:
+        if self.pushed and self.pushed >= self.training:
+            self._apply(None, scale=1.0 / len(self.pushed))
+            self.pushed.clear()
+            self._release()
+
+    def _release(self) -> None:
+        """Answer every worker whose push this step took, with the new parameters."""
+        params = self.shards.flat.clone() if self.waiting else None
+        for w in self.waiting:
+            self._reply(w, Header(OK, self.version, count=params.numel()), params)
+        self.waiting = []
+
+    # ----------------------------------------------------------------- replies
+    def _reply(self, dst: int, h: Header, payload: torch.Tensor | None = None) -> None:
+        words = h.tensor()
+        self.sends.append((dist.isend(words, dst, tag=REPLY_TAG), words))
+        if payload is not None and payload.numel():
+            payload = payload.contiguous()
+            self.sends.append((dist.isend(payload, dst, tag=REPLY_TAG), payload))
+            self.stats.bytes_out += payload.numel() * payload.element_size()
+
+    def _refuse(self, src: int, r: Refused) -> None:
+        if not r.drain:
+            self.banned.add(src)
+        line = (f"paratrain ps: server rank {self.rank} refused a message from rank {src}: {r}; "
+                "still serving the others")
+        self.stats.refused.append(line)
+        print(line, file=sys.stderr, flush=True)
+        self._reply(src, Header(REFUSED, dtype=r.code))
+        if src in self.training and not r.drain:  # it cannot be served any more: do not wait for its pushes
+            self.training.discard(src)
+            self._step_if_all_in() if self.staleness == 0 else self._release()
+
+    def _reap(self) -> None:
+        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]

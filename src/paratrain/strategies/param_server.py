@@ -1,0 +1,126 @@
+"""``ps``: parameter-server training. The last ``servers`` ranks hold the parameters and their optimizer; the other
+ranks train, pulling parameters and pushing gradients (:mod:`paratrain.distributed.param_server`).
+
+``Parallel("ps", servers=1, staleness=0)``: synchronous by default (every step equals one process on the global
+batch); ``staleness=tau`` applies each push as it arrives unless it was computed on parameters more than tau updates
+old, so a slow worker holds no one back. A server rank serves from inside ``prepare`` (model, then optimizer) and
+ends its process when every worker has closed; the code after ``prepare`` runs on the workers only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dims import ParallelDims
+from ..distributed.param_server.config import PSConfig
+from ..distributed.param_server.layout import Layout, plan_layout
+from ..distributed.param_server.roles import WorkerSide, report, serve
+from ..distributed.process_group import finish_group
+from ..env import ClusterEnv
+from ..errors import CheckpointError, ConfigError
+from .base import Runtime, Strategy
+from .registry import register
+
+
+@register("ps")
+class ParameterServer(Strategy):
+    name = "ps"
+    serves = True
+
+    def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise ConfigError(f"strategy 'ps' got options {sorted(options)} beside a PSConfig; set them on it")
+        self.config = config if config is not None else PSConfig(**options)
+        self.worker: WorkerSide | None = None
+        self._model: nn.Module | None = None
+        self._layout: Layout | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._env: ClusterEnv | None = None
+        self._closed = False
+
+    def validate(self, env: ClusterEnv) -> None:
+        self.config.check_world(env.world_size)
+        self._env = env
+
+    def dims(self, env: ClusterEnv) -> ParallelDims:
+        return ParallelDims(dp_replicate=env.world_size)
+
+    def is_server(self, env: ClusterEnv) -> bool:
+        return env.rank >= env.world_size - self.config.servers
+
+    def materializer(self, model: nn.Module, device: torch.device, init_fn: Any) -> None:
+        """None: a table built on the meta device is allocated row-shard by row-shard on the servers, and a worker
+        keeps its copy on meta (it pulls the rows its batch reads)."""
+        if init_fn is not None:
+            raise ConfigError("strategy 'ps' initializes a meta-built table on its servers; drop init_fn")
+        return None
+
+    def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
+        if self.worker is not None or self._model is not None:
+            raise ConfigError("strategy 'ps' prepares one model per Parallel object")
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            raise ConfigError(f"ps sends its messages as CPU tensors and receives from any worker, which the "
+                              f"{dist.get_backend()} backend cannot; run the job on gloo (accelerator='cpu') for now")
+        layout = plan_layout(model, rt.env.world_size, self.config)
+        if self.is_server(rt.env):
+            self._layout, self._model = layout, model  # served once the optimizer is known
+            return model
+        self.worker = WorkerSide(model, layout, rt.env.rank, self.config)
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
+        if self.worker is not None:
+            return self.worker.optimizer(optimizer, model)
+        assert self._model is not None and self._layout is not None
+        model, self._model = self._model, None
+        serve(model, optimizer, self._layout, rt.env.rank, self.config)
+        finish_group()  # meets the workers' Parallel.close, which waits for every rank before the group goes
+        raise SystemExit(0)  # training is over: the workers' results are the job's
+
+    def data_parallel(self, rt: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
+        workers = rt.env.world_size - self.config.servers
+        if self.is_server(rt.env):
+            return 0, 1, None  # a server reads no data
+        return rt.env.rank, workers, self.training_group(rt.env)
+
+    def training_group(self, env: ClusterEnv) -> dist.ProcessGroup | None:
+        return self._workers(env)
+
+    def _workers(self, env: ClusterEnv) -> dist.ProcessGroup | None:
+        """The workers' own group (made by the workers alone: the servers are serving); None on a server."""
+        if self.is_server(env) or not dist.is_initialized():
+            return None
+        if self._group is None:
+            workers = list(range(env.world_size - self.config.servers))
+            self._group = dist.new_group(workers, use_local_synchronization=True)
+        return self._group
+
+    def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
+        if self.worker is None:
+            return {}
+        return self.worker.full_state(model) if not rank0_only or self.worker.client.rank == 0 else {}
+
+    def check_checkpoint(self) -> None:
+        raise CheckpointError("par.save/par.load do not cover the parameter servers' shards yet; take "
+                              "par.full_state_dict(model) on the workers (it pulls every table row) and save that")
+
+    def close(self) -> None:
+        """On a worker: tell the servers it is done, then the table of pulls, pushes and the servers' load (rank 0
+        prints it)."""
+        env = self._env
+        if env is None or self.is_server(env) or self._closed or not dist.is_initialized():
+            return
+        self._closed = True
+        worker = self.worker
+        loads = worker.client.finish() if worker is not None else []
+        table = report(self.config.servers, self.config, env.rank, worker.client.stats if worker else None,
+                       self._workers(env), loads)
+        if table:
+            print(table, flush=True)
+
+    def describe(self) -> str:
+        c = self.config
+        return f"ps(servers={c.servers}, {'sync' if c.synchronous else f'staleness={c.staleness}'})"

@@ -1,0 +1,249 @@
+"""The ``ps`` strategy: parameter servers on torch.distributed point-to-point.
+
+Synchronous mode equals one plain process on the same global batch, on zoo models (dense parameters on the servers)
+and on a recommender whose tables live row-sharded on the servers; a table built on the meta device trains
+without any process holding it whole (peak memory measured per rank); bad options are one line before anything
+starts.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import paratrain
+from paratrain.errors import ConfigError
+from paratrain.strategies import check_world
+from paratrain.testing import max_abs_diff, spawn
+from ps_workers import (PER_RANK, STEPS, Recommender, linear_batch, recommender_batch, recommender_optimizer,
+                        run_async, run_killed, run_rogue, run_sparse, run_zoo, step_batch)
+from zoo import ZOO
+
+TOL = 2e-5
+
+
+def zoo_reference(model_name: str, replicas: int, micro: int = 1) -> dict[str, torch.Tensor]:
+    """One process on the global batch, in ``replicas x micro`` slices (the mean of their losses)."""
+    spec = ZOO[model_name]
+    model = spec.build()
+    opt = spec.optimizer(model)
+    size = PER_RANK // micro
+    for s in range(STEPS):
+        x, y = step_batch(spec, s, replicas * PER_RANK)
+        for r in range(replicas * micro):
+            sl = slice(r * size, (r + 1) * size)
+            (spec.loss(model(x[sl]), y[sl]) / (replicas * micro)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def sparse_reference(kind: str, replicas: int) -> dict[str, torch.Tensor]:
+    model = Recommender(sparse=True)
+    opts = recommender_optimizer(model, kind)
+    for s in range(STEPS):
+        x, y = recommender_batch(s, replicas * PER_RANK)
+        for r in range(replicas):
+            sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
+            (F.cross_entropy(model((x[0][sl], x[1][sl])), y[sl]) / replicas).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("model_name,world,servers,micro", [("gpt2", 4, 2, 1), ("nanogpt", 3, 1, 2)])
+def test_sync_equals_one_process_on_zoo_models(model_name, world, servers, micro):
+    results = spawn(run_zoo, world, (model_name, {"servers": servers, "accumulate": micro}), timeout_s=180)
+    assert results[world - servers:] == [None] * servers  # the servers ended their processes cleanly
+    got = results[0]
+    assert got["workers"] == world - servers
+    assert max_abs_diff(got["state"], zoo_reference(model_name, world - servers, micro)) <= TOL
+
+
+@pytest.mark.parametrize("kind,world,servers", [("sgd", 4, 2), ("adagrad", 3, 1), ("adam", 4, 2)])
+def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers):
+    options = {"servers": servers, "tables": ["bag", "emb"]}
+    if kind == "adam":
+        options["table_optimizer"] = "adam"
+    got = spawn(run_sparse, world, (kind, options, str(tmp_path)), timeout_s=180)[0]
+    expected = sparse_reference(kind, world - servers)
+    assert max_abs_diff(got["state"], expected) <= TOL
+    assert got["state"]["emb.weight"].shape == expected["emb.weight"].shape
+
+
+def test_a_table_larger_than_any_process_holds_trains(tmp_path):
+    """A 600k x 64 fp32 table (146 MiB) built on the meta device, on 3 servers: each server's peak memory grows by
+    about a third of it, a worker's by the rows its batches touch; no process ever holds the whole table. (Run in
+    asynchronous mode: it trains tables there too.)"""
+    rows, dim, servers, world = 600_000, 64, 3, 5
+    table_mb = rows * dim * 4 / 2**20
+    # a 0.3 MiB receive buffer per server; asynchronous, so row pushes are applied one worker at a time
+    options = {"servers": servers, "tables": "auto", "max_rows": 1024, "staleness": 2}
+    spawn(run_sparse, world, ("sgd", options, str(tmp_path), rows, dim, True, 2), timeout_s=240)
+    grown = {}
+    for rank in range(world):
+        m = json.loads((tmp_path / f"{rank}.json").read_text())
+        grown[rank] = m["peak_mb"] - m["start_mb"]
+    cap = 0.5 * table_mb  # the table is twice this per-process cap
+    print(f"table {table_mb:.0f} MiB; peak growth per rank (MiB): { {r: round(g) for r, g in grown.items()} }")
+    assert all(g < cap for g in grown.values()), grown
+    for rank in range(world - servers, world):  # a server holds its third, give or take the process's own
+        assert 0.8 * table_mb / servers < grown[rank] < cap, grown
+    for rank in range(world - servers):
+        assert grown[rank] < 0.2 * table_mb, grown
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"servers": 2}, "leaves no worker among 2 processes"),
+    ({"staleness": -1}, "staleness must be an integer >= 0"),
+    ({"servers": 0}, "servers >= 1"),
+    ({"table_optimizer": "lamb"}, "table_optimizer must be one of"),
+])
+def test_bad_options_are_one_line_before_anything_starts(options, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        check_world("ps", 2, **options)
+    assert "\n" not in str(err.value)
+
+
+def test_tools_that_time_every_rank_refuse_ps_in_one_line():
+    from paratrain.strategies import check_every_rank_trains
+
+    check_every_rank_trains("ddp")
+    with pytest.raises(ConfigError, match="ranks that serve instead of training") as err:
+        check_every_rank_trains("ps", servers=1)
+    assert "\n" not in str(err.value)
+
+
+def test_a_table_on_a_dense_only_optimizer_is_refused():
+    from paratrain.distributed.param_server.layout import plan_layout
+    from paratrain.distributed.param_server.optimizers import group_of, table_kind
+    from paratrain.distributed.param_server.config import PSConfig
+
+    model = Recommender()
+    layout = plan_layout(model, 3, PSConfig(servers=1, tables=["emb"]))
+    assert [t.name for t in layout.tables] == ["emb"]
+    opt = torch.optim.Adam(model.parameters())
+    settings = group_of(opt, {id(p): n for n, p in model.named_parameters()})
+    with pytest.raises(ConfigError, match="updates every row each step; pass Parallel"):
+        table_kind(opt, "emb", settings["emb.weight"], None)
+    assert table_kind(opt, "emb", settings["emb.weight"], "adam") == "adam"
+    with pytest.raises(ConfigError, match="not an nn.Embedding"):
+        plan_layout(model, 3, PSConfig(tables=["mlp"]))
+
+
+def test_dense_parameters_are_balanced_by_size():
+    from paratrain.distributed.param_server.config import PSConfig
+    from paratrain.distributed.param_server.layout import plan_layout
+
+    layout = plan_layout(ZOO["gpt2"].build(), 4, PSConfig(servers=2))
+    loads = [layout.dense_numel(s) for s in range(2)]
+    total = sum(p.numel() for p in ZOO["gpt2"].build().parameters())
+    assert sum(loads) == total and max(loads) / min(loads) < 1.1, loads
+    assert layout.servers == (2, 3) and layout.workers == (0, 1)
+
+
+def test_async_converges_with_a_slow_worker():
+    """staleness=4, three workers, one 2x slower: the digits CNN converges (>= 93%) on the servers' final parameters,
+    the slow worker's too-old pushes are dropped (and counted), the others' are not. (Speed: benchmarks/ps.py.)"""
+    out = spawn(run_async, 4, ({"servers": 1, "staleness": 4}, 2, 2.0, 4), timeout_s=300)
+    assert out[3] is None
+    # which pushes arrive too old depends on the machine's timing, so the bound leaves a margin below the 95% that
+    # the (deterministic) synchronous demo is held to; 4 epochs end at 95-97% on a quiet machine
+    assert out[0]["accuracy"] >= 0.93, out[0]
+    assert all(o["max_staleness"] >= 1 for o in out[:3]), out  # the pushes really were applied out of lockstep
+    assert all(o["steps"] == out[0]["steps"] for o in out[:3])
+
+
+def linear_reference(steps: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(steps):
+        x, y = linear_batch(s)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def test_malformed_messages_are_refused_and_the_server_keeps_serving():
+    from paratrain.distributed.param_server import messages as m
+
+    out = spawn(run_rogue, 3, (3,), timeout_s=120)
+    refused = [(kind, m.REASONS[code]) for kind, code in out[1]["codes"]]
+    assert refused == [(m.REFUSED, "wrong dtype"), (m.REFUSED, "wrong size"), (m.REFUSED, "unknown table"),
+                       (m.REFUSED, "oversized message"),
+                       (m.REFUSED, "sender refused earlier (a message that could not be read)")]
+    # the other worker trained on as if alone (the refused rank no longer counts in the synchronous step)
+    assert max_abs_diff(out[0]["state"], linear_reference(3)) <= 1e-6
+    assert "do not cover the parameter servers' shards yet" in out[0]["save"]  # refused at once, no rank waits
+
+
+@pytest.mark.parametrize("victim", [1, 2], ids=["worker", "server"])
+def test_sync_a_killed_rank_stops_the_job_with_one_report(tmp_path, victim):
+    import time
+
+    with pytest.raises(paratrain.errors.RankFailedError) as err:
+        spawn(run_killed, 3, (victim, str(tmp_path)), timeout_s=120)
+    stopped_after = time.time() - float((tmp_path / "killed_at").read_text())
+    assert stopped_after < 15, stopped_after
+    assert err.value.rank == victim and "SIGKILL" in str(err.value), str(err.value)
+
+
+def test_headers_are_parsed_without_trusting_them():
+    from paratrain.distributed.param_server import messages as m
+
+    def refused(words: list[int]) -> str:
+        with pytest.raises(m.Refused) as err:
+            m.parse(torch.tensor(words, dtype=torch.int64))
+        assert not err.value.drain  # what follows cannot be sized: the sender is refused from then on
+        return m.REASONS[err.value.code]
+
+    assert refused([0, m.PULL_DENSE, 0, 0, 0, 0, 0, m.END]) == "malformed header"
+    assert refused([m.MAGIC, m.PULL_DENSE, 0, 0, 0, 0, 0, 0]) == "malformed header"  # cut short
+    assert refused([m.MAGIC, 99, 0, 0, 0, 0, 0, m.END]) == "unknown message kind"
+    assert refused([m.MAGIC, m.PUSH_DENSE, 0, 0, -4, 0, 1, m.END]) == "malformed header"
+    assert refused([m.MAGIC, m.PUSH_DENSE, 0, 0, 4, 0, 42, m.END]) == "malformed header"
+    h = m.parse(m.Header(m.PUSH_ROWS, 3, 1, 2, 4, 1).tensor())
+    ids, grads = m.unpack(m.pack(torch.tensor([5, 9]), torch.ones(2, 4)), h)
+    assert ids.tolist() == [5, 9] and grads.shape == (2, 4)
+    with pytest.raises(m.Refused, match="truncated"):
+        m.unpack(torch.cat([m.pack(torch.tensor([5, 9]), torch.ones(1, 4)), torch.zeros(16, dtype=torch.uint8)]), h)
+
+
+def test_doctor_warns_when_a_script_imports_torch_distributed_rpc(tmp_path):
+    from paratrain.doctor.scripts import check_script, rpc_imports
+
+    assert rpc_imports("import torch\nfrom torch.distributed import rpc\nimport torch.distributed.rpc as r\n"
+                       "from torch.distributed.rpc import RRef\nfrom torch.distributed import barrier\n") == [2, 3, 4]
+    script = tmp_path / "train.py"
+    script.write_text("import torch.distributed.rpc\n")
+    check = check_script(str(script))
+    assert check.status.value == "warn" and "CVE-2024-7804" in check.evidence and "Parallel('ps'" in check.fix
+    script.write_text("import torch.distributed as dist\n")
+    assert check_script(str(script)).status.value == "ok"
+
+
+def test_demo_with_parameter_servers_reaches_95_percent(paratrain_cmd):
+    import re
+    import subprocess
+
+    res = subprocess.run([*paratrain_cmd, "demo", "-n", "3", "--strategy", "ps", "--epochs", "6"], capture_output=True,
+                         text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr  # the server ended cleanly: the job is a success
+    assert float(re.search(r"final test acc ([\d.]+)%", res.stdout).group(1)) >= 95.0, res.stdout
+    assert "paratrain ps: 1 server(s), 2 worker(s), synchronous" in res.stdout
+
+
+def test_ps_without_a_worker_is_one_line_before_the_demo_starts(paratrain_cmd):
+    import subprocess
+
+    res = subprocess.run([*paratrain_cmd, "demo", "-n", "1", "--strategy", "ps"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "leaves no worker among 1 processes" in lines[0], res.stderr
+    assert "paratrain demo:" not in res.stdout  # nothing was launched
