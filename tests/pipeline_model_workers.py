@@ -79,8 +79,9 @@ def batches(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.roll(x, -1, dims=1)
 
 
-def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: int = STEPS) -> dict:
-    """The same training in one plain PyTorch process: the reference every case is compared with."""
+def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: int = STEPS, bf16: bool = False) -> dict:
+    """The same training in one plain PyTorch process (under bf16 autocast with ``bf16``): the reference every case
+    is compared with."""
     model = build(family)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = batches(steps)
@@ -89,7 +90,9 @@ def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: i
     for s in range(steps):
         for a in range(accumulate):
             lo = s * GLOBAL_BATCH + a * micro
-            (loss_fn(model(x[lo:lo + micro]), y[lo:lo + micro]) / accumulate).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(model(x[lo:lo + micro]), y[lo:lo + micro])
+            (loss / accumulate).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()

@@ -179,6 +179,7 @@ def test_data_parallel_x_tp_world4_equals_one_process(world4, references, model_
     check(result, references[model_name][0])
     assert result["resumed"] == 0.0
     assert result["seen"] == ["DTensor(Shard(dim=2),)"]
+    assert not [w for w in result["warned"] if "view tensor" in w], result["warned"]  # the gathered logits: no view
 
 
 def test_auto_chooses_zero3_with_tp_when_zero3_alone_does_not_fit(world4, references):
