@@ -6,7 +6,8 @@ attention left replicated, the rest split), transformers' GPT-2 and Llama with g
 ``"auto"``, BERT with no plan given (inferred by default), Qwen2 (grouped-query attention, biases, tied head) and
 GPT-2 with PEFT LoRA adapters on every block layer (each adapter split with its base layer); a second job at world 4
 trains zero3 x tp=2 (two replicas of two tp ranks) on the nanoGPT-style GPT, GPT-2, Mistral, Qwen2, BERT and LoRA
-over GPT-2 and Qwen2. Each equal to one plain process (fp32 and SGD:
+over GPT-2 and Qwen2, and ``tp`` over all four ranks on the nanoGPT-style GPT with 4 heads and a Qwen2 with 8 query
+and 4 key/value heads. Each equal to one plain process (fp32 and SGD:
 ``TOL``, as tests/test_tensor_parallel.py). The inference itself — what it splits, adjusts and leaves whole, and
 what it refuses — is checked in this process, without a process group (the probe runs on one process).
 """
@@ -28,6 +29,7 @@ CASES = [("nano", "auto"), ("nano_input_heads", "auto"), ("gpt2", "auto"), ("lla
          ("qwen", "auto"), ("lora_gpt2", "auto")]
 ZERO3_TP = [("nano", "auto"), ("gpt2", "auto"), ("mistral", "auto"), ("qwen", "auto"), ("bert", None),
             ("lora_gpt2", "auto"), ("lora_qwen", "auto")]
+TP4 = [("nano4", "auto", ("tp", {})), ("qwen8", "auto", ("tp", {}))]  # tp=4: 4 heads; 8 query, 4 key/value heads
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,8 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    """zero3 x tp: two replicas (dp=2), each split over tp=2."""
-    return spawn(run_auto, 4, (ZERO3_TP, "zero3", {"tp": 2}), timeout_s=420)
+    """zero3 x tp: two replicas (dp=2), each split over tp=2; then ``tp`` over all four ranks."""
+    return spawn(run_auto, 4, (ZERO3_TP + TP4, "zero3", {"tp": 2}), timeout_s=480)
 
 
 def one_process(name: str) -> dict:
@@ -65,6 +67,14 @@ def test_auto_plan_under_zero3_x_tp_trains_like_one_process(world4, name):
     assert "error" not in result, result["error"]
     assert max_abs_diff(result["state"], one_process(name)) <= TOL
     assert "rowwise" in result["printed"] and all(r[name]["printed"] == "" for r in world4[1:])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in TP4])
+def test_auto_plan_over_four_tp_ranks_trains_like_one_process(world4, name):
+    result = world4[0][f"{name}/tp"]
+    assert "error" not in result, result["error"]
+    assert max_abs_diff(result["state"], one_process(name)) <= TOL
+    assert "over tp=4" in result["printed"] and "attention" in result["printed"], result["printed"]
 
 
 def test_nanogpt_style_is_split_whole_and_tied():

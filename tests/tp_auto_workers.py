@@ -82,8 +82,8 @@ def nano(heads_from_input: bool = False) -> NanoGPT:
     return NanoGPT(heads_from_input=heads_from_input)
 
 
-def _gqa(kind: str) -> nn.Module:
-    """A Mistral- or Qwen2-shaped causal LM: 4 query heads sharing 2 key/value heads."""
+def _gqa(kind: str, heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    """A Mistral- or Qwen2-shaped causal LM: ``heads`` query heads sharing ``kv_heads`` key/value heads."""
     import transformers
 
     config, model = {"mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -91,7 +91,7 @@ def _gqa(kind: str) -> nn.Module:
     extra = {"sliding_window": 4, "tie_word_embeddings": False} if kind == "mistral" else {"tie_word_embeddings": True}
     torch.manual_seed(0)
     cfg = getattr(transformers, config)(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=VOCAB,
                                         max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, **extra)
     return getattr(transformers, model)(cfg)
 
@@ -123,6 +123,8 @@ MODELS: dict[str, ZooModel] = {
     "gpt2": ZOO["gpt2"], "llama": ZOO["llama"], "bert": ZOO["bert"],
     "mistral": _spec("mistral", lambda: _gqa("mistral")),
     "qwen": _spec("qwen", lambda: _gqa("qwen")),
+    "nano4": _spec("nano4", lambda: (torch.manual_seed(0), NanoGPT(n_head=4))[1]),  # tp=4 splits whole heads
+    "qwen8": _spec("qwen8", lambda: _gqa("qwen", heads=8, kv_heads=4)),
     "lora_gpt2": _spec("lora_gpt2", lambda: with_lora(ZOO["gpt2"].build(), ["c_attn", "c_proj", "c_fc"], True)),
     "lora_qwen": _spec("lora_qwen", lambda: with_lora(_gqa("qwen"), ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                      "gate_proj", "up_proj", "down_proj"])),
@@ -146,25 +148,27 @@ def train(spec: ZooModel, model: nn.Module, opt: torch.optim.Optimizer, par: Any
             par.forward_backward(model, x, y, spec.loss)
 
 
-def run_auto(cases: list[tuple[str, str | None]], strategy: str = "tp", options: dict | None = None) -> dict[str, Any]:
-    """Each case (model, ``tp_plan``) under ``Parallel(strategy, **options)``: the final full state and what this
-    rank printed while preparing; a paratrain error as its one line."""
+def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = None) -> dict[str, Any]:
+    """Each case (model, ``tp_plan``) under ``Parallel(strategy, **options)``, or (model, ``tp_plan``, (strategy,
+    options)) under its own layout, keyed ``model/strategy`` then: the final full state and what this rank printed
+    while preparing; a paratrain error as its one line."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}
-    for name, plan in cases:
+    for name, plan, *layout in cases:
         spec = MODELS[name]
+        how, kwargs = layout[0] if layout else (strategy, options or {})
+        key = f"{name}/{how}" if layout else name
         printed = io.StringIO()
         try:
-            par = paratrain.Parallel(strategy, monitor=False, **(options or {}),
-                                     **({} if plan is None else {"tp_plan": plan}))
+            par = paratrain.Parallel(how, monitor=False, **kwargs, **({} if plan is None else {"tp_plan": plan}))
             model = spec.build()
             with contextlib.redirect_stdout(printed):
                 model, opt = par.prepare(model, spec.optimizer(model))
             train(spec, model, opt, par)
-            out[name] = {"state": par.full_state_dict(model, rank0_only=False), "printed": printed.getvalue()}
+            out[key] = {"state": par.full_state_dict(model, rank0_only=False), "printed": printed.getvalue()}
             par.close()
         except paratrain.ParatrainError as err:
-            out[name] = {"error": str(err), "printed": printed.getvalue()}
+            out[key] = {"error": str(err), "printed": printed.getvalue()}
     finish_group()
     return out
