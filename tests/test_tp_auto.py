@@ -152,3 +152,19 @@ def test_lora_adapters_are_split_with_their_base_layer():
         assert isinstance(styles[f"{block}.{row}.base_layer"], Rowwise)
         assert isinstance(styles[f"{block}.{row}.lora_A.default"], Rowwise)
     assert not any(k.endswith(("c_attn.lora_A.default", "c_proj.lora_B.default")) for k in styles), styles
+
+
+def test_a_lora_variant_stays_whole_and_says_so():
+    """DoRA normalises by the whole base weight, so its layer is not split; the MLP beside it still is (found by
+    definition order when no attention is recognised to give the hidden width)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(ZOO["gpt2"].build(), LoraConfig(r=4, target_modules=["c_attn"], use_dora=True,
+                                                               fan_in_fan_out=True))
+    summary = "\n".join(choose_plan(model, "auto", 2).summary)
+    assert "replicated: base_model.model.transformer.h.*.attn.c_attn (a LoRA variant such as DoRA" in summary, summary
+    assert "mlp.c_fc -> colwise (MLP)" in summary and "mlp.c_proj -> rowwise (MLP)" in summary, summary

@@ -122,6 +122,10 @@ def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, sty
     block = model.get_submodule(blocks.names[0])
     pattern = f"{blocks.container}.*" if blocks.container else "*"
     layers = _layers(block)
+    kept = sorted(n for n, m in block.named_modules() if is_lora(m) and plain_lora_base(m) is None)
+    if kept:
+        whole.append(f"{pattern}.{kept[0]}{f' and {len(kept) - 1} more' if len(kept) > 1 else ''} (a LoRA variant "
+                     "such as DoRA: only plain LoRA layers are split)")
     attention = _attention(block, layers, degree, pattern, sizes)
     taken = set() if isinstance(attention, str) else {n for s in attention for n in (*s.columns, *s.rows)}
     hidden = None if isinstance(attention, str) else dims(layers[next(iter(attention[0].columns))])[0]  # type: ignore
@@ -247,12 +251,16 @@ def _count(module: nn.Module, attrs: tuple[str, ...]) -> tuple[str, int | None]:
 
 def _mlp(layers: dict[str, nn.Module], hidden: int | None, degree: int) -> list[Split] | str:
     """The MLP's splits, best first, or why there are none: a down projection ``F -> hidden`` and the layers that
-    feed it, ``hidden -> F`` (up, gate) or one ``hidden -> 2F`` (gate and up fused)."""
-    for down, layer in layers.items():
+    feed it, ``hidden -> F`` (up, gate) or one ``hidden -> 2F`` (gate and up fused); with ``hidden`` unknown (no
+    attention recognised), the layers feeding it are among those defined before it."""
+    names = list(layers)
+    for i, (down, layer) in enumerate(layers.items()):
         width, h = dims(layer)  # type: ignore[misc]
         if width == h or (hidden is not None and h != hidden):
             continue
-        ups = [n for n, m in layers.items() if n != down and dims(m) in ((h, width), (h, 2 * width))]
+        # without attention's width to tell up from down, the up projections are the ones defined first
+        feeding = names if hidden is not None else names[:i]
+        ups = [n for n in feeding if n != down and dims(layers[n]) in ((h, width), (h, 2 * width))]
         fused = [n for n in ups if dims(layers[n])[1] == 2 * width]  # type: ignore[index]
         if not ups or len(ups) > 2 or (fused and len(ups) > 1):
             continue
