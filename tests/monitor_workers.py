@@ -67,6 +67,8 @@ def monitor_scenarios(csv: str) -> dict[str, dict]:
     results = {
         "straggler": _train("ddp", steps=12, sleep_ms={0: 10, 1: 70}, csv=csv),
         "straggler_zero2": _train("zero2", steps=12, sleep_ms={0: 10, 1: 70}),
+        # tensor parallelism all-reduces inside the forward: the fast rank waits there, not at the gradient sync
+        "straggler_tp": _train("tp", steps=12, sleep_ms={0: 10, 1: 70}, tp_plan={"0": "colwise", "2": "rowwise"}),
         "data": _train("ddp", steps=12, sleep_ms={}, item_sleep_ms=3),
         "balanced": _train("ddp", steps=12, sleep_ms={0: 25, 1: 25}, accumulate=2),
     }

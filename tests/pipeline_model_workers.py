@@ -1,5 +1,6 @@
-"""Workers for test_pipeline_models.py: real models (transformers' GPT-2 and Llama, our tied GPT) cut into pipeline
-stages, many cases per launched job, and the same training in one plain process for reference."""
+"""Workers for test_pipeline_models.py: real models (transformers' GPT-2, Llama and BERT, GPT-2 with PEFT LoRA adapters,
+our tied GPT) cut into pipeline stages, many cases per launched job, and the same training in one plain process for
+reference."""
 from __future__ import annotations
 
 import tempfile
@@ -14,7 +15,7 @@ import paratrain
 from paratrain.model import find_ties
 from paratrain.distributed.process_group import finish_group
 
-VOCAB, SEQ, HIDDEN, GLOBAL_BATCH, STEPS, LR = 65, 8, 32, 16, 3, 0.1
+VOCAB, SEQ, HIDDEN, GLOBAL_BATCH, STEPS, LR, CLASSES = 65, 8, 32, 16, 3, 0.1, 3
 
 
 def build(family: str, layers: int = 4) -> nn.Module:
@@ -33,6 +34,28 @@ def build(family: str, layers: int = 4) -> nn.Module:
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                             max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
                                             pad_token_id=0))
+    if family == "bert":  # an embedding block doing more than a lookup; a classifier on the pooled output
+        from transformers import BertConfig, BertForSequenceClassification
+
+        return BertForSequenceClassification(BertConfig(
+            hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=SEQ, num_labels=CLASSES, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0))
+    if family == "lora":  # adapters inside every block's attention and MLP, the base model frozen
+        import warnings
+
+        from peft import LoraConfig, get_peft_model
+
+        base = build("gpt2", layers)
+        torch.manual_seed(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fan_in_fan_out with Conv1D
+            model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
+                                                    lora_dropout=0.0, fan_in_fan_out=True))
+        for name, p in model.named_parameters():  # B starts at zero; make the adapters matter from step one
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        return model
     if family == "seq":  # an nn.Sequential, cut between its layers as before
         return nn.Sequential(nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
                              nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, VOCAB))
@@ -42,8 +65,11 @@ def build(family: str, layers: int = 4) -> nn.Module:
 
 
 def loss_fn(out: object, y: torch.Tensor) -> torch.Tensor:
-    """Written for the plain model's output: a ModelOutput's ``logits``, or our GPT's tensor."""
+    """Written for the plain model's output: a ModelOutput's ``logits``, or our GPT's tensor; a sequence classifier's
+    (BERT's) target is each sample's first next token, modulo the classes."""
     logits = out.logits if hasattr(out, "logits") else out
+    if logits.dim() == 2:
+        return F.cross_entropy(logits, y[:, 0] % CLASSES)
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
@@ -53,8 +79,9 @@ def batches(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.roll(x, -1, dims=1)
 
 
-def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: int = STEPS) -> dict:
-    """The same training in one plain PyTorch process: the reference every case is compared with."""
+def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: int = STEPS, bf16: bool = False) -> dict:
+    """The same training in one plain PyTorch process (under bf16 autocast with ``bf16``): the reference every case
+    is compared with."""
     model = build(family)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = batches(steps)
@@ -63,7 +90,9 @@ def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: i
     for s in range(steps):
         for a in range(accumulate):
             lo = s * GLOBAL_BATCH + a * micro
-            (loss_fn(model(x[lo:lo + micro]), y[lo:lo + micro]) / accumulate).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(model(x[lo:lo + micro]), y[lo:lo + micro])
+            (loss / accumulate).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()

@@ -200,7 +200,8 @@ def runs(tmp_path_factory):
     return ranks, path
 
 
-@pytest.mark.parametrize("scenario, sync", [("straggler", "gradient sync"), ("straggler_zero2", "forward")])
+@pytest.mark.parametrize("scenario, sync", [("straggler", "gradient sync"), ("straggler_zero2", "forward"),
+                                            ("straggler_tp", "tensor-parallel all-reduce")])
 def test_a_planted_slow_rank_is_named_as_the_straggler(runs, scenario, sync):
     ranks, _ = runs
     run = ranks[0][scenario]  # rank 1 sleeps 70 ms per step, rank 0 10 ms

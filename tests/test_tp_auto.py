@@ -3,7 +3,11 @@
 One launched job at world 2 (tests/tp_auto_workers.py) trains, under ``Parallel("tp")``: a nanoGPT-style GPT written
 here (fused ``c_attn``, tied head: everything split), the same with nanoGPT's own ``C // n_head`` reshape (the
 attention left replicated, the rest split), transformers' GPT-2 and Llama with grouped-query attention forced to
-``"auto"``, and BERT with no plan given (inferred by default); each equal to one plain process (fp32 and SGD:
+``"auto"``, BERT with no plan given (inferred by default), Qwen2 (grouped-query attention, biases, tied head) and
+GPT-2 with PEFT LoRA adapters on every block layer (each adapter split with its base layer); a second job at world 4
+trains zero3 x tp=2 (two replicas of two tp ranks) on the nanoGPT-style GPT, GPT-2, Mistral, Qwen2, BERT and LoRA
+over GPT-2 and Qwen2, and ``tp`` over all four ranks on the nanoGPT-style GPT with 4 heads and a Qwen2 with 8 query
+and 4 key/value heads. Each equal to one plain process (fp32 and SGD:
 ``TOL``, as tests/test_tensor_parallel.py). The inference itself — what it splits, adjusts and leaves whole, and
 what it refuses — is checked in this process, without a process group (the probe runs on one process).
 """
@@ -21,12 +25,22 @@ from test_zoo import TOL
 from tp_auto_workers import MODELS, NanoGPT, nano, run_auto, train
 from zoo import HIDDEN, ZOO
 
-CASES = [("nano", "auto"), ("nano_input_heads", "auto"), ("gpt2", "auto"), ("llama", "auto"), ("bert", None)]
+CASES = [("nano", "auto"), ("nano_input_heads", "auto"), ("gpt2", "auto"), ("llama", "auto"), ("bert", None),
+         ("qwen", "auto"), ("lora_gpt2", "auto")]
+ZERO3_TP = [("nano", "auto"), ("gpt2", "auto"), ("mistral", "auto"), ("qwen", "auto"), ("bert", None),
+            ("lora_gpt2", "auto"), ("lora_qwen", "auto")]
+TP4 = [("nano4", "auto", ("tp", {})), ("qwen8", "auto", ("tp", {}))]  # tp=4: 4 heads; 8 query, 4 key/value heads
 
 
 @pytest.fixture(scope="module")
 def world2():
     return spawn(run_auto, 2, (CASES,), timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    """zero3 x tp: two replicas (dp=2), each split over tp=2; then ``tp`` over all four ranks."""
+    return spawn(run_auto, 4, (ZERO3_TP + TP4, "zero3", {"tp": 2}), timeout_s=480)
 
 
 def one_process(name: str) -> dict:
@@ -45,6 +59,22 @@ def test_auto_plan_trains_like_one_process(world2, name):
     printed = result["printed"]
     assert printed.startswith(f"paratrain: tp_plan='auto' for {type(MODELS[name].build()).__name__} over tp=2"), printed
     assert "rowwise" in printed and world2[1][name]["printed"] == "", "printed once, on rank 0"
+
+
+@pytest.mark.parametrize("name", [c[0] for c in ZERO3_TP])
+def test_auto_plan_under_zero3_x_tp_trains_like_one_process(world4, name):
+    result = world4[0][name]
+    assert "error" not in result, result["error"]
+    assert max_abs_diff(result["state"], one_process(name)) <= TOL
+    assert "rowwise" in result["printed"] and all(r[name]["printed"] == "" for r in world4[1:])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in TP4])
+def test_auto_plan_over_four_tp_ranks_trains_like_one_process(world4, name):
+    result = world4[0][f"{name}/tp"]
+    assert "error" not in result, result["error"]
+    assert max_abs_diff(result["state"], one_process(name)) <= TOL
+    assert "over tp=4" in result["printed"] and "attention" in result["printed"], result["printed"]
 
 
 def test_nanogpt_style_is_split_whole_and_tied():
@@ -109,3 +139,32 @@ def test_built_in_plans_still_win_unless_auto_is_asked():
     assert choose_plan(ZOO["gpt2"].build(), None, 2).name == "GPT-2"
     assert choose_plan(ZOO["gpt2"].build(), "auto", 2).name == "tp_plan='auto' for GPT2LMHeadModel"
     assert choose_plan(ZOO["nanogpt"].build(), None, 2).name == "paratrain GPT"
+
+
+def test_lora_adapters_are_split_with_their_base_layer():
+    """A column-split base: its ``lora_B`` column-split alike (by the same blocks when fused), ``lora_A`` whole; a
+    row-split base: its ``lora_A`` row-split, ``lora_B`` whole (tensor_parallel/adapters.py)."""
+    styles = dict(choose_plan(MODELS["lora_gpt2"].build(), "auto", 2).styles)
+    block = "base_model.model.transformer.h.*"
+    assert isinstance(styles[f"{block}.attn.c_attn.base_layer"], FusedColwise)
+    assert styles[f"{block}.attn.c_attn.lora_B.default"].parts == 3
+    for row in ("attn.c_proj", "mlp.c_proj"):
+        assert isinstance(styles[f"{block}.{row}.base_layer"], Rowwise)
+        assert isinstance(styles[f"{block}.{row}.lora_A.default"], Rowwise)
+    assert not any(k.endswith(("c_attn.lora_A.default", "c_proj.lora_B.default")) for k in styles), styles
+
+
+def test_a_lora_variant_stays_whole_and_says_so():
+    """DoRA normalises by the whole base weight, so its layer is not split; the MLP beside it still is (found by
+    definition order when no attention is recognised to give the hidden width)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(ZOO["gpt2"].build(), LoraConfig(r=4, target_modules=["c_attn"], use_dora=True,
+                                                               fan_in_fan_out=True))
+    summary = "\n".join(choose_plan(model, "auto", 2).summary)
+    assert "replicated: base_model.model.transformer.h.*.attn.c_attn (a LoRA variant such as DoRA" in summary, summary
+    assert "mlp.c_fc -> colwise (MLP)" in summary and "mlp.c_proj -> rowwise (MLP)" in summary, summary

@@ -3,7 +3,10 @@
 
 ``NanoGPT`` is written as nanoGPT's ``model.py`` writes it (fused ``c_attn``, ``c_proj``, MLP ``c_fc``/``c_proj``,
 ``lm_head`` tied to ``wte``); ``heads_from_input=True`` keeps nanoGPT's own ``C // n_head`` (the head size from the
-input's width, which no split of the attention can keep right), ``False`` reshapes by ``n_embd`` instead.
+input's width, which no split of the attention can keep right), ``False`` reshapes by ``n_embd`` instead. Mistral
+(sliding window) and Qwen2 (query/key/value biases, tied head) have grouped-query attention; the LoRA models put PEFT
+adapters on every linear layer of GPT-2's blocks (``Conv1D``, fused ``c_attn``) and of Qwen2's (separate q/k/v,
+SwiGLU), their ``B`` made non-zero so the adapters matter from the first step.
 """
 from __future__ import annotations
 
@@ -79,17 +82,63 @@ def nano(heads_from_input: bool = False) -> NanoGPT:
     return NanoGPT(heads_from_input=heads_from_input)
 
 
+def _gqa(kind: str, heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    """A Mistral- or Qwen2-shaped causal LM: ``heads`` query heads sharing ``kv_heads`` key/value heads."""
+    import transformers
+
+    config, model = {"mistral": ("MistralConfig", "MistralForCausalLM"),
+                     "qwen": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+    extra = {"sliding_window": 4, "tie_word_embeddings": False} if kind == "mistral" else {"tie_word_embeddings": True}
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config)(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=VOCAB,
+                                        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, **extra)
+    return getattr(transformers, model)(cfg)
+
+
+def with_lora(base: nn.Module, targets: list[str], conv1d: bool = False) -> nn.Module:
+    """``base`` with LoRA adapters (rank 4) on ``targets``, their ``B`` non-zero."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                                fan_in_fan_out=conv1d))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _spec(name: str, build: Any) -> ZooModel:
+    return ZooModel(name, build, _tokens, _lm_loss, _sgd)
+
+
 MODELS: dict[str, ZooModel] = {
-    "nano": ZooModel("nano", nano, _tokens, _lm_loss, _sgd),
-    "nano_input_heads": ZooModel("nano_input_heads", lambda: nano(True), _tokens, _lm_loss, _sgd),
+    "nano": _spec("nano", nano),
+    "nano_input_heads": _spec("nano_input_heads", lambda: nano(True)),
     "gpt2": ZOO["gpt2"], "llama": ZOO["llama"], "bert": ZOO["bert"],
+    "mistral": _spec("mistral", lambda: _gqa("mistral")),
+    "qwen": _spec("qwen", lambda: _gqa("qwen")),
+    "nano4": _spec("nano4", lambda: (torch.manual_seed(0), NanoGPT(n_head=4))[1]),  # tp=4 splits whole heads
+    "qwen8": _spec("qwen8", lambda: _gqa("qwen", heads=8, kv_heads=4)),
+    "lora_gpt2": _spec("lora_gpt2", lambda: with_lora(ZOO["gpt2"].build(), ["c_attn", "c_proj", "c_fc"], True)),
+    "lora_qwen": _spec("lora_qwen", lambda: with_lora(_gqa("qwen"), ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj", "down_proj"])),
 }
 
 
 def train(spec: ZooModel, model: nn.Module, opt: torch.optim.Optimizer, par: Any = None) -> None:
-    """``STEPS`` steps on the full batch: under ``par`` (every rank of the tp group reads it), or plainly."""
+    """``STEPS`` steps on the full batch: under ``par`` (each replica its slice, read by every rank of its tp
+    group), or plainly."""
     for s in range(STEPS):
         x, y = step_batch(spec, s)
+        if par is not None and par.data_parallel_size > 1:
+            per, rank = len(x) // par.data_parallel_size, par.data_parallel_rank
+            x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         if par is None:
             spec.loss(model(x), y).backward()
             opt.step()
@@ -99,24 +148,27 @@ def train(spec: ZooModel, model: nn.Module, opt: torch.optim.Optimizer, par: Any
             par.forward_backward(model, x, y, spec.loss)
 
 
-def run_auto(cases: list[tuple[str, str | None]]) -> dict[str, Any]:
-    """Each case (model, ``tp_plan``) under ``Parallel("tp")``: the final full state and what this rank printed
+def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = None) -> dict[str, Any]:
+    """Each case (model, ``tp_plan``) under ``Parallel(strategy, **options)``, or (model, ``tp_plan``, (strategy,
+    options)) under its own layout, keyed ``model/strategy`` then: the final full state and what this rank printed
     while preparing; a paratrain error as its one line."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}
-    for name, plan in cases:
+    for name, plan, *layout in cases:
         spec = MODELS[name]
+        how, kwargs = layout[0] if layout else (strategy, options or {})
+        key = f"{name}/{how}" if layout else name
         printed = io.StringIO()
         try:
-            par = paratrain.Parallel("tp", monitor=False, **({} if plan is None else {"tp_plan": plan}))
+            par = paratrain.Parallel(how, monitor=False, **kwargs, **({} if plan is None else {"tp_plan": plan}))
             model = spec.build()
             with contextlib.redirect_stdout(printed):
                 model, opt = par.prepare(model, spec.optimizer(model))
             train(spec, model, opt, par)
-            out[name] = {"state": par.full_state_dict(model, rank0_only=False), "printed": printed.getvalue()}
+            out[key] = {"state": par.full_state_dict(model, rank0_only=False), "printed": printed.getvalue()}
             par.close()
         except paratrain.ParatrainError as err:
-            out[name] = {"error": str(err), "printed": printed.getvalue()}
+            out[key] = {"error": str(err), "printed": printed.getvalue()}
     finish_group()
     return out

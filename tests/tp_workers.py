@@ -10,6 +10,7 @@ logits' type and placements), and the logits a direct ``model(x)`` call returns.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -111,7 +112,9 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str,
     saved = par.full_state_dict(model, rank0_only=False)
     norms += _train(spec, par, model, opt, range(STEPS - 1, STEPS), seen)
     final = par.full_state_dict(model, rank0_only=False)
-    logits = model(step_batch(spec, 0)[0].to(par.device))
+    with warnings.catch_warnings(record=True) as caught:  # FSDP2 warned once per rank of a root returning a view
+        warnings.simplefilter("always")
+        logits = model(step_batch(spec, 0)[0].to(par.device))
     logits = logits.logits if hasattr(logits, "logits") else logits
     blocks = _blocks(par.unwrap(model))
     par.close()
@@ -122,8 +125,9 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str,
     resumed = par.full_state_dict(model, rank0_only=False)
     par.close()
     return {"layout": layout, "saved": saved, "state": final, "resumed": max_abs_diff(final, resumed), "norms": norms,
-            "seen": sorted(set(seen)), "early": early, "dp": par.data_parallel_size, "blocks": blocks,
-            "logits_type": type(logits).__name__, "logits": logits.detach().cpu()}
+            "seen": sorted(set(seen)), "early": early, "warned": [str(w.message) for w in caught],
+            "dp": par.data_parallel_size, "blocks": blocks, "logits_type": type(logits).__name__,
+            "logits": logits.detach().cpu()}
 
 
 def _blocks(model: torch.nn.Module) -> dict[str, bool]:

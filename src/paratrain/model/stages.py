@@ -9,11 +9,17 @@ a stage is the model with everything it does not run swapped out:
 * on every stage but the first, the modules before the blocks become stand-ins: the input embedding a
   pass-through (or it is not called at all: a transformers model gets the hidden states as ``inputs_embeds=``),
   an embedding that is *added* (GPT-2's positions ``wpe``) a zero, dropout a pass-through (it ran on the first
-  stage already);
+  stage already); an embedding block that does more than a lookup (BERT's ``embeddings``: word, position and
+  token-type tables, a norm, dropout; it holds the input embedding) runs whole on the first stage and is a
+  pass-through of the hidden states on the others, which hand them to it as ``inputs_embeds=``;
 * on every stage but the last, the modules after the blocks (final norm, head) become pass-throughs, so the
   stage's "logits" are its hidden states;
 * parameter-free pieces other than dropout (Llama's ``rotary_emb``, computed from the positions) stay on every
   stage.
+
+A PEFT model (LoRA) is cut the same way, between its base model's blocks: its adapters live inside the blocks'
+layers, so each stage holds its blocks with their adapters, and its forward passes everything to the base model,
+whose signature says whether a stage's input goes as ``inputs_embeds=``.
 
 A stage is a shallow copy: only the modules on the way from the root to the blocks are copied (with a
 ``_modules`` dict of their own); blocks, embeddings and head are the user's module objects, so a tie inside one
@@ -44,6 +50,8 @@ class PassThrough(nn.Module):
     """Stands in for a module this stage does not run: gives back its input (the hidden states)."""
 
     def forward(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if x is None:  # an embedding block called by keyword (BERT's ``embeddings(input_ids=None, inputs_embeds=h)``)
+            return kwargs.get("inputs_embeds")
         return x
 
 
@@ -112,10 +120,6 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] |
     at block indices (``split``), or balanced by the blocks' parameter counts; one-line ``ConfigError`` when the
     model cannot be split this way. ``facts``: ``model``'s, when ``prepare`` found them."""
     kind = type(model).__name__
-    if any(c.__name__ == "PeftModel" for c in type(model).__mro__):
-        raise ConfigError(f"pipeline cannot split the PEFT model {kind}: its adapters wrap the blocks' layers and "
-                          "its forward goes through the base model; merge the adapters (merge_and_unload()) first, "
-                          "or use ddp or zero1")
     blocks = facts.blocks if facts is not None else find_blocks(model)
     if blocks is None:
         raise ConfigError(f"pipeline cannot split {kind}: it has no repeated blocks (a ModuleList/Sequential of one "
@@ -125,10 +129,11 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] |
     input_embedding = _input_embedding(model, before)
     for name in before:
         module = model.get_submodule(name)
-        if _has_params(module) and name != input_embedding and not isinstance(module, nn.Embedding):
+        holds_input = input_embedding is not None and input_embedding.startswith(f"{name}.")
+        if _has_params(module) and name != input_embedding and not holds_input and not isinstance(module, nn.Embedding):
             raise ConfigError(
-                f"pipeline cannot split {kind}: {name} ({type(module).__name__}) runs before the blocks and does "
-                "more than look up an embedding, so later stages cannot skip it; use ddp or fsdp"
+                f"pipeline cannot split {kind}: {name} ({type(module).__name__}) runs before the blocks, holds no "
+                "input embedding and does more than look up one, so later stages cannot skip it; use ddp or fsdp"
             )
     n = len(blocks.names)
     if num_stages > n:
@@ -263,7 +268,8 @@ class StageModule(nn.Module):
         super().__init__()
         self.stage = stage
         self.first = first
-        accepted = inspect.signature(type(stage).forward).parameters
+        base = stage.get_base_model() if callable(getattr(stage, "get_base_model", None)) else stage  # PEFT
+        accepted = inspect.signature(type(base).forward).parameters
         self.embeds_keyword = "inputs_embeds" in accepted
         self.extra = {"use_cache": False} if "use_cache" in accepted else {}
         self.kind = OutputKind()

@@ -30,7 +30,8 @@ from .rules import RankStats
 
 SYNC_POINTS = {
     "grads": "the gradient sync (end of its backward)",
-    "forward": "the first collective of its forward (parameter all-gather or buffer broadcast)",
+    "forward": "the first collective of its forward (parameter all-gather, buffer broadcast or tensor-parallel "
+               "all-reduce)",
     "step": "the start of its step (pipeline stages also wait for each other inside the step)",
     "none": "the end of its step (one process: no sync)",
 }
@@ -48,10 +49,20 @@ def sync_point_of(model: nn.Module) -> str:
         from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         return "forward"  # parameters are all-gathered before the first layer runs
+    if _tensor_parallel(model):
+        return "forward"  # the tp group all-reduces inside the forward: a rank arriving there waits for the others
     buffers = getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", False))
     if buffers and len(getattr(model, "modules_buffers", ())) > 0:
         return "forward"  # DDP broadcasts buffers (BatchNorm statistics) at every forward
     return "grads"
+
+
+def _tensor_parallel(model: nn.Module) -> bool:
+    """Parameters split or replicated over a mesh of more than one rank: tensor parallelism's collectives run inside
+    the forward and backward, so time up to the gradient sync would count waiting for the tp group as busy."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in model.parameters())
 
 
 class _TimedIterator:

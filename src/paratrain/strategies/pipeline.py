@@ -60,9 +60,6 @@ class PipelineStrategy(Strategy):
     def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
         self.tp = tensor_parallel(TPConfig.pop(options))
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
-        if self.tp is not None and self.config.stages_per_rank != 1:
-            raise ConfigError(f"{self.name} with tp runs one stage per rank: use schedule='1f1b' or 'gpipe' with tp, "
-                              f"or {self.config.schedule!r} without tp")
         self._names: dict[int, dict[int, str]] = {}
 
     def degrees(self, env: ClusterEnv) -> tuple[int, int]:

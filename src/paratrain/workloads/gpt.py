@@ -123,18 +123,18 @@ class GPT(nn.Module):
         """The tensor-parallel plan (see :mod:`paratrain.distributed.tensor_parallel.plans`): ``qkv`` and a gated
         ``fc`` are laid out per head / per unit, so a plain column split keeps them whole (no gather, unlike GPT-2's
         ``c_attn``). Imported here, when asked for: tensor parallelism takes a second to import."""
-        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import SequenceParallel
 
-        from ..distributed.tensor_parallel.plans import (TPPlan, final_norm, sequence_shards, vocab_embedding,
-                                                          vocab_head)
+        from ..distributed.tensor_parallel.plans import TPPlan, final_norm, vocab_head
         from ..distributed.tensor_parallel.styles import Colwise, Replicated, Rowwise
 
-        styles: dict[str, object] = {"wte": vocab_embedding()}
+        # The embedding's partial sums are reduce-scattered straight into sequence slices (torchtitan's layout), not
+        # all-reduced and then sliced; the position table hands each rank its positions' rows.
+        styles: dict[str, object] = {"wte": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1))}
         if self.wpe is not None:
-            styles["wpe"] = Replicated()
+            styles["wpe"] = Replicated(output_shard=0)
         styles.update({
-            "blocks.0": sequence_shards(),
             "blocks.*.norm1": SequenceParallel(),
             **{f"blocks.*.{name}": Colwise(input_layouts=Shard(1))  # grouped: q and kv each gather the input
                for name in (("q", "kv") if self.cfg.key_value_heads != self.cfg.heads else ("qkv",))},

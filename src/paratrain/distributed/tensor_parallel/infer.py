@@ -22,6 +22,7 @@ from ...errors import ConfigError
 from ...model.facts import ModelFacts
 from ...model.structure import Blocks, find_blocks, outer_modules
 from ...model.ties import Ties, find_ties
+from .adapters import inside_lora, is_lora, plain_lora_base, with_adapters
 from .plans import TPPlan, has_plan, matches, plan_for, vocab_embedding
 from .probe import Split, block_call, dims, evaluating, verify
 from .styles import Colwise, FusedColwise, Rowwise
@@ -81,7 +82,9 @@ def _vocabulary(model: nn.Module, blocks: Blocks | None, ties: Ties, styles: dic
     """Split the token embedding and the output head over the vocabulary (both, when they are tied, or neither);
     returns the vocabulary size (for the probe's token ids)."""
     before, after = outer_modules(model, blocks) if blocks is not None else ([""], [])
-    embeddings = [(n, m) for n, m in _under(model, before) if isinstance(m, nn.Embedding)]
+    wrappers = {n for n, m in model.named_modules() if is_lora(m)}
+    embeddings = [(n, m) for n, m in _under(model, before) if isinstance(m, nn.Embedding)
+                  and n not in wrappers and not inside_lora(n, wrappers)]
     if not embeddings:
         whole.append("no token embedding before the blocks")
         return 2
@@ -118,7 +121,11 @@ def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, sty
     for every block; returns the (module pattern, attribute) pairs to divide by the degree."""
     block = model.get_submodule(blocks.names[0])
     pattern = f"{blocks.container}.*" if blocks.container else "*"
-    layers = {n: m for n, m in block.named_modules() if n and dims(m) is not None}
+    layers = _layers(block)
+    kept = sorted(n for n, m in block.named_modules() if is_lora(m) and plain_lora_base(m) is None)
+    if kept:
+        whole.append(f"{pattern}.{kept[0]}{f' and {len(kept) - 1} more' if len(kept) > 1 else ''} (a LoRA variant "
+                     "such as DoRA: only plain LoRA layers are split)")
     attention = _attention(block, layers, degree, pattern, sizes)
     taken = set() if isinstance(attention, str) else {n for s in attention for n in (*s.columns, *s.rows)}
     hidden = None if isinstance(attention, str) else dims(layers[next(iter(attention[0].columns))])[0]  # type: ignore
@@ -127,6 +134,8 @@ def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, sty
     call = block_call(model, block, vocab) if found else ""
     chosen: list[tuple[str, Split]] = []
     for what, variants in (("attention", attention), ("MLP", mlp)):
+        if not isinstance(variants, str):
+            variants = [with_adapters(block, v) for v in variants]
         if isinstance(variants, str):
             whole.append(f"{pattern} {what} ({variants})")
         elif isinstance(call, str):
@@ -152,6 +161,19 @@ def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, sty
     if adjust:
         said.append(f"per rank, divided by {degree}: {', '.join(f'{o}.{a}' for o, a in adjust)}")
     return adjust
+
+
+def _layers(block: nn.Module) -> dict[str, nn.Module]:
+    """The block's linear layers by name; a PEFT LoRA layer stands for its base layer (its adapters are split with
+    it: :mod:`.adapters`), and what is inside any LoRA layer is not a layer of its own."""
+    modules = dict(block.named_modules())
+    wrappers = {n for n, m in modules.items() if n and is_lora(m)}
+    layers = {}
+    for name, module in modules.items():
+        layer = plain_lora_base(module) if name in wrappers else module
+        if name and not inside_lora(name, wrappers) and layer is not None and dims(layer) is not None:
+            layers[name] = layer
+    return layers
 
 
 def _names(split: Split) -> str:
@@ -229,12 +251,16 @@ def _count(module: nn.Module, attrs: tuple[str, ...]) -> tuple[str, int | None]:
 
 def _mlp(layers: dict[str, nn.Module], hidden: int | None, degree: int) -> list[Split] | str:
     """The MLP's splits, best first, or why there are none: a down projection ``F -> hidden`` and the layers that
-    feed it, ``hidden -> F`` (up, gate) or one ``hidden -> 2F`` (gate and up fused)."""
-    for down, layer in layers.items():
+    feed it, ``hidden -> F`` (up, gate) or one ``hidden -> 2F`` (gate and up fused); with ``hidden`` unknown (no
+    attention recognised), the layers feeding it are among those defined before it."""
+    names = list(layers)
+    for i, (down, layer) in enumerate(layers.items()):
         width, h = dims(layer)  # type: ignore[misc]
         if width == h or (hidden is not None and h != hidden):
             continue
-        ups = [n for n, m in layers.items() if n != down and dims(m) in ((h, width), (h, 2 * width))]
+        # without attention's width to tell up from down, the up projections are the ones defined first
+        feeding = names if hidden is not None else names[:i]
+        ups = [n for n in feeding if n != down and dims(layers[n]) in ((h, width), (h, 2 * width))]
         fused = [n for n in ups if dims(layers[n])[1] == 2 * width]  # type: ignore[index]
         if not ups or len(ups) > 2 or (fused and len(ups) > 1):
             continue

@@ -50,8 +50,14 @@ class ShardedOutputs:
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """A loss computed under ``loss_parallel`` (a replicated DTensor) as a plain tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """A DTensor output (logits, a loss computed under ``loss_parallel``) as a plain full tensor. Gathering a split
+    the ranks hold unevenly (a vocabulary of 65 over 2) ends in a slice, a view, which FSDP2 warns about when the
+    root module returns it (an in-place op on it would drop FSDP's pre-backward hook): a view is copied once, next
+    to the gather it follows."""
+    if not isinstance(t, DTensor):
+        return t
+    full = t.full_tensor()
+    return full.clone() if full._base is not None else full
 
 
 def forward_backward(outputs: ShardedOutputs, model: nn.Module, x: Any, target: Any, loss_fn: Callable,

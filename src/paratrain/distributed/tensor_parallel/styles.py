@@ -108,7 +108,13 @@ class FirstInput(PrepareModuleInput):
 
 
 class Replicated(ParallelStyle):
-    """Parameters whole on every rank (``Replicate`` DTensors); plain tensors in and out."""
+    """Parameters whole on every rank (``Replicate`` DTensors); plain tensors in and out. ``output_shard=d``: each
+    rank keeps its slice of the output along ``d`` (no communication; the backward all-gathers the gradient), as a
+    position table added to sequence-sharded token embeddings needs."""
+
+    def __init__(self, output_shard: int | None = None) -> None:
+        super().__init__()
+        self.output_shard = output_shard
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def inputs(_: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
@@ -116,7 +122,10 @@ class Replicated(ParallelStyle):
                          if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
 
         def outputs(_: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
-            return out.to_local() if isinstance(out, DTensor) else out
+            if not isinstance(out, DTensor):
+                return out
+            return out.to_local() if self.output_shard is None else out.redistribute(
+                placements=[Shard(self.output_shard)]).to_local()
 
         return distribute_module(module, device_mesh, None, inputs, outputs)
 

@@ -1,0 +1,149 @@
+"""``Parallel("tp", tp_plan="auto")`` against the same splits written by hand with ``parallelize_module`` (CPU, gloo,
+world 2).
+
+    .venv/bin/python benchmarks/tp_auto_overhead.py                       # 5 interleaved rounds
+    .venv/bin/python benchmarks/tp_auto_overhead.py --rounds 1 --steps 3  # a quick look
+
+Model: the Llama of ``benchmarks/tp_overhead.py`` (transformers' ``LlamaForCausalLM`` from a small config,
+grouped-query attention, untied head), AdamW, fp32, the same batch on both ranks. Subjects, one after the other in
+every round (the order alternating):
+
+* ``auto``: ``Parallel("tp", tp_plan="auto")``: the plan inferred from the blocks and checked on one process
+  (vocabulary-split embedding and head, column-split q/k/v and gate/up, row-split o/down, no sequence
+  parallelism), every other parameter a replicated DTensor, ``forward_backward`` with the loss on logits split
+  over the vocabulary;
+* ``hand``: the same splits with PyTorch's own styles, as a user would write them for this model —
+  ``RowwiseParallel`` embedding, ``ColwiseParallel``/``RowwiseParallel`` projections, ``ColwiseParallel`` head with
+  ``Shard(-1)`` logits — norms left plain tensors, the loss under ``loss_parallel()``;
+* ``hand_dt``: ``hand`` with every parameter it leaves whole (the norms) a replicated DTensor, as paratrain keeps
+  them (``Replicated``: clipping and FSDP over ``(dp, tp)`` want every parameter a DTensor on one mesh), to tell
+  what that costs from the rest.
+
+Both compute the same math (the first loss is printed for each). Step time: the median of each round's median, on
+the slower rank; the ratio is auto / hand. Inference time: what ``prepare`` spends inferring and checking the plan
+(once per job).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import paratrain
+from paratrain.distributed.process_group import finish_group
+from tp_overhead import BATCH, FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, SEQ, VOCAB, build, one_step, split_bytes
+
+
+SUBJECTS = ("auto", "hand", "hand_dt")
+
+
+def hand_written(model: torch.nn.Module) -> torch.nn.Module:
+    """The inferred plan's splits with PyTorch's styles, on a 1-D mesh over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {
+            **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        })
+    return model
+
+
+def prepared(subject: str) -> tuple[object, torch.nn.Module, torch.optim.Optimizer, float]:
+    model = build()
+    if subject.startswith("hand"):
+        model = hand_written(model)
+        if subject == "hand_dt":
+            from torch.distributed.tensor import DTensor
+
+            from paratrain.distributed.tensor_parallel.styles import Replicated
+
+            mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+            for module in model.modules():
+                if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+                    Replicated()._apply(module, mesh)
+        return None, model, torch.optim.AdamW(model.parameters(), lr=1e-4), 0.0
+    par = paratrain.Parallel("tp", tp_plan="auto", monitor=False)
+    start = time.perf_counter()
+    model, opt = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    return par, model, opt, time.perf_counter() - start
+
+
+def job(rounds: int, steps: int, warmup: int) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    x, y = ids[:, :-1], ids[:, 1:]
+    subjects = {s: prepared(s) for s in SUBJECTS}
+    out: dict = {s: {"rounds_ms": [], "split_bytes": split_bytes(subjects[s][1]), "prepare_s": subjects[s][3]}
+                 for s in subjects}
+    for s, (par, model, opt, _) in subjects.items():
+        out[s]["first_loss"] = one_step(par, model, opt, x, y)  # the same math: the same first loss
+        for _ in range(warmup - 1):
+            one_step(par, model, opt, x, y)
+    for r in range(rounds):
+        for s in (SUBJECTS if r % 2 == 0 else SUBJECTS[::-1]):
+            par, model, opt, _ = subjects[s]
+            times = []
+            for _ in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                one_step(par, model, opt, x, y)
+                times.append(time.perf_counter() - start)
+            out[s]["rounds_ms"].append(1e3 * statistics.median(times))
+    for par, *_ in subjects.values():
+        if par is not None:
+            par.close()
+    finish_group()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
+    p.add_argument("--json", help="write the figures here")
+    a = p.parse_args()
+    ranks = paratrain.launch(job, 2, (a.rounds, a.steps, a.warmup), timeout_s=1800)
+    rows = {}
+    for s in ranks[0]:
+        per_round = [max(rank[s]["rounds_ms"][r] for rank in ranks) for r in range(a.rounds)]
+        held, whole = ranks[0][s]["split_bytes"]
+        rows[s] = {"step_ms": statistics.median(per_round), "rounds_ms": [round(v, 1) for v in per_round],
+                   "held_bytes": held, "whole_bytes": whole, "first_loss": ranks[0][s]["first_loss"],
+                   "prepare_s": max(rank[s]["prepare_s"] for rank in ranks)}
+    ratios = [a_ / h for a_, h in zip(rows["auto"]["rounds_ms"], rows["hand"]["rounds_ms"])]
+    same = [a_ / h for a_, h in zip(rows["auto"]["rounds_ms"], rows["hand_dt"]["rounds_ms"])]
+    print(f"Llama {LAYERS} layers x {HIDDEN} (heads {HEADS}, kv {KV_HEADS}, ffn {FFN}, vocab {VOCAB}), batch {BATCH} x "
+          f"{SEQ}, fp32, AdamW, tp=2 on 2 CPU processes (gloo); {a.rounds} rounds x {a.steps} steps")
+    print(f"{'subject':<8} {'step ms':>8} {'x hand':>7} {'split params held':>18} {'first loss':>11}  rounds (ms)")
+    for s, row in rows.items():
+        share = row["held_bytes"] / row["whole_bytes"] if row["whole_bytes"] else float("nan")
+        print(f"{s:<8} {row['step_ms']:>8.1f} {row['step_ms'] / rows['hand']['step_ms']:>7.3f} "
+              f"{share:>17.4f}x {row['first_loss']:>11.6f}  {row['rounds_ms']}")
+    print(f"per-round auto/hand: {[round(r, 3) for r in ratios]} (median {statistics.median(ratios):.3f}); "
+          f"inferring and checking the plan in prepare: {rows['auto']['prepare_s']:.2f} s")
+    print(f"per-round auto/hand_dt: {[round(r, 3) for r in same]} (median {statistics.median(same):.3f})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
