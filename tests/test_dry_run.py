@@ -104,3 +104,40 @@ def test_dry_run_command(models, paratrain_cmd):
     bad = subprocess.run([*paratrain_cmd, "plan", "--dry-run", "--world", "64", "--strategy", "pipeline",
                           "--model-config", str(folder)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "pipeline needs at least 64 blocks" in bad.stdout, (bad.stdout, bad.stderr)
+
+
+def test_a_tie_across_pipeline_stages_is_laid_out_and_one_on_one_rank_is_an_error():
+    """A launch keeps a weight tied across stages on both (gradients summed over the stages that hold it:
+    ``strategies.pipeline._tie_groups``), so the dry run lays it out; it refuses only a tie whose users two stages
+    of one rank hold (interleaved), as a launch does."""
+    small = GPTConfig(layers=8, hidden=64, heads=4, seq_len=64, vocab=1000)
+    embedding = small.vocab * small.hidden * 4
+    for options, world in [({}, 8), ({"schedule": "interleaved-1f1b"}, 4), ({"tp": 2}, 8)]:
+        result = dry_run(lambda: GPT(small), world=world, strategy="pipeline", options=options)
+        assert result.error is None, (options, result.error)
+        first, middle, last = result.ranks[0], result.ranks[1], result.ranks[-1]
+        assert last.rank == world - 1
+        tp = options.get("tp", 1)
+        for end in (first, last):  # the embedding on the first stage, its tied copy (the head) on the last
+            assert end.parameters - middle.parameters >= 0.9 * embedding / tp, (options, result.ranks)
+
+    def shared_blocks() -> GPT:
+        model = GPT(small)
+        model.blocks[4].fc.weight = model.blocks[0].fc.weight  # stages 0 and 2 of 4: both on rank 0 of 2
+        return model
+
+    result = dry_run(shared_blocks, world=2, strategy="pipeline", options={"schedule": "interleaved-1f1b"})
+    assert "one tensor used by stages [0, 2], two of which run on one rank" in (result.error or ""), result.error
+    assert "\n" not in result.error
+
+
+def test_an_uneven_vocabulary_is_a_note_not_an_error(models):
+    """GPT-2's 50257 rows over tp=8: DTensor shards them unevenly and training runs (tests/test_tp_auto.py trains
+    a vocabulary of 65 over tp=2 and 4 equal to one process), so the dry run lays it out and says so."""
+    for name, options, world in [("gpt2", {"tp": 8}, 64), ("gpt2", {}, 8)]:
+        result = dry_run(models[name][0], world=world, strategy="zero3" if options else "tp", options=options)
+        assert result.error is None, result.error
+        assert any("wte.weight (dimension 0 of 50257) splits unevenly over tp=8" in n for n in result.notes), result
+        assert "note: " in result.table() and result.as_dict()["notes"] == result.notes
+    even = dry_run(models["llama"][0], world=64, strategy="zero3", options={"tp": 8})  # 32000 rows
+    assert even.error is None and even.notes == [], even.notes

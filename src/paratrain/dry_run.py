@@ -52,6 +52,7 @@ class DryRun:
     layout: str = ""
     ranks: list[RankBytes] = field(default_factory=list)
     error: str | None = None
+    notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -60,7 +61,8 @@ class DryRun:
 
     def as_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "world": self.world, "layout": self.layout, "error": self.error,
-                "seconds": round(self.seconds, 3), "ranks": [{**asdict(r), "total": r.total} for r in self.ranks]}
+                "notes": self.notes, "seconds": round(self.seconds, 3),
+                "ranks": [{**asdict(r), "total": r.total} for r in self.ranks]}
 
     def table(self) -> str:
         if self.error is not None:
@@ -70,6 +72,7 @@ class DryRun:
                  f"{'rank':>6} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'total GiB':>10}"]
         lines += [f"{r.rank:>6} {r.parameters / gib:>11.3f} {r.gradients / gib:>10.3f} "
                   f"{r.optimizer_states / gib:>10.3f} {r.total / gib:>10.3f}" for r in self.ranks]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -90,9 +93,10 @@ def dry_run(build: Callable[[], nn.Module], *, world: int, strategy: str, option
             if rank in done:
                 continue
             done.add(rank)
-            held, more, out.layout = _probe(build, rank, world, strategy, options or {}, precision, optimizer,
-                                            per_node)
+            held, more, out.layout, notes = _probe(build, rank, world, strategy, options or {}, precision,
+                                                   optimizer, per_node)
             out.ranks.append(held)
+            out.notes += [n for n in notes if n not in out.notes]
             if rank == 0:
                 todo += [r for r in [*more, world - 1] if r not in done]
     except ParatrainError as err:
@@ -105,7 +109,7 @@ def dry_run(build: Callable[[], nn.Module], *, world: int, strategy: str, option
 
 
 def _probe(build: Callable[[], nn.Module], rank: int, world: int, strategy: str, options: dict[str, Any],
-           precision: str, optimizer: str, per_node: int) -> tuple[RankBytes, list[int], str]:
+           precision: str, optimizer: str, per_node: int) -> tuple[RankBytes, list[int], str, list[str]]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .parallel import Parallel
@@ -125,7 +129,7 @@ def _probe(build: Callable[[], nn.Module], rank: int, world: int, strategy: str,
         facts.check_ties(inner, par.strategy.name)
         prepared = par.strategy.wrap_optimizer(opt, wrapped, rt) if opt is not None else None
         held = _held(inner, prepared, OPTIMIZER_STATES[optimizer], rank)
-        return held, _stage_heads(par), par.strategy.describe()
+        return held, _stage_heads(par), par.strategy.describe(), _uneven_tp(inner)
     finally:
         dist.destroy_process_group()
 
@@ -146,6 +150,25 @@ def _held(model: nn.Module, optimizer: torch.optim.Optimizer | None, states: int
     return RankBytes(rank=rank, parameters=sum(_bytes(p) for p in params),
                      gradients=sum(_bytes(p) for p in params if p.requires_grad),
                      optimizer_states=states * sum(_bytes(p) for p in trained.values()))
+
+
+def _uneven_tp(model: nn.Module) -> list[str]:
+    """A note per tensor-parallel weight whose split dimension does not divide by tp (GPT-2's vocabulary of 50257
+    over tp=8): DTensor shards it unevenly, as ``torch.chunk`` does, and it trains (tests/test_tp_auto.py, vocabulary
+    65 over tp=2 and 4); the last ranks hold fewer rows and wait on the first."""
+    notes = []
+    for name, p in model.named_parameters():
+        names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
+        if "tp" not in names:
+            continue
+        tp, placement = p.device_mesh["tp"].size(), p.placements[names.index("tp")]
+        dim = getattr(placement, "dim", None)
+        if placement.is_shard() and dim is not None and p.shape[dim] % tp:
+            rows = p.shape[dim]
+            notes.append(f"{name} (dimension {dim} of {rows}) splits unevenly over tp={tp}: {-(-rows // tp)} "
+                         f"rows per rank, fewer on the last; it runs (DTensor shards unevenly), a vocabulary padded "
+                         f"to a multiple of {tp} would balance it")
+    return notes
 
 
 def _stage_heads(par: Any) -> list[int]:
