@@ -1,8 +1,12 @@
 """Pretrained weights read straight into a prepared model's shards (``par.load_weights``): a transformers
 ``save_pretrained`` folder (sharded safetensors with its index), a single safetensors file, a torch state-dict file;
 into models built on the meta device or normally, under every kind of layout. Each equals ``load_state_dict`` of the
-full file in one process, and a sharded rank reads less than the whole file. Refusals are one line."""
+full file in one process, and a sharded rank reads less than the whole file; so does a ``paratrain export`` of a
+checkpoint, read into zero3 at world 2. Refusals are one line."""
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,13 +39,28 @@ def files(tmp_path_factory):
     save_file({k: v.contiguous() for k, v in pretrained("bert").state_dict().items()}, root / "bert.safetensors")
     torch.save(pretrained("nanogpt").state_dict(), root / "nanogpt.pt")
     return {"gpt2": str(root / "gpt2"), "llama": str(root / "llama"), "bert": str(root / "bert.safetensors"),
-            "nanogpt": str(root / "nanogpt.pt")}
+            "nanogpt": str(root / "nanogpt.pt"), "gpt2:export": exported(root)}
+
+
+def exported(root) -> str:
+    """``paratrain export`` (the command, in its own process) of a checkpoint that ``par.save`` wrote of the
+    pretrained GPT-2 (tied head)."""
+    import paratrain
+
+    par = paratrain.Parallel("single", monitor=False)
+    par.prepare(pretrained("gpt2"))
+    saved = par.save(root / "ckpt")
+    par.close()
+    done = subprocess.run([sys.executable, "-m", "paratrain", "export", str(saved), str(root / "gpt2-export.pt")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "wrote" in done.stdout, done.stderr
+    return str(root / "gpt2-export.pt")
 
 
 WORLD2 = [("gpt2", "zero3", {}, True), ("llama", "zero3", {}, True), ("bert", "zero3", {}, True),
           ("nanogpt", "zero3", {}, True), ("llama", "tp", {}, True), ("gpt2", "tp", {}, True),
           ("gpt2", "pipeline", {}, True), ("llama", "ddp", {"precision": "bf16-true"}, True),
-          ("nanogpt", "zero2", {}, False), ("bert", "ddp", {}, False)]
+          ("nanogpt", "zero2", {}, False), ("bert", "ddp", {}, False), ("gpt2:export", "zero3", {}, True)]
 WORLD4 = [("llama", "zero3", {"tp": 2}, True), ("nanogpt", "zero3", {"tp": 2}, True), ("gpt2", "hsdp", {}, True),
           ("llama", "hybrid", {"data": "fsdp"}, True)]
 
@@ -63,6 +82,7 @@ def world4(files):
 
 def _check(result: dict, model_name: str, options: dict, sharded: bool) -> None:
     assert "error" not in result, result.get("error")
+    model_name = model_name.split(":")[0]  # "gpt2:export": the zoo's gpt2, its weights from another file
     expected = pretrained(model_name).state_dict()
     if options.get("precision") == "bf16-true":
         expected = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in expected.items()}

@@ -12,7 +12,7 @@ from zoo import ZOO
 
 
 def weights_case(model_name: str, strategy: str, options: dict, path: str, meta: bool) -> dict:
-    spec = ZOO[model_name]
+    spec = ZOO[model_name.split(":")[0]]  # "gpt2:export": the zoo's gpt2, read from another kind of file
     par = paratrain.Parallel(strategy, monitor=False, **({"init_fn": "empty"} if meta else {}), **options)
     if meta:
         with torch.device("meta"):
