@@ -19,12 +19,14 @@ def _memory(layout, training=None, cluster=None):
     return memory_per_rank(STATS, layout, batch, training, cluster)
 
 
-def _states(layout, training=None):
-    return model_states(STATS, layout, training or Training(precision="bf16-mixed", optimizer="adamw", micro_batch=1))
+def _states(layout, training=None, paper=False):
+    return model_states(STATS, layout, training or Training(precision="bf16-mixed", optimizer="adamw", micro_batch=1),
+                        paper=paper)
 
 
 @pytest.mark.parametrize("n", [2, 8, 64])
 def test_model_states_match_the_zero_paper_for_mixed_precision_adam(n):
+    """The paper's figures (``paper=True``: ZeRO-1 as an even split of the optimizer states)."""
     expected = {  # Rajbhandari et al. 2020, figure 1: bytes per GPU for Ψ parameters on N GPUs
         Layout(name="ddp", dp=n): 16 * PSI,
         Layout(name="zero1", dp=n, zero=1, shard=n): 4 * PSI + 12 * PSI / n,
@@ -32,7 +34,28 @@ def test_model_states_match_the_zero_paper_for_mixed_precision_adam(n):
         Layout(name="zero3", dp=n, zero=3, shard=n): 16 * PSI / n,
     }
     for layout, states in expected.items():
-        assert _states(layout).total == pytest.approx(states, rel=1e-12), layout.name
+        assert _states(layout, paper=True).total == pytest.approx(states, rel=1e-12), layout.name
+        if layout.zero != 1:
+            assert _states(layout).total == _states(layout, paper=True).total, layout.name
+
+
+def test_zero1_optimizer_states_are_the_busiest_rank_of_zero_redundancy_optimizer():
+    """The planner's own ZeRO-1 figure (``paper=False``): ``ZeroRedundancyOptimizer`` hands whole tensors, largest
+    first, to the least-loaded rank, so the busiest keeps at least the embedding's states, and never more than
+    Ψ/N plus the largest tensor's."""
+    from paratrain.planner.memory import zero1_busiest
+
+    assert zero1_busiest((5, 4, 3, 3, 1), 2) == 8  # 5→r0, 4→r1, 3→r1 (7), 3→r0 (8), 1→r1 (8)
+    assert zero1_busiest((10, 1, 1), 4) == 10 and zero1_busiest((3, 3, 3, 3), 4) == 3
+    largest = max(STATS.tensors)
+    assert sum(STATS.tensors) == PSI and largest == 50257 * 1024  # the token embedding
+    adam = 12  # fp32 master copy and two moments, bytes per parameter
+    for n in (2, 8, 64):
+        got = _states(Layout(name="zero1", dp=n, zero=1, shard=n)).optimizer_states
+        assert max(largest, PSI / n) * adam <= got <= (PSI / n + largest) * adam, n
+    assert _states(Layout(name="zero1", dp=64, zero=1, shard=64)).optimizer_states == largest * adam
+    assert _states(Layout(name="zero1", dp=2, zero=1, shard=2)).optimizer_states == pytest.approx(
+        adam * PSI / 2, rel=0.01)  # two ranks: nearly even
 
 
 @pytest.mark.parametrize("precision, optimizer, per_param", [

@@ -6,6 +6,7 @@ from paratrain.planner import (TRANSFORMERS, Layout, Link, Training, all_gather_
                                bubble_fraction, calibrated, get_device, make_cluster, make_plan, measured_link, p2p_s,
                                reduce_scatter_s, step_time, transformer_stats)
 from paratrain.planner.layout import block_stage_params
+from paratrain.planner.memory import zero1_busiest
 from paratrain.workloads.planning import resolve_model
 
 LINK = Link(name="test", bandwidth_gbs=100, latency_us=0)
@@ -163,6 +164,10 @@ def test_zero_stages_step_only_their_shard_and_zero1_broadcasts_it():
     batch = batching(training, dp=4, pp=1, world_size=4)
     ddp = step_time(STATS, Layout(name="ddp", dp=4), batch, training, cluster)
     zero1 = step_time(STATS, Layout(name="zero1", dp=4, zero=1, shard=4), batch, training, cluster)
-    assert ddp.optimizer_s == pytest.approx(4 * zero1.optimizer_s)
+    zero2 = step_time(STATS, Layout(name="zero2", dp=4, zero=2, shard=4), batch, training, cluster)
+    assert ddp.optimizer_s == pytest.approx(4 * zero2.optimizer_s)
+    # ZeroRedundancyOptimizer steps whole tensors: the busiest rank's share, which the step waits for
+    assert zero1.optimizer_s == pytest.approx(ddp.optimizer_s * zero1_busiest(STATS.tensors, 4) / STATS.params)
+    assert zero1.optimizer_s > zero2.optimizer_s
     assert ddp.optimizer_s == pytest.approx(STATS.params * 72 / (cluster.device.memory_gbs * 1e9 / 4))
     assert zero1.comm_s == pytest.approx(ddp.comm_s + broadcast_s(STATS.params * 4, 4, cluster.intra))

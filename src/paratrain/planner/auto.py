@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
 from .layout import Layout
-from .model_stats import ModelStats, TPShape, wrap_units
+from .model_stats import ModelStats, TPShape, trainable_sizes, wrap_units
 from .optimizers import PlannedOptimizer, planned
 from .recommend import estimate
 from .tensor_parallel import tp_degrees
@@ -57,7 +57,8 @@ def parameter_stats(model: nn.Module) -> ModelStats:
                   key=lambda x: x[1])
     return ModelStats(name=type(model).__name__, params=params, units=units, largest_layer=largest,
                       flops_per_sample=0.0, activation_bytes_per_sample=0.0, checkpointed_bytes_per_sample=0.0,
-                      boundary_bytes_per_sample=0.0, source="parameters only (strategy='auto')")
+                      boundary_bytes_per_sample=0.0, source="parameters only (strategy='auto')",
+                      tensors=trainable_sizes(model))
 
 
 def closed_form_shape(model: nn.Module) -> GPTConfig | None:

@@ -3,12 +3,16 @@
 For mixed-precision Adam with Ψ parameters on N data-parallel ranks the model states come to the ZeRO
 paper's figures (Rajbhandari et al. 2020, figure 1): 16Ψ (ddp), 4Ψ + 12Ψ/N (zero1), 2Ψ + 14Ψ/N (zero2) and
 16Ψ/N (zero3) bytes. Tensor parallelism divides what its plan splits by its degree
-(``tensor_parallel``).
+(``tensor_parallel``). ZeRO-1 runs on ``ZeroRedundancyOptimizer``, which gives each rank whole parameters: where
+the model's tensor sizes are known, its optimizer states are the busiest rank's (``zero1_busiest``), not 12Ψ/N
+(``model_states(..., paper=True)`` keeps the paper's figure).
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
 from .hardware import Cluster
 from .layout import Layout, block_stage_params, stage_params
@@ -86,14 +90,39 @@ def ranked_params(stats: ModelStats, layout: Layout) -> float:
     return stage_params(units, layout.stages)
 
 
-def model_states(stats: ModelStats, layout: Layout, training: Training) -> ModelStates:
+@lru_cache(maxsize=256)
+def zero1_busiest(tensors: tuple[int, ...], ranks: int) -> int:
+    """Parameters whose optimizer states the busiest rank keeps under ``ZeroRedundancyOptimizer``'s partition
+    (torch's ``_partition_parameters``, one parameter group): tensors largest first, each whole to the rank with the
+    fewest so far. At least the largest tensor (an embedding of 50257 x 1024 on one rank, where Ψ/N may be 1/20 of
+    it) and at most Ψ/N plus one tensor."""
+    loads = [(0, r) for r in range(ranks)]
+    for size in sorted(tensors, reverse=True):
+        load, rank = heapq.heappop(loads)
+        heapq.heappush(loads, (load + size, rank))
+    return max(load for load, _ in loads)
+
+
+def optimizer_params(stats: ModelStats, layout: Layout, *, paper: bool = False) -> float:
+    """Parameters whose optimizer states one device keeps: all it holds, 1/shard of them from ZeRO-1 on, and for
+    ZeRO-1 over whole tensors (no stages, no tp, sizes known) the busiest rank's (``zero1_busiest``) unless
+    ``paper`` asks for the ZeRO paper's even split."""
+    psi = ranked_params(stats, layout)
+    if layout.zero < 1:
+        return psi
+    if layout.zero == 1 and not paper and stats.tensors and layout.stages == 1 and layout.tp == 1:
+        return float(zero1_busiest(stats.tensors, layout.shard))
+    return psi / layout.shard
+
+
+def model_states(stats: ModelStats, layout: Layout, training: Training, *, paper: bool = False) -> ModelStates:
     """Parameters, gradients and optimizer states of one device: sharded over the shard group from ZeRO stage
-    3, 2 and 1 on; a stage holds its layers'."""
+    3, 2 and 1 on; a stage holds its layers'. ZeRO-1's optimizer states: see ``optimizer_params``."""
     psi = ranked_params(stats, layout)
     b = training.bytes
-    shard = {stage: layout.shard if layout.zero >= stage else 1 for stage in (1, 2, 3)}
+    shard = {stage: layout.shard if layout.zero >= stage else 1 for stage in (2, 3)}
     return ModelStates(parameters=psi * b.param / shard[3], gradients=psi * b.grad / shard[2],
-                       optimizer_states=psi * training.optimizer_bytes / shard[1])
+                       optimizer_states=optimizer_params(stats, layout, paper=paper) * training.optimizer_bytes)
 
 
 def in_flight(layout: Layout, batch: Batching, training: Training) -> float:
@@ -182,9 +211,8 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
         optimizer_states=states.optimizer_states, activations=activations,
         transient=2 * max(stats.output_bytes_per_sample, largest) * batch.micro_batch / layout.tp, buffers=buffers,
         overhead=overhead)
-    shard = layout.shard if layout.zero >= 1 else 1
     at_step = MemoryBreakdown(
         parameters=states.parameters, gradients=states.gradients, optimizer_states=states.optimizer_states,
-        activations=0.0, transient=psi / shard * training.optimizer_temp_bytes, buffers=ddp_buckets,
+        activations=0.0, transient=optimizer_params(stats, layout) * training.optimizer_temp_bytes, buffers=ddp_buckets,
         overhead=overhead, phase="optimizer step")
     return max(at_backward, at_step, key=lambda m: m.total)

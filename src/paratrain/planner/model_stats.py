@@ -105,6 +105,9 @@ class ModelStats:
     pipeline's stages are then taken to split the FLOPs evenly."""
     param_bytes: Mapping[str, int] = field(default_factory=dict)
     """Bytes of the parameters as built, by dtype."""
+    tensors: tuple[int, ...] = ()
+    """Sizes of the trainable parameter tensors (a tied one once): what ``ZeroRedundancyOptimizer`` hands out whole
+    (``memory.zero1_busiest``); empty when not known (ZeRO-1 is then planned as the ZeRO paper's even split)."""
     source: str = ""
     """How the figures were found, for the report."""
     measured_step_s: float | None = None
@@ -266,7 +269,12 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
                       boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
                       matmul_params=sum(matmul.values()), output_bytes_per_sample=4 * out.numel() / batch,
                       largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
-                      param_bytes=dict(by_dtype), source=source)
+                      param_bytes=dict(by_dtype), source=source, tensors=trainable_sizes(model))
+
+
+def trainable_sizes(model: nn.Module) -> tuple[int, ...]:
+    """Sizes of ``model``'s trainable parameter tensors, a shared one once (``ModelStats.tensors``)."""
+    return tuple(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _tensor_bytes(out: object) -> int:

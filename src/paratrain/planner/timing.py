@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
 from .hardware import Cluster
 from .layout import Layout, stage_flops
-from .memory import activation_figures, activation_mode, ranked_params
+from .memory import activation_figures, activation_mode, optimizer_params, ranked_params
 from .model_stats import ModelStats
 from .tensor_parallel import collectives_per_micro_batch, tp_comm_s
 from .training import Batching, Training
@@ -163,8 +163,7 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
                + (weight_bytes(streamed, training, cluster) + copies
                   + activation_stream_bytes(stats, layout, training, cluster) * batch.micro_batch) / bandwidth
                + machinery_s)
-    shard = layout.shard if layout.zero >= 1 else 1
-    optimizer_s = optimizer_step_bytes(psi / shard, training) / bandwidth
+    optimizer_s = optimizer_step_bytes(optimizer_params(stats, layout), training) / bandwidth  # the busiest rank's
     ddp = layout.zero <= 1 and layout.dp > 1
     # DDP copies each gradient into its bucket, divides the bucket by the world size and copies it back
     bucket_s = DDP_BUCKET_PASSES * psi * training.bytes.grad / bandwidth if ddp else 0.0

@@ -131,6 +131,25 @@ def transformer_params(cfg: GPTConfig) -> dict[str, int]:
             "block_split": block - 2 * norm - 2 * h * b}
 
 
+def transformer_tensors(cfg: GPTConfig, block: int | None = None) -> tuple[int, ...]:
+    """Sizes of ``workloads.gpt.GPT(cfg)``'s parameter tensors (``ModelStats.tensors``): the embedding tables,
+    each block's norms, QKV (query and key/value apart under grouped-query attention), projection, MLP in and out
+    with their biases, the final norm and an untied head. ``block``: a block's parameters when ``--params``
+    overrides the count (each block tensor scaled to it). transformers' models split some of these further
+    (Llama's q, k, v; gate and up): what matters to ZeRO-1's busiest rank is the largest tensors, which agree."""
+    h, f, v, q = cfg.hidden, cfg.ffn_width, cfg.vocab, cfg.qkv_width
+    b = int(cfg.bias)
+    norm = (h, h) if cfg.bias else (h,)
+    fc = 2 * f if cfg.gated else f
+    attention = (h * q,) if cfg.key_value_heads == cfg.heads else (h * h, h * (q - h))
+    one = (*norm, *attention, *(q,) * cfg.has_qkv_bias, h * h, *(h,) * b, *norm, h * fc, *(fc,) * b, f * h,
+           *(h,) * b)
+    if block is not None:
+        one = tuple(max(1, t * block // sum(one)) for t in one)
+    embedding = (v * h, *(cfg.seq_len * h,) * cfg.learned_positions)
+    return (*embedding, *one * cfg.layers, *norm, *(v * h,) * (not cfg.tied))
+
+
 def transformer_activations(cfg: GPTConfig, *, residual: int, act: int) -> tuple[float, float]:
     """Bytes autograd saves per sample for ``workloads.gpt.GPT(cfg)``: (one block, everything outside the blocks).
 
@@ -224,6 +243,7 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
                       matmul_params=matmul, tp=tp, cut_between_blocks=True, pipeline_copy=v * h if cfg.tied else 0,
                       output_bytes_per_sample=4.0 * s * v, largest_activation_bytes_per_sample=4.0 * s * fc,
                       param_bytes={"float32": 4 * total},
+                      tensors=transformer_tensors(cfg, None if params is None else block),
                       source=f"closed-form transformer ({shape})")
 
 
