@@ -152,3 +152,65 @@ def test_a_transformers_model_is_known_in_closed_form_when_its_counts_match():
     cfg = closed_form_shape(model)
     assert cfg is not None and (cfg.layers, cfg.hidden, cfg.kv_heads, cfg.seq_len) == (2, 64, 2, 128)
     assert closed_form_shape(_big()) is None
+
+
+def test_auto_refuses_when_nothing_fits_unless_within_the_planners_memory_error():
+    """Issue 24: auto never picks a layout that does not fit. The loader's 64 samples of 1024 tokens need more than
+    2 GiB per rank under every strategy: one line naming the least needed and the fixes. A shortfall within the
+    planner's own error (15%) keeps zero3, saying so."""
+    from paratrain.errors import ConfigError
+    from paratrain.planner.auto import MEMORY_MARGIN, settle
+
+    model, cluster = _meta_gpt(), make_cluster("h100", gpus=8, gpu_mem_gb=2)
+    big = choose(model, cluster, "fp32", batch=(64, None))
+    assert not big.fits and big.least == "zero3" and big.needed > (1 + MEMORY_MARGIN) * big.capacity
+    with pytest.raises(ConfigError) as err:
+        settle(big, "fp32")
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"the least memory needed is {big.needed / 2**30:.2f} GiB per rank (zero3; " in message
+    assert f"{big.capacity / 2**30:.2f} GiB available" in message
+    for fix in ("more GPUs", "a smaller batch per rank", "activation_checkpointing=True", "bf16-mixed"):
+        assert fix in message, fix
+    assert "bf16" not in _refusal(settle, replace(big, needed=2 * big.capacity), "bf16-mixed")
+    no_batch = _refusal(settle, replace(big, activations=False), "fp32")  # model states alone: the batch is moot
+    assert "smaller batch" not in no_batch and "more GPUs" in no_batch
+
+    near = settle(replace(big, needed=(1 + MEMORY_MARGIN / 2) * big.capacity), "fp32")
+    assert near.strategy == "zero3" and not near.fits
+    assert "within its 15% memory error" in near.reason and "may run out of memory" in near.reason
+    assert settle(choose(model, cluster, "fp32", batch=(1, None)), "fp32").fits  # what fits is left alone
+
+
+def _refusal(settle, choice, precision) -> str:
+    from paratrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        settle(choice, precision)
+    return str(err.value)
+
+
+def test_parallel_auto_raises_before_anything_starts_when_nothing_fits(monkeypatch):
+    """Through ``choose_strategy`` (what ``prepare`` runs on every rank, from the least memory over the ranks): the
+    refusal, and the warning line when the shortfall is within the planner's error."""
+    import paratrain.strategies.auto as auto
+    from paratrain.env import ClusterEnv
+    from paratrain.errors import ConfigError
+
+    env = ClusterEnv(rank=0, local_rank=0, world_size=8, local_world_size=8, launched=True)
+    loader = torch.utils.data.DataLoader(torch.zeros(640, 1024, dtype=torch.long), batch_size=64)
+    for memory, outcome in [(2.0, "refused"), (5.2, "warned"), (6.0, "fits")]:  # zero3 needs 5.64 GiB per rank
+        monkeypatch.setattr(auto, "local_cluster", lambda *a, m=memory: make_cluster("h100", gpus=8, gpu_mem_gb=m))
+        if outcome == "refused":  # after zero3 over tp=2 and 4 (the GPT's built-in plan) did not fit either
+            with pytest.raises(ConfigError, match=r"strategy 'auto': nothing fits: the least memory needed is "
+                                                  r"[\d.]+ GiB per rank \(zero3 with tp=4; .*2.00 GiB available"):
+                auto.choose_strategy(_meta_gpt(), env, torch.device("cpu"), "fp32", lambda x: x, loader=loader)
+            monkeypatch.setattr(auto, "model_shape", lambda model: None)  # no tp plan: zero3 is the least
+            continue
+        strategy, lines = auto.choose_strategy(_meta_gpt(), env, torch.device("cpu"), "fp32", lambda x: x,
+                                               loader=loader)
+        if outcome == "warned":
+            assert lines[0].startswith("paratrain: warning: strategy 'auto' chose zero3: nothing fits"), lines[0]
+            assert "within its 15% memory error" in lines[0]
+        else:
+            assert lines[0].startswith("paratrain: strategy 'auto' chose ddp"), lines[0]

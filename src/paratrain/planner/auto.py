@@ -34,6 +34,9 @@ from .transformer import GPTConfig, transformer_params, transformer_stats
 
 CANDIDATES = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
 GIB = 2**30
+MEMORY_MARGIN = 0.15
+"""The planner's own memory error: its peak per GPU against ``torch.cuda.max_memory_allocated`` on an H100, 32 of
+32 cases within 15% (benchmarks/RESULTS.md §7), issue 24's goal. Nothing fitting by less than this may still fit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +46,17 @@ class AutoChoice:
     tp: int = 1
     """Tensor-parallel ranks per group (consecutive, within a node): 1 unless ``choose`` was given a TP shape."""
     fits: bool = True
-    """False when nothing fits by the planner (the choice is then zero3, which shards the most)."""
+    """False when nothing fits by the planner (the choice is then zero3, which shards the most; ``settle`` refuses
+    it unless the shortfall is within the planner's error)."""
+    needed: float = 0.0
+    """Bytes per rank of the least-memory layout tried, when nothing fits (``least``: which)."""
+    capacity: float = 0.0
+    """Bytes one rank may use."""
+    least: str = ""
+    planned: str = ""
+    """What the estimate counted (model states; activations when the batch was planned)."""
+    activations: bool = False
+    """Whether the loader's activations were planned (then a smaller batch or checkpointing would help)."""
 
     def describe(self) -> str:
         return self.strategy if self.tp == 1 else f"{self.strategy} with tp={self.tp}"
@@ -144,9 +157,11 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
             if shape is not None else f"model states {opt.states}; buffers, runtime"
             + ("" if batch is None else "; activations not planned: the model's shape is not known in closed form"))
     tried = []
+    least: tuple[float, str, float] = (float("inf"), "", 0.0)
     for name, _ in CANDIDATES:
         e = estimate(stats, _layout(name, n), training, cluster)
         tried.append(f"{name} {e.memory.total / GIB:.2f}")
+        least = min(least, (e.memory.total, name, e.capacity))
         if e.fits:
             why = (f"{stats.params / 1e6:.1f}M parameters need {e.memory.total / GIB:.2f} GiB per rank under {name} "
                    f"({what}), of {e.capacity / GIB:.1f} GiB")
@@ -156,12 +171,39 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     for t in tp_degrees(stats, cluster):
         e = estimate(stats, Layout(name="zero3", dp=n // t, zero=3, shard=n // t, tp=t), training, cluster)
         tried.append(f"zero3 tp={t} {e.memory.total / GIB:.2f}")
+        least = min(least, (e.memory.total, f"zero3 with tp={t}", e.capacity))
         if e.fits:
             return AutoChoice(strategy="zero3", tp=t, reason=(
                 f"zero3 alone needs {tried[3].split()[1]} GiB per rank; tp={t} splits the units it gathers: "
                 f"{e.memory.total / GIB:.2f} GiB of {e.capacity / GIB:.2f}"))
     return AutoChoice(strategy="zero3", fits=False, reason=f"nothing fits by the planner ({', '.join(tried)} GiB per "
-                                                           "rank); zero3 shards the most — see `paratrain plan`")
+                                                           "rank); zero3 shards the most — see `paratrain plan`",
+                      needed=least[0], least=least[1], capacity=least[2], planned=what, activations=shape is not None)
+
+
+def settle(choice: AutoChoice, precision: str) -> AutoChoice:
+    """``choice`` when it fits. When nothing does: a ``ConfigError`` (one line: the least memory needed per rank
+    against what there is, and the fixes), unless the least is within ``MEMORY_MARGIN`` of what there is — the
+    planner cannot tell that from fitting, so zero3 is kept and its reason says that it may not fit."""
+    if choice.fits:
+        return choice
+    need, have = choice.needed / GIB, choice.capacity / GIB
+    if choice.needed <= (1 + MEMORY_MARGIN) * choice.capacity:
+        return replace(choice, reason=(
+            f"nothing fits by the planner, but the least ({choice.least}, {need:.2f} GiB per rank of {have:.2f}) is "
+            f"within its {MEMORY_MARGIN:.0%} memory error, so zero3 (it shards the most) is tried and may run out of "
+            f"memory; {_fixes(choice, precision)} would make room"))
+    raise ConfigError(f"strategy 'auto': nothing fits: the least memory needed is {need:.2f} GiB per rank "
+                      f"({choice.least}; {choice.planned}), {have:.2f} GiB available; use {_fixes(choice, precision)}")
+
+
+def _fixes(choice: AutoChoice, precision: str) -> str:
+    fixes = ["more GPUs (ranks)"]
+    if choice.activations:
+        fixes += ["a smaller batch per rank", "activation_checkpointing=True"]
+    if precision == "fp32":
+        fixes.append("precision='bf16-mixed'")
+    return ", ".join(fixes[:-1]) + " or " + fixes[-1] if len(fixes) > 1 else fixes[0]
 
 
 def processes_vs_threads(model: nn.Module, cluster: Cluster, precision: str, strategy: str,

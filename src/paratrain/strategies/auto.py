@@ -18,7 +18,7 @@ from torch import nn
 
 from ..distributed.metrics import least
 from ..env import ClusterEnv
-from ..planner.auto import choose, local_cluster, processes_vs_threads
+from ..planner.auto import choose, local_cluster, processes_vs_threads, settle
 from ..rank_agreement import check_ranks_agree
 from .base import Strategy
 from .registry import create
@@ -61,9 +61,11 @@ def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, pre
     choice = choose(model, cluster, precision, optimizer=optimizer, batch=batch)
     if not choice.fits and (shape := model_shape(model)) is not None:
         choice = choose(model, cluster, precision, tp=shape, optimizer=optimizer, batch=batch)
+    choice = settle(choice, precision)  # nothing fits: refused, unless within the planner's error
     strategy = create(choice.strategy, **({"tp": choice.tp} if choice.tp > 1 else {}))
     strategy.validate(env)
-    lines = [f"paratrain: strategy 'auto' chose {choice.describe()}: {choice.reason}"]
+    warning = "" if choice.fits else "warning: "
+    lines = [f"paratrain: {warning}strategy 'auto' chose {choice.describe()}: {choice.reason}"]
     if device.type == "cpu":
         lines.append(f"paratrain: note: {processes_vs_threads(model, cluster, precision, choice.strategy, optimizer)}")
     return strategy, lines
