@@ -15,9 +15,9 @@ every round (the order alternating):
 * ``hand``: the same splits with PyTorch's own styles, as a user would write them for this model —
   ``RowwiseParallel`` embedding, ``ColwiseParallel``/``RowwiseParallel`` projections, ``ColwiseParallel`` head with
   ``Shard(-1)`` logits — norms left plain tensors, the loss under ``loss_parallel()``;
-* ``hand_dt``: ``hand`` with every parameter it leaves whole (the norms) a replicated DTensor, as paratrain keeps
-  them (``Replicated``: clipping and FSDP over ``(dp, tp)`` want every parameter a DTensor on one mesh), to tell
-  what that costs from the rest.
+* ``hand_dt``: ``hand`` with every parameter it leaves whole (the norms) a replicated DTensor that the norms compute
+  on through DTensor's dispatcher, as paratrain's ``Replicated`` did before it ran them on local tensors (it keeps
+  every parameter a DTensor: clipping and FSDP over ``(dp, tp)`` want one mesh), to tell what that dispatch costs.
 
 Both compute the same math (the first loss is printed for each). Step time: the median of each round's median, on
 the slower rank; the ratio is auto / hand. Inference time: what ``prepare`` spends inferring and checking the plan
@@ -68,14 +68,14 @@ def prepared(subject: str) -> tuple[object, torch.nn.Module, torch.optim.Optimiz
     if subject.startswith("hand"):
         model = hand_written(model)
         if subject == "hand_dt":
-            from torch.distributed.tensor import DTensor
-
-            from paratrain.distributed.tensor_parallel.styles import Replicated
+            from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
             mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
             for module in model.modules():
                 if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-                    Replicated()._apply(module, mesh)
+                    distribute_module(module, mesh, None, lambda _, args, m: tuple(
+                        DTensor.from_local(a, m, [Replicate()], run_check=False) for a in args),
+                        lambda _, out, m: out.to_local())
         return None, model, torch.optim.AdamW(model.parameters(), lr=1e-4), 0.0
     par = paratrain.Parallel("tp", tp_plan="auto", monitor=False)
     start = time.perf_counter()
