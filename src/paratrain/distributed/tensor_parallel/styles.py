@@ -118,8 +118,8 @@ class Replicated(ParallelStyle):
     buffers, called on plain tensors, outside ``torch.compile``'s tracing. Each parameter is swapped for
     ``to_local()`` (differentiable: its gradient comes back a ``Replicate`` DTensor, as DTensor's own ops give)
     for the call and put back after it, also when the call raises, as FSDP2 swaps its unsharded parameters. The
-    numbers are the same; what goes is DTensor's dispatch on every element-wise op of a norm (§20 of
-    benchmarks/RESULTS.md: ~280 dispatches a step on a 4-layer Llama). Otherwise the module computes on DTensors,
+    numbers are the same; what goes is DTensor's dispatch on every op of a norm's forward and backward (§20 of
+    benchmarks/RESULTS.md: 216 DTensor ops a step on a 4-layer Llama). Otherwise the module computes on DTensors,
     its plain inputs made ``Replicate`` ones."""
 
     def __init__(self, output_shard: int | None = None) -> None:
