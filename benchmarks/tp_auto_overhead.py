@@ -3,6 +3,7 @@ world 2).
 
     .venv/bin/python benchmarks/tp_auto_overhead.py                       # 5 interleaved rounds
     .venv/bin/python benchmarks/tp_auto_overhead.py --rounds 1 --steps 3  # a quick look
+    .venv/bin/python benchmarks/tp_auto_overhead.py --ops                 # ops per step, none timed
 
 Model: the Llama of ``benchmarks/tp_overhead.py`` (transformers' ``LlamaForCausalLM`` from a small config,
 grouped-query attention, untied head), AdamW, fp32, the same batch on both ranks. Subjects, one after the other in
@@ -15,9 +16,9 @@ every round (the order alternating):
 * ``hand``: the same splits with PyTorch's own styles, as a user would write them for this model —
   ``RowwiseParallel`` embedding, ``ColwiseParallel``/``RowwiseParallel`` projections, ``ColwiseParallel`` head with
   ``Shard(-1)`` logits — norms left plain tensors, the loss under ``loss_parallel()``;
-* ``hand_dt``: ``hand`` with every parameter it leaves whole (the norms) a replicated DTensor, as paratrain keeps
-  them (``Replicated``: clipping and FSDP over ``(dp, tp)`` want every parameter a DTensor on one mesh), to tell
-  what that costs from the rest.
+* ``hand_dt``: ``hand`` with every parameter it leaves whole (the norms) a replicated DTensor that the norms compute
+  on through DTensor's dispatcher, as paratrain's ``Replicated`` did before it ran them on local tensors (it keeps
+  every parameter a DTensor: clipping and FSDP over ``(dp, tp)`` want one mesh), to tell what that dispatch costs.
 
 Both compute the same math (the first loss is printed for each). Step time: the median of each round's median, on
 the slower rank; the ratio is auto / hand. Inference time: what ``prepare`` spends inferring and checking the plan
@@ -68,19 +69,54 @@ def prepared(subject: str) -> tuple[object, torch.nn.Module, torch.optim.Optimiz
     if subject.startswith("hand"):
         model = hand_written(model)
         if subject == "hand_dt":
-            from torch.distributed.tensor import DTensor
-
-            from paratrain.distributed.tensor_parallel.styles import Replicated
+            from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
             mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
             for module in model.modules():
                 if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-                    Replicated()._apply(module, mesh)
+                    distribute_module(module, mesh, None, lambda _, args, m: tuple(
+                        DTensor.from_local(a, m, [Replicate()], run_check=False) for a in args),
+                        lambda _, out, m: out.to_local())
         return None, model, torch.optim.AdamW(model.parameters(), lr=1e-4), 0.0
     par = paratrain.Parallel("tp", tp_plan="auto", monitor=False)
     start = time.perf_counter()
     model, opt = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     return par, model, opt, time.perf_counter() - start
+
+
+def count_ops() -> dict:
+    """Per subject, the aten ops of one step (after one untimed) on rank 0, and how many of them took a DTensor
+    (each a trip through DTensor's dispatcher): a count the machine's load does not blur."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops, self.dtensor, self.by_op = 0, 0, {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops += 1
+            if any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs or {}))):
+                self.dtensor += 1
+                self.by_op[str(func)] = self.by_op.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for s in SUBJECTS:
+        par, model, opt, _ = prepared(s)
+        one_step(par, model, opt, ids[:, :-1], ids[:, 1:])
+        with Count() as count:
+            one_step(par, model, opt, ids[:, :-1], ids[:, 1:])
+        out[s] = {"ops": count.ops, "dtensor_ops": count.dtensor, "by_op": count.by_op}
+        if par is not None:
+            par.close()
+    finish_group()
+    return out
 
 
 def job(rounds: int, steps: int, warmup: int) -> dict:
@@ -119,7 +155,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--ops", action="store_true", help="count each subject's ops per step instead of timing")
     a = p.parse_args()
+    if a.ops:
+        counts = paratrain.launch(count_ops, 2, (), timeout_s=600)[0]
+        print(f"{'subject':<8} {'aten ops':>9} {'on DTensors':>12}  DTensor ops beyond hand's, by op")
+        for s, c in counts.items():
+            more = {op: n - counts["hand"]["by_op"].get(op, 0) for op, n in c["by_op"].items()
+                    if n != counts["hand"]["by_op"].get(op, 0)}
+            print(f"{s:<8} {c['ops']:>9} {c['dtensor_ops']:>12}  {more}")
+        return
     ranks = paratrain.launch(job, 2, (a.rounds, a.steps, a.warmup), timeout_s=1800)
     rows = {}
     for s in ranks[0]:

@@ -59,6 +59,7 @@ def test_auto_plan_trains_like_one_process(world2, name):
     printed = result["printed"]
     assert printed.startswith(f"paratrain: tp_plan='auto' for {type(MODELS[name].build()).__name__} over tp=2"), printed
     assert "rowwise" in printed and world2[1][name]["printed"] == "", "printed once, on rank 0"
+    assert result["norms"] == {"local": True, "dtensors": True}, "norms run on local weights, held as DTensors"
 
 
 @pytest.mark.parametrize("name", [c[0] for c in ZERO3_TP])
@@ -67,6 +68,7 @@ def test_auto_plan_under_zero3_x_tp_trains_like_one_process(world4, name):
     assert "error" not in result, result["error"]
     assert max_abs_diff(result["state"], one_process(name)) <= TOL
     assert "rowwise" in result["printed"] and all(r[name]["printed"] == "" for r in world4[1:])
+    assert result["norms"] == {"local": True, "dtensors": True}, "inside FSDP's units too"
 
 
 @pytest.mark.parametrize("name", [c[0] for c in TP4])

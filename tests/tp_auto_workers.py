@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 import paratrain
@@ -148,6 +149,16 @@ def train(spec: ZooModel, model: nn.Module, opt: torch.optim.Optimizer, par: Any
             par.forward_backward(model, x, y, spec.loss)
 
 
+def _watch_norms(model: nn.Module) -> dict[str, list]:
+    """Records, at every call of the model's norms, whether their forward sees plain local weights (the replicated
+    style's fast path) instead of DTensors."""
+    seen: dict[str, list] = {"local": [], "modules": [m for m in model.modules() if "Norm" in type(m).__name__]}
+    for module in seen["modules"]:
+        module.register_forward_pre_hook(lambda m, args: seen["local"].append(
+            not any(isinstance(p, DTensor) for p in m.parameters(recurse=False))))
+    return seen
+
+
 def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = None) -> dict[str, Any]:
     """Each case (model, ``tp_plan``) under ``Parallel(strategy, **options)``, or (model, ``tp_plan``, (strategy,
     options)) under its own layout, keyed ``model/strategy`` then: the final full state and what this rank printed
@@ -165,8 +176,12 @@ def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = No
             model = spec.build()
             with contextlib.redirect_stdout(printed):
                 model, opt = par.prepare(model, spec.optimizer(model))
+            norms = _watch_norms(model)
             train(spec, model, opt, par)
-            out[key] = {"state": par.full_state_dict(model, rank0_only=False), "printed": printed.getvalue()}
+            out[key] = {"state": par.full_state_dict(model, rank0_only=False), "printed": printed.getvalue(),
+                        "norms": {"local": all(norms["local"]) and bool(norms["local"]),
+                                  "dtensors": all(isinstance(p, DTensor) and isinstance(p.grad, (DTensor, type(None)))
+                                                  for m in norms["modules"] for p in m.parameters())}}
             par.close()
         except paratrain.ParatrainError as err:
             out[key] = {"error": str(err), "printed": printed.getvalue()}

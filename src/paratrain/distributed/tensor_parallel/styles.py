@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
+from torch.utils._pytree import tree_leaves
 
 from ...errors import ConfigError
 
@@ -110,24 +111,56 @@ class FirstInput(PrepareModuleInput):
 class Replicated(ParallelStyle):
     """Parameters whole on every rank (``Replicate`` DTensors); plain tensors in and out. ``output_shard=d``: each
     rank keeps its slice of the output along ``d`` (no communication; the backward all-gathers the gradient), as a
-    position table added to sequence-sharded token embeddings needs."""
+    position table added to sequence-sharded token embeddings needs.
+
+    The parameters stay DTensors (clipping's norm over shards, checkpoints, FSDP over ``(dp, tp)`` want one mesh),
+    but the forward runs on their local tensors when it can: a module that holds no state below itself and no
+    buffers, called on plain tensors, outside ``torch.compile``'s tracing. Each parameter is swapped for
+    ``to_local()`` (differentiable: its gradient comes back a ``Replicate`` DTensor, as DTensor's own ops give)
+    for the call and put back after it, also when the call raises, as FSDP2 swaps its unsharded parameters. The
+    numbers are the same; what goes is DTensor's dispatch on every op of a norm's forward and backward (§20 of
+    benchmarks/RESULTS.md: 216 DTensor ops a step on a 4-layer Llama). Otherwise the module computes on DTensors,
+    its plain inputs made ``Replicate`` ones."""
 
     def __init__(self, output_shard: int | None = None) -> None:
         super().__init__()
         self.output_shard = output_shard
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def inputs(_: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+        distribute_module(module, device_mesh)  # every parameter and buffer a Replicate DTensor; no hooks
+        leaf = not any(True for _ in module.buffers()) and all(
+            not any(True for _ in m.parameters(recurse=False)) for m in module.modules() if m is not module)
+        swapped: list[dict[str, DTensor] | None] = []  # one entry per call in flight (a module may nest in itself)
 
-        def outputs(_: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+        def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if not leaf or torch.compiler.is_compiling() or any(isinstance(t, DTensor)
+                                                                 for t in tree_leaves((args, kwargs))):
+                swapped.append(None)
+                return tuple(DTensor.from_local(a, device_mesh, [Replicate()], run_check=False)
+                             if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                             for a in args), kwargs
+            params = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)
+                      and all(pl.is_replicate() for pl in p.placements)}
+            for name, param in params.items():
+                mod._parameters[name] = param.to_local()
+            swapped.append(params)
+            return args, kwargs
+
+        def leave(mod: nn.Module, args: tuple, out: Any) -> Any:
+            params = swapped.pop()
+            if params is not None:
+                mod._parameters.update(params)
+                if self.output_shard is None or not isinstance(out, torch.Tensor):
+                    return out
+                out = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
             if not isinstance(out, DTensor):
                 return out
             return out.to_local() if self.output_shard is None else out.redistribute(
                 placements=[Shard(self.output_shard)]).to_local()
 
-        return distribute_module(module, device_mesh, None, inputs, outputs)
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(leave, always_call=True)
+        return module
 
 
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
