@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 from torch import nn
@@ -199,8 +200,19 @@ def run_resume(case: str, options: dict, folder: str, steps: int = 4, at: int = 
     first = train(at, steps)
     par.load(path)
     again = train(par.optimizer_steps, steps)
+    broken = os.path.join(folder, "broken", path.name)  # the checkpoint without its last server's shard
+    if par.rank == 0:
+        shutil.copytree(path, broken)
+        shutil.rmtree(os.path.join(broken, f"server-{par.strategy.config.servers - 1:03d}"))
+    par.barrier()
+    try:
+        par.load(broken)
+        refused = ""
+    except paratrain.errors.CheckpointError as err:  # on every worker alike, before anything is loaded
+        refused = str(err)
+    after = par.full_state_dict(model)
     par.close()
-    return {"saved": saved, "first": first, "again": again, "path": str(path)}
+    return {"saved": saved, "first": first, "again": again, "path": str(path), "refused": refused, "after": after}
 
 
 def _linear_job(options: dict):

@@ -88,6 +88,8 @@ def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, ser
     changed = [k for k in got["saved"] if not torch.equal(got["saved"][k], got["first"][k])]
     assert changed  # training went on after the save
     assert [k for k in got["first"] if not torch.equal(got["first"][k], got["again"][k])] == []
+    assert f"holds the shards of {servers - 1} parameter server(s), this job has {servers}" in got["refused"]
+    assert [k for k in got["after"] if not torch.equal(got["after"][k], got["again"][k])] == []  # nothing loaded
     info = export(got["path"], tmp_path / "model.pt")
     plain = torch.load(info["path"], weights_only=True)
     assert plain.keys() == got["saved"].keys()

@@ -153,6 +153,7 @@ def load(t: Targets, path: str | Path) -> Position:
     saved = reader.read_metadata().state_dict_metadata
     state = _tensor_state(t, optimizer=meta["optimizer_state"] and not weights_only)
     _check_fit(folder, saved, state, t)
+    t.strategy.check_shards(folder)  # a parameter server's: on every rank alike
     train, mine = None, None
     if not weights_only:  # all that can refuse the checkpoint comes before anything is loaded
         train = load_file(folder / TRAIN)

@@ -151,6 +151,10 @@ class Strategy(ABC):
         """Write what the ranks outside ``checkpoint_group`` hold into ``folder`` (a checkpoint being written, before
         it is published); the default has nothing there."""
 
+    def check_shards(self, folder: Path) -> None:
+        """Raise a one-line ``CheckpointError`` (on every rank alike, before anything loads) when ``folder`` lacks
+        what ``load_shards`` needs."""
+
     def load_shards(self, folder: Path, rank: int) -> None:
         """Restore what ``save_shards`` wrote into ``folder``; the default has nothing to restore."""
 

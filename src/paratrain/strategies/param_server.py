@@ -122,14 +122,16 @@ class ParameterServer(Strategy):
         """Rank 0 has every server read its shard back; then every worker pulls the restored parameters."""
         if self.worker is None:
             return
-        saved = len([p for p in folder.iterdir() if p.is_dir() and p.name.startswith("server-")])
-        if saved != self.config.servers or any(not Path(f).is_dir() for f in self._shard_folders(folder)):
-            raise CheckpointError(f"checkpoint {folder} holds the shards of {saved} parameter server(s), this job has "
-                                  f"{self.config.servers}; load it with servers={saved} (shards are cut per server)")
         if rank == 0:
             self._servers_do(folder, load=True)
         dist.barrier(group=self._workers(self._env))  # every server has its shard back before anyone pulls
         self.worker.client.pull_dense()
+
+    def check_shards(self, folder: Path) -> None:
+        saved = len([p for p in folder.iterdir() if p.is_dir() and p.name.startswith("server-")])
+        if saved != self.config.servers or any(not Path(f).is_dir() for f in self._shard_folders(folder)):
+            raise CheckpointError(f"checkpoint {folder} holds the shards of {saved} parameter server(s), this job has "
+                                  f"{self.config.servers}; load it with servers={saved} (shards are cut per server)")
 
     def _servers_do(self, folder: Path, load: bool) -> None:
         try:
