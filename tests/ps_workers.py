@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import shutil
 
 import torch
 from torch import nn
@@ -164,6 +164,57 @@ def run_async(options: dict, slow_rank: int | None, slow_factor: float, epochs: 
             "max_staleness": stats.max_staleness}
 
 
+def run_resume(case: str, options: dict, folder: str, steps: int = 4, at: int = 2) -> dict | None:
+    """``case`` (a zoo model, or ``"sparse"``: the recommender with Adam and SparseAdam tables) trained ``steps``
+    steps with an LR schedule, saved after step ``at``; then that checkpoint is loaded into the same job (the
+    servers read their shards and optimizer states back) and steps ``at``.. are trained again. Rank 0 returns the
+    state at the save and at both ends."""
+    par = paratrain.Parallel("ps", monitor=False, **options)
+    if case == "sparse":
+        model = Recommender()
+        opt, loss_fn = torch.optim.Adam(model.parameters(), lr=0.05), F.cross_entropy
+    else:
+        spec = ZOO[case]
+        model = spec.build()
+        opt, loss_fn = spec.optimizer(model), spec.loss
+    model, opt = par.prepare(model, opt)
+    schedule = par.prepare(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)))
+    size, rank = par.data_parallel_size, par.data_parallel_rank
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+    def train(start: int, end: int) -> dict:
+        for s in range(start, end):
+            if case == "sparse":
+                x, y = recommender_batch(s, size * PER_RANK)
+                x, y = (x[0][mine], x[1][mine]), y[mine]
+            else:
+                x, y = step_batch(spec, s, size * PER_RANK)
+                x, y = x[mine], y[mine]
+            with par.step(model, opt):
+                par.forward_backward(model, x, y, loss_fn)
+            schedule.step()
+        return par.full_state_dict(model)
+
+    saved = train(0, at)
+    path = par.save(folder)
+    first = train(at, steps)
+    par.load(path)
+    again = train(par.optimizer_steps, steps)
+    broken = os.path.join(folder, "broken", path.name)  # the checkpoint without its last server's shard
+    if par.rank == 0:
+        shutil.copytree(path, broken)
+        shutil.rmtree(os.path.join(broken, f"server-{par.strategy.config.servers - 1:03d}"))
+    par.barrier()
+    try:
+        par.load(broken)
+        refused = ""
+    except paratrain.errors.CheckpointError as err:  # on every worker alike, before anything is loaded
+        refused = str(err)
+    after = par.full_state_dict(model)
+    par.close()
+    return {"saved": saved, "first": first, "again": again, "path": str(path), "refused": refused, "after": after}
+
+
 def _linear_job(options: dict):
     par = paratrain.Parallel("ps", monitor=False, **options)
     torch.manual_seed(0)
@@ -191,13 +242,8 @@ def run_rogue(steps: int) -> dict | None:
                 par.backward(F.mse_loss(model(x), y))
         state = par.full_state_dict(model)
         par.barrier()  # the workers' (the server is serving)
-        try:
-            par.save(tempfile.mkdtemp())
-            refused_save = ""
-        except paratrain.errors.CheckpointError as err:
-            refused_save = str(err)
         par.close()
-        return {"state": state, "save": refused_save}
+        return {"state": state}
     codes = []
 
     def ask(header: list[int], payload: torch.Tensor | None = None) -> None:

@@ -18,7 +18,7 @@ from paratrain.errors import ConfigError
 from paratrain.strategies import check_world
 from paratrain.testing import max_abs_diff, spawn
 from ps_workers import (PER_RANK, STEPS, Recommender, linear_batch, recommender_batch, recommender_optimizer,
-                        run_async, run_killed, run_rogue, run_sparse, run_zoo, step_batch)
+                        run_async, run_killed, run_resume, run_rogue, run_sparse, run_zoo, step_batch)
 from zoo import ZOO
 
 TOL = 2e-5
@@ -72,6 +72,50 @@ def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers
     expected = sparse_reference(kind, world - servers)
     assert max_abs_diff(got["state"], expected) <= TOL
     assert got["state"]["emb.weight"].shape == expected["emb.weight"].shape
+
+
+@pytest.mark.parametrize("case,world,servers", [("nanogpt", 3, 1), ("sparse", 4, 2)])
+def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, servers):
+    """par.save after step 2 holds the servers' shards and optimizer states (nanoGPT with AdamW groups; tables with
+    SparseAdam); loading it into the job and training steps 3-4 again ends bitwise where the first run ended, and
+    `paratrain export` gives the plain state dict as it was at the save."""
+    from paratrain.checkpoint.export import export
+
+    options = {"servers": servers, **({"tables": ["bag", "emb"], "table_optimizer": "adam"} if case == "sparse"
+                                     else {})}
+    got = spawn(run_resume, world, (case, options, str(tmp_path / "ckpt")), timeout_s=180)[0]
+    assert got["first"].keys() == got["again"].keys() == got["saved"].keys()
+    changed = [k for k in got["saved"] if not torch.equal(got["saved"][k], got["first"][k])]
+    assert changed  # training went on after the save
+    assert [k for k in got["first"] if not torch.equal(got["first"][k], got["again"][k])] == []
+    assert f"holds the shards of {servers - 1} parameter server(s), this job has {servers}" in got["refused"]
+    assert [k for k in got["after"] if not torch.equal(got["after"][k], got["again"][k])] == []  # nothing loaded
+    info = export(got["path"], tmp_path / "model.pt")
+    plain = torch.load(info["path"], weights_only=True)
+    assert plain.keys() == got["saved"].keys()
+    assert [k for k in plain if not torch.equal(plain[k], got["saved"][k])] == []
+
+
+@pytest.mark.slow
+def test_sync_a_killed_worker_restarts_and_resumes_bitwise(paratrain_cmd, tmp_path):
+    """`paratrain run --max-restarts 1` (through the demo): worker rank 1 SIGKILLed after step 10 of 22, the whole
+    job restarts, the servers read their shards of step 8 back, and the final parameters equal an uninterrupted
+    run's bit for bit."""
+    import re
+    import subprocess
+
+    demo = [*paratrain_cmd, "demo", "-n", "3", "--strategy", "ps", "--epochs", "1"]
+    clean = subprocess.run(demo, capture_output=True, text=True, timeout=240)
+    killed = subprocess.run([*demo, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4", "--max-restarts",
+                             "1", "--fail-at-step", "10", "--fail-rank", "1"], capture_output=True, text=True,
+                            timeout=300)
+    why = killed.stderr[-3000:]
+    assert clean.returncode == 0 and killed.returncode == 0, clean.stderr[-2000:] + why
+    assert "SIGKILL rank 1 after step 10" in killed.stderr and f"resumed from {tmp_path}/step-00000008" in \
+        killed.stdout, why
+    digest = [re.search(r"sha256 ([0-9a-f]{64})", r.stdout) for r in (clean, killed)]
+    assert all(digest) and digest[0].group(1) == digest[1].group(1), why
+    assert sorted(p.name for p in (tmp_path / "step-00000020").iterdir() if p.is_dir()) == ["server-000"]
 
 
 def test_a_table_larger_than_any_process_holds_trains(tmp_path):
@@ -179,7 +223,6 @@ def test_malformed_messages_are_refused_and_the_server_keeps_serving():
                        (m.REFUSED, "sender refused earlier (a message that could not be read)")]
     # the other worker trained on as if alone (the refused rank no longer counts in the synchronous step)
     assert max_abs_diff(out[0]["state"], linear_reference(3)) <= 1e-6
-    assert "do not cover the parameter servers' shards yet" in out[0]["save"]  # refused at once, no rank waits
 
 
 @pytest.mark.parametrize("victim", [1, 2], ids=["worker", "server"])
@@ -212,6 +255,15 @@ def test_headers_are_parsed_without_trusting_them():
     assert ids.tolist() == [5, 9] and grads.shape == (2, 4)
     with pytest.raises(m.Refused, match="truncated"):
         m.unpack(torch.cat([m.pack(torch.tensor([5, 9]), torch.ones(1, 4)), torch.zeros(16, dtype=torch.uint8)]), h)
+    name = torch.frombuffer(bytearray("/ckpt/tmp-step-00000002/server-000".encode()), dtype=torch.uint8)
+    save = m.parse(m.Header(m.SAVE, 2, count=name.numel()).tensor())
+    assert bytes(m.unpack(m.pack(name), save)[0].tolist()).decode().endswith("server-000")
+    schema = m.Schema(dense_numel=4, dense_dtype=torch.float32, tables=(), max_rows=8, groups=1)
+    schema.check(save)
+    for count in (0, m.PATH_BYTES + 1):  # a folder name longer than any path is refused unread
+        with pytest.raises(m.Refused, match="oversized") as err:
+            schema.check(m.Header(m.LOAD, count=count))
+        assert not err.value.drain
 
 
 def test_doctor_warns_when_a_script_imports_torch_distributed_rpc(tmp_path):

@@ -7,6 +7,7 @@ that wrap them, this module keeps the bookkeeping and the rule for sorting ``pre
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .checkpoint.io import Targets
+from .distributed.metrics import gather_object
 from .errors import ConfigError
 from .model.facts import ModelFacts
 from .strategies.base import Runtime, Strategy
@@ -64,6 +66,9 @@ class Prepared:
         """What a checkpoint saves or restores: these objects plus ``position`` (step, epoch, rank, …); a strategy
         whose state a checkpoint cannot hold yet refuses here, in one line, before any rank waits."""
         strategy.check_checkpoint()
+        group = strategy.checkpoint_group()
+        if group is not None:  # not every rank saves (a parameter server's workers do, for their servers too)
+            position["gather"] = partial(gather_object, group=group)
         return Targets(strategy=strategy, models=self.models, optimizers=self.optimizers,
                        schedulers=self.schedulers, loaders=self.loaders, precision=precision, **position)
 

@@ -44,6 +44,8 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0, f
             load({prefix[:-1]: state}, storage_reader=reader, planner=SafePlanner(), **single)
     except DCP_ERRORS as e:
         raise load_failure(folder, e) from None
+    if model == 0:
+        state.update(server_shards(folder))
     buf = io.BytesIO()
     torch.save(state, buf)
     out = Path(out)
@@ -54,6 +56,31 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0, f
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
     return {"path": out, "step": meta["step"], "tensors": len(tensors), "bytes": out.stat().st_size,
             "parameters": sum(t.numel() for t in tensors)}
+
+
+def server_shards(folder: Path) -> dict[str, torch.Tensor]:
+    """The model tensors a parameter-server job's servers wrote into ``folder/server-NNN`` (none for other jobs):
+    the dense parameters each owns, and the rows of each table put back together in order."""
+    from .single import read_alone
+
+    whole: dict[str, torch.Tensor] = {}
+    rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("server-")):
+        try:
+            part = read_alone(str(sub))
+        except DCP_ERRORS as e:
+            raise load_failure(sub, e) from None
+        for key, value in part.items():
+            if not key.startswith("model."):
+                continue
+            name = key[len("model."):]
+            if f"rows.{name}" in part:
+                rows.setdefault(name, []).append((int(part[f"rows.{name}"][0]), value))
+            else:
+                whole[name] = value
+    for name, chunks in rows.items():
+        whole[name] = torch.cat([t for _, t in sorted(chunks, key=lambda c: c[0])])
+    return whole
 
 
 def _check_out(out: Path, force: bool) -> None:

@@ -120,7 +120,9 @@ def save(t: Targets, root: Path, keep: int) -> Path:
             raise written or OSError(failed[0])
         state = _tensor_state(t, optimizer=t.step > 0)
         with quiet_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_rank0_planner())
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_rank0_planner(),
+                     process_group=t.strategy.checkpoint_group())
+        _alike(t, lambda: t.strategy.save_shards(tmp, t.rank))  # a parameter server's shards
         t.barrier()  # every rank's files are complete
         if t.rank == 0:
             layout.write_meta(tmp, _meta(t))
@@ -151,6 +153,7 @@ def load(t: Targets, path: str | Path) -> Position:
     saved = reader.read_metadata().state_dict_metadata
     state = _tensor_state(t, optimizer=meta["optimizer_state"] and not weights_only)
     _check_fit(folder, saved, state, t)
+    t.strategy.check_shards(folder)  # a parameter server's: on every rank alike
     train, mine = None, None
     if not weights_only:  # all that can refuse the checkpoint comes before anything is loaded
         train = load_file(folder / TRAIN)
@@ -165,11 +168,12 @@ def load(t: Targets, path: str | Path) -> Position:
             loader.load_state_dict(position, train["epoch"])  # takes effect at the loader's next pass
     try:
         with quiet_single_process():
-            dcp.load(state, storage_reader=reader, planner=SafePlanner())
+            dcp.load(state, storage_reader=reader, planner=SafePlanner(), process_group=t.strategy.checkpoint_group())
     except DCP_ERRORS as e:
         raise load_failure(folder, e) from None
     for i, model in enumerate(t.models):
         t.strategy.load_model_state(model, state[_key("model", i)])
+    _alike(t, lambda: t.strategy.load_shards(folder, t.rank))
     if train is None:
         return Position(folder=folder, step=int(meta["step"]), epoch=None, world_size=meta["world_size"])
     for j, (model, optimizer) in enumerate(t.optimizers if meta["optimizer_state"] else []):
@@ -183,6 +187,19 @@ def load(t: Targets, path: str | Path) -> Position:
 
 
 _NO_SPACE = "no space left"
+
+
+def _alike(t: Targets, work: Callable[[], None]) -> None:
+    """Run ``work`` (which may fail on some ranks only: one rank talks to the servers), then fail on every rank
+    alike with the first rank's one-line reason, or on none."""
+    try:
+        work()
+        mine = None
+    except CheckpointError as e:
+        mine = str(e)
+    failed = [f for f in t.gather(mine) if f is not None]
+    if failed:
+        raise CheckpointError(failed[0])
 
 
 def _why(err: OSError) -> str:

@@ -39,10 +39,10 @@ def least(value: float, device: torch.device) -> float:
     return t.item()
 
 
-def gather_object(value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order (just ``[value]`` without a process group)."""
+def gather_object(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """``value`` of every rank of ``group`` (default: all), in rank order (``[value]`` without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out

@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -141,6 +142,21 @@ class Strategy(ABC):
     def check_checkpoint(self) -> None:
         """Raise a one-line ``CheckpointError`` when ``save``/``load`` cannot work with this strategy (before they wait
         on any rank)."""
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The ranks that take part in ``save``/``load``'s collectives (None: every rank)."""
+        return None
+
+    def save_shards(self, folder: Path, rank: int) -> None:
+        """Write what the ranks outside ``checkpoint_group`` hold into ``folder`` (a checkpoint being written, before
+        it is published); the default has nothing there."""
+
+    def check_shards(self, folder: Path) -> None:
+        """Raise a one-line ``CheckpointError`` (on every rank alike, before anything loads) when ``folder`` lacks
+        what ``load_shards`` needs."""
+
+    def load_shards(self, folder: Path, rank: int) -> None:
+        """Restore what ``save_shards`` wrote into ``folder``; the default has nothing to restore."""
 
     def close(self) -> None:
         """The job's training is over on this rank (``Parallel.close``); the default has nothing to end."""

@@ -8,16 +8,20 @@ ends its process when every worker has closed; the code after ``prepare`` runs o
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.single import read_alone, write_alone
 from ..dims import ParallelDims
 from ..distributed.param_server.config import PSConfig
 from ..distributed.param_server.layout import Layout, plan_layout
-from ..distributed.param_server.roles import WorkerSide, report, serve
+from ..distributed.param_server.messages import ProtocolError
+from ..distributed.param_server.roles import WorkerSide, report, serve, shard_folder
+from ..distributed.param_server.snapshot import ShardStore
 from ..distributed.process_group import finish_group
 from ..env import ClusterEnv
 from ..errors import CheckpointError, ConfigError
@@ -76,7 +80,7 @@ class ParameterServer(Strategy):
             return self.worker.optimizer(optimizer, model)
         assert self._model is not None and self._layout is not None
         model, self._model = self._model, None
-        serve(model, optimizer, self._layout, rt.env.rank, self.config)
+        serve(model, optimizer, self._layout, rt.env.rank, self.config, ShardStore(write_alone, read_alone))
         finish_group()  # meets the workers' Parallel.close, which waits for every rank before the group goes
         raise SystemExit(0)  # training is over: the workers' results are the job's
 
@@ -103,9 +107,50 @@ class ParameterServer(Strategy):
             return {}
         return self.worker.full_state(model) if not rank0_only or self.worker.client.rank == 0 else {}
 
-    def check_checkpoint(self) -> None:
-        raise CheckpointError("par.save/par.load do not cover the parameter servers' shards yet; take "
-                              "par.full_state_dict(model) on the workers (it pulls every table row) and save that")
+    # ----------------------------------------------------------------- checkpoints
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The workers save and load together; the servers, serving, take part through their messages."""
+        return self._workers(self._env) if self._env is not None else None
+
+    def save_shards(self, folder: Path, rank: int) -> None:
+        """Rank 0 has every server write its shard into ``folder/server-NNN`` (the workers are all between steps:
+        they are inside ``save``), and waits for them."""
+        if self.worker is not None and rank == 0:
+            self._servers_do(folder, load=False)
+
+    def load_shards(self, folder: Path, rank: int) -> None:
+        """Rank 0 has every server read its shard back; then every worker pulls the restored parameters."""
+        if self.worker is None:
+            return
+        if rank == 0:
+            self._servers_do(folder, load=True)
+        dist.barrier(group=self._workers(self._env))  # every server has its shard back before anyone pulls
+        self.worker.client.pull_dense()
+
+    def check_shards(self, folder: Path) -> None:
+        saved = len([p for p in folder.iterdir() if p.is_dir() and p.name.startswith("server-")])
+        if saved != self.config.servers or any(not Path(f).is_dir() for f in self._shard_folders(folder)):
+            raise CheckpointError(f"checkpoint {folder} holds the shards of {saved} parameter server(s), this job has "
+                                  f"{self.config.servers}; load it with servers={saved} (shards are cut per server)")
+
+    def _servers_do(self, folder: Path, load: bool) -> None:
+        try:
+            self.worker.client.checkpoint(self._shard_folders(folder), load=load)
+        except ProtocolError as err:
+            raise CheckpointError(f"a parameter server could not {'read' if load else 'write'} its shard: "
+                                  f"{err}") from None
+
+    def _shard_folders(self, folder: Path) -> list[str]:
+        return [str((folder / shard_folder(i)).absolute()) for i in range(self.config.servers)]
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """A worker's optimizer holds no state (the servers' does): its param groups' settings, by group (an LR
+        schedule on the workers sets them). Never stepped to make state, as other optimizers are: a step pushes."""
+        return {f"group{i}.{k}": v for i, g in enumerate(optimizer.param_groups) for k, v in g.items() if k != "params"}
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        for i, g in enumerate(optimizer.param_groups):
+            g.update({k: state[f"group{i}.{k}"] for k in g if k != "params"})
 
     def close(self) -> None:
         """On a worker: tell the servers it is done, then the table of pulls, pushes and the servers' load (rank 0

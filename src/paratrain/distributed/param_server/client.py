@@ -11,8 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .layout import Layout
-from .messages import (DONE, DTYPE_CODES, HEADER_WORDS, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE,
-                       PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REQUEST_TAG, Header, KIND_NAMES, ProtocolError, pack)
+from .messages import (DONE, DTYPE_CODES, HEADER_WORDS, LOAD, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
+                       PUSH_DENSE, PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, KIND_NAMES,
+                       ProtocolError, pack)
 
 
 @dataclass
@@ -125,6 +126,26 @@ class Client:
             w.wait()
         self.stats.pull_s += time.perf_counter() - start
         return out
+
+    # ----------------------------------------------------------------- checkpoints
+    def checkpoint(self, folders: list[str], load: bool) -> None:
+        """Have server ``s`` write its shard into ``folders[s]`` (``load``: read it from there); returns when every
+        server has answered. Raises ProtocolError when one could not."""
+        kind = LOAD if load else SAVE
+        works = []
+        for s, folder in enumerate(folders):
+            name = torch.frombuffer(bytearray(folder.encode()), dtype=torch.uint8)
+            works += self._request(s, Header(kind, self.step_no, count=name.numel()), pack(name))
+        errors = []
+        for s in range(len(folders)):
+            try:
+                self._answer(s, kind)
+            except ProtocolError as err:
+                errors.append(str(err))
+        for w in works:
+            w.wait()
+        if errors:
+            raise ProtocolError(errors[0])
 
     # ----------------------------------------------------------------- the end
     def finish(self) -> list[ServerLoad]:

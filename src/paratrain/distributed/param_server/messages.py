@@ -23,18 +23,20 @@ REQUEST_TAG, PAYLOAD_TAG, REPLY_TAG = 71, 72, 73
 """Headers from workers, their payloads, and the servers' replies travel on tags of their own, so a payload the
 server never reads cannot be taken for the next header."""
 
-PULL_DENSE, PUSH_DENSE, PULL_ROWS, PUSH_ROWS, DONE = 1, 2, 3, 4, 5
+PULL_DENSE, PUSH_DENSE, PULL_ROWS, PUSH_ROWS, DONE, SAVE, LOAD = 1, 2, 3, 4, 5, 6, 7
 OK, REFUSED = 16, 17
 KIND_NAMES = {PULL_DENSE: "pull of dense parameters", PUSH_DENSE: "push of dense gradients",
-              PULL_ROWS: "pull of table rows", PUSH_ROWS: "push of row gradients", DONE: "done", OK: "reply",
-              REFUSED: "refusal"}
+              PULL_ROWS: "pull of table rows", PUSH_ROWS: "push of row gradients", DONE: "done",
+              SAVE: "checkpoint save", LOAD: "checkpoint load", OK: "reply", REFUSED: "refusal"}
+PATH_BYTES = 4096
+"""The longest folder name (UTF-8 bytes) a SAVE or LOAD may carry: where the server writes or reads its shard."""
 
 DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.bfloat16, 4: torch.float16, 5: torch.int64}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 REASONS = {1: "malformed header", 2: "unknown message kind", 3: "wrong size", 4: "wrong dtype", 5: "unknown table",
            6: "oversized message", 7: "row index out of range", 8: "truncated payload",
-           9: "sender refused earlier (a message that could not be read)"}
+           9: "sender refused earlier (a message that could not be read)", 10: "checkpoint shard failed"}
 
 
 class ProtocolError(ParatrainError):
@@ -67,8 +69,9 @@ class Header:
         """Bytes that follow a request (trailer included), from the header alone: 0 for none."""
         item = DTYPES[self.dtype].itemsize if self.dtype in DTYPES else 0
         body = {PUSH_DENSE: self.count * item + self.width * 8, PULL_ROWS: self.count * 8,
-                PUSH_ROWS: self.count * 8 + self.count * self.width * item}.get(self.kind, 0)
-        return body + TRAILER.numel() if self.kind in (PUSH_DENSE, PULL_ROWS, PUSH_ROWS) else 0
+                PUSH_ROWS: self.count * 8 + self.count * self.width * item, SAVE: self.count,
+                LOAD: self.count}.get(self.kind, 0)
+        return body + TRAILER.numel() if self.kind in (PUSH_DENSE, PULL_ROWS, PUSH_ROWS, SAVE, LOAD) else 0
 
 
 def parse(words: torch.Tensor) -> Header:
@@ -110,7 +113,7 @@ class Schema:
         """The largest legitimate payload in bytes (trailer included): the size of the server's receive buffer."""
         item = self.dense_dtype.itemsize
         rows = max((self.max_rows * (8 + t.dim * item) for t in self.tables), default=0)
-        return max(self.dense_numel * item + self.groups * 8, rows) + TRAILER.numel()
+        return max(self.dense_numel * item + self.groups * 8, rows, PATH_BYTES) + TRAILER.numel()
 
     def check(self, h: Header) -> None:
         """Raise Refused unless this server serves ``h`` as it stands."""
@@ -133,6 +136,9 @@ class Schema:
                     raise Refused(4, f"{_dtype_name(h.dtype)} row gradients, expected {self.dense_dtype}", drain=True)
                 if h.width != dim:
                     raise Refused(3, f"rows {h.width} wide, table {h.table} has {dim} columns", drain=True)
+        elif h.kind in (SAVE, LOAD):
+            if not 0 < h.count <= PATH_BYTES:
+                raise Refused(6, f"a folder name of {h.count} bytes, at most {PATH_BYTES}", drain=False)
         elif h.kind not in (PULL_DENSE, DONE):
             raise Refused(2, f"{KIND_NAMES[h.kind]} is not a request", drain=True)
 
@@ -150,6 +156,8 @@ def unpack(buffer: torch.Tensor, h: Header) -> tuple[torch.Tensor, ...]:
     body = buffer[:n - TRAILER.numel()]
     if h.kind == PUSH_DENSE:  # the learning rates first: every part then starts 8-byte aligned
         return body[h.width * 8:].view(DTYPES[h.dtype]), body[:h.width * 8].view(torch.float64)
+    if h.kind in (SAVE, LOAD):
+        return (body,)
     ids = body[:h.count * 8].view(torch.int64)
     if h.kind == PULL_ROWS:
         return (ids,)

@@ -15,16 +15,22 @@ from .layout import Layout
 from .optimizers import group_of, table_kind
 from .server import Server, ServerStats
 from .shards import ServerShards
+from .snapshot import ShardStore
 from .tables import RemoteTable, replace_tables
 from .worker import PushingOptimizer
 
 
 def serve(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, rank: int,
-          config: PSConfig) -> ServerStats:
-    """Hold this server's shards and serve until every worker is done."""
+          config: PSConfig, store: ShardStore | None = None) -> ServerStats:
+    """Hold this server's shards and serve until every worker is done (``store``: how a checkpoint holds them)."""
     shards = ServerShards(model, optimizer, layout, layout.servers.index(rank), config.table_optimizer)
     del model, optimizer  # what this server does not own goes now (the caller drops its references too)
-    return Server(shards, layout, rank, config.staleness, config.max_rows).serve()
+    return Server(shards, layout, rank, config.staleness, config.max_rows, store).serve()
+
+
+def shard_folder(index: int) -> str:
+    """The folder, inside a checkpoint's, of server ``index``'s shard."""
+    return f"server-{index:03d}"
 
 
 class WorkerSide:

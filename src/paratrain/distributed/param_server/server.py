@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from .layout import Layout
-from .messages import (DONE, HEADER_WORDS, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE, PUSH_ROWS, REFUSED,
-                       REPLY_TAG, REQUEST_TAG, Header, Refused, Schema, TRAILER, parse, unpack)
+from .messages import (DONE, HEADER_WORDS, LOAD, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE, PUSH_ROWS,
+                       REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, Refused, Schema, TRAILER, parse, unpack)
 from .shards import ServerShards
+from .snapshot import ShardStore, load_shard_state, shard_state
 
 
 @dataclass
@@ -39,8 +40,9 @@ class ServerStats:
 
 
 class Server:
-    def __init__(self, shards: ServerShards, layout: Layout, rank: int, staleness: int, max_rows: int) -> None:
-        self.shards, self.layout, self.rank, self.staleness = shards, layout, rank, staleness
+    def __init__(self, shards: ServerShards, layout: Layout, rank: int, staleness: int, max_rows: int,
+                 store: ShardStore | None = None) -> None:
+        self.shards, self.layout, self.rank, self.staleness, self.store = shards, layout, rank, staleness, store
         self.index = layout.servers.index(rank)
         self.schema = Schema(dense_numel=layout.dense_numel(self.index), dense_dtype=layout.dtype,
                              tables=tuple(t.bounds[self.index] for t in layout.tables), max_rows=max_rows,
@@ -132,12 +134,33 @@ class Server:
             self.stats.max_staleness = max(self.stats.max_staleness, stale)
             params = self.shards.flat.clone()
             self._reply(src, Header(OK, self.version, int(dropped), params.numel(), stale), params)
+        elif h.kind in (SAVE, LOAD):
+            self._checkpoint(src, h, payload[0])
         elif h.kind == DONE:  # answered with this server's load so far
             self.training.discard(src)
             st = self.stats
             self._reply(src, Header(OK, st.requests, st.dropped, st.bytes_in, st.bytes_out, int(1e3 * st.busy_s)))
             if self.staleness == 0:
                 self._step_if_all_in()
+
+    def _checkpoint(self, src: int, h: Header, name: torch.Tensor) -> None:
+        """Write this server's shard into the folder a worker named, or read it back from there (a worker sends
+        it between steps, when nothing of a step is pending here); answered when done."""
+        try:
+            folder = bytes(name.tolist()).decode()
+        except UnicodeDecodeError:
+            raise Refused(1, "a folder name that is not UTF-8", drain=True) from None
+        if self.store is None or self.pushed or any(self.rows.values()):
+            raise Refused(10, "a checkpoint in the middle of a step (or with no store)", drain=True)
+        try:
+            if h.kind == SAVE:
+                self.store.write(shard_state(self.shards, self.version), folder)
+            else:
+                self.version = load_shard_state(self.shards, self.store.read(folder))
+        except Exception as err:  # the folder is the worker's choice: a failure refuses this request only
+            raise Refused(10, f"{folder}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+                          drain=True) from None
+        self._reply(src, Header(OK, self.version))
 
     def _rows_of(self, table: int, ids: torch.Tensor):
         shard = self.shards.tables[table]
