@@ -63,9 +63,7 @@ class Prepared:
         self.loaders.append(loader)
 
     def targets(self, strategy: Strategy, precision: Any, **position: Any) -> Targets:
-        """What a checkpoint saves or restores: these objects plus ``position`` (step, epoch, rank, …); a strategy
-        whose state a checkpoint cannot hold yet refuses here, in one line, before any rank waits."""
-        strategy.check_checkpoint()
+        """What a checkpoint saves or restores: these objects plus ``position`` (step, epoch, rank, …)."""
         group = strategy.checkpoint_group()
         if group is not None:  # not every rank saves (a parameter server's workers do, for their servers too)
             position["gather"] = partial(gather_object, group=group)

@@ -139,10 +139,6 @@ class Strategy(ABC):
         every rank); a parameter server's servers train nothing."""
         return None
 
-    def check_checkpoint(self) -> None:
-        """Raise a one-line ``CheckpointError`` when ``save``/``load`` cannot work with this strategy (before they wait
-        on any rank)."""
-
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """The ranks that take part in ``save``/``load``'s collectives (None: every rank)."""
         return None
