@@ -14,18 +14,22 @@ from .checks import Check
 RPC = "torch.distributed.rpc"
 
 
-def rpc_imports(source: str, filename: str = "<script>") -> list[int]:
-    """The lines of ``source`` that import ``torch.distributed.rpc`` (or anything from it)."""
-    lines = []
+def imported(source: str, filename: str = "<script>") -> list[tuple[str, int]]:
+    """(dotted name, line) of every absolute import in ``source``: ``import a.b`` gives ``a.b``; ``from a import
+    b`` gives ``a`` and ``a.b`` (``b`` may be a module). The one parser of a script's imports for the doctor's
+    checks (this module's and :mod:`paratrain.tf.doctor`'s)."""
+    found = []
     for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Import):
-            if any(a.name == RPC or a.name.startswith(RPC + ".") for a in node.names):
-                lines.append(node.lineno)
+            found += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            if node.module == RPC or node.module.startswith(RPC + ".") or (
-                    node.module == "torch.distributed" and any(a.name == "rpc" for a in node.names)):
-                lines.append(node.lineno)
-    return sorted(lines)
+            found += [(node.module, node.lineno), *((f"{node.module}.{a.name}", node.lineno) for a in node.names)]
+    return found
+
+
+def rpc_imports(source: str, filename: str = "<script>") -> list[int]:
+    """The lines of ``source`` that import ``torch.distributed.rpc`` (or anything from it)."""
+    return sorted({line for name, line in imported(source, filename) if name == RPC or name.startswith(RPC + ".")})
 
 
 def check_script(path: str) -> Check:

@@ -6,7 +6,6 @@ and the Keras choice are read without importing anything (:mod:`paratrain.tf.ins
 """
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from ..doctor.checks import Check
+from ..doctor.scripts import imported
 from ..errors import LaunchError
 from ..launch.ports import port_in_use
 from .config import TF_CONFIG_VAR, parse_tf_config, split_address
@@ -140,15 +140,9 @@ def check_script(path: str) -> Check:
 
 
 def _imports(path: str) -> set[str]:
+    """The top-level packages the script at ``path`` imports."""
     with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module.split(".")[0])
-    return names
+        return {name.split(".")[0] for name, _ in imported(f.read(), path)}
 
 
 def _version(dist: str) -> str | None:
