@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from test_faults_cli import _cli
 from paratrain.cli.main import main
 from paratrain.errors import ConfigError, LaunchError
 from paratrain.tf.config import TFConfig, parse_tf_config
@@ -84,16 +85,6 @@ def test_missing_tensorflow_is_the_install_hint(monkeypatch):
     assert str(err.value) == INSTALL_HINT
     rc, stderr = _cli(["run", "--tf", "-n", "2", str(ROOT / "examples" / "tf" / "multi_worker_keras.py")])
     assert rc == 2 and stderr.strip() == f"paratrain: error: {INSTALL_HINT}"
-
-
-def _cli(argv: list[str]) -> tuple[int, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code
-    return rc, err.getvalue()
 
 
 SCRIPT = str(ROOT / "examples" / "tf" / "multi_worker_keras.py")
