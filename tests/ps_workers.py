@@ -48,7 +48,7 @@ def run_zoo(model_name: str, options: dict) -> dict | None:
     size, rank, micro = par.data_parallel_size, par.data_parallel_rank, par.accumulate
     for s in range(STEPS):
         x, y = step_batch(spec, s, size * PER_RANK)
-        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        x, y = (t[rank * PER_RANK:(rank + 1) * PER_RANK].to(par.device) for t in (x, y))
         for m in range(micro):  # with accumulate=k, k micro-steps of PER_RANK / k samples
             part = slice(m * PER_RANK // micro, (m + 1) * PER_RANK // micro)
             with par.step(model, opt):
@@ -114,7 +114,7 @@ def run_sparse(kind: str, options: dict, folder: str, rows: int = ROWS, dim: int
         x, y = recommender_batch(s, size * PER_RANK, rows=rows)
         sl = slice(dp_rank * PER_RANK, (dp_rank + 1) * PER_RANK)
         with par.step(model, opt):
-            loss = F.cross_entropy(model((x[0][sl], x[1][sl])), y[sl])
+            loss = F.cross_entropy(model((x[0][sl].to(par.device), x[1][sl].to(par.device))), y[sl].to(par.device))
             par.backward(loss)
     state = par.full_state_dict(model) if not meta else {}
     par.close()

@@ -78,6 +78,24 @@ def test_fp16_mixed_scales_the_loss_and_skips_steps_with_inf_gradients():
     par.close()
 
 
+
+@pytest.mark.parametrize("case", ["nanogpt", "sparse"])
+def test_ps_workers_on_cuda_with_a_server_in_host_memory_equal_one_process(tmp_path, case):
+    """`Parallel("ps")` on a GPU machine: worker rank 0 trains on cuda:0, the server keeps its shards (and the
+    tables) in host memory, messages travel as host tensors over gloo beside NCCL; sync mode equals one process."""
+    from ps_workers import run_sparse, run_zoo
+    from test_param_server import sparse_reference, zoo_reference
+
+    options = {"servers": 1, "accelerator": "cuda"}
+    if case == "sparse":
+        got = spawn(run_sparse, 2, ("sgd", {**options, "tables": ["bag", "emb"]}, str(tmp_path)), timeout_s=180)
+        expected = sparse_reference("sgd", 1)
+    else:
+        got = spawn(run_zoo, 2, (case, options), timeout_s=180)
+        expected = zoo_reference(case, 1)
+    assert got[1] is None  # the server ended its process cleanly
+    assert max_abs_diff(got[0]["state"], expected) <= 1e-4  # cuBLAS vs CPU kernels
+
 @pytest.mark.skipif(GPUS < 2, reason="nn.DataParallel splits a batch only over 2+ GPUs")
 def test_dataparallel_splits_over_gpus_and_equals_serial():
     assert max_abs_diff(_on_cuda("dp", 1), train_params("single", 1, 20, 8, 1)) <= 1e-4

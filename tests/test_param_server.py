@@ -236,6 +236,22 @@ def test_sync_a_killed_rank_stops_the_job_with_one_report(tmp_path, victim):
     assert err.value.rank == victim and "SIGKILL" in str(err.value), str(err.value)
 
 
+def test_on_cuda_the_servers_keep_to_the_host_and_the_group_serves_host_tensors_beside_nccl(monkeypatch):
+    """A ps job on GPUs: servers hold shards in host memory (no GPU of their own), and the one group every rank
+    starts is gloo for the messages beside NCCL for the workers' CUDA tensors (tests/test_gpu.py runs it)."""
+    from paratrain.devices import job_backend
+    from paratrain.env import ClusterEnv
+    from paratrain.strategies.param_server import ParameterServer
+
+    assert job_backend("auto", host_messages=True) == "gloo"  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert job_backend("auto", host_messages=True) == "cpu:gloo,cuda:nccl"
+    assert job_backend("auto", host_messages=False) == "nccl" and job_backend("cpu", host_messages=True) == "gloo"
+    ps = ParameterServer(servers=2)
+    assert ps.host_messages
+    assert [ps.on_host(ClusterEnv(rank=r, world_size=4)) for r in range(4)] == [False, False, True, True]
+
+
 def test_headers_are_parsed_without_trusting_them():
     from paratrain.distributed.param_server import messages as m
 

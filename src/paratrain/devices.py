@@ -1,5 +1,6 @@
 """Device and backend choice, made in one place for every strategy: ``cuda:LOCAL_RANK`` with NCCL when CUDA
-is available, otherwise the CPU with gloo."""
+is available, otherwise the CPU with gloo; a job whose strategy sends host tensors of its own (parameter servers)
+gets gloo beside NCCL."""
 from __future__ import annotations
 
 import torch
@@ -9,11 +10,16 @@ from .errors import ConfigError
 ACCELERATORS = ("auto", "cpu", "cuda")
 
 
-def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
-    """The device this process trains on."""
+def uses_cuda(accelerator: str) -> bool:
+    """Whether ``accelerator`` puts the job's compute on CUDA on this machine."""
     if accelerator not in ACCELERATORS:
         raise ConfigError(f"unknown accelerator {accelerator!r}; choose one of {', '.join(ACCELERATORS)}")
-    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+    return accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
+    """The device this process trains on."""
+    if not uses_cuda(accelerator):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("accelerator='cuda' but this torch build sees no CUDA device; use accelerator='cpu'")
@@ -29,3 +35,12 @@ def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
 def backend_for(device: torch.device) -> str:
     """The collective backend that serves tensors on ``device``."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def job_backend(accelerator: str, host_messages: bool) -> str:
+    """The backend every rank of a job starts its group with. ``host_messages``: the strategy also sends host
+    tensors between ranks, some of which may run on the host alone (parameter servers): on CUDA that is gloo for
+    host tensors beside NCCL for CUDA ones, one group serving both."""
+    if not uses_cuda(accelerator):
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if host_messages else "nccl"

@@ -96,7 +96,7 @@ class Parallel:
         self._chosen = ChosenStrategy(strategy, self.env, strategy_options)
         self.precision: Precision = create_precision(precision)
         self._session = Session(self.env, accelerator, self.precision, timeout_s=timeout_s,
-                                wait_report_s=wait_report_s, needs_group=self._chosen.needs_group)
+                                wait_report_s=wait_report_s, **self._chosen.placement())
         self.device, self._calls = self._session.device, self._session.calls
         self._session.agree({**self._chosen.agreed_values(), "precision": self.precision.name,
                              "accumulate": str(self.accumulate)})

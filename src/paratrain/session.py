@@ -6,10 +6,11 @@ how, is decided here once (see :mod:`paratrain.distributed.process_group`).
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from .call_watch import CallWatch
-from .devices import select_device
+from .devices import job_backend, select_device
 from .distributed.process_group import finish_group, start_process_group
 from .env import ClusterEnv
 from .errors import ConfigError
@@ -18,16 +19,24 @@ from .rank_agreement import check_ranks_agree
 
 
 class Session:
-    """Start (or join) the job's process group on this process's device; ``close`` ends what it started."""
+    """Start (or join) the job's process group on this process's device; ``close`` ends what it started.
+
+    ``on_host``: this rank runs on the host whatever the accelerator (a parameter server); ``host_messages``: the
+    strategy sends host tensors of its own, so the group serves them beside the accelerator's (see
+    :func:`~paratrain.devices.job_backend`).
+    """
 
     def __init__(self, env: ClusterEnv, accelerator: str, precision: Precision, *, timeout_s: float,
-                 wait_report_s: float | None, needs_group: bool) -> None:
+                 wait_report_s: float | None, needs_group: bool, on_host: bool = False,
+                 host_messages: bool = False) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
         self.env = env
-        self.device = select_device(env.local_rank, accelerator)
-        precision.validate(self.device)
-        self.owns_group = start_process_group(env, self.device, timeout_s, needs_group)
+        backend = job_backend(accelerator, host_messages)
+        self.device = torch.device("cpu") if on_host else select_device(env.local_rank, accelerator)
+        if not on_host:
+            precision.validate(self.device)
+        self.owns_group = start_process_group(env, self.device, timeout_s, needs_group, backend)
         """True when this session started the group (a group the script started is left to the script)."""
         self.calls = CallWatch(env.rank, env.world_size, timeout_s=timeout_s, report_after_s=wait_report_s,
                                enabled=self.distributed and env.launched)

@@ -19,12 +19,14 @@ _GLOO_DRAIN_S = 0.1
 """Seconds ``finish_group`` releases the GIL after its barrier."""
 
 
-def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float, needs_group: bool) -> bool:
+def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float, needs_group: bool,
+                        backend: str | None = None) -> bool:
     """Start the default group for this job when it needs one; True when this call started it (and so owns it).
 
     ``python train.py`` with a distributed strategy gets a private one-rank group, so the same code path runs (DDP
     and FSDP at world 1) instead of failing for want of a launcher. A group the script started itself is used and
-    left to the script.
+    left to the script. ``backend``: the launched job's (default: the device's); the device is bound to the group
+    (NCCL's eager start) only on a pure NCCL group, where every rank has a GPU.
     """
     if not env.launched:
         if not needs_group:
@@ -37,8 +39,9 @@ def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float,
             raise ConfigError(
                 f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE={env.world_size}")
         return False
-    dist.init_process_group(backend=backend_for(device), init_method="env://", timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    backend = backend or backend_for(device)
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)
     return True
 
 

@@ -64,6 +64,13 @@ class Strategy(ABC):
     """Tensor parallelism inside this strategy (``tp=`` option; see :mod:`paratrain.distributed.tensor_parallel`)."""
     serves: ClassVar[bool] = False
     """Some ranks serve the others instead of training (parameter servers): they take no step of their own."""
+    host_messages: ClassVar[bool] = False
+    """The strategy sends host tensors of its own between ranks: on CUDA the job's group is gloo beside NCCL."""
+
+    def on_host(self, env: ClusterEnv) -> bool:
+        """Whether this rank of ``env`` runs on the host whatever the accelerator (a parameter server's shards
+        and optimizer live in host memory, leaving the GPUs to the workers)."""
+        return False
 
     def uses_group(self, env: ClusterEnv) -> bool:
         """Whether this strategy needs a process group and a mesh in ``env`` (one process gets a private group)."""

@@ -33,6 +33,7 @@ from .registry import register
 class ParameterServer(Strategy):
     name = "ps"
     serves = True
+    host_messages = True
 
     def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
         if config is not None and options:
@@ -55,6 +56,9 @@ class ParameterServer(Strategy):
     def is_server(self, env: ClusterEnv) -> bool:
         return env.rank >= env.world_size - self.config.servers
 
+    def on_host(self, env: ClusterEnv) -> bool:
+        return self.is_server(env)
+
     def materializer(self, model: nn.Module, device: torch.device, init_fn: Any) -> None:
         """None: a table built on the meta device is allocated row-shard by row-shard on the servers, and a worker
         keeps its copy on meta (it pulls the rows its batch reads)."""
@@ -65,14 +69,15 @@ class ParameterServer(Strategy):
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
         if self.worker is not None or self._model is not None:
             raise ConfigError("strategy 'ps' prepares one model per Parallel object")
-        if dist.is_initialized() and dist.get_backend() != "gloo":
-            raise ConfigError(f"ps sends its messages as CPU tensors and receives from any worker, which the "
-                              f"{dist.get_backend()} backend cannot; run the job on gloo (accelerator='cpu') for now")
+        if dist.is_initialized() and "gloo" not in str(dist.get_backend()):
+            raise ConfigError(f"ps sends its messages as host tensors received from any worker, which the "
+                              f"{dist.get_backend()} backend cannot; let Parallel start the group, or start it with "
+                              "backend='cpu:gloo,cuda:nccl'")
         layout = plan_layout(model, rt.env.world_size, self.config)
         if self.is_server(rt.env):
             self._layout, self._model = layout, model  # served once the optimizer is known
             return model
-        self.worker = WorkerSide(model, layout, rt.env.rank, self.config)
+        self.worker = WorkerSide(model, layout, rt.env.rank, self.config, rt.device)
         return model
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:

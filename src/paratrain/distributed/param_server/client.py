@@ -74,8 +74,8 @@ class Client:
                     part, g = ids[i:i + self.max_rows], grads[i:i + self.max_rows]
                     works += self._request(s, Header(PUSH_ROWS, self.step_no, table, part.numel(), g.shape[1], dtype),
                                            pack(part, g.to(self.layout.dtype)))
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]) \
-                if params else torch.empty(0, dtype=self.layout.dtype)
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                             ).cpu() if params else torch.empty(0, dtype=self.layout.dtype)
             works += self._request(s, Header(PUSH_DENSE, self.versions[s], count=flat.numel(), width=len(lrs),
                                              dtype=dtype),
                                    pack(torch.tensor(lrs, dtype=torch.float64), flat))

@@ -36,13 +36,15 @@ def shard_folder(index: int) -> str:
 class WorkerSide:
     """A worker's connection to the servers and the stand-ins it put into the model."""
 
-    def __init__(self, model: nn.Module, layout: Layout, rank: int, config: PSConfig) -> None:
+    def __init__(self, model: nn.Module, layout: Layout, rank: int, config: PSConfig, device: torch.device) -> None:
         self.layout, self.config = layout, config
         self.names = {id(p): n for n, p in model.named_parameters()}  # before the tables leave the model
         skip = {f"{t.name}.weight" for t in layout.tables}
         dense = {n: p for n, p in model.named_parameters() if n not in skip}
         self.client = Client(layout, rank, dense, config.max_rows)
         self.tables: list[RemoteTable] = replace_tables(model, layout.tables, self.client)
+        if device.type != "cpu":  # the tables are gone (they may be on meta); the parameters keep their identity
+            model.to(device)
         self.client.pull_dense()
 
     def optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> PushingOptimizer:
@@ -56,7 +58,7 @@ class WorkerSide:
     def full_state(self, model: nn.Module, chunk: int = 1 << 16) -> dict[str, torch.Tensor]:
         """The model's whole state as the servers hold it now (asynchronous workers may hold older parameters)."""
         self.client.pull_dense()
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         for remote in self.tables:
             t = remote.table
             parts = [torch.arange(i, min(i + chunk, t.rows)) for i in range(0, t.rows, chunk)]

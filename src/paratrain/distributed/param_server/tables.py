@@ -29,7 +29,8 @@ class RemoteTable(nn.Module):
         if input.numel() and (int(input.min()) < 0 or int(input.max()) >= self.table.rows):
             raise IndexError(f"index out of range in table {self.table.name!r} of {self.table.rows} rows")
         ids, inverse = torch.unique(input, sorted=True, return_inverse=True)
-        rows = self.client.pull_rows(self.table.index, ids)
+        ids = ids.cpu()  # messages are host tensors; the rows go to the batch's device
+        rows = self.client.pull_rows(self.table.index, ids).to(input.device)
         if torch.is_grad_enabled() and self.training and self.trained:
             rows.requires_grad_(True)
             self.pulled.append((ids, rows))
@@ -45,7 +46,7 @@ class RemoteTable(nn.Module):
     def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, gradient rows) of every forward since the last step (repeated ids are summed by the server)."""
         ids = [i for i, r in self.pulled if r.grad is not None]
-        grads = [r.grad for _, r in self.pulled if r.grad is not None]
+        grads = [r.grad.cpu() for _, r in self.pulled if r.grad is not None]
         self.pulled.clear()
         if not ids:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, self.table.dim)
