@@ -48,12 +48,15 @@ def _runtime(layout: Layout) -> tuple[str, dict]:
         options["dp"] = layout.dp
     if layout.name == "model_parallel":
         options["stages"] = layout.mp
+    if layout.servers:
+        options["servers"] = layout.servers
     return layout.name, options
 
 
 def _candidates(world: int) -> list[Layout]:
     degrees = tuple(d for d in range(2, world + 1) if world % d == 0)
-    one_node = layouts(make_cluster("h100", gpus=world, nodes=1), n_units=64, tp_degrees=degrees)
+    one_node = layouts(make_cluster("h100", gpus=world, nodes=1), n_units=64, tp_degrees=degrees,
+                       ps_servers=max(1, world // 4))
     two_nodes = layouts(make_cluster("h100", gpus=world // 2, nodes=2), n_units=64) if world % 2 == 0 else []
     return one_node + [layout for layout in two_nodes if layout.name == "hsdp"]
 
@@ -69,6 +72,6 @@ def test_every_planned_layout_is_the_one_its_strategy_builds(world):
         strategy.validate(env)
         assert strategy.dims(env) == layout.dims, (layout, options)
         seen.add(name)
-    assert seen >= ({"single"} if world == 1 else {"ddp", "zero1", "zero2", "zero3"})
+    assert seen >= ({"single"} if world == 1 else {"ddp", "zero1", "zero2", "zero3", "ps"})
     if world >= 4 and world % 2 == 0:
         assert {"hsdp", "hybrid", "tp"} <= seen

@@ -5,6 +5,7 @@ Examples:
   paratrain plan --params 7.5B --layers 32 --hidden 4096 --seq-len 4096 --gpus 8 --nodes 4 --inter-node eth-100g
   paratrain plan --model mymodels:build --input 3x224x224 --gpu a100-40gb --gpus 4 --breakdown
   paratrain plan --model mlp --gpu cpu --gpus 2 --measure
+  paratrain plan --model mymodels:recommender --input long:8 --gpu cpu --gpus 3 --ps-servers 1 --optimizer sgd
   paratrain plan --model llama-7b --gpus 8 --nodes 2 --tp 8
   paratrain plan --model llama3-70b --gpus 8 --nodes 48 --layout dp=8,pp=12,tp=4 --global-batch 2048
   paratrain plan --model gpt3-175b --gpu a100 --gpus 8 --nodes 8 --inter-node ib-hdr-x8 --layout pp=8,tp=8 \
@@ -84,6 +85,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--pp", type=int, help="pipeline stages of the exact layout (default 1 with --dp)")
     t.add_argument("--layout", help="the exact layout in one flag, e.g. dp=8,pp=12,tp=4")
     t.add_argument("--base-lr", type=float, help="an LR tuned at --batch on one device: print it scaled")
+    t.add_argument("--ps-servers", type=int, default=1, metavar="S",
+                   help="servers of the ps row (parameter servers: the other GPUs are workers; default 1, as "
+                        "Parallel('ps'); 0: no ps row)")
+    t.add_argument("--ps-rows-per-step", type=int, metavar="R",
+                   help="ps: rows of each embedding table one worker's step touches (default: the distinct ids of "
+                        "its samples' lookups, drawn uniformly: the most a step moves)")
+    t.add_argument("--ps-table-optimizer", choices=("sgd", "adagrad", "adam"),
+                   help="ps: what updates table rows on the servers (default: --optimizer's states; adam is SparseAdam)")
     o = p.add_argument_group("output")
     o.add_argument("--breakdown", action="store_true", help="show memory per category")
     o.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -124,7 +133,8 @@ def execute(args: argparse.Namespace) -> int:
                      micro_batch=args.micro_batch, global_batch=args.global_batch, micro_batches=args.micro_batches,
                      schedule=args.schedule, virtual_stages=args.virtual_stages, checkpointing=args.checkpointing,
                      recompute=args.recompute, sequence_parallel=args.sequence_parallel, tp=args.tp,
-                     exact=exact_layout(args.layout, dp=args.dp, pp=args.pp, tp=args.tp))
+                     exact=exact_layout(args.layout, dp=args.dp, pp=args.pp, tp=args.tp), ps_servers=args.ps_servers,
+                     rows_per_step=args.ps_rows_per_step, table_optimizer=args.ps_table_optimizer)
     if args.json:
         print(json.dumps(plan_to_json(plan, base_lr=args.base_lr), indent=2))
     else:

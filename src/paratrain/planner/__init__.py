@@ -8,7 +8,7 @@ from .hardware import DEVICES, LINKS, Cluster, Device, Link, calibrated, cpu_hos
 from .layout import Layout, exact_layout, layouts
 from .make import make_plan
 from .memory import MemoryBreakdown, memory_per_rank
-from .model_stats import InputSpec, ModelStats, RunnableModel, TPShape, measure_module, trace_module
+from .model_stats import InputSpec, ModelStats, RunnableModel, TableStats, TPShape, measure_module, trace_module
 from .recommend import Estimate, Plan, estimate, estimate_all, recommend
 from .report import format_plan, plan_to_json
 from .timing import StepTime, bubble_fraction, step_time
@@ -20,6 +20,6 @@ __all__ = [
     "make_cluster", "Layout", "exact_layout", "layouts", "make_plan", "MemoryBreakdown", "memory_per_rank", "InputSpec",
     "ModelStats", "RunnableModel", "measure_module", "trace_module", "transformer_shape", "transformer_stats",
     "TRANSFORMERS", "GPTConfig", "Estimate", "Plan", "estimate", "estimate_all", "recommend", "format_plan",
-    "plan_to_json", "StepTime", "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction", "measured_link",
+    "plan_to_json", "TableStats", "StepTime", "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction", "measured_link",
     "p2p_s", "reduce_scatter_s", "step_time", "Batching", "Training", "batching", "TPShape",
 ]

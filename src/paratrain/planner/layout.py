@@ -39,17 +39,27 @@ class Layout:
     """Model-parallel stages: the GPUs of one process, holding consecutive layers and taking turns."""
     tp: int = 1
     """Tensor-parallel ranks: consecutive ranks that split every block's matrices and activations."""
+    servers: int = 0
+    """Parameter servers (``ps``): ranks beside the ``dp`` workers that hold the parameters, their optimizer and the
+    embedding tables, and compute nothing."""
 
     def __post_init__(self) -> None:
         if min(self.dp, self.shard, self.pp, self.mp, self.tp) < 1 or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"layout {self.name}: degrees must be >= 1 and zero in 0..3")
+        if self.servers < 0 or (self.servers and (self.zero or self.stages > 1 or self.tp > 1)):
+            raise ConfigError(f"layout {self.name}: parameter servers serve plain data-parallel workers")
         if self.dp % self.shard:
             raise ConfigError(f"layout {self.name}: shard {self.shard} must divide dp {self.dp}")
         self.dims  # the runtime's own checks of the degrees (model-parallel stages do not compose with pp or tp)
 
     @property
     def dims(self) -> ParallelDims:
-        """This layout as the runtime lays it out (``Strategy.dims``): the one definition of the degrees."""
+        """This layout as the runtime lays it out (``Strategy.dims``): the one definition of the degrees. A parameter
+        server's job is one flat data-parallel dimension over every rank, servers included, as ``ps`` builds it:
+        its servers take part in none of that mesh's collectives (they answer point-to-point messages), so the
+        degrees have no dimension of their own for them."""
+        if self.servers:
+            return ParallelDims(dp_replicate=self.dp + self.servers)
         sharded = self.zero > 0
         return ParallelDims(dp_replicate=self.dp // self.shard if sharded else self.dp,
                             dp_shard=self.shard if sharded else 1, zero=self.zero, pp=self.pp, tp=self.tp, mp=self.mp)
@@ -57,7 +67,7 @@ class Layout:
     @property
     def world_size(self) -> int:
         """Devices (GPUs, or CPU processes) the layout uses."""
-        return self.dp * self.pp * self.mp * self.tp
+        return self.dp * self.pp * self.mp * self.tp + self.servers
 
     @property
     def label(self) -> str:
@@ -80,22 +90,27 @@ class Layout:
             parts.append(f"shard={self.shard}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
+        if self.servers:
+            parts = [f"workers={self.dp}", f"servers={self.servers}"]
         return " ".join(parts) or "1 rank"
 
 
-STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid", "pipeline", "model_parallel", "tp")
+STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid", "pipeline", "model_parallel", "tp",
+                  "ps")
 """Simplest first: when two strategies are about as fast, the earlier one is recommended (and any layout without
-tensor parallelism before one with it)."""
+tensor parallelism before one with it). ``ps`` last: a process more per server, and the one strategy that is not
+the same collectives on every rank."""
 
 
-def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = ()) -> list[Layout]:
+def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_servers: int = 0) -> list[Layout]:
     """Every strategy (and degree split) the cluster can run, in ``STRATEGY_ORDER``; ``single`` is one rank.
 
     ``hsdp`` needs several nodes of several ranks; ``hybrid`` comes in every dp x pp split with both >= 2;
     pipelines need at least as many wrap units as stages; ``model_parallel`` cuts the model over 2 or more GPUs
     of a node per process (not on a CPU host, where every stage would be the same CPU). Then, for each of
     ``tp_degrees`` that divides the ranks, the compositions paratrain's strategies offer: ``tp`` over every rank,
-    or ddp, zero2, zero3, hybrid and pipeline over the groups of tp ranks.
+    or ddp, zero2, zero3, hybrid and pipeline over the groups of tp ranks. Last, with ``ps_servers`` S > 0 and
+    more ranks than that, ``ps``: S servers and the other ranks as workers.
     """
     n, per_node = cluster.world_size, cluster.ranks_per_node
     out = [Layout(name="single")]
@@ -112,6 +127,8 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = ()) -> l
         out += [Layout(name="model_parallel", dp=n // mp, mp=mp) for mp in _divisors(per_node) if 2 <= mp <= n_units]
     for tp in (t for t in tp_degrees if n % t == 0):
         out += _with_tp(n // tp, tp, n_units)
+    if 0 < ps_servers < n:
+        out.append(Layout(name="ps", dp=n - ps_servers, servers=ps_servers))
     return out
 
 

@@ -29,7 +29,7 @@ def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: 
               micro_step_time: tuple[float, float] | None = None,
               host_step_time: tuple[float, float] | None = None, fsdp_overhead: Mapping[str, float] | None = None,
               tp_step_time: float | None = None, tp: int | None = None, exact: ParallelDims | None = None,
-              **training: object) -> Plan:
+              ps_servers: int = 1, **training: object) -> Plan:
     """The plan for ``model`` under ``paratrain plan``'s options (``training`` holds ``Training``'s fields;
     precision ``auto`` is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
 
@@ -52,8 +52,10 @@ def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: 
     on ``threads`` threads; sets ``Device.tp_call_s`` (``tp_call_from``).
     ``tp``: the tensor-parallel degree to plan (``--tp``; None: every one that divides a node and the model's heads
     and MLP width; 1: none). ``exact``: the degrees to plan instead of searching (``--layout``,
-    ``layout.exact_layout``).
+    ``layout.exact_layout``). ``ps_servers``: the servers of the ``ps`` row (0: no such row).
     """
+    if ps_servers < 0:
+        raise ConfigError(f"--ps-servers must be >= 0 (0: no ps row), got {ps_servers}")
     cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
                            gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, mem_bw_gbs=mem_bw_gbs,
                            intra_bw_gbs=intra_bw_gbs, inter_bw_gbs=inter_bw_gbs)
@@ -97,7 +99,7 @@ def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: 
         bandwidth = optimizer_step_bytes(stats.params, setup) / optimizer_time  # the measuring thread's
         cluster = replace(cluster, device=replace(cluster.device, fsdp_call_s=fsdp_call_s(
             fsdp_overhead, stats, setup, bandwidth)))
-    plan = recommend(stats, cluster, setup, tp=tp, exact=exact)
+    plan = recommend(stats, cluster, setup, tp=tp, exact=exact, ps_servers=ps_servers)
     if gpu is None:
         return plan
     return replace(plan, notes=(*plan.notes, (

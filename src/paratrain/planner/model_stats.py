@@ -53,6 +53,21 @@ class TPShape:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TableStats:
+    """An embedding the ``ps`` strategy would hold row-sharded on its servers (``model.tables.auto_tables``' rule)."""
+
+    name: str
+    rows: int
+    dim: int
+    lookups_per_sample: float = 0.0
+    """Ids one sample looks up (a token sequence's length, an ``EmbeddingBag``'s ids per bag); 0 when not known."""
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.dim
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelStats:
     """Sizes, FLOPs and activation memory of one model, per training sample."""
 
@@ -117,6 +132,9 @@ class ModelStats:
     """The intra-op threads that forward + backward ran on."""
     tp: TPShape | None = None
     """What tensor parallelism splits (closed-form transformers); None: the model is not planned with tp."""
+    tables: tuple[TableStats, ...] = ()
+    """The embeddings a parameter server holds row-sharded (``Parallel("ps")``'s ``tables="auto"``); their weights
+    are counted in ``params`` and, one tensor each, in ``tensors``."""
 
     def __post_init__(self) -> None:
         if self.params < 1:
@@ -136,6 +154,20 @@ class ModelStats:
     @property
     def largest_unit(self) -> tuple[str, int]:
         return max(self.units, key=lambda u: u[1])
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters that are not in a table: what a parameter server's workers pull and push whole."""
+        return self.params - sum(t.numel for t in self.tables)
+
+    @property
+    def dense_tensors(self) -> tuple[int, ...]:
+        """``tensors`` less one of each table's size: the dense tensors a parameter server spreads over its servers."""
+        rest = list(self.tensors)
+        for t in self.tables:
+            if t.numel in rest:
+                rest.remove(t.numel)
+        return tuple(rest)
 
 
 # --- tracing and measuring ----------------------------------------------------------------------------------
@@ -234,6 +266,15 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
     units = wrap_units(model)
     outputs: list[int] = []
     hooks = [h for n, m in units for h in (m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave))]
+    from ..model.tables import auto_tables
+
+    table_names = auto_tables(model, meta_built=False)
+    lookups: Counter[str] = Counter()
+
+    def looked_up(name: str) -> Callable[..., None]:
+        return lambda _m, args: lookups.update({name: args[0].numel()})
+
+    hooks += [model.get_submodule(n).register_forward_pre_hook(looked_up(n)) for n in table_names]
     try:
         with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = first_tensor(model(x))
@@ -269,7 +310,15 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
                       boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
                       matmul_params=sum(matmul.values()), output_bytes_per_sample=4 * out.numel() / batch,
                       largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
-                      param_bytes=dict(by_dtype), source=source, tensors=trainable_sizes(model))
+                      param_bytes=dict(by_dtype), source=source, tensors=trainable_sizes(model),
+                      tables=_tables(model, table_names, lookups, batch))
+
+
+def _tables(model: nn.Module, names: list[str], lookups: Counter[str], batch: int) -> tuple[TableStats, ...]:
+    """The trainable tables among ``names``, with the ids each sample looked them up by."""
+    weights = [(n, model.get_submodule(n).weight) for n in names]
+    return tuple(TableStats(name=n, rows=w.shape[0], dim=w.shape[1], lookups_per_sample=lookups[n] / batch)
+                 for n, w in weights if w.requires_grad)
 
 
 def trainable_sizes(model: nn.Module) -> tuple[int, ...]:

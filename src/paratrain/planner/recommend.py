@@ -20,6 +20,7 @@ from .hardware import GIB, Cluster
 from .layout import STRATEGY_ORDER, Layout, exact_layouts, layouts
 from .memory import MemoryBreakdown, activation_mode, memory_per_rank
 from .model_stats import ModelStats
+from .param_server import Serving, serving
 from .tensor_parallel import collective_bytes, collectives_per_micro_batch, tp_degrees
 from .timing import StepTime, bubble_fraction, step_time
 from .training import Batching, Training, batch_split_error, batching
@@ -49,6 +50,9 @@ class Estimate:
     """Throughput over one rank's ('single') at the same micro-batch."""
     efficiency: float
     """Speedup per device: per GPU, or per host when ranks share a CPU host."""
+    serving: Serving | None = None
+    """Parameter servers (``ps``): a worker's and a server's memory and the bytes of a step; ``memory`` is then the
+    larger of the two."""
 
     @property
     def name(self) -> str:
@@ -88,21 +92,29 @@ class Plan:
 
 def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster,
              baseline_samples_per_s: float | None = None) -> Estimate:
-    """Memory and time of one layout; ``baseline_samples_per_s`` is the single rank's, for the speedup."""
+    """Memory and time of one layout; ``baseline_samples_per_s`` is the single rank's, for the speedup.
+
+    Parameter servers read no data: their workers take the share of the global batch as many data-parallel ranks
+    would each (the per-GPU share), so a ``ps`` step trains workers/GPUs of it."""
     world = cluster.world_size
+    if layout.servers:
+        training = replace(training, global_batch=training.global_for(world) * layout.dp // layout.dims.dp)
     batch = batching(training, dp=layout.dp, pp=layout.pp, world_size=world)
-    mem = memory_per_rank(stats, layout, batch, training, cluster)
-    t = step_time(stats, layout, batch, training, cluster)
+    served = serving(stats, layout, batch, training, cluster) if layout.servers else None
+    if served is not None:
+        mem, t = max(served.worker, served.server, key=lambda m: m.total), served.time
+    else:
+        mem, t = memory_per_rank(stats, layout, batch, training, cluster), step_time(stats, layout, batch, training, cluster)
     sps = training.global_for(world) / t.step_s
     base = baseline_samples_per_s or sps
     devices = cluster.nodes if cluster.device.shared_by_ranks else layout.world_size
     return Estimate(layout=layout, batch=batch, memory=mem, time=t, checkpointing=training.checkpointing,
                     capacity=cluster.memory_bytes(cluster.ranks_per_node if layout.world_size > 1 else 1),
-                    samples_per_s=sps, speedup=sps / base, efficiency=sps / base / devices)
+                    samples_per_s=sps, speedup=sps / base, efficiency=sps / base / devices, serving=served)
 
 
 def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: int | None = None,
-                 exact: ParallelDims | None = None) -> list[Estimate]:
+                 exact: ParallelDims | None = None, ps_servers: int = 0) -> list[Estimate]:
     """One estimate per strategy at ``training``'s micro-batch; the first is the single-rank baseline.
 
     Where a strategy comes in several degree splits (hybrid's dp x pp, model_parallel's GPUs per process, the
@@ -110,10 +122,11 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
     the tensor-parallel degree to plan (``tensor_parallel.tp_degrees``: None every one that fits the model and a
     node, 1 none). ``exact``: plan only the layouts of these degrees (``layout.exact_layouts``). Layouts whose
     data-parallel replicas cannot share the global batch evenly (``training.batch_split_error``) are left out.
+    ``ps_servers``: plan ``ps`` with that many servers too (0: not).
     """
-    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank)
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers)
     world = cluster.world_size
-    splits = [lay for lay in found[1:] if batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world) is None]
+    splits = [lay for lay in found[1:] if _split_error(training, lay, world) is None]
     return _estimates(stats, cluster, training, found[0], splits)
 
 
@@ -130,12 +143,13 @@ def _estimates(stats: ModelStats, cluster: Cluster, training: Training, single_l
 
 
 def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None,
-                      exact: ParallelDims | None = None, virtual_stages: int = 1) -> list[Layout]:
-    """The layouts a plan weighs, ``single`` first: every one the cluster can run, or ``exact``'s; with
-    ``virtual_stages`` per rank (interleaved 1F1B) only pipelines whose p·v stages the model's units can fill."""
+                      exact: ParallelDims | None = None, virtual_stages: int = 1, ps_servers: int = 0) -> list[Layout]:
+    """The layouts a plan weighs, ``single`` first: every one the cluster can run (with ``ps_servers`` > 0 also
+    ``ps``), or ``exact``'s; with ``virtual_stages`` per rank (interleaved 1F1B) only pipelines whose p·v stages the
+    model's units can fill."""
     units = len(stats.units)
     if exact is None:
-        found = layouts(cluster, units, tp_degrees(stats, cluster, tp))
+        found = layouts(cluster, units, tp_degrees(stats, cluster, tp), ps_servers)
     else:
         tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
         found = exact_layouts(cluster, units, exact)
@@ -144,6 +158,13 @@ def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None
                               f"{exact.pp * virtual_stages} stages but it has only {units} units to cut; use "
                               f"--virtual-stages {max(2, units // exact.pp)} or fewer, or fewer pipeline stages")
     return [lay for lay in found if lay.pp * virtual_stages <= units or lay.pp == 1]
+
+
+def _split_error(training: Training, layout: Layout, world: int) -> str | None:
+    """Why the global batch does not split over ``layout``'s data-parallel dimension (``batch_split_error``), or
+    None: the runtime's (``Layout.dims``), whose ranks under ``ps`` take one per-GPU share each, servers
+    included (``estimate``)."""
+    return batch_split_error(training, dp=layout.dims.dp, pp=layout.pp, world_size=world)
 
 
 def _rank(e: Estimate) -> tuple[bool, float]:
@@ -168,7 +189,7 @@ def largest_micro_batch(stats: ModelStats, layout: Layout, training: Training, c
 
 
 def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = None, *,
-              tp: int | None = None, exact: ParallelDims | None = None) -> Plan:
+              tp: int | None = None, exact: ParallelDims | None = None, ps_servers: int = 0) -> Plan:
     """The plan for training ``stats``' model on ``cluster``: what ``strategy="auto"`` should pick.
 
     A strategy that does not fit at the requested micro-batch is tried at smaller ones (same global batch,
@@ -178,13 +199,15 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     compared. The global batch must split evenly over each layout's data-parallel replicas (not over the GPUs:
     tensor and pipeline ranks share their replica's samples); layouts it does not split over are left out, and
     when none is left, or the exact layout is one of them, the error says which multiple to use.
+    ``ps_servers`` > 0 plans ``ps`` with that many servers too; it is recommended only where the runtime runs it and
+    it can win (``_may_choose``).
     """
     training = training or Training()
     world = cluster.world_size
     global_batch = training.global_for(world)
     training = replace(training, global_batch=global_batch)
-    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank)
-    why_not = [(lay, batch_split_error(training, dp=lay.dp, pp=lay.pp, world_size=world)) for lay in found[1:]]
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers)
+    why_not = [(lay, _split_error(training, lay, world)) for lay in found[1:]]
     refused = [(lay, why) for lay, why in why_not if why is not None]
     if refused and len(refused) == len(found) - 1:
         raise ConfigError(refused[0][1] if exact is not None else
@@ -192,7 +215,8 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
                           f"any layout of {world} GPUs; use a multiple of {world}, e.g. "
                           f"{max(world, global_batch // world * world)}")
     estimates = _estimates(stats, cluster, training, found[0], [lay for lay, why in why_not if why is None])
-    candidates = estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:]
+    candidates = [e for e in (estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:])
+                  if _may_choose(stats, cluster, e.layout)]
     fitting = [f for e in candidates for f in _fitting(stats, e, training, cluster, estimates[0].samples_per_s)]
     if not fitting:
         raise ConfigError(_fits_nowhere(stats, cluster, training, candidates))
@@ -211,13 +235,20 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     notes = _notes(stats, cluster, training, choice, estimates)
     if refused:
         notes.append(f"--global-batch {global_batch} does not split evenly over {world} GPUs: layouts of "
-                     f"{', '.join(f'dp={d}' for d in sorted({lay.dp for lay, _ in refused}))} data-parallel replicas "
+                     f"{', '.join(f'dp={d}' for d in sorted({lay.dims.dp for lay, _ in refused}))} data-parallel replicas "
                      "are left out")
     return Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
                 estimates=tuple(estimates), choice=choice,
                 reason=(_exact_reason(choice, fitting) if exact is not None
                         else _reason(choice, estimates, fitting, cluster)),
                 suggestions=tuple(suggestions), notes=tuple(notes))
+
+
+def _may_choose(stats: ModelStats, cluster: Cluster, layout: Layout) -> bool:
+    """Whether ``layout`` may be recommended. Parameter servers only for a model with tables, on a CPU host: for a
+    dense model synchronous ``ps`` computes what ddp does while every step moves the whole model through the
+    servers (benchmarks/RESULTS.md §16: 0.49x ddp), and the runtime's messages are CPU tensors over gloo."""
+    return not layout.servers or (bool(stats.tables) and cluster.device.shared_by_ranks)
 
 
 def _fitting(stats: ModelStats, e: Estimate, training: Training, cluster: Cluster, baseline: float) -> list[Estimate]:
@@ -349,7 +380,22 @@ def _notes(stats: ModelStats, cluster: Cluster, training: Training, choice: Esti
            estimates: list[Estimate]) -> list[str]:
     if cluster.world_size == 1:
         return []
-    return _speed_notes(cluster, choice, estimates) + _tp_notes(stats, cluster, training, estimates)
+    return (_speed_notes(cluster, choice, estimates) + _tp_notes(stats, cluster, training, estimates)
+            + _ps_notes(stats, cluster, estimates))
+
+
+def _ps_notes(stats: ModelStats, cluster: Cluster, estimates: list[Estimate]) -> list[str]:
+    """Why a ``ps`` row is there but not a candidate (``_may_choose``)."""
+    ps = next((e for e in estimates if e.serving is not None), None)
+    if ps is None or _may_choose(stats, cluster, ps.layout):
+        return []
+    if not stats.tables:
+        return ["ps is planned, not recommended: the model has no embedding table for the servers to hold "
+                "(an untied nn.Embedding/EmbeddingBag of >= 4M elements), so every step moves the whole model "
+                "through the servers to compute what ddp computes"]
+    return [f"ps is planned, not recommended: on {cluster.device.name} paratrain's servers keep to host memory and "
+            f"its messages stage through the host over gloo (not measured on several GPUs); the row prices them over "
+            f"{ps.serving.link.name}"]
 
 
 def _tp_notes(stats: ModelStats, cluster: Cluster, training: Training, estimates: list[Estimate]) -> list[str]:

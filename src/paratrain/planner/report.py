@@ -85,6 +85,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
         row += (f" {f'{e.batch.micro_batch:g} x {e.batch.micro_batches}':>10} {e.time.step_s * 1e3:>9.1f} "
                 f"{e.samples_per_s:>10,.1f} {e.speedup:>7.2f}x {e.efficiency:>5.0%}")
         lines.append(row)
+    lines += [_ps_line(e) for e in plan.estimates if e.serving is not None]
     ch = plan.choice
     how = f"{ch.layout.describe()}, micro-batch {ch.batch.micro_batch:g} x {ch.batch.micro_batches}"
     if ch.checkpointing and not t.checkpointing:
@@ -98,6 +99,20 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
     lines.append(_lr_line(plan, base_lr))
     lines += [f"note: {text}" for text in plan.notes]
     return "\n".join(lines)
+
+
+def _ps_line(e: Estimate) -> str:
+    """A ``ps`` row's servers: their memory and the bytes of a step, which the busiest server's link carries."""
+    sv, tr, lay = e.serving, e.serving.traffic, e.layout
+    rows = ", ".join(f"{r:,.0f}" for r in tr.rows)
+    touched = f" and the {rows} table rows it touches" if tr.rows else ""
+    return (f"  ps: a worker {sv.worker.total / GIB:.2f} GiB (no table, no optimizer state), the busiest server "
+            f"{sv.server.total / GIB:.2f} GiB ({_count(sv.dense_share)} dense parameters, {_count(sv.table_rows)} "
+            f"table elements, their optimizer states); per step a worker sends {_bytes(tr.worker_sent)} and "
+            f"receives {_bytes(tr.worker_received)} (dense {_bytes(tr.dense)} each way{touched}); the busiest "
+            f"server receives {_bytes(tr.server_received)} and sends {_bytes(tr.server_sent)} from and to "
+            f"{lay.dp} workers over {_link(sv.link)}: its link is the bottleneck "
+            f"({e.time.exposed_comm_s * 1e3:.3g} ms, its optimizer step {e.time.optimizer_s * 1e3:.3g} ms)")
 
 
 def _efficiency(d: Device) -> str:
@@ -129,7 +144,8 @@ def _estimate_json(e: Estimate) -> dict[str, Any]:
             "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch,
             "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "memory_peak": e.memory.phase,
             "capacity_bytes": e.capacity, "time": e.time.as_dict(),
-            "samples_per_s": e.samples_per_s, "speedup": e.speedup, "efficiency": e.efficiency}
+            "samples_per_s": e.samples_per_s, "speedup": e.speedup, "efficiency": e.efficiency,
+            **({"ps": e.serving.as_dict()} if e.serving is not None else {})}
 
 
 def plan_to_json(plan: Plan, *, base_lr: float | None = None) -> dict[str, Any]:

@@ -141,7 +141,8 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     collectives (``tensor_parallel.tp_comm_s``, not hidden; a pipeline stage its 1/p share of them in every
     slot) over the link of tp consecutive ranks; the
     data-parallel and pipeline groups are then tp times further apart. On a shared CPU host every rank gets
-    1/ranks of the host's compute and memory bandwidth.
+    1/ranks of the host's compute and memory bandwidth. Parameter servers' workers communicate through the
+    servers, not with each other: here they compute, and ``param_server.serving`` adds the rest.
     """
     ranks_per_node = cluster.ranks_per_node if layout.world_size > 1 else 1
     rate = cluster.flops_per_s(training.precision, ranks_per_node)
@@ -164,7 +165,7 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
                   + activation_stream_bytes(stats, layout, training, cluster) * batch.micro_batch) / bandwidth
                + machinery_s)
     optimizer_s = optimizer_step_bytes(optimizer_params(stats, layout), training) / bandwidth  # the busiest rank's
-    ddp = layout.zero <= 1 and layout.dp > 1
+    ddp = layout.zero <= 1 and layout.dp > 1 and not layout.servers  # a parameter server's workers: param_server
     # DDP copies each gradient into its bucket, divides the bucket by the world size and copies it back
     bucket_s = DDP_BUCKET_PASSES * psi * training.bytes.grad / bandwidth if ddp else 0.0
     m = batch.micro_batches

@@ -43,6 +43,10 @@ OPTIMIZER_TEMP_BYTES = MappingProxyType({"sgd": 0, "sgd-momentum": 0, "adam": 4,
 """Bytes per parameter the optimizer step allocates for its duration: Adam's for-each step computes the
 denominator sqrt(v) into a new list of parameter-sized fp32 tensors; SGD works in place."""
 
+TABLE_STATES = MappingProxyType({"sgd": 0, "adagrad": 1, "adam": 2})
+"""fp32 states per element a parameter server's table optimizer keeps: plain SGD none, Adagrad its sum, SparseAdam
+two moments (``Parallel("ps", table_optimizer=...)``)."""
+
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 RECOMPUTE = ("none", "selective", "op", "full")
 """Activation recomputation: ``full`` keeps each block's input and recomputes the block in backward (one more
@@ -87,6 +91,12 @@ class Training:
     rank (Megatron's plain tensor parallelism, all-reduces instead of all-gather/reduce-scatter pairs)."""
     bucket_mb: float = 25.0
     """DDP gradient bucket size (MiB); DDP keeps two buckets in flight."""
+    rows_per_step: int | None = None
+    """Under ``ps``: rows of each table one worker's step touches (``--ps-rows-per-step``); None: the distinct rows
+    of its samples' lookups, ids drawn uniformly (``planner.param_server.rows_touched``)."""
+    table_optimizer: str | None = None
+    """Under ``ps``: what updates the table rows on the servers (``TABLE_STATES``' keys); None: the training
+    optimizer's states (``table_states``)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -113,6 +123,11 @@ class Training:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket size must be > 0 MiB, got {self.bucket_mb}")
+        if self.rows_per_step is not None and self.rows_per_step < 0:
+            raise ConfigError(f"--ps-rows-per-step must be >= 0, got {self.rows_per_step}")
+        if self.table_optimizer is not None and self.table_optimizer not in TABLE_STATES:
+            raise ConfigError(f"unknown table optimizer {self.table_optimizer!r}; choose one of: "
+                              f"{', '.join(TABLE_STATES)}")
 
     @property
     def bytes(self) -> PrecisionBytes:
@@ -147,6 +162,14 @@ class Training:
     def optimizer_temp_bytes(self) -> int:
         """Bytes per parameter the optimizer step holds while it runs."""
         return OPTIMIZER_TEMP_BYTES[self.optimizer]
+
+    @property
+    def table_states(self) -> int:
+        """fp32 states per table element on the servers: ``table_optimizer``'s, else the training optimizer's as
+        the runtime steps tables (SGD as given, with its momentum buffer if any; Adam and AdamW as SparseAdam)."""
+        if self.table_optimizer is not None:
+            return TABLE_STATES[self.table_optimizer]
+        return OPTIMIZER_STATE_BYTES[self.optimizer] // 4
 
     def global_for(self, world_size: int) -> int:
         return self.global_batch if self.global_batch is not None else self.micro_batch * world_size

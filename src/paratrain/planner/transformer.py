@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..errors import ConfigError
-from .model_stats import ELEMENT_BYTES, ModelStats, TPShape
+from ..model.tables import TABLE_MIN_NUMEL
+from .model_stats import ELEMENT_BYTES, ModelStats, TableStats, TPShape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +187,9 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
     ``s·h·(34 + 5·a·s/h)`` for 16-bit training that stores the attention scores. With every block
     checkpointed: each block's input plus one block's activations during its recompute (same paper, section 5).
 
+    An untied token embedding of at least ``TABLE_MIN_NUMEL`` elements is a table under ``Parallel("ps")``
+    (looked up ``s`` times a sample); a tied one stays dense (the head reads every row).
+
     ``params`` replaces the exact count (``--params 7.5B``); the blocks then share what the embedding and head
     leave.
     """
@@ -244,6 +248,8 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
                       output_bytes_per_sample=4.0 * s * v, largest_activation_bytes_per_sample=4.0 * s * fc,
                       param_bytes={"float32": 4 * total},
                       tensors=transformer_tensors(cfg, None if params is None else block),
+                      tables=(TableStats(name="wte", rows=v, dim=h, lookups_per_sample=s),)
+                      if not cfg.tied and v * h >= TABLE_MIN_NUMEL else (),
                       source=f"closed-form transformer ({shape})")
 
 

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import ConfigError
+from ...model.tables import TABLE_MIN_NUMEL
 
 TABLE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 """Optimizers that update only the rows a step touched (``adam`` is ``torch.optim.SparseAdam``)."""
@@ -20,7 +21,7 @@ class PSConfig:
     tables: str | Sequence[str] | None = "auto"
     """Embeddings held row-sharded on the servers: module names, ``"auto"`` (those built on the meta device or of
     at least ``table_min_numel`` elements, untied), or None (every parameter is dense)."""
-    table_min_numel: int = 1 << 22
+    table_min_numel: int = TABLE_MIN_NUMEL
     """``"auto"`` makes an untied ``nn.Embedding``/``nn.EmbeddingBag`` this large (16 MiB in fp32) a table."""
     table_optimizer: str | None = None
     """How the servers update table rows when the training optimizer updates every row each step (Adam, AdamW):

@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from ...model.tables import TABLE_TYPES, auto_tables, unsupported, weight_owners
 from .config import PSConfig
 from .messages import TableBounds
-
-TABLE_TYPES = (nn.Embedding, nn.EmbeddingBag)
 
 
 @dataclass(frozen=True)
@@ -96,12 +95,9 @@ def _tables(model: nn.Module, config: PSConfig, servers: int) -> tuple[Table, ..
     if config.tables is None:
         return ()
     named = dict(model.named_modules())
-    owners: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
+    owners = weight_owners(model)
     if config.tables == "auto":
-        chosen = [n for n, m in named.items() if isinstance(m, TABLE_TYPES) and len(owners[id(m.weight)]) == 1
-                  and not _unsupported(m) and (m.weight.is_meta or m.weight.numel() >= config.table_min_numel)]
+        chosen = auto_tables(model, config.table_min_numel)
     else:
         chosen = list(config.tables)
         for n in chosen:
@@ -112,8 +108,8 @@ def _tables(model: nn.Module, config: PSConfig, servers: int) -> tuple[Table, ..
             if len(owners[id(m.weight)]) > 1:
                 raise ConfigError(f"ps table {n!r} shares its weight with {owners[id(m.weight)][1:]} (a tied head "
                                   "reads every row): leave it dense")
-            if _unsupported(m):
-                raise ConfigError(f"ps table {n!r} uses {_unsupported(m)}, which needs every row; leave it dense")
+            if unsupported(m):
+                raise ConfigError(f"ps table {n!r} uses {unsupported(m)}, which needs every row; leave it dense")
     out = []
     for i, n in enumerate(chosen):
         m = named[n]
@@ -123,10 +119,3 @@ def _tables(model: nn.Module, config: PSConfig, servers: int) -> tuple[Table, ..
         out.append(Table(i, n, rows, dim, bounds))
     return tuple(out)
 
-
-def _unsupported(m: nn.Module) -> str:
-    if getattr(m, "max_norm", None) is not None:
-        return "max_norm"
-    if getattr(m, "scale_grad_by_freq", False):
-        return "scale_grad_by_freq"
-    return ""
