@@ -10,8 +10,9 @@ Workloads (``--which``):
 
 * ``dense``: MLP 784-1024-1024-10 (1.86 M parameters, 7.1 MiB of fp32), SGD, batch 64 per worker. ``ddp`` on 2
   processes against ``ps`` with 1 server + 2 workers (the same two training processes, plus the server);
-* ``sparse``: a recommender: an ``nn.EmbeddingBag`` of 1 M x 32 rows (122 MiB) summing 8 ids per sample, and an
-  MLP 32-256-256-2; batch 256 per worker; Adagrad. ``ddp`` on 2 processes (the table replicated, its whole
+* ``sparse``: a recommender (``paratrain.workloads.recommender``, the bench's ``recommender`` workload): an
+  ``nn.EmbeddingBag`` of 1 M x 32 rows (122 MiB) summing 8 ids per sample, and an MLP 32-256-256-2; batch 256 per
+  worker; Adagrad. ``ddp`` on 2 processes (the table replicated, its whole
   gradient all-reduced every step: the default nn.EmbeddingBag) against ``ps`` with 1 server + 2 workers (the
   table only on the server, workers pull the rows their batch touches);
 * ``straggler``: the dense MLP, ``ps`` with 1 server + 3 workers, rank 2 sleeping twice its own step time after
@@ -37,30 +38,26 @@ from torch.nn import functional as F
 
 import paratrain
 from paratrain.testing import spawn
+from paratrain.workloads.recommender import Recommender
+from paratrain.workloads.synthetic import mlp
 
 ROWS, DIM, IDS = 1_000_000, 32, 8
 
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return mlp()
 
 
-class _Recommender(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.table = nn.EmbeddingBag(ROWS, DIM, mode="sum")
-        self.mlp = nn.Sequential(nn.Linear(DIM, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 2))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.table(ids))
+def _recommender() -> nn.Module:
+    torch.manual_seed(0)
+    return Recommender(ROWS, DIM)
 
 
 def _job(workload: str, strategy: str, options: dict, steps: int, slow_rank: int | None) -> dict[str, Any] | None:
     par = paratrain.Parallel(strategy, monitor=False, **options)
     sparse = workload == "sparse"
-    model = _Recommender() if sparse else _mlp()
+    model = _recommender() if sparse else _mlp()
     opt = torch.optim.Adagrad(model.parameters(), lr=0.01) if sparse else torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt = par.prepare(model, opt)
     batch = 256 if sparse else 64

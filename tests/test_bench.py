@@ -87,13 +87,15 @@ def test_report_marks_oversubscribed_rows_and_names_the_fastest():
 
 
 def test_workloads_build_train_and_reject_unknown_names():
-    assert workload_names() == ["mlp", "cnn", "gpt-tiny"]
+    assert workload_names() == ["mlp", "cnn", "gpt-tiny", "recommender", "recommender-tiny"]
     for name in workload_names():
+        if name == "recommender":  # recommender-tiny is the same code on a 16 MiB table instead of 122 MiB
+            continue
         w = get_workload(name)
         x, y = w.make_batch(4, torch.Generator().manual_seed(0))
         assert torch.equal(x, w.make_batch(4, torch.Generator().manual_seed(0))[0])  # seeded
         w.loss(w.model()(x), y).backward()
-    with pytest.raises(ConfigError, match="unknown workload 'resnet'; choose one of: mlp, cnn, gpt-tiny"):
+    with pytest.raises(ConfigError, match="unknown workload 'resnet'; choose one of: mlp, cnn, gpt-tiny, recommender"):
         get_workload("resnet")
 
 
@@ -140,6 +142,88 @@ def test_bad_bench_input_is_one_line(capsys):
     assert main(["bench", "--nproc", "1,two"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "unknown workload 'resnet'" in err[0] and "comma-separated world sizes" in err[1]
+
+
+def test_a_serving_strategy_gets_a_job_of_its_own_at_each_world_size():
+    jobs, skipped, _ = plan_jobs(BenchConfig(nprocs=(1, 2, 3), strategies=("ddp", "ps"), servers=2), TWO_CORES)
+    shapes = [(j.world, [(r.label, r.serves, r.options) for r in j.runs]) for j in jobs]
+    assert shapes == [(1, [("single", False, {})]), (2, [("ddp", False, {})]), (3, [("ddp", False, {})]),
+                      (3, [("ps", True, {"servers": 2})])]
+    assert [(r.label, r.world) for r in skipped] == [("ps", 2)]  # 2 servers leave no worker among 2 processes
+    assert "leaves no worker" in skipped[0].skipped
+    with pytest.raises(ConfigError, match="servers must be >= 1"):
+        BenchConfig(servers=0)
+
+
+def test_bytes_per_step_is_the_mean_per_training_rank_and_step_and_shows_in_every_output(tmp_path):
+    from paratrain.bench import write_csv, write_json
+    from paratrain.bench.measure import Block, RankRecord
+    from paratrain.bench.result import summarise
+
+    def record(*moved):
+        return RankRecord(label="ps", replicas=2, replica_batch=8, memory_kind="rss_peak",
+                          blocks=[Block(step_s=[0.01, 0.02], data_s=[0.0, 0.0], moved_bytes=m) for m in moved])
+
+    row = summarise("ps", 3, 1, [record(2000, 4000), record(6000, 4000)])  # the two workers; the server sent nothing
+    row.servers = 1
+    assert row.bytes_per_step == 2000.0 and row.global_batch == 16 and row.name == "ps x3 (1 server)"
+    assert summarise("zero1", 2, 1, [record(None, None)] * 2).bytes_per_step is None  # not counted: "-"
+    ddp = Row(label="ddp", world=3, threads=1, global_batch=24, samples_per_s=900.0, step_ms=20.0,
+              bytes_per_step=45 * 2**20, peak_mb=[400.0] * 3)
+    result = BenchResult(config=BenchConfig(nprocs=(3,), strategies=("ddp", "ps")), machine=TWO_CORES,
+                         workload="recommender", rows=[ddp, row], comparisons=[], notes=[],
+                         versions={"paratrain": "x", "torch": "y"}, wall_s=1.0)
+    text = format_report(result)
+    assert "bytes/step" in text and "45.00M" in text and "1.95K" in text
+    assert "rows with servers: the batch, samples/s" in text
+    write_json(result, tmp_path / "r.json")
+    write_csv(result, tmp_path / "r.csv")
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [(r["name"], r["servers"], r["bytes_per_step"]) for r in rows] == [("ddp x3", 0, 45 * 2**20),
+                                                                              ("ps x3 (1 server)", 1, 2000.0)]
+    with open(tmp_path / "r.csv") as f:
+        assert [float(r["bytes_per_step"]) for r in csv.DictReader(f)] == [45 * 2**20, 2000.0]
+
+
+def test_traffic_is_the_ring_all_reduce_for_ddp_and_counted_nowhere_it_is_not_known():
+    from torch import nn
+
+    from paratrain.strategies import create
+    from paratrain.strategies.data_engines import all_reduce_traffic
+
+    model = nn.Linear(10, 10)  # 110 fp32 parameters: 440 bytes of gradient
+    assert all_reduce_traffic(model, 1) == 0
+    assert all_reduce_traffic(model, 2) == 2 * 440  # sent 440, received 440
+    assert all_reduce_traffic(model, 3) == round(4 * 2 / 3 * 440)  # 2(N-1)/N of the gradient each way
+    model.bias.requires_grad_(False)
+    assert all_reduce_traffic(model, 2) == 2 * 400
+    assert create("single").traffic_bytes(model, 7) == 0
+    assert create("ddp").traffic_bytes(model, 7) is None  # not wrapped in DDP (FSDP2's replicate): not counted
+    assert create("zero1").traffic_bytes(model, 7) is None
+    assert create("ps").traffic_bytes(model, 7) is None  # a server, or not prepared
+
+
+@pytest.mark.slow
+def test_bench_ps_against_ddp_on_the_sparse_workload(tmp_path, capsys):
+    """One bench at world 3: ddp on 3 processes and ps on 1 server + 2 workers (a job of its own, whose server ends
+    its process), on a 16 MiB table: ps moves a sliver of ddp's bytes per step."""
+    from paratrain.strategies.data_engines import all_reduce_traffic
+
+    out = tmp_path / "ps.json"
+    assert main(["bench", "--workload", "recommender-tiny", "--nproc", "3", "--strategies", "ddp,ps", "--ps-servers",
+                 "1", "--accelerator", "cpu", "--threads-per-rank", "1", "--rounds", "1", "--steps", "2", "--warmup",
+                 "1", "--batch", "8", "--no-comm-probe", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ps x3 (1 server)" in text and "bytes/step" in text
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"1 proc x 1 thread", "ddp x3", "ps x3 (1 server)"}
+    ddp, ps = rows["ddp x3"], rows["ps x3 (1 server)"]
+    assert (ps["replicas"], ps["servers"], ps["global_batch"], len(ps["peak_mb"])) == (2, 1, 16, 2)  # the workers'
+    assert ps["samples_per_s"] > 0 and ps["step_ms"] > 0
+    assert ddp["bytes_per_step"] == all_reduce_traffic(get_workload("recommender-tiny").model(), 3)
+    assert 0 < ps["bytes_per_step"] < ddp["bytes_per_step"] / 100  # touched rows and the MLP, not the whole table
+    assert rows["1 proc x 1 thread"]["bytes_per_step"] == 0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tp_runs_inside_the_strategies_that_take_it_with_the_workloads_plan():

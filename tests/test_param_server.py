@@ -152,7 +152,7 @@ def test_bad_options_are_one_line_before_anything_starts(options, message):
     assert "\n" not in str(err.value)
 
 
-def test_tools_that_time_every_rank_refuse_ps_in_one_line():
+def test_tools_that_compare_every_rank_refuse_ps_in_one_line():
     from paratrain.strategies import check_every_rank_trains
 
     check_every_rank_trains("ddp")

@@ -17,7 +17,7 @@ class BenchConfig:
     """A benchmark: one workload at several world sizes and strategies."""
 
     workload: str = "mlp"
-    """A built-in workload (mlp, cnn, gpt-tiny) or ``module:factory``."""
+    """A built-in workload (mlp, cnn, gpt-tiny, recommender, recommender-tiny) or ``module:factory``."""
     nprocs: tuple[int, ...] = (1, 2)
     """World sizes to run; world 1 (the baseline) is always added."""
     strategies: tuple[str, ...] = ("ddp",)
@@ -27,6 +27,9 @@ class BenchConfig:
     tp: int | None = None
     """Tensor-parallel degree inside ddp, zero2 and zero3 (``--tp``); the ``tp`` strategy splits over every rank.
     Models without a built-in plan use the workload's ``tp_plan``."""
+    servers: int | None = None
+    """Ranks that serve in a strategy that has servers (ps's ``servers``, ``--ps-servers``; None: its default, 1).
+    They take no step: such a strategy's rows time its workers (see docs/bench.md)."""
     scaling: str = "weak"
     """``weak``: ``batch`` samples per replica at every size; ``strong``: ``batch`` samples per step in total."""
     batch: int = 64
@@ -68,6 +71,8 @@ class BenchConfig:
         for name in self.strategy_options:
             if name not in self.strategies:
                 raise ConfigError(f"options given for strategy {name!r}, which is not among {list(self.strategies)}")
+        if self.servers is not None and (not isinstance(self.servers, int) or self.servers < 1):
+            raise ConfigError(f"servers must be >= 1, got {self.servers!r}")
         if self.scaling not in SCALING:
             raise ConfigError(f"scaling must be one of {', '.join(SCALING)}, got {self.scaling!r}")
         for name in ("batch", "steps", "rounds"):

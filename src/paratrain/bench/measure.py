@@ -6,7 +6,12 @@ with a barrier and times ``steps`` steps one by one. Each step's time is split i
 communication out (``no_sync``), two probes of forward+backward passes, without and with synchronisation, on a
 fixed batch: their difference is the communication the step waits for, and the passes without it are each
 rank's own work, whose spread is the imbalance. The probes never step the optimizer, so the parameters a block
-ends with are those of ``warmup + steps`` real steps.
+ends with are those of ``warmup + steps`` real steps. Around the timed steps each rank also reads the bytes its
+strategy says it moved (``Strategy.traffic_bytes``), for the bytes per step.
+
+A strategy with serving ranks (``ps``) runs in a job of its own and is built once: its servers serve from
+``prepare`` until the workers close it and then end their processes, so its rounds follow each other on the same
+model, and only the workers time (and return) anything.
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ class Run:
     strategy: str | None
     """None for the hand-written DDP loop."""
     options: dict[str, Any] = field(default_factory=dict)
+    serves: bool = False
+    """Some of the strategy's ranks serve instead of training: the run has its job to itself."""
 
 
 @dataclass(kw_only=True)
@@ -57,6 +64,8 @@ class Block:
     local_pass_s: float | None = None
     """Median forward+backward without it (probe)."""
     peak_bytes: int = 0
+    moved_bytes: int | None = None
+    """Bytes the rank sent plus received over the timed steps, as its strategy counts them (None: not counted)."""
 
 
 @dataclass(kw_only=True)
@@ -78,7 +87,10 @@ def run_job(config: BenchConfig, runs: list[Run]) -> dict[str, RankRecord]:
     device = select_device(int(os.environ.get("LOCAL_RANK", "0")), config.accelerator)
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=config.timeout_s),
                             device_id=device if device.type == "cuda" else None)
-    records = _measure_all(config, runs, device)
+    if runs[0].serves:
+        records = _measure_served(config, runs[0], device)  # on a server the process ends in there
+    else:
+        records = _measure_all(config, runs, device)
     finish_group()  # on an error the launcher stops every rank instead
     return records
 
@@ -108,16 +120,54 @@ def _measure_all(config: BenchConfig, runs: list[Run], device: torch.device) -> 
     return records
 
 
+def _measure_served(config: BenchConfig, run: Run, device: torch.device) -> dict[str, RankRecord]:
+    """A strategy with serving ranks: built once, then ``rounds`` timed blocks in a row on its workers."""
+    workload = get_workload(config.workload)
+    record = RankRecord(label=run.label)
+    memory = PeakMemory(device)
+    gc.collect()
+    memory.start()
+    try:
+        subject = _subject(config, workload, run, device)  # a server serves in here, then its process ends
+    except ConfigError as err:
+        record.error = str(err)
+        return {run.label: record}
+    with Progress(config.rounds, f"world {dist.get_world_size()}", enabled=dist.get_rank() == 0) as bar:
+        for r in range(config.rounds):
+            if r:
+                gc.collect()
+                memory.start()
+            record.blocks.append(_timed(config, workload, subject, record, memory))
+            bar.update()
+    subject.close()
+    return {run.label: record}
+
+
+def _subject(config: BenchConfig, workload: Workload, run: Run,
+             device: torch.device) -> ParatrainSubject | TorchDDPSubject:
+    if run.strategy is None:
+        return TorchDDPSubject(workload, config.seed, device)
+    return ParatrainSubject(workload, run.strategy, run.options, config.seed, config.accelerator)
+
+
 def _block(config: BenchConfig, workload: Workload, run: Run, device: torch.device,
            record: RankRecord) -> tuple[Block, list[torch.Tensor] | None]:
     memory = PeakMemory(device)
     gc.collect()
     memory.start()
-    subject: ParatrainSubject | TorchDDPSubject
-    if run.strategy is None:
-        subject = TorchDDPSubject(workload, config.seed, device)
-    else:
-        subject = ParatrainSubject(workload, run.strategy, run.options, config.seed, config.accelerator)
+    subject = _subject(config, workload, run, device)
+    block = _timed(config, workload, subject, record, memory)
+    kept = None
+    if config.compare and run.label in ("ddp", TORCH_DDP):  # plain replicas: no gathering needed
+        kept = [p.detach().cpu().clone() for p in subject.model.parameters()]
+    subject.close()
+    del subject
+    return block, kept
+
+
+def _timed(config: BenchConfig, workload: Workload, subject: ParatrainSubject | TorchDDPSubject,
+           record: RankRecord, memory: PeakMemory) -> Block:
+    """Warm-up, then the timed steps, then the probes, on one built subject."""
     batch = config.replica_batch(subject.replicas)
     record.replicas, record.replica_batch, record.memory_kind = subject.replicas, batch, memory.kind
     data = torch.Generator().manual_seed(rank_seed(config.seed, subject.replica_rank))
@@ -134,19 +184,17 @@ def _block(config: BenchConfig, workload: Workload, run: Run, device: torch.devi
 
     for _ in range(config.warmup):
         timed_step()
-    dist.barrier()
+    subject.barrier()
+    before = subject.bytes_moved()
     steps, waits = zip(*(timed_step() for _ in range(config.steps)))
-    block = Block(step_s=list(steps), data_s=list(waits))
+    after = subject.bytes_moved()
+    block = Block(step_s=list(steps), data_s=list(waits),
+                  moved_bytes=None if before is None or after is None else after - before)
     if config.comm_probe and subject.can_skip_sync:
         assert isinstance(subject, ParatrainSubject)
         block.local_pass_s, block.synced_pass_s = _probe(subject, workload, batch, config, sync)
     block.peak_bytes = memory.peak_bytes()
-    kept = None
-    if config.compare and run.label in ("ddp", TORCH_DDP):  # plain replicas: no gathering needed
-        kept = [p.detach().cpu().clone() for p in subject.model.parameters()]
-    subject.close()
-    del subject
-    return block, kept
+    return block
 
 
 def _probe(subject: ParatrainSubject, workload: Workload, batch: int, config: BenchConfig,

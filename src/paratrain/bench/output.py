@@ -10,9 +10,9 @@ from typing import Any
 from ..errors import ConfigError
 from .result import BenchResult
 
-CSV_FIELDS = ("name", "label", "world", "threads", "replicas", "global_batch", "samples_per_s", "step_ms",
-              "step_p90_ms", "speedup", "efficiency", "comm_share", "data_share", "imbalance", "peak_mb_max",
-              "memory_kind", "oversubscribed", "skipped")
+CSV_FIELDS = ("name", "label", "world", "threads", "replicas", "servers", "global_batch", "samples_per_s", "step_ms",
+              "step_p90_ms", "speedup", "efficiency", "comm_share", "data_share", "imbalance", "bytes_per_step",
+              "peak_mb_max", "memory_kind", "oversubscribed", "skipped")
 
 
 def to_json(result: BenchResult) -> dict[str, Any]:

@@ -15,6 +15,15 @@ def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if value >= size:
+            return f"{value / size:.{1 if value >= 100 * size else 2}f}{unit}"
+    return f"{value:.0f}"
+
+
 def _line(row: Row) -> str:
     name = row.name + (" *" if row.oversubscribed else "")
     if row.skipped:
@@ -22,7 +31,8 @@ def _line(row: Row) -> str:
     eff = "-" if row.efficiency is None else f"{row.efficiency:.2f}"
     return (f"{name:<22}{row.world:>5}{row.threads:>4}{row.global_batch:>7}{row.samples_per_s:>11.0f}"
             f"{row.step_ms:>9.2f}{row.step_p90_ms:>8.2f}{_times(row.speedup):>9}{eff:>6}{_pct(row.comm_share):>6}"
-            f"{_pct(row.data_share):>6}{_pct(row.imbalance):>7}{max(row.peak_mb, default=0):>14.0f}")
+            f"{_pct(row.data_share):>6}{_pct(row.imbalance):>7}{_bytes(row.bytes_per_step):>11}"
+            f"{max(row.peak_mb, default=0):>14.0f}")
 
 
 def format_report(result: BenchResult) -> str:
@@ -36,12 +46,16 @@ def format_report(result: BenchResult) -> str:
              f"{result.machine.describe()}; paratrain {result.versions['paratrain']}, torch {result.versions['torch']}",
              "",
              f"{'config':<22}{'world':>5}{'thr':>4}{'batch':>7}{'samples/s':>11}{'step ms':>9}{'p90 ms':>8}"
-             f"{'speedup':>9}{'eff':>6}{'comm':>6}{'data':>6}{'imbal':>7}{memory:>14}"]
+             f"{'speedup':>9}{'eff':>6}{'comm':>6}{'data':>6}{'imbal':>7}{'bytes/step':>11}{memory:>14}"]
     lines += [_line(row) for row in result.rows]
     over = sorted({r.oversubscribed for r in result.rows if r.oversubscribed})
     if over:
         lines.append(f"* oversubscribed ({'; '.join(over)}): ranks share hardware, so these rows understate what "
                      "the same world size does on enough cores or GPUs")
+    if any(r.servers for r in result.rows):
+        lines.append("rows with servers: the batch, samples/s, step times, bytes/step and memory are the workers' "
+                     "(world minus servers); speedup and efficiency count every process, servers included, so a "
+                     "row compares with the others at the same world (and with ddp at the workers' count)")
     lines.append("")
     for c in result.comparisons:
         diff = "" if c.max_param_diff is None else f"; parameters after the same steps differ by at most {c.max_param_diff:.3g}"
@@ -53,7 +67,8 @@ def format_report(result: BenchResult) -> str:
         lines.append(f"fastest on this machine: {best.name} ({best.samples_per_s:.0f} samples/s)")
     lines.append(f"{memory.replace(' MiB', '')} is the largest rank's, in MiB; comm = share of the step spent waiting "
                  "for gradient communication, data = waiting for the next batch, imbal = slowest rank's own work over "
-                 "the mean (see docs/bench.md)")
+                 "the mean; bytes/step = what one training rank sends plus receives per step in MiB/KiB (ddp: its "
+                 "gradient ring all-reduce, computed; ps: its messages, measured; - : not counted) (see docs/bench.md)")
     lines += result.notes
     lines.append(f"(bench took {result.wall_s:.0f} s)")
     return "\n".join(lines)

@@ -19,7 +19,9 @@ class Row:
     threads: int
     """Intra-op threads per rank."""
     replicas: int = 0
-    """Data-parallel replicas (the world size, divided by a pipeline's depth)."""
+    """Data-parallel replicas (the world size, divided by a pipeline's depth; a parameter server's workers)."""
+    servers: int = 0
+    """Ranks that served instead of training (a parameter server's): the row's timings are the other ranks'."""
     global_batch: int = 0
     samples_per_s: float = 0.0
     step_ms: float = 0.0
@@ -35,6 +37,9 @@ class Row:
     """Share of the step spent drawing the next batch and moving it to the device."""
     imbalance: float | None = None
     """Slowest rank's local work over the ranks' mean, minus 1."""
+    bytes_per_step: float | None = None
+    """Per training rank and step: the bytes it sent plus those it received to keep the model in step (ddp: its
+    gradient all-reduce, computed; ps: its messages' payloads, measured; None: the strategy does not count them)."""
     peak_mb: list[float] = field(default_factory=list)
     """Per rank: peak memory in MiB (see ``memory_kind``)."""
     memory_kind: str = ""
@@ -49,6 +54,8 @@ class Row:
     def name(self) -> str:
         if self.label == "single" and self.world == 1:
             return f"1 proc x {self.threads} thread{'s' if self.threads > 1 else ''}"
+        if self.servers:
+            return f"{self.label} x{self.world} ({self.servers} server{'s' if self.servers > 1 else ''})"
         return f"{self.label} x{self.world}"
 
 
@@ -104,12 +111,22 @@ def summarise(label: str, world: int, threads: int, ranks: list[RankRecord]) -> 
                                       for r in ranks)
     row.rounds_ms = [1e3 * max(statistics.median(r.blocks[i].step_s) for r in ranks) for i in range(len(first.blocks))]
     row.peak_mb = [max(b.peak_bytes for b in r.blocks) / 2**20 for r in ranks]
+    row.bytes_per_step = bytes_per_step(ranks)
     if world == 1:
         row.comm_share, row.imbalance = 0.0, 0.0
     elif first.blocks[0].local_pass_s is not None:
         row.comm_share = statistics.fmean(_comm_share(r) for r in ranks)
         row.imbalance = statistics.median(_imbalance([r.blocks[i] for r in ranks]) for i in range(len(first.blocks)))
     return row
+
+
+def bytes_per_step(ranks: list[RankRecord]) -> float | None:
+    """The mean over ranks and blocks of the bytes a rank moved per timed step; None when any block was not
+    counted."""
+    moved = [(b.moved_bytes, len(b.step_s)) for r in ranks for b in r.blocks]
+    if not moved or any(m is None for m, _ in moved):
+        return None
+    return statistics.fmean(m / n for m, n in moved)  # type: ignore[operator]
 
 
 def _comm_share(record: RankRecord) -> float:

@@ -4,6 +4,10 @@ Every rank of a world size is one 'device' of the same size: each gets ``threads
 world size, so world 1 is one device and efficiency = speedup / world size means what it means on GPUs.
 With ``threads`` the same hardware as world k is also given to one process (k x the threads), which on a
 CPU-only machine is often the faster way to use it.
+
+A strategy whose ranks serve instead of training (``ps``) gets a job of its own at each world size: its servers
+serve from ``prepare`` until the workers close and then end their processes, returning nothing; its row is its
+workers'.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from typing import TextIO
 from ..devices import select_device
 from ..errors import ConfigError
 from ..launch.spawn import launch
-from ..strategies import check_every_rank_trains, check_world
+from ..strategies import check_world, serves
 from ..workloads import get_workload
 from .config import BASELINE, BenchConfig
 from .machine import BackgroundLoad, Machine
@@ -48,19 +52,23 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
             notes.append(f"world {world} not run: it needs {world} GPUs and {machine.gpus} are visible "
                          "(use --accelerator cpu to run it on the CPU)")
             continue
-        runs = []
+        runs, served = [], []
         for name in config.strategies:
+            serving = serves(name)
             options = {**config.strategy_options.get(name, {}), **_tp_options(config, name)}
+            if serving and config.servers is not None:
+                options["servers"] = config.servers
             label = f"{name}+tp{config.tp}" if "tp" in options and name != "tp" else name
             reason = _cannot_run(name, options, world)
             if reason:
                 skipped.append(Row(label=label, world=world, threads=threads, skipped=reason))
             else:
-                runs.append(Run(label=label, strategy=name, options=options))
+                (served if serving else runs).append(Run(label=label, strategy=name, options=options, serves=serving))
         if config.compare and any(r.label == "ddp" for r in runs):
             runs.append(Run(label=TORCH_DDP, strategy=None))
         if runs:
             jobs.append(Job(world=world, threads=threads, config=config, runs=tuple(runs)))
+        jobs += [Job(world=world, threads=threads, config=config, runs=(run,)) for run in served]
     if config.threads:
         if machine.gpus:
             notes.append("--threads compares CPU threads with processes; skipped on a GPU machine")
@@ -87,7 +95,6 @@ def _cannot_run(strategy: str, options: dict, world: int) -> str | None:
     """Why ``strategy`` cannot run on ``world`` processes (its own one-line error), or None."""
     try:
         check_world(strategy, world, **options)
-        check_every_rank_trains(strategy, **options)
     except ConfigError as err:
         return str(err)
     return None
@@ -117,7 +124,9 @@ def run_bench(config: BenchConfig, *, log: TextIO | None = None) -> BenchResult:
         print(f"paratrain bench: [{i}/{len(jobs)}] done in {time.perf_counter() - t0:.1f} s", file=log, flush=True)
         over = machine.oversubscribed(job.world, job.threads)
         for run in job.runs:
-            row = summarise(run.label, job.world, job.threads, [rank[run.label] for rank in ranks])
+            records = [rank[run.label] for rank in ranks if rank is not None]  # None: a server's (it ended serving)
+            row = summarise(run.label, job.world, job.threads, records)
+            row.servers = job.world - len(records)
             row.oversubscribed = over
             rows.append(row)
         if TORCH_DDP in ranks[0]:

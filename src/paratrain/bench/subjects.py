@@ -4,11 +4,13 @@ Both take the same workload, seed and data, so their step times and final parame
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+import io
+from contextlib import nullcontext, redirect_stdout
 
 import torch
 from ..monitor import MonitorConfig
 from ..parallel import Parallel
+from ..strategies.data_engines import all_reduce_traffic
 from ..workloads import Workload
 
 
@@ -34,6 +36,14 @@ class ParatrainSubject:
         """True when the strategy's ``no_sync`` really leaves gradient communication out (not for pipelines)."""
         return self.par.world_size > 1 and not isinstance(self.par.strategy.no_sync(self.model), nullcontext)
 
+    def barrier(self) -> None:
+        """Line up the ranks that train (a parameter server's servers are serving)."""
+        self.par.barrier()
+
+    def bytes_moved(self) -> int | None:
+        """Bytes this rank has sent plus received for its model so far, as its strategy counts them (None: not)."""
+        return self.par.strategy.traffic_bytes(self.model, self.par.optimizer_steps)
+
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> None:
         """A forward and backward with or without gradient synchronisation; gradients are dropped, the
         parameters stay as they are (FSDP's gradients kept back by ``no_sync`` go out with the next synced pass)."""
@@ -42,7 +52,8 @@ class ParatrainSubject:
         self.optimizer.zero_grad(set_to_none=True)
 
     def close(self) -> None:
-        self.par.close()
+        with redirect_stdout(io.StringIO()):  # a strategy's closing table (ps's) would break into the bench's output
+            self.par.close()
 
 
 class TorchDDPSubject:
@@ -60,11 +71,22 @@ class TorchDDPSubject:
         self.device = device
         self.replicas, self.replica_rank = dist.get_world_size(), dist.get_rank()
         self.can_skip_sync = False  # only paratrain's runs are probed
+        self.steps = 0
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.loss(self.model(x), y).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def bytes_moved(self) -> int:
+        """The gradient all-reduce's bytes so far, computed as paratrain's ddp computes its own."""
+        return self.steps * all_reduce_traffic(self.model.module, self.replicas)
 
     def close(self) -> None:
         pass

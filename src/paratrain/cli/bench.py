@@ -4,14 +4,16 @@ Examples:
   paratrain bench                                          # mlp, 1 and 2 processes, ddp
   paratrain bench --workload mlp --nproc 1,2 --compare torch-ddp --threads --json bench.json
   paratrain bench --workload cnn --nproc 1,2,4 --strategies ddp,zero1,fsdp --scaling strong --batch 256
+  paratrain bench --workload recommender --nproc 2,3 --strategies ddp,ps --batch 256   # a big table: ps vs ddp
   paratrain bench --workload mymodels:build_workload --nproc 1,2
 
 Each world size is one job of that many processes; the strategies (and the hand-written DDP loop of
 --compare) take turns in timed blocks inside it. Weak scaling (default) keeps --batch samples per replica,
 strong scaling keeps --batch samples per step. The table gives samples/s, median and p90 step time, speedup and
 efficiency against one process, the share of the step spent waiting for gradient communication and for data,
-the imbalance between ranks and the peak memory of the largest rank; rows that put more ranks (x threads) than
-there are physical cores or GPUs are marked '*'. --json also writes a PNG plot beside the JSON. See docs/bench.md.
+the imbalance between ranks, the bytes a training rank moves per step and the peak memory of the largest rank;
+rows that put more ranks (x threads) than there are physical cores or GPUs are marked '*'. A strategy with
+servers (ps) runs in a job of its own; its rows time its workers (world minus --ps-servers). --json also writes a PNG plot beside the JSON. See docs/bench.md.
 """
 from __future__ import annotations
 
@@ -22,11 +24,14 @@ from pathlib import Path
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure speedup, efficiency, communication and memory per world size",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="mlp", help="mlp, cnn, gpt-tiny, or module:factory (default: mlp)")
+    p.add_argument("--workload", default="mlp",
+                   help="mlp, cnn, gpt-tiny, recommender, recommender-tiny, or module:factory (default: mlp)")
     p.add_argument("-n", "--nproc", default=None,
                    help="world sizes, comma-separated (default: 1,2 on a CPU, 1,2,4… up to the GPUs)")
     p.add_argument("--strategies", default="ddp", help="comma-separated strategies (default: ddp)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree inside ddp, zero2 and zero3 (and the 'tp' strategy)")
+    p.add_argument("--ps-servers", type=int, metavar="S",
+                   help="serving ranks of the ps strategy (the last S of each world size; default 1)")
     p.add_argument("--scaling", choices=("weak", "strong"), default="weak")
     p.add_argument("--batch", type=int, default=64, help="samples per replica (weak) or per step (strong); default 64")
     p.add_argument("--steps", type=int, default=20, help="timed steps per block (default 20)")
@@ -64,6 +69,7 @@ def execute(args: argparse.Namespace) -> int:
     from ..bench import run_bench_cli
 
     return run_bench_cli(workload=args.workload, nproc=args.nproc, strategies=args.strategies, tp=args.tp,
+                         servers=args.ps_servers,
                          scaling=args.scaling,
                          batch=args.batch, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
                          compare=args.compare, threads=args.threads, threads_per_rank=args.threads_per_rank,

@@ -141,6 +141,11 @@ class Strategy(ABC):
             return self.tp.forward_backward(model, x, target, loss_fn, scale)
         return None
 
+    def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
+        """Bytes this rank has sent plus received to keep ``model`` in step with the other ranks over its first
+        ``steps`` optimizer steps (``paratrain bench``'s bytes/step); None where this strategy does not count them."""
+        return None
+
     def training_group(self, env: ClusterEnv) -> dist.ProcessGroup | None:
         """The ranks that train, whose monitors compare notes and whose ``par.barrier`` waits for each other (None:
         every rank); a parameter server's servers train nothing."""

@@ -84,6 +84,11 @@ class Composed(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.data.unwrap(model)
 
+    def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
+        if not self.preset.groups:
+            return 0  # one process: nothing to keep in step
+        return None if self.tp is not None else self.data.traffic_bytes(model, steps)
+
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self.data.optimizer_state(self.unwrap(model), optimizer)
 

@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -24,6 +25,15 @@ from ..errors import ConfigError
 from ..model.materialize import to_device
 from ..options import DDPConfig, FSDPConfig
 from .base import Runtime
+
+
+def all_reduce_traffic(model: nn.Module, ranks: int) -> int:
+    """Bytes one rank sends plus receives per step when ``model``'s gradients are all-reduced over ``ranks`` ranks by
+    the ring algorithm (gloo's and NCCL's usual one): 2(N-1)/N of the gradient's bytes each way, 0 on one rank.
+    The payload a rank hands the all-reduce (its gradient, then the sum back) is 2x the gradient's bytes; the ring
+    moves 4(N-1)/N x, the same at N=2 and a third more at N=3. Message headers are not counted."""
+    grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return round(2 * 2 * (ranks - 1) / ranks * grad)
 
 
 class OneReplica:
@@ -68,6 +78,10 @@ class OneReplica:
         """The engine's options worth naming in the strategy's description (None: none)."""
         return None
 
+    def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
+        """Bytes a rank moved for ``steps`` optimizer steps of the wrapped ``model``; None: not counted."""
+        return None
+
 
 class Replicas(OneReplica):
     """A full replica per rank, gradients all-reduced: DDP, or FSDP2's ``replicate`` when tensor parallelism made
@@ -105,12 +119,22 @@ class Replicas(OneReplica):
     def detail(self) -> str | None:
         return None if self.split else f"bucket_cap_mb={self.config.bucket_cap_mb:g}"
 
+    def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
+        """DDP's gradient all-reduce, computed (not measured): see :func:`all_reduce_traffic`. Not counted for FSDP2's
+        ``replicate`` or under a compressing comm hook."""
+        if not isinstance(model, DDP) or self.config.comm_hook is not None:
+            return None
+        return steps * all_reduce_traffic(model.module, dist.get_world_size(model.process_group))
+
 
 class ShardedOptimizer(Replicas):
     """ZeRO-1: DDP for the gradients, the optimizer state sharded by ``ZeroRedundancyOptimizer`` (whole parameters
     per rank, so the split can be uneven)."""
 
     zero = 1
+
+    def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
+        return None  # the all-reduce, and the broadcast of every rank's updated parameters besides: not counted
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module,
                        rt: Runtime) -> torch.optim.Optimizer:

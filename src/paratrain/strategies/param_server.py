@@ -157,6 +157,14 @@ class ParameterServer(Strategy):
         for i, g in enumerate(optimizer.param_groups):
             g.update({k: state[f"group{i}.{k}"] for k in g if k != "params"})
 
+    def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
+        """Measured on a worker: the payload bytes of every message it sent (gradients, row ids) and of every answer
+        it received (parameters, rows) since ``prepare``, its first pull included; a server counts nothing."""
+        if self.worker is None:
+            return None
+        stats = self.worker.client.stats
+        return stats.push_bytes + stats.pull_bytes
+
     def close(self) -> None:
         """On a worker: tell the servers it is done, then the table of pulls, pushes and the servers' load (rank 0
         prints it)."""

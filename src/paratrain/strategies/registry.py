@@ -70,14 +70,19 @@ def check_world(name: str, world_size: int, **options: Any) -> None:
     strategy.dims(env)  # degrees the world does not divide (tp=3 of 4) say so here
 
 
+def serves(name: str) -> bool:
+    """Whether strategy ``name`` has ranks that serve the others instead of training (parameter servers)."""
+    return create(name).serves
+
+
 def check_every_rank_trains(name: str, **options: Any) -> None:
     """Raise a one-line ``ConfigError`` when ``name`` has ranks that serve instead of training (parameter servers):
-    tools that time or compare every rank's steps (``paratrain bench``, ``paratrain verify``) cannot run it."""
+    tools that compare every rank's steps (``paratrain verify``) cannot run it."""
     try:
         strategy = create(name, **options)
     except TypeError as err:
         raise ConfigError(f"bad option for strategy {name!r}: {err}") from None
     if strategy.serves:
-        raise ConfigError(f"strategy {name!r} has ranks that serve instead of training, and this tool times and "
-                          "compares every rank's steps; benchmarks/ps.py measures it against ddp, and tests prove it "
-                          "equal to one process")
+        raise ConfigError(f"strategy {name!r} has ranks that serve instead of training, and this tool compares "
+                          "every rank's steps; tests prove it equal to one process, and 'paratrain bench "
+                          "--strategies ddp,ps' measures it against ddp")

@@ -1,8 +1,9 @@
 """The one registry of workload names.
 
-``paratrain bench`` and the benchmarks run a workload by name: ``mlp``, ``cnn`` and ``gpt-tiny`` are built in
-(:mod:`paratrain.workloads.synthetic`); anything else is ``module:factory``, a function of the user's that
-returns a :class:`~paratrain.workloads.workload.Workload` or a ``(model, loss, make_batch)`` tuple.
+``paratrain bench`` and the benchmarks run a workload by name: ``mlp``, ``cnn`` and ``gpt-tiny``
+(:mod:`paratrain.workloads.synthetic`) and ``recommender`` and ``recommender-tiny``
+(:mod:`paratrain.workloads.recommender`) are built in; anything else is ``module:factory``, a function of the user's
+that returns a :class:`~paratrain.workloads.workload.Workload` or a ``(model, loss, make_batch)`` tuple.
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..factory import load_callable
+from .recommender import recommender_tiny_workload, recommender_workload
 from .synthetic import cnn_workload, gpt_tiny_workload, mlp_workload
 from .workload import Workload
 
 _BUILT_IN: dict[str, Callable[[], Workload]] = {"mlp": mlp_workload, "cnn": cnn_workload,
-                                                "gpt-tiny": gpt_tiny_workload}
+                                                "gpt-tiny": gpt_tiny_workload, "recommender": recommender_workload,
+                                                "recommender-tiny": recommender_tiny_workload}
 
 
 def workload_names() -> list[str]:
