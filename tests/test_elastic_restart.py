@@ -79,3 +79,20 @@ def test_run_hands_checkpoint_options_to_every_rank(monkeypatch, tmp_path):
 
     config = CheckpointConfig.resolve(dir=None, every=None, keep=None, resume=None)
     assert (config.dir, config.every, config.should_resume()) == (os.path.abspath("ck"), 50, True)
+
+
+def test_each_restart_attempt_starts_its_group_on_keys_of_its_own(monkeypatch):
+    """torch 2.11 hands restarted workers the launcher's store with the dead attempt's keys in it (its gloo ranks then
+    dial dead addresses): paratrain's group keys live under the attempt's prefix, whatever torch does."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from paratrain.distributed.process_group import attempt_store
+
+    shared = dist.HashStore()  # the launcher's store, the same object for every attempt
+    monkeypatch.setattr(dist, "rendezvous", lambda url, **kw: iter([(shared, 0, 1)]))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt_store(timedelta(seconds=5)).set("rank_1", "address of a rank that died")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not attempt_store(timedelta(seconds=5)).check(["rank_1"])

@@ -5,6 +5,7 @@ destroys it. Ending it takes care on gloo: see :func:`finish_group`.
 """
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -40,9 +41,23 @@ def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float,
                 f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE={env.world_size}")
         return False
     backend = backend or backend_for(device)
-    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, store=attempt_store(timeout), rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)
     return True
+
+
+def attempt_store(timeout: timedelta) -> dist.Store:
+    """The store ``env://`` gives this process, its keys under a prefix of the launcher's restart attempt.
+
+    torch 2.11 hands the workers of every attempt the launcher's own store with no such prefix ("a new TCPStore for
+    every retry", which the static rendezvous does not make): restarted gloo ranks then read the dead attempt's
+    addresses and fail in ``connectFullMesh`` (``Connection refused``), so no restart ever succeeded there; 2.13
+    prefixes them itself (and the second prefix costs nothing).
+    """
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return dist.PrefixStore(f"paratrain/attempt_{attempt}", store) if attempt is not None else store
 
 
 def finish_group() -> None:
