@@ -17,21 +17,9 @@ from paratrain.distributed.param_server.messages import PULL_ROWS, PUSH_DENSE, P
 from paratrain.planner import InputSpec, Layout, Training, estimate, make_cluster, recommend, trace_module
 from paratrain.planner.param_server import rows_touched
 from paratrain.planner.training import batching
+from paratrain.workloads.recommender import Recommender
 
 MIB = 2**20
-
-
-class Recommender(nn.Module):
-    """benchmarks/ps.py's sparse workload, sizes as arguments: a bag of ``ids`` ids a sample, an MLP on top."""
-
-    def __init__(self, rows: int = 1_000_000, dim: int = 32, hidden: int = 256) -> None:
-        super().__init__()
-        self.table = nn.EmbeddingBag(rows, dim, mode="sum")
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, 2))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.table(ids))
 
 
 def _mlp() -> nn.Module:
