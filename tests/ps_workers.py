@@ -4,7 +4,8 @@ A server rank serves from inside ``prepare`` and ends its process when the worke
 launch: :func:`run_zoo` (a zoo model), :func:`run_sparse` (a recommender with tables on the servers; every rank
 writes its peak memory to ``folder/<rank>.json``, a server on its way out), :func:`run_async` (the digits CNN with
 a slow worker), :func:`run_rogue` (malformed requests) and :func:`run_killed` (a rank SIGKILLed mid-training).
-Rank 0 (a worker) returns the final full state dict, the servers' tables included.
+Rank 0 (a worker) returns the final full state dict, the servers' tables included, and ``par.last_grad_norm``
+after each step (None unless ``clip_grad_norm`` is among the options).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def run_zoo(model_name: str, options: dict) -> dict | None:
     model = spec.build()
     model, opt = par.prepare(model, spec.optimizer(model))  # a server serves here and never returns
     size, rank, micro = par.data_parallel_size, par.data_parallel_rank, par.accumulate
+    norms = []
     for s in range(STEPS):
         x, y = step_batch(spec, s, size * PER_RANK)
         x, y = (t[rank * PER_RANK:(rank + 1) * PER_RANK].to(par.device) for t in (x, y))
@@ -53,9 +55,10 @@ def run_zoo(model_name: str, options: dict) -> dict | None:
             part = slice(m * PER_RANK // micro, (m + 1) * PER_RANK // micro)
             with par.step(model, opt):
                 par.forward_backward(model, x[part], y[part], spec.loss)
+        norms.append(par.last_grad_norm)
     state = par.full_state_dict(model)
     par.close()
-    return {"state": state, "workers": size}
+    return {"state": state, "workers": size, "norms": norms}
 
 
 class Recommender(nn.Module):
@@ -110,17 +113,19 @@ def run_sparse(kind: str, options: dict, folder: str, rows: int = ROWS, dim: int
         with open(os.path.join(folder, f"{rank}.json"), "w") as f:
             json.dump({"start_mb": start, "peak_mb": _memory_mb("VmHWM")}, f)
     size, dp_rank = par.data_parallel_size, par.data_parallel_rank
+    norms = []
     for s in range(steps):
         x, y = recommender_batch(s, size * PER_RANK, rows=rows)
         sl = slice(dp_rank * PER_RANK, (dp_rank + 1) * PER_RANK)
         with par.step(model, opt):
             loss = F.cross_entropy(model((x[0][sl].to(par.device), x[1][sl].to(par.device))), y[sl].to(par.device))
             par.backward(loss)
+        norms.append(par.last_grad_norm)
     state = par.full_state_dict(model) if not meta else {}
     par.close()
     with open(os.path.join(folder, f"{rank}.json"), "w") as f:
         json.dump({"start_mb": start, "peak_mb": _memory_mb("VmHWM")}, f)
-    return {"state": state}
+    return {"state": state, "norms": norms}
 
 
 def run_async(options: dict, slow_rank: int | None, slow_factor: float, epochs: int) -> dict | None:
@@ -256,10 +261,10 @@ def run_rogue(steps: int) -> dict | None:
 
     f64 = m.DTYPE_CODES[torch.float64]
     f32 = m.DTYPE_CODES[torch.float32]
-    # a push of float64 gradients (one value and its group's learning rate), where the server holds float32
-    ask([m.MAGIC, m.PUSH_DENSE, 0, 0, 1, 1, f64, m.END], m.pack(torch.zeros(2, dtype=torch.float64)))
+    # a push of float64 gradients (its group's learning rate, the max norm, one value), where the server holds float32
+    ask([m.MAGIC, m.PUSH_DENSE, 0, 0, 1, 1, f64, m.END], m.pack(torch.zeros(3, dtype=torch.float64)))
     # the right dtype, the wrong number of values (the server holds 6 x 3 + 3 = 21)
-    ask([m.MAGIC, m.PUSH_DENSE, 0, 0, 5, 1, f32, m.END], m.pack(torch.zeros(1, dtype=torch.float64), torch.zeros(5)))
+    ask([m.MAGIC, m.PUSH_DENSE, 0, 0, 5, 1, f32, m.END], m.pack(torch.zeros(2, dtype=torch.float64), torch.zeros(5)))
     # rows of a table that does not exist
     ask([m.MAGIC, m.PULL_ROWS, 0, 7, 2, 0, 0, m.END], m.pack(torch.tensor([0, 1])))
     # announces 1e9 values: refused unread, and the sender is refused from then on

@@ -1,9 +1,9 @@
 """The ``ps`` strategy: parameter servers on torch.distributed point-to-point.
 
 Synchronous mode equals one plain process on the same global batch, on zoo models (dense parameters on the servers)
-and on a recommender whose tables live row-sharded on the servers; a table built on the meta device trains
-without any process holding it whole (peak memory measured per rank); bad options are one line before anything
-starts.
+and on a recommender whose tables live row-sharded on the servers, global gradient clipping included; a table built
+on the meta device trains without any process holding it whole (peak memory measured per rank); bad options are
+one line before anything starts.
 """
 from __future__ import annotations
 
@@ -24,8 +24,21 @@ from zoo import ZOO
 TOL = 2e-5
 
 
-def zoo_reference(model_name: str, replicas: int, micro: int = 1) -> dict[str, torch.Tensor]:
-    """One process on the global batch, in ``replicas x micro`` slices (the mean of their losses)."""
+def clip_one_process(model: torch.nn.Module, clip: float | None, norms: list[float]) -> None:
+    """``clip_grad_norm_`` as one process does it (a sparse table gradient counted as its dense form); the norm is
+    appended to ``norms``."""
+    if clip is None:
+        return
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params])
+    torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+    norms.append(float(norm))
+
+
+def zoo_reference(model_name: str, replicas: int, micro: int = 1, clip: float | None = None,
+                  norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """One process on the global batch, in ``replicas x micro`` slices (the mean of their losses); ``clip``: its
+    gradient norm clipped to that, each step's norm appended to ``norms``."""
     spec = ZOO[model_name]
     model = spec.build()
     opt = spec.optimizer(model)
@@ -35,12 +48,14 @@ def zoo_reference(model_name: str, replicas: int, micro: int = 1) -> dict[str, t
         for r in range(replicas * micro):
             sl = slice(r * size, (r + 1) * size)
             (spec.loss(model(x[sl]), y[sl]) / (replicas * micro)).backward()
+        clip_one_process(model, clip, norms if norms is not None else [])
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def sparse_reference(kind: str, replicas: int) -> dict[str, torch.Tensor]:
+def sparse_reference(kind: str, replicas: int, clip: float | None = None,
+                     norms: list[float] | None = None) -> dict[str, torch.Tensor]:
     model = Recommender(sparse=True)
     opts = recommender_optimizer(model, kind)
     for s in range(STEPS):
@@ -48,30 +63,52 @@ def sparse_reference(kind: str, replicas: int) -> dict[str, torch.Tensor]:
         for r in range(replicas):
             sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
             (F.cross_entropy(model((x[0][sl], x[1][sl])), y[sl]) / replicas).backward()
+        clip_one_process(model, clip, norms if norms is not None else [])
         for o in opts:
             o.step()
             o.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("model_name,world,servers,micro", [("gpt2", 4, 2, 1), ("nanogpt", 3, 1, 2)])
-def test_sync_equals_one_process_on_zoo_models(model_name, world, servers, micro):
-    results = spawn(run_zoo, world, (model_name, {"servers": servers, "accumulate": micro}), timeout_s=180)
+def assert_clipped_alike(got: list, expected: list[float], clip: float | None) -> None:
+    """Every worker's ``par.last_grad_norm`` is one process's norm before clipping, and clipping bit."""
+    if clip is None:
+        assert got == [None] * len(got)
+        return
+    assert min(expected) > 2 * clip, expected  # every step was clipped: per-worker clipping would differ
+    assert got == pytest.approx(expected, rel=1e-5), (got, expected)
+
+
+@pytest.mark.parametrize("model_name,world,servers,micro,clip", [("gpt2", 4, 2, 1, None), ("nanogpt", 3, 1, 2, None),
+                                                                 ("nanogpt", 3, 1, 2, 1.0)],
+                         ids=["gpt2", "nanogpt", "nanogpt-clipped"])
+def test_sync_equals_one_process_on_zoo_models(model_name, world, servers, micro, clip):
+    """With ``clip_grad_norm`` the servers clip the step's mean gradient (not each worker its own)."""
+    options = {"servers": servers, "accumulate": micro, **({"clip_grad_norm": clip} if clip else {})}
+    results = spawn(run_zoo, world, (model_name, options), timeout_s=180)
     assert results[world - servers:] == [None] * servers  # the servers ended their processes cleanly
     got = results[0]
     assert got["workers"] == world - servers
-    assert max_abs_diff(got["state"], zoo_reference(model_name, world - servers, micro)) <= TOL
+    norms: list[float] = []
+    assert max_abs_diff(got["state"], zoo_reference(model_name, world - servers, micro, clip, norms)) <= TOL
+    assert_clipped_alike(got["norms"], norms, clip)
 
 
-@pytest.mark.parametrize("kind,world,servers", [("sgd", 4, 2), ("adagrad", 3, 1), ("adam", 4, 2)])
-def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers):
-    options = {"servers": servers, "tables": ["bag", "emb"]}
+@pytest.mark.parametrize("kind,world,servers,clip", [("sgd", 4, 2, None), ("adagrad", 3, 1, None),
+                                                     ("adam", 4, 2, None), ("sgd", 4, 2, 0.1)],
+                         ids=["sgd", "adagrad", "adam", "sgd-clipped"])
+def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers, clip):
+    """Clipped: the norm over both servers' dense parts and rows, a row looked up several times (by one worker or
+    several) counted once with its summed gradient."""
+    options = {"servers": servers, "tables": ["bag", "emb"], **({"clip_grad_norm": clip} if clip else {})}
     if kind == "adam":
         options["table_optimizer"] = "adam"
     got = spawn(run_sparse, world, (kind, options, str(tmp_path)), timeout_s=180)[0]
-    expected = sparse_reference(kind, world - servers)
+    norms: list[float] = []
+    expected = sparse_reference(kind, world - servers, clip, norms)
     assert max_abs_diff(got["state"], expected) <= TOL
     assert got["state"]["emb.weight"].shape == expected["emb.weight"].shape
+    assert_clipped_alike(got["norms"], norms, clip)
 
 
 @pytest.mark.parametrize("case,world,servers", [("nanogpt", 3, 1), ("sparse", 4, 2)])
@@ -189,6 +226,40 @@ def test_dense_parameters_are_balanced_by_size():
     assert layout.servers == (2, 3) and layout.workers == (0, 1)
 
 
+def test_an_asynchronous_worker_clips_its_own_gradient_rows_included():
+    """Asynchronous pushes are applied alone, so a worker clips its own gradient before pushing: the norm one
+    process computes over the same batch (a table's gradient dense, a row's repeats summed) and the same scaling,
+    for the dense parameters and the rows it pushes."""
+    from paratrain.distributed.param_server.client import Client
+    from paratrain.distributed.param_server.config import PSConfig
+    from paratrain.distributed.param_server.layout import plan_layout
+    from paratrain.distributed.param_server.worker import PushingOptimizer
+
+    one, worker = Recommender(), Recommender()
+    x, y = recommender_batch(0, 8)
+    for model in (one, worker):
+        F.cross_entropy(model(x), y).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(one.parameters(), 0.1))
+    assert norm > 0.2  # it bites
+
+    layout = plan_layout(worker, 2, PSConfig(servers=1, tables=["bag", "emb"]))
+    dense = dict(worker.mlp.named_parameters(prefix="mlp"))
+    opt = PushingOptimizer(torch.optim.SGD(worker.parameters(), lr=0.1), {id(p) for p in dense.values()},
+                           Client(layout, 0, dense, 1024), [], synchronous=False)
+    opt.max_norm = 0.1
+    taken = []
+    for table in layout.tables:  # each touched row in two halves, as two lookups of it would push it
+        grad = worker.get_submodule(table.name).weight.grad
+        ids = grad.abs().sum(1).nonzero().flatten()
+        taken.append((table, torch.cat([ids, ids]), torch.cat([grad[ids] / 2, grad[ids] / 2])))
+    assert opt._clip_own(taken) == pytest.approx(norm, rel=1e-5)
+    for name, p in dense.items():
+        assert torch.allclose(p.grad, one.get_parameter(name).grad, atol=1e-7)
+    for table, ids, grads in taken:
+        rows = torch.zeros(table.rows, table.dim).index_add_(0, ids, grads)
+        assert torch.allclose(rows, one.get_submodule(table.name).weight.grad, atol=1e-7)
+
+
 def test_async_converges_with_a_slow_worker():
     """staleness=4, three workers, one 2x slower: the digits CNN converges (>= 93%) on the servers' final parameters,
     the slow worker's too-old pushes are dropped (and counted), the others' are not. (Speed: benchmarks/ps.py.)"""
@@ -280,6 +351,18 @@ def test_headers_are_parsed_without_trusting_them():
         with pytest.raises(m.Refused, match="oversized") as err:
             schema.check(m.Header(m.LOAD, count=count))
         assert not err.value.drain
+    # a dense push: each group's learning rate, the max norm it clips to, then the gradients
+    push = m.parse(m.Header(m.PUSH_DENSE, count=4, width=1, dtype=m.DTYPE_CODES[torch.float32]).tensor())
+    schema.check(push)
+    assert push.payload_bytes == 4 * 4 + 2 * 8 + m.TRAILER.numel()
+    grads, lrs, max_norm = m.unpack(m.pack(torch.tensor([0.1, 1.5], dtype=torch.float64), torch.arange(4.0)), push)
+    assert grads.tolist() == [0, 1, 2, 3] and lrs.tolist() == [0.1] and max_norm.tolist() == [1.5]
+    with pytest.raises(m.Refused, match="truncated"):  # the max norm left out
+        m.unpack(m.pack(torch.tensor([0.1], dtype=torch.float64), torch.arange(4.0)), push)
+    for count, width in ((5, 1), (4, 2)):
+        with pytest.raises(m.Refused, match="wrong size"):
+            schema.check(m.Header(m.PUSH_DENSE, count=count, width=width, dtype=m.DTYPE_CODES[torch.float32]))
+    assert m.word_float(m.float_word(7.25)) == 7.25 and m.float_word(0.0) == 0
 
 
 def test_doctor_warns_when_a_script_imports_torch_distributed_rpc(tmp_path):

@@ -11,7 +11,8 @@ A synchronous step: every worker computes as one process would on its batch, pul
 parameters back. The busiest server receives from every worker, sums, steps and answers every worker, one message
 at a time (its loop is one thread): its link, not the workers', sets the pace, and nothing of it hides behind
 compute. Messages are counted by their payloads, as the runtime's ``ClientStats`` counts them: the 64-byte header
-of each message and the 8-byte trailer of each request are left out (under 0.1% of any step worth planning).
+of each message, the 8-byte trailer of each request and a dense push's float64 words (each param group's learning
+rate, the max norm) are left out (under 0.1% of any step worth planning).
 Elements travel in fp32: the runtime moves the model's one dtype, and paratrain's mixed precision keeps fp32
 parameters (autocast).
 """

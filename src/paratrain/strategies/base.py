@@ -173,6 +173,16 @@ class Strategy(ABC):
         """Group over which local gradient norms add up to the global one (pipeline stages); None: no such group."""
         return None
 
+    def clips_in_step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> bool:
+        """Where only the optimizer step sees the gradient to clip (parameter servers: the mean of every worker's,
+        on the servers), hand it ``max_norm`` and return True: the loop then does not clip, and takes the norm
+        from ``stepped_grad_norm`` after the step. The default: False (the loop clips before the step)."""
+        return False
+
+    def stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> float | None:
+        """The gradient norm before the clipping of the last step, where ``clips_in_step`` is True."""
+        return None
+
     def sync_gradients(self, model: nn.Module) -> None:
         """Complete the gradients on the step that synchronises, before clipping and the optimizer step, where the
         wrapped model's backward does not (a weight tied across pipeline stages, tensor parallelism's partial

@@ -22,6 +22,7 @@ from ..distributed.param_server.layout import Layout, plan_layout
 from ..distributed.param_server.messages import ProtocolError
 from ..distributed.param_server.roles import WorkerSide, report, serve, shard_folder
 from ..distributed.param_server.snapshot import ShardStore
+from ..distributed.param_server.worker import PushingOptimizer
 from ..distributed.process_group import finish_group
 from ..env import ClusterEnv
 from ..errors import CheckpointError, ConfigError
@@ -106,6 +107,17 @@ class ParameterServer(Strategy):
             workers = list(range(env.world_size - self.config.servers))
             self._group = dist.new_group(workers, use_local_synchronization=True)
         return self._group
+
+    def clips_in_step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> bool:
+        """A worker's step clips: synchronous servers clip the mean gradient of the step over every server (as one
+        process on the global batch), an asynchronous worker its own gradient, rows included, before its push."""
+        if not isinstance(optimizer, PushingOptimizer):
+            return False
+        optimizer.max_norm = max_norm
+        return True
+
+    def stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> float | None:
+        return optimizer.grad_norm if isinstance(optimizer, PushingOptimizer) else None
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
         if self.worker is None:

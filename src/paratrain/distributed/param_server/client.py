@@ -13,7 +13,7 @@ from torch import nn
 from .layout import Layout
 from .messages import (DONE, DTYPE_CODES, HEADER_WORDS, LOAD, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
                        PUSH_DENSE, PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, KIND_NAMES,
-                       ProtocolError, pack)
+                       ProtocolError, pack, word_float)
 
 
 @dataclass
@@ -52,6 +52,9 @@ class Client:
         self.versions = [0] * len(layout.servers)
         """Each server's version of the parameters this worker holds (sent with a push: its age is checked)."""
         self.done = False
+        self.grad_norm = 0.0
+        """The gradient norm before clipping that the servers' answer to the last push carried (0: not clipped
+        there)."""
         self.stats = ClientStats()
 
     # ----------------------------------------------------------------- dense
@@ -61,9 +64,11 @@ class Client:
         self._answers(works, PULL_DENSE)
         self.stats.pull_s += time.perf_counter() - start
 
-    def push(self, rows: list[list[tuple[int, torch.Tensor, torch.Tensor]]], lrs: list[float]) -> None:
-        """Push this step's gradients (dense, and ``rows[server]``'s (table, ids, grads)) and each param group's
-        learning rate ``lrs``; take the new parameters."""
+    def push(self, rows: list[list[tuple[int, torch.Tensor, torch.Tensor]]], lrs: list[float],
+             max_norm: float = 0.0) -> None:
+        """Push this step's gradients (dense, and ``rows[server]``'s (table, ids, grads)), each param group's
+        learning rate ``lrs`` and the norm synchronous servers clip the step's mean gradient to (0: none); take the
+        new parameters."""
         start = time.perf_counter()
         self.step_no += 1
         dtype = DTYPE_CODES[self.layout.dtype]
@@ -78,7 +83,7 @@ class Client:
                              ).cpu() if params else torch.empty(0, dtype=self.layout.dtype)
             works += self._request(s, Header(PUSH_DENSE, self.versions[s], count=flat.numel(), width=len(lrs),
                                              dtype=dtype),
-                                   pack(torch.tensor(lrs, dtype=torch.float64), flat))
+                                   pack(torch.tensor([*lrs, max_norm], dtype=torch.float64), flat))
         self.stats.push_s += time.perf_counter() - start
         start = time.perf_counter()
         self._answers(works, PUSH_DENSE)
@@ -91,6 +96,8 @@ class Client:
             self.versions[s] = h.step
             self.stats.staleness = h.width if s == 0 else max(self.stats.staleness, h.width)
             self.stats.dropped += h.table
+            if kind == PUSH_DENSE and s == 0:  # every server clipped by the same norm
+                self.grad_norm = word_float(h.dtype)
             if h.count:
                 flat = torch.empty(h.count, dtype=self.layout.dtype)
                 dist.recv(flat, src=self.layout.servers[s], tag=REPLY_TAG)

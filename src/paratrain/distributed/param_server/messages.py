@@ -6,9 +6,14 @@ seen). The server checks the header against what it serves (:class:`Schema`) bef
 receives every payload into one buffer of the largest legitimate size: gloo ends a process that receives more bytes
 than it posted (``op.preamble.length <= op.nbytes``), while fewer are accepted, so a message up to that size is
 refused in one line and anything larger is refused without being read.
+
+A push of dense gradients carries, before the gradients, each param group's learning rate and then the max norm the
+step clips to (float64 words; 0: no clipping). An answer to a push carries the gradient norm before clipping in its
+last word, as the bits of a float64 (:func:`float_word`).
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +73,7 @@ class Header:
     def payload_bytes(self) -> int:
         """Bytes that follow a request (trailer included), from the header alone: 0 for none."""
         item = DTYPES[self.dtype].itemsize if self.dtype in DTYPES else 0
-        body = {PUSH_DENSE: self.count * item + self.width * 8, PULL_ROWS: self.count * 8,
+        body = {PUSH_DENSE: self.count * item + (self.width + 1) * 8, PULL_ROWS: self.count * 8,
                 PUSH_ROWS: self.count * 8 + self.count * self.width * item, SAVE: self.count,
                 LOAD: self.count}.get(self.kind, 0)
         return body + TRAILER.numel() if self.kind in (PUSH_DENSE, PULL_ROWS, PUSH_ROWS, SAVE, LOAD) else 0
@@ -106,14 +111,14 @@ class Schema:
     max_rows: int
     groups: int
     """The training optimizer's param groups: a push carries each one's learning rate (a schedule runs on the
-    workers)."""
+    workers), then the max norm its step clips to."""
 
     @property
     def max_payload(self) -> int:
         """The largest legitimate payload in bytes (trailer included): the size of the server's receive buffer."""
         item = self.dense_dtype.itemsize
         rows = max((self.max_rows * (8 + t.dim * item) for t in self.tables), default=0)
-        return max(self.dense_numel * item + self.groups * 8, rows, PATH_BYTES) + TRAILER.numel()
+        return max(self.dense_numel * item + (self.groups + 1) * 8, rows, PATH_BYTES) + TRAILER.numel()
 
     def check(self, h: Header) -> None:
         """Raise Refused unless this server serves ``h`` as it stands."""
@@ -154,14 +159,25 @@ def unpack(buffer: torch.Tensor, h: Header) -> tuple[torch.Tensor, ...]:
     if not torch.equal(buffer[n - TRAILER.numel():n], TRAILER):
         raise Refused(8, f"{n} bytes announced, fewer arrived", drain=False)
     body = buffer[:n - TRAILER.numel()]
-    if h.kind == PUSH_DENSE:  # the learning rates first: every part then starts 8-byte aligned
-        return body[h.width * 8:].view(DTYPES[h.dtype]), body[:h.width * 8].view(torch.float64)
+    if h.kind == PUSH_DENSE:  # (gradients, learning rates, max norm); the float64 words first keep every part aligned
+        words = body[:(h.width + 1) * 8].view(torch.float64)
+        return body[(h.width + 1) * 8:].view(DTYPES[h.dtype]), words[:h.width], words[h.width:]
     if h.kind in (SAVE, LOAD):
         return (body,)
     ids = body[:h.count * 8].view(torch.int64)
     if h.kind == PULL_ROWS:
         return (ids,)
     return ids, body[h.count * 8:].view(DTYPES[h.dtype]).view(h.count, h.width)
+
+
+def float_word(x: float) -> int:
+    """A float64 as the int64 header word holding its bits (an answer's gradient norm)."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def word_float(w: int) -> float:
+    """The float64 whose bits :func:`float_word` put into a header word."""
+    return struct.unpack("<d", struct.pack("<q", w))[0]
 
 
 def _dtype_name(code: int) -> str:

@@ -22,10 +22,16 @@ from .worker import PushingOptimizer
 
 def serve(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, rank: int,
           config: PSConfig, store: ShardStore | None = None) -> ServerStats:
-    """Hold this server's shards and serve until every worker is done (``store``: how a checkpoint holds them)."""
+    """Hold this server's shards and serve until every worker is done (``store``: how a checkpoint holds them).
+
+    Synchronous servers (more than one) first make a group of their own, among themselves while the workers make
+    theirs: a clipped step adds up its norm over it."""
     shards = ServerShards(model, optimizer, layout, layout.servers.index(rank), config.table_optimizer)
     del model, optimizer  # what this server does not own goes now (the caller drops its references too)
-    return Server(shards, layout, rank, config.staleness, config.max_rows, store).serve()
+    servers = None
+    if config.synchronous and len(layout.servers) > 1 and dist.is_initialized():
+        servers = dist.new_group(list(layout.servers), use_local_synchronization=True)
+    return Server(shards, layout, rank, config.staleness, config.max_rows, store, servers).serve()
 
 
 def shard_folder(index: int) -> str:
@@ -53,7 +59,8 @@ class WorkerSide:
         for t in self.layout.tables:
             if f"{t.name}.weight" in settings:
                 table_kind(optimizer, t.name, settings[f"{t.name}.weight"], self.config.table_optimizer)
-        return PushingOptimizer(optimizer, {id(p) for p in model.parameters()}, self.client, self.tables)
+        return PushingOptimizer(optimizer, {id(p) for p in model.parameters()}, self.client, self.tables,
+                                self.config.synchronous)
 
     def full_state(self, model: nn.Module, chunk: int = 1 << 16) -> dict[str, torch.Tensor]:
         """The model's whole state as the servers hold it now (asynchronous workers may hold older parameters)."""

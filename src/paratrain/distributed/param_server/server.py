@@ -2,15 +2,21 @@
 
 One thread, one request at a time, from any worker (``recv`` from any source on the request tag). Synchronous
 mode (staleness 0) sums the pushes of a step and steps once every live worker has pushed, then answers them all
-with the new parameters: the step of one process over the global batch. With staleness tau > 0 each push is
-applied as it arrives and answered at once, unless the parameters it was computed on are more than tau updates
-old: such a push is dropped (counted) and the worker gets the current parameters. The bound is on the age of what
-is applied, not on how far a worker runs ahead, so a slow worker never holds the others back (bounding the clock
-difference between workers instead, as stale-synchronous schemes do, makes every worker wait for the slowest once
-it is tau steps behind). Replies go out with ``isend`` so a slow reader never holds the server up.
+with the new parameters: the step of one process over the global batch. When the pushes carry a max norm, the
+mean gradient of the step is clipped to it first, as one process would clip it: each server adds up the squares of
+its part (dense and rows), the servers sum those over their own group, and every server scales its part alike
+(the norm goes back to the workers in the answer).
+
+With staleness tau > 0 each push is applied as it arrives (clipped by its worker, if at all) and answered at once,
+unless the parameters it was computed on are more than tau updates old: such a push is dropped (counted) and the
+worker gets the current parameters. The bound is on the age of what is applied, not on how far a worker runs ahead,
+so a slow worker never holds the others back (bounding the clock difference between workers instead, as
+stale-synchronous schemes do, makes every worker wait for the slowest once it is tau steps behind). Replies go out
+with ``isend`` so a slow reader never holds the server up.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,9 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .clipping import clip_coefficient, squared_norm
 from .layout import Layout
 from .messages import (DONE, HEADER_WORDS, LOAD, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE, PUSH_ROWS,
-                       REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, Refused, Schema, TRAILER, parse, unpack)
+                       REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, Refused, Schema, TRAILER, float_word, parse,
+                       unpack)
 from .shards import ServerShards
 from .snapshot import ShardStore, load_shard_state, shard_state
 
@@ -41,8 +49,11 @@ class ServerStats:
 
 class Server:
     def __init__(self, shards: ServerShards, layout: Layout, rank: int, staleness: int, max_rows: int,
-                 store: ShardStore | None = None) -> None:
+                 store: ShardStore | None = None, servers: dist.ProcessGroup | None = None) -> None:
+        """``servers``: the servers' own group, over which a synchronous step's clipping norm adds up (None: this
+        server is the only one)."""
         self.shards, self.layout, self.rank, self.staleness, self.store = shards, layout, rank, staleness, store
+        self.servers = servers
         self.index = layout.servers.index(rank)
         self.schema = Schema(dense_numel=layout.dense_numel(self.index), dense_dtype=layout.dtype,
                              tables=tuple(t.bounds[self.index] for t in layout.tables), max_rows=max_rows,
@@ -55,6 +66,8 @@ class Server:
         self.training = set(layout.workers)
         self.banned: set[int] = set()
         self.pushed: set[int] = set()  # sync: workers whose push of this step is in
+        self.max_norm = 0.0  # sync: what this step's pushes clip to (0: no clipping)
+        self.norm = 0.0  # sync: the last step's gradient norm before clipping (when it clipped)
         self.rows: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {w: [] for w in layout.workers}
         self.waiting: list[int] = []  # workers whose answer to a push is held back
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
@@ -114,11 +127,15 @@ class Server:
             self._rows_of(h.table, ids)
             self.rows[src].append((h.table, ids.clone(), grads.clone()))
         elif h.kind == PUSH_DENSE:
-            grad, lrs = payload
+            grad, lrs, max_norm = payload
+            clip = float(max_norm[0])
+            if not (math.isfinite(clip) and clip >= 0) or (clip and self.staleness):
+                raise Refused(1, f"max norm {clip} (a finite norm >= 0, and 0 when asynchronous)", drain=True)
             self.shards.set_learning_rates(lrs.tolist())
             self.clock[src] += 1
             if self.staleness == 0:
                 self.shards.grad.add_(grad)
+                self.max_norm = clip
                 self.pushed.add(src)
                 self.waiting.append(src)
                 self._step_if_all_in()
@@ -169,30 +186,45 @@ class Server:
                           f"{shard.lo}..{shard.lo + shard.weight.shape[0] - 1}", drain=False)
         return shard
 
-    def _apply(self, src: int | None, scale: float) -> None:
-        """One optimizer step: the dense gradient sum and the row gradients of ``src`` (None: of every worker)."""
-        self.shards.step_dense(scale)
+    def _apply(self, src: int | None, scale: float, max_norm: float = 0.0) -> None:
+        """One optimizer step: the dense gradient sum and the row gradients of ``src`` (None: of every worker),
+        times ``scale``; with ``max_norm``, first clipped to it by the norm over every server (collective: every
+        server steps with the same ``max_norm``)."""
         sources = self.rows if src is None else {src: self.rows[src]}
+        pushed = [push for pushes in sources.values() for push in pushes]
+        if max_norm:
+            self.norm = self._global_norm(pushed) * scale
+            scale *= clip_coefficient(self.norm, max_norm)
+        self.shards.step_dense(scale)
         per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for table, ids, grads in pushed:
+            per_table.setdefault(table, []).append((ids, grads))
         for pushes in sources.values():
-            for table, ids, grads in pushes:
-                per_table.setdefault(table, []).append((ids, grads))
             pushes.clear()
         for table, parts in per_table.items():
             self.shards.tables[table].apply(torch.cat([i for i, _ in parts]), torch.cat([g for _, g in parts]), scale)
         self.version += 1
 
+    def _global_norm(self, rows: list[tuple[int, torch.Tensor, torch.Tensor]]) -> float:
+        """The 2-norm of the summed gradients of this step over every server: this server's dense sum and
+        ``rows``, a row's repeats summed (:mod:`.clipping`), added up over the servers' group."""
+        squared = torch.tensor([squared_norm([self.shards.grad], rows)], dtype=torch.float64)
+        if self.servers is not None:
+            dist.all_reduce(squared, group=self.servers)
+        return math.sqrt(float(squared[0]))
+
     def _step_if_all_in(self) -> None:
         if self.pushed and self.pushed >= self.training:
-            self._apply(None, scale=1.0 / len(self.pushed))
+            self._apply(None, scale=1.0 / len(self.pushed), max_norm=self.max_norm)
             self.pushed.clear()
             self._release()
 
     def _release(self) -> None:
-        """Answer every worker whose push this step took, with the new parameters."""
+        """Answer every worker whose push this step took, with the new parameters (and the norm it clipped)."""
         params = self.shards.flat.clone() if self.waiting else None
+        norm = float_word(self.norm if self.max_norm else 0.0)
         for w in self.waiting:
-            self._reply(w, Header(OK, self.version, count=params.numel()), params)
+            self._reply(w, Header(OK, self.version, count=params.numel(), dtype=norm), params)
         self.waiting = []
 
     # ----------------------------------------------------------------- replies
