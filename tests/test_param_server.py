@@ -97,25 +97,45 @@ def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, ser
 
 
 @pytest.mark.slow
-def test_sync_a_killed_worker_restarts_and_resumes_bitwise(paratrain_cmd, tmp_path):
-    """`paratrain run --max-restarts 1` (through the demo): worker rank 1 SIGKILLed after step 10 of 22, the whole
-    job restarts, the servers read their shards of step 8 back, and the final parameters equal an uninterrupted
-    run's bit for bit."""
+@pytest.mark.timeout(420)
+def test_sync_killed_workers_and_servers_restart_and_resume_bitwise(paratrain_cmd, tmp_path):
+    """One job, `paratrain run --max-restarts 3` (the digits demo, 2 workers and 1 server), killed three times:
+    worker rank 1 SIGKILLed after step 10 of 22; on the restart the server SIGKILLed as a random one of its requests
+    arrives (a pull, a push in the middle of a step, a LOAD or a SAVE); on the next the server SIGKILLed inside its
+    shard write, a half-written shard in the checkpoint being saved. Each restart resumes from the latest published
+    checkpoint (the half-written one never is), and the final parameters equal an uninterrupted run's bit for bit,
+    with no process left."""
+    import os
+    import random
     import re
     import subprocess
 
-    demo = [*paratrain_cmd, "demo", "-n", "3", "--strategy", "ps", "--epochs", "1"]
-    clean = subprocess.run(demo, capture_output=True, text=True, timeout=240)
-    killed = subprocess.run([*demo, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4", "--max-restarts",
-                             "1", "--fail-at-step", "10", "--fail-rank", "1"], capture_output=True, text=True,
-                            timeout=300)
-    why = killed.stderr[-3000:]
+    from conftest import ROOT, SCRIPTS
+    from paratrain.testing import alive
+
+    request = random.randint(1, 30)  # the restart's requests: 5 to resume, then 2 per step, a SAVE every 4 steps
+    ckpt, pids = tmp_path / "ckpt", tmp_path / "pids"
+    pids.mkdir()
+    demo = ["--strategy", "ps", "--epochs", "1"]
+    clean = subprocess.run([*paratrain_cmd, "demo", "-n", "3", *demo], capture_output=True, text=True, timeout=240)
+    killed = subprocess.run(
+        [*paratrain_cmd, "run", "-n", "3", "--max-restarts", "3", str(SCRIPTS / "ps_server_faults.py"),
+         f"none,request:{request},save", *demo, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
+         "--fail-at-step", "10", "--fail-rank", "1"],
+        capture_output=True, text=True, timeout=360, cwd=ROOT, env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
+    why = f"server killed at its request {request} on the first restart\n{killed.stderr[-3000:]}"
     assert clean.returncode == 0 and killed.returncode == 0, clean.stderr[-2000:] + why
-    assert "SIGKILL rank 1 after step 10" in killed.stderr and f"resumed from {tmp_path}/step-00000008" in \
-        killed.stdout, why
+    for planted in ("SIGKILL rank 1 after step 10", f"SIGKILL server rank 2 as its request {request} arrives",
+                    "SIGKILL server rank 2 inside its shard write"):
+        assert planted in killed.stderr, why
+    resumed = re.findall(r"resumed from (\S+) \(step", killed.stdout)
+    # the third attempt's save was never published: the fourth resumes where the third did
+    assert len(resumed) == 3 and resumed[0] == f"{ckpt}/step-00000008" and resumed[1] == resumed[2], why
     digest = [re.search(r"sha256 ([0-9a-f]{64})", r.stdout) for r in (clean, killed)]
     assert all(digest) and digest[0].group(1) == digest[1].group(1), why
-    assert sorted(p.name for p in (tmp_path / "step-00000020").iterdir() if p.is_dir()) == ["server-000"]
+    assert sorted(p.name for p in (ckpt / "step-00000020" / "server-000").iterdir()) == [".metadata", "__0_0.distcp"]
+    started = [int(p.read_text()) for p in pids.iterdir()]
+    assert len(started) == 12 and not alive(started), why  # 4 attempts x 3 ranks, all gone
 
 
 def test_a_table_larger_than_any_process_holds_trains(tmp_path):
@@ -225,15 +245,66 @@ def test_malformed_messages_are_refused_and_the_server_keeps_serving():
     assert max_abs_diff(out[0]["state"], linear_reference(3)) <= 1e-6
 
 
-@pytest.mark.parametrize("victim", [1, 2], ids=["worker", "server"])
-def test_sync_a_killed_rank_stops_the_job_with_one_report(tmp_path, victim):
+def test_sync_a_killed_worker_stops_the_job_with_one_report(tmp_path):
+    """Through paratrain.launch (a killed server: through `paratrain run`, below)."""
     import time
 
     with pytest.raises(paratrain.errors.RankFailedError) as err:
-        spawn(run_killed, 3, (victim, str(tmp_path)), timeout_s=120)
+        spawn(run_killed, 3, (1, str(tmp_path)), timeout_s=120)
     stopped_after = time.time() - float((tmp_path / "killed_at").read_text())
     assert stopped_after < 15, stopped_after
-    assert err.value.rank == victim and "SIGKILL" in str(err.value), str(err.value)
+    assert err.value.rank == 1 and "SIGKILL" in str(err.value), str(err.value)
+
+
+def test_sync_a_killed_server_stops_the_job_with_one_report(paratrain_cmd, tmp_path):
+    """`paratrain run` without restarts (the digits demo, 2 workers and 1 server): the server SIGKILLed as a random
+    one of its first requests arrives (a pull, a push in the middle of a step, a SAVE) or inside its shard write
+    ends the job within seconds with one report naming rank 2 and the signal; no rank is left, and every published
+    checkpoint holds a whole shard."""
+    import os
+    import random
+    import subprocess
+    import threading
+    import time
+
+    from conftest import ROOT, SCRIPTS
+    from faults import check
+
+    fault = random.choice([f"request:{random.randint(1, 14)}", "save"])  # request 11 is the first SAVE
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    proc = subprocess.Popen(
+        [*paratrain_cmd, "run", "-n", "3", str(SCRIPTS / "ps_server_faults.py"), fault, "--strategy", "ps",
+         "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
+    seen: dict[str, object] = {}
+
+    def read() -> None:
+        lines = []
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if line.startswith("ps_server_faults:"):
+                seen["killed_at"] = time.monotonic()
+            else:
+                lines.append(line)
+        seen["stderr"] = "".join(lines)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+    stderr = str(seen.get("stderr", ""))
+    assert "killed_at" in seen, f"{fault} was not reached\n{stderr}"
+    check(f"ps: server SIGKILLed ({fault.split(':')[0]})", rc=proc.returncode, expect_rc=1, stderr=stderr,
+          kind="report", lines=None, words=["paratrain: rank 2 failed", "killed by SIGKILL", "the job was stopped"],
+          seconds=time.monotonic() - seen["killed_at"], max_s=10,  # type: ignore[operator]
+          pids=[int(p.read_text()) for p in pids.iterdir()])
+    assert stderr.startswith("paratrain: rank 2 failed") and stderr.count("paratrain:") == 1, stderr
+    assert len(list(pids.iterdir())) == 3, stderr
+    assert all((p / "server-000" / ".metadata").is_file() for p in (tmp_path / "ckpt").glob("step-*")), stderr
 
 
 def test_headers_are_parsed_without_trusting_them():
