@@ -97,14 +97,14 @@ def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, ser
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_sync_killed_workers_and_servers_restart_and_resume_bitwise(paratrain_cmd, tmp_path):
-    """One job, `paratrain run --max-restarts 3` (the digits demo, 2 workers and 1 server), killed three times:
-    worker rank 1 SIGKILLed after step 10 of 22; on the restart the server SIGKILLed as a random one of its requests
-    arrives (a pull, a push in the middle of a step, a LOAD or a SAVE); on the next the server SIGKILLed inside its
-    shard write, a half-written shard in the checkpoint being saved. Each restart resumes from the latest published
-    checkpoint (the half-written one never is), and the final parameters equal an uninterrupted run's bit for bit,
-    with no process left."""
+@pytest.mark.timeout(360)
+def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_cmd, tmp_path):
+    """One job, `paratrain run --max-restarts 2` (the digits demo, 2 workers and 1 server), killed twice: worker rank
+    1 SIGKILLed after step 10 of 22, then, on the restart, the server SIGKILLed at a random moment: as a random one
+    of its requests arrives (a pull, a push in the middle of a step, a LOAD or a SAVE), or inside its shard write (a
+    half-written shard in the checkpoint being saved). Each restart resumes from the latest published checkpoint
+    (the half-written one never is), and the final parameters equal an uninterrupted run's bit for bit, with no
+    process left. (One server fault per run keeps the cost at one restart; the stop test below plants both kinds.)"""
     import os
     import random
     import re
@@ -113,29 +113,31 @@ def test_sync_killed_workers_and_servers_restart_and_resume_bitwise(paratrain_cm
     from conftest import ROOT, SCRIPTS
     from paratrain.testing import alive
 
-    request = random.randint(1, 30)  # the restart's requests: 5 to resume, then 2 per step, a SAVE every 4 steps
+    # the restart's requests: 5 to resume from step 8, then 2 per step and a SAVE after steps 12, 16 (23), 20 (32)
+    server_fault = random.choice([f"request:{random.randint(1, 30)}", "save"])
     ckpt, pids = tmp_path / "ckpt", tmp_path / "pids"
     pids.mkdir()
     demo = ["--strategy", "ps", "--epochs", "1"]
-    clean = subprocess.run([*paratrain_cmd, "demo", "-n", "3", *demo], capture_output=True, text=True, timeout=240)
+    clean = subprocess.run([*paratrain_cmd, "demo", "-n", "3", *demo], capture_output=True, text=True, timeout=120)
     killed = subprocess.run(
-        [*paratrain_cmd, "run", "-n", "3", "--max-restarts", "3", str(SCRIPTS / "ps_server_faults.py"),
-         f"none,request:{request},save", *demo, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
+        [*paratrain_cmd, "run", "-n", "3", "--max-restarts", "2", str(SCRIPTS / "ps_server_faults.py"),
+         f"none,{server_fault}", *demo, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
          "--fail-at-step", "10", "--fail-rank", "1"],
-        capture_output=True, text=True, timeout=360, cwd=ROOT, env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
-    why = f"server killed at its request {request} on the first restart\n{killed.stderr[-3000:]}"
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
+    why = f"server fault {server_fault} on the restart\n{killed.stderr[-3000:]}"
     assert clean.returncode == 0 and killed.returncode == 0, clean.stderr[-2000:] + why
-    for planted in ("SIGKILL rank 1 after step 10", f"SIGKILL server rank 2 as its request {request} arrives",
-                    "SIGKILL server rank 2 inside its shard write"):
-        assert planted in killed.stderr, why
+    planted = (f"as its request {server_fault.partition(':')[2]} arrives" if server_fault != "save"
+               else f"inside its shard write into {ckpt}/tmp-step-00000012/server-000")
+    assert "SIGKILL rank 1 after step 10" in killed.stderr and f"SIGKILL server rank 2 {planted}" in killed.stderr, why
     resumed = re.findall(r"resumed from (\S+) \(step", killed.stdout)
-    # the third attempt's save was never published: the fourth resumes where the third did
-    assert len(resumed) == 3 and resumed[0] == f"{ckpt}/step-00000008" and resumed[1] == resumed[2], why
+    assert len(resumed) == 2 and resumed[0] == f"{ckpt}/step-00000008", why
+    if server_fault == "save":  # the save of step 12 was never published
+        assert resumed[1] == f"{ckpt}/step-00000008", why
     digest = [re.search(r"sha256 ([0-9a-f]{64})", r.stdout) for r in (clean, killed)]
     assert all(digest) and digest[0].group(1) == digest[1].group(1), why
     assert sorted(p.name for p in (ckpt / "step-00000020" / "server-000").iterdir()) == [".metadata", "__0_0.distcp"]
     started = [int(p.read_text()) for p in pids.iterdir()]
-    assert len(started) == 12 and not alive(started), why  # 4 attempts x 3 ranks, all gone
+    assert len(started) == 9 and not alive(started), why  # 3 attempts x 3 ranks, all gone
 
 
 def test_a_table_larger_than_any_process_holds_trains(tmp_path):
