@@ -78,7 +78,9 @@ def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers
 def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, servers):
     """par.save after step 2 holds the servers' shards and optimizer states (nanoGPT with AdamW groups; tables with
     SparseAdam); loading it into the job and training steps 3-4 again ends bitwise where the first run ended, and
-    `paratrain export` gives the plain state dict as it was at the save."""
+    `paratrain export` gives the plain state dict as it was at the save. A checkpoint of another number of servers is
+    refused before anything is loaded; one whose server shard is damaged is one CheckpointError on every worker, and
+    the servers serve on (they end cleanly)."""
     from paratrain.checkpoint.export import export
 
     options = {"servers": servers, **({"tables": ["bag", "emb"], "table_optimizer": "adam"} if case == "sparse"
@@ -90,6 +92,7 @@ def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, ser
     assert [k for k in got["first"] if not torch.equal(got["first"][k], got["again"][k])] == []
     assert f"holds the shards of {servers - 1} parameter server(s), this job has {servers}" in got["refused"]
     assert [k for k in got["after"] if not torch.equal(got["after"][k], got["again"][k])] == []  # nothing loaded
+    assert got["unreadable"].startswith("a parameter server could not read its shard: server rank "), got["unreadable"]
     info = export(got["path"], tmp_path / "model.pt")
     plain = torch.load(info["path"], weights_only=True)
     assert plain.keys() == got["saved"].keys()
