@@ -200,10 +200,16 @@ def run_resume(case: str, options: dict, folder: str, steps: int = 4, at: int = 
     first = train(at, steps)
     par.load(path)
     again = train(par.optimizer_steps, steps)
-    broken = os.path.join(folder, "broken", path.name)  # the checkpoint without its last server's shard
+    broken = os.path.join(folder, "broken", path.name)  # as a job with one server fewer would have saved it
     if par.rank == 0:
         shutil.copytree(path, broken)
-        shutil.rmtree(os.path.join(broken, f"server-{par.strategy.config.servers - 1:03d}"))
+        gone = f"server-{par.strategy.config.servers - 1:03d}"
+        shutil.rmtree(os.path.join(broken, gone))
+        with open(os.path.join(broken, "meta.json")) as f:
+            meta = json.load(f)
+        meta["files"] = {name: size for name, size in meta["files"].items() if not name.startswith(f"{gone}/")}
+        with open(os.path.join(broken, "meta.json"), "w") as f:
+            json.dump(meta, f)
     par.barrier()
     try:
         par.load(broken)

@@ -8,13 +8,14 @@ starts.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from torch.nn import functional as F
 
 import paratrain
-from paratrain.errors import ConfigError
+from paratrain.errors import CheckpointError, ConfigError
 from paratrain.strategies import check_world
 from paratrain.testing import max_abs_diff, spawn
 from ps_workers import (PER_RANK, STEPS, Recommender, linear_batch, recommender_batch, recommender_optimizer,
@@ -80,7 +81,8 @@ def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, ser
     SparseAdam); loading it into the job and training steps 3-4 again ends bitwise where the first run ended, and
     `paratrain export` gives the plain state dict as it was at the save. A checkpoint of another number of servers is
     refused before anything is loaded; one whose server shard is damaged is one CheckpointError on every worker, and
-    the servers serve on (they end cleanly)."""
+    the servers serve on (they end cleanly); a truncated server shard file is caught by meta.json's sizes."""
+    from paratrain.checkpoint import layout
     from paratrain.checkpoint.export import export
 
     options = {"servers": servers, **({"tables": ["bag", "emb"], "table_optimizer": "adam"} if case == "sparse"
@@ -97,6 +99,10 @@ def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, ser
     plain = torch.load(info["path"], weights_only=True)
     assert plain.keys() == got["saved"].keys()
     assert [k for k in plain if not torch.equal(plain[k], got["saved"][k])] == []
+    shard = Path(got["path"]) / f"server-{servers - 1:03d}" / "__0_0.distcp"  # listed in meta.json: caught first
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=f"server-{servers - 1:03d}/__0_0.distcp has .* bytes"):
+        layout.read_meta(Path(got["path"]))
 
 
 @pytest.mark.slow
