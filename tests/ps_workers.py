@@ -205,10 +205,16 @@ def run_resume(case: str, options: dict, folder: str, steps: int = 4, at: int = 
     first = train(at, steps)
     par.load(path)
     again = train(par.optimizer_steps, steps)
-    broken = os.path.join(folder, "broken", path.name)  # the checkpoint without its last server's shard
+    broken = os.path.join(folder, "broken", path.name)  # as a job with one server fewer would have saved it
     if par.rank == 0:
         shutil.copytree(path, broken)
-        shutil.rmtree(os.path.join(broken, f"server-{par.strategy.config.servers - 1:03d}"))
+        gone = f"server-{par.strategy.config.servers - 1:03d}"
+        shutil.rmtree(os.path.join(broken, gone))
+        with open(os.path.join(broken, "meta.json")) as f:
+            meta = json.load(f)
+        meta["files"] = {name: size for name, size in meta["files"].items() if not name.startswith(f"{gone}/")}
+        with open(os.path.join(broken, "meta.json"), "w") as f:
+            json.dump(meta, f)
     par.barrier()
     try:
         par.load(broken)
@@ -216,8 +222,23 @@ def run_resume(case: str, options: dict, folder: str, steps: int = 4, at: int = 
     except paratrain.errors.CheckpointError as err:  # on every worker alike, before anything is loaded
         refused = str(err)
     after = par.full_state_dict(model)
+    damaged = os.path.join(folder, "damaged", path.name)  # the last server's tensor file scrambled, its size kept
+    if par.rank == 0:
+        shutil.copytree(path, damaged)
+        shard = os.path.join(damaged, f"server-{par.strategy.config.servers - 1:03d}", "__0_0.distcp")
+        with open(shard, "rb") as f:
+            data = f.read()
+        with open(shard, "wb") as f:
+            f.write(data.translate(bytes((b * 7 + 3) % 256 for b in range(256))))
+    par.barrier()
+    try:
+        par.load(damaged)
+        unreadable = ""
+    except paratrain.errors.CheckpointError as err:  # on every worker alike; the servers serve on
+        unreadable = str(err)
     par.close()
-    return {"saved": saved, "first": first, "again": again, "path": str(path), "refused": refused, "after": after}
+    return {"saved": saved, "first": first, "again": again, "path": str(path), "refused": refused, "after": after,
+            "unreadable": unreadable}
 
 
 def _linear_job(options: dict):

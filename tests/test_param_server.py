@@ -8,13 +8,14 @@ one line before anything starts.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from torch.nn import functional as F
 
 import paratrain
-from paratrain.errors import ConfigError
+from paratrain.errors import CheckpointError, ConfigError
 from paratrain.strategies import check_world
 from paratrain.testing import max_abs_diff, spawn
 from ps_workers import (PER_RANK, STEPS, Recommender, linear_batch, recommender_batch, recommender_optimizer,
@@ -115,7 +116,10 @@ def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers
 def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, servers):
     """par.save after step 2 holds the servers' shards and optimizer states (nanoGPT with AdamW groups; tables with
     SparseAdam); loading it into the job and training steps 3-4 again ends bitwise where the first run ended, and
-    `paratrain export` gives the plain state dict as it was at the save."""
+    `paratrain export` gives the plain state dict as it was at the save. A checkpoint of another number of servers is
+    refused before anything is loaded; one whose server shard is damaged is one CheckpointError on every worker, and
+    the servers serve on (they end cleanly); a truncated server shard file is caught by meta.json's sizes."""
+    from paratrain.checkpoint import layout
     from paratrain.checkpoint.export import export
 
     options = {"servers": servers, **({"tables": ["bag", "emb"], "table_optimizer": "adam"} if case == "sparse"
@@ -127,32 +131,59 @@ def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, ser
     assert [k for k in got["first"] if not torch.equal(got["first"][k], got["again"][k])] == []
     assert f"holds the shards of {servers - 1} parameter server(s), this job has {servers}" in got["refused"]
     assert [k for k in got["after"] if not torch.equal(got["after"][k], got["again"][k])] == []  # nothing loaded
+    assert got["unreadable"].startswith("a parameter server could not read its shard: server rank "), got["unreadable"]
     info = export(got["path"], tmp_path / "model.pt")
     plain = torch.load(info["path"], weights_only=True)
     assert plain.keys() == got["saved"].keys()
     assert [k for k in plain if not torch.equal(plain[k], got["saved"][k])] == []
+    shard = Path(got["path"]) / f"server-{servers - 1:03d}" / "__0_0.distcp"  # listed in meta.json: caught first
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=f"server-{servers - 1:03d}/__0_0.distcp has .* bytes"):
+        layout.read_meta(Path(got["path"]))
 
 
 @pytest.mark.slow
-def test_sync_a_killed_worker_restarts_and_resumes_bitwise(paratrain_cmd, tmp_path):
-    """`paratrain run --max-restarts 1` (through the demo): worker rank 1 SIGKILLed after step 10 of 22, the whole
-    job restarts, the servers read their shards of step 8 back, and the final parameters equal an uninterrupted
-    run's bit for bit."""
+@pytest.mark.timeout(360)
+def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_cmd, tmp_path):
+    """One job, `paratrain run --max-restarts 2` (the digits demo, 2 workers and 1 server), killed twice: worker rank
+    1 SIGKILLed after step 10 of 22, then, on the restart, the server SIGKILLed at a random moment: as a random one
+    of its requests arrives (a pull, a push in the middle of a step, a LOAD or a SAVE), or inside its shard write (a
+    half-written shard in the checkpoint being saved). Each restart resumes from the latest published checkpoint
+    (the half-written one never is), and the final parameters equal an uninterrupted run's bit for bit, with no
+    process left. (One server fault per run keeps the cost at one restart; the stop test below plants both kinds.)"""
+    import os
+    import random
     import re
     import subprocess
 
-    demo = [*paratrain_cmd, "demo", "-n", "3", "--strategy", "ps", "--epochs", "1"]
-    clean = subprocess.run(demo, capture_output=True, text=True, timeout=240)
-    killed = subprocess.run([*demo, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4", "--max-restarts",
-                             "1", "--fail-at-step", "10", "--fail-rank", "1"], capture_output=True, text=True,
-                            timeout=300)
-    why = killed.stderr[-3000:]
+    from conftest import ROOT, SCRIPTS
+    from paratrain.testing import alive
+
+    # the restart's requests: 5 to resume from step 8, then 2 per step and a SAVE after steps 12, 16 (23), 20 (32)
+    server_fault = random.choice([f"request:{random.randint(1, 30)}", "save"])
+    ckpt, pids = tmp_path / "ckpt", tmp_path / "pids"
+    pids.mkdir()
+    demo = ["--strategy", "ps", "--epochs", "1"]
+    clean = subprocess.run([*paratrain_cmd, "demo", "-n", "3", *demo], capture_output=True, text=True, timeout=120)
+    killed = subprocess.run(
+        [*paratrain_cmd, "run", "-n", "3", "--max-restarts", "2", str(SCRIPTS / "ps_server_faults.py"),
+         f"none,{server_fault}", *demo, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
+         "--fail-at-step", "10", "--fail-rank", "1"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
+    why = f"server fault {server_fault} on the restart\n{killed.stderr[-3000:]}"
     assert clean.returncode == 0 and killed.returncode == 0, clean.stderr[-2000:] + why
-    assert "SIGKILL rank 1 after step 10" in killed.stderr and f"resumed from {tmp_path}/step-00000008" in \
-        killed.stdout, why
+    planted = (f"as its request {server_fault.partition(':')[2]} arrives" if server_fault != "save"
+               else f"inside its shard write into {ckpt}/tmp-step-00000012/server-000")
+    assert "SIGKILL rank 1 after step 10" in killed.stderr and f"SIGKILL server rank 2 {planted}" in killed.stderr, why
+    resumed = re.findall(r"resumed from (\S+) \(step", killed.stdout)
+    assert len(resumed) == 2 and resumed[0] == f"{ckpt}/step-00000008", why
+    if server_fault == "save":  # the save of step 12 was never published
+        assert resumed[1] == f"{ckpt}/step-00000008", why
     digest = [re.search(r"sha256 ([0-9a-f]{64})", r.stdout) for r in (clean, killed)]
     assert all(digest) and digest[0].group(1) == digest[1].group(1), why
-    assert sorted(p.name for p in (tmp_path / "step-00000020").iterdir() if p.is_dir()) == ["server-000"]
+    assert sorted(p.name for p in (ckpt / "step-00000020" / "server-000").iterdir()) == [".metadata", "__0_0.distcp"]
+    started = [int(p.read_text()) for p in pids.iterdir()]
+    assert len(started) == 9 and not alive(started), why  # 3 attempts x 3 ranks, all gone
 
 
 def test_a_table_larger_than_any_process_holds_trains(tmp_path):
@@ -296,15 +327,66 @@ def test_malformed_messages_are_refused_and_the_server_keeps_serving():
     assert max_abs_diff(out[0]["state"], linear_reference(3)) <= 1e-6
 
 
-@pytest.mark.parametrize("victim", [1, 2], ids=["worker", "server"])
-def test_sync_a_killed_rank_stops_the_job_with_one_report(tmp_path, victim):
+def test_sync_a_killed_worker_stops_the_job_with_one_report(tmp_path):
+    """Through paratrain.launch (a killed server: through `paratrain run`, below)."""
     import time
 
     with pytest.raises(paratrain.errors.RankFailedError) as err:
-        spawn(run_killed, 3, (victim, str(tmp_path)), timeout_s=120)
+        spawn(run_killed, 3, (1, str(tmp_path)), timeout_s=120)
     stopped_after = time.time() - float((tmp_path / "killed_at").read_text())
     assert stopped_after < 15, stopped_after
-    assert err.value.rank == victim and "SIGKILL" in str(err.value), str(err.value)
+    assert err.value.rank == 1 and "SIGKILL" in str(err.value), str(err.value)
+
+
+def test_sync_a_killed_server_stops_the_job_with_one_report(paratrain_cmd, tmp_path):
+    """`paratrain run` without restarts (the digits demo, 2 workers and 1 server): the server SIGKILLed as a random
+    one of its first requests arrives (a pull, a push in the middle of a step, a SAVE) or inside its shard write
+    ends the job within seconds with one report naming rank 2 and the signal; no rank is left, and every published
+    checkpoint holds a whole shard."""
+    import os
+    import random
+    import subprocess
+    import threading
+    import time
+
+    from conftest import ROOT, SCRIPTS
+    from faults import check
+
+    fault = random.choice([f"request:{random.randint(1, 14)}", "save"])  # request 11 is the first SAVE
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    proc = subprocess.Popen(
+        [*paratrain_cmd, "run", "-n", "3", str(SCRIPTS / "ps_server_faults.py"), fault, "--strategy", "ps",
+         "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
+    seen: dict[str, object] = {}
+
+    def read() -> None:
+        lines = []
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if line.startswith("ps_server_faults:"):
+                seen["killed_at"] = time.monotonic()
+            else:
+                lines.append(line)
+        seen["stderr"] = "".join(lines)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+    stderr = str(seen.get("stderr", ""))
+    assert "killed_at" in seen, f"{fault} was not reached\n{stderr}"
+    check(f"ps: server SIGKILLed ({fault.split(':')[0]})", rc=proc.returncode, expect_rc=1, stderr=stderr,
+          kind="report", lines=None, words=["paratrain: rank 2 failed", "killed by SIGKILL", "the job was stopped"],
+          seconds=time.monotonic() - seen["killed_at"], max_s=10,  # type: ignore[operator]
+          pids=[int(p.read_text()) for p in pids.iterdir()])
+    assert stderr.startswith("paratrain: rank 2 failed") and stderr.count("paratrain:") == 1, stderr
+    assert len(list(pids.iterdir())) == 3, stderr
+    assert all((p / "server-000" / ".metadata").is_file() for p in (tmp_path / "ckpt").glob("step-*")), stderr
 
 
 def test_on_cuda_the_servers_keep_to_the_host_and_the_group_serves_host_tensors_beside_nccl(monkeypatch):

@@ -9,7 +9,7 @@
         __0_0.distcp …        … and each rank's shard of the tensors
         train.pt              step, epoch, LR schedulers, grad scaler (written by rank 0)
         rank-00000.pt …       each rank's RNG states and data-loader positions
-        meta.json             who saved it and every file's size; written last
+        meta.json             who saved it and every file's size (subfolders' too); written last
       tmp-step-00000060/      a save in progress, or one that crashed: never read, removed by the next save
 
 A save writes everything into ``tmp-…``, then rank 0 renames the folder and only then moves ``latest``
@@ -56,8 +56,10 @@ def begin(root: Path, step: int) -> Path:
 
 
 def write_meta(folder: Path, meta: dict[str, Any]) -> None:
-    """Record every file's size next to ``meta``, so a truncated file is caught before anything is read."""
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != META}
+    """Record every file's size next to ``meta``, so a truncated file is caught before anything is read; files in
+    subfolders (a parameter server's shard) by their path inside ``folder``."""
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+             if p.is_file() and p != folder / META}
     write_file(folder / META, json.dumps({**meta, "files": files}, indent=1).encode())
 
 

@@ -1,13 +1,17 @@
 """A folder of torch.distributed.checkpoint written and read by one process alone, inside a job's checkpoint: how a
 parameter server stores its shard while the workers save theirs (it answers them from its serving loop, so it
-cannot join their collective). Read with the same allow-listed reader as every checkpoint."""
+cannot join their collective). Read with the same allow-listed reader as every checkpoint.
+
+A failure is a one-line ``CheckpointError``: DCP's own ``CheckpointException`` derives from ``BaseException``, so a
+caller that serves on after a failed request (``except Exception``) would otherwise die of a damaged file."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from .io import quiet_single_process
+from ..errors import CheckpointError
+from .io import DCP_ERRORS, first_failure, load_failure, quiet_single_process
 from .safety import SafePlanner, SafeReader
 
 
@@ -16,8 +20,11 @@ def write_alone(state: dict[str, torch.Tensor], folder: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     Path(folder).mkdir(parents=True, exist_ok=True)
-    with quiet_single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    try:
+        with quiet_single_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    except DCP_ERRORS as e:
+        raise CheckpointError(f"could not write {folder}: {first_failure(e)}") from None
 
 
 def read_alone(folder: str) -> dict[str, torch.Tensor]:
@@ -29,6 +36,9 @@ def read_alone(folder: str) -> dict[str, torch.Tensor]:
     state = {key: torch.empty(item.size, dtype=item.properties.dtype)
              for key, item in reader.read_metadata().state_dict_metadata.items()
              if isinstance(item, TensorStorageMetadata)}
-    with quiet_single_process():
-        dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=True)
+    try:
+        with quiet_single_process():
+            dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=True)
+    except DCP_ERRORS as e:
+        raise load_failure(Path(folder), e) from None
     return state

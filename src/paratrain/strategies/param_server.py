@@ -136,12 +136,19 @@ class ParameterServer(Strategy):
             self._servers_do(folder, load=False)
 
     def load_shards(self, folder: Path, rank: int) -> None:
-        """Rank 0 has every server read its shard back; then every worker pulls the restored parameters."""
+        """Rank 0 has every server read its shard back; then every worker pulls the restored parameters. A server's
+        refusal is raised on rank 0 after the barrier the others wait in (the caller makes every rank fail alike)."""
         if self.worker is None:
             return
+        refused = None
         if rank == 0:
-            self._servers_do(folder, load=True)
-        dist.barrier(group=self._workers(self._env))  # every server has its shard back before anyone pulls
+            try:
+                self._servers_do(folder, load=True)
+            except CheckpointError as err:
+                refused = err
+        dist.barrier(group=self._workers(self._env))  # every server has answered before anyone pulls
+        if refused is not None:
+            raise refused
         self.worker.client.pull_dense()
 
     def check_shards(self, folder: Path) -> None:

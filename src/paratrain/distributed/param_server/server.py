@@ -175,8 +175,8 @@ class Server:
             else:
                 self.version = load_shard_state(self.shards, self.store.read(folder))
         except Exception as err:  # the folder is the worker's choice: a failure refuses this request only
-            raise Refused(10, f"{folder}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
-                          drain=True) from None
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise Refused(10, reason if folder in reason else f"{folder}: {reason}", drain=True) from None
         self._reply(src, Header(OK, self.version))
 
     def _rows_of(self, table: int, ids: torch.Tensor):
