@@ -21,14 +21,18 @@ every round (the order alternating):
   every parameter a DTensor: clipping and FSDP over ``(dp, tp)`` want one mesh), to tell what that dispatch costs.
 
 Both compute the same math (the first loss is printed for each). Step time: the median of each round's median, on
-the slower rank; the ratio is auto / hand. Inference time: what ``prepare`` spends inferring and checking the plan
-(once per job).
+the slower rank; the ratio is auto / hand. CPU ms: the same for the CPU time of each rank's training thread
+(``time.thread_time``: compute and dispatch, not the waits on collectives), which other processes on a busy machine
+blur far less than the wall clock. Inference time: what ``prepare`` spends inferring and checking the plan (once per
+job). ``--ops`` counts, for one step, the aten ops, those taking a DTensor, and the Python calls: counts that no
+load blurs.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -85,8 +89,9 @@ def prepared(subject: str) -> tuple[object, torch.nn.Module, torch.optim.Optimiz
 
 
 def count_ops() -> dict:
-    """Per subject, the aten ops of one step (after one untimed) on rank 0, and how many of them took a DTensor
-    (each a trip through DTensor's dispatcher): a count the machine's load does not blur."""
+    """Per subject, the aten ops of one step (after one untimed) on rank 0, how many of them took a DTensor (each a
+    trip through DTensor's dispatcher), and the Python calls of the next step: counts the machine's load does not
+    blur."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -110,9 +115,20 @@ def count_ops() -> dict:
     for s in SUBJECTS:
         par, model, opt, _ = prepared(s)
         one_step(par, model, opt, ids[:, :-1], ids[:, 1:])
+        calls = [0]
+
+        def profile(frame, event, arg) -> None:  # type: ignore[no-untyped-def]
+            if event in ("call", "c_call"):
+                calls[0] += 1
+
         with Count() as count:
             one_step(par, model, opt, ids[:, :-1], ids[:, 1:])
-        out[s] = {"ops": count.ops, "dtensor_ops": count.dtensor, "by_op": count.by_op}
+        sys.setprofile(profile)  # another step, without the mode's own calls
+        try:
+            one_step(par, model, opt, ids[:, :-1], ids[:, 1:])
+        finally:
+            sys.setprofile(None)
+        out[s] = {"ops": count.ops, "dtensor_ops": count.dtensor, "by_op": count.by_op, "py_calls": calls[0]}
         if par is not None:
             par.close()
     finish_group()
@@ -126,8 +142,8 @@ def job(rounds: int, steps: int, warmup: int) -> dict:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
     subjects = {s: prepared(s) for s in SUBJECTS}
-    out: dict = {s: {"rounds_ms": [], "split_bytes": split_bytes(subjects[s][1]), "prepare_s": subjects[s][3]}
-                 for s in subjects}
+    out: dict = {s: {"rounds_ms": [], "rounds_cpu_ms": [], "split_bytes": split_bytes(subjects[s][1]),
+                     "prepare_s": subjects[s][3]} for s in subjects}
     for s, (par, model, opt, _) in subjects.items():
         out[s]["first_loss"] = one_step(par, model, opt, x, y)  # the same math: the same first loss
         for _ in range(warmup - 1):
@@ -135,13 +151,15 @@ def job(rounds: int, steps: int, warmup: int) -> dict:
     for r in range(rounds):
         for s in (SUBJECTS if r % 2 == 0 else SUBJECTS[::-1]):
             par, model, opt, _ = subjects[s]
-            times = []
+            times, cpu = [], []
             for _ in range(steps):
                 dist.barrier()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.thread_time()
                 one_step(par, model, opt, x, y)
                 times.append(time.perf_counter() - start)
+                cpu.append(time.thread_time() - start_cpu)
             out[s]["rounds_ms"].append(1e3 * statistics.median(times))
+            out[s]["rounds_cpu_ms"].append(1e3 * statistics.median(cpu))
     for par, *_ in subjects.values():
         if par is not None:
             par.close()
@@ -159,32 +177,38 @@ def main() -> None:
     a = p.parse_args()
     if a.ops:
         counts = paratrain.launch(count_ops, 2, (), timeout_s=600)[0]
-        print(f"{'subject':<8} {'aten ops':>9} {'on DTensors':>12}  DTensor ops beyond hand's, by op")
+        print(f"{'subject':<8} {'aten ops':>9} {'on DTensors':>12} {'py calls':>9}  DTensor ops beyond hand's, by op")
         for s, c in counts.items():
             more = {op: n - counts["hand"]["by_op"].get(op, 0) for op, n in c["by_op"].items()
                     if n != counts["hand"]["by_op"].get(op, 0)}
-            print(f"{s:<8} {c['ops']:>9} {c['dtensor_ops']:>12}  {more}")
+            print(f"{s:<8} {c['ops']:>9} {c['dtensor_ops']:>12} {c['py_calls']:>9}  {more}")
         return
     ranks = paratrain.launch(job, 2, (a.rounds, a.steps, a.warmup), timeout_s=1800)
     rows = {}
     for s in ranks[0]:
         per_round = [max(rank[s]["rounds_ms"][r] for rank in ranks) for r in range(a.rounds)]
+        cpu_round = [max(rank[s]["rounds_cpu_ms"][r] for rank in ranks) for r in range(a.rounds)]
         held, whole = ranks[0][s]["split_bytes"]
         rows[s] = {"step_ms": statistics.median(per_round), "rounds_ms": [round(v, 1) for v in per_round],
+                   "cpu_ms": statistics.median(cpu_round), "rounds_cpu_ms": [round(v, 1) for v in cpu_round],
                    "held_bytes": held, "whole_bytes": whole, "first_loss": ranks[0][s]["first_loss"],
                    "prepare_s": max(rank[s]["prepare_s"] for rank in ranks)}
     ratios = [a_ / h for a_, h in zip(rows["auto"]["rounds_ms"], rows["hand"]["rounds_ms"])]
     same = [a_ / h for a_, h in zip(rows["auto"]["rounds_ms"], rows["hand_dt"]["rounds_ms"])]
     print(f"Llama {LAYERS} layers x {HIDDEN} (heads {HEADS}, kv {KV_HEADS}, ffn {FFN}, vocab {VOCAB}), batch {BATCH} x "
           f"{SEQ}, fp32, AdamW, tp=2 on 2 CPU processes (gloo); {a.rounds} rounds x {a.steps} steps")
-    print(f"{'subject':<8} {'step ms':>8} {'x hand':>7} {'split params held':>18} {'first loss':>11}  rounds (ms)")
+    print(f"{'subject':<8} {'step ms':>8} {'x hand':>7} {'cpu ms':>7} {'x hand':>7} {'split params held':>18} "
+          f"{'first loss':>11}  rounds (ms)")
     for s, row in rows.items():
         share = row["held_bytes"] / row["whole_bytes"] if row["whole_bytes"] else float("nan")
         print(f"{s:<8} {row['step_ms']:>8.1f} {row['step_ms'] / rows['hand']['step_ms']:>7.3f} "
+              f"{row['cpu_ms']:>7.1f} {row['cpu_ms'] / rows['hand']['cpu_ms']:>7.3f} "
               f"{share:>17.4f}x {row['first_loss']:>11.6f}  {row['rounds_ms']}")
     print(f"per-round auto/hand: {[round(r, 3) for r in ratios]} (median {statistics.median(ratios):.3f}); "
           f"inferring and checking the plan in prepare: {rows['auto']['prepare_s']:.2f} s")
     print(f"per-round auto/hand_dt: {[round(r, 3) for r in same]} (median {statistics.median(same):.3f})")
+    cpu = [a_ / h for a_, h in zip(rows["auto"]["rounds_cpu_ms"], rows["hand"]["rounds_cpu_ms"])]
+    print(f"per-round cpu auto/hand: {[round(r, 3) for r in cpu]} (median {statistics.median(cpu):.3f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -23,6 +23,7 @@ from paratrain.distributed.tensor_parallel.styles import FusedColwise, Rowwise
 from paratrain.testing import max_abs_diff, spawn
 from test_zoo import TOL
 from tp_auto_workers import MODELS, NanoGPT, nano, run_auto, train
+from tp_workers import STEPS
 from zoo import HIDDEN, ZOO
 
 CASES = [("nano", "auto"), ("nano_input_heads", "auto"), ("gpt2", "auto"), ("llama", "auto"), ("bert", None),
@@ -60,6 +61,8 @@ def test_auto_plan_trains_like_one_process(world2, name):
     assert printed.startswith(f"paratrain: tp_plan='auto' for {type(MODELS[name].build()).__name__} over tp=2"), printed
     assert "rowwise" in printed and world2[1][name]["printed"] == "", "printed once, on rank 0"
     assert result["norms"] == {"local": True, "dtensors": True}, "norms run on local weights, held as DTensors"
+    # once the first step has made its state, the optimizer updates the replicated parameters on local tensors
+    assert result["optimizer"] == {"local_steps": [False] + [True] * (STEPS - 1), "dtensors": True}
 
 
 @pytest.mark.parametrize("name", [c[0] for c in ZERO3_TP])
@@ -69,6 +72,7 @@ def test_auto_plan_under_zero3_x_tp_trains_like_one_process(world4, name):
     assert max_abs_diff(result["state"], one_process(name)) <= TOL
     assert "rowwise" in result["printed"] and all(r[name]["printed"] == "" for r in world4[1:])
     assert result["norms"] == {"local": True, "dtensors": True}, "inside FSDP's units too"
+    assert result["optimizer"] == {"local_steps": [False] * STEPS, "dtensors": True}, "FSDP shards them over dp"
 
 
 @pytest.mark.parametrize("name", [c[0] for c in TP4])
@@ -77,6 +81,7 @@ def test_auto_plan_over_four_tp_ranks_trains_like_one_process(world4, name):
     assert "error" not in result, result["error"]
     assert max_abs_diff(result["state"], one_process(name)) <= TOL
     assert "over tp=4" in result["printed"] and "attention" in result["printed"], result["printed"]
+    assert result["optimizer"] == {"local_steps": [False] + [True] * (STEPS - 1), "dtensors": True}
 
 
 def test_nanogpt_style_is_split_whole_and_tied():

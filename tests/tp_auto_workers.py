@@ -159,6 +159,22 @@ def _watch_norms(model: nn.Module) -> dict[str, list]:
     return seen
 
 
+def _watch_optimizer(opt: torch.optim.Optimizer) -> list[bool]:
+    """Records, at every optimizer step, whether it updates some parameters as plain local tensors (the replicated
+    ones, paratrain.distributed.tensor_parallel.local_step) instead of DTensors."""
+    local: list[bool] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: local.append(
+        any(not isinstance(p, DTensor) for g in o.param_groups for p in g["params"])))
+    return local
+
+
+def _holds_dtensors(opt: torch.optim.Optimizer) -> bool:
+    """Between steps the optimizer holds DTensors only: parameters and their state (what checkpoints read)."""
+    return all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]) and all(
+        isinstance(v, DTensor) for state in opt.state.values() for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim())
+
+
 def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = None) -> dict[str, Any]:
     """Each case (model, ``tp_plan``) under ``Parallel(strategy, **options)``, or (model, ``tp_plan``, (strategy,
     options)) under its own layout, keyed ``model/strategy`` then: the final full state and what this rank printed
@@ -176,12 +192,13 @@ def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = No
             model = spec.build()
             with contextlib.redirect_stdout(printed):
                 model, opt = par.prepare(model, spec.optimizer(model))
-            norms = _watch_norms(model)
+            norms, local_steps = _watch_norms(model), _watch_optimizer(opt)
             train(spec, model, opt, par)
             out[key] = {"state": par.full_state_dict(model, rank0_only=False), "printed": printed.getvalue(),
                         "norms": {"local": all(norms["local"]) and bool(norms["local"]),
                                   "dtensors": all(isinstance(p, DTensor) and isinstance(p.grad, (DTensor, type(None)))
-                                                  for m in norms["modules"] for p in m.parameters())}}
+                                                  for m in norms["modules"] for p in m.parameters())},
+                        "optimizer": {"local_steps": local_steps, "dtensors": _holds_dtensors(opt)}}
             par.close()
         except paratrain.ParatrainError as err:
             out[key] = {"error": str(err), "printed": printed.getvalue()}

@@ -30,9 +30,9 @@ def finish_step(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Opt
                 max_norm: float | None) -> float | None:
     """End an accumulation window: the strategy completes the gradients (a weight tied across pipeline stages,
     tensor parallelism's partial sums), the global norm over every shard is clipped to ``max_norm`` when given, the
-    optimizer steps (through the grad scaler) and the gradients are freed. Where only the step sees the whole
-    gradient (parameter servers), the step clips it instead. Returns the norm before clipping (None when not
-    clipped)."""
+    optimizer steps (through the grad scaler, inside the strategy's ``optimizer_stepping``) and the gradients are
+    freed. Where only the step sees the whole gradient (parameter servers), the step clips it instead. Returns the
+    norm before clipping (None when not clipped)."""
     strategy.sync_gradients(model)
     norm, in_step = None, False
     if max_norm is not None:
@@ -41,7 +41,8 @@ def finish_step(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Opt
         if not in_step:
             norm = clip_grad_norm(model.parameters(), max_norm, group=strategy.grad_norm_group(model),
                                   counted=strategy.grad_norm_parameters(model))
-    precision.step(optimizer)
+    with strategy.optimizer_stepping(optimizer):
+        precision.step(optimizer)
     if in_step:
         norm = strategy.stepped_grad_norm(optimizer)
     optimizer.zero_grad(set_to_none=True)

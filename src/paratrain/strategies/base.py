@@ -190,6 +190,14 @@ class Strategy(ABC):
         if self.tp is not None:
             self.tp.sync_gradients(model)
 
+    def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> AbstractContextManager:
+        """Context of the optimizer's step at the end of an accumulation window: tensor parallelism updates the
+        replicated parameters on their local tensors in it (see
+        :mod:`paratrain.distributed.tensor_parallel.local_step`); the default changes nothing."""
+        if self.tp is not None:
+            return self.tp.optimizer_stepping(optimizer)
+        return nullcontext()
+
     def grad_norm_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """This rank's parameters whose gradients make up its part of the global norm, so that a tensor held on
         several ranks of ``grad_norm_group`` (a tied weight on two pipeline stages) is counted once."""

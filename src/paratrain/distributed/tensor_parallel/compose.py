@@ -9,6 +9,7 @@ replication on the parameters TP made). The ranks of one tp group read the same 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from ...rank_agreement import check_ranks_agree
 from .apply import apply_tp
 from .outputs import ShardedOutputs, forward_backward
 from .infer import choose_plan
+from .local_step import replicated_locally
 from .plans import TPPlan
 from .stage_styles import stage_styles
 
@@ -95,6 +97,11 @@ class TensorParallel:
             if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
                 p.grad = grad.redistribute(grad.device_mesh,
                                            [Replicate() if pl.is_partial() else pl for pl in grad.placements])
+
+    @staticmethod
+    def optimizer_stepping(optimizer: torch.optim.Optimizer) -> AbstractContextManager:
+        """The step updates ``Replicate`` DTensor parameters on their local tensors (:mod:`.local_step`)."""
+        return replicated_locally(optimizer)
 
     @staticmethod
     def rng_rank(mesh: DeviceMesh) -> int:

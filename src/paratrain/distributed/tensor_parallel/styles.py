@@ -120,7 +120,8 @@ class Replicated(ParallelStyle):
     for the call and put back after it, also when the call raises, as FSDP2 swaps its unsharded parameters. The
     numbers are the same; what goes is DTensor's dispatch on every op of a norm's forward and backward (§20 of
     benchmarks/RESULTS.md: 216 DTensor ops a step on a 4-layer Llama). Otherwise the module computes on DTensors,
-    its plain inputs made ``Replicate`` ones."""
+    its plain inputs made ``Replicate`` ones. The optimizer's step updates these parameters on their local tensors
+    too (:mod:`.local_step`)."""
 
     def __init__(self, output_shard: int | None = None) -> None:
         super().__init__()
@@ -133,8 +134,7 @@ class Replicated(ParallelStyle):
         swapped: list[dict[str, DTensor] | None] = []  # one entry per call in flight (a module may nest in itself)
 
         def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if not leaf or torch.compiler.is_compiling() or any(isinstance(t, DTensor)
-                                                                 for t in tree_leaves((args, kwargs))):
+            if not leaf or torch.compiler.is_compiling() or _holds_dtensor(args, kwargs):
                 swapped.append(None)
                 return tuple(DTensor.from_local(a, device_mesh, [Replicate()], run_check=False)
                              if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
@@ -161,6 +161,12 @@ class Replicated(ParallelStyle):
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, always_call=True)
         return module
+
+
+def _holds_dtensor(args: tuple, kwargs: dict) -> bool:
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # a norm's call: one plain tensor
+        return False
+    return any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs)))
 
 
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
