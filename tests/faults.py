@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from paratrain.testing import alive
@@ -27,6 +29,49 @@ class Outcome:
     unbounded: bool = False
     orphans: int = 0
     files_lost: int = 0
+
+
+@dataclass
+class Watched:
+    """What :func:`watch_stderr` saw of a job."""
+
+    rc: int | None
+    stderr: str
+    marked_at: float | None
+    """``time.monotonic()`` when the first marked line was read (None: none was)."""
+    ended: float
+    """``time.monotonic()`` when the job had ended."""
+    at_mark: object = None
+    """What ``on_mark`` returned then."""
+
+
+def watch_stderr(proc: subprocess.Popen, marked: Callable[[str], bool], timeout_s: float, *, keep_marked: bool = True,
+                 on_mark: Callable[[], object] | None = None) -> Watched:
+    """Read ``proc``'s stderr on a thread until it exits (killed after ``timeout_s``), noting when the first line
+    ``marked`` accepts arrives and calling ``on_mark`` then (the job's pids while they live, say); ``keep_marked``
+    False leaves such lines out of the text (a fault script's own announcement)."""
+    seen: dict[str, object] = {}
+
+    def read() -> None:
+        lines = []
+        for line in proc.stderr:  # type: ignore[union-attr]
+            mark = marked(line)
+            if mark and "marked_at" not in seen:
+                seen["marked_at"] = time.monotonic()
+                seen["at_mark"] = on_mark() if on_mark is not None else None
+            if keep_marked or not mark:
+                lines.append(line)
+        seen["stderr"] = "".join(lines)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+    return Watched(rc=proc.returncode, stderr=str(seen.get("stderr", "")), ended=time.monotonic(),
+                   marked_at=seen.get("marked_at"), at_mark=seen.get("at_mark"))  # type: ignore[arg-type]
 
 
 def check(case: str, *, rc: int | None, stderr: str, kind: str = "one-line error", expect_rc: int | Iterable[int] = 2,

@@ -5,11 +5,10 @@ import os
 import random
 import re
 import subprocess
-import threading
-import time
 
 import pytest
 
+from faults import watch_stderr
 from paratrain.launch.torchrun import parse_args, resolve
 from paratrain.testing import alive, child_pids
 
@@ -42,29 +41,12 @@ def test_a_killed_rank_restarts_and_the_result_is_bitwise_equal(paratrain_cmd, t
 def test_without_restarts_a_killed_rank_ends_the_job_within_seconds(paratrain_cmd, tmp_path):
     proc = subprocess.Popen([*paratrain_cmd, *DEMO, "--fail-at-step", "3", "--fail-rank", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seen: dict[str, object] = {}
-
-    def read() -> None:
-        lines = []
-        for line in proc.stderr:  # type: ignore[union-attr]
-            if "fault injection" in line and "killed_at" not in seen:
-                seen["killed_at"], seen["workers"] = time.monotonic(), child_pids(proc.pid)
-            lines.append(line)
-        seen["stderr"] = "".join(lines)
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
-        proc.wait(timeout=180)
-    finally:
-        proc.kill()
-        reader.join(timeout=10)
-    ended = time.monotonic()
-    stderr = str(seen.get("stderr", ""))
-    assert proc.returncode == 1 and "killed_at" in seen, stderr
-    assert ended - seen["killed_at"] < 10, f"the job took {ended - seen['killed_at']:.1f} s to end"  # type: ignore[operator]
+    job = watch_stderr(proc, lambda line: "fault injection" in line, 180, on_mark=lambda: child_pids(proc.pid))
+    stderr, workers = job.stderr, job.at_mark
+    assert job.rc == 1 and job.marked_at is not None, stderr
+    assert job.ended - job.marked_at < 10, f"the job took {job.ended - job.marked_at:.1f} s to end"
     assert "paratrain: rank 1 failed" in stderr and "killed by SIGKILL" in stderr, stderr
-    assert len(seen["workers"]) == 2 and not alive(seen["workers"])  # type: ignore[arg-type]
+    assert len(workers) == 2 and not alive(workers)  # type: ignore[arg-type]
 
 
 def test_run_hands_checkpoint_options_to_every_rank(monkeypatch, tmp_path):

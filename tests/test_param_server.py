@@ -346,11 +346,9 @@ def test_sync_a_killed_server_stops_the_job_with_one_report(paratrain_cmd, tmp_p
     import os
     import random
     import subprocess
-    import threading
-    import time
 
     from conftest import ROOT, SCRIPTS
-    from faults import check
+    from faults import check, watch_stderr
 
     fault = random.choice([f"request:{random.randint(1, 14)}", "save"])  # request 11 is the first SAVE
     pids = tmp_path / "pids"
@@ -360,30 +358,12 @@ def test_sync_a_killed_server_stops_the_job_with_one_report(paratrain_cmd, tmp_p
          "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
-    seen: dict[str, object] = {}
-
-    def read() -> None:
-        lines = []
-        for line in proc.stderr:  # type: ignore[union-attr]
-            if line.startswith("ps_server_faults:"):
-                seen["killed_at"] = time.monotonic()
-            else:
-                lines.append(line)
-        seen["stderr"] = "".join(lines)
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
-        proc.wait(timeout=120)
-    finally:
-        proc.kill()
-        reader.join(timeout=10)
-    stderr = str(seen.get("stderr", ""))
-    assert "killed_at" in seen, f"{fault} was not reached\n{stderr}"
-    check(f"ps: server SIGKILLed ({fault.split(':')[0]})", rc=proc.returncode, expect_rc=1, stderr=stderr,
+    job = watch_stderr(proc, lambda line: line.startswith("ps_server_faults:"), 120, keep_marked=False)
+    stderr = job.stderr
+    assert job.marked_at is not None, f"{fault} was not reached\n{stderr}"
+    check(f"ps: server SIGKILLed ({fault.split(':')[0]})", rc=job.rc, expect_rc=1, stderr=stderr,
           kind="report", lines=None, words=["paratrain: rank 2 failed", "killed by SIGKILL", "the job was stopped"],
-          seconds=time.monotonic() - seen["killed_at"], max_s=10,  # type: ignore[operator]
-          pids=[int(p.read_text()) for p in pids.iterdir()])
+          seconds=job.ended - job.marked_at, max_s=10, pids=[int(p.read_text()) for p in pids.iterdir()])
     assert stderr.startswith("paratrain: rank 2 failed") and stderr.count("paratrain:") == 1, stderr
     assert len(list(pids.iterdir())) == 3, stderr
     assert all((p / "server-000" / ".metadata").is_file() for p in (tmp_path / "ckpt").glob("step-*")), stderr
