@@ -49,6 +49,8 @@ def test_the_root_cause_is_a_ranks_own_error_not_the_peer_that_lost_it():
     assert err.rank == 1
     killed = from_child_failed(SimpleNamespace(failures={0: _failure(1, lost), 1: _failure(-9, None)}))
     assert killed.rank == 1
+    noticed_later = {0: _failure(1, lost, timestamp=100), 1: _failure(-9, None, timestamp=101)}
+    assert from_child_failed(SimpleNamespace(failures=noticed_later)).rank == 1  # stamped when the agent saw it
     left = ("Traceback …\nparatrain.errors.CollectiveError: rank 1 left the job first (exited 0 s ago after "
             "par.step #5 (job.py:9)) while rank 0 was in par.step #6 (job.py:9); every rank must make the same …\n")
     assert from_child_failed(SimpleNamespace(failures={0: _failure(1, left), 1: _failure(1, own)})).rank == 1

@@ -29,13 +29,13 @@ def from_child_failed(err: object) -> RankFailedError:
     """Turn torchelastic's ``ChildFailedError`` into a ``RankFailedError`` for its root cause.
 
     A rank ended by SIGTERM is one the launcher stopped because another failed, unless every rank was (a
-    scheduler stopping the job): it never outranks another failure. Otherwise failures are ordered by time
-    (torchelastic records whole seconds); within a second a rank's own error comes before errors that only report a
-    dead peer.
+    scheduler stopping the job): it never outranks another failure. Nor does an error that only reports a dead
+    peer: a SIGKILLed rank is stamped when the launcher notices it (torchelastic records whole seconds), which can
+    be a second after its peer wrote "Connection closed by peer". Otherwise failures are ordered by time.
     """
     failures = err.failures  # type: ignore[attr-defined]
-    rank = min(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, failures[r].timestamp,
-                                        _is_secondary(failures[r].message), failures[r].exitcode < 0, r))
+    rank = min(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, _is_secondary(failures[r].message),
+                                        failures[r].timestamp, failures[r].exitcode < 0, r))
     failure = failures[rank]
     trace = _trace(failure)
     own = own_error(trace)
