@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..devices import backend_for, select_device
+from ..devices import job_backend, select_device
 from ..errors import ConfigError
 from ..distributed.process_group import finish_group
 from ..progress import Progress
@@ -85,8 +85,9 @@ class RankRecord:
 def run_job(config: BenchConfig, runs: list[Run]) -> dict[str, RankRecord]:
     """The job's body on every rank (started by ``paratrain.launch``): every round, every run, in turn."""
     device = select_device(int(os.environ.get("LOCAL_RANK", "0")), config.accelerator)
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=config.timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    backend = job_backend(config.accelerator, host_messages=runs[0].serves)  # a ps job's messages: gloo beside NCCL
+    dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s),
+                            device_id=device if backend == "nccl" else None)
     if runs[0].serves:
         records = _measure_served(config, runs[0], device)  # on a server the process ends in there
     else:
