@@ -24,7 +24,7 @@ request, 649-863 us in seven runs of ``benchmarks/ps_messages.py`` (1 worker + 1
 ``pull_dense`` and 4-row ``pull_rows`` requests, 2,002 served a run; ``benchmarks/ps-messages-2026-11-25.json``),
 2026-11-25 18:14-18:19 UTC on the quiet 2-core EPYC this was written on (torch 2.13 CPU, gloo), run as
 ``PYTHONPATH=src .venv/bin/python benchmarks/ps_messages.py``. The mean, not the median: a step adds its requests
-up, and the round trips have a long tail (median 380-640 us, mean 0.76-1.7 ms, p99 4-7 ms)."""
+up, and the round trips have a long tail (median 380-700 us, mean 0.76-1.7 ms, p99 4-8 ms)."""
 PS_WORKER_REQUEST_S = 0.3e-3
 """A worker's time per request (``Device.ps_worker_request_s``): the same runs' mean round trip less the raw gloo
 ping-pong of a header (86-110 us, the two messages the link's latency prices) and the server's busy time, 251-373
