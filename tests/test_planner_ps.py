@@ -5,6 +5,7 @@ worker the dense model and only the rows its step touches; the bytes of a step a
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -175,6 +176,33 @@ def test_a_ps_step_trains_the_per_gpu_share_on_each_worker():
     assert e.samples_per_s == pytest.approx(3 * 256 / e.time.step_s)
 
 
+def test_a_ps_step_pays_each_request_on_the_busiest_server_for_every_worker():
+    """The serving loop is one thread: the busiest server's host work is W x the requests a worker sends it (its
+    dense push, and per table a row pull per micro-batch and a row push), each at ``Device.ps_server_request_s``;
+    a worker pays its own requests at ``ps_worker_request_s``."""
+    training = Training(precision="fp32", optimizer="sgd", micro_batch=256)
+    stats = _stats(Recommender)
+    cluster = make_cluster("cpu", gpus=3)
+    server, worker = cluster.device.ps_server_request_s, cluster.device.ps_worker_request_s
+    assert server > 0 and worker > 0
+    for world, servers in ((2, 1), (3, 1), (5, 1), (5, 2)):
+        w = world - servers
+        layout = Layout(name="ps", dp=w, servers=servers)
+        with_work = make_cluster("cpu", gpus=world)
+        without = replace(with_work, device=replace(with_work.device, ps_server_request_s=0.0, ps_worker_request_s=0.0))
+        e, bare = (estimate(stats, layout, training, c) for c in (with_work, without))
+        n = e.serving.requests
+        assert n == 1 + e.batch.micro_batches + 1  # a dense push, a row pull per micro-batch, a row push
+        assert e.time.step_s - bare.time.step_s == pytest.approx(w * n * server + n * worker, rel=1e-9)
+        assert e.serving.requests_s == pytest.approx(w * n * server + n * worker, rel=1e-9)
+    accumulated = estimate(stats, Layout(name="ps", dp=2, servers=1), replace(training, micro_batch=64,
+                                                                            global_batch=768), cluster)
+    assert accumulated.batch.micro_batches == 4 and accumulated.serving.requests == 1 + 4 + 1
+    dense = estimate(_stats(_mlp), Layout(name="ps", dp=2, servers=1), training, cluster)
+    assert dense.serving.requests == 1
+    assert make_cluster("h100", gpus=8).device.ps_server_request_s == server  # a host process there too
+
+
 def test_plan_shows_a_ps_row_with_server_memory_and_bytes_per_step(capsys, tmp_path, monkeypatch):
     (tmp_path / "ps_models.py").write_text(
         "from test_planner_ps import Recommender\n\ndef build():\n    return Recommender()\n")
@@ -184,7 +212,7 @@ def test_plan_shows_a_ps_row_with_server_memory_and_bytes_per_step(capsys, tmp_p
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "ps                 workers=2 servers=2" in out
-    assert "the busiest server" in out and "per step a worker sends 5" in out and "its link is the bottleneck" in out
+    assert "the busiest server" in out and "per step a worker sends 5" in out and "its link and its serving loop" in out
     assert main([*argv, "--json"]) == 0
     import json
 

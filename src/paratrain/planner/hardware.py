@@ -18,6 +18,18 @@ from ..errors import ConfigError
 GIB = 2**30
 GB = 1e9
 
+PS_SERVER_REQUEST_S = 0.75e-3
+"""A parameter server's time per request (``Device.ps_server_request_s``): the mean of its own ``busy_s`` per
+request, 649-863 us in seven runs of ``benchmarks/ps_messages.py`` (1 worker + 1 server, one thread each, tiny
+``pull_dense`` and 4-row ``pull_rows`` requests, 2,002 served a run; ``benchmarks/ps-messages-2026-11-25.json``),
+2026-11-25 18:14-18:19 UTC on the quiet 2-core EPYC this was written on (torch 2.13 CPU, gloo), run as
+``PYTHONPATH=src .venv/bin/python benchmarks/ps_messages.py``. The mean, not the median: a step adds its requests
+up, and the round trips have a long tail (median 380-700 us, mean 0.76-1.7 ms, p99 4-8 ms)."""
+PS_WORKER_REQUEST_S = 0.3e-3
+"""A worker's time per request (``Device.ps_worker_request_s``): the same runs' mean round trip less the raw gloo
+ping-pong of a header (86-110 us, the two messages the link's latency prices) and the server's busy time, 251-373
+us."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Device:
@@ -76,6 +88,15 @@ class Device:
     propagation, redistribution and dispatch of the DTensor operations between two collectives. Host-side Python
     like ``fsdp_call_s``, set the same way on a CPU host (``make_plan``'s ``tp_step_time``: a TP step on a fake
     group, where collectives return at once, against the plan's compute); 0 in the catalogue."""
+    ps_server_request_s: float = PS_SERVER_REQUEST_S
+    """Seconds a parameter server's loop spends on one request beyond its bytes and the link's latency: header
+    parse, schema check, payload receive and unpack, the reply's ``isend``. One Python thread serves every worker
+    in turn, so the busiest server pays it W x (requests per worker per step) times a step. Default
+    ``PS_SERVER_REQUEST_S``, measured on a CPU host; the catalogue GPUs take the same: their servers are host
+    processes running the same loop."""
+    ps_worker_request_s: float = PS_WORKER_REQUEST_S
+    """Seconds a worker's client spends on one request and its answer beyond the server's and the link's (packing,
+    the header checks, copying the answer into place); default ``PS_WORKER_REQUEST_S``, as the server's."""
 
     def __post_init__(self) -> None:
         for name in ("memory_gib", "bf16_tflops", "fp32_tflops", "mfu", "memory_gbs"):
@@ -91,7 +112,7 @@ class Device:
             raise ConfigError(f"device {self.name}: weight_passes must be >= 0, got {self.weight_passes}")
         if self.core_speedup is not None and not self.core_speedup > 0:
             raise ConfigError(f"device {self.name}: core_speedup must be > 0, got {self.core_speedup}")
-        for name in ("fsdp_call_s", "tp_call_s"):
+        for name in ("fsdp_call_s", "tp_call_s", "ps_server_request_s", "ps_worker_request_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"device {self.name}: {name} must be >= 0, got {getattr(self, name)}")
 

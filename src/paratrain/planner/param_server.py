@@ -9,10 +9,12 @@ dense model but no table: only the rows its step touched, and their gradients.
 A synchronous step: every worker computes as one process would on its batch, pulls the rows its batch looks up
 (ids out, rows back), pushes its dense gradients and the touched rows' ids and gradients, and takes the dense
 parameters back. The busiest server receives from every worker, sums, steps and answers every worker, one message
-at a time (its loop is one thread): its link, not the workers', sets the pace, and nothing of it hides behind
-compute. Messages are counted by their payloads, as the runtime's ``ClientStats`` counts them: the 64-byte header
-of each message, the 8-byte trailer of each request and a dense push's float64 words (each param group's learning
-rate, the max norm) are left out (under 0.1% of any step worth planning).
+at a time (its loop is one thread): its link and its loop, not the workers', set the pace, and nothing of it hides
+behind compute. Each request costs the server ``Device.ps_server_request_s`` of host work beyond its bytes and the
+link's latency (the busiest server serves W x ``requests_per_step`` of them in turn), and its worker
+``Device.ps_worker_request_s``. Messages are counted by their payloads, as the runtime's ``ClientStats`` counts
+them: the 64-byte header of each message, the 8-byte trailer of each request and a dense push's float64 words (each
+param group's learning rate, the max norm) are left out (under 0.1% of any step worth planning).
 Elements travel in fp32: the runtime moves the model's one dtype, and paratrain's mixed precision keeps fp32
 parameters (autocast).
 """
@@ -76,12 +78,18 @@ class Serving:
     """Dense parameters the busiest server holds."""
     table_rows: float
     """Table elements (rows x dim, all tables) the busiest server holds."""
+    requests: int
+    """Requests one worker's step sends each server (``requests_per_step``)."""
+    requests_s: float
+    """Of the step's communication: the busiest server's host work on its W x ``requests`` requests, and a
+    worker's on its own."""
     time: StepTime
 
     def as_dict(self) -> dict[str, object]:
         return {"worker_memory_bytes": self.worker.as_dict(), "server_memory_bytes": self.server.as_dict(),
                 "server_dense_params": self.dense_share, "server_table_elements": self.table_rows,
-                "link": self.link.name, **self.traffic.as_dict()}
+                "requests_per_worker_step": self.requests, "requests_s": self.requests_s, "link": self.link.name,
+                **self.traffic.as_dict()}
 
 
 def rows_touched(table: TableStats, batch: Batching, training: Training) -> float:
@@ -94,6 +102,13 @@ def rows_touched(table: TableStats, batch: Batching, training: Training) -> floa
     k, r = batch.micro_batch * table.lookups_per_sample, table.rows
     distinct = r if r == 1 else -r * math.expm1(k * math.log1p(-1 / r))
     return batch.micro_batches * distinct
+
+
+def requests_per_step(tables: int, batch: Batching) -> int:
+    """Requests one worker's step sends each server: its dense push, and per table a row pull per micro-batch (each
+    forward pulls its rows) and one push of the touched rows' gradients. (A pull or push of more than the runtime's
+    ``max_rows`` rows is cut into more requests; not counted.)"""
+    return 1 + tables * (batch.micro_batches + 1)
 
 
 def dense_share(stats: ModelStats, servers: int) -> float:
@@ -141,6 +156,10 @@ def serving(stats: ModelStats, layout: Layout, batch: Batching, training: Traini
     tables = len(stats.tables)
     messages = w * (2 + 3 * tables)  # per worker: a dense push and its answer; per table a row pull, its answer, a push
     comm_s = (traffic.server_received + traffic.server_sent) / link.p2p_bytes_per_s + messages * link.p2p_latency_s
+    requests = requests_per_step(len(stats.tables), batch)
+    device = cluster.device
+    requests_s = w * requests * device.ps_server_request_s + requests * device.ps_worker_request_s
+    comm_s += requests_s
     one_server = _ranks(cluster, s)
     bandwidth = cluster.stream_bytes_per_s(one_server)
     updated = w * sum(r * t.dim for r, t in zip(busiest, stats.tables))
@@ -151,7 +170,7 @@ def serving(stats: ModelStats, layout: Layout, batch: Batching, training: Traini
     compute = step_time(dense_stats(stats), layout, batch, training, replace(cluster, ranks_per_node=workers))
     time = replace(compute, optimizer_s=server_s, comm_s=comm_s, exposed_comm_s=comm_s)
     return Serving(worker=worker, server=server, traffic=traffic, link=link, dense_share=share, table_rows=held,
-                   time=time)
+                   requests=requests, requests_s=requests_s, time=time)
 
 
 def _ranks(cluster: Cluster, active: int) -> int:

@@ -111,8 +111,9 @@ def _ps_line(e: Estimate) -> str:
             f"table elements, their optimizer states); per step a worker sends {_bytes(tr.worker_sent)} and "
             f"receives {_bytes(tr.worker_received)} (dense {_bytes(tr.dense)} each way{touched}); the busiest "
             f"server receives {_bytes(tr.server_received)} and sends {_bytes(tr.server_sent)} from and to "
-            f"{lay.dp} workers over {_link(sv.link)}: its link is the bottleneck "
-            f"({e.time.exposed_comm_s * 1e3:.3g} ms, its optimizer step {e.time.optimizer_s * 1e3:.3g} ms)")
+            f"{lay.dp} workers over {_link(sv.link)} in {lay.dp * sv.requests} requests: its link and its serving "
+            f"loop are the bottleneck ({e.time.exposed_comm_s * 1e3:.3g} ms, of which {sv.requests_s * 1e3:.3g} ms "
+            f"the requests' host work; its optimizer step {e.time.optimizer_s * 1e3:.3g} ms)")
 
 
 def _efficiency(d: Device) -> str:
