@@ -26,22 +26,21 @@ def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float,
 
     ``python train.py`` with a distributed strategy gets a private one-rank group, so the same code path runs (DDP
     and FSDP at world 1) instead of failing for want of a launcher. A group the script started itself is used and
-    left to the script. ``backend``: the launched job's (default: the device's); the device is bound to the group
-    (NCCL's eager start) only on a pure NCCL group, where every rank has a GPU.
+    left to the script. ``backend``: the job's (default: the device's); the device is bound to the group (NCCL's
+    eager start) only on a pure NCCL group, where every rank has a GPU.
     """
+    backend = backend or backend_for(device)
+    timeout = timedelta(seconds=timeout_s)
     if not env.launched:
         if not needs_group:
             return False
-        dist.init_process_group(backend=backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return True
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size:
             raise ConfigError(
                 f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE={env.world_size}")
         return False
-    backend = backend or backend_for(device)
-    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, store=attempt_store(timeout), rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if backend == "nccl" else None)
     return True
