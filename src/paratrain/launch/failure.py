@@ -5,7 +5,7 @@ import re
 import signal
 import socket
 
-from ..errors import RankFailedError
+from ..errors import RankFailedError, _last_line, describe_exitcode
 
 _MAX_TRACE_LINES = 30
 _OWN_ERROR = re.compile(r"^paratrain\.errors\.\w+: (.*)$")
@@ -37,16 +37,17 @@ def from_child_failed(err: object) -> RankFailedError:
     rank = min(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, _is_secondary(failures[r].message),
                                         failures[r].timestamp, failures[r].exitcode < 0, r))
     failure = failures[rank]
-    trace = _trace(failure)
+    trace = trace_of(failure)
     own = own_error(trace)
-    same = tuple(r for r in sorted(failures) if r != rank and own is not None and own_error(_trace(failures[r])) == own)
+    same = tuple(r for r in sorted(failures)
+                 if r != rank and own is not None and own_error(trace_of(failures[r])) == own)
     stopped = () if failure.exitcode == -signal.SIGTERM else tuple(
         r for r in sorted(failures) if failures[r].exitcode == -signal.SIGTERM)
     return RankFailedError(rank=rank, exitcode=failure.exitcode, host=socket.gethostname(), pid=failure.pid,
                            traceback=trace, ranks=(rank, *same), stopped=stopped)
 
 
-def _trace(failure: object) -> str | None:
+def trace_of(failure: object) -> str | None:
     file_data = getattr(failure, "error_file_data", None)
     data = file_data.get("message") if isinstance(file_data, dict) else None
     if isinstance(data, dict):
@@ -105,16 +106,32 @@ def format_failure(err: RankFailedError) -> str:
     if _is_secondary(last):
         lines.append("  this rank lost a peer that failed first: on a multi-node job, the root cause is in the "
                      "report of the node that failed first")
-    if err.traceback:
-        tb = user_frames(err.traceback).splitlines()
+    lines.extend(_cause(err.rank, err.exitcode, err.traceback))
+    return "\n".join(lines)
+
+
+def format_leave(rank: int, host: str, pid: int | None, exitcode: int, traceback: str | None, then: str) -> str:
+    """The report of a rank that allowed leaving and died (:mod:`paratrain.launch.leaving`): the failure report's
+    shape, saying what happens next (``then``) instead of that the job was stopped."""
+    cause = _last_line(traceback)
+    lines = [f"paratrain: rank {rank} left the job on {host} ({describe_exitcode(exitcode)}"
+             f"{': ' + cause if cause else ''}); {then}",
+             f"  rank {rank}  host {host}  pid {pid}"]
+    lines.extend(_cause(rank, exitcode, traceback))
+    return "\n".join(lines)
+
+
+def _cause(rank: int, exitcode: int, traceback: str | None) -> list[str]:
+    """The tail of the rank's traceback, or what its signal usually means."""
+    if traceback:
+        tb = user_frames(traceback).splitlines()
         if len(tb) > _MAX_TRACE_LINES:
             tb = ["  …", *tb[-_MAX_TRACE_LINES:]]
-        lines.append(f"  traceback of rank {err.rank}:")
-        lines.extend("    " + line for line in tb)
-    elif err.exitcode < 0:
-        hint = _SIGNAL_HINTS.get(-err.exitcode, "the process was killed by a signal")  # type: ignore[call-overload]
-        lines.append(f"  no traceback: {hint}")
-    return "\n".join(lines)
+        return [f"  traceback of rank {rank}:", *("    " + line for line in tb)]
+    if exitcode < 0:
+        hint = _SIGNAL_HINTS.get(-exitcode, "the process was killed by a signal")  # type: ignore[call-overload]
+        return [f"  no traceback: {hint}"]
+    return []
 
 
 def _which(ranks: tuple[int, ...]) -> str:

@@ -7,7 +7,8 @@ of processes per node. What paratrain adds:
 * single-node jobs rendezvous on loopback on a free port unless ``--master-port``/``--rdzv-endpoint`` is given;
 * ``OMP_NUM_THREADS`` = cores / processes per node unless set (torchrun forces 1);
 * a rank that fails stops the job within a second, and the report leads with that rank's host, exit code and
-  traceback;
+  traceback; a rank that allowed leaving (:mod:`paratrain.launch.leaving`) may die, or be restarted alone, while
+  the job goes on (:mod:`paratrain.launch.agent`);
 * bad input (no such script, ``-n 0``, a taken ``--master-port``) is one line, not a traceback;
 * multi-node jobs bind gloo to the interface that reaches the master, wait at most ``--rdzv-timeout`` for the
   other nodes and say which address did not answer, and stop when the nodes disagree on ``--nnodes``
@@ -186,6 +187,8 @@ def run(argv: Sequence[str], *, quiet_agent: bool = True) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import run as torchrun
 
+        from .agent import leaving_agent
+
     args = resolve(parse_args(argv))
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # each worker dies with this process
     if quiet_agent:  # our own report replaces the agent's warnings, its "failed (exitcode …)" line and its dump
@@ -196,8 +199,12 @@ def run(argv: Sequence[str], *, quiet_agent: bool = True) -> None:
     else:
         os.environ[DEBUG_VAR] = "1"  # every rank prints its own traceback too
     try:
-        with stop_signals(args), rendezvous_progress(args, _note):
-            torchrun(args)
+        with stop_signals(args), rendezvous_progress(args, _note), leaving_agent() as leaves:
+            try:
+                torchrun(args)
+            finally:
+                if leaves is not None and (left := leaves.summary()):
+                    _note(left)
     except ChildFailedError as err:
         raise from_child_failed(err) from None
     except rendezvous_errors() as err:

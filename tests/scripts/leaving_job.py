@@ -1,0 +1,55 @@
+"""A job whose ranks may leave, for tests/test_leaving.py (no process group, no parameter server).
+
+Usage: paratrain run -n N leaving_job.py OUT_DIR [--leave 1,2] [--die 1@1.0,2@2.5] [--notice 1:1,2:1] [--work 4]
+
+Every process writes OUT_DIR/pid-<rank>-<rejoin>. Ranks in ``--leave`` call ``allow_leaving``; a rank named in
+``--die`` SIGKILLs itself that many seconds into its work, in its original process only. A rank that gets
+``--notice`` (``RANK:N`` pairs, read by rank 0) waits on the notice store for the N-th process of RANK and writes
+the value to OUT_DIR/notice-<RANK>-<N>. Each process that finishes its ``--work`` seconds writes
+OUT_DIR/done-<rank>-<rejoin>.
+"""
+import argparse
+import os
+import signal
+import time
+from datetime import timedelta
+
+from paratrain.launch.leaving import allow_leaving, notice_key, notice_store, rejoin_count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--leave", default="")
+    parser.add_argument("--die", default="")
+    parser.add_argument("--notice", default="")
+    parser.add_argument("--work", type=float, default=4.0)
+    args = parser.parse_args()
+    rank, rejoin = int(os.environ["RANK"]), rejoin_count()
+    tag = f"{rank}-{rejoin}"
+    with open(os.path.join(args.out, f"pid-{tag}"), "w") as f:
+        f.write(str(os.getpid()))
+    if str(rank) in args.leave.split(","):
+        assert allow_leaving(rank)
+    die = dict(item.split("@") for item in args.die.split(",") if item)
+    die_at = float(die[str(rank)]) if str(rank) in die and rejoin == 0 else None
+    notices = [tuple(map(int, item.split(":"))) for item in args.notice.split(",") if item] if rank == 0 else []
+    start = time.monotonic()
+    while time.monotonic() - start < args.work:
+        if die_at is not None and time.monotonic() - start >= die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.05)
+    if notices:
+        store = notice_store(timedelta(seconds=20))
+        assert store is not None, "no notice store"
+        for who, n in notices:
+            key = notice_key(who, n)
+            store.wait([key], timedelta(seconds=20))
+            with open(os.path.join(args.out, f"notice-{who}-{n}"), "wb") as f:
+                f.write(store.get(key))
+    with open(os.path.join(args.out, f"done-{tag}"), "w") as f:
+        f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
+
+
+if __name__ == "__main__":
+    main()
