@@ -1,9 +1,11 @@
 """A job whose ranks may leave, for tests/test_leaving.py (no process group, no parameter server).
 
-Usage: paratrain run -n N leaving_job.py OUT_DIR [--leave 1,2] [--die 1@1.0,2@2.5] [--notice 1:1,2:1] [--work 4]
+Usage: paratrain run -n N leaving_job.py OUT_DIR [--leave 1,2] [--die 1@1.0] [--fail 2@2.0] [--notice 1:1,2:1]
+       [--work 4]
 
 Every process writes OUT_DIR/pid-<rank>-<rejoin>. Ranks in ``--leave`` call ``allow_leaving``; a rank named in
-``--die`` SIGKILLs itself that many seconds into its work, in its original process only. A rank that gets
+``--die`` SIGKILLs itself that many seconds into its work, a rank named in ``--fail`` raises then; both in the
+original process only. A rank that gets
 ``--notice`` (``RANK:N`` pairs, read by rank 0) waits on the notice store for the N-th process of RANK and writes
 the value to OUT_DIR/notice-<RANK>-<N>. Each process that finishes its ``--work`` seconds writes
 OUT_DIR/done-<rank>-<rejoin>.
@@ -22,6 +24,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--leave", default="")
     parser.add_argument("--die", default="")
+    parser.add_argument("--fail", default="")
     parser.add_argument("--notice", default="")
     parser.add_argument("--work", type=float, default=4.0)
     args = parser.parse_args()
@@ -31,13 +34,14 @@ def main() -> None:
         f.write(str(os.getpid()))
     if str(rank) in args.leave.split(","):
         assert allow_leaving(rank)
-    die = dict(item.split("@") for item in args.die.split(",") if item)
-    die_at = float(die[str(rank)]) if str(rank) in die and rejoin == 0 else None
+    die_at, fail_at = _when(args.die, rank, rejoin), _when(args.fail, rank, rejoin)
     notices = [tuple(map(int, item.split(":"))) for item in args.notice.split(",") if item] if rank == 0 else []
     start = time.monotonic()
     while time.monotonic() - start < args.work:
         if die_at is not None and time.monotonic() - start >= die_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if fail_at is not None and time.monotonic() - start >= fail_at:
+            raise RuntimeError(f"planted failure of rank {rank}")
         time.sleep(0.05)
     if notices:
         store = notice_store(timedelta(seconds=20))
@@ -49,6 +53,12 @@ def main() -> None:
                 f.write(store.get(key))
     with open(os.path.join(args.out, f"done-{tag}"), "w") as f:
         f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
+
+
+def _when(spec: str, rank: int, rejoin: int) -> float | None:
+    """Seconds into the work at which ``rank`` is named in ``spec`` (``RANK@S,…``); None for a replacement."""
+    found = dict(item.split("@") for item in spec.split(",") if item)
+    return float(found[str(rank)]) if str(rank) in found and rejoin == 0 else None
 
 
 if __name__ == "__main__":
