@@ -4,18 +4,20 @@ A: ``--max-restarts 1``, leavers 1 and 2: rank 1 is SIGKILLed and restarted alon
 finishes, rank 2 then raises with no restart left and is gone; rank 0 reads ``back`` and ``gone`` from the notice
 store; the job exits 0. B: no restarts, leaver 1 SIGKILLed: the job goes on and exits 0. C: a rank that did not
 allow leaving is SIGKILLed: the job stops as any failure does, and the leaver stopped with it is not reported as
-leaving. Each launch has a hard timeout and every process's pid is checked after.
+leaving. D: SIGTERM or SIGKILL of the launcher ends a replacement too. Each launch has a hard timeout and every
+process's pid is checked after.
 """
 import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
 
 from conftest import ROOT, SCRIPTS
-from faults import check
+from faults import check, wait_for
 from paratrain.errors import ConfigError
 from paratrain.launch import leaving
 from paratrain.launch.agent import Leaves, LeavingAgent, leaving_agent
@@ -121,3 +123,29 @@ def test_a_rank_that_did_not_allow_leaving_stops_the_job_as_before(tmp_path):
           words=["paratrain: rank 1 failed", "killed by SIGKILL", "rank 0 stopped by the launcher"])
     assert "left" not in res.stderr and res.stderr.count("paratrain: rank") == 1, res.stderr
     assert not list(tmp_path.glob("done-*")), res.stderr
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
+def test_stopping_the_launcher_stops_a_replacement_too(tmp_path, sig, code):
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain", "run", "-n", "2", "--max-restarts", "1", JOB,
+                             str(tmp_path), "--work", "60", "--leave", "1", "--die", "1@0.5"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        if not wait_for([tmp_path / "pid-1-1"], 60):
+            pytest.fail("no replacement started")
+        time.sleep(0.5)  # the replacement's own pid file is written: it runs the script
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    pids = _pids(tmp_path)
+    deadline = time.monotonic() + 10
+    while alive(pids) and time.monotonic() < deadline:  # SIGKILL: the kernel ends the workers, a moment later
+        time.sleep(0.1)
+    assert proc.returncode == code, stderr
+    assert len(pids) == 3 and not alive(pids), pids
+    assert took < 10, f"{took:.1f} s to stop: a worker outlived SIGTERM until the grace period's SIGKILL"
+    if sig == signal.SIGTERM:
+        assert "paratrain: interrupted (SIGTERM), 2 ranks stopped in" in stderr, stderr

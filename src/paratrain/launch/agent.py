@@ -27,7 +27,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,12 +204,13 @@ class LeavingContext(SubprocessContext):
             env = {**env, "TORCHELASTIC_ERROR_FILE": error_file}
         self.envs[local_rank] = {**self.envs[local_rank], **env}
         self.error_files[local_rank] = error_file
-        with _signals_held():  # a stop signal now would find a process the context does not hold yet
-            handler = _AppendingHandler(
-                entrypoint=self.entrypoint, args=self.args[local_rank], env=self.envs[local_rank],
-                stdout=self.stdouts[local_rank], stderr=self.stderrs[local_rank], local_rank_id=local_rank,
-                numa_options=self._numa_options)
-            self.subprocess_handlers[local_rank] = handler
+        # Not under a blocked SIGTERM: the child would inherit the mask. A stop signal between the start and the
+        # next line leaves the process out of the context; it still dies with the launcher (parent_death).
+        handler = _AppendingHandler(
+            entrypoint=self.entrypoint, args=self.args[local_rank], env=self.envs[local_rank],
+            stdout=self.stdouts[local_rank], stderr=self.stderrs[local_rank], local_rank_id=local_rank,
+            numa_options=self._numa_options)
+        self.subprocess_handlers[local_rank] = handler
         return handler.proc.pid
 
 
@@ -227,20 +227,6 @@ class _AppendingHandler(SubprocessHandler):
         self._stdout = open(out, "a") if out else None  # noqa: SIM115 - closed by the handler's close
         self._stderr = open(err, "a") if err else None  # noqa: SIM115
         return super()._popen(args, env)
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """SIGINT/SIGTERM wait until the block is over (main thread on POSIX; elsewhere nothing is held)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _tcp_store(store: Any) -> Any:
