@@ -1,8 +1,8 @@
 """Ranks that may leave (launch/leaving.py, launch/agent.py): the contract's pieces, then three launched jobs.
 
-A: ``--max-restarts 1``, leavers 1 and 2: rank 1 is SIGKILLed and restarted alone (``PARATRAIN_REJOIN=1``) and
-finishes, rank 2 then raises with no restart left and is gone; rank 0 reads ``back`` and ``gone`` from the notice
-store; the job exits 0. B: no restarts, leaver 1 SIGKILLed: the job goes on and exits 0. C: a rank that did not
+A: ``--max-restarts 2``, leavers 1 and 2: rank 0 dies in attempt 0 and the whole job restarts as before; in
+attempt 1 rank 1 is SIGKILLed and restarted alone (``PARATRAIN_REJOIN=1``) and finishes, rank 2 then raises with no
+restart left and is gone; rank 0 reads ``back`` and ``gone`` from the notice store; the job exits 0. B: no restarts, leaver 1 SIGKILLed: the job goes on and exits 0. C: a rank that did not
 allow leaving is SIGKILLed: the job stops as any failure does, and the leaver stopped with it is not reported as
 leaving. D: SIGTERM or SIGKILL of the launcher ends a replacement too. Each launch has a hard timeout and every
 process's pid is checked after.
@@ -87,21 +87,21 @@ def test_torchrun_builds_the_leaving_agent_only_inside_the_block(monkeypatch):
 
 
 def test_a_leaver_comes_back_once_then_one_leaves_for_good(tmp_path):
-    res = _launch(tmp_path, "-n", "3", "--max-restarts", "1",
-                  job=("--leave", "1,2", "--die", "1@0.5", "--fail", "2@1.5", "--notice", "1:1,2:1"))
+    res = _launch(tmp_path, "-n", "3", "--max-restarts", "2",  # attempt 0: rank 0 (no leaver) dies, the job restarts
+                  job=("--leave", "1,2", "--die", "0@0.3,1@0.5#1", "--fail", "2@1.5#1", "--notice", "1:1,2:1"))
     why = res.stderr
     pids = _pids(tmp_path)
     assert res.returncode == 0, why
     assert why.count("paratrain: rank 1 left the job") == 1, why
-    assert "(killed by SIGKILL); restarting it alone (restart 1 of 1)" in why
+    assert "(killed by SIGKILL); restarting it alone (restart 2 of 2)" in why
     assert why.count("paratrain: rank 2 left the job") == 1, why
     assert "RuntimeError: planted failure of rank 2); the job goes on without it" in why
     assert "traceback of rank 2:" in why and why.count("Traceback") == 1, why
     assert why.rstrip().endswith("paratrain run: rank 1 left and came back; rank 2 left for good"), why
-    done = sorted(p.name for p in tmp_path.glob("done-*"))
-    assert done == ["done-0-0", "done-1-1"], (done, why)  # rank 1's replacement saw PARATRAIN_REJOIN=1
+    done = {p.name: p.read_text() for p in tmp_path.glob("done-*")}
+    assert done == {"done-0-0": "1", "done-1-1": "1"}, (done, why)  # rank 1's replacement saw PARATRAIN_REJOIN=1
     assert (tmp_path / "notice-1-1").read_bytes() == b"back" and (tmp_path / "notice-2-1").read_bytes() == b"gone"
-    assert len(pids) == 4 and not alive(pids), pids
+    assert len(pids) == 7 and not alive(pids), pids  # 3 in attempt 0, 3 + a replacement in attempt 1
 
 
 def test_without_restarts_a_killed_leaver_leaves_and_the_job_succeeds(tmp_path):
@@ -131,7 +131,7 @@ def test_stopping_the_launcher_stops_a_replacement_too(tmp_path, sig, code):
                              str(tmp_path), "--work", "60", "--leave", "1", "--die", "1@0.5"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        if not wait_for([tmp_path / "pid-1-1"], 60):
+        if not wait_for([tmp_path / "pid-0-1-1"], 60):
             pytest.fail("no replacement started")
         time.sleep(0.5)  # the replacement's own pid file is written: it runs the script
         sent = time.monotonic()

@@ -1,14 +1,14 @@
 """A job whose ranks may leave, for tests/test_leaving.py (no process group, no parameter server).
 
-Usage: paratrain run -n N leaving_job.py OUT_DIR [--leave 1,2] [--die 1@1.0] [--fail 2@2.0] [--notice 1:1,2:1]
+Usage: paratrain run -n N leaving_job.py OUT_DIR [--leave 1,2] [--die 1@1.0] [--fail 2@2.0#1] [--notice 1:1,2:1]
        [--work 4]
 
-Every process writes OUT_DIR/pid-<rank>-<rejoin>. Ranks in ``--leave`` call ``allow_leaving``; a rank named in
+Every process writes OUT_DIR/pid-<attempt>-<rank>-<rejoin>. Ranks in ``--leave`` call ``allow_leaving``; a rank named in
 ``--die`` SIGKILLs itself that many seconds into its work, a rank named in ``--fail`` raises then; both in the
-original process only. A rank that gets
+original process only, of launch attempt 0 or the one after ``#``. A rank that gets
 ``--notice`` (``RANK:N`` pairs, read by rank 0) waits on the notice store for the N-th process of RANK and writes
 the value to OUT_DIR/notice-<RANK>-<N>. Each process that finishes its ``--work`` seconds writes
-OUT_DIR/done-<rank>-<rejoin>.
+OUT_DIR/done-<rank>-<rejoin> (holding its attempt).
 """
 import argparse
 import os
@@ -30,7 +30,8 @@ def main() -> None:
     args = parser.parse_args()
     rank, rejoin = int(os.environ["RANK"]), rejoin_count()
     tag = f"{rank}-{rejoin}"
-    with open(os.path.join(args.out, f"pid-{tag}"), "w") as f:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    with open(os.path.join(args.out, f"pid-{attempt}-{tag}"), "w") as f:
         f.write(str(os.getpid()))
     if str(rank) in args.leave.split(","):
         assert allow_leaving(rank)
@@ -56,10 +57,15 @@ def main() -> None:
 
 
 def _when(spec: str, rank: int, rejoin: int) -> float | None:
-    """Seconds into the work at which ``rank`` is named in ``spec`` (``RANK@S,…``); None for a replacement."""
-    found = dict(item.split("@") for item in spec.split(",") if item)
-    return float(found[str(rank)]) if str(rank) in found and rejoin == 0 else None
-
+    """Seconds into the work at which ``rank`` is named in ``spec`` (``RANK@S[#ATTEMPT],…``, attempt 0 unless
+    given); None for a replacement and in other attempts."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    for item in filter(None, spec.split(",")):
+        who, _, rest = item.partition("@")
+        seconds, _, when = rest.partition("#")
+        if int(who) == rank and rejoin == 0 and (when or "0") == attempt:
+            return float(seconds)
+    return None
 
 if __name__ == "__main__":
     main()
