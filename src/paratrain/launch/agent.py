@@ -15,7 +15,9 @@ adds ``shutdown_timeout`` and ``health_check_server``, which pass through). Rebi
 duration of our call (:func:`leaving_agent`) swaps the agent without re-implementing torchrun's argument handling,
 rendezvous or restart loop, and touches nothing outside the call. The process context is ``SubprocessContext`` in
 both versions (``paratrain run`` always starts a program) with the same attributes; ``_capture_process_failures``
-and ``_close`` are the two steps of its ``_poll`` overridden, so torch's poll itself runs as written.
+and ``_close`` are the two steps of its ``_poll`` overridden, so torch's poll itself runs as written. The context is
+given its subclass after torch built it (``_start_workers`` builds it from ~60 lines of worker environment that a
+copy would have to follow). tests/test_leaving.py runs the same jobs on torch 2.11 and 2.13.
 """
 from __future__ import annotations
 
