@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .data import ShardSampler
+from .data import ShardedLoader, ShardSampler
 from .errors import ConfigError
 from .distributed.grad_norm import clip_grad_norm
 from .precision import Precision
@@ -109,6 +109,22 @@ class Loop:
             norm = finish_step(strategy, model, optimizer, precision, self.clip_grad_norm)
             self.last_grad_norm = norm if norm is not None else self.last_grad_norm
             self.optimizer_steps += 1
+
+    def continue_at(self, steps: int, loaders: list[object]) -> None:
+        """Continue, without a checkpoint, at the place of a process that took ``steps`` optimizer steps: the epoch
+        and batch those steps reach in the first prepared loader (every epoch as long as this one); nothing for 0."""
+        sharded = [loader for loader in loaders if isinstance(loader, ShardedLoader)]
+        if steps <= 0 or not sharded or len(sharded[0]) < self.accumulate:
+            return
+        loader = sharded[0]
+        per_epoch = len(loader) // self.accumulate
+        epoch, batches = divmod(steps, per_epoch)
+        sampler = loader.sampler
+        assert isinstance(sampler, ShardSampler)
+        loader.load_state_dict({"epoch": epoch, "batches": batches * self.accumulate, "finished": False,
+                                "generator": None, "batch_size": loader.batch_size,
+                                "replicas": sampler.num_replicas}, epoch)
+        self.resume_at(steps, epoch)
 
     def resume_at(self, step: int, epoch: int | None) -> None:
         """Continue from a checkpoint's position: ``epochs()`` restarts inside ``epoch``."""

@@ -227,7 +227,7 @@ class Parallel:
 
     def _runtime(self, facts: ModelFacts | None = None, materialize: Materializer | None = None) -> Runtime:
         return Runtime(env=self.env, device=self.device, mesh=self.mesh, precision=self.precision, facts=facts,
-                       transforms=self.transforms, materialize=materialize)
+                       transforms=self.transforms, materialize=materialize, checkpointing=self._checkpoints.on)
 
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
         """``range(start, n)`` (``n`` is where it stops), reshuffling the prepared loaders each epoch. It first
@@ -279,7 +279,7 @@ class Parallel:
         return self._reduce(value, mean=True)
 
     def _reduce(self, value: torch.Tensor | float, mean: bool) -> torch.Tensor | float:
-        _, size, group = self._chosen.data_parallel(self._runtime())  # a pipeline's stages hold one replica's value
+        size, group = self._chosen.metrics(self._runtime())  # a pipeline's stages hold one replica's value
         return reduce_value(value, mean=mean, size=size, group=group, device=self.device)
 
     @collective("par.barrier")
@@ -312,7 +312,8 @@ class Parallel:
     def resume(self) -> Path | None:
         """Load ``checkpoint_dir``'s latest checkpoint once, if the job is set to resume and one exists
         (``epochs()`` calls it; call it before a loop without ``epochs()``)."""
-        found = self._checkpoints.to_resume()
+        if (found := self._checkpoints.to_resume()) is None:  # a rank back after its process died: where it stood
+            self._loop.continue_at(self.strategy.steps_taken(), self._prepared.loaders)
         return self.load(found) if found is not None else None
 
     def _flush_checkpoint(self) -> None:
@@ -334,8 +335,7 @@ class Parallel:
         self._flush_checkpoint()
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
-        self.strategy.close()
-        self._session.close()
+        self._session.close(meet=self.strategy.close())
 
     def __enter__(self) -> "Parallel":
         return self

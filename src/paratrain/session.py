@@ -23,12 +23,13 @@ class Session:
 
     ``on_host``: this rank runs on the host whatever the accelerator (a parameter server); ``host_messages``: the
     strategy sends host tensors of its own, so the group serves them beside the accelerator's (see
-    :func:`~paratrain.devices.job_backend`).
+    :func:`~paratrain.devices.job_backend`); ``alone``: this rank cannot join the job's group (see
+    :func:`~paratrain.distributed.process_group.start_process_group`) and takes part in no agreement.
     """
 
     def __init__(self, env: ClusterEnv, accelerator: str, precision: Precision, *, timeout_s: float,
                  wait_report_s: float | None, needs_group: bool, on_host: bool = False,
-                 host_messages: bool = False) -> None:
+                 host_messages: bool = False, alone: bool = False) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
         self.env = env
@@ -36,10 +37,11 @@ class Session:
         self.device = torch.device("cpu") if on_host else select_device(env.local_rank, accelerator)
         if not on_host:
             precision.validate(self.device)
-        self.owns_group = start_process_group(env, self.device, timeout_s, needs_group, backend)
+        self.owns_group = start_process_group(env, self.device, timeout_s, needs_group, backend, alone)
+        self.alone = alone
         """True when this session started the group (a group the script started is left to the script)."""
         self.calls = CallWatch(env.rank, env.world_size, timeout_s=timeout_s, report_after_s=wait_report_s,
-                               enabled=self.distributed and env.launched)
+                               enabled=self.distributed and env.launched and not alone)
 
     @property
     def distributed(self) -> bool:
@@ -48,13 +50,14 @@ class Session:
 
     def agree(self, values: dict[str, str]) -> None:
         """Fail on every rank, in one line, unless every rank has the same ``values`` (collective)."""
-        if self.distributed:
+        if self.distributed and not self.alone:
             with self.calls.call("Parallel()"):
                 check_ranks_agree(values, self.env.rank, dist.get_world_size())
 
-    def close(self) -> None:
-        """End the group if this session started it (safely on gloo), and stop watching calls."""
+    def close(self, meet: bool = True) -> None:
+        """End the group if this session started it (safely on gloo; ``meet=False``: without waiting for ranks that
+        may have left), and stop watching calls."""
         if self.owns_group and dist.is_initialized():
-            finish_group()
+            finish_group(meet and not self.alone)
         self.owns_group = False
         self.calls.close()

@@ -36,6 +36,11 @@ class AutoCheckpoint:
             path = self.config.dir
         return Path(path)
 
+    @property
+    def on(self) -> bool:
+        """True when the job has a checkpoint folder of its own (``checkpoint_dir``): then every rank must stay."""
+        return self.config.dir is not None
+
     def stepped(self, step: int) -> None:
         """Called after each optimizer step (``step`` counts them): marks a save as due every N steps."""
         if self.config.every is not None and step % self.config.every == 0:

@@ -21,17 +21,19 @@ _GLOO_DRAIN_S = 0.1
 
 
 def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float, needs_group: bool,
-                        backend: str | None = None) -> bool:
+                        backend: str | None = None, alone: bool = False) -> bool:
     """Start the default group for this job when it needs one; True when this call started it (and so owns it).
 
     ``python train.py`` with a distributed strategy gets a private one-rank group, so the same code path runs (DDP
     and FSDP at world 1) instead of failing for want of a launcher. A group the script started itself is used and
     left to the script. ``backend``: the job's (default: the device's); the device is bound to the group (NCCL's
-    eager start) only on a pure NCCL group, where every rank has a GPU.
+    eager start) only on a pure NCCL group, where every rank has a GPU. ``alone``: a launched rank that cannot
+    join the job's group (an asynchronous parameter-server worker back after its process died) gets a private one
+    too, and meets its peers in a group of the strategy's making.
     """
     backend = backend or backend_for(device)
     timeout = timedelta(seconds=timeout_s)
-    if not env.launched:
+    if not env.launched or alone:
         if not needs_group:
             return False
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -59,9 +61,10 @@ def attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"paratrain/attempt_{attempt}", store) if attempt is not None else store
 
 
-def finish_group() -> None:
+def finish_group(meet: bool = True) -> None:
     """Wait for every rank, let gloo's worker finish with the GIL released, then destroy the default group. For
-    ``Parallel.close`` and for code that started the group itself.
+    ``Parallel.close`` and for code that started the group itself. ``meet=False``: some ranks may have left (an
+    asynchronous parameter server's workers): end without waiting for them.
 
     The barrier matters: a rank that tears its group down while a peer still finishes its last collective can
     abort the peer at exit (gloo's worker threads die with "terminate called without an active exception").
@@ -71,6 +74,7 @@ def finish_group() -> None:
     (the last owner of the process group) while holding the GIL, the group's destructor waits for the worker
     forever. Sleeping releases the GIL so the worker finishes first.
     """
-    dist.barrier()
+    if meet:
+        dist.barrier()
     time.sleep(_GLOO_DRAIN_S)
     dist.destroy_process_group()

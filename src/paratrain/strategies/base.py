@@ -43,6 +43,8 @@ class Runtime:
     """The model being prepared (or whose optimizer is): its blocks, ties and parameter names."""
     transforms: BlockTransforms = BlockTransforms()
     """Activation checkpointing and compilation of the blocks."""
+    checkpointing: bool = False
+    """The job saves checkpoints on its own (``checkpoint_dir``): every rank must then stay to the end."""
     materialize: Callable[[nn.Module], object] | None = None
     """For a model built on the meta device: allocates and initializes what this rank holds of a laid-out module
     (:class:`~paratrain.model.materialize.Materializer`)."""
@@ -70,6 +72,11 @@ class Strategy(ABC):
     def on_host(self, env: ClusterEnv) -> bool:
         """Whether this rank of ``env`` runs on the host whatever the accelerator (a parameter server's shards
         and optimizer live in host memory, leaving the GPUs to the workers)."""
+        return False
+
+    def joins_alone(self, env: ClusterEnv) -> bool:
+        """Whether this rank starts a private group instead of joining the job's: a rank that comes back after its
+        process died (an asynchronous parameter-server worker) cannot join a group whose members are fixed."""
         return False
 
     def uses_group(self, env: ClusterEnv) -> bool:
@@ -126,6 +133,16 @@ class Strategy(ABC):
             return self.tp.data_parallel(rt.mesh)
         return rt.env.rank, rt.env.world_size, None
 
+    def metrics(self, rt: Runtime) -> tuple[int, dist.ProcessGroup | None]:
+        """(size, group) over which ``par.mean``/``par.sum`` reduce: the replicas of :meth:`data_parallel`."""
+        _, size, group = self.data_parallel(rt)
+        return size, group
+
+    def steps_taken(self) -> int:
+        """Optimizer steps this rank's place in the job took before this process started, where it did not resume
+        from a checkpoint (an asynchronous parameter-server worker that came back); 0 for every other rank."""
+        return 0
+
     def rng_rank(self, rt: Runtime) -> int:
         """The index that seeds this rank's random stream after ``prepare``: its rank, or its replica's index
         where ranks compute one replica together (tensor parallelism), so they draw alike."""
@@ -166,8 +183,10 @@ class Strategy(ABC):
     def load_shards(self, folder: Path, rank: int) -> None:
         """Restore what ``save_shards`` wrote into ``folder``; the default has nothing to restore."""
 
-    def close(self) -> None:
-        """The job's training is over on this rank (``Parallel.close``); the default has nothing to end."""
+    def close(self) -> bool:
+        """The job's training is over on this rank (``Parallel.close``); returns whether every rank meets at the end
+        (False: some may have left, so the group ends without waiting for them). The default ends nothing."""
+        return True
 
     def grad_norm_group(self, model: nn.Module) -> dist.ProcessGroup | None:
         """Group over which local gradient norms add up to the global one (pipeline stages); None: no such group."""

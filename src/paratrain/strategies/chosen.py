@@ -39,7 +39,8 @@ class ChosenStrategy:
         sends host tensors of its own (then the group serves them beside the accelerator's)."""
         return {"needs_group": self.pending or self.strategy.uses_group(self.env),
                 "on_host": not self.pending and self.strategy.on_host(self.env),
-                "host_messages": self.strategy.host_messages}
+                "host_messages": self.strategy.host_messages,
+                "alone": not self.pending and self.strategy.joins_alone(self.env)}
 
     def agreed_values(self) -> dict[str, str]:
         """What every rank must have alike. The mesh, not the processes per node: torchrun lets nodes run different
@@ -51,7 +52,8 @@ class ChosenStrategy:
 
     def build_mesh(self, device: torch.device) -> None:
         """The mesh of the decided strategy, when it runs on a process group (none while ``auto`` waits)."""
-        if not self.pending and self.strategy.uses_group(self.env) and dist.is_initialized():
+        if (not self.pending and self.strategy.uses_group(self.env) and dist.is_initialized()
+                and dist.get_world_size() == self.env.world_size):  # not on a rank that joined alone
             self.mesh = build_mesh(device, self.strategy.dims(self.env), self.env.world_size)
 
     def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loader: Any, device: torch.device,
@@ -68,3 +70,9 @@ class ChosenStrategy:
         if self.pending:
             raise ConfigError(BEFORE_THE_MODEL)
         return self.strategy.data_parallel(runtime) if dist.is_initialized() else (0, 1, None)
+
+    def metrics(self, runtime: Runtime) -> tuple[int, dist.ProcessGroup | None]:
+        """(size, group) over which ``par.mean`` and ``par.sum`` reduce."""
+        if self.pending:
+            raise ConfigError(BEFORE_THE_MODEL)
+        return self.strategy.metrics(runtime) if dist.is_initialized() else (1, None)

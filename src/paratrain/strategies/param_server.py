@@ -5,9 +5,19 @@ ranks train, pulling parameters and pushing gradients (:mod:`paratrain.distribut
 batch); ``staleness=tau`` applies each push as it arrives unless it was computed on parameters more than tau updates
 old, so a slow worker holds no one back. A server rank serves from inside ``prepare`` (model, then optimizer) and
 ends its process when every worker has closed; the code after ``prepare`` runs on the workers only.
+
+Asynchronous workers are independent of each other, so one may die while the others train on: each worker tells
+``paratrain run`` that it may leave (:mod:`paratrain.launch.leaving`), shares no collective with the other workers
+(``par.mean``/``par.sum`` are its own values, ``par.barrier`` waits for no one), and the servers notice the death
+and learn from the launcher whether a new process takes its place; that process meets the servers in a group of
+its own, pulls the current parameters and continues at the step its rank had reached. A job that checkpoints keeps
+every worker to the end instead (a checkpoint is a collective of the workers): there a death stops the job, and a
+restart resumes from the last checkpoint, as in synchronous mode.
 """
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +27,10 @@ from torch import nn
 
 from ..checkpoint.single import read_alone, write_alone
 from ..dims import ParallelDims
+from ..distributed.param_server.async_serving import Returns
 from ..distributed.param_server.config import PSConfig
 from ..distributed.param_server.layout import Layout, plan_layout
+from ..distributed.param_server.links import Link, return_group
 from ..distributed.param_server.messages import ProtocolError
 from ..distributed.param_server.roles import WorkerSide, report, serve, shard_folder
 from ..distributed.param_server.snapshot import ShardStore
@@ -26,6 +38,8 @@ from ..distributed.param_server.worker import PushingOptimizer
 from ..distributed.process_group import finish_group
 from ..env import ClusterEnv
 from ..errors import CheckpointError, ConfigError
+from ..launch.leaving import BACK, allow_leaving, notice_key, notice_store, rejoin_count
+from ..launch.pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
 from .base import Runtime, Strategy
 from .registry import register
 
@@ -43,9 +57,11 @@ class ParameterServer(Strategy):
         self.worker: WorkerSide | None = None
         self._model: nn.Module | None = None
         self._layout: Layout | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._group: dist.ProcessGroup | None = None  # every worker
+        self._own: dist.ProcessGroup | None = None  # an asynchronous worker alone
         self._env: ClusterEnv | None = None
         self._closed = False
+        self._may_leave = False  # an asynchronous worker of a job that does not checkpoint
 
     def validate(self, env: ClusterEnv) -> None:
         self.config.check_world(env.world_size)
@@ -59,6 +75,11 @@ class ParameterServer(Strategy):
 
     def on_host(self, env: ClusterEnv) -> bool:
         return self.is_server(env)
+
+    def joins_alone(self, env: ClusterEnv) -> bool:
+        """An asynchronous worker that takes the place of one that died: it meets the servers in a group of its
+        own (made in ``wrap_model``)."""
+        return not self.config.synchronous and not self.is_server(env) and rejoin_count() > 0
 
     def materializer(self, model: nn.Module, device: torch.device, init_fn: Any) -> None:
         """None: a table built on the meta device is allocated row-shard by row-shard on the servers, and a worker
@@ -78,16 +99,33 @@ class ParameterServer(Strategy):
         if self.is_server(rt.env):
             self._layout, self._model = layout, model  # served once the optimizer is known
             return model
-        self.worker = WorkerSide(model, layout, rt.env.rank, self.config, rt.device)
+        links = self._return_links(rt.env) if self.joins_alone(rt.env) else None
+        self.worker = WorkerSide(model, layout, rt.env.rank, self.config, rt.device, links)
         return model
+
+    def _return_links(self, env: ClusterEnv) -> list[Link]:
+        """The servers, in the group a returning worker makes with them (they wait for it: the launcher told them
+        it comes back)."""
+        store = notice_store(_timeout())
+        if store is None:
+            raise ConfigError("a returning parameter-server worker needs paratrain run's notice store "
+                              "(PARATRAIN_NOTICE_STORE); launch the job with paratrain run")
+        group = return_group(store, env.rank, rejoin_count(), 0, self.config.servers, _timeout())
+        return [Link(group, 1 + i) for i in range(self.config.servers)]
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         if self.worker is not None:
-            return self.worker.optimizer(optimizer, model)
+            pushing = self.worker.optimizer(optimizer, model)
+            if not self.config.synchronous and not rt.checkpointing:
+                self._may_leave = True
+                allow_leaving(rt.env.rank)  # from here on the job can do without this process
+            return pushing
         assert self._model is not None and self._layout is not None
         model, self._model = self._model, None
-        serve(model, optimizer, self._layout, rt.env.rank, self.config, ShardStore(write_alone, read_alone))
-        finish_group()  # meets the workers' Parallel.close, which waits for every rank before the group goes
+        returns = None if self.config.synchronous else _returns()
+        serve(model, optimizer, self._layout, rt.env.rank, self.config, ShardStore(write_alone, read_alone), returns)
+        # synchronous: meets the workers' Parallel.close, which waits for every rank before the group goes
+        finish_group(meet=self.config.synchronous)
         raise SystemExit(0)  # training is over: the workers' results are the job's
 
     def data_parallel(self, rt: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
@@ -97,11 +135,29 @@ class ParameterServer(Strategy):
         return rt.env.rank, workers, self.training_group(rt.env)
 
     def training_group(self, env: ClusterEnv) -> dist.ProcessGroup | None:
-        return self._workers(env)
+        """The workers' group; an asynchronous worker's monitor and ``par.barrier`` take part in no one else's (a
+        group of itself alone: its peers may have left, or be far behind)."""
+        if self.config.synchronous or self.is_server(env) or not dist.is_initialized() or self.joins_alone(env):
+            return self._workers(env)  # None on a server, and on a returning worker (its own group holds it alone)
+        if self._own is None:
+            self._own = dist.new_group([env.rank], use_local_synchronization=True)
+        return self._own
+
+    def metrics(self, rt: Runtime) -> tuple[int, dist.ProcessGroup | None]:
+        """An asynchronous worker's ``par.mean``/``par.sum`` are its own values (its peers may have left)."""
+        return super().metrics(rt) if self.config.synchronous else (1, None)
+
+    def steps_taken(self) -> int:
+        """The pushes the servers took from this worker's rank before this process (one that came back) pulled;
+        told once."""
+        if self.worker is None or self._env is None or not self.joins_alone(self._env):
+            return 0
+        steps, self.worker.client.steps_before = self.worker.client.steps_before, 0
+        return steps
 
     def _workers(self, env: ClusterEnv) -> dist.ProcessGroup | None:
         """The workers' own group (made by the workers alone: the servers are serving); None on a server."""
-        if self.is_server(env) or not dist.is_initialized():
+        if self.is_server(env) or not dist.is_initialized() or self.joins_alone(env):
             return None
         if self._group is None:
             workers = list(range(env.world_size - self.config.servers))
@@ -127,6 +183,10 @@ class ParameterServer(Strategy):
     # ----------------------------------------------------------------- checkpoints
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """The workers save and load together; the servers, serving, take part through their messages."""
+        if self._may_leave or (self._env is not None and self.joins_alone(self._env)):
+            raise ConfigError("asynchronous ps workers may leave the job, so they cannot save or load together; set "
+                              "checkpoint_dir (Parallel(checkpoint_dir=...) or paratrain run --checkpoint-dir) to "
+                              "checkpoint an asynchronous job: its workers then stay to the end")
         return self._workers(self._env) if self._env is not None else None
 
     def save_shards(self, folder: Path, rank: int) -> None:
@@ -184,20 +244,46 @@ class ParameterServer(Strategy):
         stats = self.worker.client.stats
         return stats.push_bytes + stats.pull_bytes
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """On a worker: tell the servers it is done, then the table of pulls, pushes and the servers' load (rank 0
-        prints it)."""
+        prints it; asynchronous: the first server, as every worker's goodbye reaches it). Asynchronous workers do
+        not meet at the end: some may have left."""
         env = self._env
         if env is None or self.is_server(env) or self._closed or not dist.is_initialized():
-            return
+            return self.config.synchronous
         self._closed = True
         worker = self.worker
         loads = worker.client.finish() if worker is not None else []
-        table = report(self.config.servers, self.config, env.rank, worker.client.stats if worker else None,
-                       self._workers(env), loads)
-        if table:
-            print(table, flush=True)
+        if self.config.synchronous:
+            table = report(self.config.servers, self.config, env.rank, worker.client.stats if worker else None,
+                           self._workers(env), loads)
+            if table:
+                print(table, flush=True)
+        return self.config.synchronous
 
     def describe(self) -> str:
         c = self.config
         return f"ps(servers={c.servers}, {'sync' if c.synchronous else f'staleness={c.staleness}'})"
+
+
+def _timeout() -> timedelta:
+    """How long a server or a returning worker waits to meet the other side: the job's process-group timeout."""
+    return timedelta(seconds=float(os.environ.get(PG_TIMEOUT_VAR, DEFAULT_PG_TIMEOUT_S)))
+
+
+def _returns() -> Returns | None:
+    """How an asynchronous server learns from ``paratrain run`` whether a worker that died comes back (None outside
+    ``paratrain run``: it never does)."""
+    store = notice_store(_timeout())
+    if store is None:
+        return None
+
+    def comes_back(rank: int, n: int) -> bool:
+        key = notice_key(rank, n)
+        try:
+            store.wait([key])
+        except RuntimeError:  # the launcher said nothing in time: it is not coming
+            return False
+        return store.get(key) == BACK
+
+    return Returns(comes_back, store, _timeout())

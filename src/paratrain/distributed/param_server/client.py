@@ -11,9 +11,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .layout import Layout
+from .links import Link, job_link
 from .messages import (DONE, DTYPE_CODES, HEADER_WORDS, LOAD, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
-                       PUSH_DENSE, PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, KIND_NAMES,
-                       ProtocolError, pack, word_float)
+                       PUSH_DENSE, PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REPORT_WORDS, REQUEST_TAG, SAVE, Header,
+                       KIND_NAMES, ProtocolError, pack, word_float)
 
 
 @dataclass
@@ -31,6 +32,11 @@ class ClientStats:
     dropped: int = 0
     """Pushes a server did not apply: computed on parameters older than the staleness bound."""
 
+    def words(self, rank: int) -> torch.Tensor:
+        """This worker's row of the closing table, as a goodbye carries it (``REPORT_WORDS`` float64)."""
+        return torch.tensor([rank, self.steps, self.pull_s, self.push_s, self.pull_bytes, self.push_bytes,
+                             self.max_staleness, self.dropped], dtype=torch.float64)
+
 
 @dataclass(frozen=True)
 class ServerLoad:
@@ -45,8 +51,12 @@ class ServerLoad:
 
 
 class Client:
-    def __init__(self, layout: Layout, rank: int, params: dict[str, nn.Parameter], max_rows: int) -> None:
+    def __init__(self, layout: Layout, rank: int, params: dict[str, nn.Parameter], max_rows: int,
+                 links: list[Link] | None = None) -> None:
+        """``links``: how to reach each server (default: in the job's group; a worker back after it died has a
+        group of its own with them)."""
         self.layout, self.rank, self.max_rows = layout, rank, max_rows
+        self.links = links if links is not None else [job_link(r) for r in layout.servers]
         self.params = [[params[s.name] for s in slots] for slots in layout.dense]
         self.step_no = 0
         self.versions = [0] * len(layout.servers)
@@ -56,6 +66,9 @@ class Client:
         """The gradient norm before clipping that the servers' answer to the last push carried (0: not clipped
         there)."""
         self.stats = ClientStats()
+        self.steps_before = 0
+        """The pushes the servers had taken from this worker's rank before its first pull (a worker back after it
+        died continues from there)."""
 
     # ----------------------------------------------------------------- dense
     def pull_dense(self) -> None:
@@ -94,13 +107,16 @@ class Client:
         for s, params in enumerate(self.params):
             h = self._answer(s, kind)
             self.versions[s] = h.step
-            self.stats.staleness = h.width if s == 0 else max(self.stats.staleness, h.width)
-            self.stats.dropped += h.table
-            if kind == PUSH_DENSE and s == 0:  # every server clipped by the same norm
-                self.grad_norm = word_float(h.dtype)
+            if kind == PUSH_DENSE:
+                self.stats.staleness = h.width if s == 0 else max(self.stats.staleness, h.width)
+                self.stats.dropped += h.table
+                if s == 0:  # every server clipped by the same norm
+                    self.grad_norm = word_float(h.dtype)
+            elif s == 0:  # a pull's answer: the pushes taken from this rank so far
+                self.steps_before = h.table
             if h.count:
                 flat = torch.empty(h.count, dtype=self.layout.dtype)
-                dist.recv(flat, src=self.layout.servers[s], tag=REPLY_TAG)
+                self.links[s].recv(flat, REPLY_TAG)
                 self.stats.pull_bytes += flat.numel() * flat.element_size()
                 with torch.no_grad():  # copied in place: the parameters keep their storage (and device)
                     for p, part in zip(params, flat.split([p.numel() for p in params])):
@@ -126,7 +142,7 @@ class Client:
         for s, part in plan:
             h = self._answer(s, PULL_ROWS)
             rows = torch.empty(h.count, h.width, dtype=self.layout.dtype)
-            dist.recv(rows, src=self.layout.servers[s], tag=REPLY_TAG)
+            self.links[s].recv(rows, REPLY_TAG)
             out[part] = rows
             self.stats.pull_bytes += rows.numel() * rows.element_size()
         for w in works:
@@ -160,7 +176,10 @@ class Client:
         if self.done:
             return []
         self.done = True
-        works = [w for s in range(len(self.layout.servers)) for w in self._request(s, Header(DONE, self.step_no))]
+        words = self.stats.words(self.rank)
+        works = [w for s in range(len(self.layout.servers))
+                 for w in self._request(s, Header(DONE, self.step_no, count=REPORT_WORDS,
+                                                  dtype=DTYPE_CODES[torch.float64]), pack(words))]
         loads = []
         for s, rank in enumerate(self.layout.servers):
             h = self._answer(s, DONE)
@@ -172,18 +191,18 @@ class Client:
 
     # ----------------------------------------------------------------- wire
     def _request(self, server: int, h: Header, payload: torch.Tensor | None = None) -> list:
-        dst = self.layout.servers[server]
+        link = self.links[server]
         words = h.tensor()
-        works = [_Kept(dist.isend(words, dst, tag=REQUEST_TAG), words)]
+        works = [_Kept(link.isend(words, REQUEST_TAG), words)]
         if payload is not None:
-            works.append(_Kept(dist.isend(payload, dst, tag=PAYLOAD_TAG), payload))
+            works.append(_Kept(link.isend(payload, PAYLOAD_TAG), payload))
             self.stats.push_bytes += payload.numel()
         return works
 
     def _answer(self, server: int, kind: int) -> Header:
         words = torch.zeros(HEADER_WORDS, dtype=torch.int64)
         src = self.layout.servers[server]
-        dist.recv(words, src=src, tag=REPLY_TAG)
+        self.links[server].recv(words, REPLY_TAG)
         w = words.tolist()
         if w[0] != MAGIC or w[1] not in (OK, REFUSED):
             raise ProtocolError(f"rank {self.rank} got a malformed answer from server rank {src}")

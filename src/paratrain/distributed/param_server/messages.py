@@ -33,6 +33,8 @@ OK, REFUSED = 16, 17
 KIND_NAMES = {PULL_DENSE: "pull of dense parameters", PUSH_DENSE: "push of dense gradients",
               PULL_ROWS: "pull of table rows", PUSH_ROWS: "push of row gradients", DONE: "done",
               SAVE: "checkpoint save", LOAD: "checkpoint load", OK: "reply", REFUSED: "refusal"}
+REPORT_WORDS = 8
+"""A goodbye (DONE) carries the worker's numbers for the closing table as this many float64 words."""
 PATH_BYTES = 4096
 """The longest folder name (UTF-8 bytes) a SAVE or LOAD may carry: where the server writes or reads its shard."""
 
@@ -75,8 +77,8 @@ class Header:
         item = DTYPES[self.dtype].itemsize if self.dtype in DTYPES else 0
         body = {PUSH_DENSE: self.count * item + (self.width + 1) * 8, PULL_ROWS: self.count * 8,
                 PUSH_ROWS: self.count * 8 + self.count * self.width * item, SAVE: self.count,
-                LOAD: self.count}.get(self.kind, 0)
-        return body + TRAILER.numel() if self.kind in (PUSH_DENSE, PULL_ROWS, PUSH_ROWS, SAVE, LOAD) else 0
+                LOAD: self.count, DONE: self.count * item}.get(self.kind, 0)
+        return body + TRAILER.numel() if self.kind in (PUSH_DENSE, PULL_ROWS, PUSH_ROWS, SAVE, LOAD, DONE) else 0
 
 
 def parse(words: torch.Tensor) -> Header:
@@ -144,7 +146,11 @@ class Schema:
         elif h.kind in (SAVE, LOAD):
             if not 0 < h.count <= PATH_BYTES:
                 raise Refused(6, f"a folder name of {h.count} bytes, at most {PATH_BYTES}", drain=False)
-        elif h.kind not in (PULL_DENSE, DONE):
+        elif h.kind == DONE:
+            if (h.count, h.dtype) != (REPORT_WORDS, DTYPE_CODES[torch.float64]):
+                raise Refused(3, f"a goodbye of {h.count} {_dtype_name(h.dtype)} words, expected {REPORT_WORDS} "
+                              "float64", drain=True)
+        elif h.kind != PULL_DENSE:
             raise Refused(2, f"{KIND_NAMES[h.kind]} is not a request", drain=True)
 
 
@@ -164,6 +170,8 @@ def unpack(buffer: torch.Tensor, h: Header) -> tuple[torch.Tensor, ...]:
         return body[(h.width + 1) * 8:].view(DTYPES[h.dtype]), words[:h.width], words[h.width:]
     if h.kind in (SAVE, LOAD):
         return (body,)
+    if h.kind == DONE:
+        return (body.view(torch.float64),)
     ids = body[:h.count * 8].view(torch.int64)
     if h.kind == PULL_ROWS:
         return (ids,)

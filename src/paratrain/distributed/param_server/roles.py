@@ -9,9 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .async_serving import Returns, serve_each_worker
 from .client import Client, ClientStats, ServerLoad
 from .config import PSConfig
 from .layout import Layout
+from .links import Link
 from .optimizers import group_of, table_kind
 from .server import Server, ServerStats
 from .shards import ServerShards
@@ -21,17 +23,29 @@ from .worker import PushingOptimizer
 
 
 def serve(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, rank: int,
-          config: PSConfig, store: ShardStore | None = None) -> ServerStats:
+          config: PSConfig, store: ShardStore | None = None, returns: Returns | None = None) -> ServerStats:
     """Hold this server's shards and serve until every worker is done (``store``: how a checkpoint holds them).
 
     Synchronous servers (more than one) first make a group of their own, among themselves while the workers make
-    theirs: a clipped step adds up its norm over it."""
+    theirs: a clipped step adds up its norm over it. Asynchronous servers serve each worker in a thread of its own,
+    so that one may leave (and, as ``returns`` says, come back) while the others train; the first of them prints
+    the closing table, since the workers may no longer all be there to gather it."""
     shards = ServerShards(model, optimizer, layout, layout.servers.index(rank), config.table_optimizer)
     del model, optimizer  # what this server does not own goes now (the caller drops its references too)
     servers = None
     if config.synchronous and len(layout.servers) > 1 and dist.is_initialized():
         servers = dist.new_group(list(layout.servers), use_local_synchronization=True)
-    return Server(shards, layout, rank, config.staleness, config.max_rows, store, servers).serve()
+    server = Server(shards, layout, rank, config.staleness, config.max_rows, store, servers)
+    if config.synchronous:
+        return server.serve()
+    index = layout.servers.index(rank)
+    attendance = serve_each_worker(server, returns, index, len(layout.servers))
+    if index == 0:
+        rows = [server.reports[w] for w in sorted(server.reports)]
+        loads = [ServerLoad(rank, server.stats.requests, server.stats.dropped, server.stats.bytes_in,
+                            server.stats.bytes_out, server.stats.busy_s)]
+        print("\n".join(table(len(layout.servers), config, rows, loads) + attendance.lines()), flush=True)
+    return server.stats
 
 
 def shard_folder(index: int) -> str:
@@ -42,12 +56,14 @@ def shard_folder(index: int) -> str:
 class WorkerSide:
     """A worker's connection to the servers and the stand-ins it put into the model."""
 
-    def __init__(self, model: nn.Module, layout: Layout, rank: int, config: PSConfig, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, layout: Layout, rank: int, config: PSConfig, device: torch.device,
+                 links: list[Link] | None = None) -> None:
+        """``links``: how to reach each server (default: in the job's group)."""
         self.layout, self.config = layout, config
         self.names = {id(p): n for n, p in model.named_parameters()}  # before the tables leave the model
         skip = {f"{t.name}.weight" for t in layout.tables}
         dense = {n: p for n, p in model.named_parameters() if n not in skip}
-        self.client = Client(layout, rank, dense, config.max_rows)
+        self.client = Client(layout, rank, dense, config.max_rows, links)
         self.tables: list[RemoteTable] = replace_tables(model, layout.tables, self.client)
         if device.type != "cpu":  # the tables are gone (they may be on meta); the parameters keep their identity
             model.to(device)
@@ -84,13 +100,15 @@ def report(layout_servers: int, config: PSConfig, rank: int, stats: ClientStats 
     """Every worker's pull/push time and bytes per step and staleness, and ``servers``' load, as a table (a
     collective over ``group``, the workers; ``stats`` None: a worker rank that trained nothing). Rank 0 gets the
     table, the others ''."""
-    st = stats or ClientStats()
-    mine = torch.tensor([rank, st.steps, st.pull_s, st.push_s, st.pull_bytes, st.push_bytes, st.max_staleness,
-                         st.dropped], dtype=torch.float64)
+    mine = (stats or ClientStats()).words(rank)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
-    if rank != 0:
-        return ""
+    return "\n".join(table(layout_servers, config, rows, servers)) if rank == 0 else ""
+
+
+def table(layout_servers: int, config: PSConfig, rows: Sequence[torch.Tensor],
+          servers: Sequence[ServerLoad] = ()) -> list[str]:
+    """The closing table's lines: a row per worker (:meth:`ClientStats.words`), a line per server."""
     mode = "synchronous" if config.synchronous else f"staleness <= {config.staleness}"
     lines = [f"paratrain ps: {layout_servers} server(s), {len(rows)} worker(s), {mode}",
              "rank   steps  pull ms/step  push ms/step  pulled/step  pushed/step  max staleness  dropped"]
@@ -103,4 +121,4 @@ def report(layout_servers: int, config: PSConfig, rank: int, stats: ClientStats 
         lines.append("server  requests  received   sent       busy s  dropped")
         lines += [f"{s.rank:>6}  {s.requests:>8}  {_mib(s.bytes_in):>9}  {_mib(s.bytes_out):>9}  {s.busy_s:>7.2f}  "
                   f"{s.dropped:>7}" for s in servers]
-    return "\n".join(lines)
+    return lines

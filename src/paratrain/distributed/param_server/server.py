@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .clipping import clip_coefficient, squared_norm
 from .layout import Layout
+from .links import job_link
 from .messages import (DONE, HEADER_WORDS, LOAD, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE, PUSH_ROWS,
                        REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, Refused, Schema, TRAILER, float_word, parse,
                        unpack)
@@ -64,6 +65,9 @@ class Server:
         self.version = 0
         """Optimizer steps this server has taken: a pull's parameters are of this version."""
         self.training = set(layout.workers)
+        self.finished: set[int] = set()  # workers that said they are done
+        self.reports: dict[int, torch.Tensor] = {}  # their numbers for the closing table (REPORT_WORDS each)
+        self.links = {w: job_link(w) for w in layout.workers}
         self.banned: set[int] = set()
         self.pushed: set[int] = set()  # sync: workers whose push of this step is in
         self.max_norm = 0.0  # sync: what this step's pushes clip to (0: no clipping)
@@ -74,40 +78,52 @@ class Server:
         self.stats = ServerStats()
 
     def serve(self) -> ServerStats:
-        """Answer requests until every worker has said it is done."""
+        """Answer requests, from any worker in turn, until every worker has said it is done."""
         words = torch.zeros(HEADER_WORDS, dtype=torch.int64)
         while self.training:
             words.zero_()
             src = dist.recv(words, src=None, tag=REQUEST_TAG)
-            start = time.perf_counter()
-            self.stats.requests += 1
-            try:
-                if src in self.banned:
-                    raise Refused(9, "no longer served", drain=False)
-                if src not in self.clock:
-                    raise Refused(2, "a request from a server rank", drain=False)
-                header = parse(words)
-                try:
-                    self.schema.check(header)
-                except Refused as r:
-                    if r.drain and header.payload_bytes:
-                        self._receive(src, header)
-                    raise
-                payload = self._receive(src, header) if header.payload_bytes else ()
-                self._handle(src, header, payload)
-            except Refused as r:
-                self._refuse(src, r)
-            self._reap()
-            self.stats.busy_s += time.perf_counter() - start
-        for work, _ in self.sends:
-            work.wait()
+            self.serve_one(src, words)
+        self.finish_sends()
         return self.stats
+
+    def serve_one(self, src: int, words: torch.Tensor) -> None:
+        """Read the rest of the request whose header ``src`` sent into ``words``, and answer it (or refuse it)."""
+        start = time.perf_counter()
+        self.stats.requests += 1
+        try:
+            if src in self.banned:
+                raise Refused(9, "no longer served", drain=False)
+            if src not in self.clock:
+                raise Refused(2, "a request from a server rank", drain=False)
+            header = parse(words)
+            try:
+                self.schema.check(header)
+            except Refused as r:
+                if r.drain and header.payload_bytes:
+                    self._receive(src, header)
+                raise
+            payload = self._receive(src, header) if header.payload_bytes else ()
+            self._handle(src, header, payload)
+        except Refused as r:
+            self._refuse(src, r)
+        self._reap()
+        self.stats.busy_s += time.perf_counter() - start
+
+    def finish_sends(self) -> None:
+        """Wait for the answers still in flight (those to a worker that has gone fail, and are dropped)."""
+        for work, _ in self.sends:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass
+        self.sends = []
 
     # ----------------------------------------------------------------- requests
     def _receive(self, src: int, h: Header) -> tuple[torch.Tensor, ...]:
         n = h.payload_bytes
         self.buffer[n - TRAILER.numel():n].zero_()
-        dist.recv(self.buffer, src=src, tag=PAYLOAD_TAG)
+        self.links[src].recv(self.buffer, PAYLOAD_TAG)
         self.stats.bytes_in += n
         try:
             return unpack(self.buffer, h)
@@ -116,7 +132,8 @@ class Server:
 
     def _handle(self, src: int, h: Header, payload: tuple[torch.Tensor, ...]) -> None:
         if h.kind == PULL_DENSE:
-            self._reply(src, Header(OK, self.version, count=self.shards.flat.numel()), self.shards.flat.clone())
+            self._reply(src, Header(OK, self.version, table=self.clock[src], count=self.shards.flat.numel()),
+                        self.shards.flat.clone())
         elif h.kind == PULL_ROWS:
             (ids,) = payload
             shard = self._rows_of(h.table, ids)
@@ -155,6 +172,8 @@ class Server:
             self._checkpoint(src, h, payload[0])
         elif h.kind == DONE:  # answered with this server's load so far
             self.training.discard(src)
+            self.finished.add(src)
+            self.reports[src] = payload[0].clone()
             st = self.stats
             self._reply(src, Header(OK, st.requests, st.dropped, st.bytes_in, st.bytes_out, int(1e3 * st.busy_s)))
             if self.staleness == 0:
@@ -229,11 +248,11 @@ class Server:
 
     # ----------------------------------------------------------------- replies
     def _reply(self, dst: int, h: Header, payload: torch.Tensor | None = None) -> None:
-        words = h.tensor()
-        self.sends.append((dist.isend(words, dst, tag=REPLY_TAG), words))
+        words, link = h.tensor(), self.links[dst]
+        self.sends.append((link.isend(words, REPLY_TAG), words))
         if payload is not None and payload.numel():
             payload = payload.contiguous()
-            self.sends.append((dist.isend(payload, dst, tag=REPLY_TAG), payload))
+            self.sends.append((link.isend(payload, REPLY_TAG), payload))
             self.stats.bytes_out += payload.numel() * payload.element_size()
 
     def _refuse(self, src: int, r: Refused) -> None:
