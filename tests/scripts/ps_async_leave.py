@@ -1,7 +1,10 @@
 """Asynchronous parameter servers with workers that die: a small regression trained by ``Parallel("ps",
 staleness=4)``, with chosen workers SIGKILLed after chosen steps (their first process only).
 
-Usage: paratrain run -n 4 [--max-restarts K] ps_async_leave.py OUT_DIR RANK:STEP[,RANK:STEP...]
+Usage: paratrain run -n 4 [--max-restarts K] ps_async_leave.py OUT_DIR RANK:STEP[:mid][,RANK:STEP[:mid]...]
+
+``RANK:STEP`` kills that worker after its optimizer step STEP; ``RANK:STEP:mid`` in the middle of its next push
+(its header sent, its gradients not), so that the server loses it inside a request.
 
 Every process (a replacement too) writes ``OUT_DIR/pid-<rank>-<n>`` with its pid as it starts (n: its
 ``PARATRAIN_REJOIN``), and every worker process that finishes writes ``OUT_DIR/worker-<rank>-<n>.json``: the step
@@ -25,8 +28,11 @@ EPOCHS, BATCHES, BATCH = 3, 10, 8  # per worker: 10 batches of 8 an epoch, 30 st
 
 
 def main() -> None:
-    out, kills = sys.argv[1], dict(item.split(":") for item in sys.argv[2].split(",") if item)
+    out, kills = sys.argv[1], {int(item.split(":")[0]): item.split(":")[1:] for item in sys.argv[2].split(",") if item}
     rank, n = int(os.environ["RANK"]), rejoin_count()
+    step, mid = (int(kills[rank][0]), kills[rank][1:] == ["mid"]) if rank in kills and n == 0 else (-1, False)
+    if mid:
+        die_inside_push(rank, step + 1)
     with open(os.path.join(out, f"pid-{rank}-{n}"), "w") as f:
         f.write(str(os.getpid()))
     torch.manual_seed(0)
@@ -45,16 +51,36 @@ def main() -> None:
                     loss = par.forward_backward(model, xb, yb, F.mse_loss)
                 trained += 1
                 time.sleep(0.02)
-                if n == 0 and int(kills.get(str(rank), -1)) == par.optimizer_steps:
-                    print(f"ps_async_leave: SIGKILL rank {rank} after step {par.optimizer_steps}", file=sys.stderr,
-                          flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if not mid and step == par.optimizer_steps:
+                    die(f"SIGKILL rank {rank} after step {step}")
             par.print(f"epoch {epoch} loss {par.mean(loss):.4f}")
         state = par.full_state_dict(model, rank0_only=False)
         result = {"start": start, "end": par.optimizer_steps, "trained": trained, "pulled_version": pulled_version,
                   "state": {k: v.tolist() for k, v in state.items()}}
     with open(os.path.join(out, f"worker-{rank}-{n}.json"), "w") as f:
         json.dump(result, f)
+
+
+def die(what: str) -> None:
+    print(f"ps_async_leave: {what}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_inside_push(rank: int, push: int) -> None:
+    """SIGKILL this process once push number ``push``'s header is on its way and before its gradients are."""
+    from paratrain.distributed.param_server import client
+    from paratrain.distributed.param_server.messages import PUSH_DENSE, REQUEST_TAG
+
+    request = client.Client._request
+
+    def header_then_die(self, server, h, payload=None):
+        if h.kind == PUSH_DENSE and self.step_no == push:
+            self.links[server].isend(h.tensor(), REQUEST_TAG).wait()
+            time.sleep(0.2)
+            die(f"SIGKILL rank {rank} inside push {push} (header sent, gradients not)")
+        return request(self, server, h, payload)
+
+    client.Client._request = header_then_die
 
 
 if __name__ == "__main__":

@@ -24,7 +24,12 @@ import torch.distributed as dist
 
 from .links import Link, return_group
 from .messages import HEADER_WORDS, REQUEST_TAG
-from .server import Server, ServerStats
+from .server import Departed, Server
+
+
+IDLE_WORKER = timedelta(days=7)
+"""How long a worker may go without a request (evaluating, say) before its server gives up on it: far longer than
+the group's timeout, which bounds the other waits, since only a dead connection means a worker is gone."""
 
 
 @dataclass(frozen=True)
@@ -64,39 +69,58 @@ def serve_each_worker(server: Server, returns: Returns | None, index: int, serve
     place among the ``servers`` servers (a returning worker's group numbers them)."""
     lock = threading.Lock()
     attendance = Attendance()
-    threads = [threading.Thread(target=_serve_worker, name=f"ps-worker-{w}", daemon=True,
-                                args=(server, w, lock, returns, index, servers, attendance))
+    errors: list[BaseException] = []
+
+    def run(worker: int) -> None:
+        try:
+            _serve_worker(server, worker, lock, returns, index, servers, attendance)
+        except BaseException as err:  # noqa: BLE001 - raised in the server's main thread below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(w,), name=f"ps-worker-{w}", daemon=True)
                for w in server.layout.workers]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        while t.is_alive() and not errors:
+            t.join(0.2)
+        if errors:  # a failure serving one worker ends the server (and so the job), not that worker's thread alone
+            raise errors[0]
     server.finish_sends()
     return attendance
 
 
 def _serve_worker(server: Server, worker: int, lock: threading.Lock, returns: Returns | None, index: int,
                   servers: int, attendance: Attendance) -> None:
-    words = torch.zeros(HEADER_WORDS, dtype=torch.int64)
     deaths = 0
+    while (gone := _serve_until_gone(server, worker, lock)) is not None:
+        deaths += 1
+        with lock:
+            departure = _depart(server, worker, gone, attendance)
+        link = _await_return(worker, deaths, returns, index, servers)
+        if link is None:
+            return
+        with lock:
+            departure.back = True
+            server.links[worker] = link
+            server.training.add(worker)
+
+
+def _serve_until_gone(server: Server, worker: int, lock: threading.Lock) -> BaseException | None:
+    """Serve ``worker``'s requests until it says it is done (None) or its connection closes (the error)."""
+    words = torch.zeros(HEADER_WORDS, dtype=torch.int64)
     while worker not in server.finished:
         words.zero_()
         try:
-            server.links[worker].recv(words, REQUEST_TAG)
-        except RuntimeError as err:  # its connection closed: the process died
-            deaths += 1
+            server.links[worker].recv(words, REQUEST_TAG, timeout=IDLE_WORKER)
+        except RuntimeError as err:  # between requests
+            return err
+        try:
             with lock:
-                departure = _depart(server, worker, err, attendance)
-            link = _await_return(worker, deaths, returns, index, servers)
-            if link is None:
-                return
-            with lock:
-                departure.back = True
-                server.links[worker] = link
-                server.training.add(worker)
-            continue
-        with lock:
-            server.serve_one(worker, words)
+                server.serve_one(worker, words)
+        except Departed as err:  # inside a request
+            return err
+    return None
 
 
 def _depart(server: Server, worker: int, err: BaseException, attendance: Attendance) -> Departure:

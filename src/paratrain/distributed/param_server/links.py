@@ -27,8 +27,10 @@ class Link:
     def isend(self, tensor: torch.Tensor, tag: int) -> dist.Work:
         return self.group.send([tensor], self.peer, tag)
 
-    def recv(self, tensor: torch.Tensor, tag: int) -> None:
-        self.group.recv([tensor], self.peer, tag).wait()
+    def recv(self, tensor: torch.Tensor, tag: int, timeout: timedelta | None = None) -> None:
+        """Receive into ``tensor``; wait at most ``timeout`` (default: the group's)."""
+        work = self.group.recv([tensor], self.peer, tag)
+        work.wait() if timeout is None else work.wait(timeout)
 
 
 def job_link(rank: int) -> Link:

@@ -34,6 +34,10 @@ from .shards import ServerShards
 from .snapshot import ShardStore, load_shard_state, shard_state
 
 
+class Departed(RuntimeError):
+    """A worker's connection closed in the middle of its request (its process died)."""
+
+
 @dataclass
 class ServerStats:
     """What a server did, for the report and the tests."""
@@ -123,7 +127,10 @@ class Server:
     def _receive(self, src: int, h: Header) -> tuple[torch.Tensor, ...]:
         n = h.payload_bytes
         self.buffer[n - TRAILER.numel():n].zero_()
-        self.links[src].recv(self.buffer, PAYLOAD_TAG)
+        try:
+            self.links[src].recv(self.buffer, PAYLOAD_TAG)
+        except RuntimeError as err:
+            raise Departed(str(err)) from None
         self.stats.bytes_in += n
         try:
             return unpack(self.buffer, h)
