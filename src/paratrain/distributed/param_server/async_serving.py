@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ...errors import ParatrainError
 from .links import Link, return_group
 from .messages import HEADER_WORDS, REQUEST_TAG
 from .server import Departed, Server
@@ -87,6 +88,9 @@ def serve_each_worker(server: Server, returns: Returns | None, index: int, serve
         if errors:  # a failure serving one worker ends the server (and so the job), not that worker's thread alone
             raise errors[0]
     server.finish_sends()
+    if not server.finished:  # the servers alone would end with exit code 0: the job must not pass for finished
+        raise ParatrainError(f"parameter server rank {server.rank}: every worker left and none came back, so "
+                             "training did not finish; give paratrain run --max-restarts to bring workers back")
     return attendance
 
 
