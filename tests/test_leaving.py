@@ -88,7 +88,8 @@ def test_torchrun_builds_the_leaving_agent_only_inside_the_block(monkeypatch):
 
 def test_a_leaver_comes_back_once_then_one_leaves_for_good(tmp_path):
     res = _launch(tmp_path, "-n", "3", "--max-restarts", "2",  # attempt 0: rank 0 (no leaver) dies, the job restarts
-                  job=("--leave", "1,2", "--die", "0@0.3,1@0.5#1", "--fail", "2@1.5#1", "--notice", "1:1,2:1"))
+                  job=("--leave", "1,2", "--die", "0@0.3,1@0.5#1", "--fail", "2@1.5#1", "--fail-after", "1",
+                       "--notice", "1:1,2:1"))
     why = res.stderr
     pids = _pids(tmp_path)
     assert res.returncode == 0, why
@@ -117,7 +118,7 @@ def test_without_restarts_a_killed_leaver_leaves_and_the_job_succeeds(tmp_path):
 
 
 def test_a_rank_that_did_not_allow_leaving_stops_the_job_as_before(tmp_path):
-    res = _launch(tmp_path, "-n", "2", job=("--leave", "0", "--die", "1@0.5"))
+    res = _launch(tmp_path, "-n", "2", job=("--leave", "0", "--die", "1@0.5", "--work", "30"))
     check("job: a rank that may not leave is killed beside one that may", rc=res.returncode, expect_rc=1,
           stderr=res.stderr, kind="report", lines=None, pids=_pids(tmp_path),
           words=["paratrain: rank 1 failed", "killed by SIGKILL", "rank 0 stopped by the launcher"])

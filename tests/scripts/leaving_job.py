@@ -1,14 +1,14 @@
 """A job whose ranks may leave, for tests/test_leaving.py (no process group, no parameter server).
 
-Usage: paratrain run -n N leaving_job.py OUT_DIR [--leave 1,2] [--die 1@1.0] [--fail 2@2.0#1] [--notice 1:1,2:1]
-       [--work 4]
+Usage: paratrain run -n N leaving_job.py OUT_DIR [--leave 1,2] [--die 1@1.0] [--fail 2@2.0#1] [--fail-after 1]
+       [--notice 1:1,2:1] [--work 4]
 
-Every process writes OUT_DIR/pid-<attempt>-<rank>-<rejoin>. Ranks in ``--leave`` call ``allow_leaving``; a rank named in
-``--die`` SIGKILLs itself that many seconds into its work, a rank named in ``--fail`` raises then; both in the
-original process only, of launch attempt 0 or the one after ``#``. A rank that gets
-``--notice`` (``RANK:N`` pairs, read by rank 0) waits on the notice store for the N-th process of RANK and writes
-the value to OUT_DIR/notice-<RANK>-<N>. Each process that finishes its ``--work`` seconds writes
-OUT_DIR/done-<rank>-<rejoin> (holding its attempt).
+Every process writes OUT_DIR/pid-<attempt>-<rank>-<rejoin>. Ranks in ``--leave`` call ``allow_leaving``; a rank
+named in ``--die`` SIGKILLs itself that many seconds into its work, a rank named in ``--fail`` raises then; both in
+the original process only, of launch attempt 0 or the one after ``#``; with ``--fail-after R`` not before rank R's
+first replacement has started. A rank that gets ``--notice`` (``RANK:N`` pairs, read by rank 0) waits on the notice
+store for the N-th process of RANK and writes the value to OUT_DIR/notice-<RANK>-<N>. Each process that finishes
+its ``--work`` seconds writes OUT_DIR/done-<rank>-<rejoin> (holding its attempt).
 """
 import argparse
 import os
@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--leave", default="")
     parser.add_argument("--die", default="")
     parser.add_argument("--fail", default="")
+    parser.add_argument("--fail-after", type=int, default=None,
+                        help="--fail waits (working on) until this rank's first replacement has started")
     parser.add_argument("--notice", default="")
     parser.add_argument("--work", type=float, default=4.0)
     args = parser.parse_args()
@@ -37,11 +39,12 @@ def main() -> None:
         assert allow_leaving(rank)
     die_at, fail_at = _when(args.die, rank, rejoin), _when(args.fail, rank, rejoin)
     notices = [tuple(map(int, item.split(":"))) for item in args.notice.split(",") if item] if rank == 0 else []
+    after = None if args.fail_after is None else os.path.join(args.out, f"pid-{attempt}-{args.fail_after}-1")
     start = time.monotonic()
-    while time.monotonic() - start < args.work:
+    while time.monotonic() - start < (args.work if fail_at is None else 60):
         if die_at is not None and time.monotonic() - start >= die_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if fail_at is not None and time.monotonic() - start >= fail_at:
+        if fail_at is not None and time.monotonic() - start >= fail_at and (after is None or os.path.exists(after)):
             raise RuntimeError(f"planted failure of rank {rank}")
         time.sleep(0.05)
     if notices:
