@@ -41,7 +41,12 @@ def main() -> None:
     notices = [tuple(map(int, item.split(":"))) for item in args.notice.split(",") if item] if rank == 0 else []
     after = None if args.fail_after is None else os.path.join(args.out, f"pid-{attempt}-{args.fail_after}-1")
     start = time.monotonic()
+    world = int(os.environ["WORLD_SIZE"])
+    started = [os.path.join(args.out, f"pid-{attempt}-{r}-0") for r in range(world)]
     while time.monotonic() - start < (args.work if fail_at is None else 60):
+        if not all(os.path.exists(p) for p in started):  # no planted death before every rank is counted
+            time.sleep(0.05)
+            continue
         if die_at is not None and time.monotonic() - start >= die_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if fail_at is not None and time.monotonic() - start >= fail_at and (after is None or os.path.exists(after)):

@@ -18,6 +18,7 @@ from typing import Any
 from ..env import cpu_count
 from ..errors import JobTimeoutError, LaunchError, RankFailedError
 from .finish import leave
+from .leaving import LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR
 from .parent_death import die_with_parent
 
 LOOPBACK = "127.0.0.1"
@@ -87,6 +88,8 @@ def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[
     os.environ.update(base_env)
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
                        "TORCHELASTIC_RESTART_COUNT": "0"})
+    for var in (LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR):  # an outer paratrain run's: no rank here may leave
+        os.environ.pop(var, None)
     torch.set_num_threads(threads)
     result = fn(*args)
     torch.save(result, os.path.join(result_dir, f"{local_rank}.pt"))
