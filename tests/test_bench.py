@@ -168,6 +168,11 @@ def test_bytes_per_step_is_the_mean_per_training_rank_and_step_and_shows_in_ever
     row.servers = 1
     assert row.bytes_per_step == 2000.0 and row.global_batch == 16 and row.name == "ps x3 (1 server)"
     assert summarise("zero1", 2, 1, [record(None, None)] * 2).bytes_per_step is None  # not counted: "-"
+    assert row.comm_share is None  # the messages' time not timed: "-"
+    timed = [RankRecord(label="ps", replicas=2, replica_batch=8, memory_kind="rss_peak",
+                        blocks=[Block(step_s=[0.01, 0.03], data_s=[0.0, 0.0], moved_bytes=1, moving_s=s)])
+             for s in (0.01, 0.02)]
+    assert summarise("ps", 3, 1, timed).comm_share == pytest.approx(0.375)  # pulls and pushes: 25% and 50% of 40 ms
     ddp = Row(label="ddp", world=3, threads=1, global_batch=24, samples_per_s=900.0, step_ms=20.0,
               bytes_per_step=45 * 2**20, peak_mb=[400.0] * 3)
     result = BenchResult(config=BenchConfig(nprocs=(3,), strategies=("ddp", "ps")), machine=TWO_CORES,

@@ -66,6 +66,8 @@ class Block:
     peak_bytes: int = 0
     moved_bytes: int | None = None
     """Bytes the rank sent plus received over the timed steps, as its strategy counts them (None: not counted)."""
+    moving_s: float | None = None
+    """Seconds of the timed steps spent in the strategy's own messages, as it times them (None: not timed)."""
 
 
 @dataclass(kw_only=True)
@@ -186,11 +188,12 @@ def _timed(config: BenchConfig, workload: Workload, subject: ParatrainSubject | 
     for _ in range(config.warmup):
         timed_step()
     subject.barrier()
-    before = subject.bytes_moved()
+    before, before_s = subject.bytes_moved(), subject.seconds_moving()
     steps, waits = zip(*(timed_step() for _ in range(config.steps)))
-    after = subject.bytes_moved()
+    after, after_s = subject.bytes_moved(), subject.seconds_moving()
     block = Block(step_s=list(steps), data_s=list(waits),
-                  moved_bytes=None if before is None or after is None else after - before)
+                  moved_bytes=None if before is None or after is None else after - before,
+                  moving_s=None if before_s is None or after_s is None else after_s - before_s)
     if config.comm_probe and subject.can_skip_sync:
         assert isinstance(subject, ParatrainSubject)
         block.local_pass_s, block.synced_pass_s = _probe(subject, workload, batch, config, sync)

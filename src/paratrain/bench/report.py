@@ -66,7 +66,7 @@ def format_report(result: BenchResult) -> str:
     if best is not None:
         lines.append(f"fastest on this machine: {best.name} ({best.samples_per_s:.0f} samples/s)")
     lines.append(f"{memory.replace(' MiB', '')} is the largest rank's, in MiB; comm = share of the step spent waiting "
-                 "for gradient communication, data = waiting for the next batch, imbal = slowest rank's own work over "
+                 "for gradient communication (ps: in its pulls and pushes), data = waiting for the next batch, imbal = slowest rank's own work over "
                  "the mean; bytes/step = what one training rank sends plus receives per step in MiB/KiB (ddp: its "
                  "gradient ring all-reduce, computed; ps: its messages, measured; - : not counted) (see docs/bench.md)")
     lines += result.notes

@@ -32,7 +32,8 @@ class Row:
     efficiency: float | None = None
     """Speedup divided by the hardware used relative to the world-1 run (ranks x threads)."""
     comm_share: float | None = None
-    """Share of the step spent waiting for gradient communication (None: not measurable for this strategy)."""
+    """Share of the step spent waiting for gradient communication, or in a parameter server's pulls and pushes
+    (None: not measurable for this strategy)."""
     data_share: float = 0.0
     """Share of the step spent drawing the next batch and moving it to the device."""
     imbalance: float | None = None
@@ -117,6 +118,9 @@ def summarise(label: str, world: int, threads: int, ranks: list[RankRecord]) -> 
     elif first.blocks[0].local_pass_s is not None:
         row.comm_share = statistics.fmean(_comm_share(r) for r in ranks)
         row.imbalance = statistics.median(_imbalance([r.blocks[i] for r in ranks]) for i in range(len(first.blocks)))
+    elif all(b.moving_s is not None for r in ranks for b in r.blocks):  # timed where sent: a parameter server's
+        row.comm_share = statistics.fmean(sum(b.moving_s for b in r.blocks) / sum(s for b in r.blocks for s in b.step_s)
+                                          for r in ranks)
     return row
 
 

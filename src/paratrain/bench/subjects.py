@@ -44,6 +44,10 @@ class ParatrainSubject:
         """Bytes this rank has sent plus received for its model so far, as its strategy counts them (None: not)."""
         return self.par.strategy.traffic_bytes(self.model, self.par.optimizer_steps)
 
+    def seconds_moving(self) -> float | None:
+        """Seconds this rank has spent in its strategy's own messages so far, as the strategy times them."""
+        return self.par.strategy.traffic_seconds()
+
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> None:
         """A forward and backward with or without gradient synchronisation; gradients are dropped, the
         parameters stay as they are (FSDP's gradients kept back by ``no_sync`` go out with the next synced pass)."""
@@ -87,6 +91,9 @@ class TorchDDPSubject:
     def bytes_moved(self) -> int:
         """The gradient all-reduce's bytes so far, computed as paratrain's ddp computes its own."""
         return self.steps * all_reduce_traffic(self.model.module, self.replicas)
+
+    def seconds_moving(self) -> None:
+        return None  # its all-reduce overlaps the backward pass: the probe measures what the step waits for
 
     def close(self) -> None:
         pass

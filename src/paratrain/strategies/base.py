@@ -163,6 +163,11 @@ class Strategy(ABC):
         ``steps`` optimizer steps (``paratrain bench``'s bytes/step); None where this strategy does not count them."""
         return None
 
+    def traffic_seconds(self) -> float | None:
+        """Seconds this rank has spent in messages of the strategy's own so far, timed where they are sent and
+        awaited (a parameter-server worker's pulls and pushes); None where the strategy does not time them."""
+        return None
+
     def training_group(self, env: ClusterEnv) -> dist.ProcessGroup | None:
         """The ranks that train, whose monitors compare notes and whose ``par.barrier`` waits for each other (None:
         every rank); a parameter server's servers train nothing."""

@@ -244,6 +244,10 @@ class ParameterServer(Strategy):
         stats = self.worker.client.stats
         return stats.push_bytes + stats.pull_bytes
 
+    def traffic_seconds(self) -> float | None:
+        """A worker's time in its pulls and pushes (waiting for the answers included); a server times nothing."""
+        return None if self.worker is None else self.worker.client.stats.pull_s + self.worker.client.stats.push_s
+
     def close(self) -> bool:
         """On a worker: tell the servers it is done, then the table of pulls, pushes and the servers' load (rank 0
         prints it; asynchronous: the first server, as every worker's goodbye reaches it). Asynchronous workers do
