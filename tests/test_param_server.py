@@ -494,6 +494,14 @@ def test_demo_with_parameter_servers_reaches_95_percent(paratrain_cmd):
     assert "paratrain ps: 1 server(s), 2 worker(s), synchronous" in res.stdout
 
 
+def test_the_demo_takes_staleness_for_ps_only():
+    from paratrain.demo import check_args, parse_args, strategy_options
+
+    assert strategy_options(parse_args(["--strategy", "ps", "--staleness", "4"])) == {"staleness": 4}
+    with pytest.raises(ConfigError, match="--staleness is an option of --strategy ps, not of ddp"):
+        check_args(parse_args(["--strategy", "ddp", "--staleness", "4"]))
+
+
 def test_ps_without_a_worker_is_one_line_before_the_demo_starts(paratrain_cmd):
     import subprocess
 

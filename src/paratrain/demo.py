@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .digest import state_digest
+from .launch.leaving import rejoin_count
 from .monitor import MonitorConfig
 from .parallel import Parallel
 from .progress import Progress
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="auto", help="parallel strategy (default: auto)")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel degree inside ddp/zero2/zero3 (the CNN's linear layers split over it)")
+    p.add_argument("--staleness", type=int, default=None,
+                   help="with --strategy ps: asynchronous updates at most this many versions old")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64,
                    help="global batch per optimizer step, split over replicas and accumulation steps")
@@ -67,15 +70,18 @@ def check_args(args: argparse.Namespace, nproc: int | None = None) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if (args.checkpoint_every is not None or args.resume) and not args.checkpoint_dir:
         raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+    if args.staleness is not None and args.strategy != "ps":
+        raise ConfigError(f"--staleness is an option of --strategy ps, not of {args.strategy}")
     if args.fail_at_step is not None and nproc is not None and not 0 <= args.fail_rank < nproc:
         raise ConfigError(f"--fail-rank {args.fail_rank} is not a rank of a {nproc}-process job (0..{nproc - 1})")
 
 
 def strategy_options(args: argparse.Namespace) -> dict[str, object]:
-    """``--tp``'s options, with the CNN's own plan (it has no built-in one)."""
+    """``--tp``'s options, with the CNN's own plan (it has no built-in one), and ``--staleness``."""
     from .distributed.tensor_parallel.degrees import cli_options
 
-    return cli_options(args.strategy, args.tp, DIGITS_TP_PLAN)
+    options = cli_options(args.strategy, args.tp, DIGITS_TP_PLAN)
+    return options if args.staleness is None else {**options, "staleness": args.staleness}
 
 
 def micro_batch(args: argparse.Namespace, par: Parallel) -> int:
@@ -90,7 +96,8 @@ def micro_batch(args: argparse.Namespace, par: Parallel) -> int:
 
 
 def evaluate(par: Parallel, model: nn.Module, loader: DataLoader) -> tuple[float, float]:
-    """(mean loss, accuracy) over the whole test set: each sample counted exactly once across ranks."""
+    """(mean loss, accuracy) over the whole test set: each sample counted exactly once across ranks (on each worker
+    alone where ``par.sum`` is its own: asynchronous parameter servers, whose test loader is not sharded)."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
     correct = torch.zeros((), dtype=torch.float64)
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         test = DataLoader(test_set, batch_size=120)
         steps = args.epochs * -(-len(train) // args.accumulate)
         schedule = par.prepare(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1)))
-        test = par.prepare_loader(test, even=False)
+        test = par.prepare_loader(test, even=False, shard=not args.staleness)  # async ps: each worker scores alone
         par.print(f"paratrain demo: digits CNN, {len(train_set)} train / {len(test_set)} test samples, "
                   f"{par.world_size} process(es), {par!r}")
         start = time.perf_counter()
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         total = par.sum(float(seen))
         state = par.full_state_dict(model)  # consolidated on rank 0, whatever the sharding
         digest = state_digest(state) if par.is_main else ""
-        par.print(f"done in {wall:.2f} s  ({total / wall:,.0f} samples/s over {par.world_size} process(es))  "
+        over = "on rank 0 alone" if args.staleness else f"over {par.world_size} process(es)"  # async ps: no sum
+        par.print(f"done in {wall:.2f} s  ({total / wall:,.0f} samples/s {over})  "
                   f"final test acc {acc:.2%}")
         par.print(f"final parameters sha256 {digest}")
         return {"test_acc": acc, "wall_s": wall, "samples_per_s": total / wall, "sha256": digest}
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
 def inject_fault(args: argparse.Namespace, par: Parallel) -> None:
     """SIGKILL this rank after optimizer step ``--fail-at-step`` if it is ``--fail-rank``, on the first attempt."""
     if (args.fail_at_step == par.optimizer_steps and par.rank == args.fail_rank
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not rejoin_count()):
         print(f"paratrain demo: fault injection: SIGKILL rank {par.rank} after step {par.optimizer_steps}",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -12,6 +12,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default="auto", help="parallel strategy (default: auto)")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel degree inside ddp/zero2/zero3 (the CNN's linear layers split over it)")
+    p.add_argument("--staleness", type=int, default=None,
+                   help="with --strategy ps: asynchronous updates at most this many versions old (a worker may then "
+                        "die, and come back with --max-restarts, while the others train on)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64,
                    help="global batch per optimizer step (split over processes and accumulation steps)")
@@ -50,7 +53,7 @@ def execute(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     nproc = [] if args.nproc is None else ["--nproc-per-node", args.nproc]
     optional = [f"--{name.replace('_', '-')}={getattr(args, name)}"
-                for name in ("tp", "checkpoint_dir", "checkpoint_every", "fail_at_step", "monitor_csv")
+                for name in ("tp", "staleness", "checkpoint_dir", "checkpoint_every", "fail_at_step", "monitor_csv")
                 if getattr(args, name) is not None]
     if args.fail_at_step is not None:
         optional.append(f"--fail-rank={args.fail_rank}")

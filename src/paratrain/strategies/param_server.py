@@ -16,6 +16,7 @@ restart resumes from the last checkpoint, as in synchronous mode.
 """
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -117,8 +118,8 @@ class ParameterServer(Strategy):
         if self.worker is not None:
             pushing = self.worker.optimizer(optimizer, model)
             if not self.config.synchronous and not rt.checkpointing:
-                self._may_leave = True
-                allow_leaving(rt.env.rank)  # from here on the job can do without this process
+                self._may_leave = True  # once it has trained: a failure before (a bug, bad input) stops the job
+                pushing.after_first_push = functools.partial(allow_leaving, rt.env.rank)
             return pushing
         assert self._model is not None and self._layout is not None
         model, self._model = self._model, None

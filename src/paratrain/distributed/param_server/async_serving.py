@@ -90,7 +90,7 @@ def serve_each_worker(server: Server, returns: Returns | None, index: int, serve
     server.finish_sends()
     if not server.finished:  # the servers alone would end with exit code 0: the job must not pass for finished
         raise ParatrainError(f"parameter server rank {server.rank}: every worker left and none came back, so "
-                             "training did not finish; give paratrain run --max-restarts to bring workers back")
+                             "training did not finish (the launcher's report of each above says why)")
     return attendance
 
 

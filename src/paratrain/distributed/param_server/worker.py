@@ -32,6 +32,8 @@ class PushingOptimizer(torch.optim.Optimizer):
         """What each step clips the global gradient norm to (0: no clipping); the loop sets it."""
         self.grad_norm: float | None = None
         """The norm before the last step's clipping (None: not clipped)."""
+        self.after_first_push: Callable[[], object] | None = None
+        """Called once, when the first push has been answered (an asynchronous worker may leave from then on)."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -52,6 +54,9 @@ class PushingOptimizer(torch.optim.Optimizer):
                          self.max_norm if self.synchronous else 0.0)
         if self.max_norm and self.synchronous:
             self.grad_norm = self.client.grad_norm
+        if self.after_first_push is not None:
+            hook, self.after_first_push = self.after_first_push, None
+            hook()
         return loss
 
     def _clip_own(self, taken: list) -> float:
