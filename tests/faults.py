@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -101,6 +102,17 @@ def check(case: str, *, rc: int | None, stderr: str, kind: str = "one-line error
     assert not outcome.orphans, f"{case}: {outcome.orphans} process(es) left running"
     assert not outcome.files_lost, f"{case}: a file that must be kept is gone"
     return outcome
+
+
+def pids_in(folder, pattern: str) -> list[int]:
+    """The pids the ranks of a test job wrote into ``folder``, as files matching ``pattern``."""
+    return [int(p.read_text()) for p in folder.glob(pattern)]
+
+
+def kill_alive(pids: Iterable[int]) -> None:
+    """SIGKILL whichever of ``pids`` still runs (a failed test's leftovers)."""
+    for pid in alive(pids):
+        os.kill(pid, signal.SIGKILL)
 
 
 def wait_for(paths: Iterable[str], timeout_s: float) -> bool:

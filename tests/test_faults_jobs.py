@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import ROOT, SCRIPTS
-from faults import check, wait_for
+from faults import check, kill_alive, pids_in, wait_for
 from paratrain.testing import alive
 
 JOB = str(SCRIPTS / "fault_job.py")
@@ -26,12 +26,11 @@ HARD_TIMEOUT_S = 90
 def _no_rank_survives(tmp_path):
     """Even when a test fails, no rank it started outlives it."""
     yield
-    for pid in alive(_pids(tmp_path)):
-        os.kill(pid, signal.SIGKILL)
+    kill_alive(_pids(tmp_path))
 
 
 def _pids(out) -> list[int]:
-    return [int(p.read_text()) for p in out.glob("*.pid")]
+    return pids_in(out, "*.pid")
 
 
 def _env(**extra: str) -> dict[str, str]:

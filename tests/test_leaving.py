@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 
 from conftest import ROOT, SCRIPTS
-from faults import check, wait_for
+from faults import check, kill_alive, pids_in, wait_for
 from paratrain.errors import ConfigError
 from paratrain.launch import leaving
 from paratrain.launch.agent import Leaves, LeavingAgent, leaving_agent
@@ -31,12 +31,11 @@ HARD_TIMEOUT_S = 90
 def _no_rank_survives(tmp_path):
     """Even when a test fails, no process it started outlives it."""
     yield
-    for pid in alive(_pids(tmp_path)):
-        os.kill(pid, signal.SIGKILL)
+    kill_alive(_pids(tmp_path))
 
 
 def _pids(out) -> list[int]:
-    return [int(p.read_text()) for p in out.glob("pid-*")]
+    return pids_in(out, "pid-*")
 
 
 def _launch(out, *flags: str, job: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
