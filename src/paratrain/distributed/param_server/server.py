@@ -1,6 +1,8 @@
 """The serving loop a server rank runs from ``prepare`` until every worker is done.
 
-One thread, one request at a time, from any worker (``recv`` from any source on the request tag). Synchronous
+One request at a time (:meth:`Server.serve_one`): in synchronous mode one thread receives them from any worker
+(``recv`` from any source on the request tag); in asynchronous mode a thread per worker receives its requests and
+takes turns under a lock (:mod:`.async_serving`), so that a worker that dies is noticed. Synchronous
 mode (staleness 0) sums the pushes of a step and steps once every live worker has pushed, then answers them all
 with the new parameters: the step of one process over the global batch. When the pushes carry a max norm, the
 mean gradient of the step is clipped to it first, as one process would clip it: each server adds up the squares of
