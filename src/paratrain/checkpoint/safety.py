@@ -58,9 +58,8 @@ def check_metadata(path: Path) -> None:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path.parent} is incomplete: {path.name} is missing") from None
     except Exception as e:  # truncated or garbage bytes fail in many ways
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""  # random bytes can raise several lines
         raise CheckpointError(f"checkpoint {path.parent} is damaged: cannot read {path.name} "
-                              f"({type(e).__name__}: {first})") from None
+                              f"({torch_reason(e)})") from None
 
 
 class SafeReader(FileSystemReader):
