@@ -38,8 +38,8 @@ class Session:
         if not on_host:
             precision.validate(self.device)
         self.owns_group = start_process_group(env, self.device, timeout_s, needs_group, backend, alone)
-        self.alone = alone
         """True when this session started the group (a group the script started is left to the script)."""
+        self.alone = alone
         self.calls = CallWatch(env.rank, env.world_size, timeout_s=timeout_s, report_after_s=wait_report_s,
                                enabled=self.distributed and env.launched and not alone)
 
@@ -58,6 +58,6 @@ class Session:
         """End the group if this session started it (safely on gloo; ``meet=False``: without waiting for ranks that
         may have left), and stop watching calls."""
         if self.owns_group and dist.is_initialized():
-            finish_group(meet and not self.alone)
+            finish_group(meet)  # a rank alone ends its private group: its barrier waits for no one
         self.owns_group = False
         self.calls.close()

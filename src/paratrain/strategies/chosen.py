@@ -35,8 +35,9 @@ class ChosenStrategy:
 
     def placement(self) -> dict[str, bool]:
         """What the session needs of the strategy to start this rank: whether the job needs a process group,
-        whether this rank runs on the host whatever the accelerator (a parameter server), and whether the strategy
-        sends host tensors of its own (then the group serves them beside the accelerator's)."""
+        whether this rank runs on the host whatever the accelerator (a parameter server), whether the strategy
+        sends host tensors of its own (then the group serves them beside the accelerator's), and whether this rank
+        starts a private group instead of joining the job's (a parameter-server worker that came back)."""
         return {"needs_group": self.pending or self.strategy.uses_group(self.env),
                 "on_host": not self.pending and self.strategy.on_host(self.env),
                 "host_messages": self.strategy.host_messages,
