@@ -36,7 +36,6 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn import functional as F
 
 import paratrain

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Callable
 
 import torch

@@ -270,6 +270,12 @@ def run_rogue(steps: int) -> dict | None:
         par.barrier()  # the workers' (the server is serving)
         par.close()
         return {"state": state}
+    # what prepare does on every rank before any rank's strategy takes over: rank 0's initial weights and seed
+    from paratrain.distributed.initial_state import start_alike
+    from paratrain.draws import agreed_seed
+
+    start_alike(model, None, par.device, print)
+    agreed_seed(None, par.device)
     codes = []
 
     def ask(header: list[int], payload: torch.Tensor | None = None) -> None:

@@ -14,7 +14,6 @@ import paratrain
 from checkpoint_workers import dropout_model, train
 from conftest import SCRIPTS
 from paratrain.checkpoint import export, latest
-from paratrain.checkpoint import layout
 from paratrain.errors import CheckpointError, ConfigError
 
 

@@ -6,7 +6,6 @@ outcome class is checked and tallied by :mod:`faults`.
 import contextlib
 import io
 import socket
-from pathlib import Path
 
 import pytest
 

@@ -82,11 +82,12 @@ def test_show_tp_plan_prints_the_plan_prepare_would_apply(capsys):
     """The model's own plan by default, the inferred one with 'auto'; nothing is planned or launched."""
     assert main(["plan", "--model", "gpt-tiny", "--tp", "2", "--show-tp-plan"]) == 0
     own = capsys.readouterr().out
-    assert "tp plan 'paratrain GPT' over tp=2 (sequence parallel):" in own and "blocks.*.qkv -> Colwise" in own
+    assert "# tp plan 'paratrain GPT' over tp=2 (sequence parallel)" in own
+    assert "    'blocks.*.qkv': 'colwise(input=sequence)'," in own and "    'head': 'colwise'," in own
     assert main(["plan", "--model", "gpt-tiny", "--tp", "2", "--show-tp-plan", "auto"]) == 0
     inferred = capsys.readouterr().out
-    assert "tp_plan='auto' for GPT over tp=2" in inferred and "blocks.*.qkv -> colwise (attention)" in inferred
-    assert "head -> colwise (vocabulary, logits left split for the loss; tied to wte)" in inferred
+    assert "# tp_plan='auto' for GPT over tp=2" in inferred and "    'blocks.*.qkv': 'colwise'," in inferred
+    assert "#   head -> colwise (vocabulary, logits left split for the loss; tied to wte)" in inferred
     assert "Memory" not in own + inferred and "recommend" not in (own + inferred).lower()
 
 

@@ -4,7 +4,6 @@ worker the dense model and only the rows its step touches; the bytes of a step a
 ``ps`` is recommended only for a model with tables on a CPU host."""
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest

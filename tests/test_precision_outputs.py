@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 import paratrain
+from paratrain.batch import ModelCall
 from zoo import ZOO
 
 # bf16: the pipeline computes each micro-batch apart (4 of them) where one process takes the batch at once; the
@@ -30,7 +31,7 @@ def test_loss_sees_the_compute_dtype_and_a_direct_call_gets_fp32(strategy):
 
     with torch.no_grad():  # the same weights, the loss computed both ways
         upcast = loss_fn(model(x), y)
-        lean = par.precision.loss(model, x, y, loss_fn, par.device)
+        lean = par.precision.loss(model, ModelCall.of(x, y, loss_fn, {}), par.device)
     assert seen == [(torch.float32, False), (torch.bfloat16, True)]
     assert float(lean) == pytest.approx(float(upcast), rel=1e-2)
     with par.step(model, opt):

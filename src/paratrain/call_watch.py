@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 import inspect
 import json
 import os
@@ -38,6 +39,7 @@ from .errors import CollectiveError
 
 F = TypeVar("F", bound=Callable[..., Any])
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(importlib.util.find_spec("torch").origin or "")  # located, not imported
 _STDLIB_CONTEXT = "contextlib.py"
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "has been closed",
               "NCCL communicator was aborted")
@@ -96,7 +98,10 @@ class CallWatch:
         self._address = (env.get("MASTER_ADDR"), env.get("MASTER_PORT"))
         self._prefix = f"paratrain/calls/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.enabled = enabled and world_size > 1 and all(self._address)
+        self.every_rank = True
+        """Every rank makes the job's paratrain calls (not so where some ranks serve: parameter servers)."""
         self._store: Any = None
+        self._meet_store: Any = None
         self._published: Call | None = None
         self._published_at = 0.0
         self._report_key: tuple[str, int] = ("", 0)
@@ -110,8 +115,10 @@ class CallWatch:
 
     # ----------------------------------------------------------------- the training thread
     @contextmanager
-    def call(self, name: str) -> Iterator[None]:
-        """Mark a collective paratrain call; a peer lost or a timeout inside it becomes a ``CollectiveError``."""
+    def call(self, name: str, meet: str | None = None) -> Iterator[None]:
+        """Mark a collective paratrain call; a peer lost or a timeout inside it becomes a ``CollectiveError``.
+        ``meet``: first wait until every rank has made this call, failing at once when a peer went on without it
+        (:meth:`meet`); the text says why every rank must make it."""
         outer = self._current if self._current.active else None  # a save inside a step, say
         if outer is not None:
             yield
@@ -119,6 +126,8 @@ class CallWatch:
         nth = self._counts[name] = self._counts.get(name, 0) + 1
         self._current = Call(name, nth, _user_line(), time.time(), active=True)
         try:
+            if meet is not None and self.enabled and self.every_rank:
+                self._meet(self._current, meet)
             yield
         except Exception as e:
             better = self._explain(e) if self.enabled else None
@@ -128,6 +137,60 @@ class CallWatch:
         finally:
             done = self._current
             self._current = Call(done.name, done.nth, done.where, time.time())  # not dataclasses.replace: 3x slower
+
+    @property
+    def inside(self) -> bool:
+        """Inside a paratrain call now (``par.step``, ``par.save`` …)."""
+        return self._current.active
+
+    def meet(self, name: str, why: str) -> None:
+        """Before work every rank must do together that no paratrain call holds — a model's forward outside
+        ``par.step`` under a strategy whose forward communicates, a ``state_dict()`` of shards — wait until every
+        rank is there, or fail at once in one line naming the rank that went on without it; ``why`` says why every
+        rank must do it (and what to do instead)."""
+        if self.enabled and not self._current.active:
+            with self.call(name, meet=why):
+                pass
+
+    def _meet(self, call: Call, why: str) -> None:
+        """Count this rank in at ``call`` (a key of the job's store per call) and wait for the others; while
+        waiting, a peer that has made a call this rank has not made is one that went on without it."""
+        store = self._meeting_store()
+        store.set(f"{self._prefix}/{self.rank}", json.dumps(asdict(call)))  # now: a waiting peer reads it
+        key = f"{self._prefix}/meet/{call.name}/{call.nth}"
+        if store.add(key, 1) >= self.world_size:
+            store.set(f"{key}/all", "1")
+            return
+        pause, deadline = 0.0002, time.monotonic() + self.timeout_s
+        while not store.check([f"{key}/all"]):
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            if pause == 0.05:  # a few ms gone: look where the others are
+                line = self._went_on(call, why, self._read_all(store))
+                if line is not None or time.monotonic() > deadline:
+                    raise CollectiveError(line or f"rank {self.rank} waited {self.timeout_s:g} s in {call.name} "
+                                          f"({call.where}) for the other ranks; {why}")
+
+    def _went_on(self, call: Call, why: str, calls: dict[int, Call]) -> str | None:
+        """The line naming a peer that made a call this rank has not (so will never come to ``call``), or left."""
+        now = time.time()
+        for r, c in sorted(calls.items()):
+            if r == self.rank or (c.name, c.nth) == (call.name, call.nth):
+                continue
+            if c.exited or (c.name and c.nth > self._counts.get(c.name, 0)):
+                went = c.describe(now) if c.exited else f"went on to {c.name} #{c.nth} ({c.where})"
+                return f"rank {self.rank} is alone in {call.name} ({call.where}): rank {r} {went}; {why}"
+        return None
+
+    def _meeting_store(self) -> Any:
+        """A connection of the training thread's own (the watch's thread has the other)."""
+        if self._meet_store is None:
+            from torch.distributed import TCPStore
+
+            host, port = self._address
+            self._meet_store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=30))
+        return self._meet_store
 
     def close(self) -> None:
         """Publish that this rank is done and stop the thread."""
@@ -180,8 +243,8 @@ class CallWatch:
         store.set(f"{self._prefix}/{self.rank}", json.dumps(asdict(call)))
         self._published, self._published_at = call, time.time()
 
-    def _read_all(self) -> dict[int, Call]:
-        store = self._connect()
+    def _read_all(self, store: Any = None) -> dict[int, Call]:
+        store = store if store is not None else self._connect()
         keys = [f"{self._prefix}/{r}" for r in range(self.world_size)]
         present = [k for k in keys if store.check([k])]
         values = store.multi_get(present) if present else []
@@ -231,9 +294,10 @@ class CallWatch:
         return None
 
 
-def collective(name: str) -> Callable[[F], F]:
+def collective(name: str, meet: str | None = None) -> Callable[[F], F]:
     """Mark a ``Parallel`` method (or generator method, under ``@contextmanager``) as the collective call
-    ``name`` of ``self._calls``."""
+    ``name`` of ``self._calls``; ``meet``: a rare call whose ranks first meet (:meth:`CallWatch.meet`; the text
+    says why every rank must make it)."""
     def wrap(fn: F) -> F:
         if inspect.isgeneratorfunction(fn):
             @functools.wraps(fn)
@@ -244,7 +308,7 @@ def collective(name: str) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with self._calls.call(name):
+            with self._calls.call(name, meet=meet):
                 return fn(self, *args, **kwargs)
         return method  # type: ignore[return-value]
     return wrap
@@ -261,11 +325,12 @@ def _ranks(calls: dict[int, Call]) -> str:
 
 
 def _user_line() -> str:
-    """``file.py:line`` of the first frame outside paratrain and contextlib."""
+    """``file.py:line`` of the first frame outside paratrain, torch and contextlib (a forward's hook runs inside
+    torch's module call)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_PACKAGE) and not name.endswith(_STDLIB_CONTEXT):
+        if not name.startswith(_PACKAGE) and not name.startswith(_TORCH) and not name.endswith(_STDLIB_CONTEXT):
             return f"{_basename(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"

@@ -17,6 +17,49 @@ from .strategies.base import Strategy
 
 
 @dataclass(frozen=True)
+class GlobalBatch:
+    """The batch of one optimizer step, stated once (``Parallel(global_batch=, micro_batch=)``): how many
+    micro-batches each replica accumulates follows from the layout, which under ``auto`` (or tp, pipelines) is only
+    known once ``prepare`` has seen the model."""
+
+    size: int
+    """Samples per optimizer step, over every data-parallel replica and micro-step."""
+    micro: int | None = None
+    """Samples one replica feeds each ``par.step`` (None: the batch size of the first loader ``prepare`` gets)."""
+
+    @classmethod
+    def of(cls, size: int | None, micro: int | None) -> "GlobalBatch | None":
+        """``Parallel``'s ``global_batch`` and ``micro_batch`` (None when no global batch is given)."""
+        if size is None:
+            if micro is not None:
+                raise ConfigError(f"micro_batch={micro} given without global_batch; give both (accumulate then "
+                                  "follows from the layout), or neither")
+            return None
+        return cls(size, micro)
+
+    def __post_init__(self) -> None:
+        for name, value in (("global_batch", self.size), ("micro_batch", self.micro)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+    def accumulate(self, replicas: int, micro: int | None) -> int:
+        """Micro-steps per optimizer step over ``replicas`` data-parallel replicas; one line when they do not
+        divide the global batch."""
+        micro = self.micro if self.micro is not None else micro
+        if micro is None:
+            raise ConfigError(f"global_batch={self.size} needs micro_batch= (what one replica feeds each par.step), "
+                              "or a DataLoader passed to prepare() whose batch size it is")
+        per_step = micro * replicas
+        if self.size % per_step:
+            fits = [m for m in range(1, micro + 1) if self.size % (m * replicas) == 0][-1:]
+            hint = f" (micro_batch={fits[0]} fits)" if fits else ""
+            raise ConfigError(f"global_batch={self.size} does not divide into micro_batch={micro} x {replicas} "
+                              f"data-parallel replica(s) = {per_step} per micro-step; choose a global batch that is "
+                              f"a multiple of {per_step}, or another micro_batch{hint}")
+        return self.size // per_step
+
+
+@dataclass(frozen=True)
 class StepInfo:
     """What one ``Parallel.step`` micro-step is."""
 
@@ -69,12 +112,17 @@ class Loop:
     ``Parallel``'s verbs advance it; it is kept apart from them so the façade holds no counting rules.
     """
 
-    def __init__(self, accumulate: int, clip_grad_norm: float | None) -> None:
+    def __init__(self, accumulate: int, clip_grad_norm: float | None, batch: GlobalBatch | None = None) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ConfigError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+        if batch is not None and accumulate != 1:
+            raise ConfigError(f"accumulate={accumulate} given with global_batch={batch.size}; give one of them "
+                              "(with global_batch, accumulate follows from the layout)")
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         self.accumulate, self.clip_grad_norm = accumulate, clip_grad_norm
+        self.batch = batch
+        """The global batch still to turn into ``accumulate`` (None once done, or when not given)."""
         self.micro_step = 0
         self.optimizer_steps = 0
         self.epoch: int | None = None
@@ -97,8 +145,19 @@ class Loop:
                 warn(idle_epoch_warning(epoch, self.accumulate))
             self.epoch = epoch + 1
 
+    def size_batch(self, replicas: int | None, micro: int | None = None) -> None:
+        """Turn a stated global batch into ``accumulate`` once the data-parallel ``replicas`` (None: not known yet)
+        and the micro-batch are known."""
+        batch = self.batch
+        if batch is None or replicas is None or (batch.micro is None and micro is None):
+            return
+        self.accumulate, self.batch = batch.accumulate(replicas, micro), None
+
     def next_step(self) -> StepInfo:
         """What the coming micro-step is."""
+        if self.batch is not None:
+            self.batch.accumulate(1, None)  # the micro-batch was never given: one line says so
+            raise ConfigError(f"global_batch={self.batch.size} needs the layout: call prepare() before par.step")
         return StepInfo(micro_step=self.micro_step, sync=self.micro_step == self.accumulate - 1)
 
     def stepped(self, info: StepInfo, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
+from .batch import ModelCall
 from .call_watch import collective
 from .checkpoint.auto import AutoCheckpoint
 from .checkpoint.config import CheckpointConfig
@@ -29,7 +30,7 @@ from .checkpoint.weights import load_weights
 from .data import ShardedLoader, prepare_loader
 from .distributed.metrics import gather_object, reduce_value
 from .env import ClusterEnv
-from .loop import Loop, StepInfo
+from .loop import GlobalBatch, Loop, StepInfo
 from .model.facts import ModelFacts
 from .model.materialize import Materializer, check_materialized
 from .monitor import MonitorConfig, monitor_for, resolve
@@ -37,7 +38,8 @@ from .options import BlockTransforms
 from .precision import Precision, create_precision
 from .prepared import Prepared, prepare_each
 from .rank_log import rank_logger
-from .seeding import rank_seed, seed_all, use_deterministic_kernels
+from .replicas import Replicas
+from .seeding import seed_all, use_deterministic_kernels
 from .session import Session
 from .strategies.base import Runtime, Strategy
 from .strategies.chosen import ChosenStrategy
@@ -46,33 +48,22 @@ __all__ = ["Parallel", "StepInfo"]
 
 
 class Parallel:
-    """Run a single-device training loop on every process of the job (docs/parallel.md has every verb at length).
+    """Run a single-device training loop on every process of the job (docs/parallel.md has every verb and option).
 
     Args:
         strategy: a registered name (``"ddp"``, ``"zero3"``, ``"auto"``…) or a ``Strategy`` instance.
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"`` (CUDA) or ``"bf16-true"``.
-        accumulate: micro-batches per optimizer step (gradient accumulation).
+        accumulate: micro-batches per optimizer step; or ``global_batch`` (and ``micro_batch``, one replica's per
+            ``step``), from which it follows once the layout is known (:class:`paratrain.loop.GlobalBatch`).
         clip_grad_norm: clip the global gradient norm (over every shard) to this before each optimizer step.
-        accelerator: ``"auto"`` (CUDA when available), ``"cpu"`` or ``"cuda"``.
-        timeout_s: how long any collective waits for the other ranks before failing.
-        seed: when given, ``seed_everything(seed)`` is called at construction.
-        deterministic: deterministic kernels, so two GPU runs end bitwise equal (slower on some models; CPU runs
-            repeat anyway).
-        checkpoint_dir, checkpoint_every, keep_checkpoints: where ``save``/``load`` and automatic checkpoints go,
-            every how many optimizer steps one is saved, how many of the newest are kept (default 3).
-        resume: True: resume from ``checkpoint_dir``'s latest checkpoint when ``epochs()`` starts; None (default):
-            only when the launcher restarted the job; False: never. The checkpoint options default to
-            ``paratrain run --checkpoint-dir/--checkpoint-every/--resume``.
+        accelerator, timeout_s, wait_report_s: ``"auto"``/``"cpu"``/``"cuda"``; how long a collective waits, and
+            after how long a wait says who is missing (:mod:`paratrain.call_watch`).
+        seed, deterministic: ``seed_everything(seed)`` now; deterministic kernels (bitwise-repeatable GPU runs).
+        checkpoint_dir, checkpoint_every, keep_checkpoints, resume: automatic checkpoints (docs/checkpoints.md).
         env: where this process sits; read from the environment when omitted.
-        monitor: step time, data wait, stragglers and memory across ranks (``par.monitor``), summed up in a table
-            at ``close()``; ``False`` turns it off, a ``MonitorConfig`` tunes it.
-        activation_checkpointing: recompute the model's blocks in backward: ``True`` every block, ``k`` every k-th.
-        compile: ``torch.compile`` each block (the whole model without blocks); a dict is its options. Both
-            transforms: :mod:`paratrain.model.transforms`.
-        wait_report_s: a collective waiting this long prints which ranks are missing and what each last called
-            (default: a fifth of ``timeout_s``, at most 60 s); see :mod:`paratrain.call_watch`.
-        init_fn: initializes a model built on the meta device, on every module as ``model.apply`` would (default:
-            the model's own init; ``"empty"``: left for ``load_weights``); see :mod:`paratrain.model.materialize`.
+        monitor: ``par.monitor`` (step time, data wait, stragglers, memory); ``False`` or a ``MonitorConfig``.
+        activation_checkpointing, compile: per block (:mod:`paratrain.model.transforms`).
+        init_fn: initializes a model built on the meta device (:mod:`paratrain.model.materialize`).
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
     """
 
@@ -83,8 +74,8 @@ class Parallel:
                  env: ClusterEnv | None = None, monitor: bool | MonitorConfig = True,
                  activation_checkpointing: bool | int = False, compile: bool | dict[str, Any] = False,
                  wait_report_s: float | None = None, init_fn: Callable[[nn.Module], None] | str | None = None,
-                 **strategy_options: Any) -> None:
-        self._loop, self.init_fn = Loop(accumulate, clip_grad_norm), init_fn
+                 global_batch: int | None = None, micro_batch: int | None = None, **strategy_options: Any) -> None:
+        self._loop, self.init_fn = Loop(accumulate, clip_grad_norm, GlobalBatch.of(global_batch, micro_batch)), init_fn
         monitor_config = resolve(monitor)
         self.transforms = BlockTransforms.of(activation_checkpointing, compile)
         """Activation checkpointing and compilation of the model's blocks in ``prepare``."""
@@ -98,28 +89,23 @@ class Parallel:
         self._session = Session(self.env, accelerator, self.precision, timeout_s=timeout_s,
                                 wait_report_s=wait_report_s, **self._chosen.placement())
         self.device, self._calls = self._session.device, self._session.calls
+        self._calls.every_rank = not self.strategy.serves
         self._session.agree({**self._chosen.agreed_values(), "precision": self.precision.name,
-                             "accumulate": str(self.accumulate)})
+                             "accumulate": str(self.accumulate), "global batch": str(self._loop.batch)})
         self._chosen.build_mesh(self.device)
         self._seed: int | None = None
         self._prepared = Prepared()
         self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print)
+        self._size_batch()
+        self._replicas = Replicas(self._session, self.world_size, lambda: self._chosen.data_parallel(self._runtime()))
         self.logger = rank_logger(self.env)
         self.monitor = monitor_for(monitor_config, self)
         if seed is not None:
             self.seed_everything(seed)
 
-    @property
-    def rank(self) -> int:
-        return self.env.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.env.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.env.world_size
+    rank = property(lambda self: self.env.rank, doc="This process's global rank.")
+    local_rank = property(lambda self: self.env.local_rank, doc="Its rank on this node.")
+    world_size = property(lambda self: self.env.world_size, doc="Processes in the job.")
 
     @property
     def strategy(self) -> Strategy:
@@ -176,7 +162,8 @@ class Parallel:
         """Wrap models (each before its optimizer), optimizers, loaders (sharded for training) and LR schedulers
         built on a prepared optimizer; returns them in the same order. ``save`` and ``load`` cover exactly these."""
         return prepare_each(objects, model=lambda m, opt, data: self.prepare_model(m, optimizer=opt, loader=data),
-                            optimizer=lambda m, opt: self._prepared.add_optimizer(self.strategy, m, opt, self._runtime),
+                            optimizer=lambda m, opt: self._replicas.watch_optimizer(
+                                self._prepared.add_optimizer(self.strategy, m, opt, self._runtime), self.strategy),
                             loader=self.prepare_loader, scheduler=self._prepared.add_scheduler)
 
     def prepare_model(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
@@ -185,22 +172,28 @@ class Parallel:
         ``model_parallel``). ``optimizer`` and ``loader`` (``prepare`` passes those given after the model) are only
         read by ``auto``, to plan the optimizer's states and the batch's activations; they are not prepared here."""
         self._chosen.decide(model, optimizer, loader, self.device, self.precision.name, self.print)  # auto: once
+        self._size_batch()
         facts = ModelFacts.of(model)  # before anything is wrapped: blocks, ties, names
         rt = self._runtime(facts, self.strategy.materializer(model, self.device, self.init_fn))  # None unless on meta
+        self._replicas.start(model, rt.materialize, self._seed, self.print)
         wrapped = self.strategy.wrap_model(model, rt)
         if rt.materialize is not None:  # nothing may be left on meta
             check_materialized(self.strategy.unwrap(wrapped), self.strategy.name)
         facts.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
         self.precision.wrap_forward(wrapped, rt.device, autocast=not self.strategy.native_precision)
+        self._replicas.watch(wrapped, self.strategy)
         self.device = self.strategy.output_device(rt)
-        if self._seed is not None:  # model init is done: give each rank (each tp group) its own random stream
-            seed_all(rank_seed(self._seed, self.strategy.rng_rank(rt) if self._session.distributed else self.rank))
+        self._replicas.streams(self._seed, self.strategy.rng_rank(rt), self.rank)
         return self._prepared.add_model(wrapped, facts)
+
+    def _size_batch(self, micro: int | None = None) -> None:
+        self._loop.size_batch(None if self._chosen.pending else self.data_parallel_size, micro)
 
     def prepare_loader(self, loader: DataLoader, *, even: bool = True, shard: bool = True) -> DataLoader:
         """A per-rank copy of ``loader`` (:mod:`paratrain.data`): ``even`` pads so every rank runs the same steps,
         ``even=False`` sees each sample once (evaluation), ``shard=False`` keeps a loader that reads its own part."""
         prepared = loader
+        self._size_batch(loader.batch_size)
         if shard:  # pipeline stages and tensor-parallel groups share their batches
             rank, size, _ = self._chosen.data_parallel(self._runtime())  # (0, 1, None) without a process group
             prepared = prepare_loader(loader, rank=rank, size=size, seed=self.data_seed, even=even,
@@ -219,7 +212,7 @@ class Parallel:
         """The user's module inside the strategy's wrapper (for inspection; its tensors may be shards)."""
         return self.strategy.unwrap(model)
 
-    @collective("par.full_state_dict")
+    @collective("par.full_state_dict", meet="every rank must call it (rank 0 gets the state)")
     def full_state_dict(self, model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The full, unsharded, unprefixed state dict on the CPU, for the plain model's ``load_state_dict``
         (collective); with ``rank0_only`` the other ranks get ``{}``."""
@@ -252,13 +245,16 @@ class Parallel:
             if self.monitor is not None:
                 self.monitor.stepped()
 
-    def forward_backward(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``loss_fn(model(x), target)`` and its backward, for every strategy; the detached loss on every rank.
-        Pipelines run it as a micro-batch schedule; under mixed precision ``loss_fn`` runs under autocast."""
-        loss = self.strategy.forward_backward(model, x, target, loss_fn, 1.0 / self.accumulate)
+    def forward_backward(self, model: nn.Module, x: Any, target: Any = None,
+                         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+        """One micro-batch's forward and backward, for every strategy; the detached loss on every rank:
+        ``loss_fn(model(x, **kwargs), target)``, or without ``loss_fn`` the loss the model computes itself from
+        ``model(x, target, **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
+        call = ModelCall.of(x, target, loss_fn, kwargs)
+        self._replicas.first_batch(call.first_tensor())
+        loss = self.strategy.forward_backward(model, call, 1.0 / self.accumulate)
         if loss is None:
-            loss = self.precision.loss(model, x, target, loss_fn, self.device)
+            loss = self.precision.loss(model, call, self.device)
             self.backward(loss)
         return loss.detach()
 
@@ -288,13 +284,13 @@ class Parallel:
         if self._session.distributed:
             dist.barrier(group=self.strategy.training_group(self.env))
 
-    @collective("par.save")
+    @collective("par.save", meet="every rank must call it (each writes its part, once)")
     def save(self, path: str | os.PathLike | None = None) -> Path:
         """Checkpoint what an exact resume needs (everything prepared, the step, epoch, loader positions, RNG
         states) into ``path/step-<step>``, atomically (collective; between optimizer steps); returns that folder."""
         return self._checkpoints.save(self._checkpoint_targets(), path, self._loop.micro_step, self.accumulate)
 
-    @collective("par.load")
+    @collective("par.load", meet="every rank must call it (each reads its part)")
     def load(self, path: str | os.PathLike | None = None) -> Path:
         """Restore what ``save`` wrote, from a ``step-…`` folder or a root's latest (collective; after ``prepare``),
         resharded for another world size or strategy; ``epochs()`` then continues from there. Returns the folder."""

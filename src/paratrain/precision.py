@@ -20,7 +20,7 @@ it did not; the large-vocabulary case on a GPU is not measured yet.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from .batch import ModelCall
 from .errors import ConfigError
 
 
@@ -92,13 +93,13 @@ class Precision:
         finally:
             self._compute_outputs = False
 
-    def loss(self, model: nn.Module, x: Any, target: Any, loss_fn: Callable, device: torch.device) -> torch.Tensor:
-        """``loss_fn(model(x), target)``, the output left in the compute dtype and the loss run under autocast (see
-        the module docstring)."""
+    def loss(self, model: nn.Module, call: ModelCall, device: torch.device) -> torch.Tensor:
+        """The loss of ``model`` on the micro-batch ``call``, the output left in the compute dtype and a ``loss_fn``
+        run under autocast (see the module docstring)."""
         with self.compute_dtype_outputs():
-            out = model(x)
+            out = call.forward(model)
         with self.forward_context(device):
-            return loss_fn(out, target)
+            return call.loss(out)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 import paratrain

@@ -2,6 +2,8 @@
 
 The same choice as at run time (:func:`paratrain.distributed.tensor_parallel.infer.choose_plan`): the model's own or
 built-in plan, else one inferred from its blocks (``tp_plan="auto"``, each split checked on this process first).
+It is printed as Python, ready to paste and edit as ``Parallel(..., tp_plan=tp_plan)``; an inferred plan's
+summary (why each split, what stays whole) in comments above it.
 """
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ from ..planner.model_stats import RunnableModel
 
 
 def tp_plan_lines(model: object, degree: int | None, infer: bool) -> list[str]:
-    """What ``Parallel(..., tp=degree)`` would split in ``model`` and how, one line each; ``infer``: as with
-    ``tp_plan="auto"`` (else the built-in plan wins when there is one)."""
+    """What ``Parallel(..., tp=degree)`` would split in ``model`` and how, as a ``tp_plan`` dict in Python;
+    ``infer``: as with ``tp_plan="auto"`` (else the built-in plan wins when there is one)."""
     from ..distributed.tensor_parallel.infer import choose_plan
 
     if degree is None or degree < 2:
@@ -21,9 +23,8 @@ def tp_plan_lines(model: object, degree: int | None, infer: bool) -> list[str]:
                           "not --params")
     built = model.factory()
     plan = choose_plan(built, "auto" if infer else None, degree)
-    if plan.summary:
-        return list(plan.summary)
-    return [f"paratrain: tp plan {plan.name!r} over tp={degree}"
-            + (" (sequence parallel)" if plan.sequence_parallel else "") + ":",
-            *(f"  {pattern} -> {style if isinstance(style, str) else type(style).__name__}"
-              for pattern, style in plan.styles.items())]
+    head = (f"# {plan.summary[0].removeprefix('paratrain: ')}" if plan.summary else
+            f"# tp plan {plan.name!r} over tp={degree}" + (" (sequence parallel)" if plan.sequence_parallel else ""))
+    notes = [f"#   {line.strip()}" for line in plan.summary[1:]]
+    entries = [f"    {pattern!r}: {spec!r}," for pattern, spec in plan.printed().items()]
+    return [head, *notes, "tp_plan = {", *entries, "}"]

@@ -12,7 +12,7 @@ from rank 0's initial weights, through the same loop, twice: the second time wit
 which measures the noise floor. Losses, gradient norms and parameters are compared at every step, each
 against 10x its floor (or a fixed --tolerance): PASS, or
 FAIL with the first diverging step and parameter and the causes found (unsharded data, missing reshuffle,
-loss not divided under accumulation, unsynchronised BatchNorm, different initial weights). Exit code 0 when
+loss not divided under accumulation, unsynchronised BatchNorm). Exit code 0 when
 every strategy passes, 1 otherwise. See docs/verify.md.
 """
 from __future__ import annotations

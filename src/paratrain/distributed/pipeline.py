@@ -6,16 +6,17 @@ stage and shared with every rank of the pipeline. The ``pipeline`` and ``hybrid`
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..batch import ModelCall
 from ..errors import ConfigError
-from ..model.stages import OutputKind, StageModule
+from ..model.stages import LOSS_INPUT, OutputKind, StageModule
 from ..precision import Precision
 
 
@@ -78,10 +79,18 @@ class PipelinedModel(nn.Module):
                 self._schedules[key] = _make_schedule(self.schedule_name, stages, self.microbatches, loss_fn)
         return self._schedules[key]
 
-    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:
-        """Forward only, through the whole pipeline; every rank gets the last stage's output."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only, through the whole pipeline; every rank gets the last stage's output (with the loss the
+        model computed, when it was given the loss's inputs: ``model(x, y)``, ``model(x, labels=y)``)."""
+        call = ModelCall.of(args[0] if args else kwargs.pop("input_ids", None), args[1] if len(args) > 1 else None,
+                            None, kwargs)
+        if len(args) > 2:
+            raise ConfigError("a pipeline's forward takes the input and the loss's target positionally, the rest by "
+                              "keyword")
+        x, inputs = self._inputs(call)
         schedule = self._schedule("eval", x.shape[0])
-        out = schedule.eval(x, *rest) if self.is_first else schedule.eval()
+        with self._stages_given(inputs):
+            out = schedule.eval(x, **inputs) if self.is_first else schedule.eval(**inputs)
         out = _share_from_last(out, self)
         if not self.stage_modules:
             return out
@@ -89,16 +98,27 @@ class PipelinedModel(nn.Module):
             kind = [self.output_kind()]
             dist.broadcast_object_list(kind, src=self.last_rank, group=self.pp_group)
             self._eval_kind = kind[0]
-        return self._eval_kind.wrap(out)
+        loss = None
+        if call.target is not None or call.loss_kwargs:  # the model computed its loss on the last stage
+            last = self.stage_modules.get(self.num_stages - 1)
+            held = last.loss if last is not None and last.loss is not None else torch.zeros((), device=self.device)
+            loss = _share_loss(held, self)
+        return self._eval_kind.wrap(out, loss)
 
     def output_kind(self) -> OutputKind:
         """How the last stage's tensor becomes what the plain model returns (a ``ModelOutput`` with ``logits``)."""
         last = self.stage_modules.get(self.num_stages - 1)
         return last.kind if last is not None else OutputKind()
 
-    def forward_backward(self, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable, scale: float) -> torch.Tensor:
-        """One batch through the schedule (forward and backward); returns the batch loss on every rank."""
+    def forward_backward(self, call: ModelCall, scale: float) -> torch.Tensor:
+        """One batch through the schedule (forward and backward); returns the batch loss on every rank. The loss is
+        ``call``'s ``loss_fn`` on the last stage's output, or the one the model computes on the last stage."""
+        x, inputs = self._inputs(call)
         _check_divisible(x, self.microbatches)
+        if call.own_loss and call.target is None and not call.loss_kwargs:
+            raise ConfigError("forward_backward without a loss_fn needs the inputs of the model's own loss: a target "
+                              "(model(x, y)) or labels=")
+        loss_fn = call.loss_fn if call.loss_fn is not None else _OWN_LOSS
         if loss_fn is not self._loss_fn:
             self._loss_fn = loss_fn
             self._schedules = {k: v for k, v in self._schedules.items() if k[0] == "eval"}
@@ -108,26 +128,65 @@ class PipelinedModel(nn.Module):
         precision = self.precision
 
         def loss(out: Any, tgt: torch.Tensor) -> torch.Tensor:
+            if loss_fn is _OWN_LOSS:
+                return out * factor  # the last stage handed on the model's own loss
             with nullcontext() if precision is None else precision.forward_context(self.device):
                 return loss_fn(self.output_kind().wrap(out), tgt) * factor
 
         schedule = self._schedule("train", x.shape[0], loss)
         losses: list[torch.Tensor] = []
+        target = call.target if call.loss_fn is not None else torch.zeros(x.shape[0], device=self.device)
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         if "return_outputs" in inspect.signature(schedule.step).parameters:  # torch >= 2.10
             kwargs["return_outputs"] = False  # only the losses are read: the last stage keeps no micro-batch logits
         # As forward_backward without stages: the stages hand on (and the loss reads) their outputs in the compute
         # dtype, not cast to fp32 — the same values one process computes, and no fp32 copy of the logits.
-        with nullcontext() if precision is None else precision.compute_dtype_outputs(), self.split_loss():
+        with nullcontext() if precision is None else precision.compute_dtype_outputs(), self.split_loss(), \
+                self._stages_given(inputs, hand_on_loss=call.own_loss):
             if self.is_first:
-                schedule.step(x, **kwargs)
+                schedule.step(x, **kwargs, **inputs)
             else:
-                schedule.step(**kwargs)
+                schedule.step(**kwargs, **inputs)
         from ..distributed.tensor_parallel.outputs import plain
 
         losses = [plain(part) for part in losses]
         loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
         return _share_loss(loss, self)
+
+    def _inputs(self, call: ModelCall) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The first stage's input and the keyword tensors every stage gets (the loss's own under
+        :data:`~paratrain.model.stages.LOSS_INPUT`); keyword inputs that are no tensors are handed to the stages
+        directly (:meth:`_stages_given`)."""
+        kwargs = dict(call.kwargs)
+        x = call.x if call.x is not None else kwargs.pop("input_ids", None)
+        if not isinstance(x, torch.Tensor):
+            raise ConfigError("a pipeline needs the batch's input as a tensor: forward_backward(model, x, ...) or an "
+                              "input_ids= keyword")
+        own = dict(call.loss_kwargs) if call.own_loss else {}
+        if call.own_loss and call.target is not None:
+            own[""] = call.target
+        if own and not self.stage_modules:
+            raise ConfigError("an nn.Sequential pipeline computes no loss of its own; give forward_backward a loss_fn")
+        inputs = {**kwargs, **{LOSS_INPUT + k: v for k, v in own.items()}}
+        return x, inputs
+
+    @contextmanager
+    def _stages_given(self, inputs: dict[str, Any], hand_on_loss: bool = False) -> Iterator[None]:
+        """Inside: this rank's stages take ``inputs``' non-tensors as constants (popped from ``inputs``), and the
+        last stage hands on the model's own loss when ``hand_on_loss``."""
+        constants = {k: inputs.pop(k) for k in list(inputs) if not isinstance(inputs[k], torch.Tensor)}
+        for stage in self.stage_modules.values():
+            stage.constants, stage.hands_on_loss = constants, hand_on_loss
+        try:
+            yield
+        finally:
+            for stage in self.stage_modules.values():
+                stage.constants, stage.hands_on_loss = {}, False
+
+
+def _OWN_LOSS(out: Any, target: Any) -> torch.Tensor:
+    """Stands for "the model's own loss" where a pipeline keys its schedules by the loss function."""
+    raise AssertionError("never called")
 
 
 def _check_divisible(t: torch.Tensor, microbatches: int) -> None:

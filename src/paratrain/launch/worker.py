@@ -77,9 +77,9 @@ def _run(argv: list[str]) -> None:
         sys.argv = [module, *rest]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
-        script = argv[0]
+        script = os.path.abspath(argv[0])  # __file__ absolute, as python (3.9+) and torchrun give it
         sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        sys.path[0] = os.path.dirname(script)
         runpy.run_path(script, run_name="__main__")
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..batch import loss_of
 from ..errors import ConfigError
 from .cuts import balance
 from .structure import Blocks, find_blocks, outer_modules
@@ -234,27 +235,42 @@ class OutputKind:
     """The output's class: a ``ModelOutput`` or tuple type; None for a bare tensor."""
     field: str | None = None
     """The ``ModelOutput`` field holding the tensor (``logits``)."""
+    loss_at: int | None = None
+    """Where a tuple holds the loss the model computed (nanoGPT's ``(logits, loss)``: 1)."""
 
-    def wrap(self, tensor: torch.Tensor) -> Any:
+    def wrap(self, tensor: torch.Tensor, loss: torch.Tensor | None = None) -> Any:
+        """The model's kind of output around ``tensor`` (and the ``loss`` it computed, when it did)."""
         if self.cls is None:
             return tensor
         if self.field is None:
-            return self.cls((tensor,))
-        return self.cls(**{self.field: tensor})
+            if self.loss_at is None:
+                return self.cls((tensor,))
+            return self.cls((loss, tensor) if self.loss_at == 0 else (tensor, loss))
+        return self.cls(**{self.field: tensor}, **({} if loss is None else {"loss": loss}))
 
 
 def split_output(out: Any) -> tuple[torch.Tensor, OutputKind]:
-    """The tensor a stage passes on (or the loss reads), and how to rebuild the model's kind of output from it."""
+    """The tensor a stage passes on (or the loss reads) — never a loss the model computed — and how to rebuild
+    the model's kind of output from it."""
     if isinstance(out, torch.Tensor):
         return out, OutputKind()
     if isinstance(out, Mapping):  # transformers' ModelOutput: fields in order, unset ones absent
-        field = next((k for k, v in out.items() if isinstance(v, torch.Tensor)), None)
+        field = next((k for k, v in out.items() if isinstance(v, torch.Tensor) and k != "loss"), None)
         if field is not None:
             return out[field], OutputKind(type(out), field)
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return out[0], OutputKind(tuple)
+    if isinstance(out, tuple) and out:
+        tensors = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and t.dim() > 0]
+        scalars = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and t.dim() == 0]
+        if tensors and tensors[0] <= 1:
+            loss_at = scalars[0] if scalars and scalars[0] <= 1 else None
+            return out[tensors[0]], OutputKind(tuple, loss_at=loss_at)
     raise ConfigError(f"a pipeline stage must produce a tensor, a ModelOutput or a tuple starting with one; the "
                       f"model returned {type(out).__name__}")
+
+
+LOSS_INPUT = "paratrain_loss__"
+"""The prefix under which a model's own loss inputs (``labels=``; ``""``: its positional target) travel through a
+pipeline schedule to the stages; only the last stage hands them to the model."""
 
 
 class StageModule(nn.Module):
@@ -262,25 +278,51 @@ class StageModule(nn.Module):
 
     A transformers model takes a later stage's input as ``inputs_embeds=`` (its embedding is then not called) and
     runs without a key/value cache (``use_cache=False``: training needs none, and a cache is no tensor to pass).
+    Keyword inputs (an attention mask) reach every stage; the inputs of a loss the model computes itself reach the
+    last stage only, which then hands on the loss (:func:`paratrain.batch.loss_of`) instead of the logits.
     """
 
-    def __init__(self, stage: nn.Module, first: bool) -> None:
+    def __init__(self, stage: nn.Module, index: int, last: bool) -> None:
         super().__init__()
         self.stage = stage
-        self.first = first
+        self.index, self.first, self.last = index, index == 0, last
         base = stage.get_base_model() if callable(getattr(stage, "get_base_model", None)) else stage  # PEFT
         accepted = inspect.signature(type(base).forward).parameters
         self.embeds_keyword = "inputs_embeds" in accepted
         self.extra = {"use_cache": False} if "use_cache" in accepted else {}
+        self.constants: dict[str, Any] = {}
+        """Keyword inputs of this batch that are no tensors (a schedule splits only tensors into micro-batches)."""
         self.kind = OutputKind()
         """The kind of output the model produced on the last forward (read on the last stage)."""
+        self.loss: torch.Tensor | None = None
+        """The loss the model computed on the last forward, on the last stage given the loss's inputs."""
+        self.hands_on_loss = False
+        """Return that loss, not the logits (a training schedule's loss function reads it)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first or not self.embeds_keyword:
-            out = self.stage(x, **self.extra)
-        else:
-            out = self.stage(inputs_embeds=x, **self.extra)
+    def forward(self, x: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        own = {k[len(LOSS_INPUT):]: inputs.pop(k) for k in list(inputs) if k.startswith(LOSS_INPUT)}
+        own = own if self.last else {}
+        target = own.pop("", None)
+        kwargs = {**self.extra, **self.constants, **inputs, **own}
+        args: tuple[Any, ...] = (x,)
+        if not self.first and self.embeds_keyword:
+            args, kwargs["inputs_embeds"] = (), x
+        try:
+            out = self.stage(*args, *(() if target is None else (target,)), **kwargs)
+        except (ValueError, TypeError, RuntimeError, IndexError) as err:
+            if self.first:
+                raise
+            raise ConfigError(
+                f"pipeline stage {self.index} cannot run {type(self.stage).__name__}'s forward on the hidden states "
+                f"the stage before hands it ({type(err).__name__}: {str(err).splitlines()[0][:80]}): a model cut "
+                "into stages must take them where its token ids go (transformers models take inputs_embeds=); use "
+                "zero3 or tp for this model") from None
         tensor, self.kind = split_output(out)
+        self.loss = None
+        if own or target is not None:
+            self.loss = loss_of(out)
+            if self.hands_on_loss:
+                return self.loss
         if tensor._base is not None and _sharded(self):
             # A middle stage's hidden states come out as a view (GPT-2's ``view``, the logits slice); FSDP warns
             # on every such root output, since an in-place op on it would skip its hooks. A copy is one activation.

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..batch import ModelCall
 from ..dims import ParallelDims
 from ..distributed.parallelize import Step, parallelize
 from ..distributed.tensor_parallel.degrees import tp_degree
@@ -150,12 +151,22 @@ class Strategy(ABC):
             return self.tp.rng_rank(rt.mesh)
         return rt.env.rank
 
-    def forward_backward(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable,
-                         scale: float) -> torch.Tensor | None:
-        """Run forward and backward of one batch when the strategy owns that loop (pipelines, the vocabulary-split
-        loss of tensor parallelism); None: it doesn't."""
+    def needs_every_rank(self) -> str | None:
+        """Why a forward of the prepared model, or its whole state, needs every rank (words for the line said when
+        one rank does it alone: :mod:`paratrain.rank_alone`); None where each rank holds the whole model."""
         if self.tp is not None:
-            return self.tp.forward_backward(model, x, target, loss_fn, scale)
+            return f"under {self.name} with tp every layer is split over the ranks of a tp group"
+        return None
+
+    def optimizer_split(self) -> str | None:
+        """Why the optimizer's whole state needs every rank (as :meth:`needs_every_rank`)."""
+        return self.needs_every_rank()
+
+    def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor | None:
+        """Run forward and backward of the micro-batch ``call`` when the strategy owns that loop (pipelines, the
+        vocabulary-split loss of tensor parallelism); None: it doesn't."""
+        if self.tp is not None:
+            return self.tp.forward_backward(model, call, scale)
         return None
 
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:

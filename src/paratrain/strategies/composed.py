@@ -84,6 +84,18 @@ class Composed(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.data.unwrap(model)
 
+    def needs_every_rank(self) -> str | None:
+        if self.preset.tp == "all":
+            return "under tp every layer is split over the ranks"
+        if self.data.zero >= 2:
+            return f"under {self.name} each rank holds a shard of every layer"
+        return super().needs_every_rank()
+
+    def optimizer_split(self) -> str | None:
+        if self.data.zero == 1:
+            return f"under {self.name} each rank holds a shard of the optimizer's state"
+        return self.needs_every_rank()
+
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         if not self.preset.groups:
             return 0  # one process: nothing to keep in step

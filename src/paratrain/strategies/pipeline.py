@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..batch import ModelCall
 from ..dims import ParallelDims
 from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from ..distributed.optimizer import rebuild
@@ -150,7 +150,7 @@ class PipelineStrategy(Strategy):
         out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)  # before FSDP swaps the parameters
         units = FSDPConfig(wrap_classes=(plan.blocks.cls,))  # one sharding unit per block, never a bare container
         for s in mine:
-            stage = StageModule(build_stage(model, plan, [s]), first=s == 0)
+            stage = StageModule(build_stage(model, plan, [s]), s, last=s == total - 1)
             split = self._stage_split(model, plan, s, total, rt)
             out.stage_modules[s] = stage
             out.parts.append((s, rt.parallelize(stage, tp=split, data=self._stage_step(rt, units))))
@@ -212,11 +212,13 @@ class PipelineStrategy(Strategy):
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return nullcontext()  # the stages already synchronise once per batch, after the last micro-batch
 
-    def forward_backward(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable,
-                         scale: float) -> torch.Tensor:
+    def needs_every_rank(self) -> str | None:
+        return f"under {self.name} each rank holds a stage of the model"
+
+    def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor:
         if not isinstance(model, PipelinedModel):
             raise ConfigError("pass the model that prepare() returned to forward_backward")
-        return model.forward_backward(x, target, loss_fn, scale)
+        return model.forward_backward(call, scale)
 
     def grad_norm_group(self, model: nn.Module) -> dist.ProcessGroup | None:
         return model.pp_group if isinstance(model, PipelinedModel) else None

@@ -13,10 +13,6 @@ from .distributed import DataSetup, RankEvidence
 from .floor import Judge
 from .record import Record
 
-BROADCASTING = frozenset({"ddp", "zero1", "model_parallel", "mp"})
-"""Strategies that copy rank 0's weights to every rank when they wrap the model (DDP does, at construction)."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class Finding:
     """A cause, the evidence for it, and the fix."""
@@ -175,15 +171,9 @@ def _apart_from_rank0(digests: list[str]) -> str | None:
     return None if not others else f"rank{'s' if len(others) > 1 else ''} {', '.join(others)}"
 
 
-def init_finding(ranks: list[RankEvidence]) -> Finding | None:
-    apart = _apart_from_rank0([r.init_digest for r in ranks])
-    if apart is None:
-        return None
-    return Finding(cause="different initial weights across ranks",
-                   evidence=f"the model {apart} built differs from rank 0's before prepare (state digests compared)",
-                   hint="seed identically on every rank before building the model (paratrain.Parallel(seed=...) or "
-                        "torch.manual_seed(s) first, not s + rank), and draw no rank-dependent random numbers "
-                        "before it")
+def ranks_apart(ranks: list[RankEvidence]) -> str | None:
+    """The ranks whose model differed from rank 0's before ``prepare`` (state digests compared), or None."""
+    return _apart_from_rank0([r.init_digest for r in ranks])
 
 
 def gradient_scale_finding(ranks: list[RankEvidence], ref: Record, accumulate: int, replicas: int) -> Finding | None:

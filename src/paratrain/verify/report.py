@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .diagnose import (BROADCASTING, Divergence, Finding, batchnorm_finding, data_findings, first_divergence,
-                       gradient_scale_finding, init_finding, replicas_finding, tie_finding, untrained_finding)
+from .diagnose import (Divergence, Finding, batchnorm_finding, data_findings, first_divergence,
+                       gradient_scale_finding, ranks_apart, replicas_finding, tie_finding, untrained_finding)
 from .distributed import RankEvidence
 from .floor import FloorSummary, Judge, NoiseFloor, Tolerance
 from .record import Record
@@ -95,18 +95,12 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, twin: Record | N
     data, notes = data_findings(ranks, main.data)
     report.notes += notes
     report.findings += data
-    init = init_finding(ranks)
-    broadcast = main.case.strategy in BROADCASTING  # the run itself started from rank 0's weights everywhere
-    if init is not None and broadcast:
-        report.warnings.append(Finding(
-            cause=init.cause, hint=init.hint,
-            evidence=f"{init.evidence}; {main.case.strategy} copied rank 0's weights to every rank at prepare, so "
-                     "this run is consistent, but zero2/zero3/fsdp/hsdp and pipelines do not and would train a mix "
-                     "of the ranks' weights"))
-    elif init is not None:
-        report.findings.append(init)
+    apart = ranks_apart(ranks)
+    if apart is not None:  # prepare started every rank from rank 0's weights: worth knowing, no fault
+        report.notes.append(f"the model {apart} built differs from rank 0's before prepare; every rank started from "
+                            "rank 0's weights, as the reference did")
     window = main.accumulate if whole_windows(main.data, main.accumulate) else 1
-    if not data and (init is None or broadcast):  # the first step saw the reference's weights and samples
+    if not data:  # the first step saw the reference's weights and samples
         for finding in (gradient_scale_finding(ranks, ref, main.accumulate, main.data.replicas),
                         batchnorm_finding(ranks, ref, max(tolerance or 0.0, 1e-4), window)):
             if finding is not None:

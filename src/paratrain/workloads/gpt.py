@@ -123,27 +123,24 @@ class GPT(nn.Module):
         """The tensor-parallel plan (see :mod:`paratrain.distributed.tensor_parallel.plans`): ``qkv`` and a gated
         ``fc`` are laid out per head / per unit, so a plain column split keeps them whole (no gather, unlike GPT-2's
         ``c_attn``). Imported here, when asked for: tensor parallelism takes a second to import."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import SequenceParallel
-
-        from ..distributed.tensor_parallel.plans import TPPlan, final_norm, vocab_head
-        from ..distributed.tensor_parallel.styles import Colwise, Replicated, Rowwise
+        from ..distributed.tensor_parallel.names import head, style
+        from ..distributed.tensor_parallel.plans import TPPlan
 
         # The embedding's partial sums are reduce-scattered straight into sequence slices (torchtitan's layout), not
         # all-reduced and then sliced; the position table hands each rank its positions' rows.
-        styles: dict[str, object] = {"wte": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1))}
+        styles: dict[str, object] = {"wte": style("rowwise(output=sequence)")}
         if self.wpe is not None:
-            styles["wpe"] = Replicated(output_shard=0)
+            styles["wpe"] = style("replicate(output_shard=0)")
         styles.update({
-            "blocks.*.norm1": SequenceParallel(),
-            **{f"blocks.*.{name}": Colwise(input_layouts=Shard(1))  # grouped: q and kv each gather the input
+            "blocks.*.norm1": style("sequence_parallel"),
+            **{f"blocks.*.{name}": style("colwise(input=sequence)")  # grouped: q and kv each gather the input
                for name in (("q", "kv") if self.cfg.key_value_heads != self.cfg.heads else ("qkv",))},
-            "blocks.*.proj": Rowwise(output_layouts=Shard(1)),
-            "blocks.*.norm2": SequenceParallel(),
-            "blocks.*.fc": Colwise(input_layouts=Shard(1)),
-            "blocks.*.out": Rowwise(output_layouts=Shard(1)),
-            "norm": final_norm(),
-            "head": vocab_head(),
+            "blocks.*.proj": style("rowwise(output=sequence)"),
+            "blocks.*.norm2": style("sequence_parallel"),
+            "blocks.*.fc": style("colwise(input=sequence)"),
+            "blocks.*.out": style("rowwise(output=sequence)"),
+            "norm": style("sequence_parallel"),
+            "head": head(),
         })
         return TPPlan(name="paratrain GPT", sequence_parallel=True, styles=styles,
                     divisible=lambda m: {"heads": m.cfg.heads, "kv_heads": m.cfg.key_value_heads,

@@ -11,9 +11,9 @@ if TYPE_CHECKING:
     from .compose import TensorParallel
     from .degrees import tp_degree
     from .plans import TPPlan, plan_for
-    from .styles import STYLES
+    from .names import STYLES
 
 _EXPORTS = {"apply_tp": ".apply", "TensorParallel": ".compose", "tp_degree": ".degrees",
-            "TPPlan": ".plans", "plan_for": ".plans", "STYLES": ".styles"}
+            "TPPlan": ".plans", "plan_for": ".plans", "STYLES": ".names"}
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())  # the strategies import .degrees alone: cheap
 __all__ = list(_EXPORTS)

@@ -13,7 +13,7 @@ from ...errors import ConfigError
 from ...model.ties import Ties, find_ties
 from .outputs import ShardedOutputs
 from .plans import TPPlan
-from .styles import Replicated
+from .styles import Replicated, VocabHead
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedOutputs,
@@ -33,10 +33,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedO
     ties = ties if ties is not None else find_ties(model)
     for name, style in plan.resolve(model) if styles is None else styles:
         parallelize_module(model.get_submodule(name), mesh, style)
-    _retie(model, ties.groups)
+        if isinstance(style, VocabHead):
+            outputs.install_head(model.get_submodule(name))
+    _check_ties(model, ties.groups)
     for module in model.modules():  # what the plan left whole: replicated, so every parameter is a DTensor
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             Replicated()._apply(module, mesh)
+    _retie(model, ties.groups)
     plan.adjust(model, degree)
     if plan.sequence_parallel:
         model.register_forward_pre_hook(lambda m, args: _check_sequence(args, degree))
@@ -44,15 +47,27 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedO
     return model
 
 
+def _check_ties(model: nn.Module, groups: tuple[tuple[str, ...], ...]) -> None:
+    """A plan splits both modules of a tie alike, or neither (what it leaves out is replicated, the tie whole)."""
+    for group in groups:
+        params = [(name, model.get_parameter(name)) for name in group]
+        split = [(n, p.placements) for n, p in params if isinstance(p, DTensor)]
+        whole = [n for n, p in params if not isinstance(p, DTensor)]
+        owner = lambda n: n.rpartition(".")[0]  # noqa: E731
+        if split and whole:
+            raise ConfigError(f"tp_plan splits {owner(split[0][0])!r} but not {owner(whole[0])!r}, which shares its "
+                              f"weight; name both (an embedding 'rowwise', a head 'colwise') or neither")
+        if len({p for _, p in split}) > 1:
+            raise ConfigError(f"tp plan splits the tied weights {split[0][0]!r} ({split[0][1]}) and {split[1][0]!r} "
+                              f"({split[1][1]}) differently; give both modules styles with one sharding")
+
+
 def _retie(model: nn.Module, groups: tuple[tuple[str, ...], ...]) -> None:
+    """``parallelize_module`` (and replication) gave each module of a tie a parameter of its own: one again."""
     for group in groups:
         first = model.get_parameter(group[0])
         for name in group[1:]:
             owner, _, attr = name.rpartition(".")
-            param = model.get_parameter(name)
-            if isinstance(first, DTensor) and isinstance(param, DTensor) and first.placements != param.placements:
-                raise ConfigError(f"tp plan splits the tied weights {group[0]!r} ({first.placements}) and {name!r} "
-                                  f"({param.placements}) differently; give both modules styles with one sharding")
             setattr(model.get_submodule(owner), attr, first)
 
 

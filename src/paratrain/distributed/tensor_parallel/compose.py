@@ -8,7 +8,6 @@ replication on the parameters TP made). The ranks of one tp group read the same 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from ...batch import ModelCall
 from ...model.facts import ModelFacts
 from ...model.materialize import to_device
 from ...options import TPConfig
@@ -107,9 +107,8 @@ class TensorParallel:
     def rng_rank(mesh: DeviceMesh) -> int:
         return mesh["dp"].get_local_rank()
 
-    def forward_backward(self, model: nn.Module, x: Any, target: Any, loss_fn: Callable,
-                         scale: float) -> torch.Tensor:
-        return forward_backward(self.outputs, model, x, target, loss_fn, scale, self._precision, self._device)
+    def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor:
+        return forward_backward(self.outputs, model, call, scale, self._precision, self._device)
 
     def describe(self) -> str:
         plan = self.config.plan

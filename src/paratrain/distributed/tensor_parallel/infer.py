@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from torch import nn
-from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ...errors import ConfigError
@@ -23,9 +22,10 @@ from ...model.facts import ModelFacts
 from ...model.structure import Blocks, find_blocks, outer_modules
 from ...model.ties import Ties, find_ties
 from .adapters import inside_lora, is_lora, plain_lora_base, with_adapters
-from .plans import TPPlan, has_plan, matches, plan_for, vocab_embedding
-from .probe import Split, block_call, dims, evaluating, verify
-from .styles import Colwise, FusedColwise, Rowwise
+from . import names
+from .names import style
+from .plans import TPPlan, has_plan, matches, plan_for
+from .probe import Split, block_call, dims, evaluating, token_readers, verify
 
 QUERY = {"q_proj", "q", "query", "wq", "to_q", "q_lin", "query_proj"}
 KEY = {"k_proj", "k", "key", "wk", "to_k", "k_lin", "key_proj"}
@@ -61,13 +61,15 @@ def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -
     said: list[str] = []
     whole: list[str] = []
     sizes: dict[str, int] = {}
-    vocab = _vocabulary(model, blocks, ties, styles, said, whole)
+    vocab, head = _vocabulary(model, blocks, ties, styles, said, whole)
     adjust: list[tuple[str, str]] = []
     if blocks is None:
         whole.append("no repeated blocks found")
     else:
         with evaluating(model):
             adjust = _split_blocks(model, blocks, degree, vocab, styles, said, whole, sizes)
+    if head is not None:  # after the blocks' entries, as the model runs them
+        styles[head] = names.head()
     if not styles:
         raise ConfigError(f"tp_plan='auto' found nothing in {kind} it can split safely ({'; '.join(whole)}); give a "
                           "tp_plan={'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise', ...}")
@@ -78,33 +80,53 @@ def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -
 
 
 def _vocabulary(model: nn.Module, blocks: Blocks | None, ties: Ties, styles: dict, said: list[str],
-                whole: list[str]) -> int:
-    """Split the token embedding and the output head over the vocabulary (both, when they are tied, or neither);
-    returns the vocabulary size (for the probe's token ids)."""
+                whole: list[str]) -> tuple[int, str | None]:
+    """Split the token embedding over the vocabulary; returns the vocabulary size (for the probe's token ids) and
+    the output head to split with it (both when they are tied, or neither), which the plan names after the
+    blocks."""
     before, after = outer_modules(model, blocks) if blocks is not None else ([""], [])
     wrappers = {n for n, m in model.named_modules() if is_lora(m)}
-    embeddings = [(n, m) for n, m in _under(model, before) if isinstance(m, nn.Embedding)
-                  and n not in wrappers and not inside_lora(n, wrappers)]
+    embeddings = {n: m for n, m in _under(model, before) if isinstance(m, nn.Embedding)
+                  and n not in wrappers and not inside_lora(n, wrappers)}
     if not embeddings:
         whole.append("no token embedding before the blocks")
-        return 2
-    embedding = max(embeddings, key=lambda e: e[1].num_embeddings)
-    heads = [(n, m) for n, m in _under(model, after)
-             if isinstance(m, nn.Linear) and m.out_features == embedding[1].num_embeddings]
-    head = heads[-1] if heads else None
+        return 2, None
+    linears = [(n, m) for n, m in _under(model, after) if isinstance(m, nn.Linear)]
+    embedding = _token_embedding(model, blocks, embeddings, linears, ties)
+    vocab = embeddings[embedding].num_embeddings
     tied = {g for group in ties.groups for g in group}
-    pair = {f"{embedding[0]}.weight"} | ({f"{head[0]}.weight"} if head else set())
+    heads = [n for n, m in linears if m.out_features == vocab]
+    head = next((n for n in heads if f"{n}.weight" in tied), heads[-1] if heads else None)
+    pair = {f"{embedding}.weight"} | ({f"{head}.weight"} if head else set())
     partners = {name for group in ties.groups if pair & set(group) for name in group}
     if partners - pair:
-        whole.append(f"{embedding[0]}{' and ' + head[0] if head else ''} (tied to {sorted(partners - pair)[0]})")
-        return embedding[1].num_embeddings
-    styles[embedding[0]] = vocab_embedding()
-    said.append(f"{embedding[0]} -> rowwise (vocabulary)")
+        whole.append(f"{embedding}{' and ' + head if head else ''} (tied to {sorted(partners - pair)[0]})")
+        return vocab, None
+    styles[embedding] = style("rowwise")
+    said.append(f"{embedding} -> rowwise (vocabulary)")
     if head is not None:
-        styles[head[0]] = Colwise(output_layouts=Shard(-1), use_local_output=False)
-        tie = f"; tied to {embedding[0]}" if f"{head[0]}.weight" in tied else ""
-        said.append(f"{head[0]} -> colwise (vocabulary, logits left split for the loss{tie})")
-    return embedding[1].num_embeddings
+        tie = f"; tied to {embedding}" if f"{head}.weight" in tied else ""
+        said.append(f"{head} -> colwise (vocabulary, logits left split for the loss{tie})")
+    return vocab, head
+
+
+def _token_embedding(model: nn.Module, blocks: Blocks | None, embeddings: dict[str, nn.Embedding],
+                     linears: list[tuple[str, nn.Linear]], ties: Ties) -> str:
+    """The embedding that holds the vocabulary, found by what it is rather than by its size (a character-level
+    model's position table is larger than its vocabulary): the one tied to a layer after the blocks; else, among
+    those that look up the model's own token ids, one as large as a layer's output after the blocks, else the
+    largest."""
+    by_weight = {f"{n}.weight": n for n in embeddings}
+    after = {f"{n}.weight" for n, _ in linears}
+    for group in ties.groups:
+        tied = [by_weight[g] for g in group if g in by_weight]
+        if tied and after & set(group):
+            return tied[0]
+    fed = token_readers(model, embeddings, blocks.modules(model)[0] if blocks is not None else None)
+    pool = [n for n in embeddings if n in fed] if fed else list(embeddings)
+    outputs = {m.out_features for _, m in linears}
+    sized = [n for n in pool if embeddings[n].num_embeddings in outputs]
+    return max(sized or pool, key=lambda n: embeddings[n].num_embeddings)
 
 
 def _under(model: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Module]]:
@@ -152,10 +174,10 @@ def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, sty
     adjust = []
     for what, split in chosen:
         for name, parts in split.columns.items():
-            styles[f"{pattern}.{name}"] = FusedColwise(parts) if parts > 1 else Colwise()
+            styles[f"{pattern}.{name}"] = style(f"fused_colwise({parts})" if parts > 1 else "colwise")
             said.append(f"{pattern}.{name} -> {f'fused_colwise({parts})' if parts > 1 else 'colwise'} ({what})")
         for name in split.rows:
-            styles[f"{pattern}.{name}"] = Rowwise()
+            styles[f"{pattern}.{name}"] = style("rowwise")
             said.append(f"{pattern}.{name} -> rowwise ({what})")
         adjust.extend((f"{pattern}.{owner}" if owner else pattern, attr) for owner, attr in split.adjust)
     if adjust:

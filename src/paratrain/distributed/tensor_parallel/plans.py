@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleOutput
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
-                                               PrepareModuleOutput, SequenceParallel)
 
 from ...errors import ConfigError
-from .styles import Colwise, FirstInput, FusedColwise, Replicated, Rowwise, style_of
+from ...model.structure import find_blocks, outer_modules
+from .names import head, spec_of, style
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class TPPlan:
     """Changes to the model's own bookkeeping once split (GPT-2's attention splits its output by width)."""
     summary: tuple[str, ...] = ()
     """What an inferred plan splits and leaves whole, as lines printed once on rank 0 (``tp_plan="auto"``)."""
+    heads: frozenset[str] = frozenset()
+    """Modules where ``"colwise"`` means the output head, split over the vocabulary (:func:`heads_of`)."""
 
     def resolve(self, model: nn.Module) -> list[tuple[str, ParallelStyle]]:
         """(module name, style) for every module the plan names, in plan order; a pattern matching no module is a
@@ -59,8 +61,21 @@ class TPPlan:
             if not matched:
                 raise ConfigError(f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} "
                                   f"(modules are named like {names[min(len(names) - 1, 3)]!r}); fix the pattern")
-            out.extend((n, style_of(value, pattern)) for n in matched)
+            out.extend((n, self.style(value, pattern, n)) for n in matched)
         return out
+
+    def style(self, value: str | ParallelStyle, pattern: str, name: str) -> ParallelStyle:
+        """The style the entry ``pattern: value`` gives the module ``name``."""
+        if not isinstance(value, str):
+            if not isinstance(value, ParallelStyle):
+                raise ConfigError(f"tp_plan entry {pattern!r}: {value!r} is neither a style name nor a "
+                                  "torch.distributed.tensor.parallel ParallelStyle")
+            return value
+        return head() if value.strip() == "colwise" and name in self.heads else style(value)
+
+    def printed(self) -> dict[str, str]:
+        """The plan as ``tp_plan=`` takes it: patterns → style names."""
+        return {pattern: spec_of(value) for pattern, value in self.styles.items()}
 
 
 def matches(pattern: str, name: str) -> bool:
@@ -72,7 +87,7 @@ def matches(pattern: str, name: str) -> bool:
 def sequence_shards() -> ParallelStyle:
     """The first block's input (of the model, or of a pipeline stage): replicated → this rank's slice of the
     sequence."""
-    return FirstInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+    return style("split_sequence")
 
 
 def whole_sequence() -> ParallelStyle:
@@ -81,26 +96,20 @@ def whole_sequence() -> ParallelStyle:
                                use_local_output=True)
 
 
-def gathered(kwarg: str | None = None) -> ParallelStyle:
-    """Attention's or the MLP's input: the sequence slices all-gathered."""
-    if kwarg is None:
-        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                  use_local_output=True)
-    return PrepareModuleInput(input_kwarg_layouts={kwarg: Shard(1)}, desired_input_kwarg_layouts={kwarg: Replicate()},
-                              use_local_output=True)
-
-
-def vocab_embedding() -> ParallelStyle:
-    return Rowwise(input_layouts=Replicate(), output_layouts=Replicate())
-
-
-def vocab_head() -> ParallelStyle:
-    return Colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-
-
-def final_norm() -> ParallelStyle:
-    # left a DTensor: GPT-2 reshapes it by the full sequence length before the head
-    return SequenceParallel(use_local_output=False)
+def heads_of(model: nn.Module, styles: Mapping[str, str | ParallelStyle]) -> frozenset[str]:
+    """The modules of ``model`` where a plan's ``"colwise"`` is the output head: those after its repeated blocks
+    (the final norm's neighbours), or in a model without blocks the ones a ``colwise`` entry names with no
+    ``rowwise`` entry after it (its output is the model's, not the input of a row split)."""
+    names = [n for n, _ in model.named_modules() if n]
+    blocks = find_blocks(model)
+    if blocks is not None:
+        after = outer_modules(model, blocks)[1]
+        return frozenset(n for n in names if any(n == a or n.startswith(f"{a}.") for a in after))
+    values = list(styles.items())
+    last_row = max((i for i, (_, v) in enumerate(values) if isinstance(v, str) and v.startswith("rowwise")),
+                   default=-1)
+    return frozenset(n for i, (p, v) in enumerate(values) if i > last_row and v == "colwise"
+                     for n in names if matches(p, n))
 
 
 def gpt2_plan() -> TPPlan:
@@ -113,21 +122,19 @@ def gpt2_plan() -> TPPlan:
                 module.split_size = module.embed_dim // degree  # its c_attn output is now this rank's q, k, v
 
     return TPPlan(name="GPT-2", sequence_parallel=True, adjust=adjust, styles={
-        "transformer.wte": vocab_embedding(),
-        "transformer.wpe": Replicated(),
-        "transformer.drop": PrepareModuleInputOutput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
-            output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True),
-        f"{block}.ln_1": SequenceParallel(),
-        f"{block}.attn": gathered(),
-        f"{block}.attn.c_attn": FusedColwise(3),
-        f"{block}.attn.c_proj": Rowwise(output_layouts=Shard(1)),
-        f"{block}.ln_2": SequenceParallel(),
-        f"{block}.mlp": gathered(),
-        f"{block}.mlp.c_fc": Colwise(),
-        f"{block}.mlp.c_proj": Rowwise(output_layouts=Shard(1)),
-        "transformer.ln_f": final_norm(),
-        "lm_head": vocab_head(),
+        "transformer.wte": style("rowwise"),
+        "transformer.wpe": style("replicate"),
+        "transformer.drop": style("split_sequence"),
+        f"{block}.ln_1": style("sequence_parallel"),
+        f"{block}.attn": style("gather_sequence"),
+        f"{block}.attn.c_attn": style("fused_colwise(3)"),
+        f"{block}.attn.c_proj": style("rowwise(output=sequence)"),
+        f"{block}.ln_2": style("sequence_parallel"),
+        f"{block}.mlp": style("gather_sequence"),
+        f"{block}.mlp.c_fc": style("colwise"),
+        f"{block}.mlp.c_proj": style("rowwise(output=sequence)"),
+        "transformer.ln_f": style("sequence_parallel"),
+        "lm_head": head(),
     }, divisible=lambda model: {"n_head": model.config.n_head, "n_inner": model.config.n_inner or
                                 4 * model.config.n_embd})
 
@@ -136,21 +143,21 @@ def llama_plan() -> TPPlan:
     """transformers' ``LlamaForCausalLM`` (grouped-query attention: key/value heads split too)."""
     layer = "model.layers.*"
     return TPPlan(name="Llama", sequence_parallel=True, styles={
-        "model.embed_tokens": vocab_embedding(),
-        "model.layers.0": sequence_shards(),
-        f"{layer}.input_layernorm": SequenceParallel(),
-        f"{layer}.self_attn": gathered("hidden_states"),
-        f"{layer}.self_attn.q_proj": Colwise(),
-        f"{layer}.self_attn.k_proj": Colwise(),
-        f"{layer}.self_attn.v_proj": Colwise(),
-        f"{layer}.self_attn.o_proj": Rowwise(output_layouts=Shard(1)),
-        f"{layer}.post_attention_layernorm": SequenceParallel(),
-        f"{layer}.mlp": gathered(),
-        f"{layer}.mlp.gate_proj": Colwise(),
-        f"{layer}.mlp.up_proj": Colwise(),
-        f"{layer}.mlp.down_proj": Rowwise(output_layouts=Shard(1)),
-        "model.norm": final_norm(),
-        "lm_head": vocab_head(),
+        "model.embed_tokens": style("rowwise"),
+        "model.layers.0": style("split_sequence"),
+        f"{layer}.input_layernorm": style("sequence_parallel"),
+        f"{layer}.self_attn": style("gather_sequence(hidden_states)"),
+        f"{layer}.self_attn.q_proj": style("colwise"),
+        f"{layer}.self_attn.k_proj": style("colwise"),
+        f"{layer}.self_attn.v_proj": style("colwise"),
+        f"{layer}.self_attn.o_proj": style("rowwise(output=sequence)"),
+        f"{layer}.post_attention_layernorm": style("sequence_parallel"),
+        f"{layer}.mlp": style("gather_sequence"),
+        f"{layer}.mlp.gate_proj": style("colwise"),
+        f"{layer}.mlp.up_proj": style("colwise"),
+        f"{layer}.mlp.down_proj": style("rowwise(output=sequence)"),
+        "model.norm": style("sequence_parallel"),
+        "lm_head": head(),
     }, divisible=lambda model: {"num_attention_heads": model.config.num_attention_heads,
                                 "num_key_value_heads": model.config.num_key_value_heads,
                                 "intermediate_size": model.config.intermediate_size})
@@ -175,7 +182,7 @@ def plan_for(model: nn.Module, user: Mapping[str, str | ParallelStyle] | None) -
         if not isinstance(user, Mapping) or not user:
             raise ConfigError("tp_plan must be 'auto' or a non-empty dict of module-name patterns to styles, e.g. "
                               "{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}")
-        return TPPlan(name="tp_plan", styles=dict(user))
+        return TPPlan(name="tp_plan", styles=dict(user), heads=heads_of(model, user))
     own = getattr(model, "paratrain_tp_plan", None)
     if callable(own):
         return own()

@@ -11,7 +11,7 @@ the ranks' partial outputs. A split is kept only when every rank's output equals
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -96,6 +96,42 @@ def block_call(model: nn.Module, block: nn.Module, vocab: int) -> tuple[tuple, d
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     return args, kwargs
+
+
+def token_readers(model: nn.Module, embeddings: dict[str, nn.Embedding], stop_at: nn.Module | None) -> set[str] | None:
+    """The names of ``embeddings`` that look up the model's own input when it runs on a few token ids (the token
+    embedding, BERT's word and token-type tables fed zeros aside: ids are chosen unlike positions and zeros), or
+    None when the model cannot be run so (on meta, or its forward fails before ``stop_at``, its first block)."""
+    if not embeddings or next(model.parameters()).is_meta:
+        return None
+    smallest = min(m.num_embeddings for m in embeddings.values())
+    ids = ((torch.arange(_TOKENS) * 7 + 3) % smallest).unsqueeze(0).to(next(model.parameters()).device)
+    fed: set[str] = set()
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(_: nn.Module, args: tuple) -> None:
+            if args and isinstance(args[0], torch.Tensor) and args[0].shape[-1:] == ids.shape[-1:] and bool(
+                    (args[0].reshape(-1, _TOKENS) == ids).all()):
+                fed.add(name)
+        return hook
+
+    def stop(*_: Any) -> None:
+        raise _Called
+
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in embeddings.items()]
+    if stop_at is not None:
+        handles.append(stop_at.register_forward_pre_hook(stop))
+    try:
+        with evaluating(model):
+            model(ids)
+    except _Called:
+        pass
+    except Exception:  # noqa: BLE001 - any model: whatever its forward raises on plain token ids
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return fed
 
 
 def _no_cache(value: Any) -> Any:

@@ -20,7 +20,6 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ...model.stages import AddsNothing, PassThrough
 from .plans import TPPlan, matches, sequence_shards, whole_sequence
-from .styles import style_of
 
 
 def stage_styles(plan: TPPlan, stage: nn.Module, first_block: str | None,
@@ -29,7 +28,7 @@ def stage_styles(plan: TPPlan, stage: nn.Module, first_block: str | None,
     sequence is sliced before ``first_block`` and gathered after ``last_block`` (None: the stage holds the model's
     own beginning, or end, which the plan handles)."""
     runs = [n for n, m in stage.named_modules() if n and not isinstance(m, (PassThrough, AddsNothing))]
-    styles = [(n, style_of(value, pattern)) for pattern, value in plan.styles.items() for n in runs
+    styles = [(n, plan.style(value, pattern, n)) for pattern, value in plan.styles.items() for n in runs
               if matches(pattern, n)]
     if plan.sequence_parallel:
         if first_block is not None:

@@ -25,8 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel)
 from torch.utils._pytree import tree_leaves
 
 from ...errors import ConfigError
@@ -65,13 +64,22 @@ class Colwise(ColwiseParallel):
 
 
 class Rowwise(RowwiseParallel):
-    """``RowwiseParallel`` that also splits a ``Conv1D`` (weight ``Shard(0)``, bias replicated)."""
+    """``RowwiseParallel`` that also splits a ``Conv1D`` (weight ``Shard(0)``, bias replicated), and an
+    ``nn.Embedding`` over its rows (the vocabulary) reading whole token ids unless told otherwise: torch's default
+    input layout, ``Shard(-1)``, is a row-split linear layer's, and token ids have no feature dimension to split."""
+
+    def __init__(self, *, input_layouts: Any = None, **kwargs: Any) -> None:
+        super().__init__(input_layouts=input_layouts, **kwargs)
+        self._input_given = input_layouts is not None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
             if not isinstance(module, (nn.Linear, nn.Embedding)):
                 raise ConfigError(f"rowwise splits nn.Linear, nn.Embedding and Conv1D layers, not "
                                   f"{type(module).__name__}")
+            if isinstance(module, nn.Embedding) and not self._input_given:  # a copy: one style may serve many
+                return Rowwise(input_layouts=Replicate(), output_layouts=self.output_layouts[0],
+                               use_local_output=self.use_local_output)._apply(module, device_mesh)
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
@@ -79,6 +87,23 @@ class Rowwise(RowwiseParallel):
             lambda _, m, mesh: _shard_params(m, mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class VocabHead(Colwise):
+    """The output head split over the vocabulary: its logits come out a ``Shard(-1)`` DTensor whatever the layout of
+    its input (the final norm's sequence slices, whole hidden states, a plain tensor), so the loss can run on them
+    split (``loss_parallel``); :mod:`.outputs` gathers them for any other code that reads them."""
+
+    def __init__(self) -> None:
+        super().__init__(output_layouts=Shard(-1), use_local_output=False)
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
+                          device_mesh: DeviceMesh) -> Any:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+        return x if x.placements == (Replicate(),) else x.redistribute(placements=(Replicate(),), async_op=True)
 
 
 class FusedColwise(Colwise):
@@ -167,23 +192,3 @@ def _holds_dtensor(args: tuple, kwargs: dict) -> bool:
     if not kwargs and all(type(a) is torch.Tensor for a in args):  # a norm's call: one plain tensor
         return False
     return any(isinstance(t, DTensor) for t in tree_leaves((args, kwargs)))
-
-
-STYLES: dict[str, Callable[[], ParallelStyle]] = {
-    "colwise": Colwise,
-    "rowwise": Rowwise,
-    "sequence_parallel": SequenceParallel,
-    "replicate": Replicated,
-}
-"""Style names a user plan may use (``tp_plan={"layers.*.mlp.up": "colwise"}``), each a fresh style."""
-
-
-def style_of(value: str | ParallelStyle, pattern: str) -> ParallelStyle:
-    """The ``ParallelStyle`` a plan entry names, or the one it gives."""
-    if isinstance(value, ParallelStyle):
-        return value
-    factory = STYLES.get(value) if isinstance(value, str) else None
-    if factory is None:
-        raise ConfigError(f"tp_plan entry {pattern!r}: {value!r} is not a style; use one of {', '.join(STYLES)} or "
-                          "a torch.distributed.tensor.parallel ParallelStyle")
-    return factory()

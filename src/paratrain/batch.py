@@ -1,0 +1,105 @@
+"""One micro-batch as ``Parallel.forward_backward`` hands it to the model, and where its loss comes from.
+
+Two kinds of training code meet here. One computes the loss outside the model, ``loss_fn(model(x), y)``. The other
+lets the model compute it, as transformers' causal LMs do with ``labels=`` and nanoGPT with ``model(x, y) ->
+(logits, loss)``: then the loss is read from what the model returns (:func:`loss_of`). Strategies that run the
+forward themselves need to know which inputs feed the model's first layer, which every part of it reads (an
+attention mask) and which only its loss reads (the labels, used on a pipeline's last stage only); a
+:class:`ModelCall` keeps them apart.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .errors import ConfigError
+
+LOSS_KEYWORDS = frozenset({"labels", "shift_labels", "targets", "target", "num_items_in_batch"})
+"""Keyword inputs that only a model's own loss reads (transformers' ``labels``/``shift_labels``, nanoGPT-style
+``targets``): a pipeline hands them to its last stage alone."""
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """How one micro-batch is run: ``loss_fn(model(x, **kwargs), target)``, or with no ``loss_fn`` the model's own
+    loss from ``model(x, target, **kwargs, **loss_kwargs)`` (``target`` left out when None)."""
+
+    x: Any
+    """The first positional input: token ids, images, or None when the batch came as keywords only."""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword inputs of the forward (an attention mask): every part of the model reads them."""
+    target: Any = None
+    """``loss_fn``'s target; without ``loss_fn``, the model's second positional input (nanoGPT's ``targets``)."""
+    loss_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword inputs only the model's own loss reads (``labels=``)."""
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, x: Any, target: Any, loss_fn: Callable | None, kwargs: Mapping[str, Any]) -> "ModelCall":
+        """From ``forward_backward``'s arguments: ``x`` a mapping is a batch of keyword inputs (a transformers
+        batch: ``input_ids``, ``attention_mask``, ``labels``), and so is ``target`` without a ``loss_fn``."""
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if isinstance(x, Mapping):
+            kwargs = {**x, **kwargs}
+            x = None
+        own = {k: v for k, v in kwargs.items() if k in LOSS_KEYWORDS}
+        rest = {k: v for k, v in kwargs.items() if k not in LOSS_KEYWORDS}
+        if loss_fn is not None:
+            return cls(x=x, kwargs={**rest, **own}, target=target, loss_fn=loss_fn)
+        if isinstance(target, Mapping):  # forward_backward(model, x, {"labels": y})
+            return cls(x=x, kwargs=rest, loss_kwargs={**target, **own})
+        return cls(x=x, kwargs=rest, target=target, loss_kwargs=own)
+
+    @property
+    def own_loss(self) -> bool:
+        """The model computes the loss itself."""
+        return self.loss_fn is None
+
+    def args(self) -> tuple[Any, ...]:
+        """The forward's positional inputs."""
+        first = () if self.x is None else (self.x,)
+        return first if not self.own_loss or self.target is None else (*first, self.target)
+
+    def forward(self, model: Callable[..., Any]) -> Any:
+        """``model`` called on this batch (the loss's own inputs included)."""
+        return model(*self.args(), **self.kwargs, **self.loss_kwargs)
+
+    def loss(self, out: Any) -> torch.Tensor:
+        """The loss of ``out``, what ``model`` returned for this batch."""
+        if self.loss_fn is not None:
+            return self.loss_fn(out, self.target)
+        return loss_of(out)
+
+    def first_tensor(self) -> torch.Tensor | None:
+        """The first tensor of the inputs (``x``'s, else the keyword inputs'), None when they hold none."""
+        return next((t for t in tree_leaves((self.x, dict(self.kwargs))) if isinstance(t, torch.Tensor)), None)
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The loss a model returned: ``out.loss`` (a transformers ``ModelOutput``), ``out["loss"]``, the one
+    0-dimensional tensor of a tuple (nanoGPT's ``(logits, loss)``, transformers' ``return_dict=False``), or ``out``
+    itself when it is one; else a one-line error saying how to pass the targets or a loss function."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    if isinstance(out, Mapping) and "loss" in out:
+        found = out["loss"]
+    elif hasattr(out, "loss") and not isinstance(out, (tuple, list, torch.Tensor)):
+        found = out.loss
+    elif isinstance(out, (tuple, list)):
+        scalars = [t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0]
+        found = scalars[0] if len(scalars) == 1 else None
+        if len(scalars) > 1:
+            raise ConfigError(f"the model returned a {type(out).__name__} holding {len(scalars)} scalars, so which "
+                              "is the loss is unclear; give forward_backward a loss_fn that picks it")
+    else:
+        found = None
+    if not isinstance(found, torch.Tensor):
+        raise ConfigError(f"the model returned {type(out).__name__} without a loss; pass the targets it computes its "
+                          "loss from (forward_backward(model, x, y) calls model(x, y); labels=y is handed on as a "
+                          "keyword) or give a loss_fn")
+    return found

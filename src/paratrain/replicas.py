@@ -1,0 +1,70 @@
+"""What ``prepare`` makes of the job's ranks as replicas of one model: they start from rank 0's initial weights
+(:mod:`paratrain.distributed.initial_state`), each data-parallel replica then draws from a random stream of its own
+and the first batches they feed the model are compared (:mod:`paratrain.draws`), and work one rank does alone
+where the strategy needs every rank meets the others first (:mod:`paratrain.rank_alone`).
+
+``Parallel`` owns one; kept apart so the façade holds none of these rules.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .distributed.initial_state import start_alike
+from .draws import FirstBatch, agreed_seed, replica_stream
+from .rank_alone import guard_model, guard_optimizer
+from .seeding import rank_seed, seed_all
+from .session import Session
+from .strategies.base import Strategy
+
+DataParallel = Callable[[], tuple[int, int, "dist.ProcessGroup | None"]]
+
+
+class Replicas:
+    """The rules above for one ``Parallel``; ``data_parallel`` gives (rank, size, group) of the replicas that read
+    different data, once the layout is known."""
+
+    def __init__(self, session: Session, world_size: int, data_parallel: DataParallel) -> None:
+        self.session, self.data_parallel = session, data_parallel
+        self.joined = session.distributed and not session.alone and world_size > 1
+        """This rank shares a process group with others (not one process, nor a rank that came back alone)."""
+        self._first = FirstBatch()
+        self._base: int | None = None
+
+    def start(self, model: nn.Module, materializer: object | None, seed: int | None,
+              say: Callable[[str], None]) -> None:
+        """Before ``model`` is wrapped (collective): rank 0's initial state on every rank, and rank 0's seed for the
+        replicas' streams."""
+        if self.joined:
+            start_alike(model, materializer, self.session.device, say)
+            self._base = agreed_seed(seed, self.session.device)
+
+    def watch(self, wrapped: nn.Module, strategy: Strategy) -> None:
+        """Once ``wrapped`` is prepared: its first batch inside ``par.step`` is compared across replicas, and its
+        forwards and state outside any paratrain call meet the other ranks where ``strategy`` needs them."""
+        guard_model(wrapped, strategy, self.session.calls)
+        if strategy.serves:  # parameter servers: workers may train apart (asynchronously), nothing to compare
+            self._first.done = True
+        wrapped.register_forward_pre_hook(lambda _, args: self.first_batch(args[0] if args else None, in_step=True))
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer, strategy: Strategy) -> torch.optim.Optimizer:
+        guard_optimizer(optimizer, strategy, self.session.calls)
+        return optimizer
+
+    def streams(self, seed: int | None, replica: int, rank: int) -> None:
+        """Model init is done: each replica (a tp group, a pipeline's stages: ``replica``) to a stream of its own."""
+        if self._base is not None:
+            replica_stream(self._base, replica)
+        elif seed is not None:
+            seed_all(rank_seed(seed, rank))
+
+    def first_batch(self, batch: Any, in_step: bool = False) -> None:
+        """Warn once when two replicas feed the model the same first batch (from ``forward_backward``, or a forward
+        inside ``par.step``)."""
+        if self.joined and not self._first.done and (not in_step or self.session.calls.inside):
+            _, size, group = self.data_parallel()
+            self._first.check(batch, group, size, self.session.device)

@@ -1,0 +1,216 @@
+"""Real training code at the seams, equal to one process: the shapes real scripts have, run under ``paratrain run``.
+
+Two scripts in ``tests/realcode/``, each launched once per world size with every case it claims:
+
+* ``nanogpt_train.py``: nanoGPT's ``train.py`` as docs/porting.md ports it — a char-level config whose block size
+  exceeds its vocabulary, ``model(X, Y)`` computing the loss inside ``forward`` (through ``par.forward_backward``
+  and through ``model(...)`` + ``par.backward``), ``get_batch`` on a memmap without a DataLoader, every rank
+  seeded differently before the model is built, the global batch stated once, evaluation on every rank, the
+  checkpoint written by rank 0;
+* ``hf_labels_train.py``: transformers Llama (grouped-query attention, rotary positions) and GPT-2 (tied head) built
+  on the meta device, filled by ``par.load_weights`` from a sharded ``save_pretrained`` folder, trained with the
+  model's own ``labels=`` (or ``shift_labels=``) loss.
+
+The reference is each script's own ``train`` in this process (one process, the same global batches, accumulated
+as the layout needs). Work one rank does alone, and a model a pipeline cannot cut, are one-line errors: their
+jobs stop, so they run in launches of their own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT
+from paratrain.testing import max_abs_diff
+
+REALCODE = ROOT / "tests" / "realcode"
+sys.path.insert(0, str(REALCODE))
+import hf_labels_train  # noqa: E402
+import nanogpt_train  # noqa: E402
+
+TOL = 2e-5  # AdamW over a few steps, sums in another order
+JOB_TIMEOUT_S = 420
+MLP_ONLY = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+PRINTED = {"transformer.wte": "rowwise", **MLP_ONLY, "lm_head": "colwise"}  # --show-tp-plan's (test_tp_plans.py)
+HALF_TIE = {**MLP_ONLY, "lm_head": "colwise"}
+
+NANOGPT_2 = [
+    {"name": "ddp", "strategy": "ddp"},
+    {"name": "zero1", "strategy": "zero1"},
+    {"name": "zero2", "strategy": "zero2", "forward_backward": False},
+    {"name": "zero3", "strategy": "zero3"},
+    {"name": "tp", "strategy": "tp"},
+    {"name": "tp-model-call", "strategy": "tp", "forward_backward": False},
+    {"name": "zero3-tp2", "strategy": "zero3", "options": {"tp": 2}},
+    {"name": "tp-mlp-plan", "strategy": "tp", "options": {"tp_plan": MLP_ONLY}},
+    {"name": "tp-printed-plan", "strategy": "tp", "options": {"tp_plan": PRINTED}},
+    {"name": "tp-half-tie", "strategy": "tp", "options": {"tp_plan": HALF_TIE}},
+]
+REFUSED = {"tp-half-tie": "tp_plan splits 'lm_head' but not 'transformer.wte', which shares its weight"}
+NANOGPT_4 = [
+    {"name": "zero3-tp2", "strategy": "zero3", "options": {"tp": 2}},
+    {"name": "ddp-tp2", "strategy": "ddp", "options": {"tp": 2}, "forward_backward": False},
+    {"name": "tp", "strategy": "tp"},
+    {"name": "hsdp", "strategy": "hsdp"},
+]
+HF_2 = [
+    {"name": "llama-ddp", "family": "llama", "strategy": "ddp"},
+    {"name": "llama-zero3", "family": "llama", "strategy": "zero3", "forward_backward": False},
+    {"name": "llama-tp", "family": "llama", "strategy": "tp"},
+    {"name": "llama-tp-model-call", "family": "llama", "strategy": "tp", "forward_backward": False},
+    {"name": "gpt2-zero3-tp2", "family": "gpt2", "strategy": "zero3", "options": {"tp": 2}},
+    {"name": "gpt2-tp-shift", "family": "gpt2", "strategy": "tp", "labels": "shift_labels"},
+    {"name": "llama-pipeline", "family": "llama", "strategy": "pipeline", "options": {"microbatches": 2}},
+    {"name": "gpt2-pipeline", "family": "gpt2", "strategy": "pipeline", "options": {"microbatches": 2}},
+]
+HF_4 = [
+    {"name": "llama-zero3-tp2", "family": "llama", "strategy": "zero3", "options": {"tp": 2}},
+    {"name": "llama-pipeline-tp2", "family": "llama", "strategy": "pipeline", "options": {"tp": 2, "microbatches": 2}},
+    {"name": "gpt2-hybrid", "family": "gpt2", "strategy": "hybrid", "options": {"dp": 2, "microbatches": 2}},
+]
+
+
+def _launch(n: int, script: str, *args: str, timeout_s: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``paratrain run -n N script args``, killed as a whole past the timeout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REALCODE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain", "run", "-n", str(n), str(REALCODE / script), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} ran past {timeout_s} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def char_data(tmp_path_factory) -> str:
+    """``train.bin``/``val.bin`` as nanoGPT's ``prepare.py`` writes them: uint16 character ids."""
+    folder = tmp_path_factory.mktemp("shakespeare_char")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4000), ("val", 1000)):
+        rng.integers(0, nanogpt_train.vocab_size, n, dtype=np.uint16).tofile(folder / f"{split}.bin")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def hf_weights(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("weights")
+    for family in ("llama", "gpt2"):
+        hf_labels_train.save_weights(family, str(folder / family))
+    return str(folder)
+
+
+def _results(n: int, script: str, source: str, cases: list[dict], out) -> dict:
+    done = _launch(n, script, source, str(out), json.dumps(cases))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out / "results.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def nanogpt_runs(char_data, tmp_path_factory) -> dict:
+    runs = {n: _results(n, "nanogpt_train.py", char_data, cases, tmp_path_factory.mktemp(f"nanogpt{n}"))
+            for n, cases in ((2, NANOGPT_2), (4, NANOGPT_4))}
+    return runs
+
+
+@pytest.fixture(scope="module")
+def nanogpt_reference(char_data, tmp_path_factory) -> dict:
+    return nanogpt_train.train("single", {}, char_data, str(tmp_path_factory.mktemp("nanogpt1")))
+
+
+@pytest.fixture(scope="module")
+def hf_runs(hf_weights, tmp_path_factory) -> dict:
+    return {n: _results(n, "hf_labels_train.py", hf_weights, cases, tmp_path_factory.mktemp(f"hf{n}"))
+            for n, cases in ((2, HF_2), (4, HF_4))}
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_weights) -> dict:
+    return {(family, labels): hf_labels_train.train(family, "single", {}, os.path.join(hf_weights, family),
+                                                    labels=labels)
+            for family, labels in (("llama", "labels"), ("gpt2", "labels"), ("gpt2", "shift_labels"))}
+
+
+def _check(result: dict, reference: dict, accumulate: int) -> None:
+    assert "error" not in result, result.get("error")
+    assert result["accumulate"] == accumulate
+    assert max_abs_diff(result["state"], reference["state"]) <= TOL
+    assert np.allclose(result["losses"], reference["losses"], atol=1e-5), (result["losses"], reference["losses"])
+
+
+@pytest.mark.parametrize("world, case", [(2, c) for c in NANOGPT_2 if c["name"] not in REFUSED]
+                         + [(4, c) for c in NANOGPT_4], ids=lambda v: v["name"] if isinstance(v, dict) else str(v))
+def test_nanogpt_port_equals_one_process(nanogpt_runs, nanogpt_reference, world, case):
+    result = nanogpt_runs[world][case["name"]]
+    tp = case.get("options", {}).get("tp") or (world if case["strategy"] == "tp" else 1)
+    replicas = world // tp
+    _check(result, nanogpt_reference, nanogpt_train.global_batch // (nanogpt_train.batch_size * replicas))
+    for got, want in zip(result["evals"], nanogpt_reference["evals"]):  # evaluated on every rank, mean over replicas
+        assert abs(got["val"] - want["val"]) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_plan_splitting_half_a_tie_is_one_line(nanogpt_runs, name):
+    assert REFUSED[name] in nanogpt_runs[2][name]["error"]
+
+
+def test_the_reference_accumulates_what_one_process_takes(nanogpt_reference):
+    assert nanogpt_reference["accumulate"] == nanogpt_train.global_batch // nanogpt_train.batch_size
+
+
+def test_rank0_checkpoint_loads_into_the_plain_model(nanogpt_runs, tmp_path_factory):
+    """The checkpoint rank 0 wrote holds the whole model, as the one-process script's does."""
+    result = nanogpt_runs[2]["zero3-tp2"]
+    model = nanogpt_train.GPT(nanogpt_train.GPTConfig(block_size=nanogpt_train.block_size,
+                                                      vocab_size=nanogpt_train.vocab_size))
+    model.load_state_dict(result["state"])
+
+
+@pytest.mark.parametrize("world, case", [(2, c) for c in HF_2] + [(4, c) for c in HF_4],
+                         ids=lambda v: v["name"] if isinstance(v, dict) else str(v))
+def test_transformers_labels_after_meta_build_and_load_weights(hf_runs, hf_reference, world, case):
+    options = case.get("options", {})
+    tp = options.get("tp") or (world if case["strategy"] == "tp" else 1)
+    stages = world // tp // options.get("dp", 1) if case["strategy"] in ("pipeline", "hybrid") else 1
+    replicas = world // tp // stages
+    reference = hf_reference[(case["family"], case.get("labels", "labels"))]
+    _check(hf_runs[world][case["name"]], reference, hf_labels_train.GLOBAL_BATCH // (hf_labels_train.PER_REPLICA
+                                                                                     * replicas))
+    assert abs(hf_runs[world][case["name"]]["eval"] - reference["eval"]) <= 1e-5
+
+
+FAULTS = {  # script, its arguments after the data folder, the line's pieces
+    "evaluation on rank 0 under zero3": ("alone", "zero3", "eval",
+                                         ["rank 0 is alone in the model's forward", "rank 1 went on to par.step",
+                                          "under zero3 each rank holds a shard of every layer"]),
+    "a checkpoint's state_dict on rank 0 under tp": ("alone", "tp", "state_dict",
+                                                     ["rank 0 is alone in model.state_dict()", "par.save(path)"]),
+    "nanoGPT cut into pipeline stages": ("alone", "pipeline", "train",
+                                         ["pipeline stage 1 cannot run GPT's forward on the hidden states"]),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_work_on_one_rank_alone_stops_the_job_in_one_line(fault, char_data, tmp_path):
+    _, strategy, what, pieces = FAULTS[fault]
+    started = time.monotonic()
+    done = _launch(2, "nanogpt_alone.py", char_data, strategy, what, timeout_s=120)
+    took = time.monotonic() - started
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("paratrain: error")]
+    assert len(lines) == 1, done.stderr[-3000:]
+    for piece in pieces:
+        assert piece in lines[0], lines[0]
+    assert "Traceback" not in done.stderr
+    assert took < 60, f"the job took {took:.0f} s to stop"  # a bound that catches a hang, not a speed claim
