@@ -47,7 +47,9 @@ class Estimate:
     """Planned with activation checkpointing."""
     samples_per_s: float
     speedup: float
-    """Throughput over one rank's ('single') at the same micro-batch."""
+    """Throughput over one rank's ('single'), which trains the same global batch at the same micro-batch,
+    accumulating it: every row then steps its optimizer once per global batch, so no row gains from stepping it
+    less often than another."""
     efficiency: float
     """Speedup per device: per GPU, or per host when ranks share a CPU host."""
     serving: Serving | None = None
@@ -132,8 +134,9 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
 
 def _estimates(stats: ModelStats, cluster: Cluster, training: Training, single_layout: Layout,
                found: list[Layout]) -> list[Estimate]:
-    """``estimate_all``'s estimates of layouts already enumerated and checked against the global batch."""
-    single = estimate(stats, single_layout, replace(training, global_batch=training.micro_batch), cluster)
+    """``estimate_all``'s estimates of layouts already enumerated and checked against the global batch; the single
+    rank's trains the same global batch (``Estimate.speedup``)."""
+    single = estimate(stats, single_layout, training, cluster)
     best: dict[str, Estimate] = {}
     for lay in found:
         e = estimate(stats, lay, training, cluster, single.samples_per_s)
