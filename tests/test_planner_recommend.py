@@ -5,8 +5,8 @@ import pytest
 
 from paratrain.errors import ConfigError
 from paratrain.lr import scale_lr
-from paratrain.planner import (TRANSFORMERS, Training, bubble_fraction, make_cluster, make_plan, recommend,
-                               transformer_stats)
+from paratrain.planner import (TRANSFORMERS, Training, bubble_fraction, format_plan, make_cluster, make_plan,
+                               recommend, transformer_stats)
 from paratrain.planner.memory import zero1_busiest
 from paratrain.workloads.planning import resolve_model
 
@@ -107,7 +107,11 @@ def test_lr_scaling_rules():
     with pytest.raises(ConfigError, match="unknown LR scaling rule 'cubic'"):
         scale_lr(0.1, 4, rule="cubic")
     plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8), Training(micro_batch=4, global_batch=128))
-    assert plan.lr_factor == 32
+    assert plan.lr_factor is None  # no advice without the batch the LR was tuned at
+    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8),
+                     Training(micro_batch=4, global_batch=128, base_batch=512, base_lr=6e-4))
+    assert plan.lr_factor == 0.25
+    assert "is 0.25x the 512 the LR was tuned at: scale it 0.0006 → 0.00015 (linear rule" in format_plan(plan)
 
 
 def test_says_so_when_every_multi_gpu_plan_is_slower_than_one_gpu():

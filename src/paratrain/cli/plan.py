@@ -84,7 +84,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                           "instead of searching")
     t.add_argument("--pp", type=int, help="pipeline stages of the exact layout (default 1 with --dp)")
     t.add_argument("--layout", help="the exact layout in one flag, e.g. dp=8,pp=12,tp=4")
-    t.add_argument("--base-lr", type=float, help="an LR tuned at --batch on one device: print it scaled")
+    t.add_argument("--base-batch", type=int, metavar="N",
+                   help="the global batch your LR was tuned at: say how to scale it to this plan's global batch")
+    t.add_argument("--base-lr", type=float, help="with --base-batch: that LR, printed scaled")
     t.add_argument("--ps-servers", type=int, default=1, metavar="S",
                    help="servers of the ps row (parameter servers: the other GPUs are workers; default 1, as "
                         "Parallel('ps'); 0: no ps row)")
@@ -134,11 +136,12 @@ def execute(args: argparse.Namespace) -> int:
                      schedule=args.schedule, virtual_stages=args.virtual_stages, checkpointing=args.checkpointing,
                      recompute=args.recompute, sequence_parallel=args.sequence_parallel, tp=args.tp,
                      exact=exact_layout(args.layout, dp=args.dp, pp=args.pp, tp=args.tp), ps_servers=args.ps_servers,
-                     rows_per_step=args.ps_rows_per_step, table_optimizer=args.ps_table_optimizer)
+                     rows_per_step=args.ps_rows_per_step, table_optimizer=args.ps_table_optimizer,
+                     base_batch=args.base_batch, base_lr=args.base_lr)
     if args.json:
-        print(json.dumps(plan_to_json(plan, base_lr=args.base_lr), indent=2))
+        print(json.dumps(plan_to_json(plan), indent=2))
     else:
-        print(format_plan(plan, breakdown=args.breakdown, base_lr=args.base_lr))
+        print(format_plan(plan, breakdown=args.breakdown))
     return 0
 
 

@@ -87,9 +87,11 @@ class Plan:
     notes: tuple[str, ...]
 
     @property
-    def lr_factor(self) -> float:
-        """How many times the batch an LR was tuned at (one device's micro-batch) the global batch is."""
-        return self.global_batch / self.training.micro_batch
+    def lr_factor(self) -> float | None:
+        """How many times the batch the user's LR was tuned at (``Training.base_batch``) the global batch is; None
+        when that batch was not given."""
+        base = self.training.base_batch
+        return None if base is None else self.global_batch / base
 
 
 def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster,

@@ -46,7 +46,7 @@ def _flops(n: float) -> str:
     return f"{n:g} FLOP"
 
 
-def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = None) -> str:
+def format_plan(plan: Plan, *, breakdown: bool = False) -> str:
     """The plan as text: model, cluster, one row per strategy, the recommendation and what to change."""
     s, c, t = plan.stats, plan.cluster, plan.training
     d = c.device
@@ -96,7 +96,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False, base_lr: float | None = 
         how += f", bubble {bubble_fraction(ch.layout.pp, ch.batch.micro_batches, t.stages_per_rank):.0%}"
     lines += ["", f"recommended: {ch.name} ({how}) — {plan.reason}"]
     lines += [f"  - {text}" for text in plan.suggestions]
-    lines.append(_lr_line(plan, base_lr))
+    lines.append(_lr_line(plan))
     lines += [f"note: {text}" for text in plan.notes]
     return "\n".join(lines)
 
@@ -127,17 +127,21 @@ def _recompute(t: Training) -> str:
             "op": ", per-operation selective recomputation"}.get(t.recompute_mode, "")
 
 
-def _lr_line(plan: Plan, base_lr: float | None) -> str:
-    k = plan.lr_factor
-    if k <= 1:
-        return f"LR: the global batch is one micro-batch ({plan.global_batch}); keep the LR tuned for it"
-    if base_lr is None:
-        rates = f"by {k:g} (linear rule, with warmup) or {math.sqrt(k):.3g} (sqrt rule, safer for Adam)"
+def _lr_line(plan: Plan) -> str:
+    """How to scale the user's LR, from the global batch it was tuned at; without that batch, how to ask."""
+    k, t = plan.lr_factor, plan.training
+    if k is None:
+        return (f"LR: an LR tuned at another global batch than {plan.global_batch} wants scaling: --base-batch N "
+                "(that batch) says how")
+    if k == 1:
+        return f"LR: the global batch {plan.global_batch} is the one the LR was tuned at: keep it"
+    if t.base_lr is None:
+        rates = f"by {k:.3g} (linear rule, with warmup) or {math.sqrt(k):.3g} (sqrt rule, safer for Adam)"
     else:
-        rates = (f"{base_lr:g} → {scale_lr(base_lr, k, 'linear'):.3g} (linear rule, with warmup) or "
-                 f"{scale_lr(base_lr, k, 'sqrt'):.3g} (sqrt rule, safer for Adam)")
-    return (f"LR: global batch {plan.global_batch} is {k:g}x the micro-batch {plan.training.micro_batch} an LR is "
-            f"tuned at on one device: scale it {rates}; paratrain.lr.scale_lr does this")
+        rates = (f"{t.base_lr:g} → {scale_lr(t.base_lr, k, 'linear'):.3g} (linear rule, with warmup) or "
+                 f"{scale_lr(t.base_lr, k, 'sqrt'):.3g} (sqrt rule, safer for Adam)")
+    return (f"LR: global batch {plan.global_batch} is {k:.3g}x the {t.base_batch} the LR was tuned at: scale it "
+            f"{rates}; paratrain.lr.scale_lr does this")
 
 
 def _estimate_json(e: Estimate) -> dict[str, Any]:
@@ -149,14 +153,9 @@ def _estimate_json(e: Estimate) -> dict[str, Any]:
             **({"ps": e.serving.as_dict()} if e.serving is not None else {})}
 
 
-def plan_to_json(plan: Plan, *, base_lr: float | None = None) -> dict[str, Any]:
+def plan_to_json(plan: Plan) -> dict[str, Any]:
     """The plan as plain data: per strategy the per-rank memory breakdown in bytes and the step times."""
     s, c, t = plan.stats, plan.cluster, plan.training
-    k = plan.lr_factor
-    lr: dict[str, Any] = {"factor": k, "linear": k, "sqrt": math.sqrt(k)}
-    if base_lr is not None:
-        lr.update(base_lr=base_lr, linear_lr=scale_lr(base_lr, max(k, 1), "linear"),
-                  sqrt_lr=scale_lr(base_lr, max(k, 1), "sqrt"))
     return {
         "model": {"name": s.name, "params": s.params, "param_bytes": dict(s.param_bytes), "source": s.source,
                   "largest_layer": {"name": s.largest_layer[0], "params": s.largest_layer[1]},
@@ -170,5 +169,17 @@ def plan_to_json(plan: Plan, *, base_lr: float | None = None) -> dict[str, Any]:
         "recommendation": {**_estimate_json(plan.choice), "reason": plan.reason},
         "suggestions": list(plan.suggestions),
         "notes": list(plan.notes),
-        "lr_scaling": lr,
+        "lr_scaling": _lr_json(plan),
     }
+
+
+def _lr_json(plan: Plan) -> dict[str, Any] | None:
+    """The LR scaling factors from ``Training.base_batch`` (None without it), and the scaled ``base_lr``."""
+    k, t = plan.lr_factor, plan.training
+    if k is None:
+        return None
+    lr: dict[str, Any] = {"base_batch": t.base_batch, "factor": k, "linear": k, "sqrt": math.sqrt(k)}
+    if t.base_lr is not None:
+        lr.update(base_lr=t.base_lr, linear_lr=scale_lr(t.base_lr, k, "linear"),
+                  sqrt_lr=scale_lr(t.base_lr, k, "sqrt"))
+    return lr
