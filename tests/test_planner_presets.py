@@ -156,6 +156,23 @@ def test_an_exact_data_parallel_layout_compares_its_flavours():
     assert exact_layout("pp=2", tp=4) == ParallelDims(pp=2, tp=4)
 
 
+def test_an_exact_layout_that_fits_nowhere_is_planned_and_shown_with_how_far_over(capsys):
+    """A layout the user names is never turned into a refusal: its rows say by how many GiB they are over, and the
+    plan recommends nothing (the search, asked for nothing, still refuses in one line)."""
+    argv = ["plan", "--params", "70B", "--gpu", "rtx-4090", "--gpus", "8", "--batch", "1"]
+    assert main([*argv, "--layout", "dp=8", "--breakdown"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("zero3 ", "ddp "))}
+    over = float(rows["zero3"].split("no +")[1].split()[0])
+    total = float(rows["zero3"].split("no +")[1].split()[1])
+    assert over == pytest.approx(total - 24.0, abs=0.5)  # the GiB over the 24 GiB of an RTX 4090 (whole GiB above 100)
+    assert "recommended: none — the layout asked for (dp=8) fits in no way to run it: need " in out
+    plan = make_plan(resolve_model(params="70B"), gpu="rtx-4090", gpus=8, micro_batch=1, exact=exact_layout(dp=8))
+    assert plan.choice is None and all(e.over > 0 for e in plan.estimates)
+    with pytest.raises(ConfigError, match="^no strategy fits: need "):
+        make_plan(resolve_model(params="70B"), gpu="rtx-4090", gpus=8, micro_batch=1)
+
+
 def test_cli_plans_a_config_json_with_an_exact_layout(tmp_path, capsys):
     _hf("llama", **HF_SHAPES["llama-gqa"][1]).save_pretrained(tmp_path)
     assert main(["plan", "--model-config", str(tmp_path), "--gpus", "4", "--layout", "dp=2,tp=2", "--json"]) == 0

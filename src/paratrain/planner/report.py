@@ -29,7 +29,11 @@ def _link(link: Link) -> str:
 
 
 def _fits(e: Estimate) -> str:
-    return "tight" if e.tight else "yes" if e.fits else "no"
+    """yes, tight, or no with the GiB over what a rank may use."""
+    if e.fits:
+        return "tight" if e.tight else "yes"
+    over = e.over / GIB
+    return f"no +{over:.0f}" if over >= 100 else f"no +{over:.1f}"
 
 
 def _bytes(n: float) -> str:
@@ -71,34 +75,50 @@ def format_plan(plan: Plan, *, breakdown: bool = False) -> str:
            else ", tensor parallelism without sequence parallelism"),
         "",
     ]
-    head = f"{'strategy':<18} {'layout':<20} {'fits':<5} {f'GiB/{rank}':>11}"
+    return "\n".join(lines + _table(plan, breakdown) + _recommended(plan))
+
+
+def _table(plan: Plan, breakdown: bool) -> list[str]:
+    """One row per estimate; a row that does not fit says by how many GiB (``Estimate.over``)."""
+    c = plan.cluster
+    rank = "process" if c.device.shared_by_ranks else "GPU"
+    head = f"{'strategy':<18} {'layout':<20} {'fits':<8} {f'GiB/{rank}':>11}"
     if breakdown:
         head += "".join(f" {short:>8}" for short, _ in _BREAKDOWN) + f" {'peak':>4}"
     head += f" {'micro x n':>10} {'step ms':>9} {'samples/s':>10} {'speedup':>8} {'eff':>5}"
-    lines += [head, "-" * len(head)]
+    lines = [head, "-" * len(head)]
     for e in plan.estimates:
         name = e.name + (f" (1 {rank})" if e.name == "single" and c.world_size > 1 else "")
-        row = f"{name:<18} {e.layout.describe():<20} {_fits(e):<5} {e.memory.total / GIB:>11.1f}"
+        row = f"{name:<18} {e.layout.describe():<20} {_fits(e):<8} {e.memory.total / GIB:>11.1f}"
         if breakdown:
             row += "".join(f" {getattr(e.memory, key) / GIB:>8.2f}" for _, key in _BREAKDOWN)
             row += f" {'bwd' if e.memory.phase == 'backward' else 'opt':>4}"
-        row += (f" {f'{e.batch.micro_batch:g} x {e.batch.micro_batches}':>10} {e.time.step_s * 1e3:>9.1f} "
+        step_ms = e.time.step_s * 1e3
+        row += (f" {f'{e.batch.micro_batch:g} x {e.batch.micro_batches}':>10} "
+                f"{f'{step_ms:.1f}' if step_ms < 1e6 else f'{step_ms:.3g}':>9} "
                 f"{e.samples_per_s:>10,.1f} {e.speedup:>7.2f}x {e.efficiency:>5.0%}")
         lines.append(row)
-    lines += [_ps_line(e) for e in plan.estimates if e.serving is not None]
-    ch = plan.choice
-    how = f"{ch.layout.describe()}, micro-batch {ch.batch.micro_batch:g} x {ch.batch.micro_batches}"
-    if ch.checkpointing and not t.checkpointing:
-        how += ", activation checkpointing"
-    if ch is not next(e for e in plan.estimates if e.name == ch.name):  # re-planned to fit
-        how += f"; {ch.memory.total / GIB:.1f} GiB, {ch.samples_per_s:,.1f} samples/s"
-    if ch.layout.pp > 1:
-        how += f", bubble {bubble_fraction(ch.layout.pp, ch.batch.micro_batches, t.stages_per_rank):.0%}"
-    lines += ["", f"recommended: {ch.name} ({how}) — {plan.reason}"]
+    return lines + [_ps_line(e) for e in plan.estimates if e.serving is not None]
+
+
+def _recommended(plan: Plan) -> list[str]:
+    """The recommendation and its reason (none when the layout asked for fits in no way), what to change, the LR
+    and the notes."""
+    ch, t = plan.choice, plan.training
+    if ch is None:
+        lines = ["", f"recommended: none — {plan.reason}"]
+    else:
+        how = f"{ch.layout.describe()}, micro-batch {ch.batch.micro_batch:g} x {ch.batch.micro_batches}"
+        if ch.checkpointing and not t.checkpointing:
+            how += ", activation checkpointing"
+        if ch is not next(e for e in plan.estimates if e.name == ch.name):  # re-planned to fit
+            how += f"; {ch.memory.total / GIB:.1f} GiB, {ch.samples_per_s:,.1f} samples/s"
+        if ch.layout.pp > 1:
+            how += f", bubble {bubble_fraction(ch.layout.pp, ch.batch.micro_batches, t.stages_per_rank):.0%}"
+        lines = ["", f"recommended: {ch.name} ({how}) — {plan.reason}"]
     lines += [f"  - {text}" for text in plan.suggestions]
     lines.append(_lr_line(plan))
-    lines += [f"note: {text}" for text in plan.notes]
-    return "\n".join(lines)
+    return lines + [f"note: {text}" for text in plan.notes]
 
 
 def _ps_line(e: Estimate) -> str:
@@ -148,7 +168,7 @@ def _estimate_json(e: Estimate) -> dict[str, Any]:
     return {"name": e.name, "strategy": e.layout.name, "layout": {k: v for k, v in asdict(e.layout).items() if k != "name"}, "fits": e.fits,
             "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch,
             "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "memory_peak": e.memory.phase,
-            "capacity_bytes": e.capacity, "time": e.time.as_dict(),
+            "capacity_bytes": e.capacity, "over_bytes": e.over, "time": e.time.as_dict(),
             "samples_per_s": e.samples_per_s, "speedup": e.speedup, "efficiency": e.efficiency,
             **({"ps": e.serving.as_dict()} if e.serving is not None else {})}
 
@@ -166,7 +186,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
                     "world_size": c.world_size, "intra": asdict(c.intra), "inter": asdict(c.inter)},
         "training": {**asdict(t), "global_batch": plan.global_batch},
         "strategies": [_estimate_json(e) for e in plan.estimates],
-        "recommendation": {**_estimate_json(plan.choice), "reason": plan.reason},
+        "recommendation": {**({"name": None} if plan.choice is None else _estimate_json(plan.choice)),
+                           "reason": plan.reason},
         "suggestions": list(plan.suggestions),
         "notes": list(plan.notes),
         "lr_scaling": _lr_json(plan),
