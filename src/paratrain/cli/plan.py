@@ -31,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "mistral-7b, qwen2-7b, or module:factory")
     m.add_argument("--input", dest="input_spec", metavar="SHAPE",
                    help="one sample's input for module:factory, e.g. 3x224x224 or long:1024")
+    m.add_argument("--targets", metavar="SHAPE",
+                   help="one sample's targets, passed to the forward's targets/labels parameter (long:1024, or long for "
+                        "one class id); none: trace the forward on its input alone. Default: given when the forward "
+                        "takes them, one per input token for token ids, else one class id")
     m.add_argument("--model-config", metavar="PATH",
                    help="a transformers config.json (or its checkpoint directory): llama, mistral, qwen2 or gpt2")
     m.add_argument("--params", help="plan a transformer of this many parameters, e.g. 7.5B (no --model)")
@@ -121,7 +125,8 @@ def execute(args: argparse.Namespace) -> int:
                           f"{args.recompute}")
     model = resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
                           seq_len=args.seq_len, vocab=args.vocab, ffn=args.ffn_hidden, kv_heads=args.kv_heads,
-                          tied=args.tied, model_config=args.model_config, input_spec=args.input_spec)
+                          tied=args.tied, model_config=args.model_config, input_spec=args.input_spec,
+                          targets=args.targets)
     if args.show_tp_plan:
         from .tp_plan import tp_plan_lines
 

@@ -114,7 +114,7 @@ def _time_on_gpu(model: ModelStats | RunnableModel, cluster: Cluster, setup: Tra
     if isinstance(model, ModelStats):
         raise ConfigError("--measure runs a model: give --model (a built-in or module:factory), not --params")
     check_same_gpu(cluster.device, torch.cuda.get_device_name())
-    return time_gpu_step(model.factory, model.example.make, batch=setup.micro_batch, precision=setup.precision,
+    return time_gpu_step(model.factory, model.call, batch=setup.micro_batch, precision=setup.precision,
                          optimizer=setup.optimizer)
 
 

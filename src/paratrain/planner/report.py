@@ -62,6 +62,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False) -> str:
         f"          largest layer {s.largest_layer[0]} ({_count(s.largest_layer[1])}), largest wrap unit "
         f"{s.largest_unit[0]} ({_count(s.largest_unit[1])}); per sample {_flops(s.flops_per_sample)} forward+backward, "
         f"{_bytes(act)} of activations",
+        *(f"warning:  {text}" for text in s.warnings),
         f"cluster   {c.world_size} x {d.name}" + (" process" if d.shared_by_ranks else "")
         + f" on {c.nodes} node{'s' if c.nodes > 1 else ''} ({d.memory_gib:.3g} GiB, {d.peak_tflops(t.precision):g} "
         f"TFLOP/s peak x {_efficiency(d)}); intra-node {_link(c.intra)}"
@@ -180,7 +181,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "model": {"name": s.name, "params": s.params, "param_bytes": dict(s.param_bytes), "source": s.source,
                   "largest_layer": {"name": s.largest_layer[0], "params": s.largest_layer[1]},
                   "largest_unit": {"name": s.largest_unit[0], "params": s.largest_unit[1]}, "units": len(s.units),
-                  "flops_per_sample": s.flops_per_sample,
+                  "flops_per_sample": s.flops_per_sample, "warnings": list(s.warnings),
                   "activation_bytes_per_sample": activation_figures(s, t, Layout(name="single"))[0]},
         "cluster": {"device": asdict(c.device), "ranks_per_node": c.ranks_per_node, "nodes": c.nodes,
                     "world_size": c.world_size, "intra": asdict(c.intra), "inter": asdict(c.inter)},
