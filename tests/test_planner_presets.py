@@ -138,7 +138,8 @@ def test_the_exact_layout_of_a_384_gpu_run_splits_its_global_batch_over_dp_not_t
     stats = transformer_stats(TRANSFORMERS["llama3-70b"], name="llama3-70b")
     plan = make_plan(stats, gpus=8, nodes=48, inter_node="ib-ndr", micro_batch=1, global_batch=2048,
                      exact=exact_layout("dp=8,pp=12,tp=4"))
-    assert [e.layout.describe() for e in plan.estimates] == ["1 rank", "dp=8 pp=12 tp=4"]
+    assert [e.layout.describe() for e in plan.estimates] == ["1 rank", "dp=8 pp=12 tp=4", "dp=8 pp=12 shard=8 tp=4"]
+    assert [e.name for e in plan.estimates[1:]] == ["hybrid+tp", "hybrid+zero1+tp"]  # DDP or ZeRO-1 across dp
     assert plan.choice.layout.dims == ParallelDims(dp_replicate=8, pp=12, tp=4)
     assert plan.choice.batch.micro_batches == 256 and plan.choice.fits
     assert plan.reason.startswith("the layout asked for (dp=8 pp=12 tp=4) fits as hybrid+tp")

@@ -244,7 +244,7 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     best = max(e.samples_per_s for e in fitting)
     choice = min((e for e in fitting if e.samples_per_s >= (1 - TIE) * best),
                  key=lambda e: (e.checkpointing, e.layout.tp > 1, STRATEGY_ORDER.index(e.layout.name), e.layout.zero))
-    return replace(plan, choice=choice, reason=(_exact_reason(choice, fitting) if exact is not None
+    return replace(plan, choice=choice, reason=(_exact_reason(choice, fitting, exact) if exact is not None
                                                 else _reason(choice, estimates, fitting, cluster)),
                    suggestions=tuple(_changes(stats, cluster, training, choice, estimates)),
                    notes=(*_notes(stats, cluster, training, choice, estimates), *notes))
@@ -335,13 +335,13 @@ def _reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate]
     return f"{choice.name} is the fastest strategy that fits ({mem})"
 
 
-def _exact_reason(choice: Estimate, fitting: list[Estimate]) -> str:
+def _exact_reason(choice: Estimate, fitting: list[Estimate], exact: ParallelDims) -> str:
     """The layout was asked for (``--layout``): say so, and which way of running its data parallelism won."""
     mem = f"{choice.memory.total / GIB:.1f} of {choice.capacity / GIB:.1f} GiB per rank"
     others = sorted({e.name for e in fitting} - {choice.name})
     rivals = (f"; of the ways to run it, {choice.name} beats {', '.join(others)} or ties and is simpler"
               if others else "")
-    return f"the layout asked for ({choice.layout.describe()}) fits as {choice.name} ({mem}){rivals}"
+    return f"the layout asked for ({exact.describe()}) fits as {choice.name} ({mem}){rivals}"
 
 
 def _tp_reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate], cluster: Cluster,

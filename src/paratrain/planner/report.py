@@ -83,14 +83,14 @@ def _table(plan: Plan, breakdown: bool) -> list[str]:
     """One row per estimate; a row that does not fit says by how many GiB (``Estimate.over``)."""
     c = plan.cluster
     rank = "process" if c.device.shared_by_ranks else "GPU"
-    head = f"{'strategy':<18} {'layout':<20} {'fits':<8} {f'GiB/{rank}':>11}"
+    head = f"{'strategy':<18} {'layout':<24} {'fits':<8} {f'GiB/{rank}':>11}"
     if breakdown:
         head += "".join(f" {short:>8}" for short, _ in _BREAKDOWN) + f" {'peak':>4}"
     head += f" {'micro x n':>10} {'step ms':>9} {'samples/s':>10} {'speedup':>8} {'eff':>5}"
     lines = [head, "-" * len(head)]
     for e in plan.estimates:
         name = e.name + (f" (1 {rank})" if e.name == "single" and c.world_size > 1 else "")
-        row = f"{name:<18} {e.layout.describe():<20} {_fits(e):<8} {e.memory.total / GIB:>11.1f}"
+        row = f"{name:<18} {e.layout.describe():<24} {_fits(e):<8} {e.memory.total / GIB:>11.1f}"
         if breakdown:
             row += "".join(f" {getattr(e.memory, key) / GIB:>8.2f}" for _, key in _BREAKDOWN)
             row += f" {'bwd' if e.memory.phase == 'backward' else 'opt':>4}"
