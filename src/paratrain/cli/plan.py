@@ -4,6 +4,7 @@ Examples:
   paratrain plan --model gpt2-medium --gpus 8 --gpu h100 --interconnect nvlink
   paratrain plan --params 7.5B --layers 32 --hidden 4096 --seq-len 4096 --gpus 8 --nodes 4 --inter-node eth-100g
   paratrain plan --model mymodels:build --input 3x224x224 --gpu a100-40gb --gpus 4 --breakdown
+  paratrain plan --model model:build_gpt --input long:1024 --gpus 8 --batch 12 --global-batch 480 --base-batch 480
   paratrain plan --model mlp --gpu cpu --gpus 2 --measure
   paratrain plan --model mymodels:recommender --input long:8 --gpu cpu --gpus 3 --ps-servers 1 --optimizer sgd
   paratrain plan --model llama-7b --gpus 8 --nodes 2 --tp 8
@@ -15,7 +16,8 @@ Examples:
   paratrain plan --dry-run --world 128 --strategy zero3 --tp 8 --model-config ./Llama-3-8B/config.json
 
 Nothing is allocated or launched: a built-in GPT or --params uses closed forms, any other model is traced on
-the meta device. Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md.
+the meta device, called as training calls it (targets to a forward that takes them, its own loss; --targets).
+Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md.
 """
 from __future__ import annotations
 

@@ -88,9 +88,9 @@ class Forward:
         if got >= given:
             return None
         return (f"{name}'s traced output has {got} position{'s' if got > 1 else ''} a sample for {given} input tokens: "
-                "not per token (an inference path?), so its FLOPs and memory are short of training's; give the "
-                f"targets its forward takes (--targets, as a parameter named {' or '.join(TARGET_NAMES[:2])}), or a "
-                "factory whose forward returns every position")
+                "not per token (an inference path?), so its FLOPs and memory are short of training's; let its forward "
+                f"take targets (a parameter named {' or '.join(TARGET_NAMES[:2])}; --targets gives their shape), or "
+                "plan a factory whose forward returns every position")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,9 @@ Three sources, one result (:class:`ModelStats`):
 * ``transformer.transformer_stats``: closed forms for a decoder-only transformer (the named sizes, or
   ``--params 7.5B`` with a shape) — milliseconds, no module built.
 * ``trace_module``: one forward and backward on the meta device under ``FlopCounterMode``, with a
-  saved-tensors hook adding up what autograd keeps for backward — shapes only, no weights allocated.
+  saved-tensors hook adding up what autograd keeps for backward — shapes only, no weights allocated. The forward is
+  called as training calls it (:mod:`.inputs`: with targets, taking the model's own loss) and attention runs as the
+  fused kernel does (:mod:`.attention`).
 * ``measure_module``: the same on real tensors on this machine, plus the time of a forward and backward.
 
 A :class:`RunnableModel` is a model the planner may build, to trace it, measure it or time it on a GPU; which
