@@ -20,9 +20,11 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ConfigError
 from .attention import ATTENTION_FLOPS, FusedAttention
@@ -218,8 +220,6 @@ def _stats(model: nn.Module, name: str, call: TrainingCall, device: str, batch: 
     model's own where it returns one (what it saves is traced); else it is taken to be a cross-entropy over the
     output, which saves its fp32 log-probabilities: one output-sized tensor more.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     weights = {key(p) for p in model.parameters()} | {key(b) for b in model.buffers()}
     saved: dict[object, tuple[int, str]] = {}
     running = ["(root)"]
@@ -264,7 +264,21 @@ def _stats(model: nn.Module, name: str, call: TrainingCall, device: str, batch: 
     outside = per_unit.pop("(root)", 0) + (0 if forward.own_loss else 4 * out.numel())
     # Checkpointing every unit keeps each unit's input and, during one unit's recompute, its activations.
     checkpointed = x.numel() * x.element_size() + sum(outputs[:-1]) + outside + max(per_unit.values(), default=0)
+    return ModelStats(name=name, **_parameter_facts(model, units, counter, batch),
+                      activation_bytes_per_sample=sum(per_unit.values(), outside) / batch,
+                      checkpointed_bytes_per_sample=min(checkpointed, sum(per_unit.values(), outside)) / batch,
+                      boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
+                      output_bytes_per_sample=4 * out.numel() / batch,
+                      largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
+                      source=source, tables=_tables(model, table_names, lookups, batch),
+                      warnings=tuple(w for w in (forward.warning(x, name),) if w is not None))
 
+
+def _parameter_facts(model: nn.Module, units: list[tuple[str, nn.Module]], counter: FlopCounterMode,
+                     batch: int) -> dict[str, Any]:
+    """``ModelStats``' fields that the parameters and the FLOP count give: the units with their sizes and FLOPs
+    (a root holding parameters of its own as a unit first), the largest layer, bytes by dtype, the weights autocast
+    casts."""
     sizes = [(n, _count(m.parameters())) for n, m in units]
     by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     unit_flops = [by_module.get(f"{type(model).__name__}.{n}", 0) / batch for n, _ in units]
@@ -278,17 +292,9 @@ def _stats(model: nn.Module, name: str, call: TrainingCall, device: str, batch: 
     layers = [(n or "(root)", _count(m.parameters(recurse=False))) for n, m in model.named_modules()]
     matmul = {id(m.weight): m.weight.numel() for m in model.modules()
               if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.weight.requires_grad}
-    return ModelStats(name=name, params=_count(model.parameters()), units=tuple(sizes),
-                      largest_layer=max(layers, key=lambda x: x[1]),
-                      flops_per_sample=counter.get_total_flops() / batch, unit_flops=tuple(unit_flops),
-                      activation_bytes_per_sample=sum(per_unit.values(), outside) / batch,
-                      checkpointed_bytes_per_sample=min(checkpointed, sum(per_unit.values(), outside)) / batch,
-                      boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
-                      matmul_params=sum(matmul.values()), output_bytes_per_sample=4 * out.numel() / batch,
-                      largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
-                      param_bytes=dict(by_dtype), source=source, tensors=trainable_sizes(model),
-                      tables=_tables(model, table_names, lookups, batch),
-                      warnings=tuple(w for w in (forward.warning(x, name),) if w is not None))
+    return dict(params=_count(model.parameters()), units=tuple(sizes), largest_layer=max(layers, key=lambda x: x[1]),
+                flops_per_sample=counter.get_total_flops() / batch, unit_flops=tuple(unit_flops),
+                matmul_params=sum(matmul.values()), param_bytes=dict(by_dtype), tensors=trainable_sizes(model))
 
 
 def _tables(model: nn.Module, names: list[str], lookups: Counter[str], batch: int) -> tuple[TableStats, ...]:
