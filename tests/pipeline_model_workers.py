@@ -154,6 +154,7 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
             _train(par, model, opt, s, s + 1, watched)
             norms.append(par.last_grad_norm)
     state = par.full_state_dict(model, rank0_only=False)
+    stepped = sum(1 for s in getattr(opt, "optim", opt).state.values() if s)  # ZeRO-1: its partition's
     broken = find_ties(build(family)).broken(model)
     model.eval()  # reaches the stages' copies of the model's root too
     evaluating = not any(m.training for _, part in model.parts for m in part.modules())
@@ -161,7 +162,8 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
     par.close()
     return {"state": state, "uninterrupted": uninterrupted, "norms": norms, "broken": broken, "output": output,
             "optimizer_once": sorted(in_opt) == sorted(held) and len(set(in_opt)) == len(in_opt),
-            "evaluating": evaluating, "seen": sorted(seen)}
+            "evaluating": evaluating, "seen": sorted(seen), "stepped": stepped,
+            "trainable": sum(1 for p in model.parameters() if p.requires_grad)}
 
 
 def run_cases(cases: list[tuple]) -> dict[str, dict]:

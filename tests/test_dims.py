@@ -46,6 +46,8 @@ def _runtime(layout: Layout) -> tuple[str, dict]:
         options["shard_size"] = layout.shard
     if layout.name == "hybrid":
         options["dp"] = layout.dp
+        if layout.zero:
+            options["data"] = {1: "zero1", 3: "fsdp"}[layout.zero]
     if layout.name == "model_parallel":
         options["stages"] = layout.mp
     if layout.servers:

@@ -2,7 +2,9 @@
 BERT (an embedding block that adds positions and token types and normalises; a pooled classifier), GPT-2 with PEFT
 LoRA adapters in every block (frozen base; cut between the base model's blocks, adapters with them) and our GPT (tied
 head), cut between their blocks, also with each stage tensor-parallel (``tp=2``:
-``pipeline`` at world 4 on a (pp, tp) mesh, ``hybrid`` at world 8 on (dp, pp, tp)). Each equals one plain process
+``pipeline`` at world 4 on a (pp, tp) mesh, ``hybrid`` at world 8 on (dp, pp, tp)); ``hybrid`` replicates its stages
+with DDP, shards their optimizer states with ZeRO-1 (``data="zero1"``: each rank steps a share) or shards them with
+FSDP. Each equals one plain process
 on the same global batches after 3 SGD (momentum) steps, in fp32: measured ≤ 2.4e-7 for our GPT (its default init
 gives it larger weights than the transformers models, ≤ 1.2e-8), with or without tp; asserted ≤ 1e-5.
 
@@ -49,6 +51,9 @@ WORLD4 = [
     ("bert hybrid fsdp resume", "bert", "hybrid", {"data": "fsdp"}, 1, None, True),
     ("lora hybrid ddp", "lora", "hybrid", {}, 1, None, False),
     ("lora hybrid fsdp resume", "lora", "hybrid", {"data": "fsdp"}, 1, None, True),
+    ("gpt hybrid zero1 resume", "gpt", "hybrid", {"data": "zero1"}, 1, None, True),
+    ("gpt2 hybrid zero1 clip", "gpt2", "hybrid", {"data": "zero1"}, 1, 0.5, False),
+    ("llama hybrid zero1 accumulate", "llama", "hybrid", {"data": "zero1"}, 2, None, False),
 ]
 # tp x pp at world 4: every schedule (interleaved: two stages per rank), clipping over tp shards and stages, bitwise
 # resumes, accumulation with activation checkpointing
@@ -71,7 +76,9 @@ LOOSE4 = {
 # dp x pp x tp at world 8: the launch of 8 processes on 2 cores is most of its time
 WORLD8 = [("gpt hybrid fsdp tp clip", "gpt", "hybrid", {"dp": 2, "data": "fsdp", "tp": 2, "microbatches": 2}, 1, 0.5,
            False),
-          ("gpt hybrid ddp tp", "gpt", "hybrid", {"dp": 2, "data": "ddp", "tp": 2, "microbatches": 2}, 1, None, False)]
+          ("gpt hybrid ddp tp", "gpt", "hybrid", {"dp": 2, "data": "ddp", "tp": 2, "microbatches": 2}, 1, None, False),
+          ("gpt hybrid zero1 tp resume", "gpt", "hybrid", {"dp": 2, "data": "zero1", "tp": 2, "microbatches": 2}, 1,
+           None, True)]
 SPLIT_LOGITS = "DTensor(Shard(dim=2),)"
 TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"), "gpt": ("wte.weight", "head.weight"),
         "lora": ("base_model.model.transformer.wte.weight", "base_model.model.lm_head.weight")}
@@ -94,6 +101,8 @@ def check(ranks: list[dict], cases: list[tuple]) -> None:
             assert got["optimizer_once"], where  # every parameter a rank holds is in its optimizer, once
             assert not got["broken"], where      # a tie inside a stage is still one tensor
             assert got["evaluating"], where      # model.eval() reached every stage
+            if options.get("data") == "zero1":   # each rank steps (and keeps the states of) its share of its stages
+                assert 0 < got["stepped"] < got["trainable"], where
             if family in TIED:                   # both stages' copies of a tied weight stayed equal
                 a, b = TIED[family]
                 assert got["state"][a].equal(got["state"][b]), where

@@ -129,7 +129,7 @@ def test_gpu_timing_without_cuda_is_one_line(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="needs CUDA"):
-        time_gpu_step(lambda: nn.Linear(2, 2), InputSpec(shape=(2,)).make, batch=2, precision="fp32",
+        time_gpu_step(lambda: nn.Linear(2, 2), InputSpec(shape=(2,)), batch=2, precision="fp32",
                       optimizer="adamw")
 
 

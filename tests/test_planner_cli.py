@@ -16,12 +16,14 @@ def test_plan_gpt2_medium_on_8_h100_recommends_ddp_or_a_zero_stage(paratrain_cmd
         assert re.search(rf"^{name}\b", res.stdout, flags=re.M), name
     choice = re.search(r"^recommended: (\w+) ", res.stdout, flags=re.M).group(1)
     assert choice in ("ddp", "zero1", "zero2", "zero3")
-    assert "LR: global batch 64" in res.stdout
+    assert "LR: an LR tuned at another global batch than 64 wants scaling: --base-batch N" in res.stdout
+    assert "scale it" not in res.stdout  # a script's LR may be tuned for its global batch already
 
 
 def test_plan_json_has_the_per_gpu_breakdown_and_times(paratrain_cmd):
     res = subprocess.run([*paratrain_cmd, "plan", "--model", "llama-7b", "--gpus", "8", "--nodes", "2",
-                          "--inter-node", "ib-ndr", "--json"], capture_output=True, text=True, timeout=60)
+                          "--inter-node", "ib-ndr", "--base-batch", "8", "--json"], capture_output=True, text=True,
+                         timeout=60)
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert plan["model"]["params"] == 6_738_415_616
@@ -35,7 +37,8 @@ def test_plan_json_has_the_per_gpu_breakdown_and_times(paratrain_cmd):
 
 
 def test_breakdown_and_base_lr_in_process(capsys):
-    assert main(["plan", "--model", "cnn", "--gpu", "l4", "--gpus", "2", "--breakdown", "--base-lr", "0.001"]) == 0
+    assert main(["plan", "--model", "cnn", "--gpu", "l4", "--gpus", "2", "--breakdown", "--base-lr", "0.001",
+                 "--base-batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "params" in out and "optim" in out and "0.001 → 0.002" in out
 
@@ -49,6 +52,9 @@ def test_breakdown_and_base_lr_in_process(capsys):
     (["--model", "nosuchmodule:build", "--input", "4"], "cannot import 'nosuchmodule'"),
     (["--model", "gpt2", "--params", "1B"], "give --model or --params, not both"),
     (["--model", "gpt2", "--gpus", "0"], "--gpus must be >= 1, got 0"),
+    (["--model", "gpt2", "--base-lr", "3e-4"], "--base-lr 0.0003 is scaled from the global batch it was tuned at; give "
+     "that batch too (--base-batch N)"),
+    (["--model", "gpt2", "--base-batch", "0"], "--base-batch must be >= 1, got 0"),
     (["--model", "gpt2", "--gpus", "8", "--dp", "8", "--global-batch", "4"],
      "--global-batch 4 does not split evenly over dp=8 replicas (0.5 samples each); use a multiple of 8, e.g. 8"),
     (["--model", "gpt2", "--gpus", "8", "--layout", "dp=2,pp=2,tp=2", "--global-batch", "6", "--micro-batches", "2"],

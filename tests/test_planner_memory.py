@@ -129,7 +129,9 @@ def test_layouts_follow_the_cluster_and_the_strategies_meshes():
     found = layouts(cluster, n_units=26)
     names = list(dict.fromkeys(lay.name for lay in found))
     assert names == ["single", "ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid", "model_parallel"]  # 32 stages > 26 units
-    assert [(lay.dp, lay.pp) for lay in found if lay.name == "hybrid"] == [(16, 2), (8, 4), (4, 8), (2, 16)]
+    hybrids = [(lay.dp, lay.pp, lay.zero, lay.label) for lay in found if lay.name == "hybrid"]
+    assert hybrids == [(dp, pp, zero, label) for dp, pp in ((16, 2), (8, 4), (4, 8), (2, 16))
+                       for zero, label in ((0, "hybrid"), (1, "hybrid+zero1"))]  # replicated by DDP, or ZeRO-1
     assert [(lay.dp, lay.mp) for lay in found if lay.name == "model_parallel"] == [(16, 2), (8, 4), (4, 8)]
     assert "pipeline" in [lay.name for lay in layouts(cluster, n_units=32)]
     assert [lay.name for lay in layouts(make_cluster("h100", gpus=1), 26)] == ["single"]

@@ -138,7 +138,8 @@ def test_the_exact_layout_of_a_384_gpu_run_splits_its_global_batch_over_dp_not_t
     stats = transformer_stats(TRANSFORMERS["llama3-70b"], name="llama3-70b")
     plan = make_plan(stats, gpus=8, nodes=48, inter_node="ib-ndr", micro_batch=1, global_batch=2048,
                      exact=exact_layout("dp=8,pp=12,tp=4"))
-    assert [e.layout.describe() for e in plan.estimates] == ["1 rank", "dp=8 pp=12 tp=4"]
+    assert [e.layout.describe() for e in plan.estimates] == ["1 rank", "dp=8 pp=12 tp=4", "dp=8 pp=12 shard=8 tp=4"]
+    assert [e.name for e in plan.estimates[1:]] == ["hybrid+tp", "hybrid+zero1+tp"]  # DDP or ZeRO-1 across dp
     assert plan.choice.layout.dims == ParallelDims(dp_replicate=8, pp=12, tp=4)
     assert plan.choice.batch.micro_batches == 256 and plan.choice.fits
     assert plan.reason.startswith("the layout asked for (dp=8 pp=12 tp=4) fits as hybrid+tp")
@@ -154,6 +155,23 @@ def test_an_exact_data_parallel_layout_compares_its_flavours():
     assert {e.name for e in plan.estimates[1:]} == {"ddp+tp", "zero2+tp", "zero3+tp"}
     assert exact_layout(tp=2) is None  # --tp alone still searches
     assert exact_layout("pp=2", tp=4) == ParallelDims(pp=2, tp=4)
+
+
+def test_an_exact_layout_that_fits_nowhere_is_planned_and_shown_with_how_far_over(capsys):
+    """A layout the user names is never turned into a refusal: its rows say by how many GiB they are over, and the
+    plan recommends nothing (the search, asked for nothing, still refuses in one line)."""
+    argv = ["plan", "--params", "70B", "--gpu", "rtx-4090", "--gpus", "8", "--batch", "1"]
+    assert main([*argv, "--layout", "dp=8", "--breakdown"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("zero3 ", "ddp "))}
+    over = float(rows["zero3"].split("no +")[1].split()[0])
+    total = float(rows["zero3"].split("no +")[1].split()[1])
+    assert over == pytest.approx(total - 24.0, abs=0.5)  # the GiB over the 24 GiB of an RTX 4090 (whole GiB above 100)
+    assert "recommended: none — the layout asked for (dp=8) fits in no way to run it: need " in out
+    plan = make_plan(resolve_model(params="70B"), gpu="rtx-4090", gpus=8, micro_batch=1, exact=exact_layout(dp=8))
+    assert plan.choice is None and all(e.over > 0 for e in plan.estimates)
+    with pytest.raises(ConfigError, match="^no strategy fits: need "):
+        make_plan(resolve_model(params="70B"), gpu="rtx-4090", gpus=8, micro_batch=1)
 
 
 def test_cli_plans_a_config_json_with_an_exact_layout(tmp_path, capsys):

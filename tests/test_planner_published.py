@@ -28,6 +28,7 @@ RECORDED = {  # (step s, memory GiB) as benchmarks/RESULTS.md §19 shows them
     "llm-foundry mpt-13b fsdp 64": (0.6558, 35.7),
     "llm-foundry mpt-30b fsdp 32": (36.17, 60.71),
     "llm-foundry mpt-70b fsdp 64": (59, 54.83),
+    "bloom-176b zero1 8 x pp 12 x tp 4": (95.66, 52.69),
 }
 PREDICTIONS = {run.name: predict(run) for run in RUNS}
 
@@ -81,3 +82,24 @@ def test_the_recommendation_on_a_published_run_fits_and_is_as_fast_as_the_publis
         assert published.fits == (run.name not in NOT_FITTING), run.name
         if published.fits:
             assert plan.choice.samples_per_s >= (1 - TIE) * published.samples_per_s, run.name
+
+
+def test_bloom_fits_its_published_layout_with_zero1_across_its_replicas_and_not_without():
+    """BLOOM-176B trained on 384 A100s as tp 4 x pp 12 x dp 8 with ZeRO-1 across dp (Megatron-DeepSpeed): asked for
+    that layout, the plan compares DDP and ZeRO-1 across the replicas; only ZeRO-1 fits (Adam's states and the fp32
+    master copy, 12 bytes a parameter, divided by 8), and the row that does not fit says by how much."""
+    from paratrain.planner import format_plan, make_plan, transformer_stats
+    from paratrain.planner.layout import exact_layout
+
+    run = next(r for r in RUNS if r.name.startswith("bloom-176b"))
+    assert round(transformer_stats(run.model, name="bloom").params / 1e9) == 176
+    plan = make_plan(transformer_stats(run.model, name=run.name), gpu="a100-80gb", gpus=8, nodes=48,
+                     inter_node="ib-ndr", micro_batch=2, global_batch=2048, precision="bf16-mixed", optimizer="adam",
+                     recompute="full", sequence_parallel=False, exact=exact_layout("dp=8,pp=12,tp=4"))
+    ddp, zero1 = plan.estimates[1:]
+    assert (ddp.name, zero1.name, plan.choice.name) == ("hybrid+tp", "hybrid+zero1+tp", "hybrid+zero1+tp")
+    assert not ddp.fits and zero1.fits and zero1.batch.micro_batch == 2 and zero1.batch.micro_batches == 128
+    held = zero1.memory.parameters / 2  # the busiest stage's share of a tp group: bf16, 2 bytes a parameter
+    assert ddp.memory.total - zero1.memory.total == pytest.approx(12 * held * 7 / 8)
+    assert f"no +{ddp.over / 2**30:.1f}" in format_plan(plan)
+    assert plan.reason.startswith("the layout asked for (dp=8 pp=12 tp=4) fits as hybrid+zero1+tp")

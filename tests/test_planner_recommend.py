@@ -5,8 +5,8 @@ import pytest
 
 from paratrain.errors import ConfigError
 from paratrain.lr import scale_lr
-from paratrain.planner import (TRANSFORMERS, Training, bubble_fraction, make_cluster, make_plan, recommend,
-                               transformer_stats)
+from paratrain.planner import (TRANSFORMERS, Training, bubble_fraction, format_plan, make_cluster, make_plan,
+                               recommend, transformer_stats)
 from paratrain.planner.memory import zero1_busiest
 from paratrain.workloads.planning import resolve_model
 
@@ -21,7 +21,20 @@ def test_ddp_when_it_fits_since_sharding_costs_time():
     assert "shards nothing" in plan.reason
     by_name = {e.name: e for e in plan.estimates}
     assert by_name["zero1"].samples_per_s < by_name["ddp"].samples_per_s  # the extra parameter all-gather
-    assert by_name["single"].speedup == 1.0 and by_name["ddp"].speedup == pytest.approx(8, rel=0.05)
+    assert by_name["single"].speedup == 1.0 and by_name["single"].batch.micro_batches == 8  # the same global batch
+    assert 0.9 < by_name["ddp"].efficiency < 1  # every rank steps its optimizer as often as one GPU does
+
+
+def test_every_row_trains_the_global_batch_so_no_efficiency_exceeds_one_from_accumulating():
+    """nanoGPT's run: 480 samples a step in micro-batches of 12 on 8 GPUs. One GPU accumulates 40 micro-batches
+    and steps once, as each ddp rank does after its 5: before, one GPU stepped after every micro-batch and ddp
+    read 104%. (In fp32 nothing else differs: under bf16-mixed FSDP's 16-bit activations stream less.)"""
+    plan = recommend(_stats("gpt2"), make_cluster("a100-80gb", gpus=8),
+                     Training(precision="fp32", micro_batch=12, global_batch=480))
+    single = plan.estimates[0]
+    assert (single.name, single.batch.micro_batch, single.batch.micro_batches) == ("single", 12, 40)
+    assert all(e.efficiency <= 1 for e in plan.estimates[1:]), [(e.name, e.efficiency) for e in plan.estimates]
+    assert {e.name: e.efficiency for e in plan.estimates}["zero1"] > 0.95
 
 
 def test_a_zero_stage_when_the_replicated_adam_step_costs_more_than_sharding():
@@ -94,7 +107,11 @@ def test_lr_scaling_rules():
     with pytest.raises(ConfigError, match="unknown LR scaling rule 'cubic'"):
         scale_lr(0.1, 4, rule="cubic")
     plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8), Training(micro_batch=4, global_batch=128))
-    assert plan.lr_factor == 32
+    assert plan.lr_factor is None  # no advice without the batch the LR was tuned at
+    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8),
+                     Training(micro_batch=4, global_batch=128, base_batch=512, base_lr=6e-4))
+    assert plan.lr_factor == 0.25
+    assert "is 0.25x the 512 the LR was tuned at: scale it 0.0006 → 0.00015 (linear rule" in format_plan(plan)
 
 
 def test_says_so_when_every_multi_gpu_plan_is_slower_than_one_gpu():

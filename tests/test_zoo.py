@@ -26,6 +26,7 @@ SMALL_UNITS = [("gpt2", "zero3"), ("nanogpt", "zero2"), ("lora", "zero3"), ("lla
 # covers GPT-2, Llama, BERT, LoRA and our GPT); the zoo's other models, BERT's embedding block and a PEFT model cut
 # between its base model's blocks run here too.
 PIPELINED = ("cnn", "frozen", "bert", "lora")
+HYBRID_DATA = ("ddp", "zero1", "fsdp")  # how hybrid's replicas hold their stages: DDP, ZeRO-1 or FSDP
 SPLIT = {"frozen": {"split": [3]}}  # by size the first stage would hold only the frozen layer: refused, see below
 MICRO = 4  # the pipelines' default micro-batches
 CHECKPOINTED = [("gpt2", "zero3", True), ("llama", "ddp", True), ("nanogpt", "zero2", 2), ("bert", "zero1", True),
@@ -70,7 +71,7 @@ def world2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     cases = [(m, "hsdp", {}) for m in ZOO]
-    cases += [(m, "hybrid", {"data": d, **SPLIT.get(m, {})}) for m in PIPELINED for d in ("ddp", "fsdp")]
+    cases += [(m, "hybrid", {"data": d, **SPLIT.get(m, {})}) for m in PIPELINED for d in HYBRID_DATA]
     return spawn(run_cases, 4, (cases, str(tmp_path_factory.mktemp("zoo4"))), timeout_s=600)[0]
 
 
@@ -120,7 +121,7 @@ def test_a_pipeline_stage_of_frozen_layers_is_refused(world2):
     assert "stage 0 (layers 0..0) holds no trainable parameter" in world2["frozen/pipeline"]["error"]
 
 
-@pytest.mark.parametrize("data", ["ddp", "fsdp"])
+@pytest.mark.parametrize("data", HYBRID_DATA)
 @pytest.mark.parametrize("model_name", list(PIPELINED))
 def test_zoo_hybrid_world4(world4, model_name, data):
     result = world4[f"{model_name}/hybrid{ {'data': data, **SPLIT.get(model_name, {})} }"]

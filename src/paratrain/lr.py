@@ -9,7 +9,8 @@ RULES = ("linear", "sqrt")
 
 
 def scale_lr(base_lr: float, world_size: float, rule: str = "linear") -> float:
-    """The LR for a global batch ``world_size`` times the one ``base_lr`` was tuned at.
+    """The LR for a global batch ``world_size`` times the one ``base_lr`` was tuned at (below 1: a smaller batch,
+    a smaller LR).
 
     ``linear`` multiplies by the factor (Goyal et al. 2017, "Accurate, Large Minibatch SGD": keeps SGD's
     update per sample the same; pair it with a warmup). ``sqrt`` multiplies by its square root (Krizhevsky
@@ -19,8 +20,8 @@ def scale_lr(base_lr: float, world_size: float, rule: str = "linear") -> float:
     """
     if base_lr <= 0:
         raise ConfigError(f"base LR must be > 0, got {base_lr}")
-    if world_size < 1:
-        raise ConfigError(f"world size (batch factor) must be >= 1, got {world_size}")
+    if world_size <= 0:
+        raise ConfigError(f"world size (batch factor) must be > 0, got {world_size}")
     if rule == "linear":
         return base_lr * world_size
     if rule == "sqrt":

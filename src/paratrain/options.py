@@ -95,7 +95,9 @@ class PipelineConfig:
     dp: int | None = None
     """hybrid only: data-parallel degree (default: half the processes, so 4 processes = 2 x 2)."""
     data: str = "ddp"
-    """hybrid only: how stages are replicated across ``dp``: ``ddp`` or ``fsdp``."""
+    """hybrid only: how stages are replicated across ``dp``: ``ddp``, ``zero1`` (DDP, with the optimizer's states
+    sharded by ``ZeroRedundancyOptimizer``: Megatron-DeepSpeed's ZeRO-1 across a pp x tp layout's replicas) or
+    ``fsdp``."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -108,8 +110,8 @@ class PipelineConfig:
             raise ConfigError("the interleaved-1f1b schedule needs stages_per_rank >= 2")
         if self.schedule != "interleaved-1f1b" and self.stages_per_rank != 1:
             raise ConfigError(f"schedule {self.schedule!r} runs one stage per rank; use interleaved-1f1b for more")
-        if self.data not in ("ddp", "fsdp"):
-            raise ConfigError(f"hybrid data must be 'ddp' or 'fsdp', got {self.data!r}")
+        if self.data not in ("ddp", "zero1", "fsdp"):
+            raise ConfigError(f"hybrid data must be 'ddp', 'zero1' or 'fsdp', got {self.data!r}")
         if self.split is not None and self.split_points is not None:
             raise ConfigError("give either split (indices) or split_points (module names), not both")
         if isinstance(self.split_points, str):

@@ -4,6 +4,7 @@ Examples:
   paratrain plan --model gpt2-medium --gpus 8 --gpu h100 --interconnect nvlink
   paratrain plan --params 7.5B --layers 32 --hidden 4096 --seq-len 4096 --gpus 8 --nodes 4 --inter-node eth-100g
   paratrain plan --model mymodels:build --input 3x224x224 --gpu a100-40gb --gpus 4 --breakdown
+  paratrain plan --model model:build_gpt --input long:1024 --gpus 8 --batch 12 --global-batch 480 --base-batch 480
   paratrain plan --model mlp --gpu cpu --gpus 2 --measure
   paratrain plan --model mymodels:recommender --input long:8 --gpu cpu --gpus 3 --ps-servers 1 --optimizer sgd
   paratrain plan --model llama-7b --gpus 8 --nodes 2 --tp 8
@@ -15,7 +16,8 @@ Examples:
   paratrain plan --dry-run --world 128 --strategy zero3 --tp 8 --model-config ./Llama-3-8B/config.json
 
 Nothing is allocated or launched: a built-in GPT or --params uses closed forms, any other model is traced on
-the meta device. Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md.
+the meta device, called as training calls it (targets to a forward that takes them, its own loss; --targets).
+Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "mistral-7b, qwen2-7b, or module:factory")
     m.add_argument("--input", dest="input_spec", metavar="SHAPE",
                    help="one sample's input for module:factory, e.g. 3x224x224 or long:1024")
+    m.add_argument("--targets", metavar="SHAPE",
+                   help="one sample's targets, passed to the forward's targets/labels parameter (long:1024, or long for "
+                        "one class id); none: trace the forward on its input alone. Default: given when the forward "
+                        "takes them, one per input token for token ids, else one class id")
     m.add_argument("--model-config", metavar="PATH",
                    help="a transformers config.json (or its checkpoint directory): llama, mistral, qwen2 or gpt2")
     m.add_argument("--params", help="plan a transformer of this many parameters, e.g. 7.5B (no --model)")
@@ -84,7 +90,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                           "instead of searching")
     t.add_argument("--pp", type=int, help="pipeline stages of the exact layout (default 1 with --dp)")
     t.add_argument("--layout", help="the exact layout in one flag, e.g. dp=8,pp=12,tp=4")
-    t.add_argument("--base-lr", type=float, help="an LR tuned at --batch on one device: print it scaled")
+    t.add_argument("--base-batch", type=int, metavar="N",
+                   help="the global batch your LR was tuned at: say how to scale it to this plan's global batch")
+    t.add_argument("--base-lr", type=float, help="with --base-batch: that LR, printed scaled")
     t.add_argument("--ps-servers", type=int, default=1, metavar="S",
                    help="servers of the ps row (parameter servers: the other GPUs are workers; default 1, as "
                         "Parallel('ps'); 0: no ps row)")
@@ -119,7 +127,8 @@ def execute(args: argparse.Namespace) -> int:
                           f"{args.recompute}")
     model = resolve_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
                           seq_len=args.seq_len, vocab=args.vocab, ffn=args.ffn_hidden, kv_heads=args.kv_heads,
-                          tied=args.tied, model_config=args.model_config, input_spec=args.input_spec)
+                          tied=args.tied, model_config=args.model_config, input_spec=args.input_spec,
+                          targets=args.targets)
     if args.show_tp_plan:
         from .tp_plan import tp_plan_lines
 
@@ -134,11 +143,12 @@ def execute(args: argparse.Namespace) -> int:
                      schedule=args.schedule, virtual_stages=args.virtual_stages, checkpointing=args.checkpointing,
                      recompute=args.recompute, sequence_parallel=args.sequence_parallel, tp=args.tp,
                      exact=exact_layout(args.layout, dp=args.dp, pp=args.pp, tp=args.tp), ps_servers=args.ps_servers,
-                     rows_per_step=args.ps_rows_per_step, table_optimizer=args.ps_table_optimizer)
+                     rows_per_step=args.ps_rows_per_step, table_optimizer=args.ps_table_optimizer,
+                     base_batch=args.base_batch, base_lr=args.base_lr)
     if args.json:
-        print(json.dumps(plan_to_json(plan, base_lr=args.base_lr), indent=2))
+        print(json.dumps(plan_to_json(plan), indent=2))
     else:
-        print(format_plan(plan, breakdown=args.breakdown, base_lr=args.base_lr))
+        print(format_plan(plan, breakdown=args.breakdown))
     return 0
 
 

@@ -6,6 +6,7 @@ See docs/planner.md for the formulas and their sources.
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, measured_link, p2p_s, reduce_scatter_s
 from .hardware import DEVICES, LINKS, Cluster, Device, Link, calibrated, cpu_host, get_device, get_link, make_cluster
 from .layout import Layout, exact_layout, layouts
+from .inputs import TrainingCall
 from .make import make_plan
 from .memory import MemoryBreakdown, memory_per_rank
 from .model_stats import InputSpec, ModelStats, RunnableModel, TableStats, TPShape, measure_module, trace_module
@@ -21,5 +22,5 @@ __all__ = [
     "ModelStats", "RunnableModel", "measure_module", "trace_module", "transformer_shape", "transformer_stats",
     "TRANSFORMERS", "GPTConfig", "Estimate", "Plan", "estimate", "estimate_all", "recommend", "format_plan",
     "plan_to_json", "TableStats", "StepTime", "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction", "measured_link",
-    "p2p_s", "reduce_scatter_s", "step_time", "Batching", "Training", "batching", "TPShape",
+    "p2p_s", "reduce_scatter_s", "step_time", "Batching", "Training", "batching", "TPShape", "TrainingCall",
 ]

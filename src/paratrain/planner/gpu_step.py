@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .hardware import Device
-from .model_stats import first_tensor
+from .inputs import InputSpec, TrainingCall, forward_of
 
 _OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-4),
@@ -55,13 +55,14 @@ def check_same_gpu(device: Device, gpu_name: str) -> None:
                           f"plan for this GPU (--gpu {family}) or drop --measure")
 
 
-def time_gpu_step(factory: Callable[[], nn.Module], make_input: Callable[[int, torch.device], torch.Tensor], *,
-                  batch: int,
+def time_gpu_step(factory: Callable[[], nn.Module], example: InputSpec | TrainingCall, *, batch: int,
                   precision: str, optimizer: str, steps: int = 5, warmup: int = 3) -> GpuStep:
-    """Build ``factory()`` on the current CUDA device and time ``steps`` training steps of ``batch`` samples.
+    """Build ``factory()`` on the current CUDA device and time ``steps`` training steps of ``batch`` samples, each
+    called as training calls the model (``example``: its input, or ``TrainingCall``).
 
-    The loss is the sum of the first output in fp32, as the CPU measurement takes it: the planner counts a
-    model's matrix products, and a cross-entropy over the logits adds little beside them.
+    The loss is the model's own where it returns one, else the sum of its output in fp32, as the CPU measurement
+    takes it: the planner counts a model's matrix products, and a cross-entropy over the logits adds little beside
+    them.
     """
     if not torch.cuda.is_available():
         raise ConfigError("measuring on a GPU needs CUDA, and torch sees none here; use --gpu cpu or drop --measure")
@@ -74,7 +75,7 @@ def time_gpu_step(factory: Callable[[], nn.Module], make_input: Callable[[int, t
         model = factory()
     model = model.to(device)
     opt = _OPTIMIZERS[optimizer]([p for p in model.parameters() if p.requires_grad])
-    x = make_input(batch, device)
+    x, targets = TrainingCall.of(example).inputs(model, batch, device)
     dtype = _AUTOCAST.get(precision)
     autocast = torch.autocast("cuda", dtype=dtype) if dtype is not None else nullcontext()
     fb, op = [], []
@@ -84,7 +85,7 @@ def time_gpu_step(factory: Callable[[], nn.Module], make_input: Callable[[int, t
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         with autocast:
-            loss = first_tensor(model(x)).float().sum()
+            loss = forward_of(model(x, **targets)).loss.float()
         loss.backward()
         torch.cuda.synchronize(device)
         middle = time.perf_counter()
@@ -95,7 +96,7 @@ def time_gpu_step(factory: Callable[[], nn.Module], make_input: Callable[[int, t
             fb.append(middle - start)
             op.append(time.perf_counter() - middle)
     peak = torch.cuda.max_memory_allocated(device) - before
-    del model, opt, x, loss
+    del model, opt, x, targets, loss
     torch.cuda.empty_cache()
     return GpuStep(gpu=torch.cuda.get_device_name(device), batch=batch, forward_backward_s=statistics.median(fb),
                    optimizer_s=statistics.median(op), peak_bytes=peak)

@@ -71,8 +71,10 @@ class Layout:
 
     @property
     def label(self) -> str:
-        """The strategy's name, marked ``+tp`` when composed with tensor parallelism: one row of a plan each."""
-        return f"{self.name}+tp" if self.tp > 1 and self.name != "tp" else self.name
+        """The strategy's name, marked with how ``hybrid`` holds its stages across its replicas when it shards them
+        (``+zero1``, ``+fsdp``) and ``+tp`` when composed with tensor parallelism: one row of a plan each."""
+        name = self.name + (_HYBRID_DATA[self.zero] if self.name == "hybrid" and self.zero else "")
+        return f"{name}+tp" if self.tp > 1 and self.name != "tp" else name
 
     @property
     def stages(self) -> int:
@@ -95,6 +97,9 @@ class Layout:
         return " ".join(parts) or "1 rank"
 
 
+_HYBRID_DATA = {1: "+zero1", 3: "+fsdp"}
+"""``hybrid``'s ``data=`` options that shard, by ZeRO stage (``ddp`` replicates)."""
+
 STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid", "pipeline", "model_parallel", "tp",
                   "ps")
 """Simplest first: when two strategies are about as fast, the earlier one is recommended (and any layout without
@@ -105,7 +110,8 @@ the same collectives on every rank."""
 def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_servers: int = 0) -> list[Layout]:
     """Every strategy (and degree split) the cluster can run, in ``STRATEGY_ORDER``; ``single`` is one rank.
 
-    ``hsdp`` needs several nodes of several ranks; ``hybrid`` comes in every dp x pp split with both >= 2;
+    ``hsdp`` needs several nodes of several ranks; ``hybrid`` comes in every dp x pp split with both >= 2, its
+    stages replicated by DDP or, as ``data="zero1"`` runs it, with their optimizer states sharded over dp (ZeRO-1);
     pipelines need at least as many wrap units as stages; ``model_parallel`` cuts the model over 2 or more GPUs
     of a node per process (not on a CPU host, where every stage would be the same CPU). Then, for each of
     ``tp_degrees`` that divides the ranks, the compositions paratrain's strategies offer: ``tp`` over every rank,
@@ -120,7 +126,7 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
             Layout(name="zero2", dp=n, zero=2, shard=n), Layout(name="zero3", dp=n, zero=3, shard=n)]
     if cluster.nodes > 1 and per_node > 1:
         out.append(Layout(name="hsdp", dp=n, zero=3, shard=per_node))
-    out += [Layout(name="hybrid", dp=n // pp, pp=pp) for pp in _divisors(n) if 2 <= pp <= min(n // 2, n_units)]
+    out += _hybrids(n, 1, n_units)
     if n <= n_units:
         out.append(Layout(name="pipeline", pp=n))
     if not cluster.device.shared_by_ranks:
@@ -180,10 +186,18 @@ def _with_tp(d: int, tp: int, n_units: int) -> list[Layout]:
         return [Layout(name="tp", tp=tp)]
     out = [Layout(name="ddp", dp=d, tp=tp), Layout(name="zero2", dp=d, zero=2, shard=d, tp=tp),
            Layout(name="zero3", dp=d, zero=3, shard=d, tp=tp)]
-    out += [Layout(name="hybrid", dp=d // pp, pp=pp, tp=tp) for pp in _divisors(d) if 2 <= pp <= min(d // 2, n_units)]
+    out += _hybrids(d, tp, n_units)
     if d <= n_units:
         out.append(Layout(name="pipeline", pp=d, tp=tp))
     return out
+
+
+def _hybrids(d: int, tp: int, n_units: int) -> list[Layout]:
+    """``hybrid`` over ``d`` groups of ``tp`` ranks: every dp x pp split with both >= 2, replicated by DDP or with the
+    optimizer states sharded over dp (ZeRO-1)."""
+    splits = [(d // pp, pp) for pp in _divisors(d) if 2 <= pp <= min(d // 2, n_units)]
+    return [Layout(name="hybrid", dp=dp, pp=pp, tp=tp, **sharded) for dp, pp in splits
+            for sharded in ({}, {"zero": 1, "shard": dp})]
 
 
 def _divisors(n: int) -> list[int]:

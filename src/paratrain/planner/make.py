@@ -114,13 +114,15 @@ def _time_on_gpu(model: ModelStats | RunnableModel, cluster: Cluster, setup: Tra
     if isinstance(model, ModelStats):
         raise ConfigError("--measure runs a model: give --model (a built-in or module:factory), not --params")
     check_same_gpu(cluster.device, torch.cuda.get_device_name())
-    return time_gpu_step(model.factory, model.example.make, batch=setup.micro_batch, precision=setup.precision,
+    return time_gpu_step(model.factory, model.call, batch=setup.micro_batch, precision=setup.precision,
                          optimizer=setup.optimizer)
 
 
 def _single_allocated(plan: Plan) -> float:
-    single = next((e for e in plan.estimates if e.layout.name == "single"), plan.choice)
-    return single.memory.allocated
+    """What the plan gives one rank stepping after one micro-batch, as the GPU's timed steps did (the plan's single
+    row accumulates the whole global batch)."""
+    t = plan.training
+    return estimate(plan.stats, Layout(name="single"), replace(t, global_batch=t.micro_batch), plan.cluster).memory.allocated
 
 
 def fsdp_call_s(overhead: Mapping[str, float], stats: ModelStats, setup: Training, bandwidth: float) -> float:

@@ -5,7 +5,9 @@ Three sources, one result (:class:`ModelStats`):
 * ``transformer.transformer_stats``: closed forms for a decoder-only transformer (the named sizes, or
   ``--params 7.5B`` with a shape) — milliseconds, no module built.
 * ``trace_module``: one forward and backward on the meta device under ``FlopCounterMode``, with a
-  saved-tensors hook adding up what autograd keeps for backward — shapes only, no weights allocated.
+  saved-tensors hook adding up what autograd keeps for backward — shapes only, no weights allocated. The forward is
+  called as training calls it (:mod:`.inputs`: with targets, taking the model's own loss) and attention runs as the
+  fused kernel does (:mod:`.attention`).
 * ``measure_module``: the same on real tensors on this machine, plus the time of a forward and backward.
 
 A :class:`RunnableModel` is a model the planner may build, to trace it, measure it or time it on a GPU; which
@@ -18,12 +20,16 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ConfigError
+from .attention import ATTENTION_FLOPS, FusedAttention
 from .hardware import GIB, cpu_host
+from .inputs import InputSpec, TrainingCall, forward_of, output_tensor
 
 ELEMENT_BYTES = MappingProxyType({"fp32": (4, 4), "autocast": (4, 2), "param_dtype": (2, 2)})
 """(residual, compute) element sizes by how a model trains (``ModelStats.mixed``' modes): the residual stream and
@@ -135,6 +141,8 @@ class ModelStats:
     tables: tuple[TableStats, ...] = ()
     """The embeddings a parameter server holds row-sharded (``Parallel("ps")``'s ``tables="auto"``); their weights
     are counted in ``params`` and, one tensor each, in ``tensors``."""
+    warnings: tuple[str, ...] = ()
+    """What the figures may miss of training, one line each (a traced output that is not per token)."""
 
     def __post_init__(self) -> None:
         if self.params < 1:
@@ -172,41 +180,6 @@ class ModelStats:
 
 # --- tracing and measuring ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True, kw_only=True)
-class InputSpec:
-    """One sample's input: its shape and dtype (token ids are ``long``)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype = torch.float32
-    high: int | None = None
-    """Token ids are drawn below this (a vocabulary's size); None: all zero. Timing wants real ids: the
-    embedding's backward on one repeated id serialises on that row."""
-
-    def __post_init__(self) -> None:
-        if not self.shape or min(self.shape) < 1:
-            raise ConfigError(f"input shape must be non-empty with sizes >= 1, got {self.shape}")
-
-    @classmethod
-    def parse(cls, text: str) -> InputSpec:
-        """``3x224x224`` (float32), ``long:1024`` (token ids) or ``float16:8x8``."""
-        dtype_name, _, dims = text.rpartition(":")
-        dtype = getattr(torch, dtype_name or "float32", None)
-        if not isinstance(dtype, torch.dtype):
-            raise ConfigError(f"unknown input dtype {dtype_name!r} in {text!r}; use e.g. float32 or long")
-        try:
-            shape = tuple(int(d) for d in dims.lower().split("x"))
-        except ValueError:
-            raise ConfigError(f"bad input shape {text!r}; write one sample's shape like 3x224x224 or long:1024") from None
-        return cls(shape=shape, dtype=dtype)
-
-    def make(self, batch: int, device: str | torch.device) -> torch.Tensor:
-        if self.dtype.is_floating_point:
-            return torch.randn(batch, *self.shape, dtype=self.dtype, device=device)
-        if self.high is None:
-            return torch.zeros(batch, *self.shape, dtype=self.dtype, device=device)
-        return torch.randint(0, self.high, (batch, *self.shape), dtype=self.dtype, device=device)
-
-
 def wrap_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's units in forward order, as FSDP shards it and a pipeline cuts it: for a model with repeated
     blocks (:func:`paratrain.model.find_blocks`), the modules before the blocks, the blocks, and the modules after
@@ -236,16 +209,17 @@ def _count(params: object) -> int:
     return sum(p.numel() for p in params if p.requires_grad)  # type: ignore[attr-defined]
 
 
-def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callable[[torch.Tensor], object],
-           source: str) -> ModelStats:
-    """Stats from one forward + backward of ``model`` on ``x`` (``batch`` samples).
+def _stats(model: nn.Module, name: str, call: TrainingCall, device: str, batch: int,
+           key: Callable[[torch.Tensor], object], source: str) -> ModelStats:
+    """Stats from one forward + backward of ``model`` called as training calls it (``call``, ``batch`` samples made
+    on ``device``).
 
     A saved-tensors hook records each tensor autograd keeps (once, by ``key``; parameters and buffers
-    excluded) and which wrap unit was running; forward hooks record each unit's output size. The loss is assumed
-    to be cross-entropy, which saves its fp32 log-probabilities: one output-sized tensor more.
+    excluded) and which wrap unit was running; forward hooks record each unit's output size. Attention runs the
+    fused kernel, as training does (:mod:`.attention`: on the meta device too). The loss is the
+    model's own where it returns one (what it saves is traced); else it is taken to be a cross-entropy over the
+    output, which saves its fp32 log-probabilities: one output-sized tensor more.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     weights = {key(p) for p in model.parameters()} | {key(b) for b in model.buffers()}
     saved: dict[object, tuple[int, str]] = {}
     running = ["(root)"]
@@ -276,19 +250,35 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
 
     hooks += [model.get_submodule(n).register_forward_pre_hook(looked_up(n)) for n in table_names]
     try:
-        with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = first_tensor(model(x))
-            out.float().sum().backward()
+        with (FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as counter, FusedAttention(),
+              torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+            x, forward = call.run(model, batch, device)
+            forward.loss.backward()
     finally:
         for h in hooks:
             h.remove()
+    out = forward.output
     per_unit: Counter[str] = Counter()
     for nbytes, unit in saved.values():
         per_unit[unit] += nbytes
-    outside = per_unit.pop("(root)", 0) + 4 * out.numel()
+    outside = per_unit.pop("(root)", 0) + (0 if forward.own_loss else 4 * out.numel())
     # Checkpointing every unit keeps each unit's input and, during one unit's recompute, its activations.
     checkpointed = x.numel() * x.element_size() + sum(outputs[:-1]) + outside + max(per_unit.values(), default=0)
+    return ModelStats(name=name, **_parameter_facts(model, units, counter, batch),
+                      activation_bytes_per_sample=sum(per_unit.values(), outside) / batch,
+                      checkpointed_bytes_per_sample=min(checkpointed, sum(per_unit.values(), outside)) / batch,
+                      boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
+                      output_bytes_per_sample=4 * out.numel() / batch,
+                      largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
+                      source=source, tables=_tables(model, table_names, lookups, batch),
+                      warnings=tuple(w for w in (forward.warning(x, name),) if w is not None))
 
+
+def _parameter_facts(model: nn.Module, units: list[tuple[str, nn.Module]], counter: FlopCounterMode,
+                     batch: int) -> dict[str, Any]:
+    """``ModelStats``' fields that the parameters and the FLOP count give: the units with their sizes and FLOPs
+    (a root holding parameters of its own as a unit first), the largest layer, bytes by dtype, the weights autocast
+    casts."""
     sizes = [(n, _count(m.parameters())) for n, m in units]
     by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     unit_flops = [by_module.get(f"{type(model).__name__}.{n}", 0) / batch for n, _ in units]
@@ -302,16 +292,9 @@ def _stats(model: nn.Module, name: str, x: torch.Tensor, batch: int, key: Callab
     layers = [(n or "(root)", _count(m.parameters(recurse=False))) for n, m in model.named_modules()]
     matmul = {id(m.weight): m.weight.numel() for m in model.modules()
               if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.weight.requires_grad}
-    return ModelStats(name=name, params=_count(model.parameters()), units=tuple(sizes),
-                      largest_layer=max(layers, key=lambda x: x[1]),
-                      flops_per_sample=counter.get_total_flops() / batch, unit_flops=tuple(unit_flops),
-                      activation_bytes_per_sample=sum(per_unit.values(), outside) / batch,
-                      checkpointed_bytes_per_sample=min(checkpointed, sum(per_unit.values(), outside)) / batch,
-                      boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
-                      matmul_params=sum(matmul.values()), output_bytes_per_sample=4 * out.numel() / batch,
-                      largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
-                      param_bytes=dict(by_dtype), source=source, tensors=trainable_sizes(model),
-                      tables=_tables(model, table_names, lookups, batch))
+    return dict(params=_count(model.parameters()), units=tuple(sizes), largest_layer=max(layers, key=lambda x: x[1]),
+                flops_per_sample=counter.get_total_flops() / batch, unit_flops=tuple(unit_flops),
+                matmul_params=sum(matmul.values()), param_bytes=dict(by_dtype), tensors=trainable_sizes(model))
 
 
 def _tables(model: nn.Module, names: list[str], lookups: Counter[str], batch: int) -> tuple[TableStats, ...]:
@@ -328,26 +311,16 @@ def trainable_sizes(model: nn.Module) -> tuple[int, ...]:
 
 def _tensor_bytes(out: object) -> int:
     try:
-        t = first_tensor(out)
+        t = output_tensor(out)
     except ConfigError:
         return 0
     return t.numel() * t.element_size()
 
 
-def first_tensor(out: object) -> torch.Tensor:
-    """What the planner takes a model's loss from: its output, or the first tensor of a tuple, list or dict it
-    returns (a model returning logits and more)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            return v
-    raise ConfigError(f"the model returned {type(out).__name__}, not a tensor (or a tuple/dict holding one)")
-
-
-def trace_module(factory: Callable[[], nn.Module], example: InputSpec, *, name: str, batch: int = 2) -> ModelStats:
-    """Stats from one forward and backward of ``factory()`` built on the meta device: no weight is allocated.
+def trace_module(factory: Callable[[], nn.Module], example: InputSpec | TrainingCall, *, name: str,
+                 batch: int = 2) -> ModelStats:
+    """Stats from one forward and backward of ``factory()`` built on the meta device, called as training calls it
+    (``example``: the input, or how to call the model, ``TrainingCall``): no weight is allocated.
 
     Activation bytes are the storages autograd saves for backward (views counted once, through their base),
     excluding parameters and buffers. ``batch`` is 2 so that batch-statistics layers see more than one
@@ -358,12 +331,12 @@ def trace_module(factory: Callable[[], nn.Module], example: InputSpec, *, name: 
     if not isinstance(model, nn.Module):
         raise ConfigError(f"the factory for {name!r} returned {type(model).__name__}, not an nn.Module")
     model = model.to("meta")  # in case the factory put some tensors on an explicit device
-    return _stats(model, name, example.make(batch, "meta"), batch,
+    return _stats(model, name, TrainingCall.of(example), "meta", batch,
                   key=lambda t: id(t._base if t._base is not None else t),  # meta tensors have no address
                   source="traced on the meta device (FlopCounterMode + saved tensors)")
 
 
-def measure_module(factory: Callable[[], nn.Module], example: InputSpec, *, name: str, batch: int,
+def measure_module(factory: Callable[[], nn.Module], example: InputSpec | TrainingCall, *, name: str, batch: int,
                    steps: int = 3) -> ModelStats:
     """Stats from a real forward and backward on this machine's CPU, and the median time of ``steps`` more.
 
@@ -379,13 +352,14 @@ def measure_module(factory: Callable[[], nn.Module], example: InputSpec, *, name
     model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"the factory for {name!r} returned {type(model).__name__}, not an nn.Module")
-    stats = _stats(model, name, example.make(batch, "cpu"), batch,
-                   key=lambda t: t.untyped_storage().data_ptr(), source="measured on this machine")
-    x = example.make(batch, "cpu")
+    call = TrainingCall.of(example)
+    stats = _stats(model, name, call, "cpu", batch, key=lambda t: t.untyped_storage().data_ptr(),
+                   source="measured on this machine")
+    x, targets = call.inputs(model, batch, "cpu")
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        first_tensor(model(x)).float().sum().backward()
+        forward_of(model(x, **targets)).loss.backward()
         times.append(time.perf_counter() - start)
     return replace(stats, measured_step_s=sorted(times)[len(times) // 2], measured_batch=batch,
                    measured_threads=torch.get_num_threads())
@@ -398,15 +372,15 @@ class RunnableModel:
 
     name: str
     factory: Callable[[], nn.Module]
-    example: InputSpec
-    """One sample's input."""
+    call: TrainingCall
+    """How training calls it: one sample's input, and its targets."""
     stats: ModelStats | None = None
     """Its closed-form stats, when its shape is known (a transformer): exact, and found without building it."""
 
     def find_stats(self, measure_batch: int | None = None) -> ModelStats:
         """Measured on this CPU at ``measure_batch`` samples; else the closed-form stats, or a meta-device trace."""
         if measure_batch is not None:
-            return measure_module(self.factory, self.example, name=self.name, batch=measure_batch)
+            return measure_module(self.factory, self.call, name=self.name, batch=measure_batch)
         if self.stats is not None:
             return self.stats
-        return trace_module(self.factory, self.example, name=self.name)
+        return trace_module(self.factory, self.call, name=self.name)

@@ -22,6 +22,9 @@ KORTHIKANTI = ("Korthikanti et al. 2022, Reducing Activation Recomputation in La
 TORCHTITAN = "pytorch/torchtitan docs/performance.md (commit eaea6f6), table {}"
 TORCHTITAN_A100 = "pytorch/torchtitan docs/performance.md (commit 0413364), table {} performance numbers: 64 A100 80GB"
 LLM_FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7), table H100 80GB BF16"
+BLOOM = ("bigscience-workshop/bigscience train/tr11-176B-ml/README.md (commit 00327f8): replica setup, architecture, "
+         "and iteration 85376 under 'Important checkpoints' (104.70 s per iteration at global batch 2048, 149.77 "
+         "TFLOPs a GPU counting the recomputed forward)")
 
 
 def _megatron_gpt(layers: int, hidden: int, heads: int) -> GPTConfig:
@@ -132,6 +135,9 @@ _TITAN_8B = ("predicted 19-22% fast and 14-15% under the reserved memory: the ca
 _FOUNDRY_LINKS = "inter-node links not stated: planned as 400 Gb/s a GPU"
 _TITAN_A100 = dict(gpu="a100-80gb", nodes=8, dp=64, zero=3, inter_node="ib-hdr-x8",
                    assumed="inter-node links not stated: planned as 200 Gb/s a GPU")
+_BLOOM = GPTConfig(layers=70, hidden=14336, heads=112, seq_len=2048, vocab=250880, learned_positions=False)
+"""BLOOM-176B: GPT-2's blocks (4h GELU MLP, biases, tied head), ALiBi instead of a position table; its embedding
+LayerNorm (2h parameters) is left out."""
 _LLAMA8 = TRANSFORMERS["llama3-8b"]
 _LLAMA70 = TRANSFORMERS["llama3-70b"]
 _LLAMA405 = TRANSFORMERS["llama3-405b"]
@@ -193,6 +199,12 @@ RUNS: tuple[PublishedRun, ...] = (
                  nodes=8, dp=64, zero=3, micro_batch=8, global_batch=2048, recompute="full",
                  assumed=_FOUNDRY_LINKS,
                  step_s=_tokens(1039, 2048, 2048, 64)),
+    PublishedRun(name="bloom-176b zero1 8 x pp 12 x tp 4", source=BLOOM, model=_BLOOM, gpu="a100-80gb", nodes=48,
+                 inter_node="ib-ndr", dp=8, zero=1, pp=12, tp=4, micro_batch=2, global_batch=2048, recompute="full",
+                 sequence_parallel=False, step_s=104.70,
+                 assumed="four 100 Gb/s Omni-Path links a node, planned as one 400 Gb/s port (ib-ndr); 1F1B; the "
+                         "pipeline's embedding counted on the first stage (BLOOM balanced it as a block); no memory "
+                         "figure published"),
 )
 """The runs of benchmarks/RESULTS.md §19."""
 

@@ -47,7 +47,9 @@ class Estimate:
     """Planned with activation checkpointing."""
     samples_per_s: float
     speedup: float
-    """Throughput over one rank's ('single') at the same micro-batch."""
+    """Throughput over one rank's ('single'), which trains the same global batch at the same micro-batch,
+    accumulating it: every row then steps its optimizer once per global batch, so no row gains from stepping it
+    less often than another."""
     efficiency: float
     """Speedup per device: per GPU, or per host when ranks share a CPU host."""
     serving: Serving | None = None
@@ -67,6 +69,11 @@ class Estimate:
     def tight(self) -> bool:
         return self.fits and self.memory.total > TIGHT * self.capacity
 
+    @property
+    def over(self) -> float:
+        """Bytes more than a rank may use (0 when it fits)."""
+        return max(0.0, self.memory.total - self.capacity)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -78,16 +85,19 @@ class Plan:
     global_batch: int
     estimates: tuple[Estimate, ...]
     """Every strategy at the requested micro-batch, in ``STRATEGY_ORDER``, then those with tensor parallelism."""
-    choice: Estimate
-    """The recommendation (at a smaller micro-batch when none fits at the requested one)."""
+    choice: Estimate | None
+    """The recommendation (at a smaller micro-batch when none fits at the requested one); None when the layout asked
+    for (``--layout``) fits in no way to run it: its rows say by how much, and ``reason`` what to try."""
     reason: str
     suggestions: tuple[str, ...]
     notes: tuple[str, ...]
 
     @property
-    def lr_factor(self) -> float:
-        """How many times the batch an LR was tuned at (one device's micro-batch) the global batch is."""
-        return self.global_batch / self.training.micro_batch
+    def lr_factor(self) -> float | None:
+        """How many times the batch the user's LR was tuned at (``Training.base_batch``) the global batch is; None
+        when that batch was not given."""
+        base = self.training.base_batch
+        return None if base is None else self.global_batch / base
 
 
 def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster,
@@ -132,8 +142,9 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
 
 def _estimates(stats: ModelStats, cluster: Cluster, training: Training, single_layout: Layout,
                found: list[Layout]) -> list[Estimate]:
-    """``estimate_all``'s estimates of layouts already enumerated and checked against the global batch."""
-    single = estimate(stats, single_layout, replace(training, global_batch=training.micro_batch), cluster)
+    """``estimate_all``'s estimates of layouts already enumerated and checked against the global batch; the single
+    rank's trains the same global batch (``Estimate.speedup``)."""
+    single = estimate(stats, single_layout, training, cluster)
     best: dict[str, Estimate] = {}
     for lay in found:
         e = estimate(stats, lay, training, cluster, single.samples_per_s)
@@ -193,7 +204,8 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     """The plan for training ``stats``' model on ``cluster``: what ``strategy="auto"`` should pick.
 
     A strategy that does not fit at the requested micro-batch is tried at smaller ones (same global batch,
-    more micro-batches), then with activation checkpointing. Raises ``ConfigError`` when none fits even so.
+    more micro-batches), then with activation checkpointing. Raises ``ConfigError`` when none fits even so, unless
+    the layout was asked for (``exact``): it is planned and shown all the same, with no recommendation.
     ``tp``: the tensor-parallel degree to plan (None: every one that fits the model and a node; 1: none).
     ``exact``: the degrees to plan instead of searching (``--layout``); its flavours of data parallelism are
     compared. The global batch must split evenly over each layout's data-parallel replicas (not over the GPUs:
@@ -218,30 +230,40 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     candidates = [e for e in (estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:])
                   if _may_choose(stats, cluster, e.layout)]
     fitting = [f for e in candidates for f in _fitting(stats, e, training, cluster, estimates[0].samples_per_s)]
+    notes = [] if not refused else [
+        f"--global-batch {global_batch} does not split evenly over {world} GPUs: layouts of "
+        f"{', '.join(f'dp={d}' for d in sorted({lay.dims.dp for lay, _ in refused}))} data-parallel replicas are "
+        "left out"]
+    plan = Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
+                estimates=tuple(estimates), choice=None, reason="", suggestions=(), notes=tuple(notes))
     if not fitting:
-        raise ConfigError(_fits_nowhere(stats, cluster, training, candidates))
+        if exact is None:
+            raise ConfigError(f"no strategy fits: {_fits_nowhere(stats, cluster, training, candidates)}")
+        return replace(plan, reason=f"the layout asked for ({exact.describe()}) fits in no way to run it: "
+                                    f"{_fits_nowhere(stats, cluster, training, candidates)}")
     best = max(e.samples_per_s for e in fitting)
     choice = min((e for e in fitting if e.samples_per_s >= (1 - TIE) * best),
-                 key=lambda e: (e.checkpointing, e.layout.tp > 1, STRATEGY_ORDER.index(e.layout.name)))
-    suggestions = []
+                 key=lambda e: (e.checkpointing, e.layout.tp > 1, STRATEGY_ORDER.index(e.layout.name), e.layout.zero))
+    return replace(plan, choice=choice, reason=(_exact_reason(choice, fitting, exact) if exact is not None
+                                                else _reason(choice, estimates, fitting, cluster)),
+                   suggestions=tuple(_changes(stats, cluster, training, choice, estimates)),
+                   notes=(*_notes(stats, cluster, training, choice, estimates), *notes))
+
+
+def _changes(stats: ModelStats, cluster: Cluster, training: Training, choice: Estimate,
+             estimates: list[Estimate]) -> list[str]:
+    """What to change to run ``choice`` as planned: checkpointing or a smaller micro-batch where the plan needed
+    them to fit, then ``_suggestions``."""
+    out = []
     if choice.checkpointing and not training.checkpointing:
-        suggestions.append("turn on activation checkpointing of every block (--checkpointing): one more forward "
-                           "pass per step is the cheapest way to fit")
+        out.append("turn on activation checkpointing of every block (--checkpointing): one more forward pass per "
+                   "step is the cheapest way to fit")
     as_asked = next(e for e in estimates if e.name == choice.name)
     if choice.batch.micro_batch < as_asked.batch.micro_batch:
-        suggestions.append(f"{choice.name} does not fit micro-batches of {as_asked.batch.micro_batch:g}: "
-                           f"{_cut(choice.layout, choice.batch, cluster)}, for the same global batch {global_batch}")
-    suggestions += _suggestions(stats, cluster, training, choice)
-    notes = _notes(stats, cluster, training, choice, estimates)
-    if refused:
-        notes.append(f"--global-batch {global_batch} does not split evenly over {world} GPUs: layouts of "
-                     f"{', '.join(f'dp={d}' for d in sorted({lay.dims.dp for lay, _ in refused}))} data-parallel replicas "
-                     "are left out")
-    return Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
-                estimates=tuple(estimates), choice=choice,
-                reason=(_exact_reason(choice, fitting) if exact is not None
-                        else _reason(choice, estimates, fitting, cluster)),
-                suggestions=tuple(suggestions), notes=tuple(notes))
+        out.append(f"{choice.name} does not fit micro-batches of {as_asked.batch.micro_batch:g}: "
+                   f"{_cut(choice.layout, choice.batch, cluster)}, for the same global batch "
+                   f"{training.global_for(cluster.world_size)}")
+    return out + _suggestions(stats, cluster, training, choice)
 
 
 def _may_choose(stats: ModelStats, cluster: Cluster, layout: Layout) -> bool:
@@ -275,8 +297,8 @@ def _fits_nowhere(stats: ModelStats, cluster: Cluster, training: Training, candi
     if training.precision == "fp32":
         tries.append("--precision bf16-mixed")
     tries.append("a device with more memory (--gpu)")
-    return (f"no strategy fits: need {least.memory.total / GIB:.1f} GiB per GPU ({least.name} at micro-batch 1 "
-            f"with activation checkpointing), have {least.capacity / GIB:.1f}; try {', '.join(tries)}")
+    return (f"need {least.memory.total / GIB:.1f} GiB per GPU ({least.name} at micro-batch 1 with activation "
+            f"checkpointing), have {least.capacity / GIB:.1f}; try {', '.join(tries)}")
 
 
 def _grown(cluster: Cluster, ranks: int) -> Cluster:
@@ -313,13 +335,13 @@ def _reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate]
     return f"{choice.name} is the fastest strategy that fits ({mem})"
 
 
-def _exact_reason(choice: Estimate, fitting: list[Estimate]) -> str:
+def _exact_reason(choice: Estimate, fitting: list[Estimate], exact: ParallelDims) -> str:
     """The layout was asked for (``--layout``): say so, and which way of running its data parallelism won."""
     mem = f"{choice.memory.total / GIB:.1f} of {choice.capacity / GIB:.1f} GiB per rank"
     others = sorted({e.name for e in fitting} - {choice.name})
     rivals = (f"; of the ways to run it, {choice.name} beats {', '.join(others)} or ties and is simpler"
               if others else "")
-    return f"the layout asked for ({choice.layout.describe()}) fits as {choice.name} ({mem}){rivals}"
+    return f"the layout asked for ({exact.describe()}) fits as {choice.name} ({mem}){rivals}"
 
 
 def _tp_reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate], cluster: Cluster,

@@ -97,6 +97,11 @@ class Training:
     table_optimizer: str | None = None
     """Under ``ps``: what updates the table rows on the servers (``TABLE_STATES``' keys); None: the training
     optimizer's states (``table_states``)."""
+    base_batch: int | None = None
+    """The global batch the user's learning rate was tuned at (``--base-batch``): the plan says how to scale it to
+    this global batch. None: no advice, since a script's LR may already be tuned for the batch it runs."""
+    base_lr: float | None = None
+    """That learning rate (``--base-lr``), printed scaled; it needs ``base_batch``."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -125,9 +130,19 @@ class Training:
             raise ConfigError(f"bucket size must be > 0 MiB, got {self.bucket_mb}")
         if self.rows_per_step is not None and self.rows_per_step < 0:
             raise ConfigError(f"--ps-rows-per-step must be >= 0, got {self.rows_per_step}")
+        self._check_lr_base()
         if self.table_optimizer is not None and self.table_optimizer not in TABLE_STATES:
             raise ConfigError(f"unknown table optimizer {self.table_optimizer!r}; choose one of: "
                               f"{', '.join(TABLE_STATES)}")
+
+    def _check_lr_base(self) -> None:
+        if self.base_batch is not None and self.base_batch < 1:
+            raise ConfigError(f"--base-batch must be >= 1, got {self.base_batch}")
+        if self.base_lr is not None and not self.base_lr > 0:
+            raise ConfigError(f"--base-lr must be > 0, got {self.base_lr}")
+        if self.base_lr is not None and self.base_batch is None:
+            raise ConfigError(f"--base-lr {self.base_lr:g} is scaled from the global batch it was tuned at; give that "
+                              "batch too (--base-batch N)")
 
     @property
     def bytes(self) -> PrecisionBytes:

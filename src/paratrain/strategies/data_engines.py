@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
-from ..distributed.optimizer import constructor_defaults, param_groups_for
+from ..distributed.optimizer import param_groups_for
 from ..distributed.parallelize import Step, takes_meta
 from ..errors import ConfigError
 from ..model.materialize import to_device
@@ -140,34 +140,15 @@ class ShardedOptimizer(Replicas):
                        rt: Runtime) -> torch.optim.Optimizer:
         names = {id(p): n for n, p in inner.named_parameters()}
         groups = param_groups_for(optimizer, names, inner)
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports FSDP and DTensor: 1-2 s, when used
+        from ..distributed.zero import zero_redundancy  # imports FSDP and DTensor: 1-2 s, when used
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
-                                       process_group=rt.mesh.get_group() if rt.mesh is not None else None,
-                                       **constructor_defaults(optimizer))
+        return zero_redundancy(groups, optimizer, rt.mesh.get_group() if rt.mesh is not None else None)
 
     def optimizer_state(self, inner: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The state of the parameters this rank's partition holds (so each rank writes its own part), plus
-        every parameter's hyper-parameters.
-
-        ZeroRedundancyOptimizer copies its groups' settings (the LR a scheduler set) into the local optimizer only
-        when it steps, so they are copied here first. The settings of every parameter, not only this rank's,
-        make the state a complete template for loading: a group with no parameter in this rank's partition still
-        gets its LR back.
-        """
-        from ..checkpoint.states import hyperparameters
-
-        _copy_settings(optimizer.param_groups, optimizer.optim.param_groups)
-        names = {id(p): n for n, p in inner.named_parameters()}
-        return {**hyperparameters(optimizer.param_groups, names), **super().optimizer_state(inner, optimizer.optim)}
+        return zero_optimizer_state(inner, optimizer)
 
     def load_optimizer_state(self, inner: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        super().load_optimizer_state(inner, optimizer.optim, state)
-        names = {id(p): n for n, p in inner.named_parameters()}
-        for group in optimizer.param_groups:
-            first = names[id(group["params"][0])]
-            group.update({k: state[f"param_groups.{first}.{k}"] for k in group if k != "params"})
-        _copy_settings(optimizer.param_groups, optimizer.optim.param_groups)
+        load_zero_optimizer_state(inner, optimizer, state)
 
     def detail(self) -> str | None:
         return "ddp + ZeroRedundancyOptimizer"
@@ -204,6 +185,34 @@ class Shards(OneReplica):
 
     def detail(self) -> str | None:
         return f"reshard_after_forward={self.config.reshard_after_forward}"
+
+
+def zero_optimizer_state(inner: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A ``ZeroRedundancyOptimizer``'s state for a checkpoint: that of the parameters this rank's partition holds (so
+    each rank writes its own part), plus every parameter's hyper-parameters.
+
+    ZeroRedundancyOptimizer copies its groups' settings (the LR a scheduler set) into the local optimizer only
+    when it steps, so they are copied here first. The settings of every parameter, not only this rank's,
+    make the state a complete template for loading: a group with no parameter in this rank's partition still
+    gets its LR back.
+    """
+    from ..checkpoint.states import hyperparameters, optimizer_state
+
+    _copy_settings(optimizer.param_groups, optimizer.optim.param_groups)
+    names = {id(p): n for n, p in inner.named_parameters()}
+    return {**hyperparameters(optimizer.param_groups, names), **optimizer_state(inner, optimizer.optim)}
+
+
+def load_zero_optimizer_state(inner: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Put a loaded ``zero_optimizer_state`` into a ``ZeroRedundancyOptimizer``."""
+    from ..checkpoint.states import load_optimizer_state
+
+    load_optimizer_state(inner, optimizer.optim, state)
+    names = {id(p): n for n, p in inner.named_parameters()}
+    for group in optimizer.param_groups:
+        first = names[id(group["params"][0])]
+        group.update({k: state[f"param_groups.{first}.{k}"] for k in group if k != "params"})
+    _copy_settings(optimizer.param_groups, optimizer.optim.param_groups)
 
 
 def _ddp(model: nn.Module) -> DDP:

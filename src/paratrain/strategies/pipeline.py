@@ -12,7 +12,8 @@ of ``m``) or interleaved 1F1B (several stages per rank, a smaller bubble). The l
 stage; gradients are the mean over micro-batches.
 
 ``hybrid`` adds a data-parallel dimension: ``dp`` x ``pp`` ranks, each pipeline's stages replicated with DDP
-(or sharded with FSDP, ``data="fsdp"``) across the ``dp`` dimension.
+across the ``dp`` dimension, with their optimizer's states sharded over it by ``ZeroRedundancyOptimizer``
+(``data="zero1"``, ZeRO-1), or sharded with FSDP (``data="fsdp"``).
 
 ``tp=T`` splits each stage's layers over T ranks as well (the model's tensor-parallel plan applied per stage, its
 boundaries whole: :mod:`paratrain.distributed.tensor_parallel.stage_styles`): a ``(pp, tp)`` mesh for ``pipeline``,
@@ -26,6 +27,7 @@ forward-only pass and gives every rank of the pipeline the last stage's output.
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -48,6 +50,7 @@ from ..model.materialize import to_device
 from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
 from ..options import DDPConfig, FSDPConfig, PipelineConfig, TPConfig
 from .base import Runtime, Strategy, tensor_parallel
+from .data_engines import load_zero_optimizer_state, zero_optimizer_state
 from .registry import register
 
 
@@ -68,7 +71,8 @@ class PipelineStrategy(Strategy):
 
     def dims(self, env: ClusterEnv) -> ParallelDims:
         dp, pp = self.degrees(env)
-        data = {"dp_shard": dp, "zero": 3} if self.config.data == "fsdp" and dp > 1 else {"dp_replicate": dp}
+        zero = {"fsdp": 3, "zero1": 1}.get(self.config.data, 0) if dp > 1 else 0
+        data = {"dp_shard": dp, "zero": zero} if zero else {"dp_replicate": dp}
         return ParallelDims(**data, pp=pp, tp=self.tp_degree(env))
 
     def validate(self, env: ClusterEnv) -> None:
@@ -207,7 +211,18 @@ class PipelineStrategy(Strategy):
         return part
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
-        return rebuild(optimizer, self._names[id(model)], model, subset=True)
+        """The optimizer over this rank's stages; under ``data="zero1"`` its states sharded over the data-parallel
+        ranks holding the same stages (and, with tp, the same shards)."""
+        optimizer = rebuild(optimizer, self._names[id(model)], model, subset=True)
+        if not self._zero1(rt):
+            return optimizer
+        from ..distributed.zero import zero_redundancy  # imports DTensor: 1-2 s, when used
+
+        assert rt.mesh is not None
+        return zero_redundancy(optimizer.param_groups, optimizer, rt.mesh["dp"].get_group())
+
+    def _zero1(self, rt: Runtime) -> bool:
+        return self.config.data == "zero1" and rt.mesh is not None and rt.mesh["dp"].size() > 1
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return nullcontext()  # the stages already synchronise once per batch, after the last micro-batch
@@ -251,12 +266,19 @@ class PipelineStrategy(Strategy):
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Keyed as one process keys it: a tied weight's state under the tensor's first name (the embedding's),
         also on the stage that holds it as the head, so checkpoints move between pipeline and other strategies
-        (the two stages' identical copies are written once)."""
-        return _renamed(super().optimizer_state(model, optimizer), getattr(model, "aliases", {}))
+        (the two stages' identical copies are written once). Under ZeRO-1, this rank's partition of it."""
+        if _sharded(optimizer):
+            state = zero_optimizer_state(model, optimizer)
+        else:
+            state = super().optimizer_state(model, optimizer)
+        return _renamed(state, getattr(model, "aliases", {}))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        back = {v: k for k, v in getattr(model, "aliases", {}).items()}
-        super().load_optimizer_state(model, optimizer, _renamed(state, back))
+        state = _renamed(state, {v: k for k, v in getattr(model, "aliases", {}).items()})
+        if _sharded(optimizer):
+            load_zero_optimizer_state(model, optimizer, state)
+        else:
+            super().load_optimizer_state(model, optimizer, state)
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
         assert isinstance(model, PipelinedModel)
@@ -274,6 +296,13 @@ class PipelineStrategy(Strategy):
     def describe(self) -> str:
         tp = f", {self.tp.describe()}" if self.tp is not None else ""
         return f"{self.name}(schedule={self.config.schedule}, microbatches={self.config.microbatches}{tp})"
+
+
+def _sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a ``ZeroRedundancyOptimizer`` (``data="zero1"``), told without importing
+    ``torch.distributed.optim`` (1-2 s): an optimizer can only be one once that module is loaded."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
 
 
 def _tie_groups(model: nn.Module, plan: StagePlan, rt: Runtime,

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..factory import load_callable
-from ..planner import InputSpec, ModelStats, RunnableModel, transformer_shape, transformer_stats
+from ..planner import InputSpec, ModelStats, RunnableModel, TrainingCall, transformer_shape, transformer_stats
 from ..planner.hf_config import read_model_config
 from .digits import digits_cnn
 from .gpt import GPT, GPT_CONFIGS
@@ -42,13 +42,14 @@ def resolve_model(model: str | None = None, *, params: str | None = None, layers
                   hidden: int | None = None, heads: int | None = None, seq_len: int | None = None,
                   vocab: int | None = None, ffn: int | None = None, kv_heads: int | None = None,
                   tied: bool | None = None, model_config: str | None = None,
-                  input_spec: str | None = None) -> ModelStats | RunnableModel:
+                  input_spec: str | None = None, targets: str | None = None) -> ModelStats | RunnableModel:
     """The model the CLI's model options name, as ``planner.make_plan`` takes it.
 
     ``--params`` gives closed-form stats (shape figures given, the rest guessed); a built-in GPT size or a
     transformers ``config.json`` (``--model-config``) a model with its closed-form stats (shape figures override
     the named ones); ``mlp``, ``cnn`` and ``module:factory`` a model the planner traces on the meta device.
-    ``--measure`` runs any of the models (a config's shape as ``workloads.gpt.GPT``).
+    ``--measure`` runs any of the models (a config's shape as ``workloads.gpt.GPT``). ``targets`` (``--targets``):
+    how a model is called, as ``planner.TrainingCall.parse`` reads it.
     """
     given = [flag for flag, value in (("--model", model), ("--model-config", model_config), ("--params", params))
              if value is not None]
@@ -67,13 +68,13 @@ def resolve_model(model: str | None = None, *, params: str | None = None, layers
     if model_config is not None:
         cfg = replace(read_model_config(model_config), **shape)
         name = Path(model_config).parent.name if Path(model_config).name == "config.json" else Path(model_config).name
-        return RunnableModel(name=name, factory=lambda: GPT(cfg), example=replace(
-            InputSpec.parse(input_spec or f"long:{cfg.seq_len}"), high=None if input_spec else cfg.vocab),
-            stats=transformer_stats(cfg, name=name))
+        example = replace(InputSpec.parse(input_spec or f"long:{cfg.seq_len}"), high=None if input_spec else cfg.vocab)
+        return RunnableModel(name=name, factory=lambda: GPT(cfg), call=TrainingCall.parse(example, targets),
+                             stats=transformer_stats(cfg, name=name))
     assert model is not None
     factory, example = model_input(model, shape=shape, input_spec=input_spec)
     stats = transformer_stats(replace(GPT_CONFIGS[model], **shape), name=model) if model in GPT_CONFIGS else None
-    return RunnableModel(name=model, factory=factory, example=example, stats=stats)
+    return RunnableModel(name=model, factory=factory, call=TrainingCall.parse(example, targets), stats=stats)
 
 
 def model_input(model: str, *, shape: dict[str, int | bool] | None = None,

@@ -1,0 +1,60 @@
+"""Attention as training runs it, for the planner's traces: the fused kernel, which saves no s x s matrix.
+
+On the meta device ``F.scaled_dot_product_attention`` always takes its unfused path, which saves the attention
+weights for backward: 576 MiB a sample in nanoGPT's 124M model at 1024 tokens (12 layers x 12 heads x 1024² x 4
+bytes), 74% more than the whole model's activations as training on a GPU (or torch's fused CPU kernel) keeps them.
+:class:`FusedAttention` sends those calls to torch's fused CPU kernel, which runs on the meta device and saves only
+the output and the log-sum-exp, as a GPU's flash kernel does. ``FlopCounterMode`` counts no FLOP in that kernel:
+``ATTENTION_FLOPS`` counts them as the unfused path's matrix products (the s x s scores and their weighted sum,
+twice that in backward), as the closed forms do (``transformer.transformer_stats``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import sdpa_flop_count
+
+_FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _forward_flops(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *args: object, **kwargs: object) -> int:
+    return sdpa_flop_count(q, k, v)
+
+
+def _backward_flops(grad: tuple[int, ...], q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *args: object,
+                    **kwargs: object) -> int:
+    return 2 * sdpa_flop_count(q, k, v)
+
+
+ATTENTION_FLOPS: dict[Any, Callable[..., int]] = {_FUSED: _forward_flops,
+                                                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                                                   _backward_flops}
+"""``FlopCounterMode``'s ``custom_mapping`` for the fused CPU kernel (which a real CPU run takes too)."""
+
+
+class FusedAttention(TorchFunctionMode):
+    """Within it, ``F.scaled_dot_product_attention`` on meta tensors without a mask or dropout runs the fused kernel;
+    grouped key/value heads are repeated to the query's (the kernel takes equal heads; the copies are a head's
+    sequence each, not s x s)."""
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            fused = _fused(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+           enable_gqa: bool = False) -> torch.Tensor | None:
+    if q.device.type != "meta" or attn_mask is not None or dropout_p or q.dim() != 4:
+        return None
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return _FUSED(q, k, v, 0.0, is_causal, scale=scale)[0]
