@@ -16,7 +16,8 @@ from paratrain.distributed.tensor_parallel.names import STYLES, spec_of, style
 from paratrain.distributed.tensor_parallel.plans import gpt2_plan, llama_plan, plan_for
 from paratrain.distributed.tensor_parallel.styles import Rowwise, VocabHead
 from paratrain.errors import ConfigError
-from paratrain.planner.model_stats import InputSpec, RunnableModel
+from paratrain.planner.inputs import InputSpec, TrainingCall
+from paratrain.planner.model_stats import RunnableModel
 from zoo import ZOO
 
 sys.path.insert(0, str(ROOT / "tests" / "realcode"))
@@ -29,7 +30,8 @@ def char_level() -> GPT:
 
 
 def printed_plan(build, degree: int = 2, infer: bool = True) -> dict:
-    lines = tp_plan_lines(RunnableModel(name="m", factory=build, example=InputSpec.parse("long:8")), degree, infer)
+    call = TrainingCall(input=InputSpec.parse("long:8"))
+    lines = tp_plan_lines(RunnableModel(name="m", factory=build, call=call), degree, infer)
     code = "\n".join(line for line in lines if not line.startswith("#"))
     return ast.literal_eval(code.split("=", 1)[1].strip())
 

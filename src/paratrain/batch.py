@@ -80,25 +80,29 @@ class ModelCall:
         return next((t for t in tree_leaves((self.x, dict(self.kwargs))) if isinstance(t, torch.Tensor)), None)
 
 
-def loss_of(out: Any) -> torch.Tensor:
-    """The loss a model returned: ``out.loss`` (a transformers ``ModelOutput``), ``out["loss"]``, the one
-    0-dimensional tensor of a tuple (nanoGPT's ``(logits, loss)``, transformers' ``return_dict=False``), or ``out``
-    itself when it is one; else a one-line error saying how to pass the targets or a loss function."""
-    if isinstance(out, torch.Tensor) and out.dim() == 0:
-        return out
-    if isinstance(out, Mapping) and "loss" in out:
-        found = out["loss"]
-    elif hasattr(out, "loss") and not isinstance(out, (tuple, list, torch.Tensor)):
-        found = out.loss
+def find_loss(out: Any) -> torch.Tensor | None:
+    """The loss a model returned, or None: ``out.loss`` (a transformers ``ModelOutput``), ``out["loss"]``, the one
+    0-dimensional floating tensor of a tuple (nanoGPT's ``(logits, loss)``, transformers' ``return_dict=False``), or
+    ``out`` itself when it is one. A tuple holding several is a one-line error: which is the loss is unclear."""
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else None
+    if isinstance(out, Mapping):
+        found = out.get("loss")
     elif isinstance(out, (tuple, list)):
-        scalars = [t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0]
-        found = scalars[0] if len(scalars) == 1 else None
+        scalars = [t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
         if len(scalars) > 1:
             raise ConfigError(f"the model returned a {type(out).__name__} holding {len(scalars)} scalars, so which "
                               "is the loss is unclear; give forward_backward a loss_fn that picks it")
+        found = scalars[0] if scalars else None
     else:
-        found = None
-    if not isinstance(found, torch.Tensor):
+        found = getattr(out, "loss", None)
+    return found if isinstance(found, torch.Tensor) and found.dim() == 0 else None
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """:func:`find_loss`, or a one-line error saying how to pass the targets or a loss function."""
+    found = find_loss(out)
+    if found is None:
         raise ConfigError(f"the model returned {type(out).__name__} without a loss; pass the targets it computes its "
                           "loss from (forward_backward(model, x, y) calls model(x, y); labels=y is handed on as a "
                           "keyword) or give a loss_fn")

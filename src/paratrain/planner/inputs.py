@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..batch import find_loss
 from ..errors import ConfigError
 
 TARGET_NAMES = ("targets", "labels", "target", "label", "y", "tgt")
@@ -159,23 +160,11 @@ def target_parameter(model: nn.Module) -> str | None:
 
 def forward_of(out: object) -> Forward:
     """The loss and the logits in what a forward returned (see ``TrainingCall``)."""
-    loss = _own_loss(out)
+    loss = find_loss(out)
     output = output_tensor(out)
     if loss is None:
         return Forward(loss=output.float().sum(), output=output, own_loss=False)
     return Forward(loss=loss, output=output, own_loss=True)
-
-
-def _own_loss(out: object) -> torch.Tensor | None:
-    candidates = [getattr(out, "loss", None)]
-    if isinstance(out, Mapping):
-        candidates.append(out.get("loss"))
-    if isinstance(out, (tuple, list)):
-        scalars = [v for v in out if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()]
-        candidates.append(scalars[0] if len(scalars) == 1 else None)
-    if isinstance(out, torch.Tensor) and out.dim() == 0:
-        candidates.append(out)
-    return next((c for c in candidates if isinstance(c, torch.Tensor) and c.dim() == 0), None)
 
 
 def output_tensor(out: object) -> torch.Tensor:
