@@ -6,17 +6,21 @@ peer leaves early (``sys.exit(0)``), the rank still waiting is the one that fail
 
 Each ``Parallel`` of a multi-process job keeps a :class:`CallWatch`: its collective calls (``par.mean``,
 ``par.step``, ``par.save`` …) note their name, their count and the user's line that made them; a thread
-publishes that to the job's rendezvous store (torch's own ``TCPStore``, the key ``paratrain/calls/<rank>``) a
-few times a minute, at once when a call starts to wait, and when the process exits. From it:
+publishes that to the job's rendezvous store (torch's own ``TCPStore``, the key
+``paratrain/calls/<attempt>/<watch>/<rank>``) a few times a minute, at once when a call starts to wait, and when
+the process exits. From it:
 
 * a call that has waited longer than ``report_after_s`` (default a fifth of the timeout, at most 60 s) prints,
   once per such period and from the lowest waiting rank only, one line naming the ranks that have not arrived
   and the last paratrain call of each;
 * a call that fails because a peer left or because the timeout passed is re-raised as a one-line
-  :class:`~paratrain.errors.CollectiveError` naming the rank that left first, or the calls that did not match.
+  :class:`~paratrain.errors.CollectiveError` naming the rank that left first, or the calls that did not match;
+* a rare call, and work outside any call that every rank must do together (:mod:`paratrain.rank_alone`), first
+  meets the others (:meth:`CallWatch.meet`): a rank that does it alone fails within a second or two, naming the
+  peer that went on to another call.
 
 Nothing is sent on the collective's own channel; a watched call costs about 4.5 µs (benchmarks/RESULTS.md §8)
-and the store is written only by the thread, at most every 5 s per rank while nothing waits.
+and the store is written only by the thread, at most every 5 s per rank while nothing waits, and by meetings.
 """
 from __future__ import annotations
 
@@ -109,6 +113,9 @@ class CallWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.enabled:
+            # A process may hold several Parallel objects in turn (one per case of a test job): each watch publishes
+            # under its own number, so a peer's state from an earlier object never reads as where it is now.
+            self._prefix += f"/{self._meeting_store().add(f'{self._prefix}/watches/{rank}', 1)}"
             self._thread = threading.Thread(target=self._run, name="paratrain-call-watch", daemon=True)
             self._thread.start()
             atexit.register(self._exit)

@@ -1,0 +1,47 @@
+"""What each rank draws after ``prepare``, for tests/test_replicas.py: ``paratrain run -n N replica_draws.py OUT``.
+
+Each case prepares a small model under a strategy with no ``seed=`` (torch's one default seed on every rank) and
+records the first ``torch.randint`` draw after ``prepare``, the ``accumulate`` a global batch gave, and then feeds
+the model either the same first batch on every rank or a batch of its own; rank 0's stderr shows what was warned.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import paratrain
+
+CASES = [("ddp", {}, "same"), ("ddp", {}, "own"), ("tp", {}, "same"), ("auto", {}, "own")]
+
+
+def case(strategy: str, options: dict, batch: str) -> dict:
+    par = paratrain.Parallel(strategy, global_batch=16, micro_batch=4, monitor=False, **options)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    drawn = torch.randint(0, 1 << 30, (4,)).tolist()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0 if batch == "same" else par.data_parallel_rank))
+    print(f"case {strategy} {batch}", file=sys.stderr, flush=True)
+    with par.step(model, opt):
+        par.forward_backward(model, x, torch.zeros(4, dtype=torch.long), torch.nn.functional.cross_entropy)
+    out = {"drawn": par.mean(torch.tensor(drawn, dtype=torch.float64)).tolist(), "mine": drawn,
+           "replica": par.data_parallel_rank, "accumulate": par.accumulate}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out)
+    par.close()
+    return {"ranks": everyone}
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    results = {f"{s} {b}": case(s, o, b) for s, o, b in CASES}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,57 @@
+"""The ranks as replicas after ``prepare`` (:mod:`paratrain.replicas`): each data-parallel replica draws from a
+random stream of its own with or without ``seed=`` (the ranks of a tensor-parallel group share theirs), identical
+first batches on two replicas are a warning, and a global batch gives its accumulation once ``auto`` has chosen.
+
+One ``paratrain run -n 2`` job runs every case (tests/scripts/replica_draws.py). Rank 0's initial weights on every
+rank and the one-line errors of work one rank does alone are in tests/test_real_code.py.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SCRIPTS
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("draws") / "out.json"
+    done = subprocess.run([sys.executable, "-m", "paratrain", "run", "-n", "2", str(SCRIPTS / "replica_draws.py"),
+                           str(out)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text()), done.stderr
+
+
+def _warned(stderr: str, case: str) -> bool:
+    """Whether rank 0 warned about identical first batches while ``case`` ran."""
+    part = stderr.split(f"case {case}")[1].split("case ")[0]
+    return "fed the model identical first batches" in part
+
+
+@pytest.mark.parametrize("case", ["ddp same", "ddp own", "auto own"])
+def test_data_parallel_replicas_draw_apart_without_a_seed(job, case):
+    ranks = job[0][case]["ranks"]
+    assert ranks[0]["replica"] != ranks[1]["replica"]
+    assert ranks[0]["mine"] != ranks[1]["mine"]
+
+
+def test_the_ranks_of_one_tp_group_draw_alike(job):
+    ranks = job[0]["tp same"]["ranks"]
+    assert ranks[0]["replica"] == ranks[1]["replica"] == 0
+    assert ranks[0]["mine"] == ranks[1]["mine"]
+
+
+def test_identical_first_batches_on_two_replicas_warn_once(job):
+    results, stderr = job
+    assert _warned(stderr, "ddp same")
+    assert not _warned(stderr, "ddp own")
+    assert not _warned(stderr, "tp same")  # one replica: its two ranks read one batch by design
+    assert stderr.count("fed the model identical first batches") == 1
+
+
+@pytest.mark.parametrize("case, accumulate", [("ddp own", 2), ("tp same", 4), ("auto own", 2)])
+def test_the_global_batch_gives_the_accumulation_of_the_layout(job, case, accumulate):
+    assert all(r["accumulate"] == accumulate for r in job[0][case]["ranks"])
