@@ -1,25 +1,36 @@
-# `make demo` and `make test` work from a bare clone: they create .venv and install what they need.
+# `make demo` and `make test` work from a bare clone: they create .venv and install what each needs, the demo
+# its own extra (scikit-learn, for the digits) and the tests every development tool and TensorFlow.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.paratrain-installed
+DEMO_STAMP := $(VENV)/.paratrain-demo
+TEST_STAMP := $(VENV)/.paratrain-test
+TEST_EXTRAS := dev,tf
 
 .PHONY: demo test bench install clean
 
-$(STAMP): pyproject.toml constraints-dev.txt
+# $(call install,EXTRAS): the venv (made once) with paratrain editable and EXTRAS, at constraints-dev.txt's pins
+define install
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints-dev.txt -e '.[dev,tf]'
-	touch $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints-dev.txt -e '.[$(1)]'
+	touch $@
+endef
 
-install: $(STAMP)
+$(DEMO_STAMP): pyproject.toml constraints-dev.txt
+	$(call install,demo)
 
-demo: $(STAMP)
+$(TEST_STAMP): pyproject.toml constraints-dev.txt
+	$(call install,$(TEST_EXTRAS))
+
+install: $(TEST_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/paratrain demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) benchmarks/ddp_overhead.py
 
 clean:

@@ -539,3 +539,54 @@ def test_cli_bad_options_are_one_line_errors(paratrain_cmd, args, words):
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines() == [f"paratrain: error: {res.stderr.split('error: ', 1)[1].strip()}"]
     assert words in res.stderr
+
+
+NANOGPT_SETUP = """import os
+import torch
+from torch.distributed import init_process_group
+backend = 'nccl'  # 'nccl', 'gloo', etc.
+device = 'cuda'
+ddp = int(os.environ.get('RANK', -1)) != -1
+if ddp:
+    init_process_group(backend=backend)
+    device = f'cuda:{int(os.environ["LOCAL_RANK"])}'
+    torch.cuda.set_device(device)
+device_type = 'cuda' if 'cuda' in device else 'cpu'
+model = torch.nn.Linear(2, 2).cuda()
+x = torch.zeros(2, device='cuda')
+if torch.cuda.is_available():
+    model.to('cuda:0')
+picked = 'cuda' if torch.cuda.is_available() else 'cpu'
+model.to(picked)
+"""
+
+
+def test_hard_coded_cuda_is_found_by_line_outside_code_that_picks_the_device():
+    from paratrain.doctor.scripts import cuda_uses
+
+    found = cuda_uses(NANOGPT_SETUP)  # line 8 passes the backend of line 4; 11 and 14-17 pick the device
+    assert [line for line, _ in found] == [4, 5, 9, 10, 12, 13]
+    assert [what for _, what in found if "LOCAL_RANK" not in what] == [
+        "backend = 'nccl'", "device = 'cuda'", "torch.cuda.set_device()", ".cuda()", "device 'cuda'"]
+    assert cuda_uses("import torch.distributed as dist\ndist.init_process_group('nccl')\n") == [
+        (2, "init_process_group(backend='nccl')")]
+    assert cuda_uses("import torch\nw = torch.load('w.pt', map_location=torch.device('cuda:1'))\n") == [
+        (2, "device 'cuda:1'")]
+
+
+@pytest.mark.parametrize("torch_facts, status", [(CPU_TORCH, WARN), (cuda_torch(0, cuda_available=False), WARN),
+                                                 (cuda_torch(1), OK)])
+def test_doctor_warns_about_a_script_hard_coding_cuda_only_on_a_host_without_it(tmp_path, torch_facts, status):
+    script = tmp_path / "train.py"
+    script.write_text(NANOGPT_SETUP)
+    report = run_doctor(DoctorOptions(skip_bandwidth=True, tensorflow=False, scripts=(str(script),)),
+                        runner=Replay("single_gpu"), torch_facts=torch_facts, host=host())
+    check = next(c for c in report.checks if c.name == "cuda in train.py")
+    assert check.status is status and "line 5 device = 'cuda'" in check.evidence, check
+    assert "line 10 torch.cuda.set_device()" in check.evidence
+    if status is WARN:
+        assert "this host lacks" in check.evidence and "torch.cuda.is_available()" in check.fix
+    script.write_text("import torch\ndevice = 'cuda' if torch.cuda.is_available() else 'cpu'\n")
+    report = run_doctor(DoctorOptions(skip_bandwidth=True, tensorflow=False, scripts=(str(script),)),
+                        runner=Replay("single_gpu"), torch_facts=torch_facts, host=host())
+    assert next(c for c in report.checks if c.name == "cuda in train.py").status is OK

@@ -32,12 +32,17 @@ NOISY = {"adamw": ("ddp", "zero3"), "adadelta": ("ddp",), "scheduled": ("ddp",)}
 def world2_reports() -> dict[tuple[str, str], object]:
     cases = [Case(factory="verify_cases:good", strategy=s) for s in WORLD2_STRATEGIES]
     cases += [Case(factory="verify_cases:good_accumulating", strategy="zero2"),
+              Case(factory="verify_cases:global_batch", strategy="ddp"),
               Case(factory="verify_cases:rank_seeded", strategy="ddp"),
               Case(factory="verify_cases:rank_seeded", strategy="zero3")]
     cases += [Case(factory=f"verify_cases:{name}", strategy=strategy) for name, (strategy, _, _) in BUGS.items()]
     cases += [Case(factory="verify_cases:gpt2", strategy=s, steps=4) for s in ("ddp", "zero3", "tp")]
     cases += [Case(factory="verify_cases:split_tie", strategy="ddp", steps=4)]
     cases += [Case(factory=f"verify_cases:{name}", strategy=s) for name, names in NOISY.items() for s in names]
+    cases += [Case(factory="verify_cases:nanogpt", strategy=s, steps=4) for s in ("ddp", "zero3", "tp")]
+    cases += [Case(factory="verify_cases:nanogpt_mlp_plan", strategy="zero3", options={"tp": 2}, steps=4)]
+    cases += [Case(factory="verify_cases:gpt2_labels", strategy=s, steps=4) for s in ("ddp", "tp")]
+    cases += [Case(factory="verify_cases:clipped_in_parallel_only", strategy="ddp", steps=2)]
     reports = verify_cases(cases, 2, timeout_s=150, accelerator="cpu")
     return {(c.factory.split(":")[1], c.strategy): r for c, r in zip(cases, reports)}
 
@@ -55,6 +60,11 @@ def test_a_correct_setup_passes_under_every_strategy(world2_reports, strategy):
 def test_accumulation_done_right_passes(world2_reports):
     report = world2_reports[("good_accumulating", "zero2")]
     assert report.passed and report.accumulate == 2, format_report(report)
+
+
+def test_a_global_batch_in_the_options_accumulates_what_the_layout_leaves(world2_reports):
+    report = world2_reports[("global_batch", "ddp")]  # 32 samples = 8 a micro-batch x 2 replicas x 2 micro-steps
+    assert report.passed and report.accumulate == 2 and report.options == {"global_batch": "32"}, format_report(report)
 
 
 @pytest.mark.parametrize("factory", BUGS)
@@ -134,6 +144,46 @@ def test_ranks_seeded_apart_start_from_rank0s_weights_under_every_strategy(world
     assert any("every rank started from rank 0's weights" in n for n in report.notes)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "tp"])
+def test_nanogpt_with_its_own_loss_optimizer_and_options_passes(world2_reports, strategy):
+    """model(x, y) -> (logits, loss), configure_optimizers' groups, clip_grad_norm and seed in the spec's options."""
+    report = world2_reports[("nanogpt", strategy)]
+    text = format_report(report)
+    assert report.passed and report.steps == 4, text
+    assert report.options == {"clip_grad_norm": "0.05", "seed": "1337"}
+    assert f"strategy {strategy}, clip_grad_norm=0.05, seed=1337, 2 processes" in text
+
+
+def test_the_clip_acts_so_the_reference_must_clip_too():
+    """nanogpt()'s gradient norm is far above its clip: had the reference not clipped, the PASS above would fail."""
+    import verify_cases
+
+    spec = verify_cases.nanogpt()
+    x, y = next(iter(spec.loader))
+    spec.model(x, y)[1].backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in spec.model.parameters()])
+    assert norm > 10 * verify_cases.NANOGPT_CLIP
+
+
+def test_an_option_in_one_run_only_fails_at_the_first_step(world2_reports):
+    report = world2_reports[("clipped_in_parallel_only", "ddp")]
+    d = report.divergence
+    assert not report.passed and (d.step, d.what) == (0, "gradient norm"), format_report(report)
+    assert d.parallel == pytest.approx(0.05, rel=1e-4) and d.reference > 0.1
+
+
+def test_the_specs_strategy_options_combine_with_the_commands(world2_reports):
+    report = world2_reports[("nanogpt_mlp_plan", "zero3")]
+    assert report.passed, format_report(report)
+    assert report.options["tp"] == "2" and "mlp.c_fc" in report.options["tp_plan"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "tp"])
+def test_a_transformers_model_computing_its_loss_from_labels_passes(world2_reports, strategy):
+    report = world2_reports[("gpt2_labels", strategy)]
+    assert report.passed, format_report(report)
+
+
 def _record(*weights: float, bias: float = 0.5) -> Record:
     """One step per weight, a loss of 1 and a gradient norm of 1 each."""
     return Record(losses=[[1.0]] * len(weights), grad_norms=[1.0] * len(weights),
@@ -187,8 +237,67 @@ def test_cli_exits_1_on_a_failure_and_prints_json(world2_reports, monkeypatch, c
     (["verify_cases:good", "--steps", "0"], "steps must be >= 1"),
     (["verify_cases:not_a_spec"], "returned dict; return a paratrain.verify.VerifySpec"),
     (["no_such_module:build"], "cannot import 'no_such_module'"),
+    (["verify_cases:no_loss"], "Sequential.forward takes no second argument for them; give a loss function"),
+    (["verify_cases:tp_in_options", "--strategy", "zero3", "--tp", "4"],
+     "--tp 4 and VerifySpec.options tp=2 disagree"),
+    (["verify_cases:tp_in_options", "--strategy", "zero1"], "the strategy got tp from VerifySpec.options"),
 ])
 def test_bad_input_is_one_line_before_anything_starts(capsys, args, words):
     assert main(["verify", *args]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def _spec_kwargs(**kwargs: object) -> dict:
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    return {"model": torch.nn.Linear(4, 2), "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
+            "loss": F.cross_entropy, "loader": DataLoader(data, batch_size=2), **kwargs}
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"options": {"accumulate": 2}}, "cannot set 'accumulate': use VerifySpec.accumulate"),
+    ({"options": {"checkpoint_dir": "ck"}}, "leave checkpoints to the script"),
+    ({"options": {"global_batch": 8}, "accumulate": 2}, "give one of them"),
+    ({"options": {"global_batch": 8, "micro_batch": 4}}, "micro_batch=4 but the loader's batch size is 2"),
+    ({"options": {"micro_batch": 2}}, "micro_batch without global_batch"),
+    ({"options": ["seed"]}, "must be a dict of Parallel keywords"),
+    ({"optimizer_from_model": lambda m: torch.optim.SGD(m.parameters(), lr=0.1)}, "takes one of optimizer"),
+    ({"optimizer": None}, "takes one of optimizer"),
+    ({"target_keyword": "labels"}, "for a model that computes its own loss (loss=None)"),
+    ({"loss": None, "target_keyword": "labels"}, "Linear.forward takes no keyword 'labels'"),
+])
+def test_a_bad_spec_is_one_line(kwargs, words):
+    from paratrain.errors import ConfigError
+    from paratrain.verify import VerifySpec
+
+    with pytest.raises(ConfigError) as err:
+        VerifySpec(**_spec_kwargs(**kwargs))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_specs_options_are_sorted_by_the_run_they_reach():
+    from paratrain.verify import VerifySpec
+
+    spec = VerifySpec(**_spec_kwargs(options={"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed",
+                                              "global_batch": 8, "tp_plan": {"x": "colwise"}}))
+    run = spec.run_options
+    assert run.parallel(1, 2) == {"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed", "global_batch": 8,
+                                  "micro_batch": 2}
+    assert dict(run.shared) == {"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed"}  # the reference's
+    assert dict(run.strategy) == {"tp_plan": {"x": "colwise"}}  # the parallel run's alone
+    assert VerifySpec(**_spec_kwargs(accumulate=2)).run_options.parallel(2, 2) == {"accumulate": 2}
+
+
+def test_an_optimizer_factory_gets_the_model_and_must_return_an_optimizer():
+    from paratrain.errors import ConfigError
+    from paratrain.verify import VerifySpec
+
+    seen = []
+    spec = VerifySpec(**_spec_kwargs(optimizer=None, optimizer_from_model=lambda m: seen.append(m) or
+                                     torch.optim.SGD(m.parameters(), lr=0.1)))
+    assert isinstance(spec.build_optimizer(), torch.optim.SGD) and seen == [spec.model]
+    with pytest.raises(ConfigError, match="returned list; return a torch.optim.Optimizer"):
+        VerifySpec(**_spec_kwargs(optimizer=lambda p: list(p))).build_optimizer()

@@ -26,8 +26,9 @@ def _model() -> nn.Sequential:
 
 
 def _spec(model: nn.Module, **kwargs: object) -> VerifySpec:
+    kwargs = {"loss": F.cross_entropy, **kwargs}
     return VerifySpec(model=model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                      loss=F.cross_entropy, loader=DataLoader(_data(), batch_size=8, shuffle=True), **kwargs)
+                      loader=DataLoader(_data(), batch_size=8, shuffle=True), **kwargs)
 
 
 def good() -> VerifySpec:
@@ -38,6 +39,12 @@ def good() -> VerifySpec:
 def good_accumulating() -> VerifySpec:
     torch.manual_seed(0)
     return _spec(_model(), accumulate=2)
+
+
+def global_batch() -> VerifySpec:
+    """The global batch stated once (Parallel(global_batch=32)): 8 samples x 2 replicas x 2 micro-steps."""
+    torch.manual_seed(0)
+    return _spec(_model(), options={"global_batch": 32})
 
 
 def _mnist_like(optimizer: object, n: int = 128, norm: bool = False, **kwargs: object) -> VerifySpec:
@@ -159,6 +166,65 @@ def split_tie() -> VerifySpec:
             head.weight = nn.Parameter(head.weight.detach().clone())
         paratrain_loop(par, model, optimizer, loader, loss)
     return _gpt2_spec(train=train)
+
+
+NANOGPT_CLIP = 0.05
+"""Below the gradient norm of nanogpt()'s first steps: the clip changes every update, so a run without it differs."""
+
+
+NANOGPT_MLP_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
+def _nanogpt(**options: object) -> VerifySpec:
+    """nanoGPT's model as its train.py trains it: the loss computed inside ``forward(idx, targets)``, AdamW over
+    ``configure_optimizers``' decay and no-decay groups, the gradient norm clipped and the seed given to Parallel."""
+    from realcode.nanogpt_model import GPT, GPTConfig
+
+    torch.manual_seed(1337)
+    model = GPT(GPTConfig(block_size=16, vocab_size=48, n_layer=2, n_head=2, n_embd=32))
+    ids = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(1))
+    return VerifySpec(model=model, loss=None,
+                      optimizer_from_model=lambda m: m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu"),
+                      loader=DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=4, shuffle=True),
+                      options={"clip_grad_norm": NANOGPT_CLIP, "seed": 1337, **options})
+
+
+def nanogpt() -> VerifySpec:
+    return _nanogpt()
+
+
+def nanogpt_mlp_plan() -> VerifySpec:
+    """nanoGPT with a tensor-parallel plan of its own (a strategy option: the parallel run alone gets it)."""
+    return _nanogpt(tp_plan=NANOGPT_MLP_PLAN)
+
+
+def gpt2_labels() -> VerifySpec:
+    """transformers' GPT-2 computing its own loss from ``labels=`` (the token ids; it shifts them itself)."""
+    from zoo import SEQ, VOCAB, ZOO
+
+    ids = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(1))
+    return VerifySpec(model=ZOO["gpt2"].build(), loss=None, target_keyword="labels",
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                      loader=DataLoader(TensorDataset(ids, ids), batch_size=4, shuffle=True))
+
+
+def clipped_in_parallel_only() -> VerifySpec:
+    """An option that reaches one run only: the gradient norm is clipped in the launched processes (RANK is set
+    there), not in the reference — what verify would compare if it dropped the spec's options there."""
+    torch.manual_seed(0)
+    return _spec(_model(), options={"clip_grad_norm": 0.05} if "RANK" in os.environ else {})
+
+
+def tp_in_options() -> VerifySpec:
+    """A tensor-parallel degree in the spec, which a command's --tp may contradict."""
+    torch.manual_seed(0)
+    return _spec(_model(), options={"tp": 2})
+
+
+def no_loss() -> VerifySpec:
+    """loss=None for a model whose forward takes no targets: it cannot compute a loss of its own."""
+    torch.manual_seed(0)
+    return _spec(_model(), loss=None)
 
 
 def not_a_spec() -> dict:

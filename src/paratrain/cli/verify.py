@@ -5,8 +5,10 @@ Examples:
   paratrain verify train_module:build --strategy ddp,zero3,pipeline -n 2
   paratrain verify train_module:build --strategy hsdp -n 4 --steps 20
 
-``build()`` returns a paratrain.verify.VerifySpec: the model as your script builds it, an optimizer factory,
-the loss, the training DataLoader (per-rank batch size) and optionally your own loop. Each strategy trains K
+``build()`` returns a paratrain.verify.VerifySpec: the model as your script builds it, an optimizer factory
+(over its parameters, or from the model), the loss (None when the model computes it), the training DataLoader
+(per-rank batch size), the options your script gives Parallel (clip_grad_norm, seed, tp_plan...) and optionally
+your own loop. Each strategy trains K
 steps on N processes (two epochs by default); the same setup then trains K steps here on the global batch,
 from rank 0's initial weights, through the same loop, twice: the second time with its sums in another order,
 which measures the noise floor. Losses, gradient norms and parameters are compared at every step, each
@@ -33,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="strategy, or several comma-separated (default: ddp)")
     p.add_argument("-n", "--nproc", type=int, default=2, help="processes (default: 2)")
     p.add_argument("--tp", type=int,
-                   help="tensor-parallel degree inside ddp, zero2 and zero3 (the model's built-in plan)")
+                   help="tensor-parallel degree inside ddp, zero2 and zero3 (the spec's tp_plan, else the model's "
+                        "built-in plan); a spec whose options give another tp is a one-line error")
     p.add_argument("--steps", type=int, help="optimizer steps to compare (default: two epochs, at most 50)")
     p.add_argument("--tolerance", type=float,
                    help="judge with this fixed tolerance, relative to values above 1, instead of the noise floor "

@@ -17,7 +17,7 @@ from .checks import (GB, MIB, Check, Status, check_backends, check_env, check_ho
                      check_master, check_open_files, check_shared_memory, check_torch)
 from .gpu_checks import check_gpu_models, check_interconnect, check_pcie, check_visible_gpus, resolve_visible
 from .nvidia import CommandRunner, Gpu, NvidiaFacts, probe, run_command
-from .scripts import check_script
+from .scripts import check_cuda, check_script
 from .system import HostFacts, TorchFacts, gather_host, gather_torch, parse_master_addr, probe_master
 
 __all__ = ["Check", "DoctorOptions", "DoctorReport", "Status", "run_doctor"]
@@ -45,8 +45,8 @@ class DoctorOptions:
     tensorflow: bool = True
     """The TensorFlow section when TensorFlow is installed (:mod:`paratrain.tf.doctor`; imports it in a child)."""
     scripts: tuple[str, ...] = ()
-    """Training scripts to read for imports that will hurt (:mod:`.scripts`; torch and TensorFlow together:
-    :mod:`paratrain.tf.doctor`)."""
+    """Training scripts to read for imports that will hurt and CUDA hard-coded on a host without it
+    (:mod:`.scripts`; torch and TensorFlow together: :mod:`paratrain.tf.doctor`)."""
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_bytes <= 1 << 30:
@@ -109,7 +109,8 @@ def run_doctor(options: DoctorOptions | None = None, *, runner: CommandRunner = 
     checks += [check_host_memory(host, len(gpus), processes), check_shared_memory(host, processes),
                check_open_files(host), check_backends(torch_facts, len(gpus)), check_env(host.env, host.interfaces),
                check_loopback(host.loopback)]
-    checks += [check_script(path) for path in options.scripts]
+    cuda = torch_facts.cuda_available and torch_facts.device_count > 0
+    checks += [c for path in options.scripts for c in (check_script(path), check_cuda(path, cuda))]
     if options.master_addr is not None:
         master_host, port = parse_master_addr(options.master_addr)
         checks.append(check_master(probe_master(master_host, port, options.connect_timeout_s)))

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..launch.spawn import launch
 from ..strategies import check_every_rank_trains, check_world
-from .distributed import Case, RankEvidence, run_cases
+from .distributed import Case, RankEvidence, case_options, run_cases
 from .record import Record
 from .reference import reference_run
 from .report import VerifyReport, build_report, format_report
@@ -26,7 +26,8 @@ __all__ = ["Case", "VerifyReport", "VerifySpec", "format_report", "paratrain_loo
 def verify(factory: str, strategies: str | Sequence[str] = "ddp", nprocs: int = 2, *, steps: int | None = None,
            options: dict[str, Any] | None = None, tolerance: float | None = None, timeout_s: float = 300.0,
            accelerator: str = "auto") -> list[VerifyReport]:
-    """Check ``factory``'s setup under each of ``strategies`` on ``nprocs`` processes (one job for all)."""
+    """Check ``factory``'s setup under each of ``strategies`` on ``nprocs`` processes (one job for all).
+    ``options``: strategy options besides the spec's own ``options`` (as the command's ``--tp`` gives)."""
     names = [strategies] if isinstance(strategies, str) else list(strategies)
     cases = [Case(factory=factory, strategy=name, options=dict(options or {}), steps=steps) for name in names]
     return verify_cases(cases, nprocs, tolerance=tolerance, timeout_s=timeout_s, accelerator=accelerator)
@@ -55,12 +56,7 @@ def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float | None 
         raise ConfigError(f"tolerance must be > 0, got {tolerance}")
     if nprocs < 2:
         raise ConfigError(f"verify compares a parallel run with one process: use 2 or more processes, got {nprocs}")
-    for case in cases:
-        check_world(case.strategy, nprocs, **case.options)
-        check_every_rank_trains(case.strategy, **case.options)
-        if case.steps is not None and case.steps < 1:
-            raise ConfigError(f"steps must be >= 1, got {case.steps}")
-    build_spec(cases[0].factory)  # a factory that cannot be imported or built fails here, in one line
+    _check_cases(cases, nprocs)
     ranks = launch(run_cases, nprocs, args=(list(cases), timeout_s, accelerator), timeout_s=timeout_s)
     references: dict[tuple, Record] = {}
     reports = []
@@ -70,6 +66,28 @@ def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float | None 
         twin = _reference(evidence[0], references, "shards") if tolerance is None else None
         reports.append(build_report(evidence, ref, twin, world=nprocs, tolerance=tolerance))
     return reports
+
+
+def _check_cases(cases: Sequence[Case], nprocs: int) -> None:
+    """One line, before anything starts, for a factory that cannot be imported or built, a strategy that cannot
+    run with its options (the spec's and the command's together) on ``nprocs`` processes, or a bad step count."""
+    from ..errors import ConfigError
+
+    specs = {factory: build_spec(factory) for factory in dict.fromkeys(c.factory for c in cases)}
+    for case in cases:
+        spec = specs[case.factory]
+        options = case_options(case, spec)
+        try:
+            check_world(case.strategy, nprocs, **options)
+            check_every_rank_trains(case.strategy, **options)
+        except ConfigError as err:
+            if not spec.run_options.strategy:
+                raise
+            given = ", ".join(sorted(spec.run_options.strategy))
+            raise ConfigError(f"{err} (the strategy got {given} from VerifySpec.options: keywords that are not "
+                              "Parallel's own go to the strategy)") from None
+        if case.steps is not None and case.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {case.steps}")
 
 
 def _reference(main: RankEvidence, cache: dict[tuple, Record], order: str) -> Record | None:

@@ -21,8 +21,9 @@ from ..digest import state_digest
 from ..errors import ConfigError
 from ..distributed.process_group import finish_group
 from ..parallel import Parallel
+from .options import merged_strategy_options
 from .record import Record, Recorder, recording_loader, run_loop
-from .spec import build_spec
+from .spec import VerifySpec, build_spec
 
 MAX_DEFAULT_STEPS = 50
 
@@ -35,7 +36,7 @@ class Case:
     """``module:function`` returning a ``VerifySpec``."""
     strategy: str
     options: dict[str, Any] = field(default_factory=dict)
-    """Strategy options, passed to ``Parallel``."""
+    """Strategy options from the command (``--tp``), passed to ``Parallel`` with the spec's own."""
     steps: int | None = None
     """Optimizer steps to compare; None: two epochs' worth, at most 50."""
 
@@ -84,6 +85,8 @@ class RankEvidence:
     accumulate: int = 1
     steps: int = 0
     """Steps asked for (the record holds how many ran)."""
+    options: dict[str, str] = field(default_factory=dict)
+    """The options the parallel run got besides the strategy (``repr`` of each value), for the report."""
 
 
 def run_cases(cases: list[Case], timeout_s: float, accelerator: str = "auto") -> list[RankEvidence]:
@@ -110,19 +113,26 @@ def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
     rank = dist.get_rank()
     if rank == 0:
         ev.init_state = {k: v.detach().cpu().clone() for k, v in spec.model.state_dict().items()}
-    recorder = Recorder(spec.model)
-    par = Parallel(case.strategy, accumulate=spec.accumulate, accelerator=accelerator, monitor=False,
-                   **case.options)  # verify compares the arithmetic; the monitor's table would only add noise
+    recorder = Recorder(spec.model, own_loss=spec.loss is None)
+    strategy_options = case_options(case, spec)
+    ev.options = spec.run_options.described(strategy_options)
+    par = Parallel(case.strategy, accelerator=accelerator, monitor=False,  # the monitor's table would only add noise
+                   **spec.run_options.parallel(spec.accumulate, spec.loader.batch_size), **strategy_options)
     loader, recording = recording_loader(spec.loader)
-    model, optimizer = par.prepare(spec.model, spec.optimizer(spec.model.parameters()))
-    ev.replica, ev.accumulate = par.data_parallel_rank, spec.accumulate
+    model, optimizer = par.prepare(spec.model, spec.build_optimizer())
+    ev.replica, ev.accumulate = par.data_parallel_rank, par.accumulate  # a global batch is resolved by prepare
     ev.data = _data_setup(spec.loader, par)
-    ev.steps = case.steps or _default_steps(ev.data, spec.accumulate)
+    ev.steps = case.steps or _default_steps(ev.data, ev.accumulate)
     run_loop(spec, par, model, optimizer, loader, recorder, ev.steps, keep_states=rank == 0)
     ev.data = _data_setup(spec.loader, par)  # again: the loop may have seeded the data order
     ev.record, ev.fetched = recorder.record, recording.fetched
     ev.final_digest = state_digest(par.full_state_dict(model, rank0_only=False))
     par.close()
+
+
+def case_options(case: Case, spec: VerifySpec) -> dict[str, Any]:
+    """The strategy options of ``case``: the spec's with the command's."""
+    return merged_strategy_options(spec.run_options.strategy, case.options)
 
 
 def _data_setup(loader: Any, par: Parallel) -> DataSetup:

@@ -1,9 +1,10 @@
 """Evidence a verify run gathers as it trains, the same way in the parallel run and in the reference.
 
-Per optimizer step: the loss of every micro-batch, the global gradient norm before the step, the full state
-after it. Once: the channel means each non-synchronised BatchNorm saw at its first call. And which samples
-the loader handed out, through a dataset wrapper that notes every index fetched. Both runs train through the
-user's loop with a ``Parallel``; :func:`run_loop` hooks the optimizer and stops the loop after K steps.
+Per optimizer step: the loss of every micro-batch (read from the loss function, or from what the model returns
+when it computes its own), the global gradient norm before the step, the full state after it. Once: the channel
+means each non-synchronised BatchNorm saw at its first call. And which samples the loader handed out, through a
+dataset wrapper that notes every index fetched. Both runs train through the user's loop with a ``Parallel``;
+:func:`run_loop` hooks the optimizer and stops the loop after K steps.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..batch import find_loss
 from ..distributed.grad_norm import global_grad_norm
-from ..distributed.pipeline_metadata import LOSS_FRAMES, inside
+from ..distributed.pipeline_metadata import FORWARD_FRAMES, LOSS_FRAMES, inside
+from ..distributed.tensor_parallel.outputs import plain
 from ..parallel import Parallel
 from .spec import Loss, VerifySpec
 
@@ -39,11 +42,14 @@ class Record:
 
 
 class Recorder:
-    """Fills a :class:`Record` from hooks on the user's model and a wrapper around the loss."""
+    """Fills a :class:`Record` from hooks on the user's model and a wrapper around the loss (``own_loss``: a hook
+    reading the loss the model returns)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, own_loss: bool = False) -> None:
         self.record = Record()
         self._pending: list[float] = []
+        if own_loss:
+            model.register_forward_hook(self._own_loss_hook)
         for name, module in model.named_modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, nn.SyncBatchNorm):
                 module.register_forward_pre_hook(self._batchnorm_hook(name))
@@ -55,8 +61,21 @@ class Recorder:
                 self.record.batchnorm_means[name] = x.transpose(0, 1).reshape(x.shape[1], -1).mean(1).cpu()
         return hook
 
-    def wrap_loss(self, loss: Loss) -> Loss:
-        """``loss`` that also notes its value (for the step the optimizer is in)."""
+    def _own_loss_hook(self, module: nn.Module, args: tuple, out: object) -> None:
+        """Note the loss the model returned in training (a pipeline's stages run copies of the model that share
+        this hook: the last one returns the loss, the others hidden states; its shape pass is left out)."""
+        if not module.training or not torch.is_grad_enabled() or inside(FORWARD_FRAMES, depth=24):
+            return
+        loss = find_loss(out)
+        if loss is not None:
+            self._pending.append(float(plain(loss).detach()))
+
+    def wrap_loss(self, loss: Loss | None) -> Loss | None:
+        """``loss`` that also notes its value (for the step the optimizer is in); None stays None (the model's own
+        loss is noted by a hook)."""
+        if loss is None:
+            return None
+
         def recorded(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             value = loss(outputs, targets)
             if not inside(LOSS_FRAMES):  # pipelining's shape pass calls the loss on placeholders

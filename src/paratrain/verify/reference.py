@@ -1,7 +1,8 @@
 """The single-process half of verify: the same setup, trained on the global batch, in this process.
 
 It runs the user's own loop (``VerifySpec.train``, else :func:`~paratrain.verify.spec.paratrain_loop`) with
-``Parallel("single")``, from rank 0's initial weights, so whatever the loop does besides the step (a scheduler,
+``Parallel("single")`` and the spec's own ``Parallel`` keywords (its clipping, seed, precision; strategy options
+mean nothing in one process), from rank 0's initial weights, so whatever the loop does besides the step (a scheduler,
 clipping, its epochs) happens in both runs. Its loader yields, at every optimizer step, exactly the samples that
 all data-parallel ranks together should read for that step (a distributed sampler's split of each epoch's order,
 every pass of the loader the next epoch), as one batch: the math the parallel run must equal, whatever the loop
@@ -75,18 +76,20 @@ def whole_windows(data: DataSetup, accumulate: int) -> bool:
 
 def reference_run(factory: str, init_state: dict[str, torch.Tensor], data: DataSetup, accumulate: int, steps: int,
                   order: str = "global") -> Record:
-    """``steps`` optimizer steps of the factory's setup in one process on the global batches of ``data``."""
+    """``steps`` optimizer steps of the factory's setup in one process on the global batches of ``data``;
+    ``accumulate``: the parallel run's micro-batches per step (from the spec's ``accumulate`` or global batch)."""
     spec = build_spec(factory)
     model = spec.model.cpu()
     model.load_state_dict(init_state)
-    recorder = Recorder(model)
+    recorder = Recorder(model, own_loss=spec.loss is None)
     group = accumulate if whole_windows(data, accumulate) else 1
     batches = GlobalBatches(data, group, order)
     if len(batches) == 0:
         return recorder.record
     loader = DataLoader(spec.loader.dataset, batch_sampler=batches, collate_fn=spec.loader.collate_fn)
-    par = Parallel("single", accumulate=accumulate // group, accelerator="cpu", monitor=False, env=ClusterEnv())
-    model, optimizer = par.prepare(model, spec.optimizer(model.parameters()))
+    par = Parallel("single", accumulate=accumulate // group, accelerator="cpu", monitor=False, env=ClusterEnv(),
+                   **spec.run_options.shared)
+    model, optimizer = par.prepare(model, spec.build_optimizer())
     run_loop(spec, par, model, optimizer, loader, recorder, steps, keep_states=True)
     par.close()
     return recorder.record

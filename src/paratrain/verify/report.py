@@ -36,6 +36,8 @@ class VerifyReport:
     strategy: str
     world: int
     accumulate: int = 1
+    options: dict[str, str] = field(default_factory=dict)
+    """The ``Parallel`` options the parallel run got besides the strategy and accumulation (``repr`` of each)."""
     steps: int = 0
     """Optimizer steps compared."""
     epochs: float = 0.0
@@ -69,7 +71,7 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, twin: Record | N
     noise floor; None with a fixed ``tolerance``)."""
     main = ranks[0]
     report = VerifyReport(factory=main.case.factory, strategy=main.case.strategy, world=world,
-                          accumulate=main.accumulate, tolerance=tolerance)
+                          accumulate=main.accumulate, options=main.options, tolerance=tolerance)
     if main.error is not None or ref is None or main.data is None or (twin is None and tolerance is None):
         report.error = main.error or "the parallel run recorded nothing"
         return report
@@ -116,7 +118,8 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, twin: Record | N
 
 
 def format_report(report: VerifyReport) -> str:
-    head = (f"paratrain verify {report.factory}: strategy {report.strategy}, {report.world} processes, "
+    options = "".join(f", {k}={v}" for k, v in report.options.items())
+    head = (f"paratrain verify {report.factory}: strategy {report.strategy}{options}, {report.world} processes, "
             f"accumulate {report.accumulate}")
     if report.error:
         return f"{head}\nERROR: {report.error}"
