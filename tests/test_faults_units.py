@@ -119,8 +119,57 @@ def store(monkeypatch):
     yield server
 
 
-def _publish(store, rank: int, call: Call) -> None:
-    store.set(f"paratrain/calls/0/{rank}", json.dumps(asdict(call)))
+def _publish(store, rank: int, call: Call, watch: int = 1) -> None:
+    """``rank``'s state as its ``watch``-th CallWatch (its ``watch``-th Parallel) publishes it."""
+    store.set(f"paratrain/calls/0/{watch}/{rank}", json.dumps(asdict(call)))
+
+
+def test_a_rank_alone_in_work_every_rank_must_do_fails_at_once_naming_the_peer_that_went_on(store):
+    watch = CallWatch(0, 2, timeout_s=30, report_after_s=10)
+    for _ in range(4):
+        with watch.call("par.step"):
+            pass
+    _publish(store, 1, Call("par.step", 5, "train.py:30", time.time(), active=True))
+    started = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"rank 0 is alone in the model's forward \(test_faults_units.py:\d+\): "
+                                              r"rank 1 went on to par.step #5 \(train.py:30\); evaluate everywhere"):
+        watch.meet("the model's forward", "evaluate everywhere")
+    assert time.monotonic() - started < 5  # a bound that catches a hang
+    watch.close()
+
+
+def test_ranks_that_all_come_meet_and_a_peer_still_behind_is_waited_for(store):
+    import threading
+
+    watch = CallWatch(0, 2, timeout_s=30, report_after_s=10)
+    with watch.call("par.step"):
+        pass
+    _publish(store, 1, Call("par.step", 1, "train.py:30", time.time(), active=True))  # finishing the same step
+
+    def arrive() -> None:  # rank 1 comes to the same meeting a little later
+        time.sleep(0.3)
+        if store.add("paratrain/calls/0/1/meet/par.save/1", 1) >= 2:
+            store.set("paratrain/calls/0/1/meet/par.save/1/all", "1")
+
+    peer = threading.Thread(target=arrive)
+    peer.start()
+    with watch.call("par.save", meet="every rank must call it"):
+        pass
+    peer.join()
+    watch.close()
+
+
+def test_a_peer_state_from_an_earlier_parallel_is_not_read(store):
+    """A test job runs case after case, each with a Parallel of its own: rank 1's first watch exited; rank 0's
+    second watch meets rank 1's second, not the first's state."""
+    first = CallWatch(0, 2, timeout_s=30, report_after_s=10)
+    first.close()
+    _publish(store, 1, Call("par.close", 1, "cases.py:9", time.time(), exited=True), watch=1)
+    second = CallWatch(0, 2, timeout_s=30, report_after_s=10)
+    store.set("paratrain/calls/0/2/meet/par.load/1", "1")  # rank 1's second watch already counted itself in
+    with second.call("par.load", meet="every rank must call it"):
+        pass
+    second.close()
 
 
 def test_a_long_wait_names_the_rank_not_arrived_and_its_last_call(store):

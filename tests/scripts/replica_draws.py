@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import paratrain
 
-CASES = [("ddp", {}, "same"), ("ddp", {}, "own"), ("tp", {}, "same"), ("auto", {}, "own")]
+CASES = [("ddp", {}, "same"), ("ddp", {}, "own"), ("tp", {"tp_plan": {"0": "colwise", "2": "rowwise"}}, "same"),
+         ("auto", {}, "own")]
 
 
 def case(strategy: str, options: dict, batch: str) -> dict:
@@ -23,7 +24,8 @@ def case(strategy: str, options: dict, batch: str) -> dict:
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     drawn = torch.randint(0, 1 << 30, (4,)).tolist()
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0 if batch == "same" else par.data_parallel_rank))
-    print(f"case {strategy} {batch}", file=sys.stderr, flush=True)
+    if par.rank == 0:
+        print(f"case {strategy} {batch}", file=sys.stderr, flush=True)
     with par.step(model, opt):
         par.forward_backward(model, x, torch.zeros(4, dtype=torch.long), torch.nn.functional.cross_entropy)
     out = {"drawn": par.mean(torch.tensor(drawn, dtype=torch.float64)).tolist(), "mine": drawn,
