@@ -90,13 +90,15 @@ def ported(work, in_forward_backward: bool) -> list[float]:
         par.close()
 
 
-def evaluation(work, by_paratrain: bool) -> list[float]:
-    """Forwards outside any step under zero3: paratrain's (the ranks meet before each) or hand-written FSDP2's."""
+def evaluation(work, by_paratrain: bool, meet: bool = True) -> list[float]:
+    """Forwards outside any step under zero3: paratrain's (the ranks meet before each; ``meet=False`` turns the
+    meetings off, to price them alone) or hand-written FSDP2's."""
     from torch.distributed.fsdp import fully_shard
 
     if by_paratrain:
         par = paratrain.Parallel("zero3", monitor=False)
         model, _ = par.prepare(*model_and_optimizer())
+        par._calls.enabled = meet  # a benchmark's switch: the library offers none
     else:
         par, (model, _) = None, model_and_optimizer()
         for block in model.transformer.h:
@@ -123,6 +125,7 @@ ARMS = {
     "ddp ported, model(X, Y) + par.backward": lambda w: ported(w, False),
     "zero3 evaluation by hand": lambda w: evaluation(w, False),
     "zero3 evaluation ported": lambda w: evaluation(w, True),
+    "zero3 evaluation ported, no meetings": lambda w: evaluation(w, True, meet=False),
 }
 
 

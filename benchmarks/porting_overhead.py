@@ -1,6 +1,7 @@
 """What porting a script to ``Parallel`` costs per step: nanoGPT's training step by hand on torch DDP against the
-same step ported (docs/porting.md), and zero3 evaluation forwards with paratrain's meeting of the ranks against
-hand-written FSDP2 ones, side by side at world size 2 on CPU/gloo (``porting_job.py``: one job, alternating blocks).
+same step ported (docs/porting.md), and zero3 evaluation forwards (ten per timed item) with paratrain's meeting of
+the ranks before each, without it, and hand-written FSDP2 ones, side by side at world size 2 on CPU/gloo
+(``porting_job.py``: one job, alternating blocks).
 
 Reported per arm: the median over rounds of the block's median step (slowest rank: rank 0 times after a barrier),
 and the ratio to its hand-written twin. The background load of other processes is reported too (above 5%: flagged).
@@ -22,7 +23,8 @@ from paratrain.bench.machine import BackgroundLoad
 
 HERE = Path(__file__).resolve().parent
 TWINS = {"ddp ported, forward_backward": "ddp by hand", "ddp ported, model(X, Y) + par.backward": "ddp by hand",
-         "zero3 evaluation ported": "zero3 evaluation by hand"}
+         "zero3 evaluation ported": "zero3 evaluation by hand",
+         "zero3 evaluation ported, no meetings": "zero3 evaluation by hand"}
 
 
 def main() -> None:
