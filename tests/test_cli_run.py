@@ -114,3 +114,11 @@ def test_a_paratrain_error_inside_the_ranks_ends_in_one_line(paratrain_cmd):
     assert len(lines) == 1, res.stderr  # once for the job, not a traceback per rank
     assert lines[0].startswith("paratrain: error: strategy 'dp' (nn.DataParallel) runs in one process")
     assert lines[0].endswith(("(ranks 0, 1)", "(rank 0)", "(rank 1)"))
+
+
+def test_a_script_named_by_a_relative_path_sees_its_absolute_file(paratrain_cmd, tmp_path):
+    """``__file__`` is absolute, as under python (3.9+) and torchrun: scripts find their data beside themselves."""
+    (tmp_path / "where.py").write_text("import os, sys\nprint(os.path.isabs(__file__), __file__)\n")
+    res = _run([*paratrain_cmd, "run", "-n", "1", "where.py"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["True", str(tmp_path / "where.py")]
