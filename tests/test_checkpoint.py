@@ -33,7 +33,7 @@ def test_resume_mid_epoch_in_one_process_is_bitwise_exact(tmp_path, accumulate):
 
 
 def test_layout_keeps_the_newest_and_moves_latest_last(tmp_path):
-    par = paratrain.Parallel("single", keep_checkpoints=2, checkpoint_dir=tmp_path)
+    par = paratrain.Parallel("single", checkpoint=paratrain.CheckpointConfig(dir=str(tmp_path), keep=2))
     model = nn.Linear(2, 2)
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for step in range(1, 4):
@@ -53,7 +53,8 @@ def test_layout_keeps_the_newest_and_moves_latest_last(tmp_path):
 
 
 def test_automatic_checkpoints_every_n_steps(tmp_path):
-    train("single", 7, str(tmp_path / "d"), options={"checkpoint_dir": tmp_path / "d", "checkpoint_every": 3})
+    train("single", 7, str(tmp_path / "d"),
+          options={"checkpoint": paratrain.CheckpointConfig(dir=str(tmp_path / "d"), every=3)})
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["latest", "step-00000003", "step-00000006"]
 
 
@@ -165,10 +166,12 @@ def test_missing_checkpoints_and_bad_options(tmp_path):
         train("single", 0, str(tmp_path / "nowhere"), load=True)
     with pytest.raises(CheckpointError, match="no complete step"):
         train("single", 0, str(tmp_path), load=True)
-    with pytest.raises(ConfigError, match="checkpoint_every needs a checkpoint directory"):
-        paratrain.Parallel("single", checkpoint_every=5)
-    with pytest.raises(ConfigError, match="keep_checkpoints"):
-        paratrain.Parallel("single", checkpoint_dir=tmp_path, keep_checkpoints=0)
+    with pytest.raises(ConfigError, match="checkpoint every needs a checkpoint directory"):
+        paratrain.Parallel("single", checkpoint=paratrain.CheckpointConfig(every=5))
+    with pytest.raises(ConfigError, match="checkpoint keep must be >= 1"):
+        paratrain.CheckpointConfig(dir=str(tmp_path), keep=0)
+    with pytest.raises(ConfigError, match="a directory or a paratrain.CheckpointConfig"):
+        paratrain.Parallel("single", checkpoint=5)
     par = paratrain.Parallel("single", accumulate=2)
     model = nn.Linear(2, 2)
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -193,3 +196,19 @@ def test_export_writes_a_plain_state_dict(saved, tmp_path, capsys):
     dropout_model().load_state_dict(state)  # plain names, no wrapper prefix
     assert main(["export", str(tmp_path / "none"), str(tmp_path / "x.pt")]) == 2
     assert capsys.readouterr().err.startswith("paratrain: error: no checkpoint at")
+
+
+def test_the_former_checkpoint_keywords_still_work_and_say_what_to_write(tmp_path):
+    with pytest.warns(FutureWarning, match=r"checkpoint=paratrain.CheckpointConfig\(dir=.*, every=3\)"):
+        par = paratrain.Parallel("single", checkpoint_dir=str(tmp_path), checkpoint_every=3, monitor=False)
+    assert (par.checkpoint_config.dir, par.checkpoint_config.every) == (str(tmp_path), 3)
+    par.close()
+    with pytest.raises(ConfigError, match="put them all in CheckpointConfig"):
+        paratrain.Parallel("single", checkpoint=str(tmp_path), resume=True)
+
+
+def test_a_checkpoint_directory_alone_and_the_launchers_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARATRAIN_CHECKPOINT_EVERY", "7")
+    par = paratrain.Parallel("single", checkpoint=tmp_path, monitor=False)
+    assert (par.checkpoint_config.dir, par.checkpoint_config.every) == (str(tmp_path), 7)
+    par.close()

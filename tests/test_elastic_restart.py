@@ -59,7 +59,7 @@ def test_run_hands_checkpoint_options_to_every_rank(monkeypatch, tmp_path):
     assert os.environ["PARATRAIN_CHECKPOINT_EVERY"] == "50" and os.environ["PARATRAIN_RESUME"] == "1"
     from paratrain.checkpoint import CheckpointConfig
 
-    config = CheckpointConfig.resolve(dir=None, every=None, keep=None, resume=None)
+    config = CheckpointConfig.of(None)
     assert (config.dir, config.every, config.should_resume()) == (os.path.abspath("ck"), 50, True)
 
 

@@ -27,7 +27,7 @@ def test_the_route_to_a_host_names_the_local_address_and_interface():
     assert network.route_source("127.0.0.1") == "127.0.0.1"
     assert network.interface_of("127.0.0.1") == "lo"
     assert network.is_own_address("127.0.0.1") and not network.is_own_address("198.51.100.7")
-    assert network.resolve("localhost") == "127.0.0.1" and network.resolve("no-such-host.invalid") is None
+    assert network.address_of("localhost") == "127.0.0.1" and network.address_of("no-such-host.invalid") is None
 
 
 def _args(argv: list[str]):
@@ -57,7 +57,7 @@ def test_bad_multinode_flags_are_one_line_errors(argv, words):
 
 
 def test_a_master_name_that_is_loopback_on_this_node_is_noted(monkeypatch):
-    monkeypatch.setattr(network, "resolve", lambda host: "127.0.1.1")  # Debian's /etc/hosts line for itself
+    monkeypatch.setattr(network, "address_of", lambda host: "127.0.1.1")  # Debian's /etc/hosts line for itself
     notes: list[str] = []
     prepare_network(parse_args(["--nnodes", "2", "--master-addr", "node0", SCRIPT]), notes.append)
     assert len(notes) == 1 and "node0 resolves to 127.0.1.1 (loopback)" in notes[0]

@@ -1,4 +1,4 @@
-"""Activation checkpointing of the repeated blocks (paratrain.model.recompute): the same gradients, far less
+"""Activation checkpointing of the repeated blocks (paratrain.model.transforms): the same gradients, far less
 activation memory, the user's parameter names kept, and the planner's --checkpointing figure matched."""
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from torch import nn
 
 import paratrain
 from paratrain import ConfigError
-from paratrain.model.recompute import apply_checkpointing
+from paratrain.model.facts import ModelFacts
+from paratrain.model.transforms import transform_blocks
+from paratrain.options import BlockTransforms
 from zoo import ZOO
 
 
@@ -40,6 +42,12 @@ def _saved(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss) -> tuple[Co
     return by, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def checkpointed(model: nn.Module, every: int = 1) -> list[str]:
+    """Checkpoint every ``every``-th block as prepare does; the names of the blocks that now recompute."""
+    transform_blocks(model, ModelFacts.of(model), BlockTransforms(checkpoint_every=every))
+    return [name for name, m in model.named_modules() if "forward" in vars(m)]
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "lora", "nanogpt"])
 def test_same_gradients_less_saved_memory_same_names(name):
     spec = ZOO[name]
@@ -47,7 +55,7 @@ def test_same_gradients_less_saved_memory_same_names(name):
     plain, grads = _saved(spec.build(), x, y, spec.loss)
     model = spec.build()
     names = list(model.state_dict())
-    assert len(apply_checkpointing(model)) == 2
+    assert len(checkpointed(model)) == 2
     kept, grads_ckpt = _saved(model, x, y, spec.loss)
     assert grads.keys() == grads_ckpt.keys()
     assert max((grads[k] - grads_ckpt[k]).abs().max().item() for k in grads) == 0.0
@@ -60,9 +68,9 @@ def test_every_kth_block_and_bad_values():
     from paratrain.workloads.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(layers=5, hidden=16, heads=2, seq_len=8, vocab=32))
-    assert apply_checkpointing(model, every=2) == ["blocks.0", "blocks.2", "blocks.4"]
+    assert checkpointed(model, every=2) == ["blocks.0", "blocks.2", "blocks.4"]
     with pytest.raises(ConfigError, match="has none"):
-        apply_checkpointing(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
+        checkpointed(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
     for bad in (0, -1, "yes", 1.5):
         with pytest.raises(ConfigError, match="activation_checkpointing must be"):
             paratrain.Parallel("single", activation_checkpointing=bad)
@@ -86,7 +94,7 @@ def test_planner_checkpointing_figure_matches_the_measured_one():
     total = lambda out, _: out.float().sum()  # noqa: E731  (the planner's own backward)
     plain, _ = _saved(build(), x, None, total)
     model = build()
-    apply_checkpointing(model)
+    checkpointed(model)
     kept, _ = _saved(model, x, None, total)
     logits = 4 * batch * 64 * cfg.vocab  # the planner adds cross-entropy's fp32 log-probabilities
     largest_block = max(v for k, v in plain.items() if k != "outside")

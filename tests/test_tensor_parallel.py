@@ -232,9 +232,9 @@ def test_a_model_without_a_plan_is_refused_in_one_line():
 def test_a_plan_pattern_that_matches_nothing_is_refused():
     plan = plan_for(ZOO["frozen"].build(), {"layers.*.up": "colwise"})
     with pytest.raises(paratrain.ConfigError, match="matches no module"):
-        plan.resolve(ZOO["frozen"].build())
+        plan.per_module(ZOO["frozen"].build())
     with pytest.raises(paratrain.ConfigError, match="not a style"):
-        plan_for(ZOO["frozen"].build(), {"2": "diagonal"}).resolve(ZOO["frozen"].build())
+        plan_for(ZOO["frozen"].build(), {"2": "diagonal"}).per_module(ZOO["frozen"].build())
 
 
 def test_degrees_that_do_not_divide_the_world_name_the_valid_layouts():

@@ -58,7 +58,7 @@ def test_the_printed_plan_is_valid_input_as_printed(build, infer):
     printed = printed_plan(build, infer=infer)
     assert printed and all(isinstance(v, str) for v in printed.values())
     again = plan_for(build(), printed)
-    resolved = dict(again.resolve(build()))
+    resolved = dict(again.per_module(build()))
     for name, made in resolved.items():
         assert isinstance(made, ParallelStyle)
     heads = [n for n, s in resolved.items() if isinstance(s, VocabHead)]
@@ -85,6 +85,6 @@ def test_style_names_parse_with_their_arguments():
 def test_colwise_after_the_blocks_is_the_vocabulary_head():
     plan = plan_for(char_level(), {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
                                    "lm_head": "colwise", "transformer.wte": "rowwise"})
-    resolved = dict(plan.resolve(char_level()))
+    resolved = dict(plan.per_module(char_level()))
     assert isinstance(resolved["lm_head"], VocabHead)
     assert not isinstance(resolved["transformer.h.0.mlp.c_fc"], VocabHead)

@@ -22,12 +22,21 @@ _EXPORTS = {
     "FSDPConfig": ".options",
     "PipelineConfig": ".options",
     "ModelParallelConfig": ".options",
+    "TPConfig": ".options",
+    "PSConfig": ".distributed.param_server.config",
+    "CheckpointConfig": ".checkpoint.config",
+    "MonitorConfig": ".monitor",
     "scale_lr": ".lr",
     "linear_warmup": ".lr",
-    "MonitorConfig": ".monitor",
-    "DDPStrategy": ".strategies",
-    "SingleDevice": ".strategies",
     "Strategy": ".strategies",
+}
+"""What a script uses: ``Parallel``, every configuration it may construct (a strategy's as ``config=``), the errors,
+the LR helpers, ``launch`` and the ``Strategy`` base class (strategies are chosen by name)."""
+_DEPRECATED = {
+    "DDPStrategy": (".strategies", "choose the strategy by name: Parallel('ddp', config=paratrain.DDPConfig(...)) (or "
+                                   "paratrain.strategies.DDPStrategy)"),
+    "SingleDevice": (".strategies", "choose the strategy by name: Parallel('single') (or "
+                                    "paratrain.strategies.SingleDevice)"),
 }
 
 from .lazy import lazy_getattr  # noqa: E402
@@ -36,4 +45,4 @@ from .lazy import lazy_getattr  # noqa: E402
 from .launch.spawn import launch  # noqa: E402  (imports nothing heavy)
 
 __all__ = sorted([*_EXPORTS, "launch"])
-__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals(), _DEPRECATED)

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from .batch import ModelCall
 from .call_watch import collective
 from .checkpoint.auto import AutoCheckpoint
-from .checkpoint.config import CheckpointConfig
+from .checkpoint.config import CheckpointConfig, checkpoint_config
 from .checkpoint.io import Targets
 from .checkpoint.weights import load_weights
 from .data import ShardedLoader, prepare_loader
@@ -33,7 +33,7 @@ from .env import ClusterEnv
 from .loop import GlobalBatch, Loop, StepInfo
 from .model.facts import ModelFacts
 from .model.materialize import Materializer, check_materialized
-from .monitor import MonitorConfig, monitor_for, resolve
+from .monitor import MonitorConfig, monitor_config, monitor_for
 from .options import BlockTransforms
 from .precision import Precision, create_precision
 from .prepared import Prepared, prepare_each
@@ -59,7 +59,8 @@ class Parallel:
         accelerator, timeout_s, wait_report_s: ``"auto"``/``"cpu"``/``"cuda"``; how long a collective waits, and
             after how long a wait says who is missing (:mod:`paratrain.call_watch`).
         seed, deterministic: ``seed_everything(seed)`` now; deterministic kernels (bitwise-repeatable GPU runs).
-        checkpoint_dir, checkpoint_every, keep_checkpoints, resume: automatic checkpoints (docs/checkpoints.md).
+        checkpoint: where ``save``/``load`` go and how often a job saves itself: a directory, or a
+            ``CheckpointConfig(dir=, every=, keep=, resume=)`` (docs/checkpoints.md).
         env: where this process sits; read from the environment when omitted.
         monitor: ``par.monitor`` (step time, data wait, stragglers, memory); ``False`` or a ``MonitorConfig``.
         activation_checkpointing, compile: per block (:mod:`paratrain.model.transforms`).
@@ -69,20 +70,19 @@ class Parallel:
 
     def __init__(self, strategy: str | Strategy = "auto", *, precision: str = "fp32", accumulate: int = 1,
                  clip_grad_norm: float | None = None, accelerator: str = "auto", timeout_s: float = 300.0,
-                 seed: int | None = None, deterministic: bool = False, checkpoint_dir: str | os.PathLike | None = None,
-                 checkpoint_every: int | None = None, keep_checkpoints: int | None = None, resume: bool | None = None,
+                 seed: int | None = None, deterministic: bool = False,
+                 checkpoint: CheckpointConfig | str | os.PathLike | None = None,
                  env: ClusterEnv | None = None, monitor: bool | MonitorConfig = True,
                  activation_checkpointing: bool | int = False, compile: bool | dict[str, Any] = False,
                  wait_report_s: float | None = None, init_fn: Callable[[nn.Module], None] | str | None = None,
                  global_batch: int | None = None, micro_batch: int | None = None, **strategy_options: Any) -> None:
         self._loop, self.init_fn = Loop(accumulate, clip_grad_norm, GlobalBatch.of(global_batch, micro_batch)), init_fn
-        monitor_config = resolve(monitor)
+        watching = monitor_config(monitor)
         self.transforms = BlockTransforms.of(activation_checkpointing, compile)
         """Activation checkpointing and compilation of the model's blocks in ``prepare``."""
         if deterministic:
             use_deterministic_kernels()
-        self.checkpoint_config = CheckpointConfig.resolve(dir=checkpoint_dir, every=checkpoint_every,
-                                                          keep=keep_checkpoints, resume=resume)
+        self.checkpoint_config = checkpoint_config(checkpoint, strategy_options)
         self.env = env if env is not None else ClusterEnv.from_environ()
         self._chosen = ChosenStrategy(strategy, self.env, strategy_options)
         self.precision: Precision = create_precision(precision)
@@ -99,7 +99,7 @@ class Parallel:
         self._size_batch()
         self._replicas = Replicas(self._session, self.world_size, lambda: self._chosen.data_parallel(self._runtime()))
         self.logger = rank_logger(self.env)
-        self.monitor = monitor_for(monitor_config, self)
+        self.monitor = monitor_for(watching, self)
         if seed is not None:
             self.seed_everything(seed)
 

@@ -31,8 +31,8 @@ class AutoCheckpoint:
         """Where ``par.save``/``par.load`` go: ``path``, else ``checkpoint_dir``; neither is one line."""
         if path is None:
             if self.config.dir is None:
-                raise CheckpointError("no checkpoint path given and no checkpoint_dir set "
-                                      "(Parallel(checkpoint_dir=…) or paratrain run --checkpoint-dir)")
+                raise CheckpointError("no checkpoint path given and no checkpoint directory set "
+                                      "(Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir)")
             path = self.config.dir
         return Path(path)
 

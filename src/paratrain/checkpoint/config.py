@@ -6,8 +6,10 @@ a script that only says ``Parallel()`` checkpoints and resumes without a code ch
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -34,17 +36,35 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every < 1:
-            raise ConfigError(f"checkpoint_every must be >= 1, got {self.every}")
-        if self.every is not None and not self.dir:
-            raise ConfigError("checkpoint_every needs a checkpoint directory; set checkpoint_dir (--checkpoint-dir)")
+            raise ConfigError(f"checkpoint every must be >= 1, got {self.every}")
         if self.keep < 1:
-            raise ConfigError(f"keep_checkpoints must be >= 1, got {self.keep}")
-        if self.resume and not self.dir:
-            raise ConfigError("resume needs a checkpoint directory; set checkpoint_dir (--checkpoint-dir)")
+            raise ConfigError(f"checkpoint keep must be >= 1, got {self.keep}")
+
+    def _check_dir(self) -> "CheckpointConfig":
+        """The job's configuration, complete: what needs a directory has one (``paratrain run --checkpoint-dir``
+        may give it, so a config of the script's own may lack it)."""
+        for what, needs in (("every", self.every is not None), ("resume", bool(self.resume))):
+            if needs and not self.dir:
+                raise ConfigError(f"checkpoint {what} needs a checkpoint directory; give CheckpointConfig(dir=...) "
+                                  "(or paratrain run --checkpoint-dir)")
+        return self
 
     @classmethod
-    def resolve(cls, *, dir: str | os.PathLike | None, every: int | None, keep: int | None, resume: bool | None,
-                environ: Mapping[str, str] | None = None) -> "CheckpointConfig":
+    def of(cls, spec: "CheckpointConfig | str | os.PathLike | None",
+           environ: Mapping[str, str] | None = None) -> "CheckpointConfig":
+        """``Parallel(checkpoint=spec)``: a config, a directory (the rest default), or None; what it leaves unset
+        (``dir``, ``every``, ``resume`` None; ``keep`` at its default) comes from ``paratrain run``'s variables."""
+        if spec is None or isinstance(spec, (str, os.PathLike)):
+            return cls.from_environ(dir=spec, every=None, keep=None, resume=None, environ=environ)
+        if not isinstance(spec, CheckpointConfig):
+            raise ConfigError(f"checkpoint must be a directory or a paratrain.CheckpointConfig, got "
+                              f"{type(spec).__name__}")
+        return cls.from_environ(dir=spec.dir, every=spec.every, keep=None if spec.keep == DEFAULT_KEEP else spec.keep,
+                                resume=spec.resume, environ=environ)
+
+    @classmethod
+    def from_environ(cls, *, dir: str | os.PathLike | None, every: int | None, keep: int | None,
+                     resume: bool | None, environ: Mapping[str, str] | None = None) -> "CheckpointConfig":
         """Explicit arguments first, then the launcher's variables, then the defaults."""
         env = os.environ if environ is None else environ
         if dir is None:
@@ -55,7 +75,7 @@ class CheckpointConfig:
             keep = _int(env, ENV_KEEP) if env.get(ENV_KEEP) else DEFAULT_KEEP
         if resume is None and env.get(ENV_RESUME):
             resume = env[ENV_RESUME].lower() in ("1", "true", "yes")
-        return cls(dir=None if dir is None else os.fspath(dir), every=every, keep=keep, resume=resume)
+        return cls(dir=None if dir is None else os.fspath(dir), every=every, keep=keep, resume=resume)._check_dir()
 
     def should_resume(self, environ: Mapping[str, str] | None = None) -> bool:
         """Whether the job starts from the latest checkpoint (when one exists)."""
@@ -85,3 +105,22 @@ def _int(env: Mapping[str, str], key: str) -> int:
         return int(env[key])
     except ValueError:
         raise ConfigError(f"{key}={env[key]!r} is not an integer") from None
+
+
+OLD_KEYWORDS = {"checkpoint_dir": "dir", "checkpoint_every": "every", "keep_checkpoints": "keep", "resume": "resume"}
+"""``Parallel``'s former checkpoint keywords → ``CheckpointConfig``'s fields."""
+
+
+def checkpoint_config(checkpoint: "CheckpointConfig | str | os.PathLike | None",
+                      options: dict[str, Any]) -> CheckpointConfig:
+    """``Parallel(checkpoint=...)``'s configuration; the former keywords (taken out of ``options``) still work, with
+    one warning each saying what to write instead."""
+    old = {OLD_KEYWORDS[k]: options.pop(k) for k in list(options) if k in OLD_KEYWORDS}
+    if not old:
+        return CheckpointConfig.of(checkpoint)
+    if checkpoint is not None:
+        raise ConfigError(f"checkpoint= given beside {sorted(old)}; put them all in CheckpointConfig")
+    fields = ", ".join(f"{k}={v!r}" for k, v in old.items())
+    warnings.warn(f"Parallel's checkpoint keywords are deprecated; write checkpoint=paratrain.CheckpointConfig({fields})",
+                  FutureWarning, stacklevel=3)
+    return CheckpointConfig.from_environ(**{"dir": None, "every": None, "keep": None, "resume": None, **old})

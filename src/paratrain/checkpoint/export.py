@@ -26,7 +26,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0, f
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    folder = layout.resolve(path)
+    folder = layout.checkpoint_folder(path)
     meta = layout.read_meta(folder)
     if not 0 <= model < len(meta["models"]):
         raise CheckpointError(f"checkpoint {folder} holds {len(meta['models'])} model(s); there is no model {model}")

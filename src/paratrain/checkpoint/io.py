@@ -145,7 +145,7 @@ def load(t: Targets, path: str | Path) -> Position:
     """
     import torch.distributed.checkpoint as dcp
 
-    folder = layout.resolve(path)
+    folder = layout.checkpoint_folder(path)
     meta = layout.read_meta(folder)
     weights_only = not t.optimizers
     _check_meta(folder, meta, t, weights_only)

@@ -100,7 +100,7 @@ def latest(root: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def resolve(path: str | os.PathLike) -> Path:
+def checkpoint_folder(path: str | os.PathLike) -> Path:
     """The checkpoint folder a user means: a ``step-…`` folder itself, or a root whose latest one is taken."""
     p = Path(path)
     if (p / META).is_file():

@@ -67,7 +67,7 @@ def no_space_message(root: Path, tmp: Path, fallback: int) -> str:
     kept = f"the previous checkpoint {previous.name} is kept" if previous else "no earlier checkpoint exists"
     return (f"no space left on {disk_of(root)} for checkpoint {tmp.name}: it needs about "
             f"{_size(needed_bytes(root, fallback))}, {_size(free)} is free; the partial folder was removed and {kept}"
-            "; free space there or save elsewhere (checkpoint_dir, --checkpoint-dir)")
+            "; free space there or save elsewhere (Parallel(checkpoint=DIR), --checkpoint-dir)")
 
 
 def remove_partial(tmp: Path) -> None:

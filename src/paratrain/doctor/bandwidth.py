@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import TYPE_CHECKING
 
-from .checks import GB, KIB, MIB, Check, format_bytes
+from ..sizes import KIB, MIB, format_bytes
+from .checks import GB, Check
 from .gpu_checks import pcie_gbps
 from .nvidia import Gpu
 
@@ -195,7 +196,7 @@ def check_bandwidth(result: BandwidthResult, expected: tuple[float, str] | None)
     else on the machine.
     """
     peak = max(result.rows, key=lambda row: row.busbw_gbps)
-    evidence = (f"busbw {peak.busbw_gbps:.2f} GB/s at {format_bytes(peak.size_bytes)}, {result.backend}, "
+    evidence = (f"busbw {peak.busbw_gbps:.2f} GB/s at {format_bytes(peak.size_bytes, digits=6)}, {result.backend}, "
                 f"{result.world_size} ranks")
     if not result.correct:
         return Check.fail("all-reduce", f"{evidence}; WRONG SUM",

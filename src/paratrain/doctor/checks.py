@@ -13,10 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from ..sizes import KIB, MIB
 from .system import TORCHRUN_DEFAULT_PORT, HostFacts, LoopbackFacts, MasterFacts, TorchFacts
 
-KIB = 1024
-MIB = 1024 * KIB
 GB = 1e9
 """Decimal gigabytes, as nccl-tests and RAM vendors count (a "128 GB" host has ~135e9 bytes)."""
 
@@ -243,11 +242,3 @@ def check_master(master: MasterFacts) -> Check:
 
 def _gb(value: float) -> str:
     return f"{value:.1f} GB" if value >= 1 else f"{value:.2f} GB"
-
-
-def format_bytes(size: int) -> str:
-    """1024 → '1 KiB', 67108864 → '64 MiB'."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= scale:
-            return f"{size / scale:g} {unit}"
-    return f"{size} B"

@@ -6,7 +6,8 @@ import textwrap
 
 from . import DoctorReport
 from .bandwidth import BandwidthResult
-from .checks import Status, format_bytes
+from ..sizes import format_bytes
+from .checks import Status
 
 MIN_WIDTH = 80
 MAX_WIDTH = 160
@@ -49,7 +50,7 @@ def _bandwidth_table(b: BandwidthResult) -> list[str]:
     lines = [f"all-reduce over {b.backend}, {where} (algbw = bytes/time; busbw = algbw × 2(n-1)/n)",
              f"{'size':>9}  {'time':>10}  {'algbw GB/s':>10}  {'busbw GB/s':>10}"]
     for row in b.rows:
-        lines.append(f"{format_bytes(row.size_bytes):>9}  {_duration(row.seconds):>10}  "
+        lines.append(f"{format_bytes(row.size_bytes, digits=6):>9}  {_duration(row.seconds):>10}  "
                      f"{row.algbw_gbps:>10.3f}  {row.busbw_gbps:>10.3f}")
     return lines
 

@@ -76,7 +76,7 @@ def prepare_network(args: argparse.Namespace, note: Callable[[str], None]) -> No
     store. A rendezvous host that does not resolve is an error now rather than a timeout later.
     """
     host, port = rendezvous_endpoint(args)
-    address = network.resolve(host)
+    address = network.address_of(host)
     if address is None:
         raise LaunchError(f"the rendezvous host {host!r} does not resolve on this node; give its IP address "
                           "or a name this node can resolve (DNS, /etc/hosts)")

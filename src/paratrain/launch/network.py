@@ -14,9 +14,11 @@ import socket
 import struct
 
 _SIOCGIFADDR = 0x8915
+LOOPBACK = "127.0.0.1"
+"""The address a job on one host uses for its master and rendezvous."""
 
 
-def resolve(host: str) -> str | None:
+def address_of(host: str) -> str | None:
     """An address of ``host`` (IPv4 first), or None when it does not resolve."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)

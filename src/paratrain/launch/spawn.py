@@ -19,9 +19,9 @@ from ..env import cpu_count
 from ..errors import JobTimeoutError, LaunchError, RankFailedError
 from .finish import leave
 from .leaving import LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR
+from .network import LOOPBACK
 from .parent_death import die_with_parent
 
-LOOPBACK = "127.0.0.1"
 
 
 def launch(

@@ -34,6 +34,7 @@ from .agreement import NNODES_VAR
 from .failure import from_child_failed
 from .multinode import (DEFAULT_RDZV_TIMEOUT_S, max_nodes, nnodes_range, prepare_network, rendezvous_error,
                         rendezvous_errors, set_rendezvous_timeout)
+from .network import LOOPBACK
 from .parent_death import LAUNCHER_PID_VAR
 from .pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
 from .ports import port_in_use
@@ -42,7 +43,6 @@ from .signals import stop_signals
 from .slurm import read_slurm
 from .worker import DEBUG_VAR
 
-LOOPBACK = "127.0.0.1"
 
 
 def _note(message: str) -> None:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import MonitorConfig, resolve
+from .config import MonitorConfig, monitor_config
 from .monitor import Monitor
 from .report import RunSummary
 from .rules import Finding, Persistence, RankStats, find_all, find_data_stalls, find_memory_imbalance, find_stragglers
 
 __all__ = ["Finding", "Monitor", "MonitorConfig", "Persistence", "RankStats", "RunSummary", "find_all",
-           "find_data_stalls", "find_memory_imbalance", "find_stragglers", "monitor_for", "resolve"]
+           "find_data_stalls", "find_memory_imbalance", "find_stragglers", "monitor_for", "monitor_config"]
 
 
 def monitor_for(config: MonitorConfig | None, par: Any) -> Monitor | None:

@@ -49,7 +49,7 @@ class MonitorConfig:
                               "(or log with csv=... instead)")
 
 
-def resolve(monitor: bool | MonitorConfig | None) -> MonitorConfig | None:
+def monitor_config(monitor: bool | MonitorConfig | None) -> MonitorConfig | None:
     """``Parallel``'s ``monitor`` argument as a config, or None when monitoring is off."""
     if monitor is True:
         return MonitorConfig()

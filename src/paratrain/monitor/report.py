@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..sizes import GIB, MIB
 from .rules import Finding, RankStats
 
 COLUMNS = ("step", "rank", "peer", "steps", "step_ms", "busy_ms", "data_ms", "data_share", "compute_ms", "sync_ms",
@@ -18,7 +19,7 @@ COLUMNS = ("step", "rank", "peer", "steps", "step_ms", "busy_ms", "data_ms", "da
 def _bytes(n: float) -> str:
     if n < 0:
         return "n/a"
-    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
 
 
 @dataclass
@@ -99,7 +100,7 @@ class TensorBoardLog:
     def write(self, step: int, rows: Sequence[RankStats]) -> None:
         for r in rows:
             for name, value in (("step_ms", r.step_ms), ("data_share", r.data_share), ("compute_ms", r.compute_ms),
-                                ("sync_ms", r.sync_ms), ("peak_mem_gib", r.peak_mem / 1024**3)):
+                                ("sync_ms", r.sync_ms), ("peak_mem_gib", r.peak_mem / GIB)):
                 self._writer.add_scalar(f"monitor/{name}/rank{r.rank}", value, step)
         self._writer.flush()
 

@@ -10,9 +10,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
+from ..sizes import GIB
 from .config import MonitorConfig
 
-GIB = 1024**3
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..sizes import GIB
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
 from .layout import Layout
@@ -33,7 +34,6 @@ from .training import Training
 from .transformer import GPTConfig, transformer_params, transformer_stats
 
 CANDIDATES = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
-GIB = 2**30
 MEMORY_MARGIN = 0.15
 """The planner's own memory error: its peak per GPU against ``torch.cuda.max_memory_allocated`` on an H100, 32 of
 32 cases within 15% (benchmarks/RESULTS.md §7), issue 24's goal. Nothing fitting by less than this may still fit."""

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from ..errors import ConfigError
+from ..sizes import GIB
 
-GIB = 2**30
 GB = 1e9
 
 PS_SERVER_REQUEST_S = 0.75e-3

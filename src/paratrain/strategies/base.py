@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..batch import ModelCall
 from ..dims import ParallelDims
 from ..distributed.parallelize import Step, parallelize
-from ..distributed.tensor_parallel.degrees import tp_degree
+from ..distributed.tensor_parallel.part import WholeLayers
 from ..env import ClusterEnv
 from ..model.facts import ModelFacts
 from ..model.materialize import Materializer
@@ -28,7 +28,6 @@ from ..options import BlockTransforms
 from ..precision import Precision
 
 if TYPE_CHECKING:
-    from ..distributed.tensor_parallel.compose import TensorParallel
     from ..options import TPConfig
 
 
@@ -63,8 +62,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     native_precision: ClassVar[bool] = False
     """True when the strategy applies mixed precision itself (FSDP's policy) instead of autocast."""
-    tp: TensorParallel | None = None
-    """Tensor parallelism inside this strategy (``tp=`` option; see :mod:`paratrain.distributed.tensor_parallel`)."""
+    tp: WholeLayers = WholeLayers()
+    """The part that splits layers over ranks (``tp=``: :mod:`paratrain.distributed.tensor_parallel`); by default
+    none, whose hooks give the strategy's own answers back (stateless, so one serves every strategy)."""
     serves: ClassVar[bool] = False
     """Some ranks serve the others instead of training (parameter servers): they take no step of their own."""
     host_messages: ClassVar[bool] = False
@@ -93,7 +93,7 @@ class Strategy(ABC):
     def tp_degree(self, env: ClusterEnv) -> int:
         """Ranks that split each layer (1 without tp); a degree that does not divide the processes is refused,
         naming the layouts that fit."""
-        return 1 if self.tp is None else tp_degree(self.name, self.tp.config.degree, env.world_size)
+        return self.tp.degree(self.name, env.world_size)
 
     def validate(self, env: ClusterEnv) -> None:
         """Raise a ConfigError when this strategy cannot run in ``env``."""
@@ -130,9 +130,7 @@ class Strategy(ABC):
         Every rank for data-parallel strategies; pipeline ranks of one replica read the same batch, and so do
         the ranks of one tensor-parallel group.
         """
-        if self.tp is not None and rt.mesh is not None:
-            return self.tp.data_parallel(rt.mesh)
-        return rt.env.rank, rt.env.world_size, None
+        return self.tp.data_parallel(rt.mesh, (rt.env.rank, rt.env.world_size, None))
 
     def metrics(self, rt: Runtime) -> tuple[int, dist.ProcessGroup | None]:
         """(size, group) over which ``par.mean``/``par.sum`` reduce: the replicas of :meth:`data_parallel`."""
@@ -147,16 +145,12 @@ class Strategy(ABC):
     def rng_rank(self, rt: Runtime) -> int:
         """The index that seeds this rank's random stream after ``prepare``: its rank, or its replica's index
         where ranks compute one replica together (tensor parallelism), so they draw alike."""
-        if self.tp is not None and rt.mesh is not None:
-            return self.tp.rng_rank(rt.mesh)
-        return rt.env.rank
+        return self.tp.rng_rank(rt.mesh, rt.env.rank)
 
     def needs_every_rank(self) -> str | None:
         """Why a forward of the prepared model, or its whole state, needs every rank (words for the line said when
         one rank does it alone: :mod:`paratrain.rank_alone`); None where each rank holds the whole model."""
-        if self.tp is not None:
-            return f"under {self.name} with tp every layer is split over the ranks of a tp group"
-        return None
+        return self.tp.needs_every_rank(self.name)
 
     def optimizer_split(self) -> str | None:
         """Why the optimizer's whole state needs every rank (as :meth:`needs_every_rank`)."""
@@ -165,9 +159,7 @@ class Strategy(ABC):
     def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor | None:
         """Run forward and backward of the micro-batch ``call`` when the strategy owns that loop (pipelines, the
         vocabulary-split loss of tensor parallelism); None: it doesn't."""
-        if self.tp is not None:
-            return self.tp.forward_backward(model, call, scale)
-        return None
+        return self.tp.forward_backward(model, call, scale)
 
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         """Bytes this rank has sent plus received to keep ``model`` in step with the other ranks over its first
@@ -222,16 +214,13 @@ class Strategy(ABC):
         """Complete the gradients on the step that synchronises, before clipping and the optimizer step, where the
         wrapped model's backward does not (a weight tied across pipeline stages, tensor parallelism's partial
         sums); the default has nothing else to do."""
-        if self.tp is not None:
-            self.tp.sync_gradients(model)
+        self.tp.sync_gradients(model)
 
     def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> AbstractContextManager:
         """Context of the optimizer's step at the end of an accumulation window: tensor parallelism updates the
         replicated parameters on their local tensors in it (see
         :mod:`paratrain.distributed.tensor_parallel.local_step`); the default changes nothing."""
-        if self.tp is not None:
-            return self.tp.optimizer_stepping(optimizer)
-        return nullcontext()
+        return self.tp.optimizer_stepping(optimizer)
 
     def grad_norm_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """This rank's parameters whose gradients make up its part of the global norm, so that a tensor held on
@@ -274,12 +263,12 @@ class Strategy(ABC):
         return self.name
 
 
-def tensor_parallel(config: TPConfig | None) -> TensorParallel | None:
-    """A strategy's tensor-parallel part for ``config`` (None: off). Imported here, when used:
+def tensor_parallel(config: TPConfig | None) -> WholeLayers:
+    """A strategy's tensor-parallel part for ``config`` (None: layers whole). Imported here, when used:
     ``torch.distributed.tensor`` takes over a second to import, which every strategy would otherwise pay at
     ``import paratrain``."""
     if config is None:
-        return None
+        return WholeLayers()
     from ..distributed.tensor_parallel.compose import TensorParallel
 
     return TensorParallel(config)

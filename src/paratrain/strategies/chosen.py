@@ -19,7 +19,7 @@ from ..env import ClusterEnv
 from ..errors import ConfigError
 from .auto import BEFORE_THE_MODEL, agree_on_strategy
 from .base import Runtime, Strategy
-from .registry import resolve
+from .registry import strategy_for
 
 
 class ChosenStrategy:
@@ -27,7 +27,7 @@ class ChosenStrategy:
 
     def __init__(self, spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> None:
         self.env = env
-        self.strategy = resolve(spec, env, options)
+        self.strategy = strategy_for(spec, env, options)
         self.pending = spec == "auto" and env.world_size > 1 and not options
         """True while ``auto`` waits for the model (it stands for ddp until then)."""
         self.strategy.validate(env)

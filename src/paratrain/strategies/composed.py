@@ -35,7 +35,7 @@ class Composed(Strategy):
             raise ConfigError(f"strategy {preset.name!r} got options {sorted(options)} beside a config object; set "
                               "them on the config")
         engine_options = {**preset.defaults, **options} if config is None else {}
-        self.data = preset.engine(engine_options, split=self.tp is not None, config=config)  # type: ignore[arg-type]
+        self.data = preset.engine(engine_options, split=self.tp.splits, config=config)  # type: ignore[arg-type]
         self.native_precision = self.data.native_precision  # type: ignore[misc]
 
     def uses_group(self, env: ClusterEnv) -> bool:
@@ -66,14 +66,14 @@ class Composed(Strategy):
         return env.world_size
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        mesh, tp = rt.mesh, self.tp
-        split = None if tp is None else (lambda m: tp.apply(m, mesh, rt.precision, rt.device, rt.facts))
+        mesh = rt.mesh
         # data parallelism spans the whole mesh (1-D, or HSDP's replicate x shard), or its dp part beside tp
         data_mesh = mesh["dp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else mesh
-        return rt.parallelize(model, tp=split, data=self.data.step(rt, data_mesh))
+        return rt.parallelize(model, tp=self.tp.splitter(mesh, rt.precision, rt.device, rt.facts),
+                              data=self.data.step(rt, data_mesh))
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
-        if self.data.swaps_parameters or self.tp is not None:  # the optimizer must hold the new parameter objects
+        if self.data.swaps_parameters or self.tp.splits:  # the optimizer must hold the new parameter objects
             assert rt.facts is not None
             optimizer = rebuild(optimizer, rt.facts.first_names, model)
         return self.data.wrap_optimizer(optimizer, self.unwrap(model), rt)
@@ -99,7 +99,7 @@ class Composed(Strategy):
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         if not self.preset.groups:
             return 0  # one process: nothing to keep in step
-        return None if self.tp is not None else self.data.traffic_bytes(model, steps)
+        return self.tp.traffic_bytes(self.data.traffic_bytes(model, steps))
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self.data.optimizer_state(self.unwrap(model), optimizer)
@@ -109,8 +109,8 @@ class Composed(Strategy):
 
     def describe(self) -> str:
         if self.preset.tp == "all":
-            return self.tp.describe()  # type: ignore[union-attr]
-        parts = [part for part in (self.data.detail(), self.tp.describe() if self.tp else None) if part]
+            return self.tp.describe()  # type: ignore[return-value]
+        parts = [part for part in (self.data.detail(), self.tp.describe()) if part]
         return f"{self.name}({', '.join(parts)})" if parts else self.name
 
 

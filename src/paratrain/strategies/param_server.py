@@ -31,7 +31,7 @@ from ..dims import ParallelDims
 from ..distributed.param_server.async_serving import Returns
 from ..distributed.param_server.config import PSConfig
 from ..distributed.param_server.layout import Layout, plan_layout
-from ..distributed.param_server.links import Link, return_group
+from ..distributed.param_server.peers import Peer, return_group
 from ..distributed.param_server.messages import ProtocolError
 from ..distributed.param_server.roles import WorkerSide, report, serve, shard_folder
 from ..distributed.param_server.snapshot import ShardStore
@@ -100,11 +100,11 @@ class ParameterServer(Strategy):
         if self.is_server(rt.env):
             self._layout, self._model = layout, model  # served once the optimizer is known
             return model
-        links = self._return_links(rt.env) if self.joins_alone(rt.env) else None
-        self.worker = WorkerSide(model, layout, rt.env.rank, self.config, rt.device, links)
+        peers = self._return_peers(rt.env) if self.joins_alone(rt.env) else None
+        self.worker = WorkerSide(model, layout, rt.env.rank, self.config, rt.device, peers)
         return model
 
-    def _return_links(self, env: ClusterEnv) -> list[Link]:
+    def _return_peers(self, env: ClusterEnv) -> list[Peer]:
         """The servers, in the group a returning worker makes with them (they wait for it: the launcher told them
         it comes back)."""
         store = notice_store(_timeout())
@@ -112,7 +112,7 @@ class ParameterServer(Strategy):
             raise ConfigError("a returning parameter-server worker needs paratrain run's notice store "
                               "(PARATRAIN_NOTICE_STORE); launch the job with paratrain run")
         group = return_group(store, env.rank, rejoin_count(), 0, self.config.servers, _timeout())
-        return [Link(group, 1 + i) for i in range(self.config.servers)]
+        return [Peer(group, 1 + i) for i in range(self.config.servers)]
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         if self.worker is not None:
@@ -186,7 +186,7 @@ class ParameterServer(Strategy):
         """The workers save and load together; the servers, serving, take part through their messages."""
         if self._may_leave or (self._env is not None and self.joins_alone(self._env)):
             raise ConfigError("asynchronous ps workers may leave the job, so they cannot save or load together; set "
-                              "checkpoint_dir (Parallel(checkpoint_dir=...) or paratrain run --checkpoint-dir) to "
+                              "a checkpoint directory (Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir) to "
                               "checkpoint an asynchronous job: its workers then stay to the end")
         return self._workers(self._env) if self._env is not None else None
 

@@ -93,9 +93,7 @@ class PipelineStrategy(Strategy):
         return dp.get_local_rank(), dp.size(), dp.get_group() if dp.size() > 1 else None
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        if self.tp is not None and isinstance(model, nn.Sequential):
-            raise ConfigError(f"{self.name} with tp cuts a model between its repeated blocks, not an nn.Sequential; "
-                              "drop tp, or use Parallel('ddp', tp=...) for a tensor-parallel nn.Sequential")
+        self.tp.check_stages(model, self.name)
         if rt.precision.name == "fp16-mixed":
             raise ConfigError(f"{self.name} does not support fp16-mixed (loss scaling across stages); use bf16-mixed")
         assert rt.mesh is not None
@@ -113,8 +111,7 @@ class PipelineStrategy(Strategy):
         out.microbatches = self.config.microbatches
         out.schedule_name = self.config.schedule
         out.precision = rt.precision
-        if self.tp is not None:
-            out.split_loss = self.tp.outputs.split_loss
+        out.split_loss = self.tp.split_loss
         return out
 
     def _wrap_sequential(self, model: nn.Sequential, rt: Runtime, total: int, mine: list[int]) -> PipelinedModel:
@@ -169,20 +166,10 @@ class PipelineStrategy(Strategy):
 
     def _stage_split(self, model: nn.Module, plan: StagePlan, s: int, total: int, rt: Runtime) -> Step | None:
         """Tensor parallelism of stage ``s`` by the whole model's plan, its boundaries whole (None without tp)."""
-        tp, mesh = self.tp, rt.mesh
-        if tp is None:
-            return None
-        tp_plan = tp.plan(model, rt.facts)
         (start, end), blocks = plan.bounds[s], plan.blocks.names
-
-        def split(stage: nn.Module) -> nn.Module:
-            assert isinstance(stage, StageModule) and mesh is not None
-            tp.apply_stage(stage.stage, tp_plan, mesh, rt.precision, rt.device,
-                           first_block=blocks[start] if s > 0 else None,
-                           last_block=blocks[end - 1] if s < total - 1 else None)
-            return stage
-
-        return split
+        return self.tp.stage_splitter(model, rt.facts, rt.mesh, rt.precision, rt.device,
+                                      first_block=blocks[start] if s > 0 else None,
+                                      last_block=blocks[end - 1] if s < total - 1 else None)
 
     def _replicate(self, part: nn.Module, rt: Runtime, units: FSDPConfig) -> nn.Module:
         assert rt.mesh is not None
@@ -191,7 +178,7 @@ class PipelineStrategy(Strategy):
             return part
         if self.config.data == "fsdp":
             return apply_fsdp(part, dp_mesh, units, rt.precision.fsdp_policy())
-        if self.tp is not None:  # DistributedDataParallel refuses DTensor parameters; FSDP2's replicate takes them
+        if self.tp.splits:  # DistributedDataParallel refuses DTensor parameters; FSDP2's replicate takes them
             return apply_replicate(part, dp_mesh)
         ddp = apply_ddp(part, dp_mesh, rt.device, DDPConfig())
         # The pipeline stage runs every forward under no_sync and prepares DDP's reducer itself before a batch's
@@ -294,7 +281,7 @@ class PipelineStrategy(Strategy):
         return OrderedDict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
 
     def describe(self) -> str:
-        tp = f", {self.tp.describe()}" if self.tp is not None else ""
+        tp = "".join(f", {d}" for d in (self.tp.describe(),) if d)
         return f"{self.name}(schedule={self.config.schedule}, microbatches={self.config.microbatches}{tp})"
 
 
@@ -403,5 +390,5 @@ class HybridPipeline(PipelineStrategy):
             )
 
     def describe(self) -> str:
-        tp = f", {self.tp.describe()}" if self.tp is not None else ""
+        tp = "".join(f", {d}" for d in (self.tp.describe(),) if d)
         return f"hybrid({self.config.data} x pipeline, schedule={self.config.schedule}{tp})"

@@ -41,7 +41,7 @@ def create(name: str, **options: Any) -> Strategy:
     return _FACTORIES[name](**options)
 
 
-def resolve(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> Strategy:
+def strategy_for(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> Strategy:
     """The strategy ``Parallel(strategy=spec, **options)`` asks for; ``auto`` stands for ``single`` in one process
     and for ``ddp`` until ``prepare`` chooses (:mod:`paratrain.strategies.auto`)."""
     if isinstance(spec, Strategy):

@@ -26,7 +26,7 @@ def model_shape(model: nn.Module) -> TPShape | None:
     except ConfigError:
         return None
     split: dict[str, int] = {}
-    for name, style in plan.resolve(model):
+    for name, style in plan.per_module(model):
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
             whole = "bias" if isinstance(style, RowwiseParallel) else None
             split[name] = sum(p.numel() for n, p in model.get_submodule(name).named_parameters() if n != whole)

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ..errors import LaunchError
-from ..launch.network import is_loopback, resolve, route_source
+from ..launch.network import LOOPBACK, address_of, is_loopback, route_source
 
-LOOPBACK = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -57,7 +56,7 @@ def multi_node(*, nproc: int, nnodes: int, node_rank: int, master_addr: str, mas
     """Swap every node's worker addresses through node 0's store; wait at most ``timeout_s`` for the others."""
     from torch.distributed import TCPStore
 
-    master = resolve(master_addr)
+    master = address_of(master_addr)
     if master is None:
         raise LaunchError(f"--master-addr {master_addr!r} does not resolve; give node 0's address or hostname")
     host = LOOPBACK if is_loopback(master) else (route_source(master) or master)

@@ -110,11 +110,11 @@ def check_tf_config(text: str) -> Check:
         config = parse_tf_config(text)
     except LaunchError as e:
         return Check.fail("TF_CONFIG", str(e), "fix TF_CONFIG, or unset it and let `paratrain run --tf` write it")
-    from ..launch.network import is_own_address, resolve
+    from ..launch.network import address_of, is_own_address
 
     host, port = split_address(config.address)
     where = f"{config.task_type} {config.task_index} of {config.num_workers}, {config.address}"
-    address = resolve(host)
+    address = address_of(host)
     if address is None or not is_own_address(address):
         return Check.warn("TF_CONFIG", f"{where}: {host} is not an address of this machine",
                           "run this task on the machine its address names, or fix the task index")

@@ -344,7 +344,7 @@ def _gpus() -> int:
 
 
 def _is_own(host: str) -> bool:
-    from ..launch.network import is_own_address, resolve
+    from ..launch.network import address_of, is_own_address
 
-    address = resolve(host)
+    address = address_of(host)
     return address is not None and is_own_address(address)

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..distributed.process_group import finish_group
 from ..parallel import Parallel
 from .options import merged_strategy_options
-from .record import Record, Recorder, recording_loader, run_loop
+from .record import Record, RecordHooks, recording_loader, run_loop
 from .spec import VerifySpec, build_spec
 
 MAX_DEFAULT_STEPS = 50
@@ -113,7 +113,7 @@ def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
     rank = dist.get_rank()
     if rank == 0:
         ev.init_state = {k: v.detach().cpu().clone() for k, v in spec.model.state_dict().items()}
-    recorder = Recorder(spec.model, own_loss=spec.loss is None)
+    recorder = RecordHooks(spec.model, own_loss=spec.loss is None)
     strategy_options = case_options(case, spec)
     ev.options = spec.run_options.described(strategy_options)
     par = Parallel(case.strategy, accelerator=accelerator, monitor=False,  # the monitor's table would only add noise

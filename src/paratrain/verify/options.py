@@ -31,7 +31,7 @@ SET_BY_VERIFY = {
     "accelerator": "pass --accelerator (accelerator= from Python)",
     "env": "verify places both runs itself",
     "monitor": "verify turns the monitor off: it compares the arithmetic",
-    **dict.fromkeys(("checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume"),
+    **dict.fromkeys(("checkpoint", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume"),
                     "verify trains a few steps from the factory's weights; leave checkpoints to the script"),
     "init_fn": "verify starts both runs from the weights the factory built; build the model off the meta device",
 }

@@ -41,7 +41,7 @@ class Record:
         return len(self.grad_norms)
 
 
-class Recorder:
+class RecordHooks:
     """Fills a :class:`Record` from hooks on the user's model and a wrapper around the loss (``own_loss``: a hook
     reading the loss the model returns)."""
 
@@ -120,7 +120,7 @@ class _Stop(Exception):
 
 
 def run_loop(spec: VerifySpec, par: Parallel, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
-             recorder: Recorder, steps: int, *, keep_states: bool) -> None:
+             recorder: RecordHooks, steps: int, *, keep_states: bool) -> None:
     """The user's loop (or :func:`~paratrain.verify.spec.paratrain_loop`) on the prepared ``model`` and
     ``optimizer`` until the optimizer has stepped ``steps`` times, recording the global gradient norm before each
     step and (with ``keep_states``) the full state after it. Collective in the parallel run: every rank calls it."""

@@ -23,7 +23,7 @@ from ..data import ShardSampler
 from ..env import ClusterEnv
 from ..parallel import Parallel
 from .distributed import DataSetup
-from .record import Record, Recorder, run_loop
+from .record import Record, RecordHooks, run_loop
 from .spec import build_spec
 
 ORDERS = ("global", "shards")
@@ -81,7 +81,7 @@ def reference_run(factory: str, init_state: dict[str, torch.Tensor], data: DataS
     spec = build_spec(factory)
     model = spec.model.cpu()
     model.load_state_dict(init_state)
-    recorder = Recorder(model, own_loss=spec.loss is None)
+    recorder = RecordHooks(model, own_loss=spec.loss is None)
     group = accumulate if whole_windows(data, accumulate) else 1
     batches = GlobalBatches(data, group, order)
     if len(batches) == 0:

@@ -8,7 +8,7 @@ receives its requests alone; the requests themselves are answered one at a time,
 as the synchronous loop (:meth:`Server.serve_one`), in the order they arrive.
 
 When a worker's connection closes, its thread asks the launcher (:class:`Returns`) whether a new process takes its
-place: if so, it meets that process in a group of their own (:func:`~.links.return_group`) and serves it there,
+place: if so, it meets that process in a group of their own (:func:`~.peers.return_group`) and serves it there,
 from the parameters the servers hold now; if not, the worker is gone and the others finish without it.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ParatrainError
-from .links import Link, return_group
+from .peers import Peer, return_group
 from .messages import HEADER_WORDS, REQUEST_TAG
 from .server import Departed, Server
 
@@ -101,12 +101,12 @@ def _serve_worker(server: Server, worker: int, lock: threading.Lock, returns: Re
         deaths += 1
         with lock:
             departure = _depart(server, worker, gone, attendance)
-        link = _await_return(worker, deaths, returns, index, servers)
-        if link is None:
+        peer = _await_return(worker, deaths, returns, index, servers)
+        if peer is None:
             return
         with lock:
             departure.back = True
-            server.links[worker] = link
+            server.peers[worker] = peer
             server.training.add(worker)
 
 
@@ -116,7 +116,7 @@ def _serve_until_gone(server: Server, worker: int, lock: threading.Lock) -> Base
     while worker not in server.finished:
         words.zero_()
         try:
-            server.links[worker].recv(words, REQUEST_TAG, timeout=IDLE_WORKER)
+            server.peers[worker].recv(words, REQUEST_TAG, timeout=IDLE_WORKER)
         except RuntimeError as err:  # between requests
             return err
         try:
@@ -138,9 +138,9 @@ def _depart(server: Server, worker: int, err: BaseException, attendance: Attenda
     return departure
 
 
-def _await_return(worker: int, deaths: int, returns: Returns | None, index: int, servers: int) -> Link | None:
-    """The link to the process that takes ``worker``'s place after its ``deaths``-th death, or None: none does."""
+def _await_return(worker: int, deaths: int, returns: Returns | None, index: int, servers: int) -> Peer | None:
+    """The peer that is the process that takes ``worker``'s place after its ``deaths``-th death, or None: none does."""
     if returns is None or not returns.comes_back(worker, deaths):
         return None
     group = return_group(returns.store, worker, deaths, 1 + index, servers, returns.timeout)
-    return Link(group, 0)
+    return Peer(group, 0)

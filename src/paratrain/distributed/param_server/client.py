@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layout import Layout
-from .links import Link, job_link
+from .peers import Peer, job_peer
 from .messages import (DONE, DTYPE_CODES, HEADER_WORDS, LOAD, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
                        PUSH_DENSE, PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REPORT_WORDS, REQUEST_TAG, SAVE, Header,
                        KIND_NAMES, ProtocolError, pack, word_float)
@@ -52,11 +52,11 @@ class ServerLoad:
 
 class Client:
     def __init__(self, layout: Layout, rank: int, params: dict[str, nn.Parameter], max_rows: int,
-                 links: list[Link] | None = None) -> None:
-        """``links``: how to reach each server (default: in the job's group; a worker back after it died has a
+                 peers: list[Peer] | None = None) -> None:
+        """``peers``: how to reach each server (default: in the job's group; a worker back after it died has a
         group of its own with them)."""
         self.layout, self.rank, self.max_rows = layout, rank, max_rows
-        self.links = links if links is not None else [job_link(r) for r in layout.servers]
+        self.peers = peers if peers is not None else [job_peer(r) for r in layout.servers]
         self.params = [[params[s.name] for s in slots] for slots in layout.dense]
         self.step_no = 0
         self.versions = [0] * len(layout.servers)
@@ -116,7 +116,7 @@ class Client:
                 self.steps_before = h.table
             if h.count:
                 flat = torch.empty(h.count, dtype=self.layout.dtype)
-                self.links[s].recv(flat, REPLY_TAG)
+                self.peers[s].recv(flat, REPLY_TAG)
                 self.stats.pull_bytes += flat.numel() * flat.element_size()
                 with torch.no_grad():  # copied in place: the parameters keep their storage (and device)
                     for p, part in zip(params, flat.split([p.numel() for p in params])):
@@ -142,7 +142,7 @@ class Client:
         for s, part in plan:
             h = self._answer(s, PULL_ROWS)
             rows = torch.empty(h.count, h.width, dtype=self.layout.dtype)
-            self.links[s].recv(rows, REPLY_TAG)
+            self.peers[s].recv(rows, REPLY_TAG)
             out[part] = rows
             self.stats.pull_bytes += rows.numel() * rows.element_size()
         for w in works:
@@ -191,18 +191,18 @@ class Client:
 
     # ----------------------------------------------------------------- wire
     def _request(self, server: int, h: Header, payload: torch.Tensor | None = None) -> list:
-        link = self.links[server]
+        peer = self.peers[server]
         words = h.tensor()
-        works = [_Kept(link.isend(words, REQUEST_TAG), words)]
+        works = [_Kept(peer.isend(words, REQUEST_TAG), words)]
         if payload is not None:
-            works.append(_Kept(link.isend(payload, PAYLOAD_TAG), payload))
+            works.append(_Kept(peer.isend(payload, PAYLOAD_TAG), payload))
             self.stats.push_bytes += payload.numel()
         return works
 
     def _answer(self, server: int, kind: int) -> Header:
         words = torch.zeros(HEADER_WORDS, dtype=torch.int64)
         src = self.layout.servers[server]
-        self.links[server].recv(words, REPLY_TAG)
+        self.peers[server].recv(words, REPLY_TAG)
         w = words.tolist()
         if w[0] != MAGIC or w[1] not in (OK, REFUSED):
             raise ProtocolError(f"rank {self.rank} got a malformed answer from server rank {src}")

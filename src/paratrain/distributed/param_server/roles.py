@@ -13,7 +13,7 @@ from .async_serving import Returns, serve_each_worker
 from .client import Client, ClientStats, ServerLoad
 from .config import PSConfig
 from .layout import Layout
-from .links import Link
+from .peers import Peer
 from .optimizers import group_of, table_kind
 from .server import Server, ServerStats
 from .shards import ServerShards
@@ -57,13 +57,13 @@ class WorkerSide:
     """A worker's connection to the servers and the stand-ins it put into the model."""
 
     def __init__(self, model: nn.Module, layout: Layout, rank: int, config: PSConfig, device: torch.device,
-                 links: list[Link] | None = None) -> None:
-        """``links``: how to reach each server (default: in the job's group)."""
+                 peers: list[Peer] | None = None) -> None:
+        """``peers``: how to reach each server (default: in the job's group)."""
         self.layout, self.config = layout, config
         self.names = {id(p): n for n, p in model.named_parameters()}  # before the tables leave the model
         skip = {f"{t.name}.weight" for t in layout.tables}
         dense = {n: p for n, p in model.named_parameters() if n not in skip}
-        self.client = Client(layout, rank, dense, config.max_rows, links)
+        self.client = Client(layout, rank, dense, config.max_rows, peers)
         self.tables: list[RemoteTable] = replace_tables(model, layout.tables, self.client)
         if device.type != "cpu":  # the tables are gone (they may be on meta); the parameters keep their identity
             model.to(device)

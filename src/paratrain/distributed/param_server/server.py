@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .clipping import clip_coefficient, squared_norm
 from .layout import Layout
-from .links import job_link
+from .peers import job_peer
 from .messages import (DONE, HEADER_WORDS, LOAD, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE, PUSH_ROWS,
                        REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, Refused, Schema, TRAILER, float_word, parse,
                        unpack)
@@ -73,7 +73,7 @@ class Server:
         self.training = set(layout.workers)
         self.finished: set[int] = set()  # workers that said they are done
         self.reports: dict[int, torch.Tensor] = {}  # their numbers for the closing table (REPORT_WORDS each)
-        self.links = {w: job_link(w) for w in layout.workers}
+        self.peers = {w: job_peer(w) for w in layout.workers}
         self.banned: set[int] = set()
         self.pushed: set[int] = set()  # sync: workers whose push of this step is in
         self.max_norm = 0.0  # sync: what this step's pushes clip to (0: no clipping)
@@ -130,7 +130,7 @@ class Server:
         n = h.payload_bytes
         self.buffer[n - TRAILER.numel():n].zero_()
         try:
-            self.links[src].recv(self.buffer, PAYLOAD_TAG)
+            self.peers[src].recv(self.buffer, PAYLOAD_TAG)
         except RuntimeError as err:
             raise Departed(str(err)) from None
         self.stats.bytes_in += n
@@ -257,11 +257,11 @@ class Server:
 
     # ----------------------------------------------------------------- replies
     def _reply(self, dst: int, h: Header, payload: torch.Tensor | None = None) -> None:
-        words, link = h.tensor(), self.links[dst]
-        self.sends.append((link.isend(words, REPLY_TAG), words))
+        words, peer = h.tensor(), self.peers[dst]
+        self.sends.append((peer.isend(words, REPLY_TAG), words))
         if payload is not None and payload.numel():
             payload = payload.contiguous()
-            self.sends.append((link.isend(payload, REPLY_TAG), payload))
+            self.sends.append((peer.isend(payload, REPLY_TAG), payload))
             self.stats.bytes_out += payload.numel() * payload.element_size()
 
     def _refuse(self, src: int, r: Refused) -> None:

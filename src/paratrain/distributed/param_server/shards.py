@@ -88,12 +88,3 @@ class ServerShards:
                 self.grad.mul_(scale)
             self.optimizer.step()
         self.grad.zero_()
-
-    def table_bytes(self) -> int:
-        """Bytes of the table rows and their optimizer state held here."""
-        total = 0
-        for shard in self.tables:
-            total += shard.weight.numel() * shard.weight.element_size()
-            for state in shard.optimizer.state.values() if shard.optimizer is not None else ():
-                total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-        return total

@@ -31,7 +31,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedO
             raise ConfigError(f"{plan.name}: {what}={size} does not split over tp={degree}; choose a tp that divides "
                               f"{size}")
     ties = ties if ties is not None else find_ties(model)
-    for name, style in plan.resolve(model) if styles is None else styles:
+    for name, style in plan.per_module(model) if styles is None else styles:
         parallelize_module(model.get_submodule(name), mesh, style)
         if isinstance(style, VocabHead):
             outputs.install_head(model.get_submodule(name))

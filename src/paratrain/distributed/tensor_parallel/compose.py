@@ -1,5 +1,6 @@
-"""What a strategy holds to add tensor parallelism to itself: the ``tp`` strategy alone, inside ddp/zero2/zero3, or
-inside the stages of a pipeline (``pipeline``/``hybrid``, :mod:`.stage_styles`).
+"""What a strategy holds to add tensor parallelism to itself (its :class:`~.part.WholeLayers` part, splitting):
+the ``tp`` strategy alone, inside ddp/zero2/zero3, or inside the stages of a pipeline (``pipeline``/``hybrid``,
+:mod:`.stage_styles`).
 
 The strategy builds the ``(dp, tp)`` mesh from its :class:`~paratrain.dims.ParallelDims`, splits the model over
 ``mesh["tp"]`` first, then wraps it for data parallelism over ``mesh["dp"]`` (torchtitan's order: TP, then FSDP or
@@ -21,23 +22,52 @@ from ...batch import ModelCall
 from ...model.facts import ModelFacts
 from ...model.materialize import to_device
 from ...options import TPConfig
+from ...errors import ConfigError
 from ...rank_agreement import check_ranks_agree
 from .apply import apply_tp
 from .outputs import ShardedOutputs, forward_backward
 from .infer import choose_plan
+from .degrees import tp_degree
 from .local_step import replicated_locally
+from .part import DataParallel, Step, WholeLayers
 from .plans import TPPlan
 from .stage_styles import stage_styles
 
 
-class TensorParallel:
+class TensorParallel(WholeLayers):
     """Tensor parallelism as part of one strategy (one per ``Parallel``)."""
+
+    splits = True
 
     def __init__(self, config: TPConfig) -> None:
         self.config = config
         self.outputs = ShardedOutputs()
         self._precision: Any = None
         self._device = torch.device("cpu")
+
+    def degree(self, strategy: str, world_size: int) -> int:
+        return tp_degree(strategy, self.config.degree, world_size)
+
+    def splitter(self, mesh: DeviceMesh | None, precision: Any, device: torch.device,
+                 facts: ModelFacts | None) -> Step:
+        assert mesh is not None
+        return lambda model: self.apply(model, mesh, precision, device, facts)
+
+    def stage_splitter(self, model: nn.Module, facts: ModelFacts | None, mesh: DeviceMesh | None, precision: Any,
+                       device: torch.device, first_block: str | None, last_block: str | None) -> Step:
+        plan = self.plan(model, facts)
+
+        def split(stage: nn.Module) -> nn.Module:  # a StageModule: the model's copy it runs is .stage
+            assert mesh is not None
+            self.apply_stage(stage.stage, plan, mesh, precision, device, first_block, last_block)  # type: ignore
+            return stage
+
+        return split
+
+    def check_stages(self, model: nn.Module, strategy: str) -> None:
+        if isinstance(model, nn.Sequential):
+            raise ConfigError(f"{strategy} with tp cuts a model between its repeated blocks, not an nn.Sequential; "
+                              "drop tp, or use Parallel('ddp', tp=...) for a tensor-parallel nn.Sequential")
 
     def apply(self, model: nn.Module, mesh: DeviceMesh, precision: Any, device: torch.device,
               facts: ModelFacts | None = None) -> nn.Module:
@@ -54,7 +84,7 @@ class TensorParallel:
         """The plan for ``model``, checked against the whole model before a pipeline cuts it into stages (a stage
         lacks the other stages' modules, so a pattern matching none of its own is no mistake there)."""
         plan = self._say(choose_plan(model, self.config.plan, self.config.degree, facts))
-        plan.resolve(model)
+        plan.per_module(model)
         return plan
 
     @staticmethod
@@ -80,9 +110,10 @@ class TensorParallel:
         styles = stage_styles(plan, stage, first_block, last_block)
         return apply_tp(to_device(stage, device), mesh["tp"], plan, self.outputs, styles)
 
-    @staticmethod
-    def data_parallel(mesh: DeviceMesh) -> tuple[int, int, dist.ProcessGroup | None]:
+    def data_parallel(self, mesh: DeviceMesh | None, whole: DataParallel) -> DataParallel:
         """The ``dp`` coordinate: ranks of one tp group are one replica."""
+        if mesh is None:
+            return whole
         dp = mesh["dp"]
         return dp.get_local_rank(), dp.size(), dp.get_group() if dp.size() > 1 else None
 
@@ -103,12 +134,20 @@ class TensorParallel:
         """The step updates ``Replicate`` DTensor parameters on their local tensors (:mod:`.local_step`)."""
         return replicated_locally(optimizer)
 
-    @staticmethod
-    def rng_rank(mesh: DeviceMesh) -> int:
-        return mesh["dp"].get_local_rank()
+    def rng_rank(self, mesh: DeviceMesh | None, whole: int) -> int:
+        return whole if mesh is None else mesh["dp"].get_local_rank()
 
     def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor:
         return forward_backward(self.outputs, model, call, scale, self._precision, self._device)
+
+    def split_loss(self) -> AbstractContextManager:
+        return self.outputs.split_loss()
+
+    def needs_every_rank(self, strategy: str) -> str | None:
+        return f"under {strategy} with tp every layer is split over the ranks of a tp group"
+
+    def traffic_bytes(self, known: int | None) -> int | None:
+        return None  # the split's own all-gathers and reduce-scatters are not counted
 
     def describe(self) -> str:
         plan = self.config.plan

@@ -51,7 +51,7 @@ class TPPlan:
     heads: frozenset[str] = frozenset()
     """Modules where ``"colwise"`` means the output head, split over the vocabulary (:func:`heads_of`)."""
 
-    def resolve(self, model: nn.Module) -> list[tuple[str, ParallelStyle]]:
+    def per_module(self, model: nn.Module) -> list[tuple[str, ParallelStyle]]:
         """(module name, style) for every module the plan names, in plan order; a pattern matching no module is a
         mistake (a typo, another model) and raises."""
         names = [n for n, _ in model.named_modules() if n]

@@ -5,7 +5,7 @@ join it again (a gloo group's members are fixed when it starts), so it meets the
 the worker as rank 0, server ``i`` as rank ``1 + i``, set up through the launcher's notice store
 (:mod:`paratrain.launch.leaving`) under a prefix naming the worker and its return. Both sides build that group
 with ``ProcessGroupGloo`` itself (not ``new_group``, which every member of the job's group would have to call).
-A :class:`Link` hides which group a peer sits in, so the client and the server speak the same calls to both.
+A :class:`Peer` hides which group a peer sits in, so the client and the server speak the same calls to both.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 
 @dataclass(frozen=True)
-class Link:
+class Peer:
     """A peer: ``peer`` is its rank in ``group`` (the job's group: its global rank)."""
 
     group: dist.ProcessGroup
@@ -33,9 +33,9 @@ class Link:
         work.wait() if timeout is None else work.wait(timeout)
 
 
-def job_link(rank: int) -> Link:
+def job_peer(rank: int) -> Peer:
     """``rank`` in the job's own group."""
-    return Link(dist.group.WORLD, rank)
+    return Peer(dist.group.WORLD, rank)
 
 
 def return_group(store: dist.Store, worker: int, returns: int, member: int, servers: int,
