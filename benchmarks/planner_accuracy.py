@@ -20,7 +20,7 @@ size; that world is predicted from the mean of the two, so a machine whose load 
   communicate is their difference.
 
 ``make_plan(step_time=..., optimizer_time=..., micro_step_time=..., host_step_time=..., fsdp_overhead=...,
-threads=1)`` turns them into the planner's constants (docs/planner.md, "Calibrating"); the planner then splits
+threads=1)`` turns them into the planner's constants (docs/planner-model.md, "Calibrating"); the planner then splits
 the global batch per replica itself. glibc's allocator is told to keep freed memory (``MALLOC_ENV``, for this
 process and the ranks alike): by default the Adam step's timing depends on page faults.
 

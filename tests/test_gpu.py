@@ -1,6 +1,6 @@
 """Checks that need CUDA (marker `gpu`; `pytest -m gpu` on a GPU machine). Each skips cleanly without CUDA.
 
-Results on real hardware are recorded in docs/gpu-validation.md. With one GPU, jobs run one process per GPU
+Results on real hardware are recorded in benchmarks/GPU-LOG.md. With one GPU, jobs run one process per GPU
 (NCCL refuses two ranks on one device), so the multi-rank NCCL checks need 2+ GPUs and skip otherwise.
 """
 import json

@@ -306,7 +306,7 @@ class Parallel:
         return load_weights(self.strategy.unwrap(model), path, self._prepared.facts.get(id(model)))
 
     def resume(self) -> Path | None:
-        """Load ``checkpoint_dir``'s latest checkpoint once, if the job is set to resume and one exists
+        """Load the checkpoint directory's latest checkpoint once, if the job is set to resume and one exists
         (``epochs()`` calls it; call it before a loop without ``epochs()``)."""
         if (found := self._checkpoints.to_resume()) is None:  # a rank back after its process died: where it stood
             self._loop.continue_at(self.strategy.steps_taken(), self._prepared.loaders)

@@ -1,7 +1,7 @@
 """The planner: pure functions from model statistics x hardware x strategy to memory per rank, step time and
 a recommended strategy. No process group, no weights allocated; a plan takes milliseconds.
 
-See docs/planner.md for the formulas and their sources.
+See docs/planner-model.md for the formulas and their sources.
 """
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, measured_link, p2p_s, reduce_scatter_s
 from .hardware import DEVICES, LINKS, Cluster, Device, Link, calibrated, cpu_host, get_device, get_link, make_cluster

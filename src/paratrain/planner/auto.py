@@ -36,7 +36,7 @@ from .transformer import GPTConfig, transformer_params, transformer_stats
 CANDIDATES = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
 MEMORY_MARGIN = 0.15
 """The planner's own memory error: its peak per GPU against ``torch.cuda.max_memory_allocated`` on an H100, 32 of
-32 cases within 15% (benchmarks/RESULTS.md §7), issue 24's goal. Nothing fitting by less than this may still fit."""
+32 cases within 15% (benchmarks/RESULTS.md §7). Nothing fitting by less than this may still fit."""
 
 
 @dataclass(frozen=True, kw_only=True)

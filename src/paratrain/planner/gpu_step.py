@@ -1,12 +1,12 @@
 """``paratrain plan --measure`` on a GPU: a few real training steps of the model on this machine's GPU.
 
 The catalogue's figures are a guess: its old whole-step MFU (0.4) was off by 1.3-2.2x for GPT-2 on an H100 (the model
-reached 0.18-0.30), its matmul efficiency with elementwise passes (docs/planner.md) still by 1.3-2.5x there.
+reached 0.18-0.30), its matmul efficiency with elementwise passes (docs/planner-model.md) still by 1.3-2.5x there.
 A measured step replaces it: the forward+backward and the optimizer step are timed apart, under the planned
 precision and optimizer, so ``hardware.calibrated`` can set both the sustained compute rate and the memory
 bandwidth from them, as ``--step-time`` with ``--optimizer-time`` does. The model's sizes and activations still
 come from the closed forms or the meta-device trace (checked against ``max_memory_allocated``,
-docs/gpu-validation.md); the peak measured here is reported beside the plan's.
+benchmarks/GPU-LOG.md); the peak measured here is reported beside the plan's.
 """
 from __future__ import annotations
 

@@ -204,7 +204,7 @@ ACTIVATION_PASSES = 12.0
 """Memory passes over the saved activations a forward+backward of eager PyTorch makes (each unfused elementwise
 kernel reads and writes its activation-sized operands, forward and backward). With the two, the sustained
 fraction of peak falls with the model's width as measured: elementwise traffic grows with h per token, matmul FLOPs
-with h² (GPT-2 on an H100 reaches 0.13-0.3, a 70B model 0.5-0.6: benchmarks/RESULTS.md §7 and §19)."""
+with h² (GPT-2 on an H100 reaches 0.13-0.3, a 70B model 0.5-0.6: benchmarks/RESULTS.md §19 and §24)."""
 
 DEVICES = MappingProxyType({d.name: d for d in (
     Device(name="a100-40gb", memory_gib=40, bf16_tflops=312, fp32_tflops=19.5, memory_gbs=1555,
@@ -257,7 +257,7 @@ LINKS = MappingProxyType({link.name: link for link in (
     *(_ethernet(g, roce=False) for g in (10, 25, 100, 200, 400)),
     *(_ethernet(g, roce=True) for g in (10, 25, 100, 200, 400)),
     # gloo between processes of one host: all-reduce 1.0-1.5 GB/s, point-to-point 3-4 GB/s (FIELD-NOTES);
-    # all-gather, reduce-scatter and broadcast of 15.8 MB at world 2 against the all-reduce (docs/planner.md).
+    # all-gather, reduce-scatter and broadcast of 15.8 MB at world 2 against the all-reduce (docs/planner-model.md).
     Link(name="loopback-gloo", bandwidth_gbs=1.2, latency_us=100.0, p2p_gbs=3.5, all_gather_eff=GLOO_ALL_GATHER_EFF,
          reduce_scatter_eff=GLOO_REDUCE_SCATTER_EFF, broadcast_eff=GLOO_BROADCAST_EFF),
 )})
@@ -392,7 +392,7 @@ def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, p
                host_step: tuple[float, float] | None = None) -> Cluster:
     """The cluster with its device's MFU (and memory bandwidth) set from one rank's measured step.
 
-    The step is modelled as the time model does (docs/planner.md): ``flops_per_step`` at the sustained rate plus
+    The step is modelled as the time model does (docs/planner-model.md): ``flops_per_step`` at the sustained rate plus
     ``streamed_bytes`` (the weights a forward+backward streams) and ``optimizer_bytes`` (the optimizer step's) at
     the memory bandwidth. ``optimizer_s``, the optimizer step timed apart, sets the bandwidth
     (``optimizer_bytes / optimizer_s``) and ``step_time_s`` is then the forward+backward alone; without it the

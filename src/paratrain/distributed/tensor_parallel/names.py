@@ -74,7 +74,7 @@ def style(spec: str) -> ParallelStyle:
     """The style ``spec`` names (``"rowwise(output=sequence)"``), remembering the name."""
     match = _SPEC.match(spec)
     if match is None or match.group(1) not in STYLES:
-        raise ConfigError(f"{spec!r} is not a style; use one of {', '.join(STYLES)} (docs/strategies.md lists what "
+        raise ConfigError(f"{spec!r} is not a style; use one of {', '.join(STYLES)} (docs/tensor-parallel.md lists what "
                           "each does) or a torch.distributed.tensor.parallel ParallelStyle")
     args: list[str] = []
     kwargs: dict[str, str] = {}

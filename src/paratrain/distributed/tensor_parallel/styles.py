@@ -144,7 +144,7 @@ class Replicated(ParallelStyle):
     ``to_local()`` (differentiable: its gradient comes back a ``Replicate`` DTensor, as DTensor's own ops give)
     for the call and put back after it, also when the call raises, as FSDP2 swaps its unsharded parameters. The
     numbers are the same; what goes is DTensor's dispatch on every op of a norm's forward and backward (§20 of
-    benchmarks/RESULTS.md: 216 DTensor ops a step on a 4-layer Llama). Otherwise the module computes on DTensors,
+    benchmarks/RESULTS.md §20). Otherwise the module computes on DTensors,
     its plain inputs made ``Replicate`` ones. The optimizer's step updates these parameters on their local tensors
     too (:mod:`.local_step`)."""
 
