@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..launch.spawn import launch
-from ..strategies import check_every_rank_trains, check_world
+from ..strategies import check_every_rank_trains, check_name, check_world
 from .distributed import Case, RankEvidence, case_options, run_cases
 from .record import Record
 from .reference import reference_run
@@ -73,6 +73,8 @@ def _check_cases(cases: Sequence[Case], nprocs: int) -> None:
     run with its options (the spec's and the command's together) on ``nprocs`` processes, or a bad step count."""
     from ..errors import ConfigError
 
+    for case in cases:  # names first: cheap, and the likelier mistake
+        check_name(case.strategy)
     specs = {factory: build_spec(factory) for factory in dict.fromkeys(c.factory for c in cases)}
     for case in cases:
         spec = specs[case.factory]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ParatrainError
 from ..parallel import Parallel
 from ..factory import load_callable
 from .options import RunOptions
@@ -152,7 +152,14 @@ def _takes_targets(model: nn.Module, keyword: str | None) -> bool:
 
 def build_spec(factory: str) -> VerifySpec:
     """Call ``module:factory`` and check that it returned a ``VerifySpec``."""
-    spec = load_callable(factory, "verify factory")()
+    build = load_callable(factory, "verify factory")
+    try:
+        spec = build()
+    except ParatrainError:
+        raise
+    except Exception as err:  # the user's own code: one line saying so; --debug shows where
+        raise ConfigError(f"{factory}() raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                          "(run it alone, or paratrain --debug verify, for its traceback)") from err
     if not isinstance(spec, VerifySpec):
         raise ConfigError(f"{factory} returned {type(spec).__name__}; return a paratrain.verify.VerifySpec")
     return spec
