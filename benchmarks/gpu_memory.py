@@ -82,7 +82,7 @@ def model_stats(name: str) -> ModelStats:
 
 def predict(case: Case) -> dict[str, Any]:
     """The planner's peak for ``case`` on one H100: bytes allocated, its breakdown and when it comes."""
-    layout = Layout(name="zero3", zero=3) if case.strategy == "zero3" else Layout(name="single")
+    layout = Layout.of(name="zero3", zero=3) if case.strategy == "zero3" else Layout.of(name="single")
     training = Training(precision=case.precision, optimizer="adam", micro_batch=case.batch)
     memory = memory_per_rank(model_stats(case.model), layout, batching(training, dp=1, pp=1, world_size=1), training,
                              make_cluster("h100"))

@@ -44,16 +44,16 @@ def models(tmp_path_factory):
 
 
 def layouts(w: int) -> list[tuple[str, dict, Layout]]:
-    return [("ddp", {}, Layout(name="ddp", dp=w)), ("zero1", {}, Layout(name="zero1", dp=w, zero=1, shard=w)),
-            ("zero2", {}, Layout(name="zero2", dp=w, zero=2, shard=w)),
-            ("zero3", {}, Layout(name="zero3", dp=w, zero=3, shard=w)),
-            ("hsdp", {"shard_size": 8}, Layout(name="hsdp", dp=w, zero=3, shard=8)),
-            ("zero3", {"tp": 8}, Layout(name="zero3", dp=w // 8, zero=3, shard=w // 8, tp=8)),
-            ("ddp", {"tp": 8}, Layout(name="ddp", dp=w // 8, tp=8)),
-            ("tp", {}, Layout(name="tp", tp=w)),  # refused: 16 heads do not split over 64 or 128 ranks
-            ("hybrid", {"dp": w // 4}, Layout(name="hybrid", dp=w // 4, pp=4)),
-            ("hybrid", {"dp": w // 4, "data": "fsdp"}, Layout(name="hybrid", dp=w // 4, pp=4, zero=3, shard=w // 4)),
-            ("pipeline", {"tp": w // 8}, Layout(name="pipeline", pp=8, tp=w // 8))]
+    return [("ddp", {}, Layout.of(name="ddp", dp=w)), ("zero1", {}, Layout.of(name="zero1", dp=w, zero=1, shard=w)),
+            ("zero2", {}, Layout.of(name="zero2", dp=w, zero=2, shard=w)),
+            ("zero3", {}, Layout.of(name="zero3", dp=w, zero=3, shard=w)),
+            ("hsdp", {"shard_size": 8}, Layout.of(name="hsdp", dp=w, zero=3, shard=8)),
+            ("zero3", {"tp": 8}, Layout.of(name="zero3", dp=w // 8, zero=3, shard=w // 8, tp=8)),
+            ("ddp", {"tp": 8}, Layout.of(name="ddp", dp=w // 8, tp=8)),
+            ("tp", {}, Layout.of(name="tp", tp=w)),  # refused: 16 heads do not split over 64 or 128 ranks
+            ("hybrid", {"dp": w // 4}, Layout.of(name="hybrid", dp=w // 4, pp=4)),
+            ("hybrid", {"dp": w // 4, "data": "fsdp"}, Layout.of(name="hybrid", dp=w // 4, pp=4, zero=3, shard=w // 4)),
+            ("pipeline", {"tp": w // 8}, Layout.of(name="pipeline", pp=8, tp=w // 8))]
 
 
 @pytest.mark.parametrize("world", [64, 128])

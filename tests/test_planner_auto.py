@@ -60,8 +60,8 @@ def test_auto_stays_on_the_data_parallel_mesh_unless_given_a_tp_shape():
                     split=(65536 * 64, block, block, 0, 65536 * 64))
     stats = replace(parameter_stats(model), tp=shape)
     cluster = make_cluster("h100", gpus=4)
-    zero3 = estimate(stats, Layout(name="zero3", dp=4, zero=3, shard=4), ADAM_FP32, cluster).memory.total
-    split = estimate(stats, Layout(name="zero3", dp=2, zero=3, shard=2, tp=2), ADAM_FP32, cluster).memory.total
+    zero3 = estimate(stats, Layout.of(name="zero3", dp=4, zero=3, shard=4), ADAM_FP32, cluster).memory.total
+    split = estimate(stats, Layout.of(name="zero3", dp=2, zero=3, shard=2, tp=2), ADAM_FP32, cluster).memory.total
     assert split < zero3  # the gathered vocab tables are half as large
     tight = make_cluster("h100", gpus=4, gpu_mem_gb=(zero3 + split) / 2 / 2**30)
     assert choose(model, tight, "fp32").strategy == "zero3" and choose(model, tight, "fp32").tp == 1

@@ -69,12 +69,12 @@ def test_fsdp_machinery_is_measured_on_one_rank_and_paid_per_unit_and_call():
     cluster = make_cluster("cpu", gpus=4)
     timed = replace(cluster, device=replace(cluster.device, fsdp_call_s=per_call))
     batch = batching(training, dp=4, pp=1, world_size=4)
-    for layout, calls in ((Layout(name="zero2", dp=4, zero=2, shard=4), 2),
-                          (Layout(name="zero3", dp=4, zero=3, shard=4), 3)):
+    for layout, calls in ((Layout.of(name="zero2", dp=4, zero=2, shard=4), 2),
+                          (Layout.of(name="zero3", dp=4, zero=3, shard=4), 3)):
         extra = step_time(stats, layout, batch, training, timed).compute_s - step_time(
             stats, layout, batch, training, cluster).compute_s
         assert extra == pytest.approx(units * calls * per_call * cluster.device.serial_slowdown(4))
-    ddp = Layout(name="ddp", dp=4)
+    ddp = Layout.of(name="ddp", dp=4)
     assert step_time(stats, ddp, batch, training, timed) == step_time(stats, ddp, batch, training, cluster)
     plan = make_plan(resolve_model("mlp"), gpu="cpu", gpus=2, precision="fp32", optimizer="adam", step_time=0.02,
                      optimizer_time=0.004, threads=1, fsdp_overhead={"zero2": 0.004, "zero3": 0.006})
@@ -95,7 +95,7 @@ def test_a_pipeline_stage_computes_its_own_units_flops():
     cluster = make_cluster("cpu", gpus=2)
     batch = batching(training, dp=1, pp=2, world_size=2)
     even = replace(stats, unit_flops=())
-    pp = Layout(name="pipeline", pp=2)
+    pp = Layout.of(name="pipeline", pp=2)
     extra = step_time(stats, pp, batch, training, cluster).compute_s - step_time(even, pp, batch, training,
                                                                                  cluster).compute_s
     rate = cluster.flops_per_s("fp32", 2)

@@ -28,10 +28,10 @@ def _states(layout, training=None, paper=False):
 def test_model_states_match_the_zero_paper_for_mixed_precision_adam(n):
     """The paper's figures (``paper=True``: ZeRO-1 as an even split of the optimizer states)."""
     expected = {  # Rajbhandari et al. 2020, figure 1: bytes per GPU for Ψ parameters on N GPUs
-        Layout(name="ddp", dp=n): 16 * PSI,
-        Layout(name="zero1", dp=n, zero=1, shard=n): 4 * PSI + 12 * PSI / n,
-        Layout(name="zero2", dp=n, zero=2, shard=n): 2 * PSI + 14 * PSI / n,
-        Layout(name="zero3", dp=n, zero=3, shard=n): 16 * PSI / n,
+        Layout.of(name="ddp", dp=n): 16 * PSI,
+        Layout.of(name="zero1", dp=n, zero=1, shard=n): 4 * PSI + 12 * PSI / n,
+        Layout.of(name="zero2", dp=n, zero=2, shard=n): 2 * PSI + 14 * PSI / n,
+        Layout.of(name="zero3", dp=n, zero=3, shard=n): 16 * PSI / n,
     }
     for layout, states in expected.items():
         assert _states(layout, paper=True).total == pytest.approx(states, rel=1e-12), layout.name
@@ -51,10 +51,10 @@ def test_zero1_optimizer_states_are_the_busiest_rank_of_zero_redundancy_optimize
     assert sum(STATS.tensors) == PSI and largest == 50257 * 1024  # the token embedding
     adam = 12  # fp32 master copy and two moments, bytes per parameter
     for n in (2, 8, 64):
-        got = _states(Layout(name="zero1", dp=n, zero=1, shard=n)).optimizer_states
+        got = _states(Layout.of(name="zero1", dp=n, zero=1, shard=n)).optimizer_states
         assert max(largest, PSI / n) * adam <= got <= (PSI / n + largest) * adam, n
-    assert _states(Layout(name="zero1", dp=64, zero=1, shard=64)).optimizer_states == largest * adam
-    assert _states(Layout(name="zero1", dp=2, zero=1, shard=2)).optimizer_states == pytest.approx(
+    assert _states(Layout.of(name="zero1", dp=64, zero=1, shard=64)).optimizer_states == largest * adam
+    assert _states(Layout.of(name="zero1", dp=2, zero=1, shard=2)).optimizer_states == pytest.approx(
         adam * PSI / 2, rel=0.01)  # two ranks: nearly even
 
 
@@ -63,42 +63,42 @@ def test_zero1_optimizer_states_are_the_busiest_rank_of_zero_redundancy_optimize
 ])
 def test_bytes_per_parameter_by_precision_and_optimizer(precision, optimizer, per_param):
     training = Training(precision=precision, optimizer=optimizer, micro_batch=1)
-    assert _states(Layout(name="single"), training).total == per_param * PSI
+    assert _states(Layout.of(name="single"), training).total == per_param * PSI
 
 
 def test_the_peak_is_backward_with_large_activations_else_the_optimizer_step():
-    big = _memory(Layout(name="single"), Training(precision="fp32", micro_batch=8))
+    big = _memory(Layout.of(name="single"), Training(precision="fp32", micro_batch=8))
     assert big.phase == "backward" and big.gradients == 0  # zero_grad(set_to_none=True) freed them
     assert big.transient == 2 * STATS.output_bytes_per_sample * 8  # the loss's two fp32 logit-sized gradients
-    states = _states(Layout(name="single"), Training(precision="fp32", micro_batch=8))
+    states = _states(Layout.of(name="single"), Training(precision="fp32", micro_batch=8))
     small = memory_per_rank(STATS.__class__(**{**STATS.__dict__, "activation_bytes_per_sample": 0.0,
                                                "output_bytes_per_sample": 0.0}),
-                            Layout(name="single"), batching(Training(precision="fp32", micro_batch=8), dp=1, pp=1,
+                            Layout.of(name="single"), batching(Training(precision="fp32", micro_batch=8), dp=1, pp=1,
                                                             world_size=1),
                             Training(precision="fp32", micro_batch=8), make_cluster("h100"))
     assert small.phase == "optimizer step" and small.activations == 0
     assert small.model_states == states.total and small.transient == 4 * PSI  # Adam's sqrt(v) temporaries
-    accumulating = _memory(Layout(name="single"), Training(precision="fp32", micro_batch=8, global_batch=32))
+    accumulating = _memory(Layout.of(name="single"), Training(precision="fp32", micro_batch=8, global_batch=32))
     assert accumulating.gradients == states.gradients  # earlier micro-batches' gradients are alive
-    ddp = _memory(Layout(name="ddp", dp=8), Training(precision="fp32", micro_batch=8))
+    ddp = _memory(Layout.of(name="ddp", dp=8), Training(precision="fp32", micro_batch=8))
     assert ddp.gradients == states.gradients  # DDP's buckets
 
 
 def test_activations_scale_with_micro_batch_and_shrink_with_checkpointing():
     copies = 2 * STATS.matmul_params  # autocast's bf16 weight copies, saved for backward
-    four = _memory(Layout(name="single"), Training(micro_batch=4)).activations
+    four = _memory(Layout.of(name="single"), Training(micro_batch=4)).activations
     assert four == pytest.approx(4 * STATS.mixed["autocast"][0] + copies)
-    assert _memory(Layout(name="single"), Training(micro_batch=16)).activations == pytest.approx(4 * (four - copies) + copies)
-    fp32 = _memory(Layout(name="single"), Training(micro_batch=4, precision="fp32")).activations
+    assert _memory(Layout.of(name="single"), Training(micro_batch=16)).activations == pytest.approx(4 * (four - copies) + copies)
+    fp32 = _memory(Layout.of(name="single"), Training(micro_batch=4, precision="fp32")).activations
     assert fp32 == pytest.approx(4 * STATS.activation_bytes_per_sample)
     assert 1.6 < STATS.activation_bytes_per_sample / STATS.mixed["autocast"][0] < 2  # autocast keeps x in fp32
-    saved, checkpointed, _ = activation_figures(STATS, Training(), Layout(name="single"))
+    saved, checkpointed, _ = activation_figures(STATS, Training(), Layout.of(name="single"))
     assert checkpointed < saved / 3  # each block's input and one block; the loss's fp32 log-probabilities stay
 
 
 def test_pipeline_holds_m_micro_batches_under_gpipe_and_at_most_p_under_1f1b():
     p, m = 4, 16
-    layout = Layout(name="pipeline", pp=p)
+    layout = Layout.of(name="pipeline", pp=p)
     per_micro = STATS.activation_bytes_per_sample / p  # one micro-batch of one sample on a quarter of the layers
     for schedule, in_flight in (("gpipe", m), ("1f1b", p)):
         training = Training(micro_batch=1, global_batch=m, schedule=schedule, precision="fp32")
@@ -116,9 +116,9 @@ def test_pipeline_stage_holds_the_fullest_contiguous_run_of_units():
 
 
 def test_buffers_ddp_two_buckets_fsdp_the_largest_unit_gathered():
-    ddp = _memory(Layout(name="ddp", dp=8))
+    ddp = _memory(Layout.of(name="ddp", dp=8))
     assert ddp.buffers == 2 * 25 * 2**20
-    fsdp = _memory(Layout(name="zero3", dp=8, zero=3, shard=8))
+    fsdp = _memory(Layout.of(name="zero3", dp=8, zero=3, shard=8))
     unit = STATS.largest_unit[1]
     assert fsdp.buffers == 2 * unit * 2 + unit * 2  # current + prefetched bf16 unit, its bf16 gradient
     assert ddp.overhead == fsdp.overhead == 0.75 * 2**30
@@ -140,10 +140,10 @@ def test_layouts_follow_the_cluster_and_the_strategies_meshes():
 
 def test_hsdp_shards_within_a_node_and_model_parallel_splits_layers_over_a_processs_gpus():
     cluster = make_cluster("h100", gpus=8, nodes=4)
-    hsdp = Layout(name="hsdp", dp=32, zero=3, shard=8)
+    hsdp = Layout.of(name="hsdp", dp=32, zero=3, shard=8)
     assert hsdp.replicas == 4
     assert _states(hsdp).total == pytest.approx(16 * PSI / 8)
-    mp_layout = Layout(name="model_parallel", mp=4)
+    mp_layout = Layout.of(name="model_parallel", mp=4)
     assert _states(mp_layout).total == 16 * stage_params(STATS.units, 4)
     mp = _memory(mp_layout, Training(micro_batch=1, precision="fp32"))
     assert mp.activations == pytest.approx(STATS.activation_bytes_per_sample / 4)

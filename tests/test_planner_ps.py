@@ -33,7 +33,7 @@ def _stats(factory, ids: int = 8):
 
 def _ps(stats, world: int, servers: int, training: Training):
     cluster = make_cluster("cpu", gpus=world)
-    return estimate(stats, Layout(name="ps", dp=world - servers, servers=servers), training, cluster)
+    return estimate(stats, Layout.of(name="ps", dp=world - servers, servers=servers), training, cluster)
 
 
 def test_the_trace_finds_the_table_the_runtime_would_hold_and_its_lookups():
@@ -81,7 +81,7 @@ def test_a_worker_holds_the_dense_model_and_the_rows_it_touched_never_the_table(
     held = worker.total - worker.overhead
     assert held < table_bytes / 10
     assert e.memory.total == max(worker.total, e.serving.server.total)
-    ddp = estimate(stats, Layout(name="ddp", dp=3), training, make_cluster("cpu", gpus=3))
+    ddp = estimate(stats, Layout.of(name="ddp", dp=3), training, make_cluster("cpu", gpus=3))
     assert ddp.memory.parameters >= table_bytes  # every ddp rank holds the table
 
 
@@ -186,7 +186,7 @@ def test_a_ps_step_pays_each_request_on_the_busiest_server_for_every_worker():
     assert server > 0 and worker > 0
     for world, servers in ((2, 1), (3, 1), (5, 1), (5, 2)):
         w = world - servers
-        layout = Layout(name="ps", dp=w, servers=servers)
+        layout = Layout.of(name="ps", dp=w, servers=servers)
         with_work = make_cluster("cpu", gpus=world)
         without = replace(with_work, device=replace(with_work.device, ps_server_request_s=0.0, ps_worker_request_s=0.0))
         e, bare = (estimate(stats, layout, training, c) for c in (with_work, without))
@@ -194,10 +194,10 @@ def test_a_ps_step_pays_each_request_on_the_busiest_server_for_every_worker():
         assert n == 1 + e.batch.micro_batches + 1  # a dense push, a row pull per micro-batch, a row push
         assert e.time.step_s - bare.time.step_s == pytest.approx(w * n * server + n * worker, rel=1e-9)
         assert e.serving.requests_s == pytest.approx(w * n * server + n * worker, rel=1e-9)
-    accumulated = estimate(stats, Layout(name="ps", dp=2, servers=1), replace(training, micro_batch=64,
+    accumulated = estimate(stats, Layout.of(name="ps", dp=2, servers=1), replace(training, micro_batch=64,
                                                                             global_batch=768), cluster)
     assert accumulated.batch.micro_batches == 4 and accumulated.serving.requests == 1 + 4 + 1
-    dense = estimate(_stats(_mlp), Layout(name="ps", dp=2, servers=1), training, cluster)
+    dense = estimate(_stats(_mlp), Layout.of(name="ps", dp=2, servers=1), training, cluster)
     assert dense.serving.requests == 1
     assert make_cluster("h100", gpus=8).device.ps_server_request_s == server  # a host process there too
 

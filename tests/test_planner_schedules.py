@@ -43,7 +43,7 @@ def test_interleaving_keeps_l_layers_times_one_plus_p_minus_one_over_pv_on_the_f
 
 def test_the_planner_holds_the_same_in_flight_micro_batches_for_interleaved_1f1b():
     p, m, v = 4, 16, 2
-    layout = Layout(name="pipeline", pp=p)
+    layout = Layout.of(name="pipeline", pp=p)
     per_micro = STATS.activation_bytes_per_sample / p
     training = Training(micro_batch=1, global_batch=m, schedule="interleaved-1f1b", virtual_stages=v,
                         precision="fp32")
@@ -57,7 +57,7 @@ def test_interleaving_divides_the_bubble_by_v_and_multiplies_the_sends():
     assert bubble_fraction(8, 64, 4) == pytest.approx((7 / 4) / (64 + 7 / 4))  # Narayanan et al. 2021, 2.2.2
     p, m = 4, 16
     cluster = make_cluster("h100", gpus=p, mfu=0.4)
-    layout = Layout(name="pipeline", pp=p)
+    layout = Layout.of(name="pipeline", pp=p)
     plain = Training(micro_batch=1, global_batch=m)
     looped = Training(micro_batch=1, global_batch=m, schedule="interleaved-1f1b", virtual_stages=2)
     a, b = (step_time(STATS, layout, batching(t, dp=1, pp=p, world_size=p), t, cluster) for t in (plain, looped))
@@ -89,7 +89,7 @@ def test_causal_attention_runs_half_its_matrices_and_selective_recompute_repeats
 def test_without_sequence_parallelism_every_tp_rank_keeps_the_residuals_whole():
     cfg = TRANSFORMERS["gpt2-medium"]
     sh = cfg.seq_len * cfg.hidden
-    tp = Layout(name="tp", tp=4)
+    tp = Layout.of(name="tp", tp=4)
     on, off = (activation_figures(STATS, Training(sequence_parallel=sp), tp) for sp in (True, False))
     r, c = 4, 2  # autocast: fp32 residual stream, 16-bit matrix products
     whole = 2 * (r + c) * sh - 2 * c * sh  # each block's input and post-attention residual, besides what SP keeps
@@ -123,7 +123,7 @@ def test_per_op_selective_ac_keeps_half_the_matmul_outputs_and_recomputes_half_t
     s, h, f = cfg.seq_len, cfg.hidden, cfg.ffn_width
     per_block, outside = transformer_activations(cfg, residual=2, act=2)
     kept = 2 * s * h + 2 * s * (cfg.qkv_width + h + 2 * f + h) / 2 + 2 * s * h + 4 * cfg.heads * s
-    layout = Layout(name="zero3", dp=8, zero=3, shard=8)
+    layout = Layout.of(name="zero3", dp=8, zero=3, shard=8)
     assert activation_figures(stats, Training(recompute="op"), layout)[0] == pytest.approx(
         cfg.layers * kept + outside)
     assert kept < per_block / 2
@@ -151,7 +151,7 @@ def test_fsdp_under_a_pipeline_keeps_its_stage_gathered_and_syncs_once():
     from paratrain.planner.layout import block_stage_params
 
     p = 4
-    layout = Layout(name="hybrid", dp=2, zero=3, shard=2, pp=p)
+    layout = Layout.of(name="hybrid", dp=2, zero=3, shard=2, pp=p)
     cluster = make_cluster("h100", gpus=8)
     boundary = STATS.mixed["param_dtype"][2]  # one sample's block output, 16-bit
     times = []

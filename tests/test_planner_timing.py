@@ -36,7 +36,7 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
     assert bubble_fraction(p, m) == pytest.approx((p - 1) / (m + p - 1))
     training = Training(micro_batch=1, global_batch=m)
     cluster = make_cluster("h100", gpus=p)
-    layout = Layout(name="pipeline", pp=p)
+    layout = Layout.of(name="pipeline", pp=p)
     t = step_time(STATS, layout, batching(training, dp=1, pp=p, world_size=p), training, cluster)
     assert t.bubble_s / (t.compute_s + t.bubble_s) == pytest.approx(bubble_fraction(p, m))
 
@@ -44,17 +44,17 @@ def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
 def test_compute_time_is_flops_over_sustained_rate_plus_weights_and_ddp_hides_its_all_reduce():
     training = Training(micro_batch=8)
     cluster = make_cluster("h100", gpus=8)
-    single = step_time(STATS, Layout(name="single"), batching(training, dp=1, pp=1, world_size=1), training, cluster)
+    single = step_time(STATS, Layout.of(name="single"), batching(training, dp=1, pp=1, world_size=1), training, cluster)
     weights = 3 * STATS.params * 2 / 3350e9  # bf16 weights read in forward and backward, gradient written, HBM3
     executed = STATS.flops_per_sample - STATS.attention_flops_per_sample / 2  # a causal kernel skips half the scores
     elementwise = 12 * STATS.mixed["autocast"][0] * 8 / 3350e9  # 12 passes over the saved activations, HBM3
     assert single.compute_s == pytest.approx(executed * 8 / (989e12 * 0.7) + weights + elementwise)
     assert single.optimizer_s == pytest.approx(STATS.params * 80 / 3350e9)  # AdamW streams 80 bytes a parameter
-    ddp = step_time(STATS, Layout(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, cluster)
+    ddp = step_time(STATS, Layout.of(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, cluster)
     assert ddp.comm_s == pytest.approx(all_reduce_s(STATS.params * 2, 8, cluster.intra))
     assert ddp.exposed_comm_s == 0.0  # 0.25 GB over NVLink hides in backward
     slow = make_cluster("h100", gpus=8, interconnect="pcie3-x4", mfu=1.0)
-    ddp_slow = step_time(STATS, Layout(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, slow)
+    ddp_slow = step_time(STATS, Layout.of(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, slow)
     buckets = 6 * STATS.params * 2 / 3350e9  # DDP copies gradients into its buckets, divides, copies back
     assert ddp.compute_s == pytest.approx(single.compute_s + buckets)
     hidden = slow.device.overlap * 2 / 3 * (ddp_slow.compute_s - buckets)
@@ -64,12 +64,12 @@ def test_compute_time_is_flops_over_sustained_rate_plus_weights_and_ddp_hides_it
 def test_model_parallel_stages_take_turns_while_pipeline_stages_overlap():
     training = Training(micro_batch=4, global_batch=32)
     cluster = make_cluster("h100", gpus=8, mfu=0.4)  # a whole step's MFU: no elementwise passes apart
-    one = step_time(STATS, Layout(name="single"), batching(training, dp=1, pp=1, world_size=1), training, cluster)
-    mp = step_time(STATS, Layout(name="model_parallel", mp=8), batching(training, dp=1, pp=1, world_size=8),
+    one = step_time(STATS, Layout.of(name="single"), batching(training, dp=1, pp=1, world_size=1), training, cluster)
+    mp = step_time(STATS, Layout.of(name="model_parallel", mp=8), batching(training, dp=1, pp=1, world_size=8),
                    training, cluster)
     assert mp.compute_s == pytest.approx(one.compute_s)  # 8 GPUs, one computing at a time
     assert mp.comm_s == pytest.approx(8 * 2 * 7 * p2p_s(STATS.boundary_bytes_per_sample * 4, cluster.intra))
-    pp = step_time(STATS, Layout(name="pipeline", pp=8), batching(training, dp=1, pp=8, world_size=8), training, cluster)
+    pp = step_time(STATS, Layout.of(name="pipeline", pp=8), batching(training, dp=1, pp=8, world_size=8), training, cluster)
     flops_s = (STATS.flops_per_sample - STATS.attention_flops_per_sample / 2) * 32 / (989e12 * 0.4)
     # the fullest stage as the runtime cuts a transformer: blocks balanced, the embedding on the first stage, the
     # head and the tied embedding's copy on the last
@@ -84,7 +84,7 @@ def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients_every_micro
     cluster = make_cluster("h100", gpus=8)
     batch = batching(training, dp=8, pp=1, world_size=8)
     assert (batch.micro_batch, batch.micro_batches) == (2, 4)
-    t = step_time(STATS, Layout(name="zero3", dp=8, zero=3, shard=8), batch, training, cluster)
+    t = step_time(STATS, Layout.of(name="zero3", dp=8, zero=3, shard=8), batch, training, cluster)
     per_micro = 2 * all_gather_s(STATS.params * 2, 8, cluster.intra) + reduce_scatter_s(STATS.params * 2, 8, cluster.intra)
     per_unit_calls = (len(STATS.units) - 1) * 3 * 7 * cluster.intra.latency_us * 1e-6  # a call per unit, each pays
     assert t.comm_s == pytest.approx(4 * (per_micro + per_unit_calls))
@@ -162,9 +162,9 @@ def test_zero_stages_step_only_their_shard_and_zero1_broadcasts_it():
     training = Training(micro_batch=8, precision="fp32", optimizer="adam")
     cluster = make_cluster("cpu", gpus=4)
     batch = batching(training, dp=4, pp=1, world_size=4)
-    ddp = step_time(STATS, Layout(name="ddp", dp=4), batch, training, cluster)
-    zero1 = step_time(STATS, Layout(name="zero1", dp=4, zero=1, shard=4), batch, training, cluster)
-    zero2 = step_time(STATS, Layout(name="zero2", dp=4, zero=2, shard=4), batch, training, cluster)
+    ddp = step_time(STATS, Layout.of(name="ddp", dp=4), batch, training, cluster)
+    zero1 = step_time(STATS, Layout.of(name="zero1", dp=4, zero=1, shard=4), batch, training, cluster)
+    zero2 = step_time(STATS, Layout.of(name="zero2", dp=4, zero=2, shard=4), batch, training, cluster)
     assert ddp.optimizer_s == pytest.approx(4 * zero2.optimizer_s)
     # ZeroRedundancyOptimizer steps whole tensors: the busiest rank's share, which the step waits for
     assert zero1.optimizer_s == pytest.approx(ddp.optimizer_s * zero1_busiest(STATS.tensors, 4) / STATS.params)

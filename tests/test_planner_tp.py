@@ -22,18 +22,18 @@ def test_a_tensor_parallel_rank_holds_its_share_of_the_split_layers_and_all_the_
     assert TINY.params == 1920
     assert rank_params(TINY, 2) == 1920 - (128 + 2 * 824) // 2 == 1032
     assert rank_params(TINY, 4) == 1920 - 3 * (128 + 2 * 824) // 4 == 588
-    states = model_states(TINY, Layout(name="tp", tp=2), FP32)
+    states = model_states(TINY, Layout.of(name="tp", tp=2), FP32)
     assert (states.parameters, states.gradients, states.optimizer_states) == (4 * 1032, 4 * 1032, 8 * 1032)
-    zero3 = model_states(TINY, Layout(name="zero3", dp=2, zero=3, shard=2, tp=2), FP32)
+    zero3 = model_states(TINY, Layout.of(name="zero3", dp=2, zero=3, shard=2, tp=2), FP32)
     assert zero3.total == 16 * 1032 / 2
 
 
 def test_activations_are_split_except_the_gathered_linear_inputs_and_token_ids():
     # fp32: a block saves 2,144 bytes a sample, of which the QKV and MLP inputs (4·s·h = 128 each) stay whole;
     # outside the blocks 608, of which the head's input (128) and the ids and targets (64) stay whole.
-    whole = activation_figures(TINY, FP32, Layout(name="single"))
+    whole = activation_figures(TINY, FP32, Layout.of(name="single"))
     assert whole == (2 * 2144 + 608, 2 * 4 * 32 + 2144 + 608, 4 * 32)
-    split = activation_figures(TINY, FP32, Layout(name="tp", tp=2))
+    split = activation_figures(TINY, FP32, Layout.of(name="tp", tp=2))
     assert split[0] == 2 * (256 + (2144 - 256) / 2) + 192 + (608 - 192) / 2 == 2800
     assert split[1] == 2 * 128 / 2 + 256 + (2144 - 256) / 2 + 192 + (608 - 192) / 2
     assert split[2] == 4 * 32 / 2  # a block's output is sequence-sharded
@@ -46,9 +46,9 @@ def test_memory_divides_logits_and_weight_copies_by_tp():
     def memory(layout):
         return memory_per_rank(TINY, layout, batching(training, dp=layout.dp, pp=1, world_size=2), training, cluster)
 
-    one, tp = memory(Layout(name="single")), memory(Layout(name="tp", tp=2))
+    one, tp = memory(Layout.of(name="single")), memory(Layout.of(name="tp", tp=2))
     assert tp.transient == one.transient / 2  # vocab-sharded logits' gradients
-    acts = activation_figures(TINY, training, Layout(name="tp", tp=2))[0] * 2
+    acts = activation_figures(TINY, training, Layout.of(name="tp", tp=2))[0] * 2
     assert tp.activations == pytest.approx(acts + 2 * TINY.matmul_params / 2)  # autocast's 16-bit weight copies
 
 
@@ -78,7 +78,7 @@ def test_step_time_splits_compute_and_waits_for_every_collective():
         return step_time(stats, layout, batching(training, dp=layout.dp, pp=layout.pp, world_size=8), training,
                          cluster)
 
-    ddp, tp = time(Layout(name="ddp", dp=2, tp=4)), time(Layout(name="ddp", dp=2))
+    ddp, tp = time(Layout.of(name="ddp", dp=2, tp=4)), time(Layout.of(name="ddp", dp=2))
     assert ddp.tp_comm_s > 0 and tp.tp_comm_s == 0
     assert ddp.exposed_comm_s >= ddp.tp_comm_s  # never hidden
     expected = tp_comm_s(stats, "autocast", 4, 4, cluster.intra, False)

@@ -61,7 +61,7 @@ def memory_for_tp(model_name: str, world: int) -> float:
 
     def need(zero: int, tp: int = 1) -> Any:
         name = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[zero]
-        return estimate(stats, Layout(name=name, dp=world // tp, zero=zero, shard=world // tp if zero else 1, tp=tp),
+        return estimate(stats, Layout.of(name=name, dp=world // tp, zero=zero, shard=world // tp if zero else 1, tp=tp),
                         training, one_gib)
 
     with_tp = need(3, tp=2)

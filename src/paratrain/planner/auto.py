@@ -124,7 +124,7 @@ def _training(precision: str, optimizer: PlannedOptimizer, batch: int = 1) -> Tr
 
 def _layout(name: str, n: int) -> Layout:
     zero = dict(CANDIDATES)[name]
-    return Layout(name=name, dp=n, zero=zero, shard=n if zero else 1)
+    return Layout.of(name=name, dp=n, zero=zero, shard=n if zero else 1)
 
 
 def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None,
@@ -169,7 +169,7 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
                 why += f" (ddp would need {tried[0].split()[1]} GiB)"
             return AutoChoice(strategy=name, reason=why)
     for t in tp_degrees(stats, cluster):
-        e = estimate(stats, Layout(name="zero3", dp=n // t, zero=3, shard=n // t, tp=t), training, cluster)
+        e = estimate(stats, Layout.of(name="zero3", dp=n // t, zero=3, shard=n // t, tp=t), training, cluster)
         tried.append(f"zero3 tp={t} {e.memory.total / GIB:.2f}")
         least = min(least, (e.memory.total, f"zero3 with tp={t}", e.capacity))
         if e.fits:
@@ -214,7 +214,7 @@ def processes_vs_threads(model: nn.Module, cluster: Cluster, precision: str, str
     stats = parameter_stats(model)
     opt = planned(optimizer)
     training = _training(precision, opt)
-    one = estimate(stats, Layout(name="single"), training, cluster).time
+    one = estimate(stats, Layout.of(name="single"), training, cluster).time
     many = estimate(stats, _layout(strategy, cluster.world_size), training, cluster).time
     n, cores = cluster.ranks_per_node, cluster.device.cores or cluster.ranks_per_node
     shared = f"{n} processes on {cores} cores" + (" time-share them" if n > cores else " split them")

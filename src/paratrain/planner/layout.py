@@ -20,49 +20,73 @@ from ..model.cuts import balance
 from .hardware import Cluster
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Layout:
-    """A strategy as degrees: ``dp`` replicas x ``pp`` pipeline stages x ``mp`` model-parallel stages x ``tp``
-    tensor-parallel ranks."""
+    """A strategy as the planner plans it: its registered name, its degrees as the runtime lays them out
+    (:class:`~paratrain.dims.ParallelDims`, the one definition), and parameter servers beside them. The planner's
+    spelling of the degrees — ``dp`` replicas of which ``shard`` ranks share one copy — is read from ``dims``."""
 
     name: str
     """The strategy's registered name."""
-    dp: int = 1
-    """Data-parallel replicas: each sees different samples."""
-    zero: int = 0
-    """What the data-parallel ranks shard (ZeRO stage): 1 optimizer states, 2 and gradients, 3 and parameters."""
-    shard: int = 1
-    """Ranks one shard group spans: ``dp`` for zero1-3, a node for hsdp (replicated across nodes)."""
-    pp: int = 1
-    """Pipeline stages, one per process, computing different micro-batches at once."""
-    mp: int = 1
-    """Model-parallel stages: the GPUs of one process, holding consecutive layers and taking turns."""
-    tp: int = 1
-    """Tensor-parallel ranks: consecutive ranks that split every block's matrices and activations."""
+    dims: ParallelDims = ParallelDims()
+    """The degrees. A parameter server's job is one flat data-parallel dimension over every rank, servers included,
+    as ``ps`` builds it: its servers take part in none of that mesh's collectives (they answer point-to-point
+    messages), so the degrees have no dimension of their own for them."""
     servers: int = 0
     """Parameter servers (``ps``): ranks beside the ``dp`` workers that hold the parameters, their optimizer and the
     embedding tables, and compute nothing."""
 
-    def __post_init__(self) -> None:
-        if min(self.dp, self.shard, self.pp, self.mp, self.tp) < 1 or self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"layout {self.name}: degrees must be >= 1 and zero in 0..3")
-        if self.servers < 0 or (self.servers and (self.zero or self.stages > 1 or self.tp > 1)):
-            raise ConfigError(f"layout {self.name}: parameter servers serve plain data-parallel workers")
-        if self.dp % self.shard:
-            raise ConfigError(f"layout {self.name}: shard {self.shard} must divide dp {self.dp}")
-        self.dims  # the runtime's own checks of the degrees (model-parallel stages do not compose with pp or tp)
+    @classmethod
+    def of(cls, name: str, *, dp: int = 1, zero: int = 0, shard: int = 1, pp: int = 1, mp: int = 1, tp: int = 1,
+           servers: int = 0) -> "Layout":
+        """A layout in the planner's spelling: ``dp`` data-parallel replicas (workers, beside ``servers``) of which
+        ``shard`` ranks share one copy at ZeRO stage ``zero``; ``pp`` pipeline stages, ``mp`` model-parallel stages
+        of one process, ``tp`` tensor-parallel ranks."""
+        if min(dp, shard, pp, mp, tp) < 1 or zero not in (0, 1, 2, 3):
+            raise ConfigError(f"layout {name}: degrees must be >= 1 and zero in 0..3")
+        if servers < 0 or (servers and (zero or pp * mp > 1 or tp > 1)):
+            raise ConfigError(f"layout {name}: parameter servers serve plain data-parallel workers")
+        if dp % shard:
+            raise ConfigError(f"layout {name}: shard {shard} must divide dp {dp}")
+        if servers:
+            return cls(name=name, dims=ParallelDims(dp_replicate=dp + servers), servers=servers)
+        return cls(name=name, dims=ParallelDims(dp_replicate=dp // shard if zero else dp, dp_shard=shard if zero else 1,
+                                                zero=zero, pp=pp, tp=tp, mp=mp), servers=servers)
 
     @property
-    def dims(self) -> ParallelDims:
-        """This layout as the runtime lays it out (``Strategy.dims``): the one definition of the degrees. A parameter
-        server's job is one flat data-parallel dimension over every rank, servers included, as ``ps`` builds it:
-        its servers take part in none of that mesh's collectives (they answer point-to-point messages), so the
-        degrees have no dimension of their own for them."""
-        if self.servers:
-            return ParallelDims(dp_replicate=self.dp + self.servers)
-        sharded = self.zero > 0
-        return ParallelDims(dp_replicate=self.dp // self.shard if sharded else self.dp,
-                            dp_shard=self.shard if sharded else 1, zero=self.zero, pp=self.pp, tp=self.tp, mp=self.mp)
+    def dp(self) -> int:
+        """Data-parallel replicas: each sees different samples (a parameter server's workers)."""
+        return self.dims.dp - self.servers
+
+    @property
+    def zero(self) -> int:
+        """What the data-parallel ranks shard (ZeRO stage): 1 optimizer states, 2 and gradients, 3 and parameters."""
+        return self.dims.zero
+
+    @property
+    def shard(self) -> int:
+        """Ranks one shard group spans: ``dp`` for zero1-3, a node for hsdp (replicated across nodes)."""
+        return self.dims.dp_shard if self.dims.zero else 1
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages, one per process, computing different micro-batches at once."""
+        return self.dims.pp
+
+    @property
+    def mp(self) -> int:
+        """Model-parallel stages: the GPUs of one process, holding consecutive layers and taking turns."""
+        return self.dims.mp
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks: consecutive ranks that split every block's matrices and activations."""
+        return self.dims.tp
+
+    def degrees(self) -> dict[str, int]:
+        """The degrees in the planner's spelling (a plan's JSON)."""
+        return {"dp": self.dp, "zero": self.zero, "shard": self.shard, "pp": self.pp, "mp": self.mp, "tp": self.tp,
+                "servers": self.servers}
 
     @property
     def world_size(self) -> int:
@@ -119,22 +143,22 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
     more ranks than that, ``ps``: S servers and the other ranks as workers.
     """
     n, per_node = cluster.world_size, cluster.ranks_per_node
-    out = [Layout(name="single")]
+    out = [Layout.of(name="single")]
     if n == 1:
         return out
-    out += [Layout(name="ddp", dp=n), Layout(name="zero1", dp=n, zero=1, shard=n),
-            Layout(name="zero2", dp=n, zero=2, shard=n), Layout(name="zero3", dp=n, zero=3, shard=n)]
+    out += [Layout.of(name="ddp", dp=n), Layout.of(name="zero1", dp=n, zero=1, shard=n),
+            Layout.of(name="zero2", dp=n, zero=2, shard=n), Layout.of(name="zero3", dp=n, zero=3, shard=n)]
     if cluster.nodes > 1 and per_node > 1:
-        out.append(Layout(name="hsdp", dp=n, zero=3, shard=per_node))
+        out.append(Layout.of(name="hsdp", dp=n, zero=3, shard=per_node))
     out += _hybrids(n, 1, n_units)
     if n <= n_units:
-        out.append(Layout(name="pipeline", pp=n))
+        out.append(Layout.of(name="pipeline", pp=n))
     if not cluster.device.shared_by_ranks:
-        out += [Layout(name="model_parallel", dp=n // mp, mp=mp) for mp in _divisors(per_node) if 2 <= mp <= n_units]
+        out += [Layout.of(name="model_parallel", dp=n // mp, mp=mp) for mp in _divisors(per_node) if 2 <= mp <= n_units]
     for tp in (t for t in tp_degrees if n % t == 0):
         out += _with_tp(n // tp, tp, n_units)
     if 0 < ps_servers < n:
-        out.append(Layout(name="ps", dp=n - ps_servers, servers=ps_servers))
+        out.append(Layout.of(name="ps", dp=n - ps_servers, servers=ps_servers))
     return out
 
 
@@ -177,18 +201,18 @@ def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims) -> list[La
     if not found:  # a degree split the search leaves out, e.g. a pipeline of 2 stages replicated once
         raise ConfigError(f"the layout {given} is not one paratrain's strategies build on {cluster.world_size} "
                           "GPUs; change the degrees")
-    return [Layout(name="single"), *(lay for lay in found if lay.name != "single")]
+    return [Layout.of(name="single"), *(lay for lay in found if lay.name != "single")]
 
 
 def _with_tp(d: int, tp: int, n_units: int) -> list[Layout]:
     """The layouts of ``d`` groups of ``tp`` tensor-parallel ranks."""
     if d == 1:
-        return [Layout(name="tp", tp=tp)]
-    out = [Layout(name="ddp", dp=d, tp=tp), Layout(name="zero2", dp=d, zero=2, shard=d, tp=tp),
-           Layout(name="zero3", dp=d, zero=3, shard=d, tp=tp)]
+        return [Layout.of(name="tp", tp=tp)]
+    out = [Layout.of(name="ddp", dp=d, tp=tp), Layout.of(name="zero2", dp=d, zero=2, shard=d, tp=tp),
+           Layout.of(name="zero3", dp=d, zero=3, shard=d, tp=tp)]
     out += _hybrids(d, tp, n_units)
     if d <= n_units:
-        out.append(Layout(name="pipeline", pp=d, tp=tp))
+        out.append(Layout.of(name="pipeline", pp=d, tp=tp))
     return out
 
 
@@ -196,7 +220,7 @@ def _hybrids(d: int, tp: int, n_units: int) -> list[Layout]:
     """``hybrid`` over ``d`` groups of ``tp`` ranks: every dp x pp split with both >= 2, replicated by DDP or with the
     optimizer states sharded over dp (ZeRO-1)."""
     splits = [(d // pp, pp) for pp in _divisors(d) if 2 <= pp <= min(d // 2, n_units)]
-    return [Layout(name="hybrid", dp=dp, pp=pp, tp=tp, **sharded) for dp, pp in splits
+    return [Layout.of(name="hybrid", dp=dp, pp=pp, tp=tp, **sharded) for dp, pp in splits
             for sharded in ({}, {"zero": 1, "shard": dp})]
 
 

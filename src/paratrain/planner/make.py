@@ -122,7 +122,7 @@ def _single_allocated(plan: Plan) -> float:
     """What the plan gives one rank stepping after one micro-batch, as the GPU's timed steps did (the plan's single
     row accumulates the whole global batch)."""
     t = plan.training
-    return estimate(plan.stats, Layout(name="single"), replace(t, global_batch=t.micro_batch), plan.cluster).memory.allocated
+    return estimate(plan.stats, Layout.of(name="single"), replace(t, global_batch=t.micro_batch), plan.cluster).memory.allocated
 
 
 def fsdp_call_s(overhead: Mapping[str, float], stats: ModelStats, setup: Training, bandwidth: float) -> float:
@@ -142,6 +142,6 @@ def tp_call_from(step_s: float, stats: ModelStats, training: Training, cluster: 
     rank, over its collective calls. Never below 0."""
     if stats.tp is None:
         raise ConfigError("a TP step time calibrates tensor parallelism: plan a transformer")
-    e = estimate(stats, Layout(name="tp", tp=cluster.ranks_per_node), training, cluster)
+    e = estimate(stats, Layout.of(name="tp", tp=cluster.ranks_per_node), training, cluster)
     calls = e.batch.micro_batches * collectives_per_micro_batch(stats, training.checkpointing)
     return max(0.0, (step_s - (e.time.step_s - e.time.exposed_comm_s)) / calls)

@@ -187,7 +187,7 @@ def _worker_memory(stats: ModelStats, layout: Layout, batch: Batching, training:
     """A worker: the dense model as one process holds it, with no optimizer state (the servers step), plus the rows
     its step pulled and their gradients; at the push, the flat gradients it sends and the parameters coming back."""
     dense = dense_stats(stats)
-    alone = memory_per_rank(dense, Layout(name="single"), batch, replace(training, optimizer="sgd"), cluster)
+    alone = memory_per_rank(dense, Layout.of(name="single"), batch, replace(training, optimizer="sgd"), cluster)
     pulled = sum(r * (2 * t.dim * WIRE_BYTES + ID_BYTES) for r, t in zip(rows, stats.tables))
     computing = replace(alone, buffers=alone.buffers + pulled)
     pushing = MemoryBreakdown(

@@ -87,7 +87,7 @@ class PublishedRun:
             raise ConfigError(f"published run {self.name}: dp x pp x tp != its {self.world_size} GPUs")
         name = ("tp" if self.dp == 1 and self.pp == 1 else "pipeline" if self.dp == 1 else
                 "hybrid" if self.pp > 1 else f"zero{self.zero}" if self.zero else "ddp")
-        return Layout(name=name, dp=self.dp, zero=self.zero, shard=self.dp if self.zero else 1, pp=self.pp,
+        return Layout.of(name=name, dp=self.dp, zero=self.zero, shard=self.dp if self.zero else 1, pp=self.pp,
                       tp=self.tp)
 
     @property

@@ -55,7 +55,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False) -> str:
     s, c, t = plan.stats, plan.cluster, plan.training
     d = c.device
     rank = "process" if d.shared_by_ranks else "GPU"
-    act = activation_figures(s, t, Layout(name="single"))[0]
+    act = activation_figures(s, t, Layout.of(name="single"))[0]
     built = ", ".join(f"{k} {_bytes(v)}" for k, v in s.param_bytes.items())
     lines = [
         f"model     {s.name}: {_count(s.params)} parameters ({built} as built); {s.source}",
@@ -166,7 +166,7 @@ def _lr_line(plan: Plan) -> str:
 
 
 def _estimate_json(e: Estimate) -> dict[str, Any]:
-    return {"name": e.name, "strategy": e.layout.name, "layout": {k: v for k, v in asdict(e.layout).items() if k != "name"}, "fits": e.fits,
+    return {"name": e.name, "strategy": e.layout.name, "layout": e.layout.degrees(), "fits": e.fits,
             "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch,
             "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "memory_peak": e.memory.phase,
             "capacity_bytes": e.capacity, "over_bytes": e.over, "time": e.time.as_dict(),
@@ -182,7 +182,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
                   "largest_layer": {"name": s.largest_layer[0], "params": s.largest_layer[1]},
                   "largest_unit": {"name": s.largest_unit[0], "params": s.largest_unit[1]}, "units": len(s.units),
                   "flops_per_sample": s.flops_per_sample, "warnings": list(s.warnings),
-                  "activation_bytes_per_sample": activation_figures(s, t, Layout(name="single"))[0]},
+                  "activation_bytes_per_sample": activation_figures(s, t, Layout.of(name="single"))[0]},
         "cluster": {"device": asdict(c.device), "ranks_per_node": c.ranks_per_node, "nodes": c.nodes,
                     "world_size": c.world_size, "intra": asdict(c.intra), "inter": asdict(c.inter)},
         "training": {**asdict(t), "global_batch": plan.global_batch},
