@@ -23,10 +23,8 @@ from torch import nn
 from .env import ClusterEnv
 from .errors import ConfigError, ParatrainError
 from .model.facts import ModelFacts
+from .planner.training import OPTIMIZER_STATES
 from .strategies.base import Runtime
-
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
-"""State tensors per parameter, each the parameter's size and dtype (AdamW's two moments)."""
 
 
 @dataclass(frozen=True)

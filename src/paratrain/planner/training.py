@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..errors import ConfigError
+from ..options import SCHEDULES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,8 +29,13 @@ PRECISIONS = MappingProxyType({
     "fp16-mixed": PrecisionBytes(param=2, grad=2, master=4),
 })
 
-OPTIMIZER_STATE_BYTES = MappingProxyType({"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8})
-"""fp32 state per parameter: none for plain SGD, a momentum buffer, or Adam's two moments."""
+OPTIMIZER_STATES = MappingProxyType({"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2})
+"""Parameter-sized state tensors each optimizer the planner knows keeps: none for plain SGD, a momentum buffer, or
+Adam's two moments. The one table: the planner's memory, the dry run's bytes and the names a user's optimizer is
+planned as (``optimizers.planned``) all read it."""
+
+OPTIMIZER_BY_STATES = MappingProxyType({n: name for name, n in reversed(OPTIMIZER_STATES.items())})
+"""The planner's optimizer for a number of states (the first listed for it: ``adam`` for two)."""
 
 OPTIMIZER_STEP_BYTES = MappingProxyType({"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80})
 """Bytes the optimizer step streams per parameter, counting each elementwise kernel of PyTorch's default
@@ -47,7 +53,6 @@ TABLE_STATES = MappingProxyType({"sgd": 0, "adagrad": 1, "adam": 2})
 """fp32 states per element a parameter server's table optimizer keeps: plain SGD none, Adagrad its sum, SparseAdam
 two moments (``Parallel("ps", table_optimizer=...)``)."""
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 RECOMPUTE = ("none", "selective", "op", "full")
 """Activation recomputation: ``full`` keeps each block's input and recomputes the block in backward (one more
 forward pass); ``selective`` recomputes only the attention core (Korthikanti et al. 2022, section 5: the
@@ -106,9 +111,8 @@ class Training:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
-        if self.optimizer not in OPTIMIZER_STATE_BYTES:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of: "
-                              f"{', '.join(OPTIMIZER_STATE_BYTES)}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZER_STATES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if self.recompute is not None and self.recompute not in RECOMPUTE:
@@ -166,7 +170,12 @@ class Training:
     @property
     def optimizer_bytes(self) -> int:
         """Bytes per parameter the optimizer step needs besides the gradient: fp32 master copy plus states."""
-        return self.bytes.master + OPTIMIZER_STATE_BYTES[self.optimizer]
+        return self.bytes.master + self.state_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per parameter of the optimizer's fp32 states."""
+        return 4 * OPTIMIZER_STATES[self.optimizer]
 
     @property
     def optimizer_step_bytes(self) -> int:
@@ -184,7 +193,7 @@ class Training:
         the runtime steps tables (SGD as given, with its momentum buffer if any; Adam and AdamW as SparseAdam)."""
         if self.table_optimizer is not None:
             return TABLE_STATES[self.table_optimizer]
-        return OPTIMIZER_STATE_BYTES[self.optimizer] // 4
+        return OPTIMIZER_STATES[self.optimizer]
 
     def global_for(self, world_size: int) -> int:
         return self.global_batch if self.global_batch is not None else self.micro_batch * world_size
