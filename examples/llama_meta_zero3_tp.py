@@ -4,7 +4,7 @@ shards (each rank reads only its slices). See docs/large-models.md.
 
     paratrain run -n 4 examples/llama_meta_zero3_tp.py                         # 2 shard groups x tp=2
     paratrain run -n 4 examples/llama_meta_zero3_tp.py --weights ./my-llama    # a save_pretrained folder of yours
-    paratrain plan --dry-run --world 128 --strategy zero3 --tp 8 --model-config ./my-llama   # before you launch
+    paratrain dry-run --world 128 --strategy zero3 --tp 8 --model-config ./my-llama   # before you launch
 
 Without ``--weights`` rank 0 first writes a small random Llama checkpoint with transformers' ``save_pretrained``
 (sharded safetensors and their index), standing in for a downloaded one.

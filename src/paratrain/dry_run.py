@@ -180,7 +180,7 @@ def _stage_heads(par: Any) -> list[int]:
 
 
 def model_builder(model: str | None, model_config: str | None) -> Callable[[], nn.Module]:
-    """What ``paratrain plan --dry-run`` builds: a transformers model from a local ``config.json``
+    """What ``paratrain dry-run`` builds: a transformers model from a local ``config.json``
     (``--model-config``, the real class: GPT-2, Llama, …), or a built-in model or ``module:factory`` (``--model``)."""
     if model_config is not None:
         from pathlib import Path

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ..errors import ConfigError
+from ..flags import NO_FLAG, flag
 from ..options import SCHEDULES
 
 
@@ -67,15 +68,15 @@ class Training:
     """The training setup a plan is made for."""
 
     precision: str = "bf16-mixed"
-    """``fp32``, ``bf16-mixed`` or ``fp16-mixed``."""
+    """fp32, bf16-mixed or fp16-mixed; auto, a plan's default: fp32 on a CPU host, else bf16-mixed."""
     optimizer: str = "adamw"
-    """``adamw``, ``adam``, ``sgd`` or ``sgd-momentum``."""
-    micro_batch: int = 8
-    """Samples per GPU per forward pass (``--batch``)."""
+    """adamw, adam, sgd or sgd-momentum."""
+    micro_batch: int = field(default=8, metadata=flag("--batch"))
+    """Per-GPU micro-batch: samples per forward pass."""
     global_batch: int | None = None
-    """Samples per optimizer step over the whole job; default ``micro_batch`` x world size."""
+    """Samples per optimizer step over the whole job; default: the micro-batch x world size."""
     micro_batches: int | None = None
-    """Pipeline micro-batches per step (``--micro-batches``); default global batch / (dp x micro_batch)."""
+    """Pipeline micro-batches per step; default global batch / (dp x micro_batch)."""
     schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b`` keeps at most p micro-batches in flight, ``gpipe`` all m, ``interleaved-1f1b``
     (Narayanan et al. 2021) gives each rank ``virtual_stages`` stages in a loop: a bubble v times smaller for v
@@ -84,32 +85,32 @@ class Training:
     """Stages each pipeline rank holds under ``interleaved-1f1b`` (default 2, as the runtime's
     ``stages_per_rank``); 1 for the other schedules."""
     checkpointing: bool = False
-    """Activation checkpointing of every wrap unit: far less activation memory for one more forward pass
-    (``recompute="full"``)."""
-    recompute: str | None = None
+    """Activation checkpointing of every wrap unit: far less activation memory for one more forward pass (recompute
+    full)."""
+    recompute: str | None = field(default=None, metadata=flag(choices=RECOMPUTE))
     """``none``, ``selective``, ``op`` or ``full`` (``RECOMPUTE``); default ``full`` with ``checkpointing``, else
     ``none``. ``full`` turns ``checkpointing`` on, and ``checkpointing`` (the fallback ``recommend`` tries when
     nothing fits) overrides the others."""
     sequence_parallel: bool = True
     """Tensor parallelism shards the activations between its split regions on the sequence (norms, residuals:
-    Korthikanti et al. 2022), as paratrain's tensor-parallel plan does; False: they are kept whole on every tp
-    rank (Megatron's plain tensor parallelism, all-reduces instead of all-gather/reduce-scatter pairs)."""
-    bucket_mb: float = 25.0
+    Korthikanti et al. 2022), as paratrain's tensor-parallel plan does; off: they are kept whole on every tp rank
+    (Megatron's plain tensor parallelism, all-reduces instead of all-gather/reduce-scatter pairs)."""
+    bucket_mb: float = field(default=25.0, metadata=NO_FLAG)
     """DDP gradient bucket size (MiB); DDP keeps two buckets in flight."""
-    rows_per_step: int | None = None
-    """Under ``ps``: rows of each table one worker's step touches (``--ps-rows-per-step``); None: the distinct rows
-    of its samples' lookups, ids drawn uniformly (``planner.param_server.rows_touched``)."""
-    table_optimizer: str | None = None
-    """Under ``ps``: what updates the table rows on the servers (``TABLE_STATES``' keys); None: the training
-    optimizer's states (``table_states``)."""
-    base_batch: int | None = None
-    """The global batch the user's learning rate was tuned at (``--base-batch``): the plan says how to scale it to
-    this global batch. None: no advice, since a script's LR may already be tuned for the batch it runs."""
+    rows_per_step: int | None = field(default=None, metadata=flag("--ps-rows-per-step", metavar="R"))
+    """Under ps: rows of each table one worker's step touches; default: the distinct rows of its samples' lookups,
+    ids drawn uniformly (the most a step moves)."""
+    table_optimizer: str | None = field(default=None, metadata=flag("--ps-table-optimizer", choices=TABLE_STATES))
+    """Under ps: what updates the table rows on the servers; default: the training optimizer's states (adam is
+    SparseAdam)."""
+    base_batch: int | None = field(default=None, metadata=flag("--base-batch", metavar="N"))
+    """The global batch your LR was tuned at: the plan says how to scale it to this global batch. None: no advice,
+    since a script's LR may already be tuned for the batch it runs."""
     base_lr: float | None = None
-    """That learning rate (``--base-lr``), printed scaled; it needs ``base_batch``."""
+    """With --base-batch: that learning rate, printed scaled."""
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
+        if self.precision not in (*PRECISIONS, "auto"):
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZER_STATES:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZER_STATES)}")
@@ -150,6 +151,9 @@ class Training:
 
     @property
     def bytes(self) -> PrecisionBytes:
+        if self.precision == "auto":
+            raise ConfigError("precision auto is decided by the plan's device (PlanConfig); give fp32, bf16-mixed or "
+                              "fp16-mixed to a Training planned alone")
         return PRECISIONS[self.precision]
 
     @property

@@ -84,14 +84,16 @@ class TFJob:
     debug: bool = False
 
 
-def run(argv: Sequence[str], *, debug: bool = False) -> bool:
-    """Launch the TensorFlow job ``argv`` describes (``paratrain run`` flags with ``--tf``); returns False when
-    ``--tf`` turned out to be the script's own argument (the caller runs a torch job instead)."""
+def run(argv: Sequence[str], *, debug: bool = False) -> None:
+    """Launch the TensorFlow job ``argv`` describes (``paratrain run`` flags, ``--tf`` implied): how the demo,
+    bench and verify start theirs."""
     from ..launch.torchrun import parse_args
 
-    args = parse_args(argv)
-    if not args.tf:
-        return False
+    launch(parse_args(argv), debug=debug)
+
+
+def launch(args: argparse.Namespace, *, debug: bool = False) -> None:
+    """Launch the TensorFlow job of ``paratrain run``'s parsed flags; restart it up to ``--max-restarts`` times."""
     job = plan(args, debug=debug)
     require_tensorflow()
     choice = apply_keras_choice()
@@ -101,13 +103,12 @@ def run(argv: Sequence[str], *, debug: bool = False) -> bool:
     for attempt in range(job.max_restarts + 1):
         try:
             run_attempt(job, attempt)
-            return True
+            return
         except RankFailedError as err:
             if attempt == job.max_restarts:
                 raise
             note(f"rank {err.rank} failed ({failure_cause(err.exitcode, err.traceback)}); "
                  f"restarting all workers (restart {attempt + 1} of {job.max_restarts})")
-    return True
 
 
 def plan(args: argparse.Namespace, *, debug: bool = False) -> TFJob:
