@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_planner.py                       # gpt2 and gpt2-medium, batches 2, 4, 8
     python3 benchmarks/gpu_planner.py --json planner-gpu.json
 
-For each model, ``make_plan`` with ``PlanConfig(measure=True)`` first times a few real steps at ``--calibrate-at`` sequences on
+For each model, ``PlanConfig(measure=True)`` first times a few real steps at ``--calibrate-at`` sequences on
 this GPU (``paratrain plan --measure``), which sets the GPU's MFU and memory bandwidth. Then, at each batch
 size, four figures of the single-GPU step (bf16-mixed, AdamW): the plan with the catalogue's MFU (0.4), the
 plan calibrated at the one batch size, the plan calibrated at this batch size (what ``paratrain plan --measure

@@ -19,17 +19,17 @@ size; that world is predicted from the mean of the two, so a machine whose load 
   a private one-rank group: FSDP's own machinery (hooks, copies, DTensor optimizer step) with nothing to
   communicate is their difference.
 
-``PlanConfig(step_time=..., optimizer_time=..., threads=1, measured=Measured(micro_step_time=...,
-host_step_time=..., fsdp_overhead=...))`` turns them into the planner's constants (docs/planner.md, "Calibrating"); the planner then splits
-the global batch per replica itself. glibc's allocator is told to keep freed memory (``MALLOC_ENV``, for this
+``PlanConfig(step_time=..., optimizer_time=..., threads=1, measured=Measured(micro_step_time=..., host_step_time=...,
+fsdp_overhead=...))`` turns them into the planner's constants (docs/planner.md, "Calibrating"); the planner then
+splits the global batch per replica itself. glibc's allocator is told to keep freed memory (``MALLOC_ENV``, for this
 process and the ranks alike): by default the Adam step's timing depends on page faults.
 
 Link figures, per world size: each launched job first times the collectives the strategies use on the model's
 15.8 MB of gradients (all-reduce, all-gather, reduce-scatter, ZeRO-1's per-shard broadcasts), all-gather and
 reduce-scatter again split into one call per FSDP wrap unit (what a call costs beyond its bytes), a few-byte
 all-reduce (latency) and point-to-point sends of a pipeline's 64 KB activations and of 4 MB, before it runs any
-strategy; ``Measured(link_timings=...)`` sets the link from them (``timing.measured_link``). Predictions are shown with those figures and with the
-catalogue's ``loopback-gloo``.
+strategy; ``Measured(link_timings=...)`` sets the link from them (``timing.measured_link``). Predictions are shown
+with those figures and with the catalogue's ``loopback-gloo``.
 
 Measured: ``strategies.run_rounds`` (every strategy in the same processes, interleaved rounds, slowest rank,
 median of round medians). Error is predicted / measured - 1; the target is |error| <= 20%. Each part reports the

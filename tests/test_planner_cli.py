@@ -99,7 +99,8 @@ def test_tp_plan_prints_the_plan_prepare_would_apply(capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["tp-plan", "--model", "gpt-tiny"], "tp-plan needs --tp N (N >= 2)"),
-    (["tp-plan", "--model", "gpt-tiny", "--tp", "1"], "needs --tp N (N >= 2): the plan depends on the degree; got --tp 1"),
+    (["tp-plan", "--model", "gpt-tiny", "--tp", "1"],
+     "needs --tp N (N >= 2): the plan depends on the degree; got --tp 1"),
     (["tp-plan", "--params", "1B", "--tp", "2"], "builds the model"),
     (["tp-plan", "--model", "gpt-tiny", "--tp", "2", "--layers", "0"], "--layers must be >= 1, got 0"),
     (["tp-plan", "--model", "gpt-tiny", "--tp", "2", "--gpus", "8"], "unrecognized arguments: --gpus 8"),
@@ -117,7 +118,8 @@ def test_tp_plan_prints_the_plan_prepare_would_apply(capsys):
     (["plan", "--model", "gpt2", "--mfu", "1.5"], "--mfu is a fraction of peak, at most 1, got 1.5"),
     (["plan", "--model", "gpt2", "--nodes", "0"], "--nodes must be >= 1, got 0"),
     (["plan", "--model", "gpt2", "--ps-servers", "-1"], "--ps-servers must be >= 0, got -1"),
-    (["plan", "--model", "gpt2", "--checkpointing", "--recompute", "op"], "give one of --checkpointing or --recompute op"),
+    (["plan", "--model", "gpt2", "--checkpointing", "--recompute", "op"],
+     "give one of --checkpointing or --recompute op"),
 ])
 def test_each_bad_flag_of_tp_plan_dry_run_and_plan_is_one_line(argv, words, capsys):
     try:

@@ -9,7 +9,8 @@ import torch
 from paratrain.cli.main import main
 from paratrain.dims import ParallelDims
 from paratrain.errors import ConfigError
-from paratrain.planner import TRANSFORMERS, GPTConfig, InputSpec, ModelSpec, PlanConfig, Training, make_plan, trace_module, transformer_stats
+from paratrain.planner import (TRANSFORMERS, GPTConfig, InputSpec, ModelSpec, PlanConfig, Training, make_plan,
+                               trace_module, transformer_stats)
 from paratrain.planner.hf_config import read_model_config
 from paratrain.planner.layout import exact_layout
 from paratrain.planner.tensor_parallel import rank_params
@@ -74,8 +75,8 @@ def test_a_transformers_config_json_plans_the_parameters_its_model_has(name, tmp
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert transformer_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
     assert read_model_config(tmp_path / "config.json") == cfg
-    assert resolve_model(ModelSpec(model_config=str(tmp_path / "config.json"))).find_stats().params == transformer_params(cfg)[
-        "total"]
+    from_config = resolve_model(ModelSpec(model_config=str(tmp_path / "config.json")))
+    assert from_config.find_stats().params == transformer_params(cfg)["total"]
 
 
 def test_the_pretraining_context_is_read_from_rope_scaling(tmp_path):
@@ -169,10 +170,11 @@ def test_an_exact_layout_that_fits_nowhere_is_planned_and_shown_with_how_far_ove
     total = float(rows["zero3"].split("no +")[1].split()[1])
     assert over == pytest.approx(total - 24.0, abs=0.5)  # the GiB over the 24 GiB of an RTX 4090 (whole GiB above 100)
     assert "recommended: none — the layout asked for (dp=8) fits in no way to run it: need " in out
-    plan = make_plan(resolve_model(ModelSpec(params="70B")), PlanConfig(gpu="rtx-4090", gpus=8, dp=8, training=Training(micro_batch=1)))
+    seventy = resolve_model(ModelSpec(params="70B"))
+    plan = make_plan(seventy, PlanConfig(gpu="rtx-4090", gpus=8, dp=8, training=Training(micro_batch=1)))
     assert plan.choice is None and all(e.over > 0 for e in plan.estimates)
     with pytest.raises(ConfigError, match="^no strategy fits: need "):
-        make_plan(resolve_model(ModelSpec(params="70B")), PlanConfig(gpu="rtx-4090", gpus=8, training=Training(micro_batch=1)))
+        make_plan(seventy, PlanConfig(gpu="rtx-4090", gpus=8, training=Training(micro_batch=1)))
 
 
 def test_cli_plans_a_config_json_with_an_exact_layout(tmp_path, capsys):

@@ -85,7 +85,8 @@ def test_pipeline_suggests_more_micro_batches_when_the_bubble_is_large():
 
 
 def test_a_cpu_host_says_more_processes_are_slower_than_threads():
-    plan = make_plan(resolve_model("mlp"), PlanConfig(gpu="cpu", gpus=2, training=Training(precision="auto", micro_batch=64)))
+    plan = make_plan(resolve_model("mlp"),
+                     PlanConfig(gpu="cpu", gpus=2, training=Training(precision="auto", micro_batch=64)))
     assert plan.training.precision == "fp32"
     assert plan.choice.name == "single"
     ddp = next(e for e in plan.estimates if e.name == "ddp")

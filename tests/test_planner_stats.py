@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.planner import InputSpec, ModelSpec, PlanConfig, make_plan, measure_module, trace_module, transformer_stats
+from paratrain.planner import (InputSpec, ModelSpec, PlanConfig, make_plan, measure_module, trace_module,
+                               transformer_stats)
 from paratrain.planner.model_stats import wrap_units
 from paratrain.planner.transformer import transformer_params
 from paratrain.workloads.digits import digits_cnn

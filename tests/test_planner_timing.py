@@ -150,8 +150,8 @@ def test_collectives_split_per_wrap_unit_set_what_each_further_call_costs():
     assert default.call_us is None and default.call_s(4) == pytest.approx(3 * default.latency_us * 1e-6)
     assert link.call_s(4) == pytest.approx(0.004)  # 12 and 20 ms over 4 further calls, averaged
     assert all_gather_s(16e6, 4, link) == pytest.approx(0.02)  # the whole collective's figures are kept
-    plans = [{e.name: e.time for e in make_plan(resolve_model("mlp"), PlanConfig(gpu="cpu", gpus=4, measured=Measured(link_timings=t))).estimates}
-             for t in (whole, split)]
+    configs = [PlanConfig(gpu="cpu", gpus=4, measured=Measured(link_timings=t)) for t in (whole, split)]
+    plans = [{e.name: e.time for e in make_plan(resolve_model("mlp"), config).estimates} for config in configs]
     units = 3  # the built-in mlp's wrap units; zero3 makes 3 calls per unit, zero2 2
     for name, calls in (("zero3", 3), ("zero2", 2)):
         extra = plans[1][name].exposed_comm_s - plans[0][name].exposed_comm_s

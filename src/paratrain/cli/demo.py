@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def execute(args: argparse.Namespace) -> int:
     from ..demo.config import DemoConfig
-    from ..demo.launch import run_demo
+    from ..demo.command import run_demo
     from ..flags import build
 
     return run_demo(build(DemoConfig, args))

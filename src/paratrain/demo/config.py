@@ -2,7 +2,7 @@
 processes (``python -m paratrain.demo``) and of TensorFlow's demo job alike (:mod:`paratrain.flags`).
 
 No torch here: TensorFlow's demo job reads this config in a process torch never enters. The strategy's name, and
-whether it runs on the job's processes, are checked against the registry by the launch (``launch.check_launch``)
+whether it runs on the job's processes, are checked against the registry before the launch (``command.check_launch``)
 and again by ``Parallel`` in each process.
 """
 from __future__ import annotations

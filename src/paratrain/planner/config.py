@@ -89,8 +89,8 @@ class PlanConfig:
     interconnect: str | None = None
     """Link within a node: nvlink, nvlink3, nvlink4, pcie3/4/5[-x8|-x4], loopback-gloo."""
     inter_node: str | None = None
-    """Link between nodes: ib-hdr, ib-ndr (one port a node), ib-hdr-x8, ib-ndr-x8 (one a GPU), eth-10g/25g/100g/200g/400g,
-    roce-*."""
+    """Link between nodes: ib-hdr, ib-ndr (one port a node), ib-hdr-x8, ib-ndr-x8 (one a GPU),
+    eth-10g/25g/100g/200g/400g, roce-*."""
     gpu_mem_gb: float | None = None
     """Device memory (GiB), instead of the catalogue's."""
     tflops: float | None = None
