@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_planner.py                       # gpt2 and gpt2-medium, batches 2, 4, 8
     python3 benchmarks/gpu_planner.py --json planner-gpu.json
 
-For each model, ``make_plan(measure=True)`` first times a few real steps at ``--calibrate-at`` sequences on
+For each model, ``PlanConfig(measure=True)`` first times a few real steps at ``--calibrate-at`` sequences on
 this GPU (``paratrain plan --measure``), which sets the GPU's MFU and memory bandwidth. Then, at each batch
 size, four figures of the single-GPU step (bf16-mixed, AdamW): the plan with the catalogue's MFU (0.4), the
 plan calibrated at the one batch size, the plan calibrated at this batch size (what ``paratrain plan --measure
@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 import paratrain
 from paratrain.errors import ConfigError
-from paratrain.planner import make_plan
+from paratrain.planner import PlanConfig, Training, make_plan
 from paratrain.planner.gpu_step import check_same_gpu
 from paratrain.planner.hardware import DEVICES
 from paratrain.workloads.gpt import GPT, GPT_CONFIGS
@@ -48,6 +48,11 @@ def catalogue_name() -> str:
 
 def single_estimate(plan) -> object:
     return next(e for e in plan.estimates if e.layout.name == "single")
+
+
+def bf16(batch: int, checkpointing: bool = False) -> Training:
+    """The measured run's setup: bf16-mixed, AdamW, ``batch`` sequences."""
+    return Training(precision="bf16-mixed", micro_batch=batch, checkpointing=checkpointing)
 
 
 def measured(model: str, batch: int, steps: int, checkpointing: bool = False) -> tuple[float, float]:
@@ -103,14 +108,13 @@ def main() -> None:
           f"{'at batch':>8} {'err':>6} {'measured GiB':>12} {'plan GiB':>8} {'err':>6}")
     for model in a.models.split(","):
         planned = resolve_model(model)
-        calibration = make_plan(planned, gpu=gpu, micro_batch=a.calibrate_at, measure=True,
-                                precision="bf16-mixed")
+        calibration = make_plan(planned, PlanConfig(gpu=gpu, measure=True, training=bf16(a.calibrate_at)))
         device = calibration.cluster.device
         for batch in (int(b) for b in a.batches.split(",")):
-            plain = single_estimate(make_plan(planned, gpu=gpu, micro_batch=batch, precision="bf16-mixed"))
-            tuned = single_estimate(make_plan(planned, gpu=gpu, micro_batch=batch, precision="bf16-mixed",
-                                              mfu=device.mfu, mem_bw_gbs=device.memory_gbs))
-            here = make_plan(planned, gpu=gpu, micro_batch=batch, measure=True, precision="bf16-mixed")
+            plain = single_estimate(make_plan(planned, PlanConfig(gpu=gpu, training=bf16(batch))))
+            tuned = single_estimate(make_plan(planned, PlanConfig(gpu=gpu, training=bf16(batch), mfu=device.mfu,
+                                                                  mem_bw_gbs=device.memory_gbs)))
+            here = make_plan(planned, PlanConfig(gpu=gpu, measure=True, training=bf16(batch)))
             step_s, peak = measured(model, batch, a.steps)
             row = {"model": model, "batch": batch, "measured_ms": 1e3 * step_s, "plan_ms": 1e3 * plain.time.step_s,
                    "calibrated_ms": 1e3 * tuned.time.step_s,
@@ -126,8 +130,8 @@ def main() -> None:
         print(f"  {model}: calibrated MFU {device.mfu:.3f}, bandwidth {device.memory_gbs:.0f} GB/s; "
               f"{calibration.notes[-1]}")
         for batch in (int(b) for b in a.batches.split(",")):  # every block checkpointed
-            checkpointed = single_estimate(make_plan(planned, gpu=gpu, micro_batch=batch, precision="bf16-mixed",
-                                                     mfu=device.mfu, mem_bw_gbs=device.memory_gbs, checkpointing=True))
+            checkpointed = single_estimate(make_plan(planned, PlanConfig(
+                gpu=gpu, training=bf16(batch, checkpointing=True), mfu=device.mfu, mem_bw_gbs=device.memory_gbs)))
             step_s, peak = measured(model, batch, a.steps, checkpointing=True)
             row = {"model": model, "batch": batch, "checkpointing": True, "measured_ms": 1e3 * step_s,
                    "calibrated_ms": 1e3 * checkpointed.time.step_s, "measured_gib": peak / 2**30,

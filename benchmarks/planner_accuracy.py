@@ -19,17 +19,17 @@ size; that world is predicted from the mean of the two, so a machine whose load 
   a private one-rank group: FSDP's own machinery (hooks, copies, DTensor optimizer step) with nothing to
   communicate is their difference.
 
-``make_plan(step_time=..., optimizer_time=..., micro_step_time=..., host_step_time=..., fsdp_overhead=...,
-threads=1)`` turns them into the planner's constants (docs/planner-model.md, "Calibrating"); the planner then splits
-the global batch per replica itself. glibc's allocator is told to keep freed memory (``MALLOC_ENV``, for this
+``PlanConfig(step_time=..., optimizer_time=..., threads=1, measured=Measured(micro_step_time=..., host_step_time=...,
+fsdp_overhead=...))`` turns them into the planner's constants (docs/planner-model.md, "Calibrating"); the planner then
+splits the global batch per replica itself. glibc's allocator is told to keep freed memory (``MALLOC_ENV``, for this
 process and the ranks alike): by default the Adam step's timing depends on page faults.
 
 Link figures, per world size: each launched job first times the collectives the strategies use on the model's
 15.8 MB of gradients (all-reduce, all-gather, reduce-scatter, ZeRO-1's per-shard broadcasts), all-gather and
 reduce-scatter again split into one call per FSDP wrap unit (what a call costs beyond its bytes), a few-byte
 all-reduce (latency) and point-to-point sends of a pipeline's 64 KB activations and of 4 MB, before it runs any
-strategy; ``make_plan(link_timings=...)`` sets the link from them (``timing.measured_link``). Predictions are shown with those figures and with the
-catalogue's ``loopback-gloo``.
+strategy; ``Measured(link_timings=...)`` sets the link from them (``timing.measured_link``). Predictions are shown
+with those figures and with the catalogue's ``loopback-gloo``.
 
 Measured: ``strategies.run_rounds`` (every strategy in the same processes, interleaved rounds, slowest rank,
 median of round medians). Error is predicted / measured - 1; the target is |error| <= 20%. Each part reports the
@@ -61,7 +61,7 @@ import strategies  # noqa: E402
 
 import paratrain  # noqa: E402
 from paratrain.distributed.process_group import finish_group  # noqa: E402
-from paratrain.planner import make_plan  # noqa: E402
+from paratrain.planner import Measured, ModelSpec, PlanConfig, Training, make_plan  # noqa: E402
 from paratrain.workloads.planning import resolve_model  # noqa: E402
 
 TARGET = 0.20
@@ -72,7 +72,7 @@ GLOBAL = strategies.GLOBAL_BATCH
 MICRO_BATCHES = 8
 BOUNDARY_BYTES = GLOBAL // MICRO_BATCHES * strategies.MODEL_WIDTH * 4
 """What a pipeline stage sends per micro-batch: 16 samples x 1024 fp32 activations."""
-MODEL = resolve_model("strategies:build_model", input_spec="784")
+MODEL = resolve_model(ModelSpec(model="strategies:build_model", input_spec="784"))
 """The benchmark's model as the planner builds and traces it."""
 UNIT_PARAMS = [n for _, n in MODEL.find_stats().units if n > 0]
 """Parameters per FSDP wrap unit, as the planner counts them (``timing.unit_count``): one collective call each."""
@@ -307,14 +307,15 @@ def predict(world: int, world1: dict[str, float], link: dict[str, tuple[float, .
             host_rate: str = "threads") -> dict[str, float]:
     """Predicted step seconds per planner strategy at ``world`` ranks on this host, calibrated on world 1."""
     host = HOST_RATES[host_rate]
-    plan = make_plan(MODEL, gpu="cpu", gpus=world, precision="fp32", optimizer="adam", micro_batch=GLOBAL,
-                     global_batch=GLOBAL, micro_batches=MICRO_BATCHES, schedule="1f1b",
-                     step_time=world1["forward_backward"], optimizer_time=world1["adam"],
-                     micro_step_time=(GLOBAL // MICRO_BATCHES, world1["micro_batch"]),
-                     host_step_time=(world1[f"{host}forward_backward"], world1[f"{host}adam"]),
-                     fsdp_overhead={"zero2": world1["zero2"] - world1["single"],
-                                    "zero3": world1["zero3"] - world1["single"]},
-                     threads=1, link_timings=link)
+    training = Training(precision="fp32", optimizer="adam", micro_batch=GLOBAL, global_batch=GLOBAL,
+                        micro_batches=MICRO_BATCHES, schedule="1f1b")
+    measured = Measured(micro_step_time=(GLOBAL // MICRO_BATCHES, world1["micro_batch"]),
+                        host_step_time=(world1[f"{host}forward_backward"], world1[f"{host}adam"]),
+                        fsdp_overhead={"zero2": world1["zero2"] - world1["single"],
+                                       "zero3": world1["zero3"] - world1["single"]},
+                        link_timings=link)
+    plan = make_plan(MODEL, PlanConfig(gpu="cpu", gpus=world, training=training, step_time=world1["forward_backward"],
+                                       optimizer_time=world1["adam"], threads=1, measured=measured))
     return {e.name: e.time.step_s for e in plan.estimates}
 
 

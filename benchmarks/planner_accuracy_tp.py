@@ -39,7 +39,7 @@ from torch.nn import functional as F
 
 import paratrain
 from paratrain.distributed.process_group import finish_group
-from paratrain.planner import make_plan, transformer_stats
+from paratrain.planner import Measured, PlanConfig, Training, make_plan, transformer_stats
 from paratrain.planner.tensor_parallel import collectives_per_micro_batch
 from paratrain.workloads.gpt import GPT, GPTConfig
 from planner_accuracy import median_s, round_robin_s  # the same timing as the other strategies'
@@ -211,12 +211,12 @@ def micro_step_time(w1: dict[str, float]) -> tuple[int, float] | None:
 
 
 def predict(w1: dict[str, float], link: dict[str, tuple[float, ...]], tp_step_time: float | None) -> dict[str, float]:
-    plan = make_plan(transformer_stats(CFG, name="gpt-tp-bench"), gpu="cpu", gpus=WORLD, precision="fp32",
-                     optimizer="adam", micro_batch=BATCH, global_batch=BATCH,
-                     step_time=w1["forward_backward"], optimizer_time=w1["adam"],
-                     micro_step_time=micro_step_time(w1),
-                     host_step_time=(w1["host_forward_backward"], w1["host_adam"]), threads=1, link_timings=link,
-                     tp_step_time=tp_step_time)
+    measured = Measured(micro_step_time=micro_step_time(w1), link_timings=link, tp_step_time=tp_step_time,
+                        host_step_time=(w1["host_forward_backward"], w1["host_adam"]))
+    training = Training(precision="fp32", optimizer="adam", micro_batch=BATCH, global_batch=BATCH)
+    plan = make_plan(transformer_stats(CFG, name="gpt-tp-bench"), PlanConfig(
+        gpu="cpu", gpus=WORLD, training=training, step_time=w1["forward_backward"], optimizer_time=w1["adam"],
+        threads=1, measured=measured))
     by_name = {e.name: e for e in plan.estimates}
     tp = by_name["tp"].time
     return {"tp": tp.step_s, "ddp": by_name["ddp"].time.step_s, "tp_comm": tp.tp_comm_s,

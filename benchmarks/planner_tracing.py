@@ -21,13 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from nanogpt_shaped import gpt2  # noqa: E402
 
-from paratrain.planner import (InputSpec, ModelStats, RunnableModel, TrainingCall, make_plan,  # noqa: E402
-                               measure_module, trace_module, transformer_stats)
+from paratrain.planner import (InputSpec, ModelStats, PlanConfig, RunnableModel, Training, TrainingCall,  # noqa: E402
+                               make_plan, measure_module, trace_module, transformer_stats)
 from paratrain.planner.hardware import GIB  # noqa: E402
 from paratrain.workloads.gpt import GPT_CONFIGS  # noqa: E402
 
 TOKENS = InputSpec.parse("long:1024")
-RUN = dict(gpu="a100-80gb", gpus=8, micro_batch=12, global_batch=480)
+RUN = PlanConfig(gpu="a100-80gb", gpus=8, training=Training(micro_batch=12, global_batch=480))
 
 
 def _one_gpu(model: ModelStats | RunnableModel) -> dict[str, float]:
@@ -35,7 +35,7 @@ def _one_gpu(model: ModelStats | RunnableModel) -> dict[str, float]:
     fp32 ones: the closed forms know which tensors autocast keeps in fp32)."""
     out = {}
     for precision in ("fp32", "bf16-mixed"):
-        single = make_plan(model, precision=precision, **RUN).estimates[0]
+        single = make_plan(model, replace(RUN, training=replace(RUN.training, precision=precision))).estimates[0]
         out |= {f"one_gpu_gib_{precision}": single.memory.total / GIB, f"one_gpu_step_s_{precision}": single.time.step_s}
     return out
 

@@ -18,12 +18,13 @@ def _run(cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProce
 
 
 def test_plain_torchrun_script_runs_unchanged(paratrain_cmd, tmp_path):
-    res = _run([*paratrain_cmd, "run", "-n", "2", str(SCRIPTS / "plain_torchrun.py"), str(tmp_path)])
+    """Its own flags too: a --tf after the script is the script's (a torch job), not paratrain's."""
+    res = _run([*paratrain_cmd, "run", "-n", "2", str(SCRIPTS / "plain_torchrun.py"), str(tmp_path), "--tf"])
     assert res.returncode == 0, res.stderr
     lines = sorted((tmp_path / f"rank{r}.txt").read_text().split() for r in range(2))
-    # rank, world, local rank, all-reduced sum, threads per process (2 cores / 2 processes), __name__
+    # rank, world, local rank, all-reduced sum, threads per process (2 cores / 2 processes), __name__, its flags
     assert [line[:4] for line in lines] == [["0", "2", "0", "3"], ["1", "2", "1", "3"]]
-    assert all(line[5] == "__main__" for line in lines)
+    assert all(line[5:] == ["__main__", "--tf"] for line in lines)
     assert {line[4] for line in lines} == {str(max(1, len(os.sched_getaffinity(0)) // 2))}
 
 

@@ -1,4 +1,4 @@
-"""The dry run (``paratrain plan --dry-run``): the real layout of a model built on the meta device, at world 64 and
+"""The dry run (``paratrain dry-run``): the real layout of a model built on the meta device, at world 64 and
 128, in one process on the fake process group. What each rank holds, read from its sharded tensors, is held against
 the planner's closed-form model states (``planner.memory.model_states``) within 2%, for GPT-2 and Llama from
 transformers and paratrain's tied GPT; layout errors come back as one line.
@@ -96,14 +96,14 @@ def test_dry_run_reports_layout_errors_in_one_line(models):
 
 def test_dry_run_command(models, paratrain_cmd):
     folder = models["llama"][2]
-    done = subprocess.run([*paratrain_cmd, "plan", "--dry-run", "--world", "128", "--strategy", "zero3", "--tp", "8",
+    done = subprocess.run([*paratrain_cmd, "dry-run", "--world", "128", "--strategy", "zero3", "--tp", "8",
                            "--model-config", str(folder), "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     import json
 
     report = json.loads(done.stdout)
     assert report["world"] == 128 and report["error"] is None and report["ranks"][0]["rank"] == 0
-    bad = subprocess.run([*paratrain_cmd, "plan", "--dry-run", "--world", "64", "--strategy", "pipeline",
+    bad = subprocess.run([*paratrain_cmd, "dry-run", "--world", "64", "--strategy", "pipeline",
                           "--model-config", str(folder)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "pipeline needs at least 64 blocks" in bad.stdout, (bad.stdout, bad.stderr)
 

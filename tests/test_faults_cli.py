@@ -58,9 +58,17 @@ ONE_LINE = [
     # paratrain demo
     (["demo", "--strategy", "nope"], "unknown strategy 'nope'"),
     (["demo", "--epochs", "0"], "--epochs must be >= 1"),
-    (["demo", "-n", "0"], "at least 1"),
+    (["demo", "-n", "0"], "--nproc must be >= 1, got 0"),
     (["demo", "--accumulate", "0"], "--accumulate must be >= 1"),
+    (["demo", "--lr", "0"], "--lr must be > 0, got 0"),
+    (["demo", "--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    (["demo", "--checkpoint-every", "5"], "--checkpoint-every and --resume need --checkpoint-dir"),
+    (["demo", "-n", "2", "--fail-at-step", "3", "--fail-rank", "2"], "--fail-rank 2 is not a rank of a 2-process job"),
     (["demo", "--strategy", "dp", "-n", "2"], "use strategy 'ddp'"),
+    (["demo", "--tf", "--strategy", "ddp"], "--strategy is an option of the torch demo; drop it with --tf"),
+    # paratrain dry-run, tp-plan
+    (["dry-run", "--model", "gpt-tiny", "--world", "0"], "--world must be >= 1, got 0"),
+    (["tp-plan", "--model", "gpt-tiny", "--tp", "1"], "tp-plan needs --tp N (N >= 2)"),
     # paratrain export
     (["export", "no/such/ckpt", "out.pt"], "no checkpoint at no/such/ckpt"),
 ]

@@ -150,7 +150,7 @@ def test_the_demo_is_bitwise_repeatable_on_cuda_and_ddp_equals_single(paratrain_
 
 
 def test_plan_measure_on_this_gpu_calibrates_its_compute_from_real_steps():
-    from paratrain.planner import make_plan
+    from paratrain.planner import PlanConfig, Training, make_plan
     from paratrain.workloads.planning import resolve_model
     from paratrain.planner.hardware import DEVICES
     from paratrain.planner.gpu_step import check_same_gpu
@@ -166,8 +166,8 @@ def test_plan_measure_on_this_gpu_calibrates_its_compute_from_real_steps():
             pass
     if not here:
         pytest.skip(f"{name} is not in the planner's catalogue")
-    plain = make_plan(resolve_model("gpt2"), gpu=here[0], micro_batch=2)
-    plan = make_plan(resolve_model("gpt2"), gpu=here[0], micro_batch=2, measure=True)
+    plain = make_plan(resolve_model("gpt2"), PlanConfig(gpu=here[0], training=Training(micro_batch=2)))
+    plan = make_plan(resolve_model("gpt2"), PlanConfig(gpu=here[0], training=Training(micro_batch=2), measure=True))
     assert plan.cluster.device.mfu != plain.cluster.device.mfu and 0 < plan.cluster.device.mfu <= 1
     assert plan.cluster.device.memory_gbs != plain.cluster.device.memory_gbs
     assert any(f"measured on this machine's {name} at batch 2" in n for n in plan.notes), plan.notes

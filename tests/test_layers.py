@@ -14,13 +14,13 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("dims", "options", "errors", "seeding", "digest", "progress", "lazy", "version", "sizes"),
+    0: ("dims", "options", "errors", "seeding", "digest", "progress", "lazy", "version", "sizes", "flags"),
     1: ("env", "devices", "precision", "data", "lr", "rank_agreement", "rank_log", "call_watch", "factory", "batch", "draws"),
     2: ("model",),
     3: ("distributed", "planner", "checkpoint"),
     4: ("strategies", "launch"),
     5: ("parallel", "prepared", "session", "loop", "monitor", "replicas", "rank_alone"),
-    6: ("workloads", "demo", "bench", "verify", "doctor", "testing", "dry_run", "tf"),
+    6: ("workloads", "demo", "bench", "verify", "doctor", "testing", "dry_run", "planning", "tf"),
     7: ("cli", "__main__", ""),  # "": the package's own __init__, the façade over everything
 }
 SIBLINGS = frozenset(LAYERS[3])

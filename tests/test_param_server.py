@@ -495,11 +495,11 @@ def test_demo_with_parameter_servers_reaches_95_percent(paratrain_cmd):
 
 
 def test_the_demo_takes_staleness_for_ps_only():
-    from paratrain.demo import check_args, parse_args, strategy_options
+    from paratrain.demo import DemoConfig
 
-    assert strategy_options(parse_args(["--strategy", "ps", "--staleness", "4"])) == {"staleness": 4}
+    assert DemoConfig(strategy="ps", staleness=4).strategy_options() == {"staleness": 4}
     with pytest.raises(ConfigError, match="--staleness is an option of --strategy ps, not of ddp"):
-        check_args(parse_args(["--strategy", "ddp", "--staleness", "4"]))
+        DemoConfig(strategy="ddp", staleness=4)
 
 
 def test_ps_without_a_worker_is_one_line_before_the_demo_starts(paratrain_cmd):

@@ -7,7 +7,7 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.planner import Layout, Training, all_reduce_s, batching, calibrated, make_cluster, make_plan, p2p_s
-from paratrain.planner import measured_link, step_time
+from paratrain.planner import Measured, PlanConfig, measured_link, step_time
 from paratrain.planner.layout import stage_flops
 from paratrain.planner.model_stats import InputSpec, trace_module
 from paratrain.planner.timing import fsdp_call_from, fsdp_copy_bytes
@@ -76,11 +76,13 @@ def test_fsdp_machinery_is_measured_on_one_rank_and_paid_per_unit_and_call():
         assert extra == pytest.approx(units * calls * per_call * cluster.device.serial_slowdown(4))
     ddp = Layout.of(name="ddp", dp=4)
     assert step_time(stats, ddp, batch, training, timed) == step_time(stats, ddp, batch, training, cluster)
-    plan = make_plan(resolve_model("mlp"), gpu="cpu", gpus=2, precision="fp32", optimizer="adam", step_time=0.02,
-                     optimizer_time=0.004, threads=1, fsdp_overhead={"zero2": 0.004, "zero3": 0.006})
+    plan = make_plan(resolve_model("mlp"), PlanConfig(
+        gpu="cpu", gpus=2, training=Training(precision="fp32", optimizer="adam"), step_time=0.02, optimizer_time=0.004,
+        threads=1, measured=Measured(fsdp_overhead={"zero2": 0.004, "zero3": 0.006})))
     assert plan.cluster.device.fsdp_call_s > 0
     with pytest.raises(ConfigError, match="give it for zero2 and/or zero3"):
-        make_plan(resolve_model("mlp"), gpu="cpu", gpus=2, step_time=0.02, optimizer_time=0.004, fsdp_overhead={"ddp": 0.1})
+        make_plan(resolve_model("mlp"), PlanConfig(gpu="cpu", gpus=2, step_time=0.02, optimizer_time=0.004,
+                                                   measured=Measured(fsdp_overhead={"ddp": 0.1})))
 
 
 def test_a_pipeline_stage_computes_its_own_units_flops():

@@ -84,13 +84,13 @@ def test_bad_input_is_one_line(capsys, argv, message):
     assert err.count("\n") == 1
 
 
-def test_show_tp_plan_prints_the_plan_prepare_would_apply(capsys):
-    """The model's own plan by default, the inferred one with 'auto'; nothing is planned or launched."""
-    assert main(["plan", "--model", "gpt-tiny", "--tp", "2", "--show-tp-plan"]) == 0
+def test_tp_plan_prints_the_plan_prepare_would_apply(capsys):
+    """The model's own plan by default, the inferred one with --auto; nothing is planned or launched."""
+    assert main(["tp-plan", "--model", "gpt-tiny", "--tp", "2"]) == 0
     own = capsys.readouterr().out
     assert "# tp plan 'paratrain GPT' over tp=2 (sequence parallel)" in own
     assert "    'blocks.*.qkv': 'colwise(input=sequence)'," in own and "    'head': 'colwise'," in own
-    assert main(["plan", "--model", "gpt-tiny", "--tp", "2", "--show-tp-plan", "auto"]) == 0
+    assert main(["tp-plan", "--model", "gpt-tiny", "--tp", "2", "--auto"]) == 0
     inferred = capsys.readouterr().out
     assert "# tp_plan='auto' for GPT over tp=2" in inferred and "    'blocks.*.qkv': 'colwise'," in inferred
     assert "#   head -> colwise (vocabulary, logits left split for the loss; tied to wte)" in inferred
@@ -98,10 +98,50 @@ def test_show_tp_plan_prints_the_plan_prepare_would_apply(capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--model", "gpt-tiny", "--show-tp-plan"], "--show-tp-plan needs --tp N"),
-    (["--params", "1B", "--tp", "2", "--show-tp-plan"], "builds the model"),
+    (["tp-plan", "--model", "gpt-tiny"], "tp-plan needs --tp N (N >= 2)"),
+    (["tp-plan", "--model", "gpt-tiny", "--tp", "1"],
+     "needs --tp N (N >= 2): the plan depends on the degree; got --tp 1"),
+    (["tp-plan", "--params", "1B", "--tp", "2"], "builds the model"),
+    (["tp-plan", "--model", "gpt-tiny", "--tp", "2", "--layers", "0"], "--layers must be >= 1, got 0"),
+    (["tp-plan", "--model", "gpt-tiny", "--tp", "2", "--gpus", "8"], "unrecognized arguments: --gpus 8"),
+    (["dry-run", "--model", "gpt-tiny"], "the following arguments are required: --world"),
+    (["dry-run", "--model", "gpt-tiny", "--world", "0"], "--world must be >= 1, got 0"),
+    (["dry-run", "--model", "gpt-tiny", "--world", "8", "--per-node", "0"], "--per-node must be >= 1, got 0"),
+    (["dry-run", "--model", "gpt-tiny", "--world", "8", "--tp", "0"], "--tp must be >= 1, got 0"),
+    (["dry-run", "--model", "gpt-tiny", "--world", "8", "--strategy", "nope"], "unknown strategy 'nope'"),
+    (["dry-run", "--model", "gpt-tiny", "--world", "8", "--optimizer", "lion"], "invalid choice: 'lion'"),
+    (["dry-run", "--model", "gpt-tiny", "--model-config", "x.json", "--world", "8"], "give --model or --model-config"),
+    (["dry-run", "--world", "8"], "a dry run builds the model: give --model"),
+    (["dry-run", "--model", "gpt-tiny", "--world", "8", "--gpus", "8"], "unrecognized arguments: --gpus 8"),
+    (["plan", "--model", "gpt2", "--world", "8"], "--world is `paratrain dry-run`'s"),
+    (["plan", "--model", "gpt2", "--mfu", "0"], "--mfu must be > 0, got 0"),
+    (["plan", "--model", "gpt2", "--mfu", "1.5"], "--mfu is a fraction of peak, at most 1, got 1.5"),
+    (["plan", "--model", "gpt2", "--nodes", "0"], "--nodes must be >= 1, got 0"),
+    (["plan", "--model", "gpt2", "--ps-servers", "-1"], "--ps-servers must be >= 0, got -1"),
+    (["plan", "--model", "gpt2", "--checkpointing", "--recompute", "op"],
+     "give one of --checkpointing or --recompute op"),
 ])
-def test_show_tp_plan_refuses_in_one_line(argv, words, capsys):
-    assert main(["plan", *argv]) == 2
+def test_each_bad_flag_of_tp_plan_dry_run_and_plan_is_one_line(argv, words, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and words in err[0]
+    assert len(err) == 1 and words in err[0], err
+
+
+def test_the_old_spellings_run_the_new_commands_with_one_line_naming_them(capsys):
+    assert main(["plan", "--model", "gpt-tiny", "--tp", "2", "--show-tp-plan", "auto"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "paratrain: deprecated: `paratrain plan --show-tp-plan auto` is now `paratrain tp-plan --auto`\n"
+    assert "# tp_plan='auto' for GPT over tp=2" in out.out
+    assert main(["plan", "--dry-run", "--model", "gpt-tiny", "--gpus", "2", "--nodes", "2", "--strategy", "zero3",
+                 "--json"]) == 0
+    out = capsys.readouterr()
+    assert out.err.startswith("paratrain: deprecated: `paratrain plan --dry-run` is now `paratrain dry-run`")
+    assert out.err.count("\n") == 1 and json.loads(out.out)["world"] == 4  # --gpus x --nodes
+    assert main(["plan", "--dry-run", "--model", "gpt-tiny", "--world", "0"]) == 2  # not a world of 1, as it was
+    assert capsys.readouterr().err.splitlines()[1] == "paratrain: error: --world must be >= 1, got 0"
+    assert main(["plan", "--model", "gpt-tiny", "--show-tp-plan"]) == 2
+    assert "tp-plan needs --tp N" in capsys.readouterr().err.splitlines()[1]

@@ -9,7 +9,8 @@ import torch
 from paratrain.cli.main import main
 from paratrain.dims import ParallelDims
 from paratrain.errors import ConfigError
-from paratrain.planner import TRANSFORMERS, GPTConfig, InputSpec, make_plan, trace_module, transformer_stats
+from paratrain.planner import (TRANSFORMERS, GPTConfig, InputSpec, ModelSpec, PlanConfig, Training, make_plan,
+                               trace_module, transformer_stats)
 from paratrain.planner.hf_config import read_model_config
 from paratrain.planner.layout import exact_layout
 from paratrain.planner.tensor_parallel import rank_params
@@ -74,8 +75,8 @@ def test_a_transformers_config_json_plans_the_parameters_its_model_has(name, tmp
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert transformer_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
     assert read_model_config(tmp_path / "config.json") == cfg
-    assert resolve_model(model_config=str(tmp_path / "config.json")).find_stats().params == transformer_params(cfg)[
-        "total"]
+    from_config = resolve_model(ModelSpec(model_config=str(tmp_path / "config.json")))
+    assert from_config.find_stats().params == transformer_params(cfg)["total"]
 
 
 def test_the_pretraining_context_is_read_from_rope_scaling(tmp_path):
@@ -125,25 +126,26 @@ def test_tensor_parallelism_splits_the_key_value_heads_and_needs_them_to_divide(
 
 
 def test_shape_flags_override_a_preset_and_tie_or_untie_its_head():
-    untied = resolve_model("gpt2", tied=False).find_stats()
+    untied = resolve_model(ModelSpec(model="gpt2", tied=False)).find_stats()
     assert untied.params - resolve_model("gpt2").find_stats().params == 50257 * 768
-    tied = resolve_model("llama3-8b", tied=True, kv_heads=32, ffn=14336).find_stats()
+    tied = resolve_model(ModelSpec(model="llama3-8b", tied=True, kv_heads=32, ffn_hidden=14336)).find_stats()
     assert tied.params == transformer_params(GPTConfig(**{**TRANSFORMERS["llama3-8b"].__dict__, "tied": True,
                                                           "kv_heads": 32}))["total"]
-    assert resolve_model(params="8B", heads=32, hidden=4096, kv_heads=8).params == 8_000_000_000
+    assert resolve_model(ModelSpec(params="8B", heads=32, hidden=4096, kv_heads=8)).params == 8_000_000_000
 
 
 def test_the_exact_layout_of_a_384_gpu_run_splits_its_global_batch_over_dp_not_the_gpus():
     """Megatron-style dp=8 x pp=12 x tp=4 on 48 nodes: 2048 samples are 256 per replica, though not 2048 / 384."""
     stats = transformer_stats(TRANSFORMERS["llama3-70b"], name="llama3-70b")
-    plan = make_plan(stats, gpus=8, nodes=48, inter_node="ib-ndr", micro_batch=1, global_batch=2048,
-                     exact=exact_layout("dp=8,pp=12,tp=4"))
+    plan = make_plan(stats, PlanConfig(gpus=8, nodes=48, inter_node="ib-ndr", layout="dp=8,pp=12,tp=4",
+                                        training=Training(micro_batch=1, global_batch=2048)))
     assert [e.layout.describe() for e in plan.estimates] == ["1 rank", "dp=8 pp=12 tp=4", "dp=8 pp=12 shard=8 tp=4"]
     assert [e.name for e in plan.estimates[1:]] == ["hybrid+tp", "hybrid+zero1+tp"]  # DDP or ZeRO-1 across dp
     assert plan.choice.layout.dims == ParallelDims(dp_replicate=8, pp=12, tp=4)
     assert plan.choice.batch.micro_batches == 256 and plan.choice.fits
     assert plan.reason.startswith("the layout asked for (dp=8 pp=12 tp=4) fits as hybrid+tp")
-    searched = make_plan(stats, gpus=8, nodes=48, inter_node="ib-ndr", micro_batch=1, global_batch=2048, tp=4)
+    searched = make_plan(stats, PlanConfig(gpus=8, nodes=48, inter_node="ib-ndr", tp=4,
+                                            training=Training(micro_batch=1, global_batch=2048)))
     assert all(2048 % e.layout.dp == 0 for e in searched.estimates)
     left_out = "does not split evenly over 384 GPUs: layouts of dp=3, dp=6, dp=12, dp=24, dp=48"
     assert any(left_out in n for n in searched.notes)
@@ -151,7 +153,7 @@ def test_the_exact_layout_of_a_384_gpu_run_splits_its_global_batch_over_dp_not_t
 
 def test_an_exact_data_parallel_layout_compares_its_flavours():
     stats = transformer_stats(TRANSFORMERS["gpt2"], name="gpt2")
-    plan = make_plan(stats, gpus=8, exact=exact_layout(dp=4, tp=2))
+    plan = make_plan(stats, PlanConfig(gpus=8, dp=4, tp=2))
     assert {e.name for e in plan.estimates[1:]} == {"ddp+tp", "zero2+tp", "zero3+tp"}
     assert exact_layout(tp=2) is None  # --tp alone still searches
     assert exact_layout("pp=2", tp=4) == ParallelDims(pp=2, tp=4)
@@ -168,10 +170,11 @@ def test_an_exact_layout_that_fits_nowhere_is_planned_and_shown_with_how_far_ove
     total = float(rows["zero3"].split("no +")[1].split()[1])
     assert over == pytest.approx(total - 24.0, abs=0.5)  # the GiB over the 24 GiB of an RTX 4090 (whole GiB above 100)
     assert "recommended: none — the layout asked for (dp=8) fits in no way to run it: need " in out
-    plan = make_plan(resolve_model(params="70B"), gpu="rtx-4090", gpus=8, micro_batch=1, exact=exact_layout(dp=8))
+    seventy = resolve_model(ModelSpec(params="70B"))
+    plan = make_plan(seventy, PlanConfig(gpu="rtx-4090", gpus=8, dp=8, training=Training(micro_batch=1)))
     assert plan.choice is None and all(e.over > 0 for e in plan.estimates)
     with pytest.raises(ConfigError, match="^no strategy fits: need "):
-        make_plan(resolve_model(params="70B"), gpu="rtx-4090", gpus=8, micro_batch=1)
+        make_plan(seventy, PlanConfig(gpu="rtx-4090", gpus=8, training=Training(micro_batch=1)))
 
 
 def test_cli_plans_a_config_json_with_an_exact_layout(tmp_path, capsys):

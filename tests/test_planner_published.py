@@ -88,14 +88,14 @@ def test_bloom_fits_its_published_layout_with_zero1_across_its_replicas_and_not_
     """BLOOM-176B trained on 384 A100s as tp 4 x pp 12 x dp 8 with ZeRO-1 across dp (Megatron-DeepSpeed): asked for
     that layout, the plan compares DDP and ZeRO-1 across the replicas; only ZeRO-1 fits (Adam's states and the fp32
     master copy, 12 bytes a parameter, divided by 8), and the row that does not fit says by how much."""
-    from paratrain.planner import format_plan, make_plan, transformer_stats
-    from paratrain.planner.layout import exact_layout
+    from paratrain.planner import PlanConfig, Training, format_plan, make_plan, transformer_stats
 
     run = next(r for r in RUNS if r.name.startswith("bloom-176b"))
     assert round(transformer_stats(run.model, name="bloom").params / 1e9) == 176
-    plan = make_plan(transformer_stats(run.model, name=run.name), gpu="a100-80gb", gpus=8, nodes=48,
-                     inter_node="ib-ndr", micro_batch=2, global_batch=2048, precision="bf16-mixed", optimizer="adam",
-                     recompute="full", sequence_parallel=False, exact=exact_layout("dp=8,pp=12,tp=4"))
+    plan = make_plan(transformer_stats(run.model, name=run.name), PlanConfig(
+        gpu="a100-80gb", gpus=8, nodes=48, inter_node="ib-ndr", layout="dp=8,pp=12,tp=4",
+        training=Training(micro_batch=2, global_batch=2048, precision="bf16-mixed", optimizer="adam", recompute="full",
+                          sequence_parallel=False)))
     ddp, zero1 = plan.estimates[1:]
     assert (ddp.name, zero1.name, plan.choice.name) == ("hybrid+tp", "hybrid+zero1+tp", "hybrid+zero1+tp")
     assert not ddp.fits and zero1.fits and zero1.batch.micro_batch == 2 and zero1.batch.micro_batches == 128

@@ -5,6 +5,7 @@ import pytest
 
 from paratrain.errors import ConfigError
 from paratrain.lr import scale_lr
+from paratrain.planner import ModelSpec, PlanConfig
 from paratrain.planner import (TRANSFORMERS, Training, bubble_fraction, format_plan, make_cluster, make_plan,
                                recommend, transformer_stats)
 from paratrain.planner.memory import zero1_busiest
@@ -84,7 +85,8 @@ def test_pipeline_suggests_more_micro_batches_when_the_bubble_is_large():
 
 
 def test_a_cpu_host_says_more_processes_are_slower_than_threads():
-    plan = make_plan(resolve_model("mlp"), gpu="cpu", gpus=2, micro_batch=64)
+    plan = make_plan(resolve_model("mlp"),
+                     PlanConfig(gpu="cpu", gpus=2, training=Training(precision="auto", micro_batch=64)))
     assert plan.training.precision == "fp32"
     assert plan.choice.name == "single"
     ddp = next(e for e in plan.estimates if e.name == "ddp")
@@ -94,7 +96,7 @@ def test_a_cpu_host_says_more_processes_are_slower_than_threads():
 
 def test_no_strategy_fits_names_the_need_and_what_to_try():
     with pytest.raises(ConfigError) as err:
-        recommend(resolve_model(params="70B"), make_cluster("rtx-4090", gpus=2), Training(micro_batch=1))
+        recommend(resolve_model(ModelSpec(params="70B")), make_cluster("rtx-4090", gpus=2), Training(micro_batch=1))
     message = str(err.value)
     assert message.startswith("no strategy fits: need ") and "GiB per GPU" in message and "have 24.0; try " in message
     assert "\n" not in message

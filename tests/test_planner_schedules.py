@@ -168,9 +168,9 @@ def test_fsdp_under_a_pipeline_keeps_its_stage_gathered_and_syncs_once():
 def test_a_step_time_calibration_reproduces_itself_for_a_causal_transformer():
     """The calibration inverts what the time model prices (the executed FLOPs: half the attention matrices), so a
     single-GPU plan calibrated from a step predicts that step."""
-    from paratrain.planner import make_plan
+    from paratrain.planner import PlanConfig, make_plan
 
-    plan = make_plan(STATS, gpu="h100", step_time=0.25, micro_batch=4)
+    plan = make_plan(STATS, PlanConfig(gpu="h100", step_time=0.25, training=Training(micro_batch=4)))
     single = next(e for e in plan.estimates if e.name == "single")
     assert single.time.step_s == pytest.approx(0.25)
     assert plan.cluster.device.activation_passes == 0  # the measured step holds the elementwise work

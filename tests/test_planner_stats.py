@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.planner import InputSpec, make_plan, measure_module, trace_module, transformer_stats
+from paratrain.planner import (InputSpec, ModelSpec, PlanConfig, make_plan, measure_module, trace_module,
+                               transformer_stats)
 from paratrain.planner.model_stats import wrap_units
 from paratrain.planner.transformer import transformer_params
 from paratrain.workloads.digits import digits_cnn
@@ -115,13 +116,13 @@ def test_mlp_activation_estimate_is_close_to_a_real_forward():
 
 
 def test_a_7b_model_plans_in_under_a_second_without_allocating_weights():
-    make_plan(resolve_model("gpt2"), gpu="h100", gpus=8)  # imports warmed up
+    make_plan(resolve_model("gpt2"), PlanConfig(gpu="h100", gpus=8))  # imports warmed up
     tracemalloc.start()
     rss = _rss()
     start = time.perf_counter()
-    plan = make_plan(resolve_model("llama-7b"), gpu="h100", gpus=8)
-    by_params = make_plan(resolve_model(params="7.5B", layers=32, hidden=4096, seq_len=4096), gpu="a100", gpus=8,
-                          nodes=2)
+    plan = make_plan(resolve_model("llama-7b"), PlanConfig(gpu="h100", gpus=8))
+    by_params = make_plan(resolve_model(ModelSpec(params="7.5B", layers=32, hidden=4096, seq_len=4096)),
+                          PlanConfig(gpu="a100", gpus=8, nodes=2))
     elapsed = time.perf_counter() - start
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -133,7 +134,7 @@ def test_a_7b_model_plans_in_under_a_second_without_allocating_weights():
 
 def test_params_shapes_and_input_specs():
     assert parse_count("7.5B") == 7.5e9 and parse_count("350m") == 350e6 and parse_count("1200") == 1200
-    stats = resolve_model(params="7B")  # shape guessed from GPT-3's aspect ratio
+    stats = resolve_model(ModelSpec(params="7B"))  # shape guessed from GPT-3's aspect ratio
     assert stats.params == 7_000_000_000 and "layers" in stats.source
     assert InputSpec.parse("long:1024").dtype == torch.long and InputSpec.parse("3x32x32").shape == (3, 32, 32)
     with pytest.raises(ConfigError, match="cannot read 'lots'"):
@@ -149,7 +150,7 @@ def _factory() -> nn.Module:
 
 
 def test_module_factory_is_traced_on_meta_and_units_expand_module_lists():
-    stats = resolve_model("test_planner_stats:_factory", input_spec="4").find_stats()
+    stats = resolve_model(ModelSpec(model="test_planner_stats:_factory", input_spec="4")).find_stats()
     assert stats.params == 20 and "meta" in stats.source
     model = nn.Module()
     model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))

@@ -2,6 +2,7 @@
 import pytest
 
 from paratrain.errors import ConfigError
+from paratrain.planner import Measured, PlanConfig
 from paratrain.planner import (TRANSFORMERS, Layout, Link, Training, all_gather_s, all_reduce_s, batching, broadcast_s,
                                bubble_fraction, calibrated, get_device, make_cluster, make_plan, measured_link, p2p_s,
                                reduce_scatter_s, step_time, transformer_stats)
@@ -125,7 +126,7 @@ def test_calibration_splits_a_measured_step_into_flops_and_memory_traffic():
         calibrated(host, flops_per_step=flops, step_time_s=0.005, precision="fp32", streamed_bytes=weights,
                    optimizer_bytes=adam, optimizer_s=0.015, threads=1)
     with pytest.raises(ConfigError, match="--optimizer-time calibrates together with --step-time"):
-        make_plan(resolve_model("mlp"), gpu="cpu", gpus=2, optimizer_time=0.01)
+        PlanConfig(gpu="cpu", gpus=2, optimizer_time=0.01)
 
 
 def test_a_link_measured_at_a_world_size_reproduces_its_timings():
@@ -137,7 +138,7 @@ def test_a_link_measured_at_a_world_size_reproduces_its_timings():
     assert reduce_scatter_s(16e6, 4, link) == pytest.approx(0.03)
     assert broadcast_s(16e6, 4, link) == pytest.approx(0.006)
     assert p2p_s(4e6, link) == pytest.approx(0.0015) and p2p_s(65536, link) == pytest.approx(0.0003)
-    plan = make_plan(resolve_model("mlp"), gpu="cpu", gpus=4, link_timings=timings)
+    plan = make_plan(resolve_model("mlp"), PlanConfig(gpu="cpu", gpus=4, measured=Measured(link_timings=timings)))
     assert plan.cluster.intra.name == "loopback-gloo (measured)"
 
 
@@ -149,8 +150,8 @@ def test_collectives_split_per_wrap_unit_set_what_each_further_call_costs():
     assert default.call_us is None and default.call_s(4) == pytest.approx(3 * default.latency_us * 1e-6)
     assert link.call_s(4) == pytest.approx(0.004)  # 12 and 20 ms over 4 further calls, averaged
     assert all_gather_s(16e6, 4, link) == pytest.approx(0.02)  # the whole collective's figures are kept
-    plans = [{e.name: e.time for e in make_plan(resolve_model("mlp"), gpu="cpu", gpus=4, link_timings=t).estimates}
-             for t in (whole, split)]
+    configs = [PlanConfig(gpu="cpu", gpus=4, measured=Measured(link_timings=t)) for t in (whole, split)]
+    plans = [{e.name: e.time for e in make_plan(resolve_model("mlp"), config).estimates} for config in configs]
     units = 3  # the built-in mlp's wrap units; zero3 makes 3 calls per unit, zero2 2
     for name, calls in (("zero3", 3), ("zero2", 2)):
         extra = plans[1][name].exposed_comm_s - plans[0][name].exposed_comm_s

@@ -1,8 +1,11 @@
 """Planner tensor parallelism: what a rank holds and sends, hand-computed on a tiny transformer, and when the
 recommender picks it."""
+from dataclasses import replace
+
 import pytest
 
 from paratrain.errors import ConfigError
+from paratrain.planner import Measured, ModelSpec, PlanConfig
 from paratrain.planner import (TRANSFORMERS, GPTConfig, Layout, Link, Training, batching, format_plan, make_cluster,
                                make_plan, memory_per_rank, plan_to_json, recommend, step_time, transformer_stats)
 from paratrain.planner.layout import layouts
@@ -87,7 +90,7 @@ def test_step_time_splits_compute_and_waits_for_every_collective():
 
 def test_tp_across_nodes_uses_the_slower_link_and_is_flagged():
     stats = transformer_stats(TRANSFORMERS["llama-7b"], name="llama-7b")
-    plan = make_plan(stats, gpus=8, nodes=2, tp=16, micro_batch=2)
+    plan = make_plan(stats, PlanConfig(gpus=8, nodes=2, tp=16, training=Training(micro_batch=2)))
     assert [e.layout.tp for e in plan.estimates if e.layout.tp > 1] == [16]
     wide = next(e for e in plan.estimates if e.layout.tp == 16)
     assert wide.batch.micro_batches == 16  # one replica: the global batch of 2 x 16 in micro-batches of 2
@@ -119,9 +122,9 @@ def test_a_model_whose_shape_does_not_divide_gets_no_tp_and_a_note():
     assert "tensor parallelism not planned: heads 5 does not divide by tp=2" in plan.notes
     with pytest.raises(ConfigError, match=r"^--tp 4: heads 6 does not divide by tp=4; use a degree that "
                                           r"divides them: 1, 2$"):
-        make_plan(resolve_model("gpt2", heads=6, hidden=768, vocab=50304), gpus=4, tp=4)
+        make_plan(resolve_model(ModelSpec(model="gpt2", heads=6, hidden=768, vocab=50304)), PlanConfig(gpus=4, tp=4))
     with pytest.raises(ConfigError, match="--tp needs a transformer's shape"):
-        make_plan(resolve_model("mlp"), gpus=2, tp=2)
+        make_plan(resolve_model("mlp"), PlanConfig(gpus=2, tp=2))
 
 
 def test_tp_is_chosen_when_it_is_the_only_layout_that_fits():
@@ -149,14 +152,15 @@ def test_tp_within_nodes_and_pipelines_across_a_slow_link_is_fastest():
 
 
 def test_dtensor_machinery_is_calibrated_per_collective_from_a_fake_group_step():
-    options = dict(gpu="cpu", gpus=2, precision="fp32", optimizer="adam", micro_batch=4, global_batch=4, tp=2)
-    before = {e.name: e for e in make_plan(TINY, **options).estimates}
+    config = PlanConfig(gpu="cpu", gpus=2, tp=2,
+                        training=Training(precision="fp32", optimizer="adam", micro_batch=4, global_batch=4))
+    before = {e.name: e for e in make_plan(TINY, config).estimates}
     compute = before["tp"].time.step_s - before["tp"].time.exposed_comm_s
     calls = collectives_per_micro_batch(TINY, False)
-    plan = make_plan(TINY, **options, tp_step_time=compute + calls * 0.002)  # 2 ms of machinery per collective
+    plan = make_plan(TINY, replace(config, measured=Measured(tp_step_time=compute + calls * 0.002)))  # 2 ms of machinery per collective
     assert plan.cluster.device.tp_call_s == pytest.approx(0.002)
     after = {e.name: e for e in plan.estimates}
     slowdown = plan.cluster.device.serial_slowdown(2)
     assert after["tp"].time.step_s - before["tp"].time.step_s == pytest.approx(calls * 0.002 * slowdown)
     assert after["ddp"].time.step_s == before["ddp"].time.step_s  # layouts without tp pay nothing
-    assert make_plan(TINY, **options, tp_step_time=compute / 2).cluster.device.tp_call_s == 0.0  # never below 0
+    assert make_plan(TINY, replace(config, measured=Measured(tp_step_time=compute / 2))).cluster.device.tp_call_s == 0.0  # never below 0

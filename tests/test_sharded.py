@@ -3,7 +3,7 @@ and sharding really shrinks per-rank state by the ZeRO accounting."""
 import pytest
 
 from dist_workers import state_bytes_per_strategy, train_params
-from paratrain.planner import make_plan
+from paratrain.planner import ModelSpec, PlanConfig, Training, make_plan
 from paratrain.workloads.planning import resolve_model
 from paratrain.planner.memory import model_states
 from paratrain.testing import max_abs_diff, spawn
@@ -94,8 +94,8 @@ def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planne
         for key, want in (("params", ep), ("grads", eg), ("optim", eo)):
             assert abs(got[key] - want) <= 0.05 * want, (strategy, key, got[key], want)
     # the planner, which never runs the model, predicts the same bytes
-    plan = make_plan(resolve_model("dist_workers:state_model", input_spec="64"), gpu="cpu", gpus=world,
-                     precision="fp32", optimizer="adam", micro_batch=4)
+    plan = make_plan(resolve_model(ModelSpec(model="dist_workers:state_model", input_spec="64")),
+                     PlanConfig(gpu="cpu", gpus=world, training=Training(precision="fp32", optimizer="adam", micro_batch=4)))
     predicted = {e.name: model_states(plan.stats, e.layout, plan.training) for e in plan.estimates}
     for strategy, got in results.items():
         memory = predicted[strategy]

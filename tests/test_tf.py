@@ -119,10 +119,21 @@ def test_a_busy_port_in_tf_config_is_one_line(monkeypatch):
     assert rc == 2 and len(stderr.strip().splitlines()) == 1 and f"port {port} is already in use" in stderr, stderr
 
 
-def test_a_script_flag_named_tf_stays_a_torch_job():
-    from paratrain.tf.launcher import run
+def test_tf_before_the_script_is_tensorflows_launcher_and_after_it_the_scripts_own_flag(monkeypatch):
+    """One dispatch point (``cli.main``) reads run's parsed flags; tests/test_cli_run.py runs the torch job."""
+    import importlib
 
-    assert run(["-n", "1", "train.py", "--tf"]) is False
+    torchrun = importlib.import_module("paratrain.launch.torchrun")  # paratrain.launch is also the façade's verb
+    tf_launcher = importlib.import_module("paratrain.tf.launcher")
+
+    launched = []
+    monkeypatch.setattr(torchrun, "launch", lambda args, **_: launched.append(("torch", args)))
+    monkeypatch.setattr(tf_launcher, "launch", lambda args, **_: launched.append(("tf", args)))
+    assert main(["run", "-n", "2", SCRIPT, "--tf"]) == 0
+    assert main(["run", "--tf", "-n", "2", SCRIPT]) == 0
+    (torch_job, script_flag), (tf_job, own_flag) = launched
+    assert torch_job == "torch" and script_flag.training_script_args == ["--tf"] and not script_flag.tf
+    assert tf_job == "tf" and own_flag.tf and own_flag.training_script_args == []
 
 
 def test_nodes_swap_their_workers_addresses_through_node_0():

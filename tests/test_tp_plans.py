@@ -1,5 +1,5 @@
 """Tensor-parallel plans as users meet them, in one process: the vocabulary embedding found by what it is, the plan
-``--show-tp-plan`` prints valid ``tp_plan=`` input as printed, and a user plan may name any subset. Training with
+``paratrain tp-plan`` prints valid ``tp_plan=`` input as printed, and a user plan may name any subset. Training with
 these plans, equal to one process, is in tests/test_real_code.py."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from conftest import ROOT
-from paratrain.cli.tp_plan import tp_plan_lines
+from paratrain.planning.tp_plan import tp_plan_lines
 from paratrain.distributed.tensor_parallel.infer import choose_plan
 from paratrain.distributed.tensor_parallel.names import STYLES, spec_of, style
 from paratrain.distributed.tensor_parallel.plans import gpt2_plan, llama_plan, plan_for

@@ -23,10 +23,8 @@ from torch import nn
 from .env import ClusterEnv
 from .errors import ConfigError, ParatrainError
 from .model.facts import ModelFacts
+from .planner.training import OPTIMIZER_STATES
 from .strategies.base import Runtime
-
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
-"""State tensors per parameter, each the parameter's size and dtype (AdamW's two moments)."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +180,7 @@ def _stage_heads(par: Any) -> list[int]:
 
 
 def model_builder(model: str | None, model_config: str | None) -> Callable[[], nn.Module]:
-    """What ``paratrain plan --dry-run`` builds: a transformers model from a local ``config.json``
+    """What ``paratrain dry-run`` builds: a transformers model from a local ``config.json``
     (``--model-config``, the real class: GPT-2, Llama, …), or a built-in model or ``module:factory`` (``--model``)."""
     if model_config is not None:
         from pathlib import Path

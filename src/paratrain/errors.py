@@ -31,12 +31,14 @@ class RankFailedError(LaunchError):
     """
 
     def __init__(self, rank: int, exitcode: int, host: str, pid: int | None, traceback: str | None,
-                 ranks: tuple[int, ...] = (), stopped: tuple[int, ...] = ()) -> None:
+                 ranks: tuple[int, ...] = (), stopped: tuple[int, ...] = (), stopped_by: str = "SIGTERM") -> None:
         self.rank = rank
         self.ranks = ranks or (rank,)
         """Every rank that failed with the same error (the root cause's rank first)."""
         self.stopped = stopped
-        """Ranks the launcher stopped (SIGTERM) because this one failed: not failures of their own."""
+        """Ranks the launcher stopped because this one failed: not failures of their own."""
+        self.stopped_by = stopped_by
+        """How the launcher stopped them (torchrun's agent: SIGTERM; TensorFlow's workers ignore it)."""
         self.exitcode = exitcode
         self.host = host
         self.pid = pid

@@ -21,9 +21,12 @@ import argparse
 from pathlib import Path
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure speedup, efficiency, communication and memory per world size",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return sub.add_parser("bench", help="measure speedup, efficiency, communication and memory per world size",
+                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mlp",
                    help="mlp, cnn, gpt-tiny, recommender, recommender-tiny, or module:factory (default: mlp)")
     p.add_argument("-n", "--nproc", default=None,
@@ -53,19 +56,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    if args.tf:
-        from ..tf.bench import bench_tf, format_tf_report
-
-        try:
-            nprocs = tuple(int(n) for n in (args.nproc or "1,2").split(","))
-        except ValueError:
-            from ..errors import ConfigError
-
-            raise ConfigError(f"--nproc must be world sizes like 1,2, got {args.nproc!r}") from None
-        print(format_tf_report(bench_tf(nprocs=nprocs, batch=args.batch, steps=args.steps, warmup=args.warmup,
-                                        rounds=args.rounds, json_path=args.json, plot_path=args.plot,
-                                        plot=not args.no_plot)))
-        return 0
     from ..bench import run_bench_cli
 
     return run_bench_cli(workload=args.workload, nproc=args.nproc, strategies=args.strategies, tp=args.tp,

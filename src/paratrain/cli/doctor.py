@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="check GPUs, topology, memory, limits, NCCL env and live all-reduce speed",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return sub.add_parser("doctor", help="check GPUs, topology, memory, limits, NCCL env and live all-reduce speed",
+                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--skip-bandwidth", action="store_true", help="leave out the live all-reduce")
     p.add_argument("--master-addr", metavar="HOST[:PORT]",

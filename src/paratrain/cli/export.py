@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a checkpoint's model as one plain state_dict file",
-                       description="Consolidate a (sharded) checkpoint's model into one file of full tensors with "
-                                   "the plain model's parameter names, loadable with "
-                                   "torch.load(OUT, weights_only=True) and model.load_state_dict.")
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return sub.add_parser("export", help="write a checkpoint's model as one plain state_dict file",
+                          description="Consolidate a (sharded) checkpoint's model into one file of full tensors with "
+                                      "the plain model's parameter names, loadable with "
+                                      "torch.load(OUT, weights_only=True) and model.load_state_dict.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder (step-…) or a checkpoint directory (its latest one)")
     p.add_argument("out", help="the .pt file to write")
     p.add_argument("--model", type=int, default=0, help="which prepared model, when the job had several (default 0)")

@@ -1,22 +1,29 @@
-"""``paratrain run``: torchrun-compatible launcher (see :mod:`paratrain.launch.torchrun`)."""
+"""``paratrain run``: torchrun-compatible launcher (see :mod:`paratrain.launch.torchrun`); with ``--tf`` before the
+script, TensorFlow's (:mod:`paratrain.tf.launcher`)."""
 from __future__ import annotations
 
 import argparse
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", add_help=False, help="launch a script on N processes (torchrun flags)",
-                       description="torchrun-compatible launcher; `paratrain run --help` lists every flag")
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return sub.add_parser("run", add_help=False, help="launch a script on N processes (torchrun flags)",
+                          description="torchrun-compatible launcher; `paratrain run --help` lists every flag")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("argv", nargs=argparse.REMAINDER)
 
 
+def parse_launch(args: argparse.Namespace) -> None:
+    """The launcher's own flags, parsed by its parser: a ``--tf`` after the script is the script's."""
+    from ..launch.torchrun import parse_launch
+
+    args.launch = parse_launch(args.argv, quiet_agent=not args.debug)
+    args.tf = args.launch.tf
+
+
 def execute(args: argparse.Namespace) -> int:
-    from ..launch.torchrun import run
+    from ..launch.torchrun import launch
 
-    if "--tf" in args.argv:  # unless it is the script's own flag: then a torch job after all
-        from ..tf.launcher import run as run_tf
-
-        if run_tf(args.argv, debug=args.debug):
-            return 0
-    run(args.argv, quiet_agent=not args.debug)
+    launch(args.launch, quiet_agent=not args.debug)
     return 0

@@ -5,10 +5,13 @@ import argparse
 import shlex
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("slurm", help="write an sbatch script for a multi-node job",
-                       description="Write a ready sbatch script: one `paratrain run` per node via srun, which "
-                                   "reads the allocation itself. Prints it, or writes it with --output.")
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return sub.add_parser("slurm", help="write an sbatch script for a multi-node job",
+                          description="Write a ready sbatch script: one `paratrain run` per node via srun, which "
+                                      "reads the allocation itself. Prints it, or writes it with --output.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", "-N", type=int, default=1, help="nodes to allocate (default 1)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node; also the processes per node by default")
     p.add_argument("--nproc-per-node", "-n", type=int, help="processes per node (default: the GPUs per node)")
@@ -22,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a shell line to run before srun, e.g. 'source .venv/bin/activate' (repeatable)")
     p.add_argument("--run-args", default="", metavar="FLAGS",
                    help="more `paratrain run` flags as one string: --run-args='--rdzv-timeout 900'")
-    p.add_argument("--tf", action="store_true", help="a TensorFlow script: `paratrain run --tf` on every node")
+    p.add_argument("--tf", dest="tf_script", action="store_true",
+                   help="a TensorFlow script: `paratrain run --tf` on every node")
     p.add_argument("-m", "--module", action="store_true", help="the target is a module (python -m)")
     p.add_argument("--output", metavar="FILE", help="write the script to FILE instead of printing it")
     p.add_argument("target", help="training script (or module with -m)")
@@ -36,6 +40,6 @@ def execute(args: argparse.Namespace) -> int:
                       nodes=args.nodes, gpus_per_node=args.gpus_per_node, nproc_per_node=args.nproc_per_node,
                       cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,
                       account=args.account, job_name=args.job_name, log=args.log, setup=tuple(args.setup),
-                      run_args=(*(("--tf",) if args.tf else ()), *shlex.split(args.run_args)))
+                      run_args=(*(("--tf",) if args.tf_script else ()), *shlex.split(args.run_args)))
     write_sbatch(spec, args.output)
     return 0

@@ -22,9 +22,12 @@ from __future__ import annotations
 import argparse
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="check that a parallel run equals one process on the global batch",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return sub.add_parser("verify", help="check that a parallel run equals one process on the global batch",
+                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("factory", nargs="?", help="module:function returning a paratrain.verify.VerifySpec")
     p.add_argument("--tf", action="store_true",
                    help="TensorFlow: N Keras workers (MultiWorkerMirroredStrategy) vs one; the factory (optional, "
@@ -48,13 +51,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    if args.tf:
-        from ..tf.verify import DEFAULT_TOLERANCE, verify_tf
-
-        result = verify_tf(nproc=args.nproc, steps=args.steps or 5, tolerance=args.tolerance or DEFAULT_TOLERANCE,
-                           mistake=args.tf_mistake, factory=args.factory)
-        print(result.report())
-        return 0 if result.passed else 1
     if args.factory is None:
         from ..errors import ConfigError
 

@@ -101,8 +101,7 @@ def format_failure(err: RankFailedError) -> str:
     lines = [f"paratrain: {err}", f"  rank {err.rank}  host {err.host}  pid {err.pid}"]
     stopped = getattr(err, "stopped", ())
     if stopped:
-        how = getattr(err, "stopped_by", "SIGTERM")  # paratrain run --tf stops TensorFlow workers otherwise
-        lines.append(f"  {_which(stopped)} stopped by the launcher ({how}) after this failure")
+        lines.append(f"  {_which(stopped)} stopped by the launcher ({err.stopped_by}) after this failure")
     if _is_secondary(last):
         lines.append("  this rank lost a peer that failed first: on a multi-node job, the root cause is in the "
                      "report of the node that failed first")
@@ -113,12 +112,16 @@ def format_failure(err: RankFailedError) -> str:
 def format_leave(rank: int, host: str, pid: int | None, exitcode: int, traceback: str | None, then: str) -> str:
     """The report of a rank that allowed leaving and died (:mod:`paratrain.launch.leaving`): the failure report's
     shape, saying what happens next (``then``) instead of that the job was stopped."""
-    cause = _last_line(traceback)
-    lines = [f"paratrain: rank {rank} left the job on {host} ({describe_exitcode(exitcode)}"
-             f"{': ' + cause if cause else ''}); {then}",
+    lines = [f"paratrain: rank {rank} left the job on {host} ({failure_cause(exitcode, traceback)}); {then}",
              f"  rank {rank}  host {host}  pid {pid}"]
     lines.extend(_cause(rank, exitcode, traceback))
     return "\n".join(lines)
+
+
+def failure_cause(exitcode: int, traceback: str | None) -> str:
+    """How a rank ended, in a few words: ``exit code 1: ValueError: …`` or ``killed by SIGKILL``."""
+    cause = _last_line(traceback)
+    return f"{describe_exitcode(exitcode)}{': ' + cause if cause else ''}"
 
 
 def _cause(rank: int, exitcode: int, traceback: str | None) -> list[str]:

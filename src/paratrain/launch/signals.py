@@ -18,8 +18,9 @@ import argparse
 import contextlib
 import os
 import signal
+import threading
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 
 from ..errors import JobInterrupted
@@ -42,40 +43,68 @@ class StopRequest:
     """Workers running at that moment."""
     children: list[int] = field(default_factory=list)
 
+    def note(self, sig: signal.Signals) -> None:
+        """Keep the first signal, when it came and the workers then running; later ones change nothing."""
+        if self.signal is None:
+            self.signal, self.at = sig, time.monotonic()
+            self.children = children()
+            self.ranks = len(self.children)
+
+    def interrupted(self) -> JobInterrupted:
+        """The error the CLI prints for it, once the launcher has stopped the workers."""
+        assert self.signal is not None
+        return JobInterrupted(self.signal, ranks=self.ranks, seconds=time.monotonic() - self.at,
+                              left=running(self.children))
+
 
 @contextlib.contextmanager
-def stop_signals(args: argparse.Namespace) -> Iterator[StopRequest]:
-    """Handle SIGINT/SIGTERM in the launcher for the duration of the block (main thread only), instead of
-    torchrun's agent (``args.signals_to_handle`` loses them); on leaving, a signal that arrived is turned into
-    :class:`~paratrain.errors.JobInterrupted`."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
+def caught_stop_signals(then: Callable[[signal.Signals], None] | None = None) -> Iterator[StopRequest]:
+    """For the duration of the block, SIGINT and SIGTERM are noted in the request (and ``then`` called with each)
+    instead of raising ``KeyboardInterrupt`` or ending the launcher; in the main thread only, where Python runs
+    signal handlers. Both launchers stop their workers this way: torchrun's agent (``stop_signals``) and
+    TensorFlow's (``paratrain.tf.launcher``), which polls the request."""
     request = StopRequest()
 
     def handler(signum: int, _frame: object) -> None:
-        first = request.signal is None
-        if first:
-            request.signal, request.at = signal.Signals(signum), time.monotonic()
-            request.children = children()
-            request.ranks = len(request.children)
-        raise SignalException(f"paratrain run got {signal.Signals(signum).name}", sigval=signal.SIGTERM)
+        request.note(signal.Signals(signum))
+        if then is not None:
+            then(signal.Signals(signum))
 
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
     previous = {sig: signal.signal(sig, handler) for sig in _OURS}
-    given = getattr(args, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-    os.environ[_SAVED_VAR] = given
-    args.signals_to_handle = ",".join(s.strip() for s in given.split(",") if s.strip() not in ("SIGINT", "SIGTERM"))
     try:
         yield request
-    except SignalException:
-        if request.signal is None:
-            raise
-        raise JobInterrupted(request.signal, ranks=request.ranks, seconds=time.monotonic() - request.at,
-                             left=running(request.children)) from None
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-        args.signals_to_handle = given
-        os.environ.pop(_SAVED_VAR, None)
+
+
+@contextlib.contextmanager
+def stop_signals(args: argparse.Namespace) -> Iterator[StopRequest]:
+    """Handle SIGINT/SIGTERM in the launcher for the duration of the block, instead of torchrun's agent
+    (``args.signals_to_handle`` loses them); on leaving, a signal that arrived is turned into
+    :class:`~paratrain.errors.JobInterrupted`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def unwind(sig: signal.Signals) -> None:  # the agent then stops every worker the way it always does
+        raise SignalException(f"paratrain run got {sig.name}", sigval=signal.SIGTERM)
+
+    given = getattr(args, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    with caught_stop_signals(unwind) as request:
+        os.environ[_SAVED_VAR] = given
+        args.signals_to_handle = ",".join(s.strip() for s in given.split(",")
+                                          if s.strip() not in ("SIGINT", "SIGTERM"))
+        try:
+            yield request
+        except SignalException:
+            if request.signal is None:
+                raise
+            raise request.interrupted() from None
+        finally:
+            args.signals_to_handle = given
+            os.environ.pop(_SAVED_VAR, None)
 
 
 def restore_worker_signals(environ: MutableMapping[str, str] | None = None) -> None:

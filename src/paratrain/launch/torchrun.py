@@ -21,12 +21,11 @@ of processes per node. What paratrain adds:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from ..env import cpu_count
 from ..errors import LaunchError
@@ -183,13 +182,24 @@ def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> ar
 def run(argv: Sequence[str], *, quiet_agent: bool = True) -> None:
     """Launch the job described by torchrun-style ``argv``; raise ``RankFailedError`` when a rank fails and
     ``JobInterrupted`` on SIGINT/SIGTERM (every rank stopped)."""
-    with _quiet_cpp_logs(quiet_agent):  # the store's C++ warnings and stack dumps: ours is one line
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import run as torchrun
+    launch(parse_launch(argv, quiet_agent=quiet_agent), quiet_agent=quiet_agent)
 
-        from .agent import leaving_agent
 
-    args = resolve(parse_args(argv))
+def parse_launch(argv: Sequence[str], *, quiet_agent: bool = True) -> argparse.Namespace:
+    """``parse_args``, torch first imported with its C++ log level at FATAL when ``quiet_agent`` (the store's
+    warnings and stack dumps: the launcher's report is one line)."""
+    _import_torch(quiet=quiet_agent)
+    return parse_args(argv)
+
+
+def launch(args: argparse.Namespace, *, quiet_agent: bool = True) -> None:
+    """Launch the job of ``paratrain run``'s parsed flags (``parse_launch``); see ``run``."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run as torchrun
+
+    from .agent import leaving_agent
+
+    args = resolve(args)
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # each worker dies with this process
     if quiet_agent:  # our own report replaces the agent's warnings, its "failed (exitcode …)" line and its dump
         for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
@@ -211,19 +221,16 @@ def run(argv: Sequence[str], *, quiet_agent: bool = True) -> None:
         raise rendezvous_error(args, err) from None
 
 
-@contextlib.contextmanager
-def _quiet_cpp_logs(quiet: bool) -> Iterator[None]:
-    """Import torch with its C++ log level at FATAL in this process only (torch reads it once, at import);
-    the workers inherit the environment as the user set it."""
+def _import_torch(*, quiet: bool) -> None:
+    """Import torch, when ``quiet`` with its C++ log level at FATAL in this process only (torch reads it once, at
+    import); the workers inherit the environment as the user set it."""
     if not quiet or "TORCH_CPP_LOG_LEVEL" in os.environ:
-        yield
         return
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
         import torch  # noqa: F401
     finally:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
-    yield
 
 
 def _export_checkpointing(args: argparse.Namespace) -> None:

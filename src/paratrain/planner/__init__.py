@@ -3,6 +3,7 @@ a recommended strategy. No process group, no weights allocated; a plan takes mil
 
 See docs/planner-model.md for the formulas and their sources.
 """
+from .config import Measured, ModelSpec, PlanConfig
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, measured_link, p2p_s, reduce_scatter_s
 from .hardware import DEVICES, LINKS, Cluster, Device, Link, calibrated, cpu_host, get_device, get_link, make_cluster
 from .layout import Layout, exact_layout, layouts
@@ -23,4 +24,5 @@ __all__ = [
     "TRANSFORMERS", "GPTConfig", "Estimate", "Plan", "estimate", "estimate_all", "recommend", "format_plan",
     "plan_to_json", "TableStats", "StepTime", "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction", "measured_link",
     "p2p_s", "reduce_scatter_s", "step_time", "Batching", "Training", "batching", "TPShape", "TrainingCall",
+    "PlanConfig", "ModelSpec", "Measured",
 ]

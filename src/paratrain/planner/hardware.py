@@ -86,7 +86,7 @@ class Device:
     tp_call_s: float = 0.0
     """Seconds of DTensor's own machinery per tensor-parallel collective call, per micro-batch: the sharding
     propagation, redistribution and dispatch of the DTensor operations between two collectives. Host-side Python
-    like ``fsdp_call_s``, set the same way on a CPU host (``make_plan``'s ``tp_step_time``: a TP step on a fake
+    like ``fsdp_call_s``, set the same way on a CPU host (``Measured.tp_step_time``: a TP step on a fake
     group, where collectives return at once, against the plan's compute); 0 in the catalogue."""
     ps_server_request_s: float = PS_SERVER_REQUEST_S
     """Seconds a parameter server's loop spends on one request beyond its bytes and the link's latency: header

@@ -1,5 +1,5 @@
-"""One call from a model and the CLI's options to a Plan: model stats, cluster, training setup, calibration,
-recommendation. The model comes resolved: what a name means is the caller's to say."""
+"""One call from a model and a plan's options (``PlanConfig``) to a Plan: model stats, cluster, training setup,
+calibration, recommendation. The model comes resolved: what a name means is the caller's to say."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import torch
 
-from ..dims import ParallelDims
 from ..errors import ConfigError
 from .collectives import measured_link
+from .config import Measured, PlanConfig
 from .gpu_step import GpuStep, check_same_gpu, time_gpu_step
-from .hardware import Cluster, calibrated, make_cluster
+from .hardware import Cluster, calibrated
 from .layout import Layout
 from .model_stats import ModelStats, RunnableModel
 from .recommend import Plan, estimate, recommend
@@ -20,86 +20,30 @@ from .timing import executed_flops_per_sample, fsdp_call_from, optimizer_step_by
 from .training import Training
 
 
-def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: str = "h100", gpus: int = 1,
-              nodes: int = 1, interconnect: str | None = None, inter_node: str | None = None,
-              gpu_mem_gb: float | None = None, tflops: float | None = None, mfu: float | None = None,
-              mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None, inter_bw_gbs: float | None = None,
-              step_time: float | None = None, optimizer_time: float | None = None, threads: int | None = None,
-              link_timings: Mapping[str, tuple[float, ...]] | None = None,
-              micro_step_time: tuple[float, float] | None = None,
-              host_step_time: tuple[float, float] | None = None, fsdp_overhead: Mapping[str, float] | None = None,
-              tp_step_time: float | None = None, tp: int | None = None, exact: ParallelDims | None = None,
-              ps_servers: int = 1, **training: object) -> Plan:
-    """The plan for ``model`` under ``paratrain plan``'s options (``training`` holds ``Training``'s fields;
-    precision ``auto`` is fp32 on a CPU host, where 16-bit brings no speed, and bf16-mixed on GPUs).
+def make_plan(model: ModelStats | RunnableModel, config: PlanConfig | None = None) -> Plan:
+    """The plan for ``model`` under ``config`` (its ``model_spec`` is what ``model`` was built from: the planner
+    never builds by name).
 
     ``model``: its stats, found already (``--params``' closed forms), or a model the planner may build: its stats
     are then its closed-form ones or a meta-device trace (``RunnableModel.find_stats``).
 
-    ``step_time`` (seconds of one forward+backward+step of one micro-batch on one device) calibrates the
+    ``config.step_time`` (seconds of one forward+backward+step of one micro-batch on one device) calibrates the
     device's MFU; with ``optimizer_time`` (the optimizer step timed apart) ``step_time`` is the forward+backward
     alone and the optimizer's time also calibrates the memory bandwidth. ``threads``: on a CPU host, the cores
     the measured step used. ``measure`` runs the model here and, when the device is this CPU, calibrates from
-    that (a forward+backward on torch's threads). ``link_timings`` (collective name -> (bytes, seconds), measured
-    on ``gpus`` ranks of one node) replace the intra-node link's figures: see ``collectives.measured_link``.
-    ``micro_step_time`` (samples, seconds): with ``step_time`` and ``optimizer_time``, a forward+backward of fewer
-    samples timed the same way; the two set the batch-independent part (the weight passes). ``host_step_time``
-    (forward+backward seconds, optimizer seconds): on a CPU host, the same step timed on all its cores; sets the
-    host's rates (see ``hardware.calibrated``). ``fsdp_overhead``
-    (``zero2`` and/or ``zero3`` -> seconds): what that strategy's step on a one-rank group added to a plain step of
-    ``--batch`` samples on ``threads`` threads; sets ``Device.fsdp_call_s`` (the mean over the strategies given).
-    ``tp_step_time``: a tensor-parallel step over ``gpus`` ranks timed on a fake group (collectives return at once)
-    on ``threads`` threads; sets ``Device.tp_call_s`` (``tp_call_from``).
-    ``tp``: the tensor-parallel degree to plan (``--tp``; None: every one that divides a node and the model's heads
-    and MLP width; 1: none). ``exact``: the degrees to plan instead of searching (``--layout``,
-    ``layout.exact_layout``). ``ps_servers``: the servers of the ``ps`` row (0: no such row).
+    that (a forward+backward on torch's threads). ``config.measured`` holds figures timed elsewhere (see
+    :class:`~.config.Measured`).
     """
-    if ps_servers < 0:
-        raise ConfigError(f"--ps-servers must be >= 0 (0: no ps row), got {ps_servers}")
-    cluster = make_cluster(gpu, gpus=gpus, nodes=nodes, interconnect=interconnect, inter_node=inter_node,
-                           gpu_mem_gb=gpu_mem_gb, tflops=tflops, mfu=mfu, mem_bw_gbs=mem_bw_gbs,
-                           intra_bw_gbs=intra_bw_gbs, inter_bw_gbs=inter_bw_gbs)
-    if link_timings:
-        cluster = replace(cluster, intra=measured_link(cluster.intra, gpus, link_timings))
-    if training.get("precision", "auto") == "auto":
-        training["precision"] = "fp32" if cluster.device.shared_by_ranks else "bf16-mixed"
-    setup = Training(**training)  # type: ignore[arg-type]
-    on_gpu = measure and not cluster.device.shared_by_ranks and torch.cuda.is_available()
+    config = config or PlanConfig()
+    cluster, setup, measured = config.cluster(), config.training, config.measured or Measured()
+    if measured.link_timings:
+        cluster = replace(cluster, intra=measured_link(cluster.intra, config.gpus, measured.link_timings))
+    on_gpu = config.measure and not cluster.device.shared_by_ranks and torch.cuda.is_available()
     stats = model if isinstance(model, ModelStats) else model.find_stats(
-        setup.micro_batch if measure and not on_gpu else None)
-    gpu = None
-    if on_gpu:
-        gpu = _time_on_gpu(model, cluster, setup)
-        if step_time is None:
-            step_time, optimizer_time = gpu.forward_backward_s, gpu.optimizer_s
-    if optimizer_time is not None and step_time is None:
-        raise ConfigError("--optimizer-time calibrates together with --step-time (the forward+backward alone)")
-    with_optimizer = step_time is not None
-    if step_time is None and stats.measured_step_s is not None and cluster.device.shared_by_ranks:
-        step_time, threads = stats.measured_step_s, stats.measured_threads
-    if step_time is not None:
-        executed = executed_flops_per_sample(stats, setup)  # what step_time prices: the calibration inverts it
-        cluster = calibrated(cluster, flops_per_step=executed * setup.micro_batch,
-                             step_time_s=step_time, precision=setup.precision,
-                             streamed_bytes=weight_bytes(stats.params, setup, cluster),
-                             optimizer_bytes=optimizer_step_bytes(stats.params, setup) if with_optimizer else 0.0,
-                             optimizer_s=optimizer_time, threads=threads,
-                             micro_step=None if micro_step_time is None else (
-                                 executed * micro_step_time[0], micro_step_time[1]),
-                             host_step=host_step_time)
-    elif micro_step_time is not None or host_step_time is not None:
-        raise ConfigError("a smaller or an all-cores forward+backward calibrates together with --step-time and "
-                          "--optimizer-time")
-    if tp_step_time is not None:
-        cluster = replace(cluster, device=replace(cluster.device, tp_call_s=tp_call_from(tp_step_time, stats, setup,
-                                                                                         cluster)))
-    if fsdp_overhead:
-        if optimizer_time is None:
-            raise ConfigError("FSDP's overhead calibrates together with --step-time and --optimizer-time")
-        bandwidth = optimizer_step_bytes(stats.params, setup) / optimizer_time  # the measuring thread's
-        cluster = replace(cluster, device=replace(cluster.device, fsdp_call_s=fsdp_call_s(
-            fsdp_overhead, stats, setup, bandwidth)))
-    plan = recommend(stats, cluster, setup, tp=tp, exact=exact, ps_servers=ps_servers)
+        setup.micro_batch if config.measure and not on_gpu else None)
+    gpu = _time_on_gpu(model, cluster, setup) if on_gpu else None
+    cluster = _calibrated(cluster, stats, setup, config, measured, gpu)
+    plan = recommend(stats, cluster, setup, tp=config.tp, exact=config.exact, ps_servers=config.ps_servers)
     if gpu is None:
         return plan
     return replace(plan, notes=(*plan.notes, (
@@ -107,6 +51,40 @@ def make_plan(model: ModelStats | RunnableModel, *, measure: bool = False, gpu: 
         f"{gpu.forward_backward_s * 1e3:.1f} ms, optimizer step {gpu.optimizer_s * 1e3:.1f} ms, peak "
         f"{gpu.peak_bytes / 2**30:.2f} GiB allocated (the plan's single rank, overhead excluded: "
         f"{_single_allocated(plan) / 2**30:.2f} GiB)")))
+
+
+def _calibrated(cluster: Cluster, stats: ModelStats, setup: Training, config: PlanConfig, measured: Measured,
+                gpu: GpuStep | None) -> Cluster:
+    """``cluster`` with its device's rates set from the step times measured (given, timed on this GPU, or traced on
+    this CPU), and FSDP's and TP's per-call overheads from ``measured``."""
+    step_time, optimizer_time, threads = config.step_time, config.optimizer_time, config.threads
+    if gpu is not None and step_time is None:
+        step_time, optimizer_time = gpu.forward_backward_s, gpu.optimizer_s
+    with_optimizer = step_time is not None
+    if step_time is None and stats.measured_step_s is not None and cluster.device.shared_by_ranks:
+        step_time, threads = stats.measured_step_s, stats.measured_threads
+    micro, host = measured.micro_step_time, measured.host_step_time
+    if step_time is not None:
+        executed = executed_flops_per_sample(stats, setup)  # what step_time prices: the calibration inverts it
+        cluster = calibrated(cluster, flops_per_step=executed * setup.micro_batch,
+                             step_time_s=step_time, precision=setup.precision,
+                             streamed_bytes=weight_bytes(stats.params, setup, cluster),
+                             optimizer_bytes=optimizer_step_bytes(stats.params, setup) if with_optimizer else 0.0,
+                             optimizer_s=optimizer_time, threads=threads,
+                             micro_step=None if micro is None else (executed * micro[0], micro[1]), host_step=host)
+    elif micro is not None or host is not None:
+        raise ConfigError("a smaller or an all-cores forward+backward calibrates together with --step-time and "
+                          "--optimizer-time")
+    if measured.tp_step_time is not None:
+        cluster = replace(cluster, device=replace(cluster.device, tp_call_s=tp_call_from(
+            measured.tp_step_time, stats, setup, cluster)))
+    if measured.fsdp_overhead:
+        if optimizer_time is None:
+            raise ConfigError("FSDP's overhead calibrates together with --step-time and --optimizer-time")
+        bandwidth = optimizer_step_bytes(stats.params, setup) / optimizer_time  # the measuring thread's
+        cluster = replace(cluster, device=replace(cluster.device, fsdp_call_s=fsdp_call_s(
+            measured.fsdp_overhead, stats, setup, bandwidth)))
+    return cluster
 
 
 def _time_on_gpu(model: ModelStats | RunnableModel, cluster: Cluster, setup: Training) -> GpuStep:
@@ -126,7 +104,7 @@ def _single_allocated(plan: Plan) -> float:
 
 
 def fsdp_call_s(overhead: Mapping[str, float], stats: ModelStats, setup: Training, bandwidth: float) -> float:
-    """``Device.fsdp_call_s`` from FSDP's one-rank overheads (``make_plan``'s ``fsdp_overhead``), averaged;
+    """``Device.fsdp_call_s`` from FSDP's one-rank overheads (``Measured.fsdp_overhead``), averaged;
     ``bandwidth``: the measuring thread's."""
     stages = {"zero2": 2, "fsdp": 3, "zero3": 3}
     unknown = sorted(set(overhead) - set(stages))

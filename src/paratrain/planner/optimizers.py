@@ -1,5 +1,5 @@
 """The user's optimizer as the planner models it: how many parameter-sized state tensors it keeps, and which of
-the planner's optimizers (``training.OPTIMIZER_STATE_BYTES``: none, one or two states) plans its memory.
+the planner's optimizers (``training.OPTIMIZER_STATES``: none, one or two states) plans its memory.
 
 ``strategy="auto"`` may have to plan before it is given the optimizer; it then assumes AdamW, and its messages
 say that they assume it rather than name an optimizer the user may not have.
@@ -12,6 +12,8 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+
+from .training import OPTIMIZER_BY_STATES
 
 ASSUMED = "adamw"
 """What is planned when the optimizer is not known: the most common choice, and the most memory of the usual ones."""
@@ -44,8 +46,6 @@ STATE_TENSORS: Mapping[type, Callable[[Mapping[str, Any]], int]] = MappingProxyT
 })
 """Parameter-sized tensors each optimizer keeps per parameter, from one parameter group's settings."""
 
-PLANNER_KEYS = MappingProxyType({0: "sgd", 1: "sgd-momentum", 2: "adam"})
-
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> int | None:
     """The parameter-sized state tensors ``optimizer`` keeps per parameter (the most any of its groups keeps);
@@ -76,7 +76,7 @@ def planned(optimizer: torch.optim.Optimizer | None) -> PlannedOptimizer:
         return PlannedOptimizer(key=ASSUMED, states=f"assuming AdamW's 2 optimizer states per parameter ({name}'s "
                                                     "are not known to the planner)",
                                 step=f"the {name} step alone, timed as AdamW's")
-    key = "adamw" if isinstance(optimizer, torch.optim.AdamW) and n == 2 else PLANNER_KEYS.get(n, "adam")
+    key = "adamw" if isinstance(optimizer, torch.optim.AdamW) and n == 2 else OPTIMIZER_BY_STATES.get(n, "adam")
     states = (f"with {name}, which keeps no optimizer state" if n == 0 else
               f"with {name}'s {n} optimizer state{'' if n == 1 else 's'} per parameter")
     return PlannedOptimizer(key=key, states=states + (", planned as 2" if n > 2 else ""), step=f"the {name} step alone")

@@ -28,7 +28,7 @@ from .layout import Layout
 from .memory import MemoryBreakdown, memory_per_rank, zero1_busiest
 from .model_stats import ModelStats, TableStats
 from .timing import StepTime, optimizer_step_bytes, step_time
-from .training import OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_BYTES, OPTIMIZER_TEMP_BYTES, Batching, Training
+from .training import OPTIMIZER_BY_STATES, OPTIMIZER_STEP_BYTES, OPTIMIZER_TEMP_BYTES, Batching, Training
 
 WIRE_BYTES = 4
 """Bytes of one element on the wire and on a server: fp32."""
@@ -39,8 +39,7 @@ SUM_PASSES = 3
 COPY_PASSES = 2
 """Memory passes of one copy: a read and a write. A worker copies its gradients into one flat tensor per server
 and the parameters it pulls back into place; a server copies its parameters once per step for the answers."""
-TABLE_STEP_BYTES = {0: OPTIMIZER_STEP_BYTES["sgd"], 1: OPTIMIZER_STEP_BYTES["sgd-momentum"],
-                    2: OPTIMIZER_STEP_BYTES["adam"]}
+TABLE_STEP_BYTES = {n: OPTIMIZER_STEP_BYTES[name] for n, name in OPTIMIZER_BY_STATES.items()}
 """Bytes a table optimizer's step streams per element of a touched row, by its states (SGD, Adagrad, SparseAdam)."""
 
 
@@ -147,7 +146,7 @@ def serving(stats: ModelStats, layout: Layout, batch: Batching, training: Traini
     overhead = cluster.device.overhead_gib * 2**30
     server = MemoryBreakdown(
         parameters=(share + held) * WIRE_BYTES, gradients=share * WIRE_BYTES,
-        optimizer_states=share * OPTIMIZER_STATE_BYTES[training.optimizer] + held * 4 * training.table_states,
+        optimizer_states=share * training.state_bytes + held * 4 * training.table_states,
         activations=0.0, transient=share * OPTIMIZER_TEMP_BYTES[training.optimizer],
         buffers=2 * share * WIRE_BYTES + pending, overhead=overhead, phase="optimizer step")
     worker = _worker_memory(stats, layout, batch, training, cluster, rows, share)

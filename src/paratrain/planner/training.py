@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ..errors import ConfigError
+from ..flags import NO_FLAG, flag
+from ..options import SCHEDULES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,8 +30,13 @@ PRECISIONS = MappingProxyType({
     "fp16-mixed": PrecisionBytes(param=2, grad=2, master=4),
 })
 
-OPTIMIZER_STATE_BYTES = MappingProxyType({"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8})
-"""fp32 state per parameter: none for plain SGD, a momentum buffer, or Adam's two moments."""
+OPTIMIZER_STATES = MappingProxyType({"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2})
+"""Parameter-sized state tensors each optimizer the planner knows keeps: none for plain SGD, a momentum buffer, or
+Adam's two moments. The one table: the planner's memory, the dry run's bytes and the names a user's optimizer is
+planned as (``optimizers.planned``) all read it."""
+
+OPTIMIZER_BY_STATES = MappingProxyType({n: name for name, n in reversed(OPTIMIZER_STATES.items())})
+"""The planner's optimizer for a number of states (the first listed for it: ``adam`` for two)."""
 
 OPTIMIZER_STEP_BYTES = MappingProxyType({"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80})
 """Bytes the optimizer step streams per parameter, counting each elementwise kernel of PyTorch's default
@@ -47,7 +54,6 @@ TABLE_STATES = MappingProxyType({"sgd": 0, "adagrad": 1, "adam": 2})
 """fp32 states per element a parameter server's table optimizer keeps: plain SGD none, Adagrad its sum, SparseAdam
 two moments (``Parallel("ps", table_optimizer=...)``)."""
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 RECOMPUTE = ("none", "selective", "op", "full")
 """Activation recomputation: ``full`` keeps each block's input and recomputes the block in backward (one more
 forward pass); ``selective`` recomputes only the attention core (Korthikanti et al. 2022, section 5: the
@@ -62,15 +68,15 @@ class Training:
     """The training setup a plan is made for."""
 
     precision: str = "bf16-mixed"
-    """``fp32``, ``bf16-mixed`` or ``fp16-mixed``."""
+    """fp32, bf16-mixed or fp16-mixed; auto, a plan's default: fp32 on a CPU host, else bf16-mixed."""
     optimizer: str = "adamw"
-    """``adamw``, ``adam``, ``sgd`` or ``sgd-momentum``."""
-    micro_batch: int = 8
-    """Samples per GPU per forward pass (``--batch``)."""
+    """adamw, adam, sgd or sgd-momentum."""
+    micro_batch: int = field(default=8, metadata=flag("--batch"))
+    """Per-GPU micro-batch: samples per forward pass."""
     global_batch: int | None = None
-    """Samples per optimizer step over the whole job; default ``micro_batch`` x world size."""
+    """Samples per optimizer step over the whole job; default: the micro-batch x world size."""
     micro_batches: int | None = None
-    """Pipeline micro-batches per step (``--micro-batches``); default global batch / (dp x micro_batch)."""
+    """Pipeline micro-batches per step; default global batch / (dp x micro_batch)."""
     schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b`` keeps at most p micro-batches in flight, ``gpipe`` all m, ``interleaved-1f1b``
     (Narayanan et al. 2021) gives each rank ``virtual_stages`` stages in a loop: a bubble v times smaller for v
@@ -79,36 +85,35 @@ class Training:
     """Stages each pipeline rank holds under ``interleaved-1f1b`` (default 2, as the runtime's
     ``stages_per_rank``); 1 for the other schedules."""
     checkpointing: bool = False
-    """Activation checkpointing of every wrap unit: far less activation memory for one more forward pass
-    (``recompute="full"``)."""
-    recompute: str | None = None
+    """Activation checkpointing of every wrap unit: far less activation memory for one more forward pass (recompute
+    full)."""
+    recompute: str | None = field(default=None, metadata=flag(choices=RECOMPUTE))
     """``none``, ``selective``, ``op`` or ``full`` (``RECOMPUTE``); default ``full`` with ``checkpointing``, else
     ``none``. ``full`` turns ``checkpointing`` on, and ``checkpointing`` (the fallback ``recommend`` tries when
     nothing fits) overrides the others."""
     sequence_parallel: bool = True
     """Tensor parallelism shards the activations between its split regions on the sequence (norms, residuals:
-    Korthikanti et al. 2022), as paratrain's tensor-parallel plan does; False: they are kept whole on every tp
-    rank (Megatron's plain tensor parallelism, all-reduces instead of all-gather/reduce-scatter pairs)."""
-    bucket_mb: float = 25.0
+    Korthikanti et al. 2022), as paratrain's tensor-parallel plan does; off: they are kept whole on every tp rank
+    (Megatron's plain tensor parallelism, all-reduces instead of all-gather/reduce-scatter pairs)."""
+    bucket_mb: float = field(default=25.0, metadata=NO_FLAG)
     """DDP gradient bucket size (MiB); DDP keeps two buckets in flight."""
-    rows_per_step: int | None = None
-    """Under ``ps``: rows of each table one worker's step touches (``--ps-rows-per-step``); None: the distinct rows
-    of its samples' lookups, ids drawn uniformly (``planner.param_server.rows_touched``)."""
-    table_optimizer: str | None = None
-    """Under ``ps``: what updates the table rows on the servers (``TABLE_STATES``' keys); None: the training
-    optimizer's states (``table_states``)."""
-    base_batch: int | None = None
-    """The global batch the user's learning rate was tuned at (``--base-batch``): the plan says how to scale it to
-    this global batch. None: no advice, since a script's LR may already be tuned for the batch it runs."""
+    rows_per_step: int | None = field(default=None, metadata=flag("--ps-rows-per-step", metavar="R"))
+    """Under ps: rows of each table one worker's step touches; default: the distinct rows of its samples' lookups,
+    ids drawn uniformly (the most a step moves)."""
+    table_optimizer: str | None = field(default=None, metadata=flag("--ps-table-optimizer", choices=TABLE_STATES))
+    """Under ps: what updates the table rows on the servers; default: the training optimizer's states (adam is
+    SparseAdam)."""
+    base_batch: int | None = field(default=None, metadata=flag("--base-batch", metavar="N"))
+    """The global batch your LR was tuned at: the plan says how to scale it to this global batch. None: no advice,
+    since a script's LR may already be tuned for the batch it runs."""
     base_lr: float | None = None
-    """That learning rate (``--base-lr``), printed scaled; it needs ``base_batch``."""
+    """With --base-batch: that learning rate, printed scaled."""
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
+        if self.precision not in (*PRECISIONS, "auto"):
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
-        if self.optimizer not in OPTIMIZER_STATE_BYTES:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of: "
-                              f"{', '.join(OPTIMIZER_STATE_BYTES)}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZER_STATES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if self.recompute is not None and self.recompute not in RECOMPUTE:
@@ -146,6 +151,9 @@ class Training:
 
     @property
     def bytes(self) -> PrecisionBytes:
+        if self.precision == "auto":
+            raise ConfigError("precision auto is decided by the plan's device (PlanConfig); give fp32, bf16-mixed or "
+                              "fp16-mixed to a Training planned alone")
         return PRECISIONS[self.precision]
 
     @property
@@ -166,7 +174,12 @@ class Training:
     @property
     def optimizer_bytes(self) -> int:
         """Bytes per parameter the optimizer step needs besides the gradient: fp32 master copy plus states."""
-        return self.bytes.master + OPTIMIZER_STATE_BYTES[self.optimizer]
+        return self.bytes.master + self.state_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per parameter of the optimizer's fp32 states."""
+        return 4 * OPTIMIZER_STATES[self.optimizer]
 
     @property
     def optimizer_step_bytes(self) -> int:
@@ -184,7 +197,7 @@ class Training:
         the runtime steps tables (SGD as given, with its momentum buffer if any; Adam and AdamW as SparseAdam)."""
         if self.table_optimizer is not None:
             return TABLE_STATES[self.table_optimizer]
-        return OPTIMIZER_STATE_BYTES[self.optimizer] // 4
+        return OPTIMIZER_STATES[self.optimizer]
 
     def global_for(self, world_size: int) -> int:
         return self.global_batch if self.global_batch is not None else self.micro_batch * world_size

@@ -68,7 +68,7 @@ def bench_tf(*, nprocs: tuple[int, ...] = (1, 2), batch: int = 64, steps: int = 
     with tempfile.TemporaryDirectory(prefix="paratrain-tf-bench-") as tmp:
         for n in nprocs:
             out = os.path.join(tmp, f"world{n}.json")
-            run(["--tf", "-n", str(n), "-m", "paratrain.tf.bench_job", "--batch", str(batch * n), "--steps",
+            run(["-n", str(n), "-m", "paratrain.tf.bench_job", "--batch", str(batch * n), "--steps",
                  str(steps), "--warmup", str(warmup), "--rounds", str(rounds), "--threads", str(threads),
                  "--out", out])
             rows.append(_row(out, n, threads, machine))

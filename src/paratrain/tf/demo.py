@@ -1,36 +1,45 @@
 """``paratrain demo --tf``: the TensorFlow demo job (:mod:`paratrain.tf.demo_job`) on N workers through
 ``paratrain run --tf``, then a summary table: per worker its optimizer steps and median step time, and the job's
-accuracy, wall time and throughput."""
+accuracy, wall time and throughput. Its options are the torch demo's (``DemoConfig``), those TensorFlow's job has."""
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import glob
 import json
 import os
 import tempfile
 
+from ..demo.config import DemoConfig
 from ..errors import ConfigError
+from ..flags import flag_name, to_argv
+
+JOB_FIELDS = ("epochs", "batch_size", "lr", "seed", "fail_at_step", "fail_rank")
+"""The options each worker reads (``--fail-at-step`` counts epochs there)."""
+LAUNCH_FIELDS = ("nproc", "max_restarts", "checkpoint_dir")
+"""The options the launcher reads (the checkpoint directory keeps ``BackupAndRestore``'s state)."""
 
 
-def run_demo(args: argparse.Namespace) -> None:
+def run_demo(config: DemoConfig) -> int:
+    """Launch the job, print its summary; the exit code."""
     from .launcher import run
 
-    for name in ("epochs", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    _check_tf_options(config)
     with tempfile.TemporaryDirectory(prefix="paratrain-tf-demo-") as tmp:
         out = os.path.join(tmp, "summary.json")
-        launch = ["--tf", "-n", args.nproc or "2", "--max-restarts", str(args.max_restarts)]
-        if args.checkpoint_dir:
-            launch += ["--checkpoint-dir", args.checkpoint_dir]
-        job = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-               "--seed", str(args.seed), "--out", out]
-        if args.fail_at_step is not None:
-            job += ["--fail-at-epoch", str(args.fail_at_step), "--fail-rank", str(args.fail_rank)]
-        run([*launch, "-m", "paratrain.tf.demo_job", *job])
+        launch = ["-n", str(config.nproc or 2), "--max-restarts", str(config.max_restarts)]
+        if config.checkpoint_dir:
+            launch += ["--checkpoint-dir", config.checkpoint_dir]
+        run([*launch, "-m", "paratrain.tf.demo_job", *to_argv(config, only=JOB_FIELDS), "--out", out])
         print(summary_table(out))
+    return 0
+
+
+def _check_tf_options(config: DemoConfig) -> None:
+    """An option of the torch demo alone is one line here, not silently dropped."""
+    default = DemoConfig()
+    for f in dataclasses.fields(DemoConfig):
+        if f.name not in (*JOB_FIELDS, *LAUNCH_FIELDS) and getattr(config, f.name) != getattr(default, f.name):
+            raise ConfigError(f"{flag_name(DemoConfig, f.name)} is an option of the torch demo; drop it with --tf")
 
 
 def summary_table(out: str) -> str:

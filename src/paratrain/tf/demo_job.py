@@ -2,8 +2,9 @@
 :func:`paratrain.tf.strategy` picks (``MultiWorkerMirroredStrategy`` at ``-n 2``).
 
 Run it with ``paratrain demo --tf``, or by hand: ``paratrain run --tf -n 2 -m paratrain.tf.demo_job --epochs 10``.
+Its flags are the torch demo's (``paratrain.demo.config.DemoConfig``) that a Keras job has, and ``--out``.
 With ``--checkpoint-dir`` (``paratrain run --tf --checkpoint-dir D``) it keeps ``BackupAndRestore`` state there;
-``--fail-at-epoch E --fail-rank R`` SIGKILLs worker R after epoch E on the job's first attempt, so
+``--fail-at-step E --fail-rank R`` SIGKILLs worker R after epoch E on the job's first attempt, so
 ``--max-restarts 1`` shows a restart resuming at the epoch it lost with the same final weights.
 """
 from __future__ import annotations
@@ -17,20 +18,21 @@ import statistics
 import sys
 import time
 
+from ..demo.config import DemoConfig
+from ..flags import add_flags, build
 from ..progress import Progress
 from . import runtime
+from .demo import JOB_FIELDS
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="paratrain.tf.demo_job", description=__doc__)
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=64, help="global batch per step, split over the replicas")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fail-at-epoch", type=int, default=None, help="fault injection: SIGKILL --fail-rank after it")
-    p.add_argument("--fail-rank", type=int, default=0)
-    p.add_argument("--out", help="worker 0 writes the run's figures here (JSON)")
-    return p.parse_args(argv)
+def parse(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
+    """The demo's options this job has, and where worker 0 writes the run's figures (``--out``, JSON)."""
+    parser = argparse.ArgumentParser(prog="paratrain.tf.demo_job", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(parser, DemoConfig, only=JOB_FIELDS)
+    parser.add_argument("--out", help="worker 0 writes the run's figures here (JSON)")
+    args = parser.parse_args(argv)
+    return build(DemoConfig, args), args.out
 
 
 def digits_arrays(seed: int = 0, test_fraction: float = 0.2):  # type: ignore[no-untyped-def]
@@ -72,7 +74,7 @@ def weights_digest(model) -> str:  # type: ignore[no-untyped-def]
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, out = parse(argv)
     strategy = runtime.strategy()  # first: TensorFlow refuses collectives set up after an op
     tf = runtime.import_tf()
     tf.keras.utils.set_random_seed(args.seed)
@@ -109,17 +111,17 @@ def main(argv: list[str] | None = None) -> None:
     _, acc = model.evaluate(test, verbose=0)
     trained = len(history.epoch)
     digest = weights_digest(model)
-    if args.out:  # every worker: its own step times, for the summary table
+    if out:  # every worker: its own step times, for the summary table
         config = runtime.tf_config()
-        with open(f"{args.out}.worker{config.rank if config else 0}", "w") as f:
+        with open(f"{out}.worker{config.rank if config else 0}", "w") as f:
             json.dump({"rank": config.rank if config else 0, "steps": len(report.step_ms),
                        "step_ms": statistics.median(report.step_ms) if report.step_ms else 0.0}, f)
     if chief:
         print(f"done in {wall:.2f} s  ({trained * steps * args.batch_size / wall:,.0f} samples/s over {workers} "
               f"worker(s))  final test acc {acc:.2%}", flush=True)
         print(f"final weights sha256 {digest}", flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
+        if out:
+            with open(out, "w") as f:
                 json.dump({"test_acc": float(acc), "wall_s": wall, "epochs_run": trained, "first_epoch":
                            history.epoch[0] + 1 if history.epoch else None, "workers": workers,
                            "replicas": replicas, "strategy": _strategy_name(strategy), "keras": _keras_name(tf),
@@ -152,7 +154,7 @@ def _report_callback(tf, args, steps, chief):  # type: ignore[no-untyped-def]
                       f"({time.perf_counter() - self.t0:.2f} s)", flush=True)
             config = runtime.tf_config()
             rank = config.rank if config else 0
-            if args.fail_at_epoch == epoch + 1 and rank == args.fail_rank and runtime.restart_count() == 0:
+            if args.fail_at_step == epoch + 1 and rank == args.fail_rank and runtime.restart_count() == 0:
                 print(f"paratrain demo --tf: fault injection: SIGKILL worker {rank} after epoch {epoch + 1}",
                       file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)

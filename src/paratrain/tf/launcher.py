@@ -34,14 +34,16 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..env import cpu_count
-from ..errors import JobInterrupted, LaunchError, RankFailedError, _last_line, describe_exitcode
+from ..errors import LaunchError, RankFailedError
+from ..launch.failure import failure_cause
 from ..launch.multinode import DEFAULT_RDZV_TIMEOUT_S, max_nodes
 from ..launch.parent_death import LAUNCHER_PID_VAR
 from ..launch.ports import port_in_use
+from ..launch.signals import StopRequest, caught_stop_signals
 from .cluster import NodeSlots, multi_node, single_node
 from .config import TF_CONFIG_VAR, TFConfig, parse_tf_config, split_address
 from .install import apply_keras_choice, require_tensorflow
@@ -82,14 +84,16 @@ class TFJob:
     debug: bool = False
 
 
-def run(argv: Sequence[str], *, debug: bool = False) -> bool:
-    """Launch the TensorFlow job ``argv`` describes (``paratrain run`` flags with ``--tf``); returns False when
-    ``--tf`` turned out to be the script's own argument (the caller runs a torch job instead)."""
+def run(argv: Sequence[str], *, debug: bool = False) -> None:
+    """Launch the TensorFlow job ``argv`` describes (``paratrain run`` flags, ``--tf`` implied): how the demo,
+    bench and verify start theirs."""
     from ..launch.torchrun import parse_args
 
-    args = parse_args(argv)
-    if not args.tf:
-        return False
+    launch(parse_args(argv), debug=debug)
+
+
+def launch(args: argparse.Namespace, *, debug: bool = False) -> None:
+    """Launch the TensorFlow job of ``paratrain run``'s parsed flags; restart it up to ``--max-restarts`` times."""
     job = plan(args, debug=debug)
     require_tensorflow()
     choice = apply_keras_choice()
@@ -99,14 +103,12 @@ def run(argv: Sequence[str], *, debug: bool = False) -> bool:
     for attempt in range(job.max_restarts + 1):
         try:
             run_attempt(job, attempt)
-            return True
+            return
         except RankFailedError as err:
             if attempt == job.max_restarts:
                 raise
-            cause = _last_line(err.traceback)
-            note(f"rank {err.rank} failed ({describe_exitcode(err.exitcode)}{': ' + cause if cause else ''}); "
+            note(f"rank {err.rank} failed ({failure_cause(err.exitcode, err.traceback)}); "
                  f"restarting all workers (restart {attempt + 1} of {job.max_restarts})")
-    return True
 
 
 def plan(args: argparse.Namespace, *, debug: bool = False) -> TFJob:
@@ -160,7 +162,7 @@ def run_attempt(job: TFJob, attempt: int) -> None:
     else:
         slots = _slots(job, attempt)
         configs = [TFConfig.for_workers(slots.addresses, i) for i in slots.indices]
-    with tempfile.TemporaryDirectory(prefix="paratrain-tf-") as tmp, _stop_signals() as stop:
+    with tempfile.TemporaryDirectory(prefix="paratrain-tf-") as tmp, caught_stop_signals() as stop:
         workers = [_start(job, config, attempt, os.path.join(tmp, f"error-{config.rank}.json"))
                    for config in configs]
         try:
@@ -221,14 +223,13 @@ def _pump(worker: _Worker, debug: bool) -> None:
         sys.stderr.flush()
 
 
-def _supervise(job: TFJob, workers: list[_Worker], configs: list[TFConfig], stop: _StopRequest) -> None:
+def _supervise(job: TFJob, workers: list[_Worker], configs: list[TFConfig], stop: StopRequest) -> None:
     addresses = [a for v in configs[0].cluster.values() for a in v]
     watch = _StartupWatch(addresses, job.startup_timeout_s) if len(addresses) > 1 else None
     while True:
         if stop.signal is not None:
-            ranks = sum(w.process.poll() is None for w in workers)
             _stop(workers)
-            raise JobInterrupted(stop.signal, ranks=ranks, seconds=time.monotonic() - stop.at)
+            raise stop.interrupted()
         codes = [w.process.poll() for w in workers]
         failed = [w for w, code in zip(workers, codes) if code not in (None, 0)]
         if failed:
@@ -255,10 +256,8 @@ def _failure(worker: _Worker, others: list[_Worker]) -> RankFailedError:
         trace = "\n".join(worker.tail)
     code = worker.process.returncode
     stopped = tuple(w.rank for w in others if w.process.returncode not in (0,))
-    error = RankFailedError(rank=worker.rank, exitcode=code, host=socket.gethostname(), pid=worker.process.pid,
-                            traceback=trace, stopped=stopped)
-    error.stopped_by = f"SIGINT, SIGKILL after {STOP_GRACE_S:g} s"  # type: ignore[attr-defined]
-    return error
+    return RankFailedError(rank=worker.rank, exitcode=code, host=socket.gethostname(), pid=worker.process.pid,
+                           traceback=trace, stopped=stopped, stopped_by=f"SIGINT, SIGKILL after {STOP_GRACE_S:g} s")
 
 
 def _stop(workers: list[_Worker]) -> None:
@@ -309,32 +308,6 @@ def _listening(address: str) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
         return s.connect_ex((host, port)) == 0
-
-
-@dataclass
-class _StopRequest:
-    signal: signal.Signals | None = None
-    at: float = 0.0
-
-
-@contextlib.contextmanager
-def _stop_signals() -> Iterator[_StopRequest]:
-    """SIGINT/SIGTERM of the launcher are noted (the supervising loop stops the workers), not raised."""
-    request = _StopRequest()
-
-    def handler(signum: int, _frame: object) -> None:
-        if request.signal is None:
-            request.signal, request.at = signal.Signals(signum), time.monotonic()
-
-    if threading.current_thread() is not threading.main_thread():
-        yield request
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield request
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def _gpus() -> int:

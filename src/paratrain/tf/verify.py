@@ -62,8 +62,8 @@ def verify_tf(*, nproc: int = 2, steps: int = 5, batch_size: int = 32, tolerance
     with tempfile.TemporaryDirectory(prefix="paratrain-tf-verify-") as tmp:
         job = ["-m", "paratrain.tf.verify_job", "--steps", str(steps), "--batch-size", str(batch_size),
                *(["--factory", factory] if factory else [])]
-        run(["--tf", "-n", "1", *job, "--out", os.path.join(tmp, "ref")])
-        run(["--tf", "-n", str(nproc), *job, "--mistake", mistake, "--out", os.path.join(tmp, "par")])
+        run(["-n", "1", *job, "--out", os.path.join(tmp, "ref")])
+        run(["-n", str(nproc), *job, "--mistake", mistake, "--out", os.path.join(tmp, "par")])
         ref, ref_weights = _load(os.path.join(tmp, "ref"), 0)
         pars = [_load(os.path.join(tmp, "par"), r) for r in range(nproc)]
     diff = max(float(np.max(np.abs(pars[0][1][k] - ref_weights[k]))) for k in ref_weights)

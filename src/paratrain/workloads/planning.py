@@ -16,7 +16,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..factory import load_callable
-from ..planner import InputSpec, ModelStats, RunnableModel, TrainingCall, transformer_shape, transformer_stats
+from ..planner import (InputSpec, ModelSpec, ModelStats, RunnableModel, TrainingCall, transformer_shape,
+                       transformer_stats)
 from ..planner.hf_config import read_model_config
 from .digits import digits_cnn
 from .gpt import GPT, GPT_CONFIGS
@@ -38,43 +39,48 @@ def parse_count(text: str) -> float:
     return float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2)]
 
 
-def resolve_model(model: str | None = None, *, params: str | None = None, layers: int | None = None,
-                  hidden: int | None = None, heads: int | None = None, seq_len: int | None = None,
-                  vocab: int | None = None, ffn: int | None = None, kv_heads: int | None = None,
-                  tied: bool | None = None, model_config: str | None = None,
-                  input_spec: str | None = None, targets: str | None = None) -> ModelStats | RunnableModel:
-    """The model the CLI's model options name, as ``planner.make_plan`` takes it.
+def resolve_model(spec: ModelSpec | str) -> ModelStats | RunnableModel:
+    """The model ``spec`` names (a plain string: a model name), as ``planner.make_plan`` takes it.
 
     ``--params`` gives closed-form stats (shape figures given, the rest guessed); a built-in GPT size or a
     transformers ``config.json`` (``--model-config``) a model with its closed-form stats (shape figures override
     the named ones); ``mlp``, ``cnn`` and ``module:factory`` a model the planner traces on the meta device.
-    ``--measure`` runs any of the models (a config's shape as ``workloads.gpt.GPT``). ``targets`` (``--targets``):
-    how a model is called, as ``planner.TrainingCall.parse`` reads it.
+    ``--measure`` runs any of the models (a config's shape as ``workloads.gpt.GPT``). ``--targets``: how a model is
+    called, as ``planner.TrainingCall.parse`` reads it.
     """
-    given = [flag for flag, value in (("--model", model), ("--model-config", model_config), ("--params", params))
-             if value is not None]
+    spec = ModelSpec(model=spec) if isinstance(spec, str) else spec
+    given = [flag for flag, value in (("--model", spec.model), ("--model-config", spec.model_config),
+                                      ("--params", spec.params)) if value is not None]
     if len(given) > 1:
         raise ConfigError(f"give {' or '.join(given)}, not {'both' if len(given) == 2 else 'all three'}")
     if not given:
         raise ConfigError(f"give --model (one of {', '.join(model_names())}, or module:factory), --model-config "
                           "or --params")
-    shape = {k: v for k, v in dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
-                                   kv_heads=kv_heads, tied=tied).items() if v is not None}
-    if params is not None:
-        n = parse_count(params)
+    shape = spec.shape
+    if spec.params is not None:
+        n = parse_count(spec.params)
         guessed = {k: v for k, v in shape.items() if k in ("layers", "hidden", "heads", "seq_len", "vocab")}
         cfg = replace(transformer_shape(n, **guessed), **{k: v for k, v in shape.items() if k not in guessed})
-        return transformer_stats(cfg, name=f"{params} transformer", params=round(n))
-    if model_config is not None:
-        cfg = replace(read_model_config(model_config), **shape)
-        name = Path(model_config).parent.name if Path(model_config).name == "config.json" else Path(model_config).name
-        example = replace(InputSpec.parse(input_spec or f"long:{cfg.seq_len}"), high=None if input_spec else cfg.vocab)
-        return RunnableModel(name=name, factory=lambda: GPT(cfg), call=TrainingCall.parse(example, targets),
-                             stats=transformer_stats(cfg, name=name))
-    assert model is not None
-    factory, example = model_input(model, shape=shape, input_spec=input_spec)
-    stats = transformer_stats(replace(GPT_CONFIGS[model], **shape), name=model) if model in GPT_CONFIGS else None
-    return RunnableModel(name=model, factory=factory, call=TrainingCall.parse(example, targets), stats=stats)
+        return transformer_stats(cfg, name=f"{spec.params} transformer", params=round(n))
+    if spec.model_config is not None:
+        return _from_config(spec)
+    assert spec.model is not None
+    factory, example = model_input(spec.model, shape=shape, input_spec=spec.input_spec)
+    stats = transformer_stats(replace(GPT_CONFIGS[spec.model], **shape), name=spec.model) \
+        if spec.model in GPT_CONFIGS else None
+    return RunnableModel(name=spec.model, factory=factory, call=TrainingCall.parse(example, spec.targets), stats=stats)
+
+
+def _from_config(spec: ModelSpec) -> RunnableModel:
+    """A transformers ``config.json``'s model, as ``workloads.gpt.GPT`` builds its shape."""
+    assert spec.model_config is not None
+    cfg = replace(read_model_config(spec.model_config), **spec.shape)
+    path = Path(spec.model_config)
+    name = path.parent.name if path.name == "config.json" else path.name
+    example = replace(InputSpec.parse(spec.input_spec or f"long:{cfg.seq_len}"),
+                      high=None if spec.input_spec else cfg.vocab)
+    return RunnableModel(name=name, factory=lambda: GPT(cfg), call=TrainingCall.parse(example, spec.targets),
+                         stats=transformer_stats(cfg, name=name))
 
 
 def model_input(model: str, *, shape: dict[str, int | bool] | None = None,
