@@ -371,7 +371,7 @@ def test_sweep_worker_runs_under_spawn_like_the_gpu_path():
 def test_sweep_flags_a_wrong_sum(monkeypatch):
     import torch.distributed as dist
 
-    from paratrain.launch.ports import free_port
+    from paratrain.launcher.ports import free_port
 
     real = dist.all_reduce
 

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from faults import watch_stderr
-from paratrain.launch.torchrun import parse_args, resolve
+from paratrain.launcher.torchrun import parse_args, resolve
 from paratrain.testing import alive, child_pids
 
 DEMO = ["demo", "-n", "2", "--epochs", "1"]  # 22 optimizer steps of the digits CNN

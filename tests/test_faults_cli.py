@@ -27,7 +27,7 @@ ONE_LINE = [
     (["run", "--nnodes", "3:2", SCRIPT], "0 < MIN <= MAX"),
     (["run", "--rdzv-timeout", "0", SCRIPT], "--rdzv-timeout must be at least 1"),
     (["run", "--pg-timeout", "0", SCRIPT], "--pg-timeout must be > 0"),
-    (["run", "--checkpoint-every", "0", "--checkpoint-dir", "ck", SCRIPT], "checkpoint_every must be >= 1"),
+    (["run", "--checkpoint-every", "0", "--checkpoint-dir", "ck", SCRIPT], "checkpoint every must be >= 1"),
     (["run", "--checkpoint-every", "5", SCRIPT], "needs a checkpoint directory"),
     (["run", "-n", "2", "missing_script.py"], "not found"),
     (["run", "-m", "no_such_module_xyz"], "not found"),

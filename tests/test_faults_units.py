@@ -18,9 +18,9 @@ import paratrain
 from faults import check
 from paratrain.call_watch import Call, CallWatch
 from paratrain.errors import CollectiveError, RankFailedError
-from paratrain.launch.failure import format_failure, from_child_failed
-from paratrain.launch.finish import DEFAULT_EXIT_TIMEOUT_S, EXIT_TIMEOUT_VAR, exit_code, exit_timeout
-from paratrain.launch.signals import SIGNALS_VAR, restore_worker_signals
+from paratrain.launcher.failure import format_failure, from_child_failed
+from paratrain.launcher.finish import DEFAULT_EXIT_TIMEOUT_S, EXIT_TIMEOUT_VAR, exit_code, exit_timeout
+from paratrain.launcher.signals import SIGNALS_VAR, restore_worker_signals
 from paratrain.rank_agreement import disagreements
 
 
@@ -219,8 +219,8 @@ def test_the_launcher_signal_handler_stops_the_agent_with_sigterm():
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from paratrain.errors import JobInterrupted
-    from paratrain.launch.processes import children
-    from paratrain.launch.signals import stop_signals
+    from paratrain.launcher.processes import children
+    from paratrain.launcher.signals import stop_signals
 
     args = SimpleNamespace(signals_to_handle="SIGTERM,SIGINT,SIGHUP")
     before = signal.getsignal(signal.SIGINT)  # a shell's background job starts with SIGINT ignored

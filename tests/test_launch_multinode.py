@@ -12,13 +12,13 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 from conftest import SCRIPTS
 from paratrain import LaunchError
 from paratrain.errors import RankFailedError
-from paratrain.launch import network
-from paratrain.launch.agreement import NNODES_VAR, check_same_nnodes
-from paratrain.launch.failure import format_failure
-from paratrain.launch.multinode import prepare_network, rendezvous_error
-from paratrain.launch.pg_timeout import PG_TIMEOUT_VAR, apply_default_pg_timeout
-from paratrain.launch.ports import free_port
-from paratrain.launch.torchrun import parse_args, resolve
+from paratrain.launcher import network
+from paratrain.launcher.agreement import NNODES_VAR, check_same_nnodes
+from paratrain.launcher.failure import format_failure
+from paratrain.launcher.multinode import prepare_network, rendezvous_error
+from paratrain.launcher.pg_timeout import PG_TIMEOUT_VAR, apply_default_pg_timeout
+from paratrain.launcher.ports import free_port
+from paratrain.launcher.torchrun import parse_args, resolve
 
 SCRIPT = str(SCRIPTS / "plain_torchrun.py")
 

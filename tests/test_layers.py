@@ -18,7 +18,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     1: ("env", "devices", "precision", "data", "lr", "rank_agreement", "rank_log", "call_watch", "factory", "batch", "draws"),
     2: ("model",),
     3: ("distributed", "planner", "checkpoint"),
-    4: ("strategies", "launch"),
+    4: ("strategies", "launcher"),
     5: ("parallel", "prepared", "session", "loop", "monitor", "replicas", "rank_alone"),
     6: ("workloads", "demo", "bench", "verify", "doctor", "testing", "dry_run", "planning", "tf"),
     7: ("cli", "__main__", ""),  # "": the package's own __init__, the façade over everything

@@ -1,4 +1,4 @@
-"""Ranks that may leave (launch/leaving.py, launch/agent.py): the contract's pieces, then three launched jobs.
+"""Ranks that may leave (launcher/leaving.py, launcher/agent.py): the contract's pieces, then three launched jobs.
 
 A: ``--max-restarts 2``, leavers 1 and 2: rank 0 dies in attempt 0 and the whole job restarts as before; in
 attempt 1 rank 1 is SIGKILLed and restarted alone (``PARATRAIN_REJOIN=1``) and finishes, rank 2 then raises with no
@@ -19,8 +19,8 @@ import pytest
 from conftest import ROOT, SCRIPTS
 from faults import check, kill_alive, pids_in, wait_for
 from paratrain.errors import ConfigError
-from paratrain.launch import leaving
-from paratrain.launch.agent import Leaves, LeavingAgent, leaving_agent
+from paratrain.launcher import leaving
+from paratrain.launcher.agent import Leaves, LeavingAgent, leaving_agent
 from paratrain.testing import alive
 
 JOB = str(SCRIPTS / "leaving_job.py")

@@ -273,12 +273,12 @@ def test_tools_that_compare_every_rank_refuse_ps_in_one_line():
 
 
 def test_a_table_on_a_dense_only_optimizer_is_refused():
-    from paratrain.distributed.param_server.layout import plan_layout
+    from paratrain.distributed.param_server.holdings import plan_holdings
     from paratrain.distributed.param_server.optimizers import group_of, table_kind
     from paratrain.distributed.param_server.config import PSConfig
 
     model = Recommender()
-    layout = plan_layout(model, 3, PSConfig(servers=1, tables=["emb"]))
+    layout = plan_holdings(model, 3, PSConfig(servers=1, tables=["emb"]))
     assert [t.name for t in layout.tables] == ["emb"]
     opt = torch.optim.Adam(model.parameters())
     settings = group_of(opt, {id(p): n for n, p in model.named_parameters()})
@@ -286,14 +286,14 @@ def test_a_table_on_a_dense_only_optimizer_is_refused():
         table_kind(opt, "emb", settings["emb.weight"], None)
     assert table_kind(opt, "emb", settings["emb.weight"], "adam") == "adam"
     with pytest.raises(ConfigError, match="not an nn.Embedding"):
-        plan_layout(model, 3, PSConfig(tables=["mlp"]))
+        plan_holdings(model, 3, PSConfig(tables=["mlp"]))
 
 
 def test_dense_parameters_are_balanced_by_size():
     from paratrain.distributed.param_server.config import PSConfig
-    from paratrain.distributed.param_server.layout import plan_layout
+    from paratrain.distributed.param_server.holdings import plan_holdings
 
-    layout = plan_layout(ZOO["gpt2"].build(), 4, PSConfig(servers=2))
+    layout = plan_holdings(ZOO["gpt2"].build(), 4, PSConfig(servers=2))
     loads = [layout.dense_numel(s) for s in range(2)]
     total = sum(p.numel() for p in ZOO["gpt2"].build().parameters())
     assert sum(loads) == total and max(loads) / min(loads) < 1.1, loads
@@ -306,7 +306,7 @@ def test_an_asynchronous_worker_clips_its_own_gradient_rows_included():
     for the dense parameters and the rows it pushes."""
     from paratrain.distributed.param_server.client import Client
     from paratrain.distributed.param_server.config import PSConfig
-    from paratrain.distributed.param_server.layout import plan_layout
+    from paratrain.distributed.param_server.holdings import plan_holdings
     from paratrain.distributed.param_server.worker import PushingOptimizer
 
     one, worker = Recommender(), Recommender()
@@ -316,7 +316,7 @@ def test_an_asynchronous_worker_clips_its_own_gradient_rows_included():
     norm = float(torch.nn.utils.clip_grad_norm_(one.parameters(), 0.1))
     assert norm > 0.2  # it bites
 
-    layout = plan_layout(worker, 2, PSConfig(servers=1, tables=["bag", "emb"]))
+    layout = plan_holdings(worker, 2, PSConfig(servers=1, tables=["bag", "emb"]))
     dense = dict(worker.mlp.named_parameters(prefix="mlp"))
     opt = PushingOptimizer(torch.optim.SGD(worker.parameters(), lr=0.1), {id(p) for p in dense.values()},
                            Client(layout, 0, dense, 1024), [], synchronous=False)

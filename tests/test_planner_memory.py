@@ -139,7 +139,6 @@ def test_layouts_follow_the_cluster_and_the_strategies_meshes():
 
 
 def test_hsdp_shards_within_a_node_and_model_parallel_splits_layers_over_a_processs_gpus():
-    cluster = make_cluster("h100", gpus=8, nodes=4)
     hsdp = Layout.of(name="hsdp", dp=32, zero=3, shard=8)
     assert hsdp.replicas == 4
     assert _states(hsdp).total == pytest.approx(16 * PSI / 8)

@@ -12,7 +12,7 @@ from torch import nn
 
 from paratrain.cli.main import main
 from paratrain.distributed.param_server.config import PSConfig
-from paratrain.distributed.param_server.layout import plan_layout
+from paratrain.distributed.param_server.holdings import plan_holdings
 from paratrain.distributed.param_server.messages import PULL_ROWS, PUSH_DENSE, PUSH_ROWS, DTYPE_CODES, Header
 from paratrain.planner import InputSpec, Layout, Training, estimate, make_cluster, recommend, trace_module
 from paratrain.planner.param_server import rows_touched
@@ -51,7 +51,7 @@ def test_a_server_holds_its_share_of_the_dense_model_and_of_the_table_with_their
     """The busiest server's dense share is the runtime layout's (whole tensors, biggest first onto the least
     loaded: here the 256 x 256 weight alone outweighs the rest), its rows a 1/S chunk of the table."""
     stats = _stats(Recommender)
-    layout = plan_layout(Recommender(), servers + 2, PSConfig(servers=servers))
+    layout = plan_holdings(Recommender(), servers + 2, PSConfig(servers=servers))
     share = max(layout.dense_numel(s) for s in range(servers))
     chunk = layout.tables[0].bounds[0].hi * 32
     adagrad = Training(precision="fp32", optimizer="sgd-momentum", micro_batch=256, table_optimizer="adagrad")
@@ -88,7 +88,7 @@ def test_a_worker_holds_the_dense_model_and_the_rows_it_touched_never_the_table(
 def _runtime_bytes(model: nn.Module, ids_per_table: dict[str, torch.Tensor], world: int, servers: int):
     """One worker's sync step as the runtime counts it (``ClientStats``: request payloads as sent, trailers
     included; answers' tensors as received), and what each server receives and sends for one worker."""
-    layout = plan_layout(model, world, PSConfig(servers=servers))
+    layout = plan_holdings(model, world, PSConfig(servers=servers))
     f32 = DTYPE_CODES[torch.float32]
     sent = received = 0
     per_server = [[0, 0] for _ in range(servers)]

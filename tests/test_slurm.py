@@ -12,10 +12,10 @@ import pytest
 from conftest import SCRIPTS
 from paratrain import ConfigError, LaunchError
 from paratrain.cli.main import main
-from paratrain.launch.ports import port_in_use
-from paratrain.launch.sbatch import SbatchSpec, render_sbatch
-from paratrain.launch.slurm import PORT_BASE, expand_hostlist, read_slurm
-from paratrain.launch.torchrun import parse_args, resolve
+from paratrain.launcher.ports import port_in_use
+from paratrain.launcher.sbatch import SbatchSpec, render_sbatch
+from paratrain.launcher.slurm import PORT_BASE, expand_hostlist, read_slurm
+from paratrain.launcher.torchrun import parse_args, resolve
 
 SCRIPT = str(SCRIPTS / "plain_torchrun.py")
 

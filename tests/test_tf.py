@@ -123,7 +123,7 @@ def test_tf_before_the_script_is_tensorflows_launcher_and_after_it_the_scripts_o
     """One dispatch point (``cli.main``) reads run's parsed flags; tests/test_cli_run.py runs the torch job."""
     import importlib
 
-    torchrun = importlib.import_module("paratrain.launch.torchrun")  # paratrain.launch is also the façade's verb
+    torchrun = importlib.import_module("paratrain.launcher.torchrun")
     tf_launcher = importlib.import_module("paratrain.tf.launcher")
 
     launched = []
@@ -139,7 +139,7 @@ def test_tf_before_the_script_is_tensorflows_launcher_and_after_it_the_scripts_o
 def test_nodes_swap_their_workers_addresses_through_node_0():
     import threading
 
-    from paratrain.launch.ports import free_port
+    from paratrain.launcher.ports import free_port
     from paratrain.tf.cluster import multi_node
 
     port, found = free_port(), {}
@@ -159,7 +159,7 @@ def test_nodes_swap_their_workers_addresses_through_node_0():
 
 
 def test_a_node_alone_gives_up_after_the_rendezvous_timeout():
-    from paratrain.launch.ports import free_port
+    from paratrain.launcher.ports import free_port
     from paratrain.tf.cluster import multi_node
 
     with pytest.raises(LaunchError, match="did not all meet at 127.0.0.1"):
@@ -167,7 +167,7 @@ def test_a_node_alone_gives_up_after_the_rendezvous_timeout():
 
 
 def test_a_slurm_step_fills_in_the_tf_job(monkeypatch):
-    from paratrain.launch.torchrun import parse_args
+    from paratrain.launcher.torchrun import parse_args
     from paratrain.tf.launcher import plan
 
     monkeypatch.setenv("SLURM_JOB_ID", "7")

@@ -231,7 +231,7 @@ print(json.dumps({"strategy": type(mirrored).__name__, "replicas": mirrored.num_
 
 def test_two_nodes_from_the_torch_flags(tmp_path):
     """Two launchers on this host, as two nodes: --nnodes 2 --node-rank R --master-addr --master-port."""
-    from paratrain.launch.ports import free_port
+    from paratrain.launcher.ports import free_port
 
     port = str(free_port())
     def node(rank: int) -> subprocess.Popen:

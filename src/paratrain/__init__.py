@@ -41,8 +41,7 @@ _DEPRECATED = {
 
 from .lazy import lazy_getattr  # noqa: E402
 
-# Bound eagerly: the subpackage `paratrain.launch` would otherwise shadow the function once imported.
-from .launch.spawn import launch  # noqa: E402  (imports nothing heavy)
+from .launcher.spawn import launch  # noqa: E402  (imports nothing heavy)
 
 __all__ = sorted([*_EXPORTS, "launch"])
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals(), _DEPRECATED)

@@ -16,7 +16,7 @@ import signal
 import time
 from datetime import timedelta
 
-from paratrain.launch.leaving import allow_leaving, notice_key, notice_store, rejoin_count
+from paratrain.launcher.leaving import allow_leaving, notice_key, notice_store, rejoin_count
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain.launch.leaving import rejoin_count
+from paratrain.launcher.leaving import rejoin_count
 
 EPOCHS, BATCHES, BATCH = int(os.environ.get("PS_ASYNC_LEAVE_EPOCHS", "3")), 10, 8  # 10 batches of 8 an epoch
 

@@ -18,7 +18,7 @@ from typing import TextIO
 
 from ..devices import select_device
 from ..errors import ConfigError
-from ..launch.spawn import launch
+from ..launcher.spawn import launch
 from ..strategies import check_world, serves
 from ..workloads import get_workload
 from .config import BASELINE, BenchConfig

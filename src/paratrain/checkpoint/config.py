@@ -40,7 +40,7 @@ class CheckpointConfig:
         if self.keep < 1:
             raise ConfigError(f"checkpoint keep must be >= 1, got {self.keep}")
 
-    def _check_dir(self) -> "CheckpointConfig":
+    def checked(self) -> "CheckpointConfig":
         """The job's configuration, complete: what needs a directory has one (``paratrain run --checkpoint-dir``
         may give it, so a config of the script's own may lack it)."""
         for what, needs in (("every", self.every is not None), ("resume", bool(self.resume))):
@@ -75,7 +75,7 @@ class CheckpointConfig:
             keep = _int(env, ENV_KEEP) if env.get(ENV_KEEP) else DEFAULT_KEEP
         if resume is None and env.get(ENV_RESUME):
             resume = env[ENV_RESUME].lower() in ("1", "true", "yes")
-        return cls(dir=None if dir is None else os.fspath(dir), every=every, keep=keep, resume=resume)._check_dir()
+        return cls(dir=None if dir is None else os.fspath(dir), every=every, keep=keep, resume=resume).checked()
 
     def should_resume(self, environ: Mapping[str, str] | None = None) -> bool:
         """Whether the job starts from the latest checkpoint (when one exists)."""

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RankFailedError as err:
         if args.debug:
             raise
-        from ..launch.failure import format_failure
+        from ..launcher.failure import format_failure
 
         print(format_failure(err), file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""``paratrain run``: torchrun-compatible launcher (see :mod:`paratrain.launch.torchrun`); with ``--tf`` before the
+"""``paratrain run``: torchrun-compatible launcher (see :mod:`paratrain.launcher.torchrun`); with ``--tf`` before the
 script, TensorFlow's (:mod:`paratrain.tf.launcher`)."""
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_launch(args: argparse.Namespace) -> None:
     """The launcher's own flags, parsed by its parser: a ``--tf`` after the script is the script's."""
-    from ..launch.torchrun import parse_launch
+    from ..launcher.torchrun import parse_launch
 
     args.launch = parse_launch(args.argv, quiet_agent=not args.debug)
     args.tf = args.launch.tf
 
 
 def execute(args: argparse.Namespace) -> int:
-    from ..launch.torchrun import launch
+    from ..launcher.torchrun import launch
 
     launch(args.launch, quiet_agent=not args.debug)
     return 0

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    from ..launch.sbatch import SbatchSpec, write_sbatch
+    from ..launcher.sbatch import SbatchSpec, write_sbatch
 
     spec = SbatchSpec(target=args.target, target_args=tuple(args.target_args), module=args.module,
                       nodes=args.nodes, gpus_per_node=args.gpus_per_node, nproc_per_node=args.nproc_per_node,

@@ -6,7 +6,7 @@ Examples:
   paratrain tp-plan --model-config ./Llama-3-8B/config.json --tp 8 --auto
 
 The model's own or built-in plan, else one inferred from its blocks (--auto: the inferred one even where a plan is
-built in), with the inferred plan's reasons as comments. See docs/strategies.md (tensor parallelism).
+built in), with the inferred plan's reasons as comments. See docs/tensor-parallel.md.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from .config import LAUNCH_FIELDS, DemoConfig
 
 def run_demo(config: DemoConfig) -> int:
     """Check what needs the processes' count, then launch the job on them; the exit code."""
-    from ..launch.torchrun import default_nproc, run
+    from ..launcher.torchrun import default_nproc, run
 
     nproc = config.nproc or (1 if config.strategy == "dp" else default_nproc())  # DataParallel: one process
     check_launch(config, nproc)

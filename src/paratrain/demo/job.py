@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from ..digest import state_digest
 from ..flags import add_flags, build
-from ..launch.leaving import rejoin_count
+from ..launcher.leaving import rejoin_count
 from ..monitor import MonitorConfig
 from ..parallel import Parallel
 from ..progress import Progress

@@ -106,7 +106,7 @@ def measure_allreduce(*, nprocs: int, accelerator: str, max_bytes: int, timeout_
     ``start_method="fork"`` starts CPU ranks in milliseconds (they inherit the imported torch); CUDA needs
     ``"spawn"``.
     """
-    from ..launch import launch
+    from ..launcher import launch
 
     sizes = sweep_sizes(max_bytes)
     results = launch(sweep, nprocs, (sizes, accelerator, budget_s), timeout_s=timeout_s, start_method=start_method)

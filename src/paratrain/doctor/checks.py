@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from ..sizes import KIB, MIB
+from ..sizes import MIB
 from .system import TORCHRUN_DEFAULT_PORT, HostFacts, LoopbackFacts, MasterFacts, TorchFacts
 
 GB = 1e9

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..env import cpu_count
 from ..errors import ConfigError
-from ..launch.ports import port_in_use
+from ..launcher.ports import port_in_use
 
 TORCHRUN_DEFAULT_PORT = 29500
 ENV_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")

@@ -7,7 +7,7 @@ old, so a slow worker holds no one back. A server rank serves from inside ``prep
 ends its process when every worker has closed; the code after ``prepare`` runs on the workers only.
 
 Asynchronous workers are independent of each other, so one may die while the others train on: each worker tells
-``paratrain run`` that it may leave (:mod:`paratrain.launch.leaving`), shares no collective with the other workers
+``paratrain run`` that it may leave (:mod:`paratrain.launcher.leaving`), shares no collective with the other workers
 (``par.mean``/``par.sum`` are its own values, ``par.barrier`` waits for no one), and the servers notice the death
 and learn from the launcher whether a new process takes its place; that process meets the servers in a group of
 its own, pulls the current parameters and continues at the step its rank had reached. A job that checkpoints keeps
@@ -30,7 +30,7 @@ from ..checkpoint.single import read_alone, write_alone
 from ..dims import ParallelDims
 from ..distributed.param_server.async_serving import Returns
 from ..distributed.param_server.config import PSConfig
-from ..distributed.param_server.layout import Layout, plan_layout
+from ..distributed.param_server.holdings import Holdings, plan_holdings
 from ..distributed.param_server.peers import Peer, return_group
 from ..distributed.param_server.messages import ProtocolError
 from ..distributed.param_server.roles import WorkerSide, report, serve, shard_folder
@@ -39,8 +39,8 @@ from ..distributed.param_server.worker import PushingOptimizer
 from ..distributed.process_group import finish_group
 from ..env import ClusterEnv
 from ..errors import CheckpointError, ConfigError
-from ..launch.leaving import BACK, allow_leaving, notice_key, notice_store, rejoin_count
-from ..launch.pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
+from ..launcher.leaving import BACK, allow_leaving, notice_key, notice_store, rejoin_count
+from ..launcher.pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
 from .base import Runtime, Strategy
 from .registry import register
 
@@ -57,7 +57,7 @@ class ParameterServer(Strategy):
         self.config = config if config is not None else PSConfig(**options)
         self.worker: WorkerSide | None = None
         self._model: nn.Module | None = None
-        self._layout: Layout | None = None
+        self._layout: Holdings | None = None
         self._group: dist.ProcessGroup | None = None  # every worker
         self._own: dist.ProcessGroup | None = None  # an asynchronous worker alone
         self._env: ClusterEnv | None = None
@@ -96,7 +96,7 @@ class ParameterServer(Strategy):
             raise ConfigError(f"ps sends its messages as host tensors received from any worker, which the "
                               f"{dist.get_backend()} backend cannot; let Parallel start the group, or start it with "
                               "backend='cpu:gloo,cuda:nccl'")
-        layout = plan_layout(model, rt.env.world_size, self.config)
+        layout = plan_holdings(model, rt.env.world_size, self.config)
         if self.is_server(rt.env):
             self._layout, self._model = layout, model  # served once the optimizer is known
             return model

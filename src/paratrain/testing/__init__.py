@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..launch.spawn import launch
+from ..launcher.spawn import launch
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,

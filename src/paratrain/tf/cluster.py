@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ..errors import LaunchError
-from ..launch.network import LOOPBACK, address_of, is_loopback, route_source
+from ..launcher.network import LOOPBACK, address_of, is_loopback, route_source
 
 DEFAULT_MASTER_PORT = 29500
 

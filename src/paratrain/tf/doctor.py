@@ -17,7 +17,7 @@ from importlib import metadata
 from ..doctor.checks import Check
 from ..doctor.scripts import imported
 from ..errors import LaunchError
-from ..launch.ports import port_in_use
+from ..launcher.ports import port_in_use
 from .config import TF_CONFIG_VAR, parse_tf_config, split_address
 from .install import INSTALL_HINT, LEGACY_KERAS_VAR, KerasChoice, installed, keras_choice
 
@@ -110,7 +110,7 @@ def check_tf_config(text: str) -> Check:
         config = parse_tf_config(text)
     except LaunchError as e:
         return Check.fail("TF_CONFIG", str(e), "fix TF_CONFIG, or unset it and let `paratrain run --tf` write it")
-    from ..launch.network import address_of, is_own_address
+    from ..launcher.network import address_of, is_own_address
 
     host, port = split_address(config.address)
     where = f"{config.task_type} {config.task_index} of {config.num_workers}, {config.address}"

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 from ..env import cpu_count
 from ..errors import LaunchError, RankFailedError
-from ..launch.failure import failure_cause
-from ..launch.multinode import DEFAULT_RDZV_TIMEOUT_S, max_nodes
-from ..launch.parent_death import LAUNCHER_PID_VAR
-from ..launch.ports import port_in_use
-from ..launch.signals import StopRequest, caught_stop_signals
+from ..launcher.failure import failure_cause
+from ..launcher.multinode import DEFAULT_RDZV_TIMEOUT_S, max_nodes
+from ..launcher.parent_death import LAUNCHER_PID_VAR
+from ..launcher.ports import port_in_use
+from ..launcher.signals import StopRequest, caught_stop_signals
 from .cluster import NodeSlots, multi_node, single_node
 from .config import TF_CONFIG_VAR, TFConfig, parse_tf_config, split_address
 from .install import apply_keras_choice, require_tensorflow
@@ -87,7 +87,7 @@ class TFJob:
 def run(argv: Sequence[str], *, debug: bool = False) -> None:
     """Launch the TensorFlow job ``argv`` describes (``paratrain run`` flags, ``--tf`` implied): how the demo,
     bench and verify start theirs."""
-    from ..launch.torchrun import parse_args
+    from ..launcher.torchrun import parse_args
 
     launch(parse_args(argv), debug=debug)
 
@@ -113,7 +113,7 @@ def launch(args: argparse.Namespace, *, debug: bool = False) -> None:
 
 def plan(args: argparse.Namespace, *, debug: bool = False) -> TFJob:
     """Check the flags (and a user's ``TF_CONFIG``) and decide the job, before any process starts."""
-    from ..launch.torchrun import _check_layout, _check_target, _nproc, apply_slurm
+    from ..launcher.torchrun import _check_layout, _check_target, _nproc, apply_slurm
 
     apply_slurm(args, note)
     if args.no_python:
@@ -317,7 +317,7 @@ def _gpus() -> int:
 
 
 def _is_own(host: str) -> bool:
-    from ..launch.network import address_of, is_own_address
+    from ..launcher.network import address_of, is_own_address
 
     address = address_of(host)
     return address is not None and is_own_address(address)

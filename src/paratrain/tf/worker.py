@@ -3,13 +3,13 @@
 The launcher starts ``python -m paratrain.tf.worker [-m] TARGET ARGS…`` with this worker's ``TF_CONFIG`` (and
 ``TF_USE_LEGACY_KERAS`` when tf-keras is the Keras), so that:
 
-* the worker dies with the launcher, even a SIGKILLed one (:mod:`paratrain.launch.parent_death`);
+* the worker dies with the launcher, even a SIGKILLed one (:mod:`paratrain.launcher.parent_death`);
 * an exception is written to the error file the launcher reads, not printed: the launcher reports the job's root
   cause once;
 * a script that imports torch stops at that import with one line: TensorFlow and torch never share a process,
   and a PyTorch script belongs to ``paratrain run`` without ``--tf``;
 * a script that ends without ever importing TensorFlow is reported as one (it was not a TensorFlow script);
-* the script's end is the worker's end (:func:`paratrain.launch.finish.leave`), without the interpreter teardown.
+* the script's end is the worker's end (:func:`paratrain.launcher.finish.leave`), without the interpreter teardown.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import sys
 import traceback
 
 from ..errors import LaunchError
-from ..launch.finish import exit_code, leave
-from ..launch.parent_death import die_with_parent, launcher_pid
-from ..launch.worker import _run
+from ..launcher.finish import exit_code, leave
+from ..launcher.parent_death import die_with_parent, launcher_pid
+from ..launcher.worker import _run
 
 ERROR_FILE_VAR = "PARATRAIN_TF_ERROR_FILE"
 RANK_VAR = "PARATRAIN_TF_RANK"

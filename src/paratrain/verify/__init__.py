@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..launch.spawn import launch
+from ..launcher.spawn import launch
 from ..strategies import check_every_rank_trains, check_name, check_world
 from .distributed import Case, RankEvidence, case_options, run_cases
 from .record import Record

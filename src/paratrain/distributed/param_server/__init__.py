@@ -3,11 +3,11 @@ what peers send and is in maintenance mode).
 
 The last ``servers`` ranks hold the parameters: the dense ones split over them by size, each table of embeddings
 split over them by rows, each part with its optimizer and that optimizer's state. Workers pull, compute, push.
-:mod:`.messages` is the wire format, :mod:`.layout` who holds what, :mod:`.server` the serving loop,
+:mod:`.messages` is the wire format, :mod:`.holdings` who holds what, :mod:`.server` the serving loop,
 :mod:`.client` a worker's side of it, :mod:`.tables` a worker's stand-in for a table, :mod:`.worker` its optimizer.
 """
 from .config import PSConfig
-from .layout import Layout, plan_layout
+from .holdings import Holdings, plan_holdings
 from .messages import ProtocolError
 
-__all__ = ["Layout", "PSConfig", "ProtocolError", "plan_layout"]
+__all__ = ["Holdings", "PSConfig", "ProtocolError", "plan_holdings"]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layout import Layout
+from .holdings import Holdings
 from .peers import Peer, job_peer
 from .messages import (DONE, DTYPE_CODES, HEADER_WORDS, LOAD, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
                        PUSH_DENSE, PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REPORT_WORDS, REQUEST_TAG, SAVE, Header,
@@ -51,7 +51,7 @@ class ServerLoad:
 
 
 class Client:
-    def __init__(self, layout: Layout, rank: int, params: dict[str, nn.Parameter], max_rows: int,
+    def __init__(self, layout: Holdings, rank: int, params: dict[str, nn.Parameter], max_rows: int,
                  peers: list[Peer] | None = None) -> None:
         """``peers``: how to reach each server (default: in the job's group; a worker back after it died has a
         group of its own with them)."""

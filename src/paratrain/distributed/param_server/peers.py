@@ -3,7 +3,7 @@
 Every worker and server of a job meet in the job's group; a worker that comes back after its process died cannot
 join it again (a gloo group's members are fixed when it starts), so it meets the servers in a group of its own:
 the worker as rank 0, server ``i`` as rank ``1 + i``, set up through the launcher's notice store
-(:mod:`paratrain.launch.leaving`) under a prefix naming the worker and its return. Both sides build that group
+(:mod:`paratrain.launcher.leaving`) under a prefix naming the worker and its return. Both sides build that group
 with ``ProcessGroupGloo`` itself (not ``new_group``, which every member of the job's group would have to call).
 A :class:`Peer` hides which group a peer sits in, so the client and the server speak the same calls to both.
 """

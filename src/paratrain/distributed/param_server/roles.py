@@ -12,7 +12,7 @@ from torch import nn
 from .async_serving import Returns, serve_each_worker
 from .client import Client, ClientStats, ServerLoad
 from .config import PSConfig
-from .layout import Layout
+from .holdings import Holdings
 from .peers import Peer
 from .optimizers import group_of, table_kind
 from .server import Server, ServerStats
@@ -22,7 +22,7 @@ from .tables import RemoteTable, replace_tables
 from .worker import PushingOptimizer
 
 
-def serve(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, rank: int,
+def serve(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Holdings, rank: int,
           config: PSConfig, store: ShardStore | None = None, returns: Returns | None = None) -> ServerStats:
     """Hold this server's shards and serve until every worker is done (``store``: how a checkpoint holds them).
 
@@ -56,7 +56,7 @@ def shard_folder(index: int) -> str:
 class WorkerSide:
     """A worker's connection to the servers and the stand-ins it put into the model."""
 
-    def __init__(self, model: nn.Module, layout: Layout, rank: int, config: PSConfig, device: torch.device,
+    def __init__(self, model: nn.Module, layout: Holdings, rank: int, config: PSConfig, device: torch.device,
                  peers: list[Peer] | None = None) -> None:
         """``peers``: how to reach each server (default: in the job's group)."""
         self.layout, self.config = layout, config

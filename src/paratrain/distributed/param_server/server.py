@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .clipping import clip_coefficient, squared_norm
-from .layout import Layout
+from .holdings import Holdings
 from .peers import job_peer
 from .messages import (DONE, HEADER_WORDS, LOAD, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE, PUSH_ROWS,
                        REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, Refused, Schema, TRAILER, float_word, parse,
@@ -55,7 +55,7 @@ class ServerStats:
 
 
 class Server:
-    def __init__(self, shards: ServerShards, layout: Layout, rank: int, staleness: int, max_rows: int,
+    def __init__(self, shards: ServerShards, layout: Holdings, rank: int, staleness: int, max_rows: int,
                  store: ShardStore | None = None, servers: dist.ProcessGroup | None = None) -> None:
         """``servers``: the servers' own group, over which a synchronous step's clipping norm adds up (None: this
         server is the only one)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layout import Layout, Table
+from .holdings import Holdings, Table
 from .optimizers import dense_optimizer, group_of, set_learning_rates, sparse_optimizer, table_kind
 
 
@@ -35,7 +35,7 @@ class TableShard:
 class ServerShards:
     """Server ``index``'s part of the model and of its optimizer."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, index: int,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Holdings, index: int,
                  table_optimizer: str | None) -> None:
         names = {id(p): n for n, p in model.named_parameters()}
         settings = group_of(optimizer, names)

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .client import Client
-from .layout import Table
+from .holdings import Table
 
 
 class RemoteTable(nn.Module):

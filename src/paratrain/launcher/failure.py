@@ -70,7 +70,7 @@ def _is_secondary(message: object) -> bool:
 def user_frames(trace: str) -> str:
     """The traceback without the launcher's own frames (runpy, the worker bootstrap, ``@record``)."""
     lines = trace.rstrip().splitlines()
-    own = ("<frozen runpy>", "paratrain/launch/worker.py", "paratrain/tf/worker.py",
+    own = ("<frozen runpy>", "paratrain/launcher/worker.py", "paratrain/tf/worker.py",
            "elastic/multiprocessing/errors/__init__.py", "multiprocessing/spawn.py")
     kept: list[str] = []
     skip_body = False
@@ -110,7 +110,7 @@ def format_failure(err: RankFailedError) -> str:
 
 
 def format_leave(rank: int, host: str, pid: int | None, exitcode: int, traceback: str | None, then: str) -> str:
-    """The report of a rank that allowed leaving and died (:mod:`paratrain.launch.leaving`): the failure report's
+    """The report of a rank that allowed leaving and died (:mod:`paratrain.launcher.leaving`): the failure report's
     shape, saying what happens next (``then``) instead of that the job was stopped."""
     lines = [f"paratrain: rank {rank} left the job on {host} ({failure_cause(exitcode, traceback)}); {then}",
              f"  rank {rank}  host {host}  pid {pid}"]

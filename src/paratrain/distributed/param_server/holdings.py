@@ -1,5 +1,6 @@
-"""Who holds what: the server ranks, the dense parameters each owns (balanced by size) and the rows of each table
-each holds. A pure function of the model and the options, so every rank computes the same layout without talking.
+"""Who holds what (a job's :class:`Holdings`): the server ranks, the dense parameters each owns (balanced by size)
+and the rows of each table each holds. A pure function of the model and the options, so every rank computes the same
+holdings without talking.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class Table:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Holdings:
     servers: tuple[int, ...]
     workers: tuple[int, ...]
     dense: tuple[tuple[DenseSlot, ...], ...]
@@ -57,7 +58,7 @@ class Layout:
         return frozenset(t.name for t in self.tables)
 
 
-def plan_layout(model: nn.Module, world_size: int, config: PSConfig) -> Layout:
+def plan_holdings(model: nn.Module, world_size: int, config: PSConfig) -> Holdings:
     """The layout of ``model`` over ``world_size`` ranks (the last ``config.servers`` serve)."""
     config.check_world(world_size)
     servers = tuple(range(world_size - config.servers, world_size))
@@ -86,7 +87,7 @@ def plan_layout(model: nn.Module, world_size: int, config: PSConfig) -> Layout:
             offset += p.numel()
         slots.append(tuple(mine))
     dtype = dtypes.pop() if dtypes else torch.float32
-    return Layout(servers=servers, workers=tuple(range(world_size - config.servers)), dense=tuple(slots),
+    return Holdings(servers=servers, workers=tuple(range(world_size - config.servers)), dense=tuple(slots),
                   tables=tables, dtype=dtype)
 
 

@@ -7,13 +7,13 @@ of processes per node. What paratrain adds:
 * single-node jobs rendezvous on loopback on a free port unless ``--master-port``/``--rdzv-endpoint`` is given;
 * ``OMP_NUM_THREADS`` = cores / processes per node unless set (torchrun forces 1);
 * a rank that fails stops the job within a second, and the report leads with that rank's host, exit code and
-  traceback; a rank that allowed leaving (:mod:`paratrain.launch.leaving`) may die, or be restarted alone, while
-  the job goes on (:mod:`paratrain.launch.agent`);
+  traceback; a rank that allowed leaving (:mod:`paratrain.launcher.leaving`) may die, or be restarted alone, while
+  the job goes on (:mod:`paratrain.launcher.agent`);
 * bad input (no such script, ``-n 0``, a taken ``--master-port``) is one line, not a traceback;
 * multi-node jobs bind gloo to the interface that reaches the master, wait at most ``--rdzv-timeout`` for the
   other nodes and say which address did not answer, and stop when the nodes disagree on ``--nnodes``
-  (:mod:`paratrain.launch.multinode`);
-* inside a SLURM ``srun`` step the allocation fills in the flags not given (:mod:`paratrain.launch.slurm`);
+  (:mod:`paratrain.launcher.multinode`);
+* inside a SLURM ``srun`` step the allocation fills in the flags not given (:mod:`paratrain.launcher.slurm`);
 * a process group the script creates without a timeout gets ``--pg-timeout`` (600 s), not torch's 30 min;
 * ``--checkpoint-dir D --checkpoint-every N [--resume]`` make every ``Parallel`` of the job checkpoint itself
   and, with ``--max-restarts K``, resume from the latest checkpoint after a failure (see docs/checkpoints.md).
@@ -168,13 +168,13 @@ def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> ar
         # other ranks wait for it, which costs about a second at every launch.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if args.no_python:  # a program of its own: the worker asks to die with the launcher, then becomes that program
-        args.training_script_args = ["-m", "paratrain.launch.worker", "--exec", args.training_script,
+        args.training_script_args = ["-m", "paratrain.launcher.worker", "--exec", args.training_script,
                                      *args.training_script_args]
         args.training_script = sys.executable
     else:  # --run-path runs the script as the worker does anyway (runpy.run_path)
         target = ["-m", args.training_script] if args.module else [args.training_script]
         args.training_script_args = [*target, *args.training_script_args]
-        args.training_script = "paratrain.launch.worker"
+        args.training_script = "paratrain.launcher.worker"
         args.module, args.run_path = True, False
     return args
 
@@ -240,7 +240,7 @@ def _export_checkpointing(args: argparse.Namespace) -> None:
 
     try:
         config = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
-                                  resume=True if args.resume else None)
+                                  resume=True if args.resume else None).checked()
     except ConfigError as e:
         raise LaunchError(f"paratrain run: {e}") from None
     os.environ.update(config.environ())

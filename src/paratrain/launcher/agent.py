@@ -1,4 +1,4 @@
-"""torchrun's elastic agent, taught that some ranks may leave (:mod:`paratrain.launch.leaving`).
+"""torchrun's elastic agent, taught that some ranks may leave (:mod:`paratrain.launcher.leaving`).
 
 torch's ``LocalElasticAgent`` watches its workers through a process context whose poll is all-or-nothing: the first
 process that exits non-zero makes it close every process, and the agent then stops or restarts the whole job. Here

@@ -7,7 +7,7 @@ SIGINT and SIGTERM itself: it notes when the signal came and how many workers we
 ``SignalException`` with SIGTERM, so the agent stops every worker the way it always does (SIGTERM, SIGKILL
 after its grace period). The CLI then prints ``interrupted (SIGINT), 2 ranks stopped in 0.4 s`` and exits
 128 + the signal's number (130, 143). A second signal during that shutdown is not waited on: the launcher
-leaves at once and its workers die with it (:mod:`paratrain.launch.parent_death`).
+leaves at once and its workers die with it (:mod:`paratrain.launcher.parent_death`).
 
 SIGHUP, SIGQUIT and whatever else ``--signals-to-handle`` names stay torch's. The workers see
 ``TORCHELASTIC_SIGNALS_TO_HANDLE`` as torchrun would have set it.

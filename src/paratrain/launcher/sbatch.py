@@ -1,7 +1,7 @@
 """``paratrain slurm``: a ready sbatch script for a multi-node job.
 
 The script asks for one task per node and runs ``srun paratrain run …``: each node's ``paratrain run`` reads
-the allocation (:mod:`paratrain.launch.slurm`) and starts one process per GPU itself. Several tasks per
+the allocation (:mod:`paratrain.launcher.slurm`) and starts one process per GPU itself. Several tasks per
 node would each start a full set of processes, so the script never asks for that.
 """
 from __future__ import annotations

@@ -1,19 +1,19 @@
 """Runs the user's script or module inside each torchrun worker.
 
-``paratrain run`` starts ``python -m paratrain.launch.worker [-m] TARGET ARGS…`` instead of the target itself (with
+``paratrain run`` starts ``python -m paratrain.launcher.worker [-m] TARGET ARGS…`` instead of the target itself (with
 ``--no-python``, ``… --exec PROGRAM ARGS…``, which asks for the parent-death signal and then becomes the program), so
 that:
 
-* the worker dies with the launcher, even when the launcher is SIGKILLed (:mod:`paratrain.launch.parent_death`);
+* the worker dies with the launcher, even when the launcher is SIGKILLed (:mod:`paratrain.launcher.parent_death`);
 * an exception is recorded for the launcher (torchelastic's error file, as ``@record`` does) and *not* printed
   here: the launcher shows one report for the whole job, instead of one traceback per rank
   (``paratrain --debug run`` prints them all again);
 * the script's end is the worker's end: its exit code, after its ``atexit`` handlers, without the interpreter
   finalization that gloo's threads can abort, and at most ``PARATRAIN_EXIT_TIMEOUT`` seconds stuck in those
-  handlers (:mod:`paratrain.launch.finish`);
+  handlers (:mod:`paratrain.launcher.finish`);
 * no faulthandler dump of every thread when a rank dies of a signal, unless ``paratrain --debug run``;
-* the default process-group timeout is bounded (:mod:`paratrain.launch.pg_timeout`) and the nodes of a multi-node
-  job check that they agree (:mod:`paratrain.launch.agreement`).
+* the default process-group timeout is bounded (:mod:`paratrain.launcher.pg_timeout`) and the nodes of a multi-node
+  job check that they agree (:mod:`paratrain.launcher.agreement`).
 
 The target runs as ``__main__`` with its own ``sys.argv`` and ``sys.path[0]``, exactly as ``python TARGET`` or
 ``python -m TARGET`` would run it.
@@ -25,11 +25,11 @@ import runpy
 import sys
 import traceback
 
-from paratrain.launch.agreement import check_same_nnodes
-from paratrain.launch.finish import exit_code, leave
-from paratrain.launch.parent_death import die_with_parent, launcher_pid
-from paratrain.launch.pg_timeout import apply_default_pg_timeout
-from paratrain.launch.signals import restore_worker_signals
+from paratrain.launcher.agreement import check_same_nnodes
+from paratrain.launcher.finish import exit_code, leave
+from paratrain.launcher.parent_death import die_with_parent, launcher_pid
+from paratrain.launcher.pg_timeout import apply_default_pg_timeout
+from paratrain.launcher.signals import restore_worker_signals
 
 DEBUG_VAR = "PARATRAIN_DEBUG"
 """Set by ``paratrain --debug run``: every rank prints its own traceback as well."""

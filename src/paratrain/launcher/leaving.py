@@ -4,7 +4,7 @@ By default the death of any rank stops the job (torchrun's rule, and the right o
 waits for every other). An asynchronous worker of a parameter server is different: the servers can go on without it.
 Such a rank says so with :func:`allow_leaving`; if it then dies, ``paratrain run`` reports it, keeps the job running
 and, with restarts left (``--max-restarts``), starts a replacement for that rank alone
-(:mod:`paratrain.launch.agent`).
+(:mod:`paratrain.launcher.agent`).
 
 Whoever waits on that rank (a server) learns what happened from the *notice store*: when the n-th process of rank r
 dies (n = 1 for the original process, 2 for its first replacement, ...), the launcher sets ``notice_key(r, n)`` to
