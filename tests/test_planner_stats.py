@@ -10,7 +10,7 @@ from torch import nn
 from paratrain.errors import ConfigError
 from paratrain.planner import (InputSpec, ModelSpec, PlanConfig, make_plan, measure_module, trace_module,
                                transformer_stats)
-from paratrain.planner.model_stats import wrap_units
+from paratrain.model.structure import forward_pieces
 from paratrain.planner.transformer import transformer_params
 from paratrain.workloads.digits import digits_cnn
 from paratrain.workloads.gpt import GPT, GPT_CONFIGS, GPTConfig
@@ -155,7 +155,7 @@ def test_module_factory_is_traced_on_meta_and_units_expand_module_lists():
     model = nn.Module()
     model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
     model.head = nn.Linear(2, 1)
-    assert [n for n, _ in wrap_units(model)] == ["layers.0", "layers.1", "layers.2", "head"]
+    assert [n for n, _ in forward_pieces(model)] == ["layers.0", "layers.1", "layers.2", "head"]
 
 
 def test_a_transformers_model_is_planned_with_its_blocks_as_units():
@@ -163,9 +163,9 @@ def test_a_transformers_model_is_planned_with_its_blocks_as_units():
     children (``transformer`` whole and ``lm_head``), which made the gathered unit the whole model."""
     from zoo import ZOO
 
-    from paratrain.planner.model_stats import wrap_units
+    from paratrain.model.structure import forward_pieces
 
-    names = [n for n, _ in wrap_units(ZOO["gpt2"].build())]
+    names = [n for n, _ in forward_pieces(ZOO["gpt2"].build())]
     assert names == ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
                      "transformer.ln_f", "lm_head"]
-    assert [n for n, _ in wrap_units(ZOO["cnn"].build())] == [str(i) for i in range(9)]  # no blocks: the children
+    assert [n for n, _ in forward_pieces(ZOO["cnn"].build())] == [str(i) for i in range(9)]  # no blocks: the children

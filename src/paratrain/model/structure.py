@@ -104,3 +104,26 @@ def outer_modules(model: nn.Module, blocks: Blocks) -> tuple[list[str], list[str
             (after if seen_path else before).append(prefix + name)
         module, prefix = module.get_submodule(part), f"{prefix}{part}."
     return before, after
+
+
+def forward_pieces(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's pieces in forward order, the planner's stand-in for FSDP's units and a pipeline's cut points
+    (:mod:`.units` has the runtime's units): for a model with repeated blocks, the modules before the blocks, the
+    blocks, and the modules after them; otherwise the root's direct children, with ModuleList/ModuleDict items taken
+    one by one (they have no forward)."""
+    blocks = find_blocks(model)
+    if blocks is not None:  # the blocks' container holds them and, in an nn.Sequential, the pieces around them
+        before, after = outer_modules(model, blocks)
+        prefix = f"{blocks.container}." if blocks.container else ""
+        container = model.get_submodule(blocks.container) if blocks.container else model
+        inner = [(prefix + k, c) for k, c in container.named_children()]
+        after = sorted(after, key=lambda n: -n.count("."))  # the final norm inside runs before the head outside
+        return ([(n, model.get_submodule(n)) for n in before] + inner
+                + [(n, model.get_submodule(n)) for n in after])
+    units: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            units.extend((f"{name}.{k}", c) for k, c in child.named_children())
+        else:
+            units.append((name, child))
+    return units

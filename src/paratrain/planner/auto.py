@@ -26,7 +26,8 @@ from ..sizes import GIB
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
 from .layout import Layout
-from .model_stats import ModelStats, TPShape, trainable_sizes, wrap_units
+from ..model.structure import forward_pieces
+from .model_stats import ModelStats, TPShape, trainable_sizes
 from .optimizers import PlannedOptimizer, planned
 from .recommend import estimate
 from .tensor_parallel import tp_degrees
@@ -65,7 +66,7 @@ class AutoChoice:
 def parameter_stats(model: nn.Module) -> ModelStats:
     """Sizes only (no trace, no batch): enough to decide on model states."""
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    units = tuple((name, sum(p.numel() for p in m.parameters())) for name, m in wrap_units(model)) or (("model", params),)
+    units = tuple((name, sum(p.numel() for p in m.parameters())) for name, m in forward_pieces(model)) or (("model", params),)
     largest = max(((n, sum(p.numel() for p in m.parameters(recurse=False))) for n, m in model.named_modules()),
                   key=lambda x: x[1])
     return ModelStats(name=type(model).__name__, params=params, units=units, largest_layer=largest,
@@ -140,7 +141,7 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     ``optimizer``: the user's, whose states are planned (:mod:`.optimizers`); None assumes AdamW, and the reason
     says so.
 
-    ``tp``: what the model's tensor-parallel plan splits, per wrap unit (``model_stats.wrap_units``' order). Given,
+    ``tp``: what the model's tensor-parallel plan splits, per forward piece (``model.structure.forward_pieces``' order). Given,
     and when even zero3 does not fit, zero3 over groups of tp ranks is tried, least tp first: it splits the
     largest unit FSDP gathers. None keeps every choice on the one-dimensional mesh (``Parallel`` passes the shape
     only once this call, without it, found nothing that fits: reading it imports tensor parallelism).

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ConfigError
+from ..model.structure import forward_pieces
 from .attention import ATTENTION_FLOPS, FusedAttention
 from .hardware import GIB, cpu_host
 from .inputs import InputSpec, TrainingCall, forward_of, output_tensor
@@ -81,8 +82,8 @@ class ModelStats:
     params: int
     """Trainable parameters (shared weights counted once)."""
     units: tuple[tuple[str, int], ...]
-    """The model's wrap units in order, as (name, parameters): what FSDP wraps one by one and a pipeline
-    splits between stages (the root's direct children, with ModuleList/ModuleDict items taken one by one)."""
+    """The model's pieces in forward order, as (name, parameters) (:func:`paratrain.model.structure.forward_pieces`):
+    what the planner takes FSDP to wrap one by one and a pipeline to split between stages."""
     largest_layer: tuple[str, int]
     """The module holding the most parameters directly (an embedding table, a big linear)."""
     flops_per_sample: float
@@ -180,31 +181,6 @@ class ModelStats:
 
 # --- tracing and measuring ----------------------------------------------------------------------------------
 
-def wrap_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's units in forward order, as FSDP shards it and a pipeline cuts it: for a model with repeated
-    blocks (:func:`paratrain.model.find_blocks`), the modules before the blocks, the blocks, and the modules after
-    them; otherwise the root's direct children, with ModuleList/ModuleDict items taken one by one (they have no
-    forward)."""
-    from ..model.structure import find_blocks, outer_modules
-
-    blocks = find_blocks(model)
-    if blocks is not None:  # the blocks' container holds them and, in an nn.Sequential, the pieces around them
-        before, after = outer_modules(model, blocks)
-        prefix = f"{blocks.container}." if blocks.container else ""
-        container = model.get_submodule(blocks.container) if blocks.container else model
-        inner = [(prefix + k, c) for k, c in container.named_children()]
-        after = sorted(after, key=lambda n: -n.count("."))  # the final norm inside runs before the head outside
-        return ([(n, model.get_submodule(n)) for n in before] + inner
-                + [(n, model.get_submodule(n)) for n in after])
-    units: list[tuple[str, nn.Module]] = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            units.extend((f"{name}.{k}", c) for k, c in child.named_children())
-        else:
-            units.append((name, child))
-    return units
-
-
 def _count(params: object) -> int:
     return sum(p.numel() for p in params if p.requires_grad)  # type: ignore[attr-defined]
 
@@ -237,7 +213,7 @@ def _stats(model: nn.Module, name: str, call: TrainingCall, device: str, batch: 
         outputs.append(_tensor_bytes(out))
         running[0] = "(root)"
 
-    units = wrap_units(model)
+    units = forward_pieces(model)
     outputs: list[int] = []
     hooks = [h for n, m in units for h in (m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave))]
     from ..model.tables import auto_tables

@@ -9,7 +9,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import ConfigError
-from ..planner.model_stats import TPShape, wrap_units
+from ..model.structure import forward_pieces
+from ..planner.model_stats import TPShape
 
 
 def model_shape(model: nn.Module) -> TPShape | None:
@@ -31,7 +32,7 @@ def model_shape(model: nn.Module) -> TPShape | None:
             whole = "bias" if isinstance(style, RowwiseParallel) else None
             split[name] = sum(p.numel() for n, p in model.get_submodule(name).named_parameters() if n != whole)
     per_unit = tuple(sum(n for name, n in split.items() if name == unit or name.startswith(f"{unit}."))
-                     for unit, _ in wrap_units(model))
+                     for unit, _ in forward_pieces(model))
     cfg = getattr(model, "config", None)
     if cfg is not None:  # transformers
         layers, hidden, seq_len = cfg.num_hidden_layers, cfg.hidden_size, cfg.max_position_embeddings
