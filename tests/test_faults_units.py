@@ -159,6 +159,25 @@ def test_ranks_that_all_come_meet_and_a_peer_still_behind_is_waited_for(store):
     watch.close()
 
 
+def test_a_peer_that_completes_the_meeting_and_goes_on_while_a_rank_looks_is_not_taken_for_one_that_left(store):
+    """Rank 1 arrives, completes the meeting and publishes its next call between rank 0's look at the meeting and
+    its read of the peers: rank 0 has met it (the race a slow machine hits), and goes on."""
+    watch = CallWatch(0, 2, timeout_s=30, report_after_s=10)
+    read_peers = watch._read_all
+
+    def peer_meets_and_goes_on_first(*args):
+        if store.add("paratrain/calls/0/1/meet/par.save/1", 1) >= 2:
+            store.set("paratrain/calls/0/1/meet/par.save/1/all", "1")
+        _publish(store, 1, Call("par.step", 1, "train.py:31", time.time(), active=True))
+        watch._read_all = read_peers
+        return read_peers(*args)
+
+    watch._read_all = peer_meets_and_goes_on_first
+    with watch.call("par.save", meet="every rank must call it"):
+        pass
+    watch.close()
+
+
 def test_a_peer_state_from_an_earlier_parallel_is_not_read(store):
     """A test job runs case after case, each with a Parallel of its own: rank 1's first watch exited; rank 0's
     second watch meets rank 1's second, not the first's state."""

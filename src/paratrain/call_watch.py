@@ -173,7 +173,12 @@ class CallWatch:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
             if pause == 0.05:  # a few ms gone: look where the others are
-                line = self._went_on(call, why, self._read_all(store))
+                calls = self._read_all(store)
+                # A peer publishes a later call only after the meeting is complete: read first, then check, or a
+                # meeting completed between the two looks like a peer that went on without it.
+                if store.check([f"{key}/all"]):
+                    return
+                line = self._went_on(call, why, calls)
                 if line is not None or time.monotonic() > deadline:
                     raise CollectiveError(line or f"rank {self.rank} waited {self.timeout_s:g} s in {call.name} "
                                           f"({call.where}) for the other ranks; {why}")
