@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.paratrain-demo
 TEST_STAMP := $(VENV)/.paratrain-test
 TEST_EXTRAS := dev,tf
 
-.PHONY: demo test bench install clean
+.PHONY: demo test test-fast bench install clean
 
 # $(call install,EXTRAS): the venv (made once) with paratrain editable and EXTRAS, at constraints-dev.txt's pins
 define install
@@ -29,6 +29,10 @@ demo: $(DEMO_STAMP)
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
+
+# the unit lane: no test here starts a process (tests/helpers/unit_lane.py fails one that does)
+test-fast: $(TEST_STAMP)
+	PARATRAIN_UNIT_LANE=1 $(PY) -m pytest -q -m "not launched and not slow"
 
 bench: $(TEST_STAMP)
 	$(PY) benchmarks/ddp_overhead.py

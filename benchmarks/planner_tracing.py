@@ -4,7 +4,7 @@ against the closed forms of the same shape and a real training step on this CPU.
 
     PYTHONPATH=src python benchmarks/planner_tracing.py [--json out.json]
 
-The model is tests/nanogpt_shaped.py's, in the shape of karpathy/nanoGPT's ``model.py`` (GPT-2 124M, vocabulary
+The model is tests/helpers/nanogpt_shaped.py's, in the shape of karpathy/nanoGPT's ``model.py`` (GPT-2 124M, vocabulary
 50304, 1024 tokens). Prints FLOPs and activations (fp32) per sample, and the one-GPU row of nanoGPT's own run: 480
 samples a step in micro-batches of 12 on 8 A100 80GB, in fp32 and bf16-mixed. The CPU step (one sample, ~15 s on 2
 cores) is the slow part.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from nanogpt_shaped import gpt2  # noqa: E402
+from helpers.nanogpt_shaped import gpt2  # noqa: E402
 
 from paratrain.planner import (InputSpec, ModelStats, PlanConfig, RunnableModel, Training, TrainingCall,  # noqa: E402
                                make_plan, measure_module, trace_module, transformer_stats)

@@ -2,16 +2,23 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import unit_lane
+from helpers.cli import PARATRAIN
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "scripts"
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS",
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In the unit lane a test not marked ``launched`` may start no process (helpers/unit_lane.py)."""
+    if not unit_lane.guarded(item):
+        return (yield)
+    with unit_lane.no_process(item.nodeid):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)
@@ -33,4 +40,4 @@ def clean_distributed_env():
 @pytest.fixture
 def paratrain_cmd() -> list[str]:
     """The CLI as a subprocess command, from this interpreter's environment."""
-    return [sys.executable, "-m", "paratrain"]
+    return list(PARATRAIN)

@@ -21,9 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers.paths import ROOT
 
-from conftest import ROOT
 from paratrain.testing import alive
+
+pytestmark = pytest.mark.launched  # every test here starts processes
 
 CLIENTS = ROOT / "tests" / "clients"
 LAUNCH_TIMEOUT_S = 150

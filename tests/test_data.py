@@ -2,7 +2,13 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    SequentialSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 from paratrain import ConfigError
 from paratrain.data import ShardSampler, shard_loader
@@ -60,6 +66,7 @@ def _times_ten(batch):
     return torch.stack([b[0] for b in batch]) * 10
 
 
+@pytest.mark.launched
 def test_shard_loader_keeps_the_users_settings():
     # a spawned worker: forking the test process, whose earlier tests left threads (inductor's, executors'), can
     # deadlock the child on a lock one of them held

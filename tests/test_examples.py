@@ -4,8 +4,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers.cli import PARATRAIN
+from helpers.paths import ROOT
 
-from conftest import ROOT
+pytestmark = pytest.mark.launched  # every test here starts processes
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
@@ -19,7 +21,7 @@ def _launches(example):
             yield pytest.param([sys.executable, str(example), *words[1:]], id=f"{example.stem}:{variant.strip()}")
         else:  # paratrain run -n N [script args]
             launcher, script_args = words[:4], words[4:]
-            yield pytest.param([sys.executable, "-m", "paratrain", *launcher[1:], str(example), *script_args],
+            yield pytest.param([*PARATRAIN, *launcher[1:], str(example), *script_args],
                                id=f"{example.stem}:{variant.strip()}")
 
 

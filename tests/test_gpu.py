@@ -5,18 +5,18 @@ Results on real hardware are recorded in benchmarks/GPU-LOG.md. With one GPU, jo
 """
 import json
 import shutil
-import subprocess
 import sys
 from functools import partial
 
 import pytest
 import torch
+from helpers.cli import run_cli
+from helpers.dist_workers import backend_and_device, train_params
+from helpers.paths import ROOT
 
-from conftest import ROOT
-from dist_workers import backend_and_device, train_params
 from paratrain.testing import max_abs_diff, spawn
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.launched,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD = min(GPUS, 2)
@@ -83,8 +83,7 @@ def test_fp16_mixed_scales_the_loss_and_skips_steps_with_inf_gradients():
 def test_ps_workers_on_cuda_with_a_server_in_host_memory_equal_one_process(tmp_path, case):
     """`Parallel("ps")` on a GPU machine: worker rank 0 trains on cuda:0, the server keeps its shards (and the
     tables) in host memory, messages travel as host tensors over gloo beside NCCL; sync mode equals one process."""
-    from ps_workers import run_sparse, run_zoo
-    from test_param_server import sparse_reference, zoo_reference
+    from helpers.ps_workers import run_sparse, run_zoo, sparse_reference, zoo_reference
 
     options = {"servers": 1, "accelerator": "cuda"}
     if case == "sparse":
@@ -103,8 +102,7 @@ def test_dataparallel_splits_over_gpus_and_equals_serial():
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs nvidia-smi")
 def test_doctor_reads_the_real_nvidia_smi():
-    res = subprocess.run([sys.executable, "-m", "paratrain", "doctor", "--json", "--skip-bandwidth"],
-                         capture_output=True, text=True, timeout=60)
+    res = run_cli("doctor", "--json", "--skip-bandwidth", timeout=60)
     report = json.loads(res.stdout)
     assert res.returncode in (0, 1), res.stderr
     assert any(c["name"] == "gpus" and c["status"] == "ok" for c in report["checks"]), report
@@ -127,7 +125,7 @@ def test_planner_memory_prediction_is_within_15_percent_of_max_memory_allocated(
 @pytest.mark.parametrize("strategy", ["single", "ddp", "zero3"])
 def test_resume_on_cuda_is_bitwise_exact_with_cuda_rng(tmp_path, strategy):
     """Dropout draws from the CUDA generator: a resume is exact only if its state was saved and restored."""
-    from checkpoint_workers import train
+    from helpers.checkpoint_workers import train
 
     options = {"accelerator": "cuda"}
     whole = train(strategy, 18, str(tmp_path), save_at=7, options=options)
@@ -139,8 +137,7 @@ def test_resume_on_cuda_is_bitwise_exact_with_cuda_rng(tmp_path, strategy):
 def test_the_demo_is_bitwise_repeatable_on_cuda_and_ddp_equals_single(paratrain_cmd):
     """The demo's deterministic kernels: two runs, and ddp against single, end with the same SHA-256."""
     def digest(strategy: str) -> str:
-        res = subprocess.run([*paratrain_cmd, "demo", "-n", "1", "--strategy", strategy, "--epochs", "2"],
-                             capture_output=True, text=True, timeout=180)
+        res = run_cli("demo", "-n", "1", "--strategy", strategy, "--epochs", "2", timeout=180)
         assert res.returncode == 0, res.stderr[-2000:]
         return res.stdout.split("final parameters sha256 ")[1].split()[0]
 
@@ -150,11 +147,11 @@ def test_the_demo_is_bitwise_repeatable_on_cuda_and_ddp_equals_single(paratrain_
 
 
 def test_plan_measure_on_this_gpu_calibrates_its_compute_from_real_steps():
-    from paratrain.planner import PlanConfig, Training, make_plan
-    from paratrain.workloads.planning import resolve_model
-    from paratrain.planner.hardware import DEVICES
-    from paratrain.planner.gpu_step import check_same_gpu
     from paratrain.errors import ConfigError
+    from paratrain.planner import PlanConfig, Training, make_plan
+    from paratrain.planner.gpu_step import check_same_gpu
+    from paratrain.planner.hardware import DEVICES
+    from paratrain.workloads.planning import resolve_model
 
     name = torch.cuda.get_device_name()
     here = []

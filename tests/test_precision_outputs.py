@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.zoo import ZOO
 from torch.nn import functional as F
 
 import paratrain
 from paratrain.batch import ModelCall
-from zoo import ZOO
 
 # bf16: the pipeline computes each micro-batch apart (4 of them) where one process takes the batch at once; the
 # sums of bf16 products round differently. Observed after 3 steps: 5.6e-4 (our GPT), 3.7e-5 (an nn.Sequential).
@@ -52,11 +52,12 @@ def test_fp32_is_untouched():
     assert seen == [torch.float32]
 
 
+@pytest.mark.launched
 @pytest.mark.parametrize("family", ["gpt", "seq"])
 def test_pipeline_stages_hand_on_the_compute_dtype_and_equal_one_process(family):
     """The last stage's loss sees bf16 logits under autocast, and the stages pass on what their layers computed (a
     Linear's bf16 output stays bf16, as in one process): the result equals one process under bf16-mixed."""
-    from pipeline_model_workers import lean_precision
+    from helpers.pipeline_model_workers import lean_precision
 
     from paratrain.testing import max_abs_diff, spawn
 

@@ -27,8 +27,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers.cli import PARATRAIN
+from helpers.paths import ROOT
 
-from conftest import ROOT
 from paratrain.testing import max_abs_diff
 
 REALCODE = ROOT / "tests" / "realcode"
@@ -81,7 +82,7 @@ HF_4 = [
 def _launch(n: int, script: str, *args: str, timeout_s: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
     """``paratrain run -n N script args``, killed as a whole past the timeout."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REALCODE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "paratrain", "run", "-n", str(n), str(REALCODE / script), *args],
+    proc = subprocess.Popen([*PARATRAIN, "run", "-n", str(n), str(REALCODE / script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -149,6 +150,7 @@ def _check(result: dict, reference: dict, accumulate: int) -> None:
     assert np.allclose(result["losses"], reference["losses"], atol=1e-5), (result["losses"], reference["losses"])
 
 
+@pytest.mark.launched
 @pytest.mark.parametrize("world, case", [(2, c) for c in NANOGPT_2 if c["name"] not in REFUSED]
                          + [(4, c) for c in NANOGPT_4], ids=lambda v: v["name"] if isinstance(v, dict) else str(v))
 def test_nanogpt_port_equals_one_process(nanogpt_runs, nanogpt_reference, world, case):
@@ -160,6 +162,7 @@ def test_nanogpt_port_equals_one_process(nanogpt_runs, nanogpt_reference, world,
         assert abs(got["val"] - want["val"]) <= 1e-5
 
 
+@pytest.mark.launched
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_a_plan_splitting_half_a_tie_is_one_line(nanogpt_runs, name):
     assert REFUSED[name] in nanogpt_runs[2][name]["error"]
@@ -169,6 +172,7 @@ def test_the_reference_accumulates_what_one_process_takes(nanogpt_reference):
     assert nanogpt_reference["accumulate"] == nanogpt_train.global_batch // nanogpt_train.batch_size
 
 
+@pytest.mark.launched
 def test_rank0_checkpoint_loads_into_the_plain_model(nanogpt_runs, tmp_path_factory):
     """The checkpoint rank 0 wrote holds the whole model, as the one-process script's does."""
     result = nanogpt_runs[2]["zero3-tp2"]
@@ -177,6 +181,7 @@ def test_rank0_checkpoint_loads_into_the_plain_model(nanogpt_runs, tmp_path_fact
     model.load_state_dict(result["state"])
 
 
+@pytest.mark.launched
 @pytest.mark.parametrize("world, case", [(2, c) for c in HF_2] + [(4, c) for c in HF_4],
                          ids=lambda v: v["name"] if isinstance(v, dict) else str(v))
 def test_transformers_labels_after_meta_build_and_load_weights(hf_runs, hf_reference, world, case):
@@ -201,6 +206,7 @@ FAULTS = {  # script, its arguments after the data folder, the line's pieces
 }
 
 
+@pytest.mark.launched
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_work_on_one_rank_alone_stops_the_job_in_one_line(fault, char_data, tmp_path):
     _, strategy, what, pieces = FAULTS[fault]

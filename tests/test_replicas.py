@@ -8,19 +8,19 @@ rank and the one-line errors of work one rank does alone are in tests/test_real_
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from helpers.cli import run_cli
+from helpers.paths import SCRIPTS
 
-from conftest import SCRIPTS
+pytestmark = pytest.mark.launched  # every test here starts processes
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("draws") / "out.json"
-    done = subprocess.run([sys.executable, "-m", "paratrain", "run", "-n", "2", str(SCRIPTS / "replica_draws.py"),
-                           str(out)], capture_output=True, text=True, timeout=180)
+    done = run_cli("run", "-n", "2", str(SCRIPTS / "replica_draws.py"),
+                   str(out), timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text()), done.stderr
 

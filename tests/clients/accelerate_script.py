@@ -7,11 +7,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from _report import finished, record_pid, report
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
-
-from _report import finished, record_pid, report
 
 
 def main(out_dir: str, seed: int) -> None:

@@ -7,10 +7,9 @@ import sys
 import tempfile
 
 import torch
+from _report import finished, record_pid, report
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
-from _report import finished, record_pid, report
 
 
 class RandomTokens(Dataset):

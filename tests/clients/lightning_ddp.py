@@ -9,9 +9,8 @@ import sys
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
 from _report import finished, record_pid, report
+from torch.utils.data import DataLoader, TensorDataset
 
 
 class Regressor(L.LightningModule):

@@ -9,12 +9,11 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from _report import finished, record_pid, report
 from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
-
-from _report import finished, record_pid, report
 
 
 class MyTrainDataset(Dataset):

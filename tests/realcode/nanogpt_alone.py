@@ -13,9 +13,9 @@ import tempfile
 
 import numpy as np
 import torch
+from nanogpt_model import GPT, GPTConfig
 
 import paratrain
-from nanogpt_model import GPT, GPTConfig
 
 
 def main(data_dir: str, strategy: str, what: str) -> None:

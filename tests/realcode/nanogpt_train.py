@@ -24,9 +24,9 @@ import sys
 
 import numpy as np
 import torch
+from nanogpt_model import GPT, GPTConfig
 
 import paratrain
-from nanogpt_model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 # the char-level configuration (block_size > vocab_size, as in nanoGPT's shakespeare_char), tiny

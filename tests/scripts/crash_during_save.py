@@ -17,7 +17,7 @@ import paratrain
 from paratrain.checkpoint import layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoint_workers import dropout_model  # noqa: E402
+from helpers.checkpoint_workers import dropout_model  # noqa: E402
 
 
 def die(*_args, **_kwargs):

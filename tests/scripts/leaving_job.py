@@ -1,4 +1,4 @@
-"""A job whose ranks may leave, for tests/test_leaving.py (no process group, no parameter server).
+"""A job whose ranks may leave, for tests/launcher/test_leaving.py (no process group, no parameter server).
 
 Usage: paratrain run -n N leaving_job.py OUT_DIR [--leave 1,2] [--die 1@1.0] [--fail 2@2.0#1] [--fail-after 1]
        [--notice 1:1,2:1] [--work 4]
@@ -16,7 +16,12 @@ import signal
 import time
 from datetime import timedelta
 
-from paratrain.launcher.leaving import allow_leaving, notice_key, notice_store, rejoin_count
+from paratrain.launcher.leaving import (
+    allow_leaving,
+    notice_key,
+    notice_store,
+    rejoin_count,
+)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ rendezvous or restart loop, and touches nothing outside the call. The process co
 both versions (``paratrain run`` always starts a program) with the same attributes; ``_capture_process_failures``
 and ``_close`` are the two steps of its ``_poll`` overridden, so torch's poll itself runs as written. The context is
 given its subclass after torch built it (``_start_workers`` builds it from ~60 lines of worker environment that a
-copy would have to follow). tests/test_leaving.py runs the same jobs on torch 2.11 and 2.13.
+copy would have to follow). tests/launcher/test_leaving.py runs the same jobs on torch 2.11 and 2.13.
 """
 from __future__ import annotations
 

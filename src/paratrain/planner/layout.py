@@ -1,7 +1,7 @@
 """Each strategy as parallel degrees, so memory and time follow from one formula instead of a branch per name.
 
 A ``Layout`` is a named :class:`~paratrain.dims.ParallelDims` in the planner's spelling (``dp`` replicas of which
-``shard`` ranks share one copy); ``Layout.dims`` is the runtime's, and tests/test_dims.py holds every candidate
+``shard`` ranks share one copy); ``Layout.dims`` is the runtime's, and tests/strategies/test_dims.py holds every candidate
 here equal to what the strategy of that name builds.
 
 Ranks are placed as paratrain's strategies build their meshes: tensor-parallel ranks or a model-parallel

@@ -52,7 +52,7 @@ class TPShape:
     def why_not(self, tp: int) -> str | None:
         """Why ``tp`` ranks cannot split this model, or None. A vocabulary that ``tp`` does not divide is split
         unevenly (DTensor's ``Shard``: the first ranks hold one row more), as the runtime does it
-        (tests/test_tensor_parallel.py trains GPT-2 with an odd vocabulary)."""
+        (tests/distributed/test_tensor_parallel.py trains GPT-2 with an odd vocabulary)."""
         bad = [f"{name} {n}" for name, n in self.divides if n % tp]
         if not bad:
             return None

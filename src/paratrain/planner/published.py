@@ -1,5 +1,5 @@
 """Published large training runs with their full configuration and measured speed (and memory, where given): what
-the planner's closed forms are held to at cluster scale (benchmarks/RESULTS.md §19, tests/test_planner_published.py).
+the planner's closed forms are held to at cluster scale (benchmarks/RESULTS.md §19, tests/planner/test_planner_published.py).
 
 Each run is pure data, quoted from its source (paper and table, or repository file and commit); ``predict`` plans
 it with the published layout and nothing tuned to it: catalogue devices and links, the catalogue's matmul

@@ -2,7 +2,7 @@
 the parameters, FLOPs and activations of a shape, in milliseconds and with no module built.
 
 The shapes are pure data, so the planner plans GPT-2 or a 7B model without importing a model;
-``workloads.gpt.GPT`` builds the same shapes for real, and tests/test_planner_stats.py holds the counts here equal to
+``workloads.gpt.GPT`` builds the same shapes for real, and tests/planner/test_planner_stats.py holds the counts here equal to
 that module's.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ TRANSFORMERS = MappingProxyType({
 })
 """The named sizes planned in closed form: GPT-2's four published sizes, a LLaMA-7B-like shape, GPT-3 175B and the
 grouped-query families (Llama 3, Mistral, Qwen2) at their published shapes, each with its pre-training context.
-tests/test_planner_presets.py holds each count within 1% of the published one."""
+tests/planner/test_planner_presets.py holds each count within 1% of the published one."""
 
 
 def transformer_params(cfg: GPTConfig) -> dict[str, int]:
@@ -157,7 +157,7 @@ def transformer_activations(cfg: GPTConfig, *, residual: int, act: int) -> tuple
     ``residual`` is the element size of the residual stream and the norms, ``act`` that of the matrix products'
     inputs and outputs: 4 and 4 in fp32, 4 and 2 under autocast, 2 and 2 with FSDP's 16-bit parameters.
     Counted from what each operation saves, and equal to ``saved_tensors_hooks``' count on the real module
-    (tests/test_planner_stats.py). A block (s tokens, width h, MLP width f, a heads) keeps its input x, the input
+    (tests/planner/test_planner_stats.py). A block (s tokens, width h, MLP width f, a heads) keeps its input x, the input
     and output of the QKV projection (h + 2·kv_heads·head_dim wide: the fused kernels take grouped keys and values
     as they are, ``enable_gqa``), the attention output (the projection reads it in place) and a log-sum-exp of
     a·s fp32 values (``scaled_dot_product_attention``'s fused kernels store no s x s scores), the residual after

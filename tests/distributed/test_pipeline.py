@@ -1,0 +1,64 @@
+"""Pipeline and hybrid strategies on real gloo processes: equal to one process, memory of the schedules,
+and clear errors."""
+import pytest
+from helpers.dist_workers import (
+    peak_saved_activations,
+    pipeline_bad_inputs,
+    train_params,
+)
+
+from paratrain.testing import max_abs_diff, spawn
+
+STEPS, GLOBAL_BATCH = 20, 16
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("strategy, world, accumulate, options", [
+    ("pipeline", 2, 1, {"schedule": "gpipe"}),
+    ("pipeline", 2, 2, {"schedule": "gpipe"}),
+    ("pipeline", 2, 1, {"schedule": "1f1b"}),
+    ("pipeline", 2, 2, {"schedule": "1f1b", "microbatches": 8}),
+    ("pipeline", 4, 1, {"schedule": "1f1b", "split": [2, 4, 6]}),  # 4 stages of a 7-layer model
+    ("pipeline", 2, 1, {"schedule": "interleaved-1f1b"}),
+    ("pipeline", 2, 2, {"schedule": "interleaved-1f1b"}),
+    ("hybrid", 4, 1, {}),                                  # 2 DDP replicas x 2 stages
+    ("hybrid", 4, 2, {"schedule": "gpipe"}),               # DDP stages run every backward before a forward
+    ("hybrid", 4, 2, {"data": "fsdp"}),                    # 2 FSDP shards x 2 stages, accumulating
+])
+def test_pipeline_equals_serial(strategy, world, accumulate, options):
+    dp = 1 if strategy == "pipeline" else 2
+    ranks = spawn(train_params, world, (strategy, accumulate, STEPS, GLOBAL_BATCH // dp, world, options))
+    serial = train_params("single", accumulate, STEPS, GLOBAL_BATCH, 1)
+    for params in ranks:  # every rank gathers the whole model: all stages, original parameter names
+        assert params.keys() == serial.keys()
+        assert max_abs_diff(params, serial) <= 1e-5
+
+
+@pytest.mark.launched
+def test_1f1b_holds_fewer_live_activations_than_gpipe():
+    gpipe = spawn(peak_saved_activations, 2, ("gpipe", 8))
+    one_f_one_b = spawn(peak_saved_activations, 2, ("1f1b", 8))
+    # the first stage keeps all 8 micro-batches alive under GPipe, at most 2 (the stage count) under 1F1B
+    assert one_f_one_b[0] < 0.5 * gpipe[0], (one_f_one_b, gpipe)
+
+
+@pytest.mark.launched
+def test_pipeline_misuse_gives_one_line_errors():
+    errors = spawn(pipeline_bad_inputs, 2)[0]
+    assert len(errors) == 3, errors
+    assert "does not fit" in errors[0]
+    assert "nn.Sequential" in errors[1]
+    assert "does not split into 3 equal micro-batches" in errors[2]
+    assert all("\n" not in e for e in errors)
+
+
+def test_a_stage_without_parameters_is_refused():
+    from torch import nn
+
+    from paratrain import ConfigError
+    from paratrain.model.cuts import cut_points
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
+    assert cut_points(model, 2, [2]) == [0, 2]
+    with pytest.raises(ConfigError, match="stage 1 \\(layers 1..1\\) holds no trainable parameter"):
+        cut_points(model, 3, [1, 2])

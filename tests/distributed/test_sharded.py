@@ -1,0 +1,114 @@
+"""Every data-parallel and model-parallel strategy equals one process on the same global batch (real gloo runs),
+and sharding really shrinks per-rank state by the ZeRO accounting."""
+import pytest
+from helpers.dist_workers import state_bytes_per_strategy, train_params
+
+from paratrain.planner import ModelSpec, PlanConfig, Training, make_plan
+from paratrain.planner.memory import model_states
+from paratrain.testing import max_abs_diff, spawn
+from paratrain.workloads.planning import resolve_model
+
+STEPS, BATCH = 20, 8
+SMALL_UNITS = {"min_params": 100}  # the test model's blocks are small: make each one a sharding unit
+
+
+def _serial(accumulate: int, world: int, **parallel_kwargs) -> dict:
+    return train_params("single", accumulate, STEPS, BATCH * world, 1, **parallel_kwargs)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("strategy, world, accumulate, options", [
+    ("zero1", 2, 1, {}),
+    ("zero1", 2, 3, {}),
+    ("zero2", 2, 1, SMALL_UNITS),
+    ("zero2", 2, 2, SMALL_UNITS),
+    ("zero3", 2, 1, SMALL_UNITS),
+    ("zero3", 2, 2, SMALL_UNITS),
+    ("zero3", 4, 1, {}),  # default policy: the whole model is one unit
+    ("hsdp", 4, 1, SMALL_UNITS),
+    ("hsdp", 4, 2, SMALL_UNITS),
+    ("model_parallel", 2, 2, {"stages": 3}),  # data x model parallel: DDP over a 3-stage model
+])
+def test_parallel_equals_serial(strategy, world, accumulate, options):
+    ranks = spawn(train_params, world, (strategy, accumulate, STEPS, BATCH, world, options))
+    serial = _serial(accumulate, world)
+    for params in ranks:
+        assert max_abs_diff(params, serial) <= 1e-5, strategy
+
+
+@pytest.mark.parametrize("split", [[1], [2, 4], None])
+def test_model_parallel_in_one_process_equals_serial(split):
+    options = {"split": split} if split else {"stages": 5}
+    assert max_abs_diff(train_params("model_parallel", 2, STEPS, BATCH, 1, options), _serial(2, 1)) <= 1e-6
+
+
+def test_dp_on_cpu_runs_as_one_device_and_says_why():
+    with pytest.warns(UserWarning, match="'ddp' with one process per device"):
+        params = train_params("dp", 1, STEPS, BATCH, 1)
+    assert max_abs_diff(params, _serial(1, 1)) <= 1e-6
+
+
+@pytest.mark.launched
+def test_sharded_gradient_clipping_equals_serial_clipping():
+    clip = {"clip_grad_norm": 0.05}  # small enough to clip every step
+    ranks = spawn(_train_kw, 2, ("zero3", 2, SMALL_UNITS, clip))
+    serial = _serial(1, 2, **clip)
+    assert max_abs_diff(ranks[0], serial) <= 1e-5
+    assert max_abs_diff(serial, _serial(1, 2)) > 1e-3  # clipping changed the result
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("strategy, options", [("ddp", {}), ("zero3", SMALL_UNITS)])
+def test_bf16_mixed_is_close_to_serial_bf16(strategy, options):
+    ranks = spawn(_train_kw, 2, (strategy, 2, options, {"precision": "bf16-mixed"}))
+    serial = _serial(1, 2, precision="bf16-mixed")
+    # bf16 keeps 8 mantissa bits: the parallel and serial runs round differently, but stay close
+    assert max_abs_diff(ranks[0], serial) <= 3e-3
+    assert max_abs_diff(ranks[0], _serial(1, 2)) <= 3e-3
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("hook, tolerance", [("fp16", 5e-4), ("bf16", 3e-3), ("powersgd", 0.1)])
+def test_ddp_comm_hooks(hook, tolerance):
+    options = {"comm_hook": hook, "powersgd_start_iter": 2}
+    ranks = spawn(_train_kw, 2, ("ddp", 2, options, {}))
+    serial = _serial(1, 2)
+    assert 0 < max_abs_diff(ranks[0], serial) <= tolerance  # compressed: close, never bitwise
+    assert max_abs_diff(ranks[0], ranks[1]) == 0.0
+
+
+def _train_kw(strategy, world, options, parallel_kwargs):
+    return train_params(strategy, 1, STEPS, BATCH, world, options, **parallel_kwargs)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planner_predicts_it(world):
+    strategies = ("ddp", "zero1", "zero2", "zero3")
+    ranks = spawn(state_bytes_per_strategy, world, (strategies,))
+    results = {s: _largest([r[s] for r in ranks]) for s in strategies}
+    p = results["ddp"]["full_params"]  # fp32 parameters, bytes
+    expected = {  # (params, grads, Adam state) per rank, in bytes
+        "ddp": (p, p, 2 * p),
+        "zero1": (p, p, 2 * p / world),
+        "zero2": (p, p / world, 2 * p / world),
+        "zero3": (p / world, p / world, 2 * p / world),
+    }
+    for strategy, (ep, eg, eo) in expected.items():
+        got = results[strategy]
+        for key, want in (("params", ep), ("grads", eg), ("optim", eo)):
+            assert abs(got[key] - want) <= 0.05 * want, (strategy, key, got[key], want)
+    # the planner, which never runs the model, predicts the same bytes
+    plan = make_plan(resolve_model(ModelSpec(model="helpers.dist_workers:state_model", input_spec="64")),
+                     PlanConfig(gpu="cpu", gpus=world, training=Training(precision="fp32", optimizer="adam", micro_batch=4)))
+    predicted = {e.name: model_states(plan.stats, e.layout, plan.training) for e in plan.estimates}
+    for strategy, got in results.items():
+        memory = predicted[strategy]
+        for key, planned in (("params", memory.parameters), ("grads", memory.gradients),
+                             ("optim", memory.optimizer_states)):
+            assert abs(planned - got[key]) <= 0.05 * got[key], (strategy, key, planned, got[key])
+
+
+def _largest(ranks: list[dict[str, int]]) -> dict[str, int]:
+    """Per key, the largest count over ranks (ZeRO-1 can shard unevenly)."""
+    return {key: max(r[key] for r in ranks) for key in ranks[0]}

@@ -1,0 +1,180 @@
+"""``tp_plan="auto"``: a tensor-parallel plan inferred for models paratrain has none for.
+
+One launched job at world 2 (tests/helpers/tp_auto_workers.py) trains, under ``Parallel("tp")``: a nanoGPT-style GPT written
+here (fused ``c_attn``, tied head: everything split), the same with nanoGPT's own ``C // n_head`` reshape (the
+attention left replicated, the rest split), transformers' GPT-2 and Llama with grouped-query attention forced to
+``"auto"``, BERT with no plan given (inferred by default), Qwen2 (grouped-query attention, biases, tied head) and
+GPT-2 with PEFT LoRA adapters on every block layer (each adapter split with its base layer); a second job at world 4
+trains zero3 x tp=2 (two replicas of two tp ranks) on the nanoGPT-style GPT, GPT-2, Mistral, Qwen2, BERT and LoRA
+over GPT-2 and Qwen2, and ``tp`` over all four ranks on the nanoGPT-style GPT with 4 heads and a Qwen2 with 8 query
+and 4 key/value heads. Each equal to one plain process (fp32 and SGD:
+``TOL``, as tests/distributed/test_tensor_parallel.py). The inference itself — what it splits, adjusts and leaves whole, and
+what it refuses — is checked in this process, without a process group (the probe runs on one process).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.tp_auto_workers import MODELS, NanoGPT, nano, run_auto, train
+from helpers.tp_workers import STEPS
+from helpers.zoo import HIDDEN, ZOO
+from helpers.zoo_workers import TOL
+from torch import nn
+
+import paratrain
+from paratrain.distributed.tensor_parallel.infer import choose_plan
+from paratrain.distributed.tensor_parallel.styles import FusedColwise, Rowwise
+from paratrain.testing import max_abs_diff, spawn
+
+CASES = [("nano", "auto"), ("nano_input_heads", "auto"), ("gpt2", "auto"), ("llama", "auto"), ("bert", None),
+         ("qwen", "auto"), ("lora_gpt2", "auto")]
+ZERO3_TP = [("nano", "auto"), ("gpt2", "auto"), ("mistral", "auto"), ("qwen", "auto"), ("bert", None),
+            ("lora_gpt2", "auto"), ("lora_qwen", "auto")]
+TP4 = [("nano4", "auto", ("tp", {})), ("qwen8", "auto", ("tp", {}))]  # tp=4: 4 heads; 8 query, 4 key/value heads
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn(run_auto, 2, (CASES,), timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    """zero3 x tp: two replicas (dp=2), each split over tp=2; then ``tp`` over all four ranks."""
+    return spawn(run_auto, 4, (ZERO3_TP + TP4, "zero3", {"tp": 2}), timeout_s=480)
+
+
+def one_process(name: str) -> dict:
+    spec = MODELS[name]
+    model = spec.build()
+    opt = spec.optimizer(model)
+    train(spec, model, opt)
+    return model.state_dict()
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_auto_plan_trains_like_one_process(world2, name):
+    result = world2[0][name]
+    assert "error" not in result, result["error"]
+    assert max_abs_diff(result["state"], one_process(name)) <= TOL
+    printed = result["printed"]
+    assert printed.startswith(f"paratrain: tp_plan='auto' for {type(MODELS[name].build()).__name__} over tp=2"), printed
+    assert "rowwise" in printed and world2[1][name]["printed"] == "", "printed once, on rank 0"
+    assert result["norms"] == {"local": True, "dtensors": True}, "norms run on local weights, held as DTensors"
+    # once the first step has made its state, the optimizer updates the replicated parameters on local tensors
+    assert result["optimizer"] == {"local_steps": [False] + [True] * (STEPS - 1), "dtensors": True}
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("name", [c[0] for c in ZERO3_TP])
+def test_auto_plan_under_zero3_x_tp_trains_like_one_process(world4, name):
+    result = world4[0][name]
+    assert "error" not in result, result["error"]
+    assert max_abs_diff(result["state"], one_process(name)) <= TOL
+    assert "rowwise" in result["printed"] and all(r[name]["printed"] == "" for r in world4[1:])
+    assert result["norms"] == {"local": True, "dtensors": True}, "inside FSDP's units too"
+    assert result["optimizer"] == {"local_steps": [False] * STEPS, "dtensors": True}, "FSDP shards them over dp"
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("name", [c[0] for c in TP4])
+def test_auto_plan_over_four_tp_ranks_trains_like_one_process(world4, name):
+    result = world4[0][f"{name}/tp"]
+    assert "error" not in result, result["error"]
+    assert max_abs_diff(result["state"], one_process(name)) <= TOL
+    assert "over tp=4" in result["printed"] and "attention" in result["printed"], result["printed"]
+    assert result["optimizer"] == {"local_steps": [False] + [True] * (STEPS - 1), "dtensors": True}
+
+
+def test_nanogpt_style_is_split_whole_and_tied():
+    plan = choose_plan(nano(), "auto", 2)
+    styles = dict(plan.styles)
+    assert isinstance(styles["transformer.h.*.attn.c_attn"], FusedColwise)
+    assert isinstance(styles["transformer.h.*.mlp.c_proj"], Rowwise)
+    assert {"transformer.wte", "lm_head", "transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_fc"} <= set(styles)
+    assert not plan.sequence_parallel
+    summary = "\n".join(plan.summary)
+    assert "tied to transformer.wte" in summary and "transformer.h.*.attn.n_head" in summary, summary
+    assert summary.endswith("replicated: everything else")
+    model = nano()
+    plan.adjust(model, 2)
+    assert model.transformer.h[1].attn.n_head == 1 and model.transformer.h[1].attn.n_embd == HIDDEN // 2
+
+
+def test_attention_whose_split_changes_its_output_stays_replicated():
+    """nanoGPT's own reshape takes the head size from the input's width; an attention module whose head count
+    paratrain cannot name runs split but computes other heads: both are caught by the probe and left whole."""
+    summary = "\n".join(choose_plan(nano(heads_from_input=True), "auto", 2).summary)
+    assert "c_attn ->" not in summary and "mlp.c_fc -> colwise" in summary
+    assert "replicated: transformer.h.* attention (attn.c_attn, attn.c_proj: split, its forward fails" in summary
+
+    model = nano()
+    for block in model.transformer.h:
+        block.attn.__class__, block.attn.heads = UnnamedHeads, block.attn.n_head
+        del block.attn.n_head
+    summary = "\n".join(choose_plan(model, "auto", 2).summary)
+    assert "c_attn ->" not in summary and "its output differs from one process's" in summary, summary
+
+
+class UnnamedHeads(nn.Module):
+    """Attention keeping its head count under a name paratrain does not know; split, each rank would cut its
+    heads' features into ``heads`` smaller heads and attend over those."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.size()
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.c_attn(x).split(self.n_embd, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def test_heads_that_do_not_divide_are_one_line():
+    torch.manual_seed(0)
+    with pytest.raises(paratrain.ConfigError, match=r"attn has n_head=3 heads, which do not split over tp=2") as err:
+        choose_plan(NanoGPT(n_head=3, n_embd=48), "auto", 2)
+    assert "\n" not in str(err.value)
+
+
+def test_nothing_to_split_is_one_line_and_auto_needs_a_degree():
+    with pytest.raises(paratrain.ConfigError, match="tp_plan='auto' found nothing in Sequential it can split") as err:
+        choose_plan(ZOO["frozen"].build(), "auto", 2)
+    assert "\n" not in str(err.value)
+    with pytest.raises(paratrain.ConfigError, match="infers a plan for a tp degree; give tp=N"):
+        choose_plan(nano(), "auto", None)
+    with pytest.raises(paratrain.ConfigError, match="tp_plan must be 'auto' or a dict"):
+        paratrain.Parallel("tp", tp_plan="magic")
+
+
+def test_built_in_plans_still_win_unless_auto_is_asked():
+    assert choose_plan(ZOO["gpt2"].build(), None, 2).name == "GPT-2"
+    assert choose_plan(ZOO["gpt2"].build(), "auto", 2).name == "tp_plan='auto' for GPT2LMHeadModel"
+    assert choose_plan(ZOO["nanogpt"].build(), None, 2).name == "paratrain GPT"
+
+
+def test_lora_adapters_are_split_with_their_base_layer():
+    """A column-split base: its ``lora_B`` column-split alike (by the same blocks when fused), ``lora_A`` whole; a
+    row-split base: its ``lora_A`` row-split, ``lora_B`` whole (tensor_parallel/adapters.py)."""
+    styles = dict(choose_plan(MODELS["lora_gpt2"].build(), "auto", 2).styles)
+    block = "base_model.model.transformer.h.*"
+    assert isinstance(styles[f"{block}.attn.c_attn.base_layer"], FusedColwise)
+    assert styles[f"{block}.attn.c_attn.lora_B.default"].parts == 3
+    for row in ("attn.c_proj", "mlp.c_proj"):
+        assert isinstance(styles[f"{block}.{row}.base_layer"], Rowwise)
+        assert isinstance(styles[f"{block}.{row}.lora_A.default"], Rowwise)
+    assert not any(k.endswith(("c_attn.lora_A.default", "c_proj.lora_B.default")) for k in styles), styles
+
+
+def test_a_lora_variant_stays_whole_and_says_so():
+    """DoRA normalises by the whole base weight, so its layer is not split; the MLP beside it still is (found by
+    definition order when no attention is recognised to give the hidden width)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(ZOO["gpt2"].build(), LoraConfig(r=4, target_modules=["c_attn"], use_dora=True,
+                                                               fan_in_fan_out=True))
+    summary = "\n".join(choose_plan(model, "auto", 2).summary)
+    assert "replicated: base_model.model.transformer.h.*.attn.c_attn (a LoRA variant such as DoRA" in summary, summary
+    assert "mlp.c_fc -> colwise (MLP)" in summary and "mlp.c_proj -> rowwise (MLP)" in summary, summary

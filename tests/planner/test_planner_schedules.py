@@ -1,0 +1,187 @@
+"""Cluster-scale options of the planner against their sources: Korthikanti et al. 2022's activation formulas
+(selective and full recomputation, sequence parallelism), the interleaved 1F1B schedule's bubble and memory
+(Narayanan et al. 2021), causal attention and selective recomputation in the step time."""
+import pytest
+
+from paratrain.errors import ConfigError
+from paratrain.planner import (
+    TRANSFORMERS,
+    Layout,
+    Training,
+    batching,
+    make_cluster,
+    memory_per_rank,
+    step_time,
+    transformer_stats,
+)
+from paratrain.planner.memory import activation_figures
+from paratrain.planner.recompute import (
+    layer_activation_bytes,
+    pipeline_first_stage_bytes,
+)
+from paratrain.planner.timing import bubble_fraction, executed_flops_per_sample
+
+GPT3 = dict(seq_len=2048, micro_batch=1, hidden=12288, heads=96)  # Korthikanti et al. table 3, the 175B row
+STATS = transformer_stats(TRANSFORMERS["gpt2-medium"], name="gpt2-medium")
+
+
+def test_korthikanti_table_2_per_layer_activations():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    assert layer_activation_bytes(**GPT3) == sbh * (34 + 5 * a * s / h)
+    assert layer_activation_bytes(**GPT3, tp=t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert layer_activation_bytes(**GPT3, tp=t, sequence_parallel=True) == sbh / t * (34 + 5 * a * s / h)
+    assert layer_activation_bytes(**GPT3, tp=t, recompute="selective") == sbh * (10 + 24 / t)
+    assert layer_activation_bytes(**GPT3, tp=t, sequence_parallel=True, recompute="selective") == 34 * sbh / t
+    assert layer_activation_bytes(**GPT3, recompute="full") == 2 * sbh
+    with pytest.raises(ConfigError, match="unknown recompute"):
+        layer_activation_bytes(**GPT3, recompute="some")
+
+
+def test_korthikanti_sequence_parallel_and_selective_recompute_cut_gpt3s_activations_5x():
+    """Section 6.1: together they cut the activation memory about 5x against tensor parallelism alone."""
+    plain = layer_activation_bytes(**GPT3, tp=8)
+    both = layer_activation_bytes(**GPT3, tp=8, sequence_parallel=True, recompute="selective")
+    assert 4.5 < plain / both < 6
+
+
+def test_interleaving_keeps_l_layers_times_one_plus_p_minus_one_over_pv_on_the_first_stage():
+    one = pipeline_first_stage_bytes(layers=96, pp=8, **GPT3)
+    assert one == pytest.approx(96 * layer_activation_bytes(**GPT3))  # 1F1B: L layers' worth, whatever p
+    two = pipeline_first_stage_bytes(layers=96, pp=8, virtual_stages=2, **GPT3)
+    assert two == pytest.approx(one * (1 + 7 / 16))
+
+
+def test_the_planner_holds_the_same_in_flight_micro_batches_for_interleaved_1f1b():
+    p, m, v = 4, 16, 2
+    layout = Layout.of(name="pipeline", pp=p)
+    per_micro = STATS.activation_bytes_per_sample / p
+    training = Training(micro_batch=1, global_batch=m, schedule="interleaved-1f1b", virtual_stages=v,
+                        precision="fp32")
+    batch = batching(training, dp=1, pp=p, world_size=p)
+    mem = memory_per_rank(STATS, layout, batch, training, make_cluster("h100", gpus=p))
+    assert mem.activations == pytest.approx((p + (p - 1) / v) * per_micro)
+
+
+def test_interleaving_divides_the_bubble_by_v_and_multiplies_the_sends():
+    assert bubble_fraction(8, 64) == pytest.approx(7 / 71)
+    assert bubble_fraction(8, 64, 4) == pytest.approx((7 / 4) / (64 + 7 / 4))  # Narayanan et al. 2021, 2.2.2
+    p, m = 4, 16
+    cluster = make_cluster("h100", gpus=p, mfu=0.4)
+    layout = Layout.of(name="pipeline", pp=p)
+    plain = Training(micro_batch=1, global_batch=m)
+    looped = Training(micro_batch=1, global_batch=m, schedule="interleaved-1f1b", virtual_stages=2)
+    a, b = (step_time(STATS, layout, batching(t, dp=1, pp=p, world_size=p), t, cluster) for t in (plain, looped))
+    assert b.bubble_s == pytest.approx(a.bubble_s / 2) and b.compute_s == pytest.approx(a.compute_s)
+    assert b.comm_s > a.comm_s
+
+
+def test_bad_schedule_options_are_one_line():
+    with pytest.raises(ConfigError, match="needs --schedule interleaved-1f1b"):
+        Training(virtual_stages=2)
+    with pytest.raises(ConfigError, match="must be >= 2"):
+        Training(schedule="interleaved-1f1b", virtual_stages=1)
+    with pytest.raises(ConfigError, match="unknown recompute"):
+        Training(recompute="half")
+    assert Training(recompute="full").checkpointing and Training(checkpointing=True).recompute_mode == "full"
+    assert Training(schedule="interleaved-1f1b").stages_per_rank == 2  # the runtime's default stages_per_rank
+
+
+def test_causal_attention_runs_half_its_matrices_and_selective_recompute_repeats_their_forward():
+    attn = STATS.attention_flops_per_sample
+    cfg = TRANSFORMERS["gpt2-medium"]
+    assert attn == 12 * cfg.layers * cfg.hidden * cfg.seq_len**2  # PaLM's count, forward and backward
+    plain = executed_flops_per_sample(STATS, Training())
+    assert plain == STATS.flops_per_sample - attn / 2
+    assert executed_flops_per_sample(STATS, Training(recompute="selective")) == pytest.approx(plain + attn / 6)
+    assert executed_flops_per_sample(STATS, Training(recompute="full")) == pytest.approx(plain * 4 / 3)
+
+
+def test_without_sequence_parallelism_every_tp_rank_keeps_the_residuals_whole():
+    cfg = TRANSFORMERS["gpt2-medium"]
+    sh = cfg.seq_len * cfg.hidden
+    tp = Layout.of(name="tp", tp=4)
+    on, off = (activation_figures(STATS, Training(sequence_parallel=sp), tp) for sp in (True, False))
+    r, c = 4, 2  # autocast: fp32 residual stream, 16-bit matrix products
+    whole = 2 * (r + c) * sh - 2 * c * sh  # each block's input and post-attention residual, besides what SP keeps
+    assert off[0] - on[0] == pytest.approx(cfg.layers * whole * (1 - 1 / 4))
+    assert off[2] == pytest.approx(4 * on[2])  # the stage boundary is whole, not sequence-sharded
+
+
+def test_plan_takes_the_schedule_recompute_and_sequence_parallel_flags(capsys):
+    from paratrain.cli.main import main
+
+    argv = ["plan", "--model", "gpt3-175b", "--gpu", "a100", "--gpus", "8", "--nodes", "8", "--inter-node",
+            "ib-hdr-x8", "--layout", "pp=8,tp=8", "--batch", "1", "--global-batch", "64", "--recompute", "selective",
+            "--schedule", "interleaved-1f1b", "--virtual-stages", "4", "--no-sequence-parallel"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "selective recomputation" in out and "interleaved-1f1b (4 stages per rank)" in out
+    assert "without sequence parallelism" in out and "bubble 3%" in out  # 7/4 over 64 + 7/4
+    assert main([*argv[:-5], "--virtual-stages", "2"]) == 2
+    assert "needs --schedule interleaved-1f1b" in capsys.readouterr().err
+    assert main([*argv, "--checkpointing"]) == 2
+    assert "give one of --checkpointing or --recompute selective" in capsys.readouterr().err
+
+
+def test_per_op_selective_ac_keeps_half_the_matmul_outputs_and_recomputes_half_their_forward():
+    """torchtitan's "op" policy: each block's input, every other matrix product's output and the attention kernel's
+    output and log-sum-exp are kept (16-bit under FSDP's param_dtype); outside the blocks nothing changes."""
+    from paratrain.planner.transformer import transformer_activations
+
+    cfg = TRANSFORMERS["llama3-8b"]
+    stats = transformer_stats(cfg, name="llama3-8b")
+    s, h, f = cfg.seq_len, cfg.hidden, cfg.ffn_width
+    per_block, outside = transformer_activations(cfg, residual=2, act=2)
+    kept = 2 * s * h + 2 * s * (cfg.qkv_width + h + 2 * f + h) / 2 + 2 * s * h + 4 * cfg.heads * s
+    layout = Layout.of(name="zero3", dp=8, zero=3, shard=8)
+    assert activation_figures(stats, Training(recompute="op"), layout)[0] == pytest.approx(
+        cfg.layers * kept + outside)
+    assert kept < per_block / 2
+    executed = executed_flops_per_sample(stats, Training(recompute="op"))
+    plain = executed_flops_per_sample(stats, Training())
+    assert executed - plain == pytest.approx((stats.flops_per_sample - stats.attention_flops_per_sample) / 6)
+
+
+def test_interleaving_needs_p_times_v_units_to_cut():
+    from paratrain.planner import recommend
+    from paratrain.planner.layout import exact_layout
+
+    cluster = make_cluster("h100", gpus=8)
+    deep = Training(micro_batch=1, global_batch=64, schedule="interleaved-1f1b", virtual_stages=4)
+    with pytest.raises(ConfigError, match="cuts the model into 32 stages but it has only 26 units"):
+        recommend(STATS, cluster, deep, exact=exact_layout(pp=8))  # gpt2-medium: 24 blocks, embedding, head
+    plan = recommend(STATS, cluster, deep)
+    assert all(e.layout.pp * 4 <= 26 for e in plan.estimates)
+
+
+def test_fsdp_under_a_pipeline_keeps_its_stage_gathered_and_syncs_once():
+    """torch's PipelineStage defers FSDP's reshard and gradient sync to the last micro-batch: the stage's bf16
+    parameters stay gathered, its gradients accumulate unsharded in fp32, and more micro-batches add only sends."""
+    from paratrain.planner.collectives import p2p_s
+    from paratrain.planner.layout import block_stage_params
+
+    p = 4
+    layout = Layout.of(name="hybrid", dp=2, zero=3, shard=2, pp=p)
+    cluster = make_cluster("h100", gpus=8)
+    boundary = STATS.mixed["param_dtype"][2]  # one sample's block output, 16-bit
+    times = []
+    for m in (8, 16):
+        training = Training(micro_batch=1, global_batch=2 * m)
+        batch = batching(training, dp=2, pp=p, world_size=8)
+        mem = memory_per_rank(STATS, layout, batch, training, cluster)
+        fullest = block_stage_params(STATS.units, p, STATS.pipeline_copy)  # the stage the runtime cuts, its ends' layers
+        assert mem.buffers == pytest.approx(fullest * (2 + 4) + 2 * boundary)
+        times.append(step_time(STATS, layout, batch, training, cluster).comm_s)
+    assert times[1] - times[0] == pytest.approx(8 * 2 * p2p_s(boundary, cluster.intra))
+
+
+def test_a_step_time_calibration_reproduces_itself_for_a_causal_transformer():
+    """The calibration inverts what the time model prices (the executed FLOPs: half the attention matrices), so a
+    single-GPU plan calibrated from a step predicts that step."""
+    from paratrain.planner import PlanConfig, make_plan
+
+    plan = make_plan(STATS, PlanConfig(gpu="h100", step_time=0.25, training=Training(micro_batch=4)))
+    single = next(e for e in plan.estimates if e.name == "single")
+    assert single.time.step_s == pytest.approx(0.25)
+    assert plan.cluster.device.activation_passes == 0  # the measured step holds the elementwise work
