@@ -65,7 +65,9 @@ class Monitor:
         self.replicas, self.peak_flops = replicas, peak_flops
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.device, self.peer, self.emit, self.accumulate = device, peer, emit, accumulate
-        self.recorder = Recorder(device, track_arrival=world_size > 1)
+        # every rank counts its batches when the job is tracked: rank 0 reports their mean over the ranks
+        self.recorder = Recorder(device, track_arrival=world_size > 1,
+                                 counting=trackers is not None and trackers.config is not None)
         self.warnings: list[Finding] = []
         """Warnings raised so far (the same list on every rank)."""
         self.last_window: list[RankStats] = []

@@ -83,7 +83,8 @@ class _TimedIterator:
             batch = next(self._it)
         finally:  # the pass's last call, which raises StopIteration, counts too (workers shutting down)
             self._rec.data_s += perf_counter() - t0
-        self._rec.count(batch)
+        if self._rec.counting:
+            self._rec.count(batch)
         return batch
 
     def __len__(self) -> int:
@@ -139,10 +140,10 @@ def batch_size_of(batch: Any) -> tuple[int, int]:
                 return 0, 0
             tokens = batch.numel() if batch.dim() == 2 and batch.dtype in TOKEN_DTYPES else 0
             return batch.shape[0], tokens
-        if isinstance(batch, Mapping):
-            batch = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()), None)
-        elif isinstance(batch, (tuple, list)) and batch:
+        if isinstance(batch, (tuple, list)) and batch:
             batch = batch[0]
+        elif isinstance(batch, Mapping):
+            batch = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()), None)
         else:
             break
     return 0, 0
@@ -166,8 +167,10 @@ def peak_host_rss() -> float:
 class Recorder:
     """Collects one rank's figures; ``window()`` summarises the steps since the last call by medians."""
 
-    def __init__(self, device: torch.device, *, track_arrival: bool = True) -> None:
+    def __init__(self, device: torch.device, *, track_arrival: bool = True, counting: bool = False) -> None:
         self.device = device
+        self.counting = counting
+        """Count each batch's samples and tokens (for the trackers' throughput; off, the figures stay 0)."""
         self.cuda = device.type == "cuda"
         self.track_arrival = track_arrival
         self.sync_point = "grads" if track_arrival else "none"

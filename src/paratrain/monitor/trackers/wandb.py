@@ -18,7 +18,7 @@ class WandbConfig:
     """``log_with=WandbConfig(...)`` (or ``"wandb"``): needs ``pip install 'paratrain[wandb]'``."""
 
     name = "wandb"
-    fix = "run `wandb login`, or log offline: WandbConfig(mode='offline') or WANDB_MODE=offline"
+    fix = "run 'wandb login', or log offline: WandbConfig(mode='offline') or WANDB_MODE=offline"
     mode: str | None = None
     """``"online"``, ``"offline"`` or ``"disabled"`` (None: W&B's own choice: ``WANDB_MODE``, else online)."""
     entity: str | None = None
