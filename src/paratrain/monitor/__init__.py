@@ -29,8 +29,8 @@ def monitor_for(config: MonitorConfig | None, par: Any) -> Monitor | None:
         return None
     mesh = par.mesh
     peer = mesh.get_local_rank("pp") if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 0
-    peak = config.peak_tflops * 1e12 if config.peak_tflops is not None else catalogue_peak_flops(par.device,
-                                                                                                 par.precision.name)
+    peak = (config.peak_tflops * 1e12 if config.peak_tflops is not None
+            else catalogue_peak_flops(par.device, par.precision.name))
     return Monitor(config, rank=par.rank, world_size=par.world_size, local_world_size=par.env.local_world_size,
                    device=par.device, peer=peer, emit=par.logger.warning, accumulate=par.accumulate,
                    group=par.strategy.training_group(par.env), trackers=par.trackers,

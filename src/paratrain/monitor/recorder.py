@@ -12,7 +12,7 @@ current stream (a GPU that computes slowly shows up); the rest with the host clo
 
 The hot path is a few clock reads per step: one hook on the model (the parameter whose gradient is produced
 last, learned on the first step, or a forward pre-hook) and a wrapper around the prepared loaders' iterator, which
-also counts the samples and tokens of each batch (for throughput and MFU).
+in a tracked job also counts each batch's samples and tokens (for throughput and MFU).
 """
 from __future__ import annotations
 
