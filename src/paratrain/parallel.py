@@ -33,7 +33,7 @@ from .env import ClusterEnv
 from .loop import GlobalBatch, Loop, StepInfo
 from .model.facts import ModelFacts
 from .model.materialize import Materializer, check_materialized
-from .monitor import MonitorConfig, monitor_config, monitor_for
+from .monitor import LogWith, MonitorConfig, TrackerConfig, monitor_config, monitor_for, tracker_config, trackers_for
 from .options import BlockTransforms
 from .precision import Precision, create_precision
 from .prepared import Prepared, prepare_each
@@ -63,6 +63,7 @@ class Parallel:
             ``CheckpointConfig(dir=, every=, keep=, resume=)`` (docs/checkpoints.md).
         env: where this process sits; read from the environment when omitted.
         monitor: ``par.monitor`` (step time, data wait, stragglers, memory); ``False`` or a ``MonitorConfig``.
+        log_with: trackers for ``par.log`` and the monitor's figures (rank 0): names, configs, ``TrackerConfig``.
         activation_checkpointing, compile: per block (:mod:`paratrain.model.transforms`).
         init_fn: initializes a model built on the meta device (:mod:`paratrain.model.materialize`).
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
@@ -70,14 +71,14 @@ class Parallel:
 
     def __init__(self, strategy: str | Strategy = "auto", *, precision: str = "fp32", accumulate: int = 1,
                  clip_grad_norm: float | None = None, accelerator: str = "auto", timeout_s: float = 300.0,
-                 seed: int | None = None, deterministic: bool = False,
+                 seed: int | None = None, deterministic: bool = False, log_with: TrackerConfig | LogWith | None = None,
                  checkpoint: CheckpointConfig | str | os.PathLike | None = None,
                  env: ClusterEnv | None = None, monitor: bool | MonitorConfig = True,
                  activation_checkpointing: bool | int = False, compile: bool | dict[str, Any] = False,
                  wait_report_s: float | None = None, init_fn: Callable[[nn.Module], None] | str | None = None,
                  global_batch: int | None = None, micro_batch: int | None = None, **strategy_options: Any) -> None:
         self._loop, self.init_fn = Loop(accumulate, clip_grad_norm, GlobalBatch.of(global_batch, micro_batch)), init_fn
-        watching = monitor_config(monitor)
+        watching, tracking = monitor_config(monitor), tracker_config(log_with)
         self.transforms = BlockTransforms.of(activation_checkpointing, compile)
         """Activation checkpointing and compilation of the model's blocks in ``prepare``."""
         if deterministic:
@@ -99,6 +100,7 @@ class Parallel:
         self._size_batch()
         self._replicas = Replicas(self._session, self.world_size, lambda: self._chosen.data_parallel(self._runtime()))
         self.logger = rank_logger(self.env)
+        self.trackers = trackers_for(tracking, self)  # open on rank 0 when log_with names trackers
         self.monitor = monitor_for(watching, self)
         if seed is not None:
             self.seed_everything(seed)
@@ -106,6 +108,7 @@ class Parallel:
     rank = property(lambda self: self.env.rank, doc="This process's global rank.")
     local_rank = property(lambda self: self.env.local_rank, doc="Its rank on this node.")
     world_size = property(lambda self: self.env.world_size, doc="Processes in the job.")
+    is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0.")
 
     @property
     def strategy(self) -> Strategy:
@@ -146,11 +149,6 @@ class Parallel:
     def data_parallel_size(self) -> int:
         """How many replicas read different data: the world size, divided by the pipeline depth if any."""
         return self._chosen.data_parallel(self._runtime())[1]
-
-    @property
-    def is_main(self) -> bool:
-        """True on global rank 0."""
-        return self.env.rank == 0
 
     def seed_everything(self, seed: int) -> None:
         """Seed every RNG alike on all ranks, so models built next start equal; once ``prepare`` has wrapped a
@@ -243,7 +241,7 @@ class Parallel:
         if info.sync:
             self._checkpoints.stepped(self.optimizer_steps)
             if self.monitor is not None:
-                self.monitor.stepped()
+                self.monitor.stepped(self.optimizer_steps)
 
     def forward_backward(self, model: nn.Module, x: Any, target: Any = None,
                          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
@@ -320,6 +318,10 @@ class Parallel:
                                       rank=self.rank, world_size=self.world_size, barrier=self.barrier,
                                       gather=gather_object)
 
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Numbers to the trackers at ``step`` (default: optimizer steps taken); rank 0 writes (docs/trackers.md)."""
+        self.trackers.log(metrics, self.optimizer_steps if step is None else step)
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
         if self.is_main:
@@ -327,10 +329,11 @@ class Parallel:
 
     @collective("par.close")
     def close(self) -> None:
-        """Flush a due checkpoint, print the monitor's table, then end the process group if this object started it."""
+        """Flush a due checkpoint, print the monitor's table, end the trackers' runs, then the process group if ours."""
         self._flush_checkpoint()
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
+        self.trackers.close()
         self._session.close(meet=self.strategy.close())
 
     def __enter__(self) -> "Parallel":
@@ -339,7 +342,8 @@ class Parallel:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             self.close()
-        # on an error the peers may be gone or stuck mid-collective: the process ends and the launcher stops them
+        else:  # the peers may be gone or stuck mid-collective (the launcher stops them); this rank's runs end failed
+            self.trackers.close(ok=False)
 
     def __repr__(self) -> str:
         return (f"Parallel(strategy={self.strategy.describe()}, rank={self.rank}/{self.world_size}, "

@@ -31,7 +31,13 @@ class MonitorConfig:
     csv: str | Path | None = None
     """Append one row per rank and window to this CSV file (rank 0 writes it)."""
     tensorboard_dir: str | Path | None = None
-    """Write the same figures as TensorBoard scalars here (needs the ``tensorboard`` package)."""
+    """Write the same figures as TensorBoard scalars here (needs ``pip install 'paratrain[tensorboard]'``)."""
+    flops_per_sample: float | None = None
+    """Forward + backward FLOPs of one training sample (a transformer's ``6·N·T + 12·L·h·T²`` for T tokens), so
+    the trackers get the FLOP/s achieved and, where the device's peak is known, MFU."""
+    peak_tflops: float | None = None
+    """One device's peak TFLOP/s for MFU (None: the planner's figure for a known GPU at the job's precision; CPUs
+    have none)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
@@ -44,9 +50,13 @@ class MonitorConfig:
                 raise ConfigError(f"MonitorConfig.{name} is a fraction (0.2 = 20%), got {value!r}")
         if self.memory_min_gib < 0:
             raise ConfigError(f"MonitorConfig.memory_min_gib must be >= 0, got {self.memory_min_gib}")
+        for name in ("flops_per_sample", "peak_tflops"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"MonitorConfig.{name} must be a number > 0 (or None), got {value!r}")
         if self.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("MonitorConfig.tensorboard_dir needs the tensorboard package: pip install tensorboard "
-                              "(or log with csv=... instead)")
+            raise ConfigError("MonitorConfig.tensorboard_dir needs the tensorboard package: pip install "
+                              "'paratrain[tensorboard]' (or log with csv=... instead)")
 
 
 def monitor_config(monitor: bool | MonitorConfig | None) -> MonitorConfig | None:

@@ -1,5 +1,5 @@
 """``Monitor``: the per-rank recorder, one small all-gather every ``every`` optimizer steps, the rules on the
-gathered figures, warnings on rank 0, and the end-of-run table.
+gathered figures, warnings and the window's figures to the logs and trackers on rank 0, and the end-of-run table.
 
 Every rank reaches the gather at the same optimizer-step count (the counter advances in ``Parallel.step`` on
 all ranks alike), so it cannot deadlock a job that trains; it waits no longer than the process group's timeout.
@@ -17,8 +17,10 @@ from torch.utils.data import DataLoader
 from ..env import cpu_count
 from .config import MonitorConfig
 from .recorder import SYNC_POINTS, Recorder
-from .report import CsvLog, RunSummary, TensorBoardLog
+from .figures import job_figures, rank_figures
+from .report import CsvLog, RunSummary
 from .rules import Finding, Persistence, RankStats, find_all
+from .trackers import TensorBoardTracker, Trackers
 
 
 class _Block:
@@ -48,28 +50,34 @@ class Monitor:
         emit: writes a warning line (rank 0 only calls it).
         accumulate: micro-batches per optimizer step, for the table's header.
         group: the ranks that compare notes (None: every rank; a parameter server's workers).
+        trackers: where rank 0 sends the job's figures of each window, beside the script's ``par.log``.
+        replicas: how many of the ranks read different data (asked at each window: ``auto`` decides it late).
+        peak_flops: one device's peak FLOP/s, for MFU (None: unknown).
     """
 
     def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, local_world_size: int,
                  device: torch.device, peer: int = 0, emit: Callable[[str], None] = print,
-                 accumulate: int = 1, group: dist.ProcessGroup | None = None) -> None:
+                 accumulate: int = 1, group: dist.ProcessGroup | None = None, trackers: Trackers | None = None,
+                 replicas: Callable[[], int] = lambda: 1, peak_flops: float | None = None) -> None:
         self.config = config
         self.group = group
+        self.trackers = trackers if trackers is not None and trackers.active else None
+        self.replicas, self.peak_flops = replicas, peak_flops
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.device, self.peer, self.emit, self.accumulate = device, peer, emit, accumulate
-        self.recorder = Recorder(device, track_arrival=world_size > 1)
+        # every rank counts its batches when the job is tracked: rank 0 reports their mean over the ranks
+        self.recorder = Recorder(device, track_arrival=world_size > 1,
+                                 counting=trackers is not None and trackers.config is not None)
         self.warnings: list[Finding] = []
         """Warnings raised so far (the same list on every rank)."""
         self.last_window: list[RankStats] = []
         """Every rank's figures over the last window."""
         self._persistence = Persistence(config.persist)
         self._block = _Block(self.recorder)
-        self._logs: list[CsvLog | TensorBoardLog] = []
-        if rank == 0:
-            if config.csv is not None:
-                self._logs.append(CsvLog(config.csv))
-            if config.tensorboard_dir is not None:
-                self._logs.append(TensorBoardLog(config.tensorboard_dir))
+        on_rank0 = rank == 0
+        self._csv = CsvLog(config.csv) if on_rank0 and config.csv is not None else None
+        self._tensorboard = (TensorBoardTracker(config.tensorboard_dir)
+                             if on_rank0 and config.tensorboard_dir is not None else None)
         self._closed = False
 
     # ----------------------------------------------------------------- hooks called by Parallel
@@ -83,14 +91,16 @@ class Monitor:
         self._block.sync = sync
         return self._block
 
-    def stepped(self) -> None:
-        """The optimizer stepped: every ``every`` steps, gather the window and apply the rules."""
+    def stepped(self, step: int | None = None) -> None:
+        """The optimizer stepped: every ``every`` steps, gather the window and apply the rules. ``step``: the job's
+        optimizer step count, the logs' step axis (``Parallel`` passes ``par.optimizer_steps``, which a resume
+        restores); by default the steps this monitor has seen."""
         self.recorder.stepped()
         if self.recorder.steps % self.config.every == 0:
-            self._window()
+            self._window(self.recorder.steps if step is None else step)
 
     # ----------------------------------------------------------------- windows
-    def _window(self) -> None:
+    def _window(self, step: int) -> None:
         stats = self._gather(self.recorder.window(self.rank, self.peer))
         self.last_window = stats
         due = self._persistence.update(find_all(stats, self.config, sync_point=self.sync_point_label,
@@ -99,8 +109,17 @@ class Monitor:
         if self.rank == 0:
             for finding in due:
                 self.emit(f"paratrain monitor: {finding.message}")
-            for log in self._logs:
-                log.write(self.recorder.steps, stats)
+            self._log(step, stats)
+
+    def _log(self, step: int, stats: list[RankStats]) -> None:
+        if self._csv is not None:
+            self._csv.write(step, stats)
+        if self._tensorboard is not None:
+            self._tensorboard.log(rank_figures(stats), step)
+        if self.trackers is not None:
+            figures = job_figures(stats, replicas=self.replicas(), flops_per_sample=self.config.flops_per_sample,
+                                  peak_flops=self.peak_flops)
+            self.trackers.log(figures, step)
 
     def _gather(self, mine: RankStats) -> list[RankStats]:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1):
@@ -148,7 +167,9 @@ class Monitor:
         summary = self.summary() if self.config.summary else None
         if summary is not None and self.rank == 0 and self.recorder.steps > 1:  # a step's time needs the one before
             print_fn(summary.table())
-        for log in self._logs:
-            log.close()
+        if self._csv is not None:
+            self._csv.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close(ok=True)
         self.recorder.close()
         return summary

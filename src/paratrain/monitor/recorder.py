@@ -11,14 +11,15 @@ a step sits depends on the wrapper (:func:`sync_point_of`). On CUDA, busy is mea
 current stream (a GPU that computes slowly shows up); the rest with the host clock.
 
 The hot path is a few clock reads per step: one hook on the model (the parameter whose gradient is produced
-last, learned on the first step, or a forward pre-hook) and a wrapper around the prepared loaders' iterator.
+last, learned on the first step, or a forward pre-hook) and a wrapper around the prepared loaders' iterator, which
+in a tracked job also counts each batch's samples and tokens (for throughput and MFU).
 """
 from __future__ import annotations
 
 import resource
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from time import perf_counter
 from typing import Any
 
@@ -79,9 +80,12 @@ class _TimedIterator:
     def __next__(self) -> Any:
         t0 = perf_counter()
         try:
-            return next(self._it)
+            batch = next(self._it)
         finally:  # the pass's last call, which raises StopIteration, counts too (workers shutting down)
             self._rec.data_s += perf_counter() - t0
+        if self._rec.counting:
+            self._rec.count(batch)
+        return batch
 
     def __len__(self) -> int:
         return len(self._it)  # type: ignore[arg-type]
@@ -123,6 +127,28 @@ def _timed_subclass(base: type[DataLoader]) -> type[DataLoader]:
     return Timed
 
 
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def batch_size_of(batch: Any) -> tuple[int, int]:
+    """(samples, tokens) in one batch, read from its first tensor: the batch itself, a tuple's or list's first item,
+    a mapping's ``input_ids`` (else its first value). Samples: that tensor's first dimension. Tokens: its elements
+    when it is a 2-D int64/int32 tensor (token ids, batch x sequence), else 0: images and features have none."""
+    for _ in range(3):  # (x, y), {"input_ids": x}, ((x, mask), y): deep enough for the batches loaders yield
+        if isinstance(batch, torch.Tensor):
+            if batch.dim() == 0:
+                return 0, 0
+            tokens = batch.numel() if batch.dim() == 2 and batch.dtype in TOKEN_DTYPES else 0
+            return batch.shape[0], tokens
+        if isinstance(batch, (tuple, list)) and batch:
+            batch = batch[0]
+        elif isinstance(batch, Mapping):
+            batch = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()), None)
+        else:
+            break
+    return 0, 0
+
+
 def _restore(cls: type, state: dict[str, Any]) -> Any:
     obj = cls.__new__(cls)
     obj.__dict__.update(state)
@@ -141,19 +167,23 @@ def peak_host_rss() -> float:
 class Recorder:
     """Collects one rank's figures; ``window()`` summarises the steps since the last call by medians."""
 
-    def __init__(self, device: torch.device, *, track_arrival: bool = True) -> None:
+    def __init__(self, device: torch.device, *, track_arrival: bool = True, counting: bool = False) -> None:
         self.device = device
+        self.counting = counting
+        """Count each batch's samples and tokens (for the trackers' throughput; off, the figures stay 0)."""
         self.cuda = device.type == "cuda"
         self.track_arrival = track_arrival
         self.sync_point = "grads" if track_arrival else "none"
         self.data_s = 0.0
+        self.samples = self.tokens = 0
         self.current_loader: DataLoader | None = None
         self.steps = 0
         self._sync = False
         self._depart: tuple[float, Any] | None = None  # (host time, device mark) when the last sync finished
         self._arrive: Any = None
-        self._pending: list[tuple[float, float, Any, Any]] = []  # (step s, data s, depart mark, arrive mark)
-        self._windows: list[tuple[float, float, float]] = []  # per-window medians (step, busy, data) in ms
+        # (step s, data s, samples, tokens, depart mark, arrive mark) of each step since the last window
+        self._pending: list[tuple[float, float, int, int, Any, Any]] = []
+        self._windows: list[tuple[float, ...]] = []  # per-window medians: step, busy, data (ms), samples, tokens
         self._hooked: dict[int, list[Any]] = {}  # id(model) -> hook handles
         self._grad_handles: list[Any] = []
         self._last_grad: int | None = None
@@ -177,6 +207,12 @@ class Recorder:
         return (end - start) * 1e3
 
     # ----------------------------------------------------------------- loaders
+    def count(self, batch: Any) -> None:
+        """A prepared loader yielded ``batch``."""
+        samples, tokens = batch_size_of(batch)
+        self.samples += samples
+        self.tokens += tokens
+
     def wrap_loader(self, loader: DataLoader) -> DataLoader:
         """Time ``loader``'s ``__next__`` in place: same object, same batches, ``len`` and ``sampler``; its class
         becomes a subclass of the original one that wraps the iterator."""
@@ -244,13 +280,14 @@ class Recorder:
         now = perf_counter()
         mark = self._mark() if self.cuda else now
         if self._depart is not None:
-            self._pending.append((now - self._depart[0], self.data_s, self._depart[1],
+            self._pending.append((now - self._depart[0], self.data_s, self.samples, self.tokens, self._depart[1],
                                   self._arrive if self._arrive is not None else mark))
         if self._learning:
             self._learned()
         self._depart = (now, mark)
         self._arrive = None
         self.data_s = 0.0
+        self.samples = self.tokens = 0
 
     def stepped(self) -> None:
         """The optimizer stepped."""
@@ -259,25 +296,28 @@ class Recorder:
     # ----------------------------------------------------------------- summaries
     def window(self, rank: int, peer: int) -> RankStats:
         """Medians over the steps since the last window, and the memory high-water marks so far."""
-        step_ms = [p[0] * 1e3 for p in self._pending]
-        data_ms = [p[1] * 1e3 for p in self._pending]
-        busy_ms = [self._elapsed_ms(p[2], p[3]) for p in self._pending]
+        steps = len(self._pending)
+        if steps:
+            pending = self._pending
+            columns = ([p[0] * 1e3 for p in pending], [self._elapsed_ms(p[4], p[5]) for p in pending],
+                       [p[1] * 1e3 for p in pending], [p[2] for p in pending], [p[3] for p in pending])
+            self._windows.append(tuple(float(statistics.median(c)) for c in columns))
         self._pending.clear()
-        if step_ms:
-            self._windows.append((statistics.median(step_ms), statistics.median(busy_ms), statistics.median(data_ms)))
-            medians = self._windows[-1]
-        else:
-            medians = (0.0, 0.0, 0.0)
-        return RankStats(rank, peer, len(step_ms), *medians, *self._memory())
+        return self._stats(rank, peer, steps, self._windows[-1] if steps else (0.0,) * 5)
 
     def run(self, rank: int, peer: int) -> RankStats:
         """Medians of the window medians over the whole run (the unfinished window counted as one)."""
         if self._pending:
             self.window(rank, peer)
         if not self._windows:
-            return RankStats(rank, peer, self.steps, 0.0, 0.0, 0.0, *self._memory())
-        step, busy, data = (statistics.median(w[i] for w in self._windows) for i in range(3))
-        return RankStats(rank, peer, self.steps, step, busy, data, *self._memory())
+            return self._stats(rank, peer, self.steps, (0.0,) * 5)
+        return self._stats(rank, peer, self.steps, tuple(statistics.median(w[i] for w in self._windows)
+                                                          for i in range(5)))
+
+    def _stats(self, rank: int, peer: int, steps: int, medians: tuple[float, ...]) -> RankStats:
+        step, busy, data, samples, tokens = medians
+        peak, used = self._memory()
+        return RankStats(rank, peer, steps, step, busy, data, peak, used, samples, tokens)
 
     def _memory(self) -> tuple[float, float]:
         """(peak bytes of this process, bytes in use on its GPU by every process or -1)."""

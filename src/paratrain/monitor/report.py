@@ -1,4 +1,4 @@
-"""What the monitor shows: the end-of-run table, and the per-window CSV and TensorBoard logs."""
+"""What the monitor shows: the end-of-run table and the per-window CSV log."""
 from __future__ import annotations
 
 import csv
@@ -88,21 +88,3 @@ class CsvLog:
     def close(self) -> None:
         self._file.close()
 
-
-class TensorBoardLog:
-    """The same figures as scalars ``monitor/<figure>/rank<r>``, one point per window."""
-
-    def __init__(self, log_dir: str | Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self._writer = SummaryWriter(log_dir=str(log_dir))
-
-    def write(self, step: int, rows: Sequence[RankStats]) -> None:
-        for r in rows:
-            for name, value in (("step_ms", r.step_ms), ("data_share", r.data_share), ("compute_ms", r.compute_ms),
-                                ("sync_ms", r.sync_ms), ("peak_mem_gib", r.peak_mem / GIB)):
-                self._writer.add_scalar(f"monitor/{name}/rank{r.rank}", value, step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()

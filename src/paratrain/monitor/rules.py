@@ -34,6 +34,10 @@ class RankStats:
     """Bytes: peak allocated by this process on CUDA (``max_memory_allocated``), peak RSS on CPU; -1: unknown."""
     device_used: float = -1.0
     """Bytes in use on this rank's GPU by every process (what nvidia-smi shows), peak over samples; -1: no GPU."""
+    samples: float = 0.0
+    """Samples its prepared loaders yielded per step (a batch's first dimension; 0: not a tensor batch)."""
+    tokens: float = 0.0
+    """Tokens its prepared loaders yielded per step (the elements of a 2-D integer batch of token ids; else 0)."""
 
     @property
     def compute_ms(self) -> float:
