@@ -1,8 +1,8 @@
 """A tiny training job, the same under every launcher: ``paratrain run``, Kubeflow's ``PET_*`` variables, Ray Train.
 
 Usage: paratrain run -n 2 cluster_train.py OUT_DIR [--strategy ddp|zero3] [--steps N]
-Each rank writes OUT_DIR/rank{R}.json (rank, world size, local rank, and whether a process group existed before
-``Parallel``: Ray Train makes one); rank 0 also writes OUT_DIR/params.pt. The data and the model are seeded and each
+Each rank writes OUT_DIR/rank{R}.json (rank, world size, local rank, whether a process group existed before
+``Parallel``, as Ray Train makes one, and whether MASTER_ADDR was set); rank 0 also writes OUT_DIR/params.pt. The data and the model are seeded and each
 rank trains on its slice of one global batch, so the parameters depend only on the world size, not on the launcher.
 """
 import argparse
@@ -23,7 +23,8 @@ if __name__ == "__main__":
     a = p.parse_args()
     group_before = dist.is_initialized()
     with paratrain.Parallel(a.strategy, seed=0, timeout_s=60, monitor=False) as par:
-        info = {"rank": par.rank, "world": par.world_size, "local_rank": par.local_rank, "group_before": group_before}
+        info = {"rank": par.rank, "world": par.world_size, "local_rank": par.local_rank, "group_before": group_before,
+                "master_addr_set": "MASTER_ADDR" in os.environ}
         with open(os.path.join(a.out_dir, f"rank{par.rank}.json"), "w") as f:
             json.dump(info, f)
         g = torch.Generator().manual_seed(0)
