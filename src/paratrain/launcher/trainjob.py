@@ -18,7 +18,8 @@ from typing import Any
 from ..errors import ConfigError
 from ..flags import NO_FLAG, at_least, flag
 
-API_VERSION = "trainer.kubeflow.org/v1alpha1"
+API_GROUP = "trainer.kubeflow.org"
+API_VERSION = f"{API_GROUP}/v1alpha1"
 _LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 """RFC 1035 label: what the TrainJob CRD asks of ``metadata.name`` (at most 63 characters)."""
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -149,7 +150,8 @@ def trainjob(spec: TrainJobSpec) -> dict[str, Any]:
         trainer["env"] = spec.env_vars()
     metadata = {"name": spec.job_name, **({"namespace": spec.namespace} if spec.namespace else {})}
     return {"apiVersion": API_VERSION, "kind": "TrainJob", "metadata": metadata,
-            "spec": {"runtimeRef": {"name": spec.runtime}, "trainer": trainer}}
+            "spec": {"runtimeRef": {"apiGroup": API_GROUP, "kind": "ClusterTrainingRuntime", "name": spec.runtime},
+                     "trainer": trainer}}
 
 
 def render_trainjob(spec: TrainJobSpec, *, as_json: bool = False) -> str:
