@@ -97,6 +97,8 @@ def test_the_job_is_named_after_the_script_as_a_dns_label(kw, name):
     ({"run_args": "--nnodes 2"}, "--run-args '--nnodes': the Trainer gives every pod that through PET_*; use "
                                  "`paratrain k8s --nodes`"),
     ({"run_args": "-n4"}, "use `paratrain k8s --nproc-per-node`"),
+    ({"run_args": "--master-port=29400"}, "--run-args '--master-port=29400': the Trainer gives every pod that "
+                                          "through PET_*; leave it out"),
     ({"run_args": "--rdzv-conf 'a"}, "cannot be split into words"),
     ({"target": ""}, "give the training script"),
 ])

@@ -2,8 +2,9 @@
 
 Usage: paratrain run -n 2 cluster_train.py OUT_DIR [--strategy ddp|zero3] [--steps N]
 Each rank writes OUT_DIR/rank{R}.json (rank, world size, local rank, whether a process group existed before
-``Parallel``, as Ray Train makes one, and whether MASTER_ADDR was set); rank 0 also writes OUT_DIR/params.pt. The data and the model are seeded and each
-rank trains on its slice of one global batch, so the parameters depend only on the world size, not on the launcher.
+``Parallel``, as Ray Train makes one, and whether MASTER_ADDR was set); rank 0 also writes OUT_DIR/params.pt. The
+data and the model are seeded and each rank trains on its slice of one global batch, so the parameters depend only
+on the world size, not on the launcher.
 """
 import argparse
 import json

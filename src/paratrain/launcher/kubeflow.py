@@ -27,8 +27,8 @@ def check_pet(environ: Mapping[str, str]) -> None:
         value = environ.get(name)
         if value is not None and (problem := _problem(name, value, environ)):
             raise LaunchError(f"{name}={value!r} {problem}; torchrun and `paratrain run` read PET_* variables "
-                              f"(Kubeflow Trainer sets them in each pod) as their flags, this one as {PET_FLAGS[name]}: "
-                              "correct it or unset it")
+                              "(Kubeflow Trainer sets them in each pod) as their flags, this one as "
+                              f"{PET_FLAGS[name]}: correct it or unset it")
 
 
 def _problem(name: str, value: str, environ: Mapping[str, str]) -> str | None:

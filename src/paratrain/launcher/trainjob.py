@@ -26,11 +26,12 @@ _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _WORD = re.compile(r"^\S+$")
-_TRAINER_SETS = {"--nnodes": "--nodes", "--node-rank": "--nodes", "--node_rank": "--nodes",
-                 "--master-addr": "--nodes", "--master_addr": "--nodes", "--master-port": "--nodes",
-                 "--master_port": "--nodes", "-n": "--nproc-per-node", "--nproc": "--nproc-per-node",
-                 "--nproc-per-node": "--nproc-per-node", "--nproc_per_node": "--nproc-per-node"}
-"""``paratrain run`` flags the Trainer gives every pod through ``PET_*``, and the ``paratrain k8s`` flag that sets each."""
+_TRAINER_SETS = {"--nnodes": "--nodes", "--node-rank": None, "--node_rank": None, "--master-addr": None,
+                 "--master_addr": None, "--master-port": None, "--master_port": None, "-n": "--nproc-per-node",
+                 "--nproc": "--nproc-per-node", "--nproc-per-node": "--nproc-per-node",
+                 "--nproc_per_node": "--nproc-per-node"}
+"""``paratrain run`` flags the Trainer gives every pod through ``PET_*``, and the ``paratrain k8s`` flag that sets
+each (None: the Trainer alone decides)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,9 +128,12 @@ class TrainJobSpec:
             raise ConfigError(f"--run-args {self.run_args!r} cannot be split into words: {err}") from None
         for word in words:
             given = word.partition("=")[0]
-            if given in _TRAINER_SETS or (given.startswith("-n") and not given.startswith("--")):
-                raise ConfigError(f"--run-args {word!r}: the Trainer gives every pod that through PET_*; use "
-                                  f"`paratrain k8s {_TRAINER_SETS.get(given, '--nproc-per-node')}` instead")
+            if given.startswith("-n") and not given.startswith("--"):
+                given = "-n"  # -n4
+            if given in _TRAINER_SETS:
+                ours = _TRAINER_SETS[given]
+                raise ConfigError(f"--run-args {word!r}: the Trainer gives every pod that through PET_*; "
+                                  + (f"use `paratrain k8s {ours}` instead" if ours else "leave it out"))
         return words
 
     def run_command(self) -> list[str]:
