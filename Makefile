@@ -1,11 +1,11 @@
 # `make demo` and `make test` work from a bare clone: they create .venv and install what each needs, the demo
-# its own extra (scikit-learn, for the digits) and the tests every development tool and TensorFlow.
+# its own extra (scikit-learn, for the digits) and the tests every development tool, TensorFlow and Ray Train.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.paratrain-demo
 TEST_STAMP := $(VENV)/.paratrain-test
-TEST_EXTRAS := dev,tf
+TEST_EXTRAS := dev,tf,ray
 
 .PHONY: demo test test-fast bench install clean
 

@@ -26,7 +26,8 @@ def clean_distributed_env():
     saved = dict(os.environ)
     for key in _LAUNCH_VARS:
         os.environ.pop(key, None)
-    for key in [k for k in os.environ if k.startswith("SLURM_")]:  # a suite run inside an allocation
+    # a suite run inside a SLURM allocation or a Kubernetes pod (Kubeflow's PET_* are torchrun's flags)
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "PET_", "KUBERNETES_"))]:
         del os.environ[key]
     yield
     import torch.distributed as dist

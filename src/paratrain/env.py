@@ -1,8 +1,10 @@
 """Who am I: rank, local rank, world size and the master address, read from the environment.
 
 torchrun (and ``paratrain run``, ``paratrain.launch``) export ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. A script started with plain ``python`` has none of
-them and runs as a single process. Reading is a pure function of a mapping, so tests pass a dict.
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. Ray Train sets the same ranks but starts the process
+group itself (with ``init_method="tcp"`` it sets no master address at all): a process that joins a group it did not
+start needs only the ranks. A script started with plain ``python`` has none of them and runs as a single process.
+Reading is a pure function of a mapping, so tests pass a dict.
 """
 from __future__ import annotations
 
@@ -45,12 +47,14 @@ class ClusterEnv:
         return self.rank == 0
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "ClusterEnv":
-        """Read torchrun-style variables; none present means a single local process."""
+    def from_environ(cls, environ: Mapping[str, str] | None = None, *, joined: bool = False) -> "ClusterEnv":
+        """Read torchrun-style variables; none present means a single local process. ``joined``: the process group
+        exists already (Ray Train made it), so no master address is needed to start one."""
         env = os.environ if environ is None else environ
         if "RANK" not in env and "WORLD_SIZE" not in env:
             return cls()
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+        needed = ("RANK", "WORLD_SIZE") if joined else ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        missing = [k for k in needed if k not in env]
         if missing:
             raise ConfigError(
                 f"incomplete launcher environment: {', '.join(missing)} not set; start the script with "
@@ -62,8 +66,8 @@ class ClusterEnv:
             local_rank=_int(env, "LOCAL_RANK", 0),
             world_size=world,
             local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
-            master_addr=env["MASTER_ADDR"],
-            master_port=_int(env, "MASTER_PORT"),
+            master_addr=env.get("MASTER_ADDR", cls.master_addr),
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
             launched=True,
         )
 

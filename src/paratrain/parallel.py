@@ -84,7 +84,8 @@ class Parallel:
         if deterministic:
             use_deterministic_kernels()
         self.checkpoint_config = checkpoint_config(checkpoint, strategy_options)
-        self.env = env if env is not None else ClusterEnv.from_environ()
+        joined = dist.is_available() and dist.is_initialized()  # Ray Train starts the group before the script
+        self.env = env if env is not None else ClusterEnv.from_environ(joined=joined)
         self._chosen = ChosenStrategy(strategy, self.env, strategy_options)
         self.precision: Precision = create_precision(precision)
         self._session = Session(self.env, accelerator, self.precision, timeout_s=timeout_s,

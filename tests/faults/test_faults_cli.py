@@ -52,6 +52,11 @@ ONE_LINE = [
     (["slurm", "--nodes", "0", SCRIPT], "--nodes must be a whole number >= 1"),
     (["slurm", "--nodes", "2", "--gpus-per-node", "-1", SCRIPT], "--gpus-per-node must be a whole number"),
     (["slurm", "--nodes", "2", "--time", "soon", SCRIPT], "is not a SLURM time limit"),
+    # paratrain k8s
+    (["k8s", "--image", "img", "--nodes", "0", SCRIPT], "--nodes must be >= 1, got 0"),
+    (["k8s", "--image", "img", "--name", "My_Job", SCRIPT], "--name 'My_Job' is not a TrainJob name"),
+    (["k8s", "--image", "img", "--env", "PET_NNODES=2", SCRIPT], "Kubeflow Trainer sets the PET_* variables itself"),
+    (["k8s", "--image", "img", "--run-args", "--nnodes 2", SCRIPT], "use `paratrain k8s --nodes` instead"),
     # paratrain demo
     (["demo", "--strategy", "nope"], "unknown strategy 'nope'"),
     (["demo", "--epochs", "0"], "--epochs must be >= 1"),
@@ -79,7 +84,7 @@ def test_bad_input_is_one_line(argv, words, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["doctor", "--nope"], ["nope"], ["plan", "--gpus", "two"], ["export", "only_one"],
-                                  ["bench", "--threads", "x"], ["verify"], ["slurm"]])
+                                  ["bench", "--threads", "x"], ["verify"], ["slurm"], ["k8s", SCRIPT]])
 def test_argparse_errors_are_one_line(argv):
     rc, stderr = in_process(argv)
     check(f"cli: {' '.join(argv)}", rc=rc, stderr=stderr, words=["error:", "--help`"])
@@ -92,6 +97,12 @@ def test_a_taken_master_port_is_one_line():
         port = taken.getsockname()[1]
         rc, stderr = in_process(["run", "-n", "2", "--master-port", str(port), SCRIPT])
     check("cli: run --master-port <taken>", rc=rc, stderr=stderr, words=[f"--master-port {port} is already in use"])
+
+
+def test_a_bad_kubeflow_variable_is_one_line_naming_it(monkeypatch):
+    monkeypatch.setenv("PET_NODE_RANK", "first")
+    rc, stderr = in_process(["run", SCRIPT])
+    check("cli: run with PET_NODE_RANK=first", rc=rc, stderr=stderr, words=["PET_NODE_RANK='first' is not a node rank"])
 
 
 def test_slurm_warns_about_a_script_that_is_not_here(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ Commands:
   paratrain bench [--workload W] [-n 1,2] [--compare torch-ddp]  speedup, efficiency and their causes, measured
   paratrain verify module:factory [--strategy S] [-n N]     does the parallel run equal one process?
   paratrain slurm --nodes 4 --gpus-per-node 8 train.py      write an sbatch script (srun paratrain run …)
+  paratrain k8s --image I --nodes 4 --gpus-per-node 8 train.py   write a Kubeflow Trainer TrainJob manifest
   paratrain export CKPT OUT.pt                              a checkpoint's model as one plain state_dict file
 
 run, demo, bench and verify take --tf: the same command for TensorFlow (Keras tf.distribute; paratrain[tf]).
@@ -23,10 +24,10 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ..errors import JobInterrupted, ParatrainError, RankFailedError
-from . import bench, demo, doctor, dry_run, export, plan, run, slurm, tp_plan, verify
+from . import bench, demo, doctor, dry_run, export, k8s, plan, run, slurm, tp_plan, verify
 
 COMMANDS = {"run": run, "demo": demo, "plan": plan, "tp-plan": tp_plan, "dry-run": dry_run, "doctor": doctor,
-            "bench": bench, "verify": verify, "slurm": slurm, "export": export}
+            "bench": bench, "verify": verify, "slurm": slurm, "k8s": k8s, "export": export}
 
 
 class OneLineParser(argparse.ArgumentParser):

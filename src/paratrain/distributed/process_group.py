@@ -25,9 +25,9 @@ def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float,
     """Start the default group for this job when it needs one; True when this call started it (and so owns it).
 
     ``python train.py`` with a distributed strategy gets a private one-rank group, so the same code path runs (DDP
-    and FSDP at world 1) instead of failing for want of a launcher. A group the script started itself is used and
-    left to the script. ``backend``: the job's (default: the device's); the device is bound to the group (NCCL's
-    eager start) only on a pure NCCL group, where every rank has a GPU. ``alone``: a launched rank that cannot
+    and FSDP at world 1) instead of failing for want of a launcher. A group the script (or Ray Train) started is used
+    and left to whoever started it. ``backend``: the job's (default: the device's); the device is bound to the group
+    (NCCL's eager start) only on a pure NCCL group, where every rank has a GPU. ``alone``: a launched rank that cannot
     join the job's group (an asynchronous parameter-server worker back after its process died) gets a private one
     too, and meets its peers in a group of the strategy's making.
     """
@@ -38,10 +38,11 @@ def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float,
             return False
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return True
-    if dist.is_initialized():
-        if dist.get_world_size() != env.world_size:
+    if dist.is_initialized():  # the script's own, or Ray Train's
+        if (dist.get_world_size(), dist.get_rank()) != (env.world_size, env.rank):
             raise ConfigError(
-                f"the existing process group has {dist.get_world_size()} ranks but WORLD_SIZE={env.world_size}")
+                f"the existing process group puts this process at rank {dist.get_rank()} of {dist.get_world_size()} "
+                f"but RANK={env.rank}, WORLD_SIZE={env.world_size}; start the group with the launcher's ranks")
         return False
     dist.init_process_group(backend=backend, store=attempt_store(timeout), rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if backend == "nccl" else None)

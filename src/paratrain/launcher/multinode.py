@@ -73,13 +73,19 @@ def prepare_network(args: argparse.Namespace, note: Callable[[str], None]) -> No
 
     Sets ``GLOO_SOCKET_IFNAME`` (unless set) and, for c10d, ``--local-addr`` (unless given), which is the
     address rank 0's node publishes as ``MASTER_ADDR``; tells a c10d node whose IP is the endpoint to host the
-    store. A rendezvous host that does not resolve is an error now rather than a timeout later.
+    store. A rendezvous host that does not resolve is an error now rather than a timeout later, except in a
+    Kubernetes pod: there the master's name resolves only once its pod runs, so a node waits for it as long as it
+    would wait for the rendezvous.
     """
     host, port = rendezvous_endpoint(args)
-    address = network.address_of(host)
+    address, waited = network.address_of(host), ""
+    if address is None and network.in_pod(os.environ):
+        wait = rendezvous_timeout(args)
+        note(f"waiting up to {wait} s for {host} to resolve (Kubernetes names a pod once it runs)")
+        address, waited = network.wait_for_address(host, wait), f" within {wait} s"
     if address is None:
-        raise LaunchError(f"the rendezvous host {host!r} does not resolve on this node; give its IP address "
-                          "or a name this node can resolve (DNS, /etc/hosts)")
+        raise LaunchError(f"the rendezvous host {host!r} does not resolve on this node{waited}; give its IP "
+                          "address or a name this node can resolve (DNS, /etc/hosts)")
     source = network.route_source(address, port)
     if source is None:
         return  # no route now: the rendezvous will time out with a message naming the address

@@ -12,10 +12,13 @@ import fcntl
 import ipaddress
 import socket
 import struct
+import time
+from collections.abc import Mapping
 
 _SIOCGIFADDR = 0x8915
 LOOPBACK = "127.0.0.1"
 """The address a job on one host uses for its master and rendezvous."""
+_RESOLVE_POLL_S = 0.5
 
 
 def address_of(host: str) -> str | None:
@@ -26,6 +29,20 @@ def address_of(host: str) -> str | None:
         return None
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
     return str(infos[0][4][0]) if infos else None
+
+
+def in_pod(environ: Mapping[str, str]) -> bool:
+    """True inside a Kubernetes pod (the kubelet sets ``KUBERNETES_SERVICE_HOST`` in every container), where the
+    name of another pod resolves only once that pod runs."""
+    return "KUBERNETES_SERVICE_HOST" in environ
+
+
+def wait_for_address(host: str, timeout_s: float) -> str | None:
+    """``address_of(host)``, asked again every half second until it resolves or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while (address := address_of(host)) is None and time.monotonic() < deadline:
+        time.sleep(min(_RESOLVE_POLL_S, max(0.0, deadline - time.monotonic())))
+    return address
 
 
 def route_source(address: str, port: int = 9) -> str | None:

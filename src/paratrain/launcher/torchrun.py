@@ -14,6 +14,8 @@ of processes per node. What paratrain adds:
   other nodes and say which address did not answer, and stop when the nodes disagree on ``--nnodes``
   (:mod:`paratrain.launcher.multinode`);
 * inside a SLURM ``srun`` step the allocation fills in the flags not given (:mod:`paratrain.launcher.slurm`);
+* in a Kubeflow Trainer pod the ``PET_*`` variables are the flags (as for torchrun), checked first, and a node
+  waits for the master's name to resolve (:mod:`paratrain.launcher.kubeflow`);
 * a process group the script creates without a timeout gets ``--pg-timeout`` (600 s), not torch's 30 min;
 * ``--checkpoint-dir D --checkpoint-every N [--resume]`` make every ``Parallel`` of the job checkpoint itself
   and, with ``--max-restarts K``, resume from the latest checkpoint after a failure (see docs/checkpoints.md).
@@ -31,6 +33,7 @@ from ..env import cpu_count
 from ..errors import LaunchError
 from .agreement import NNODES_VAR
 from .failure import from_child_failed
+from .kubeflow import check_pet
 from .multinode import (DEFAULT_RDZV_TIMEOUT_S, max_nodes, nnodes_range, prepare_network, rendezvous_error,
                         rendezvous_errors, set_rendezvous_timeout)
 from .network import LOOPBACK
@@ -64,10 +67,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """torchrun's own parser, plus ``-n``, ``--rdzv-timeout`` and ``--pg-timeout``; errors become one-line
     ``LaunchError``s.
 
-    ``args.explicit`` holds the SLURM-fillable flags the user gave (on the command line or as ``PET_*``).
+    ``args.explicit`` holds the SLURM-fillable flags the user gave (on the command line or as ``PET_*``, the
+    variables Kubeflow Trainer sets: :mod:`paratrain.launcher.kubeflow`).
     """
     from torch.distributed.run import get_args_parser
 
+    check_pet(os.environ)
     parser = get_args_parser()
     parser.prog = "paratrain run"
     parser.add_argument("-n", "--nproc", dest="nproc_per_node", type=str,

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         apply_default_pg_timeout()
         check_same_nnodes()
-        _run(argv)
+        run_target(argv)
     except SystemExit as e:
         leave(exit_code(e.code))
     except BaseException as e:  # noqa: BLE001 - recorded for the launcher, which reports it once
@@ -71,7 +71,9 @@ def _exec(argv: list[str]) -> None:
         os._exit(127)
 
 
-def _run(argv: list[str]) -> None:
+def run_target(argv: list[str]) -> None:
+    """Run ``argv`` (``SCRIPT ARGS…`` or ``-m MODULE ARGS…``) as ``python`` would: as ``__main__``, with its own
+    ``sys.argv`` and ``sys.path[0]``."""
     if argv and argv[0] == "-m":
         module, rest = argv[1], argv[2:]
         sys.argv = [module, *rest]

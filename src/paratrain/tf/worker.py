@@ -22,7 +22,7 @@ import traceback
 from ..errors import LaunchError
 from ..launcher.finish import exit_code, leave
 from ..launcher.parent_death import die_with_parent, launcher_pid
-from ..launcher.worker import _run
+from ..launcher.worker import run_target
 
 ERROR_FILE_VAR = "PARATRAIN_TF_ERROR_FILE"
 RANK_VAR = "PARATRAIN_TF_RANK"
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(launcher_pid())
     sys.meta_path.insert(0, _NoTorch())
     try:
-        _run(argv)
+        run_target(argv)
         if "tensorflow" not in sys.modules:
             raise LaunchError(f"{argv[1] if argv[0] == '-m' else argv[0]} ended without importing TensorFlow: "
                               "`paratrain run --tf` runs TensorFlow scripts; drop --tf for a PyTorch script")
