@@ -1,10 +1,9 @@
 """``Parallel``: the one object a training script holds, a façade over the components that do the work.
 
 Its verbs wrap the user's model, optimizer and loaders and run the loop; the work lives in what it composes: the
-process's session (:mod:`paratrain.session`), the chosen strategy (:mod:`paratrain.strategies.chosen`), the
-precision, what was prepared (:mod:`paratrain.prepared`), the loop (:mod:`paratrain.loop`), the checkpoints
-(:mod:`paratrain.checkpoint.auto`) and the monitor. All state lives on the object: two ``Parallel`` objects in one
-process share nothing by accident.
+session (:mod:`paratrain.session`), the strategy (:mod:`paratrain.strategies.chosen`), the precision, what was
+prepared (:mod:`paratrain.prepared`), the loop (:mod:`paratrain.loop`), the checkpoints, the monitor and the
+trackers. All state lives on the object: two ``Parallel`` objects in one process share nothing by accident.
 """
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from .checkpoint.io import Targets
 from .checkpoint.weights import load_weights
 from .data import ShardedLoader, prepare_loader
 from .distributed.metrics import gather_object, reduce_value
+from .distributed.process_group import group_started
 from .env import ClusterEnv
 from .loop import GlobalBatch, Loop, StepInfo
 from .model.facts import ModelFacts
@@ -84,8 +84,7 @@ class Parallel:
         if deterministic:
             use_deterministic_kernels()
         self.checkpoint_config = checkpoint_config(checkpoint, strategy_options)
-        joined = dist.is_available() and dist.is_initialized()  # Ray Train starts the group before the script
-        self.env = env if env is not None else ClusterEnv.from_environ(joined=joined)
+        self.env = env if env is not None else ClusterEnv.from_environ(joined=group_started())
         self._chosen = ChosenStrategy(strategy, self.env, strategy_options)
         self.precision: Precision = create_precision(precision)
         self._session = Session(self.env, accelerator, self.precision, timeout_s=timeout_s,

@@ -20,6 +20,12 @@ _GLOO_DRAIN_S = 0.1
 """Seconds ``finish_group`` releases the GIL after its barrier."""
 
 
+def group_started() -> bool:
+    """Whether a process group exists before ``Parallel`` makes one: Ray Train starts it before the user's script,
+    with only the rank variables set (``ClusterEnv.from_environ(joined=True)``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float, needs_group: bool,
                         backend: str | None = None, alone: bool = False) -> bool:
     """Start the default group for this job when it needs one; True when this call started it (and so owns it).
