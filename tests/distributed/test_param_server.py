@@ -147,9 +147,12 @@ def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_c
                else f"inside its shard write into {ckpt}/tmp-step-00000012/server-000")
     assert "SIGKILL rank 1 after step 10" in killed.stderr and f"SIGKILL server rank 2 {planted}" in killed.stderr, why
     resumed = re.findall(r"resumed from (\S+) \(step", killed.stdout)
-    assert len(resumed) == 2 and resumed[0] == f"{ckpt}/step-00000008", why
-    if server_fault == "save":  # the save of step 12 was never published
-        assert resumed[1] == f"{ckpt}/step-00000008", why
+    # a server killed by one of the 5 requests of the resume itself may end the first restart before rank 0 says it
+    # resumed; then both restarts resume from step 8
+    in_resume = server_fault.startswith("request:") and int(server_fault.partition(":")[2]) <= 5
+    assert len(resumed) in ((1, 2) if in_resume else (2,)) and resumed[0] == f"{ckpt}/step-00000008", why
+    if server_fault == "save" or in_resume:  # the save of step 12 was never published
+        assert resumed[-1] == f"{ckpt}/step-00000008", why
     digest = [re.search(r"sha256 ([0-9a-f]{64})", r.stdout) for r in (clean, killed)]
     assert all(digest) and digest[0].group(1) == digest[1].group(1), why
     assert sorted(p.name for p in (ckpt / "step-00000020" / "server-000").iterdir()) == [".metadata", "__0_0.distcp"]
