@@ -95,7 +95,7 @@ class Parallel:
         self._chosen.build_mesh(self.device)
         self._seed: int | None = None
         self._prepared = Prepared()
-        self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print)
+        self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print, timeout_s=timeout_s)
         self._size_batch()
         self._replicas = Replicas(self._session, self.world_size, lambda: self._chosen.data_parallel(self._runtime()))
         self.logger = rank_logger(self.env)
@@ -285,10 +285,12 @@ class Parallel:
             dist.barrier(group=self.strategy.training_group(self.env))
 
     @collective("par.save", meet="every rank must call it (each writes its part, once)")
-    def save(self, path: str | os.PathLike | None = None) -> Path:
+    def save(self, path: str | os.PathLike | None = None, *, async_save: bool = False) -> Path:
         """Checkpoint what an exact resume needs (everything prepared, the step, epoch, loader positions, RNG
-        states) into ``path/step-<step>``, atomically (collective; between optimizer steps); returns that folder."""
-        return self._checkpoints.save(self._checkpoint_targets(), path, self._loop.micro_step, self.accumulate)
+        states) into ``path/step-<step>``, atomically (collective; between optimizer steps); returns that folder.
+        ``async_save``: written in the background, the folder appears once complete (:mod:`.checkpoint.background`)."""
+        return self._checkpoints.save(self._checkpoint_targets(), path, self._loop.micro_step, self.accumulate,
+                                      async_save)
 
     @collective("par.load", meet="every rank must call it (each reads its part)")
     def load(self, path: str | os.PathLike | None = None) -> Path:
@@ -327,8 +329,10 @@ class Parallel:
 
     @collective("par.close")
     def close(self) -> None:
-        """Flush a due checkpoint, print the monitor's table, then end the process group if this object started it."""
+        """Flush a due checkpoint and wait for the one being written, print the monitor's table, then end the process
+        group if this object started it."""
         self._flush_checkpoint()
+        self._checkpoints.settle(self.barrier)
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
         self._session.close(meet=self.strategy.close())

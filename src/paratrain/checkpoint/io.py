@@ -110,7 +110,7 @@ def save(t: Targets, root: Path, keep: int) -> Path:
         if t.rank == 0:
             publish(root, tmp, checkpoint_meta(t), keep)
     except DCP_ERRORS as e:
-        raise write_failure(root, tmp, e, state, t.rank) from None
+        raise write_failure(root, tmp, e, state_bytes(state), t.rank) from None
     t.barrier()  # nobody reads the folder before it is published
     return root / layout.step_name(t.step)
 
@@ -138,7 +138,7 @@ def begin_save(t: Targets, root: Path) -> Path:
     failed = [f for f in t.gather(None if written is None else _why(written)) if f is not None]
     if failed:  # a full disk anywhere is named as one
         full = OSError(errno.ENOSPC, "No space left on device") if _NO_SPACE in failed else None
-        raise write_failure(root, tmp, full or written or OSError(failed[0]), {}, t.rank)
+        raise write_failure(root, tmp, full or written or OSError(failed[0]), 0, t.rank)
     return tmp
 
 
@@ -150,14 +150,13 @@ def publish(root: Path, tmp: Path, meta: dict[str, Any], keep: int) -> Path:
     return final
 
 
-def write_failure(root: Path, tmp: Path, err: BaseException, state: dict[str, dict[str, Any]],
-                  rank: int) -> CheckpointError:
-    """A failed save as one line (a full disk names the disk and what it needs); rank 0 removes the partial
-    folder, so the previous checkpoint and ``latest`` are all that is left."""
+def write_failure(root: Path, tmp: Path, err: BaseException, nbytes: int, rank: int) -> CheckpointError:
+    """A failed save as one line (a full disk names the disk and what it needs: the last checkpoint's size, else
+    ``nbytes``); rank 0 removes the partial folder, so the previous checkpoint and ``latest`` are all that is left."""
     if rank == 0:
         space.remove_partial(tmp)
     if out_of_space(err):
-        return CheckpointError(space.no_space_message(root, tmp, _bytes(state)))
+        return CheckpointError(space.no_space_message(root, tmp, nbytes))
     return CheckpointError(f"could not write checkpoint {tmp}: {first_failure(err)}")
 
 
@@ -229,7 +228,8 @@ def _why(err: OSError) -> str:
     return _NO_SPACE if out_of_space(err) else first_failure(err)
 
 
-def _bytes(state: dict[str, dict[str, Any]]) -> int:
+def state_bytes(state: dict[str, dict[str, Any]]) -> int:
+    """The bytes of the tensors ``state`` holds."""
     return sum(v.numel() * v.element_size() for part in state.values() for v in part.values()
                if isinstance(v, torch.Tensor))
 
@@ -343,6 +343,12 @@ def quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def quiet_background() -> None:
+    """``quiet_single_process`` for a write in DCP's background thread, which a context manager here cannot reach:
+    that one note is ignored in this process from now on."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def first_failure(err: BaseException) -> str:
