@@ -56,7 +56,7 @@ class _InFlight:
     meta: dict[str, Any]
     nbytes: int
 
-    def finish(self) -> Path:
+    def finish(self) -> None:
         """Wait for the write; then rank 0 has the servers' shards confirmed (a parameter server's) and publishes.
         A failure is one line on the rank that meets it."""
         try:
@@ -66,7 +66,6 @@ class _InFlight:
                 io.publish(self.root, self.tmp, self.meta, self.keep)
         except io.DCP_ERRORS as e:
             raise io.write_failure(self.root, self.tmp, e, self.nbytes, self.rank) from None
-        return self.root / layout.step_name(self.meta["step"])
 
 
 class BackgroundSaves:
@@ -110,13 +109,12 @@ class BackgroundSaves:
         if self._pending is not None and self._pending.future.done():
             self.finish()
 
-    def finish(self) -> Path | None:
-        """Wait for this rank's save in flight, if any, and publish it (rank 0); returns its folder."""
+    def finish(self) -> None:
+        """Wait for this rank's save in flight, if any, and publish it (rank 0)."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        atexit.unregister(self._at_exit)
-        return pending.finish()
+        if pending is not None:
+            atexit.unregister(self._at_exit)
+            pending.finish()
 
     def settle(self, barrier: Callable[[], None]) -> None:
         """Collective: once a save was started, wait until every rank's is finished and published."""
