@@ -11,7 +11,7 @@ order that rotates from round to round: a save (``par.save(async_save=True)``, `
   the median step without a save: what writing in the background costs the steps it overlaps.
 
 Run (about 3 minutes on 2 cores):
-    .venv/bin/python benchmarks/checkpoint_async.py [--rounds 5] [--steps 6] [--json PATH]
+    .venv/bin/python benchmarks/checkpoint_async.py [--rounds 4] [--steps 6] [--json PATH]
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def format_report(args: argparse.Namespace, results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps in a window after the save call")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
