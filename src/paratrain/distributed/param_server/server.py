@@ -30,9 +30,9 @@ import torch.distributed as dist
 from .clipping import clip_coefficient, squared_norm
 from .holdings import Holdings
 from .peers import job_peer
-from .messages import (DONE, FOLDER_KINDS, HEADER_WORDS, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE,
-                       PUSH_ROWS, REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, SAVED, Header, Refused, Schema, TRAILER,
-                       float_word, parse, unpack)
+from .messages import (BACKGROUND, DONE, FOLDER_KINDS, HEADER_WORDS, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
+                       PUSH_DENSE, PUSH_ROWS, REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, SAVED, Header, Refused, Schema,
+                       TRAILER, float_word, parse, unpack)
 from .shards import ServerShards
 from .snapshot import ShardStore, load_shard_state, shard_state
 
@@ -214,7 +214,7 @@ class Server:
     def _save_or_load(self, h: Header, folder: str) -> None:
         if h.kind != SAVE:
             self.version = load_shard_state(self.shards, self.store.read(folder))
-        elif h.table:
+        elif h.table == BACKGROUND:
             self.writing = folder, self.store.start_write(shard_state(self.shards, self.version), folder)
         else:
             self.store.write(shard_state(self.shards, self.version), folder)
