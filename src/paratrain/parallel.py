@@ -96,7 +96,7 @@ class Parallel:
         self._chosen.build_mesh(self.device)
         self._seed: int | None = None
         self._prepared = Prepared()
-        self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print)
+        self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print, timeout_s=timeout_s)
         self._size_batch()
         self._replicas = Replicas(self._session, self.world_size, lambda: self._chosen.data_parallel(self._runtime()))
         self.logger = rank_logger(self.env)
@@ -109,6 +109,8 @@ class Parallel:
     local_rank = property(lambda self: self.env.local_rank, doc="Its rank on this node.")
     world_size = property(lambda self: self.env.world_size, doc="Processes in the job.")
     is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0.")
+    accumulate = property(lambda self: self._loop.accumulate, doc="Micro-batches per optimizer step.")
+    optimizer_steps = property(lambda self: self._loop.optimizer_steps, doc="Optimizer steps taken (restored by load).")
 
     @property
     def strategy(self) -> Strategy:
@@ -119,16 +121,6 @@ class Parallel:
     def mesh(self) -> DeviceMesh | None:
         """The device mesh the strategy runs on (None in one process, and while ``auto`` waits for the model)."""
         return self._chosen.mesh
-
-    @property
-    def accumulate(self) -> int:
-        """Micro-batches per optimizer step."""
-        return self._loop.accumulate
-
-    @property
-    def optimizer_steps(self) -> int:
-        """Optimizer steps taken (restored by ``load``)."""
-        return self._loop.optimizer_steps
 
     @property
     def epoch(self) -> int | None:
@@ -283,10 +275,12 @@ class Parallel:
             dist.barrier(group=self.strategy.training_group(self.env))
 
     @collective("par.save", meet="every rank must call it (each writes its part, once)")
-    def save(self, path: str | os.PathLike | None = None) -> Path:
+    def save(self, path: str | os.PathLike | None = None, *, async_save: bool = False) -> Path:
         """Checkpoint what an exact resume needs (everything prepared, the step, epoch, loader positions, RNG
-        states) into ``path/step-<step>``, atomically (collective; between optimizer steps); returns that folder."""
-        return self._checkpoints.save(self._checkpoint_targets(), path, self._loop.micro_step, self.accumulate)
+        states) into ``path/step-<step>``, atomically (collective; between optimizer steps); returns that folder.
+        ``async_save``: written in the background, the folder appears once complete (:mod:`.checkpoint.background`)."""
+        return self._checkpoints.save(self._checkpoint_targets(), path, self._loop.micro_step, self.accumulate,
+                                      async_save)
 
     @collective("par.load", meet="every rank must call it (each reads its part)")
     def load(self, path: str | os.PathLike | None = None) -> Path:
@@ -329,8 +323,9 @@ class Parallel:
 
     @collective("par.close")
     def close(self) -> None:
-        """Flush a due checkpoint, print the monitor's table, end the trackers' runs, then the process group if ours."""
+        """Flush a due checkpoint, wait for one being written, print the monitor's table, end trackers and our group."""
         self._flush_checkpoint()
+        self._checkpoints.settle(self.barrier)
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
         self.trackers.close()

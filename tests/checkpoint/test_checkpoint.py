@@ -59,10 +59,11 @@ def test_automatic_checkpoints_every_n_steps(tmp_path):
 
 
 @pytest.mark.launched
+@pytest.mark.parametrize("how", ["blocking", "async"])
 @pytest.mark.parametrize("where", ["data", "publish"])
-def test_a_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, where):
-    res = subprocess.run([sys.executable, str(SCRIPTS / "crash_during_save.py"), str(tmp_path), where],
-                         capture_output=True, text=True, timeout=120)
+def test_a_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, where, how):
+    res = subprocess.run([sys.executable, str(SCRIPTS / "crash_during_save.py"), str(tmp_path), where,
+                          *(["async"] if how == "async" else [])], capture_output=True, text=True, timeout=120)
     assert res.returncode == -9, res.stderr  # SIGKILLed in the middle of the second save
     assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000002"
     saved = torch.load(tmp_path / "params-at-2.pt", weights_only=True)

@@ -161,6 +161,46 @@ def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_c
 
 
 @pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_sync_kills_during_asynchronous_saves_resume_bitwise(paratrain_cmd, tmp_path):
+    """`paratrain run --max-restarts 2 … --checkpoint-async` (the digits demo, 2 workers and 1 server): a random worker
+    SIGKILLed after a random step, then, on the restart, the server SIGKILLed inside its first shard write, which
+    runs in the background while the workers train. Each restart resumes from the latest published checkpoint (a
+    save in flight is lost, nothing else), and the final parameters equal an uninterrupted run's bit for bit."""
+    import os
+    import random
+    import re
+    import subprocess
+
+    from helpers.paths import ROOT, SCRIPTS
+
+    from paratrain.testing import alive
+
+    step, rank = random.randint(1, 17), random.randint(0, 1)  # the restart then saves again before step 22
+    ckpt, pids = tmp_path / "ckpt", tmp_path / "pids"
+    pids.mkdir()
+    demo = ["--strategy", "ps", "--epochs", "1"]
+    clean = run_cli("demo", "-n", "3", *demo, timeout=120)
+    killed = subprocess.run(
+        [*paratrain_cmd, "run", "-n", "3", "--max-restarts", "2", str(SCRIPTS / "ps_server_faults.py"), "none,save",
+         *demo, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4", "--checkpoint-async",
+         "--fail-at-step", str(step), "--fail-rank", str(rank)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
+    why = f"rank {rank} killed after step {step}\n{killed.stderr[-3000:]}"
+    assert clean.returncode == 0 and killed.returncode == 0, clean.stderr[-2000:] + why
+    assert f"SIGKILL rank {rank} after step {step}" in killed.stderr, why
+    assert "SIGKILL server rank 2 inside its shard write into" in killed.stderr, why
+    resumed = [int(n) for n in re.findall(r"resumed from \S+/step-(\d{8}) \(step", killed.stdout)]
+    last = (step - 1) // 4 * 4
+    assert all(n % 4 == 0 and n <= last for n in resumed) and (not resumed or resumed[0] >= last - 4), why
+    digest = [re.search(r"sha256 ([0-9a-f]{64})", r.stdout) for r in (clean, killed)]
+    assert all(digest) and digest[0].group(1) == digest[1].group(1), why
+    started = [int(p.read_text()) for p in pids.iterdir()]
+    assert len(started) == 9 and not alive(started), why  # 3 attempts x 3 ranks, all gone
+
+
+@pytest.mark.launched
 @pytest.mark.timeout(240)
 def test_async_a_killed_worker_leaves_the_others_training_and_one_comes_back(paratrain_cmd, tmp_path):
     """One job, `paratrain run -n 4 --max-restarts 1` (3 asynchronous workers, 1 server): worker rank 1 SIGKILLed at
@@ -434,6 +474,9 @@ def test_headers_are_parsed_without_trusting_them():
     assert bytes(m.unpack(m.pack(name), save)[0].tolist()).decode().endswith("server-000")
     schema = m.Schema(dense_numel=4, dense_dtype=torch.float32, tables=(), max_rows=8, groups=1)
     schema.check(save)
+    written = m.parse(m.Header(m.SAVED, 2, count=name.numel()).tensor())  # after a SAVE marked BACKGROUND
+    schema.check(written)
+    assert bytes(m.unpack(m.pack(name), written)[0].tolist()).decode().endswith("server-000")
     for count in (0, m.PATH_BYTES + 1):  # a folder name longer than any path is refused unread
         with pytest.raises(m.Refused, match="oversized") as err:
             schema.check(m.Header(m.LOAD, count=count))

@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import subprocess
+import time
 from unittest import mock
 
 import pytest
@@ -48,6 +49,31 @@ def test_a_full_disk_names_the_disk_removes_the_partial_folder_and_keeps_the_las
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]  # no tmp-step-* left
     assert layout.latest(tmp_path) == first
     par.load(tmp_path)  # the previous checkpoint still loads
+
+
+def test_a_background_write_that_fails_is_one_line_at_the_next_step(tmp_path):
+    """The disk fills while an asynchronous save is written: training went on, and the next step says so in one
+    line; the partial folder is removed and the previous checkpoint stays the latest."""
+    import torch
+
+    par = paratrain.Parallel("single", monitor=False)
+    model, opt = trained(par)
+    first = par.save(tmp_path)
+    with par.step(model, opt):
+        par.backward(model(torch.randn(3, 4)).sum())
+    with mock.patch.object(dcp_fs, "_write_item", _enospc):
+        par.save(tmp_path, async_save=True)  # returns: the write fails in the background
+
+        def next_step() -> None:
+            for _ in range(100):  # the failure surfaces at the first step after the write ended
+                with par.step(model, opt):
+                    par.backward(model(torch.randn(3, 4)).sum())
+                time.sleep(0.05)
+
+        _error("checkpoint: disk full (background write)", next_step, "no space left on", "step-00000001 is kept",
+               kept=[str(first / "meta.json")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+    par.load(tmp_path)
 
 
 @pytest.mark.launched

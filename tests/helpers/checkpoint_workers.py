@@ -24,11 +24,13 @@ def dataset() -> TensorDataset:
 
 
 def train(strategy: str, steps: int, ckpt: str, *, save_at: int | None = None, load: bool = False,
-          global_batch: int = 8, options: dict | None = None) -> dict[str, object]:
+          global_batch: int = 8, options: dict | None = None, async_save: bool = False) -> dict[str, object]:
     """Train ``steps`` optimizer steps of a dropout MLP with Adam, a scheduler, shuffled data and random noise
-    from torch, NumPy and Python; save at step ``save_at`` and/or start by loading ``ckpt``.
+    from torch, NumPy and Python; save at step ``save_at`` (``async_save``: in the background) and/or start by
+    loading ``ckpt``.
 
-    Returns the full parameters, the optimizer's full state and what the run did, from every rank.
+    Returns the full parameters, the optimizer's full state and what the run did, from every rank
+    (``published_on_return``: whether the save's folder was there when ``save`` returned).
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -41,7 +43,7 @@ def train(strategy: str, steps: int, ckpt: str, *, save_at: int | None = None, l
     loader = DataLoader(dataset(), batch_size=global_batch // par.data_parallel_size, shuffle=True)
     model, optimizer, loader = par.prepare(model, optimizer, loader)
     scheduler = par.prepare(torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7))
-    resumed_at = None
+    resumed_at, published_on_return = None, None
     if load:
         par.load(ckpt)
         resumed_at = (par.optimizer_steps, par.epoch)
@@ -56,7 +58,7 @@ def train(strategy: str, steps: int, ckpt: str, *, save_at: int | None = None, l
                 continue
             scheduler.step()
             if par.optimizer_steps == save_at:
-                par.save(ckpt)
+                published_on_return = par.save(ckpt, async_save=async_save).exists()
             if par.optimizer_steps == steps:
                 break
         if par.optimizer_steps == steps:
@@ -66,7 +68,8 @@ def train(strategy: str, steps: int, ckpt: str, *, save_at: int | None = None, l
     optim_state = ({k: v for k, v in get_optimizer_state_dict(par.unwrap(model), optimizer, options=full).items()
                     if k.startswith("state.")} if strategy != "zero1" else {})
     out = {"params": params, "optim": optim_state, "lr": optimizer.param_groups[0]["lr"],
-           "resumed_at": resumed_at, "batches": batches, "step": par.optimizer_steps}
+           "resumed_at": resumed_at, "batches": batches, "step": par.optimizer_steps,
+           "published_on_return": published_on_return}
     par.close()
     return out
 

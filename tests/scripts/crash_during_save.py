@@ -1,8 +1,9 @@
 """Save a checkpoint at step 2, then SIGKILL this process in the middle of saving step 4.
 
-Usage: python crash_during_save.py DIR data|publish
+Usage: python crash_during_save.py DIR data|publish [async]
   data:    killed inside torch.distributed.checkpoint's write, after the tensor files, before its metadata;
-  publish: killed after the new folder is renamed into place, before ``latest`` moves.
+  publish: killed after the new folder is renamed into place, before ``latest`` moves;
+  async:   the second save is written in the background (killed there, or while ``close`` publishes it).
 Writes DIR/params-at-2.pt (the parameters the first checkpoint holds) for the test to compare.
 """
 import os
@@ -25,7 +26,7 @@ def die(*_args, **_kwargs):
 
 
 if __name__ == "__main__":
-    root, where = Path(sys.argv[1]), sys.argv[2]
+    root, where, background = Path(sys.argv[1]), sys.argv[2], sys.argv[3:] == ["async"]
     par = paratrain.Parallel("single", seed=0)
     model = dropout_model()
     model, opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
@@ -45,6 +46,13 @@ if __name__ == "__main__":
 
         FileSystemWriter.write_data = write_then_die
     else:
-        layout.fsync_dir = die  # the first call comes right after the rename, before `latest` is written
-    par.save(root / "ckpt")
+        commit = layout.commit
+
+        def commit_and_die(*args):
+            layout.fsync_dir = die  # its first call comes right after the rename, before `latest` is written
+            return commit(*args)
+
+        layout.commit = commit_and_die
+    par.save(root / "ckpt", async_save=background)
+    par.close()
     raise SystemExit("the save was expected to be killed")

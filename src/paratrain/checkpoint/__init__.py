@@ -4,6 +4,7 @@
 * :mod:`.states`: model and optimizer state as torch.distributed.checkpoint saves it (strategies hook in);
 * :mod:`.rng`: every RNG a rank draws from;
 * :mod:`.io`: the collective save and load of a job;
+* :mod:`.background`: saves written in the background while training goes on;
 * :mod:`.auto`: save every N steps, resume at start-up;
 * :mod:`.safety`: loading never unpickles arbitrary objects;
 * :mod:`.export`: a plain single-file state_dict.

@@ -3,7 +3,8 @@
 A save is due after the N-th optimizer step but is written just before the next batch is fetched (or the next
 step begins, or the job closes): by then the user's loop has finished that step (``scheduler.step()``, logging,
 anything else that touches state or draws random numbers), and nothing of the next step has happened yet. A job
-resumed from it continues exactly where the uninterrupted one went on.
+resumed from it continues exactly where the uninterrupted one went on. An asynchronous save (:mod:`.background`) is
+staged at that point and published at a later one, once written.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from . import io, layout
+from .background import BackgroundSaves, check_support
 from .config import CheckpointConfig
 
 
@@ -20,9 +22,13 @@ class AutoCheckpoint:
     """The checkpoints of one ``Parallel``: ``par.save``/``par.load`` where asked or in ``checkpoint_dir``, the
     save every N steps, and the resume at start-up. ``say`` prints a line on rank 0."""
 
-    def __init__(self, config: CheckpointConfig, say: Callable[[str], None] = print) -> None:
+    def __init__(self, config: CheckpointConfig, say: Callable[[str], None] = print, timeout_s: float = 300.0) -> None:
+        """``timeout_s``: how long the collectives of a background write wait for a peer."""
+        if config.async_save:
+            check_support()  # before any training, not at the first save
         self.config = config
         self._say = say
+        self._background = BackgroundSaves(timeout_s)
         self._due = False
         self._started = False
         self._saved: tuple[Path, int] | None = None
@@ -46,12 +52,18 @@ class AutoCheckpoint:
         if self.config.every is not None and step % self.config.every == 0:
             self._due = True
 
-    def flush(self, save: Callable[[], object], step: int) -> None:
-        """Write the due save, if any and unless an explicit ``par.save`` already wrote this step there."""
+    def flush(self, save: Callable[..., object], step: int) -> None:
+        """Publish a background save whose write is complete; write the due save (``par.save``, in the background
+        when so configured), if any and unless an explicit ``par.save`` already wrote this step there."""
+        self._background.poll()
         if self._due:
             self._due = False
             if self.config.dir is not None and self._saved != (Path(self.config.dir).absolute(), step):
-                save()
+                save(async_save=self.config.async_save)
+
+    def settle(self, barrier: Callable[[], None]) -> None:
+        """Collective (``close``): wait until every rank's background save in flight is published."""
+        self._background.settle(barrier)
 
     def saved(self, root: Path, step: int) -> None:
         """A checkpoint of ``step`` was written into ``root``."""
@@ -70,18 +82,26 @@ class AutoCheckpoint:
         """A checkpoint was loaded by hand: start-up has nothing left to resume."""
         self._started = True
 
-    def save(self, targets: io.Targets, path: str | os.PathLike | None, micro_step: int, accumulate: int) -> Path:
-        """Write ``targets`` into ``path`` (else ``checkpoint_dir``); refused inside an accumulation window."""
+    def save(self, targets: io.Targets, path: str | os.PathLike | None, micro_step: int, accumulate: int,
+             async_save: bool = False) -> Path:
+        """Write ``targets`` into ``path`` (else ``checkpoint_dir``), after the save in flight; ``async_save``: in
+        the background. Refused inside an accumulation window."""
         if micro_step != 0:
             raise CheckpointError(f"save() inside an accumulation window (micro-step {micro_step} of {accumulate}); "
                                   "call it after the optimizer step")
         root = self.root(path)
-        folder = io.save(targets, root, self.config.keep)
+        if async_save:
+            folder = self._background.start(targets, root, self.config.keep)
+        else:
+            self._background.finish()
+            folder = io.save(targets, root, self.config.keep)
         self.saved(root, targets.step)
         return folder
 
     def load(self, targets: io.Targets, path: str | os.PathLike | None) -> io.Position:
-        """Restore ``targets`` from ``path`` (a ``step-…`` folder or a root's latest) and say what was loaded."""
+        """Restore ``targets`` from ``path`` (a ``step-…`` folder or a root's latest), once the save in flight is
+        published, and say what was loaded."""
+        self._background.settle(targets.barrier)
         position = io.load(targets, self.root(path))
         self.loaded()
         if not targets.optimizers:

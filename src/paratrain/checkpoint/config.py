@@ -1,7 +1,7 @@
 """Where and how often a job checkpoints itself, from ``Parallel(...)`` arguments or the launcher's environment.
 
-``paratrain run --checkpoint-dir D --checkpoint-every N [--resume]`` exports these as environment variables, so
-a script that only says ``Parallel()`` checkpoints and resumes without a code change.
+``paratrain run --checkpoint-dir D --checkpoint-every N [--checkpoint-async] [--resume]`` exports these as
+environment variables, so a script that only says ``Parallel()`` checkpoints and resumes without a code change.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ ENV_DIR = "PARATRAIN_CHECKPOINT_DIR"
 ENV_EVERY = "PARATRAIN_CHECKPOINT_EVERY"
 ENV_KEEP = "PARATRAIN_CHECKPOINT_KEEP"
 ENV_RESUME = "PARATRAIN_RESUME"
+ENV_ASYNC = "PARATRAIN_CHECKPOINT_ASYNC"
 DEFAULT_KEEP = 3
 
 
@@ -33,6 +34,8 @@ class CheckpointConfig:
     resume: bool | None = None
     """True: start from ``dir``'s latest checkpoint when there is one; None: only when torchrun restarted the job
     after a failure (``TORCHELASTIC_RESTART_COUNT`` > 0); False: never."""
+    async_save: bool = False
+    """Write the automatic saves in the background while training goes on (``par.save(async_save=True)``)."""
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every < 1:
@@ -43,7 +46,8 @@ class CheckpointConfig:
     def checked(self) -> "CheckpointConfig":
         """The job's configuration, complete: what needs a directory has one (``paratrain run --checkpoint-dir``
         may give it, so a config of the script's own may lack it)."""
-        for what, needs in (("every", self.every is not None), ("resume", bool(self.resume))):
+        for what, needs in (("every", self.every is not None), ("resume", bool(self.resume)),
+                            ("async_save", self.async_save)):
             if needs and not self.dir:
                 raise ConfigError(f"checkpoint {what} needs a checkpoint directory; give CheckpointConfig(dir=...) "
                                   "(or paratrain run --checkpoint-dir)")
@@ -53,18 +57,20 @@ class CheckpointConfig:
     def of(cls, spec: "CheckpointConfig | str | os.PathLike | None",
            environ: Mapping[str, str] | None = None) -> "CheckpointConfig":
         """``Parallel(checkpoint=spec)``: a config, a directory (the rest default), or None; what it leaves unset
-        (``dir``, ``every``, ``resume`` None; ``keep`` at its default) comes from ``paratrain run``'s variables."""
+        (``dir``, ``every``, ``resume`` None; ``keep``, ``async_save`` at their defaults) comes from ``paratrain
+        run``'s variables."""
         if spec is None or isinstance(spec, (str, os.PathLike)):
             return cls.from_environ(dir=spec, every=None, keep=None, resume=None, environ=environ)
         if not isinstance(spec, CheckpointConfig):
             raise ConfigError(f"checkpoint must be a directory or a paratrain.CheckpointConfig, got "
                               f"{type(spec).__name__}")
         return cls.from_environ(dir=spec.dir, every=spec.every, keep=None if spec.keep == DEFAULT_KEEP else spec.keep,
-                                resume=spec.resume, environ=environ)
+                                resume=spec.resume, async_save=spec.async_save or None, environ=environ)
 
     @classmethod
     def from_environ(cls, *, dir: str | os.PathLike | None, every: int | None, keep: int | None,
-                     resume: bool | None, environ: Mapping[str, str] | None = None) -> "CheckpointConfig":
+                     resume: bool | None, async_save: bool | None = None,
+                     environ: Mapping[str, str] | None = None) -> "CheckpointConfig":
         """Explicit arguments first, then the launcher's variables, then the defaults."""
         env = os.environ if environ is None else environ
         if dir is None:
@@ -74,8 +80,11 @@ class CheckpointConfig:
         if keep is None:
             keep = _int(env, ENV_KEEP) if env.get(ENV_KEEP) else DEFAULT_KEEP
         if resume is None and env.get(ENV_RESUME):
-            resume = env[ENV_RESUME].lower() in ("1", "true", "yes")
-        return cls(dir=None if dir is None else os.fspath(dir), every=every, keep=keep, resume=resume).checked()
+            resume = _yes(env[ENV_RESUME])
+        if async_save is None:
+            async_save = _yes(env.get(ENV_ASYNC, ""))
+        return cls(dir=None if dir is None else os.fspath(dir), every=every, keep=keep, resume=resume,
+                   async_save=async_save).checked()
 
     def should_resume(self, environ: Mapping[str, str] | None = None) -> bool:
         """Whether the job starts from the latest checkpoint (when one exists)."""
@@ -97,7 +106,13 @@ class CheckpointConfig:
             out[ENV_KEEP] = str(self.keep)
         if self.resume is not None:
             out[ENV_RESUME] = "1" if self.resume else "0"
+        if self.async_save:
+            out[ENV_ASYNC] = "1"
         return out
+
+
+def _yes(value: str) -> bool:
+    return value.lower() in ("1", "true", "yes")
 
 
 def _int(env: Mapping[str, str], key: str) -> int:

@@ -12,6 +12,7 @@ What a checkpoint holds (see :mod:`paratrain.checkpoint.layout` for the files):
 """
 from __future__ import annotations
 
+import errno
 import io
 import time
 import warnings
@@ -77,7 +78,7 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _rank0_planner() -> Any:
+def rank0_planner() -> Any:
     """A save planner that writes a tensor every rank holds from rank 0, where torch lets it choose.
 
     Replicated tensors can differ across ranks: BatchNorm's running statistics are each rank's own (DDP
@@ -97,12 +98,32 @@ def save(t: Targets, root: Path, keep: int) -> Path:
     """Write a checkpoint of the job's current state to ``root/step-<step>``, atomically; return that folder."""
     import torch.distributed.checkpoint as dcp
 
+    tmp = begin_save(t, root)
+    state: dict[str, dict[str, Any]] = {}
+    try:
+        state = tensor_state(t)
+        with quiet_single_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=rank0_planner(),
+                     process_group=t.strategy.checkpoint_group())
+        alike(t, lambda: t.strategy.save_shards(tmp, t.rank))  # a parameter server's shards
+        t.barrier()  # every rank's files are complete
+        if t.rank == 0:
+            publish(root, tmp, checkpoint_meta(t), keep)
+    except DCP_ERRORS as e:
+        raise write_failure(root, tmp, e, state_bytes(state), t.rank) from None
+    t.barrier()  # nobody reads the folder before it is published
+    return root / layout.step_name(t.step)
+
+
+def begin_save(t: Targets, root: Path) -> Path:
+    """Every rank: a fresh ``tmp-step-…`` folder (made by rank 0) holding each rank's RNG states and loader
+    positions and rank 0's ``train.pt``; returns it. A failed write on any rank fails every rank alike, before any
+    of DCP's collectives."""
     layout.check_root(root)  # every rank, before any waits on the others
     tmp = root / f"{layout.TMP_PREFIX}{layout.step_name(t.step)}"
     if t.rank == 0:
         layout.begin(root, t.step)
     t.barrier()
-    state: dict[str, dict[str, Any]] = {}
     try:
         loaders = [loader.state_dict() for loader in t.loaders]
         layout.write_file(tmp / rank_file(t.rank), _serialise({"rng": rng.capture(), "loaders": loaders}))
@@ -115,27 +136,28 @@ def save(t: Targets, root: Path, keep: int) -> Path:
     except OSError as e:
         written = e
     failed = [f for f in t.gather(None if written is None else _why(written)) if f is not None]
-    try:
-        if failed:  # every rank stops here alike, before DCP's collectives
-            raise written or OSError(failed[0])
-        state = _tensor_state(t, optimizer=t.step > 0)
-        with quiet_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_rank0_planner(),
-                     process_group=t.strategy.checkpoint_group())
-        _alike(t, lambda: t.strategy.save_shards(tmp, t.rank))  # a parameter server's shards
-        t.barrier()  # every rank's files are complete
-        if t.rank == 0:
-            layout.write_meta(tmp, _meta(t))
-            layout.commit(root, tmp, t.step)
-            layout.prune(root, keep)
-    except DCP_ERRORS as e:
-        if t.rank == 0:
-            space.remove_partial(tmp)
-        if out_of_space(e) or any(f == _NO_SPACE for f in failed):
-            raise CheckpointError(space.no_space_message(root, tmp, _bytes(state))) from None
-        raise CheckpointError(f"could not write checkpoint {tmp}: {first_failure(e)}") from None
-    t.barrier()  # nobody reads the folder before it is published
-    return root / layout.step_name(t.step)
+    if failed:  # a full disk anywhere is named as one
+        full = OSError(errno.ENOSPC, "No space left on device") if _NO_SPACE in failed else None
+        raise write_failure(root, tmp, full or written or OSError(failed[0]), 0, t.rank)
+    return tmp
+
+
+def publish(root: Path, tmp: Path, meta: dict[str, Any], keep: int) -> Path:
+    """Rank 0, once every rank's files in ``tmp`` are complete: ``meta.json``, the rename, ``latest``, pruning."""
+    layout.write_meta(tmp, meta)
+    final = layout.commit(root, tmp, meta["step"])
+    layout.prune(root, keep)
+    return final
+
+
+def write_failure(root: Path, tmp: Path, err: BaseException, nbytes: int, rank: int) -> CheckpointError:
+    """A failed save as one line (a full disk names the disk and what it needs: the last checkpoint's size, else
+    ``nbytes``); rank 0 removes the partial folder, so the previous checkpoint and ``latest`` are all that is left."""
+    if rank == 0:
+        space.remove_partial(tmp)
+    if out_of_space(err):
+        return CheckpointError(space.no_space_message(root, tmp, nbytes))
+    return CheckpointError(f"could not write checkpoint {tmp}: {first_failure(err)}")
 
 
 def load(t: Targets, path: str | Path) -> Position:
@@ -151,7 +173,7 @@ def load(t: Targets, path: str | Path) -> Position:
     _check_meta(folder, meta, t, weights_only)
     reader = SafeReader(folder)
     saved = reader.read_metadata().state_dict_metadata
-    state = _tensor_state(t, optimizer=meta["optimizer_state"] and not weights_only)
+    state = tensor_state(t, optimizer=meta["optimizer_state"] and not weights_only)
     _check_fit(folder, saved, state, t)
     t.strategy.check_shards(folder)  # a parameter server's: on every rank alike
     train, mine = None, None
@@ -173,7 +195,7 @@ def load(t: Targets, path: str | Path) -> Position:
         raise load_failure(folder, e) from None
     for i, model in enumerate(t.models):
         t.strategy.load_model_state(model, state[_key("model", i)])
-    _alike(t, lambda: t.strategy.load_shards(folder, t.rank))
+    alike(t, lambda: t.strategy.load_shards(folder, t.rank))
     if train is None:
         return Position(folder=folder, step=int(meta["step"]), epoch=None, world_size=meta["world_size"])
     for j, (model, optimizer) in enumerate(t.optimizers if meta["optimizer_state"] else []):
@@ -189,7 +211,7 @@ def load(t: Targets, path: str | Path) -> Position:
 _NO_SPACE = "no space left"
 
 
-def _alike(t: Targets, work: Callable[[], None]) -> None:
+def alike(t: Targets, work: Callable[[], None]) -> None:
     """Run ``work`` (which may fail on some ranks only: one rank talks to the servers), then fail on every rank
     alike with the first rank's one-line reason, or on none."""
     try:
@@ -206,7 +228,8 @@ def _why(err: OSError) -> str:
     return _NO_SPACE if out_of_space(err) else first_failure(err)
 
 
-def _bytes(state: dict[str, dict[str, Any]]) -> int:
+def state_bytes(state: dict[str, dict[str, Any]]) -> int:
+    """The bytes of the tensors ``state`` holds."""
     return sum(v.numel() * v.element_size() for part in state.values() for v in part.values()
                if isinstance(v, torch.Tensor))
 
@@ -215,11 +238,14 @@ def _key(kind: str, index: int) -> str:
     return kind if index == 0 else f"{kind}_{index}"
 
 
-def _tensor_state(t: Targets, *, optimizer: bool) -> dict[str, dict[str, Any]]:
-    """Everything DCP saves: ``model``, ``model_1``… and ``optim``, ``optim_1``…, each keyed by parameter name.
+def tensor_state(t: Targets, *, optimizer: bool | None = None) -> dict[str, dict[str, Any]]:
+    """Everything DCP saves or loads: ``model``, ``model_1``… and ``optim``, ``optim_1``…, each keyed by parameter
+    name; ``optimizer``: with the optimizers' entries (default: once the job has stepped).
 
     Before the first optimizer step there is no optimizer state to save (building it would step the optimizer).
     """
+    if optimizer is None:
+        optimizer = t.step > 0
     state = {_key("model", i): t.strategy.model_state(model) for i, model in enumerate(t.models)}
     if optimizer:
         for j, (model, opt) in enumerate(t.optimizers):
@@ -227,7 +253,8 @@ def _tensor_state(t: Targets, *, optimizer: bool) -> dict[str, dict[str, Any]]:
     return state
 
 
-def _meta(t: Targets) -> dict[str, Any]:
+def checkpoint_meta(t: Targets) -> dict[str, Any]:
+    """What ``meta.json`` says of the job at this save (``layout.write_meta`` adds every file's size)."""
     from ..version import __version__
 
     return {
@@ -316,6 +343,12 @@ def quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def quiet_background() -> None:
+    """``quiet_single_process`` for a write in DCP's background thread, which a context manager here cannot reach:
+    that one note is ignored in this process from now on."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def first_failure(err: BaseException) -> str:

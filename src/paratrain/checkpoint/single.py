@@ -6,12 +6,13 @@ A failure is a one-line ``CheckpointError``: DCP's own ``CheckpointException`` d
 caller that serves on after a failed request (``except Exception``) would otherwise die of a damaged file."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
-from .io import DCP_ERRORS, first_failure, load_failure, quiet_single_process
+from .io import DCP_ERRORS, first_failure, load_failure, quiet_background, quiet_single_process
 from .safety import SafePlanner, SafeReader
 
 
@@ -25,6 +26,27 @@ def write_alone(state: dict[str, torch.Tensor], folder: str) -> None:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
     except DCP_ERRORS as e:
         raise CheckpointError(f"could not write {folder}: {first_failure(e)}") from None
+
+
+def start_write_alone(state: dict[str, torch.Tensor], folder: str) -> Callable[[], None]:
+    """Stage ``state`` (DCP's ``async_save`` copies it) and write it into ``folder`` in a background thread, without
+    any other rank; returns the wait for that write, which raises a one-line ``CheckpointError`` if it failed."""
+    import torch.distributed.checkpoint as dcp
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    quiet_background()
+    try:
+        future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    except DCP_ERRORS as e:
+        raise CheckpointError(f"could not write {folder}: {first_failure(e)}") from None
+
+    def wait() -> None:
+        try:
+            future.result()
+        except DCP_ERRORS as e:
+            raise CheckpointError(f"could not write {folder}: {first_failure(e)}") from None
+
+    return wait
 
 
 def read_alone(folder: str) -> dict[str, torch.Tensor]:

@@ -43,6 +43,8 @@ class DemoConfig:
     """Save checkpoints here (and resume from them)."""
     checkpoint_every: int | None = None
     """Checkpoint every N optimizer steps."""
+    checkpoint_async: bool = False
+    """Write those checkpoints in the background while training goes on."""
     resume: bool = False
     """Start from the latest checkpoint in --checkpoint-dir."""
     max_restarts: int = 0
@@ -58,8 +60,8 @@ class DemoConfig:
         at_least(self, {"nproc": 1, "tp": 1, "staleness": 0, "epochs": 1, "batch_size": 1, "accumulate": 1,
                         "checkpoint_every": 1, "max_restarts": 0, "fail_at_step": 1, "fail_rank": 0})
         positive(self, ("lr",))
-        if (self.checkpoint_every is not None or self.resume) and not self.checkpoint_dir:
-            raise ConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+        if (self.checkpoint_every is not None or self.checkpoint_async or self.resume) and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every, --checkpoint-async and --resume need --checkpoint-dir")
         if self.staleness is not None and self.strategy != "ps":
             raise ConfigError(f"--staleness is an option of --strategy ps, not of {self.strategy}")
 

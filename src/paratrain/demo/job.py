@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..checkpoint.config import CheckpointConfig
+from ..checkpoint import CheckpointConfig
 from ..digest import state_digest
 from ..flags import add_flags, build
 from ..launcher.leaving import rejoin_count
@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     config = parse(argv)
     monitor = MonitorConfig(csv=config.monitor_csv)  # its summary table closes the output
     # deterministic kernels: the final SHA-256 then compares two runs bit for bit on a GPU too
+    checkpoint = CheckpointConfig(dir=config.checkpoint_dir, every=config.checkpoint_every,
+                                  resume=True if config.resume else None, async_save=config.checkpoint_async)
     with Parallel(config.strategy, accumulate=config.accumulate, seed=config.seed, deterministic=True,
-                  checkpoint=CheckpointConfig(dir=config.checkpoint_dir, every=config.checkpoint_every,
-                                              resume=True if config.resume else None),
-                  monitor=monitor, **config.strategy_options()) as par:
+                  checkpoint=checkpoint, monitor=monitor, **config.strategy_options()) as par:
         train_set, test_set = load_digits_split(seed=config.seed)
         model = digits_cnn()
         optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)

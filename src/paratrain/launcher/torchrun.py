@@ -17,8 +17,9 @@ of processes per node. What paratrain adds:
 * in a Kubeflow Trainer pod the ``PET_*`` variables are the flags (as for torchrun), checked first, and a node
   waits for the master's name to resolve (:mod:`paratrain.launcher.kubeflow`);
 * a process group the script creates without a timeout gets ``--pg-timeout`` (600 s), not torch's 30 min;
-* ``--checkpoint-dir D --checkpoint-every N [--resume]`` make every ``Parallel`` of the job checkpoint itself
-  and, with ``--max-restarts K``, resume from the latest checkpoint after a failure (see docs/checkpoints.md).
+* ``--checkpoint-dir D --checkpoint-every N [--checkpoint-async] [--resume]`` make every ``Parallel`` of the job
+  checkpoint itself (in the background) and, with ``--max-restarts K``, resume from the latest checkpoint after a
+  failure (see docs/checkpoints.md).
 """
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="paratrain: where Parallel saves checkpoints and resumes from")
     parser.add_argument("--checkpoint-every", "--checkpoint_every", dest="checkpoint_every", type=int, default=None,
                         help="paratrain: checkpoint every N optimizer steps")
+    parser.add_argument("--checkpoint-async", "--checkpoint_async", dest="checkpoint_async", action="store_true",
+                        help="paratrain: write the automatic checkpoints in the background while training goes on")
     parser.add_argument("--resume", action="store_true",
                         help="paratrain: start from the latest checkpoint in --checkpoint-dir (restarts always do)")
     parser.add_argument("--tf", action="store_true",
@@ -245,7 +248,7 @@ def _export_checkpointing(args: argparse.Namespace) -> None:
 
     try:
         config = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
-                                  resume=True if args.resume else None).checked()
+                                  resume=True if args.resume else None, async_save=args.checkpoint_async).checked()
     except ConfigError as e:
         raise LaunchError(f"paratrain run: {e}") from None
     os.environ.update(config.environ())

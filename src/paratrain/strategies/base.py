@@ -180,9 +180,14 @@ class Strategy(ABC):
         """The ranks that take part in ``save``/``load``'s collectives (None: every rank)."""
         return None
 
-    def save_shards(self, folder: Path, rank: int) -> None:
+    def save_shards(self, folder: Path, rank: int, background: bool = False) -> None:
         """Write what the ranks outside ``checkpoint_group`` hold into ``folder`` (a checkpoint being written, before
-        it is published); the default has nothing there."""
+        it is published); ``background``: stage it and return, ``shards_written`` waits for the write. The default
+        has nothing there."""
+
+    def shards_written(self, folder: Path, rank: int) -> None:
+        """Return once what ``save_shards(background=True)`` started is written into ``folder``; raise a one-line
+        ``CheckpointError`` if it failed. The default has nothing to wait for."""
 
     def check_shards(self, folder: Path) -> None:
         """Raise a one-line ``CheckpointError`` (on every rank alike, before anything loads) when ``folder`` lacks

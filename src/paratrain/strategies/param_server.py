@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.single import read_alone, write_alone
+from ..checkpoint.single import read_alone, start_write_alone, write_alone
 from ..dims import ParallelDims
 from ..distributed.param_server.async_serving import Returns
 from ..distributed.param_server.config import PSConfig
 from ..distributed.param_server.holdings import Holdings, plan_holdings
 from ..distributed.param_server.peers import Peer, return_group
-from ..distributed.param_server.messages import ProtocolError
+from ..distributed.param_server.messages import LOAD, SAVE, SAVED, ProtocolError
 from ..distributed.param_server.roles import WorkerSide, report, serve, shard_folder
 from ..distributed.param_server.snapshot import ShardStore
 from ..distributed.param_server.worker import PushingOptimizer
@@ -124,7 +124,8 @@ class ParameterServer(Strategy):
         assert self._model is not None and self._layout is not None
         model, self._model = self._model, None
         returns = None if self.config.synchronous else _returns()
-        serve(model, optimizer, self._layout, rt.env.rank, self.config, ShardStore(write_alone, read_alone), returns)
+        store = ShardStore(write_alone, read_alone, start_write_alone)
+        serve(model, optimizer, self._layout, rt.env.rank, self.config, store, returns)
         # synchronous: meets the workers' Parallel.close, which waits for every rank before the group goes
         finish_group(meet=self.config.synchronous)
         raise SystemExit(0)  # training is over: the workers' results are the job's
@@ -190,11 +191,16 @@ class ParameterServer(Strategy):
                               "checkpoint an asynchronous job: its workers then stay to the end")
         return self._workers(self._env) if self._env is not None else None
 
-    def save_shards(self, folder: Path, rank: int) -> None:
+    def save_shards(self, folder: Path, rank: int, background: bool = False) -> None:
         """Rank 0 has every server write its shard into ``folder/server-NNN`` (the workers are all between steps:
-        they are inside ``save``), and waits for them."""
+        they are inside ``save``), and waits for them; ``background``: for them to have staged it."""
         if self.worker is not None and rank == 0:
-            self._servers_do(folder, load=False)
+            self._servers_do(folder, SAVE, background)
+
+    def shards_written(self, folder: Path, rank: int) -> None:
+        """Rank 0 waits for every server's background write into ``folder``."""
+        if self.worker is not None and rank == 0:
+            self._servers_do(folder, SAVED)
 
     def load_shards(self, folder: Path, rank: int) -> None:
         """Rank 0 has every server read its shard back; then every worker pulls the restored parameters. A server's
@@ -204,7 +210,7 @@ class ParameterServer(Strategy):
         refused = None
         if rank == 0:
             try:
-                self._servers_do(folder, load=True)
+                self._servers_do(folder, LOAD)
             except CheckpointError as err:
                 refused = err
         dist.barrier(group=self._workers(self._env))  # every server has answered before anyone pulls
@@ -218,11 +224,11 @@ class ParameterServer(Strategy):
             raise CheckpointError(f"checkpoint {folder} holds the shards of {saved} parameter server(s), this job has "
                                   f"{self.config.servers}; load it with servers={saved} (shards are cut per server)")
 
-    def _servers_do(self, folder: Path, load: bool) -> None:
+    def _servers_do(self, folder: Path, kind: int, background: bool = False) -> None:
         try:
-            self.worker.client.checkpoint(self._shard_folders(folder), load=load)
+            self.worker.client.checkpoint(self._shard_folders(folder), kind, background)
         except ProtocolError as err:
-            raise CheckpointError(f"a parameter server could not {'read' if load else 'write'} its shard: "
+            raise CheckpointError(f"a parameter server could not {'read' if kind == LOAD else 'write'} its shard: "
                                   f"{err}") from None
 
     def _shard_folders(self, folder: Path) -> list[str]:

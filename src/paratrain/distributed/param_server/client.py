@@ -12,8 +12,8 @@ from torch import nn
 
 from .holdings import Holdings
 from .peers import Peer, job_peer
-from .messages import (DONE, DTYPE_CODES, HEADER_WORDS, LOAD, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
-                       PUSH_DENSE, PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REPORT_WORDS, REQUEST_TAG, SAVE, Header,
+from .messages import (BACKGROUND, DONE, DTYPE_CODES, HEADER_WORDS, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
+                       PUSH_DENSE, PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REPORT_WORDS, REQUEST_TAG, Header,
                        KIND_NAMES, ProtocolError, pack, word_float)
 
 
@@ -151,14 +151,15 @@ class Client:
         return out
 
     # ----------------------------------------------------------------- checkpoints
-    def checkpoint(self, folders: list[str], load: bool) -> None:
-        """Have server ``s`` write its shard into ``folders[s]`` (``load``: read it from there); returns when every
-        server has answered. Raises ProtocolError when one could not."""
-        kind = LOAD if load else SAVE
+    def checkpoint(self, folders: list[str], kind: int, background: bool = False) -> None:
+        """Have server ``s`` write its shard into ``folders[s]`` (``kind`` SAVE; ``background``: answer once it is
+        staged), read it from there (LOAD), or answer once its background write there is complete (SAVED); returns
+        when every server has answered. Raises ProtocolError when one could not."""
         works = []
         for s, folder in enumerate(folders):
             name = torch.frombuffer(bytearray(folder.encode()), dtype=torch.uint8)
-            works += self._request(s, Header(kind, self.step_no, count=name.numel()), pack(name))
+            header = Header(kind, self.step_no, table=BACKGROUND if background else 0, count=name.numel())
+            works += self._request(s, header, pack(name))
         errors = []
         for s in range(len(folders)):
             try:

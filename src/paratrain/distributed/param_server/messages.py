@@ -28,15 +28,22 @@ REQUEST_TAG, PAYLOAD_TAG, REPLY_TAG = 71, 72, 73
 """Headers from workers, their payloads, and the servers' replies travel on tags of their own, so a payload the
 server never reads cannot be taken for the next header."""
 
-PULL_DENSE, PUSH_DENSE, PULL_ROWS, PUSH_ROWS, DONE, SAVE, LOAD = 1, 2, 3, 4, 5, 6, 7
+PULL_DENSE, PUSH_DENSE, PULL_ROWS, PUSH_ROWS, DONE, SAVE, LOAD, SAVED = 1, 2, 3, 4, 5, 6, 7, 8
 OK, REFUSED = 16, 17
 KIND_NAMES = {PULL_DENSE: "pull of dense parameters", PUSH_DENSE: "push of dense gradients",
               PULL_ROWS: "pull of table rows", PUSH_ROWS: "push of row gradients", DONE: "done",
-              SAVE: "checkpoint save", LOAD: "checkpoint load", OK: "reply", REFUSED: "refusal"}
+              SAVE: "checkpoint save", LOAD: "checkpoint load", SAVED: "wait for a checkpoint write", OK: "reply",
+              REFUSED: "refusal"}
+BACKGROUND = 1
+"""A SAVE's ``table`` word when the server is to stage its shard, answer, and write it in the background; a SAVED
+of the same folder then answers once that write is complete."""
+FOLDER_KINDS = (SAVE, LOAD, SAVED)
+"""Requests whose payload is a folder name."""
 REPORT_WORDS = 8
 """A goodbye (DONE) carries the worker's numbers for the closing table as this many float64 words."""
 PATH_BYTES = 4096
-"""The longest folder name (UTF-8 bytes) a SAVE or LOAD may carry: where the server writes or reads its shard."""
+"""The longest folder name (UTF-8 bytes) a SAVE, LOAD or SAVED may carry: where the server writes or reads its
+shard."""
 
 DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.bfloat16, 4: torch.float16, 5: torch.int64}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -76,9 +83,9 @@ class Header:
         """Bytes that follow a request (trailer included), from the header alone: 0 for none."""
         item = DTYPES[self.dtype].itemsize if self.dtype in DTYPES else 0
         body = {PUSH_DENSE: self.count * item + (self.width + 1) * 8, PULL_ROWS: self.count * 8,
-                PUSH_ROWS: self.count * 8 + self.count * self.width * item, SAVE: self.count,
-                LOAD: self.count, DONE: self.count * item}.get(self.kind, 0)
-        return body + TRAILER.numel() if self.kind in (PUSH_DENSE, PULL_ROWS, PUSH_ROWS, SAVE, LOAD, DONE) else 0
+                PUSH_ROWS: self.count * 8 + self.count * self.width * item, DONE: self.count * item,
+                **dict.fromkeys(FOLDER_KINDS, self.count)}.get(self.kind, 0)
+        return body + TRAILER.numel() if self.kind in (PUSH_DENSE, PULL_ROWS, PUSH_ROWS, DONE, *FOLDER_KINDS) else 0
 
 
 def parse(words: torch.Tensor) -> Header:
@@ -143,7 +150,7 @@ class Schema:
                     raise Refused(4, f"{_dtype_name(h.dtype)} row gradients, expected {self.dense_dtype}", drain=True)
                 if h.width != dim:
                     raise Refused(3, f"rows {h.width} wide, table {h.table} has {dim} columns", drain=True)
-        elif h.kind in (SAVE, LOAD):
+        elif h.kind in FOLDER_KINDS:
             if not 0 < h.count <= PATH_BYTES:
                 raise Refused(6, f"a folder name of {h.count} bytes, at most {PATH_BYTES}", drain=False)
         elif h.kind == DONE:
@@ -168,7 +175,7 @@ def unpack(buffer: torch.Tensor, h: Header) -> tuple[torch.Tensor, ...]:
     if h.kind == PUSH_DENSE:  # (gradients, learning rates, max norm); the float64 words first keep every part aligned
         words = body[:(h.width + 1) * 8].view(torch.float64)
         return body[(h.width + 1) * 8:].view(DTYPES[h.dtype]), words[:h.width], words[h.width:]
-    if h.kind in (SAVE, LOAD):
+    if h.kind in FOLDER_KINDS:
         return (body,)
     if h.kind == DONE:
         return (body.view(torch.float64),)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,9 +30,9 @@ import torch.distributed as dist
 from .clipping import clip_coefficient, squared_norm
 from .holdings import Holdings
 from .peers import job_peer
-from .messages import (DONE, HEADER_WORDS, LOAD, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS, PUSH_DENSE, PUSH_ROWS,
-                       REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, Header, Refused, Schema, TRAILER, float_word, parse,
-                       unpack)
+from .messages import (BACKGROUND, DONE, FOLDER_KINDS, HEADER_WORDS, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
+                       PUSH_DENSE, PUSH_ROWS, REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, SAVED, Header, Refused, Schema,
+                       TRAILER, float_word, parse, unpack)
 from .shards import ServerShards
 from .snapshot import ShardStore, load_shard_state, shard_state
 
@@ -81,6 +82,8 @@ class Server:
         self.rows: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {w: [] for w in layout.workers}
         self.waiting: list[int] = []  # workers whose answer to a push is held back
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.writing: tuple[str, Callable[[], None]] | None = None
+        """A shard being written in the background: its folder, and the wait for it (raises if it failed)."""
         self.stats = ServerStats()
 
     def serve(self) -> ServerStats:
@@ -117,13 +120,15 @@ class Server:
         self.stats.busy_s += time.perf_counter() - start
 
     def finish_sends(self) -> None:
-        """Wait for the answers still in flight (those to a worker that has gone fail, and are dropped)."""
+        """Wait for the answers still in flight (those to a worker that has gone fail, and are dropped) and for a
+        shard still being written."""
         for work, _ in self.sends:
             try:
                 work.wait()
             except RuntimeError:
                 pass
         self.sends = []
+        self._settle()
 
     # ----------------------------------------------------------------- requests
     def _receive(self, src: int, h: Header) -> tuple[torch.Tensor, ...]:
@@ -177,7 +182,7 @@ class Server:
             self.stats.max_staleness = max(self.stats.max_staleness, stale)
             params = self.shards.flat.clone()
             self._reply(src, Header(OK, self.version, int(dropped), params.numel(), stale), params)
-        elif h.kind in (SAVE, LOAD):
+        elif h.kind in FOLDER_KINDS:
             self._checkpoint(src, h, payload[0])
         elif h.kind == DONE:  # answered with this server's load so far
             self.training.discard(src)
@@ -190,22 +195,48 @@ class Server:
 
     def _checkpoint(self, src: int, h: Header, name: torch.Tensor) -> None:
         """Write this server's shard into the folder a worker named, or read it back from there (a worker sends
-        it between steps, when nothing of a step is pending here); answered when done."""
+        it between steps, when nothing of a step is pending here); answered when done. A SAVE marked
+        ``BACKGROUND`` is answered once the shard is staged (copied), and the SAVED of that folder once it is
+        written."""
         try:
             folder = bytes(name.tolist()).decode()
         except UnicodeDecodeError:
             raise Refused(1, "a folder name that is not UTF-8", drain=True) from None
-        if self.store is None or self.pushed or any(self.rows.values()):
+        if h.kind == SAVED:
+            self._written(folder)
+        elif self.store is None or self.pushed or any(self.rows.values()):
             raise Refused(10, "a checkpoint in the middle of a step (or with no store)", drain=True)
-        try:
-            if h.kind == SAVE:
-                self.store.write(shard_state(self.shards, self.version), folder)
-            else:
-                self.version = load_shard_state(self.shards, self.store.read(folder))
-        except Exception as err:  # the folder is the worker's choice: a failure refuses this request only
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise Refused(10, reason if folder in reason else f"{folder}: {reason}", drain=True) from None
+        else:
+            self._settle()  # one write in flight at most
+            _refusing(folder, lambda: self._save_or_load(h, folder))
         self._reply(src, Header(OK, self.version))
+
+    def _save_or_load(self, h: Header, folder: str) -> None:
+        if h.kind != SAVE:
+            self.version = load_shard_state(self.shards, self.store.read(folder))
+        elif h.table == BACKGROUND:
+            self.writing = folder, self.store.start_write(shard_state(self.shards, self.version), folder)
+        else:
+            self.store.write(shard_state(self.shards, self.version), folder)
+
+    def _written(self, folder: str) -> None:
+        """Wait for the background write into ``folder``; refuse if it failed, or if none was started there."""
+        if self.writing is None or self.writing[0] != folder:
+            raise Refused(10, f"{folder}: no shard is being written there", drain=True)
+        _, wait = self.writing
+        self.writing = None
+        _refusing(folder, wait)
+
+    def _settle(self) -> None:
+        """Wait for a background write no worker asked after (its save was given up): it must not run on beside
+        the next one, nor past the end of serving."""
+        if self.writing is not None:
+            _, wait = self.writing
+            self.writing = None
+            try:
+                wait()
+            except Exception:  # nobody publishes that folder
+                pass
 
     def _rows_of(self, table: int, ids: torch.Tensor):
         shard = self.shards.tables[table]
@@ -278,3 +309,13 @@ class Server:
 
     def _reap(self) -> None:
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+
+
+def _refusing(folder: str, work: Callable[[], None]) -> None:
+    """Run ``work`` on ``folder``; a failure refuses the request in one line naming the folder (the folder is the
+    worker's choice: a failure refuses this request only)."""
+    try:
+        work()
+    except Exception as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise Refused(10, reason if folder in reason else f"{folder}: {reason}", drain=True) from None

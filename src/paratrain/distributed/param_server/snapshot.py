@@ -25,6 +25,9 @@ class ShardStore:
 
     write: StateIO
     read: Callable[[str], dict[str, torch.Tensor]]
+    start_write: Callable[[dict[str, torch.Tensor], str], Callable[[], None]]
+    """Stage ``state`` (a copy) and write it into ``folder`` in the background; returns the wait for the write,
+    which raises if it failed."""
 
 
 _KINDS = {"optim": None, "optim_int": int, "optim_float": float}
