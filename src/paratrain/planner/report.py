@@ -6,6 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..lr import scale_lr
+from ..sizes import format_bytes
 from .hardware import GIB, Device, Link
 from .layout import Layout
 from .memory import activation_figures
@@ -36,13 +37,6 @@ def _fits(e: Estimate) -> str:
     return f"no +{over:.0f}" if over >= 100 else f"no +{over:.1f}"
 
 
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:g} B"
-
-
 def _flops(n: float) -> str:
     for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
         if n >= size:
@@ -56,12 +50,12 @@ def format_plan(plan: Plan, *, breakdown: bool = False) -> str:
     d = c.device
     rank = "process" if d.shared_by_ranks else "GPU"
     act = activation_figures(s, t, Layout.of(name="single"))[0]
-    built = ", ".join(f"{k} {_bytes(v)}" for k, v in s.param_bytes.items())
+    built = ", ".join(f"{k} {format_bytes(v)}" for k, v in s.param_bytes.items())
     lines = [
         f"model     {s.name}: {_count(s.params)} parameters ({built} as built); {s.source}",
         f"          largest layer {s.largest_layer[0]} ({_count(s.largest_layer[1])}), largest wrap unit "
         f"{s.largest_unit[0]} ({_count(s.largest_unit[1])}); per sample {_flops(s.flops_per_sample)} forward+backward, "
-        f"{_bytes(act)} of activations",
+        f"{format_bytes(act)} of activations",
         *(f"warning:  {text}" for text in s.warnings),
         f"cluster   {c.world_size} x {d.name}" + (" process" if d.shared_by_ranks else "")
         + f" on {c.nodes} node{'s' if c.nodes > 1 else ''} ({d.memory_gib:.3g} GiB, {d.peak_tflops(t.precision):g} "
@@ -129,9 +123,9 @@ def _ps_line(e: Estimate) -> str:
     touched = f" and the {rows} table rows it touches" if tr.rows else ""
     return (f"  ps: a worker {sv.worker.total / GIB:.2f} GiB (no table, no optimizer state), the busiest server "
             f"{sv.server.total / GIB:.2f} GiB ({_count(sv.dense_share)} dense parameters, {_count(sv.table_rows)} "
-            f"table elements, their optimizer states); per step a worker sends {_bytes(tr.worker_sent)} and "
-            f"receives {_bytes(tr.worker_received)} (dense {_bytes(tr.dense)} each way{touched}); the busiest "
-            f"server receives {_bytes(tr.server_received)} and sends {_bytes(tr.server_sent)} from and to "
+            f"table elements, their optimizer states); per step a worker sends {format_bytes(tr.worker_sent)} and "
+            f"receives {format_bytes(tr.worker_received)} (dense {format_bytes(tr.dense)} each way{touched}); the busiest "
+            f"server receives {format_bytes(tr.server_received)} and sends {format_bytes(tr.server_sent)} from and to "
             f"{lay.dp} workers over {_link(sv.link)} in {lay.dp * sv.requests} requests: its link and its serving "
             f"loop are the bottleneck ({e.time.exposed_comm_s * 1e3:.3g} ms, of which {sv.requests_s * 1e3:.3g} ms "
             f"the requests' host work; its optimizer step {e.time.optimizer_s * 1e3:.3g} ms)")
