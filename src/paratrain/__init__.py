@@ -32,11 +32,12 @@ _EXPORTS = {
     "MLflowConfig": ".monitor.trackers",
     "scale_lr": ".lr",
     "linear_warmup": ".lr",
+    "chunked_cross_entropy": ".loss",
     "Strategy": ".strategies",
     "ray_train_loop": ".launcher.ray_train",
 }
 """What a script uses: ``Parallel``, every configuration it may construct (a strategy's as ``config=``), the errors,
-the LR helpers, ``launch`` and the ``Strategy`` base class (strategies are chosen by name); and what a Ray Train
+the LR helpers, the chunked cross-entropy, ``launch`` and the ``Strategy`` base class (strategies are chosen by name); and what a Ray Train
 driver hands its trainer (``ray_train_loop``)."""
 _DEPRECATED = {
     "DDPStrategy": (".strategies", "choose the strategy by name: Parallel('ddp', config=paratrain.DDPConfig(...)) (or "

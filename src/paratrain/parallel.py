@@ -31,6 +31,7 @@ from .distributed.metrics import gather_object, reduce_value
 from .distributed.process_group import group_started
 from .env import ClusterEnv
 from .loop import GlobalBatch, Loop, StepInfo
+from .loss import HeadLoss
 from .model.facts import ModelFacts
 from .model.materialize import Materializer, check_materialized
 from .monitor import LogWith, MonitorConfig, TrackerConfig, monitor_config, monitor_for, tracker_config, trackers_for
@@ -66,6 +67,7 @@ class Parallel:
         log_with: trackers for ``par.log`` and the monitor's figures (rank 0): names, configs, ``TrackerConfig``.
         activation_checkpointing, compile: per block (:mod:`paratrain.model.transforms`).
         init_fn: initializes a model built on the meta device (:mod:`paratrain.model.materialize`).
+        loss_chunk: compute the cross-entropy at the model's head, this many tokens at a time (:mod:`paratrain.loss`).
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
     """
 
@@ -76,8 +78,10 @@ class Parallel:
                  env: ClusterEnv | None = None, monitor: bool | MonitorConfig = True,
                  activation_checkpointing: bool | int = False, compile: bool | dict[str, Any] = False,
                  wait_report_s: float | None = None, init_fn: Callable[[nn.Module], None] | str | None = None,
-                 global_batch: int | None = None, micro_batch: int | None = None, **strategy_options: Any) -> None:
+                 global_batch: int | None = None, micro_batch: int | None = None, loss_chunk: int | None = None,
+                 **strategy_options: Any) -> None:
         self._loop, self.init_fn = Loop(accumulate, clip_grad_norm, GlobalBatch.of(global_batch, micro_batch)), init_fn
+        self._loss = HeadLoss(loss_chunk)
         watching, tracking = monitor_config(monitor), tracker_config(log_with)
         self.transforms = BlockTransforms.of(activation_checkpointing, compile)
         """Activation checkpointing and compilation of the model's blocks in ``prepare``."""
@@ -242,9 +246,9 @@ class Parallel:
         ``model(x, target, **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
         call = ModelCall.of(x, target, loss_fn, kwargs)
         self._replicas.first_batch(call.first_tensor())
-        loss = self.strategy.forward_backward(model, call, 1.0 / self.accumulate)
+        loss = None if self._loss.on else self.strategy.forward_backward(model, call, 1.0 / self.accumulate)
         if loss is None:
-            loss = self.precision.loss(model, call, self.device)
+            loss = self._loss(model, call, self.strategy, self.precision, self.device)
             self.backward(loss)
         return loss.detach()
 

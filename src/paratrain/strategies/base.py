@@ -161,6 +161,11 @@ class Strategy(ABC):
         vocabulary-split loss of tensor parallelism); None: it doesn't."""
         return self.tp.forward_backward(model, call, scale)
 
+    def loss_at_head(self) -> str | None:
+        """Why the loss cannot be computed at the model's head in chunks (``loss_chunk``), in words for a one-line
+        error; None: it can, since the model runs whole on this rank as the user wrote it."""
+        return self.tp.loss_at_head()
+
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         """Bytes this rank has sent plus received to keep ``model`` in step with the other ranks over its first
         ``steps`` optimizer steps (``paratrain bench``'s bytes/step); None where this strategy does not count them."""

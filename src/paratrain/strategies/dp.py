@@ -46,5 +46,8 @@ class DataParallelStrategy(Strategy):
             return model
         return nn.DataParallel(model, device_ids=list(range(gpus)), output_device=rt.device.index)
 
+    def loss_at_head(self) -> str:
+        return "nn.DataParallel runs copies of the model in threads; use ddp"
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model

@@ -217,6 +217,9 @@ class PipelineStrategy(Strategy):
     def needs_every_rank(self) -> str | None:
         return f"under {self.name} each rank holds a stage of the model"
 
+    def loss_at_head(self) -> str:
+        return f"under {self.name} the last stage computes the loss inside the schedule"
+
     def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor:
         if not isinstance(model, PipelinedModel):
             raise ConfigError("pass the model that prepare() returned to forward_backward")

@@ -140,6 +140,10 @@ class TensorParallel(WholeLayers):
     def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor:
         return forward_backward(self.outputs, model, call, scale, self._precision, self._device)
 
+    def loss_at_head(self) -> str:
+        return ("tp splits the head over the vocabulary, and its loss_parallel already keeps each rank to its "
+                "slice of the logits")
+
     def split_loss(self) -> AbstractContextManager:
         return self.outputs.split_loss()
 

@@ -62,6 +62,10 @@ class WholeLayers:
         """Forward and backward of one micro-batch when the split changes how the loss runs; None: it does not."""
         return None
 
+    def loss_at_head(self) -> str | None:
+        """Why the split stops the loss from being computed at the head in chunks, or None."""
+        return None
+
     def split_loss(self) -> AbstractContextManager:
         """Context of a loss computed on split logits (a pipeline's last stage)."""
         return nullcontext()

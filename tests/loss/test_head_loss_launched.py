@@ -1,0 +1,37 @@
+"""``Parallel(loss_chunk=)`` under the data-parallel strategies at world size 2, equal to one plain process on the
+same global batch: DDP (also finding unused parameters, and with a static graph), ZeRO-2, FSDP2 with the head
+inside the root and as a unit of its own (tied to the embedding or not), model parallelism; transformers'
+``labels=``, nanoGPT's ``model(x, y)`` and a ``loss_fn`` (tests/helpers/loss_workers.py)."""
+from __future__ import annotations
+
+import pytest
+from helpers.loss_workers import case_key, reference, run_cases
+
+from paratrain.testing import max_abs_diff, spawn
+
+CASES = [
+    ("gpt2", "labels", "ddp", {}),
+    ("gpt2", "labels", "zero3", {}),
+    ("gpt2", "labels", "zero3", {"min_params": 1}),  # the tied embedding and head: one unit, resharded after use
+    ("gpt2", "labels", "model_parallel", {}),
+    ("llama", "labels", "zero3", {"min_params": 1}),  # the head a unit of its own
+    ("llama", "loss_fn", "ddp", {"static_graph": True}),
+    ("lora", "labels", "ddp", {}),
+    ("nanogpt_real", "targets", "ddp", {"find_unused_parameters": True}),
+    ("nanogpt_real", "targets", "zero3", {"min_params": 1}),
+    ("nanogpt", "loss_fn", "zero2", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn(run_cases, 2, (CASES,), timeout_s=300)[0]
+
+
+@pytest.mark.launched
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("case", CASES, ids=case_key)
+def test_chunked_loss_under_a_strategy_equals_one_plain_process(world2, case):
+    result = world2[case_key(case)]
+    assert "error" not in result, result.get("error")
+    assert max_abs_diff(result, reference(case[0], case[1], 2)) <= 1e-6
