@@ -87,31 +87,43 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need[1] else None
     g_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need[2] and bias is not None else None
     for start in range(0, hidden.shape[0], chunk):
-        h, y = hidden[start:start + chunk], targets[start:start + chunk]
-        logits = F.linear(h, weight, bias).float()
-        capped = None
-        if softcap is not None:
-            capped = torch.tanh(logits / softcap)
-            logits = capped * softcap
-        lse = torch.logsumexp(logits, dim=-1)
-        kept = y != ignore_index
-        picked = y.masked_fill(~kept, 0).unsqueeze(1)
-        total += ((lse - logits.gather(1, picked).squeeze(1)) * kept).sum()
-        if not any(need):
-            continue
-        g = logits.sub_(lse.unsqueeze(1)).exp_()  # the softmax, in the logits' own memory
-        g.scatter_add_(1, picked, -kept.to(g.dtype).unsqueeze(1)).mul_(kept.unsqueeze(1))
-        if capped is not None:
-            g.mul_(capped.square_().neg_().add_(1))
-        if g_hidden is not None:
-            g_hidden[start:start + chunk] = g.to(weight.dtype) @ weight
-        if g_weight is not None:
-            g_weight += g.t().to(h.dtype) @ h
-        if g_bias is not None:
-            g_bias += g.sum(0)
+        rows = slice(start, start + chunk)
+        total += _chunk(hidden[rows], weight, bias, targets[rows], ignore_index, softcap,
+                        None if g_hidden is None else g_hidden[rows], g_weight, g_bias)
     if g_weight is not None:
         g_weight = g_weight.to(_kept(weight))
     return total, (g_hidden, g_weight, g_bias)
+
+
+def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ignore_index: int,
+           softcap: float | None, g_hidden: torch.Tensor | None, g_weight: torch.Tensor | None,
+           g_bias: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's summed loss; its gradients written into ``g_hidden`` and added to ``g_weight``, ``g_bias``.
+    A function of its own so that its logits are freed on return, before the next chunk's exist."""
+    logits = F.linear(h, weight, bias).float()
+    capped = None
+    if softcap is not None:
+        capped = logits.div_(softcap).tanh_()
+        logits = capped * softcap
+    kept = y != ignore_index
+    picked = y.masked_fill(~kept, 0).unsqueeze(1)
+    right = logits.gather(1, picked)
+    top = logits.amax(dim=-1, keepdim=True)
+    g = logits.sub_(top).exp_()  # the softmax's numerators, in the logits' own memory (one pass, no copy)
+    norm = g.sum(dim=-1, keepdim=True)
+    loss = ((top + norm.log() - right).squeeze(1) * kept).sum()  # log-sum-exp minus the right logit
+    if g_hidden is None and g_weight is None and g_bias is None:
+        return loss
+    g.div_(norm).scatter_add_(1, picked, -kept.to(g.dtype).unsqueeze(1)).mul_(kept.unsqueeze(1))
+    if capped is not None:
+        g.mul_(capped.square_().neg_().add_(1))
+    if g_hidden is not None:
+        g_hidden.copy_(g.to(weight.dtype) @ weight)
+    if g_weight is not None:
+        g_weight += g.t().to(h.dtype) @ h
+    if g_bias is not None:
+        g_bias += g.sum(0)
+    return loss
 
 
 def _kept(t: torch.Tensor) -> torch.dtype:
