@@ -1,7 +1,8 @@
 """``Parallel(loss_chunk=)`` under the data-parallel strategies at world size 2, equal to one plain process on the
 same global batch: DDP (also finding unused parameters, and with a static graph), ZeRO-2, FSDP2 with the head
 inside the root and as a unit of its own (tied to the embedding or not), model parallelism; transformers'
-``labels=``, nanoGPT's ``model(x, y)`` and a ``loss_fn`` (tests/helpers/loss_workers.py)."""
+``labels=``, nanoGPT's ``model(x, y)`` and a ``loss_fn`` (tests/helpers/loss_workers.py); and the strategies that
+compute the loss themselves (tp, pipelines) refusing it in one line on every rank."""
 from __future__ import annotations
 
 import pytest
@@ -15,17 +16,20 @@ CASES = [
     ("gpt2", "labels", "zero3", {"min_params": 1}),  # the tied embedding and head: one unit, resharded after use
     ("gpt2", "labels", "model_parallel", {}),
     ("llama", "labels", "zero3", {"min_params": 1}),  # the head a unit of its own
+    ("llama", "labels", "zero3", {"activation_checkpointing": True}),
     ("llama", "loss_fn", "ddp", {"static_graph": True}),
     ("lora", "labels", "ddp", {}),
     ("nanogpt_real", "targets", "ddp", {"find_unused_parameters": True}),
     ("nanogpt_real", "targets", "zero3", {"min_params": 1}),
     ("nanogpt", "loss_fn", "zero2", {}),
 ]
+REFUSED = [("gpt2", "labels", "tp", {}), ("gpt2", "labels", "pipeline", {})]
+SAYS = ["tp splits the head over the vocabulary", "the last stage computes the loss inside the schedule"]
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return spawn(run_cases, 2, (CASES,), timeout_s=300)[0]
+    return spawn(run_cases, 2, (CASES + REFUSED,), timeout_s=300)[0]
 
 
 @pytest.mark.launched
@@ -35,3 +39,11 @@ def test_chunked_loss_under_a_strategy_equals_one_plain_process(world2, case):
     result = world2[case_key(case)]
     assert "error" not in result, result.get("error")
     assert max_abs_diff(result, reference(case[0], case[1], 2)) <= 1e-6
+
+
+@pytest.mark.launched
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("case, says", list(zip(REFUSED, SAYS)), ids=[c[2] for c in REFUSED])
+def test_strategies_that_compute_the_loss_themselves_refuse_it(world2, case, says):
+    error = world2[case_key(case)].get("error", "")
+    assert error.startswith("loss_chunk does not run here: ") and says in error and "\n" not in error
