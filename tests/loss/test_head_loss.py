@@ -55,6 +55,19 @@ def _gemma2() -> nn.Module:
                                           attn_implementation="eager"))
 
 
+def test_a_loss_fn_that_shifts_the_targets_itself():
+    x, _ = batch(0, 2, "labels")
+    shifted = lambda out, t: F.cross_entropy(out[:, :-1].flatten(0, 1), t[:, 1:].flatten())  # noqa: E731
+    losses, grads = [], []
+    for chunk in (None, 3):
+        par = paratrain.Parallel("single", monitor=False, loss_chunk=chunk)
+        model = par.prepare(build("nanogpt"))
+        losses.append(par.forward_backward(model, x, x, shifted))
+        grads.append(model.head.weight.grad)
+    assert abs(float(losses[1] - losses[0])) <= 1e-6 * float(losses[0])
+    assert float((grads[1] - grads[0]).abs().max()) <= 2e-6 * float(grads[0].abs().max())
+
+
 @pytest.mark.parametrize("extra", [{}, {"num_items_in_batch": torch.tensor(11)}])
 def test_soft_capped_logits_and_a_count_of_items_follow_the_model(extra):
     x, y = batch(0, 2, "labels")
