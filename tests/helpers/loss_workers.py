@@ -62,7 +62,7 @@ def micro_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, call: str,
 
 
 def run_case(model_name: str, call: str, strategy: str, options: dict) -> dict[str, torch.Tensor]:
-    par = paratrain.Parallel(strategy, monitor=False, loss_chunk=CHUNK, **options)
+    par = paratrain.Parallel(strategy, monitor=False, **{"loss_chunk": CHUNK, **options})
     model = build(model_name)
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
     size, rank = par.data_parallel_size, par.data_parallel_rank

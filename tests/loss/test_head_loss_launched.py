@@ -1,8 +1,8 @@
-"""``Parallel(loss_chunk=)`` under the data-parallel strategies at world size 2, equal to one plain process on the
-same global batch: DDP (also finding unused parameters, and with a static graph), ZeRO-2, FSDP2 with the head
-inside the root and as a unit of its own (tied to the embedding or not), model parallelism; transformers'
-``labels=``, nanoGPT's ``model(x, y)`` and a ``loss_fn`` (tests/helpers/loss_workers.py); and the strategies that
-compute the loss themselves (tp, pipelines) refusing it in one line on every rank."""
+"""``Parallel(loss_chunk=)`` under the data-parallel strategies at world size 2, equal to one plain process on the same
+global batch: DDP (also finding unused parameters, and with a static graph), ZeRO-2, FSDP2 with the head inside the
+root and as a unit of its own (tied to the embedding or not, also under bf16-mixed), model parallelism;
+transformers' ``labels=``, nanoGPT's ``model(x, y)`` and a ``loss_fn`` (tests/helpers/loss_workers.py); and the
+strategies that compute the loss themselves (tp, pipelines) refusing it in one line on every rank."""
 from __future__ import annotations
 
 import pytest
@@ -23,13 +23,15 @@ CASES = [
     ("nanogpt_real", "targets", "zero3", {"min_params": 1}),
     ("nanogpt", "loss_fn", "zero2", {}),
 ]
+BF16 = {"precision": "bf16-mixed", "min_params": 1}  # FSDP's mixed precision: the head's unit casts what it reads
+MIXED = [("llama", "labels", "zero3", BF16), ("llama", "labels", "zero3", {**BF16, "loss_chunk": None})]
 REFUSED = [("gpt2", "labels", "tp", {}), ("gpt2", "labels", "pipeline", {})]
 SAYS = ["tp splits the head over the vocabulary", "the last stage computes the loss inside the schedule"]
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return spawn(run_cases, 2, (CASES + REFUSED,), timeout_s=300)[0]
+    return spawn(run_cases, 2, (CASES + MIXED + REFUSED,), timeout_s=300)[0]
 
 
 @pytest.mark.launched
@@ -39,6 +41,14 @@ def test_chunked_loss_under_a_strategy_equals_one_plain_process(world2, case):
     result = world2[case_key(case)]
     assert "error" not in result, result.get("error")
     assert max_abs_diff(result, reference(case[0], case[1], 2)) <= 1e-6
+
+
+@pytest.mark.launched
+@pytest.mark.timeout(360)
+def test_under_fsdp_mixed_precision_it_stays_with_the_plain_loss(world2):
+    chunked, plain = (world2[case_key(case)] for case in MIXED)
+    assert "error" not in chunked and "error" not in plain
+    assert max_abs_diff(chunked, plain) <= 5e-3  # bf16's resolution at the parameters' size (~1)
 
 
 @pytest.mark.launched

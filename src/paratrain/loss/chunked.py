@@ -6,8 +6,9 @@ vocabulary are 4 GiB in fp32, and the softmax's backward needs as much again. He
 ``chunk`` tokens at a time, and each chunk's gradients (for the hidden states, the head's weight and its bias) are
 computed right there in the forward, while that chunk's logits exist; the backward only scales them by the gradient
 it receives. So one chunk's logits live at a time, and the backward never reads the head's weight again, which
-matters under FSDP, where the weight has been resharded by then. This is the fused linear cross-entropy of
-Liger-Kernel and of cut cross-entropy, written in plain PyTorch ops so it runs on any device.
+matters under FSDP, where the weight has been resharded by then. This is how Liger-Kernel's fused linear
+cross-entropy works (cut cross-entropy recomputes the logits in the backward instead), written in plain PyTorch
+ops so it runs on any device.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ class Head:
 def find_head(root: nn.Module, run: Callable[[], T]) -> tuple[Head | str, T]:
     """``run()``'s result (a plain forward of ``root``, possibly wrapped) and ``root``'s head, or why none was found:
     the last ``nn.Linear`` called, and the latest module to finish before it whose output is a tensor, which must
-    be exactly what the head was handed (no operation of the model's between them)."""
+    be exactly what the head was handed (no operation of the model's between them but a cast)."""
     finished: list[tuple[nn.Module, Any]] = []
     last: list[tuple[nn.Linear, Any, int]] = []
 
@@ -62,7 +62,7 @@ def find_head(root: nn.Module, run: Callable[[], T]) -> tuple[Head | str, T]:
     layer, seen, at = last[0]
     feeder = next(((m, out) for m, out in reversed(finished[:at]) if isinstance(out, torch.Tensor)), None)
     if feeder is None or not isinstance(seen, torch.Tensor) or feeder[1].shape != seen.shape or not torch.equal(
-            feeder[1], seen):
+            feeder[1].to(seen.dtype), seen):  # FSDP's mixed precision casts what a unit is handed
         return "its output layer does not read a module's output as it is", result
     return Head(layer, feeder[0]), result
 
@@ -73,10 +73,13 @@ class Armed:
     def __init__(self) -> None:
         self.hidden: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
+        self.paired = False
+        """The root's hook returned ``(output, loss)``."""
 
     def taken(self, out: Any) -> torch.Tensor:
-        """The loss from what the prepared model returned: ``(output, loss)``, the root's hook having added it."""
-        if self.loss is None or not isinstance(out, tuple) or len(out) != 2:
+        """The loss from what the prepared model returned: ``(output, loss)``, the root's hook having added it (the
+        wrappers may have replaced the tensor on the way: DDP does, to find the parameters it used)."""
+        if not self.paired:
             raise ConfigError("loss_chunk: the model never called its output layer when run without its targets; "
                               "drop loss_chunk for this model")
         return out[1]
@@ -93,12 +96,15 @@ def armed(root: nn.Module, head: Head, compute: Compute) -> Iterator[Armed]:
         state.hidden = out
 
     def stand_in(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if state.loss is None and state.hidden is not None:  # the head's device: a model split over devices
-            state.loss = compute(state.hidden.to(layer.weight.device), layer)
+        if state.loss is None and state.hidden is not None:  # as the head is handed it: device, FSDP's cast
+            state.loss = compute(state.hidden.to(x.device, x.dtype), layer)
         return torch.zeros((), dtype=x.dtype, device=x.device).expand(*x.shape[:-1], layer.out_features)
 
     def pair(_: nn.Module, args: tuple, out: Any) -> Any:
-        return (out, state.loss) if state.loss is not None else out
+        if state.loss is None:
+            return out
+        state.paired = True
+        return out, state.loss
 
     handles = [head.feeder.register_forward_hook(keep), root.register_forward_hook(pair, prepend=True)]
     own = layer.__dict__.get("forward")  # a forward patched onto the instance by someone else, put back after

@@ -73,6 +73,9 @@ def prove(model: nn.Module, root: nn.Module, call: ModelCall, precision: Any, de
         found, plain = find_head(root, lambda: precision.loss(model, probe, device))
     if isinstance(found, str):
         raise ConfigError(f"loss_chunk: {name} cannot have its loss computed at its head: {found}; drop loss_chunk")
+    if not torch.isfinite(plain):
+        raise ConfigError(f"loss_chunk: the loss of {name} on a slice of the first batch is {float(plain)}, nothing to "
+                          "prove the chunked loss against; start with a batch whose first sample has targets")
     recipes = candidates(probe, root)
     keep_last = "logits_to_keep" in inspect.signature(root.forward).parameters
     first = Proven(found, recipes[0], keep_last)
