@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 from helpers.loss_workers import case_key, reference, run_cases
+from helpers.ps_workers import run_zoo, zoo_reference
+from helpers.zoo_workers import TOL
 
 from paratrain.testing import max_abs_diff, spawn
 
@@ -57,3 +59,11 @@ def test_under_fsdp_mixed_precision_it_stays_with_the_plain_loss(world2):
 def test_strategies_that_compute_the_loss_themselves_refuse_it(world2, case, says):
     error = world2[case_key(case)].get("error", "")
     assert error.startswith("loss_chunk does not run here: ") and says in error and "\n" not in error
+
+
+@pytest.mark.launched
+@pytest.mark.timeout(240)
+def test_parameter_server_workers_compute_it_too():
+    """Two workers and a server (sync): the workers' chunked loss trains the served parameters as the plain one."""
+    results = spawn(run_zoo, 3, ("nanogpt", {"servers": 1, "loss_chunk": 3}), timeout_s=180)
+    assert max_abs_diff(results[0]["state"], zoo_reference("nanogpt", 2)) <= TOL
