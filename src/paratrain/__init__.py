@@ -37,8 +37,8 @@ _EXPORTS = {
     "ray_train_loop": ".launcher.ray_train",
 }
 """What a script uses: ``Parallel``, every configuration it may construct (a strategy's as ``config=``), the errors,
-the LR helpers, the chunked cross-entropy, ``launch`` and the ``Strategy`` base class (strategies are chosen by name); and what a Ray Train
-driver hands its trainer (``ray_train_loop``)."""
+the LR helpers, the chunked cross-entropy, ``launch`` and the ``Strategy`` base class (strategies are chosen by
+name); and what a Ray Train driver hands its trainer (``ray_train_loop``)."""
 _DEPRECATED = {
     "DDPStrategy": (".strategies", "choose the strategy by name: Parallel('ddp', config=paratrain.DDPConfig(...)) (or "
                                    "paratrain.strategies.DDPStrategy)"),
