@@ -47,6 +47,34 @@ def test_a_preset_has_its_published_parameter_count(name):
     assert transformer_params(TRANSFORMERS[name])["total"] == pytest.approx(PUBLISHED[name], rel=0.01)
 
 
+PUBLISHED_MOE = {
+    # (total, active). Mistral AI's "Mixtral of experts" announcement and model card (mistralai/Mixtral-8x7B-v0.1):
+    # 46.7B total, 12.9B used per token
+    "mixtral-8x7b": (46.7e9, 12.9e9),
+    # Qwen/Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated (29.9B without the embeddings)
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),
+    # OpenAI's gpt-oss model card (arXiv 2508.10925, table 1; the openai/gpt-oss-20b page rounds it to 21B and 3.6B):
+    # 20.91B total, 3.61B active, which counts the unembedding but not the embedding table (a lookup)
+    "gpt-oss-20b": (20.91e9, 3.61e9),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_MOE))
+def test_a_mixture_of_experts_preset_has_its_published_total_and_active_counts(name):
+    cfg, (total, active) = TRANSFORMERS[name], PUBLISHED_MOE[name]
+    counts = transformer_params(cfg)
+    lookups = cfg.vocab * cfg.hidden if name == "gpt-oss-20b" else 0
+    assert counts["total"] == pytest.approx(total, rel=0.02)
+    assert counts["active"] - lookups == pytest.approx(active, rel=0.02)
+    stats = transformer_stats(cfg, name=name)
+    assert stats.moe.active == counts["active"] and stats.params == counts["total"]
+
+
+def test_qwen3_30b_a3b_without_embeddings_is_its_published_29_9b():
+    counts = transformer_params(TRANSFORMERS["qwen3-30b-a3b"])
+    assert counts["total"] - 2 * 151936 * 2048 == pytest.approx(29.9e9, rel=0.005)
+
+
 def test_qwen2_7b_without_embeddings_is_its_published_6_53b():
     counts = transformer_params(TRANSFORMERS["qwen2-7b"])
     assert counts["total"] - 2 * 152064 * 3584 == pytest.approx(6.53e9, rel=0.005)
