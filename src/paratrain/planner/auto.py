@@ -2,8 +2,9 @@
 
 ``Parallel`` decides when ``prepare`` first sees the model, before anything is wrapped. It knows the
 parameters and the hardware, and the batch when ``prepare`` was given a loader with the model: for a model whose
-shape the planner has in closed form (paratrain's GPT; transformers' llama, mistral, qwen2 and gpt2) the
-activations of the loader's batch count too, else model states alone decide (parameters, gradients, optimizer
+shape the planner has in closed form (paratrain's GPT; transformers' llama, mistral, qwen2, qwen3, gpt2 and the
+mixtures of experts mixtral, qwen2_moe and qwen3_moe) the activations of the loader's batch count too, else model
+states alone decide (parameters, gradients, optimizer
 state, buffers, overhead): DDP when they fit — its communication is the least and nothing about the speed of
 the rest of the step is known here —, else the least sharding that fits (zero1, zero2, zero3). ``paratrain plan``
 also weighs speed (a ZeRO stage can beat ddp by sharding the optimizer step). On a CPU host
@@ -77,8 +78,9 @@ def parameter_stats(model: nn.Module) -> ModelStats:
 
 def closed_form_shape(model: nn.Module) -> GPTConfig | None:
     """The transformer shape of ``model`` when the planner has it in closed form: paratrain's GPT (its ``cfg``) or
-    a transformers llama, mistral, qwen2 or gpt2 (its ``config``), and only when that shape's parameter count is the
-    model's; None for any other model (its activations are then not planned)."""
+    a transformers model whose ``config`` ``hf_config`` reads (llama, mistral, qwen2, qwen3, gpt2, mixtral, qwen2_moe,
+    qwen3_moe), and only when that shape's parameter count is the model's; None for any other model (its
+    activations are then not planned)."""
     cfg = getattr(model, "cfg", None)
     if not isinstance(cfg, GPTConfig):
         config = getattr(model, "config", None)

@@ -19,15 +19,16 @@ class ModelSpec:
     """The model the flags name; ``workloads.planning.resolve_model`` builds it (the planner never builds by name)."""
 
     model: str | None = None
-    """mlp, cnn, gpt2[-medium|-large|-xl], llama-7b, gpt3-175b, llama3-8b/70b/405b, mistral-7b, qwen2-7b, or
-    module:factory."""
+    """mlp, cnn, gpt2[-medium|-large|-xl], llama-7b, gpt3-175b, llama3-8b/70b/405b, mistral-7b, qwen2-7b,
+    mixtral-8x7b, qwen3-30b-a3b, gpt-oss-20b, or module:factory."""
     input_spec: str | None = field(default=None, metadata=flag("--input", metavar="SHAPE"))
     """One sample's input for module:factory, e.g. 3x224x224 or long:1024."""
     targets: str | None = field(default=None, metadata=flag("--targets", metavar="SHAPE"))
     """One sample's targets for the forward's targets/labels parameter (long:1024, or long for one class id); none:
     trace the forward on its input alone. Default: given when the forward takes them."""
     model_config: str | None = field(default=None, metadata=flag("--model-config", metavar="PATH"))
-    """A transformers config.json (or its checkpoint directory): llama, mistral, qwen2 or gpt2."""
+    """A transformers config.json (or its checkpoint directory): llama, mistral, qwen2, qwen3, mixtral, qwen2_moe,
+    qwen3_moe or gpt2."""
     params: str | None = None
     """Plan a transformer of this many parameters, e.g. 7.5B (no --model)."""
     layers: int | None = None
