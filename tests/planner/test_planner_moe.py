@@ -31,13 +31,12 @@ def test_moe_counts_equal_the_module_block_by_block(name):
     counts = transformer_params(cfg)
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     assert [n for n, _, _ in block_params(cfg)] == [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    routed = [0 if b.moe is None else b.moe.gate_up.numel() + b.moe.down.numel()
-              + sum(p.numel() for p in (b.moe.gate_up_bias, b.moe.down_bias) if p is not None) for b in model.blocks]
+    routed = [0 if b.moe is None else sum(p.numel() for p in b.moe.experts.parameters()) for b in model.blocks]
     assert [x for _, _, x in block_params(cfg)] == routed and counts["experts"] == sum(routed)
     idle = (cfg.moe.experts - cfg.moe.top_k) * expert_params(cfg.moe, cfg.hidden, cfg.gated)
     assert counts["active"] == counts["total"] - idle * sum(1 for r in routed if r)
     stats = transformer_stats(cfg, name=name)
-    assert sorted(stats.tensors) == sorted(p.numel() for p in model.parameters())
+    assert stats.tensors == tuple(p.numel() for p in model.parameters())
     assert stats.moe.unit_experts == (0, *routed, 0) and stats.moe.layers == sum(1 for r in routed if r)
 
 

@@ -64,14 +64,14 @@ def mlp_params(moe: MoE, hidden: int, gated: bool, bias: bool) -> tuple[int, int
 
 
 def mlp_tensors(moe: MoE, hidden: int, gated: bool, bias: bool) -> tuple[int, ...]:
-    """Sizes of an MoE block's MLP tensors in ``workloads.experts.MixtureOfExperts``' order: each of the two expert
-    matrices fused over the experts (one 3-D tensor each, as transformers holds them too: ZeRO-1 hands it out
-    whole), their biases, the router, the shared experts' matrices and gate."""
+    """Sizes of an MoE block's MLP tensors in ``workloads.experts.MixtureOfExperts``' order: the router, each of the
+    two expert matrices fused over the experts (one 3-D tensor each, as transformers holds them too: ZeRO-1 hands
+    it out whole), their biases, the shared experts' matrices and gate."""
     e, f, inner = moe.experts, moe.ffn, (2 if gated else 1) * moe.ffn
     routed = (e * inner * hidden, e * f * hidden, *(e * inner, e * hidden) * moe.bias)
     s = (2 if gated else 1) * moe.shared
     shared = (hidden * s, *(s,) * bias, moe.shared * hidden, *(hidden,) * bias) if moe.shared else ()
-    return (*routed, e * hidden, *(e,) * moe.bias, *shared, *(hidden,) * moe.shared_gate)
+    return (e * hidden, *(e,) * moe.bias, *routed, *shared, *(hidden,) * moe.shared_gate)
 
 
 def idle_params(moe: MoE, hidden: int, gated: bool) -> int:

@@ -378,7 +378,7 @@ def _largest_layer(cfg: GPTConfig, blocks: tuple[tuple[int, int, int], ...]) -> 
         layers.append((f"blocks.{dense[0]}.fc", h * fc + fc * cfg.bias))
     routed = [(i, x) for i, (_, _, x) in enumerate(blocks) if x]
     if routed:
-        layers.append((f"blocks.{routed[0][0]}.moe", routed[0][1]))
+        layers.append((f"blocks.{routed[0][0]}.moe.experts", routed[0][1]))
     if not cfg.tied:
         layers.append(("head", cfg.vocab * h))
     return max(layers, key=lambda x: x[1])

@@ -1,9 +1,9 @@
 """The mixture-of-experts MLP of :class:`paratrain.workloads.gpt.GPT`, for the shapes ``GPTConfig.moe`` describes.
 
 Like the rest of that module it keeps what changes parameter counts, FLOPs and activation memory, so that the
-planner's closed forms (:mod:`paratrain.planner.moe`) can be held to a real module: a router, the routed experts as
-two fused 3-D tensors (``[experts, out, in]``, as transformers holds them: what expert parallelism splits on its
-first dimension), optional shared experts and their gate. Each token is computed by exactly its top k experts (no
+planner's closed forms (:mod:`paratrain.planner.moe`) can be held to a real module: a router, the routed experts in a
+module named ``experts`` as two fused 3-D tensors (``[experts, out, in]``, as transformers holds them: what expert
+parallelism splits on its first dimension), optional shared experts and their gate. Each token is computed by exactly its top k experts (no
 capacity, no token dropped); there is no load-balancing loss.
 """
 from __future__ import annotations
@@ -26,6 +26,31 @@ def activate(z: torch.Tensor, gated: bool) -> torch.Tensor:
     return F.gelu(z)
 
 
+class Experts(nn.Module):
+    """The routed experts of one block: their two matrices fused over the experts (``[experts, out, in]``, dimension
+    0 the expert, as transformers' ``experts`` modules hold them: what expert parallelism splits)."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int, gated: bool, bias: bool) -> None:
+        super().__init__()
+        inner = (2 if gated else 1) * ffn
+        self.gated = gated
+        self.gate_up = nn.Parameter(torch.empty(experts, inner, hidden))
+        self.down = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.gate_up_bias = nn.Parameter(torch.zeros(experts, inner)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(experts, hidden)) if bias else None
+        for weight in (self.gate_up, self.down):  # nn.Linear's default bound, per expert
+            nn.init.uniform_(weight, -1 / math.sqrt(weight.shape[-1]), 1 / math.sqrt(weight.shape[-1]))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``rows`` sorted by expert, ``counts[e]`` of them expert e's → each row through its expert."""
+        outputs = []
+        for e, part in enumerate(rows.split(counts)):
+            z = F.linear(part, self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
+            outputs.append(F.linear(activate(z, self.gated), self.down[e],
+                                    None if self.down_bias is None else self.down_bias[e]))
+        return torch.cat(outputs)
+
+
 class MixtureOfExperts(nn.Module):
     """Tokens (batch, seq, hidden) → the weighted sum of their top-k experts' outputs (plus the shared experts').
 
@@ -36,19 +61,14 @@ class MixtureOfExperts(nn.Module):
 
     def __init__(self, cfg: GPTConfig, moe: MoE) -> None:
         super().__init__()
-        h, inner = cfg.hidden, (2 if cfg.gated else 1) * moe.ffn
+        h = cfg.hidden
         self.top_k, self.gated = moe.top_k, cfg.gated
         self.router = nn.Linear(h, moe.experts, bias=moe.bias)
-        self.gate_up = nn.Parameter(torch.empty(moe.experts, inner, h))
-        self.down = nn.Parameter(torch.empty(moe.experts, h, moe.ffn))
-        self.gate_up_bias = nn.Parameter(torch.zeros(moe.experts, inner)) if moe.bias else None
-        self.down_bias = nn.Parameter(torch.zeros(moe.experts, h)) if moe.bias else None
+        self.experts = Experts(moe.experts, h, moe.ffn, cfg.gated, moe.bias)
         shared = (2 if cfg.gated else 1) * moe.shared
         self.shared_fc = nn.Linear(h, shared, bias=cfg.bias) if moe.shared else None
         self.shared_out = nn.Linear(moe.shared, h, bias=cfg.bias) if moe.shared else None
         self.shared_gate = nn.Linear(h, 1, bias=False) if moe.shared_gate else None
-        for weight in (self.gate_up, self.down):  # nn.Linear's default bound, per expert
-            nn.init.uniform_(weight, -1 / math.sqrt(weight.shape[-1]), 1 / math.sqrt(weight.shape[-1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = x.device.type
@@ -59,13 +79,8 @@ class MixtureOfExperts(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         slots = chosen.flatten().argsort(stable=True)  # each token's k slots, sorted by expert
         rows = slots // self.top_k
-        counts = chosen.flatten().bincount(minlength=self.gate_up.shape[0]).tolist()
-        outputs = []
-        for e, part in enumerate(tokens[rows].split(counts)):
-            z = F.linear(part, self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
-            outputs.append(F.linear(activate(z, self.gated), self.down[e],
-                                    None if self.down_bias is None else self.down_bias[e]))
-        routed = torch.cat(outputs)
+        counts = chosen.flatten().bincount(minlength=self.router.out_features).tolist()
+        routed = self.experts(tokens[rows], counts)
         routed = routed * weights.flatten()[slots, None].to(routed.dtype)
         out = routed.new_zeros(tokens.shape[0], routed.shape[-1]).index_add(0, rows, routed)
         if self.shared_fc is not None and self.shared_out is not None:
