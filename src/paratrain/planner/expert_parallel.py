@@ -14,6 +14,8 @@ compute dtype, (E−1)/E of them off the rank: 4 all-to-alls an MoE block (6 wit
 """
 from __future__ import annotations
 
+import math
+
 from ..errors import ConfigError
 from .collectives import all_to_all_s
 from .hardware import Cluster, Link
@@ -32,11 +34,22 @@ def held_units(stats: ModelStats, tp: int, ep: int) -> tuple[tuple[str, int], ..
 
 
 def held_experts(stats: ModelStats, ep: int) -> tuple[int, ...]:
-    """Routed experts' parameters one rank holds in each unit, when ``ep`` splits them (zeros without ep: the
-    experts are then sharded and synced as the dense parameters are)."""
-    if ep == 1 or stats.moe is None:
+    """Routed experts' parameters one rank holds in each unit: 1/ep of them (zeros for a dense model)."""
+    if stats.moe is None:
         return (0,) * len(stats.units)
     return tuple(x // ep for x in stats.moe.unit_experts)
+
+
+def expert_fraction(stats: ModelStats, layout: Layout) -> float:
+    """The share of its experts one rank keeps when ZeRO shards them over the shard/ep ranks holding the same ones:
+    1/(shard/ep). Without ep, FSDP (zero2, zero3) cuts each fused expert tensor on its first dimension, the experts:
+    a rank keeps ceil(E / shard) of the E experts, more than 1/shard when the ranks outnumber the experts (torch
+    pads the rest: at 64 ranks a rank keeps 1/8 of Mixtral's 8, as the dry run reads). With ep the experts are
+    sharded evenly, as torchtitan does by cutting them on their second dimension when the ranks outnumber them."""
+    ranks = layout.shard // layout.ep
+    if layout.zero >= 2 and layout.ep == 1 and stats.moe is not None:
+        return math.ceil(stats.moe.experts / ranks) / stats.moe.experts
+    return 1 / ranks
 
 
 def sync_groups(dense: float, experts: float, ranks: int, layout: Layout) -> list[tuple[float, int, int]]:

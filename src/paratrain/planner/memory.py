@@ -5,10 +5,11 @@ paper's figures (Rajbhandari et al. 2020, figure 1): 16Ψ (ddp), 4Ψ + 12Ψ/N (z
 16Ψ/N (zero3) bytes. Tensor parallelism divides what its plan splits by its degree
 (``tensor_parallel``). ZeRO-1 runs on ``ZeroRedundancyOptimizer``, which gives each rank whole parameters: where
 the model's tensor sizes are known, its optimizer states are the busiest rank's (``zero1_busiest``), not 12Ψ/N
-(``model_states(..., paper=True)`` keeps the paper's figure). Expert parallelism divides a mixture of experts' routed
-experts by its degree (``expert_parallel``); under ZeRO they are sharded over the shard group's ranks holding the
-same experts, so ZeRO's bytes per rank stay Ψ/N and what ep saves is the experts FSDP gathers, the activations'
-all-to-all buffers aside.
+(``model_states(..., paper=True)`` keeps the paper's figure). FSDP cuts each tensor on its first dimension, which for a
+mixture of experts' fused expert tensors is the experts: on more ranks than experts a rank keeps a whole expert's
+share (``expert_parallel.expert_fraction``). Expert parallelism divides the routed experts by its degree; under ZeRO
+they are sharded over the shard group's ranks holding the same experts, so ZeRO's bytes per rank stay about Ψ/N and
+what ep saves is the experts FSDP gathers, the all-to-all buffers aside.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from .hardware import Cluster
-from .expert_parallel import dispatch_bytes, held_experts, held_units
+from .expert_parallel import dispatch_bytes, expert_fraction, held_experts, held_units
 from .layout import Layout, fullest_stage
 from .model_stats import ModelStats
 from .tensor_parallel import rank_activations, rank_params
@@ -84,12 +85,12 @@ class ModelStates:
 
 
 def ranked_split(stats: ModelStats, layout: Layout) -> tuple[float, float]:
-    """Parameters one device holds, as (what its data-parallel ranks shard and sync, the routed experts ep splits):
-    all of them, or the fullest stage's when the layers are cut; of a tensor-parallel rank, its share of each split
-    layer; of an expert-parallel rank, 1/ep of the experts (0 without ep: they are then synced as the rest)."""
+    """Parameters one device holds, as (the dense ones, the routed experts): all of them, or the fullest stage's
+    when the layers are cut; of a tensor-parallel rank, its share of each split layer; of an expert-parallel rank,
+    1/ep of the experts."""
     experts = held_experts(stats, layout.ep)
     if layout.stages == 1:
-        away = stats.moe.expert_params - sum(experts) if stats.moe is not None and layout.ep > 1 else 0
+        away = stats.moe.expert_params - sum(experts) if stats.moe is not None else 0
         return float(rank_params(stats, layout.tp) - away - sum(experts)), float(sum(experts))
     units = held_units(stats, layout.tp, layout.ep)
     between = layout.pp > 1 and stats.cut_between_blocks  # a pipeline cuts between blocks; model_parallel layers
@@ -101,11 +102,6 @@ def ranked_split(stats: ModelStats, layout: Layout) -> tuple[float, float]:
 def ranked_params(stats: ModelStats, layout: Layout) -> float:
     """Parameters one device holds (``ranked_split``, both parts)."""
     return sum(ranked_split(stats, layout))
-
-
-def expert_shard(layout: Layout) -> int:
-    """Ranks one rank's experts are sharded over under ZeRO: the shard group's ranks holding the same experts."""
-    return layout.shard // layout.ep
 
 
 @lru_cache(maxsize=256)
@@ -123,11 +119,12 @@ def zero1_busiest(tensors: tuple[int, ...], ranks: int) -> int:
 
 def sharded(stats: ModelStats, layout: Layout, stage: int) -> float:
     """Parameters one device keeps of what ZeRO shards from ``stage`` on (3 parameters, 2 gradients, 1 optimizer
-    states): all it holds below that stage; from it, 1/shard of the dense ones and 1/(shard/ep) of its experts."""
+    states): all it holds below that stage; from it, 1/shard of the dense ones and its share of its experts
+    (``expert_parallel.expert_fraction``: 1/(shard/ep), in whole experts under FSDP)."""
     dense, experts = ranked_split(stats, layout)
     if layout.zero < stage:
         return dense + experts
-    return dense / layout.shard + experts / expert_shard(layout)
+    return dense / layout.shard + experts * expert_fraction(stats, layout)
 
 
 def optimizer_params(stats: ModelStats, layout: Layout, *, paper: bool = False) -> float:
