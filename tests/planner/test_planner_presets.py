@@ -23,6 +23,7 @@ from paratrain.planner import (
 from paratrain.planner.hf_config import read_model_config
 from paratrain.planner.layout import exact_layout
 from paratrain.planner.moe import MoE
+from paratrain.planner.published import MOE_COUNTS, preset_counts
 from paratrain.planner.tensor_parallel import rank_params
 from paratrain.planner.transformer import transformer_params
 from paratrain.workloads.gpt import GPT
@@ -48,27 +49,14 @@ def test_a_preset_has_its_published_parameter_count(name):
     assert transformer_params(TRANSFORMERS[name])["total"] == pytest.approx(PUBLISHED[name], rel=0.01)
 
 
-PUBLISHED_MOE = {
-    # (total, active). Mistral AI's "Mixtral of experts" announcement and model card (mistralai/Mixtral-8x7B-v0.1):
-    # 46.7B total, 12.9B used per token
-    "mixtral-8x7b": (46.7e9, 12.9e9),
-    # Qwen/Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated (29.9B without the embeddings)
-    "qwen3-30b-a3b": (30.5e9, 3.3e9),
-    # OpenAI's gpt-oss model card (arXiv 2508.10925, table 1; the openai/gpt-oss-20b page rounds it to 21B and 3.6B):
-    # 20.91B total, 3.61B active, which counts the unembedding but not the embedding table (a lookup)
-    "gpt-oss-20b": (20.91e9, 3.61e9),
-}
-
-
-@pytest.mark.parametrize("name", list(PUBLISHED_MOE))
+@pytest.mark.parametrize("name", list(MOE_COUNTS))
 def test_a_mixture_of_experts_preset_has_its_published_total_and_active_counts(name):
-    cfg, (total, active) = TRANSFORMERS[name], PUBLISHED_MOE[name]
-    counts = transformer_params(cfg)
-    lookups = cfg.vocab * cfg.hidden if name == "gpt-oss-20b" else 0
-    assert counts["total"] == pytest.approx(total, rel=0.02)
-    assert counts["active"] - lookups == pytest.approx(active, rel=0.02)
-    stats = transformer_stats(cfg, name=name)
-    assert stats.moe.active == counts["active"] and stats.params == counts["total"]
+    """Counted as each source counts: OpenAI's active count leaves out the embedding table (a lookup)."""
+    total, active = preset_counts(name)
+    assert total == pytest.approx(MOE_COUNTS[name].total, rel=0.02)
+    assert active == pytest.approx(MOE_COUNTS[name].active, rel=0.02)
+    counts, stats = transformer_params(TRANSFORMERS[name]), transformer_stats(TRANSFORMERS[name], name=name)
+    assert stats.moe.active == counts["active"] and stats.params == counts["total"] == total
 
 
 def test_qwen3_30b_a3b_without_embeddings_is_its_published_29_9b():
