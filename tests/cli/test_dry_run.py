@@ -9,9 +9,10 @@ parameters (the embedding's states, 13-43x the ZeRO paper's Psi/N here): the pla
 them: gathered, as FSDP keeps them from forward to backward (at rest they are sharded). The dry run found the
 planner's fullest pipeline stage 26-48% short (it balanced the embedding and head as units of their own; the runtime
 cuts between blocks and adds the embedding to the first stage, the head and a tied embedding's copy to the last):
-fixed in ``planner.layout.block_stage_params``. Mixtures of experts too (transformers' Mixtral and Qwen3-MoE, paratrain's
-GPT with MoE blocks): FSDP cuts their fused expert tensors on the experts, so past E ranks a rank keeps 1/E of them
-(the planner had 1/N: 4-8x short at 64 ranks), now planned in ``planner.expert_parallel.expert_fraction``.
+fixed in ``planner.layout.block_stage_params``. Mixtures of experts too (transformers' Mixtral and Qwen3-MoE,
+paratrain's GPT with MoE blocks): FSDP cuts their fused expert tensors on the experts, so past E ranks a rank keeps
+1/E of them (the planner had 1/N: 4-8x short at 64 ranks), now planned in
+``planner.expert_parallel.expert_fraction``.
 """
 from __future__ import annotations
 

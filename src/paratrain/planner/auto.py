@@ -26,11 +26,11 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..sizes import GIB
+from .expert_parallel import ep_degrees
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
 from .layout import Layout
 from ..model.structure import forward_pieces
-from .expert_parallel import ep_degrees
 from .model_stats import ModelStats, MoEShape, TPShape, trainable_sizes
 from .optimizers import PlannedOptimizer, planned
 from .recommend import estimate
@@ -174,15 +174,15 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     """
     stats = replace(parameter_stats(model), tp=tp)
     shape = closed_form_shape(model) if batch is not None or ep else None
+    planned_activations = shape is not None and batch is not None
     if shape is not None and batch is not None:
         stats = with_activations(stats, shape, batch[1])
     if shape is not None and ep:
         stats = replace(stats, moe=expert_shape(model, stats.units, shape))
-    samples = batch[0] if shape is not None and batch is not None else 1
+    samples = batch[0] if batch is not None and planned_activations else 1
     n = cluster.world_size
     opt = planned(optimizer)
     training = _training(precision, opt, samples)
-    planned_activations = shape is not None and batch is not None
     what = (f"model states {opt.states}, activations of the loader's {samples} samples, buffers, runtime"
             if planned_activations else f"model states {opt.states}; buffers, runtime"
             + ("" if batch is None else "; activations not planned: the model's shape is not known in closed form"))
@@ -198,16 +198,10 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
             if name != "ddp":
                 why += f" (ddp would need {tried[0].split()[1]} GiB)"
             return AutoChoice(strategy=name, reason=why)
-    for e in [d for d in ep_degrees(stats, cluster) if n % d == 0] if ep else []:
-        for name, zero in CANDIDATES:
-            est = estimate(stats, Layout.of(name=name, dp=n, zero=zero, shard=n if zero else 1, ep=e), training,
-                           cluster)
-            tried.append(f"{name} ep={e} {est.memory.total / GIB:.2f}")
-            least = min(least, (est.memory.total, f"{name} with ep={e}", est.capacity))
-            if est.fits:
-                return AutoChoice(strategy=name, ep=e, reason=(
-                    f"zero3 alone needs {tried[3].split()[1]} GiB per rank; ep={e} gives each rank 1/{e} of the "
-                    f"experts: {name} needs {est.memory.total / GIB:.2f} GiB of {est.capacity / GIB:.2f}"))
+    if ep:
+        found, least = _with_ep(stats, cluster, training, tried, least)
+        if found is not None:
+            return found
     for t in tp_degrees(stats, cluster):
         e = estimate(stats, Layout.of(name="zero3", dp=n // t, zero=3, shard=n // t, tp=t), training, cluster)
         tried.append(f"zero3 tp={t} {e.memory.total / GIB:.2f}")
@@ -220,6 +214,24 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
                                                            "rank); zero3 shards the most — see `paratrain plan`",
                       needed=least[0], least=least[1], capacity=least[2], planned=what,
                       activations=planned_activations)
+
+
+def _with_ep(stats: ModelStats, cluster: Cluster, training: Training, tried: list[str],
+             least: tuple[float, str, float]) -> tuple[AutoChoice | None, tuple[float, str, float]]:
+    """``choose``'s expert-parallel candidates, least ep first and, for each, the least sharding: the first that
+    fits, or None; ``tried`` and ``least`` (bytes, layout, capacity) carried on."""
+    n = cluster.world_size
+    for e in (d for d in ep_degrees(stats, cluster) if n % d == 0):
+        for name, zero in CANDIDATES:
+            est = estimate(stats, Layout.of(name=name, dp=n, zero=zero, shard=n if zero else 1, ep=e), training,
+                           cluster)
+            tried.append(f"{name} ep={e} {est.memory.total / GIB:.2f}")
+            least = min(least, (est.memory.total, f"{name} with ep={e}", est.capacity))
+            if est.fits:
+                return AutoChoice(strategy=name, ep=e, reason=(
+                    f"zero3 alone needs {tried[3].split()[1]} GiB per rank; ep={e} gives each rank 1/{e} of the "
+                    f"experts: {name} needs {est.memory.total / GIB:.2f} GiB of {est.capacity / GIB:.2f}")), least
+    return None, least
 
 
 def settle(choice: AutoChoice, precision: str) -> AutoChoice:

@@ -3,8 +3,9 @@
 Collectives follow the ring algorithm's alpha-beta cost for N ranks and S bytes over the all-reduce bus bandwidth
 B (Patarasuk & Yuan 2009; the "bus bandwidth" of nccl-tests): all-reduce 2(N−1)/N·S/B, all-gather and
 reduce-scatter (N−1)/N·S/(B·e) (S the full, unsharded size), a broadcast S/(B·e), an all-to-all (N−1)/N·S/B (S
-what each rank sends), plus the link latency once per ring step; e is the link's measured efficiency of that collective against the all-reduce. Step time
-(``timing``) and tensor parallelism's activation traffic (``tensor_parallel``) both price their collectives here.
+what each rank sends), plus the link latency once per ring step; e is the link's measured efficiency of that
+collective against the all-reduce. Step time (``timing``), tensor parallelism's activation traffic
+(``tensor_parallel``) and expert parallelism's (``expert_parallel``) price their collectives here.
 """
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ def format_plan(plan: Plan, *, breakdown: bool = False) -> str:
     built = ", ".join(f"{k} {format_bytes(v)}" for k, v in s.param_bytes.items())
     lines = [
         f"model     {s.name}: {_count(s.params)} parameters"
-        + (f", {_count(s.moe.active)} active per token" if s.moe is not None else "") + f" ({built} as built); {s.source}",
+        + (f", {_count(s.moe.active)} active per token" if s.moe is not None else "")
+        + f" ({built} as built); {s.source}",
         f"          largest layer {s.largest_layer[0]} ({_count(s.largest_layer[1])}), largest wrap unit "
         f"{s.largest_unit[0]} ({_count(s.largest_unit[1])}); per sample {_flops(s.flops_per_sample)} forward+backward, "
         f"{format_bytes(act)} of activations",

@@ -3,8 +3,8 @@
 Like the rest of that module it keeps what changes parameter counts, FLOPs and activation memory, so that the
 planner's closed forms (:mod:`paratrain.planner.moe`) can be held to a real module: a router, the routed experts in a
 module named ``experts`` as two fused 3-D tensors (``[experts, out, in]``, as transformers holds them: what expert
-parallelism splits on its first dimension), optional shared experts and their gate. Each token is computed by exactly its top k experts (no
-capacity, no token dropped); there is no load-balancing loss.
+parallelism splits on its first dimension), optional shared experts and their gate. Each token is computed by
+exactly its top k experts (no capacity, no token dropped); there is no load-balancing loss.
 """
 from __future__ import annotations
 
