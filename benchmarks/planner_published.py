@@ -1,16 +1,17 @@
 """The planner against published large runs (benchmarks/RESULTS.md §19): each run of ``planner.published.RUNS``
-planned with its published layout, setup and hardware, predicted against published step time and memory.
+planned with its published layout, setup and hardware, predicted against published step time and memory; with
+--counts, the mixture-of-experts presets' parameter counts against their published ones (§19b).
 
-    PYTHONPATH=src python benchmarks/planner_published.py [--json out.json]
+    PYTHONPATH=src python benchmarks/planner_published.py [--json out.json] [--counts]
 
-Pure arithmetic (milliseconds, no GPU): prints the markdown table of §19 and, with --json, the figures.
+Pure arithmetic (milliseconds, no GPU): prints the markdown table of §19 (or §19b) and, with --json, the figures.
 """
 from __future__ import annotations
 
 import argparse
 import json
 
-from paratrain.planner.published import RUNS, predict
+from paratrain.planner.published import MOE_COUNTS, RUNS, predict, preset_counts
 
 STEP_BOUND, MEMORY_BOUND = 0.20, 0.15
 
@@ -57,10 +58,25 @@ def table(data: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def counts() -> str:
+    """The MoE presets' total and active parameters against the published counts (§19b)."""
+    lines = ["| preset | total | published | ratio | active | published | ratio |", "|---|---|---|---|---|---|---|"]
+    for name, published in MOE_COUNTS.items():
+        total, active = preset_counts(name)
+        note = " (without the embedding lookups)" if published.active_without_lookups else ""
+        lines.append(f"| {name} | {total / 1e9:.2f}B | {published.total / 1e9:.2f}B | {total / published.total:.3f} | "
+                     f"{active / 1e9:.2f}B{note} | {published.active / 1e9:.2f}B | {active / published.active:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--counts", action="store_true", help="the MoE presets' parameter counts (§19b)")
     args = parser.parse_args()
+    if args.counts:
+        print(counts())
+        return
     data = rows()
     print(table(data))
     for r in data:

@@ -27,9 +27,14 @@ class ParallelDims:
     """Tensor-parallel ranks: consecutive ranks that split every layer's matrices."""
     mp: int = 1
     """Model-parallel stages inside one process (its GPUs take turns): not a mesh dimension."""
+    ep: int = 1
+    """Expert-parallel ranks: each of a group of ``ep`` data-parallel ranks holds 1/ep of every mixture-of-experts
+    layer's experts, and tokens travel to their expert's rank and back (all-to-all). The group is carved out of the
+    data-parallel ranks that hold one copy of the model (``dp_shard`` under ZeRO, ``dp_replicate`` without), so it
+    adds no ranks; under ZeRO the experts are sharded over the ``dp_shard / ep`` ranks left."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "pp", "tp", "mp"):
+        for name in ("dp_replicate", "dp_shard", "pp", "tp", "mp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel degree {name}={value!r} must be an integer >= 1")
@@ -41,6 +46,19 @@ class ParallelDims:
         if self.mp > 1 and (self.tp > 1 or self.pp > 1):
             raise ConfigError("model-parallel stages inside a process do not compose with pipeline or tensor "
                               "parallelism; use pipeline stages (pp) instead")
+        if self.ep > 1:
+            self._check_ep()
+
+    def _check_ep(self) -> None:
+        """``ep`` must divide the ranks that hold one copy: the experts are split over them, not over the replicas
+        of a copy (hsdp's nodes) or a process's own GPUs."""
+        group, name = (self.dp_shard, "dp_shard") if self.zero else (self.dp_replicate, "dp_replicate")
+        if self.mp > 1:
+            raise ConfigError("expert parallelism splits experts over ranks; model-parallel stages inside a process "
+                              "do not compose with it: use pipeline stages (pp) instead")
+        if group % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide the {group} data-parallel ranks that hold one copy of the "
+                              f"model ({name}); give an ep that divides {group}")
 
     @property
     def dp(self) -> int:
@@ -58,6 +76,7 @@ class ParallelDims:
         The data-parallel dimension is always there: ``dp`` (size 1 when nothing replicates or shards), or
         ``replicate`` × ``shard`` when both are above 1 (HSDP). ``pp`` and ``tp`` follow when above 1, ``tp``
         innermost so that the ranks of one tensor-parallel group are neighbours (on a node, NVLink peers).
+        ``ep`` is no dimension here: its groups are made of data-parallel ranks.
         """
         shape = ({"replicate": self.dp_replicate, "shard": self.dp_shard}
                  if self.dp_replicate > 1 and self.dp_shard > 1 else {"dp": self.dp})
@@ -81,5 +100,7 @@ class ParallelDims:
             parts.append(f"zero{self.zero}")
         if self.mp > 1:
             parts.append(f"mp={self.mp}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         return " ".join(parts) or "1 rank"
 

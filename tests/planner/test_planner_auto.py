@@ -8,12 +8,13 @@ from helpers.cli import run_cli
 from torch import nn
 
 from paratrain.planner import Layout, Training
-from paratrain.planner.auto import choose, parameter_stats, processes_vs_threads
+from paratrain.planner.auto import choose, closed_form_shape, expert_shape, parameter_stats, processes_vs_threads
 from paratrain.planner.hardware import cpu_host, make_cluster
 from paratrain.planner.model_stats import TPShape
 from paratrain.planner.optimizers import planned, state_tensors
 from paratrain.planner.recommend import estimate
-from paratrain.planner.transformer import transformer_params
+from paratrain.planner.moe import MoE
+from paratrain.planner.transformer import transformer_params, transformer_stats
 from paratrain.workloads.gpt import GPT, GPTConfig
 
 ADAM_FP32 = Training(precision="fp32", optimizer="adamw", micro_batch=1)  # what auto plans with on a CPU
@@ -215,3 +216,36 @@ def test_parallel_auto_raises_before_anything_starts_when_nothing_fits(monkeypat
             assert "within its 15% memory error" in lines[0]
         else:
             assert lines[0].startswith("paratrain: strategy 'auto' chose ddp"), lines[0]
+
+
+MOE = GPTConfig(layers=4, hidden=256, heads=4, seq_len=64, vocab=1000, gated=True, bias=False,
+                learned_positions=False, tied=False, moe=MoE(experts=8, top_k=2, ffn=1024))
+
+
+def test_auto_weighs_expert_parallelism_for_a_mixture_of_experts_when_let():
+    """26M parameters, 97% of them experts: where zero3 alone does not fit, ep ranks holding 1/ep of the experts
+    do (FSDP gathers 1/ep of a block); without ``ep=True`` the choice stays without it."""
+    model = GPT(MOE).to("meta")
+    stats = transformer_stats(MOE, name="moe")
+    cluster = make_cluster("h100", gpus=8)
+    need = {ep: estimate(stats, Layout.of(name="zero3", dp=8, zero=3, shard=8, ep=ep), ADAM_FP32, cluster).memory.total
+            for ep in (1, 2)}
+    assert need[2] < need[1]
+    small = make_cluster("h100", gpus=8, gpu_mem_gb=(need[1] + need[2]) / 2 / 2**30)
+    assert not choose(model, small, "fp32").fits
+    choice = choose(model, small, "fp32", ep=True)
+    assert choice.fits and choice.ep == 2 and choice.describe() == f"{choice.strategy} with ep=2"
+    assert "ep=2 gives each rank 1/2 of the experts" in choice.reason
+    assert choose(model, make_cluster("h100", gpus=8), "fp32", ep=True).ep == 1  # fits without: no ep
+
+
+def test_the_experts_auto_splits_are_read_from_modules_named_experts():
+    """transformers' MoE classes and paratrain's GPT keep the routed experts under ``experts`` (shared experts are
+    named otherwise), per forward piece; their sum is the closed form's."""
+    from helpers.moe_models import mixtral
+
+    for model in (GPT(MOE).to("meta"), mixtral().to("meta")):
+        cfg = closed_form_shape(model)
+        shape = expert_shape(model, parameter_stats(model).units, cfg)
+        assert sum(shape.unit_experts) == transformer_params(cfg)["experts"] > 0
+        assert shape.active == transformer_params(cfg)["active"] and shape.experts == cfg.moe.experts

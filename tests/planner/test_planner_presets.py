@@ -22,6 +22,8 @@ from paratrain.planner import (
 )
 from paratrain.planner.hf_config import read_model_config
 from paratrain.planner.layout import exact_layout
+from paratrain.planner.moe import MoE
+from paratrain.planner.published import MOE_COUNTS, preset_counts
 from paratrain.planner.tensor_parallel import rank_params
 from paratrain.planner.transformer import transformer_params
 from paratrain.workloads.gpt import GPT
@@ -47,6 +49,21 @@ def test_a_preset_has_its_published_parameter_count(name):
     assert transformer_params(TRANSFORMERS[name])["total"] == pytest.approx(PUBLISHED[name], rel=0.01)
 
 
+@pytest.mark.parametrize("name", list(MOE_COUNTS))
+def test_a_mixture_of_experts_preset_has_its_published_total_and_active_counts(name):
+    """Counted as each source counts: OpenAI's active count leaves out the embedding table (a lookup)."""
+    total, active = preset_counts(name)
+    assert total == pytest.approx(MOE_COUNTS[name].total, rel=0.02)
+    assert active == pytest.approx(MOE_COUNTS[name].active, rel=0.02)
+    counts, stats = transformer_params(TRANSFORMERS[name]), transformer_stats(TRANSFORMERS[name], name=name)
+    assert stats.moe.active == counts["active"] and stats.params == counts["total"] == total
+
+
+def test_qwen3_30b_a3b_without_embeddings_is_its_published_29_9b():
+    counts = transformer_params(TRANSFORMERS["qwen3-30b-a3b"])
+    assert counts["total"] - 2 * 151936 * 2048 == pytest.approx(29.9e9, rel=0.005)
+
+
 def test_qwen2_7b_without_embeddings_is_its_published_6_53b():
     counts = transformer_params(TRANSFORMERS["qwen2-7b"])
     assert counts["total"] - 2 * 152064 * 3584 == pytest.approx(6.53e9, rel=0.005)
@@ -54,7 +71,9 @@ def test_qwen2_7b_without_embeddings_is_its_published_6_53b():
 
 def _hf(kind: str, **shape):
     transformers = pytest.importorskip("transformers")
-    config_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gpt2": "GPT2Config"}
+    config_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gpt2": "GPT2Config",
+                  "qwen3": "Qwen3Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
+                  "qwen3_moe": "Qwen3MoeConfig"}
     return getattr(transformers, config_cls[kind])(**shape)
 
 
@@ -68,6 +87,19 @@ HF_SHAPES = {
     "qwen2": ("qwen2", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=400, max_position_embeddings=64)),
     "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=32, vocab_size=500)),
+    "qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=64)),
+    "mixtral": ("mixtral", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
+                                max_position_embeddings=64)),
+    "qwen2_moe": ("qwen2_moe", dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=300, num_experts=4, num_experts_per_tok=2,
+                                    max_position_embeddings=64)),
+    "qwen3_moe": ("qwen3_moe", dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+                                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    vocab_size=300, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0],
+                                    decoder_sparse_step=2, max_position_embeddings=64)),
 }
 
 
@@ -86,6 +118,34 @@ def test_a_transformers_config_json_plans_the_parameters_its_model_has(name, tmp
     assert read_model_config(tmp_path / "config.json") == cfg
     from_config = resolve_model(ModelSpec(model_config=str(tmp_path / "config.json")))
     assert from_config.find_stats().params == transformer_params(cfg)["total"]
+
+
+@pytest.mark.parametrize("name, moe", [
+    ("mixtral", MoE(experts=4, top_k=2, ffn=96)),
+    ("qwen2_moe", MoE(experts=4, top_k=2, ffn=32, shared=48, shared_gate=True)),
+    ("qwen3_moe", MoE(experts=8, top_k=2, ffn=32, dense_layers=(0, 2))),  # mlp_only_layers, decoder_sparse_step 2
+])
+def test_a_moe_config_json_gives_its_experts(name, moe, tmp_path):
+    kind, shape = HF_SHAPES[name]
+    _hf(kind, **shape).save_pretrained(tmp_path)
+    cfg = read_model_config(tmp_path)
+    assert cfg.moe == moe and cfg.qk_norm == (kind == "qwen3_moe")
+    assert cfg.head_dim == (32 if kind == "qwen3_moe" else None)  # 4 heads of 32 over 64: wider than hidden / heads
+
+
+def test_a_transformers_moe_from_a_factory_is_planned_in_closed_form(capsys):
+    """``--model module:factory`` building a transformers MoE: its routing cannot run on the meta device, so its
+    config is read instead (experts, top k, expert width, dense blocks), and the count is the module's."""
+    from helpers.moe_models import QWEN3_MOE, qwen3_moe
+
+    assert main(["plan", "--model", "helpers.moe_models:qwen3_moe", "--input", "long:256", "--gpus", "8",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in qwen3_moe().parameters())
+    assert plan["model"]["params"] == params and plan["model"]["source"].startswith("closed-form transformer")
+    assert plan["model"]["moe"]["experts"] == QWEN3_MOE["num_experts"] and plan["model"]["moe"]["layers"] == 3
+    assert "seq 256" in plan["model"]["source"]
 
 
 def test_the_pretraining_context_is_read_from_rope_scaling(tmp_path):

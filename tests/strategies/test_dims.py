@@ -32,9 +32,22 @@ def test_degrees_that_do_not_make_the_world_are_one_line():
     with pytest.raises(ConfigError, match=r"mesh dp=2 x tp=2 needs 4 processes but the world size is 8"):
         ParallelDims(dp_replicate=2, tp=2).validate(8)
     for bad, match in (({"tp": 0}, "tp=0 must be an integer >= 1"), ({"zero": 4}, "zero stage must be"),
-                       ({"dp_shard": 2}, "shards nothing at zero stage 0"), ({"mp": 2, "tp": 2}, "do not compose")):
+                       ({"dp_shard": 2}, "shards nothing at zero stage 0"), ({"mp": 2, "tp": 2}, "do not compose"),
+                       ({"ep": 0}, "ep=0 must be an integer >= 1"),
+                       ({"dp_replicate": 4, "ep": 8}, r"ep=8 must divide the 4 data-parallel ranks .*\(dp_replicate\)"),
+                       ({"dp_replicate": 2, "dp_shard": 4, "zero": 3, "ep": 8}, r"divide the 4 .*\(dp_shard\)"),
+                       ({"dp_replicate": 2, "mp": 2, "ep": 2}, "model-parallel stages inside a process")):
         with pytest.raises(ConfigError, match=match):
             ParallelDims(**bad)
+
+
+def test_expert_parallelism_is_carved_out_of_the_data_parallel_ranks():
+    """``ep`` adds no ranks and no mesh dimension: its groups are data-parallel ranks holding one copy (a ZeRO shard
+    group, or DDP's replicas), each holding 1/ep of the experts."""
+    zero3 = ParallelDims(dp_shard=8, zero=3, ep=4)
+    assert zero3.world_size == 8 and zero3.mesh_shape() == {"dp": 8} and zero3.describe() == "dp=8 zero3 ep=4"
+    assert ParallelDims(dp_replicate=2, dp_shard=8, zero=3, ep=8, tp=2).world_size == 32  # hsdp: within a node
+    assert ParallelDims(dp_replicate=8, ep=8).describe() == "dp=8 ep=8"
 
 
 def _runtime(layout: Layout) -> tuple[str, dict]:

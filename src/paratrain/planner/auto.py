@@ -2,8 +2,9 @@
 
 ``Parallel`` decides when ``prepare`` first sees the model, before anything is wrapped. It knows the
 parameters and the hardware, and the batch when ``prepare`` was given a loader with the model: for a model whose
-shape the planner has in closed form (paratrain's GPT; transformers' llama, mistral, qwen2 and gpt2) the
-activations of the loader's batch count too, else model states alone decide (parameters, gradients, optimizer
+shape the planner has in closed form (paratrain's GPT; transformers' llama, mistral, qwen2, qwen3, gpt2 and the
+mixtures of experts mixtral, qwen2_moe and qwen3_moe) the activations of the loader's batch count too, else model
+states alone decide (parameters, gradients, optimizer
 state, buffers, overhead): DDP when they fit — its communication is the least and nothing about the speed of
 the rest of the step is known here —, else the least sharding that fits (zero1, zero2, zero3). ``paratrain plan``
 also weighs speed (a ZeRO stage can beat ddp by sharding the optimizer step). On a CPU host
@@ -12,7 +13,9 @@ When even zero3 does not fit and the model has a built-in tensor-parallel plan (
 ``strategies.tp_shape.model_shape``), zero3 over groups of tp ranks is weighed, least tp first: tp splits the
 blocks FSDP gathers whole, and the activations; ``Parallel`` then lays the ranks out as (dp, tp). Otherwise the
 choice stays on the one-dimensional data-parallel mesh. Speed is not weighed here (``paratrain plan`` does, with
-the batch): a layout that fits without tp has less traffic inside every layer.
+the batch): a layout that fits without tp has less traffic inside every layer. A mixture of experts whose shape is
+known may be given expert parallelism instead, before tp (``choose(..., ep=True)``: each of ep ranks holds 1/ep of
+the experts).
 """
 from __future__ import annotations
 
@@ -23,16 +26,17 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..sizes import GIB
+from .expert_parallel import ep_degrees
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
 from .layout import Layout
 from ..model.structure import forward_pieces
-from .model_stats import ModelStats, TPShape, trainable_sizes
+from .model_stats import ModelStats, MoEShape, TPShape, trainable_sizes
 from .optimizers import PlannedOptimizer, planned
 from .recommend import estimate
 from .tensor_parallel import tp_degrees
 from .training import Training
-from .transformer import GPTConfig, transformer_params, transformer_stats
+from .transformer import GPTConfig, moe_block, transformer_params, transformer_stats
 
 CANDIDATES = (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
 MEMORY_MARGIN = 0.15
@@ -46,6 +50,8 @@ class AutoChoice:
     reason: str
     tp: int = 1
     """Tensor-parallel ranks per group (consecutive, within a node): 1 unless ``choose`` was given a TP shape."""
+    ep: int = 1
+    """Expert-parallel ranks (data-parallel ranks splitting the experts): 1 unless ``choose`` was let weigh ep."""
     fits: bool = True
     """False when nothing fits by the planner (the choice is then zero3, which shards the most; ``settle`` refuses
     it unless the shortfall is within the planner's error)."""
@@ -60,7 +66,8 @@ class AutoChoice:
     """Whether the loader's activations were planned (then a smaller batch or checkpointing would help)."""
 
     def describe(self) -> str:
-        return self.strategy if self.tp == 1 else f"{self.strategy} with tp={self.tp}"
+        split = [f"{name}={n}" for name, n in (("tp", self.tp), ("ep", self.ep)) if n > 1]
+        return self.strategy + (f" with {' '.join(split)}" if split else "")
 
 
 def parameter_stats(model: nn.Module) -> ModelStats:
@@ -75,10 +82,25 @@ def parameter_stats(model: nn.Module) -> ModelStats:
                       tensors=trainable_sizes(model))
 
 
+def expert_shape(model: nn.Module, units: tuple[tuple[str, int], ...], cfg: GPTConfig) -> MoEShape | None:
+    """``cfg``'s experts as ``model`` holds them (None for a dense shape): per forward piece (``units``' order) the
+    parameters under its modules named ``experts``, where transformers' MoE classes and paratrain's GPT keep the
+    routed experts (shared experts are named otherwise)."""
+    if cfg.moe is None:
+        return None
+    pieces = dict(forward_pieces(model))
+    routed = tuple(sum(p.numel() for n, p in pieces[name].named_parameters() if "experts" in n.split(".")[:-1])
+                   if name in pieces else 0 for name, _ in units)
+    return MoEShape(experts=cfg.moe.experts, top_k=cfg.moe.top_k, hidden=cfg.hidden, seq_len=cfg.seq_len,
+                    layers=sum(1 for i in range(cfg.layers) if moe_block(cfg, i)), unit_experts=routed,
+                    active=transformer_params(cfg)["active"])
+
+
 def closed_form_shape(model: nn.Module) -> GPTConfig | None:
     """The transformer shape of ``model`` when the planner has it in closed form: paratrain's GPT (its ``cfg``) or
-    a transformers llama, mistral, qwen2 or gpt2 (its ``config``), and only when that shape's parameter count is the
-    model's; None for any other model (its activations are then not planned)."""
+    a transformers model whose ``config`` ``hf_config`` reads (llama, mistral, qwen2, qwen3, gpt2, mixtral, qwen2_moe,
+    qwen3_moe), and only when that shape's parameter count is the model's; None for any other model (its
+    activations are then not planned)."""
     cfg = getattr(model, "cfg", None)
     if not isinstance(cfg, GPTConfig):
         config = getattr(model, "config", None)
@@ -128,7 +150,7 @@ def _layout(name: str, n: int) -> Layout:
     return Layout.of(name=name, dp=n, zero=zero, shard=n if zero else 1)
 
 
-def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None,
+def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None, ep: bool = False,
            optimizer: torch.optim.Optimizer | None = None, batch: tuple[int, int | None] | None = None) -> AutoChoice:
     """The first of ddp, zero1, zero2, zero3 whose model states (and, given the batch, activations) fit one
     rank's memory.
@@ -145,17 +167,24 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     and when even zero3 does not fit, zero3 over groups of tp ranks is tried, least tp first: it splits the
     largest unit FSDP gathers. None keeps every choice on the one-dimensional mesh (``Parallel`` passes the shape
     only once this call, without it, found nothing that fits: reading it imports tensor parallelism).
+
+    ``ep``: weigh expert parallelism for a mixture of experts whose shape is known in closed form: when nothing
+    fits on its own, ddp, zero1, zero2 and zero3 with ep ranks splitting the experts (least ep first, within a
+    node), before tp (which does not split the experts).
     """
     stats = replace(parameter_stats(model), tp=tp)
-    shape = closed_form_shape(model) if batch is not None else None
-    if shape is not None:
+    shape = closed_form_shape(model) if batch is not None or ep else None
+    planned_activations = shape is not None and batch is not None
+    if shape is not None and batch is not None:
         stats = with_activations(stats, shape, batch[1])
-    samples = batch[0] if shape is not None else 1
+    if shape is not None and ep:
+        stats = replace(stats, moe=expert_shape(model, stats.units, shape))
+    samples = batch[0] if batch is not None and planned_activations else 1
     n = cluster.world_size
     opt = planned(optimizer)
     training = _training(precision, opt, samples)
     what = (f"model states {opt.states}, activations of the loader's {samples} samples, buffers, runtime"
-            if shape is not None else f"model states {opt.states}; buffers, runtime"
+            if planned_activations else f"model states {opt.states}; buffers, runtime"
             + ("" if batch is None else "; activations not planned: the model's shape is not known in closed form"))
     tried = []
     least: tuple[float, str, float] = (float("inf"), "", 0.0)
@@ -169,6 +198,10 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
             if name != "ddp":
                 why += f" (ddp would need {tried[0].split()[1]} GiB)"
             return AutoChoice(strategy=name, reason=why)
+    if ep:
+        found, least = _with_ep(stats, cluster, training, tried, least)
+        if found is not None:
+            return found
     for t in tp_degrees(stats, cluster):
         e = estimate(stats, Layout.of(name="zero3", dp=n // t, zero=3, shard=n // t, tp=t), training, cluster)
         tried.append(f"zero3 tp={t} {e.memory.total / GIB:.2f}")
@@ -179,7 +212,26 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
                 f"{e.memory.total / GIB:.2f} GiB of {e.capacity / GIB:.2f}"))
     return AutoChoice(strategy="zero3", fits=False, reason=f"nothing fits by the planner ({', '.join(tried)} GiB per "
                                                            "rank); zero3 shards the most — see `paratrain plan`",
-                      needed=least[0], least=least[1], capacity=least[2], planned=what, activations=shape is not None)
+                      needed=least[0], least=least[1], capacity=least[2], planned=what,
+                      activations=planned_activations)
+
+
+def _with_ep(stats: ModelStats, cluster: Cluster, training: Training, tried: list[str],
+             least: tuple[float, str, float]) -> tuple[AutoChoice | None, tuple[float, str, float]]:
+    """``choose``'s expert-parallel candidates, least ep first and, for each, the least sharding: the first that
+    fits, or None; ``tried`` and ``least`` (bytes, layout, capacity) carried on."""
+    n = cluster.world_size
+    for e in (d for d in ep_degrees(stats, cluster) if n % d == 0):
+        for name, zero in CANDIDATES:
+            est = estimate(stats, Layout.of(name=name, dp=n, zero=zero, shard=n if zero else 1, ep=e), training,
+                           cluster)
+            tried.append(f"{name} ep={e} {est.memory.total / GIB:.2f}")
+            least = min(least, (est.memory.total, f"{name} with ep={e}", est.capacity))
+            if est.fits:
+                return AutoChoice(strategy=name, ep=e, reason=(
+                    f"zero3 alone needs {tried[3].split()[1]} GiB per rank; ep={e} gives each rank 1/{e} of the "
+                    f"experts: {name} needs {est.memory.total / GIB:.2f} GiB of {est.capacity / GIB:.2f}")), least
+    return None, least
 
 
 def settle(choice: AutoChoice, precision: str) -> AutoChoice:

@@ -2,9 +2,10 @@
 
 Collectives follow the ring algorithm's alpha-beta cost for N ranks and S bytes over the all-reduce bus bandwidth
 B (Patarasuk & Yuan 2009; the "bus bandwidth" of nccl-tests): all-reduce 2(N−1)/N·S/B, all-gather and
-reduce-scatter (N−1)/N·S/(B·e) (S the full, unsharded size), a broadcast S/(B·e), plus the link latency once per
-ring step; e is the link's measured efficiency of that collective against the all-reduce. Step time
-(``timing``) and tensor parallelism's activation traffic (``tensor_parallel``) both price their collectives here.
+reduce-scatter (N−1)/N·S/(B·e) (S the full, unsharded size), a broadcast S/(B·e), an all-to-all (N−1)/N·S/B (S
+what each rank sends), plus the link latency once per ring step; e is the link's measured efficiency of that
+collective against the all-reduce. Step time (``timing``), tensor parallelism's activation traffic
+(``tensor_parallel``) and expert parallelism's (``expert_parallel``) price their collectives here.
 """
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def broadcast_s(nbytes: float, ranks: int, link: Link) -> float:
     if ranks <= 1:
         return 0.0
     return (ranks - 1) * link.latency_us * 1e-6 + nbytes / (link.bytes_per_s * link.broadcast_eff)
+
+
+def all_to_all_s(nbytes: float, ranks: int, link: Link) -> float:
+    """An all-to-all in which every rank sends ``nbytes`` spread over the N ranks: (N−1)/N of them leave it, at
+    the link's bus bandwidth (nccl-tests' alltoall bus bandwidth is its algorithm bandwidth x (N−1)/N), in N−1
+    steps of the link's latency."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * link.latency_us * 1e-6 + (ranks - 1) / ranks * nbytes / link.bytes_per_s
 
 
 def p2p_s(nbytes: float, link: Link) -> float:

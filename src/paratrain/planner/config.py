@@ -19,15 +19,16 @@ class ModelSpec:
     """The model the flags name; ``workloads.planning.resolve_model`` builds it (the planner never builds by name)."""
 
     model: str | None = None
-    """mlp, cnn, gpt2[-medium|-large|-xl], llama-7b, gpt3-175b, llama3-8b/70b/405b, mistral-7b, qwen2-7b, or
-    module:factory."""
+    """mlp, cnn, gpt2[-medium|-large|-xl], llama-7b, gpt3-175b, llama3-8b/70b/405b, mistral-7b, qwen2-7b,
+    mixtral-8x7b, qwen3-30b-a3b, gpt-oss-20b, or module:factory."""
     input_spec: str | None = field(default=None, metadata=flag("--input", metavar="SHAPE"))
     """One sample's input for module:factory, e.g. 3x224x224 or long:1024."""
     targets: str | None = field(default=None, metadata=flag("--targets", metavar="SHAPE"))
     """One sample's targets for the forward's targets/labels parameter (long:1024, or long for one class id); none:
     trace the forward on its input alone. Default: given when the forward takes them."""
     model_config: str | None = field(default=None, metadata=flag("--model-config", metavar="PATH"))
-    """A transformers config.json (or its checkpoint directory): llama, mistral, qwen2 or gpt2."""
+    """A transformers config.json (or its checkpoint directory): llama, mistral, qwen2, qwen3, mixtral, qwen2_moe,
+    qwen3_moe or gpt2."""
     params: str | None = None
     """Plan a transformer of this many parameters, e.g. 7.5B (no --model)."""
     layers: int | None = None
@@ -121,12 +122,15 @@ class PlanConfig:
     tp: int | None = None
     """Tensor-parallel degree to plan (default: every one that divides a node and the model; 1: none; more than a
     node's GPUs is planned but slow)."""
+    ep: int | None = None
+    """Expert-parallel degree to plan for a mixture of experts (default: every one that divides a node's GPUs and
+    the experts; 1: none): that many data-parallel ranks split each MoE block's experts."""
     dp: int | None = None
     """With --pp and/or --tp: plan exactly this layout (dp x pp x tp = all GPUs) instead of searching."""
     pp: int | None = None
     """Pipeline stages of the exact layout (default 1 with --dp)."""
     layout: str | None = None
-    """The exact layout in one flag, e.g. dp=8,pp=12,tp=4."""
+    """The exact layout in one flag, e.g. dp=8,pp=12,tp=4 (ep=E carves expert parallelism out of dp)."""
     ps_servers: int = field(default=1, metadata=flag("--ps-servers", metavar="S"))
     """Servers of the ps row (parameter servers: the other GPUs are workers; 0: no ps row)."""
     breakdown: bool = False
@@ -135,7 +139,7 @@ class PlanConfig:
     """Print the plan as JSON."""
 
     def __post_init__(self) -> None:
-        at_least(self, {"gpus": 1, "nodes": 1, "threads": 1, "tp": 1, "dp": 1, "pp": 1, "ps_servers": 0})
+        at_least(self, {"gpus": 1, "nodes": 1, "threads": 1, "tp": 1, "ep": 1, "dp": 1, "pp": 1, "ps_servers": 0})
         positive(self, ("gpu_mem_gb", "tflops", "mfu", "mem_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "step_time",
                         "optimizer_time"))
         if self.mfu is not None and self.mfu > 1:
@@ -145,15 +149,15 @@ class PlanConfig:
                               f"{self.training.recompute}")
         if self.optimizer_time is not None and self.step_time is None:
             raise ConfigError("--optimizer-time calibrates together with --step-time (the forward+backward alone)")
-        exact_layout(self.layout, dp=self.dp, pp=self.pp, tp=self.tp)  # the layout flags read now, not when planning
+        exact_layout(self.layout, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep)  # read now, not when planning
         if self.training.precision == "auto":
             cpu = get_device(self.gpu).shared_by_ranks  # 16-bit brings no speed on a CPU host
             object.__setattr__(self, "training", replace(self.training, precision="fp32" if cpu else "bf16-mixed"))
 
     @property
     def exact(self) -> ParallelDims | None:
-        """The degrees ``--layout`` (or ``--dp``/``--pp`` with ``--tp``) pin, or None: search."""
-        return exact_layout(self.layout, dp=self.dp, pp=self.pp, tp=self.tp)
+        """The degrees ``--layout`` (or ``--dp``/``--pp`` with ``--tp``, ``--ep``) pin, or None: search."""
+        return exact_layout(self.layout, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep)
 
     def cluster(self) -> Cluster:
         """The cluster the hardware flags describe."""

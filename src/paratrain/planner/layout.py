@@ -38,20 +38,20 @@ class Layout:
 
     @classmethod
     def of(cls, name: str, *, dp: int = 1, zero: int = 0, shard: int = 1, pp: int = 1, mp: int = 1, tp: int = 1,
-           servers: int = 0) -> "Layout":
+           ep: int = 1, servers: int = 0) -> "Layout":
         """A layout in the planner's spelling: ``dp`` data-parallel replicas (workers, beside ``servers``) of which
         ``shard`` ranks share one copy at ZeRO stage ``zero``; ``pp`` pipeline stages, ``mp`` model-parallel stages
-        of one process, ``tp`` tensor-parallel ranks."""
-        if min(dp, shard, pp, mp, tp) < 1 or zero not in (0, 1, 2, 3):
+        of one process, ``tp`` tensor-parallel ranks, ``ep`` of the data-parallel ranks splitting the experts."""
+        if min(dp, shard, pp, mp, tp, ep) < 1 or zero not in (0, 1, 2, 3):
             raise ConfigError(f"layout {name}: degrees must be >= 1 and zero in 0..3")
-        if servers < 0 or (servers and (zero or pp * mp > 1 or tp > 1)):
+        if servers < 0 or (servers and (zero or pp * mp > 1 or tp > 1 or ep > 1)):
             raise ConfigError(f"layout {name}: parameter servers serve plain data-parallel workers")
         if dp % shard:
             raise ConfigError(f"layout {name}: shard {shard} must divide dp {dp}")
         if servers:
             return cls(name=name, dims=ParallelDims(dp_replicate=dp + servers), servers=servers)
         return cls(name=name, dims=ParallelDims(dp_replicate=dp // shard if zero else dp, dp_shard=shard if zero else 1,
-                                                zero=zero, pp=pp, tp=tp, mp=mp), servers=servers)
+                                                zero=zero, pp=pp, tp=tp, mp=mp, ep=ep), servers=servers)
 
     @property
     def dp(self) -> int:
@@ -83,10 +83,15 @@ class Layout:
         """Tensor-parallel ranks: consecutive ranks that split every block's matrices and activations."""
         return self.dims.tp
 
+    @property
+    def ep(self) -> int:
+        """Expert-parallel ranks: data-parallel ranks that each hold 1/ep of every MoE block's experts."""
+        return self.dims.ep
+
     def degrees(self) -> dict[str, int]:
         """The degrees in the planner's spelling (a plan's JSON)."""
         return {"dp": self.dp, "zero": self.zero, "shard": self.shard, "pp": self.pp, "mp": self.mp, "tp": self.tp,
-                "servers": self.servers}
+                "ep": self.ep, "servers": self.servers}
 
     @property
     def world_size(self) -> int:
@@ -96,9 +101,11 @@ class Layout:
     @property
     def label(self) -> str:
         """The strategy's name, marked with how ``hybrid`` holds its stages across its replicas when it shards them
-        (``+zero1``, ``+fsdp``) and ``+tp`` when composed with tensor parallelism: one row of a plan each."""
+        (``+zero1``, ``+fsdp``), ``+tp`` when composed with tensor parallelism and ``+ep`` with expert parallelism:
+        one row of a plan each."""
         name = self.name + (_HYBRID_DATA[self.zero] if self.name == "hybrid" and self.zero else "")
-        return f"{name}+tp" if self.tp > 1 and self.name != "tp" else name
+        name = f"{name}+tp" if self.tp > 1 and self.name != "tp" else name
+        return f"{name}+ep" if self.ep > 1 else name
 
     @property
     def stages(self) -> int:
@@ -116,6 +123,8 @@ class Layout:
             parts.append(f"shard={self.shard}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if self.servers:
             parts = [f"workers={self.dp}", f"servers={self.servers}"]
         return " ".join(parts) or "1 rank"
@@ -131,7 +140,8 @@ tensor parallelism before one with it). ``ps`` last: a process more per server, 
 the same collectives on every rank."""
 
 
-def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_servers: int = 0) -> list[Layout]:
+def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_servers: int = 0,
+            ep_degrees: Sequence[int] = ()) -> list[Layout]:
     """Every strategy (and degree split) the cluster can run, in ``STRATEGY_ORDER``; ``single`` is one rank.
 
     ``hsdp`` needs several nodes of several ranks; ``hybrid`` comes in every dp x pp split with both >= 2, its
@@ -139,8 +149,10 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
     pipelines need at least as many wrap units as stages; ``model_parallel`` cuts the model over 2 or more GPUs
     of a node per process (not on a CPU host, where every stage would be the same CPU). Then, for each of
     ``tp_degrees`` that divides the ranks, the compositions paratrain's strategies offer: ``tp`` over every rank,
-    or ddp, zero2, zero3, hybrid and pipeline over the groups of tp ranks. Last, with ``ps_servers`` S > 0 and
-    more ranks than that, ``ps``: S servers and the other ranks as workers.
+    or ddp, zero2, zero3, hybrid and pipeline over the groups of tp ranks. Then, for each of ``ep_degrees`` (a
+    mixture of experts'), the data-parallel layouts whose ranks holding one copy it divides, with expert parallelism:
+    ddp, zero1-3 and hsdp, and with each tp degree ddp, zero2 and zero3 (not pipelines). Last, with ``ps_servers``
+    S > 0 and more ranks than that, ``ps``: S servers and the other ranks as workers.
     """
     n, per_node = cluster.world_size, cluster.ranks_per_node
     out = [Layout.of(name="single")]
@@ -157,19 +169,22 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
         out += [Layout.of(name="model_parallel", dp=n // mp, mp=mp) for mp in _divisors(per_node) if 2 <= mp <= n_units]
     for tp in (t for t in tp_degrees if n % t == 0):
         out += _with_tp(n // tp, tp, n_units)
+    for ep in ep_degrees:
+        out += _with_ep([lay for lay in out if lay.name in _EP_STRATEGIES and lay.pp == 1], ep)
     if 0 < ps_servers < n:
         out.append(Layout.of(name="ps", dp=n - ps_servers, servers=ps_servers))
     return out
 
 
 def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | None = None,
-                 tp: int | None = None) -> ParallelDims | None:
-    """The degrees ``--layout dp=8,pp=12,tp=4`` (or ``--dp``/``--pp`` with ``--tp``) pin, or None: search.
+                 tp: int | None = None, ep: int | None = None) -> ParallelDims | None:
+    """The degrees ``--layout dp=8,pp=12,tp=4`` (or ``--dp``/``--pp`` with ``--tp``, ``--ep``) pin, or None:
+    search. ``ep`` is carved out of dp (``dp=8,ep=8``: 8 ranks).
 
-    ``--tp`` alone keeps the search (over that tensor-parallel degree), as it always has."""
+    ``--tp`` or ``--ep`` alone keeps the search (over that degree), as ``--tp`` always has."""
     if text is None and dp is None and pp is None:
         return None
-    degrees = {"dp": dp, "pp": pp, "tp": tp}
+    degrees = {"dp": dp, "pp": pp, "tp": tp, "ep": ep}
     if text is not None:
         if dp is not None or pp is not None:
             raise ConfigError("give the layout once: --layout dp=..,pp=..,tp=.. or --dp/--pp/--tp, not both")
@@ -177,18 +192,19 @@ def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | No
             key, _, value = part.partition("=")
             if key not in degrees or not value.isdigit():
                 raise ConfigError(f"--layout {text!r}: cannot read {part!r}; write degrees as dp=8,pp=12,tp=4 "
-                                  "(keys dp, pp, tp; the ones left out are 1)")
-            if key == "tp" and tp is not None and tp != int(value):
-                raise ConfigError(f"--layout says tp={value} but --tp {tp}; give the degree once")
+                                  "(keys dp, pp, tp, ep; the ones left out are 1)")
+            given = {"tp": tp, "ep": ep}.get(key)
+            if given is not None and given != int(value):
+                raise ConfigError(f"--layout says {key}={value} but --{key} {given}; give the degree once")
             degrees[key] = int(value)
     return ParallelDims(**{"dp_replicate" if k == "dp" else k: 1 if v is None else v for k, v in degrees.items()})
 
 
 def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims) -> list[Layout]:
-    """``single`` and the layouts with exactly ``dims``' degrees (``ParallelDims.dp``, ``pp``, ``tp``): one, or for
-    a data-parallel group without pipeline stages each way of running it (ddp, zero1-3, hsdp, as ``layouts``
+    """``single`` and the layouts with exactly ``dims``' degrees (``ParallelDims.dp``, ``pp``, ``tp``, ``ep``): one,
+    or for a data-parallel group without pipeline stages each way of running it (ddp, zero1-3, hsdp, as ``layouts``
     offers them), which the plan compares. One-line errors for degrees the cluster or the model cannot take."""
-    given = f"dp={dims.dp} x pp={dims.pp} x tp={dims.tp}"
+    given = f"dp={dims.dp} x pp={dims.pp} x tp={dims.tp}" + (f" (ep={dims.ep})" if dims.ep > 1 else "")
     if dims.world_size != cluster.world_size:
         raise ConfigError(f"the layout {given} needs {dims.world_size} GPUs but the cluster has "
                           f"{cluster.world_size} ({cluster.ranks_per_node} per node x {cluster.nodes} nodes); "
@@ -196,12 +212,28 @@ def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims) -> list[La
     if dims.pp > n_units:
         raise ConfigError(f"the layout {given} cuts the model into {dims.pp} pipeline stages but it has only "
                           f"{n_units} units to cut (its blocks, embedding and head); use --pp {n_units} or fewer")
-    found = [lay for lay in layouts(cluster, n_units, (dims.tp,) if dims.tp > 1 else ())
-             if (lay.dims.dp, lay.pp, lay.tp, lay.mp) == (dims.dp, dims.pp, dims.tp, 1)]
+    found = [lay for lay in layouts(cluster, n_units, (dims.tp,) if dims.tp > 1 else (),
+                                    ep_degrees=(dims.ep,) if dims.ep > 1 else ())
+             if (lay.dims.dp, lay.pp, lay.tp, lay.mp, lay.ep) == (dims.dp, dims.pp, dims.tp, 1, dims.ep)]
     if not found:  # a degree split the search leaves out, e.g. a pipeline of 2 stages replicated once
         raise ConfigError(f"the layout {given} is not one paratrain's strategies build on {cluster.world_size} "
                           "GPUs; change the degrees")
     return [Layout.of(name="single"), *(lay for lay in found if lay.name != "single")]
+
+
+_EP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+"""The strategies planned with expert parallelism: data parallelism over one mesh dimension (hsdp: within a node)."""
+
+
+def _with_ep(data_parallel: list[Layout], ep: int) -> list[Layout]:
+    """``data_parallel``'s layouts with ``ep`` of the ranks holding one copy splitting the experts, where it
+    divides them (``ParallelDims.ep``)."""
+    out = []
+    for lay in data_parallel:
+        group = lay.shard if lay.zero else lay.dp
+        if group % ep == 0 and group > 1:
+            out.append(Layout.of(name=lay.name, dp=lay.dp, zero=lay.zero, shard=lay.shard, tp=lay.tp, ep=ep))
+    return out
 
 
 def _with_tp(d: int, tp: int, n_units: int) -> list[Layout]:
@@ -236,21 +268,32 @@ def _runs(sizes: tuple[int, ...], stages: int) -> tuple[tuple[int, int], ...]:
     return tuple(zip(starts, [*starts[1:], len(sizes)]))
 
 
+def fullest_stage(units: tuple[tuple[str, int], ...], stages: int, *, between_blocks: bool = False,
+                  copy: int = 0) -> tuple[int, int, int]:
+    """(first unit, end, parameters) of the fullest stage when ``units`` are cut into ``stages`` contiguous,
+    balanced runs, or, ``between_blocks``, when a pipeline cuts only between the blocks (``units`` = embedding,
+    blocks…, head; the blocks balanced as the runtime balances them): the embedding on the first stage, the head and
+    ``copy`` (a tied embedding's second copy) on the last."""
+    sizes = tuple(s for _, s in units)
+    if between_blocks:
+        spans = [(a + 1, b + 1) for a, b in _runs(sizes[1:-1], stages)]
+        spans[0], spans[-1] = (0, spans[0][1]), (spans[-1][0], len(sizes))
+    else:
+        spans = list(_runs(sizes, stages))
+    held = [sum(sizes[a:b]) for a, b in spans]
+    held[-1] += copy if between_blocks else 0
+    i = max(range(len(held)), key=held.__getitem__)
+    return (*spans[i], held[i])
+
+
 def stage_params(units: tuple[tuple[str, int], ...], stages: int) -> int:
     """Parameters of the fullest stage when ``units`` are cut into ``stages`` contiguous, balanced runs."""
-    sizes = tuple(s for _, s in units)
-    return max(sum(sizes[a:b]) for a, b in _runs(sizes, stages))
+    return fullest_stage(units, stages)[2]
 
 
 def block_stage_params(units: tuple[tuple[str, int], ...], stages: int, copy: int = 0) -> int:
-    """Parameters of the fullest stage when a pipeline cuts only between the blocks (``units`` = embedding, blocks…,
-    head; the blocks balanced as the runtime balances them): the embedding on the first stage, the head and
-    ``copy`` (a tied embedding's second copy) on the last."""
-    blocks = tuple(s for _, s in units[1:-1])
-    sizes = [sum(blocks[a:b]) for a, b in _runs(blocks, stages)]
-    sizes[0] += units[0][1]
-    sizes[-1] += units[-1][1] + copy
-    return max(sizes)
+    """Parameters of the fullest stage when a pipeline cuts only between the blocks (``fullest_stage``)."""
+    return fullest_stage(units, stages, between_blocks=True, copy=copy)[2]
 
 
 def stage_flops(units: tuple[tuple[str, int], ...], unit_flops: tuple[float, ...], stages: int) -> float:

@@ -43,7 +43,8 @@ def make_plan(model: ModelStats | RunnableModel, config: PlanConfig | None = Non
         setup.micro_batch if config.measure and not on_gpu else None)
     gpu = _time_on_gpu(model, cluster, setup) if on_gpu else None
     cluster = _calibrated(cluster, stats, setup, config, measured, gpu)
-    plan = recommend(stats, cluster, setup, tp=config.tp, exact=config.exact, ps_servers=config.ps_servers)
+    plan = recommend(stats, cluster, setup, tp=config.tp, exact=config.exact, ps_servers=config.ps_servers,
+                     ep=config.ep)
     if gpu is None:
         return plan
     return replace(plan, notes=(*plan.notes, (

@@ -5,7 +5,11 @@ paper's figures (Rajbhandari et al. 2020, figure 1): 16Ψ (ddp), 4Ψ + 12Ψ/N (z
 16Ψ/N (zero3) bytes. Tensor parallelism divides what its plan splits by its degree
 (``tensor_parallel``). ZeRO-1 runs on ``ZeroRedundancyOptimizer``, which gives each rank whole parameters: where
 the model's tensor sizes are known, its optimizer states are the busiest rank's (``zero1_busiest``), not 12Ψ/N
-(``model_states(..., paper=True)`` keeps the paper's figure).
+(``model_states(..., paper=True)`` keeps the paper's figure). FSDP cuts each tensor on its first dimension, which for a
+mixture of experts' fused expert tensors is the experts: on more ranks than experts a rank keeps a whole expert's
+share (``expert_parallel.expert_fraction``). Expert parallelism divides the routed experts by its degree; under ZeRO
+they are sharded over the shard group's ranks holding the same experts, so ZeRO's bytes per rank stay about Ψ/N and
+what ep saves is the experts FSDP gathers, the all-to-all buffers aside.
 """
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from .hardware import Cluster
-from .layout import Layout, block_stage_params, stage_params
+from .expert_parallel import dispatch_bytes, expert_fraction, held_experts, held_units
+from .layout import Layout, fullest_stage
 from .model_stats import ModelStats
-from .tensor_parallel import rank_activations, rank_params, rank_units
+from .tensor_parallel import rank_activations, rank_params
 from .training import Batching, Training
 
 
@@ -79,15 +84,24 @@ class ModelStates:
         return self.parameters + self.gradients + self.optimizer_states
 
 
-def ranked_params(stats: ModelStats, layout: Layout) -> float:
-    """Parameters one device holds: all of them, or the fullest stage's when the layers are cut; of a
-    tensor-parallel rank, its share of each split layer."""
+def ranked_split(stats: ModelStats, layout: Layout) -> tuple[float, float]:
+    """Parameters one device holds, as (the dense ones, the routed experts): all of them, or the fullest stage's
+    when the layers are cut; of a tensor-parallel rank, its share of each split layer; of an expert-parallel rank,
+    1/ep of the experts."""
+    experts = held_experts(stats, layout.ep)
     if layout.stages == 1:
-        return rank_params(stats, layout.tp)
-    units = rank_units(stats, layout.tp)
-    if layout.pp > 1 and stats.cut_between_blocks:  # a pipeline cuts between blocks; model_parallel between layers
-        return block_stage_params(units, layout.stages, math.ceil(stats.pipeline_copy / layout.tp))
-    return stage_params(units, layout.stages)
+        away = stats.moe.expert_params - sum(experts) if stats.moe is not None else 0
+        return float(rank_params(stats, layout.tp) - away - sum(experts)), float(sum(experts))
+    units = held_units(stats, layout.tp, layout.ep)
+    between = layout.pp > 1 and stats.cut_between_blocks  # a pipeline cuts between blocks; model_parallel layers
+    copy = math.ceil(stats.pipeline_copy / layout.tp) if between else 0
+    first, end, held = fullest_stage(units, layout.stages, between_blocks=between, copy=copy)
+    return float(held - sum(experts[first:end])), float(sum(experts[first:end]))
+
+
+def ranked_params(stats: ModelStats, layout: Layout) -> float:
+    """Parameters one device holds (``ranked_split``, both parts)."""
+    return sum(ranked_split(stats, layout))
 
 
 @lru_cache(maxsize=256)
@@ -103,25 +117,32 @@ def zero1_busiest(tensors: tuple[int, ...], ranks: int) -> int:
     return max(load for load, _ in loads)
 
 
+def sharded(stats: ModelStats, layout: Layout, stage: int) -> float:
+    """Parameters one device keeps of what ZeRO shards from ``stage`` on (3 parameters, 2 gradients, 1 optimizer
+    states): all it holds below that stage; from it, 1/shard of the dense ones and its share of its experts
+    (``expert_parallel.expert_fraction``: 1/(shard/ep), in whole experts under FSDP)."""
+    dense, experts = ranked_split(stats, layout)
+    if layout.zero < stage:
+        return dense + experts
+    return dense / layout.shard + experts * expert_fraction(stats, layout)
+
+
 def optimizer_params(stats: ModelStats, layout: Layout, *, paper: bool = False) -> float:
-    """Parameters whose optimizer states one device keeps: all it holds, 1/shard of them from ZeRO-1 on, and for
-    ZeRO-1 over whole tensors (no stages, no tp, sizes known) the busiest rank's (``zero1_busiest``) unless
-    ``paper`` asks for the ZeRO paper's even split."""
-    psi = ranked_params(stats, layout)
-    if layout.zero < 1:
-        return psi
-    if layout.zero == 1 and not paper and stats.tensors and layout.stages == 1 and layout.tp == 1:
+    """Parameters whose optimizer states one device keeps: all it holds, its shard of them from ZeRO-1 on
+    (``sharded``), and for ZeRO-1 over whole tensors (no stages, no tp or ep, sizes known) the busiest rank's
+    (``zero1_busiest``) unless ``paper`` asks for the ZeRO paper's even split."""
+    if (layout.zero == 1 and not paper and stats.tensors and layout.stages == 1 and layout.tp == 1
+            and layout.ep == 1):
         return float(zero1_busiest(stats.tensors, layout.shard))
-    return psi / layout.shard
+    return sharded(stats, layout, 1)
 
 
 def model_states(stats: ModelStats, layout: Layout, training: Training, *, paper: bool = False) -> ModelStates:
     """Parameters, gradients and optimizer states of one device: sharded over the shard group from ZeRO stage
-    3, 2 and 1 on; a stage holds its layers'. ZeRO-1's optimizer states: see ``optimizer_params``."""
-    psi = ranked_params(stats, layout)
+    3, 2 and 1 on (``sharded``; an ep rank's experts over the shard/ep ranks holding the same ones); a stage holds
+    its layers'. ZeRO-1's optimizer states: see ``optimizer_params``."""
     b = training.bytes
-    shard = {stage: layout.shard if layout.zero >= stage else 1 for stage in (2, 3)}
-    return ModelStates(parameters=psi * b.param / shard[3], gradients=psi * b.grad / shard[2],
+    return ModelStates(parameters=sharded(stats, layout, 3) * b.param, gradients=sharded(stats, layout, 2) * b.grad,
                        optimizer_states=optimizer_params(stats, layout, paper=paper) * training.optimizer_bytes)
 
 
@@ -198,11 +219,13 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     if layout.zero >= 2 and layout.pp > 1:  # FSDP under a pipeline: see fsdp_under_pipeline
         buffers = fsdp_under_pipeline(psi, layout, training)
     elif layout.zero >= 3:
-        unit = max(n for _, n in rank_units(stats, layout.tp))
+        unit = max(n for _, n in held_units(stats, layout.tp, layout.ep))
         buffers = 2 * unit * b.param + unit * b.grad
     else:
         buffers = ddp_buckets
     buffers += 2 * boundary * batch.micro_batch if layout.stages > 1 else 0.0
+    if layout.ep > 1:  # one MoE block's all-to-all send and receive buffers
+        buffers += 2 * dispatch_bytes(stats, activation_mode(training, layout), batch.micro_batch, layout.tp)
     kept = batch.micro_batches > 1 or ddp_buckets > 0
     overhead = cluster.device.overhead_gib * 2**30
     largest = stats.largest_activation_bytes_per_sample * (1.0 if training.precision == "fp32" else 0.5)

@@ -60,6 +60,32 @@ class TPShape:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEShape:
+    """A mixture-of-experts model's routed experts, as expert parallelism splits and feeds them."""
+
+    experts: int
+    """Routed experts in each MoE block."""
+    top_k: int
+    """Experts each token goes through."""
+    layers: int
+    """MoE blocks: each dispatches every token to its experts' ranks and back."""
+    hidden: int
+    seq_len: int
+    unit_experts: tuple[int, ...]
+    """Routed experts' parameters in each wrap unit (``ModelStats.units``' order): what ``ep`` ranks divide."""
+    active: int
+    """Parameters one token's forward uses: all but the experts it skips."""
+
+    @property
+    def expert_params(self) -> int:
+        return sum(self.unit_experts)
+
+    def why_not(self, ep: int) -> str | None:
+        """Why ``ep`` ranks cannot split the experts (each rank holds whole experts), or None."""
+        return None if self.experts % ep == 0 else f"{self.experts} experts do not divide by ep={ep}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class TableStats:
     """An embedding the ``ps`` strategy would hold row-sharded on its servers (``model.tables.auto_tables``' rule)."""
 
@@ -139,6 +165,8 @@ class ModelStats:
     """The intra-op threads that forward + backward ran on."""
     tp: TPShape | None = None
     """What tensor parallelism splits (closed-form transformers); None: the model is not planned with tp."""
+    moe: MoEShape | None = None
+    """The routed experts (closed-form mixtures of experts); None: a dense model, planned without ``ep``."""
     tables: tuple[TableStats, ...] = ()
     """The embeddings a parameter server holds row-sharded (``Parallel("ps")``'s ``tables="auto"``); their weights
     are counted in ``params`` and, one tensor each, in ``tensors``."""
@@ -152,6 +180,9 @@ class ModelStats:
             raise ConfigError(f"model {self.name!r}: no units")
         if self.tp is not None and len(self.tp.split) != len(self.units):
             raise ConfigError(f"model {self.name!r}: {len(self.tp.split)} tensor-parallel splits for "
+                              f"{len(self.units)} units")
+        if self.moe is not None and len(self.moe.unit_experts) != len(self.units):
+            raise ConfigError(f"model {self.name!r}: {len(self.moe.unit_experts)} expert counts for "
                               f"{len(self.units)} units")
         if self.unit_flops and len(self.unit_flops) != len(self.units):
             raise ConfigError(f"model {self.name!r}: {len(self.unit_flops)} unit FLOP counts for "

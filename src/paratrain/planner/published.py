@@ -1,5 +1,6 @@
 """Published large training runs with their full configuration and measured speed (and memory, where given): what
-the planner's closed forms are held to at cluster scale (benchmarks/RESULTS.md §19, tests/planner/test_planner_published.py).
+the planner's closed forms are held to at cluster scale (benchmarks/RESULTS.md §19, tests/planner/test_planner_published.py),
+and the mixture-of-experts presets' published parameter counts (``MOE_COUNTS``, §19b).
 
 Each run is pure data, quoted from its source (paper and table, or repository file and commit); ``predict`` plans
 it with the published layout and nothing tuned to it: catalogue devices and links, the catalogue's matmul
@@ -9,13 +10,14 @@ and the plan assumes is said (``PublishedRun.assumed``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ..errors import ConfigError
 from .hardware import GIB, make_cluster
 from .layout import Layout
 from .recommend import Estimate, estimate
 from .training import Training
-from .transformer import TRANSFORMERS, GPTConfig, transformer_stats
+from .transformer import TRANSFORMERS, GPTConfig, transformer_params, transformer_stats
 
 KORTHIKANTI = ("Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models "
                "(arXiv 2205.05198), tables 3 and 4")
@@ -239,3 +241,34 @@ def predict(run: PublishedRun) -> Prediction:
                            gpu_mem_gb=run.gpu_mem_gb, mem_bw_gbs=run.mem_bw_gbs, tflops=run.tflops)
     stats = transformer_stats(run.model, name=run.name)
     return Prediction(run=run, estimate=estimate(stats, run.layout, run.training, cluster))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishedCount:
+    """A mixture of experts' published parameter counts, which its preset (``TRANSFORMERS``) is held to within 2%."""
+
+    total: float
+    active: float
+    """Parameters a token uses, as the source counts them."""
+    source: str
+    active_without_lookups: bool = False
+    """The source's active count leaves out the token embedding table (a lookup, no matmul): OpenAI's does."""
+
+
+MOE_COUNTS = MappingProxyType({
+    "mixtral-8x7b": PublishedCount(total=46.7e9, active=12.9e9, source="Mistral AI, 'Mixtral of experts' (2023-12-11) "
+                                   "and the mistralai/Mixtral-8x7B-v0.1 model card: 46.7B total, 12.9B per token"),
+    "qwen3-30b-a3b": PublishedCount(total=30.5e9, active=3.3e9, source="the Qwen/Qwen3-30B-A3B model card: 30.5B in "
+                                    "total, 3.3B activated, 29.9B non-embedding"),
+    "gpt-oss-20b": PublishedCount(total=20.91e9, active=3.61e9, active_without_lookups=True,
+                                  source="OpenAI, gpt-oss-120b & gpt-oss-20b model card (arXiv 2508.10925), table 1 "
+                                  "(the openai/gpt-oss-20b page rounds them to 21B and 3.6B)"),
+})
+
+
+def preset_counts(name: str) -> tuple[int, int]:
+    """(total, active) parameters of the preset ``name`` as its published count counts them (``MOE_COUNTS``)."""
+    cfg = TRANSFORMERS[name]
+    counts = transformer_params(cfg)
+    lookups = cfg.vocab * cfg.hidden if MOE_COUNTS[name].active_without_lookups else 0
+    return counts["total"], counts["active"] - lookups

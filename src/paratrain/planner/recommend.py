@@ -7,7 +7,7 @@ repeats the whole optimizer step: on a fast interconnect a ZeRO stage that hides
 its shard can be faster (with Adam), while a cheap optimizer (SGD) leaves ddp the choice. Pipelines win across
 slow inter-node links, where sending activations beats all-reducing gradients. Tensor parallelism, which adds
 collectives to every layer, is chosen when it is the only layout that fits or more than ``TIE`` faster than every
-layout without it.
+layout without it; expert parallelism likewise, after it (its all-to-alls wait on every MoE block).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from ..dims import ParallelDims
 from ..errors import ConfigError
 from .hardware import GIB, Cluster
+from .expert_parallel import ep_degrees, link_of as ep_link
 from .layout import STRATEGY_ORDER, Layout, exact_layouts, layouts
 from .memory import MemoryBreakdown, activation_mode, memory_per_rank
 from .model_stats import ModelStats
@@ -124,7 +125,7 @@ def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Clu
 
 
 def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: int | None = None,
-                 exact: ParallelDims | None = None, ps_servers: int = 0) -> list[Estimate]:
+                 exact: ParallelDims | None = None, ps_servers: int = 0, ep: int | None = None) -> list[Estimate]:
     """One estimate per strategy at ``training``'s micro-batch; the first is the single-rank baseline.
 
     Where a strategy comes in several degree splits (hybrid's dp x pp, model_parallel's GPUs per process, the
@@ -132,9 +133,10 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
     the tensor-parallel degree to plan (``tensor_parallel.tp_degrees``: None every one that fits the model and a
     node, 1 none). ``exact``: plan only the layouts of these degrees (``layout.exact_layouts``). Layouts whose
     data-parallel replicas cannot share the global batch evenly (``training.batch_split_error``) are left out.
-    ``ps_servers``: plan ``ps`` with that many servers too (0: not).
+    ``ps_servers``: plan ``ps`` with that many servers too (0: not). ``ep``: the expert-parallel degree to plan
+    (``expert_parallel.ep_degrees``: None every one that fits a mixture of experts and a node, 1 none).
     """
-    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers)
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep)
     world = cluster.world_size
     splits = [lay for lay in found[1:] if _split_error(training, lay, world) is None]
     return _estimates(stats, cluster, training, found[0], splits)
@@ -154,15 +156,17 @@ def _estimates(stats: ModelStats, cluster: Cluster, training: Training, single_l
 
 
 def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None,
-                      exact: ParallelDims | None = None, virtual_stages: int = 1, ps_servers: int = 0) -> list[Layout]:
+                      exact: ParallelDims | None = None, virtual_stages: int = 1, ps_servers: int = 0,
+                      ep: int | None = None) -> list[Layout]:
     """The layouts a plan weighs, ``single`` first: every one the cluster can run (with ``ps_servers`` > 0 also
-    ``ps``), or ``exact``'s; with ``virtual_stages`` per rank (interleaved 1F1B) only pipelines whose p·v stages the
-    model's units can fill."""
+    ``ps``; a mixture of experts also with ``ep``), or ``exact``'s; with ``virtual_stages`` per rank (interleaved
+    1F1B) only pipelines whose p·v stages the model's units can fill."""
     units = len(stats.units)
     if exact is None:
-        found = layouts(cluster, units, tp_degrees(stats, cluster, tp), ps_servers)
+        found = layouts(cluster, units, tp_degrees(stats, cluster, tp), ps_servers, ep_degrees(stats, cluster, ep))
     else:
         tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
+        ep_degrees(stats, cluster, exact.ep)  # and when it has no experts, or they do not divide
         found = exact_layouts(cluster, units, exact)
         if exact.pp * virtual_stages > units:
             raise ConfigError(f"--schedule interleaved-1f1b with {virtual_stages} stages per rank cuts the model into "
@@ -200,7 +204,8 @@ def largest_micro_batch(stats: ModelStats, layout: Layout, training: Training, c
 
 
 def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = None, *,
-              tp: int | None = None, exact: ParallelDims | None = None, ps_servers: int = 0) -> Plan:
+              tp: int | None = None, exact: ParallelDims | None = None, ps_servers: int = 0,
+              ep: int | None = None) -> Plan:
     """The plan for training ``stats``' model on ``cluster``: what ``strategy="auto"`` should pick.
 
     A strategy that does not fit at the requested micro-batch is tried at smaller ones (same global batch,
@@ -212,13 +217,14 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     tensor and pipeline ranks share their replica's samples); layouts it does not split over are left out, and
     when none is left, or the exact layout is one of them, the error says which multiple to use.
     ``ps_servers`` > 0 plans ``ps`` with that many servers too; it is recommended only where the runtime runs it and
-    it can win (``_may_choose``).
+    it can win (``_may_choose``). ``ep``: the expert-parallel degree to plan for a mixture of experts (None: every
+    one that divides a node and the experts; 1: none).
     """
     training = training or Training()
     world = cluster.world_size
     global_batch = training.global_for(world)
     training = replace(training, global_batch=global_batch)
-    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers)
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep)
     why_not = [(lay, _split_error(training, lay, world)) for lay in found[1:]]
     refused = [(lay, why) for lay, why in why_not if why is not None]
     if refused and len(refused) == len(found) - 1:
@@ -243,7 +249,8 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
                                     f"{_fits_nowhere(stats, cluster, training, candidates)}")
     best = max(e.samples_per_s for e in fitting)
     choice = min((e for e in fitting if e.samples_per_s >= (1 - TIE) * best),
-                 key=lambda e: (e.checkpointing, e.layout.tp > 1, STRATEGY_ORDER.index(e.layout.name), e.layout.zero))
+                 key=lambda e: (e.checkpointing, e.layout.tp > 1, e.layout.ep > 1, STRATEGY_ORDER.index(e.layout.name),
+                                e.layout.zero))
     return replace(plan, choice=choice, reason=(_exact_reason(choice, fitting, exact) if exact is not None
                                                 else _reason(choice, estimates, fitting, cluster)),
                    suggestions=tuple(_changes(stats, cluster, training, choice, estimates)),
@@ -312,6 +319,8 @@ def _reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate]
     mem = f"{choice.memory.total / GIB:.1f} of {choice.capacity / GIB:.1f} GiB per rank"
     if choice.layout.tp > 1:
         return _tp_reason(choice, estimates, fitting, cluster, mem)
+    if choice.layout.ep > 1:
+        return _ep_reason(choice, fitting, cluster, mem)
     if choice.name == "single" and cluster.world_size > 1:
         return (f"one process using all cores is fastest: the {cluster.world_size} processes would share this "
                 f"host's compute and add gradient traffic ({mem})")
@@ -363,6 +372,22 @@ def _tp_reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estima
     return (f"{choice.name} ({lay.describe()}) is {choice.samples_per_s / rival.samples_per_s:.2f}x faster than "
             f"{rival.name}{how}, the fastest without tensor parallelism: tp={lay.tp} splits each micro-batch's "
             f"compute and the weights it streams {lay.tp} ways, {cost}; it fits ({mem})")
+
+
+def _ep_reason(choice: Estimate, fitting: list[Estimate], cluster: Cluster, mem: str) -> str:
+    """Why an expert-parallel layout: nothing without it fits, or it is more than ``TIE`` faster than all that do."""
+    t, lay = choice.time, choice.layout
+    link = ep_link(cluster, lay)
+    cost = (f"for {1e3 * t.ep_comm_s:.3g} ms of all-to-alls per step over {link.name} ({link.bandwidth_gbs:g} GB/s, "
+            f"{t.ep_comm_s / t.step_s:.0%} of the step)")
+    plain = [e for e in fitting if e.layout.ep == 1 and e.layout.tp == 1]
+    if not plain:
+        return (f"no layout without expert parallelism fits; ep={lay.ep} gives each rank 1/{lay.ep} of the experts "
+                f"({mem}), {cost}")
+    rival = max(plain, key=lambda e: e.samples_per_s)
+    return (f"{choice.name} ({lay.describe()}) is {choice.samples_per_s / rival.samples_per_s:.2f}x faster than "
+            f"{rival.name}: each rank holds, streams{' and gathers' if lay.zero >= 2 else ''} 1/{lay.ep} of the "
+            f"experts, {cost}; it fits ({mem})")
 
 
 def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice: Estimate) -> list[str]:

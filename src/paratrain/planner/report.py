@@ -52,7 +52,9 @@ def format_plan(plan: Plan, *, breakdown: bool = False) -> str:
     act = activation_figures(s, t, Layout.of(name="single"))[0]
     built = ", ".join(f"{k} {format_bytes(v)}" for k, v in s.param_bytes.items())
     lines = [
-        f"model     {s.name}: {_count(s.params)} parameters ({built} as built); {s.source}",
+        f"model     {s.name}: {_count(s.params)} parameters"
+        + (f", {_count(s.moe.active)} active per token" if s.moe is not None else "")
+        + f" ({built} as built); {s.source}",
         f"          largest layer {s.largest_layer[0]} ({_count(s.largest_layer[1])}), largest wrap unit "
         f"{s.largest_unit[0]} ({_count(s.largest_unit[1])}); per sample {_flops(s.flops_per_sample)} forward+backward, "
         f"{format_bytes(act)} of activations",
@@ -176,6 +178,9 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
                   "largest_layer": {"name": s.largest_layer[0], "params": s.largest_layer[1]},
                   "largest_unit": {"name": s.largest_unit[0], "params": s.largest_unit[1]}, "units": len(s.units),
                   "flops_per_sample": s.flops_per_sample, "warnings": list(s.warnings),
+                  "moe": None if s.moe is None else {"experts": s.moe.experts, "top_k": s.moe.top_k,
+                                                     "layers": s.moe.layers, "active_params": s.moe.active,
+                                                     "expert_params": s.moe.expert_params},
                   "activation_bytes_per_sample": activation_figures(s, t, Layout.of(name="single"))[0]},
         "cluster": {"device": asdict(c.device), "ranks_per_node": c.ranks_per_node, "nodes": c.nodes,
                     "world_size": c.world_size, "intra": asdict(c.intra), "inter": asdict(c.inter)},

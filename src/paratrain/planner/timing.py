@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
 from .hardware import Cluster
 from .layout import Layout, stage_flops
-from .memory import activation_figures, activation_mode, optimizer_params, ranked_params
+from .expert_parallel import ep_comm_s, link_of as ep_link, sync_groups
+from .memory import (activation_figures, activation_mode, optimizer_params, ranked_params, ranked_split,
+                     sharded)
 from .model_stats import ModelStats
 from .tensor_parallel import collectives_per_micro_batch, tp_comm_s
 from .training import Batching, Training
@@ -62,6 +64,8 @@ class StepTime:
     """Communication the step waits for."""
     tp_comm_s: float = 0.0
     """Of ``comm_s`` (and, never hidden, of ``exposed_comm_s``): tensor parallelism's activation collectives."""
+    ep_comm_s: float = 0.0
+    """Of ``comm_s`` (never hidden): expert parallelism's all-to-alls of the tokens to their experts and back."""
 
     @property
     def step_s(self) -> float:
@@ -70,7 +74,7 @@ class StepTime:
     def as_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "bubble_s": self.bubble_s, "optimizer_s": self.optimizer_s,
                 "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "tp_comm_s": self.tp_comm_s,
-                "step_s": self.step_s}
+                "ep_comm_s": self.ep_comm_s, "step_s": self.step_s}
 
 
 def weight_bytes(params: float, training: Training, cluster: Cluster) -> float:
@@ -140,7 +144,10 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     are not hidden. Tensor-parallel ranks compute 1/tp of each micro-batch's FLOPs and wait for its activation
     collectives (``tensor_parallel.tp_comm_s``, not hidden; a pipeline stage its 1/p share of them in every
     slot) over the link of tp consecutive ranks; the
-    data-parallel and pipeline groups are then tp times further apart. On a shared CPU host every rank gets
+    data-parallel and pipeline groups are then tp times further apart. Expert-parallel ranks hold 1/ep of the
+    experts (fewer weights to stream and step), sync them over the ranks holding the same ones and wait for their
+    all-to-alls (``expert_parallel.ep_comm_s``, not hidden) over the link of ep data-parallel neighbours. On a
+    shared CPU host every rank gets
     1/ranks of the host's compute and memory bandwidth. Parameter servers' workers communicate through the
     servers, not with each other: here they compute, and ``param_server.serving`` adds the rest.
     """
@@ -170,7 +177,6 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     bucket_s = DDP_BUCKET_PASSES * psi * training.bytes.grad / bandwidth if ddp else 0.0
     m = batch.micro_batches
     overlap = cluster.device.overlap
-    grads, params = psi * training.bytes.grad, psi * training.bytes.param
     boundary = activation_figures(stats, training, layout)[2] * batch.micro_batch
     if not training.sequence_parallel:  # each tp rank sends 1/tp of it (Narayanan et al. 2021, scatter/gather)
         boundary /= layout.tp
@@ -184,21 +190,27 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
         total += times * seconds
         exposed += times * max(0.0, seconds - window)
 
-    if ddp:
-        dp_link = cluster.link_for(layout.dp, inner)
-        add(all_reduce_s(grads, layout.dp, dp_link), hidden_in_backward)
+    dense, experts = ranked_split(stats, layout)
+    if ddp:  # under ep the experts sync over the ranks holding the same ones (expert_parallel.sync_groups)
+        groups = [(n, ranks, cluster.link_for(ranks, inner * apart))
+                  for n, ranks, apart in sync_groups(dense, experts, layout.dp, layout)]
+        add(sum(all_reduce_s(n * training.bytes.grad, ranks, link) for n, ranks, link in groups), hidden_in_backward)
         if layout.zero == 1:
-            add(broadcast_s(params, layout.dp, dp_link))
+            add(sum(broadcast_s(n * training.bytes.param, ranks, link) for n, ranks, link in groups))
     if layout.zero >= 2:
-        shard_link = cluster.link_for(layout.shard, inner)
+        groups = [(n, ranks, cluster.link_for(ranks, inner * apart))
+                  for n, ranks, apart in sync_groups(dense, experts, layout.shard, layout)]
+        shard_link = groups[0][2]
         calls = (units - 1) * fsdp_calls(layout.zero) * shard_link.call_s(layout.shard)
         # under a pipeline the stage stays gathered and syncs its gradients once, after the last micro-batch
         # (memory.fsdp_under_pipeline); otherwise every micro-batch gathers and reduce-scatters
         once = layout.pp > 1
-        add((1 if once else gathers) * all_gather_s(params, layout.shard, shard_link)
-            + reduce_scatter_s(grads, layout.shard, shard_link) + calls, overlap * micro_s, times=1 if once else m)
+        add(sum((1 if once else gathers) * all_gather_s(n * training.bytes.param, ranks, link)
+                + reduce_scatter_s(n * training.bytes.grad, ranks, link) for n, ranks, link in groups) + calls,
+            overlap * micro_s, times=1 if once else m)
         replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
-        add(all_reduce_s(grads / layout.shard, layout.replicas, replica_link), hidden_in_backward)
+        add(all_reduce_s(sharded(stats, layout, 2) * training.bytes.grad, layout.replicas, replica_link),
+            hidden_in_backward)
     v = training.stages_per_rank if layout.pp > 1 else 1
     if layout.pp > 1:  # each of a rank's v stages receives and sends every micro-batch, forward and backward
         add(2 * p2p_s(boundary, cluster.link_for(layout.pp, layout.mp * layout.tp)), times=v * m + layout.pp - 1)
@@ -207,8 +219,12 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     # a stage runs its share of the blocks' collectives in every slot, as it sends its activations
     fill = (layout.pp - 1) / v
     slots = m + fill
-    tp_s = tp_comm_s(stats, activation_mode(training, layout), batch.micro_batch, layout.tp,
-                     cluster.link_for(layout.tp, 1), training.checkpointing) / layout.pp
+    mode = activation_mode(training, layout)
+    tp_s = tp_comm_s(stats, mode, batch.micro_batch, layout.tp, cluster.link_for(layout.tp, 1),
+                     training.checkpointing) / layout.pp
     add(tp_s, times=slots)
+    ep_s = ep_comm_s(stats, mode, batch.micro_batch, layout.tp, layout.ep, ep_link(cluster, layout),
+                     training.checkpointing)
+    add(ep_s, times=m)
     return StepTime(compute_s=m * micro_s + bucket_s, bubble_s=fill * micro_s, optimizer_s=optimizer_s,
-                    comm_s=total, exposed_comm_s=exposed, tp_comm_s=slots * tp_s)
+                    comm_s=total, exposed_comm_s=exposed, tp_comm_s=slots * tp_s, ep_comm_s=m * ep_s)

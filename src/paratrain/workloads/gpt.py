@@ -1,4 +1,5 @@
-"""A minimal decoder-only transformer (GPT-2 / LLaMA shaped) and the built-in size configurations.
+"""A minimal decoder-only transformer (GPT-2 / LLaMA shaped, dense or with mixture-of-experts blocks) and the
+built-in size configurations.
 
 The shapes are the planner's (``planner.transformer.GPTConfig``: pure data, planned in closed form). The module
 exists so that sizes can be built on the meta device (``with torch.device("meta"): GPT(cfg)``) and checked
@@ -15,7 +16,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..planner.transformer import TRANSFORMERS, GPTConfig
+from ..errors import ConfigError
+from ..planner.transformer import TRANSFORMERS, GPTConfig, moe_block
+from .experts import MixtureOfExperts, activate
 
 if TYPE_CHECKING:
     from ..distributed.tensor_parallel.plans import TPPlan
@@ -48,26 +51,30 @@ class Block(nn.Module):
     (gate, up), so that a contiguous column split — tensor parallelism — gives each rank whole heads and units.
     With grouped-query attention (``kv_heads`` < ``heads``) the queries come from ``q`` and the keys and values
     from ``kv`` (``k v`` per key/value head): one fused output could not be viewed as heads without a copy of the
-    queries, which autograd would save besides the projection's output.
+    queries, which autograd would save besides the projection's output. ``experts``: the MLP is the shape's
+    mixture of experts (:mod:`.experts`) instead.
     """
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, experts: bool = False) -> None:
         super().__init__()
-        h, f = cfg.hidden, cfg.ffn_width
+        h, f, att = cfg.hidden, cfg.ffn_width, cfg.attention_width
         norm = (lambda: nn.LayerNorm(h)) if cfg.bias else (lambda: RMSNorm(h))
-        self.head_dim = h // cfg.heads
+        self.head_dim = cfg.head_width
         self.gated = cfg.gated
         self.norm1 = norm()
         if cfg.key_value_heads == cfg.heads:
-            self.qkv = nn.Linear(h, 3 * h, bias=cfg.has_qkv_bias)
+            self.qkv = nn.Linear(h, 3 * att, bias=cfg.has_qkv_bias)
         else:
-            self.q = nn.Linear(h, h, bias=cfg.has_qkv_bias)
+            self.q = nn.Linear(h, att, bias=cfg.has_qkv_bias)
             self.kv = nn.Linear(h, 2 * cfg.kv_width, bias=cfg.has_qkv_bias)
         self.grouped = cfg.key_value_heads != cfg.heads
-        self.proj = nn.Linear(h, h, bias=cfg.bias)
+        self.q_norm, self.k_norm = (RMSNorm(self.head_dim), RMSNorm(self.head_dim)) if cfg.qk_norm else (None, None)
+        self.proj = nn.Linear(att, h, bias=cfg.bias)
         self.norm2 = norm()
-        self.fc = nn.Linear(h, 2 * f if cfg.gated else f, bias=cfg.bias)
-        self.out = nn.Linear(f, h, bias=cfg.bias)
+        self.moe = MixtureOfExperts(cfg, cfg.moe) if experts and cfg.moe is not None else None
+        if self.moe is None:
+            self.fc = nn.Linear(h, 2 * f if cfg.gated else f, bias=cfg.bias)
+            self.out = nn.Linear(f, h, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Shapes come from the projections' outputs, not from x: under tensor parallelism x holds a slice of the
@@ -86,15 +93,13 @@ class Block(nn.Module):
             qkv = self.qkv(n)
             b, t, _ = qkv.shape
             q, k, v = qkv.view(b, t, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
-        z = self.fc(self.norm2(x))
-        if self.gated:
-            gate, up = z.unflatten(-1, (-1, 2)).unbind(-1)
-            z = F.silu(gate) * up
-        else:
-            z = F.gelu(z)
-        return x + self.out(z)
+        if self.moe is not None:
+            return x + self.moe(self.norm2(x))
+        return x + self.out(activate(self.fc(self.norm2(x)), self.gated))
 
 
 class GPT(nn.Module):
@@ -105,7 +110,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.learned_positions else None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, moe_block(cfg, i)) for i in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.hidden) if cfg.bias else RMSNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tied:
@@ -122,7 +127,11 @@ class GPT(nn.Module):
     def paratrain_tp_plan(self) -> TPPlan:
         """The tensor-parallel plan (see :mod:`paratrain.distributed.tensor_parallel.plans`): ``qkv`` and a gated
         ``fc`` are laid out per head / per unit, so a plain column split keeps them whole (no gather, unlike GPT-2's
-        ``c_attn``). Imported here, when asked for: tensor parallelism takes a second to import."""
+        ``c_attn``). Imported here, when asked for: tensor parallelism takes a second to import. Expert blocks and
+        query/key norms have none yet: one line says so."""
+        if self.cfg.moe is not None or self.cfg.qk_norm:
+            raise ConfigError("paratrain's GPT has no tensor-parallel plan for mixture-of-experts blocks or query/key "
+                              "norms; train it without tp")
         from ..distributed.tensor_parallel.names import head, style
         from ..distributed.tensor_parallel.plans import TPPlan
 

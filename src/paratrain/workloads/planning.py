@@ -12,12 +12,14 @@ from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError
 from ..factory import load_callable
 from ..planner import (InputSpec, ModelSpec, ModelStats, RunnableModel, TrainingCall, transformer_shape,
                        transformer_stats)
+from ..planner.auto import closed_form_shape
 from ..planner.hf_config import read_model_config
 from .digits import digits_cnn
 from .gpt import GPT, GPT_CONFIGS
@@ -66,9 +68,24 @@ def resolve_model(spec: ModelSpec | str) -> ModelStats | RunnableModel:
         return _from_config(spec)
     assert spec.model is not None
     factory, example = model_input(spec.model, shape=shape, input_spec=spec.input_spec)
-    stats = transformer_stats(replace(GPT_CONFIGS[spec.model], **shape), name=spec.model) \
-        if spec.model in GPT_CONFIGS else None
+    if spec.model in GPT_CONFIGS:
+        stats = transformer_stats(replace(GPT_CONFIGS[spec.model], **shape), name=spec.model)
+    else:
+        stats = experts_in_closed_form(factory, spec.model, example) if ":" in spec.model else None
     return RunnableModel(name=spec.model, factory=factory, call=TrainingCall.parse(example, spec.targets), stats=stats)
+
+
+def experts_in_closed_form(factory: Callable[[], nn.Module], name: str, example: InputSpec) -> ModelStats | None:
+    """The closed-form stats of a mixture of experts whose ``config`` the closed forms read exactly (a transformers
+    Mixtral, Qwen2-MoE or Qwen3-MoE: ``planner.auto.closed_form_shape``), at the input's length: routing needs
+    real tensors, so such a model cannot be traced on the meta device. None for any other model, traced as before."""
+    with torch.device("meta"):
+        model = factory()
+    cfg = closed_form_shape(model) if isinstance(model, nn.Module) else None
+    if cfg is None or cfg.moe is None:
+        return None
+    tokens = example.shape[0] if example.is_ids and len(example.shape) == 1 else cfg.seq_len
+    return transformer_stats(replace(cfg, seq_len=tokens), name=name)
 
 
 def _from_config(spec: ModelSpec) -> RunnableModel:

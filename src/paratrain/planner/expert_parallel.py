@@ -1,0 +1,111 @@
+"""Expert parallelism as the planner sees it: what one rank of an expert-parallel group holds, and what it moves.
+
+``Parallel(strategy, ep=E)`` (``ParallelDims.ep``): each rank of a group of E data-parallel ranks holds E/ep whole
+experts of every MoE block, 1/E of them; each token's hidden state goes to the ranks holding its top k experts and
+the experts' outputs come back, an all-to-all each way in forward and their gradients' in backward (again in a
+recomputed forward). No token is dropped and routing is taken as balanced: a rank computes, on average, as many
+expert rows as its own tokens make, so compute does not change with E. Under ZeRO the experts are sharded over the
+dp_shard/E ranks left (torchtitan's layout), whose gradients are theirs to reduce; the dense parameters are synced
+over every data-parallel rank as without ep. Tensor parallelism splits attention and the dense MLPs, not the routed
+experts: with sequence parallelism each tp rank routes its own 1/tp of the tokens.
+
+Per micro-batch of b samples of s tokens, a rank of tp t sends in each all-to-all b·s/t·k·h elements of the
+compute dtype, (E−1)/E of them off the rank: 4 all-to-alls an MoE block (6 with recomputation), none hidden.
+"""
+from __future__ import annotations
+
+import math
+
+from ..errors import ConfigError
+from .collectives import all_to_all_s
+from .hardware import Cluster, Link
+from .layout import Layout
+from .model_stats import ELEMENT_BYTES, ModelStats
+from .tensor_parallel import rank_units
+
+
+def held_units(stats: ModelStats, tp: int, ep: int) -> tuple[tuple[str, int], ...]:
+    """The wrap units as the first rank of a tp and an ep group holds them: tensor-parallel splits 1/tp
+    (``tensor_parallel.rank_units``), routed experts 1/ep."""
+    units = rank_units(stats, tp)
+    if ep == 1 or stats.moe is None:
+        return units
+    return tuple((name, n - x + x // ep) for (name, n), x in zip(units, stats.moe.unit_experts))
+
+
+def held_experts(stats: ModelStats, ep: int) -> tuple[int, ...]:
+    """Routed experts' parameters one rank holds in each unit: 1/ep of them (zeros for a dense model)."""
+    if stats.moe is None:
+        return (0,) * len(stats.units)
+    return tuple(x // ep for x in stats.moe.unit_experts)
+
+
+def expert_fraction(stats: ModelStats, layout: Layout) -> float:
+    """The share of its experts one rank keeps when ZeRO shards them over the shard/ep ranks holding the same ones:
+    1/(shard/ep). Without ep, FSDP (zero2, zero3) cuts each fused expert tensor on its first dimension, the experts:
+    a rank keeps ceil(E / shard) of the E experts, more than 1/shard when the ranks outnumber the experts (torch
+    pads the rest: at 64 ranks a rank keeps 1/8 of Mixtral's 8, as the dry run reads). With ep the experts are
+    sharded evenly, as torchtitan does by cutting them on their second dimension when the ranks outnumber them."""
+    ranks = layout.shard // layout.ep
+    if layout.zero >= 2 and layout.ep == 1 and stats.moe is not None:
+        return math.ceil(stats.moe.experts / ranks) / stats.moe.experts
+    return 1 / ranks
+
+
+def sync_groups(dense: float, experts: float, ranks: int, layout: Layout) -> list[tuple[float, int, int]]:
+    """(parameters, ranks, spacing) of each group a rank syncs its parameters over (an all-reduce, or a ZeRO
+    shard's gathers and reduce-scatters): all of them over ``ranks`` data-parallel ranks, or under ep the dense ones
+    so and its experts over the ranks/ep holding the same ones, ep times further apart."""
+    if layout.ep == 1 or not experts:
+        return [(dense + experts, ranks, 1)]
+    return [(dense, ranks, 1), (experts, ranks // layout.ep, layout.ep)]
+
+
+def dispatch_bytes(stats: ModelStats, mode: str, micro_batch: float, tp: int) -> float:
+    """Bytes one rank sends in one all-to-all of an MoE block: its tokens' k copies of the hidden state, in the
+    compute dtype of ``mode`` (``ELEMENT_BYTES``), its 1/tp of the tokens under sequence parallelism."""
+    if stats.moe is None:
+        return 0.0
+    m = stats.moe
+    return micro_batch * m.seq_len / tp * m.top_k * m.hidden * ELEMENT_BYTES[mode][1]
+
+
+def ep_comm_s(stats: ModelStats, mode: str, micro_batch: float, tp: int, ep: int, link: Link,
+              checkpointing: bool) -> float:
+    """Seconds of one micro-batch's all-to-alls: per MoE block the dispatch and the combine in forward, their
+    gradients in backward, and a recomputed forward's two more."""
+    if ep == 1 or stats.moe is None:
+        return 0.0
+    calls = (6 if checkpointing else 4) * stats.moe.layers
+    return calls * all_to_all_s(dispatch_bytes(stats, mode, micro_batch, tp), ep, link)
+
+
+def ep_degrees(stats: ModelStats, cluster: Cluster, ep: int | None = None) -> tuple[int, ...]:
+    """Expert-parallel degrees to plan: ``ep`` when given (1: none), else every power of two >= 2 that divides a
+    node's ranks and the experts (the all-to-alls stay on the node's link). A dense model gets none."""
+    if ep is not None and ep < 1:
+        raise ConfigError(f"--ep must be >= 1, got {ep}")
+    if ep == 1:
+        return ()
+    if stats.moe is None:
+        if ep is not None:
+            raise ConfigError(f"--ep splits a mixture of experts' experts: {stats.name!r} has none (plan a preset "
+                              "such as mixtral-8x7b, or an MoE config.json)")
+        return ()
+    if ep is not None:
+        why = stats.moe.why_not(ep)
+        if why is not None:
+            fits = [d for d in range(1, stats.moe.experts + 1) if stats.moe.experts % d == 0]
+            raise ConfigError(f"--ep {ep}: {why}; use one of {', '.join(map(str, fits))}")
+        return (ep,)
+    degrees, e = [], 2
+    while e <= cluster.ranks_per_node:
+        if cluster.ranks_per_node % e == 0 and stats.moe.why_not(e) is None:
+            degrees.append(e)
+        e *= 2
+    return tuple(degrees)
+
+
+def link_of(cluster: Cluster, layout: Layout) -> Link:
+    """The link an ep group's all-to-alls cross: ep data-parallel ranks, a stage and a tp group apart."""
+    return cluster.link_for(layout.ep, layout.stages * layout.tp)

@@ -1,0 +1,143 @@
+"""Expert parallelism in the planner (``planner.expert_parallel``): what an ep rank holds under each strategy, what
+it syncs and sends, in closed form; ep in the candidate layouts, ``--ep`` and ``--layout ...,ep=E``.
+
+The runtime's ``Parallel(strategy, ep=E)`` these figures are for: each rank of a group of E data-parallel ranks holds
+1/E of every MoE block's experts, tokens go to their experts' ranks and back by all-to-all (none dropped); under ZeRO
+the experts are sharded over the dp_shard/E ranks left; tp splits attention and dense layers, not the experts."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from paratrain.cli.main import main
+from paratrain.errors import ConfigError
+from paratrain.planner import TRANSFORMERS, Layout, PlanConfig, Training, make_cluster, make_plan, transformer_stats
+from paratrain.planner.collectives import all_reduce_s, all_to_all_s
+from paratrain.planner.expert_parallel import dispatch_bytes, ep_comm_s
+from paratrain.planner.memory import memory_per_rank, model_states
+from paratrain.planner.timing import step_time
+from paratrain.planner.training import batching
+from paratrain.planner.transformer import transformer_params
+
+MIXTRAL = transformer_stats(TRANSFORMERS["mixtral-8x7b"], name="mixtral-8x7b")
+COUNTS = transformer_params(TRANSFORMERS["mixtral-8x7b"])
+X = COUNTS["experts"]  # the routed experts: 8 x 3 x 4096 x 14336 a block, 32 blocks
+DENSE = COUNTS["total"] - X
+MIXED = Training(precision="bf16-mixed", optimizer="adamw", micro_batch=1)
+CLUSTER = make_cluster("h100", gpus=8, nodes=4, inter_node="ib-ndr-x8")
+
+
+def test_mixtral_experts_are_most_of_its_parameters():
+    assert X == 32 * 8 * 3 * 4096 * 14336 and X / COUNTS["total"] == pytest.approx(0.966, abs=0.001)
+
+
+@pytest.mark.parametrize("name, zero, params, grads, optim", [
+    # ddp: the dense parameters whole, 1/ep of the experts, nothing sharded
+    ("ddp", 0, DENSE + X / 8, DENSE + X / 8, DENSE + X / 8),
+    # zero2: states and gradients 1/N of the dense ones and 1/(N/ep) of the rank's 1/ep of the experts: 1/N of all
+    ("zero2", 2, DENSE + X / 8, (DENSE + X) / 32, (DENSE + X) / 32),
+    # zero3: everything 1/N, as without ep (ep changes what FSDP gathers, not what a rank keeps)
+    ("zero3", 3, (DENSE + X) / 32, (DENSE + X) / 32, (DENSE + X) / 32),
+])
+def test_model_states_of_an_ep_rank_in_closed_form(name, zero, params, grads, optim):
+    layout = Layout.of(name=name, dp=32, zero=zero, shard=32 if zero else 1, ep=8)
+    states = model_states(MIXTRAL, layout, MIXED)
+    assert states.parameters == pytest.approx(2 * params)
+    assert states.gradients == pytest.approx(2 * grads)
+    assert states.optimizer_states == pytest.approx(12 * optim)  # fp32 master copy and Adam's two moments
+    without = model_states(MIXTRAL, Layout.of(name=name, dp=32, zero=zero, shard=32 if zero else 1), MIXED)
+    # without ep FSDP cuts the fused [8, ...] expert tensors on their first dimension: a rank keeps a whole 1/8
+    assert without.parameters == pytest.approx(2 * (DENSE / 32 + X / 8 if zero == 3 else DENSE + X))
+    assert without.gradients == pytest.approx(2 * (DENSE / 32 + X / 8 if zero >= 2 else DENSE + X))
+
+
+def test_fsdp_gathers_an_ep_ranks_share_of_a_blocks_experts():
+    """zero3's buffers: the largest unit gathered twice (16-bit) and its gradient; a Mixtral block is 1.45B
+    parameters, 1.41B of them experts, of which an ep=8 rank gathers 1/8."""
+    block = COUNTS["block"]
+    batch = batching(MIXED, dp=32, pp=1, world_size=32)
+    plain = memory_per_rank(MIXTRAL, Layout.of(name="zero3", dp=32, zero=3, shard=32), batch, MIXED, CLUSTER)
+    split = memory_per_rank(MIXTRAL, Layout.of(name="zero3", dp=32, zero=3, shard=32, ep=8), batch, MIXED, CLUSTER)
+    assert plain.buffers == pytest.approx(3 * 2 * block)
+    held = block - X / 32 + X / 32 / 8
+    a2a = 2 * dispatch_bytes(MIXTRAL, "param_dtype", 1, 1)  # one block's send and receive buffers
+    assert split.buffers == pytest.approx(3 * 2 * held + a2a)
+    assert a2a == 2 * 32768 * 2 * 4096 * 2  # s tokens x top 2 x hidden, 16-bit
+
+
+def test_all_to_all_time_in_closed_form():
+    """4 all-to-alls a block per micro-batch (dispatch and combine, forward and backward), 6 with recomputation;
+    each sends b·s/tp·k·h elements of the compute dtype, (E-1)/E of them off the rank."""
+    link = CLUSTER.intra
+    sent = 2 * 32768 / 2 * 2 * 4096 * 2  # micro-batch 2, tp 2
+    assert dispatch_bytes(MIXTRAL, "autocast", 2, 2) == sent
+    one = (8 - 1) * link.latency_us * 1e-6 + 7 / 8 * sent / link.bytes_per_s
+    assert all_to_all_s(sent, 8, link) == pytest.approx(one)
+    assert ep_comm_s(MIXTRAL, "autocast", 2, 2, 8, link, False) == pytest.approx(32 * 4 * one)
+    assert ep_comm_s(MIXTRAL, "autocast", 2, 2, 8, link, True) == pytest.approx(32 * 6 * one)
+    assert ep_comm_s(MIXTRAL, "autocast", 2, 2, 1, link, True) == 0.0
+
+
+def test_ddp_with_ep_syncs_the_dense_gradients_over_dp_and_the_experts_over_their_replicas():
+    cluster = make_cluster("h100", gpus=8, nodes=1)
+    layout = Layout.of(name="ddp", dp=8, ep=4)
+    batch = batching(MIXED, dp=8, pp=1, world_size=8)
+    t = step_time(MIXTRAL, layout, batch, MIXED, cluster)
+    a2a = ep_comm_s(MIXTRAL, "autocast", 1, 1, 4, cluster.intra, False)
+    sync = all_reduce_s(2 * DENSE, 8, cluster.intra) + all_reduce_s(2 * X / 4, 2, cluster.intra)
+    assert t.ep_comm_s == pytest.approx(a2a)
+    assert t.comm_s == pytest.approx(sync + a2a)
+
+
+def test_ep_is_planned_for_mixtures_of_experts_only_and_where_it_divides():
+    plan = make_plan(MIXTRAL, PlanConfig(gpus=8, nodes=4, inter_node="ib-ndr-x8", tp=1,
+                                          training=Training(micro_batch=1)))
+    with_ep = [e for e in plan.estimates if e.layout.ep > 1]
+    assert {e.name for e in with_ep} == {"ddp+ep", "zero1+ep", "zero2+ep", "zero3+ep", "hsdp+ep"}
+    assert all(e.layout.ep in (2, 4, 8) for e in with_ep)
+    gpt2 = make_plan(transformer_stats(TRANSFORMERS["gpt2"], name="gpt2"), PlanConfig(gpus=8))
+    assert all(e.layout.ep == 1 for e in gpt2.estimates)
+    with pytest.raises(ConfigError, match="--ep splits a mixture of experts' experts: 'gpt2' has none"):
+        make_plan(transformer_stats(TRANSFORMERS["gpt2"], name="gpt2"), PlanConfig(gpus=8, ep=2))
+    with pytest.raises(ConfigError, match=r"--ep 3: 8 experts do not divide by ep=3; use one of 1, 2, 4, 8"):
+        make_plan(MIXTRAL, PlanConfig(gpus=6, ep=3))
+
+
+def test_an_exact_layout_with_ep_compares_its_data_parallel_flavours():
+    plan = make_plan(MIXTRAL, PlanConfig(gpus=8, nodes=4, inter_node="ib-ndr-x8", layout="dp=32,ep=8",
+                                          training=Training(micro_batch=1)))
+    assert [e.name for e in plan.estimates[1:]] == ["ddp+ep", "zero1+ep", "zero2+ep", "zero3+ep", "hsdp+ep"]
+    assert all(e.layout.dims.ep == 8 for e in plan.estimates[1:])
+    with pytest.raises(ConfigError, match=r"ep=8 must divide the 4 data-parallel ranks"):
+        PlanConfig(gpus=8, layout="dp=4,tp=2,ep=8")
+    with pytest.raises(ConfigError, match="--layout says ep=4 but --ep 8; give the degree once"):
+        PlanConfig(gpus=8, layout="dp=8,ep=4", ep=8)
+
+
+def test_an_ep_layout_is_recommended_when_it_is_faster_and_says_why():
+    """Mixtral at 4096 tokens on 32 H100s: zero3 alone keeps 1/8 of the experts a rank (its 8 experts cut over 32
+    ranks) and does not fit; with ep=8 each rank holds, gathers, streams and steps 1/8 of them and shards its own
+    over the 4 ranks holding the same ones, for a few percent of the step in all-to-alls."""
+    stats = transformer_stats(replace(TRANSFORMERS["mixtral-8x7b"], seq_len=4096), name="mixtral")
+    plan = make_plan(stats, PlanConfig(gpus=8, nodes=4, inter_node="ib-ndr-x8", tp=1,
+                                        training=Training(micro_batch=1)))
+    by_name = {e.name: e for e in plan.estimates}
+    assert not by_name["zero3"].fits and by_name["zero3+ep"].fits
+    assert plan.choice.layout.ep == 8 and plan.choice.samples_per_s > 1.5 * by_name["pipeline"].samples_per_s
+    assert f"1/8 of the experts, for {1e3 * plan.choice.time.ep_comm_s:.3g} ms of all-to-alls" in plan.reason
+    assert 0 < plan.choice.time.ep_comm_s < 0.1 * plan.choice.time.step_s
+
+
+def test_the_cli_plans_ep_and_says_the_active_parameters(capsys):
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--layout", "dp=8,ep=8", "--batch", "1",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["moe"] == {"experts": 128, "top_k": 8, "layers": 48,
+                                    "active_params": transformer_params(TRANSFORMERS["qwen3-30b-a3b"])["active"],
+                                    "expert_params": transformer_params(TRANSFORMERS["qwen3-30b-a3b"])["experts"]}
+    assert {s["layout"]["ep"] for s in plan["strategies"][1:]} == {8}
+    assert all(s["time"]["ep_comm_s"] > 0 for s in plan["strategies"][1:])
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "8", "--nodes", "4", "--seq-len", "4096",
+                 "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "46.7B parameters, 12.9B active per token" in out and "zero3+ep" in out
