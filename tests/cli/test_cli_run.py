@@ -44,6 +44,7 @@ def test_failing_rank_ends_the_job_fast_and_names_the_rank(paratrain_cmd, tmp_pa
     elapsed = time.time() - float((tmp_path / "failed_at").read_text())  # from the failure, not the start-up
     assert res.returncode != 0
     assert elapsed < 10, f"the job took {elapsed:.1f} s to end after rank 1 failed"
+    assert "paratrain: rank 1 failed" in res.stderr, res.stderr[-3000:]
     report = res.stderr[res.stderr.index("paratrain: rank 1 failed"):]
     if how == "raise":
         assert "(exit code 1: " in report and "RuntimeError: planted failure at step 5" in report
