@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from torch import nn
+from helpers.activations import saved_bytes
 
 from paratrain.errors import ConfigError
 from paratrain.planner import GPTConfig, InputSpec, measure_module, transformer_stats
@@ -40,25 +40,6 @@ def test_moe_counts_equal_the_module_block_by_block(name):
     assert stats.moe.unit_experts == (0, *routed, 0) and stats.moe.layers == sum(1 for r in routed if r)
 
 
-def _saved_bytes(model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
-    """Bytes of the storages autograd saves during a real CPU forward and cross-entropy loss (weights excluded)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(x)
-        loss = nn.functional.cross_entropy(out.float().flatten(0, 1), x.flatten())
-    loss.backward()
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_moe_activations_equal_what_autograd_saves_on_cpu(name, autocast):
@@ -70,7 +51,7 @@ def test_moe_activations_equal_what_autograd_saves_on_cpu(name, autocast):
     batch = 2
     predicted = batch * (stats.mixed["autocast"][0] if autocast else stats.activation_bytes_per_sample)
     predicted += 2 * stats.matmul_params if autocast else 0
-    measured = _saved_bytes(GPT(cfg), torch.randint(0, cfg.vocab, (batch, cfg.seq_len)), autocast)
+    measured = saved_bytes(GPT(cfg), torch.randint(0, cfg.vocab, (batch, cfg.seq_len)), autocast)
     assert predicted == pytest.approx(measured, rel=0.005)
 
 

@@ -5,6 +5,7 @@ import tracemalloc
 
 import pytest
 import torch
+from helpers.activations import saved_bytes
 from torch import nn
 
 from paratrain.errors import ConfigError
@@ -67,25 +68,6 @@ def test_closed_form_flops_and_activations_agree_with_a_meta_trace():
     assert (traced.matmul_params, traced.output_bytes_per_sample) == (closed.matmul_params, closed.output_bytes_per_sample)
 
 
-def _saved_bytes(model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
-    """Bytes of the storages autograd saves during a real CPU forward and cross-entropy loss (weights excluded)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(x)
-        loss = nn.functional.cross_entropy(out.float().flatten(0, 1), x.flatten())
-    loss.backward()
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("cfg", [
     GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),
     GPTConfig(layers=2, hidden=128, heads=2, seq_len=64, vocab=300, ffn=256, gated=True, bias=False,
@@ -99,7 +81,7 @@ def test_closed_form_activations_equal_what_autograd_saves_on_cpu(cfg, autocast)
     batch = 2
     predicted = batch * (stats.mixed["autocast"][0] if autocast else stats.activation_bytes_per_sample)
     predicted += 2 * stats.matmul_params if autocast else 0  # autocast's bf16 weight copies
-    measured = _saved_bytes(GPT(cfg), torch.randint(0, cfg.vocab, (batch, cfg.seq_len)), autocast)
+    measured = saved_bytes(GPT(cfg), torch.randint(0, cfg.vocab, (batch, cfg.seq_len)), autocast)
     assert predicted == pytest.approx(measured, rel=0.02)
 
 
