@@ -98,12 +98,7 @@ def ep_degrees(stats: ModelStats, cluster: Cluster, ep: int | None = None) -> tu
             fits = [d for d in range(1, stats.moe.experts + 1) if stats.moe.experts % d == 0]
             raise ConfigError(f"--ep {ep}: {why}; use one of {', '.join(map(str, fits))}")
         return (ep,)
-    degrees, e = [], 2
-    while e <= cluster.ranks_per_node:
-        if cluster.ranks_per_node % e == 0 and stats.moe.why_not(e) is None:
-            degrees.append(e)
-        e *= 2
-    return tuple(degrees)
+    return cluster.node_degrees(stats.moe.why_not)
 
 
 def link_of(cluster: Cluster, layout: Layout) -> Link:

@@ -10,6 +10,7 @@ link's per-collective figures can be set from a measurement (``measured_link``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
@@ -342,6 +343,16 @@ class Cluster:
     def stream_bytes_per_s(self, ranks_per_node: int | None = None) -> float:
         """Memory bandwidth of one rank, split among ranks on a shared host."""
         return self.device.memory_gbs * GB * self.share(ranks_per_node or self.ranks_per_node)
+
+    def node_degrees(self, why_not: Callable[[int], str | None]) -> tuple[int, ...]:
+        """The powers of two from 2 up to a node's ranks that divide it and that ``why_not`` (a model shape's
+        refusal of a degree) accepts: the degrees the planner tries for a group kept within one node (tp, ep)."""
+        degrees, d = [], 2
+        while d <= self.ranks_per_node:
+            if self.ranks_per_node % d == 0 and why_not(d) is None:
+                degrees.append(d)
+            d *= 2
+        return tuple(degrees)
 
     def link_for(self, size: int, stride: int) -> Link:
         """The link a group of ``size`` ranks, ``stride`` apart, is limited by.

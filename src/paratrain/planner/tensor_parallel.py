@@ -122,12 +122,7 @@ def tp_degrees(stats: ModelStats, cluster: Cluster, tp: int | None = None) -> tu
             fits = [t for t in range(1, min(common, 2 * cluster.ranks_per_node) + 1) if common % t == 0]
             raise ConfigError(f"--tp {tp}: {why}; use a degree that divides them: {', '.join(map(str, fits))}")
         return (tp,)
-    degrees, t = [], 2
-    while t <= cluster.ranks_per_node:
-        if cluster.ranks_per_node % t == 0 and stats.tp.why_not(t) is None:
-            degrees.append(t)
-        t *= 2
-    return tuple(degrees)
+    return cluster.node_degrees(stats.tp.why_not)
 
 
 def _shape(stats: ModelStats) -> TPShape:
