@@ -32,9 +32,13 @@ class ParallelDims:
     layer's experts, and tokens travel to their expert's rank and back (all-to-all). The group is carved out of the
     data-parallel ranks that hold one copy of the model (``dp_shard`` under ZeRO, ``dp_replicate`` without), so it
     adds no ranks; under ZeRO the experts are sharded over the ``dp_shard / ep`` ranks left."""
+    cp: int = 1
+    """Context-parallel ranks: each of a group of ``cp`` ranks holds 1/cp of every sequence of the same samples, and
+    attention sees the whole sequence through an all-to-all (Ulysses). They read the same samples, so they are no
+    data-parallel replicas, but their gradients are reduced together with the data-parallel ranks' (``dp x cp``)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "pp", "tp", "mp", "ep"):
+        for name in ("dp_replicate", "dp_shard", "pp", "tp", "mp", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel degree {name}={value!r} must be an integer >= 1")
@@ -48,6 +52,9 @@ class ParallelDims:
                               "parallelism; use pipeline stages (pp) instead")
         if self.ep > 1:
             self._check_ep()
+        if self.cp > 1 and self.mp > 1:
+            raise ConfigError("context parallelism splits sequences over ranks; model-parallel stages inside a "
+                              "process do not compose with it: use pipeline stages (pp) instead")
 
     def _check_ep(self) -> None:
         """``ep`` must divide the ranks that hold one copy: the experts are split over them, not over the replicas
@@ -68,20 +75,23 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         """Ranks (processes) the layout needs; ``mp``'s devices belong to one process."""
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     def mesh_shape(self) -> dict[str, int]:
         """Mesh dimension names → sizes, outermost first, as the strategies address them.
 
         The data-parallel dimension is always there: ``dp`` (size 1 when nothing replicates or shards), or
-        ``replicate`` × ``shard`` when both are above 1 (HSDP). ``pp`` and ``tp`` follow when above 1, ``tp``
-        innermost so that the ranks of one tensor-parallel group are neighbours (on a node, NVLink peers).
+        ``replicate`` × ``shard`` when both are above 1 (HSDP). ``pp``, ``cp`` and ``tp`` follow when above 1,
+        ``tp`` innermost and ``cp`` next to it, so that the ranks of a tensor- or context-parallel group, which talk
+        in every layer, are neighbours (on a node, NVLink peers).
         ``ep`` is no dimension here: its groups are made of data-parallel ranks.
         """
         shape = ({"replicate": self.dp_replicate, "shard": self.dp_shard}
                  if self.dp_replicate > 1 and self.dp_shard > 1 else {"dp": self.dp})
         if self.pp > 1:
             shape["pp"] = self.pp
+        if self.cp > 1:
+            shape["cp"] = self.cp
         if self.tp > 1:
             shape["tp"] = self.tp
         return shape

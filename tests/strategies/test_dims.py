@@ -90,3 +90,12 @@ def test_every_planned_layout_is_the_one_its_strategy_builds(world):
     assert seen >= ({"single"} if world == 1 else {"ddp", "zero1", "zero2", "zero3", "ps"})
     if world >= 4 and world % 2 == 0:
         assert {"hsdp", "hybrid", "tp"} <= seen
+
+
+def test_context_parallel_ranks_are_a_mesh_dimension_beside_tp():
+    dims = ParallelDims(dp_shard=2, zero=3, cp=2, tp=2)
+    assert dims.world_size == 8 and dims.dp == 2
+    assert list(dims.mesh_shape().items()) == [("dp", 2), ("cp", 2), ("tp", 2)]
+    assert "cp=2" in dims.describe()
+    with pytest.raises(ConfigError, match="context parallelism"):
+        ParallelDims(mp=2, cp=2)
