@@ -61,8 +61,8 @@ def test_every_data_and_tp_strategy_is_a_row_of_the_preset_table():
         strategies.DDPStrategy(paratrain.DDPConfig(), bucket_cap_mb=50)
     with pytest.raises(ConfigError, match="bad option for strategy 'tp'"):
         paratrain.Parallel("tp", bucket_cap_mb=1)
-    with pytest.raises(ConfigError, match="'zero1' does not take tp"):
-        create("zero1", tp=2)
+    with pytest.raises(ConfigError, match="'hsdp' does not take tp"):
+        create("hsdp", tp=2)
 
 
 @pytest.mark.parametrize("kwargs, words", [({"accumulate": 0}, "accumulate"), ({"precision": "fp8"}, "precision"),

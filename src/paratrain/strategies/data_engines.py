@@ -142,7 +142,10 @@ class ShardedOptimizer(Replicas):
         groups = param_groups_for(optimizer, names, inner)
         from ..distributed.zero import zero_redundancy  # imports FSDP and DTensor: 1-2 s, when used
 
-        return zero_redundancy(groups, optimizer, rt.mesh.get_group() if rt.mesh is not None else None)
+        mesh = rt.mesh
+        if mesh is not None and mesh.ndim > 1:  # beside tp: the states are sharded over the data-parallel ranks
+            mesh = mesh["dp"]
+        return zero_redundancy(groups, optimizer, mesh.get_group() if mesh is not None else None)
 
     def optimizer_state(self, inner: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return zero_optimizer_state(inner, optimizer)

@@ -36,7 +36,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("single", OneReplica, tp="never", groups=False),
     Preset("ddp", Replicas),
-    Preset("zero1", ShardedOptimizer, tp="never"),
+    Preset("zero1", ShardedOptimizer),
     Preset("zero2", Shards, defaults={"reshard_after_forward": False}),
     Preset("zero3", Shards, aliases=("fsdp",)),
     Preset("hsdp", Shards, tp="never", hierarchical=True),
