@@ -11,6 +11,7 @@ import torch
 from helpers.activations import saved_bytes
 from torch import nn
 
+from paratrain.dims import ParallelDims
 from paratrain.errors import ConfigError
 from paratrain.planner import (
     TRANSFORMERS,
@@ -24,7 +25,7 @@ from paratrain.planner import (
 from paratrain.planner.auto import choose
 from paratrain.planner.collectives import all_to_all_s
 from paratrain.planner.context_parallel import IDS_BYTES_PER_TOKEN, cp_comm_s, cp_pairs
-from paratrain.planner.layout import exact_layout
+from paratrain.planner.layout import exact_layout, layout_strategy
 from paratrain.planner.memory import activation_figures, model_states
 from paratrain.planner.recommend import estimate
 from paratrain.planner.timing import step_time
@@ -116,6 +117,15 @@ def test_layout_parsing_with_cp():
     plan = make_plan(LLAMA_32K, PlanConfig(gpus=8, layout="dp=4,cp=2", training=Training(micro_batch=1)))
     assert [e.name for e in plan.estimates[1:]] == ["ddp+cp", "zero1+cp", "zero2+cp", "zero3+cp"]
     assert all(e.layout.dp == 4 and e.layout.cp == 2 for e in plan.estimates[1:])
+    assert exact_layout("zero3,cp=2", world=8) == ParallelDims(dp_replicate=4, cp=2)  # dp: the GPUs left
+    assert layout_strategy("zero3,cp=2") == "zero3" and layout_strategy("dp=4,cp=2") is None
+    named = make_plan(LLAMA_32K, PlanConfig(gpus=8, layout="zero3,cp=2", training=Training(micro_batch=1)))
+    assert [(e.name, e.layout.dp) for e in named.estimates] == [("single", 1), ("zero3+cp", 4)]
+    with pytest.raises(ConfigError, match=r"dp=2 x pp=1 x cp=2 x tp=2 is not planned as zero1; name one of ddp, "
+                                          r"zero2, zero3 or none"):
+        make_plan(LLAMA_32K, PlanConfig(gpus=8, layout="zero1,tp=2,cp=2"))
+    with pytest.raises(ConfigError, match=r"cannot read 'pipeline'; .* optionally with one of ddp, zero1, zero2, "):
+        PlanConfig(gpus=8, layout="pipeline,cp=2")
     with pytest.raises(ConfigError, match="--layout says cp=2 but --cp 4; give the degree once"):
         PlanConfig(gpus=8, layout="dp=4,cp=2", cp=4)
     with pytest.raises(ConfigError, match=r"dp=4 x pp=1 x cp=2 x tp=1 needs 8 GPUs but the cluster has 16"):

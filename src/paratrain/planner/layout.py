@@ -11,6 +11,7 @@ tp ``(dp, pp, tp)``), then data parallelism; ``hsdp`` shards within a node and r
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -201,11 +202,23 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
     return out
 
 
+LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+"""The strategies ``--layout`` may name (``zero3,cp=2``): the ways of running a data-parallel group."""
+
+
+def layout_strategy(text: str | None) -> str | None:
+    """The strategy ``--layout zero3,cp=2`` names (its part without ``=``), or None: every way of running it."""
+    named = [part for part in (text or "").replace(" ", "").split(",") if part in LAYOUT_STRATEGIES]
+    return named[0] if named else None
+
+
 def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | None = None,
-                 tp: int | None = None, ep: int | None = None, cp: int | None = None) -> ParallelDims | None:
+                 tp: int | None = None, ep: int | None = None, cp: int | None = None,
+                 world: int | None = None) -> ParallelDims | None:
     """The degrees ``--layout dp=8,pp=12,tp=4`` (or ``--dp``/``--pp`` with ``--tp``, ``--ep``, ``--cp``) pin, or
     None: search. ``ep`` is carved out of dp (``dp=8,ep=8``: 8 ranks); ``cp`` multiplies the ranks
-    (``dp=4,cp=2``: 8 ranks, 4 replicas of 2 ranks splitting each sequence).
+    (``dp=4,cp=2``: 8 ranks, 4 replicas of 2 ranks splitting each sequence). A layout that names its strategy
+    (``zero3,cp=2``, see ``layout_strategy``) may leave dp out: the ``world`` ranks the other degrees leave.
 
     ``--tp``, ``--ep`` or ``--cp`` alone keeps the search (over that degree), as ``--tp`` always has."""
     if text is None and dp is None and pp is None:
@@ -216,21 +229,27 @@ def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | No
             raise ConfigError("give the layout once: --layout dp=..,pp=..,tp=.. or --dp/--pp/--tp, not both")
         for part in text.replace(" ", "").split(","):
             key, _, value = part.partition("=")
+            if key in LAYOUT_STRATEGIES and not value:
+                continue
             if key not in degrees or not value.isdigit():
                 raise ConfigError(f"--layout {text!r}: cannot read {part!r}; write degrees as dp=8,pp=12,tp=4 "
-                                  "(keys dp, pp, tp, ep, cp; the ones left out are 1)")
+                                  "(keys dp, pp, tp, ep, cp; the ones left out are 1), optionally with one of "
+                                  f"{', '.join(LAYOUT_STRATEGIES)} (zero3,cp=2)")
             given = {"tp": tp, "ep": ep, "cp": cp}.get(key)
             if given is not None and given != int(value):
                 raise ConfigError(f"--layout says {key}={value} but --{key} {given}; give the degree once")
             degrees[key] = int(value)
+        if degrees["dp"] is None and world is not None and layout_strategy(text) is not None:
+            rest = math.prod(v or 1 for k, v in degrees.items() if k in ("pp", "tp", "cp"))
+            degrees["dp"] = max(1, world // rest)
     return ParallelDims(**{"dp_replicate" if k == "dp" else k: 1 if v is None else v for k, v in degrees.items()})
 
 
-def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims) -> list[Layout]:
+def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims, strategy: str | None = None) -> list[Layout]:
     """``single`` and the layouts with exactly ``dims``' degrees (``ParallelDims.dp``, ``pp``, ``tp``, ``ep``,
     ``cp``): one, or for a data-parallel group without pipeline stages each way of running it (ddp, zero1-3, hsdp,
-    as ``layouts`` offers them), which the plan compares. One-line errors for degrees the cluster or the model
-    cannot take."""
+    as ``layouts`` offers them), which the plan compares; only ``strategy``'s when named. One-line errors for
+    degrees the cluster or the model cannot take."""
     given = (f"dp={dims.dp} x pp={dims.pp}" + (f" x cp={dims.cp}" if dims.cp > 1 else "") + f" x tp={dims.tp}"
              + (f" (ep={dims.ep})" if dims.ep > 1 else ""))
     if dims.world_size != cluster.world_size:
@@ -246,11 +265,16 @@ def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims) -> list[La
     found = [lay for lay in layouts(cluster, n_units, (dims.tp,) if dims.tp > 1 else (),
                                     ep_degrees=(dims.ep,) if dims.ep > 1 else (),
                                     cp_pairs=((dims.tp, dims.cp),) if dims.cp > 1 else ())
-             if (lay.dims.dp, lay.pp, lay.tp, lay.mp, lay.ep, lay.cp) == (dims.dp, dims.pp, dims.tp, 1, dims.ep, dims.cp)]
+             if (lay.dims.dp, lay.pp, lay.tp, lay.mp, lay.ep, lay.cp)
+             == (dims.dp, dims.pp, dims.tp, 1, dims.ep, dims.cp)]
     if not found:  # a degree split the search leaves out, e.g. a pipeline of 2 stages replicated once
         raise ConfigError(f"the layout {given} is not one paratrain's strategies build on {cluster.world_size} "
                           "GPUs; change the degrees")
-    return [Layout.of(name="single"), *(lay for lay in found if lay.name != "single")]
+    if strategy is not None and all(lay.name != strategy for lay in found):
+        raise ConfigError(f"the layout {given} is not planned as {strategy}; name one of "
+                          f"{', '.join(sorted({lay.name for lay in found}))} or none (all of them)")
+    return [Layout.of(name="single"), *(lay for lay in found if lay.name != "single"
+                                        and strategy in (None, lay.name))]
 
 
 _EP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")

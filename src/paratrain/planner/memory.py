@@ -219,7 +219,8 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     activations = saved * in_flight(layout, batch, training) / layout.stages
     if training.precision != "fp32" and layout.zero < 2:
         activations += 2 * stats.matmul_params / layout.tp * psi / rank_params(stats, layout.tp)
-    ddp_buckets = min(2 * training.bucket_mb * 2**20, states.gradients) if layout.grad_ranks > 1 and layout.zero < 2 else 0.0
+    ddp = layout.grad_ranks > 1 and layout.zero < 2
+    ddp_buckets = min(2 * training.bucket_mb * 2**20, states.gradients) if ddp else 0.0
     if layout.zero >= 2 and layout.pp > 1:  # FSDP under a pipeline: see fsdp_under_pipeline
         buffers = fsdp_under_pipeline(psi, layout, training)
     elif layout.zero >= 3:

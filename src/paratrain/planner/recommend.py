@@ -162,9 +162,10 @@ def _estimates(stats: ModelStats, cluster: Cluster, training: Training, single_l
 
 def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None,
                       exact: ParallelDims | None = None, virtual_stages: int = 1, ps_servers: int = 0,
-                      ep: int | None = None, cp: int | None = None) -> list[Layout]:
+                      ep: int | None = None, cp: int | None = None, strategy: str | None = None) -> list[Layout]:
     """The layouts a plan weighs, ``single`` first: every one the cluster can run (with ``ps_servers`` > 0 also
-    ``ps``; a mixture of experts also with ``ep``; a transformer also with ``cp``), or ``exact``'s; with
+    ``ps``; a mixture of experts also with ``ep``; a transformer also with ``cp``), or ``exact``'s (only
+    ``strategy``'s when named); with
     ``virtual_stages`` per rank (interleaved 1F1B) only pipelines whose p·v stages the model's units can fill."""
     units = len(stats.units)
     if exact is None:
@@ -175,7 +176,7 @@ def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None
         tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
         ep_degrees(stats, cluster, exact.ep)  # and when it has no experts, or they do not divide
         cp_pairs(stats, cluster, (exact.tp,), exact.cp)  # and when its heads do not take cp
-        found = exact_layouts(cluster, units, exact)
+        found = exact_layouts(cluster, units, exact, strategy)
         if exact.pp * virtual_stages > units:
             raise ConfigError(f"--schedule interleaved-1f1b with {virtual_stages} stages per rank cuts the model into "
                               f"{exact.pp * virtual_stages} stages but it has only {units} units to cut; use "
@@ -213,7 +214,7 @@ def largest_micro_batch(stats: ModelStats, layout: Layout, training: Training, c
 
 def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = None, *,
               tp: int | None = None, exact: ParallelDims | None = None, ps_servers: int = 0,
-              ep: int | None = None, cp: int | None = None) -> Plan:
+              ep: int | None = None, cp: int | None = None, strategy: str | None = None) -> Plan:
     """The plan for training ``stats``' model on ``cluster``: what ``strategy="auto"`` should pick.
 
     A strategy that does not fit at the requested micro-batch is tried at smaller ones (same global batch,
@@ -227,13 +228,14 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     ``ps_servers`` > 0 plans ``ps`` with that many servers too; it is recommended only where the runtime runs it and
     it can win (``_may_choose``). ``ep``: the expert-parallel degree to plan for a mixture of experts (None: every
     one that divides a node and the experts; 1: none). ``cp``: the context-parallel degree to plan for a
-    transformer (None: every one its heads take with each tp within a node; 1: none).
+    transformer (None: every one its heads take with each tp within a node; 1: none). ``strategy``: with ``exact``,
+    plan only that way of running it (``--layout zero3,cp=2``).
     """
     training = training or Training()
     world = cluster.world_size
     global_batch = training.global_for(world)
     training = replace(training, global_batch=global_batch)
-    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep, cp)
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep, cp, strategy)
     why_not = [(lay, _split_error(training, lay, world)) for lay in found[1:]]
     refused = [(lay, why) for lay, why in why_not if why is not None]
     if refused and len(refused) == len(found) - 1:
@@ -460,8 +462,8 @@ def _notes(stats: ModelStats, cluster: Cluster, training: Training, choice: Esti
 
 def _cp_notes(stats: ModelStats, estimates: list[Estimate]) -> list[str]:
     """Which rows fit without context parallelism and which only with it, when cp was planned."""
-    if all(e.layout.cp == 1 for e in estimates):
-        return []
+    if all(e.layout.cp == 1 for e in estimates) or all(e.layout.cp > 1 for e in estimates[1:]):
+        return []  # no cp planned, or only cp (an exact layout): nothing to compare
     plain = [e.name for e in estimates[1:] if e.fits and e.layout.cp == 1]
     split = [e.name for e in estimates if e.fits and e.layout.cp > 1]
     tokens = f"at {stats.cp.seq_len} tokens a sample, " if stats.cp is not None else ""

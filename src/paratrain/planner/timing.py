@@ -178,7 +178,7 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
                   + activation_stream_bytes(stats, layout, training, cluster) * batch.micro_batch) / bandwidth
                + machinery_s)
     optimizer_s = optimizer_step_bytes(optimizer_params(stats, layout), training) / bandwidth  # the busiest rank's
-    ddp = layout.zero <= 1 and layout.grad_ranks > 1 and not layout.servers  # a parameter server's workers: param_server
+    ddp = layout.zero <= 1 and layout.grad_ranks > 1 and not layout.servers  # ps workers: param_server
     # DDP copies each gradient into its bucket, divides the bucket by the world size and copies it back
     bucket_s = DDP_BUCKET_PASSES * psi * training.bytes.grad / bandwidth if ddp else 0.0
     m = batch.micro_batches
