@@ -15,7 +15,13 @@ import statistics
 import time
 from dataclasses import replace
 
-from paratrain.planner import TRANSFORMERS, PlanConfig, Training, make_plan, transformer_stats
+from paratrain.planner import (
+    TRANSFORMERS,
+    PlanConfig,
+    Training,
+    make_plan,
+    transformer_stats,
+)
 from paratrain.planner.hardware import GIB
 
 STATS = transformer_stats(replace(TRANSFORMERS["llama3-8b"], seq_len=32768), name="llama3-8b")
