@@ -191,3 +191,6 @@ def test_auto_picks_cp_only_when_the_activations_do_not_fit():
     assert "the model states fit but the loader's activations do not" in choice.reason
     tiny = make_cluster("h100", gpus=8, gpu_mem_gb=H100x8.device.overhead_gib + 0.001)
     assert choose(model, tiny, "fp32", cp=True, batch=(1, 4096)).cp == 1
+    longer = choose(model, make_cluster("h100", gpus=8, gpu_mem_gb=need[1] / 2**30), "fp32", cp=True,
+                    batch=(1, 8192))  # rotary: a loader's sequences past the model's context are planned as they are
+    assert longer.cp > 1 and "cp=" in longer.reason

@@ -122,8 +122,9 @@ def closed_form_shape(model: nn.Module) -> GPTConfig | None:
 
 def with_activations(stats: ModelStats, cfg: GPTConfig, seq_len: int | None) -> ModelStats:
     """``stats`` (sizes from the model itself) with the closed form's FLOPs and activations of ``cfg`` at
-    ``seq_len`` tokens a sample (default the model's context)."""
-    if seq_len is not None and 1 <= seq_len < cfg.seq_len:
+    ``seq_len`` tokens a sample (default the model's context): shorter than its context, or longer for a model
+    without a position table (rotary embeddings take any length: a long-sequence loader's)."""
+    if seq_len is not None and 1 <= seq_len and (seq_len < cfg.seq_len or not cfg.learned_positions):
         cfg = replace(cfg, seq_len=seq_len)
     closed = transformer_stats(cfg, name=stats.name)
     return replace(stats, flops_per_sample=closed.flops_per_sample,
