@@ -107,7 +107,8 @@ class Layout:
         return self.dp * self.cp
 
     def degrees(self) -> dict[str, int]:
-        """The degrees in the planner's spelling (a plan's JSON)."""
+        """The degrees in the planner's spelling (a plan's JSON): ``shard`` the data-parallel ranks sharing one copy,
+        which ZeRO shards over them and their cp ranks (``shard_ranks``, what ``describe`` shows as shard=)."""
         return {"dp": self.dp, "zero": self.zero, "shard": self.shard, "pp": self.pp, "mp": self.mp, "tp": self.tp,
                 "ep": self.ep, "cp": self.cp, "servers": self.servers}
 
