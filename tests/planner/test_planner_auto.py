@@ -201,11 +201,12 @@ def test_parallel_auto_raises_before_anything_starts_when_nothing_fits(monkeypat
 
     env = ClusterEnv(rank=0, local_rank=0, world_size=8, local_world_size=8, launched=True)
     loader = torch.utils.data.DataLoader(torch.zeros(640, 1024, dtype=torch.long), batch_size=64)
-    for memory, outcome in [(2.0, "refused"), (5.2, "warned"), (6.0, "fits")]:  # zero3 needs 5.64 GiB per rank
+    # zero3 needs 5.64 GiB per rank, zero3 with cp=4 (each rank 1/4 of every sequence) 2.08, with tp=4 2.40
+    for memory, outcome in [(1.5, "refused"), (1.9, "warned"), (6.0, "fits")]:
         monkeypatch.setattr(auto, "local_cluster", lambda *a, m=memory: make_cluster("h100", gpus=8, gpu_mem_gb=m))
-        if outcome == "refused":  # after zero3 over tp=2 and 4 (the GPT's built-in plan) did not fit either
+        if outcome == "refused":  # after cp and zero3 over tp=2 and 4 (the GPT's built-in plan) did not fit either
             with pytest.raises(ConfigError, match=r"strategy 'auto': nothing fits: the least memory needed is "
-                                                  r"[\d.]+ GiB per rank \(zero3 with tp=4; .*2.00 GiB available"):
+                                                  r"[\d.]+ GiB per rank \(zero3 with cp=4; .*1.50 GiB available"):
                 auto.choose_strategy(_meta_gpt(), env, torch.device("cpu"), "fp32", lambda x: x, loader=loader)
             monkeypatch.setattr(auto, "model_shape", lambda model: None)  # no tp plan: zero3 is the least
             continue

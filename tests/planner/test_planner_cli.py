@@ -70,7 +70,7 @@ def test_breakdown_and_base_lr_in_process(capsys):
     (["--model", "gpt2", "--gpus", "8", "--nodes", "4", "--layout", "dp=1,pp=32"],
      "cuts the model into 32 pipeline stages but it has only 14 units to cut (its blocks, embedding and head); "
      "use --pp 14 or fewer"),
-    (["--model", "gpt2", "--gpus", "8", "--layout", "dp=8,cp=2"], "--layout 'dp=8,cp=2': cannot read 'cp=2'"),
+    (["--model", "gpt2", "--gpus", "8", "--layout", "dp=8,sp=2"], "--layout 'dp=8,sp=2': cannot read 'sp=2'"),
     (["--model", "gpt2", "--layout", "dp=1", "--pp", "2"], "give the layout once"),
     (["--model", "gpt2", "--kv-heads", "5"], "heads 12 is not divisible by kv_heads 5: each key/value head serves "
      "a whole group of query heads; give --kv-heads that divides --heads"),

@@ -149,10 +149,11 @@ def test_a_model_whose_shape_does_not_divide_gets_no_tp_and_a_note():
 
 
 def test_tp_is_chosen_when_it_is_the_only_layout_that_fits():
+    """Without context parallelism (cp=1), which splits these 4096-token activations too (test_planner_cp.py)."""
     cfg = GPTConfig(layers=2, hidden=1024, heads=16, seq_len=4096, vocab=32768, bias=False, learned_positions=False,
                     tied=False)
     plan = recommend(transformer_stats(cfg, name="long"), make_cluster("h100", gpus=4, gpu_mem_gb=2.5),
-                     Training(micro_batch=1))
+                     Training(micro_batch=1), cp=1)
     assert plan.choice.layout.tp > 1 and plan.choice.fits
     assert plan.reason.startswith("no layout without tensor parallelism fits; the least, ")
     assert f"tp={plan.choice.layout.tp} splits every block's weights and activations" in plan.reason

@@ -8,6 +8,7 @@ Examples:
   paratrain plan --model mlp --gpu cpu --gpus 2 --measure
   paratrain plan --model mymodels:recommender --input long:8 --gpu cpu --gpus 3 --ps-servers 1 --optimizer sgd
   paratrain plan --model llama-7b --gpus 8 --nodes 2 --tp 8
+  paratrain plan --model llama3-8b --gpus 8 --seq-len 32768 --batch 1 --layout zero3,cp=2
   paratrain plan --model llama3-70b --gpus 8 --nodes 48 --layout dp=8,pp=12,tp=4 --global-batch 2048
   paratrain plan --model gpt3-175b --gpu a100 --gpus 8 --nodes 8 --inter-node ib-hdr-x8 --layout pp=8,tp=8 \
       --batch 1 --global-batch 64 --recompute selective --schedule interleaved-1f1b --virtual-stages 2

@@ -15,7 +15,9 @@ blocks FSDP gathers whole, and the activations; ``Parallel`` then lays the ranks
 choice stays on the one-dimensional data-parallel mesh. Speed is not weighed here (``paratrain plan`` does, with
 the batch): a layout that fits without tp has less traffic inside every layer. A mixture of experts whose shape is
 known may be given expert parallelism instead, before tp (``choose(..., ep=True)``: each of ep ranks holds 1/ep of
-the experts).
+the experts). When the loader's activations, not the model states, are what does not fit (long sequences),
+context parallelism is weighed before tp (``choose(..., cp=True)``: cp ranks each hold 1/cp of every sequence and
+join the shard group), least cp first.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..sizes import GIB
 from .expert_parallel import ep_degrees
+from .context_parallel import cp_pairs
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
 from .layout import Layout
@@ -52,6 +55,8 @@ class AutoChoice:
     """Tensor-parallel ranks per group (consecutive, within a node): 1 unless ``choose`` was given a TP shape."""
     ep: int = 1
     """Expert-parallel ranks (data-parallel ranks splitting the experts): 1 unless ``choose`` was let weigh ep."""
+    cp: int = 1
+    """Context-parallel ranks (splitting each sequence): 1 unless ``choose`` was let weigh cp and had to."""
     fits: bool = True
     """False when nothing fits by the planner (the choice is then zero3, which shards the most; ``settle`` refuses
     it unless the shortfall is within the planner's error)."""
@@ -66,7 +71,7 @@ class AutoChoice:
     """Whether the loader's activations were planned (then a smaller batch or checkpointing would help)."""
 
     def describe(self) -> str:
-        split = [f"{name}={n}" for name, n in (("tp", self.tp), ("ep", self.ep)) if n > 1]
+        split = [f"{name}={n}" for name, n in (("tp", self.tp), ("ep", self.ep), ("cp", self.cp)) if n > 1]
         return self.strategy + (f" with {' '.join(split)}" if split else "")
 
 
@@ -117,8 +122,9 @@ def closed_form_shape(model: nn.Module) -> GPTConfig | None:
 
 def with_activations(stats: ModelStats, cfg: GPTConfig, seq_len: int | None) -> ModelStats:
     """``stats`` (sizes from the model itself) with the closed form's FLOPs and activations of ``cfg`` at
-    ``seq_len`` tokens a sample (default the model's context)."""
-    if seq_len is not None and 1 <= seq_len < cfg.seq_len:
+    ``seq_len`` tokens a sample (default the model's context): shorter than its context, or longer for a model
+    without a position table (rotary embeddings take any length: a long-sequence loader's)."""
+    if seq_len is not None and 1 <= seq_len and (seq_len < cfg.seq_len or not cfg.learned_positions):
         cfg = replace(cfg, seq_len=seq_len)
     closed = transformer_stats(cfg, name=stats.name)
     return replace(stats, flops_per_sample=closed.flops_per_sample,
@@ -127,7 +133,7 @@ def with_activations(stats: ModelStats, cfg: GPTConfig, seq_len: int | None) -> 
                    checkpointed_bytes_per_sample=closed.checkpointed_bytes_per_sample,
                    boundary_bytes_per_sample=closed.boundary_bytes_per_sample, mixed=closed.mixed,
                    matmul_params=closed.matmul_params, output_bytes_per_sample=closed.output_bytes_per_sample,
-                   largest_activation_bytes_per_sample=closed.largest_activation_bytes_per_sample,
+                   largest_activation_bytes_per_sample=closed.largest_activation_bytes_per_sample, cp=closed.cp,
                    source=f"{closed.source}, at the loader's batch")
 
 
@@ -151,7 +157,7 @@ def _layout(name: str, n: int) -> Layout:
 
 
 def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None, ep: bool = False,
-           optimizer: torch.optim.Optimizer | None = None, batch: tuple[int, int | None] | None = None) -> AutoChoice:
+           cp: bool = False, optimizer: torch.optim.Optimizer | None = None, batch: tuple[int, int | None] | None = None) -> AutoChoice:
     """The first of ddp, zero1, zero2, zero3 whose model states (and, given the batch, activations) fit one
     rank's memory.
 
@@ -171,6 +177,10 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     ``ep``: weigh expert parallelism for a mixture of experts whose shape is known in closed form: when nothing
     fits on its own, ddp, zero1, zero2 and zero3 with ep ranks splitting the experts (least ep first, within a
     node), before tp (which does not split the experts).
+
+    ``cp``: weigh context parallelism when the loader's activations were planned and are what does not fit: the
+    least sharding's model states fit without them, but no layout fits with them. Then ddp, zero1, zero2 and
+    zero3 over dp x cp ranks, cp ranks splitting each sequence (least cp first, within a node), before tp.
     """
     stats = replace(parameter_stats(model), tp=tp)
     shape = closed_form_shape(model) if batch is not None or ep else None
@@ -202,6 +212,10 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
         found, least = _with_ep(stats, cluster, training, tried, least)
         if found is not None:
             return found
+    if cp and planned_activations and _states_fit(stats, cluster, training):
+        found, least = _with_cp(stats, cluster, training, tried, least)
+        if found is not None:
+            return found
     for t in tp_degrees(stats, cluster):
         e = estimate(stats, Layout.of(name="zero3", dp=n // t, zero=3, shard=n // t, tp=t), training, cluster)
         tried.append(f"zero3 tp={t} {e.memory.total / GIB:.2f}")
@@ -231,6 +245,33 @@ def _with_ep(stats: ModelStats, cluster: Cluster, training: Training, tried: lis
                 return AutoChoice(strategy=name, ep=e, reason=(
                     f"zero3 alone needs {tried[3].split()[1]} GiB per rank; ep={e} gives each rank 1/{e} of the "
                     f"experts: {name} needs {est.memory.total / GIB:.2f} GiB of {est.capacity / GIB:.2f}")), least
+    return None, least
+
+
+def _states_fit(stats: ModelStats, cluster: Cluster, training: Training) -> bool:
+    """Whether zero3's model states (and buffers, runtime) fit without any activation: then the activations are
+    what does not fit."""
+    bare = replace(stats, activation_bytes_per_sample=0.0, checkpointed_bytes_per_sample=0.0, mixed={},
+                   output_bytes_per_sample=0.0, largest_activation_bytes_per_sample=0.0, matmul_params=0)
+    return estimate(bare, _layout("zero3", cluster.world_size), training, cluster).fits
+
+
+def _with_cp(stats: ModelStats, cluster: Cluster, training: Training, tried: list[str],
+             least: tuple[float, str, float]) -> tuple[AutoChoice | None, tuple[float, str, float]]:
+    """``choose``'s context-parallel candidates, least cp first and, for each, the least sharding (over dp x cp):
+    the first that fits, or None; ``tried`` and ``least`` (bytes, layout, capacity) carried on."""
+    n = cluster.world_size
+    for c in (c for t, c in cp_pairs(stats, cluster, ()) if t == 1):
+        for name, zero in CANDIDATES:
+            est = estimate(stats, Layout.of(name=name, dp=n // c, zero=zero, shard=n // c if zero else 1, cp=c),
+                           training, cluster)
+            tried.append(f"{name} cp={c} {est.memory.total / GIB:.2f}")
+            least = min(least, (est.memory.total, f"{name} with cp={c}", est.capacity))
+            if est.fits:
+                return AutoChoice(strategy=name, cp=c, reason=(
+                    f"the model states fit but the loader's activations do not: zero3 alone needs "
+                    f"{tried[3].split()[1]} GiB per rank; cp={c} gives each rank 1/{c} of every sequence: {name} "
+                    f"needs {est.memory.total / GIB:.2f} GiB of {est.capacity / GIB:.2f}")), least
     return None, least
 
 

@@ -10,7 +10,7 @@ from ..dims import ParallelDims
 from ..errors import ConfigError
 from ..flags import NO_FLAG, at_least, flag, positive
 from .hardware import Cluster, get_device, make_cluster
-from .layout import exact_layout
+from .layout import exact_layout, layout_strategy
 from .training import Training
 
 
@@ -125,12 +125,17 @@ class PlanConfig:
     ep: int | None = None
     """Expert-parallel degree to plan for a mixture of experts (default: every one that divides a node's GPUs and
     the experts; 1: none): that many data-parallel ranks split each MoE block's experts."""
+    cp: int | None = None
+    """Context-parallel degree to plan for a transformer (default: every one that its heads and key/value heads
+    take with each tp within a node; 1: none): that many ranks split each sequence (long --seq-len)."""
     dp: int | None = None
     """With --pp and/or --tp: plan exactly this layout (dp x pp x tp = all GPUs) instead of searching."""
     pp: int | None = None
     """Pipeline stages of the exact layout (default 1 with --dp)."""
     layout: str | None = None
-    """The exact layout in one flag, e.g. dp=8,pp=12,tp=4 (ep=E carves expert parallelism out of dp)."""
+    """The exact layout in one flag, e.g. dp=8,pp=12,tp=4 (ep=E carves expert parallelism out of dp; cp=C adds
+    C ranks per replica splitting each sequence: dp=4,cp=2 on 8 GPUs); naming a data-parallel strategy plans it
+    alone, its dp the GPUs left (zero3,cp=2)."""
     ps_servers: int = field(default=1, metadata=flag("--ps-servers", metavar="S"))
     """Servers of the ps row (parameter servers: the other GPUs are workers; 0: no ps row)."""
     breakdown: bool = False
@@ -139,7 +144,8 @@ class PlanConfig:
     """Print the plan as JSON."""
 
     def __post_init__(self) -> None:
-        at_least(self, {"gpus": 1, "nodes": 1, "threads": 1, "tp": 1, "ep": 1, "dp": 1, "pp": 1, "ps_servers": 0})
+        at_least(self, {"gpus": 1, "nodes": 1, "threads": 1, "tp": 1, "ep": 1, "cp": 1, "dp": 1, "pp": 1,
+                        "ps_servers": 0})
         positive(self, ("gpu_mem_gb", "tflops", "mfu", "mem_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "step_time",
                         "optimizer_time"))
         if self.mfu is not None and self.mfu > 1:
@@ -149,15 +155,21 @@ class PlanConfig:
                               f"{self.training.recompute}")
         if self.optimizer_time is not None and self.step_time is None:
             raise ConfigError("--optimizer-time calibrates together with --step-time (the forward+backward alone)")
-        exact_layout(self.layout, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep)  # read now, not when planning
+        _ = self.exact  # the layout flags read now, not when planning
         if self.training.precision == "auto":
             cpu = get_device(self.gpu).shared_by_ranks  # 16-bit brings no speed on a CPU host
             object.__setattr__(self, "training", replace(self.training, precision="fp32" if cpu else "bf16-mixed"))
 
     @property
     def exact(self) -> ParallelDims | None:
-        """The degrees ``--layout`` (or ``--dp``/``--pp`` with ``--tp``, ``--ep``) pin, or None: search."""
-        return exact_layout(self.layout, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep)
+        """The degrees ``--layout`` (or ``--dp``/``--pp`` with ``--tp``, ``--ep``, ``--cp``) pin, or None: search."""
+        return exact_layout(self.layout, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp,
+                            world=self.gpus * self.nodes)
+
+    @property
+    def exact_strategy(self) -> str | None:
+        """The strategy ``--layout`` names (``zero3,cp=2``), or None: every way of running the exact layout."""
+        return layout_strategy(self.layout)
 
     def cluster(self) -> Cluster:
         """The cluster the hardware flags describe."""

@@ -46,7 +46,7 @@ def expert_fraction(stats: ModelStats, layout: Layout) -> float:
     a rank keeps ceil(E / shard) of the E experts, more than 1/shard when the ranks outnumber the experts (torch
     pads the rest: at 64 ranks a rank keeps 1/8 of Mixtral's 8, as the dry run reads). With ep the experts are
     sharded evenly, as torchtitan does by cutting them on their second dimension when the ranks outnumber them."""
-    ranks = layout.shard // layout.ep
+    ranks = layout.shard_ranks // layout.ep
     if layout.zero >= 2 and layout.ep == 1 and stats.moe is not None:
         return math.ceil(stats.moe.experts / ranks) / stats.moe.experts
     return 1 / ranks

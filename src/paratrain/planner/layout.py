@@ -11,6 +11,7 @@ tp ``(dp, pp, tp)``), then data parallelism; ``hsdp`` shards within a node and r
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,20 +39,21 @@ class Layout:
 
     @classmethod
     def of(cls, name: str, *, dp: int = 1, zero: int = 0, shard: int = 1, pp: int = 1, mp: int = 1, tp: int = 1,
-           ep: int = 1, servers: int = 0) -> "Layout":
+           ep: int = 1, cp: int = 1, servers: int = 0) -> "Layout":
         """A layout in the planner's spelling: ``dp`` data-parallel replicas (workers, beside ``servers``) of which
         ``shard`` ranks share one copy at ZeRO stage ``zero``; ``pp`` pipeline stages, ``mp`` model-parallel stages
-        of one process, ``tp`` tensor-parallel ranks, ``ep`` of the data-parallel ranks splitting the experts."""
-        if min(dp, shard, pp, mp, tp, ep) < 1 or zero not in (0, 1, 2, 3):
+        of one process, ``tp`` tensor-parallel ranks, ``ep`` of the data-parallel ranks splitting the experts,
+        ``cp`` context-parallel ranks per replica splitting its sequences (they join the shard group)."""
+        if min(dp, shard, pp, mp, tp, ep, cp) < 1 or zero not in (0, 1, 2, 3):
             raise ConfigError(f"layout {name}: degrees must be >= 1 and zero in 0..3")
-        if servers < 0 or (servers and (zero or pp * mp > 1 or tp > 1 or ep > 1)):
+        if servers < 0 or (servers and (zero or pp * mp > 1 or tp > 1 or ep > 1 or cp > 1)):
             raise ConfigError(f"layout {name}: parameter servers serve plain data-parallel workers")
         if dp % shard:
             raise ConfigError(f"layout {name}: shard {shard} must divide dp {dp}")
         if servers:
             return cls(name=name, dims=ParallelDims(dp_replicate=dp + servers), servers=servers)
         return cls(name=name, dims=ParallelDims(dp_replicate=dp // shard if zero else dp, dp_shard=shard if zero else 1,
-                                                zero=zero, pp=pp, tp=tp, mp=mp, ep=ep), servers=servers)
+                                                zero=zero, pp=pp, tp=tp, mp=mp, ep=ep, cp=cp), servers=servers)
 
     @property
     def dp(self) -> int:
@@ -88,24 +90,42 @@ class Layout:
         """Expert-parallel ranks: data-parallel ranks that each hold 1/ep of every MoE block's experts."""
         return self.dims.ep
 
+    @property
+    def cp(self) -> int:
+        """Context-parallel ranks: ranks of one replica that each hold 1/cp of every sequence of its samples."""
+        return self.dims.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks one copy of the model states is sharded over under ZeRO: the shard group and its cp ranks (1
+        without ZeRO)."""
+        return self.shard * self.cp if self.zero else 1
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks whose gradients are reduced together: the data-parallel replicas and their cp ranks (dp x cp)."""
+        return self.dp * self.cp
+
     def degrees(self) -> dict[str, int]:
-        """The degrees in the planner's spelling (a plan's JSON)."""
+        """The degrees in the planner's spelling (a plan's JSON): ``shard`` the data-parallel ranks sharing one copy,
+        which ZeRO shards over them and their cp ranks (``shard_ranks``, what ``describe`` shows as shard=)."""
         return {"dp": self.dp, "zero": self.zero, "shard": self.shard, "pp": self.pp, "mp": self.mp, "tp": self.tp,
-                "ep": self.ep, "servers": self.servers}
+                "ep": self.ep, "cp": self.cp, "servers": self.servers}
 
     @property
     def world_size(self) -> int:
         """Devices (GPUs, or CPU processes) the layout uses."""
-        return self.dp * self.pp * self.mp * self.tp + self.servers
+        return self.dp * self.pp * self.mp * self.tp * self.cp + self.servers
 
     @property
     def label(self) -> str:
         """The strategy's name, marked with how ``hybrid`` holds its stages across its replicas when it shards them
-        (``+zero1``, ``+fsdp``), ``+tp`` when composed with tensor parallelism and ``+ep`` with expert parallelism:
-        one row of a plan each."""
+        (``+zero1``, ``+fsdp``), ``+tp`` when composed with tensor parallelism, ``+ep`` with expert parallelism and
+        ``+cp`` with context parallelism: one row of a plan each."""
         name = self.name + (_HYBRID_DATA[self.zero] if self.name == "hybrid" and self.zero else "")
         name = f"{name}+tp" if self.tp > 1 and self.name != "tp" else name
-        return f"{name}+ep" if self.ep > 1 else name
+        name = f"{name}+ep" if self.ep > 1 else name
+        return f"{name}+cp" if self.cp > 1 else name
 
     @property
     def stages(self) -> int:
@@ -115,16 +135,18 @@ class Layout:
     @property
     def replicas(self) -> int:
         """Copies of each shard: 1 for zero3, the node count for hsdp."""
-        return self.dp // self.shard
+        return self.dims.dp_replicate
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("mp", self.mp)) if v > 1]
         if self.zero:
-            parts.append(f"shard={self.shard}")
+            parts.append(f"shard={self.shard_ranks}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
         if self.servers:
             parts = [f"workers={self.dp}", f"servers={self.servers}"]
         return " ".join(parts) or "1 rank"
@@ -141,7 +163,7 @@ the same collectives on every rank."""
 
 
 def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_servers: int = 0,
-            ep_degrees: Sequence[int] = ()) -> list[Layout]:
+            ep_degrees: Sequence[int] = (), cp_pairs: Sequence[tuple[int, int]] = ()) -> list[Layout]:
     """Every strategy (and degree split) the cluster can run, in ``STRATEGY_ORDER``; ``single`` is one rank.
 
     ``hsdp`` needs several nodes of several ranks; ``hybrid`` comes in every dp x pp split with both >= 2, its
@@ -151,8 +173,11 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
     ``tp_degrees`` that divides the ranks, the compositions paratrain's strategies offer: ``tp`` over every rank,
     or ddp, zero2, zero3, hybrid and pipeline over the groups of tp ranks. Then, for each of ``ep_degrees`` (a
     mixture of experts'), the data-parallel layouts whose ranks holding one copy it divides, with expert parallelism:
-    ddp, zero1-3 and hsdp, and with each tp degree ddp, zero2 and zero3 (not pipelines). Last, with ``ps_servers``
-    S > 0 and more ranks than that, ``ps``: S servers and the other ranks as workers.
+    ddp, zero1-3 and hsdp, and with each tp degree ddp, zero2 and zero3 (not pipelines). Then, for each (tp, cp) of
+    ``cp_pairs`` whose tp x cp divides the ranks, the data-parallel layouts over the groups of tp x cp ranks (cp
+    outside tp, as the mesh lays them): ddp, zero1 (without tp), zero2 and zero3, their shard group joined by the
+    cp ranks (not pipelines, not hsdp). Last, with ``ps_servers`` S > 0 and more ranks than that, ``ps``: S servers
+    and the other ranks as workers.
     """
     n, per_node = cluster.world_size, cluster.ranks_per_node
     out = [Layout.of(name="single")]
@@ -171,54 +196,86 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
         out += _with_tp(n // tp, tp, n_units)
     for ep in ep_degrees:
         out += _with_ep([lay for lay in out if lay.name in _EP_STRATEGIES and lay.pp == 1], ep)
+    for tp, cp in (pair for pair in cp_pairs if n % (pair[0] * pair[1]) == 0):
+        out += _with_cp(n // (tp * cp), tp, cp)
     if 0 < ps_servers < n:
         out.append(Layout.of(name="ps", dp=n - ps_servers, servers=ps_servers))
     return out
 
 
-def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | None = None,
-                 tp: int | None = None, ep: int | None = None) -> ParallelDims | None:
-    """The degrees ``--layout dp=8,pp=12,tp=4`` (or ``--dp``/``--pp`` with ``--tp``, ``--ep``) pin, or None:
-    search. ``ep`` is carved out of dp (``dp=8,ep=8``: 8 ranks).
+LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+"""The strategies ``--layout`` may name (``zero3,cp=2``): the ways of running a data-parallel group."""
 
-    ``--tp`` or ``--ep`` alone keeps the search (over that degree), as ``--tp`` always has."""
+
+def layout_strategy(text: str | None) -> str | None:
+    """The strategy ``--layout zero3,cp=2`` names (its part without ``=``), or None: every way of running it."""
+    named = [part for part in (text or "").replace(" ", "").split(",") if part in LAYOUT_STRATEGIES]
+    return named[0] if named else None
+
+
+def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | None = None,
+                 tp: int | None = None, ep: int | None = None, cp: int | None = None,
+                 world: int | None = None) -> ParallelDims | None:
+    """The degrees ``--layout dp=8,pp=12,tp=4`` (or ``--dp``/``--pp`` with ``--tp``, ``--ep``, ``--cp``) pin, or
+    None: search. ``ep`` is carved out of dp (``dp=8,ep=8``: 8 ranks); ``cp`` multiplies the ranks
+    (``dp=4,cp=2``: 8 ranks, 4 replicas of 2 ranks splitting each sequence). A layout that names its strategy
+    (``zero3,cp=2``, see ``layout_strategy``) may leave dp out: the ``world`` ranks the other degrees leave.
+
+    ``--tp``, ``--ep`` or ``--cp`` alone keeps the search (over that degree), as ``--tp`` always has."""
     if text is None and dp is None and pp is None:
         return None
-    degrees = {"dp": dp, "pp": pp, "tp": tp, "ep": ep}
+    degrees = {"dp": dp, "pp": pp, "tp": tp, "ep": ep, "cp": cp}
     if text is not None:
         if dp is not None or pp is not None:
             raise ConfigError("give the layout once: --layout dp=..,pp=..,tp=.. or --dp/--pp/--tp, not both")
         for part in text.replace(" ", "").split(","):
             key, _, value = part.partition("=")
+            if key in LAYOUT_STRATEGIES and not value:
+                continue
             if key not in degrees or not value.isdigit():
                 raise ConfigError(f"--layout {text!r}: cannot read {part!r}; write degrees as dp=8,pp=12,tp=4 "
-                                  "(keys dp, pp, tp, ep; the ones left out are 1)")
-            given = {"tp": tp, "ep": ep}.get(key)
+                                  "(keys dp, pp, tp, ep, cp; the ones left out are 1), optionally with one of "
+                                  f"{', '.join(LAYOUT_STRATEGIES)} (zero3,cp=2)")
+            given = {"tp": tp, "ep": ep, "cp": cp}.get(key)
             if given is not None and given != int(value):
                 raise ConfigError(f"--layout says {key}={value} but --{key} {given}; give the degree once")
             degrees[key] = int(value)
+        if degrees["dp"] is None and world is not None and layout_strategy(text) is not None:
+            rest = math.prod(v or 1 for k, v in degrees.items() if k in ("pp", "tp", "cp"))
+            degrees["dp"] = max(1, world // rest)
     return ParallelDims(**{"dp_replicate" if k == "dp" else k: 1 if v is None else v for k, v in degrees.items()})
 
 
-def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims) -> list[Layout]:
-    """``single`` and the layouts with exactly ``dims``' degrees (``ParallelDims.dp``, ``pp``, ``tp``, ``ep``): one,
-    or for a data-parallel group without pipeline stages each way of running it (ddp, zero1-3, hsdp, as ``layouts``
-    offers them), which the plan compares. One-line errors for degrees the cluster or the model cannot take."""
-    given = f"dp={dims.dp} x pp={dims.pp} x tp={dims.tp}" + (f" (ep={dims.ep})" if dims.ep > 1 else "")
+def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims, strategy: str | None = None) -> list[Layout]:
+    """``single`` and the layouts with exactly ``dims``' degrees (``ParallelDims.dp``, ``pp``, ``tp``, ``ep``,
+    ``cp``): one, or for a data-parallel group without pipeline stages each way of running it (ddp, zero1-3, hsdp,
+    as ``layouts`` offers them), which the plan compares; only ``strategy``'s when named. One-line errors for
+    degrees the cluster or the model cannot take."""
+    given = (f"dp={dims.dp} x pp={dims.pp}" + (f" x cp={dims.cp}" if dims.cp > 1 else "") + f" x tp={dims.tp}"
+             + (f" (ep={dims.ep})" if dims.ep > 1 else ""))
     if dims.world_size != cluster.world_size:
         raise ConfigError(f"the layout {given} needs {dims.world_size} GPUs but the cluster has "
                           f"{cluster.world_size} ({cluster.ranks_per_node} per node x {cluster.nodes} nodes); "
-                          "change the degrees or --gpus/--nodes so that dp x pp x tp equals the GPUs")
+                          "change the degrees or --gpus/--nodes so that dp x pp x cp x tp equals the GPUs")
+    if dims.cp > 1 and (dims.pp > 1 or dims.ep > 1):
+        raise ConfigError(f"the layout {given}: context parallelism is planned with data and tensor parallelism "
+                          "only; drop pp and ep, or cp")
     if dims.pp > n_units:
         raise ConfigError(f"the layout {given} cuts the model into {dims.pp} pipeline stages but it has only "
                           f"{n_units} units to cut (its blocks, embedding and head); use --pp {n_units} or fewer")
     found = [lay for lay in layouts(cluster, n_units, (dims.tp,) if dims.tp > 1 else (),
-                                    ep_degrees=(dims.ep,) if dims.ep > 1 else ())
-             if (lay.dims.dp, lay.pp, lay.tp, lay.mp, lay.ep) == (dims.dp, dims.pp, dims.tp, 1, dims.ep)]
+                                    ep_degrees=(dims.ep,) if dims.ep > 1 else (),
+                                    cp_pairs=((dims.tp, dims.cp),) if dims.cp > 1 else ())
+             if (lay.dims.dp, lay.pp, lay.tp, lay.mp, lay.ep, lay.cp)
+             == (dims.dp, dims.pp, dims.tp, 1, dims.ep, dims.cp)]
     if not found:  # a degree split the search leaves out, e.g. a pipeline of 2 stages replicated once
         raise ConfigError(f"the layout {given} is not one paratrain's strategies build on {cluster.world_size} "
                           "GPUs; change the degrees")
-    return [Layout.of(name="single"), *(lay for lay in found if lay.name != "single")]
+    if strategy is not None and all(lay.name != strategy for lay in found):
+        raise ConfigError(f"the layout {given} is not planned as {strategy}; name one of "
+                          f"{', '.join(sorted({lay.name for lay in found}))} or none (all of them)")
+    return [Layout.of(name="single"), *(lay for lay in found if lay.name != "single"
+                                        and strategy in (None, lay.name))]
 
 
 _EP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
@@ -233,6 +290,13 @@ def _with_ep(data_parallel: list[Layout], ep: int) -> list[Layout]:
         group = lay.shard if lay.zero else lay.dp
         if group % ep == 0 and group > 1:
             out.append(Layout.of(name=lay.name, dp=lay.dp, zero=lay.zero, shard=lay.shard, tp=lay.tp, ep=ep))
+    return out
+
+
+def _with_cp(d: int, tp: int, cp: int) -> list[Layout]:
+    """The data-parallel layouts of ``d`` replicas of ``cp`` x ``tp`` ranks (ZeRO-1 without tp, as ``_with_tp``)."""
+    out = [Layout.of(name="ddp", dp=d, tp=tp, cp=cp)]
+    out += [Layout.of(name=f"zero{z}", dp=d, zero=z, shard=d, tp=tp, cp=cp) for z in ((1, 2, 3) if tp == 1 else (2, 3))]
     return out
 
 

@@ -44,7 +44,7 @@ def make_plan(model: ModelStats | RunnableModel, config: PlanConfig | None = Non
     gpu = _time_on_gpu(model, cluster, setup) if on_gpu else None
     cluster = _calibrated(cluster, stats, setup, config, measured, gpu)
     plan = recommend(stats, cluster, setup, tp=config.tp, exact=config.exact, ps_servers=config.ps_servers,
-                     ep=config.ep)
+                     ep=config.ep, cp=config.cp, strategy=config.exact_strategy)
     if gpu is None:
         return plan
     return replace(plan, notes=(*plan.notes, (

@@ -9,7 +9,8 @@ the model's tensor sizes are known, its optimizer states are the busiest rank's 
 mixture of experts' fused expert tensors is the experts: on more ranks than experts a rank keeps a whole expert's
 share (``expert_parallel.expert_fraction``). Expert parallelism divides the routed experts by its degree; under ZeRO
 they are sharded over the shard group's ranks holding the same experts, so ZeRO's bytes per rank stay about Ψ/N and
-what ep saves is the experts FSDP gathers, the all-to-all buffers aside.
+what ep saves is the experts FSDP gathers, the all-to-all buffers aside. Context parallelism's ranks join the shard
+group (ZeRO shards over dp x cp) and hold 1/cp of every activation (``context_parallel``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
+from . import context_parallel
 from .hardware import Cluster
 from .expert_parallel import dispatch_bytes, expert_fraction, held_experts, held_units
 from .layout import Layout, fullest_stage
@@ -124,7 +126,7 @@ def sharded(stats: ModelStats, layout: Layout, stage: int) -> float:
     dense, experts = ranked_split(stats, layout)
     if layout.zero < stage:
         return dense + experts
-    return dense / layout.shard + experts * expert_fraction(stats, layout)
+    return dense / layout.shard_ranks + experts * expert_fraction(stats, layout)
 
 
 def optimizer_params(stats: ModelStats, layout: Layout, *, paper: bool = False) -> float:
@@ -133,7 +135,7 @@ def optimizer_params(stats: ModelStats, layout: Layout, *, paper: bool = False) 
     (``zero1_busiest``) unless ``paper`` asks for the ZeRO paper's even split."""
     if (layout.zero == 1 and not paper and stats.tensors and layout.stages == 1 and layout.tp == 1
             and layout.ep == 1):
-        return float(zero1_busiest(stats.tensors, layout.shard))
+        return float(zero1_busiest(stats.tensors, layout.shard_ranks))
     return sharded(stats, layout, 1)
 
 
@@ -170,14 +172,15 @@ def activation_mode(training: Training, layout: Layout) -> str:
 
 def activation_figures(stats: ModelStats, training: Training, layout: Layout) -> tuple[float, float, float]:
     """Per-sample (activations, checkpointed activations, stage boundary) bytes as ``layout`` trains
-    (``activation_mode``), on one tensor-parallel rank; half the fp32 figures where the model's stats do not say
-    (a traced model: approximate, autocast keeps some tensors in fp32)."""
+    (``activation_mode``), on one tensor- and context-parallel rank; half the fp32 figures where the model's stats do
+    not say (a traced model: approximate, autocast keeps some tensors in fp32)."""
     fp32 = (stats.activation_bytes_per_sample, stats.checkpointed_bytes_per_sample, stats.boundary_bytes_per_sample)
     mode = activation_mode(training, layout)
     figures = fp32 if mode == "fp32" else stats.mixed.get(mode) or (fp32[0] / 2, fp32[1] / 2, fp32[2] / 2)
     if training.recompute_mode == "op" and mode in stats.op_checkpointed:  # what per-op selective AC keeps
         figures = (stats.op_checkpointed[mode], *figures[1:])
-    return rank_activations(stats, figures, mode, layout.tp, training.sequence_parallel)
+    figures = rank_activations(stats, figures, mode, layout.tp, training.sequence_parallel)
+    return context_parallel.rank_activations(stats, figures, layout.cp)
 
 
 def fsdp_under_pipeline(psi: float, layout: Layout, training: Training) -> float:
@@ -205,7 +208,8 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     one prefetched) and its unsharded gradient, and a stage's outgoing and incoming activations. A
     tensor-parallel rank holds 1/tp of the split layers (so of the 16-bit weight copies, all of which are split),
     of most activations (``tensor_parallel.rank_activations``), of the vocab-sharded logits and of the MLP's
-    inner activation, the largest tensor saved.
+    inner activation, the largest tensor saved. A context-parallel rank holds 1/cp of the activations
+    (``context_parallel.rank_activations``) and of the logits, and one layer's all-to-all buffers.
     """
     states = model_states(stats, layout, training)
     psi = ranked_params(stats, layout)
@@ -215,7 +219,8 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     activations = saved * in_flight(layout, batch, training) / layout.stages
     if training.precision != "fp32" and layout.zero < 2:
         activations += 2 * stats.matmul_params / layout.tp * psi / rank_params(stats, layout.tp)
-    ddp_buckets = min(2 * training.bucket_mb * 2**20, states.gradients) if layout.dp > 1 and layout.zero < 2 else 0.0
+    ddp = layout.grad_ranks > 1 and layout.zero < 2
+    ddp_buckets = min(2 * training.bucket_mb * 2**20, states.gradients) if ddp else 0.0
     if layout.zero >= 2 and layout.pp > 1:  # FSDP under a pipeline: see fsdp_under_pipeline
         buffers = fsdp_under_pipeline(psi, layout, training)
     elif layout.zero >= 3:
@@ -226,13 +231,16 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     buffers += 2 * boundary * batch.micro_batch if layout.stages > 1 else 0.0
     if layout.ep > 1:  # one MoE block's all-to-all send and receive buffers
         buffers += 2 * dispatch_bytes(stats, activation_mode(training, layout), batch.micro_batch, layout.tp)
+    buffers += context_parallel.buffer_bytes(stats, activation_mode(training, layout), batch.micro_batch, layout.tp,
+                                             layout.cp)
     kept = batch.micro_batches > 1 or ddp_buckets > 0
     overhead = cluster.device.overhead_gib * 2**30
     largest = stats.largest_activation_bytes_per_sample * (1.0 if training.precision == "fp32" else 0.5)
     at_backward = MemoryBreakdown(
         parameters=states.parameters, gradients=states.gradients if kept else 0.0,
         optimizer_states=states.optimizer_states, activations=activations,
-        transient=2 * max(stats.output_bytes_per_sample, largest) * batch.micro_batch / layout.tp, buffers=buffers,
+        transient=2 * max(stats.output_bytes_per_sample, largest) * batch.micro_batch / (layout.tp * layout.cp),
+        buffers=buffers,
         overhead=overhead)
     at_step = MemoryBreakdown(
         parameters=states.parameters, gradients=states.gradients, optimizer_states=states.optimizer_states,

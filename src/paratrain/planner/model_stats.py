@@ -60,6 +60,31 @@ class TPShape:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CPShape:
+    """What context parallelism (Ulysses) splits and sends: every token's activations 1/cp, and around attention its
+    queries, keys, values and output, which all-to-alls turn from a sequence split into a head split and back."""
+
+    layers: int
+    seq_len: int
+    heads: int
+    """Query heads: the cp ranks of a tp rank split its heads/tp."""
+    kv_heads: int
+    """Key/value heads, split as the query heads (Ulysses does not repeat them)."""
+    head_dim: int
+
+    def why_not(self, cp: int, tp: int = 1) -> str | None:
+        """Why ``cp`` ranks (of ``tp``-rank groups) cannot split this model, or None: each rank of tp x cp takes
+        whole query and key/value heads in attention, and an equal share of every sequence."""
+        bad = [f"{name} {n}" for name, n in (("heads", self.heads), ("key/value heads", self.kv_heads))
+               if n % (tp * cp)]
+        if bad:
+            return f"{' and '.join(bad)} {'does' if len(bad) == 1 else 'do'} not divide by tp x cp = {tp * cp}"
+        if self.seq_len % cp:
+            return f"sequence length {self.seq_len} does not divide by cp={cp}"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
 class MoEShape:
     """A mixture-of-experts model's routed experts, as expert parallelism splits and feeds them."""
 
@@ -165,6 +190,8 @@ class ModelStats:
     """The intra-op threads that forward + backward ran on."""
     tp: TPShape | None = None
     """What tensor parallelism splits (closed-form transformers); None: the model is not planned with tp."""
+    cp: CPShape | None = None
+    """What context parallelism splits (closed-form transformers); None: the model is not planned with cp."""
     moe: MoEShape | None = None
     """The routed experts (closed-form mixtures of experts); None: a dense model, planned without ``ep``."""
     tables: tuple[TableStats, ...] = ()

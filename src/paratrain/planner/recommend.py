@@ -7,7 +7,8 @@ repeats the whole optimizer step: on a fast interconnect a ZeRO stage that hides
 its shard can be faster (with Adam), while a cheap optimizer (SGD) leaves ddp the choice. Pipelines win across
 slow inter-node links, where sending activations beats all-reducing gradients. Tensor parallelism, which adds
 collectives to every layer, is chosen when it is the only layout that fits or more than ``TIE`` faster than every
-layout without it; expert parallelism likewise, after it (its all-to-alls wait on every MoE block).
+layout without it; expert parallelism likewise, after it (its all-to-alls wait on every MoE block), and context
+parallelism likewise, after both: it is what long sequences need when their activations fit nowhere else.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from ..dims import ParallelDims
 from ..errors import ConfigError
+from .context_parallel import cp_pairs, link_of as cp_link
 from .hardware import GIB, Cluster
 from .expert_parallel import ep_degrees, link_of as ep_link
 from .layout import STRATEGY_ORDER, Layout, exact_layouts, layouts
@@ -125,7 +127,8 @@ def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Clu
 
 
 def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: int | None = None,
-                 exact: ParallelDims | None = None, ps_servers: int = 0, ep: int | None = None) -> list[Estimate]:
+                 exact: ParallelDims | None = None, ps_servers: int = 0, ep: int | None = None,
+                 cp: int | None = None) -> list[Estimate]:
     """One estimate per strategy at ``training``'s micro-batch; the first is the single-rank baseline.
 
     Where a strategy comes in several degree splits (hybrid's dp x pp, model_parallel's GPUs per process, the
@@ -134,9 +137,11 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
     node, 1 none). ``exact``: plan only the layouts of these degrees (``layout.exact_layouts``). Layouts whose
     data-parallel replicas cannot share the global batch evenly (``training.batch_split_error``) are left out.
     ``ps_servers``: plan ``ps`` with that many servers too (0: not). ``ep``: the expert-parallel degree to plan
-    (``expert_parallel.ep_degrees``: None every one that fits a mixture of experts and a node, 1 none).
+    (``expert_parallel.ep_degrees``: None every one that fits a mixture of experts and a node, 1 none). ``cp``: the
+    context-parallel degree to plan (``context_parallel.cp_pairs``: None every one that fits the heads and a node
+    with each tp, 1 none).
     """
-    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep)
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep, cp)
     world = cluster.world_size
     splits = [lay for lay in found[1:] if _split_error(training, lay, world) is None]
     return _estimates(stats, cluster, training, found[0], splits)
@@ -157,17 +162,21 @@ def _estimates(stats: ModelStats, cluster: Cluster, training: Training, single_l
 
 def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None,
                       exact: ParallelDims | None = None, virtual_stages: int = 1, ps_servers: int = 0,
-                      ep: int | None = None) -> list[Layout]:
+                      ep: int | None = None, cp: int | None = None, strategy: str | None = None) -> list[Layout]:
     """The layouts a plan weighs, ``single`` first: every one the cluster can run (with ``ps_servers`` > 0 also
-    ``ps``; a mixture of experts also with ``ep``), or ``exact``'s; with ``virtual_stages`` per rank (interleaved
-    1F1B) only pipelines whose p·v stages the model's units can fill."""
+    ``ps``; a mixture of experts also with ``ep``; a transformer also with ``cp``), or ``exact``'s (only
+    ``strategy``'s when named); with
+    ``virtual_stages`` per rank (interleaved 1F1B) only pipelines whose p·v stages the model's units can fill."""
     units = len(stats.units)
     if exact is None:
-        found = layouts(cluster, units, tp_degrees(stats, cluster, tp), ps_servers, ep_degrees(stats, cluster, ep))
+        tps = tp_degrees(stats, cluster, tp)
+        found = layouts(cluster, units, tps, ps_servers, ep_degrees(stats, cluster, ep),
+                        cp_pairs(stats, cluster, tps, cp))
     else:
         tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
         ep_degrees(stats, cluster, exact.ep)  # and when it has no experts, or they do not divide
-        found = exact_layouts(cluster, units, exact)
+        cp_pairs(stats, cluster, (exact.tp,), exact.cp)  # and when its heads do not take cp
+        found = exact_layouts(cluster, units, exact, strategy)
         if exact.pp * virtual_stages > units:
             raise ConfigError(f"--schedule interleaved-1f1b with {virtual_stages} stages per rank cuts the model into "
                               f"{exact.pp * virtual_stages} stages but it has only {units} units to cut; use "
@@ -205,7 +214,7 @@ def largest_micro_batch(stats: ModelStats, layout: Layout, training: Training, c
 
 def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = None, *,
               tp: int | None = None, exact: ParallelDims | None = None, ps_servers: int = 0,
-              ep: int | None = None) -> Plan:
+              ep: int | None = None, cp: int | None = None, strategy: str | None = None) -> Plan:
     """The plan for training ``stats``' model on ``cluster``: what ``strategy="auto"`` should pick.
 
     A strategy that does not fit at the requested micro-batch is tried at smaller ones (same global batch,
@@ -218,13 +227,15 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     when none is left, or the exact layout is one of them, the error says which multiple to use.
     ``ps_servers`` > 0 plans ``ps`` with that many servers too; it is recommended only where the runtime runs it and
     it can win (``_may_choose``). ``ep``: the expert-parallel degree to plan for a mixture of experts (None: every
-    one that divides a node and the experts; 1: none).
+    one that divides a node and the experts; 1: none). ``cp``: the context-parallel degree to plan for a
+    transformer (None: every one its heads take with each tp within a node; 1: none). ``strategy``: with ``exact``,
+    plan only that way of running it (``--layout zero3,cp=2``).
     """
     training = training or Training()
     world = cluster.world_size
     global_batch = training.global_for(world)
     training = replace(training, global_batch=global_batch)
-    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep)
+    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep, cp, strategy)
     why_not = [(lay, _split_error(training, lay, world)) for lay in found[1:]]
     refused = [(lay, why) for lay, why in why_not if why is not None]
     if refused and len(refused) == len(found) - 1:
@@ -249,8 +260,8 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
                                     f"{_fits_nowhere(stats, cluster, training, candidates)}")
     best = max(e.samples_per_s for e in fitting)
     choice = min((e for e in fitting if e.samples_per_s >= (1 - TIE) * best),
-                 key=lambda e: (e.checkpointing, e.layout.tp > 1, e.layout.ep > 1, STRATEGY_ORDER.index(e.layout.name),
-                                e.layout.zero))
+                 key=lambda e: (e.checkpointing, e.layout.cp > 1, e.layout.tp > 1, e.layout.ep > 1,
+                                STRATEGY_ORDER.index(e.layout.name), e.layout.zero))
     return replace(plan, choice=choice, reason=(_exact_reason(choice, fitting, exact) if exact is not None
                                                 else _reason(choice, estimates, fitting, cluster)),
                    suggestions=tuple(_changes(stats, cluster, training, choice, estimates)),
@@ -317,6 +328,8 @@ def _grown(cluster: Cluster, ranks: int) -> Cluster:
 def _reason(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate], cluster: Cluster) -> str:
     by_name = {e.name: e for e in estimates}
     mem = f"{choice.memory.total / GIB:.1f} of {choice.capacity / GIB:.1f} GiB per rank"
+    if choice.layout.cp > 1:
+        return _cp_reason(choice, fitting, cluster, mem)
     if choice.layout.tp > 1:
         return _tp_reason(choice, estimates, fitting, cluster, mem)
     if choice.layout.ep > 1:
@@ -390,6 +403,22 @@ def _ep_reason(choice: Estimate, fitting: list[Estimate], cluster: Cluster, mem:
             f"experts, {cost}; it fits ({mem})")
 
 
+def _cp_reason(choice: Estimate, fitting: list[Estimate], cluster: Cluster, mem: str) -> str:
+    """Why a context-parallel layout: nothing without it fits as it does, or it is more than ``TIE`` faster."""
+    t, lay = choice.time, choice.layout
+    link = cp_link(cluster, lay.tp, lay.cp)
+    cost = (f"for {1e3 * t.cp_comm_s:.3g} ms of all-to-alls around attention per step over {link.name} "
+            f"({link.bandwidth_gbs:g} GB/s, {t.cp_comm_s / t.step_s:.0%} of the step)")
+    plain = [e for e in fitting if e.layout.cp == 1]
+    split = f"cp={lay.cp} gives each rank 1/{lay.cp} of every sequence and of its activations"
+    if not plain:
+        return f"no layout without context parallelism fits; {split} ({mem}), {cost}"
+    rival = max(plain, key=lambda e: e.samples_per_s)
+    how = " with activation checkpointing" if rival.checkpointing and not choice.checkpointing else ""
+    return (f"{choice.name} ({lay.describe()}) is {choice.samples_per_s / rival.samples_per_s:.2f}x faster than "
+            f"{rival.name}{how}, the fastest without context parallelism: {split}, {cost}; it fits ({mem})")
+
+
 def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice: Estimate) -> list[str]:
     out = []
     lay, m = choice.layout, choice.batch.micro_batches
@@ -428,7 +457,20 @@ def _notes(stats: ModelStats, cluster: Cluster, training: Training, choice: Esti
     if cluster.world_size == 1:
         return []
     return (_speed_notes(cluster, choice, estimates) + _tp_notes(stats, cluster, training, estimates)
-            + _ps_notes(stats, cluster, estimates))
+            + _cp_notes(stats, estimates) + _ps_notes(stats, cluster, estimates))
+
+
+def _cp_notes(stats: ModelStats, estimates: list[Estimate]) -> list[str]:
+    """Which rows fit without context parallelism and which only with it, when cp was planned."""
+    if all(e.layout.cp == 1 for e in estimates) or all(e.layout.cp > 1 for e in estimates[1:]):
+        return []  # no cp planned, or only cp (an exact layout): nothing to compare
+    plain = [e.name for e in estimates[1:] if e.fits and e.layout.cp == 1]
+    split = [e.name for e in estimates if e.fits and e.layout.cp > 1]
+    tokens = f"at {stats.cp.seq_len} tokens a sample, " if stats.cp is not None else ""
+    return [f"context parallelism: {tokens}without it "
+            + (f"{', '.join(plain)} fit{'s' if len(plain) == 1 else ''}" if plain else "no layout fits")
+            + " as planned; with it " + (f"{', '.join(split)} fit{'s' if len(split) == 1 else ''}" if split
+                                         else "none fits either")]
 
 
 def _ps_notes(stats: ModelStats, cluster: Cluster, estimates: list[Estimate]) -> list[str]:

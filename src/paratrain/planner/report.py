@@ -83,6 +83,8 @@ def _table(plan: Plan, breakdown: bool) -> list[str]:
     if breakdown:
         head += "".join(f" {short:>8}" for short, _ in _BREAKDOWN) + f" {'peak':>4}"
     head += f" {'micro x n':>10} {'step ms':>9} {'samples/s':>10} {'speedup':>8} {'eff':>5}"
+    with_cp = any(e.layout.cp > 1 for e in plan.estimates)
+    head += f" {'cp a2a ms':>9}" if with_cp else ""
     lines = [head, "-" * len(head)]
     for e in plan.estimates:
         name = e.name + (f" (1 {rank})" if e.name == "single" and c.world_size > 1 else "")
@@ -94,6 +96,8 @@ def _table(plan: Plan, breakdown: bool) -> list[str]:
         row += (f" {f'{e.batch.micro_batch:g} x {e.batch.micro_batches}':>10} "
                 f"{f'{step_ms:.1f}' if step_ms < 1e6 else f'{step_ms:.3g}':>9} "
                 f"{e.samples_per_s:>10,.1f} {e.speedup:>7.2f}x {e.efficiency:>5.0%}")
+        if with_cp:  # context parallelism's all-to-alls per step (its degree is in the layout column)
+            row += f" {f'{e.time.cp_comm_s * 1e3:.1f}' if e.layout.cp > 1 else '-':>9}"
         lines.append(row)
     return lines + [_ps_line(e) for e in plan.estimates if e.serving is not None]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from . import context_parallel
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
 from .hardware import Cluster
 from .layout import Layout, stage_flops
@@ -66,6 +67,8 @@ class StepTime:
     """Of ``comm_s`` (and, never hidden, of ``exposed_comm_s``): tensor parallelism's activation collectives."""
     ep_comm_s: float = 0.0
     """Of ``comm_s`` (never hidden): expert parallelism's all-to-alls of the tokens to their experts and back."""
+    cp_comm_s: float = 0.0
+    """Of ``comm_s`` (never hidden): context parallelism's all-to-alls around attention."""
 
     @property
     def step_s(self) -> float:
@@ -74,7 +77,7 @@ class StepTime:
     def as_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "bubble_s": self.bubble_s, "optimizer_s": self.optimizer_s,
                 "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "tp_comm_s": self.tp_comm_s,
-                "ep_comm_s": self.ep_comm_s, "step_s": self.step_s}
+                "ep_comm_s": self.ep_comm_s, "cp_comm_s": self.cp_comm_s, "step_s": self.step_s}
 
 
 def weight_bytes(params: float, training: Training, cluster: Cluster) -> float:
@@ -146,7 +149,10 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     slot) over the link of tp consecutive ranks; the
     data-parallel and pipeline groups are then tp times further apart. Expert-parallel ranks hold 1/ep of the
     experts (fewer weights to stream and step), sync them over the ranks holding the same ones and wait for their
-    all-to-alls (``expert_parallel.ep_comm_s``, not hidden) over the link of ep data-parallel neighbours. On a
+    all-to-alls (``expert_parallel.ep_comm_s``, not hidden) over the link of ep data-parallel neighbours.
+    Context-parallel ranks compute 1/cp of each micro-batch's FLOPs (but stream every weight), wait for the
+    all-to-alls around attention (``context_parallel.cp_comm_s``, not hidden) over the link of cp ranks a tp group
+    apart, and reduce their gradients with the data-parallel ranks' (dp x cp; ZeRO's shard group is dp x cp). On a
     shared CPU host every rank gets
     1/ranks of the host's compute and memory bandwidth. Parameter servers' workers communicate through the
     servers, not with each other: here they compute, and ``param_server.serving`` adds the rest.
@@ -167,12 +173,12 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     per_sample = executed_flops_per_sample(stats, training)
     stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) * per_sample
                               / stats.flops_per_sample if traced else per_sample / layout.pp)
-    micro_s = (stage_flops_per_sample * batch.micro_batch / layout.tp / rate
+    micro_s = (stage_flops_per_sample * batch.micro_batch / (layout.tp * layout.cp) / rate
                + (weight_bytes(streamed, training, cluster) + copies
                   + activation_stream_bytes(stats, layout, training, cluster) * batch.micro_batch) / bandwidth
                + machinery_s)
     optimizer_s = optimizer_step_bytes(optimizer_params(stats, layout), training) / bandwidth  # the busiest rank's
-    ddp = layout.zero <= 1 and layout.dp > 1 and not layout.servers  # a parameter server's workers: param_server
+    ddp = layout.zero <= 1 and layout.grad_ranks > 1 and not layout.servers  # ps workers: param_server
     # DDP copies each gradient into its bucket, divides the bucket by the world size and copies it back
     bucket_s = DDP_BUCKET_PASSES * psi * training.bytes.grad / bandwidth if ddp else 0.0
     m = batch.micro_batches
@@ -193,22 +199,22 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     dense, experts = ranked_split(stats, layout)
     if ddp:  # under ep the experts sync over the ranks holding the same ones (expert_parallel.sync_groups)
         groups = [(n, ranks, cluster.link_for(ranks, inner * apart))
-                  for n, ranks, apart in sync_groups(dense, experts, layout.dp, layout)]
+                  for n, ranks, apart in sync_groups(dense, experts, layout.grad_ranks, layout)]
         add(sum(all_reduce_s(n * training.bytes.grad, ranks, link) for n, ranks, link in groups), hidden_in_backward)
         if layout.zero == 1:
             add(sum(broadcast_s(n * training.bytes.param, ranks, link) for n, ranks, link in groups))
     if layout.zero >= 2:
         groups = [(n, ranks, cluster.link_for(ranks, inner * apart))
-                  for n, ranks, apart in sync_groups(dense, experts, layout.shard, layout)]
+                  for n, ranks, apart in sync_groups(dense, experts, layout.shard_ranks, layout)]
         shard_link = groups[0][2]
-        calls = (units - 1) * fsdp_calls(layout.zero) * shard_link.call_s(layout.shard)
+        calls = (units - 1) * fsdp_calls(layout.zero) * shard_link.call_s(layout.shard_ranks)
         # under a pipeline the stage stays gathered and syncs its gradients once, after the last micro-batch
         # (memory.fsdp_under_pipeline); otherwise every micro-batch gathers and reduce-scatters
         once = layout.pp > 1
         add(sum((1 if once else gathers) * all_gather_s(n * training.bytes.param, ranks, link)
                 + reduce_scatter_s(n * training.bytes.grad, ranks, link) for n, ranks, link in groups) + calls,
             overlap * micro_s, times=1 if once else m)
-        replica_link = cluster.link_for(layout.replicas, inner * layout.shard)
+        replica_link = cluster.link_for(layout.replicas, inner * layout.shard_ranks)
         add(all_reduce_s(sharded(stats, layout, 2) * training.bytes.grad, layout.replicas, replica_link),
             hidden_in_backward)
     v = training.stages_per_rank if layout.pp > 1 else 1
@@ -226,5 +232,9 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     ep_s = ep_comm_s(stats, mode, batch.micro_batch, layout.tp, layout.ep, ep_link(cluster, layout),
                      training.checkpointing)
     add(ep_s, times=m)
+    cp_s = context_parallel.cp_comm_s(stats, mode, batch.micro_batch, layout.tp, layout.cp,
+                                      context_parallel.link_of(cluster, layout.tp, layout.cp), training.checkpointing)
+    add(cp_s, times=m)
     return StepTime(compute_s=m * micro_s + bucket_s, bubble_s=fill * micro_s, optimizer_s=optimizer_s,
-                    comm_s=total, exposed_comm_s=exposed, tp_comm_s=slots * tp_s, ep_comm_s=m * ep_s)
+                    comm_s=total, exposed_comm_s=exposed, tp_comm_s=slots * tp_s, ep_comm_s=m * ep_s,
+                    cp_comm_s=m * cp_s)

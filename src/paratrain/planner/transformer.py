@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from ..errors import ConfigError
 from ..model.tables import TABLE_MIN_NUMEL
-from .model_stats import ELEMENT_BYTES, ModelStats, MoEShape, TableStats, TPShape
+from .model_stats import ELEMENT_BYTES, CPShape, ModelStats, MoEShape, TableStats, TPShape
 from .moe import MoE, idle_params, mlp_activations, mlp_params, mlp_tensors, routed_width
 
 
@@ -319,6 +319,8 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
                       op_checkpointed={mode: op_saved(*ELEMENT_BYTES[mode])
                                        for mode in ("fp32", "autocast", "param_dtype")},
                       matmul_params=_matmul_params(cfg), tp=tp, cut_between_blocks=True,
+                      cp=CPShape(layers=n_layers, seq_len=s, heads=cfg.heads, kv_heads=cfg.key_value_heads,
+                                 head_dim=cfg.head_width),
                       pipeline_copy=v * h if cfg.tied else 0, output_bytes_per_sample=4.0 * s * v,
                       largest_activation_bytes_per_sample=4.0 * s * _widest(cfg, bool(experts)),
                       param_bytes={"float32": 4 * total},

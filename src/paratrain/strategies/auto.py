@@ -2,8 +2,9 @@
 
 Every rank plans from the same numbers: the least memory any rank has (``least``, a collective ``Parallel``
 passes in), so ranks with different GPUs or free RAM still choose alike. The planner's choice
-(:func:`paratrain.planner.auto.choose`) is ddp, the least ZeRO stage that fits, or zero3 over groups of tp ranks
-when even zero3 does not fit and the model's tensor-parallel shape is known. ``Parallel`` then checks that the
+(:func:`paratrain.planner.auto.choose`) is ddp, the least ZeRO stage that fits, that over groups of cp ranks
+splitting each sequence when the model states fit but the loader's activations do not (the option ``cp=``), or
+zero3 over groups of tp ranks when even zero3 does not fit and the model's tensor-parallel shape is known. ``Parallel`` then checks that the
 ranks agree on it and builds the mesh for it; until then the data-parallel view (loaders, ``mean``) has no layout
 to follow and refuses in one line (:data:`BEFORE_THE_MODEL`).
 """
@@ -58,11 +59,12 @@ def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, pre
     cluster = local_cluster(device, env.world_size, env.local_world_size)
     cluster = replace(cluster, device=replace(cluster.device, memory_gib=least(cluster.device.memory_gib)))
     batch = loader_batch(loader)
-    choice = choose(model, cluster, precision, optimizer=optimizer, batch=batch)
+    choice = choose(model, cluster, precision, cp=True, optimizer=optimizer, batch=batch)
     if not choice.fits and (shape := model_shape(model)) is not None:
-        choice = choose(model, cluster, precision, tp=shape, optimizer=optimizer, batch=batch)
+        choice = choose(model, cluster, precision, tp=shape, cp=True, optimizer=optimizer, batch=batch)
     choice = settle(choice, precision)  # nothing fits: refused, unless within the planner's error
-    strategy = create(choice.strategy, **({"tp": choice.tp} if choice.tp > 1 else {}))
+    options = {name: n for name, n in (("tp", choice.tp), ("cp", choice.cp)) if n > 1}
+    strategy = create(choice.strategy, **options)
     strategy.validate(env)
     warning = "" if choice.fits else "warning: "
     lines = [f"paratrain: {warning}strategy 'auto' chose {choice.describe()}: {choice.reason}"]

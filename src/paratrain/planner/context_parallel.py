@@ -1,0 +1,107 @@
+"""Context parallelism as the planner sees it: what one rank of a cp group holds, computes and sends.
+
+``Parallel(strategy, cp=C)`` (``ParallelDims.cp``, Ulysses): the C ranks of a group read the same samples and each
+holds 1/C of every sequence. Outside attention every token is computed where it lives; around attention an
+all-to-all turns each of the queries, keys and values from a sequence split (s/C tokens, all heads) into a head
+split (all s tokens, 1/C of the heads) and one more turns the attention's output back: 4 all-to-alls a layer in
+forward, their gradients' 4 in backward (and a recomputed forward's 4). A rank then computes 1/C of every FLOP,
+the attention's included (all s x s scores of its 1/C of the heads), and saves 1/C of every activation: the
+tensors attention saves hold s x a/C x d elements where the rest hold s/C x a x d. What is not split: the weights
+(each rank streams them all, and under autocast saves their 16-bit copies), the token ids and targets a sample
+is loaded with (16 bytes a token, as under tp), and the all-to-alls' send and receive buffers of one layer.
+The cp ranks' gradients are reduced with the data-parallel ranks' (dp x cp), and ZeRO shards over dp x cp.
+
+Per micro-batch of b samples of s tokens, a rank of tp t sends in the queries' and the output's all-to-alls
+b·s/C·a·d/t elements of the compute dtype each, in the keys' and values' b·s/C·kv·d/t each, (C−1)/C of them off
+the rank; none hidden.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from ..errors import ConfigError
+from .collectives import all_to_all_s
+from .hardware import Cluster, Link
+from .model_stats import ELEMENT_BYTES, CPShape, ModelStats
+
+IDS_BYTES_PER_TOKEN = 16.0
+"""A sample's token ids and targets (int64 each), kept whole by every rank of a cp group."""
+
+
+def rank_activations(stats: ModelStats, figures: tuple[float, float, float],
+                     cp: int) -> tuple[float, float, float]:
+    """Per-sample (activations, checkpointed, boundary) bytes on one of ``cp`` ranks from one rank's ``figures``
+    without cp: 1/cp of them, plus the token ids and targets every rank keeps whole (never more than ``figures``
+    hold); the boundary, a block's output, is all sequence-split."""
+    if cp == 1:
+        return figures
+    ids = IDS_BYTES_PER_TOKEN * _shape(stats).seq_len
+    acts, checkpointed, boundary = figures
+    return (min(acts, ids) + (acts - min(acts, ids)) / cp,
+            min(checkpointed, ids) + (checkpointed - min(checkpointed, ids)) / cp, boundary / cp)
+
+
+def all_to_all_bytes(stats: ModelStats, mode: str, micro_batch: float, tp: int, cp: int) -> tuple[float, float]:
+    """Bytes one rank sends in (the queries' or the output's, the keys' or the values') all-to-all of one layer:
+    its s/cp tokens' share of those heads on its tp rank, in the compute dtype of ``mode``."""
+    shape = _shape(stats)
+    tokens = micro_batch * shape.seq_len / cp * ELEMENT_BYTES[mode][1] / tp
+    return tokens * shape.heads * shape.head_dim, tokens * shape.kv_heads * shape.head_dim
+
+
+def buffer_bytes(stats: ModelStats, mode: str, micro_batch: float, tp: int, cp: int) -> float:
+    """One layer's all-to-all send and receive buffers of the queries, keys and values, alive at once."""
+    if cp == 1:
+        return 0.0
+    q, kv = all_to_all_bytes(stats, mode, micro_batch, tp, cp)
+    return 2 * (q + 2 * kv)
+
+
+def cp_comm_s(stats: ModelStats, mode: str, micro_batch: float, tp: int, cp: int, link: Link,
+              checkpointing: bool) -> float:
+    """Seconds of one micro-batch's all-to-alls over ``link``: per layer the queries', keys', values' and output's
+    in forward, their gradients' in backward, and a recomputed forward's again."""
+    if cp == 1:
+        return 0.0
+    q, kv = all_to_all_bytes(stats, mode, micro_batch, tp, cp)
+    passes = 3 if checkpointing else 2
+    layer = 2 * all_to_all_s(q, cp, link) + 2 * all_to_all_s(kv, cp, link)
+    return passes * _shape(stats).layers * layer
+
+
+def cp_pairs(stats: ModelStats, cluster: Cluster, tp_degrees: tuple[int, ...],
+             cp: int | None = None) -> tuple[tuple[int, int], ...]:
+    """(tp, cp) pairs to plan: for tp 1 and each of ``tp_degrees``, ``cp`` when given (1: none), else every power of
+    two >= 2 that the model's heads take with that tp and whose tp x cp ranks divide a node (the all-to-alls stay on
+    the node's link, as tp's collectives do). A model without a cp shape (a traced one) gets none."""
+    if cp is not None and cp < 1:
+        raise ConfigError(f"--cp must be >= 1, got {cp}")
+    if cp == 1:
+        return ()
+    if stats.cp is None:
+        if cp is not None:
+            raise ConfigError(f"--cp needs a transformer's shape: {stats.name!r} is not a built-in GPT, a config.json "
+                              "or --params")
+        return ()
+    shape, per_node = stats.cp, cluster.ranks_per_node
+    if cp is not None:
+        why = shape.why_not(cp) or (f"cp={cp} does not divide the {cluster.world_size} ranks"
+                                    if cluster.world_size % cp else None)
+        if why is not None:
+            fits = [d for d in range(1, per_node + 1) if shape.why_not(d) is None and cluster.world_size % d == 0]
+            raise ConfigError(f"--cp {cp}: {why}; use one of {', '.join(map(str, fits))}")
+        return tuple((t, cp) for t in (1, *tp_degrees) if shape.why_not(cp, t) is None
+                     and cluster.world_size % (t * cp) == 0)
+    return tuple((t, c) for t in (1, *tp_degrees) for c in cluster.node_degrees(partial(shape.why_not, tp=t))
+                 if per_node % (t * c) == 0)
+
+
+def link_of(cluster: Cluster, tp: int, cp: int) -> Link:
+    """The link a cp group's all-to-alls cross: cp ranks a tp group apart."""
+    return cluster.link_for(cp, tp)
+
+
+def _shape(stats: ModelStats) -> CPShape:
+    if stats.cp is None:
+        raise ConfigError(f"model {stats.name!r} has no context-parallel shape; plan cp with a transformer")
+    return stats.cp
