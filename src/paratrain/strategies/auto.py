@@ -6,6 +6,9 @@ passes in), so ranks with different GPUs or free RAM still choose alike. The pla
 when even zero3 does not fit and the model's tensor-parallel shape is known. ``Parallel`` then checks that the
 ranks agree on it and builds the mesh for it; until then the data-parallel view (loaders, ``mean``) has no layout
 to follow and refuses in one line (:data:`BEFORE_THE_MODEL`).
+
+A model with mixture-of-experts layers (:func:`paratrain.model.experts.has_experts`) lets the planner weigh expert
+parallelism; when it picks ep ranks, the strategy is asked for them with its ``ep=`` option.
 """
 from __future__ import annotations
 
@@ -18,7 +21,14 @@ from torch import nn
 
 from ..distributed.metrics import least
 from ..env import ClusterEnv
-from ..planner.auto import choose, local_cluster, processes_vs_threads, settle
+from ..model.experts import has_experts
+from ..planner.auto import (
+    AutoChoice,
+    choose,
+    local_cluster,
+    processes_vs_threads,
+    settle,
+)
 from ..rank_agreement import check_ranks_agree
 from .base import Strategy
 from .registry import create
@@ -58,17 +68,23 @@ def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, pre
     cluster = local_cluster(device, env.world_size, env.local_world_size)
     cluster = replace(cluster, device=replace(cluster.device, memory_gib=least(cluster.device.memory_gib)))
     batch = loader_batch(loader)
-    choice = choose(model, cluster, precision, optimizer=optimizer, batch=batch)
+    experts = has_experts(model)
+    choice = choose(model, cluster, precision, ep=experts, optimizer=optimizer, batch=batch)
     if not choice.fits and (shape := model_shape(model)) is not None:
-        choice = choose(model, cluster, precision, tp=shape, optimizer=optimizer, batch=batch)
+        choice = choose(model, cluster, precision, tp=shape, ep=experts, optimizer=optimizer, batch=batch)
     choice = settle(choice, precision)  # nothing fits: refused, unless within the planner's error
-    strategy = create(choice.strategy, **({"tp": choice.tp} if choice.tp > 1 else {}))
+    strategy = create(choice.strategy, **strategy_options(choice))
     strategy.validate(env)
     warning = "" if choice.fits else "warning: "
     lines = [f"paratrain: {warning}strategy 'auto' chose {choice.describe()}: {choice.reason}"]
     if device.type == "cpu":
         lines.append(f"paratrain: note: {processes_vs_threads(model, cluster, precision, choice.strategy, optimizer)}")
     return strategy, lines
+
+
+def strategy_options(choice: AutoChoice) -> dict[str, int]:
+    """The options that ask ``choice``'s strategy for the split it chose: ``tp=`` and ``ep=`` degrees above 1."""
+    return {name: degree for name, degree in (("tp", choice.tp), ("ep", choice.ep)) if degree > 1}
 
 
 def agree_on_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, env: ClusterEnv, device: torch.device,
