@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 GPT_CONFIGS = MappingProxyType({
     **TRANSFORMERS,
     "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),  # 0.17M, for tests
-    "gpt-moe-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512,
+    "gpt-moe-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512, bias=False,
                               moe=MoE(experts=4, top_k=2, ffn=128)),  # 0.20M: 4 experts of top 2 per block
 })
 """Built-in sizes: the planner's named shapes (``planner.transformer.TRANSFORMERS``) and a tiny one that trains for
