@@ -25,10 +25,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from ddp_overhead import CORES, audited, background_line
 from torch import nn
 
 import paratrain
-from ddp_overhead import CORES, audited, background_line
 from paratrain.distributed.process_group import finish_group
 from paratrain.monitor import MonitorConfig
 from paratrain.monitor.experts import ExpertCounter
