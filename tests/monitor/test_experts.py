@@ -164,3 +164,36 @@ def test_the_all_to_all_of_a_step_is_timed_on_the_group(job):
     got = job[("all_to_all", "")]
     assert got["bytes"] == 4 * 2 * (2 * 64 * 2 * 64 * 4)  # 4 per layer, 2 layers: 2 samples x 64 tokens x top 2 x 64 x fp32
     assert 0 < got["seconds"] < 5
+
+
+class _Trackers:
+    """What the monitor needs of ``Trackers``: it is active, and takes each window's figures."""
+
+    active, config = True, None
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, figures, step):
+        self.logged.append((step, figures))
+
+
+def test_each_window_sends_the_layers_imbalance_to_the_trackers_beside_the_job_figures():
+    from paratrain.monitor import Monitor
+
+    trackers = _Trackers()
+    monitor = Monitor(MonitorConfig(every=2), rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
+                      trackers=trackers)
+    model = routed_mixtral()
+    for step in range(4):
+        x = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        with monitor.block(model, True):
+            model(x, labels=x).loss.backward()
+        monitor.stepped()
+    assert [step for step, _ in trackers.logged] == [2, 4]
+    figures = trackers.logged[-1][1]
+    assert {k for k in figures if k.startswith("moe/")} == {"moe/imbalance/layer0", "moe/imbalance/layer1",
+                                                             "moe/idle_experts/layer0", "moe/idle_experts/layer1"}
+    assert figures["moe/imbalance/layer0"] == monitor.expert_loads[0].imbalance >= 1.0 and "monitor/step_ms" in figures
+    monitor.close(print_fn=lambda _text: None)
+    assert not any(layer.module._forward_pre_hooks for layer in find_expert_layers(model))
