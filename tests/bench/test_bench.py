@@ -87,7 +87,7 @@ def test_report_marks_oversubscribed_rows_and_names_the_fastest():
 
 
 def test_workloads_build_train_and_reject_unknown_names():
-    assert workload_names() == ["mlp", "cnn", "gpt-tiny", "recommender", "recommender-tiny"]
+    assert workload_names() == ["mlp", "cnn", "gpt-tiny", "gpt-moe-tiny", "recommender", "recommender-tiny"]
     for name in workload_names():
         if name == "recommender":  # recommender-tiny is the same code on a 16 MiB table instead of 122 MiB
             continue
@@ -95,7 +95,8 @@ def test_workloads_build_train_and_reject_unknown_names():
         x, y = w.make_batch(4, torch.Generator().manual_seed(0))
         assert torch.equal(x, w.make_batch(4, torch.Generator().manual_seed(0))[0])  # seeded
         w.loss(w.model()(x), y).backward()
-    with pytest.raises(ConfigError, match="unknown workload 'resnet'; choose one of: mlp, cnn, gpt-tiny, recommender"):
+    with pytest.raises(ConfigError, match="unknown workload 'resnet'; choose one of: mlp, cnn, gpt-tiny, gpt-moe-tiny, "
+                                          "recommender"):
         get_workload("resnet")
 
 

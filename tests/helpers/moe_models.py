@@ -23,3 +23,16 @@ def qwen3_moe() -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE))
+
+
+def routed_mixtral(experts: int = 4) -> nn.Module:
+    """A Mixtral small enough to train in a test many times over (2 blocks of ``experts`` experts, top 2, width 32,
+    vocabulary 64), the same weights on every call: what the monitor's tokens-per-expert tests route."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                            num_local_experts=experts, num_experts_per_tok=2,
+                                            max_position_embeddings=16, tie_word_embeddings=False))

@@ -17,7 +17,7 @@ class BenchConfig:
     """A benchmark: one workload at several world sizes and strategies."""
 
     workload: str = "mlp"
-    """A built-in workload (mlp, cnn, gpt-tiny, recommender, recommender-tiny) or ``module:factory``."""
+    """A built-in workload (mlp, cnn, gpt-tiny, gpt-moe-tiny, recommender, recommender-tiny) or ``module:factory``."""
     nprocs: tuple[int, ...] = (1, 2)
     """World sizes to run; world 1 (the baseline) is always added."""
     strategies: tuple[str, ...] = ("ddp",)

@@ -7,7 +7,8 @@ communication out (``no_sync``), two probes of forward+backward passes, without 
 fixed batch: their difference is the communication the step waits for, and the passes without it are each
 rank's own work, whose spread is the imbalance. The probes never step the optimizer, so the parameters a block
 ends with are those of ``warmup + steps`` real steps. Around the timed steps each rank also reads the bytes its
-strategy says it moved (``Strategy.traffic_bytes``), for the bytes per step.
+strategy says it moved (``Strategy.traffic_bytes``), for the bytes per step. For a mixture of experts, the
+all-to-all expert parallelism would do in a step is timed on the job's ranks (:mod:`.all_to_all`).
 
 A strategy with serving ranks (``ps``) runs in a job of its own and is built once: its servers serve from
 ``prepare`` until the workers close it and then end their processes, so its rounds follow each other on the same
@@ -32,6 +33,7 @@ from ..distributed.process_group import finish_group
 from ..progress import Progress
 from ..seeding import rank_seed
 from ..workloads import Workload, get_workload
+from .all_to_all import step_all_to_all
 from .config import BenchConfig
 from .machine import PeakMemory
 from .subjects import ParatrainSubject, TorchDDPSubject
@@ -68,6 +70,11 @@ class Block:
     """Bytes the rank sent plus received over the timed steps, as its strategy counts them (None: not counted)."""
     moving_s: float | None = None
     """Seconds of the timed steps spent in the strategy's own messages, as it times them (None: not timed)."""
+    all_to_all_s: float | None = None
+    """A mixture of experts: seconds per step of the all-to-alls expert parallelism would do over the job's ranks,
+    timed with ``all_to_all_single`` (None: no experts, one rank, or a pipeline)."""
+    all_to_all_bytes: int | None = None
+    """… and the bytes each rank hands them per step."""
 
 
 @dataclass(kw_only=True)
@@ -160,6 +167,8 @@ def _block(config: BenchConfig, workload: Workload, run: Run, device: torch.devi
     memory.start()
     subject = _subject(config, workload, run, device)
     block = _timed(config, workload, subject, record, memory)
+    if isinstance(subject, ParatrainSubject):
+        block.all_to_all_s, block.all_to_all_bytes = _all_to_all(config, workload, subject)
     kept = None
     if config.compare and run.label in ("ddp", TORCH_DDP):  # plain replicas: no gathering needed
         kept = [p.detach().cpu().clone() for p in subject.model.parameters()]
@@ -199,6 +208,21 @@ def _timed(config: BenchConfig, workload: Workload, subject: ParatrainSubject | 
         block.local_pass_s, block.synced_pass_s = _probe(subject, workload, batch, config, sync)
     block.peak_bytes = memory.peak_bytes()
     return block
+
+
+def _all_to_all(config: BenchConfig, workload: Workload,
+                subject: ParatrainSubject) -> tuple[float | None, int | None]:
+    """The step's expert all-to-all (:func:`.all_to_all.step_all_to_all`) on one batch, when the model has experts
+    and every rank holds all of them (not a pipeline's stages)."""
+    from ..distributed.pipeline import PipelinedModel
+
+    if isinstance(subject.model, PipelinedModel):
+        return None, None
+    g = torch.Generator().manual_seed(rank_seed(config.seed + 2, subject.replica_rank))
+    x, _ = workload.make_batch(config.replica_batch(subject.replicas), g)
+    x = x.to(subject.device)
+    measured = step_all_to_all(subject.model, lambda: subject.model(x), subject.device)
+    return (None, None) if measured is None else measured
 
 
 def _probe(subject: ParatrainSubject, workload: Workload, batch: int, config: BenchConfig,

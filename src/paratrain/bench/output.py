@@ -12,7 +12,7 @@ from .result import BenchResult
 
 CSV_FIELDS = ("name", "label", "world", "threads", "replicas", "servers", "global_batch", "samples_per_s", "step_ms",
               "step_p90_ms", "speedup", "efficiency", "comm_share", "data_share", "imbalance", "bytes_per_step",
-              "peak_mb_max", "memory_kind", "oversubscribed", "skipped")
+              "all_to_all_ms", "all_to_all_bytes", "peak_mb_max", "memory_kind", "oversubscribed", "skipped")
 
 
 def to_json(result: BenchResult) -> dict[str, Any]:

@@ -69,6 +69,10 @@ def format_report(result: BenchResult) -> str:
                  "for gradient communication (ps: in its pulls and pushes), data = waiting for the next batch, imbal = slowest rank's own work over "
                  "the mean; bytes/step = what one training rank sends plus receives per step in MiB/KiB (ddp: its "
                  "gradient ring all-reduce, computed; ps: its messages, measured; - : not counted) (see docs/bench.md)")
+    lines += [f"{r.name}: expert parallelism's all-to-all (dispatch and combine, forward and backward, as ep "
+              f"over its {r.world} ranks would send them; timed with all_to_all_single, not run by the strategy) "
+              f"takes {r.all_to_all_ms:.2f} ms per step ({r.all_to_all_ms / r.step_ms:.0%} of the step's time), "
+              f"{_bytes(r.all_to_all_bytes)}B per rank" for r in result.rows if r.all_to_all_ms is not None]
     lines += result.notes
     lines.append(f"(bench took {result.wall_s:.0f} s)")
     return "\n".join(lines)

@@ -50,6 +50,11 @@ class Row:
     """Why it did not run (the rest of the row is empty)."""
     rounds_ms: list[float] = field(default_factory=list)
     """Per round: the slowest rank's median step time."""
+    all_to_all_ms: float | None = None
+    """A mixture of experts: per step, the all-to-alls expert parallelism would do over these ranks, timed on them
+    (the slowest rank's median over rounds; None: no experts, world 1 or a pipeline)."""
+    all_to_all_bytes: float | None = None
+    """… and the bytes each rank hands them per step."""
 
     @property
     def name(self) -> str:
@@ -113,6 +118,9 @@ def summarise(label: str, world: int, threads: int, ranks: list[RankRecord]) -> 
     row.rounds_ms = [1e3 * max(statistics.median(r.blocks[i].step_s) for r in ranks) for i in range(len(first.blocks))]
     row.peak_mb = [max(b.peak_bytes for b in r.blocks) / 2**20 for r in ranks]
     row.bytes_per_step = bytes_per_step(ranks)
+    if all(b.all_to_all_s is not None for r in ranks for b in r.blocks):
+        row.all_to_all_ms = 1e3 * max(statistics.median(b.all_to_all_s for b in r.blocks) for r in ranks)  # type: ignore[misc]
+        row.all_to_all_bytes = float(first.blocks[0].all_to_all_bytes or 0)
     if world == 1:
         row.comm_share, row.imbalance = 0.0, 0.0
     elif first.blocks[0].local_pass_s is not None:

@@ -1,5 +1,6 @@
 """The training monitor: per-rank step time, data wait, time to the sync point and memory, compared across
-ranks every few steps; warnings for stragglers, slow data loading and unbalanced GPU memory; a table at the end.
+ranks every few steps; a mixture of experts' tokens per expert over the global batch (:mod:`.experts`); warnings for
+stragglers, slow data loading, unbalanced GPU memory and routing collapse; a table at the end.
 
 ``Parallel`` owns one (``par.monitor``); ``Parallel(monitor=False)`` turns it off and
 ``Parallel(monitor=MonitorConfig(...))`` tunes it. See docs/monitor.md. Its figures, and the script's own metrics,

@@ -26,6 +26,12 @@ class MonitorConfig:
     """Warn when the least-used GPU uses this fraction less memory than the most-used one (CUDA only)."""
     memory_min_gib: float = 0.5
     """… and the gap is at least this many GiB."""
+    experts: bool = True
+    """Count the tokens each expert of a mixture-of-experts layer is routed (hooks on its ``experts`` modules; a
+    dense model gets none), report them per window and warn when routing collapses."""
+    expert_imbalance: float = 2.0
+    """Routing has collapsed when a layer's busiest expert gets this many times the mean of its experts' tokens (or
+    some experts get none)."""
     summary: bool = True
     """Print the per-rank summary table on rank 0 at ``Parallel.close()``."""
     csv: str | Path | None = None
@@ -48,6 +54,10 @@ class MonitorConfig:
             value = getattr(self, name)
             if not 0 < value < 10:
                 raise ConfigError(f"MonitorConfig.{name} is a fraction (0.2 = 20%), got {value!r}")
+        if isinstance(self.expert_imbalance, bool) or not isinstance(self.expert_imbalance, (int, float)) \
+                or self.expert_imbalance <= 1:
+            raise ConfigError(f"MonitorConfig.expert_imbalance is the busiest expert's tokens over the mean (> 1, e.g. "
+                              f"2.0), got {self.expert_imbalance!r}")
         if self.memory_min_gib < 0:
             raise ConfigError(f"MonitorConfig.memory_min_gib must be >= 0, got {self.memory_min_gib}")
         for name in ("flops_per_sample", "peak_tflops"):

@@ -1,5 +1,6 @@
-"""``Monitor``: the per-rank recorder, one small all-gather every ``every`` optimizer steps, the rules on the
-gathered figures, warnings and the window's figures to the logs and trackers on rank 0, and the end-of-run table.
+"""``Monitor``: the per-rank recorder, one small all-gather every ``every`` optimizer steps (and, for a mixture of
+experts, one all-reduce of its tokens per expert), the rules on the gathered figures, warnings and the window's
+figures to the logs and trackers on rank 0, and the end-of-run table.
 
 Every rank reaches the gather at the same optimizer-step count (the counter advances in ``Parallel.step`` on
 all ranks alike), so it cannot deadlock a job that trains; it waits no longer than the process group's timeout.
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from ..env import cpu_count
 from .config import MonitorConfig
+from .experts import ExpertCounter, ExpertLoad, expert_figures, find_routing_collapse
 from .recorder import SYNC_POINTS, Recorder
 from .figures import job_figures, rank_figures
 from .report import CsvLog, RunSummary
@@ -72,6 +74,9 @@ class Monitor:
         """Warnings raised so far (the same list on every rank)."""
         self.last_window: list[RankStats] = []
         """Every rank's figures over the last window."""
+        self.experts = ExpertCounter(device) if config.experts else None
+        self.expert_loads: list[ExpertLoad] = []
+        """Each MoE layer's tokens per expert over the last window, every data-parallel rank's (the same on all)."""
         self._persistence = Persistence(config.persist)
         self._block = _Block(self.recorder)
         on_rank0 = rank == 0
@@ -88,6 +93,8 @@ class Monitor:
     def block(self, model: nn.Module, sync: bool) -> _Block:
         """Context for one micro-step's block."""
         self.recorder.begin(model, sync)
+        if self.experts is not None:
+            self.experts.watch(model)
         self._block.sync = sync
         return self._block
 
@@ -103,23 +110,36 @@ class Monitor:
     def _window(self, step: int) -> None:
         stats = self._gather(self.recorder.window(self.rank, self.peer))
         self.last_window = stats
-        due = self._persistence.update(find_all(stats, self.config, sync_point=self.sync_point_label,
-                                                data_advice=self._data_advice()))
+        loads = self._expert_window()
+        due = self._persistence.update([*find_all(stats, self.config, sync_point=self.sync_point_label,
+                                                  data_advice=self._data_advice()),
+                                        *find_routing_collapse(loads, self.config)])
         self.warnings.extend(due)
         if self.rank == 0:
             for finding in due:
                 self.emit(f"paratrain monitor: {finding.message}")
-            self._log(step, stats)
+            self._log(step, stats, loads)
 
-    def _log(self, step: int, stats: list[RankStats]) -> None:
+    def _log(self, step: int, stats: list[RankStats], loads: list[ExpertLoad]) -> None:
         if self._csv is not None:
             self._csv.write(step, stats)
         if self._tensorboard is not None:
-            self._tensorboard.log(rank_figures(stats), step)
+            self._tensorboard.log({**rank_figures(stats), **expert_figures(loads)}, step)
         if self.trackers is not None:
             figures = job_figures(stats, replicas=self.replicas(), flops_per_sample=self.config.flops_per_sample,
                                   peak_flops=self.peak_flops)
-            self.trackers.log(figures, step)
+            self.trackers.log({**figures, **expert_figures(loads)}, step)
+
+    def _expert_window(self) -> list[ExpertLoad]:
+        """Tokens per expert since the last window, over the training ranks (each token once); kept as
+        ``expert_loads`` unless nothing was routed since (a second ``summary``)."""
+        if self.experts is None:
+            return []
+        size = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        loads = self.experts.window(self.group, copies=size // max(self.replicas(), 1))
+        if any(x.total for x in loads):
+            self.expert_loads = loads
+        return loads
 
     def _gather(self, mine: RankStats) -> list[RankStats]:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1):
@@ -155,9 +175,10 @@ class Monitor:
     def summary(self) -> RunSummary:
         """The whole run per rank (a collective: call it on every rank, like ``close``)."""
         rows = self._gather(self.recorder.run(self.rank, self.peer))
+        self._expert_window()
         return RunSummary(rows=rows, warnings=list(self.warnings), sync_point=self.sync_point_label,
                           memory="peak alloc" if self.recorder.cuda else "peak RSS", every=self.config.every,
-                          accumulate=self.accumulate)
+                          accumulate=self.accumulate, experts=list(self.expert_loads))
 
     def close(self, print_fn: Callable[[str], Any] = print) -> RunSummary | None:
         """Print the summary table on rank 0 (unless ``summary=False``), close the logs, remove the hooks."""
@@ -172,4 +193,6 @@ class Monitor:
         if self._tensorboard is not None:
             self._tensorboard.close(ok=True)
         self.recorder.close()
+        if self.experts is not None:
+            self.experts.close()
         return summary

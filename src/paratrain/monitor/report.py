@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..sizes import GIB, MIB
+from .experts import ExpertLoad
 from .rules import Finding, RankStats
 
 COLUMNS = ("step", "rank", "peer", "steps", "step_ms", "busy_ms", "data_ms", "data_share", "compute_ms", "sync_ms",
@@ -33,6 +34,8 @@ class RunSummary:
     """What ``peak_mem`` means here: ``"peak RSS"`` (CPU) or ``"peak alloc"`` (CUDA)."""
     every: int = 50
     accumulate: int = 1
+    experts: list[ExpertLoad] = field(default_factory=list)
+    """Each MoE layer's tokens per expert over the last window (empty for a dense model)."""
 
     def table(self) -> str:
         steps = max((r.steps for r in self.rows), default=0)
@@ -46,11 +49,13 @@ class RunSummary:
         for r in self.rows:
             lines.append(f"{r.rank:>4}  {r.steps:>6}  {r.step_ms:>8.1f}  {r.data_share:>9.1%}  {r.compute_ms:>10.1f}  "
                          f"{r.sync_ms:>8.1f}  {_bytes(r.peak_mem):>10}" + (f"  {_bytes(r.device_used):>10}" if gpu else ""))
+        lines.extend(_expert_lines(self.experts))
         if self.warnings:
             lines.append(f"warnings ({len(self.warnings)}):")
             lines.extend(f"  - {w.message}" for w in self.warnings)
         else:
-            lines.append("warnings: none (no straggler, data loading keeps up" + (", GPU memory balanced)" if gpu else ")"))
+            lines.append("warnings: none (no straggler, data loading keeps up" + (", GPU memory balanced" if gpu else "")
+                         + (", experts' routing balanced)" if self.experts else ")"))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -59,7 +64,19 @@ class RunSummary:
             "ranks": [dict(zip(COLUMNS[1:], _row(r)[1:])) for r in self.rows],
             "warnings": [{"kind": w.kind, "rank": w.rank, "value": w.value, "message": w.message}
                          for w in self.warnings],
+            "experts": [x.to_dict() for x in self.experts],
         }
+
+
+def _expert_lines(loads: Sequence[ExpertLoad]) -> list[str]:
+    """The MoE layers' rows under the ranks' table: tokens per expert over the last window, all ranks'."""
+    if not loads:
+        return []
+    width = max(len(x.layer) for x in loads)
+    lines = ["tokens routed to each expert over the last window (every data-parallel rank; imbalance = busiest / mean):",
+             f"{'MoE layer':<{width}}  {'imbalance':>9}  {'idle':>4}  tokens per expert"]
+    lines.extend(f"{x.layer:<{width}}  {x.imbalance:>9.2f}  {len(x.idle):>4}  {x.counts_text()}" for x in loads)
+    return lines
 
 
 def _row(r: RankStats, step: int = 0) -> list[float]:

@@ -66,12 +66,12 @@ class Finding:
     """One condition seen in one window."""
 
     kind: str
-    """``"straggler"``, ``"data"`` or ``"memory"``."""
+    """``"straggler"``, ``"data"``, ``"memory"`` or ``"routing"`` (a mixture of experts' collapse, :mod:`.experts`)."""
     rank: int
-    """The rank it is about (the slowest / most loaded one)."""
+    """The rank it is about (the slowest / most loaded one; -1: the whole job)."""
     value: float
     """straggler: its time to the sync point over its peers' median; data: the share of the step; memory: the
-    least-used GPU's memory over the most-used one's."""
+    least-used GPU's memory over the most-used one's; routing: the worst layer's busiest expert over the mean."""
     message: str
     """One line: which rank, the numbers, the fix."""
 

@@ -4,9 +4,12 @@ Every rank plans from the same numbers: the least memory any rank has (``least``
 passes in), so ranks with different GPUs or free RAM still choose alike. The planner's choice
 (:func:`paratrain.planner.auto.choose`) is ddp, the least ZeRO stage that fits, that over groups of cp ranks
 splitting each sequence when the model states fit but the loader's activations do not (the option ``cp=``), or
-zero3 over groups of tp ranks when even zero3 does not fit and the model's tensor-parallel shape is known. ``Parallel`` then checks that the
-ranks agree on it and builds the mesh for it; until then the data-parallel view (loaders, ``mean``) has no layout
-to follow and refuses in one line (:data:`BEFORE_THE_MODEL`).
+zero3 over groups of tp ranks when even zero3 does not fit and the model's tensor-parallel shape is known.
+``Parallel`` then checks that the ranks agree on it and builds the mesh for it; until then the data-parallel view
+(loaders, ``mean``) has no layout to follow and refuses in one line (:data:`BEFORE_THE_MODEL`).
+
+A model with mixture-of-experts layers (:func:`paratrain.model.experts.has_experts`) lets the planner weigh expert
+parallelism; when it picks ep ranks, the strategy is asked for them with its ``ep=`` option.
 """
 from __future__ import annotations
 
@@ -19,7 +22,14 @@ from torch import nn
 
 from ..distributed.metrics import least
 from ..env import ClusterEnv
-from ..planner.auto import choose, local_cluster, processes_vs_threads, settle
+from ..model.experts import has_experts
+from ..planner.auto import (
+    AutoChoice,
+    choose,
+    local_cluster,
+    processes_vs_threads,
+    settle,
+)
 from ..rank_agreement import check_ranks_agree
 from .base import Strategy
 from .registry import create
@@ -59,18 +69,24 @@ def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, pre
     cluster = local_cluster(device, env.world_size, env.local_world_size)
     cluster = replace(cluster, device=replace(cluster.device, memory_gib=least(cluster.device.memory_gib)))
     batch = loader_batch(loader)
-    choice = choose(model, cluster, precision, cp=True, optimizer=optimizer, batch=batch)
+    experts = has_experts(model)
+    choice = choose(model, cluster, precision, ep=experts, cp=True, optimizer=optimizer, batch=batch)
     if not choice.fits and (shape := model_shape(model)) is not None:
-        choice = choose(model, cluster, precision, tp=shape, cp=True, optimizer=optimizer, batch=batch)
+        choice = choose(model, cluster, precision, tp=shape, ep=experts, cp=True, optimizer=optimizer, batch=batch)
     choice = settle(choice, precision)  # nothing fits: refused, unless within the planner's error
-    options = {name: n for name, n in (("tp", choice.tp), ("cp", choice.cp)) if n > 1}
-    strategy = create(choice.strategy, **options)
+    strategy = create(choice.strategy, **strategy_options(choice))
     strategy.validate(env)
     warning = "" if choice.fits else "warning: "
     lines = [f"paratrain: {warning}strategy 'auto' chose {choice.describe()}: {choice.reason}"]
     if device.type == "cpu":
         lines.append(f"paratrain: note: {processes_vs_threads(model, cluster, precision, choice.strategy, optimizer)}")
     return strategy, lines
+
+
+def strategy_options(choice: AutoChoice) -> dict[str, int]:
+    """The options that ask ``choice``'s strategy for the split it chose: ``tp=``, ``ep=`` and ``cp=`` degrees above
+    1."""
+    return {name: degree for name, degree in (("tp", choice.tp), ("ep", choice.ep), ("cp", choice.cp)) if degree > 1}
 
 
 def agree_on_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, env: ClusterEnv, device: torch.device,

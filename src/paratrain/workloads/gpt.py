@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import ConfigError
+from ..planner.moe import MoE
 from ..planner.transformer import TRANSFORMERS, GPTConfig, moe_block
 from .experts import MixtureOfExperts, activate
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 GPT_CONFIGS = MappingProxyType({
     **TRANSFORMERS,
     "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),  # 0.17M, for tests
+    "gpt-moe-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512, bias=False,
+                              moe=MoE(experts=4, top_k=2, ffn=128)),  # 0.20M: 4 experts of top 2 per block
 })
 """Built-in sizes: the planner's named shapes (``planner.transformer.TRANSFORMERS``) and a tiny one that trains for
 real in the demos and tests."""

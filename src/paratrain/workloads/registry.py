@@ -1,6 +1,6 @@
 """The one registry of workload names.
 
-``paratrain bench`` and the benchmarks run a workload by name: ``mlp``, ``cnn`` and ``gpt-tiny``
+``paratrain bench`` and the benchmarks run a workload by name: ``mlp``, ``cnn``, ``gpt-tiny`` and ``gpt-moe-tiny``
 (:mod:`paratrain.workloads.synthetic`) and ``recommender`` and ``recommender-tiny``
 (:mod:`paratrain.workloads.recommender`) are built in; anything else is ``module:factory``, a function of the user's
 that returns a :class:`~paratrain.workloads.workload.Workload` or a ``(model, loss, make_batch)`` tuple.
@@ -15,11 +15,17 @@ from torch import nn
 from ..errors import ConfigError
 from ..factory import load_callable
 from .recommender import recommender_tiny_workload, recommender_workload
-from .synthetic import cnn_workload, gpt_tiny_workload, mlp_workload
+from .synthetic import (
+    cnn_workload,
+    gpt_moe_tiny_workload,
+    gpt_tiny_workload,
+    mlp_workload,
+)
 from .workload import Workload
 
 _BUILT_IN: dict[str, Callable[[], Workload]] = {"mlp": mlp_workload, "cnn": cnn_workload,
-                                                "gpt-tiny": gpt_tiny_workload, "recommender": recommender_workload,
+                                                "gpt-tiny": gpt_tiny_workload, "gpt-moe-tiny": gpt_moe_tiny_workload,
+                                                "recommender": recommender_workload,
                                                 "recommender-tiny": recommender_tiny_workload}
 
 

@@ -1,4 +1,4 @@
-"""The built-in benchmark workloads, on seeded random data: ``mlp``, ``cnn`` and ``gpt-tiny``.
+"""The built-in benchmark workloads, on seeded random data: ``mlp``, ``cnn``, ``gpt-tiny`` and ``gpt-moe-tiny``.
 
 They match the models of ``paratrain plan --model mlp|cnn|gpt-tiny``, so a plan and a measurement speak of the
 same network. The data is noise: these measure speed, not learning.
@@ -41,14 +41,20 @@ def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def gpt_tiny_workload() -> Workload:
-    cfg = GPT_CONFIGS["gpt-tiny"]
+def gpt_tiny_workload(name: str = "gpt-tiny") -> Workload:
+    cfg = GPT_CONFIGS[name]
 
     def make_batch(samples: int, generator: torch.Generator) -> Batch:
         tokens = torch.randint(0, cfg.vocab, (samples, cfg.seq_len + 1), generator=generator)
         return tokens[:, :-1], tokens[:, 1:]
 
-    return Workload(name="gpt-tiny", model=lambda: GPT(cfg), loss=_next_token_loss, make_batch=make_batch,
+    experts = "" if cfg.moe is None else f", {cfg.moe.experts} experts of top {cfg.moe.top_k} per block"
+    return Workload(name=name, model=lambda: GPT(cfg), loss=_next_token_loss, make_batch=make_batch,
                     optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4),
-                    description=f"GPT {cfg.layers} layers x {cfg.hidden} wide, {cfg.seq_len} tokens, vocab "
+                    description=f"GPT {cfg.layers} layers x {cfg.hidden} wide{experts}, {cfg.seq_len} tokens, vocab "
                                 f"{cfg.vocab}, AdamW, random tokens")
+
+
+def gpt_moe_tiny_workload() -> Workload:
+    """``gpt-tiny`` with a mixture of experts in each block (``bench`` reports its all-to-all)."""
+    return gpt_tiny_workload("gpt-moe-tiny")
