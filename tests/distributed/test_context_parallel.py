@@ -23,10 +23,11 @@ TOL = 2e-5
 WORLD2 = [("llama", "ddp", {"cp": 2}, "labels"), ("llama", "zero3", {"cp": 2}, "batch"),
           ("qwen2", "ddp", {"cp": 2}, "batch"), ("qwen2", "zero3", {"cp": 2}, "labels"),
           ("gpt2", "zero3", {"cp": 2}, "labels"), ("gpt2", "ddp", {"cp": 2}, "batch"),
-          ("gpt", "zero3", {"cp": 2}, "loss_fn"), ("llama", "ddp", {"cp": 2}, "loss_fn")]
+          ("gpt", "zero3", {"cp": 2}, "loss_fn"), ("llama", "ddp", {"cp": 2}, "loss_fn"),
+          ("gpt2", "zero2", {"cp": 2}, "batch"), ("llama", "ddp", {"cp": 2, "activation_checkpointing": True}, "batch")]
 WORLD4 = [("llama", "zero3", {"cp": 2}, "batch"), ("llama", "zero3", {"cp": 2, "tp": 2}, "labels"),
           ("llama", "ddp", {"cp": 2, "tp": 2}, "batch"), ("gpt2", "zero3", {"cp": 4}, "labels"),
-          ("gpt", "ddp", {"cp": 4}, "loss_fn")]
+          ("gpt", "ddp", {"cp": 4}, "loss_fn"), ("gpt", "zero3", {"cp": 2, "tp": 2}, "loss_fn")]
 REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",
     "4-D mask": "cp takes a 2-D attention_mask",
@@ -56,8 +57,10 @@ def world4(tmp_path_factory):
     return spawn(w.run_cases, 4, (cases, str(tmp_path_factory.mktemp("cp4"))), timeout_s=300)[0]
 
 
-def check(result: dict, name: str, mode: str) -> None:
+def check(result: dict, case: tuple, world: int) -> None:
+    name, _, options, mode = case
     assert "error" not in result, result.get("error")
+    assert result["replicas"] == world // (options["cp"] * options.get("tp", 1)), "cp ranks are no replicas"
     state, losses = w.reference(name, mode, result["replicas"])
     assert max_abs_diff(result["state"], state) <= TOL
     assert result["losses"] == pytest.approx(losses, abs=1e-5), "the loss every rank reports is the global batch's"
@@ -67,13 +70,13 @@ def check(result: dict, name: str, mode: str) -> None:
 @pytest.mark.launched
 @pytest.mark.parametrize("case", WORLD2, ids=key)
 def test_cp_world2_equals_one_process(world2, case):
-    check(world2[key(case)], case[0], case[3])
+    check(world2[key(case)], case, 2)
 
 
 @pytest.mark.launched
 @pytest.mark.parametrize("case", WORLD4, ids=key)
 def test_cp_world4_equals_one_process(world4, case):
-    check(world4[key(case)], case[0], case[3])
+    check(world4[key(case)], case, 4)
 
 
 @pytest.mark.launched
@@ -122,3 +125,15 @@ def test_cp_degree_must_be_a_positive_integer(value):
 def test_cp_one_is_off():
     assert CPConfig.pop({"cp": 1}) is None and preset("ddp")(cp=1).describe() == "ddp(bucket_cap_mb=25)"
     assert preset("zero3")(cp=2).describe().endswith("cp=2)")
+
+
+def test_dry_run_shards_over_dp_times_cp():
+    """On the fake process group: zero3 x cp=2 over 8 ranks holds what zero3 over 8 holds (the parameters are sharded
+    over dp x cp), and a cp that does not divide the world is the launch's one line."""
+    from paratrain.dry_run import dry_run
+
+    with_cp = dry_run(w.llama, world=8, strategy="zero3", options={"cp": 2})
+    without = dry_run(w.llama, world=8, strategy="zero3")
+    assert with_cp.error is None and "cp=2" in with_cp.layout
+    assert [r.total for r in with_cp.ranks] == [r.total for r in without.ranks]
+    assert "cp=3 needs a number of processes" in dry_run(w.llama, world=8, strategy="ddp", options={"cp": 3}).error
