@@ -42,6 +42,9 @@ class SequenceSplit:
         params = inspect.signature(model.forward).parameters
         self.positions = next((p for p in ("position_ids", "positions") if p in params), None)
         """The forward's keyword for the global positions of its tokens (None: it takes none)."""
+        self.no_cache = {"use_cache": False} if "use_cache" in params else {}
+        """A key/value cache would hold this rank's slice, and a recomputed block (activation checkpointing) would
+        append to it again: a split forward runs without one."""
         self.shifts_labels = _causal_lm(model)
         self.padding: torch.Tensor | None = None
         """The whole 2-D attention mask of the current call (None: no padding given)."""
@@ -88,21 +91,33 @@ class SequenceSplit:
         if length % self.ranks:
             raise ConfigError(f"cp={self.ranks} cuts each sequence into {self.ranks} equal slices, but this batch's "
                               f"sequences have {length} tokens; pad them to a multiple of {self.ranks}")
-        kwargs = dict(kwargs)
+        kwargs = {**kwargs, **self.no_cache}
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() != 2:
             raise ConfigError(f"cp takes a 2-D attention_mask [batch, seq] (padding) and builds the whole sequence's "
                               f"mask itself; got {mask.dim()}-D: pass the padding mask instead")
         self.padding = mask
         self.share, self.pending = None, self._targets(args, kwargs, first.device)
-        if self.positions is not None and kwargs.get(self.positions) is None:
-            kwargs[self.positions] = torch.arange(length, device=first.device)[None]
+        if self.positions is not None:
+            kwargs[self.positions] = self._positions(kwargs.get(self.positions), length, first.device)
 
         def split(value: Any) -> Any:  # a tensor along the sequence: this rank's slice of it
             sequence = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length
             return self.local(value) if sequence else value
 
         return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
+
+    def _positions(self, given: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+        """The global positions of the call's tokens: ``[1, seq]`` for ``position_ids`` (cut with the inputs below),
+        and for a 1-D ``positions`` (paratrain's GPT, whose tensor-parallel plan splits the position table's output
+        by rows) this rank's slice of them."""
+        if given is None:
+            given = torch.arange(length, device=device)
+            given = given[None] if self.positions == "position_ids" else given
+        if given.dim() == 1:
+            size = length // self.ranks
+            return given.narrow(0, self.rank * size, size)
+        return given
 
     def _targets(self, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> bool:
         """Prepare the call's loss targets (in ``kwargs``) for the split; whether the call has any."""
