@@ -27,7 +27,11 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_reduce, all_to_all_single_autograd, wait_tensor
+from torch.distributed._functional_collectives import (
+    all_reduce,
+    all_to_all_single_autograd,
+    wait_tensor,
+)
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 

@@ -12,10 +12,10 @@ import torch
 from helpers import cp_workers as w
 from helpers.activations import saved_bytes
 
+from paratrain.env import ClusterEnv
 from paratrain.errors import ConfigError
 from paratrain.options import CPConfig
 from paratrain.strategies.composed import preset
-from paratrain.env import ClusterEnv
 from paratrain.testing import max_abs_diff, spawn
 
 TOL = 2e-5
