@@ -9,7 +9,8 @@ checkpoint and takes the last step again. How a step feeds the model (``mode``):
 * ``labels``: the user's own loop, ``out = model(input_ids=x, labels=x)`` and ``par.backward(out.loss)``;
 * ``batch``: ``par.forward_backward(model, {"input_ids": x, "attention_mask": m, "labels": y})``, with right padding
   and ignored labels, so the ranks of a cp group count different numbers of tokens;
-* ``loss_fn``: ``par.forward_backward(model, x, y, loss_fn)`` with targets aligned to the inputs.
+* ``loss_fn``: ``par.forward_backward(model, x, y, loss_fn)`` with targets aligned to the inputs (some ignored);
+* ``own``: ``par.forward_backward(model, x, y)`` on a model that computes its loss itself, nanoGPT's ``model(x, y)``.
 """
 from __future__ import annotations
 
@@ -65,7 +66,20 @@ def gpt() -> nn.Module:
     return GPT(GPTConfig(layers=2, hidden=32, heads=4, seq_len=SEQ, vocab=VOCAB))
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "gpt": gpt}
+class GPTWithLoss(nn.Module):
+    """paratrain's GPT computing its own loss, nanoGPT-style: ``model(x, targets) -> (logits, loss)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = gpt()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> tuple:
+        logits = self.gpt(idx, positions=positions)
+        return logits, lm_loss(logits, targets)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "gpt": gpt,
+                                              "gpt_loss": GPTWithLoss}
 
 
 def batch(step: int, size: int, length: int = SEQ) -> dict[str, torch.Tensor]:
@@ -77,7 +91,8 @@ def batch(step: int, size: int, length: int = SEQ) -> dict[str, torch.Tensor]:
     for i in range(size):
         mask[i, length - int(torch.randint(0, length // 2, (1,), generator=g)):] = 0
     labels = ids[:, :-1].masked_fill(mask == 0, -100).masked_fill(torch.rand(size, length, generator=g) < 0.2, -100)
-    return {"input_ids": ids[:, :-1], "attention_mask": mask, "labels": labels, "targets": ids[:, 1:]}
+    return {"input_ids": ids[:, :-1], "attention_mask": mask, "labels": labels,
+            "targets": ids[:, 1:].masked_fill(labels == -100, -100)}
 
 
 def lm_loss(out: object, target: torch.Tensor) -> torch.Tensor:
@@ -91,6 +106,8 @@ def step_loss(model: nn.Module, b: dict[str, torch.Tensor], mode: str) -> torch.
         return model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
     if mode == "batch":
         return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+    if mode == "own":
+        return model(b["input_ids"], b["targets"])[1]
     return lm_loss(model(b["input_ids"]), b["targets"])
 
 
@@ -105,6 +122,8 @@ def _train(par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer
                 par.backward(loss)
             elif mode == "batch":
                 loss = par.forward_backward(model, {k: b[k] for k in ("input_ids", "attention_mask", "labels")})
+            elif mode == "own":
+                loss = par.forward_backward(model, b["input_ids"], b["targets"])
             else:
                 loss = par.forward_backward(model, b["input_ids"], b["targets"], lm_loss)
         losses.append(float(par.mean(loss.detach())))

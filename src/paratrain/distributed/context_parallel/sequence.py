@@ -97,7 +97,8 @@ class SequenceSplit:
             raise ConfigError(f"cp takes a 2-D attention_mask [batch, seq] (padding) and builds the whole sequence's "
                               f"mask itself; got {mask.dim()}-D: pass the padding mask instead")
         self.padding = mask
-        self.share, self.pending = None, self._targets(args, kwargs, first.device)
+        self.share = None
+        self.pending = self._targets(args, kwargs, first.device)
         if self.positions is not None:
             kwargs[self.positions] = self._positions(kwargs.get(self.positions), length, first.device)
 
