@@ -80,6 +80,15 @@ def test_cp_world4_equals_one_process(world4, case):
 
 
 @pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_cp_under_hsdp_world8_equals_one_process(tmp_path):
+    """hsdp x cp=2 over 8 ranks: 2 replicas of shard groups of 2, each rank's cp partner beside it."""
+    case = ("llama", "hsdp", {"cp": 2, "shard_size": 2}, "batch")
+    check(spawn(w.run_cases, 8, ([case], str(tmp_path)), timeout_s=330)[0][key(case)], case, 8)
+
+
+@pytest.mark.launched
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_cp_bad_input_is_one_line(world2, case):
     error = world2[key(("refuse", case))]["error"]
