@@ -101,7 +101,12 @@ class ContextParallel(WholeSequences):
         assert mesh is not None
         inner = "shard" if "shard" in (mesh.mesh_dim_names or ()) else "dp"
         flat = self._flatten(mesh, (inner, "cp"))
-        return mesh["replicate", flat.mesh_dim_names[0]] if inner == "shard" else flat  # type: ignore[index]
+        if inner == "dp":
+            return flat
+        concatenate = getattr(DeviceMesh, "_concatenate", None)  # torch 2.13; slicing a flattened dim from the root
+        if concatenate is None:                                    # mesh warns of its deprecation there
+            return mesh["replicate", "shard_cp"]
+        return concatenate([mesh["replicate"], flat])
 
     def data_parallel(self, mesh: DeviceMesh | None, known: DataParallel) -> DataParallel:
         """The data-parallel coordinate, without the cp ranks (they read the same samples)."""
