@@ -72,7 +72,7 @@ class ContextParallel(WholeSequences):
         cp = self.config.degree
         if ranks % cp:
             raise ConfigError(f"{strategy} with cp={cp} needs a number of processes (beside tp) that cp divides, "
-                              f"got {ranks}; launch a multiple of {cp} (-n {cp * max(1, ranks // cp)})")
+                              f"got {ranks}; launch a multiple of cp x tp processes, or choose another cp")
         return cp
 
     def splitter(self, mesh: DeviceMesh | None, split_layers: Step | None) -> Step:
