@@ -160,6 +160,25 @@ class TPConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CPConfig:
+    """Context parallelism as a strategy option (``cp=``): each sequence split over ``degree`` ranks."""
+
+    degree: int
+    """Ranks that each hold 1/degree of every sequence of the same samples (Ulysses: an all-to-all around attention
+    trades the sequence split for a head split)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.degree, int) or isinstance(self.degree, bool) or self.degree < 1:
+            raise ConfigError(f"cp must be an integer >= 1 (ranks that split each sequence), got {self.degree!r}")
+
+    @classmethod
+    def pop(cls, options: dict[str, Any]) -> CPConfig | None:
+        """The ``cp`` option taken out of a strategy's options; None when context parallelism is off."""
+        degree = options.pop("cp", None)
+        return None if degree in (None, 1) else cls(degree=degree)
+
+
+@dataclass(frozen=True, kw_only=True)
 class BlockTransforms:
     """What happens to each repeated block before data parallelism wraps it (:mod:`paratrain.model.transforms`)."""
 

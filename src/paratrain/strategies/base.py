@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..batch import ModelCall
 from ..dims import ParallelDims
+from ..distributed.context_parallel.part import WholeSequences
 from ..distributed.parallelize import Step, parallelize
 from ..distributed.tensor_parallel.part import WholeLayers
 from ..env import ClusterEnv
@@ -65,6 +66,9 @@ class Strategy(ABC):
     tp: WholeLayers = WholeLayers()
     """The part that splits layers over ranks (``tp=``: :mod:`paratrain.distributed.tensor_parallel`); by default
     none, whose hooks give the strategy's own answers back (stateless, so one serves every strategy)."""
+    cp: WholeSequences = WholeSequences()
+    """The part that splits sequences over ranks (``cp=``: :mod:`paratrain.distributed.context_parallel`); by
+    default none."""
     serves: ClassVar[bool] = False
     """Some ranks serve the others instead of training (parameter servers): they take no step of their own."""
     host_messages: ClassVar[bool] = False
@@ -130,7 +134,7 @@ class Strategy(ABC):
         Every rank for data-parallel strategies; pipeline ranks of one replica read the same batch, and so do
         the ranks of one tensor-parallel group.
         """
-        return self.tp.data_parallel(rt.mesh, (rt.env.rank, rt.env.world_size, None))
+        return self.cp.data_parallel(rt.mesh, self.tp.data_parallel(rt.mesh, (rt.env.rank, rt.env.world_size, None)))
 
     def metrics(self, rt: Runtime) -> tuple[int, dist.ProcessGroup | None]:
         """(size, group) over which ``par.mean``/``par.sum`` reduce: the replicas of :meth:`data_parallel`."""
@@ -145,7 +149,7 @@ class Strategy(ABC):
     def rng_rank(self, rt: Runtime) -> int:
         """The index that seeds this rank's random stream after ``prepare``: its rank, or its replica's index
         where ranks compute one replica together (tensor parallelism), so they draw alike."""
-        return self.tp.rng_rank(rt.mesh, rt.env.rank)
+        return self.tp.rng_rank(rt.mesh, self.cp.data_parallel(rt.mesh, (rt.env.rank, rt.env.world_size, None))[0])
 
     def needs_every_rank(self) -> str | None:
         """Why a forward of the prepared model, or its whole state, needs every rank (words for the line said when
@@ -156,6 +160,10 @@ class Strategy(ABC):
         """Why the optimizer's whole state needs every rank (as :meth:`needs_every_rank`)."""
         return self.needs_every_rank()
 
+    def batch(self, call: ModelCall) -> ModelCall:
+        """``forward_backward``'s micro-batch as this rank runs it (a sequence split cuts the target to its slice)."""
+        return self.cp.batch(call)
+
     def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor | None:
         """Run forward and backward of the micro-batch ``call`` when the strategy owns that loop (pipelines, the
         vocabulary-split loss of tensor parallelism); None: it doesn't."""
@@ -164,7 +172,7 @@ class Strategy(ABC):
     def loss_at_head(self) -> str | None:
         """Why the loss cannot be computed at the model's head in chunks (``loss_chunk``), in words for a one-line
         error; None: it can, since the model runs whole on this rank as the user wrote it."""
-        return self.tp.loss_at_head()
+        return self.cp.loss_at_head() or self.tp.loss_at_head()
 
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         """Bytes this rank has sent plus received to keep ``model`` in step with the other ranks over its first

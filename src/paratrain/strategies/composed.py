@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from ..dims import ParallelDims
+from ..distributed.context_parallel.part import context_parallel
 from ..distributed.optimizer import rebuild
 from ..distributed.tensor_parallel.degrees import refuse_tp
 from ..env import ClusterEnv
 from ..errors import ConfigError
-from ..options import DDPConfig, FSDPConfig, TPConfig
+from ..options import CPConfig, DDPConfig, FSDPConfig, TPConfig
 from .base import Runtime, Strategy, tensor_parallel
 from .presets import PRESETS, Preset
 from .registry import register
@@ -31,6 +32,7 @@ class Composed(Strategy):
         self.preset = preset
         self.name = preset.name  # type: ignore[misc]
         self.tp = tensor_parallel(_tp_config(preset, options))
+        self.cp = context_parallel(_cp_config(preset, options))
         if config is not None and options:
             raise ConfigError(f"strategy {preset.name!r} got options {sorted(options)} beside a config object; set "
                               "them on the config")
@@ -48,11 +50,13 @@ class Composed(Strategy):
         self.dims(env)
 
     def dims(self, env: ClusterEnv) -> ParallelDims:
-        if self.preset.hierarchical:
-            return _hierarchical(self.name, env, self.data.config.shard_size)  # type: ignore[attr-defined]
         tp = self.tp_degree(env)
-        dp, zero = env.world_size // tp, self.data.zero
-        return ParallelDims(dp_shard=dp, zero=zero, tp=tp) if zero else ParallelDims(dp_replicate=dp, tp=tp)
+        cp = self.cp.degree(self.name, env.world_size // tp)
+        if self.preset.hierarchical:
+            return _hierarchical(self.name, env, self.data.config.shard_size, cp)  # type: ignore[attr-defined]
+        dp, zero = env.world_size // (tp * cp), self.data.zero
+        return (ParallelDims(dp_shard=dp, zero=zero, cp=cp, tp=tp) if zero else
+                ParallelDims(dp_replicate=dp, cp=cp, tp=tp))
 
     def tp_degree(self, env: ClusterEnv) -> int:
         if self.preset.tp != "all":
@@ -69,8 +73,10 @@ class Composed(Strategy):
         mesh = rt.mesh
         # data parallelism spans the whole mesh (1-D, or HSDP's replicate x shard), or its dp part beside tp
         data_mesh = mesh["dp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else mesh
-        return rt.parallelize(model, tp=self.tp.splitter(mesh, rt.precision, rt.device, rt.facts),
-                              data=self.data.step(rt, data_mesh))
+        # the cp ranks' gradients are reduced with the data-parallel ranks' (dp x cp)
+        data_mesh = self.cp.gradient_mesh(mesh, data_mesh)
+        split = self.cp.splitter(mesh, self.tp.splitter(mesh, rt.precision, rt.device, rt.facts))
+        return rt.parallelize(model, tp=split, data=self.data.step(rt, data_mesh))
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         if self.data.swaps_parameters or self.tp.splits:  # the optimizer must hold the new parameter objects
@@ -89,6 +95,8 @@ class Composed(Strategy):
             return "under tp every layer is split over the ranks"
         if self.data.zero >= 2:
             return f"under {self.name} each rank holds a shard of every layer"
+        if self.cp.describe():
+            return "under cp the ranks of a cp group exchange every attention's inputs"
         return super().needs_every_rank()
 
     def optimizer_split(self) -> str | None:
@@ -99,6 +107,8 @@ class Composed(Strategy):
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         if not self.preset.groups:
             return 0  # one process: nothing to keep in step
+        if self.cp.describe():
+            return None  # the attention exchanges are not counted
         return self.tp.traffic_bytes(self.data.traffic_bytes(model, steps))
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -110,7 +120,7 @@ class Composed(Strategy):
     def describe(self) -> str:
         if self.preset.tp == "all":
             return self.tp.describe()  # type: ignore[return-value]
-        parts = [part for part in (self.data.detail(), self.tp.describe()) if part]
+        parts = [part for part in (self.data.detail(), self.tp.describe(), self.cp.describe()) if part]
         return f"{self.name}({', '.join(parts)})" if parts else self.name
 
 
@@ -124,22 +134,32 @@ def _tp_config(preset: Preset, options: dict[str, Any]) -> TPConfig | None:
     return TPConfig.pop(options)
 
 
-def _hierarchical(name: str, env: ClusterEnv, shard: int | None) -> ParallelDims:
+def _cp_config(preset: Preset, options: dict[str, Any]) -> CPConfig | None:
+    """The context-parallel part of ``options`` (taken out of them); one line for a preset it does not compose with."""
+    config = CPConfig.pop(options)
+    if config is not None and not preset.cp:
+        raise ConfigError(f"strategy {preset.name!r} does not take cp; context parallelism runs inside ddp, zero2, "
+                          f"zero3 and hsdp, with or without tp (Parallel('zero3', cp={config.degree}))")
+    return config
+
+
+def _hierarchical(name: str, env: ClusterEnv, shard: int | None, cp: int = 1) -> ParallelDims:
     """Shard groups of ``shard`` ranks (default: a node's processes, or half the world on one node), replicated
-    across the groups; a split that is plain zero3 or ddp says so."""
-    world_size = env.world_size
+    across the groups; a split that is plain zero3 or ddp says so. ``cp``: ranks that split each sequence, beside
+    the data-parallel ones."""
+    world_size = env.world_size // cp
     if world_size < 4:
         raise ConfigError(f"{name} shards within groups and replicates across them: it needs at least 4 "
                           f"processes, got {world_size}; use zero3 or ddp, or launch more (-n 4)")
     if shard is None:
-        shard = env.local_world_size if env.local_world_size < world_size else world_size // 2
+        shard = env.local_world_size // cp if env.local_world_size < env.world_size else world_size // 2
     if shard < 1 or world_size % shard:
         raise ConfigError(f"{name} cannot split {world_size} processes into shard groups of {shard}; "
                           "set shard_size to a divisor of the world size")
     if shard == world_size or shard == 1:
         raise ConfigError(f"{name} with shard groups of {shard} out of {world_size} processes is plain "
                           f"{'zero3' if shard == world_size else 'ddp'}; use that, or more processes (e.g. -n 4)")
-    return ParallelDims(dp_replicate=world_size // shard, dp_shard=shard, zero=3)
+    return ParallelDims(dp_replicate=world_size // shard, dp_shard=shard, zero=3, cp=cp)
 
 
 def preset(name: str) -> Callable[..., Composed]:

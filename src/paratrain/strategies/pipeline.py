@@ -48,7 +48,7 @@ from ..errors import ConfigError
 from ..model.cuts import cut_points
 from ..model.materialize import to_device
 from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
-from ..options import DDPConfig, FSDPConfig, PipelineConfig, TPConfig
+from ..options import CPConfig, DDPConfig, FSDPConfig, PipelineConfig, TPConfig
 from .base import Runtime, Strategy, tensor_parallel
 from .data_engines import load_zero_optimizer_state, zero_optimizer_state
 from .registry import register
@@ -61,6 +61,9 @@ class PipelineStrategy(Strategy):
     native_precision = True  # applied to each stage, not to the prepared model
 
     def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
+        if CPConfig.pop(options) is not None:
+            raise ConfigError(f"{self.name} does not take cp: a pipeline's stages would each split the sequence; use "
+                              "cp inside ddp, zero2, zero3 or hsdp (Parallel('zero3', cp=2))")
         self.tp = tensor_parallel(TPConfig.pop(options))
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
         self._names: dict[int, dict[int, str]] = {}

@@ -28,17 +28,19 @@ class Preset:
     """Option values of this preset where its engine's defaults differ (zero2 keeps parameters gathered)."""
     groups: bool = True
     """False: one process, no process group (``single``)."""
+    cp: bool = True
+    """Whether ``cp=N`` (ranks that split each sequence) composes with the preset."""
     hierarchical: bool = False
     """Shard within groups of ranks and replicate across them (HSDP: a replicate x shard mesh)."""
     aliases: tuple[str, ...] = ()
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("single", OneReplica, tp="never", groups=False),
+    Preset("single", OneReplica, tp="never", groups=False, cp=False),
     Preset("ddp", Replicas),
-    Preset("zero1", ShardedOptimizer),
+    Preset("zero1", ShardedOptimizer, cp=False),
     Preset("zero2", Shards, defaults={"reshard_after_forward": False}),
     Preset("zero3", Shards, aliases=("fsdp",)),
     Preset("hsdp", Shards, tp="never", hierarchical=True),
-    Preset("tp", OneReplica, tp="all"),
+    Preset("tp", OneReplica, tp="all", cp=False),
 )}

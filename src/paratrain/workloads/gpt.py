@@ -47,6 +47,20 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+class CausalAttention(nn.Module):
+    """The attention kernel: q, k, v ``[b, h, s, d]`` -> ``[b, h, s, d]``, causal, on whole sequences. A module of its
+    own so that context parallelism finds it by what it is (``is_attention_kernel``) and exchanges around it."""
+
+    is_attention_kernel = True
+
+    def __init__(self, grouped: bool) -> None:
+        super().__init__()
+        self.grouped = grouped
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+
+
 class Block(nn.Module):
     """Pre-norm attention and MLP with residuals.
 
@@ -71,6 +85,7 @@ class Block(nn.Module):
             self.q = nn.Linear(h, att, bias=cfg.has_qkv_bias)
             self.kv = nn.Linear(h, 2 * cfg.kv_width, bias=cfg.has_qkv_bias)
         self.grouped = cfg.key_value_heads != cfg.heads
+        self.attention = CausalAttention(self.grouped)
         self.q_norm, self.k_norm = (RMSNorm(self.head_dim), RMSNorm(self.head_dim)) if cfg.qk_norm else (None, None)
         self.proj = nn.Linear(att, h, bias=cfg.bias)
         self.norm2 = norm()
@@ -98,7 +113,7 @@ class Block(nn.Module):
             q, k, v = qkv.view(b, t, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+        y = self.attention(q, k, v)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if self.moe is not None:
             return x + self.moe(self.norm2(x))
@@ -119,10 +134,12 @@ class GPT(nn.Module):
         if cfg.tied:
             self.head.weight = self.wte.weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the global positions of ``idx``'s tokens (default ``0 … seq-1``); a rank that holds a slice
+        of the sequence (context parallelism) passes its slice's."""
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            x = x + self.wpe(positions if positions is not None else torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))

@@ -1,0 +1,168 @@
+"""Each rank's slice of the sequences a context-parallel model is called with, and its loss over every token.
+
+The script hands the model whole sequences, as without cp. A forward pre-hook on the model (:meth:`SequenceSplit.
+before`) gives it this rank's 1/C of each along dimension 1: the inputs (``input_ids``, ``inputs_embeds``, the
+first positional input, a 2-D ``attention_mask``), the global positions of the slice (``position_ids=`` for
+transformers models, ``positions=`` for paratrain's GPT: rotary angles and learned positions are the whole
+sequence's), and the loss's targets. A causal LM's ``labels=`` are shifted before the split (``shift_labels=``:
+the last token of a slice predicts the first of the next), and the whole sequence's token count is handed to the
+model as ``num_items_in_batch``, so each rank's loss is its tokens' sum over the whole count; other targets are
+split as they are, each rank's mean weighted by its share of the counted tokens (``ignore_index=-100`` is not
+counted). A forward hook (:meth:`SequenceSplit.after`) sums the ranks' parts (an autograd all-reduce over the cp
+group): every rank returns the loss over all tokens, and its backward hands each rank the gradient of its part
+times C, which the data-parallel mean over dp x cp divides back. Outputs other than the loss (logits) stay the
+rank's slice of the sequence.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_reduce, wait_tensor
+
+from ...batch import find_loss
+from ...errors import ConfigError
+
+IGNORE_INDEX = -100
+_FIRST_INPUTS = ("input_ids", "inputs_embeds", "idx", "x")
+_TARGETS = ("labels", "targets", "target")
+
+
+class SequenceSplit:
+    """The sequence split of one prepared model over a cp group, and what the current call's attention and loss
+    need of the whole sequence."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
+        params = inspect.signature(model.forward).parameters
+        self.positions = next((p for p in ("position_ids", "positions") if p in params), None)
+        """The forward's keyword for the global positions of its tokens (None: it takes none)."""
+        self.no_cache = {"use_cache": False} if "use_cache" in params else {}
+        """A key/value cache would hold this rank's slice, and a recomputed block (activation checkpointing) would
+        append to it again: a split forward runs without one."""
+        self.shifts_labels = _causal_lm(model)
+        self.padding: torch.Tensor | None = None
+        """The whole 2-D attention mask of the current call (None: no padding given)."""
+        self.share: torch.Tensor | None = None
+        """This rank's share of the current call's counted target tokens; None where the model's loss is already a
+        sum over the whole count (``num_items_in_batch``)."""
+        self.pending = False
+
+    def check_positions(self, model: nn.Module) -> None:
+        """A one-line error when ``model`` cannot be told the global positions of a slice."""
+        if self.positions is None:
+            raise ConfigError(f"cp hands each rank the global positions of its slice through position_ids= or "
+                              f"positions=, but {type(model).__name__}.forward takes neither; add one (an offset into "
+                              "the position table or rotary angles), or train without cp")
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``t`` along the sequence (dimension 1)."""
+        size = t.shape[1] // self.ranks
+        return t.narrow(1, self.rank * size, size).contiguous()
+
+    def counted_share(self, target: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``target``'s counted tokens (every element of a floating target)."""
+        if target.is_floating_point():
+            return torch.tensor(1.0 / self.ranks, device=target.device)
+        whole = (target != IGNORE_INDEX).sum()
+        return (self.local(target) != IGNORE_INDEX).sum() / whole.clamp(min=1)
+
+    def whole_loss(self, loss: torch.Tensor, share: torch.Tensor | None) -> torch.Tensor:
+        """The loss over every token of the cp group from this rank's ``loss``: its mean weighted by ``share``, or
+        (None) already a sum over the whole count; summed over the group with autograd."""
+        if type(loss) is not torch.Tensor and hasattr(loss, "full_tensor"):
+            loss = loss.full_tensor()  # a replicated DTensor (tp's vocabulary-split loss)
+        if share is not None:
+            loss = torch.where(share > 0, loss * share, torch.zeros_like(loss))  # a slice of ignored tokens: 0, not nan
+        return wait_tensor(all_reduce(loss, "sum", self.group))  # differentiable: its backward sums the gradients
+
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        """The forward pre-hook: the call's inputs, positions and targets cut to this rank's slice."""
+        first = args[0] if args else next((kwargs[k] for k in _FIRST_INPUTS if kwargs.get(k) is not None), None)
+        if not isinstance(first, torch.Tensor) or first.dim() < 2:
+            raise ConfigError("cp splits the sequence of the model's first input (input_ids, inputs_embeds or the "
+                              "first positional argument, [batch, seq, ...]); call the model with one")
+        length = first.shape[1]
+        if length % self.ranks:
+            raise ConfigError(f"cp={self.ranks} cuts each sequence into {self.ranks} equal slices, but this batch's "
+                              f"sequences have {length} tokens; pad them to a multiple of {self.ranks}")
+        kwargs = {**kwargs, **self.no_cache}
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ConfigError(f"cp takes a 2-D attention_mask [batch, seq] (padding) and builds the whole sequence's "
+                              f"mask itself; got {mask.dim()}-D: pass the padding mask instead")
+        self.padding = mask
+        self.share = None
+        self.pending = self._targets(args, kwargs, first.device)
+        if self.positions is not None:
+            kwargs[self.positions] = self._positions(kwargs.get(self.positions), length, first.device)
+
+        def split(value: Any) -> Any:  # a tensor along the sequence: this rank's slice of it
+            sequence = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length
+            return self.local(value) if sequence else value
+
+        return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
+
+    def _positions(self, given: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+        """The global positions of the call's tokens: ``[1, seq]`` for ``position_ids`` (cut with the inputs below),
+        and for a 1-D ``positions`` (paratrain's GPT, whose tensor-parallel plan splits the position table's output
+        by rows) this rank's slice of them."""
+        if given is None:
+            given = torch.arange(length, device=device)
+            given = given[None] if self.positions == "position_ids" else given
+        if given.dim() == 1:
+            size = length // self.ranks
+            return given.narrow(0, self.rank * size, size)
+        return given
+
+    def _targets(self, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> bool:
+        """Prepare the call's loss targets (in ``kwargs``) for the split; whether the call has any."""
+        labels = kwargs.get("labels")
+        if self.shifts_labels and labels is not None:
+            shifted = kwargs.get("shift_labels")
+            if shifted is None:
+                shifted = nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+            kwargs["labels"] = kwargs["shift_labels"] = shifted
+            if kwargs.get("num_items_in_batch") is None:
+                kwargs["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum().to(device)
+            return True
+        target = next((kwargs[k] for k in _TARGETS if kwargs.get(k) is not None), None)
+        if target is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            target = args[1]  # nanoGPT's model(x, targets)
+        if target is None:
+            return False
+        self.share = self.counted_share(target)
+        return True
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        """The forward hook: the model's own loss replaced by the loss over every token of the cp group."""
+        loss = find_loss(out) if self.pending else None
+        self.pending = False
+        return out if loss is None else _with_loss(out, loss, self.whole_loss(loss, self.share))
+
+
+def _causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers causal LM, whose loss shifts ``labels=`` itself."""
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return getattr(model, "loss_function", None) is ForCausalLMLoss
+
+
+def _with_loss(out: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    """``out`` with its loss ``old`` replaced by ``new``."""
+    if isinstance(out, torch.Tensor):
+        return new
+    if isinstance(out, (tuple, list)):
+        return type(out)(new if item is old else item for item in out)
+    if isinstance(out, Mapping):
+        out["loss"] = new  # type: ignore[index]
+        return out
+    out.loss = new
+    return out
