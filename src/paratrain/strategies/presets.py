@@ -30,15 +30,17 @@ class Preset:
     """False: one process, no process group (``single``)."""
     hierarchical: bool = False
     """Shard within groups of ranks and replicate across them (HSDP: a replicate x shard mesh)."""
+    ep: bool = False
+    """Takes ``ep=N``: groups of N data-parallel ranks split every mixture-of-experts layer's experts."""
     aliases: tuple[str, ...] = ()
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("single", OneReplica, tp="never", groups=False),
-    Preset("ddp", Replicas),
+    Preset("ddp", Replicas, ep=True),
     Preset("zero1", ShardedOptimizer, tp="never"),
-    Preset("zero2", Shards, defaults={"reshard_after_forward": False}),
-    Preset("zero3", Shards, aliases=("fsdp",)),
+    Preset("zero2", Shards, defaults={"reshard_after_forward": False}, ep=True),
+    Preset("zero3", Shards, aliases=("fsdp",), ep=True),
     Preset("hsdp", Shards, tp="never", hierarchical=True),
     Preset("tp", OneReplica, tp="all"),
 )}

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..env import ClusterEnv
 from ..errors import ConfigError, UnknownStrategyError
+from ..options import refuse_ep
 from .base import Strategy
 
 _FACTORIES: dict[str, Callable[..., Strategy]] = {}
@@ -55,6 +56,8 @@ def strategy_for(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any])
     try:
         return create(spec, **options)
     except TypeError as e:
+        if options.get("ep", 1) != 1:
+            raise ConfigError(refuse_ep(spec, options["ep"])) from None
         raise ConfigError(f"bad option for strategy {spec!r}: {e}") from None
 
 
@@ -64,6 +67,8 @@ def check_world(name: str, world_size: int, **options: Any) -> None:
     try:
         strategy = create(name, **options)
     except TypeError as err:
+        if options.get("ep", 1) != 1:
+            raise ConfigError(refuse_ep(name, options["ep"])) from None
         raise ConfigError(f"bad option for strategy {name!r}: {err}") from None
     env = ClusterEnv(world_size=world_size, local_world_size=world_size, launched=True)
     strategy.validate(env)
@@ -81,6 +86,8 @@ def check_every_rank_trains(name: str, **options: Any) -> None:
     try:
         strategy = create(name, **options)
     except TypeError as err:
+        if options.get("ep", 1) != 1:
+            raise ConfigError(refuse_ep(name, options["ep"])) from None
         raise ConfigError(f"bad option for strategy {name!r}: {err}") from None
     if strategy.serves:
         raise ConfigError(f"strategy {name!r} has ranks that serve instead of training, and this tool compares "
