@@ -7,9 +7,23 @@ this process, the global batch split into the replicas' slices.
 """
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 import torch
-from helpers.ep_workers import MODELS, TOL, dense, expert_elements, gpt_moe, mixtral, reference, run_cases
+from helpers.cli import run_cli
+from helpers.ep_workers import (
+    MODELS,
+    TOL,
+    dense,
+    expert_elements,
+    gpt_moe,
+    mixtral,
+    reference,
+    run_cases,
+)
+from helpers.paths import SCRIPTS
 
 from paratrain.distributed.expert_parallel.experts import find_experts
 from paratrain.errors import ConfigError
@@ -24,8 +38,11 @@ WORLD2 = [
     ("mixtral", "zero3", {"ep": 2}, (("zero3", {"ep": 2}), ("ddp", {}))),
     ("qwen3_moe", "ddp", {"ep": 2}, ()),
     ("qwen3_moe", "zero2", {"ep": 2}, (("zero2", {"ep": 2}),)),
+    ("gpt_moe", "ddp", {"ep": 2, "accumulate": 2, "clip_grad_norm": 0.5}, ()),
+    ("gpt_moe", "zero3", {"ep": 2, "accumulate": 2, "clip_grad_norm": 0.5}, ()),
     ("dense", "ddp", {"ep": 2}, ()),
 ]
+BUILT = [("mixtral", "zero3", {"ep": 2}, "built"), ("mixtral", "ddp", {"ep": 2}, "built")]
 WORLD4 = [(m, s, {"ep": e}, ()) for m in MOE for s, e in (("zero3", 2), ("ddp", 2), ("zero3", 4))]
 WORLD4[0] = ("gpt_moe", "zero3", {"ep": 2}, (("zero3", {"ep": 2}), ("zero3", {"ep": 4}), ("ddp", {})))
 WORLD4[1] = ("gpt_moe", "ddp", {"ep": 2}, (("ddp", {"ep": 2}), ("zero3", {"ep": 4})))
@@ -39,7 +56,7 @@ def key(case: tuple) -> str:
 def world2(tmp_path_factory):
     from paratrain.testing import spawn
 
-    return spawn(run_cases, 2, (WORLD2, str(tmp_path_factory.mktemp("ep2"))), timeout_s=300)[0]
+    return spawn(run_cases, 2, (WORLD2 + BUILT, str(tmp_path_factory.mktemp("ep2"))), timeout_s=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +67,7 @@ def world4(tmp_path_factory):
 
 
 def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Tensor]) -> None:
+    """Equal to one process; the experts split as the layout says; every load of the save equal to the run."""
     assert "error" not in result, result.get("error")
     state = result["state"]
     assert max(((state[k].double() - v.double()).abs().max().item() for k, v in expected.items())) <= TOL
@@ -70,9 +88,9 @@ def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Te
 @pytest.mark.launched
 @pytest.mark.slow
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("case", [c for c in WORLD2 if c[0] != "dense"], ids=key)
+@pytest.mark.parametrize("case", [c for c in WORLD2 if c[0] != "dense"], ids=key)  # accumulate: the same batch
 def test_world2_equals_one_process(world2, case):
-    check(world2[key(case)], case, 2, reference(case[0], 2))
+    check(world2[key(case)], case, 2, reference(case[0], 2, case[2].get("clip_grad_norm")))
 
 
 @pytest.mark.launched
@@ -81,6 +99,16 @@ def test_world2_equals_one_process(world2, case):
 @pytest.mark.parametrize("case", WORLD4, ids=key)
 def test_world4_equals_one_process(world4, case):
     check(world4[key(case)], case, 4, reference(case[0], 4))
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("case", BUILT, ids=key)
+def test_a_meta_build_and_load_weights_fill_the_expert_slices(world2, case):
+    result = world2[f"{key(case)}/built"]
+    assert "error" not in result, result.get("error")
+    assert result == {"meta": 0.0, "weights": 0.0}
 
 
 @pytest.mark.launched
@@ -125,3 +153,26 @@ def test_layouts_that_cannot_hold_ep_are_one_line(strategy, world, options, says
     with pytest.raises(ConfigError, match=says) as err:
         check_world(strategy, world, **options)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_at_random_restarts_and_ends_bitwise_equal(tmp_path):
+    """zero3 x ep=2 under ``paratrain run --max-restarts 1``: a rank SIGKILLed after a random step comes back from the
+    latest save and the job ends with the uninterrupted run's parameters, bit for bit."""
+    step, rank = random.randint(1, 23), random.randint(0, 1)
+    script = str(SCRIPTS / "ep_restart_job.py")
+    clean = run_cli("run", "-n", "2", script, timeout=150)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    killed = run_cli("run", "-n", "2", "--max-restarts", "1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
+                     "4", script, str(step), str(rank), timeout=150)
+    why = f"killed rank {rank} after step {step}\n{killed.stderr[-3000:]}"
+    assert killed.returncode == 0 and f"SIGKILL rank {rank} after step {step}" in killed.stderr, why
+    assert _digest(killed.stdout) == _digest(clean.stdout), why
+
+
+def _digest(out: str) -> str:
+    found = re.search(r"final parameters sha256 ([0-9a-f]{64})", out)
+    assert found, out
+    return found.group(1)

@@ -76,8 +76,9 @@ def _train(par: paratrain.Parallel, spec: ZooModel, model, opt, steps: range) ->
     for s in steps:
         x, y = spec.inputs(size * PER_RANK, torch.Generator().manual_seed(100 + s))
         x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-        with par.step(model, opt):
-            par.forward_backward(model, x.to(par.device), y.to(par.device), spec.loss)
+        for xm, ym in zip(x.chunk(par.accumulate), y.chunk(par.accumulate), strict=True):  # the slice's micro-batches
+            with par.step(model, opt):
+                par.forward_backward(model, xm.to(par.device), ym.to(par.device), spec.loss)
 
 
 def _prepared(spec: ZooModel, strategy: str, options: dict):
@@ -115,14 +116,42 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str, loads: 
     return out
 
 
+def built_case(model_name: str, strategy: str, options: dict, folder: str) -> dict:
+    """The model built on the meta device and prepared (each rank materializes its slice of the experts), and built
+    there again with ``init_fn="empty"`` and its weights read with ``par.load_weights`` from a plain state dict:
+    each full state dict's difference from the plain build."""
+    spec, plain = MODELS[model_name], MODELS[model_name].build().state_dict()
+    out = {}
+    for label, init in (("meta", None), ("weights", "empty")):
+        par = paratrain.Parallel(strategy, monitor=False, init_fn=init, **options)
+        with torch.device("meta"):
+            model = spec.build()
+        model, _ = par.prepare(model, spec.optimizer(model))
+        if init == "empty":
+            path = os.path.join(folder, "plain.pt")
+            if par.rank == 0:
+                os.makedirs(folder, exist_ok=True)
+                torch.save(plain, path)
+            par.barrier()
+            par.load_weights(model, path)
+        out[label] = max_abs_diff(plain, par.full_state_dict(model, rank0_only=False))
+        par.close()
+    return out
+
+
 def run_cases(cases: list[tuple], tmp: str) -> dict[str, dict]:
-    """Every case (model, strategy, options, loads) in order, on one process group."""
-    return each_case(cases, lambda i, c: run_case(*c[:3], os.path.join(tmp, str(i)), c[3]),
-                     key=lambda c: f"{c[0]}/{c[1]}{c[2]}")
+    """Every case (model, strategy, options, loads) in order, on one process group; loads ``"built"``: the case is
+    :func:`built_case`'s."""
+    def run(i: int, c: tuple) -> dict:
+        folder = os.path.join(tmp, str(i))
+        return built_case(*c[:3], folder) if c[3] == "built" else run_case(*c[:3], folder, c[3])
+
+    return each_case(cases, run, key=lambda c: f"{c[0]}/{c[1]}{c[2]}{'/built' if c[3] == 'built' else ''}")
 
 
-def reference(model_name: str, replicas: int) -> dict[str, torch.Tensor]:
-    """One process, ``STEPS`` steps on global batches of ``replicas x PER_RANK``, one forward per replica's slice."""
+def reference(model_name: str, replicas: int, clip: float | None = None) -> dict[str, torch.Tensor]:
+    """One process, ``STEPS`` steps on global batches of ``replicas x PER_RANK``, one forward per replica's slice;
+    the gradient's norm clipped to ``clip``."""
     spec = MODELS[model_name]
     model = spec.build()
     opt = spec.optimizer(model)
@@ -131,6 +160,8 @@ def reference(model_name: str, replicas: int) -> dict[str, torch.Tensor]:
         for r in range(replicas):
             sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
             (spec.loss(model(x[sl]), y[sl]) / replicas).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
