@@ -40,6 +40,9 @@ WORLD2 = [
     ("qwen3_moe", "zero2", {"ep": 2}, (("zero2", {"ep": 2}),)),
     ("gpt_moe", "ddp", {"ep": 2, "accumulate": 2, "clip_grad_norm": 0.5}, ()),
     ("gpt_moe", "zero3", {"ep": 2, "accumulate": 2, "clip_grad_norm": 0.5}, ()),
+    ("mixtral", "zero3", {"ep": 2, "precision": "bf16-mixed"}, ()),
+    ("gpt_moe", "ddp", {"ep": 2, "precision": "bf16-mixed"}, ()),
+    ("mixtral", "ddp", {"ep": 2, "activation_checkpointing": True}, ()),
     ("dense", "ddp", {"ep": 2}, ()),
 ]
 BUILT = [("mixtral", "zero3", {"ep": 2}, "built"), ("mixtral", "ddp", {"ep": 2}, "built")]
@@ -69,11 +72,11 @@ def world4(tmp_path_factory):
 def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Tensor]) -> None:
     """Equal to one process; the experts split as the layout says; every load of the save equal to the run."""
     assert "error" not in result, result.get("error")
-    state = result["state"]
-    assert max(((state[k].double() - v.double()).abs().max().item() for k, v in expected.items())) <= TOL
+    state, model_name, strategy, options, loads = result["state"], *case
+    tol = 3e-3 if options.get("precision") == "bf16-mixed" else TOL  # against the fp32 process, as status.md says
+    assert max(((state[k].double() - v.double()).abs().max().item() for k, v in expected.items())) <= tol
     assert state.keys() == expected.keys()  # the full state dict: plain names, the whole experts
     assert all(state[k].shape == v.shape for k, v in expected.items())
-    model_name, strategy, options, loads = case
     whole = expert_elements(MODELS[model_name].build())
     sharded = replicas if strategy.startswith("zero") else options["ep"]
     assert result["held"] * sharded == whole, "each rank holds its 1/ep of the experts (and 1/dp under zero)"
