@@ -1,6 +1,6 @@
-"""Expert parallelism (``Parallel(strategy, ep=E)``) on transformers Mixtral and Qwen3-MoE and our GPT with experts:
-equal to one plain process on the same global batch, resumed from a save as it ran, loaded at another ``ep`` (or
-none), and bad layouts refused in one line.
+"""Expert parallelism (``Parallel(strategy, ep=E)``) on transformers Mixtral, Qwen3-MoE, GPT-OSS, OLMoE and Qwen2-MoE
+and our GPT with experts: equal to one plain process on the same global batch, resumed from a save as it ran,
+loaded at another ``ep`` (or none), and bad layouts refused in one line.
 
 One launched job per world size runs every case (tests/helpers/ep_workers.py); the references are plain PyTorch in
 this process, the global batch split into the replicas' slices.
@@ -43,6 +43,9 @@ WORLD2 = [
     ("mixtral", "zero3", {"ep": 2, "precision": "bf16-mixed"}, ()),
     ("gpt_moe", "ddp", {"ep": 2, "precision": "bf16-mixed"}, ()),
     ("mixtral", "ddp", {"ep": 2, "activation_checkpointing": True}, ()),
+    ("gpt_oss", "zero3", {"ep": 2}, ()),
+    ("olmoe", "ddp", {"ep": 2}, ()),
+    ("qwen2_moe", "zero2", {"ep": 2}, ()),
     ("dense", "ddp", {"ep": 2}, ()),
 ]
 BUILT = [("mixtral", "zero3", {"ep": 2}, "built"), ("mixtral", "ddp", {"ep": 2}, "built")]

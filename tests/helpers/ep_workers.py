@@ -1,6 +1,7 @@
 """What the expert-parallel suite's launched jobs run (``tests/distributed/test_expert_parallel.py``), and their
-one-process references: tiny transformers Mixtral and Qwen3-MoE and our GPT with experts, trained a few steps under
-``Parallel(strategy, ep=E)``, saved, resumed, and loaded at another ``ep``.
+one-process references: tiny transformers Mixtral, Qwen3-MoE, GPT-OSS (expert biases), OLMoE and Qwen2-MoE (a
+shared expert) and our GPT with experts, trained a few steps under ``Parallel(strategy, ep=E)``, saved, resumed, and
+loaded at another ``ep``.
 """
 from __future__ import annotations
 
@@ -39,6 +40,38 @@ def qwen3_moe() -> nn.Module:
                                               mlp_only_layers=[0], max_position_embeddings=16))
 
 
+def gpt_oss() -> nn.Module:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    return GptOssForCausalLM(GptOssConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=65,
+                                          num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+                                          layer_types=["full_attention"] * 2))
+
+
+def olmoe() -> nn.Module:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    return OlmoeForCausalLM(OlmoeConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, vocab_size=65, num_experts=4, num_experts_per_tok=2,
+                                        max_position_embeddings=16))
+
+
+def qwen2_moe() -> nn.Module:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                              shared_expert_intermediate_size=16, num_hidden_layers=2,
+                                              num_attention_heads=2, num_key_value_heads=1, vocab_size=65,
+                                              num_experts=4, num_experts_per_tok=2, max_position_embeddings=16))
+
+
 def gpt_moe() -> nn.Module:
     from paratrain.planner.moe import MoE
     from paratrain.planner.transformer import GPTConfig
@@ -57,6 +90,9 @@ MODELS = {m.name: m for m in (
     ZooModel("mixtral", mixtral, _tokens, _lm_loss, _sgd),
     ZooModel("qwen3_moe", qwen3_moe, _tokens, _lm_loss, _adamw),
     ZooModel("gpt_moe", gpt_moe, _tokens, _lm_loss, _sgd),
+    ZooModel("gpt_oss", gpt_oss, _tokens, _lm_loss, _sgd),
+    ZooModel("olmoe", olmoe, _tokens, _lm_loss, _sgd),
+    ZooModel("qwen2_moe", qwen2_moe, _tokens, _lm_loss, _sgd),
 )}
 
 

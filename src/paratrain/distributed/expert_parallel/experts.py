@@ -91,8 +91,13 @@ def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup) -> None:
         # expert of the layer is hit), and an optimizer skips a parameter without one (no weight decay, no momentum).
         return out + sum(t[:0].sum() for t in held).to(out.dtype)
 
-    forward = _rows_forward if layer.interface == "rows" else _topk_forward
-    module.forward = lambda *args, **kwargs: forward(run, layer.experts, group, *args, **kwargs)
+    route = _rows_forward if layer.interface == "rows" else _topk_forward
+    signature = inspect.signature(original)
+
+    def forward(*args: object, **kwargs: object) -> torch.Tensor:  # by position, whatever the model names them
+        return route(run, layer.experts, group, *signature.bind(*args, **kwargs).arguments.values())
+
+    module.forward = forward
 
 
 def _rows_forward(run: Callable, experts: int, group: dist.ProcessGroup, rows: torch.Tensor,
