@@ -179,6 +179,36 @@ class CPConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EPConfig:
+    """Expert parallelism as a strategy option (``ep=``)."""
+
+    degree: int
+    """Data-parallel ranks that split every mixture-of-experts layer's routed experts between them."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.degree, int) or isinstance(self.degree, bool) or self.degree < 1:
+            raise ConfigError(f"ep must be an integer >= 1 (ranks that split each layer's experts), got {self.degree!r}")
+
+    @classmethod
+    def pop(cls, options: dict[str, Any], strategy: str, takes_ep: bool) -> EPConfig | None:
+        """The ``ep`` option taken out of a strategy's options; None when expert parallelism is off; one line for a
+        strategy that cannot hold it."""
+        degree = options.pop("ep", None)
+        if degree in (None, 1):
+            return None
+        config = cls(degree=degree)
+        if not takes_ep:
+            raise ConfigError(refuse_ep(strategy, degree))
+        return config
+
+
+def refuse_ep(strategy: str, degree: object) -> str:
+    """The one line for a strategy given ``ep`` that cannot hold it."""
+    return (f"strategy {strategy!r} does not take ep={degree}; expert parallelism runs inside ddp, zero2 and zero3 "
+            "(Parallel('zero3', ep=2))")
+
+
+@dataclass(frozen=True, kw_only=True)
 class BlockTransforms:
     """What happens to each repeated block before data parallelism wraps it (:mod:`paratrain.model.transforms`)."""
 

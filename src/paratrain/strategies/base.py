@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..batch import ModelCall
 from ..dims import ParallelDims
 from ..distributed.context_parallel.part import WholeSequences
+from ..distributed.expert_parallel.part import WholeExperts
 from ..distributed.parallelize import Step, parallelize
 from ..distributed.tensor_parallel.part import WholeLayers
 from ..env import ClusterEnv
@@ -29,7 +30,7 @@ from ..options import BlockTransforms
 from ..precision import Precision
 
 if TYPE_CHECKING:
-    from ..options import TPConfig
+    from ..options import EPConfig, TPConfig
 
 
 @dataclass(frozen=True)
@@ -290,3 +291,12 @@ def tensor_parallel(config: TPConfig | None) -> WholeLayers:
     from ..distributed.tensor_parallel.compose import TensorParallel
 
     return TensorParallel(config)
+
+
+def expert_parallel(config: EPConfig | None) -> WholeExperts:
+    """A strategy's expert-parallel part for ``config`` (None: every expert on every rank)."""
+    if config is None:
+        return WholeExperts()
+    from ..distributed.expert_parallel.part import ExpertParallel
+
+    return ExpertParallel(config.degree)

@@ -19,8 +19,8 @@ from ..distributed.optimizer import rebuild
 from ..distributed.tensor_parallel.degrees import refuse_tp
 from ..env import ClusterEnv
 from ..errors import ConfigError
-from ..options import CPConfig, DDPConfig, FSDPConfig, TPConfig
-from .base import Runtime, Strategy, tensor_parallel
+from ..options import CPConfig, DDPConfig, EPConfig, FSDPConfig, TPConfig
+from .base import Runtime, Strategy, expert_parallel, tensor_parallel
 from .presets import PRESETS, Preset
 from .registry import register
 
@@ -33,6 +33,11 @@ class Composed(Strategy):
         self.name = preset.name  # type: ignore[misc]
         self.tp = tensor_parallel(_tp_config(preset, options))
         self.cp = context_parallel(_cp_config(preset, options))
+        self.ep = expert_parallel(EPConfig.pop(options, preset.name, preset.ep))
+        if self.ep.splits and (self.tp.splits or self.cp.describe()):
+            other = "tp" if self.tp.splits else "cp"
+            raise ConfigError(f"{preset.name} with both {other} and ep is not supported yet; split the experts (ep) or "
+                              f"{'every layer (tp)' if other == 'tp' else 'the sequences (cp)'}, not both")
         if config is not None and options:
             raise ConfigError(f"strategy {preset.name!r} got options {sorted(options)} beside a config object; set "
                               "them on the config")
@@ -54,9 +59,9 @@ class Composed(Strategy):
         cp = self.cp.degree(self.name, env.world_size // tp)
         if self.preset.hierarchical:
             return _hierarchical(self.name, env, self.data.config.shard_size, cp)  # type: ignore[attr-defined]
-        dp, zero = env.world_size // (tp * cp), self.data.zero
-        return (ParallelDims(dp_shard=dp, zero=zero, cp=cp, tp=tp) if zero else
-                ParallelDims(dp_replicate=dp, cp=cp, tp=tp))
+        dp, zero, ep = env.world_size // (tp * cp), self.data.zero, self.ep.degree
+        return (ParallelDims(dp_shard=dp, zero=zero, cp=cp, tp=tp, ep=ep) if zero else
+                ParallelDims(dp_replicate=dp, cp=cp, tp=tp, ep=ep))
 
     def tp_degree(self, env: ClusterEnv) -> int:
         if self.preset.tp != "all":
@@ -76,12 +81,14 @@ class Composed(Strategy):
         # the cp ranks' gradients are reduced with the data-parallel ranks' (dp x cp)
         data_mesh = self.cp.gradient_mesh(mesh, data_mesh)
         split = self.cp.splitter(mesh, self.tp.splitter(mesh, rt.precision, rt.device, rt.facts))
-        return rt.parallelize(model, tp=split, data=self.data.step(rt, data_mesh))
+        data = self.ep.data_step(self.data.step(rt, data_mesh), data_mesh, rt.device, self.data.zero,
+                                 self.data.expert_shard_options(rt))
+        return rt.parallelize(model, tp=split, data=data)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
-        if self.data.swaps_parameters or self.tp.splits:  # the optimizer must hold the new parameter objects
+        if self.data.swaps_parameters or self.tp.splits or self.ep.splits:  # it must hold the new parameter objects
             assert rt.facts is not None
-            optimizer = rebuild(optimizer, rt.facts.first_names, model)
+            optimizer = rebuild(optimizer, rt.facts.first_names, self.unwrap(model))
         return self.data.wrap_optimizer(optimizer, self.unwrap(model), rt)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
@@ -90,7 +97,13 @@ class Composed(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.data.unwrap(model)
 
+    def sync_gradients(self, model: nn.Module) -> None:
+        super().sync_gradients(model)
+        self.ep.sync_gradients(model)
+
     def needs_every_rank(self) -> str | None:
+        if self.ep.splits:
+            return "under ep each rank holds part of every mixture-of-experts layer's experts"
         if self.preset.tp == "all":
             return "under tp every layer is split over the ranks"
         if self.data.zero >= 2:
@@ -107,8 +120,8 @@ class Composed(Strategy):
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         if not self.preset.groups:
             return 0  # one process: nothing to keep in step
-        if self.cp.describe():
-            return None  # the attention exchanges are not counted
+        if self.cp.describe() or self.ep.splits:
+            return None  # the attention exchanges, the tokens' all-to-all and the experts' own reduction: not counted
         return self.tp.traffic_bytes(self.data.traffic_bytes(model, steps))
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -120,7 +133,8 @@ class Composed(Strategy):
     def describe(self) -> str:
         if self.preset.tp == "all":
             return self.tp.describe()  # type: ignore[return-value]
-        parts = [part for part in (self.data.detail(), self.tp.describe(), self.cp.describe()) if part]
+        parts = [part for part in (self.data.detail(), self.tp.describe(), self.cp.describe(), self.ep.describe())
+                 if part]
         return f"{self.name}({', '.join(parts)})" if parts else self.name
 
 

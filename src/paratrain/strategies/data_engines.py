@@ -78,6 +78,11 @@ class OneReplica:
         """The engine's options worth naming in the strategy's description (None: none)."""
         return None
 
+    def expert_shard_options(self, rt: Runtime) -> dict[str, Any]:
+        """``fully_shard``'s options for experts sharded on their own (expert parallelism); empty where the engine
+        does not shard."""
+        return {}
+
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         """Bytes a rank moved for ``steps`` optimizer steps of the wrapped ``model``; None: not counted."""
         return None
@@ -185,6 +190,13 @@ class Shards(OneReplica):
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return no_gradient_sync(model)
+
+    def expert_shard_options(self, rt: Runtime) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        return {"reshard_after_forward": self.config.reshard_after_forward,
+                "mp_policy": dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None),
+                "offload_policy": CPUOffloadPolicy() if self.config.cpu_offload else OffloadPolicy()}
 
     def detail(self) -> str | None:
         return f"reshard_after_forward={self.config.reshard_after_forward}"

@@ -32,15 +32,17 @@ class Preset:
     """Whether ``cp=N`` (ranks that split each sequence) composes with the preset."""
     hierarchical: bool = False
     """Shard within groups of ranks and replicate across them (HSDP: a replicate x shard mesh)."""
+    ep: bool = False
+    """Takes ``ep=N``: groups of N data-parallel ranks split every mixture-of-experts layer's experts."""
     aliases: tuple[str, ...] = ()
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("single", OneReplica, tp="never", groups=False, cp=False),
-    Preset("ddp", Replicas),
+    Preset("ddp", Replicas, ep=True),
     Preset("zero1", ShardedOptimizer, cp=False),
-    Preset("zero2", Shards, defaults={"reshard_after_forward": False}),
-    Preset("zero3", Shards, aliases=("fsdp",)),
+    Preset("zero2", Shards, defaults={"reshard_after_forward": False}, ep=True),
+    Preset("zero3", Shards, aliases=("fsdp",), ep=True),
     Preset("hsdp", Shards, tp="never", hierarchical=True),
     Preset("tp", OneReplica, tp="all", cp=False),
 )}

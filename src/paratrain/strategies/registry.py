@@ -6,6 +6,7 @@ from typing import Any
 
 from ..env import ClusterEnv
 from ..errors import ConfigError, UnknownStrategyError
+from ..options import refuse_ep
 from .base import Strategy
 
 _FACTORIES: dict[str, Callable[..., Strategy]] = {}
@@ -55,7 +56,7 @@ def strategy_for(spec: str | Strategy, env: ClusterEnv, options: dict[str, Any])
     try:
         return create(spec, **options)
     except TypeError as e:
-        raise ConfigError(f"bad option for strategy {spec!r}: {e}") from None
+        raise ConfigError(_bad_option(spec, options, e)) from None
 
 
 def check_world(name: str, world_size: int, **options: Any) -> None:
@@ -64,10 +65,23 @@ def check_world(name: str, world_size: int, **options: Any) -> None:
     try:
         strategy = create(name, **options)
     except TypeError as err:
-        raise ConfigError(f"bad option for strategy {name!r}: {err}") from None
+        raise ConfigError(_bad_option(name, options, err)) from None
     env = ClusterEnv(world_size=world_size, local_world_size=world_size, launched=True)
     strategy.validate(env)
     strategy.dims(env)  # degrees the world does not divide (tp=3 of 4) say so here
+
+
+def _bad_option(name: str, options: dict[str, Any], err: TypeError) -> str:
+    """The line for options strategy ``name`` refused: ``ep`` named for what it is when it alone was the problem (a
+    strategy that takes no options says only that)."""
+    if options.get("ep", 1) != 1:
+        try:
+            create(name, **{k: v for k, v in options.items() if k != "ep"})
+        except TypeError:
+            pass
+        else:
+            return refuse_ep(name, options["ep"])
+    return f"bad option for strategy {name!r}: {err}"
 
 
 def serves(name: str) -> bool:
@@ -81,7 +95,7 @@ def check_every_rank_trains(name: str, **options: Any) -> None:
     try:
         strategy = create(name, **options)
     except TypeError as err:
-        raise ConfigError(f"bad option for strategy {name!r}: {err}") from None
+        raise ConfigError(_bad_option(name, options, err)) from None
     if strategy.serves:
         raise ConfigError(f"strategy {name!r} has ranks that serve instead of training, and this tool compares "
                           "every rank's steps; tests prove it equal to one process, and 'paratrain bench "

@@ -1,0 +1,241 @@
+"""Expert parallelism on CPU (gloo): ``Parallel("zero3", ep=E)`` against ``zero3`` without it and against a
+hand-written all-to-all dispatch in plain torch, at world 2 and 4.
+
+    .venv/bin/python benchmarks/expert_parallel.py --json expert-parallel.json    # 5 interleaved rounds
+    .venv/bin/python benchmarks/expert_parallel.py --rounds 1 --steps 2            # a quick look
+
+Model: our GPT with experts (:mod:`paratrain.workloads.gpt`): 2 blocks x 128, 8 routed experts of top 2 (SwiGLU,
+width 256) per block, vocab 512; each rank a batch of 8 x 128 tokens; fp32, AdamW. Subjects, one after the other in
+every round (their order rotating), a few steps each, the same batch:
+
+* ``zero3``: ``Parallel("zero3")``: every expert sharded over all ranks, gathered per block;
+* ``zero3 ep=E``: ``Parallel("zero3", ep=E)``: each rank holds 1/E of the experts, tokens sent to them (all-to-all);
+* ``hand ep=W``: the same layout as ``zero3 ep=W`` written in plain torch (:class:`HandExperts`): each rank's slice of
+  the experts as plain parameters, the counts and rows exchanged with torch's all-to-all, FSDP2's ``fully_shard``
+  on the blocks and the root with the experts left out (``ignored_params``), their gradients divided by the ranks.
+
+Figures: the step time (median of each round's median, on the slowest rank; and the fastest round) and tokens/s
+over all ranks; ``x hand``: the median over rounds of the step time over the hand-written one's in the same round;
+what a rank holds of the experts (parameters plus AdamW's state, bytes of the local tensors after a step) against the planner's
+figure for the layout (:mod:`paratrain.planner.expert_parallel`); the resident high-water mark of a step above the
+resident memory before it (``/proc/self/clear_refs``; glibc set to return every block over 64 KiB when freed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.nn import functional as F
+
+import paratrain
+from paratrain.distributed.process_group import finish_group
+from paratrain.planner.moe import MoE
+from paratrain.planner.transformer import GPTConfig
+from paratrain.workloads.experts import activate
+
+CFG = GPTConfig(layers=2, hidden=128, heads=4, seq_len=128, vocab=512, gated=True, bias=False, tied=False,
+                learned_positions=False, moe=MoE(experts=8, top_k=2, ffn=256))
+BATCH = 8  # samples of CFG.seq_len tokens per rank
+
+
+def build() -> nn.Module:
+    from paratrain.workloads.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if hasattr(t, "wait") else t
+
+
+class HandExperts(nn.Module):
+    """One block's routed experts, this rank's slice of them, with the dispatch written out: the same
+    ``forward(rows sorted by expert, counts)`` as :class:`paratrain.workloads.experts.Experts`."""
+
+    def __init__(self, full: nn.Module) -> None:
+        super().__init__()
+        self.ranks, rank = dist.get_world_size(), dist.get_rank()
+        self.n = full.gate_up.shape[0] // self.ranks
+        own = slice(rank * self.n, (rank + 1) * self.n)
+        self.gate_up = nn.Parameter(full.gate_up.detach()[own].clone())
+        self.down = nn.Parameter(full.down.detach()[own].clone())
+        self.gated = full.gated
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        sent = torch.tensor(counts).view(self.ranks, self.n)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent)
+        out_splits, in_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+        arrived = _wait(all_to_all_single_autograd(rows, in_splits, out_splits, dist.group.WORLD))
+        order = torch.arange(self.n).repeat(self.ranks).repeat_interleave(received.flatten()).argsort(stable=True)
+        parts = arrived[order].split(received.sum(0).tolist())
+        computed = torch.cat([F.linear(activate(F.linear(part, self.gate_up[e]), self.gated), self.down[e])
+                              for e, part in enumerate(parts)])
+        return _wait(all_to_all_single_autograd(computed[order.argsort()], out_splits, in_splits, dist.group.WORLD))
+
+
+def hand_written(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        block.moe.experts = HandExperts(block.moe.experts)
+    experts = {p for block in model.blocks for p in block.moe.experts.parameters()}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, ignored_params=experts)
+    fully_shard(model, mesh=mesh, ignored_params=experts)
+    for p in experts:  # their gradient sums every rank's tokens: the mean over ranks is a division
+        p.register_hook(lambda g: g / dist.get_world_size())
+    return model
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def prepared(subject: str) -> tuple[object, nn.Module, torch.optim.Optimizer]:
+    model = build()
+    if subject.startswith("hand"):
+        model = hand_written(model)
+        return None, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ep = int(subject.split("ep=")[1]) if "ep=" in subject else 1
+    par = paratrain.Parallel("zero3", monitor=False, **({"ep": ep} if ep > 1 else {}))
+    model, opt = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return par, model, opt
+
+
+def one_step(par: object, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    if par is None:
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    with par.step(model, opt):
+        loss = par.forward_backward(model, x, y, _loss)
+    return float(loss)
+
+
+def expert_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of the routed experts' parameters and their optimizer state this rank holds (local tensors)."""
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = [p for n, p in model.named_parameters() if ".experts." in n]
+    return sum(local(p) + sum(local(v) for v in opt.state[p].values() if torch.is_tensor(v)) for p in params)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def job(rounds: int, steps: int, warmup: int) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    names = ["zero3", *(f"zero3 ep={e}" for e in (2, 4) if e <= world), f"hand ep={world}"]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ids = torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len + 1), generator=g)
+    x, y = ids[:, :-1], ids[:, 1:]
+    subjects = {s: prepared(s) for s in names}
+    out: dict = {s: {"rounds_ms": [], "peaks": []} for s in subjects}
+    for s, (par, model, opt) in subjects.items():
+        out[s]["first_loss"] = one_step(par, model, opt, x, y)
+        for _ in range(warmup - 1):
+            one_step(par, model, opt, x, y)
+        out[s]["expert_bytes"] = expert_bytes(par.unwrap(model) if par else model, opt)
+    for r in range(rounds):
+        for s in names[r % len(names):] + names[:r % len(names)]:
+            par, model, opt = subjects[s]
+            times = []
+            for _ in range(steps):
+                dist.barrier()
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                before, start = _status("VmRSS"), time.perf_counter()
+                one_step(par, model, opt, x, y)
+                times.append(time.perf_counter() - start)
+                out[s]["peaks"].append(_status("VmHWM") - before)
+            out[s]["rounds_ms"].append(1e3 * statistics.median(times))
+    for par, _, _ in subjects.values():
+        if par is not None:
+            par.close()
+    finish_group()
+    return out
+
+
+def planned_bytes(subject: str, world: int) -> int:
+    """The planner's bytes of routed experts one rank holds (parameters and AdamW's two moments, fp32) under
+    ``subject``'s layout."""
+    from paratrain.planner.expert_parallel import expert_fraction, held_experts
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.transformer import transformer_stats
+
+    ep = int(subject.split("ep=")[1]) if "ep=" in subject else 1
+    stats = transformer_stats(CFG, name="gpt-moe")
+    layout = Layout.of("zero3", dp=world, zero=3, shard=world, ep=ep)
+    return round(sum(held_experts(stats, ep)) * expert_fraction(stats, layout) * 4 * 3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--json", help="write the figures here")
+    a = p.parse_args()
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":  # glibc reads it at start: run again with it set
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+        sys.exit(subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode)
+    results = {}
+    for world in map(int, a.worlds.split(",")):
+        ranks = paratrain.launch(job, world, (a.rounds, a.steps, a.warmup), timeout_s=1800)
+        hand = f"hand ep={world}"
+        rows = {}
+        for s in ranks[0]:
+            per_round = [max(rank[s]["rounds_ms"][r] for rank in ranks) for r in range(a.rounds)]
+            step_ms = statistics.median(per_round)
+            rows[s] = {"step_ms": round(step_ms, 1), "rounds_ms": [round(v, 1) for v in per_round],
+                       "tokens_per_s": round(world * BATCH * CFG.seq_len / step_ms * 1e3),
+                       "expert_bytes": [rank[s]["expert_bytes"] for rank in ranks],
+                       "planned_expert_bytes": planned_bytes(s, world) if not s.startswith("hand") else None,
+                       "peak_mib": round(statistics.median(max(rank[s]["peaks"][i] for rank in ranks)
+                                                           for i in range(len(ranks[0][s]["peaks"]))) / 2**20, 1),
+                       "first_loss": ranks[0][s]["first_loss"]}
+        for row in rows.values():  # paired with the hand-written step of the same round: the load is shared
+            row["x_hand"] = round(statistics.median(r / h for r, h in zip(row["rounds_ms"], rows[hand]["rounds_ms"],
+                                                                            strict=True)), 3)
+        results[world] = rows
+        print(f"\nworld {world}: GPT {CFG.layers} x {CFG.hidden}, {CFG.moe.experts} experts top {CFG.moe.top_k} "
+              f"(width {CFG.moe.ffn}), {BATCH} x {CFG.seq_len} tokens a rank, fp32, AdamW; "
+              f"{a.rounds} rounds x {a.steps} steps")
+        print(f"{'subject':<11} {'step ms':>8} {'min ms':>7} {'x hand':>7} {'tokens/s':>9} {'experts+opt/rank':>17} "
+              f"{'planner':>9} {'peak MiB':>9} {'first loss':>11}  rounds (ms)")
+        for s, row in rows.items():
+            held, planned = max(row["expert_bytes"]), row["planned_expert_bytes"]
+            ratio = "" if planned is None else f"{planned / held:.3f}x"
+            print(f"{s:<11} {row['step_ms']:>8.1f} {min(row['rounds_ms']):>7.1f} {row['x_hand']:>7.3f} "
+                  f"{row['tokens_per_s']:>9} {held / 2**20:>13.2f} MiB {ratio:>9} "
+                  f"{row['peak_mib']:>9.1f} {row['first_loss']:>11.6f}  {row['rounds_ms']}")
+        time.sleep(1)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

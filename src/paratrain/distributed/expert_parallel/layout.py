@@ -1,0 +1,86 @@
+"""Where the experts live: each rank of an expert group holds a slice of every routed-experts parameter, as a
+DTensor sharded on dimension 0 (the expert) over the ``ep`` dimension of a ``(ep_dp, ep)`` mesh of the
+data-parallel ranks, and how the ranks holding the same slice (``ep_dp``) keep their gradients equal.
+
+DTensors make the split visible to torch's state-dict and checkpoint code: ``par.full_state_dict`` gathers the whole
+experts, a DCP checkpoint records each slice at its place in the whole tensor, so it loads at another ``ep`` or
+without one (the same road tensor-parallel parameters take).
+
+Gradients: a rank's expert gradient already sums what every rank of its expert group sent it, each rank's part of
+the loss being the mean over its own batch; summed over ``ep_dp`` it is the sum over all ``dp`` ranks, so it is
+divided by ``dp`` (not by the ``ep_dp`` ranks that reduce it) to equal one process on the global batch.
+Under ZeRO the experts are ``fully_shard``-ed over ``ep_dp`` with that divide factor (torchtitan's layout); beside
+DDP, which is told to ignore them, one all-reduce per step over ``ep_dp`` does it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .experts import ExpertsLayer
+
+
+def expert_mesh(dp_mesh: DeviceMesh, degree: int) -> DeviceMesh:
+    """The data-parallel ranks of the 1-D ``dp_mesh`` as a ``(ep_dp, ep)`` mesh: consecutive ranks form an expert
+    group (neighbours: on a node, NVLink peers), the ranks holding the same experts are ``degree`` apart."""
+    ranks = dp_mesh.mesh.view(-1, degree)
+    return DeviceMesh(dp_mesh.device_type, ranks, mesh_dim_names=("ep_dp", "ep"))
+
+
+def split_experts(layers: list[ExpertsLayer], mesh: DeviceMesh, replicate: bool) -> None:
+    """Replace each layer's split parameters by this rank's slice, a DTensor ``Shard(0)`` over ``mesh["ep"]``
+    (``replicate``: over the whole mesh, replicated across ``ep_dp``, as DDP keeps it)."""
+    ep = mesh["ep"]
+    rank, size = ep.get_local_rank(), ep.size()
+    target, placements = (mesh, [Replicate(), Shard(0)]) if replicate else (ep, [Shard(0)])
+    for layer in layers:
+        for name in layer.split:
+            param = layer.module._parameters[name]
+            assert param is not None
+            local = param.detach().chunk(size)[rank].clone()
+            sliced = DTensor.from_local(local, target, placements, run_check=False)
+            layer.module._parameters[name] = nn.Parameter(sliced, requires_grad=param.requires_grad)
+
+
+def shard_experts(layers: list[ExpertsLayer], mesh: DeviceMesh, dp: int, **fully_shard_kwargs: object) -> None:
+    """``fully_shard`` each layer's experts over ``mesh["ep_dp"]``, gradients divided by ``dp`` (see the module
+    docstring); before the blocks around them are sharded, which then leave them alone."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer.module, mesh=mesh["ep_dp"], **fully_shard_kwargs)  # type: ignore[arg-type]
+        layer.module.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
+        # gloo has no PREMUL_SUM, which a divide factor uses: sum, then divide. Not over one rank, where torch 2.13
+        # would divide twice (its copy for a single rank divides, and so does the post-division of a forced sum).
+        if mesh["ep_dp"].size() > 1 and hasattr(layer.module, "set_force_sum_reduction_for_comms"):
+            layer.module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+
+
+def ignored_by_ddp(model: nn.Module, layers: list[ExpertsLayer]) -> None:
+    """Tell DDP (about to wrap ``model``) to leave the experts' parameters to :func:`reduce_expert_grads`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    ignored = [names[id(layer.module._parameters[n])] for layer in layers for n in layer.split]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+
+
+def reduce_expert_grads(layers: list[ExpertsLayer], mesh: DeviceMesh, dp: int) -> None:
+    """Sum the experts' gradients over ``mesh["ep_dp"]`` in one all-reduce and divide them by ``dp``."""
+    params = [p for layer in layers for n in layer.split if (p := layer.module._parameters[n]) is not None]
+    grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    if mesh["ep_dp"].size() > 1:
+        dist.all_reduce(flat, group=mesh.get_group("ep_dp"))
+    flat.div_(dp)
+    for p, g, part in zip(params, grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
+        if p.grad is None:
+            p.grad = DTensor.from_local(g, mesh, [Replicate(), Shard(0)], run_check=False)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

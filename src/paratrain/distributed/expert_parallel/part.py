@@ -1,0 +1,80 @@
+"""The part of a strategy that splits experts over ranks (``ep=``), and its absence.
+
+Every composed strategy holds one and calls its hooks unconditionally: :class:`WholeExperts` does nothing at each;
+:class:`ExpertParallel` splits each routed-experts module over groups of ``ep`` data-parallel ranks, wraps the
+step that lays the model out for data parallelism (DDP or FSDP2) so the experts get their own layout first, and
+completes their gradients where DDP does not.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+Step = Callable[[nn.Module], nn.Module]
+
+
+class WholeExperts:
+    """No expert parallelism: every expert on every rank, as any other parameter."""
+
+    splits = False
+    """Parameters become DTensors split over ranks (the optimizer is then rebuilt over them)."""
+    degree = 1
+
+    def data_step(self, data: Step, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any]) -> Step:
+        """The data-parallel step ``data`` over the 1-D data mesh ``mesh``, with the experts laid out first
+        (``zero``: the data engine's ZeRO stage; ``fsdp_kwargs``: its ``fully_shard`` options, which the experts
+        take too)."""
+        return data
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Complete the experts' gradients once per optimizer step, where the data engine does not."""
+
+    def describe(self) -> str | None:
+        return None
+
+
+class ExpertParallel(WholeExperts):
+    """Expert parallelism over groups of ``degree`` data-parallel ranks (one per ``Parallel``)."""
+
+    splits = True
+
+    def __init__(self, degree: int) -> None:
+        self.degree = degree
+        self._layers: list[Any] = []
+        self._mesh: Any = None
+        self._dp = 1
+        self._ddp = False
+
+    def data_step(self, data: Step, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any]) -> Step:
+        from ...model.materialize import is_meta, to_device
+        from .experts import dispatch_experts, find_experts
+        from .layout import expert_mesh, ignored_by_ddp, shard_experts, split_experts
+
+        def step(model: nn.Module) -> nn.Module:
+            if not is_meta(model):
+                model = to_device(model, device)  # the slices are made where the model trains
+            self._layers = find_experts(model, self.degree)
+            self._mesh, self._dp, self._ddp = expert_mesh(mesh, self.degree), mesh.size(), not zero
+            split_experts(self._layers, self._mesh, replicate=not zero)
+            for layer in self._layers:
+                dispatch_experts(layer, self._mesh.get_group("ep"))
+            if zero:
+                shard_experts(self._layers, self._mesh, self._dp, **fsdp_kwargs)
+            else:
+                ignored_by_ddp(model, self._layers)
+            return data(model)
+
+        if getattr(data, "takes_meta", False):
+            step.takes_meta = True  # type: ignore[attr-defined]
+        return step
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        if self._ddp:
+            from .layout import reduce_expert_grads
+
+            reduce_expert_grads(self._layers, self._mesh, self._dp)
+
+    def describe(self) -> str | None:
+        return f"ep={self.degree}"

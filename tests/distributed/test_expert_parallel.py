@@ -1,0 +1,184 @@
+"""Expert parallelism (``Parallel(strategy, ep=E)``) on transformers Mixtral, Qwen3-MoE, GPT-OSS, OLMoE and Qwen2-MoE
+and our GPT with experts: equal to one plain process on the same global batch, resumed from a save as it ran,
+loaded at another ``ep`` (or none), and bad layouts refused in one line.
+
+One launched job per world size runs every case (tests/helpers/ep_workers.py); the references are plain PyTorch in
+this process, the global batch split into the replicas' slices.
+"""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+from helpers.cli import run_cli
+from helpers.ep_workers import (
+    MODELS,
+    TOL,
+    dense,
+    expert_elements,
+    gpt_moe,
+    mixtral,
+    reference,
+    run_cases,
+)
+from helpers.paths import SCRIPTS
+
+from paratrain.distributed.expert_parallel.experts import find_experts
+from paratrain.errors import ConfigError
+from paratrain.strategies.registry import check_world
+
+MOE = ("gpt_moe", "mixtral", "qwen3_moe")
+# (model, strategy, options, layouts that load its save after step 2: the same one resumes, another reshards)
+WORLD2 = [
+    ("gpt_moe", "ddp", {"ep": 2}, (("ddp", {"ep": 2}), ("ddp", {}), ("zero3", {}))),
+    ("gpt_moe", "zero3", {"ep": 2}, (("zero3", {"ep": 2}), ("zero3", {}))),
+    ("mixtral", "ddp", {"ep": 2}, (("ddp", {"ep": 2}),)),
+    ("mixtral", "zero3", {"ep": 2}, (("zero3", {"ep": 2}), ("ddp", {}))),
+    ("qwen3_moe", "ddp", {"ep": 2}, ()),
+    ("qwen3_moe", "zero2", {"ep": 2}, (("zero2", {"ep": 2}),)),
+    ("gpt_moe", "ddp", {"ep": 2, "accumulate": 2, "clip_grad_norm": 0.5}, ()),
+    ("gpt_moe", "zero3", {"ep": 2, "accumulate": 2, "clip_grad_norm": 0.5}, ()),
+    ("mixtral", "zero3", {"ep": 2, "precision": "bf16-mixed"}, ()),
+    ("gpt_moe", "ddp", {"ep": 2, "precision": "bf16-mixed"}, ()),
+    ("mixtral", "ddp", {"ep": 2, "activation_checkpointing": True}, ()),
+    ("gpt_oss", "zero3", {"ep": 2}, ()),
+    ("olmoe", "ddp", {"ep": 2}, ()),
+    ("qwen2_moe", "zero2", {"ep": 2}, ()),
+    ("dense", "ddp", {"ep": 2}, ()),
+]
+BUILT = [("mixtral", "zero3", {"ep": 2}, "built"), ("mixtral", "ddp", {"ep": 2}, "built")]
+WORLD4 = [(m, s, {"ep": e}, ()) for m in MOE for s, e in (("zero3", 2), ("ddp", 2), ("zero3", 4))]
+WORLD4[0] = ("gpt_moe", "zero3", {"ep": 2}, (("zero3", {"ep": 2}), ("zero3", {"ep": 4}), ("ddp", {})))
+WORLD4[1] = ("gpt_moe", "ddp", {"ep": 2}, (("ddp", {"ep": 2}), ("zero3", {"ep": 4})))
+
+
+def key(case: tuple) -> str:
+    return f"{case[0]}/{case[1]}{case[2]}"
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    from paratrain.testing import spawn
+
+    return spawn(run_cases, 2, (WORLD2 + BUILT, str(tmp_path_factory.mktemp("ep2"))), timeout_s=300)[0]
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    from paratrain.testing import spawn
+
+    return spawn(run_cases, 4, (WORLD4, str(tmp_path_factory.mktemp("ep4"))), timeout_s=420)[0]
+
+
+def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Tensor]) -> None:
+    """Equal to one process; the experts split as the layout says; every load of the save equal to the run."""
+    assert "error" not in result, result.get("error")
+    state, model_name, strategy, options, loads = result["state"], *case
+    tol = 3e-3 if options.get("precision") == "bf16-mixed" else TOL  # against the fp32 process, as status.md says
+    assert max(((state[k].double() - v.double()).abs().max().item() for k, v in expected.items())) <= tol
+    assert state.keys() == expected.keys()  # the full state dict: plain names, the whole experts
+    assert all(state[k].shape == v.shape for k, v in expected.items())
+    whole = expert_elements(MODELS[model_name].build())
+    sharded = replicas if strategy.startswith("zero") else options["ep"]
+    assert result["held"] * sharded == whole, "each rank holds its 1/ep of the experts (and 1/dp under zero)"
+    for (s, o), diff in zip(loads, result["loads"].values(), strict=True):
+        # a resume is bitwise under zero; DDP's buckets are rebuilt after its first step, so the first step after a
+        # resume sums the non-expert gradients in another order than the uninterrupted run did (the zoo's bound)
+        same = (s, o) == (strategy, options)
+        bound = 0.0 if same and s.startswith("zero") else 1e-6 if same else TOL
+        assert diff <= bound, f"loaded into {s}{o}: {diff}"
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("case", [c for c in WORLD2 if c[0] != "dense"], ids=key)  # accumulate: the same batch
+def test_world2_equals_one_process(world2, case):
+    check(world2[key(case)], case, 2, reference(case[0], 2, case[2].get("clip_grad_norm")))
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case", WORLD4, ids=key)
+def test_world4_equals_one_process(world4, case):
+    check(world4[key(case)], case, 4, reference(case[0], 4))
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("case", BUILT, ids=key)
+def test_a_meta_build_and_load_weights_fill_the_expert_slices(world2, case):
+    result = world2[f"{key(case)}/built"]
+    assert "error" not in result, result.get("error")
+    assert result == {"meta": 0.0, "weights": 0.0}
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_a_dense_model_is_refused_inside_every_rank(world2):
+    error = world2["dense/ddp{'ep': 2}"]["error"]
+    assert "no module named 'experts'" in error and "\n" not in error
+
+
+def test_experts_are_found_with_their_expert_dimension():
+    layers = find_experts(mixtral(), 2)
+    assert [(layer.name, layer.experts, layer.split, layer.interface) for layer in layers] == [
+        (f"model.layers.{i}.mlp.experts", 4, ("gate_up_proj", "down_proj"), "topk") for i in range(2)]
+    assert {layer.interface for layer in find_experts(gpt_moe(), 4)} == {"rows"}
+
+
+@pytest.mark.parametrize(("build", "degree", "says"), [
+    (dense, 2, "no module named 'experts'"),
+    (mixtral, 3, "ep=3 must divide the 4 experts of model.layers.0.mlp.experts"),
+])
+def test_models_that_cannot_split_are_one_line(build, degree, says):
+    with pytest.raises(ConfigError, match=says) as err:
+        find_experts(build(), degree)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("strategy", "world", "options", "says"), [
+    ("ps", 2, {"ep": 2}, "does not take ep=2; expert parallelism runs inside ddp, zero2 and zero3"),
+    ("dp", 1, {"ep": 2}, "does not take ep=2"),
+    ("single", 1, {"ep": 2}, "does not take ep=2"),
+    ("model_parallel", 2, {"ep": 2}, "does not take ep=2"),
+    ("pipeline", 2, {"ep": 2}, "does not take ep=2"),
+    ("zero1", 2, {"ep": 2}, "does not take ep=2"),
+    ("hsdp", 4, {"ep": 2}, "does not take ep=2"),
+    ("zero3", 4, {"ep": 2, "tp": 2}, "both tp and ep is not supported"),
+    ("zero3", 4, {"ep": 3}, "ep=3 must divide the 4 data-parallel ranks"),
+    ("ddp", 2, {"ep": 4}, "ep=4 must divide the 2 data-parallel ranks"),
+    ("zero3", 2, {"ep": 0}, "ep must be an integer >= 1"),
+])
+def test_layouts_that_cannot_hold_ep_are_one_line(strategy, world, options, says):
+    with pytest.raises(ConfigError, match=says) as err:
+        check_world(strategy, world, **options)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_at_random_restarts_and_ends_bitwise_equal(tmp_path):
+    """zero3 x ep=2 under ``paratrain run --max-restarts 1``: a rank SIGKILLed after a random step comes back from the
+    latest save and the job ends with the uninterrupted run's parameters, bit for bit."""
+    step, rank = random.randint(1, 11), random.randint(0, 1)  # the job takes 12 steps (2 epochs of 6)
+    script = str(SCRIPTS / "ep_restart_job.py")
+    clean = run_cli("run", "-n", "2", script, timeout=150)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    killed = run_cli("run", "-n", "2", "--max-restarts", "1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
+                     "4", script, str(step), str(rank), timeout=150)
+    why = f"killed rank {rank} after step {step}\n{killed.stderr[-3000:]}"
+    assert killed.returncode == 0 and f"SIGKILL rank {rank} after step {step}" in killed.stderr, why
+    assert _digest(killed.stdout) == _digest(clean.stdout), why
+
+
+def _digest(out: str) -> str:
+    found = re.search(r"final parameters sha256 ([0-9a-f]{64})", out)
+    assert found, out
+    return found.group(1)
