@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import ConfigError
+from ...model.experts import ExpertLayer, find_expert_layers
 from .dispatch import exchange
 
 
@@ -40,10 +41,9 @@ class ExpertsLayer:
 
 
 def find_experts(model: nn.Module, degree: int) -> list[ExpertsLayer]:
-    """Every routed-experts module of ``model``, checked to split evenly over ``degree`` ranks; a model without one,
-    or experts that do not divide, is one line."""
-    layers = [_layer(name, module) for name, module in model.named_modules()
-              if name.rsplit(".", 1)[-1] == "experts" and any(p.dim() == 3 for p in module.parameters(recurse=False))]
+    """Every routed-experts module of ``model`` (:func:`paratrain.model.experts.find_expert_layers`), checked to
+    split evenly over ``degree`` ranks; a model without one, or experts that do not divide, is one line."""
+    layers = [_layer(found) for found in find_expert_layers(model)]
     if not layers:
         raise ConfigError(f"ep={degree} splits a mixture of experts' routed experts, but {type(model).__name__} has "
                           "no module named 'experts' with 3-D [experts, out, in] parameters; drop ep for a dense model")
@@ -54,9 +54,9 @@ def find_experts(model: nn.Module, degree: int) -> list[ExpertsLayer]:
     return layers
 
 
-def _layer(name: str, module: nn.Module) -> ExpertsLayer:
+def _layer(found: ExpertLayer) -> ExpertsLayer:
+    name, module, experts = found.name, found.module, found.experts
     params = dict(module.named_parameters(recurse=False))
-    experts = int(getattr(module, "num_experts", 0) or next(p.shape[0] for p in params.values() if p.dim() == 3))
     split = tuple(n for n, p in params.items() if p.dim() >= 1 and p.shape[0] == experts)
     whole = sorted(set(params) - set(split))
     if whole:
