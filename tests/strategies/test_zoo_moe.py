@@ -20,12 +20,17 @@ WORLD2 = ("ddp", "zero1", "zero2", "zero3", "model_parallel")
 ROUTED = [m for m in MOE_ZOO if m != "mixtral_aux"]  # no router loss: a pipeline stage can hold part of the blocks
 GLOBAL = {"moe_aux_loss": "global"}
 AUX2 = ("ddp", "zero3")
+SMALL_UNITS = ("mixtral", "qwen2_moe", "gpt_oss", "gpt_experts")  # zero3 with the router and the experts as units
+CHECKPOINTED = [("mixtral", "zero3"), ("gpt_oss", "ddp"), ("olmoe", "zero3"), ("qwen2_moe", "zero2"),
+                ("gpt_experts", "zero3")]
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     cases = [(m, s, {}) for m in MOE_ZOO for s in WORLD2]
     cases += [(m, "pipeline", {}) for m in MOE_ZOO] + [(m, "tp", {}) for m in ("mixtral", "gpt_oss", "gpt_experts")]
+    cases += [(m, "zero3", {"min_params": 1}) for m in SMALL_UNITS]
+    cases += [(m, s, {"activation_checkpointing": True}) for m, s in CHECKPOINTED]
     cases += [("mixtral_aux", s, GLOBAL) for s in AUX2] + [MASKED]
     return spawn(run_moe_cases, 2, (cases, str(tmp_path_factory.mktemp("moe2"))), timeout_s=600)[0]
 
@@ -50,6 +55,19 @@ def check(result: dict, expected: dict[str, torch.Tensor], model_name: str) -> N
 @pytest.mark.parametrize("model_name", list(MOE_ZOO))
 def test_moe_world2_equals_one_process(world2, model_name, strategy):
     check(world2[f"{model_name}/{strategy}"], reference(model_name, 2), model_name)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("model_name", SMALL_UNITS)
+def test_moe_with_routers_and_experts_as_units(world2, model_name):
+    check(world2[f"{model_name}/zero3{{'min_params': 1}}"], reference(model_name, 2), model_name)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("model_name, strategy", CHECKPOINTED)
+def test_moe_with_activation_checkpointing(world2, model_name, strategy):
+    """GPT-OSS's eager attention failed here: the recompute appended the keys to the key/value cache again."""
+    check(world2[f"{model_name}/{strategy}{{'activation_checkpointing': True}}"], reference(model_name, 2), model_name)
 
 
 @pytest.mark.launched
