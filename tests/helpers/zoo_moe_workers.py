@@ -45,8 +45,39 @@ def padded_router_loss() -> dict[str, torch.Tensor]:
 
 
 def run_moe_cases(cases: list[tuple[str, str, dict]], tmp: str) -> dict[str, dict]:
-    """Every case in order (:func:`helpers.zoo_workers.run_cases`), :data:`MASKED` among them."""
+    """Every case in order (:func:`helpers.zoo_workers.run_cases`), :data:`MASKED` and :data:`ACCUMULATED` among
+    them."""
     def one(i: int, case: tuple[str, str, dict]) -> dict:
-        return padded_router_loss() if case == MASKED else run_case(*case, os.path.join(tmp, str(i)))
+        if case in (MASKED, ACCUMULATED):
+            return padded_router_loss() if case == MASKED else accumulated_steps()
+        return run_case(*case, os.path.join(tmp, str(i)))
 
     return each_case(cases, one, key=lambda c: f"{c[0]}/{c[1]}{c[2] or ''}")
+
+
+ACCUMULATED = ("mixtral_aux", "ddp", {"moe_aux_loss": "global", "accumulate": 2})
+"""The case that trains with the global router loss over 2 micro-batches per step."""
+MICRO_SAMPLES = 2
+
+
+def accumulated_steps(steps: int = 2) -> dict[str, torch.Tensor]:
+    """:data:`ACCUMULATED`: ``steps`` optimizer steps of 2 micro-batches of :data:`MICRO_SAMPLES` per rank; micro-batch
+    m of rank r holds samples ``m x world x MICRO_SAMPLES + r x MICRO_SAMPLES`` on. The full state on every rank."""
+    import paratrain
+    from helpers.zoo import MOE_ZOO
+    from helpers.zoo_workers import step_batch
+
+    spec = MOE_ZOO[ACCUMULATED[0]]
+    par = paratrain.Parallel(ACCUMULATED[1], monitor=False, **ACCUMULATED[2])
+    model = spec.build()
+    model, opt = par.prepare(model, spec.optimizer(model))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for s in range(steps):
+        x, y = step_batch(spec, s, 2 * world * MICRO_SAMPLES)
+        for m in range(2):
+            start = (m * world + rank) * MICRO_SAMPLES
+            with par.step(model, opt):
+                par.forward_backward(model, x[start:start + MICRO_SAMPLES], {"labels": y[start:start + MICRO_SAMPLES]})
+    state = par.full_state_dict(model, rank0_only=False)
+    par.close()
+    return {"state": state}

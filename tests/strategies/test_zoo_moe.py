@@ -11,8 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.zoo import MOE_ZOO
-from helpers.zoo_moe_workers import EXPERTS, MASKED, TOP_K, padded_batch, run_moe_cases
-from helpers.zoo_workers import MICRO, TOL, reference
+from helpers.zoo_moe_workers import (
+    ACCUMULATED,
+    EXPERTS,
+    MASKED,
+    MICRO_SAMPLES,
+    TOP_K,
+    padded_batch,
+    run_moe_cases,
+)
+from helpers.zoo_workers import MICRO, TOL, reference, step_batch
 
 from paratrain.testing import max_abs_diff, spawn
 
@@ -31,7 +39,7 @@ def world2(tmp_path_factory):
     cases += [(m, "pipeline", {}) for m in MOE_ZOO] + [(m, "tp", {}) for m in ("mixtral", "gpt_oss", "gpt_experts")]
     cases += [(m, "zero3", {"min_params": 1}) for m in SMALL_UNITS]
     cases += [(m, s, {"activation_checkpointing": True}) for m, s in CHECKPOINTED]
-    cases += [("mixtral_aux", s, GLOBAL) for s in AUX2] + [MASKED]
+    cases += [("mixtral_aux", s, GLOBAL) for s in AUX2] + [MASKED, ACCUMULATED]
     return spawn(run_moe_cases, 2, (cases, str(tmp_path_factory.mktemp("moe2"))), timeout_s=600)[0]
 
 
@@ -134,3 +142,21 @@ def test_the_router_loss_over_padded_slices_is_the_global_batch(world2):
     got = world2["/".join(MASKED[:2])]
     assert torch.allclose(got["loss"], expected.detach(), atol=1e-6)
     assert torch.allclose(got["grads"], torch.stack([x.grad for x in leaves]), atol=1e-6)
+
+
+@pytest.mark.launched
+def test_with_accumulation_the_router_loss_is_global_per_micro_batch(world2):
+    """2 micro-batches per step: each micro-batch's router loss is the one of the ranks' micro-batches together, as
+    one process computes it running those unions as its micro-batches."""
+    spec = MOE_ZOO[ACCUMULATED[0]]
+    model = spec.build()
+    opt = spec.optimizer(model)
+    union = 2 * MICRO_SAMPLES
+    for s in range(2):
+        x, y = step_batch(spec, s, 2 * union)
+        for m in range(2):
+            (model(x[m * union:(m + 1) * union], labels=y[m * union:(m + 1) * union]).loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    got = world2["/".join(ACCUMULATED[:2]) + str(ACCUMULATED[2])]["state"]
+    assert max_abs_diff(got, model.state_dict()) <= TOL

@@ -78,6 +78,9 @@ def balance_globally(model: nn.Module, group: dist.ProcessGroup | None, replicas
 
 def _global_hook(group: dist.ProcessGroup | None, replicas: int) -> Any:
     def hook(model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        if isinstance(out, tuple) and getattr(model.config, "output_router_logits", False):
+            raise ConfigError("moe_aux_loss='global' reads the router logits from the model's output, which came as a "
+                              "tuple (return_dict=False); call the model with return_dict=True")
         local = getattr(out, "aux_loss", None)
         logits = getattr(out, "router_logits", None)
         if local is None or not isinstance(logits, tuple) or not logits:
