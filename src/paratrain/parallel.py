@@ -170,7 +170,7 @@ class Parallel:
         facts = ModelFacts.of(model)  # before anything is wrapped: blocks, ties, names
         rt = self._runtime(facts, self.strategy.materializer(model, self.device, self.init_fn))  # None unless on meta
         self._replicas.start(model, rt.materialize, self._seed, self.print)
-        wrapped = self.strategy.wrap_model(model, rt)
+        wrapped = self._chosen.wrap_model(model, rt)
         if rt.materialize is not None:  # nothing may be left on meta
             check_materialized(self.strategy.unwrap(wrapped), self.strategy.name)
         facts.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)

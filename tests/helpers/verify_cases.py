@@ -229,3 +229,20 @@ def no_loss() -> VerifySpec:
 
 def not_a_spec() -> dict:
     return {}
+
+
+def mixtral_aux(moe_aux_loss: str = "local") -> VerifySpec:
+    """A tiny Mixtral whose loss from ``labels=`` includes its router's load-balancing loss, each rank's own unless
+    ``moe_aux_loss="global"``."""
+    from helpers.moe_models import tiny_mixtral
+    from helpers.zoo import SEQ, VOCAB
+
+    ids = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(1))
+    return VerifySpec(model=tiny_mixtral(aux_loss=0.1), loss=None, target_keyword="labels",
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                      loader=DataLoader(TensorDataset(ids, ids), batch_size=4, shuffle=True),
+                      options={} if moe_aux_loss == "local" else {"moe_aux_loss": moe_aux_loss})
+
+
+def mixtral_aux_global() -> VerifySpec:
+    return mixtral_aux("global")

@@ -31,6 +31,13 @@ class ZooModel:
     optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     batch_norm: bool = False
     """Statistics are per forward pass, so a replica's slice normalises differently from the global batch."""
+    labels: bool = False
+    """The model computes its loss itself from ``labels=`` (transformers' causal-LM loss, with the router's
+    load-balancing loss where the config asks for it); ``loss`` then reads it from the output."""
+
+    def forward(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> object:
+        """The model's output on ``x``, with ``labels=target`` where the model computes its own loss."""
+        return model(x, labels=target) if self.labels else model(x)
 
 
 def _quiet_transformers() -> None:
@@ -160,3 +167,40 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("cnn", cnn, _images, lambda out, y: F.cross_entropy(out, y), _sgd, batch_norm=True),
     ZooModel("frozen", frozen, _vectors, lambda out, y: F.cross_entropy(out, y), _sgd),
 )}
+
+
+def _same_tokens(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids as both input and ``labels=`` (the model shifts them itself)."""
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return ids, ids
+
+
+def _own_loss(out: object, target: torch.Tensor) -> torch.Tensor:
+    return out.loss
+
+
+def _moe(name: str, build: Callable[[], nn.Module], labels: bool = False) -> ZooModel:
+    return ZooModel(name, build, _same_tokens if labels else _tokens, _own_loss if labels else _lm_loss, _sgd,
+                    labels=labels)
+
+
+def _moe_zoo() -> dict[str, ZooModel]:
+    from helpers import moe_models as m
+
+    return {z.name: z for z in (
+        _moe("mixtral", m.tiny_mixtral, labels=True),
+        _moe("qwen3_moe", m.tiny_qwen3_moe),
+        _moe("qwen2_moe", m.tiny_qwen2_moe, labels=True),
+        _moe("gpt_oss", m.tiny_gpt_oss),
+        _moe("olmoe", m.tiny_olmoe),
+        _moe("gpt_experts", m.tiny_gpt_experts),
+        _moe("mixtral_aux", lambda: m.tiny_mixtral(aux_loss=0.1), labels=True),
+    )}
+
+
+MOE_ZOO: dict[str, ZooModel] = _moe_zoo()
+"""Mixtures of experts (tests/helpers/moe_models.py): transformers Mixtral, Qwen3-MoE (a dense first block),
+Qwen2-MoE (a shared expert), GPT-OSS (expert biases, attention sinks), OLMoE, our GPT with experts; ``mixtral_aux``
+adds the router's load-balancing loss to ``labels=``'s loss."""
+SPECS: dict[str, ZooModel] = {**ZOO, **MOE_ZOO}
+"""Every model of the zoo by name, the dense and the mixtures of experts."""

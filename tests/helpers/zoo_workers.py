@@ -15,7 +15,7 @@ from torch import nn
 
 import paratrain
 from helpers.cases import each_case
-from helpers.zoo import ZOO
+from helpers.zoo import SPECS
 from paratrain.model import find_ties
 from paratrain.model.ties import Ties
 from paratrain.testing import max_abs_diff
@@ -33,7 +33,11 @@ def _train(par: paratrain.Parallel, spec, model, opt, steps: range) -> None:
         x, y = step_batch(spec, s, size * PER_RANK)
         x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
         with par.step(model, opt):
-            par.forward_backward(model, x.to(par.device), y.to(par.device), spec.loss)
+            x, y = x.to(par.device), y.to(par.device)
+            if spec.labels:
+                par.forward_backward(model, x, {"labels": y})
+            else:
+                par.forward_backward(model, x, y, spec.loss)
 
 
 def _audit(par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer, ties: tuple) -> str:
@@ -59,7 +63,7 @@ def _prepared(strategy: str, options: dict, spec):
 
 
 def run_case(model_name: str, strategy: str, options: dict, folder: str) -> dict:
-    spec = ZOO[model_name]
+    spec = SPECS[model_name]
     par, model, opt, ties = _prepared(strategy, options, spec)
     problems = [_audit(par, model, opt, ties)]
     _train(par, spec, model, opt, range(STEPS - 1))
@@ -95,7 +99,7 @@ def reference(model_name: str, replicas: int, slices: int | None = None,
     """One process, ``STEPS`` steps on global batches of ``replicas x PER_RANK``, each cut into ``slices`` forward
     passes (default: one per replica and micro-batch); buffers (BatchNorm's running statistics) follow replica 0's
     ``microbatches`` forwards, as rank 0's do."""
-    spec = ZOO[model_name]
+    spec = SPECS[model_name]
     model = spec.build()
     opt = spec.optimizer(model)
     buffers = dict(model.named_buffers())
@@ -106,7 +110,7 @@ def reference(model_name: str, replicas: int, slices: int | None = None,
         kept = None
         for r in range(slices):
             sl = slice(r * size, (r + 1) * size)
-            (spec.loss(model(x[sl]), y[sl]) / slices).backward()
+            (spec.loss(spec.forward(model, x[sl], y[sl]), y[sl]) / slices).backward()
             if r == microbatches - 1:
                 kept = {k: v.clone() for k, v in buffers.items()}
         for k, v in buffers.items():  # rank 0's running statistics

@@ -127,6 +127,11 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] |
                           "block class) to cut between; express it as nn.Sequential(...) or use ddp or fsdp")
     before, after = outer_modules(model, blocks)
     _check_path(model, blocks)
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ConfigError(f"pipeline cannot train {kind} with its router's load-balancing loss "
+                          "(config.output_router_logits=True): the loss sums over every block's routing and a stage "
+                          "runs only its own; use ddp or zero3 (tp, hsdp), or set "
+                          "output_router_logits=False")
     input_embedding = _input_embedding(model, before)
     for name in before:
         module = model.get_submodule(name)
@@ -210,6 +215,8 @@ def build_stage(model: nn.Module, plan: StagePlan, stages: Sequence[int]) -> nn.
             parent, _, child = name.rpartition(".")
             copies[parent]._modules[child] = twin
     container = copies[plan.blocks.container]
+    _keep_layer_types(copies[plan.blocks.container.rpartition(".")[0]],
+                      sorted(i for s in stages for i in range(*plan.bounds[s])), len(plan.blocks.names))
     prefix = f"{plan.blocks.container}." if plan.blocks.container else ""
     owner = stages[0] if first else None  # parameter-free children go with the block before them
     for key in list(container._modules):
@@ -225,6 +232,21 @@ def build_stage(model: nn.Module, plan: StagePlan, stages: Sequence[int]) -> nn.
             parent, _, child = name.rpartition(".")
             copies[parent]._modules[child] = stand_in(plan, name, model.get_submodule(name))
     return copies[""]
+
+
+def _keep_layer_types(owner: nn.Module, kept: list[int], blocks: int) -> None:
+    """Give the stage copy of the blocks' owner a config whose per-block ``layer_types`` are its kept blocks'.
+
+    transformers models with blocks of several kinds (GPT-OSS, Gemma, Qwen2 with sliding windows) pick each block's
+    attention mask by its position in the loop, ``config.layer_types[i]`` for ``enumerate(self.layers)``; on a stage
+    that holds blocks 6 and 7, position 0 is block 6, whose type is ``layer_types[6]``."""
+    config = getattr(owner, "config", None)
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or len(types) != blocks:
+        return
+    config = copy.copy(config)
+    config.layer_types = [types[i] for i in kept]
+    owner.__dict__["config"] = config
 
 
 @dataclass(frozen=True)
@@ -255,7 +277,7 @@ def split_output(out: Any) -> tuple[torch.Tensor, OutputKind]:
     if isinstance(out, torch.Tensor):
         return out, OutputKind()
     if isinstance(out, Mapping):  # transformers' ModelOutput: fields in order, unset ones absent
-        field = next((k for k, v in out.items() if isinstance(v, torch.Tensor) and k != "loss"), None)
+        field = next((k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > 0), None)  # no loss
         if field is not None:
             return out[field], OutputKind(type(out), field)
     if isinstance(out, tuple) and out:

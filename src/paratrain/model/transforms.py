@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -55,5 +56,14 @@ def checkpoint_block(block: nn.Module) -> None:
         block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
 
 
+CACHES = ("past_key_values", "past_key_value", "layer_past")
+"""The key/value cache a transformers block appends to in its forward, by the names blocks take it under."""
+
+
 def _checkpointed(forward, *args, **kwargs):
+    """``forward`` checkpointed; while training, without the key/value cache: the recompute would append the block's
+    keys and values to it a second time (GPT-OSS's eager attention then fails on a mask half the keys' length; under
+    causal SDPA the doubled keys happen to give the same result). transformers' own checkpointing drops it alike."""
+    if torch.is_grad_enabled():
+        kwargs = {k: None if k in CACHES else False if k == "use_cache" else v for k, v in kwargs.items()}
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed.mesh import build_mesh
+from ..distributed.router_loss import MODES, balance_globally
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from .auto import BEFORE_THE_MODEL, agree_on_strategy
@@ -27,6 +28,10 @@ class ChosenStrategy:
 
     def __init__(self, spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> None:
         self.env = env
+        self.moe_aux_loss = options.pop("moe_aux_loss", "local")
+        """How a mixture of experts' router loss is computed (:mod:`paratrain.distributed.router_loss`)."""
+        if self.moe_aux_loss not in MODES:
+            raise ConfigError(f"moe_aux_loss must be one of {', '.join(map(repr, MODES))}, not {self.moe_aux_loss!r}")
         self.strategy = strategy_for(spec, env, options)
         self.pending = spec == "auto" and env.world_size > 1 and not options
         """True while ``auto`` waits for the model (it stands for ddp until then)."""
@@ -48,8 +53,9 @@ class ChosenStrategy:
         numbers of processes, and only a layout built from them (hsdp's shard groups of one node) must then be the
         same everywhere."""
         if self.pending:
-            return {"strategy": "auto", "mesh": "auto"}
-        return {"strategy": self.strategy.describe(), "mesh": str(self.strategy.dims(self.env).mesh_shape())}
+            return {"strategy": "auto", "mesh": "auto", "moe_aux_loss": self.moe_aux_loss}
+        return {"strategy": self.strategy.describe(), "mesh": str(self.strategy.dims(self.env).mesh_shape()),
+                "moe_aux_loss": self.moe_aux_loss}
 
     def build_mesh(self, device: torch.device) -> None:
         """The mesh of the decided strategy, when it runs on a process group (none while ``auto`` waits)."""
@@ -65,6 +71,14 @@ class ChosenStrategy:
             self.strategy = agree_on_strategy(model, optimizer, self.env, device, precision, say, loader)
             self.pending = False
             self.build_mesh(device)
+
+    def wrap_model(self, model: nn.Module, runtime: Runtime) -> nn.Module:
+        """The strategy's wrap of ``model``, its router loss made the global batch's first where
+        ``moe_aux_loss="global"`` asks (a hook on the user's module, which every wrapper calls)."""
+        if self.moe_aux_loss == "global":
+            _, replicas, group = self.data_parallel(runtime)
+            balance_globally(model, group, replicas)
+        return self.strategy.wrap_model(model, runtime)
 
     def data_parallel(self, runtime: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
         """(rank, size, group) of the replicas that read different data."""

@@ -10,6 +10,9 @@ from ..options import refuse_ep
 from .base import Strategy
 
 _FACTORIES: dict[str, Callable[..., Strategy]] = {}
+AROUND = frozenset({"moe_aux_loss"})
+"""Options of any strategy that the job applies around it (:class:`~paratrain.strategies.chosen.ChosenStrategy`
+takes them out first), not the strategy's own constructor."""
 
 
 def register(*names: str) -> Callable[[Callable[..., Strategy]], Callable[..., Strategy]]:
@@ -63,7 +66,7 @@ def check_world(name: str, world_size: int, **options: Any) -> None:
     """Raise the strategy's own one-line ``ConfigError`` unless ``name`` with ``options`` can run on
     ``world_size`` local processes (checked before anything is launched)."""
     try:
-        strategy = create(name, **options)
+        strategy = create(name, **_own(options))
     except TypeError as err:
         raise ConfigError(_bad_option(name, options, err)) from None
     env = ClusterEnv(world_size=world_size, local_world_size=world_size, launched=True)
@@ -93,10 +96,15 @@ def check_every_rank_trains(name: str, **options: Any) -> None:
     """Raise a one-line ``ConfigError`` when ``name`` has ranks that serve instead of training (parameter servers):
     tools that compare every rank's steps (``paratrain verify``) cannot run it."""
     try:
-        strategy = create(name, **options)
+        strategy = create(name, **_own(options))
     except TypeError as err:
         raise ConfigError(_bad_option(name, options, err)) from None
     if strategy.serves:
         raise ConfigError(f"strategy {name!r} has ranks that serve instead of training, and this tool compares "
                           "every rank's steps; tests prove it equal to one process, and 'paratrain bench "
                           "--strategies ddp,ps' measures it against ddp")
+
+
+def _own(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` but those applied around the strategy (:data:`AROUND`)."""
+    return {k: v for k, v in options.items() if k not in AROUND}

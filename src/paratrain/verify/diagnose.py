@@ -224,6 +224,18 @@ def batchnorm_finding(ranks: list[RankEvidence], ref: Record, tolerance: float, 
                         "per-rank statistics)")
 
 
+def router_loss_finding(ranks: list[RankEvidence], replicas: int) -> Finding | None:
+    """A mixture of experts' router load-balancing loss that each replica computed on its own slice."""
+    local = ranks[0].router_loss
+    if local is None or replicas < 2:
+        return None
+    return Finding(cause="router load-balancing loss per rank",
+                   evidence=f"the model adds its router's load-balancing loss ({local}) computed on each rank's slice: "
+                            "its expert shares are that slice's, where one process takes the global batch's",
+                   hint="Parallel(..., moe_aux_loss='global') (in a VerifySpec: options={'moe_aux_loss': 'global'}) "
+                        "sums the expert counts over the data-parallel ranks, as one process computes the loss")
+
+
 def replicas_finding(ranks: list[RankEvidence]) -> Finding | None:
     apart = _apart_from_rank0([r.final_digest for r in ranks])
     if apart is None:

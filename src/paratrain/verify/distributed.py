@@ -20,6 +20,7 @@ from ..devices import backend_for, select_device
 from ..digest import state_digest
 from ..errors import ConfigError
 from ..distributed.process_group import finish_group
+from ..distributed.router_loss import router_loss
 from ..parallel import Parallel
 from .options import merged_strategy_options
 from .record import Record, RecordHooks, recording_loader, run_loop
@@ -87,6 +88,9 @@ class RankEvidence:
     """Steps asked for (the record holds how many ran)."""
     options: dict[str, str] = field(default_factory=dict)
     """The options the parallel run got besides the strategy (``repr`` of each value), for the report."""
+    router_loss: str | None = None
+    """How the model adds a router load-balancing loss that each rank computes on its own slice (no
+    ``moe_aux_loss="global"``), in words; None when it adds none or the option makes it the global batch's."""
 
 
 def run_cases(cases: list[Case], timeout_s: float, accelerator: str = "auto") -> list[RankEvidence]:
@@ -116,6 +120,7 @@ def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
     recorder = RecordHooks(spec.model, own_loss=spec.loss is None)
     strategy_options = case_options(case, spec)
     ev.options = spec.run_options.described(strategy_options)
+    ev.router_loss = router_loss(spec.model) if strategy_options.get("moe_aux_loss", "local") == "local" else None
     par = Parallel(case.strategy, accelerator=accelerator, monitor=False,  # the monitor's table would only add noise
                    **spec.run_options.parallel(spec.accumulate, spec.loader.batch_size), **strategy_options)
     loader, recording = recording_loader(spec.loader)

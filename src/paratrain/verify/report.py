@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .diagnose import (Divergence, Finding, batchnorm_finding, data_findings, first_divergence,
-                       gradient_scale_finding, ranks_apart, replicas_finding, tie_finding, untrained_finding)
+                       gradient_scale_finding, ranks_apart, replicas_finding, router_loss_finding, tie_finding,
+                       untrained_finding)
 from .distributed import RankEvidence
 from .floor import FloorSummary, Judge, NoiseFloor, Tolerance
 from .record import Record
@@ -107,7 +108,8 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, twin: Record | N
                         batchnorm_finding(ranks, ref, max(tolerance or 0.0, 1e-4), window)):
             if finding is not None:
                 report.findings.append(finding)
-    for finding in (tie_finding(ranks, ref), untrained_finding(ranks, ref)):
+    routed = router_loss_finding(ranks, main.data.replicas) if report.divergence is not None else None
+    for finding in (tie_finding(ranks, ref), untrained_finding(ranks, ref), routed):
         if finding is not None:
             report.findings.append(finding)
     drift = replicas_finding(ranks)

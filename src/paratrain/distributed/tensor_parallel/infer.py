@@ -44,11 +44,23 @@ def choose_plan(model: nn.Module, user: Mapping[str, str | ParallelStyle] | str 
     when the user gave none; else :func:`~.plans.plan_for`'s (the user's, the model's own, the built-in one)."""
     if isinstance(user, str) and user != "auto":
         raise ConfigError(f"tp_plan must be 'auto' or a dict of module-name patterns to styles, not {user!r}")
+    refuse_experts(model)
     if user == "auto" or (user is None and not has_plan(model)):
         if degree is None:
             raise ConfigError("tp_plan='auto' infers a plan for a tp degree; give tp=N")
         return infer_plan(model, degree, facts)
     return plan_for(model, user)  # type: ignore[arg-type]
+
+
+def refuse_experts(model: nn.Module) -> None:
+    """A mixture-of-experts layer (routed experts fused in 3-D parameters under a module named ``experts``, as
+    transformers and paratrain's GPT hold them) is refused in one line: neither split nor replicated over tp does it
+    train as one process does (measured on Mixtral, Qwen2/3-MoE, OLMoE and GPT-OSS: 2e-2 to 0.5 apart after 3 steps;
+    GPT-OSS fails on its attention sinks)."""
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "experts" and any(p.dim() == 3 for p in module.parameters(recurse=False)):
+            raise ConfigError(f"tp cannot train {type(model).__name__}: its mixture-of-experts layers ({name}) are "
+                              "not supported under tensor parallelism; use ddp, zero3 or hsdp for it")
 
 
 def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -> TPPlan:
