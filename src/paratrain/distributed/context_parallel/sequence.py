@@ -43,8 +43,7 @@ class SequenceSplit:
         self.positions = next((p for p in ("position_ids", "positions") if p in params), None)
         """The forward's keyword for the global positions of its tokens (None: it takes none)."""
         self.no_cache = {"use_cache": False} if "use_cache" in params else {}
-        """A key/value cache would hold this rank's slice, and a recomputed block (activation checkpointing) would
-        append to it again: a split forward runs without one."""
+        """A key/value cache would hold only this rank's slice of the keys: a split forward runs without one."""
         self.shifts_labels = _causal_lm(model)
         self.padding: torch.Tensor | None = None
         """The whole 2-D attention mask of the current call (None: no padding given)."""
