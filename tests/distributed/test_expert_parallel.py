@@ -151,6 +151,7 @@ def test_models_that_cannot_split_are_one_line(build, degree, says):
     ("zero1", 2, {"ep": 2}, "does not take ep=2"),
     ("hsdp", 4, {"ep": 2}, "does not take ep=2"),
     ("zero3", 4, {"ep": 2, "tp": 2}, "both tp and ep is not supported"),
+    ("zero3", 4, {"ep": 2, "cp": 2}, "both cp and ep is not supported"),
     ("zero3", 4, {"ep": 3}, "ep=3 must divide the 4 data-parallel ranks"),
     ("ddp", 2, {"ep": 4}, "ep=4 must divide the 2 data-parallel ranks"),
     ("zero3", 2, {"ep": 0}, "ep must be an integer >= 1"),

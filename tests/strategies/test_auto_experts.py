@@ -22,14 +22,15 @@ def _choose(monkeypatch, model, memory_gib):
     """``choose_strategy`` on 8 GPUs of ``memory_gib``; what it asked ``create`` for, and its lines."""
     asked, build = {}, auto.create
 
-    def create(name, **options):  # the runtime's ep= option is another change's: record the request, build without
+    def create(name, **options):  # record the request; the strategy is built as asked
         asked.update(name=name, options=options)
-        return build(name, **{k: v for k, v in options.items() if k != "ep"})
+        return build(name, **options)
 
     monkeypatch.setattr(auto, "local_cluster", lambda *a: make_cluster("h100", gpus=8, gpu_mem_gb=memory_gib))
     monkeypatch.setattr(auto, "create", create)
     monkeypatch.setattr(auto, "model_shape", lambda model: None)  # no tp: ep alone is weighed
-    _, lines = auto.choose_strategy(model, WORLD, torch.device("cpu"), "fp32", lambda x: x)
+    strategy, lines = auto.choose_strategy(model, WORLD, torch.device("cpu"), "fp32", lambda x: x)
+    asked["built"] = strategy.describe()
     return asked, lines
 
 
@@ -40,9 +41,11 @@ def test_auto_asks_for_expert_parallelism_when_the_planner_picks_it(monkeypatch)
     assert has_experts(model)
     asked, lines = _choose(monkeypatch, model, 0.84)
     assert asked["options"] == {"ep": 2}, asked
+    assert "ep=2" in asked.pop("built")  # what the ranks agree on names the split
     assert f"strategy 'auto' chose {asked['name']} with ep=2:" in lines[0], lines[0]
     assert "ep=2 gives each rank 1/2 of the experts" in lines[0]
     asked, lines = _choose(monkeypatch, model, 80)
+    assert asked.pop("built") == "ddp(bucket_cap_mb=25)"
     assert asked == {"name": "ddp", "options": {}} and "ep=" not in lines[0]
 
 
@@ -51,6 +54,7 @@ def test_a_dense_model_is_never_given_expert_parallelism(monkeypatch):
     model = GPT(DENSE).to("meta")
     assert not has_experts(model)
     asked, lines = _choose(monkeypatch, model, 0.8)
+    asked.pop("built")
     assert asked == {"name": "zero2", "options": {}} and "ep=" not in lines[0], lines[0]
 
 
