@@ -55,9 +55,12 @@ def global_batches(world: int = 2) -> torch.Tensor:
 
 
 def train(name: str, strategy: str, *, every: int = 2, persist: int = 3) -> dict:
-    """STEPS steps of model ``name``; each rank reads its slice of the global batch. Returns every window's tokens
-    per expert (layer name -> counts), the warnings raised and the lines rank 0 emitted."""
-    par = paratrain.Parallel(strategy, monitor=MonitorConfig(every=every, persist=persist, summary=False))
+    """STEPS steps of model ``name`` under ``strategy`` (a name, then degrees: ``"zero3 ep=2"``); each rank reads
+    its slice of the global batch. Returns every window's tokens per expert (layer name -> counts), the warnings
+    raised and the lines rank 0 emitted."""
+    strategy, *degrees = strategy.split()
+    options = {k: int(v) for k, v in (d.split("=") for d in degrees)}
+    par = paratrain.Parallel(strategy, monitor=MonitorConfig(every=every, persist=persist, summary=False), **options)
     emitted: list[str] = []
     par.monitor.emit = emitted.append
     model = _model(name)
@@ -86,7 +89,7 @@ def all_to_all_case() -> dict:
     return {"seconds": seconds, "bytes": sent}
 
 
-CASES = (("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("collapsed", "ddp"), ("all_to_all", ""))
+CASES = (("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2"), ("collapsed", "ddp"), ("all_to_all", ""))
 
 
 def routing_job() -> dict:

@@ -136,9 +136,11 @@ def job():
 
 @pytest.mark.launched
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name, strategy", [("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp")])
+@pytest.mark.parametrize("name, strategy", [("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"),
+                                            ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2")])
 def test_two_ranks_report_the_routing_of_the_global_batch(job, name, strategy):
-    """Every window's tokens per expert, summed over the ranks, equal one process's on the global batch."""
+    """Every window's tokens per expert, summed over the ranks, equal one process's on the global batch; with
+    expert parallelism too (each rank counts what its router chose, before the tokens travel)."""
     reference = train(name, "single")
     got = job[(name, strategy)]
     assert got["windows"] == reference["windows"] and len(got["windows"]) == 2, (got, reference)
