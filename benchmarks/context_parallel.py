@@ -39,16 +39,29 @@ from torch.nn.parallel import DistributedDataParallel
 import paratrain
 from paratrain.batch import ModelCall
 from paratrain.distributed.process_group import finish_group
-from paratrain.planner.transformer import GPTConfig
+from paratrain.planner.layout import Layout
+from paratrain.planner.memory import activation_figures
+from paratrain.planner.training import Training
+from paratrain.planner.transformer import GPTConfig, transformer_stats
 from paratrain.workloads.gpt import GPT
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 1024, 128, 2, 8, 4
 
 
+def shape(seq: int) -> GPTConfig:
+    return GPTConfig(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, seq_len=seq, vocab=VOCAB,
+                     gated=True, bias=False, learned_positions=False, tied=False)
+
+
 def build(seq: int) -> nn.Module:
     torch.manual_seed(0)
-    return GPT(GPTConfig(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, seq_len=seq, vocab=VOCAB,
-                         gated=True, bias=False, learned_positions=False, tied=False))
+    return GPT(shape(seq))
+
+
+def planned(seq: int, cp: int) -> float:
+    """The planner's activation bytes of one cp rank for this model and sequence (fp32, one sample)."""
+    stats = transformer_stats(shape(seq), name="gpt")
+    return activation_figures(stats, Training(precision="fp32", micro_batch=1), Layout.of(name="ddp", dp=1, cp=cp))[0]
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -192,11 +205,15 @@ def main() -> None:
         rounds = res["rounds_s"]  # the same round's pair: steadier than the ratio of medians on a busy machine
         res["paratrain_over_hand_paired"] = statistics.median(p / h for p, h in zip(rounds["paratrain"], rounds["hand"]))
         res["memory_vs_cp1"] = {k: v / mem["cp=1"] for k, v in mem.items()}
+        res["planner_bytes"] = {"cp=1": planned(args.seq, 1), "paratrain": planned(args.seq, world)}
+        res["planner_over_measured"] = {k: v / mem[k] for k, v in res["planner_bytes"].items()}
         results.append(res)
         print(f"world {world} (cp={world}), seq {args.seq}:")
         for k in step:
             print(f"  {k:10s} step {step[k]:.3f} s  {res['tokens_per_s'][k]:8.0f} tok/s  saved "
                   f"{mem[k] / 2**20:7.1f} MiB ({res['memory_vs_cp1'][k]:.2f} x cp=1)")
+        print("  planner / measured saved bytes: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                             res["planner_over_measured"].items()))
         print(f"  paratrain / hand: {res['paratrain_over_hand']:.3f} (median of rounds' ratios "
               f"{res['paratrain_over_hand_paired']:.3f})")
     if args.json:

@@ -235,11 +235,11 @@ def test_bench_ps_against_ddp_on_the_sparse_workload(tmp_path, capsys):
 
 
 def test_tp_runs_inside_the_strategies_that_take_it_with_the_workloads_plan():
-    cfg = BenchConfig(workload="mlp", nprocs=(1, 2, 4), strategies=("tp", "zero3", "zero1"), tp=2)
+    cfg = BenchConfig(workload="mlp", nprocs=(1, 2, 4), strategies=("tp", "zero3", "zero1", "hsdp"), tp=2)
     jobs, skipped, _ = plan_jobs(cfg, TWO_CORES)
     runs = {(job.world, run.label): run.options for job in jobs for run in job.runs}
     plan = {"0": "colwise", "2": "rowwise"}  # the MLP has no built-in plan: the workload's
     assert runs[(2, "tp")] == {"tp_plan": plan} == runs[(4, "tp")]  # tp splits over every rank
-    assert runs[(2, "zero3+tp2")] == {"tp": 2, "tp_plan": plan} == runs[(4, "zero3+tp2")]
-    assert {r.label for r in skipped} == {"zero1+tp2"}  # refused in its own words
+    assert runs[(2, "zero3+tp2")] == {"tp": 2, "tp_plan": plan} == runs[(4, "zero1+tp2")]
+    assert {r.label for r in skipped} == {"hsdp+tp2"}  # refused in its own words
     assert all("does not take tp" in r.skipped for r in skipped)

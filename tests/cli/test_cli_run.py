@@ -88,7 +88,7 @@ def test_bad_input_gives_one_line_errors(paratrain_cmd, tmp_path):
              (["demo", "--strategy", "hybrid", "-n", "2"], "launch 4 processes"),
              (["demo", "--strategy", "zero3", "--tp", "3", "-n", "4"],
               "valid layouts: zero3 tp=2 (2 x 2), zero3 tp=4 (1 x 4)"),
-             (["demo", "--strategy", "zero1", "--tp", "2", "-n", "4"], "does not take tp")]
+             (["demo", "--strategy", "hsdp", "--tp", "2", "-n", "4"], "does not take tp")]
     with socket.socket() as taken, ThreadPoolExecutor(4) as pool:  # each is a fresh interpreter importing torch
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -33,7 +33,7 @@ def refuse_tp(strategy: str, options: dict[str, Any]) -> None:
     """One line for a strategy that does not compose with tensor parallelism (yet) but was given ``tp``."""
     if "tp" in options or "tp_plan" in options:
         raise ConfigError(f"strategy {strategy!r} does not take tp; tensor parallelism runs alone (Parallel('tp')) or "
-                          "inside ddp, zero2, zero3, pipeline and hybrid (Parallel('zero3', tp=2))")
+                          "inside ddp, zero1, zero2, zero3, pipeline and hybrid (Parallel('zero3', tp=2))")
 
 
 def cli_options(strategy: str, tp: int | None, plan: Mapping[str, str | ParallelStyle] | None = None) -> dict[str, Any]:
