@@ -1,6 +1,6 @@
 """What expert parallelism's all-to-all costs one step of a mixture-of-experts workload, timed on the bench's group.
 
-The runtime's ``ep=`` is not what is timed here: this is the all-to-all it would do, measured on the same ranks. In
+The bench's rows run without ``ep=``: this is the all-to-all ``ep=`` would add to them, measured on the same ranks. In
 each MoE layer the forward sends every token copy (each token once per expert it is routed to: tokens x top_k x
 hidden) to its expert's rank and brings the results back (two all-to-alls), and the backward does the same with
 the gradients (two more). One forward of the step's batch, with pre-hooks on the ``experts`` modules
