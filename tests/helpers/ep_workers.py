@@ -131,18 +131,22 @@ def expert_elements(model: nn.Module) -> int:
 
 
 def run_case(model_name: str, strategy: str, options: dict, folder: str, loads: tuple) -> dict:
-    """Train 2 steps, save, train step 3: the final state. Then for each layout (strategy, options) of ``loads``: a
-    new ``Parallel`` of that layout loads the save and trains step 3 again; its difference from the final state
-    (the same layout: a resume; another ``ep``: a reshard)."""
+    """Train 2 steps, save (and the full state dict saved; graphs compiled by then), train step 3: the final state.
+    Then for each layout (strategy, options) of ``loads``: a new ``Parallel`` of that layout loads the save and
+    trains step 3 again; its difference from the final state (the same layout: a resume; another ``ep``: a
+    reshard)."""
     spec = MODELS[model_name]
+    graphs = _graphs()
     par, model, opt = _prepared(spec, strategy, options)
     held = expert_elements(par.unwrap(model))
     _train(par, spec, model, opt, range(STEPS - 1))
+    graphs = _graphs() - graphs
     par.save(folder)
+    saved = par.full_state_dict(model, rank0_only=False)  # what `paratrain export` of the save must give
     _train(par, spec, model, opt, range(STEPS - 1, STEPS))
     final = par.full_state_dict(model, rank0_only=False)
     par.close()
-    out = {"state": final, "held": held, "loads": {}}
+    out = {"state": final, "saved": saved, "held": held, "graphs": graphs, "loads": {}}
     for s, o in loads:
         par, model, opt = _prepared(spec, s, o)
         par.load(folder)
@@ -150,6 +154,13 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str, loads: 
         out["loads"][f"{s}{o}"] = max_abs_diff(final, par.full_state_dict(model, rank0_only=False))
         par.close()
     return out
+
+
+def _graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def built_case(model_name: str, strategy: str, options: dict, folder: str) -> dict:
