@@ -57,14 +57,16 @@ WORLD4[0] = ("gpt_moe", "zero3", {"ep": 2}, (("zero3", {"ep": 2}), ("zero3", {"e
 WORLD4[1] = ("gpt_moe", "ddp", {"ep": 2}, (("ddp", {"ep": 2}), ("zero3", {"ep": 4})))
 # hybrid: 2 replicas x 2 stages, each stage's experts split over its 2 replicas; loads keep the 2 replicas
 HYB, HYF = {"dp": 2, "ep": 2, "data": "ddp"}, {"dp": 2, "ep": 2, "data": "fsdp"}
+HYI = {**HYB, "schedule": "interleaved-1f1b"}
 HYBRID = [
     ("mixtral", "hybrid", HYB, (("hybrid", HYB), ("hybrid", {"dp": 2}))),
     ("mixtral", "hybrid", HYF, (("hybrid", HYF), ("hybrid", HYB))),
     ("gpt_moe", "hybrid", HYB, (("hybrid", HYB), ("hybrid", HYF))),
     ("gpt_moe", "hybrid", {**HYF, "clip_grad_norm": 0.5}, (("hybrid", {**HYF, "clip_grad_norm": 0.5}),)),
     ("qwen3_moe", "hybrid", HYB, ()),  # its first block is dense: stage 0 holds no experts
+    ("gpt_moe4", "hybrid", HYI, (("hybrid", HYI),)),  # 4 stages, 2 a rank: each splits its own experts
 ]
-STAGE0_EXPERTS = {"mixtral": 0.5, "gpt_moe": 0.5, "qwen3_moe": 0.0}  # the share of the experts in rank 0's stage
+STAGE0_EXPERTS = {"mixtral": 0.5, "gpt_moe": 0.5, "qwen3_moe": 0.0, "gpt_moe4": 0.5}  # the share in rank 0's stages
 
 
 def key(case: tuple) -> str:

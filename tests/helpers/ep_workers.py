@@ -72,13 +72,13 @@ def qwen2_moe() -> nn.Module:
                                               num_experts=4, num_experts_per_tok=2, max_position_embeddings=16))
 
 
-def gpt_moe() -> nn.Module:
+def gpt_moe(layers: int = 2) -> nn.Module:
     from paratrain.planner.moe import MoE
     from paratrain.planner.transformer import GPTConfig
     from paratrain.workloads.gpt import GPT
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(layers=2, hidden=32, heads=2, seq_len=8, vocab=65, gated=True, bias=False, tied=False,
+    return GPT(GPTConfig(layers=layers, hidden=32, heads=2, seq_len=8, vocab=65, gated=True, bias=False, tied=False,
                          learned_positions=False, moe=MoE(experts=4, top_k=2, ffn=16, shared=16)))
 
 
@@ -90,6 +90,7 @@ MODELS = {m.name: m for m in (
     ZooModel("mixtral", mixtral, _tokens, _lm_loss, _sgd),
     ZooModel("qwen3_moe", qwen3_moe, _tokens, _lm_loss, _adamw),
     ZooModel("gpt_moe", gpt_moe, _tokens, _lm_loss, _sgd),
+    ZooModel("gpt_moe4", lambda: gpt_moe(4), _tokens, _lm_loss, _sgd),  # 4 blocks: 2 pipeline stages a rank
     ZooModel("gpt_oss", gpt_oss, _tokens, _lm_loss, _sgd),
     ZooModel("olmoe", olmoe, _tokens, _lm_loss, _sgd),
     ZooModel("qwen2_moe", qwen2_moe, _tokens, _lm_loss, _sgd),
