@@ -204,8 +204,8 @@ class EPConfig:
 
 def refuse_ep(strategy: str, degree: object) -> str:
     """The one line for a strategy given ``ep`` that cannot hold it."""
-    return (f"strategy {strategy!r} does not take ep={degree}; expert parallelism runs inside ddp, zero2 and zero3 "
-            "(Parallel('zero3', ep=2))")
+    return (f"strategy {strategy!r} does not take ep={degree}; expert parallelism runs inside ddp, zero2, zero3 "
+            "and hybrid (Parallel('zero3', ep=2))")
 
 
 @dataclass(frozen=True, kw_only=True)

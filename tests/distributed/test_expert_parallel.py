@@ -28,6 +28,7 @@ from helpers.paths import SCRIPTS
 from paratrain.distributed.expert_parallel.experts import find_experts
 from paratrain.errors import ConfigError
 from paratrain.strategies.registry import check_world
+from paratrain.testing import max_abs_diff
 
 MOE = ("gpt_moe", "mixtral", "qwen3_moe")
 # (model, strategy, options, layouts that load its save after step 2: the same one resumes, another reshards)
@@ -46,12 +47,26 @@ WORLD2 = [
     ("gpt_oss", "zero3", {"ep": 2}, ()),
     ("olmoe", "ddp", {"ep": 2}, ()),
     ("qwen2_moe", "zero2", {"ep": 2}, ()),
+    ("mixtral", "zero3", {"ep": 2, "compile": True}, ()),  # each block compiled, graph breaks at the exchange
     ("dense", "ddp", {"ep": 2}, ()),
 ]
+EXPORTED = WORLD2[1]  # gpt_moe, zero3 x ep=2: its save is exported by the CLI
 BUILT = [("mixtral", "zero3", {"ep": 2}, "built"), ("mixtral", "ddp", {"ep": 2}, "built")]
 WORLD4 = [(m, s, {"ep": e}, ()) for m in MOE for s, e in (("zero3", 2), ("ddp", 2), ("zero3", 4))]
 WORLD4[0] = ("gpt_moe", "zero3", {"ep": 2}, (("zero3", {"ep": 2}), ("zero3", {"ep": 4}), ("ddp", {})))
 WORLD4[1] = ("gpt_moe", "ddp", {"ep": 2}, (("ddp", {"ep": 2}), ("zero3", {"ep": 4})))
+# hybrid: 2 replicas x 2 stages, each stage's experts split over its 2 replicas; loads keep the 2 replicas
+HYB, HYF = {"dp": 2, "ep": 2, "data": "ddp"}, {"dp": 2, "ep": 2, "data": "fsdp"}
+HYI = {**HYB, "schedule": "interleaved-1f1b"}
+HYBRID = [
+    ("mixtral", "hybrid", HYB, (("hybrid", HYB), ("hybrid", {"dp": 2}))),
+    ("mixtral", "hybrid", HYF, (("hybrid", HYF), ("hybrid", HYB))),
+    ("gpt_moe", "hybrid", HYB, (("hybrid", HYB), ("hybrid", HYF))),
+    ("gpt_moe", "hybrid", {**HYF, "clip_grad_norm": 0.5}, (("hybrid", {**HYF, "clip_grad_norm": 0.5}),)),
+    ("qwen3_moe", "hybrid", HYB, ()),  # its first block is dense: stage 0 holds no experts
+    ("gpt_moe4", "hybrid", HYI, (("hybrid", HYI),)),  # 4 stages, 2 a rank: each splits its own experts
+]
+STAGE0_EXPERTS = {"mixtral": 0.5, "gpt_moe": 0.5, "qwen3_moe": 0.0, "gpt_moe4": 0.5}  # the share in rank 0's stages
 
 
 def key(case: tuple) -> str:
@@ -59,21 +74,28 @@ def key(case: tuple) -> str:
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
+def ep2_dir(tmp_path_factory):
+    """Where the world-2 job saves: case i in folder i."""
+    return tmp_path_factory.mktemp("ep2")
+
+
+@pytest.fixture(scope="module")
+def world2(ep2_dir):
     from paratrain.testing import spawn
 
-    return spawn(run_cases, 2, (WORLD2 + BUILT, str(tmp_path_factory.mktemp("ep2"))), timeout_s=300)[0]
+    return spawn(run_cases, 2, (WORLD2 + BUILT, str(ep2_dir)), timeout_s=420)[0]
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     from paratrain.testing import spawn
 
-    return spawn(run_cases, 4, (WORLD4, str(tmp_path_factory.mktemp("ep4"))), timeout_s=420)[0]
+    return spawn(run_cases, 4, (WORLD4 + HYBRID, str(tmp_path_factory.mktemp("ep4"))), timeout_s=480)[0]
 
 
-def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Tensor]) -> None:
-    """Equal to one process; the experts split as the layout says; every load of the save equal to the run."""
+def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Tensor], share: float = 1.0) -> None:
+    """Equal to one process; the experts split as the layout says (``share``: of them in rank 0's pipeline stage);
+    every load of the save equal to the run."""
     assert "error" not in result, result.get("error")
     state, model_name, strategy, options, loads = result["state"], *case
     tol = 3e-3 if options.get("precision") == "bf16-mixed" else TOL  # against the fp32 process, as status.md says
@@ -82,7 +104,7 @@ def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Te
     assert all(state[k].shape == v.shape for k, v in expected.items())
     whole = expert_elements(MODELS[model_name].build())
     sharded = replicas if strategy.startswith("zero") else options["ep"]
-    assert result["held"] * sharded == whole, "each rank holds its 1/ep of the experts (and 1/dp under zero)"
+    assert result["held"] * sharded == whole * share, "each rank holds its 1/ep of the experts (1/dp under zero)"
     for (s, o), diff in zip(loads, result["loads"].values(), strict=True):
         # a resume is bitwise under zero; DDP's buckets are rebuilt after its first step, so the first step after a
         # resume sums the non-expert gradients in another order than the uninterrupted run did (the zoo's bound)
@@ -93,7 +115,7 @@ def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Te
 
 @pytest.mark.launched
 @pytest.mark.slow
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("case", [c for c in WORLD2 if c[0] != "dense"], ids=key)  # accumulate: the same batch
 def test_world2_equals_one_process(world2, case):
     check(world2[key(case)], case, 2, reference(case[0], 2, case[2].get("clip_grad_norm")))
@@ -109,7 +131,17 @@ def test_world4_equals_one_process(world4, case):
 
 @pytest.mark.launched
 @pytest.mark.slow
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case", HYBRID, ids=key)
+def test_hybrid_stages_split_their_experts_over_their_replicas(world4, case):
+    """Parallel("hybrid", dp=2, ep=2) at world 4: equal to one process on the 2 replicas' batch, resumed bitwise,
+    loaded without ep and under the other data engine."""
+    check(world4[key(case)], case, 2, reference(case[0], 2, case[2].get("clip_grad_norm")), STAGE0_EXPERTS[case[0]])
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("case", BUILT, ids=key)
 def test_a_meta_build_and_load_weights_fill_the_expert_slices(world2, case):
     result = world2[f"{key(case)}/built"]
@@ -119,7 +151,31 @@ def test_a_meta_build_and_load_weights_fill_the_expert_slices(world2, case):
 
 @pytest.mark.launched
 @pytest.mark.slow
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(480)
+def test_export_of_an_ep_save_is_the_plain_full_state_dict(world2, ep2_dir, tmp_path):
+    """``paratrain export`` of the zero3 x ep=2 save: the whole experts under their plain names, equal to
+    ``par.full_state_dict`` at the save, loadable by the plain model."""
+    out = tmp_path / "gpt_moe.pt"
+    done = run_cli("export", str(ep2_dir / str(WORLD2.index(EXPORTED))), str(out), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported, saved = torch.load(out, weights_only=True), world2[key(EXPORTED)]["saved"]
+    assert list(exported) == list(saved)
+    assert max_abs_diff(exported, saved) == 0.0
+    MODELS["gpt_moe"].build().load_state_dict(exported)
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_compile_with_ep_compiles_the_blocks(world2):
+    """The compile case above equals one process (test_world2_equals_one_process); here: it did compile."""
+    assert world2["mixtral/zero3{'ep': 2, 'compile': True}"]["graphs"] > 0
+    assert world2["mixtral/zero3{'ep': 2}"]["graphs"] == 0
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_a_dense_model_is_refused_inside_every_rank(world2):
     error = world2["dense/ddp{'ep': 2}"]["error"]
     assert "no module named 'experts'" in error and "\n" not in error
@@ -143,11 +199,14 @@ def test_models_that_cannot_split_are_one_line(build, degree, says):
 
 
 @pytest.mark.parametrize(("strategy", "world", "options", "says"), [
-    ("ps", 2, {"ep": 2}, "does not take ep=2; expert parallelism runs inside ddp, zero2 and zero3"),
+    ("ps", 2, {"ep": 2}, "does not take ep=2; expert parallelism runs inside ddp, zero2, zero3 and hybrid"),
     ("dp", 1, {"ep": 2}, "does not take ep=2"),
     ("single", 1, {"ep": 2}, "does not take ep=2"),
     ("model_parallel", 2, {"ep": 2}, "does not take ep=2"),
-    ("pipeline", 2, {"ep": 2}, "does not take ep=2"),
+    ("pipeline", 2, {"ep": 2}, r"'pipeline' has one replica.*use Parallel\('hybrid', dp=2, ep=2\)"),
+    ("hybrid", 4, {"dp": 2, "ep": 2, "data": "zero1"}, "hybrid with data='zero1' and ep is not supported"),
+    ("hybrid", 8, {"dp": 2, "ep": 2, "tp": 2}, "hybrid with both tp and ep is not supported yet"),
+    ("hybrid", 4, {"dp": 2, "ep": 4}, "ep=4 must divide the 2 data-parallel ranks"),
     ("zero1", 2, {"ep": 2}, "does not take ep=2"),
     ("hsdp", 4, {"ep": 2}, "does not take ep=2"),
     ("zero3", 4, {"ep": 2, "tp": 2}, "both tp and ep is not supported"),

@@ -72,13 +72,13 @@ def qwen2_moe() -> nn.Module:
                                               num_experts=4, num_experts_per_tok=2, max_position_embeddings=16))
 
 
-def gpt_moe() -> nn.Module:
+def gpt_moe(layers: int = 2) -> nn.Module:
     from paratrain.planner.moe import MoE
     from paratrain.planner.transformer import GPTConfig
     from paratrain.workloads.gpt import GPT
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(layers=2, hidden=32, heads=2, seq_len=8, vocab=65, gated=True, bias=False, tied=False,
+    return GPT(GPTConfig(layers=layers, hidden=32, heads=2, seq_len=8, vocab=65, gated=True, bias=False, tied=False,
                          learned_positions=False, moe=MoE(experts=4, top_k=2, ffn=16, shared=16)))
 
 
@@ -90,6 +90,7 @@ MODELS = {m.name: m for m in (
     ZooModel("mixtral", mixtral, _tokens, _lm_loss, _sgd),
     ZooModel("qwen3_moe", qwen3_moe, _tokens, _lm_loss, _adamw),
     ZooModel("gpt_moe", gpt_moe, _tokens, _lm_loss, _sgd),
+    ZooModel("gpt_moe4", lambda: gpt_moe(4), _tokens, _lm_loss, _sgd),  # 4 blocks: 2 pipeline stages a rank
     ZooModel("gpt_oss", gpt_oss, _tokens, _lm_loss, _sgd),
     ZooModel("olmoe", olmoe, _tokens, _lm_loss, _sgd),
     ZooModel("qwen2_moe", qwen2_moe, _tokens, _lm_loss, _sgd),
@@ -131,18 +132,22 @@ def expert_elements(model: nn.Module) -> int:
 
 
 def run_case(model_name: str, strategy: str, options: dict, folder: str, loads: tuple) -> dict:
-    """Train 2 steps, save, train step 3: the final state. Then for each layout (strategy, options) of ``loads``: a
-    new ``Parallel`` of that layout loads the save and trains step 3 again; its difference from the final state
-    (the same layout: a resume; another ``ep``: a reshard)."""
+    """Train 2 steps, save (and the full state dict saved; graphs compiled by then), train step 3: the final state.
+    Then for each layout (strategy, options) of ``loads``: a new ``Parallel`` of that layout loads the save and
+    trains step 3 again; its difference from the final state (the same layout: a resume; another ``ep``: a
+    reshard)."""
     spec = MODELS[model_name]
+    graphs = _graphs()
     par, model, opt = _prepared(spec, strategy, options)
     held = expert_elements(par.unwrap(model))
     _train(par, spec, model, opt, range(STEPS - 1))
+    graphs = _graphs() - graphs
     par.save(folder)
+    saved = par.full_state_dict(model, rank0_only=False)  # what `paratrain export` of the save must give
     _train(par, spec, model, opt, range(STEPS - 1, STEPS))
     final = par.full_state_dict(model, rank0_only=False)
     par.close()
-    out = {"state": final, "held": held, "loads": {}}
+    out = {"state": final, "saved": saved, "held": held, "graphs": graphs, "loads": {}}
     for s, o in loads:
         par, model, opt = _prepared(spec, s, o)
         par.load(folder)
@@ -150,6 +155,13 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str, loads: 
         out["loads"][f"{s}{o}"] = max_abs_diff(final, par.full_state_dict(model, rank0_only=False))
         par.close()
     return out
+
+
+def _graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def built_case(model_name: str, strategy: str, options: dict, folder: str) -> dict:

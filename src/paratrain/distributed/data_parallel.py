@@ -47,7 +47,9 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, c
     ddp = _DDP(
         model,
         device_ids=[device.index] if device is not None and device.type == "cuda" else None,
-        device_mesh=mesh,
+        # its group, not the mesh: DDP given a slice of a larger mesh (hybrid's dp) turns DTensor parameters into
+        # plain ones (its tensor-parallel workaround), undoing expert parallelism's split of the experts
+        process_group=mesh.get_group(),
         bucket_cap_mb=bucket_cap_mb,
         find_unused_parameters=config.find_unused_parameters,
         static_graph=config.static_graph,

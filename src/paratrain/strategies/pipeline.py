@@ -21,11 +21,16 @@ boundaries whole: :mod:`paratrain.distributed.tensor_parallel.stage_styles`): a 
 ``loss_parallel``, as ``tp`` without stages does; with DDP the stages are replicated by FSDP2's ``replicate``
 (``DistributedDataParallel`` refuses DTensor parameters), as ``Parallel("ddp", tp=T)`` does.
 
+``ep=E`` (``hybrid`` only) splits each stage's routed experts over groups of E of that stage's ``dp`` replicas, tokens
+exchanged within the group, as ``Parallel("ddp"|"zero3", ep=E)`` splits them over its data-parallel ranks
+(:mod:`paratrain.distributed.expert_parallel`); ``pipeline`` has one replica, nothing to split them over.
+
 Training runs through ``par.forward_backward(model, x, y, loss_fn)``; calling the prepared model runs a
 forward-only pass and gives every rank of the pipeline the last stage's output.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections import OrderedDict
@@ -48,8 +53,8 @@ from ..errors import ConfigError
 from ..model.cuts import cut_points
 from ..model.materialize import to_device
 from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
-from ..options import CPConfig, DDPConfig, FSDPConfig, PipelineConfig, TPConfig
-from .base import Runtime, Strategy, tensor_parallel
+from ..options import CPConfig, DDPConfig, EPConfig, FSDPConfig, PipelineConfig, TPConfig
+from .base import Runtime, Strategy, expert_parallel, tensor_parallel
 from .data_engines import load_zero_optimizer_state, zero_optimizer_state
 from .registry import register
 
@@ -65,7 +70,14 @@ class PipelineStrategy(Strategy):
             raise ConfigError(f"{self.name} does not take cp: a pipeline's stages would each split the sequence; use "
                               "cp inside ddp, zero2, zero3 or hsdp (Parallel('zero3', cp=2))")
         self.tp = tensor_parallel(TPConfig.pop(options))
+        self.ep = expert_parallel(EPConfig.pop(options, self.name, takes_ep=True))
+        if self.ep.splits and self.tp.splits:
+            raise ConfigError(f"{self.name} with both tp and ep is not supported yet; split the experts (ep) or every "
+                              "layer (tp), not both")
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
+        if self.ep.splits and self.config.data == "zero1":
+            raise ConfigError(f"{self.name} with data='zero1' and ep is not supported: ZeroRedundancyOptimizer cannot "
+                              "checkpoint split experts' state; use data='ddp' or data='fsdp' with ep")
         self._names: dict[int, dict[int, str]] = {}
 
     def degrees(self, env: ClusterEnv) -> tuple[int, int]:
@@ -76,7 +88,7 @@ class PipelineStrategy(Strategy):
         dp, pp = self.degrees(env)
         zero = {"fsdp": 3, "zero1": 1}.get(self.config.data, 0) if dp > 1 else 0
         data = {"dp_shard": dp, "zero": zero} if zero else {"dp_replicate": dp}
-        return ParallelDims(**data, pp=pp, tp=self.tp_degree(env))
+        return ParallelDims(**data, pp=pp, tp=self.tp_degree(env), ep=self.ep.degree)
 
     def validate(self, env: ClusterEnv) -> None:
         dp, pp = self.degrees(env)
@@ -97,6 +109,7 @@ class PipelineStrategy(Strategy):
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
         self.tp.check_stages(model, self.name)
+        self.ep.check(model)
         if rt.precision.name == "fp16-mixed":
             raise ConfigError(f"{self.name} does not support fp16-mixed (loss scaling across stages); use bf16-mixed")
         assert rt.mesh is not None
@@ -134,8 +147,8 @@ class PipelineStrategy(Strategy):
         assert rt.facts is not None
         owned = [(names[i], model[i]) for s in mine for i in range(*bounds[s])]
         out = PipelinedModel(owned)
-        out.parts = [(s, rt.parallelize(model[bounds[s][0]:bounds[s][1]], data=lambda m: self._place(m, rt)))
-                     for s in mine]
+        data = self._with_experts(lambda m: self._place(m, rt), rt)
+        out.parts = [(s, rt.parallelize(model[bounds[s][0]:bounds[s][1]], data=data)) for s in mine]
         self._names[id(out)] = rt.facts.first_names
         return out
 
@@ -165,7 +178,15 @@ class PipelineStrategy(Strategy):
         """Place (and replicate or shard) one stage; FSDP shards a stage still on the meta device, so each rank
         then materializes only its shard of it (DDP needs real tensors: the stage is materialized first)."""
         step = lambda m: self._place(m, rt, units)  # noqa: E731
-        return takes_meta(step) if self.config.data == "fsdp" else step
+        return self._with_experts(takes_meta(step) if self.config.data == "fsdp" else step, rt)
+
+    def _with_experts(self, step: Step, rt: Runtime) -> Step:
+        """``step`` with the stage's routed experts split over its ``dp`` replicas first (``ep=``; else ``step``), in
+        the layout the replicas' engine gives them: beside DDP, or sharded by FSDP with the stage's precision."""
+        assert rt.mesh is not None
+        shard = self.config.data == "fsdp"
+        options = {"mp_policy": dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None)} if shard else {}
+        return self.ep.data_step(step, rt.mesh["dp"], rt.device, 3 if shard else 0, options, stage=True)
 
     def _stage_split(self, model: nn.Module, plan: StagePlan, s: int, total: int, rt: Runtime) -> Step | None:
         """Tensor parallelism of stage ``s`` by the whole model's plan, its boundaries whole (None without tp)."""
@@ -237,6 +258,7 @@ class PipelineStrategy(Strategy):
         (the sum commutes with it) or that mean's shard (FSDP shards the two copies alike). With ``tp``, the
         partial gradients tensor parallelism leaves are summed first (see ``Strategy.sync_gradients``)."""
         super().sync_gradients(model)
+        self.ep.sync_gradients(model)
         if not isinstance(model, PipelinedModel) or not model.tied:
             return
         params = dict(model.named_parameters())
@@ -287,7 +309,7 @@ class PipelineStrategy(Strategy):
         return OrderedDict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
 
     def describe(self) -> str:
-        tp = "".join(f", {d}" for d in (self.tp.describe(),) if d)
+        tp = "".join(f", {d}" for d in (self.tp.describe(), self.ep.describe()) if d)
         return f"{self.name}(schedule={self.config.schedule}, microbatches={self.config.microbatches}{tp})"
 
 
@@ -366,6 +388,10 @@ class PurePipeline(PipelineStrategy):
         super().__init__(config, **options)
         if self.config.dp not in (None, 1):
             raise ConfigError("strategy 'pipeline' has no data-parallel dimension; use 'hybrid' with dp=…")
+        if self.ep.splits:
+            raise ConfigError(f"strategy 'pipeline' has one replica, no data-parallel ranks to split experts over "
+                              f"(ep={self.ep.degree}); use Parallel('hybrid', dp=2, ep=2), which splits them over "
+                              "each stage's replicas")
 
 
 @register("hybrid")
@@ -396,5 +422,5 @@ class HybridPipeline(PipelineStrategy):
             )
 
     def describe(self) -> str:
-        tp = "".join(f", {d}" for d in (self.tp.describe(),) if d)
+        tp = "".join(f", {d}" for d in (self.tp.describe(), self.ep.describe()) if d)
         return f"hybrid({self.config.data} x pipeline, schedule={self.config.schedule}{tp})"

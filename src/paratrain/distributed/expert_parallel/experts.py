@@ -40,11 +40,12 @@ class ExpertsLayer:
     """``"topk"`` (transformers: hidden_states, top_k_index, top_k_weights) or ``"rows"`` (rows, counts)."""
 
 
-def find_experts(model: nn.Module, degree: int) -> list[ExpertsLayer]:
+def find_experts(model: nn.Module, degree: int, required: bool = True) -> list[ExpertsLayer]:
     """Every routed-experts module of ``model`` (:func:`paratrain.model.experts.find_expert_layers`), checked to
-    split evenly over ``degree`` ranks; a model without one, or experts that do not divide, is one line."""
+    split evenly over ``degree`` ranks; a model without one (when ``required``: a pipeline stage may hold none), or
+    experts that do not divide, is one line."""
     layers = [_layer(found) for found in find_expert_layers(model)]
-    if not layers:
+    if not layers and required:
         raise ConfigError(f"ep={degree} splits a mixture of experts' routed experts, but {type(model).__name__} has "
                           "no module named 'experts' with 3-D [experts, out, in] parameters; drop ep for a dense model")
     for layer in layers:

@@ -25,9 +25,11 @@ from .experts import ExpertsLayer
 
 def expert_mesh(dp_mesh: DeviceMesh, degree: int) -> DeviceMesh:
     """The data-parallel ranks of the 1-D ``dp_mesh`` as a ``(ep_dp, ep)`` mesh: consecutive ranks form an expert
-    group (neighbours: on a node, NVLink peers), the ranks holding the same experts are ``degree`` apart."""
-    ranks = dp_mesh.mesh.view(-1, degree)
-    return DeviceMesh(dp_mesh.device_type, ranks, mesh_dim_names=("ep_dp", "ep"))
+    group (neighbours: on a node, NVLink peers), the ranks holding the same experts are ``degree`` apart.
+
+    Unflattened from ``dp_mesh``'s place in its whole mesh, so that where ``dp_mesh`` is one slice of it (hybrid's
+    ``dp`` ranks of one pipeline stage) every rank creates the same process groups, as creating one requires."""
+    return dp_mesh._unflatten(0, (dp_mesh.size() // degree, degree), ("ep_dp", "ep"))
 
 
 def split_experts(layers: list[ExpertsLayer], mesh: DeviceMesh, replicate: bool) -> None:
@@ -71,6 +73,8 @@ def ignored_by_ddp(model: nn.Module, layers: list[ExpertsLayer]) -> None:
 def reduce_expert_grads(layers: list[ExpertsLayer], mesh: DeviceMesh, dp: int) -> None:
     """Sum the experts' gradients over ``mesh["ep_dp"]`` in one all-reduce and divide them by ``dp``."""
     params = [p for layer in layers for n in layer.split if (p := layer.module._parameters[n]) is not None]
+    if not params:
+        return  # a pipeline stage without experts
     grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
     flat = torch.cat([g.flatten() for g in grads])
     if mesh["ep_dp"].size() > 1:

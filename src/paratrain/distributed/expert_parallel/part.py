@@ -22,11 +22,16 @@ class WholeExperts:
     """Parameters become DTensors split over ranks (the optimizer is then rebuilt over them)."""
     degree = 1
 
-    def data_step(self, data: Step, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any]) -> Step:
+    def data_step(self, data: Step, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any],
+                  stage: bool = False) -> Step:
         """The data-parallel step ``data`` over the 1-D data mesh ``mesh``, with the experts laid out first
         (``zero``: the data engine's ZeRO stage; ``fsdp_kwargs``: its ``fully_shard`` options, which the experts
-        take too)."""
+        take too; ``stage``: the module is one pipeline stage, which may hold no experts, the whole model having
+        been checked by :meth:`check`)."""
         return data
+
+    def check(self, model: nn.Module) -> None:
+        """One line unless ``model``'s experts can be split (before it is cut into pipeline stages)."""
 
     def sync_gradients(self, model: nn.Module) -> None:
         """Complete the experts' gradients once per optimizer step, where the data engine does not."""
@@ -47,7 +52,8 @@ class ExpertParallel(WholeExperts):
         self._dp = 1
         self._ddp = False
 
-    def data_step(self, data: Step, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any]) -> Step:
+    def data_step(self, data: Step, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any],
+                  stage: bool = False) -> Step:
         from ...model.materialize import is_meta, to_device
         from .experts import dispatch_experts, find_experts
         from .layout import expert_mesh, ignored_by_ddp, shard_experts, split_experts
@@ -55,20 +61,27 @@ class ExpertParallel(WholeExperts):
         def step(model: nn.Module) -> nn.Module:
             if not is_meta(model):
                 model = to_device(model, device)  # the slices are made where the model trains
-            self._layers = find_experts(model, self.degree)
-            self._mesh, self._dp, self._ddp = expert_mesh(mesh, self.degree), mesh.size(), not zero
-            split_experts(self._layers, self._mesh, replicate=not zero)
-            for layer in self._layers:
+            layers = find_experts(model, self.degree, required=not stage)
+            if self._mesh is None:  # every rank builds it (a collective), its stages holding experts or not
+                self._mesh, self._dp, self._ddp = expert_mesh(mesh, self.degree), mesh.size(), not zero
+            self._layers += layers  # a rank's several pipeline stages (interleaved schedules) add theirs
+            split_experts(layers, self._mesh, replicate=not zero)
+            for layer in layers:
                 dispatch_experts(layer, self._mesh.get_group("ep"))
             if zero:
-                shard_experts(self._layers, self._mesh, self._dp, **fsdp_kwargs)
+                shard_experts(layers, self._mesh, self._dp, **fsdp_kwargs)
             else:
-                ignored_by_ddp(model, self._layers)
+                ignored_by_ddp(model, layers)
             return data(model)
 
         if getattr(data, "takes_meta", False):
             step.takes_meta = True  # type: ignore[attr-defined]
         return step
+
+    def check(self, model: nn.Module) -> None:
+        from .experts import find_experts
+
+        find_experts(model, self.degree)
 
     def sync_gradients(self, model: nn.Module) -> None:
         if self._ddp:
