@@ -257,7 +257,7 @@ def test_cli_exits_1_on_a_failure_and_prints_json(world2_reports, monkeypatch, c
     (["helpers.verify_cases:no_loss"], "Sequential.forward takes no second argument for them; give a loss function"),
     (["helpers.verify_cases:tp_in_options", "--strategy", "zero3", "--tp", "4"],
      "--tp 4 and VerifySpec.options tp=2 disagree"),
-    (["helpers.verify_cases:tp_in_options", "--strategy", "zero1"], "the strategy got tp from VerifySpec.options"),
+    (["helpers.verify_cases:tp_in_options", "--strategy", "hsdp", "-n", "4"], "the strategy got tp from VerifySpec.options"),
 ])
 def test_bad_input_is_one_line_before_anything_starts(capsys, args, words):
     assert main(["verify", *args]) == 2
