@@ -242,3 +242,13 @@ def _digest(out: str) -> str:
     found = re.search(r"final parameters sha256 ([0-9a-f]{64})", out)
     assert found, out
     return found.group(1)
+
+
+def test_a_torch_that_cannot_unflatten_a_mesh_is_one_line(monkeypatch):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from paratrain.distributed.expert_parallel.part import ExpertParallel
+
+    monkeypatch.delattr(DeviceMesh, "_unflatten")
+    with pytest.raises(paratrain.ConfigError, match=r"ep=2 needs torch 2.10 or later"):
+        ExpertParallel(2)

@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from ...errors import ConfigError
+
 Step = Callable[[nn.Module], nn.Module]
 
 
@@ -46,6 +48,12 @@ class ExpertParallel(WholeExperts):
     splits = True
 
     def __init__(self, degree: int) -> None:
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not hasattr(DeviceMesh, "_unflatten"):  # what the expert groups are carved out of the data mesh with
+            raise ConfigError(f"ep={degree} needs torch 2.10 or later (DeviceMesh._unflatten), this is torch "
+                              f"{torch.__version__}; upgrade torch or train without ep")
         self.degree = degree
         self._layers: list[Any] = []
         self._mesh: Any = None
