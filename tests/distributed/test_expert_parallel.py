@@ -250,5 +250,5 @@ def test_a_torch_that_cannot_unflatten_a_mesh_is_one_line(monkeypatch):
     from paratrain.distributed.expert_parallel.part import ExpertParallel
 
     monkeypatch.delattr(DeviceMesh, "_unflatten")
-    with pytest.raises(paratrain.ConfigError, match=r"ep=2 needs torch 2.10 or later"):
+    with pytest.raises(ConfigError, match=r"ep=2 needs torch 2.10 or later"):
         ExpertParallel(2)
