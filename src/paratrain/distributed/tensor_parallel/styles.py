@@ -161,6 +161,9 @@ class Replicated(ParallelStyle):
         distribute_module(module, device_mesh)  # every parameter and buffer a Replicate DTensor; no hooks
         leaf = not any(True for _ in module.buffers()) and all(
             not any(True for _ in m.parameters(recurse=False)) for m in module.modules() if m is not module)
+        if self.summed and not leaf:
+            raise ConfigError(f"replicate(grad=sum) takes a module holding parameters only itself and no buffers (a "
+                              f"norm), not {type(module).__name__}; name its parameter-holding children instead")
         swapped: list[dict[str, DTensor] | None] = []  # one entry per call in flight (a module may nest in itself)
 
         def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
