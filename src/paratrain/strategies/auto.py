@@ -71,7 +71,7 @@ def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, pre
     batch = loader_batch(loader)
     experts = has_experts(model)
     choice = choose(model, cluster, precision, ep=experts, cp=True, optimizer=optimizer, batch=batch)
-    # tp splits no mixture of experts (refused at prepare): such a model is weighed with ep, not tp
+    # tp keeps a mixture of experts whole on every rank of its group (the planner would count them split): ep, not tp
     if not choice.fits and not experts and (shape := model_shape(model)) is not None:
         choice = choose(model, cluster, precision, tp=shape, cp=True, optimizer=optimizer, batch=batch)
     choice = settle(choice, precision)  # nothing fits: refused, unless within the planner's error

@@ -147,11 +147,11 @@ class GPT(nn.Module):
     def paratrain_tp_plan(self) -> TPPlan:
         """The tensor-parallel plan (see :mod:`paratrain.distributed.tensor_parallel.plans`): ``qkv`` and a gated
         ``fc`` are laid out per head / per unit, so a plain column split keeps them whole (no gather, unlike GPT-2's
-        ``c_attn``). Imported here, when asked for: tensor parallelism takes a second to import. Expert blocks and
-        query/key norms have none yet: one line says so."""
-        if self.cfg.moe is not None or self.cfg.qk_norm:
-            raise ConfigError("paratrain's GPT has no tensor-parallel plan for mixture-of-experts blocks or query/key "
-                              "norms; train it without tp")
+        ``c_attn``). Imported here, when asked for: tensor parallelism takes a second to import. A mixture-of-experts
+        block runs whole on every rank on the gathered sequence (its routing sees every token, as one process's
+        does). Query/key norms have no plan yet: one line says so."""
+        if self.cfg.qk_norm:
+            raise ConfigError("paratrain's GPT has no tensor-parallel plan for query/key norms; train it without tp")
         from ..distributed.tensor_parallel.names import head, style
         from ..distributed.tensor_parallel.plans import TPPlan
 
@@ -166,12 +166,14 @@ class GPT(nn.Module):
                for name in (("q", "kv") if self.cfg.key_value_heads != self.cfg.heads else ("qkv",))},
             "blocks.*.proj": style("rowwise(output=sequence)"),
             "blocks.*.norm2": style("sequence_parallel"),
-            "blocks.*.fc": style("colwise(input=sequence)"),
-            "blocks.*.out": style("rowwise(output=sequence)"),
-            "norm": style("sequence_parallel"),
-            "head": head(),
         })
+        if any(b.moe is not None for b in self.blocks):
+            styles["blocks.*.moe"] = style("whole_sequence")
+        if any(b.moe is None for b in self.blocks):
+            styles.update({"blocks.*.fc": style("colwise(input=sequence)"),
+                           "blocks.*.out": style("rowwise(output=sequence)")})
+        styles.update({"norm": style("sequence_parallel"), "head": head()})
         return TPPlan(name="paratrain GPT", sequence_parallel=True, styles=styles,
                     divisible=lambda m: {"heads": m.cfg.heads, "kv_heads": m.cfg.key_value_heads,
-                                         "ffn": m.cfg.ffn_width})
+                                         **({"ffn": m.cfg.ffn_width} if "blocks.*.fc" in styles else {})})
 

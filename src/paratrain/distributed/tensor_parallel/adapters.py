@@ -17,6 +17,8 @@ process would; the adapter still trains, not bitwise as one process.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from .probe import Split
@@ -58,4 +60,4 @@ def with_adapters(block: nn.Module, split: Split) -> Split:
         layer = block.get_submodule(name)
         rows.extend([name] if plain_lora_base(layer) is None else
                     [f"{name}.base_layer", *(f"{name}.lora_A.{a}" for a in layer.lora_A)])
-    return Split(columns=columns, rows=tuple(rows), adjust=split.adjust)
+    return replace(split, columns=columns, rows=tuple(rows))

@@ -77,6 +77,9 @@ class TensorParallel(WholeLayers):
         if "tp" not in (mesh.mesh_dim_names or ()):
             return to_device(model, device)
         plan = self._say(choose_plan(model, self.config.plan, mesh["tp"].size(), facts))
+        # The router's load-balancing loss is added to the vocabulary-split loss inside the model's forward, a plain
+        # tensor beside a DTensor (failing in the backward): such a model's logits are gathered at the head.
+        self.outputs.gather_heads |= bool(getattr(getattr(model, "config", None), "output_router_logits", False))
         return apply_tp(to_device(model, device), mesh["tp"], plan, self.outputs,
                         ties=facts.ties if facts is not None else None)
 

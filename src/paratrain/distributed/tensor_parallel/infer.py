@@ -44,23 +44,11 @@ def choose_plan(model: nn.Module, user: Mapping[str, str | ParallelStyle] | str 
     when the user gave none; else :func:`~.plans.plan_for`'s (the user's, the model's own, the built-in one)."""
     if isinstance(user, str) and user != "auto":
         raise ConfigError(f"tp_plan must be 'auto' or a dict of module-name patterns to styles, not {user!r}")
-    refuse_experts(model)
     if user == "auto" or (user is None and not has_plan(model)):
         if degree is None:
             raise ConfigError("tp_plan='auto' infers a plan for a tp degree; give tp=N")
         return infer_plan(model, degree, facts)
     return plan_for(model, user)  # type: ignore[arg-type]
-
-
-def refuse_experts(model: nn.Module) -> None:
-    """A mixture-of-experts layer (routed experts fused in 3-D parameters under a module named ``experts``, as
-    transformers and paratrain's GPT hold them) is refused in one line: neither split nor replicated over tp does it
-    train as one process does (measured on Mixtral, Qwen2/3-MoE, OLMoE and GPT-OSS: 2e-2 to 0.5 apart after 3 steps;
-    GPT-OSS fails on its attention sinks)."""
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] == "experts" and any(p.dim() == 3 for p in module.parameters(recurse=False)):
-            raise ConfigError(f"tp cannot train {type(model).__name__}: its mixture-of-experts layers ({name}) are "
-                              "not supported under tensor parallelism; use ddp, zero3 or hsdp for it")
 
 
 def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -> TPPlan:
@@ -191,6 +179,11 @@ def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, sty
         for name in split.rows:
             styles[f"{pattern}.{name}"] = style("rowwise")
             said.append(f"{pattern}.{name} -> rowwise ({what})")
+        for names_, spec, why in ((split.heads, "heads", "its per-head parameters split with the heads"),
+                                  (split.summed, "replicate(grad=sum)", "sees this rank's heads")):
+            for name in names_:
+                styles[f"{pattern}.{name}"] = style(spec)
+                said.append(f"{pattern}.{name} -> {spec} ({what}: {why})")
         adjust.extend((f"{pattern}.{owner}" if owner else pattern, attr) for owner, attr in split.adjust)
     if adjust:
         said.append(f"per rank, divided by {degree}: {', '.join(f'{o}.{a}' for o, a in adjust)}")
@@ -252,7 +245,25 @@ def _attention(block: nn.Module, layers: dict[str, nn.Module], degree: int, patt
         return f"its widths {widths} do not split over tp={degree}"
     adjust = tuple((owner, a) for a in (*HEADS, *KV_HEADS) if _int(module, a) is not None) + tuple(
         (owner, a) for a in WIDTHS if _int(module, a) in widths)
-    return [Split(columns=c, rows=(out,), adjust=a) for c in columns for a in dict.fromkeys((adjust, ()))]
+    heads, summed = _per_head(module, owner, {*columns[0], out})
+    return [Split(columns=c, rows=(out,), adjust=a, heads=heads, summed=summed)
+            for c in columns for a in dict.fromkeys((adjust, ()))]
+
+
+def _per_head(module: nn.Module, owner: str, split: set[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What else of a split attention module sees only this rank's heads: the module itself when its own
+    parameters are indexed by head (GPT-OSS's sinks: split with the heads), and the modules under it that hold
+    parameters and are not split (Qwen3's per-head query/key norms: whole, their gradients summed)."""
+    if not owner:
+        return (), ()
+    _, count = _count(module, HEADS)
+    own = list(module.parameters(recurse=False))
+    heads = (owner,) if own and all(p.dim() and p.shape[0] == count for p in own) else ()
+    prefix = f"{owner}." if owner else ""
+    summed = tuple(f"{prefix}{n}" for n, m in module.named_modules() if n and f"{prefix}{n}" not in split
+                   and not any(f"{prefix}{n}".startswith(f"{s}.") for s in split)
+                   and any(True for _ in m.parameters(recurse=False)))
+    return heads, summed
 
 
 def _output(layers: dict[str, nn.Module], owner: str, columns: set[str], width: int) -> str | None:

@@ -14,6 +14,9 @@ built from a name remembers it, so a printed plan is valid ``tp_plan=`` input as
 | ``split_sequence`` | its first input cut into slices of the sequence (where the blocks begin) |
 | ``gather_sequence`` / ``gather_sequence(KEYWORD)`` | its first input (or keyword input) gathered from slices of the sequence |
 | ``replicate`` / ``replicate(output_shard=D)`` | whole on every rank (keeping its slice of the output along D) |
+| ``replicate(grad=sum)`` | whole on every rank, seeing this rank's heads only (a per-head norm): its gradient summed over the ranks |
+| ``heads`` | its own parameters indexed by head (attention sinks) split with the heads |
+| ``whole_sequence`` | run whole on every rank over the gathered sequence, its output cut back to this rank's slice (a mixture of experts) |
 
 A ``ParallelStyle`` object of torch's own may stand in any plan as well; it prints as its class name.
 """
@@ -24,10 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, SequenceParallel
+from torch.distributed.tensor.parallel import (ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+                                               SequenceParallel)
 
 from ...errors import ConfigError
-from .styles import Colwise, FirstInput, FusedColwise, Replicated, Rowwise, VocabHead
+from .styles import Colwise, FirstInput, FusedColwise, PerHead, Replicated, Rowwise, VocabHead
 
 
 def _colwise(input: str | None = None) -> ParallelStyle:
@@ -52,6 +56,21 @@ def _gather_sequence(keyword: str | None = None) -> ParallelStyle:
                               desired_input_kwarg_layouts={keyword: Replicate()}, use_local_output=True)
 
 
+def _replicate(output_shard: str | None = None, grad: str | None = None) -> ParallelStyle:
+    if grad not in (None, "sum"):
+        raise ConfigError(f"replicate(grad={grad!r}): the only gradient a plan names is 'sum' (summed over the ranks)")
+    return Replicated(None if output_shard is None else int(output_shard), summed=grad == "sum")
+
+
+def _whole_sequence() -> ParallelStyle:
+    """A module run whole on every rank over the whole sequence (a mixture of experts under sequence parallelism):
+    its input gathered from slices, its output cut back to this rank's slice (the backward gathers the gradient,
+    so every rank's parameters get the whole one)."""
+    return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                    use_local_input=True, output_layouts=(Replicate(),),
+                                    desired_output_layouts=(Shard(1),), use_local_output=True)
+
+
 def _split_sequence() -> ParallelStyle:
     return FirstInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
 
@@ -63,7 +82,9 @@ STYLES: dict[str, Callable[..., ParallelStyle]] = {
     "sequence_parallel": lambda: SequenceParallel(),
     "split_sequence": _split_sequence,
     "gather_sequence": _gather_sequence,
-    "replicate": lambda output_shard=None: Replicated(None if output_shard is None else int(output_shard)),
+    "replicate": _replicate,
+    "heads": lambda: PerHead(),
+    "whole_sequence": _whole_sequence,
 }
 """Style names → factories of a fresh style (arguments as written in the name)."""
 

@@ -36,10 +36,15 @@ class Split:
     """Row-split layers (their outputs all-reduced)."""
     adjust: tuple[tuple[str, str], ...] = ()
     """(module, attribute): counts and widths the block's code reads, divided by the degree on every rank."""
+    heads: tuple[str, ...] = ()
+    """Modules whose own parameters are indexed by head along dimension 0 (attention sinks): split with the heads."""
+    summed: tuple[str, ...] = ()
+    """Modules left whole that see this rank's heads only (per-head norms): their gradients summed over the ranks."""
 
     def __add__(self, other: "Split") -> "Split":
         return Split(columns={**self.columns, **other.columns}, rows=self.rows + other.rows,
-                     adjust=self.adjust + other.adjust)
+                     adjust=self.adjust + other.adjust, heads=self.heads + other.heads,
+                     summed=self.summed + other.summed)
 
 
 def dims(layer: nn.Module) -> tuple[int, int] | None:
@@ -210,6 +215,10 @@ def _rank_copy(block: nn.Module, split: Split, degree: int, rank: int) -> nn.Mod
     for name in split.rows:
         layer = local.get_submodule(name)
         _cut(layer, in_index=torch.arange(dims(layer)[0]).tensor_split(degree)[rank])  # type: ignore[index]
+    for name in split.heads:
+        module = local.get_submodule(name)
+        for attr, param in list(module.named_parameters(recurse=False)):
+            setattr(module, attr, nn.Parameter(param.detach().tensor_split(degree)[rank].clone()))
     for owner, attr in split.adjust:
         module = local.get_submodule(owner)
         setattr(module, attr, getattr(module, attr) // degree)

@@ -14,6 +14,10 @@ three small extensions of them for layers PyTorch's styles do not take.
   per input.
 * ``replicate`` keeps a module's parameters whole on every rank, as DTensors, so that every parameter of a tensor
   parallel model is a DTensor on one mesh (clipping and FSDP need that); inputs and outputs stay plain tensors.
+  ``replicate(grad=sum)``: a module inside split attention (Qwen3's per-head query/key norms) sees only this rank's
+  heads, so each rank's gradient is a part of the whole one: it is summed over the ranks on the way back.
+* ``heads`` splits a module's own parameters indexed by attention head (GPT-OSS's attention sinks) with the heads
+  its column-split projections give each rank (``Shard(0)``).
 """
 from __future__ import annotations
 
@@ -148,14 +152,18 @@ class Replicated(ParallelStyle):
     its plain inputs made ``Replicate`` ones. The optimizer's step updates these parameters on their local tensors
     too (:mod:`.local_step`)."""
 
-    def __init__(self, output_shard: int | None = None) -> None:
+    def __init__(self, output_shard: int | None = None, summed: bool = False) -> None:
         super().__init__()
         self.output_shard = output_shard
+        self.summed = summed
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh)  # every parameter and buffer a Replicate DTensor; no hooks
         leaf = not any(True for _ in module.buffers()) and all(
             not any(True for _ in m.parameters(recurse=False)) for m in module.modules() if m is not module)
+        if self.summed and not leaf:
+            raise ConfigError(f"replicate(grad=sum) takes a module holding parameters only itself and no buffers (a "
+                              f"norm), not {type(module).__name__}; name its parameter-holding children instead")
         swapped: list[dict[str, DTensor] | None] = []  # one entry per call in flight (a module may nest in itself)
 
         def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -167,7 +175,7 @@ class Replicated(ParallelStyle):
             params = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)
                       and all(pl.is_replicate() for pl in p.placements)}
             for name, param in params.items():
-                mod._parameters[name] = param.to_local()
+                mod._parameters[name] = _summed_grad(param) if self.summed else param.to_local()
             swapped.append(params)
             return args, kwargs
 
@@ -184,6 +192,36 @@ class Replicated(ParallelStyle):
                 placements=[Shard(self.output_shard)]).to_local()
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(leave, always_call=True)
+        return module
+
+
+def _summed_grad(param: DTensor) -> torch.Tensor:
+    """``param``'s local tensor, its gradient summed over the ranks on the way back (the backward of a ``Partial``
+    gradient redistributed to ``param``'s ``Replicate``)."""
+    whole = DTensor.from_local(param.to_local(), param.device_mesh, param.placements, run_check=False)
+    return whole.to_local(grad_placements=[Partial()])
+
+
+class PerHead(ParallelStyle):
+    """A module's own parameters indexed by attention head along dimension 0 (GPT-OSS's sinks), split with the
+    heads (``Shard(0)``); its forward reads this rank's part as plain tensors, swapped in for the call and put back
+    after it, as :class:`Replicated` does. Its children keep the styles the plan gives them."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        own = {n: Shard(0) for n, _ in module.named_parameters(recurse=False)}
+        _shard_params(module, device_mesh, own, 0)
+        swapped: list[dict[str, Any]] = []
+
+        def enter(mod: nn.Module, args: tuple) -> None:
+            params = {n: mod._parameters[n] for n in own}
+            mod._parameters.update({n: p.to_local() for n, p in params.items()})
+            swapped.append(params)
+
+        def leave(mod: nn.Module, args: tuple, out: Any) -> None:
+            mod._parameters.update(swapped.pop())
+
+        module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave, always_call=True)
         return module
 
