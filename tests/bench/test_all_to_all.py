@@ -2,7 +2,7 @@
 experts' calls, and the line the report gives its time (timed on 2 ranks in tests/monitor/test_experts.py)."""
 import pytest
 import torch
-from helpers.expert_workers import gpt_experts
+from helpers.routing_workers import gpt_experts
 from helpers.moe_models import routed_mixtral
 
 from paratrain.bench import BenchConfig, BenchResult, format_report

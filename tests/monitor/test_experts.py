@@ -2,7 +2,7 @@
 nothing at all on a dense model. Unit tests on made-up routing and one process; one 2-rank gloo job for the rest."""
 import pytest
 import torch
-from helpers.expert_workers import BATCH, SEQ, gpt_experts, routing_job, train
+from helpers.routing_workers import BATCH, SEQ, gpt_experts, routing_job, train
 from helpers.moe_models import routed_mixtral
 from torch import nn
 
