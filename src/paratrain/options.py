@@ -132,6 +132,12 @@ class ModelParallelConfig:
             raise ConfigError(f"stages must be >= 1, got {self.stages}")
 
 
+def check_degree(option: str, degree: object, meaning: str) -> None:
+    """One line unless ``degree`` (the strategy option ``option``: ``tp``, ``cp``, ``ep``) is a whole number >= 1."""
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise ConfigError(f"{option} must be an integer >= 1 ({meaning}), got {degree!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TPConfig:
     """Tensor parallelism as a strategy option."""
@@ -143,8 +149,8 @@ class TPConfig:
     None: the model's built-in plan, else an inferred one."""
 
     def __post_init__(self) -> None:
-        if self.degree is not None and (not isinstance(self.degree, int) or self.degree < 1):
-            raise ConfigError(f"tp must be an integer >= 1 (ranks that split each layer), got {self.degree!r}")
+        if self.degree is not None:
+            check_degree("tp", self.degree, "ranks that split each layer")
         if isinstance(self.plan, str) and self.plan != "auto":
             raise ConfigError(f"tp_plan must be 'auto' or a dict of module-name patterns to styles, not {self.plan!r}")
 
@@ -168,8 +174,7 @@ class CPConfig:
     trades the sequence split for a head split)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.degree, int) or isinstance(self.degree, bool) or self.degree < 1:
-            raise ConfigError(f"cp must be an integer >= 1 (ranks that split each sequence), got {self.degree!r}")
+        check_degree("cp", self.degree, "ranks that split each sequence")
 
     @classmethod
     def pop(cls, options: dict[str, Any]) -> CPConfig | None:
@@ -186,8 +191,7 @@ class EPConfig:
     """Data-parallel ranks that split every mixture-of-experts layer's routed experts between them."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.degree, int) or isinstance(self.degree, bool) or self.degree < 1:
-            raise ConfigError(f"ep must be an integer >= 1 (ranks that split each layer's experts), got {self.degree!r}")
+        check_degree("ep", self.degree, "ranks that split each layer's experts")
 
     @classmethod
     def pop(cls, options: dict[str, Any], strategy: str, takes_ep: bool) -> EPConfig | None:

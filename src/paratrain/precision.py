@@ -47,14 +47,15 @@ class Precision:
         """Change parameter dtypes before wrapping (only bf16-true does)."""
         return model
 
-    def fsdp_policy(self) -> Any:
-        """The FSDP2 ``MixedPrecisionPolicy`` for this precision."""
+    def fsdp_policy(self, cast_output: bool = True) -> Any:
+        """The FSDP2 ``MixedPrecisionPolicy`` for this precision; ``cast_output=False``: outputs stay in the compute
+        dtype (the sharding presets, which cast the root's outputs themselves, and units inside another)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if self.autocast_dtype is None:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=self.autocast_dtype, reduce_dtype=torch.float32,
-                                    output_dtype=torch.float32)
+                                    output_dtype=torch.float32 if cast_output else None)
 
     def forward_context(self, device: torch.device) -> AbstractContextManager:
         if self.autocast_dtype is None:

@@ -33,11 +33,7 @@ class Composed(Strategy):
         self.name = preset.name  # type: ignore[misc]
         self.tp = tensor_parallel(_tp_config(preset, options))
         self.cp = context_parallel(_cp_config(preset, options))
-        self.ep = expert_parallel(EPConfig.pop(options, preset.name, preset.ep))
-        if self.ep.splits and (self.tp.splits or self.cp.describe()):
-            other = "tp" if self.tp.splits else "cp"
-            raise ConfigError(f"{preset.name} with both {other} and ep is not supported yet; split the experts (ep) or "
-                              f"{'every layer (tp)' if other == 'tp' else 'the sequences (cp)'}, not both")
+        self.ep = expert_parallel(EPConfig.pop(options, preset.name, preset.ep), preset.name, self.tp, self.cp)
         if config is not None and options:
             raise ConfigError(f"strategy {preset.name!r} got options {sorted(options)} beside a config object; set "
                               "them on the config")
@@ -108,7 +104,7 @@ class Composed(Strategy):
             return "under tp every layer is split over the ranks"
         if self.data.zero >= 2:
             return f"under {self.name} each rank holds a shard of every layer"
-        if self.cp.describe():
+        if self.cp.splits:
             return "under cp the ranks of a cp group exchange every attention's inputs"
         return super().needs_every_rank()
 
@@ -120,7 +116,7 @@ class Composed(Strategy):
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         if not self.preset.groups:
             return 0  # one process: nothing to keep in step
-        if self.cp.describe() or self.ep.splits:
+        if self.cp.splits or self.ep.splits:
             return None  # the attention exchanges, the tokens' all-to-all and the experts' own reduction: not counted
         return self.tp.traffic_bytes(self.data.traffic_bytes(model, steps))
 

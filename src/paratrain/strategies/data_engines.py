@@ -8,7 +8,6 @@ are :mod:`paratrain.distributed.data_parallel`'s free functions.
 """
 from __future__ import annotations
 
-import dataclasses
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -180,7 +179,7 @@ class Shards(OneReplica):
 
     def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
         assert mesh is not None, "sharding needs a mesh"
-        policy = dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None)
+        policy = rt.precision.fsdp_policy(cast_output=False)
 
         def shard(m: nn.Module) -> nn.Module:
             placed = to_device(m, rt.device) if not self.config.cpu_offload else m
@@ -195,7 +194,7 @@ class Shards(OneReplica):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
         return {"reshard_after_forward": self.config.reshard_after_forward,
-                "mp_policy": dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None),
+                "mp_policy": rt.precision.fsdp_policy(cast_output=False),
                 "offload_policy": CPUOffloadPolicy() if self.config.cpu_offload else OffloadPolicy()}
 
     def detail(self) -> str | None:

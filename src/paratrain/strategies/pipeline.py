@@ -30,7 +30,6 @@ forward-only pass and gives every rank of the pipeline the last stage's output.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from collections import OrderedDict
@@ -70,10 +69,7 @@ class PipelineStrategy(Strategy):
             raise ConfigError(f"{self.name} does not take cp: a pipeline's stages would each split the sequence; use "
                               "cp inside ddp, zero2, zero3 or hsdp (Parallel('zero3', cp=2))")
         self.tp = tensor_parallel(TPConfig.pop(options))
-        self.ep = expert_parallel(EPConfig.pop(options, self.name, takes_ep=True))
-        if self.ep.splits and self.tp.splits:
-            raise ConfigError(f"{self.name} with both tp and ep is not supported yet; split the experts (ep) or every "
-                              "layer (tp), not both")
+        self.ep = expert_parallel(EPConfig.pop(options, self.name, takes_ep=True), self.name, self.tp)
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
         if self.ep.splits and self.config.data == "zero1":
             raise ConfigError(f"{self.name} with data='zero1' and ep is not supported: ZeroRedundancyOptimizer cannot "
@@ -185,7 +181,7 @@ class PipelineStrategy(Strategy):
         the layout the replicas' engine gives them: beside DDP, or sharded by FSDP with the stage's precision."""
         assert rt.mesh is not None
         shard = self.config.data == "fsdp"
-        options = {"mp_policy": dataclasses.replace(rt.precision.fsdp_policy(), output_dtype=None)} if shard else {}
+        options = {"mp_policy": rt.precision.fsdp_policy(cast_output=False)} if shard else {}
         return self.ep.data_step(step, rt.mesh["dp"], rt.device, 3 if shard else 0, options, stage=True)
 
     def _stage_split(self, model: nn.Module, plan: StagePlan, s: int, total: int, rt: Runtime) -> Step | None:

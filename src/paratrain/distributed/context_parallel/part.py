@@ -31,6 +31,9 @@ _DATA_DIMS = ("dp", "replicate", "shard")
 class WholeSequences:
     """No context parallelism: every rank sees whole sequences."""
 
+    splits = False
+    """Each rank holds a slice of every sequence."""
+
     def degree(self, strategy: str, ranks: int) -> int:
         """Ranks that split each sequence, out of the ``ranks`` left beside tensor parallelism."""
         return 1
@@ -62,6 +65,8 @@ class WholeSequences:
 
 class ContextParallel(WholeSequences):
     """Sequences split over ``mesh["cp"]`` (Ulysses), attention whole per head group."""
+
+    splits = True
 
     def __init__(self, config: CPConfig) -> None:
         self.config = config
