@@ -31,7 +31,9 @@ class ParallelDims:
     """Expert-parallel ranks: each of a group of ``ep`` data-parallel ranks holds 1/ep of every mixture-of-experts
     layer's experts, and tokens travel to their expert's rank and back (all-to-all). The group is carved out of the
     data-parallel ranks that hold one copy of the model (``dp_shard`` under ZeRO, ``dp_replicate`` without), so it
-    adds no ranks; under ZeRO the experts are sharded over the ``dp_shard / ep`` ranks left."""
+    adds no ranks; under ZeRO the experts are sharded over the ``dp_shard / ep`` ranks left. Beside ``cp`` the group
+    is carved out of the ``dp x cp`` ranks (each routes its own slice of the sequences); beside ``tp`` each tp rank
+    has its own groups, the experts whole to tensor parallelism (not beside both)."""
     cp: int = 1
     """Context-parallel ranks: each of a group of ``cp`` ranks holds 1/cp of every sequence of the same samples, and
     attention sees the whole sequence through an all-to-all (Ulysses). They read the same samples, so they are no
@@ -60,6 +62,11 @@ class ParallelDims:
         """``ep`` must divide the ranks that hold one copy: the experts are split over them, not over the replicas
         of a copy (hsdp's nodes) or a process's own GPUs."""
         group, name = (self.dp_shard, "dp_shard") if self.zero else (self.dp_replicate, "dp_replicate")
+        if self.cp > 1 and self.tp > 1:
+            raise ConfigError(f"ep beside both cp={self.cp} and tp={self.tp} is not supported yet; drop one of cp and "
+                              "tp (ep composes with each alone)")
+        if self.cp > 1:  # a cp group's ranks hold one copy too, each routing its slice of the sequences
+            group, name = group * self.cp, f"{name} x cp"
         if self.mp > 1:
             raise ConfigError("expert parallelism splits experts over ranks; model-parallel stages inside a process "
                               "do not compose with it: use pipeline stages (pp) instead")

@@ -50,6 +50,17 @@ WORLD2 = [
     ("mixtral", "zero3", {"ep": 2, "compile": True}, ()),  # each block compiled, graph breaks at the exchange
     ("dense", "ddp", {"ep": 2}, ()),
 ]
+# beside cp (world 2: one replica, its 2 cp ranks the expert group) and tp (world 4: 2 replicas x tp=2, each tp rank
+# with its own expert group of the 2 replicas): loads keep the replicas, with and without ep
+BESIDE_CP = [
+    ("gpt_moe", "zero3", {"ep": 2, "cp": 2}, (("zero3", {"ep": 2, "cp": 2}), ("zero3", {"cp": 2}))),
+    ("mixtral", "ddp", {"ep": 2, "cp": 2}, (("ddp", {"ep": 2, "cp": 2}),)),
+]
+BESIDE_TP = [
+    ("mixtral", "zero3", {"ep": 2, "tp": 2}, (("zero3", {"ep": 2, "tp": 2}), ("zero3", {"tp": 2}))),
+    ("gpt_moe", "ddp", {"ep": 2, "tp": 2}, (("ddp", {"ep": 2, "tp": 2}),)),  # sequence parallel: the MoE whole_sequence
+    ("gpt_moe", "zero2", {"ep": 2, "tp": 2, "accumulate": 2, "clip_grad_norm": 0.5}, ()),
+]
 EXPORTED = WORLD2[1]  # gpt_moe, zero3 x ep=2: its save is exported by the CLI
 BUILT = [("mixtral", "zero3", {"ep": 2}, "built"), ("mixtral", "ddp", {"ep": 2}, "built")]
 WORLD4 = [(m, s, {"ep": e}, ()) for m in MOE for s, e in (("zero3", 2), ("ddp", 2), ("zero3", 4))]
@@ -83,19 +94,19 @@ def ep2_dir(tmp_path_factory):
 def world2(ep2_dir):
     from paratrain.testing import spawn
 
-    return spawn(run_cases, 2, (WORLD2 + BUILT, str(ep2_dir)), timeout_s=420)[0]
+    return spawn(run_cases, 2, (WORLD2 + BUILT + BESIDE_CP, str(ep2_dir)), timeout_s=420)[0]
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     from paratrain.testing import spawn
 
-    return spawn(run_cases, 4, (WORLD4 + HYBRID, str(tmp_path_factory.mktemp("ep4"))), timeout_s=480)[0]
+    return spawn(run_cases, 4, (WORLD4 + HYBRID + BESIDE_TP, str(tmp_path_factory.mktemp("ep4"))), timeout_s=480)[0]
 
 
 def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Tensor], share: float = 1.0) -> None:
     """Equal to one process; the experts split as the layout says (``share``: of them in rank 0's pipeline stage);
-    every load of the save equal to the run."""
+    every load of the save equal to the run. ``replicas``: data-parallel ones (a cp group's ranks split a copy too)."""
     assert "error" not in result, result.get("error")
     state, model_name, strategy, options, loads = result["state"], *case
     tol = 3e-3 if options.get("precision") == "bf16-mixed" else TOL  # against the fp32 process, as status.md says
@@ -103,7 +114,7 @@ def check(result: dict, case: tuple, replicas: int, expected: dict[str, torch.Te
     assert state.keys() == expected.keys()  # the full state dict: plain names, the whole experts
     assert all(state[k].shape == v.shape for k, v in expected.items())
     whole = expert_elements(MODELS[model_name].build())
-    sharded = replicas if strategy.startswith("zero") else options["ep"]
+    sharded = replicas * options.get("cp", 1) if strategy.startswith("zero") else options["ep"]
     assert result["held"] * sharded == whole * share, "each rank holds its 1/ep of the experts (1/dp under zero)"
     for (s, o), diff in zip(loads, result["loads"].values(), strict=True):
         # a resume is bitwise under zero; DDP's buckets are rebuilt after its first step, so the first step after a
@@ -127,6 +138,26 @@ def test_world2_equals_one_process(world2, case):
 @pytest.mark.parametrize("case", WORLD4, ids=key)
 def test_world4_equals_one_process(world4, case):
     check(world4[key(case)], case, 4, reference(case[0], 4))
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case", BESIDE_CP, ids=key)
+def test_ep_beside_cp_routes_each_ranks_slice_of_the_sequences(world2, case):
+    """zero3/ddp x cp=2 x ep=2 at world 2: the cp pair is the expert group, each routing its half of every sequence;
+    equal to one process on the one replica's batch, resumed bitwise, loaded without ep."""
+    check(world2[key(case)], case, 1, reference(case[0], 1))
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("case", BESIDE_TP, ids=key)
+def test_ep_beside_tp_splits_attention_by_tp_and_experts_by_ep(world4, case):
+    """tp=2 x ep=2 at world 4 (2 replicas): attention and dense layers split over tp, the experts whole to tp and split
+    over each tp rank's group of replicas; equal to one process (accumulation, clipping), resumed, loaded without ep."""
+    check(world4[key(case)], case, 2, reference(case[0], 2, case[2].get("clip_grad_norm")))
 
 
 @pytest.mark.launched
@@ -209,8 +240,9 @@ def test_models_that_cannot_split_are_one_line(build, degree, says):
     ("hybrid", 4, {"dp": 2, "ep": 4}, "ep=4 must divide the 2 data-parallel ranks"),
     ("zero1", 2, {"ep": 2}, "does not take ep=2"),
     ("hsdp", 4, {"ep": 2}, "does not take ep=2"),
-    ("zero3", 4, {"ep": 2, "tp": 2}, "both tp and ep is not supported"),
-    ("zero3", 4, {"ep": 2, "cp": 2}, "both cp and ep is not supported"),
+    ("zero3", 8, {"ep": 2, "tp": 2, "cp": 2}, "ep beside both cp=2 and tp=2 is not supported yet"),
+    ("zero3", 4, {"ep": 4, "tp": 2}, "ep=4 must divide the 2 data-parallel ranks"),
+    ("ddp", 4, {"ep": 8, "cp": 2}, r"ep=8 must divide the 4 data-parallel ranks .*\(dp_replicate x cp\)"),
     ("zero3", 4, {"ep": 3}, "ep=3 must divide the 4 data-parallel ranks"),
     ("ddp", 2, {"ep": 4}, "ep=4 must divide the 2 data-parallel ranks"),
     ("zero3", 2, {"ep": 0}, "ep must be an integer >= 1"),

@@ -25,7 +25,7 @@ def mixtral() -> nn.Module:
     _quiet_transformers()
     torch.manual_seed(0)
     return MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                            num_attention_heads=2, num_key_value_heads=1, vocab_size=65,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=65,
                                             num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16))
 
 
@@ -35,8 +35,8 @@ def qwen3_moe() -> nn.Module:
     _quiet_transformers()
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                              head_dim=16, vocab_size=65, num_experts=8, num_experts_per_tok=2,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=8, vocab_size=65, num_experts=8, num_experts_per_tok=2,
                                               mlp_only_layers=[0], max_position_embeddings=16))
 
 

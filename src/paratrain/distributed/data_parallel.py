@@ -64,13 +64,16 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, c
 def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """DDP's algorithm for a model whose parameters are DTensors (tensor parallel): a full replica per rank of the
     1-D ``mesh``, gradients all-reduced over it, by FSDP2's ``replicate`` (``DistributedDataParallel`` refuses
-    DTensor parameters); the model is changed in place."""
+    DTensor parameters); the model is changed in place. Parameters DDP is told to ignore (``model``'s
+    ``_ddp_params_and_buffers_to_ignore``: split experts, reduced by expert parallelism) are ignored here too."""
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError:  # added in torch 2.9; the package allows older ones
         raise ConfigError(f"ddp with tp replicates through FSDP2's replicate, which torch {torch.__version__} does "
                           "not have (torch >= 2.9 does); use zero2 or zero3 with tp, or a newer torch") from None
-    replicate(model, mesh=mesh)
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    kwargs = {"ignored_params": {p for n, p in model.named_parameters() if n in ignored}} if ignored else {}
+    replicate(model, mesh=mesh, **kwargs)
     return model
 
 

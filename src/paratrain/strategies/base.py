@@ -24,7 +24,6 @@ from ..distributed.expert_parallel.part import WholeExperts
 from ..distributed.parallelize import Step, parallelize
 from ..distributed.tensor_parallel.part import WholeLayers
 from ..env import ClusterEnv
-from ..errors import ConfigError
 from ..model.facts import ModelFacts
 from ..model.materialize import Materializer
 from ..options import BlockTransforms
@@ -294,16 +293,10 @@ def tensor_parallel(config: TPConfig | None) -> WholeLayers:
     return TensorParallel(config)
 
 
-def expert_parallel(config: EPConfig | None, strategy: str, tp: WholeLayers,
-                    cp: WholeSequences = WholeSequences()) -> WholeExperts:
-    """A strategy's expert-parallel part for ``config`` (None: every expert on every rank), beside its tensor- and
-    context-parallel parts ``tp`` and ``cp``, with neither of which it composes yet (one line)."""
+def expert_parallel(config: EPConfig | None) -> WholeExperts:
+    """A strategy's expert-parallel part for ``config`` (None: every expert on every rank)."""
     if config is None:
         return WholeExperts()
-    if tp.splits or cp.splits:
-        other, what = ("tp", "every layer") if tp.splits else ("cp", "the sequences")
-        raise ConfigError(f"{strategy} with both {other} and ep is not supported yet; split the experts (ep) or "
-                          f"{what} ({other}), not both")
     from ..distributed.expert_parallel.part import ExpertParallel
 
     return ExpertParallel(config.degree)

@@ -33,7 +33,7 @@ class Composed(Strategy):
         self.name = preset.name  # type: ignore[misc]
         self.tp = tensor_parallel(_tp_config(preset, options))
         self.cp = context_parallel(_cp_config(preset, options))
-        self.ep = expert_parallel(EPConfig.pop(options, preset.name, preset.ep), preset.name, self.tp, self.cp)
+        self.ep = expert_parallel(EPConfig.pop(options, preset.name, preset.ep))
         if config is not None and options:
             raise ConfigError(f"strategy {preset.name!r} got options {sorted(options)} beside a config object; set "
                               "them on the config")
@@ -76,7 +76,7 @@ class Composed(Strategy):
         data_mesh = mesh["dp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else mesh
         # the cp ranks' gradients are reduced with the data-parallel ranks' (dp x cp)
         data_mesh = self.cp.gradient_mesh(mesh, data_mesh)
-        split = self.cp.splitter(mesh, self.tp.splitter(mesh, rt.precision, rt.device, rt.facts))
+        split = self.cp.splitter(mesh, self.tp.splitter(mesh, rt.precision, rt.device, rt.facts, self.ep.modules))
         data = self.ep.data_step(self.data.step(rt, data_mesh), data_mesh, rt.device, self.data.zero,
                                  self.data.expert_shard_options(rt))
         return rt.parallelize(model, tp=split, data=data)

@@ -69,7 +69,10 @@ class PipelineStrategy(Strategy):
             raise ConfigError(f"{self.name} does not take cp: a pipeline's stages would each split the sequence; use "
                               "cp inside ddp, zero2, zero3 or hsdp (Parallel('zero3', cp=2))")
         self.tp = tensor_parallel(TPConfig.pop(options))
-        self.ep = expert_parallel(EPConfig.pop(options, self.name, takes_ep=True), self.name, self.tp)
+        self.ep = expert_parallel(EPConfig.pop(options, self.name, takes_ep=True))
+        if self.ep.splits and self.tp.splits:
+            raise ConfigError(f"{self.name} with both tp and ep is not supported yet; split the experts (ep) or every "
+                              "layer (tp) of its stages, or use Parallel('zero3', tp=2, ep=2) without stages")
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
         if self.ep.splits and self.config.data == "zero1":
             raise ConfigError(f"{self.name} with data='zero1' and ep is not supported: ZeroRedundancyOptimizer cannot "

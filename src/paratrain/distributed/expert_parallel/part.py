@@ -32,6 +32,10 @@ class WholeExperts:
         been checked by :meth:`check`)."""
         return data
 
+    def modules(self, model: nn.Module) -> list[nn.Module]:
+        """``model``'s routed-experts modules this part lays out itself, which tensor parallelism leaves whole."""
+        return []
+
     def check(self, model: nn.Module) -> None:
         """One line unless ``model``'s experts can be split (before it is cut into pipeline stages)."""
 
@@ -85,6 +89,11 @@ class ExpertParallel(WholeExperts):
         if getattr(data, "takes_meta", False):
             step.takes_meta = True  # type: ignore[attr-defined]
         return step
+
+    def modules(self, model: nn.Module) -> list[nn.Module]:
+        from .experts import find_experts
+
+        return [layer.module for layer in find_experts(model, self.degree, required=False)]
 
     def check(self, model: nn.Module) -> None:
         from .experts import find_experts

@@ -1,6 +1,7 @@
 """Splitting a model's layers over a tensor-parallel mesh with PyTorch's ``parallelize_module``."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,10 +18,12 @@ from .styles import Replicated, VocabHead
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedOutputs,
-             styles: list[tuple[str, ParallelStyle]] | None = None, ties: Ties | None = None) -> nn.Module:
+             styles: list[tuple[str, ParallelStyle]] | None = None, ties: Ties | None = None,
+             leave: Sequence[nn.Module] = ()) -> nn.Module:
     """Split ``model`` in place over the 1-D ``mesh`` by ``plan`` (or by ``styles``, the plan resolved for a
     pipeline stage: :func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`); every parameter ends a
-    DTensor on ``mesh``. ``ties``: ``model``'s, when ``prepare`` found them.
+    DTensor on ``mesh`` but those of ``leave``, modules another part lays out (the routed experts expert parallelism
+    splits), which stay plain and whole. ``ties``: ``model``'s, when ``prepare`` found them.
 
     Ties survive: ``parallelize_module`` gives each module a parameter of its own, so a tied embedding and head
     are tied again to one DTensor (their plans shard both ``Shard(0)``: one sharding, one gradient).
@@ -31,13 +34,16 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedO
             raise ConfigError(f"{plan.name}: {what}={size} does not split over tp={degree}; choose a tp that divides "
                               f"{size}")
     ties = ties if ties is not None else find_ties(model)
+    left = {id(module) for module in leave}
     for name, style in plan.per_module(model) if styles is None else styles:
+        if id(model.get_submodule(name)) in left:
+            raise ConfigError(f"{plan.name} splits {name}, whose experts ep splits; leave {name} out of tp_plan")
         parallelize_module(model.get_submodule(name), mesh, style)
         if isinstance(style, VocabHead):
             outputs.install_head(model.get_submodule(name))
     _check_ties(model, ties.groups)
     for module in model.modules():  # what the plan left whole: replicated, so every parameter is a DTensor
-        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+        if id(module) not in left and any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             Replicated()._apply(module, mesh)
     _retie(model, ties.groups)
     plan.adjust(model, degree)

@@ -29,7 +29,7 @@ from .outputs import ShardedOutputs, forward_backward
 from .infer import choose_plan
 from .degrees import tp_degree
 from .local_step import replicated_locally
-from .part import DataParallel, Step, WholeLayers
+from .part import DataParallel, Leave, Step, WholeLayers
 from .plans import TPPlan
 from .stage_styles import stage_styles
 
@@ -49,17 +49,19 @@ class TensorParallel(WholeLayers):
         return tp_degree(strategy, self.config.degree, world_size)
 
     def splitter(self, mesh: DeviceMesh | None, precision: Any, device: torch.device,
-                 facts: ModelFacts | None) -> Step:
+                 facts: ModelFacts | None, leave: Leave | None = None) -> Step:
         assert mesh is not None
-        return lambda model: self.apply(model, mesh, precision, device, facts)
+        return lambda model: self.apply(model, mesh, precision, device, facts, leave)
 
     def stage_splitter(self, model: nn.Module, facts: ModelFacts | None, mesh: DeviceMesh | None, precision: Any,
-                       device: torch.device, first_block: str | None, last_block: str | None) -> Step:
+                       device: torch.device, first_block: str | None, last_block: str | None,
+                       leave: Leave | None = None) -> Step:
         plan = self.plan(model, facts)
 
         def split(stage: nn.Module) -> nn.Module:  # a StageModule: the model's copy it runs is .stage
             assert mesh is not None
-            self.apply_stage(stage.stage, plan, mesh, precision, device, first_block, last_block)  # type: ignore
+            self.apply_stage(stage.stage, plan, mesh, precision, device, first_block, last_block,  # type: ignore
+                             leave)
             return stage
 
         return split
@@ -70,9 +72,9 @@ class TensorParallel(WholeLayers):
                               "drop tp, or use Parallel('ddp', tp=...) for a tensor-parallel nn.Sequential")
 
     def apply(self, model: nn.Module, mesh: DeviceMesh, precision: Any, device: torch.device,
-              facts: ModelFacts | None = None) -> nn.Module:
-        """Split ``model`` (moved to ``device``) over ``mesh["tp"]``; a mesh without one (tp over a single rank)
-        leaves it whole."""
+              facts: ModelFacts | None = None, leave: Leave | None = None) -> nn.Module:
+        """Split ``model`` (moved to ``device``) over ``mesh["tp"]``, but the modules ``leave`` names; a mesh without
+        one (tp over a single rank) leaves it whole."""
         self._precision, self._device = precision, device
         if "tp" not in (mesh.mesh_dim_names or ()):
             return to_device(model, device)
@@ -81,7 +83,7 @@ class TensorParallel(WholeLayers):
         # tensor beside a DTensor (failing in the backward): such a model's logits are gathered at the head.
         self.outputs.gather_heads |= bool(getattr(getattr(model, "config", None), "output_router_logits", False))
         return apply_tp(to_device(model, device), mesh["tp"], plan, self.outputs,
-                        ties=facts.ties if facts is not None else None)
+                        ties=facts.ties if facts is not None else None, leave=leave(model) if leave else ())
 
     def plan(self, model: nn.Module, facts: ModelFacts | None = None) -> TPPlan:
         """The plan for ``model``, checked against the whole model before a pipeline cuts it into stages (a stage
@@ -105,13 +107,14 @@ class TensorParallel(WholeLayers):
         return plan
 
     def apply_stage(self, stage: nn.Module, plan: TPPlan, mesh: DeviceMesh, precision: Any, device: torch.device,
-                    first_block: str | None, last_block: str | None) -> nn.Module:
+                    first_block: str | None, last_block: str | None, leave: Leave | None = None) -> nn.Module:
         """Split a pipeline stage (the model with other stages' pieces swapped out) over ``mesh["tp"]`` by the
         whole model's ``plan``, its boundaries whole
         (:func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`)."""
         self._precision, self._device = precision, device
         styles = stage_styles(plan, stage, first_block, last_block)
-        return apply_tp(to_device(stage, device), mesh["tp"], plan, self.outputs, styles)
+        return apply_tp(to_device(stage, device), mesh["tp"], plan, self.outputs, styles,
+                        leave=leave(stage) if leave else ())
 
     def data_parallel(self, mesh: DeviceMesh | None, whole: DataParallel) -> DataParallel:
         """The ``dp`` coordinate: ranks of one tp group are one replica."""

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from ...model.facts import ModelFacts
 
 Step = Callable[[nn.Module], nn.Module]
+Leave = Callable[[nn.Module], "list[nn.Module]"]
+"""A model's modules another part lays out, which tensor parallelism leaves plain and whole (the routed experts)."""
 DataParallel = tuple[int, int, "dist.ProcessGroup | None"]
 
 
@@ -36,13 +38,14 @@ class WholeLayers:
         return 1
 
     def splitter(self, mesh: DeviceMesh | None, precision: Any, device: torch.device,
-                 facts: ModelFacts | None) -> Step | None:
+                 facts: ModelFacts | None, leave: Leave | None = None) -> Step | None:
         """The step that splits a model's layers over ``mesh`` (:func:`~paratrain.distributed.parallelize.parallelize`'s
-        ``tp``); None: nothing to split."""
+        ``tp``), but the modules ``leave`` names; None: nothing to split."""
         return None
 
     def stage_splitter(self, model: nn.Module, facts: ModelFacts | None, mesh: DeviceMesh | None, precision: Any,
-                       device: torch.device, first_block: str | None, last_block: str | None) -> Step | None:
+                       device: torch.device, first_block: str | None, last_block: str | None,
+                       leave: Leave | None = None) -> Step | None:
         """The same for one pipeline stage of ``model``, its boundaries whole (``first_block``, ``last_block``: the
         blocks where the stage begins and ends inside the model, None at the model's own ends)."""
         return None
