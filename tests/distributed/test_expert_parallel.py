@@ -56,6 +56,7 @@ BESIDE_CP = [
     ("gpt_moe", "zero3", {"ep": 2, "cp": 2}, (("zero3", {"ep": 2, "cp": 2}), ("zero3", {"cp": 2}))),
     ("mixtral", "ddp", {"ep": 2, "cp": 2}, (("ddp", {"ep": 2, "cp": 2}),)),
 ]
+ROUTER_LOSS_UNDER_CP = ("mixtral_aux", "zero3", {"ep": 2, "cp": 2}, ())  # refused: each rank's slice's router loss
 BESIDE_TP = [
     ("mixtral", "zero3", {"ep": 2, "tp": 2}, (("zero3", {"ep": 2, "tp": 2}), ("zero3", {"tp": 2}))),
     ("gpt_moe", "ddp", {"ep": 2, "tp": 2}, (("ddp", {"ep": 2, "tp": 2}),)),  # sequence parallel: the MoE whole_sequence
@@ -94,7 +95,8 @@ def ep2_dir(tmp_path_factory):
 def world2(ep2_dir):
     from paratrain.testing import spawn
 
-    return spawn(run_cases, 2, (WORLD2 + BUILT + BESIDE_CP, str(ep2_dir)), timeout_s=420)[0]
+    return spawn(run_cases, 2, (WORLD2 + BUILT + BESIDE_CP + [ROUTER_LOSS_UNDER_CP], str(ep2_dir)),
+                 timeout_s=420)[0]
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +150,15 @@ def test_ep_beside_cp_routes_each_ranks_slice_of_the_sequences(world2, case):
     """zero3/ddp x cp=2 x ep=2 at world 2: the cp pair is the expert group, each routing its half of every sequence;
     equal to one process on the one replica's batch, resumed bitwise, loaded without ep."""
     check(world2[key(case)], case, 1, reference(case[0], 1))
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_router_loss_inside_forward_under_cp_is_one_line(world2):
+    error = world2[key(ROUTER_LOSS_UNDER_CP)]["error"]
+    assert "cp cannot train MixtralForCausalLM with its router's load-balancing loss" in error
+    assert "\n" not in error
 
 
 @pytest.mark.launched

@@ -61,19 +61,26 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, c
     return ddp
 
 
+def ignored_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters data parallelism leaves to another part (the split experts, whose gradients expert parallelism
+    completes itself): those ``DistributedDataParallel`` is told to ignore (``model``'s
+    ``_ddp_params_and_buffers_to_ignore``, set by ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``),
+    the one list DDP, FSDP2's ``replicate`` and ``fully_shard`` all leave alone here."""
+    names = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    return {p for n, p in model.named_parameters() if n in names}
+
+
 def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """DDP's algorithm for a model whose parameters are DTensors (tensor parallel): a full replica per rank of the
     1-D ``mesh``, gradients all-reduced over it, by FSDP2's ``replicate`` (``DistributedDataParallel`` refuses
-    DTensor parameters); the model is changed in place. Parameters DDP is told to ignore (``model``'s
-    ``_ddp_params_and_buffers_to_ignore``: split experts, reduced by expert parallelism) are ignored here too."""
+    DTensor parameters); the model is changed in place, but the parameters :func:`ignored_parameters` names."""
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError:  # added in torch 2.9; the package allows older ones
         raise ConfigError(f"ddp with tp replicates through FSDP2's replicate, which torch {torch.__version__} does "
                           "not have (torch >= 2.9 does); use zero2 or zero3 with tp, or a newer torch") from None
-    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    kwargs = {"ignored_params": {p for n, p in model.named_parameters() if n in ignored}} if ignored else {}
-    replicate(model, mesh=mesh, **kwargs)
+    ignored = ignored_parameters(model)
+    replicate(model, mesh=mesh, **({"ignored_params": ignored} if ignored else {}))
     return model
 
 
@@ -85,12 +92,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy
     Only the root casts its output (the policy's ``output_dtype``): a unit's output stays in the compute dtype, as
     the root's own layers after the last unit (a final norm with 16-bit weights) expect it. The sharding presets
     give a policy without ``output_dtype``: ``Parallel`` casts the root's outputs itself, except where the loss
-    takes them in the compute dtype (``forward_backward``).
+    takes them in the compute dtype (``forward_backward``). The parameters :func:`ignored_parameters` names are left
+    as they are.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()}
+    if ignored := ignored_parameters(model):
+        kwargs["ignored_params"] = ignored
     for unit in shard_units(model, wrap_classes=config.wrap_classes, min_params=config.min_params, facts=facts):
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=config.reshard_after_forward,
                     mp_policy=dataclasses.replace(policy, output_dtype=None), **kwargs)

@@ -93,6 +93,10 @@ class ContextParallel(WholeSequences):
         from .attention import wrap_attention
         from .sequence import SequenceSplit
 
+        if getattr(getattr(model, "config", None), "output_router_logits", False):
+            raise ConfigError(f"cp cannot train {type(model).__name__} with its router's load-balancing loss "
+                              "(config.output_router_logits=True): each rank would add the loss of its slice of the "
+                              "sequences; set output_router_logits=False, or drop cp")
         names = mesh.mesh_dim_names or ()
         self.split = SequenceSplit(model, mesh["cp"].get_group())
         wrap_attention(model, self.split, self.config.degree * (mesh["tp"].size() if "tp" in names else 1))

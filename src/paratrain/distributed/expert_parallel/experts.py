@@ -74,14 +74,15 @@ def _layer(found: ExpertLayer) -> ExpertsLayer:
     return ExpertsLayer(name, module, experts, split, interface)
 
 
-def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup) -> None:
+def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch.dtype | None = None) -> None:
     """Replace ``layer.module``'s forward (on the instance) by one that runs over ``group``; its parameters must
-    already hold this rank's slice (DTensors, whose local tensors the original forward is given)."""
+    already hold this rank's slice (DTensors, whose local tensors the original forward is given, cast to ``dtype``
+    when given: the compute dtype of mixed precision, where no FSDP unit casts them)."""
     module, original = layer.module, layer.module.forward
     n_local = layer.experts // dist.get_world_size(group)
 
     def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        with _local(module, layer.split, n_local) as held:
+        with _local(module, layer.split, n_local, dtype) as held:
             if layer.interface == "rows":
                 out = original(rows, counts)
             else:
@@ -119,15 +120,18 @@ def _topk_forward(run: Callable, experts: int, group: dist.ProcessGroup, hidden_
 
 
 @contextmanager
-def _local(module: nn.Module, names: tuple[str, ...], n_local: int) -> Iterator[list[torch.Tensor]]:
-    """Within it, ``module``'s split parameters are their local tensors (autograd-aware ``to_local``: gradients
-    flow back into the DTensors; yielded) and its ``num_experts`` counts the local experts."""
+def _local(module: nn.Module, names: tuple[str, ...], n_local: int,
+           dtype: torch.dtype | None) -> Iterator[list[torch.Tensor]]:
+    """Within it, ``module``'s split parameters are their local tensors (autograd-aware ``to_local``, and cast to
+    ``dtype``: gradients flow back into the DTensors in theirs; yielded) and its ``num_experts`` counts the local
+    experts."""
     params = {n: module._parameters[n] for n in names}
     had = "num_experts" in vars(module)
     count = getattr(module, "num_experts", None)
     try:
         for n, p in params.items():
-            module._parameters[n] = p.to_local() if hasattr(p, "to_local") else p  # type: ignore[assignment,union-attr]
+            local = p.to_local() if hasattr(p, "to_local") else p  # type: ignore[union-attr]
+            module._parameters[n] = local.to(dtype) if dtype is not None else local  # type: ignore[assignment]
         if count is not None:
             module.num_experts = n_local
         yield [module._parameters[n] for n in names]  # type: ignore[misc]

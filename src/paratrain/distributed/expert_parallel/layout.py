@@ -10,7 +10,10 @@ Gradients: a rank's expert gradient already sums what every rank of its expert g
 the loss being the mean over its own batch; summed over ``ep_dp`` it is the sum over all ``dp`` ranks, so it is
 divided by ``dp`` (not by the ``ep_dp`` ranks that reduce it) to equal one process on the global batch.
 Under ZeRO the experts are ``fully_shard``-ed over ``ep_dp`` with that divide factor (torchtitan's layout); beside
-DDP, which is told to ignore them, one all-reduce per step over ``ep_dp`` does it.
+DDP, which is told to ignore them, one all-reduce per step over ``ep_dp`` does it. So does it under ZeRO when
+``ep_dp`` is one rank (ep = the data ranks): there FSDP2's unit would shard nothing, only copy the whole slice into
+its buffers and back around every forward and backward (1.12x the hand-written step at world 2, benchmarks/RESULTS.md
+§28), so the sharding leaves the experts alone and the division is all that remains.
 """
 from __future__ import annotations
 
@@ -61,8 +64,9 @@ def shard_experts(layers: list[ExpertsLayer], mesh: DeviceMesh, dp: int, **fully
             layer.module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
 
 
-def ignored_by_ddp(model: nn.Module, layers: list[ExpertsLayer]) -> None:
-    """Tell DDP (about to wrap ``model``) to leave the experts' parameters to :func:`reduce_expert_grads`."""
+def ignored_by_data_parallel(model: nn.Module, layers: list[ExpertsLayer]) -> None:
+    """Tell DDP, or FSDP2 (about to wrap ``model``: :func:`paratrain.distributed.data_parallel.ignored_parameters`),
+    to leave the experts' parameters to :func:`reduce_expert_grads`."""
     from torch.nn.parallel import DistributedDataParallel
 
     names = {id(p): n for n, p in model.named_parameters()}

@@ -3,7 +3,7 @@
 Every composed strategy holds one and calls its hooks unconditionally: :class:`WholeExperts` does nothing at each;
 :class:`ExpertParallel` splits each routed-experts module over groups of ``ep`` data-parallel ranks, wraps the
 step that lays the model out for data parallelism (DDP or FSDP2) so the experts get their own layout first, and
-completes their gradients where DDP does not.
+completes their gradients where no data engine does.
 """
 from __future__ import annotations
 
@@ -62,28 +62,37 @@ class ExpertParallel(WholeExperts):
         self._layers: list[Any] = []
         self._mesh: Any = None
         self._dp = 1
-        self._ddp = False
+        self._reduces = False
+        """Whether :meth:`sync_gradients` completes the experts' gradients (no data engine reduces them)."""
 
     def data_step(self, data: Step, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any],
                   stage: bool = False) -> Step:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
         from ...model.materialize import is_meta, to_device
         from .experts import dispatch_experts, find_experts
-        from .layout import expert_mesh, ignored_by_ddp, shard_experts, split_experts
+        from .layout import expert_mesh, ignored_by_data_parallel, shard_experts, split_experts
 
         def step(model: nn.Module) -> nn.Module:
             if not is_meta(model):
                 model = to_device(model, device)  # the slices are made where the model trains
             layers = find_experts(model, self.degree, required=not stage)
             if self._mesh is None:  # every rank builds it (a collective), its stages holding experts or not
-                self._mesh, self._dp, self._ddp = expert_mesh(mesh, self.degree), mesh.size(), not zero
+                self._mesh, self._dp = expert_mesh(mesh, self.degree), mesh.size()
+                # ZeRO shards the slices again over the ranks holding the same ones; where one rank holds each
+                # (ep = the data ranks) a unit of one rank would only copy them (CPU offload still wants the unit)
+                offloaded = isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy)
+                self._reduces = not zero or (self._mesh["ep_dp"].size() == 1 and not offloaded)
             self._layers += layers  # a rank's several pipeline stages (interleaved schedules) add theirs
-            split_experts(layers, self._mesh, replicate=not zero)
-            for layer in layers:
-                dispatch_experts(layer, self._mesh.get_group("ep"))
-            if zero:
-                shard_experts(layers, self._mesh, self._dp, **fsdp_kwargs)
+            split_experts(layers, self._mesh, replicate=self._reduces)
+            policy = fsdp_kwargs.get("mp_policy")
+            for layer in layers:  # their own compute dtype where no FSDP unit casts them
+                dispatch_experts(layer, self._mesh.get_group("ep"),
+                                 getattr(policy, "param_dtype", None) if zero and self._reduces else None)
+            if self._reduces:
+                ignored_by_data_parallel(model, layers)
             else:
-                ignored_by_ddp(model, layers)
+                shard_experts(layers, self._mesh, self._dp, **fsdp_kwargs)
             return data(model)
 
         if getattr(data, "takes_meta", False):
@@ -101,7 +110,7 @@ class ExpertParallel(WholeExperts):
         find_experts(model, self.degree)
 
     def sync_gradients(self, model: nn.Module) -> None:
-        if self._ddp:
+        if self._reduces:
             from .layout import reduce_expert_grads
 
             reduce_expert_grads(self._layers, self._mesh, self._dp)
