@@ -37,22 +37,30 @@ def test_mixtral_experts_are_most_of_its_parameters():
 
 @pytest.mark.parametrize("name, zero, params, grads, optim", [
     # ddp: the dense parameters whole, 1/ep of the experts, nothing sharded
-    ("ddp", 0, DENSE + X / 8, DENSE + X / 8, DENSE + X / 8),
+    ("ddp", 0, DENSE + X / 2, DENSE + X / 2, DENSE + X / 2),
     # zero2: states and gradients 1/N of the dense ones and 1/(N/ep) of the rank's 1/ep of the experts: 1/N of all
-    ("zero2", 2, DENSE + X / 8, (DENSE + X) / 32, (DENSE + X) / 32),
+    ("zero2", 2, DENSE + X / 2, (DENSE + X) / 8, (DENSE + X) / 8),
     # zero3: everything 1/N, as without ep (ep changes what FSDP gathers, not what a rank keeps)
-    ("zero3", 3, (DENSE + X) / 32, (DENSE + X) / 32, (DENSE + X) / 32),
+    ("zero3", 3, (DENSE + X) / 8, (DENSE + X) / 8, (DENSE + X) / 8),
 ])
 def test_model_states_of_an_ep_rank_in_closed_form(name, zero, params, grads, optim):
-    layout = Layout.of(name=name, dp=32, zero=zero, shard=32 if zero else 1, ep=8)
+    """8 ranks, ep=2: a rank's 4 experts sharded over the 4 ranks holding the same ones, one each."""
+    layout = Layout.of(name=name, dp=8, zero=zero, shard=8 if zero else 1, ep=2)
     states = model_states(MIXTRAL, layout, MIXED)
     assert states.parameters == pytest.approx(2 * params)
     assert states.gradients == pytest.approx(2 * grads)
     assert states.optimizer_states == pytest.approx(12 * optim)  # fp32 master copy and Adam's two moments
-    without = model_states(MIXTRAL, Layout.of(name=name, dp=32, zero=zero, shard=32 if zero else 1), MIXED)
-    # without ep FSDP cuts the fused [8, ...] expert tensors on their first dimension: a rank keeps a whole 1/8
-    assert without.parameters == pytest.approx(2 * (DENSE / 32 + X / 8 if zero == 3 else DENSE + X))
-    assert without.gradients == pytest.approx(2 * (DENSE / 32 + X / 8 if zero >= 2 else DENSE + X))
+
+
+@pytest.mark.parametrize("ep", [1, 2, 8])
+def test_past_the_experts_fsdp_keeps_a_whole_expert_a_rank_with_ep_or_without(ep):
+    """32 ranks and Mixtral's 8 experts: FSDP cuts the fused [E/ep, ...] expert tensors a rank holds on their first
+    dimension, the experts, over the 32/ep ranks holding the same ones: more ranks than experts, so the busiest rank
+    keeps one whole expert, X/8, whatever ep (the dry run reads the same; tests/cli/test_dry_run.py)."""
+    layout = Layout.of(name="zero3", dp=32, zero=3, shard=32, ep=ep)
+    states = model_states(MIXTRAL, layout, MIXED)
+    assert states.parameters == pytest.approx(2 * (DENSE / 32 + X / 8))
+    assert states.gradients == pytest.approx(2 * (DENSE / 32 + X / 8))
 
 
 def test_fsdp_gathers_an_ep_ranks_share_of_a_blocks_experts():
@@ -121,17 +129,16 @@ def test_an_exact_layout_with_ep_compares_its_data_parallel_flavours():
 
 
 def test_an_ep_layout_is_recommended_when_it_is_faster_and_says_why():
-    """Mixtral at 4096 tokens on 32 H100s: zero3 alone keeps 1/8 of the experts a rank (its 8 experts cut over 32
-    ranks) and does not fit; with ep=8 each rank holds, gathers, streams and steps 1/8 of them and shards its own
-    over the 4 ranks holding the same ones, for a few percent of the step in all-to-alls."""
-    stats = transformer_stats(replace(TRANSFORMERS["mixtral-8x7b"], seq_len=4096), name="mixtral")
-    plan = make_plan(stats, PlanConfig(gpus=8, nodes=4, inter_node="ib-ndr-x8", tp=1,
+    """Qwen3-30B-A3B on 16 H100s: with ep=8 each rank holds, gathers, streams and steps 1/8 of the 128 experts
+    and shards its 16 over the 2 ranks holding the same ones, for a share of the step in all-to-alls: faster than
+    zero3 alone by more than the plan's tie."""
+    stats = transformer_stats(TRANSFORMERS["qwen3-30b-a3b"], name="qwen3")
+    plan = make_plan(stats, PlanConfig(gpus=8, nodes=2, inter_node="ib-ndr-x8", tp=1,
                                         training=Training(micro_batch=1)))
     by_name = {e.name: e for e in plan.estimates}
-    assert not by_name["zero3"].fits and by_name["zero3+ep"].fits
-    assert plan.choice.layout.ep == 8 and plan.choice.samples_per_s > 1.5 * by_name["pipeline"].samples_per_s
+    assert plan.choice.layout.ep == 8 and plan.choice.samples_per_s > 1.2 * by_name["zero3"].samples_per_s
     assert f"1/8 of the experts, for {1e3 * plan.choice.time.ep_comm_s:.3g} ms of all-to-alls" in plan.reason
-    assert 0 < plan.choice.time.ep_comm_s < 0.1 * plan.choice.time.step_s
+    assert 0 < plan.choice.time.ep_comm_s < 0.2 * plan.choice.time.step_s
 
 
 def test_the_cli_plans_ep_and_says_the_active_parameters(capsys):
