@@ -15,10 +15,11 @@ from paratrain.cli.main import main
 from paratrain.errors import ConfigError
 from paratrain.planner import TRANSFORMERS, Layout, PlanConfig, Training, make_cluster, make_plan, transformer_stats
 from paratrain.planner.collectives import all_reduce_s, all_to_all_s
-from paratrain.planner.expert_parallel import dispatch_bytes, ep_comm_s, link_of as ep_link, routed_flops
+from paratrain.planner.expert_parallel import dispatch_bytes, ep_comm_s, link_of as ep_link, moe_flops
 from paratrain.planner.layout import layouts
 from paratrain.planner.memory import memory_per_rank, model_states, ranked_split
-from paratrain.planner.tensor_parallel import rank_params
+from paratrain.planner.moe import mlp_activations
+from paratrain.planner.tensor_parallel import rank_activations, rank_params
 from paratrain.planner.timing import step_time
 from paratrain.planner.training import batching
 from paratrain.planner.transformer import transformer_params
@@ -206,8 +207,9 @@ def test_a_hybrid_ep_stage_waits_for_its_blocks_all_to_alls_in_every_slot():
 
 def test_tp_ep_sends_every_token_over_the_dp_link_and_computes_the_experts_unsplit():
     """zero3 tp=8 ep=2 on 2 nodes of 8: the ep pair is one rank of each node (8 apart), so its all-to-alls cross the
-    inter-node link, shared by the node's 8 pairs; each tp rank sends its micro-batch's tokens whole. The routed experts' FLOPs are not divided by
-    tp: against the same model without its experts counted as routed, a step computes R/2 more a sample."""
+    inter-node link, shared by the node's 8 pairs; each tp rank sends its micro-batch's tokens whole. The MoE MLPs'
+    FLOPs R are not divided by tp: against the same model without them counted, a step computes R(1 - 1/8) more a
+    sample."""
     cluster = make_cluster("h100", gpus=8, nodes=2, inter_node="ib-ndr-x8")
     layout = Layout.of(name="zero3", dp=2, zero=3, shard=2, tp=8, ep=2)
     link = ep_link(cluster, layout)
@@ -217,13 +219,13 @@ def test_tp_ep_sends_every_token_over_the_dp_link_and_computes_the_experts_unspl
     assert t.ep_comm_s == pytest.approx(
         batch.micro_batches * ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False))
     plain = Layout.of(name="ddp", dp=2, tp=8)
-    routed = routed_flops(MIXTRAL)
-    assert routed == 6 * 32768 * X * 2 / 8
-    unrouted = replace(MIXTRAL, moe=replace(MIXTRAL.moe, top_k=0))
+    whole = moe_flops(MIXTRAL)
+    assert whole == 6 * 32768 * (X * 2 / 8 + 32 * 8 * 4096)  # 2 of 8 experts, and the routers (no shared experts)
+    blind = replace(MIXTRAL, moe=replace(MIXTRAL.moe, top_k=0, whole=0))
     extra = (step_time(MIXTRAL, plain, batch, MIXED, cluster).compute_s
-             - step_time(unrouted, plain, batch, MIXED, cluster).compute_s)
+             - step_time(blind, plain, batch, MIXED, cluster).compute_s)
     rate = cluster.flops_per_s("bf16-mixed", cluster.ranks_per_node)
-    assert extra == pytest.approx(batch.micro_batches * batch.micro_batch * routed * (1 - 1 / 8) / rate)
+    assert extra == pytest.approx(batch.micro_batches * batch.micro_batch * whole * (1 - 1 / 8) / rate)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -237,3 +239,16 @@ def test_a_hybrid_ep_layout_is_named_on_the_cli_or_refused_in_one_line(text, mes
     with pytest.raises(ConfigError, match=message) as refused:
         make_plan(MIXTRAL, PlanConfig(gpus=8, layout=text))
     assert "\n" not in str(refused.value)
+
+
+def test_a_tp_rank_keeps_the_moe_blocks_activations_whole():
+    """tp runs each MoE block whole over the gathered sequence: what its MLP saves is not divided by tp, the rest of
+    the split figure is (against the same stats without that figure)."""
+    whole = MIXTRAL.moe.mlp_activations["autocast"]
+    assert whole == 32 * 32768 * mlp_activations(TRANSFORMERS["mixtral-8x7b"].moe, 4096, True, act=2)
+    figures = MIXTRAL.mixed["autocast"]
+    blind = replace(MIXTRAL, moe=replace(MIXTRAL.moe, mlp_activations={}))
+    for sp in (True, False):
+        split, plain = (rank_activations(s, figures, "autocast", 4, sp) for s in (MIXTRAL, blind))
+        assert split[0] - plain[0] == pytest.approx(whole * (1 - 1 / 4))
+        assert split[1] - plain[1] == pytest.approx(whole / 32 * (1 - 1 / 4))

@@ -12,7 +12,8 @@ The compositions planned (``layout.layouts``, the runtime's): ddp, zero2 and zer
 ranks with ep (``Parallel("zero3", tp=T, ep=E)``); and ``hybrid`` with ep (``Parallel("hybrid", dp=D, ep=E)``: each
 pipeline stage's experts split over groups of E of its D replicas). Tensor parallelism splits attention and the
 dense MLPs, not the routed experts: every rank of a tp group holds its ep slice of the experts whole and computes
-the experts of the same tokens (``routed_flops``, not divided by tp); its ep group is made of data-parallel ranks,
+the experts of the same tokens (``moe_flops``, not divided by tp; nor are the router and shared experts, nor what
+the MoE blocks save for backward: tp runs each MoE block whole); its ep group is made of data-parallel ranks,
 one per tp group, so the all-to-alls cross the link the dp dimension uses (``link_of``).
 
 Per micro-batch of b samples of s tokens, a rank sends in each all-to-all b·s·k·h elements of the compute dtype,
@@ -91,13 +92,14 @@ def ep_comm_s(stats: ModelStats, mode: str, micro_batch: float, ep: int, link: L
     return calls * all_to_all_s(dispatch_bytes(stats, mode, micro_batch), ep, link)
 
 
-def routed_flops(stats: ModelStats) -> float:
-    """FLOPs per sample of the routed experts a token goes through (6 a weight, forward and backward: k of the E
-    experts of each MoE block, for each of the s tokens): the share of a step tensor parallelism does not divide."""
+def moe_flops(stats: ModelStats) -> float:
+    """FLOPs per sample of the MoE blocks' MLPs (6 a weight, forward and backward, for each of the s tokens: the k
+    of the E routed experts a token goes through, the router and the shared experts): the share of a step tensor
+    parallelism does not divide, as it runs each MoE block whole on every rank."""
     if stats.moe is None:
         return 0.0
     m = stats.moe
-    return 6.0 * m.seq_len * m.expert_params * m.top_k / m.experts
+    return 6.0 * m.seq_len * (m.expert_params * m.top_k / m.experts + m.whole)
 
 
 def ep_degrees(stats: ModelStats, cluster: Cluster, ep: int | None = None) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from . import context_parallel
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
 from .hardware import Cluster
 from .layout import Layout, stage_flops
-from .expert_parallel import ep_comm_s, link_of as ep_link, routed_flops, sync_groups
+from .expert_parallel import ep_comm_s, link_of as ep_link, moe_flops, sync_groups
 from .memory import (activation_figures, activation_mode, optimizer_params, ranked_params, ranked_split,
                      sharded)
 from .model_stats import ModelStats
@@ -148,7 +148,8 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     collectives (``tensor_parallel.tp_comm_s``, not hidden; a pipeline stage its 1/p share of them in every
     slot) over the link of tp consecutive ranks; the
     data-parallel and pipeline groups are then tp times further apart. The routed experts of a mixture of experts
-    are not split by tp: every rank of a tp group computes them for all its tokens (``expert_parallel.routed_flops``).
+    are not split by tp: every rank of a tp group computes its MoE blocks whole for all its tokens
+    (``expert_parallel.moe_flops``).
     Expert-parallel ranks hold 1/ep of the
     experts (fewer weights to stream and step), sync them over the ranks holding the same ones and wait for their
     all-to-alls (``expert_parallel.ep_comm_s``, not hidden; a pipeline stage those of its blocks in every slot) over
@@ -176,10 +177,10 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     per_sample = executed_flops_per_sample(stats, training)
     stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) * per_sample
                               / stats.flops_per_sample if traced else per_sample / layout.pp)
-    # a tp group's ranks each compute the routed experts of all its tokens (tensor parallelism splits the rest)
-    routed = min(routed_flops(stats) * training.flops_factor / layout.pp, stage_flops_per_sample)
-    routed_share = (stage_flops_per_sample - routed) / layout.tp + routed
-    micro_s = (routed_share * batch.micro_batch / layout.cp / rate
+    # a tp group's ranks each compute the MoE blocks of all its tokens whole (tensor parallelism splits the rest)
+    whole = min(moe_flops(stats) * training.flops_factor / layout.pp, stage_flops_per_sample)
+    rank_flops = (stage_flops_per_sample - whole) / layout.tp + whole
+    micro_s = (rank_flops * batch.micro_batch / layout.cp / rate
                + (weight_bytes(streamed, training, cluster) + copies
                   + activation_stream_bytes(stats, layout, training, cluster) * batch.micro_batch) / bandwidth
                + machinery_s)
