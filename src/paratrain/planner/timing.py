@@ -147,11 +147,10 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     are not hidden. Tensor-parallel ranks compute 1/tp of each micro-batch's FLOPs and wait for its activation
     collectives (``tensor_parallel.tp_comm_s``, not hidden; a pipeline stage its 1/p share of them in every
     slot) over the link of tp consecutive ranks; the
-    data-parallel and pipeline groups are then tp times further apart. The routed experts of a mixture of experts
-    are not split by tp: every rank of a tp group computes its MoE blocks whole for all its tokens
-    (``expert_parallel.moe_flops``).
-    Expert-parallel ranks hold 1/ep of the
-    experts (fewer weights to stream and step), sync them over the ranks holding the same ones and wait for their
+    data-parallel and pipeline groups are then tp times further apart. A mixture of experts' MoE blocks are not
+    split by tp: every rank of a tp group computes them whole for all its tokens (``expert_parallel.moe_flops``).
+    Expert-parallel ranks hold 1/ep of the experts (fewer weights to stream and step), sync them over the ranks
+    holding the same ones and wait for their
     all-to-alls (``expert_parallel.ep_comm_s``, not hidden; a pipeline stage those of its blocks in every slot) over
     the link of ep data-parallel neighbours, a pipeline's stages and a tp group apart.
     Context-parallel ranks compute 1/cp of each micro-batch's FLOPs (but stream every weight), wait for the
