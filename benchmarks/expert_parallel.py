@@ -3,6 +3,7 @@ hand-written all-to-all dispatch in plain torch, at world 2 and 4.
 
     .venv/bin/python benchmarks/expert_parallel.py --json expert-parallel.json    # 5 interleaved rounds
     .venv/bin/python benchmarks/expert_parallel.py --rounds 1 --steps 2            # a quick look
+    .venv/bin/python benchmarks/expert_parallel.py --hybrid --worlds 4 --rounds 1   # hybrid, pp=2, with and without ep
 
 Model: our GPT with experts (:mod:`paratrain.workloads.gpt`): 2 blocks x 128, 8 routed experts of top 2 (SwiGLU,
 width 256) per block, vocab 512; each rank a batch of 8 x 128 tokens; fp32, AdamW. Subjects, one after the other in
@@ -14,8 +15,13 @@ every round (their order rotating), a few steps each, the same batch:
   the experts as plain parameters, the counts and rows exchanged with torch's all-to-all, FSDP2's ``fully_shard``
   on the blocks and the root with the experts left out (``ignored_params``), their gradients divided by the ranks.
 
+With ``--hybrid`` the subjects are instead ``Parallel("hybrid", dp=W/2)`` (2 pipeline stages of one block each,
+replicated by DDP) and ``Parallel("hybrid", dp=W/2, ep=2)`` (each stage's experts split over 2 of its replicas),
+without a hand-written row: what they check is the planner's per-rank expert bytes under a pipeline.
+
 Figures: the step time (median of each round's median, on the slowest rank; and the fastest round) and tokens/s
-over all ranks; ``x hand``: the median over rounds of the step time over the hand-written one's in the same round;
+over all ranks; ``x hand``: the median over rounds of the step time over the hand-written one's in the same round
+(with ``--hybrid``, over ``hybrid ep=2``'s);
 what a rank holds of the experts (parameters plus AdamW's state, bytes of the local tensors after a step) against the planner's
 figure for the layout (:mod:`paratrain.planner.expert_parallel`); the resident high-water mark of a step above the
 resident memory before it (``/proc/self/clear_refs``; glibc set to return every block over 64 KiB when freed).
@@ -104,13 +110,18 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
+def _options(subject: str, world: int) -> dict[str, int]:
+    """The strategy options of ``subject`` (``zero3 ep=2``, ``hybrid ep=2``) at ``world`` ranks: hybrid's 2 stages."""
+    ep = int(subject.split("ep=")[1]) if "ep=" in subject else 1
+    return {**({"dp": world // 2} if subject.startswith("hybrid") else {}), **({"ep": ep} if ep > 1 else {})}
+
+
 def prepared(subject: str) -> tuple[object, nn.Module, torch.optim.Optimizer]:
     model = build()
     if subject.startswith("hand"):
         model = hand_written(model)
         return None, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ep = int(subject.split("ep=")[1]) if "ep=" in subject else 1
-    par = paratrain.Parallel("zero3", monitor=False, **({"ep": ep} if ep > 1 else {}))
+    par = paratrain.Parallel(subject.split()[0], monitor=False, **_options(subject, dist.get_world_size()))
     model, opt = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     return par, model, opt
 
@@ -142,11 +153,17 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def job(rounds: int, steps: int, warmup: int) -> dict:
+def subjects_at(world: int, hybrid: bool) -> list[str]:
+    if hybrid:
+        return ["hybrid", "hybrid ep=2"]
+    return ["zero3", *(f"zero3 ep={e}" for e in (2, 4) if e <= world), f"hand ep={world}"]
+
+
+def job(rounds: int, steps: int, warmup: int, hybrid: bool = False) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    names = ["zero3", *(f"zero3 ep={e}" for e in (2, 4) if e <= world), f"hand ep={world}"]
+    names = subjects_at(world, hybrid)
     g = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
@@ -179,15 +196,20 @@ def job(rounds: int, steps: int, warmup: int) -> dict:
 
 def planned_bytes(subject: str, world: int) -> int:
     """The planner's bytes of routed experts one rank holds (parameters and AdamW's two moments, fp32) under
-    ``subject``'s layout."""
-    from paratrain.planner.expert_parallel import expert_fraction, held_experts
+    ``subject``'s layout: its fullest stage's experts (``memory.ranked_split``), sharded as ZeRO shards them."""
+    from paratrain.planner.expert_parallel import expert_fraction
     from paratrain.planner.layout import Layout
+    from paratrain.planner.memory import ranked_split
     from paratrain.planner.transformer import transformer_stats
 
-    ep = int(subject.split("ep=")[1]) if "ep=" in subject else 1
+    options = _options(subject, world)
     stats = transformer_stats(CFG, name="gpt-moe")
-    layout = Layout.of("zero3", dp=world, zero=3, shard=world, ep=ep)
-    return round(sum(held_experts(stats, ep)) * expert_fraction(stats, layout) * 4 * 3)
+    if subject.startswith("hybrid"):
+        layout = Layout.of("hybrid", dp=options["dp"], pp=world // options["dp"], ep=options.get("ep", 1))
+    else:
+        layout = Layout.of("zero3", dp=world, zero=3, shard=world, ep=options.get("ep", 1))
+    experts = ranked_split(stats, layout)[1]
+    return round(experts * (expert_fraction(stats, layout) if layout.zero else 1) * 4 * 3)
 
 
 def main() -> None:
@@ -197,14 +219,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--hybrid", action="store_true", help="hybrid (2 stages) with and without ep=2, not zero3")
     a = p.parse_args()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":  # glibc reads it at start: run again with it set
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
         sys.exit(subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode)
     results = {}
     for world in map(int, a.worlds.split(",")):
-        ranks = paratrain.launch(job, world, (a.rounds, a.steps, a.warmup), timeout_s=1800)
-        hand = f"hand ep={world}"
+        ranks = paratrain.launch(job, world, (a.rounds, a.steps, a.warmup, a.hybrid), timeout_s=1800)
+        hand = subjects_at(world, a.hybrid)[-1]  # the row the others are paired with (hand-written, or hybrid ep)
         rows = {}
         for s in ranks[0]:
             per_round = [max(rank[s]["rounds_ms"][r] for rank in ranks) for r in range(a.rounds)]

@@ -170,8 +170,7 @@ def test_dry_run_of_a_mixture_of_experts_matches_the_planner(moe_models, name, w
     """transformers' Mixtral and Qwen3-MoE and paratrain's GPT with MoE blocks (8 or 16 experts, fused [E, ...]
     tensors) laid out without ep: what each rank holds is the planner's within 2%. FSDP cuts the expert tensors on
     their first dimension, so past E ranks a rank keeps a whole expert's share (1/8 of Mixtral's at 16 and 64
-    ranks, not 1/64): found here, planned in ``expert_parallel.expert_fraction``. With ``Parallel(strategy,
-    ep=E)`` the same comparison will hold the planner's ep layouts."""
+    ranks, not 1/64): found here, planned in ``expert_parallel.expert_fraction``. The ep layouts: below."""
     build, cfg = moe_models[name]
     stats = transformer_stats(cfg, name=name)
     for strategy, options, layout in layouts(world)[:5]:  # ddp, zero1, zero2, zero3, hsdp
@@ -184,3 +183,26 @@ def test_dry_run_of_a_mixture_of_experts_matches_the_planner(moe_models, name, w
                 want.gradients + want.optimizer_states, rel=0.02), where
         else:
             assert got.total == pytest.approx(want.total, rel=0.02), where
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt"])
+def test_dry_run_of_expert_parallel_layouts_matches_the_planner(moe_models, name):
+    """``Parallel(strategy, ep=E)`` at 16 ranks as the planner lists it: ddp, zero2 and zero3 with ep, and hybrid
+    with ep (each of 4 or 2 stages' experts over E of its replicas). What the busiest rank holds is the planner's
+    within 2%; under zero3 with ep=8, Mixtral's one expert a rank is kept whole by one of the 2 ranks sharding it
+    (FSDP cuts on the experts: ``expert_parallel.expert_fraction``)."""
+    build, cfg = moe_models[name]
+    stats = transformer_stats(cfg, name=name)
+    cases = [("ddp", {"ep": 8}, Layout.of(name="ddp", dp=16, ep=8)),
+             ("zero3", {"ep": 8}, Layout.of(name="zero3", dp=16, zero=3, shard=16, ep=8)),
+             ("zero3", {"ep": 2}, Layout.of(name="zero3", dp=16, zero=3, shard=16, ep=2)),
+             ("hybrid", {"dp": 4, "ep": 4}, Layout.of(name="hybrid", dp=4, pp=4, ep=4)),
+             ("hybrid", {"dp": 8, "ep": 2}, Layout.of(name="hybrid", dp=8, pp=2, ep=2))]
+    for strategy, options, layout in cases:
+        result = dry_run(build, world=16, strategy=strategy, options=options)
+        where = f"{name} {strategy}{options}"
+        assert result.error is None, f"{where}: {result.error}"
+        assert result.busiest.total == pytest.approx(model_states(stats, layout, TRAINING).total, rel=0.02), where
+    from paratrain.planning.dry_run import DryRunConfig
+
+    assert DryRunConfig(model="gpt2", world=16, strategy="hybrid", dp=4, ep=4).options == {"dp": 4, "ep": 4}

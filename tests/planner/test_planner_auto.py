@@ -250,3 +250,18 @@ def test_the_experts_auto_splits_are_read_from_modules_named_experts():
         shape = expert_shape(model, parameter_stats(model).units, cfg)
         assert sum(shape.unit_experts) == transformer_params(cfg)["experts"] > 0
         assert shape.active == transformer_params(cfg)["active"] and shape.experts == cfg.moe.experts
+
+
+def test_auto_weighs_ep_only_with_the_presets_that_take_it_and_hands_them_its_degrees():
+    """ep's candidates are ddp, zero2 and zero3 (zero1 refuses ep=), each handed its ``ep=`` (and a ``tp=`` beside
+    it); a mixture of experts is not given tp by ``auto``, so no choice carries both."""
+    from paratrain.strategies.auto import strategy_options
+    from paratrain.planner.auto import AutoChoice
+
+    model = GPT(MOE).to("meta")
+    tiny = make_cluster("h100", gpus=8, gpu_mem_gb=0.01)
+    choice = choose(model, tiny, "fp32", ep=True)
+    assert not choice.fits and "zero1 ep=" not in choice.reason
+    assert {"ddp ep=2", "zero2 ep=2", "zero3 ep=2"} <= {" ".join(t.split()[:2]) for t in choice.reason.split(", ")}
+    assert strategy_options(AutoChoice(strategy="zero3", reason="", ep=2)) == {"ep": 2}
+    assert strategy_options(AutoChoice(strategy="zero3", reason="", tp=2, ep=2)) == {"tp": 2, "ep": 2}

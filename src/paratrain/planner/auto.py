@@ -32,7 +32,7 @@ from .expert_parallel import ep_degrees
 from .context_parallel import cp_pairs
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
-from .layout import Layout
+from .layout import EP_STRATEGIES, Layout
 from ..model.structure import forward_pieces
 from .model_stats import ModelStats, MoEShape, TPShape, trainable_sizes
 from .optimizers import PlannedOptimizer, planned
@@ -175,8 +175,8 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     only once this call, without it, found nothing that fits: reading it imports tensor parallelism).
 
     ``ep``: weigh expert parallelism for a mixture of experts whose shape is known in closed form: when nothing
-    fits on its own, ddp, zero1, zero2 and zero3 with ep ranks splitting the experts (least ep first, within a
-    node), before tp (which does not split the experts).
+    fits on its own, ddp, zero2 and zero3 with ep ranks splitting the experts (least ep first, within a node; the
+    presets that take ``ep=``), before tp (which does not split the experts).
 
     ``cp``: weigh context parallelism when the loader's activations were planned and are what does not fit: the
     least sharding's model states fit without them, but no layout fits with them. Then ddp, zero1, zero2 and
@@ -236,7 +236,7 @@ def _with_ep(stats: ModelStats, cluster: Cluster, training: Training, tried: lis
     fits, or None; ``tried`` and ``least`` (bytes, layout, capacity) carried on."""
     n = cluster.world_size
     for e in (d for d in ep_degrees(stats, cluster) if n % d == 0):
-        for name, zero in CANDIDATES:
+        for name, zero in (c for c in CANDIDATES if c[0] in EP_STRATEGIES):
             est = estimate(stats, Layout.of(name=name, dp=n, zero=zero, shard=n if zero else 1, ep=e), training,
                            cluster)
             tried.append(f"{name} ep={e} {est.memory.total / GIB:.2f}")

@@ -5,12 +5,20 @@ experts of every MoE block, 1/E of them; each token's hidden state goes to the r
 the experts' outputs come back, an all-to-all each way in forward and their gradients' in backward (again in a
 recomputed forward). No token is dropped and routing is taken as balanced: a rank computes, on average, as many
 expert rows as its own tokens make, so compute does not change with E. Under ZeRO the experts are sharded over the
-dp_shard/E ranks left (torchtitan's layout), whose gradients are theirs to reduce; the dense parameters are synced
-over every data-parallel rank as without ep. Tensor parallelism splits attention and the dense MLPs, not the routed
-experts: with sequence parallelism each tp rank routes its own 1/tp of the tokens.
+dp_shard/E ranks left (torchtitan's layout; in whole experts, ``expert_fraction``), whose gradients are theirs to
+reduce; the dense parameters are synced over every data-parallel rank as without ep.
 
-Per micro-batch of b samples of s tokens, a rank of tp t sends in each all-to-all b·s/t·k·h elements of the
-compute dtype, (E−1)/E of them off the rank: 4 all-to-alls an MoE block (6 with recomputation), none hidden.
+The compositions planned (``layout.layouts``, the runtime's): ddp, zero2 and zero3 with ep; the same over groups of tp
+ranks with ep (``Parallel("zero3", tp=T, ep=E)``); and ``hybrid`` with ep (``Parallel("hybrid", dp=D, ep=E)``: each
+pipeline stage's experts split over groups of E of its D replicas). Tensor parallelism splits attention and the
+dense MLPs, not the routed experts: every rank of a tp group holds its ep slice of the experts whole and computes
+the experts of the same tokens (``moe_flops``, not divided by tp; nor are the router and shared experts, nor what
+the MoE blocks save for backward: tp runs each MoE block whole); its ep group is made of data-parallel ranks,
+one per tp group, so the all-to-alls cross the link the dp dimension uses (``link_of``).
+
+Per micro-batch of b samples of s tokens, a rank sends in each all-to-all b·s·k·h elements of the compute dtype,
+(E−1)/E of them off the rank: 4 all-to-alls an MoE block (6 with recomputation), none hidden; a pipeline stage
+those of its own blocks.
 """
 from __future__ import annotations
 
@@ -41,14 +49,16 @@ def held_experts(stats: ModelStats, ep: int) -> tuple[int, ...]:
 
 
 def expert_fraction(stats: ModelStats, layout: Layout) -> float:
-    """The share of its experts one rank keeps when ZeRO shards them over the shard/ep ranks holding the same ones:
-    1/(shard/ep). Without ep, FSDP (zero2, zero3) cuts each fused expert tensor on its first dimension, the experts:
-    a rank keeps ceil(E / shard) of the E experts, more than 1/shard when the ranks outnumber the experts (torch
-    pads the rest: at 64 ranks a rank keeps 1/8 of Mixtral's 8, as the dry run reads). With ep the experts are
-    sharded evenly, as torchtitan does by cutting them on their second dimension when the ranks outnumber them."""
+    """The share of its experts one rank keeps when ZeRO shards them over the shard/ep ranks holding the same ones.
+    FSDP (zero2, zero3) cuts each fused expert tensor on its first dimension, the experts, with ep or without: of
+    the n = E/ep experts a rank holds it keeps ceil(n / (shard/ep)), more than 1/(shard/ep) when those ranks
+    outnumber them (torch pads the rest: at 64 ranks a rank keeps 1/8 of Mixtral's 8 without ep, and at 16 ranks
+    with ep=8 its one expert whole, as the dry run reads; torchtitan cuts them on their second dimension instead,
+    which paratrain's runtime does not)."""
     ranks = layout.shard_ranks // layout.ep
-    if layout.zero >= 2 and layout.ep == 1 and stats.moe is not None:
-        return math.ceil(stats.moe.experts / ranks) / stats.moe.experts
+    if layout.zero >= 2 and stats.moe is not None:
+        held = stats.moe.experts // layout.ep
+        return math.ceil(held / ranks) / held
     return 1 / ranks
 
 
@@ -61,23 +71,35 @@ def sync_groups(dense: float, experts: float, ranks: int, layout: Layout) -> lis
     return [(dense, ranks, 1), (experts, ranks // layout.ep, layout.ep)]
 
 
-def dispatch_bytes(stats: ModelStats, mode: str, micro_batch: float, tp: int) -> float:
-    """Bytes one rank sends in one all-to-all of an MoE block: its tokens' k copies of the hidden state, in the
-    compute dtype of ``mode`` (``ELEMENT_BYTES``), its 1/tp of the tokens under sequence parallelism."""
+def dispatch_bytes(stats: ModelStats, mode: str, micro_batch: float) -> float:
+    """Bytes one rank sends in one all-to-all of an MoE block: its micro-batch's tokens' k copies of the hidden
+    state, in the compute dtype of ``mode`` (``ELEMENT_BYTES``); every rank of a tp group sends its tokens whole
+    (each computes the same tokens' experts)."""
     if stats.moe is None:
         return 0.0
     m = stats.moe
-    return micro_batch * m.seq_len / tp * m.top_k * m.hidden * ELEMENT_BYTES[mode][1]
+    return micro_batch * m.seq_len * m.top_k * m.hidden * ELEMENT_BYTES[mode][1]
 
 
-def ep_comm_s(stats: ModelStats, mode: str, micro_batch: float, tp: int, ep: int, link: Link,
-              checkpointing: bool) -> float:
-    """Seconds of one micro-batch's all-to-alls: per MoE block the dispatch and the combine in forward, their
-    gradients in backward, and a recomputed forward's two more."""
+def ep_comm_s(stats: ModelStats, mode: str, micro_batch: float, ep: int, link: Link, checkpointing: bool,
+              stages: int = 1) -> float:
+    """Seconds of one micro-batch's all-to-alls on one rank: per MoE block the dispatch and the combine in forward,
+    their gradients in backward, and a recomputed forward's two more; a pipeline stage's 1/``stages`` of the
+    blocks."""
     if ep == 1 or stats.moe is None:
         return 0.0
-    calls = (6 if checkpointing else 4) * stats.moe.layers
-    return calls * all_to_all_s(dispatch_bytes(stats, mode, micro_batch, tp), ep, link)
+    calls = (6 if checkpointing else 4) * stats.moe.layers / stages
+    return calls * all_to_all_s(dispatch_bytes(stats, mode, micro_batch), ep, link)
+
+
+def moe_flops(stats: ModelStats) -> float:
+    """FLOPs per sample of the MoE blocks' MLPs (6 a weight, forward and backward, for each of the s tokens: the k
+    of the E routed experts a token goes through, the router and the shared experts): the share of a step tensor
+    parallelism does not divide, as it runs each MoE block whole on every rank."""
+    if stats.moe is None:
+        return 0.0
+    m = stats.moe
+    return 6.0 * m.seq_len * (m.expert_params * m.top_k / m.experts + m.whole)
 
 
 def ep_degrees(stats: ModelStats, cluster: Cluster, ep: int | None = None) -> tuple[int, ...]:
@@ -102,5 +124,6 @@ def ep_degrees(stats: ModelStats, cluster: Cluster, ep: int | None = None) -> tu
 
 
 def link_of(cluster: Cluster, layout: Layout) -> Link:
-    """The link an ep group's all-to-alls cross: ep data-parallel ranks, a stage and a tp group apart."""
+    """The link an ep group's all-to-alls cross: ep data-parallel ranks, a pipeline's stages and a tp group apart
+    (the dp dimension's spacing, ``hybrid``'s and tp's alike)."""
     return cluster.link_for(layout.ep, layout.stages * layout.tp)

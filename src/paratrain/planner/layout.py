@@ -172,8 +172,10 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
     of a node per process (not on a CPU host, where every stage would be the same CPU). Then, for each of
     ``tp_degrees`` that divides the ranks, the compositions paratrain's strategies offer: ``tp`` over every rank,
     or ddp, zero2, zero3, hybrid and pipeline over the groups of tp ranks. Then, for each of ``ep_degrees`` (a
-    mixture of experts'), the data-parallel layouts whose ranks holding one copy it divides, with expert parallelism:
-    ddp, zero1-3 and hsdp, and with each tp degree ddp, zero2 and zero3 (not pipelines). Then, for each (tp, cp) of
+    mixture of experts'), the layouts whose data-parallel ranks holding one copy it divides, with expert
+    parallelism: ddp, zero2 and zero3, alone and with each tp degree, and ``hybrid`` replicating its
+    stages by DDP (each stage's experts split over ep of its dp replicas; not with tp, not ZeRO-1, whose optimizer
+    cannot hold split experts' states, and not ``pipeline``, which has no replicas). Then, for each (tp, cp) of
     ``cp_pairs`` whose tp x cp divides the ranks, the data-parallel layouts over the groups of tp x cp ranks (cp
     outside tp, as the mesh lays them): ddp, zero1 (without tp), zero2 and zero3, their shard group joined by the
     cp ranks (not pipelines, not hsdp). Last, with ``ps_servers`` S > 0 and more ranks than that, ``ps``: S servers
@@ -195,7 +197,7 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
     for tp in (t for t in tp_degrees if n % t == 0):
         out += _with_tp(n // tp, tp, n_units)
     for ep in ep_degrees:
-        out += _with_ep([lay for lay in out if lay.name in _EP_STRATEGIES and lay.pp == 1], ep)
+        out += _with_ep([lay for lay in out if _takes_ep(lay)], ep)
     for tp, cp in (pair for pair in cp_pairs if n % (pair[0] * pair[1]) == 0):
         out += _with_cp(n // (tp * cp), tp, cp)
     if 0 < ps_servers < n:
@@ -203,8 +205,9 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
     return out
 
 
-LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
-"""The strategies ``--layout`` may name (``zero3,cp=2``): the ways of running a data-parallel group."""
+LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid")
+"""The strategies ``--layout`` may name (``zero3,cp=2``, ``hybrid,pp=2,ep=2``): the ways of running a data-parallel
+group, and ``hybrid`` to tell its pipeline from them."""
 
 
 def layout_strategy(text: str | None) -> str | None:
@@ -240,6 +243,9 @@ def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | No
             if given is not None and given != int(value):
                 raise ConfigError(f"--layout says {key}={value} but --{key} {given}; give the degree once")
             degrees[key] = int(value)
+        if layout_strategy(text) == "hybrid" and (degrees["pp"] or 1) < 2:
+            raise ConfigError(f"--layout {text!r}: hybrid is a pipeline replicated over dp; give its stages too "
+                              "(hybrid,pp=2,ep=2)")
         if degrees["dp"] is None and world is not None and layout_strategy(text) is not None:
             rest = math.prod(v or 1 for k, v in degrees.items() if k in ("pp", "tp", "cp"))
             degrees["dp"] = max(1, world // rest)
@@ -260,6 +266,9 @@ def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims, strategy: 
     if dims.cp > 1 and (dims.pp > 1 or dims.ep > 1):
         raise ConfigError(f"the layout {given}: context parallelism is planned with data and tensor parallelism "
                           "only; drop pp and ep, or cp")
+    if dims.pp > 1 and dims.ep > 1 and dims.tp > 1:
+        raise ConfigError(f"the layout {given}: a pipeline's experts are planned split over its dp replicas without "
+                          "tp (Parallel('hybrid', dp=D, ep=E)); drop tp or ep")
     if dims.pp > n_units:
         raise ConfigError(f"the layout {given} cuts the model into {dims.pp} pipeline stages but it has only "
                           f"{n_units} units to cut (its blocks, embedding and head); use --pp {n_units} or fewer")
@@ -278,8 +287,18 @@ def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims, strategy: 
                                         and strategy in (None, lay.name))]
 
 
-_EP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
-"""The strategies planned with expert parallelism: data parallelism over one mesh dimension (hsdp: within a node)."""
+EP_STRATEGIES = ("ddp", "zero2", "zero3")
+"""The strategies planned with expert parallelism over their data-parallel ranks, alone or over groups of tp ranks
+(the presets that take ``ep=``; zero1's optimizer cannot hold split experts' states, hsdp does not take it);
+``hybrid`` too, over each stage's replicas (``_takes_ep``)."""
+
+
+def _takes_ep(layout: Layout) -> bool:
+    """Whether ``layout`` is planned with expert parallelism: a data-parallel strategy without stages, or a
+    ``hybrid`` whose stages DDP replicates, without tp (what ``Parallel("hybrid", dp=D, ep=E)`` builds)."""
+    if layout.name == "hybrid":
+        return layout.zero == 0 and layout.tp == 1
+    return layout.name in EP_STRATEGIES and layout.pp == 1
 
 
 def _with_ep(data_parallel: list[Layout], ep: int) -> list[Layout]:
@@ -289,7 +308,8 @@ def _with_ep(data_parallel: list[Layout], ep: int) -> list[Layout]:
     for lay in data_parallel:
         group = lay.shard if lay.zero else lay.dp
         if group % ep == 0 and group > 1:
-            out.append(Layout.of(name=lay.name, dp=lay.dp, zero=lay.zero, shard=lay.shard, tp=lay.tp, ep=ep))
+            out.append(Layout.of(name=lay.name, dp=lay.dp, zero=lay.zero, shard=lay.shard, pp=lay.pp, tp=lay.tp,
+                                 ep=ep))
     return out
 
 

@@ -122,7 +122,7 @@ def zero1_busiest(tensors: tuple[int, ...], ranks: int) -> int:
 def sharded(stats: ModelStats, layout: Layout, stage: int) -> float:
     """Parameters one device keeps of what ZeRO shards from ``stage`` on (3 parameters, 2 gradients, 1 optimizer
     states): all it holds below that stage; from it, 1/shard of the dense ones and its share of its experts
-    (``expert_parallel.expert_fraction``: 1/(shard/ep), in whole experts under FSDP)."""
+    (``expert_parallel.expert_fraction``: 1/(shard/ep), in whole experts under FSDP, ep or not)."""
     dense, experts = ranked_split(stats, layout)
     if layout.zero < stage:
         return dense + experts
@@ -230,7 +230,7 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
         buffers = ddp_buckets
     buffers += 2 * boundary * batch.micro_batch if layout.stages > 1 else 0.0
     if layout.ep > 1:  # one MoE block's all-to-all send and receive buffers
-        buffers += 2 * dispatch_bytes(stats, activation_mode(training, layout), batch.micro_batch, layout.tp)
+        buffers += 2 * dispatch_bytes(stats, activation_mode(training, layout), batch.micro_batch)
     buffers += context_parallel.buffer_bytes(stats, activation_mode(training, layout), batch.micro_batch, layout.tp,
                                              layout.cp)
     kept = batch.micro_batches > 1 or ddp_buckets > 0

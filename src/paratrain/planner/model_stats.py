@@ -100,6 +100,13 @@ class MoEShape:
     """Routed experts' parameters in each wrap unit (``ModelStats.units``' order): what ``ep`` ranks divide."""
     active: int
     """Parameters one token's forward uses: all but the experts it skips."""
+    whole: int = 0
+    """Parameters of the MoE blocks' routers and shared experts (all of them): every token computes with them, and
+    tensor parallelism does not split them either."""
+    mlp_activations: Mapping[str, float] = field(default_factory=dict)
+    """Per-sample bytes the MoE blocks' MLPs save for backward, besides their inputs (``moe.mlp_activations``), by
+    mode (``fp32``, ``autocast``, ``param_dtype``): what every tensor-parallel rank keeps whole, as it runs each MoE
+    block whole over the gathered sequence; empty when not known."""
 
     @property
     def expert_params(self) -> int:

@@ -53,14 +53,14 @@ def expert_params(moe: MoE, hidden: int, gated: bool) -> int:
 
 
 def mlp_params(moe: MoE, hidden: int, gated: bool, bias: bool) -> tuple[int, int, int]:
-    """One MoE block's MLP: (routed experts, router and shared experts, what tensor parallelism splits). The shared
-    experts are a dense MLP (``bias``: the transformer's linear biases) and split like one (their row-parallel
-    bias whole); the router, the shared gate and the routed experts are not split (experts go by ep)."""
+    """One MoE block's MLP: (routed experts, router and shared experts, what tensor parallelism splits: nothing).
+    The shared experts are a dense MLP (``bias``: the transformer's linear biases); paratrain's tensor parallelism
+    runs the whole MoE block on every rank over the gathered sequence (router, shared and routed experts: the
+    routed ones go by ep), so none of it is split."""
     inner = (2 if gated else 1) * moe.shared
     shared = inner * hidden + moe.shared * hidden + bias * (inner + hidden)
     router = moe.experts * (hidden + moe.bias)
-    split = shared - bias * hidden if moe.shared else 0
-    return moe.experts * expert_params(moe, hidden, gated), router + shared + hidden * moe.shared_gate, split
+    return moe.experts * expert_params(moe, hidden, gated), router + shared + hidden * moe.shared_gate, 0
 
 
 def mlp_tensors(moe: MoE, hidden: int, gated: bool, bias: bool) -> tuple[int, ...]:

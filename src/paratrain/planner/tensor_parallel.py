@@ -54,18 +54,24 @@ def rank_activations(stats: ModelStats, figures: tuple[float, float, float], mod
     Without sequence parallelism every rank also keeps whole what lies between the split regions: each block's
     input and the residual after attention (residual dtype), so also each checkpointed block's input, and the
     boundary. Korthikanti et al. (2022, table 2) count the same split: ``sbh(10 + 24/t)`` against ``34·sbh/t``
-    (their 10: the norms' inputs and the dropout masks; a model without dropout keeps the residuals instead)."""
+    (their 10: the norms' inputs and the dropout masks; a model without dropout keeps the residuals instead).
+
+    A mixture of experts' MoE blocks run whole on every tp rank over the gathered sequence: what their MLPs save
+    (``MoEShape.mlp_activations``; a checkpointed model one block's) is kept whole too."""
     if tp == 1:
         return figures
     shape = _shape(stats)
     r, c = ELEMENT_BYTES[mode]
     sh, ids = shape.seq_len * shape.hidden, 16.0 * shape.seq_len
+    moe = stats.moe.mlp_activations.get(mode, 0.0) if stats.moe is not None else 0.0
+    moe_block = moe / stats.moe.layers if moe else 0.0
     acts, checkpointed, boundary = figures
     if sequence_parallel:
-        whole = (min(acts, shape.layers * 2 * c * sh + c * sh + ids), min(checkpointed, 3 * c * sh + ids))
+        whole = (min(acts, shape.layers * 2 * c * sh + c * sh + ids + moe),
+                 min(checkpointed, 3 * c * sh + ids + moe_block))
         return (whole[0] + (acts - whole[0]) / tp, whole[1] + (checkpointed - whole[1]) / tp, boundary / tp)
-    whole = (min(acts, shape.layers * 2 * (c + r) * sh + c * sh + ids),
-             min(checkpointed, shape.layers * r * sh + 2 * (c + r) * sh + c * sh + ids))
+    whole = (min(acts, shape.layers * 2 * (c + r) * sh + c * sh + ids + moe),
+             min(checkpointed, shape.layers * r * sh + 2 * (c + r) * sh + c * sh + ids + moe_block))
     return (whole[0] + (acts - whole[0]) / tp, whole[1] + (checkpointed - whole[1]) / tp, boundary)
 
 

@@ -13,7 +13,7 @@ from . import context_parallel
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
 from .hardware import Cluster
 from .layout import Layout, stage_flops
-from .expert_parallel import ep_comm_s, link_of as ep_link, sync_groups
+from .expert_parallel import ep_comm_s, link_of as ep_link, moe_flops, sync_groups
 from .memory import (activation_figures, activation_mode, optimizer_params, ranked_params, ranked_split,
                      sharded)
 from .model_stats import ModelStats
@@ -147,9 +147,12 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     are not hidden. Tensor-parallel ranks compute 1/tp of each micro-batch's FLOPs and wait for its activation
     collectives (``tensor_parallel.tp_comm_s``, not hidden; a pipeline stage its 1/p share of them in every
     slot) over the link of tp consecutive ranks; the
-    data-parallel and pipeline groups are then tp times further apart. Expert-parallel ranks hold 1/ep of the
-    experts (fewer weights to stream and step), sync them over the ranks holding the same ones and wait for their
-    all-to-alls (``expert_parallel.ep_comm_s``, not hidden) over the link of ep data-parallel neighbours.
+    data-parallel and pipeline groups are then tp times further apart. A mixture of experts' MoE blocks are not
+    split by tp: every rank of a tp group computes them whole for all its tokens (``expert_parallel.moe_flops``).
+    Expert-parallel ranks hold 1/ep of the experts (fewer weights to stream and step), sync them over the ranks
+    holding the same ones and wait for their
+    all-to-alls (``expert_parallel.ep_comm_s``, not hidden; a pipeline stage those of its blocks in every slot) over
+    the link of ep data-parallel neighbours, a pipeline's stages and a tp group apart.
     Context-parallel ranks compute 1/cp of each micro-batch's FLOPs (but stream every weight), wait for the
     all-to-alls around attention (``context_parallel.cp_comm_s``, not hidden) over the link of cp ranks a tp group
     apart, and reduce their gradients with the data-parallel ranks' (dp x cp; ZeRO's shard group is dp x cp). On a
@@ -173,7 +176,10 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     per_sample = executed_flops_per_sample(stats, training)
     stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) * per_sample
                               / stats.flops_per_sample if traced else per_sample / layout.pp)
-    micro_s = (stage_flops_per_sample * batch.micro_batch / (layout.tp * layout.cp) / rate
+    # a tp group's ranks each compute the MoE blocks of all its tokens whole (tensor parallelism splits the rest)
+    whole = min(moe_flops(stats) * training.flops_factor / layout.pp, stage_flops_per_sample)
+    rank_flops = (stage_flops_per_sample - whole) / layout.tp + whole
+    micro_s = (rank_flops * batch.micro_batch / layout.cp / rate
                + (weight_bytes(streamed, training, cluster) + copies
                   + activation_stream_bytes(stats, layout, training, cluster) * batch.micro_batch) / bandwidth
                + machinery_s)
@@ -229,12 +235,12 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     tp_s = tp_comm_s(stats, mode, batch.micro_batch, layout.tp, cluster.link_for(layout.tp, 1),
                      training.checkpointing) / layout.pp
     add(tp_s, times=slots)
-    ep_s = ep_comm_s(stats, mode, batch.micro_batch, layout.tp, layout.ep, ep_link(cluster, layout),
-                     training.checkpointing)
-    add(ep_s, times=m)
+    ep_s = ep_comm_s(stats, mode, batch.micro_batch, layout.ep, ep_link(cluster, layout), training.checkpointing,
+                     layout.pp)
+    add(ep_s, times=slots)
     cp_s = context_parallel.cp_comm_s(stats, mode, batch.micro_batch, layout.tp, layout.cp,
                                       context_parallel.link_of(cluster, layout.tp, layout.cp), training.checkpointing)
     add(cp_s, times=m)
     return StepTime(compute_s=m * micro_s + bucket_s, bubble_s=fill * micro_s, optimizer_s=optimizer_s,
-                    comm_s=total, exposed_comm_s=exposed, tp_comm_s=slots * tp_s, ep_comm_s=m * ep_s,
+                    comm_s=total, exposed_comm_s=exposed, tp_comm_s=slots * tp_s, ep_comm_s=slots * ep_s,
                     cp_comm_s=m * cp_s)

@@ -310,7 +310,10 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
                  split=(v * h, *splits, 0 if cfg.tied else v * h))
     moe = None if cfg.moe is None else MoEShape(
         experts=cfg.moe.experts, top_k=cfg.moe.top_k, layers=len(experts), hidden=h, seq_len=s,
-        unit_experts=(0, *(x for _, _, x in blocks), 0), active=counts["active"])
+        unit_experts=(0, *(x for _, _, x in blocks), 0), active=counts["active"],
+        whole=len(experts) * mlp_params(cfg.moe, h, cfg.gated, cfg.bias)[1],
+        mlp_activations={mode: len(experts) * s * mlp_activations(cfg.moe, h, cfg.gated, act=ELEMENT_BYTES[mode][1])
+                         for mode in ("fp32", "autocast", "param_dtype")})
     return ModelStats(name=name, params=total, units=units, largest_layer=_largest_layer(cfg, blocks),
                       flops_per_sample=float(flops), attention_flops_per_sample=float(attention_flops),
                       activation_bytes_per_sample=fp32[0],

@@ -29,6 +29,9 @@ class DryRunConfig:
     """Tensor-parallel degree inside the strategy."""
     dp: int | None = None
     """Data-parallel degree of a hybrid layout: how many times its pipeline is replicated."""
+    ep: int | None = None
+    """Expert-parallel degree: data-parallel ranks splitting a mixture of experts' experts (ddp, zero2, zero3,
+    hybrid)."""
     precision: str = field(default="fp32", metadata=flag(choices=PRECISIONS))
     """The precision the parameters are kept in."""
     optimizer: str = field(default="adamw", metadata=flag(choices=OPTIMIZER_STATES))
@@ -39,7 +42,7 @@ class DryRunConfig:
     def __post_init__(self) -> None:
         from ..strategies import check_name
 
-        at_least(self, {"world": 1, "per_node": 1, "tp": 1, "dp": 1})
+        at_least(self, {"world": 1, "per_node": 1, "tp": 1, "dp": 1, "ep": 1})
         check_name(self.strategy)
         if self.model is not None and self.model_config is not None:
             raise ConfigError("give --model or --model-config, not both")
@@ -51,7 +54,7 @@ class DryRunConfig:
     @property
     def options(self) -> dict[str, int]:
         """The strategy's options the flags give."""
-        return {k: v for k, v in (("tp", self.tp), ("dp", self.dp)) if v is not None}
+        return {k: v for k, v in (("tp", self.tp), ("dp", self.dp), ("ep", self.ep)) if v is not None}
 
 
 def run_dry_run(config: DryRunConfig) -> int:
