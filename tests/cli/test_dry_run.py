@@ -189,8 +189,8 @@ def test_dry_run_of_a_mixture_of_experts_matches_the_planner(moe_models, name, w
 def test_dry_run_of_expert_parallel_layouts_matches_the_planner(moe_models, name):
     """``Parallel(strategy, ep=E)`` at 16 ranks as the planner lists it: ddp, zero2 and zero3 with ep, and hybrid
     with ep (each of 4 or 2 stages' experts over E of its replicas). What the busiest rank holds is the planner's
-    within 2%; under zero3 with ep=8, Mixtral's one expert a rank is kept whole by one of the 2 ranks sharding it
-    (FSDP cuts on the experts: ``expert_parallel.expert_fraction``)."""
+    within 2%; under zero3 with ep=8, Mixtral's one expert a rank is cut on its rows over the 2 ranks sharding it
+    (``expert_parallel.expert_fraction``)."""
     build, cfg = moe_models[name]
     stats = transformer_stats(cfg, name=name)
     cases = [("ddp", {"ep": 8}, Layout.of(name="ddp", dp=16, ep=8)),

@@ -67,6 +67,8 @@ BUILT = [("mixtral", "zero3", {"ep": 2}, "built"), ("mixtral", "ddp", {"ep": 2},
 WORLD4 = [(m, s, {"ep": e}, ()) for m in MOE for s, e in (("zero3", 2), ("ddp", 2), ("zero3", 4))]
 WORLD4[0] = ("gpt_moe", "zero3", {"ep": 2}, (("zero3", {"ep": 2}), ("zero3", {"ep": 4}), ("ddp", {})))
 WORLD4[1] = ("gpt_moe", "ddp", {"ep": 2}, (("ddp", {"ep": 2}), ("zero3", {"ep": 4})))
+# 2 experts at ep=2 over 4 ranks: each rank's one expert sharded over its 2 ep_dp ranks on dimension 1
+WORLD4.append(("mixtral2", "zero3", {"ep": 2}, (("zero3", {"ep": 2}), ("ddp", {}))))
 # hybrid: 2 replicas x 2 stages, each stage's experts split over its 2 replicas; loads keep the 2 replicas
 HYB, HYF = {"dp": 2, "ep": 2, "data": "ddp"}, {"dp": 2, "ep": 2, "data": "fsdp"}
 HYI = {**HYB, "schedule": "interleaved-1f1b"}

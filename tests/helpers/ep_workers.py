@@ -19,15 +19,15 @@ STEPS, PER_RANK = 3, 4
 TOL = 2e-5  # the zoo's: the same gradients summed in another order
 
 
-def mixtral(router_loss: bool = False) -> nn.Module:
+def mixtral(router_loss: bool = False, experts: int = 4) -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     _quiet_transformers()
     torch.manual_seed(0)
     return MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=65,
-                                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
-                                            output_router_logits=router_loss))
+                                            num_local_experts=experts, num_experts_per_tok=2,
+                                            max_position_embeddings=16, output_router_logits=router_loss))
 
 
 def qwen3_moe() -> nn.Module:
@@ -90,6 +90,7 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 MODELS = {m.name: m for m in (
     ZooModel("mixtral", mixtral, _tokens, _lm_loss, _sgd),
     ZooModel("mixtral_aux", lambda: mixtral(router_loss=True), _tokens, _lm_loss, _sgd),
+    ZooModel("mixtral2", lambda: mixtral(experts=2), _tokens, _lm_loss, _sgd),  # 1 expert a rank at ep=2
     ZooModel("qwen3_moe", qwen3_moe, _tokens, _lm_loss, _adamw),
     ZooModel("gpt_moe", gpt_moe, _tokens, _lm_loss, _sgd),
     ZooModel("gpt_moe4", lambda: gpt_moe(4), _tokens, _lm_loss, _sgd),  # 4 blocks: 2 pipeline stages a rank

@@ -53,15 +53,16 @@ def test_model_states_of_an_ep_rank_in_closed_form(name, zero, params, grads, op
     assert states.optimizer_states == pytest.approx(12 * optim)  # fp32 master copy and Adam's two moments
 
 
-@pytest.mark.parametrize("ep", [1, 2, 8])
-def test_past_the_experts_fsdp_keeps_a_whole_expert_a_rank_with_ep_or_without(ep):
-    """32 ranks and Mixtral's 8 experts: FSDP cuts the fused [E/ep, ...] expert tensors a rank holds on their first
-    dimension, the experts, over the 32/ep ranks holding the same ones: more ranks than experts, so the busiest rank
-    keeps one whole expert, X/8, whatever ep (the dry run reads the same; tests/cli/test_dry_run.py)."""
+@pytest.mark.parametrize(("ep", "expert_share"), [(1, 1 / 8), (2, 1 / 32), (8, 1 / 32)])
+def test_past_the_experts_fsdp_keeps_a_whole_expert_a_rank_without_ep(ep, expert_share):
+    """32 ranks and Mixtral's 8 experts: without ep FSDP cuts the fused expert tensors on their first dimension, the
+    experts, so the busiest rank keeps one whole expert, X/8 (the dry run reads the same; tests/cli/test_dry_run.py);
+    with ep the runtime cuts a rank's E/ep experts over the 32/ep ranks holding them on each expert's rows where
+    those ranks outnumber them, so every rank keeps X/32."""
     layout = Layout.of(name="zero3", dp=32, zero=3, shard=32, ep=ep)
     states = model_states(MIXTRAL, layout, MIXED)
-    assert states.parameters == pytest.approx(2 * (DENSE / 32 + X / 8))
-    assert states.gradients == pytest.approx(2 * (DENSE / 32 + X / 8))
+    assert states.parameters == pytest.approx(2 * (DENSE / 32 + X * expert_share))
+    assert states.gradients == pytest.approx(2 * (DENSE / 32 + X * expert_share))
 
 
 def test_fsdp_gathers_an_ep_ranks_share_of_a_blocks_experts():

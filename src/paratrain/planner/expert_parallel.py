@@ -5,8 +5,7 @@ experts of every MoE block, 1/E of them; each token's hidden state goes to the r
 the experts' outputs come back, an all-to-all each way in forward and their gradients' in backward (again in a
 recomputed forward). No token is dropped and routing is taken as balanced: a rank computes, on average, as many
 expert rows as its own tokens make, so compute does not change with E. Under ZeRO the experts are sharded over the
-dp_shard/E ranks left (torchtitan's layout; in whole experts, ``expert_fraction``), whose gradients are theirs to
-reduce; the dense parameters are synced over every data-parallel rank as without ep.
+dp_shard/E ranks left (torchtitan's layout, ``expert_fraction``), whose gradients are theirs to reduce; the dense parameters are synced over every data-parallel rank as without ep.
 
 The compositions planned (``layout.layouts``, the runtime's): ddp, zero2 and zero3 with ep; the same over groups of tp
 ranks with ep (``Parallel("zero3", tp=T, ep=E)``); and ``hybrid`` with ep (``Parallel("hybrid", dp=D, ep=E)``: each
@@ -49,16 +48,15 @@ def held_experts(stats: ModelStats, ep: int) -> tuple[int, ...]:
 
 
 def expert_fraction(stats: ModelStats, layout: Layout) -> float:
-    """The share of its experts one rank keeps when ZeRO shards them over the shard/ep ranks holding the same ones.
-    FSDP (zero2, zero3) cuts each fused expert tensor on its first dimension, the experts, with ep or without: of
-    the n = E/ep experts a rank holds it keeps ceil(n / (shard/ep)), more than 1/(shard/ep) when those ranks
-    outnumber them (torch pads the rest: at 64 ranks a rank keeps 1/8 of Mixtral's 8 without ep, and at 16 ranks
-    with ep=8 its one expert whole, as the dry run reads; torchtitan cuts them on their second dimension instead,
-    which paratrain's runtime does not)."""
+    """The share of its experts one rank keeps when ZeRO shards them over the shard/ep ranks holding the same ones:
+    1/(shard/ep), as the runtime cuts them (on each expert's rows where those ranks do not divide the experts, as
+    torchtitan does: ``distributed.expert_parallel.layout.shard_experts``). Without ep, FSDP's units cut each fused
+    expert tensor on its first dimension, the experts: a rank keeps ceil(E / shard) of the E experts, more than
+    1/shard when the ranks outnumber the experts (torch pads the rest: at 64 ranks a rank keeps 1/8 of Mixtral's 8,
+    as the dry run reads)."""
     ranks = layout.shard_ranks // layout.ep
-    if layout.zero >= 2 and stats.moe is not None:
-        held = stats.moe.experts // layout.ep
-        return math.ceil(held / ranks) / held
+    if layout.zero >= 2 and layout.ep == 1 and stats.moe is not None:
+        return math.ceil(stats.moe.experts / ranks) / stats.moe.experts
     return 1 / ranks
 
 

@@ -122,7 +122,7 @@ def zero1_busiest(tensors: tuple[int, ...], ranks: int) -> int:
 def sharded(stats: ModelStats, layout: Layout, stage: int) -> float:
     """Parameters one device keeps of what ZeRO shards from ``stage`` on (3 parameters, 2 gradients, 1 optimizer
     states): all it holds below that stage; from it, 1/shard of the dense ones and its share of its experts
-    (``expert_parallel.expert_fraction``: 1/(shard/ep), in whole experts under FSDP, ep or not)."""
+    (``expert_parallel.expert_fraction``: 1/(shard/ep); without ep in whole experts, as FSDP cuts them)."""
     dense, experts = ranked_split(stats, layout)
     if layout.zero < stage:
         return dense + experts

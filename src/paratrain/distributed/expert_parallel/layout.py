@@ -52,11 +52,23 @@ def split_experts(layers: list[ExpertsLayer], mesh: DeviceMesh, replicate: bool)
 
 def shard_experts(layers: list[ExpertsLayer], mesh: DeviceMesh, dp: int, **fully_shard_kwargs: object) -> None:
     """``fully_shard`` each layer's experts over ``mesh["ep_dp"]``, gradients divided by ``dp`` (see the module
-    docstring); before the blocks around them are sharded, which then leave them alone."""
+    docstring); before the blocks around them are sharded, which then leave them alone.
+
+    FSDP2 cuts a tensor on dimension 0 unless told otherwise: here the experts, of which a rank holds ``n_local``.
+    Where the ``ep_dp`` ranks do not divide them (Mixtral's 8 experts at ep=8 over 32 ranks: one expert over 4),
+    some ranks would keep whole experts and the others padding, so those tensors are cut on dimension 1 (each
+    expert's rows), as torchtitan does, and every rank keeps 1/ep_dp of its slice."""
     from torch.distributed.fsdp import fully_shard
 
+    ranks = mesh["ep_dp"].size()
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(1) if local.shape[0] % ranks and local.dim() > 1 else None  # None: FSDP2's own, Shard(0)
+
     for layer in layers:
-        fully_shard(layer.module, mesh=mesh["ep_dp"], **fully_shard_kwargs)  # type: ignore[arg-type]
+        fully_shard(layer.module, mesh=mesh["ep_dp"], shard_placement_fn=placement,  # type: ignore[arg-type]
+                    **fully_shard_kwargs)
         layer.module.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
         # gloo has no PREMUL_SUM, which a divide factor uses: sum, then divide. Not over one rank, where torch 2.13
         # would divide twice (its copy for a single rank divides, and so does the post-division of a forced sum).
