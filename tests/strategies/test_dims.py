@@ -102,11 +102,11 @@ def test_context_parallel_ranks_are_a_mesh_dimension_beside_tp():
 
 
 @pytest.mark.parametrize("world", (4, 8))
-def test_every_planned_ep_layout_without_tp_is_the_one_its_strategy_builds(world):
-    """ddp, zero2, zero3 and ``hybrid`` with ``ep=2`` as the planner lists them (tp x ep: the runtime's own test)."""
-    found = [lay for lay in layouts(make_cluster("h100", gpus=world), n_units=64, ep_degrees=(2,))
-             if lay.ep > 1 and lay.tp == 1]
-    assert "hybrid" in {lay.name for lay in found}
+def test_every_planned_ep_layout_is_the_one_its_strategy_builds(world):
+    """ddp, zero2, zero3 and ``hybrid`` with ``ep=2`` as the planner lists them, and ddp, zero2, zero3 beside tp."""
+    found = [lay for lay in layouts(make_cluster("h100", gpus=world), n_units=64, tp_degrees=(2,), ep_degrees=(2,))
+             if lay.ep > 1]
+    assert "hybrid" in {lay.name for lay in found} and any(lay.tp == 2 for lay in found)
     for layout in found:
         name, options = _runtime(layout)
         env = ClusterEnv(world_size=world, local_world_size=world, launched=True)
