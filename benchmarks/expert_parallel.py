@@ -4,6 +4,7 @@ hand-written all-to-all dispatch in plain torch, at world 2 and 4.
     .venv/bin/python benchmarks/expert_parallel.py --json expert-parallel.json    # 5 interleaved rounds
     .venv/bin/python benchmarks/expert_parallel.py --rounds 1 --steps 2            # a quick look
     .venv/bin/python benchmarks/expert_parallel.py --hybrid --worlds 4 --rounds 1   # hybrid, pp=2, with and without ep
+    .venv/bin/python benchmarks/expert_parallel.py --tp --worlds 4 --rounds 1       # zero3 x tp=2, with and without ep
 
 Model: our GPT with experts (:mod:`paratrain.workloads.gpt`): 2 blocks x 128, 8 routed experts of top 2 (SwiGLU,
 width 256) per block, vocab 512; each rank a batch of 8 x 128 tokens; fp32, AdamW. Subjects, one after the other in
@@ -17,11 +18,13 @@ every round (their order rotating), a few steps each, the same batch:
 
 With ``--hybrid`` the subjects are instead ``Parallel("hybrid", dp=W/2)`` (2 pipeline stages of one block each,
 replicated by DDP) and ``Parallel("hybrid", dp=W/2, ep=2)`` (each stage's experts split over 2 of its replicas),
-without a hand-written row: what they check is the planner's per-rank expert bytes under a pipeline.
+without a hand-written row: what they check is the planner's per-rank expert bytes under a pipeline. With ``--tp``
+they are ``Parallel("zero3", tp=2)`` and ``Parallel("zero3", tp=2, ep=2)`` (the experts whole to tp, split over each
+tp rank's replicas), for the same check beside tensor parallelism.
 
 Figures: the step time (median of each round's median, on the slowest rank; and the fastest round) and tokens/s
 over all ranks; ``x hand``: the median over rounds of the step time over the hand-written one's in the same round
-(with ``--hybrid``, over ``hybrid ep=2``'s);
+(with ``--hybrid`` or ``--tp``, over the ep row's);
 what a rank holds of the experts (parameters plus AdamW's state, bytes of the local tensors after a step) against the planner's
 figure for the layout (:mod:`paratrain.planner.expert_parallel`); the resident high-water mark of a step above the
 resident memory before it (``/proc/self/clear_refs``; glibc set to return every block over 64 KiB when freed).
@@ -111,9 +114,10 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _options(subject: str, world: int) -> dict[str, int]:
-    """The strategy options of ``subject`` (``zero3 ep=2``, ``hybrid ep=2``) at ``world`` ranks: hybrid's 2 stages."""
-    ep = int(subject.split("ep=")[1]) if "ep=" in subject else 1
-    return {**({"dp": world // 2} if subject.startswith("hybrid") else {}), **({"ep": ep} if ep > 1 else {})}
+    """The strategy options of ``subject`` (``zero3 ep=2``, ``hybrid ep=2``, ``zero3 tp=2 ep=2``) at ``world``
+    ranks: hybrid's 2 stages."""
+    degrees = {k: int(v) for k, v in (word.split("=") for word in subject.split()[1:])}
+    return {**({"dp": world // 2} if subject.startswith("hybrid") else {}), **degrees}
 
 
 def prepared(subject: str) -> tuple[object, nn.Module, torch.optim.Optimizer]:
@@ -153,18 +157,25 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def subjects_at(world: int, hybrid: bool) -> list[str]:
-    if hybrid:
+def _sharing(mode: str) -> int:
+    """Consecutive ranks that read one batch: a tp group's 2, a 2-stage pipeline's 2, else 1."""
+    return 1 if mode == "zero3" else 2
+
+
+def subjects_at(world: int, mode: str) -> list[str]:
+    if mode == "hybrid":
         return ["hybrid", "hybrid ep=2"]
+    if mode == "tp":
+        return ["zero3 tp=2", "zero3 tp=2 ep=2"]
     return ["zero3", *(f"zero3 ep={e}" for e in (2, 4) if e <= world), f"hand ep={world}"]
 
 
-def job(rounds: int, steps: int, warmup: int, hybrid: bool = False) -> dict:
+def job(rounds: int, steps: int, warmup: int, mode: str = "zero3") -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    names = subjects_at(world, hybrid)
-    g = torch.Generator().manual_seed(dist.get_rank())
+    names = subjects_at(world, mode)
+    g = torch.Generator().manual_seed(dist.get_rank() // _sharing(mode))  # a tp group or a pipeline: one batch
     ids = torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
     subjects = {s: prepared(s) for s in names}
@@ -204,10 +215,11 @@ def planned_bytes(subject: str, world: int) -> int:
 
     options = _options(subject, world)
     stats = transformer_stats(CFG, name="gpt-moe")
+    ep, tp = options.get("ep", 1), options.get("tp", 1)
     if subject.startswith("hybrid"):
-        layout = Layout.of("hybrid", dp=options["dp"], pp=world // options["dp"], ep=options.get("ep", 1))
+        layout = Layout.of("hybrid", dp=options["dp"], pp=world // options["dp"], ep=ep)
     else:
-        layout = Layout.of("zero3", dp=world, zero=3, shard=world, ep=options.get("ep", 1))
+        layout = Layout.of("zero3", dp=world // tp, zero=3, shard=world // tp, tp=tp, ep=ep)
     experts = ranked_split(stats, layout)[1]
     return round(experts * (expert_fraction(stats, layout) if layout.zero else 1) * 4 * 3)
 
@@ -219,21 +231,25 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--json", help="write the figures here")
-    p.add_argument("--hybrid", action="store_true", help="hybrid (2 stages) with and without ep=2, not zero3")
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument("--hybrid", action="store_const", dest="mode", const="hybrid", default="zero3",
+                       help="hybrid (2 stages) with and without ep=2, not zero3")
+    modes.add_argument("--tp", action="store_const", dest="mode", const="tp",
+                       help="zero3 x tp=2 with and without ep=2")
     a = p.parse_args()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":  # glibc reads it at start: run again with it set
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
         sys.exit(subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode)
     results = {}
     for world in map(int, a.worlds.split(",")):
-        ranks = paratrain.launch(job, world, (a.rounds, a.steps, a.warmup, a.hybrid), timeout_s=1800)
-        hand = subjects_at(world, a.hybrid)[-1]  # the row the others are paired with (hand-written, or hybrid ep)
+        ranks = paratrain.launch(job, world, (a.rounds, a.steps, a.warmup, a.mode), timeout_s=1800)
+        hand = subjects_at(world, a.mode)[-1]  # the row the others are paired with (hand-written, or hybrid ep)
         rows = {}
         for s in ranks[0]:
             per_round = [max(rank[s]["rounds_ms"][r] for rank in ranks) for r in range(a.rounds)]
             step_ms = statistics.median(per_round)
             rows[s] = {"step_ms": round(step_ms, 1), "rounds_ms": [round(v, 1) for v in per_round],
-                       "tokens_per_s": round(world * BATCH * CFG.seq_len / step_ms * 1e3),
+                       "tokens_per_s": round(world // _sharing(a.mode) * BATCH * CFG.seq_len / step_ms * 1e3),
                        "expert_bytes": [rank[s]["expert_bytes"] for rank in ranks],
                        "planned_expert_bytes": planned_bytes(s, world) if not s.startswith("hand") else None,
                        "peak_mib": round(statistics.median(max(rank[s]["peaks"][i] for rank in ranks)
@@ -246,12 +262,12 @@ def main() -> None:
         print(f"\nworld {world}: GPT {CFG.layers} x {CFG.hidden}, {CFG.moe.experts} experts top {CFG.moe.top_k} "
               f"(width {CFG.moe.ffn}), {BATCH} x {CFG.seq_len} tokens a rank, fp32, AdamW; "
               f"{a.rounds} rounds x {a.steps} steps")
-        print(f"{'subject':<11} {'step ms':>8} {'min ms':>7} {'x hand':>7} {'tokens/s':>9} {'experts+opt/rank':>17} "
+        print(f"{'subject':<16} {'step ms':>8} {'min ms':>7} {'x hand':>7} {'tokens/s':>9} {'experts+opt/rank':>17} "
               f"{'planner':>9} {'peak MiB':>9} {'first loss':>11}  rounds (ms)")
         for s, row in rows.items():
             held, planned = max(row["expert_bytes"]), row["planned_expert_bytes"]
             ratio = "" if planned is None else f"{planned / held:.3f}x"
-            print(f"{s:<11} {row['step_ms']:>8.1f} {min(row['rounds_ms']):>7.1f} {row['x_hand']:>7.3f} "
+            print(f"{s:<16} {row['step_ms']:>8.1f} {min(row['rounds_ms']):>7.1f} {row['x_hand']:>7.3f} "
                   f"{row['tokens_per_s']:>9} {held / 2**20:>13.2f} MiB {ratio:>9} "
                   f"{row['peak_mib']:>9.1f} {row['first_loss']:>11.6f}  {row['rounds_ms']}")
         time.sleep(1)
