@@ -54,9 +54,9 @@ def global_batches(world: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, world * BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def train(name: str, strategy: str, *, every: int = 2, persist: int = 3) -> dict:
-    """STEPS steps of model ``name`` under ``strategy`` (a name, then degrees: ``"zero3 ep=2"``); each rank reads
-    its slice of the global batch. Returns every window's tokens per expert (layer name -> counts), the warnings
+def train(name: str, strategy: str, *, every: int = 2, persist: int = 3, samples: int | None = None) -> dict:
+    """STEPS steps of model ``name`` under ``strategy`` (a name, then degrees: ``"zero3 ep=2"``); each replica reads
+    its slice of the global batch (one process: its first ``samples``, all of it when None). Returns every window's tokens per expert (layer name -> counts), the warnings
     raised and the lines rank 0 emitted."""
     strategy, *degrees = strategy.split()
     options = {k: int(v) for k, v in (d.split("=") for d in degrees)}
@@ -65,7 +65,8 @@ def train(name: str, strategy: str, *, every: int = 2, persist: int = 3) -> dict
     par.monitor.emit = emitted.append
     model = _model(name)
     model, optimizer = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    mine = slice(par.rank * BATCH, (par.rank + 1) * BATCH) if par.world_size > 1 else slice(None)
+    replica = par.data_parallel_rank
+    mine = slice(replica * BATCH, (replica + 1) * BATCH) if par.world_size > 1 else slice(samples)
     windows = []
     for step, batch in enumerate(global_batches(max(par.world_size, 2)), 1):
         with par.step(model, optimizer):
@@ -89,7 +90,8 @@ def all_to_all_case() -> dict:
     return {"seconds": seconds, "bytes": sent}
 
 
-CASES = (("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2"), ("collapsed", "ddp"), ("all_to_all", ""))
+CASES = (("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2"), ("collapsed", "ddp"), ("all_to_all", ""),
+         ("mixtral", "zero3 cp=2"))
 
 
 def routing_job() -> dict:

@@ -151,6 +151,16 @@ def test_two_ranks_report_the_routing_of_the_global_batch(job, name, strategy):
 
 @pytest.mark.launched
 @pytest.mark.timeout(240)
+def test_the_ranks_of_a_cp_group_count_their_own_slices_of_the_sequences(job):
+    """zero3 x cp=2 at world 2: one replica, each rank routing half of every sequence; their counts together are
+    one process's on that replica's samples, not half of them."""
+    reference = train("mixtral", "single", samples=BATCH)
+    got = job[("mixtral", "zero3 cp=2")]
+    assert got["windows"] == reference["windows"] and len(got["windows"]) == 2, (got, reference)
+
+
+@pytest.mark.launched
+@pytest.mark.timeout(240)
 def test_a_collapsed_router_warns_once_on_rank_0(job):
     got = job[("collapsed", "ddp")]
     assert [kind for kind, _ in got["warnings"]] == ["routing"]

@@ -35,4 +35,9 @@ def monitor_for(config: MonitorConfig | None, par: Any) -> Monitor | None:
     return Monitor(config, rank=par.rank, world_size=par.world_size, local_world_size=par.env.local_world_size,
                    device=par.device, peer=peer, emit=par.logger.warning, accumulate=par.accumulate,
                    group=par.strategy.training_group(par.env), trackers=par.trackers,
-                   replicas=lambda: par.data_parallel_size, peak_flops=peak)
+                   replicas=lambda: par.data_parallel_size, same_tokens=lambda: _tp_size(par.mesh), peak_flops=peak)
+
+
+def _tp_size(mesh: Any) -> int:
+    """Ranks of one tensor-parallel group: they route the same tokens."""
+    return mesh["tp"].size() if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else 1

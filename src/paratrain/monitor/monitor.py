@@ -54,17 +54,20 @@ class Monitor:
         group: the ranks that compare notes (None: every rank; a parameter server's workers).
         trackers: where rank 0 sends the job's figures of each window, beside the script's ``par.log``.
         replicas: how many of the ranks read different data (asked at each window: ``auto`` decides it late).
+        same_tokens: how many ranks route the same tokens (a tensor-parallel group; asked at each window): the
+            ranks of a cp group read the same samples but route different slices of them.
         peak_flops: one device's peak FLOP/s, for MFU (None: unknown).
     """
 
     def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, local_world_size: int,
                  device: torch.device, peer: int = 0, emit: Callable[[str], None] = print,
                  accumulate: int = 1, group: dist.ProcessGroup | None = None, trackers: Trackers | None = None,
-                 replicas: Callable[[], int] = lambda: 1, peak_flops: float | None = None) -> None:
+                 replicas: Callable[[], int] = lambda: 1, same_tokens: Callable[[], int] = lambda: 1,
+                 peak_flops: float | None = None) -> None:
         self.config = config
         self.group = group
         self.trackers = trackers if trackers is not None and trackers.active else None
-        self.replicas, self.peak_flops = replicas, peak_flops
+        self.replicas, self.same_tokens, self.peak_flops = replicas, same_tokens, peak_flops
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.device, self.peer, self.emit, self.accumulate = device, peer, emit, accumulate
         # every rank counts its batches when the job is tracked: rank 0 reports their mean over the ranks
@@ -135,8 +138,7 @@ class Monitor:
         ``expert_loads`` unless nothing was routed since (a second ``summary``)."""
         if self.experts is None:
             return []
-        size = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
-        loads = self.experts.window(self.group, copies=size // max(self.replicas(), 1))
+        loads = self.experts.window(self.group, copies=self.same_tokens())
         if any(x.total for x in loads):
             self.expert_loads = loads
         return loads
