@@ -25,7 +25,7 @@ import math
 
 from ..errors import ConfigError
 from .collectives import all_to_all_s
-from .hardware import Cluster, Link
+from .hardware import Cluster, Link, degree_to_plan
 from .layout import Layout
 from .model_stats import ELEMENT_BYTES, ModelStats
 from .tensor_parallel import rank_units
@@ -103,14 +103,8 @@ def moe_flops(stats: ModelStats) -> float:
 def ep_degrees(stats: ModelStats, cluster: Cluster, ep: int | None = None) -> tuple[int, ...]:
     """Expert-parallel degrees to plan: ``ep`` when given (1: none), else every power of two >= 2 that divides a
     node's ranks and the experts (the all-to-alls stay on the node's link). A dense model gets none."""
-    if ep is not None and ep < 1:
-        raise ConfigError(f"--ep must be >= 1, got {ep}")
-    if ep == 1:
-        return ()
-    if stats.moe is None:
-        if ep is not None:
-            raise ConfigError(f"--ep splits a mixture of experts' experts: {stats.name!r} has none (plan a preset "
-                              "such as mixtral-8x7b, or an MoE config.json)")
+    if not degree_to_plan("ep", ep, stats.moe, f"splits a mixture of experts' experts: {stats.name!r} has none (plan "
+                          "a preset such as mixtral-8x7b, or an MoE config.json)"):
         return ()
     if ep is not None:
         why = stats.moe.why_not(ep)

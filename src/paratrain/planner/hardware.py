@@ -372,6 +372,20 @@ class Cluster:
                        bandwidth_gbs=self.inter.bandwidth_gbs / sharers, p2p_gbs=p2p)
 
 
+def degree_to_plan(flag: str, value: int | None, shape: object | None, missing: str) -> bool:
+    """Whether a degree flag (``--tp``, ``--ep``, ``--cp``: ``value``, None when not given) leaves degrees to plan
+    for a model whose shape for it is ``shape``: not at 1 (none asked), nor for a model without the shape unless
+    asked; one line for a value below 1, and for a value asked of a model without the shape (``missing``: why, the
+    rest of that line)."""
+    if value is not None and value < 1:
+        raise ConfigError(f"--{flag} must be >= 1, got {value}")
+    if value == 1:
+        return False
+    if shape is None and value is not None:
+        raise ConfigError(f"--{flag} {missing}")
+    return shape is not None
+
+
 def make_cluster(gpu: str = "h100", *, gpus: int = 1, nodes: int = 1, interconnect: str | None = None,
                  inter_node: str | None = None, gpu_mem_gb: float | None = None, tflops: float | None = None,
                  mfu: float | None = None, mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None,

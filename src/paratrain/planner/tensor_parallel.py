@@ -22,7 +22,7 @@ import math
 
 from ..errors import ConfigError
 from .collectives import all_gather_s, all_reduce_s, reduce_scatter_s
-from .hardware import Cluster, Link
+from .hardware import Cluster, Link, degree_to_plan
 from .model_stats import ELEMENT_BYTES, ModelStats, TPShape
 
 LOSS_ALL_REDUCES = 3
@@ -111,13 +111,8 @@ def collectives_per_micro_batch(stats: ModelStats, checkpointing: bool) -> int:
 def tp_degrees(stats: ModelStats, cluster: Cluster, tp: int | None = None) -> tuple[int, ...]:
     """Tensor-parallel degrees to plan: ``tp`` when given (1: none), else every power of two >= 2 that divides a
     node's ranks and the model (``TPShape.why_not``). Models without a TP shape (traced ones) get none."""
-    if tp is not None and tp < 1:
-        raise ConfigError(f"--tp must be >= 1, got {tp}")
-    if tp == 1:
-        return ()
-    if stats.tp is None:
-        if tp is not None:
-            raise ConfigError(f"--tp needs a transformer's shape: {stats.name!r} is not a built-in GPT or --params")
+    if not degree_to_plan("tp", tp, stats.tp, f"needs a transformer's shape: {stats.name!r} is not a built-in GPT or "
+                          "--params"):
         return ()
     if tp is not None:
         why = stats.tp.why_not(tp)
