@@ -308,8 +308,12 @@ class PipelineStrategy(Strategy):
         return OrderedDict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
 
     def describe(self) -> str:
-        tp = "".join(f", {d}" for d in (self.tp.describe(), self.ep.describe()) if d)
-        return f"{self.name}(schedule={self.config.schedule}, microbatches={self.config.microbatches}{tp})"
+        return self._described(f"{self.name}(schedule={self.config.schedule}, "
+                               f"microbatches={self.config.microbatches}")
+
+    def _described(self, opening: str) -> str:
+        """``opening`` (a name and its settings, the bracket open) with the tp and ep parts, closed."""
+        return opening + "".join(f", {d}" for d in (self.tp.describe(), self.ep.describe()) if d) + ")"
 
 
 def _sharded(optimizer: torch.optim.Optimizer) -> bool:
@@ -421,5 +425,4 @@ class HybridPipeline(PipelineStrategy):
             )
 
     def describe(self) -> str:
-        tp = "".join(f", {d}" for d in (self.tp.describe(), self.ep.describe()) if d)
-        return f"hybrid({self.config.data} x pipeline, schedule={self.config.schedule}{tp})"
+        return self._described(f"hybrid({self.config.data} x pipeline, schedule={self.config.schedule}")
