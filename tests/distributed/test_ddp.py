@@ -1,7 +1,7 @@
 """DDP on real gloo processes: parallel equals serial, data coverage, seeding, metrics.
 
-The world-2 cases that need no job of their own share one launch (``helpers.cases.each_call``); seeding's second
-run, a group the script started and a failing step each keep theirs.
+The world-2 cases share one launch (``helpers.cases.each_call``, whose group stands for one a script started);
+seeding's second run and a failing step each keep theirs.
 """
 import pytest
 import torch
@@ -33,7 +33,8 @@ def _calls(world: int) -> list[tuple]:
     calls = [(f"{w} {a} {o}", train_params, ("ddp", a, STEPS, BATCH, w, o), {}) for w, a, o in EQUAL if w == world]
     if world == 2:
         calls += [("epochs", epoch_indices, (N, 3, 5, True), {}), ("uneven", epoch_indices, (13, 1, 4, False), {}),
-                  ("reductions", reductions, (), {}), ("seeding", seeding_probe, (123,), {})]
+                  ("reductions", reductions, (), {}), ("seeding", seeding_probe, (123,), {}),
+                  ("script's group", existing_group_is_reused, (), {})]
     return calls
 
 
@@ -90,8 +91,8 @@ def test_metric_reductions_across_ranks(world2):
         assert f"{count}/512" == "59/512" and isinstance(imean, float) and imean == 0.5  # a count stays an int
 
 
-def test_a_group_started_by_the_script_is_used_and_left_alone():
-    for owns, still in spawn(existing_group_is_reused, 2):
+def test_a_group_started_by_the_script_is_used_and_left_alone(world2):
+    for owns, still in (results["script's group"] for results in world2):
         assert not owns and still
 
 
