@@ -52,17 +52,30 @@ def test_fp32_is_untouched():
     assert seen == [torch.float32]
 
 
-@pytest.mark.launched
-@pytest.mark.parametrize("family", ["gpt", "seq"])
-def test_pipeline_stages_hand_on_the_compute_dtype_and_equal_one_process(family):
-    """The last stage's loss sees bf16 logits under autocast, and the stages pass on what their layers computed (a
-    Linear's bf16 output stays bf16, as in one process): the result equals one process under bf16-mixed."""
+FAMILIES = ["gpt", "seq"]
+
+
+@pytest.fixture(scope="module")
+def lean() -> dict[str, list[dict]]:
+    """Every family under bf16-mixed: pipelined over 2 ranks, and in one process; one launch each."""
+    from helpers.cases import each_call
     from helpers.pipeline_model_workers import lean_precision
 
-    from paratrain.testing import max_abs_diff, spawn
+    from paratrain.testing import spawn
 
-    ranks = spawn(lean_precision, 2, (family, "pipeline"), timeout_s=120)
-    one = spawn(lean_precision, 1, (family, "single"), timeout_s=120)[0]
+    return {strategy: spawn(each_call, world, ([(f, lean_precision, (f, strategy), {}) for f in FAMILIES],),
+                            timeout_s=120) for strategy, world in (("pipeline", 2), ("single", 1))}
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipeline_stages_hand_on_the_compute_dtype_and_equal_one_process(lean, family):
+    """The last stage's loss sees bf16 logits under autocast, and the stages pass on what their layers computed (a
+    Linear's bf16 output stays bf16, as in one process): the result equals one process under bf16-mixed."""
+    from paratrain.testing import max_abs_diff
+
+    ranks = [results[family] for results in lean["pipeline"]]
+    one = lean["single"][0][family]
     last = ranks[1]
     assert last["seen"] == [(torch.bfloat16, True)] == one["seen"]
     assert ranks[0]["seen"] == []  # the first stage computes no loss

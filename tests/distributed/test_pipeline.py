@@ -1,6 +1,11 @@
 """Pipeline and hybrid strategies on real gloo processes: equal to one process, memory of the schedules,
-and clear errors."""
+and clear errors.
+
+One launched job per world size runs every case of the file (``helpers.cases.each_call``): a launch costs more than
+training the small model.
+"""
 import pytest
+from helpers.cases import each_call
 from helpers.dist_workers import (
     peak_saved_activations,
     pipeline_bad_inputs,
@@ -10,10 +15,7 @@ from helpers.dist_workers import (
 from paratrain.testing import max_abs_diff, spawn
 
 STEPS, GLOBAL_BATCH = 20, 16
-
-
-@pytest.mark.launched
-@pytest.mark.parametrize("strategy, world, accumulate, options", [
+EQUAL = [
     ("pipeline", 2, 1, {"schedule": "gpipe"}),
     ("pipeline", 2, 2, {"schedule": "gpipe"}),
     ("pipeline", 2, 1, {"schedule": "1f1b"}),
@@ -24,27 +26,50 @@ STEPS, GLOBAL_BATCH = 20, 16
     ("hybrid", 4, 1, {}),                                  # 2 DDP replicas x 2 stages
     ("hybrid", 4, 2, {"schedule": "gpipe"}),               # DDP stages run every backward before a forward
     ("hybrid", 4, 2, {"data": "fsdp"}),                    # 2 FSDP shards x 2 stages, accumulating
-])
-def test_pipeline_equals_serial(strategy, world, accumulate, options):
-    dp = 1 if strategy == "pipeline" else 2
-    ranks = spawn(train_params, world, (strategy, accumulate, STEPS, GLOBAL_BATCH // dp, world, options))
+]
+
+
+def _calls(world: int) -> list[tuple]:
+    """Every launched case of this file at ``world`` processes."""
+    calls = [(f"{s} {w} {a} {o}", train_params, (s, a, STEPS, GLOBAL_BATCH // (1 if s == "pipeline" else 2), w, o),
+              {}) for s, w, a, o in EQUAL if w == world]
+    if world == 2:
+        calls += [(f"peak {schedule}", peak_saved_activations, (schedule, 8), {}) for schedule in ("gpipe", "1f1b")]
+        calls.append(("misuse", pipeline_bad_inputs, (), {}))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict]:
+    return spawn(each_call, 2, (_calls(2),), timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def world4() -> list[dict]:
+    return spawn(each_call, 4, (_calls(4),), timeout_s=240)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("strategy, world, accumulate, options", EQUAL)
+def test_pipeline_equals_serial(request, strategy, world, accumulate, options):
+    ranks = request.getfixturevalue(f"world{world}")
     serial = train_params("single", accumulate, STEPS, GLOBAL_BATCH, 1)
-    for params in ranks:  # every rank gathers the whole model: all stages, original parameter names
+    for results in ranks:  # every rank gathers the whole model: all stages, original parameter names
+        params = results[f"{strategy} {world} {accumulate} {options}"]
         assert params.keys() == serial.keys()
         assert max_abs_diff(params, serial) <= 1e-5
 
 
 @pytest.mark.launched
-def test_1f1b_holds_fewer_live_activations_than_gpipe():
-    gpipe = spawn(peak_saved_activations, 2, ("gpipe", 8))
-    one_f_one_b = spawn(peak_saved_activations, 2, ("1f1b", 8))
+def test_1f1b_holds_fewer_live_activations_than_gpipe(world2):
+    gpipe, one_f_one_b = (world2[0][f"peak {schedule}"] for schedule in ("gpipe", "1f1b"))
     # the first stage keeps all 8 micro-batches alive under GPipe, at most 2 (the stage count) under 1F1B
-    assert one_f_one_b[0] < 0.5 * gpipe[0], (one_f_one_b, gpipe)
+    assert one_f_one_b < 0.5 * gpipe, (one_f_one_b, gpipe)
 
 
 @pytest.mark.launched
-def test_pipeline_misuse_gives_one_line_errors():
-    errors = spawn(pipeline_bad_inputs, 2)[0]
+def test_pipeline_misuse_gives_one_line_errors(world2):
+    errors = world2[0]["misuse"]
     assert len(errors) == 3, errors
     assert "does not fit" in errors[0]
     assert "nn.Sequential" in errors[1]

@@ -1,7 +1,12 @@
 """Every data-parallel and model-parallel strategy equals one process on the same global batch (real gloo runs),
-and sharding really shrinks per-rank state by the ZeRO accounting."""
+and sharding really shrinks per-rank state by the ZeRO accounting.
+
+One launched job per world size runs every case of the file (``helpers.cases.each_call``): a launch costs more than
+training the small model.
+"""
 import pytest
-from helpers.dist_workers import state_bytes_per_strategy, train_params
+from helpers.cases import each_call
+from helpers.dist_workers import state_bytes, train_params
 
 from paratrain.planner import ModelSpec, PlanConfig, Training, make_plan
 from paratrain.planner.memory import model_states
@@ -10,14 +15,7 @@ from paratrain.workloads.planning import resolve_model
 
 STEPS, BATCH = 20, 8
 SMALL_UNITS = {"min_params": 100}  # the test model's blocks are small: make each one a sharding unit
-
-
-def _serial(accumulate: int, world: int, **parallel_kwargs) -> dict:
-    return train_params("single", accumulate, STEPS, BATCH * world, 1, **parallel_kwargs)
-
-
-@pytest.mark.launched
-@pytest.mark.parametrize("strategy, world, accumulate, options", [
+EQUAL = [
     ("zero1", 2, 1, {}),
     ("zero1", 2, 3, {}),
     ("zero2", 2, 1, SMALL_UNITS),
@@ -28,12 +26,46 @@ def _serial(accumulate: int, world: int, **parallel_kwargs) -> dict:
     ("hsdp", 4, 1, SMALL_UNITS),
     ("hsdp", 4, 2, SMALL_UNITS),
     ("model_parallel", 2, 2, {"stages": 3}),  # data x model parallel: DDP over a 3-stage model
-])
-def test_parallel_equals_serial(strategy, world, accumulate, options):
-    ranks = spawn(train_params, world, (strategy, accumulate, STEPS, BATCH, world, options))
+]
+CLIP = {"clip_grad_norm": 0.05}  # small enough to clip every step
+BF16 = [("ddp", {}), ("zero3", SMALL_UNITS)]
+HOOKS = [("fp16", 5e-4), ("bf16", 3e-3), ("powersgd", 0.1)]
+STATE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+
+
+def _calls(world: int) -> list[tuple]:
+    """Every launched case of this file at ``world`` processes."""
+    calls = [(f"{s} {w} {a} {o}", train_params, (s, a, STEPS, BATCH, w, o), {}) for s, w, a, o in EQUAL if w == world]
+    calls += [(f"state {s}", state_bytes, (s,), {}) for s in STATE_STRATEGIES]
+    if world == 2:
+        calls.append(("clip", train_params, ("zero3", 1, STEPS, BATCH, 2, SMALL_UNITS), CLIP))
+        calls += [(f"bf16 {s}", train_params, (s, 1, STEPS, BATCH, 2, o), {"precision": "bf16-mixed"}) for s, o in BF16]
+        calls += [(f"hook {h}", train_params, ("ddp", 1, STEPS, BATCH, 2, {"comm_hook": h, "powersgd_start_iter": 2}),
+                   {}) for h, _ in HOOKS]
+    return calls
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict]:
+    return spawn(each_call, 2, (_calls(2),), timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def world4() -> list[dict]:
+    return spawn(each_call, 4, (_calls(4),), timeout_s=240)
+
+
+def _serial(accumulate: int, world: int, **parallel_kwargs) -> dict:
+    return train_params("single", accumulate, STEPS, BATCH * world, 1, **parallel_kwargs)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("strategy, world, accumulate, options", EQUAL)
+def test_parallel_equals_serial(request, strategy, world, accumulate, options):
+    ranks = request.getfixturevalue(f"world{world}")
     serial = _serial(accumulate, world)
-    for params in ranks:
-        assert max_abs_diff(params, serial) <= 1e-5, strategy
+    for results in ranks:
+        assert max_abs_diff(results[f"{strategy} {world} {accumulate} {options}"], serial) <= 1e-5, strategy
 
 
 @pytest.mark.parametrize("split", [[1], [2, 4], None])
@@ -49,44 +81,36 @@ def test_dp_on_cpu_runs_as_one_device_and_says_why():
 
 
 @pytest.mark.launched
-def test_sharded_gradient_clipping_equals_serial_clipping():
-    clip = {"clip_grad_norm": 0.05}  # small enough to clip every step
-    ranks = spawn(_train_kw, 2, ("zero3", 2, SMALL_UNITS, clip))
-    serial = _serial(1, 2, **clip)
-    assert max_abs_diff(ranks[0], serial) <= 1e-5
+def test_sharded_gradient_clipping_equals_serial_clipping(world2):
+    serial = _serial(1, 2, **CLIP)
+    assert max_abs_diff(world2[0]["clip"], serial) <= 1e-5
     assert max_abs_diff(serial, _serial(1, 2)) > 1e-3  # clipping changed the result
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("strategy, options", [("ddp", {}), ("zero3", SMALL_UNITS)])
-def test_bf16_mixed_is_close_to_serial_bf16(strategy, options):
-    ranks = spawn(_train_kw, 2, (strategy, 2, options, {"precision": "bf16-mixed"}))
+@pytest.mark.parametrize("strategy, options", BF16)
+def test_bf16_mixed_is_close_to_serial_bf16(world2, strategy, options):
+    got = world2[0][f"bf16 {strategy}"]
     serial = _serial(1, 2, precision="bf16-mixed")
     # bf16 keeps 8 mantissa bits: the parallel and serial runs round differently, but stay close
-    assert max_abs_diff(ranks[0], serial) <= 3e-3
-    assert max_abs_diff(ranks[0], _serial(1, 2)) <= 3e-3
+    assert max_abs_diff(got, serial) <= 3e-3
+    assert max_abs_diff(got, _serial(1, 2)) <= 3e-3
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("hook, tolerance", [("fp16", 5e-4), ("bf16", 3e-3), ("powersgd", 0.1)])
-def test_ddp_comm_hooks(hook, tolerance):
-    options = {"comm_hook": hook, "powersgd_start_iter": 2}
-    ranks = spawn(_train_kw, 2, ("ddp", 2, options, {}))
+@pytest.mark.parametrize("hook, tolerance", HOOKS)
+def test_ddp_comm_hooks(world2, hook, tolerance):
+    a, b = (results[f"hook {hook}"] for results in world2)
     serial = _serial(1, 2)
-    assert 0 < max_abs_diff(ranks[0], serial) <= tolerance  # compressed: close, never bitwise
-    assert max_abs_diff(ranks[0], ranks[1]) == 0.0
-
-
-def _train_kw(strategy, world, options, parallel_kwargs):
-    return train_params(strategy, 1, STEPS, BATCH, world, options, **parallel_kwargs)
+    assert 0 < max_abs_diff(a, serial) <= tolerance  # compressed: close, never bitwise
+    assert max_abs_diff(a, b) == 0.0
 
 
 @pytest.mark.launched
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planner_predicts_it(world):
-    strategies = ("ddp", "zero1", "zero2", "zero3")
-    ranks = spawn(state_bytes_per_strategy, world, (strategies,))
-    results = {s: _largest([r[s] for r in ranks]) for s in strategies}
+def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planner_predicts_it(request, world):
+    ranks = request.getfixturevalue(f"world{world}")
+    results = {s: _largest([r[f"state {s}"] for r in ranks]) for s in STATE_STRATEGIES}
     p = results["ddp"]["full_params"]  # fp32 parameters, bytes
     expected = {  # (params, grads, Adam state) per rank, in bytes
         "ddp": (p, p, 2 * p),

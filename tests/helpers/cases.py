@@ -16,8 +16,16 @@ import paratrain
 from paratrain.distributed.process_group import finish_group
 
 
-def each_case(cases: Sequence[Any], run: Callable[[int, Any], Any], key: Callable[[Any], Hashable]) -> dict:
-    """``run(index, case)`` for every case, keyed ``key(case)``; rank 0 returns them all, the others ``{}``."""
+def each_call(calls: Sequence[tuple[str, Callable[..., Any], tuple, dict]]) -> dict:
+    """Calls ``(name, fn, args, kwargs)`` of module-level workers in one job, keyed by name, on every rank: the
+    tests of one file that train small models by different functions share a launch per world size."""
+    return each_case(calls, lambda _, c: c[1](*c[2], **c[3]), key=lambda c: c[0], every_rank=True)
+
+
+def each_case(cases: Sequence[Any], run: Callable[[int, Any], Any], key: Callable[[Any], Hashable], *,
+              every_rank: bool = False) -> dict:
+    """``run(index, case)`` for every case, keyed ``key(case)``; rank 0 returns them all, the others ``{}`` (with
+    ``every_rank``, each rank its own: for tests that compare the ranks)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = {}
@@ -28,4 +36,4 @@ def each_case(cases: Sequence[Any], run: Callable[[int, Any], Any], key: Callabl
             out[key(case)] = {"error": str(err)}
     rank = dist.get_rank()
     finish_group()
-    return out if rank == 0 else {}
+    return out if rank == 0 or every_rank else {}

@@ -10,7 +10,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import paratrain
-from paratrain.distributed.process_group import finish_group
 
 
 def build_model() -> nn.Module:
@@ -90,12 +89,11 @@ def reductions() -> tuple[float, float, list[float], int, int, float]:
 
 
 def existing_group_is_reused() -> tuple[bool, bool]:
-    dist.init_process_group("gloo")
+    """Inside a job whose group the caller started (``helpers.cases.each_call``, as a script would): whether
+    ``Parallel`` took that group as its own, and whether the group is still up after ``close``."""
     par = paratrain.Parallel("ddp")
     par.close()  # must not destroy a group it did not create
-    still = dist.is_initialized()
-    dist.destroy_process_group()
-    return par._session.owns_group, still
+    return par._session.owns_group, dist.is_initialized()
 
 
 def fail_at(rank: int, step: int, how: str, pid_dir: str) -> None:
@@ -158,14 +156,6 @@ def state_bytes(strategy: str, blocks: int = 8, width: int = 64) -> dict[str, in
             "full_params": sum(p.numel() * 4 for p in state_model(blocks, width).parameters())}
 
 
-def state_bytes_per_strategy(strategies: tuple[str, ...]) -> dict[str, dict[str, int]]:
-    """``state_bytes`` of each strategy, one after the other in one job (one process group, saving launches)."""
-    dist.init_process_group("gloo")
-    out = {s: state_bytes(s) for s in strategies}
-    finish_group()
-    return out
-
-
 def state_model(blocks: int = 8, width: int = 64) -> nn.Sequential:
     """The model the state-accounting tests shard (also a factory the planner can load)."""
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)])
@@ -208,9 +198,8 @@ def peak_saved_activations(schedule: str, microbatches: int) -> int:
 def pipeline_bad_inputs() -> list[str]:
     """One-line errors for pipeline misuse, collected on every rank (each error is raised on all ranks).
 
-    The group is started once and shared: the Parallel objects below use it and leave it alone.
+    Run inside a job's group (``helpers.cases.each_call``): the Parallel objects below use it and leave it alone.
     """
-    dist.init_process_group("gloo")
     errors = []
     cases = [
         ({"split": [9]}, build_model(), 8),                # cut point past the last layer
@@ -225,7 +214,6 @@ def pipeline_bad_inputs() -> list[str]:
                                  nn.functional.cross_entropy)
         except paratrain.ConfigError as err:
             errors.append(str(err))
-    finish_group()
     return errors
 
 

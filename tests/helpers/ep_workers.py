@@ -5,6 +5,7 @@ loaded at another ``ep``.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -200,9 +201,11 @@ def run_cases(cases: list[tuple], tmp: str) -> dict[str, dict]:
     return each_case(cases, run, key=lambda c: f"{c[0]}/{c[1]}{c[2]}{'/built' if c[3] == 'built' else ''}")
 
 
+@functools.cache
 def reference(model_name: str, replicas: int, clip: float | None = None) -> dict[str, torch.Tensor]:
     """One process, ``STEPS`` steps on global batches of ``replicas x PER_RANK``, one forward per replica's slice;
-    the gradient's norm clipped to ``clip``."""
+    the gradient's norm clipped to ``clip``. Computed once per arguments in a test process (many cases compare with
+    the same one): read it, never change it."""
     spec = MODELS[model_name]
     model = spec.build()
     opt = spec.optimizer(model)

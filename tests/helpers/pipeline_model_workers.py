@@ -3,6 +3,7 @@ our tied GPT) cut into pipeline stages, many cases per launched job, and the sam
 reference."""
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable
 
@@ -79,9 +80,10 @@ def batches(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.roll(x, -1, dims=1)
 
 
+@functools.cache
 def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: int = STEPS, bf16: bool = False) -> dict:
     """The same training in one plain PyTorch process (under bf16 autocast with ``bf16``): the reference every case
-    is compared with."""
+    is compared with, computed once per arguments in a test process (read it, never change it)."""
     model = build(family)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     x, y = batches(steps)
@@ -184,8 +186,7 @@ def run_cases(cases: list[tuple]) -> dict[str, dict]:
 
 def lean_precision(family: str, strategy: str) -> dict:
     """``family`` trained under bf16-mixed by ``strategy``: the dtype and autocast state each loss call saw, and the
-    parameters after ``STEPS`` steps."""
-    dist.init_process_group("gloo")
+    parameters after ``STEPS`` steps; inside a job's group (``helpers.cases.each_call``)."""
     par = paratrain.Parallel(strategy, precision="bf16-mixed", monitor=False)
     plain = build(family)
     model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9))
@@ -203,5 +204,4 @@ def lean_precision(family: str, strategy: str) -> dict:
                                  y[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], watched)
     state = par.full_state_dict(model, rank0_only=False)
     par.close()
-    finish_group()
     return {"seen": sorted(set(seen), key=str), "state": state}

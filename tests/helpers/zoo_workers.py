@@ -8,6 +8,7 @@ the ties survived ``prepare`` and ``load``.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -94,11 +95,13 @@ TOL = 2e-5
 MICRO = 4  # the pipelines' default micro-batches
 
 
+@functools.cache
 def reference(model_name: str, replicas: int, slices: int | None = None,
               microbatches: int = 1) -> dict[str, torch.Tensor]:
     """One process, ``STEPS`` steps on global batches of ``replicas x PER_RANK``, each cut into ``slices`` forward
     passes (default: one per replica and micro-batch); buffers (BatchNorm's running statistics) follow replica 0's
-    ``microbatches`` forwards, as rank 0's do."""
+    ``microbatches`` forwards, as rank 0's do. Computed once per arguments in a test process (many cases compare with
+    the same one): read it, never change it."""
     spec = SPECS[model_name]
     model = spec.build()
     opt = spec.optimizer(model)
