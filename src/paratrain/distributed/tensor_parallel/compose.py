@@ -54,14 +54,12 @@ class TensorParallel(WholeLayers):
         return lambda model: self.apply(model, mesh, precision, device, facts, leave)
 
     def stage_splitter(self, model: nn.Module, facts: ModelFacts | None, mesh: DeviceMesh | None, precision: Any,
-                       device: torch.device, first_block: str | None, last_block: str | None,
-                       leave: Leave | None = None) -> Step:
+                       device: torch.device, first_block: str | None, last_block: str | None) -> Step:
         plan = self.plan(model, facts)
 
         def split(stage: nn.Module) -> nn.Module:  # a StageModule: the model's copy it runs is .stage
             assert mesh is not None
-            self.apply_stage(stage.stage, plan, mesh, precision, device, first_block, last_block,  # type: ignore
-                             leave)
+            self.apply_stage(stage.stage, plan, mesh, precision, device, first_block, last_block)  # type: ignore
             return stage
 
         return split
@@ -107,14 +105,13 @@ class TensorParallel(WholeLayers):
         return plan
 
     def apply_stage(self, stage: nn.Module, plan: TPPlan, mesh: DeviceMesh, precision: Any, device: torch.device,
-                    first_block: str | None, last_block: str | None, leave: Leave | None = None) -> nn.Module:
+                    first_block: str | None, last_block: str | None) -> nn.Module:
         """Split a pipeline stage (the model with other stages' pieces swapped out) over ``mesh["tp"]`` by the
         whole model's ``plan``, its boundaries whole
         (:func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`)."""
         self._precision, self._device = precision, device
         styles = stage_styles(plan, stage, first_block, last_block)
-        return apply_tp(to_device(stage, device), mesh["tp"], plan, self.outputs, styles,
-                        leave=leave(stage) if leave else ())
+        return apply_tp(to_device(stage, device), mesh["tp"], plan, self.outputs, styles)
 
     def data_parallel(self, mesh: DeviceMesh | None, whole: DataParallel) -> DataParallel:
         """The ``dp`` coordinate: ranks of one tp group are one replica."""

@@ -44,8 +44,7 @@ class WholeLayers:
         return None
 
     def stage_splitter(self, model: nn.Module, facts: ModelFacts | None, mesh: DeviceMesh | None, precision: Any,
-                       device: torch.device, first_block: str | None, last_block: str | None,
-                       leave: Leave | None = None) -> Step | None:
+                       device: torch.device, first_block: str | None, last_block: str | None) -> Step | None:
         """The same for one pipeline stage of ``model``, its boundaries whole (``first_block``, ``last_block``: the
         blocks where the stage begins and ends inside the model, None at the model's own ends)."""
         return None
