@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from .composition import refuse_degree
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -202,14 +203,8 @@ class EPConfig:
             return None
         config = cls(degree=degree)
         if not takes_ep:
-            raise ConfigError(refuse_ep(strategy, degree))
+            raise ConfigError(refuse_degree(strategy, "ep", degree))
         return config
-
-
-def refuse_ep(strategy: str, degree: object) -> str:
-    """The one line for a strategy given ``ep`` that cannot hold it."""
-    return (f"strategy {strategy!r} does not take ep={degree}; expert parallelism runs inside ddp, zero2, zero3 "
-            "and hybrid (Parallel('zero3', ep=2))")
 
 
 @dataclass(frozen=True, kw_only=True)

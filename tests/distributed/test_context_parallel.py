@@ -35,7 +35,7 @@ REFUSED = {
     "no attention": "cp found no attention in Sequential",
     "loss_chunk": "loss_chunk does not run here: cp hands the head a slice",
     "zero1 cp=2": "strategy 'zero1' does not take cp",
-    "pipeline cp=2": "pipeline does not take cp",
+    "pipeline cp=2": "'pipeline' does not take cp",
     "ddp cp=3": "ddp with cp=3 needs a number of processes (beside tp) that cp divides, got 2",
 }
 LONG = 256  # tokens of the sequence whose activations are measured

@@ -115,7 +115,7 @@ def test_layout_parsing_with_cp():
     assert exact_layout("dp=4,cp=2") == exact_layout(dp=4, cp=2) == exact_layout("dp=4", cp=2)
     assert exact_layout("dp=4,cp=2").world_size == 8 and exact_layout("dp=4,cp=2").cp == 2
     plan = make_plan(LLAMA_32K, PlanConfig(gpus=8, layout="dp=4,cp=2", training=Training(micro_batch=1)))
-    assert [e.name for e in plan.estimates[1:]] == ["ddp+cp", "zero1+cp", "zero2+cp", "zero3+cp"]
+    assert [e.name for e in plan.estimates[1:]] == ["ddp+cp", "zero2+cp", "zero3+cp"]  # zero1 takes no cp
     assert all(e.layout.dp == 4 and e.layout.cp == 2 for e in plan.estimates[1:])
     assert exact_layout("zero3,cp=2", world=8) == ParallelDims(dp_replicate=4, cp=2)  # dp: the GPUs left
     assert layout_strategy("zero3,cp=2") == "zero3" and layout_strategy("dp=4,cp=2") is None

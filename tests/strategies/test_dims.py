@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain import strategies
+from paratrain import composition, strategies
 from paratrain.dims import ParallelDims
 from paratrain.env import ClusterEnv
 from paratrain.errors import ConfigError
@@ -55,6 +55,9 @@ def _runtime(layout: Layout) -> tuple[str, dict]:
     options: dict = {}
     if layout.tp > 1 and layout.name != "tp":
         options["tp"] = layout.tp
+    for degree in ("cp", "ep"):
+        if getattr(layout, degree) > 1:
+            options[degree] = getattr(layout, degree)
     if layout.name == "hsdp":
         options["shard_size"] = layout.shard
     if layout.name == "hybrid":
@@ -110,6 +113,37 @@ def test_every_planned_ep_layout_is_the_one_its_strategy_builds(world):
     for layout in found:
         name, options = _runtime(layout)
         env = ClusterEnv(world_size=world, local_world_size=world, launched=True)
-        strategy = strategies.create(name, **options, ep=layout.ep)
+        strategy = strategies.create(name, **options)
         strategy.validate(env)
         assert strategy.dims(env) == layout.dims, (layout, options)
+
+
+def _builds(layout: Layout) -> None:
+    """Raise the runtime's own refusal unless the strategy builds exactly ``layout``."""
+    name, options = _runtime(layout)
+    ranks = layout.dims.world_size
+    env = ClusterEnv(world_size=ranks, local_world_size=ranks, launched=ranks > 1)
+    strategy = strategies.create(name, **options)
+    strategy.validate(env)
+    assert strategy.dims(env) == layout.dims, (layout, options)
+
+
+@pytest.mark.parametrize("world", (2, 4, 8))
+def test_every_planned_layout_with_cp_tp_and_ep_builds_and_no_refused_one_is_planned(world):
+    """Every layout the planner can emit, cp included, is built by the runtime; each (strategy, degree) the table of
+    :mod:`paratrain.composition` refuses is refused by the runtime and never planned (zero1 with cp was both)."""
+    degrees = tuple(d for d in range(2, world + 1) if world % d == 0)
+    pairs = tuple((t, c) for t in (1, *degrees) for c in degrees if world % (t * c) == 0)
+    planned = layouts(make_cluster("h100", gpus=world), n_units=64, tp_degrees=degrees, ep_degrees=(2,),
+                      cp_pairs=pairs, ps_servers=1)
+    assert {lay.name for lay in planned if lay.cp > 1} == {"ddp", "zero2", "zero3"}
+    for layout in planned:
+        _builds(layout)
+    for name in composition.TAKES:
+        for degree in ("tp", "cp", "ep"):
+            if composition.refusal(name, **{degree: 2}) is None:
+                continue
+            assert not any(lay.name == name and getattr(lay, degree) > 1 for lay in planned), (name, degree)
+            options = {degree: 2, **({"dp": 2} if name == "hybrid" else {})}
+            with pytest.raises(ConfigError, match=rf"{degree}|experts|replica|takes no arguments"):
+                strategies.registry.check_world(name, 8, **options)

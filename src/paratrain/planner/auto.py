@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..composition import takes
 from ..errors import ConfigError
 from ..sizes import GIB
 from .expert_parallel import ep_degrees
@@ -262,7 +263,7 @@ def _with_cp(stats: ModelStats, cluster: Cluster, training: Training, tried: lis
     the first that fits, or None; ``tried`` and ``least`` (bytes, layout, capacity) carried on."""
     n = cluster.world_size
     for c in (c for t, c in cp_pairs(stats, cluster, ()) if t == 1):
-        for name, zero in CANDIDATES:
+        for name, zero in (candidate for candidate in CANDIDATES if takes(candidate[0]).cp):
             est = estimate(stats, Layout.of(name=name, dp=n // c, zero=zero, shard=n // c if zero else 1, cp=c),
                            training, cluster)
             tried.append(f"{name} cp={c} {est.memory.total / GIB:.2f}")

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..composition import refusal, takes
 from ..dims import ParallelDims
 from ..errors import ConfigError
 from ..model.cuts import balance
@@ -177,9 +178,10 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
     stages by DDP (each stage's experts split over ep of its dp replicas; not with tp, not ZeRO-1, whose optimizer
     cannot hold split experts' states, and not ``pipeline``, which has no replicas). Then, for each (tp, cp) of
     ``cp_pairs`` whose tp x cp divides the ranks, the data-parallel layouts over the groups of tp x cp ranks (cp
-    outside tp, as the mesh lays them): ddp, zero1 (without tp), zero2 and zero3, their shard group joined by the
-    cp ranks (not pipelines, not hsdp). Last, with ``ps_servers`` S > 0 and more ranks than that, ``ps``: S servers
-    and the other ranks as workers.
+    outside tp, as the mesh lays them) of the presets that take cp, their shard group joined by the cp ranks (not
+    pipelines, not hsdp). Last, with ``ps_servers`` S > 0 and more ranks than that, ``ps``: S servers and the other
+    ranks as workers. Every layout is one the runtime builds (``composes``: the table of
+    :mod:`paratrain.composition`).
     """
     n, per_node = cluster.world_size, cluster.ranks_per_node
     out = [Layout.of(name="single")]
@@ -202,7 +204,13 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
         out += _with_cp(n // (tp * cp), tp, cp)
     if 0 < ps_servers < n:
         out.append(Layout.of(name="ps", dp=n - ps_servers, servers=ps_servers))
-    return out
+    return [lay for lay in out if composes(lay)]
+
+
+def composes(layout: Layout) -> bool:
+    """Whether ``layout``'s strategy takes its tp, cp and ep together (:func:`paratrain.composition.refusal`): the
+    runtime's own rule, so that no layout is planned that the runtime refuses."""
+    return refusal(layout.name, tp=layout.tp, cp=layout.cp, ep=layout.ep, data=_DATA[layout.zero]) is None
 
 
 LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid")
@@ -287,10 +295,16 @@ def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims, strategy: 
                                         and strategy in (None, lay.name))]
 
 
-EP_STRATEGIES = ("ddp", "zero2", "zero3")
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3")
+"""The data-parallel presets by ZeRO stage, 0 to 3."""
+
+EP_STRATEGIES = tuple(name for name in DATA_PARALLEL if takes(name).ep)
 """The strategies planned with expert parallelism over their data-parallel ranks, alone or over groups of tp ranks
-(the presets that take ``ep=``; zero1's optimizer cannot hold split experts' states, hsdp does not take it);
-``hybrid`` too, over each stage's replicas (``_takes_ep``)."""
+(the presets that take ``ep=``, :data:`paratrain.composition.TAKES`); ``hybrid`` too, over each stage's replicas
+(``_takes_ep``)."""
+
+_DATA = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
+"""A layout's data engine by ZeRO stage, as a pipeline's ``data=`` names it."""
 
 
 def _takes_ep(layout: Layout) -> bool:
@@ -314,10 +328,10 @@ def _with_ep(data_parallel: list[Layout], ep: int) -> list[Layout]:
 
 
 def _with_cp(d: int, tp: int, cp: int) -> list[Layout]:
-    """The data-parallel layouts of ``d`` replicas of ``cp`` x ``tp`` ranks (ZeRO-1 without tp, as ``_with_tp``)."""
-    out = [Layout.of(name="ddp", dp=d, tp=tp, cp=cp)]
-    out += [Layout.of(name=f"zero{z}", dp=d, zero=z, shard=d, tp=tp, cp=cp) for z in ((1, 2, 3) if tp == 1 else (2, 3))]
-    return out
+    """The data-parallel layouts of ``d`` replicas of ``cp`` x ``tp`` ranks, of the presets that take cp (ZeRO-1
+    without tp, as ``_with_tp``)."""
+    return [Layout.of(name=name, dp=d, zero=z, shard=d if z else 1, tp=tp, cp=cp)
+            for z, name in enumerate(DATA_PARALLEL) if takes(name).cp and (z != 1 or tp == 1)]
 
 
 def _with_tp(d: int, tp: int, n_units: int) -> list[Layout]:

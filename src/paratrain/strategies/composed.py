@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..composition import refuse_degree
 from ..dims import ParallelDims
 from ..distributed.context_parallel.part import context_parallel
 from ..distributed.optimizer import rebuild
@@ -33,7 +34,7 @@ class Composed(Strategy):
         self.name = preset.name  # type: ignore[misc]
         self.tp = tensor_parallel(_tp_config(preset, options))
         self.cp = context_parallel(_cp_config(preset, options))
-        self.ep = expert_parallel(EPConfig.pop(options, preset.name, preset.ep))
+        self.ep = expert_parallel(EPConfig.pop(options, preset.name, preset.takes.ep))
         if config is not None and options:
             raise ConfigError(f"strategy {preset.name!r} got options {sorted(options)} beside a config object; set "
                               "them on the config")
@@ -60,7 +61,7 @@ class Composed(Strategy):
                 ParallelDims(dp_replicate=dp, cp=cp, tp=tp, ep=ep))
 
     def tp_degree(self, env: ClusterEnv) -> int:
-        if self.preset.tp != "all":
+        if self.preset.takes.tp != "all":
             return super().tp_degree(env)
         degree = self.tp.config.degree  # type: ignore[union-attr]
         if degree is not None and degree != env.world_size:
@@ -100,7 +101,7 @@ class Composed(Strategy):
     def needs_every_rank(self) -> str | None:
         if self.ep.splits:
             return "under ep each rank holds part of every mixture-of-experts layer's experts"
-        if self.preset.tp == "all":
+        if self.preset.takes.tp == "all":
             return "under tp every layer is split over the ranks"
         if self.data.zero >= 2:
             return f"under {self.name} each rank holds a shard of every layer"
@@ -127,7 +128,7 @@ class Composed(Strategy):
         self.data.load_optimizer_state(self.unwrap(model), optimizer, state)
 
     def describe(self) -> str:
-        if self.preset.tp == "all":
+        if self.preset.takes.tp == "all":
             return self.tp.describe()  # type: ignore[return-value]
         parts = [part for part in (self.data.detail(), self.tp.describe(), self.cp.describe(), self.ep.describe())
                  if part]
@@ -136,10 +137,10 @@ class Composed(Strategy):
 
 def _tp_config(preset: Preset, options: dict[str, Any]) -> TPConfig | None:
     """The tensor-parallel part of ``options`` (taken out of them) as ``preset`` reads it."""
-    if preset.tp == "never":
+    if preset.takes.tp == "never":
         refuse_tp(preset.name, options)
         return None
-    if preset.tp == "all":
+    if preset.takes.tp == "all":
         return TPConfig(degree=options.pop("tp", None), plan=options.pop("tp_plan", None))
     return TPConfig.pop(options)
 
@@ -147,9 +148,8 @@ def _tp_config(preset: Preset, options: dict[str, Any]) -> TPConfig | None:
 def _cp_config(preset: Preset, options: dict[str, Any]) -> CPConfig | None:
     """The context-parallel part of ``options`` (taken out of them); one line for a preset it does not compose with."""
     config = CPConfig.pop(options)
-    if config is not None and not preset.cp:
-        raise ConfigError(f"strategy {preset.name!r} does not take cp; context parallelism runs inside ddp, zero2, "
-                          f"zero3 and hsdp, with or without tp (Parallel('zero3', cp={config.degree}))")
+    if config is not None and not preset.takes.cp:
+        raise ConfigError(refuse_degree(preset.name, "cp", config.degree))
     return config
 
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..batch import ModelCall
+from ..composition import refusal, refuse_degree
 from ..dims import ParallelDims
 from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from ..distributed.optimizer import rebuild
@@ -65,18 +66,16 @@ class PipelineStrategy(Strategy):
     native_precision = True  # applied to each stage, not to the prepared model
 
     def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
-        if CPConfig.pop(options) is not None:
-            raise ConfigError(f"{self.name} does not take cp: a pipeline's stages would each split the sequence; use "
-                              "cp inside ddp, zero2, zero3 or hsdp (Parallel('zero3', cp=2))")
+        cp = CPConfig.pop(options)
+        if cp is not None:
+            raise ConfigError(refuse_degree(self.name, "cp", cp.degree))
         self.tp = tensor_parallel(TPConfig.pop(options))
-        self.ep = expert_parallel(EPConfig.pop(options, self.name, takes_ep=True))
-        if self.ep.splits and self.tp.splits:
-            raise ConfigError(f"{self.name} with both tp and ep is not supported yet; split the experts (ep) or every "
-                              "layer (tp) of its stages, or use Parallel('zero3', tp=2, ep=2) without stages")
+        self.ep = expert_parallel(EPConfig.pop(options, self.name, takes_ep=True))  # refused below where not taken
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
-        if self.ep.splits and self.config.data == "zero1":
-            raise ConfigError(f"{self.name} with data='zero1' and ep is not supported: ZeroRedundancyOptimizer cannot "
-                              "checkpoint split experts' state; use data='ddp' or data='fsdp' with ep")
+        tp = self.tp.config.degree if self.tp.splits else 1  # type: ignore[union-attr]
+        refused = refusal(self.name, tp=tp, ep=self.ep.degree, data=self.config.data)
+        if refused:
+            raise ConfigError(refused)
         self._names: dict[int, dict[int, str]] = {}
 
     def degrees(self, env: ClusterEnv) -> tuple[int, int]:
@@ -391,10 +390,6 @@ class PurePipeline(PipelineStrategy):
         super().__init__(config, **options)
         if self.config.dp not in (None, 1):
             raise ConfigError("strategy 'pipeline' has no data-parallel dimension; use 'hybrid' with dp=…")
-        if self.ep.splits:
-            raise ConfigError(f"strategy 'pipeline' has one replica, no data-parallel ranks to split experts over "
-                              f"(ep={self.ep.degree}); use Parallel('hybrid', dp=2, ep=2), which splits them over "
-                              "each stage's replicas")
 
 
 @register("hybrid")

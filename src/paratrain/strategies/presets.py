@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from ..composition import Takes, takes
 from .data_engines import OneReplica, Replicas, ShardedOptimizer, Shards
 
 
@@ -21,28 +22,26 @@ class Preset:
     name: str
     engine: type[OneReplica]
     """What realises the data-parallel dimension (its ZeRO stage comes from it)."""
-    tp: Literal["option", "all", "never"] = "option"
-    """``option``: ``tp=N`` makes groups of N ranks that split each layer; ``all``: every rank splits each layer;
-    ``never``: the preset does not compose with tensor parallelism."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """Option values of this preset where its engine's defaults differ (zero2 keeps parameters gathered)."""
     groups: bool = True
     """False: one process, no process group (``single``)."""
-    cp: bool = True
-    """Whether ``cp=N`` (ranks that split each sequence) composes with the preset."""
     hierarchical: bool = False
     """Shard within groups of ranks and replicate across them (HSDP: a replicate x shard mesh)."""
-    ep: bool = False
-    """Takes ``ep=N``: groups of N data-parallel ranks split every mixture-of-experts layer's experts."""
     aliases: tuple[str, ...] = ()
+
+    @property
+    def takes(self) -> Takes:
+        """Which of tp, cp and ep it composes with: :data:`paratrain.composition.TAKES`' row."""
+        return takes(self.name)
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("single", OneReplica, tp="never", groups=False, cp=False),
-    Preset("ddp", Replicas, ep=True),
-    Preset("zero1", ShardedOptimizer, cp=False),
-    Preset("zero2", Shards, defaults={"reshard_after_forward": False}, ep=True),
-    Preset("zero3", Shards, aliases=("fsdp",), ep=True),
-    Preset("hsdp", Shards, tp="never", hierarchical=True),
-    Preset("tp", OneReplica, tp="all", cp=False),
+    Preset("single", OneReplica, groups=False),
+    Preset("ddp", Replicas),
+    Preset("zero1", ShardedOptimizer),
+    Preset("zero2", Shards, defaults={"reshard_after_forward": False}),
+    Preset("zero3", Shards, aliases=("fsdp",)),
+    Preset("hsdp", Shards, hierarchical=True),
+    Preset("tp", OneReplica),
 )}

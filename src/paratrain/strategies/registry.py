@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..composition import refuse_degree
 from ..env import ClusterEnv
 from ..errors import ConfigError, UnknownStrategyError
-from ..options import refuse_ep
 from .base import Strategy
 
 _FACTORIES: dict[str, Callable[..., Strategy]] = {}
@@ -83,7 +83,7 @@ def _bad_option(name: str, options: dict[str, Any], err: TypeError) -> str:
         except TypeError:
             pass
         else:
-            return refuse_ep(name, options["ep"])
+            return refuse_degree(name, "ep", options["ep"])
     return f"bad option for strategy {name!r}: {err}"
 
 

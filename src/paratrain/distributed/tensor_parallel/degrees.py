@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ...composition import refuse_degree
 from ...errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,8 +33,7 @@ def tp_degree(strategy: str, degree: int | None, world_size: int) -> int:
 def refuse_tp(strategy: str, options: dict[str, Any]) -> None:
     """One line for a strategy that does not compose with tensor parallelism (yet) but was given ``tp``."""
     if "tp" in options or "tp_plan" in options:
-        raise ConfigError(f"strategy {strategy!r} does not take tp; tensor parallelism runs alone (Parallel('tp')) or "
-                          "inside ddp, zero1, zero2, zero3, pipeline and hybrid (Parallel('zero3', tp=2))")
+        raise ConfigError(refuse_degree(strategy, "tp", options.get("tp")))
 
 
 def cli_options(strategy: str, tp: int | None, plan: Mapping[str, str | ParallelStyle] | None = None) -> dict[str, Any]:

@@ -1,0 +1,89 @@
+"""What composes with what: the one table of which strategies take tensor (``tp``), context (``cp``) and expert
+(``ep``) parallelism, and the rules between those degrees.
+
+The presets and pipelines refuse what it refuses, the planner's candidate layouts and ``auto`` are filtered by it, and
+the dry run builds through the runtime that reads it: a layout the planner emits is one the runtime builds. The
+divisibility of the degrees (``ep`` dividing the ranks that hold one copy, ``mp`` beside nothing) is
+:class:`~paratrain.dims.ParallelDims`'s. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Takes:
+    """Which degrees a strategy takes beside its own."""
+
+    tp: Literal["option", "all", "never"] = "option"
+    """``option``: ``tp=N`` makes groups of N ranks that split each layer; ``all``: every rank splits each layer;
+    ``never``: the strategy does not compose with tensor parallelism."""
+    cp: bool = False
+    """Whether ``cp=N`` (ranks that split each sequence) composes with it."""
+    ep: bool = False
+    """Whether ``ep=N`` (data-parallel ranks that split every mixture-of-experts layer's experts) composes with it."""
+
+
+TAKES: dict[str, Takes] = {
+    "single": Takes(tp="never"),
+    "ddp": Takes(cp=True, ep=True),
+    "zero1": Takes(),  # ZeroRedundancyOptimizer holds whole parameters: no split experts, no cp's mesh
+    "zero2": Takes(cp=True, ep=True),
+    "zero3": Takes(cp=True, ep=True),
+    "hsdp": Takes(tp="never", cp=True),
+    "tp": Takes(tp="all"),
+    "pipeline": Takes(),  # no replicas for ep to split the experts over
+    "hybrid": Takes(ep=True),
+    "model_parallel": Takes(tp="never"),
+    "dp": Takes(tp="never"),
+    "ps": Takes(tp="never"),
+}
+"""Every strategy by name (aliases are their preset's); a strategy missing here takes nothing beside its own."""
+
+PIPELINES = ("pipeline", "hybrid")
+
+
+def takes(name: str) -> Takes:
+    """What strategy ``name`` takes (``fsdp`` is ``zero3``)."""
+    return TAKES.get("zero3" if name == "fsdp" else name, Takes(tp="never"))
+
+
+def names_taking(degree: Literal["tp", "cp", "ep"]) -> list[str]:
+    """The strategies that take ``degree`` beside their own (``tp``: as an option), in the table's order."""
+    return [n for n, t in TAKES.items() if (t.tp == "option" if degree == "tp" else getattr(t, degree))]
+
+
+def refusal(name: str, *, tp: int = 1, cp: int = 1, ep: int = 1, data: str = "ddp") -> str | None:
+    """Why strategy ``name`` cannot take these degrees together (one line), or None when it can. ``data``: a
+    pipeline's data engine (``ddp``, ``zero1``, ``fsdp``)."""
+    rule = takes(name)
+    if tp > 1 and rule.tp == "never":
+        return refuse_degree(name, "tp", tp)
+    if cp > 1 and not rule.cp:
+        return refuse_degree(name, "cp", cp)
+    if ep > 1 and name == "pipeline":
+        return (f"strategy 'pipeline' has one replica, no data-parallel ranks to split experts over (ep={ep}); "
+                "use Parallel('hybrid', dp=2, ep=2), which splits them over each stage's replicas")
+    if ep > 1 and not rule.ep:
+        return refuse_degree(name, "ep", ep)
+    if name in PIPELINES and ep > 1 and tp > 1:
+        return (f"{name} with both tp and ep is not supported yet; split the experts (ep) or every layer (tp) of its "
+                "stages, or use Parallel('zero3', tp=2, ep=2) without stages")
+    if name in PIPELINES and ep > 1 and data == "zero1":
+        return (f"{name} with data='zero1' and ep is not supported: ZeroRedundancyOptimizer cannot checkpoint split "
+                "experts' state; use data='ddp' or data='fsdp' with ep")
+    return None
+
+
+_EXAMPLE = {"tp": "Parallel('zero3', tp=2)", "cp": "Parallel('zero3', cp=2)", "ep": "Parallel('zero3', ep=2)"}
+_WHAT = {"tp": "tensor parallelism runs alone (Parallel('tp')) or", "cp": "context parallelism runs",
+         "ep": "expert parallelism runs"}
+
+
+def refuse_degree(name: str, degree: Literal["tp", "cp", "ep"], value: object = None) -> str:
+    """The one line for strategy ``name`` given a degree it does not take, naming the strategies that do."""
+    inside = names_taking(degree)
+    listed = ", ".join(inside[:-1]) + f" and {inside[-1]}"
+    given = degree if value is None else f"{degree}={value}"
+    return f"strategy {name!r} does not take {given}; {_WHAT[degree]} inside {listed} ({_EXAMPLE[degree]})"
