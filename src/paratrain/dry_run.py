@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from .env import ClusterEnv
 from .errors import ConfigError, ParatrainError
 from .model.facts import ModelFacts
 from .planner.training import OPTIMIZER_STATES
+
+if TYPE_CHECKING:
+    from .planner.inputs import TrainingCall
 from .strategies.base import Runtime
 
 
@@ -183,18 +186,44 @@ def model_builder(model: str | None, model_config: str | None) -> Callable[[], n
     """What ``paratrain dry-run`` builds: a transformers model from a local ``config.json``
     (``--model-config``, the real class: GPT-2, Llama, …), or a built-in model or ``module:factory`` (``--model``)."""
     if model_config is not None:
-        from pathlib import Path
+        from transformers import AutoModelForCausalLM
 
-        path = Path(model_config)
-        folder = path.parent if path.name == "config.json" else path
-        if not (folder / "config.json").exists():
-            raise ConfigError(f"--model-config {model_config}: no config.json there")
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        config = _config(model_config)
         return lambda: AutoModelForCausalLM.from_config(config)
     if model is None:
         raise ConfigError("a dry run builds the model: give --model (a built-in or module:factory) or --model-config")
+    if ":" in model:
+        from .factory import load_callable
+
+        return load_callable(model, "--model")
     from .workloads.planning import model_input
 
     return model_input(model)[0]
+
+
+def model_sample(model: str | None, model_config: str | None, input_spec: str | None, seq_len: int) -> TrainingCall:
+    """How ``--step`` calls the model :func:`model_builder` builds: on ``input_spec`` (``--input``) when given, else
+    a built-in's own input, else ``seq_len`` token ids (below a transformers config's vocabulary)."""
+    from .planner.inputs import InputSpec, TrainingCall
+
+    if input_spec is not None:
+        return TrainingCall.of(InputSpec.parse(input_spec))
+    if model is not None and ":" not in model:
+        from .workloads.planning import model_input
+
+        return TrainingCall.of(model_input(model)[1])
+    vocab = getattr(_config(model_config), "vocab_size", None) if model_config is not None else None
+    return TrainingCall.of(InputSpec(shape=(seq_len,), dtype=torch.long, high=vocab))
+
+
+def _config(model_config: str) -> Any:
+    """The transformers config at ``--model-config`` (a config.json or its folder)."""
+    from pathlib import Path
+
+    path = Path(model_config)
+    folder = path.parent if path.name == "config.json" else path
+    if not (folder / "config.json").exists():
+        raise ConfigError(f"--model-config {model_config}: no config.json there")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
