@@ -101,7 +101,7 @@ def shim_library() -> Path:
                           "ninja (pip install ninja)")
     build = ("import sys; from torch.utils.cpp_extension import load_inline; from paratrain.cuda_step import "
              "SHIM_SOURCE; load_inline(sys.argv[1], cpp_sources=SHIM_SOURCE, is_python_module=False)")
-    done = subprocess.run([sys.executable, "-c", build, name], capture_output=True, text=True, env=_child_env())
+    done = subprocess.run([sys.executable, "-c", build, name], check=False, capture_output=True, text=True, env=_child_env())
     if done.returncode != 0 or not library.exists():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         raise ConfigError(f"dry-run --step could not compile its C++ library: {tail[0]}")
@@ -115,8 +115,8 @@ def first_steps(specs: list[dict[str, Any]]) -> list[StepResult]:
     libs = Path(torch.__file__).parent / "lib"
     args = [sys.executable, "-c", _CHILD, str(libs / "libc10.so"), str(libs / "libtorch_cpu.so"),
             str(shim_library()), json.dumps(specs)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=STEP_TIMEOUT_S * len(specs),
-                          env=_child_env())
+    done = subprocess.run(args, check=False, capture_output=True, text=True,
+                          timeout=STEP_TIMEOUT_S * len(specs), env=_child_env())
     results = [StepResult(**json.loads(line)) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
     if len(results) < len(specs):
         tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
@@ -137,10 +137,11 @@ def child_main(specs_json: str) -> None:
     for spec in json.loads(specs_json):
         try:
             result = _step(spec)
-        except Exception as err:  # the step's failure is the result: the error a launch would hit
+        except Exception as err:  # noqa: BLE001  # the step's failure is its result: the error a launch would hit
             text = str(err).strip().splitlines()
-            result = StepResult(rank=spec["rank"], device=f"cuda:{spec['rank'] % min(spec['per_node'], spec['world'])}",
-                                passed=False, error=f"{type(err).__name__}: {text[0] if text else ''}")
+            local = spec["rank"] % min(spec["per_node"], spec["world"])
+            result = StepResult(rank=spec["rank"], device=f"cuda:{local}", passed=False,
+                                error=f"{type(err).__name__}: {text[0] if text else ''}")
         print(json.dumps(asdict(result)), flush=True)
 
 
