@@ -98,3 +98,15 @@ def _on(device: torch.device) -> torch.Tensor:
 
     with FakeTensorMode():
         return torch.empty(2, device=device)
+
+
+def test_the_table_shows_each_rank_its_peak_and_each_failure():
+    from paratrain.cuda_step import StepResult
+    from paratrain.planning.dry_run import steps_table
+
+    table = steps_table([StepResult(rank=0, device="cuda:0", passed=True, peak=3 * 2 ** 29),
+                         StepResult(rank=63, device="cuda:7", passed=False, error="RuntimeError: no backend")])
+    rows = table.splitlines()
+    assert rows[2].split() == ["0", "cuda:0", "passes", "1.500"]
+    assert rows[3].split() == ["63", "cuda:7", "FAILS", "-"]
+    assert rows[4] == "rank 63: RuntimeError: no backend"
