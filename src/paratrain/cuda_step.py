@@ -284,6 +284,7 @@ class Placement(TorchDispatchMode):
 def _step(spec: dict[str, Any]) -> StepResult:
     """Prepare the model as ``spec``'s rank and take one step on fake CUDA tensors (see the module's docstring)."""
     import torch.distributed as dist
+    import torch.distributed.optim  # its optimizers compile with TorchScript: before torch.tensor is stood in for
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
