@@ -209,7 +209,11 @@ class FakeCuda:
                   "current_stream": lambda *a: _Stand(), "default_stream": lambda *a: _Stand(),
                   "stream": lambda *a: contextlib.nullcontext(), "synchronize": lambda *a: None,
                   "_lazy_init": lambda: None, "is_initialized": lambda: True,
-                  "get_device_capability": lambda *a: (9, 0), "get_device_name": lambda *a: "fake"}
+                  "get_device_capability": lambda *a: (9, 0), "get_device_name": lambda *a: "fake",
+                  # fake tensors draw no random numbers: the generators' states are the host's, never read
+                  "get_rng_state": lambda *a: _REAL_GET_RNG(), "get_rng_state_all": lambda: [_REAL_GET_RNG()],
+                  **dict.fromkeys(("set_rng_state", "set_rng_state_all", "manual_seed", "manual_seed_all", "seed",
+                                   "seed_all"), lambda *a: None)}
         patches = [*((c, k, v) for k, v in stands.items()), (torch, "tensor", self.tensor),
                    (torch, "set_rng_state", set_rng_state), (torch.random, "set_rng_state", set_rng_state),
                    # fake parameters are swapped in place; the fake mode's memo holds weak references to them
@@ -230,6 +234,7 @@ class FakeCuda:
 
 
 _REAL_TENSOR = torch.tensor
+_REAL_GET_RNG = torch.get_rng_state
 
 _DATA_SIZED = {  # sized as the most they can hold: every element nonzero, every count below minlength
     torch.ops.aten.nonzero.default: lambda x: torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device),
