@@ -151,8 +151,14 @@ class _Stand:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: True
+    def query(self) -> bool:  # done
+        return True
+
+    def is_capturing(self) -> bool:  # no CUDA graph
+        return False
+
+    def __getattr__(self, name: str) -> Any:  # wait_stream, record_event, synchronize, ...: nothing to do
+        return lambda *args, **kwargs: None
 
 
 class FakeCuda:
@@ -210,11 +216,19 @@ class FakeCuda:
                   "stream": lambda *a: contextlib.nullcontext(), "synchronize": lambda *a: None,
                   "_lazy_init": lambda: None, "is_initialized": lambda: True,
                   "get_device_capability": lambda *a: (9, 0), "get_device_name": lambda *a: "fake",
+                  "is_current_stream_capturing": lambda: False,
                   # fake tensors draw no random numbers: the generators' states are the host's, never read
                   "get_rng_state": lambda *a: _REAL_GET_RNG(), "get_rng_state_all": lambda: [_REAL_GET_RNG()],
                   **dict.fromkeys(("set_rng_state", "set_rng_state_all", "manual_seed", "manual_seed_all", "seed",
                                    "seed_all"), lambda *a: None)}
-        patches = [*((c, k, v) for k, v in stands.items()), (torch, "tensor", self.tensor),
+        a = torch.accelerator  # the device-generic spelling of the same calls
+        accelerator = {"is_available": lambda: True, "device_count": lambda: self.count,
+                       "current_accelerator": lambda *args, **kwargs: torch.device("cuda"),
+                       **dict.fromkeys(("set_device_index", "set_device_idx"), self.set_device),
+                       **dict.fromkeys(("current_device_index", "current_device_idx"), lambda: self.current),
+                       "current_stream": lambda *args, **kwargs: _Stand(), "synchronize": lambda *args: None}
+        patches = [*((c, k, v) for k, v in stands.items()), *((a, k, v) for k, v in accelerator.items()),
+                   (torch, "tensor", self.tensor),
                    (torch, "set_rng_state", set_rng_state), (torch.random, "set_rng_state", set_rng_state),
                    # fake parameters are swapped in place; the fake mode's memo holds weak references to them
                    (torch.utils, "weakref", types.SimpleNamespace(getweakrefs=lambda t: [])),
