@@ -157,6 +157,9 @@ class _Stand:
     def is_capturing(self) -> bool:  # no CUDA graph
         return False
 
+    def record_event(self, event: _Stand | None = None) -> _Stand:
+        return event or _Stand()
+
     def __getattr__(self, name: str) -> Any:  # wait_stream, record_event, synchronize, ...: nothing to do
         return lambda *args, **kwargs: None
 
