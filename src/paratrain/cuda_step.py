@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import ConfigError
@@ -303,6 +304,37 @@ class Placement(TorchDispatchMode):
                 raise RuntimeError(f"{name} sent a tensor on {t.device} from the rank on {self.device}")
 
 
+class FusedAttention(TorchFunctionMode):
+    """Attention as CUDA runs it: ``scaled_dot_product_attention`` picks a fused kernel there (flash attention for
+    half precision without a mask, memory-efficient attention otherwise), which keeps no ``[s, s]`` scores; a
+    CPU-only torch would decompose it into the math path and count them. A call the fused kernels cannot take runs
+    as it was."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and args[0].device.type == "cuda":
+            try:
+                return _fused_attention(*args, **kwargs)
+            except (RuntimeError, ValueError, TypeError):
+                pass
+        return func(*args, **kwargs)
+
+
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                     scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    if enable_gqa and key.size(-3) != query.size(-3):
+        repeat = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                  scale=scale)[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA turns a boolean mask into a bias
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
+                                                                  is_causal, scale=scale)[0]
+
+
 def _step(spec: dict[str, Any]) -> StepResult:
     """Prepare the model as ``spec``'s rank and take one step on fake CUDA tensors (see the module's docstring)."""
     import torch.distributed as dist
@@ -342,7 +374,7 @@ def _step(spec: dict[str, Any]) -> StepResult:
                 raise RuntimeError(f"the current CUDA device is cuda:{cuda.current}, not {device}, once the group "
                                    "started: object collectives, FSDP2 and pin memory would run on GPU "
                                    f"{cuda.current}")
-            with fake, Placement(backends[0], device):
+            with fake, Placement(backends[0], device), FusedAttention():
                 model.to_empty(device="cpu")  # as a script builds it, before prepare places it
                 optimizer = torch.optim.AdamW(model.parameters(), foreach=True)  # CUDA's default path
                 wrapped, optimizer = par.prepare(model, optimizer)
