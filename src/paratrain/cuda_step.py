@@ -116,15 +116,17 @@ def first_steps(specs: list[dict[str, Any]]) -> list[StepResult]:
     libs = Path(torch.__file__).parent / "lib"
     args = [sys.executable, "-c", _CHILD, str(libs / "libc10.so"), str(libs / "libtorch_cpu.so"),
             str(shim_library()), json.dumps(specs)]
-    done = subprocess.run(args, check=False, capture_output=True, text=True,
-                          timeout=STEP_TIMEOUT_S * len(specs), env=_child_env())
-    results = [StepResult(**json.loads(line)) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
-    if len(results) < len(specs):
+    try:
+        done = subprocess.run(args, check=False, capture_output=True, text=True,
+                              timeout=STEP_TIMEOUT_S * len(specs), env=_child_env())
+        out, why = done.stdout, f"the step's process died (exit {done.returncode})"
         tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
-        results += [StepResult(rank=s["rank"], device="?", passed=False,
-                               error=f"the step's process died (exit {done.returncode}): {tail[0]}")
-                    for s in specs[len(results):]]
-    return results
+    except subprocess.TimeoutExpired as late:
+        out, why, tail = late.stdout or "", f"the step's process ran past {late.timeout:.0f} s", ["killed"]
+        out = out.decode() if isinstance(out, bytes) else out
+    results = [StepResult(**json.loads(line)) for line in out.splitlines() if line.startswith('{"rank"')]
+    return results + [StepResult(rank=s["rank"], device="?", passed=False, error=f"{why}: {tail[0]}")
+                      for s in specs[len(results):]]
 
 
 def _child_env() -> dict[str, str]:
