@@ -163,7 +163,7 @@ class _Stand:
     def record_event(self, event: _Stand | None = None) -> _Stand:
         return event or _Stand()
 
-    def __getattr__(self, name: str) -> Any:  # wait_stream, record_event, synchronize, ...: nothing to do
+    def __getattr__(self, name: str) -> Any:  # wait_stream, wait_event, synchronize, ...: nothing to do
         return lambda *args, **kwargs: None
 
 
