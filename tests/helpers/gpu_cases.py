@@ -41,6 +41,10 @@ def cp_state(name: str, mode: str, replicas: int) -> dict:
     return cp_workers.reference(name, mode, replicas)[0]
 
 
+def _label(layout: dict) -> str:
+    return "".join(f" {k}={v}" for k, v in layout.items())
+
+
 def _mlp(name: str, strategy: str, world: int, replicas: int, options: dict, *, per_rank: int = BATCH,
          clip: float | None = None, **case: object) -> Case:
     """``train_params`` of ``strategy`` against one process on the same global batch (``replicas`` slices)."""
@@ -50,18 +54,18 @@ def _mlp(name: str, strategy: str, world: int, replicas: int, options: dict, *, 
 
 
 def _zoo(model: str, strategy: str, layout: dict, acc: dict, replicas: int, folder: str) -> Case:
-    return Case(f"{model} {strategy}{layout}", zoo_workers.run_case, (model, strategy, {**layout, **acc}, folder),
+    return Case(f"{model} {strategy}{_label(layout)}", zoo_workers.run_case, (model, strategy, {**layout, **acc}, folder),
                 verdict=equals(zoo_workers.reference, model, replicas, tol=TOL))
 
 
 def _tp(strategy: str, layout: dict, acc: dict, folder: str) -> Case:
     """llama under tp (one replica of the batch per tp group: the reference reads the batch whole)."""
-    return Case(f"llama {strategy}{layout}", tp_workers.run_case, ("llama", strategy, {**layout, **acc}, folder),
+    return Case(f"llama {strategy}{_label(layout)}", tp_workers.run_case, ("llama", strategy, {**layout, **acc}, folder),
                 verdict=equals(zoo_workers.reference, "llama", 1, tol=TOL))
 
 
 def _ep(model: str, strategy: str, layout: dict, acc: dict, replicas: int, folder: str) -> Case:
-    return Case(f"{model} {strategy}{layout}", ep_workers.run_case, (model, strategy, {**layout, **acc}, folder, ()),
+    return Case(f"{model} {strategy}{_label(layout)}", ep_workers.run_case, (model, strategy, {**layout, **acc}, folder, ()),
                 verdict=equals(ep_workers.reference, model, replicas, tol=TOL))
 
 
@@ -70,7 +74,7 @@ def _async(strategy: str, acc: dict, folder: str) -> Case:
 
 
 def _built(strategy: str, layout: dict, acc: dict, folder: str) -> Case:
-    return Case(f"mixtral {strategy}{layout} meta + load_weights", ep_workers.built_case,
+    return Case(f"mixtral {strategy}{_label(layout)} meta + load_weights", ep_workers.built_case,
                 ("mixtral", strategy, {**layout, **acc}, folder), verdict=built_exactly, steps=False)
 
 
@@ -100,7 +104,7 @@ def layouts(world: int, accelerator: str, folder: str) -> list[Case]:
         _tp("tp", {}, acc, at("tp")),
         _ep("mixtral", "ddp", {"ep": 2}, acc, 2, at("ep-ddp")),
         _ep("gpt_moe", "zero3", {"ep": 2}, acc, 2, at("ep-zero3")),
-        Case("llama ddp{'cp': 2}", cp_workers.run_case, ("llama", "ddp", {"cp": 2, **acc}, "labels", at("cp")),
+        Case("llama ddp cp=2", cp_workers.run_case, ("llama", "ddp", {"cp": 2, **acc}, "labels", at("cp")),
              verdict=equals(cp_state, "llama", "labels", 1, tol=TOL)),
         _mlp("pipeline 1f1b", "pipeline", 2, 1, {**acc, "schedule": "1f1b", "microbatches": 4}, per_rank=2 * BATCH),
         _async("ddp", acc, at("async-ddp")),
