@@ -5,8 +5,9 @@ import inspect
 
 import pytest
 import torch
+from helpers.dist_workers import train_params
 from helpers.gpu_cases import layouts, one_gpu
-from helpers.gpu_job import judge, run_job
+from helpers.gpu_job import Case, judge, run_job
 from helpers.placement import Placement
 from torch import nn
 
@@ -36,12 +37,19 @@ def test_the_case_names_do_not_depend_on_the_accelerator():
 @pytest.mark.launched
 @pytest.mark.timeout(120)
 def test_some_cases_run_on_gloo_as_the_gpu_suite_runs_them(tmp_path):
+    """And a case that fails is reported with each rank's traceback while the next case still runs."""
     cases = [c for c in layouts(2, "cpu", str(tmp_path)) if c.name in SMOKE]
-    ranks = spawn(run_job, 2, (cases, "cpu"), timeout_s=100)
+    failing = Case("refused", train_params, ("no-such-strategy", 1, 1, 8, 2), own_group=True)
+    ranks = spawn(run_job, 2, ([failing, *cases], "cpu"), timeout_s=100)
     assert not alive(child_pids())
     for case in cases:
         problems = judge(ranks, case)
         assert not problems, "\n".join(problems)
+    problems = judge(ranks, failing)
+    assert len(problems) == 2, problems
+    for rank, problem in enumerate(problems):
+        assert problem.startswith(f"rank {rank}: UnknownStrategyError: unknown strategy 'no-such-strategy'"), problem
+        assert "Traceback (most recent call last)" in problem
 
 
 def _stepped(probe: Placement, model: nn.Module) -> None:
