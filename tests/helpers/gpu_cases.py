@@ -5,7 +5,8 @@
 CPU offload with clipping, a meta build with ``load_weights``, the monitor. ``one_gpu(...)``: world-1 versions that
 still take the CUDA paths: the current device, the multi-tensor and fused optimizers asked for explicitly, CPU offload
 with clipping (a group serving host tensors beside NCCL), asynchronous staging, a meta build with ``load_weights`` on
-``cuda:0``, bf16 autocast. Every list builds on any accelerator (tests/gpu/test_cases_on_cpu.py runs some on gloo).
+``cuda:0``, bf16 autocast. Every list builds on any accelerator, and all but the CPU-offload and fp16 cases (pinned host
+memory, the gradient scaler: CUDA's) also run on gloo (tests/gpu/test_gpu_cases.py runs some in ``make test``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ SMALL_UNITS = {"min_params": 100}  # the MLP's blocks are small: make each one a
 CLIP = 0.05  # below the MLP's gradient norm: every step clips
 TOL = 1e-4  # fp32 on cuBLAS against the host's kernels, a few steps
 BF16_TOL = 3e-3
+FP16_TOL = 1e-2  # fp16 autocast against fp32, three steps of a mixture of experts
 
 
 def serial(global_batch: int, **kwargs: object) -> dict:
@@ -64,9 +66,12 @@ def _tp(strategy: str, layout: dict, acc: dict, folder: str) -> Case:
                 verdict=equals(zoo_workers.reference, "llama", 1, tol=TOL))
 
 
-def _ep(model: str, strategy: str, layout: dict, acc: dict, replicas: int, folder: str) -> Case:
-    return Case(f"{model} {strategy}{_label(layout)}", ep_workers.run_case, (model, strategy, {**layout, **acc}, folder, ()),
-                verdict=equals(ep_workers.reference, model, replicas, tol=TOL))
+def _ep(model: str, strategy: str, layout: dict, acc: dict, replicas: int, folder: str, tol: float = TOL) -> Case:
+    """Experts are DTensors beside plain parameters: CUDA's default multi-tensor optimizer (and fp16's gradient
+    scaler) must never see both in one group."""
+    return Case(f"{model} {strategy}{_label(layout)}", ep_workers.run_case,
+                (model, strategy, {**layout, **acc}, folder, ()),
+                verdict=equals(ep_workers.reference, model, replicas, tol=tol))
 
 
 def _async(strategy: str, acc: dict, folder: str) -> Case:
@@ -104,6 +109,7 @@ def layouts(world: int, accelerator: str, folder: str) -> list[Case]:
         _tp("tp", {}, acc, at("tp")),
         _ep("mixtral", "ddp", {"ep": 2}, acc, 2, at("ep-ddp")),
         _ep("gpt_moe", "zero3", {"ep": 2}, acc, 2, at("ep-zero3")),
+        _ep("mixtral", "ddp", {"ep": 2, "precision": "fp16-mixed"}, acc, 2, at("ep-fp16"), tol=FP16_TOL),
         Case("llama ddp cp=2", cp_workers.run_case, ("llama", "ddp", {"cp": 2, **acc}, "labels", at("cp")),
              verdict=equals(cp_state, "llama", "labels", 1, tol=TOL)),
         _mlp("pipeline 1f1b", "pipeline", 2, 1, {**acc, "schedule": "1f1b", "microbatches": 4}, per_rank=2 * BATCH),
