@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
+from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync, offload_policy
 from ..distributed.optimizer import param_groups_for
 from ..distributed.parallelize import Step, takes_meta
 from ..errors import ConfigError
@@ -191,11 +191,9 @@ class Shards(OneReplica):
         return no_gradient_sync(model)
 
     def expert_shard_options(self, rt: Runtime) -> dict[str, Any]:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
         return {"reshard_after_forward": self.config.reshard_after_forward,
                 "mp_policy": rt.precision.fsdp_policy(cast_output=False),
-                "offload_policy": CPUOffloadPolicy() if self.config.cpu_offload else OffloadPolicy()}
+                "offload_policy": offload_policy(self.config.cpu_offload, rt.device.type)}
 
     def detail(self) -> str | None:
         return f"reshard_after_forward={self.config.reshard_after_forward}"
