@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..devices import backend_for
+from ..devices import backend_for, claim_device, job_backend
 from ..env import ClusterEnv
 from ..errors import ConfigError
 
@@ -53,6 +53,17 @@ def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float,
     dist.init_process_group(backend=backend, store=attempt_store(timeout), rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if backend == "nccl" else None)
     return True
+
+
+def start_tool_group(accelerator: str, host_tensors: bool, timeout_s: float) -> torch.device:
+    """Claim this launched rank's device, then start the job's group on it with the job's backend: the job body of
+    a tool that launches its own processes (``bench``, ``verify``, ``doctor``'s bandwidth sweep). Returns the
+    device."""
+    device = claim_device(int(os.environ.get("LOCAL_RANK", "0")), accelerator)
+    backend = job_backend(accelerator, host_tensors)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)
+    return device
 
 
 def attempt_store(timeout: timedelta) -> dist.Store:
