@@ -44,6 +44,17 @@ def test_a_group_the_script_started_still_gets_the_rank_gpu(rank3_of_8: CudaShap
     assert rank3_of_8.object_calls and {current for _, current in rank3_of_8.object_calls} == {3}
 
 
+def test_a_script_group_that_cannot_carry_host_tensors_is_refused_in_one_line(rank3_of_8: CudaShaped):
+    from paratrain import ConfigError, Parallel
+
+    dist.init_process_group("nccl")
+    with pytest.raises(ConfigError, match=r"serves no host tensors.*init_process_group\('cpu:gloo,cuda:nccl'\)"):
+        Parallel("zero3", accelerator="cuda", monitor=False, cpu_offload=True)
+    dist.destroy_process_group()
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    Parallel("zero3", accelerator="cuda", monitor=False, cpu_offload=True)
+
+
 @pytest.mark.parametrize(("strategy", "options", "backend"), [
     ("ddp", {}, "nccl"),
     ("zero3", {}, "nccl"),

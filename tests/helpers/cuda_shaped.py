@@ -3,7 +3,7 @@
 ``cuda_shaped(monkeypatch, gpus=8)`` makes ``torch.cuda`` report ``gpus`` devices and track the current one (0 until
 ``set_device``, as CUDA does), and turns every ``init_process_group`` into PyTorch's fake process group at the
 launcher's rank and world (every collective returns at once): what the code asked for (backend, ``device_id``) is
-recorded, and so is the current device at each object collective, which on CUDA is where torch puts the pickled
+recorded (and reported as the group's configuration), and so is the current device at each object collective, which on CUDA is where torch puts the pickled
 object. Nothing runs on the fake devices: a CPU-only torch aborts on autograd over fake CUDA tensors.
 """
 from __future__ import annotations
@@ -53,6 +53,7 @@ def cuda_shaped(monkeypatch: pytest.MonkeyPatch, gpus: int = 8) -> CudaShaped:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: machine.current)
     monkeypatch.setattr(dist, "init_process_group", _fake_init(machine))
     monkeypatch.setattr(dist, "rendezvous", _fake_rendezvous)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: _config(machine.groups[-1]["backend"]))
     for name in OBJECT_COLLECTIVES:
         monkeypatch.setattr(dist, name, _watched(machine, name, getattr(dist, name)))
     return machine
@@ -80,6 +81,11 @@ def _fake_init(machine: CudaShaped) -> Callable[..., None]:
         real("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
     return init
+
+
+def _config(backend: str) -> str:
+    """The backend configuration torch reports for a group started with ``backend`` (``nccl`` serves CUDA alone)."""
+    return backend if ":" in backend else {"nccl": "cuda:nccl"}.get(backend, f"cpu:{backend},cuda:{backend}")
 
 
 def _fake_rendezvous(url: str, rank: int = -1, world_size: int = -1, **_: Any) -> Iterator[tuple[Any, int, int]]:
