@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
 from paratrain.env import ClusterEnv
 
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
