@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
 from ..distributed.process_group import finish_group, start_tool_group
+from ..errors import ConfigError
 from ..progress import Progress
 from ..seeding import rank_seed
 from ..workloads import Workload, get_workload

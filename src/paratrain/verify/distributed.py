@@ -15,9 +15,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..data import ShardSampler, describe_sampler
 from ..digest import state_digest
-from ..errors import ConfigError
 from ..distributed.process_group import finish_group, start_tool_group
 from ..distributed.router_loss import router_loss
+from ..errors import ConfigError
 from ..parallel import Parallel
 from .options import merged_strategy_options
 from .record import Record, RecordHooks, recording_loader, run_loop
