@@ -72,8 +72,12 @@ class Strategy(ABC):
     default none."""
     serves: ClassVar[bool] = False
     """Some ranks serve the others instead of training (parameter servers): they take no step of their own."""
-    host_messages: ClassVar[bool] = False
-    """The strategy sends host tensors of its own between ranks: on CUDA the job's group is gloo beside NCCL."""
+
+    @property
+    def host_tensors(self) -> bool:
+        """The strategy sends host tensors through the job's group (a parameter server's messages, CPU-offloaded
+        shards): on CUDA the group is then gloo beside NCCL (:func:`~paratrain.devices.job_backend`)."""
+        return False
 
     def on_host(self, env: ClusterEnv) -> bool:
         """Whether this rank of ``env`` runs on the host whatever the accelerator (a parameter server's shards

@@ -45,7 +45,7 @@ class ChosenStrategy:
         starts a private group instead of joining the job's (a parameter-server worker that came back)."""
         return {"needs_group": self.pending or self.strategy.uses_group(self.env),
                 "on_host": not self.pending and self.strategy.on_host(self.env),
-                "host_messages": self.strategy.host_messages,
+                "host_tensors": self.strategy.host_tensors,
                 "alone": not self.pending and self.strategy.joins_alone(self.env)}
 
     def agreed_values(self) -> dict[str, str]:

@@ -44,6 +44,9 @@ class OneReplica:
     """True when the wrapper applies mixed precision itself (FSDP's policy) instead of autocast."""
     swaps_parameters = False
     """True when the wrapper makes new parameter objects, so the optimizer is rebuilt over them."""
+    host_tensors = False
+    """True when the wrapper keeps tensors it reduces in host memory (CPU offload): see
+    :attr:`~paratrain.strategies.base.Strategy.host_tensors`."""
 
     def __init__(self, options: dict[str, Any], split: bool, config: object | None = None) -> None:
         if options or config is not None:
@@ -176,6 +179,11 @@ class Shards(OneReplica):
     @property
     def zero(self) -> int:  # type: ignore[override]
         return 3 if self.config.reshard_after_forward else 2
+
+    @property
+    def host_tensors(self) -> bool:  # type: ignore[override]
+        """Offloaded shards stay on the host: the clipping norm and full state dicts reduce them there."""
+        return self.config.cpu_offload
 
     def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
         assert mesh is not None, "sharding needs a mesh"
