@@ -28,10 +28,8 @@ from .checkpoint.io import Targets
 from .checkpoint.weights import load_weights
 from .data import ShardedLoader, prepare_loader
 from .distributed.metrics import gather_object, reduce_value
-from .distributed.pipeline import PipelinedModel
 from .distributed.process_group import group_started
 from .env import ClusterEnv
-from .errors import ConfigError
 from .loop import GlobalBatch, Loop, StepInfo
 from .loss import HeadLoss
 from .model.facts import ModelFacts
@@ -256,19 +254,8 @@ class Parallel:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided by the accumulation count so accumulated gradients are a mean."""
-        if not loss.requires_grad:
-            raise ConfigError(self._no_graph())
+        self._prepared.check_graph(loss, self.strategy.name)
         self.precision.backward(loss / self.accumulate if self.accumulate > 1 else loss)
-
-    def _no_graph(self) -> str:
-        """The line for ``backward`` given a loss without a graph: a pipeline's forward runs no backward (its
-        schedule does both, in ``forward_backward``); otherwise the loss was made without gradients."""
-        if any(isinstance(m, PipelinedModel) for m in self._prepared.models):
-            return (f"par.backward got a loss with no graph: under {self.strategy.name!r} the model's forward runs "
-                    "the pipeline forward only (its schedule runs backward with it); train with loss = "
-                    "par.forward_backward(model, x, y, loss_fn) or par.forward_backward(model, ids, labels=ids)")
-        return ("par.backward got a loss that does not require grad (detached, or computed under torch.no_grad() or "
-                "torch.inference_mode()); compute the training loss with gradients enabled")
 
     @collective("par.sum")
     def sum(self, value: torch.Tensor | float) -> torch.Tensor | float:

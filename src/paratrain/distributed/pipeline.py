@@ -20,6 +20,18 @@ from ..model.stages import LOSS_INPUT, OutputKind, StageModule
 from ..precision import Precision
 
 
+def no_graph(models: list[nn.Module], strategy: str) -> str:
+    """The line for ``par.backward`` given a loss without a graph (of the prepared ``models``): a pipeline's forward
+    runs no backward (its schedule runs both, in ``forward_backward``); otherwise the loss was made without
+    gradients."""
+    if any(isinstance(m, PipelinedModel) for m in models):
+        return (f"par.backward got a loss with no graph: under {strategy!r} the model's forward runs the pipeline "
+                "forward only (its schedule runs backward with it); train with loss = par.forward_backward(model, x, "
+                "y, loss_fn) or par.forward_backward(model, ids, labels=ids)")
+    return ("par.backward got a loss that does not require grad (detached, or computed under torch.no_grad() or "
+            "torch.inference_mode()); compute the training loss with gradients enabled")
+
+
 class PipelinedModel(nn.Module):
     """This rank's layers of the pipeline, under their original names, and the schedules that run them.
 
