@@ -107,6 +107,15 @@ def test_prepare_rejects_foreign_objects_and_optimizer_first():
         par.prepare(torch.optim.SGD(model.parameters(), lr=1.0), model)
 
 
+def test_a_loss_without_a_graph_is_one_line():
+    par = paratrain.Parallel("single", monitor=False)
+    model = par.prepare(nn.Linear(2, 2))
+    with torch.no_grad():
+        loss = model(torch.ones(1, 2)).sum()
+    with pytest.raises(ConfigError, match=r"does not require grad \(detached, or computed under torch.no_grad\(\)"):
+        par.backward(loss)
+
+
 def test_logger_lines_carry_the_rank(capsys):
     par = paratrain.Parallel()
     par.logger.info("hello")
