@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
 import paratrain
 from paratrain.checkpoint import CheckpointConfig, background
-from paratrain.errors import ConfigError
+from paratrain.errors import CheckpointError, ConfigError
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -146,6 +146,23 @@ def test_a_forward_that_changes_saved_buffers_waits_for_the_background_copy(tmp_
     assert time.perf_counter() - start >= 0.5
     par.close()
     assert _equal(_saved(folder, _batch_norm_model()), at_save)
+
+
+def test_a_copy_that_fails_is_one_line_where_its_save_is_published(tmp_path, monkeypatch):
+    def fails(self, *args, **kwargs):
+        raise RuntimeError("cannot allocate memory")
+
+    monkeypatch.setattr(StateDictStager, "stage", fails)
+    par, model, opt = _job(tmp_path)
+    _step(par, model, opt)
+    par.save(async_save=True)
+    with pytest.raises(CheckpointError, match=r"^could not write checkpoint .*tmp-step-00000001: .*cannot allocate "
+                                              r"memory$"):
+        for _ in range(100):  # the failure surfaces at the first step after the write ended, nothing waits forever
+            _step(par, model, opt)
+            time.sleep(0.05)
+    assert not (tmp_path / "tmp-step-00000001").exists()
+    par.close()
 
 
 def _batch_norm_model() -> nn.Module:
