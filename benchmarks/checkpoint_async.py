@@ -106,7 +106,7 @@ def fresh_copy(saves: BackgroundSaves) -> Iterator[None]:
     """A save through ``async_save`` without a stager (its copy into fresh memory, on this thread); the job's stager
     and its buffers are set aside meanwhile, not closed."""
     kept, saves._stager = saves._stager, None
-    make, background.new_stager = background.new_stager, lambda device: None
+    make, background.new_stager = background.new_stager, lambda gpus: None
     try:
         yield
     finally:

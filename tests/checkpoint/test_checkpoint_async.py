@@ -169,14 +169,16 @@ def _batch_norm_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
 
 
-def test_the_stager_pins_and_copies_without_blocking_on_cuda_only():
-    cpu, cuda = background.staging_options(cuda=False), background.staging_options(cuda=True)
+def test_the_stager_pins_on_cuda_only_and_copies_without_blocking_from_one_gpu_only():
+    cpu, gpu, gpus = (background.staging_options(n) for n in (0, 1, 2))
     assert (cpu.use_pinned_memory, cpu.use_non_blocking_copy, cpu.use_async_staging) == (False, False, True)
-    assert (cuda.use_pinned_memory, cuda.use_non_blocking_copy, cuda.use_async_staging) == (True, True, True)
-    assert not cpu.use_shared_memory and not cuda.use_shared_memory  # the writer is a thread of this process
+    assert (gpu.use_pinned_memory, gpu.use_non_blocking_copy, gpu.use_async_staging) == (True, True, True)
+    assert (gpus.use_pinned_memory, gpus.use_non_blocking_copy, gpus.use_async_staging) == (True, False, True)
+    assert not any(o.use_shared_memory for o in (cpu, gpu, gpus))  # the writer is a thread of this process
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns when asked to pin without CUDA
-        background.new_stager(torch.device("cpu")).close()
+        background.new_stager([]).close()
+    assert background.state_gpus([_batch_norm_model()]) == []
 
 
 def test_on_cuda_the_stager_copies_on_the_states_device_what_the_last_step_computed(monkeypatch):
@@ -201,11 +203,15 @@ def test_on_cuda_the_stager_copies_on_the_states_device_what_the_last_step_compu
     monkeypatch.setattr(torch.cuda, "device", Device)
     monkeypatch.setattr(staging, "DefaultStager", lambda options: seen.append(("stager", options.use_pinned_memory)))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: seen.append(("stream", device)) or Stream())
-    gpu1 = torch.device("cuda", 1)
-    background.new_stager(gpu1)
-    background.computed(gpu1)
-    background.computed(torch.device("cpu"))  # nothing to wait for
+    gpu1, gpu2 = torch.device("cuda", 1), torch.device("cuda", 2)
+    background.new_stager([gpu1])
+    background.computed([gpu1])
+    background.computed([])  # nothing to wait for on the CPU
     assert seen == [("enter", gpu1), ("stager", True), ("exit", gpu1), ("stream", gpu1), "synchronized"]
+    seen.clear()
+    background.new_stager([gpu1, gpu2])  # a model split over two GPUs: blocking copies, on each device's stream
+    background.computed([gpu1, gpu2])
+    assert seen == [("stager", True), ("stream", gpu1), "synchronized", ("stream", gpu2), "synchronized"]
 
 
 def test_automatic_saves_in_the_background_resume_bitwise(tmp_path):

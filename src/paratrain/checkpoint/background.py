@@ -50,40 +50,41 @@ def check_support() -> None:
                           "or save without async_save (CheckpointConfig(async_save=False), no --checkpoint-async)")
 
 
-def staging_options(cuda: bool) -> Any:
-    """How the stager copies: on a thread of its own, into buffers it keeps; pinned, by non-blocking copies on a
-    stream of its own, only where the state is on CUDA (torch pins through CUDA and refuses non-blocking copies
-    without an accelerator). No shared memory: the writer is a thread of this process."""
+def staging_options(gpus: int) -> Any:
+    """How the stager copies a state on ``gpus`` CUDA devices: on a thread of its own, into buffers it keeps; pinned
+    only from CUDA (torch pins through CUDA); by non-blocking copies on a stream of its own only from one device (torch
+    refuses them without an accelerator, and that stream is one device's: the copies from several devices block each,
+    on their device's default stream). No shared memory: the writer is a thread of this process."""
     from torch.distributed.checkpoint.staging import StagingOptions
 
-    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                          use_non_blocking_copy=cuda)
+    return StagingOptions(use_pinned_memory=gpus > 0, use_shared_memory=False, use_async_staging=True,
+                          use_non_blocking_copy=gpus == 1)
 
 
-def new_stager(device: torch.device) -> Any:
-    """torch's ``DefaultStager`` for a state on ``device``; None on a torch without it, whose ``async_save`` then
-    copies the state on the calling thread, into fresh buffers at every save. On CUDA it is made on ``device``: its
-    copies run on a stream it makes on the current device, and it waits for that stream alone."""
+def new_stager(gpus: list[torch.device]) -> Any:
+    """torch's ``DefaultStager`` for a state on the CUDA devices ``gpus`` (none: on the CPU); None on a torch without
+    it, whose ``async_save`` then copies the state on the calling thread, into fresh buffers at every save. From one
+    GPU it is made on that device: it copies on a stream it makes on the current device, and waits for that stream
+    alone."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager
     except ImportError:
         return None
-    cuda = device.type == "cuda"
-    with torch.cuda.device(device) if cuda else nullcontext():
-        return DefaultStager(staging_options(cuda))
+    with torch.cuda.device(gpus[0]) if len(gpus) == 1 else nullcontext():
+        return DefaultStager(staging_options(len(gpus)))
 
 
-def state_device(models: list[nn.Module]) -> torch.device:
-    """Where the state to stage lives: the first CUDA parameter's device, else the CPU."""
-    return next((p.device for model in models for p in model.parameters() if p.device.type == "cuda"),
-                torch.device("cpu"))
+def state_gpus(models: list[nn.Module]) -> list[torch.device]:
+    """The CUDA devices the state to stage lives on: one, or several for a model split over a process's GPUs."""
+    return sorted({p.device for model in models for p in model.parameters() if p.device.type == "cuda"},
+                  key=lambda d: d.index)
 
 
-def computed(device: torch.device) -> None:
-    """Wait for the kernels that produce the state on ``device`` (the last step's) to finish: the stager copies on a
+def computed(gpus: list[torch.device]) -> None:
+    """Wait for the kernels that produced the state on ``gpus`` (the last step's) to finish: the stager copies on a
     stream of its own, which does not wait for the training's."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    for gpu in gpus:
+        torch.cuda.current_stream(gpu).synchronize()
 
 
 def buffer_owners(models: list[nn.Module]) -> list[nn.Module]:
@@ -148,9 +149,9 @@ class BackgroundSaves:
         self.finish()
         check_support()
         group = self._writers(t)
-        device = state_device(t.models)
+        gpus = state_gpus(t.models)
         if self._stager is None:
-            self._stager = new_stager(device)
+            self._stager = new_stager(gpus)
         tmp = io.begin_save(t, root)
         state: dict[str, dict[str, Any]] = {}
         try:
@@ -158,7 +159,7 @@ class BackgroundSaves:
             state = io.tensor_state(t)
             if group is None:
                 io.quiet_background()
-            computed(device)
+            computed(gpus)
             response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0),
                                       planner=io.rank0_planner(), process_group=group, no_dist=group is None,
                                       async_stager=self._stager)
