@@ -300,6 +300,7 @@ class Parallel:
     def load_weights(self, model: nn.Module, path: str | os.PathLike) -> dict[str, Any]:
         """Read pretrained weights (safetensors file or folder, torch state dict) into a prepared ``model``, each rank
         only what it holds (collective); see :mod:`paratrain.checkpoint.weights`."""
+        self._checkpoints.wait_staged()  # a background save copies the weights these replace
         return load_weights(self.strategy.unwrap(model), path, self._prepared.facts.get(id(model)))
 
     def resume(self) -> Path | None:
@@ -330,7 +331,7 @@ class Parallel:
     def close(self) -> None:
         """Flush a due checkpoint, wait for one being written, print the monitor's table, end trackers and our group."""
         self._flush_checkpoint()
-        self._checkpoints.settle(self.barrier)
+        self._checkpoints.close(self.barrier)
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
         self.trackers.close()
