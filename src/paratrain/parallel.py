@@ -298,8 +298,7 @@ class Parallel:
 
     @collective("par.load_weights")
     def load_weights(self, model: nn.Module, path: str | os.PathLike) -> dict[str, Any]:
-        """Read pretrained weights (safetensors file or folder, torch state dict) into a prepared ``model``, each rank
-        only what it holds (collective); see :mod:`paratrain.checkpoint.weights`."""
+        """Read pretrained weights (safetensors, torch state dict) into a prepared ``model``, each rank its part."""
         self._checkpoints.wait_staged()  # a background save copies the weights these replace
         return load_weights(self.strategy.unwrap(model), path, self._prepared.facts.get(id(model)))
 
