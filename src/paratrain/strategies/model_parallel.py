@@ -5,7 +5,8 @@ cut into contiguous stages; stage i lives on ``cuda:i``, offset by k·n on local
 node each own a set of n GPUs (the process's device, bound to its process group and made current, is its first
 stage's GPU), and a forward pre-hook moves each layer's inputs to its device, so the model's own ``forward`` and its
 ``state_dict`` keys are unchanged. Only one stage computes at a time: this buys memory, not speed (use ``pipeline``
-for both). On the CPU every stage is the CPU, so the logic is testable anywhere. With several processes the staged model is wrapped in DDP (data x model parallel).
+for both). On the CPU every stage is the CPU, so the logic is testable anywhere. With several processes the staged
+model is wrapped in DDP (data x model parallel).
 
 The root module's own parameters (those not inside a layer) stay on the first stage.
 """
