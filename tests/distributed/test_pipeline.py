@@ -75,17 +75,19 @@ def test_1f1b_holds_fewer_live_activations_than_gpipe(world2):
 def test_a_pipeline_sends_each_rank_what_it_needs_only(request, world):
     """``full_state_dict`` reaches rank 0 alone: the others (and hybrid's other pipeline) receive nothing; every
     rank's copy brings each rank the other stages once; an evaluation sends the last stage's bf16 output as it is,
-    half fp32's bytes, and every rank gets it back in fp32 alike."""
+    half fp32's bytes, and every rank gets it back in fp32 alike; with ``eval_outputs="last"`` nothing is sent."""
     ranks = [results["traffic"] for results in request.getfixturevalue(f"world{world}")]
-    out = next(got["out"] for got in ranks if got["last"])
+    out = next(got["out every"] for got in ranks if got["last"])
     for rank, got in enumerate(ranks):
         others, where = got["whole"] - got["own"], f"rank {rank}: {got}"
         assert 0 < others < got["whole"], where
         assert got["rank0_only"] == (0 if rank else got["rank0_only"]) and got["keys"] == (0 if rank else 6), where
         for received in [got["every"]] + ([got["rank0_only"]] if rank == 0 else []):
             assert others <= received <= 1.05 * others + 4096, where  # the other stages' bytes, pickled
-        assert got["eval"] <= (0 if got["last"] else out.numel() * 2 + 128), where  # bf16 values and a header
-        assert got["out"].dtype == torch.float32 and got["out"].equal(out), where
+        assert got["eval every"] <= (0 if got["last"] else out.numel() * 2 + 128), where  # bf16 values, a header
+        assert got["out every"].dtype == torch.float32 and got["out every"].equal(out), where
+        assert got["eval last"] == 0, where
+        assert got["out last"].equal(out) if got["last"] else got["out last"] is None, where
 
 
 @pytest.mark.launched

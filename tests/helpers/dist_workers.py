@@ -243,29 +243,33 @@ def received_bytes() -> Iterator[list[int]]:
 
 
 def pipeline_traffic(strategy: str) -> dict[str, object]:
-    """Bytes this rank receives for a consolidated state dict (rank 0's), an every-rank one and a bf16-mixed
-    evaluation of 64 samples x 256 outputs (past the first, which makes its schedule); its own stage's and the whole
-    model's state bytes, the output."""
-    par = paratrain.Parallel(strategy, precision="bf16-mixed", monitor=False)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 256))
-    whole = sum(map(_size, model.state_dict().values()))
-    model = par.prepare(model)
-    own = sum(map(_size, model.state_dict().values()))
-    with received_bytes() as rank0:
-        consolidated = par.full_state_dict(model)
-    with received_bytes() as every:
-        par.full_state_dict(model, rank0_only=False)
-    model.eval()
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(x)  # the evaluation's schedule is made at its first batch
-        with received_bytes() as evaluation:
-            out = model(x)
-    last = model.is_last
-    par.close()
-    return {"rank0_only": rank0[0], "every": every[0], "eval": evaluation[0], "own": own, "whole": whole,
-            "keys": len(consolidated), "out": out, "last": last}
+    """Bytes this rank receives for a consolidated state dict (rank 0's), an every-rank one and bf16-mixed
+    evaluations of 64 samples x 256 outputs, for every rank and for the last stage alone (``eval_outputs``; each past
+    its first batch, which makes its schedule); its own stage's and the whole model's state bytes, the outputs."""
+    out: dict[str, object] = {}
+    for outputs in ("every", "last"):
+        par = paratrain.Parallel(strategy, precision="bf16-mixed", monitor=False, eval_outputs=outputs)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 256))
+        whole = sum(map(_size, model.state_dict().values()))
+        model = par.prepare(model)
+        if outputs == "every":
+            own = sum(map(_size, model.state_dict().values()))
+            with received_bytes() as rank0:
+                consolidated = par.full_state_dict(model)
+            with received_bytes() as every:
+                par.full_state_dict(model, rank0_only=False)
+            out.update(rank0_only=rank0[0], every=every[0], own=own, whole=whole, keys=len(consolidated),
+                       last=model.is_last)
+        model.eval()
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            model(x)
+            with received_bytes() as evaluation:
+                out[f"out {outputs}"] = model(x)
+        out[f"eval {outputs}"] = evaluation[0]
+        par.close()
+    return out
 
 
 def pipeline_bad_inputs() -> list[str]:

@@ -38,6 +38,7 @@ class PipelinedModel(nn.Module):
         self.pp_group: dist.ProcessGroup | None = None
         self.last_rank: int = 0  # global rank holding the last stage
         self.microbatches = 1
+        self.eval_outputs = "every"  # or "last": a forward-only call's output stays on the last stage
         self.schedule_name = "1f1b"
         self._schedules: dict[tuple[str, int], Any] = {}
         self._loss_fn: Callable | None = None
@@ -81,7 +82,8 @@ class PipelinedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, through the whole pipeline; every rank gets the last stage's output (with the loss the
-        model computed, when it was given the loss's inputs: ``model(x, y)``, ``model(x, labels=y)``)."""
+        model computed, when it was given the loss's inputs: ``model(x, y)``, ``model(x, labels=y)``). With
+        ``eval_outputs="last"`` the other ranks get the loss alone (no logits), or None for a model without one."""
         call = ModelCall.of(args[0] if args else kwargs.pop("input_ids", None), args[1] if len(args) > 1 else None,
                             None, kwargs)
         if len(args) > 2:
@@ -94,7 +96,8 @@ class PipelinedModel(nn.Module):
         with nullcontext() if self.precision is None else self.precision.compute_dtype_outputs(), \
                 self._stages_given(inputs):
             out = schedule.eval(x, **inputs) if self.is_first else schedule.eval(**inputs)
-        out = _share_from_last(out, self)
+        if self.eval_outputs == "every":
+            out = _share_from_last(out, self)
         if not self.stage_modules:
             return out
         if self._eval_kind is None:  # the model's kind of output, known on the last stage: told to every rank
@@ -106,7 +109,7 @@ class PipelinedModel(nn.Module):
             last = self.stage_modules.get(self.num_stages - 1)
             held = last.loss if last is not None and last.loss is not None else torch.zeros((), device=self.device)
             loss = _share_loss(held, self)
-        return self._eval_kind.wrap(out, loss)
+        return None if out is None and loss is None else self._eval_kind.wrap(out, loss)
 
     def output_kind(self) -> OutputKind:
         """How the last stage's tensor becomes what the plain model returns (a ``ModelOutput`` with ``logits``)."""

@@ -124,6 +124,7 @@ class PipelineStrategy(Strategy):
         out.pp_group = pp_mesh.get_group()
         out.last_rank = dist.get_global_rank(out.pp_group, (total - 1) % pp)
         out.microbatches = self.config.microbatches
+        out.eval_outputs = self.config.eval_outputs
         out.schedule_name = self.config.schedule
         out.precision = rt.precision
         out.split_loss = self.tp.split_loss
