@@ -213,7 +213,7 @@ def _share_loss(loss: torch.Tensor, model: PipelinedModel) -> torch.Tensor:
 
 
 SENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
-"""The dtypes a last stage's output is sent in, as they are (one number in the header names it)."""
+"""The dtypes a last stage's output is sent in, as they are (one number in the header names it); others as fp32."""
 
 
 def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
@@ -223,6 +223,7 @@ def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
         return value
     header = torch.full((9,), -1, dtype=torch.long)
     if model.is_last:
+        value = value if value.dtype in SENT_DTYPES else value.float()
         header[0] = SENT_DTYPES.index(value.dtype)
         header[1:1 + value.dim()] = torch.tensor(value.shape)
     header = header.to(model.device)
