@@ -3,6 +3,8 @@ is available, otherwise the CPU with gloo; a job whose strategy sends host tenso
 servers' messages, CPU-offloaded shards) gets gloo beside NCCL."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .errors import ConfigError
@@ -32,8 +34,10 @@ def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def claim_device(local_rank: int, accelerator: str = "auto") -> torch.device:
-    """:func:`select_device`, made this process's current CUDA device: call it before the first collective.
+def claim_device(local_rank: int, accelerator: str = "auto",
+                 device_of: Callable[[torch.device], torch.device] | None = None) -> torch.device:
+    """:func:`select_device` (or what ``device_of`` makes of it: a ``model_parallel`` process binds its first
+    stage's GPU), made this process's current CUDA device: call it before the first collective.
 
     ``init_process_group(device_id=...)`` binds NCCL's communicator but leaves the current device at 0, and torch
     code that takes "the current device" (object collectives, FSDP2's ``fully_shard``/``replicate``, the
@@ -41,6 +45,7 @@ def claim_device(local_rank: int, accelerator: str = "auto") -> torch.device:
     on every rank of a node.
     """
     device = select_device(local_rank, accelerator)
+    device = device if device_of is None else device_of(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

@@ -160,6 +160,29 @@ def test_model_parallel_split_must_fit_the_model():
     assert stage_of_layers(5, [1, 3]) == [0, 1, 1, 2, 2]
 
 
+def test_model_parallel_processes_bind_their_first_stage_gpu(monkeypatch):
+    """Two stages per process, four processes on an 8-GPU node: local rank 1 owns cuda:2 and cuda:3, so its process
+    group and current device are cuda:2, not cuda:1 (local rank 0's second stage); five processes do not fit."""
+    from dataclasses import replace
+
+    from paratrain import session
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    bound: list[torch.device] = []
+    monkeypatch.setattr(session, "start_process_group", lambda env, device, *args: bound.append(device) or False)
+    env = ClusterEnv(rank=1, local_rank=1, world_size=4, local_world_size=4, master_port=1, launched=True)
+    par = paratrain.Parallel("model_parallel", stages=2, env=env, monitor=False)
+    assert bound == [torch.device("cuda", 2)] and par.device == torch.device("cuda", 2)
+    assert current == [torch.device("cuda", 2)]  # made current before the group starts, not cuda:1
+    assert par.strategy.stage_devices(par._runtime(), 2) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    with pytest.raises(ConfigError, match="2 stages per process on 5 process.*needs 10 GPUs, 8 visible") as info:
+        paratrain.Parallel("model_parallel", stages=2, env=replace(env, local_world_size=5), monitor=False)
+    assert "\n" not in str(info.value)
+
+
 def test_lr_scaling_and_warmup():
     assert paratrain.scale_lr(0.1, 4) == pytest.approx(0.4)
     assert paratrain.scale_lr(0.1, 4, rule="sqrt") == pytest.approx(0.2)

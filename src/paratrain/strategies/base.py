@@ -89,6 +89,11 @@ class Strategy(ABC):
         process died (an asynchronous parameter-server worker) cannot join a group whose members are fixed."""
         return False
 
+    def process_device(self, env: ClusterEnv, device: torch.device) -> torch.device:
+        """The device this rank of ``env`` binds its process group to and makes current, given ``device``, the one
+        its local rank selects (:func:`paratrain.devices.select_device`): that one, for a process on one device."""
+        return device
+
     def uses_group(self, env: ClusterEnv) -> bool:
         """Whether this strategy needs a process group and a mesh in ``env`` (one process gets a private group)."""
         return True
