@@ -30,7 +30,7 @@ def count_per_expert(ids: torch.Tensor, experts: int) -> torch.Tensor:
     """How many of ``ids`` name each of ``experts`` (ids outside ``0..experts-1`` are not counted), on their device.
 
     A scatter, not ``bincount``: CUDA's ``bincount`` reads the largest id on the host to size its output."""
-    slots = ids.reshape(-1).clamp(0, experts)  # out of range: into one extra slot, dropped
+    slots = ids.reshape(-1).to(torch.int64).clamp(0, experts)  # out of range: into one extra slot, dropped
     counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device)
     return counts.scatter_add_(0, slots, torch.ones_like(slots))[:experts]
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ...errors import ConfigError
 from ...model.expert_compute import count_per_expert, fused_gate, grouped_mm_fits, run_fused_experts
@@ -138,7 +139,7 @@ def _local(module: nn.Module, names: tuple[str, ...], n_local: int,
     count = getattr(module, "num_experts", None)
     try:
         for n, p in params.items():
-            local = p.to_local() if hasattr(p, "to_local") else p  # type: ignore[union-attr]
+            local = p.to_local() if isinstance(p, DTensor) else p  # compiled, hasattr left the DTensor in the graph
             module._parameters[n] = local.to(dtype) if dtype is not None else local  # type: ignore[assignment]
         if count is not None:
             module.num_experts = n_local
