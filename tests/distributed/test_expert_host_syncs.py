@@ -4,9 +4,12 @@ all-to-all splits by, read together (``.tolist()``), nothing else (no ``nonzero`
 
 Each model's experts are dispatched over a one-rank group in this process (the same code as over ``ep`` ranks), and
 its forward counted with :class:`paratrain.testing.host_syncs.HostSyncs`; its output and gradients stay those of
-the model before. The equality over several ranks is tests/distributed/test_expert_parallel.py's.
+the model before. The equality over several ranks is tests/distributed/test_expert_parallel.py's. On a GPU,
+CUDA's own sync check counts inside the experts modules.
 """
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -54,3 +57,23 @@ def test_one_host_read_per_moe_layer_per_forward(name, one_rank_group):
     for key, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[key], rtol=0, atol=1e-6, msg=key)
     assert sum(load.total for load in counter.window(None, 1)) == TOKENS.numel() * 2 * len(layers)  # top 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["gpt_moe", "mixtral"])
+def test_on_cuda_an_ep_layer_synchronizes_once_per_forward(name):
+    """A one-rank NCCL group; ``torch.cuda.set_sync_debug_mode("warn")`` within each experts module's call."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    model = MODELS[name].build().cuda()
+    layers = find_experts(model, 1)
+    for layer in layers:
+        dispatch_experts(layer, dist.group.WORLD)
+        layer.module.register_forward_pre_hook(lambda *_: torch.cuda.set_sync_debug_mode("warn"))
+        layer.module.register_forward_hook(lambda *_: torch.cuda.set_sync_debug_mode("default"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(TOKENS.cuda())
+    torch.cuda.set_sync_debug_mode("default")
+    assert len([w for w in caught if "synchronizing" in str(w.message)]) == len(layers)

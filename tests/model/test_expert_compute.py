@@ -93,3 +93,37 @@ def test_misaligned_rows_take_the_loop(monkeypatch):
         rows = torch.empty(4, 12, dtype=torch.bfloat16, device="cuda")  # 24 bytes a row: not 16-byte aligned
         assert not grouped_mm_fits(rows, torch.empty(2, 8, 12, dtype=torch.bfloat16, device="cuda"))
     assert expert_compute.ALIGN_BYTES == 16
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a CUDA GPU of capability 9.0 or more")
+def test_on_a_hopper_gpu_grouped_gemm_runs_without_a_sync_and_equals_the_loop(monkeypatch):
+    """bf16 on CUDA: one forward and backward through grouped GEMM with CUDA's sync check raising, then the same
+    through the loop (grouped GEMM switched off): equal within bf16's rounding."""
+    torch.manual_seed(0)
+    experts = Experts(8, 64, 128, gated=True, bias=True).cuda().bfloat16()
+    sizes = [37, 0, 5, 64, 1, 0, 90, 3]
+    rows = torch.randn(sum(sizes), 64, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor(sizes, device="cuda")
+    grad = torch.randn(sum(sizes), 64, device="cuda", dtype=torch.bfloat16)
+
+    def run(given: torch.Tensor | list[int]) -> list[torch.Tensor]:
+        x = rows.clone().requires_grad_()
+        experts.zero_grad(set_to_none=True)
+        experts(x, given).backward(grad)
+        return [x.grad, *(p.grad for p in experts.parameters())]
+
+    assert grouped_mm_fits(rows, experts.gate_up, experts.down)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped = run(counts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setattr(expert_compute, "GROUPED_MM_CAPABILITY", (99, 0))
+    loop = run(sizes)
+    for a, b in zip(grouped, loop, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
