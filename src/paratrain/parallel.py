@@ -132,8 +132,9 @@ class Parallel:
         return self._loop.epoch
 
     @property
-    def last_grad_norm(self) -> float | None:
-        """The global gradient norm before the last clipping (None until ``clip_grad_norm`` has clipped)."""
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """The global gradient norm before the last clipping (None until ``clip_grad_norm`` has clipped): a 0-d
+        tensor, so that only reading it (``float()``, a format) waits for the device."""
         return self._loop.last_grad_norm
 
     @property

@@ -5,6 +5,7 @@ from torch import nn
 import paratrain
 from paratrain import ClusterEnv, ConfigError, UnknownStrategyError
 from paratrain.strategies import available, create
+from paratrain.testing.host_syncs import HostSyncs
 
 
 def test_registry_lists_builtin_strategies():
@@ -232,11 +233,27 @@ def test_clipping_matches_torch_clip_grad_norm():
         return params
 
     ours, ref = grads(), grads()
-    norm = clip_grad_norm(iter(ours), 1.0)
+    with HostSyncs() as syncs:
+        norm = clip_grad_norm(iter(ours), 1.0)
+    assert syncs.count == 0, f"clipping read the device on the host: {dict(syncs.calls)}"
     ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert isinstance(norm, torch.Tensor) and norm.dim() == 0 and not norm.requires_grad
     assert norm == pytest.approx(float(ref_norm))
     assert all(torch.allclose(a.grad, b.grad) for a, b in zip(ours, ref))
     assert float(torch.nn.utils.get_total_norm([p.grad for p in ours])) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_a_clipped_step_waits_for_no_norm_until_it_is_read():
+    """``par.last_grad_norm`` is a 0-d tensor: the step reads nothing on the host, the user's format does."""
+    par = paratrain.Parallel("single", clip_grad_norm=0.1, monitor=False)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, optimizer = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))  # SGD: no .item() of its own
+    with HostSyncs() as syncs, par.step(model, optimizer):
+        par.backward(model(torch.randn(8, 4)).square().mean())
+    assert syncs.count == 0, dict(syncs.calls)
+    assert isinstance(par.last_grad_norm, torch.Tensor) and float(par.last_grad_norm) > 0.1
+    assert f"{par.last_grad_norm:.3f}" == f"{float(par.last_grad_norm):.3f}"
 
 
 def test_deterministic_kernels_are_switched_on_when_asked(monkeypatch):
