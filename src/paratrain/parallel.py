@@ -133,8 +133,7 @@ class Parallel:
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
-        """The global gradient norm before the last clipping (None until ``clip_grad_norm`` has clipped): a 0-d
-        tensor, so that only reading it (``float()``, a format) waits for the device."""
+        """The global gradient norm before the last clipping, a 0-d tensor (reading it waits); None before."""
         return self._loop.last_grad_norm
 
     @property
