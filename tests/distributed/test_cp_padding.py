@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 from paratrain.distributed.context_parallel.masks import attend, key_mask, read_padding
 
 B, H, KV, D = 3, 4, 2, 8
+CPU = torch.device("cpu")
 
 
 def _kernel(form: str):
@@ -62,7 +63,7 @@ def test_padded_attention_equals_the_dense_mask(form, causal, kind):
     s, kernel, module = 16, _kernel(form), _module(causal)
     keys = _padding(kind, s)
     inputs = _inputs(s)
-    out, weights = attend(kernel, module, *inputs, read_padding(keys), causal, form, {})
+    out, weights = attend(kernel, module, *inputs, read_padding(keys, CPU), causal, form, {})
     want, want_weights = _dense(kernel, module, *inputs, keys, causal, form)
     assert torch.allclose(out, want, atol=1e-6), (out - want).abs().max()
     if form == "additive":
@@ -92,7 +93,7 @@ def _largest(s: int, kind: str) -> int:
     q, k, v = _inputs(s)
     keys = _padding(kind, s)
     with LargestStorage() as seen:
-        out, _ = attend(_kernel("bool"), _module(True), q, k, v, read_padding(keys), True, "bool", {})
+        out, _ = attend(_kernel("bool"), _module(True), q, k, v, read_padding(keys, CPU), True, "bool", {})
         out.sum().backward()
     return seen.bytes
 
@@ -104,3 +105,24 @@ def test_sdpa_with_padding_builds_nothing_quadratic_in_the_sequence(kind):
     them)."""
     small, large = _largest(1024, kind), _largest(2048, kind)
     assert large <= 2.5 * small, (small, large)
+
+
+def test_right_padding_calls_sdpa_without_a_mask():
+    """CUDA's flash kernel takes no mask: right padding (the common case) reaches SDPA with none, the valid tokens
+    causal with as many keys as queries; a mask is left only for rows with no valid token before them."""
+    calls = []
+
+    def kernel(module, q, k, v, mask, **kwargs):
+        calls.append((mask, kwargs.get("is_causal"), q.shape[2], k.shape[2]))
+        return _kernel("bool")(module, q, k, v, mask, **kwargs)
+
+    s = 16
+    attend(kernel, _module(True), *_inputs(s), read_padding(_padding("right", s), CPU), True, "bool", {})
+    assert all(mask is None for mask, *_ in calls), "a mask keeps SDPA off the flash kernel"
+    assert (None, True, s - 5, s - 5) in calls and (None, True, s // 2, s // 2) in calls
+
+
+def test_padding_is_indexed_on_the_inputs_device():
+    """A CPU attention mask beside inputs on an accelerator: the gather indices go where the kernel runs."""
+    padding = read_padding(_padding("middle", 16), torch.device("meta"))
+    assert {t.device.type for s in padding.samples for t in (s.valid, s.order)} | {padding.keys.device.type} == {"meta"}

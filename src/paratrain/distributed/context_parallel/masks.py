@@ -44,15 +44,15 @@ class Padding:
     samples: tuple[Sample, ...]
 
 
-def read_padding(mask: torch.Tensor | None) -> Padding | None:
-    """The padding of a 2-D attention mask, or None where nothing is padded."""
+def read_padding(mask: torch.Tensor | None, device: torch.device) -> Padding | None:
+    """The padding of a 2-D attention mask, or None where nothing is padded; its tensors on ``device`` (the
+    inputs', where the kernel runs and indexes them)."""
     if mask is None:
         return None
-    keys = mask.to(torch.bool)
-    host = keys.cpu()
+    host = mask.to(device="cpu", dtype=torch.bool)
     if bool(host.all()):
         return None
-    return Padding(keys, tuple(_sample(row, keys.device) for row in host))
+    return Padding(host.to(device), tuple(_sample(row, device) for row in host))
 
 
 def _sample(row: torch.Tensor, device: torch.device) -> Sample:

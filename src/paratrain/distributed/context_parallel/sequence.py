@@ -96,7 +96,7 @@ class SequenceSplit:
         if mask is not None and mask.dim() != 2:
             raise ConfigError(f"cp takes a 2-D attention_mask [batch, seq] (padding) and builds the whole sequence's "
                               f"mask itself; got {mask.dim()}-D: pass the padding mask instead")
-        self.padding = read_padding(mask)
+        self.padding = read_padding(mask, first.device)
         self.share = None
         self.pending = self._targets(args, kwargs, first.device)
         if self.positions is not None:
