@@ -13,6 +13,14 @@ order that rotates from round to round: a save (``par.save(async_save=True)``, `
 
 Run (about 3 minutes on 2 cores):
     .venv/bin/python benchmarks/checkpoint_async.py [--rounds 4] [--steps 6] [--json PATH]
+
+``--compare``: how long an asynchronous save holds the training thread, through torch's stager (buffers kept from
+save to save, filled in the background while the next step's forward and backward run) against the former path (the
+whole state copied into fresh memory on the training thread, as ``async_save`` does without a stager). ddp at world
+2; rounds alternate which path saves first; each save is followed by ``--steps`` steps and drained. Held: the save
+call plus what the steps after it waited for the copy. The first save of each path (the stager allocates its buffers
+then) is reported apart.
+    .venv/bin/python benchmarks/checkpoint_async.py --compare [--rounds 8] [--steps 3]
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -29,6 +39,8 @@ import torch
 import paratrain
 from checkpoint_jobs import build_mlp
 from ddp_overhead import audited, background_line
+from paratrain.checkpoint import background
+from paratrain.checkpoint.background import BackgroundSaves
 
 MODES = ("none", "blocking", "async")
 BATCH = 16  # per rank
@@ -84,6 +96,96 @@ def window_worker(strategy: str, width: int, layers: int, rounds: int, steps: in
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + Adam's 2 moments
     par.close()
     return {"parameters": parameters, "state_bytes": state_bytes, "rows": rows} if par.is_main else {}
+
+
+PATHS = ("fresh copy", "stager")
+
+
+@contextmanager
+def fresh_copy(saves: BackgroundSaves) -> Iterator[None]:
+    """A save through ``async_save`` without a stager (its copy into fresh memory, on this thread); the job's stager
+    and its buffers are set aside meanwhile, not closed."""
+    kept, saves._stager = saves._stager, None
+    make, background.new_stager = background.new_stager, lambda gpus: None
+    try:
+        yield
+    finally:
+        saves._stager, background.new_stager = kept, make
+
+
+def held_worker(width: int, layers: int, rounds: int, steps: int, root: str) -> dict:
+    """Rank 0 returns, per path, each round's save-call time, time waited for the copy afterwards, and window."""
+    torch.set_num_threads(1)
+    waited = [0.0]
+    wait_staged = BackgroundSaves.wait_staged
+
+    def timed_wait(self: BackgroundSaves) -> None:
+        start = time.perf_counter()
+        wait_staged(self)
+        waited[0] += time.perf_counter() - start
+
+    BackgroundSaves.wait_staged = timed_wait
+    par = paratrain.Parallel("ddp", seed=0, monitor=False)
+    model = build_mlp(width, layers)
+    model, optimizer = par.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-5))
+    saves = par._checkpoints._background
+    x = torch.randn(BATCH, width)
+
+    def step() -> None:
+        with par.step(model, optimizer):
+            par.backward(model(x).pow(2).mean())
+
+    def save(path: str, folder: Path) -> tuple[float, float, float]:
+        """One save by ``path`` and ``steps`` steps; then steps until it is published everywhere."""
+        par.barrier()
+        waited[0] = 0.0
+        start = time.perf_counter()
+        with fresh_copy(saves) if path == "fresh copy" else nullcontext():
+            saved = par.save(folder, async_save=True)
+        call = time.perf_counter() - start
+        for _ in range(steps):
+            step()
+        window = time.perf_counter() - start
+        while par.sum(float(saved.exists())) < par.world_size:
+            step()
+        par.barrier()
+        if par.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+        return call, waited[0], window
+
+    for _ in range(2):
+        step()
+    rows: dict[str, dict[str, list]] = {p: {"call_s": [], "waited_s": [], "window_s": []} for p in PATHS}
+    first = {p: save(p, Path(root) / f"first-{i}") for i, p in enumerate(PATHS)}
+    for r in range(rounds):
+        for i, path in enumerate(PATHS if r % 2 == 0 else PATHS[::-1]):
+            for key, value in zip(("call_s", "waited_s", "window_s"), save(path, Path(root) / f"{r}-{i}")):
+                rows[path][key].append(value)
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    par.close()
+    return {"state_bytes": state_bytes, "first": first, "rows": rows} if par.is_main else {}
+
+
+def compare(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ckpt-held-bench-", dir=".") as root:
+        return paratrain.launch(held_worker, 2, args=(args.width, args.layers, args.rounds, args.steps, root),
+                                timeout_s=1800)[0]
+
+
+def format_compare(args: argparse.Namespace, result: dict) -> str:
+    lines = [(f"ddp, world 2, MLP {args.layers} x Linear({args.width}, {args.width}): state "
+              f"{result['state_bytes'] / 1e6:.0f} MB a rank (weights + Adam); {args.steps} steps after each save; "
+              f"median of {args.rounds} rounds, paths alternating"),
+             f"   {'path':<12}{'held ms':>9}{'call ms':>9}{'waited ms':>11}{'window s':>10}   first save: held ms"]
+    for path in PATHS:
+        row = result["rows"][path]
+        held = [c + w for c, w in zip(row["call_s"], row["waited_s"])]
+        call, waited, _ = result["first"][path]
+        lines.append(f"   {path:<12}{1e3 * statistics.median(held):>9.0f}{1e3 * statistics.median(row['call_s']):>9.0f}"
+                     f"{1e3 * statistics.median(row['waited_s']):>11.0f}{statistics.median(row['window_s']):>10.2f}"
+                     f"   {1e3 * (call + waited):.0f}")
+        lines.append(f"      held ms each round: {' '.join(f'{1e3 * h:.0f}' for h in held)}")
+    return "\n".join(lines + [background_line(result)])
 
 
 def bench(strategy: str, args: argparse.Namespace) -> dict:
@@ -143,7 +245,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--compare", action="store_true", help="held time per save: torch's stager against a fresh "
+                        "copy on the training thread")
     args = parser.parse_args()
+    if args.compare:
+        result = audited(lambda: compare(args))
+        print(format_compare(args, result))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"config": vars(args), "result": result}, indent=1))
+        return
     results = {strategy: audited(lambda: bench(strategy, args)) for strategy in ("ddp", "zero3")}
     print(format_report(args, results))
     if args.json:

@@ -80,8 +80,8 @@ class HandExperts(nn.Module):
         self.down = nn.Parameter(full.down.detach()[own].clone())
         self.gated = full.gated
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        sent = torch.tensor(counts).view(self.ranks, self.n)
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        sent = torch.as_tensor(counts).view(self.ranks, self.n)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent)
         out_splits, in_splits = sent.sum(1).tolist(), received.sum(1).tolist()

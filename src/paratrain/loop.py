@@ -70,12 +70,12 @@ class StepInfo:
 
 
 def finish_step(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-                max_norm: float | None) -> float | None:
+                max_norm: float | None) -> torch.Tensor | None:
     """End an accumulation window: the strategy completes the gradients (a weight tied across pipeline stages,
     tensor parallelism's partial sums), the global norm over every shard is clipped to ``max_norm`` when given, the
     optimizer steps (through the grad scaler, inside the strategy's ``optimizer_stepping``) and the gradients are
     freed. Where only the step sees the whole gradient (parameter servers), the step clips it instead. Returns the
-    norm before clipping (None when not clipped)."""
+    norm before clipping, a 0-d tensor nobody waits for until it is read (None when not clipped)."""
     strategy.sync_gradients(model)
     norm, in_step = None, False
     if max_norm is not None:
@@ -87,7 +87,8 @@ def finish_step(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Opt
     with strategy.optimizer_stepping(optimizer):
         precision.step(optimizer)
     if in_step:
-        norm = strategy.stepped_grad_norm(optimizer)
+        stepped = strategy.stepped_grad_norm(optimizer)
+        norm = None if stepped is None else torch.tensor(stepped)
     optimizer.zero_grad(set_to_none=True)
     return norm
 
@@ -127,7 +128,7 @@ class Loop:
         self.optimizer_steps = 0
         self.epoch: int | None = None
         self.resume_epoch: int | None = None  # the epoch a load resumes inside, until epochs() starts it
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: torch.Tensor | None = None
 
     def epochs(self, n: int, start: int, loaders: Iterable[object], training: Callable[[], bool],
                warn: Callable[[str], None]) -> Iterator[int]:

@@ -99,6 +99,9 @@ class PipelineConfig:
     """hybrid only: how stages are replicated across ``dp``: ``ddp``, ``zero1`` (DDP, with the optimizer's states
     sharded by ``ZeroRedundancyOptimizer``: Megatron-DeepSpeed's ZeRO-1 across a pp x tp layout's replicas) or
     ``fsdp``."""
+    eval_outputs: str = "every"
+    """Who gets a forward-only call's output (``model(x)``): ``every`` rank of the pipeline, or the ``last``
+    stage's ranks alone; the others then get the loss the model computed (``out.loss``, no logits), or None."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -111,6 +114,8 @@ class PipelineConfig:
             raise ConfigError("the interleaved-1f1b schedule needs stages_per_rank >= 2")
         if self.schedule != "interleaved-1f1b" and self.stages_per_rank != 1:
             raise ConfigError(f"schedule {self.schedule!r} runs one stage per rank; use interleaved-1f1b for more")
+        if self.eval_outputs not in ("every", "last"):
+            raise ConfigError(f"eval_outputs must be 'every' or 'last', got {self.eval_outputs!r}")
         if self.data not in ("ddp", "zero1", "fsdp"):
             raise ConfigError(f"hybrid data must be 'ddp', 'zero1' or 'fsdp', got {self.data!r}")
         if self.split is not None and self.split_points is not None:

@@ -132,8 +132,8 @@ class Parallel:
         return self._loop.epoch
 
     @property
-    def last_grad_norm(self) -> float | None:
-        """The global gradient norm before the last clipping (None until ``clip_grad_norm`` has clipped)."""
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """The global gradient norm before the last clipping, a 0-d tensor (reading it waits); None before."""
         return self._loop.last_grad_norm
 
     @property
@@ -254,6 +254,7 @@ class Parallel:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided by the accumulation count so accumulated gradients are a mean."""
+        self._prepared.check_graph(loss, self.strategy.name)
         self.precision.backward(loss / self.accumulate if self.accumulate > 1 else loss)
 
     @collective("par.sum")
@@ -297,8 +298,8 @@ class Parallel:
 
     @collective("par.load_weights")
     def load_weights(self, model: nn.Module, path: str | os.PathLike) -> dict[str, Any]:
-        """Read pretrained weights (safetensors file or folder, torch state dict) into a prepared ``model``, each rank
-        only what it holds (collective); see :mod:`paratrain.checkpoint.weights`."""
+        """Read pretrained weights (safetensors, torch state dict) into a prepared ``model``, each rank its part."""
+        self._checkpoints.wait_staged()  # a background save copies the weights these replace
         return load_weights(self.strategy.unwrap(model), path, self._prepared.facts.get(id(model)))
 
     def resume(self) -> Path | None:
@@ -329,7 +330,7 @@ class Parallel:
     def close(self) -> None:
         """Flush a due checkpoint, wait for one being written, print the monitor's table, end trackers and our group."""
         self._flush_checkpoint()
-        self._checkpoints.settle(self.barrier)
+        self._checkpoints.close(self.barrier)
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
         self.trackers.close()

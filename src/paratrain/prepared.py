@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from .checkpoint.io import Targets
 from .distributed.metrics import gather_object
+from .distributed.pipeline import no_graph
 from .errors import ConfigError
 from .model.facts import ModelFacts
 from .strategies.base import Runtime, Strategy
@@ -33,6 +34,11 @@ class Prepared:
         self.optimizers: list[tuple[nn.Module, Optimizer]] = []
         self.schedulers: list[Scheduler] = []
         self.loaders: list[DataLoader] = []
+
+    def check_graph(self, loss: torch.Tensor, strategy: str) -> None:
+        """One line, before ``backward``, for a loss that has no graph to back-propagate through."""
+        if not loss.requires_grad:
+            raise ConfigError(no_graph(self.models, strategy))
 
     def add_model(self, wrapped: nn.Module, facts: ModelFacts) -> nn.Module:
         self.facts[id(wrapped)] = facts

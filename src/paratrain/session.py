@@ -6,11 +6,13 @@ how, is decided here once (see :mod:`paratrain.distributed.process_group`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from .call_watch import CallWatch
-from .devices import job_backend, select_device
+from .devices import claim_device, job_backend
 from .distributed.process_group import finish_group, start_process_group
 from .env import ClusterEnv
 from .errors import ConfigError
@@ -21,20 +23,26 @@ from .rank_agreement import check_ranks_agree
 class Session:
     """Start (or join) the job's process group on this process's device; ``close`` ends what it started.
 
-    ``on_host``: this rank runs on the host whatever the accelerator (a parameter server); ``host_messages``: the
-    strategy sends host tensors of its own, so the group serves them beside the accelerator's (see
+    The device is claimed (made the current CUDA device, :func:`~paratrain.devices.claim_device`) before the group
+    starts or is joined, so every collective after it, ours or torch's, runs on this rank's GPU.
+
+    ``on_host``: this rank runs on the host whatever the accelerator (a parameter server); ``host_tensors``: the
+    strategy sends host tensors through the group, so it serves them beside the accelerator's (see
     :func:`~paratrain.devices.job_backend`); ``alone``: this rank cannot join the job's group (see
-    :func:`~paratrain.distributed.process_group.start_process_group`) and takes part in no agreement.
+    :func:`~paratrain.distributed.process_group.start_process_group`) and takes part in no agreement;
+    ``device_of``: the strategy's device for this rank given the one its local rank selects (a ``model_parallel``
+    process binds its first stage's GPU).
     """
 
     def __init__(self, env: ClusterEnv, accelerator: str, precision: Precision, *, timeout_s: float,
                  wait_report_s: float | None, needs_group: bool, on_host: bool = False,
-                 host_messages: bool = False, alone: bool = False) -> None:
+                 host_tensors: bool = False, alone: bool = False,
+                 device_of: Callable[[torch.device], torch.device] | None = None) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
         self.env = env
-        backend = job_backend(accelerator, host_messages)
-        self.device = torch.device("cpu") if on_host else select_device(env.local_rank, accelerator)
+        backend = job_backend(accelerator, host_tensors)
+        self.device = torch.device("cpu") if on_host else claim_device(env.local_rank, accelerator, device_of)
         if not on_host:
             precision.validate(self.device)
         self.owns_group = start_process_group(env, self.device, timeout_s, needs_group, backend, alone)

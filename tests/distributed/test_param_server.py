@@ -441,12 +441,12 @@ def test_on_cuda_the_servers_keep_to_the_host_and_the_group_serves_host_tensors_
     from paratrain.env import ClusterEnv
     from paratrain.strategies.param_server import ParameterServer
 
-    assert job_backend("auto", host_messages=True) == "gloo"  # no CUDA here
+    assert job_backend("auto", host_tensors=True) == "gloo"  # no CUDA here
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert job_backend("auto", host_messages=True) == "cpu:gloo,cuda:nccl"
-    assert job_backend("auto", host_messages=False) == "nccl" and job_backend("cpu", host_messages=True) == "gloo"
+    assert job_backend("auto", host_tensors=True) == "cpu:gloo,cuda:nccl"
+    assert job_backend("auto", host_tensors=False) == "nccl" and job_backend("cpu", host_tensors=True) == "gloo"
     ps = ParameterServer(servers=2)
-    assert ps.host_messages
+    assert ps.host_tensors
     assert [ps.on_host(ClusterEnv(rank=r, world_size=4)) for r in range(4)] == [False, False, True, True]
 
 

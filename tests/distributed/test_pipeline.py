@@ -5,10 +5,12 @@ One launched job per world size runs every case of the file (``helpers.cases.eac
 training the small model.
 """
 import pytest
+import torch
 from helpers.cases import each_call
 from helpers.dist_workers import (
     peak_saved_activations,
     pipeline_bad_inputs,
+    pipeline_traffic,
     train_params,
 )
 
@@ -33,6 +35,7 @@ def _calls(world: int) -> list[tuple]:
     """Every launched case of this file at ``world`` processes."""
     calls = [(f"{s} {w} {a} {o}", train_params, (s, a, STEPS, GLOBAL_BATCH // (1 if s == "pipeline" else 2), w, o),
               {}) for s, w, a, o in EQUAL if w == world]
+    calls.append(("traffic", pipeline_traffic, ("pipeline" if world == 2 else "hybrid",), {}))
     if world == 2:
         calls += [(f"peak {schedule}", peak_saved_activations, (schedule, 8), {}) for schedule in ("gpipe", "1f1b")]
         calls.append(("misuse", pipeline_bad_inputs, (), {}))
@@ -65,6 +68,26 @@ def test_1f1b_holds_fewer_live_activations_than_gpipe(world2):
     gpipe, one_f_one_b = (world2[0][f"peak {schedule}"] for schedule in ("gpipe", "1f1b"))
     # the first stage keeps all 8 micro-batches alive under GPipe, at most 2 (the stage count) under 1F1B
     assert one_f_one_b < 0.5 * gpipe, (one_f_one_b, gpipe)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_pipeline_sends_each_rank_what_it_needs_only(request, world):
+    """``full_state_dict`` reaches rank 0 alone: the others (and hybrid's other pipeline) receive nothing; every
+    rank's copy brings each rank the other stages once; an evaluation sends the last stage's bf16 output as it is,
+    half fp32's bytes, and every rank gets it back in fp32 alike; with ``eval_outputs="last"`` nothing is sent."""
+    ranks = [results["traffic"] for results in request.getfixturevalue(f"world{world}")]
+    out = next(got["out every"] for got in ranks if got["last"])
+    for rank, got in enumerate(ranks):
+        others, where = got["whole"] - got["own"], f"rank {rank}: {got}"
+        assert 0 < others < got["whole"], where
+        assert got["rank0_only"] == (0 if rank else got["rank0_only"]) and got["keys"] == (0 if rank else 6), where
+        for received in [got["every"]] + ([got["rank0_only"]] if rank == 0 else []):
+            assert others <= received <= 1.05 * others + 4096, where  # the other stages' bytes, pickled
+        assert got["eval every"] <= (0 if got["last"] else out.numel() * 2 + 128), where  # bf16 values, a header
+        assert got["out every"].dtype == torch.float32 and got["out every"].equal(out), where
+        assert got["eval last"] == 0, where
+        assert got["out last"].equal(out) if got["last"] else got["out last"] is None, where
 
 
 @pytest.mark.launched

@@ -117,6 +117,8 @@ def check(ranks: list[dict], cases: list[tuple]) -> None:
                 logits = out.logits if hasattr(out, "logits") else out
                 expected = ref["output"].logits if hasattr(ref["output"], "logits") else ref["output"]
                 assert (logits - expected).abs().max() <= BOUND, where
+            if not resume:  # the two-line form: one line naming the verb that runs the schedule's backward
+                assert "par.forward_backward(model" in got["two_line"] and "\n" not in got["two_line"], where
         if "tp" in options and not resume:  # the last stage's loss got the logits split over the vocabulary
             assert {s for results in ranks for s in results[name]["seen"]} == {SPLIT_LOGITS}, name
         plain = build(family)  # the gathered state dict loads into the plain model, ties intact

@@ -39,6 +39,8 @@ def _calls(world: int) -> list[tuple]:
     calls += [(f"state {s}", state_bytes, (s,), {}) for s in STATE_STRATEGIES]
     if world == 2:
         calls.append(("clip", train_params, ("zero3", 1, STEPS, BATCH, 2, SMALL_UNITS), CLIP))
+        calls.append(("clip offload", train_params, ("zero3", 1, STEPS, BATCH, 2, {**SMALL_UNITS, "cpu_offload": True}),
+                      CLIP))
         calls += [(f"bf16 {s}", train_params, (s, 1, STEPS, BATCH, 2, o), {"precision": "bf16-mixed"}) for s, o in BF16]
         calls += [(f"hook {h}", train_params, ("ddp", 1, STEPS, BATCH, 2, {"comm_hook": h, "powersgd_start_iter": 2}),
                    {}) for h, _ in HOOKS]
@@ -84,6 +86,7 @@ def test_dp_on_cpu_runs_as_one_device_and_says_why():
 def test_sharded_gradient_clipping_equals_serial_clipping(world2):
     serial = _serial(1, 2, **CLIP)
     assert max_abs_diff(world2[0]["clip"], serial) <= 1e-5
+    assert max_abs_diff(world2[0]["clip offload"], serial) <= 1e-5  # shards in host memory (unpinned on a CPU job)
     assert max_abs_diff(serial, _serial(1, 2)) > 1e-3  # clipping changed the result
 
 

@@ -1,8 +1,11 @@
 """Module-level functions that tests run on several processes through ``paratrain.launch``."""
 from __future__ import annotations
 
+import inspect
 import os
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -193,6 +196,80 @@ def peak_saved_activations(schedule: str, microbatches: int) -> int:
         par.forward_backward(model, x, y, nn.functional.mse_loss)
     par.close()
     return live.peak
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _received(fn: Callable[..., object], args: tuple, kwargs: dict) -> int:
+    """Bytes a call of ``torch.distributed``'s ``fn`` brings this rank."""
+    name, call = fn.__name__, inspect.signature(fn).bind(*args, **kwargs).arguments
+    if name == "broadcast":
+        src = call.get("src")
+        if call.get("group_src") is not None:
+            src = dist.get_global_rank(call.get("group"), call["group_src"])
+        return 0 if src == dist.get_rank() else _size(call["tensor"])
+    if name == "recv":
+        return _size(call["tensor"])
+    gathered = call.get("tensor_list") if name == "all_gather" else call.get("gather_list")
+    return sum(map(_size, gathered)) - _size(call["tensor"]) if gathered else 0
+
+
+@contextmanager
+def received_bytes() -> Iterator[list[int]]:
+    """Inside: ``[bytes]`` this rank receives by ``broadcast``, ``recv``, ``all_gather`` and ``gather`` (the object
+    collectives send through these), counted at each call; the pipeline schedules' own sends are not counted."""
+    from torch.distributed import distributed_c10d as c10d
+
+    total = [0]
+    inner = {name: getattr(c10d, name) for name in ("broadcast", "recv", "all_gather", "gather")}
+
+    def counting(name: str) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            total[0] += _received(inner[name], args, kwargs)
+            return inner[name](*args, **kwargs)
+        return call
+
+    for name in inner:
+        setattr(c10d, name, counting(name))
+        setattr(dist, name, getattr(c10d, name))
+    try:
+        yield total
+    finally:
+        for name, fn in inner.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+
+
+def pipeline_traffic(strategy: str) -> dict[str, object]:
+    """Bytes this rank receives for a consolidated state dict (rank 0's), an every-rank one and bf16-mixed
+    evaluations of 64 samples x 256 outputs, for every rank and for the last stage alone (``eval_outputs``; each past
+    its first batch, which makes its schedule); its own stage's and the whole model's state bytes, the outputs."""
+    out: dict[str, object] = {}
+    for outputs in ("every", "last"):
+        par = paratrain.Parallel(strategy, precision="bf16-mixed", monitor=False, eval_outputs=outputs)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 256))
+        whole = sum(map(_size, model.state_dict().values()))
+        model = par.prepare(model)
+        if outputs == "every":
+            own = sum(map(_size, model.state_dict().values()))
+            with received_bytes() as rank0:
+                consolidated = par.full_state_dict(model)
+            with received_bytes() as every:
+                par.full_state_dict(model, rank0_only=False)
+            out.update(rank0_only=rank0[0], every=every[0], own=own, whole=whole, keys=len(consolidated),
+                       last=model.is_last)
+        model.eval()
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            model(x)
+            with received_bytes() as evaluation:
+                out[f"out {outputs}"] = model(x)
+        out[f"eval {outputs}"] = evaluation[0]
+        par.close()
+    return out
 
 
 def pipeline_bad_inputs() -> list[str]:

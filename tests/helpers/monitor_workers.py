@@ -57,9 +57,14 @@ def _train(strategy: str, *, steps: int, sleep_ms: dict[int, float], item_sleep_
             "rows": summary.rows, "table": summary.table()}
 
 
+def straggler(accelerator: str) -> dict:
+    """The planted straggler, rank 1 (70 ms a step against rank 0's 10 ms), on ``accelerator``."""
+    return _train("ddp", steps=12, sleep_ms={0: 10, 1: 70}, accelerator=accelerator)
+
+
 def cuda_straggler() -> dict:
     """The planted straggler on GPUs (NCCL, CUDA-event timing)."""
-    return _train("ddp", steps=12, sleep_ms={0: 10, 1: 70}, accelerator="cuda")
+    return straggler("cuda")
 
 
 def monitor_scenarios(csv: str) -> dict[str, dict]:

@@ -157,6 +157,7 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
             norms.append(par.last_grad_norm)
     state = par.full_state_dict(model, rank0_only=False)
     stepped = sum(1 for s in getattr(opt, "optim", opt).state.values() if s)  # ZeRO-1: its partition's
+    two_line = _two_line(par, model) if not resume else None
     broken = find_ties(build(family)).broken(model)
     model.eval()  # reaches the stages' copies of the model's root too
     evaluating = not any(m.training for _, part in model.parts for m in part.modules())
@@ -164,8 +165,19 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
     par.close()
     return {"state": state, "uninterrupted": uninterrupted, "norms": norms, "broken": broken, "output": output,
             "optimizer_once": sorted(in_opt) == sorted(held) and len(set(in_opt)) == len(in_opt),
-            "evaluating": evaluating, "seen": sorted(seen), "stepped": stepped,
+            "evaluating": evaluating, "seen": sorted(seen), "stepped": stepped, "two_line": two_line,
             "trainable": sum(1 for p in model.parameters() if p.requires_grad)}
+
+
+def _two_line(par: paratrain.Parallel, model: nn.Module) -> str:
+    """What the two-line form (``loss = loss_fn(model(x), y); par.backward(loss)``) does under a pipeline: the
+    one-line error naming ``forward_backward``, or ``"ran"``."""
+    x, y = batches(1)
+    try:
+        par.backward(loss_fn(model(x[:4]), y[:4]))
+    except paratrain.ConfigError as err:
+        return str(err)
+    return "ran"
 
 
 def run_cases(cases: list[tuple]) -> dict[str, dict]:

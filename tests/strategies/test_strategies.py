@@ -5,6 +5,7 @@ from torch import nn
 import paratrain
 from paratrain import ClusterEnv, ConfigError, UnknownStrategyError
 from paratrain.strategies import available, create
+from paratrain.testing.host_syncs import HostSyncs
 
 
 def test_registry_lists_builtin_strategies():
@@ -107,6 +108,15 @@ def test_prepare_rejects_foreign_objects_and_optimizer_first():
         par.prepare(torch.optim.SGD(model.parameters(), lr=1.0), model)
 
 
+def test_a_loss_without_a_graph_is_one_line():
+    par = paratrain.Parallel("single", monitor=False)
+    model = par.prepare(nn.Linear(2, 2))
+    with torch.no_grad():
+        loss = model(torch.ones(1, 2)).sum()
+    with pytest.raises(ConfigError, match=r"does not require grad \(detached, or computed under torch.no_grad\(\)"):
+        par.backward(loss)
+
+
 def test_logger_lines_carry_the_rank(capsys):
     par = paratrain.Parallel()
     par.logger.info("hello")
@@ -149,6 +159,29 @@ def test_model_parallel_split_must_fit_the_model():
         balance([1, 1], 3)
     assert balance([4, 1, 1, 1, 1], 2) == [1]  # the big first layer stands alone
     assert stage_of_layers(5, [1, 3]) == [0, 1, 1, 2, 2]
+
+
+def test_model_parallel_processes_bind_their_first_stage_gpu(monkeypatch):
+    """Two stages per process, four processes on an 8-GPU node: local rank 1 owns cuda:2 and cuda:3, so its process
+    group and current device are cuda:2, not cuda:1 (local rank 0's second stage); five processes do not fit."""
+    from dataclasses import replace
+
+    from paratrain import session
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    bound: list[torch.device] = []
+    monkeypatch.setattr(session, "start_process_group", lambda env, device, *args: bound.append(device) or False)
+    env = ClusterEnv(rank=1, local_rank=1, world_size=4, local_world_size=4, master_port=1, launched=True)
+    par = paratrain.Parallel("model_parallel", stages=2, env=env, monitor=False)
+    assert bound == [torch.device("cuda", 2)] and par.device == torch.device("cuda", 2)
+    assert current == [torch.device("cuda", 2)]  # made current before the group starts, not cuda:1
+    assert par.strategy.stage_devices(par._runtime(), 2) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    with pytest.raises(ConfigError, match="2 stages per process on 5 process.*needs 10 GPUs, 8 visible") as info:
+        paratrain.Parallel("model_parallel", stages=2, env=replace(env, local_world_size=5), monitor=False)
+    assert "\n" not in str(info.value)
 
 
 def test_lr_scaling_and_warmup():
@@ -200,11 +233,27 @@ def test_clipping_matches_torch_clip_grad_norm():
         return params
 
     ours, ref = grads(), grads()
-    norm = clip_grad_norm(iter(ours), 1.0)
+    with HostSyncs() as syncs:
+        norm = clip_grad_norm(iter(ours), 1.0)
+    assert syncs.count == 0, f"clipping read the device on the host: {dict(syncs.calls)}"
     ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert isinstance(norm, torch.Tensor) and norm.dim() == 0 and not norm.requires_grad
     assert norm == pytest.approx(float(ref_norm))
     assert all(torch.allclose(a.grad, b.grad) for a, b in zip(ours, ref))
     assert float(torch.nn.utils.get_total_norm([p.grad for p in ours])) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_a_clipped_step_waits_for_no_norm_until_it_is_read():
+    """``par.last_grad_norm`` is a 0-d tensor: the step reads nothing on the host, the user's format does."""
+    par = paratrain.Parallel("single", clip_grad_norm=0.1, monitor=False)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model, optimizer = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))  # SGD: no .item() of its own
+    with HostSyncs() as syncs, par.step(model, optimizer):
+        par.backward(model(torch.randn(8, 4)).square().mean())
+    assert syncs.count == 0, dict(syncs.calls)
+    assert isinstance(par.last_grad_norm, torch.Tensor) and float(par.last_grad_norm) > 0.1
+    assert f"{par.last_grad_norm:.3f}" == f"{float(par.last_grad_norm):.3f}"
 
 
 def test_deterministic_kernels_are_switched_on_when_asked(monkeypatch):

@@ -17,19 +17,16 @@ model, and only the workers time (and return) anything.
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..devices import job_backend, select_device
+from ..distributed.process_group import finish_group, start_tool_group
 from ..errors import ConfigError
-from ..distributed.process_group import finish_group
 from ..progress import Progress
 from ..seeding import rank_seed
 from ..workloads import Workload, get_workload
@@ -51,6 +48,9 @@ class Run:
     options: dict[str, Any] = field(default_factory=dict)
     serves: bool = False
     """Some of the strategy's ranks serve instead of training: the run has its job to itself."""
+    host_tensors: bool = False
+    """The strategy sends host tensors through the group (:attr:`~paratrain.strategies.base.Strategy.host_tensors`):
+    the job's group serves them beside the accelerator's."""
 
 
 @dataclass(kw_only=True)
@@ -93,10 +93,7 @@ class RankRecord:
 
 def run_job(config: BenchConfig, runs: list[Run]) -> dict[str, RankRecord]:
     """The job's body on every rank (started by ``paratrain.launch``): every round, every run, in turn."""
-    device = select_device(int(os.environ.get("LOCAL_RANK", "0")), config.accelerator)
-    backend = job_backend(config.accelerator, host_messages=runs[0].serves)  # a ps job's messages: gloo beside NCCL
-    dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s),
-                            device_id=device if backend == "nccl" else None)
+    device = start_tool_group(config.accelerator, any(run.host_tensors for run in runs), config.timeout_s)
     if runs[0].serves:
         records = _measure_served(config, runs[0], device)  # on a server the process ends in there
     else:

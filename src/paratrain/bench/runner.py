@@ -19,7 +19,7 @@ from typing import TextIO
 from ..devices import select_device
 from ..errors import ConfigError
 from ..launcher.spawn import launch
-from ..strategies import check_world, serves
+from ..strategies import check_world, sends_host_tensors, serves
 from ..workloads import get_workload
 from .config import BASELINE, BenchConfig
 from .machine import BackgroundLoad, Machine
@@ -63,7 +63,8 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
             if reason:
                 skipped.append(Row(label=label, world=world, threads=threads, skipped=reason))
             else:
-                (served if serving else runs).append(Run(label=label, strategy=name, options=options, serves=serving))
+                (served if serving else runs).append(Run(label=label, strategy=name, options=options, serves=serving,
+                                                         host_tensors=sends_host_tensors(name, **options)))
         if config.compare and any(r.label == "ddp" for r in runs):
             runs.append(Run(label=TORCH_DDP, strategy=None))
         if runs:

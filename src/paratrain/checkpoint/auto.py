@@ -65,6 +65,15 @@ class AutoCheckpoint:
         """Collective (``close``): wait until every rank's background save in flight is published."""
         self._background.settle(barrier)
 
+    def close(self, barrier: Callable[[], None]) -> None:
+        """Collective (``close``): ``settle``, then free the background saves' staging buffers."""
+        self.settle(barrier)
+        self._background.close()
+
+    def wait_staged(self) -> None:
+        """Return once the state of a background save in flight is copied: then it may change."""
+        self._background.wait_staged()
+
     def saved(self, root: Path, step: int) -> None:
         """A checkpoint of ``step`` was written into ``root``."""
         self._saved = (root.absolute(), step)

@@ -190,7 +190,9 @@ def local_index(t: torch.Tensor) -> tuple[tuple[slice, ...], list[torch.Tensor |
     for d, n in enumerate(shape):
         sizes = [n if i == d else pieces[i] for i in range(len(shape))]
         positions = torch.arange(n).view([n if i == d else 1 for i in range(len(shape))]).expand(sizes).contiguous()
-        local = distribute_tensor(positions, mesh, placements, src_data_rank=None).to_local()
+        # on a CUDA mesh distribute_tensor moves the positions to the GPU; they index the host read (and are compared
+        # with host ranges) below, so they come back
+        local = distribute_tensor(positions, mesh, placements, src_data_rank=None).to_local().cpu()
         flat = local.movedim(d, 0).reshape(local.shape[d], -1)[:, 0] if local.numel() else local.new_empty(0)
         if flat.numel() == 0:
             slices.append(slice(0, 0))

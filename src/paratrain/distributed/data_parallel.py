@@ -11,6 +11,7 @@ import inspect
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +62,14 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device | None, c
     return ddp
 
 
+def offload_policy(cpu_offload: bool, device_type: str) -> Any:
+    """FSDP2's offload policy: with ``cpu_offload`` the shards live in host memory, pinned where the compute device
+    is CUDA (fast, asynchronous copies; pinning needs CUDA, so a CPU job offloads unpinned)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda") if cpu_offload else OffloadPolicy()
+
+
 def ignored_parameters(model: nn.Module) -> set[nn.Parameter]:
     """The parameters data parallelism leaves to another part (the split experts, whose gradients expert parallelism
     completes itself): those ``DistributedDataParallel`` is told to ignore (``model``'s
@@ -95,10 +104,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy
     takes them in the compute dtype (``forward_backward``). The parameters :func:`ignored_parameters` names are left
     as they are.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()}
+    kwargs = {"mesh": mesh, "offload_policy": offload_policy(config.cpu_offload, mesh.device_type)}
     if ignored := ignored_parameters(model):
         kwargs["ignored_params"] = ignored
     for unit in shard_units(model, wrap_classes=config.wrap_classes, min_params=config.min_params, facts=facts):

@@ -14,8 +14,11 @@ T = TypeVar("T")
 
 
 def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
-                   group: dist.ProcessGroup | None = None, counted: Iterable[nn.Parameter] | None = None) -> float:
-    """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping.
+                   group: dist.ProcessGroup | None = None,
+                   counted: Iterable[nn.Parameter] | None = None) -> torch.Tensor:
+    """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping, a 0-d
+    tensor on the gradients' device: reading it (``float(norm)``, a format) waits for the device, so the step does
+    not unless its caller asks.
 
     ``group``: ranks whose local norms make up the global one (the stages of a pipeline). ``counted``: the
     parameters whose gradients this rank adds to the norm, when not all of ``parameters`` (a tied weight that
@@ -25,7 +28,7 @@ def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
     norm = global_grad_norm(params if counted is None else counted, group)
     for part in _by_mesh(params, lambda p: p.grad):  # torch's foreach ops take one kind of tensor at a time
         torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
-    return float(norm)
+    return norm.detach()
 
 
 def global_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:

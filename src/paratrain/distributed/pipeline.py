@@ -20,6 +20,18 @@ from ..model.stages import LOSS_INPUT, OutputKind, StageModule
 from ..precision import Precision
 
 
+def no_graph(models: list[nn.Module], strategy: str) -> str:
+    """The line for ``par.backward`` given a loss without a graph (of the prepared ``models``): a pipeline's forward
+    runs no backward (its schedule runs both, in ``forward_backward``); otherwise the loss was made without
+    gradients."""
+    if any(isinstance(m, PipelinedModel) for m in models):
+        return (f"par.backward got a loss with no graph: under {strategy!r} the model's forward runs the pipeline "
+                "forward only (its schedule runs backward with it); train with loss = par.forward_backward(model, x, "
+                "y, loss_fn) or par.forward_backward(model, ids, labels=ids)")
+    return ("par.backward got a loss that does not require grad (detached, or computed under torch.no_grad() or "
+            "torch.inference_mode()); compute the training loss with gradients enabled")
+
+
 class PipelinedModel(nn.Module):
     """This rank's layers of the pipeline, under their original names, and the schedules that run them.
 
@@ -38,6 +50,7 @@ class PipelinedModel(nn.Module):
         self.pp_group: dist.ProcessGroup | None = None
         self.last_rank: int = 0  # global rank holding the last stage
         self.microbatches = 1
+        self.eval_outputs = "every"  # or "last": a forward-only call's output stays on the last stage
         self.schedule_name = "1f1b"
         self._schedules: dict[tuple[str, int], Any] = {}
         self._loss_fn: Callable | None = None
@@ -81,7 +94,8 @@ class PipelinedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, through the whole pipeline; every rank gets the last stage's output (with the loss the
-        model computed, when it was given the loss's inputs: ``model(x, y)``, ``model(x, labels=y)``)."""
+        model computed, when it was given the loss's inputs: ``model(x, y)``, ``model(x, labels=y)``). With
+        ``eval_outputs="last"`` the other ranks get the loss alone (no logits), or None for a model without one."""
         call = ModelCall.of(args[0] if args else kwargs.pop("input_ids", None), args[1] if len(args) > 1 else None,
                             None, kwargs)
         if len(args) > 2:
@@ -89,9 +103,13 @@ class PipelinedModel(nn.Module):
                               "keyword")
         x, inputs = self._inputs(call)
         schedule = self._schedule("eval", x.shape[0])
-        with self._stages_given(inputs):
+        # As in training, the stages hand on (and the last sends) their outputs in the compute dtype; this model's
+        # own forward, wrapped by the precision, hands back fp32 outputs on every rank.
+        with nullcontext() if self.precision is None else self.precision.compute_dtype_outputs(), \
+                self._stages_given(inputs):
             out = schedule.eval(x, **inputs) if self.is_first else schedule.eval(**inputs)
-        out = _share_from_last(out, self)
+        if self.eval_outputs == "every":
+            out = _share_from_last(out, self)
         if not self.stage_modules:
             return out
         if self._eval_kind is None:  # the model's kind of output, known on the last stage: told to every rank
@@ -103,7 +121,7 @@ class PipelinedModel(nn.Module):
             last = self.stage_modules.get(self.num_stages - 1)
             held = last.loss if last is not None and last.loss is not None else torch.zeros((), device=self.device)
             loss = _share_loss(held, self)
-        return self._eval_kind.wrap(out, loss)
+        return None if out is None and loss is None else self._eval_kind.wrap(out, loss)
 
     def output_kind(self) -> OutputKind:
         """How the last stage's tensor becomes what the plain model returns (a ``ModelOutput`` with ``logits``)."""
@@ -206,21 +224,51 @@ def _share_loss(loss: torch.Tensor, model: PipelinedModel) -> torch.Tensor:
     return value
 
 
+SENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+"""The dtypes a last stage's output is sent in, as they are (one number in the header names it); others as fp32."""
+
+
 def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
-    """Broadcast the last stage's tensor to every rank of the pipeline (shape sent first)."""
+    """Broadcast the last stage's tensor to every rank of the pipeline in its own dtype (its dtype and shape sent
+    first), so no fp32 copy of bf16 logits is made or sent."""
     if model.pp_group is None:
         return value
+    header = torch.full((9,), -1, dtype=torch.long)
     if model.is_last:
-        shape = torch.tensor(list(value.shape) + [-1] * (8 - value.dim()), dtype=torch.long)
+        value = value if value.dtype in SENT_DTYPES else value.float()
+        header[0] = SENT_DTYPES.index(value.dtype)
+        header[1:1 + value.dim()] = torch.tensor(value.shape)
+    header = header.to(model.device)
+    dist.broadcast(header, src=model.last_rank, group=model.pp_group)
+    dtype, *dims = [int(d) for d in header.tolist()]
+    if model.is_last:
+        buf = value.detach().contiguous()
     else:
-        shape = torch.zeros(8, dtype=torch.long)
-    device = model.device
-    shape = shape.to(device)
-    dist.broadcast(shape, src=model.last_rank, group=model.pp_group)
-    dims = [int(d) for d in shape.tolist() if d >= 0]
-    buf = value.detach().float().contiguous() if model.is_last else torch.empty(dims, device=device)
+        buf = torch.empty([d for d in dims if d >= 0], dtype=SENT_DTYPES[dtype], device=model.device)
     dist.broadcast(buf, src=model.last_rank, group=model.pp_group)
     return buf
+
+
+def stage_states(local: dict[str, torch.Tensor], model: PipelinedModel,
+                 dst: int | None) -> list[dict[str, torch.Tensor]]:
+    """The ``local`` states of the pipeline's ranks, in its rank order: on global rank ``dst`` alone (the others get
+    ``[]``; a pipeline without it sends nothing) or, when ``dst`` is None, on every rank. One stage is in flight at a
+    time, sent to the ranks that need it, so no rank's device holds more than one stage of another rank's state."""
+    group, me, device = model.pp_group, dist.get_rank(), model.device
+    ranks = [me] if group is None else dist.get_process_group_ranks(group)
+    if dst is not None and dst not in ranks:
+        return []
+    parts = []
+    for src in ranks:
+        box = [local if src == me else None]
+        if dst is None and len(ranks) > 1:
+            dist.broadcast_object_list(box, src=src, group=group, device=device)
+        elif dst is not None and src != dst and me == dst:
+            dist.recv_object_list(box, src=src, group=group, device=device)
+        elif dst is not None and src != dst and me == src:
+            dist.send_object_list(box, dst=dst, group=group, device=device)
+        parts.append(box[0])
+    return parts if dst is None or me == dst else []
 
 
 def _make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable | None) -> Any:

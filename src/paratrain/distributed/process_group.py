@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..devices import backend_for
+from ..devices import backend_for, claim_device, job_backend
 from ..env import ClusterEnv
 from ..errors import ConfigError
 
@@ -49,10 +49,30 @@ def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float,
             raise ConfigError(
                 f"the existing process group puts this process at rank {dist.get_rank()} of {dist.get_world_size()} "
                 f"but RANK={env.rank}, WORLD_SIZE={env.world_size}; start the group with the launcher's ranks")
+        _check_serves_host(backend)
         return False
     dist.init_process_group(backend=backend, store=attempt_store(timeout), rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if backend == "nccl" else None)
     return True
+
+
+def _check_serves_host(backend: str) -> None:
+    """Refuse a group the script started that cannot carry the host tensors the job's ``backend`` is chosen for."""
+    if "cpu:" in backend and "cpu:" not in dist.get_backend_config():
+        raise ConfigError(f"the process group the script started ({dist.get_backend_config()}) serves no host "
+                          f"tensors, which this strategy sends (cpu_offload, parameter servers); start it with "
+                          f"init_process_group({backend!r})")
+
+
+def start_tool_group(accelerator: str, host_tensors: bool, timeout_s: float) -> torch.device:
+    """Claim this launched rank's device, then start the job's group on it with the job's backend: the job body of
+    a tool that launches its own processes (``bench``, ``verify``, ``doctor``'s bandwidth sweep). Returns the
+    device."""
+    device = claim_device(int(os.environ.get("LOCAL_RANK", "0")), accelerator)
+    backend = job_backend(accelerator, host_tensors)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)
+    return device
 
 
 def attempt_store(timeout: timedelta) -> dist.Store:

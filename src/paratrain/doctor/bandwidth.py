@@ -120,20 +120,16 @@ def measure_allreduce(*, nprocs: int, accelerator: str, max_bytes: int, timeout_
 def sweep(sizes: list[int], accelerator: str, budget_s: float) -> tuple[str, str, list[tuple[int, float]], bool]:
     """One rank's part (runs inside a launched process): (backend, device type, [(size, seconds)], correct)."""
     import time
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from ..devices import backend_for, select_device
+    from ..distributed.process_group import start_tool_group
     from ..env import ClusterEnv
 
     env = ClusterEnv.from_environ()
-    device = select_device(env.local_rank, accelerator)
-    backend = backend_for(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=30))
+    device = start_tool_group(accelerator, host_tensors=False, timeout_s=30)
+    backend = dist.get_backend()
     n, correct, timings, spent = env.world_size, True, [], 0.0
     try:
         for size in sizes:

@@ -68,7 +68,8 @@ def has_experts(model: nn.Module) -> bool:
 
 def routed_choice(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | list[int] | None:
     """What one call of an ``experts`` module routes: transformers' ``top_k_index`` (an integer tensor, tokens x k,
-    each slot's expert) or paratrain's GPT's ``counts`` (tokens per expert); None when the call carries neither."""
+    each slot's expert) or paratrain's GPT's ``counts`` (tokens per expert: a 1-D integer tensor on the device, or a
+    list); None when the call carries neither. :func:`is_top_k` tells the two apart."""
     chosen = args[1] if len(args) > 1 else next(
         (kwargs[k] for k in ("top_k_index", "router_indices", "selected_experts") if k in kwargs), None)
     if isinstance(chosen, torch.Tensor) and not chosen.is_floating_point() and not chosen.is_complex():
@@ -76,6 +77,11 @@ def routed_choice(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor |
     if isinstance(chosen, (list, tuple)) and all(isinstance(c, int) for c in chosen):
         return list(chosen)
     return None
+
+
+def is_top_k(chosen: torch.Tensor | list[int]) -> bool:
+    """Whether a :func:`routed_choice` is each slot's expert (tokens x k), not a count per expert."""
+    return isinstance(chosen, torch.Tensor) and chosen.dim() > 1
 
 
 def dispatched_bytes(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
@@ -86,6 +92,6 @@ def dispatched_bytes(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
     if chosen is None or not isinstance(hidden, torch.Tensor):
         return 0
     width = hidden.shape[-1] * hidden.element_size()
-    if isinstance(chosen, list):
-        return sum(chosen) * width  # the rows already hold a copy per slot
+    if not is_top_k(chosen):
+        return hidden.shape[0] * width  # the rows already hold a copy per slot
     return chosen.numel() * width

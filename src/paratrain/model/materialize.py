@@ -354,12 +354,14 @@ def _state(t: torch.Tensor) -> str:
 
 def place(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the part of the full tensor ``full`` that ``target`` holds (all of it, or a DTensor's local slice) into
-    ``target``, converting its dtype; no communication."""
+    ``target``, converting its dtype; no communication. A host tensor is cut where ``target`` lives (left on the
+    host, ``distribute_tensor`` would move it to the current device of the mesh's type)."""
     with torch.no_grad():
         if hasattr(target, "device_mesh") and hasattr(target, "placements"):
             from torch.distributed.tensor import distribute_tensor
 
-            local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            local = distribute_tensor(full.to(target.device), target.device_mesh, target.placements,
+                                      src_data_rank=None).to_local()
             target.to_local().copy_(local)
         else:
             target.copy_(full)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model.experts import ExpertLayer, find_expert_layers, routed_choice
+from ..model.experts import ExpertLayer, find_expert_layers, is_top_k, routed_choice
 from .config import MonitorConfig
 from .rules import Finding
 
@@ -113,12 +113,14 @@ class ExpertCounter:
             if not torch.is_grad_enabled() or _in_backward():  # evaluation, or a checkpointed block's recompute
                 return
             chosen = routed_choice(args, kwargs)
-            if isinstance(chosen, torch.Tensor):
+            if chosen is None:
+                return
+            if is_top_k(chosen):
                 flat = chosen.detach().reshape(-1).to(counts.device).clamp(0, experts)
                 counts.scatter_add_(0, flat, torch.ones_like(flat))
-            elif chosen:
-                given = chosen[:experts]
-                counts[:len(given)].add_(torch.tensor(given, dtype=torch.int64, device=counts.device))
+            else:  # a count per expert: on the device (nothing read), or a list the model already read
+                given = torch.as_tensor(chosen[:experts], dtype=torch.int64).to(counts.device)
+                counts[:given.numel()].add_(given.detach())
         return hook
 
     def window(self, group: dist.ProcessGroup | None, copies: int) -> list[ExpertLoad]:

@@ -9,8 +9,8 @@ from .model_parallel import ModelParallelStrategy
 from .param_server import ParameterServer
 from .pipeline import HybridPipeline, PipelinedModel, PurePipeline
 from .presets import PRESETS, Preset
-from .registry import (available, check_every_rank_trains, check_name, check_world, create, register, strategy_for,
-                       serves)
+from .registry import (available, check_every_rank_trains, check_name, check_world, create, register,
+                       sends_host_tensors, serves, strategy_for)
 
 SingleDevice = preset("single")
 DDPStrategy = preset("ddp")
@@ -22,7 +22,8 @@ TPStrategy = preset("tp")
 
 __all__ = [
     "Runtime", "Strategy", "Composed", "Preset", "PRESETS", "preset", "available", "check_name", "check_world",
-    "check_every_rank_trains", "create", "register", "strategy_for", "serves", "SingleDevice", "DataParallelStrategy", "DDPConfig",
+    "check_every_rank_trains", "create", "register", "strategy_for", "serves",
+    "sends_host_tensors", "SingleDevice", "DataParallelStrategy", "DDPConfig",
     "DDPStrategy", "Zero1Strategy", "FSDPConfig", "Zero2Strategy", "Zero3Strategy", "HSDPStrategy", "PipelineConfig",
     "PipelinedModel", "PurePipeline", "HybridPipeline", "ModelParallelConfig", "ModelParallelStrategy", "TPStrategy",
     "ParameterServer",

@@ -72,8 +72,12 @@ class Strategy(ABC):
     default none."""
     serves: ClassVar[bool] = False
     """Some ranks serve the others instead of training (parameter servers): they take no step of their own."""
-    host_messages: ClassVar[bool] = False
-    """The strategy sends host tensors of its own between ranks: on CUDA the job's group is gloo beside NCCL."""
+
+    @property
+    def host_tensors(self) -> bool:
+        """The strategy sends host tensors through the job's group (a parameter server's messages, CPU-offloaded
+        shards): on CUDA the group is then gloo beside NCCL (:func:`~paratrain.devices.job_backend`)."""
+        return False
 
     def on_host(self, env: ClusterEnv) -> bool:
         """Whether this rank of ``env`` runs on the host whatever the accelerator (a parameter server's shards
@@ -84,6 +88,11 @@ class Strategy(ABC):
         """Whether this rank starts a private group instead of joining the job's: a rank that comes back after its
         process died (an asynchronous parameter-server worker) cannot join a group whose members are fixed."""
         return False
+
+    def process_device(self, env: ClusterEnv, device: torch.device) -> torch.device:
+        """The device this rank of ``env`` binds its process group to and makes current, given ``device``, the one
+        its local rank selects (:func:`paratrain.devices.select_device`): that one, for a process on one device."""
+        return device
 
     def uses_group(self, env: ClusterEnv) -> bool:
         """Whether this strategy needs a process group and a mesh in ``env`` (one process gets a private group)."""

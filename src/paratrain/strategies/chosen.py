@@ -38,15 +38,22 @@ class ChosenStrategy:
         self.strategy.validate(env)
         self.mesh: DeviceMesh | None = None
 
-    def placement(self) -> dict[str, bool]:
+    def placement(self) -> dict[str, Any]:
         """What the session needs of the strategy to start this rank: whether the job needs a process group,
         whether this rank runs on the host whatever the accelerator (a parameter server), whether the strategy
-        sends host tensors of its own (then the group serves them beside the accelerator's), and whether this rank
-        starts a private group instead of joining the job's (a parameter-server worker that came back)."""
+        sends host tensors of its own (then the group serves them beside the accelerator's), whether this rank
+        starts a private group instead of joining the job's (a parameter-server worker that came back), and which
+        device it binds given the one its local rank selects (``model_parallel``: its first stage's)."""
         return {"needs_group": self.pending or self.strategy.uses_group(self.env),
                 "on_host": not self.pending and self.strategy.on_host(self.env),
-                "host_messages": self.strategy.host_messages,
-                "alone": not self.pending and self.strategy.joins_alone(self.env)}
+                "host_tensors": self.strategy.host_tensors,
+                "alone": not self.pending and self.strategy.joins_alone(self.env),
+                "device_of": self.process_device}
+
+    def process_device(self, selected: torch.device) -> torch.device:
+        """The device this rank binds its group to and makes current, given ``selected``, its local rank's: the
+        strategy's choice (``auto`` waiting for the model stays on ``selected``)."""
+        return selected if self.pending else self.strategy.process_device(self.env, selected)
 
     def agreed_values(self) -> dict[str, str]:
         """What every rank must have alike. The mesh, not the processes per node: torchrun lets nodes run different

@@ -45,6 +45,10 @@ class Composed(Strategy):
     def uses_group(self, env: ClusterEnv) -> bool:
         return self.preset.groups
 
+    @property
+    def host_tensors(self) -> bool:
+        return self.data.host_tensors
+
     def validate(self, env: ClusterEnv) -> None:
         if not self.preset.groups and env.world_size > 1:
             raise ConfigError(f"strategy {self.name!r} would train {env.world_size} independent copies "

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync
+from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate, no_gradient_sync, offload_policy
 from ..distributed.optimizer import param_groups_for
 from ..distributed.parallelize import Step, takes_meta
 from ..errors import ConfigError
@@ -44,6 +44,9 @@ class OneReplica:
     """True when the wrapper applies mixed precision itself (FSDP's policy) instead of autocast."""
     swaps_parameters = False
     """True when the wrapper makes new parameter objects, so the optimizer is rebuilt over them."""
+    host_tensors = False
+    """True when the wrapper keeps tensors it reduces in host memory (CPU offload): see
+    :attr:`~paratrain.strategies.base.Strategy.host_tensors`."""
 
     def __init__(self, options: dict[str, Any], split: bool, config: object | None = None) -> None:
         if options or config is not None:
@@ -177,6 +180,11 @@ class Shards(OneReplica):
     def zero(self) -> int:  # type: ignore[override]
         return 3 if self.config.reshard_after_forward else 2
 
+    @property
+    def host_tensors(self) -> bool:  # type: ignore[override]
+        """Offloaded shards stay on the host: the clipping norm and full state dicts reduce them there."""
+        return self.config.cpu_offload
+
     def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
         assert mesh is not None, "sharding needs a mesh"
         policy = rt.precision.fsdp_policy(cast_output=False)
@@ -191,11 +199,9 @@ class Shards(OneReplica):
         return no_gradient_sync(model)
 
     def expert_shard_options(self, rt: Runtime) -> dict[str, Any]:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
         return {"reshard_after_forward": self.config.reshard_after_forward,
                 "mp_policy": rt.precision.fsdp_policy(cast_output=False),
-                "offload_policy": CPUOffloadPolicy() if self.config.cpu_offload else OffloadPolicy()}
+                "offload_policy": offload_policy(self.config.cpu_offload, rt.device.type)}
 
     def detail(self) -> str | None:
         return f"reshard_after_forward={self.config.reshard_after_forward}"

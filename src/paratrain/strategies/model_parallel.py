@@ -1,11 +1,12 @@
 """``model_parallel``: layer-split model parallelism inside one process.
 
 The model's layers (its top-level children, with ``nn.Sequential``/``nn.ModuleList`` containers opened up) are
-cut into contiguous stages; stage i lives on ``cuda:i`` (offset by the process's local rank times the stage
-count when several processes each own a set of GPUs) and a forward pre-hook moves each layer's inputs to its
-device, so the model's own ``forward`` and its ``state_dict`` keys are unchanged. Only one stage computes at
-a time: this buys memory, not speed (use ``pipeline`` for both). On the CPU every stage is the CPU, so the
-logic is testable anywhere. With several processes the staged model is wrapped in DDP (data x model parallel).
+cut into contiguous stages; stage i lives on ``cuda:i``, offset by k·n on local rank k when several processes of a
+node each own a set of n GPUs (the process's device, bound to its process group and made current, is its first
+stage's GPU), and a forward pre-hook moves each layer's inputs to its device, so the model's own ``forward`` and its
+``state_dict`` keys are unchanged. Only one stage computes at a time: this buys memory, not speed (use ``pipeline``
+for both). On the CPU every stage is the CPU, so the logic is testable anywhere. With several processes the staged
+model is wrapped in DDP (data x model parallel).
 
 The root module's own parameters (those not inside a layer) stay on the first stage.
 """
@@ -45,16 +46,32 @@ class ModelParallelStrategy(Strategy):
         mp = self.config.stages or (len(self.config.split) + 1 if self.config.split is not None else 1)
         return ParallelDims(dp_replicate=env.world_size, mp=mp)
 
+    def gpus_per_process(self, env: ClusterEnv) -> int:
+        """The GPUs each process of the node owns: the stages asked for, else the node's visible GPUs shared out."""
+        if self.config.split is not None:
+            return len(self.config.split) + 1
+        return self.config.stages or max(torch.cuda.device_count() // env.local_world_size, 1)
+
+    def first_gpu(self, env: ClusterEnv) -> int:
+        """The index of this process's first GPU: local rank k owns ``gpus_per_process`` GPUs from k times that.
+        Refused in one line unless every process of the node has its own."""
+        n, count = self.gpus_per_process(env), torch.cuda.device_count()
+        if env.local_world_size * n > count:
+            raise ConfigError(
+                f"model_parallel with {n} stages per process on {env.local_world_size} process(es) per node needs "
+                f"{env.local_world_size * n} GPUs, {count} visible; use fewer stages or processes per node"
+            )
+        return env.local_rank * n
+
+    def process_device(self, env: ClusterEnv, device: torch.device) -> torch.device:
+        """The first stage's GPU: its NCCL communicator, DDP and the current device sit where its first parameters
+        are, and no other process's stage shares it."""
+        return torch.device("cuda", self.first_gpu(env)) if device.type == "cuda" else device
+
     def stage_devices(self, rt: Runtime, n: int) -> list[torch.device]:
         if rt.device.type != "cuda":
             return [rt.device] * n
-        first = rt.env.local_rank * n
-        if first + n > torch.cuda.device_count():
-            raise ConfigError(
-                f"model_parallel with {n} stages on {rt.env.local_world_size} process(es) needs "
-                f"{n * rt.env.local_world_size} GPUs, {torch.cuda.device_count()} visible; use fewer stages or "
-                "processes"
-            )
+        first = self.first_gpu(rt.env)
         return [torch.device("cuda", first + i) for i in range(n)]
 
     def output_device(self, rt: Runtime) -> torch.device:
@@ -67,8 +84,8 @@ class ModelParallelStrategy(Strategy):
         if self.config.split is not None:
             split = list(self.config.split)
         else:
-            default = max(torch.cuda.device_count() // rt.env.local_world_size, 1) if rt.device.type == "cuda" else 2
-            n_stages = min(self.config.stages or default, len(named))
+            n_stages = min(self.gpus_per_process(rt.env) if rt.device.type == "cuda" else self.config.stages or 2,
+                           len(named))
             split = balance([sum(p.numel() for p in m.parameters()) for _, m in named], n_stages)
         self.devices = devices = self.stage_devices(rt, len(split) + 1)
         mesh = rt.mesh

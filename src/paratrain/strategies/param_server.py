@@ -49,7 +49,7 @@ from .registry import register
 class ParameterServer(Strategy):
     name = "ps"
     serves = True
-    host_messages = True
+    host_tensors = True  # type: ignore[assignment]  # its messages: shards held on a server's host
 
     def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
         if config is not None and options:

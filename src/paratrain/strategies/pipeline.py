@@ -46,7 +46,7 @@ from ..dims import ParallelDims
 from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from ..distributed.optimizer import rebuild
 from ..distributed.parallelize import Step, takes_meta
-from ..distributed.pipeline import PipelinedModel
+from ..distributed.pipeline import PipelinedModel, stage_states
 from ..distributed.pipeline_metadata import keep_buffers_through_metadata_pass
 from ..env import ClusterEnv
 from ..errors import ConfigError
@@ -123,6 +123,7 @@ class PipelineStrategy(Strategy):
         out.pp_group = pp_mesh.get_group()
         out.last_rank = dist.get_global_rank(out.pp_group, (total - 1) % pp)
         out.microbatches = self.config.microbatches
+        out.eval_outputs = self.config.eval_outputs
         out.schedule_name = self.config.schedule
         out.precision = rt.precision
         out.split_loss = self.tp.split_loss
@@ -297,11 +298,10 @@ class PipelineStrategy(Strategy):
         assert isinstance(model, PipelinedModel)
         local = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                  for k, v in model.state_dict().items()}
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(model.pp_group))]
-        dist.all_gather_object(parts, local, group=model.pp_group)
-        merged = {k: v for part in parts for k, v in part.items()}
-        if rank0_only and dist.get_rank() != 0:
+        parts = stage_states(local, model, 0 if rank0_only else None)
+        if not parts:
             return {}
+        merged = {k: v for part in parts for k, v in part.items()}
         if model.key_order is not None:
             return OrderedDict((k, merged[k]) for k in model.key_order if k in merged)
         return OrderedDict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))

@@ -92,6 +92,12 @@ def serves(name: str) -> bool:
     return create(name).serves
 
 
+def sends_host_tensors(name: str, **options: Any) -> bool:
+    """Whether strategy ``name`` with ``options`` sends host tensors through its group (CPU offload, parameter
+    servers): :attr:`~paratrain.strategies.base.Strategy.host_tensors`."""
+    return create(name, **_own(options)).host_tensors
+
+
 def check_every_rank_trains(name: str, **options: Any) -> None:
     """Raise a one-line ``ConfigError`` when ``name`` has ranks that serve instead of training (parameter servers):
     tools that compare every rank's steps (``paratrain verify``) cannot run it."""

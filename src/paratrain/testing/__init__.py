@@ -1,7 +1,8 @@
 """Helpers for testing distributed training code on CPU, shipped for users' own test suites.
 
 ``spawn`` runs a function on N gloo processes with a hard timeout; ``max_abs_diff`` compares state dicts;
-``alive`` tells whether processes are still running (to check that nothing was left behind).
+``alive`` tells whether processes are still running (to check that nothing was left behind);
+``host_syncs.HostSyncs`` counts, on CPU, the reads of device values that would make a GPU's host wait.
 """
 from __future__ import annotations
 

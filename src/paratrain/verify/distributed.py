@@ -6,9 +6,7 @@ The loop runs until the optimizer has stepped ``steps`` times; a hook after that
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -16,11 +14,10 @@ import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
 from ..data import ShardSampler, describe_sampler
-from ..devices import backend_for, select_device
 from ..digest import state_digest
-from ..errors import ConfigError
-from ..distributed.process_group import finish_group
+from ..distributed.process_group import finish_group, start_tool_group
 from ..distributed.router_loss import router_loss
+from ..errors import ConfigError
 from ..parallel import Parallel
 from .options import merged_strategy_options
 from .record import Record, RecordHooks, recording_loader, run_loop
@@ -94,10 +91,9 @@ class RankEvidence:
 
 
 def run_cases(cases: list[Case], timeout_s: float, accelerator: str = "auto") -> list[RankEvidence]:
-    """The job's body on every rank (started by ``paratrain.launch``)."""
-    device = select_device(int(os.environ.get("LOCAL_RANK", "0")), accelerator)
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    """The job's body on every rank (started by ``paratrain.launch``). A case's options are known only once its
+    factory has run, after the group is up, so the group serves host tensors (CPU offload) whatever they ask."""
+    start_tool_group(accelerator, host_tensors=True, timeout_s=timeout_s)
     out = []
     for case in cases:
         evidence = RankEvidence(case=case)

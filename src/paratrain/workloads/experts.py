@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..model.expert_compute import count_per_expert, expert_groups, expert_linear, grouped_mm_fits
 from ..planner.moe import MoE
 from ..planner.transformer import GPTConfig
 
@@ -41,14 +42,13 @@ class Experts(nn.Module):
         for weight in (self.gate_up, self.down):  # nn.Linear's default bound, per expert
             nn.init.uniform_(weight, -1 / math.sqrt(weight.shape[-1]), 1 / math.sqrt(weight.shape[-1]))
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``rows`` sorted by expert, ``counts[e]`` of them expert e's → each row through its expert."""
-        outputs = []
-        for e, part in enumerate(rows.split(counts)):
-            z = F.linear(part, self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
-            outputs.append(F.linear(activate(z, self.gated), self.down[e],
-                                    None if self.down_bias is None else self.down_bias[e]))
-        return torch.cat(outputs)
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """``rows`` sorted by expert, ``counts[e]`` of them expert e's (on the device, or on the host) → each row
+        through its expert: grouped GEMM where the device has it, else one matmul per expert
+        (:mod:`paratrain.model.expert_compute`)."""
+        groups = expert_groups(rows, counts, grouped_mm_fits(rows, self.gate_up, self.down))
+        z = expert_linear(rows, self.gate_up, groups, self.gate_up_bias)
+        return expert_linear(activate(z, self.gated), self.down, groups, self.down_bias)
 
 
 class MixtureOfExperts(nn.Module):
@@ -79,7 +79,7 @@ class MixtureOfExperts(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         slots = chosen.flatten().argsort(stable=True)  # each token's k slots, sorted by expert
         rows = slots // self.top_k
-        counts = chosen.flatten().bincount(minlength=self.router.out_features).tolist()
+        counts = count_per_expert(chosen, self.router.out_features)  # on the device: read once, if at all
         routed = self.experts(tokens[rows], counts)
         routed = routed * weights.flatten()[slots, None].to(routed.dtype)
         out = routed.new_zeros(tokens.shape[0], routed.shape[-1]).index_add(0, rows, routed)

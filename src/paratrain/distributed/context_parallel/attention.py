@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from .masks import whole_mask
+from .masks import attend
 from .sequence import SequenceSplit
 from .ulysses import heads_to_sequence, sequence_to_heads
 
@@ -41,14 +41,12 @@ class HFUlysses:
                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         group = self.split.group
         q, k, v = (sequence_to_heads(t, group) for t in (query, key, value))
-        form = _MASK_FORMS.get(self.implementation, "bool")
-        mask = whole_mask(self.split.padding, q.shape[2], bool(getattr(module, "is_causal", True)), form, q.dtype,
-                          q.device)
-        if mask is not None and self.implementation not in _MASK_FORMS:
-            raise ConfigError(f"cp builds whole-sequence masks for sdpa and eager attention, not "
-                              f"{self.implementation!r}; load the model with attn_implementation='sdpa' or drop the "
-                              "padding (attention_mask of ones)")
-        out, weights = self.kernel(module)(module, q, k, v, mask, **kwargs)  # out: [b, s, h/C, d]
+        padding = self.split.padding
+        if padding is not None and self.implementation not in _MASK_FORMS:
+            raise ConfigError(f"cp masks padding for sdpa and eager attention, not {self.implementation!r}; load "
+                              "the model with attn_implementation='sdpa' or drop the padding (attention_mask of ones)")
+        out, weights = attend(self.kernel(module), module, q, k, v, padding, bool(getattr(module, "is_causal", True)),
+                              _MASK_FORMS.get(self.implementation, "bool"), kwargs)  # out: [b, s, h/C, d]
         return heads_to_sequence(out.transpose(1, 2), group).transpose(1, 2).contiguous(), weights
 
     def kernel(self, module: nn.Module) -> Callable[..., Any]:

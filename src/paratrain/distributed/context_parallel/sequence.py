@@ -26,6 +26,7 @@ from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
 from ...batch import find_loss
 from ...errors import ConfigError
+from .masks import Padding, read_padding
 
 IGNORE_INDEX = -100
 _FIRST_INPUTS = ("input_ids", "inputs_embeds", "idx", "x")
@@ -45,8 +46,8 @@ class SequenceSplit:
         self.no_cache = {"use_cache": False} if "use_cache" in params else {}
         """A key/value cache would hold only this rank's slice of the keys: a split forward runs without one."""
         self.shifts_labels = _causal_lm(model)
-        self.padding: torch.Tensor | None = None
-        """The whole 2-D attention mask of the current call (None: no padding given)."""
+        self.padding: Padding | None = None
+        """The padding of the current call's whole sequences (None: nothing padded)."""
         self.share: torch.Tensor | None = None
         """This rank's share of the current call's counted target tokens; None where the model's loss is already a
         sum over the whole count (``num_items_in_batch``)."""
@@ -95,7 +96,7 @@ class SequenceSplit:
         if mask is not None and mask.dim() != 2:
             raise ConfigError(f"cp takes a 2-D attention_mask [batch, seq] (padding) and builds the whole sequence's "
                               f"mask itself; got {mask.dim()}-D: pass the padding mask instead")
-        self.padding = mask
+        self.padding = read_padding(mask, first.device)
         self.share = None
         self.pending = self._targets(args, kwargs, first.device)
         if self.positions is not None:

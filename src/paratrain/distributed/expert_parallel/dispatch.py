@@ -15,24 +15,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-LocalRun = Callable[[torch.Tensor, list[int]], torch.Tensor]
-"""``(rows sorted by local expert, count per local expert) -> one output row per row``: the experts this rank holds."""
+LocalRun = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+"""``(rows sorted by local expert, count per local expert on the device, the same counts on the host) -> one output
+row per row``: the experts this rank holds (the device counts for grouped GEMM, the host ones for a loop)."""
 
 
 def exchange(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup, run: LocalRun) -> torch.Tensor:
-    """``rows`` (sorted by expert, ``counts[e]`` of them expert e's, over every expert of the layer) through their
-    experts, wherever those are held in ``group``; returns one output row per row, in ``rows``' order."""
+    """``rows`` (sorted by expert, ``counts[e]`` of them expert e's, over every expert of the layer; rows past
+    ``counts.sum()`` are left out) through their experts, wherever those are held in ``group``; returns one output
+    row per row counted, in ``rows``' order.
+
+    The host reads the counts once (what the variable splits of the all-to-all need), both ways at a time: every
+    further size is taken from that one read."""
     ranks = dist.get_world_size(group)
     sent = counts.to(torch.int64).view(ranks, -1)  # [destination rank, its local expert]
     received = torch.empty_like(sent)
     dist.all_to_all_single(received, sent, group=group)
-    send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
-    arrived = _all_to_all(rows, recv_splits, send_splits, group)
+    sent_host, received_host = torch.stack((sent, received)).tolist()  # the layer's one device->host read
+    send_splits, recv_splits = [sum(r) for r in sent_host], [sum(r) for r in received_host]
+    local_host = [sum(column) for column in zip(*received_host)]
+    arrived = _all_to_all(rows[:sum(send_splits)], recv_splits, send_splits, group)
     n_local = sent.shape[1]
     # arrived rows are grouped by source rank, each source's sorted by local expert: regroup them by local expert
-    expert_of_row = torch.arange(n_local, device=rows.device).repeat(ranks).repeat_interleave(received.flatten())
+    expert_of_row = torch.arange(n_local, device=rows.device).repeat(ranks).repeat_interleave(
+        received.flatten(), output_size=sum(recv_splits))  # its size given: CUDA would read it on the host
     order = expert_of_row.argsort(stable=True)
-    computed = run(arrived[order], received.sum(0).tolist())
+    computed = run(arrived[order], received.sum(0), local_host)
     back = computed[order.argsort()]
     returned = _all_to_all(back, send_splits, recv_splits, group)
     # the collective hands back a view of its buffer; a module's output that is a view loses FSDP's backward hook

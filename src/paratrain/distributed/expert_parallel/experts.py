@@ -3,8 +3,12 @@
 A routed-experts module is one named ``experts`` holding fused 3-D parameters whose dimension 0 is the expert (as
 transformers' Mixtral, Qwen-MoE, OLMoE and GPT-OSS hold them, and :class:`paratrain.workloads.experts.Experts`).
 Its block's routing code stays as it is: only the module's ``forward`` is replaced, on the instance, by one that
-sends each row to the rank holding its expert (:func:`.dispatch.exchange`), runs the module's ORIGINAL forward
-there on the local slice of the experts (local expert indices), and brings the outputs back. Two interfaces:
+sends each row to the rank holding its expert (:func:`.dispatch.exchange`), computes it there with the local slice
+of the experts (local expert indices), and brings the outputs back. The computation is the module's ORIGINAL
+forward, except for transformers' fused experts (``gate_up_proj``/``down_proj``, marked by transformers 5's
+``use_experts_implementation``), which :func:`paratrain.model.expert_compute.run_fused_experts` runs as they do,
+with grouped GEMM where the device has it and without the host reads of their own loop. A layer reads its counts on
+the host once per forward (the all-to-all's splits), nothing more. Two interfaces:
 
 - transformers': ``forward(hidden_states, top_k_index, top_k_weights)``; each (token, k) slot is sent, computed with
   weight 1, and weighted and added in token order on its own rank (the expert's output times the weight, as the
@@ -21,8 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ...errors import ConfigError
+from ...model.expert_compute import count_per_expert, fused_gate, grouped_mm_fits, run_fused_experts
 from ...model.experts import ExpertLayer, find_expert_layers
 from .dispatch import exchange
 
@@ -81,14 +87,17 @@ def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch
     module, original = layer.module, layer.module.forward
     n_local = layer.experts // dist.get_world_size(group)
 
-    def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    fused = layer.interface == "topk" and fused_gate(module) is not None
+
+    def run(rows: torch.Tensor, counts: torch.Tensor, host: list[int]) -> torch.Tensor:
         with _local(module, layer.split, n_local, dtype) as held:
-            if layer.interface == "rows":
-                out = original(rows, counts)
+            if fused:  # transformers' fused experts, computed here from the counts: no host read of their own
+                out = run_fused_experts(module, rows, counts, host)
+            elif layer.interface == "rows":  # the device counts where grouped GEMM takes them, else the host's
+                out = original(rows, counts if grouped_mm_fits(rows, *(t for t in held if t.dim() == 3)) else host)
             else:
-                index = torch.arange(n_local, device=rows.device).repeat_interleave(
-                    torch.tensor(counts, device=rows.device))[:, None]
-                out = original(rows, index, torch.ones(index.shape, dtype=rows.dtype, device=rows.device))
+                index = torch.arange(n_local, device=rows.device).repeat_interleave(counts, output_size=len(rows))
+                out = original(rows, index[:, None], torch.ones((len(rows), 1), dtype=rows.dtype, device=rows.device))
         # Every parameter gets a gradient, zeros where no row came: one process's experts tensor always gets one (some
         # expert of the layer is hit), and an optimizer skips a parameter without one (no weight decay, no momentum).
         return out + sum(t[:0].sum() for t in held).to(out.dtype)
@@ -103,19 +112,19 @@ def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch
 
 
 def _rows_forward(run: Callable, experts: int, group: dist.ProcessGroup, rows: torch.Tensor,
-                  counts: list[int]) -> torch.Tensor:
-    return exchange(rows, torch.tensor(counts, device=rows.device), group, run)
+                  counts: torch.Tensor | list[int]) -> torch.Tensor:
+    return exchange(rows, torch.as_tensor(counts, device=rows.device), group, run)
 
 
 def _topk_forward(run: Callable, experts: int, group: dist.ProcessGroup, hidden_states: torch.Tensor,
                   top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     chosen = top_k_index.flatten()
-    kept = (chosen < experts).nonzero().flatten()  # index == experts: the sentinel the original forward skips
-    slots = kept[chosen[kept].argsort(stable=True)]
-    tokens = slots // top_k_index.shape[-1]
-    counts = chosen[slots].bincount(minlength=experts)
-    routed = exchange(hidden_states[tokens], counts, group, run)
+    slots = chosen.argsort(stable=True)  # index == experts, the sentinel the original forward skips, sorts last
+    counts = count_per_expert(chosen, experts)
+    routed = exchange(hidden_states[slots // top_k_index.shape[-1]], counts, group, run)
+    slots = slots[:len(routed)]  # the sentinels' slots left out
     routed = routed * top_k_weights.flatten()[slots, None].to(routed.dtype)
+    tokens = slots // top_k_index.shape[-1]
     return torch.zeros_like(hidden_states).index_add(0, tokens, routed.to(hidden_states.dtype))
 
 
@@ -130,7 +139,7 @@ def _local(module: nn.Module, names: tuple[str, ...], n_local: int,
     count = getattr(module, "num_experts", None)
     try:
         for n, p in params.items():
-            local = p.to_local() if hasattr(p, "to_local") else p  # type: ignore[union-attr]
+            local = p.to_local() if isinstance(p, DTensor) else p  # compiled, hasattr left the DTensor in the graph
             module._parameters[n] = local.to(dtype) if dtype is not None else local  # type: ignore[assignment]
         if count is not None:
             module.num_experts = n_local
