@@ -1,8 +1,9 @@
 """The CUDA-shaped lane: one training step of a layout as rank r of a 4-GPU NCCL job, on fake ``cuda:LOCAL_RANK``
 devices, in one CUDA-shaped child process for every case (:mod:`paratrain.cuda_step`; about 20 s on 2 cores).
 
-Each case asserts what a GPU run needs; the cases of a defect a CPU run cannot see are marked ``xfail(strict)``
-naming it, so they turn into failures to remove once it is fixed. The unit tests check the group's backend rule
+Each case asserts what a GPU run needs (the current device set where the group starts, a host backend beside NCCL
+for CPU offload, CUDA's foreach optimizer path); a case of a defect not yet fixed is marked ``xfail(strict)`` naming
+it, so it turns into a failure to remove once it is fixed. The unit tests check the group's backend rule
 itself: an NCCL group takes no CPU tensor, and no tensor of another rank's GPU.
 """
 from __future__ import annotations
@@ -54,8 +55,6 @@ def test_ddp_step_passes_and_peaks_above_what_the_rank_holds(steps):
 
 @pytest.mark.launched
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="issue 43 item 1: nothing sets the current CUDA device where the group starts "
-                                        "(FSDP2 then shards rank 1 onto cuda:0)")
 def test_zero3_rank_1_trains_on_its_own_gpu(steps):
     _passes(steps["zero3 rank 1"])
 
@@ -70,8 +69,6 @@ def test_ep_under_ddp_steps_on_cudas_foreach_path(steps):
 
 @pytest.mark.launched
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="issue 43 item 3: cpu_offload's gradient norm is all-reduced as a CPU tensor "
-                                        "on an NCCL-only group")
 def test_cpu_offload_clips_on_a_group_that_takes_host_tensors(steps):
     _passes(steps["zero3 cpu_offload"])
 
