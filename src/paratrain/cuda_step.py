@@ -16,7 +16,8 @@ dtypes, no data) over the dry run's fake process group. It fails where a launch 
   tensors in one group).
 
 The rank's peak memory is measured as torch allocates it (``torch.distributed._tools.mem_tracker.MemTracker``: the
-live storages of the fake tensors on the rank's GPU, parameters to activations).
+live storages of the fake tensors on the rank's GPU, parameters to activations) over a second step, the steady
+state: optimizer states allocated, one-time work done.
 
 CUDA-shaped: a CPU-only torch has no CUDA device guard and no CUDA hooks, and its autograd engine refuses CUDA
 tensors. A small C++ library (:data:`SHIM_SOURCE`, compiled once per machine with torch's ``cpp_extension`` and
@@ -382,15 +383,18 @@ def _step(spec: dict[str, Any]) -> StepResult:
                 wrapped, optimizer = par.prepare(model, optimizer)
                 _forward_reduce(wrapped)
                 allowed = {device} | ({torch.device("cpu")} if spec["options"].get("cpu_offload") else set())
+                call = model_sample(spec.get("model"), spec.get("model_config"), spec.get("input"), spec["seq_len"])
+                note = _forward_backward(call, wrapped, spec["batch"], par.device)
+                _check_placed(par.strategy.unwrap(wrapped), None, allowed)
+                finish_step(par.strategy, wrapped, optimizer, par.precision, spec["clip"])
+                _check_placed(par.strategy.unwrap(wrapped), optimizer, allowed)
+                # measured on the second step: the optimizer's states exist, and the first step's one-time work
+                # (DTensor's sharding propagation runs on fake tensors of the full shapes, then is cached) is done
                 tracker = MemTracker()
                 tracker.track_external(wrapped, optimizer)
                 with tracker:
-                    call = model_sample(spec.get("model"), spec.get("model_config"), spec.get("input"),
-                                        spec["seq_len"])
-                    note = _forward_backward(call, wrapped, spec["batch"], par.device)
-                    _check_placed(par.strategy.unwrap(wrapped), None, allowed)
+                    _forward_backward(call, wrapped, spec["batch"], par.device)
                     finish_step(par.strategy, wrapped, optimizer, par.precision, spec["clip"])
-                    _check_placed(par.strategy.unwrap(wrapped), optimizer, allowed)
             peak = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
             return StepResult(rank=rank, device=str(device), passed=True, peak=int(peak), note=note)
         finally:
