@@ -381,7 +381,7 @@ def _step(spec: dict[str, Any]) -> StepResult:
                 model.to_empty(device="cpu")  # as a script builds it, before prepare places it
                 optimizer = torch.optim.AdamW(model.parameters(), foreach=True)  # CUDA's default path
                 wrapped, optimizer = par.prepare(model, optimizer)
-                _forward_reduce(wrapped)
+                _fake_group_ddp(wrapped)
                 allowed = {device} | ({torch.device("cpu")} if spec["options"].get("cpu_offload") else set())
                 call = model_sample(spec.get("model"), spec.get("model_config"), spec.get("input"), spec["seq_len"])
                 note = _forward_backward(call, wrapped, spec["batch"], par.device)
@@ -417,9 +417,11 @@ def _forward_backward(call: Any, wrapped: torch.nn.Module, batch: int, device: t
         return f"forward skipped ({type(err).__name__}: {err}): the step ran on stand-in gradients"
 
 
-def _forward_reduce(wrapped: torch.nn.Module) -> None:
-    """DDP's C++ reducer reads its all-reduce's result from a future the fake group leaves empty: the same
-    all-reduce, made in Python (so the group's check sees it), fills it."""
+def _fake_group_ddp(wrapped: torch.nn.Module) -> None:
+    """DDP over the fake group: its C++ reducer reads its all-reduce's result from a future the fake group leaves
+    empty (the same all-reduce, made in Python so the group's check sees it, fills it); its logger times iterations
+    with CUDA events a CPU-only torch has none of, and its second iteration rebuilds its buckets in the order
+    every rank's first backward gave, which fake tensors cannot say: both are left out."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(wrapped, DistributedDataParallel):
@@ -435,6 +437,20 @@ def _forward_reduce(wrapped: torch.nn.Module) -> None:
         return done
 
     wrapped.register_comm_hook(wrapped.process_group, hook)
+    wrapped.logger = _Answering(wrapped.logger, set_runtime_stats_and_log=None)
+    wrapped.reducer = _Answering(wrapped.reducer, _rebuild_buckets=False)  # its rebuild reads every rank's order
+
+
+class _Answering:
+    """``target`` with the calls named in ``answers`` answered without it."""
+
+    def __init__(self, target: Any, **answers: Any) -> None:
+        self.target, self.answers = target, answers
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.answers:
+            return lambda *args, **kwargs: self.answers[name]
+        return getattr(self.target, name)
 
 
 def _check_placed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, allowed: set[torch.device]) -> None:
