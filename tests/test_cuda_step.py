@@ -102,8 +102,10 @@ def test_the_table_shows_each_rank_its_peak_and_each_failure():
     from paratrain.planning.dry_run import steps_table
 
     table = steps_table([StepResult(rank=0, device="cuda:0", passed=True, peak=3 * 2 ** 29),
+                         StepResult(rank=8, device="cuda:0", passed=False, ran=False, error="not run: stages"),
                          StepResult(rank=63, device="cuda:7", passed=False, error="RuntimeError: no backend")])
     rows = table.splitlines()
     assert rows[2].split() == ["0", "cuda:0", "passes", "1.500"]
-    assert rows[3].split() == ["63", "cuda:7", "FAILS", "-"]
-    assert rows[4] == "rank 63: RuntimeError: no backend"
+    assert rows[3].split() == ["8", "cuda:0", "not", "run", "-"]
+    assert rows[4].split() == ["63", "cuda:7", "FAILS", "-"]
+    assert rows[5:] == ["rank 8: not run: stages", "rank 63: RuntimeError: no backend"]

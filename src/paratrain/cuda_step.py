@@ -73,6 +73,8 @@ C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
 """
 
 STEP_TIMEOUT_S = 600.0
+_STAGES = ("not run: pipeline stages learn their inputs' shapes from each other's messages, which the fake process "
+           "group does not carry")
 _CHILD = ("import ctypes, sys; [ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL) for p in sys.argv[1:4]]; "
           "from paratrain.cuda_step import child_main; child_main(sys.argv[4])")
 
@@ -87,6 +89,8 @@ class StepResult:
     peak: int = 0
     error: str | None = None
     note: str | None = None
+    ran: bool = True
+    """False where the step cannot run on fake devices (``error`` says why): nothing is known either way."""
 
 
 def shim_library() -> Path:
@@ -144,8 +148,9 @@ def child_main(specs_json: str) -> None:
         except Exception as err:  # noqa: BLE001  # the step's failure is its result: the error a launch would hit
             text = str(err).strip().splitlines()
             local = spec["rank"] % min(spec["per_node"], spec["world"])
-            result = StepResult(rank=spec["rank"], device=f"cuda:{local}", passed=False,
-                                error=f"{type(err).__name__}: {text[0] if text else ''}")
+            staged = type(err).__name__ == "PipeliningMetadataError"
+            result = StepResult(rank=spec["rank"], device=f"cuda:{local}", passed=False, ran=not staged,
+                                error=_STAGES if staged else f"{type(err).__name__}: {text[0] if text else ''}")
         print(json.dumps(asdict(result)), flush=True)
 
 

@@ -80,7 +80,7 @@ def run_dry_run(config: DryRunConfig) -> int:
         print(json.dumps({**result.as_dict(), "steps": [asdict(s) for s in steps]}, indent=2))
     else:
         print("\n".join([result.table(), *([steps_table(steps)] if steps else [])]))
-    return 1 if result.error is not None or not all(s.passed for s in steps) else 0
+    return 1 if result.error is not None or any(s.ran and not s.passed for s in steps) else 0
 
 
 def step_spec(config: DryRunConfig, rank: int) -> dict[str, object]:
@@ -95,7 +95,7 @@ def steps_table(steps: list[StepResult]) -> str:
     """Each probed rank's first step on fake CUDA: passes or fails, its peak memory, then each failure's line."""
     lines = ["first training step on fake CUDA devices (clipped AdamW, CUDA's foreach path, the job's backend)",
              f"{'rank':>6} {'device':>8} {'first step':>11} {'peak GiB':>9}"]
-    lines += [f"{s.rank:>6} {s.device:>8} {'passes' if s.passed else 'FAILS':>11} "
+    lines += [f"{s.rank:>6} {s.device:>8} {'passes' if s.passed else 'FAILS' if s.ran else 'not run':>11} "
               f"{(f'{s.peak / 2 ** 30:.3f}' if s.passed else '-'):>9}" for s in steps]
     lines += [f"rank {s.rank}: {s.error}" for s in steps if not s.passed]
     lines += [f"rank {s.rank}: note: {s.note}" for s in steps if s.note]
