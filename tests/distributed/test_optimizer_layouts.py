@@ -1,8 +1,9 @@
 """CUDA's optimizer paths over param groups that mix plain tensors and DTensors of several layouts
 (``paratrain.distributed.optimizer.step_by_layout``, ``paratrain.precision.ScalerByLayout``), on a one-rank mesh in
-this process: multi-tensor (``foreach``) and ``fused`` steps with the numbers of plain tensors, the user's param
-groups unchanged around them (LR schedulers, edits, state dicts, a step that raises), and fp16's grad scaler. With
-experts under ``Parallel("ddp", ep=2)`` at world 2: the launched job of tests/distributed/test_expert_parallel.py."""
+this process (and on a GPU where there is one): multi-tensor (``foreach``) and ``fused`` steps with the numbers of
+plain tensors, the user's param groups unchanged around them (LR schedulers, edits, state dicts, a step that
+raises), and fp16's grad scaler. With experts under ``Parallel("ddp", ep=2)`` at world 2: the launched job of
+tests/distributed/test_expert_parallel.py."""
 from __future__ import annotations
 
 import pytest
@@ -17,16 +18,22 @@ from paratrain.precision import ScalerByLayout
 PLACEMENTS = (None, Shard(0), Replicate(), None)  # plain, DTensor, DTensor laid out otherwise, plain
 
 
-@pytest.fixture
-def mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return init_device_mesh("cpu", (1,))
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs a CUDA GPU")])
+
+
+@pytest.fixture(params=["cpu", CUDA])
+def mesh(request):
+    """A one-rank mesh on the CPU (gloo) and, where there is one, on a GPU (NCCL, CUDA's kernels)."""
+    backend = "gloo" if request.param == "cpu" else "nccl"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(request.param, (1,))
 
 
 def _mixed(mesh) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """Plain parameters, and the same values laid out as :data:`PLACEMENTS` says."""
     torch.manual_seed(0)
-    plain = [torch.nn.Parameter(torch.randn(4, 3)) for _ in PLACEMENTS]
+    plain = [torch.nn.Parameter(torch.randn(4, 3).to(mesh.device_type)) for _ in PLACEMENTS]
     mixed = [torch.nn.Parameter(p.detach().clone() if pl is None else distribute_tensor(p.detach().clone(), mesh, [pl]))
              for p, pl in zip(plain, PLACEMENTS, strict=True)]
     return plain, mixed
@@ -116,21 +123,22 @@ def test_a_step_that_raises_leaves_the_users_groups(mesh):
 @pytest.mark.parametrize("inf", [False, True], ids=["finite", "inf-in-a-dtensor"])
 def test_the_grad_scaler_unscales_mixed_layouts_and_skips_on_any_inf(mesh, inf):
     plain, mixed = _mixed(mesh)
-    scaler, reference_scaler = ScalerByLayout("cpu", init_scale=4.0), torch.amp.GradScaler("cpu", init_scale=4.0)
+    device = mesh.device_type
+    scaler, reference_scaler = ScalerByLayout(device, init_scale=4.0), torch.amp.GradScaler(device, init_scale=4.0)
     opt = step_by_layout(torch.optim.AdamW(mixed, lr=0.1, foreach=True))
     reference = torch.optim.AdamW(plain, lr=0.1, foreach=True)
     _grads(plain, mixed, 0)
     if inf:
         plain[1].grad[0, 0] = mixed[1].grad.to_local()[0, 0] = float("inf")
     for s, o in ((scaler, opt), (reference_scaler, reference)):
-        s.scale(torch.ones(()))  # the gradients above stand for scaled ones
+        s.scale(torch.ones((), device=device))  # the gradients above stand for scaled ones
         s.unscale_(o)
         s.step(o)
         s.update()
     for p, m in zip(plain, mixed, strict=True):
         assert torch.equal(_local(m).detach(), p.detach())
     assert scaler.get_scale() == reference_scaler.get_scale() == (2.0 if inf else 4.0)
-    torchs = torch.amp.GradScaler("cpu")
-    torchs.scale(torch.ones(()))
+    torchs = torch.amp.GradScaler(device)
+    torchs.scale(torch.ones((), device=device))
     with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):  # what torch's own scaler does
         torchs.unscale_(opt)
