@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .batch import ModelCall
-from .distributed.layouts import grouped, layout_of
+from .tensor_layouts import grouped, layout_of
 from .errors import ConfigError
 
 
@@ -168,7 +168,7 @@ class FP16Mixed(Precision):
 
 
 class ScalerByLayout(torch.amp.GradScaler):
-    """torch's ``GradScaler``, unscaling the gradients of one layout a call (:mod:`.distributed.layouts`): its one
+    """torch's ``GradScaler``, unscaling the gradients of one layout a call (:mod:`.tensor_layouts`): its one
     multi-tensor unscale over all of a device's gradients refuses plain tensors beside DTensors, and DTensor's rule
     reduces the found-inf flag over the ranks as the call's first gradient is laid out, so a call holds one layout
     for every rank to agree on whether the step is skipped."""

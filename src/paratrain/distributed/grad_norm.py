@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layouts import grouped, mesh_of
+from ..tensor_layouts import grouped, mesh_of
 from .tensor_parallel.quiet import quiet_sequential_collectives
 
 
@@ -24,7 +24,7 @@ def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
     """
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params if counted is None else counted, group)
-    for part in grouped(params, lambda p: mesh_of(p.grad)):  # one kind of tensor a multi-tensor op (layouts.py)
+    for part in grouped(params, lambda p: mesh_of(p.grad)):  # one kind of tensor a multi-tensor op (tensor_layouts.py)
         torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
     return norm.detach()
 
@@ -42,7 +42,7 @@ def global_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGrou
 
 
 def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of ``grads``, taken per mesh (:mod:`.layouts`) and combined."""
+    """The 2-norm of ``grads``, taken per mesh (:mod:`paratrain.tensor_layouts`) and combined."""
     norms = []
     for part in grouped(grads, mesh_of):
         norm = torch.nn.utils.get_total_norm(part)

@@ -3,7 +3,7 @@
 A prepared model can hold plain parameters beside DTensors (expert parallelism beside DDP or a pipeline's
 replicas), or DTensors of several meshes and placements (experts on their own mesh, tensor parallelism), in one of
 the user's param groups. The multi-tensor paths of torch's optimizers (``foreach``, CUDA's default, and ``fused``)
-take one kind of tensor a call (:mod:`.layouts`), and they run per param group. So the step of a re-created
+take one kind of tensor a call (:mod:`paratrain.tensor_layouts`), and they run per param group. So the step of a re-created
 optimizer sees each group as one group per layout, holding that group's hyper-parameters; outside the step the
 optimizer holds the user's groups unchanged, so what reads or edits them (LR schedulers, ``param_groups[i]["lr"]``,
 ``state_dict()`` and checkpoints at another layout) sees the groups the user built.
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .layouts import grouped, layout_of
+from ..tensor_layouts import grouped, layout_of
 
 
 def param_groups_for(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, *,
