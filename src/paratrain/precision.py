@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .batch import ModelCall
+from .tensor_layouts import grouped, layout_of
 from .errors import ConfigError
 
 
@@ -142,7 +144,7 @@ class FP16Mixed(Precision):
     def validate(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise ConfigError("precision 'fp16-mixed' needs CUDA (loss scaling for fp16 GPUs); use 'bf16-mixed' on CPU")
-        self.scaler = torch.amp.GradScaler(device.type)
+        self.scaler = ScalerByLayout(device.type)
 
     def backward(self, loss: torch.Tensor) -> None:
         assert self.scaler is not None
@@ -163,6 +165,23 @@ class FP16Mixed(Precision):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+class ScalerByLayout(torch.amp.GradScaler):
+    """torch's ``GradScaler``, unscaling the gradients of one layout a call (:mod:`.tensor_layouts`): its one
+    multi-tensor unscale over all of a device's gradients refuses plain tensors beside DTensors, and DTensor's rule
+    reduces the found-inf flag over the ranks as the call's first gradient is laid out, so a call holds one layout
+    for every rank to agree on whether the step is skipped."""
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        found: dict[torch.device, torch.Tensor] = {}
+        for part in grouped(grads, lambda p: layout_of(p.grad)) or [[]]:  # none: the flag torch gives then
+            view = SimpleNamespace(param_groups=[{"params": part}])
+            for device, flag in super()._unscale_grads_(view, inv_scale, found_inf, allow_fp16).items():
+                found[device] = torch.maximum(found[device], flag) if device in found else flag  # 1.0: found
+        return found
 
 
 class BF16True(Precision):

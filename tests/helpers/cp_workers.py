@@ -135,7 +135,7 @@ def _prepared(name: str, strategy: str, options: dict):
     logging.getLogger("transformers").setLevel(logging.ERROR)
     par = paratrain.Parallel(strategy, monitor=False, **options)
     model = MODELS[name]()
-    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True))
     return par, model, opt
 
 
@@ -160,7 +160,7 @@ def reference(name: str, mode: str, replicas: int) -> tuple[dict[str, torch.Tens
     """One plain process on the same global batches: each replica's slice one forward, the mean of their losses;
     computed once per arguments in a test process (read it, never change it)."""
     model = MODELS[name]()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
     losses = []
     for s in range(STEPS):
         b = batch(s, replicas * PER_RANK)

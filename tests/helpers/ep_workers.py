@@ -5,8 +5,11 @@ loaded at another ``ep``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 from torch import nn
@@ -84,8 +87,23 @@ def gpt_moe(layers: int = 2) -> nn.Module:
                          learned_positions=False, moe=MoE(experts=4, top_k=2, ffn=16, shared=16)))
 
 
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _adamw(model: nn.Module, **path: bool) -> torch.optim.Optimizer:
+    """AdamW on CUDA's default multi-tensor path (``foreach``), or on ``path`` (``fused=True``)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, **(path or {"foreach": True}))
+
+
+def _fused(model: nn.Module) -> torch.optim.Optimizer:
+    return _adamw(model, fused=True)
+
+
+@contextlib.contextmanager
+def cpu_fp16() -> Iterator[None]:
+    """``precision="fp16-mixed"`` on CPU: its grad scaler on the CPU (paratrain needs CUDA for fp16, for speed)."""
+    from paratrain.precision import FP16Mixed, ScalerByLayout
+
+    with mock.patch.object(FP16Mixed, "validate", lambda self, device: setattr(self, "scaler",
+                                                                               ScalerByLayout(device.type))):
+        yield
 
 
 MODELS = {m.name: m for m in (
@@ -93,6 +111,8 @@ MODELS = {m.name: m for m in (
     ZooModel("mixtral_aux", lambda: mixtral(router_loss=True), _tokens, _lm_loss, _sgd),
     ZooModel("mixtral2", lambda: mixtral(experts=2), _tokens, _lm_loss, _sgd),  # 1 expert a rank at ep=2
     ZooModel("qwen3_moe", qwen3_moe, _tokens, _lm_loss, _adamw),
+    ZooModel("mixtral_adamw", mixtral, _tokens, _lm_loss, _adamw),  # foreach: experts DTensors beside plain tensors
+    ZooModel("mixtral_fused", mixtral, _tokens, _lm_loss, _fused),
     ZooModel("gpt_moe", gpt_moe, _tokens, _lm_loss, _sgd),
     ZooModel("gpt_moe4", lambda: gpt_moe(4), _tokens, _lm_loss, _sgd),  # 4 blocks: 2 pipeline stages a rank
     ZooModel("gpt_oss", gpt_oss, _tokens, _lm_loss, _sgd),
@@ -123,7 +143,8 @@ def _train(par: paratrain.Parallel, spec: ZooModel, model, opt, steps: range) ->
 
 
 def _prepared(spec: ZooModel, strategy: str, options: dict):
-    par = paratrain.Parallel(strategy, monitor=False, **options)
+    with cpu_fp16() if options.get("precision") == "fp16-mixed" else contextlib.nullcontext():
+        par = paratrain.Parallel(strategy, monitor=False, **options)
     model = spec.build()
     model, opt = par.prepare(model, spec.optimizer(model))
     return par, model, opt

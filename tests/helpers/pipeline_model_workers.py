@@ -85,7 +85,7 @@ def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: i
     """The same training in one plain PyTorch process (under bf16 autocast with ``bf16``): the reference every case
     is compared with, computed once per arguments in a test process (read it, never change it)."""
     model = build(family)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, foreach=True)
     x, y = batches(steps)
     micro = GLOBAL_BATCH // accumulate
     norms = []
@@ -123,7 +123,7 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
           resume: bool | str, ckpt: str) -> dict:
     par = paratrain.Parallel(strategy, accumulate=accumulate, clip_grad_norm=clip, monitor=False, **options)
     plain = build(family)
-    model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9))
+    model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9, foreach=True))
     held = {id(p) for p in model.parameters()}
     in_opt = [id(p) for g in opt.param_groups for p in g["params"]]
     norms = []
@@ -139,7 +139,7 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
             par.close()
             par = paratrain.Parallel(resume, accumulate=accumulate, clip_grad_norm=clip, monitor=False)
             plain = build(family)
-            model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9))
+            model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9, foreach=True))
         _train(par, model, opt, 0, 2)
         folder = par.save(ckpt)
         _train(par, model, opt, 2, STEPS)
@@ -147,7 +147,7 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
         par.close()
         par = paratrain.Parallel(strategy, accumulate=accumulate, clip_grad_norm=clip, monitor=False, **options)
         plain = build(family)
-        model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9))
+        model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9, foreach=True))
         par.load(folder)
         _train(par, model, opt, 2, STEPS)
     else:
@@ -201,7 +201,7 @@ def lean_precision(family: str, strategy: str) -> dict:
     parameters after ``STEPS`` steps; inside a job's group (``helpers.cases.each_call``)."""
     par = paratrain.Parallel(strategy, precision="bf16-mixed", monitor=False)
     plain = build(family)
-    model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9))
+    model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9, foreach=True))
     seen = []
 
     def watched(out: object, y: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,10 @@ def _lm_loss(out: object, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def _sgd(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+def _sgd(model: nn.Module, foreach: bool | None = True) -> torch.optim.Optimizer:
+    """SGD on CUDA's default multi-tensor path (``foreach``; CPU's default is ``None``: one parameter at a time),
+    so that every layout is trained here as it is on GPUs."""
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9, foreach=foreach)
 
 
 def gpt2() -> nn.Module:

@@ -1,16 +1,14 @@
 """The global gradient norm over every shard, stage and tensor-parallel slice, and clipping by it."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..tensor_layouts import grouped, mesh_of
 from .tensor_parallel.quiet import quiet_sequential_collectives
-
-T = TypeVar("T")
 
 
 def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
@@ -26,7 +24,7 @@ def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
     """
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params if counted is None else counted, group)
-    for part in _by_mesh(params, lambda p: p.grad):  # torch's foreach ops take one kind of tensor at a time
+    for part in grouped(params, lambda p: mesh_of(p.grad)):  # one kind of tensor a multi-tensor op (tensor_layouts.py)
         torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
     return norm.detach()
 
@@ -43,21 +41,10 @@ def global_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGrou
     return norm
 
 
-def _by_mesh(items: list[T], tensor: Callable[[T], torch.Tensor]) -> list[list[T]]:
-    """``items`` grouped by the mesh of their ``tensor`` (None: plain tensors), groups in first-seen order: torch's
-    multi-tensor ops take plain tensors or DTensors of one mesh, and expert parallelism puts the experts' gradients
-    on a mesh of their own beside the rest's."""
-    groups: dict[object, list[T]] = {}
-    for item in items:
-        groups.setdefault(getattr(tensor(item), "device_mesh", None), []).append(item)
-    return list(groups.values())
-
-
 def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of ``grads``, taken per mesh (:func:`_by_mesh`; the order is the parameters', the same on every
-    rank, as the DTensor norms are collectives) and combined."""
+    """The 2-norm of ``grads``, taken per mesh (:mod:`paratrain.tensor_layouts`) and combined."""
     norms = []
-    for part in _by_mesh(grads, lambda g: g):
+    for part in grouped(grads, mesh_of):
         norm = torch.nn.utils.get_total_norm(part)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor: every shard together
     if len(norms) == 1:

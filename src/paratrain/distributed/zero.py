@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from .optimizer import constructor_defaults
+from .optimizer import constructor_defaults, step_by_layout
 
 
 def zero_redundancy(groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer,
@@ -34,7 +34,12 @@ def zero_redundancy(groups: list[dict[str, Any]], optimizer: torch.optim.Optimiz
 class _LocalShards(ZeroRedundancyOptimizer):
     """``ZeroRedundancyOptimizer`` over DTensor parameters: each rank broadcasts the local tensors of the
     parameters it stepped (see the module docstring). Parameters are never bucketed (``parameters_as_bucket_view``
-    would replace DTensor storage with plain views)."""
+    would replace DTensor storage with plain views). The local optimizer steps each param group by layout
+    (:func:`.optimizer.step_by_layout`): a rank's part can hold plain parameters beside DTensors."""
+
+    def _init_local_optimizer(self) -> None:
+        super()._init_local_optimizer()
+        step_by_layout(self.optim)
 
     def _broadcast_params_from_rank(self, rank: int) -> list[dist.Work]:
         src = dist.get_global_rank(self.process_group, rank)
