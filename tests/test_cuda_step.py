@@ -1,10 +1,10 @@
 """The CUDA-shaped lane: one training step of a layout as rank r of a 4-GPU NCCL job, on fake ``cuda:LOCAL_RANK``
 devices, in one CUDA-shaped child process for every case (:mod:`paratrain.cuda_step`; about 20 s on 2 cores).
 
-Each case asserts what a GPU run needs (the current device set where the group starts, a host backend beside NCCL
-for CPU offload, CUDA's foreach optimizer path); a case of a defect not yet fixed is marked ``xfail(strict)`` naming
-it, so it turns into a failure to remove once it is fixed. The unit tests check the group's backend rule
-itself: an NCCL group takes no CPU tensor, and no tensor of another rank's GPU.
+Each case asserts what a GPU run needs: the current device set where the group starts (FSDP2 shards on it), a host
+backend beside NCCL for CPU offload's clipping, CUDA's foreach optimizer path with DTensor experts beside plain
+parameters. The unit tests check the group's backend rule itself: an NCCL group takes no CPU tensor, and no tensor
+of another rank's GPU.
 """
 from __future__ import annotations
 
@@ -61,8 +61,6 @@ def test_zero3_rank_1_trains_on_its_own_gpu(steps):
 
 @pytest.mark.launched
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="issue 43 item 2: ep under ddp puts DTensor experts and plain parameters in "
-                                        "one foreach group")
 def test_ep_under_ddp_steps_on_cudas_foreach_path(steps):
     _passes(steps["ep under ddp"])
 
