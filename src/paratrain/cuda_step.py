@@ -278,6 +278,10 @@ def served(backend: str) -> set[str]:
     return types_
 
 
+class PlacementError(RuntimeError):
+    """A collective handed a tensor its group cannot take."""
+
+
 class Placement(TorchDispatchMode):
     """Fails a collective handed a tensor its group cannot take (see the module's docstring) and answers reads of
     a fake tensor's value (``.item()``, ``float(norm)``): the step checks placement, not values."""
@@ -285,6 +289,8 @@ class Placement(TorchDispatchMode):
     def __init__(self, backend: str, device: torch.device) -> None:
         super().__init__()
         self.backend, self.device = backend, device
+        self.guessed = False
+        """Whether a value was answered without data (a count, a size): shapes after it may not agree."""
         from torch.distributed._tools.fake_collectives import collective_ops
 
         self.collectives = collective_ops
@@ -292,10 +298,12 @@ class Placement(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
+            self.guessed = True
             return 1.0 if args[0].dtype.is_floating_point else 1
         if func is torch.ops.aten._pin_memory.default:  # page-locked host memory: host memory to fake tensors
             return torch.empty_like(args[0])
         if isinstance(args[0], FakeTensor) and func in _DATA_SIZED:  # an output sized by values it cannot read
+            self.guessed = True
             return _DATA_SIZED[func](*args, **kwargs)
         if func in self.collectives:
             self.check(str(func.overloadpacket), [*args, *kwargs.values()])
@@ -306,10 +314,10 @@ class Placement(TorchDispatchMode):
 
         for t in (x for x in tree_leaves(args) if isinstance(x, torch.Tensor)):
             if t.device.type not in served(self.backend):
-                raise RuntimeError(f"{name} sent a {t.device.type} tensor to the job's {self.backend!r} group: No "
+                raise PlacementError(f"{name} sent a {t.device.type} tensor to the job's {self.backend!r} group: No "
                                    f"backend type associated with device type {t.device.type}")
             if t.device.type == "cuda" and t.device != self.device:
-                raise RuntimeError(f"{name} sent a tensor on {t.device} from the rank on {self.device}")
+                raise PlacementError(f"{name} sent a tensor on {t.device} from the rank on {self.device}")
 
 
 class FusedAttention(TorchFunctionMode):
@@ -382,14 +390,14 @@ def _step(spec: dict[str, Any]) -> StepResult:
                 raise RuntimeError(f"the current CUDA device is cuda:{cuda.current}, not {device}, once the group "
                                    "started: object collectives, FSDP2 and pin memory would run on GPU "
                                    f"{cuda.current}")
-            with fake, Placement(backends[0], device), FusedAttention():
+            with fake, Placement(backends[0], device) as placement, FusedAttention():
                 model.to_empty(device="cpu")  # as a script builds it, before prepare places it
                 optimizer = torch.optim.AdamW(model.parameters(), foreach=True)  # CUDA's default path
                 wrapped, optimizer = par.prepare(model, optimizer)
                 _fake_group_ddp(wrapped)
                 allowed = {device} | ({torch.device("cpu")} if spec["options"].get("cpu_offload") else set())
                 call = model_sample(spec.get("model"), spec.get("model_config"), spec.get("input"), spec["seq_len"])
-                note = _forward_backward(call, wrapped, spec["batch"], par.device)
+                note = _forward_backward(call, wrapped, spec["batch"], par.device, placement)
                 _check_placed(par.strategy.unwrap(wrapped), None, allowed)
                 finish_step(par.strategy, wrapped, optimizer, par.precision, spec["clip"])
                 _check_placed(par.strategy.unwrap(wrapped), optimizer, allowed)
@@ -398,7 +406,7 @@ def _step(spec: dict[str, Any]) -> StepResult:
                 tracker = MemTracker()
                 tracker.track_external(wrapped, optimizer)
                 with tracker:
-                    _forward_backward(call, wrapped, spec["batch"], par.device)
+                    _forward_backward(call, wrapped, spec["batch"], par.device, placement)
                     finish_step(par.strategy, wrapped, optimizer, par.precision, spec["clip"])
             peak = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
             return StepResult(rank=rank, device=str(device), passed=True, peak=int(peak), note=note)
@@ -406,16 +414,27 @@ def _step(spec: dict[str, Any]) -> StepResult:
             dist.destroy_process_group()
 
 
-def _forward_backward(call: Any, wrapped: torch.nn.Module, batch: int, device: torch.device) -> str | None:
+def _forward_backward(call: Any, wrapped: torch.nn.Module, batch: int, device: torch.device,
+                      placement: Placement) -> str | None:
     """Forward and backward; where the forward's shapes depend on values (a mixture of experts' routing: counts
-    decide how many tokens each expert gets), gradients of the parameters' own placement stand in for backward's,
-    and the note says so (the peak then leaves the activations out)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    decide how many tokens each expert gets, so fake tensors cannot size what follows, or sizes guessed without
+    the counts disagree), gradients of the parameters' own placement stand in for backward's, and the note says so
+    (the peak then leaves the activations out). A tensor on the wrong device still fails the step."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorDeviceMismatchError,
+    )
 
+    placement.guessed = False
     try:
         call.run(wrapped, batch, device)[1].loss.backward()
         return None
-    except (DynamicOutputShapeException, DataDependentOutputException) as err:
+    except (PlacementError, FakeTensorDeviceMismatchError):
+        raise
+    except (RuntimeError, ValueError, IndexError) as err:
+        if not (placement.guessed or isinstance(err, (DynamicOutputShapeException, DataDependentOutputException))):
+            raise
         for p in wrapped.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
