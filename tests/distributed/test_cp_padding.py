@@ -7,8 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from helpers.storage import LargestStorage
 
 from paratrain.distributed.context_parallel.masks import attend, key_mask, read_padding
 
@@ -73,20 +72,6 @@ def test_padded_attention_equals_the_dense_mask(form, causal, kind):
     want_grads = torch.autograd.grad(want, inputs, upstream)
     for got, expected in zip(grads, want_grads, strict=True):
         assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
-
-
-class LargestStorage(TorchDispatchMode):
-    """The largest storage (bytes) any operation made while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        sizes = [t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.bytes = max([self.bytes, *sizes])
-        return out
 
 
 def _largest(s: int, kind: str) -> int:

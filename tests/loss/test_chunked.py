@@ -4,30 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.storage import LargestStorage
 from torch import nn
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import paratrain
 from paratrain.errors import ConfigError
 
 V, C = 300, 16
-
-
-class LargestStorage(TorchDispatchMode):
-    """The largest storage (bytes) any operation made while active, forward and backward: a zero-stride view
-    counts as what it holds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        sizes = [t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.bytes = max([self.bytes, *sizes])
-        return out
 
 
 def _plain(hidden, head, targets, softcap=None, **kwargs):

@@ -71,6 +71,16 @@ def _runtime(layout: Layout) -> tuple[str, dict]:
     return layout.name, options
 
 
+def _builds(layout: Layout) -> None:
+    """Raise the runtime's own refusal unless the strategy builds exactly ``layout``."""
+    name, options = _runtime(layout)
+    ranks = layout.dims.world_size
+    env = ClusterEnv(world_size=ranks, local_world_size=ranks, launched=ranks > 1)
+    strategy = strategies.create(name, **options)
+    strategy.validate(env)
+    assert strategy.dims(env) == layout.dims, (layout, options)
+
+
 def _candidates(world: int) -> list[Layout]:
     degrees = tuple(d for d in range(2, world + 1) if world % d == 0)
     one_node = layouts(make_cluster("h100", gpus=world, nodes=1), n_units=64, tp_degrees=degrees,
@@ -83,13 +93,8 @@ def _candidates(world: int) -> list[Layout]:
 def test_every_planned_layout_is_the_one_its_strategy_builds(world):
     seen = set()
     for layout in _candidates(world):
-        name, options = _runtime(layout)
-        ranks = layout.dims.world_size
-        env = ClusterEnv(world_size=ranks, local_world_size=ranks, launched=ranks > 1)
-        strategy = strategies.create(name, **options)
-        strategy.validate(env)
-        assert strategy.dims(env) == layout.dims, (layout, options)
-        seen.add(name)
+        _builds(layout)
+        seen.add(layout.name)
     assert seen >= ({"single"} if world == 1 else {"ddp", "zero1", "zero2", "zero3", "ps"})
     if world >= 4 and world % 2 == 0:
         assert {"hsdp", "hybrid", "tp"} <= seen
@@ -111,21 +116,7 @@ def test_every_planned_ep_layout_is_the_one_its_strategy_builds(world):
              if lay.ep > 1]
     assert "hybrid" in {lay.name for lay in found} and any(lay.tp == 2 for lay in found)
     for layout in found:
-        name, options = _runtime(layout)
-        env = ClusterEnv(world_size=world, local_world_size=world, launched=True)
-        strategy = strategies.create(name, **options)
-        strategy.validate(env)
-        assert strategy.dims(env) == layout.dims, (layout, options)
-
-
-def _builds(layout: Layout) -> None:
-    """Raise the runtime's own refusal unless the strategy builds exactly ``layout``."""
-    name, options = _runtime(layout)
-    ranks = layout.dims.world_size
-    env = ClusterEnv(world_size=ranks, local_world_size=ranks, launched=ranks > 1)
-    strategy = strategies.create(name, **options)
-    strategy.validate(env)
-    assert strategy.dims(env) == layout.dims, (layout, options)
+        _builds(layout)
 
 
 @pytest.mark.parametrize("world", (2, 4, 8))
