@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..model.expert_compute import count_per_expert
 from ..model.experts import ExpertLayer, find_expert_layers, is_top_k, routed_choice
 from .config import MonitorConfig
 from .rules import Finding
@@ -88,7 +89,7 @@ class ExpertCounter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.layers: list[ExpertLayer] = []
-        self._counts: list[torch.Tensor] = []  # per layer: experts + 1 slots (the last catches out-of-range ids)
+        self._counts: list[torch.Tensor] = []  # per layer: one slot an expert, on the device
         self._seen: set[int] = set()
         self._handles: list[Any] = []
 
@@ -101,7 +102,7 @@ class ExpertCounter:
         if _pipelined(model):
             return
         for layer in find_expert_layers(model):
-            counts = torch.zeros(layer.experts + 1, dtype=torch.int64, device=self.device)
+            counts = torch.zeros(layer.experts, dtype=torch.int64, device=self.device)
             self.layers.append(layer)
             self._counts.append(counts)
             self._handles.append(layer.module.register_forward_pre_hook(self._hook(counts, layer.experts),
@@ -116,8 +117,7 @@ class ExpertCounter:
             if chosen is None:
                 return
             if is_top_k(chosen):
-                flat = chosen.detach().reshape(-1).to(counts.device).clamp(0, experts)
-                counts.scatter_add_(0, flat, torch.ones_like(flat))
+                counts.add_(count_per_expert(chosen.detach().to(counts.device), experts))
             else:  # a count per expert: on the device (nothing read), or a list the model already read
                 given = torch.as_tensor(chosen[:experts], dtype=torch.int64).to(counts.device)
                 counts[:given.numel()].add_(given.detach())
