@@ -58,7 +58,7 @@ def measure(seq: int, chunks: list[int | None], steps: int) -> dict[str, dict]:
     batch["labels"] = batch["input_ids"]
     variants = {}
     for chunk in chunks:
-        par = paratrain.Parallel("single", monitor=False, loss_chunk=chunk)
+        par = paratrain.Parallel("single", monitor=False, model=paratrain.ModelConfig(loss_chunk=chunk))
         variants[str(chunk or "plain")] = (par, par.prepare(_model(seq)))
     runs: dict[str, dict] = {name: {"peaks": [], "times": [], "cpu": []} for name in variants}
     for step in range(steps + 1):

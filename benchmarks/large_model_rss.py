@@ -105,7 +105,7 @@ def ready_model(variant: str, strategy: str, folder: str) -> dict[str, float]:
             model.load_state_dict(load_file(str(file)), strict=False)
         model = par.prepare(model)
     else:
-        par = paratrain.Parallel(strategy, monitor=False, init_fn="empty")
+        par = paratrain.Parallel(strategy, monitor=False, model=paratrain.ModelConfig(init_fn="empty"))
         with torch.device("meta"):
             model = LlamaForCausalLM(_config())
         model = par.prepare(model)

@@ -1,4 +1,4 @@
-"""The global batch stated once: ``Parallel(global_batch=, micro_batch=)`` and the accumulation that follows from
+"""The global batch stated once: ``Parallel(accumulate=GlobalBatch(size, micro=))`` and the accumulation that follows from
 the layout (:class:`paratrain.loop.GlobalBatch`)."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def test_accumulation_follows_from_the_replicas():
 
 
 @pytest.mark.parametrize("size, micro, replicas, said", [
-    (100, 12, 2, "global_batch=100 does not divide into micro_batch=12 x 2 data-parallel replica(s) = 24"),
-    (100, None, 2, "needs micro_batch="),
+    (100, 12, 2, "GlobalBatch(100) does not divide into micro-batches of 12 x 2 data-parallel replica(s) = 24"),
+    (100, None, 2, "needs micro="),
 ])
 def test_a_batch_that_does_not_divide_is_one_line(size, micro, replicas, said):
     with pytest.raises(ConfigError) as err:
@@ -28,27 +28,27 @@ def test_a_batch_that_does_not_divide_is_one_line(size, micro, replicas, said):
 
 
 def test_the_hint_names_a_micro_batch_that_fits():
-    with pytest.raises(ConfigError, match=r"micro_batch=10 fits"):
+    with pytest.raises(ConfigError, match=r"micro=10 fits"):
         GlobalBatch(100, 12).accumulate(1, None)
 
 
 def test_bad_combinations_are_one_line():
-    with pytest.raises(ConfigError, match="give one of them"):
+    with pytest.raises(ConfigError, match="give one of them"), pytest.warns(FutureWarning):
         paratrain.Parallel("single", accumulate=4, global_batch=64, micro_batch=8, monitor=False)
-    with pytest.raises(ConfigError, match="without global_batch"):
+    with pytest.raises(ConfigError, match="without global_batch"), pytest.warns(FutureWarning):
         paratrain.Parallel("single", micro_batch=8, monitor=False)
-    with pytest.raises(ConfigError, match="integer >= 1"):
-        paratrain.Parallel("single", global_batch=0, monitor=False)
+    with pytest.raises(ConfigError, match="size must be an integer >= 1"):
+        paratrain.Parallel("single", monitor=False, accumulate=paratrain.GlobalBatch(0))
 
 
 def test_one_process_accumulates_the_whole_global_batch():
-    par = paratrain.Parallel("single", global_batch=64, micro_batch=8, monitor=False)
+    par = paratrain.Parallel("single", monitor=False, accumulate=paratrain.GlobalBatch(64, micro=8))
     assert par.accumulate == 8
     par.close()
 
 
 def test_the_micro_batch_may_come_from_the_loader():
-    par = paratrain.Parallel("single", global_batch=64, monitor=False)
+    par = paratrain.Parallel("single", monitor=False, accumulate=paratrain.GlobalBatch(64))
     model = torch.nn.Linear(2, 1)
     data = torch.utils.data.TensorDataset(torch.zeros(64, 2), torch.zeros(64, 1))
     model, opt, loader = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -58,10 +58,10 @@ def test_the_micro_batch_may_come_from_the_loader():
 
 
 def test_a_step_before_the_micro_batch_is_known_is_one_line():
-    par = paratrain.Parallel("single", global_batch=64, monitor=False)
+    par = paratrain.Parallel("single", monitor=False, accumulate=paratrain.GlobalBatch(64))
     model = torch.nn.Linear(2, 1)
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ConfigError, match="needs micro_batch="):
+    with pytest.raises(ConfigError, match="needs micro="):
         with par.step(model, opt):
             pass
     par.close()

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from helpers.cuda_shaped import CudaShaped, cuda_shaped, launched_as
 
 from paratrain.env import ClusterEnv
+from paratrain import JobConfig
 
 CPU_BESIDE_NCCL = "cpu:gloo,cuda:nccl"
 
@@ -23,7 +24,7 @@ def _parallel(strategy: str, env: ClusterEnv | None = None, **options):
     from paratrain import Parallel
 
     env = env or ClusterEnv(rank=3, local_rank=3, world_size=8, local_world_size=8, launched=True)
-    return Parallel(strategy, accelerator="cuda", monitor=False, env=env, **options)
+    return Parallel(strategy, accelerator="cuda", monitor=False, job=JobConfig(env=env), **options)
 
 
 def test_parallel_makes_the_rank_gpu_current_before_its_group_and_first_collective(rank3_of_8: CudaShaped):

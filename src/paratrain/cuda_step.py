@@ -364,6 +364,7 @@ def _step(spec: dict[str, Any]) -> StepResult:
     from .env import ClusterEnv
     from .loop import finish_step
     from .parallel import Parallel
+    from .settings import JobConfig
 
     rank, world, per_node = spec["rank"], spec["world"], spec["per_node"]
     local = min(per_node, world)
@@ -383,8 +384,8 @@ def _step(spec: dict[str, Any]) -> StepResult:
     with torch.device("meta"):
         model = model_builder(spec.get("model"), spec.get("model_config"))()
     with cuda.installed():
-        par = Parallel(spec["strategy"], env=env, accelerator="cuda", precision=spec["precision"], monitor=False,
-                       **spec["options"])
+        par = Parallel(spec["strategy"], job=JobConfig(env=env), accelerator="cuda", precision=spec["precision"],
+                       monitor=False, **spec["options"])
         try:
             if cuda.current != device.index:
                 raise RuntimeError(f"the current CUDA device is cuda:{cuda.current}, not {device}, once the group "

@@ -114,12 +114,14 @@ def _probe(build: Callable[[], nn.Module], rank: int, world: int, strategy: str,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .parallel import Parallel
+    from .settings import JobConfig
 
     local = min(per_node, world)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         env = ClusterEnv(rank=rank, local_rank=rank % local, world_size=world, local_world_size=local, launched=True)
-        par = Parallel(strategy, env=env, accelerator="cpu", precision=precision, monitor=False, **options)
+        par = Parallel(strategy, job=JobConfig(env=env), accelerator="cpu", precision=precision, monitor=False,
+                       **options)
         with torch.device("meta"):
             model = build()
         opt = torch.optim.AdamW(model.parameters()) if any(p.requires_grad for p in model.parameters()) else None

@@ -18,7 +18,7 @@ from .strategies.base import Strategy
 
 @dataclass(frozen=True)
 class GlobalBatch:
-    """The batch of one optimizer step, stated once (``Parallel(global_batch=, micro_batch=)``): how many
+    """The batch of one optimizer step, stated once (``Parallel(accumulate=GlobalBatch(256, micro=8))``): how many
     micro-batches each replica accumulates follows from the layout, which under ``auto`` (or tp, pipelines) is only
     known once ``prepare`` has seen the model."""
 
@@ -29,7 +29,7 @@ class GlobalBatch:
 
     @classmethod
     def of(cls, size: int | None, micro: int | None) -> "GlobalBatch | None":
-        """``Parallel``'s ``global_batch`` and ``micro_batch`` (None when no global batch is given)."""
+        """From the former ``global_batch`` and ``micro_batch`` keywords (None when no global batch is given)."""
         if size is None:
             if micro is not None:
                 raise ConfigError(f"micro_batch={micro} given without global_batch; give both (accumulate then "
@@ -38,24 +38,24 @@ class GlobalBatch:
         return cls(size, micro)
 
     def __post_init__(self) -> None:
-        for name, value in (("global_batch", self.size), ("micro_batch", self.micro)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name, value in (("size", self.size), ("micro", self.micro)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"GlobalBatch's {name} must be an integer >= 1, got {value!r}")
 
     def accumulate(self, replicas: int, micro: int | None) -> int:
         """Micro-steps per optimizer step over ``replicas`` data-parallel replicas; one line when they do not
         divide the global batch."""
         micro = self.micro if self.micro is not None else micro
         if micro is None:
-            raise ConfigError(f"global_batch={self.size} needs micro_batch= (what one replica feeds each par.step), "
-                              "or a DataLoader passed to prepare() whose batch size it is")
+            raise ConfigError(f"GlobalBatch({self.size}) needs micro= (what one replica feeds each par.step), or a "
+                              "DataLoader passed to prepare() whose batch size it is")
         per_step = micro * replicas
         if self.size % per_step:
             fits = [m for m in range(1, micro + 1) if self.size % (m * replicas) == 0][-1:]
-            hint = f" (micro_batch={fits[0]} fits)" if fits else ""
-            raise ConfigError(f"global_batch={self.size} does not divide into micro_batch={micro} x {replicas} "
+            hint = f" (micro={fits[0]} fits)" if fits else ""
+            raise ConfigError(f"GlobalBatch({self.size}) does not divide into micro-batches of {micro} x {replicas} "
                               f"data-parallel replica(s) = {per_step} per micro-step; choose a global batch that is "
-                              f"a multiple of {per_step}, or another micro_batch{hint}")
+                              f"a multiple of {per_step}, or another micro{hint}")
         return self.size // per_step
 
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from .batch import ModelCall
 from .call_watch import collective
 from .checkpoint.auto import AutoCheckpoint
-from .checkpoint.config import CheckpointConfig, checkpoint_config
+from .checkpoint.config import CheckpointConfig
 from .checkpoint.io import Targets
 from .checkpoint.weights import load_weights
 from .data import ShardedLoader, prepare_loader
@@ -34,14 +34,15 @@ from .loop import GlobalBatch, Loop, StepInfo
 from .loss import HeadLoss
 from .model.facts import ModelFacts
 from .model.materialize import Materializer, check_materialized
-from .monitor import LogWith, MonitorConfig, TrackerConfig, monitor_config, monitor_for, tracker_config, trackers_for
-from .options import BlockTransforms
+from .monitor import LogWith, MonitorConfig, TrackerConfig, Trackers, monitor_and_trackers, monitor_for
+from .monitor.trackers import run_description
 from .precision import Precision, create_precision
 from .prepared import Prepared, prepare_each
 from .rank_log import rank_logger
 from .replicas import Replicas
 from .seeding import seed_all, use_deterministic_kernels
 from .session import Session
+from .settings import JobConfig, ModelConfig, Settings
 from .strategies.base import Runtime, Strategy
 from .strategies.chosen import ChosenStrategy
 
@@ -53,46 +54,41 @@ class Parallel:
 
     Args:
         strategy: a registered name (``"ddp"``, ``"zero3"``, ``"auto"``…) or a ``Strategy`` instance.
+        accelerator: ``"auto"`` (CUDA where there is one), ``"cpu"`` or ``"cuda"``.
         precision: ``"fp32"``, ``"bf16-mixed"``, ``"fp16-mixed"`` (CUDA) or ``"bf16-true"``.
-        accumulate: micro-batches per optimizer step; or ``global_batch`` (and ``micro_batch``, one replica's per
-            ``step``), from which it follows once the layout is known (:class:`paratrain.loop.GlobalBatch`).
+        accumulate: micro-batches per optimizer step, or ``GlobalBatch(size, micro=)``, the samples of one step,
+            from which the count follows once the layout is known (:class:`paratrain.loop.GlobalBatch`).
         clip_grad_norm: clip the global gradient norm (over every shard) to this before each optimizer step.
-        accelerator, timeout_s, wait_report_s: ``"auto"``/``"cpu"``/``"cuda"``; how long a collective waits, and
-            after how long a wait says who is missing (:mod:`paratrain.call_watch`).
-        seed, deterministic: ``seed_everything(seed)`` now; deterministic kernels (bitwise-repeatable GPU runs).
+        seed: ``seed_everything(seed)`` now.
         checkpoint: where ``save``/``load`` go and how often a job saves itself: a directory, or a
             ``CheckpointConfig(dir=, every=, keep=, resume=)`` (docs/checkpoints.md).
-        env: where this process sits; read from the environment when omitted.
-        monitor: ``par.monitor`` (step time, data wait, stragglers, memory); ``False`` or a ``MonitorConfig``.
         log_with: trackers for ``par.log`` and the monitor's figures (rank 0): names, configs, ``TrackerConfig``.
-        activation_checkpointing, compile: per block (:mod:`paratrain.model.transforms`).
-        init_fn: initializes a model built on the meta device (:mod:`paratrain.model.materialize`).
-        loss_chunk: compute the cross-entropy at the model's head, this many tokens at a time (:mod:`paratrain.loss`).
-        **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp).
+        monitor: ``par.monitor`` (step time, data wait, stragglers, memory); ``False`` or a ``MonitorConfig``.
+        model: a ``ModelConfig``: activation checkpointing, compilation, meta init, chunked loss.
+        job: a ``JobConfig``: collective timeout, where this process sits, deterministic kernels.
+        **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp, ``tp=2``).
     """
 
-    def __init__(self, strategy: str | Strategy = "auto", *, precision: str = "fp32", accumulate: int = 1,
-                 clip_grad_norm: float | None = None, accelerator: str = "auto", timeout_s: float = 300.0,
-                 seed: int | None = None, deterministic: bool = False, log_with: TrackerConfig | LogWith | None = None,
+    def __init__(self, strategy: str | Strategy = "auto", *, accelerator: str = "auto", precision: str = "fp32",
+                 accumulate: int | GlobalBatch = 1, clip_grad_norm: float | None = None, seed: int | None = None,
                  checkpoint: CheckpointConfig | str | os.PathLike | None = None,
-                 env: ClusterEnv | None = None, monitor: bool | MonitorConfig = True,
-                 activation_checkpointing: bool | int = False, compile: bool | dict[str, Any] = False,
-                 wait_report_s: float | None = None, init_fn: Callable[[nn.Module], None] | str | None = None,
-                 global_batch: int | None = None, micro_batch: int | None = None, loss_chunk: int | None = None,
-                 **strategy_options: Any) -> None:
-        self._loop, self.init_fn = Loop(accumulate, clip_grad_norm, GlobalBatch.of(global_batch, micro_batch)), init_fn
-        self._loss = HeadLoss(loss_chunk)
-        watching, tracking = monitor_config(monitor), tracker_config(log_with)
-        self.transforms = BlockTransforms.of(activation_checkpointing, compile)
+                 log_with: TrackerConfig | LogWith | None = None, monitor: bool | MonitorConfig = True,
+                 model: ModelConfig | None = None, job: JobConfig | None = None, **strategy_options: Any) -> None:
+        settings = Settings.parse(accumulate=accumulate, model=model, job=job, checkpoint=checkpoint,
+                                  options=strategy_options)
+        self._loop = Loop(settings.accumulate, clip_grad_norm, settings.batch)
+        watching, tracking = monitor_and_trackers(monitor, log_with)
+        self._loss, self.init_fn = HeadLoss(settings.model.loss_chunk), settings.model.init_fn
+        self.transforms = settings.model.transforms
         """Activation checkpointing and compilation of the model's blocks in ``prepare``."""
-        if deterministic:
+        if settings.job.deterministic:
             use_deterministic_kernels()
-        self.checkpoint_config = checkpoint_config(checkpoint, strategy_options)
-        self.env = env if env is not None else ClusterEnv.from_environ(joined=group_started())
-        self._chosen = ChosenStrategy(strategy, self.env, strategy_options)
+        self.checkpoint_config = settings.checkpoint
+        self.env = settings.job.env if settings.job.env is not None else ClusterEnv.from_environ(joined=group_started())
+        self._chosen = ChosenStrategy(strategy, self.env, settings.strategy_options, settings.moe_aux_loss)
         self.precision: Precision = create_precision(precision)
-        self._session = Session(self.env, accelerator, self.precision, timeout_s=timeout_s,
-                                wait_report_s=wait_report_s, **self._chosen.placement())
+        self._session = Session(self.env, accelerator, self.precision, timeout_s=settings.job.timeout_s,
+                                wait_report_s=settings.job.wait_report_s, **self._chosen.placement())
         self.device, self._calls = self._session.device, self._session.calls
         self._calls.every_rank = not self.strategy.serves
         self._session.agree({**self._chosen.agreed_values(), "precision": self.precision.name,
@@ -100,12 +96,16 @@ class Parallel:
         self._chosen.build_mesh(self.device)
         self._seed: int | None = None
         self._prepared = Prepared()
-        self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print, timeout_s=timeout_s)
+        self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print, timeout_s=settings.job.timeout_s)
         self._size_batch()
         self._replicas = Replicas(self._session, self.world_size, lambda: self._chosen.data_parallel(self._runtime()))
         self.logger = rank_logger(self.env)
-        self.trackers = trackers_for(tracking, self)  # open on rank 0 when log_with names trackers
-        self.monitor = monitor_for(watching, self)
+        self.trackers = Trackers(tracking, active=self.is_main, describe=lambda: run_description(  # opened on rank 0
+            self.strategy, world_size=self.world_size, data_parallel_size=self.data_parallel_size,
+            precision=self.precision.name, accumulate=self.accumulate, device=self.device))
+        self.monitor = monitor_for(watching, self._runtime, trackers=self.trackers, accumulate=self.accumulate,
+                                   group=self.strategy.training_group(self.env), emit=self.logger.warning,
+                                   replicas=lambda: self.data_parallel_size)
         if seed is not None:
             self.seed_everything(seed)
 
@@ -336,7 +336,7 @@ class Parallel:
         self.trackers.close()
         self._session.close(meet=self.strategy.close())
 
-    def __enter__(self) -> "Parallel":
+    def __enter__(self) -> Parallel:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:

@@ -189,7 +189,7 @@ def refusal(case: str) -> dict:
     elif case == "no attention":
         paratrain.Parallel("ddp", monitor=False, cp=2).prepare(nn.Sequential(nn.Embedding(VOCAB, 8)))
     elif case == "loss_chunk":
-        par = paratrain.Parallel("ddp", monitor=False, cp=2, loss_chunk=8)
+        par = paratrain.Parallel("ddp", monitor=False, cp=2, model=paratrain.ModelConfig(loss_chunk=8))
         model = par.prepare(llama())
         par.forward_backward(model, {"input_ids": torch.zeros(1, SEQ, dtype=torch.long)}, loss_fn=lm_loss)
     else:

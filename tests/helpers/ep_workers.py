@@ -196,7 +196,7 @@ def built_case(model_name: str, strategy: str, options: dict, folder: str) -> di
     spec, plain = MODELS[model_name], MODELS[model_name].build().state_dict()
     out = {}
     for label, init in (("meta", None), ("weights", "empty")):
-        par = paratrain.Parallel(strategy, monitor=False, init_fn=init, **options)
+        par = paratrain.Parallel(strategy, monitor=False, model=paratrain.ModelConfig(init_fn=init), **options)
         with torch.device("meta"):
             model = spec.build()
         model, _ = par.prepare(model, spec.optimizer(model))

@@ -23,7 +23,7 @@ CASES = [("gpt2", "labels"), ("llama", "labels"), ("lora", "labels"), ("nanogpt_
 
 def _trained(model_name: str, call: str, chunk: int | None, precision: str = "fp32"):
     """Two micro-batches accumulated into one step's gradients; their losses and the gradients."""
-    par = paratrain.Parallel("single", monitor=False, loss_chunk=chunk, accumulate=2, precision=precision)
+    par = paratrain.Parallel("single", monitor=False, accumulate=2, precision=precision, model=paratrain.ModelConfig(loss_chunk=chunk))
     model = par.prepare(build(model_name))
     losses = [micro_loss(model, *batch(s, 2, call), call, par) for s in range(2)]
     return losses, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -60,7 +60,7 @@ def test_a_loss_fn_that_shifts_the_targets_itself():
     shifted = lambda out, t: F.cross_entropy(out[:, :-1].flatten(0, 1), t[:, 1:].flatten())  # noqa: E731
     losses, grads = [], []
     for chunk in (None, 3):
-        par = paratrain.Parallel("single", monitor=False, loss_chunk=chunk)
+        par = paratrain.Parallel("single", monitor=False, model=paratrain.ModelConfig(loss_chunk=chunk))
         model = par.prepare(build("nanogpt"))
         losses.append(par.forward_backward(model, x, x, shifted))
         grads.append(model.head.weight.grad)
@@ -73,7 +73,7 @@ def test_soft_capped_logits_and_a_count_of_items_follow_the_model(extra):
     x, y = batch(0, 2, "labels")
     losses = []
     for chunk in (None, 4):
-        par = paratrain.Parallel("single", monitor=False, loss_chunk=chunk)
+        par = paratrain.Parallel("single", monitor=False, model=paratrain.ModelConfig(loss_chunk=chunk))
         losses.append(par.forward_backward(par.prepare(_gemma2()), {"input_ids": x, "labels": y, **extra}))
     assert abs(float(losses[1] - losses[0])) <= 1e-6 * float(losses[0])
 
@@ -93,7 +93,7 @@ def test_the_logits_never_exist_whole_and_the_proof_runs_once():
     logits = 256 * 1000 * 4
     largest = []
     for chunk in (None, 32):
-        par = paratrain.Parallel("single", monitor=False, loss_chunk=chunk)
+        par = paratrain.Parallel("single", monitor=False, model=paratrain.ModelConfig(loss_chunk=chunk))
         model = par.prepare(_long_llama())
         calls = []
         model.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -133,7 +133,7 @@ class ZLoss(nn.Module):
 
 def _refusal(model: nn.Module, *args, strategy: str = "single", chunk=4) -> str:
     with pytest.raises(ConfigError) as err:
-        par = paratrain.Parallel(strategy, monitor=False, loss_chunk=chunk)
+        par = paratrain.Parallel(strategy, monitor=False, model=paratrain.ModelConfig(loss_chunk=chunk))
         par.forward_backward(par.prepare(model), *args)
     assert "\n" not in str(err.value)
     return str(err.value)

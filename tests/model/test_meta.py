@@ -83,7 +83,7 @@ def test_init_fn_replaces_the_models_own_init():
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    par = paratrain.Parallel("single", monitor=False, init_fn=init)
+    par = paratrain.Parallel("single", monitor=False, model=paratrain.ModelConfig(init_fn=init))
     prepared = par.prepare(model)
     assert torch.all(prepared[0].weight == 0.5) and torch.all(prepared[2].bias == 0)
     par.close()
@@ -126,7 +126,7 @@ def test_bad_input_is_one_line():
     assert "nothing initialized ['scale']" in _refusal(_NoReset)
     half = lambda m: nn.init.zeros_(m.weight[0]) if isinstance(m, nn.Linear) else None  # noqa: E731
     assert "initialized only part of 'weight'" in _refusal(lambda: nn.Linear(2, 2), init_fn=half)
-    par = paratrain.Parallel("single", monitor=False, init_fn=lambda m: None)
+    par = paratrain.Parallel("single", monitor=False, model=paratrain.ModelConfig(init_fn=lambda m: None))
     with pytest.raises(paratrain.ConfigError, match="already allocated"):
         par.prepare(nn.Linear(2, 2))
     par.close()

@@ -73,7 +73,7 @@ def test_every_kth_block_and_bad_values():
         checkpointed(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
     for bad in (0, -1, "yes", 1.5):
         with pytest.raises(ConfigError, match="activation_checkpointing must be"):
-            paratrain.Parallel("single", activation_checkpointing=bad)
+            paratrain.Parallel("single", model=paratrain.ModelConfig(activation_checkpointing=bad))
 
 
 def test_planner_checkpointing_figure_matches_the_measured_one():

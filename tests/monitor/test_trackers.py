@@ -226,13 +226,30 @@ def test_tensorboard_holds_the_config_the_loss_and_the_monitor_at_their_steps(tm
     _check_run(next(iter(runs.values())), losses)
 
 
+RANK_FIGURES = {f"monitor/{f}/rank0" for f in ("step_ms", "data_share", "compute_ms", "sync_ms", "peak_mem_gib")}
+
+
 @needs_tensorboard
-def test_the_monitors_tensorboard_dir_holds_each_ranks_figures(tmp_path):
-    _train(monitor=MonitorConfig(every=2, summary=False, tensorboard_dir=tmp_path / "tb"))
+def test_each_ranks_figures_go_to_the_trackers_when_asked(tmp_path):
+    _train(monitor=MonitorConfig(every=2, summary=False, per_rank=True),
+           log_with=TensorBoardConfig(dir=tmp_path / "tb"))
     (run,) = tensorboard_runs(tmp_path / "tb").values()
-    assert set(run["scalars"]) == {f"monitor/{f}/rank0" for f in ("step_ms", "data_share", "compute_ms", "sync_ms",
-                                                                   "peak_mem_gib")}
+    assert RANK_FIGURES <= set(run["scalars"]) and "monitor/step_ms" in run["scalars"]
     assert [step for step, _ in run["scalars"]["monitor/step_ms/rank0"]] == [2, 4, 6]
+    _train(monitor=MonitorConfig(every=2, summary=False), log_with=TensorBoardConfig(dir=tmp_path / "job"))
+    (run,) = tensorboard_runs(tmp_path / "job").values()
+    assert not RANK_FIGURES & set(run["scalars"])  # the job's figures alone by default
+
+
+@needs_tensorboard
+def test_the_former_tensorboard_dir_is_a_tensorboard_tracker_with_each_ranks_figures(tmp_path):
+    with pytest.warns(FutureWarning, match=r"log_with=paratrain.TensorBoardConfig\(dir=.*per_rank=True"):
+        config = MonitorConfig(every=2, summary=False, tensorboard_dir=tmp_path / "tb")
+    _train(monitor=config)
+    (run,) = tensorboard_runs(tmp_path / "tb").values()
+    assert RANK_FIGURES <= set(run["scalars"])
+    with pytest.raises(ConfigError, match="tensorboard_dir given beside log_with's TensorBoard tracker"):
+        _train(monitor=config, log_with="tensorboard")
 
 
 @needs_mlflow

@@ -64,12 +64,11 @@ def train(family: str, strategy: str, options: dict, weights: str, *, labels: st
           in_forward_backward: bool = True) -> dict:
     """One run; rank 0's result holds the losses and the final full state dict."""
     if strategy == "single":  # the reference: built and loaded the ordinary way
-        par = paratrain.Parallel("single", global_batch=GLOBAL_BATCH, micro_batch=PER_REPLICA, monitor=False)
+        par = paratrain.Parallel("single", monitor=False, accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA))
         model = model_class(family).from_pretrained(weights, torch_dtype=torch.float32)
         model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     else:
-        par = paratrain.Parallel(strategy, global_batch=GLOBAL_BATCH, micro_batch=PER_REPLICA, init_fn="empty",
-                                 monitor=False, **options)
+        par = paratrain.Parallel(strategy, monitor=False, model=paratrain.ModelConfig(init_fn="empty"), accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA), **options)
         with torch.device("meta"):
             model = model_class(family)(config(family))
         model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))

@@ -23,7 +23,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=4)
     a = p.parse_args()
     group_before = dist.is_initialized()
-    with paratrain.Parallel(a.strategy, seed=0, timeout_s=60, monitor=False) as par:
+    with paratrain.Parallel(a.strategy, seed=0, monitor=False, job=paratrain.JobConfig(timeout_s=60)) as par:
         info = {"rank": par.rank, "world": par.world_size, "local_rank": par.local_rank, "group_before": group_before,
                 "master_addr_set": "MASTER_ADDR" in os.environ}
         with open(os.path.join(a.out_dir, f"rank{par.rank}.json"), "w") as f:

@@ -71,7 +71,7 @@ def cases(out: str, par: paratrain.Parallel) -> dict:
         "strategy of a wrong type": lambda: paratrain.Parallel(123),
         "unknown strategy option": lambda: paratrain.Parallel("ddp", no_such_option=1),
         "accumulate=0": lambda: paratrain.Parallel("ddp", accumulate=0),
-        "timeout_s=0": lambda: paratrain.Parallel("ddp", timeout_s=0),
+        "timeout_s=0": lambda: paratrain.Parallel("ddp", job=paratrain.JobConfig(timeout_s=0)),
         "negative clip_grad_norm": lambda: paratrain.Parallel("ddp", clip_grad_norm=-1.0),
         "unknown precision": lambda: paratrain.Parallel("ddp", precision="fp12"),
         "fp16-mixed on CPU": lambda: paratrain.Parallel("ddp", precision="fp16-mixed"),

@@ -22,7 +22,7 @@ if __name__ == "__main__":
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=60.0)
     a = p.parse_args()
-    with paratrain.Parallel("ddp", seed=0, timeout_s=a.timeout) as par:
+    with paratrain.Parallel("ddp", seed=0, job=paratrain.JobConfig(timeout_s=a.timeout)) as par:
         info = {"rank": par.rank, "world": par.world_size, "node_rank": int(os.environ["GROUP_RANK"]),
                 "master_addr": os.environ["MASTER_ADDR"], "netns": os.stat("/proc/self/ns/net").st_ino,
                 "pid": os.getpid()}

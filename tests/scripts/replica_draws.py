@@ -19,7 +19,7 @@ CASES = [("ddp", {}, "same"), ("ddp", {}, "own"), ("tp", {"tp_plan": {"0": "colw
 
 
 def case(strategy: str, options: dict, batch: str) -> dict:
-    par = paratrain.Parallel(strategy, global_batch=16, micro_batch=4, monitor=False, **options)
+    par = paratrain.Parallel(strategy, monitor=False, accumulate=paratrain.GlobalBatch(16, micro=4), **options)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     drawn = torch.randint(0, 1 << 30, (4,)).tolist()

@@ -28,7 +28,7 @@ def test_auto_is_single_in_one_process():
 def test_single_refuses_a_multi_process_job():
     env = ClusterEnv(rank=0, world_size=2, local_world_size=2, master_port=1, launched=True)
     with pytest.raises(ConfigError, match="independent copies"):
-        paratrain.Parallel("single", env=env)
+        paratrain.Parallel("single", job=paratrain.JobConfig(env=env))
 
 
 def test_ddp_options_are_validated():
@@ -141,7 +141,7 @@ def _env(world: int) -> ClusterEnv:
 ])
 def test_bad_strategy_setups_are_one_line_errors_before_any_process_group(strategy, options, world, words):
     with pytest.raises(ConfigError, match=words) as info:
-        paratrain.Parallel(strategy, env=_env(world), **options)
+        paratrain.Parallel(strategy, job=paratrain.JobConfig(env=_env(world)), **options)
     assert "\n" not in str(info.value)
 
 
@@ -175,12 +175,12 @@ def test_model_parallel_processes_bind_their_first_stage_gpu(monkeypatch):
     bound: list[torch.device] = []
     monkeypatch.setattr(session, "start_process_group", lambda env, device, *args: bound.append(device) or False)
     env = ClusterEnv(rank=1, local_rank=1, world_size=4, local_world_size=4, master_port=1, launched=True)
-    par = paratrain.Parallel("model_parallel", stages=2, env=env, monitor=False)
+    par = paratrain.Parallel("model_parallel", stages=2, monitor=False, job=paratrain.JobConfig(env=env))
     assert bound == [torch.device("cuda", 2)] and par.device == torch.device("cuda", 2)
     assert current == [torch.device("cuda", 2)]  # made current before the group starts, not cuda:1
     assert par.strategy.stage_devices(par._runtime(), 2) == [torch.device("cuda", 2), torch.device("cuda", 3)]
     with pytest.raises(ConfigError, match="2 stages per process on 5 process.*needs 10 GPUs, 8 visible") as info:
-        paratrain.Parallel("model_parallel", stages=2, env=replace(env, local_world_size=5), monitor=False)
+        paratrain.Parallel("model_parallel", stages=2, monitor=False, job=paratrain.JobConfig(env=replace(env, local_world_size=5)))
     assert "\n" not in str(info.value)
 
 
@@ -261,7 +261,7 @@ def test_deterministic_kernels_are_switched_on_when_asked(monkeypatch):
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     try:
-        paratrain.Parallel("single", deterministic=True)
+        paratrain.Parallel("single", job=paratrain.JobConfig(deterministic=True))
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
         assert not torch.backends.cudnn.benchmark
         import os

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from paratrain import ClusterEnv, GlobalBatch, JobConfig
 from paratrain.cli.main import main
 from paratrain.verify import Case, format_report, verify_cases
 from paratrain.verify.diagnose import first_divergence
@@ -277,6 +278,7 @@ def _spec_kwargs(**kwargs: object) -> dict:
 @pytest.mark.parametrize("kwargs, words", [
     ({"options": {"accumulate": 2}}, "cannot set 'accumulate': use VerifySpec.accumulate"),
     ({"options": {"checkpoint_dir": "ck"}}, "leave checkpoints to the script"),
+    ({"options": {"job": JobConfig(env=ClusterEnv())}}, "cannot set 'env': verify places both runs itself"),
     ({"options": {"global_batch": 8}, "accumulate": 2}, "give one of them"),
     ({"options": {"global_batch": 8, "micro_batch": 4}}, "micro_batch=4 but the loader's batch size is 2"),
     ({"options": {"micro_batch": 2}}, "micro_batch without global_batch"),
@@ -301,11 +303,13 @@ def test_the_specs_options_are_sorted_by_the_run_they_reach():
     spec = VerifySpec(**_spec_kwargs(options={"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed",
                                               "global_batch": 8, "tp_plan": {"x": "colwise"}}))
     run = spec.run_options
-    assert run.parallel(1, 2) == {"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed", "global_batch": 8,
-                                  "micro_batch": 2}
+    assert run.parallel(1, 2) == {"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed",
+                                  "accumulate": GlobalBatch(8, micro=2)}
     assert dict(run.shared) == {"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed"}  # the reference's
     assert dict(run.strategy) == {"tp_plan": {"x": "colwise"}}  # the parallel run's alone
     assert VerifySpec(**_spec_kwargs(accumulate=2)).run_options.parallel(2, 2) == {"accumulate": 2}
+    grouped = VerifySpec(**_spec_kwargs(options={"accumulate": GlobalBatch(8), "timeout_s": 60.0})).run_options
+    assert grouped.parallel(1, 2) == {"job": JobConfig(timeout_s=60.0), "accumulate": GlobalBatch(8, micro=2)}
 
 
 def test_an_optimizer_factory_gets_the_model_and_must_return_an_optimizer():

@@ -25,6 +25,7 @@ from ..flags import add_flags, build
 from ..launcher.leaving import rejoin_count
 from ..monitor import MonitorConfig
 from ..parallel import Parallel
+from ..settings import JobConfig
 from ..progress import Progress
 from ..workloads.digits import digits_cnn, load_digits_split
 from .config import LAUNCH_FIELDS, DemoConfig
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     # deterministic kernels: the final SHA-256 then compares two runs bit for bit on a GPU too
     checkpoint = CheckpointConfig(dir=config.checkpoint_dir, every=config.checkpoint_every,
                                   resume=True if config.resume else None, async_save=config.checkpoint_async)
-    with Parallel(config.strategy, accumulate=config.accumulate, seed=config.seed, deterministic=True,
+    with Parallel(config.strategy, accumulate=config.accumulate, seed=config.seed, job=JobConfig(deterministic=True),
                   checkpoint=checkpoint, monitor=monitor, **config.strategy_options()) as par:
         train_set, test_set = load_digits_split(seed=config.seed)
         model = digits_cnn()

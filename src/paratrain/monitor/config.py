@@ -1,8 +1,8 @@
 """What the training monitor measures, how often it compares ranks, and when it warns."""
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -36,8 +36,10 @@ class MonitorConfig:
     """Print the per-rank summary table on rank 0 at ``Parallel.close()``."""
     csv: str | Path | None = None
     """Append one row per rank and window to this CSV file (rank 0 writes it)."""
+    per_rank: bool = False
+    """Also give the trackers (``log_with``) each rank's figures, ``monitor/<figure>/rank<r>``, beside the job's."""
     tensorboard_dir: str | Path | None = None
-    """Write the same figures as TensorBoard scalars here (needs ``pip install 'paratrain[tensorboard]'``)."""
+    """Deprecated: ``log_with=TensorBoardConfig(dir=...)`` and ``per_rank=True`` (the one TensorBoard path)."""
     flops_per_sample: float | None = None
     """Forward + backward FLOPs of one training sample (a transformer's ``6·N·T + 12·L·h·T²`` for T tokens), so
     the trackers get the FLOP/s achieved and, where the device's peak is known, MFU."""
@@ -64,9 +66,18 @@ class MonitorConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ConfigError(f"MonitorConfig.{name} must be a number > 0 (or None), got {value!r}")
-        if self.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("MonitorConfig.tensorboard_dir needs the tensorboard package: pip install "
-                              "'paratrain[tensorboard]' (or log with csv=... instead)")
+        if self.tensorboard_dir is not None:
+            warnings.warn(f"MonitorConfig(tensorboard_dir=) is deprecated; write log_with=paratrain.TensorBoardConfig("
+                          f"dir={str(self.tensorboard_dir)!r}) and MonitorConfig(per_rank=True)", FutureWarning,
+                          stacklevel=3)
+
+
+def tensorboard_moved(config: MonitorConfig | None) -> tuple[MonitorConfig | None, Path | None]:
+    """A config that used the former ``tensorboard_dir`` as the one path spells it: per-rank figures on, and the
+    folder, for a TensorBoard tracker beside ``log_with``'s."""
+    if config is None or config.tensorboard_dir is None:
+        return config, None
+    return replace(config, per_rank=True, tensorboard_dir=None), Path(config.tensorboard_dir)
 
 
 def monitor_config(monitor: bool | MonitorConfig | None) -> MonitorConfig | None:

@@ -22,7 +22,7 @@ from .recorder import SYNC_POINTS, Recorder
 from .figures import job_figures, rank_figures
 from .report import CsvLog, RunSummary
 from .rules import Finding, Persistence, RankStats, find_all
-from .trackers import TensorBoardTracker, Trackers
+from .trackers import Trackers
 
 
 class _Block:
@@ -84,8 +84,6 @@ class Monitor:
         self._block = _Block(self.recorder)
         on_rank0 = rank == 0
         self._csv = CsvLog(config.csv) if on_rank0 and config.csv is not None else None
-        self._tensorboard = (TensorBoardTracker(config.tensorboard_dir)
-                             if on_rank0 and config.tensorboard_dir is not None else None)
         self._closed = False
 
     # ----------------------------------------------------------------- hooks called by Parallel
@@ -126,12 +124,11 @@ class Monitor:
     def _log(self, step: int, stats: list[RankStats], loads: list[ExpertLoad]) -> None:
         if self._csv is not None:
             self._csv.write(step, stats)
-        if self._tensorboard is not None:
-            self._tensorboard.log({**rank_figures(stats), **expert_figures(loads)}, step)
         if self.trackers is not None:
             figures = job_figures(stats, replicas=self.replicas(), flops_per_sample=self.config.flops_per_sample,
                                   peak_flops=self.peak_flops)
-            self.trackers.log({**figures, **expert_figures(loads)}, step)
+            per_rank = rank_figures(stats) if self.config.per_rank else {}
+            self.trackers.log({**figures, **per_rank, **expert_figures(loads)}, step)
 
     def _expert_window(self) -> list[ExpertLoad]:
         """Tokens per expert since the last window, over the training ranks (each token once); kept as
@@ -192,8 +189,6 @@ class Monitor:
             print_fn(summary.table())
         if self._csv is not None:
             self._csv.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close(ok=True)
         self.recorder.close()
         if self.experts is not None:
             self.experts.close()

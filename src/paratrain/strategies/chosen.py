@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed.mesh import build_mesh
-from ..distributed.router_loss import MODES, balance_globally
+from ..distributed.router_loss import balance_globally
 from ..env import ClusterEnv
 from ..errors import ConfigError
 from .auto import BEFORE_THE_MODEL, agree_on_strategy
@@ -26,12 +26,11 @@ from .registry import strategy_for
 class ChosenStrategy:
     """``Parallel(strategy=spec, **options)``'s strategy and mesh, with ``auto``'s choice deferred to the model."""
 
-    def __init__(self, spec: str | Strategy, env: ClusterEnv, options: dict[str, Any]) -> None:
+    def __init__(self, spec: str | Strategy, env: ClusterEnv, options: dict[str, Any], moe_aux_loss: str = "local"
+                 ) -> None:
         self.env = env
-        self.moe_aux_loss = options.pop("moe_aux_loss", "local")
+        self.moe_aux_loss = moe_aux_loss
         """How a mixture of experts' router loss is computed (:mod:`paratrain.distributed.router_loss`)."""
-        if self.moe_aux_loss not in MODES:
-            raise ConfigError(f"moe_aux_loss must be one of {', '.join(map(repr, MODES))}, not {self.moe_aux_loss!r}")
         self.strategy = strategy_for(spec, env, options)
         self.pending = spec == "auto" and env.world_size > 1 and not options
         """True while ``auto`` waits for the model (it stands for ddp until then)."""

@@ -3,10 +3,11 @@
 A check is only worth its verdict when both runs train the script's own math: its clipping, its seed, its precision,
 its global batch. So a spec takes any keyword the script gives ``Parallel`` and verify sorts them:
 
-* ``Parallel``'s own keywords (``clip_grad_norm``, ``seed``, ``precision``, ``deterministic``,
-  ``activation_checkpointing``…) shape the math of any run: both runs get them.
-* ``global_batch`` and ``micro_batch`` go to the parallel run; the reference takes the accumulation they come to
-  there, as it takes ``VerifySpec.accumulate`` (one batch per window where it can).
+* ``Parallel``'s own keywords (``clip_grad_norm``, ``seed``, ``precision``, ``model=ModelConfig(...)``,
+  ``job=JobConfig(deterministic=True)``, or their former flat spellings) shape the math of any run: both runs get them.
+* A global batch (``accumulate=GlobalBatch(...)``, or ``global_batch`` and ``micro_batch``) goes to the parallel run;
+  the reference takes the accumulation it comes to there, as it takes ``VerifySpec.accumulate`` (one batch per
+  window where it can).
 * Every other keyword is an option of the strategy (``tp_plan``, ``microbatches``, ``bucket_cap_mb``): it means
   something only across ranks, so the parallel run alone gets it, merged with the command's own (``--tp``).
 * The keywords verify sets itself are refused, each with where to say it instead.
@@ -19,11 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..loop import GlobalBatch
 from ..parallel import Parallel
+from ..settings import MOVED, regroup
 
 OWN_KEYWORDS = frozenset(name for name, p in inspect.signature(Parallel.__init__).parameters.items()
-                         if p.kind is inspect.Parameter.KEYWORD_ONLY)
-"""``Parallel``'s own keywords: the rest of what it takes are strategy options."""
+                         if p.kind is inspect.Parameter.KEYWORD_ONLY) | frozenset(MOVED)
+"""``Parallel``'s own keywords, also as formerly spelled: the rest of what it takes are strategy options."""
 BATCH_KEYWORDS = ("global_batch", "micro_batch")
 SET_BY_VERIFY = {
     "strategy": "pass the strategies to verify (--strategy)",
@@ -55,19 +58,27 @@ class RunOptions:
         if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
             raise ConfigError("VerifySpec.options must be a dict of Parallel keywords, e.g. "
                               "{'clip_grad_norm': 1.0, 'seed': 1337}")
-        for key in options:
+        options = dict(options)
+        if isinstance(options.get("accumulate"), GlobalBatch):  # the global batch, not an accumulation count
+            given = options.pop("accumulate")
+            options.update({"global_batch": given.size, **({"micro_batch": given.micro} if given.micro else {})})
+        grouped = regroup({k: v for k, v in options.items() if k not in BATCH_KEYWORDS})
+        job, model = grouped["job"], grouped["model"]
+        for key in [*options, *(["env"] if job is not None and job.env is not None else []),
+                    *(["init_fn"] if model is not None and model.init_fn is not None else [])]:
             if key in SET_BY_VERIFY:
                 raise ConfigError(f"VerifySpec.options cannot set {key!r}: {SET_BY_VERIFY[key]}")
         batch = {k: options[k] for k in BATCH_KEYWORDS if k in options}
         _check_batch(batch, accumulate, micro_batch)
-        return cls(shared={k: v for k, v in options.items() if k in OWN_KEYWORDS and k not in batch}, batch=batch,
-                   strategy={k: v for k, v in options.items() if k not in OWN_KEYWORDS})
+        return cls(shared={k: v for k, v in grouped.items() if k in OWN_KEYWORDS and k != "accumulate"
+                           and v is not None}, batch=batch,
+                   strategy={k: v for k, v in grouped.items() if k not in OWN_KEYWORDS})
 
     def parallel(self, accumulate: int, micro_batch: int) -> dict[str, Any]:
         """``Parallel``'s keywords in the parallel run, strategy options aside: the global batch, when given, with
         the loader's batch as its micro-batch (what ``prepare_loader`` would read), else ``accumulate``."""
         if "global_batch" in self.batch:
-            return {**self.shared, "micro_batch": micro_batch, **self.batch}
+            return {**self.shared, "accumulate": GlobalBatch(self.batch["global_batch"], micro_batch)}
         return {**self.shared, "accumulate": accumulate}
 
     def described(self, strategy_options: Mapping[str, Any]) -> dict[str, str]:

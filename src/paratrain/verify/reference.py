@@ -15,6 +15,7 @@ The same run a second time, its batches in another order, measures the noise flo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 from torch.utils.data import DataLoader
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader
 from ..data import ShardSampler
 from ..env import ClusterEnv
 from ..parallel import Parallel
+from ..settings import JobConfig
 from .distributed import DataSetup
 from .record import Record, RecordHooks, run_loop
 from .spec import build_spec
@@ -87,8 +89,9 @@ def reference_run(factory: str, init_state: dict[str, torch.Tensor], data: DataS
     if len(batches) == 0:
         return recorder.record
     loader = DataLoader(spec.loader.dataset, batch_sampler=batches, collate_fn=spec.loader.collate_fn)
-    par = Parallel("single", accumulate=accumulate // group, accelerator="cpu", monitor=False, env=ClusterEnv(),
-                   **spec.run_options.shared)
+    shared = dict(spec.run_options.shared)
+    job = replace(shared.pop("job", None) or JobConfig(), env=ClusterEnv())  # one process, whatever the script's
+    par = Parallel("single", accumulate=accumulate // group, accelerator="cpu", monitor=False, job=job, **shared)
     model, optimizer = par.prepare(model, spec.build_optimizer())
     run_loop(spec, par, model, optimizer, loader, recorder, steps, keep_states=True)
     par.close()

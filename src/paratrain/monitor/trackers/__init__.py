@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...strategies.base import Strategy
 from ...version import __version__
 from .base import RunInfo, Tracker, TrackerSpec
 from .config import TRACKERS, LogWith, TrackerConfig, tracker_config
@@ -19,18 +20,12 @@ from .tensorboard import TensorBoardConfig, TensorBoardTracker
 from .wandb import WandbConfig
 
 __all__ = ["LogWith", "MLflowConfig", "RunInfo", "TRACKERS", "TensorBoardConfig", "TensorBoardTracker", "Tracker",
-           "TrackerConfig", "TrackerSpec", "Trackers", "WandbConfig", "run_description", "tracker_config",
-           "trackers_for"]
+           "TrackerConfig", "TrackerSpec", "Trackers", "WandbConfig", "run_description", "tracker_config"]
 
 
-def trackers_for(config: TrackerConfig | None, par: Any) -> Trackers:
-    """The trackers a ``Parallel`` object owns: open on its global rank 0, closed (but checking) elsewhere."""
-    return Trackers(config, active=par.is_main, describe=lambda: run_description(par))
-
-
-def run_description(par: Any) -> dict[str, Any]:
+def run_description(strategy: Strategy, *, world_size: int, data_parallel_size: int, precision: str,
+                    accumulate: int, device: torch.device) -> dict[str, Any]:
     """paratrain's part of a run's configuration: how it was laid out and with what."""
-    return {"strategy": par.strategy.name, "layout": par.strategy.describe(), "world_size": par.world_size,
-            "data_parallel_size": par.data_parallel_size, "precision": par.precision.name,
-            "accumulate": par.accumulate, "device": par.device.type, "version": __version__,
-            "torch": torch.__version__}
+    return {"strategy": strategy.name, "layout": strategy.describe(), "world_size": world_size,
+            "data_parallel_size": data_parallel_size, "precision": precision, "accumulate": accumulate,
+            "device": device.type, "version": __version__, "torch": torch.__version__}
