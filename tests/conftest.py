@@ -7,6 +7,10 @@ import pytest
 from helpers import unit_lane
 from helpers.cli import PARATRAIN
 
+from paratrain.testing import preload
+
+preload("transformers", "helpers.zoo")  # once, in the fork server every launched job's ranks start from
+
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS",
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")

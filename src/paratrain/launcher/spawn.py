@@ -41,8 +41,12 @@ def launch(
         nprocs: number of processes (world size).
         timeout_s: stop every process and raise ``JobTimeoutError`` after this many seconds.
         threads: intra-op threads per process (default: cores / nprocs).
-        start_method: ``"spawn"`` (safe default), ``"fork"`` or ``"forkserver"``.
-        env: extra environment variables for every process.
+        start_method: ``"spawn"`` (safe default), ``"fork"`` or ``"forkserver"`` (ranks forked from one server
+            process that imported what ``multiprocessing.set_forkserver_preload`` names once: a job starts in a
+            fraction of a second instead of each rank importing torch anew).
+        env: extra environment variables for every process. Every method starts the ranks in this process's
+            environment and working directory as they are at the call (a fork server's, set when it started, are
+            replaced).
     """
     import torch.multiprocessing as tmp
     from torch.distributed import TCPStore
@@ -52,6 +56,7 @@ def launch(
     threads = threads or max(1, cpu_count() // nprocs)
     store = TCPStore(LOOPBACK, 0, None, True, timedelta(seconds=60), wait_for_workers=False)
     base_env = {
+        **os.environ,
         "MASTER_ADDR": LOOPBACK,
         "MASTER_PORT": str(store.port),
         "WORLD_SIZE": str(nprocs),
@@ -61,7 +66,8 @@ def launch(
         **(env or {}),
     }
     with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as result_dir:
-        entry_args = (fn, tuple(args), base_env, threads, result_dir, os.getpid(), start_method == "spawn")
+        parent = None if start_method == "forkserver" else os.getpid()  # a fork server starts the ranks
+        entry_args = (fn, tuple(args), base_env, os.getcwd(), threads, result_dir, parent, start_method == "spawn")
         ctx = tmp.start_processes(_entry, args=entry_args, nprocs=nprocs, join=False, start_method=start_method)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
@@ -80,12 +86,14 @@ def launch(
         return [_load(os.path.join(result_dir, f"{rank}.pt")) for rank in range(nprocs)]
 
 
-def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[str, str], threads: int,
-           result_dir: str, parent: int, spawned: bool) -> None:
+def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[str, str], cwd: str, threads: int,
+           result_dir: str, parent: int | None, spawned: bool) -> None:
     import torch
 
-    die_with_parent(parent)
+    die_with_parent(parent if parent is not None else os.getppid())  # a fork server's child: with the server
+    os.environ.clear()  # the caller's environment now, not the one a fork server started in
     os.environ.update(base_env)
+    os.chdir(cwd)
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
                        "TORCHELASTIC_RESTART_COUNT": "0"})
     for var in (LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR):  # an outer paratrain run's: no rank here may leave
