@@ -9,7 +9,9 @@ from helpers.cli import PARATRAIN
 
 from paratrain.testing import preload
 
-preload("transformers", "helpers.zoo")  # once, in the fork server every launched job's ranks start from
+# imported once, in the fork server every launched job's ranks start from (the zoo's models: seconds a rank)
+ZOO_MODULES = ("gpt2", "llama", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "bert")
+preload("transformers", *(f"transformers.models.{m}.modeling_{m}" for m in ZOO_MODULES))
 
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS",

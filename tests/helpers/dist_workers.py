@@ -325,3 +325,12 @@ def unused_parameter_error() -> str:
     finally:
         dist.destroy_process_group()
     return ""
+
+
+def where_started(name: str) -> tuple[str | None, str, bool]:
+    """A variable of the caller's environment, the working directory and whether torch was imported before the rank's
+    own code ran (true under a fork server that preloaded it)."""
+    import os
+    import sys
+
+    return os.environ.get(name), os.getcwd(), "transformers.models.llama.modeling_llama" in sys.modules

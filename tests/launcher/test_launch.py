@@ -3,10 +3,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.dist_workers import fail_at, rank_and_threads, sleep_forever
+from helpers.dist_workers import fail_at, rank_and_threads, sleep_forever, where_started
 
 from paratrain import JobTimeoutError, LaunchError, RankFailedError, launch
-from paratrain.testing import alive, child_pids
+from paratrain.testing import alive, child_pids, spawn
 
 
 def _pids(d: Path) -> list[int]:
@@ -54,6 +54,17 @@ def test_timeout_stops_every_process():
     with pytest.raises(JobTimeoutError, match="within 2 s"):
         launch(sleep_forever, 2, timeout_s=2)
     assert time.monotonic() - start < 15
+    assert not alive(child_pids())
+
+
+@pytest.mark.launched
+def test_ranks_forked_from_a_server_start_where_and_as_the_caller_is_now(tmp_path, monkeypatch):
+    """testing.spawn's fork server started with the environment of its first job; each job's ranks still get the
+    caller's variables and directory at the call, as spawned ranks do, and the preloaded modules."""
+    spawn(rank_and_threads, 2)  # the server is up (if no test before started it)
+    monkeypatch.setenv("PARATRAIN_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    assert spawn(where_started, 2, ("PARATRAIN_PROBE",)) == [("set after the server started", str(tmp_path), True)] * 2
     assert not alive(child_pids())
 
 

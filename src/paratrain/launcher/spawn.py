@@ -45,8 +45,8 @@ def launch(
             process that imported what ``multiprocessing.set_forkserver_preload`` names once: a job starts in a
             fraction of a second instead of each rank importing torch anew).
         env: extra environment variables for every process. Every method starts the ranks in this process's
-            environment and working directory as they are at the call (a fork server's, set when it started, are
-            replaced).
+            environment as it is at the call (a fork server's, from when it started, is replaced) and, as
+            multiprocessing does, its working directory and ``sys.path``.
     """
     import torch.multiprocessing as tmp
     from torch.distributed import TCPStore
@@ -67,7 +67,7 @@ def launch(
     }
     with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as result_dir:
         parent = None if start_method == "forkserver" else os.getpid()  # a fork server starts the ranks
-        entry_args = (fn, tuple(args), base_env, os.getcwd(), threads, result_dir, parent, start_method == "spawn")
+        entry_args = (fn, tuple(args), base_env, threads, result_dir, parent, start_method == "spawn")
         ctx = tmp.start_processes(_entry, args=entry_args, nprocs=nprocs, join=False, start_method=start_method)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
@@ -86,14 +86,13 @@ def launch(
         return [_load(os.path.join(result_dir, f"{rank}.pt")) for rank in range(nprocs)]
 
 
-def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[str, str], cwd: str, threads: int,
+def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[str, str], threads: int,
            result_dir: str, parent: int | None, spawned: bool) -> None:
     import torch
 
     die_with_parent(parent if parent is not None else os.getppid())  # a fork server's child: with the server
     os.environ.clear()  # the caller's environment now, not the one a fork server started in
     os.environ.update(base_env)
-    os.chdir(cwd)
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
                        "TORCHELASTIC_RESTART_COUNT": "0"})
     for var in (LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR):  # an outer paratrain run's: no rank here may leave

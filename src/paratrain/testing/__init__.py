@@ -21,8 +21,9 @@ PRELOAD = ["torch", "torch.distributed", "paratrain.parallel"]
 
 
 def preload(*modules: str) -> None:
-    """Have the fork server import ``modules`` too (a suite's model zoo, transformers): call it before the first
-    ``spawn``, whose server then starts with them."""
+    """Have the fork server import ``modules`` too (transformers' model modules a suite builds): call it before the
+    first ``spawn``, whose server then starts with them. Installed modules only: the server starts with Python's own
+    ``sys.path``, not the caller's (a test folder's helpers import in each rank, as under spawn)."""
     PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
