@@ -57,9 +57,14 @@ def _train(strategy: str, *, steps: int, sleep_ms: dict[int, float], item_sleep_
             "rows": summary.rows, "table": summary.table()}
 
 
+PLANTED_MS = {0: 10, 1: 150}
+"""The planted straggler: rank 1 sleeps 150 ms a step before its forward, rank 0 10 ms. The gap is far above what a
+loaded 2-core host adds to a rank's step (30 ms seen at load 15), so the slow rank stays the straggler there."""
+
+
 def straggler(accelerator: str) -> dict:
-    """The planted straggler, rank 1 (70 ms a step against rank 0's 10 ms), on ``accelerator``."""
-    return _train("ddp", steps=12, sleep_ms={0: 10, 1: 70}, accelerator=accelerator)
+    """The planted straggler (``PLANTED_MS``) on ``accelerator``."""
+    return _train("ddp", steps=12, sleep_ms=PLANTED_MS, accelerator=accelerator)
 
 
 def cuda_straggler() -> dict:
@@ -70,10 +75,10 @@ def cuda_straggler() -> dict:
 def monitor_scenarios(csv: str) -> dict[str, dict]:
     dist.init_process_group("gloo")
     results = {
-        "straggler": _train("ddp", steps=12, sleep_ms={0: 10, 1: 70}, csv=csv),
-        "straggler_zero2": _train("zero2", steps=12, sleep_ms={0: 10, 1: 70}),
+        "straggler": _train("ddp", steps=12, sleep_ms=PLANTED_MS, csv=csv),
+        "straggler_zero2": _train("zero2", steps=12, sleep_ms=PLANTED_MS),
         # tensor parallelism all-reduces inside the forward: the fast rank waits there, not at the gradient sync
-        "straggler_tp": _train("tp", steps=12, sleep_ms={0: 10, 1: 70}, tp_plan={"0": "colwise", "2": "rowwise"}),
+        "straggler_tp": _train("tp", steps=12, sleep_ms=PLANTED_MS, tp_plan={"0": "colwise", "2": "rowwise"}),
         "data": _train("ddp", steps=12, sleep_ms={}, item_sleep_ms=3),
         "balanced": _train("ddp", steps=12, sleep_ms={0: 25, 1: 25}, accumulate=2),
     }

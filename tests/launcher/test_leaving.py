@@ -101,7 +101,9 @@ def test_a_leaver_comes_back_once_then_one_leaves_for_good(tmp_path):
     assert "traceback of rank 2:" in why and why.count("Traceback") == 1, why
     assert why.rstrip().endswith("paratrain run: rank 1 left and came back; rank 2 left for good"), why
     done = {p.name: p.read_text() for p in tmp_path.glob("done-*")}
-    assert done == {"done-0-0": "1", "done-1-1": "1"}, (done, why)  # rank 1's replacement saw PARATRAIN_REJOIN=1
+    finished = {name for name, attempt in done.items() if attempt == "1"}  # rank 1's replacement saw PARATRAIN_REJOIN=1
+    # attempt 0's leavers may end their work before rank 0's death stops them, as the death lands
+    assert finished == {"done-0-0", "done-1-1"} and set(done) - finished <= {"done-1-0", "done-2-0"}, (done, why)
     assert (tmp_path / "notice-1-1").read_bytes() == b"back" and (tmp_path / "notice-2-1").read_bytes() == b"gone"
     assert len(pids) == 7 and not alive(pids), pids  # 3 in attempt 0, 3 + a replacement in attempt 1
 

@@ -6,9 +6,10 @@ Usage: paratrain run -n N leaving_job.py OUT_DIR [--leave 1,2] [--die 1@1.0] [--
 Every process writes OUT_DIR/pid-<attempt>-<rank>-<rejoin>. Ranks in ``--leave`` call ``allow_leaving``; a rank
 named in ``--die`` SIGKILLs itself that many seconds into its work, a rank named in ``--fail`` raises then; both in
 the original process only, of launch attempt 0 or the one after ``#``; with ``--fail-after R`` not before rank R's
-first replacement has started. A rank that gets ``--notice`` (``RANK:N`` pairs, read by rank 0) waits on the notice
-store for the N-th process of RANK and writes the value to OUT_DIR/notice-<RANK>-<N>. Each process that finishes
-its ``--work`` seconds writes OUT_DIR/done-<rank>-<rejoin> (holding its attempt).
+first replacement has started. Every rank counts its work from the moment all of the attempt's ranks have
+started. A rank that gets ``--notice`` (``RANK:N`` pairs, read by rank 0) waits on the notice store for the N-th
+process of RANK and writes the value to OUT_DIR/notice-<RANK>-<N>. Each process that finishes its ``--work`` seconds
+writes OUT_DIR/done-<rank>-<rejoin> (holding its attempt).
 """
 import argparse
 import os
@@ -45,13 +46,13 @@ def main() -> None:
     die_at, fail_at = _when(args.die, rank, rejoin), _when(args.fail, rank, rejoin)
     notices = [tuple(map(int, item.split(":"))) for item in args.notice.split(",") if item] if rank == 0 else []
     after = None if args.fail_after is None else os.path.join(args.out, f"pid-{attempt}-{args.fail_after}-1")
-    start = time.monotonic()
     world = int(os.environ["WORLD_SIZE"])
     started = [os.path.join(args.out, f"pid-{attempt}-{r}-0") for r in range(world)]
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the work starts once every rank of the attempt runs: imports take seconds under load
+    start = time.monotonic()
     while time.monotonic() - start < (args.work if fail_at is None else 60):
-        if not all(os.path.exists(p) for p in started):  # no planted death before every rank is counted
-            time.sleep(0.05)
-            continue
         if die_at is not None and time.monotonic() - start >= die_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if fail_at is not None and time.monotonic() - start >= fail_at and (after is None or os.path.exists(after)):

@@ -5,7 +5,7 @@ Run it with ``paratrain demo --tf``, or by hand: ``paratrain run --tf -n 2 -m pa
 Its flags are the torch demo's (``paratrain.demo.config.DemoConfig``) that a Keras job has, and ``--out``.
 With ``--checkpoint-dir`` (``paratrain run --tf --checkpoint-dir D``) it keeps ``BackupAndRestore`` state there;
 ``--fail-at-step E --fail-rank R`` SIGKILLs worker R after epoch E on the job's first attempt, so
-``--max-restarts 1`` shows a restart resuming at the epoch it lost with the same final weights.
+``--max-restarts 1`` shows a restart resuming after the last epoch backed up, with the same final weights.
 """
 from __future__ import annotations
 
