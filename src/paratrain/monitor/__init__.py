@@ -34,7 +34,7 @@ def monitor_for(config: MonitorConfig | None, par: Any) -> Monitor | None:
             else catalogue_peak_flops(par.device, par.precision.name))
     return Monitor(config, rank=par.rank, world_size=par.world_size, local_world_size=par.env.local_world_size,
                    device=par.device, peer=peer, emit=par.logger.warning, accumulate=par.accumulate,
-                   group=par.strategy.training_group(par.env), trackers=par.trackers,
+                   group=par.strategy.server.training_group(par.env), trackers=par.trackers,
                    replicas=lambda: par.data_parallel_size, same_tokens=lambda: _tp_size(par.mesh), peak_flops=peak)
 
 

@@ -24,6 +24,7 @@ from ...model.materialize import to_device
 from ...options import TPConfig
 from ...errors import ConfigError
 from ...rank_agreement import check_ranks_agree
+from ..runtime import Runtime
 from .apply import apply_tp
 from .outputs import ShardedOutputs, forward_backward
 from .infer import choose_plan
@@ -48,18 +49,18 @@ class TensorParallel(WholeLayers):
     def degree(self, strategy: str, world_size: int) -> int:
         return tp_degree(strategy, self.config.degree, world_size)
 
-    def splitter(self, mesh: DeviceMesh | None, precision: Any, device: torch.device,
-                 facts: ModelFacts | None, leave: Leave | None = None) -> Step:
+    def splitter(self, rt: Runtime, leave: Leave | None = None) -> Step:
+        mesh = rt.mesh
         assert mesh is not None
-        return lambda model: self.apply(model, mesh, precision, device, facts, leave)
+        return lambda model: self.apply(model, mesh, rt.precision, rt.device, rt.facts, leave)
 
-    def stage_splitter(self, model: nn.Module, facts: ModelFacts | None, mesh: DeviceMesh | None, precision: Any,
-                       device: torch.device, first_block: str | None, last_block: str | None) -> Step:
-        plan = self.plan(model, facts)
+    def stage_splitter(self, model: nn.Module, rt: Runtime, first_block: str | None, last_block: str | None) -> Step:
+        plan = self.plan(model, rt.facts)
 
         def split(stage: nn.Module) -> nn.Module:  # a StageModule: the model's copy it runs is .stage
-            assert mesh is not None
-            self.apply_stage(stage.stage, plan, mesh, precision, device, first_block, last_block)  # type: ignore
+            assert rt.mesh is not None
+            self.apply_stage(stage.stage, plan, rt.mesh, rt.precision, rt.device, first_block,  # type: ignore
+                             last_block)
             return stage
 
         return split
@@ -143,14 +144,14 @@ class TensorParallel(WholeLayers):
     def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor:
         return forward_backward(self.outputs, model, call, scale, self._precision, self._device)
 
-    def loss_at_head(self) -> str:
+    def head_loss_refusal(self) -> str:
         return ("tp splits the head over the vocabulary, and its loss_parallel already keeps each rank to its "
                 "slice of the logits")
 
     def split_loss(self) -> AbstractContextManager:
         return self.outputs.split_loss()
 
-    def needs_every_rank(self, strategy: str) -> str | None:
+    def every_rank_reason(self, strategy: str) -> str | None:
         return f"under {strategy} with tp every layer is split over the ranks of a tp group"
 
     def traffic_bytes(self, known: int | None) -> int | None:
