@@ -1,7 +1,12 @@
 """The shape of the strategy base: what every strategy needs on ``Strategy``, the parameter server's own hooks on its
 part (``Strategy.server``), and hooks named for what they return."""
 import inspect
+from types import SimpleNamespace
 
+import torch
+from torch import nn
+
+from paratrain.rank_alone import guard_model, guard_optimizer
 from paratrain.strategies import available, create
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.param_server import ServerRole
@@ -40,3 +45,17 @@ def test_hooks_are_named_for_what_they_return():
                 assert returns == "bool", f"{cls.__name__}.{name} is a question but returns {returns}"
             if returns == "str | None":
                 assert name.endswith(("_reason", "_refusal")), f"{cls.__name__}.{name} returns words: name them"
+
+
+def test_the_reasons_name_what_needs_every_rank():
+    """The words ``paratrain.rank_alone`` says when one rank does alone what needs them all (None: nothing does)."""
+    ddp, zero1, zero3 = create("ddp"), create("zero1"), create("zero3")
+    assert ddp.every_rank_reason() is None and ddp.optimizer_every_rank_reason() is None
+    assert zero1.every_rank_reason() is None
+    assert zero1.optimizer_every_rank_reason() == "under zero1 each rank holds a shard of the optimizer's state"
+    assert zero3.every_rank_reason() == zero3.optimizer_every_rank_reason() == \
+        "under zero3 each rank holds a shard of every layer"
+    assert create("pipeline").every_rank_reason() == "under pipeline each rank holds a stage of the model"
+    model, off = nn.Linear(2, 2), SimpleNamespace(enabled=False)
+    guard_model(model, zero3, off)  # asks the strategy, then leaves a job without a call watch alone
+    guard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), zero1, off)

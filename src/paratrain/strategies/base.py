@@ -40,8 +40,8 @@ class Strategy(ABC):
     """The part that splits sequences over ranks (``cp=``: :mod:`paratrain.distributed.context_parallel`); by
     default none."""
     server: NoServer = NoServer()
-    """The part where some ranks serve the others instead of training (parameter servers: ``ServerRole``); by
-    default none, every rank training (stateless, so one serves every strategy)."""
+    """The part where some ranks serve the others instead of training (parameter servers:
+    :class:`~paratrain.strategies.param_server.ServerRole`); by default none, every rank training."""
 
     @property
     def host_tensors(self) -> bool:
