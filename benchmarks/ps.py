@@ -79,7 +79,7 @@ def _job(workload: str, strategy: str, options: dict, steps: int, slow_rank: int
     out = {"rank": par.rank, "step_ms": 1e3 * statistics.median(times[3:]), "samples_per_s": steps * batch / wall,
            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if strategy == "ps":
-        st = par.strategy.worker.client.stats
+        st = par.strategy.server.worker.client.stats
         out.update(sent=st.push_bytes / st.steps, received=st.pull_bytes / st.steps)
     else:
         grad = sum(p.numel() * p.element_size() for p in par.unwrap(model).parameters())

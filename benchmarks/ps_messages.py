@@ -68,7 +68,7 @@ def _job(reps: int, per_rep: int) -> dict[str, Any] | None:
     torch.manual_seed(0)
     model = _Tiny()
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))  # the server serves in here
-    client = par.strategy.worker.client
+    client = par.strategy.server.worker.client
     ids = torch.tensor([3, 250, 500, 999])
     times: dict[str, list[float]] = {"pull_dense": [], "pull_rows": []}
     for r in range(reps):

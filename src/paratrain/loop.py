@@ -80,14 +80,14 @@ def finish_step(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Opt
     norm, in_step = None, False
     if max_norm is not None:
         precision.unscale(optimizer)
-        in_step = strategy.clips_in_step(optimizer, max_norm)
+        in_step = strategy.server.clips_in_step(optimizer, max_norm)
         if not in_step:
             norm = clip_grad_norm(model.parameters(), max_norm, group=strategy.grad_norm_group(model),
                                   counted=strategy.grad_norm_parameters(model))
     with strategy.optimizer_stepping(optimizer):
         precision.step(optimizer)
     if in_step:
-        stepped = strategy.stepped_grad_norm(optimizer)
+        stepped = strategy.server.stepped_grad_norm(optimizer)
         norm = None if stepped is None else torch.tensor(stepped)
     optimizer.zero_grad(set_to_none=True)
     return norm

@@ -90,7 +90,7 @@ class Parallel:
         self._session = Session(self.env, accelerator, self.precision, timeout_s=settings.job.timeout_s,
                                 wait_report_s=settings.job.wait_report_s, **self._chosen.placement())
         self.device, self._calls = self._session.device, self._session.calls
-        self._calls.every_rank = not self.strategy.serves
+        self._calls.every_rank = not self.strategy.server.serves
         self._session.agree({**self._chosen.agreed_values(), "precision": self.precision.name,
                              "accumulate": str(self.accumulate), "global batch": str(self._loop.batch)})
         self._chosen.build_mesh(self.device)
@@ -104,7 +104,7 @@ class Parallel:
             self.strategy, world_size=self.world_size, data_parallel_size=self.data_parallel_size,
             precision=self.precision.name, accumulate=self.accumulate, device=self.device))
         self.monitor = monitor_for(watching, self._runtime, trackers=self.trackers, accumulate=self.accumulate,
-                                   group=self.strategy.training_group(self.env), emit=self.logger.warning,
+                                   group=self.strategy.server.training_group(self.env), emit=self.logger.warning,
                                    replicas=lambda: self.data_parallel_size)
         if seed is not None:
             self.seed_everything(seed)
@@ -277,7 +277,7 @@ class Parallel:
     def barrier(self) -> None:
         """Wait for every rank that trains (bounded by the process-group timeout)."""
         if self._session.distributed:
-            dist.barrier(group=self.strategy.training_group(self.env))
+            dist.barrier(group=self.strategy.server.training_group(self.env))
 
     @collective("par.save", meet="every rank must call it (each writes its part, once)")
     def save(self, path: str | os.PathLike | None = None, *, async_save: bool = False) -> Path:
@@ -306,7 +306,7 @@ class Parallel:
         """Load the checkpoint directory's latest checkpoint once, if the job is set to resume and one exists
         (``epochs()`` calls it; call it before a loop without ``epochs()``)."""
         if (found := self._checkpoints.to_resume()) is None:  # a rank back after its process died: where it stood
-            self._loop.continue_at(self.strategy.steps_taken(), self._prepared.loaders)
+            self._loop.continue_at(self.strategy.server.steps_taken(), self._prepared.loaders)
         return self.load(found) if found is not None else None
 
     def _flush_checkpoint(self) -> None:
@@ -334,7 +334,7 @@ class Parallel:
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
         self.trackers.close()
-        self._session.close(meet=self.strategy.close())
+        self._session.close(meet=self.strategy.server.close())
 
     def __enter__(self) -> Parallel:
         return self

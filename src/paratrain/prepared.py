@@ -70,7 +70,7 @@ class Prepared:
 
     def targets(self, strategy: Strategy, precision: Any, **position: Any) -> Targets:
         """What a checkpoint saves or restores: these objects plus ``position`` (step, epoch, rank, …)."""
-        group = strategy.checkpoint_group()
+        group = strategy.server.checkpoint_group()
         if group is not None:  # not every rank saves (a parameter server's workers do, for their servers too)
             position["gather"] = partial(gather_object, group=group)
         return Targets(strategy=strategy, models=self.models, optimizers=self.optimizers,

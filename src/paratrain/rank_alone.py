@@ -21,7 +21,7 @@ from .strategies.base import Strategy
 def guard_model(model: nn.Module, strategy: Strategy, calls: CallWatch) -> None:
     """Make ``model``'s forwards outside ``par.step`` and its ``state_dict()`` meet the other ranks first, where
     ``strategy`` needs every rank for them."""
-    reason = strategy.needs_every_rank()
+    reason = strategy.every_rank_reason()
     if reason is None or not calls.enabled:
         return
     forward = (f"{reason}, so a forward needs every rank: evaluate (or log) on every rank and print on rank 0 "
@@ -35,7 +35,7 @@ def guard_model(model: nn.Module, strategy: Strategy, calls: CallWatch) -> None:
 def guard_optimizer(optimizer: torch.optim.Optimizer, strategy: Strategy, calls: CallWatch) -> None:
     """Make ``optimizer.state_dict()`` outside a paratrain call meet the other ranks first, where ``strategy``
     splits the optimizer's state over ranks."""
-    reason = strategy.optimizer_split()
+    reason = strategy.optimizer_every_rank_reason()
     if reason is None or not calls.enabled:
         return
     why = f"{reason}, so one rank's optimizer.state_dict() is no checkpoint: save with par.save(path) on every rank"

@@ -47,7 +47,7 @@ class Replicas:
         """Once ``wrapped`` is prepared: its first batch inside ``par.step`` is compared across replicas, and its
         forwards and state outside any paratrain call meet the other ranks where ``strategy`` needs them."""
         guard_model(wrapped, strategy, self.session.calls)
-        if strategy.serves:  # parameter servers: workers may train apart (asynchronously), nothing to compare
+        if strategy.server.serves:  # parameter servers: workers may train apart (asynchronously), nothing to compare
             self._first.done = True
         wrapped.register_forward_pre_hook(lambda _, args: self.first_batch(args[0] if args else None, in_step=True))
 

@@ -447,7 +447,7 @@ def test_on_cuda_the_servers_keep_to_the_host_and_the_group_serves_host_tensors_
     assert job_backend("auto", host_tensors=False) == "nccl" and job_backend("cpu", host_tensors=True) == "gloo"
     ps = ParameterServer(servers=2)
     assert ps.host_tensors
-    assert [ps.on_host(ClusterEnv(rank=r, world_size=4)) for r in range(4)] == [False, False, True, True]
+    assert [ps.server.on_host(ClusterEnv(rank=r, world_size=4)) for r in range(4)] == [False, False, True, True]
 
 
 def test_headers_are_parsed_without_trusting_them():

@@ -154,7 +154,7 @@ def run_async(options: dict, slow_rank: int | None, slow_factor: float, epochs: 
             seen += len(y)
             steps += 1
     wall = time.perf_counter() - start
-    stats = par.strategy.worker.client.stats
+    stats = par.strategy.server.worker.client.stats
     state = par.full_state_dict(model, rank0_only=False)  # the servers' parameters now
     par.close()
     acc = None

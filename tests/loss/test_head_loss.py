@@ -155,5 +155,5 @@ def test_what_cannot_be_computed_at_the_head_is_refused_in_one_line():
 @pytest.mark.parametrize("name, says", [("tp", "tp splits the head over the vocabulary"),
                                         ("pipeline", "the last stage computes the loss inside the schedule")])
 def test_strategies_that_own_the_loss_say_why(name, says):
-    assert says in create(name).loss_at_head()
-    assert create("zero3").loss_at_head() is None
+    assert says in create(name).head_loss_refusal()
+    assert create("zero3").head_loss_refusal() is None

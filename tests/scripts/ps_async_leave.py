@@ -45,7 +45,7 @@ def main() -> None:
     with paratrain.Parallel("ps", servers=1, staleness=4, seed=0, monitor=False) as par:
         model = torch.nn.Linear(6, 3)
         model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
-        pulled_version, pulled_at = list(par.strategy.worker.client.versions), time.time()
+        pulled_version, pulled_at = list(par.strategy.server.worker.client.versions), time.time()
         loader = par.prepare(DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True))
         start, trained, ends = None, 0, []
         for epoch in par.epochs(EPOCHS):

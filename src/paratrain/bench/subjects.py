@@ -46,7 +46,7 @@ class ParatrainSubject:
 
     def seconds_moving(self) -> float | None:
         """Seconds this rank has spent in its strategy's own messages so far, as the strategy times them."""
-        return self.par.strategy.traffic_seconds()
+        return self.par.strategy.server.traffic_seconds()
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> None:
         """A forward and backward with or without gradient synchronisation; gradients are dropped, the

@@ -117,7 +117,7 @@ class _InFlight:
         A failure is one line on the rank that meets it."""
         try:
             self.future.result()
-            self.strategy.shards_written(self.tmp, self.rank)
+            self.strategy.server.shards_written(self.tmp, self.rank)
             if self.rank == 0:
                 io.publish(self.root, self.tmp, self.meta, self.keep)
         except io.DCP_ERRORS as e:
@@ -155,7 +155,7 @@ class BackgroundSaves:
         tmp = io.begin_save(t, root)
         state: dict[str, dict[str, Any]] = {}
         try:
-            io.alike(t, lambda: t.strategy.save_shards(tmp, t.rank, background=True))  # a parameter server's
+            io.alike(t, lambda: t.strategy.server.save_shards(tmp, t.rank, background=True))  # a parameter server's
             state = io.tensor_state(t)
             if group is None:
                 io.quiet_background()
@@ -230,7 +230,7 @@ class BackgroundSaves:
         if not dist.is_initialized():
             return None
         if self._group is None:
-            saving = t.strategy.checkpoint_group()
+            saving = t.strategy.server.checkpoint_group()
             ranks = list(range(dist.get_world_size())) if saving is None else dist.get_process_group_ranks(saving)
             self._group = dist.new_group(ranks, backend="gloo", timeout=self._timeout, use_local_synchronization=True)
         return self._group

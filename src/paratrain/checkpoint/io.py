@@ -104,8 +104,8 @@ def save(t: Targets, root: Path, keep: int) -> Path:
         state = tensor_state(t)
         with quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=rank0_planner(),
-                     process_group=t.strategy.checkpoint_group())
-        alike(t, lambda: t.strategy.save_shards(tmp, t.rank))  # a parameter server's shards
+                     process_group=t.strategy.server.checkpoint_group())
+        alike(t, lambda: t.strategy.server.save_shards(tmp, t.rank))  # a parameter server's shards
         t.barrier()  # every rank's files are complete
         if t.rank == 0:
             publish(root, tmp, checkpoint_meta(t), keep)
@@ -175,7 +175,7 @@ def load(t: Targets, path: str | Path) -> Position:
     saved = reader.read_metadata().state_dict_metadata
     state = tensor_state(t, optimizer=meta["optimizer_state"] and not weights_only)
     _check_fit(folder, saved, state, t)
-    t.strategy.check_shards(folder)  # a parameter server's: on every rank alike
+    t.strategy.server.check_shards(folder)  # a parameter server's: on every rank alike
     train, mine = None, None
     if not weights_only:  # all that can refuse the checkpoint comes before anything is loaded
         train = load_file(folder / TRAIN)
@@ -190,12 +190,13 @@ def load(t: Targets, path: str | Path) -> Position:
             loader.load_state_dict(position, train["epoch"])  # takes effect at the loader's next pass
     try:
         with quiet_single_process():
-            dcp.load(state, storage_reader=reader, planner=SafePlanner(), process_group=t.strategy.checkpoint_group())
+            dcp.load(state, storage_reader=reader, planner=SafePlanner(),
+                     process_group=t.strategy.server.checkpoint_group())
     except DCP_ERRORS as e:
         raise load_failure(folder, e) from None
     for i, model in enumerate(t.models):
         t.strategy.load_model_state(model, state[_key("model", i)])
-    alike(t, lambda: t.strategy.load_shards(folder, t.rank))
+    alike(t, lambda: t.strategy.server.load_shards(folder, t.rank))
     if train is None:
         return Position(folder=folder, step=int(meta["step"]), epoch=None, world_size=meta["world_size"])
     for j, (model, optimizer) in enumerate(t.optimizers if meta["optimizer_state"] else []):

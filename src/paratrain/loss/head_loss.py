@@ -19,7 +19,7 @@ from .recipes import target_key
 class Wrapping(Protocol):
     """What a strategy tells the loss: whether it can run at the head, and the user's module in its wrapper."""
 
-    def loss_at_head(self) -> str | None: ...
+    def head_loss_refusal(self) -> str | None: ...
 
     def unwrap(self, model: nn.Module) -> nn.Module: ...
 
@@ -44,7 +44,7 @@ class HeadLoss:
         """The loss of the micro-batch ``call`` on the prepared ``model``, ready for its backward."""
         if self.chunk is None:
             return precision.loss(model, call, device)
-        why = strategy.loss_at_head()
+        why = strategy.head_loss_refusal()
         if why is not None:
             raise ConfigError(f"loss_chunk does not run here: {why}; drop loss_chunk")
         root = strategy.unwrap(model)

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..strategies.base import Runtime
+from ..distributed.runtime import Runtime
 from .config import MonitorConfig, monitor_config, tensorboard_moved
 from .figures import catalogue_peak_flops
 from .monitor import Monitor

@@ -6,56 +6,25 @@ strategies compose them instead of copying them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from ..batch import ModelCall
 from ..dims import ParallelDims
 from ..distributed.context_parallel.part import WholeSequences
 from ..distributed.expert_parallel.part import WholeExperts
-from ..distributed.parallelize import Step, parallelize
+from ..distributed.runtime import Runtime
 from ..distributed.tensor_parallel.part import WholeLayers
 from ..env import ClusterEnv
-from ..model.facts import ModelFacts
 from ..model.materialize import Materializer
-from ..options import BlockTransforms
-from ..precision import Precision
+from .serving import NoServer
 
 if TYPE_CHECKING:
     from ..options import EPConfig, TPConfig
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """What a strategy needs to know about the running job (and, while preparing one, about the model)."""
-
-    env: ClusterEnv
-    device: torch.device
-    mesh: DeviceMesh | None
-    precision: Precision
-    facts: ModelFacts | None = None
-    """The model being prepared (or whose optimizer is): its blocks, ties and parameter names."""
-    transforms: BlockTransforms = BlockTransforms()
-    """Activation checkpointing and compilation of the blocks."""
-    checkpointing: bool = False
-    """The job saves checkpoints on its own (``checkpoint_dir``): every rank must then stay to the end."""
-    materialize: Callable[[nn.Module], object] | None = None
-    """For a model built on the meta device: allocates and initializes what this rank holds of a laid-out module
-    (:class:`~paratrain.model.materialize.Materializer`)."""
-
-    def parallelize(self, model: nn.Module, tp: Step | None = None, data: Step | None = None) -> nn.Module:
-        """:func:`~paratrain.distributed.parallelize.parallelize` with this job's precision and block transforms."""
-        assert self.facts is not None, "parallelize needs the model's facts"
-        return parallelize(model, precision=self.precision, facts=self.facts, transforms=self.transforms, tp=tp,
-                           data=data, materialize=self.materialize)
 
 
 class Strategy(ABC):
@@ -70,23 +39,14 @@ class Strategy(ABC):
     cp: WholeSequences = WholeSequences()
     """The part that splits sequences over ranks (``cp=``: :mod:`paratrain.distributed.context_parallel`); by
     default none."""
-    serves: ClassVar[bool] = False
-    """Some ranks serve the others instead of training (parameter servers): they take no step of their own."""
+    server: NoServer = NoServer()
+    """The part where some ranks serve the others instead of training (parameter servers:
+    :class:`~paratrain.strategies.param_server.ServerRole`); by default none, every rank training."""
 
     @property
     def host_tensors(self) -> bool:
         """The strategy sends host tensors through the job's group (a parameter server's messages, CPU-offloaded
         shards): on CUDA the group is then gloo beside NCCL (:func:`~paratrain.devices.job_backend`)."""
-        return False
-
-    def on_host(self, env: ClusterEnv) -> bool:
-        """Whether this rank of ``env`` runs on the host whatever the accelerator (a parameter server's shards
-        and optimizer live in host memory, leaving the GPUs to the workers)."""
-        return False
-
-    def joins_alone(self, env: ClusterEnv) -> bool:
-        """Whether this rank starts a private group instead of joining the job's: a rank that comes back after its
-        process died (an asynchronous parameter-server worker) cannot join a group whose members are fixed."""
         return False
 
     def process_device(self, env: ClusterEnv, device: torch.device) -> torch.device:
@@ -151,24 +111,19 @@ class Strategy(ABC):
         _, size, group = self.data_parallel(rt)
         return size, group
 
-    def steps_taken(self) -> int:
-        """Optimizer steps this rank's place in the job took before this process started, where it did not resume
-        from a checkpoint (an asynchronous parameter-server worker that came back); 0 for every other rank."""
-        return 0
-
     def rng_rank(self, rt: Runtime) -> int:
         """The index that seeds this rank's random stream after ``prepare``: its rank, or its replica's index
         where ranks compute one replica together (tensor parallelism), so they draw alike."""
         return self.tp.rng_rank(rt.mesh, self.cp.data_parallel(rt.mesh, (rt.env.rank, rt.env.world_size, None))[0])
 
-    def needs_every_rank(self) -> str | None:
+    def every_rank_reason(self) -> str | None:
         """Why a forward of the prepared model, or its whole state, needs every rank (words for the line said when
         one rank does it alone: :mod:`paratrain.rank_alone`); None where each rank holds the whole model."""
-        return self.tp.needs_every_rank(self.name)
+        return self.tp.every_rank_reason(self.name)
 
-    def optimizer_split(self) -> str | None:
-        """Why the optimizer's whole state needs every rank (as :meth:`needs_every_rank`)."""
-        return self.needs_every_rank()
+    def optimizer_every_rank_reason(self) -> str | None:
+        """Why the optimizer's whole state needs every rank (as :meth:`every_rank_reason`)."""
+        return self.every_rank_reason()
 
     def batch(self, call: ModelCall) -> ModelCall:
         """``forward_backward``'s micro-batch as this rank runs it (a sequence split cuts the target to its slice)."""
@@ -179,63 +134,18 @@ class Strategy(ABC):
         vocabulary-split loss of tensor parallelism); None: it doesn't."""
         return self.tp.forward_backward(model, call, scale)
 
-    def loss_at_head(self) -> str | None:
+    def head_loss_refusal(self) -> str | None:
         """Why the loss cannot be computed at the model's head in chunks (``loss_chunk``), in words for a one-line
         error; None: it can, since the model runs whole on this rank as the user wrote it."""
-        return self.cp.loss_at_head() or self.tp.loss_at_head()
+        return self.cp.head_loss_refusal() or self.tp.head_loss_refusal()
 
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         """Bytes this rank has sent plus received to keep ``model`` in step with the other ranks over its first
         ``steps`` optimizer steps (``paratrain bench``'s bytes/step); None where this strategy does not count them."""
         return None
 
-    def traffic_seconds(self) -> float | None:
-        """Seconds this rank has spent in messages of the strategy's own so far, timed where they are sent and
-        awaited (a parameter-server worker's pulls and pushes); None where the strategy does not time them."""
-        return None
-
-    def training_group(self, env: ClusterEnv) -> dist.ProcessGroup | None:
-        """The ranks that train, whose monitors compare notes and whose ``par.barrier`` waits for each other (None:
-        every rank); a parameter server's servers train nothing."""
-        return None
-
-    def checkpoint_group(self) -> dist.ProcessGroup | None:
-        """The ranks that take part in ``save``/``load``'s collectives (None: every rank)."""
-        return None
-
-    def save_shards(self, folder: Path, rank: int, background: bool = False) -> None:
-        """Write what the ranks outside ``checkpoint_group`` hold into ``folder`` (a checkpoint being written, before
-        it is published); ``background``: stage it and return, ``shards_written`` waits for the write. The default
-        has nothing there."""
-
-    def shards_written(self, folder: Path, rank: int) -> None:
-        """Return once what ``save_shards(background=True)`` started is written into ``folder``; raise a one-line
-        ``CheckpointError`` if it failed. The default has nothing to wait for."""
-
-    def check_shards(self, folder: Path) -> None:
-        """Raise a one-line ``CheckpointError`` (on every rank alike, before anything loads) when ``folder`` lacks
-        what ``load_shards`` needs."""
-
-    def load_shards(self, folder: Path, rank: int) -> None:
-        """Restore what ``save_shards`` wrote into ``folder``; the default has nothing to restore."""
-
-    def close(self) -> bool:
-        """The job's training is over on this rank (``Parallel.close``); returns whether every rank meets at the end
-        (False: some may have left, so the group ends without waiting for them). The default ends nothing."""
-        return True
-
     def grad_norm_group(self, model: nn.Module) -> dist.ProcessGroup | None:
         """Group over which local gradient norms add up to the global one (pipeline stages); None: no such group."""
-        return None
-
-    def clips_in_step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> bool:
-        """Where only the optimizer step sees the gradient to clip (parameter servers: the mean of every worker's,
-        on the servers), hand it ``max_norm`` and return True: the loop then does not clip, and takes the norm
-        from ``stepped_grad_norm`` after the step. The default: False (the loop clips before the step)."""
-        return False
-
-    def stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> float | None:
-        """The gradient norm before the clipping of the last step, where ``clips_in_step`` is True."""
         return None
 
     def sync_gradients(self, model: nn.Module) -> None:

@@ -44,9 +44,9 @@ class ChosenStrategy:
         starts a private group instead of joining the job's (a parameter-server worker that came back), and which
         device it binds given the one its local rank selects (``model_parallel``: its first stage's)."""
         return {"needs_group": self.pending or self.strategy.uses_group(self.env),
-                "on_host": not self.pending and self.strategy.on_host(self.env),
+                "on_host": not self.pending and self.strategy.server.on_host(self.env),
                 "host_tensors": self.strategy.host_tensors,
-                "alone": not self.pending and self.strategy.joins_alone(self.env),
+                "alone": not self.pending and self.strategy.server.joins_alone(self.env),
                 "device_of": self.process_device}
 
     def process_device(self, selected: torch.device) -> torch.device:

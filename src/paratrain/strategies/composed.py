@@ -81,7 +81,7 @@ class Composed(Strategy):
         data_mesh = mesh["dp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else mesh
         # the cp ranks' gradients are reduced with the data-parallel ranks' (dp x cp)
         data_mesh = self.cp.gradient_mesh(mesh, data_mesh)
-        split = self.cp.splitter(mesh, self.tp.splitter(mesh, rt.precision, rt.device, rt.facts, self.ep.modules))
+        split = self.cp.splitter(mesh, self.tp.splitter(rt, self.ep.modules))
         data = self.ep.data_step(self.data.step(rt, data_mesh), data_mesh, rt.device, self.data.zero,
                                  self.data.expert_shard_options(rt))
         return rt.parallelize(model, tp=split, data=data)
@@ -102,7 +102,7 @@ class Composed(Strategy):
         super().sync_gradients(model)
         self.ep.sync_gradients(model)
 
-    def needs_every_rank(self) -> str | None:
+    def every_rank_reason(self) -> str | None:
         if self.ep.splits:
             return "under ep each rank holds part of every mixture-of-experts layer's experts"
         if self.preset.takes.tp == "all":
@@ -111,12 +111,12 @@ class Composed(Strategy):
             return f"under {self.name} each rank holds a shard of every layer"
         if self.cp.splits:
             return "under cp the ranks of a cp group exchange every attention's inputs"
-        return super().needs_every_rank()
+        return super().every_rank_reason()
 
-    def optimizer_split(self) -> str | None:
+    def optimizer_every_rank_reason(self) -> str | None:
         if self.data.zero == 1:
             return f"under {self.name} each rank holds a shard of the optimizer's state"
-        return self.needs_every_rank()
+        return self.every_rank_reason()
 
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         if not self.preset.groups:

@@ -46,7 +46,7 @@ class DataParallelStrategy(Strategy):
             return model
         return nn.DataParallel(model, device_ids=list(range(gpus)), output_device=rt.device.index)
 
-    def loss_at_head(self) -> str:
+    def head_loss_refusal(self) -> str:
         return "nn.DataParallel runs copies of the model in threads; use ddp"
 
     def unwrap(self, model: nn.Module) -> nn.Module:

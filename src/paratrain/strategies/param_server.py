@@ -43,44 +43,29 @@ from ..launcher.leaving import BACK, allow_leaving, notice_key, notice_store, re
 from ..launcher.pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
 from .base import Runtime, Strategy
 from .registry import register
+from .serving import NoServer
 
 
 @register("ps")
 class ParameterServer(Strategy):
     name = "ps"
-    serves = True
     host_tensors = True  # type: ignore[assignment]  # its messages: shards held on a server's host
+    server: ServerRole
 
     def __init__(self, config: PSConfig | None = None, **options: Any) -> None:
         if config is not None and options:
             raise ConfigError(f"strategy 'ps' got options {sorted(options)} beside a PSConfig; set them on it")
         self.config = config if config is not None else PSConfig(**options)
-        self.worker: WorkerSide | None = None
+        self.server = ServerRole(self.config)
         self._model: nn.Module | None = None
         self._layout: Holdings | None = None
-        self._group: dist.ProcessGroup | None = None  # every worker
-        self._own: dist.ProcessGroup | None = None  # an asynchronous worker alone
-        self._env: ClusterEnv | None = None
-        self._closed = False
-        self._may_leave = False  # an asynchronous worker of a job that does not checkpoint
 
     def validate(self, env: ClusterEnv) -> None:
         self.config.check_world(env.world_size)
-        self._env = env
+        self.server.env = env
 
     def dims(self, env: ClusterEnv) -> ParallelDims:
         return ParallelDims(dp_replicate=env.world_size)
-
-    def is_server(self, env: ClusterEnv) -> bool:
-        return env.rank >= env.world_size - self.config.servers
-
-    def on_host(self, env: ClusterEnv) -> bool:
-        return self.is_server(env)
-
-    def joins_alone(self, env: ClusterEnv) -> bool:
-        """An asynchronous worker that takes the place of one that died: it meets the servers in a group of its
-        own (made in ``wrap_model``)."""
-        return not self.config.synchronous and not self.is_server(env) and rejoin_count() > 0
 
     def materializer(self, model: nn.Module, device: torch.device, init_fn: Any) -> None:
         """None: a table built on the meta device is allocated row-shard by row-shard on the servers, and a worker
@@ -90,18 +75,18 @@ class ParameterServer(Strategy):
         return None
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
-        if self.worker is not None or self._model is not None:
+        if self.server.worker is not None or self._model is not None:
             raise ConfigError("strategy 'ps' prepares one model per Parallel object")
         if dist.is_initialized() and "gloo" not in str(dist.get_backend()):
             raise ConfigError(f"ps sends its messages as host tensors received from any worker, which the "
                               f"{dist.get_backend()} backend cannot; let Parallel start the group, or start it with "
                               "backend='cpu:gloo,cuda:nccl'")
         layout = plan_holdings(model, rt.env.world_size, self.config)
-        if self.is_server(rt.env):
+        if self.server.is_server(rt.env):
             self._layout, self._model = layout, model  # served once the optimizer is known
             return model
-        peers = self._return_peers(rt.env) if self.joins_alone(rt.env) else None
-        self.worker = WorkerSide(model, layout, rt.env.rank, self.config, rt.device, peers)
+        peers = self._return_peers(rt.env) if self.server.joins_alone(rt.env) else None
+        self.server.worker = WorkerSide(model, layout, rt.env.rank, self.config, rt.device, peers)
         return model
 
     def _return_peers(self, env: ClusterEnv) -> list[Peer]:
@@ -115,10 +100,10 @@ class ParameterServer(Strategy):
         return [Peer(group, 1 + i) for i in range(self.config.servers)]
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
-        if self.worker is not None:
-            pushing = self.worker.optimizer(optimizer, model)
+        if self.server.worker is not None:
+            pushing = self.server.worker.optimizer(optimizer, model)
             if not self.config.synchronous and not rt.checkpointing:
-                self._may_leave = True  # once it has trained: a failure before (a bug, bad input) stops the job
+                self.server.may_leave = True  # once it has trained: a failure before (a bug, bad input) stops the job
                 pushing.after_first_push = functools.partial(allow_leaving, rt.env.rank)
             return pushing
         assert self._model is not None and self._layout is not None
@@ -132,9 +117,70 @@ class ParameterServer(Strategy):
 
     def data_parallel(self, rt: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
         workers = rt.env.world_size - self.config.servers
-        if self.is_server(rt.env):
+        if self.server.is_server(rt.env):
             return 0, 1, None  # a server reads no data
-        return rt.env.rank, workers, self.training_group(rt.env)
+        return rt.env.rank, workers, self.server.training_group(rt.env)
+
+    def metrics(self, rt: Runtime) -> tuple[int, dist.ProcessGroup | None]:
+        """An asynchronous worker's ``par.mean``/``par.sum`` are its own values (its peers may have left)."""
+        return super().metrics(rt) if self.config.synchronous else (1, None)
+
+    def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
+        worker = self.server.worker
+        if worker is None:
+            return {}
+        return worker.full_state(model) if not rank0_only or worker.client.rank == 0 else {}
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """A worker's optimizer holds no state (the servers' does): its param groups' settings, by group (an LR
+        schedule on the workers sets them). Never stepped to make state, as other optimizers are: a step pushes."""
+        return {f"group{i}.{k}": v for i, g in enumerate(optimizer.param_groups) for k, v in g.items() if k != "params"}
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        for i, g in enumerate(optimizer.param_groups):
+            g.update({k: state[f"group{i}.{k}"] for k in g if k != "params"})
+
+    def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
+        """Measured on a worker: the payload bytes of every message it sent (gradients, row ids) and of every answer
+        it received (parameters, rows) since ``prepare``, its first pull included; a server counts nothing."""
+        if self.server.worker is None:
+            return None
+        stats = self.server.worker.client.stats
+        return stats.push_bytes + stats.pull_bytes
+
+    def describe(self) -> str:
+        c = self.config
+        return f"ps(servers={c.servers}, {'sync' if c.synchronous else f'staleness={c.staleness}'})"
+
+
+class ServerRole(NoServer):
+    """The last ``servers`` ranks serve, the others train as workers: which rank is which, the groups the workers
+    train and checkpoint in, a worker's side of the protocol (``worker``, set when it prepares its model), and how
+    each side ends."""
+
+    serves = True
+
+    def __init__(self, config: PSConfig) -> None:
+        self.config = config
+        self.worker: WorkerSide | None = None
+        self.env: ClusterEnv | None = None
+        """The job's ranks, known once the strategy is validated."""
+        self.may_leave = False
+        """An asynchronous worker of a job that does not checkpoint: it may leave once it has trained."""
+        self._group: dist.ProcessGroup | None = None  # every worker
+        self._own: dist.ProcessGroup | None = None  # an asynchronous worker alone
+        self._closed = False
+
+    def is_server(self, env: ClusterEnv) -> bool:
+        return env.rank >= env.world_size - self.config.servers
+
+    def on_host(self, env: ClusterEnv) -> bool:
+        return self.is_server(env)
+
+    def joins_alone(self, env: ClusterEnv) -> bool:
+        """An asynchronous worker that takes the place of one that died: it meets the servers in a group of its
+        own (made in the strategy's ``wrap_model``)."""
+        return not self.config.synchronous and not self.is_server(env) and rejoin_count() > 0
 
     def training_group(self, env: ClusterEnv) -> dist.ProcessGroup | None:
         """The workers' group; an asynchronous worker's monitor and ``par.barrier`` take part in no one else's (a
@@ -145,21 +191,17 @@ class ParameterServer(Strategy):
             self._own = dist.new_group([env.rank], use_local_synchronization=True)
         return self._own
 
-    def metrics(self, rt: Runtime) -> tuple[int, dist.ProcessGroup | None]:
-        """An asynchronous worker's ``par.mean``/``par.sum`` are its own values (its peers may have left)."""
-        return super().metrics(rt) if self.config.synchronous else (1, None)
-
     def steps_taken(self) -> int:
         """The pushes the servers took from this worker's rank before this process (one that came back) pulled;
         told once."""
-        if self.worker is None or self._env is None or not self.joins_alone(self._env):
+        if self.worker is None or self.env is None or not self.joins_alone(self.env):
             return 0
         steps, self.worker.client.steps_before = self.worker.client.steps_before, 0
         return steps
 
-    def _workers(self, env: ClusterEnv) -> dist.ProcessGroup | None:
+    def _workers(self, env: ClusterEnv | None) -> dist.ProcessGroup | None:
         """The workers' own group (made by the workers alone: the servers are serving); None on a server."""
-        if self.is_server(env) or not dist.is_initialized() or self.joins_alone(env):
+        if env is None or self.is_server(env) or not dist.is_initialized() or self.joins_alone(env):
             return None
         if self._group is None:
             workers = list(range(env.world_size - self.config.servers))
@@ -177,19 +219,18 @@ class ParameterServer(Strategy):
     def stepped_grad_norm(self, optimizer: torch.optim.Optimizer) -> float | None:
         return optimizer.grad_norm if isinstance(optimizer, PushingOptimizer) else None
 
-    def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
-        if self.worker is None:
-            return {}
-        return self.worker.full_state(model) if not rank0_only or self.worker.client.rank == 0 else {}
+    def traffic_seconds(self) -> float | None:
+        """A worker's time in its pulls and pushes (waiting for the answers included); a server times nothing."""
+        return None if self.worker is None else self.worker.client.stats.pull_s + self.worker.client.stats.push_s
 
     # ----------------------------------------------------------------- checkpoints
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """The workers save and load together; the servers, serving, take part through their messages."""
-        if self._may_leave or (self._env is not None and self.joins_alone(self._env)):
+        if self.may_leave or (self.env is not None and self.joins_alone(self.env)):
             raise ConfigError("asynchronous ps workers may leave the job, so they cannot save or load together; set "
                               "a checkpoint directory (Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir) to "
                               "checkpoint an asynchronous job: its workers then stay to the end")
-        return self._workers(self._env) if self._env is not None else None
+        return self._workers(self.env)
 
     def save_shards(self, folder: Path, rank: int, background: bool = False) -> None:
         """Rank 0 has every server write its shard into ``folder/server-NNN`` (the workers are all between steps:
@@ -213,7 +254,7 @@ class ParameterServer(Strategy):
                 self._servers_do(folder, LOAD)
             except CheckpointError as err:
                 refused = err
-        dist.barrier(group=self._workers(self._env))  # every server has answered before anyone pulls
+        dist.barrier(group=self._workers(self.env))  # every server has answered before anyone pulls
         if refused is not None:
             raise refused
         self.worker.client.pull_dense()
@@ -234,32 +275,11 @@ class ParameterServer(Strategy):
     def _shard_folders(self, folder: Path) -> list[str]:
         return [str((folder / shard_folder(i)).absolute()) for i in range(self.config.servers)]
 
-    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """A worker's optimizer holds no state (the servers' does): its param groups' settings, by group (an LR
-        schedule on the workers sets them). Never stepped to make state, as other optimizers are: a step pushes."""
-        return {f"group{i}.{k}": v for i, g in enumerate(optimizer.param_groups) for k, v in g.items() if k != "params"}
-
-    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        for i, g in enumerate(optimizer.param_groups):
-            g.update({k: state[f"group{i}.{k}"] for k in g if k != "params"})
-
-    def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
-        """Measured on a worker: the payload bytes of every message it sent (gradients, row ids) and of every answer
-        it received (parameters, rows) since ``prepare``, its first pull included; a server counts nothing."""
-        if self.worker is None:
-            return None
-        stats = self.worker.client.stats
-        return stats.push_bytes + stats.pull_bytes
-
-    def traffic_seconds(self) -> float | None:
-        """A worker's time in its pulls and pushes (waiting for the answers included); a server times nothing."""
-        return None if self.worker is None else self.worker.client.stats.pull_s + self.worker.client.stats.push_s
-
     def close(self) -> bool:
         """On a worker: tell the servers it is done, then the table of pulls, pushes and the servers' load (rank 0
         prints it; asynchronous: the first server, as every worker's goodbye reaches it). Asynchronous workers do
         not meet at the end: some may have left."""
-        env = self._env
+        env = self.env
         if env is None or self.is_server(env) or self._closed or not dist.is_initialized():
             return self.config.synchronous
         self._closed = True
@@ -271,10 +291,6 @@ class ParameterServer(Strategy):
             if table:
                 print(table, flush=True)
         return self.config.synchronous
-
-    def describe(self) -> str:
-        c = self.config
-        return f"ps(servers={c.servers}, {'sync' if c.synchronous else f'staleness={c.staleness}'})"
 
 
 def _timeout() -> timedelta:

@@ -190,8 +190,7 @@ class PipelineStrategy(Strategy):
     def _stage_split(self, model: nn.Module, plan: StagePlan, s: int, total: int, rt: Runtime) -> Step | None:
         """Tensor parallelism of stage ``s`` by the whole model's plan, its boundaries whole (None without tp)."""
         (start, end), blocks = plan.bounds[s], plan.blocks.names
-        return self.tp.stage_splitter(model, rt.facts, rt.mesh, rt.precision, rt.device,
-                                      first_block=blocks[start] if s > 0 else None,
+        return self.tp.stage_splitter(model, rt, first_block=blocks[start] if s > 0 else None,
                                       last_block=blocks[end - 1] if s < total - 1 else None)
 
     def _replicate(self, part: nn.Module, rt: Runtime, units: FSDPConfig) -> nn.Module:
@@ -237,10 +236,10 @@ class PipelineStrategy(Strategy):
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return nullcontext()  # the stages already synchronise once per batch, after the last micro-batch
 
-    def needs_every_rank(self) -> str | None:
+    def every_rank_reason(self) -> str | None:
         return f"under {self.name} each rank holds a stage of the model"
 
-    def loss_at_head(self) -> str:
+    def head_loss_refusal(self) -> str:
         return f"under {self.name} the last stage computes the loss inside the schedule"
 
     def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor:

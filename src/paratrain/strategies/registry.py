@@ -89,7 +89,7 @@ def _bad_option(name: str, options: dict[str, Any], err: TypeError) -> str:
 
 def serves(name: str) -> bool:
     """Whether strategy ``name`` has ranks that serve the others instead of training (parameter servers)."""
-    return create(name).serves
+    return create(name).server.serves
 
 
 def sends_host_tensors(name: str, **options: Any) -> bool:
@@ -105,7 +105,7 @@ def check_every_rank_trains(name: str, **options: Any) -> None:
         strategy = create(name, **_own(options))
     except TypeError as err:
         raise ConfigError(_bad_option(name, options, err)) from None
-    if strategy.serves:
+    if strategy.server.serves:
         raise ConfigError(f"strategy {name!r} has ranks that serve instead of training, and this tool compares "
                           "every rank's steps; tests prove it equal to one process, and 'paratrain bench "
                           "--strategies ddp,ps' measures it against ddp")

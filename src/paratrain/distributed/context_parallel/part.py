@@ -55,7 +55,7 @@ class WholeSequences:
         """``forward_backward``'s micro-batch as this rank runs it."""
         return call
 
-    def loss_at_head(self) -> str | None:
+    def head_loss_refusal(self) -> str | None:
         """Why the split stops the loss from being computed at the head in chunks, or None."""
         return None
 
@@ -145,7 +145,7 @@ class ContextParallel(WholeSequences):
         return dataclasses.replace(call, target=split.local(target),
                                    loss_fn=lambda out, t: split.whole_loss(loss_fn(out, t), share))
 
-    def loss_at_head(self) -> str:
+    def head_loss_refusal(self) -> str:
         return "cp hands the head a slice of each sequence and sums the loss over the cp ranks itself"
 
     def describe(self) -> str:

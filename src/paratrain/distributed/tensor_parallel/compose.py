@@ -24,6 +24,7 @@ from ...model.materialize import to_device
 from ...options import TPConfig
 from ...errors import ConfigError
 from ...rank_agreement import check_ranks_agree
+from ..runtime import Runtime
 from .apply import apply_tp
 from .outputs import ShardedOutputs, forward_backward
 from .infer import choose_plan
@@ -48,18 +49,14 @@ class TensorParallel(WholeLayers):
     def degree(self, strategy: str, world_size: int) -> int:
         return tp_degree(strategy, self.config.degree, world_size)
 
-    def splitter(self, mesh: DeviceMesh | None, precision: Any, device: torch.device,
-                 facts: ModelFacts | None, leave: Leave | None = None) -> Step:
-        assert mesh is not None
-        return lambda model: self.apply(model, mesh, precision, device, facts, leave)
+    def splitter(self, rt: Runtime, leave: Leave | None = None) -> Step:
+        return lambda model: self.apply(model, rt, leave)
 
-    def stage_splitter(self, model: nn.Module, facts: ModelFacts | None, mesh: DeviceMesh | None, precision: Any,
-                       device: torch.device, first_block: str | None, last_block: str | None) -> Step:
-        plan = self.plan(model, facts)
+    def stage_splitter(self, model: nn.Module, rt: Runtime, first_block: str | None, last_block: str | None) -> Step:
+        plan = self.plan(model, rt.facts)
 
         def split(stage: nn.Module) -> nn.Module:  # a StageModule: the model's copy it runs is .stage
-            assert mesh is not None
-            self.apply_stage(stage.stage, plan, mesh, precision, device, first_block, last_block)  # type: ignore
+            self.apply_stage(stage.stage, plan, rt, first_block, last_block)  # type: ignore
             return stage
 
         return split
@@ -69,18 +66,19 @@ class TensorParallel(WholeLayers):
             raise ConfigError(f"{strategy} with tp cuts a model between its repeated blocks, not an nn.Sequential; "
                               "drop tp, or use Parallel('ddp', tp=...) for a tensor-parallel nn.Sequential")
 
-    def apply(self, model: nn.Module, mesh: DeviceMesh, precision: Any, device: torch.device,
-              facts: ModelFacts | None = None, leave: Leave | None = None) -> nn.Module:
-        """Split ``model`` (moved to ``device``) over ``mesh["tp"]``, but the modules ``leave`` names; a mesh without
-        one (tp over a single rank) leaves it whole."""
-        self._precision, self._device = precision, device
+    def apply(self, model: nn.Module, rt: Runtime, leave: Leave | None = None) -> nn.Module:
+        """Split ``model`` (moved to ``rt.device``) over ``rt.mesh["tp"]``, but the modules ``leave`` names; a mesh
+        without one (tp over a single rank) leaves it whole."""
+        mesh, facts = rt.mesh, rt.facts
+        assert mesh is not None
+        self._precision, self._device = rt.precision, rt.device
         if "tp" not in (mesh.mesh_dim_names or ()):
-            return to_device(model, device)
+            return to_device(model, rt.device)
         plan = self._say(choose_plan(model, self.config.plan, mesh["tp"].size(), facts))
         # The router's load-balancing loss is added to the vocabulary-split loss inside the model's forward, a plain
         # tensor beside a DTensor (failing in the backward): such a model's logits are gathered at the head.
         self.outputs.gather_heads |= bool(getattr(getattr(model, "config", None), "output_router_logits", False))
-        return apply_tp(to_device(model, device), mesh["tp"], plan, self.outputs,
+        return apply_tp(to_device(model, rt.device), mesh["tp"], plan, self.outputs,
                         ties=facts.ties if facts is not None else None, leave=leave(model) if leave else ())
 
     def plan(self, model: nn.Module, facts: ModelFacts | None = None) -> TPPlan:
@@ -104,14 +102,15 @@ class TensorParallel(WholeLayers):
             print("\n".join(plan.summary), flush=True)
         return plan
 
-    def apply_stage(self, stage: nn.Module, plan: TPPlan, mesh: DeviceMesh, precision: Any, device: torch.device,
-                    first_block: str | None, last_block: str | None) -> nn.Module:
-        """Split a pipeline stage (the model with other stages' pieces swapped out) over ``mesh["tp"]`` by the
+    def apply_stage(self, stage: nn.Module, plan: TPPlan, rt: Runtime, first_block: str | None,
+                    last_block: str | None) -> nn.Module:
+        """Split a pipeline stage (the model with other stages' pieces swapped out) over ``rt.mesh["tp"]`` by the
         whole model's ``plan``, its boundaries whole
         (:func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`)."""
-        self._precision, self._device = precision, device
+        assert rt.mesh is not None
+        self._precision, self._device = rt.precision, rt.device
         styles = stage_styles(plan, stage, first_block, last_block)
-        return apply_tp(to_device(stage, device), mesh["tp"], plan, self.outputs, styles)
+        return apply_tp(to_device(stage, rt.device), rt.mesh["tp"], plan, self.outputs, styles)
 
     def data_parallel(self, mesh: DeviceMesh | None, whole: DataParallel) -> DataParallel:
         """The ``dp`` coordinate: ranks of one tp group are one replica."""
@@ -143,14 +142,14 @@ class TensorParallel(WholeLayers):
     def forward_backward(self, model: nn.Module, call: ModelCall, scale: float) -> torch.Tensor:
         return forward_backward(self.outputs, model, call, scale, self._precision, self._device)
 
-    def loss_at_head(self) -> str:
+    def head_loss_refusal(self) -> str:
         return ("tp splits the head over the vocabulary, and its loss_parallel already keeps each rank to its "
                 "slice of the logits")
 
     def split_loss(self) -> AbstractContextManager:
         return self.outputs.split_loss()
 
-    def needs_every_rank(self, strategy: str) -> str | None:
+    def every_rank_reason(self, strategy: str) -> str | None:
         return f"under {strategy} with tp every layer is split over the ranks of a tp group"
 
     def traffic_bytes(self, known: int | None) -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ...batch import ModelCall
-    from ...model.facts import ModelFacts
+    from ..runtime import Runtime
 
 Step = Callable[[nn.Module], nn.Module]
 Leave = Callable[[nn.Module], "list[nn.Module]"]
@@ -37,14 +37,14 @@ class WholeLayers:
         """Ranks that split each layer."""
         return 1
 
-    def splitter(self, mesh: DeviceMesh | None, precision: Any, device: torch.device,
-                 facts: ModelFacts | None, leave: Leave | None = None) -> Step | None:
-        """The step that splits a model's layers over ``mesh`` (:func:`~paratrain.distributed.parallelize.parallelize`'s
-        ``tp``), but the modules ``leave`` names; None: nothing to split."""
+    def splitter(self, rt: Runtime, leave: Leave | None = None) -> Step | None:
+        """The step that splits a model's layers over ``rt``'s mesh
+        (:func:`~paratrain.distributed.parallelize.parallelize`'s ``tp``), but the modules ``leave`` names; None:
+        nothing to split."""
         return None
 
-    def stage_splitter(self, model: nn.Module, facts: ModelFacts | None, mesh: DeviceMesh | None, precision: Any,
-                       device: torch.device, first_block: str | None, last_block: str | None) -> Step | None:
+    def stage_splitter(self, model: nn.Module, rt: Runtime, first_block: str | None,
+                       last_block: str | None) -> Step | None:
         """The same for one pipeline stage of ``model``, its boundaries whole (``first_block``, ``last_block``: the
         blocks where the stage begins and ends inside the model, None at the model's own ends)."""
         return None
@@ -64,7 +64,7 @@ class WholeLayers:
         """Forward and backward of one micro-batch when the split changes how the loss runs; None: it does not."""
         return None
 
-    def loss_at_head(self) -> str | None:
+    def head_loss_refusal(self) -> str | None:
         """Why the split stops the loss from being computed at the head in chunks, or None."""
         return None
 
@@ -79,7 +79,7 @@ class WholeLayers:
         """Context of the optimizer step."""
         return nullcontext()
 
-    def needs_every_rank(self, strategy: str) -> str | None:
+    def every_rank_reason(self, strategy: str) -> str | None:
         """Why the split model's forward needs every rank of a group (words for a one-line error), or None."""
         return None
 
