@@ -27,7 +27,7 @@ from paratrain.planner import (
 from paratrain.planner.layout import block_stage_params
 from paratrain.planner.memory import zero1_busiest
 from paratrain.planner.timing import StepInputs, comm_terms, ddp_bucket_s, micro_batch_s, optimizer_step_s
-from paratrain.workloads.planning import resolve_model
+from paratrain.workloads.model_names import resolve_model
 
 LINK = Link(name="test", bandwidth_gbs=100, latency_us=0)
 STATS = transformer_stats(TRANSFORMERS["gpt2"], name="gpt2")
