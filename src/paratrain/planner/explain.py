@@ -30,6 +30,7 @@ def unsplit_note(global_batch: int, world: int, refused: list[Layout]) -> str:
 
 
 def why_chosen(choice: Estimate, estimates: list[Estimate], fitting: list[Estimate], cluster: Cluster) -> str:
+    """Why ``choice``: what it wins over ddp (or the fastest layout without its tp, ep or cp) and by how much."""
     by_name = {e.name: e for e in estimates}
     mem = f"{choice.memory.total / GIB:.1f} of {choice.capacity / GIB:.1f} GiB per rank"
     if choice.layout.cp > 1:
@@ -140,6 +141,7 @@ def changes(stats: ModelStats, cluster: Cluster, training: Training, choice: Est
 
 
 def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice: Estimate) -> list[str]:
+    """More micro-batches where the pipeline bubble is over 20%; a smaller micro-batch where memory is tight."""
     out = []
     lay, m = choice.layout, choice.batch.micro_batches
     if lay.pp > 1:
@@ -173,7 +175,8 @@ def _cut(layout: Layout, batch: Batching, cluster: Cluster) -> str:
 
 
 def plan_notes(stats: ModelStats, cluster: Cluster, training: Training, choice: Estimate,
-           estimates: list[Estimate]) -> list[str]:
+               estimates: list[Estimate]) -> list[str]:
+    """What the rows beside the choice say about speed, tp, cp and ps (nothing on one rank)."""
     if cluster.world_size == 1:
         return []
     return (_speed_notes(cluster, choice, estimates) + _tp_notes(stats, cluster, training, estimates)
@@ -226,6 +229,7 @@ def _tp_notes(stats: ModelStats, cluster: Cluster, training: Training, estimates
 
 
 def _speed_notes(cluster: Cluster, choice: Estimate, estimates: list[Estimate]) -> list[str]:
+    """Processes sharing a CPU host against threads, or a choice slower than one GPU."""
     if cluster.device.shared_by_ranks:
         n, cores = cluster.ranks_per_node, cluster.device.cores or cluster.ranks_per_node
         best = max(estimates[1:], key=lambda e: e.speedup)
@@ -244,6 +248,8 @@ def _speed_notes(cluster: Cluster, choice: Estimate, estimates: list[Estimate]) 
 
 
 def fits_nowhere(stats: ModelStats, cluster: Cluster, training: Training, candidates: list[Estimate]) -> str:
+    """How far the least hungry candidate is from fitting, and what to try: more GPUs that would fit, bf16, a
+    larger device."""
     at_one = replace(training, micro_batch=1, checkpointing=True)
     least = min((estimate(stats, e.layout, at_one, cluster) for e in candidates), key=lambda e: e.memory.total)
     tries = []
