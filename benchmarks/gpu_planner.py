@@ -31,7 +31,7 @@ from paratrain.planner import PlanConfig, Training, make_plan
 from paratrain.planner.gpu_step import check_same_gpu
 from paratrain.planner.hardware import DEVICES
 from paratrain.workloads.gpt import GPT, GPT_CONFIGS
-from paratrain.workloads.planning import resolve_model
+from paratrain.workloads.model_names import resolve_model
 
 
 def catalogue_name() -> str:

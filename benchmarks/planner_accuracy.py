@@ -62,7 +62,7 @@ import strategies  # noqa: E402
 import paratrain  # noqa: E402
 from paratrain.distributed.process_group import finish_group  # noqa: E402
 from paratrain.planner import Measured, ModelSpec, PlanConfig, Training, make_plan  # noqa: E402
-from paratrain.workloads.planning import resolve_model  # noqa: E402
+from paratrain.workloads.model_names import resolve_model  # noqa: E402
 
 TARGET = 0.20
 PLANNER_TO_LABEL = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",

@@ -13,7 +13,7 @@ import torch
 from helpers import zoo
 
 from paratrain.cuda_step import Placement, first_steps, served
-from paratrain.dry_run import dry_run
+from paratrain.dry_run.probe import dry_run
 from paratrain.errors import ConfigError
 
 GPT2 = "helpers.zoo:gpt2"
@@ -97,7 +97,7 @@ def _on(device: torch.device) -> torch.Tensor:
 
 def test_the_table_shows_each_rank_its_peak_and_each_failure():
     from paratrain.cuda_step import StepResult
-    from paratrain.planning.dry_run import steps_table
+    from paratrain.dry_run.command import steps_table
 
     table = steps_table([StepResult(rank=0, device="cuda:0", passed=True, peak=3 * 2 ** 29),
                          StepResult(rank=8, device="cuda:0", passed=False, ran=False, error="not run: stages"),

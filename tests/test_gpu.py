@@ -151,7 +151,7 @@ def test_plan_measure_on_this_gpu_calibrates_its_compute_from_real_steps():
     from paratrain.planner import PlanConfig, Training, make_plan
     from paratrain.planner.gpu_step import check_same_gpu
     from paratrain.planner.hardware import DEVICES
-    from paratrain.workloads.planning import resolve_model
+    from paratrain.workloads.model_names import resolve_model
 
     name = torch.cuda.get_device_name()
     here = []

@@ -360,7 +360,7 @@ def _step(spec: dict[str, Any]) -> StepResult:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from . import session
-    from .dry_run import model_builder, model_sample
+    from .dry_run.probe import model_builder, model_sample
     from .env import ClusterEnv
     from .loop import finish_step
     from .parallel import Parallel

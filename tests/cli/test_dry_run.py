@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers.cli import run_cli
 
-from paratrain.dry_run import dry_run
+from paratrain.dry_run.probe import dry_run
 from paratrain.planner import GPTConfig, Layout, Training, transformer_stats
 from paratrain.planner.auto import closed_form_shape
 from paratrain.planner.hf_config import read_model_config
@@ -207,6 +207,6 @@ def test_dry_run_of_expert_parallel_layouts_matches_the_planner(moe_models, name
         where = f"{name} {strategy}{options}"
         assert result.error is None, f"{where}: {result.error}"
         assert result.busiest.total == pytest.approx(model_states(stats, layout, TRAINING).total, rel=0.02), where
-    from paratrain.planning.dry_run import DryRunConfig
+    from paratrain.dry_run.command import DryRunConfig
 
     assert DryRunConfig(model="gpt2", world=16, strategy="hybrid", dp=4, ep=4).options == {"dp": 4, "ep": 4}

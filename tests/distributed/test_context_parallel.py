@@ -139,7 +139,7 @@ def test_cp_one_is_off():
 def test_dry_run_shards_over_dp_times_cp():
     """On the fake process group: zero3 x cp=2 over 8 ranks holds what zero3 over 8 holds (the parameters are sharded
     over dp x cp), and a cp that does not divide the world is the launch's one line."""
-    from paratrain.dry_run import dry_run
+    from paratrain.dry_run.probe import dry_run
 
     with_cp = dry_run(w.llama, world=8, strategy="zero3", options={"cp": 2})
     without = dry_run(w.llama, world=8, strategy="zero3")

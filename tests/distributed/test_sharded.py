@@ -11,7 +11,7 @@ from helpers.dist_workers import state_bytes, train_params
 from paratrain.planner import ModelSpec, PlanConfig, Training, make_plan
 from paratrain.planner.memory import model_states
 from paratrain.testing import max_abs_diff, spawn
-from paratrain.workloads.planning import resolve_model
+from paratrain.workloads.model_names import resolve_model
 
 STEPS, BATCH = 20, 8
 SMALL_UNITS = {"min_params": 100}  # the test model's blocks are small: make each one a sharding unit

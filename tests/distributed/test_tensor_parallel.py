@@ -28,8 +28,8 @@ from paratrain import strategies
 from paratrain.distributed.tensor_parallel import plan_for
 from paratrain.planner import Layout
 from paratrain.planner.auto import local_cluster, parameter_stats
+from paratrain.planner.estimates import estimate
 from paratrain.planner.optimizers import planned
-from paratrain.planner.recommend import estimate
 from paratrain.planner.training import Training
 from paratrain.strategies import check_world
 from paratrain.strategies.tp_shape import model_shape

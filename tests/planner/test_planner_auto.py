@@ -12,7 +12,7 @@ from paratrain.planner.auto import choose, closed_form_shape, expert_shape, para
 from paratrain.planner.hardware import cpu_host, make_cluster
 from paratrain.planner.model_stats import TPShape
 from paratrain.planner.optimizers import planned, state_tensors
-from paratrain.planner.recommend import estimate
+from paratrain.planner.estimates import estimate
 from paratrain.planner.moe import MoE
 from paratrain.planner.transformer import transformer_params, transformer_stats
 from paratrain.workloads.gpt import GPT, GPTConfig

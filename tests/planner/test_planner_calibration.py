@@ -23,7 +23,7 @@ from paratrain.planner import (
 from paratrain.planner.layout import stage_flops
 from paratrain.planner.model_stats import InputSpec, trace_module
 from paratrain.planner.timing import fsdp_call_from, fsdp_copy_bytes
-from paratrain.workloads.planning import model_input, resolve_model
+from paratrain.workloads.model_names import model_input, resolve_model
 
 FLOPS, WEIGHTS, ADAM = 3e9, 2e8, 3e8  # FLOPs of a batch, bytes the catalogue's passes stream, optimizer bytes
 

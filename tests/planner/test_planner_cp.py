@@ -25,9 +25,9 @@ from paratrain.planner import (
 from paratrain.planner.auto import choose
 from paratrain.planner.collectives import all_to_all_s
 from paratrain.planner.context_parallel import IDS_BYTES_PER_TOKEN, cp_comm_s, cp_pairs
+from paratrain.planner.estimates import estimate
 from paratrain.planner.layout import exact_layout, layout_strategy
 from paratrain.planner.memory import activation_figures, model_states
-from paratrain.planner.recommend import estimate
 from paratrain.planner.timing import step_time
 from paratrain.planner.training import batching
 from paratrain.planner.transformer import GPTConfig

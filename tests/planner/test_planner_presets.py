@@ -27,7 +27,7 @@ from paratrain.planner.published import MOE_COUNTS, preset_counts
 from paratrain.planner.tensor_parallel import rank_params
 from paratrain.planner.transformer import transformer_params
 from paratrain.workloads.gpt import GPT
-from paratrain.workloads.planning import resolve_model
+from paratrain.workloads.model_names import resolve_model
 
 PUBLISHED = {
     # GPT-3: Brown et al. 2020, "Language Models are Few-Shot Learners", table 2.1: 175.0B

@@ -18,7 +18,7 @@ from paratrain.planner import (
     transformer_stats,
 )
 from paratrain.planner.memory import zero1_busiest
-from paratrain.workloads.planning import resolve_model
+from paratrain.workloads.model_names import resolve_model
 
 
 def _stats(name):

@@ -22,7 +22,7 @@ from paratrain.planner import (
 from paratrain.planner.transformer import transformer_params
 from paratrain.workloads.digits import digits_cnn
 from paratrain.workloads.gpt import GPT, GPT_CONFIGS, GPTConfig
-from paratrain.workloads.planning import SMALL_MODELS, parse_count, resolve_model
+from paratrain.workloads.model_names import SMALL_MODELS, parse_count, resolve_model
 
 
 def _rss() -> int:

@@ -26,7 +26,8 @@ from paratrain.planner import (
 )
 from paratrain.planner.layout import block_stage_params
 from paratrain.planner.memory import zero1_busiest
-from paratrain.workloads.planning import resolve_model
+from paratrain.planner.timing import StepInputs, comm_terms, ddp_bucket_s, micro_batch_s, optimizer_step_s
+from paratrain.workloads.model_names import resolve_model
 
 LINK = Link(name="test", bandwidth_gbs=100, latency_us=0)
 STATS = transformer_stats(TRANSFORMERS["gpt2"], name="gpt2")
@@ -190,3 +191,36 @@ def test_zero_stages_step_only_their_shard_and_zero1_broadcasts_it():
     assert zero1.optimizer_s > zero2.optimizer_s
     assert ddp.optimizer_s == pytest.approx(STATS.params * 72 / (cluster.device.memory_gbs * 1e9 / 4))
     assert zero1.comm_s == pytest.approx(ddp.comm_s + broadcast_s(STATS.params * 4, 4, cluster.intra))
+
+
+TERM_LAYOUTS = {  # layout -> the communication terms it pays (the others are 0)
+    Layout.of(name="ddp", dp=16): {"dp_all_reduce"},
+    Layout.of(name="zero1", dp=16, zero=1, shard=16): {"dp_all_reduce", "zero1_broadcast"},
+    Layout.of(name="hsdp", dp=16, zero=3, shard=8): {"fsdp_gather_scatter", "hsdp_all_reduce"},
+    Layout.of(name="hybrid", dp=4, pp=4): {"dp_all_reduce", "pipeline_p2p"},
+    Layout.of(name="model_parallel", dp=4, mp=4): {"dp_all_reduce", "model_parallel_p2p"},
+    Layout.of(name="zero3", dp=8, zero=3, shard=8, tp=2): {"fsdp_gather_scatter", "tp"},
+    Layout.of(name="zero3", dp=4, zero=3, shard=4, tp=2, cp=2): {"fsdp_gather_scatter", "tp", "cp"},
+    Layout.of(name="ddp", dp=16, ep=8): {"dp_all_reduce", "ep"},
+}
+
+
+@pytest.mark.parametrize("layout", TERM_LAYOUTS, ids=lambda lay: lay.describe())
+def test_step_time_is_the_sum_of_its_terms(layout):
+    """Each cost term is one function (``timing.comm_terms`` and the compute terms); ``step_time`` adds them up, and
+    each layout pays exactly the collectives it runs."""
+    stats = transformer_stats(TRANSFORMERS["mixtral-8x7b" if layout.ep > 1 else "llama3-8b"], name="model")
+    training = Training(precision="bf16-mixed", micro_batch=1, global_batch=64)
+    cluster = make_cluster("h100", gpus=8, nodes=2)
+    batch = batching(training, dp=layout.dp, pp=layout.pp, world_size=16)
+    s = StepInputs(stats=stats, layout=layout, batch=batch, training=training, cluster=cluster)
+    micro, comms = micro_batch_s(s), comm_terms(s, micro_batch_s(s))
+    t = step_time(stats, layout, batch, training, cluster)
+    assert {name for name, c in comms.items() if c.total_s > 0} == TERM_LAYOUTS[layout]
+    assert t.compute_s == pytest.approx(batch.micro_batches * micro + ddp_bucket_s(s))
+    assert t.bubble_s == pytest.approx((layout.pp - 1) * micro)
+    assert t.optimizer_s == optimizer_step_s(s)
+    assert t.comm_s == pytest.approx(sum(c.times * c.seconds for c in comms.values()))
+    assert t.exposed_comm_s == pytest.approx(sum(c.exposed_s for c in comms.values()))
+    assert t.step_s == pytest.approx(t.compute_s + t.bubble_s + t.optimizer_s + t.exposed_comm_s)
+    assert (t.tp_comm_s, t.ep_comm_s, t.cp_comm_s) == (comms["tp"].total_s, comms["ep"].total_s, comms["cp"].total_s)

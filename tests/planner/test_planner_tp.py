@@ -32,7 +32,7 @@ from paratrain.planner.tensor_parallel import (
     tp_comm_s,
     tp_degrees,
 )
-from paratrain.workloads.planning import resolve_model
+from paratrain.workloads.model_names import resolve_model
 
 # h=8, f=32, V=16, s=4, 2 layers, biases, learned positions, tied head: 1,920 parameters. A block holds 872: its
 # split layers 824 (QKV 3·64+24, projection 64, MLP 8·32+32 and 32·8), its norms 32 and row-parallel biases 16.

@@ -30,7 +30,7 @@ def run_old_plan_mode(args: argparse.Namespace) -> int | None:
 
 
 def _dry_run(args: argparse.Namespace) -> int:
-    from ..planning.dry_run import DryRunConfig, run_dry_run
+    from ..dry_run.command import DryRunConfig, run_dry_run
 
     _note("`paratrain plan --dry-run` is now `paratrain dry-run` (--world N --per-node G for --gpus/--nodes)")
     per_node = args.gpus if args.world is None or args.gpus > 1 else 8
@@ -45,7 +45,7 @@ def _dry_run(args: argparse.Namespace) -> int:
 def _tp_plan(args: argparse.Namespace) -> int:
     from ..flags import build
     from ..planner import ModelSpec
-    from ..planning.tp_plan import TpPlanConfig, run_tp_plan
+    from ..plan_commands.tp_plan import TpPlanConfig, run_tp_plan
 
     _note(f"`paratrain plan --show-tp-plan{' auto' if args.show_tp_plan == 'auto' else ''}` is now `paratrain "
           f"tp-plan{' --auto' if args.show_tp_plan == 'auto' else ''}`")

@@ -20,14 +20,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..dry_run.command import DryRunConfig
     from ..flags import add_flags
-    from ..planning.dry_run import DryRunConfig
 
     add_flags(p, DryRunConfig)
 
 
 def execute(args: argparse.Namespace) -> int:
+    from ..dry_run.command import DryRunConfig, run_dry_run
     from ..flags import build
-    from ..planning.dry_run import DryRunConfig, run_dry_run
 
     return run_dry_run(build(DryRunConfig, args))

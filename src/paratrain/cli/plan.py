@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def execute(args: argparse.Namespace) -> int:
     from ..flags import build
+    from ..plan_commands.plan import run_plan
     from ..planner import PlanConfig
-    from ..planning.plan import run_plan
     from .deprecated import run_old_plan_mode
 
     old = run_old_plan_mode(args)

@@ -20,13 +20,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..flags import add_flags
-    from ..planning.tp_plan import TpPlanConfig
+    from ..plan_commands.tp_plan import TpPlanConfig
 
     add_flags(p, TpPlanConfig)
 
 
 def execute(args: argparse.Namespace) -> int:
     from ..flags import build
-    from ..planning.tp_plan import TpPlanConfig, run_tp_plan
+    from ..plan_commands.tp_plan import TpPlanConfig, run_tp_plan
 
     return run_tp_plan(build(TpPlanConfig, args))

@@ -11,7 +11,8 @@ from .inputs import TrainingCall
 from .make import make_plan
 from .memory import MemoryBreakdown, memory_per_rank
 from .model_stats import InputSpec, ModelStats, RunnableModel, TableStats, TPShape, measure_module, trace_module
-from .recommend import Estimate, Plan, estimate, estimate_all, recommend
+from .estimates import Estimate, estimate, estimate_all
+from .recommend import Plan, recommend
 from .report import format_plan, plan_to_json
 from .timing import StepTime, bubble_fraction, step_time
 from .training import Batching, Training, batching

@@ -37,7 +37,7 @@ from .layout import EP_STRATEGIES, Layout
 from ..model.structure import forward_pieces
 from .model_stats import ModelStats, MoEShape, TPShape, trainable_sizes
 from .optimizers import PlannedOptimizer, planned
-from .recommend import estimate
+from .estimates import estimate
 from .tensor_parallel import tp_degrees
 from .training import Training
 from .transformer import GPTConfig, moe_block, transformer_params, transformer_stats

@@ -10,11 +10,12 @@ import torch
 from ..errors import ConfigError
 from .collectives import measured_link
 from .config import Measured, PlanConfig
+from .estimates import estimate
 from .gpu_step import GpuStep, check_same_gpu, time_gpu_step
 from .hardware import Cluster, calibrated
 from .layout import Layout
 from .model_stats import ModelStats, RunnableModel
-from .recommend import Plan, estimate, recommend
+from .recommend import Plan, recommend
 from .tensor_parallel import collectives_per_micro_batch
 from .timing import executed_flops_per_sample, fsdp_call_from, optimizer_step_bytes, weight_bytes
 from .training import Training

@@ -195,3 +195,10 @@ def _worker_memory(stats: ModelStats, layout: Layout, batch: Batching, training:
         transient=(dense.params + share) * WIRE_BYTES, buffers=pulled, overhead=alone.overhead,
         phase="optimizer step")
     return max(computing, pushing, key=lambda m: m.total)
+
+
+def recommendable(stats: ModelStats, cluster: Cluster, layout: Layout) -> bool:
+    """Whether ``layout`` may be recommended: parameter servers only for a model with tables, on a CPU host. For a
+    dense model synchronous ``ps`` computes what ddp does while every step moves the whole model through the
+    servers (benchmarks/RESULTS.md §16: 0.49x ddp), and the runtime's messages are CPU tensors over gloo."""
+    return not layout.servers or (bool(stats.tables) and cluster.device.shared_by_ranks)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..errors import ConfigError
+from .estimates import Estimate, estimate
 from .hardware import GIB, make_cluster
 from .layout import Layout
-from .recommend import Estimate, estimate
 from .training import Training
 from .transformer import TRANSFORMERS, GPTConfig, transformer_params, transformer_stats
 

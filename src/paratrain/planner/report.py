@@ -7,10 +7,11 @@ from typing import Any
 
 from ..lr import scale_lr
 from ..sizes import format_bytes
+from .estimates import Estimate
 from .hardware import GIB, Device, Link
 from .layout import Layout
 from .memory import activation_figures
-from .recommend import Estimate, Plan
+from .recommend import Plan
 from .timing import bubble_fraction
 from .training import Training
 

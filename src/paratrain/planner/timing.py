@@ -8,14 +8,15 @@ takes its ring-algorithm time over its link (``collectives``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from . import context_parallel
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
-from .hardware import Cluster
+from .expert_parallel import ep_comm_s, moe_flops, sync_groups
+from .expert_parallel import link_of as ep_link
+from .hardware import Cluster, Link
 from .layout import Layout, stage_flops
-from .expert_parallel import ep_comm_s, link_of as ep_link, moe_flops, sync_groups
-from .memory import (activation_figures, activation_mode, optimizer_params, ranked_params, ranked_split,
-                     sharded)
+from .memory import activation_figures, activation_mode, optimizer_params, ranked_params, ranked_split, sharded
 from .model_stats import ModelStats
 from .tensor_parallel import collectives_per_micro_batch, tp_comm_s
 from .training import Batching, Training
@@ -126,121 +127,276 @@ def fsdp_call_from(overhead_s: float, stats: ModelStats, zero: int, training: Tr
     return max(0.0, (overhead_s - copies_s) / (unit_count(stats) * fsdp_calls(zero)))
 
 
-def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster) -> StepTime:
-    """Step time of ``layout``: compute, the optimizer step, and the communication compute cannot hide.
+@dataclass(frozen=True, kw_only=True)
+class StepInputs:
+    """One step of a layout as every cost term reads it: the model, the layout, its batching, the training setup and
+    the cluster, and the figures several terms share."""
 
-    Pipeline stages compute different micro-batches at once (m + (p − 1)/v slots of the busiest stage's share of a
-    micro-batch: its units' FLOPs when the model was traced, else 1/p; v stages per rank under interleaved 1F1B,
-    each sending and receiving every micro-batch); the FLOPs are those the step executes
-    (``executed_flops_per_sample``: causal attention computes half its matrices, recomputation adds);
-    model-parallel stages take turns, so a process computes as fast as one of its GPUs and streams all of its
-    stages' weights. ddp and zero1 all-reduce gradients once per step, hidden in up to ``device.overlap`` of a
-    micro-batch's backward; zero1 steps the optimizer on its shard, then every rank broadcasts its updated
-    shard (not hidden). zero2 and zero3 gather parameters (zero3 twice: forward and backward) and
-    reduce-scatter gradients every micro-batch, one call per wrap unit (each call after the first costs
-    ``Link.call_s``), prefetched into up to ``overlap`` of its
-    compute, and copy each gathered unit out of (each gradient into) the collective's flat buffer: a read and a
-    write per collective, and pay ``Device.fsdp_call_s`` of host-side machinery per unit and call (tensor
-    parallelism ``Device.tp_call_s`` per activation collective); hsdp adds an
-    all-reduce of the shard across nodes. DDP's buckets cost
-    ``DDP_BUCKET_PASSES`` passes over the gradients. Stage-to-stage sends (one per forward and per backward, per slot)
-    are not hidden. Tensor-parallel ranks compute 1/tp of each micro-batch's FLOPs and wait for its activation
-    collectives (``tensor_parallel.tp_comm_s``, not hidden; a pipeline stage its 1/p share of them in every
-    slot) over the link of tp consecutive ranks; the
-    data-parallel and pipeline groups are then tp times further apart. A mixture of experts' MoE blocks are not
-    split by tp: every rank of a tp group computes them whole for all its tokens (``expert_parallel.moe_flops``).
-    Expert-parallel ranks hold 1/ep of the experts (fewer weights to stream and step), sync them over the ranks
-    holding the same ones and wait for their
-    all-to-alls (``expert_parallel.ep_comm_s``, not hidden; a pipeline stage those of its blocks in every slot) over
-    the link of ep data-parallel neighbours, a pipeline's stages and a tp group apart.
-    Context-parallel ranks compute 1/cp of each micro-batch's FLOPs (but stream every weight), wait for the
-    all-to-alls around attention (``context_parallel.cp_comm_s``, not hidden) over the link of cp ranks a tp group
-    apart, and reduce their gradients with the data-parallel ranks' (dp x cp; ZeRO's shard group is dp x cp). On a
-    shared CPU host every rank gets
-    1/ranks of the host's compute and memory bandwidth. Parameter servers' workers communicate through the
-    servers, not with each other: here they compute, and ``param_server.serving`` adds the rest.
-    """
-    ranks_per_node = cluster.ranks_per_node if layout.world_size > 1 else 1
-    rate = cluster.flops_per_s(training.precision, ranks_per_node)
-    bandwidth = cluster.stream_bytes_per_s(ranks_per_node)
-    psi = ranked_params(stats, layout)
-    streamed = stats.params if layout.mp > 1 else psi
-    gathers = 2 if layout.zero == 3 else 1
-    copies = fsdp_copy_bytes(psi, layout.zero, training) if layout.zero >= 2 else 0.0
-    units = unit_count(stats)
-    machinery_s = (units * fsdp_calls(layout.zero) * cluster.device.fsdp_call_s if layout.zero >= 2 else 0.0)
-    if layout.tp > 1:  # a stage runs its share of the blocks' DTensor operations
-        machinery_s += collectives_per_micro_batch(stats, training.checkpointing) * cluster.device.tp_call_s / layout.pp
-    machinery_s *= cluster.device.serial_slowdown(ranks_per_node)
+    stats: ModelStats
+    layout: Layout
+    batch: Batching
+    training: Training
+    cluster: Cluster
+
+    @cached_property
+    def ranks_per_node(self) -> int:
+        """Ranks sharing a node's host (1 for a single rank, which has the host to itself)."""
+        return self.cluster.ranks_per_node if self.layout.world_size > 1 else 1
+
+    @cached_property
+    def bandwidth(self) -> float:
+        """Bytes per second one rank streams through memory."""
+        return self.cluster.stream_bytes_per_s(self.ranks_per_node)
+
+    @cached_property
+    def psi(self) -> float:
+        """Parameters one rank holds (``memory.ranked_params``)."""
+        return ranked_params(self.stats, self.layout)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.batch.micro_batches
+
+    @property
+    def ddp(self) -> bool:
+        """Gradients all-reduced once per step (ddp, zero1; ``ps`` workers sync through ``param_server``)."""
+        return self.layout.zero <= 1 and self.layout.grad_ranks > 1 and not self.layout.servers
+
+    @property
+    def inner(self) -> int:
+        """How many ranks apart data-parallel peers are: a pipeline's stages and a tp group."""
+        return self.layout.stages * self.layout.tp
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages per rank (interleaved 1F1B), 1 without a pipeline."""
+        return self.training.stages_per_rank if self.layout.pp > 1 else 1
+
+    @property
+    def fill(self) -> float:
+        """Slots of the pipeline's fill and drain, (p − 1)/v."""
+        return (self.layout.pp - 1) / self.virtual_stages
+
+    @property
+    def slots(self) -> float:
+        """Slots a pipeline stage computes in, m + (p − 1)/v (m without a pipeline)."""
+        return self.micro_batches + self.fill
+
+    @property
+    def mode(self) -> str:
+        """How the layout trains (``memory.activation_mode``)."""
+        return activation_mode(self.training, self.layout)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comm:
+    """One communication term of a step: seconds a call takes, the compute it may hide in, and calls per step."""
+
+    seconds: float = 0.0
+    window: float = 0.0
+    """Seconds of compute a call overlaps: only what exceeds it is waited for."""
+    times: float = 1
+    """Calls per step."""
+
+    @property
+    def total_s(self) -> float:
+        return self.times * self.seconds
+
+    @property
+    def exposed_s(self) -> float:
+        return self.times * max(0.0, self.seconds - self.window)
+
+
+def rank_flops_per_sample(s: StepInputs) -> float:
+    """FLOPs the busiest rank executes per sample of a micro-batch (before cp's split).
+
+    The FLOPs are those the step executes (``executed_flops_per_sample``); a pipeline stage's share is its units'
+    FLOPs when the model was traced, else 1/p. Tensor-parallel ranks compute 1/tp of them, except a mixture of
+    experts' MoE blocks, which tp does not split: every rank of a tp group computes them whole for all its tokens
+    (``expert_parallel.moe_flops``)."""
+    stats, layout, training = s.stats, s.layout, s.training
     traced = layout.pp > 1 and stats.unit_flops
     per_sample = executed_flops_per_sample(stats, training)
     stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) * per_sample
                               / stats.flops_per_sample if traced else per_sample / layout.pp)
-    # a tp group's ranks each compute the MoE blocks of all its tokens whole (tensor parallelism splits the rest)
     whole = min(moe_flops(stats) * training.flops_factor / layout.pp, stage_flops_per_sample)
-    rank_flops = (stage_flops_per_sample - whole) / layout.tp + whole
-    micro_s = (rank_flops * batch.micro_batch / layout.cp / rate
-               + (weight_bytes(streamed, training, cluster) + copies
-                  + activation_stream_bytes(stats, layout, training, cluster) * batch.micro_batch) / bandwidth
-               + machinery_s)
-    optimizer_s = optimizer_step_bytes(optimizer_params(stats, layout), training) / bandwidth  # the busiest rank's
-    ddp = layout.zero <= 1 and layout.grad_ranks > 1 and not layout.servers  # ps workers: param_server
-    # DDP copies each gradient into its bucket, divides the bucket by the world size and copies it back
-    bucket_s = DDP_BUCKET_PASSES * psi * training.bytes.grad / bandwidth if ddp else 0.0
-    m = batch.micro_batches
-    overlap = cluster.device.overlap
-    boundary = activation_figures(stats, training, layout)[2] * batch.micro_batch
-    if not training.sequence_parallel:  # each tp rank sends 1/tp of it (Narayanan et al. 2021, scatter/gather)
-        boundary /= layout.tp
-    inner = layout.stages * layout.tp  # data-parallel peers are this many ranks apart
-    hidden_in_backward = overlap * BACKWARD_SHARE * micro_s
+    return (stage_flops_per_sample - whole) / layout.tp + whole
 
+
+def machinery_s(s: StepInputs) -> float:
+    """Host-side machinery of one micro-batch: ``Device.fsdp_call_s`` per FSDP unit and call (zero2, zero3) and
+    ``Device.tp_call_s`` per activation collective of the stage's share of the blocks' DTensor operations, slowed
+    down as one-threaded work is when ranks share a host (``Device.serial_slowdown``)."""
+    layout, device = s.layout, s.cluster.device
+    seconds = unit_count(s.stats) * fsdp_calls(layout.zero) * device.fsdp_call_s if layout.zero >= 2 else 0.0
+    if layout.tp > 1:
+        seconds += collectives_per_micro_batch(s.stats, s.training.checkpointing) * device.tp_call_s / layout.pp
+    return seconds * device.serial_slowdown(s.ranks_per_node)
+
+
+def micro_batch_s(s: StepInputs) -> float:
+    """One micro-batch's forward and backward on the busiest rank.
+
+    Its FLOPs (``rank_flops_per_sample``; context-parallel ranks compute 1/cp of them but stream every weight) at the
+    sustained rate, plus what it streams through memory: the weights (a model-parallel process all of its stages':
+    its GPUs take turns), zero2's and zero3's copies of each gathered unit out of (each gradient into) the
+    collective's flat buffer, and the elementwise work's activations; plus ``machinery_s``. On a shared CPU host
+    every rank gets 1/ranks of the host's compute and memory bandwidth."""
+    layout, training, cluster = s.layout, s.training, s.cluster
+    rate = cluster.flops_per_s(training.precision, s.ranks_per_node)
+    streamed = s.stats.params if layout.mp > 1 else s.psi
+    copies = fsdp_copy_bytes(s.psi, layout.zero, training) if layout.zero >= 2 else 0.0
+    return (rank_flops_per_sample(s) * s.batch.micro_batch / layout.cp / rate
+            + (weight_bytes(streamed, training, cluster) + copies
+               + activation_stream_bytes(s.stats, layout, training, cluster) * s.batch.micro_batch) / s.bandwidth
+            + machinery_s(s))
+
+
+def optimizer_step_s(s: StepInputs) -> float:
+    """The optimizer step over the parameters (or the shard) the busiest rank updates."""
+    return optimizer_step_bytes(optimizer_params(s.stats, s.layout), s.training) / s.bandwidth
+
+
+def ddp_bucket_s(s: StepInputs) -> float:
+    """DDP's buckets: ``DDP_BUCKET_PASSES`` passes over the gradients (copy in, divide by the world size, copy out)."""
+    return DDP_BUCKET_PASSES * s.psi * s.training.bytes.grad / s.bandwidth if s.ddp else 0.0
+
+
+def _sync_groups(s: StepInputs, ranks: int) -> list[tuple[float, int, Link]]:
+    """(parameters, ranks, link) of each group a rank syncs over: all its parameters over ``ranks`` data-parallel
+    ranks, or under ep the experts over the ranks holding the same ones (``expert_parallel.sync_groups``), each over
+    the link of its ranks' spacing."""
+    dense, experts = ranked_split(s.stats, s.layout)
+    return [(n, size, s.cluster.link_for(size, s.inner * apart))
+            for n, size, apart in sync_groups(dense, experts, ranks, s.layout)]
+
+
+def _hidden_in_backward(s: StepInputs, micro_s: float) -> float:
+    """Seconds of a micro-batch's backward a gradient sync can hide in: up to ``device.overlap`` of it."""
+    return s.cluster.device.overlap * BACKWARD_SHARE * micro_s
+
+
+def dp_all_reduce(s: StepInputs, micro_s: float) -> Comm:
+    """ddp's and zero1's gradient all-reduce, once per step, hidden in up to ``device.overlap`` of a micro-batch's
+    backward; context-parallel ranks reduce with the data-parallel ones (dp x cp)."""
+    if not s.ddp:
+        return Comm()
+    groups = _sync_groups(s, s.layout.grad_ranks)
+    return Comm(seconds=sum(all_reduce_s(n * s.training.bytes.grad, ranks, link) for n, ranks, link in groups),
+                window=_hidden_in_backward(s, micro_s))
+
+
+def zero1_broadcast(s: StepInputs) -> Comm:
+    """zero1 steps the optimizer on its shard, then every rank broadcasts its updated shard (not hidden)."""
+    if not (s.ddp and s.layout.zero == 1):
+        return Comm()
+    groups = _sync_groups(s, s.layout.grad_ranks)
+    return Comm(seconds=sum(broadcast_s(n * s.training.bytes.param, ranks, link) for n, ranks, link in groups))
+
+
+def fsdp_gather_scatter(s: StepInputs, micro_s: float) -> Comm:
+    """zero2's and zero3's parameter all-gathers (zero3 two: forward and backward) and gradient reduce-scatters over
+    the shard group (dp x cp), one call per wrap unit (each after the first costs ``Link.call_s``), prefetched into up
+    to ``device.overlap`` of the micro-batch's compute: every micro-batch, or under a pipeline once per step (the
+    stage stays gathered and syncs after its last micro-batch, ``memory.fsdp_under_pipeline``)."""
+    layout, training = s.layout, s.training
+    if layout.zero < 2:
+        return Comm()
+    groups = _sync_groups(s, layout.shard_ranks)
+    calls = (unit_count(s.stats) - 1) * fsdp_calls(layout.zero) * groups[0][2].call_s(layout.shard_ranks)
+    once = layout.pp > 1
+    gathers = 1 if once else 2 if layout.zero == 3 else 1
+    return Comm(seconds=sum(gathers * all_gather_s(n * training.bytes.param, ranks, link)
+                            + reduce_scatter_s(n * training.bytes.grad, ranks, link) for n, ranks, link in groups)
+                + calls,
+                window=s.cluster.device.overlap * micro_s, times=1 if once else s.micro_batches)
+
+
+def hsdp_all_reduce(s: StepInputs, micro_s: float) -> Comm:
+    """zero2 and zero3 all-reduce the gradient shard across their replicas (hsdp: across nodes), hidden in backward as
+    ddp's; nothing with one replica."""
+    layout = s.layout
+    if layout.zero < 2:
+        return Comm()
+    link = s.cluster.link_for(layout.replicas, s.inner * layout.shard_ranks)
+    return Comm(seconds=all_reduce_s(sharded(s.stats, layout, 2) * s.training.bytes.grad, layout.replicas, link),
+                window=_hidden_in_backward(s, micro_s))
+
+
+def _boundary_bytes(s: StepInputs) -> float:
+    """Bytes of a micro-batch's activations at a stage boundary a rank sends; without sequence parallelism each tp
+    rank sends 1/tp of them (Narayanan et al. 2021, scatter/gather)."""
+    boundary = activation_figures(s.stats, s.training, s.layout)[2] * s.batch.micro_batch
+    return boundary if s.training.sequence_parallel else boundary / s.layout.tp
+
+
+def pipeline_p2p(s: StepInputs) -> Comm:
+    """Stage-to-stage sends, not hidden: each of a rank's v stages receives and sends every micro-batch, forward and
+    backward (v·m + p − 1 slots), over the link of p stages a tp group apart."""
+    layout = s.layout
+    if layout.pp == 1:
+        return Comm()
+    link = s.cluster.link_for(layout.pp, layout.mp * layout.tp)
+    return Comm(seconds=2 * p2p_s(_boundary_bytes(s), link), times=s.virtual_stages * s.micro_batches + layout.pp - 1)
+
+
+def model_parallel_p2p(s: StepInputs) -> Comm:
+    """A model-parallel process's sends between its k GPUs: 2(k − 1) per micro-batch within the node, not hidden."""
+    mp = s.layout.mp
+    if mp == 1:
+        return Comm()
+    return Comm(seconds=2 * (mp - 1) * p2p_s(_boundary_bytes(s), s.cluster.intra), times=s.micro_batches)
+
+
+def tp_comm(s: StepInputs) -> Comm:
+    """Tensor parallelism's activation collectives (``tensor_parallel.tp_comm_s``), not hidden, over the link of tp
+    consecutive ranks: a pipeline stage runs its 1/p share of them in every slot, as it sends its activations."""
+    layout, training = s.layout, s.training
+    seconds = tp_comm_s(s.stats, s.mode, s.batch.micro_batch, layout.tp, s.cluster.link_for(layout.tp, 1),
+                        training.checkpointing) / layout.pp
+    return Comm(seconds=seconds, times=s.slots)
+
+
+def ep_comm(s: StepInputs) -> Comm:
+    """Expert parallelism's all-to-alls (``expert_parallel.ep_comm_s``), not hidden, over the link of ep
+    data-parallel neighbours: a pipeline stage those of its blocks in every slot."""
+    layout = s.layout
+    seconds = ep_comm_s(s.stats, s.mode, s.batch.micro_batch, layout.ep, ep_link(s.cluster, layout),
+                        s.training.checkpointing, layout.pp)
+    return Comm(seconds=seconds, times=s.slots)
+
+
+def cp_comm(s: StepInputs) -> Comm:
+    """Context parallelism's all-to-alls around attention (``context_parallel.cp_comm_s``), not hidden, over the link
+    of cp ranks a tp group apart, every micro-batch."""
+    layout = s.layout
+    seconds = context_parallel.cp_comm_s(s.stats, s.mode, s.batch.micro_batch, layout.tp, layout.cp,
+                                         context_parallel.link_of(s.cluster, layout.tp, layout.cp),
+                                         s.training.checkpointing)
+    return Comm(seconds=seconds, times=s.micro_batches)
+
+
+def comm_terms(s: StepInputs, micro_s: float) -> dict[str, Comm]:
+    """Every communication term of a step, by name, in the order ``step_time`` adds them."""
+    return {"dp_all_reduce": dp_all_reduce(s, micro_s), "zero1_broadcast": zero1_broadcast(s),
+            "fsdp_gather_scatter": fsdp_gather_scatter(s, micro_s), "hsdp_all_reduce": hsdp_all_reduce(s, micro_s),
+            "pipeline_p2p": pipeline_p2p(s), "model_parallel_p2p": model_parallel_p2p(s), "tp": tp_comm(s),
+            "ep": ep_comm(s), "cp": cp_comm(s)}
+
+
+def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster) -> StepTime:
+    """Step time of ``layout`` on its busiest rank: the compute of every micro-batch (``micro_batch_s``) and DDP's
+    buckets, the pipeline's bubble (m + (p − 1)/v slots of a micro-batch, the fill and drain idle), the optimizer step,
+    and the communication compute cannot hide (``comm_terms``, one function per collective). Parameter servers'
+    workers communicate through the servers, not with each other: here they compute, and ``param_server.serving``
+    adds the rest."""
+    s = StepInputs(stats=stats, layout=layout, batch=batch, training=training, cluster=cluster)
+    micro_s = micro_batch_s(s)
+    comms = comm_terms(s, micro_s)
     total = exposed = 0.0
-
-    def add(seconds: float, window: float = 0.0, times: float = 1) -> None:
-        nonlocal total, exposed
-        total += times * seconds
-        exposed += times * max(0.0, seconds - window)
-
-    dense, experts = ranked_split(stats, layout)
-    if ddp:  # under ep the experts sync over the ranks holding the same ones (expert_parallel.sync_groups)
-        groups = [(n, ranks, cluster.link_for(ranks, inner * apart))
-                  for n, ranks, apart in sync_groups(dense, experts, layout.grad_ranks, layout)]
-        add(sum(all_reduce_s(n * training.bytes.grad, ranks, link) for n, ranks, link in groups), hidden_in_backward)
-        if layout.zero == 1:
-            add(sum(broadcast_s(n * training.bytes.param, ranks, link) for n, ranks, link in groups))
-    if layout.zero >= 2:
-        groups = [(n, ranks, cluster.link_for(ranks, inner * apart))
-                  for n, ranks, apart in sync_groups(dense, experts, layout.shard_ranks, layout)]
-        shard_link = groups[0][2]
-        calls = (units - 1) * fsdp_calls(layout.zero) * shard_link.call_s(layout.shard_ranks)
-        # under a pipeline the stage stays gathered and syncs its gradients once, after the last micro-batch
-        # (memory.fsdp_under_pipeline); otherwise every micro-batch gathers and reduce-scatters
-        once = layout.pp > 1
-        add(sum((1 if once else gathers) * all_gather_s(n * training.bytes.param, ranks, link)
-                + reduce_scatter_s(n * training.bytes.grad, ranks, link) for n, ranks, link in groups) + calls,
-            overlap * micro_s, times=1 if once else m)
-        replica_link = cluster.link_for(layout.replicas, inner * layout.shard_ranks)
-        add(all_reduce_s(sharded(stats, layout, 2) * training.bytes.grad, layout.replicas, replica_link),
-            hidden_in_backward)
-    v = training.stages_per_rank if layout.pp > 1 else 1
-    if layout.pp > 1:  # each of a rank's v stages receives and sends every micro-batch, forward and backward
-        add(2 * p2p_s(boundary, cluster.link_for(layout.pp, layout.mp * layout.tp)), times=v * m + layout.pp - 1)
-    if layout.mp > 1:
-        add(2 * (layout.mp - 1) * p2p_s(boundary, cluster.intra), times=m)
-    # a stage runs its share of the blocks' collectives in every slot, as it sends its activations
-    fill = (layout.pp - 1) / v
-    slots = m + fill
-    mode = activation_mode(training, layout)
-    tp_s = tp_comm_s(stats, mode, batch.micro_batch, layout.tp, cluster.link_for(layout.tp, 1),
-                     training.checkpointing) / layout.pp
-    add(tp_s, times=slots)
-    ep_s = ep_comm_s(stats, mode, batch.micro_batch, layout.ep, ep_link(cluster, layout), training.checkpointing,
-                     layout.pp)
-    add(ep_s, times=slots)
-    cp_s = context_parallel.cp_comm_s(stats, mode, batch.micro_batch, layout.tp, layout.cp,
-                                      context_parallel.link_of(cluster, layout.tp, layout.cp), training.checkpointing)
-    add(cp_s, times=m)
-    return StepTime(compute_s=m * micro_s + bucket_s, bubble_s=fill * micro_s, optimizer_s=optimizer_s,
-                    comm_s=total, exposed_comm_s=exposed, tp_comm_s=slots * tp_s, ep_comm_s=slots * ep_s,
-                    cp_comm_s=m * cp_s)
+    for comm in comms.values():
+        total += comm.total_s
+        exposed += comm.exposed_s
+    return StepTime(compute_s=s.micro_batches * micro_s + ddp_bucket_s(s), bubble_s=s.fill * micro_s,
+                    optimizer_s=optimizer_step_s(s), comm_s=total, exposed_comm_s=exposed,
+                    tp_comm_s=comms["tp"].total_s, ep_comm_s=comms["ep"].total_s, cp_comm_s=comms["cp"].total_s)

@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .env import ClusterEnv
-from .errors import ConfigError, ParatrainError
-from .model.facts import ModelFacts
-from .planner.training import OPTIMIZER_STATES
+from ..env import ClusterEnv
+from ..errors import ConfigError, ParatrainError
+from ..model.facts import ModelFacts
+from ..planner.training import OPTIMIZER_STATES
 
 if TYPE_CHECKING:
-    from .planner.inputs import TrainingCall
-from .strategies.base import Runtime
+    from ..planner.inputs import TrainingCall
+from ..strategies.base import Runtime
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,8 @@ def _probe(build: Callable[[], nn.Module], rank: int, world: int, strategy: str,
            precision: str, optimizer: str, per_node: int) -> tuple[RankBytes, list[int], str, list[str]]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .parallel import Parallel
-    from .settings import JobConfig
+    from ..parallel import Parallel
+    from ..settings import JobConfig
 
     local = min(per_node, world)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -195,10 +195,10 @@ def model_builder(model: str | None, model_config: str | None) -> Callable[[], n
     if model is None:
         raise ConfigError("a dry run builds the model: give --model (a built-in or module:factory) or --model-config")
     if ":" in model:
-        from .factory import load_callable
+        from ..factory import load_callable
 
         return load_callable(model, "--model")
-    from .workloads.planning import model_input
+    from ..workloads.model_names import model_input
 
     return model_input(model)[0]
 
@@ -206,12 +206,12 @@ def model_builder(model: str | None, model_config: str | None) -> Callable[[], n
 def model_sample(model: str | None, model_config: str | None, input_spec: str | None, seq_len: int) -> TrainingCall:
     """How ``--step`` calls the model :func:`model_builder` builds: on ``input_spec`` (``--input``) when given, else
     a built-in's own input, else ``seq_len`` token ids (below a transformers config's vocabulary)."""
-    from .planner.inputs import InputSpec, TrainingCall
+    from ..planner.inputs import InputSpec, TrainingCall
 
     if input_spec is not None:
         return TrainingCall.of(InputSpec.parse(input_spec))
     if model is not None and ":" not in model:
-        from .workloads.planning import model_input
+        from ..workloads.model_names import model_input
 
         return TrainingCall.of(model_input(model)[1])
     vocab = getattr(_config(model_config), "vocab_size", None) if model_config is not None else None

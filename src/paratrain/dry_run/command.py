@@ -1,15 +1,15 @@
 """``paratrain dry-run``: lay a model out as ``prepare`` would at any world size, in this process
-(:mod:`paratrain.dry_run`), and print what each rank holds or the error a launch would hit."""
+(:mod:`.probe`), and print what each rank holds or the error a launch would hit."""
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 
 from ..cuda_step import StepResult, first_steps
-from ..dry_run import dry_run, model_builder
 from ..errors import ConfigError
 from ..flags import at_least, flag
 from ..planner.training import OPTIMIZER_STATES, PRECISIONS
+from .probe import dry_run, model_builder
 
 
 @dataclass(frozen=True, kw_only=True)

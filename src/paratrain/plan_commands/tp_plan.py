@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..flags import flag
 from ..planner import ModelSpec
 from ..planner.model_stats import RunnableModel
-from ..workloads.planning import resolve_model
+from ..workloads.model_names import resolve_model
 
 
 @dataclass(frozen=True, kw_only=True)

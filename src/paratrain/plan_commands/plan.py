@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from ..planner import PlanConfig, format_plan, make_plan, plan_to_json
-from ..workloads.planning import resolve_model
+from ..workloads.model_names import resolve_model
 
 
 def run_plan(config: PlanConfig) -> int:
