@@ -7,7 +7,7 @@ DEMO_STAMP := $(VENV)/.paratrain-demo
 TEST_STAMP := $(VENV)/.paratrain-test
 TEST_EXTRAS := dev,tf,ray
 
-.PHONY: demo test test-fast test-gpu bench install clean
+.PHONY: demo test test-fast test-gpu lint bench install clean
 
 # $(call install,EXTRAS): the venv (made once) with paratrain editable and EXTRAS, at constraints-dev.txt's pins
 define install
@@ -33,6 +33,11 @@ test: $(TEST_STAMP)
 # the unit lane: no test here starts a process (tests/helpers/unit_lane.py fails one that does)
 test-fast: $(TEST_STAMP)
 	PARATRAIN_UNIT_LANE=1 $(PY) -m pytest -q -m "not launched and not slow"
+
+# ruff's checks and its formatter's verdict (CI runs it before the tests); `ruff format .` fixes what it finds
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # the CUDA and NCCL checks (marker gpu): every world size the machine's GPUs allow (1, 2, 4); the others skip, saying why
 test-gpu: $(TEST_STAMP)
