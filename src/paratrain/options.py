@@ -96,9 +96,9 @@ class PipelineConfig:
     dp: int | None = None
     """hybrid only: data-parallel degree (default: half the processes, so 4 processes = 2 x 2)."""
     data: str = "ddp"
-    """hybrid only: how stages are replicated across ``dp``: ``ddp``, ``zero1`` (DDP, with the optimizer's states
-    sharded by ``ZeroRedundancyOptimizer``: Megatron-DeepSpeed's ZeRO-1 across a pp x tp layout's replicas) or
-    ``fsdp``."""
+    """hybrid only: the data engine that lays each stage out across ``dp``, that of the preset of this name: ``ddp``,
+    ``zero1`` (DDP, with the optimizer's states sharded by ``ZeroRedundancyOptimizer``: Megatron-DeepSpeed's ZeRO-1
+    across a pp x tp layout's replicas) or ``zero3`` (FSDP2's sharding; also spelled ``fsdp``)."""
     eval_outputs: str = "every"
     """Who gets a forward-only call's output (``model(x)``): ``every`` rank of the pipeline, or the ``last``
     stage's ranks alone; the others then get the loss the model computed (``out.loss``, no logits), or None."""
@@ -116,8 +116,8 @@ class PipelineConfig:
             raise ConfigError(f"schedule {self.schedule!r} runs one stage per rank; use interleaved-1f1b for more")
         if self.eval_outputs not in ("every", "last"):
             raise ConfigError(f"eval_outputs must be 'every' or 'last', got {self.eval_outputs!r}")
-        if self.data not in ("ddp", "zero1", "fsdp"):
-            raise ConfigError(f"hybrid data must be 'ddp', 'zero1' or 'fsdp', got {self.data!r}")
+        if self.data not in ("ddp", "zero1", "zero3", "fsdp"):
+            raise ConfigError(f"hybrid data must be 'ddp', 'zero1' or 'zero3' (or 'fsdp'), got {self.data!r}")
         if self.split is not None and self.split_points is not None:
             raise ConfigError("give either split (indices) or split_points (module names), not both")
         if isinstance(self.split_points, str):

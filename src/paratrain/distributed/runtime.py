@@ -34,8 +34,9 @@ class Runtime:
     """For a model built on the meta device: allocates and initializes what this rank holds of a laid-out module
     (:class:`~paratrain.model.materialize.Materializer`)."""
 
-    def parallelize(self, model: nn.Module, tp: Step | None = None, data: Step | None = None) -> nn.Module:
+    def parallelize(self, model: nn.Module, tp: Step | None = None, cp: Step | None = None, ep: Step | None = None,
+                    data: Step | None = None) -> nn.Module:
         """:func:`~paratrain.distributed.parallelize.parallelize` with this job's precision and block transforms."""
         assert self.facts is not None, "parallelize needs the model's facts"
         return parallelize(model, precision=self.precision, facts=self.facts, transforms=self.transforms, tp=tp,
-                           data=data, materialize=self.materialize)
+                           cp=cp, ep=ep, data=data, materialize=self.materialize)

@@ -1,7 +1,7 @@
-"""One strategy class for every preset of :mod:`.presets`: tensor parallelism (when the preset and its options
-ask for it), then the preset's data-parallel engine, in the order :func:`~paratrain.distributed.parallelize.parallelize`
-states. What differs between ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``hsdp``, ``tp`` and ``single`` is data: the
-preset's row and the options given.
+"""One strategy class for every preset of :mod:`.presets`: tensor, context and expert parallelism (when the preset
+and its options ask for them), then the preset's data-parallel engine, in the order
+:func:`~paratrain.distributed.parallelize.parallelize` states. What differs between ``ddp``, ``zero1``, ``zero2``,
+``zero3``, ``hsdp``, ``tp`` and ``single`` is data: the preset's row and the options given.
 """
 from __future__ import annotations
 
@@ -81,10 +81,9 @@ class Composed(Strategy):
         data_mesh = mesh["dp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else mesh
         # the cp ranks' gradients are reduced with the data-parallel ranks' (dp x cp)
         data_mesh = self.cp.gradient_mesh(mesh, data_mesh)
-        split = self.cp.splitter(mesh, self.tp.splitter(rt, self.ep.modules))
-        data = self.ep.data_step(self.data.step(rt, data_mesh), data_mesh, rt.device, self.data.zero,
-                                 self.data.expert_shard_options(rt))
-        return rt.parallelize(model, tp=split, data=data)
+        return rt.parallelize(model, tp=self.tp.splitter(rt, self.ep.modules), cp=self.cp.step(mesh),
+                              ep=self.ep.step(data_mesh, rt.device, self.data.zero, self.data.expert_shard_options(rt)),
+                              data=self.data.step(rt, data_mesh))
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         if self.data.swaps_parameters or self.tp.splits or self.ep.splits:  # it must hold the new parameter objects

@@ -3,11 +3,13 @@
 
 An engine says how the model is wrapped over the data mesh, what its wrapper does to the optimizer, how backward
 skips communication inside an accumulation window, and how its optimizer state is checkpointed. The composed
-strategy (:mod:`paratrain.strategies.composed`) puts one engine after tensor parallelism; the wrappers themselves
-are :mod:`paratrain.distributed.data_parallel`'s free functions.
+strategy (:mod:`paratrain.strategies.composed`) puts one engine after tensor parallelism, and the pipelines
+(:mod:`paratrain.strategies.pipeline`) the same engine on each of their stages; the wrappers themselves are
+:mod:`paratrain.distributed.data_parallel`'s free functions.
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -24,6 +26,8 @@ from ..errors import ConfigError
 from ..model.materialize import to_device
 from ..options import DDPConfig, FSDPConfig
 from .base import Runtime
+
+Units = tuple[type[nn.Module], ...]
 
 
 def all_reduce_traffic(model: nn.Module, ranks: int) -> int:
@@ -52,8 +56,10 @@ class OneReplica:
         if options or config is not None:
             raise TypeError(f"unexpected option(s) {sorted(options) or [type(config).__name__]}")
 
-    def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
-        """Place (and wrap) the model over ``mesh``, the data-parallel part of the job's mesh."""
+    def step(self, rt: Runtime, mesh: DeviceMesh | None, stage_units: Units | None = None) -> Step:
+        """Place (and wrap) the model over ``mesh``, the data-parallel part of the job's mesh. ``stage_units``: the
+        module is one pipeline stage, these the classes of its sharding units (empty: those found in it); None: the
+        whole model."""
         return lambda m: to_device(m, rt.device)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module,
@@ -103,10 +109,12 @@ class Replicas(OneReplica):
         self.swaps_parameters = split
         self._synced_once = False
 
-    def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
+    def step(self, rt: Runtime, mesh: DeviceMesh | None, stage_units: Units | None = None) -> Step:
         assert mesh is not None, "data parallelism needs a mesh"
         if self.split:
             return lambda m: apply_replicate(m, mesh)
+        if stage_units is not None:
+            return lambda m: _stage_replica(apply_ddp(m, mesh, rt.device, self.config))
         return lambda m: apply_ddp(m, mesh, rt.device, self.config)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
@@ -185,13 +193,18 @@ class Shards(OneReplica):
         """Offloaded shards stay on the host: the clipping norm and full state dicts reduce them there."""
         return self.config.cpu_offload
 
-    def step(self, rt: Runtime, mesh: DeviceMesh | None) -> Step:
+    def step(self, rt: Runtime, mesh: DeviceMesh | None, stage_units: Units | None = None) -> Step:
+        """A pipeline stage is sharded by its own units, its ties found in it (``rt.facts`` are the whole model's), and
+        hands its outputs on in fp32 as the other engines' stages do; the whole model's outputs ``Parallel`` casts."""
         assert mesh is not None, "sharding needs a mesh"
-        policy = rt.precision.fsdp_policy(cast_output=False)
+        stage = stage_units is not None
+        policy = rt.precision.fsdp_policy(cast_output=stage)
+        config = dataclasses.replace(self.config, wrap_classes=stage_units) if stage else self.config
+        facts = None if stage else rt.facts
 
         def shard(m: nn.Module) -> nn.Module:
-            placed = to_device(m, rt.device) if not self.config.cpu_offload else m
-            return apply_fsdp(placed, mesh, self.config, policy, rt.facts)
+            placed = to_device(m, rt.device) if not config.cpu_offload else m
+            return apply_fsdp(placed, mesh, config, policy, facts)
 
         return takes_meta(shard)
 
@@ -233,6 +246,21 @@ def load_zero_optimizer_state(inner: nn.Module, optimizer: torch.optim.Optimizer
         first = names[id(group["params"][0])]
         group.update({k: state[f"param_groups.{first}.{k}"] for k in group if k != "params"})
     _copy_settings(optimizer.param_groups, optimizer.optim.param_groups)
+
+
+def _stage_replica(ddp: nn.Module) -> nn.Module:
+    """DDP around one pipeline stage, its forward never preparing the reducer.
+
+    The pipeline stage runs every forward under no_sync and prepares DDP's reducer itself before a batch's last
+    backward chunk. Its metadata inference, on the first batch, runs one more forward outside no_sync, which left the
+    reducer expecting the first chunk's gradients: they were synchronised early (the first step rounded differently
+    from later ones, so a resumed run was not bitwise equal) and recorded twice for DDP's bucket rebuild (an internal
+    assert on the second step when no forward came between, as in GPipe). A model left on the meta device (a dry run)
+    is not wrapped, and has nothing to prepare.
+    """
+    if isinstance(ddp, DDP):
+        ddp.require_backward_grad_sync = False
+    return ddp
 
 
 def _ddp(model: nn.Module) -> DDP:

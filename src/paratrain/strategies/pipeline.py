@@ -11,9 +11,11 @@ then all backwards), 1F1B (one forward, one backward: at most ``p`` micro-batche
 of ``m``) or interleaved 1F1B (several stages per rank, a smaller bubble). The loss is computed on the last
 stage; gradients are the mean over micro-batches.
 
-``hybrid`` adds a data-parallel dimension: ``dp`` x ``pp`` ranks, each pipeline's stages replicated with DDP
-across the ``dp`` dimension, with their optimizer's states sharded over it by ``ZeroRedundancyOptimizer``
-(``data="zero1"``, ZeRO-1), or sharded with FSDP (``data="fsdp"``).
+``hybrid`` adds a data-parallel dimension: ``dp`` x ``pp`` ranks, each pipeline's stages laid out across the ``dp``
+dimension by the data engine of the preset ``data`` names (:mod:`.data_engines`, the one ``Parallel(data)`` runs
+without stages), called on each stage as torchtitan calls one ``parallelize_fn`` on every model part: replicated with
+DDP (``data="ddp"``), with their optimizer's states sharded over it by ``ZeroRedundancyOptimizer`` besides
+(``data="zero1"``, ZeRO-1), or sharded with FSDP2 (``data="zero3"``, also spelled ``"fsdp"``).
 
 ``tp=T`` splits each stage's layers over T ranks as well (the model's tensor-parallel plan applied per stage, its
 boundaries whole: :mod:`paratrain.distributed.tensor_parallel.stage_styles`): a ``(pp, tp)`` mesh for ``pipeline``,
@@ -31,7 +33,6 @@ forward-only pass and gives every rank of the pipeline the last stage's output.
 from __future__ import annotations
 
 import math
-import sys
 from collections import OrderedDict
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -43,7 +44,6 @@ from torch import nn
 from ..batch import ModelCall
 from ..composition import refusal, refuse_degree
 from ..dims import ParallelDims
-from ..distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from ..distributed.optimizer import rebuild
 from ..distributed.parallelize import Step, takes_meta
 from ..distributed.pipeline import PipelinedModel, stage_states
@@ -53,9 +53,10 @@ from ..errors import ConfigError
 from ..model.cuts import cut_points
 from ..model.materialize import to_device
 from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
-from ..options import CPConfig, DDPConfig, EPConfig, FSDPConfig, PipelineConfig, TPConfig
+from ..options import CPConfig, EPConfig, PipelineConfig, TPConfig
 from .base import Runtime, Strategy, expert_parallel, tensor_parallel
-from .data_engines import load_zero_optimizer_state, zero_optimizer_state
+from .data_engines import OneReplica, Units
+from .presets import preset_named
 from .registry import register
 
 
@@ -76,7 +77,13 @@ class PipelineStrategy(Strategy):
         refused = refusal(self.name, tp=tp, ep=self.ep.degree, data=self.config.data)
         if refused:
             raise ConfigError(refused)
+        self.data = self._engine()
         self._names: dict[int, dict[int, str]] = {}
+
+    def _engine(self) -> OneReplica:
+        """What lays each stage out across the ``dp`` ranks: the engine of the preset ``config.data`` names."""
+        preset = preset_named(self.config.data)
+        return preset.engine(dict(preset.defaults), split=self.tp.splits)
 
     def degrees(self, env: ClusterEnv) -> tuple[int, int]:
         """(dp, pp)."""
@@ -84,7 +91,7 @@ class PipelineStrategy(Strategy):
 
     def dims(self, env: ClusterEnv) -> ParallelDims:
         dp, pp = self.degrees(env)
-        zero = {"fsdp": 3, "zero1": 1}.get(self.config.data, 0) if dp > 1 else 0
+        zero = self.data.zero if dp > 1 else 0
         data = {"dp_shard": dp, "zero": zero} if zero else {"dp_replicate": dp}
         return ParallelDims(**data, pp=pp, tp=self.tp_degree(env), ep=self.ep.degree)
 
@@ -146,8 +153,8 @@ class PipelineStrategy(Strategy):
         assert rt.facts is not None
         owned = [(names[i], model[i]) for s in mine for i in range(*bounds[s])]
         out = PipelinedModel(owned)
-        data = self._with_experts(lambda m: self._place(m, rt), rt)
-        out.parts = [(s, rt.parallelize(model[bounds[s][0]:bounds[s][1]], data=data)) for s in mine]
+        out.parts = [(s, rt.parallelize(model[bounds[s][0]:bounds[s][1]], ep=self._experts(rt),
+                                        data=self._stage_step(rt, ()))) for s in mine]
         self._names[id(out)] = rt.facts.first_names
         return out
 
@@ -164,28 +171,37 @@ class PipelineStrategy(Strategy):
         out.aliases = {n: first[i] for i, n in names.items() if n != first.get(i, n)}
         out.key_order = list(model.state_dict())
         out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)  # before FSDP swaps the parameters
-        units = FSDPConfig(wrap_classes=(plan.blocks.cls,))  # one sharding unit per block, never a bare container
+        units = (plan.blocks.cls,)  # one sharding unit per block, never a bare container
         for s in mine:
             stage = StageModule(build_stage(model, plan, [s]), s, last=s == total - 1)
             split = self._stage_split(model, plan, s, total, rt)
             out.stage_modules[s] = stage
-            out.parts.append((s, rt.parallelize(stage, tp=split, data=self._stage_step(rt, units))))
+            out.parts.append((s, rt.parallelize(stage, tp=split, ep=self._experts(rt),
+                                                data=self._stage_step(rt, units))))
         self._names[id(out)] = names
         return out
 
-    def _stage_step(self, rt: Runtime, units: FSDPConfig) -> Step:
-        """Place (and replicate or shard) one stage; FSDP shards a stage still on the meta device, so each rank
-        then materializes only its shard of it (DDP needs real tensors: the stage is materialized first)."""
-        step = lambda m: self._place(m, rt, units)  # noqa: E731
-        return self._with_experts(takes_meta(step) if self.config.data == "fsdp" else step, rt)
-
-    def _with_experts(self, step: Step, rt: Runtime) -> Step:
-        """``step`` with the stage's routed experts split over its ``dp`` replicas first (``ep=``; else ``step``), in
-        the layout the replicas' engine gives them: beside DDP, or sharded by FSDP with the stage's precision."""
+    def _stage_step(self, rt: Runtime, units: Units) -> Step:
+        """Place one stage and lay it out across its ``dp`` replicas with the data engine (``units``: the classes of
+        its sharding units). An engine that shards takes the stage still on the meta device, so each rank then
+        materializes only its shard of it (DDP needs real tensors: the stage is materialized first)."""
         assert rt.mesh is not None
-        shard = self.config.data == "fsdp"
-        options = {"mp_policy": rt.precision.fsdp_policy(cast_output=False)} if shard else {}
-        return self.ep.data_step(step, rt.mesh["dp"], rt.device, 3 if shard else 0, options, stage=True)
+        data = self.data.step(rt, rt.mesh["dp"], stage_units=units)
+
+        def place(part: nn.Module) -> nn.Module:
+            keep_buffers_through_metadata_pass(part)
+            part = data(to_device(part, rt.device))
+            if not self.data.native_precision:  # else the engine took the precision as its policy
+                rt.precision.wrap_forward(part, rt.device)
+            return part
+
+        return takes_meta(place) if getattr(data, "takes_meta", False) else place
+
+    def _experts(self, rt: Runtime) -> Step | None:
+        """The step that splits a stage's routed experts over its ``dp`` replicas (``ep=``; else None), in the
+        layout the replicas' engine gives them: beside DDP, or sharded as FSDP shards the stage."""
+        assert rt.mesh is not None
+        return self.ep.step(rt.mesh["dp"], rt.device, self.data.zero, self.data.expert_shard_options(rt), stage=True)
 
     def _stage_split(self, model: nn.Module, plan: StagePlan, s: int, total: int, rt: Runtime) -> Step | None:
         """Tensor parallelism of stage ``s`` by the whole model's plan, its boundaries whole (None without tp)."""
@@ -193,45 +209,10 @@ class PipelineStrategy(Strategy):
         return self.tp.stage_splitter(model, rt, first_block=blocks[start] if s > 0 else None,
                                       last_block=blocks[end - 1] if s < total - 1 else None)
 
-    def _replicate(self, part: nn.Module, rt: Runtime, units: FSDPConfig) -> nn.Module:
-        assert rt.mesh is not None
-        dp_mesh = rt.mesh["dp"]
-        if dp_mesh.size() == 1:
-            return part
-        if self.config.data == "fsdp":
-            return apply_fsdp(part, dp_mesh, units, rt.precision.fsdp_policy())
-        if self.tp.splits:  # DistributedDataParallel refuses DTensor parameters; FSDP2's replicate takes them
-            return apply_replicate(part, dp_mesh)
-        ddp = apply_ddp(part, dp_mesh, rt.device, DDPConfig())
-        # The pipeline stage runs every forward under no_sync and prepares DDP's reducer itself before a batch's
-        # last backward chunk. Its metadata inference, on the first batch, runs one more forward outside no_sync,
-        # which left the reducer expecting the first chunk's gradients: they were synchronised early (the first
-        # step rounded differently from later ones, so a resumed run was not bitwise equal) and recorded twice for
-        # DDP's bucket rebuild (an internal assert on the second step when no forward came between, as in GPipe).
-        # A DDP forward here therefore never prepares the reducer.
-        ddp.require_backward_grad_sync = False
-        return ddp
-
-    def _place(self, part: nn.Module, rt: Runtime, units: FSDPConfig | None = None) -> nn.Module:
-        keep_buffers_through_metadata_pass(part)
-        part = self._replicate(to_device(part, rt.device), rt, units or FSDPConfig())
-        if not (self.config.data == "fsdp" and rt.mesh is not None and rt.mesh["dp"].size() > 1):
-            rt.precision.wrap_forward(part, rt.device)  # FSDP took the precision as its policy
-        return part
-
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
-        """The optimizer over this rank's stages; under ``data="zero1"`` its states sharded over the data-parallel
-        ranks holding the same stages (and, with tp, the same shards)."""
-        optimizer = rebuild(optimizer, self._names[id(model)], model, subset=True)
-        if not self._zero1(rt):
-            return optimizer
-        from ..distributed.zero import zero_redundancy  # imports DTensor: 1-2 s, when used
-
-        assert rt.mesh is not None
-        return zero_redundancy(optimizer.param_groups, optimizer, rt.mesh["dp"].get_group())
-
-    def _zero1(self, rt: Runtime) -> bool:
-        return self.config.data == "zero1" and rt.mesh is not None and rt.mesh["dp"].size() > 1
+        """The optimizer over this rank's stages, as the data engine wraps it: under ``data="zero1"`` its states
+        sharded over the data-parallel ranks holding the same stages (and, with tp, the same shards)."""
+        return self.data.wrap_optimizer(rebuild(optimizer, self._names[id(model)], model, subset=True), model, rt)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
         return nullcontext()  # the stages already synchronise once per batch, after the last micro-batch
@@ -280,18 +261,11 @@ class PipelineStrategy(Strategy):
         """Keyed as one process keys it: a tied weight's state under the tensor's first name (the embedding's),
         also on the stage that holds it as the head, so checkpoints move between pipeline and other strategies
         (the two stages' identical copies are written once). Under ZeRO-1, this rank's partition of it."""
-        if _sharded(optimizer):
-            state = zero_optimizer_state(model, optimizer)
-        else:
-            state = super().optimizer_state(model, optimizer)
-        return _renamed(state, getattr(model, "aliases", {}))
+        return _renamed(self.data.optimizer_state(model, optimizer), getattr(model, "aliases", {}))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         state = _renamed(state, {v: k for k, v in getattr(model, "aliases", {}).items()})
-        if _sharded(optimizer):
-            load_zero_optimizer_state(model, optimizer, state)
-        else:
-            super().load_optimizer_state(model, optimizer, state)
+        self.data.load_optimizer_state(model, optimizer, state)
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
         assert isinstance(model, PipelinedModel)
@@ -312,13 +286,6 @@ class PipelineStrategy(Strategy):
     def _described(self, opening: str) -> str:
         """``opening`` (a name and its settings, the bracket open) with the tp and ep parts, closed."""
         return opening + "".join(f", {d}" for d in (self.tp.describe(), self.ep.describe()) if d) + ")"
-
-
-def _sharded(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is a ``ZeroRedundancyOptimizer`` (``data="zero1"``), told without importing
-    ``torch.distributed.optim`` (1-2 s): an optimizer can only be one once that module is loaded."""
-    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
 
 
 def _tie_groups(model: nn.Module, plan: StagePlan, rt: Runtime,
@@ -389,6 +356,9 @@ class PurePipeline(PipelineStrategy):
         super().__init__(config, **options)
         if self.config.dp not in (None, 1):
             raise ConfigError("strategy 'pipeline' has no data-parallel dimension; use 'hybrid' with dp=…")
+
+    def _engine(self) -> OneReplica:
+        return OneReplica({}, split=False)  # one replica: nothing to lay a stage out across
 
 
 @register("hybrid")

@@ -45,3 +45,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("hsdp", Shards, hierarchical=True),
     Preset("tp", OneReplica),
 )}
+
+
+def preset_named(name: str) -> Preset:
+    """The preset called ``name`` or by one of its aliases (``fsdp``: ``zero3``)."""
+    return next(p for p in PRESETS.values() if name in (p.name, *p.aliases))

@@ -38,10 +38,10 @@ class WholeSequences:
         """Ranks that split each sequence, out of the ``ranks`` left beside tensor parallelism."""
         return 1
 
-    def splitter(self, mesh: DeviceMesh | None, split_layers: Step | None) -> Step | None:
-        """The model step of :func:`~paratrain.distributed.parallelize.parallelize` that splits layers
-        (``split_layers``, tensor parallelism) and then sequences."""
-        return split_layers
+    def step(self, mesh: DeviceMesh | None) -> Step | None:
+        """:func:`~paratrain.distributed.parallelize.parallelize`'s ``cp``: the step that splits sequences over
+        ``mesh["cp"]``; None: nothing to split."""
+        return None
 
     def gradient_mesh(self, mesh: DeviceMesh | None, data: DeviceMesh | None) -> DeviceMesh | None:
         """The mesh the data-parallel engine reduces gradients over: ``data`` (the data-parallel part)."""
@@ -80,13 +80,9 @@ class ContextParallel(WholeSequences):
                               f"got {ranks}; launch a multiple of cp x tp processes, or choose another cp")
         return cp
 
-    def splitter(self, mesh: DeviceMesh | None, split_layers: Step | None) -> Step:
-        def split(model: nn.Module) -> nn.Module:
-            model = split_layers(model) if split_layers is not None else model
-            assert mesh is not None
-            return self.apply(model, mesh)
-
-        return split
+    def step(self, mesh: DeviceMesh | None) -> Step:
+        assert mesh is not None
+        return lambda model: self.apply(model, mesh)
 
     def apply(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         """Hook ``model`` so that its calls are cut to this rank's slice and its attention sees whole sequences."""

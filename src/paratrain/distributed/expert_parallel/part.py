@@ -1,9 +1,9 @@
 """The part of a strategy that splits experts over ranks (``ep=``), and its absence.
 
 Every composed strategy holds one and calls its hooks unconditionally: :class:`WholeExperts` does nothing at each;
-:class:`ExpertParallel` splits each routed-experts module over groups of ``ep`` data-parallel ranks, wraps the
-step that lays the model out for data parallelism (DDP or FSDP2) so the experts get their own layout first, and
-completes their gradients where no data engine does.
+:class:`ExpertParallel` splits each routed-experts module over groups of ``ep`` data-parallel ranks in a step of
+its own, which :func:`~paratrain.distributed.parallelize.parallelize` runs just before the data-parallel one (DDP or
+FSDP2) so the experts get their own layout first, and completes their gradients where no data engine does.
 """
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ class WholeExperts:
     """Parameters become DTensors split over ranks (the optimizer is then rebuilt over them)."""
     degree = 1
 
-    def data_step(self, data: Step, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any],
-                  stage: bool = False) -> Step:
-        """The data-parallel step ``data`` over the 1-D data mesh ``mesh``, with the experts laid out first
-        (``zero``: the data engine's ZeRO stage; ``fsdp_kwargs``: its ``fully_shard`` options, which the experts
-        take too; ``stage``: the module is one pipeline stage, which may hold no experts, the whole model having
-        been checked by :meth:`check`)."""
-        return data
+    def step(self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any],
+             stage: bool = False) -> Step | None:
+        """:func:`~paratrain.distributed.parallelize.parallelize`'s ``ep``: the step that lays the experts out over
+        the 1-D data mesh ``mesh`` before the data engine's step (``zero``: that engine's ZeRO stage;
+        ``fsdp_kwargs``: its ``fully_shard`` options, which the experts take too; ``stage``: the module is one
+        pipeline stage, which may hold no experts, the whole model having been checked by :meth:`check`); None:
+        every expert stays whole."""
+        return None
 
     def modules(self, model: nn.Module) -> list[nn.Module]:
         """``model``'s routed-experts modules this part lays out itself, which tensor parallelism leaves whole."""
@@ -65,8 +66,8 @@ class ExpertParallel(WholeExperts):
         self._reduces = False
         """Whether :meth:`sync_gradients` completes the experts' gradients (no data engine reduces them)."""
 
-    def data_step(self, data: Step, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any],
-                  stage: bool = False) -> Step:
+    def step(self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any],
+             stage: bool = False) -> Step:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         from ...model.materialize import is_meta, to_device
@@ -93,10 +94,8 @@ class ExpertParallel(WholeExperts):
                 ignored_by_data_parallel(model, layers)
             else:
                 shard_experts(layers, self._mesh, self._dp, **fsdp_kwargs)
-            return data(model)
+            return model
 
-        if getattr(data, "takes_meta", False):
-            step.takes_meta = True  # type: ignore[attr-defined]
         return step
 
     def modules(self, model: nn.Module) -> list[nn.Module]:
