@@ -82,3 +82,10 @@ def test_regroup_moves_the_former_keywords_without_warning():
 
 def test_the_configs_are_exported():
     assert {"ModelConfig", "JobConfig", "GlobalBatch"} <= set(paratrain.__all__)
+
+
+@pytest.mark.parametrize("keywords, said", [({"model": {"compile": True}}, "model= takes a paratrain.ModelConfig(...)"),
+                                            ({"job": 60}, "job= takes a paratrain.JobConfig(...), got int")])
+def test_a_group_that_is_not_its_config_is_one_line(keywords, said):
+    with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        Parallel("single", **keywords)

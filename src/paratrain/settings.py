@@ -97,6 +97,9 @@ class Settings:
         if former:
             warnings.warn(f"Parallel({', '.join(f'{k}=' for k in former)}) is deprecated; write "
                           f"{_spelling(former)}", FutureWarning, stacklevel=3)
+        for name, value, config in (("model", model, ModelConfig), ("job", job, JobConfig)):
+            if value is not None and not isinstance(value, config):
+                raise ConfigError(f"{name}= takes a paratrain.{config.__name__}(...), got {type(value).__name__}")
         options = regroup({**options, "accumulate": accumulate, "model": model, "job": job})
         accumulate, model, job = options.pop("accumulate"), options.pop("model"), options.pop("job")
         moe_aux_loss = options.pop("moe_aux_loss", "local")

@@ -67,7 +67,8 @@ def test_every_data_and_tp_strategy_is_a_row_of_the_preset_table():
 
 
 @pytest.mark.parametrize("kwargs, words", [({"accumulate": 0}, "accumulate"), ({"precision": "fp8"}, "precision"),
-                                           ({"accelerator": "tpu"}, "accelerator"), ({"timeout_s": 0}, "timeout")])
+                                           ({"accelerator": "tpu"}, "accelerator"),
+                                           ({"job": {"timeout_s": 60}}, "job= takes a paratrain.JobConfig")])
 def test_bad_parallel_options(kwargs, words):
     with pytest.raises(ConfigError, match=words):
         paratrain.Parallel(**kwargs)
