@@ -161,7 +161,7 @@ class TPConfig:
             raise ConfigError(f"tp_plan must be 'auto' or a dict of module-name patterns to styles, not {self.plan!r}")
 
     @classmethod
-    def pop(cls, options: dict[str, Any]) -> "TPConfig | None":
+    def pop(cls, options: dict[str, Any]) -> TPConfig | None:
         """The ``tp``/``tp_plan`` options taken out of a strategy's options; None when tensor parallelism is off."""
         degree, plan = options.pop("tp", None), options.pop("tp_plan", None)
         if degree in (None, 1) and plan is None:
@@ -222,7 +222,7 @@ class BlockTransforms:
     """``torch.compile`` options of each block (or of the whole model without blocks); None: not compiled."""
 
     @classmethod
-    def of(cls, activation_checkpointing: bool | int, compile: bool | Mapping[str, Any]) -> "BlockTransforms":
+    def of(cls, activation_checkpointing: bool | int, compile: bool | Mapping[str, Any]) -> BlockTransforms:
         """From ``Parallel``'s ``activation_checkpointing=`` (True, False or k) and ``compile=`` (True, False or a
         dict of ``torch.compile`` options); a bad value is one line."""
         every = activation_checkpointing

@@ -22,7 +22,8 @@ def _hybrid(**options: object) -> paratrain.Parallel:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)  # the autouse fixture destroys it
-    return paratrain.Parallel("hybrid", accelerator="cpu", monitor=False, precision="bf16-mixed", job=paratrain.JobConfig(env=ENV), **options)
+    return paratrain.Parallel("hybrid", accelerator="cpu", monitor=False, precision="bf16-mixed",
+                              job=paratrain.JobConfig(env=ENV), **options)
 
 
 def _stages(par: paratrain.Parallel) -> tuple[list[torch.nn.Module], torch.optim.Optimizer]:
