@@ -35,10 +35,10 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-
-import paratrain
 from checkpoint_jobs import build_mlp
 from ddp_overhead import audited, background_line
+
+import paratrain
 from paratrain.checkpoint import background
 from paratrain.checkpoint.background import BackgroundSaves
 

@@ -48,8 +48,9 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist

@@ -21,8 +21,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers.nanogpt_shaped import gpt2  # noqa: E402
 
-from paratrain.planner import (InputSpec, ModelStats, PlanConfig, RunnableModel, Training, TrainingCall,  # noqa: E402
-                               make_plan, measure_module, trace_module, transformer_stats)
+from paratrain.planner import (  # noqa: E402
+    InputSpec,
+    ModelStats,
+    PlanConfig,
+    RunnableModel,
+    Training,
+    TrainingCall,
+    make_plan,
+    measure_module,
+    trace_module,
+    transformer_stats,
+)
 from paratrain.planner.hardware import GIB  # noqa: E402
 from paratrain.workloads.gpt import GPT_CONFIGS  # noqa: E402
 

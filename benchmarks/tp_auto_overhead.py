@@ -37,11 +37,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from tp_overhead import BATCH, FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, SEQ, VOCAB, build, one_step, split_bytes
 
 import paratrain
 from paratrain.distributed.process_group import finish_group
-from tp_overhead import BATCH, FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, SEQ, VOCAB, build, one_step, split_bytes
-
 
 SUBJECTS = ("auto", "hand", "hand_dt")
 

@@ -54,8 +54,13 @@ def hand_written(model: torch.nn.Module) -> torch.nn.Module:
     """The Llama plan with PyTorch's styles, on a 1-D mesh over every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parallelize_module(model, mesh, {

@@ -16,9 +16,9 @@ from paratrain.distributed.tensor_parallel.names import STYLES, spec_of, style
 from paratrain.distributed.tensor_parallel.plans import gpt2_plan, llama_plan, plan_for
 from paratrain.distributed.tensor_parallel.styles import Rowwise, VocabHead
 from paratrain.errors import ConfigError
+from paratrain.plan_commands.tp_plan import tp_plan_lines
 from paratrain.planner.inputs import InputSpec, TrainingCall
 from paratrain.planner.model_stats import RunnableModel
-from paratrain.plan_commands.tp_plan import tp_plan_lines
 
 sys.path.insert(0, str(ROOT / "tests" / "realcode"))
 from nanogpt_model import GPT, GPTConfig  # noqa: E402

@@ -2,8 +2,8 @@
 nothing at all on a dense model. Unit tests on made-up routing and one process; one 2-rank gloo job for the rest."""
 import pytest
 import torch
-from helpers.routing_workers import BATCH, SEQ, gpt_experts, routing_job, train
 from helpers.moe_models import routed_mixtral
+from helpers.routing_workers import BATCH, SEQ, gpt_experts, routing_job, train
 from torch import nn
 
 from paratrain.errors import ConfigError

@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from . import layout, rng, space
-from .space import out_of_space
 from .safety import SafePlanner, SafeReader, load_file, torch_reason
+from .space import out_of_space
 
 FORMAT = 1
 TRAIN = "train.pt"

@@ -23,7 +23,6 @@ from .network import LOOPBACK
 from .parent_death import die_with_parent
 
 
-
 def launch(
     fn: Callable[..., Any],
     nprocs: int = 2,

@@ -35,8 +35,15 @@ from ..errors import LaunchError
 from .agreement import NNODES_VAR
 from .failure import from_child_failed
 from .kubeflow import check_pet
-from .multinode import (DEFAULT_RDZV_TIMEOUT_S, max_nodes, nnodes_range, prepare_network, rendezvous_error,
-                        rendezvous_errors, set_rendezvous_timeout)
+from .multinode import (
+    DEFAULT_RDZV_TIMEOUT_S,
+    max_nodes,
+    nnodes_range,
+    prepare_network,
+    rendezvous_error,
+    rendezvous_errors,
+    set_rendezvous_timeout,
+)
 from .network import LOOPBACK
 from .parent_death import LAUNCHER_PID_VAR
 from .pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
@@ -45,7 +52,6 @@ from .rendezvous_progress import rendezvous_progress
 from .signals import stop_signals
 from .slurm import read_slurm
 from .worker import DEBUG_VAR
-
 
 
 def _note(message: str) -> None:

@@ -28,16 +28,16 @@ from torch import nn
 
 from ..composition import takes
 from ..errors import ConfigError
+from ..model.structure import forward_pieces
 from ..sizes import GIB
-from .expert_parallel import ep_degrees
 from .context_parallel import cp_pairs
+from .estimates import estimate
+from .expert_parallel import ep_degrees
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
 from .layout import EP_STRATEGIES, Layout
-from ..model.structure import forward_pieces
 from .model_stats import ModelStats, MoEShape, TPShape, trainable_sizes
 from .optimizers import PlannedOptimizer, planned
-from .estimates import estimate
 from .tensor_parallel import tp_degrees
 from .training import Training
 from .transformer import GPTConfig, moe_block, transformer_params, transformer_stats

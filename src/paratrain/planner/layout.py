@@ -40,7 +40,7 @@ class Layout:
 
     @classmethod
     def of(cls, name: str, *, dp: int = 1, zero: int = 0, shard: int = 1, pp: int = 1, mp: int = 1, tp: int = 1,
-           ep: int = 1, cp: int = 1, servers: int = 0) -> "Layout":
+           ep: int = 1, cp: int = 1, servers: int = 0) -> Layout:
         """A layout in the planner's spelling: ``dp`` data-parallel replicas (workers, beside ``servers``) of which
         ``shard`` ranks share one copy at ZeRO stage ``zero``; ``pp`` pipeline stages, ``mp`` model-parallel stages
         of one process, ``tp`` tensor-parallel ranks, ``ep`` of the data-parallel ranks splitting the experts,

@@ -10,8 +10,8 @@ if TYPE_CHECKING:
     from .apply import apply_tp
     from .compose import TensorParallel
     from .degrees import tp_degree
-    from .plans import TPPlan, plan_for
     from .names import STYLES
+    from .plans import TPPlan, plan_for
 
 _EXPORTS = {"apply_tp": ".apply", "TensorParallel": ".compose", "tp_degree": ".degrees",
             "TPPlan": ".plans", "plan_for": ".plans", "STYLES": ".names"}

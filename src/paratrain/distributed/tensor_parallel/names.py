@@ -27,8 +27,12 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
-                                               SequenceParallel)
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    SequenceParallel,
+)
 
 from ...errors import ConfigError
 from .styles import Colwise, FirstInput, FusedColwise, PerHead, Replicated, Rowwise, VocabHead
