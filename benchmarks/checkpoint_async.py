@@ -254,7 +254,7 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"config": vars(args), "result": result}, indent=1))
         return
-    results = {strategy: audited(lambda: bench(strategy, args)) for strategy in ("ddp", "zero3")}
+    results = {strategy: audited(lambda strategy=strategy: bench(strategy, args)) for strategy in ("ddp", "zero3")}
     print(format_report(args, results))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "results": results,

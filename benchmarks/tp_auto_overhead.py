@@ -116,7 +116,7 @@ def count_ops() -> dict:
         one_step(par, model, opt, ids[:, :-1], ids[:, 1:])
         calls = [0]
 
-        def profile(frame, event, arg) -> None:  # type: ignore[no-untyped-def]
+        def profile(frame, event, arg, calls=calls) -> None:  # type: ignore[no-untyped-def]
             if event in ("call", "c_call"):
                 calls[0] += 1
 

@@ -152,7 +152,7 @@ def job(rounds: int, steps: int, warmup: int) -> dict:
                 one_step(par, model, opt, x, y)
                 times.append(time.perf_counter() - start)
             out[s]["rounds_ms"].append(1e3 * statistics.median(times))
-    for par, model, _ in subjects.values():
+    for par, _, _ in subjects.values():
         if par is not None:
             par.close()
     finish_group()

@@ -49,7 +49,7 @@ _DEPRECATED = {
                                     "paratrain.strategies.SingleDevice)"),
 }
 
-from .launcher.spawn import launch  # noqa: E402  (imports nothing heavy)
+from .launcher.spawn import launch as launch  # noqa: E402  (imports nothing heavy)
 from .lazy import lazy_getattr  # noqa: E402
 
 __all__ = sorted([*_EXPORTS, "launch"])

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 RULES = ("linear", "sqrt")
 

@@ -59,7 +59,7 @@ def test_the_printed_plan_is_valid_input_as_printed(build, infer):
     assert printed and all(isinstance(v, str) for v in printed.values())
     again = plan_for(build(), printed)
     resolved = dict(again.per_module(build()))
-    for name, made in resolved.items():
+    for made in resolved.values():
         assert isinstance(made, ParallelStyle)
     heads = [n for n, s in resolved.items() if isinstance(s, VocabHead)]
     assert heads and heads[-1].endswith("lm_head")

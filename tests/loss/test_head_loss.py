@@ -96,7 +96,7 @@ def test_the_logits_never_exist_whole_and_the_proof_runs_once():
         par = paratrain.Parallel("single", monitor=False, model=paratrain.ModelConfig(loss_chunk=chunk))
         model = par.prepare(_long_llama())
         calls = []
-        model.register_forward_pre_hook(lambda *_: calls.append(1))
+        model.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         par.forward_backward(model, {"input_ids": ids, "labels": ids})  # with chunks: the proof's two runs first
         with LargestStorage() as seen:
             par.forward_backward(model, {"input_ids": ids, "labels": ids})

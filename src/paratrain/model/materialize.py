@@ -179,7 +179,8 @@ def _transformers_init(skeleton: nn.Module, writer: _Writer) -> None:
     for owner_name, module_name, state in events:
         owner, module = skeleton.get_submodule(owner_name), skeleton.get_submodule(module_name)
         torch.set_rng_state(state)
-        writer.run(module, lambda: owner._init_weights(module), who=f"{type(owner).__name__}._init_weights")
+        writer.run(module, lambda owner=owner, module=module: owner._init_weights(module),
+                   who=f"{type(owner).__name__}._init_weights")
     torch.set_rng_state(final)
 
 
@@ -301,7 +302,7 @@ class _Writer:
                 slots.append((owner, key, is_param, original, value, keep))
         try:
             yield
-            for owner, key, is_param, original, value, keep in slots:
+            for owner, key, is_param, _, value, keep in slots:
                 now = (owner._parameters if is_param else owner._buffers)[key]
                 if keep is None:
                     continue
