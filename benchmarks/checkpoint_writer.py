@@ -1,6 +1,6 @@
-"""Which writer an asynchronous save should use: torch.distributed.checkpoint's thread (``AsyncCheckpointerType.THREAD``,
-what paratrain uses) or its daemon process (``PROCESS``: no GIL shared with training, at the cost of starting a
-process, with a process group of its own, at the first save, and staging into shared memory).
+"""Which writer an asynchronous save should use: torch.distributed.checkpoint's thread
+(``AsyncCheckpointerType.THREAD``, what paratrain uses) or its daemon process (``PROCESS``: no GIL shared with training,
+at the cost of starting a process, with a process group of its own, at the first save, and staging into shared memory).
 
 One process (a gloo group of 1), an MLP trained with Adam on one thread; both writers stage through a
 ``DefaultStager`` of their own (kept between saves). The first save of each writer is reported apart (the process

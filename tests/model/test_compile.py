@@ -1,6 +1,6 @@
 """``Parallel(compile=True)``: each block compiled in place before sharding; the same training math as eager, the
-user's parameter names kept, under zero3 and ddp (one process); under a pipeline in tests/distributed/test_pipeline_models.py.
-Small cases: compiling costs seconds on 2 cores."""
+user's parameter names kept, under zero3 and ddp (one process); under a pipeline in
+tests/distributed/test_pipeline_models.py. Small cases: compiling costs seconds on 2 cores."""
 from __future__ import annotations
 
 import pytest

@@ -170,8 +170,8 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     ``optimizer``: the user's, whose states are planned (:mod:`.optimizers`); None assumes AdamW, and the reason
     says so.
 
-    ``tp``: what the model's tensor-parallel plan splits, per forward piece (``model.structure.forward_pieces``' order). Given,
-    and when even zero3 does not fit, zero3 over groups of tp ranks is tried, least tp first: it splits the
+    ``tp``: what the model's tensor-parallel plan splits, per forward piece (``model.structure.forward_pieces``' order).
+    Given, and when even zero3 does not fit, zero3 over groups of tp ranks is tried, least tp first: it splits the
     largest unit FSDP gathers. None keeps every choice on the one-dimensional mesh (``Parallel`` passes the shape
     only once this call, without it, found nothing that fits: reading it imports tensor parallelism).
 

@@ -1,8 +1,8 @@
 """Each strategy as parallel degrees, so memory and time follow from one formula instead of a branch per name.
 
 A ``Layout`` is a named :class:`~paratrain.dims.ParallelDims` in the planner's spelling (``dp`` replicas of which
-``shard`` ranks share one copy); ``Layout.dims`` is the runtime's, and tests/strategies/test_dims.py holds every candidate
-here equal to what the strategy of that name builds.
+``shard`` ranks share one copy); ``Layout.dims`` is the runtime's, and tests/strategies/test_dims.py holds every
+candidate here equal to what the strategy of that name builds.
 
 Ranks are placed as paratrain's strategies build their meshes: tensor-parallel ranks or a model-parallel
 process's GPUs innermost (consecutive local GPUs), then pipeline stages (``hybrid``'s mesh is ``(dp, pp)``, with
