@@ -85,7 +85,8 @@ def report(args: argparse.Namespace, result: dict) -> str:
     lines = [(f"one process, MLP {args.layers} x Linear({args.width}, {args.width}): state "
               f"{result['state_bytes'] / 1e6:.0f} MB (weights + Adam); median of {args.rounds} rounds; step without "
               f"a save {1e3 * quiet:.0f} ms"),
-             f"   {'writer':<9}{'held ms':>9}{'write s':>9}{'step while writing ms':>23}   first save: held ms, write s"]
+             f"   {'writer':<9}{'held ms':>9}{'write s':>9}{'step while writing ms':>23}"
+             "   first save: held ms, write s"]
     for name in WRITERS:
         row, (held, write) = result["rows"][name], result["first"][name]
         during = statistics.median(row["steps_s"]) if row["steps_s"] else float("nan")

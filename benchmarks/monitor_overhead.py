@@ -39,7 +39,8 @@ BATCH_PER_RANK = 64
 TARGET = 0.01
 
 
-def _job(monitor: bool | MonitorConfig, steps: int) -> tuple[paratrain.Parallel, nn.Module, torch.optim.Optimizer, DataLoader]:
+def _job(monitor: bool | MonitorConfig,
+         steps: int) -> tuple[paratrain.Parallel, nn.Module, torch.optim.Optimizer, DataLoader]:
     par = paratrain.Parallel("ddp", monitor=monitor)
     torch.manual_seed(0)
     model = mlp()

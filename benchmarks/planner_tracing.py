@@ -46,7 +46,8 @@ def _one_gpu(model: ModelStats | RunnableModel) -> dict[str, float]:
     out = {}
     for precision in ("fp32", "bf16-mixed"):
         single = make_plan(model, replace(RUN, training=replace(RUN.training, precision=precision))).estimates[0]
-        out |= {f"one_gpu_gib_{precision}": single.memory.total / GIB, f"one_gpu_step_s_{precision}": single.time.step_s}
+        out |= {f"one_gpu_gib_{precision}": single.memory.total / GIB,
+                f"one_gpu_step_s_{precision}": single.time.step_s}
     return out
 
 
@@ -70,8 +71,8 @@ def rows() -> list[dict]:
 
 
 def table(found: list[dict]) -> str:
-    lines = ["| case | GFLOP a sample | vs closed | activations MiB a sample (fp32) | vs closed | one A100, fp32: GiB | "
-             "step s | bf16-mixed: GiB | step s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | GFLOP a sample | vs closed | activations MiB a sample (fp32) | vs closed | one A100, fp32: GiB "
+             "| step s | bf16-mixed: GiB | step s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in found:
         gpu = " | ".join(f"{r[f'one_gpu_gib_{p}']:.1f} | {r[f'one_gpu_step_s_{p}']:.2f}" if "one_gpu_gib_fp32" in r
                          else "— | —" for p in ("fp32", "bf16-mixed"))

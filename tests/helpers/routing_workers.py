@@ -93,7 +93,8 @@ def all_to_all_case() -> dict:
     return {"seconds": seconds, "bytes": sent}
 
 
-CASES = (("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2"), ("collapsed", "ddp"), ("all_to_all", ""),
+CASES = (("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2"),
+         ("collapsed", "ddp"), ("all_to_all", ""),
          ("mixtral", "zero3 cp=2"))
 
 

@@ -23,7 +23,8 @@ CASES = [("gpt2", "labels"), ("llama", "labels"), ("lora", "labels"), ("nanogpt_
 
 def _trained(model_name: str, call: str, chunk: int | None, precision: str = "fp32"):
     """Two micro-batches accumulated into one step's gradients; their losses and the gradients."""
-    par = paratrain.Parallel("single", monitor=False, accumulate=2, precision=precision, model=paratrain.ModelConfig(loss_chunk=chunk))
+    par = paratrain.Parallel("single", monitor=False, accumulate=2, precision=precision,
+                             model=paratrain.ModelConfig(loss_chunk=chunk))
     model = par.prepare(build(model_name))
     losses = [micro_loss(model, *batch(s, 2, call), call, par) for s in range(2)]
     return losses, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -136,6 +136,7 @@ def checkpoint_config(checkpoint: CheckpointConfig | str | os.PathLike | None,
     if checkpoint is not None:
         raise ConfigError(f"checkpoint= given beside {sorted(old)}; put them all in CheckpointConfig")
     fields = ", ".join(f"{k}={v!r}" for k, v in old.items())
-    warnings.warn(f"Parallel's checkpoint keywords are deprecated; write checkpoint=paratrain.CheckpointConfig({fields})",
+    warnings.warn("Parallel's checkpoint keywords are deprecated; write "
+                  f"checkpoint=paratrain.CheckpointConfig({fields})",
                   FutureWarning, stacklevel=3)
     return CheckpointConfig.from_environ(**{"dir": None, "every": None, "keep": None, "resume": None, **old})

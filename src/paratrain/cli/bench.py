@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mlp",
-                   help="mlp, cnn, gpt-tiny, gpt-moe-tiny, recommender, recommender-tiny, or module:factory (default: mlp)")
+                   help="mlp, cnn, gpt-tiny, gpt-moe-tiny, recommender, recommender-tiny, or module:factory "
+                        "(default: mlp)")
     p.add_argument("-n", "--nproc", default=None,
                    help="world sizes, comma-separated (default: 1,2 on a CPU, 1,2,4… up to the GPUs)")
     p.add_argument("--strategies", default="ddp", help="comma-separated strategies (default: ddp)")

@@ -23,7 +23,7 @@ __all__ = [
     "make_cluster", "Layout", "exact_layout", "layouts", "make_plan", "MemoryBreakdown", "memory_per_rank", "InputSpec",
     "ModelStats", "RunnableModel", "measure_module", "trace_module", "transformer_shape", "transformer_stats",
     "TRANSFORMERS", "GPTConfig", "Estimate", "Plan", "estimate", "estimate_all", "recommend", "format_plan",
-    "plan_to_json", "TableStats", "StepTime", "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction", "measured_link",
-    "p2p_s", "reduce_scatter_s", "step_time", "Batching", "Training", "batching", "TPShape", "TrainingCall",
-    "PlanConfig", "ModelSpec", "Measured",
+    "plan_to_json", "TableStats", "StepTime", "all_gather_s", "all_reduce_s", "broadcast_s", "bubble_fraction",
+    "measured_link", "p2p_s", "reduce_scatter_s", "step_time", "Batching", "Training", "batching", "TPShape",
+    "TrainingCall", "PlanConfig", "ModelSpec", "Measured",
 ]

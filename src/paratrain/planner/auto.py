@@ -79,7 +79,8 @@ class AutoChoice:
 def parameter_stats(model: nn.Module) -> ModelStats:
     """Sizes only (no trace, no batch): enough to decide on model states."""
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    units = tuple((name, sum(p.numel() for p in m.parameters())) for name, m in forward_pieces(model)) or (("model", params),)
+    units = (tuple((name, sum(p.numel() for p in m.parameters())) for name, m in forward_pieces(model))
+             or (("model", params),))
     largest = max(((n, sum(p.numel() for p in m.parameters(recurse=False))) for n, m in model.named_modules()),
                   key=lambda x: x[1])
     return ModelStats(name=type(model).__name__, params=params, units=units, largest_layer=largest,
@@ -158,7 +159,8 @@ def _layout(name: str, n: int) -> Layout:
 
 
 def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None, ep: bool = False,
-           cp: bool = False, optimizer: torch.optim.Optimizer | None = None, batch: tuple[int, int | None] | None = None) -> AutoChoice:
+           cp: bool = False, optimizer: torch.optim.Optimizer | None = None,
+           batch: tuple[int, int | None] | None = None) -> AutoChoice:
     """The first of ddp, zero1, zero2, zero3 whose model states (and, given the batch, activations) fit one
     rank's memory.
 
