@@ -31,9 +31,10 @@ import threading
 import time
 from pathlib import Path
 
-import paratrain
 from checkpoint_jobs import save_load_worker
 from ddp_overhead import audited, background_line, kill_tree
+
+import paratrain
 from paratrain.testing import alive, child_pids
 
 DEMO = [sys.executable, "-m", "paratrain", "demo", "-n", "2", "--epochs", "1"]

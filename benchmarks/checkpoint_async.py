@@ -35,10 +35,10 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-
-import paratrain
 from checkpoint_jobs import build_mlp
 from ddp_overhead import audited, background_line
+
+import paratrain
 from paratrain.checkpoint import background
 from paratrain.checkpoint.background import BackgroundSaves
 
@@ -254,7 +254,7 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"config": vars(args), "result": result}, indent=1))
         return
-    results = {strategy: audited(lambda: bench(strategy, args)) for strategy in ("ddp", "zero3")}
+    results = {strategy: audited(lambda strategy=strategy: bench(strategy, args)) for strategy in ("ddp", "zero3")}
     print(format_report(args, results))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "results": results,

@@ -51,8 +51,8 @@ def save_load_worker(strategy: str, width: int, layers: int, root: str, rounds: 
     rows: dict[str, list] = {"save_s": [], "load_s": [], "bytes": []}
     for r in range(rounds):
         folder = Path(root) / f"{strategy}-{r}"  # a fresh folder: no earlier checkpoint to replace or prune
-        rows["save_s"].append(_timed(par, lambda: par.save(folder)))
-        rows["load_s"].append(_timed(par, lambda: par.load(folder)))
+        rows["save_s"].append(_timed(par, lambda folder=folder: par.save(folder)))
+        rows["load_s"].append(_timed(par, lambda folder=folder: par.load(folder)))
         par.barrier()
         if par.is_main:
             rows["bytes"].append(_bytes(folder / "step-00000001"))

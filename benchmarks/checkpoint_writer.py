@@ -1,6 +1,6 @@
-"""Which writer an asynchronous save should use: torch.distributed.checkpoint's thread (``AsyncCheckpointerType.THREAD``,
-what paratrain uses) or its daemon process (``PROCESS``: no GIL shared with training, at the cost of starting a
-process, with a process group of its own, at the first save, and staging into shared memory).
+"""Which writer an asynchronous save should use: torch.distributed.checkpoint's thread
+(``AsyncCheckpointerType.THREAD``, what paratrain uses) or its daemon process (``PROCESS``: no GIL shared with training,
+at the cost of starting a process, with a process group of its own, at the first save, and staging into shared memory).
 
 One process (a gloo group of 1), an MLP trained with Adam on one thread; both writers stage through a
 ``DefaultStager`` of their own (kept between saves). The first save of each writer is reported apart (the process
@@ -85,7 +85,8 @@ def report(args: argparse.Namespace, result: dict) -> str:
     lines = [(f"one process, MLP {args.layers} x Linear({args.width}, {args.width}): state "
               f"{result['state_bytes'] / 1e6:.0f} MB (weights + Adam); median of {args.rounds} rounds; step without "
               f"a save {1e3 * quiet:.0f} ms"),
-             f"   {'writer':<9}{'held ms':>9}{'write s':>9}{'step while writing ms':>23}   first save: held ms, write s"]
+             f"   {'writer':<9}{'held ms':>9}{'write s':>9}{'step while writing ms':>23}"
+             "   first save: held ms, write s"]
     for name in WRITERS:
         row, (held, write) = result["rows"][name], result["first"][name]
         during = statistics.median(row["steps_s"]) if row["steps_s"] else float("nan")

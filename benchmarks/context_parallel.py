@@ -203,7 +203,8 @@ def main() -> None:
         res["tokens_per_s"] = {k: args.seq / v for k, v in step.items()}
         res["paratrain_over_hand"] = step["paratrain"] / step["hand"]
         rounds = res["rounds_s"]  # the same round's pair: steadier than the ratio of medians on a busy machine
-        res["paratrain_over_hand_paired"] = statistics.median(p / h for p, h in zip(rounds["paratrain"], rounds["hand"]))
+        res["paratrain_over_hand_paired"] = statistics.median(p / h for p, h in
+                                                              zip(rounds["paratrain"], rounds["hand"]))
         res["memory_vs_cp1"] = {k: v / mem["cp=1"] for k, v in mem.items()}
         res["planner_bytes"] = {"cp=1": planned(args.seq, 1), "paratrain": planned(args.seq, world)}
         res["planner_over_measured"] = {k: v / mem[k] for k, v in res["planner_bytes"].items()}

@@ -25,9 +25,9 @@ tp rank's replicas), for the same check beside tensor parallelism.
 Figures: the step time (median of each round's median, on the slowest rank; and the fastest round) and tokens/s
 over all ranks; ``x hand``: the median over rounds of the step time over the hand-written one's in the same round
 (with ``--hybrid`` or ``--tp``, over the ep row's);
-what a rank holds of the experts (parameters plus AdamW's state, bytes of the local tensors after a step) against the planner's
-figure for the layout (:mod:`paratrain.planner.expert_parallel`); the resident high-water mark of a step above the
-resident memory before it (``/proc/self/clear_refs``; glibc set to return every block over 64 KiB when freed).
+what a rank holds of the experts (parameters plus AdamW's state, bytes of the local tensors after a step) against the
+planner's figure for the layout (:mod:`paratrain.planner.expert_parallel`); the resident high-water mark of a step above
+the resident memory before it (``/proc/self/clear_refs``; glibc set to return every block over 64 KiB when freed).
 """
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ class Subject:
         model = GPT(cfg).to(device)
         self.par = None
         if self.who.startswith("paratrain"):
-            self.par = paratrain.Parallel(self.strategy, precision="bf16-mixed", monitor=False, model=paratrain.ModelConfig(compile=compiled))
+            self.par = paratrain.Parallel(self.strategy, precision="bf16-mixed", monitor=False,
+                                          model=paratrain.ModelConfig(compile=compiled))
             self.model, self.opt = self.par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
             return
         if self.who == "hand-whole":

@@ -33,8 +33,17 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.planner import InputSpec, Layout, ModelStats, Training, batching, make_cluster, memory_per_rank
-from paratrain.planner import trace_module, transformer_stats
+from paratrain.planner import (
+    InputSpec,
+    Layout,
+    ModelStats,
+    Training,
+    batching,
+    make_cluster,
+    memory_per_rank,
+    trace_module,
+    transformer_stats,
+)
 from paratrain.workloads.gpt import GPT, GPT_CONFIGS, Block, GPTConfig
 
 TARGET = 0.15

@@ -62,7 +62,8 @@ def measured(model: str, batch: int, steps: int, checkpointing: bool = False) ->
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    par = paratrain.Parallel("single", precision="bf16-mixed", monitor=False, model=paratrain.ModelConfig(activation_checkpointing=checkpointing))
+    par = paratrain.Parallel("single", precision="bf16-mixed", monitor=False,
+                             model=paratrain.ModelConfig(activation_checkpointing=checkpointing))
     torch.manual_seed(0)
     net = GPT(cfg)
     net, opt = par.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4))

@@ -69,7 +69,7 @@ def _timed_job(rounds: int, warmup: int) -> dict:
         model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
         runs[mode] = (par, model, opt, [])
     for r in range(warmup + rounds):
-        for mode, (par, model, opt, times) in runs.items():
+        for par, model, opt, times in runs.values():
             start = time.perf_counter()
             with par.step(model, opt):
                 par.forward_backward(model, rank_ids, {"labels": rank_ids})

@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
           "once per 50 steps")
     print(background_line(e2e))
     print(f"2. The counting hooks alone add {hot['us_per_step']:.0f} us to a {hot['step_ms']:.1f} ms forward + "
-          f"backward ({hot['us_per_step'] / 1e3 / hot['step_ms']:.2%}; median of {hot['steps']} paired steps, thread CPU "
-          f"time); one "
+          f"backward ({hot['us_per_step'] / 1e3 / hot['step_ms']:.2%}; median of {hot['steps']} paired steps, "
+          f"thread CPU time); one "
           f"hook call takes {hot['hook_us']:.1f} us, 4 per step: {4 * hot['hook_us']:.0f} us "
           f"({4 * hot['hook_us'] / 1e3 / hot['step_ms']:.2%})")
     print(background_line(hot))

@@ -26,20 +26,21 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ddp_overhead import CORES, audited, background_line
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from ddp_overhead import CORES, audited, background_line
-from paratrain.monitor import Monitor, MonitorConfig
 from paratrain.distributed.process_group import finish_group
+from paratrain.monitor import Monitor, MonitorConfig
 from paratrain.workloads.synthetic import mlp
 
 BATCH_PER_RANK = 64
 TARGET = 0.01
 
 
-def _job(monitor: bool | MonitorConfig, steps: int) -> tuple[paratrain.Parallel, nn.Module, torch.optim.Optimizer, DataLoader]:
+def _job(monitor: bool | MonitorConfig,
+         steps: int) -> tuple[paratrain.Parallel, nn.Module, torch.optim.Optimizer, DataLoader]:
     par = paratrain.Parallel("ddp", monitor=monitor)
     torch.manual_seed(0)
     model = mlp()

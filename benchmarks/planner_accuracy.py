@@ -48,8 +48,9 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -365,7 +366,7 @@ def main() -> None:
     for world in worlds:
         catalogue = predict(world, before, None, a.host_rate)
         labels = {name: label for name, label in PLANNER_TO_LABEL.items() if name in catalogue}
-        ranks, wall, shares[str(world)] = audited(lambda: paratrain.launch(
+        ranks, wall, shares[str(world)] = audited(lambda world=world, labels=labels: paratrain.launch(
             accuracy_job, world, (list(labels.values()), rounds, steps, a.warmup), timeout_s=900))
         links[world] = slowest_link(ranks)
         summary = strategies.summarise(world, [r["rounds"] for r in ranks])

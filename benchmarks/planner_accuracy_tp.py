@@ -30,10 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from planner_accuracy import median_s, round_robin_s  # the same timing as the other strategies'
 from torch import nn
 from torch.nn import functional as F
 
@@ -42,7 +43,6 @@ from paratrain.distributed.process_group import finish_group
 from paratrain.planner import Measured, PlanConfig, Training, make_plan, transformer_stats
 from paratrain.planner.tensor_parallel import collectives_per_micro_batch
 from paratrain.workloads.gpt import GPT, GPTConfig
-from planner_accuracy import median_s, round_robin_s  # the same timing as the other strategies'
 
 CFG = GPTConfig(layers=2, hidden=256, heads=4, seq_len=128, vocab=2048, learned_positions=False, tied=False)
 BATCH = 8
@@ -86,8 +86,7 @@ def world1(steps: int, warmup: int, threads: int) -> dict[str, float]:
 def parallelize(model: GPT, mesh: object) -> GPT:
     """Megatron-style TP with sequence parallelism on ``model`` over a 1-D ``mesh`` (torchtitan's plan)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     for block in model.blocks:  # the GPT lays qkv out per head: a plain column split gives each rank whole heads
         parallelize_module(block, mesh, {  # type: ignore[arg-type]

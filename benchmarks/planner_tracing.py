@@ -21,8 +21,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers.nanogpt_shaped import gpt2  # noqa: E402
 
-from paratrain.planner import (InputSpec, ModelStats, PlanConfig, RunnableModel, Training, TrainingCall,  # noqa: E402
-                               make_plan, measure_module, trace_module, transformer_stats)
+from paratrain.planner import (  # noqa: E402
+    InputSpec,
+    ModelStats,
+    PlanConfig,
+    RunnableModel,
+    Training,
+    TrainingCall,
+    make_plan,
+    measure_module,
+    trace_module,
+    transformer_stats,
+)
 from paratrain.planner.hardware import GIB  # noqa: E402
 from paratrain.workloads.gpt import GPT_CONFIGS  # noqa: E402
 
@@ -36,7 +46,8 @@ def _one_gpu(model: ModelStats | RunnableModel) -> dict[str, float]:
     out = {}
     for precision in ("fp32", "bf16-mixed"):
         single = make_plan(model, replace(RUN, training=replace(RUN.training, precision=precision))).estimates[0]
-        out |= {f"one_gpu_gib_{precision}": single.memory.total / GIB, f"one_gpu_step_s_{precision}": single.time.step_s}
+        out |= {f"one_gpu_gib_{precision}": single.memory.total / GIB,
+                f"one_gpu_step_s_{precision}": single.time.step_s}
     return out
 
 
@@ -60,8 +71,8 @@ def rows() -> list[dict]:
 
 
 def table(found: list[dict]) -> str:
-    lines = ["| case | GFLOP a sample | vs closed | activations MiB a sample (fp32) | vs closed | one A100, fp32: GiB | "
-             "step s | bf16-mixed: GiB | step s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | GFLOP a sample | vs closed | activations MiB a sample (fp32) | vs closed | one A100, fp32: GiB "
+             "| step s | bf16-mixed: GiB | step s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in found:
         gpu = " | ".join(f"{r[f'one_gpu_gib_{p}']:.1f} | {r[f'one_gpu_step_s_{p}']:.2f}" if "one_gpu_gib_fp32" in r
                          else "— | —" for p in ("fp32", "bf16-mixed"))

@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ps import IDS, ROWS, _Recommender
 from torch.nn import functional as F
 
 import paratrain
 from paratrain.testing import spawn
-
-from ps import IDS, ROWS, _Recommender
 
 
 def _job(strategy: str, options: dict, repeats: int, root: str) -> dict[str, Any] | None:

@@ -122,8 +122,8 @@ def main() -> None:
     worlds = [2] if a.quick else [int(w) for w in a.worlds.split(",")]
     rounds, steps = (1, 5) if a.quick else (a.rounds, a.steps)
     params = sum(p.numel() for p in build_model().parameters())
-    print(f"model: MLP 784-{MODEL_WIDTH}x4-10, {params / 1e6:.2f}M parameters, Adam, fp32; global batch {GLOBAL_BATCH}; "
-          f"{rounds} round(s) x {steps} timed steps")
+    print(f"model: MLP 784-{MODEL_WIDTH}x4-10, {params / 1e6:.2f}M parameters, Adam, fp32; "
+          f"global batch {GLOBAL_BATCH}; {rounds} round(s) x {steps} timed steps")
     rows = []
     for world in worlds:
         labels = [s for s in STRATEGIES if world >= 4 or s not in NEEDS_4]
@@ -131,7 +131,8 @@ def main() -> None:
         ranks = paratrain.launch(job, world, (labels, rounds, steps, a.warmup), timeout_s=900)
         rows += summarise(world, ranks)
         print(f"world {world}: measured in {time.perf_counter() - started:.0f} s")
-    print(f"\n{'world':>5} {'strategy':<18} {'step ms':>9} {'x ddp':>6} {'samples/s':>10} {'state MiB/rank':>15} {'x ddp':>6}")
+    print(f"\n{'world':>5} {'strategy':<18} {'step ms':>9} {'x ddp':>6} {'samples/s':>10} {'state MiB/rank':>15} "
+          f"{'x ddp':>6}")
     for r in rows:
         print(f"{r['world']:>5} {r['strategy']:<18} {r['step_ms']:>9.1f} {r['step_vs_ddp']:>6.2f} "
               f"{r['samples_per_s']:>10.0f} {r['state_mb']:>15.2f} {r['state_vs_ddp']:>6.3f}")

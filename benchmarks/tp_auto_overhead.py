@@ -37,11 +37,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from tp_overhead import BATCH, FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, SEQ, VOCAB, build, one_step, split_bytes
 
 import paratrain
 from paratrain.distributed.process_group import finish_group
-from tp_overhead import BATCH, FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, SEQ, VOCAB, build, one_step, split_bytes
-
 
 SUBJECTS = ("auto", "hand", "hand_dt")
 
@@ -117,7 +116,7 @@ def count_ops() -> dict:
         one_step(par, model, opt, ids[:, :-1], ids[:, 1:])
         calls = [0]
 
-        def profile(frame, event, arg) -> None:  # type: ignore[no-untyped-def]
+        def profile(frame, event, arg, calls=calls) -> None:  # type: ignore[no-untyped-def]
             if event in ("call", "c_call"):
                 calls[0] += 1
 

@@ -54,8 +54,13 @@ def hand_written(model: torch.nn.Module) -> torch.nn.Module:
     """The Llama plan with PyTorch's styles, on a 1-D mesh over every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parallelize_module(model, mesh, {
@@ -147,7 +152,7 @@ def job(rounds: int, steps: int, warmup: int) -> dict:
                 one_step(par, model, opt, x, y)
                 times.append(time.perf_counter() - start)
             out[s]["rounds_ms"].append(1e3 * statistics.median(times))
-    for par, model, _ in subjects.values():
+    for par, _, _ in subjects.values():
         if par is not None:
             par.close()
     finish_group()

@@ -14,7 +14,7 @@ if __name__ == "__main__":
     par = paratrain.Parallel("dp", accumulate=2, seed=0)
     model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
     model, optimizer = par.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
-    for step in range(40):
+    for _ in range(40):
         x = torch.randn(64, 8).to(par.device)
         with par.step(model, optimizer):
             loss = par.forward_backward(model, x, x.pow(2).sum(1, keepdim=True), nn.functional.mse_loss)

@@ -47,7 +47,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     args = p.parse_args()
     # init_fn="empty": allocate the shards without initializing them, since the checkpoint fills them next
-    par = paratrain.Parallel("zero3", tp=args.tp, clip_grad_norm=1.0, seed=0, model=paratrain.ModelConfig(init_fn="empty"))
+    par = paratrain.Parallel("zero3", tp=args.tp, clip_grad_norm=1.0, seed=0,
+                             model=paratrain.ModelConfig(init_fn="empty"))
     weights = args.weights or str(Path(tempfile.gettempdir()) / f"paratrain-llama-{os.environ.get('MASTER_PORT')}")
     if args.weights is None and par.is_main:
         LlamaForCausalLM(config()).save_pretrained(weights, max_shard_size="100KB")

@@ -25,7 +25,7 @@ def main() -> None:
     where = {name: str(next(layer.parameters()).device) for name, layer in layers(par.unwrap(model))
              if any(True for _ in layer.parameters())}
     par.print(f"layers on devices: {where}; outputs on {par.device}")
-    for step in range(50):
+    for _ in range(50):
         x = torch.randn(32, 16)
         y = x.sum(1, keepdim=True).to(par.device)  # targets go where the last stage puts its outputs
         with par.step(model, optimizer):

@@ -1,5 +1,5 @@
-"""The global batch stated once: ``Parallel(accumulate=GlobalBatch(size, micro=))`` and the accumulation that follows from
-the layout (:class:`paratrain.loop.GlobalBatch`)."""
+"""The global batch stated once: ``Parallel(accumulate=GlobalBatch(size, micro=))`` and the accumulation that follows
+from the layout (:class:`paratrain.loop.GlobalBatch`)."""
 from __future__ import annotations
 
 import pytest

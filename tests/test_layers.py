@@ -14,8 +14,10 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("dims", "composition", "options", "errors", "seeding", "digest", "progress", "lazy", "version", "sizes", "flags"),
-    1: ("env", "devices", "tensor_layouts", "precision", "data", "lr", "rank_agreement", "rank_log", "call_watch", "factory", "batch", "draws"),
+    0: ("dims", "composition", "options", "errors", "seeding", "digest", "progress", "lazy", "version", "sizes",
+        "flags"),
+    1: ("env", "devices", "tensor_layouts", "precision", "data", "lr", "rank_agreement", "rank_log", "call_watch",
+        "factory", "batch", "draws"),
     2: ("model", "loss"),
     3: ("distributed", "planner", "checkpoint"),
     4: ("strategies", "launcher"),

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from helpers.cuda_shaped import CudaShaped, cuda_shaped, launched_as
 
-from paratrain.env import ClusterEnv
 from paratrain import JobConfig
+from paratrain.env import ClusterEnv
 
 CPU_BESIDE_NCCL = "cpu:gloo,cuda:nccl"
 

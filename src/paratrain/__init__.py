@@ -49,9 +49,8 @@ _DEPRECATED = {
                                     "paratrain.strategies.SingleDevice)"),
 }
 
+from .launcher.spawn import launch as launch  # noqa: E402  (imports nothing heavy)
 from .lazy import lazy_getattr  # noqa: E402
-
-from .launcher.spawn import launch  # noqa: E402  (imports nothing heavy)
 
 __all__ = sorted([*_EXPORTS, "launch"])
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals(), _DEPRECATED)

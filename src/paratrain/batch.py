@@ -39,7 +39,7 @@ class ModelCall:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
 
     @classmethod
-    def of(cls, x: Any, target: Any, loss_fn: Callable | None, kwargs: Mapping[str, Any]) -> "ModelCall":
+    def of(cls, x: Any, target: Any, loss_fn: Callable | None, kwargs: Mapping[str, Any]) -> ModelCall:
         """From ``forward_backward``'s arguments: ``x`` a mapping is a batch of keyword inputs (a transformers
         batch: ``input_ids``, ``attention_mask``, ``labels``), and so is ``target`` without a ``loss_fn``."""
         if loss_fn is not None and not callable(loss_fn):

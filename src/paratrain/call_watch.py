@@ -81,7 +81,7 @@ class Call:
             return f"is in {call} for {now - self.since:.0f} s"
         return f"last called {call}, {now - self.since:.0f} s ago, and is not in a paratrain call"
 
-    def same_call(self, other: "Call") -> bool:
+    def same_call(self, other: Call) -> bool:
         return self.active and other.active and (self.name, self.nth) == (other.name, other.nth)
 
 

@@ -107,7 +107,8 @@ def shim_library() -> Path:
                           "ninja (pip install ninja)")
     build = ("import sys; from torch.utils.cpp_extension import load_inline; from paratrain.cuda_step import "
              "SHIM_SOURCE; load_inline(sys.argv[1], cpp_sources=SHIM_SOURCE, is_python_module=False)")
-    done = subprocess.run([sys.executable, "-c", build, name], check=False, capture_output=True, text=True, env=_child_env())
+    done = subprocess.run([sys.executable, "-c", build, name], check=False, capture_output=True, text=True,
+                          env=_child_env())
     if done.returncode != 0 or not library.exists():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         raise ConfigError(f"dry-run --step could not compile its C++ library: {tail[0]}")

@@ -172,8 +172,8 @@ def _refuse_empty(samples: int, per_rank: int, batch_size: int, drop_last: bool,
     batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
     if batches == 0:
         raise ConfigError(f"this loader gives each of the {world_size} data-parallel ranks 0 batches ({samples} "
-                          f"samples, {per_rank} per rank, batch size {batch_size}, drop_last={drop_last}): an epoch would "
-                          "take no optimizer step; use drop_last=False, a smaller batch or fewer ranks")
+                          f"samples, {per_rank} per rank, batch size {batch_size}, drop_last={drop_last}): an epoch "
+                          "would take no optimizer step; use drop_last=False, a smaller batch or fewer ranks")
 
 
 def prepare_loader(loader: DataLoader, *, rank: int, size: int, seed: int, even: bool, required: bool) -> DataLoader:

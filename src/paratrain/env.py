@@ -47,7 +47,7 @@ class ClusterEnv:
         return self.rank == 0
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None, *, joined: bool = False) -> "ClusterEnv":
+    def from_environ(cls, environ: Mapping[str, str] | None = None, *, joined: bool = False) -> ClusterEnv:
         """Read torchrun-style variables; none present means a single local process. ``joined``: the process group
         exists already (Ray Train made it), so no master address is needed to start one."""
         env = os.environ if environ is None else environ

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .data import ShardedLoader, ShardSampler
-from .errors import ConfigError
 from .distributed.grad_norm import clip_grad_norm
+from .errors import ConfigError
 from .precision import Precision
 from .strategies.base import Strategy
 
@@ -28,7 +28,7 @@ class GlobalBatch:
     """Samples one replica feeds each ``par.step`` (None: the batch size of the first loader ``prepare`` gets)."""
 
     @classmethod
-    def of(cls, size: int | None, micro: int | None) -> "GlobalBatch | None":
+    def of(cls, size: int | None, micro: int | None) -> GlobalBatch | None:
         """From the former ``global_batch`` and ``micro_batch`` keywords (None when no global batch is given)."""
         if size is None:
             if micro is not None:

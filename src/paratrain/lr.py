@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 RULES = ("linear", "sqrt")
 
@@ -36,7 +40,7 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
     return 1.0 if step >= warmup_steps else (step + 1) / warmup_steps
 
 
-def linear_warmup(optimizer: "torch.optim.Optimizer", warmup_steps: int) -> "torch.optim.lr_scheduler.LambdaLR":
+def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A scheduler that ramps every group's LR linearly up over ``warmup_steps`` optimizer steps: the usual
     companion of a scaled LR, since a large LR from step one can diverge."""
     import torch

@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .batch import ModelCall
-from .tensor_layouts import grouped, layout_of
 from .errors import ConfigError
+from .tensor_layouts import grouped, layout_of
 
 
 class Precision:

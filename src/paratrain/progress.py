@@ -28,7 +28,7 @@ class Progress:
             self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {extra}")
             self.stream.flush()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -2,8 +2,8 @@
 experts' calls, and the line the report gives its time (timed on 2 ranks in tests/monitor/test_experts.py)."""
 import pytest
 import torch
-from helpers.routing_workers import gpt_experts
 from helpers.moe_models import routed_mixtral
+from helpers.routing_workers import gpt_experts
 
 from paratrain.bench import BenchConfig, BenchResult, format_report
 from paratrain.bench.all_to_all import dispatch_bytes, step_all_to_all

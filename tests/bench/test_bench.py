@@ -115,7 +115,8 @@ def test_bench_end_to_end(tmp_path, capsys):
     """World 1, world 2 with ddp, pipeline and the hand-written DDP loop, and 1 process x 2 threads."""
     out = tmp_path / "bench.json"
     assert main(["bench", "--nproc", "1,2", "--strategies", "ddp,pipeline", "--compare", "torch-ddp", "--threads",
-                 "--threads-per-rank", "1", "--accelerator", "cpu", "--rounds", "2", "--steps", "4", "--warmup", "1", "--batch", "16",
+                 "--threads-per-rank", "1", "--accelerator", "cpu", "--rounds", "2", "--steps", "4", "--warmup", "1",
+                 "--batch", "16",
                  "--json", str(out), "--csv", str(tmp_path / "bench.csv")]) == 0
     text = capsys.readouterr().out
     assert "paratrain ddp vs hand-written DDP at world 2: overhead" in text and "fastest on this machine:" in text

@@ -140,8 +140,8 @@ def test_a_tie_across_pipeline_stages_is_laid_out_and_one_on_one_rank_is_an_erro
 
 
 def test_an_uneven_vocabulary_is_a_note_not_an_error(models):
-    """GPT-2's 50257 rows over tp=8: DTensor shards them unevenly and training runs (tests/distributed/test_tp_auto.py trains
-    a vocabulary of 65 over tp=2 and 4 equal to one process), so the dry run lays it out and says so."""
+    """GPT-2's 50257 rows over tp=8: DTensor shards them unevenly and training runs (tests/distributed/test_tp_auto.py
+    trains a vocabulary of 65 over tp=2 and 4 equal to one process), so the dry run lays it out and says so."""
     for name, options, world in [("gpt2", {"tp": 8}, 64), ("gpt2", {}, 8)]:
         result = dry_run(models[name][0], world=world, strategy="zero3" if options else "tp", options=options)
         assert result.error is None, result.error
@@ -188,9 +188,9 @@ def test_dry_run_of_a_mixture_of_experts_matches_the_planner(moe_models, name, w
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt"])
 def test_dry_run_of_expert_parallel_layouts_matches_the_planner(moe_models, name):
     """``Parallel(strategy, ep=E)`` at 16 ranks as the planner lists it: ddp, zero2 and zero3 with ep (our GPT
-    also beside tp=2, the experts whole to tp), and hybrid with ep (each of 4 or 2 stages' experts over E of its replicas). What the busiest rank holds is the planner's
-    within 2%; under zero3 with ep=8, Mixtral's one expert a rank is cut on its rows over the 2 ranks sharding it
-    (``expert_parallel.expert_fraction``)."""
+    also beside tp=2, the experts whole to tp), and hybrid with ep (each of 4 or 2 stages' experts over E of its
+    replicas). What the busiest rank holds is the planner's within 2%; under zero3 with ep=8, Mixtral's one expert a
+    rank is cut on its rows over the 2 ranks sharding it (``expert_parallel.expert_fraction``)."""
     build, cfg = moe_models[name]
     stats = transformer_stats(cfg, name=name)
     cases = [("ddp", {"ep": 8}, Layout.of(name="ddp", dp=16, ep=8)),

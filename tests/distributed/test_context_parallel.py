@@ -24,7 +24,8 @@ WORLD2 = [("llama", "ddp", {"cp": 2}, "labels"), ("llama", "zero3", {"cp": 2}, "
           ("qwen2", "ddp", {"cp": 2}, "batch"), ("qwen2", "zero3", {"cp": 2}, "labels"),
           ("gpt2", "zero3", {"cp": 2}, "labels"), ("gpt2", "ddp", {"cp": 2}, "batch"),
           ("gpt", "zero3", {"cp": 2}, "loss_fn"), ("llama", "ddp", {"cp": 2}, "loss_fn"),
-          ("gpt2", "zero2", {"cp": 2}, "batch"), ("gpt_loss", "ddp", {"cp": 2}, "own"), ("llama", "ddp", {"cp": 2, "activation_checkpointing": True}, "batch")]
+          ("gpt2", "zero2", {"cp": 2}, "batch"), ("gpt_loss", "ddp", {"cp": 2}, "own"),
+          ("llama", "ddp", {"cp": 2, "activation_checkpointing": True}, "batch")]
 WORLD4 = [("llama", "zero3", {"cp": 2}, "batch"), ("llama", "zero3", {"cp": 2, "tp": 2}, "labels"),
           ("llama", "ddp", {"cp": 2, "tp": 2}, "batch"), ("gpt2", "zero3", {"cp": 4}, "labels"),
           ("gpt", "ddp", {"cp": 4}, "loss_fn"), ("gpt", "zero3", {"cp": 2, "tp": 2}, "loss_fn")]

@@ -469,7 +469,7 @@ def test_headers_are_parsed_without_trusting_them():
     assert ids.tolist() == [5, 9] and grads.shape == (2, 4)
     with pytest.raises(m.Refused, match="truncated"):
         m.unpack(torch.cat([m.pack(torch.tensor([5, 9]), torch.ones(1, 4)), torch.zeros(16, dtype=torch.uint8)]), h)
-    name = torch.frombuffer(bytearray("/ckpt/tmp-step-00000002/server-000".encode()), dtype=torch.uint8)
+    name = torch.frombuffer(bytearray(b"/ckpt/tmp-step-00000002/server-000"), dtype=torch.uint8)
     save = m.parse(m.Header(m.SAVE, 2, count=name.numel()).tensor())
     assert bytes(m.unpack(m.pack(name), save)[0].tolist()).decode().endswith("server-000")
     schema = m.Schema(dense_numel=4, dense_dtype=torch.float32, tables=(), max_rows=8, groups=1)

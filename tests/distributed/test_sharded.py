@@ -127,7 +127,8 @@ def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planne
             assert abs(got[key] - want) <= 0.05 * want, (strategy, key, got[key], want)
     # the planner, which never runs the model, predicts the same bytes
     plan = make_plan(resolve_model(ModelSpec(model="helpers.dist_workers:state_model", input_spec="64")),
-                     PlanConfig(gpu="cpu", gpus=world, training=Training(precision="fp32", optimizer="adam", micro_batch=4)))
+                     PlanConfig(gpu="cpu", gpus=world,
+                                training=Training(precision="fp32", optimizer="adam", micro_batch=4)))
     predicted = {e.name: model_states(plan.stats, e.layout, plan.training) for e in plan.estimates}
     for strategy, got in results.items():
         memory = predicted[strategy]

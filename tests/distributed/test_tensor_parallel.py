@@ -1,14 +1,14 @@
 """Tensor parallelism on the zoo models that have a plan (GPT-2, Llama, our GPT), equal to one plain process on the
 same global batch: ``tp`` at world 2, ddp/zero2/zero3 x tp=2 and ``auto`` choosing zero3 x tp=2 (when the memory
 per rank holds zero3 only with tp) at world 4 (one launched job per world size,
-tests/helpers/tp_workers.py), with accumulation, clipping over the sharded gradients, bf16 autocast, checkpoints that resume
-bitwise, load onto another tp degree and export to one plain file.
+tests/helpers/tp_workers.py), with accumulation, clipping over the sharded gradients, bf16 autocast, checkpoints that
+resume bitwise, load onto another tp degree and export to one plain file.
 
 Tolerances: fp32 runs sum the same products in another order (a row-split layer's partial sums are all-reduced)
 and match one process to ~1e-8 with SGD; our GPT trains with AdamW, whose update divides by sqrt(v) and turns the
 attention key bias's ~1e-9 rounding noise into larger steps (see tests/helpers/zoo.py), ~1e-5 — hence ``TOL`` as in
-tests/strategies/test_zoo.py. bf16 autocast rounds every matmul's output to 8 bits of mantissa, and a split matmul rounds
-partial sums before adding them: ``BF16_TOL``.
+tests/strategies/test_zoo.py. bf16 autocast rounds every matmul's output to 8 bits of mantissa, and a split matmul
+rounds partial sums before adding them: ``BF16_TOL``.
 """
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """``tp_plan="auto"``: a tensor-parallel plan inferred for models paratrain has none for.
 
-One launched job at world 2 (tests/helpers/tp_auto_workers.py) trains, under ``Parallel("tp")``: a nanoGPT-style GPT written
-here (fused ``c_attn``, tied head: everything split), the same with nanoGPT's own ``C // n_head`` reshape (the
+One launched job at world 2 (tests/helpers/tp_auto_workers.py) trains, under ``Parallel("tp")``: a nanoGPT-style GPT
+written here (fused ``c_attn``, tied head: everything split), the same with nanoGPT's own ``C // n_head`` reshape (the
 attention left replicated, the rest split), transformers' GPT-2 and Llama with grouped-query attention forced to
 ``"auto"``, BERT with no plan given (inferred by default), Qwen2 (grouped-query attention, biases, tied head) and
 GPT-2 with PEFT LoRA adapters on every block layer (each adapter split with its base layer); a second job at world 4
 trains zero3 x tp=2 (two replicas of two tp ranks) on the nanoGPT-style GPT, GPT-2, Mistral, Qwen2, BERT and LoRA
 over GPT-2 and Qwen2, and ``tp`` over all four ranks on the nanoGPT-style GPT with 4 heads and a Qwen2 with 8 query
 and 4 key/value heads. Each equal to one plain process (fp32 and SGD:
-``TOL``, as tests/distributed/test_tensor_parallel.py). The inference itself — what it splits, adjusts and leaves whole, and
-what it refuses — is checked in this process, without a process group (the probe runs on one process).
+``TOL``, as tests/distributed/test_tensor_parallel.py). The inference itself — what it splits, adjusts and leaves whole,
+and what it refuses — is checked in this process, without a process group (the probe runs on one process).
 """
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ from paratrain.distributed.tensor_parallel.names import STYLES, spec_of, style
 from paratrain.distributed.tensor_parallel.plans import gpt2_plan, llama_plan, plan_for
 from paratrain.distributed.tensor_parallel.styles import Rowwise, VocabHead
 from paratrain.errors import ConfigError
+from paratrain.plan_commands.tp_plan import tp_plan_lines
 from paratrain.planner.inputs import InputSpec, TrainingCall
 from paratrain.planner.model_stats import RunnableModel
-from paratrain.plan_commands.tp_plan import tp_plan_lines
 
 sys.path.insert(0, str(ROOT / "tests" / "realcode"))
 from nanogpt_model import GPT, GPTConfig  # noqa: E402
@@ -59,7 +59,7 @@ def test_the_printed_plan_is_valid_input_as_printed(build, infer):
     assert printed and all(isinstance(v, str) for v in printed.values())
     again = plan_for(build(), printed)
     resolved = dict(again.per_module(build()))
-    for name, made in resolved.items():
+    for made in resolved.values():
         assert isinstance(made, ParallelStyle)
     heads = [n for n, s in resolved.items() if isinstance(s, VocabHead)]
     assert heads and heads[-1].endswith("lm_head")

@@ -110,7 +110,8 @@ def test_a_bad_kubeflow_variable_is_one_line_naming_it(monkeypatch):
 def test_slurm_warns_about_a_script_that_is_not_here(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, stderr = in_process(["slurm", "--nodes", "2", "missing.py"])
-    check("cli: slurm missing.py", rc=rc, stderr=stderr, kind="warning", expect_rc=0, words=["missing.py does not exist"])
+    check("cli: slurm missing.py", rc=rc, stderr=stderr, kind="warning", expect_rc=0,
+          words=["missing.py does not exist"])
 
 
 def test_export_refuses_to_overwrite_or_write_a_directory(tmp_path):
@@ -120,7 +121,8 @@ def test_export_refuses_to_overwrite_or_write_a_directory(tmp_path):
     existing = tmp_path / "model.pt"
     existing.write_bytes(b"precious")
     rc, stderr = in_process(["export", str(ckpt), str(existing)])
-    check("cli: export onto an existing file", rc=rc, stderr=stderr, words=["exists; pass --force"], kept=[str(existing)])
+    check("cli: export onto an existing file", rc=rc, stderr=stderr, words=["exists; pass --force"],
+          kept=[str(existing)])
     assert existing.read_bytes() == b"precious"
     folder = tmp_path / "a_dir"
     folder.mkdir()

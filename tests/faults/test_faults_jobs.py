@@ -96,7 +96,7 @@ def test_ranks_that_disagree_are_refused_at_construction_in_one_line(tmp_path):
 
 
 def test_a_collective_only_one_rank_calls_speaks_while_it_waits_and_names_the_calls(tmp_path):
-    for attempt in range(2):  # the two ranks' equal timeouts race; a rare exit abort of gloo's gets one more try
+    for _ in range(2):  # the two ranks' equal timeouts race; a rare exit abort of gloo's gets one more try
         res, seconds = _launch("mismatch", tmp_path)
         lines = res.stderr.strip().splitlines()
         if "terminate called" not in res.stderr:

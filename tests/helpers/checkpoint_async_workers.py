@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import torch
-from helpers.cases import each_case
-from helpers.checkpoint_workers import train
-from helpers.ps_workers import PER_RANK, Recommender, recommender_batch
 from torch.nn import functional as F
 
 import paratrain
+from helpers.cases import each_case
+from helpers.checkpoint_workers import train
+from helpers.ps_workers import PER_RANK, Recommender, recommender_batch
 
 STEPS, SAVE_AT = 8, 3
 CASES = [("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}),

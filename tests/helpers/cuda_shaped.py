@@ -3,8 +3,9 @@
 ``cuda_shaped(monkeypatch, gpus=8)`` makes ``torch.cuda`` report ``gpus`` devices and track the current one (0 until
 ``set_device``, as CUDA does), and turns every ``init_process_group`` into PyTorch's fake process group at the
 launcher's rank and world (every collective returns at once): what the code asked for (backend, ``device_id``) is
-recorded (and reported as the group's configuration), and so is the current device at each object collective, which on CUDA is where torch puts the pickled
-object. Nothing runs on the fake devices: a CPU-only torch aborts on autograd over fake CUDA tensors.
+recorded (and reported as the group's configuration), and so is the current device at each object collective, which on
+CUDA is where torch puts the pickled object. Nothing runs on the fake devices: a CPU-only torch aborts on autograd over
+fake CUDA tensors.
 """
 from __future__ import annotations
 

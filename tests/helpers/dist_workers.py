@@ -170,7 +170,7 @@ class _LiveBytes:
     def __init__(self) -> None:
         self.now = self.peak = 0
 
-    def pack(self, t: torch.Tensor) -> "_Saved":
+    def pack(self, t: torch.Tensor) -> _Saved:
         return _Saved(t, self)
 
 

@@ -61,9 +61,9 @@ def olmoe() -> nn.Module:
 
     _quiet_transformers()
     torch.manual_seed(0)
-    return OlmoeForCausalLM(OlmoeConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                        num_key_value_heads=1, vocab_size=65, num_experts=4, num_experts_per_tok=2,
-                                        max_position_embeddings=16))
+    return OlmoeForCausalLM(OlmoeConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=65, num_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=16))
 
 
 def qwen2_moe() -> nn.Module:

@@ -56,13 +56,15 @@ def _mlp(name: str, strategy: str, world: int, replicas: int, options: dict, *, 
 
 
 def _zoo(model: str, strategy: str, layout: dict, acc: dict, replicas: int, folder: str) -> Case:
-    return Case(f"{model} {strategy}{_label(layout)}", zoo_workers.run_case, (model, strategy, {**layout, **acc}, folder),
+    return Case(f"{model} {strategy}{_label(layout)}", zoo_workers.run_case,
+                (model, strategy, {**layout, **acc}, folder),
                 verdict=equals(zoo_workers.reference, model, replicas, tol=TOL))
 
 
 def _tp(strategy: str, layout: dict, acc: dict, folder: str) -> Case:
     """llama under tp (one replica of the batch per tp group: the reference reads the batch whole)."""
-    return Case(f"llama {strategy}{_label(layout)}", tp_workers.run_case, ("llama", strategy, {**layout, **acc}, folder),
+    return Case(f"llama {strategy}{_label(layout)}", tp_workers.run_case,
+                ("llama", strategy, {**layout, **acc}, folder),
                 verdict=equals(zoo_workers.reference, "llama", 1, tol=TOL))
 
 

@@ -1,8 +1,8 @@
 """The meta-device x strategy job: every case of one world size in one launched job, on one process group.
 
 Each case builds a zoo model under ``with torch.device("meta"):``, prepares it (each rank materializes what it holds),
-takes the full state dict as prepared, then trains ``STEPS`` steps as tests/helpers/zoo_workers.py does. Rank 0 returns per
-case both state dicts, the data-parallel size (for the one-process reference) and what ``_audit`` found.
+takes the full state dict as prepared, then trains ``STEPS`` steps as tests/helpers/zoo_workers.py does. Rank 0 returns
+per case both state dicts, the data-parallel size (for the one-process reference) and what ``_audit`` found.
 """
 from __future__ import annotations
 

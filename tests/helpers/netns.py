@@ -37,7 +37,7 @@ class HostPair:
     started: list[subprocess.Popen] = field(default_factory=list)
 
     @classmethod
-    def create(cls) -> "HostPair":
+    def create(cls) -> HostPair:
         tag = f"pt{os.getpid() % 100000}{int(time.time() * 1000) % 1000}"
         pair = cls(names=(f"{tag}a", f"{tag}b"), addrs=("10.123.0.1", "10.123.0.2"))
         veth = (f"v{tag}a", f"v{tag}b")

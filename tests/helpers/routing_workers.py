@@ -56,8 +56,8 @@ def global_batches(world: int = 2) -> torch.Tensor:
 
 def train(name: str, strategy: str, *, every: int = 2, persist: int = 3, samples: int | None = None) -> dict:
     """STEPS steps of model ``name`` under ``strategy`` (a name, then degrees: ``"zero3 ep=2"``); each replica reads
-    its slice of the global batch (one process: its first ``samples``, all of it when None). Returns every window's tokens per expert (layer name -> counts), the warnings
-    raised and the lines rank 0 emitted."""
+    its slice of the global batch (one process: its first ``samples``, all of it when None). Returns every window's
+    tokens per expert (layer name -> counts), the warnings raised and the lines rank 0 emitted."""
     strategy, *degrees = strategy.split()
     options = {k: int(v) for k, v in (d.split("=") for d in degrees)}
     # windows of one or two steps of a few ms on 2 shared cores: a rank can reach the sync point 20% late by chance,
@@ -93,7 +93,8 @@ def all_to_all_case() -> dict:
     return {"seconds": seconds, "bytes": sent}
 
 
-CASES = (("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2"), ("collapsed", "ddp"), ("all_to_all", ""),
+CASES = (("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2"),
+         ("collapsed", "ddp"), ("all_to_all", ""),
          ("mixtral", "zero3 cp=2"))
 
 

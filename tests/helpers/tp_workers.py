@@ -1,7 +1,7 @@
 """The tensor-parallel job: every case of one world size in one launched job, on one process group.
 
-A case trains a zoo model (tests/helpers/zoo.py) under a layout for ``STEPS`` optimizer steps on global batches of ``BATCH``
-samples, each replica taking its slice and cutting it into ``accumulate`` micro-batches; it saves after
+A case trains a zoo model (tests/helpers/zoo.py) under a layout for ``STEPS`` optimizer steps on global batches of
+``BATCH`` samples, each replica taking its slice and cutting it into ``accumulate`` micro-batches; it saves after
 ``STEPS - 1`` steps, and a fresh ``Parallel`` — the same layout, or ``resume_as`` another one (another tp degree) —
 loads that checkpoint and takes the last step again. Rank 0 returns, per case, the full state at the save and at the
 end, how far the resumed run ended from the uninterrupted one, the gradient norms, what the loss received (the

@@ -100,7 +100,8 @@ def store():
 
 def _node_env(port: int, node: int, nnodes: str) -> dict[str, str]:
     return {NNODES_VAR: nnodes, "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}
+            "MASTER_PORT": str(port), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "0",
+            "WORLD_SIZE": "4"}
 
 
 def test_nodes_that_agree_on_nnodes_pass_and_a_disagreeing_one_is_named(store):

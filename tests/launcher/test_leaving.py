@@ -2,10 +2,10 @@
 
 A: ``--max-restarts 2``, leavers 1 and 2: rank 0 dies in attempt 0 and the whole job restarts as before; in
 attempt 1 rank 1 is SIGKILLed and restarted alone (``PARATRAIN_REJOIN=1``) and finishes, rank 2 then raises with no
-restart left and is gone; rank 0 reads ``back`` and ``gone`` from the notice store; the job exits 0. B: no restarts, leaver 1 SIGKILLed: the job goes on and exits 0. C: a rank that did not
-allow leaving is SIGKILLed: the job stops as any failure does, and the leaver stopped with it is not reported as
-leaving. D: SIGTERM or SIGKILL of the launcher ends a replacement too. Each launch has a hard timeout and every
-process's pid is checked after.
+restart left and is gone; rank 0 reads ``back`` and ``gone`` from the notice store; the job exits 0. B: no restarts,
+leaver 1 SIGKILLed: the job goes on and exits 0. C: a rank that did not allow leaving is SIGKILLed: the job stops as any
+failure does, and the leaver stopped with it is not reported as leaving. D: SIGTERM or SIGKILL of the launcher ends a
+replacement too. Each launch has a hard timeout and every process's pid is checked after.
 """
 import os
 import signal

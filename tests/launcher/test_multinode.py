@@ -115,7 +115,7 @@ def test_nodes_started_with_different_nnodes_stop_with_one_clear_line(two_hosts,
                                     "--master-addr", two_hosts.addrs[0], "--master-port", "29503",
                                     TRAIN, str(tmp_path)])
              for node, nnodes in ((0, "2"), (1, "3"))]
-    for node, (code, err) in enumerate(_finish(procs, timeout=90)):
+    for code, err in _finish(procs, timeout=90):
         last = err.strip().splitlines()[-1]
         assert code != 0 and last.startswith("paratrain: error: node "), err
         assert "--nnodes 3" in last and "--nnodes 2" in last and "same --nnodes" in last

@@ -12,8 +12,8 @@ from helpers.k8s_schema import load_crd, problems
 
 from paratrain import ConfigError
 from paratrain.cli.main import main
-from paratrain.launcher.trainjob import TrainJobSpec, render_trainjob, trainjob
 from paratrain.launcher.torchrun import parse_args
+from paratrain.launcher.trainjob import TrainJobSpec, render_trainjob, trainjob
 
 CRD = load_crd("trainjob-crd-v2.3.0.json")
 

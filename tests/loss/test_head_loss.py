@@ -23,7 +23,8 @@ CASES = [("gpt2", "labels"), ("llama", "labels"), ("lora", "labels"), ("nanogpt_
 
 def _trained(model_name: str, call: str, chunk: int | None, precision: str = "fp32"):
     """Two micro-batches accumulated into one step's gradients; their losses and the gradients."""
-    par = paratrain.Parallel("single", monitor=False, accumulate=2, precision=precision, model=paratrain.ModelConfig(loss_chunk=chunk))
+    par = paratrain.Parallel("single", monitor=False, accumulate=2, precision=precision,
+                             model=paratrain.ModelConfig(loss_chunk=chunk))
     model = par.prepare(build(model_name))
     losses = [micro_loss(model, *batch(s, 2, call), call, par) for s in range(2)]
     return losses, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -96,7 +97,7 @@ def test_the_logits_never_exist_whole_and_the_proof_runs_once():
         par = paratrain.Parallel("single", monitor=False, model=paratrain.ModelConfig(loss_chunk=chunk))
         model = par.prepare(_long_llama())
         calls = []
-        model.register_forward_pre_hook(lambda *_: calls.append(1))
+        model.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         par.forward_backward(model, {"input_ids": ids, "labels": ids})  # with chunks: the proof's two runs first
         with LargestStorage() as seen:
             par.forward_backward(model, {"input_ids": ids, "labels": ids})

@@ -21,7 +21,8 @@ def _saved(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss) -> tuple[Co
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, tuple[int, str]] = {}
     running = ["outside"]
-    blocks = [m for m in model.modules() if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer", "BertLayer", "Block")]
+    blocks = [m for m in model.modules()
+              if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer", "BertLayer", "Block")]
     hooks = [h for b in blocks for h in (b.register_forward_pre_hook(lambda *_, b=b: running.__setitem__(0, id(b))),
                                           b.register_forward_hook(lambda *_: running.__setitem__(0, "outside")))]
 

@@ -135,7 +135,8 @@ def test_monitor_argument_must_be_a_bool_or_a_config():
 
 def test_tensorboard_without_the_package_is_refused_up_front(tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else find_spec(name))
     with pytest.raises(ConfigError, match=r"pip install 'paratrain\[tensorboard\]'"), pytest.warns(FutureWarning):
         paratrain.Parallel("single", monitor=MonitorConfig(tensorboard_dir=tmp_path))
 

@@ -9,11 +9,11 @@ from torch import nn
 
 from paratrain.planner import Layout, Training
 from paratrain.planner.auto import choose, closed_form_shape, expert_shape, parameter_stats, processes_vs_threads
+from paratrain.planner.estimates import estimate
 from paratrain.planner.hardware import cpu_host, make_cluster
 from paratrain.planner.model_stats import TPShape
-from paratrain.planner.optimizers import planned, state_tensors
-from paratrain.planner.estimates import estimate
 from paratrain.planner.moe import MoE
+from paratrain.planner.optimizers import planned, state_tensors
 from paratrain.planner.transformer import transformer_params, transformer_stats
 from paratrain.workloads.gpt import GPT, GPTConfig
 
@@ -255,8 +255,8 @@ def test_the_experts_auto_splits_are_read_from_modules_named_experts():
 def test_auto_weighs_ep_only_with_the_presets_that_take_it_and_hands_them_its_degrees():
     """ep's candidates are ddp, zero2 and zero3 (zero1 refuses ep=), each handed its ``ep=`` (and a ``tp=`` beside
     it); a mixture of experts is not given tp by ``auto``, so no choice carries both."""
-    from paratrain.strategies.auto import strategy_options
     from paratrain.planner.auto import AutoChoice
+    from paratrain.strategies.auto import strategy_options
 
     model = GPT(MOE).to("meta")
     tiny = make_cluster("h100", gpus=8, gpu_mem_gb=0.01)

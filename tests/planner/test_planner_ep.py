@@ -15,7 +15,8 @@ from paratrain.cli.main import main
 from paratrain.errors import ConfigError
 from paratrain.planner import TRANSFORMERS, Layout, PlanConfig, Training, make_cluster, make_plan, transformer_stats
 from paratrain.planner.collectives import all_reduce_s, all_to_all_s
-from paratrain.planner.expert_parallel import dispatch_bytes, ep_comm_s, link_of as ep_link, moe_flops
+from paratrain.planner.expert_parallel import dispatch_bytes, ep_comm_s, moe_flops
+from paratrain.planner.expert_parallel import link_of as ep_link
 from paratrain.planner.layout import layouts
 from paratrain.planner.memory import memory_per_rank, model_states, ranked_split
 from paratrain.planner.moe import mlp_activations

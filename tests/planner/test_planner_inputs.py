@@ -86,8 +86,8 @@ def test_input_specs_read_one_value_a_sample():
 
 def test_plan_traces_nanogpt_as_training_and_gives_no_lr_advice_unasked(capsys):
     """nanoGPT's own run: 480 samples a step, 12 a GPU, on 8 GPUs; its LR is tuned for that batch already."""
-    argv = ["plan", "--model", "helpers.nanogpt_shaped:gpt2", "--input", "long:1024", "--gpu", "a100-80gb", "--gpus", "8",
-            "--batch", "12", "--global-batch", "480"]
+    argv = ["plan", "--model", "helpers.nanogpt_shaped:gpt2", "--input", "long:1024", "--gpu", "a100-80gb",
+            "--gpus", "8", "--batch", "12", "--global-batch", "480"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "per sample 875 GFLOP forward+backward" in out and "warning" not in out and "scale it" not in out

@@ -138,7 +138,8 @@ def test_fsdp_under_a_pipeline_keeps_its_stage_gathered_and_syncs_once():
         training = Training(micro_batch=1, global_batch=2 * m)
         batch = batching(training, dp=2, pp=p, world_size=8)
         mem = memory_per_rank(STATS, layout, batch, training, cluster)
-        fullest = block_stage_params(STATS.units, p, STATS.pipeline_copy)  # the stage the runtime cuts, its ends' layers
+        # the stage the runtime cuts, its ends' layers
+        fullest = block_stage_params(STATS.units, p, STATS.pipeline_copy)
         assert mem.buffers == pytest.approx(fullest * (2 + 4) + 2 * boundary)
         times.append(step_time(STATS, layout, batch, training, cluster).comm_s)
     assert times[1] - times[0] == pytest.approx(8 * 2 * p2p_s(boundary, cluster.intra))

@@ -74,7 +74,8 @@ def test_compute_time_is_flops_over_sustained_rate_plus_weights_and_ddp_hides_it
     assert ddp.comm_s == pytest.approx(all_reduce_s(STATS.params * 2, 8, cluster.intra))
     assert ddp.exposed_comm_s == 0.0  # 0.25 GB over NVLink hides in backward
     slow = make_cluster("h100", gpus=8, interconnect="pcie3-x4", mfu=1.0)
-    ddp_slow = step_time(STATS, Layout.of(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, slow)
+    ddp_slow = step_time(STATS, Layout.of(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training,
+                         slow)
     buckets = 6 * STATS.params * 2 / 3350e9  # DDP copies gradients into its buckets, divides, copies back
     assert ddp.compute_s == pytest.approx(single.compute_s + buckets)
     hidden = slow.device.overlap * 2 / 3 * (ddp_slow.compute_s - buckets)
@@ -89,7 +90,8 @@ def test_model_parallel_stages_take_turns_while_pipeline_stages_overlap():
                    training, cluster)
     assert mp.compute_s == pytest.approx(one.compute_s)  # 8 GPUs, one computing at a time
     assert mp.comm_s == pytest.approx(8 * 2 * 7 * p2p_s(STATS.boundary_bytes_per_sample * 4, cluster.intra))
-    pp = step_time(STATS, Layout.of(name="pipeline", pp=8), batching(training, dp=1, pp=8, world_size=8), training, cluster)
+    pp = step_time(STATS, Layout.of(name="pipeline", pp=8), batching(training, dp=1, pp=8, world_size=8), training,
+                   cluster)
     flops_s = (STATS.flops_per_sample - STATS.attention_flops_per_sample / 2) * 32 / (989e12 * 0.4)
     # the fullest stage as the runtime cuts a transformer: blocks balanced, the embedding on the first stage, the
     # head and the tied embedding's copy on the last
@@ -105,7 +107,8 @@ def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients_every_micro
     batch = batching(training, dp=8, pp=1, world_size=8)
     assert (batch.micro_batch, batch.micro_batches) == (2, 4)
     t = step_time(STATS, Layout.of(name="zero3", dp=8, zero=3, shard=8), batch, training, cluster)
-    per_micro = 2 * all_gather_s(STATS.params * 2, 8, cluster.intra) + reduce_scatter_s(STATS.params * 2, 8, cluster.intra)
+    per_micro = (2 * all_gather_s(STATS.params * 2, 8, cluster.intra)
+                 + reduce_scatter_s(STATS.params * 2, 8, cluster.intra))
     per_unit_calls = (len(STATS.units) - 1) * 3 * 7 * cluster.intra.latency_us * 1e-6  # a call per unit, each pays
     assert t.comm_s == pytest.approx(4 * (per_micro + per_unit_calls))
 
@@ -113,7 +116,8 @@ def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients_every_micro
 def test_calibration_sets_mfu_from_a_measured_step():
     cluster = make_cluster("a100", gpus=1)
     flops = 312e12 * 0.25  # a quarter of peak, sustained for one second
-    assert calibrated(cluster, flops_per_step=flops, step_time_s=1.0, precision="bf16-mixed").device.mfu == pytest.approx(0.25)
+    found = calibrated(cluster, flops_per_step=flops, step_time_s=1.0, precision="bf16-mixed")
+    assert found.device.mfu == pytest.approx(0.25)
     with pytest.raises(ConfigError, match="above a100-80gb's peak"):
         calibrated(cluster, flops_per_step=flops, step_time_s=0.1, precision="bf16-mixed")
 

@@ -64,11 +64,13 @@ def train(family: str, strategy: str, options: dict, weights: str, *, labels: st
           in_forward_backward: bool = True) -> dict:
     """One run; rank 0's result holds the losses and the final full state dict."""
     if strategy == "single":  # the reference: built and loaded the ordinary way
-        par = paratrain.Parallel("single", monitor=False, accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA))
+        par = paratrain.Parallel("single", monitor=False,
+                                 accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA))
         model = model_class(family).from_pretrained(weights, torch_dtype=torch.float32)
         model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     else:
-        par = paratrain.Parallel(strategy, monitor=False, model=paratrain.ModelConfig(init_fn="empty"), accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA), **options)
+        par = paratrain.Parallel(strategy, monitor=False, model=paratrain.ModelConfig(init_fn="empty"),
+                                 accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA), **options)
         with torch.device("meta"):
             model = model_class(family)(config(family))
         model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -107,7 +109,8 @@ def main(weights_dir: str, out_dir: str, cases: list[dict]) -> None:
     for case in cases:
         try:
             results[case["name"]] = train(case["family"], case["strategy"], case.get("options", {}),
-                                          os.path.join(weights_dir, case["family"]), labels=case.get("labels", "labels"),
+                                          os.path.join(weights_dir, case["family"]),
+                                          labels=case.get("labels", "labels"),
                                           in_forward_backward=case.get("forward_backward", True))
         except paratrain.ParatrainError as err:
             results[case["name"]] = {"error": str(err)}

@@ -51,7 +51,8 @@ def get_lr(it: int) -> float:
 
 def train(strategy: str, options: dict, data_dir: str, out_dir: str, *, in_forward_backward: bool = True) -> dict:
     """One training run; returns the losses and, on rank 0, the final full state dict."""
-    par = paratrain.Parallel(strategy, clip_grad_norm=grad_clip, monitor=False, accumulate=paratrain.GlobalBatch(global_batch, micro=batch_size), **options)
+    par = paratrain.Parallel(strategy, clip_grad_norm=grad_clip, monitor=False,
+                             accumulate=paratrain.GlobalBatch(global_batch, micro=batch_size), **options)
     torch.manual_seed(1337 + par.rank)  # nanoGPT's seed_offset: every rank builds other weights
     config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
                        n_embd=n_embd, dropout=dropout, bias=bias)

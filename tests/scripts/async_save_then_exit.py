@@ -26,7 +26,7 @@ if __name__ == "__main__":
     par = paratrain.Parallel("single", seed=0, monitor=False)
     model = dropout_model()
     model, opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
-    for step in range(2):
+    for _ in range(2):
         with par.step(model, opt):
             par.backward(model(torch.randn(4, 8)).pow(2).mean())
     par.save(sys.argv[1], async_save=True)

@@ -2,8 +2,8 @@
 (tests/distributed/test_expert_parallel.py).
 
 Usage: paratrain run -n 2 [--checkpoint-dir D --checkpoint-every N --max-restarts 1] ep_restart_job.py [STEP RANK]
-With STEP and RANK, rank RANK SIGKILLs itself after optimizer step STEP (of 12) on the job's first attempt. Rank 0 prints
-``final parameters sha256 <digest>`` of the consolidated state at the end.
+With STEP and RANK, rank RANK SIGKILLs itself after optimizer step STEP (of 12) on the job's first attempt. Rank 0
+prints ``final parameters sha256 <digest>`` of the consolidated state at the end.
 """
 import os
 import signal

@@ -58,6 +58,7 @@ def test_a_dense_model_is_never_given_expert_parallelism(monkeypatch):
     assert asked == {"name": "zero2", "options": {}} and "ep=" not in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("tp, ep, options", [(1, 1, {}), (2, 1, {"tp": 2}), (1, 4, {"ep": 4}), (2, 2, {"tp": 2, "ep": 2})])
+@pytest.mark.parametrize("tp, ep, options",
+                         [(1, 1, {}), (2, 1, {"tp": 2}), (1, 4, {"ep": 4}), (2, 2, {"tp": 2, "ep": 2})])
 def test_strategy_options_carry_the_chosen_degrees(tp, ep, options):
     assert auto.strategy_options(AutoChoice(strategy="zero3", reason="", tp=tp, ep=ep)) == options

@@ -181,7 +181,8 @@ def test_model_parallel_processes_bind_their_first_stage_gpu(monkeypatch):
     assert current == [torch.device("cuda", 2)]  # made current before the group starts, not cuda:1
     assert par.strategy.stage_devices(par._runtime(), 2) == [torch.device("cuda", 2), torch.device("cuda", 3)]
     with pytest.raises(ConfigError, match="2 stages per process on 5 process.*needs 10 GPUs, 8 visible") as info:
-        paratrain.Parallel("model_parallel", stages=2, monitor=False, job=paratrain.JobConfig(env=replace(env, local_world_size=5)))
+        paratrain.Parallel("model_parallel", stages=2, monitor=False,
+                           job=paratrain.JobConfig(env=replace(env, local_world_size=5)))
     assert "\n" not in str(info.value)
 
 

@@ -1,4 +1,5 @@
-"""Every strategy on the models people train (tests/helpers/zoo.py), equal to one plain process on the same global batch.
+"""Every strategy on the models people train (tests/helpers/zoo.py), equal to one plain process on the same global
+batch.
 
 One launched job per world size runs every case (tests/helpers/zoo_workers.py); the tests below read its results. The
 reference is plain PyTorch in this process: the global batch split into the replicas' slices, one forward each,
@@ -19,9 +20,9 @@ WORLD2 = ("ddp", "zero1", "zero2", "zero3", "model_parallel")
 # At real sizes the embedding and head exceed the size rule's threshold and become units of their own; these tiny
 # models need a small threshold for that, which is where a tie split across units used to fail.
 SMALL_UNITS = [("gpt2", "zero3"), ("nanogpt", "zero2"), ("lora", "zero3"), ("llama", "zero3")]
-# Pipelines split nn.Sequential models between layers and transformers between blocks (tests/distributed/test_pipeline_models.py
-# covers GPT-2, Llama, BERT, LoRA and our GPT); the zoo's other models, BERT's embedding block and a PEFT model cut
-# between its base model's blocks run here too.
+# Pipelines split nn.Sequential models between layers and transformers between blocks
+# (tests/distributed/test_pipeline_models.py covers GPT-2, Llama, BERT, LoRA and our GPT); the zoo's other models,
+# BERT's embedding block and a PEFT model cut between its base model's blocks run here too.
 PIPELINED = ("cnn", "frozen", "bert", "lora")
 HYBRID_DATA = ("ddp", "zero1", "fsdp")  # how hybrid's replicas hold their stages: DDP, ZeRO-1 or FSDP
 SPLIT = {"frozen": {"split": [3]}}  # by size the first stage would hold only the frozen layer: refused, see below

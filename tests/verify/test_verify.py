@@ -35,7 +35,8 @@ def world2_reports() -> dict[tuple[str, str], object]:
               Case(factory="helpers.verify_cases:global_batch", strategy="ddp"),
               Case(factory="helpers.verify_cases:rank_seeded", strategy="ddp"),
               Case(factory="helpers.verify_cases:rank_seeded", strategy="zero3")]
-    cases += [Case(factory=f"helpers.verify_cases:{name}", strategy=strategy) for name, (strategy, _, _) in BUGS.items()]
+    cases += [Case(factory=f"helpers.verify_cases:{name}", strategy=strategy)
+              for name, (strategy, _, _) in BUGS.items()]
     cases += [Case(factory="helpers.verify_cases:gpt2", strategy=s, steps=4) for s in ("ddp", "zero3", "tp")]
     cases += [Case(factory="helpers.verify_cases:split_tie", strategy="ddp", steps=4)]
     cases += [Case(factory=f"helpers.verify_cases:{name}", strategy=s) for name, names in NOISY.items() for s in names]
@@ -258,7 +259,8 @@ def test_cli_exits_1_on_a_failure_and_prints_json(world2_reports, monkeypatch, c
     (["helpers.verify_cases:no_loss"], "Sequential.forward takes no second argument for them; give a loss function"),
     (["helpers.verify_cases:tp_in_options", "--strategy", "zero3", "--tp", "4"],
      "--tp 4 and VerifySpec.options tp=2 disagree"),
-    (["helpers.verify_cases:tp_in_options", "--strategy", "hsdp", "-n", "4"], "the strategy got tp from VerifySpec.options"),
+    (["helpers.verify_cases:tp_in_options", "--strategy", "hsdp", "-n", "4"],
+     "the strategy got tp from VerifySpec.options"),
 ])
 def test_bad_input_is_one_line_before_anything_starts(capsys, args, words):
     assert main(["verify", *args]) == 2

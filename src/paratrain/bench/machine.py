@@ -24,7 +24,7 @@ class Machine:
     """Visible CUDA devices (0 on a CPU-only machine or with accelerator='cpu')."""
 
     @classmethod
-    def here(cls, accelerator: str = "auto") -> "Machine":
+    def here(cls, accelerator: str = "auto") -> Machine:
         gpus = torch.cuda.device_count() if accelerator != "cpu" and torch.cuda.is_available() else 0
         return cls(cores=cpu_count(), physical_cores=physical_cores(), gpus=gpus)
 

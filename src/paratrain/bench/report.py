@@ -58,7 +58,8 @@ def format_report(result: BenchResult) -> str:
                      "row compares with the others at the same world (and with ddp at the workers' count)")
     lines.append("")
     for c in result.comparisons:
-        diff = "" if c.max_param_diff is None else f"; parameters after the same steps differ by at most {c.max_param_diff:.3g}"
+        diff = ("" if c.max_param_diff is None
+                else f"; parameters after the same steps differ by at most {c.max_param_diff:.3g}")
         lines.append(f"paratrain ddp vs hand-written DDP at world {c.world}: overhead {c.overhead:.3f} (median of "
                      f"{len(c.rounds)} interleaved rounds: {' '.join(f'{x:.3f}' for x in c.rounds)}); "
                      f"{c.paratrain_ms:.2f} vs {c.torch_ms:.2f} ms per step{diff}")
@@ -66,7 +67,8 @@ def format_report(result: BenchResult) -> str:
     if best is not None:
         lines.append(f"fastest on this machine: {best.name} ({best.samples_per_s:.0f} samples/s)")
     lines.append(f"{memory.replace(' MiB', '')} is the largest rank's, in MiB; comm = share of the step spent waiting "
-                 "for gradient communication (ps: in its pulls and pushes), data = waiting for the next batch, imbal = slowest rank's own work over "
+                 "for gradient communication (ps: in its pulls and pushes), data = waiting for the next batch, "
+                 "imbal = slowest rank's own work over "
                  "the mean; bytes/step = what one training rank sends plus receives per step in MiB/KiB (ddp: its "
                  "gradient ring all-reduce, computed; ps: its messages, measured; - : not counted) (see docs/bench.md)")
     lines += [f"{r.name}: expert parallelism's all-to-all (dispatch and combine, forward and backward, as ep "

@@ -113,8 +113,8 @@ def summarise(label: str, world: int, threads: int, ranks: list[RankRecord]) -> 
     p90s = [_quantile([s for b in r.blocks for s in b.step_s], 0.9) for r in ranks]
     row.step_ms, row.step_p90_ms = 1e3 * max(medians), 1e3 * max(p90s)
     row.samples_per_s = row.global_batch / max(medians)
-    row.data_share = statistics.fmean(sum(s for b in r.blocks for s in b.data_s) / sum(s for b in r.blocks for s in b.step_s)
-                                      for r in ranks)
+    row.data_share = statistics.fmean(sum(s for b in r.blocks for s in b.data_s)
+                                      / sum(s for b in r.blocks for s in b.step_s) for r in ranks)
     row.rounds_ms = [1e3 * max(statistics.median(r.blocks[i].step_s) for r in ranks) for i in range(len(first.blocks))]
     row.peak_mb = [max(b.peak_bytes for b in r.blocks) / 2**20 for r in ranks]
     row.bytes_per_step = bytes_per_step(ranks)

@@ -26,7 +26,6 @@ from .machine import BackgroundLoad, Machine
 from .measure import TORCH_DDP, Run, run_job
 from .result import BenchResult, Comparison, Row, add_speedups, compare, summarise
 
-
 BUSY = 0.05
 """Above this share of the CPUs used by other processes, the report calls its timings suspect."""
 

@@ -8,6 +8,7 @@ import io
 from contextlib import nullcontext, redirect_stdout
 
 import torch
+
 from ..monitor import MonitorConfig
 from ..parallel import Parallel
 from ..strategies.data_engines import all_reduce_traffic

@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 from ..lazy import lazy_getattr
-from .config import CheckpointConfig
-from .layout import latest
+from .config import CheckpointConfig as CheckpointConfig
+from .layout import latest as latest
 
 _LAZY = {"export": ".export", "Position": ".io", "Targets": ".io", "load": ".io", "save": ".io"}
 """Imported on first use: torch.distributed.checkpoint takes 1-2 s to import, and every ``Parallel`` imports

@@ -43,7 +43,7 @@ class CheckpointConfig:
         if self.keep < 1:
             raise ConfigError(f"checkpoint keep must be >= 1, got {self.keep}")
 
-    def checked(self) -> "CheckpointConfig":
+    def checked(self) -> CheckpointConfig:
         """The job's configuration, complete: what needs a directory has one (``paratrain run --checkpoint-dir``
         may give it, so a config of the script's own may lack it)."""
         for what, needs in (("every", self.every is not None), ("resume", bool(self.resume)),
@@ -54,8 +54,8 @@ class CheckpointConfig:
         return self
 
     @classmethod
-    def of(cls, spec: "CheckpointConfig | str | os.PathLike | None",
-           environ: Mapping[str, str] | None = None) -> "CheckpointConfig":
+    def of(cls, spec: CheckpointConfig | str | os.PathLike | None,
+           environ: Mapping[str, str] | None = None) -> CheckpointConfig:
         """``Parallel(checkpoint=spec)``: a config, a directory (the rest default), or None; what it leaves unset
         (``dir``, ``every``, ``resume`` None; ``keep``, ``async_save`` at their defaults) comes from ``paratrain
         run``'s variables."""
@@ -70,7 +70,7 @@ class CheckpointConfig:
     @classmethod
     def from_environ(cls, *, dir: str | os.PathLike | None, every: int | None, keep: int | None,
                      resume: bool | None, async_save: bool | None = None,
-                     environ: Mapping[str, str] | None = None) -> "CheckpointConfig":
+                     environ: Mapping[str, str] | None = None) -> CheckpointConfig:
         """Explicit arguments first, then the launcher's variables, then the defaults."""
         env = os.environ if environ is None else environ
         if dir is None:
@@ -126,7 +126,7 @@ OLD_KEYWORDS = {"checkpoint_dir": "dir", "checkpoint_every": "every", "keep_chec
 """``Parallel``'s former checkpoint keywords → ``CheckpointConfig``'s fields."""
 
 
-def checkpoint_config(checkpoint: "CheckpointConfig | str | os.PathLike | None",
+def checkpoint_config(checkpoint: CheckpointConfig | str | os.PathLike | None,
                       options: dict[str, Any]) -> CheckpointConfig:
     """``Parallel(checkpoint=...)``'s configuration; the former keywords (taken out of ``options``) still work, with
     one warning each saying what to write instead."""
@@ -136,6 +136,7 @@ def checkpoint_config(checkpoint: "CheckpointConfig | str | os.PathLike | None",
     if checkpoint is not None:
         raise ConfigError(f"checkpoint= given beside {sorted(old)}; put them all in CheckpointConfig")
     fields = ", ".join(f"{k}={v!r}" for k, v in old.items())
-    warnings.warn(f"Parallel's checkpoint keywords are deprecated; write checkpoint=paratrain.CheckpointConfig({fields})",
+    warnings.warn("Parallel's checkpoint keywords are deprecated; write "
+                  f"checkpoint=paratrain.CheckpointConfig({fields})",
                   FutureWarning, stacklevel=3)
     return CheckpointConfig.from_environ(**{"dir": None, "every": None, "keep": None, "resume": None, **old})

@@ -15,7 +15,8 @@ from .io import DCP_ERRORS, load_failure, quiet_single_process
 from .safety import SafePlanner, SafeReader
 
 
-def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0, force: bool = False) -> dict[str, object]:
+def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0,
+           force: bool = False) -> dict[str, object]:
     """Consolidate model ``model`` of the checkpoint at ``path`` (a ``step-…`` folder or a root) into ``out``.
 
     Runs in one process, whatever world size wrote the checkpoint: torch.distributed.checkpoint reads every

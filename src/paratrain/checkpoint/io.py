@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from . import layout, rng, space
-from .space import out_of_space
 from .safety import SafePlanner, SafeReader, load_file, torch_reason
+from .space import out_of_space
 
 FORMAT = 1
 TRAIN = "train.pt"
@@ -306,7 +306,8 @@ def _check_fit(folder: Path, saved: dict[str, Any], state: dict[str, dict[str, A
             key = f"{top}.{name}"
             if key not in saved:
                 missing.append(key)
-            elif isinstance(value, torch.Tensor) and tuple(getattr(saved[key], "size", value.shape)) != tuple(value.shape):
+            elif (isinstance(value, torch.Tensor)
+                  and tuple(getattr(saved[key], "size", value.shape)) != tuple(value.shape)):
                 shapes.append(f"{key} (saved {tuple(saved[key].size)}, here {tuple(value.shape)})")
     model_keys = [f"{top}.{name}" for top, part in state.items() if top.startswith("model") for name in part]
     gathered = t.gather((model_keys, missing, shapes))  # a rank may hold only part of the model
@@ -324,7 +325,8 @@ def _check_fit(folder: Path, saved: dict[str, Any], state: dict[str, dict[str, A
         if any(k.startswith(part) for k in shapes):
             problems.append(f"different shapes: {_few([k for k in shapes if k.startswith(part)])}")
         if problems:
-            raise CheckpointError(f"checkpoint {folder} does not fit this job's {part if part == 'model' else 'optimizer'}"
+            raise CheckpointError(f"checkpoint {folder} does not fit this job's "
+                                  f"{part if part == 'model' else 'optimizer'}"
                                   f": {'; '.join(problems)}; load it into the model and optimizer it was saved from")
 
 

@@ -83,7 +83,8 @@ class SafePlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-_ADVICE = (" In PyTorch 2.6", " Re-running `torch.load`", " This is an internal", " If you are seeing this", " Please file")
+_ADVICE = (" In PyTorch 2.6", " Re-running `torch.load`", " This is an internal", " If you are seeing this",
+           " Please file")
 
 
 def torch_reason(err: BaseException) -> str:

@@ -13,7 +13,8 @@ strong scaling keeps --batch samples per step. The table gives samples/s, median
 efficiency against one process, the share of the step spent waiting for gradient communication and for data,
 the imbalance between ranks, the bytes a training rank moves per step and the peak memory of the largest rank;
 rows that put more ranks (x threads) than there are physical cores or GPUs are marked '*'. A strategy with
-servers (ps) runs in a job of its own; its rows time its workers (world minus --ps-servers). --json also writes a PNG plot beside the JSON. See docs/bench.md.
+servers (ps) runs in a job of its own; its rows time its workers (world minus --ps-servers). --json also writes a PNG
+plot beside the JSON. See docs/bench.md.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mlp",
-                   help="mlp, cnn, gpt-tiny, gpt-moe-tiny, recommender, recommender-tiny, or module:factory (default: mlp)")
+                   help="mlp, cnn, gpt-tiny, gpt-moe-tiny, recommender, recommender-tiny, or module:factory "
+                        "(default: mlp)")
     p.add_argument("-n", "--nproc", default=None,
                    help="world sizes, comma-separated (default: 1,2 on a CPU, 1,2,4… up to the GPUs)")
     p.add_argument("--strategies", default="ddp", help="comma-separated strategies (default: ddp)")

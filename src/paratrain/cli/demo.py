@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    from ..demo.config import DemoConfig
     from ..demo.command import run_demo
+    from ..demo.config import DemoConfig
     from ..flags import build
 
     return run_demo(build(DemoConfig, args))

@@ -44,8 +44,8 @@ def _dry_run(args: argparse.Namespace) -> int:
 
 def _tp_plan(args: argparse.Namespace) -> int:
     from ..flags import build
-    from ..planner import ModelSpec
     from ..plan_commands.tp_plan import TpPlanConfig, run_tp_plan
+    from ..planner import ModelSpec
 
     _note(f"`paratrain plan --show-tp-plan{' auto' if args.show_tp_plan == 'auto' else ''}` is now `paratrain "
           f"tp-plan{' --auto' if args.show_tp_plan == 'auto' else ''}`")

@@ -25,8 +25,8 @@ from ..flags import add_flags, build
 from ..launcher.leaving import rejoin_count
 from ..monitor import MonitorConfig
 from ..parallel import Parallel
-from ..settings import JobConfig
 from ..progress import Progress
+from ..settings import JobConfig
 from ..workloads.digits import digits_cnn, load_digits_split
 from .config import LAUNCH_FIELDS, DemoConfig
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+
 def register_comm_hook(ddp: "nn.parallel.DistributedDataParallel", config: object) -> None:
     """Register the hook ``config.comm_hook`` names on ``ddp``."""
     group = ddp.process_group

@@ -73,8 +73,9 @@ def offload_policy(cpu_offload: bool, device_type: str) -> Any:
 def ignored_parameters(model: nn.Module) -> set[nn.Parameter]:
     """The parameters data parallelism leaves to another part (the split experts, whose gradients expert parallelism
     completes itself): those ``DistributedDataParallel`` is told to ignore (``model``'s
-    ``_ddp_params_and_buffers_to_ignore``, set by ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``),
-    the one list DDP, FSDP2's ``replicate`` and ``fully_shard`` all leave alone here."""
+    ``_ddp_params_and_buffers_to_ignore``, set by
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``), the one list DDP, FSDP2's ``replicate``
+    and ``fully_shard`` all leave alone here."""
     names = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     return {p for n, p in model.named_parameters() if n in names}
 

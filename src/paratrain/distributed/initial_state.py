@@ -59,7 +59,8 @@ def agree_rng_state(state: torch.Tensor, device: torch.device) -> torch.Tensor:
     return sent.cpu()
 
 
-def start_alike(model: nn.Module, materializer: object | None, device: torch.device, say: Callable[[str], None]) -> None:
+def start_alike(model: nn.Module, materializer: object | None, device: torch.device,
+                say: Callable[[str], None]) -> None:
     """Every rank starts from rank 0's initial state (collective): a model built on the meta device replays its
     initialization from rank 0's random state (``materializer``'s, or torch's where the strategy materializes it),
     any other is checked and, where ranks differ, overwritten with rank 0's, ``say``-ing which ranks differed."""

@@ -3,9 +3,9 @@
 A prepared model can hold plain parameters beside DTensors (expert parallelism beside DDP or a pipeline's
 replicas), or DTensors of several meshes and placements (experts on their own mesh, tensor parallelism), in one of
 the user's param groups. The multi-tensor paths of torch's optimizers (``foreach``, CUDA's default, and ``fused``)
-take one kind of tensor a call (:mod:`paratrain.tensor_layouts`), and they run per param group. So the step of a re-created
-optimizer sees each group as one group per layout, holding that group's hyper-parameters; outside the step the
-optimizer holds the user's groups unchanged, so what reads or edits them (LR schedulers, ``param_groups[i]["lr"]``,
+take one kind of tensor a call (:mod:`paratrain.tensor_layouts`), and they run per param group. So the step of a
+re-created optimizer sees each group as one group per layout, holding that group's hyper-parameters; outside the step
+the optimizer holds the user's groups unchanged, so what reads or edits them (LR schedulers, ``param_groups[i]["lr"]``,
 ``state_dict()`` and checkpoints at another layout) sees the groups the user built.
 """
 from __future__ import annotations

@@ -63,7 +63,7 @@ class PipelinedModel(nn.Module):
         self.precision: Precision | None = None
         self.split_loss: Callable[[], AbstractContextManager] = nullcontext  # tensor parallel: the vocab-split loss
 
-    def train(self, mode: bool = True) -> "PipelinedModel":
+    def train(self, mode: bool = True) -> PipelinedModel:
         """Also the stages: a stage cut from a model holds copies of the modules above its blocks (the model's
         root), which are not children of this module."""
         super().train(mode)
@@ -272,8 +272,7 @@ def stage_states(local: dict[str, torch.Tensor], model: PipelinedModel,
 
 
 def _make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable | None) -> Any:
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleLoopedBFS)
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
     if len(stages) > 1:  # several stages per rank: interleaved 1F1B, or its all-forward-first twin
         multi = ScheduleInterleaved1F1B if name == "interleaved-1f1b" else ScheduleLoopedBFS

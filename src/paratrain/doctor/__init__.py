@@ -12,10 +12,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, ParatrainError
-from .bandwidth import BandwidthResult, check_bandwidth, check_bandwidth_error, expected_busbw, measure_allreduce
 from ..sizes import MIB
-from .checks import (GB, Check, Status, check_backends, check_env, check_host_memory, check_loopback,
-                     check_master, check_open_files, check_shared_memory, check_torch)
+from .bandwidth import BandwidthResult, check_bandwidth, check_bandwidth_error, expected_busbw, measure_allreduce
+from .checks import (
+    GB,
+    Check,
+    Status,
+    check_backends,
+    check_env,
+    check_host_memory,
+    check_loopback,
+    check_master,
+    check_open_files,
+    check_shared_memory,
+    check_torch,
+)
 from .gpu_checks import check_gpu_models, check_interconnect, check_pcie, check_visible_gpus, resolve_visible
 from .nvidia import CommandRunner, Gpu, NvidiaFacts, probe, run_command
 from .scripts import check_cuda, check_script

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import textwrap
 
+from ..sizes import format_bytes
 from . import DoctorReport
 from .bandwidth import BandwidthResult
-from ..sizes import format_bytes
 from .checks import Status
 
 MIN_WIDTH = 80

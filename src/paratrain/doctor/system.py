@@ -157,7 +157,7 @@ def probe_master(host: str, port: int, timeout_s: float = 2.0) -> MasterFacts:
             outcome = "open"
         except ConnectionRefusedError:
             outcome = "refused"
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             outcome = "timeout"
         except OSError as err:
             outcome = err.strerror or str(err)

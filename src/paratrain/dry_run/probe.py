@@ -157,8 +157,8 @@ def _held(model: nn.Module, optimizer: torch.optim.Optimizer | None, states: int
 
 def _uneven_tp(model: nn.Module) -> list[str]:
     """A note per tensor-parallel weight whose split dimension does not divide by tp (GPT-2's vocabulary of 50257
-    over tp=8): DTensor shards it unevenly, as ``torch.chunk`` does, and it trains (tests/distributed/test_tp_auto.py, vocabulary
-    65 over tp=2 and 4); the last ranks hold fewer rows and wait on the first."""
+    over tp=8): DTensor shards it unevenly, as ``torch.chunk`` does, and it trains (tests/distributed/test_tp_auto.py,
+    vocabulary 65 over tp=2 and 4); the last ranks hold fewer rows and wait on the first."""
     notes = []
     for name, p in model.named_parameters():
         names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()

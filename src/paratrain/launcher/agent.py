@@ -136,7 +136,8 @@ class LeavingAgent(LocalElasticAgent):
         back = self._remaining_restarts > 0
         if back:
             self._remaining_restarts -= 1
-            then = f"restarting it alone (restart {spec.max_restarts - self._remaining_restarts} of {spec.max_restarts})"
+            then = (f"restarting it alone (restart {spec.max_restarts - self._remaining_restarts} "
+                    f"of {spec.max_restarts})")
         else:
             then = "the job goes on without it"
         print(format_leave(worker.global_rank, socket.gethostname(), failure.pid, failure.exitcode,

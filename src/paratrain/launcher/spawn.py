@@ -23,7 +23,6 @@ from .network import LOOPBACK
 from .parent_death import die_with_parent
 
 
-
 def launch(
     fn: Callable[..., Any],
     nprocs: int = 2,
@@ -73,7 +72,8 @@ def launch(
         try:
             while not ctx.join(timeout=0.1):
                 if deadline is not None and time.monotonic() > deadline:
-                    raise JobTimeoutError(f"job did not finish within {timeout_s:g} s; all {nprocs} processes were stopped")
+                    raise JobTimeoutError(f"job did not finish within {timeout_s:g} s; all {nprocs} processes "
+                                          "were stopped")
         except tmp.ProcessRaisedException as e:
             raise RankFailedError(rank=e.error_index, exitcode=1, host=socket.gethostname(), pid=e.error_pid,
                                   traceback=_strip_header(str(e))) from None

@@ -35,8 +35,15 @@ from ..errors import LaunchError
 from .agreement import NNODES_VAR
 from .failure import from_child_failed
 from .kubeflow import check_pet
-from .multinode import (DEFAULT_RDZV_TIMEOUT_S, max_nodes, nnodes_range, prepare_network, rendezvous_error,
-                        rendezvous_errors, set_rendezvous_timeout)
+from .multinode import (
+    DEFAULT_RDZV_TIMEOUT_S,
+    max_nodes,
+    nnodes_range,
+    prepare_network,
+    rendezvous_error,
+    rendezvous_errors,
+    set_rendezvous_timeout,
+)
 from .network import LOOPBACK
 from .parent_death import LAUNCHER_PID_VAR
 from .pg_timeout import DEFAULT_PG_TIMEOUT_S, PG_TIMEOUT_VAR
@@ -45,7 +52,6 @@ from .rendezvous_progress import rendezvous_progress
 from .signals import stop_signals
 from .slurm import read_slurm
 from .worker import DEBUG_VAR
-
 
 
 def _note(message: str) -> None:
@@ -272,7 +278,8 @@ def _check_layout(args: argparse.Namespace) -> None:
     """Refuse at once what no rendezvous can satisfy (it would otherwise wait for its whole timeout)."""
     lo, hi = nnodes_range(args.nnodes)
     if args.node_rank < 0 or (lo == hi and args.node_rank >= hi):
-        raise LaunchError(f"--node-rank {args.node_rank} is outside a job of --nnodes {lo if lo == hi else args.nnodes} "
+        raise LaunchError(f"--node-rank {args.node_rank} is outside a job of "
+                          f"--nnodes {lo if lo == hi else args.nnodes} "
                           f"(node ranks are 0 … {hi - 1}); give each node its own rank below --nnodes")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise LaunchError(f"--master-port {args.master_port} is not a TCP port (1 … 65535); omit it to get a free "

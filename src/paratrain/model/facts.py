@@ -31,7 +31,7 @@ class ModelFacts:
     """id(block module) → its index among the blocks: a pipeline stage finds the blocks it holds by identity."""
 
     @classmethod
-    def of(cls, model: nn.Module) -> "ModelFacts":
+    def of(cls, model: nn.Module) -> ModelFacts:
         names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)

@@ -69,7 +69,7 @@ class Materializer:
 
     @classmethod
     def of(cls, model: nn.Module, device: torch.device,
-           init_fn: InitFn | str | None = None) -> "Materializer | None":
+           init_fn: InitFn | str | None = None) -> Materializer | None:
         """A materializer for ``model`` when it has meta tensors (None otherwise; ``init_fn`` then is refused)."""
         if not is_meta(model):
             if init_fn is not None:
@@ -148,7 +148,7 @@ class Materializer:
         return writer.written
 
 
-def _buffer_init(skeleton: nn.Module, module: nn.Module, writer: "_Writer") -> None:
+def _buffer_init(skeleton: nn.Module, module: nn.Module, writer: _Writer) -> None:
     """Compute ``module``'s buffers as its init does: the transformers model's ``_init_weights`` that owns it, or its
     ``reset_parameters``."""
     owner = None
@@ -171,7 +171,7 @@ def _is_transformers(model: nn.Module) -> bool:
     return hasattr(model, "initialize_weights") and hasattr(model, "_initialize_weights") and hasattr(model, "config")
 
 
-def _transformers_init(skeleton: nn.Module, writer: "_Writer") -> None:
+def _transformers_init(skeleton: nn.Module, writer: _Writer) -> None:
     """A transformers model's init, exactly as a normal build runs it: every ``_init_weights(module)`` call its
     constructor makes (a sub-model's ``post_init`` runs inside the outer constructor, between other draws), each from
     the random state it started at there, on scratch tensors of the skeleton's module of the same name."""
@@ -179,7 +179,8 @@ def _transformers_init(skeleton: nn.Module, writer: "_Writer") -> None:
     for owner_name, module_name, state in events:
         owner, module = skeleton.get_submodule(owner_name), skeleton.get_submodule(module_name)
         torch.set_rng_state(state)
-        writer.run(module, lambda: owner._init_weights(module), who=f"{type(owner).__name__}._init_weights")
+        writer.run(module, lambda owner=owner, module=module: owner._init_weights(module),
+                   who=f"{type(owner).__name__}._init_weights")
     torch.set_rng_state(final)
 
 
@@ -301,7 +302,7 @@ class _Writer:
                 slots.append((owner, key, is_param, original, value, keep))
         try:
             yield
-            for owner, key, is_param, original, value, keep in slots:
+            for owner, key, is_param, _, value, keep in slots:
                 now = (owner._parameters if is_param else owner._buffers)[key]
                 if keep is None:
                     continue

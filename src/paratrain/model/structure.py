@@ -97,7 +97,7 @@ def outer_modules(model: nn.Module, blocks: Blocks) -> tuple[list[str], list[str
     module, prefix = model, ""
     for part in path:
         seen_path = False
-        for name, child in module.named_children():
+        for name, _ in module.named_children():
             if name == part:
                 seen_path = True
                 continue

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from ..errors import ConfigError
 from ..distributed.runtime import Runtime
+from ..errors import ConfigError
 from .config import MonitorConfig, monitor_config, tensorboard_moved
 from .figures import catalogue_peak_flops
 from .monitor import Monitor

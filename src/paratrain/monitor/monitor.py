@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from ..env import cpu_count
 from .config import MonitorConfig
 from .experts import ExpertCounter, ExpertLoad, expert_figures, find_routing_collapse
-from .recorder import SYNC_POINTS, Recorder
 from .figures import job_figures, rank_figures
+from .recorder import SYNC_POINTS, Recorder
 from .report import CsvLog, RunSummary
 from .rules import Finding, Persistence, RankStats, find_all
 from .trackers import Trackers

@@ -71,10 +71,10 @@ class _TimedIterator:
 
     __slots__ = ("_it", "_rec")
 
-    def __init__(self, it: Iterator[Any], rec: "Recorder") -> None:
+    def __init__(self, it: Iterator[Any], rec: Recorder) -> None:
         self._it, self._rec = it, rec
 
-    def __iter__(self) -> "_TimedIterator":
+    def __iter__(self) -> _TimedIterator:
         return self
 
     def __next__(self) -> Any:
@@ -100,7 +100,7 @@ class _Untimed:
 
     __slots__ = ("fn", "rec")
 
-    def __init__(self, fn: Any, rec: "Recorder") -> None:
+    def __init__(self, fn: Any, rec: Recorder) -> None:
         self.fn, self.rec = fn, rec
 
     def __call__(self) -> None:

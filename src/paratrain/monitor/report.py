@@ -48,13 +48,15 @@ class RunSummary:
         lines.append(head)
         for r in self.rows:
             lines.append(f"{r.rank:>4}  {r.steps:>6}  {r.step_ms:>8.1f}  {r.data_share:>9.1%}  {r.compute_ms:>10.1f}  "
-                         f"{r.sync_ms:>8.1f}  {_bytes(r.peak_mem):>10}" + (f"  {_bytes(r.device_used):>10}" if gpu else ""))
+                         f"{r.sync_ms:>8.1f}  {_bytes(r.peak_mem):>10}"
+                         + (f"  {_bytes(r.device_used):>10}" if gpu else ""))
         lines.extend(_expert_lines(self.experts))
         if self.warnings:
             lines.append(f"warnings ({len(self.warnings)}):")
             lines.extend(f"  - {w.message}" for w in self.warnings)
         else:
-            lines.append("warnings: none (no straggler, data loading keeps up" + (", GPU memory balanced" if gpu else "")
+            lines.append("warnings: none (no straggler, data loading keeps up"
+                         + (", GPU memory balanced" if gpu else "")
                          + (", experts' routing balanced)" if self.experts else ")"))
         return "\n".join(lines)
 
@@ -73,7 +75,8 @@ def _expert_lines(loads: Sequence[ExpertLoad]) -> list[str]:
     if not loads:
         return []
     width = max(len(x.layer) for x in loads)
-    lines = ["tokens routed to each expert over the last window (every data-parallel rank; imbalance = busiest / mean):",
+    lines = ["tokens routed to each expert over the last window (every data-parallel rank; "
+             "imbalance = busiest / mean):",
              f"{'MoE layer':<{width}}  {'imbalance':>9}  {'idle':>4}  tokens per expert"]
     lines.extend(f"{x.layer:<{width}}  {x.imbalance:>9.2f}  {len(x.idle):>4}  {x.counts_text()}" for x in loads)
     return lines

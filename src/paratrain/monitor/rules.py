@@ -14,7 +14,6 @@ from ..sizes import GIB
 from .config import MonitorConfig
 
 
-
 @dataclass(frozen=True)
 class RankStats:
     """One rank's figures over a window (medians over its optimizer steps) or over the whole run."""
@@ -56,7 +55,7 @@ class RankStats:
         return [float(v) for v in astuple(self)]
 
     @classmethod
-    def from_list(cls, values: Sequence[float]) -> "RankStats":
+    def from_list(cls, values: Sequence[float]) -> RankStats:
         rank, peer, steps, *rest = values
         return cls(int(rank), int(peer), int(steps), *(float(v) for v in rest))
 

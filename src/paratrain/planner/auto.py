@@ -28,16 +28,16 @@ from torch import nn
 
 from ..composition import takes
 from ..errors import ConfigError
+from ..model.structure import forward_pieces
 from ..sizes import GIB
-from .expert_parallel import ep_degrees
 from .context_parallel import cp_pairs
+from .estimates import estimate
+from .expert_parallel import ep_degrees
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
 from .layout import EP_STRATEGIES, Layout
-from ..model.structure import forward_pieces
 from .model_stats import ModelStats, MoEShape, TPShape, trainable_sizes
 from .optimizers import PlannedOptimizer, planned
-from .estimates import estimate
 from .tensor_parallel import tp_degrees
 from .training import Training
 from .transformer import GPTConfig, moe_block, transformer_params, transformer_stats
@@ -79,7 +79,8 @@ class AutoChoice:
 def parameter_stats(model: nn.Module) -> ModelStats:
     """Sizes only (no trace, no batch): enough to decide on model states."""
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    units = tuple((name, sum(p.numel() for p in m.parameters())) for name, m in forward_pieces(model)) or (("model", params),)
+    units = (tuple((name, sum(p.numel() for p in m.parameters())) for name, m in forward_pieces(model))
+             or (("model", params),))
     largest = max(((n, sum(p.numel() for p in m.parameters(recurse=False))) for n, m in model.named_modules()),
                   key=lambda x: x[1])
     return ModelStats(name=type(model).__name__, params=params, units=units, largest_layer=largest,
@@ -158,7 +159,8 @@ def _layout(name: str, n: int) -> Layout:
 
 
 def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None, ep: bool = False,
-           cp: bool = False, optimizer: torch.optim.Optimizer | None = None, batch: tuple[int, int | None] | None = None) -> AutoChoice:
+           cp: bool = False, optimizer: torch.optim.Optimizer | None = None,
+           batch: tuple[int, int | None] | None = None) -> AutoChoice:
     """The first of ddp, zero1, zero2, zero3 whose model states (and, given the batch, activations) fit one
     rank's memory.
 
@@ -170,8 +172,8 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     ``optimizer``: the user's, whose states are planned (:mod:`.optimizers`); None assumes AdamW, and the reason
     says so.
 
-    ``tp``: what the model's tensor-parallel plan splits, per forward piece (``model.structure.forward_pieces``' order). Given,
-    and when even zero3 does not fit, zero3 over groups of tp ranks is tried, least tp first: it splits the
+    ``tp``: what the model's tensor-parallel plan splits, per forward piece (``model.structure.forward_pieces``' order).
+    Given, and when even zero3 does not fit, zero3 over groups of tp ranks is tried, least tp first: it splits the
     largest unit FSDP gathers. None keeps every choice on the one-dimensional mesh (``Parallel`` passes the shape
     only once this call, without it, found nothing that fits: reading it imports tensor parallelism).
 

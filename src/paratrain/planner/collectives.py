@@ -26,7 +26,8 @@ def all_gather_s(nbytes: float, ranks: int, link: Link) -> float:
     """Ring all-gather of a tensor of ``nbytes`` in total (each rank starts with nbytes/N)."""
     if ranks <= 1:
         return 0.0
-    return (ranks - 1) * link.latency_us * 1e-6 + (ranks - 1) / ranks * nbytes / (link.bytes_per_s * link.all_gather_eff)
+    return ((ranks - 1) * link.latency_us * 1e-6
+            + (ranks - 1) / ranks * nbytes / (link.bytes_per_s * link.all_gather_eff))
 
 
 def reduce_scatter_s(nbytes: float, ranks: int, link: Link) -> float:

@@ -16,7 +16,8 @@ from .training import Training
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """The model the flags name; ``workloads.model_names.resolve_model`` builds it (the planner never builds by name)."""
+    """The model the flags name; ``workloads.model_names.resolve_model`` builds it (the planner never builds by
+    name)."""
 
     model: str | None = None
     """mlp, cnn, gpt2[-medium|-large|-xl], llama-7b, gpt3-175b, llama3-8b/70b/405b, mistral-7b, qwen2-7b,

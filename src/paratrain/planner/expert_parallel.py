@@ -5,7 +5,8 @@ experts of every MoE block, 1/E of them; each token's hidden state goes to the r
 the experts' outputs come back, an all-to-all each way in forward and their gradients' in backward (again in a
 recomputed forward). No token is dropped and routing is taken as balanced: a rank computes, on average, as many
 expert rows as its own tokens make, so compute does not change with E. Under ZeRO the experts are sharded over the
-dp_shard/E ranks left (torchtitan's layout, ``expert_fraction``), whose gradients are theirs to reduce; the dense parameters are synced over every data-parallel rank as without ep.
+dp_shard/E ranks left (torchtitan's layout, ``expert_fraction``), whose gradients are theirs to reduce; the dense
+parameters are synced over every data-parallel rank as without ep.
 
 The compositions planned (``layout.layouts``, the runtime's): ddp, zero2 and zero3 with ep; the same over groups of tp
 ranks with ep (``Parallel("zero3", tp=T, ep=E)``); and ``hybrid`` with ep (``Parallel("hybrid", dp=D, ep=E)``: each

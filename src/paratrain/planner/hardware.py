@@ -92,9 +92,9 @@ class Device:
     ps_server_request_s: float = PS_SERVER_REQUEST_S
     """Seconds a parameter server's loop spends on one request beyond its bytes and the link's latency: header
     parse, schema check, payload receive and unpack, the reply's ``isend``. A server answers one request at a time
-    (asynchronous servers' threads take turns under one lock), so the busiest server pays it W x (requests per worker per step) times a step. Default
-    ``PS_SERVER_REQUEST_S``, measured on a CPU host; the catalogue GPUs take the same: their servers are host
-    processes running the same loop."""
+    (asynchronous servers' threads take turns under one lock), so the busiest server pays it W x (requests per worker
+    per step) times a step. Default ``PS_SERVER_REQUEST_S``, measured on a CPU host; the catalogue GPUs take the same:
+    their servers are host processes running the same loop."""
     ps_worker_request_s: float = PS_WORKER_REQUEST_S
     """Seconds a worker's client spends on one request and its answer beyond the server's and the link's (packing,
     the header checks, copying the answer into place); default ``PS_WORKER_REQUEST_S``, as the server's."""

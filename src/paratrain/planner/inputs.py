@@ -52,7 +52,8 @@ class InputSpec:
         try:
             shape = tuple(int(d) for d in dims.lower().split("x")) if dims else ()
         except ValueError:
-            raise ConfigError(f"bad input shape {text!r}; write one sample's shape like 3x224x224 or long:1024") from None
+            raise ConfigError(f"bad input shape {text!r}; write one sample's shape like 3x224x224 "
+                              "or long:1024") from None
         return cls(shape=shape, dtype=dtype)
 
     @property

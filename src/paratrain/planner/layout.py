@@ -1,8 +1,8 @@
 """Each strategy as parallel degrees, so memory and time follow from one formula instead of a branch per name.
 
 A ``Layout`` is a named :class:`~paratrain.dims.ParallelDims` in the planner's spelling (``dp`` replicas of which
-``shard`` ranks share one copy); ``Layout.dims`` is the runtime's, and tests/strategies/test_dims.py holds every candidate
-here equal to what the strategy of that name builds.
+``shard`` ranks share one copy); ``Layout.dims`` is the runtime's, and tests/strategies/test_dims.py holds every
+candidate here equal to what the strategy of that name builds.
 
 Ranks are placed as paratrain's strategies build their meshes: tensor-parallel ranks or a model-parallel
 process's GPUs innermost (consecutive local GPUs), then pipeline stages (``hybrid``'s mesh is ``(dp, pp)``, with
@@ -40,7 +40,7 @@ class Layout:
 
     @classmethod
     def of(cls, name: str, *, dp: int = 1, zero: int = 0, shard: int = 1, pp: int = 1, mp: int = 1, tp: int = 1,
-           ep: int = 1, cp: int = 1, servers: int = 0) -> "Layout":
+           ep: int = 1, cp: int = 1, servers: int = 0) -> Layout:
         """A layout in the planner's spelling: ``dp`` data-parallel replicas (workers, beside ``servers``) of which
         ``shard`` ranks share one copy at ZeRO stage ``zero``; ``pp`` pipeline stages, ``mp`` model-parallel stages
         of one process, ``tp`` tensor-parallel ranks, ``ep`` of the data-parallel ranks splitting the experts,

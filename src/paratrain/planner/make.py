@@ -102,7 +102,8 @@ def _single_allocated(plan: Plan) -> float:
     """What the plan gives one rank stepping after one micro-batch, as the GPU's timed steps did (the plan's single
     row accumulates the whole global batch)."""
     t = plan.training
-    return estimate(plan.stats, Layout.of(name="single"), replace(t, global_batch=t.micro_batch), plan.cluster).memory.allocated
+    one = estimate(plan.stats, Layout.of(name="single"), replace(t, global_batch=t.micro_batch), plan.cluster)
+    return one.memory.allocated
 
 
 def fsdp_call_s(overhead: Mapping[str, float], stats: ModelStats, setup: Training, bandwidth: float) -> float:

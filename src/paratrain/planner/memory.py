@@ -20,8 +20,8 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from . import context_parallel
-from .hardware import Cluster
 from .expert_parallel import dispatch_bytes, expert_fraction, held_experts, held_units
+from .hardware import Cluster
 from .layout import Layout, fullest_stage
 from .model_stats import ModelStats
 from .tensor_parallel import rank_activations, rank_params

@@ -389,7 +389,8 @@ def measure_module(factory: Callable[[], nn.Module], example: InputSpec | Traini
     ram = cpu_host().memory_gib * GIB
     if size > ram / 2:
         raise ConfigError(f"measuring {name!r} for real needs ~{size / GIB:.1f} GiB for weights, gradients and "
-                          f"optimizer states, more than half this host's {ram / GIB:.1f} GiB; plan it without --measure")
+                          f"optimizer states, more than half this host's {ram / GIB:.1f} GiB; "
+                          "plan it without --measure")
     model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"the factory for {name!r} returned {type(model).__name__}, not an nn.Module")

@@ -1,6 +1,7 @@
 """Published large training runs with their full configuration and measured speed (and memory, where given): what
-the planner's closed forms are held to at cluster scale (benchmarks/RESULTS.md §19, tests/planner/test_planner_published.py),
-and the mixture-of-experts presets' published parameter counts (``MOE_COUNTS``, §19b).
+the planner's closed forms are held to at cluster scale (benchmarks/RESULTS.md §19,
+tests/planner/test_planner_published.py), and the mixture-of-experts presets' published parameter counts
+(``MOE_COUNTS``, §19b).
 
 Each run is pure data, quoted from its source (paper and table, or repository file and commit); ``predict`` plans
 it with the published layout and nothing tuned to it: catalogue devices and links, the catalogue's matmul

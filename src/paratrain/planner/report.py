@@ -131,8 +131,9 @@ def _ps_line(e: Estimate) -> str:
     return (f"  ps: a worker {sv.worker.total / GIB:.2f} GiB (no table, no optimizer state), the busiest server "
             f"{sv.server.total / GIB:.2f} GiB ({_count(sv.dense_share)} dense parameters, {_count(sv.table_rows)} "
             f"table elements, their optimizer states); per step a worker sends {format_bytes(tr.worker_sent)} and "
-            f"receives {format_bytes(tr.worker_received)} (dense {format_bytes(tr.dense)} each way{touched}); the busiest "
-            f"server receives {format_bytes(tr.server_received)} and sends {format_bytes(tr.server_sent)} from and to "
+            f"receives {format_bytes(tr.worker_received)} (dense {format_bytes(tr.dense)} each way{touched}); "
+            f"the busiest server receives {format_bytes(tr.server_received)} and sends "
+            f"{format_bytes(tr.server_sent)} from and to "
             f"{lay.dp} workers over {_link(sv.link)} in {lay.dp * sv.requests} requests: its link and its serving "
             f"loop are the bottleneck ({e.time.exposed_comm_s * 1e3:.3g} ms, of which {sv.requests_s * 1e3:.3g} ms "
             f"the requests' host work; its optimizer step {e.time.optimizer_s * 1e3:.3g} ms)")

@@ -126,11 +126,11 @@ class Training:
                                   f"{self.schedule} schedule runs one stage per rank)")
             if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
                 raise ConfigError(f"--virtual-stages must be >= 2 with interleaved-1f1b, got {self.virtual_stages}")
-        for name, flag in (("micro_batch", "--batch"), ("global_batch", "--global-batch"),
+        for name, option in (("micro_batch", "--batch"), ("global_batch", "--global-batch"),
                            ("micro_batches", "--micro-batches")):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError(f"{flag} must be >= 1, got {value}")
+                raise ConfigError(f"{option} must be >= 1, got {value}")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket size must be > 0 MiB, got {self.bucket_mb}")
         if self.rows_per_step is not None and self.rows_per_step < 0:

@@ -2,8 +2,8 @@
 the parameters, FLOPs and activations of a shape, in milliseconds and with no module built.
 
 The shapes are pure data, so the planner plans GPT-2 or a 7B model without importing a model;
-``workloads.gpt.GPT`` builds the same shapes for real, and tests/planner/test_planner_stats.py holds the counts here equal to
-that module's.
+``workloads.gpt.GPT`` builds the same shapes for real, and tests/planner/test_planner_stats.py holds the counts here
+equal to that module's.
 """
 from __future__ import annotations
 
@@ -224,8 +224,8 @@ def transformer_activations(cfg: GPTConfig, *, residual: int, act: int, experts:
     ``residual`` is the element size of the residual stream and the norms, ``act`` that of the matrix products'
     inputs and outputs: 4 and 4 in fp32, 4 and 2 under autocast, 2 and 2 with FSDP's 16-bit parameters.
     Counted from what each operation saves, and equal to ``saved_tensors_hooks``' count on the real module
-    (tests/planner/test_planner_stats.py). A block (s tokens, width h, MLP width f, a heads) keeps its input x, the input
-    and output of the QKV projection (h + 2·kv_heads·head_dim wide: the fused kernels take grouped keys and values
+    (tests/planner/test_planner_stats.py). A block (s tokens, width h, MLP width f, a heads) keeps its input x, the
+    input and output of the QKV projection (h + 2·kv_heads·head_dim wide: the fused kernels take grouped keys and values
     as they are, ``enable_gqa``), the attention output (the projection reads it in place) and a log-sum-exp of
     a·s fp32 values (``scaled_dot_product_attention``'s fused kernels store no s x s scores), the residual after
     attention, the MLP's input, its inner activation and its activation function's output (SwiGLU: gate and up,

@@ -9,8 +9,17 @@ from .model_parallel import ModelParallelStrategy
 from .param_server import ParameterServer
 from .pipeline import HybridPipeline, PipelinedModel, PurePipeline
 from .presets import PRESETS, Preset
-from .registry import (available, check_every_rank_trains, check_name, check_world, create, register,
-                       sends_host_tensors, serves, strategy_for)
+from .registry import (
+                       available,
+                       check_every_rank_trains,
+                       check_name,
+                       check_world,
+                       create,
+                       register,
+                       sends_host_tensors,
+                       serves,
+                       strategy_for,
+)
 
 SingleDevice = preset("single")
 DDPStrategy = preset("ddp")

@@ -31,8 +31,8 @@ from ..dims import ParallelDims
 from ..distributed.param_server.async_serving import Returns
 from ..distributed.param_server.config import PSConfig
 from ..distributed.param_server.holdings import Holdings, plan_holdings
-from ..distributed.param_server.peers import Peer, return_group
 from ..distributed.param_server.messages import LOAD, SAVE, SAVED, ProtocolError
+from ..distributed.param_server.peers import Peer, return_group
 from ..distributed.param_server.roles import WorkerSide, report, serve, shard_folder
 from ..distributed.param_server.snapshot import ShardStore
 from ..distributed.param_server.worker import PushingOptimizer

@@ -13,8 +13,8 @@ import os
 import statistics
 import tempfile
 import time
-from importlib import metadata
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 from ..bench.machine import Machine

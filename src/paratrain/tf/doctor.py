@@ -55,7 +55,7 @@ def gather_tf(environ: Mapping[str, str] | None = None, timeout_s: float = 90.0)
         if out.returncode == 0:
             devices = tuple(json.loads(out.stdout.strip().splitlines()[-1]))
         else:
-            error = (out.stderr.strip().splitlines() or ["exit code %d" % out.returncode])[-1]
+            error = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
     except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
         error = f"{type(e).__name__}: {e}"
     return TFFacts(version=_version("tensorflow") or "?", keras=choice, keras_version=_version("keras"),

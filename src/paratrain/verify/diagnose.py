@@ -13,6 +13,7 @@ from .distributed import DataSetup, RankEvidence
 from .floor import Judge
 from .record import Record
 
+
 @dataclass(frozen=True, kw_only=True)
 class Finding:
     """A cause, the evidence for it, and the fix."""

@@ -53,7 +53,7 @@ class RunOptions:
     """Strategy options: the parallel run alone."""
 
     @classmethod
-    def of(cls, options: Mapping[str, Any], *, accumulate: int, micro_batch: int) -> "RunOptions":
+    def of(cls, options: Mapping[str, Any], *, accumulate: int, micro_batch: int) -> RunOptions:
         """Sort ``options``; one line for a keyword verify sets itself or a batch that contradicts the spec's."""
         if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
             raise ConfigError("VerifySpec.options must be a dict of Parallel keywords, e.g. "

@@ -3,9 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .diagnose import (Divergence, Finding, batchnorm_finding, data_findings, first_divergence,
-                       gradient_scale_finding, ranks_apart, replicas_finding, router_loss_finding, tie_finding,
-                       untrained_finding)
+from .diagnose import (
+    Divergence,
+    Finding,
+    batchnorm_finding,
+    data_findings,
+    first_divergence,
+    gradient_scale_finding,
+    ranks_apart,
+    replicas_finding,
+    router_loss_finding,
+    tie_finding,
+    untrained_finding,
+)
 from .distributed import RankEvidence
 from .floor import FloorSummary, Judge, NoiseFloor, Tolerance
 from .record import Record

@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..errors import ConfigError, ParatrainError
-from ..parallel import Parallel
 from ..factory import load_callable
+from ..parallel import Parallel
 from .options import RunOptions
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]

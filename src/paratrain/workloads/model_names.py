@@ -17,8 +17,15 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..factory import load_callable
-from ..planner import (InputSpec, ModelSpec, ModelStats, RunnableModel, TrainingCall, transformer_shape,
-                       transformer_stats)
+from ..planner import (
+    InputSpec,
+    ModelSpec,
+    ModelStats,
+    RunnableModel,
+    TrainingCall,
+    transformer_shape,
+    transformer_stats,
+)
 from ..planner.auto import closed_form_shape
 from ..planner.hf_config import read_model_config
 from .digits import digits_cnn

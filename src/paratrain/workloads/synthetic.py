@@ -21,7 +21,8 @@ def mlp() -> nn.Sequential:
 
 def _images(shape: tuple[int, ...], classes: int):
     def make_batch(samples: int, generator: torch.Generator) -> Batch:
-        return torch.randn(samples, *shape, generator=generator), torch.randint(0, classes, (samples,), generator=generator)
+        return (torch.randn(samples, *shape, generator=generator),
+                torch.randint(0, classes, (samples,), generator=generator))
     return make_batch
 
 

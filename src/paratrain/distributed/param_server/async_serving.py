@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ParatrainError
-from .peers import Peer, return_group
 from .messages import HEADER_WORDS, REQUEST_TAG
+from .peers import Peer, return_group
 from .server import Departed, Server
-
 
 IDLE_WORKER = timedelta(days=7)
 """How long a worker may go without a request (evaluating, say) before its server gives up on it: far longer than

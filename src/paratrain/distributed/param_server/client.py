@@ -11,10 +11,30 @@ import torch.distributed as dist
 from torch import nn
 
 from .holdings import Holdings
+from .messages import (
+    BACKGROUND,
+    DONE,
+    DTYPE_CODES,
+    HEADER_WORDS,
+    KIND_NAMES,
+    MAGIC,
+    OK,
+    PAYLOAD_TAG,
+    PULL_DENSE,
+    PULL_ROWS,
+    PUSH_DENSE,
+    PUSH_ROWS,
+    REASONS,
+    REFUSED,
+    REPLY_TAG,
+    REPORT_WORDS,
+    REQUEST_TAG,
+    Header,
+    ProtocolError,
+    pack,
+    word_float,
+)
 from .peers import Peer, job_peer
-from .messages import (BACKGROUND, DONE, DTYPE_CODES, HEADER_WORDS, MAGIC, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
-                       PUSH_DENSE, PUSH_ROWS, REASONS, REFUSED, REPLY_TAG, REPORT_WORDS, REQUEST_TAG, Header,
-                       KIND_NAMES, ProtocolError, pack, word_float)
 
 
 @dataclass

@@ -74,7 +74,7 @@ def plan_holdings(model: nn.Module, world_size: int, config: PSConfig) -> Holdin
             raise ConfigError(f"dense parameter {n!r} is on the meta device; only the tables the servers hold may be "
                               "built there (ps tables=...)")
     loads, owned = [0] * len(servers), [[] for _ in servers]  # biggest first onto the least loaded server
-    for i, (n, p) in sorted(enumerate(dense), key=lambda e: (-e[1][1].numel(), e[0])):
+    for i, (_, p) in sorted(enumerate(dense), key=lambda e: (-e[1][1].numel(), e[0])):
         s = loads.index(min(loads))
         loads[s] += p.numel()
         owned[s].append(i)

@@ -13,8 +13,8 @@ from .async_serving import Returns, serve_each_worker
 from .client import Client, ClientStats, ServerLoad
 from .config import PSConfig
 from .holdings import Holdings
-from .peers import Peer
 from .optimizers import group_of, table_kind
+from .peers import Peer
 from .server import Server, ServerStats
 from .shards import ServerShards
 from .snapshot import ShardStore

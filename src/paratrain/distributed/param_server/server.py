@@ -29,10 +29,31 @@ import torch.distributed as dist
 
 from .clipping import clip_coefficient, squared_norm
 from .holdings import Holdings
+from .messages import (
+    BACKGROUND,
+    DONE,
+    FOLDER_KINDS,
+    HEADER_WORDS,
+    OK,
+    PAYLOAD_TAG,
+    PULL_DENSE,
+    PULL_ROWS,
+    PUSH_DENSE,
+    PUSH_ROWS,
+    REFUSED,
+    REPLY_TAG,
+    REQUEST_TAG,
+    SAVE,
+    SAVED,
+    TRAILER,
+    Header,
+    Refused,
+    Schema,
+    float_word,
+    parse,
+    unpack,
+)
 from .peers import job_peer
-from .messages import (BACKGROUND, DONE, FOLDER_KINDS, HEADER_WORDS, OK, PAYLOAD_TAG, PULL_DENSE, PULL_ROWS,
-                       PUSH_DENSE, PUSH_ROWS, REFUSED, REPLY_TAG, REQUEST_TAG, SAVE, SAVED, Header, Refused, Schema,
-                       TRAILER, float_word, parse, unpack)
 from .shards import ServerShards
 from .snapshot import ShardStore, load_shard_state, shard_state
 

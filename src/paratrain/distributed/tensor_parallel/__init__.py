@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING
 from ...lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from .apply import apply_tp
-    from .compose import TensorParallel
-    from .degrees import tp_degree
-    from .plans import TPPlan, plan_for
-    from .names import STYLES
+    from .apply import apply_tp as apply_tp
+    from .compose import TensorParallel as TensorParallel
+    from .degrees import tp_degree as tp_degree
+    from .names import STYLES as STYLES
+    from .plans import TPPlan as TPPlan
+    from .plans import plan_for as plan_for
 
 _EXPORTS = {"apply_tp": ".apply", "TensorParallel": ".compose", "tp_degree": ".degrees",
             "TPPlan": ".plans", "plan_for": ".plans", "STYLES": ".names"}

@@ -19,17 +19,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ...batch import ModelCall
+from ...errors import ConfigError
 from ...model.facts import ModelFacts
 from ...model.materialize import to_device
 from ...options import TPConfig
-from ...errors import ConfigError
 from ...rank_agreement import check_ranks_agree
 from ..runtime import Runtime
 from .apply import apply_tp
-from .outputs import ShardedOutputs, forward_backward
-from .infer import choose_plan
 from .degrees import tp_degree
+from .infer import choose_plan
 from .local_step import replicated_locally
+from .outputs import ShardedOutputs, forward_backward
 from .part import DataParallel, Leave, Step, WholeLayers
 from .plans import TPPlan
 from .stage_styles import stage_styles

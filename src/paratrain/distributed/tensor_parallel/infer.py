@@ -21,8 +21,8 @@ from ...errors import ConfigError
 from ...model.facts import ModelFacts
 from ...model.structure import Blocks, find_blocks, outer_modules
 from ...model.ties import Ties, find_ties
-from .adapters import inside_lora, is_lora, plain_lora_base, with_adapters
 from . import names
+from .adapters import inside_lora, is_lora, plain_lora_base, with_adapters
 from .names import style
 from .plans import TPPlan, has_plan, matches, plan_for
 from .probe import Split, block_call, dims, evaluating, token_readers, verify

@@ -19,7 +19,7 @@ built from a name remembers it, so a printed plan is valid ``tp_plan=`` input as
 | ``whole_sequence`` | run whole on every rank over the gathered sequence, its output cut back to this rank's slice (a mixture of experts) |
 
 A ``ParallelStyle`` object of torch's own may stand in any plan as well; it prints as its class name.
-"""
+"""  # noqa: E501
 from __future__ import annotations
 
 import re
@@ -27,8 +27,12 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
-                                               SequenceParallel)
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    SequenceParallel,
+)
 
 from ...errors import ConfigError
 from .styles import Colwise, FirstInput, FusedColwise, PerHead, Replicated, Rowwise, VocabHead
@@ -95,8 +99,8 @@ def style(spec: str) -> ParallelStyle:
     """The style ``spec`` names (``"rowwise(output=sequence)"``), remembering the name."""
     match = _SPEC.match(spec)
     if match is None or match.group(1) not in STYLES:
-        raise ConfigError(f"{spec!r} is not a style; use one of {', '.join(STYLES)} (docs/tensor-parallel.md lists what "
-                          "each does) or a torch.distributed.tensor.parallel ParallelStyle")
+        raise ConfigError(f"{spec!r} is not a style; use one of {', '.join(STYLES)} (docs/tensor-parallel.md lists "
+                          "what each does) or a torch.distributed.tensor.parallel ParallelStyle")
     args: list[str] = []
     kwargs: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in (match.group(2) or "").split(","))):

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleOutput
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleOutput
 
 from ...errors import ConfigError
 from ...model.structure import find_blocks, outer_modules

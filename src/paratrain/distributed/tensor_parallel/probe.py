@@ -41,7 +41,7 @@ class Split:
     summed: tuple[str, ...] = ()
     """Modules left whole that see this rank's heads only (per-head norms): their gradients summed over the ranks."""
 
-    def __add__(self, other: "Split") -> "Split":
+    def __add__(self, other: Split) -> Split:
         return Split(columns={**self.columns, **other.columns}, rows=self.rows + other.rows,
                      adjust=self.adjust + other.adjust, heads=self.heads + other.heads,
                      summed=self.summed + other.summed)

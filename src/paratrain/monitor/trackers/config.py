@@ -69,7 +69,7 @@ class TrackerConfig:
         return RunInfo(self.project, self.run_name, Path(self.dir))
 
 
-def tracker_config(log_with: "TrackerConfig | LogWith | None") -> TrackerConfig | None:
+def tracker_config(log_with: TrackerConfig | LogWith | None) -> TrackerConfig | None:
     """``Parallel``'s ``log_with`` as a config, or None when nothing is tracked."""
     if log_with is None or isinstance(log_with, TrackerConfig):
         return log_with

@@ -35,7 +35,7 @@ class MLflowConfig:
             require("sqlalchemy", "mlflow", "an MLflow database")
             require("alembic", "mlflow", "an MLflow database")
 
-    def open(self, run: RunInfo) -> "MLflowTracker":
+    def open(self, run: RunInfo) -> MLflowTracker:
         from mlflow.tracking import MlflowClient
 
         uri = self.tracking_uri or os.environ.get(ENV_URI)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .base import RunInfo, Scalar, require
 
+
 @dataclass(frozen=True, kw_only=True)
 class TensorBoardConfig:
     """``log_with=TensorBoardConfig(...)`` (or ``"tensorboard"``): needs ``pip install 'paratrain[tensorboard]'``."""
@@ -28,7 +29,7 @@ class TensorBoardConfig:
     def __post_init__(self) -> None:
         require("tensorboard", "tensorboard", "TensorBoard")
 
-    def open(self, run: RunInfo) -> "TensorBoardTracker":
+    def open(self, run: RunInfo) -> TensorBoardTracker:
         folder = self.dir if self.dir is not None else (
             run.dir / "tensorboard" / run.project / (run.run_name or time.strftime("%Y%m%d-%H%M%S")))
         return TensorBoardTracker(folder)

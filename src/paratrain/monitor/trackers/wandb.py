@@ -35,7 +35,7 @@ class WandbConfig:
             raise ConfigError(f"WandbConfig.mode must be one of {', '.join(MODES)} (or None), got {self.mode!r}")
         object.__setattr__(self, "tags", tuple(self.tags))
 
-    def open(self, run: RunInfo) -> "WandbTracker":
+    def open(self, run: RunInfo) -> WandbTracker:
         import wandb
 
         folder = Path(self.dir if self.dir is not None else run.dir)
