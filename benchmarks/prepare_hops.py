@@ -36,7 +36,8 @@ def chain(strategy: str, options: dict[str, object]) -> list[traceback.FrameSumm
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         env = ClusterEnv(rank=0, local_rank=0, world_size=4, local_world_size=4, launched=True)
-        par = paratrain.Parallel(strategy, accelerator="cpu", monitor=False, job=paratrain.JobConfig(env=env), **options)
+        job = paratrain.JobConfig(env=env)
+        par = paratrain.Parallel(strategy, accelerator="cpu", monitor=False, job=job, **options)
         par.prepare(GPT(GPTConfig(layers=4, hidden=64, heads=4, seq_len=32, vocab=128)))
     finally:
         fsdp.fully_shard = real
