@@ -18,6 +18,7 @@
 Run (about 3-5 minutes on 2 cores; --quick: a 4M-parameter model, one round each, about a minute):
     .venv/bin/python benchmarks/checkpoint.py [--quick] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,7 @@ def bench_save_load(width: int, layers: int, rounds: int) -> dict:
     out = {}
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=".") as root:
         for strategy in ("ddp", "zero3"):
-            ranks = paratrain.launch(save_load_worker, 2, args=(strategy, width, layers, root, rounds),
-                                     timeout_s=1800)
+            ranks = paratrain.launch(save_load_worker, 2, args=(strategy, width, layers, root, rounds), timeout_s=1800)
             out["parameters"] = ranks[0]["parameters"]
             for way, rows in ranks[0].items():
                 if way != "parameters":
@@ -68,8 +68,10 @@ def watch(cmd: list[str]) -> dict:
                 seen["resumed"] = now
             seen[name].append(line)
 
-    readers = [threading.Thread(target=read, args=(proc.stdout, "out")),
-               threading.Thread(target=read, args=(proc.stderr, "err"))]
+    readers = [
+        threading.Thread(target=read, args=(proc.stdout, "out")),
+        threading.Thread(target=read, args=(proc.stderr, "err")),
+    ]
     for t in readers:
         t.start()
     try:
@@ -99,8 +101,12 @@ def bench_deaths(n: int) -> dict:
         times.append(job["exit"] - job["killed"])
         left.append(len(alive(job["workers"])))
         named += "paratrain: rank 1 failed" in job["err"]
-    return {"death_to_exit_s": times, "median_s": statistics.median(times), "workers_left": left,
-            "reports_naming_rank_1": named}
+    return {
+        "death_to_exit_s": times,
+        "median_s": statistics.median(times),
+        "workers_left": left,
+        "reports_naming_rank_1": named,
+    }
 
 
 def bench_restarts(n: int) -> dict:
@@ -108,35 +114,60 @@ def bench_restarts(n: int) -> dict:
     ok, resume_s, codes = 0, [], []
     for _ in range(n):
         with tempfile.TemporaryDirectory(prefix="ckpt-restart-") as ckpt:
-            job = watch([*DEMO, "--checkpoint-dir", ckpt, "--checkpoint-every", "4", "--max-restarts", "1",
-                         "--fail-at-step", "10", "--fail-rank", "1"])
+            job = watch(
+                [
+                    *DEMO,
+                    "--checkpoint-dir",
+                    ckpt,
+                    "--checkpoint-every",
+                    "4",
+                    "--max-restarts",
+                    "1",
+                    "--fail-at-step",
+                    "10",
+                    "--fail-rank",
+                    "1",
+                ]
+            )
         codes.append(job["returncode"])
         ok += job["returncode"] == 0 and digest(job["out"]) == clean
         if "killed" in job and "resumed" in job:
             resume_s.append(job["resumed"] - job["killed"])
-    return {"jobs": n, "completed_bitwise_equal": ok, "returncodes": codes, "death_to_resumed_s": resume_s,
-            "median_death_to_resumed_s": statistics.median(resume_s) if resume_s else None}
+    return {
+        "jobs": n,
+        "completed_bitwise_equal": ok,
+        "returncodes": codes,
+        "death_to_resumed_s": resume_s,
+        "median_death_to_resumed_s": statistics.median(resume_s) if resume_s else None,
+    }
 
 
 def format_report(cfg: dict, sl: dict, deaths: dict, restarts: dict) -> str:
-    lines = [f"paratrain {paratrain.__version__}; MLP {cfg['layers']} x Linear({cfg['width']}, {cfg['width']}) = "
-             f"{sl['parameters'] / 1e6:.1f}M parameters, Adam; world 2, gloo; rounds={cfg['rounds']}", "",
-             "1. Save and load (median seconds, slowest rank; bytes on disk)",
-             f"   {'way':<26}{'save s':>9}{'load s':>9}{'MB':>9}{'save MB/s':>11}"]
+    lines = [
+        f"paratrain {paratrain.__version__}; MLP {cfg['layers']} x Linear({cfg['width']}, {cfg['width']}) = "
+        f"{sl['parameters'] / 1e6:.1f}M parameters, Adam; world 2, gloo; rounds={cfg['rounds']}",
+        "",
+        "1. Save and load (median seconds, slowest rank; bytes on disk)",
+        f"   {'way':<26}{'save s':>9}{'load s':>9}{'MB':>9}{'save MB/s':>11}",
+    ]
     for way, rows in sl.items():
         if way in ("parameters", "background_share", "wall_s"):
             continue
         save, load, size = statistics.median(rows["save_s"]), statistics.median(rows["load_s"]), rows["bytes"][0]
         lines.append(f"   {way:<26}{save:>9.2f}{load:>9.2f}{size / 1e6:>9.0f}{size / 1e6 / save:>11.0f}")
-    lines += [background_line(sl), "",
-              f"2. Death to exit, no restarts ({len(deaths['death_to_exit_s'])} jobs): median "
-              f"{deaths['median_s']:.2f} s  (each: {', '.join(f'{t:.2f}' for t in deaths['death_to_exit_s'])}); "
-              f"workers left: {sum(deaths['workers_left'])}; reports naming rank 1: {deaths['reports_naming_rank_1']}",
-              background_line(deaths), "",
-              f"3. Restarts: {restarts['completed_bitwise_equal']}/{restarts['jobs']} jobs killed at step 10 completed "
-              f"with the uninterrupted run's SHA-256; death to resumed: "
-              + (f"median {restarts['median_death_to_resumed_s']:.2f} s" if restarts["death_to_resumed_s"] else "n/a"),
-              background_line(restarts)]
+    lines += [
+        background_line(sl),
+        "",
+        f"2. Death to exit, no restarts ({len(deaths['death_to_exit_s'])} jobs): median "
+        f"{deaths['median_s']:.2f} s  (each: {', '.join(f'{t:.2f}' for t in deaths['death_to_exit_s'])}); "
+        f"workers left: {sum(deaths['workers_left'])}; reports naming rank 1: {deaths['reports_naming_rank_1']}",
+        background_line(deaths),
+        "",
+        f"3. Restarts: {restarts['completed_bitwise_equal']}/{restarts['jobs']} jobs killed at step 10 completed "
+        f"with the uninterrupted run's SHA-256; death to resumed: "
+        + (f"median {restarts['median_death_to_resumed_s']:.2f} s" if restarts["death_to_resumed_s"] else "n/a"),
+        background_line(restarts),
+    ]
     return "\n".join(lines)
 
 
@@ -161,8 +192,9 @@ def main() -> None:
     restarts = audited(lambda: bench_restarts(a.restarts))
     print(format_report(cfg, sl, deaths, restarts))
     if a.json:
-        a.json.write_text(json.dumps({"config": cfg, "save_load": sl, "deaths": deaths, "restarts": restarts},
-                                     indent=1, default=str))
+        a.json.write_text(
+            json.dumps({"config": cfg, "save_load": sl, "deaths": deaths, "restarts": restarts}, indent=1, default=str)
+        )
 
 
 if __name__ == "__main__":

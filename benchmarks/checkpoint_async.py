@@ -22,6 +22,7 @@ call plus what the steps after it waited for the copy. The first save of each pa
 then) is reported apart.
     .venv/bin/python benchmarks/checkpoint_async.py --compare [--rounds 8] [--steps 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,10 +72,11 @@ def window_worker(strategy: str, width: int, layers: int, rounds: int, steps: in
     for _ in range(2):  # Adam's state exists and the first steps' costs are behind
         step()
     drain(par.save(Path(root) / "warmup", async_save=True))  # the writers' group is made once, outside the timing
-    rows: dict[str, dict[str, list]] = {m: {"window_s": [], "call_s": [], "steps_s": [], "published_after": [],
-                                            "published_s": []} for m in MODES}
+    rows: dict[str, dict[str, list]] = {
+        m: {"window_s": [], "call_s": [], "steps_s": [], "published_after": [], "published_s": []} for m in MODES
+    }
     for r in range(rounds):
-        for mode in MODES[r % 3:] + MODES[:r % 3]:
+        for mode in MODES[r % 3 :] + MODES[: r % 3]:
             folder = Path(root) / f"{mode}-{r}"
             par.barrier()
             start = time.perf_counter()
@@ -87,8 +89,13 @@ def window_worker(strategy: str, width: int, layers: int, rounds: int, steps: in
                     published_after, published_s = i + 1, time.perf_counter() - start
             window = time.perf_counter() - start
             drain(saved)
-            for key, value in (("window_s", window), ("call_s", call), ("steps_s", times),
-                               ("published_after", published_after), ("published_s", published_s)):
+            for key, value in (
+                ("window_s", window),
+                ("call_s", call),
+                ("steps_s", times),
+                ("published_after", published_after),
+                ("published_s", published_s),
+            ):
                 rows[mode][key].append(value)
             par.barrier()
             if par.is_main:
@@ -168,30 +175,38 @@ def held_worker(width: int, layers: int, rounds: int, steps: int, root: str) -> 
 
 def compare(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="ckpt-held-bench-", dir=".") as root:
-        return paratrain.launch(held_worker, 2, args=(args.width, args.layers, args.rounds, args.steps, root),
-                                timeout_s=1800)[0]
+        return paratrain.launch(
+            held_worker, 2, args=(args.width, args.layers, args.rounds, args.steps, root), timeout_s=1800
+        )[0]
 
 
 def format_compare(args: argparse.Namespace, result: dict) -> str:
-    lines = [(f"ddp, world 2, MLP {args.layers} x Linear({args.width}, {args.width}): state "
-              f"{result['state_bytes'] / 1e6:.0f} MB a rank (weights + Adam); {args.steps} steps after each save; "
-              f"median of {args.rounds} rounds, paths alternating"),
-             f"   {'path':<12}{'held ms':>9}{'call ms':>9}{'waited ms':>11}{'window s':>10}   first save: held ms"]
+    lines = [
+        (
+            f"ddp, world 2, MLP {args.layers} x Linear({args.width}, {args.width}): state "
+            f"{result['state_bytes'] / 1e6:.0f} MB a rank (weights + Adam); {args.steps} steps after each save; "
+            f"median of {args.rounds} rounds, paths alternating"
+        ),
+        f"   {'path':<12}{'held ms':>9}{'call ms':>9}{'waited ms':>11}{'window s':>10}   first save: held ms",
+    ]
     for path in PATHS:
         row = result["rows"][path]
         held = [c + w for c, w in zip(row["call_s"], row["waited_s"])]
         call, waited, _ = result["first"][path]
-        lines.append(f"   {path:<12}{1e3 * statistics.median(held):>9.0f}{1e3 * statistics.median(row['call_s']):>9.0f}"
-                     f"{1e3 * statistics.median(row['waited_s']):>11.0f}{statistics.median(row['window_s']):>10.2f}"
-                     f"   {1e3 * (call + waited):.0f}")
+        lines.append(
+            f"   {path:<12}{1e3 * statistics.median(held):>9.0f}{1e3 * statistics.median(row['call_s']):>9.0f}"
+            f"{1e3 * statistics.median(row['waited_s']):>11.0f}{statistics.median(row['window_s']):>10.2f}"
+            f"   {1e3 * (call + waited):.0f}"
+        )
         lines.append(f"      held ms each round: {' '.join(f'{1e3 * h:.0f}' for h in held)}")
     return "\n".join(lines + [background_line(result)])
 
 
 def bench(strategy: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="ckpt-async-bench-", dir=".") as root:
-        return paratrain.launch(window_worker, 2, args=(strategy, args.width, args.layers, args.rounds, args.steps,
-                                                        root), timeout_s=900)[0]
+        return paratrain.launch(
+            window_worker, 2, args=(strategy, args.width, args.layers, args.rounds, args.steps, root), timeout_s=900
+        )[0]
 
 
 def summary(result: dict) -> dict:
@@ -204,11 +219,12 @@ def summary(result: dict) -> dict:
         entry = {"window_s": statistics.median(row["window_s"]), "call_s": statistics.median(row["call_s"])}
         entry["window_x_none"] = entry["window_s"] / none_window
         if mode == "async":
-            during = [t for ts, n in zip(row["steps_s"], row["published_after"]) for t in ts[:n or len(ts)]]
+            during = [t for ts, n in zip(row["steps_s"], row["published_after"]) for t in ts[: n or len(ts)]]
             entry["published_after_steps"] = row["published_after"]
             published = [t for t in row["published_s"] if t is not None]  # None: after the window
-            entry["published_s"] = statistics.median(published) if len(published) > len(row["published_s"]) / 2 \
-                else None
+            entry["published_s"] = (
+                statistics.median(published) if len(published) > len(row["published_s"]) / 2 else None
+            )
             entry["step_while_writing_ms"] = 1e3 * statistics.median(during)
             entry["step_while_writing_x_none"] = statistics.median(during) / none_step
         out[mode] = entry
@@ -220,19 +236,23 @@ def format_report(args: argparse.Namespace, results: dict) -> str:
     lines = []
     for strategy, result in results.items():
         s = summary(result)
-        lines += [f"{strategy}: MLP {args.layers} x Linear({args.width}, {args.width}) = "
-                  f"{result['parameters'] / 1e6:.1f}M parameters, state {result['state_bytes'] / 1e6:.0f} MB "
-                  f"(weights + Adam); world 2; {args.steps} steps a window, batch {BATCH}/rank; "
-                  f"median of {args.rounds} rounds",
-                  f"   {'save':<10}{'window s':>10}{'x none':>8}{'save call s':>13}   published after (steps each "
-                  "round), median step while writing"]
+        lines += [
+            f"{strategy}: MLP {args.layers} x Linear({args.width}, {args.width}) = "
+            f"{result['parameters'] / 1e6:.1f}M parameters, state {result['state_bytes'] / 1e6:.0f} MB "
+            f"(weights + Adam); world 2; {args.steps} steps a window, batch {BATCH}/rank; "
+            f"median of {args.rounds} rounds",
+            f"   {'save':<10}{'window s':>10}{'x none':>8}{'save call s':>13}   published after (steps each "
+            "round), median step while writing",
+        ]
         for mode in MODES:
             e = s[mode]
             extra = ""
             if mode == "async":
                 when = "after the window" if e["published_s"] is None else f"{e['published_s']:.2f} s"
-                extra = (f"   {when} {e['published_after_steps']}, {e['step_while_writing_ms']:.0f} ms "
-                         f"({e['step_while_writing_x_none']:.2f}x the {s['step_none_ms']:.0f} ms without a save)")
+                extra = (
+                    f"   {when} {e['published_after_steps']}, {e['step_while_writing_ms']:.0f} ms "
+                    f"({e['step_while_writing_x_none']:.2f}x the {s['step_none_ms']:.0f} ms without a save)"
+                )
             lines.append(f"   {mode:<10}{e['window_s']:>10.2f}{e['window_x_none']:>8.2f}{e['call_s']:>13.2f}{extra}")
         lines += [background_line(result), ""]
     return "\n".join(lines).rstrip()
@@ -245,8 +265,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--compare", action="store_true", help="held time per save: torch's stager against a fresh "
-                        "copy on the training thread")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="held time per save: torch's stager against a fresh copy on the training thread",
+    )
     args = parser.parse_args()
     if args.compare:
         result = audited(lambda: compare(args))
@@ -257,8 +280,12 @@ def main() -> None:
     results = {strategy: audited(lambda strategy=strategy: bench(strategy, args)) for strategy in ("ddp", "zero3")}
     print(format_report(args, results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": vars(args), "results": results,
-                                               "summary": {k: summary(v) for k, v in results.items()}}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"config": vars(args), "results": results, "summary": {k: summary(v) for k, v in results.items()}},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

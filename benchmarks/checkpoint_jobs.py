@@ -2,6 +2,7 @@
 
 Worker functions are module-level so that ``paratrain.launch`` can pickle them for spawned processes.
 """
+
 from __future__ import annotations
 
 import os

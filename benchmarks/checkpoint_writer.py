@@ -11,6 +11,7 @@ next optimizer step), the write's duration, and the step time while it writes ag
 Run (about 2 minutes on 2 cores):
     .venv/bin/python benchmarks/checkpoint_writer.py [--rounds 6] [--width 2048] [--layers 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,13 @@ def run(args: argparse.Namespace, root: str) -> dict:
     def save(name: str, folder: str) -> tuple[float, float, list[float]]:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         start = time.perf_counter()
-        response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(folder), process_group=group,
-                                  async_checkpointer_type=WRITERS[name], async_stager=stagers[name])
+        response = dcp.async_save(
+            state,
+            storage_writer=dcp.FileSystemWriter(folder),
+            process_group=group,
+            async_checkpointer_type=WRITERS[name],
+            async_stager=stagers[name],
+        )
         call = time.perf_counter() - start
         before = time.perf_counter()
         response.staging_completion.result()  # what the next optimizer step waits for
@@ -82,17 +88,22 @@ def run(args: argparse.Namespace, root: str) -> dict:
 
 def report(args: argparse.Namespace, result: dict) -> str:
     quiet = statistics.median(result["quiet_steps_s"])
-    lines = [(f"one process, MLP {args.layers} x Linear({args.width}, {args.width}): state "
-              f"{result['state_bytes'] / 1e6:.0f} MB (weights + Adam); median of {args.rounds} rounds; step without "
-              f"a save {1e3 * quiet:.0f} ms"),
-             f"   {'writer':<9}{'held ms':>9}{'write s':>9}{'step while writing ms':>23}"
-             "   first save: held ms, write s"]
+    lines = [
+        (
+            f"one process, MLP {args.layers} x Linear({args.width}, {args.width}): state "
+            f"{result['state_bytes'] / 1e6:.0f} MB (weights + Adam); median of {args.rounds} rounds; step without "
+            f"a save {1e3 * quiet:.0f} ms"
+        ),
+        f"   {'writer':<9}{'held ms':>9}{'write s':>9}{'step while writing ms':>23}   first save: held ms, write s",
+    ]
     for name in WRITERS:
         row, (held, write) = result["rows"][name], result["first"][name]
         during = statistics.median(row["steps_s"]) if row["steps_s"] else float("nan")
-        lines.append(f"   {name:<9}{1e3 * statistics.median(row['held_s']):>9.0f}"
-                     f"{statistics.median(row['write_s']):>9.2f}{1e3 * during:>12.0f} ({during / quiet:.2f}x)"
-                     f"{'':>5}   {1e3 * held:.0f}, {write:.2f}")
+        lines.append(
+            f"   {name:<9}{1e3 * statistics.median(row['held_s']):>9.0f}"
+            f"{statistics.median(row['write_s']):>9.2f}{1e3 * during:>12.0f} ({during / quiet:.2f}x)"
+            f"{'':>5}   {1e3 * held:.0f}, {write:.2f}"
+        )
     return "\n".join(lines + [background_line(result)])
 
 

@@ -16,6 +16,7 @@ process's CPU time (steadier on a shared machine). Reported: medians over the ro
     PYTHONPATH=src .venv/bin/python benchmarks/chunked_loss.py [--seq 2048] [--chunks 256,1024] [--steps 4]
         [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,18 @@ def _model(seq: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                        max_position_embeddings=seq, tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=4 * HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=seq,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def measure(seq: int, chunks: list[int | None], steps: int) -> dict[str, dict]:
@@ -89,22 +99,39 @@ def main() -> None:
         sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
     runs = measure(args.seq, [None, *(int(c) for c in args.chunks.split(","))], args.steps)
     logits = args.seq * VOCAB * 4
-    print(f"seq {args.seq}, vocab {VOCAB}: the fp32 logits are {logits / 2**20:.0f} MiB; medians of {args.steps} "
-          "interleaved steps")
-    print(f"{'':>12} {'peak above the step start':>26} {'x plain':>8} {'step':>8} {'x plain':>8} "
-          f"{'CPU':>8} {'x plain':>8} {'loss':>10}")
+    print(
+        f"seq {args.seq}, vocab {VOCAB}: the fp32 logits are {logits / 2**20:.0f} MiB; medians of {args.steps} "
+        "interleaved steps"
+    )
+    print(
+        f"{'':>12} {'peak above the step start':>26} {'x plain':>8} {'step':>8} {'x plain':>8} "
+        f"{'CPU':>8} {'x plain':>8} {'loss':>10}"
+    )
     summary, base = {}, None
     for name, run in runs.items():
         peak, step, cpu = (statistics.median(run[k]) for k in ("peaks", "times", "cpu"))
         base = base or (peak, step, cpu)
         summary[name] = {"peak_bytes": peak, "step_s": step, "cpu_s": cpu, "loss": run["loss"]}
         label = "plain" if name == "plain" else f"chunk {name}"
-        print(f"{label:>12} {peak / 2**20:>22.0f} MiB {peak / base[0]:>8.2f} {step:>7.2f}s {step / base[1]:>8.2f} "
-              f"{cpu:>7.2f}s {cpu / base[2]:>8.2f} {run['loss']:>10.6f}")
+        print(
+            f"{label:>12} {peak / 2**20:>22.0f} MiB {peak / base[0]:>8.2f} {step:>7.2f}s {step / base[1]:>8.2f} "
+            f"{cpu:>7.2f}s {cpu / base[2]:>8.2f} {run['loss']:>10.6f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"seq": args.seq, "vocab": VOCAB, "hidden": HIDDEN, "logits_bytes": logits, "runs": runs,
-                       "summary": summary, "torch": torch.__version__}, f, indent=1)
+            json.dump(
+                {
+                    "seq": args.seq,
+                    "vocab": VOCAB,
+                    "hidden": HIDDEN,
+                    "logits_bytes": logits,
+                    "runs": runs,
+                    "summary": summary,
+                    "torch": torch.__version__,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

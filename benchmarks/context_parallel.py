@@ -18,6 +18,7 @@ Step time: the median of each round's median, on the slowest rank; paratrain aga
 each round's ratio. Activation memory: the bytes of the storages
 autograd saves during one forward and loss (weights excluded), on rank 0, against cp=1's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,18 @@ VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 1024, 128, 2, 8, 4
 
 
 def shape(seq: int) -> GPTConfig:
-    return GPTConfig(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, seq_len=seq, vocab=VOCAB,
-                     gated=True, bias=False, learned_positions=False, tied=False)
+    return GPTConfig(
+        layers=LAYERS,
+        hidden=HIDDEN,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        seq_len=seq,
+        vocab=VOCAB,
+        gated=True,
+        bias=False,
+        learned_positions=False,
+        tied=False,
+    )
 
 
 def build(seq: int) -> nn.Module:
@@ -86,6 +97,7 @@ def saved(model: nn.Module, step) -> int:
 
 # --- the hand-written Ulysses -------------------------------------------------------------------------------------
 
+
 def _exchange(x: torch.Tensor) -> torch.Tensor:
     return wait_tensor(all_to_all_single_autograd(x.contiguous(), None, None, dist.group.WORLD))
 
@@ -108,8 +120,9 @@ def hand_written(model: nn.Module) -> nn.Module:
     """Every block's attention kernel between the two exchanges, then DDP over every rank."""
     for block in model.blocks:
         kernel = block.attention.forward
-        block.attention.forward = lambda q, k, v, kernel=kernel: _to_sequence(kernel(_to_heads(q), _to_heads(k),
-                                                                                     _to_heads(v)))
+        block.attention.forward = lambda q, k, v, kernel=kernel: _to_sequence(
+            kernel(_to_heads(q), _to_heads(k), _to_heads(v))
+        )
     return DistributedDataParallel(model)
 
 
@@ -122,6 +135,7 @@ def hand_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 
 
 # --- the job ------------------------------------------------------------------------------------------------------
+
 
 def job(seq: int, rounds: int, steps: int) -> dict | None:
     torch.set_num_threads(1)
@@ -183,9 +197,13 @@ def job(seq: int, rounds: int, steps: int) -> dict | None:
     finish_group()
     if rank:
         return None
-    return {"world": world, "seq": seq,
-            "step_s": {k: statistics.median(v) for k, v in times.items()},
-            "rounds_s": times, "saved_bytes": memory}
+    return {
+        "world": world,
+        "seq": seq,
+        "step_s": {k: statistics.median(v) for k, v in times.items()},
+        "rounds_s": times,
+        "saved_bytes": memory,
+    }
 
 
 def main() -> None:
@@ -203,24 +221,34 @@ def main() -> None:
         res["tokens_per_s"] = {k: args.seq / v for k, v in step.items()}
         res["paratrain_over_hand"] = step["paratrain"] / step["hand"]
         rounds = res["rounds_s"]  # the same round's pair: steadier than the ratio of medians on a busy machine
-        res["paratrain_over_hand_paired"] = statistics.median(p / h for p, h in
-                                                              zip(rounds["paratrain"], rounds["hand"]))
+        res["paratrain_over_hand_paired"] = statistics.median(
+            p / h for p, h in zip(rounds["paratrain"], rounds["hand"])
+        )
         res["memory_vs_cp1"] = {k: v / mem["cp=1"] for k, v in mem.items()}
         res["planner_bytes"] = {"cp=1": planned(args.seq, 1), "paratrain": planned(args.seq, world)}
         res["planner_over_measured"] = {k: v / mem[k] for k, v in res["planner_bytes"].items()}
         results.append(res)
         print(f"world {world} (cp={world}), seq {args.seq}:")
         for k in step:
-            print(f"  {k:10s} step {step[k]:.3f} s  {res['tokens_per_s'][k]:8.0f} tok/s  saved "
-                  f"{mem[k] / 2**20:7.1f} MiB ({res['memory_vs_cp1'][k]:.2f} x cp=1)")
-        print("  planner / measured saved bytes: " + ", ".join(f"{k} {v:.3f}" for k, v in
-                                                             res["planner_over_measured"].items()))
-        print(f"  paratrain / hand: {res['paratrain_over_hand']:.3f} (median of rounds' ratios "
-              f"{res['paratrain_over_hand_paired']:.3f})")
+            print(
+                f"  {k:10s} step {step[k]:.3f} s  {res['tokens_per_s'][k]:8.0f} tok/s  saved "
+                f"{mem[k] / 2**20:7.1f} MiB ({res['memory_vs_cp1'][k]:.2f} x cp=1)"
+            )
+        print(
+            "  planner / measured saved bytes: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in res["planner_over_measured"].items())
+        )
+        print(
+            f"  paratrain / hand: {res['paratrain_over_hand']:.3f} (median of rounds' ratios "
+            f"{res['paratrain_over_hand_paired']:.3f})"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args),
-                       "results": results}, f, indent=1)
+            json.dump(
+                {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args), "results": results},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ temporaries and the gradients.
 Run (a few minutes on 2 cores):
     .venv/bin/python benchmarks/cp_padding_memory.py [--lengths 2048 4096 8192 16384] [--kernel sdpa|eager]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ def _kernel(name: str):
         return sdpa_attention_forward
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    return lambda module, q, k, v, mask, **kwargs: eager_attention_forward(module, q, k, v, mask, HEAD_DIM ** -0.5)
+    return lambda module, q, k, v, mask, **kwargs: eager_attention_forward(module, q, k, v, mask, HEAD_DIM**-0.5)
 
 
 def measure(way: str, name: str, length: int) -> int:
@@ -46,9 +47,11 @@ def measure(way: str, name: str, length: int) -> int:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, h, length, HEAD_DIM, requires_grad=True) for h in (HEADS, KV_HEADS, KV_HEADS))
     keys = torch.ones(1, length, dtype=torch.long)
-    keys[0, length - length // 10:] = 0
-    module, kernel = SimpleNamespace(is_causal=True, num_key_value_groups=HEADS // KV_HEADS, training=False), \
-        _kernel(name)
+    keys[0, length - length // 10 :] = 0
+    module, kernel = (
+        SimpleNamespace(is_causal=True, num_key_value_groups=HEADS // KV_HEADS, training=False),
+        _kernel(name),
+    )
     form = "bool" if name == "sdpa" else "additive"
 
     def call() -> None:
@@ -79,12 +82,23 @@ def main() -> None:
         way, name, length = args.one
         print(measure(way, name, int(length)))
         return
-    print(f"{'tokens':>8} {'dense mask MiB':>15} {'attend MiB':>11} {'unpadded MiB':>13}  ({args.kernel}, peak RSS "
-          "growth of one call)")
+    print(
+        f"{'tokens':>8} {'dense mask MiB':>15} {'attend MiB':>11} {'unpadded MiB':>13}  ({args.kernel}, peak RSS "
+        "growth of one call)"
+    )
     for length in args.lengths:
-        row = [int(subprocess.run([sys.executable, __file__, "--one", way, args.kernel, str(length)], check=True,
-                                  capture_output=True, text=True).stdout.split()[-1]) / 2**20
-               for way in ("dense", "attend", "unpadded")]
+        row = [
+            int(
+                subprocess.run(
+                    [sys.executable, __file__, "--one", way, args.kernel, str(length)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout.split()[-1]
+            )
+            / 2**20
+            for way in ("dense", "attend", "unpadded")
+        ]
         print(f"{length:>8} {row[0]:>15.0f} {row[1]:>11.0f} {row[2]:>13.0f}")
 
 

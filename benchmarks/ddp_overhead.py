@@ -23,6 +23,7 @@ Run (about 2-3 minutes on 2 cores):
 To measure one commit while ``src/`` is being edited, put a frozen copy first on the path:
     git archive COMMIT src | tar -x -C /tmp/pt && PYTHONPATH=/tmp/pt/src .venv/bin/python benchmarks/ddp_overhead.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,6 +53,7 @@ STEP_TARGET = 1.01
 LAUNCH_TARGET = 1.05  # issue #13: launch to the first collective within 5% of torchrun
 JOB_TIMEOUT_S = 120
 
+
 # ----------------------------------------------------------------------------------------------- background load
 def audited(bench: Callable[[], dict]) -> dict:
     """Run ``bench`` and add ``background_share``: the fraction of the machine other processes used meanwhile."""
@@ -62,9 +64,20 @@ def audited(bench: Callable[[], dict]) -> dict:
 
 # ----------------------------------------------------------------------------------------------- 1. step time, scaling
 def bench_step_and_scaling(rounds: int, warmup: int, steps: int) -> dict:
-    config = BenchConfig(workload="mlp", nprocs=(1, 2), strategies=("ddp",), scaling="strong", batch=GLOBAL_BATCH,
-                         compare="torch-ddp", threads=True, threads_per_rank=1, rounds=rounds, warmup=warmup,
-                         steps=steps, timeout_s=900)
+    config = BenchConfig(
+        workload="mlp",
+        nprocs=(1, 2),
+        strategies=("ddp",),
+        scaling="strong",
+        batch=GLOBAL_BATCH,
+        compare="torch-ddp",
+        threads=True,
+        threads_per_rank=1,
+        rounds=rounds,
+        warmup=warmup,
+        steps=steps,
+        timeout_s=900,
+    )
     result = to_json(run_bench(config))
     (comparison,) = result["comparisons"]
     if comparison["max_param_diff"] != 0.0:
@@ -111,11 +124,16 @@ def time_first_step(name: str) -> dict[str, float | None]:
                 exited = None
         ranks = [json.loads(p.read_text()) for p in Path(tmp).glob("rank*.json")]
         if len(ranks) != 2 or (exited is not None and proc.returncode != 0):
-            raise RuntimeError(f"{' '.join(cmd)}: exit code {proc.returncode}, {len(ranks)} of 2 first steps "
-                               f"recorded:\n{log.read_text()[-3000:]}")
-    return {"first_collective_s": max(r["first_collective"] for r in ranks) - t0,
-            "first_step_s": max(r["done"] for r in ranks) - t0, "exit_s": exited,
-            "setup_s": max(r["setup_s"] for r in ranks)}
+            raise RuntimeError(
+                f"{' '.join(cmd)}: exit code {proc.returncode}, {len(ranks)} of 2 first steps "
+                f"recorded:\n{log.read_text()[-3000:]}"
+            )
+    return {
+        "first_collective_s": max(r["first_collective"] for r in ranks) - t0,
+        "first_step_s": max(r["done"] for r in ranks) - t0,
+        "exit_s": exited,
+        "setup_s": max(r["setup_s"] for r in ranks),
+    }
 
 
 def kill_tree(pid: int) -> None:
@@ -141,14 +159,22 @@ def bench_launch(rounds: int) -> dict:
     names = list(LAUNCHES)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             runs[name].append(time_first_step(name))
-    med = {n: {k: statistics.median(x[k] for x in v if x[k] is not None) if any(x[k] is not None for x in v)
-               else math.nan for k in v[0]} for n, v in runs.items()}
-    return {"runs": runs, "median": med,
-            "hung_at_exit": {n: sum(x["exit_s"] is None for x in v) for n, v in runs.items()},
-            "ratio": med["paratrain run, plain script"]["first_collective_s"]
-            / med["torchrun, plain script"]["first_collective_s"]}
+    med = {
+        n: {
+            k: statistics.median(x[k] for x in v if x[k] is not None) if any(x[k] is not None for x in v) else math.nan
+            for k in v[0]
+        }
+        for n, v in runs.items()
+    }
+    return {
+        "runs": runs,
+        "median": med,
+        "hung_at_exit": {n: sum(x["exit_s"] is None for x in v) for n, v in runs.items()},
+        "ratio": med["paratrain run, plain script"]["first_collective_s"]
+        / med["torchrun, plain script"]["first_collective_s"],
+    }
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -159,49 +185,66 @@ def verdict(ratio: float, target: float) -> str:
 def background_line(result: dict) -> str:
     share = result["background_share"]
     note = "  ** machine was not idle: numbers are suspect **" if share > 0.05 else ""
-    return (f"   other processes used {100 * share:.1f}% of the {CORES} cores during this part "
-            f"({result['wall_s']:.0f} s){note}")
+    return (
+        f"   other processes used {100 * share:.1f}% of the {CORES} cores during this part "
+        f"({result['wall_s']:.0f} s){note}"
+    )
 
 
 def format_step(bench: dict) -> list[str]:
     rows = {r["name"]: r for r in bench["rows"]}
     ours, theirs, c = rows["ddp x2"], rows["torch-ddp x2"], bench["comparisons"][0]
-    lines = [f"1. Step time, world 2, batch {GLOBAL_BATCH // 2}/rank, 1 thread/rank (slowest rank, ms per step)",
-             f"   {'round':<8}{'paratrain':>11}{'torch':>11}{'ratio':>9}"]
+    lines = [
+        f"1. Step time, world 2, batch {GLOBAL_BATCH // 2}/rank, 1 thread/rank (slowest rank, ms per step)",
+        f"   {'round':<8}{'paratrain':>11}{'torch':>11}{'ratio':>9}",
+    ]
     for i, (p, t, ratio) in enumerate(zip(ours["rounds_ms"], theirs["rounds_ms"], c["rounds"]), 1):
         lines.append(f"   {i:<8}{p:>11.2f}{t:>11.2f}{ratio:>9.3f}")
-    return [*lines,
-            f"   {'median':<8}{c['paratrain_ms']:>11.2f}{c['torch_ms']:>11.2f}{c['overhead']:>9.3f}   "
-            f"(median of the per-round ratios; {verdict(c['overhead'], STEP_TARGET)})",
-            f"   paratrain vs torch parameters after the same steps: max |diff| = {c['max_param_diff']:.3g}",
-            f"   communication: {100 * ours['comm_share']:.0f}% of paratrain's step waits for the gradient all-reduce "
-            f"(step with minus without gradient sync)",
-            background_line(bench)]
+    return [
+        *lines,
+        f"   {'median':<8}{c['paratrain_ms']:>11.2f}{c['torch_ms']:>11.2f}{c['overhead']:>9.3f}   "
+        f"(median of the per-round ratios; {verdict(c['overhead'], STEP_TARGET)})",
+        f"   paratrain vs torch parameters after the same steps: max |diff| = {c['max_param_diff']:.3g}",
+        f"   communication: {100 * ours['comm_share']:.0f}% of paratrain's step waits for the gradient all-reduce "
+        f"(step with minus without gradient sync)",
+        background_line(bench),
+    ]
 
 
 def format_scaling(bench: dict) -> list[str]:
-    lines = [f"3. Scaling, fixed global batch {GLOBAL_BATCH} (median step of {bench['config']['rounds']} blocks "
-             f"of {bench['config']['steps']} steps; the same run as part 1)",
-             f"   {'config':<22}{'step ms':>9}{'samples/s':>11}{'speedup':>9}{'efficiency':>12}{'comm':>7}"]
+    lines = [
+        f"3. Scaling, fixed global batch {GLOBAL_BATCH} (median step of {bench['config']['rounds']} blocks "
+        f"of {bench['config']['steps']} steps; the same run as part 1)",
+        f"   {'config':<22}{'step ms':>9}{'samples/s':>11}{'speedup':>9}{'efficiency':>12}{'comm':>7}",
+    ]
     for r in bench["rows"]:
         comm = "-" if r["comm_share"] is None else f"{100 * r['comm_share']:.0f}%"
-        lines.append(f"   {r['name']:<22}{r['step_ms']:>9.2f}{r['samples_per_s']:>11.0f}{r['speedup']:>8.2f}x"
-                     f"{r['efficiency']:>12.2f}{comm:>7}")
+        lines.append(
+            f"   {r['name']:<22}{r['step_ms']:>9.2f}{r['samples_per_s']:>11.0f}{r['speedup']:>8.2f}x"
+            f"{r['efficiency']:>12.2f}{comm:>7}"
+        )
     return [*lines, f"   fastest: {bench['fastest']}"]
 
 
 def format_launch(launch: dict) -> list[str]:
     runs, med, hung = launch["runs"], launch["median"], launch["hung_at_exit"]
     names = list(LAUNCHES)
-    lines = ["2. Launch to the first collective, 2 processes, OMP_NUM_THREADS=1 (seconds from the launcher's start)",
-             f"   {'round':<8}" + "".join(f"{n:>30}" for n in names)]
+    lines = [
+        "2. Launch to the first collective, 2 processes, OMP_NUM_THREADS=1 (seconds from the launcher's start)",
+        f"   {'round':<8}" + "".join(f"{n:>30}" for n in names),
+    ]
     for i in range(len(runs[names[0]])):
         lines.append(f"   {i + 1:<8}" + "".join(f"{runs[n][i]['first_collective_s']:>30.3f}" for n in names))
     lines.append(f"   {'median':<8}" + "".join(f"{med[n]['first_collective_s']:>30.3f}" for n in names))
-    lines.append(f"   paratrain run / torchrun, the same plain script: {launch['ratio']:.3f} "
-                 f"({verdict(launch['ratio'], LAUNCH_TARGET)})")
-    for key, what in (("first_step_s", "to the first step"), ("exit_s", "to exit"),
-                      ("setup_s", "set-up in the script")):
+    lines.append(
+        f"   paratrain run / torchrun, the same plain script: {launch['ratio']:.3f} "
+        f"({verdict(launch['ratio'], LAUNCH_TARGET)})"
+    )
+    for key, what in (
+        ("first_step_s", "to the first step"),
+        ("exit_s", "to exit"),
+        ("setup_s", "set-up in the script"),
+    ):
         lines.append(f"   {what:<22}" + "".join(f"{med[n][key]:>24.3f}" for n in names))
     lines.append("   (set-up: Parallel() + prepare() in the paratrain script; init_process_group + DDP(model) by hand)")
     lines.append(f"   {'hung at exit':<22}" + "".join(f"{hung[n]:>24}" for n in names))
@@ -209,9 +252,10 @@ def format_launch(launch: dict) -> list[str]:
 
 
 def format_report(cfg: dict, bench: dict, launch: dict) -> str:
-    header = [f"paratrain {paratrain.__version__} from {cfg['paratrain']}, torch {torch.__version__}, "
-              f"{CORES} cores, gloo",
-              f"MLP 784-1024-1024-10, SGD; rounds={cfg['rounds']} warmup={cfg['warmup']} steps={cfg['steps']}"]
+    header = [
+        f"paratrain {paratrain.__version__} from {cfg['paratrain']}, torch {torch.__version__}, {CORES} cores, gloo",
+        f"MLP 784-1024-1024-10, SGD; rounds={cfg['rounds']} warmup={cfg['warmup']} steps={cfg['steps']}",
+    ]
     sections = [header, format_step(bench), format_launch(launch), format_scaling(bench)]
     return "\n\n".join("\n".join(lines) for lines in sections)
 
@@ -231,8 +275,12 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    cfg = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-           "paratrain": str(Path(paratrain.__file__).parent)}
+    cfg = {
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "paratrain": str(Path(paratrain.__file__).parent),
+    }
     t0 = time.perf_counter()
     bench = audited(lambda: bench_step_and_scaling(args.rounds, args.warmup, args.steps))
     launch = audited(lambda: bench_launch(args.rounds))

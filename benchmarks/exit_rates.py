@@ -8,6 +8,7 @@ non-zero; ``abort`` counts runs whose output shows gloo's exit abort or a fatal 
 
     PYTHONPATH=src .venv/bin/python benchmarks/exit_rates.py --runs 20 --json /tmp/exit-rates.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,13 @@ def _timed(cmd: list[str], timeout_s: float) -> dict[str, object]:
         hang = True
     seconds = time.monotonic() - start
     abort = any(marker in out for marker in _ABORT)
-    return {"rc": proc.returncode, "hang": hang, "abort": abort, "seconds": round(seconds, 2),
-            "tail": out.strip().splitlines()[-3:] if (proc.returncode or abort or hang) else []}
+    return {
+        "rc": proc.returncode,
+        "hang": hang,
+        "abort": abort,
+        "seconds": round(seconds, 2),
+        "tail": out.strip().splitlines()[-3:] if (proc.returncode or abort or hang) else [],
+    }
 
 
 def main() -> None:
@@ -74,8 +80,10 @@ def main() -> None:
     for key, rows in results.items():
         secs = sorted(float(r["seconds"]) for r in rows)  # type: ignore[arg-type]
         failed = sum(1 for r in rows if r["rc"] != 0)
-        print(f"{key:<22} {len(rows):>5} {failed:>7} {sum(bool(r['abort']) for r in rows):>7} "
-              f"{sum(bool(r['hang']) for r in rows):>6} {secs[len(secs) // 2]:>9.2f}")
+        print(
+            f"{key:<22} {len(rows):>5} {failed:>7} {sum(bool(r['abort']) for r in rows):>7} "
+            f"{sum(bool(r['hang']) for r in rows):>6} {secs[len(secs) // 2]:>9.2f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

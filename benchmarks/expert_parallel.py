@@ -29,6 +29,7 @@ what a rank holds of the experts (parameters plus AdamW's state, bytes of the lo
 planner's figure for the layout (:mod:`paratrain.planner.expert_parallel`); the resident high-water mark of a step above
 the resident memory before it (``/proc/self/clear_refs``; glibc set to return every block over 64 KiB when freed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,18 @@ from paratrain.planner.moe import MoE
 from paratrain.planner.transformer import GPTConfig
 from paratrain.workloads.experts import activate
 
-CFG = GPTConfig(layers=2, hidden=128, heads=4, seq_len=128, vocab=512, gated=True, bias=False, tied=False,
-                learned_positions=False, moe=MoE(experts=8, top_k=2, ffn=256))
+CFG = GPTConfig(
+    layers=2,
+    hidden=128,
+    heads=4,
+    seq_len=128,
+    vocab=512,
+    gated=True,
+    bias=False,
+    tied=False,
+    learned_positions=False,
+    moe=MoE(experts=8, top_k=2, ffn=256),
+)
 BATCH = 8  # samples of CFG.seq_len tokens per rank
 
 
@@ -88,8 +99,12 @@ class HandExperts(nn.Module):
         arrived = _wait(all_to_all_single_autograd(rows, in_splits, out_splits, dist.group.WORLD))
         order = torch.arange(self.n).repeat(self.ranks).repeat_interleave(received.flatten()).argsort(stable=True)
         parts = arrived[order].split(received.sum(0).tolist())
-        computed = torch.cat([F.linear(activate(F.linear(part, self.gate_up[e]), self.gated), self.down[e])
-                              for e, part in enumerate(parts)])
+        computed = torch.cat(
+            [
+                F.linear(activate(F.linear(part, self.gate_up[e]), self.gated), self.down[e])
+                for e, part in enumerate(parts)
+            ]
+        )
         return _wait(all_to_all_single_autograd(computed[order.argsort()], out_splits, in_splits, dist.group.WORLD))
 
 
@@ -144,6 +159,7 @@ def one_step(par: object, model: nn.Module, opt: torch.optim.Optimizer, x: torch
 
 def expert_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     """Bytes of the routed experts' parameters and their optimizer state this rank holds (local tensors)."""
+
     def local(t: torch.Tensor) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
@@ -186,7 +202,7 @@ def job(rounds: int, steps: int, warmup: int, mode: str = "zero3") -> dict:
             one_step(par, model, opt, x, y)
         out[s]["expert_bytes"] = expert_bytes(par.unwrap(model) if par else model, opt)
     for r in range(rounds):
-        for s in names[r % len(names):] + names[:r % len(names)]:
+        for s in names[r % len(names) :] + names[: r % len(names)]:
             par, model, opt = subjects[s]
             times = []
             for _ in range(steps):
@@ -232,10 +248,15 @@ def main() -> None:
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--json", help="write the figures here")
     modes = p.add_mutually_exclusive_group()
-    modes.add_argument("--hybrid", action="store_const", dest="mode", const="hybrid", default="zero3",
-                       help="hybrid (2 stages) with and without ep=2, not zero3")
-    modes.add_argument("--tp", action="store_const", dest="mode", const="tp",
-                       help="zero3 x tp=2 with and without ep=2")
+    modes.add_argument(
+        "--hybrid",
+        action="store_const",
+        dest="mode",
+        const="hybrid",
+        default="zero3",
+        help="hybrid (2 stages) with and without ep=2, not zero3",
+    )
+    modes.add_argument("--tp", action="store_const", dest="mode", const="tp", help="zero3 x tp=2 with and without ep=2")
     a = p.parse_args()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":  # glibc reads it at start: run again with it set
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -248,28 +269,43 @@ def main() -> None:
         for s in ranks[0]:
             per_round = [max(rank[s]["rounds_ms"][r] for rank in ranks) for r in range(a.rounds)]
             step_ms = statistics.median(per_round)
-            rows[s] = {"step_ms": round(step_ms, 1), "rounds_ms": [round(v, 1) for v in per_round],
-                       "tokens_per_s": round(world // _sharing(a.mode) * BATCH * CFG.seq_len / step_ms * 1e3),
-                       "expert_bytes": [rank[s]["expert_bytes"] for rank in ranks],
-                       "planned_expert_bytes": planned_bytes(s, world) if not s.startswith("hand") else None,
-                       "peak_mib": round(statistics.median(max(rank[s]["peaks"][i] for rank in ranks)
-                                                           for i in range(len(ranks[0][s]["peaks"]))) / 2**20, 1),
-                       "first_loss": ranks[0][s]["first_loss"]}
+            rows[s] = {
+                "step_ms": round(step_ms, 1),
+                "rounds_ms": [round(v, 1) for v in per_round],
+                "tokens_per_s": round(world // _sharing(a.mode) * BATCH * CFG.seq_len / step_ms * 1e3),
+                "expert_bytes": [rank[s]["expert_bytes"] for rank in ranks],
+                "planned_expert_bytes": planned_bytes(s, world) if not s.startswith("hand") else None,
+                "peak_mib": round(
+                    statistics.median(
+                        max(rank[s]["peaks"][i] for rank in ranks) for i in range(len(ranks[0][s]["peaks"]))
+                    )
+                    / 2**20,
+                    1,
+                ),
+                "first_loss": ranks[0][s]["first_loss"],
+            }
         for row in rows.values():  # paired with the hand-written step of the same round: the load is shared
-            row["x_hand"] = round(statistics.median(r / h for r, h in zip(row["rounds_ms"], rows[hand]["rounds_ms"],
-                                                                            strict=True)), 3)
+            row["x_hand"] = round(
+                statistics.median(r / h for r, h in zip(row["rounds_ms"], rows[hand]["rounds_ms"], strict=True)), 3
+            )
         results[world] = rows
-        print(f"\nworld {world}: GPT {CFG.layers} x {CFG.hidden}, {CFG.moe.experts} experts top {CFG.moe.top_k} "
-              f"(width {CFG.moe.ffn}), {BATCH} x {CFG.seq_len} tokens a rank, fp32, AdamW; "
-              f"{a.rounds} rounds x {a.steps} steps")
-        print(f"{'subject':<16} {'step ms':>8} {'min ms':>7} {'x hand':>7} {'tokens/s':>9} {'experts+opt/rank':>17} "
-              f"{'planner':>9} {'peak MiB':>9} {'first loss':>11}  rounds (ms)")
+        print(
+            f"\nworld {world}: GPT {CFG.layers} x {CFG.hidden}, {CFG.moe.experts} experts top {CFG.moe.top_k} "
+            f"(width {CFG.moe.ffn}), {BATCH} x {CFG.seq_len} tokens a rank, fp32, AdamW; "
+            f"{a.rounds} rounds x {a.steps} steps"
+        )
+        print(
+            f"{'subject':<16} {'step ms':>8} {'min ms':>7} {'x hand':>7} {'tokens/s':>9} {'experts+opt/rank':>17} "
+            f"{'planner':>9} {'peak MiB':>9} {'first loss':>11}  rounds (ms)"
+        )
         for s, row in rows.items():
             held, planned = max(row["expert_bytes"]), row["planned_expert_bytes"]
             ratio = "" if planned is None else f"{planned / held:.3f}x"
-            print(f"{s:<16} {row['step_ms']:>8.1f} {min(row['rounds_ms']):>7.1f} {row['x_hand']:>7.3f} "
-                  f"{row['tokens_per_s']:>9} {held / 2**20:>13.2f} MiB {ratio:>9} "
-                  f"{row['peak_mib']:>9.1f} {row['first_loss']:>11.6f}  {row['rounds_ms']}")
+            print(
+                f"{s:<16} {row['step_ms']:>8.1f} {min(row['rounds_ms']):>7.1f} {row['x_hand']:>7.3f} "
+                f"{row['tokens_per_s']:>9} {held / 2**20:>13.2f} MiB {ratio:>9} "
+                f"{row['peak_mib']:>9.1f} {row['first_loss']:>11.6f}  {row['rounds_ms']}"
+            )
         time.sleep(1)
     if a.json:
         with open(a.json, "w") as f:

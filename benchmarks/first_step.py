@@ -8,6 +8,7 @@ Fields (``time.time()`` stamps and seconds): ``started`` (the script's first lin
 process group's first collective done: the launch is over), ``setup_s`` (``Parallel()`` + ``prepare()``, or
 ``init_process_group`` + ``DDP(model)``, on a loaded ``torch``), ``done`` (the first step finished).
 """
+
 from __future__ import annotations
 
 import time

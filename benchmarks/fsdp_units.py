@@ -24,6 +24,7 @@ more step (parameters, gradients, optimizer state, activations, temporaries), fr
 follows every storage; the allocator's caching and fragmentation are left out, as ``max_memory_allocated`` leaves
 them out on a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,10 @@ import paratrain
 from paratrain.distributed.process_group import finish_group
 
 LAYERS, HIDDEN, HEADS, SEQ, PER_RANK = 4, 192, 4, 64, 8
-SUBJECTS = {"fp32": ("paratrain", "hand-fsdp2", "every-linear"),
-            "bf16-mixed": ("paratrain", "paratrain-direct", "hand-fsdp2")}
+SUBJECTS = {
+    "fp32": ("paratrain", "hand-fsdp2", "every-linear"),
+    "bf16-mixed": ("paratrain", "paratrain-direct", "hand-fsdp2"),
+}
 
 
 def build(kind: str, vocab: int) -> tuple[nn.Module, type[nn.Module]]:
@@ -56,8 +59,18 @@ def build(kind: str, vocab: int) -> tuple[nn.Module, type[nn.Module]]:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    cfg = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=SEQ, vocab_size=vocab,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        n_layer=LAYERS,
+        n_embd=HIDDEN,
+        n_head=HEADS,
+        n_positions=SEQ,
+        vocab_size=vocab,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg), GPT2Block
 
 
@@ -79,8 +92,11 @@ def prepared(subject: str, kind: str, precision: str, vocab: int) -> tuple[objec
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if precision == "bf16-mixed" else MixedPrecisionPolicy())
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision == "bf16-mixed"
+            else MixedPrecisionPolicy()
+        )
         for m in [m for m in model.modules() if isinstance(m, block)]:
             fully_shard(m, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -113,8 +129,9 @@ def measure(subject: str, kind: str, steps: int, warmup: int, precision: str, vo
     return {"median_s": statistics.median(times), "peak_mib": peak["Total"] / 2**20}
 
 
-def _one_step(par: object, subject: str, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-              y: torch.Tensor) -> None:
+def _one_step(
+    par: object, subject: str, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> None:
     if par is None:
         _hand_loss(model(x), y).backward()
         opt.step()
@@ -134,7 +151,7 @@ def job(kinds: list[str], rounds: int, steps: int, warmup: int, precision: str, 
     out: dict[str, list[dict]] = {f"{k}/{s}": [] for k in kinds for s in subjects}
     for r in range(rounds):
         for kind in kinds:
-            order = subjects[r % 3:] + subjects[:r % 3]
+            order = subjects[r % 3 :] + subjects[: r % 3]
             for subject in order:
                 out[f"{kind}/{subject}"].append(measure(subject, kind, steps, warmup, precision, vocab))
     finish_group()
@@ -157,16 +174,26 @@ def main() -> None:
     for key in ranks[0]:
         per_round = [max(rank[key][r]["median_s"] for rank in ranks) for r in range(a.rounds)]
         peak = statistics.median(max(rank[key][r]["peak_mib"] for rank in ranks) for r in range(a.rounds))
-        rows.append({"case": key, "step_ms": 1e3 * statistics.median(per_round), "peak_mib": peak,
-                     "rounds_ms": [round(1e3 * t, 1) for t in per_round]})
+        rows.append(
+            {
+                "case": key,
+                "step_ms": 1e3 * statistics.median(per_round),
+                "peak_mib": peak,
+                "rounds_ms": [round(1e3 * t, 1) for t in per_round],
+            }
+        )
     by = {r["case"]: r for r in rows}
-    print(f"model: {LAYERS} blocks, hidden {HIDDEN}, seq {SEQ}, vocab {a.vocab}, tied head; {PER_RANK} samples per "
-          f"rank, AdamW, {a.precision}, world 2; {a.rounds} rounds x {a.steps} steps")
+    print(
+        f"model: {LAYERS} blocks, hidden {HIDDEN}, seq {SEQ}, vocab {a.vocab}, tied head; {PER_RANK} samples per "
+        f"rank, AdamW, {a.precision}, world 2; {a.rounds} rounds x {a.steps} steps"
+    )
     print(f"{'case':<24} {'step ms':>8} {'x hand':>7} {'peak MiB':>9} {'x hand':>7}  rounds (ms)")
     for r in rows:
         hand = by[r["case"].split("/")[0] + "/hand-fsdp2"]
-        print(f"{r['case']:<24} {r['step_ms']:>8.1f} {r['step_ms'] / hand['step_ms']:>7.3f} {r['peak_mib']:>9.1f} "
-              f"{r['peak_mib'] / hand['peak_mib']:>7.3f}  {r['rounds_ms']}")
+        print(
+            f"{r['case']:<24} {r['step_ms']:>8.1f} {r['step_ms'] / hand['step_ms']:>7.3f} {r['peak_mib']:>9.1f} "
+            f"{r['peak_mib'] / hand['peak_mib']:>7.3f}  {r['rounds_ms']}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -24,6 +24,7 @@ implementation), cross-entropy over the logits. Two phases:
 
 The monitor is off (``monitor=False``) on both sides; it is measured apart (benchmarks/monitor_overhead.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,10 @@ import paratrain
 from paratrain.distributed.process_group import finish_group
 from paratrain.workloads.gpt import GPT, Block, GPTConfig
 
-SIZES = {"124m": GPTConfig(layers=12, hidden=768, heads=12, seq_len=1024, vocab=50304),
-         "tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512)}
+SIZES = {
+    "124m": GPTConfig(layers=12, hidden=768, heads=12, seq_len=1024, vocab=50304),
+    "tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),
+}
 MEMORY_SUBJECTS = ("ddp/paratrain", "ddp/hand", "zero3/paratrain", "zero3/paratrain-direct", "zero3/hand")
 TIME_PAIRS = ("ddp", "zero3", "ddp+compile", "zero3+compile")
 
@@ -64,8 +67,9 @@ class Subject:
         model = GPT(cfg).to(device)
         self.par = None
         if self.who.startswith("paratrain"):
-            self.par = paratrain.Parallel(self.strategy, precision="bf16-mixed", monitor=False,
-                                          model=paratrain.ModelConfig(compile=compiled))
+            self.par = paratrain.Parallel(
+                self.strategy, precision="bf16-mixed", monitor=False, model=paratrain.ModelConfig(compile=compiled)
+            )
             self.model, self.opt = self.par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
             return
         if self.who == "hand-whole":
@@ -135,8 +139,15 @@ def memory_phase(cfg: GPTConfig, batch: tuple[torch.Tensor, torch.Tensor], devic
     return out
 
 
-def time_phase(cfg: GPTConfig, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device, pairs: list[str],
-               rounds: int, steps: int, warmup: int) -> dict:
+def time_phase(
+    cfg: GPTConfig,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    pairs: list[str],
+    rounds: int,
+    steps: int,
+    warmup: int,
+) -> dict:
     keys = [f"{p}/{w}" for p in pairs for w in ("paratrain", "hand")]
     if "ddp+compile" in pairs:
         keys.append("ddp+compile/hand-whole")
@@ -160,7 +171,7 @@ def time_phase(cfg: GPTConfig, batch: tuple[torch.Tensor, torch.Tensor], device:
         for pair in pairs:
             members = [k for k in ready if k.startswith(pair + "/")]
             for i in range(steps):
-                for key in members[i % len(members):] + members[:i % len(members)]:
+                for key in members[i % len(members) :] + members[: i % len(members)]:
                     _sync(device)
                     start = time.perf_counter()
                     subjects[key].step(*batch)
@@ -179,8 +190,9 @@ def time_phase(cfg: GPTConfig, batch: tuple[torch.Tensor, torch.Tensor], device:
 
 
 def job(size: str, per_rank: int, rounds: int, steps: int, warmup: int, pairs: list[str], memory: bool) -> dict:
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -190,8 +202,12 @@ def job(size: str, per_rank: int, rounds: int, steps: int, warmup: int, pairs: l
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab, (per_rank, cfg.seq_len + 1), generator=g).to(device)
     batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "config": cfg.__dict__, "per_rank": per_rank}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": cfg.__dict__,
+        "per_rank": per_rank,
+    }
     if memory:
         result["memory"] = memory_phase(cfg, batch, device)
     result["time"] = time_phase(cfg, batch, device, pairs, rounds, steps, warmup)
@@ -200,8 +216,10 @@ def job(size: str, per_rank: int, rounds: int, steps: int, warmup: int, pairs: l
 
 
 def report(res: dict) -> None:
-    print(f"\n{res['device']}, torch {res['torch']}; GPT {res['config']['layers']} layers x {res['config']['hidden']}, "
-          f"vocab {res['config']['vocab']}, batch {res['per_rank']} x {res['config']['seq_len']}, bf16-mixed, AdamW")
+    print(
+        f"\n{res['device']}, torch {res['torch']}; GPT {res['config']['layers']} layers x {res['config']['hidden']}, "
+        f"vocab {res['config']['vocab']}, batch {res['per_rank']} x {res['config']['seq_len']}, bf16-mixed, AdamW"
+    )
     mem = res.get("memory", {})
     if mem:
         print(f"{'peak memory':<26} {'GiB':>7} {'x hand':>7}")
@@ -220,9 +238,11 @@ def report(res: dict) -> None:
             continue
         hand = t.get(key.split("/")[0] + "/hand", {})
         ratio = row["step_ms"] / hand["step_ms"] if hand.get("step_ms") else float("nan")
-        print(f"{key:<26} {row['step_ms']:>7.1f} {ratio:>7.3f} {row.get('paired_ratio', 1.0):>7.3f}  "
-              f"{row['warmup_s']:>8.1f}  "
-              f"{[round(v, 1) for v in row['rounds_ms']]}")
+        print(
+            f"{key:<26} {row['step_ms']:>7.1f} {ratio:>7.3f} {row.get('paired_ratio', 1.0):>7.3f}  "
+            f"{row['warmup_s']:>8.1f}  "
+            f"{[round(v, 1) for v in row['rounds_ms']]}"
+        )
 
 
 def main() -> None:
@@ -240,8 +260,9 @@ def main() -> None:
     if a.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     pairs = [x for x in TIME_PAIRS if not (a.no_compile and "compile" in x)]
-    res = paratrain.launch(job, 1, (a.size, a.batch, a.rounds, a.steps, a.warmup, pairs, not a.no_memory),
-                           timeout_s=3000)[0]
+    res = paratrain.launch(
+        job, 1, (a.size, a.batch, a.rounds, a.steps, a.warmup, pairs, not a.no_memory), timeout_s=3000
+    )[0]
     report(res)
     if a.json:
         with open(a.json, "w") as f:

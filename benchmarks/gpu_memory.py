@@ -19,6 +19,7 @@ allocator slack), which ``max_memory_allocated`` does not see. Error is predicte
 the exit status is nonzero only when a case fails otherwise. ``--device cpu`` runs the cases on this CPU to check
 that they work (there is no allocator peak to compare on a CPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,12 @@ from paratrain.workloads.gpt import GPT, GPT_CONFIGS, Block, GPTConfig
 
 TARGET = 0.15
 GIB = 2**30
-GPTS = {"gpt-52m": GPTConfig(layers=8, hidden=512, heads=8), "gpt2": GPT_CONFIGS["gpt2"],
-        "gpt2-medium": GPT_CONFIGS["gpt2-medium"], "gpt-tiny": GPT_CONFIGS["gpt-tiny"]}
+GPTS = {
+    "gpt-52m": GPTConfig(layers=8, hidden=512, heads=8),
+    "gpt2": GPT_CONFIGS["gpt2"],
+    "gpt2-medium": GPT_CONFIGS["gpt2-medium"],
+    "gpt-tiny": GPT_CONFIGS["gpt-tiny"],
+}
 MLP_WIDTH, MLP_LAYERS = 4096, 6
 BATCHES = {"gpt-52m": (2, 8), "gpt2": (2, 8), "gpt2-medium": (2, 8), "mlp-100m": (256, 8192), "gpt-tiny": (2, 8)}
 """Two batch sizes per model: the transformers peak when backward starts; the MLP's small batch peaks in the
@@ -93,14 +98,23 @@ def predict(case: Case) -> dict[str, Any]:
     """The planner's peak for ``case`` on one H100: bytes allocated, its breakdown and when it comes."""
     layout = Layout.of(name="zero3", zero=3) if case.strategy == "zero3" else Layout.of(name="single")
     training = Training(precision=case.precision, optimizer="adam", micro_batch=case.batch)
-    memory = memory_per_rank(model_stats(case.model), layout, batching(training, dp=1, pp=1, world_size=1), training,
-                             make_cluster("h100"))
-    return {"allocated": memory.allocated, "phase": memory.phase,
-            "breakdown": {k: v for k, v in memory.as_dict().items() if k not in ("overhead", "total")}}
+    memory = memory_per_rank(
+        model_stats(case.model), layout, batching(training, dp=1, pp=1, world_size=1), training, make_cluster("h100")
+    )
+    return {
+        "allocated": memory.allocated,
+        "phase": memory.phase,
+        "breakdown": {k: v for k, v in memory.as_dict().items() if k not in ("overhead", "total")},
+    }
 
 
-def _build(name: str) -> tuple[nn.Module, Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
-                               Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+def _build(
+    name: str,
+) -> tuple[
+    nn.Module,
+    Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
+    Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+]:
     """Model, batch maker and loss of one case's model."""
     if name in GPTS:
         cfg = GPTS[name]
@@ -123,8 +137,7 @@ def _build(name: str) -> tuple[nn.Module, Callable[[int, torch.device], tuple[to
 def run_case(case: Case, steps: int, accelerator: str) -> dict[str, Any]:
     """One rank (inside ``paratrain.launch``): train ``case`` for ``steps`` steps; the peak bytes it allocated."""
     options = {"wrap_classes": (Block,)} if case.strategy == "zero3" and case.model in GPTS else {}
-    par = paratrain.Parallel(case.strategy, precision=case.precision, accelerator=accelerator, monitor=False,
-                             **options)
+    par = paratrain.Parallel(case.strategy, precision=case.precision, accelerator=accelerator, monitor=False, **options)
     cuda = par.device.type == "cuda"
     try:
         if cuda:  # cuBLAS's workspace comes from the caching allocator: allocate it before the baseline
@@ -162,17 +175,27 @@ def measure(case: Case, steps: int, accelerator: str) -> dict[str, Any]:
 def row(case: Case, predicted: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
     measured = result.get("measured")
     err = predicted["allocated"] / measured - 1 if measured else None
-    return {"model": case.model, "strategy": case.strategy, "precision": case.precision, "batch": case.batch,
-            "params": model_stats(case.model).params, "predicted_bytes": predicted["allocated"],
-            "predicted_phase": predicted["phase"], "predicted_breakdown": predicted["breakdown"],
-            "measured_bytes": measured, "error": err, "within_target": err is not None and abs(err) <= TARGET,
-            **{k: v for k, v in result.items() if k != "measured"}}
+    return {
+        "model": case.model,
+        "strategy": case.strategy,
+        "precision": case.precision,
+        "batch": case.batch,
+        "params": model_stats(case.model).params,
+        "predicted_bytes": predicted["allocated"],
+        "predicted_phase": predicted["phase"],
+        "predicted_breakdown": predicted["breakdown"],
+        "measured_bytes": measured,
+        "error": err,
+        "within_target": err is not None and abs(err) <= TARGET,
+        **{k: v for k, v in result.items() if k != "measured"},
+    }
 
 
 def print_table(rows: list[dict[str, Any]], dry_run: bool) -> None:
     keys = ("parameters", "gradients", "optimizer_states", "activations", "transient", "buffers")
-    head = (f"{'case':<32} {'predicted GiB':>13} {'measured GiB':>12} {'error':>7}  {'peak':<5}"
-            + "".join(f" {k[:6]:>7}" for k in keys))
+    head = f"{'case':<32} {'predicted GiB':>13} {'measured GiB':>12} {'error':>7}  {'peak':<5}" + "".join(
+        f" {k[:6]:>7}" for k in keys
+    )
     print(head + "\n" + "-" * len(head))
     for r in rows:
         label = f"{r['model']} {r['strategy']} {r['precision']} b{r['batch']}"
@@ -181,20 +204,29 @@ def print_table(rows: list[dict[str, Any]], dry_run: bool) -> None:
         else:
             measured = f"{r['measured_bytes'] / GIB:.2f}"
         err = "" if r["error"] is None else f"{r['error']:+.1%}"
-        print(f"{label:<32} {r['predicted_bytes'] / GIB:>13.2f} {measured:>12} {err:>7}  "
-              f"{'bwd' if r['predicted_phase'] == 'backward' else 'opt':<5}"
-              + "".join(f" {r['predicted_breakdown'][k] / GIB:>7.2f}" for k in keys))
+        print(
+            f"{label:<32} {r['predicted_bytes'] / GIB:>13.2f} {measured:>12} {err:>7}  "
+            f"{'bwd' if r['predicted_phase'] == 'backward' else 'opt':<5}"
+            + "".join(f" {r['predicted_breakdown'][k] / GIB:>7.2f}" for k in keys)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", help=f"comma-separated, from {', '.join(BATCHES)} (default: all but gpt-tiny, a "
-                                    "0.17M model to check the script with)")
+    p.add_argument(
+        "--models",
+        help=f"comma-separated, from {', '.join(BATCHES)} (default: all but gpt-tiny, a "
+        "0.17M model to check the script with)",
+    )
     p.add_argument("--steps", type=int, default=3, help="training steps per case; the peak is taken after the first")
     p.add_argument("--quick", action="store_true", help="one batch size (and by default gpt-52m and mlp-100m only)")
     p.add_argument("--dry-run", action="store_true", help="print the predictions and the cases, run nothing")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                   help="cpu: run the cases here to check they work (no peak to compare)")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: run the cases here to check they work (no peak to compare)",
+    )
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
     default = "gpt-52m,mlp-100m" if a.quick else "gpt-52m,gpt2,gpt2-medium,mlp-100m"
@@ -206,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device: run on a GPU machine, or with --dry-run (predictions only) or --device cpu")
     todo = cases(models, a.quick)
     where = "dry run: nothing is launched" if a.dry_run else f"{a.device}, {a.steps} steps per case"
-    print(f"paratrain {paratrain.__version__}, torch {torch.__version__}; {len(todo)} cases ({where}); Adam; "
-          f"target |error| <= {TARGET:.0%} of max_memory_allocated")
+    print(
+        f"paratrain {paratrain.__version__}, torch {torch.__version__}; {len(todo)} cases ({where}); Adam; "
+        f"target |error| <= {TARGET:.0%} of max_memory_allocated"
+    )
     rows = []
     for i, case in enumerate(todo, 1):
         predicted = predict(case)
@@ -215,10 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row(case, predicted, result))
         if not a.dry_run:
             r = rows[-1]
-            got = "OOM" if r.get("oom") else r.get("failure") or (
-                "ran" if r["measured_bytes"] is None else f"{r['measured_bytes'] / GIB:.2f} GiB, {r['error']:+.1%}")
-            print(f"[{i}/{len(todo)}] {case.label}: predicted {predicted['allocated'] / GIB:.2f} GiB, {got}",
-                  flush=True)
+            got = (
+                "OOM"
+                if r.get("oom")
+                else r.get("failure")
+                or ("ran" if r["measured_bytes"] is None else f"{r['measured_bytes'] / GIB:.2f} GiB, {r['error']:+.1%}")
+            )
+            print(
+                f"[{i}/{len(todo)}] {case.label}: predicted {predicted['allocated'] / GIB:.2f} GiB, {got}", flush=True
+            )
     print()
     print_table(rows, a.dry_run)
     compared = [r for r in rows if r["error"] is not None]
@@ -226,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"within {TARGET:.0%}: {sum(r['within_target'] for r in compared)} of {len(compared)} cases")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": a.device, "dry_run": a.dry_run, "steps": a.steps,
-                       "rows": rows}, f, indent=2)
+            json.dump(
+                {"torch": torch.__version__, "device": a.device, "dry_run": a.dry_run, "steps": a.steps, "rows": rows},
+                f,
+                indent=2,
+            )
     failed = [r for r in rows if r.get("failure")]
     for r in failed:
         print(f"FAILED {r['model']} {r['strategy']} {r['precision']} b{r['batch']}: {r['failure']}", file=sys.stderr)

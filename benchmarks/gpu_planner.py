@@ -14,6 +14,7 @@ plan's ``allocated`` (the peak without the CUDA context and allocator slack, whi
 do not see). Targets (issue #13): time within 20%, memory within 10%. Then the same with every block
 checkpointed (``activation_checkpointing=True`` against the plan's ``--checkpointing``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,12 @@ def measured(model: str, batch: int, steps: int, checkpointing: bool = False) ->
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    par = paratrain.Parallel("single", precision="bf16-mixed", monitor=False,
-                             model=paratrain.ModelConfig(activation_checkpointing=checkpointing))
+    par = paratrain.Parallel(
+        "single",
+        precision="bf16-mixed",
+        monitor=False,
+        model=paratrain.ModelConfig(activation_checkpointing=checkpointing),
+    )
     torch.manual_seed(0)
     net = GPT(cfg)
     net, opt = par.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4))
@@ -103,45 +108,80 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     gpu = catalogue_name()
     rows = []
-    print(f"{torch.cuda.get_device_name()} as the planner's {gpu}; torch {torch.__version__}; single GPU, bf16-mixed, "
-          f"AdamW; calibrated at batch {a.calibrate_at}")
-    print(f"{'model':<12} {'batch':>5} {'measured ms':>11} {'plan ms':>8} {'err':>6} {'calibrated':>10} {'err':>6} "
-          f"{'at batch':>8} {'err':>6} {'measured GiB':>12} {'plan GiB':>8} {'err':>6}")
+    print(
+        f"{torch.cuda.get_device_name()} as the planner's {gpu}; torch {torch.__version__}; single GPU, bf16-mixed, "
+        f"AdamW; calibrated at batch {a.calibrate_at}"
+    )
+    print(
+        f"{'model':<12} {'batch':>5} {'measured ms':>11} {'plan ms':>8} {'err':>6} {'calibrated':>10} {'err':>6} "
+        f"{'at batch':>8} {'err':>6} {'measured GiB':>12} {'plan GiB':>8} {'err':>6}"
+    )
     for model in a.models.split(","):
         planned = resolve_model(model)
         calibration = make_plan(planned, PlanConfig(gpu=gpu, measure=True, training=bf16(a.calibrate_at)))
         device = calibration.cluster.device
         for batch in (int(b) for b in a.batches.split(",")):
             plain = single_estimate(make_plan(planned, PlanConfig(gpu=gpu, training=bf16(batch))))
-            tuned = single_estimate(make_plan(planned, PlanConfig(gpu=gpu, training=bf16(batch), mfu=device.mfu,
-                                                                  mem_bw_gbs=device.memory_gbs)))
+            tuned = single_estimate(
+                make_plan(
+                    planned, PlanConfig(gpu=gpu, training=bf16(batch), mfu=device.mfu, mem_bw_gbs=device.memory_gbs)
+                )
+            )
             here = make_plan(planned, PlanConfig(gpu=gpu, measure=True, training=bf16(batch)))
             step_s, peak = measured(model, batch, a.steps)
-            row = {"model": model, "batch": batch, "measured_ms": 1e3 * step_s, "plan_ms": 1e3 * plain.time.step_s,
-                   "calibrated_ms": 1e3 * tuned.time.step_s,
-                   "calibrated_here_ms": 1e3 * single_estimate(here).time.step_s, "measured_gib": peak / 2**30,
-                   "plan_gib": tuned.memory.allocated / 2**30, "mfu": device.mfu, "memory_gbs": device.memory_gbs,
-                   "calibration_note": calibration.notes[-1]}
+            row = {
+                "model": model,
+                "batch": batch,
+                "measured_ms": 1e3 * step_s,
+                "plan_ms": 1e3 * plain.time.step_s,
+                "calibrated_ms": 1e3 * tuned.time.step_s,
+                "calibrated_here_ms": 1e3 * single_estimate(here).time.step_s,
+                "measured_gib": peak / 2**30,
+                "plan_gib": tuned.memory.allocated / 2**30,
+                "mfu": device.mfu,
+                "memory_gbs": device.memory_gbs,
+                "calibration_note": calibration.notes[-1],
+            }
             rows.append(row)
-            print(f"{model:<12} {batch:>5} {row['measured_ms']:>11.1f} {row['plan_ms']:>8.1f} "
-                  f"{row['plan_ms'] / row['measured_ms'] - 1:>+6.0%} {row['calibrated_ms']:>10.1f} "
-                  f"{row['calibrated_ms'] / row['measured_ms'] - 1:>+6.0%} {row['calibrated_here_ms']:>8.1f} "
-                  f"{row['calibrated_here_ms'] / row['measured_ms'] - 1:>+6.0%} {row['measured_gib']:>12.2f} "
-                  f"{row['plan_gib']:>8.2f} {row['plan_gib'] / row['measured_gib'] - 1:>+6.0%}", flush=True)
-        print(f"  {model}: calibrated MFU {device.mfu:.3f}, bandwidth {device.memory_gbs:.0f} GB/s; "
-              f"{calibration.notes[-1]}")
+            print(
+                f"{model:<12} {batch:>5} {row['measured_ms']:>11.1f} {row['plan_ms']:>8.1f} "
+                f"{row['plan_ms'] / row['measured_ms'] - 1:>+6.0%} {row['calibrated_ms']:>10.1f} "
+                f"{row['calibrated_ms'] / row['measured_ms'] - 1:>+6.0%} {row['calibrated_here_ms']:>8.1f} "
+                f"{row['calibrated_here_ms'] / row['measured_ms'] - 1:>+6.0%} {row['measured_gib']:>12.2f} "
+                f"{row['plan_gib']:>8.2f} {row['plan_gib'] / row['measured_gib'] - 1:>+6.0%}",
+                flush=True,
+            )
+        print(
+            f"  {model}: calibrated MFU {device.mfu:.3f}, bandwidth {device.memory_gbs:.0f} GB/s; "
+            f"{calibration.notes[-1]}"
+        )
         for batch in (int(b) for b in a.batches.split(",")):  # every block checkpointed
-            checkpointed = single_estimate(make_plan(planned, PlanConfig(
-                gpu=gpu, training=bf16(batch, checkpointing=True), mfu=device.mfu, mem_bw_gbs=device.memory_gbs)))
+            checkpointed = single_estimate(
+                make_plan(
+                    planned,
+                    PlanConfig(
+                        gpu=gpu, training=bf16(batch, checkpointing=True), mfu=device.mfu, mem_bw_gbs=device.memory_gbs
+                    ),
+                )
+            )
             step_s, peak = measured(model, batch, a.steps, checkpointing=True)
-            row = {"model": model, "batch": batch, "checkpointing": True, "measured_ms": 1e3 * step_s,
-                   "calibrated_ms": 1e3 * checkpointed.time.step_s, "measured_gib": peak / 2**30,
-                   "plan_gib": checkpointed.memory.allocated / 2**30}
+            row = {
+                "model": model,
+                "batch": batch,
+                "checkpointing": True,
+                "measured_ms": 1e3 * step_s,
+                "calibrated_ms": 1e3 * checkpointed.time.step_s,
+                "measured_gib": peak / 2**30,
+                "plan_gib": checkpointed.memory.allocated / 2**30,
+            }
             rows.append(row)
-            print(f"  checkpointed, batch {batch}: {row['measured_ms']:.1f} ms (plan calibrated at batch "
-                  f"{a.calibrate_at}: {row['calibrated_ms']:.1f}, {row['calibrated_ms'] / row['measured_ms'] - 1:+.0%})"
-                  f", {row['measured_gib']:.2f} GiB (plan {row['plan_gib']:.2f}, "
-                  f"{row['plan_gib'] / row['measured_gib'] - 1:+.0%})", flush=True)
+            print(
+                f"  checkpointed, batch {batch}: {row['measured_ms']:.1f} ms (plan calibrated at batch "
+                f"{a.calibrate_at}: {row['calibrated_ms']:.1f}, {row['calibrated_ms'] / row['measured_ms'] - 1:+.0%})"
+                f", {row['measured_gib']:.2f} GiB (plan {row['plan_gib']:.2f}, "
+                f"{row['plan_gib'] / row['measured_gib'] - 1:+.0%})",
+                flush=True,
+            )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

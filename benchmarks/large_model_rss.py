@@ -14,6 +14,7 @@ block and an index), in a temporary folder.
 
     python benchmarks/large_model_rss.py --worlds 2,4 --strategies zero3,tp --rounds 1 --out rss.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,16 @@ from pathlib import Path
 
 import torch
 
-SHAPE = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
-             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+SHAPE = dict(
+    hidden_size=1536,
+    intermediate_size=4096,
+    num_hidden_layers=16,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 
 
 def _config():
@@ -115,8 +124,14 @@ def ready_model(variant: str, strategy: str, folder: str) -> dict[str, float]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     peaks.stop.set()
     peaks.join()
-    out = {"rank": dist.get_rank(), "baseline_mib": baseline, "peak_mib": peak, "peak_anon_mib": peaks.anon,
-           "peak_file_mib": peaks.file, "seconds": seconds}
+    out = {
+        "rank": dist.get_rank(),
+        "baseline_mib": baseline,
+        "peak_mib": peak,
+        "peak_anon_mib": peaks.anon,
+        "peak_file_mib": peaks.file,
+        "seconds": seconds,
+    }
     par.close()
     return out
 
@@ -143,23 +158,35 @@ def main() -> None:
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         params, largest = write_checkpoint(Path(tmp))
-        print(f"model: Llama {SHAPE['num_hidden_layers']} layers x {SHAPE['hidden_size']}, {params / 1e9:.3f}B "
-              f"parameters, {params * 4 / 2**30:.2f} GiB fp32; largest tensor {largest / 2**20:.0f} MiB", flush=True)
+        print(
+            f"model: Llama {SHAPE['num_hidden_layers']} layers x {SHAPE['hidden_size']}, {params / 1e9:.3f}B "
+            f"parameters, {params * 4 / 2**30:.2f} GiB fp32; largest tensor {largest / 2**20:.0f} MiB",
+            flush=True,
+        )
         for r in range(args.first_round, args.first_round + args.rounds):
             for world in map(int, args.worlds.split(",")):
                 for strategy in args.strategies.split(","):
-                    for variant in (("full", "meta") if r % 2 == 0 else ("meta", "full")):
+                    for variant in ("full", "meta") if r % 2 == 0 else ("meta", "full"):
                         ranks = run(variant, strategy, world, tmp)
                         row = {"round": r, "world": world, "strategy": strategy, "variant": variant, "ranks": ranks}
                         results.append(row)
-                        print(f"round {r} world {world} {strategy:6s} {variant:5s} peak RSS/rank "
-                              f"{max(x['peak_mib'] for x in ranks):8.0f} MiB (anon "
-                              f"{max(x['peak_anon_mib'] for x in ranks):.0f}, file "
-                              f"{max(x['peak_file_mib'] for x in ranks):.0f}, baseline "
-                              f"{statistics.median(x['baseline_mib'] for x in ranks):.0f}), ready in "
-                              f"{max(x['seconds'] for x in ranks):6.1f} s", flush=True)
-    summary = {"params": params, "largest_tensor_bytes": largest, "shape": SHAPE, "results": results,
-               "machine": f"{os.cpu_count()} CPU cores, no GPU", "torch": torch.__version__}
+                        print(
+                            f"round {r} world {world} {strategy:6s} {variant:5s} peak RSS/rank "
+                            f"{max(x['peak_mib'] for x in ranks):8.0f} MiB (anon "
+                            f"{max(x['peak_anon_mib'] for x in ranks):.0f}, file "
+                            f"{max(x['peak_file_mib'] for x in ranks):.0f}, baseline "
+                            f"{statistics.median(x['baseline_mib'] for x in ranks):.0f}), ready in "
+                            f"{max(x['seconds'] for x in ranks):6.1f} s",
+                            flush=True,
+                        )
+    summary = {
+        "params": params,
+        "largest_tensor_bytes": largest,
+        "shape": SHAPE,
+        "results": results,
+        "machine": f"{os.cpu_count()} CPU cores, no GPU",
+        "torch": torch.__version__,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2))
 

@@ -9,6 +9,7 @@ what ``moe_aux_loss="global"`` costs a step.
 
     PYTHONPATH=src python benchmarks/moe_aux_loss.py --json moe-aux-loss.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,20 @@ import time
 
 import torch
 
-CONFIG = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 64, "num_local_experts": 8,
-          "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.02,
-          "tie_word_embeddings": False}
+CONFIG = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 64,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.02,
+    "tie_word_embeddings": False,
+}
 BATCH, SEQ = 16, 64
 
 
@@ -52,9 +63,15 @@ def slices_apart() -> list[dict]:
     rows = []
     for ranks in (2, 4, 8):
         mean, local = _aux_and_grad(model, ids, ranks)
-        rows.append({"ranks": ranks, "aux_global": whole, "aux_mean_of_ranks": mean,
-                     "aux_rel_diff": abs(mean - whole) / whole,
-                     "router_grad_rel_diff": float((local - grad).norm() / grad.norm())})
+        rows.append(
+            {
+                "ranks": ranks,
+                "aux_global": whole,
+                "aux_mean_of_ranks": mean,
+                "aux_rel_diff": abs(mean - whole) / whole,
+                "router_grad_rel_diff": float((local - grad).norm() / grad.norm()),
+            }
+        )
     return rows
 
 
@@ -86,8 +103,13 @@ def step_times(rounds: int, warmup: int) -> dict:
 
     per_rank = spawn(_timed_job, 2, (rounds, warmup), timeout_s=900)
     local, glob = (statistics.median(r[m] for r in per_rank) for m in ("local", "global"))
-    return {"world": 2, "rounds": rounds, "local_step_ms": 1e3 * local, "global_step_ms": 1e3 * glob,
-            "global_over_local": glob / local}
+    return {
+        "world": 2,
+        "rounds": rounds,
+        "local_step_ms": 1e3 * local,
+        "global_step_ms": 1e3 * glob,
+        "global_over_local": glob / local,
+    }
 
 
 def main() -> None:
@@ -97,8 +119,13 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = {"config": CONFIG, "batch": BATCH, "seq": SEQ, "slices": slices_apart(),
-              "step": step_times(args.rounds, args.warmup)}
+    result = {
+        "config": CONFIG,
+        "batch": BATCH,
+        "seq": SEQ,
+        "slices": slices_apart(),
+        "step": step_times(args.rounds, args.warmup),
+    }
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

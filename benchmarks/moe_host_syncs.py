@@ -13,6 +13,7 @@ over a one-rank gloo group in this process: the same code as over ``ep`` ranks, 
 Models: our GPT with experts and transformers' Mixtral, GPT-OSS and Qwen3-MoE, 2 MoE layers each, tiny; one forward
 of 2 x 16 tokens after a warm-up one.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,38 +42,83 @@ def gpt_moe() -> nn.Module:
     from paratrain.planner.transformer import GPTConfig
     from paratrain.workloads.gpt import GPT
 
-    return GPT(GPTConfig(layers=2, hidden=64, heads=4, seq_len=16, vocab=128, gated=True, bias=False, tied=False,
-                         learned_positions=False, moe=MoE(experts=8, top_k=2, ffn=64)))
+    return GPT(
+        GPTConfig(
+            layers=2,
+            hidden=64,
+            heads=4,
+            seq_len=16,
+            vocab=128,
+            gated=True,
+            bias=False,
+            tied=False,
+            learned_positions=False,
+            moe=MoE(experts=8, top_k=2, ffn=64),
+        )
+    )
 
 
 def mixtral() -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-                                            num_experts_per_tok=2))
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        )
+    )
 
 
 def gpt_oss() -> nn.Module:
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    return GptOssForCausalLM(GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                          num_local_experts=8, num_experts_per_tok=2,
-                                          layer_types=["full_attention"] * 2))
+    return GptOssForCausalLM(
+        GptOssConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            layer_types=["full_attention"] * 2,
+        )
+    )
 
 
 def qwen3_moe() -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64,
-                                              moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                              num_key_value_heads=2, head_dim=16, num_experts=8,
-                                              num_experts_per_tok=2))
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
+    )
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"gpt_moe": gpt_moe, "mixtral": mixtral, "gpt_oss": gpt_oss,
-                                              "qwen3_moe": qwen3_moe}
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "gpt_moe": gpt_moe,
+    "mixtral": mixtral,
+    "gpt_oss": gpt_oss,
+    "qwen3_moe": qwen3_moe,
+}
 
 
 def reads(model: nn.Module, counter: type) -> tuple[int, Counter]:

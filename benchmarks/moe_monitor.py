@@ -16,6 +16,7 @@
 Run (about 2 minutes on 2 cores):
     .venv/bin/python benchmarks/moe_monitor.py [--rounds 7] [--steps 50] [--quick] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,20 @@ def mixtral() -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                            num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=SEQ,
-                                            tie_word_embeddings=False))
+    return MixtralForCausalLM(
+        MixtralConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _batches(steps: int, seed: int) -> list[torch.Tensor]:
@@ -59,8 +70,9 @@ def _job(monitor: bool | MonitorConfig) -> tuple[paratrain.Parallel, nn.Module, 
     return par, model, optimizer
 
 
-def _block(par: paratrain.Parallel, model: nn.Module, optimizer: torch.optim.Optimizer,
-           batches: list[torch.Tensor]) -> float:
+def _block(
+    par: paratrain.Parallel, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor]
+) -> float:
     """Seconds per step over ``batches``."""
     dist.barrier()
     t0 = time.perf_counter()
@@ -80,7 +92,7 @@ def end_to_end_worker(rounds: int, steps: int) -> dict:
     names = list(jobs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % 3:] + names[:r % 3]:
+        for name in names[r % 3 :] + names[: r % 3]:
             times[name].append(_block(*jobs[name], batches))
     counter = jobs["on"][0].monitor.experts
     reduce_s = []
@@ -99,11 +111,14 @@ def end_to_end_worker(rounds: int, steps: int) -> dict:
 def bench_end_to_end(rounds: int, steps: int) -> dict:
     got = paratrain.launch(end_to_end_worker, 2, args=(rounds, steps), threads=1, timeout_s=900)[0]
     times = got["times"]
-    return {"per_round_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
-            "median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
-            "ratio_on_off": statistics.median(a / b for a, b in zip(times["on"], times["off"])),
-            "ratio_on_experts_off": statistics.median(a / b for a, b in zip(times["on"], times["experts off"])),
-            "window_reduce_us": got["window_reduce_us"], "last_window": got["last_window"]}
+    return {
+        "per_round_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
+        "median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        "ratio_on_off": statistics.median(a / b for a, b in zip(times["on"], times["off"])),
+        "ratio_on_experts_off": statistics.median(a / b for a, b in zip(times["on"], times["experts off"])),
+        "window_reduce_us": got["window_reduce_us"],
+        "last_window": got["last_window"],
+    }
 
 
 def bench_counting(steps: int) -> dict:
@@ -130,9 +145,13 @@ def bench_counting(steps: int) -> dict:
         order = (False, True) if i % 2 == 0 else (True, False)
         spent = dict(zip(order, (step(x, counted) for counted in order)))
         pairs.append((spent[False], spent[True]))
-    return {"us_per_step": 1e6 * statistics.median(on - off for off, on in pairs),
-            "step_ms": 1e3 * statistics.median(off for off, _ in pairs), "steps": steps,
-            "pairs_ms": [[1e3 * off, 1e3 * on] for off, on in pairs], "hook_us": _hook_us()}
+    return {
+        "us_per_step": 1e6 * statistics.median(on - off for off, on in pairs),
+        "step_ms": 1e3 * statistics.median(off for off, _ in pairs),
+        "steps": steps,
+        "pairs_ms": [[1e3 * off, 1e3 * on] for off, on in pairs],
+        "hook_us": _hook_us(),
+    }
 
 
 def _hook_us(calls: int = 2000) -> float:
@@ -160,24 +179,30 @@ def main(argv: list[str] | None = None) -> dict:
     rounds, steps = (3, 10) if args.quick else (args.rounds, args.steps)
     e2e = audited(lambda: bench_end_to_end(rounds, steps))
     hot = audited(lambda: bench_counting(200 if not args.quick else 10))
-    print(f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; tiny Mixtral "
-          f"(4 blocks x 8 experts, top 2, width 64), batch {BATCH_PER_RANK}x{SEQ} tokens/rank, world 2, "
-          f"rounds={rounds} steps={steps}")
+    print(
+        f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; tiny Mixtral "
+        f"(4 blocks x 8 experts, top 2, width 64), batch {BATCH_PER_RANK}x{SEQ} tokens/rank, world 2, "
+        f"rounds={rounds} steps={steps}"
+    )
     print("1. End to end, ms per step (rank 0)")
     print(f"   {'round':<8}" + "".join(f"{k:>13}" for k in KINDS))
     per = e2e["per_round_ms"]
     for i, row in enumerate(zip(*(per[k] for k in KINDS)), 1):
         print(f"   {i:<8}" + "".join(f"{v:>13.2f}" for v in row))
     print(f"   {'median':<8}" + "".join(f"{e2e['median_ms'][k]:>13.2f}" for k in KINDS))
-    print(f"   on / off {e2e['ratio_on_off']:.3f}, on / experts off {e2e['ratio_on_experts_off']:.3f} (medians of "
-          f"the per-round ratios); the window's all-reduce of the counts: {e2e['window_reduce_us']:.0f} us, "
-          "once per 50 steps")
+    print(
+        f"   on / off {e2e['ratio_on_off']:.3f}, on / experts off {e2e['ratio_on_experts_off']:.3f} (medians of "
+        f"the per-round ratios); the window's all-reduce of the counts: {e2e['window_reduce_us']:.0f} us, "
+        "once per 50 steps"
+    )
     print(background_line(e2e))
-    print(f"2. The counting hooks alone add {hot['us_per_step']:.0f} us to a {hot['step_ms']:.1f} ms forward + "
-          f"backward ({hot['us_per_step'] / 1e3 / hot['step_ms']:.2%}; median of {hot['steps']} paired steps, "
-          f"thread CPU time); one "
-          f"hook call takes {hot['hook_us']:.1f} us, 4 per step: {4 * hot['hook_us']:.0f} us "
-          f"({4 * hot['hook_us'] / 1e3 / hot['step_ms']:.2%})")
+    print(
+        f"2. The counting hooks alone add {hot['us_per_step']:.0f} us to a {hot['step_ms']:.1f} ms forward + "
+        f"backward ({hot['us_per_step'] / 1e3 / hot['step_ms']:.2%}; median of {hot['steps']} paired steps, "
+        f"thread CPU time); one "
+        f"hook call takes {hot['hook_us']:.1f} us, 4 per step: {4 * hot['hook_us']:.0f} us "
+        f"({4 * hot['hook_us'] / 1e3 / hot['step_ms']:.2%})"
+    )
     print(background_line(hot))
     result = {"end_to_end": e2e, "counting": hot}
     if args.json:

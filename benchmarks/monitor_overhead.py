@@ -16,6 +16,7 @@
 Run (about 1 minute on 2 cores; the lead re-runs it on a quiet machine):
     .venv/bin/python benchmarks/monitor_overhead.py [--rounds 7] [--steps 100] [--quick] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,9 @@ BATCH_PER_RANK = 64
 TARGET = 0.01
 
 
-def _job(monitor: bool | MonitorConfig,
-         steps: int) -> tuple[paratrain.Parallel, nn.Module, torch.optim.Optimizer, DataLoader]:
+def _job(
+    monitor: bool | MonitorConfig, steps: int
+) -> tuple[paratrain.Parallel, nn.Module, torch.optim.Optimizer, DataLoader]:
     par = paratrain.Parallel("ddp", monitor=monitor)
     torch.manual_seed(0)
     model = mlp()
@@ -69,7 +71,7 @@ def end_to_end_worker(rounds: int, steps: int) -> dict[str, list[float]]:
         _block(*job)  # warm-up pass
     times: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(rounds):
-        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
             times[name].append(_block(*jobs[name]))
     for par, *_ in jobs.values():
         par.close()
@@ -80,9 +82,11 @@ def end_to_end_worker(rounds: int, steps: int) -> dict[str, list[float]]:
 def bench_end_to_end(rounds: int, steps: int) -> dict:
     times = paratrain.launch(end_to_end_worker, 2, args=(rounds, steps), threads=1, timeout_s=900)[0]
     ratios = [on / off for on, off in zip(times["on"], times["off"])]
-    return {"per_round_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
-            "median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
-            "median_round_ratio": statistics.median(ratios)}
+    return {
+        "per_round_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
+        "median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        "median_round_ratio": statistics.median(ratios),
+    }
 
 
 def bench_hot_path(steps: int, rounds: int) -> dict:
@@ -111,12 +115,22 @@ def bench_hot_path(steps: int, rounds: int) -> dict:
     times: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(rounds):
         # world_size=2 installs the gradient hook as in a real job; with no process group the window stays local
-        monitor = Monitor(MonitorConfig(summary=False), rank=0, world_size=2, local_world_size=2,
-                          device=torch.device("cpu"), emit=lambda _line: None)
-        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        monitor = Monitor(
+            MonitorConfig(summary=False),
+            rank=0,
+            world_size=2,
+            local_world_size=2,
+            device=torch.device("cpu"),
+            emit=lambda _line: None,
+        )
+        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
             times[name].append(loop(monitor if name == "on" else None))
-    return {"us_per_step": 1e6 * (min(times["on"]) - min(times["off"])), "rounds": rounds, "steps": steps,
-            "loop_us": {k: [1e6 * t for t in v] for k, v in times.items()}}
+    return {
+        "us_per_step": 1e6 * (min(times["on"]) - min(times["off"])),
+        "rounds": rounds,
+        "steps": steps,
+        "loop_us": {k: [1e6 * t for t in v] for k, v in times.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,20 +145,26 @@ def main(argv: list[str] | None = None) -> dict:
     hot = audited(lambda: bench_hot_path(1000 if not args.quick else 200, 31 if not args.quick else 7))
     step_ms = e2e["median_ms"]["off"]
     share = hot["us_per_step"] / 1e3 / step_ms
-    print(f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; "
-          f"MLP 784-1024-1024-10, batch {BATCH_PER_RANK}/rank, world 2, rounds={rounds} steps={steps}")
+    print(
+        f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; "
+        f"MLP 784-1024-1024-10, batch {BATCH_PER_RANK}/rank, world 2, rounds={rounds} steps={steps}"
+    )
     print("1. End to end, ms per step (rank 0)")
     print(f"   {'round':<8}{'off':>9}{'on':>9}{'ratio':>9}")
     per = e2e["per_round_ms"]
     for i, (off, on) in enumerate(zip(per["off"], per["on"]), 1):
         print(f"   {i:<8}{off:>9.2f}{on:>9.2f}{on / off:>9.3f}")
     ratio = e2e["median_round_ratio"]
-    print(f"   median   {e2e['median_ms']['off']:>8.2f}{e2e['median_ms']['on']:>9.2f}{ratio:>9.3f}   "
-          f"(median of the per-round ratios; target <= {1 + TARGET:.2f}: {'met' if ratio <= 1 + TARGET else 'MISSED'})")
+    print(
+        f"   median   {e2e['median_ms']['off']:>8.2f}{e2e['median_ms']['on']:>9.2f}{ratio:>9.3f}   "
+        f"(median of the per-round ratios; target <= {1 + TARGET:.2f}: {'met' if ratio <= 1 + TARGET else 'MISSED'})"
+    )
     print(background_line(e2e))
-    print(f"2. Hot path: the monitor adds {hot['us_per_step']:.1f} us per step "
-          f"= {share:.3%} of the {step_ms:.2f} ms step above (target <= {TARGET:.0%}: "
-          f"{'met' if share <= TARGET else 'MISSED'})")
+    print(
+        f"2. Hot path: the monitor adds {hot['us_per_step']:.1f} us per step "
+        f"= {share:.3%} of the {step_ms:.2f} ms step above (target <= {TARGET:.0%}: "
+        f"{'met' if share <= TARGET else 'MISSED'})"
+    )
     print(background_line(hot))
     result = {"end_to_end": e2e, "hot_path": hot, "hot_path_share": share}
     if args.json:

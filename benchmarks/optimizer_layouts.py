@@ -7,6 +7,7 @@ One process, a one-rank gloo group and mesh; ``--params`` small parameters, half
 
     .venv/bin/python benchmarks/optimizer_layouts.py [--params 1000] [--rounds 50]
 """
+
 from __future__ import annotations
 
 import argparse

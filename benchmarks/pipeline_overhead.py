@@ -44,6 +44,7 @@ round's steps, the slower rank's per round, and the median over rounds. The subj
 the order reversed every other round. ``x hand``: paratrain's step time over the hand-written one with the same
 schedule; ``per-round``: the same ratio round by round.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -144,8 +145,9 @@ class Paratrain:
 
     def __init__(self, strategy: str, schedule: str) -> None:
         options: dict[str, Any] = {"dp": 2} if strategy == "hybrid" else {}
-        self.par = paratrain.Parallel(strategy, schedule=schedule, microbatches=MICRO, split_points=[f"blocks.{CUT}"],
-                                      monitor=False, **options)
+        self.par = paratrain.Parallel(
+            strategy, schedule=schedule, microbatches=MICRO, split_points=[f"blocks.{CUT}"], monitor=False, **options
+        )
         plain = build()
         self.model, self.opt = self.par.prepare(plain, torch.optim.AdamW(plain.parameters(), lr=1e-4))
         self.is_last = self.model.is_last
@@ -174,20 +176,26 @@ def job(which: str, rounds: int, steps: int, warmup: int) -> dict:
         assert subjects["paratrain"].par.data_parallel_rank == replica
     else:
         replica = 0
-        subjects = {"paratrain-1f1b": Paratrain("pipeline", "1f1b"), "hand-1f1b": Hand("1f1b", None),
-                    "paratrain-gpipe": Paratrain("pipeline", "gpipe"), "hand-gpipe": Hand("gpipe", None)}
+        subjects = {
+            "paratrain-1f1b": Paratrain("pipeline", "1f1b"),
+            "hand-1f1b": Hand("1f1b", None),
+            "paratrain-gpipe": Paratrain("pipeline", "gpipe"),
+            "hand-gpipe": Hand("gpipe", None),
+        }
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (2 * PER_REPLICA, SEQ + 1), generator=g)[replica * PER_REPLICA:][:PER_REPLICA]
+    ids = torch.randint(0, VOCAB, (2 * PER_REPLICA, SEQ + 1), generator=g)[replica * PER_REPLICA :][:PER_REPLICA]
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    out: dict = {s: {"rounds_ms": [], "params": subject.params(), "replica": replica,
-                     "is_last": subject.is_last} for s, subject in subjects.items()}
+    out: dict = {
+        s: {"rounds_ms": [], "params": subject.params(), "replica": replica, "is_last": subject.is_last}
+        for s, subject in subjects.items()
+    }
     for s, subject in subjects.items():
         out[s]["first_loss"] = subject.step(x, y)  # the same math: the same first loss
         for _ in range(warmup - 1):
             subject.step(x, y)
     order = list(subjects)
     for r in range(rounds):
-        for s in (order if r % 2 == 0 else order[::-1]):
+        for s in order if r % 2 == 0 else order[::-1]:
             subject = subjects[s]
             times = []
             for _ in range(steps):
@@ -206,26 +214,35 @@ def report(which: str, ranks: list[dict], rounds: int, steps: int) -> dict:
     rows: dict[str, dict] = {}
     for s in ranks[0]:
         per_round = [max(rank[s]["rounds_ms"][r] for rank in ranks) for r in range(rounds)]
-        rows[s] = {"step_ms": statistics.median(per_round), "rounds_ms": [round(v, 1) for v in per_round],
-                   "params_per_rank": [rank[s]["params"] for rank in ranks],
-                   "first_loss": [rank[s]["first_loss"] for rank in ranks if rank[s]["is_last"]]}
+        rows[s] = {
+            "step_ms": statistics.median(per_round),
+            "rounds_ms": [round(v, 1) for v in per_round],
+            "params_per_rank": [rank[s]["params"] for rank in ranks],
+            "first_loss": [rank[s]["first_loss"] for rank in ranks if rank[s]["is_last"]],
+        }
     for s, row in rows.items():
         hand = rows[s.replace("paratrain", "hand")]
         row["x_hand"] = row["step_ms"] / hand["step_ms"]
         row["round_ratios"] = [round(a / b, 3) for a, b in zip(row["rounds_ms"], hand["rounds_ms"])]
     world = len(ranks)
     layout = "pp=2" if which == "pipeline" else "dp=2 x pp=2 (DDP over dp), 1f1b"
-    print(f"\n{which}: GPT {LAYERS} blocks x {HIDDEN} (heads {HEADS}, vocab {VOCAB}, untied), {PER_REPLICA} x {SEQ} "
-          f"per replica in {MICRO} micro-batches, fp32, AdamW, {layout} on {world} CPU processes (gloo); "
-          f"{rounds} rounds x {steps} steps")
-    print(f"{'subject':<16} {'step ms':>8} {'x hand':>7} {'params/rank':>17}  {'first loss (last stage)':<24} "
-          f"rounds (ms) | per-round x hand")
+    print(
+        f"\n{which}: GPT {LAYERS} blocks x {HIDDEN} (heads {HEADS}, vocab {VOCAB}, untied), {PER_REPLICA} x {SEQ} "
+        f"per replica in {MICRO} micro-batches, fp32, AdamW, {layout} on {world} CPU processes (gloo); "
+        f"{rounds} rounds x {steps} steps"
+    )
+    print(
+        f"{'subject':<16} {'step ms':>8} {'x hand':>7} {'params/rank':>17}  {'first loss (last stage)':<24} "
+        f"rounds (ms) | per-round x hand"
+    )
     for s, row in rows.items():
         losses = ", ".join(f"{v:.6f}" for v in row["first_loss"])
         params = "/".join(str(p) for p in row["params_per_rank"][:2])
         ratios = f" | {row['round_ratios']}" if s.startswith("paratrain") else ""
-        print(f"{s:<16} {row['step_ms']:>8.1f} {row['x_hand']:>7.3f} {params:>17}  {losses:<24} "
-              f"{row['rounds_ms']}{ratios}")
+        print(
+            f"{s:<16} {row['step_ms']:>8.1f} {row['x_hand']:>7.3f} {params:>17}  {losses:<24} "
+            f"{row['rounds_ms']}{ratios}"
+        )
     return rows
 
 
@@ -249,8 +266,12 @@ def main() -> None:
         steps = a.steps if which == "pipeline" or a.hybrid_steps is None else a.hybrid_steps
         world = 2 if which == "pipeline" else 4
         ranks = paratrain.launch(job, world, (which, rounds, steps, max(a.warmup, 1)), threads=1, timeout_s=1800)
-        results[which] = {"rounds": rounds, "steps": steps, "world": world, "subjects": report(which, ranks, rounds,
-                                                                                                steps)}
+        results[which] = {
+            "rounds": rounds,
+            "steps": steps,
+            "world": world,
+            "subjects": report(which, ranks, rounds, steps),
+        }
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)

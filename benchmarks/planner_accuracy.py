@@ -36,6 +36,7 @@ median of round medians). Error is predicted / measured - 1; the target is |erro
 share of the cores other processes (and the hypervisor: steal) used meanwhile (as ``ddp_overhead.py`` does);
 above 5% the numbers are skewed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,7 @@ from paratrain.planner import Measured, ModelSpec, PlanConfig, Training, make_pl
 from paratrain.workloads.model_names import resolve_model  # noqa: E402
 
 TARGET = 0.20
-PLANNER_TO_LABEL = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-                    "pipeline": "pipeline-1f1b-8"}
+PLANNER_TO_LABEL = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "pipeline": "pipeline-1f1b-8"}
 """Planner strategy name -> ``strategies.STRATEGIES`` label."""
 GLOBAL = strategies.GLOBAL_BATCH
 MICRO_BATCHES = 8
@@ -89,8 +89,7 @@ T = TypeVar("T")
 def machine_cpu_s() -> float:
     """CPU seconds every process on this machine has used since boot, plus the time the hypervisor gave this
     virtual machine's cores to others (steal): both slow the measured runs down (from /proc/stat)."""
-    user, nice, system, _idle, _iowait, irq, softirq, steal = map(
-        int, Path("/proc/stat").read_text().split()[1:9])
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
@@ -112,7 +111,8 @@ def audited(fn: Callable[[], T]) -> tuple[T, float, float]:
 
 def load_note(wall: float, share: float) -> str:
     return f"{wall:.0f} s, other processes and steal used {100 * share:.1f}% of the {CORES} cores" + (
-        " (above 5%: skewed)" if share > 0.05 else "")
+        " (above 5%: skewed)" if share > 0.05 else ""
+    )
 
 
 def median_s(fn: Callable[[], object], steps: int, warmup: int) -> float:
@@ -148,9 +148,11 @@ def single_phases(steps: int, warmup: int, threads: int = 1) -> dict[str, float]
                 nn.functional.cross_entropy(model(xs), ys).backward()
 
         forward_backward()
-        return {"forward_backward": median_s(forward_backward, steps, warmup),
-                "micro_batch": median_s(micro_batches, steps, warmup) / MICRO_BATCHES,
-                "adam": median_s(opt.step, steps, warmup)}
+        return {
+            "forward_backward": median_s(forward_backward, steps, warmup),
+            "micro_batch": median_s(micro_batches, steps, warmup) / MICRO_BATCHES,
+            "adam": median_s(opt.step, steps, warmup),
+        }
     finally:
         torch.set_num_threads(before)
 
@@ -211,15 +213,18 @@ ONE_RANK = ("single", "zero2", "zero3")
 def measure_world1(rounds: int, steps: int, warmup: int, host_rate: str = "threads") -> dict[str, float]:
     """World 1, medians over interleaved rounds: ``single_phases`` on one thread, the all-cores timing
     ``host_rate`` names (``HOST_RATES``) and ``ONE_RANK``'s whole steps."""
-    all_cores = {"threads": lambda: single_phases(steps, warmup, threads=CORES),
-                 "processes": lambda: concurrent_phases(steps, warmup)}[host_rate]
+    all_cores = {
+        "threads": lambda: single_phases(steps, warmup, threads=CORES),
+        "processes": lambda: concurrent_phases(steps, warmup),
+    }[host_rate]
     parts: list[Callable[[], dict[str, float]]] = [
         lambda: single_phases(steps, warmup),
         lambda: {f"{HOST_RATES[host_rate]}{k}": v for k, v in all_cores().items()},
-        *(lambda label=label: {label: one_rank_step_s(label, steps, warmup)} for label in ONE_RANK)]
+        *(lambda label=label: {label: one_rank_step_s(label, steps, warmup)} for label in ONE_RANK),
+    ]
     per_round: dict[str, list[float]] = {}
     for r in range(rounds):
-        for part in (parts if r % 2 == 0 else parts[::-1]):
+        for part in parts if r % 2 == 0 else parts[::-1]:
             for name, seconds in part().items():
                 per_round.setdefault(name, []).append(seconds)
     return {name: statistics.median(ts) for name, ts in per_round.items()}
@@ -227,9 +232,11 @@ def measure_world1(rounds: int, steps: int, warmup: int, host_rate: str = "threa
 
 def describe_world1(w: dict[str, float]) -> str:
     ms = {k: 1e3 * v for k, v in w.items()}
-    return (f"forward+backward {ms['forward_backward']:.1f} ms (per micro-batch of {GLOBAL // MICRO_BATCHES}: "
-            f"{ms['micro_batch']:.1f}) + Adam {ms['adam']:.1f} ms; whole steps: single {ms['single']:.1f}, zero2 "
-            f"{ms['zero2']:.1f}, zero3 {ms['zero3']:.1f} ms")
+    return (
+        f"forward+backward {ms['forward_backward']:.1f} ms (per micro-batch of {GLOBAL // MICRO_BATCHES}: "
+        f"{ms['micro_batch']:.1f}) + Adam {ms['adam']:.1f} ms; whole steps: single {ms['single']:.1f}, zero2 "
+        f"{ms['zero2']:.1f}, zero3 {ms['zero3']:.1f} ms"
+    )
 
 
 def link_timings(unit_params: list[int], repeats: int) -> dict[str, tuple[float, ...]]:
@@ -259,18 +266,22 @@ def link_timings(unit_params: list[int], repeats: int) -> dict[str, tuple[float,
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     tiny = torch.zeros(2)
-    ops = {"all_reduce": (numel * 4, lambda: dist.all_reduce(full)),
-           "all_reduce_small": (tiny.numel() * 4, lambda: dist.all_reduce(tiny)),
-           "all_gather": (numel * 4, lambda: all_gather(full, shard)),
-           "reduce_scatter": (numel * 4, lambda: reduce_scatter(shard, full)),
-           "all_gather_split": (numel * 4, lambda: [all_gather(f, s) for f, s in zip(unit_full, unit_shard)]),
-           "reduce_scatter_split": (numel * 4, lambda: [reduce_scatter(s, f) for f, s in zip(unit_full, unit_shard)]),
-           "broadcast": (numel * 4, broadcasts),
-           "p2p_small": (BOUNDARY_BYTES, p2p(BOUNDARY_BYTES)),
-           "p2p": (4 * 2**20, p2p(4 * 2**20))}
+    ops = {
+        "all_reduce": (numel * 4, lambda: dist.all_reduce(full)),
+        "all_reduce_small": (tiny.numel() * 4, lambda: dist.all_reduce(tiny)),
+        "all_gather": (numel * 4, lambda: all_gather(full, shard)),
+        "reduce_scatter": (numel * 4, lambda: reduce_scatter(shard, full)),
+        "all_gather_split": (numel * 4, lambda: [all_gather(f, s) for f, s in zip(unit_full, unit_shard)]),
+        "reduce_scatter_split": (numel * 4, lambda: [reduce_scatter(s, f) for f, s in zip(unit_full, unit_shard)]),
+        "broadcast": (numel * 4, broadcasts),
+        "p2p_small": (BOUNDARY_BYTES, p2p(BOUNDARY_BYTES)),
+        "p2p": (4 * 2**20, p2p(4 * 2**20)),
+    }
     medians = round_robin_s(ops, repeats)
-    return {name: (size, medians[name]) + ((len(units),) if name.endswith("_split") else ())
-            for name, (size, _) in ops.items()}
+    return {
+        name: (size, medians[name]) + ((len(units),) if name.endswith("_split") else ())
+        for name, (size, _) in ops.items()
+    }
 
 
 def round_robin_s(ops: dict[str, tuple[int, Callable[[], object]]], repeats: int) -> dict[str, float]:
@@ -300,23 +311,40 @@ def slowest_link(ranks: list[dict[str, object]]) -> dict[str, tuple[float, ...]]
     """Per collective, the slowest rank's time (a collective ends when its last rank does; a send when it is
     received)."""
     links = [r["link"] for r in ranks]
-    return {name: (links[0][name][0], max(link[name][1] for link in links), *links[0][name][2:])
-            for name in links[0]}
+    return {name: (links[0][name][0], max(link[name][1] for link in links), *links[0][name][2:]) for name in links[0]}
 
 
-def predict(world: int, world1: dict[str, float], link: dict[str, tuple[float, ...]] | None,
-            host_rate: str = "threads") -> dict[str, float]:
+def predict(
+    world: int, world1: dict[str, float], link: dict[str, tuple[float, ...]] | None, host_rate: str = "threads"
+) -> dict[str, float]:
     """Predicted step seconds per planner strategy at ``world`` ranks on this host, calibrated on world 1."""
     host = HOST_RATES[host_rate]
-    training = Training(precision="fp32", optimizer="adam", micro_batch=GLOBAL, global_batch=GLOBAL,
-                        micro_batches=MICRO_BATCHES, schedule="1f1b")
-    measured = Measured(micro_step_time=(GLOBAL // MICRO_BATCHES, world1["micro_batch"]),
-                        host_step_time=(world1[f"{host}forward_backward"], world1[f"{host}adam"]),
-                        fsdp_overhead={"zero2": world1["zero2"] - world1["single"],
-                                       "zero3": world1["zero3"] - world1["single"]},
-                        link_timings=link)
-    plan = make_plan(MODEL, PlanConfig(gpu="cpu", gpus=world, training=training, step_time=world1["forward_backward"],
-                                       optimizer_time=world1["adam"], threads=1, measured=measured))
+    training = Training(
+        precision="fp32",
+        optimizer="adam",
+        micro_batch=GLOBAL,
+        global_batch=GLOBAL,
+        micro_batches=MICRO_BATCHES,
+        schedule="1f1b",
+    )
+    measured = Measured(
+        micro_step_time=(GLOBAL // MICRO_BATCHES, world1["micro_batch"]),
+        host_step_time=(world1[f"{host}forward_backward"], world1[f"{host}adam"]),
+        fsdp_overhead={"zero2": world1["zero2"] - world1["single"], "zero3": world1["zero3"] - world1["single"]},
+        link_timings=link,
+    )
+    plan = make_plan(
+        MODEL,
+        PlanConfig(
+            gpu="cpu",
+            gpus=world,
+            training=training,
+            step_time=world1["forward_backward"],
+            optimizer_time=world1["adam"],
+            threads=1,
+            measured=measured,
+        ),
+    )
     return {e.name: e.time.step_s for e in plan.estimates}
 
 
@@ -339,11 +367,18 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--calibration-steps", type=int, default=30, help="timed steps per world-1 part and round")
     p.add_argument("--quick", action="store_true", help="world 1 and 2, 1 round, 5 steps")
-    p.add_argument("--default-malloc", action="store_true",
-                   help="keep glibc's default trimming (freed memory goes back to the OS and faults in again)")
-    p.add_argument("--host-rate", choices=sorted(HOST_RATES), default="threads",
-                   help="the all-cores timing that sets the host's rates: one process on every core's thread, or "
-                        "one single-threaded process per core at once")
+    p.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's default trimming (freed memory goes back to the OS and faults in again)",
+    )
+    p.add_argument(
+        "--host-rate",
+        choices=sorted(HOST_RATES),
+        default="threads",
+        help="the all-cores timing that sets the host's rates: one process on every core's thread, or "
+        "one single-threaded process per core at once",
+    )
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
     if not a.default_malloc:
@@ -353,58 +388,94 @@ def main() -> None:
     cal_rounds, cal_steps = (1, 5) if a.quick else (max(rounds, 3), a.calibration_steps)
     default_threads = torch.get_num_threads()
     malloc = "glibc default" if a.default_malloc else " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
-    print(f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; "
-          f"MLP 784-{strategies.MODEL_WIDTH}x4-10, Adam, fp32, global batch {GLOBAL}; {rounds} round(s) x {steps} "
-          f"timed steps; world 1: {cal_rounds} round(s) x {cal_steps}; allocator: {malloc}")
+    print(
+        f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; "
+        f"MLP 784-{strategies.MODEL_WIDTH}x4-10, Adam, fp32, global batch {GLOBAL}; {rounds} round(s) x {steps} "
+        f"timed steps; world 1: {cal_rounds} round(s) x {cal_steps}; allocator: {malloc}"
+    )
 
     before, wall, share = audited(lambda: measure_world1(cal_rounds, cal_steps, a.warmup, a.host_rate))
     print(f"world 1, 1 thread: {describe_world1(before)}; {load_note(wall, share)}")
     threaded = single_phases(cal_steps, a.warmup, threads=default_threads)
-    print(f"world 1, {default_threads} threads (reference): forward+backward {1e3 * threaded['forward_backward']:.1f}"
-          f" + Adam {1e3 * threaded['adam']:.1f} ms")
+    print(
+        f"world 1, {default_threads} threads (reference): forward+backward {1e3 * threaded['forward_backward']:.1f}"
+        f" + Adam {1e3 * threaded['adam']:.1f} ms"
+    )
     shares, links, rows, calibrations = {"1": share}, {}, [], {}
     for world in worlds:
         catalogue = predict(world, before, None, a.host_rate)
         labels = {name: label for name, label in PLANNER_TO_LABEL.items() if name in catalogue}
-        ranks, wall, shares[str(world)] = audited(lambda world=world, labels=labels: paratrain.launch(
-            accuracy_job, world, (list(labels.values()), rounds, steps, a.warmup), timeout_s=900))
+        ranks, wall, shares[str(world)] = audited(
+            lambda world=world, labels=labels: paratrain.launch(
+                accuracy_job, world, (list(labels.values()), rounds, steps, a.warmup), timeout_s=900
+            )
+        )
         links[world] = slowest_link(ranks)
         summary = strategies.summarise(world, [r["rounds"] for r in ranks])
         measured = {r["strategy"]: r["step_ms"] / 1e3 for r in summary}
         figures = ", ".join(f"{name} {1e3 * t[1]:.1f} ms" for name, t in links[world].items())
         print(f"world {world}: measured in {load_note(wall, shares[str(world)])}; link: {figures}")
         after, wall, shares[f"1 after {world}"] = audited(
-            lambda: measure_world1(cal_rounds, cal_steps, a.warmup, a.host_rate))
+            lambda: measure_world1(cal_rounds, cal_steps, a.warmup, a.host_rate)
+        )
         mean = {k: (before[k] + after[k]) / 2 for k in before}  # the world-1 figures around this job
-        calibrations[world] = {"before_ms": {k: 1e3 * v for k, v in before.items()},
-                               "after_ms": {k: 1e3 * v for k, v in after.items()}}
-        print(f"world 1 again ({after['single'] / before['single'] - 1:+.1%} single step): {describe_world1(after)}; "
-              f"{load_note(wall, shares[f'1 after {world}'])}")
+        calibrations[world] = {
+            "before_ms": {k: 1e3 * v for k, v in before.items()},
+            "after_ms": {k: 1e3 * v for k, v in after.items()},
+        }
+        print(
+            f"world 1 again ({after['single'] / before['single'] - 1:+.1%} single step): {describe_world1(after)}; "
+            f"{load_note(wall, shares[f'1 after {world}'])}"
+        )
         catalogue, with_link = predict(world, mean, None, a.host_rate), predict(world, mean, links[world], a.host_rate)
-        rows += [{"world": world, "strategy": label, "measured_ms": 1e3 * measured[label],
-                  "predicted_ms": 1e3 * with_link[name], "error": error(with_link[name], measured[label]),
-                  "catalogue_link_ms": 1e3 * catalogue[name],
-                  "catalogue_link_error": error(catalogue[name], measured[label])}
-                 for name, label in labels.items()]
+        rows += [
+            {
+                "world": world,
+                "strategy": label,
+                "measured_ms": 1e3 * measured[label],
+                "predicted_ms": 1e3 * with_link[name],
+                "error": error(with_link[name], measured[label]),
+                "catalogue_link_ms": 1e3 * catalogue[name],
+                "catalogue_link_error": error(catalogue[name], measured[label]),
+            }
+            for name, label in labels.items()
+        ]
         before = after
 
-    print(f"\n{'world':>5} {'strategy':<16} {'measured ms':>11} {'predicted ms':>12} {'error':>8}  {'within 20%?':<11}"
-          f" {'catalogue link':>14} {'error':>8}")
+    print(
+        f"\n{'world':>5} {'strategy':<16} {'measured ms':>11} {'predicted ms':>12} {'error':>8}  {'within 20%?':<11}"
+        f" {'catalogue link':>14} {'error':>8}"
+    )
     for r in rows:
         r["within_target"] = abs(r["error"]) <= TARGET
-        print(f"{r['world']:>5} {r['strategy']:<16} {r['measured_ms']:>11.1f} {r['predicted_ms']:>12.1f} "
-              f"{r['error']:>+8.1%}  {'yes' if r['within_target'] else 'NO':<11} {r['catalogue_link_ms']:>14.1f} "
-              f"{r['catalogue_link_error']:>+8.1%}")
+        print(
+            f"{r['world']:>5} {r['strategy']:<16} {r['measured_ms']:>11.1f} {r['predicted_ms']:>12.1f} "
+            f"{r['error']:>+8.1%}  {'yes' if r['within_target'] else 'NO':<11} {r['catalogue_link_ms']:>14.1f} "
+            f"{r['catalogue_link_error']:>+8.1%}"
+        )
     within = sum(r["within_target"] for r in rows)
     catalogue_within = sum(abs(r["catalogue_link_error"]) <= TARGET for r in rows)
-    print(f"within {TARGET:.0%}: {within} of {len(rows)} cases with measured link figures, {catalogue_within} of "
-          f"{len(rows)} with the catalogue's")
+    print(
+        f"within {TARGET:.0%}: {within} of {len(rows)} cases with measured link figures, {catalogue_within} of "
+        f"{len(rows)} with the catalogue's"
+    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"calibration_ms": calibrations, "threads": 1, "allocator": malloc, "host_rate": a.host_rate,
-                       "default_threads": default_threads,
-                       "default_threads_ms": {k: 1e3 * v for k, v in threaded.items()},
-                       "background_share": shares, "link_timings": links, "rows": rows}, f, indent=2)
+            json.dump(
+                {
+                    "calibration_ms": calibrations,
+                    "threads": 1,
+                    "allocator": malloc,
+                    "host_rate": a.host_rate,
+                    "default_threads": default_threads,
+                    "default_threads_ms": {k: 1e3 * v for k, v in threaded.items()},
+                    "background_share": shares,
+                    "link_timings": links,
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

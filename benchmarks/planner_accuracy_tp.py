@@ -25,6 +25,7 @@ at once): the collectives of a forward+backward and of the Adam step under ``Com
 ``tensor_parallel.collectives_per_micro_batch``, and the time of a whole step without communication: one rank's
 compute plus DTensor's own machinery.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,10 @@ WORLD = 2
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return (torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len), generator=g),
-            torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len), generator=g))
+    return (
+        torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len), generator=g),
+        torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len), generator=g),
+    )
 
 
 def build() -> GPT:
@@ -73,12 +76,15 @@ def world1(steps: int, warmup: int, threads: int) -> dict[str, float]:
             def run() -> None:
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x[:n]).flatten(0, 1), y[:n].flatten()).backward()
+
             return run
 
         forward_backward(BATCH)()
-        return {"forward_backward": median_s(forward_backward(BATCH), steps, warmup),
-                "quarter": median_s(forward_backward(BATCH // 4), steps, warmup),
-                "adam": median_s(opt.step, steps, warmup)}
+        return {
+            "forward_backward": median_s(forward_backward(BATCH), steps, warmup),
+            "quarter": median_s(forward_backward(BATCH // 4), steps, warmup),
+            "adam": median_s(opt.step, steps, warmup),
+        }
     finally:
         torch.set_num_threads(before)
 
@@ -89,13 +95,27 @@ def parallelize(model: GPT, mesh: object) -> GPT:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     for block in model.blocks:  # the GPT lays qkv out per head: a plain column split gives each rank whole heads
-        parallelize_module(block, mesh, {  # type: ignore[arg-type]
-            "norm1": SequenceParallel(), "qkv": ColwiseParallel(input_layouts=Shard(1)),
-            "proj": RowwiseParallel(output_layouts=Shard(1)), "norm2": SequenceParallel(),
-            "fc": ColwiseParallel(input_layouts=Shard(1)), "out": RowwiseParallel(output_layouts=Shard(1))})
-    parallelize_module(model, mesh, {  # type: ignore[arg-type]
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)), "norm": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)})
+        parallelize_module(
+            block,
+            mesh,
+            {  # type: ignore[arg-type]
+                "norm1": SequenceParallel(),
+                "qkv": ColwiseParallel(input_layouts=Shard(1)),
+                "proj": RowwiseParallel(output_layouts=Shard(1)),
+                "norm2": SequenceParallel(),
+                "fc": ColwiseParallel(input_layouts=Shard(1)),
+                "out": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+    parallelize_module(
+        model,
+        mesh,
+        {  # type: ignore[arg-type]
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+        },
+    )
     return model
 
 
@@ -114,10 +134,12 @@ def link_timings(repeats: int) -> dict[str, tuple[float, ...]]:
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     full = torch.randn(BATCH * CFG.seq_len * CFG.hidden)
     shard, tiny = torch.empty(full.numel() // WORLD), torch.zeros(2)
-    ops = {"all_reduce": (full.numel() * 4, lambda: dist.all_reduce(full)),
-           "all_reduce_small": (8, lambda: dist.all_reduce(tiny)),
-           "all_gather": (full.numel() * 4, lambda: all_gather(full, shard)),
-           "reduce_scatter": (full.numel() * 4, lambda: reduce_scatter(shard, full))}
+    ops = {
+        "all_reduce": (full.numel() * 4, lambda: dist.all_reduce(full)),
+        "all_reduce_small": (8, lambda: dist.all_reduce(tiny)),
+        "all_gather": (full.numel() * 4, lambda: all_gather(full, shard)),
+        "reduce_scatter": (full.numel() * 4, lambda: reduce_scatter(shard, full)),
+    }
     medians = round_robin_s(ops, repeats)
     return {name: (size, medians[name]) for name, (size, _) in ops.items()}
 
@@ -164,8 +186,7 @@ def job(rounds: int, steps: int, warmup: int) -> dict[str, object]:
             dist.barrier()
             per_round[name].append(median_s(step, steps, warmup))
     finish_group()
-    return {"link": link, "first_loss": first_loss,
-            "step_s": {k: statistics.median(v) for k, v in per_round.items()}}
+    return {"link": link, "first_loss": first_loss, "step_s": {k: statistics.median(v) for k, v in per_round.items()}}
 
 
 def fake_group(steps: int, warmup: int) -> dict[str, object]:
@@ -210,16 +231,33 @@ def micro_step_time(w1: dict[str, float]) -> tuple[int, float] | None:
 
 
 def predict(w1: dict[str, float], link: dict[str, tuple[float, ...]], tp_step_time: float | None) -> dict[str, float]:
-    measured = Measured(micro_step_time=micro_step_time(w1), link_timings=link, tp_step_time=tp_step_time,
-                        host_step_time=(w1["host_forward_backward"], w1["host_adam"]))
+    measured = Measured(
+        micro_step_time=micro_step_time(w1),
+        link_timings=link,
+        tp_step_time=tp_step_time,
+        host_step_time=(w1["host_forward_backward"], w1["host_adam"]),
+    )
     training = Training(precision="fp32", optimizer="adam", micro_batch=BATCH, global_batch=BATCH)
-    plan = make_plan(transformer_stats(CFG, name="gpt-tp-bench"), PlanConfig(
-        gpu="cpu", gpus=WORLD, training=training, step_time=w1["forward_backward"], optimizer_time=w1["adam"],
-        threads=1, measured=measured))
+    plan = make_plan(
+        transformer_stats(CFG, name="gpt-tp-bench"),
+        PlanConfig(
+            gpu="cpu",
+            gpus=WORLD,
+            training=training,
+            step_time=w1["forward_backward"],
+            optimizer_time=w1["adam"],
+            threads=1,
+            measured=measured,
+        ),
+    )
     by_name = {e.name: e for e in plan.estimates}
     tp = by_name["tp"].time
-    return {"tp": tp.step_s, "ddp": by_name["ddp"].time.step_s, "tp_comm": tp.tp_comm_s,
-            "tp_compute": tp.step_s - tp.exposed_comm_s}
+    return {
+        "tp": tp.step_s,
+        "ddp": by_name["ddp"].time.step_s,
+        "tp_comm": tp.tp_comm_s,
+        "tp_compute": tp.step_s - tp.exposed_comm_s,
+    }
 
 
 def main() -> None:
@@ -232,9 +270,11 @@ def main() -> None:
     cores = torch.get_num_threads()
     fake = fake_group(a.steps, a.warmup)
     expected = collectives_per_micro_batch(transformer_stats(CFG, name="gpt-tp-bench"), False)
-    print(f"torch {torch.__version__}; fake 2-rank group: collectives of one TP forward+backward "
-          f"{fake['forward_backward']} (planner: {expected}), of the Adam step {fake['adam']}; a TP step without "
-          f"communication {1e3 * fake['step_s']:.1f} ms (one thread)")
+    print(
+        f"torch {torch.__version__}; fake 2-rank group: collectives of one TP forward+backward "
+        f"{fake['forward_backward']} (planner: {expected}), of the Adam step {fake['adam']}; a TP step without "
+        f"communication {1e3 * fake['step_s']:.1f} ms (one thread)"
+    )
     w1 = world1(a.steps, a.warmup, threads=1)
     w1.update({f"host_{k}": v for k, v in world1(a.steps, a.warmup, threads=cores).items() if k != "quarter"})
     print("world 1: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in w1.items()))
@@ -251,19 +291,40 @@ def main() -> None:
     rows = []
     for name, kind in (("paratrain tp", "tp"), ("hand tp", "tp"), ("ddp", "ddp")):
         err, err_cal = plain[kind] / measured[name] - 1, calibrated[kind] / measured[name] - 1
-        rows.append({"strategy": name, "measured_ms": 1e3 * measured[name], "predicted_ms": 1e3 * plain[kind],
-                     "error": err, "calibrated_ms": 1e3 * calibrated[kind], "calibrated_error": err_cal})
-        print(f"{name:<13} {1e3 * measured[name]:>11.1f} {1e3 * plain[kind]:>12.1f} {err:>+7.1%} "
-              f"{1e3 * calibrated[kind]:>14.1f} {err_cal:>+7.1%}")
-    print(f"tp predicted with tp_call_s: {1e3 * calibrated['tp_compute']:.1f} ms compute, optimizer and DTensor "
-          f"machinery (the fake group's step without communication: {1e3 * fake['step_s']:.1f} ms), "
-          f"{1e3 * calibrated['tp_comm']:.1f} ms activation collectives (paratrain's measured step minus the fake "
-          f"group's: {1e3 * (measured['paratrain tp'] - fake['step_s']):.1f} ms)")
+        rows.append(
+            {
+                "strategy": name,
+                "measured_ms": 1e3 * measured[name],
+                "predicted_ms": 1e3 * plain[kind],
+                "error": err,
+                "calibrated_ms": 1e3 * calibrated[kind],
+                "calibrated_error": err_cal,
+            }
+        )
+        print(
+            f"{name:<13} {1e3 * measured[name]:>11.1f} {1e3 * plain[kind]:>12.1f} {err:>+7.1%} "
+            f"{1e3 * calibrated[kind]:>14.1f} {err_cal:>+7.1%}"
+        )
+    print(
+        f"tp predicted with tp_call_s: {1e3 * calibrated['tp_compute']:.1f} ms compute, optimizer and DTensor "
+        f"machinery (the fake group's step without communication: {1e3 * fake['step_s']:.1f} ms), "
+        f"{1e3 * calibrated['tp_comm']:.1f} ms activation collectives (paratrain's measured step minus the fake "
+        f"group's: {1e3 * (measured['paratrain tp'] - fake['step_s']):.1f} ms)"
+    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"fake_group": fake, "planner_collectives": expected, "world1_ms":
-                       {k: 1e3 * v for k, v in w1.items()}, "link": link, "rows": rows,
-                       "first_loss": {"tp": ranks[0]["first_loss"], "single": single_loss}}, f, indent=2)
+            json.dump(
+                {
+                    "fake_group": fake,
+                    "planner_collectives": expected,
+                    "world1_ms": {k: 1e3 * v for k, v in w1.items()},
+                    "link": link,
+                    "rows": rows,
+                    "first_loss": {"tp": ranks[0]["first_loss"], "single": single_loss},
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ The plan is ``paratrain plan --model llama3-8b --gpus 8 --seq-len 32768 --batch 
 GPU is used). Its time to plan, with the cp rows (the default search) and without them (``--cp 1``), is measured in
 interleaved rounds in this process after one warm-up each; medians and their ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,28 @@ CONFIG = PlanConfig(gpus=8, ps_servers=0, training=Training(micro_batch=1))
 def rows() -> list[dict]:
     """Every row of the plan: its layout, whether it fits, memory, step time and cp's all-to-alls."""
     plan = make_plan(STATS, CONFIG)
-    out = [{"strategy": e.name, "layout": e.layout.describe(), "cp": e.layout.cp, "fits": e.fits,
-            "gib_per_gpu": e.memory.total / GIB, "step_ms": e.time.step_s * 1e3,
-            "cp_all_to_all_ms": e.time.cp_comm_s * 1e3} for e in plan.estimates]
+    out = [
+        {
+            "strategy": e.name,
+            "layout": e.layout.describe(),
+            "cp": e.layout.cp,
+            "fits": e.fits,
+            "gib_per_gpu": e.memory.total / GIB,
+            "step_ms": e.time.step_s * 1e3,
+            "cp_all_to_all_ms": e.time.cp_comm_s * 1e3,
+        }
+        for e in plan.estimates
+    ]
     choice = plan.choice
-    return out + [{"recommended": choice.name, "layout": choice.layout.describe(), "reason": plan.reason,
-                   "checkpointing": choice.checkpointing, "notes": list(plan.notes)}]
+    return out + [
+        {
+            "recommended": choice.name,
+            "layout": choice.layout.describe(),
+            "reason": plan.reason,
+            "checkpointing": choice.checkpointing,
+            "notes": list(plan.notes),
+        }
+    ]
 
 
 def planning_time(rounds: int) -> dict[str, float]:
@@ -61,8 +78,10 @@ def main() -> None:
     args = parser.parse_args()
     result = {"rows": rows(), "planning_s": planning_time(args.rounds), "rounds": args.rounds}
     for row in result["rows"][:-1]:
-        print(f"{row['strategy']:<16} {row['layout']:<24} {'yes' if row['fits'] else 'no':<4} "
-              f"{row['gib_per_gpu']:>7.1f} GiB {row['step_ms']:>8.1f} ms  cp a2a {row['cp_all_to_all_ms']:>6.1f} ms")
+        print(
+            f"{row['strategy']:<16} {row['layout']:<24} {'yes' if row['fits'] else 'no':<4} "
+            f"{row['gib_per_gpu']:>7.1f} GiB {row['step_ms']:>8.1f} ms  cp a2a {row['cp_all_to_all_ms']:>6.1f} ms"
+        )
     print(json.dumps(result["rows"][-1], indent=1))
     print(json.dumps(result["planning_s"], indent=1))
     if args.json:

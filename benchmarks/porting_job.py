@@ -7,6 +7,7 @@ outside ``par.step``) against hand-written FSDP2 ones.
 ``paratrain run -n 2 benchmarks/porting_job.py OUT.json ROUNDS STEPS``: rank 0 writes every block's per-step
 times. Every block starts from the same seeded weights and batches.
 """
+
 from __future__ import annotations
 
 import json

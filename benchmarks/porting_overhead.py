@@ -9,6 +9,7 @@ and the ratio to its hand-written twin. The background load of other processes i
 Run (about 2 minutes on 2 cores):
     cd /work/main && .venv/bin/python benchmarks/porting_overhead.py [--rounds 5] [--steps 20] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,12 @@ from pathlib import Path
 from paratrain.bench.machine import BackgroundLoad
 
 HERE = Path(__file__).resolve().parent
-TWINS = {"ddp ported, forward_backward": "ddp by hand", "ddp ported, model(X, Y) + par.backward": "ddp by hand",
-         "zero3 evaluation ported": "zero3 evaluation by hand",
-         "zero3 evaluation ported, no meetings": "zero3 evaluation by hand"}
+TWINS = {
+    "ddp ported, forward_backward": "ddp by hand",
+    "ddp ported, model(X, Y) + par.backward": "ddp by hand",
+    "zero3 evaluation ported": "zero3 evaluation by hand",
+    "zero3 evaluation ported, no meetings": "zero3 evaluation by hand",
+}
 
 
 def main() -> None:
@@ -36,21 +40,50 @@ def main() -> None:
     load = BackgroundLoad()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        subprocess.run([sys.executable, "-m", "paratrain", "run", "-n", "2", str(HERE / "porting_job.py"), str(out),
-                        str(args.rounds), str(args.steps)], check=True, timeout=1800)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "paratrain",
+                "run",
+                "-n",
+                "2",
+                str(HERE / "porting_job.py"),
+                str(out),
+                str(args.rounds),
+                str(args.steps),
+            ],
+            check=True,
+            timeout=1800,
+        )
         times = json.loads(out.read_text())
     medians = {arm: statistics.median(statistics.median(block) for block in blocks) for arm, blocks in times.items()}
-    ratios = {arm: statistics.median(statistics.median(a) / statistics.median(b)
-                                     for a, b in zip(times[arm], times[twin])) for arm, twin in TWINS.items()}
+    ratios = {
+        arm: statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(times[arm], times[twin]))
+        for arm, twin in TWINS.items()
+    }
     share = load.share()
-    print(f"world 2, CPU/gloo, {args.rounds} rounds x {args.steps} steps; background load {share:.1%}"
-          + (" (flagged: above 5%)" if share > 0.05 else ""))
+    print(
+        f"world 2, CPU/gloo, {args.rounds} rounds x {args.steps} steps; background load {share:.1%}"
+        + (" (flagged: above 5%)" if share > 0.05 else "")
+    )
     for arm, ms in medians.items():
         twin = f"  {ratios[arm]:.3f}x {TWINS[arm]}" if arm in ratios else ""
         print(f"  {arm:42s} {ms * 1e3:8.1f} ms{twin}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"medians_s": medians, "ratios": ratios, "background_share": share,
-                                               "rounds": args.rounds, "steps": args.steps, "times": times}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "medians_s": medians,
+                    "ratios": ratios,
+                    "background_share": share,
+                    "rounds": args.rounds,
+                    "steps": args.steps,
+                    "times": times,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

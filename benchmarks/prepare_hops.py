@@ -8,6 +8,7 @@ layers a reader follows from the user's verb to the engine underneath.
 
 Model: paratrain's GPT with 4 blocks of hidden 64 (``paratrain.workloads.gpt``), on the CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,10 @@ def main() -> None:
     if args.chain:
         for f in frames:
             print(f"  {f.filename.split('paratrain/')[-1]}:{f.lineno} {f.name}")
-    print(f"{args.strategy}{f' data={args.data}' if args.strategy == 'hybrid' else ''}: {len(frames)} hops from "
-          "Parallel.prepare to fully_shard")
+    print(
+        f"{args.strategy}{f' data={args.data}' if args.strategy == 'hybrid' else ''}: {len(frames)} hops from "
+        "Parallel.prepare to fully_shard"
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Per subject: ``step ms`` (worker rank 0's median step, after 3 warm-up steps), `
 ``sent/step`` and ``received/step`` per worker (ps: measured bytes of the messages; ddp: the ring all-reduce's
 2 (n-1)/n x gradient bytes each way, computed), and the peak RSS of the largest process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,12 @@ def _job(workload: str, strategy: str, options: dict, steps: int, slow_rank: int
             time.sleep(2 * (time.perf_counter() - t0))
         times.append(time.perf_counter() - t0)
     wall = time.perf_counter() - start
-    out = {"rank": par.rank, "step_ms": 1e3 * statistics.median(times[3:]), "samples_per_s": steps * batch / wall,
-           "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    out = {
+        "rank": par.rank,
+        "step_ms": 1e3 * statistics.median(times[3:]),
+        "samples_per_s": steps * batch / wall,
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     if strategy == "ps":
         st = par.strategy.server.worker.client.stats
         out.update(sent=st.push_bytes / st.steps, received=st.pull_bytes / st.steps)
@@ -103,11 +108,16 @@ def _run(workload: str, subject: tuple, steps: int) -> dict[str, Any]:
     workers = [r for r in results if r is not None]
     peak = max([r["rss_mb"] for r in workers])
     fast = [r["samples_per_s"] for r in workers if r["rank"] != slow]
-    return {"subject": name, "step_ms": workers[0]["step_ms"],
-            "samples_per_s": sum(r["samples_per_s"] for r in workers),
-            "fast_samples_per_s": statistics.mean(fast),
-            "slow_samples_per_s": next((r["samples_per_s"] for r in workers if r["rank"] == slow), None),
-            "sent": workers[0]["sent"], "received": workers[0]["received"], "worker_rss_mb": peak}
+    return {
+        "subject": name,
+        "step_ms": workers[0]["step_ms"],
+        "samples_per_s": sum(r["samples_per_s"] for r in workers),
+        "fast_samples_per_s": statistics.mean(fast),
+        "slow_samples_per_s": next((r["samples_per_s"] for r in workers if r["rank"] == slow), None),
+        "sent": workers[0]["sent"],
+        "received": workers[0]["received"],
+        "worker_rss_mb": peak,
+    }
 
 
 def main() -> None:
@@ -125,17 +135,23 @@ def main() -> None:
                 row = {"workload": workload, "round": r, **_run(workload, subject, args.steps)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'workload':<10} {'subject':<7} {'step ms':>8} {'samples/s':>10} {'fast w. s/s':>11} {'slow w. s/s':>11} "
-          f"{'sent/step':>10} {'recv/step':>10} {'worker RSS':>10}")
+    print(
+        f"\n{'workload':<10} {'subject':<7} {'step ms':>8} {'samples/s':>10} {'fast w. s/s':>11} {'slow w. s/s':>11} "
+        f"{'sent/step':>10} {'recv/step':>10} {'worker RSS':>10}"
+    )
     for workload in args.which.split(","):
         for subject in SUBJECTS[workload]:
             mine = [r for r in rows if r["workload"] == workload and r["subject"] == subject[0]]
-            med = {k: statistics.median(r[k] for r in mine) for k in ("step_ms", "samples_per_s", "fast_samples_per_s",
-                                                                       "sent", "received", "worker_rss_mb")}
+            med = {
+                k: statistics.median(r[k] for r in mine)
+                for k in ("step_ms", "samples_per_s", "fast_samples_per_s", "sent", "received", "worker_rss_mb")
+            }
             slow = [r["slow_samples_per_s"] for r in mine if r["slow_samples_per_s"] is not None]
-            print(f"{workload:<10} {subject[0]:<7} {med['step_ms']:>8.1f} {med['samples_per_s']:>10.0f} "
-                  f"{med['fast_samples_per_s']:>11.0f} {statistics.median(slow) if slow else float('nan'):>11.0f} "
-                  f"{med['sent'] / 2**20:>9.2f}M {med['received'] / 2**20:>9.2f}M {med['worker_rss_mb']:>9.0f}M")
+            print(
+                f"{workload:<10} {subject[0]:<7} {med['step_ms']:>8.1f} {med['samples_per_s']:>10.0f} "
+                f"{med['fast_samples_per_s']:>11.0f} {statistics.median(slow) if slow else float('nan'):>11.0f} "
+                f"{med['sent'] / 2**20:>9.2f}M {med['received'] / 2**20:>9.2f}M {med['worker_rss_mb']:>9.0f}M"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, f, indent=1)

@@ -7,6 +7,7 @@ order reversed every other round; medians over everything.
 
     .venv/bin/python benchmarks/ps_checkpoint.py --rounds 2      # RESULTS.md §16 (about 2 min here)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,11 @@ def _job(strategy: str, options: dict, repeats: int, root: str) -> dict[str, Any
     g = torch.Generator().manual_seed(par.rank)
     for _ in range(3):
         with par.step(model, opt):
-            par.backward(F.cross_entropy(model(torch.randint(0, ROWS, (256, IDS), generator=g)),
-                                         torch.randint(0, 2, (256,), generator=g)))
+            par.backward(
+                F.cross_entropy(
+                    model(torch.randint(0, ROWS, (256, IDS), generator=g)), torch.randint(0, 2, (256,), generator=g)
+                )
+            )
     saves, loads = [], []
     for i in range(repeats):
         par.barrier()

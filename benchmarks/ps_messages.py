@@ -19,6 +19,7 @@ summed over every request it served, as it reports to ``finish``: a mean) and th
 takes the means (``planner/hardware.py``'s ``PS_SERVER_REQUEST_S`` and ``PS_WORKER_REQUEST_S``): a step adds its
 requests up, and on a shared 2-core host the round trips have a long tail (p99 several ms).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,12 +82,17 @@ def _job(reps: int, per_rep: int) -> dict[str, Any] | None:
     loads = client.finish()
     par.close()
     served = loads[0].requests  # every request it served: the first pull and the DONE included
-    return {"ping_pong_us": 1e6 * statistics.median(pings[per_rep:]),
-            **{f"{k}_us": 1e6 * statistics.median(v) for k, v in times.items()},
-            **{f"{k}_mean_us": 1e6 * statistics.mean(v) for k, v in times.items()},
-            **{f"{k}_p10_p90_p99_us": [1e6 * sorted(v)[int(q * len(v))] for q in (0.1, 0.9, 0.99)]
-               for k, v in times.items()},
-            "server_busy_per_request_us": 1e6 * loads[0].busy_s / served, "server_requests": served}
+    return {
+        "ping_pong_us": 1e6 * statistics.median(pings[per_rep:]),
+        **{f"{k}_us": 1e6 * statistics.median(v) for k, v in times.items()},
+        **{f"{k}_mean_us": 1e6 * statistics.mean(v) for k, v in times.items()},
+        **{
+            f"{k}_p10_p90_p99_us": [1e6 * sorted(v)[int(q * len(v))] for q in (0.1, 0.9, 0.99)]
+            for k, v in times.items()
+        },
+        "server_busy_per_request_us": 1e6 * loads[0].busy_s / served,
+        "server_requests": served,
+    }
 
 
 def main() -> None:
@@ -103,12 +109,14 @@ def main() -> None:
     out["worker_per_request_us"] = out["request_mean_less_ping_pong_us"] - out["server_busy_per_request_us"]
     out["seconds"] = time.perf_counter() - start
     print(json.dumps(out))
-    print(f"\nraw gloo ping-pong (median) {out['ping_pong_us']:.0f} us; a request's round trip: pull_dense median "
-          f"{out['pull_dense_us']:.0f} us, mean {out['pull_dense_mean_us']:.0f} us; pull_rows (4 rows) median "
-          f"{out['pull_rows_us']:.0f} us, mean {out['pull_rows_mean_us']:.0f} us.\nPer request beyond the ping-pong "
-          f"(means): {out['request_mean_less_ping_pong_us']:.0f} us, of which the server "
-          f"{out['server_busy_per_request_us']:.0f} us (its busy time over the {out['server_requests']} requests it "
-          f"served) and the worker {out['worker_per_request_us']:.0f} us ({out['seconds']:.1f} s in all)")
+    print(
+        f"\nraw gloo ping-pong (median) {out['ping_pong_us']:.0f} us; a request's round trip: pull_dense median "
+        f"{out['pull_dense_us']:.0f} us, mean {out['pull_dense_mean_us']:.0f} us; pull_rows (4 rows) median "
+        f"{out['pull_rows_us']:.0f} us, mean {out['pull_rows_mean_us']:.0f} us.\nPer request beyond the ping-pong "
+        f"(means): {out['request_mean_less_ping_pong_us']:.0f} us, of which the server "
+        f"{out['server_busy_per_request_us']:.0f} us (its busy time over the {out['server_requests']} requests it "
+        f"served) and the worker {out['worker_per_request_us']:.0f} us ({out['seconds']:.1f} s in all)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -10,6 +10,7 @@ scaling): each data-parallel replica reads global / replicas samples per step. S
 rounds of each round's median, taken on the slowest rank; "state" is the parameter + gradient + Adam-state
 bytes this rank holds, counted from its local tensors (shards for zero/fsdp, its stages for pipelines).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,17 @@ NEEDS_4 = {"hsdp", "hybrid"}
 def build_model() -> nn.Sequential:
     torch.manual_seed(0)
     w = MODEL_WIDTH
-    return nn.Sequential(nn.Linear(784, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
-                         nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 10))
+    return nn.Sequential(
+        nn.Linear(784, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, w),
+        nn.ReLU(),
+        nn.Linear(w, 10),
+    )
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -71,9 +81,16 @@ def measure(label: str, steps: int, warmup: int) -> dict[str, object]:
         if i >= warmup:
             times.append(time.perf_counter() - start)
     inner = getattr(opt, "optim", opt)
-    state = (sum(_local_bytes(p) for p in model.parameters()) + grads
-             + sum(_local_bytes(v) for s in inner.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0))
+    state = (
+        sum(_local_bytes(p) for p in model.parameters())
+        + grads
+        + sum(
+            _local_bytes(v)
+            for s in inner.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+    )
     return {"median_s": statistics.median(times), "state_bytes": state}
 
 
@@ -89,7 +106,7 @@ def run_rounds(labels: list[str], rounds: int, steps: int, warmup: int) -> dict[
     """Every strategy once per round, the order rotating each round (inside a started process group)."""
     out: dict[str, list[dict]] = {label: [] for label in labels}
     for r in range(rounds):
-        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for label in order:
             out[label].append(measure(label, steps, warmup))
     return out
@@ -100,9 +117,16 @@ def summarise(world: int, ranks: list[dict[str, list[dict]]]) -> list[dict[str, 
     for label in ranks[0]:
         per_round = [max(rank[label][r]["median_s"] for rank in ranks) for r in range(len(ranks[0][label]))]
         step = statistics.median(per_round)
-        rows.append({"world": world, "strategy": label, "step_ms": 1e3 * step, "samples_per_s": GLOBAL_BATCH / step,
-                     "state_mb": max(rank[label][0]["state_bytes"] for rank in ranks) / 2**20,
-                     "rounds_ms": [round(1e3 * t, 2) for t in per_round]})
+        rows.append(
+            {
+                "world": world,
+                "strategy": label,
+                "step_ms": 1e3 * step,
+                "samples_per_s": GLOBAL_BATCH / step,
+                "state_mb": max(rank[label][0]["state_bytes"] for rank in ranks) / 2**20,
+                "rounds_ms": [round(1e3 * t, 2) for t in per_round],
+            }
+        )
     ddp = next(r for r in rows if r["strategy"] == "ddp")
     for row in rows:
         row["step_vs_ddp"] = row["step_ms"] / ddp["step_ms"]
@@ -122,8 +146,10 @@ def main() -> None:
     worlds = [2] if a.quick else [int(w) for w in a.worlds.split(",")]
     rounds, steps = (1, 5) if a.quick else (a.rounds, a.steps)
     params = sum(p.numel() for p in build_model().parameters())
-    print(f"model: MLP 784-{MODEL_WIDTH}x4-10, {params / 1e6:.2f}M parameters, Adam, fp32; "
-          f"global batch {GLOBAL_BATCH}; {rounds} round(s) x {steps} timed steps")
+    print(
+        f"model: MLP 784-{MODEL_WIDTH}x4-10, {params / 1e6:.2f}M parameters, Adam, fp32; "
+        f"global batch {GLOBAL_BATCH}; {rounds} round(s) x {steps} timed steps"
+    )
     rows = []
     for world in worlds:
         labels = [s for s in STRATEGIES if world >= 4 or s not in NEEDS_4]
@@ -131,11 +157,15 @@ def main() -> None:
         ranks = paratrain.launch(job, world, (labels, rounds, steps, a.warmup), timeout_s=900)
         rows += summarise(world, ranks)
         print(f"world {world}: measured in {time.perf_counter() - started:.0f} s")
-    print(f"\n{'world':>5} {'strategy':<18} {'step ms':>9} {'x ddp':>6} {'samples/s':>10} {'state MiB/rank':>15} "
-          f"{'x ddp':>6}")
+    print(
+        f"\n{'world':>5} {'strategy':<18} {'step ms':>9} {'x ddp':>6} {'samples/s':>10} {'state MiB/rank':>15} "
+        f"{'x ddp':>6}"
+    )
     for r in rows:
-        print(f"{r['world']:>5} {r['strategy']:<18} {r['step_ms']:>9.1f} {r['step_vs_ddp']:>6.2f} "
-              f"{r['samples_per_s']:>10.0f} {r['state_mb']:>15.2f} {r['state_vs_ddp']:>6.3f}")
+        print(
+            f"{r['world']:>5} {r['strategy']:<18} {r['step_ms']:>9.1f} {r['step_vs_ddp']:>6.2f} "
+            f"{r['samples_per_s']:>10.0f} {r['state_mb']:>15.2f} {r['state_vs_ddp']:>6.3f}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -27,6 +27,7 @@ blur far less than the wall clock. Inference time: what ``prepare`` spends infer
 job). ``--ops`` counts, for one step, the aten ops, those taking a DTensor, and the Python calls: counts that no
 load blurs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,18 +53,26 @@ def hand_written(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    parallelize_module(model, mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    })
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
     for layer in model.model.layers:
-        parallelize_module(layer, mesh, {
-            **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
-            "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
-        })
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+                "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+        )
     return model
 
 
@@ -77,9 +86,15 @@ def prepared(subject: str) -> tuple[object, torch.nn.Module, torch.optim.Optimiz
             mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
             for module in model.modules():
                 if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-                    distribute_module(module, mesh, None, lambda _, args, m: tuple(
-                        DTensor.from_local(a, m, [Replicate()], run_check=False) for a in args),
-                        lambda _, out, m: out.to_local())
+                    distribute_module(
+                        module,
+                        mesh,
+                        None,
+                        lambda _, args, m: tuple(
+                            DTensor.from_local(a, m, [Replicate()], run_check=False) for a in args
+                        ),
+                        lambda _, out, m: out.to_local(),
+                    )
         return None, model, torch.optim.AdamW(model.parameters(), lr=1e-4), 0.0
     par = paratrain.Parallel("tp", tp_plan="auto", monitor=False)
     start = time.perf_counter()
@@ -141,14 +156,21 @@ def job(rounds: int, steps: int, warmup: int) -> dict:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
     subjects = {s: prepared(s) for s in SUBJECTS}
-    out: dict = {s: {"rounds_ms": [], "rounds_cpu_ms": [], "split_bytes": split_bytes(subjects[s][1]),
-                     "prepare_s": subjects[s][3]} for s in subjects}
+    out: dict = {
+        s: {
+            "rounds_ms": [],
+            "rounds_cpu_ms": [],
+            "split_bytes": split_bytes(subjects[s][1]),
+            "prepare_s": subjects[s][3],
+        }
+        for s in subjects
+    }
     for s, (par, model, opt, _) in subjects.items():
         out[s]["first_loss"] = one_step(par, model, opt, x, y)  # the same math: the same first loss
         for _ in range(warmup - 1):
             one_step(par, model, opt, x, y)
     for r in range(rounds):
-        for s in (SUBJECTS if r % 2 == 0 else SUBJECTS[::-1]):
+        for s in SUBJECTS if r % 2 == 0 else SUBJECTS[::-1]:
             par, model, opt, _ = subjects[s]
             times, cpu = [], []
             for _ in range(steps):
@@ -178,8 +200,11 @@ def main() -> None:
         counts = paratrain.launch(count_ops, 2, (), timeout_s=600)[0]
         print(f"{'subject':<8} {'aten ops':>9} {'on DTensors':>12} {'py calls':>9}  DTensor ops beyond hand's, by op")
         for s, c in counts.items():
-            more = {op: n - counts["hand"]["by_op"].get(op, 0) for op, n in c["by_op"].items()
-                    if n != counts["hand"]["by_op"].get(op, 0)}
+            more = {
+                op: n - counts["hand"]["by_op"].get(op, 0)
+                for op, n in c["by_op"].items()
+                if n != counts["hand"]["by_op"].get(op, 0)
+            }
             print(f"{s:<8} {c['ops']:>9} {c['dtensor_ops']:>12} {c['py_calls']:>9}  {more}")
         return
     ranks = paratrain.launch(job, 2, (a.rounds, a.steps, a.warmup), timeout_s=1800)
@@ -188,23 +213,37 @@ def main() -> None:
         per_round = [max(rank[s]["rounds_ms"][r] for rank in ranks) for r in range(a.rounds)]
         cpu_round = [max(rank[s]["rounds_cpu_ms"][r] for rank in ranks) for r in range(a.rounds)]
         held, whole = ranks[0][s]["split_bytes"]
-        rows[s] = {"step_ms": statistics.median(per_round), "rounds_ms": [round(v, 1) for v in per_round],
-                   "cpu_ms": statistics.median(cpu_round), "rounds_cpu_ms": [round(v, 1) for v in cpu_round],
-                   "held_bytes": held, "whole_bytes": whole, "first_loss": ranks[0][s]["first_loss"],
-                   "prepare_s": max(rank[s]["prepare_s"] for rank in ranks)}
+        rows[s] = {
+            "step_ms": statistics.median(per_round),
+            "rounds_ms": [round(v, 1) for v in per_round],
+            "cpu_ms": statistics.median(cpu_round),
+            "rounds_cpu_ms": [round(v, 1) for v in cpu_round],
+            "held_bytes": held,
+            "whole_bytes": whole,
+            "first_loss": ranks[0][s]["first_loss"],
+            "prepare_s": max(rank[s]["prepare_s"] for rank in ranks),
+        }
     ratios = [a_ / h for a_, h in zip(rows["auto"]["rounds_ms"], rows["hand"]["rounds_ms"])]
     same = [a_ / h for a_, h in zip(rows["auto"]["rounds_ms"], rows["hand_dt"]["rounds_ms"])]
-    print(f"Llama {LAYERS} layers x {HIDDEN} (heads {HEADS}, kv {KV_HEADS}, ffn {FFN}, vocab {VOCAB}), batch {BATCH} x "
-          f"{SEQ}, fp32, AdamW, tp=2 on 2 CPU processes (gloo); {a.rounds} rounds x {a.steps} steps")
-    print(f"{'subject':<8} {'step ms':>8} {'x hand':>7} {'cpu ms':>7} {'x hand':>7} {'split params held':>18} "
-          f"{'first loss':>11}  rounds (ms)")
+    print(
+        f"Llama {LAYERS} layers x {HIDDEN} (heads {HEADS}, kv {KV_HEADS}, ffn {FFN}, vocab {VOCAB}), batch {BATCH} x "
+        f"{SEQ}, fp32, AdamW, tp=2 on 2 CPU processes (gloo); {a.rounds} rounds x {a.steps} steps"
+    )
+    print(
+        f"{'subject':<8} {'step ms':>8} {'x hand':>7} {'cpu ms':>7} {'x hand':>7} {'split params held':>18} "
+        f"{'first loss':>11}  rounds (ms)"
+    )
     for s, row in rows.items():
         share = row["held_bytes"] / row["whole_bytes"] if row["whole_bytes"] else float("nan")
-        print(f"{s:<8} {row['step_ms']:>8.1f} {row['step_ms'] / rows['hand']['step_ms']:>7.3f} "
-              f"{row['cpu_ms']:>7.1f} {row['cpu_ms'] / rows['hand']['cpu_ms']:>7.3f} "
-              f"{share:>17.4f}x {row['first_loss']:>11.6f}  {row['rounds_ms']}")
-    print(f"per-round auto/hand: {[round(r, 3) for r in ratios]} (median {statistics.median(ratios):.3f}); "
-          f"inferring and checking the plan in prepare: {rows['auto']['prepare_s']:.2f} s")
+        print(
+            f"{s:<8} {row['step_ms']:>8.1f} {row['step_ms'] / rows['hand']['step_ms']:>7.3f} "
+            f"{row['cpu_ms']:>7.1f} {row['cpu_ms'] / rows['hand']['cpu_ms']:>7.3f} "
+            f"{share:>17.4f}x {row['first_loss']:>11.6f}  {row['rounds_ms']}"
+        )
+    print(
+        f"per-round auto/hand: {[round(r, 3) for r in ratios]} (median {statistics.median(ratios):.3f}); "
+        f"inferring and checking the plan in prepare: {rows['auto']['prepare_s']:.2f} s"
+    )
     print(f"per-round auto/hand_dt: {[round(r, 3) for r in same]} (median {statistics.median(same):.3f})")
     cpu = [a_ / h for a_, h in zip(rows["auto"]["rounds_cpu_ms"], rows["hand"]["rounds_cpu_ms"])]
     print(f"per-round cpu auto/hand: {[round(r, 3) for r in cpu]} (median {statistics.median(cpu):.3f})")

@@ -18,6 +18,7 @@ alternating):
 Step time: the median of each round's median, on the slower rank. Parameter bytes: what each rank holds of the
 split layers (local shards) against the whole layers, which must be exactly 1/tp.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,20 @@ def build() -> torch.nn.Module:
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
-                                        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=FFN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def _loss(out, y: torch.Tensor) -> torch.Tensor:
@@ -63,32 +75,44 @@ def hand_written(model: torch.nn.Module) -> torch.nn.Module:
     )
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    parallelize_module(model, mesh, {
-        # transformers' Llama derives its rotary positions from the embeddings' length: keep them whole there and
-        # cut the sequence at the first layer's input
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                             use_local_output=True),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    parallelize_module(
+        model,
+        mesh,
+        {
+            # transformers' Llama derives its rotary positions from the embeddings' length: keep them whole there and
+            # cut the sequence at the first layer's input
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "model.layers.0": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+            ),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
     for layer in model.model.layers:
-        parallelize_module(layer, mesh, {
-            "input_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                            use_local_output=True),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "input_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    use_local_output=True,
+                ),
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
     return model
 
 
@@ -114,8 +138,9 @@ def prepared(subject: str) -> tuple[object, torch.nn.Module, torch.optim.Optimiz
     return par, model, opt
 
 
-def one_step(par: object, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-             y: torch.Tensor) -> float:
+def one_step(
+    par: object, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> float:
     if par is None:
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -143,7 +168,7 @@ def job(rounds: int, steps: int, warmup: int) -> dict:
         for _ in range(warmup - 1):
             one_step(par, model, opt, x, y)
     for r in range(rounds):
-        for s in (("paratrain", "hand") if r % 2 == 0 else ("hand", "paratrain")):
+        for s in ("paratrain", "hand") if r % 2 == 0 else ("hand", "paratrain"):
             par, model, opt = subjects[s]
             times = []
             for _ in range(steps):
@@ -171,15 +196,24 @@ def main() -> None:
     for s in ranks[0]:
         per_round = [max(rank[s]["rounds_ms"][r] for rank in ranks) for r in range(a.rounds)]
         held, whole = ranks[0][s]["split_bytes"]
-        rows[s] = {"step_ms": statistics.median(per_round), "rounds_ms": [round(v, 1) for v in per_round],
-                   "held_bytes": held, "whole_bytes": whole, "first_loss": ranks[0][s]["first_loss"]}
-    print(f"Llama {LAYERS} layers x {HIDDEN} (heads {HEADS}, kv {KV_HEADS}, ffn {FFN}, vocab {VOCAB}), batch {BATCH} x "
-          f"{SEQ}, fp32, AdamW, tp=2 on 2 CPU processes (gloo); {a.rounds} rounds x {a.steps} steps")
+        rows[s] = {
+            "step_ms": statistics.median(per_round),
+            "rounds_ms": [round(v, 1) for v in per_round],
+            "held_bytes": held,
+            "whole_bytes": whole,
+            "first_loss": ranks[0][s]["first_loss"],
+        }
+    print(
+        f"Llama {LAYERS} layers x {HIDDEN} (heads {HEADS}, kv {KV_HEADS}, ffn {FFN}, vocab {VOCAB}), batch {BATCH} x "
+        f"{SEQ}, fp32, AdamW, tp=2 on 2 CPU processes (gloo); {a.rounds} rounds x {a.steps} steps"
+    )
     print(f"{'subject':<10} {'step ms':>8} {'x hand':>7} {'split params held':>18} {'first loss':>11}  rounds (ms)")
     for s, row in rows.items():
         share = row["held_bytes"] / row["whole_bytes"] if row["whole_bytes"] else float("nan")
-        print(f"{s:<10} {row['step_ms']:>8.1f} {row['step_ms'] / rows['hand']['step_ms']:>7.3f} "
-              f"{share:>17.4f}x {row['first_loss']:>11.6f}  {row['rounds_ms']}")
+        print(
+            f"{s:<10} {row['step_ms']:>8.1f} {row['step_ms'] / rows['hand']['step_ms']:>7.3f} "
+            f"{share:>17.4f}x {row['first_loss']:>11.6f}  {row['rounds_ms']}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -3,6 +3,7 @@ and says why `ddp` is the better choice; prefer `paratrain run -n <gpus>` with s
 
     python examples/data_parallel_dp.py
 """
+
 import torch
 from torch import nn
 

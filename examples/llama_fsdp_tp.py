@@ -9,6 +9,7 @@ layer's weights split over ``--tp`` ranks, and those groups sharded FSDP-style o
 Ranks of one tensor-parallel group read the same batch (``par.data_parallel_rank`` names the replica); the loss
 runs on logits split over the vocabulary, never gathered whole.
 """
+
 import argparse
 import logging
 
@@ -26,9 +27,20 @@ def build() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def loss_fn(out, target: torch.Tensor) -> torch.Tensor:
@@ -49,7 +61,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(par.data_parallel_rank)  # one stream per replica, shared inside a tp group
     for step in range(args.steps):
         tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
-        tokens[:, 1::2] = tokens[:, 0::2][:, :SEQ // 2]  # a learnable pattern: every odd token repeats its neighbour
+        tokens[:, 1::2] = tokens[:, 0::2][:, : SEQ // 2]  # a learnable pattern: every odd token repeats its neighbour
         x, y = tokens[:, :-1].to(par.device), tokens[:, 1:].to(par.device)
         with par.step(model, optimizer):
             loss = par.forward_backward(model, x, y, loss_fn)

@@ -9,6 +9,7 @@ shards (each rank reads only its slices). See docs/large-models.md.
 Without ``--weights`` rank 0 first writes a small random Llama checkpoint with transformers' ``save_pretrained``
 (sharded safetensors and their index), standing in for a downloaded one.
 """
+
 import argparse
 import logging
 import os
@@ -29,9 +30,18 @@ def config():
     from transformers import LlamaConfig
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
-                       eos_token_id=0, pad_token_id=0)
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
 
 
 def loss_fn(out, target: torch.Tensor) -> torch.Tensor:
@@ -47,8 +57,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     args = p.parse_args()
     # init_fn="empty": allocate the shards without initializing them, since the checkpoint fills them next
-    par = paratrain.Parallel("zero3", tp=args.tp, clip_grad_norm=1.0, seed=0,
-                             model=paratrain.ModelConfig(init_fn="empty"))
+    par = paratrain.Parallel(
+        "zero3", tp=args.tp, clip_grad_norm=1.0, seed=0, model=paratrain.ModelConfig(init_fn="empty")
+    )
     weights = args.weights or str(Path(tempfile.gettempdir()) / f"paratrain-llama-{os.environ.get('MASTER_PORT')}")
     if args.weights is None and par.is_main:
         LlamaForCausalLM(config()).save_pretrained(weights, max_shard_size="100KB")
@@ -58,13 +69,14 @@ def main() -> None:
         model = LlamaForCausalLM(config())  # shapes only: nothing allocated
     model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
     read = par.load_weights(model, weights)
-    par.print(f"loaded {read['tensors']} tensors from {read['files']} file(s); rank 0 read {read['bytes_read']:,} "
-              "bytes")
+    par.print(
+        f"loaded {read['tensors']} tensors from {read['files']} file(s); rank 0 read {read['bytes_read']:,} bytes"
+    )
 
     g = torch.Generator().manual_seed(par.data_parallel_rank)  # one stream per replica, shared inside a tp group
     for step in range(args.steps):
         tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
-        tokens[:, 1::2] = tokens[:, 0::2][:, :SEQ // 2]  # a learnable pattern: every odd token repeats its neighbour
+        tokens[:, 1::2] = tokens[:, 0::2][:, : SEQ // 2]  # a learnable pattern: every odd token repeats its neighbour
         x, y = tokens[:, :-1].to(par.device), tokens[:, 1:].to(par.device)
         with par.step(model, optimizer):
             loss = par.forward_backward(model, x, y, loss_fn)

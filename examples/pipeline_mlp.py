@@ -1,9 +1,10 @@
 """Pipeline parallelism with micro-batches (GPipe, 1F1B, interleaved 1F1B), and data x pipeline hybrids.
 
-    paratrain run -n 2 examples/pipeline_mlp.py --schedule 1f1b
-    paratrain run -n 2 examples/pipeline_mlp.py --schedule interleaved-1f1b
-    paratrain run -n 4 examples/pipeline_mlp.py --strategy hybrid            # 2 replicas x 2 stages
+paratrain run -n 2 examples/pipeline_mlp.py --schedule 1f1b
+paratrain run -n 2 examples/pipeline_mlp.py --schedule interleaved-1f1b
+paratrain run -n 4 examples/pipeline_mlp.py --strategy hybrid            # 2 replicas x 2 stages
 """
+
 import argparse
 
 import torch

@@ -1,9 +1,10 @@
 """Sharded data parallel (ZeRO-1/2/3, FSDP, HSDP) on a small transformer, each block one sharding unit.
 
-    paratrain run -n 2 examples/sharded_transformer.py --strategy zero3
-    paratrain run -n 2 examples/sharded_transformer.py --strategy zero2 --precision bf16-mixed
-    paratrain run -n 4 examples/sharded_transformer.py --strategy hsdp      # 2 shard groups of 2
+paratrain run -n 2 examples/sharded_transformer.py --strategy zero3
+paratrain run -n 2 examples/sharded_transformer.py --strategy zero2 --precision bf16-mixed
+paratrain run -n 4 examples/sharded_transformer.py --strategy hsdp      # 2 shard groups of 2
 """
+
 import argparse
 
 import torch

@@ -1,7 +1,8 @@
 """The starting point: a plain single-device PyTorch loop, before paratrain. Compare with ddp_mlp.py.
 
-    python examples/single_device.py
+python examples/single_device.py
 """
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

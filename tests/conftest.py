@@ -1,4 +1,5 @@
 """Shared fixtures: every test starts with a clean environment and no process group, and leaves none."""
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,19 @@ from paratrain.testing import preload
 ZOO_MODULES = ("gpt2", "llama", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "bert")
 preload("transformers", *(f"transformers.models.{m}.modeling_{m}" for m in ZOO_MODULES))
 
-_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS",
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+_LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "OMP_NUM_THREADS",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+)
 
 
 @pytest.hookimpl(wrapper=True)

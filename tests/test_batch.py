@@ -1,5 +1,6 @@
 """How ``forward_backward`` hands a micro-batch to the model and reads the loss a model computes itself
 (:mod:`paratrain.batch`), in one process."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,9 +38,14 @@ def test_the_loss_is_read_from_every_kind_of_output():
     assert loss_of(loss) is loss
 
 
-@pytest.mark.parametrize("out, said", [((torch.zeros(2, 3), None), "without a loss"),
-                                       ((torch.tensor(1.0), torch.tensor(2.0)), "2 scalars"),
-                                       (torch.zeros(2, 3), "without a loss")])
+@pytest.mark.parametrize(
+    "out, said",
+    [
+        ((torch.zeros(2, 3), None), "without a loss"),
+        ((torch.tensor(1.0), torch.tensor(2.0)), "2 scalars"),
+        (torch.zeros(2, 3), "without a loss"),
+    ],
+)
 def test_an_output_without_one_loss_is_one_line(out, said):
     with pytest.raises(ConfigError, match=said):
         loss_of(out)

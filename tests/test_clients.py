@@ -9,6 +9,7 @@ comparable exactly. The equality is not vacuous: equal weights on both ranks aft
 (different local losses) show the ranks exchanged gradients, and one run with another seed shows the loss depends
 on what was trained.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,20 @@ pytestmark = pytest.mark.launched  # every test here starts processes
 CLIENTS = ROOT / "tests" / "clients"
 LAUNCH_TIMEOUT_S = 150
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+ACCELERATE = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 """``--multi_gpu`` is Accelerate's torchrun path and works on CPU; ``--cpu --num_processes 2`` runs one process."""
 
 CASES = {  # script: (package it needs, its own launcher)
@@ -47,8 +60,14 @@ def _launch(launcher: list[str], script: str, out: Path, *args: str) -> tuple[in
     Returns the exit code, rank 0's result, the output and how many ranks reached the script's last line."""
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(out / "hf"), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([*launcher, str(CLIENTS / script), str(out), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [*launcher, str(CLIENTS / script), str(out), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -93,8 +112,14 @@ def test_a_client_trains_the_same_under_paratrain_run_as_under_its_own_launcher(
 def test_the_loss_compared_depends_on_the_training(paratrain_cmd, tmp_path):
     """Another seed, another loss: the comparison above would notice a client that trains differently."""
     with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda seed: _launch([*paratrain_cmd, "run", "-n", "2"], "torchrun_ddp.py",
-                                                  tmp_path / f"seed{seed}", str(seed)), (0, 1)))
+        runs = list(
+            pool.map(
+                lambda seed: _launch(
+                    [*paratrain_cmd, "run", "-n", "2"], "torchrun_ddp.py", tmp_path / f"seed{seed}", str(seed)
+                ),
+                (0, 1),
+            )
+        )
     assert [rc for rc, *_ in runs] == [0, 0], runs[0][2][-3000:] + runs[1][2][-3000:]
     (_, seed0, *_), (_, seed1, *_) = runs
     assert seed0["loss"] != seed1["loss"] and seed0["params"] != seed1["params"]

@@ -6,6 +6,7 @@ backend beside NCCL for CPU offload's clipping, CUDA's foreach optimizer path wi
 parameters. The unit tests check the group's backend rule itself: an NCCL group takes no CPU tensor, and no tensor
 of another rank's GPU.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,20 @@ CASES = {  # name: (strategy, rank, options, model)
 
 
 def _spec(strategy: str, rank: int, options: dict, model: str) -> dict:
-    return {"rank": rank, "world": 4, "per_node": 8, "strategy": strategy, "options": options, "precision": "fp32",
-            "model": model, "model_config": None, "input": None, "batch": 2, "seq_len": 16, "clip": 1.0}
+    return {
+        "rank": rank,
+        "world": 4,
+        "per_node": 8,
+        "strategy": strategy,
+        "options": options,
+        "precision": "fp32",
+        "model": model,
+        "model_config": None,
+        "input": None,
+        "batch": 2,
+        "seq_len": 16,
+        "clip": 1.0,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +84,9 @@ def test_cpu_offload_clips_on_a_group_that_takes_host_tensors(steps):
     _passes(steps["zero3 cpu_offload"])
 
 
-@pytest.mark.parametrize("backend, takes", [("nccl", {"cuda"}), ("gloo", {"cpu", "cuda"}),
-                                            ("cpu:gloo,cuda:nccl", {"cpu", "cuda"})])
+@pytest.mark.parametrize(
+    "backend, takes", [("nccl", {"cuda"}), ("gloo", {"cpu", "cuda"}), ("cpu:gloo,cuda:nccl", {"cpu", "cuda"})]
+)
 def test_backends_serve_their_device_types(backend, takes):
     assert served(backend) == takes
 
@@ -99,9 +113,13 @@ def test_the_table_shows_each_rank_its_peak_and_each_failure():
     from paratrain.cuda_step import StepResult
     from paratrain.dry_run.command import steps_table
 
-    table = steps_table([StepResult(rank=0, device="cuda:0", passed=True, peak=3 * 2 ** 29),
-                         StepResult(rank=8, device="cuda:0", passed=False, ran=False, error="not run: stages"),
-                         StepResult(rank=63, device="cuda:7", passed=False, error="RuntimeError: no backend")])
+    table = steps_table(
+        [
+            StepResult(rank=0, device="cuda:0", passed=True, peak=3 * 2**29),
+            StepResult(rank=8, device="cuda:0", passed=False, ran=False, error="not run: stages"),
+            StepResult(rank=63, device="cuda:7", passed=False, error="RuntimeError: no backend"),
+        ]
+    )
     rows = table.splitlines()
     assert rows[2].split() == ["0", "cuda:0", "passes", "1.500"]
     assert rows[3].split() == ["8", "cuda:0", "not", "run", "-"]

@@ -70,8 +70,16 @@ def _times_ten(batch):
 def test_shard_loader_keeps_the_users_settings():
     # a spawned worker: forking the test process, whose earlier tests left threads (inductor's, executors'), can
     # deadlock the child on a lock one of them held
-    loader = DataLoader(_dataset(20), batch_size=3, shuffle=False, drop_last=True, collate_fn=_times_ten,
-                        num_workers=1, prefetch_factor=4, multiprocessing_context="spawn")
+    loader = DataLoader(
+        _dataset(20),
+        batch_size=3,
+        shuffle=False,
+        drop_last=True,
+        collate_fn=_times_ten,
+        num_workers=1,
+        prefetch_factor=4,
+        multiprocessing_context="spawn",
+    )
     out = shard_loader(loader, rank=1, world_size=2, seed=0)
     assert (out.batch_size, out.drop_last, out.num_workers, out.prefetch_factor) == (3, True, 1, 4)
     assert out.multiprocessing_context is loader.multiprocessing_context

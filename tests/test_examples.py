@@ -1,4 +1,5 @@
 """Every example runs the ways its `# test-launch:` line lists (python, or `paratrain run` with flags)."""
+
 import re
 import subprocess
 import sys
@@ -21,8 +22,9 @@ def _launches(example):
             yield pytest.param([sys.executable, str(example), *words[1:]], id=f"{example.stem}:{variant.strip()}")
         else:  # paratrain run -n N [script args]
             launcher, script_args = words[:4], words[4:]
-            yield pytest.param([*PARATRAIN, *launcher[1:], str(example), *script_args],
-                               id=f"{example.stem}:{variant.strip()}")
+            yield pytest.param(
+                [*PARATRAIN, *launcher[1:], str(example), *script_args], id=f"{example.stem}:{variant.strip()}"
+            )
 
 
 @pytest.mark.parametrize("cmd", [c for e in EXAMPLES for c in _launches(e)])

@@ -1,5 +1,6 @@
 """The global batch stated once: ``Parallel(accumulate=GlobalBatch(size, micro=))`` and the accumulation that follows
 from the layout (:class:`paratrain.loop.GlobalBatch`)."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,10 +18,13 @@ def test_accumulation_follows_from_the_replicas():
     assert GlobalBatch(480).accumulate(4, 12) == 10  # the micro-batch from a loader
 
 
-@pytest.mark.parametrize("size, micro, replicas, said", [
-    (100, 12, 2, "GlobalBatch(100) does not divide into micro-batches of 12 x 2 data-parallel replica(s) = 24"),
-    (100, None, 2, "needs micro="),
-])
+@pytest.mark.parametrize(
+    "size, micro, replicas, said",
+    [
+        (100, 12, 2, "GlobalBatch(100) does not divide into micro-batches of 12 x 2 data-parallel replica(s) = 24"),
+        (100, None, 2, "needs micro="),
+    ],
+)
 def test_a_batch_that_does_not_divide_is_one_line(size, micro, replicas, said):
     with pytest.raises(ConfigError) as err:
         GlobalBatch(size, micro).accumulate(replicas, None)
@@ -51,8 +55,9 @@ def test_the_micro_batch_may_come_from_the_loader():
     par = paratrain.Parallel("single", monitor=False, accumulate=paratrain.GlobalBatch(64))
     model = torch.nn.Linear(2, 1)
     data = torch.utils.data.TensorDataset(torch.zeros(64, 2), torch.zeros(64, 1))
-    model, opt, loader = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                     torch.utils.data.DataLoader(data, batch_size=16))
+    model, opt, loader = par.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.DataLoader(data, batch_size=16)
+    )
     assert par.accumulate == 4
     par.close()
 

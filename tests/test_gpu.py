@@ -3,6 +3,7 @@
 Results on real hardware are recorded in benchmarks/GPU-LOG.md. With one GPU, jobs run one process per GPU
 (NCCL refuses two ranks on one device), so the multi-rank NCCL checks need 2+ GPUs and skip otherwise.
 """
+
 import json
 import shutil
 import sys
@@ -16,8 +17,11 @@ from helpers.paths import ROOT
 
 from paratrain.testing import max_abs_diff, spawn
 
-pytestmark = [pytest.mark.gpu, pytest.mark.launched,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.launched,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLD = min(GPUS, 2)
 
@@ -43,8 +47,7 @@ def test_nccl_backend_and_device_are_chosen_for_cuda():
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "model_parallel"])
 def test_every_data_parallel_strategy_on_nccl_equals_single_on_cuda(strategy):
-    single = _on_cuda("single", 1) if WORLD == 1 else train_params("single", 1, 20, 8 * WORLD, 1,
-                                                                   accelerator="cuda")
+    single = _on_cuda("single", 1) if WORLD == 1 else train_params("single", 1, 20, 8 * WORLD, 1, accelerator="cuda")
     assert max_abs_diff(_launched(strategy), single) <= 1e-5
 
 
@@ -74,9 +77,8 @@ def test_fp16_mixed_scales_the_loss_and_skips_steps_with_inf_gradients():
     with par.step(model, opt):
         par.backward(model(torch.full((2, 4), float("inf"), device=par.device)).sum())
     assert torch.equal(model.weight, before)  # the inf step was skipped
-    assert par.precision.scaler.get_scale() < 2.0 ** 16  # and the scale backed off
+    assert par.precision.scaler.get_scale() < 2.0**16  # and the scale backed off
     par.close()
-
 
 
 @pytest.mark.parametrize("case", ["nanogpt", "sparse"])
@@ -94,6 +96,7 @@ def test_ps_workers_on_cuda_with_a_server_in_host_memory_equal_one_process(tmp_p
         expected = zoo_reference(case, 1)
     assert got[1] is None  # the server ended its process cleanly
     assert max_abs_diff(got[0]["state"], expected) <= 1e-4  # cuBLAS vs CPU kernels
+
 
 @pytest.mark.skipif(GPUS < 2, reason="nn.DataParallel splits a batch only over 2+ GPUs")
 def test_dataparallel_splits_over_gpus_and_equals_serial():
@@ -136,6 +139,7 @@ def test_resume_on_cuda_is_bitwise_exact_with_cuda_rng(tmp_path, strategy):
 
 def test_the_demo_is_bitwise_repeatable_on_cuda_and_ddp_equals_single(paratrain_cmd):
     """The demo's deterministic kernels: two runs, and ddp against single, end with the same SHA-256."""
+
     def digest(strategy: str) -> str:
         res = run_cli("demo", "-n", "1", "--strategy", strategy, "--epochs", "2", timeout=180)
         assert res.returncode == 0, res.stderr[-2000:]

@@ -4,6 +4,7 @@ never imports the demo workloads, and no modules import each other in a circle.
 Every ``import`` in ``src/paratrain`` counts, also inside functions and under ``TYPE_CHECKING``: an import hidden
 there still ties the modules together, it only fails later. The layers are those of ``shared/DESIGN.md``.
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,10 +15,33 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("dims", "composition", "options", "errors", "seeding", "digest", "progress", "lazy", "version", "sizes",
-        "flags"),
-    1: ("env", "devices", "tensor_layouts", "precision", "data", "lr", "rank_agreement", "rank_log", "call_watch",
-        "factory", "batch", "draws"),
+    0: (
+        "dims",
+        "composition",
+        "options",
+        "errors",
+        "seeding",
+        "digest",
+        "progress",
+        "lazy",
+        "version",
+        "sizes",
+        "flags",
+    ),
+    1: (
+        "env",
+        "devices",
+        "tensor_layouts",
+        "precision",
+        "data",
+        "lr",
+        "rank_agreement",
+        "rank_log",
+        "call_watch",
+        "factory",
+        "batch",
+        "draws",
+    ),
     2: ("model", "loss"),
     3: ("distributed", "planner", "checkpoint"),
     4: ("strategies", "launcher"),
@@ -86,8 +110,11 @@ def _violations(graph: dict[str, set[str]]) -> dict[tuple[str, str], str]:
         for target in targets:
             low, high = _layer(source), _layer(target)
             if high > low:
-                what = "imports the demo workloads" if _part(target) == "workloads" and low <= LIBRARY_TOP else \
-                    f"reaches up from layer {low} to {high}"
+                what = (
+                    "imports the demo workloads"
+                    if _part(target) == "workloads" and low <= LIBRARY_TOP
+                    else f"reaches up from layer {low} to {high}"
+                )
                 out[(source, target)] = what
             elif low == high == 3 and _part(source) != _part(target):
                 out[(source, target)] = "crosses between the layer-3 siblings"
@@ -159,9 +186,13 @@ def test_no_import_cycle():
 
 
 def test_the_checks_catch_what_they_are_for():
-    graph = {"paratrain.errors": {"paratrain.parallel"}, "paratrain.parallel": {"paratrain.errors"},
-             "paratrain.planner.a": {"paratrain.checkpoint.b", "paratrain.workloads.gpt"},
-             "paratrain.checkpoint.b": set(), "paratrain.workloads.gpt": set()}
+    graph = {
+        "paratrain.errors": {"paratrain.parallel"},
+        "paratrain.parallel": {"paratrain.errors"},
+        "paratrain.planner.a": {"paratrain.checkpoint.b", "paratrain.workloads.gpt"},
+        "paratrain.checkpoint.b": set(),
+        "paratrain.workloads.gpt": set(),
+    }
     found = _violations(graph)
     assert found[("paratrain.errors", "paratrain.parallel")] == "reaches up from layer 0 to 5"
     assert found[("paratrain.planner.a", "paratrain.checkpoint.b")] == "crosses between the layer-3 siblings"
@@ -171,11 +202,14 @@ def test_the_checks_catch_what_they_are_for():
         _layer("paratrain.nowhere.x")
 
 
-FACADE_LINES = 350
+FACADE_LINES = 425
+"""In ruff's format (a keyword a line where a call does not fit); 350 in the former hand layout."""
 
 
 def test_parallel_stays_a_facade():
     """``Parallel`` holds lifecycle and verbs; a feature that grows it belongs in a component it composes."""
     lines = len((SRC / "parallel.py").read_text().splitlines())
-    assert lines <= FACADE_LINES, (f"parallel.py has {lines} lines (at most {FACADE_LINES}): move the logic into a "
-                                   "component (session, strategies/chosen, prepared, loop, checkpoint.auto, ...)")
+    assert lines <= FACADE_LINES, (
+        f"parallel.py has {lines} lines (at most {FACADE_LINES}): move the logic into a "
+        "component (session, strategies/chosen, prepared, loop, checkpoint.auto, ...)"
+    )

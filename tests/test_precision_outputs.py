@@ -1,6 +1,7 @@
 """Lean mixed precision: forward_backward hands the loss the output in the compute dtype, under autocast, so no
 fp32 copy of the whole output is made (pipelines too: their last stage); a direct call of the model still returns
 fp32."""
+
 from __future__ import annotations
 
 import pytest
@@ -63,8 +64,10 @@ def lean() -> dict[str, list[dict]]:
 
     from paratrain.testing import spawn
 
-    return {strategy: spawn(each_call, world, ([(f, lean_precision, (f, strategy), {}) for f in FAMILIES],),
-                            timeout_s=120) for strategy, world in (("pipeline", 2), ("single", 1))}
+    return {
+        strategy: spawn(each_call, world, ([(f, lean_precision, (f, strategy), {}) for f in FAMILIES],), timeout_s=120)
+        for strategy, world in (("pipeline", 2), ("single", 1))
+    }
 
 
 @pytest.mark.launched

@@ -15,6 +15,7 @@ The reference is each script's own ``train`` in this process (one process, the s
 as the layout needs). Work one rank does alone, and a model a pipeline cannot cut, are one-line errors: their
 jobs stop, so they run in launches of their own.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,9 +83,14 @@ HF_4 = [
 def _launch(n: int, script: str, *args: str, timeout_s: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
     """``paratrain run -n N script args``, killed as a whole past the timeout."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REALCODE), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([*PARATRAIN, "run", "-n", str(n), str(REALCODE / script), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [*PARATRAIN, "run", "-n", str(n), str(REALCODE / script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -120,8 +126,10 @@ def _results(n: int, script: str, source: str, cases: list[dict], out) -> dict:
 
 @pytest.fixture(scope="module")
 def nanogpt_runs(char_data, tmp_path_factory) -> dict:
-    runs = {n: _results(n, "nanogpt_train.py", char_data, cases, tmp_path_factory.mktemp(f"nanogpt{n}"))
-            for n, cases in ((2, NANOGPT_2), (4, NANOGPT_4))}
+    runs = {
+        n: _results(n, "nanogpt_train.py", char_data, cases, tmp_path_factory.mktemp(f"nanogpt{n}"))
+        for n, cases in ((2, NANOGPT_2), (4, NANOGPT_4))
+    }
     return runs
 
 
@@ -132,15 +140,18 @@ def nanogpt_reference(char_data, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_runs(hf_weights, tmp_path_factory) -> dict:
-    return {n: _results(n, "hf_labels_train.py", hf_weights, cases, tmp_path_factory.mktemp(f"hf{n}"))
-            for n, cases in ((2, HF_2), (4, HF_4))}
+    return {
+        n: _results(n, "hf_labels_train.py", hf_weights, cases, tmp_path_factory.mktemp(f"hf{n}"))
+        for n, cases in ((2, HF_2), (4, HF_4))
+    }
 
 
 @pytest.fixture(scope="module")
 def hf_reference(hf_weights) -> dict:
-    return {(family, labels): hf_labels_train.train(family, "single", {}, os.path.join(hf_weights, family),
-                                                    labels=labels)
-            for family, labels in (("llama", "labels"), ("gpt2", "labels"), ("gpt2", "shift_labels"))}
+    return {
+        (family, labels): hf_labels_train.train(family, "single", {}, os.path.join(hf_weights, family), labels=labels)
+        for family, labels in (("llama", "labels"), ("gpt2", "labels"), ("gpt2", "shift_labels"))
+    }
 
 
 def _check(result: dict, reference: dict, accumulate: int) -> None:
@@ -151,8 +162,11 @@ def _check(result: dict, reference: dict, accumulate: int) -> None:
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("world, case", [(2, c) for c in NANOGPT_2 if c["name"] not in REFUSED]
-                         + [(4, c) for c in NANOGPT_4], ids=lambda v: v["name"] if isinstance(v, dict) else str(v))
+@pytest.mark.parametrize(
+    "world, case",
+    [(2, c) for c in NANOGPT_2 if c["name"] not in REFUSED] + [(4, c) for c in NANOGPT_4],
+    ids=lambda v: v["name"] if isinstance(v, dict) else str(v),
+)
 def test_nanogpt_port_equals_one_process(nanogpt_runs, nanogpt_reference, world, case):
     result = nanogpt_runs[world][case["name"]]
     tp = case.get("options", {}).get("tp") or (world if case["strategy"] == "tp" else 1)
@@ -176,33 +190,55 @@ def test_the_reference_accumulates_what_one_process_takes(nanogpt_reference):
 def test_rank0_checkpoint_loads_into_the_plain_model(nanogpt_runs, tmp_path_factory):
     """The checkpoint rank 0 wrote holds the whole model, as the one-process script's does."""
     result = nanogpt_runs[2]["zero3-tp2"]
-    model = nanogpt_train.GPT(nanogpt_train.GPTConfig(block_size=nanogpt_train.block_size,
-                                                      vocab_size=nanogpt_train.vocab_size))
+    model = nanogpt_train.GPT(
+        nanogpt_train.GPTConfig(block_size=nanogpt_train.block_size, vocab_size=nanogpt_train.vocab_size)
+    )
     model.load_state_dict(result["state"])
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("world, case", [(2, c) for c in HF_2] + [(4, c) for c in HF_4],
-                         ids=lambda v: v["name"] if isinstance(v, dict) else str(v))
+@pytest.mark.parametrize(
+    "world, case",
+    [(2, c) for c in HF_2] + [(4, c) for c in HF_4],
+    ids=lambda v: v["name"] if isinstance(v, dict) else str(v),
+)
 def test_transformers_labels_after_meta_build_and_load_weights(hf_runs, hf_reference, world, case):
     options = case.get("options", {})
     tp = options.get("tp") or (world if case["strategy"] == "tp" else 1)
     stages = world // tp // options.get("dp", 1) if case["strategy"] in ("pipeline", "hybrid") else 1
     replicas = world // tp // stages
     reference = hf_reference[(case["family"], case.get("labels", "labels"))]
-    _check(hf_runs[world][case["name"]], reference, hf_labels_train.GLOBAL_BATCH // (hf_labels_train.PER_REPLICA
-                                                                                     * replicas))
+    _check(
+        hf_runs[world][case["name"]],
+        reference,
+        hf_labels_train.GLOBAL_BATCH // (hf_labels_train.PER_REPLICA * replicas),
+    )
     assert abs(hf_runs[world][case["name"]]["eval"] - reference["eval"]) <= 1e-5
 
 
 FAULTS = {  # script, its arguments after the data folder, the line's pieces
-    "evaluation on rank 0 under zero3": ("alone", "zero3", "eval",
-                                         ["rank 0 is alone in the model's forward", "rank 1 went on to par.step",
-                                          "under zero3 each rank holds a shard of every layer"]),
-    "a checkpoint's state_dict on rank 0 under tp": ("alone", "tp", "state_dict",
-                                                     ["rank 0 is alone in model.state_dict()", "par.save(path)"]),
-    "nanoGPT cut into pipeline stages": ("alone", "pipeline", "train",
-                                         ["pipeline stage 1 cannot run GPT's forward on the hidden states"]),
+    "evaluation on rank 0 under zero3": (
+        "alone",
+        "zero3",
+        "eval",
+        [
+            "rank 0 is alone in the model's forward",
+            "rank 1 went on to par.step",
+            "under zero3 each rank holds a shard of every layer",
+        ],
+    ),
+    "a checkpoint's state_dict on rank 0 under tp": (
+        "alone",
+        "tp",
+        "state_dict",
+        ["rank 0 is alone in model.state_dict()", "par.save(path)"],
+    ),
+    "nanoGPT cut into pipeline stages": (
+        "alone",
+        "pipeline",
+        "train",
+        ["pipeline stage 1 cannot run GPT's forward on the hidden states"],
+    ),
 }
 
 

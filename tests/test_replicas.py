@@ -5,6 +5,7 @@ first batches on two replicas are a warning, and a global batch gives its accumu
 One ``paratrain run -n 2`` job runs every case (tests/scripts/replica_draws.py). Rank 0's initial weights on every
 rank and the one-line errors of work one rank does alone are in tests/test_real_code.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,7 @@ pytestmark = pytest.mark.launched  # every test here starts processes
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("draws") / "out.json"
-    done = run_cli("run", "-n", "2", str(SCRIPTS / "replica_draws.py"),
-                   str(out), timeout=180)
+    done = run_cli("run", "-n", "2", str(SCRIPTS / "replica_draws.py"), str(out), timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text()), done.stderr
 

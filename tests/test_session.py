@@ -1,5 +1,6 @@
 """Where a rank's group starts on an 8-GPU node, checked on this CPU (helpers/cuda_shaped.py): the rank's GPU is the
 current device before the first collective, and the group's backend serves every tensor the strategy sends."""
+
 from __future__ import annotations
 
 import pytest
@@ -57,13 +58,16 @@ def test_a_script_group_that_cannot_carry_host_tensors_is_refused_in_one_line(ra
     Parallel("zero3", accelerator="cuda", monitor=False, cpu_offload=True)
 
 
-@pytest.mark.parametrize(("strategy", "options", "backend"), [
-    ("ddp", {}, "nccl"),
-    ("zero3", {}, "nccl"),
-    ("zero3", {"cpu_offload": True}, CPU_BESIDE_NCCL),  # clipping's norm and full state dicts reduce host shards
-    ("zero2", {"cpu_offload": True}, CPU_BESIDE_NCCL),
-    ("hsdp", {"cpu_offload": True}, CPU_BESIDE_NCCL),
-])
+@pytest.mark.parametrize(
+    ("strategy", "options", "backend"),
+    [
+        ("ddp", {}, "nccl"),
+        ("zero3", {}, "nccl"),
+        ("zero3", {"cpu_offload": True}, CPU_BESIDE_NCCL),  # clipping's norm and full state dicts reduce host shards
+        ("zero2", {"cpu_offload": True}, CPU_BESIDE_NCCL),
+        ("hsdp", {"cpu_offload": True}, CPU_BESIDE_NCCL),
+    ],
+)
 def test_the_group_serves_the_host_tensors_the_strategy_sends(rank3_of_8: CudaShaped, strategy, options, backend):
     _parallel(strategy, **options)
     assert [g["backend"] for g in rank3_of_8.groups] == [backend]
@@ -94,12 +98,18 @@ def test_bench_job_claims_the_rank_gpu_with_its_runs_backend(rank3_of_8: CudaSha
     from paratrain.bench.runner import plan_jobs
 
     monkeypatch.setattr(measure, "_measure_all", lambda config, runs, device: {"device": device})
-    config = BenchConfig(workload="mlp", nprocs=(1, 2), strategies=("ddp", "zero3"), accelerator="cuda",
-                         strategy_options={"zero3": options})
+    config = BenchConfig(
+        workload="mlp",
+        nprocs=(1, 2),
+        strategies=("ddp", "zero3"),
+        accelerator="cuda",
+        strategy_options={"zero3": options},
+    )
     jobs, _, _ = plan_jobs(config, machine=_machine(gpus=8))
     assert measure.run_job(config, list(jobs[1].runs)) == {"device": torch.device("cuda", 3)}
-    assert rank3_of_8.groups == [{"backend": backend, "device_id": torch.device("cuda", 3) if backend == "nccl"
-                                  else None, "current": 3}]
+    assert rank3_of_8.groups == [
+        {"backend": backend, "device_id": torch.device("cuda", 3) if backend == "nccl" else None, "current": 3}
+    ]
 
 
 def _machine(gpus: int):

@@ -8,6 +8,7 @@ them each step; on a CPU-only machine it has one replica. Run it as is, or throu
 
 The data: scikit-learn's bundled handwritten digits (1,797 8x8 images; nothing to download).
 """
+
 import argparse
 
 import numpy as np
@@ -31,17 +32,21 @@ train = tf.data.Dataset.from_tensor_slices((x[:1400], y[:1400])).shuffle(1400, s
 test = tf.data.Dataset.from_tensor_slices((x[1400:], y[1400:])).batch(GLOBAL_BATCH)
 
 with strategy.scope():
-    model = tf.keras.Sequential([
-        tf.keras.layers.Input(shape=(8, 8, 1)),
-        tf.keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
-    model.compile(optimizer=tf.keras.optimizers.Adam(1e-3 * strategy.num_replicas_in_sync),
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.Input(shape=(8, 8, 1)),
+            tf.keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(64, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer=tf.keras.optimizers.Adam(1e-3 * strategy.num_replicas_in_sync),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
 
 model.fit(train, epochs=args.epochs, verbose=2)
 loss, accuracy = model.evaluate(test, verbose=0)

@@ -15,6 +15,7 @@ Those lines are gone: paratrain writes each worker's ``TF_CONFIG`` from its usua
 Keras 3's ``model.fit`` fails under this strategy (keras#20585): paratrain runs the workers with tf-keras
 (``TF_USE_LEGACY_KERAS=1``), which the ``paratrain[tf]`` extra installs.
 """
+
 import argparse
 import json
 
@@ -27,7 +28,7 @@ parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--out", help="worker 0 writes its test accuracy and replica count here (JSON)")
 args = parser.parse_args()
 
-strategy = tf.distribute.MultiWorkerMirroredStrategy()   # first: no TensorFlow op may run before it
+strategy = tf.distribute.MultiWorkerMirroredStrategy()  # first: no TensorFlow op may run before it
 print(f"replicas in sync: {strategy.num_replicas_in_sync}")
 
 BATCH_PER_REPLICA = 32
@@ -38,22 +39,31 @@ x = (digits.images / 16.0).astype(np.float32)[..., None]
 y = digits.target.astype(np.int64)
 options = tf.data.Options()
 options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-train = (tf.data.Dataset.from_tensor_slices((x[:1400], y[:1400])).shuffle(1400, seed=0).repeat()
-         .batch(GLOBAL_BATCH).with_options(options))
+train = (
+    tf.data.Dataset.from_tensor_slices((x[:1400], y[:1400]))
+    .shuffle(1400, seed=0)
+    .repeat()
+    .batch(GLOBAL_BATCH)
+    .with_options(options)
+)
 test = tf.data.Dataset.from_tensor_slices((x[1400:], y[1400:])).batch(GLOBAL_BATCH).with_options(options)
 
 with strategy.scope():
-    model = tf.keras.Sequential([
-        tf.keras.layers.Input(shape=(8, 8, 1)),
-        tf.keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
-    model.compile(optimizer=tf.keras.optimizers.Adam(1e-3 * strategy.num_replicas_in_sync),
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.Input(shape=(8, 8, 1)),
+            tf.keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(64, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer=tf.keras.optimizers.Adam(1e-3 * strategy.num_replicas_in_sync),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
 
 model.fit(train, epochs=args.epochs, steps_per_epoch=1400 // GLOBAL_BATCH, verbose=2)
 loss, accuracy = model.evaluate(test, verbose=0)
@@ -61,5 +71,11 @@ print(f"test accuracy {accuracy:.4f}")
 task = json.loads(__import__("os").environ.get("TF_CONFIG", "{}")).get("task", {})
 if args.out and task.get("index", 0) == 0:
     with open(args.out, "w") as f:
-        json.dump({"test_acc": accuracy, "replicas": strategy.num_replicas_in_sync,
-                   "keras": tf.keras.__name__ if hasattr(tf.keras, "__name__") else str(tf.keras)}, f)
+        json.dump(
+            {
+                "test_acc": accuracy,
+                "replicas": strategy.num_replicas_in_sync,
+                "keras": tf.keras.__name__ if hasattr(tf.keras, "__name__") else str(tf.keras),
+            },
+            f,
+        )

@@ -2,6 +2,7 @@
 
 Public names are imported lazily so that ``paratrain run`` starts as fast as ``torchrun``.
 """
+
 from __future__ import annotations
 
 from .version import __version__  # noqa: F401  (re-exported)
@@ -43,10 +44,15 @@ _EXPORTS = {
 the LR helpers, the chunked cross-entropy, ``launch`` and the ``Strategy`` base class (strategies are chosen by
 name); and what a Ray Train driver hands its trainer (``ray_train_loop``)."""
 _DEPRECATED = {
-    "DDPStrategy": (".strategies", "choose the strategy by name: Parallel('ddp', config=paratrain.DDPConfig(...)) (or "
-                                   "paratrain.strategies.DDPStrategy)"),
-    "SingleDevice": (".strategies", "choose the strategy by name: Parallel('single') (or "
-                                    "paratrain.strategies.SingleDevice)"),
+    "DDPStrategy": (
+        ".strategies",
+        "choose the strategy by name: Parallel('ddp', config=paratrain.DDPConfig(...)) (or "
+        "paratrain.strategies.DDPStrategy)",
+    ),
+    "SingleDevice": (
+        ".strategies",
+        "choose the strategy by name: Parallel('single') (or paratrain.strategies.SingleDevice)",
+    ),
 }
 
 from .launcher.spawn import launch as launch  # noqa: E402  (imports nothing heavy)

@@ -7,6 +7,7 @@ forward themselves need to know which inputs feed the model's first layer, which
 attention mask) and which only its loss reads (the labels, used on a pipeline's last stage only); a
 :class:`ModelCall` keeps them apart.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -91,8 +92,10 @@ def find_loss(out: Any) -> torch.Tensor | None:
     elif isinstance(out, (tuple, list)):
         scalars = [t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
         if len(scalars) > 1:
-            raise ConfigError(f"the model returned a {type(out).__name__} holding {len(scalars)} scalars, so which "
-                              "is the loss is unclear; give forward_backward a loss_fn that picks it")
+            raise ConfigError(
+                f"the model returned a {type(out).__name__} holding {len(scalars)} scalars, so which "
+                "is the loss is unclear; give forward_backward a loss_fn that picks it"
+            )
         found = scalars[0] if scalars else None
     else:
         found = getattr(out, "loss", None)
@@ -103,7 +106,9 @@ def loss_of(out: Any) -> torch.Tensor:
     """:func:`find_loss`, or a one-line error saying how to pass the targets or a loss function."""
     found = find_loss(out)
     if found is None:
-        raise ConfigError(f"the model returned {type(out).__name__} without a loss; pass the targets it computes its "
-                          "loss from (forward_backward(model, x, y) calls model(x, y); labels=y is handed on as a "
-                          "keyword) or give a loss_fn")
+        raise ConfigError(
+            f"the model returned {type(out).__name__} without a loss; pass the targets it computes its "
+            "loss from (forward_backward(model, x, y) calls model(x, y); labels=y is handed on as a "
+            "keyword) or give a loss_fn"
+        )
     return found

@@ -22,6 +22,7 @@ the process exits. From it:
 Nothing is sent on the collective's own channel; a watched call costs about 4.5 µs (benchmarks/RESULTS.md §8)
 and the store is written only by the thread, at most every 5 s per rank while nothing waits, and by meetings.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -45,8 +46,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(importlib.util.find_spec("torch").origin or "")  # located, not imported
 _STDLIB_CONTEXT = "contextlib.py"
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "has been closed",
-              "NCCL communicator was aborted")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "has been closed",
+    "NCCL communicator was aborted",
+)
 _TIMED_OUT = ("Timed out waiting", "collective operation timeout", "Socket Timeout", "wait timeout")
 """How gloo, NCCL's watchdog and the store say a collective's timeout passed (not any error with "timeout")."""
 MAX_REPORT_AFTER_S = 60.0
@@ -92,8 +98,16 @@ def default_report_after(timeout_s: float) -> float:
 class CallWatch:
     """The collective calls of one rank (see the module docstring). ``enabled=False``: calls are only counted."""
 
-    def __init__(self, rank: int, world_size: int, *, timeout_s: float, report_after_s: float | None = None,
-                 enabled: bool = True, environ: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        timeout_s: float,
+        report_after_s: float | None = None,
+        enabled: bool = True,
+        environ: dict[str, str] | None = None,
+    ) -> None:
         env = os.environ if environ is None else environ
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.report_after_s = report_after_s if report_after_s is not None else default_report_after(timeout_s)
@@ -180,8 +194,11 @@ class CallWatch:
                     return
                 line = self._went_on(call, why, calls)
                 if line is not None or time.monotonic() > deadline:
-                    raise CollectiveError(line or f"rank {self.rank} waited {self.timeout_s:g} s in {call.name} "
-                                          f"({call.where}) for the other ranks; {why}")
+                    raise CollectiveError(
+                        line
+                        or f"rank {self.rank} waited {self.timeout_s:g} s in {call.name} "
+                        f"({call.where}) for the other ranks; {why}"
+                    )
 
     def _went_on(self, call: Call, why: str, calls: dict[int, Call]) -> str | None:
         """The line naming a peer that made a call this rank has not (so will never come to ``call``), or left."""
@@ -200,8 +217,9 @@ class CallWatch:
             from torch.distributed import TCPStore
 
             host, port = self._address
-            self._meet_store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                        timeout=timedelta(seconds=30))
+            self._meet_store = TCPStore(
+                host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30)
+            )
         return self._meet_store
 
     def close(self) -> None:
@@ -241,14 +259,18 @@ class CallWatch:
 
     def _waiting_line(self, mine: Call, calls: dict[int, Call], now: float) -> str:
         missing = {r: c for r, c in calls.items() if r != self.rank and not mine.same_call(c)}
-        head = (f"rank {self.rank} has waited {now - mine.since:.0f} s in {mine.name} #{mine.nth} ({mine.where})")
+        head = f"rank {self.rank} has waited {now - mine.since:.0f} s in {mine.name} #{mine.nth} ({mine.where})"
         left = max(0.0, self.timeout_s - (now - mine.since))
         if not missing:
-            return (f"{head}; every rank is in it (a collective inside it does not complete; "
-                    f"TORCH_DISTRIBUTED_DEBUG=DETAIL names mismatched collectives); it fails in {left:.0f} s")
-        return (f"{head} for rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}: "
-                + "; ".join(f"rank {r} {c.describe(now)}" for r, c in sorted(missing.items())[:8])
-                + f"; it fails in {left:.0f} s")
+            return (
+                f"{head}; every rank is in it (a collective inside it does not complete; "
+                f"TORCH_DISTRIBUTED_DEBUG=DETAIL names mismatched collectives); it fails in {left:.0f} s"
+            )
+        return (
+            f"{head} for rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}: "
+            + "; ".join(f"rank {r} {c.describe(now)}" for r, c in sorted(missing.items())[:8])
+            + f"; it fails in {left:.0f} s"
+        )
 
     def _publish(self, call: Call) -> None:
         store = self._connect()
@@ -269,8 +291,9 @@ class CallWatch:
             from torch.distributed import TCPStore
 
             host, port = self._address
-            self._store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=10))
+            self._store = TCPStore(
+                host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10)
+            )
         return self._store
 
     def _exit(self) -> None:
@@ -295,14 +318,18 @@ class CallWatch:
         gone = sorted((c.since, r) for r, c in calls.items() if c.exited and r != self.rank)
         if gone:
             r = gone[0][1]
-            return CollectiveError(f"rank {r} left the job first ({calls[r].describe(now)}) while rank {self.rank} "
-                                   f"was in {here}; every rank must make the same paratrain calls until the end")
+            return CollectiveError(
+                f"rank {r} left the job first ({calls[r].describe(now)}) while rank {self.rank} "
+                f"was in {here}; every rank must make the same paratrain calls until the end"
+            )
         other = {r: c for r, c in calls.items() if r != self.rank and not mine.same_call(c)}
         if timed_out and other:
-            return CollectiveError(f"rank {self.rank} gave up on {here} after {self.timeout_s:g} s: the ranks made "
-                                   "different paratrain calls: " + "; ".join(
-                                       f"rank {r} {c.describe(now)}" for r, c in sorted(other.items())[:8])
-                                   + "; every rank must make the same paratrain calls in the same order")
+            return CollectiveError(
+                f"rank {self.rank} gave up on {here} after {self.timeout_s:g} s: the ranks made "
+                "different paratrain calls: "
+                + "; ".join(f"rank {r} {c.describe(now)}" for r, c in sorted(other.items())[:8])
+                + "; every rank must make the same paratrain calls in the same order"
+            )
         return None
 
 
@@ -310,19 +337,24 @@ def collective(name: str, meet: str | None = None) -> Callable[[F], F]:
     """Mark a ``Parallel`` method (or generator method, under ``@contextmanager``) as the collective call
     ``name`` of ``self._calls``; ``meet``: a rare call whose ranks first meet (:meth:`CallWatch.meet`; the text
     says why every rank must make it)."""
+
     def wrap(fn: F) -> F:
         if inspect.isgeneratorfunction(fn):
+
             @functools.wraps(fn)
             def steps(self: Any, *args: Any, **kwargs: Any) -> Any:
                 with self._calls.call(name):
                     return (yield from fn(self, *args, **kwargs))
+
             return steps  # type: ignore[return-value]
 
         @functools.wraps(fn)
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             with self._calls.call(name, meet=meet):
                 return fn(self, *args, **kwargs)
+
         return method  # type: ignore[return-value]
+
     return wrap
 
 

@@ -6,6 +6,7 @@ the dry run builds through the runtime that reads it: a layout the planner emits
 divisibility of the degrees (``ep`` dividing the ranks that hold one copy, ``mp`` beside nothing) is
 :class:`~paratrain.dims.ParallelDims`'s. Nothing here imports torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,22 +64,31 @@ def refusal(name: str, *, tp: int = 1, cp: int = 1, ep: int = 1, data: str = "dd
     if cp > 1 and not rule.cp:
         return refuse_degree(name, "cp", cp)
     if ep > 1 and name == "pipeline":
-        return (f"strategy 'pipeline' has one replica, no data-parallel ranks to split experts over (ep={ep}); "
-                "use Parallel('hybrid', dp=2, ep=2), which splits them over each stage's replicas")
+        return (
+            f"strategy 'pipeline' has one replica, no data-parallel ranks to split experts over (ep={ep}); "
+            "use Parallel('hybrid', dp=2, ep=2), which splits them over each stage's replicas"
+        )
     if ep > 1 and not rule.ep:
         return refuse_degree(name, "ep", ep)
     if name in PIPELINES and ep > 1 and tp > 1:
-        return (f"{name} with both tp and ep is not supported yet; split the experts (ep) or every layer (tp) of its "
-                "stages, or use Parallel('zero3', tp=2, ep=2) without stages")
+        return (
+            f"{name} with both tp and ep is not supported yet; split the experts (ep) or every layer (tp) of its "
+            "stages, or use Parallel('zero3', tp=2, ep=2) without stages"
+        )
     if name in PIPELINES and ep > 1 and data == "zero1":
-        return (f"{name} with data='zero1' and ep is not supported: ZeroRedundancyOptimizer cannot checkpoint split "
-                "experts' state; use data='ddp' or data='fsdp' with ep")
+        return (
+            f"{name} with data='zero1' and ep is not supported: ZeroRedundancyOptimizer cannot checkpoint split "
+            "experts' state; use data='ddp' or data='fsdp' with ep"
+        )
     return None
 
 
 _EXAMPLE = {"tp": "Parallel('zero3', tp=2)", "cp": "Parallel('zero3', cp=2)", "ep": "Parallel('zero3', ep=2)"}
-_WHAT = {"tp": "tensor parallelism runs alone (Parallel('tp')) or", "cp": "context parallelism runs",
-         "ep": "expert parallelism runs"}
+_WHAT = {
+    "tp": "tensor parallelism runs alone (Parallel('tp')) or",
+    "cp": "context parallelism runs",
+    "ep": "expert parallelism runs",
+}
 
 
 def refuse_degree(name: str, degree: Literal["tp", "cp", "ep"], value: object = None) -> str:

@@ -25,6 +25,7 @@ cached) registers a no-op device guard and hooks that report CUDA present; it mu
 its hooks, so every step runs in a child process that loads it first and is never used for anything else. The
 Python side of ``torch.cuda`` (current device, streams, events) is stood in for there too.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,10 +74,14 @@ C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
 """
 
 STEP_TIMEOUT_S = 600.0
-_STAGES = ("not run: pipeline stages learn their inputs' shapes from each other's messages, which the fake process "
-           "group does not carry")
-_CHILD = ("import ctypes, sys; [ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL) for p in sys.argv[1:4]]; "
-          "from paratrain.cuda_step import child_main; child_main(sys.argv[4])")
+_STAGES = (
+    "not run: pipeline stages learn their inputs' shapes from each other's messages, which the fake process "
+    "group does not carry"
+)
+_CHILD = (
+    "import ctypes, sys; [ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL) for p in sys.argv[1:4]]; "
+    "from paratrain.cuda_step import child_main; child_main(sys.argv[4])"
+)
 
 
 @dataclass(frozen=True)
@@ -103,12 +108,17 @@ def shim_library() -> Path:
     if library.exists():
         return library
     if shutil.which(os.environ.get("CXX", "c++")) is None or not is_ninja_available():
-        raise ConfigError("dry-run --step compiles a small C++ library once: install a C++ compiler (g++) and "
-                          "ninja (pip install ninja)")
-    build = ("import sys; from torch.utils.cpp_extension import load_inline; from paratrain.cuda_step import "
-             "SHIM_SOURCE; load_inline(sys.argv[1], cpp_sources=SHIM_SOURCE, is_python_module=False)")
-    done = subprocess.run([sys.executable, "-c", build, name], check=False, capture_output=True, text=True,
-                          env=_child_env())
+        raise ConfigError(
+            "dry-run --step compiles a small C++ library once: install a C++ compiler (g++) and "
+            "ninja (pip install ninja)"
+        )
+    build = (
+        "import sys; from torch.utils.cpp_extension import load_inline; from paratrain.cuda_step import "
+        "SHIM_SOURCE; load_inline(sys.argv[1], cpp_sources=SHIM_SOURCE, is_python_module=False)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", build, name], check=False, capture_output=True, text=True, env=_child_env()
+    )
     if done.returncode != 0 or not library.exists():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         raise ConfigError(f"dry-run --step could not compile its C++ library: {tail[0]}")
@@ -120,19 +130,28 @@ def first_steps(specs: list[dict[str, Any]]) -> list[StepResult]:
     ``rank``, ``world``, ``per_node``, ``strategy``, ``options``, ``precision``, ``model``/``model_config``/``input``
     (as ``paratrain dry-run`` takes them), ``batch``, ``seq_len``, ``clip``."""
     libs = Path(torch.__file__).parent / "lib"
-    args = [sys.executable, "-c", _CHILD, str(libs / "libc10.so"), str(libs / "libtorch_cpu.so"),
-            str(shim_library()), json.dumps(specs)]
+    args = [
+        sys.executable,
+        "-c",
+        _CHILD,
+        str(libs / "libc10.so"),
+        str(libs / "libtorch_cpu.so"),
+        str(shim_library()),
+        json.dumps(specs),
+    ]
     try:
-        done = subprocess.run(args, check=False, capture_output=True, text=True,
-                              timeout=STEP_TIMEOUT_S * len(specs), env=_child_env())
+        done = subprocess.run(
+            args, check=False, capture_output=True, text=True, timeout=STEP_TIMEOUT_S * len(specs), env=_child_env()
+        )
         out, why = done.stdout, f"the step's process died (exit {done.returncode})"
         tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
     except subprocess.TimeoutExpired as late:
         out, why, tail = late.stdout or "", f"the step's process ran past {late.timeout:.0f} s", ["killed"]
         out = out.decode() if isinstance(out, bytes) else out
     results = [StepResult(**json.loads(line)) for line in out.splitlines() if line.startswith('{"rank"')]
-    return results + [StepResult(rank=s["rank"], device="?", passed=False, error=f"{why}: {tail[0]}")
-                      for s in specs[len(results):]]
+    return results + [
+        StepResult(rank=s["rank"], device="?", passed=False, error=f"{why}: {tail[0]}") for s in specs[len(results) :]
+    ]
 
 
 def _child_env() -> dict[str, str]:
@@ -150,8 +169,13 @@ def child_main(specs_json: str) -> None:
             text = str(err).strip().splitlines()
             local = spec["rank"] % min(spec["per_node"], spec["world"])
             staged = type(err).__name__ == "PipeliningMetadataError"
-            result = StepResult(rank=spec["rank"], device=f"cuda:{local}", passed=False, ran=not staged,
-                                error=_STAGES if staged else f"{type(err).__name__}: {text[0] if text else ''}")
+            result = StepResult(
+                rank=spec["rank"],
+                device=f"cuda:{local}",
+                passed=False,
+                ran=not staged,
+                error=_STAGES if staged else f"{type(err).__name__}: {text[0] if text else ''}",
+            )
         print(json.dumps(asdict(result)), flush=True)
 
 
@@ -211,45 +235,71 @@ class FakeCuda:
                 if isinstance(t, FakeTensor) and t.device not in (device, torch.device("meta")):
                     with torch.no_grad():
                         moved = t.to(device)
-                    torch.utils.swap_tensors(t, torch.nn.Parameter(moved, t.requires_grad)
-                                             if isinstance(t, torch.nn.Parameter) else moved)
+                    torch.utils.swap_tensors(
+                        t, torch.nn.Parameter(moved, t.requires_grad) if isinstance(t, torch.nn.Parameter) else moved
+                    )
             real_move(params, buffers, device)
 
         def outside_fake(method: Any) -> Any:
             """A device mesh's rank tables are real tensors: made and read outside the fake mode."""
+
             def run(*args: Any, **kwargs: Any) -> Any:
                 with unset_fake_temporarily():
                     return method(*args, **kwargs)
+
             return run
 
         c = torch.cuda
-        stands = {"is_available": lambda: True, "device_count": lambda: self.count, "set_device": self.set_device,
-                  "current_device": lambda: self.current, "Stream": _Stand, "Event": _Stand,
-                  "current_stream": lambda *a: _Stand(), "default_stream": lambda *a: _Stand(),
-                  "stream": lambda *a: contextlib.nullcontext(), "synchronize": lambda *a: None,
-                  "_lazy_init": lambda: None, "is_initialized": lambda: True,
-                  "get_device_capability": lambda *a: (9, 0), "get_device_name": lambda *a: "fake",
-                  "is_current_stream_capturing": lambda: False,
-                  # fake tensors draw no random numbers: the generators' states are the host's, never read
-                  "get_rng_state": lambda *a: _REAL_GET_RNG(), "get_rng_state_all": lambda: [_REAL_GET_RNG()],
-                  **dict.fromkeys(("set_rng_state", "set_rng_state_all", "manual_seed", "manual_seed_all", "seed",
-                                   "seed_all"), lambda *a: None)}
+        stands = {
+            "is_available": lambda: True,
+            "device_count": lambda: self.count,
+            "set_device": self.set_device,
+            "current_device": lambda: self.current,
+            "Stream": _Stand,
+            "Event": _Stand,
+            "current_stream": lambda *a: _Stand(),
+            "default_stream": lambda *a: _Stand(),
+            "stream": lambda *a: contextlib.nullcontext(),
+            "synchronize": lambda *a: None,
+            "_lazy_init": lambda: None,
+            "is_initialized": lambda: True,
+            "get_device_capability": lambda *a: (9, 0),
+            "get_device_name": lambda *a: "fake",
+            "is_current_stream_capturing": lambda: False,
+            # fake tensors draw no random numbers: the generators' states are the host's, never read
+            "get_rng_state": lambda *a: _REAL_GET_RNG(),
+            "get_rng_state_all": lambda: [_REAL_GET_RNG()],
+            **dict.fromkeys(
+                ("set_rng_state", "set_rng_state_all", "manual_seed", "manual_seed_all", "seed", "seed_all"),
+                lambda *a: None,
+            ),
+        }
         a = torch.accelerator  # the device-generic spelling of the same calls
-        accelerator = {"is_available": lambda: True, "device_count": lambda: self.count,
-                       "current_accelerator": lambda *args, **kwargs: torch.device("cuda"),
-                       **dict.fromkeys(("set_device_index", "set_device_idx"), self.set_device),
-                       **dict.fromkeys(("current_device_index", "current_device_idx"), lambda: self.current),
-                       "current_stream": lambda *args, **kwargs: _Stand(), "synchronize": lambda *args: None}
-        patches = [*((c, k, v) for k, v in stands.items()), *((a, k, v) for k, v in accelerator.items()),
-                   (torch, "tensor", self.tensor),
-                   (torch, "set_rng_state", set_rng_state), (torch.random, "set_rng_state", set_rng_state),
-                   # fake parameters are swapped in place; the fake mode's memo holds weak references to them
-                   (torch.utils, "weakref", types.SimpleNamespace(getweakrefs=lambda t: [])),
-                   # DDP reads every rank's parameter shapes in C++: fake tensors hold nothing to read
-                   (ddp, "_verify_param_shape_across_processes", lambda *a, **k: None),
-                   (_fsdp_init, "_move_states_to_device", move_states),
-                   *((DeviceMesh, name, outside_fake(getattr(DeviceMesh, name)))
-                     for name in ("__init__", "__getitem__", "_flatten", "_unflatten"))]
+        accelerator = {
+            "is_available": lambda: True,
+            "device_count": lambda: self.count,
+            "current_accelerator": lambda *args, **kwargs: torch.device("cuda"),
+            **dict.fromkeys(("set_device_index", "set_device_idx"), self.set_device),
+            **dict.fromkeys(("current_device_index", "current_device_idx"), lambda: self.current),
+            "current_stream": lambda *args, **kwargs: _Stand(),
+            "synchronize": lambda *args: None,
+        }
+        patches = [
+            *((c, k, v) for k, v in stands.items()),
+            *((a, k, v) for k, v in accelerator.items()),
+            (torch, "tensor", self.tensor),
+            (torch, "set_rng_state", set_rng_state),
+            (torch.random, "set_rng_state", set_rng_state),
+            # fake parameters are swapped in place; the fake mode's memo holds weak references to them
+            (torch.utils, "weakref", types.SimpleNamespace(getweakrefs=lambda t: [])),
+            # DDP reads every rank's parameter shapes in C++: fake tensors hold nothing to read
+            (ddp, "_verify_param_shape_across_processes", lambda *a, **k: None),
+            (_fsdp_init, "_move_states_to_device", move_states),
+            *(
+                (DeviceMesh, name, outside_fake(getattr(DeviceMesh, name)))
+                for name in ("__init__", "__getitem__", "_flatten", "_unflatten")
+            ),
+        ]
         saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
         for obj, name, value in patches:
             setattr(obj, name, value)
@@ -266,7 +316,8 @@ _REAL_GET_RNG = torch.get_rng_state
 _DATA_SIZED = {  # sized as the most they can hold: every element nonzero, every count below minlength
     torch.ops.aten.nonzero.default: lambda x: torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device),
     torch.ops.aten.bincount.default: lambda x, weights=None, minlength=0: torch.zeros(
-        max(minlength, 1), dtype=torch.long if weights is None else weights.dtype, device=x.device),
+        max(minlength, 1), dtype=torch.long if weights is None else weights.dtype, device=x.device
+    ),
 }
 
 
@@ -315,8 +366,10 @@ class Placement(TorchDispatchMode):
 
         for t in (x for x in tree_leaves(args) if isinstance(x, torch.Tensor)):
             if t.device.type not in served(self.backend):
-                raise PlacementError(f"{name} sent a {t.device.type} tensor to the job's {self.backend!r} group: No "
-                                   f"backend type associated with device type {t.device.type}")
+                raise PlacementError(
+                    f"{name} sent a {t.device.type} tensor to the job's {self.backend!r} group: No "
+                    f"backend type associated with device type {t.device.type}"
+                )
             if t.device.type == "cuda" and t.device != self.device:
                 raise PlacementError(f"{name} sent a tensor on {t.device} from the rank on {self.device}")
 
@@ -337,19 +390,28 @@ class FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                     scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+def _fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     if enable_gqa and key.size(-3) != query.size(-3):
         repeat = query.size(-3) // key.size(-3)
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
     if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
-        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
-                                                                  scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[
+            0
+        ]
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA turns a boolean mask into a bias
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
-                                                                  is_causal, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+    )[0]
 
 
 def _step(spec: dict[str, Any]) -> StepResult:
@@ -373,8 +435,14 @@ def _step(spec: dict[str, Any]) -> StepResult:
     env = ClusterEnv(rank=rank, local_rank=rank % local, world_size=world, local_world_size=local, launched=True)
     backends: list[str] = []
 
-    def start(env: ClusterEnv, device: torch.device, timeout_s: float, needs_group: bool,
-              backend: str | None = None, alone: bool = False) -> bool:  # the group the job would start, faked
+    def start(
+        env: ClusterEnv,
+        device: torch.device,
+        timeout_s: float,
+        needs_group: bool,
+        backend: str | None = None,
+        alone: bool = False,
+    ) -> bool:  # the group the job would start, faked
         backends.append(backend or "nccl")
         dist.init_process_group("fake", store=FakeStore(), rank=env.rank, world_size=env.world_size)
         return False
@@ -385,13 +453,21 @@ def _step(spec: dict[str, Any]) -> StepResult:
     with torch.device("meta"):
         model = model_builder(spec.get("model"), spec.get("model_config"))()
     with cuda.installed():
-        par = Parallel(spec["strategy"], job=JobConfig(env=env), accelerator="cuda", precision=spec["precision"],
-                       monitor=False, **spec["options"])
+        par = Parallel(
+            spec["strategy"],
+            job=JobConfig(env=env),
+            accelerator="cuda",
+            precision=spec["precision"],
+            monitor=False,
+            **spec["options"],
+        )
         try:
             if cuda.current != device.index:
-                raise RuntimeError(f"the current CUDA device is cuda:{cuda.current}, not {device}, once the group "
-                                   "started: object collectives, FSDP2 and pin memory would run on GPU "
-                                   f"{cuda.current}")
+                raise RuntimeError(
+                    f"the current CUDA device is cuda:{cuda.current}, not {device}, once the group "
+                    "started: object collectives, FSDP2 and pin memory would run on GPU "
+                    f"{cuda.current}"
+                )
             with fake, Placement(backends[0], device) as placement, FusedAttention():
                 model.to_empty(device="cpu")  # as a script builds it, before prepare places it
                 optimizer = torch.optim.AdamW(model.parameters(), foreach=True)  # CUDA's default path
@@ -416,8 +492,9 @@ def _step(spec: dict[str, Any]) -> StepResult:
             dist.destroy_process_group()
 
 
-def _forward_backward(call: Any, wrapped: torch.nn.Module, batch: int, device: torch.device,
-                      placement: Placement) -> str | None:
+def _forward_backward(
+    call: Any, wrapped: torch.nn.Module, batch: int, device: torch.device, placement: Placement
+) -> str | None:
     """Forward and backward; where the forward's shapes depend on values (a mixture of experts' routing: counts
     decide how many tokens each expert gets, so fake tensors cannot size what follows, or sizes guessed without
     the counts disagree), gradients of the parameters' own placement stand in for backward's, and the note says so
@@ -481,13 +558,14 @@ class _Answering:
 
 def _check_placed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, allowed: set[torch.device]) -> None:
     """Raise unless every parameter, gradient and optimizer state (their local shards) sits on an allowed device."""
+
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
     held = [(f"parameter {n}", p) for n, p in model.named_parameters()]
     held += [(f"gradient of {n}", p.grad) for n, p in model.named_parameters() if p.grad is not None]
     inner = getattr(optimizer, "optim", optimizer)
-    for state in (inner.state.values() if inner is not None else []):
+    for state in inner.state.values() if inner is not None else []:
         held += [(f"optimizer state {k}", v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim()]
     for what, t in held:
         if local(t).device not in allowed:

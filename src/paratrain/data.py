@@ -15,6 +15,7 @@ The tail, when the dataset size N does not divide by the world size W:
 A prepared loader also knows where its current pass stands (:class:`ShardedLoader`), so a checkpoint taken in
 the middle of an epoch resumes with exactly the batches that were not trained yet.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,10 +34,18 @@ from .seeding import rank_seed
 class ShardSampler(DistributedSampler):
     """``DistributedSampler`` that can also shard without padding (``even=False``)."""
 
-    def __init__(self, dataset, *, num_replicas: int, rank: int, shuffle: bool, seed: int = 0,
-                 drop_last: bool = False, even: bool = True) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+    def __init__(
+        self,
+        dataset,
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int = 0,
+        drop_last: bool = False,
+        even: bool = True,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.even = even
         self.skip = 0
         """Samples of this rank's shard that the next pass leaves out (they were trained before a checkpoint)."""
@@ -139,8 +148,12 @@ class ShardedLoader(DataLoader):
                 )
             else:
                 skip, batches = trained // sampler.num_replicas, trained // step
-        self._resume = {"epoch": state["epoch"], "skip": min(skip, sampler.num_samples), "batches": batches,
-                        "generator": state["generator"] if replicas == sampler.num_replicas else None}
+        self._resume = {
+            "epoch": state["epoch"],
+            "skip": min(skip, sampler.num_samples),
+            "batches": batches,
+            "generator": state["generator"] if replicas == sampler.num_replicas else None,
+        }
 
 
 def describe_sampler(loader: DataLoader) -> tuple[bool, int, bool]:
@@ -171,9 +184,11 @@ def _refuse_empty(samples: int, per_rank: int, batch_size: int, drop_last: bool,
     """A training loader that gives every rank zero batches trains nothing, silently: refuse it."""
     batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
     if batches == 0:
-        raise ConfigError(f"this loader gives each of the {world_size} data-parallel ranks 0 batches ({samples} "
-                          f"samples, {per_rank} per rank, batch size {batch_size}, drop_last={drop_last}): an epoch "
-                          "would take no optimizer step; use drop_last=False, a smaller batch or fewer ranks")
+        raise ConfigError(
+            f"this loader gives each of the {world_size} data-parallel ranks 0 batches ({samples} "
+            f"samples, {per_rank} per rank, batch size {batch_size}, drop_last={drop_last}): an epoch "
+            "would take no optimizer step; use drop_last=False, a smaller batch or fewer ranks"
+        )
 
 
 def prepare_loader(loader: DataLoader, *, rank: int, size: int, seed: int, even: bool, required: bool) -> DataLoader:
@@ -198,8 +213,15 @@ def shardable(loader: DataLoader) -> bool:
     return True
 
 
-def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int, even: bool = True,
-                 generator: torch.Generator | None = None) -> DataLoader:
+def shard_loader(
+    loader: DataLoader,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    even: bool = True,
+    generator: torch.Generator | None = None,
+) -> DataLoader:
     """A copy of ``loader`` whose sampler gives this rank its shard; all other settings are kept."""
     if isinstance(loader.dataset, IterableDataset):
         warnings.warn(
@@ -208,8 +230,9 @@ def shard_loader(loader: DataLoader, *, rank: int, world_size: int, seed: int, e
         )
         return loader
     shuffle, batch_size, drop_last = describe_sampler(loader)
-    sampler = ShardSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                           drop_last=drop_last, even=even)
+    sampler = ShardSampler(
+        loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last, even=even
+    )
     if even:
         _refuse_empty(len(loader.dataset), len(sampler), batch_size, drop_last, world_size)
     extra = {}

@@ -1,6 +1,7 @@
 """Device and backend choice, made in one place for every strategy: ``cuda:LOCAL_RANK`` with NCCL when CUDA
 is available, otherwise the CPU with gloo; a job whose strategy sends host tensors through its group (parameter
 servers' messages, CPU-offloaded shards) gets gloo beside NCCL."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,8 +35,9 @@ def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def claim_device(local_rank: int, accelerator: str = "auto",
-                 device_of: Callable[[torch.device], torch.device] | None = None) -> torch.device:
+def claim_device(
+    local_rank: int, accelerator: str = "auto", device_of: Callable[[torch.device], torch.device] | None = None
+) -> torch.device:
     """:func:`select_device` (or what ``device_of`` makes of it: a ``model_parallel`` process binds its first
     stage's GPU), made this process's current CUDA device: call it before the first collective.
 

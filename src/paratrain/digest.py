@@ -1,4 +1,5 @@
 """A SHA-256 of a model's parameters and buffers, so two runs can be compared bit for bit."""
+
 from __future__ import annotations
 
 import hashlib

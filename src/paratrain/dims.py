@@ -4,6 +4,7 @@ The runtime mesh (:func:`paratrain.distributed.mesh.build_mesh`), every strategy
 planner's candidate layouts (:class:`paratrain.planner.layout.Layout`) all read their degrees from here, so a
 layout the planner describes is the one the runtime builds. Nothing here imports torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,32 +48,44 @@ class ParallelDims:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.zero == 0 and self.dp_shard > 1:
-            raise ConfigError(f"dp_shard={self.dp_shard} shards nothing at zero stage 0; give a zero stage or "
-                              "replicate instead (dp_replicate)")
+            raise ConfigError(
+                f"dp_shard={self.dp_shard} shards nothing at zero stage 0; give a zero stage or "
+                "replicate instead (dp_replicate)"
+            )
         if self.mp > 1 and (self.tp > 1 or self.pp > 1):
-            raise ConfigError("model-parallel stages inside a process do not compose with pipeline or tensor "
-                              "parallelism; use pipeline stages (pp) instead")
+            raise ConfigError(
+                "model-parallel stages inside a process do not compose with pipeline or tensor "
+                "parallelism; use pipeline stages (pp) instead"
+            )
         if self.ep > 1:
             self._check_ep()
         if self.cp > 1 and self.mp > 1:
-            raise ConfigError("context parallelism splits sequences over ranks; model-parallel stages inside a "
-                              "process do not compose with it: use pipeline stages (pp) instead")
+            raise ConfigError(
+                "context parallelism splits sequences over ranks; model-parallel stages inside a "
+                "process do not compose with it: use pipeline stages (pp) instead"
+            )
 
     def _check_ep(self) -> None:
         """``ep`` must divide the ranks that hold one copy: the experts are split over them, not over the replicas
         of a copy (hsdp's nodes) or a process's own GPUs."""
         group, name = (self.dp_shard, "dp_shard") if self.zero else (self.dp_replicate, "dp_replicate")
         if self.cp > 1 and self.tp > 1:
-            raise ConfigError(f"ep beside both cp={self.cp} and tp={self.tp} is not supported yet; drop one of cp and "
-                              "tp (ep composes with each alone)")
+            raise ConfigError(
+                f"ep beside both cp={self.cp} and tp={self.tp} is not supported yet; drop one of cp and "
+                "tp (ep composes with each alone)"
+            )
         if self.cp > 1:  # a cp group's ranks hold one copy too, each routing its slice of the sequences
             group, name = group * self.cp, f"{name} x cp"
         if self.mp > 1:
-            raise ConfigError("expert parallelism splits experts over ranks; model-parallel stages inside a process "
-                              "do not compose with it: use pipeline stages (pp) instead")
+            raise ConfigError(
+                "expert parallelism splits experts over ranks; model-parallel stages inside a process "
+                "do not compose with it: use pipeline stages (pp) instead"
+            )
         if group % self.ep:
-            raise ConfigError(f"ep={self.ep} must divide the {group} data-parallel ranks that hold one copy of the "
-                              f"model ({name}); give an ep that divides {group}")
+            raise ConfigError(
+                f"ep={self.ep} must divide the {group} data-parallel ranks that hold one copy of the "
+                f"model ({name}); give an ep that divides {group}"
+            )
 
     @property
     def dp(self) -> int:
@@ -93,8 +106,11 @@ class ParallelDims:
         in every layer, are neighbours (on a node, NVLink peers).
         ``ep`` is no dimension here: its groups are made of data-parallel ranks.
         """
-        shape = ({"replicate": self.dp_replicate, "shard": self.dp_shard}
-                 if self.dp_replicate > 1 and self.dp_shard > 1 else {"dp": self.dp})
+        shape = (
+            {"replicate": self.dp_replicate, "shard": self.dp_shard}
+            if self.dp_replicate > 1 and self.dp_shard > 1
+            else {"dp": self.dp}
+        )
         if self.pp > 1:
             shape["pp"] = self.pp
         if self.cp > 1:
@@ -107,8 +123,10 @@ class ParallelDims:
         """A ``ConfigError`` naming the degrees unless they multiply to ``world_size``."""
         if self.world_size != world_size:
             shape = " x ".join(f"{k}={v}" for k, v in self.mesh_shape().items())
-            raise ConfigError(f"mesh {shape} needs {self.world_size} processes but the world size is {world_size}; "
-                              "change the degrees or the number of processes")
+            raise ConfigError(
+                f"mesh {shape} needs {self.world_size} processes but the world size is {world_size}; "
+                "change the degrees or the number of processes"
+            )
 
     def describe(self) -> str:
         """``dp=4 (zero3) pp=2 tp=2``: the degrees above 1, for messages and plans."""
@@ -120,4 +138,3 @@ class ParallelDims:
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         return " ".join(parts) or "1 rank"
-

@@ -11,6 +11,7 @@ every rank (its own index-based sharding) uses a ``torch.Generator`` of its own,
 As a last guard the first batch each replica feeds the model is compared across replicas (a checksum of its
 input, gathered once): identical batches on two replicas are a warning on rank 0.
 """
+
 from __future__ import annotations
 
 import sys
@@ -62,9 +63,12 @@ class FirstBatch:
         for replica, digest in enumerate(every):
             key = (int(digest[0]), int(digest[1]))
             if key in seen and dist.get_rank() == 0:
-                print(f"paratrain: warning: data-parallel replicas {seen[key]} and {replica} fed the model identical "
-                      "first batches, so they would train on the same samples; shard the data (prepare a "
-                      "DataLoader) or draw each replica's own (docs/porting.md, data without a DataLoader)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"paratrain: warning: data-parallel replicas {seen[key]} and {replica} fed the model identical "
+                    "first batches, so they would train on the same samples; shard the data (prepare a "
+                    "DataLoader) or draw each replica's own (docs/porting.md, data without a DataLoader)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
             seen.setdefault(key, replica)

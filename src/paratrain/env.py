@@ -6,6 +6,7 @@ group itself (with ``init_method="tcp"`` it sets no master address at all): a pr
 start needs only the ranks. A script started with plain ``python`` has none of them and runs as a single process.
 Reading is a pure function of a mapping, so tests pass a dict.
 """
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 Every error a user can cause is a :class:`ParatrainError` whose message is one line saying what is wrong and
 how to fix it. The CLI prints that line without a traceback (``--debug`` shows it).
 """
+
 from __future__ import annotations
 
 import re
@@ -30,8 +31,17 @@ class RankFailedError(LaunchError):
     Carries the root cause so callers (and the CLI) can lead with it.
     """
 
-    def __init__(self, rank: int, exitcode: int, host: str, pid: int | None, traceback: str | None,
-                 ranks: tuple[int, ...] = (), stopped: tuple[int, ...] = (), stopped_by: str = "SIGTERM") -> None:
+    def __init__(
+        self,
+        rank: int,
+        exitcode: int,
+        host: str,
+        pid: int | None,
+        traceback: str | None,
+        ranks: tuple[int, ...] = (),
+        stopped: tuple[int, ...] = (),
+        stopped_by: str = "SIGTERM",
+    ) -> None:
         self.rank = rank
         self.ranks = ranks or (rank,)
         """Every rank that failed with the same error (the root cause's rank first)."""
@@ -44,8 +54,10 @@ class RankFailedError(LaunchError):
         self.pid = pid
         self.traceback = traceback
         cause = _last_line(traceback)
-        super().__init__(f"rank {rank} failed on {host} ({describe_exitcode(exitcode)}"
-                         f"{': ' + cause if cause else ''}); the job was stopped")
+        super().__init__(
+            f"rank {rank} failed on {host} ({describe_exitcode(exitcode)}"
+            f"{': ' + cause if cause else ''}); the job was stopped"
+        )
         if traceback:  # shown under an uncaught error in Python; the CLI prints its own report
             self.add_note(f"traceback of rank {rank}:\n{traceback.rstrip()}")
 
@@ -67,8 +79,10 @@ class JobInterrupted(LaunchError):
         self.ranks, self.seconds, self.left = ranks, seconds, left
         self.exit_code = 128 + int(self.signal)
         still = f"; {left} still running" if left else ""
-        super().__init__(f"interrupted ({self.signal.name}), {ranks} rank{'s' if ranks != 1 else ''} stopped in "
-                         f"{seconds:.1f} s{still}")
+        super().__init__(
+            f"interrupted ({self.signal.name}), {ranks} rank{'s' if ranks != 1 else ''} stopped in "
+            f"{seconds:.1f} s{still}"
+        )
 
 
 class CollectiveError(ParatrainError):

@@ -1,4 +1,5 @@
 """Functions the user names on the command line as ``package.module:function`` (models, workloads, setups)."""
+
 from __future__ import annotations
 
 import importlib

@@ -6,6 +6,7 @@ config adds its own fields as a group of flags; one marked ``NO_FLAG`` is set fr
 the config from what argparse parsed, so ``__post_init__`` checks every value where it is defined, and
 :func:`to_argv` writes a config back as flags (the demo hands its job's options to every process that way).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,19 +44,31 @@ class Flag:
     """False: no flag (set from Python only)."""
 
 
-def flag(*names: str, metavar: str | None = None, choices: Iterable[str] | None = None,
-         negative: str | None = None, title: str | None = None) -> Mapping[str, Flag]:
+def flag(
+    *names: str,
+    metavar: str | None = None,
+    choices: Iterable[str] | None = None,
+    negative: str | None = None,
+    title: str | None = None,
+) -> Mapping[str, Flag]:
     """A field's ``metadata=``: its option strings and how they read."""
-    return types.MappingProxyType({_KEY: Flag(names, metavar, None if choices is None else tuple(choices), negative,
-                                              title)})
+    return types.MappingProxyType(
+        {_KEY: Flag(names, metavar, None if choices is None else tuple(choices), negative, title)}
+    )
 
 
 NO_FLAG = types.MappingProxyType({_KEY: Flag(shown=False)})
 """A field's ``metadata=`` when it is set from Python only."""
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, only: Iterable[str] | None = None,
-              skip: Iterable[str] = (), defaults: object = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    only: Iterable[str] | None = None,
+    skip: Iterable[str] = (),
+    defaults: object = None,
+) -> None:
     """One flag per field of ``cls`` (``only`` those, less ``skip``), defaults from ``defaults`` when given, else
     the fields'; a config field's fields in a group of its own, with that field's default as theirs."""
     wanted, skipped = None if only is None else set(only), set(skip)
@@ -137,8 +150,9 @@ def _add(parser: Any, f: dataclasses.Field, hint: Any, cls: type, default: Any) 
         if default is None:
             parser.add_argument(*names, action="store_const", const=True, **common)
             if spec.negative:
-                parser.add_argument(spec.negative, action="store_const", const=False, dest=f.name,
-                                    help=f"the opposite of {names[0]}")
+                parser.add_argument(
+                    spec.negative, action="store_const", const=False, dest=f.name, help=f"the opposite of {names[0]}"
+                )
         elif default is True:
             parser.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
         else:
@@ -208,9 +222,13 @@ def _help(cls: type) -> dict[str, str]:
         except (OSError, TypeError):  # no source (a frozen build): flags without help
             continue
         for node, after in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
-                    isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and \
-                    isinstance(after.value.value, str):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 text = inspect.cleandoc(after.value.value).split("\n\n")[0]
                 out[node.target.id] = re.sub(r"\s+", " ", text.replace("``", "")).strip()
     return out

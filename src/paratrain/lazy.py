@@ -1,5 +1,6 @@
 """Package attributes imported on first use, so that importing a package stays cheap (``paratrain run`` starts as
 fast as ``torchrun``; ``Parallel()`` does not pay for torch.distributed.checkpoint before a checkpoint is made)."""
+
 from __future__ import annotations
 
 import importlib
@@ -8,8 +9,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def lazy_getattr(package: str, exports: Mapping[str, str], namespace: dict[str, Any],
-                 deprecated: Mapping[str, tuple[str, str]] | None = None) -> Callable[[str], Any]:
+def lazy_getattr(
+    package: str,
+    exports: Mapping[str, str],
+    namespace: dict[str, Any],
+    deprecated: Mapping[str, tuple[str, str]] | None = None,
+) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package`` that imports ``exports[name]`` (a module relative to it) on first
     access to ``name`` and keeps the value in ``namespace`` (the package's globals). ``deprecated``: former names →
     (their module, what to write instead), still served, with a warning each time."""

@@ -1,6 +1,7 @@
 """Where the training loop is and what ``par.step`` and ``par.epochs`` do at its boundaries: what one micro-step
 is, the optimizer step at the end of an accumulation window, each epoch's sample order, and the counters a
 checkpoint saves and a resume restores."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
@@ -32,8 +33,10 @@ class GlobalBatch:
         """From the former ``global_batch`` and ``micro_batch`` keywords (None when no global batch is given)."""
         if size is None:
             if micro is not None:
-                raise ConfigError(f"micro_batch={micro} given without global_batch; give both (accumulate then "
-                                  "follows from the layout), or neither")
+                raise ConfigError(
+                    f"micro_batch={micro} given without global_batch; give both (accumulate then "
+                    "follows from the layout), or neither"
+                )
             return None
         return cls(size, micro)
 
@@ -47,15 +50,19 @@ class GlobalBatch:
         divide the global batch."""
         micro = self.micro if self.micro is not None else micro
         if micro is None:
-            raise ConfigError(f"GlobalBatch({self.size}) needs micro= (what one replica feeds each par.step), or a "
-                              "DataLoader passed to prepare() whose batch size it is")
+            raise ConfigError(
+                f"GlobalBatch({self.size}) needs micro= (what one replica feeds each par.step), or a "
+                "DataLoader passed to prepare() whose batch size it is"
+            )
         per_step = micro * replicas
         if self.size % per_step:
             fits = [m for m in range(1, micro + 1) if self.size % (m * replicas) == 0][-1:]
             hint = f" (micro={fits[0]} fits)" if fits else ""
-            raise ConfigError(f"GlobalBatch({self.size}) does not divide into micro-batches of {micro} x {replicas} "
-                              f"data-parallel replica(s) = {per_step} per micro-step; choose a global batch that is "
-                              f"a multiple of {per_step}, or another micro{hint}")
+            raise ConfigError(
+                f"GlobalBatch({self.size}) does not divide into micro-batches of {micro} x {replicas} "
+                f"data-parallel replica(s) = {per_step} per micro-step; choose a global batch that is "
+                f"a multiple of {per_step}, or another micro{hint}"
+            )
         return self.size // per_step
 
 
@@ -69,8 +76,9 @@ class StepInfo:
     """True on the last micro-step: gradients are communicated and the optimizer steps."""
 
 
-def finish_step(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-                max_norm: float | None) -> torch.Tensor | None:
+def finish_step(
+    strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, max_norm: float | None
+) -> torch.Tensor | None:
     """End an accumulation window: the strategy completes the gradients (a weight tied across pipeline stages,
     tensor parallelism's partial sums), the global norm over every shard is clipped to ``max_norm`` when given, the
     optimizer steps (through the grad scaler, inside the strategy's ``optimizer_stepping``) and the gradients are
@@ -82,8 +90,12 @@ def finish_step(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Opt
         precision.unscale(optimizer)
         in_step = strategy.server.clips_in_step(optimizer, max_norm)
         if not in_step:
-            norm = clip_grad_norm(model.parameters(), max_norm, group=strategy.grad_norm_group(model),
-                                  counted=strategy.grad_norm_parameters(model))
+            norm = clip_grad_norm(
+                model.parameters(),
+                max_norm,
+                group=strategy.grad_norm_group(model),
+                counted=strategy.grad_norm_parameters(model),
+            )
     with strategy.optimizer_stepping(optimizer):
         precision.step(optimizer)
     if in_step:
@@ -103,8 +115,10 @@ def start_epoch(loaders: Iterable[object], epoch: int) -> None:
 
 def idle_epoch_warning(epoch: int, accumulate: int) -> str:
     """The line for an epoch that took no optimizer step."""
-    return (f"paratrain: warning: epoch {epoch} took no optimizer step (accumulate={accumulate}, batches this epoch "
-            "fewer than that, or none); check the loader and accumulate")
+    return (
+        f"paratrain: warning: epoch {epoch} took no optimizer step (accumulate={accumulate}, batches this epoch "
+        "fewer than that, or none); check the loader and accumulate"
+    )
 
 
 class Loop:
@@ -117,8 +131,10 @@ class Loop:
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ConfigError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         if batch is not None and accumulate != 1:
-            raise ConfigError(f"accumulate={accumulate} given with global_batch={batch.size}; give one of them "
-                              "(with global_batch, accumulate follows from the layout)")
+            raise ConfigError(
+                f"accumulate={accumulate} given with global_batch={batch.size}; give one of them "
+                "(with global_batch, accumulate follows from the layout)"
+            )
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         self.accumulate, self.clip_grad_norm = accumulate, clip_grad_norm
@@ -130,8 +146,9 @@ class Loop:
         self.resume_epoch: int | None = None  # the epoch a load resumes inside, until epochs() starts it
         self.last_grad_norm: torch.Tensor | None = None
 
-    def epochs(self, n: int, start: int, loaders: Iterable[object], training: Callable[[], bool],
-               warn: Callable[[str], None]) -> Iterator[int]:
+    def epochs(
+        self, n: int, start: int, loaders: Iterable[object], training: Callable[[], bool], warn: Callable[[str], None]
+    ) -> Iterator[int]:
         """``range(start, n)``, or from the resumed epoch; each epoch reorders the loaders, and the first epoch that
         takes no optimizer step while ``training()`` is ``warn``-ed about (once per loop)."""
         resumed, self.resume_epoch = self.resume_epoch, None
@@ -161,8 +178,14 @@ class Loop:
             raise ConfigError(f"global_batch={self.batch.size} needs the layout: call prepare() before par.step")
         return StepInfo(micro_step=self.micro_step, sync=self.micro_step == self.accumulate - 1)
 
-    def stepped(self, info: StepInfo, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
-                precision: Precision) -> None:
+    def stepped(
+        self,
+        info: StepInfo,
+        strategy: Strategy,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+    ) -> None:
         """After the user's block of micro-step ``info`` exited cleanly: the optimizer step when it ends a window."""
         self.micro_step = (self.micro_step + 1) % self.accumulate
         if info.sync:
@@ -181,9 +204,17 @@ class Loop:
         epoch, batches = divmod(steps, per_epoch)
         sampler = loader.sampler
         assert isinstance(sampler, ShardSampler)
-        loader.load_state_dict({"epoch": epoch, "batches": batches * self.accumulate, "finished": False,
-                                "generator": None, "batch_size": loader.batch_size,
-                                "replicas": sampler.num_replicas}, epoch)
+        loader.load_state_dict(
+            {
+                "epoch": epoch,
+                "batches": batches * self.accumulate,
+                "finished": False,
+                "generator": None,
+                "batch_size": loader.batch_size,
+                "replicas": sampler.num_replicas,
+            },
+            epoch,
+        )
         self.resume_at(steps, epoch)
 
     def resume_at(self, step: int, epoch: int | None) -> None:

@@ -1,4 +1,5 @@
 """Learning-rate scaling when data parallelism makes the global batch larger than the one an LR was tuned at."""
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@
 They sit at the bottom of the package (beside :mod:`paratrain.dims`) so that strategies, the free functions of
 :mod:`paratrain.distributed` and the planner all read one definition; nothing here imports torch.distributed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -231,10 +232,11 @@ class BlockTransforms:
         elif every is True:
             every = 1
         elif not isinstance(every, int) or every < 1:
-            raise ConfigError(f"activation_checkpointing must be True, False or k >= 1 (every k-th block), got "
-                              f"{activation_checkpointing!r}")
+            raise ConfigError(
+                f"activation_checkpointing must be True, False or k >= 1 (every k-th block), got "
+                f"{activation_checkpointing!r}"
+            )
         if not isinstance(compile, (bool, Mapping)):
             raise ConfigError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
         options = dict(compile) if isinstance(compile, Mapping) else {} if compile else None
         return cls(checkpoint_every=every, compile=options)
-

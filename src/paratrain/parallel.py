@@ -5,6 +5,7 @@ session (:mod:`paratrain.session`), the strategy (:mod:`paratrain.strategies.cho
 prepared (:mod:`paratrain.prepared`), the loop (:mod:`paratrain.loop`), the checkpoints, the monitor and the
 trackers. All state lives on the object: two ``Parallel`` objects in one process share nothing by accident.
 """
+
 from __future__ import annotations
 
 import os
@@ -69,13 +70,25 @@ class Parallel:
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp, ``tp=2``).
     """
 
-    def __init__(self, strategy: str | Strategy = "auto", *, accelerator: str = "auto", precision: str = "fp32",
-                 accumulate: int | GlobalBatch = 1, clip_grad_norm: float | None = None, seed: int | None = None,
-                 checkpoint: CheckpointConfig | str | os.PathLike | None = None,
-                 log_with: TrackerConfig | LogWith | None = None, monitor: bool | MonitorConfig = True,
-                 model: ModelConfig | None = None, job: JobConfig | None = None, **strategy_options: Any) -> None:
-        settings = Settings.parse(accumulate=accumulate, model=model, job=job, checkpoint=checkpoint,
-                                  options=strategy_options)
+    def __init__(
+        self,
+        strategy: str | Strategy = "auto",
+        *,
+        accelerator: str = "auto",
+        precision: str = "fp32",
+        accumulate: int | GlobalBatch = 1,
+        clip_grad_norm: float | None = None,
+        seed: int | None = None,
+        checkpoint: CheckpointConfig | str | os.PathLike | None = None,
+        log_with: TrackerConfig | LogWith | None = None,
+        monitor: bool | MonitorConfig = True,
+        model: ModelConfig | None = None,
+        job: JobConfig | None = None,
+        **strategy_options: Any,
+    ) -> None:
+        settings = Settings.parse(
+            accumulate=accumulate, model=model, job=job, checkpoint=checkpoint, options=strategy_options
+        )
         self._loop = Loop(settings.accumulate, clip_grad_norm, settings.batch)
         watching, tracking = monitor_and_trackers(monitor, log_with)
         self._loss, self.init_fn = HeadLoss(settings.model.loss_chunk), settings.model.init_fn
@@ -87,12 +100,24 @@ class Parallel:
         self.env = settings.job.env if settings.job.env is not None else ClusterEnv.from_environ(joined=group_started())
         self._chosen = ChosenStrategy(strategy, self.env, settings.strategy_options, settings.moe_aux_loss)
         self.precision: Precision = create_precision(precision)
-        self._session = Session(self.env, accelerator, self.precision, timeout_s=settings.job.timeout_s,
-                                wait_report_s=settings.job.wait_report_s, **self._chosen.placement())
+        self._session = Session(
+            self.env,
+            accelerator,
+            self.precision,
+            timeout_s=settings.job.timeout_s,
+            wait_report_s=settings.job.wait_report_s,
+            **self._chosen.placement(),
+        )
         self.device, self._calls = self._session.device, self._session.calls
         self._calls.every_rank = not self.strategy.server.serves
-        self._session.agree({**self._chosen.agreed_values(), "precision": self.precision.name,
-                             "accumulate": str(self.accumulate), "global batch": str(self._loop.batch)})
+        self._session.agree(
+            {
+                **self._chosen.agreed_values(),
+                "precision": self.precision.name,
+                "accumulate": str(self.accumulate),
+                "global batch": str(self._loop.batch),
+            }
+        )
         self._chosen.build_mesh(self.device)
         self._seed: int | None = None
         self._prepared = Prepared()
@@ -100,12 +125,27 @@ class Parallel:
         self._size_batch()
         self._replicas = Replicas(self._session, self.world_size, lambda: self._chosen.data_parallel(self._runtime()))
         self.logger = rank_logger(self.env)
-        self.trackers = Trackers(tracking, active=self.is_main, describe=lambda: run_description(  # opened on rank 0
-            self.strategy, world_size=self.world_size, data_parallel_size=self.data_parallel_size,
-            precision=self.precision.name, accumulate=self.accumulate, device=self.device))
-        self.monitor = monitor_for(watching, self._runtime, trackers=self.trackers, accumulate=self.accumulate,
-                                   group=self.strategy.server.training_group(self.env), emit=self.logger.warning,
-                                   replicas=lambda: self.data_parallel_size)
+        self.trackers = Trackers(
+            tracking,
+            active=self.is_main,
+            describe=lambda: run_description(  # opened on rank 0
+                self.strategy,
+                world_size=self.world_size,
+                data_parallel_size=self.data_parallel_size,
+                precision=self.precision.name,
+                accumulate=self.accumulate,
+                device=self.device,
+            ),
+        )
+        self.monitor = monitor_for(
+            watching,
+            self._runtime,
+            trackers=self.trackers,
+            accumulate=self.accumulate,
+            group=self.strategy.server.training_group(self.env),
+            emit=self.logger.warning,
+            replicas=lambda: self.data_parallel_size,
+        )
         if seed is not None:
             self.seed_everything(seed)
 
@@ -155,13 +195,19 @@ class Parallel:
     def prepare(self, *objects: Any) -> Any:
         """Wrap models (each before its optimizer), optimizers, loaders (sharded for training) and LR schedulers
         built on a prepared optimizer; returns them in the same order. ``save`` and ``load`` cover exactly these."""
-        return prepare_each(objects, model=lambda m, opt, data: self.prepare_model(m, optimizer=opt, loader=data),
-                            optimizer=lambda m, opt: self._replicas.watch_optimizer(
-                                self._prepared.add_optimizer(self.strategy, m, opt, self._runtime), self.strategy),
-                            loader=self.prepare_loader, scheduler=self._prepared.add_scheduler)
+        return prepare_each(
+            objects,
+            model=lambda m, opt, data: self.prepare_model(m, optimizer=opt, loader=data),
+            optimizer=lambda m, opt: self._replicas.watch_optimizer(
+                self._prepared.add_optimizer(self.strategy, m, opt, self._runtime), self.strategy
+            ),
+            loader=self.prepare_loader,
+            scheduler=self._prepared.add_scheduler,
+        )
 
-    def prepare_model(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
-                      loader: DataLoader | None = None) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, loader: DataLoader | None = None
+    ) -> nn.Module:
         """Place and wrap one model; ``par.device`` then names where its outputs land (the last stage for
         ``model_parallel``). ``optimizer`` and ``loader`` (``prepare`` passes those given after the model) are only
         read by ``auto``, to plan the optimizer's states and the batch's activations; they are not prepared here."""
@@ -190,8 +236,9 @@ class Parallel:
         self._size_batch(loader.batch_size)
         if shard:  # pipeline stages and tensor-parallel groups share their batches
             rank, size, _ = self._chosen.data_parallel(self._runtime())  # (0, 1, None) without a process group
-            prepared = prepare_loader(loader, rank=rank, size=size, seed=self.data_seed, even=even,
-                                      required=self._session.distributed)
+            prepared = prepare_loader(
+                loader, rank=rank, size=size, seed=self.data_seed, even=even, required=self._session.distributed
+            )
         if isinstance(prepared, ShardedLoader):
             prepared.before_fetch = self._flush_checkpoint
             self._prepared.add_loader(prepared)
@@ -213,8 +260,16 @@ class Parallel:
         return self.strategy.full_state_dict(model, rank0_only)
 
     def _runtime(self, facts: ModelFacts | None = None, materialize: Materializer | None = None) -> Runtime:
-        return Runtime(env=self.env, device=self.device, mesh=self.mesh, precision=self.precision, facts=facts,
-                       transforms=self.transforms, materialize=materialize, checkpointing=self._checkpoints.on)
+        return Runtime(
+            env=self.env,
+            device=self.device,
+            mesh=self.mesh,
+            precision=self.precision,
+            facts=facts,
+            transforms=self.transforms,
+            materialize=materialize,
+            checkpointing=self._checkpoints.on,
+        )
 
     def epochs(self, n: int, start: int = 0) -> Iterator[int]:
         """``range(start, n)`` (``n`` is where it stops), reshuffling the prepared loaders each epoch. It first
@@ -230,8 +285,10 @@ class Parallel:
         are synchronised, the optimizer steps and the gradients are zeroed when the block exits cleanly."""
         self._flush_checkpoint()
         info = self._loop.next_step()
-        with (nullcontext() if info.sync else self.strategy.no_sync(model),
-              nullcontext() if self.monitor is None else self.monitor.block(model, info.sync)):
+        with (
+            nullcontext() if info.sync else self.strategy.no_sync(model),
+            nullcontext() if self.monitor is None else self.monitor.block(model, info.sync),
+        ):
             yield info
         self._loop.stepped(info, self.strategy, model, optimizer, self.precision)
         if info.sync:
@@ -239,8 +296,14 @@ class Parallel:
             if self.monitor is not None:
                 self.monitor.stepped(self.optimizer_steps)
 
-    def forward_backward(self, model: nn.Module, x: Any, target: Any = None,
-                         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+    def forward_backward(
+        self,
+        model: nn.Module,
+        x: Any,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """One micro-batch's forward and backward, for every strategy; the detached loss on every rank:
         ``loss_fn(model(x, **kwargs), target)``, or without ``loss_fn`` the loss the model computes itself from
         ``model(x, target, **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
@@ -284,8 +347,9 @@ class Parallel:
         """Checkpoint what an exact resume needs (everything prepared, the step, epoch, loader positions, RNG
         states) into ``path/step-<step>``, atomically (collective; between optimizer steps); returns that folder.
         ``async_save``: written in the background, the folder appears once complete (:mod:`.checkpoint.background`)."""
-        return self._checkpoints.save(self._checkpoint_targets(), path, self._loop.micro_step, self.accumulate,
-                                      async_save)
+        return self._checkpoints.save(
+            self._checkpoint_targets(), path, self._loop.micro_step, self.accumulate, async_save
+        )
 
     @collective("par.load", meet="every rank must call it (each reads its part)")
     def load(self, path: str | os.PathLike | None = None) -> Path:
@@ -313,9 +377,16 @@ class Parallel:
         self._checkpoints.flush(self.save, self.optimizer_steps)
 
     def _checkpoint_targets(self) -> Targets:
-        return self._prepared.targets(self.strategy, self.precision, step=self.optimizer_steps, epoch=self.epoch,
-                                      rank=self.rank, world_size=self.world_size, barrier=self.barrier,
-                                      gather=gather_object)
+        return self._prepared.targets(
+            self.strategy,
+            self.precision,
+            step=self.optimizer_steps,
+            epoch=self.epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier=self.barrier,
+            gather=gather_object,
+        )
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         """Numbers to the trackers at ``step`` (default: optimizer steps taken); rank 0 writes (docs/trackers.md)."""
@@ -346,5 +417,7 @@ class Parallel:
             self.trackers.close(ok=False)
 
     def __repr__(self) -> str:
-        return (f"Parallel(strategy={self.strategy.describe()}, rank={self.rank}/{self.world_size}, "
-                f"device={self.device}, precision={self.precision.name}, accumulate={self.accumulate})")
+        return (
+            f"Parallel(strategy={self.strategy.describe()}, rank={self.rank}/{self.world_size}, "
+            f"device={self.device}, precision={self.precision.name}, accumulate={self.accumulate})"
+        )

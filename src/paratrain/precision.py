@@ -17,6 +17,7 @@ as a hand-written autocast loop does, instead of the model's whole output being 
 that lowers the peak depends on where the step's peak lies: at the CPU sizes measured (benchmarks/RESULTS.md §9)
 it did not; the large-vocabulary case on a GPU is not measured yet.
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,8 +57,11 @@ class Precision:
 
         if self.autocast_dtype is None:
             return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=self.autocast_dtype, reduce_dtype=torch.float32,
-                                    output_dtype=torch.float32 if cast_output else None)
+        return MixedPrecisionPolicy(
+            param_dtype=self.autocast_dtype,
+            reduce_dtype=torch.float32,
+            output_dtype=torch.float32 if cast_output else None,
+        )
 
     def forward_context(self, device: torch.device) -> AbstractContextManager:
         if self.autocast_dtype is None:
@@ -173,8 +177,9 @@ class ScalerByLayout(torch.amp.GradScaler):
     reduces the found-inf flag over the ranks as the call's first gradient is laid out, so a call holds one layout
     for every rank to agree on whether the step is skipped."""
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
         grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         found: dict[torch.device, torch.Tensor] = {}
         for part in grouped(grads, lambda p: layout_of(p.grad)) or [[]]:  # none: the flag torch gives then
@@ -195,8 +200,11 @@ class BF16True(Precision):
 
 
 _PRECISIONS: dict[str, type[Precision]] = {
-    "fp32": Precision, "32": Precision,
-    "bf16-mixed": BF16Mixed, "fp16-mixed": FP16Mixed, "16-mixed": FP16Mixed,
+    "fp32": Precision,
+    "32": Precision,
+    "bf16-mixed": BF16Mixed,
+    "fp16-mixed": FP16Mixed,
+    "16-mixed": FP16Mixed,
     "bf16-true": BF16True,
 }
 

@@ -4,6 +4,7 @@ wrapped), their optimizers, the LR schedulers built on them and the sharded load
 Checkpoints save and restore exactly these, so they live together in one object; ``Parallel`` keeps the verbs
 that wrap them, this module keeps the bookkeeping and the rule for sorting ``prepare``'s arguments.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -45,8 +46,9 @@ class Prepared:
         self.models.append(wrapped)
         return wrapped
 
-    def add_optimizer(self, strategy: Strategy, model: nn.Module, optimizer: Optimizer,
-                      runtime: Callable[[ModelFacts], Runtime]) -> Optimizer:
+    def add_optimizer(
+        self, strategy: Strategy, model: nn.Module, optimizer: Optimizer, runtime: Callable[[ModelFacts], Runtime]
+    ) -> Optimizer:
         """Wrap ``optimizer`` for the prepared ``model``, checked to train that model's parameters before and
         after (a wrapper that rebuilt the parameters must have rebuilt the optimizer's groups alike)."""
         facts = self.facts[id(model)]
@@ -60,8 +62,10 @@ class Prepared:
         """Keep ``scheduler`` for checkpoints; it must step an optimizer ``prepare`` returned, or a resume would
         restore a schedule that drives nothing."""
         if not any(scheduler.optimizer is opt for _, opt in self.optimizers):
-            raise ConfigError("this LR scheduler is not built on an optimizer that prepare() returned; prepare the "
-                              "optimizer first, then build the scheduler on the returned one and pass it to prepare()")
+            raise ConfigError(
+                "this LR scheduler is not built on an optimizer that prepare() returned; prepare the "
+                "optimizer first, then build the scheduler on the returned one and pass it to prepare()"
+            )
         self.schedulers.append(scheduler)
         return scheduler
 
@@ -73,14 +77,25 @@ class Prepared:
         group = strategy.server.checkpoint_group()
         if group is not None:  # not every rank saves (a parameter server's workers do, for their servers too)
             position["gather"] = partial(gather_object, group=group)
-        return Targets(strategy=strategy, models=self.models, optimizers=self.optimizers,
-                       schedulers=self.schedulers, loaders=self.loaders, precision=precision, **position)
+        return Targets(
+            strategy=strategy,
+            models=self.models,
+            optimizers=self.optimizers,
+            schedulers=self.schedulers,
+            loaders=self.loaders,
+            precision=precision,
+            **position,
+        )
 
 
-def prepare_each(objects: tuple[Any, ...], *,
-                 model: Callable[[nn.Module, Optimizer | None, DataLoader | None], nn.Module],
-                 optimizer: Callable[[nn.Module, Optimizer], Optimizer], loader: Callable[[DataLoader], DataLoader],
-                 scheduler: Callable[[Scheduler], Scheduler]) -> Any:
+def prepare_each(
+    objects: tuple[Any, ...],
+    *,
+    model: Callable[[nn.Module, Optimizer | None, DataLoader | None], nn.Module],
+    optimizer: Callable[[nn.Module, Optimizer], Optimizer],
+    loader: Callable[[DataLoader], DataLoader],
+    scheduler: Callable[[Scheduler], Scheduler],
+) -> Any:
     """``prepare``'s arguments, each handed to the verb for its kind, in order; one object back alone, several as
     a tuple. A model is given the optimizer that follows it and the first loader after it (``auto`` plans that
     optimizer's states and that loader's batch); an optimizer goes with the model before it."""
@@ -88,8 +103,8 @@ def prepare_each(objects: tuple[Any, ...], *,
     current: nn.Module | None = None
     for i, obj in enumerate(objects):
         if isinstance(obj, nn.Module):
-            after = next((o for o in objects[i + 1:] if isinstance(o, (nn.Module, Optimizer))), None)
-            loader_after = next((o for o in objects[i + 1:] if isinstance(o, DataLoader)), None)
+            after = next((o for o in objects[i + 1 :] if isinstance(o, (nn.Module, Optimizer))), None)
+            loader_after = next((o for o in objects[i + 1 :] if isinstance(o, DataLoader)), None)
             current = model(obj, after if isinstance(after, Optimizer) else None, loader_after)
             out.append(current)
         elif isinstance(obj, Optimizer):
@@ -101,6 +116,8 @@ def prepare_each(objects: tuple[Any, ...], *,
         elif isinstance(obj, Scheduler):
             out.append(scheduler(obj))
         else:
-            raise ConfigError(f"prepare() takes nn.Module, torch.optim.Optimizer, DataLoader and LR scheduler "
-                              f"objects, got {type(obj).__name__}")
+            raise ConfigError(
+                f"prepare() takes nn.Module, torch.optim.Optimizer, DataLoader and LR scheduler "
+                f"objects, got {type(obj).__name__}"
+            )
     return out[0] if len(out) == 1 else tuple(out)

@@ -1,4 +1,5 @@
 """A one-line progress bar for rank 0: redrawn in place on a terminal, silent in logs."""
+
 from __future__ import annotations
 
 import sys
@@ -9,8 +10,9 @@ from typing import TextIO
 class Progress:
     """``with Progress(total, "epoch 1") as bar: bar.update()``; draws only when ``enabled`` and on a TTY."""
 
-    def __init__(self, total: int, label: str, *, enabled: bool = True, stream: TextIO | None = None,
-                 width: int = 30) -> None:
+    def __init__(
+        self, total: int, label: str, *, enabled: bool = True, stream: TextIO | None = None, width: int = 30
+    ) -> None:
         self.total, self.label, self.width = max(total, 1), label, width
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled and self.stream.isatty()

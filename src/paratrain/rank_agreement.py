@@ -6,6 +6,7 @@ timeout, or worse, the collectives happen to match and the ranks train different
 ``all_gather_object`` of a few strings at construction (a few milliseconds on two CPU ranks, see
 benchmarks/RESULTS.md) turns that into one line naming the ranks and their values.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -23,8 +24,10 @@ def check_ranks_agree(values: Mapping[str, str], rank: int, world_size: int) -> 
     dist.all_gather_object(gathered, dict(values))
     problems = disagreements(gathered)  # type: ignore[arg-type]
     if problems:
-        raise ConfigError(f"the ranks of this job disagree: {'; '.join(problems)}; give every rank the same "
-                          "Parallel(...) options (and launch them with the same flags)")
+        raise ConfigError(
+            f"the ranks of this job disagree: {'; '.join(problems)}; give every rank the same "
+            "Parallel(...) options (and launch them with the same flags)"
+        )
 
 
 def disagreements(per_rank: list[Mapping[str, str]]) -> list[str]:

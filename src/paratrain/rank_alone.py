@@ -9,6 +9,7 @@ on together (a store round trip, well under a millisecond here); when one does i
 or two, once a peer has gone on to another call, in one line naming both ranks, the user's lines and what to do
 instead. Strategies where every rank holds the whole model (ddp, zero1's parameters) are left alone.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,10 +25,13 @@ def guard_model(model: nn.Module, strategy: Strategy, calls: CallWatch) -> None:
     reason = strategy.every_rank_reason()
     if reason is None or not calls.enabled:
         return
-    forward = (f"{reason}, so a forward needs every rank: evaluate (or log) on every rank and print on rank 0 "
-               "(par.print)")
-    state = (f"{reason}, so one rank's state_dict() is no checkpoint: save with par.save(path), or take the whole "
-             "model with par.full_state_dict(model), on every rank")
+    forward = (
+        f"{reason}, so a forward needs every rank: evaluate (or log) on every rank and print on rank 0 (par.print)"
+    )
+    state = (
+        f"{reason}, so one rank's state_dict() is no checkpoint: save with par.save(path), or take the whole "
+        "model with par.full_state_dict(model), on every rank"
+    )
     model.register_forward_pre_hook(lambda *_: calls.meet("the model's forward", forward), prepend=True)
     model.register_state_dict_pre_hook(lambda *_: calls.meet("model.state_dict()", state))
 

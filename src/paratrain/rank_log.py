@@ -1,4 +1,5 @@
 """The training logger: records that say which rank wrote them, on whatever ``sys.stderr`` is at the time."""
+
 from __future__ import annotations
 
 import logging

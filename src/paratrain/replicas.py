@@ -5,6 +5,7 @@ where the strategy needs every rank meets the others first (:mod:`paratrain.rank
 
 ``Parallel`` owns one; kept apart so the façade holds none of these rules.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -35,8 +36,9 @@ class Replicas:
         self._first = FirstBatch()
         self._base: int | None = None
 
-    def start(self, model: nn.Module, materializer: object | None, seed: int | None,
-              say: Callable[[str], None]) -> None:
+    def start(
+        self, model: nn.Module, materializer: object | None, seed: int | None, say: Callable[[str], None]
+    ) -> None:
         """Before ``model`` is wrapped (collective): rank 0's initial state on every rank, and rank 0's seed for the
         replicas' streams."""
         if self.joined:

@@ -1,5 +1,6 @@
 """Seeds: the same model initialisation on every rank, different random streams for data per rank; and
 deterministic kernels, so that two runs of the same job on a GPU can be compared bit for bit."""
+
 from __future__ import annotations
 
 import os

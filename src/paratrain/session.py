@@ -4,6 +4,7 @@ the watch over its collective calls, and the check that every rank was configure
 ``Parallel`` owns one. Kept apart so that the façade holds no process-group bookkeeping: who ends the group, and
 how, is decided here once (see :mod:`paratrain.distributed.process_group`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,10 +35,20 @@ class Session:
     process binds its first stage's GPU).
     """
 
-    def __init__(self, env: ClusterEnv, accelerator: str, precision: Precision, *, timeout_s: float,
-                 wait_report_s: float | None, needs_group: bool, on_host: bool = False,
-                 host_tensors: bool = False, alone: bool = False,
-                 device_of: Callable[[torch.device], torch.device] | None = None) -> None:
+    def __init__(
+        self,
+        env: ClusterEnv,
+        accelerator: str,
+        precision: Precision,
+        *,
+        timeout_s: float,
+        wait_report_s: float | None,
+        needs_group: bool,
+        on_host: bool = False,
+        host_tensors: bool = False,
+        alone: bool = False,
+        device_of: Callable[[torch.device], torch.device] | None = None,
+    ) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
         self.env = env
@@ -48,8 +59,13 @@ class Session:
         self.owns_group = start_process_group(env, self.device, timeout_s, needs_group, backend, alone)
         """True when this session started the group (a group the script started is left to the script)."""
         self.alone = alone
-        self.calls = CallWatch(env.rank, env.world_size, timeout_s=timeout_s, report_after_s=wait_report_s,
-                               enabled=self.distributed and env.launched and not alone)
+        self.calls = CallWatch(
+            env.rank,
+            env.world_size,
+            timeout_s=timeout_s,
+            report_after_s=wait_report_s,
+            enabled=self.distributed and env.launched and not alone,
+        )
 
     @property
     def distributed(self) -> bool:

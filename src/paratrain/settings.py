@@ -6,6 +6,7 @@ log_with="tensorboard")`` is the common case. What fewer scripts set is grouped:
 step (``accumulate=GlobalBatch(256, micro=8)``). The keywords left over are the strategy's own options, read by the
 strategy's spec alone. The former flat spellings still work, with one warning naming what to write instead.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,9 +68,16 @@ class JobConfig:
 
 
 MOVED: dict[str, str] = {
-    "activation_checkpointing": "model", "compile": "model", "init_fn": "model", "loss_chunk": "model",
-    "timeout_s": "job", "wait_report_s": "job", "env": "job", "deterministic": "job",
-    "global_batch": "accumulate", "micro_batch": "accumulate",
+    "activation_checkpointing": "model",
+    "compile": "model",
+    "init_fn": "model",
+    "loss_chunk": "model",
+    "timeout_s": "job",
+    "wait_report_s": "job",
+    "env": "job",
+    "deterministic": "job",
+    "global_batch": "accumulate",
+    "micro_batch": "accumulate",
 }
 """``Parallel``'s former flat keywords → the keyword whose config now holds them."""
 
@@ -89,14 +97,24 @@ class Settings:
     """What is left: the strategy's own options (``bucket_cap_mb``, ``tp``, ``config``…), for its spec alone."""
 
     @classmethod
-    def parse(cls, *, accumulate: int | GlobalBatch, model: ModelConfig | None, job: JobConfig | None,
-              checkpoint: CheckpointConfig | str | os.PathLike | None, options: dict[str, Any]) -> Settings:
+    def parse(
+        cls,
+        *,
+        accumulate: int | GlobalBatch,
+        model: ModelConfig | None,
+        job: JobConfig | None,
+        checkpoint: CheckpointConfig | str | os.PathLike | None,
+        options: dict[str, Any],
+    ) -> Settings:
         """``Parallel``'s grouped keywords and its ``**options``, where the former flat spellings may still be
         (one warning naming what to write instead)."""
         former = {k: v for k, v in options.items() if k in MOVED}
         if former:
-            warnings.warn(f"Parallel({', '.join(f'{k}=' for k in former)}) is deprecated; write "
-                          f"{_spelling(former)}", FutureWarning, stacklevel=3)
+            warnings.warn(
+                f"Parallel({', '.join(f'{k}=' for k in former)}) is deprecated; write {_spelling(former)}",
+                FutureWarning,
+                stacklevel=3,
+            )
         for name, value, config in (("model", model, ModelConfig), ("job", job, JobConfig)):
             if value is not None and not isinstance(value, config):
                 raise ConfigError(f"{name}= takes a paratrain.{config.__name__}(...), got {type(value).__name__}")
@@ -106,9 +124,15 @@ class Settings:
         if moe_aux_loss not in MODES:
             raise ConfigError(f"moe_aux_loss must be one of {', '.join(map(repr, MODES))}, not {moe_aux_loss!r}")
         batch = accumulate if isinstance(accumulate, GlobalBatch) else None
-        return cls(model=model or ModelConfig(), job=job or JobConfig(), batch=batch, moe_aux_loss=moe_aux_loss,
-                   accumulate=1 if batch is not None else accumulate,
-                   checkpoint=checkpoint_config(checkpoint, options), strategy_options=options)
+        return cls(
+            model=model or ModelConfig(),
+            job=job or JobConfig(),
+            batch=batch,
+            moe_aux_loss=moe_aux_loss,
+            accumulate=1 if batch is not None else accumulate,
+            checkpoint=checkpoint_config(checkpoint, options),
+            strategy_options=options,
+        )
 
 
 def regroup(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -119,15 +143,19 @@ def regroup(options: Mapping[str, Any]) -> dict[str, Any]:
     for keyword, config in (("model", ModelConfig), ("job", JobConfig)):
         mine = {k: v for k, v in moved.items() if MOVED[k] == keyword}
         if mine and out[keyword] is not None:
-            raise ConfigError(f"Parallel got {keyword}= and the former {', '.join(f'{k}=' for k in mine)}; give "
-                              f"them all in {keyword}=")
+            raise ConfigError(
+                f"Parallel got {keyword}= and the former {', '.join(f'{k}=' for k in mine)}; give "
+                f"them all in {keyword}="
+            )
         if mine:
             out[keyword] = config(**mine)
     if "global_batch" in moved or "micro_batch" in moved:
         batch = GlobalBatch.of(moved.get("global_batch"), moved.get("micro_batch"))
         if out["accumulate"] != 1:
-            raise ConfigError(f"accumulate={out['accumulate']!r} given with global_batch={batch.size}; give one of "
-                              "them (with a global batch, accumulate follows from the layout)")
+            raise ConfigError(
+                f"accumulate={out['accumulate']!r} given with global_batch={batch.size}; give one of "
+                "them (with a global batch, accumulate follows from the layout)"
+            )
         out["accumulate"] = batch
     return out
 

@@ -1,4 +1,5 @@
 """Byte sizes: the binary units every report uses, and how a size prints."""
+
 from __future__ import annotations
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30

@@ -7,6 +7,7 @@ data-parallel parameters, and tensor parallelism lays parameters out in several 
 for the unscale reduces the found-inf flag as the first gradient of the call is laid out, so there the placements
 must agree too: a layout is the mesh and the placements.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable

@@ -1,5 +1,6 @@
 """``paratrain bench``: configuration checks, job planning and the report without processes; then one real
 bench through the CLI (world 1 and 2, the torch-ddp comparison, threads) whose JSON, CSV and PNG are checked."""
+
 from __future__ import annotations
 
 import csv
@@ -18,16 +19,19 @@ from paratrain.workloads import get_workload, workload_names
 TWO_CORES = Machine(cores=2, physical_cores=2, gpus=0)
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"nprocs": (0, 2)}, "world sizes >= 1"),
-    ({"strategies": ("ddp", "nope")}, "unknown strategy 'nope'"),
-    ({"scaling": "linear"}, "scaling must be one of weak, strong"),
-    ({"compare": "torch-ddp", "strategies": ("zero3",)}, "add ddp to the strategies"),
-    ({"compare": "horovod"}, "unknown comparison"),
-    ({"steps": 0}, "steps must be >= 1"),
-    ({"strategy_options": {"pipeline": {}}}, "not among"),
-    ({"accelerator": "tpu"}, "unknown accelerator"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"nprocs": (0, 2)}, "world sizes >= 1"),
+        ({"strategies": ("ddp", "nope")}, "unknown strategy 'nope'"),
+        ({"scaling": "linear"}, "scaling must be one of weak, strong"),
+        ({"compare": "torch-ddp", "strategies": ("zero3",)}, "add ddp to the strategies"),
+        ({"compare": "horovod"}, "unknown comparison"),
+        ({"steps": 0}, "steps must be >= 1"),
+        ({"strategy_options": {"pipeline": {}}}, "not among"),
+        ({"accelerator": "tpu"}, "unknown accelerator"),
+    ],
+)
 def test_bad_configurations_are_one_line_errors(kwargs, words):
     with pytest.raises(ConfigError, match=words) as info:
         BenchConfig(**kwargs)
@@ -48,8 +52,13 @@ def test_jobs_skip_what_cannot_run_and_add_thread_rows():
     cfg = BenchConfig(nprocs=(1, 2, 4), strategies=("ddp", "hybrid"), compare="torch-ddp", threads=True)
     jobs, skipped, notes = plan_jobs(cfg, TWO_CORES)
     shapes = [(j.world, j.threads, [r.label for r in j.runs]) for j in jobs]
-    assert shapes == [(1, 1, ["single"]), (2, 1, ["ddp", "torch-ddp"]), (4, 1, ["ddp", "hybrid", "torch-ddp"]),
-                      (1, 2, ["single"]), (1, 4, ["single"])]
+    assert shapes == [
+        (1, 1, ["single"]),
+        (2, 1, ["ddp", "torch-ddp"]),
+        (4, 1, ["ddp", "hybrid", "torch-ddp"]),
+        (1, 2, ["single"]),
+        (1, 4, ["single"]),
+    ]
     assert [(r.label, r.world) for r in skipped] == [("hybrid", 2)]
     assert "hybrid needs dp >= 2 and pp >= 2" in skipped[0].skipped
     thread_jobs = jobs[-2:]
@@ -72,14 +81,51 @@ def test_oversubscription_counts_ranks_times_threads_against_physical_cores_or_g
 
 
 def test_report_marks_oversubscribed_rows_and_names_the_fastest():
-    rows = [Row(label="single", world=1, threads=1, global_batch=64, samples_per_s=1000.0, step_ms=64.0,
-                speedup=1.0, efficiency=1.0, comm_share=0.0, imbalance=0.0, peak_mb=[300.0], memory_kind="rss_peak"),
-            Row(label="ddp", world=4, threads=1, replicas=4, global_batch=256, samples_per_s=1500.0, step_ms=170.0,
-                speedup=1.5, efficiency=0.375, comm_share=0.4, imbalance=0.05, peak_mb=[310.0, 320.0],
-                memory_kind="rss_peak", oversubscribed="4 x 1 threads on 2 physical cores"),
-            Row(label="pipeline", world=4, threads=1, skipped="needs an nn.Sequential")]
-    text = format_report(BenchResult(config=BenchConfig(nprocs=(1, 4)), machine=TWO_CORES, workload="mlp", rows=rows,
-                                     comparisons=[], notes=[], versions={"paratrain": "x", "torch": "y"}, wall_s=1.0))
+    rows = [
+        Row(
+            label="single",
+            world=1,
+            threads=1,
+            global_batch=64,
+            samples_per_s=1000.0,
+            step_ms=64.0,
+            speedup=1.0,
+            efficiency=1.0,
+            comm_share=0.0,
+            imbalance=0.0,
+            peak_mb=[300.0],
+            memory_kind="rss_peak",
+        ),
+        Row(
+            label="ddp",
+            world=4,
+            threads=1,
+            replicas=4,
+            global_batch=256,
+            samples_per_s=1500.0,
+            step_ms=170.0,
+            speedup=1.5,
+            efficiency=0.375,
+            comm_share=0.4,
+            imbalance=0.05,
+            peak_mb=[310.0, 320.0],
+            memory_kind="rss_peak",
+            oversubscribed="4 x 1 threads on 2 physical cores",
+        ),
+        Row(label="pipeline", world=4, threads=1, skipped="needs an nn.Sequential"),
+    ]
+    text = format_report(
+        BenchResult(
+            config=BenchConfig(nprocs=(1, 4)),
+            machine=TWO_CORES,
+            workload="mlp",
+            rows=rows,
+            comparisons=[],
+            notes=[],
+            versions={"paratrain": "x", "torch": "y"},
+            wall_s=1.0,
+        )
+    )
     assert "ddp x4 *" in text and "* oversubscribed (4 x 1 threads on 2 physical cores)" in text
     assert "pipeline x4 *" not in text and "skipped: needs an nn.Sequential" in text
     assert "fastest on this machine: ddp x4 (1500 samples/s)" in text
@@ -95,8 +141,9 @@ def test_workloads_build_train_and_reject_unknown_names():
         x, y = w.make_batch(4, torch.Generator().manual_seed(0))
         assert torch.equal(x, w.make_batch(4, torch.Generator().manual_seed(0))[0])  # seeded
         w.loss(w.model()(x), y).backward()
-    with pytest.raises(ConfigError, match="unknown workload 'resnet'; choose one of: mlp, cnn, gpt-tiny, gpt-moe-tiny, "
-                                          "recommender"):
+    with pytest.raises(
+        ConfigError, match="unknown workload 'resnet'; choose one of: mlp, cnn, gpt-tiny, gpt-moe-tiny, recommender"
+    ):
         get_workload("resnet")
 
 
@@ -114,10 +161,37 @@ def test_a_user_factory_may_return_a_tuple():
 def test_bench_end_to_end(tmp_path, capsys):
     """World 1, world 2 with ddp, pipeline and the hand-written DDP loop, and 1 process x 2 threads."""
     out = tmp_path / "bench.json"
-    assert main(["bench", "--nproc", "1,2", "--strategies", "ddp,pipeline", "--compare", "torch-ddp", "--threads",
-                 "--threads-per-rank", "1", "--accelerator", "cpu", "--rounds", "2", "--steps", "4", "--warmup", "1",
-                 "--batch", "16",
-                 "--json", str(out), "--csv", str(tmp_path / "bench.csv")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--nproc",
+                "1,2",
+                "--strategies",
+                "ddp,pipeline",
+                "--compare",
+                "torch-ddp",
+                "--threads",
+                "--threads-per-rank",
+                "1",
+                "--accelerator",
+                "cpu",
+                "--rounds",
+                "2",
+                "--steps",
+                "4",
+                "--warmup",
+                "1",
+                "--batch",
+                "16",
+                "--json",
+                str(out),
+                "--csv",
+                str(tmp_path / "bench.csv"),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "paratrain ddp vs hand-written DDP at world 2: overhead" in text and "fastest on this machine:" in text
     data = json.loads(out.read_text())
@@ -150,8 +224,12 @@ def test_bad_bench_input_is_one_line(capsys):
 def test_a_serving_strategy_gets_a_job_of_its_own_at_each_world_size():
     jobs, skipped, _ = plan_jobs(BenchConfig(nprocs=(1, 2, 3), strategies=("ddp", "ps"), servers=2), TWO_CORES)
     shapes = [(j.world, [(r.label, r.serves, r.options) for r in j.runs]) for j in jobs]
-    assert shapes == [(1, [("single", False, {})]), (2, [("ddp", False, {})]), (3, [("ddp", False, {})]),
-                      (3, [("ps", True, {"servers": 2})])]
+    assert shapes == [
+        (1, [("single", False, {})]),
+        (2, [("ddp", False, {})]),
+        (3, [("ddp", False, {})]),
+        (3, [("ps", True, {"servers": 2})]),
+    ]
     assert [(r.label, r.world) for r in skipped] == [("ps", 2)]  # 2 servers leave no worker among 2 processes
     assert "leaves no worker" in skipped[0].skipped
     with pytest.raises(ConfigError, match="servers must be >= 1"):
@@ -164,31 +242,60 @@ def test_bytes_per_step_is_the_mean_per_training_rank_and_step_and_shows_in_ever
     from paratrain.bench.result import summarise
 
     def record(*moved):
-        return RankRecord(label="ps", replicas=2, replica_batch=8, memory_kind="rss_peak",
-                          blocks=[Block(step_s=[0.01, 0.02], data_s=[0.0, 0.0], moved_bytes=m) for m in moved])
+        return RankRecord(
+            label="ps",
+            replicas=2,
+            replica_batch=8,
+            memory_kind="rss_peak",
+            blocks=[Block(step_s=[0.01, 0.02], data_s=[0.0, 0.0], moved_bytes=m) for m in moved],
+        )
 
     row = summarise("ps", 3, 1, [record(2000, 4000), record(6000, 4000)])  # the two workers; the server sent nothing
     row.servers = 1
     assert row.bytes_per_step == 2000.0 and row.global_batch == 16 and row.name == "ps x3 (1 server)"
     assert summarise("zero1", 2, 1, [record(None, None)] * 2).bytes_per_step is None  # not counted: "-"
     assert row.comm_share is None  # the messages' time not timed: "-"
-    timed = [RankRecord(label="ps", replicas=2, replica_batch=8, memory_kind="rss_peak",
-                        blocks=[Block(step_s=[0.01, 0.03], data_s=[0.0, 0.0], moved_bytes=1, moving_s=s)])
-             for s in (0.01, 0.02)]
+    timed = [
+        RankRecord(
+            label="ps",
+            replicas=2,
+            replica_batch=8,
+            memory_kind="rss_peak",
+            blocks=[Block(step_s=[0.01, 0.03], data_s=[0.0, 0.0], moved_bytes=1, moving_s=s)],
+        )
+        for s in (0.01, 0.02)
+    ]
     assert summarise("ps", 3, 1, timed).comm_share == pytest.approx(0.375)  # pulls and pushes: 25% and 50% of 40 ms
-    ddp = Row(label="ddp", world=3, threads=1, global_batch=24, samples_per_s=900.0, step_ms=20.0,
-              bytes_per_step=45 * 2**20, peak_mb=[400.0] * 3)
-    result = BenchResult(config=BenchConfig(nprocs=(3,), strategies=("ddp", "ps")), machine=TWO_CORES,
-                         workload="recommender", rows=[ddp, row], comparisons=[], notes=[],
-                         versions={"paratrain": "x", "torch": "y"}, wall_s=1.0)
+    ddp = Row(
+        label="ddp",
+        world=3,
+        threads=1,
+        global_batch=24,
+        samples_per_s=900.0,
+        step_ms=20.0,
+        bytes_per_step=45 * 2**20,
+        peak_mb=[400.0] * 3,
+    )
+    result = BenchResult(
+        config=BenchConfig(nprocs=(3,), strategies=("ddp", "ps")),
+        machine=TWO_CORES,
+        workload="recommender",
+        rows=[ddp, row],
+        comparisons=[],
+        notes=[],
+        versions={"paratrain": "x", "torch": "y"},
+        wall_s=1.0,
+    )
     text = format_report(result)
     assert "bytes/step" in text and "45.00M" in text and "1.95K" in text
     assert "rows with servers: the batch, samples/s" in text
     write_json(result, tmp_path / "r.json")
     write_csv(result, tmp_path / "r.csv")
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
-    assert [(r["name"], r["servers"], r["bytes_per_step"]) for r in rows] == [("ddp x3", 0, 45 * 2**20),
-                                                                              ("ps x3 (1 server)", 1, 2000.0)]
+    assert [(r["name"], r["servers"], r["bytes_per_step"]) for r in rows] == [
+        ("ddp x3", 0, 45 * 2**20),
+        ("ps x3 (1 server)", 1, 2000.0),
+    ]
     with open(tmp_path / "r.csv") as f:
         assert [float(r["bytes_per_step"]) for r in csv.DictReader(f)] == [45 * 2**20, 2000.0]
 
@@ -219,9 +326,37 @@ def test_bench_ps_against_ddp_on_the_sparse_workload(tmp_path, capsys):
     from paratrain.strategies.data_engines import all_reduce_traffic
 
     out = tmp_path / "ps.json"
-    assert main(["bench", "--workload", "recommender-tiny", "--nproc", "3", "--strategies", "ddp,ps", "--ps-servers",
-                 "1", "--accelerator", "cpu", "--threads-per-rank", "1", "--rounds", "1", "--steps", "2", "--warmup",
-                 "1", "--batch", "8", "--no-comm-probe", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--workload",
+                "recommender-tiny",
+                "--nproc",
+                "3",
+                "--strategies",
+                "ddp,ps",
+                "--ps-servers",
+                "1",
+                "--accelerator",
+                "cpu",
+                "--threads-per-rank",
+                "1",
+                "--rounds",
+                "1",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--batch",
+                "8",
+                "--no-comm-probe",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "ps x3 (1 server)" in text and "bytes/step" in text
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}

@@ -1,4 +1,5 @@
 """Checkpoints in one process: exact resume, the folder layout, atomic commits, safe loading, bad input, export."""
+
 import json
 import os
 import pickle
@@ -27,7 +28,7 @@ def test_resume_mid_epoch_in_one_process_is_bitwise_exact(tmp_path, accumulate):
     whole = train("single", 18, str(tmp_path), save_at=7, options=options)  # 12 batches per epoch
     resumed = train("single", 18, str(tmp_path), load=True, options=options)
     assert resumed["resumed_at"] == (7, 7 * accumulate // 12)  # inside epoch 0, or 1 with accumulation
-    assert resumed["batches"] == whole["batches"][7 * accumulate:]  # no batch replayed or skipped
+    assert resumed["batches"] == whole["batches"][7 * accumulate :]  # no batch replayed or skipped
     assert _equal(whole["params"], resumed["params"]) and _equal(whole["optim"], resumed["optim"])
     assert whole["lr"] == resumed["lr"]
 
@@ -53,8 +54,12 @@ def test_layout_keeps_the_newest_and_moves_latest_last(tmp_path):
 
 
 def test_automatic_checkpoints_every_n_steps(tmp_path):
-    train("single", 7, str(tmp_path / "d"),
-          options={"checkpoint": paratrain.CheckpointConfig(dir=str(tmp_path / "d"), every=3)})
+    train(
+        "single",
+        7,
+        str(tmp_path / "d"),
+        options={"checkpoint": paratrain.CheckpointConfig(dir=str(tmp_path / "d"), every=3)},
+    )
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["latest", "step-00000003", "step-00000006"]
 
 
@@ -62,8 +67,18 @@ def test_automatic_checkpoints_every_n_steps(tmp_path):
 @pytest.mark.parametrize("how", ["blocking", "async"])
 @pytest.mark.parametrize("where", ["data", "publish"])
 def test_a_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, where, how):
-    res = subprocess.run([sys.executable, str(SCRIPTS / "crash_during_save.py"), str(tmp_path), where,
-                          *(["async"] if how == "async" else [])], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "crash_during_save.py"),
+            str(tmp_path),
+            where,
+            *(["async"] if how == "async" else []),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == -9, res.stderr  # SIGKILLed in the middle of the second save
     assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000002"
     saved = torch.load(tmp_path / "params-at-2.pt", weights_only=True)

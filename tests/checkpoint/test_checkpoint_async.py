@@ -2,6 +2,7 @@
 complete, one save is in flight at a time, what changes the state waits for the background copy, automatic saves
 resume bitwise, a script that never closes still publishes its last save, and the configuration's bad input is one
 line; the stager's CUDA choices, on CPU."""
+
 import subprocess
 import sys
 import threading
@@ -102,8 +103,10 @@ def test_a_new_save_waits_for_the_one_in_flight(tmp_path, held_writes):
 
 
 def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
-    return {**{k: v.clone() for k, v in model.state_dict().items()},
-            **{f"{i}.{k}": v.clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()}}
+    return {
+        **{k: v.clone() for k, v in model.state_dict().items()},
+        **{f"{i}.{k}": v.clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()},
+    }
 
 
 def _saved(folder, model: nn.Module) -> dict:
@@ -156,8 +159,11 @@ def test_a_copy_that_fails_is_one_line_where_its_save_is_published(tmp_path, mon
     par, model, opt = _job(tmp_path)
     _step(par, model, opt)
     par.save(async_save=True)
-    with pytest.raises(CheckpointError, match=r"^could not write checkpoint .*tmp-step-00000001: .*cannot allocate "
-                                              r"memory$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^could not write checkpoint .*tmp-step-00000001: .*cannot allocate "
+        r"memory$",
+    ):
         for _ in range(100):  # the failure surfaces at the first step after the write ended, nothing waits forever
             _step(par, model, opt)
             time.sleep(0.05)
@@ -221,11 +227,16 @@ def test_automatic_saves_in_the_background_resume_bitwise(tmp_path):
     blocking = train("single", 18, str(tmp_path / "b"), options=config(tmp_path / "b", False))
     background = train("single", 18, str(tmp_path / "a"), options=config(tmp_path / "a", True))
     assert _equal(blocking["params"], background["params"])
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["latest", "step-00000005", "step-00000010",
-                                                                 "step-00000015"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "latest",
+        "step-00000005",
+        "step-00000010",
+        "step-00000015",
+    ]
     for name in ("__0_0.distcp", "train.pt", "rank-00000.pt"):
-        assert (tmp_path / "a" / "step-00000015" / name).read_bytes() == \
-            (tmp_path / "b" / "step-00000015" / name).read_bytes()
+        assert (tmp_path / "a" / "step-00000015" / name).read_bytes() == (
+            tmp_path / "b" / "step-00000015" / name
+        ).read_bytes()
     resumed = train("single", 18, str(tmp_path / "a"), load=True)
     assert resumed["resumed_at"] == (15, 1) and resumed["batches"] == background["batches"][15:]
     assert _equal(background["params"], resumed["params"]) and _equal(background["optim"], resumed["optim"])
@@ -233,8 +244,12 @@ def test_automatic_saves_in_the_background_resume_bitwise(tmp_path):
 
 @pytest.mark.launched
 def test_a_script_that_never_closes_still_publishes_its_last_save(tmp_path):
-    res = subprocess.run([sys.executable, str(SCRIPTS / "async_save_then_exit.py"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(SCRIPTS / "async_save_then_exit.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "latest").read_text() == "step-00000002" and (tmp_path / "step-00000002" / "meta.json").exists()
 
@@ -245,14 +260,21 @@ def test_the_launchers_variable_and_bad_configurations_are_one_line(tmp_path, mo
     config = CheckpointConfig.of(None)
     assert config.async_save and config.environ()["PARATRAIN_CHECKPOINT_ASYNC"] == "1"
     monkeypatch.delenv("PARATRAIN_CHECKPOINT_DIR")
-    with pytest.raises(ConfigError, match=r"^checkpoint async_save needs a checkpoint directory; give "
-                                          r"CheckpointConfig\(dir=\.\.\.\) \(or paratrain run --checkpoint-dir\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^checkpoint async_save needs a checkpoint directory; give "
+        r"CheckpointConfig\(dir=\.\.\.\) \(or paratrain run --checkpoint-dir\)$",
+    ):
         CheckpointConfig.of(None)
 
     import torch.distributed.checkpoint as dcp
 
-    monkeypatch.setattr(dcp, "async_save", lambda state_dict, *, storage_writer=None, planner=None,
-                        process_group=None: None)  # the signature of torch 2.6's
-    with pytest.raises(ConfigError, match=r"^asynchronous checkpoints need torch >= 2\.9 \(this is .*\); upgrade "
-                                          r"torch or save without async_save"):
+    monkeypatch.setattr(
+        dcp, "async_save", lambda state_dict, *, storage_writer=None, planner=None, process_group=None: None
+    )  # the signature of torch 2.6's
+    with pytest.raises(
+        ConfigError,
+        match=r"^asynchronous checkpoints need torch >= 2\.9 \(this is .*\); upgrade "
+        r"torch or save without async_save",
+    ):
         paratrain.Parallel("single", monitor=False, checkpoint=CheckpointConfig(dir=str(tmp_path), async_save=True))

@@ -1,5 +1,6 @@
 """Asynchronous saves across processes, under every strategy: training goes on while the save is written, the
 checkpoint is bitwise the blocking save's, and a job resumed from it ends bitwise where the saving job ended."""
+
 from pathlib import Path
 
 import pytest

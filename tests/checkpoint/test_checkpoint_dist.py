@@ -4,6 +4,7 @@ world size, export.
 The saving runs share one launched job per world size, and the resuming runs another (``helpers.cases.each_call``):
 every load happens in a fresh job, as after a crash.
 """
+
 import pytest
 import torch
 from helpers.cases import each_call
@@ -36,8 +37,10 @@ def saved2(folder) -> list[dict]:
 @pytest.fixture(scope="module")
 def saved4(folder) -> list[dict]:
     """6 steps of hybrid saving at step 4, and 20 steps of zero3 on 4 ranks saving at the end."""
-    calls = [("hybrid", train, ("hybrid", 6, str(folder / "hybrid")), {"save_at": 4, "options": HYBRID}),
-             ("zero3", train, ("zero3", 20, str(folder / "zero3-4")), {"save_at": 20})]
+    calls = [
+        ("hybrid", train, ("hybrid", 6, str(folder / "hybrid")), {"save_at": 4, "options": HYBRID}),
+        ("zero3", train, ("zero3", 20, str(folder / "zero3-4")), {"save_at": 20}),
+    ]
     return spawn(each_call, 4, (calls,), timeout_s=240)
 
 
@@ -68,8 +71,12 @@ def test_hybrid_with_ddp_stages_resumes_bitwise(folder, saved4):
     """DDP replicas of GPipe stages: the resumed job's first step must round like any other (the stage's metadata
     inference, on its first batch, must not leave DDP's reducer synchronising the first micro-batch early)."""
     whole = [results["hybrid"] for results in saved4]
-    resumed = spawn(each_call, 4, ([("hybrid", train, ("hybrid", 6, str(folder / "hybrid")),
-                                     {"load": True, "options": HYBRID})],), timeout_s=180)
+    resumed = spawn(
+        each_call,
+        4,
+        ([("hybrid", train, ("hybrid", 6, str(folder / "hybrid")), {"load": True, "options": HYBRID})],),
+        timeout_s=180,
+    )
     for rank, (a, b) in enumerate(zip(whole, (results["hybrid"] for results in resumed))):
         assert b["resumed_at"][0] == 4 and b["batches"] == a["batches"][4:]
         assert _equal(a["params"], b["params"]), f"rank {rank}: parameters differ after the resume"

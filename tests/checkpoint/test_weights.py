@@ -3,6 +3,7 @@
 into models built on the meta device or normally, under every kind of layout. Each equals ``load_state_dict`` of the
 full file in one process, and a sharded rank reads less than the whole file; so does a ``paratrain export`` of a
 checkpoint, read into zero3 at world 2. Refusals are one line."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,13 @@ def files(tmp_path_factory):
     pretrained("llama").save_pretrained(root / "llama")
     save_file({k: v.contiguous() for k, v in pretrained("bert").state_dict().items()}, root / "bert.safetensors")
     torch.save(pretrained("nanogpt").state_dict(), root / "nanogpt.pt")
-    return {"gpt2": str(root / "gpt2"), "llama": str(root / "llama"), "bert": str(root / "bert.safetensors"),
-            "nanogpt": str(root / "nanogpt.pt"), "gpt2:export": exported(root)}
+    return {
+        "gpt2": str(root / "gpt2"),
+        "llama": str(root / "llama"),
+        "bert": str(root / "bert.safetensors"),
+        "nanogpt": str(root / "nanogpt.pt"),
+        "gpt2:export": exported(root),
+    }
 
 
 def exported(root) -> str:
@@ -54,17 +60,29 @@ def exported(root) -> str:
     return str(root / "gpt2-export.pt")
 
 
-WORLD2 = [("gpt2", "zero3", {}, True), ("llama", "zero3", {}, True), ("bert", "zero3", {}, True),
-          ("nanogpt", "zero3", {}, True), ("llama", "tp", {}, True), ("gpt2", "tp", {}, True),
-          ("gpt2", "pipeline", {}, True), ("llama", "ddp", {"precision": "bf16-true"}, True),
-          ("nanogpt", "zero2", {}, False), ("bert", "ddp", {}, False), ("gpt2:export", "zero3", {}, True)]
-WORLD4 = [("llama", "zero3", {"tp": 2}, True), ("nanogpt", "zero3", {"tp": 2}, True), ("gpt2", "hsdp", {}, True),
-          ("llama", "hybrid", {"data": "fsdp"}, True)]
+WORLD2 = [
+    ("gpt2", "zero3", {}, True),
+    ("llama", "zero3", {}, True),
+    ("bert", "zero3", {}, True),
+    ("nanogpt", "zero3", {}, True),
+    ("llama", "tp", {}, True),
+    ("gpt2", "tp", {}, True),
+    ("gpt2", "pipeline", {}, True),
+    ("llama", "ddp", {"precision": "bf16-true"}, True),
+    ("nanogpt", "zero2", {}, False),
+    ("bert", "ddp", {}, False),
+    ("gpt2:export", "zero3", {}, True),
+]
+WORLD4 = [
+    ("llama", "zero3", {"tp": 2}, True),
+    ("nanogpt", "zero3", {"tp": 2}, True),
+    ("gpt2", "hsdp", {}, True),
+    ("llama", "hybrid", {"data": "fsdp"}, True),
+]
 
 
 def _run(files, cases, world):
-    return spawn(run_weights_cases, world, ([(m, s, o, files[m], meta) for m, s, o, meta in cases],),
-                 timeout_s=600)[0]
+    return spawn(run_weights_cases, world, ([(m, s, o, files[m], meta) for m, s, o, meta in cases],), timeout_s=600)[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
 """End-to-end ``paratrain run``: plain torchrun scripts, fail-fast, bad input — each rank writes files we check."""
+
 import os
 import socket
 import subprocess
@@ -39,13 +40,29 @@ def test_underscore_flags_and_module_entry_point(paratrain_cmd, tmp_path):
 
 @pytest.mark.parametrize("how", ["raise", "kill", "abort"])
 def test_failing_rank_ends_the_job_fast_and_names_the_rank(paratrain_cmd, tmp_path, how):
-    res = _run([*paratrain_cmd, "run", "-n", "2", str(SCRIPTS / "failing_job.py"), "--fail-rank", "1",
-                "--fail-step", "5", "--how", how, "--pid-dir", str(tmp_path)], timeout=30)
+    res = _run(
+        [
+            *paratrain_cmd,
+            "run",
+            "-n",
+            "2",
+            str(SCRIPTS / "failing_job.py"),
+            "--fail-rank",
+            "1",
+            "--fail-step",
+            "5",
+            "--how",
+            how,
+            "--pid-dir",
+            str(tmp_path),
+        ],
+        timeout=30,
+    )
     elapsed = time.time() - float((tmp_path / "failed_at").read_text())  # from the failure, not the start-up
     assert res.returncode != 0
     assert elapsed < 10, f"the job took {elapsed:.1f} s to end after rank 1 failed"
     assert "paratrain: rank 1 failed" in res.stderr, res.stderr[-3000:]
-    report = res.stderr[res.stderr.index("paratrain: rank 1 failed"):]
+    report = res.stderr[res.stderr.index("paratrain: rank 1 failed") :]
     if how == "raise":
         assert "(exit code 1: " in report and "RuntimeError: planted failure at step 5" in report
         assert "worker.py" not in report  # the launcher's own frames are hidden
@@ -59,8 +76,22 @@ def test_failing_rank_ends_the_job_fast_and_names_the_rank(paratrain_cmd, tmp_pa
 def test_a_finished_script_is_a_success_even_when_its_exit_crashes_or_hangs(paratrain_cmd, tmp_path):
     """Both ranks return; the interpreter's teardown would then abort them, and their atexit handlers never return."""
     env = {**os.environ, "PARATRAIN_EXIT_TIMEOUT": "2"}
-    res = _run([*paratrain_cmd, "run", "-n", "2", str(SCRIPTS / "exit_job.py"), "--end", "stuck-atexit",
-                "--crash-at-teardown", "--out", str(tmp_path)], timeout=45, env=env)
+    res = _run(
+        [
+            *paratrain_cmd,
+            "run",
+            "-n",
+            "2",
+            str(SCRIPTS / "exit_job.py"),
+            "--end",
+            "stuck-atexit",
+            "--crash-at-teardown",
+            "--out",
+            str(tmp_path),
+        ],
+        timeout=45,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     for rank in range(2):
         assert f"paratrain: rank {rank} finished, then stuck at exit for 2 s; ended it" in res.stderr
@@ -79,22 +110,30 @@ def _one_line_error(res: subprocess.CompletedProcess, words: str) -> None:
 
 def test_bad_input_gives_one_line_errors(paratrain_cmd, tmp_path):
     script = str(SCRIPTS / "plain_torchrun.py")
-    cases = [(["run", "-n", "0", script], "at least 1"),
-             (["run", "-n", "2", str(tmp_path / "missing.py")], "not found"),
-             (["run", "-m", "no_such_module_xyz"], "not found"),
-             (["run", "--no-such-flag", script], "unrecognized"),
-             (["demo", "--strategy", "nope"], "unknown strategy 'nope'; choose one of"),
-             (["demo", "--strategy", "dp", "-n", "2"], "use strategy 'ddp'"),
-             (["demo", "--strategy", "hybrid", "-n", "2"], "launch 4 processes"),
-             (["demo", "--strategy", "zero3", "--tp", "3", "-n", "4"],
-              "valid layouts: zero3 tp=2 (2 x 2), zero3 tp=4 (1 x 4)"),
-             (["demo", "--strategy", "hsdp", "--tp", "2", "-n", "4"], "does not take tp")]
+    cases = [
+        (["run", "-n", "0", script], "at least 1"),
+        (["run", "-n", "2", str(tmp_path / "missing.py")], "not found"),
+        (["run", "-m", "no_such_module_xyz"], "not found"),
+        (["run", "--no-such-flag", script], "unrecognized"),
+        (["demo", "--strategy", "nope"], "unknown strategy 'nope'; choose one of"),
+        (["demo", "--strategy", "dp", "-n", "2"], "use strategy 'ddp'"),
+        (["demo", "--strategy", "hybrid", "-n", "2"], "launch 4 processes"),
+        (
+            ["demo", "--strategy", "zero3", "--tp", "3", "-n", "4"],
+            "valid layouts: zero3 tp=2 (2 x 2), zero3 tp=4 (1 x 4)",
+        ),
+        (["demo", "--strategy", "hsdp", "--tp", "2", "-n", "4"], "does not take tp"),
+    ]
     with socket.socket() as taken, ThreadPoolExecutor(4) as pool:  # each is a fresh interpreter importing torch
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cases.append((["run", "-n", "2", "--master-port", str(port), script, str(tmp_path)],
-                      f"--master-port {port} is already in use"))
+        cases.append(
+            (
+                ["run", "-n", "2", "--master-port", str(port), script, str(tmp_path)],
+                f"--master-port {port} is already in use",
+            )
+        )
         results = list(pool.map(lambda case: _run([*paratrain_cmd, *case[0]]), cases))
     for (_, words), res in zip(cases, results):
         _one_line_error(res, words)

@@ -14,6 +14,7 @@ paratrain's GPT with MoE blocks): FSDP cuts their fused expert tensors on the ex
 1/E of them (the planner had 1/N: 4-8x short at 64 ranks), now planned in
 ``planner.expert_parallel.expert_fraction``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,28 +38,39 @@ def models(tmp_path_factory):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("configs")
-    llama = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024)
+    llama = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=1024,
+    )
     gpt2 = GPT2Config(n_layer=8, n_embd=1024, n_head=16, n_positions=1024)
     llama.save_pretrained(root / "llama")
     gpt2.save_pretrained(root / "gpt2")
-    return {"gpt2": (lambda: GPT2LMHeadModel(gpt2), read_model_config(root / "gpt2" / "config.json"), root / "gpt2"),
-            "llama": (lambda: LlamaForCausalLM(llama), read_model_config(root / "llama" / "config.json"),
-                      root / "llama"),
-            "tied": (lambda: GPT(TIED), TIED, None)}
+    return {
+        "gpt2": (lambda: GPT2LMHeadModel(gpt2), read_model_config(root / "gpt2" / "config.json"), root / "gpt2"),
+        "llama": (lambda: LlamaForCausalLM(llama), read_model_config(root / "llama" / "config.json"), root / "llama"),
+        "tied": (lambda: GPT(TIED), TIED, None),
+    }
 
 
 def layouts(w: int) -> list[tuple[str, dict, Layout]]:
-    return [("ddp", {}, Layout.of(name="ddp", dp=w)), ("zero1", {}, Layout.of(name="zero1", dp=w, zero=1, shard=w)),
-            ("zero2", {}, Layout.of(name="zero2", dp=w, zero=2, shard=w)),
-            ("zero3", {}, Layout.of(name="zero3", dp=w, zero=3, shard=w)),
-            ("hsdp", {"shard_size": 8}, Layout.of(name="hsdp", dp=w, zero=3, shard=8)),
-            ("zero3", {"tp": 8}, Layout.of(name="zero3", dp=w // 8, zero=3, shard=w // 8, tp=8)),
-            ("ddp", {"tp": 8}, Layout.of(name="ddp", dp=w // 8, tp=8)),
-            ("tp", {}, Layout.of(name="tp", tp=w)),  # refused: 16 heads do not split over 64 or 128 ranks
-            ("hybrid", {"dp": w // 4}, Layout.of(name="hybrid", dp=w // 4, pp=4)),
-            ("hybrid", {"dp": w // 4, "data": "fsdp"}, Layout.of(name="hybrid", dp=w // 4, pp=4, zero=3, shard=w // 4)),
-            ("pipeline", {"tp": w // 8}, Layout.of(name="pipeline", pp=8, tp=w // 8))]
+    return [
+        ("ddp", {}, Layout.of(name="ddp", dp=w)),
+        ("zero1", {}, Layout.of(name="zero1", dp=w, zero=1, shard=w)),
+        ("zero2", {}, Layout.of(name="zero2", dp=w, zero=2, shard=w)),
+        ("zero3", {}, Layout.of(name="zero3", dp=w, zero=3, shard=w)),
+        ("hsdp", {"shard_size": 8}, Layout.of(name="hsdp", dp=w, zero=3, shard=8)),
+        ("zero3", {"tp": 8}, Layout.of(name="zero3", dp=w // 8, zero=3, shard=w // 8, tp=8)),
+        ("ddp", {"tp": 8}, Layout.of(name="ddp", dp=w // 8, tp=8)),
+        ("tp", {}, Layout.of(name="tp", tp=w)),  # refused: 16 heads do not split over 64 or 128 ranks
+        ("hybrid", {"dp": w // 4}, Layout.of(name="hybrid", dp=w // 4, pp=4)),
+        ("hybrid", {"dp": w // 4, "data": "fsdp"}, Layout.of(name="hybrid", dp=w // 4, pp=4, zero=3, shard=w // 4)),
+        ("pipeline", {"tp": w // 8}, Layout.of(name="pipeline", pp=8, tp=w // 8)),
+    ]
 
 
 @pytest.mark.parametrize("world", [64, 128])
@@ -82,7 +94,8 @@ def test_dry_run_model_states_match_the_planner(models, name, world):
         elif strategy == "zero2":  # sharded at rest; the planner counts them gathered (forward to backward)
             assert got.parameters * layout.shard == pytest.approx(want.parameters, rel=0.02), where
             assert got.gradients + got.optimizer_states == pytest.approx(
-                want.gradients + want.optimizer_states, rel=0.02), where
+                want.gradients + want.optimizer_states, rel=0.02
+            ), where
         else:
             assert got.total == pytest.approx(want.total, rel=0.02), where
 
@@ -102,15 +115,25 @@ def test_dry_run_reports_layout_errors_in_one_line(models):
 @pytest.mark.launched
 def test_dry_run_command(models, paratrain_cmd):
     folder = models["llama"][2]
-    done = run_cli("dry-run", "--world", "128", "--strategy", "zero3", "--tp", "8",
-                   "--model-config", str(folder), "--json", timeout=300)
+    done = run_cli(
+        "dry-run",
+        "--world",
+        "128",
+        "--strategy",
+        "zero3",
+        "--tp",
+        "8",
+        "--model-config",
+        str(folder),
+        "--json",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     import json
 
     report = json.loads(done.stdout)
     assert report["world"] == 128 and report["error"] is None and report["ranks"][0]["rank"] == 0
-    bad = run_cli("dry-run", "--world", "64", "--strategy", "pipeline",
-                  "--model-config", str(folder), timeout=300)
+    bad = run_cli("dry-run", "--world", "64", "--strategy", "pipeline", "--model-config", str(folder), timeout=300)
     assert bad.returncode == 1 and "pipeline needs at least 64 blocks" in bad.stdout, (bad.stdout, bad.stderr)
 
 
@@ -151,8 +174,19 @@ def test_an_uneven_vocabulary_is_a_note_not_an_error(models):
     assert even.error is None and even.notes == [], even.notes
 
 
-MOE_GPT = GPTConfig(layers=4, hidden=256, heads=8, kv_heads=4, seq_len=256, vocab=1024, gated=True, bias=False,
-                    learned_positions=False, tied=False, moe=MoE(experts=8, top_k=2, ffn=512, shared=256))
+MOE_GPT = GPTConfig(
+    layers=4,
+    hidden=256,
+    heads=8,
+    kv_heads=4,
+    seq_len=256,
+    vocab=1024,
+    gated=True,
+    bias=False,
+    learned_positions=False,
+    tied=False,
+    moe=MoE(experts=8, top_k=2, ffn=512, shared=256),
+)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +214,8 @@ def test_dry_run_of_a_mixture_of_experts_matches_the_planner(moe_models, name, w
         got, want = result.busiest, model_states(stats, layout, TRAINING)
         if strategy == "zero2":  # sharded at rest; the planner counts them gathered (forward to backward)
             assert got.gradients + got.optimizer_states == pytest.approx(
-                want.gradients + want.optimizer_states, rel=0.02), where
+                want.gradients + want.optimizer_states, rel=0.02
+            ), where
         else:
             assert got.total == pytest.approx(want.total, rel=0.02), where
 
@@ -193,15 +228,18 @@ def test_dry_run_of_expert_parallel_layouts_matches_the_planner(moe_models, name
     rank is cut on its rows over the 2 ranks sharding it (``expert_parallel.expert_fraction``)."""
     build, cfg = moe_models[name]
     stats = transformer_stats(cfg, name=name)
-    cases = [("ddp", {"ep": 8}, Layout.of(name="ddp", dp=16, ep=8)),
-             ("zero3", {"ep": 8}, Layout.of(name="zero3", dp=16, zero=3, shard=16, ep=8)),
-             ("zero3", {"ep": 2}, Layout.of(name="zero3", dp=16, zero=3, shard=16, ep=2)),
-
-             ("hybrid", {"dp": 4, "ep": 4}, Layout.of(name="hybrid", dp=4, pp=4, ep=4)),
-             ("hybrid", {"dp": 8, "ep": 2}, Layout.of(name="hybrid", dp=8, pp=2, ep=2))]
+    cases = [
+        ("ddp", {"ep": 8}, Layout.of(name="ddp", dp=16, ep=8)),
+        ("zero3", {"ep": 8}, Layout.of(name="zero3", dp=16, zero=3, shard=16, ep=8)),
+        ("zero3", {"ep": 2}, Layout.of(name="zero3", dp=16, zero=3, shard=16, ep=2)),
+        ("hybrid", {"dp": 4, "ep": 4}, Layout.of(name="hybrid", dp=4, pp=4, ep=4)),
+        ("hybrid", {"dp": 8, "ep": 2}, Layout.of(name="hybrid", dp=8, pp=2, ep=2)),
+    ]
     if name == "gpt":  # a built-in tp plan (an inferred one cannot check its splits on the meta device)
-        cases += [("zero3", {"tp": 2, "ep": 2}, Layout.of(name="zero3", dp=8, zero=3, shard=8, tp=2, ep=2)),
-                  ("ddp", {"tp": 2, "ep": 4}, Layout.of(name="ddp", dp=8, tp=2, ep=4))]
+        cases += [
+            ("zero3", {"tp": 2, "ep": 2}, Layout.of(name="zero3", dp=8, zero=3, shard=8, tp=2, ep=2)),
+            ("ddp", {"tp": 2, "ep": 4}, Layout.of(name="ddp", dp=8, tp=2, ep=4)),
+        ]
     for strategy, options, layout in cases:
         result = dry_run(build, world=16, strategy=strategy, options=options)
         where = f"{name} {strategy}{options}"

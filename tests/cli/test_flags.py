@@ -1,5 +1,6 @@
 """Flags from a config dataclass (``paratrain.flags``): names, types, defaults and help from the fields, a nested
 config's fields in a group, values checked by the config itself, and a config written back as flags."""
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,9 @@ def test_each_field_is_a_flag_of_its_type_default_and_docstring():
     assert "inner part:" in text and "--depth" in text and "--secret" not in text
     assert "--shuffle, --no-shuffle" in text and "--untied" in text
     assert parse(["-w", "2"]) == Job(world=2, inner=Inner(depth=5))  # the nested default is the field's own
-    config = parse(["--world", "4", "--batch-size", "8", "--lr", "0.5", "--resume", "--no-shuffle", "--untied",
-                    "--depth", "7"])
+    config = parse(
+        ["--world", "4", "--batch-size", "8", "--lr", "0.5", "--resume", "--no-shuffle", "--untied", "--depth", "7"]
+    )
     assert config == Job(world=4, batch_size=8, lr=0.5, resume=True, shuffle=False, tied=False, inner=Inner(depth=7))
 
 

@@ -1,5 +1,6 @@
 """``paratrain plan --seq-len``: a long sequence's plan says which layouts fit and which need context parallelism
 (``--cp``, ``--layout zero3,cp=2``), as text and as JSON; the default sequence length is the model's own."""
+
 from __future__ import annotations
 
 import json

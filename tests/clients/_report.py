@@ -2,6 +2,7 @@
 
 The clients are written as their own authors would write them; these three calls are the only lines they share.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,18 @@ def report(out_dir: str, loss: float, local_loss: float, model: torch.nn.Module)
     and how far the ranks' checksums differ. Equal weights with different local losses mean the ranks trained
     together on different shards: a rank that trains alone (Accelerate on a CPU-only machine without
     ``cpu=True``) sees all the data, so its local loss equals its partner's, or its weights differ."""
-    mine = torch.tensor([sum(p.detach().double().sum().item() for p in model.parameters()), float(local_loss)],
-                        dtype=torch.float64)
+    mine = torch.tensor(
+        [sum(p.detach().double().sum().item() for p in model.parameters()), float(local_loss)], dtype=torch.float64
+    )
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     if dist.get_rank() == 0:
         sums, local = [t[0].item() for t in every], [t[1].item() for t in every]
-        result = {"loss": float(loss), "params": sums[0], "world": len(sums), "spread": max(sums) - min(sums),
-                  "rank_losses": local}
+        result = {
+            "loss": float(loss),
+            "params": sums[0],
+            "world": len(sums),
+            "spread": max(sums) - min(sums),
+            "rank_losses": local,
+        }
         Path(out_dir, "result.json").write_text(json.dumps(result))

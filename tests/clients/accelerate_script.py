@@ -3,6 +3,7 @@
 
 Usage: torchrun --nproc-per-node 2 accelerate_script.py OUT_DIR [SEED]   (or accelerate launch, or paratrain run)
 """
+
 import sys
 
 import torch

@@ -3,6 +3,7 @@ The Trainer reads the torchrun variables itself (through Accelerate) and wraps t
 
 Usage: torchrun --nproc-per-node 2 hf_trainer.py OUT_DIR [SEED]
 """
+
 import sys
 import tempfile
 
@@ -37,9 +38,19 @@ def main(out_dir: str, seed: int) -> None:
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)
     with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(output_dir=tmp, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3,
-                                 logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-                                 dataloader_num_workers=0, seed=seed, disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=tmp,
+            max_steps=4,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=True,
+            dataloader_num_workers=0,
+            seed=seed,
+            disable_tqdm=True,
+        )
         trainer = LastLossTrainer(model=model, args=args, train_dataset=RandomTokens(64, 16, config.vocab_size, seed))
         record_pid(out_dir)
         result = trainer.train()

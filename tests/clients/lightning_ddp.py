@@ -4,6 +4,7 @@ launcher's variables (``TorchElasticEnvironment``) and joins the processes it st
 
 Usage: torchrun --nproc-per-node 2 lightning_ddp.py OUT_DIR [SEED]
 """
+
 import sys
 
 import lightning as L
@@ -36,8 +37,16 @@ def main(out_dir: str, seed: int) -> None:
     x = torch.randn(256, 16, generator=g)
     dataset = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
     model = Regressor()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, enable_checkpointing=False,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, DataLoader(dataset, batch_size=32, shuffle=True))
     final = trainer.strategy.reduce(model.last_loss.clone(), reduce_op="mean")  # reduces in place
     report(out_dir, final.item(), model.last_loss.item(), model)

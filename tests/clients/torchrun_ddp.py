@@ -4,6 +4,7 @@ On CPU, so gloo instead of NCCL and no ``set_device``.
 
 Usage: torchrun --nproc-per-node 2 torchrun_ddp.py OUT_DIR [SEED]
 """
+
 import os
 import sys
 

@@ -1,4 +1,5 @@
 """The embedded default job: ``paratrain demo`` trains on the real digits data across 2 processes."""
+
 import re
 
 import pytest

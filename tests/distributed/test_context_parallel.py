@@ -5,6 +5,7 @@ and paratrain's GPT, under ddp, zero3 and tp; save and resume; bad input as one 
 One launched job per world size runs every case (tests/helpers/cp_workers.py); the reference is plain PyTorch in
 this process: each replica's slice of the global batch one forward on whole sequences, the mean of their losses.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,15 +21,27 @@ from paratrain.testing import max_abs_diff, spawn
 
 TOL = 2e-5
 # (model, strategy, options, mode): every model with labels= and forward_backward, under ddp and zero3
-WORLD2 = [("llama", "ddp", {"cp": 2}, "labels"), ("llama", "zero3", {"cp": 2}, "batch"),
-          ("qwen2", "ddp", {"cp": 2}, "batch"), ("qwen2", "zero3", {"cp": 2}, "labels"),
-          ("gpt2", "zero3", {"cp": 2}, "labels"), ("gpt2", "ddp", {"cp": 2}, "batch"),
-          ("gpt", "zero3", {"cp": 2}, "loss_fn"), ("llama", "ddp", {"cp": 2}, "loss_fn"),
-          ("gpt2", "zero2", {"cp": 2}, "batch"), ("gpt_loss", "ddp", {"cp": 2}, "own"),
-          ("llama", "ddp", {"cp": 2, "activation_checkpointing": True}, "batch")]
-WORLD4 = [("llama", "zero3", {"cp": 2}, "batch"), ("llama", "zero3", {"cp": 2, "tp": 2}, "labels"),
-          ("llama", "ddp", {"cp": 2, "tp": 2}, "batch"), ("gpt2", "zero3", {"cp": 4}, "labels"),
-          ("gpt", "ddp", {"cp": 4}, "loss_fn"), ("gpt", "zero3", {"cp": 2, "tp": 2}, "loss_fn")]
+WORLD2 = [
+    ("llama", "ddp", {"cp": 2}, "labels"),
+    ("llama", "zero3", {"cp": 2}, "batch"),
+    ("qwen2", "ddp", {"cp": 2}, "batch"),
+    ("qwen2", "zero3", {"cp": 2}, "labels"),
+    ("gpt2", "zero3", {"cp": 2}, "labels"),
+    ("gpt2", "ddp", {"cp": 2}, "batch"),
+    ("gpt", "zero3", {"cp": 2}, "loss_fn"),
+    ("llama", "ddp", {"cp": 2}, "loss_fn"),
+    ("gpt2", "zero2", {"cp": 2}, "batch"),
+    ("gpt_loss", "ddp", {"cp": 2}, "own"),
+    ("llama", "ddp", {"cp": 2, "activation_checkpointing": True}, "batch"),
+]
+WORLD4 = [
+    ("llama", "zero3", {"cp": 2}, "batch"),
+    ("llama", "zero3", {"cp": 2, "tp": 2}, "labels"),
+    ("llama", "ddp", {"cp": 2, "tp": 2}, "batch"),
+    ("gpt2", "zero3", {"cp": 4}, "labels"),
+    ("gpt", "ddp", {"cp": 4}, "loss_fn"),
+    ("gpt", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
+]
 REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",
     "4-D mask": "cp takes a 2-D attention_mask",
@@ -114,12 +127,15 @@ def env(world: int) -> ClusterEnv:
     return ClusterEnv(rank=0, local_rank=0, world_size=world, local_world_size=world)
 
 
-@pytest.mark.parametrize("strategy, options, world, shape", [
-    ("ddp", {"cp": 2}, 4, {"dp": 2, "cp": 2}),
-    ("zero3", {"cp": 2, "tp": 2}, 8, {"dp": 2, "cp": 2, "tp": 2}),
-    ("zero2", {"cp": 4}, 4, {"dp": 1, "cp": 4}),
-    ("hsdp", {"cp": 2, "shard_size": 2}, 8, {"replicate": 2, "shard": 2, "cp": 2}),
-])
+@pytest.mark.parametrize(
+    "strategy, options, world, shape",
+    [
+        ("ddp", {"cp": 2}, 4, {"dp": 2, "cp": 2}),
+        ("zero3", {"cp": 2, "tp": 2}, 8, {"dp": 2, "cp": 2, "tp": 2}),
+        ("zero2", {"cp": 4}, 4, {"dp": 1, "cp": 4}),
+        ("hsdp", {"cp": 2, "shard_size": 2}, 8, {"replicate": 2, "shard": 2, "cp": 2}),
+    ],
+)
 def test_cp_is_a_mesh_dimension_beside_the_data_ranks(strategy, options, world, shape):
     dims = preset(strategy)(**options).dims(env(world))
     assert dims.mesh_shape() == shape

@@ -1,6 +1,7 @@
 """cp's attention over whole padded sequences (:mod:`paratrain.distributed.context_parallel.masks`) equals the
 kernel called once with the dense ``[b, 1, s, s]`` mask, every row and gradient, for right, left and middle padding,
 causal or not, SDPA (bool) and eager (additive) — and builds nothing quadratic in the sequence under SDPA."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ def _kernel(form: str):
         return sdpa_attention_forward
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    return lambda module, q, k, v, mask, **kwargs: eager_attention_forward(module, q, k, v, mask, D ** -0.5)
+    return lambda module, q, k, v, mask, **kwargs: eager_attention_forward(module, q, k, v, mask, D**-0.5)
 
 
 def _module(causal: bool) -> SimpleNamespace:
@@ -32,11 +33,11 @@ def _module(causal: bool) -> SimpleNamespace:
 def _padding(kind: str, s: int) -> torch.Tensor:
     keys = torch.ones(B, s, dtype=torch.long)
     if kind == "right":
-        keys[0, s - 5:], keys[1, s // 2:] = 0, 0
+        keys[0, s - 5 :], keys[1, s // 2 :] = 0, 0
     elif kind == "left":
-        keys[0, :3], keys[1, :s - 1] = 0, 0
+        keys[0, :3], keys[1, : s - 1] = 0, 0
     elif kind == "middle":
-        keys[0, 2:5], keys[1, 0], keys[1, 7:9], keys[1, s - 2:], keys[2, 1:s - 1] = 0, 0, 0, 0, 0
+        keys[0, 2:5], keys[1, 0], keys[1, 7:9], keys[1, s - 2 :], keys[2, 1 : s - 1] = 0, 0, 0, 0, 0
     elif kind == "empty":
         keys[0, 3:6], keys[0, 9:12], keys[1] = 0, 0, 0
     return keys

@@ -3,6 +3,7 @@
 The world-2 cases share one launch (``helpers.cases.each_call``, whose group stands for one a script started);
 seeding's second run and a failing step each keep theirs.
 """
+
 import pytest
 import torch
 from helpers.cases import each_call
@@ -32,9 +33,13 @@ N = 64
 def _calls(world: int) -> list[tuple]:
     calls = [(f"{w} {a} {o}", train_params, ("ddp", a, STEPS, BATCH, w, o), {}) for w, a, o in EQUAL if w == world]
     if world == 2:
-        calls += [("epochs", epoch_indices, (N, 3, 5, True), {}), ("uneven", epoch_indices, (13, 1, 4, False), {}),
-                  ("reductions", reductions, (), {}), ("seeding", seeding_probe, (123,), {}),
-                  ("script's group", existing_group_is_reused, (), {})]
+        calls += [
+            ("epochs", epoch_indices, (N, 3, 5, True), {}),
+            ("uneven", epoch_indices, (13, 1, 4, False), {}),
+            ("reductions", reductions, (), {}),
+            ("seeding", seeding_probe, (123,), {}),
+            ("script's group", existing_group_is_reused, (), {}),
+        ]
     return calls
 
 

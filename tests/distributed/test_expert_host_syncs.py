@@ -7,6 +7,7 @@ its forward counted with :class:`paratrain.testing.host_syncs.HostSyncs`; its ou
 the model before. The equality over several ranks is tests/distributed/test_expert_parallel.py's. On a GPU,
 CUDA's own sync check counts inside the experts modules.
 """
+
 from __future__ import annotations
 
 import warnings

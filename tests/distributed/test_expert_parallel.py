@@ -5,6 +5,7 @@ loaded at another ``ep`` (or none), and bad layouts refused in one line.
 One launched job per world size runs every case (tests/helpers/ep_workers.py); the references are plain PyTorch in
 this process, the global batch split into the replicas' slices.
 """
+
 from __future__ import annotations
 
 import random
@@ -102,8 +103,7 @@ def ep2_dir(tmp_path_factory):
 def world2(ep2_dir):
     from paratrain.testing import spawn
 
-    return spawn(run_cases, 2, (WORLD2 + BUILT + BESIDE_CP + [ROUTER_LOSS_UNDER_CP], str(ep2_dir)),
-                 timeout_s=420)[0]
+    return spawn(run_cases, 2, (WORLD2 + BUILT + BESIDE_CP + [ROUTER_LOSS_UNDER_CP], str(ep2_dir)), timeout_s=420)[0]
 
 
 @pytest.fixture(scope="module")
@@ -234,38 +234,45 @@ def test_a_dense_model_is_refused_inside_every_rank(world2):
 def test_experts_are_found_with_their_expert_dimension():
     layers = find_experts(mixtral(), 2)
     assert [(layer.name, layer.experts, layer.split, layer.interface) for layer in layers] == [
-        (f"model.layers.{i}.mlp.experts", 4, ("gate_up_proj", "down_proj"), "topk") for i in range(2)]
+        (f"model.layers.{i}.mlp.experts", 4, ("gate_up_proj", "down_proj"), "topk") for i in range(2)
+    ]
     assert {layer.interface for layer in find_experts(gpt_moe(), 4)} == {"rows"}
 
 
-@pytest.mark.parametrize(("build", "degree", "says"), [
-    (dense, 2, "no module named 'experts'"),
-    (mixtral, 3, "ep=3 must divide the 4 experts of model.layers.0.mlp.experts"),
-])
+@pytest.mark.parametrize(
+    ("build", "degree", "says"),
+    [
+        (dense, 2, "no module named 'experts'"),
+        (mixtral, 3, "ep=3 must divide the 4 experts of model.layers.0.mlp.experts"),
+    ],
+)
 def test_models_that_cannot_split_are_one_line(build, degree, says):
     with pytest.raises(ConfigError, match=says) as err:
         find_experts(build(), degree)
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize(("strategy", "world", "options", "says"), [
-    ("ps", 2, {"ep": 2}, "does not take ep=2; expert parallelism runs inside ddp, zero2, zero3 and hybrid"),
-    ("dp", 1, {"ep": 2}, "does not take ep=2"),
-    ("single", 1, {"ep": 2}, "does not take ep=2"),
-    ("model_parallel", 2, {"ep": 2}, "does not take ep=2"),
-    ("pipeline", 2, {"ep": 2}, r"'pipeline' has one replica.*use Parallel\('hybrid', dp=2, ep=2\)"),
-    ("hybrid", 4, {"dp": 2, "ep": 2, "data": "zero1"}, "hybrid with data='zero1' and ep is not supported"),
-    ("hybrid", 8, {"dp": 2, "ep": 2, "tp": 2}, "hybrid with both tp and ep is not supported yet"),
-    ("hybrid", 4, {"dp": 2, "ep": 4}, "ep=4 must divide the 2 data-parallel ranks"),
-    ("zero1", 2, {"ep": 2}, "does not take ep=2"),
-    ("hsdp", 4, {"ep": 2}, "does not take ep=2"),
-    ("zero3", 8, {"ep": 2, "tp": 2, "cp": 2}, "ep beside both cp=2 and tp=2 is not supported yet"),
-    ("zero3", 4, {"ep": 4, "tp": 2}, "ep=4 must divide the 2 data-parallel ranks"),
-    ("ddp", 4, {"ep": 8, "cp": 2}, r"ep=8 must divide the 4 data-parallel ranks .*\(dp_replicate x cp\)"),
-    ("zero3", 4, {"ep": 3}, "ep=3 must divide the 4 data-parallel ranks"),
-    ("ddp", 2, {"ep": 4}, "ep=4 must divide the 2 data-parallel ranks"),
-    ("zero3", 2, {"ep": 0}, "ep must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    ("strategy", "world", "options", "says"),
+    [
+        ("ps", 2, {"ep": 2}, "does not take ep=2; expert parallelism runs inside ddp, zero2, zero3 and hybrid"),
+        ("dp", 1, {"ep": 2}, "does not take ep=2"),
+        ("single", 1, {"ep": 2}, "does not take ep=2"),
+        ("model_parallel", 2, {"ep": 2}, "does not take ep=2"),
+        ("pipeline", 2, {"ep": 2}, r"'pipeline' has one replica.*use Parallel\('hybrid', dp=2, ep=2\)"),
+        ("hybrid", 4, {"dp": 2, "ep": 2, "data": "zero1"}, "hybrid with data='zero1' and ep is not supported"),
+        ("hybrid", 8, {"dp": 2, "ep": 2, "tp": 2}, "hybrid with both tp and ep is not supported yet"),
+        ("hybrid", 4, {"dp": 2, "ep": 4}, "ep=4 must divide the 2 data-parallel ranks"),
+        ("zero1", 2, {"ep": 2}, "does not take ep=2"),
+        ("hsdp", 4, {"ep": 2}, "does not take ep=2"),
+        ("zero3", 8, {"ep": 2, "tp": 2, "cp": 2}, "ep beside both cp=2 and tp=2 is not supported yet"),
+        ("zero3", 4, {"ep": 4, "tp": 2}, "ep=4 must divide the 2 data-parallel ranks"),
+        ("ddp", 4, {"ep": 8, "cp": 2}, r"ep=8 must divide the 4 data-parallel ranks .*\(dp_replicate x cp\)"),
+        ("zero3", 4, {"ep": 3}, "ep=3 must divide the 4 data-parallel ranks"),
+        ("ddp", 2, {"ep": 4}, "ep=4 must divide the 2 data-parallel ranks"),
+        ("zero3", 2, {"ep": 0}, "ep must be an integer >= 1"),
+    ],
+)
 def test_layouts_that_cannot_hold_ep_are_one_line(strategy, world, options, says):
     with pytest.raises(ConfigError, match=says) as err:
         check_world(strategy, world, **options)
@@ -282,8 +289,21 @@ def test_a_rank_killed_at_random_restarts_and_ends_bitwise_equal(tmp_path):
     script = str(SCRIPTS / "ep_restart_job.py")
     clean = run_cli("run", "-n", "2", script, timeout=150)
     assert clean.returncode == 0, clean.stderr[-3000:]
-    killed = run_cli("run", "-n", "2", "--max-restarts", "1", "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
-                     "4", script, str(step), str(rank), timeout=150)
+    killed = run_cli(
+        "run",
+        "-n",
+        "2",
+        "--max-restarts",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "4",
+        script,
+        str(step),
+        str(rank),
+        timeout=150,
+    )
     why = f"killed rank {rank} after step {step}\n{killed.stderr[-3000:]}"
     assert killed.returncode == 0 and f"SIGKILL rank {rank} after step {step}" in killed.stderr, why
     assert _digest(killed.stdout) == _digest(clean.stdout), why

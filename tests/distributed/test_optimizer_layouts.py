@@ -4,6 +4,7 @@ this process (and on a GPU where there is one): multi-tensor (``foreach``) and `
 plain tensors, the user's param groups unchanged around them (LR schedulers, edits, state dicts, a step that
 raises), and fp16's grad scaler. With experts under ``Parallel("ddp", ep=2)`` at world 2: the launched job of
 tests/distributed/test_expert_parallel.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,9 @@ from paratrain.precision import ScalerByLayout
 PLACEMENTS = (None, Shard(0), Replicate(), None)  # plain, DTensor, DTensor laid out otherwise, plain
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                       reason="needs a CUDA GPU")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+)
 
 
 @pytest.fixture(params=["cpu", CUDA])
@@ -34,16 +36,21 @@ def _mixed(mesh) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """Plain parameters, and the same values laid out as :data:`PLACEMENTS` says."""
     torch.manual_seed(0)
     plain = [torch.nn.Parameter(torch.randn(4, 3).to(mesh.device_type)) for _ in PLACEMENTS]
-    mixed = [torch.nn.Parameter(p.detach().clone() if pl is None else distribute_tensor(p.detach().clone(), mesh, [pl]))
-             for p, pl in zip(plain, PLACEMENTS, strict=True)]
+    mixed = [
+        torch.nn.Parameter(p.detach().clone() if pl is None else distribute_tensor(p.detach().clone(), mesh, [pl]))
+        for p, pl in zip(plain, PLACEMENTS, strict=True)
+    ]
     return plain, mixed
 
 
 def _grads(plain: list[torch.nn.Parameter], mixed: list[torch.nn.Parameter], step: int) -> None:
     for i, (p, m) in enumerate(zip(plain, mixed, strict=True)):
         p.grad = torch.full_like(p, 0.5 + step + i)
-        m.grad = p.grad.clone() if not isinstance(m, DTensor) else distribute_tensor(p.grad.clone(), m.device_mesh,
-                                                                                     m.placements)
+        m.grad = (
+            p.grad.clone()
+            if not isinstance(m, DTensor)
+            else distribute_tensor(p.grad.clone(), m.device_mesh, m.placements)
+        )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,10 +77,11 @@ def test_multi_tensor_steps_over_mixed_layouts_equal_plain_tensors(mesh, path):
 
 def test_the_users_groups_stay_what_schedulers_edits_and_state_dicts_see(mesh):
     plain, mixed = _mixed(mesh)
-    opt = step_by_layout(torch.optim.SGD([{"params": mixed[:2], "lr": 0.1}, {"params": mixed[2:], "lr": 0.2}],
-                                         foreach=True))
+    opt = step_by_layout(
+        torch.optim.SGD([{"params": mixed[:2], "lr": 0.1}, {"params": mixed[2:], "lr": 0.2}], foreach=True)
+    )
     reference = torch.optim.SGD([{"params": plain[:2], "lr": 0.1}, {"params": plain[2:], "lr": 0.2}])
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 0.5 ** s, lambda s: 1.0]) for o in (opt, reference)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 0.5**s, lambda s: 1.0]) for o in (opt, reference)]
     for step in range(3):
         if step == 1:
             for o in (opt, reference):
@@ -84,7 +92,7 @@ def test_the_users_groups_stay_what_schedulers_edits_and_state_dicts_see(mesh):
             scheduler.step()
     for p, m in zip(plain, mixed, strict=True):
         assert torch.allclose(_local(m).detach(), p.detach())
-    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in reference.param_groups] == [0.1 * 0.5 ** 3, 0.2]
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in reference.param_groups] == [0.1 * 0.5**3, 0.2]
     assert len(opt.state_dict()["param_groups"]) == 2, "checkpoints hold the user's groups"
 
 

@@ -1,5 +1,6 @@
 """``parallelize`` applies every technique in the one order it states, cp and ep included, materializing a model
 built on the meta device after the last step that takes meta tensors."""
+
 from torch import nn
 
 from paratrain.distributed import parallelize as module
@@ -18,6 +19,15 @@ def test_the_order_is_tp_cp_transforms_ep_data_whether_or_not_the_data_step_take
     for meta, materialized in ((False, ["materialize", "ep", "data"]), (True, ["ep", "data", "materialize"])):
         calls.clear()
         data = takes_meta(step("data")) if meta else step("data")
-        parallelize(nn.Linear(2, 2), precision=create_precision("fp32"), facts=None, transforms=BlockTransforms(),
-                    tp=step("tp"), cp=step("cp"), ep=step("ep"), data=data, materialize=step("materialize"))
+        parallelize(
+            nn.Linear(2, 2),
+            precision=create_precision("fp32"),
+            facts=None,
+            transforms=BlockTransforms(),
+            tp=step("tp"),
+            cp=step("cp"),
+            ep=step("ep"),
+            data=data,
+            materialize=step("materialize"),
+        )
         assert calls == ["tp", "cp", "ac+compile", *materialized]

@@ -5,6 +5,7 @@ and on a recommender whose tables live row-sharded on the servers, global gradie
 on the meta device trains without any process holding it whole (peak memory measured per rank); bad options are
 one line before anything starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,14 +48,16 @@ def assert_clipped_alike(got: list, expected: list[float], clip: float | None) -
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("model_name,world,servers,micro,clip", [("gpt2", 4, 2, 1, None), ("nanogpt", 3, 1, 2, None),
-                                                                 ("nanogpt", 3, 1, 2, 1.0)],
-                         ids=["gpt2", "nanogpt", "nanogpt-clipped"])
+@pytest.mark.parametrize(
+    "model_name,world,servers,micro,clip",
+    [("gpt2", 4, 2, 1, None), ("nanogpt", 3, 1, 2, None), ("nanogpt", 3, 1, 2, 1.0)],
+    ids=["gpt2", "nanogpt", "nanogpt-clipped"],
+)
 def test_sync_equals_one_process_on_zoo_models(model_name, world, servers, micro, clip):
     """With ``clip_grad_norm`` the servers clip the step's mean gradient (not each worker its own)."""
     options = {"servers": servers, "accumulate": micro, **({"clip_grad_norm": clip} if clip else {})}
     results = spawn(run_zoo, world, (model_name, options), timeout_s=180)
-    assert results[world - servers:] == [None] * servers  # the servers ended their processes cleanly
+    assert results[world - servers :] == [None] * servers  # the servers ended their processes cleanly
     got = results[0]
     assert got["workers"] == world - servers
     norms: list[float] = []
@@ -63,9 +66,11 @@ def test_sync_equals_one_process_on_zoo_models(model_name, world, servers, micro
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("kind,world,servers,clip", [("sgd", 4, 2, None), ("adagrad", 3, 1, None),
-                                                     ("adam", 4, 2, None), ("sgd", 4, 2, 0.1)],
-                         ids=["sgd", "adagrad", "adam", "sgd-clipped"])
+@pytest.mark.parametrize(
+    "kind,world,servers,clip",
+    [("sgd", 4, 2, None), ("adagrad", 3, 1, None), ("adam", 4, 2, None), ("sgd", 4, 2, 0.1)],
+    ids=["sgd", "adagrad", "adam", "sgd-clipped"],
+)
 def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers, clip):
     """Clipped: the norm over both servers' dense parts and rows, a row looked up several times (by one worker or
     several) counted once with its summed gradient."""
@@ -91,8 +96,10 @@ def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, ser
     from paratrain.checkpoint import layout
     from paratrain.checkpoint.export import export
 
-    options = {"servers": servers, **({"tables": ["bag", "emb"], "table_optimizer": "adam"} if case == "sparse"
-                                     else {})}
+    options = {
+        "servers": servers,
+        **({"tables": ["bag", "emb"], "table_optimizer": "adam"} if case == "sparse" else {}),
+    }
     got = spawn(run_resume, world, (case, options, str(tmp_path / "ckpt")), timeout_s=180)[0]
     assert got["first"].keys() == got["again"].keys() == got["saved"].keys()
     changed = [k for k in got["saved"] if not torch.equal(got["saved"][k], got["first"][k])]
@@ -137,14 +144,38 @@ def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_c
     demo = ["--strategy", "ps", "--epochs", "1"]
     clean = run_cli("demo", "-n", "3", *demo, timeout=120)
     killed = subprocess.run(
-        [*paratrain_cmd, "run", "-n", "3", "--max-restarts", "2", str(SCRIPTS / "ps_server_faults.py"),
-         f"none,{server_fault}", *demo, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4",
-         "--fail-at-step", "10", "--fail-rank", "1"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
+        [
+            *paratrain_cmd,
+            "run",
+            "-n",
+            "3",
+            "--max-restarts",
+            "2",
+            str(SCRIPTS / "ps_server_faults.py"),
+            f"none,{server_fault}",
+            *demo,
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "4",
+            "--fail-at-step",
+            "10",
+            "--fail-rank",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)},
+    )
     why = f"server fault {server_fault} on the restart\n{killed.stderr[-3000:]}"
     assert clean.returncode == 0 and killed.returncode == 0, clean.stderr[-2000:] + why
-    planted = (f"as its request {server_fault.partition(':')[2]} arrives" if server_fault != "save"
-               else f"inside its shard write into {ckpt}/tmp-step-00000012/server-000")
+    planted = (
+        f"as its request {server_fault.partition(':')[2]} arrives"
+        if server_fault != "save"
+        else f"inside its shard write into {ckpt}/tmp-step-00000012/server-000"
+    )
     assert "SIGKILL rank 1 after step 10" in killed.stderr and f"SIGKILL server rank 2 {planted}" in killed.stderr, why
     resumed = re.findall(r"resumed from (\S+) \(step", killed.stdout)
     # a server killed by one of the 5 requests of the resume itself may end the first restart before rank 0 says it
@@ -183,10 +214,32 @@ def test_sync_kills_during_asynchronous_saves_resume_bitwise(paratrain_cmd, tmp_
     demo = ["--strategy", "ps", "--epochs", "1"]
     clean = run_cli("demo", "-n", "3", *demo, timeout=120)
     killed = subprocess.run(
-        [*paratrain_cmd, "run", "-n", "3", "--max-restarts", "2", str(SCRIPTS / "ps_server_faults.py"), "none,save",
-         *demo, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4", "--checkpoint-async",
-         "--fail-at-step", str(step), "--fail-rank", str(rank)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
+        [
+            *paratrain_cmd,
+            "run",
+            "-n",
+            "3",
+            "--max-restarts",
+            "2",
+            str(SCRIPTS / "ps_server_faults.py"),
+            "none,save",
+            *demo,
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "4",
+            "--checkpoint-async",
+            "--fail-at-step",
+            str(step),
+            "--fail-rank",
+            str(rank),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)},
+    )
     why = f"rank {rank} killed after step {step}\n{killed.stderr[-3000:]}"
     assert clean.returncode == 0 and killed.returncode == 0, clean.stderr[-2000:] + why
     assert f"SIGKILL rank {rank} after step {step}" in killed.stderr, why
@@ -218,9 +271,23 @@ def test_async_a_killed_worker_leaves_the_others_training_and_one_comes_back(par
 
     kills = {1: random.randint(2, 20), 2: 26}
     how = random.choice(["", ":mid"])
-    res = subprocess.run([*paratrain_cmd, "run", "-n", "4", "--max-restarts", "1", str(SCRIPTS / "ps_async_leave.py"),
-                          str(tmp_path), f"1:{kills[1]}{how},2:{kills[2]}"], capture_output=True, text=True,
-                         timeout=200, cwd=ROOT)
+    res = subprocess.run(
+        [
+            *paratrain_cmd,
+            "run",
+            "-n",
+            "4",
+            "--max-restarts",
+            "1",
+            str(SCRIPTS / "ps_async_leave.py"),
+            str(tmp_path),
+            f"1:{kills[1]}{how},2:{kills[2]}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=ROOT,
+    )
     why = f"rank 1 killed at {kills[1]}{how}\n" + res.stdout[-3000:] + res.stderr[-3000:]
     assert res.returncode == 0, why
     results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("worker-*.json")}
@@ -231,10 +298,13 @@ def test_async_a_killed_worker_leaves_the_others_training_and_one_comes_back(par
     assert (first["start"], first["end"], first["trained"]) == (0, 30, 30), why
     assert (again["start"], again["end"], again["trained"]) == (kills[came], 30, 30 - kills[came]), why
     assert again["pulled_version"][0] >= kills[came], why  # the servers' current parameters, not the initial ones
-    assert f"rank {came} left after {kills[came]} push(es) (its connection closed); a new process took its place" \
-        in res.stdout, why
-    assert f"rank {gone} left after {kills[gone]} push(es) (its connection closed); it did not come back" \
-        in res.stdout, why
+    assert (
+        f"rank {came} left after {kills[came]} push(es) (its connection closed); a new process took its place"
+        in res.stdout
+    ), why
+    assert (
+        f"rank {gone} left after {kills[gone]} push(es) (its connection closed); it did not come back" in res.stdout
+    ), why
     assert f"rank {came} left and came back; rank {gone} left for good" in res.stderr, why  # the launcher's word
     torch.manual_seed(0)
     x = torch.randn(3 * 10 * 8, 6)
@@ -268,12 +338,15 @@ def test_a_table_larger_than_any_process_holds_trains(tmp_path):
         assert grown[rank] < 0.2 * table_mb, grown
 
 
-@pytest.mark.parametrize("options,message", [
-    ({"servers": 2}, "leaves no worker among 2 processes"),
-    ({"staleness": -1}, "staleness must be an integer >= 0"),
-    ({"servers": 0}, "servers >= 1"),
-    ({"table_optimizer": "lamb"}, "table_optimizer must be one of"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"servers": 2}, "leaves no worker among 2 processes"),
+        ({"staleness": -1}, "staleness must be an integer >= 0"),
+        ({"servers": 0}, "servers >= 1"),
+        ({"table_optimizer": "lamb"}, "table_optimizer must be one of"),
+    ],
+)
 def test_bad_options_are_one_line_before_anything_starts(options, message):
     with pytest.raises(ConfigError, match=message) as err:
         check_world("ps", 2, **options)
@@ -335,8 +408,13 @@ def test_an_asynchronous_worker_clips_its_own_gradient_rows_included():
 
     layout = plan_holdings(worker, 2, PSConfig(servers=1, tables=["bag", "emb"]))
     dense = dict(worker.mlp.named_parameters(prefix="mlp"))
-    opt = PushingOptimizer(torch.optim.SGD(worker.parameters(), lr=0.1), {id(p) for p in dense.values()},
-                           Client(layout, 0, dense, 1024), [], synchronous=False)
+    opt = PushingOptimizer(
+        torch.optim.SGD(worker.parameters(), lr=0.1),
+        {id(p) for p in dense.values()},
+        Client(layout, 0, dense, 1024),
+        [],
+        synchronous=False,
+    )
     opt.max_norm = 0.1
     taken = []
     for table in layout.tables:  # each touched row in two halves, as two lookups of it would push it
@@ -383,9 +461,13 @@ def test_malformed_messages_are_refused_and_the_server_keeps_serving():
 
     out = spawn(run_rogue, 3, (3,), timeout_s=120)
     refused = [(kind, m.REASONS[code]) for kind, code in out[1]["codes"]]
-    assert refused == [(m.REFUSED, "wrong dtype"), (m.REFUSED, "wrong size"), (m.REFUSED, "unknown table"),
-                       (m.REFUSED, "oversized message"),
-                       (m.REFUSED, "sender refused earlier (a message that could not be read)")]
+    assert refused == [
+        (m.REFUSED, "wrong dtype"),
+        (m.REFUSED, "wrong size"),
+        (m.REFUSED, "unknown table"),
+        (m.REFUSED, "oversized message"),
+        (m.REFUSED, "sender refused earlier (a message that could not be read)"),
+    ]
     # the other worker trained on as if alone (the refused rank no longer counts in the synchronous step)
     assert max_abs_diff(out[0]["state"], linear_reference(3)) <= 1e-6
 
@@ -419,16 +501,43 @@ def test_sync_a_killed_server_stops_the_job_with_one_report(paratrain_cmd, tmp_p
     pids = tmp_path / "pids"
     pids.mkdir()
     proc = subprocess.Popen(
-        [*paratrain_cmd, "run", "-n", "3", str(SCRIPTS / "ps_server_faults.py"), fault, "--strategy", "ps",
-         "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)})
+        [
+            *paratrain_cmd,
+            "run",
+            "-n",
+            "3",
+            str(SCRIPTS / "ps_server_faults.py"),
+            fault,
+            "--strategy",
+            "ps",
+            "--epochs",
+            "1",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--checkpoint-every",
+            "4",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)},
+    )
     job = watch_stderr(proc, lambda line: line.startswith("ps_server_faults:"), 120, keep_marked=False)
     stderr = job.stderr
     assert job.marked_at is not None, f"{fault} was not reached\n{stderr}"
-    check(f"ps: server SIGKILLed ({fault.split(':')[0]})", rc=job.rc, expect_rc=1, stderr=stderr,
-          kind="report", lines=None, words=["paratrain: rank 2 failed", "killed by SIGKILL", "the job was stopped"],
-          seconds=job.ended - job.marked_at, max_s=10, pids=[int(p.read_text()) for p in pids.iterdir()])
+    check(
+        f"ps: server SIGKILLed ({fault.split(':')[0]})",
+        rc=job.rc,
+        expect_rc=1,
+        stderr=stderr,
+        kind="report",
+        lines=None,
+        words=["paratrain: rank 2 failed", "killed by SIGKILL", "the job was stopped"],
+        seconds=job.ended - job.marked_at,
+        max_s=10,
+        pids=[int(p.read_text()) for p in pids.iterdir()],
+    )
     assert stderr.startswith("paratrain: rank 2 failed") and stderr.count("paratrain:") == 1, stderr
     assert len(list(pids.iterdir())) == 3, stderr
     assert all((p / "server-000" / ".metadata").is_file() for p in (tmp_path / "ckpt").glob("step-*")), stderr
@@ -498,8 +607,10 @@ def test_headers_are_parsed_without_trusting_them():
 def test_doctor_warns_when_a_script_imports_torch_distributed_rpc(tmp_path):
     from paratrain.doctor.scripts import check_script, rpc_imports
 
-    assert rpc_imports("import torch\nfrom torch.distributed import rpc\nimport torch.distributed.rpc as r\n"
-                       "from torch.distributed.rpc import RRef\nfrom torch.distributed import barrier\n") == [2, 3, 4]
+    assert rpc_imports(
+        "import torch\nfrom torch.distributed import rpc\nimport torch.distributed.rpc as r\n"
+        "from torch.distributed.rpc import RRef\nfrom torch.distributed import barrier\n"
+    ) == [2, 3, 4]
     script = tmp_path / "train.py"
     script.write_text("import torch.distributed.rpc\n")
     check = check_script(str(script))
@@ -529,8 +640,7 @@ def test_the_demo_takes_staleness_for_ps_only():
 @pytest.mark.launched
 def test_ps_without_a_worker_is_one_line_before_the_demo_starts(paratrain_cmd):
 
-    res = run_cli("demo", "-n", "1", "--strategy", "ps",
-                  timeout=60)
+    res = run_cli("demo", "-n", "1", "--strategy", "ps", timeout=60)
     assert res.returncode != 0
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "leaves no worker among 1 processes" in lines[0], res.stderr

@@ -4,6 +4,7 @@ and clear errors.
 One launched job per world size runs every case of the file (``helpers.cases.each_call``): a launch costs more than
 training the small model.
 """
+
 import pytest
 import torch
 from helpers.cases import each_call
@@ -25,16 +26,19 @@ EQUAL = [
     ("pipeline", 4, 1, {"schedule": "1f1b", "split": [2, 4, 6]}),  # 4 stages of a 7-layer model
     ("pipeline", 2, 1, {"schedule": "interleaved-1f1b"}),
     ("pipeline", 2, 2, {"schedule": "interleaved-1f1b"}),
-    ("hybrid", 4, 1, {}),                                  # 2 DDP replicas x 2 stages
-    ("hybrid", 4, 2, {"schedule": "gpipe"}),               # DDP stages run every backward before a forward
-    ("hybrid", 4, 2, {"data": "fsdp"}),                    # 2 FSDP shards x 2 stages, accumulating
+    ("hybrid", 4, 1, {}),  # 2 DDP replicas x 2 stages
+    ("hybrid", 4, 2, {"schedule": "gpipe"}),  # DDP stages run every backward before a forward
+    ("hybrid", 4, 2, {"data": "fsdp"}),  # 2 FSDP shards x 2 stages, accumulating
 ]
 
 
 def _calls(world: int) -> list[tuple]:
     """Every launched case of this file at ``world`` processes."""
-    calls = [(f"{s} {w} {a} {o}", train_params, (s, a, STEPS, GLOBAL_BATCH // (1 if s == "pipeline" else 2), w, o),
-              {}) for s, w, a, o in EQUAL if w == world]
+    calls = [
+        (f"{s} {w} {a} {o}", train_params, (s, a, STEPS, GLOBAL_BATCH // (1 if s == "pipeline" else 2), w, o), {})
+        for s, w, a, o in EQUAL
+        if w == world
+    ]
     calls.append(("traffic", pipeline_traffic, ("pipeline" if world == 2 else "hybrid",), {}))
     if world == 2:
         calls += [(f"peak {schedule}", peak_saved_activations, (schedule, 8), {}) for schedule in ("gpipe", "1f1b")]

@@ -10,6 +10,7 @@ gives it larger weights than the transformers models, ≤ 1.2e-8), with or witho
 
 One job per world size runs every case in sequence (importing transformers costs seconds per process).
 """
+
 import pytest
 
 from paratrain.testing import max_abs_diff, spawn
@@ -24,11 +25,25 @@ BF16_BOUND = 2e-3  # bf16 autocast rounds each matmul's output; a split matmul r
 # strategy, loaded by this one)
 WORLD2 = [
     ("gpt2 1f1b clip", "gpt2", "pipeline", {"schedule": "1f1b"}, 1, 0.5, False),
-    ("gpt2 gpipe split_points resume", "gpt2", "pipeline",
-     {"schedule": "gpipe", "split_points": ["transformer.h.1"]}, 1, None, True),
+    (
+        "gpt2 gpipe split_points resume",
+        "gpt2",
+        "pipeline",
+        {"schedule": "gpipe", "split_points": ["transformer.h.1"]},
+        1,
+        None,
+        True,
+    ),
     ("llama gpipe accumulate", "llama", "pipeline", {"schedule": "gpipe"}, 2, None, False),
-    ("llama 1f1b checkpointed", "llama", "pipeline", {"schedule": "1f1b", "activation_checkpointing": True}, 1, None,
-     False),
+    (
+        "llama 1f1b checkpointed",
+        "llama",
+        "pipeline",
+        {"schedule": "1f1b", "activation_checkpointing": True},
+        1,
+        None,
+        False,
+    ),
     ("gpt interleaved clip", "gpt", "pipeline", {"schedule": "interleaved-1f1b"}, 1, 0.5, False),
     ("gpt 1f1b resume", "gpt", "pipeline", {"schedule": "1f1b"}, 1, None, True),
     ("gpt 1f1b compiled", "gpt", "pipeline", {"schedule": "1f1b", "compile": True}, 1, None, False),
@@ -41,11 +56,25 @@ WORLD2 = [
 ]
 WORLD4 = [
     ("gpt2 hybrid ddp", "gpt2", "hybrid", {}, 1, None, False),
-    ("gpt2 hybrid fsdp interleaved clip", "gpt2", "hybrid", {"data": "fsdp", "schedule": "interleaved-1f1b"}, 1,
-     0.5, False),
+    (
+        "gpt2 hybrid fsdp interleaved clip",
+        "gpt2",
+        "hybrid",
+        {"data": "fsdp", "schedule": "interleaved-1f1b"},
+        1,
+        0.5,
+        False,
+    ),
     ("llama hybrid fsdp", "llama", "hybrid", {"data": "fsdp"}, 1, None, False),
-    ("llama hybrid ddp gpipe checkpointed", "llama", "hybrid", {"schedule": "gpipe", "activation_checkpointing": True},
-     1, None, False),
+    (
+        "llama hybrid ddp gpipe checkpointed",
+        "llama",
+        "hybrid",
+        {"schedule": "gpipe", "activation_checkpointing": True},
+        1,
+        None,
+        False,
+    ),
     ("gpt hybrid fsdp accumulate", "gpt", "hybrid", {"data": "fsdp"}, 2, None, False),
     ("gpt hybrid fsdp resume", "gpt", "hybrid", {"data": "fsdp"}, 1, None, True),
     ("bert hybrid fsdp resume", "bert", "hybrid", {"data": "fsdp"}, 1, None, True),
@@ -63,8 +92,15 @@ TP4 = [
     ("gpt2 tp 1f1b clip", "gpt2", "pipeline", {"tp": 2, "schedule": "1f1b"}, 1, 0.5, False),
     ("llama tp gpipe", "llama", "pipeline", {"tp": 2, "schedule": "gpipe"}, 1, None, False),
     ("gpt tp 1f1b resume", "gpt", "pipeline", {"tp": 2}, 1, None, True),
-    ("llama tp 1f1b accumulate checkpointed", "llama", "pipeline",
-     {"tp": 2, "schedule": "1f1b", "activation_checkpointing": True}, 2, None, False),
+    (
+        "llama tp 1f1b accumulate checkpointed",
+        "llama",
+        "pipeline",
+        {"tp": 2, "schedule": "1f1b", "activation_checkpointing": True},
+        2,
+        None,
+        False,
+    ),
 ]
 # tp x pp at world 4 under bf16-mixed (compared with one process under autocast) and compiled (inductor's kernels
 # round unlike eager's), and a PEFT model whose stages are split by an inferred plan (adapters with their base layers)
@@ -74,14 +110,25 @@ LOOSE4 = {
     "lora tp auto 1f1b": (("lora", "pipeline", {"tp": 2, "tp_plan": "auto"}, 1, None, False), BOUND),
 }
 # dp x pp x tp at world 8: the launch of 8 processes on 2 cores is most of its time
-WORLD8 = [("gpt hybrid fsdp tp clip", "gpt", "hybrid", {"dp": 2, "data": "fsdp", "tp": 2, "microbatches": 2}, 1, 0.5,
-           False),
-          ("gpt hybrid ddp tp", "gpt", "hybrid", {"dp": 2, "data": "ddp", "tp": 2, "microbatches": 2}, 1, None, False),
-          ("gpt hybrid zero1 tp resume", "gpt", "hybrid", {"dp": 2, "data": "zero1", "tp": 2, "microbatches": 2}, 1,
-           None, True)]
+WORLD8 = [
+    ("gpt hybrid fsdp tp clip", "gpt", "hybrid", {"dp": 2, "data": "fsdp", "tp": 2, "microbatches": 2}, 1, 0.5, False),
+    ("gpt hybrid ddp tp", "gpt", "hybrid", {"dp": 2, "data": "ddp", "tp": 2, "microbatches": 2}, 1, None, False),
+    (
+        "gpt hybrid zero1 tp resume",
+        "gpt",
+        "hybrid",
+        {"dp": 2, "data": "zero1", "tp": 2, "microbatches": 2},
+        1,
+        None,
+        True,
+    ),
+]
 SPLIT_LOGITS = "DTensor(Shard(dim=2),)"
-TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"), "gpt": ("wte.weight", "head.weight"),
-        "lora": ("base_model.model.transformer.wte.weight", "base_model.model.lm_head.weight")}
+TIED = {
+    "gpt2": ("transformer.wte.weight", "lm_head.weight"),
+    "gpt": ("wte.weight", "head.weight"),
+    "lora": ("base_model.model.transformer.wte.weight", "base_model.model.lm_head.weight"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -99,14 +146,14 @@ def check(ranks: list[dict], cases: list[tuple]) -> None:
             # every rank gathers the whole model under the user's names, equal to one process
             assert max_abs_diff(got["state"], ref["state"]) <= BOUND, where
             assert got["optimizer_once"], where  # every parameter a rank holds is in its optimizer, once
-            assert not got["broken"], where      # a tie inside a stage is still one tensor
-            assert got["evaluating"], where      # model.eval() reached every stage
-            if options.get("data") == "zero1":   # each rank steps (and keeps the states of) its share of its stages
+            assert not got["broken"], where  # a tie inside a stage is still one tensor
+            assert got["evaluating"], where  # model.eval() reached every stage
+            if options.get("data") == "zero1":  # each rank steps (and keeps the states of) its share of its stages
                 assert 0 < got["stepped"] < got["trainable"], where
-            if family in TIED:                   # both stages' copies of a tied weight stayed equal
+            if family in TIED:  # both stages' copies of a tied weight stayed equal
                 a, b = TIED[family]
                 assert got["state"][a].equal(got["state"][b]), where
-            if clip is not None:                 # the tied weight counted once in the global norm
+            if clip is not None:  # the tied weight counted once in the global norm
                 assert max(abs(x - y) for x, y in zip(got["norms"], ref["norms"])) <= 1e-5, where
                 assert min(ref["norms"]) > clip, "the case must clip"
             if resume is True:
@@ -192,8 +239,7 @@ def test_an_embedding_block_without_the_input_embedding_is_refused_in_one_line()
 
     model = build("gpt2")
     model.transformer.add_module("proj", nn.Linear(HIDDEN, HIDDEN))  # registered after the blocks: move it before
-    model.transformer._modules = {k: model.transformer._modules[k] for k in ("wte", "proj", "wpe", "drop", "h",
-                                                                              "ln_f")}
+    model.transformer._modules = {k: model.transformer._modules[k] for k in ("wte", "proj", "wpe", "drop", "h", "ln_f")}
     with pytest.raises(ConfigError, match=r"transformer.proj \(Linear\) runs before the blocks, holds no input") as e:
         plan_stages(model, 2)
     assert "\n" not in str(e.value)

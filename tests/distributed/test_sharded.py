@@ -4,6 +4,7 @@ and sharding really shrinks per-rank state by the ZeRO accounting.
 One launched job per world size runs every case of the file (``helpers.cases.each_call``): a launch costs more than
 training the small model.
 """
+
 import pytest
 from helpers.cases import each_call
 from helpers.dist_workers import state_bytes, train_params
@@ -39,11 +40,14 @@ def _calls(world: int) -> list[tuple]:
     calls += [(f"state {s}", state_bytes, (s,), {}) for s in STATE_STRATEGIES]
     if world == 2:
         calls.append(("clip", train_params, ("zero3", 1, STEPS, BATCH, 2, SMALL_UNITS), CLIP))
-        calls.append(("clip offload", train_params, ("zero3", 1, STEPS, BATCH, 2, {**SMALL_UNITS, "cpu_offload": True}),
-                      CLIP))
+        calls.append(
+            ("clip offload", train_params, ("zero3", 1, STEPS, BATCH, 2, {**SMALL_UNITS, "cpu_offload": True}), CLIP)
+        )
         calls += [(f"bf16 {s}", train_params, (s, 1, STEPS, BATCH, 2, o), {"precision": "bf16-mixed"}) for s, o in BF16]
-        calls += [(f"hook {h}", train_params, ("ddp", 1, STEPS, BATCH, 2, {"comm_hook": h, "powersgd_start_iter": 2}),
-                   {}) for h, _ in HOOKS]
+        calls += [
+            (f"hook {h}", train_params, ("ddp", 1, STEPS, BATCH, 2, {"comm_hook": h, "powersgd_start_iter": 2}), {})
+            for h, _ in HOOKS
+        ]
     return calls
 
 
@@ -126,14 +130,18 @@ def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planne
         for key, want in (("params", ep), ("grads", eg), ("optim", eo)):
             assert abs(got[key] - want) <= 0.05 * want, (strategy, key, got[key], want)
     # the planner, which never runs the model, predicts the same bytes
-    plan = make_plan(resolve_model(ModelSpec(model="helpers.dist_workers:state_model", input_spec="64")),
-                     PlanConfig(gpu="cpu", gpus=world,
-                                training=Training(precision="fp32", optimizer="adam", micro_batch=4)))
+    plan = make_plan(
+        resolve_model(ModelSpec(model="helpers.dist_workers:state_model", input_spec="64")),
+        PlanConfig(gpu="cpu", gpus=world, training=Training(precision="fp32", optimizer="adam", micro_batch=4)),
+    )
     predicted = {e.name: model_states(plan.stats, e.layout, plan.training) for e in plan.estimates}
     for strategy, got in results.items():
         memory = predicted[strategy]
-        for key, planned in (("params", memory.parameters), ("grads", memory.gradients),
-                             ("optim", memory.optimizer_states)):
+        for key, planned in (
+            ("params", memory.parameters),
+            ("grads", memory.gradients),
+            ("optim", memory.optimizer_states),
+        ):
             assert abs(planned - got[key]) <= 0.05 * got[key], (strategy, key, planned, got[key])
 
 

@@ -10,6 +10,7 @@ attention key bias's ~1e-9 rounding noise into larger steps (see tests/helpers/z
 tests/strategies/test_zoo.py. bf16 autocast rounds every matmul's output to 8 bits of mantissa, and a split matmul
 rounds partial sums before adding them: ``BF16_TOL``.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,14 +39,21 @@ from paratrain.testing import max_abs_diff, spawn
 BF16_TOL = 2e-3
 MODELS = ("gpt2", "llama", "nanogpt")
 CLIP = 0.05  # below every model's gradient norm, so every step clips
-WORLD2 = [(m, "tp", {}) for m in MODELS] + [(m, "tp", {"clip_grad_norm": CLIP}) for m in MODELS] + [
-    ("gpt2", "tp", {"accumulate": 2}), ("nanogpt", "tp", {"accumulate": 2}),
-    ("llama", "tp", {"precision": "bf16-mixed"}), ("gpt2", "tp", {"precision": "bf16-mixed"}),
-    ("frozen", "tp", {"tp_plan": {"2": "colwise", "4": "rowwise"}}),
-    ("nanogpt", "tp", {"compile": True}), ("nanogpt", "tp", {"compile": True, "activation_checkpointing": True}),
-    ("gpt2", "tp", {}, ("zero2", {})),  # tp=2 -> tp=1
-    ("llama", "ddp", {}, ("tp", {})),  # tp=1 -> tp=2
-]
+WORLD2 = (
+    [(m, "tp", {}) for m in MODELS]
+    + [(m, "tp", {"clip_grad_norm": CLIP}) for m in MODELS]
+    + [
+        ("gpt2", "tp", {"accumulate": 2}),
+        ("nanogpt", "tp", {"accumulate": 2}),
+        ("llama", "tp", {"precision": "bf16-mixed"}),
+        ("gpt2", "tp", {"precision": "bf16-mixed"}),
+        ("frozen", "tp", {"tp_plan": {"2": "colwise", "4": "rowwise"}}),
+        ("nanogpt", "tp", {"compile": True}),
+        ("nanogpt", "tp", {"compile": True, "activation_checkpointing": True}),
+        ("gpt2", "tp", {}, ("zero2", {})),  # tp=2 -> tp=1
+        ("llama", "ddp", {}, ("tp", {})),  # tp=1 -> tp=2
+    ]
+)
 LAYOUTS4 = ("ddp", "zero1", "zero2", "zero3")
 
 
@@ -61,8 +69,12 @@ def memory_for_tp(model_name: str, world: int) -> float:
 
     def need(zero: int, tp: int = 1) -> Any:
         name = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[zero]
-        return estimate(stats, Layout.of(name=name, dp=world // tp, zero=zero, shard=world // tp if zero else 1, tp=tp),
-                        training, one_gib)
+        return estimate(
+            stats,
+            Layout.of(name=name, dp=world // tp, zero=zero, shard=world // tp if zero else 1, tp=tp),
+            training,
+            one_gib,
+        )
 
     with_tp = need(3, tp=2)
     without = min((need(zero) for zero in (0, 1, 2, 3)), key=lambda e: e.memory.total)
@@ -249,8 +261,11 @@ def test_a_plan_pattern_that_matches_nothing_is_refused():
 
 
 def test_degrees_that_do_not_divide_the_world_name_the_valid_layouts():
-    with pytest.raises(paratrain.ConfigError, match=r"valid layouts: zero3 tp=2 \(3 x 2\), zero3 tp=3 \(2 x 3\), "
-                                                    r"zero3 tp=6 \(1 x 6\)"):
+    with pytest.raises(
+        paratrain.ConfigError,
+        match=r"valid layouts: zero3 tp=2 \(3 x 2\), zero3 tp=3 \(2 x 3\), "
+        r"zero3 tp=6 \(1 x 6\)",
+    ):
         check_world("zero3", 6, tp=4)
     with pytest.raises(paratrain.ConfigError, match=r"Parallel\('ddp', tp=2\)"):
         check_world("tp", 4, tp=2)

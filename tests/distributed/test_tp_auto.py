@@ -11,6 +11,7 @@ and 4 key/value heads. Each equal to one plain process (fp32 and SGD:
 ``TOL``, as tests/distributed/test_tensor_parallel.py). The inference itself — what it splits, adjusts and leaves whole,
 and what it refuses — is checked in this process, without a process group (the probe runs on one process).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -26,10 +27,24 @@ from paratrain.distributed.tensor_parallel.infer import choose_plan
 from paratrain.distributed.tensor_parallel.styles import FusedColwise, Rowwise
 from paratrain.testing import max_abs_diff, spawn
 
-CASES = [("nano", "auto"), ("nano_input_heads", "auto"), ("gpt2", "auto"), ("llama", "auto"), ("bert", None),
-         ("qwen", "auto"), ("lora_gpt2", "auto")]
-ZERO3_TP = [("nano", "auto"), ("gpt2", "auto"), ("mistral", "auto"), ("qwen", "auto"), ("bert", None),
-            ("lora_gpt2", "auto"), ("lora_qwen", "auto")]
+CASES = [
+    ("nano", "auto"),
+    ("nano_input_heads", "auto"),
+    ("gpt2", "auto"),
+    ("llama", "auto"),
+    ("bert", None),
+    ("qwen", "auto"),
+    ("lora_gpt2", "auto"),
+]
+ZERO3_TP = [
+    ("nano", "auto"),
+    ("gpt2", "auto"),
+    ("mistral", "auto"),
+    ("qwen", "auto"),
+    ("bert", None),
+    ("lora_gpt2", "auto"),
+    ("lora_qwen", "auto"),
+]
 TP4 = [("nano4", "auto", ("tp", {})), ("qwen8", "auto", ("tp", {}))]  # tp=4: 4 heads; 8 query, 4 key/value heads
 
 
@@ -173,8 +188,9 @@ def test_a_lora_variant_stays_whole_and_says_so():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = get_peft_model(ZOO["gpt2"].build(), LoraConfig(r=4, target_modules=["c_attn"], use_dora=True,
-                                                               fan_in_fan_out=True))
+        model = get_peft_model(
+            ZOO["gpt2"].build(), LoraConfig(r=4, target_modules=["c_attn"], use_dora=True, fan_in_fan_out=True)
+        )
     summary = "\n".join(choose_plan(model, "auto", 2).summary)
     assert "replicated: base_model.model.transformer.h.*.attn.c_attn (a LoRA variant such as DoRA" in summary, summary
     assert "mlp.c_fc -> colwise (MLP)" in summary and "mlp.c_proj -> rowwise (MLP)" in summary, summary

@@ -3,6 +3,7 @@
 tensors, DTensors again after the step (also when it raises), and no swap where torch would step every parameter in
 a few multi-tensor ops. Equality with one process at world 2 and 4, checkpoints and FSDP over ``(dp, tp)``: the
 launched jobs of tests/distributed/test_tp_auto.py and tests/distributed/test_tensor_parallel.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,10 @@ def mesh():
 def _params(mesh, **options) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], torch.optim.Optimizer]:
     torch.manual_seed(0)
     plain = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
-    dtensors = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [pl]))
-                for p, pl in zip(plain, (Shard(0), Replicate()))]
+    dtensors = [
+        torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [pl]))
+        for p, pl in zip(plain, (Shard(0), Replicate()))
+    ]
     return plain, dtensors, torch.optim.AdamW(dtensors, lr=0.1, **options)
 
 
@@ -38,8 +41,9 @@ def test_replicated_parameters_step_on_local_tensors_with_the_same_numbers(mesh)
     plain, dtensors, opt = _params(mesh)
     reference = torch.optim.AdamW(plain, lr=0.1)
     seen = []
-    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append([isinstance(p, DTensor)
-                                                                     for p in o.param_groups[0]["params"]]))
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: seen.append([isinstance(p, DTensor) for p in o.param_groups[0]["params"]])
+    )
     for step in range(3):
         _grads(plain, dtensors, step, mesh)
         with replicated_locally(opt):
@@ -48,8 +52,9 @@ def test_replicated_parameters_step_on_local_tensors_with_the_same_numbers(mesh)
     assert seen == [[True, True]] + [[True, False]] * 2  # the first step makes the state, as DTensors
     for p, d in zip(plain, dtensors):
         assert torch.equal(d.to_local(), p.detach())
-        assert isinstance(d.grad, DTensor) and all(isinstance(v, DTensor) for k, v in opt.state[d].items()
-                                                   if k != "step")
+        assert isinstance(d.grad, DTensor) and all(
+            isinstance(v, DTensor) for k, v in opt.state[d].items() if k != "step"
+        )
         assert torch.equal(opt.state[d]["exp_avg_sq"].to_local(), reference.state[p]["exp_avg_sq"])
     assert len(opt.state) == 2  # no local tensor left as a key
 
@@ -57,8 +62,9 @@ def test_replicated_parameters_step_on_local_tensors_with_the_same_numbers(mesh)
 def test_multi_tensor_steps_keep_dtensors(mesh):
     plain, dtensors, opt = _params(mesh, foreach=True)
     seen = []
-    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(all(isinstance(p, DTensor)
-                                                                        for p in o.param_groups[0]["params"])))
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: seen.append(all(isinstance(p, DTensor) for p in o.param_groups[0]["params"]))
+    )
     for step in range(2):
         _grads(plain, dtensors, step, mesh)
         with replicated_locally(opt):

@@ -1,6 +1,7 @@
 """The plans tensor parallelism gives mixtures of experts, read without starting a process: the MoE blocks left whole,
 what inside split attention sees only a rank's heads (Qwen3-MoE's query/key norms, GPT-OSS's sinks), our GPT's
 MoE blocks on the gathered sequence. That they train as one process does: tests/strategies/test_zoo_moe.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,16 @@ def _printed(build) -> dict[str, str]:
     return (plan_for(model, None) if hasattr(model, "paratrain_tp_plan") else infer_plan(model, 2)).printed()
 
 
-@pytest.mark.parametrize("build", [moe_models.tiny_mixtral, moe_models.tiny_olmoe, moe_models.tiny_qwen2_moe,
-                                   moe_models.tiny_qwen3_moe, moe_models.tiny_gpt_oss])
+@pytest.mark.parametrize(
+    "build",
+    [
+        moe_models.tiny_mixtral,
+        moe_models.tiny_olmoe,
+        moe_models.tiny_qwen2_moe,
+        moe_models.tiny_qwen3_moe,
+        moe_models.tiny_gpt_oss,
+    ],
+)
 def test_no_router_or_routed_expert_is_split(build):
     plan = _printed(build)
     assert not [p for p in plan if ".gate" in p.replace(".gate_proj", "") or "experts" in p], plan

@@ -1,6 +1,7 @@
 """Tensor-parallel plans as users meet them, in one process: the vocabulary embedding found by what it is, the plan
 ``paratrain tp-plan`` prints valid ``tp_plan=`` input as printed, and a user plan may name any subset. Training with
 these plans, equal to one process, is in tests/test_real_code.py."""
+
 from __future__ import annotations
 
 import ast
@@ -51,8 +52,9 @@ def test_an_untied_vocabulary_is_found_by_the_ids_it_reads():
     assert "model.embed_tokens" in plan.styles and "lm_head" in plan.styles
 
 
-@pytest.mark.parametrize("build", [char_level, ZOO["gpt2"].build, ZOO["llama"].build],
-                         ids=["nanogpt-char", "gpt2", "llama"])
+@pytest.mark.parametrize(
+    "build", [char_level, ZOO["gpt2"].build, ZOO["llama"].build], ids=["nanogpt-char", "gpt2", "llama"]
+)
 @pytest.mark.parametrize("infer", [True, False], ids=["auto", "built-in"])
 def test_the_printed_plan_is_valid_input_as_printed(build, infer):
     printed = printed_plan(build, infer=infer)
@@ -83,8 +85,15 @@ def test_style_names_parse_with_their_arguments():
 
 
 def test_colwise_after_the_blocks_is_the_vocabulary_head():
-    plan = plan_for(char_level(), {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise",
-                                   "lm_head": "colwise", "transformer.wte": "rowwise"})
+    plan = plan_for(
+        char_level(),
+        {
+            "transformer.h.*.mlp.c_fc": "colwise",
+            "transformer.h.*.mlp.c_proj": "rowwise",
+            "lm_head": "colwise",
+            "transformer.wte": "rowwise",
+        },
+    )
     resolved = dict(plan.per_module(char_level()))
     assert isinstance(resolved["lm_head"], VocabHead)
     assert not isinstance(resolved["transformer.h.0.mlp.c_fc"], VocabHead)

@@ -1,5 +1,6 @@
 """``paratrain doctor``: parsers and every check from recorded nvidia-smi outputs and hand-built facts, the live
 all-reduce on 2 gloo processes, the report's JSON and table, and the CLI end to end on this machine."""
+
 import json
 import socket
 import time
@@ -85,17 +86,34 @@ def nvidia(scenario: str) -> NvidiaFacts:
 
 
 def cuda_torch(count: int = 0, **kw) -> TorchFacts:
-    return replace(TorchFacts(python="3.12.3", torch="2.11.0+cu130", cuda="13.0", cuda_available=bool(count),
-                              device_count=count, nccl="2.27.7", nccl_available=True), **kw)
+    return replace(
+        TorchFacts(
+            python="3.12.3",
+            torch="2.11.0+cu130",
+            cuda="13.0",
+            cuda_available=bool(count),
+            device_count=count,
+            nccl="2.27.7",
+            nccl_available=True,
+        ),
+        **kw,
+    )
 
 
 CPU_TORCH = TorchFacts(python="3.11.7", torch="2.13.0+cpu")
 
 
 def host(**kw) -> HostFacts:
-    base = HostFacts(cores=64, ram_bytes=int(2048 * GB), shm_bytes=int(500 * GB), shm_free_bytes=int(500 * GB),
-                     nofile_soft=65536, nofile_hard=65536, loopback=LoopbackFacts(bound_port=40000),
-                     interfaces=("lo", "eth0", "ib0"))
+    base = HostFacts(
+        cores=64,
+        ram_bytes=int(2048 * GB),
+        shm_bytes=int(500 * GB),
+        shm_free_bytes=int(500 * GB),
+        nofile_soft=65536,
+        nofile_hard=65536,
+        loopback=LoopbackFacts(bound_port=40000),
+        interfaces=("lo", "eth0", "ib0"),
+    )
     return replace(base, **kw)
 
 
@@ -107,21 +125,32 @@ def gpus_of(scenario: str, cvd: str | None = None):
 
 # --- nvidia-smi parsing ----------------------------------------------------------------------------------------
 
+
 def test_gpu_list_parses_names_and_uuids_and_skips_mig_instances():
     listed = parse_gpu_list((FIXTURES / "mixed_models" / "L.txt").read_text())
-    assert [name for name, _ in listed.values()] == ["NVIDIA A100 80GB PCIe", "NVIDIA A100 80GB PCIe",
-                                                      "NVIDIA A100-PCIE-40GB", "Tesla V100-PCIE-32GB"]
+    assert [name for name, _ in listed.values()] == [
+        "NVIDIA A100 80GB PCIe",
+        "NVIDIA A100 80GB PCIe",
+        "NVIDIA A100-PCIE-40GB",
+        "Tesla V100-PCIE-32GB",
+    ]
     assert all(uuid.startswith("GPU-") for _, uuid in listed.values())
-    mig = ("GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1111aaaa-0000-0000-0000-000000000000)\n"
-           "  MIG 3g.40gb     Device  0: (UUID: MIG-2222bbbb-0000-0000-0000-000000000000)\n"
-           "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-3333cccc-0000-0000-0000-000000000000)\n")
+    mig = (
+        "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1111aaaa-0000-0000-0000-000000000000)\n"
+        "  MIG 3g.40gb     Device  0: (UUID: MIG-2222bbbb-0000-0000-0000-000000000000)\n"
+        "GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-3333cccc-0000-0000-0000-000000000000)\n"
+    )
     assert sorted(parse_gpu_list(mig)) == [0, 1]
 
 
 def test_query_parses_memory_and_pcie_links_and_unsupported_fields():
     rows = parse_query((FIXTURES / "pcie_only" / "query.csv").read_text())
     assert [(g.pcie_gen, g.pcie_gen_max, g.pcie_width, g.pcie_width_max) for g in rows.values()] == [
-        (4, 4, 16, 16), (1, 4, 16, 16), (3, 3, 8, 8), (3, 4, 8, 16)]
+        (4, 4, 16, 16),
+        (1, 4, 16, 16),
+        (3, 3, 8, 8),
+        (3, 4, 8, 16),
+    ]
     assert rows[0].name == "NVIDIA RTX A6000" and rows[0].memory_mib == 49140
     odd = parse_query("0, NVIDIA T4, 15360, [N/A], [Not Supported], 16, 16\nnot a row\n")
     assert odd[0].pcie_gen is None and odd[0].pcie_gen_max is None and odd[0].pcie_width == 16
@@ -133,10 +162,12 @@ def test_topology_reads_every_gpu_pair_and_ignores_nics_and_legend():
     mixed = parse_topology((FIXTURES / "mixed_models" / "topo-m.txt").read_text())
     assert mixed == {(0, 1): "NV12", (0, 2): "NODE", (1, 2): "NODE", (0, 3): "SYS", (1, 3): "SYS", (2, 3): "SYS"}
     assert parse_topology((FIXTURES / "single_gpu" / "topo-m.txt").read_text()) == {}
-    old = ("        GPU0    GPU1    mlx5_0  CPU Affinity\n"
-           "GPU0     X      PIX     PHB     0-9,20-29\n"
-           "GPU1    PIX      X      PHB     0-9,20-29\n"
-           "mlx5_0  PHB     PHB      X\n\nLegend:\n\n  X   = Self\n")
+    old = (
+        "        GPU0    GPU1    mlx5_0  CPU Affinity\n"
+        "GPU0     X      PIX     PHB     0-9,20-29\n"
+        "GPU1    PIX      X      PHB     0-9,20-29\n"
+        "mlx5_0  PHB     PHB      X\n\nLegend:\n\n  X   = Self\n"
+    )
     assert parse_topology(old) == {(0, 1): "PIX"}
 
 
@@ -153,8 +184,10 @@ def test_probe_merges_the_three_commands_and_skips_topology_for_one_gpu():
 def test_probe_reports_a_missing_or_failing_nvidia_smi():
     missing = probe(Replay(**{"L.txt": CommandResult(returncode=127, stderr="nvidia-smi: command not found")}))
     assert not missing.found and not missing.gpus
-    driver = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the "
-              "latest NVIDIA driver is installed and running.\n")
+    driver = (
+        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the "
+        "latest NVIDIA driver is installed and running.\n"
+    )
     broken = probe(Replay(**{"L.txt": CommandResult(returncode=9, stdout=driver)}))
     assert broken.found and broken.error.startswith("NVIDIA-SMI has failed")
 
@@ -169,10 +202,19 @@ def test_run_command_turns_a_missing_program_and_a_hang_into_results():
 
 # --- which GPUs a job sees -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cvd, indices, ignored", [
-    (None, (0, 1, 2, 3), None), ("0,1", (0, 1), None), ("3, 1", (3, 1), None), ("0,1,7", (0, 1), "7"),
-    ("", (), None), ("-1", (), "-1"), ("1,1", (1,), "1"),
-])
+
+@pytest.mark.parametrize(
+    "cvd, indices, ignored",
+    [
+        (None, (0, 1, 2, 3), None),
+        ("0,1", (0, 1), None),
+        ("3, 1", (3, 1), None),
+        ("0,1,7", (0, 1), "7"),
+        ("", (), None),
+        ("-1", (), "-1"),
+        ("1,1", (1,), "1"),
+    ],
+)
 def test_cuda_visible_devices_is_read_the_way_cuda_reads_it(cvd, indices, ignored):
     visible = resolve_visible(cvd, nvidia("cvd_subset").gpus)
     assert (visible.indices, visible.ignored) == (indices, ignored)
@@ -235,6 +277,7 @@ def test_torch_check_fails_when_the_build_cannot_use_the_gpus():
 
 # --- GPU models, interconnect, PCIe ----------------------------------------------------------------------------
 
+
 def test_gpu_models_ok_when_identical_warn_when_mixed():
     same = check_gpu_models(gpus_of("h100x8_nvlink"))
     assert same.status is OK and same.evidence == "8× NVIDIA H100 80GB HBM3 81559 MiB"
@@ -273,6 +316,7 @@ def test_pcie_flags_narrow_and_slow_links_but_not_idle_downshift():
 
 # --- host ------------------------------------------------------------------------------------------------------
 
+
 def test_host_memory_per_gpu_and_per_cpu_process():
     assert check_host_memory(host(ram_bytes=int(1100 * GB)), gpus=8, processes=8).status is OK
     low = check_host_memory(host(ram_bytes=int(64 * GB), ram_limited_by_cgroup=True), gpus=8, processes=8)
@@ -308,20 +352,23 @@ def test_backends():
     assert check_backends(cuda_torch(8, gloo=False), gpus=8).status is WARN
 
 
-@pytest.mark.parametrize("env, status, words", [
-    ({}, OK, "none set"),
-    ({"NCCL_DEBUG": "INFO", "NCCL_P2P_DISABLE": "0"}, OK, "NCCL_DEBUG=INFO"),
-    ({"NCCL_SOCKET_IFNAME": "eth"}, OK, "NCCL_SOCKET_IFNAME=eth"),
-    ({"NCCL_SOCKET_IFNAME": "^docker,lo", "GLOO_SOCKET_IFNAME": "eth0"}, OK, ""),
-    ({"NCCL_P2P_DISABLE": "1"}, WARN, "host memory"),
-    ({"NCCL_IB_DISABLE": "1", "NCCL_ALGO": "Tree"}, WARN, "TCP sockets"),
-    ({"NCCL_DEBUG": "trace"}, WARN, "huge logs"),
-    ({"CUDA_LAUNCH_BLOCKING": "1"}, WARN, "synchronously"),
-    ({"NCCL_SOCKET_IFNAME": "enp"}, FAIL, "matches no interface"),
-    ({"NCCL_SOCKET_IFNAME": "=eth"}, FAIL, "matches no interface"),
-    ({"NCCL_SOCKET_IFNAME": "^eth,ib,lo"}, FAIL, "matches no interface"),
-    ({"GLOO_SOCKET_IFNAME": "eth0,eth1"}, FAIL, "no interface eth1"),
-])
+@pytest.mark.parametrize(
+    "env, status, words",
+    [
+        ({}, OK, "none set"),
+        ({"NCCL_DEBUG": "INFO", "NCCL_P2P_DISABLE": "0"}, OK, "NCCL_DEBUG=INFO"),
+        ({"NCCL_SOCKET_IFNAME": "eth"}, OK, "NCCL_SOCKET_IFNAME=eth"),
+        ({"NCCL_SOCKET_IFNAME": "^docker,lo", "GLOO_SOCKET_IFNAME": "eth0"}, OK, ""),
+        ({"NCCL_P2P_DISABLE": "1"}, WARN, "host memory"),
+        ({"NCCL_IB_DISABLE": "1", "NCCL_ALGO": "Tree"}, WARN, "TCP sockets"),
+        ({"NCCL_DEBUG": "trace"}, WARN, "huge logs"),
+        ({"CUDA_LAUNCH_BLOCKING": "1"}, WARN, "synchronously"),
+        ({"NCCL_SOCKET_IFNAME": "enp"}, FAIL, "matches no interface"),
+        ({"NCCL_SOCKET_IFNAME": "=eth"}, FAIL, "matches no interface"),
+        ({"NCCL_SOCKET_IFNAME": "^eth,ib,lo"}, FAIL, "matches no interface"),
+        ({"GLOO_SOCKET_IFNAME": "eth0,eth1"}, FAIL, "no interface eth1"),
+    ],
+)
 def test_env_variables(env, status, words):
     check = check_env(env, ("lo", "eth0", "ib0"))
     assert check.status is status and words in check.evidence
@@ -336,10 +383,16 @@ def test_loopback():
 
 # --- multi-node master -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    ("10.0.0.1", ("10.0.0.1", 29500)), ("node0:1234", ("node0", 1234)), ("[fe80::1]:29400", ("fe80::1", 29400)),
-    ("fe80::1", ("fe80::1", 29500)),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("10.0.0.1", ("10.0.0.1", 29500)),
+        ("node0:1234", ("node0", 1234)),
+        ("[fe80::1]:29400", ("fe80::1", 29400)),
+        ("fe80::1", ("fe80::1", 29500)),
+    ],
+)
 def test_master_address_parsing(text, expected):
     assert parse_master_addr(text) == expected
 
@@ -377,6 +430,7 @@ def test_probe_master_dials_only_the_given_address():
 
 # --- bandwidth ---------------------------------------------------------------------------------------------------
 
+
 def test_bandwidth_definitions_follow_nccl_tests():
     assert bw.sweep_sizes(64 * MIB) == [1024 * 4**k for k in range(9)]
     assert bw.sweep_sizes(3000) == [1024, 3000]
@@ -386,8 +440,7 @@ def test_bandwidth_definitions_follow_nccl_tests():
 
 @pytest.mark.launched
 def test_live_allreduce_on_two_gloo_processes():
-    result = bw.measure_allreduce(nprocs=2, accelerator="cpu", max_bytes=64 * 1024, timeout_s=60,
-                                  start_method="fork")
+    result = bw.measure_allreduce(nprocs=2, accelerator="cpu", max_bytes=64 * 1024, timeout_s=60, start_method="fork")
     assert (result.backend, result.device, result.world_size, result.correct) == ("gloo", "cpu", 2, True)
     assert [r.size_bytes for r in result.rows] == [1024, 4096, 16384, 65536]
     for row in result.rows:
@@ -425,8 +478,9 @@ def test_sweep_flags_a_wrong_sum(monkeypatch):
 
 def fake_result(busbw: float, device: str = "cuda", correct: bool = True, n: int = 8) -> bw.BandwidthResult:
     row = bw.BandwidthRow(size_bytes=64 * MIB, seconds=0.001, algbw_gbps=busbw, busbw_gbps=busbw)
-    return bw.BandwidthResult(backend="nccl" if device == "cuda" else "gloo", device=device, world_size=n,
-                              rows=(row,), correct=correct)
+    return bw.BandwidthResult(
+        backend="nccl" if device == "cuda" else "gloo", device=device, world_size=n, rows=(row,), correct=correct
+    )
 
 
 def test_expected_bandwidth_from_the_topology():
@@ -450,29 +504,44 @@ def test_bandwidth_verdicts():
     assert bw.check_bandwidth(fake_result(1.1, "cpu", n=2), cpu).status is OK
     assert bw.check_bandwidth(fake_result(0.05, "cpu", n=2), cpu).status is WARN
     assert bw.check_bandwidth(fake_result(0.0001, "cpu", n=2), cpu).status is WARN  # never fail on CPU
-    err = RankFailedError(rank=1, exitcode=1, host="h", pid=1,
-                          traceback="Traceback …\nRuntimeError: Connection reset")
+    err = RankFailedError(rank=1, exitcode=1, host="h", pid=1, traceback="Traceback …\nRuntimeError: Connection reset")
     failed = bw.check_bandwidth_error(err)
     assert failed.status is FAIL and failed.evidence.endswith("RuntimeError: Connection reset")
 
 
 # --- the whole report ----------------------------------------------------------------------------------------------
 
-GPU_CHECKS = ["torch", "gpus", "gpu models", "interconnect", "pcie", "host memory", "shared memory", "open files",
-              "backends", "env", "loopback port"]
+GPU_CHECKS = [
+    "torch",
+    "gpus",
+    "gpu models",
+    "interconnect",
+    "pcie",
+    "host memory",
+    "shared memory",
+    "open files",
+    "backends",
+    "env",
+    "loopback port",
+]
 
 
 def test_report_from_a_recorded_8_gpu_machine_is_all_ok():
-    report = run_doctor(DoctorOptions(skip_bandwidth=True), runner=Replay("h100x8_nvlink"),
-                        torch_facts=cuda_torch(8), host=host())
+    report = run_doctor(
+        DoctorOptions(skip_bandwidth=True), runner=Replay("h100x8_nvlink"), torch_facts=cuda_torch(8), host=host()
+    )
     assert [c.name for c in report.checks] == GPU_CHECKS
     assert all(c.status is OK for c in report.checks), report.checks
     assert report.exit_code == 0 and "8 GPU(s) (NVIDIA H100 80GB HBM3)" in report.title
 
 
 def test_report_uses_only_the_visible_gpus_and_exits_1_on_a_failure():
-    report = run_doctor(DoctorOptions(skip_bandwidth=True), runner=Replay("mixed_models"), torch_facts=cuda_torch(2),
-                        host=host(env={"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_SOCKET_IFNAME": "enp"}))
+    report = run_doctor(
+        DoctorOptions(skip_bandwidth=True),
+        runner=Replay("mixed_models"),
+        torch_facts=cuda_torch(2),
+        host=host(env={"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_SOCKET_IFNAME": "enp"}),
+    )
     status = {c.name: c.status for c in report.checks}
     assert status["gpu models"] is OK and status["interconnect"] is OK  # the two A100 80GB on NVLink
     assert status["env"] is FAIL and report.exit_code == 1
@@ -511,8 +580,12 @@ def test_gpu_bandwidth_runs_nccl_on_every_visible_gpu(monkeypatch):
 
 
 def test_json_shape_and_table():
-    report = replace(run_doctor(DoctorOptions(skip_bandwidth=True), runner=Replay("pcie_only"),
-                                torch_facts=cuda_torch(4), host=host()), bandwidth=fake_result(9.0, n=4))
+    report = replace(
+        run_doctor(
+            DoctorOptions(skip_bandwidth=True), runner=Replay("pcie_only"), torch_facts=cuda_torch(4), host=host()
+        ),
+        bandwidth=fake_result(9.0, n=4),
+    )
     data = json.loads(render_json(report))
     assert set(data) == {"title", "exit_code", "counts", "checks", "bandwidth"}
     assert data["counts"] == {"ok": 9, "warn": 2, "fail": 0} and data["exit_code"] == 0
@@ -530,6 +603,7 @@ def test_json_shape_and_table():
 
 # --- this machine --------------------------------------------------------------------------------------------------
 
+
 def test_gatherers_read_this_machine():
     facts = gather_host({"NCCL_DEBUG": "INFO", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0"})
     assert facts.env == {"NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "0"}
@@ -539,8 +613,7 @@ def test_gatherers_read_this_machine():
 
 
 def _doctor(paratrain_cmd, *args, env=None, timeout=60):
-    return run_cli("doctor", *args, timeout=timeout,
-                   env=env)
+    return run_cli("doctor", *args, timeout=timeout, env=env)
 
 
 @pytest.mark.launched
@@ -571,8 +644,10 @@ def test_cli_table_and_exit_code_1_on_a_failed_check(paratrain_cmd):
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("args, words", [(["--master-addr", "node0:http"], "port must be a number"),
-                                         (["--nproc", "1"], "at least 2 processes")])
+@pytest.mark.parametrize(
+    "args, words",
+    [(["--master-addr", "node0:http"], "port must be a number"), (["--nproc", "1"], "at least 2 processes")],
+)
 def test_cli_bad_options_are_one_line_errors(paratrain_cmd, args, words):
     res = _doctor(paratrain_cmd, *args)
     assert res.returncode == 2 and "Traceback" not in res.stderr
@@ -606,26 +681,42 @@ def test_hard_coded_cuda_is_found_by_line_outside_code_that_picks_the_device():
     found = cuda_uses(NANOGPT_SETUP)  # line 8 passes the backend of line 4; 11 and 14-17 pick the device
     assert [line for line, _ in found] == [4, 5, 9, 10, 12, 13]
     assert [what for _, what in found if "LOCAL_RANK" not in what] == [
-        "backend = 'nccl'", "device = 'cuda'", "torch.cuda.set_device()", ".cuda()", "device 'cuda'"]
+        "backend = 'nccl'",
+        "device = 'cuda'",
+        "torch.cuda.set_device()",
+        ".cuda()",
+        "device 'cuda'",
+    ]
     assert cuda_uses("import torch.distributed as dist\ndist.init_process_group('nccl')\n") == [
-        (2, "init_process_group(backend='nccl')")]
+        (2, "init_process_group(backend='nccl')")
+    ]
     assert cuda_uses("import torch\nw = torch.load('w.pt', map_location=torch.device('cuda:1'))\n") == [
-        (2, "device 'cuda:1'")]
+        (2, "device 'cuda:1'")
+    ]
 
 
-@pytest.mark.parametrize("torch_facts, status", [(CPU_TORCH, WARN), (cuda_torch(0, cuda_available=False), WARN),
-                                                 (cuda_torch(1), OK)])
+@pytest.mark.parametrize(
+    "torch_facts, status", [(CPU_TORCH, WARN), (cuda_torch(0, cuda_available=False), WARN), (cuda_torch(1), OK)]
+)
 def test_doctor_warns_about_a_script_hard_coding_cuda_only_on_a_host_without_it(tmp_path, torch_facts, status):
     script = tmp_path / "train.py"
     script.write_text(NANOGPT_SETUP)
-    report = run_doctor(DoctorOptions(skip_bandwidth=True, tensorflow=False, scripts=(str(script),)),
-                        runner=Replay("single_gpu"), torch_facts=torch_facts, host=host())
+    report = run_doctor(
+        DoctorOptions(skip_bandwidth=True, tensorflow=False, scripts=(str(script),)),
+        runner=Replay("single_gpu"),
+        torch_facts=torch_facts,
+        host=host(),
+    )
     check = next(c for c in report.checks if c.name == "cuda in train.py")
     assert check.status is status and "line 5 device = 'cuda'" in check.evidence, check
     assert "line 10 torch.cuda.set_device()" in check.evidence
     if status is WARN:
         assert "this host lacks" in check.evidence and "torch.cuda.is_available()" in check.fix
     script.write_text("import torch\ndevice = 'cuda' if torch.cuda.is_available() else 'cpu'\n")
-    report = run_doctor(DoctorOptions(skip_bandwidth=True, tensorflow=False, scripts=(str(script),)),
-                        runner=Replay("single_gpu"), torch_facts=torch_facts, host=host())
+    report = run_doctor(
+        DoctorOptions(skip_bandwidth=True, tensorflow=False, scripts=(str(script),)),
+        runner=Replay("single_gpu"),
+        torch_facts=torch_facts,
+        host=host(),
+    )
     assert next(c for c in report.checks if c.name == "cuda in train.py").status is OK

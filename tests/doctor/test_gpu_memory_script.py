@@ -1,5 +1,6 @@
 """benchmarks/gpu_memory.py without a GPU: its predictions and case list, and one case run for real on the CPU
 (a one-rank gloo group under zero3 with bf16 mixed precision), so the GPU run does not find a broken script."""
+
 import json
 import sys
 

@@ -3,6 +3,7 @@
 Each must end in one line that names the problem (without torch's advice to load with ``weights_only=False``),
 leave no partial folder or temporary file behind, and keep the previous checkpoint loadable.
 """
+
 import errno
 import os
 import shutil
@@ -40,11 +41,21 @@ def test_a_full_disk_names_the_disk_removes_the_partial_folder_and_keeps_the_las
     first = par.save(tmp_path)
     with par.step(model, opt):
         par.backward(model(__import__("torch").randn(3, 4)).sum())
-    target = (mock.patch.object(dcp_fs, "_write_item", _enospc) if where == "dcp"
-              else mock.patch.object(layout, "write_file", _enospc))
+    target = (
+        mock.patch.object(dcp_fs, "_write_item", _enospc)
+        if where == "dcp"
+        else mock.patch.object(layout, "write_file", _enospc)
+    )
     with target:
-        message = _error(f"checkpoint: disk full ({where})", lambda: par.save(tmp_path), "no space left on",
-                         "needs about", "is free", "step-00000001 is kept", kept=[str(first / "meta.json")])
+        message = _error(
+            f"checkpoint: disk full ({where})",
+            lambda: par.save(tmp_path),
+            "no space left on",
+            "needs about",
+            "is free",
+            "step-00000001 is kept",
+            kept=[str(first / "meta.json")],
+        )
     assert " B," in message or "iB," in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]  # no tmp-step-* left
     assert layout.latest(tmp_path) == first
@@ -70,8 +81,13 @@ def test_a_background_write_that_fails_is_one_line_at_the_next_step(tmp_path):
                     par.backward(model(torch.randn(3, 4)).sum())
                 time.sleep(0.05)
 
-        _error("checkpoint: disk full (background write)", next_step, "no space left on", "step-00000001 is kept",
-               kept=[str(first / "meta.json")])
+        _error(
+            "checkpoint: disk full (background write)",
+            next_step,
+            "no space left on",
+            "step-00000001 is kept",
+            kept=[str(first / "meta.json")],
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
     par.load(tmp_path)
 
@@ -93,8 +109,13 @@ def test_a_real_full_tmpfs(tmp_path):
         (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 8192))  # what the disk has left
         with par.step(model, opt):
             par.backward(model(__import__("torch").randn(2, 64)).sum())
-        _error("checkpoint: a real full tmpfs", lambda: par.save(disk), f"no space left on {disk} (tmpfs)",
-               "step-00000001 is kept", kept=[str(first / "meta.json")])
+        _error(
+            "checkpoint: a real full tmpfs",
+            lambda: par.save(disk),
+            f"no space left on {disk} (tmpfs)",
+            "step-00000001 is kept",
+            kept=[str(first / "meta.json")],
+        )
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "latest", "step-00000001"]
         par.load(disk)
     finally:
@@ -110,11 +131,14 @@ def test_save_into_a_file_is_one_line(tmp_path):
     assert a_file.read_text() == "keep me"
 
 
-@pytest.mark.parametrize("victim, words", [
-    ("__0_0.distcp", ["is damaged or unsafe", "a tensor file cannot be read", "load an older checkpoint"]),
-    ("train.pt", ["is damaged or unsafe: cannot load train.pt", "load an older checkpoint"]),
-    (".metadata", ["is damaged: cannot read .metadata"]),
-])
+@pytest.mark.parametrize(
+    "victim, words",
+    [
+        ("__0_0.distcp", ["is damaged or unsafe", "a tensor file cannot be read", "load an older checkpoint"]),
+        ("train.pt", ["is damaged or unsafe: cannot load train.pt", "load an older checkpoint"]),
+        (".metadata", ["is damaged: cannot read .metadata"]),
+    ],
+)
 def test_a_damaged_file_is_named_without_torchs_unsafe_advice(tmp_path, victim, words):
     folder = small_checkpoint(tmp_path / "ck")
     path = folder / victim

@@ -3,6 +3,7 @@
 Runs the CLI in this process (no launch, no subprocess), so the whole family costs about a second. Each case's
 outcome class is checked and tallied by :mod:`faults`.
 """
+
 import socket
 
 import pytest
@@ -33,8 +34,10 @@ ONE_LINE = [
     (["run"], "required"),
     # paratrain plan
     (["plan", "--model", "gpt2", "--gpus", "8", "--dp", "8", "--global-batch", "12"], "1.5 samples each"),
-    (["plan", "--model", "gpt2", "--gpus", "8", "--dp", "8", "--global-batch", "4"],
-     "(0.5 samples each); use a multiple of 8, e.g. 8"),
+    (
+        ["plan", "--model", "gpt2", "--gpus", "8", "--dp", "8", "--global-batch", "4"],
+        "(0.5 samples each); use a multiple of 8, e.g. 8",
+    ),
     (["plan", "--model", "nope"], "unknown model 'nope'"),
     (["plan", "--model", "gpt2", "--gpus", "0"], "--gpus must be >= 1"),
     (["plan", "--model", "gpt2", "--gpu", "nope"], "unknown GPU 'nope'"),
@@ -85,8 +88,19 @@ def test_bad_input_is_one_line(argv, words, tmp_path, monkeypatch):
     check(f"cli: {' '.join(argv)}".replace(str(SCRIPTS) + "/", ""), rc=rc, stderr=stderr, words=["paratrain", words])
 
 
-@pytest.mark.parametrize("argv", [["doctor", "--nope"], ["nope"], ["plan", "--gpus", "two"], ["export", "only_one"],
-                                  ["bench", "--threads", "x"], ["verify"], ["slurm"], ["k8s", SCRIPT]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["doctor", "--nope"],
+        ["nope"],
+        ["plan", "--gpus", "two"],
+        ["export", "only_one"],
+        ["bench", "--threads", "x"],
+        ["verify"],
+        ["slurm"],
+        ["k8s", SCRIPT],
+    ],
+)
 def test_argparse_errors_are_one_line(argv):
     rc, stderr = in_process(argv)
     check(f"cli: {' '.join(argv)}", rc=rc, stderr=stderr, words=["error:", "--help`"])
@@ -110,8 +124,9 @@ def test_a_bad_kubeflow_variable_is_one_line_naming_it(monkeypatch):
 def test_slurm_warns_about_a_script_that_is_not_here(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, stderr = in_process(["slurm", "--nodes", "2", "missing.py"])
-    check("cli: slurm missing.py", rc=rc, stderr=stderr, kind="warning", expect_rc=0,
-          words=["missing.py does not exist"])
+    check(
+        "cli: slurm missing.py", rc=rc, stderr=stderr, kind="warning", expect_rc=0, words=["missing.py does not exist"]
+    )
 
 
 def test_export_refuses_to_overwrite_or_write_a_directory(tmp_path):
@@ -121,8 +136,9 @@ def test_export_refuses_to_overwrite_or_write_a_directory(tmp_path):
     existing = tmp_path / "model.pt"
     existing.write_bytes(b"precious")
     rc, stderr = in_process(["export", str(ckpt), str(existing)])
-    check("cli: export onto an existing file", rc=rc, stderr=stderr, words=["exists; pass --force"],
-          kept=[str(existing)])
+    check(
+        "cli: export onto an existing file", rc=rc, stderr=stderr, words=["exists; pass --force"], kept=[str(existing)]
+    )
     assert existing.read_bytes() == b"precious"
     folder = tmp_path / "a_dir"
     folder.mkdir()

@@ -5,6 +5,7 @@ Every case asserts its outcome class (one line or one report, exit code, bounded
 Launches are the expensive part (3–10 s each on two busy cores), so there are nine: the API-misuse job checks
 twenty-one mistakes in one launch. Each subprocess has a hard timeout and every rank's pid is checked after.
 """
+
 import os
 import signal
 import socket
@@ -47,8 +48,14 @@ def _launch(case: str, out, *flags: str, **env: str) -> tuple[subprocess.Complet
 
 
 def _start_sleeping_job(out, *flags: str) -> subprocess.Popen:
-    proc = subprocess.Popen([*PARATRAIN, "run", "-n", "2", *flags, JOB, "sleep", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    proc = subprocess.Popen(
+        [*PARATRAIN, "run", "-n", "2", *flags, JOB, "sleep", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
     if not wait_for([out / "ready-0", out / "ready-1"], 60):
         proc.kill()
         pytest.fail(f"the job did not start: {proc.communicate(timeout=10)}")
@@ -65,8 +72,17 @@ def test_sigkill_of_the_launcher_leaves_no_worker(tmp_path, program):
     while alive(pids) and time.monotonic() - killed < 10:
         time.sleep(0.1)
     gone_after = time.monotonic() - killed
-    check("job: SIGKILL of paratrain run", rc=-9, expect_rc=-9, stderr="(killed)", kind="killed", lines=None,
-          seconds=gone_after, max_s=5, pids=pids)
+    check(
+        "job: SIGKILL of paratrain run",
+        rc=-9,
+        expect_rc=-9,
+        stderr="(killed)",
+        kind="killed",
+        lines=None,
+        seconds=gone_after,
+        max_s=5,
+        pids=pids,
+    )
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -76,23 +92,44 @@ def test_ctrl_c_and_sigterm_stop_every_rank_in_one_line(tmp_path, sig, code):
     sent = time.monotonic()
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
-    check(f"job: {sig.name} of paratrain run", rc=proc.returncode, expect_rc=code, stderr=stderr, kind="interrupted",
-          words=[f"paratrain: interrupted ({sig.name}), 2 ranks stopped in"], seconds=time.monotonic() - sent,
-          max_s=35, pids=pids)
+    check(
+        f"job: {sig.name} of paratrain run",
+        rc=proc.returncode,
+        expect_rc=code,
+        stderr=stderr,
+        kind="interrupted",
+        words=[f"paratrain: interrupted ({sig.name}), 2 ranks stopped in"],
+        seconds=time.monotonic() - sent,
+        max_s=35,
+        pids=pids,
+    )
 
 
 def test_a_user_exception_is_one_report_with_one_traceback(tmp_path):
     res, _ = _launch("user_error", tmp_path)
-    check("job: user exception on every rank", rc=res.returncode, expect_rc=1, stderr=res.stderr, kind="report",
-          lines=None, words=["paratrain: rank ", "failed", "ValueError: planted user error"], pids=_pids(tmp_path))
+    check(
+        "job: user exception on every rank",
+        rc=res.returncode,
+        expect_rc=1,
+        stderr=res.stderr,
+        kind="report",
+        lines=None,
+        words=["paratrain: rank ", "failed", "ValueError: planted user error"],
+        pids=_pids(tmp_path),
+    )
     assert res.stderr.count("Traceback") == 1 and res.stderr.startswith("paratrain: rank "), res.stderr
 
 
 def test_ranks_that_disagree_are_refused_at_construction_in_one_line(tmp_path):
     res, _ = _launch("disagree", tmp_path)
-    check("job: rank 0 ddp, rank 1 zero3", rc=res.returncode, expect_rc=1, stderr=res.stderr,
-          words=["the ranks of this job disagree: strategy: 'ddp", "on rank 0, 'zero3", "on rank 1"],
-          pids=_pids(tmp_path))
+    check(
+        "job: rank 0 ddp, rank 1 zero3",
+        rc=res.returncode,
+        expect_rc=1,
+        stderr=res.stderr,
+        words=["the ranks of this job disagree: strategy: 'ddp", "on rank 0, 'zero3", "on rank 1"],
+        pids=_pids(tmp_path),
+    )
 
 
 def test_a_collective_only_one_rank_calls_speaks_while_it_waits_and_names_the_calls(tmp_path):
@@ -103,22 +140,38 @@ def test_a_collective_only_one_rank_calls_speaks_while_it_waits_and_names_the_ca
             break
     waits = [line for line in lines if "has waited" in line]
     # each wait report, from either rank (both wait: rank 0 in par.mean, rank 1 in par.close), names both calls
-    assert waits and all("par.mean #1 (fault_job.py:" in line and "par.close #1 (fault_job.py:" in line
-                         for line in waits), res.stderr
+    assert waits and all(
+        "par.mean #1 (fault_job.py:" in line and "par.close #1 (fault_job.py:" in line for line in waits
+    ), res.stderr
     # Both ranks wait with the same timeout: whichever gives up first says the calls did not match (rank 0 in
     # par.mean, or rank 1 in par.close), or rank 1 leaves and rank 0 names it as the rank that left first. Either
     # way the one line names both calls.
-    check("job: only rank 0 calls par.mean", rc=res.returncode, expect_rc=1, stderr=res.stderr, kind="wait report",
-          lines=len(waits) + 1, words=["par.mean #1 (fault_job.py:", "par.close #1"],
-          seconds=seconds, max_s=60, pids=_pids(tmp_path))
+    check(
+        "job: only rank 0 calls par.mean",
+        rc=res.returncode,
+        expect_rc=1,
+        stderr=res.stderr,
+        kind="wait report",
+        lines=len(waits) + 1,
+        words=["par.mean #1 (fault_job.py:", "par.close #1"],
+        seconds=seconds,
+        max_s=60,
+        pids=_pids(tmp_path),
+    )
     last = lines[-1]
     assert "made different paratrain calls" in last or "rank 1 left the job first" in last, res.stderr
 
 
 def test_the_rank_that_left_first_is_named(tmp_path):
     res, _ = _launch("exit_early", tmp_path)
-    check("job: rank 1 calls sys.exit(0) early", rc=res.returncode, expect_rc=1, stderr=res.stderr,
-          words=["rank 1 left the job first", "while rank 0 was in par.mean #1"], pids=_pids(tmp_path))
+    check(
+        "job: rank 1 calls sys.exit(0) early",
+        rc=res.returncode,
+        expect_rc=1,
+        stderr=res.stderr,
+        words=["rank 1 left the job first", "while rank 0 was in par.mean #1"],
+        pids=_pids(tmp_path),
+    )
 
 
 def test_api_misuse_inside_a_job_is_one_paratrain_error_each(tmp_path):
@@ -129,8 +182,12 @@ def test_api_misuse_inside_a_job_is_one_paratrain_error_each(tmp_path):
     assert len(per_rank[0]) == 22
     for line in per_rank[0]:
         case, kind, message = line.split("\t")
-        check(f"job API: {case}", rc=2 if kind.startswith("paratrain.errors.") else 0, stderr=message,
-              words=[] if "(MULTI-LINE)" not in message else ["<one line>"])
+        check(
+            f"job API: {case}",
+            rc=2 if kind.startswith("paratrain.errors.") else 0,
+            stderr=message,
+            words=[] if "(MULTI-LINE)" not in message else ["<one line>"],
+        )
     assert not alive(_pids(tmp_path))
 
 
@@ -138,13 +195,35 @@ def test_a_rendezvous_without_its_other_node_speaks_and_ends(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    res, seconds = _launch("user_error", tmp_path, "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
-                           "--master-port", str(port), "--rdzv-timeout", "6", PARATRAIN_RDZV_REPORT_S="2")
+    res, seconds = _launch(
+        "user_error",
+        tmp_path,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--rdzv-timeout",
+        "6",
+        PARATRAIN_RDZV_REPORT_S="2",
+    )
     lines = res.stderr.strip().splitlines()
     waits = [line for line in lines if "waiting for the other nodes" in line]
     assert waits and "1 of 2 joined (node 0 on " in waits[0] and "s left" in waits[0], res.stderr
-    check("job: --nnodes 2 without the other node", rc=res.returncode, expect_rc=2, stderr=res.stderr,
-          kind="wait report", lines=len(lines), words=["joined the rendezvous", "within 6 s"], seconds=seconds,
-          max_s=45)
+    check(
+        "job: --nnodes 2 without the other node",
+        rc=res.returncode,
+        expect_rc=2,
+        stderr=res.stderr,
+        kind="wait report",
+        lines=len(lines),
+        words=["joined the rendezvous", "within 6 s"],
+        seconds=seconds,
+        max_s=45,
+    )
     assert lines[-1].startswith("paratrain: error: ") and len(lines) == len(waits) + 1 + sum(
-        "reaches" in line or "loopback" in line for line in lines), res.stderr
+        "reaches" in line or "loopback" in line for line in lines
+    ), res.stderr

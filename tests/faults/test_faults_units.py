@@ -1,5 +1,6 @@
 """The fault machinery's parts in one process: failure reports, rank agreement, the call watch over a real
 store, the launcher's signal settings, the epoch without a step."""
+
 import io
 import json
 import os
@@ -36,13 +37,20 @@ def _failure(exitcode: int, trace: str | None, timestamp: int = 100):
 
 def test_a_sigabrt_is_not_blamed_on_memory():
     report = format_failure(RankFailedError(rank=1, exitcode=-6, host="h", pid=2, traceback=None))
-    check("report: rank aborted by SIGABRT", rc=1, expect_rc=1, stderr=report, kind="report", lines=3,
-          words=["killed by SIGABRT", "aborted inside torch's C++ code", "TORCH_DISTRIBUTED_DEBUG=DETAIL"])
+    check(
+        "report: rank aborted by SIGABRT",
+        rc=1,
+        expect_rc=1,
+        stderr=report,
+        kind="report",
+        lines=3,
+        words=["killed by SIGABRT", "aborted inside torch's C++ code", "TORCH_DISTRIBUTED_DEBUG=DETAIL"],
+    )
     assert "out of memory" not in report
 
 
 def test_a_paratrain_error_is_one_line_with_every_rank_that_raised_it():
-    trace = "Traceback (most recent call last):\n  File \"t.py\", line 1\nparatrain.errors.ConfigError: bad thing\n"
+    trace = 'Traceback (most recent call last):\n  File "t.py", line 1\nparatrain.errors.ConfigError: bad thing\n'
     err = from_child_failed(SimpleNamespace(failures={1: _failure(1, trace), 0: _failure(1, trace)}))
     assert format_failure(err) == "paratrain: error: bad thing (ranks 0, 1)"
 
@@ -56,8 +64,10 @@ def test_the_root_cause_is_a_ranks_own_error_not_the_peer_that_lost_it():
     assert killed.rank == 1
     noticed_later = {0: _failure(1, lost, timestamp=100), 1: _failure(-9, None, timestamp=101)}
     assert from_child_failed(SimpleNamespace(failures=noticed_later)).rank == 1  # stamped when the agent saw it
-    left = ("Traceback …\nparatrain.errors.CollectiveError: rank 1 left the job first (exited 0 s ago after "
-            "par.step #5 (job.py:9)) while rank 0 was in par.step #6 (job.py:9); every rank must make the same …\n")
+    left = (
+        "Traceback …\nparatrain.errors.CollectiveError: rank 1 left the job first (exited 0 s ago after "
+        "par.step #5 (job.py:9)) while rank 0 was in par.step #6 (job.py:9); every rank must make the same …\n"
+    )
     assert from_child_failed(SimpleNamespace(failures={0: _failure(1, left), 1: _failure(1, own)})).rank == 1
 
 
@@ -93,8 +103,11 @@ def test_a_finished_workers_exit_code_and_exit_timeout():
 
 
 def test_disagreements_name_the_ranks_and_values():
-    per_rank = [{"strategy": "ddp", "accumulate": "1"}, {"strategy": "zero3", "accumulate": "1"},
-                {"strategy": "ddp", "accumulate": "1"}]
+    per_rank = [
+        {"strategy": "ddp", "accumulate": "1"},
+        {"strategy": "zero3", "accumulate": "1"},
+        {"strategy": "ddp", "accumulate": "1"},
+    ]
     assert disagreements(per_rank) == ["strategy: 'ddp' on ranks 0, 2, 'zero3' on rank 1"]
     assert disagreements(per_rank[:1] * 3) == []
 
@@ -111,7 +124,8 @@ def test_nodes_with_different_process_counts_agree_unless_the_layout_follows_the
 
     assert disagreements([agreed("ddp", 4), agreed("ddp", 2)]) == []
     assert disagreements([agreed("hsdp", 4), agreed("hsdp", 2)]) == [
-        "mesh: \"{'replicate': 2, 'shard': 4}\" on rank 0, \"{'replicate': 4, 'shard': 2}\" on rank 1"]
+        "mesh: \"{'replicate': 2, 'shard': 4}\" on rank 0, \"{'replicate': 4, 'shard': 2}\" on rank 1"
+    ]
 
 
 @pytest.fixture
@@ -136,8 +150,11 @@ def test_a_rank_alone_in_work_every_rank_must_do_fails_at_once_naming_the_peer_t
             pass
     _publish(store, 1, Call("par.step", 5, "train.py:30", time.time(), active=True))
     started = time.monotonic()
-    with pytest.raises(CollectiveError, match=r"rank 0 is alone in the model's forward \(test_faults_units.py:\d+\): "
-                                              r"rank 1 went on to par.step #5 \(train.py:30\); evaluate everywhere"):
+    with pytest.raises(
+        CollectiveError,
+        match=r"rank 0 is alone in the model's forward \(test_faults_units.py:\d+\): "
+        r"rank 1 went on to par.step #5 \(train.py:30\); evaluate everywhere",
+    ):
         watch.meet("the model's forward", "evaluate everywhere")
     assert time.monotonic() - started < 5  # a bound that catches a hang
     watch.close()
@@ -204,17 +221,30 @@ def test_a_long_wait_names_the_rank_not_arrived_and_its_last_call(store):
         time.sleep(1.0)
     watch.close()
     lines = err.getvalue().strip().splitlines()
-    check("watch: a wait past the report threshold", rc=1, expect_rc=1, stderr=lines[0] if lines else "",
-          kind="wait report", words=["rank 0 has waited", "in par.mean #1 (test_faults_units.py:",
-                                     "for rank 1: rank 1 last called par.step #7 (train.py:9)", "it fails in"])
+    check(
+        "watch: a wait past the report threshold",
+        rc=1,
+        expect_rc=1,
+        stderr=lines[0] if lines else "",
+        kind="wait report",
+        words=[
+            "rank 0 has waited",
+            "in par.mean #1 (test_faults_units.py:",
+            "for rank 1: rank 1 last called par.step #7 (train.py:9)",
+            "it fails in",
+        ],
+    )
     assert 1 <= len(lines) <= 3
 
 
 def test_a_peer_that_exited_first_is_named_in_place_of_a_lost_connection(store):
     watch = CallWatch(0, 2, timeout_s=30, report_after_s=10)
     _publish(store, 1, Call("par.step", 3, "train.py:9", time.time(), exited=True))
-    with pytest.raises(CollectiveError, match=r"rank 1 left the job first \(exited .* after par.step #3 "
-                                              r"\(train.py:9\)\) while rank 0 was in par.barrier #1"):
+    with pytest.raises(
+        CollectiveError,
+        match=r"rank 1 left the job first \(exited .* after par.step #3 "
+        r"\(train.py:9\)\) while rank 0 was in par.barrier #1",
+    ):
         with watch.call("par.barrier"):
             raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:555")
     with pytest.raises(ValueError, match="a user's own error"):  # anything else passes through unchanged
@@ -226,8 +256,11 @@ def test_a_peer_that_exited_first_is_named_in_place_of_a_lost_connection(store):
 def test_a_timeout_names_the_calls_that_did_not_match(store):
     watch = CallWatch(0, 2, timeout_s=5, report_after_s=10)
     _publish(store, 1, Call("par.close", 1, "train.py:20", time.time() - 5, active=True))
-    with pytest.raises(CollectiveError, match=r"gave up on par.mean #1 .* after 5 s: the ranks made different "
-                                              r"paratrain calls: rank 1 is in par.close #1 \(train.py:20\)"):
+    with pytest.raises(
+        CollectiveError,
+        match=r"gave up on par.mean #1 .* after 5 s: the ranks made different "
+        r"paratrain calls: rank 1 is in par.close #1 \(train.py:20\)",
+    ):
         with watch.call("par.mean"):
             raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
     watch.close()
@@ -270,5 +303,11 @@ def test_an_epoch_without_an_optimizer_step_is_said_once(capsys):
             with par.step(model, opt):
                 par.backward(model(x).sum())
     err = capsys.readouterr().err
-    check("loop: an epoch that takes no optimizer step", rc=0, expect_rc=0, stderr=err, kind="warning",
-          words=["paratrain: warning: epoch 0 took no optimizer step (accumulate=4"])
+    check(
+        "loop: an epoch that takes no optimizer step",
+        rc=0,
+        expect_rc=0,
+        stderr=err,
+        kind="warning",
+        words=["paratrain: warning: epoch 0 took no optimizer step (accumulate=4"],
+    )

@@ -1,6 +1,7 @@
 """The GPU suite on the host, so a broken case fails `make test` before it reaches a GPU: every case's worker takes
 the arguments it is given, a few cases run as the suite runs them (world 2, gloo) and pass, and the placement probe
 notes what it must (a tensor off its device, a wrong current CUDA device)."""
+
 import inspect
 
 import pytest

@@ -4,6 +4,7 @@ global batch, and every rank's parameters, gradients, optimizer state and curren
 One launched job per world size runs every case (tests/helpers/gpu_job.py, the cases in tests/helpers/gpu_cases.py);
 a world needing more GPUs than the machine has is skipped, saying how many it found.
 """
+
 import pytest
 import torch
 from helpers.gpu_cases import layouts

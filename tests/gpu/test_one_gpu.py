@@ -4,6 +4,7 @@ optimizers, CPU offload with clipping, asynchronous staging, a meta build with `
 
 NCCL refuses two ranks on one GPU, so everything with several ranks is in test_multi_gpu.py.
 """
+
 import pytest
 import torch
 from helpers.gpu_cases import one_gpu
@@ -12,8 +13,11 @@ from helpers.gpu_job import judge, run_job
 from paratrain.testing import alive, child_pids, spawn
 
 JOB_S = 300
-pytestmark = [pytest.mark.gpu, pytest.mark.launched,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.launched,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 @pytest.fixture(scope="module")

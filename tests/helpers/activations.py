@@ -1,4 +1,5 @@
 """What autograd saves during a real forward: the measure the planner's activation formulas are held to."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ A launched job is expensive (seconds to start, a process group to build), so a s
 size and runs all its cases in it. A case that raises a paratrain error is reported as ``{"error": its one line}``
 instead of stopping the rest: every rank refuses alike, in ``prepare``, so the ranks stay in step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
@@ -22,8 +23,9 @@ def each_call(calls: Sequence[tuple[str, Callable[..., Any], tuple, dict]]) -> d
     return each_case(calls, lambda _, c: c[1](*c[2], **c[3]), key=lambda c: c[0], every_rank=True)
 
 
-def each_case(cases: Sequence[Any], run: Callable[[int, Any], Any], key: Callable[[Any], Hashable], *,
-              every_rank: bool = False) -> dict:
+def each_case(
+    cases: Sequence[Any], run: Callable[[int, Any], Any], key: Callable[[Any], Hashable], *, every_rank: bool = False
+) -> dict:
     """``run(index, case)`` for every case, keyed ``key(case)``; rank 0 returns them all, the others ``{}`` (with
     ``every_rank``, each rank its own: for tests that compare the ranks)."""
     torch.set_num_threads(1)

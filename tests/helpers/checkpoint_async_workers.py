@@ -3,6 +3,7 @@
 Every DCP write here starts late (:func:`slow_writes`), so training steps on while a background save is written:
 had the save not been staged (copied), the steps taken meanwhile would show in what it wrote.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,9 +19,15 @@ from helpers.checkpoint_workers import train
 from helpers.ps_workers import PER_RANK, Recommender, recommender_batch
 
 STEPS, SAVE_AT = 8, 3
-CASES = [("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}),
-         ("tp", {"tp_plan": {"0": "colwise", "3": "rowwise"}}),
-         ("pipeline", {"schedule": "gpipe", "microbatches": 2}), ("model_parallel", {})]
+CASES = [
+    ("ddp", {}),
+    ("zero1", {}),
+    ("zero2", {}),
+    ("zero3", {}),
+    ("tp", {"tp_plan": {"0": "colwise", "3": "rowwise"}}),
+    ("pipeline", {"schedule": "gpipe", "microbatches": 2}),
+    ("model_parallel", {}),
+]
 
 
 def slow_writes(seconds: float) -> None:
@@ -46,11 +53,15 @@ def run_cases(root: str) -> dict:
 def _case(root: Path, index: int, case: tuple[str, dict]) -> dict:
     strategy, options = case
     base = root / f"{index}-{strategy}"
-    runs = {"blocking": train(strategy, STEPS, str(base / "blocking"), save_at=SAVE_AT, options=options),
-            "async": train(strategy, STEPS, str(base / "async"), save_at=SAVE_AT, options=options, async_save=True),
-            "resumed": train(strategy, STEPS, str(base / "async"), load=True, options=options)}
-    return {name: {k: run[k] for k in ("params", "optim", "lr", "batches", "published_on_return")}
-            for name, run in runs.items()}
+    runs = {
+        "blocking": train(strategy, STEPS, str(base / "blocking"), save_at=SAVE_AT, options=options),
+        "async": train(strategy, STEPS, str(base / "async"), save_at=SAVE_AT, options=options, async_save=True),
+        "resumed": train(strategy, STEPS, str(base / "async"), load=True, options=options),
+    }
+    return {
+        name: {k: run[k] for k in ("params", "optim", "lr", "batches", "published_on_return")}
+        for name, run in runs.items()
+    }
 
 
 def run_ps(root: str, steps: int = 4, at: int = 2) -> dict | None:
@@ -79,5 +90,10 @@ def run_ps(root: str, steps: int = 4, at: int = 2) -> dict | None:
     loaded = par.full_state_dict(model)
     again = train_to(steps)
     par.close()
-    return {"saved": saved, "first": first, "loaded": loaded, "again": again,
-            "published_on_return": published_on_return}
+    return {
+        "saved": saved,
+        "first": first,
+        "loaded": loaded,
+        "again": again,
+        "published_on_return": published_on_return,
+    }

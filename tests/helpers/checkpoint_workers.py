@@ -1,4 +1,5 @@
 """Module-level functions that checkpoint tests run on several processes through ``paratrain.launch``."""
+
 from __future__ import annotations
 
 import random
@@ -14,8 +15,7 @@ SAMPLES = 96  # 12 optimizer steps per epoch at a global batch of 8
 
 
 def dropout_model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
 def dataset() -> TensorDataset:
@@ -23,8 +23,17 @@ def dataset() -> TensorDataset:
     return TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randint(0, 4, (SAMPLES,), generator=g))
 
 
-def train(strategy: str, steps: int, ckpt: str, *, save_at: int | None = None, load: bool = False,
-          global_batch: int = 8, options: dict | None = None, async_save: bool = False) -> dict[str, object]:
+def train(
+    strategy: str,
+    steps: int,
+    ckpt: str,
+    *,
+    save_at: int | None = None,
+    load: bool = False,
+    global_batch: int = 8,
+    options: dict | None = None,
+    async_save: bool = False,
+) -> dict[str, object]:
     """Train ``steps`` optimizer steps of a dropout MLP with Adam, a scheduler, shuffled data and random noise
     from torch, NumPy and Python; save at step ``save_at`` (``async_save``: in the background) and/or start by
     loading ``ckpt``.
@@ -65,11 +74,24 @@ def train(strategy: str, steps: int, ckpt: str, *, save_at: int | None = None, l
             break
     params = par.full_state_dict(model, rank0_only=False)
     full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-    optim_state = ({k: v for k, v in get_optimizer_state_dict(par.unwrap(model), optimizer, options=full).items()
-                    if k.startswith("state.")} if strategy != "zero1" else {})
-    out = {"params": params, "optim": optim_state, "lr": optimizer.param_groups[0]["lr"],
-           "resumed_at": resumed_at, "batches": batches, "step": par.optimizer_steps,
-           "published_on_return": published_on_return}
+    optim_state = (
+        {
+            k: v
+            for k, v in get_optimizer_state_dict(par.unwrap(model), optimizer, options=full).items()
+            if k.startswith("state.")
+        }
+        if strategy != "zero1"
+        else {}
+    )
+    out = {
+        "params": params,
+        "optim": optim_state,
+        "lr": optimizer.param_groups[0]["lr"],
+        "resumed_at": resumed_at,
+        "batches": batches,
+        "step": par.optimizer_steps,
+        "published_on_return": published_on_return,
+    }
     par.close()
     return out
 

@@ -1,5 +1,6 @@
 """The one way tests run the CLI: as a subprocess (``run_cli(...)``, what a user's shell does) or in this process
 (``in_process(...)``, for its exit code and stderr without starting an interpreter)."""
+
 from __future__ import annotations
 
 import contextlib

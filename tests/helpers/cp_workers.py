@@ -12,6 +12,7 @@ checkpoint and takes the last step again. How a step feeds the model (``mode``):
 * ``loss_fn``: ``par.forward_backward(model, x, y, loss_fn)`` with targets aligned to the inputs (some ignored);
 * ``own``: ``par.forward_backward(model, x, y)`` on a model that computes its loss itself, nanoGPT's ``model(x, y)``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,29 +36,60 @@ def llama(kv_heads: int = 4) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=8, num_key_value_heads=kv_heads, vocab_size=VOCAB,
-                                        max_position_embeddings=SEQ, tie_word_embeddings=False, bos_token_id=0,
-                                        eos_token_id=0))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=kv_heads,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def qwen2() -> nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
-                                        attn_implementation="eager"))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="eager",
+        )
+    )
 
 
 def gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                      eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def gpt() -> nn.Module:
@@ -79,8 +111,13 @@ class GPTWithLoss(nn.Module):
         return logits, lm_loss(logits, targets)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "gpt": gpt,
-                                              "gpt_loss": GPTWithLoss}
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "llama": llama,
+    "qwen2": qwen2,
+    "gpt2": gpt2,
+    "gpt": gpt,
+    "gpt_loss": GPTWithLoss,
+}
 
 
 def batch(step: int, size: int, length: int = SEQ) -> dict[str, torch.Tensor]:
@@ -90,10 +127,14 @@ def batch(step: int, size: int, length: int = SEQ) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (size, length + 1), generator=g)
     mask = torch.ones(size, length, dtype=torch.long)
     for i in range(size):
-        mask[i, length - int(torch.randint(0, length // 2, (1,), generator=g)):] = 0
+        mask[i, length - int(torch.randint(0, length // 2, (1,), generator=g)) :] = 0
     labels = ids[:, :-1].masked_fill(mask == 0, -100).masked_fill(torch.rand(size, length, generator=g) < 0.2, -100)
-    return {"input_ids": ids[:, :-1], "attention_mask": mask, "labels": labels,
-            "targets": ids[:, 1:].masked_fill(labels == -100, -100)}
+    return {
+        "input_ids": ids[:, :-1],
+        "attention_mask": mask,
+        "labels": labels,
+        "targets": ids[:, 1:].masked_fill(labels == -100, -100),
+    }
 
 
 def lm_loss(out: object, target: torch.Tensor) -> torch.Tensor:
@@ -112,11 +153,12 @@ def step_loss(model: nn.Module, b: dict[str, torch.Tensor], mode: str) -> torch.
     return lm_loss(model(b["input_ids"]), b["targets"])
 
 
-def _train(par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer, mode: str,
-           steps: range) -> list[float]:
+def _train(
+    par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer, mode: str, steps: range
+) -> list[float]:
     size, rank, losses = par.data_parallel_size, par.data_parallel_rank, []
     for s in steps:
-        b = {k: v[rank * PER_RANK:(rank + 1) * PER_RANK].to(par.device) for k, v in batch(s, size * PER_RANK).items()}
+        b = {k: v[rank * PER_RANK : (rank + 1) * PER_RANK].to(par.device) for k, v in batch(s, size * PER_RANK).items()}
         with par.step(model, opt):
             if mode == "labels":
                 loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
@@ -166,7 +208,7 @@ def reference(name: str, mode: str, replicas: int) -> tuple[dict[str, torch.Tens
         b = batch(s, replicas * PER_RANK)
         total = 0.0
         for r in range(replicas):
-            loss = step_loss(model, {k: v[r * PER_RANK:(r + 1) * PER_RANK] for k, v in b.items()}, mode) / replicas
+            loss = step_loss(model, {k: v[r * PER_RANK : (r + 1) * PER_RANK] for k, v in b.items()}, mode) / replicas
             loss.backward()
             total += loss.item()
         losses.append(total)

@@ -7,6 +7,7 @@ recorded (and reported as the group's configuration), and so is the current devi
 CUDA is where torch puts the pickled object. Nothing runs on the fake devices: a CPU-only torch aborts on autograd over
 fake CUDA tensors.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,10 +65,12 @@ def cuda_shaped(monkeypatch: pytest.MonkeyPatch, gpus: int = 8) -> CudaShaped:
 def launched_as(rank: int, local_rank: int, world_size: int, local_world_size: int) -> ClusterEnv:
     """The ranks torchrun gives this process, in the environment (the tests' autouse fixture restores it) and as the
     ``env`` to pass ``Parallel``. No master address: that would start the call watch's TCP store client."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(local_world_size))
-    return ClusterEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
-                      launched=True)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(local_world_size)
+    )
+    return ClusterEnv(
+        rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size, launched=True
+    )
 
 
 def _fake_init(machine: CudaShaped) -> Callable[..., None]:
@@ -75,8 +78,15 @@ def _fake_init(machine: CudaShaped) -> Callable[..., None]:
 
     real = dist.init_process_group
 
-    def init(backend: str | None = None, init_method: str | None = None, *, rank: int = -1, world_size: int = -1,
-             device_id: torch.device | None = None, **_: Any) -> None:
+    def init(
+        backend: str | None = None,
+        init_method: str | None = None,
+        *,
+        rank: int = -1,
+        world_size: int = -1,
+        device_id: torch.device | None = None,
+        **_: Any,
+    ) -> None:
         machine.groups.append({"backend": backend, "device_id": device_id, "current": machine.current})
         rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
         world_size = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,4 +1,5 @@
 """Module-level functions that tests run on several processes through ``paratrain.launch``."""
+
 from __future__ import annotations
 
 import inspect
@@ -17,8 +18,9 @@ import paratrain
 
 def build_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
 
 
 def global_batches(steps: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,8 +29,15 @@ def global_batches(steps: int, global_batch: int) -> tuple[torch.Tensor, torch.T
     return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
-def train_params(strategy: str, accumulate: int, steps: int, per_rank_batch: int, world: int,
-                 options: dict | None = None, **parallel_kwargs: object) -> dict[str, torch.Tensor]:
+def train_params(
+    strategy: str,
+    accumulate: int,
+    steps: int,
+    per_rank_batch: int,
+    world: int,
+    options: dict | None = None,
+    **parallel_kwargs: object,
+) -> dict[str, torch.Tensor]:
     """``steps`` optimizer steps; each reads a global batch of replicas x accumulate x per_rank_batch samples.
 
     Each data-parallel replica takes its slice of every micro-batch (the stages of a pipeline read the same
@@ -41,8 +50,8 @@ def train_params(strategy: str, accumulate: int, steps: int, per_rank_batch: int
     micro = replicas * per_rank_batch
     x, y = global_batches(steps * accumulate, micro)
     for s in range(steps * accumulate):
-        xs = x[s * micro:(s + 1) * micro][r * per_rank_batch:(r + 1) * per_rank_batch].to(par.device)
-        ys = y[s * micro:(s + 1) * micro][r * per_rank_batch:(r + 1) * per_rank_batch].to(par.device)
+        xs = x[s * micro : (s + 1) * micro][r * per_rank_batch : (r + 1) * per_rank_batch].to(par.device)
+        ys = y[s * micro : (s + 1) * micro][r * per_rank_batch : (r + 1) * per_rank_batch].to(par.device)
         with par.step(model, opt):
             par.forward_backward(model, xs, ys, nn.functional.cross_entropy)
     out = par.full_state_dict(model, rank0_only=False)
@@ -84,8 +93,14 @@ def seeding_probe(seed: int) -> dict[str, object]:
 def reductions() -> tuple[float, float, list[float], int, int, float]:
     par = paratrain.Parallel("ddp")
     r = par.rank
-    out = (par.mean(float(r)), par.sum(r + 1.0), par.mean(torch.tensor([r, 2.0 * r])).tolist(),
-           int(par.sum(torch.tensor(r + 1))), par.sum(30 - r), par.mean(r))
+    out = (
+        par.mean(float(r)),
+        par.sum(r + 1.0),
+        par.mean(torch.tensor([r, 2.0 * r])).tolist(),
+        int(par.sum(torch.tensor(r + 1))),
+        par.sum(30 - r),
+        par.mean(r),
+    )
     par.barrier()
     par.close()
     return out
@@ -152,11 +167,16 @@ def state_bytes(strategy: str, blocks: int = 8, width: int = 64) -> dict[str, in
         par.backward(loss)
         grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's shard in .optim
-    optim_state = sum(_local_bytes(v) for s in inner.state.values() for v in s.values()
-                      if isinstance(v, torch.Tensor) and v.dim() > 0)
+    optim_state = sum(
+        _local_bytes(v) for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     par.close()
-    return {"params": max(at_rest, in_step), "grads": grads, "optim": optim_state,
-            "full_params": sum(p.numel() * 4 for p in state_model(blocks, width).parameters())}
+    return {
+        "params": max(at_rest, in_step),
+        "grads": grads,
+        "optim": optim_state,
+        "full_params": sum(p.numel() * 4 for p in state_model(blocks, width).parameters()),
+    }
 
 
 def state_model(blocks: int = 8, width: int = 64) -> nn.Sequential:
@@ -229,6 +249,7 @@ def received_bytes() -> Iterator[list[int]]:
         def call(*args: object, **kwargs: object) -> object:
             total[0] += _received(inner[name], args, kwargs)
             return inner[name](*args, **kwargs)
+
         return call
 
     for name in inner:
@@ -259,8 +280,9 @@ def pipeline_traffic(strategy: str) -> dict[str, object]:
                 consolidated = par.full_state_dict(model)
             with received_bytes() as every:
                 par.full_state_dict(model, rank0_only=False)
-            out.update(rank0_only=rank0[0], every=every[0], own=own, whole=whole, keys=len(consolidated),
-                       last=model.is_last)
+            out.update(
+                rank0_only=rank0[0], every=every[0], own=own, whole=whole, keys=len(consolidated), last=model.is_last
+            )
         model.eval()
         x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -279,16 +301,17 @@ def pipeline_bad_inputs() -> list[str]:
     """
     errors = []
     cases = [
-        ({"split": [9]}, build_model(), 8),                # cut point past the last layer
-        ({}, nn.Linear(4, 4), 8),                          # not an nn.Sequential
-        ({"microbatches": 3}, build_model(), 8),           # 8 samples do not split into 3
+        ({"split": [9]}, build_model(), 8),  # cut point past the last layer
+        ({}, nn.Linear(4, 4), 8),  # not an nn.Sequential
+        ({"microbatches": 3}, build_model(), 8),  # 8 samples do not split into 3
     ]
     for options, model, batch in cases:
         par = paratrain.Parallel("pipeline", **options)
         try:
             model = par.prepare(model)
-            par.forward_backward(model, torch.randn(batch, 8), torch.randint(0, 4, (batch,)),
-                                 nn.functional.cross_entropy)
+            par.forward_backward(
+                model, torch.randn(batch, 8), torch.randint(0, 4, (batch,)), nn.functional.cross_entropy
+            )
         except paratrain.ConfigError as err:
             errors.append(str(err))
     return errors

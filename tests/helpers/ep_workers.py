@@ -3,6 +3,7 @@ one-process references: tiny transformers Mixtral, Qwen3-MoE, GPT-OSS (expert bi
 shared expert) and our GPT with experts, trained a few steps under ``Parallel(strategy, ep=E)``, saved, resumed, and
 loaded at another ``ep``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,10 +29,20 @@ def mixtral(router_loss: bool = False, experts: int = 4) -> nn.Module:
 
     _quiet_transformers()
     torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=65,
-                                            num_local_experts=experts, num_experts_per_tok=2,
-                                            max_position_embeddings=16, output_router_logits=router_loss))
+    return MixtralForCausalLM(
+        MixtralConfig(
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=65,
+            num_local_experts=experts,
+            num_experts_per_tok=2,
+            max_position_embeddings=16,
+            output_router_logits=router_loss,
+        )
+    )
 
 
 def qwen3_moe() -> nn.Module:
@@ -39,10 +50,22 @@ def qwen3_moe() -> nn.Module:
 
     _quiet_transformers()
     torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                              head_dim=8, vocab_size=65, num_experts=8, num_experts_per_tok=2,
-                                              mlp_only_layers=[0], max_position_embeddings=16))
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=65,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mlp_only_layers=[0],
+            max_position_embeddings=16,
+        )
+    )
 
 
 def gpt_oss() -> nn.Module:
@@ -50,10 +73,21 @@ def gpt_oss() -> nn.Module:
 
     _quiet_transformers()
     torch.manual_seed(0)
-    return GptOssForCausalLM(GptOssConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=65,
-                                          num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
-                                          layer_types=["full_attention"] * 2))
+    return GptOssForCausalLM(
+        GptOssConfig(
+            hidden_size=32,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=65,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=16,
+            layer_types=["full_attention"] * 2,
+        )
+    )
 
 
 def olmoe() -> nn.Module:
@@ -61,9 +95,19 @@ def olmoe() -> nn.Module:
 
     _quiet_transformers()
     torch.manual_seed(0)
-    return OlmoeForCausalLM(OlmoeConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=65, num_experts=4,
-                                        num_experts_per_tok=2, max_position_embeddings=16))
+    return OlmoeForCausalLM(
+        OlmoeConfig(
+            hidden_size=32,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=65,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=16,
+        )
+    )
 
 
 def qwen2_moe() -> nn.Module:
@@ -71,10 +115,21 @@ def qwen2_moe() -> nn.Module:
 
     _quiet_transformers()
     torch.manual_seed(0)
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                              shared_expert_intermediate_size=16, num_hidden_layers=2,
-                                              num_attention_heads=2, num_key_value_heads=1, vocab_size=65,
-                                              num_experts=4, num_experts_per_tok=2, max_position_embeddings=16))
+    return Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=65,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=16,
+        )
+    )
 
 
 def gpt_moe(layers: int = 2) -> nn.Module:
@@ -83,8 +138,20 @@ def gpt_moe(layers: int = 2) -> nn.Module:
     from paratrain.workloads.gpt import GPT
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(layers=layers, hidden=32, heads=2, seq_len=8, vocab=65, gated=True, bias=False, tied=False,
-                         learned_positions=False, moe=MoE(experts=4, top_k=2, ffn=16, shared=16)))
+    return GPT(
+        GPTConfig(
+            layers=layers,
+            hidden=32,
+            heads=2,
+            seq_len=8,
+            vocab=65,
+            gated=True,
+            bias=False,
+            tied=False,
+            learned_positions=False,
+            moe=MoE(experts=4, top_k=2, ffn=16, shared=16),
+        )
+    )
 
 
 def _adamw(model: nn.Module, **path: bool) -> torch.optim.Optimizer:
@@ -101,24 +168,28 @@ def cpu_fp16() -> Iterator[None]:
     """``precision="fp16-mixed"`` on CPU: its grad scaler on the CPU (paratrain needs CUDA for fp16, for speed)."""
     from paratrain.precision import FP16Mixed, ScalerByLayout
 
-    with mock.patch.object(FP16Mixed, "validate", lambda self, device: setattr(self, "scaler",
-                                                                               ScalerByLayout(device.type))):
+    with mock.patch.object(
+        FP16Mixed, "validate", lambda self, device: setattr(self, "scaler", ScalerByLayout(device.type))
+    ):
         yield
 
 
-MODELS = {m.name: m for m in (
-    ZooModel("mixtral", mixtral, _tokens, _lm_loss, _sgd),
-    ZooModel("mixtral_aux", lambda: mixtral(router_loss=True), _tokens, _lm_loss, _sgd),
-    ZooModel("mixtral2", lambda: mixtral(experts=2), _tokens, _lm_loss, _sgd),  # 1 expert a rank at ep=2
-    ZooModel("qwen3_moe", qwen3_moe, _tokens, _lm_loss, _adamw),
-    ZooModel("mixtral_adamw", mixtral, _tokens, _lm_loss, _adamw),  # foreach: experts DTensors beside plain tensors
-    ZooModel("mixtral_fused", mixtral, _tokens, _lm_loss, _fused),
-    ZooModel("gpt_moe", gpt_moe, _tokens, _lm_loss, _sgd),
-    ZooModel("gpt_moe4", lambda: gpt_moe(4), _tokens, _lm_loss, _sgd),  # 4 blocks: 2 pipeline stages a rank
-    ZooModel("gpt_oss", gpt_oss, _tokens, _lm_loss, _sgd),
-    ZooModel("olmoe", olmoe, _tokens, _lm_loss, _sgd),
-    ZooModel("qwen2_moe", qwen2_moe, _tokens, _lm_loss, _sgd),
-)}
+MODELS = {
+    m.name: m
+    for m in (
+        ZooModel("mixtral", mixtral, _tokens, _lm_loss, _sgd),
+        ZooModel("mixtral_aux", lambda: mixtral(router_loss=True), _tokens, _lm_loss, _sgd),
+        ZooModel("mixtral2", lambda: mixtral(experts=2), _tokens, _lm_loss, _sgd),  # 1 expert a rank at ep=2
+        ZooModel("qwen3_moe", qwen3_moe, _tokens, _lm_loss, _adamw),
+        ZooModel("mixtral_adamw", mixtral, _tokens, _lm_loss, _adamw),  # foreach: experts DTensors beside plain tensors
+        ZooModel("mixtral_fused", mixtral, _tokens, _lm_loss, _fused),
+        ZooModel("gpt_moe", gpt_moe, _tokens, _lm_loss, _sgd),
+        ZooModel("gpt_moe4", lambda: gpt_moe(4), _tokens, _lm_loss, _sgd),  # 4 blocks: 2 pipeline stages a rank
+        ZooModel("gpt_oss", gpt_oss, _tokens, _lm_loss, _sgd),
+        ZooModel("olmoe", olmoe, _tokens, _lm_loss, _sgd),
+        ZooModel("qwen2_moe", qwen2_moe, _tokens, _lm_loss, _sgd),
+    )
+}
 
 
 def dense() -> nn.Module:
@@ -136,7 +207,7 @@ def _train(par: paratrain.Parallel, spec: ZooModel, model, opt, steps: range) ->
     size, rank = par.data_parallel_size, par.data_parallel_rank
     for s in steps:
         x, y = spec.inputs(size * PER_RANK, torch.Generator().manual_seed(100 + s))
-        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        x, y = x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK]
         for xm, ym in zip(x.chunk(par.accumulate), y.chunk(par.accumulate), strict=True):  # the slice's micro-batches
             with par.step(model, opt):
                 par.forward_backward(model, xm.to(par.device), ym.to(par.device), spec.loss)
@@ -152,8 +223,11 @@ def _prepared(spec: ZooModel, strategy: str, options: dict):
 
 def expert_elements(model: nn.Module) -> int:
     """Elements of the routed experts' parameters this rank holds (a DTensor's local part)."""
-    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-               for n, p in model.named_parameters() if ".experts." in f".{n}")
+    return sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        for n, p in model.named_parameters()
+        if ".experts." in f".{n}"
+    )
 
 
 def run_case(model_name: str, strategy: str, options: dict, folder: str, loads: tuple) -> dict:
@@ -215,6 +289,7 @@ def built_case(model_name: str, strategy: str, options: dict, folder: str) -> di
 def run_cases(cases: list[tuple], tmp: str) -> dict[str, dict]:
     """Every case (model, strategy, options, loads) in order, on one process group; loads ``"built"``: the case is
     :func:`built_case`'s."""
+
     def run(i: int, c: tuple) -> dict:
         folder = os.path.join(tmp, str(i))
         return built_case(*c[:3], folder) if c[3] == "built" else run_case(*c[:3], folder, c[3])

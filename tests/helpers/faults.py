@@ -5,6 +5,7 @@ code, a bounded time, no process left, no file lost. With ``PARATRAIN_FAULT_LOG=
 also appended to FILE as a JSON line; ``python tests/helpers/faults.py FILE`` prints the counts for
 benchmarks/RESULTS.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,14 @@ class Watched:
     """What ``on_mark`` returned then."""
 
 
-def watch_stderr(proc: subprocess.Popen, marked: Callable[[str], bool], timeout_s: float, *, keep_marked: bool = True,
-                 on_mark: Callable[[], object] | None = None) -> Watched:
+def watch_stderr(
+    proc: subprocess.Popen,
+    marked: Callable[[str], bool],
+    timeout_s: float,
+    *,
+    keep_marked: bool = True,
+    on_mark: Callable[[], object] | None = None,
+) -> Watched:
     """Read ``proc``'s stderr on a thread until it exits (killed after ``timeout_s``), noting when the first line
     ``marked`` accepts arrives and calling ``on_mark`` then (the job's pids while they live, say); ``keep_marked``
     False leaves such lines out of the text (a fault script's own announcement)."""
@@ -71,19 +78,36 @@ def watch_stderr(proc: subprocess.Popen, marked: Callable[[str], bool], timeout_
     finally:
         proc.kill()
         reader.join(timeout=10)
-    return Watched(rc=proc.returncode, stderr=str(seen.get("stderr", "")), ended=time.monotonic(),
-                   marked_at=seen.get("marked_at"), at_mark=seen.get("at_mark"))  # type: ignore[arg-type]
+    return Watched(
+        rc=proc.returncode,
+        stderr=str(seen.get("stderr", "")),
+        ended=time.monotonic(),
+        marked_at=seen.get("marked_at"),
+        at_mark=seen.get("at_mark"),
+    )  # type: ignore[arg-type]
 
 
-def check(case: str, *, rc: int | None, stderr: str, kind: str = "one-line error", expect_rc: int | Iterable[int] = 2,
-          words: Iterable[str] = (), lines: int | None = 1, seconds: float | None = None, max_s: float | None = None,
-          pids: Iterable[int] = (), kept: Iterable[str] = ()) -> Outcome:
+def check(
+    case: str,
+    *,
+    rc: int | None,
+    stderr: str,
+    kind: str = "one-line error",
+    expect_rc: int | Iterable[int] = 2,
+    words: Iterable[str] = (),
+    lines: int | None = 1,
+    seconds: float | None = None,
+    max_s: float | None = None,
+    pids: Iterable[int] = (),
+    kept: Iterable[str] = (),
+) -> Outcome:
     """Assert the outcome of one case and record it (see the module docstring)."""
     text = stderr.strip()
     expected = {expect_rc} if isinstance(expect_rc, int) else set(expect_rc)
     traceback_lines = text.count("Traceback (most recent call last)")
     outcome = Outcome(
-        case=case, kind=kind,
+        case=case,
+        kind=kind,
         raw_traceback=traceback_lines > (1 if kind == "report" else 0),
         silent=not text or rc not in expected,
         unbounded=seconds is not None and max_s is not None and seconds > max_s,

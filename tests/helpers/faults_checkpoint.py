@@ -1,4 +1,5 @@
 """A small real checkpoint, made in this process, for the fault tests."""
+
 from __future__ import annotations
 
 from pathlib import Path

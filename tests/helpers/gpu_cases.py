@@ -8,6 +8,7 @@ with clipping (a group serving host tensors beside NCCL), asynchronous staging, 
 ``cuda:0``, bf16 autocast. Every list builds on any accelerator, and all but the CPU-offload and fp16 cases (pinned host
 memory, the gradient scaler: CUDA's) also run on gloo (tests/gpu/test_gpu_cases.py runs some in ``make test``).
 """
+
 from __future__ import annotations
 
 import os
@@ -47,33 +48,57 @@ def _label(layout: dict) -> str:
     return "".join(f" {k}={v}" for k, v in layout.items())
 
 
-def _mlp(name: str, strategy: str, world: int, replicas: int, options: dict, *, per_rank: int = BATCH,
-         clip: float | None = None, **case: object) -> Case:
+def _mlp(
+    name: str,
+    strategy: str,
+    world: int,
+    replicas: int,
+    options: dict,
+    *,
+    per_rank: int = BATCH,
+    clip: float | None = None,
+    **case: object,
+) -> Case:
     """``train_params`` of ``strategy`` against one process on the same global batch (``replicas`` slices)."""
     extra = {"clip_grad_norm": clip} if clip else {}
-    return Case(name, train_params, (strategy, 1, STEPS, per_rank, world, options), extra,
-                equals(serial, per_rank * replicas, tol=TOL, field=None, **extra), **case)
+    return Case(
+        name,
+        train_params,
+        (strategy, 1, STEPS, per_rank, world, options),
+        extra,
+        equals(serial, per_rank * replicas, tol=TOL, field=None, **extra),
+        **case,
+    )
 
 
 def _zoo(model: str, strategy: str, layout: dict, acc: dict, replicas: int, folder: str) -> Case:
-    return Case(f"{model} {strategy}{_label(layout)}", zoo_workers.run_case,
-                (model, strategy, {**layout, **acc}, folder),
-                verdict=equals(zoo_workers.reference, model, replicas, tol=TOL))
+    return Case(
+        f"{model} {strategy}{_label(layout)}",
+        zoo_workers.run_case,
+        (model, strategy, {**layout, **acc}, folder),
+        verdict=equals(zoo_workers.reference, model, replicas, tol=TOL),
+    )
 
 
 def _tp(strategy: str, layout: dict, acc: dict, folder: str) -> Case:
     """llama under tp (one replica of the batch per tp group: the reference reads the batch whole)."""
-    return Case(f"llama {strategy}{_label(layout)}", tp_workers.run_case,
-                ("llama", strategy, {**layout, **acc}, folder),
-                verdict=equals(zoo_workers.reference, "llama", 1, tol=TOL))
+    return Case(
+        f"llama {strategy}{_label(layout)}",
+        tp_workers.run_case,
+        ("llama", strategy, {**layout, **acc}, folder),
+        verdict=equals(zoo_workers.reference, "llama", 1, tol=TOL),
+    )
 
 
 def _ep(model: str, strategy: str, layout: dict, acc: dict, replicas: int, folder: str, tol: float = TOL) -> Case:
     """Experts are DTensors beside plain parameters: CUDA's default multi-tensor optimizer (and fp16's gradient
     scaler) must never see both in one group."""
-    return Case(f"{model} {strategy}{_label(layout)}", ep_workers.run_case,
-                (model, strategy, {**layout, **acc}, folder, ()),
-                verdict=equals(ep_workers.reference, model, replicas, tol=tol))
+    return Case(
+        f"{model} {strategy}{_label(layout)}",
+        ep_workers.run_case,
+        (model, strategy, {**layout, **acc}, folder, ()),
+        verdict=equals(ep_workers.reference, model, replicas, tol=tol),
+    )
 
 
 def _async(strategy: str, acc: dict, folder: str) -> Case:
@@ -81,15 +106,28 @@ def _async(strategy: str, acc: dict, folder: str) -> Case:
 
 
 def _built(strategy: str, layout: dict, acc: dict, folder: str) -> Case:
-    return Case(f"mixtral {strategy}{_label(layout)} meta + load_weights", ep_workers.built_case,
-                ("mixtral", strategy, {**layout, **acc}, folder), verdict=built_exactly, steps=False)
+    return Case(
+        f"mixtral {strategy}{_label(layout)} meta + load_weights",
+        ep_workers.built_case,
+        ("mixtral", strategy, {**layout, **acc}, folder),
+        verdict=built_exactly,
+        steps=False,
+    )
 
 
 def _offload(world: int, acc: dict) -> Case:
     """zero3 with its shards, gradients and optimizer state in host memory, clipping every step: the gradients'
     norm is reduced as a host tensor, so the job's group must serve host tensors beside NCCL."""
-    return _mlp("zero3 cpu_offload clip", "zero3", world, world, {**acc, **SMALL_UNITS, "cpu_offload": True},
-                clip=CLIP, home="cpu", own_group=True)
+    return _mlp(
+        "zero3 cpu_offload clip",
+        "zero3",
+        world,
+        world,
+        {**acc, **SMALL_UNITS, "cpu_offload": True},
+        clip=CLIP,
+        home="cpu",
+        own_group=True,
+    )
 
 
 def layouts(world: int, accelerator: str, folder: str) -> list[Case]:
@@ -112,8 +150,12 @@ def layouts(world: int, accelerator: str, folder: str) -> list[Case]:
         _ep("mixtral", "ddp", {"ep": 2}, acc, 2, at("ep-ddp")),
         _ep("gpt_moe", "zero3", {"ep": 2}, acc, 2, at("ep-zero3")),
         _ep("mixtral", "ddp", {"ep": 2, "precision": "fp16-mixed"}, acc, 2, at("ep-fp16"), tol=FP16_TOL),
-        Case("llama ddp cp=2", cp_workers.run_case, ("llama", "ddp", {"cp": 2, **acc}, "labels", at("cp")),
-             verdict=equals(cp_state, "llama", "labels", 1, tol=TOL)),
+        Case(
+            "llama ddp cp=2",
+            cp_workers.run_case,
+            ("llama", "ddp", {"cp": 2, **acc}, "labels", at("cp")),
+            verdict=equals(cp_state, "llama", "labels", 1, tol=TOL),
+        ),
         _mlp("pipeline 1f1b", "pipeline", 2, 1, {**acc, "schedule": "1f1b", "microbatches": 4}, per_rank=2 * BATCH),
         _async("ddp", acc, at("async-ddp")),
         _async("zero3", acc, at("async-zero3")),
@@ -128,11 +170,25 @@ def one_gpu(accelerator: str, folder: str) -> list[Case]:
     acc = {"accelerator": accelerator}
     optimizers = [("ddp", "adamw foreach"), ("ddp", "sgd fused"), ("zero3", "adamw fused"), ("zero3", "sgd foreach")]
     return [
-        *[Case(f"{s} {o}", optimizer_case, (s, o, acc), verdict=equals(one_process, o.split()[0], tol=TOL, field=None),
-               own_group=True) for s, o in optimizers],
+        *[
+            Case(
+                f"{s} {o}",
+                optimizer_case,
+                (s, o, acc),
+                verdict=equals(one_process, o.split()[0], tol=TOL, field=None),
+                own_group=True,
+            )
+            for s, o in optimizers
+        ],
         _offload(1, acc),
         _async("zero3", acc, os.path.join(folder, "async")),
         _built("zero3", {}, acc, os.path.join(folder, "built")),
-        Case("ddp bf16-mixed", train_params, ("ddp", 1, STEPS, BATCH, 1, acc), {"precision": "bf16-mixed"},
-             equals(serial, BATCH, tol=BF16_TOL, field=None), own_group=True),
+        Case(
+            "ddp bf16-mixed",
+            train_params,
+            ("ddp", 1, STEPS, BATCH, 1, acc),
+            {"precision": "bf16-mixed"},
+            equals(serial, BATCH, tol=BF16_TOL, field=None),
+            own_group=True,
+        ),
     ]

@@ -9,6 +9,7 @@ setting the device. A case that raises is reported with its traceback and the jo
 :class:`~helpers.placement.Placement` probe's findings and each rank's errors come back from every rank, and the test
 process judges the results against the one-process reference (:func:`judge`).
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,7 @@ class Case:
 def run_job(cases: Sequence[Case], accelerator: str) -> dict[str, dict]:
     """Every case in order on every rank (started by ``paratrain.testing.spawn``), keyed by name."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
-                         timedelta(seconds=60))
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timedelta(seconds=60))
     servers: list[dist.TCPStore] = []
     out = {}
     for i, case in enumerate(cases):
@@ -68,8 +68,9 @@ def run_job(cases: Sequence[Case], accelerator: str) -> dict[str, dict]:
 def _own_store(base: dist.Store, key: str, rank: int, servers: list) -> Iterator[None]:
     """Within, ``env://`` finds a store that rank 0 made for this case alone (as a new launch would)."""
     if rank == 0:
-        servers.append(dist.TCPStore(os.environ["MASTER_ADDR"], 0, None, True, timedelta(seconds=60),
-                                     wait_for_workers=False))
+        servers.append(
+            dist.TCPStore(os.environ["MASTER_ADDR"], 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+        )
         base.set(key, str(servers[-1].port))
     saved = os.environ["MASTER_PORT"]
     os.environ["MASTER_PORT"] = base.get(key).decode()
@@ -118,8 +119,9 @@ def judge(ranks: list[dict], case: Case) -> list[str]:
     return problems
 
 
-def equals(reference: Callable[..., Any], *args: Any, tol: float, field: str | None = "state",
-           **kwargs: Any) -> Verdict:
+def equals(
+    reference: Callable[..., Any], *args: Any, tol: float, field: str | None = "state", **kwargs: Any
+) -> Verdict:
     """The result's ``field`` (the whole result: None) within ``tol`` of ``reference(*args, **kwargs)``'s state
     dict, computed in the test process."""
     return partial(_equals, partial(reference, *args, **kwargs), tol, field)

@@ -4,6 +4,7 @@ The suite's other cases are the CPU suites' own workers; these add what those do
 multi-tensor and fused paths asked for by name, and one function running the three saves of an asynchronous
 checkpoint's check.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -58,9 +59,11 @@ def async_save_case(strategy: str, options: dict, folder: str, steps: int = 8, a
     if not _SLOW_WRITES:
         slow_writes(0.5)
         _SLOW_WRITES.append(0.5)
-    runs = {"blocking": train(strategy, steps, f"{folder}/blocking", save_at=at, options=options),
-            "async": train(strategy, steps, f"{folder}/async", save_at=at, options=options, async_save=True),
-            "resumed": train(strategy, steps, f"{folder}/async", load=True, options=options)}
+    runs = {
+        "blocking": train(strategy, steps, f"{folder}/blocking", save_at=at, options=options),
+        "async": train(strategy, steps, f"{folder}/async", save_at=at, options=options, async_save=True),
+        "resumed": train(strategy, steps, f"{folder}/async", load=True, options=options),
+    }
     return {name: {k: run[k] for k in ("params", "optim", "published_on_return")} for name, run in runs.items()}
 
 

@@ -1,6 +1,7 @@
 """A manifest checked against a CRD's OpenAPI schema (``tests/fixtures/trainjob-crd-*.json``) as the API server checks
 an object on create with strict field validation: its group, version and kind, unknown fields, types, required
 fields, bounds, patterns, list-map keys, and the CRD's rules on ``metadata.name``. No cluster, no network."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from typing import Any
 
 from helpers.paths import ROOT
 
-_INT32 = (-2**31, 2**31 - 1)
+_INT32 = (-(2**31), 2**31 - 1)
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
 _MATCHES = re.compile(r"^self\.metadata\.name\.matches\('(.*)'\)$")
 _SIZE = re.compile(r"^size\(self\.metadata\.name\) <= (\d+)$")

@@ -5,6 +5,7 @@ a strategy, on global batches of ``replicas x PER_RANK`` samples, each rank taki
 final full state. The reference trains the same model in one plain process (logits whole, the model's own loss or
 the ``loss_fn``), the global batch cut into the replicas' slices, the mean of their losses.
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,8 +50,9 @@ def _lm_loss(out: object, target: torch.Tensor) -> torch.Tensor:
     return ZOO["gpt2"].loss(out, target)  # the zoo's: F.cross_entropy over the flattened logits
 
 
-def micro_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, call: str,
-               par: paratrain.Parallel | None = None) -> torch.Tensor:
+def micro_loss(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, call: str, par: paratrain.Parallel | None = None
+) -> torch.Tensor:
     """One micro-batch: through ``par.forward_backward`` when given, else plain (the reference's forward)."""
     if par is None:
         if call == "labels":

@@ -4,6 +4,7 @@ Each case builds a zoo model under ``with torch.device("meta"):``, prepares it (
 takes the full state dict as prepared, then trains ``STEPS`` steps as tests/helpers/zoo_workers.py does. Rank 0 returns
 per case both state dicts, the data-parallel size (for the one-process reference) and what ``_audit`` found.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,13 @@ def meta_case(model_name: str, strategy: str, options: dict) -> dict:
     final = par.full_state_dict(model, rank0_only=False)
     replicas = par.data_parallel_size
     par.close()
-    return {"initial": initial, "state": final, "buffers": buffers, "replicas": replicas,
-            "problems": [p for p in problems if p]}
+    return {
+        "initial": initial,
+        "state": final,
+        "buffers": buffers,
+        "replicas": replicas,
+        "problems": [p for p in problems if p],
+    }
 
 
 def run_meta_cases(cases: list[tuple[str, str, dict]]) -> dict[str, dict]:

@@ -3,6 +3,7 @@
 One spawn runs every scenario in turn on a process group the worker starts itself (so several ``Parallel``
 objects can use it one after another), which saves a process start per scenario.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,8 +35,16 @@ class _Items(Dataset):
         return self.x[i], self.y[i]
 
 
-def _train(strategy: str, *, steps: int, sleep_ms: dict[int, float], item_sleep_ms: float = 0.0,
-           accumulate: int = 1, csv: str | None = None, **parallel_kwargs: object) -> dict:
+def _train(
+    strategy: str,
+    *,
+    steps: int,
+    sleep_ms: dict[int, float],
+    item_sleep_ms: float = 0.0,
+    accumulate: int = 1,
+    csv: str | None = None,
+    **parallel_kwargs: object,
+) -> dict:
     """``steps`` optimizer steps of a tiny MLP; rank r sleeps ``sleep_ms[r]`` in each micro-step, before its
     forward. Returns what the monitor raised and its summary, as plain data."""
     config = MonitorConfig(every=4, persist=2, csv=csv)
@@ -53,8 +62,11 @@ def _train(strategy: str, *, steps: int, sleep_ms: dict[int, float], item_sleep_
             par.forward_backward(model, x.to(par.device), y.to(par.device), nn.functional.cross_entropy)
     summary = par.monitor.summary()
     par.close()
-    return {"warnings": [(w.kind, w.rank, w.value, w.message) for w in summary.warnings],
-            "rows": summary.rows, "table": summary.table()}
+    return {
+        "warnings": [(w.kind, w.rank, w.value, w.message) for w in summary.warnings],
+        "rows": summary.rows,
+        "table": summary.table(),
+    }
 
 
 PLANTED_MS = {0: 10, 1: 150}

@@ -4,6 +4,7 @@
 ``paratrain plan --model nanogpt_shaped:gpt2 --input long:1024`` (with ``tests`` importable) plans nanoGPT's default
 124M model; ``tiny`` is a small one to run for real.
 """
+
 from __future__ import annotations
 
 import sys

@@ -3,6 +3,7 @@
 Each namespace has only ``lo`` and its end of the link, so a job across them really goes over a network
 between two hosts (the hostname still resolves to loopback in both, as on many real machines). Needs root.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,14 @@ class HostPair:
         return ["ip", "netns", "exec", self.names[host], *argv]
 
     def start(self, host: int, argv: list[str], **kw) -> subprocess.Popen:
-        proc = subprocess.Popen(self.command(host, argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, **kw)
+        proc = subprocess.Popen(
+            self.command(host, argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            **kw,
+        )
         self.started.append(proc)
         return proc
 

@@ -1,4 +1,5 @@
 """Where things are: the repository, the test scripts, the real-code scripts."""
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,7 @@
 """Workers for test_pipeline_models.py: real models (transformers' GPT-2, Llama and BERT, GPT-2 with PEFT LoRA adapters,
 our tied GPT) cut into pipeline stages, many cases per launched job, and the same training in one plain process for
 reference."""
+
 from __future__ import annotations
 
 import functools
@@ -25,23 +26,53 @@ def build(family: str, layers: int = 4) -> nn.Module:
     if family == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        return GPT2LMHeadModel(GPT2Config(n_embd=HIDDEN, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                          eos_token_id=0))
+        return GPT2LMHeadModel(
+            GPT2Config(
+                n_embd=HIDDEN,
+                n_layer=layers,
+                n_head=4,
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
     if family == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        return LlamaForCausalLM(LlamaConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                            max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
-                                            pad_token_id=0))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=HIDDEN,
+                intermediate_size=64,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=VOCAB,
+                max_position_embeddings=SEQ,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+            )
+        )
     if family == "bert":  # an embedding block doing more than a lookup; a classifier on the pooled output
         from transformers import BertConfig, BertForSequenceClassification
 
-        return BertForSequenceClassification(BertConfig(
-            hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-            vocab_size=VOCAB, max_position_embeddings=SEQ, num_labels=CLASSES, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0))
+        return BertForSequenceClassification(
+            BertConfig(
+                hidden_size=HIDDEN,
+                intermediate_size=64,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                vocab_size=VOCAB,
+                max_position_embeddings=SEQ,
+                num_labels=CLASSES,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        )
     if family == "lora":  # adapters inside every block's attention and MLP, the base model frozen
         import warnings
 
@@ -51,15 +82,29 @@ def build(family: str, layers: int = 4) -> nn.Module:
         torch.manual_seed(1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # fan_in_fan_out with Conv1D
-            model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
-                                                    lora_dropout=0.0, fan_in_fan_out=True))
+            model = get_peft_model(
+                base,
+                LoraConfig(
+                    r=4,
+                    lora_alpha=8,
+                    target_modules=["c_attn", "c_proj", "c_fc"],
+                    lora_dropout=0.0,
+                    fan_in_fan_out=True,
+                ),
+            )
         for name, p in model.named_parameters():  # B starts at zero; make the adapters matter from step one
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.02)
         return model
     if family == "seq":  # an nn.Sequential, cut between its layers as before
-        return nn.Sequential(nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                             nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, VOCAB))
+        return nn.Sequential(
+            nn.Embedding(VOCAB, HIDDEN),
+            nn.Linear(HIDDEN, HIDDEN),
+            nn.Tanh(),
+            nn.Linear(HIDDEN, HIDDEN),
+            nn.Tanh(),
+            nn.Linear(HIDDEN, VOCAB),
+        )
     from paratrain.workloads.gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(layers=layers, hidden=HIDDEN, heads=4, seq_len=SEQ, vocab=VOCAB))
@@ -93,7 +138,7 @@ def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: i
         for a in range(accumulate):
             lo = s * GLOBAL_BATCH + a * micro
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = loss_fn(model(x[lo:lo + micro]), y[lo:lo + micro])
+                loss = loss_fn(model(x[lo : lo + micro]), y[lo : lo + micro])
             (loss / accumulate).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -101,12 +146,17 @@ def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: i
         opt.zero_grad()
     with torch.no_grad():
         output = model(batches(1)[0][:4])
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms,
-            "output": output}
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms, "output": output}
 
 
-def _train(par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer, first: int, last: int,
-           loss: Callable = loss_fn) -> None:
+def _train(
+    par: paratrain.Parallel,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    first: int,
+    last: int,
+    loss: Callable = loss_fn,
+) -> None:
     """Optimizer steps ``first`` … ``last``-1; each replica reads its slice of each micro-batch."""
     x, y = batches(last)
     replicas, r = par.data_parallel_size, par.data_parallel_rank
@@ -116,11 +166,12 @@ def _train(par: paratrain.Parallel, model: nn.Module, opt: torch.optim.Optimizer
         for a in range(par.accumulate):
             lo = s * GLOBAL_BATCH + a * micro + r * share
             with par.step(model, opt):
-                par.forward_backward(model, x[lo:lo + share], y[lo:lo + share], loss)
+                par.forward_backward(model, x[lo : lo + share], y[lo : lo + share], loss)
 
 
-def _case(family: str, strategy: str, options: dict, accumulate: int, clip: float | None,
-          resume: bool | str, ckpt: str) -> dict:
+def _case(
+    family: str, strategy: str, options: dict, accumulate: int, clip: float | None, resume: bool | str, ckpt: str
+) -> dict:
     par = paratrain.Parallel(strategy, accumulate=accumulate, clip_grad_norm=clip, monitor=False, **options)
     plain = build(family)
     model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9, foreach=True))
@@ -163,10 +214,19 @@ def _case(family: str, strategy: str, options: dict, accumulate: int, clip: floa
     evaluating = not any(m.training for _, part in model.parts for m in part.modules())
     output = model(batches(1)[0][:4])  # forward only: the plain model's kind of output, on every rank
     par.close()
-    return {"state": state, "uninterrupted": uninterrupted, "norms": norms, "broken": broken, "output": output,
-            "optimizer_once": sorted(in_opt) == sorted(held) and len(set(in_opt)) == len(in_opt),
-            "evaluating": evaluating, "seen": sorted(seen), "stepped": stepped, "two_line": two_line,
-            "trainable": sum(1 for p in model.parameters() if p.requires_grad)}
+    return {
+        "state": state,
+        "uninterrupted": uninterrupted,
+        "norms": norms,
+        "broken": broken,
+        "output": output,
+        "optimizer_once": sorted(in_opt) == sorted(held) and len(set(in_opt)) == len(in_opt),
+        "evaluating": evaluating,
+        "seen": sorted(seen),
+        "stepped": stepped,
+        "two_line": two_line,
+        "trainable": sum(1 for p in model.parameters() if p.requires_grad),
+    }
 
 
 def _two_line(par: paratrain.Parallel, model: nn.Module) -> str:
@@ -212,8 +272,12 @@ def lean_precision(family: str, strategy: str) -> dict:
     x, y = batches(STEPS)
     for s in range(STEPS):
         with par.step(model, opt):
-            par.forward_backward(model, x[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH],
-                                 y[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH], watched)
+            par.forward_backward(
+                model,
+                x[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH],
+                y[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH],
+                watched,
+            )
     state = par.full_state_dict(model, rank0_only=False)
     par.close()
     return {"seen": sorted(set(seen), key=str), "state": state}

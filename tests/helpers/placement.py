@@ -7,6 +7,7 @@ and the optimizer's state: the multi-tensor and fused paths CUDA takes by defaul
 notes the current CUDA device at each step. It hooks torch's global optimizer-step hook and wraps two methods of
 ``Parallel`` in the job's process only, so every worker runs unchanged.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,10 @@ class Placement:
 
         handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: self.check_step(opt))
         try:
-            with mock.patch.object(paratrain.Parallel, "prepare_model", prepared), \
-                    mock.patch.object(paratrain.Parallel, "load_weights", loaded):
+            with (
+                mock.patch.object(paratrain.Parallel, "prepare_model", prepared),
+                mock.patch.object(paratrain.Parallel, "load_weights", loaded),
+            ):
                 yield
         finally:
             handle.remove()

@@ -7,6 +7,7 @@ a slow worker), :func:`run_rogue` (malformed requests) and :func:`run_killed` (a
 Rank 0 (a worker) returns the final full state dict, the servers' tables included, and ``par.last_grad_norm``
 after each step (None unless ``clip_grad_norm`` is among the options).
 """
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,7 @@ def run_zoo(model_name: str, options: dict) -> dict | None:
     norms = []
     for s in range(STEPS):
         x, y = step_batch(spec, s, size * PER_RANK)
-        x, y = (t[rank * PER_RANK:(rank + 1) * PER_RANK].to(par.device) for t in (x, y))
+        x, y = (t[rank * PER_RANK : (rank + 1) * PER_RANK].to(par.device) for t in (x, y))
         for m in range(micro):  # with accumulate=k, k micro-steps of PER_RANK / k samples
             part = slice(m * PER_RANK // micro, (m + 1) * PER_RANK // micro)
             with par.step(model, opt):
@@ -64,8 +65,14 @@ def run_zoo(model_name: str, options: dict) -> dict | None:
 class Recommender(nn.Module):
     """DLRM-like: a bag of ids (summed rows of a big table), one more id from a second table, and an MLP."""
 
-    def __init__(self, rows: int = ROWS, bag_rows: int = BAG_ROWS, dim: int = DIM, device: str | None = None,
-                 sparse: bool = False) -> None:
+    def __init__(
+        self,
+        rows: int = ROWS,
+        bag_rows: int = BAG_ROWS,
+        dim: int = DIM,
+        device: str | None = None,
+        sparse: bool = False,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.bag = nn.EmbeddingBag(bag_rows, dim, mode="sum", sparse=sparse, device=device)
@@ -79,8 +86,9 @@ class Recommender(nn.Module):
 
 def recommender_batch(step: int, n: int, rows: int = ROWS, bag_rows: int = BAG_ROWS):
     g = torch.Generator().manual_seed(200 + step)
-    return (torch.randint(0, bag_rows, (n, 3), generator=g), torch.randint(0, rows, (n,), generator=g)), \
-        torch.randint(0, 2, (n,), generator=g)
+    return (torch.randint(0, bag_rows, (n, 3), generator=g), torch.randint(0, rows, (n,), generator=g)), torch.randint(
+        0, 2, (n,), generator=g
+    )
 
 
 def recommender_optimizer(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
@@ -90,12 +98,14 @@ def recommender_optimizer(model: nn.Module, kind: str) -> list[torch.optim.Optim
     if kind == "adagrad":
         return [torch.optim.Adagrad(model.parameters(), lr=0.3)]
     dense = [p for n, p in model.named_parameters() if n.startswith("mlp")]
-    return [torch.optim.Adam(dense, lr=0.05)] + ([torch.optim.SparseAdam(
-        [model.bag.weight, model.emb.weight], lr=0.05)] if model.bag.sparse else [])
+    return [torch.optim.Adam(dense, lr=0.05)] + (
+        [torch.optim.SparseAdam([model.bag.weight, model.emb.weight], lr=0.05)] if model.bag.sparse else []
+    )
 
 
-def run_sparse(kind: str, options: dict, folder: str, rows: int = ROWS, dim: int = DIM, meta: bool = False,
-               steps: int = STEPS) -> dict | None:
+def run_sparse(
+    kind: str, options: dict, folder: str, rows: int = ROWS, dim: int = DIM, meta: bool = False, steps: int = STEPS
+) -> dict | None:
     rank = int(os.environ["RANK"])
     par = paratrain.Parallel("ps", monitor=False, **options)
     model = Recommender(rows=rows, dim=dim, device="meta" if meta else None)
@@ -107,8 +117,10 @@ def run_sparse(kind: str, options: dict, folder: str, rows: int = ROWS, dim: int
                 m.reset_parameters()
     start = _reset_peak()  # the process group and the model's dense part are here: what follows is the table's
     try:
-        model, opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=0.05) if kind == "adam"
-                                 else recommender_optimizer(model, kind)[0])
+        model, opt = par.prepare(
+            model,
+            torch.optim.Adam(model.parameters(), lr=0.05) if kind == "adam" else recommender_optimizer(model, kind)[0],
+        )
     finally:  # a server leaves prepare only to end its process
         with open(os.path.join(folder, f"{rank}.json"), "w") as f:
             json.dump({"start_mb": start, "peak_mb": _memory_mb("VmHWM")}, f)
@@ -165,8 +177,13 @@ def run_async(options: dict, slow_rank: int | None, slow_factor: float, epochs: 
         y = torch.tensor([int(s[1]) for s in test_set])
         with torch.no_grad():
             acc = float((final(x).argmax(1) == y).float().mean())
-    return {"samples_per_s": seen / wall, "steps": steps, "accuracy": acc, "dropped": stats.dropped,
-            "max_staleness": stats.max_staleness}
+    return {
+        "samples_per_s": seen / wall,
+        "steps": steps,
+        "accuracy": acc,
+        "dropped": stats.dropped,
+        "max_staleness": stats.max_staleness,
+    }
 
 
 def run_resume(case: str, options: dict, folder: str, steps: int = 4, at: int = 2) -> dict | None:
@@ -237,8 +254,15 @@ def run_resume(case: str, options: dict, folder: str, steps: int = 4, at: int = 
     except paratrain.errors.CheckpointError as err:  # on every worker alike; the servers serve on
         unreadable = str(err)
     par.close()
-    return {"saved": saved, "first": first, "again": again, "path": str(path), "refused": refused, "after": after,
-            "unreadable": unreadable}
+    return {
+        "saved": saved,
+        "first": first,
+        "again": again,
+        "path": str(path),
+        "refused": refused,
+        "after": after,
+        "unreadable": unreadable,
+    }
 
 
 def _linear_job(options: dict):
@@ -337,8 +361,9 @@ def clip_one_process(model: torch.nn.Module, clip: float | None, norms: list[flo
     norms.append(float(norm))
 
 
-def zoo_reference(model_name: str, replicas: int, micro: int = 1, clip: float | None = None,
-                  norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+def zoo_reference(
+    model_name: str, replicas: int, micro: int = 1, clip: float | None = None, norms: list[float] | None = None
+) -> dict[str, torch.Tensor]:
     """One process on the global batch, in ``replicas x micro`` slices (the mean of their losses); ``clip``: its
     gradient norm clipped to that, each step's norm appended to ``norms``."""
     spec = ZOO[model_name]
@@ -356,8 +381,9 @@ def zoo_reference(model_name: str, replicas: int, micro: int = 1, clip: float | 
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def sparse_reference(kind: str, replicas: int, clip: float | None = None,
-                     norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+def sparse_reference(
+    kind: str, replicas: int, clip: float | None = None, norms: list[float] | None = None
+) -> dict[str, torch.Tensor]:
     model = Recommender(sparse=True)
     opts = recommender_optimizer(model, kind)
     for s in range(STEPS):

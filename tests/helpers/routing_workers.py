@@ -3,6 +3,7 @@ ranks (each its half) or in one process (all of it), returning the routing the m
 
 One spawn runs every case on one process group (:func:`helpers.cases.each_case`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,11 @@ def gpt_experts(bias: bool = False) -> nn.Module:
     from paratrain.workloads.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(layers=2, hidden=32, heads=2, seq_len=SEQ, vocab=VOCAB,
-                         moe=MoE(experts=4, top_k=2, ffn=16, bias=bias)))
+    return GPT(
+        GPTConfig(
+            layers=2, hidden=32, heads=2, seq_len=SEQ, vocab=VOCAB, moe=MoE(experts=4, top_k=2, ffn=16, bias=bias)
+        )
+    )
 
 
 def collapsed_gpt() -> nn.Module:
@@ -93,9 +97,16 @@ def all_to_all_case() -> dict:
     return {"seconds": seconds, "bytes": sent}
 
 
-CASES = (("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2"),
-         ("collapsed", "ddp"), ("all_to_all", ""),
-         ("mixtral", "zero3 cp=2"))
+CASES = (
+    ("mixtral", "ddp"),
+    ("mixtral", "zero3"),
+    ("gpt", "ddp"),
+    ("mixtral", "zero3 ep=2"),
+    ("gpt", "ddp ep=2"),
+    ("collapsed", "ddp"),
+    ("all_to_all", ""),
+    ("mixtral", "zero3 cp=2"),
+)
 
 
 def routing_job() -> dict:

@@ -1,5 +1,6 @@
 """The largest storage an operation makes, for tests that hold a path's memory to a bound (linear in the sequence,
 never the whole logits)."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ input's width, which no split of the attention can keep right), ``False`` reshap
 adapters on every linear layer of GPT-2's blocks (``Conv1D``, fused ``c_attn``) and of Qwen2's (separate q/k/v,
 SwiGLU), their ``B`` made non-zero so the adapters matter from the first step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,9 +68,14 @@ class Block(nn.Module):
 class NanoGPT(nn.Module):
     def __init__(self, n_head: int = 2, n_embd: int = HIDDEN, heads_from_input: bool = False) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(VOCAB, n_embd), wpe=nn.Embedding(SEQ, n_embd),
-            h=nn.ModuleList(Block(n_embd, n_head, heads_from_input) for _ in range(2)), ln_f=nn.LayerNorm(n_embd)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(VOCAB, n_embd),
+                wpe=nn.Embedding(SEQ, n_embd),
+                h=nn.ModuleList(Block(n_embd, n_head, heads_from_input) for _ in range(2)),
+                ln_f=nn.LayerNorm(n_embd),
+            )
+        )
         self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -89,13 +95,23 @@ def _gqa(kind: str, heads: int = 4, kv_heads: int = 2) -> nn.Module:
     """A Mistral- or Qwen2-shaped causal LM: ``heads`` query heads sharing ``kv_heads`` key/value heads."""
     import transformers
 
-    config, model = {"mistral": ("MistralConfig", "MistralForCausalLM"),
-                     "qwen": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+    config, model = {"mistral": ("MistralConfig", "MistralForCausalLM"), "qwen": ("Qwen2Config", "Qwen2ForCausalLM")}[
+        kind
+    ]
     extra = {"sliding_window": 4, "tie_word_embeddings": False} if kind == "mistral" else {"tie_word_embeddings": True}
     torch.manual_seed(0)
-    cfg = getattr(transformers, config)(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=VOCAB,
-                                        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, **extra)
+    cfg = getattr(transformers, config)(
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        **extra,
+    )
     return getattr(transformers, model)(cfg)
 
 
@@ -108,8 +124,9 @@ def with_lora(base: nn.Module, targets: list[str], conv1d: bool = False) -> nn.M
     torch.manual_seed(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
-                                                fan_in_fan_out=conv1d))
+        model = get_peft_model(
+            base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, fan_in_fan_out=conv1d)
+        )
     for name, p in model.named_parameters():
         if "lora_B" in name:
             nn.init.normal_(p, std=0.02)
@@ -134,8 +151,10 @@ MODELS: dict[str, ZooModel] = {
     "nano4": _spec("nano4", lambda: (torch.manual_seed(0), NanoGPT(n_head=4))[1]),  # tp=4 splits whole heads
     "qwen8": _spec("qwen8", lambda: _gqa("qwen", heads=8, kv_heads=4)),
     "lora_gpt2": _spec("lora_gpt2", lambda: with_lora(ZOO["gpt2"].build(), ["c_attn", "c_proj", "c_fc"], True)),
-    "lora_qwen": _spec("lora_qwen", lambda: with_lora(_gqa("qwen"), ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                     "gate_proj", "up_proj", "down_proj"])),
+    "lora_qwen": _spec(
+        "lora_qwen",
+        lambda: with_lora(_gqa("qwen"), ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ),
 }
 
 
@@ -146,7 +165,7 @@ def train(spec: ZooModel, model: nn.Module, opt: torch.optim.Optimizer, par: Any
         x, y = step_batch(spec, s)
         if par is not None and par.data_parallel_size > 1:
             per, rank = len(x) // par.data_parallel_size, par.data_parallel_rank
-            x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+            x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         if par is None:
             spec.loss(model(x), y).backward()
             opt.step()
@@ -161,8 +180,9 @@ def _watch_norms(model: nn.Module) -> dict[str, list]:
     style's fast path) instead of DTensors."""
     seen: dict[str, list] = {"local": [], "modules": [m for m in model.modules() if "Norm" in type(m).__name__]}
     for module in seen["modules"]:
-        module.register_forward_pre_hook(lambda m, args: seen["local"].append(
-            not any(isinstance(p, DTensor) for p in m.parameters(recurse=False))))
+        module.register_forward_pre_hook(
+            lambda m, args: seen["local"].append(not any(isinstance(p, DTensor) for p in m.parameters(recurse=False)))
+        )
     return seen
 
 
@@ -170,16 +190,22 @@ def _watch_optimizer(opt: torch.optim.Optimizer) -> list[bool]:
     """Records, at every optimizer step, whether it updates some parameters as plain local tensors (the replicated
     ones, paratrain.distributed.tensor_parallel.local_step) instead of DTensors."""
     local: list[bool] = []
-    opt.register_step_pre_hook(lambda o, args, kwargs: local.append(
-        any(not isinstance(p, DTensor) for g in o.param_groups for p in g["params"])))
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: local.append(
+            any(not isinstance(p, DTensor) for g in o.param_groups for p in g["params"])
+        )
+    )
     return local
 
 
 def _holds_dtensors(opt: torch.optim.Optimizer) -> bool:
     """Between steps the optimizer holds DTensors only: parameters and their state (what checkpoints read)."""
     return all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]) and all(
-        isinstance(v, DTensor) for state in opt.state.values() for v in state.values()
-        if isinstance(v, torch.Tensor) and v.dim())
+        isinstance(v, DTensor)
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim()
+    )
 
 
 def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = None) -> dict[str, Any]:
@@ -201,11 +227,19 @@ def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = No
                 model, opt = par.prepare(model, spec.optimizer(model))
             norms, local_steps = _watch_norms(model), _watch_optimizer(opt)
             train(spec, model, opt, par)
-            out[key] = {"state": par.full_state_dict(model, rank0_only=False), "printed": printed.getvalue(),
-                        "norms": {"local": all(norms["local"]) and bool(norms["local"]),
-                                  "dtensors": all(isinstance(p, DTensor) and isinstance(p.grad, (DTensor, type(None)))
-                                                  for m in norms["modules"] for p in m.parameters())},
-                        "optimizer": {"local_steps": local_steps, "dtensors": _holds_dtensors(opt)}}
+            out[key] = {
+                "state": par.full_state_dict(model, rank0_only=False),
+                "printed": printed.getvalue(),
+                "norms": {
+                    "local": all(norms["local"]) and bool(norms["local"]),
+                    "dtensors": all(
+                        isinstance(p, DTensor) and isinstance(p.grad, (DTensor, type(None)))
+                        for m in norms["modules"]
+                        for p in m.parameters()
+                    ),
+                },
+                "optimizer": {"local_steps": local_steps, "dtensors": _holds_dtensors(opt)},
+            }
             par.close()
         except paratrain.ParatrainError as err:
             out[key] = {"error": str(err), "printed": printed.getvalue()}

@@ -7,6 +7,7 @@ loads that checkpoint and takes the last step again. Rank 0 returns, per case, t
 end, how far the resumed run ended from the uninterrupted one, the gradient norms, what the loss received (the
 logits' type and placements), and the logits a direct ``model(x)`` call returns.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,11 @@ def _before_the_model(par: paratrain.Parallel) -> list[str]:
     """What the data-parallel view answers before ``prepare`` has seen the model: under ``auto`` the layout is not
     chosen yet, so each is refused in one line instead of answering for ddp's layout."""
     answers = []
-    for ask in (lambda: par.data_parallel_size, lambda: par.mean(1.0),
-                lambda: par.prepare_loader(torch.utils.data.DataLoader(list(range(8)), batch_size=2))):
+    for ask in (
+        lambda: par.data_parallel_size,
+        lambda: par.mean(1.0),
+        lambda: par.prepare_loader(torch.utils.data.DataLoader(list(range(8)), batch_size=2)),
+    ):
         try:
             answers.append(f"answered {ask()!r}")
         except paratrain.ConfigError as err:
@@ -91,7 +95,7 @@ def _train(spec, par, model, opt, steps: range, seen: list[str]) -> list[float]:
     norms = []
     for s in steps:
         x, y = step_batch(spec, s)
-        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         for i in range(k):
             micro = slice(i * per // k, (i + 1) * per // k)
             with par.step(model, opt):
@@ -100,8 +104,9 @@ def _train(spec, par, model, opt, steps: range, seen: list[str]) -> list[float]:
     return norms
 
 
-def run_case(model_name: str, strategy: str, options: dict, folder: str,
-             resume_as: tuple[str, dict] | None = None) -> dict[str, Any]:
+def run_case(
+    model_name: str, strategy: str, options: dict, folder: str, resume_as: tuple[str, dict] | None = None
+) -> dict[str, Any]:
     early: list[str] = []
     spec, par, model, opt = _prepared(model_name, strategy, options, early if strategy == "auto" else None)
     layout = par.strategy.describe()
@@ -123,18 +128,30 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str,
     _train(spec, par, model, opt, range(STEPS - 1, STEPS), [])
     resumed = par.full_state_dict(model, rank0_only=False)
     par.close()
-    return {"layout": layout, "saved": saved, "state": final, "resumed": max_abs_diff(final, resumed), "norms": norms,
-            "seen": sorted(set(seen)), "early": early, "warned": [str(w.message) for w in caught],
-            "dp": par.data_parallel_size, "blocks": blocks, "logits_type": type(logits).__name__,
-            "logits": logits.detach().cpu()}
+    return {
+        "layout": layout,
+        "saved": saved,
+        "state": final,
+        "resumed": max_abs_diff(final, resumed),
+        "norms": norms,
+        "seen": sorted(set(seen)),
+        "early": early,
+        "warned": [str(w.message) for w in caught],
+        "dp": par.data_parallel_size,
+        "blocks": blocks,
+        "logits_type": type(logits).__name__,
+        "logits": logits.detach().cpu(),
+    }
 
 
 def _blocks(model: torch.nn.Module) -> dict[str, bool]:
     """Whether every repeated block is compiled, and checkpointed (its forward replaced by the recomputing one)."""
     blocks = find_blocks(model)
     modules = blocks.modules(model) if blocks is not None else []
-    return {"compiled": bool(modules) and all(getattr(b, "_compiled_call_impl", None) is not None for b in modules),
-            "checkpointed": bool(modules) and all("forward" in vars(b) for b in modules)}
+    return {
+        "compiled": bool(modules) and all(getattr(b, "_compiled_call_impl", None) is not None for b in modules),
+        "checkpointed": bool(modules) and all("forward" in vars(b) for b in modules),
+    }
 
 
 def run_cases(cases: list[tuple], tmp: str) -> dict[str, dict]:
@@ -143,8 +160,9 @@ def run_cases(cases: list[tuple], tmp: str) -> dict[str, dict]:
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1  # compiled cases: no worker pool outliving the job
-    return each_case(cases, lambda i, c: run_case(*c[:3], os.path.join(tmp, str(i)), *c[3:]),
-                     key=lambda c: case_key(*c))
+    return each_case(
+        cases, lambda i, c: run_case(*c[:3], os.path.join(tmp, str(i)), *c[3:]), key=lambda c: case_key(*c)
+    )
 
 
 def case_key(model_name: str, strategy: str, options: dict, resume_as: tuple[str, dict] | None = None) -> str:

@@ -4,6 +4,7 @@ and MLflow's database through an ``MlflowClient``.
 
 Each returns ``{"config": {...}, "scalars": {name: [(step, value), ...]}}`` per run.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,8 @@ def _leveldb_records(path: Path) -> list[bytes]:
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         assert zlib.crc32(bytes([kind]) + chunk) == crc, f"{path}: damaged chunk at byte {pos}"
         pos += 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
@@ -83,8 +84,11 @@ def wandb_runs(root: str | Path) -> dict[str, dict[str, Any]]:
                     key = item.key or "/".join(item.nested_key)
                     if not key.startswith("_"):  # W&B's own: _step, _runtime, _timestamp
                         scalars[key].append((record.history.step.num, json.loads(item.value_json)))
-        config = {k: v["value"] if isinstance(v, dict) and "value" in v else v for k, v in config.items()
-                  if not k.startswith("_")}
+        config = {
+            k: v["value"] if isinstance(v, dict) and "value" in v else v
+            for k, v in config.items()
+            if not k.startswith("_")
+        }
         runs[path.parent.name] = {"project": project, "name": name, "config": config, "scalars": dict(scalars)}
     return runs
 
@@ -97,8 +101,13 @@ def mlflow_runs(uri: str) -> dict[str, dict[str, Any]]:
     runs = {}
     for experiment in client.search_experiments():
         for run in client.search_runs([experiment.experiment_id]):
-            scalars = {key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
-                       for key in run.data.metrics}
+            scalars = {
+                key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+                for key in run.data.metrics
+            }
             runs[f"{experiment.name}/{run.info.run_name}"] = {
-                "config": dict(run.data.params), "scalars": scalars, "status": run.info.status}
+                "config": dict(run.data.params),
+                "scalars": scalars,
+                "status": run.info.status,
+            }
     return runs

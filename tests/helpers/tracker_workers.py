@@ -1,6 +1,7 @@
 """Training runs that log to TensorBoard, W&B (offline) and MLflow (a local sqlite file) at once, run on 2 gloo
 processes by tests/monitor/test_trackers.py: ddp (two replicas read different data) and tp (one replica), on a
 tiny language model whose batches are token ids, so the monitor counts samples and tokens."""
+
 from __future__ import annotations
 
 import sys
@@ -26,12 +27,23 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _train(strategy: str, root: Path, **options: object) -> dict:
     tracking = TrackerConfig(
-        trackers=[TensorBoardConfig(), WandbConfig(mode="offline"),
-                  MLflowConfig(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")],
-        project="tiny-lm", run_name=strategy, dir=root / "runs", config={"lr": 0.1, "model": {"vocab": VOCAB}})
-    par = paratrain.Parallel(strategy, log_with=tracking, seed=0, **options,
-                             monitor=MonitorConfig(every=EVERY, summary=False, flops_per_sample=FLOPS_PER_SAMPLE,
-                                                   peak_tflops=PEAK_TFLOPS))
+        trackers=[
+            TensorBoardConfig(),
+            WandbConfig(mode="offline"),
+            MLflowConfig(tracking_uri=f"sqlite:///{root / 'mlflow.db'}"),
+        ],
+        project="tiny-lm",
+        run_name=strategy,
+        dir=root / "runs",
+        config={"lr": 0.1, "model": {"vocab": VOCAB}},
+    )
+    par = paratrain.Parallel(
+        strategy,
+        log_with=tracking,
+        seed=0,
+        **options,
+        monitor=MonitorConfig(every=EVERY, summary=False, flops_per_sample=FLOPS_PER_SAMPLE, peak_tflops=PEAK_TFLOPS),
+    )
     model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, VOCAB))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     samples = STEPS * BATCH * par.data_parallel_size
@@ -54,8 +66,7 @@ def tracked_runs(root: str) -> dict:
     """Both runs; with what this rank imported of the trackers' clients (rank 1 must import none)."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    runs = {"ddp": _train("ddp", Path(root)),
-            "tp": _train("tp", Path(root), tp_plan={"1": "colwise", "3": "rowwise"})}
+    runs = {"ddp": _train("ddp", Path(root)), "tp": _train("tp", Path(root), tp_plan={"1": "colwise", "3": "rowwise"})}
     runs["imported"] = [name for name in CLIENTS if name in sys.modules]
     finish_group()
     return runs

@@ -6,6 +6,7 @@ a fork) fails at that call, naming the marker, instead of quietly making the lan
 run, fixtures included, since a module-scoped fixture that launches a job is set up before any autouse fixture of
 the test.
 """
+
 from __future__ import annotations
 
 import multiprocessing.process

@@ -3,6 +3,7 @@
 Every factory builds what a training script would; the planted bug sits where users put it (the loop, the
 model, the seeding), not in a flag.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,12 @@ def _model() -> nn.Sequential:
 
 def _spec(model: nn.Module, **kwargs: object) -> VerifySpec:
     kwargs = {"loss": F.cross_entropy, **kwargs}
-    return VerifySpec(model=model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                      loader=DataLoader(_data(), batch_size=8, shuffle=True), **kwargs)
+    return VerifySpec(
+        model=model,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        loader=DataLoader(_data(), batch_size=8, shuffle=True),
+        **kwargs,
+    )
 
 
 def good() -> VerifySpec:
@@ -54,11 +59,22 @@ def _mnist_like(optimizer: object, n: int = 128, norm: bool = False, **kwargs: o
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(n, 1, 12, 12, generator=g), torch.randint(0, 10, (n,), generator=g))
-    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.GroupNorm(8, 8) if norm else nn.Identity(), nn.ReLU(),
-                          nn.Conv2d(8, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1), nn.Linear(16 * 4 * 4, 32),
-                          nn.ReLU(), nn.Linear(32, 10), nn.LogSoftmax(1))
-    return VerifySpec(model=model, optimizer=optimizer, loss=F.nll_loss,
-                      loader=DataLoader(data, batch_size=8, shuffle=True), **kwargs)
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3),
+        nn.GroupNorm(8, 8) if norm else nn.Identity(),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(1),
+        nn.Linear(16 * 4 * 4, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+        nn.LogSoftmax(1),
+    )
+    return VerifySpec(
+        model=model, optimizer=optimizer, loss=F.nll_loss, loader=DataLoader(data, batch_size=8, shuffle=True), **kwargs
+    )
 
 
 def adamw() -> VerifySpec:
@@ -74,6 +90,7 @@ def adadelta() -> VerifySpec:
 
 def scheduled() -> VerifySpec:
     """Correct: mnist/main.py's loop, its StepLR stepped once an epoch inside the user's loop."""
+
     def train(par, model, optimizer, loader, loss):
         loader = par.prepare_loader(loader)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -82,40 +99,47 @@ def scheduled() -> VerifySpec:
                 with par.step(model, optimizer):
                     par.forward_backward(model, x, y, loss)
             scheduler.step()
+
     return _mnist_like(lambda p: torch.optim.Adadelta(p, lr=1.0), n=64, train=train)
 
 
 def unsharded() -> VerifySpec:
     """The loop iterates the loader as built: every rank reads the whole dataset."""
+
     def train(par, model, optimizer, loader, loss):
         for _ in par.epochs(sys.maxsize):
             for x, y in loader:
                 with par.step(model, optimizer):
                     par.forward_backward(model, x, y, loss)
+
     torch.manual_seed(0)
     return _spec(_model(), train=train)
 
 
 def no_reshuffle() -> VerifySpec:
     """The loop shards the loader but counts epochs itself, so the sampler never hears of a new epoch."""
+
     def train(par, model, optimizer, loader, loss):
         loader = par.prepare_loader(loader)
         for _ in range(sys.maxsize):
             for x, y in loader:
                 with par.step(model, optimizer):
                     par.forward_backward(model, x, y, loss)
+
     torch.manual_seed(0)
     return _spec(_model(), train=train)
 
 
 def undivided() -> VerifySpec:
     """Accumulation over 2 micro-batches with a plain ``loss.backward()``: gradients come out twice too big."""
+
     def train(par, model, optimizer, loader, loss):
         loader = par.prepare_loader(loader)
         for _ in par.epochs(sys.maxsize):
             for x, y in loader:
                 with par.step(model, optimizer):
                     loss(model(x), y).backward()
+
     torch.manual_seed(0)
     return _spec(_model(), accumulate=2, train=train)
 
@@ -148,8 +172,13 @@ def _gpt2_spec(**kwargs: object) -> VerifySpec:
     from helpers.zoo import ZOO, _lm_loss, _tokens
 
     x, y = _tokens(32, torch.Generator().manual_seed(1))
-    return VerifySpec(model=ZOO["gpt2"].build(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                      loss=_lm_loss, loader=DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True), **kwargs)
+    return VerifySpec(
+        model=ZOO["gpt2"].build(),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        loss=_lm_loss,
+        loader=DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+        **kwargs,
+    )
 
 
 def gpt2() -> VerifySpec:
@@ -160,11 +189,13 @@ def gpt2() -> VerifySpec:
 def split_tie() -> VerifySpec:
     """GPT-2 whose head gets a weight of its own after prepare in the parallel run only — what FSDP2 on torch 2.11
     did to tied weights: the head is no longer the embedding and no optimizer trains it."""
+
     def train(par, model, optimizer, loader, loss):
         if par.world_size > 1:
             head = par.unwrap(model).lm_head
             head.weight = nn.Parameter(head.weight.detach().clone())
         paratrain_loop(par, model, optimizer, loader, loss)
+
     return _gpt2_spec(train=train)
 
 
@@ -183,10 +214,13 @@ def _nanogpt(**options: object) -> VerifySpec:
     torch.manual_seed(1337)
     model = GPT(GPTConfig(block_size=16, vocab_size=48, n_layer=2, n_head=2, n_embd=32))
     ids = torch.randint(0, 48, (32, 17), generator=torch.Generator().manual_seed(1))
-    return VerifySpec(model=model, loss=None,
-                      optimizer_from_model=lambda m: m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu"),
-                      loader=DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=4, shuffle=True),
-                      options={"clip_grad_norm": NANOGPT_CLIP, "seed": 1337, **options})
+    return VerifySpec(
+        model=model,
+        loss=None,
+        optimizer_from_model=lambda m: m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu"),
+        loader=DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=4, shuffle=True),
+        options={"clip_grad_norm": NANOGPT_CLIP, "seed": 1337, **options},
+    )
 
 
 def nanogpt() -> VerifySpec:
@@ -203,9 +237,13 @@ def gpt2_labels() -> VerifySpec:
     from helpers.zoo import SEQ, VOCAB, ZOO
 
     ids = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(1))
-    return VerifySpec(model=ZOO["gpt2"].build(), loss=None, target_keyword="labels",
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                      loader=DataLoader(TensorDataset(ids, ids), batch_size=4, shuffle=True))
+    return VerifySpec(
+        model=ZOO["gpt2"].build(),
+        loss=None,
+        target_keyword="labels",
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        loader=DataLoader(TensorDataset(ids, ids), batch_size=4, shuffle=True),
+    )
 
 
 def clipped_in_parallel_only() -> VerifySpec:
@@ -238,10 +276,14 @@ def mixtral_aux(moe_aux_loss: str = "local") -> VerifySpec:
     from helpers.zoo import SEQ, VOCAB
 
     ids = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(1))
-    return VerifySpec(model=tiny_mixtral(aux_loss=0.1), loss=None, target_keyword="labels",
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                      loader=DataLoader(TensorDataset(ids, ids), batch_size=4, shuffle=True),
-                      options={} if moe_aux_loss == "local" else {"moe_aux_loss": moe_aux_loss})
+    return VerifySpec(
+        model=tiny_mixtral(aux_loss=0.1),
+        loss=None,
+        target_keyword="labels",
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        loader=DataLoader(TensorDataset(ids, ids), batch_size=4, shuffle=True),
+        options={} if moe_aux_loss == "local" else {"moe_aux_loss": moe_aux_loss},
+    )
 
 
 def mixtral_aux_global() -> VerifySpec:

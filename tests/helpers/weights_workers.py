@@ -1,6 +1,7 @@
 """The pretrained-weights x strategy job: every case of one world size in one launched job. Each case builds a zoo
 model (on the meta device, or normally), prepares it, reads a weights file into it with ``par.load_weights`` and
 returns the full state dict (rank 0) and how many bytes each rank read."""
+
 from __future__ import annotations
 
 import torch
@@ -30,5 +31,6 @@ def weights_case(model_name: str, strategy: str, options: dict, path: str, meta:
 
 
 def run_weights_cases(cases: list[tuple[str, str, dict, str, bool]]) -> dict[str, dict]:
-    return each_case(cases, lambda _, c: weights_case(*c),
-                     key=lambda c: f"{c[0]}/{c[1]}{c[2] or ''}/{'meta' if c[4] else 'built'}")
+    return each_case(
+        cases, lambda _, c: weights_case(*c), key=lambda c: f"{c[0]}/{c[1]}{c[2] or ''}/{'meta' if c[4] else 'built'}"
+    )

@@ -6,6 +6,7 @@ only), our own nanoGPT-style GPT (tied head, decay / no-decay parameter groups),
 with frozen layers. Each entry builds the same initial model on every call and says how to make a batch, a loss
 and an optimizer, so a test can train it once in one plain process and once under a strategy.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,8 +66,18 @@ def gpt2() -> nn.Module:
 
     _quiet_transformers()
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=HIDDEN, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=HIDDEN,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -75,9 +86,18 @@ def llama() -> nn.Module:
 
     _quiet_transformers()
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=False,
-                      bos_token_id=0, eos_token_id=0)
+    cfg = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -86,9 +106,17 @@ def bert() -> nn.Module:
 
     _quiet_transformers()
     torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                     vocab_size=VOCAB, max_position_embeddings=SEQ, num_labels=3, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForSequenceClassification(cfg)
 
 
@@ -109,8 +137,9 @@ def lora() -> nn.Module:
     torch.manual_seed(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "fan_in_fan_out is set to False but the target module is Conv1D"
-        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
-                                                fan_in_fan_out=True))
+        model = get_peft_model(
+            base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True)
+        )
     for name, p in model.named_parameters():  # LoRA's B starts at zero; make the adapters matter from step one
         if "lora_B" in name:
             nn.init.normal_(p, std=0.02)
@@ -135,14 +164,27 @@ def _decay_groups(model: nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                             lr=1e-2, betas=(0.9, 0.95), eps=1e-5)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-5,
+    )
 
 
 def cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 8, 3),
-                         nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
 
 
 def _images(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,15 +202,18 @@ def _vectors(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
-ZOO: dict[str, ZooModel] = {m.name: m for m in (
-    ZooModel("gpt2", gpt2, _tokens, _lm_loss, _sgd),
-    ZooModel("llama", llama, _tokens, _lm_loss, _sgd),
-    ZooModel("bert", bert, _classes, _bert_loss, _sgd),
-    ZooModel("lora", lora, _tokens, _lm_loss, _sgd),
-    ZooModel("nanogpt", nanogpt, _tokens, _lm_loss, _decay_groups),
-    ZooModel("cnn", cnn, _images, lambda out, y: F.cross_entropy(out, y), _sgd, batch_norm=True),
-    ZooModel("frozen", frozen, _vectors, lambda out, y: F.cross_entropy(out, y), _sgd),
-)}
+ZOO: dict[str, ZooModel] = {
+    m.name: m
+    for m in (
+        ZooModel("gpt2", gpt2, _tokens, _lm_loss, _sgd),
+        ZooModel("llama", llama, _tokens, _lm_loss, _sgd),
+        ZooModel("bert", bert, _classes, _bert_loss, _sgd),
+        ZooModel("lora", lora, _tokens, _lm_loss, _sgd),
+        ZooModel("nanogpt", nanogpt, _tokens, _lm_loss, _decay_groups),
+        ZooModel("cnn", cnn, _images, lambda out, y: F.cross_entropy(out, y), _sgd, batch_norm=True),
+        ZooModel("frozen", frozen, _vectors, lambda out, y: F.cross_entropy(out, y), _sgd),
+    )
+}
 
 
 def _same_tokens(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,22 +227,26 @@ def _own_loss(out: object, target: torch.Tensor) -> torch.Tensor:
 
 
 def _moe(name: str, build: Callable[[], nn.Module], labels: bool = False) -> ZooModel:
-    return ZooModel(name, build, _same_tokens if labels else _tokens, _own_loss if labels else _lm_loss, _sgd,
-                    labels=labels)
+    return ZooModel(
+        name, build, _same_tokens if labels else _tokens, _own_loss if labels else _lm_loss, _sgd, labels=labels
+    )
 
 
 def _moe_zoo() -> dict[str, ZooModel]:
     from helpers import moe_models as m
 
-    return {z.name: z for z in (
-        _moe("mixtral", m.tiny_mixtral, labels=True),
-        _moe("qwen3_moe", m.tiny_qwen3_moe),
-        _moe("qwen2_moe", m.tiny_qwen2_moe, labels=True),
-        _moe("gpt_oss", m.tiny_gpt_oss),
-        _moe("olmoe", m.tiny_olmoe),
-        _moe("gpt_experts", m.tiny_gpt_experts),
-        _moe("mixtral_aux", lambda: m.tiny_mixtral(aux_loss=0.1), labels=True),
-    )}
+    return {
+        z.name: z
+        for z in (
+            _moe("mixtral", m.tiny_mixtral, labels=True),
+            _moe("qwen3_moe", m.tiny_qwen3_moe),
+            _moe("qwen2_moe", m.tiny_qwen2_moe, labels=True),
+            _moe("gpt_oss", m.tiny_gpt_oss),
+            _moe("olmoe", m.tiny_olmoe),
+            _moe("gpt_experts", m.tiny_gpt_experts),
+            _moe("mixtral_aux", lambda: m.tiny_mixtral(aux_loss=0.1), labels=True),
+        )
+    }
 
 
 MOE_ZOO: dict[str, ZooModel] = _moe_zoo()

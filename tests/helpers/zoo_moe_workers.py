@@ -1,5 +1,6 @@
 """The mixture-of-experts zoo job (tests/strategies/test_zoo_moe.py): the zoo's cases (:mod:`helpers.zoo_workers`)
 and a check of the router loss itself on padded slices of unequal token counts."""
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,7 @@ def padded_router_loss() -> dict[str, torch.Tensor]:
     logits, mask = padded_batch()
     rows = slice(rank * 10, (rank + 1) * 10)
     mine = [x[rows].clone().requires_grad_(True) for x in logits]
-    loss = load_balancing_loss(tuple(mine), EXPERTS, TOP_K, mask[rank * 2:(rank + 1) * 2], replicas=world)
+    loss = load_balancing_loss(tuple(mine), EXPERTS, TOP_K, mask[rank * 2 : (rank + 1) * 2], replicas=world)
     loss.backward()
     parts = [torch.cat([loss.detach().reshape(1), *[x.grad.reshape(-1) for x in mine]])]
     gathered = [torch.empty_like(parts[0]) for _ in range(world)]
@@ -47,6 +48,7 @@ def padded_router_loss() -> dict[str, torch.Tensor]:
 def run_moe_cases(cases: list[tuple[str, str, dict]], tmp: str) -> dict[str, dict]:
     """Every case in order (:func:`helpers.zoo_workers.run_cases`), :data:`MASKED` and :data:`ACCUMULATED` among
     them."""
+
     def one(i: int, case: tuple[str, str, dict]) -> dict:
         if case in (MASKED, ACCUMULATED):
             return padded_router_loss() if case == MASKED else accumulated_steps()
@@ -77,7 +79,9 @@ def accumulated_steps(steps: int = 2) -> dict[str, torch.Tensor]:
         for m in range(2):
             start = (m * world + rank) * MICRO_SAMPLES
             with par.step(model, opt):
-                par.forward_backward(model, x[start:start + MICRO_SAMPLES], {"labels": y[start:start + MICRO_SAMPLES]})
+                par.forward_backward(
+                    model, x[start : start + MICRO_SAMPLES], {"labels": y[start : start + MICRO_SAMPLES]}
+                )
     state = par.full_state_dict(model, rank0_only=False)
     par.close()
     return {"state": state}

@@ -6,6 +6,7 @@ into a fresh model and takes the last step again. Rank 0 returns, per case, the 
 resumed run ended from the uninterrupted one, and whether the optimizer held every trainable parameter once and
 the ties survived ``prepare`` and ``load``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,7 +33,7 @@ def _train(par: paratrain.Parallel, spec, model, opt, steps: range) -> None:
     size, rank = par.data_parallel_size, par.data_parallel_rank
     for s in steps:
         x, y = step_batch(spec, s, size * PER_RANK)
-        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        x, y = x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK]
         with par.step(model, opt):
             x, y = x.to(par.device), y.to(par.device)
             if spec.labels:
@@ -85,8 +86,9 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str) -> dict
 def run_cases(cases: list[tuple[str, str, dict]], tmp: str) -> dict[str, dict]:
     """Every case in order; a case that raises is reported with its one-line error instead of stopping the rest
     (all ranks raise alike in prepare, where refusals happen)."""
-    return each_case(cases, lambda i, c: run_case(*c, os.path.join(tmp, str(i))),
-                     key=lambda c: f"{c[0]}/{c[1]}{c[2] or ''}")
+    return each_case(
+        cases, lambda i, c: run_case(*c, os.path.join(tmp, str(i))), key=lambda c: f"{c[0]}/{c[1]}{c[2] or ''}"
+    )
 
 
 # fp32 tolerance: the parallel runs sum the same gradients in another order (all-reduce, reduce-scatter); over 3
@@ -96,8 +98,9 @@ MICRO = 4  # the pipelines' default micro-batches
 
 
 @functools.cache
-def reference(model_name: str, replicas: int, slices: int | None = None,
-              microbatches: int = 1) -> dict[str, torch.Tensor]:
+def reference(
+    model_name: str, replicas: int, slices: int | None = None, microbatches: int = 1
+) -> dict[str, torch.Tensor]:
     """One process, ``STEPS`` steps on global batches of ``replicas x PER_RANK``, each cut into ``slices`` forward
     passes (default: one per replica and micro-batch); buffers (BatchNorm's running statistics) follow replica 0's
     ``microbatches`` forwards, as rank 0's do. Computed once per arguments in a test process (many cases compare with

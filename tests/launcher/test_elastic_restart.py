@@ -1,6 +1,7 @@
 """Elastic restart end to end: a rank SIGKILLed mid-training, torchrun restarts the job, it resumes from the
 latest checkpoint and ends bitwise equal to an uninterrupted run; without restarts it fails fast, names the rank
 and leaves nothing running."""
+
 import os
 import random
 import re
@@ -32,9 +33,21 @@ def test_a_killed_rank_restarts_and_the_result_is_bitwise_equal(paratrain_cmd, t
     step, rank = random.randint(1, 21), random.randint(0, 1)
     clean = run_cli(*DEMO, timeout=180)
     assert clean.returncode == 0, clean.stderr
-    killed = run_cli(*DEMO, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4",
-                     *(["--checkpoint-async"] if how == "async" else []),
-                     "--max-restarts", "1", "--fail-at-step", str(step), "--fail-rank", str(rank), timeout=240)
+    killed = run_cli(
+        *DEMO,
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "4",
+        *(["--checkpoint-async"] if how == "async" else []),
+        "--max-restarts",
+        "1",
+        "--fail-at-step",
+        str(step),
+        "--fail-rank",
+        str(rank),
+        timeout=240,
+    )
     why = f"killed rank {rank} after step {step}\n{killed.stderr[-3000:]}"
     assert killed.returncode == 0, why
     assert f"fault injection: SIGKILL rank {rank} after step {step}" in killed.stderr, why
@@ -49,8 +62,12 @@ def test_a_killed_rank_restarts_and_the_result_is_bitwise_equal(paratrain_cmd, t
 
 @pytest.mark.launched
 def test_without_restarts_a_killed_rank_ends_the_job_within_seconds(paratrain_cmd, tmp_path):
-    proc = subprocess.Popen([*paratrain_cmd, *DEMO, "--fail-at-step", "3", "--fail-rank", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*paratrain_cmd, *DEMO, "--fail-at-step", "3", "--fail-rank", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     job = watch_stderr(proc, lambda line: "fault injection" in line, 180, on_mark=lambda: child_pids(proc.pid))
     stderr, workers = job.stderr, job.at_mark
     assert job.rc == 1 and job.marked_at is not None, stderr
@@ -60,21 +77,32 @@ def test_without_restarts_a_killed_rank_ends_the_job_within_seconds(paratrain_cm
 
 
 def test_run_hands_checkpoint_options_to_every_rank(monkeypatch, tmp_path):
-    for key in ("PARATRAIN_CHECKPOINT_DIR", "PARATRAIN_CHECKPOINT_EVERY", "PARATRAIN_RESUME",
-                "PARATRAIN_CHECKPOINT_ASYNC"):
+    for key in (
+        "PARATRAIN_CHECKPOINT_DIR",
+        "PARATRAIN_CHECKPOINT_EVERY",
+        "PARATRAIN_RESUME",
+        "PARATRAIN_CHECKPOINT_ASYNC",
+    ):
         monkeypatch.setenv(key, "")  # recorded, so what resolve() sets is undone after the test
         monkeypatch.delenv(key)
     script = str(tmp_path / "train.py")
     open(script, "w").close()
-    resolve(parse_args(["-n", "2", "--checkpoint-dir", "ck", "--checkpoint-every", "50", "--checkpoint-async",
-                        "--resume", script]))
+    resolve(
+        parse_args(
+            ["-n", "2", "--checkpoint-dir", "ck", "--checkpoint-every", "50", "--checkpoint-async", "--resume", script]
+        )
+    )
     assert os.environ["PARATRAIN_CHECKPOINT_DIR"] == os.path.abspath("ck")
     assert os.environ["PARATRAIN_CHECKPOINT_EVERY"] == "50" and os.environ["PARATRAIN_RESUME"] == "1"
     from paratrain.checkpoint import CheckpointConfig
 
     config = CheckpointConfig.of(None)
-    assert (config.dir, config.every, config.should_resume(), config.async_save) == (os.path.abspath("ck"), 50, True,
-                                                                                     True)
+    assert (config.dir, config.every, config.should_resume(), config.async_save) == (
+        os.path.abspath("ck"),
+        50,
+        True,
+        True,
+    )
 
 
 def test_each_restart_attempt_starts_its_group_on_keys_of_its_own(monkeypatch):

@@ -1,6 +1,7 @@
 """Kubeflow Trainer's ``PET_*`` variables: read as ``paratrain run``'s flags, a bad one named in one line, the master's
 name awaited inside a pod, and a two-"node" job on this host started with no flags but the variables (as the
 Trainer starts each pod)."""
+
 from __future__ import annotations
 
 import os
@@ -24,29 +25,44 @@ TRAIN = str(SCRIPTS / "cluster_train.py")
 
 def _pod(node_rank: int, port: int, **extra: str) -> dict[str, str]:
     """What Kubeflow Trainer sets in the pod of node ``node_rank`` of a 2-node job, one process per node."""
-    return {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node_rank),
-            "PET_MASTER_ADDR": "localhost", "PET_MASTER_PORT": str(port), **extra}
+    return {
+        "PET_NNODES": "2",
+        "PET_NPROC_PER_NODE": "1",
+        "PET_NODE_RANK": str(node_rank),
+        "PET_MASTER_ADDR": "localhost",
+        "PET_MASTER_PORT": str(port),
+        **extra,
+    }
 
 
 def test_pet_variables_are_paratrain_runs_flags_and_explicit_flags_win(monkeypatch):
     for key, value in _pod(1, 29500, PET_NPROC_PER_NODE="3").items():
         monkeypatch.setenv(key, value)
     args = parse_args([SCRIPT])
-    assert (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr, args.master_port) \
-        == ("2", "3", 1, "localhost", 29500)
-    args = resolve(parse_args(["-n", "1", "--node-rank", "0", "--master-port", str(free_port()), SCRIPT]),
-                   note=lambda _: None)
+    assert (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr, args.master_port) == (
+        "2",
+        "3",
+        1,
+        "localhost",
+        29500,
+    )
+    args = resolve(
+        parse_args(["-n", "1", "--node-rank", "0", "--master-port", str(free_port()), SCRIPT]), note=lambda _: None
+    )
     assert (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr) == ("2", 1, 0, "localhost")
 
 
-@pytest.mark.parametrize("name, value, words", [
-    ("PET_NNODES", "two", "PET_NNODES='two' is not a node count N or MIN:MAX"),
-    ("PET_NPROC_PER_NODE", "0", "PET_NPROC_PER_NODE='0' is not a number of processes >= 1"),
-    ("PET_NODE_RANK", "x", "PET_NODE_RANK='x' is not a node rank"),
-    ("PET_NODE_RANK", "2", "PET_NODE_RANK='2' is outside a job of PET_NNODES=2 (node ranks are 0 … 1)"),
-    ("PET_MASTER_ADDR", " ", "PET_MASTER_ADDR=' ' is empty"),
-    ("PET_MASTER_PORT", "70000", "PET_MASTER_PORT='70000' is not a TCP port"),
-])
+@pytest.mark.parametrize(
+    "name, value, words",
+    [
+        ("PET_NNODES", "two", "PET_NNODES='two' is not a node count N or MIN:MAX"),
+        ("PET_NPROC_PER_NODE", "0", "PET_NPROC_PER_NODE='0' is not a number of processes >= 1"),
+        ("PET_NODE_RANK", "x", "PET_NODE_RANK='x' is not a node rank"),
+        ("PET_NODE_RANK", "2", "PET_NODE_RANK='2' is outside a job of PET_NNODES=2 (node ranks are 0 … 1)"),
+        ("PET_MASTER_ADDR", " ", "PET_MASTER_ADDR=' ' is empty"),
+        ("PET_MASTER_PORT", "70000", "PET_MASTER_PORT='70000' is not a TCP port"),
+    ],
+)
 def test_a_bad_pet_variable_is_one_line_naming_it(monkeypatch, name, value, words):
     for key, val in _pod(0, 29500, **{name: value}).items():
         monkeypatch.setenv(key, val)
@@ -103,8 +119,16 @@ def test_two_pods_started_by_their_pet_variables_train_like_paratrain_run(tmp_pa
     res = run_cli("run", "-n", "2", TRAIN, reference, timeout=90)
     assert res.returncode == 0, res.stderr
     port = free_port()
-    procs = [subprocess.Popen([*PARATRAIN, "run", TRAIN, str(pods)], env={**os.environ, **_pod(node, port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [*PARATRAIN, "run", TRAIN, str(pods)],
+            env={**os.environ, **_pod(node, port)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         results = [proc.communicate(timeout=90) for proc in procs]
     finally:

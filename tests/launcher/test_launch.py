@@ -1,4 +1,5 @@
 """In-process ``paratrain.launch``: results, fail-fast, timeouts, nothing left behind."""
+
 import time
 from pathlib import Path
 
@@ -38,13 +39,16 @@ def test_a_failing_rank_stops_the_job_within_seconds(tmp_path, how, words):
 
 
 def test_the_summary_names_the_last_exception_not_the_last_line_of_its_message():
-    wrapped = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nRuntimeError: assert failed\n\n"
-               "The above exception was the direct cause of the following exception:\n\nTraceback (most recent call "
-               "last):\n  File \"y.py\", line 2, in g\nRuntimeError: \n            [Stage 0] failed to run forward:\n"
-               "            args: ('Tensor(torch.Size([1, 8]))',)\nkwargs: {}\n")
+    wrapped = (
+        'Traceback (most recent call last):\n  File "x.py", line 1, in f\nRuntimeError: assert failed\n\n'
+        "The above exception was the direct cause of the following exception:\n\nTraceback (most recent call "
+        'last):\n  File "y.py", line 2, in g\nRuntimeError: \n            [Stage 0] failed to run forward:\n'
+        "            args: ('Tensor(torch.Size([1, 8]))',)\nkwargs: {}\n"
+    )
     assert "(exit code 1: RuntimeError: [Stage 0] failed to run forward:)" in str(
-        RankFailedError(rank=0, exitcode=1, host="h", pid=1, traceback=wrapped))
-    plain = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: bad value\n"
+        RankFailedError(rank=0, exitcode=1, host="h", pid=1, traceback=wrapped)
+    )
+    plain = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nValueError: bad value\n'
     assert "(exit code 1: ValueError: bad value)" in str(RankFailedError(0, 1, "h", 1, plain))
     assert "(exit code 1: something odd)" in str(RankFailedError(0, 1, "h", 1, "something odd\n"))
 
@@ -83,10 +87,13 @@ def test_ranks_die_with_a_caller_that_is_killed(tmp_path):
     import sys
 
     tests = str(Path(__file__).parents[1])
-    code = ("import paratrain, sys; from helpers import dist_workers; "
-            f"paratrain.launch(dist_workers.sleep_forever, 2, ({str(tmp_path)!r},))")
-    caller = subprocess.Popen([sys.executable, "-c", code],
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])})
+    code = (
+        "import paratrain, sys; from helpers import dist_workers; "
+        f"paratrain.launch(dist_workers.sleep_forever, 2, ({str(tmp_path)!r},))"
+    )
+    caller = subprocess.Popen(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    )
     try:
         deadline = time.monotonic() + 60
         while len(_pids(tmp_path)) < 2 and time.monotonic() < deadline:

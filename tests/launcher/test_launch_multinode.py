@@ -1,5 +1,6 @@
 """The pieces of a multi-node launch that need no second host: routes and interfaces, rendezvous timeouts and
 their messages, the nodes' --nnodes agreement over a real store, the default process-group timeout."""
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -42,17 +43,22 @@ def test_rdzv_timeout_sets_the_key_each_rendezvous_reads_and_rdzv_conf_wins():
     c10d = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400"]
     assert _args([*c10d, "--rdzv-timeout", "5"]).rdzv_conf == "join_timeout=5,read_timeout=5"
     assert _args([*c10d, "--rdzv-timeout", "900"]).rdzv_conf == "join_timeout=900,read_timeout=60"
-    assert _args([*c10d, "--rdzv-conf", "join_timeout=7", "--rdzv-timeout", "900"]).rdzv_conf \
+    assert (
+        _args([*c10d, "--rdzv-conf", "join_timeout=7", "--rdzv-timeout", "900"]).rdzv_conf
         == "join_timeout=7,read_timeout=60"
+    )
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--rdzv-timeout", "0"], "--rdzv-timeout must be at least 1"),
-    (["--nnodes", "3:2"], "--nnodes must be N or MIN:MAX"),
-    (["--nnodes", "two"], "--nnodes must be N or MIN:MAX"),
-    (["--pg-timeout", "0"], "--pg-timeout must be > 0"),
-    (["--nnodes", "2", "--master-addr", "no-such-host.invalid"], "does not resolve on this node"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--rdzv-timeout", "0"], "--rdzv-timeout must be at least 1"),
+        (["--nnodes", "3:2"], "--nnodes must be N or MIN:MAX"),
+        (["--nnodes", "two"], "--nnodes must be N or MIN:MAX"),
+        (["--pg-timeout", "0"], "--pg-timeout must be > 0"),
+        (["--nnodes", "2", "--master-addr", "no-such-host.invalid"], "does not resolve on this node"),
+    ],
+)
 def test_bad_multinode_flags_are_one_line_errors(argv, words):
     with pytest.raises(LaunchError, match=words) as info:
         _args(argv)
@@ -67,24 +73,49 @@ def test_a_master_name_that_is_loopback_on_this_node_is_noted(monkeypatch):
     assert "other nodes cannot reach" in notes[0]
 
 
-@pytest.mark.parametrize("backend, err, words", [
-    ("static", dist.DistNetworkError("failed to connect to 10.0.0.9:1 (errno: 113 - No route to host)."),
-     "could not reach the rendezvous at 10.0.0.9:29500 within 600 s (No route to host); check that node 0"),
-    ("static", dist.DistStoreError("Timed out after 9 seconds waiting for clients. 2/3 clients joined."),
-     "only 2 of 3 nodes joined the rendezvous at 10.0.0.9:29500 within 600 s; start every node with the same "
-     "--nnodes and --master-addr/--master-port"),
-    ("static", dist.DistStoreError("wait timeout after 8000ms, keys: /none/torchelastic/assigned_ranks/1"),
-     "the rendezvous at 10.0.0.9:29500 did not complete within 600 s (wait timeout after 8000ms"),
-    ("c10d", RendezvousTimeoutError(), "did not complete within 600 s: fewer than 2 nodes joined; start every "
-                                       "node with the same --nnodes and --rdzv-endpoint/--rdzv-id"),
-    ("c10d", RendezvousConnectionError("The connection to the C10d store has failed."),
-     "could not reach the rendezvous at 10.0.0.9:29400 within 600 s;"),
-    ("c10d", RendezvousConnectionError("recv: Connection reset by peer"),
-     "lost the connection to the rendezvous at 10.0.0.9:29400 before it completed"),
-])
+@pytest.mark.parametrize(
+    "backend, err, words",
+    [
+        (
+            "static",
+            dist.DistNetworkError("failed to connect to 10.0.0.9:1 (errno: 113 - No route to host)."),
+            "could not reach the rendezvous at 10.0.0.9:29500 within 600 s (No route to host); check that node 0",
+        ),
+        (
+            "static",
+            dist.DistStoreError("Timed out after 9 seconds waiting for clients. 2/3 clients joined."),
+            "only 2 of 3 nodes joined the rendezvous at 10.0.0.9:29500 within 600 s; start every node with the same "
+            "--nnodes and --master-addr/--master-port",
+        ),
+        (
+            "static",
+            dist.DistStoreError("wait timeout after 8000ms, keys: /none/torchelastic/assigned_ranks/1"),
+            "the rendezvous at 10.0.0.9:29500 did not complete within 600 s (wait timeout after 8000ms",
+        ),
+        (
+            "c10d",
+            RendezvousTimeoutError(),
+            "did not complete within 600 s: fewer than 2 nodes joined; start every "
+            "node with the same --nnodes and --rdzv-endpoint/--rdzv-id",
+        ),
+        (
+            "c10d",
+            RendezvousConnectionError("The connection to the C10d store has failed."),
+            "could not reach the rendezvous at 10.0.0.9:29400 within 600 s;",
+        ),
+        (
+            "c10d",
+            RendezvousConnectionError("recv: Connection reset by peer"),
+            "lost the connection to the rendezvous at 10.0.0.9:29400 before it completed",
+        ),
+    ],
+)
 def test_rendezvous_failures_become_one_line_with_the_address_and_the_wait(backend, err, words):
-    argv = ["--nnodes", "2", "--master-addr", "10.0.0.9"] if backend == "static" else \
-        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.9"]
+    argv = (
+        ["--nnodes", "2", "--master-addr", "10.0.0.9"]
+        if backend == "static"
+        else ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.9"]
+    )
     message = str(rendezvous_error(parse_args([*argv, SCRIPT]), err))
     assert words in message and "\n" not in message
 
@@ -92,16 +123,22 @@ def test_rendezvous_failures_become_one_line_with_the_address_and_the_wait(backe
 @pytest.fixture
 def store():
     port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=10))
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     yield server, port
     del server
 
 
 def _node_env(port: int, node: int, nnodes: str) -> dict[str, str]:
-    return {NNODES_VAR: nnodes, "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "0",
-            "WORLD_SIZE": "4"}
+    return {
+        NNODES_VAR: nnodes,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "GROUP_RANK": str(node),
+        "GROUP_WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "4",
+    }
 
 
 def test_nodes_that_agree_on_nnodes_pass_and_a_disagreeing_one_is_named(store):
@@ -109,8 +146,11 @@ def test_nodes_that_agree_on_nnodes_pass_and_a_disagreeing_one_is_named(store):
     server.set("paratrain/nnodes/0/4/1", "2:2")  # node 1 published its --nnodes
     check_same_nnodes(_node_env(port, 0, "2:2"), timeout_s=5)
     server.set("paratrain/nnodes/0/4/1", "3:3")
-    with pytest.raises(LaunchError, match="node 1 was started with --nnodes 3 but node 0 .this one. with "
-                                          "--nnodes 2; start every node with the same --nnodes"):
+    with pytest.raises(
+        LaunchError,
+        match="node 1 was started with --nnodes 3 but node 0 .this one. with "
+        "--nnodes 2; start every node with the same --nnodes",
+    ):
         check_same_nnodes(_node_env(port, 0, "2:2"), timeout_s=5)
     with pytest.raises(LaunchError, match="node 0 was started with --nnodes 2:4 but node 1"):
         server.set("paratrain/nnodes/0/4/0", "2:4")
@@ -129,6 +169,11 @@ def test_the_launchers_pg_timeout_becomes_torchs_default(monkeypatch):
 
 
 def test_a_rank_that_only_lost_a_peer_points_to_the_other_node():
-    err = RankFailedError(rank=0, exitcode=1, host="h", pid=1, traceback="Traceback…\nRuntimeError: [pair.cc:553] "
-                          "Connection closed by peer [10.0.0.2]:1")
+    err = RankFailedError(
+        rank=0,
+        exitcode=1,
+        host="h",
+        pid=1,
+        traceback="Traceback…\nRuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:1",
+    )
     assert "lost a peer that failed first" in format_failure(err)

@@ -7,6 +7,7 @@ leaver 1 SIGKILLed: the job goes on and exits 0. C: a rank that did not allow le
 failure does, and the leaver stopped with it is not reported as leaving. D: SIGTERM or SIGKILL of the launcher ends a
 replacement too. Each launch has a hard timeout and every process's pid is checked after.
 """
+
 import os
 import signal
 import subprocess
@@ -68,8 +69,10 @@ def test_the_closing_line_says_who_left_and_who_came_back():
     assert leaves.summary() is None
     for rank, back in [(1, True), (2, False), (3, True), (3, False), (4, True), (4, True)]:
         leaves.record(rank, back)
-    assert leaves.summary() == ("rank 1 left and came back; rank 2 left for good; rank 3 left for good after coming "
-                                "back once; rank 4 left and came back 2 times")
+    assert leaves.summary() == (
+        "rank 1 left and came back; rank 2 left for good; rank 3 left for good after coming "
+        "back once; rank 4 left and came back 2 times"
+    )
 
 
 def test_torchrun_builds_the_leaving_agent_only_inside_the_block(monkeypatch):
@@ -88,9 +91,25 @@ def test_torchrun_builds_the_leaving_agent_only_inside_the_block(monkeypatch):
 
 @pytest.mark.launched
 def test_a_leaver_comes_back_once_then_one_leaves_for_good(tmp_path):
-    res = _launch(tmp_path, "-n", "3", "--max-restarts", "2",  # attempt 0: rank 0 (no leaver) dies, the job restarts
-                  job=("--leave", "1,2", "--die", "0@0.3,1@0.5#1", "--fail", "2@1.5#1", "--fail-after", "1",
-                       "--notice", "1:1,2:1"))
+    res = _launch(
+        tmp_path,
+        "-n",
+        "3",
+        "--max-restarts",
+        "2",  # attempt 0: rank 0 (no leaver) dies, the job restarts
+        job=(
+            "--leave",
+            "1,2",
+            "--die",
+            "0@0.3,1@0.5#1",
+            "--fail",
+            "2@1.5#1",
+            "--fail-after",
+            "1",
+            "--notice",
+            "1:1,2:1",
+        ),
+    )
     why = res.stderr
     pids = _pids(tmp_path)
     assert res.returncode == 0, why
@@ -124,9 +143,16 @@ def test_without_restarts_a_killed_leaver_leaves_and_the_job_succeeds(tmp_path):
 @pytest.mark.launched
 def test_a_rank_that_did_not_allow_leaving_stops_the_job_as_before(tmp_path):
     res = _launch(tmp_path, "-n", "2", job=("--leave", "0", "--die", "1@0.5", "--work", "30"))
-    check("job: a rank that may not leave is killed beside one that may", rc=res.returncode, expect_rc=1,
-          stderr=res.stderr, kind="report", lines=None, pids=_pids(tmp_path),
-          words=["paratrain: rank 1 failed", "killed by SIGKILL", "rank 0 stopped by the launcher"])
+    check(
+        "job: a rank that may not leave is killed beside one that may",
+        rc=res.returncode,
+        expect_rc=1,
+        stderr=res.stderr,
+        kind="report",
+        lines=None,
+        pids=_pids(tmp_path),
+        words=["paratrain: rank 1 failed", "killed by SIGKILL", "rank 0 stopped by the launcher"],
+    )
     assert "left" not in res.stderr and res.stderr.count("paratrain: rank") == 1, res.stderr
     assert not list(tmp_path.glob("done-*")), res.stderr
 
@@ -134,9 +160,28 @@ def test_a_rank_that_did_not_allow_leaving_stops_the_job_as_before(tmp_path):
 @pytest.mark.launched
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
 def test_stopping_the_launcher_stops_a_replacement_too(tmp_path, sig, code):
-    proc = subprocess.Popen([*PARATRAIN, "run", "-n", "2", "--max-restarts", "1", JOB,
-                             str(tmp_path), "--work", "60", "--leave", "1", "--die", "1@0.5"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            *PARATRAIN,
+            "run",
+            "-n",
+            "2",
+            "--max-restarts",
+            "1",
+            JOB,
+            str(tmp_path),
+            "--work",
+            "60",
+            "--leave",
+            "1",
+            "--die",
+            "1@0.5",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         if not wait_for([tmp_path / "pid-0-1-1"], 60):
             pytest.fail("no replacement started")

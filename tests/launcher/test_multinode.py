@@ -3,6 +3,7 @@
 The two-host tests need root (``ip netns add``) and skip with the reason elsewhere. Each node runs its own
 ``paratrain run``; neither is told which interface to use. The rendezvous and peer tests run anywhere.
 """
+
 from __future__ import annotations
 
 import json
@@ -80,9 +81,27 @@ def _same_params(out: Path, expected: dict[str, torch.Tensor]) -> None:
 @multinode
 def test_two_hosts_static_rendezvous_trains_like_one_host(two_hosts, single_node_params, tmp_path):
     master = two_hosts.addrs[0]
-    procs = [two_hosts.start(node, [*RUN, "--nnodes", "2", "--node-rank", str(node), "-n", "1",
-                                    "--master-addr", master, "--master-port", "29501", TRAIN, str(tmp_path)])
-             for node in (0, 1)]
+    procs = [
+        two_hosts.start(
+            node,
+            [
+                *RUN,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "-n",
+                "1",
+                "--master-addr",
+                master,
+                "--master-port",
+                "29501",
+                TRAIN,
+                str(tmp_path),
+            ],
+        )
+        for node in (0, 1)
+    ]
     results = _finish(procs, timeout=120)
     for node, (code, err) in enumerate(results):
         assert code == 0, err
@@ -98,9 +117,27 @@ def test_two_hosts_static_rendezvous_trains_like_one_host(two_hosts, single_node
 @multinode
 def test_two_hosts_c10d_rendezvous_with_elastic_membership(two_hosts, single_node_params, tmp_path):
     endpoint = f"{two_hosts.addrs[0]}:29502"
-    procs = [two_hosts.start(node, [*RUN, "--nnodes", "1:2", "-n", "1", "--rdzv-backend", "c10d",
-                                    "--rdzv-endpoint", endpoint, "--rdzv-id", "job7", TRAIN, str(tmp_path)])
-             for node in (0, 1)]
+    procs = [
+        two_hosts.start(
+            node,
+            [
+                *RUN,
+                "--nnodes",
+                "1:2",
+                "-n",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "job7",
+                TRAIN,
+                str(tmp_path),
+            ],
+        )
+        for node in (0, 1)
+    ]
     for code, err in _finish(procs, timeout=120):
         assert code == 0, err
     ranks = _ranks(tmp_path)
@@ -111,10 +148,27 @@ def test_two_hosts_c10d_rendezvous_with_elastic_membership(two_hosts, single_nod
 
 @multinode
 def test_nodes_started_with_different_nnodes_stop_with_one_clear_line(two_hosts, tmp_path):
-    procs = [two_hosts.start(node, [*RUN, "--nnodes", nnodes, "--node-rank", str(node), "-n", "1",
-                                    "--master-addr", two_hosts.addrs[0], "--master-port", "29503",
-                                    TRAIN, str(tmp_path)])
-             for node, nnodes in ((0, "2"), (1, "3"))]
+    procs = [
+        two_hosts.start(
+            node,
+            [
+                *RUN,
+                "--nnodes",
+                nnodes,
+                "--node-rank",
+                str(node),
+                "-n",
+                "1",
+                "--master-addr",
+                two_hosts.addrs[0],
+                "--master-port",
+                "29503",
+                TRAIN,
+                str(tmp_path),
+            ],
+        )
+        for node, nnodes in ((0, "2"), (1, "3"))
+    ]
     for code, err in _finish(procs, timeout=90):
         last = err.strip().splitlines()[-1]
         assert code != 0 and last.startswith("paratrain: error: node "), err
@@ -126,21 +180,63 @@ def test_nodes_started_with_different_nnodes_stop_with_one_clear_line(two_hosts,
 def test_unreachable_master_fails_after_the_rendezvous_timeout(two_hosts, tmp_path):
     absent = "10.123.0.77"  # on the link, but no host answers
     start = time.monotonic()
-    proc = two_hosts.start(1, [*RUN, "--nnodes", "2", "--node-rank", "1", "-n", "1", "--master-addr", absent,
-                               "--master-port", "29504", "--rdzv-timeout", "3", TRAIN, str(tmp_path)])
+    proc = two_hosts.start(
+        1,
+        [
+            *RUN,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "-n",
+            "1",
+            "--master-addr",
+            absent,
+            "--master-port",
+            "29504",
+            "--rdzv-timeout",
+            "3",
+            TRAIN,
+            str(tmp_path),
+        ],
+    )
     [(code, err)] = _finish([proc], timeout=60)
     assert time.monotonic() - start < 45
     assert code == 2 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1].startswith(
-        f"paratrain: error: could not reach the rendezvous at {absent}:29504 within 3 s")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"paratrain: error: could not reach the rendezvous at {absent}:29504 within 3 s")
+    )
 
 
 @multinode
 def test_a_node_that_dies_stops_the_other_within_seconds(two_hosts, tmp_path):
-    procs = [two_hosts.start(node, [*RUN, "--nnodes", "2", "--node-rank", str(node), "-n", "1",
-                                    "--master-addr", two_hosts.addrs[0], "--master-port", "29505",
-                                    TRAIN, str(tmp_path), "--steps", "100000", "--step-sleep", "0.05"])
-             for node in (0, 1)]
+    procs = [
+        two_hosts.start(
+            node,
+            [
+                *RUN,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "-n",
+                "1",
+                "--master-addr",
+                two_hosts.addrs[0],
+                "--master-port",
+                "29505",
+                TRAIN,
+                str(tmp_path),
+                "--steps",
+                "100000",
+                "--step-sleep",
+                "0.05",
+            ],
+        )
+        for node in (0, 1)
+    ]
     deadline = time.monotonic() + 90
     while not (tmp_path / "rank1.json").exists():
         assert time.monotonic() < deadline and procs[0].poll() is None, "the job did not start"
@@ -157,17 +253,48 @@ def test_a_node_that_dies_stops_the_other_within_seconds(two_hosts, tmp_path):
 def test_a_master_that_never_comes_fails_after_the_rendezvous_timeout(paratrain_cmd, tmp_path):
     port = _free_port()
     start = time.monotonic()
-    res = run_cli("run", "--nnodes", "2", "--node-rank", "1", "-n", "1", "--master-addr",
-                  "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "2", TRAIN, str(tmp_path), timeout=60)
+    res = run_cli(
+        "run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "-n",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--rdzv-timeout",
+        "2",
+        TRAIN,
+        str(tmp_path),
+        timeout=60,
+    )
     assert time.monotonic() - start < 40
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert f"could not reach the rendezvous at 127.0.0.1:{port} within 2 s" in res.stderr
 
 
 def test_node_zero_alone_says_how_many_nodes_joined(paratrain_cmd, tmp_path):
-    res = run_cli("run", "--nnodes", "2", "--node-rank", "0", "-n", "1", "--master-addr",
-                  "127.0.0.1", "--master-port", str(_free_port()), "--rdzv-timeout", "2",
-                  TRAIN, str(tmp_path), timeout=60)
+    res = run_cli(
+        "run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "-n",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "--rdzv-timeout",
+        "2",
+        TRAIN,
+        str(tmp_path),
+        timeout=60,
+    )
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "only 1 of 2 nodes joined the rendezvous" in res.stderr and "within 2 s" in res.stderr
 

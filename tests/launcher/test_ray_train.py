@@ -1,6 +1,7 @@
 """Ray Train: ``ray_train_loop`` runs a script as ``paratrain run`` would (``__main__``, its argv, the driver's
 directory) inside a worker whose group Ray made; on a real local Ray cluster with 2 CPU workers a paratrain script,
 unchanged, ends with the parameters it ends with under ``paratrain run -n 2`` (ddp and zero3)."""
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,8 @@ def one_rank_group():
 
 
 def test_the_loop_runs_the_script_as_main_in_the_drivers_directory_and_puts_everything_back(
-        tmp_path, monkeypatch, one_rank_group):
+    tmp_path, monkeypatch, one_rank_group
+):
     (tmp_path / "show.py").write_text(SHOW_ARGV)
     monkeypatch.chdir(tmp_path)
     loop = pickle.loads(pickle.dumps(ray_train_loop("show.py", "--lr", "3e-4")))  # Ray pickles it to each worker
@@ -41,8 +43,11 @@ def test_the_loop_runs_the_script_as_main_in_the_drivers_directory_and_puts_ever
     monkeypatch.chdir(ray_dir)  # where Ray Train puts a worker
     argv, path = list(sys.argv), list(sys.path)
     loop()
-    assert eval((tmp_path / "seen.txt").read_text()) == ("__main__", [str(tmp_path / "show.py"), "--lr", "3e-4"],
-                                                         str(tmp_path))
+    assert eval((tmp_path / "seen.txt").read_text()) == (
+        "__main__",
+        [str(tmp_path / "show.py"), "--lr", "3e-4"],
+        str(tmp_path),
+    )
     assert (sys.argv, sys.path, os.getcwd()) == (argv, path, str(ray_dir))
     ray_train_loop(str(tmp_path / "show.py"), cwd=None)()  # cwd=None: stay where Ray Train put the worker
     assert eval((ray_dir / "seen.txt").read_text())[2] == str(ray_dir)
@@ -92,9 +97,14 @@ def test_a_ray_train_job_equals_the_same_script_under_paratrain_run(tmp_path):
         assert res.returncode == 0, res.stderr
     temp = tempfile.mkdtemp(prefix="pt-ray-", dir="/tmp")  # Ray's socket paths must stay short
     (tmp_path / "ray").mkdir()
-    driver = subprocess.Popen([sys.executable, str(SCRIPTS / "ray_train_job.py"), str(tmp_path / "ray"), temp],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    driver = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "ray_train_job.py"), str(tmp_path / "ray"), temp],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
     try:
         log, _ = driver.communicate(timeout=300)
         left = _session(driver.pid)

@@ -1,5 +1,6 @@
 """SLURM: host lists, allocations read from fake ``SLURM_*`` environments, the generated sbatch script, and a
 two-"node" job on this host started with no flags but the allocation's variables (as srun would)."""
+
 from __future__ import annotations
 
 import os
@@ -20,16 +21,19 @@ from paratrain.launcher.torchrun import parse_args, resolve
 SCRIPT = str(SCRIPTS / "plain_torchrun.py")
 
 
-@pytest.mark.parametrize("hostlist, hosts", [
-    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
-    ("a[1-2],b3", ["a1", "a2", "b3"]),
-    ("gpu[8-10]", ["gpu8", "gpu9", "gpu10"]),
-    ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("x[3],y[5-6]z", ["x3", "y5z", "y6z"]),
-    ("login", ["login"]),
-    ("10.0.0.[1-2]", ["10.0.0.1", "10.0.0.2"]),
-])
+@pytest.mark.parametrize(
+    "hostlist, hosts",
+    [
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a[1-2],b3", ["a1", "a2", "b3"]),
+        ("gpu[8-10]", ["gpu8", "gpu9", "gpu10"]),
+        ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("x[3],y[5-6]z", ["x3", "y5z", "y6z"]),
+        ("login", ["login"]),
+        ("10.0.0.[1-2]", ["10.0.0.1", "10.0.0.2"]),
+    ],
+)
 def test_hostlists_expand_like_slurm(hostlist, hosts):
     assert expand_hostlist(hostlist) == hosts
 
@@ -43,25 +47,45 @@ def test_bad_hostlists_are_one_line_errors(hostlist):
 
 def _step(**extra: str) -> dict[str, str]:
     """The variables srun sets in one task of a 4-node step, one task per node, 8 GPUs per node."""
-    return {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[01-04]",
-            "SLURM_JOB_NUM_NODES": "4", "SLURM_STEP_NODELIST": "node[01-04]", "SLURM_STEP_NUM_NODES": "4",
-            "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4", "SLURM_NODEID": "2", "SLURM_PROCID": "2",
-            "SLURM_GPUS_ON_NODE": "8", **extra}
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "node[01-04]",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_STEP_NODELIST": "node[01-04]",
+        "SLURM_STEP_NUM_NODES": "4",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_NTASKS": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_PROCID": "2",
+        "SLURM_GPUS_ON_NODE": "8",
+        **extra,
+    }
 
 
 def test_an_srun_step_gives_every_torchrun_argument():
     job = read_slurm(_step())
     assert job is not None and job.under_srun and job.problem() is None and job.warning() is None
-    assert job.torchrun_args("static") == {"nnodes": "4", "rdzv_id": "4242", "node_rank": 2,
-                                           "master_addr": "node01", "master_port": PORT_BASE + 4242,
-                                           "nproc_per_node": 8}
-    assert job.torchrun_args("c10d") == {"nnodes": "4", "rdzv_id": "4242", "nproc_per_node": 8,
-                                         "rdzv_endpoint": f"node01:{PORT_BASE + 4242}"}
+    assert job.torchrun_args("static") == {
+        "nnodes": "4",
+        "rdzv_id": "4242",
+        "node_rank": 2,
+        "master_addr": "node01",
+        "master_port": PORT_BASE + 4242,
+        "nproc_per_node": 8,
+    }
+    assert job.torchrun_args("c10d") == {
+        "nnodes": "4",
+        "rdzv_id": "4242",
+        "nproc_per_node": 8,
+        "rdzv_endpoint": f"node01:{PORT_BASE + 4242}",
+    }
 
 
 def test_a_step_on_part_of_the_allocation_uses_the_steps_nodes():
-    job = read_slurm(_step(SLURM_STEP_NODELIST="node[03-04]", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="2",
-                           SLURM_NODEID="1"))
+    job = read_slurm(
+        _step(SLURM_STEP_NODELIST="node[03-04]", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="2", SLURM_NODEID="1")
+    )
     assert job.hosts == ("node03", "node04") and job.node_rank == 1
 
 
@@ -83,11 +107,14 @@ def test_several_tasks_per_node_are_refused():
     assert "32 tasks on 4 node(s)" in job.problem() and "--ntasks-per-node=1" in job.problem()
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"SLURM_STEP_NUM_NODES": "3"}, "has 4 nodes but the job reports 3"),
-    ({"SLURM_NODEID": "4"}, "SLURM_NODEID=4 is outside 0..3"),
-    ({"SLURM_NODEID": "x"}, "SLURM_NODEID 'x' is not a number"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"SLURM_STEP_NUM_NODES": "3"}, "has 4 nodes but the job reports 3"),
+        ({"SLURM_NODEID": "4"}, "SLURM_NODEID=4 is outside 0..3"),
+        ({"SLURM_NODEID": "x"}, "SLURM_NODEID 'x' is not a number"),
+    ],
+)
 def test_inconsistent_slurm_variables_are_one_line_errors(extra, words):
     with pytest.raises(LaunchError, match=words):
         read_slurm(_step(**extra))
@@ -102,8 +129,14 @@ def _resolve(argv: list[str], environ: dict[str, str]):
 def test_paratrain_run_fills_in_the_allocation_and_explicit_flags_win():
     env = _step(SLURM_STEP_NODELIST="127.0.0.[1-4]")
     args, _ = _resolve([SCRIPT], env)
-    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_id, args.nproc_per_node) \
-        == ("4", 2, "127.0.0.1", PORT_BASE + 4242, "4242", 8)
+    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_id, args.nproc_per_node) == (
+        "4",
+        2,
+        "127.0.0.1",
+        PORT_BASE + 4242,
+        "4242",
+        8,
+    )
     assert args.local_addr is None  # the single-node loopback default is not applied to a multi-node job
     args, _ = _resolve(["--node-rank", "0", "--master-port", "1234", "-n", "3", "--rdzv-id", "mine", SCRIPT], env)
     assert (args.node_rank, args.master_port, args.nproc_per_node, args.rdzv_id) == (0, 1234, 3, "mine")
@@ -111,8 +144,7 @@ def test_paratrain_run_fills_in_the_allocation_and_explicit_flags_win():
 
 
 def test_paratrain_run_outside_srun_stays_on_this_node_and_says_so():
-    args, notes = _resolve([SCRIPT], {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-2]",
-                                      "SLURM_JOB_NUM_NODES": "2"})
+    args, notes = _resolve([SCRIPT], {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"})
     assert args.nnodes == "1:1" and args.local_addr == "127.0.0.1"
     assert len(notes) == 1 and "not started by srun" in notes[0]
 
@@ -125,10 +157,23 @@ def test_paratrain_run_refuses_several_tasks_per_node():
 @pytest.mark.launched
 def test_srun_paratrain_run_with_no_flags_runs_two_nodes(paratrain_cmd, tmp_path):
     job_id = next(j for j in range(4100, 5000) if not port_in_use("127.0.0.1", PORT_BASE + j))
-    step = {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "127.0.0.[1-2]",
-            "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_GPUS_ON_NODE": "1"}
-    procs = [subprocess.Popen([*paratrain_cmd, "run", SCRIPT, str(tmp_path)], stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **step, "SLURM_NODEID": str(node)}) for node in (0, 1)]
+    step = {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "127.0.0.[1-2]",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_GPUS_ON_NODE": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [*paratrain_cmd, "run", SCRIPT, str(tmp_path)],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **step, "SLURM_NODEID": str(node)},
+        )
+        for node in (0, 1)
+    ]
     try:
         errors = [p.communicate(timeout=90)[1] for p in procs]
     finally:
@@ -140,18 +185,34 @@ def test_srun_paratrain_run_with_no_flags_runs_two_nodes(paratrain_cmd, tmp_path
 
 
 def _spec(**kw) -> SbatchSpec:
-    base = dict(target="train.py", target_args=("--lr", "3e-4", "--name", "my run"), nodes=4, gpus_per_node=8,
-                cpus_per_task=32, time="2:00:00", partition="gpu", setup=("source .venv/bin/activate",),
-                run_args=("--rdzv-timeout", "900"))
+    base = dict(
+        target="train.py",
+        target_args=("--lr", "3e-4", "--name", "my run"),
+        nodes=4,
+        gpus_per_node=8,
+        cpus_per_task=32,
+        time="2:00:00",
+        partition="gpu",
+        setup=("source .venv/bin/activate",),
+        run_args=("--rdzv-timeout", "900"),
+    )
     return SbatchSpec(**{**base, **kw})
 
 
 @pytest.mark.launched
 def test_the_sbatch_script_asks_for_one_task_per_node_and_runs_paratrain(tmp_path):
     text = render_sbatch(_spec())
-    for line in ("#SBATCH --job-name=train", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=32", "#SBATCH --time=2:00:00",
-                 "#SBATCH --partition=gpu", "#SBATCH --output=%x-%j.out", "source .venv/bin/activate"):
+    for line in (
+        "#SBATCH --job-name=train",
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --cpus-per-task=32",
+        "#SBATCH --time=2:00:00",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --output=%x-%j.out",
+        "source .venv/bin/activate",
+    ):
         assert line in text.splitlines()
     path = tmp_path / "job.sbatch"
     path.write_text(text)
@@ -171,12 +232,15 @@ def test_a_module_target_and_minimal_options():
     assert text.rstrip().endswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 paratrain run -m pkg.train")
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"nodes": 0}, "--nodes must be a whole number >= 1"),
-    ({"time": "1 h"}, "not a SLURM time limit"),
-    ({"partition": "a b"}, "--partition 'a b' must be one word"),
-    ({"target": ""}, "give the training script"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"nodes": 0}, "--nodes must be a whole number >= 1"),
+        ({"time": "1 h"}, "not a SLURM time limit"),
+        ({"partition": "a b"}, "--partition 'a b' must be one word"),
+        ({"target": ""}, "give the training script"),
+    ],
+)
 def test_bad_sbatch_options_are_one_line_errors(kw, words):
     with pytest.raises(ConfigError, match=words):
         _spec(**kw)
@@ -184,15 +248,18 @@ def test_bad_sbatch_options_are_one_line_errors(kw, words):
 
 def test_paratrain_slurm_prints_or_writes_the_script(tmp_path, capsys):
     out = tmp_path / "job.sbatch"
-    assert main(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--output", str(out), "train.py",
-                 "--epochs", "3"]) == 0
+    assert (
+        main(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--output", str(out), "train.py", "--epochs", "3"]) == 0
+    )
     assert f"sbatch {out}" in capsys.readouterr().err
     assert os.access(out, os.X_OK) and "paratrain run --nproc-per-node 4 train.py --epochs 3" in out.read_text()
     assert main(["slurm", "-N", "2", "train.py"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("#!/bin/bash") and "--nodes=2" in printed
-    for argv, words in ((["--time", "soon"], "not a SLURM time limit"),
-                        (["--run-args=--rdzv-timout 9"], "unrecognized arguments: --rdzv-timout")):
+    for argv, words in (
+        (["--time", "soon"], "not a SLURM time limit"),
+        (["--run-args=--rdzv-timout 9"], "unrecognized arguments: --rdzv-timout"),
+    ):
         assert main(["slurm", *argv, "train.py"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err

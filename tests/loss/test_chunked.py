@@ -1,5 +1,6 @@
 """``chunked_cross_entropy`` (:mod:`paratrain.loss.chunked`) equals ``F.cross_entropy`` of the head's logits, loss
 and gradients, without ever holding the ``tokens x vocabulary`` logits."""
+
 from __future__ import annotations
 
 import pytest
@@ -90,11 +91,14 @@ def test_bf16_autocast_stays_close():
     assert [g.dtype for g in grads] == [torch.float32, torch.float32]
 
 
-@pytest.mark.parametrize("kwargs, says", [
-    ({"reduction": "none"}, "reduction 'none' is not one of mean, sum"),
-    ({"chunk": 0}, "chunk must be a whole number of tokens >= 1"),
-    ({"targets": torch.zeros(3, dtype=torch.long)}, "targets of shape (3,) do not match hidden states"),
-])
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"reduction": "none"}, "reduction 'none' is not one of mean, sum"),
+        ({"chunk": 0}, "chunk must be a whole number of tokens >= 1"),
+        ({"targets": torch.zeros(3, dtype=torch.long)}, "targets of shape (3,) do not match hidden states"),
+    ],
+)
 def test_bad_arguments_are_one_line(kwargs, says):
     head, hidden, targets = _case(False)
     args = {"targets": targets, **kwargs}

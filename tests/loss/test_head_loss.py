@@ -1,6 +1,7 @@
 """``Parallel(loss_chunk=)`` (:mod:`paratrain.loss.head_loss`) in one process: the loss computed at the head equals
 what the model or the ``loss_fn`` computes, loss and gradients, for every kind of call; it is proven once per model
 and call, never holds the logits whole, and refuses in one line what it cannot compute."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,14 +18,21 @@ from paratrain.errors import ConfigError
 from paratrain.loss import proof
 from paratrain.strategies.registry import create
 
-CASES = [("gpt2", "labels"), ("llama", "labels"), ("lora", "labels"), ("nanogpt_real", "targets"),
-         ("gpt2", "loss_fn"), ("nanogpt", "loss_fn")]
+CASES = [
+    ("gpt2", "labels"),
+    ("llama", "labels"),
+    ("lora", "labels"),
+    ("nanogpt_real", "targets"),
+    ("gpt2", "loss_fn"),
+    ("nanogpt", "loss_fn"),
+]
 
 
 def _trained(model_name: str, call: str, chunk: int | None, precision: str = "fp32"):
     """Two micro-batches accumulated into one step's gradients; their losses and the gradients."""
-    par = paratrain.Parallel("single", monitor=False, accumulate=2, precision=precision,
-                             model=paratrain.ModelConfig(loss_chunk=chunk))
+    par = paratrain.Parallel(
+        "single", monitor=False, accumulate=2, precision=precision, model=paratrain.ModelConfig(loss_chunk=chunk)
+    )
     model = par.prepare(build(model_name))
     losses = [micro_loss(model, *batch(s, 2, call), call, par) for s in range(2)]
     return losses, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -50,10 +58,20 @@ def _gemma2() -> nn.Module:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    return Gemma2ForCausalLM(Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                          final_logit_softcapping=3.0, max_position_embeddings=SEQ,
-                                          attn_implementation="eager"))
+    return Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            final_logit_softcapping=3.0,
+            max_position_embeddings=SEQ,
+            attn_implementation="eager",
+        )
+    )
 
 
 def test_a_loss_fn_that_shifts_the_targets_itself():
@@ -84,9 +102,17 @@ def _long_llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, vocab_size=1000,
-                                        max_position_embeddings=256))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            max_position_embeddings=256,
+        )
+    )
 
 
 def test_the_logits_never_exist_whole_and_the_proof_runs_once():
@@ -108,8 +134,7 @@ def test_the_logits_never_exist_whole_and_the_proof_runs_once():
 
 def test_a_window_cuts_every_input_alike():
     ids = torch.arange(2 * 100).view(2, 100)
-    call = ModelCall.of({"input_ids": ids, "attention_mask": torch.ones(2, 1, 100, 100), "labels": ids}, None,
-                        None, {})
+    call = ModelCall.of({"input_ids": ids, "attention_mask": torch.ones(2, 1, 100, 100), "labels": ids}, None, None, {})
     cut = proof.window(call, "labels")
     assert cut.kwargs["input_ids"].shape == (1, proof.WINDOW)
     assert cut.kwargs["attention_mask"].shape == (1, 1, proof.WINDOW, proof.WINDOW)
@@ -148,13 +173,19 @@ def test_what_cannot_be_computed_at_the_head_is_refused_in_one_line():
     assert "it is not a plain token cross-entropy" in _refusal(ZLoss(), *batch(0, 2, "targets"))
     assert "got no targets for GPT2LMHeadModel" in _refusal(build("gpt2"), {"input_ids": x})
     assert "cannot have its loss computed at its head: it calls no nn.Linear" in _refusal(
-        nn.Sequential(nn.Embedding(VOCAB, 8), nn.Flatten(), nn.Tanh()), x, y[:, 0], F.cross_entropy)
+        nn.Sequential(nn.Embedding(VOCAB, 8), nn.Flatten(), nn.Tanh()), x, y[:, 0], F.cross_entropy
+    )
     assert "nn.DataParallel runs copies" in _refusal(build("gpt2"), {"input_ids": x, "labels": y}, strategy="dp")
     assert "loss_chunk must be a whole number of tokens >= 1" in _refusal(build("gpt2"), x, chunk=0)
 
 
-@pytest.mark.parametrize("name, says", [("tp", "tp splits the head over the vocabulary"),
-                                        ("pipeline", "the last stage computes the loss inside the schedule")])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("tp", "tp splits the head over the vocabulary"),
+        ("pipeline", "the last stage computes the loss inside the schedule"),
+    ],
+)
 def test_strategies_that_own_the_loss_say_why(name, says):
     assert says in create(name).head_loss_refusal()
     assert create("zero3").head_loss_refusal() is None

@@ -3,6 +3,7 @@ global batch: DDP (also finding unused parameters, and with a static graph), ZeR
 root and as a unit of its own (tied to the embedding or not, also under bf16-mixed), model parallelism;
 transformers' ``labels=``, nanoGPT's ``model(x, y)`` and a ``loss_fn`` (tests/helpers/loss_workers.py); and the
 strategies that compute the loss themselves (tp, pipelines) refusing it in one line on every rank."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """``Parallel(compile=True)``: each block compiled in place before sharding; the same training math as eager, the
 user's parameter names kept, under zero3 and ddp (one process); under a pipeline in
 tests/distributed/test_pipeline_models.py. Small cases: compiling costs seconds on 2 cores."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ from paratrain.workloads.gpt import GPT, GPTConfig
 
 
 def _train(strategy: str, **kwargs) -> dict[str, torch.Tensor]:
-    par = paratrain.Parallel(strategy, monitor=False, model=paratrain.ModelConfig(activation_checkpointing=True),
-                             **kwargs)
+    par = paratrain.Parallel(
+        strategy, monitor=False, model=paratrain.ModelConfig(activation_checkpointing=True), **kwargs
+    )
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=32))
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -23,8 +25,9 @@ def _train(strategy: str, **kwargs) -> dict[str, torch.Tensor]:
     for _ in range(2):
         ids = torch.randint(0, 32, (4, 9), generator=g)
         with par.step(model, opt):
-            par.forward_backward(model, ids[:, :-1], ids[:, 1:],
-                                 lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+            par.forward_backward(
+                model, ids[:, :-1], ids[:, 1:], lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
+            )
     if kwargs:
         assert all(getattr(b, "_compiled_call_impl", None) is not None for b in par.unwrap(model).blocks)
     state = par.full_state_dict(model, rank0_only=False)

@@ -1,6 +1,7 @@
 """Experts' rows through grouped GEMM or a loop of matmuls (:mod:`paratrain.model.expert_compute`): the same values
 and gradients both ways (torch 2.13 has a CPU kernel), grouped GEMM chosen exactly where CUDA has it (fake CUDA
 tensors on this CPU build, the capability patched), and neither path reading the device more than the loop must."""
+
 from __future__ import annotations
 
 import pytest
@@ -63,10 +64,17 @@ def _fake_cuda(capability: tuple[int, int], dtype: torch.dtype, monkeypatch) -> 
     return fits, syncs.count
 
 
-@pytest.mark.parametrize("capability,dtype,grouped", [
-    ((9, 0), torch.bfloat16, True), ((10, 0), torch.bfloat16, True),
-    ((8, 0), torch.bfloat16, False), ((9, 0), torch.float32, False), ((9, 0), torch.float16, False),
-], ids=["h100-bf16", "b200-bf16", "a100-bf16", "h100-fp32", "h100-fp16"])
+@pytest.mark.parametrize(
+    "capability,dtype,grouped",
+    [
+        ((9, 0), torch.bfloat16, True),
+        ((10, 0), torch.bfloat16, True),
+        ((8, 0), torch.bfloat16, False),
+        ((9, 0), torch.float32, False),
+        ((9, 0), torch.float16, False),
+    ],
+    ids=["h100-bf16", "b200-bf16", "a100-bf16", "h100-fp32", "h100-fp16"],
+)
 def test_grouped_gemm_is_chosen_on_hopper_and_later_in_bf16(capability, dtype, grouped, monkeypatch):
     """Grouped GEMM runs from the device counts without reading them; the loop uses the host's as they are."""
     assert _fake_cuda(capability, dtype, monkeypatch) == (grouped, 0)

@@ -4,6 +4,7 @@ after training (ties kept, rotary tables and position ids recomputed).
 
 One launched job per world size runs every case (tests/helpers/meta_workers.py). Refusals run in this process.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -119,8 +120,7 @@ def _refusal(model_fn, **options) -> str:
 
 
 def test_bad_input_is_one_line():
-    assert "cannot materialize a model built on the meta device" in _refusal(lambda: nn.Linear(2, 2),
-                                                                             strategy=_Keeps())
+    assert "cannot materialize a model built on the meta device" in _refusal(lambda: nn.Linear(2, 2), strategy=_Keeps())
     leaves_meta = lambda m: setattr(m, "weight", nn.Parameter(torch.empty(2, 2, device="meta")))  # noqa: E731
     assert "left 'weight' on the meta device" in _refusal(lambda: nn.Linear(2, 2), init_fn=leaves_meta)
     assert "nothing initialized ['scale']" in _refusal(_NoReset)

@@ -1,4 +1,5 @@
 """What a model is made of (paratrain.model): blocks, ties, sharding units, and the audit of prepare()."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,10 +13,18 @@ from paratrain.model.facts import ModelFacts
 from paratrain.model.units import shard_units
 
 
-@pytest.mark.parametrize("name, container, cls", [
-    ("gpt2", "transformer.h", "GPT2Block"), ("llama", "model.layers", "LlamaDecoderLayer"),
-    ("bert", "bert.encoder.layer", "BertLayer"), ("lora", "base_model.model.transformer.h", "GPT2Block"),
-    ("nanogpt", "blocks", "Block"), ("cnn", None, None), ("frozen", None, None)])
+@pytest.mark.parametrize(
+    "name, container, cls",
+    [
+        ("gpt2", "transformer.h", "GPT2Block"),
+        ("llama", "model.layers", "LlamaDecoderLayer"),
+        ("bert", "bert.encoder.layer", "BertLayer"),
+        ("lora", "base_model.model.transformer.h", "GPT2Block"),
+        ("nanogpt", "blocks", "Block"),
+        ("cnn", None, None),
+        ("frozen", None, None),
+    ],
+)
 def test_blocks_of_the_zoo(name, container, cls):
     blocks = find_blocks(ZOO[name].build())
     if container is None:
@@ -90,8 +99,15 @@ def test_model_parallel_opens_a_transformers_model_to_its_blocks_and_keeps_ties_
 
     model = ZOO["gpt2"].build()
     names = [n for n, _ in layers(model)]
-    assert names == ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
-                     "transformer.ln_f", "lm_head"]
+    assert names == [
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.drop",
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.ln_f",
+        "lm_head",
+    ]
     stages = dict(zip(names, placement(model, [4])))
     assert stages["transformer.h.0"] == 0 and stages["transformer.h.1"] == 1
     assert stages["transformer.wte"] == stages["lm_head"] == 1  # one tensor, one device: the head's stage

@@ -1,5 +1,6 @@
 """Activation checkpointing of the repeated blocks (paratrain.model.transforms): the same gradients, far less
 activation memory, the user's parameter names kept, and the planner's --checkpointing figure matched."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -21,10 +22,17 @@ def _saved(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss) -> tuple[Co
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, tuple[int, str]] = {}
     running = ["outside"]
-    blocks = [m for m in model.modules()
-              if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer", "BertLayer", "Block")]
-    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(lambda *_, b=b: running.__setitem__(0, id(b))),
-                                          b.register_forward_hook(lambda *_: running.__setitem__(0, "outside")))]
+    blocks = [
+        m for m in model.modules() if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer", "BertLayer", "Block")
+    ]
+    hooks = [
+        h
+        for b in blocks
+        for h in (
+            b.register_forward_pre_hook(lambda *_, b=b: running.__setitem__(0, id(b))),
+            b.register_forward_hook(lambda *_: running.__setitem__(0, "outside")),
+        )
+    ]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()
@@ -62,7 +70,8 @@ def test_same_gradients_less_saved_memory_same_names(name):
     assert max((grads[k] - grads_ckpt[k]).abs().max().item() for k in grads) == 0.0
     assert sum(kept.values()) < 0.35 * sum(plain.values())
     assert list(model.state_dict()) == names and [n for n, _ in model.named_parameters()] == [
-        n for n, _ in spec.build().named_parameters()]
+        n for n, _ in spec.build().named_parameters()
+    ]
 
 
 def test_every_kth_block_and_bad_values():

@@ -1,5 +1,6 @@
 """The monitor on mixtures of experts: tokens per expert over the global batch, the imbalance, the collapse warning;
 nothing at all on a dense model. Unit tests on made-up routing and one process; one 2-rank gloo job for the rest."""
+
 import pytest
 import torch
 from helpers.moe_models import routed_mixtral
@@ -36,13 +37,21 @@ def test_balanced_routing_is_not_news():
 
 
 def test_a_collapse_names_the_worst_layer_the_numbers_and_the_fix():
-    found = find_routing_collapse([_load(30, 22, 27, 21, layer="model.layers.0.mlp.experts"),
-                                   _load(70, 10, 20, 0), _load(45, 30, 25, 0, layer="model.layers.5.mlp.experts")], CFG)
+    found = find_routing_collapse(
+        [
+            _load(30, 22, 27, 21, layer="model.layers.0.mlp.experts"),
+            _load(70, 10, 20, 0),
+            _load(45, 30, 25, 0, layer="model.layers.5.mlp.experts"),
+        ],
+        CFG,
+    )
     assert [(f.kind, f.rank) for f in found] == [("routing", -1)]
     message = found[0].message
-    assert message.startswith("routing collapsed in MoE layer model.layers.3.mlp.experts and 1 more: expert 0 gets "
-                              "70% of its routed tokens, 2.8x the mean of its 4 experts (2x warns), 1 of its 4 "
-                              "experts got no token (expert 3); "), message
+    assert message.startswith(
+        "routing collapsed in MoE layer model.layers.3.mlp.experts and 1 more: expert 0 gets "
+        "70% of its routed tokens, 2.8x the mean of its 4 experts (2x warns), 1 of its 4 "
+        "experts got no token (expert 3); "
+    ), message
     assert "router_aux_loss_coef" in message and "z-loss" in message and "learning rate" in message
     assert "\n" not in message
 
@@ -57,7 +66,9 @@ def test_the_threshold_is_a_setting_and_a_bad_one_is_one_line():
 
 def test_trackers_get_each_layers_imbalance_and_idle_experts():
     assert expert_figures([_load(50, 30, 10, 10), _load(0, 0, 0, 0, layer="x")]) == {
-        "moe/imbalance/layer3": pytest.approx(2.0), "moe/idle_experts/layer3": 0.0}
+        "moe/imbalance/layer3": pytest.approx(2.0),
+        "moe/idle_experts/layer3": 0.0,
+    }
 
 
 def test_the_table_shows_every_layer_and_to_dict_its_counts():
@@ -66,17 +77,25 @@ def test_the_table_shows_every_layer_and_to_dict_its_counts():
     assert "model.layers.3.mlp.experts       2.00     0  50 30 10 10" in table, table
     assert "least 1, median 17, most 32" in table
     assert "experts' routing balanced" in table
-    assert summary.to_dict()["experts"][0] == {"layer": "model.layers.3.mlp.experts", "counts": [50, 30, 10, 10],
-                                               "imbalance": 2.0, "idle": []}
+    assert summary.to_dict()["experts"][0] == {
+        "layer": "model.layers.3.mlp.experts",
+        "counts": [50, 30, 10, 10],
+        "imbalance": 2.0,
+        "idle": [],
+    }
     assert "MoE layer" not in RunSummary(rows=[]).table()
 
 
 # ----------------------------------------------------------------- one process
 def test_experts_are_found_in_transformers_and_paratrain_models_and_not_in_dense_ones():
     assert [(x.name, x.experts, x.label) for x in find_expert_layers(routed_mixtral())] == [
-        ("model.layers.0.mlp.experts", 4, "layer0"), ("model.layers.1.mlp.experts", 4, "layer1")]
-    assert [x.name for x in find_expert_layers(nn.Sequential(gpt_experts()))] == ["0.blocks.0.moe.experts",
-                                                                               "0.blocks.1.moe.experts"]
+        ("model.layers.0.mlp.experts", 4, "layer0"),
+        ("model.layers.1.mlp.experts", 4, "layer1"),
+    ]
+    assert [x.name for x in find_expert_layers(nn.Sequential(gpt_experts()))] == [
+        "0.blocks.0.moe.experts",
+        "0.blocks.1.moe.experts",
+    ]
     assert not has_experts(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
 
 
@@ -136,16 +155,19 @@ def job():
 
 @pytest.mark.launched
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name, strategy", [("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"),
-                                            ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2")])
+@pytest.mark.parametrize(
+    "name, strategy",
+    [("mixtral", "ddp"), ("mixtral", "zero3"), ("gpt", "ddp"), ("mixtral", "zero3 ep=2"), ("gpt", "ddp ep=2")],
+)
 def test_two_ranks_report_the_routing_of_the_global_batch(job, name, strategy):
     """Every window's tokens per expert, summed over the ranks, equal one process's on the global batch; with
     expert parallelism too (each rank counts what its router chose, before the tokens travel)."""
     reference = train(name, "single")
     got = job[(name, strategy)]
     assert got["windows"] == reference["windows"] and len(got["windows"]) == 2, (got, reference)
-    assert all(sum(counts) == 2 * (2 * BATCH) * (SEQ - (name == "gpt")) * 2 for w in got["windows"]
-               for counts in w.values())
+    assert all(
+        sum(counts) == 2 * (2 * BATCH) * (SEQ - (name == "gpt")) * 2 for w in got["windows"] for counts in w.values()
+    )
     assert got["warnings"] == [] and got["emitted"] == []
 
 
@@ -165,7 +187,8 @@ def test_a_collapsed_router_warns_once_on_rank_0(job):
     got = job[("collapsed", "ddp")]
     assert [kind for kind, _ in got["warnings"]] == ["routing"]
     assert len(got["emitted"]) == 1 and got["emitted"][0].startswith(
-        "paratrain monitor: routing collapsed in MoE layer blocks.")
+        "paratrain monitor: routing collapsed in MoE layer blocks."
+    )
     assert "2 of its 4 experts got no token (experts 2, 3)" in got["emitted"][0]
     assert all(counts[2:] == (0, 0) for w in got["windows"] for counts in w.values())
 
@@ -195,8 +218,9 @@ def test_each_window_sends_the_layers_imbalance_to_the_trackers_beside_the_job_f
     from paratrain.monitor import Monitor
 
     trackers = _Trackers()
-    monitor = Monitor(MonitorConfig(every=2), rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
-                      trackers=trackers)
+    monitor = Monitor(
+        MonitorConfig(every=2), rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), trackers=trackers
+    )
     model = routed_mixtral()
     for step in range(4):
         x = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
@@ -205,8 +229,12 @@ def test_each_window_sends_the_layers_imbalance_to_the_trackers_beside_the_job_f
         monitor.stepped()
     assert [step for step, _ in trackers.logged] == [2, 4]
     figures = trackers.logged[-1][1]
-    assert {k for k in figures if k.startswith("moe/")} == {"moe/imbalance/layer0", "moe/imbalance/layer1",
-                                                             "moe/idle_experts/layer0", "moe/idle_experts/layer1"}
+    assert {k for k in figures if k.startswith("moe/")} == {
+        "moe/imbalance/layer0",
+        "moe/imbalance/layer1",
+        "moe/idle_experts/layer0",
+        "moe/idle_experts/layer1",
+    }
     assert figures["moe/imbalance/layer0"] == monitor.expert_loads[0].imbalance >= 1.0 and "monitor/step_ms" in figures
     monitor.close(print_fn=lambda _text: None)
     assert not any(layer.module._forward_pre_hooks for layer in find_expert_layers(model))

@@ -1,5 +1,6 @@
 """The training monitor: its rules on made-up figures, its loader wrapper and table in one process, and real
 2-process gloo runs with a planted slow rank, a planted slow dataset and a balanced run."""
+
 import copy
 import csv
 import importlib.util
@@ -100,11 +101,34 @@ def test_rank_stats_travel_as_a_flat_list():
 # ----------------------------------------------------------------- reports and config
 def test_summary_table_lists_every_rank_and_the_warnings():
     rows = [_s(0, 40, used=2 * GIB, peak=GIB), _s(1, 90, used=2 * GIB, peak=GIB)]
-    table = RunSummary(rows, [Finding("straggler", 1, 2.25, "rank 1 is slow")], sync_point="the gradient sync",
-                       memory="peak alloc", accumulate=4).table().splitlines()
+    table = (
+        RunSummary(
+            rows,
+            [Finding("straggler", 1, 2.25, "rank 1 is slow")],
+            sync_point="the gradient sync",
+            memory="peak alloc",
+            accumulate=4,
+        )
+        .table()
+        .splitlines()
+    )
     assert table[0].startswith("paratrain monitor: 50 optimizer steps of 4 micro-batches per rank")
-    assert table[1].split() == ["rank", "steps", "step", "ms", "data", "wait", "compute", "ms", "sync", "ms", "peak",
-                                "alloc", "GPU", "used"]
+    assert table[1].split() == [
+        "rank",
+        "steps",
+        "step",
+        "ms",
+        "data",
+        "wait",
+        "compute",
+        "ms",
+        "sync",
+        "ms",
+        "peak",
+        "alloc",
+        "GPU",
+        "used",
+    ]
     assert table[2].split() == ["0", "50", "100.0", "1.0%", "39.0", "60.0", "1.00", "GiB", "2.00", "GiB"]
     assert table[-2:] == ["warnings (1):", "  - rank 1 is slow"]
     assert RunSummary([_s(0)]).to_dict()["ranks"][0]["step_ms"] == 100.0
@@ -121,8 +145,9 @@ def test_csv_log_appends_rows_under_one_header(tmp_path):
     assert float(rows[0]["busy_ms"]) == 50.0
 
 
-@pytest.mark.parametrize("bad", [{"every": 0}, {"persist": 0}, {"straggler_threshold": 20},
-                                 {"data_threshold": 0}, {"memory_min_gib": -1}])
+@pytest.mark.parametrize(
+    "bad", [{"every": 0}, {"persist": 0}, {"straggler_threshold": 20}, {"data_threshold": 0}, {"memory_min_gib": -1}]
+)
 def test_bad_monitor_config_is_a_one_line_error(bad):
     with pytest.raises(ConfigError, match="MonitorConfig"):
         MonitorConfig(**bad)
@@ -135,8 +160,9 @@ def test_monitor_argument_must_be_a_bool_or_a_config():
 
 def test_tensorboard_without_the_package_is_refused_up_front(tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "tensorboard" else find_spec(name))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name)
+    )
     with pytest.raises(ConfigError, match=r"pip install 'paratrain\[tensorboard\]'"), pytest.warns(FutureWarning):
         paratrain.Parallel("single", monitor=MonitorConfig(tensorboard_dir=tmp_path))
 
@@ -212,8 +238,10 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.launched
-@pytest.mark.parametrize("scenario, sync", [("straggler", "gradient sync"), ("straggler_zero2", "forward"),
-                                            ("straggler_tp", "tensor-parallel all-reduce")])
+@pytest.mark.parametrize(
+    "scenario, sync",
+    [("straggler", "gradient sync"), ("straggler_zero2", "forward"), ("straggler_tp", "tensor-parallel all-reduce")],
+)
 def test_a_planted_slow_rank_is_named_as_the_straggler(runs, scenario, sync):
     ranks, _ = runs
     run = ranks[0][scenario]  # PLANTED_MS: rank 1 sleeps 150 ms per step, rank 0 10 ms
@@ -232,7 +260,7 @@ def test_a_slow_dataset_triggers_the_data_loading_warning(runs):
     ranks, _ = runs
     warnings = ranks[0]["data"]["warnings"]  # __getitem__ sleeps 3 ms: 24 ms per batch of 8
     assert "data" in [kind for kind, *_ in warnings]
-    (_, _, share, message), = [w for w in warnings if w[0] == "data"]
+    ((_, _, share, message),) = [w for w in warnings if w[0] == "data"]
     assert share > 0.5 and "DataLoader(num_workers=" in message and "(now 0;" in message
     assert all(row.data_share > 0.5 for row in ranks[0]["data"]["rows"])
 

@@ -1,6 +1,7 @@
 """Experiment trackers: ``log_with`` and ``par.log`` refuse bad input in one line; TensorBoard and MLflow files
 written by one process hold the run's configuration once, the script's metrics and the monitor's figures at the
 expected steps; a 2-process gloo job writes TensorBoard, W&B (offline) and MLflow (sqlite) from rank 0 alone."""
+
 import importlib.util
 import math
 
@@ -54,12 +55,15 @@ def test_log_with_takes_names_configs_lists_or_a_tracker_config(tmp_path):
     assert tracker_config(full) is full and full.run.dir == tmp_path and full.run.project == "p"
 
 
-@pytest.mark.parametrize("log_with, message", [
-    ("tensorbord", "unknown tracker 'tensorbord'; choose from: tensorboard, wandb, mlflow"),
-    ([], "names at least one tracker"),
-    (42, "a tracker is a name (tensorboard, wandb, mlflow) or paratrain.TensorBoardConfig"),
-    (TrackerConfig, "a tracker is a name"),
-])
+@pytest.mark.parametrize(
+    "log_with, message",
+    [
+        ("tensorbord", "unknown tracker 'tensorbord'; choose from: tensorboard, wandb, mlflow"),
+        ([], "names at least one tracker"),
+        (42, "a tracker is a name (tensorboard, wandb, mlflow) or paratrain.TensorBoardConfig"),
+        (TrackerConfig, "a tracker is a name"),
+    ],
+)
 def test_a_bad_log_with_is_one_line(log_with, message):
     with pytest.raises(ConfigError) as err:
         paratrain.Parallel("single", log_with=log_with)
@@ -80,9 +84,15 @@ def test_bad_tracker_options_are_one_line():
         MonitorConfig(flops_per_sample=0)
 
 
-@pytest.mark.parametrize("tracker, missing, extra", [
-    ("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow"),
-    ("mlflow", "sqlalchemy", "mlflow")])
+@pytest.mark.parametrize(
+    "tracker, missing, extra",
+    [
+        ("tensorboard", "tensorboard", "tensorboard"),
+        ("wandb", "wandb", "wandb"),
+        ("mlflow", "mlflow", "mlflow"),
+        ("mlflow", "sqlalchemy", "mlflow"),
+    ],
+)
 def test_a_tracker_not_installed_is_one_line_naming_the_extra(monkeypatch, tracker, missing, extra):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
@@ -140,9 +150,17 @@ def _s(rank, *, step=100.0, busy=50.0, data=1.0, peak=2 * GIB, samples=8.0, toke
 def test_job_figures_count_every_replica_once_and_mfu_per_device():
     rows = [_s(0, data=10.0, samples=8, tokens=512), _s(1, data=30.0, peak=3 * GIB, samples=8, tokens=512)]
     two = job_figures(rows, replicas=2, flops_per_sample=1e9, peak_flops=1e12)  # ddp: two replicas, 100 ms steps
-    assert two == pytest.approx({"monitor/step_ms": 100.0, "monitor/data_share": 0.3, "monitor/peak_mem_gib": 3.0,
-                                 "monitor/samples_per_s": 160.0, "monitor/tokens_per_s": 10240.0,
-                                 "monitor/tflops_per_device": 0.08, "monitor/mfu": 0.08})
+    assert two == pytest.approx(
+        {
+            "monitor/step_ms": 100.0,
+            "monitor/data_share": 0.3,
+            "monitor/peak_mem_gib": 3.0,
+            "monitor/samples_per_s": 160.0,
+            "monitor/tokens_per_s": 10240.0,
+            "monitor/tflops_per_device": 0.08,
+            "monitor/mfu": 0.08,
+        }
+    )
     one = job_figures(rows, replicas=1, flops_per_sample=1e9)  # tp: both ranks read the same batch; peak unknown
     assert one["monitor/samples_per_s"] == 80.0 and "monitor/mfu" not in one
     assert one["monitor/tflops_per_device"] == pytest.approx(0.04)
@@ -151,26 +169,37 @@ def test_job_figures_count_every_replica_once_and_mfu_per_device():
     assert job_figures([_s(0, steps=0)], replicas=1) == {}
 
 
-@pytest.mark.parametrize("batch, counted", [
-    (torch.zeros(4, 3, 8, 8), (4, 0)),  # images: samples, no tokens
-    (torch.zeros(4, 3, 8, 8, dtype=torch.uint8), (4, 0)),
-    ((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long)), (4, 64)),  # (x, y) token ids
-    ({"input_ids": torch.zeros(2, 5, dtype=torch.int32), "attention_mask": torch.ones(2, 5)}, (2, 10)),
-    ({"pixels": torch.zeros(3, 2)}, (3, 0)),
-    (((torch.zeros(2, 7, dtype=torch.long), torch.ones(2, 7)), torch.zeros(2)), (2, 14)),
-    ([torch.zeros(5, 2, 3, dtype=torch.long)], (5, 0)),  # 3-D integers are not token ids
-    (torch.tensor(1.0), (0, 0)), ("text", (0, 0)), ([], (0, 0)), ({}, (0, 0)), (None, (0, 0)),
-])
+@pytest.mark.parametrize(
+    "batch, counted",
+    [
+        (torch.zeros(4, 3, 8, 8), (4, 0)),  # images: samples, no tokens
+        (torch.zeros(4, 3, 8, 8, dtype=torch.uint8), (4, 0)),
+        ((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long)), (4, 64)),  # (x, y) token ids
+        ({"input_ids": torch.zeros(2, 5, dtype=torch.int32), "attention_mask": torch.ones(2, 5)}, (2, 10)),
+        ({"pixels": torch.zeros(3, 2)}, (3, 0)),
+        (((torch.zeros(2, 7, dtype=torch.long), torch.ones(2, 7)), torch.zeros(2)), (2, 14)),
+        ([torch.zeros(5, 2, 3, dtype=torch.long)], (5, 0)),  # 3-D integers are not token ids
+        (torch.tensor(1.0), (0, 0)),
+        ("text", (0, 0)),
+        ([], (0, 0)),
+        ({}, (0, 0)),
+        (None, (0, 0)),
+    ],
+)
 def test_a_batch_counts_its_samples_and_tokens(batch, counted):
     assert batch_size_of(batch) == counted
 
 
 def test_a_gpu_peak_comes_from_the_planner_catalogue(monkeypatch):
     assert catalogue_peak_flops(torch.device("cpu"), "bf16-mixed") is None
-    for name, precision, peak in [("NVIDIA H100 80GB HBM3", "bf16-mixed", 989e12), ("NVIDIA H100 PCIe", "fp32", 67e12),
-                                  ("NVIDIA A100-SXM4-40GB", "bf16-true", 312e12), ("NVIDIA L4", "bf16-mixed", 121e12),
-                                  ("NVIDIA L40S", "bf16-mixed", None),
-                                  ("NVIDIA GeForce RTX 4090", "fp16-mixed", 165e12)]:
+    for name, precision, peak in [
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", 989e12),
+        ("NVIDIA H100 PCIe", "fp32", 67e12),
+        ("NVIDIA A100-SXM4-40GB", "bf16-true", 312e12),
+        ("NVIDIA L4", "bf16-mixed", 121e12),
+        ("NVIDIA L40S", "bf16-mixed", None),
+        ("NVIDIA GeForce RTX 4090", "fp16-mixed", 165e12),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert catalogue_peak_flops(torch.device("cuda", 0), precision) == peak, name
 
@@ -209,8 +238,9 @@ def _check_run(run, losses):
     for figure in ("step_ms", "data_share", "peak_mem_gib", "samples_per_s", "tflops_per_device", "mfu"):
         assert [step for step, _ in scalars[f"monitor/{figure}"]] == [2, 4, 6], figure  # the same step axis
     assert "monitor/tokens_per_s" not in scalars  # float features: no tokens
-    for (_, step_ms), (_, per_s), (_, mfu) in zip(*(scalars[f"monitor/{f}"] for f in ("step_ms", "samples_per_s",
-                                                                                       "mfu"))):
+    for (_, step_ms), (_, per_s), (_, mfu) in zip(
+        *(scalars[f"monitor/{f}"] for f in ("step_ms", "samples_per_s", "mfu"))
+    ):
         assert per_s == pytest.approx(3 / (step_ms / 1e3), rel=1e-5)  # 3 samples per step
         assert mfu == pytest.approx(48.0 * per_s / 1e6, rel=1e-5)
     assert all(0 < value < 64 for _, value in scalars["monitor/peak_mem_gib"])
@@ -218,9 +248,16 @@ def _check_run(run, losses):
 
 @needs_tensorboard
 def test_tensorboard_holds_the_config_the_loss_and_the_monitor_at_their_steps(tmp_path):
-    losses = _train(monitor=MONITOR, log_with=TrackerConfig(
-        trackers="tensorboard", dir=tmp_path, project="digits", run_name="run-1",
-        config={"lr": 0.1, "model": {"width": 4}}))
+    losses = _train(
+        monitor=MONITOR,
+        log_with=TrackerConfig(
+            trackers="tensorboard",
+            dir=tmp_path,
+            project="digits",
+            run_name="run-1",
+            config={"lr": 0.1, "model": {"width": 4}},
+        ),
+    )
     runs = tensorboard_runs(tmp_path)
     assert list(runs) == [next(iter(runs))] and next(iter(runs)).startswith("tensorboard/digits/run-1/events.out.")
     _check_run(next(iter(runs.values())), losses)
@@ -231,8 +268,9 @@ RANK_FIGURES = {f"monitor/{f}/rank0" for f in ("step_ms", "data_share", "compute
 
 @needs_tensorboard
 def test_each_ranks_figures_go_to_the_trackers_when_asked(tmp_path):
-    _train(monitor=MonitorConfig(every=2, summary=False, per_rank=True),
-           log_with=TensorBoardConfig(dir=tmp_path / "tb"))
+    _train(
+        monitor=MonitorConfig(every=2, summary=False, per_rank=True), log_with=TensorBoardConfig(dir=tmp_path / "tb")
+    )
     (run,) = tensorboard_runs(tmp_path / "tb").values()
     assert RANK_FIGURES <= set(run["scalars"]) and "monitor/step_ms" in run["scalars"]
     assert [step for step, _ in run["scalars"]["monitor/step_ms/rank0"]] == [2, 4, 6]
@@ -256,13 +294,19 @@ def test_the_former_tensorboard_dir_is_a_tensorboard_tracker_with_each_ranks_fig
 @pytest.mark.launched  # importing MLflow runs `uname -p` (its telemetry's platform description)
 def test_mlflow_holds_the_config_the_loss_and_the_monitor_and_marks_failures(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    tracking = TrackerConfig(trackers="mlflow", dir=tmp_path, project="digits", run_name="run-1",
-                             config={"lr": 0.1, "model": {"width": 4}})
+    tracking = TrackerConfig(
+        trackers="mlflow", dir=tmp_path, project="digits", run_name="run-1", config={"lr": 0.1, "model": {"width": 4}}
+    )
     losses = _train(monitor=MONITOR, log_with=tracking)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    with pytest.raises(RuntimeError, match="planted"), paratrain.Parallel(
-            "single", monitor=False, log_with=TrackerConfig(trackers=MLflowConfig(tracking_uri=uri, experiment="other"),
-                                                            run_name="crashed")):
+    with (
+        pytest.raises(RuntimeError, match="planted"),
+        paratrain.Parallel(
+            "single",
+            monitor=False,
+            log_with=TrackerConfig(trackers=MLflowConfig(tracking_uri=uri, experiment="other"), run_name="crashed"),
+        ),
+    ):
         raise RuntimeError("planted")
     runs = mlflow_runs(uri)
     assert set(runs) == {"digits/run-1", "other/crashed"}
@@ -290,19 +334,26 @@ def test_rank_0_alone_writes_and_every_tracker_holds_the_same_run(job):
     assert first["ddp"]["active"] and not second["ddp"]["active"]
     assert second["imported"] == []  # rank 1 never imported a tracker's client, so it wrote nothing
     tb, wb, ml = tensorboard_runs(root / "runs"), wandb_runs(root / "runs"), mlflow_runs(f"sqlite:///{root}/mlflow.db")
-    assert sorted(p.split("/")[2] for p in tb) == ["ddp", "tp"] and len(wb) == 2 and set(ml) == {"tiny-lm/ddp",
-                                                                                                  "tiny-lm/tp"}
+    assert (
+        sorted(p.split("/")[2] for p in tb) == ["ddp", "tp"]
+        and len(wb) == 2
+        and set(ml) == {"tiny-lm/ddp", "tiny-lm/tp"}
+    )
     assert sorted(run["name"] for run in wb.values()) == ["ddp", "tp"] and {r["project"] for r in wb.values()} == {
-        "tiny-lm"}
-    by_tracker = {"tensorboard": {p.split("/")[2]: r for p, r in tb.items()},
-                  "wandb": {r["name"]: r for r in wb.values()},
-                  "mlflow": {p.split("/")[1]: r for p, r in ml.items()}}
+        "tiny-lm"
+    }
+    by_tracker = {
+        "tensorboard": {p.split("/")[2]: r for p, r in tb.items()},
+        "wandb": {r["name"]: r for r in wb.values()},
+        "mlflow": {p.split("/")[1]: r for p, r in ml.items()},
+    }
     for tracker, runs in by_tracker.items():
         for strategy, replicas in (("ddp", 2), ("tp", 1)):
             run, losses = runs[strategy], first[strategy]["losses"]
             assert str(run["config"]["paratrain.strategy"]) == strategy, tracker
-            assert str(run["config"]["paratrain.data_parallel_size"]) == str(replicas) == str(
-                first[strategy]["replicas"])
+            assert (
+                str(run["config"]["paratrain.data_parallel_size"]) == str(replicas) == str(first[strategy]["replicas"])
+            )
             assert str(run["config"]["model.vocab"]) == "16"
             scalars = run["scalars"]
             assert scalars["loss"] == [(s + 1, pytest.approx(v, rel=1e-6)) for s, v in enumerate(losses)], tracker

@@ -1,5 +1,6 @@
 """strategy='auto': ddp while the model states fit, then the least ZeRO sharding that fits; tensor parallelism only
 when given the model's TP shape."""
+
 from dataclasses import replace
 
 import pytest
@@ -46,8 +47,7 @@ def _mlp() -> nn.Module:
 @pytest.mark.launched
 def test_demo_prints_the_auto_choice(paratrain_cmd):
 
-    res = run_cli("demo", "-n", "2", "--epochs", "1",
-                  timeout=120)
+    res = run_cli("demo", "-n", "2", "--epochs", "1", timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("strategy 'auto' chose ddp") == 1  # once, on rank 0
     assert "2 processes on 2 cores" in res.stdout or "cores split them" in res.stdout
@@ -58,8 +58,13 @@ def test_auto_stays_on_the_data_parallel_mesh_unless_given_a_tp_shape():
     cfg = GPTConfig(layers=2, hidden=64, heads=4, seq_len=8, vocab=65536, learned_positions=False, tied=False)
     model = GPT(cfg).to("meta")  # units: wte, blocks.0, blocks.1, norm, head; the vocab tables are the largest
     block = transformer_params(cfg)["block_split"]
-    shape = TPShape(layers=2, hidden=64, seq_len=8, divides=(("heads", 4), ("MLP width", 256)),
-                    split=(65536 * 64, block, block, 0, 65536 * 64))
+    shape = TPShape(
+        layers=2,
+        hidden=64,
+        seq_len=8,
+        divides=(("heads", 4), ("MLP width", 256)),
+        split=(65536 * 64, block, block, 0, 65536 * 64),
+    )
     stats = replace(parameter_stats(model), tp=shape)
     cluster = make_cluster("h100", gpus=4)
     zero3 = estimate(stats, Layout.of(name="zero3", dp=4, zero=3, shard=4), ADAM_FP32, cluster).memory.total
@@ -72,21 +77,34 @@ def test_auto_stays_on_the_data_parallel_mesh_unless_given_a_tp_shape():
     assert chosen.reason.startswith("zero3 alone needs ") and "tp=2 splits the units it gathers" in chosen.reason
 
 
-@pytest.mark.parametrize("make, states", [
-    (lambda p: torch.optim.SGD(p, lr=0.1), 0), (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
-    (lambda p: torch.optim.Adam(p), 2), (lambda p: torch.optim.Adam(p, amsgrad=True), 3),
-    (lambda p: torch.optim.AdamW(p), 2), (lambda p: torch.optim.Adadelta(p), 2), (lambda p: torch.optim.Adagrad(p), 1),
-    (lambda p: torch.optim.RMSprop(p), 1), (lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True), 3),
-    (lambda p: torch.optim.Adamax(p), 2), (lambda p: torch.optim.NAdam(p), 2), (lambda p: torch.optim.RAdam(p), 2),
-    (lambda p: torch.optim.Rprop(p), 2), (lambda p: torch.optim.ASGD(p), 1),
-])
+@pytest.mark.parametrize(
+    "make, states",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1), 0),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
+        (lambda p: torch.optim.Adam(p), 2),
+        (lambda p: torch.optim.Adam(p, amsgrad=True), 3),
+        (lambda p: torch.optim.AdamW(p), 2),
+        (lambda p: torch.optim.Adadelta(p), 2),
+        (lambda p: torch.optim.Adagrad(p), 1),
+        (lambda p: torch.optim.RMSprop(p), 1),
+        (lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True), 3),
+        (lambda p: torch.optim.Adamax(p), 2),
+        (lambda p: torch.optim.NAdam(p), 2),
+        (lambda p: torch.optim.RAdam(p), 2),
+        (lambda p: torch.optim.Rprop(p), 2),
+        (lambda p: torch.optim.ASGD(p), 1),
+    ],
+)
 def test_the_planner_counts_the_state_tensors_torch_keeps(make, states):
     model = nn.Linear(3, 2)
     opt = make(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    kept = {sum(1 for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.shape == p.shape)
-            for p in model.parameters()}
+    kept = {
+        sum(1 for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.shape == p.shape)
+        for p in model.parameters()
+    }
     assert state_tensors(opt) == states and kept == {states}
 
 
@@ -103,8 +121,9 @@ def test_auto_names_the_optimizer_it_plans_or_says_what_it_assumes():
     assert "(the optimizer step alone, AdamW's assumed: " in processes_vs_threads(model, cluster, "fp32", "ddp")
     lbfgs = planned(torch.optim.LBFGS(model.parameters()))
     assert lbfgs.key == "adamw" and "LBFGS's are not known to the planner" in lbfgs.states
-    assert planned(torch.optim.Adam(model.parameters(), amsgrad=True)).states.endswith("3 optimizer states per "
-                                                                                      "parameter, planned as 2")
+    assert planned(torch.optim.Adam(model.parameters(), amsgrad=True)).states.endswith(
+        "3 optimizer states per parameter, planned as 2"
+    )
 
 
 def _meta_gpt() -> nn.Module:
@@ -146,9 +165,15 @@ def test_a_transformers_model_is_known_in_closed_form_when_its_counts_match():
     transformers = pytest.importorskip("transformers")
     from paratrain.planner.auto import closed_form_shape
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=300,
-                                      max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=128,
+    )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     cfg = closed_form_shape(model)
@@ -205,13 +230,17 @@ def test_parallel_auto_raises_before_anything_starts_when_nothing_fits(monkeypat
     for memory, outcome in [(1.5, "refused"), (1.9, "warned"), (6.0, "fits")]:
         monkeypatch.setattr(auto, "local_cluster", lambda *a, m=memory: make_cluster("h100", gpus=8, gpu_mem_gb=m))
         if outcome == "refused":  # after cp and zero3 over tp=2 and 4 (the GPT's built-in plan) did not fit either
-            with pytest.raises(ConfigError, match=r"strategy 'auto': nothing fits: the least memory needed is "
-                                                  r"[\d.]+ GiB per rank \(zero3 with cp=4; .*1.50 GiB available"):
+            with pytest.raises(
+                ConfigError,
+                match=r"strategy 'auto': nothing fits: the least memory needed is "
+                r"[\d.]+ GiB per rank \(zero3 with cp=4; .*1.50 GiB available",
+            ):
                 auto.choose_strategy(_meta_gpt(), env, torch.device("cpu"), "fp32", lambda x: x, loader=loader)
             monkeypatch.setattr(auto, "model_shape", lambda model: None)  # no tp plan: zero3 is the least
             continue
-        strategy, lines = auto.choose_strategy(_meta_gpt(), env, torch.device("cpu"), "fp32", lambda x: x,
-                                               loader=loader)
+        strategy, lines = auto.choose_strategy(
+            _meta_gpt(), env, torch.device("cpu"), "fp32", lambda x: x, loader=loader
+        )
         if outcome == "warned":
             assert lines[0].startswith("paratrain: warning: strategy 'auto' chose zero3: nothing fits"), lines[0]
             assert "within its 15% memory error" in lines[0]
@@ -219,8 +248,18 @@ def test_parallel_auto_raises_before_anything_starts_when_nothing_fits(monkeypat
             assert lines[0].startswith("paratrain: strategy 'auto' chose ddp"), lines[0]
 
 
-MOE = GPTConfig(layers=4, hidden=256, heads=4, seq_len=64, vocab=1000, gated=True, bias=False,
-                learned_positions=False, tied=False, moe=MoE(experts=8, top_k=2, ffn=1024))
+MOE = GPTConfig(
+    layers=4,
+    hidden=256,
+    heads=4,
+    seq_len=64,
+    vocab=1000,
+    gated=True,
+    bias=False,
+    learned_positions=False,
+    tied=False,
+    moe=MoE(experts=8, top_k=2, ffn=1024),
+)
 
 
 def test_auto_weighs_expert_parallelism_for_a_mixture_of_experts_when_let():
@@ -229,8 +268,10 @@ def test_auto_weighs_expert_parallelism_for_a_mixture_of_experts_when_let():
     model = GPT(MOE).to("meta")
     stats = transformer_stats(MOE, name="moe")
     cluster = make_cluster("h100", gpus=8)
-    need = {ep: estimate(stats, Layout.of(name="zero3", dp=8, zero=3, shard=8, ep=ep), ADAM_FP32, cluster).memory.total
-            for ep in (1, 2)}
+    need = {
+        ep: estimate(stats, Layout.of(name="zero3", dp=8, zero=3, shard=8, ep=ep), ADAM_FP32, cluster).memory.total
+        for ep in (1, 2)
+    }
     assert need[2] < need[1]
     small = make_cluster("h100", gpus=8, gpu_mem_gb=(need[1] + need[2]) / 2 / 2**30)
     assert not choose(model, small, "fp32").fits

@@ -4,6 +4,7 @@ closed form; cp in the candidate layouts, ``--cp`` and ``--layout ...,cp=C``; ``
 The runtime's ``Parallel(strategy, cp=C)`` these figures are for (Ulysses): C ranks read the same samples and each
 holds 1/C of every sequence; all-to-alls turn the queries, keys and values from a sequence split into a head split
 before attention and the output back after it; gradients are reduced over dp x cp and ZeRO shards over dp x cp."""
+
 from dataclasses import replace
 
 import pytest
@@ -88,12 +89,22 @@ def test_all_to_all_time_and_compute_per_cp_rank_in_closed_form():
     link, s = H100x8.intra, 32768
     q, kv = s / 4 * 32 * 128 * 2, s / 4 * 8 * 128 * 2
     assert cp_comm_s(LLAMA_32K, "param_dtype", 1, 1, 4, link, False) == pytest.approx(
-        2 * 32 * (2 * all_to_all_s(q, 4, link) + 2 * all_to_all_s(kv, 4, link)))
+        2 * 32 * (2 * all_to_all_s(q, 4, link) + 2 * all_to_all_s(kv, 4, link))
+    )
     assert cp_comm_s(LLAMA_32K, "param_dtype", 1, 1, 4, link, True) == pytest.approx(
-        1.5 * cp_comm_s(LLAMA_32K, "param_dtype", 1, 1, 4, link, False))  # a recomputed forward's 4 more
+        1.5 * cp_comm_s(LLAMA_32K, "param_dtype", 1, 1, 4, link, False)
+    )  # a recomputed forward's 4 more
     one_batch = replace(MIXED, global_batch=1)
-    times = {cp: step_time(LLAMA_32K, _zero3(1, cp), batching(one_batch, dp=1, pp=1, world_size=cp), one_batch,
-                           make_cluster("h100", gpus=cp)) for cp in (1, 2, 4)}
+    times = {
+        cp: step_time(
+            LLAMA_32K,
+            _zero3(1, cp),
+            batching(one_batch, dp=1, pp=1, world_size=cp),
+            one_batch,
+            make_cluster("h100", gpus=cp),
+        )
+        for cp in (1, 2, 4)
+    }
     for cp in (2, 4):
         assert times[cp].compute_s / times[1].compute_s == pytest.approx(1 / cp, rel=0.05)
         assert 0 < times[cp].cp_comm_s < 0.1 * times[cp].step_s
@@ -103,8 +114,11 @@ def test_cp_degrees_divide_the_heads_with_tp_within_a_node():
     assert cp_pairs(LLAMA_32K, H100x8, (2, 4, 8)) == ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2))
     twelve = transformer_stats(GPTConfig(layers=2, hidden=768, heads=12, seq_len=4096), name="twelve")
     assert cp_pairs(twelve, H100x8, (2, 4)) == ((1, 2), (1, 4), (2, 2))  # 12 heads: not tp 4 x cp 2
-    with pytest.raises(ConfigError, match=r"--cp 3: heads 32 and key/value heads 8 do not divide by tp x cp = 3; "
-                                          r"use one of 1, 2, 4, 8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--cp 3: heads 32 and key/value heads 8 do not divide by tp x cp = 3; "
+        r"use one of 1, 2, 4, 8",
+    ):
         cp_pairs(LLAMA_32K, H100x8, (), 3)
     assert cp_pairs(LLAMA_32K, H100x8, (), 1) == ()
     with pytest.raises(ConfigError, match="--cp needs a transformer's shape"):
@@ -121,8 +135,11 @@ def test_layout_parsing_with_cp():
     assert layout_strategy("zero3,cp=2") == "zero3" and layout_strategy("dp=4,cp=2") is None
     named = make_plan(LLAMA_32K, PlanConfig(gpus=8, layout="zero3,cp=2", training=Training(micro_batch=1)))
     assert [(e.name, e.layout.dp) for e in named.estimates] == [("single", 1), ("zero3+cp", 4)]
-    with pytest.raises(ConfigError, match=r"dp=2 x pp=1 x cp=2 x tp=2 is not planned as zero1; name one of ddp, "
-                                          r"zero2, zero3 or none"):
+    with pytest.raises(
+        ConfigError,
+        match=r"dp=2 x pp=1 x cp=2 x tp=2 is not planned as zero1; name one of ddp, "
+        r"zero2, zero3 or none",
+    ):
         make_plan(LLAMA_32K, PlanConfig(gpus=8, layout="zero1,tp=2,cp=2"))
     with pytest.raises(ConfigError, match=r"cannot read 'pipeline'; .* optionally with one of ddp, zero1, zero2, "):
         PlanConfig(gpus=8, layout="pipeline,cp=2")
@@ -155,9 +172,16 @@ def test_the_activation_model_against_what_autograd_saves_on_a_long_sequence():
     from paratrain.planner.auto import closed_form_shape
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=300,
-                                      max_position_embeddings=2048, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=2048,
+        attn_implementation="sdpa",
+    )
     model = _Logits(transformers.AutoModelForCausalLM.from_config(config))
     stats = transformer_stats(closed_form_shape(model.model), name="llama")
     fp32 = Training(precision="fp32", micro_batch=1)
@@ -169,8 +193,9 @@ def test_the_activation_model_against_what_autograd_saves_on_a_long_sequence():
         assert split == pytest.approx(saved_bytes(model, torch.randint(0, 300, (1, 2048 // cp)), False), rel=0.02)
 
 
-LONG = GPTConfig(layers=4, hidden=256, heads=4, seq_len=4096, vocab=1000, gated=True, bias=False,
-                 learned_positions=False, tied=False)
+LONG = GPTConfig(
+    layers=4, hidden=256, heads=4, seq_len=4096, vocab=1000, gated=True, bias=False, learned_positions=False, tied=False
+)
 
 
 def test_auto_picks_cp_only_when_the_activations_do_not_fit():
@@ -191,6 +216,7 @@ def test_auto_picks_cp_only_when_the_activations_do_not_fit():
     assert "the model states fit but the loader's activations do not" in choice.reason
     tiny = make_cluster("h100", gpus=8, gpu_mem_gb=H100x8.device.overhead_gib + 0.001)
     assert choose(model, tiny, "fp32", cp=True, batch=(1, 4096)).cp == 1
-    longer = choose(model, make_cluster("h100", gpus=8, gpu_mem_gb=need[1] / 2**30), "fp32", cp=True,
-                    batch=(1, 8192))  # rotary: a loader's sequences past the model's context are planned as they are
+    longer = choose(
+        model, make_cluster("h100", gpus=8, gpu_mem_gb=need[1] / 2**30), "fp32", cp=True, batch=(1, 8192)
+    )  # rotary: a loader's sequences past the model's context are planned as they are
     assert longer.cp > 1 and "cp=" in longer.reason

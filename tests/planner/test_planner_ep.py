@@ -6,6 +6,7 @@ The runtime's ``Parallel(strategy, ep=E)`` these figures are for: each rank of a
 the experts are sharded over the dp_shard/E ranks left; tp splits attention and dense layers, not the experts: every
 rank of a tp group holds its ep slice of them whole and computes the same tokens' experts. ``Parallel("hybrid", dp=D,
 ep=E)`` splits each pipeline stage's experts over E of its D replicas."""
+
 import json
 from dataclasses import replace
 
@@ -37,14 +38,17 @@ def test_mixtral_experts_are_most_of_its_parameters():
     assert X == 32 * 8 * 3 * 4096 * 14336 and X / COUNTS["total"] == pytest.approx(0.966, abs=0.001)
 
 
-@pytest.mark.parametrize("name, zero, params, grads, optim", [
-    # ddp: the dense parameters whole, 1/ep of the experts, nothing sharded
-    ("ddp", 0, DENSE + X / 2, DENSE + X / 2, DENSE + X / 2),
-    # zero2: states and gradients 1/N of the dense ones and 1/(N/ep) of the rank's 1/ep of the experts: 1/N of all
-    ("zero2", 2, DENSE + X / 2, (DENSE + X) / 8, (DENSE + X) / 8),
-    # zero3: everything 1/N, as without ep (ep changes what FSDP gathers, not what a rank keeps)
-    ("zero3", 3, (DENSE + X) / 8, (DENSE + X) / 8, (DENSE + X) / 8),
-])
+@pytest.mark.parametrize(
+    "name, zero, params, grads, optim",
+    [
+        # ddp: the dense parameters whole, 1/ep of the experts, nothing sharded
+        ("ddp", 0, DENSE + X / 2, DENSE + X / 2, DENSE + X / 2),
+        # zero2: states and gradients 1/N of the dense ones and 1/(N/ep) of the rank's 1/ep of the experts: 1/N of all
+        ("zero2", 2, DENSE + X / 2, (DENSE + X) / 8, (DENSE + X) / 8),
+        # zero3: everything 1/N, as without ep (ep changes what FSDP gathers, not what a rank keeps)
+        ("zero3", 3, (DENSE + X) / 8, (DENSE + X) / 8, (DENSE + X) / 8),
+    ],
+)
 def test_model_states_of_an_ep_rank_in_closed_form(name, zero, params, grads, optim):
     """8 ranks, ep=2: a rank's 4 experts sharded over the 4 ranks holding the same ones, one each."""
     layout = Layout.of(name=name, dp=8, zero=zero, shard=8 if zero else 1, ep=2)
@@ -107,8 +111,9 @@ def test_ddp_with_ep_syncs_the_dense_gradients_over_dp_and_the_experts_over_thei
 
 
 def test_ep_is_planned_for_mixtures_of_experts_only_and_where_it_divides():
-    plan = make_plan(MIXTRAL, PlanConfig(gpus=8, nodes=4, inter_node="ib-ndr-x8", tp=1,
-                                          training=Training(micro_batch=1)))
+    plan = make_plan(
+        MIXTRAL, PlanConfig(gpus=8, nodes=4, inter_node="ib-ndr-x8", tp=1, training=Training(micro_batch=1))
+    )
     with_ep = [e for e in plan.estimates if e.layout.ep > 1]
     assert {e.name for e in with_ep} == {"ddp+ep", "zero2+ep", "zero3+ep", "hybrid+ep"}
     assert all(e.layout.ep in (2, 4, 8) for e in with_ep)
@@ -121,8 +126,10 @@ def test_ep_is_planned_for_mixtures_of_experts_only_and_where_it_divides():
 
 
 def test_an_exact_layout_with_ep_compares_its_data_parallel_flavours():
-    plan = make_plan(MIXTRAL, PlanConfig(gpus=8, nodes=4, inter_node="ib-ndr-x8", layout="dp=32,ep=8",
-                                          training=Training(micro_batch=1)))
+    plan = make_plan(
+        MIXTRAL,
+        PlanConfig(gpus=8, nodes=4, inter_node="ib-ndr-x8", layout="dp=32,ep=8", training=Training(micro_batch=1)),
+    )
     assert [e.name for e in plan.estimates[1:]] == ["ddp+ep", "zero2+ep", "zero3+ep"]
     assert all(e.layout.dims.ep == 8 for e in plan.estimates[1:])
     with pytest.raises(ConfigError, match=r"ep=8 must divide the 4 data-parallel ranks"):
@@ -136,8 +143,7 @@ def test_an_ep_layout_is_recommended_when_it_is_faster_and_says_why():
     and shards its 16 over the 2 ranks holding the same ones, for a share of the step in all-to-alls: faster than
     zero3 alone by more than the plan's tie."""
     stats = transformer_stats(TRANSFORMERS["qwen3-30b-a3b"], name="qwen3")
-    plan = make_plan(stats, PlanConfig(gpus=8, nodes=2, inter_node="ib-ndr-x8", tp=1,
-                                        training=Training(micro_batch=1)))
+    plan = make_plan(stats, PlanConfig(gpus=8, nodes=2, inter_node="ib-ndr-x8", tp=1, training=Training(micro_batch=1)))
     by_name = {e.name: e for e in plan.estimates}
     assert plan.choice.layout.ep == 8 and plan.choice.samples_per_s > 1.2 * by_name["zero3"].samples_per_s
     assert f"1/8 of the experts, for {1e3 * plan.choice.time.ep_comm_s:.3g} ms of all-to-alls" in plan.reason
@@ -145,16 +151,24 @@ def test_an_ep_layout_is_recommended_when_it_is_faster_and_says_why():
 
 
 def test_the_cli_plans_ep_and_says_the_active_parameters(capsys):
-    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--layout", "dp=8,ep=8", "--batch", "1",
-                 "--json"]) == 0
+    assert (
+        main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--layout", "dp=8,ep=8", "--batch", "1", "--json"])
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
-    assert plan["model"]["moe"] == {"experts": 128, "top_k": 8, "layers": 48,
-                                    "active_params": transformer_params(TRANSFORMERS["qwen3-30b-a3b"])["active"],
-                                    "expert_params": transformer_params(TRANSFORMERS["qwen3-30b-a3b"])["experts"]}
+    assert plan["model"]["moe"] == {
+        "experts": 128,
+        "top_k": 8,
+        "layers": 48,
+        "active_params": transformer_params(TRANSFORMERS["qwen3-30b-a3b"])["active"],
+        "expert_params": transformer_params(TRANSFORMERS["qwen3-30b-a3b"])["experts"],
+    }
     assert {s["layout"]["ep"] for s in plan["strategies"][1:]} == {8}
     assert all(s["time"]["ep_comm_s"] > 0 for s in plan["strategies"][1:])
-    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "8", "--nodes", "4", "--seq-len", "4096",
-                 "--batch", "1"]) == 0
+    assert (
+        main(["plan", "--model", "mixtral-8x7b", "--gpus", "8", "--nodes", "4", "--seq-len", "4096", "--batch", "1"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "46.7B parameters, 12.9B active per token" in out and "zero3+ep" in out
 
@@ -164,10 +178,16 @@ def test_hybrid_and_tp_with_ep_are_listed_where_ep_divides_their_data_parallel_r
     ep=E)``, ep dividing the dp ranks; never ``pipeline`` (no replicas) nor hybrid's zero1."""
     found = layouts(make_cluster("h100", gpus=8), n_units=34, tp_degrees=(2,), ep_degrees=(2,))
     with_ep = {(lay.label, lay.describe()) for lay in found if lay.ep > 1}
-    assert {("hybrid+ep", "dp=4 pp=2 ep=2"), ("hybrid+ep", "dp=2 pp=4 ep=2"), ("ddp+tp+ep", "dp=4 tp=2 ep=2"),
-            ("zero2+tp+ep", "dp=4 shard=4 tp=2 ep=2"), ("zero3+tp+ep", "dp=4 shard=4 tp=2 ep=2")} <= with_ep
-    assert not any(lay.ep > 1 and (lay.name == "pipeline" or (lay.pp > 1 and (lay.zero or lay.tp > 1)))
-                   for lay in found)
+    assert {
+        ("hybrid+ep", "dp=4 pp=2 ep=2"),
+        ("hybrid+ep", "dp=2 pp=4 ep=2"),
+        ("ddp+tp+ep", "dp=4 tp=2 ep=2"),
+        ("zero2+tp+ep", "dp=4 shard=4 tp=2 ep=2"),
+        ("zero3+tp+ep", "dp=4 shard=4 tp=2 ep=2"),
+    } <= with_ep
+    assert not any(
+        lay.ep > 1 and (lay.name == "pipeline" or (lay.pp > 1 and (lay.zero or lay.tp > 1))) for lay in found
+    )
     assert all(lay.dims.dp % lay.ep == 0 for lay in found)
 
 
@@ -219,22 +239,28 @@ def test_tp_ep_sends_every_token_over_the_dp_link_and_computes_the_experts_unspl
     batch = batching(MIXED, dp=2, pp=1, world_size=16)
     t = step_time(MIXTRAL, layout, batch, MIXED, cluster)
     assert t.ep_comm_s == pytest.approx(
-        batch.micro_batches * ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False))
+        batch.micro_batches * ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False)
+    )
     plain = Layout.of(name="ddp", dp=2, tp=8)
     whole = moe_flops(MIXTRAL)
     assert whole == 6 * 32768 * (X * 2 / 8 + 32 * 8 * 4096)  # 2 of 8 experts, and the routers (no shared experts)
     blind = replace(MIXTRAL, moe=replace(MIXTRAL.moe, top_k=0, whole=0))
-    extra = (step_time(MIXTRAL, plain, batch, MIXED, cluster).compute_s
-             - step_time(blind, plain, batch, MIXED, cluster).compute_s)
+    extra = (
+        step_time(MIXTRAL, plain, batch, MIXED, cluster).compute_s
+        - step_time(blind, plain, batch, MIXED, cluster).compute_s
+    )
     rate = cluster.flops_per_s("bf16-mixed", cluster.ranks_per_node)
     assert extra == pytest.approx(batch.micro_batches * batch.micro_batch * whole * (1 - 1 / 8) / rate)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("hybrid,ep=2", r"hybrid is a pipeline replicated over dp; give its stages too \(hybrid,pp=2,ep=2\)"),
-    ("hybrid,pp=2,tp=2,ep=2", "a pipeline's experts are planned split over its dp replicas without tp"),
-    ("dp=2,pp=2,ep=4", "ep=4 must divide the 2 data-parallel ranks"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("hybrid,ep=2", r"hybrid is a pipeline replicated over dp; give its stages too \(hybrid,pp=2,ep=2\)"),
+        ("hybrid,pp=2,tp=2,ep=2", "a pipeline's experts are planned split over its dp replicas without tp"),
+        ("dp=2,pp=2,ep=4", "ep=4 must divide the 2 data-parallel ranks"),
+    ],
+)
 def test_a_hybrid_ep_layout_is_named_on_the_cli_or_refused_in_one_line(text, message):
     plan = make_plan(MIXTRAL, PlanConfig(gpus=8, layout="hybrid,pp=2,ep=2", training=Training(micro_batch=1)))
     assert [(e.name, e.layout.describe()) for e in plan.estimates[1:]] == [("hybrid+ep", "dp=4 pp=2 ep=2")]

@@ -1,5 +1,6 @@
 """The planner calls a model as training does (planner/inputs.py): with its targets, taking its own loss, and says so
 when what it traced is not per token; attention as the fused kernel runs it (planner/attention.py)."""
+
 import json
 from dataclasses import replace
 
@@ -51,8 +52,9 @@ def test_a_traced_model_equals_what_it_saves_and_computes_on_this_cpu():
 
 def test_transformers_labels_and_a_classifiers_y_are_found_and_their_loss_taken():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0,
-                                  eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     lm = lambda: transformers.GPT2LMHeadModel(cfg)  # noqa: E731
     assert target_parameter(lm()) == "labels"
     with_labels = trace_module(lm, InputSpec.parse("long:16"), name="gpt2")
@@ -73,8 +75,11 @@ def test_transformers_labels_and_a_classifiers_y_are_found_and_their_loss_taken(
     plain = trace_module(Classifier, TrainingCall(input=InputSpec.parse("8"), plain=True), name="classifier")
     assert stats.flops_per_sample == plain.flops_per_sample and not stats.warnings
     with pytest.raises(ConfigError, match=r"--targets: Linear.forward takes no targets .*; drop --targets"):
-        trace_module(lambda: nn.Linear(4, 2), TrainingCall(input=InputSpec.parse("4"), targets=InputSpec.parse("long")),
-                     name="linear")
+        trace_module(
+            lambda: nn.Linear(4, 2),
+            TrainingCall(input=InputSpec.parse("4"), targets=InputSpec.parse("long")),
+            name="linear",
+        )
 
 
 def test_input_specs_read_one_value_a_sample():
@@ -86,8 +91,21 @@ def test_input_specs_read_one_value_a_sample():
 
 def test_plan_traces_nanogpt_as_training_and_gives_no_lr_advice_unasked(capsys):
     """nanoGPT's own run: 480 samples a step, 12 a GPU, on 8 GPUs; its LR is tuned for that batch already."""
-    argv = ["plan", "--model", "helpers.nanogpt_shaped:gpt2", "--input", "long:1024", "--gpu", "a100-80gb",
-            "--gpus", "8", "--batch", "12", "--global-batch", "480"]
+    argv = [
+        "plan",
+        "--model",
+        "helpers.nanogpt_shaped:gpt2",
+        "--input",
+        "long:1024",
+        "--gpu",
+        "a100-80gb",
+        "--gpus",
+        "8",
+        "--batch",
+        "12",
+        "--global-batch",
+        "480",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "per sample 875 GFLOP forward+backward" in out and "warning" not in out and "scale it" not in out

@@ -1,5 +1,6 @@
 """Planner memory model: ZeRO's accounting exactly, the two peaks, pipeline in-flight micro-batches, buffers,
 checkpointing."""
+
 import pytest
 
 from paratrain.errors import ConfigError
@@ -27,8 +28,9 @@ def _memory(layout, training=None, cluster=None):
 
 
 def _states(layout, training=None, paper=False):
-    return model_states(STATS, layout, training or Training(precision="bf16-mixed", optimizer="adamw", micro_batch=1),
-                        paper=paper)
+    return model_states(
+        STATS, layout, training or Training(precision="bf16-mixed", optimizer="adamw", micro_batch=1), paper=paper
+    )
 
 
 @pytest.mark.parametrize("n", [2, 8, 64])
@@ -62,12 +64,19 @@ def test_zero1_optimizer_states_are_the_busiest_rank_of_zero_redundancy_optimize
         assert max(largest, PSI / n) * adam <= got <= (PSI / n + largest) * adam, n
     assert _states(Layout.of(name="zero1", dp=64, zero=1, shard=64)).optimizer_states == largest * adam
     assert _states(Layout.of(name="zero1", dp=2, zero=1, shard=2)).optimizer_states == pytest.approx(
-        adam * PSI / 2, rel=0.01)  # two ranks: nearly even
+        adam * PSI / 2, rel=0.01
+    )  # two ranks: nearly even
 
 
-@pytest.mark.parametrize("precision, optimizer, per_param", [
-    ("fp32", "adamw", 16), ("fp32", "sgd", 8), ("fp32", "sgd-momentum", 12), ("bf16-mixed", "sgd", 8),
-])
+@pytest.mark.parametrize(
+    "precision, optimizer, per_param",
+    [
+        ("fp32", "adamw", 16),
+        ("fp32", "sgd", 8),
+        ("fp32", "sgd-momentum", 12),
+        ("bf16-mixed", "sgd", 8),
+    ],
+)
 def test_bytes_per_parameter_by_precision_and_optimizer(precision, optimizer, per_param):
     training = Training(precision=precision, optimizer=optimizer, micro_batch=1)
     assert _states(Layout.of(name="single"), training).total == per_param * PSI
@@ -78,11 +87,13 @@ def test_the_peak_is_backward_with_large_activations_else_the_optimizer_step():
     assert big.phase == "backward" and big.gradients == 0  # zero_grad(set_to_none=True) freed them
     assert big.transient == 2 * STATS.output_bytes_per_sample * 8  # the loss's two fp32 logit-sized gradients
     states = _states(Layout.of(name="single"), Training(precision="fp32", micro_batch=8))
-    small = memory_per_rank(STATS.__class__(**{**STATS.__dict__, "activation_bytes_per_sample": 0.0,
-                                               "output_bytes_per_sample": 0.0}),
-                            Layout.of(name="single"), batching(Training(precision="fp32", micro_batch=8), dp=1, pp=1,
-                                                            world_size=1),
-                            Training(precision="fp32", micro_batch=8), make_cluster("h100"))
+    small = memory_per_rank(
+        STATS.__class__(**{**STATS.__dict__, "activation_bytes_per_sample": 0.0, "output_bytes_per_sample": 0.0}),
+        Layout.of(name="single"),
+        batching(Training(precision="fp32", micro_batch=8), dp=1, pp=1, world_size=1),
+        Training(precision="fp32", micro_batch=8),
+        make_cluster("h100"),
+    )
     assert small.phase == "optimizer step" and small.activations == 0
     assert small.model_states == states.total and small.transient == 4 * PSI  # Adam's sqrt(v) temporaries
     accumulating = _memory(Layout.of(name="single"), Training(precision="fp32", micro_batch=8, global_batch=32))
@@ -118,8 +129,8 @@ def test_pipeline_holds_m_micro_batches_under_gpipe_and_at_most_p_under_1f1b():
 def test_pipeline_stage_holds_the_fullest_contiguous_run_of_units():
     units = (("a", 5), ("b", 1), ("c", 1), ("d", 1), ("e", 5))
     assert stage_params(units, 1) == 13
-    assert stage_params(units, 2) == 7   # a+b+c | d+e  (or a+b | c+d+e)
-    assert stage_params(units, 3) == 5   # a | b+c+d | e
+    assert stage_params(units, 2) == 7  # a+b+c | d+e  (or a+b | c+d+e)
+    assert stage_params(units, 3) == 5  # a | b+c+d | e
     assert stage_params(units, 5) == 5
 
 
@@ -139,8 +150,11 @@ def test_layouts_follow_the_cluster_and_the_strategies_meshes():
     # 32 stages > 26 units
     assert names == ["single", "ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid", "model_parallel"]
     hybrids = [(lay.dp, lay.pp, lay.zero, lay.label) for lay in found if lay.name == "hybrid"]
-    assert hybrids == [(dp, pp, zero, label) for dp, pp in ((16, 2), (8, 4), (4, 8), (2, 16))
-                       for zero, label in ((0, "hybrid"), (1, "hybrid+zero1"))]  # replicated by DDP, or ZeRO-1
+    assert hybrids == [
+        (dp, pp, zero, label)
+        for dp, pp in ((16, 2), (8, 4), (4, 8), (2, 16))
+        for zero, label in ((0, "hybrid"), (1, "hybrid+zero1"))
+    ]  # replicated by DDP, or ZeRO-1
     assert [(lay.dp, lay.mp) for lay in found if lay.name == "model_parallel"] == [(16, 2), (8, 4), (4, 8)]
     assert "pipeline" in [lay.name for lay in layouts(cluster, n_units=32)]
     assert [lay.name for lay in layouts(make_cluster("h100", gpus=1), 26)] == ["single"]

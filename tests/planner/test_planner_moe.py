@@ -1,5 +1,6 @@
 """Mixture-of-experts shapes in closed form (``planner.moe``, ``GPTConfig.moe``) against the real module
 (``workloads.experts``): parameters, what autograd saves, FLOPs; total against active parameters."""
+
 import re
 
 import pytest
@@ -12,15 +13,28 @@ from paratrain.planner.moe import MoE, expert_params
 from paratrain.planner.transformer import block_params, transformer_params
 from paratrain.workloads.gpt import GPT
 
-_LLAMA = dict(hidden=64, heads=4, seq_len=32, vocab=100, gated=True, bias=False, learned_positions=False, tied=False,
-              ffn=96)
+_LLAMA = dict(
+    hidden=64, heads=4, seq_len=32, vocab=100, gated=True, bias=False, learned_positions=False, tied=False, ffn=96
+)
 SHAPES = {
     "mixtral-like": GPTConfig(layers=2, **_LLAMA, kv_heads=2, moe=MoE(experts=4, top_k=2, ffn=24)),
     "shared-gated": GPTConfig(layers=2, **_LLAMA, moe=MoE(experts=4, top_k=1, ffn=24, shared=40, shared_gate=True)),
-    "qwen3-like": GPTConfig(layers=3, **_LLAMA, kv_heads=2, head_dim=32, qk_norm=True,
-                            moe=MoE(experts=8, top_k=3, ffn=16, dense_layers=(1,))),
-    "gelu-biases": GPTConfig(layers=2, hidden=64, heads=4, seq_len=32, vocab=100,
-                             moe=MoE(experts=4, top_k=2, ffn=24, shared=40, bias=True, dense_layers=(0,))),
+    "qwen3-like": GPTConfig(
+        layers=3,
+        **_LLAMA,
+        kv_heads=2,
+        head_dim=32,
+        qk_norm=True,
+        moe=MoE(experts=8, top_k=3, ffn=16, dense_layers=(1,)),
+    ),
+    "gelu-biases": GPTConfig(
+        layers=2,
+        hidden=64,
+        heads=4,
+        seq_len=32,
+        vocab=100,
+        moe=MoE(experts=4, top_k=2, ffn=24, shared=40, bias=True, dense_layers=(0,)),
+    ),
 }
 
 
@@ -64,16 +78,19 @@ def test_moe_flops_count_the_active_parameters(name):
     measured = measure_module(lambda: GPT(cfg), InputSpec.parse(f"long:{cfg.seq_len}"), name=name, batch=2, steps=1)
     assert measured.flops_per_sample == pytest.approx(closed.flops_per_sample, rel=0.01)
     assert measured.activation_bytes_per_sample == pytest.approx(closed.activation_bytes_per_sample, rel=0.005)
-    lookups, attention = cfg.vocab * cfg.hidden, 12 * cfg.layers * cfg.attention_width * cfg.seq_len ** 2
+    lookups, attention = cfg.vocab * cfg.hidden, 12 * cfg.layers * cfg.attention_width * cfg.seq_len**2
     assert closed.flops_per_sample == 6 * (transformer_params(cfg)["active"] - lookups) * cfg.seq_len + attention
 
 
-@pytest.mark.parametrize("shape, message", [
-    (dict(experts=4, top_k=5, ffn=8), "MoE top_k 5 must be between 1 and its 4 experts"),
-    (dict(experts=1, top_k=1, ffn=8), "an MoE needs at least 2 experts"),
-    (dict(experts=4, top_k=1, ffn=8, shared_gate=True), "gates its shared experts; give their width"),
-    (dict(experts=4, top_k=1, ffn=8, dense_layers=(1, 1)), "must be distinct block indices"),
-])
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        (dict(experts=4, top_k=5, ffn=8), "MoE top_k 5 must be between 1 and its 4 experts"),
+        (dict(experts=1, top_k=1, ffn=8), "an MoE needs at least 2 experts"),
+        (dict(experts=4, top_k=1, ffn=8, shared_gate=True), "gates its shared experts; give their width"),
+        (dict(experts=4, top_k=1, ffn=8, dense_layers=(1, 1)), "must be distinct block indices"),
+    ],
+)
 def test_a_bad_moe_shape_is_one_line(shape, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         MoE(**shape)

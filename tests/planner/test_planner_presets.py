@@ -1,5 +1,6 @@
 """Planner shapes at cluster scale: the named presets against their published sizes, grouped-query attention and
 transformers' config.json against the real modules, and exact layouts (``--layout dp=8,pp=12,tp=4``)."""
+
 import json
 import re
 
@@ -71,35 +72,130 @@ def test_qwen2_7b_without_embeddings_is_its_published_6_53b():
 
 def _hf(kind: str, **shape):
     transformers = pytest.importorskip("transformers")
-    config_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gpt2": "GPT2Config",
-                  "qwen3": "Qwen3Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
-                  "qwen3_moe": "Qwen3MoeConfig"}
+    config_cls = {
+        "llama": "LlamaConfig",
+        "mistral": "MistralConfig",
+        "qwen2": "Qwen2Config",
+        "gpt2": "GPT2Config",
+        "qwen3": "Qwen3Config",
+        "mixtral": "MixtralConfig",
+        "qwen2_moe": "Qwen2MoeConfig",
+        "qwen3_moe": "Qwen3MoeConfig",
+    }
     return getattr(transformers, config_cls[kind])(**shape)
 
 
 HF_SHAPES = {
-    "llama-gqa": ("llama", dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=8,
-                                num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)),
-    "llama-tied": ("llama", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                                 num_key_value_heads=4, vocab_size=256, tie_word_embeddings=True)),
-    "mistral": ("mistral", dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
-                                num_key_value_heads=3, vocab_size=320, max_position_embeddings=64)),
-    "qwen2": ("qwen2", dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=400, max_position_embeddings=64)),
+    "llama-gqa": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=300,
+            max_position_embeddings=128,
+        ),
+    ),
+    "llama-tied": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral": (
+        "mistral",
+        dict(
+            hidden_size=96,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            vocab_size=320,
+            max_position_embeddings=64,
+        ),
+    ),
+    "qwen2": (
+        "qwen2",
+        dict(
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=400,
+            max_position_embeddings=64,
+        ),
+    ),
     "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=32, vocab_size=500)),
-    "qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=64)),
-    "mixtral": ("mixtral", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
-                                max_position_embeddings=64)),
-    "qwen2_moe": ("qwen2_moe", dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=300, num_experts=4, num_experts_per_tok=2,
-                                    max_position_embeddings=64)),
-    "qwen3_moe": ("qwen3_moe", dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
-                                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                    vocab_size=300, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0],
-                                    decoder_sparse_step=2, max_position_embeddings=64)),
+    "qwen3": (
+        "qwen3",
+        dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=300,
+            max_position_embeddings=64,
+        ),
+    ),
+    "mixtral": (
+        "mixtral",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=300,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+        ),
+    ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            hidden_size=64,
+            intermediate_size=160,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=300,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+        ),
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            hidden_size=64,
+            intermediate_size=160,
+            moe_intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=300,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mlp_only_layers=[0],
+            decoder_sparse_step=2,
+            max_position_embeddings=64,
+        ),
+    ),
 }
 
 
@@ -120,11 +216,14 @@ def test_a_transformers_config_json_plans_the_parameters_its_model_has(name, tmp
     assert from_config.find_stats().params == transformer_params(cfg)["total"]
 
 
-@pytest.mark.parametrize("name, moe", [
-    ("mixtral", MoE(experts=4, top_k=2, ffn=96)),
-    ("qwen2_moe", MoE(experts=4, top_k=2, ffn=32, shared=48, shared_gate=True)),
-    ("qwen3_moe", MoE(experts=8, top_k=2, ffn=32, dense_layers=(0, 2))),  # mlp_only_layers, decoder_sparse_step 2
-])
+@pytest.mark.parametrize(
+    "name, moe",
+    [
+        ("mixtral", MoE(experts=4, top_k=2, ffn=96)),
+        ("qwen2_moe", MoE(experts=4, top_k=2, ffn=32, shared=48, shared_gate=True)),
+        ("qwen3_moe", MoE(experts=8, top_k=2, ffn=32, dense_layers=(0, 2))),  # mlp_only_layers, decoder_sparse_step 2
+    ],
+)
 def test_a_moe_config_json_gives_its_experts(name, moe, tmp_path):
     kind, shape = HF_SHAPES[name]
     _hf(kind, **shape).save_pretrained(tmp_path)
@@ -138,8 +237,9 @@ def test_a_transformers_moe_from_a_factory_is_planned_in_closed_form(capsys):
     config is read instead (experts, top k, expert width, dense blocks), and the count is the module's."""
     from helpers.moe_models import QWEN3_MOE, qwen3_moe
 
-    assert main(["plan", "--model", "helpers.moe_models:qwen3_moe", "--input", "long:256", "--gpus", "8",
-                 "--json"]) == 0
+    assert (
+        main(["plan", "--model", "helpers.moe_models:qwen3_moe", "--input", "long:256", "--gpus", "8", "--json"]) == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     with torch.device("meta"):
         params = sum(p.numel() for p in qwen3_moe().parameters())
@@ -149,19 +249,30 @@ def test_a_transformers_moe_from_a_factory_is_planned_in_closed_form(capsys):
 
 
 def test_the_pretraining_context_is_read_from_rope_scaling(tmp_path):
-    raw = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 131072,
-           "rope_scaling": {"rope_type": "llama3", "original_max_position_embeddings": 8192}}
+    raw = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "llama3", "original_max_position_embeddings": 8192},
+    }
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert read_model_config(tmp_path).seq_len == 8192
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[1, 2]", "not a transformers config.json (no model_type)"),
-    ("{not json", "not a transformers config.json (JSONDecodeError)"),
-    ('{"model_type": "bert"}', "model_type 'bert' is not planned in closed form"),
-    ('{"model_type": "llama", "hidden_size": 64}', "llama config without a usable 'num_attention_heads'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[1, 2]", "not a transformers config.json (no model_type)"),
+        ("{not json", "not a transformers config.json (JSONDecodeError)"),
+        ('{"model_type": "bert"}', "model_type 'bert' is not planned in closed form"),
+        ('{"model_type": "llama", "hidden_size": 64}', "llama config without a usable 'num_attention_heads'"),
+    ],
+)
 def test_a_file_that_is_not_a_usable_config_is_one_line(tmp_path, text, message):
     path = tmp_path / "config.json"
     path.write_text(text)
@@ -171,8 +282,9 @@ def test_a_file_that_is_not_a_usable_config_is_one_line(tmp_path, text, message)
 
 
 def test_grouped_query_attention_shrinks_the_kv_projections_and_their_activations():
-    mha = GPTConfig(layers=2, hidden=64, heads=8, seq_len=32, vocab=100, gated=True, bias=False,
-                    learned_positions=False, tied=False)
+    mha = GPTConfig(
+        layers=2, hidden=64, heads=8, seq_len=32, vocab=100, gated=True, bias=False, learned_positions=False, tied=False
+    )
     gqa = GPTConfig(**{**mha.__dict__, "kv_heads": 2})
     saved = 2 * 64 * (64 - 16)  # k and v: 64 -> 16 wide each (2 heads of 8)
     assert transformer_params(mha)["block"] - transformer_params(gqa)["block"] == saved
@@ -198,23 +310,37 @@ def test_shape_flags_override_a_preset_and_tie_or_untie_its_head():
     untied = resolve_model(ModelSpec(model="gpt2", tied=False)).find_stats()
     assert untied.params - resolve_model("gpt2").find_stats().params == 50257 * 768
     tied = resolve_model(ModelSpec(model="llama3-8b", tied=True, kv_heads=32, ffn_hidden=14336)).find_stats()
-    assert tied.params == transformer_params(GPTConfig(**{**TRANSFORMERS["llama3-8b"].__dict__, "tied": True,
-                                                          "kv_heads": 32}))["total"]
+    assert (
+        tied.params
+        == transformer_params(GPTConfig(**{**TRANSFORMERS["llama3-8b"].__dict__, "tied": True, "kv_heads": 32}))[
+            "total"
+        ]
+    )
     assert resolve_model(ModelSpec(params="8B", heads=32, hidden=4096, kv_heads=8)).params == 8_000_000_000
 
 
 def test_the_exact_layout_of_a_384_gpu_run_splits_its_global_batch_over_dp_not_the_gpus():
     """Megatron-style dp=8 x pp=12 x tp=4 on 48 nodes: 2048 samples are 256 per replica, though not 2048 / 384."""
     stats = transformer_stats(TRANSFORMERS["llama3-70b"], name="llama3-70b")
-    plan = make_plan(stats, PlanConfig(gpus=8, nodes=48, inter_node="ib-ndr", layout="dp=8,pp=12,tp=4",
-                                        training=Training(micro_batch=1, global_batch=2048)))
+    plan = make_plan(
+        stats,
+        PlanConfig(
+            gpus=8,
+            nodes=48,
+            inter_node="ib-ndr",
+            layout="dp=8,pp=12,tp=4",
+            training=Training(micro_batch=1, global_batch=2048),
+        ),
+    )
     assert [e.layout.describe() for e in plan.estimates] == ["1 rank", "dp=8 pp=12 tp=4", "dp=8 pp=12 shard=8 tp=4"]
     assert [e.name for e in plan.estimates[1:]] == ["hybrid+tp", "hybrid+zero1+tp"]  # DDP or ZeRO-1 across dp
     assert plan.choice.layout.dims == ParallelDims(dp_replicate=8, pp=12, tp=4)
     assert plan.choice.batch.micro_batches == 256 and plan.choice.fits
     assert plan.reason.startswith("the layout asked for (dp=8 pp=12 tp=4) fits as hybrid+tp")
-    searched = make_plan(stats, PlanConfig(gpus=8, nodes=48, inter_node="ib-ndr", tp=4,
-                                            training=Training(micro_batch=1, global_batch=2048)))
+    searched = make_plan(
+        stats,
+        PlanConfig(gpus=8, nodes=48, inter_node="ib-ndr", tp=4, training=Training(micro_batch=1, global_batch=2048)),
+    )
     assert all(2048 % e.layout.dp == 0 for e in searched.estimates)
     left_out = "does not split evenly over 384 GPUs: layouts of dp=3, dp=6, dp=12, dp=24, dp=48"
     assert any(left_out in n for n in searched.notes)

@@ -2,6 +2,7 @@
 worker the dense model and only the rows its step touches; the bytes of a step are the runtime's, computed from the
 ``ps`` layout of the same model built here (nothing launched) and checked against benchmarks/RESULTS.md §16;
 ``ps`` is recommended only for a model with tables on a CPU host."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -112,8 +113,10 @@ def _runtime_bytes(model: nn.Module, ids_per_table: dict[str, torch.Tensor], wor
         for s in range(servers):
             n = int((owner == s).sum())
             if n:
-                out = (Header(PULL_ROWS, count=n).payload_bytes
-                       + Header(PUSH_ROWS, count=n, width=table.dim, dtype=f32).payload_bytes)
+                out = (
+                    Header(PULL_ROWS, count=n).payload_bytes
+                    + Header(PUSH_ROWS, count=n, width=table.dim, dtype=f32).payload_bytes
+                )
                 back = n * table.dim * 4
                 sent, received = sent + out, received + back
                 per_server[s][0] += out
@@ -146,15 +149,19 @@ def test_bytes_per_step_are_what_the_runtime_sends_for_the_same_model(factory, s
     assert traffic.server_received == pytest.approx(workers * max(s for s, _ in per_server), rel=0.02)
     assert traffic.server_sent == pytest.approx(workers * max(r for _, r in per_server), rel=0.02)
     if sparse:  # left to the plan, the distinct ids of uniform draws: within 0.2% of these
-        default = rows_touched(_stats(factory).tables[0], batching(training, dp=1, pp=1, world_size=1),
-                               Training(micro_batch=batch))
+        default = rows_touched(
+            _stats(factory).tables[0], batching(training, dp=1, pp=1, world_size=1), Training(micro_batch=batch)
+        )
         assert default == pytest.approx(distinct, rel=2e-3)
 
 
-@pytest.mark.parametrize("factory, batch, measured_sent, measured_received", [
-    (Recommender, 256, 0.57, 0.54),
-    (_mlp, 64, 7.11, 7.11),
-])
+@pytest.mark.parametrize(
+    "factory, batch, measured_sent, measured_received",
+    [
+        (Recommender, 256, 0.57, 0.54),
+        (_mlp, 64, 7.11, 7.11),
+    ],
+)
 def test_bytes_per_step_match_benchmarks_ps_measured_in_results_16(factory, batch, measured_sent, measured_received):
     """benchmarks/RESULTS.md §16, 1 server + 2 workers, per worker per step (MiB, two decimals). The dense
     workload's measured 7.32 MiB received counts the first pull too (34 pulls over 33 steps, 7.11 x 34/33); a
@@ -208,8 +215,9 @@ def test_a_ps_step_pays_each_request_on_the_busiest_server_for_every_worker():
         assert n == 1 + e.batch.micro_batches + 1  # a dense push, a row pull per micro-batch, a row push
         assert e.time.step_s - bare.time.step_s == pytest.approx(w * n * server + n * worker, rel=1e-9)
         assert e.serving.requests_s == pytest.approx(w * n * server + n * worker, rel=1e-9)
-    accumulated = estimate(stats, Layout.of(name="ps", dp=2, servers=1), replace(training, micro_batch=64,
-                                                                            global_batch=768), cluster)
+    accumulated = estimate(
+        stats, Layout.of(name="ps", dp=2, servers=1), replace(training, micro_batch=64, global_batch=768), cluster
+    )
     assert accumulated.batch.micro_batches == 4 and accumulated.serving.requests == 1 + 4 + 1
     dense = estimate(_stats(_mlp), Layout.of(name="ps", dp=2, servers=1), training, cluster)
     assert dense.serving.requests == 1
@@ -218,10 +226,26 @@ def test_a_ps_step_pays_each_request_on_the_busiest_server_for_every_worker():
 
 def test_plan_shows_a_ps_row_with_server_memory_and_bytes_per_step(capsys, tmp_path, monkeypatch):
     (tmp_path / "ps_models.py").write_text(
-        "from test_planner_ps import Recommender\n\ndef build():\n    return Recommender()\n")
+        "from test_planner_ps import Recommender\n\ndef build():\n    return Recommender()\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    argv = ["plan", "--model", "ps_models:build", "--input", "long:8", "--gpu", "cpu", "--gpus", "4",
-            "--ps-servers", "2", "--optimizer", "sgd", "--batch", "256"]
+    argv = [
+        "plan",
+        "--model",
+        "ps_models:build",
+        "--input",
+        "long:8",
+        "--gpu",
+        "cpu",
+        "--gpus",
+        "4",
+        "--ps-servers",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--batch",
+        "256",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "ps                 workers=2 servers=2" in out

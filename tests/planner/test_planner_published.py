@@ -1,5 +1,6 @@
 """The planner against published large runs (benchmarks/RESULTS.md §19): predictions held where they were recorded,
 and each run the plan models fully within 20% of its published step time (15% of its published memory)."""
+
 import pytest
 
 from paratrain.planner.published import RUNS, predict
@@ -78,8 +79,14 @@ def test_the_recommendation_on_a_published_run_fits_and_is_as_fast_as_the_publis
     from paratrain.planner.recommend import TIE
 
     for run in RUNS:
-        cluster = make_cluster(run.gpu, gpus=run.gpus_per_node, nodes=run.nodes, inter_node=run.inter_node,
-                               gpu_mem_gb=run.gpu_mem_gb, mem_bw_gbs=run.mem_bw_gbs)
+        cluster = make_cluster(
+            run.gpu,
+            gpus=run.gpus_per_node,
+            nodes=run.nodes,
+            inter_node=run.inter_node,
+            gpu_mem_gb=run.gpu_mem_gb,
+            mem_bw_gbs=run.mem_bw_gbs,
+        )
         plan = recommend(transformer_stats(run.model, name=run.name), cluster, run.training)
         published = PREDICTIONS[run.name].estimate
         assert plan.choice.fits and f"recommended: {plan.choice.name} (" in format_plan(plan), run.name
@@ -103,10 +110,24 @@ def test_bloom_fits_its_published_layout_with_zero1_across_its_replicas_and_not_
 
     run = next(r for r in RUNS if r.name.startswith("bloom-176b"))
     assert round(transformer_stats(run.model, name="bloom").params / 1e9) == 176
-    plan = make_plan(transformer_stats(run.model, name=run.name), PlanConfig(
-        gpu="a100-80gb", gpus=8, nodes=48, inter_node="ib-ndr", layout="dp=8,pp=12,tp=4",
-        training=Training(micro_batch=2, global_batch=2048, precision="bf16-mixed", optimizer="adam", recompute="full",
-                          sequence_parallel=False)))
+    plan = make_plan(
+        transformer_stats(run.model, name=run.name),
+        PlanConfig(
+            gpu="a100-80gb",
+            gpus=8,
+            nodes=48,
+            inter_node="ib-ndr",
+            layout="dp=8,pp=12,tp=4",
+            training=Training(
+                micro_batch=2,
+                global_batch=2048,
+                precision="bf16-mixed",
+                optimizer="adam",
+                recompute="full",
+                sequence_parallel=False,
+            ),
+        ),
+    )
     ddp, zero1 = plan.estimates[1:]
     assert (ddp.name, zero1.name, plan.choice.name) == ("hybrid+tp", "hybrid+zero1+tp", "hybrid+zero1+tp")
     assert not ddp.fits and zero1.fits and zero1.batch.micro_batch == 2 and zero1.batch.micro_batches == 128

@@ -1,4 +1,5 @@
 """Planner recommendations: ddp when it fits, sharding when it does not, pipelines across slow links, honest CPU."""
+
 import math
 
 import pytest
@@ -39,8 +40,9 @@ def test_every_row_trains_the_global_batch_so_no_efficiency_exceeds_one_from_acc
     """nanoGPT's run: 480 samples a step in micro-batches of 12 on 8 GPUs. One GPU accumulates 40 micro-batches
     and steps once, as each ddp rank does after its 5: before, one GPU stepped after every micro-batch and ddp
     read 104%. (In fp32 nothing else differs: under bf16-mixed FSDP's 16-bit activations stream less.)"""
-    plan = recommend(_stats("gpt2"), make_cluster("a100-80gb", gpus=8),
-                     Training(precision="fp32", micro_batch=12, global_batch=480))
+    plan = recommend(
+        _stats("gpt2"), make_cluster("a100-80gb", gpus=8), Training(precision="fp32", micro_batch=12, global_batch=480)
+    )
     single = plan.estimates[0]
     assert (single.name, single.batch.micro_batch, single.batch.micro_batches) == ("single", 12, 40)
     assert all(e.efficiency <= 1 for e in plan.estimates[1:]), [(e.name, e.efficiency) for e in plan.estimates]
@@ -84,18 +86,24 @@ def test_smaller_micro_batch_and_accumulation_when_memory_is_tight():
 
 
 def test_pipeline_suggests_more_micro_batches_when_the_bubble_is_large():
-    plan = recommend(_stats("gpt2-xl"), make_cluster("h100", gpus=4, nodes=2, inter_node="eth-10g"),
-                     Training(micro_batch=8, global_batch=32))
+    plan = recommend(
+        _stats("gpt2-xl"),
+        make_cluster("h100", gpus=4, nodes=2, inter_node="eth-10g"),
+        Training(micro_batch=8, global_batch=32),
+    )
     p, m = plan.choice.layout.pp, plan.choice.batch.micro_batches
     assert plan.choice.name in ("hybrid", "pipeline") and p > 1  # gradients over 10 Gb/s ethernet are too slow
     assert bubble_fraction(p, m) > 0.2
-    assert plan.suggestions[0].startswith(f"pipeline bubble {bubble_fraction(p, m):.0%} with {m} micro-batches: "
-                                          f"--micro-batches {4 * p} brings it to {bubble_fraction(p, 4 * p):.0%}")
+    assert plan.suggestions[0].startswith(
+        f"pipeline bubble {bubble_fraction(p, m):.0%} with {m} micro-batches: "
+        f"--micro-batches {4 * p} brings it to {bubble_fraction(p, 4 * p):.0%}"
+    )
 
 
 def test_a_cpu_host_says_more_processes_are_slower_than_threads():
-    plan = make_plan(resolve_model("mlp"),
-                     PlanConfig(gpu="cpu", gpus=2, training=Training(precision="auto", micro_batch=64)))
+    plan = make_plan(
+        resolve_model("mlp"), PlanConfig(gpu="cpu", gpus=2, training=Training(precision="auto", micro_batch=64))
+    )
     assert plan.training.precision == "fp32"
     assert plan.choice.name == "single"
     ddp = next(e for e in plan.estimates if e.name == "ddp")
@@ -119,14 +127,16 @@ def test_lr_scaling_rules():
         scale_lr(0.1, 4, rule="cubic")
     plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8), Training(micro_batch=4, global_batch=128))
     assert plan.lr_factor is None  # no advice without the batch the LR was tuned at
-    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=8),
-                     Training(micro_batch=4, global_batch=128, base_batch=512, base_lr=6e-4))
+    plan = recommend(
+        _stats("gpt2"),
+        make_cluster("h100", gpus=8),
+        Training(micro_batch=4, global_batch=128, base_batch=512, base_lr=6e-4),
+    )
     assert plan.lr_factor == 0.25
     assert "is 0.25x the 512 the LR was tuned at: scale it 0.0006 → 0.00015 (linear rule" in format_plan(plan)
 
 
 def test_says_so_when_every_multi_gpu_plan_is_slower_than_one_gpu():
-    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=4, nodes=2, inter_node="eth-10g", mfu=0.4),
-                     Training())
+    plan = recommend(_stats("gpt2"), make_cluster("h100", gpus=4, nodes=2, inter_node="eth-10g", mfu=0.4), Training())
     assert plan.choice.speedup < 1
     assert plan.notes and plan.notes[0].startswith(f"even {plan.choice.name} runs at") and "eth-10g" in plan.notes[0]

@@ -1,6 +1,7 @@
 """Cluster-scale options of the planner against their sources: the interleaved 1F1B schedule's bubble and memory
 (Narayanan et al. 2021), activations without sequence parallelism (Korthikanti et al. 2022), causal attention and
 selective recomputation in the step time."""
+
 import pytest
 
 from paratrain.errors import ConfigError
@@ -24,8 +25,7 @@ def test_the_planner_holds_the_same_in_flight_micro_batches_for_interleaved_1f1b
     p, m, v = 4, 16, 2
     layout = Layout.of(name="pipeline", pp=p)
     per_micro = STATS.activation_bytes_per_sample / p
-    training = Training(micro_batch=1, global_batch=m, schedule="interleaved-1f1b", virtual_stages=v,
-                        precision="fp32")
+    training = Training(micro_batch=1, global_batch=m, schedule="interleaved-1f1b", virtual_stages=v, precision="fp32")
     batch = batching(training, dp=1, pp=p, world_size=p)
     mem = memory_per_rank(STATS, layout, batch, training, make_cluster("h100", gpus=p))
     assert mem.activations == pytest.approx((p + (p - 1) / v) * per_micro)
@@ -79,9 +79,32 @@ def test_without_sequence_parallelism_every_tp_rank_keeps_the_residuals_whole():
 def test_plan_takes_the_schedule_recompute_and_sequence_parallel_flags(capsys):
     from paratrain.cli.main import main
 
-    argv = ["plan", "--model", "gpt3-175b", "--gpu", "a100", "--gpus", "8", "--nodes", "8", "--inter-node",
-            "ib-hdr-x8", "--layout", "pp=8,tp=8", "--batch", "1", "--global-batch", "64", "--recompute", "selective",
-            "--schedule", "interleaved-1f1b", "--virtual-stages", "4", "--no-sequence-parallel"]
+    argv = [
+        "plan",
+        "--model",
+        "gpt3-175b",
+        "--gpu",
+        "a100",
+        "--gpus",
+        "8",
+        "--nodes",
+        "8",
+        "--inter-node",
+        "ib-hdr-x8",
+        "--layout",
+        "pp=8,tp=8",
+        "--batch",
+        "1",
+        "--global-batch",
+        "64",
+        "--recompute",
+        "selective",
+        "--schedule",
+        "interleaved-1f1b",
+        "--virtual-stages",
+        "4",
+        "--no-sequence-parallel",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "selective recomputation" in out and "interleaved-1f1b (4 stages per rank)" in out
@@ -103,8 +126,7 @@ def test_per_op_selective_ac_keeps_half_the_matmul_outputs_and_recomputes_half_t
     per_block, outside = transformer_activations(cfg, residual=2, act=2)
     kept = 2 * s * h + 2 * s * (cfg.qkv_width + h + 2 * f + h) / 2 + 2 * s * h + 4 * cfg.heads * s
     layout = Layout.of(name="zero3", dp=8, zero=3, shard=8)
-    assert activation_figures(stats, Training(recompute="op"), layout)[0] == pytest.approx(
-        cfg.layers * kept + outside)
+    assert activation_figures(stats, Training(recompute="op"), layout)[0] == pytest.approx(cfg.layers * kept + outside)
     assert kept < per_block / 2
     executed = executed_flops_per_sample(stats, Training(recompute="op"))
     plain = executed_flops_per_sample(stats, Training())

@@ -1,4 +1,5 @@
 """Planner model statistics: closed forms against real modules, meta tracing against real runs, no weights."""
+
 import os
 import time
 import tracemalloc
@@ -35,8 +36,9 @@ def test_per_module_stats_match_counting_a_real_models_parameters():
     stats = trace_module(digits_cnn, InputSpec.parse("1x8x8"), name="cnn")
     assert stats.params == sum(p.numel() for p in model.parameters())
     assert dict(stats.units) == {n: sum(p.numel() for p in m.parameters()) for n, m in model.named_children()}
-    largest = max(((n, sum(p.numel() for p in m.parameters(recurse=False))) for n, m in model.named_modules()),
-                  key=lambda x: x[1])
+    largest = max(
+        ((n, sum(p.numel() for p in m.parameters(recurse=False))) for n, m in model.named_modules()), key=lambda x: x[1]
+    )
     assert stats.largest_layer == largest == ("6", 32 * 16 * 128 + 128)
     assert stats.param_bytes == {"float32": 4 * stats.params}
 
@@ -51,8 +53,13 @@ def test_closed_form_counts_equal_the_gpt_module_built_on_meta(name):
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     assert counts["block"] == sum(p.numel() for p in model.blocks[0].parameters())
     assert transformer_stats(cfg, name=name).params == counts["total"]
-    expected = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
-                "gpt2-xl": 1_557_611_200, "llama-7b": 6_738_415_616}
+    expected = {
+        "gpt2": 124_439_808,
+        "gpt2-medium": 354_823_168,
+        "gpt2-large": 774_030_080,
+        "gpt2-xl": 1_557_611_200,
+        "llama-7b": 6_738_415_616,
+    }
     assert counts["total"] == expected.get(name, counts["total"])
 
 
@@ -69,13 +76,39 @@ def test_closed_form_flops_and_activations_agree_with_a_meta_trace():
     assert traced.output_bytes_per_sample == closed.output_bytes_per_sample
 
 
-@pytest.mark.parametrize("cfg", [
-    GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),
-    GPTConfig(layers=2, hidden=128, heads=2, seq_len=64, vocab=300, ffn=256, gated=True, bias=False,
-              learned_positions=False, tied=False),  # LLaMA-shaped: RMSNorm, SwiGLU, untied head
-    GPTConfig(layers=2, hidden=128, heads=8, kv_heads=2, seq_len=64, vocab=300, ffn=256, gated=True, bias=False,
-              learned_positions=False, tied=False, qkv_bias=True),  # Qwen2-shaped: grouped-query attention
-], ids=["gpt2-like", "llama-like", "gqa"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),
+        GPTConfig(
+            layers=2,
+            hidden=128,
+            heads=2,
+            seq_len=64,
+            vocab=300,
+            ffn=256,
+            gated=True,
+            bias=False,
+            learned_positions=False,
+            tied=False,
+        ),  # LLaMA-shaped: RMSNorm, SwiGLU, untied head
+        GPTConfig(
+            layers=2,
+            hidden=128,
+            heads=8,
+            kv_heads=2,
+            seq_len=64,
+            vocab=300,
+            ffn=256,
+            gated=True,
+            bias=False,
+            learned_positions=False,
+            tied=False,
+            qkv_bias=True,
+        ),  # Qwen2-shaped: grouped-query attention
+    ],
+    ids=["gpt2-like", "llama-like", "gqa"],
+)
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_closed_form_activations_equal_what_autograd_saves_on_cpu(cfg, autocast):
     stats = transformer_stats(cfg, name="tiny")
@@ -111,8 +144,10 @@ def test_a_7b_model_plans_in_under_a_second_without_allocating_weights():
     rss = _rss()
     start = time.perf_counter()
     plan = make_plan(resolve_model("llama-7b"), PlanConfig(gpu="h100", gpus=8))
-    by_params = make_plan(resolve_model(ModelSpec(params="7.5B", layers=32, hidden=4096, seq_len=4096)),
-                          PlanConfig(gpu="a100", gpus=8, nodes=2))
+    by_params = make_plan(
+        resolve_model(ModelSpec(params="7.5B", layers=32, hidden=4096, seq_len=4096)),
+        PlanConfig(gpu="a100", gpus=8, nodes=2),
+    )
     elapsed = time.perf_counter() - start
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -156,6 +191,13 @@ def test_a_transformers_model_is_planned_with_its_blocks_as_units():
     from paratrain.model.structure import forward_pieces
 
     names = [n for n, _ in forward_pieces(ZOO["gpt2"].build())]
-    assert names == ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
-                     "transformer.ln_f", "lm_head"]
+    assert names == [
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.drop",
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.ln_f",
+        "lm_head",
+    ]
     assert [n for n, _ in forward_pieces(ZOO["cnn"].build())] == [str(i) for i in range(9)]  # no blocks: the children

@@ -1,4 +1,5 @@
 """Planner time model: collective formulas, pipeline bubble, overlap, calibration, hardware catalogue."""
+
 import pytest
 
 from paratrain.errors import ConfigError
@@ -74,8 +75,9 @@ def test_compute_time_is_flops_over_sustained_rate_plus_weights_and_ddp_hides_it
     assert ddp.comm_s == pytest.approx(all_reduce_s(STATS.params * 2, 8, cluster.intra))
     assert ddp.exposed_comm_s == 0.0  # 0.25 GB over NVLink hides in backward
     slow = make_cluster("h100", gpus=8, interconnect="pcie3-x4", mfu=1.0)
-    ddp_slow = step_time(STATS, Layout.of(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training,
-                         slow)
+    ddp_slow = step_time(
+        STATS, Layout.of(name="ddp", dp=8), batching(training, dp=8, pp=1, world_size=8), training, slow
+    )
     buckets = 6 * STATS.params * 2 / 3350e9  # DDP copies gradients into its buckets, divides, copies back
     assert ddp.compute_s == pytest.approx(single.compute_s + buckets)
     hidden = slow.device.overlap * 2 / 3 * (ddp_slow.compute_s - buckets)
@@ -86,12 +88,14 @@ def test_model_parallel_stages_take_turns_while_pipeline_stages_overlap():
     training = Training(micro_batch=4, global_batch=32)
     cluster = make_cluster("h100", gpus=8, mfu=0.4)  # a whole step's MFU: no elementwise passes apart
     one = step_time(STATS, Layout.of(name="single"), batching(training, dp=1, pp=1, world_size=1), training, cluster)
-    mp = step_time(STATS, Layout.of(name="model_parallel", mp=8), batching(training, dp=1, pp=1, world_size=8),
-                   training, cluster)
+    mp = step_time(
+        STATS, Layout.of(name="model_parallel", mp=8), batching(training, dp=1, pp=1, world_size=8), training, cluster
+    )
     assert mp.compute_s == pytest.approx(one.compute_s)  # 8 GPUs, one computing at a time
     assert mp.comm_s == pytest.approx(8 * 2 * 7 * p2p_s(STATS.boundary_bytes_per_sample * 4, cluster.intra))
-    pp = step_time(STATS, Layout.of(name="pipeline", pp=8), batching(training, dp=1, pp=8, world_size=8), training,
-                   cluster)
+    pp = step_time(
+        STATS, Layout.of(name="pipeline", pp=8), batching(training, dp=1, pp=8, world_size=8), training, cluster
+    )
     flops_s = (STATS.flops_per_sample - STATS.attention_flops_per_sample / 2) * 32 / (989e12 * 0.4)
     # the fullest stage as the runtime cuts a transformer: blocks balanced, the embedding on the first stage, the
     # head and the tied embedding's copy on the last
@@ -107,8 +111,9 @@ def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients_every_micro
     batch = batching(training, dp=8, pp=1, world_size=8)
     assert (batch.micro_batch, batch.micro_batches) == (2, 4)
     t = step_time(STATS, Layout.of(name="zero3", dp=8, zero=3, shard=8), batch, training, cluster)
-    per_micro = (2 * all_gather_s(STATS.params * 2, 8, cluster.intra)
-                 + reduce_scatter_s(STATS.params * 2, 8, cluster.intra))
+    per_micro = 2 * all_gather_s(STATS.params * 2, 8, cluster.intra) + reduce_scatter_s(
+        STATS.params * 2, 8, cluster.intra
+    )
     per_unit_calls = (len(STATS.units) - 1) * 3 * 7 * cluster.intra.latency_us * 1e-6  # a call per unit, each pays
     assert t.comm_s == pytest.approx(4 * (per_micro + per_unit_calls))
 
@@ -140,21 +145,43 @@ def test_calibration_splits_a_measured_step_into_flops_and_memory_traffic():
     host = make_cluster("cpu", gpus=2)
     cores = host.device.cores
     flops, weights, adam = 3e9, 2e8, 3e8  # FLOPs of the step, bytes the weights stream, bytes the optimizer streams
-    c = calibrated(host, flops_per_step=flops, step_time_s=0.05, precision="fp32", streamed_bytes=weights,
-                   optimizer_bytes=adam, optimizer_s=0.015, threads=1)
+    c = calibrated(
+        host,
+        flops_per_step=flops,
+        step_time_s=0.05,
+        precision="fp32",
+        streamed_bytes=weights,
+        optimizer_bytes=adam,
+        optimizer_s=0.015,
+        threads=1,
+    )
     assert c.device.memory_gbs == pytest.approx(adam / 0.015 * cores / 1e9)  # one thread's bandwidth, x cores
     per_core_rate = flops / (0.05 - weights / (adam / 0.015))
     assert c.device.mfu * c.device.fp32_tflops * 1e12 == pytest.approx(per_core_rate * cores)
     with pytest.raises(ConfigError, match="no longer than streaming the weights"):
-        calibrated(host, flops_per_step=flops, step_time_s=0.005, precision="fp32", streamed_bytes=weights,
-                   optimizer_bytes=adam, optimizer_s=0.015, threads=1)
+        calibrated(
+            host,
+            flops_per_step=flops,
+            step_time_s=0.005,
+            precision="fp32",
+            streamed_bytes=weights,
+            optimizer_bytes=adam,
+            optimizer_s=0.015,
+            threads=1,
+        )
     with pytest.raises(ConfigError, match="--optimizer-time calibrates together with --step-time"):
         PlanConfig(gpu="cpu", gpus=2, optimizer_time=0.01)
 
 
 def test_a_link_measured_at_a_world_size_reproduces_its_timings():
-    timings = {"all_reduce": (16e6, 0.012), "all_gather": (16e6, 0.02), "reduce_scatter": (16e6, 0.03),
-               "broadcast": (16e6, 0.006), "p2p": (4e6, 0.0015), "p2p_small": (65536, 0.0003)}
+    timings = {
+        "all_reduce": (16e6, 0.012),
+        "all_gather": (16e6, 0.02),
+        "reduce_scatter": (16e6, 0.03),
+        "broadcast": (16e6, 0.006),
+        "p2p": (4e6, 0.0015),
+        "p2p_small": (65536, 0.0003),
+    }
     link = measured_link(make_cluster("cpu", gpus=4).intra, 4, timings)
     assert all_reduce_s(16e6, 4, link) == pytest.approx(0.012)
     assert all_gather_s(16e6, 4, link) == pytest.approx(0.02)

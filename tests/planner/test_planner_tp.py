@@ -1,5 +1,6 @@
 """Planner tensor parallelism: what a rank holds and sends, hand-computed on a tiny transformer, and when the
 recommender picks it."""
+
 from dataclasses import replace
 
 import pytest
@@ -88,7 +89,8 @@ def test_collective_volume_per_block_and_micro_batch():
     assert tp_comm_s(TINY, "autocast", 3, 2, FREE, False) == pytest.approx((2 * per_block_mixed + ends + loss) / 1e9)
     recompute = (2 * fp32_bytes + 2 * half_bytes) / 2  # checkpointing repeats each block's forward
     assert tp_comm_s(TINY, "autocast", 3, 2, FREE, True) == pytest.approx(
-        (2 * (per_block_mixed + recompute) + ends + loss) / 1e9)
+        (2 * (per_block_mixed + recompute) + ends + loss) / 1e9
+    )
     assert collectives_per_micro_batch(TINY, False) == 2 * 8 + 4 + 3
     assert tp_comm_s(TINY, "fp32", 3, 1, FREE, False) == 0.0
 
@@ -99,8 +101,7 @@ def test_step_time_splits_compute_and_waits_for_every_collective():
     cluster = make_cluster("h100", gpus=8)
 
     def time(layout):
-        return step_time(stats, layout, batching(training, dp=layout.dp, pp=layout.pp, world_size=8), training,
-                         cluster)
+        return step_time(stats, layout, batching(training, dp=layout.dp, pp=layout.pp, world_size=8), training, cluster)
 
     ddp, tp = time(Layout.of(name="ddp", dp=2, tp=4)), time(Layout.of(name="ddp", dp=2))
     assert ddp.tp_comm_s > 0 and tp.tp_comm_s == 0
@@ -132,8 +133,12 @@ def test_candidate_degrees_divide_a_node_and_the_heads():
     assert tp_degrees(llama, make_cluster("h100", gpus=8), tp=1) == ()
     found = layouts(make_cluster("h100", gpus=4), len(llama.units), (2, 4))
     assert {(lay.label, lay.describe()) for lay in found if lay.tp > 1} == {
-        ("ddp+tp", "dp=2 tp=2"), ("zero2+tp", "dp=2 shard=2 tp=2"), ("zero3+tp", "dp=2 shard=2 tp=2"),
-        ("pipeline+tp", "pp=2 tp=2"), ("tp", "tp=4")}
+        ("ddp+tp", "dp=2 tp=2"),
+        ("zero2+tp", "dp=2 shard=2 tp=2"),
+        ("zero3+tp", "dp=2 shard=2 tp=2"),
+        ("pipeline+tp", "pp=2 tp=2"),
+        ("tp", "tp=4"),
+    }
 
 
 def test_a_model_whose_shape_does_not_divide_gets_no_tp_and_a_note():
@@ -141,8 +146,11 @@ def test_a_model_whose_shape_does_not_divide_gets_no_tp_and_a_note():
     plan = recommend(transformer_stats(five_heads, name="five"), make_cluster("h100", gpus=8), Training(micro_batch=4))
     assert all(e.layout.tp == 1 for e in plan.estimates)
     assert "tensor parallelism not planned: heads 5 does not divide by tp=2" in plan.notes
-    with pytest.raises(ConfigError, match=r"^--tp 4: heads 6 does not divide by tp=4; use a degree that "
-                                          r"divides them: 1, 2$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--tp 4: heads 6 does not divide by tp=4; use a degree that "
+        r"divides them: 1, 2$",
+    ):
         make_plan(resolve_model(ModelSpec(model="gpt2", heads=6, hidden=768, vocab=50304)), PlanConfig(gpus=4, tp=4))
     with pytest.raises(ConfigError, match="--tp needs a transformer's shape"):
         make_plan(resolve_model("mlp"), PlanConfig(gpus=2, tp=2))
@@ -150,10 +158,12 @@ def test_a_model_whose_shape_does_not_divide_gets_no_tp_and_a_note():
 
 def test_tp_is_chosen_when_it_is_the_only_layout_that_fits():
     """Without context parallelism (cp=1), which splits these 4096-token activations too (test_planner_cp.py)."""
-    cfg = GPTConfig(layers=2, hidden=1024, heads=16, seq_len=4096, vocab=32768, bias=False, learned_positions=False,
-                    tied=False)
-    plan = recommend(transformer_stats(cfg, name="long"), make_cluster("h100", gpus=4, gpu_mem_gb=2.5),
-                     Training(micro_batch=1), cp=1)
+    cfg = GPTConfig(
+        layers=2, hidden=1024, heads=16, seq_len=4096, vocab=32768, bias=False, learned_positions=False, tied=False
+    )
+    plan = recommend(
+        transformer_stats(cfg, name="long"), make_cluster("h100", gpus=4, gpu_mem_gb=2.5), Training(micro_batch=1), cp=1
+    )
     assert plan.choice.layout.tp > 1 and plan.choice.fits
     assert plan.reason.startswith("no layout without tensor parallelism fits; the least, ")
     assert f"tp={plan.choice.layout.tp} splits every block's weights and activations" in plan.reason
@@ -161,11 +171,16 @@ def test_tp_is_chosen_when_it_is_the_only_layout_that_fits():
 
 
 def test_tp_within_nodes_and_pipelines_across_a_slow_link_is_fastest():
-    plan = recommend(transformer_stats(TRANSFORMERS["llama-7b"], name="llama-7b"),
-                     make_cluster("h100", gpus=8, nodes=2, inter_node="eth-10g"), Training(micro_batch=4))
+    plan = recommend(
+        transformer_stats(TRANSFORMERS["llama-7b"], name="llama-7b"),
+        make_cluster("h100", gpus=8, nodes=2, inter_node="eth-10g"),
+        Training(micro_batch=4),
+    )
     assert (plan.choice.name, plan.choice.layout.describe()) == ("pipeline+tp", "pp=2 tp=8")
-    assert plan.reason.startswith("pipeline+tp (pp=2 tp=8) is ") and "faster than pipeline, the fastest without" in \
-        plan.reason
+    assert (
+        plan.reason.startswith("pipeline+tp (pp=2 tp=8) is ")
+        and "faster than pipeline, the fastest without" in plan.reason
+    )
     table = format_plan(plan)
     assert "pipeline+tp        pp=2 tp=8" in table and "recommended: pipeline+tp (pp=2 tp=8" in table
     data = plan_to_json(plan)
@@ -174,8 +189,9 @@ def test_tp_within_nodes_and_pipelines_across_a_slow_link_is_fastest():
 
 
 def test_dtensor_machinery_is_calibrated_per_collective_from_a_fake_group_step():
-    config = PlanConfig(gpu="cpu", gpus=2, tp=2,
-                        training=Training(precision="fp32", optimizer="adam", micro_batch=4, global_batch=4))
+    config = PlanConfig(
+        gpu="cpu", gpus=2, tp=2, training=Training(precision="fp32", optimizer="adam", micro_batch=4, global_batch=4)
+    )
     before = {e.name: e for e in make_plan(TINY, config).estimates}
     compute = before["tp"].time.step_s - before["tp"].time.exposed_comm_s
     calls = collectives_per_micro_batch(TINY, False)

@@ -10,6 +10,7 @@ Run as a script (``paratrain run -n 2 hf_labels_train.py WEIGHTS_DIR OUT_DIR CAS
 turn on one process group; :func:`train` runs one case (one process: the reference, there built normally and loaded
 with ``from_pretrained``).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,13 +31,33 @@ def config(family: str):
     if family == "gpt2":
         from transformers import GPT2Config
 
-        return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
-                       eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
 
 
 def model_class(family: str):
@@ -60,17 +81,24 @@ def batch(step: int, replica: int, replicas: int, micro: int | None = 0) -> torc
     return ids.view(-1, replicas, PER_REPLICA, SEQ)[micro, replica]
 
 
-def train(family: str, strategy: str, options: dict, weights: str, *, labels: str = "labels",
-          in_forward_backward: bool = True) -> dict:
+def train(
+    family: str, strategy: str, options: dict, weights: str, *, labels: str = "labels", in_forward_backward: bool = True
+) -> dict:
     """One run; rank 0's result holds the losses and the final full state dict."""
     if strategy == "single":  # the reference: built and loaded the ordinary way
-        par = paratrain.Parallel("single", monitor=False,
-                                 accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA))
+        par = paratrain.Parallel(
+            "single", monitor=False, accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA)
+        )
         model = model_class(family).from_pretrained(weights, torch_dtype=torch.float32)
         model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     else:
-        par = paratrain.Parallel(strategy, monitor=False, model=paratrain.ModelConfig(init_fn="empty"),
-                                 accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA), **options)
+        par = paratrain.Parallel(
+            strategy,
+            monitor=False,
+            model=paratrain.ModelConfig(init_fn="empty"),
+            accumulate=paratrain.GlobalBatch(GLOBAL_BATCH, micro=PER_REPLICA),
+            **options,
+        )
         with torch.device("meta"):
             model = model_class(family)(config(family))
         model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -95,8 +123,7 @@ def train(family: str, strategy: str, options: dict, weights: str, *, labels: st
     with torch.no_grad():  # evaluation on every rank: the model's own loss, read as a one-process script reads it
         ids = batch(99, par.data_parallel_rank, par.data_parallel_size, None).to(par.device)
         eval_loss = float(par.mean(model(ids, labels=ids).loss))
-    result = {"losses": losses, "eval": eval_loss, "accumulate": par.accumulate,
-              "state": par.full_state_dict(model)}
+    result = {"losses": losses, "eval": eval_loss, "accumulate": par.accumulate, "state": par.full_state_dict(model)}
     par.close()
     return result
 
@@ -108,10 +135,14 @@ def main(weights_dir: str, out_dir: str, cases: list[dict]) -> None:
     results = {}
     for case in cases:
         try:
-            results[case["name"]] = train(case["family"], case["strategy"], case.get("options", {}),
-                                          os.path.join(weights_dir, case["family"]),
-                                          labels=case.get("labels", "labels"),
-                                          in_forward_backward=case.get("forward_backward", True))
+            results[case["name"]] = train(
+                case["family"],
+                case["strategy"],
+                case.get("options", {}),
+                os.path.join(weights_dir, case["family"]),
+                labels=case.get("labels", "labels"),
+                in_forward_backward=case.get("forward_backward", True),
+            )
         except paratrain.ParatrainError as err:
             results[case["name"]] = {"error": str(err)}
         dist.barrier()

@@ -5,6 +5,7 @@ does ``WHAT`` as nanoGPT does it: ``eval`` (``if iter_num % eval_interval == 0 a
 ``state_dict`` (``checkpoint = {'model': raw_model.state_dict()}; torch.save(...)`` on rank 0), or ``train``
 (nothing: the strategy itself is what fails, a pipeline cutting a model whose forward cannot take hidden states).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,8 @@ def main(data_dir: str, strategy: str, what: str) -> None:
     data = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
     for iter_num in range(4):
         ix = torch.randint(len(data) - 64, (4,))
-        X = torch.stack([torch.from_numpy(data[i:i + 64].astype(np.int64)) for i in ix])
-        Y = torch.stack([torch.from_numpy(data[i + 1:i + 65].astype(np.int64)) for i in ix])
+        X = torch.stack([torch.from_numpy(data[i : i + 64].astype(np.int64)) for i in ix])
+        Y = torch.stack([torch.from_numpy(data[i + 1 : i + 65].astype(np.int64)) for i in ix])
         if iter_num == 1 and master_process and what == "eval":
             model.eval()
             with torch.no_grad():

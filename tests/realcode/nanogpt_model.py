@@ -6,6 +6,7 @@ the input's width (``C // n_head``); ``forward(idx, targets=None) -> (logits, lo
 ``ignore_index=-1``, and only the last position's logits without targets; ``configure_optimizers`` building AdamW
 over decay and no-decay groups.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,13 +72,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
@@ -108,9 +111,12 @@ class GPT(nn.Module):
             loss = None
         return logits, loss
 
-    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                             device_type: str) -> torch.optim.Optimizer:
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
+    ) -> torch.optim.Optimizer:
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
-        groups = [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)

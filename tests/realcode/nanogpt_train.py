@@ -15,6 +15,7 @@ Run as a script (``paratrain run -n 2 nanogpt_train.py DATA_DIR OUT_DIR CASES_JS
 one process group, which it starts itself as nanoGPT does; :func:`train` runs one case (one process: the
 reference).
 """
+
 from __future__ import annotations
 
 import json
@@ -51,11 +52,23 @@ def get_lr(it: int) -> float:
 
 def train(strategy: str, options: dict, data_dir: str, out_dir: str, *, in_forward_backward: bool = True) -> dict:
     """One training run; returns the losses and, on rank 0, the final full state dict."""
-    par = paratrain.Parallel(strategy, clip_grad_norm=grad_clip, monitor=False,
-                             accumulate=paratrain.GlobalBatch(global_batch, micro=batch_size), **options)
+    par = paratrain.Parallel(
+        strategy,
+        clip_grad_norm=grad_clip,
+        monitor=False,
+        accumulate=paratrain.GlobalBatch(global_batch, micro=batch_size),
+        **options,
+    )
     torch.manual_seed(1337 + par.rank)  # nanoGPT's seed_offset: every rank builds other weights
-    config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                       n_embd=n_embd, dropout=dropout, bias=bias)
+    config = GPTConfig(
+        block_size=block_size,
+        vocab_size=vocab_size,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        dropout=dropout,
+        bias=bias,
+    )
     model = GPT(config)
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), "cpu")
     model, optimizer = par.prepare(model, optimizer)
@@ -65,10 +78,11 @@ def train(strategy: str, options: dict, data_dir: str, out_dir: str, *, in_forwa
         samples = global_batch if split == "train" else eval_batch
         g = torch.Generator().manual_seed(it if split == "train" else 10_000 + it)  # alike on every rank
         ix = torch.randint(len(data) - block_size, (samples,), generator=g)  # the global batch of this iteration
-        ix = ix.view(-1, par.data_parallel_size, samples // par.data_parallel_size // (par.accumulate if split ==
-                     "train" else 1))[micro, par.data_parallel_rank]  # this replica's share of this micro-step
-        x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+        ix = ix.view(
+            -1, par.data_parallel_size, samples // par.data_parallel_size // (par.accumulate if split == "train" else 1)
+        )[micro, par.data_parallel_rank]  # this replica's share of this micro-step
+        x = torch.stack([torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64)) for i in ix])
         return x.to(par.device), y.to(par.device)
 
     @torch.no_grad()
@@ -121,8 +135,13 @@ def main(data_dir: str, out_dir: str, cases: list[dict]) -> None:
         folder = os.path.join(out_dir, name)
         os.makedirs(folder, exist_ok=True)
         try:
-            results[name] = train(case["strategy"], case.get("options", {}), data_dir, folder,
-                                  in_forward_backward=case.get("forward_backward", True))
+            results[name] = train(
+                case["strategy"],
+                case.get("options", {}),
+                data_dir,
+                folder,
+                in_forward_backward=case.get("forward_backward", True),
+            )
         except paratrain.ParatrainError as err:
             results[name] = {"error": str(err)}
         dist.barrier()

@@ -3,6 +3,7 @@
 Usage: python async_save_then_exit.py DIR
 The write is slowed down, so it is still in flight when the script's last line has run.
 """
+
 import sys
 import time
 from pathlib import Path

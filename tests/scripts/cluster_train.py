@@ -6,6 +6,7 @@ Each rank writes OUT_DIR/rank{R}.json (rank, world size, local rank, whether a p
 data and the model are seeded and each rank trains on its slice of one global batch, so the parameters depend only
 on the world size, not on the launcher.
 """
+
 import argparse
 import json
 import os
@@ -24,8 +25,13 @@ if __name__ == "__main__":
     a = p.parse_args()
     group_before = dist.is_initialized()
     with paratrain.Parallel(a.strategy, seed=0, monitor=False, job=paratrain.JobConfig(timeout_s=60)) as par:
-        info = {"rank": par.rank, "world": par.world_size, "local_rank": par.local_rank, "group_before": group_before,
-                "master_addr_set": "MASTER_ADDR" in os.environ}
+        info = {
+            "rank": par.rank,
+            "world": par.world_size,
+            "local_rank": par.local_rank,
+            "group_before": group_before,
+            "master_addr_set": "MASTER_ADDR" in os.environ,
+        }
         with open(os.path.join(a.out_dir, f"rank{par.rank}.json"), "w") as f:
             json.dump(info, f)
         g = torch.Generator().manual_seed(0)

@@ -6,6 +6,7 @@ Usage: python crash_during_save.py DIR data|publish [async]
   async:   the second save is written in the background (killed there, or while ``close`` publishes it).
 Writes DIR/params-at-2.pt (the parameters the first checkpoint holds) for the test to compare.
 """
+
 import os
 import signal
 import sys

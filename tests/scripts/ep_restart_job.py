@@ -5,6 +5,7 @@ Usage: paratrain run -n 2 [--checkpoint-dir D --checkpoint-every N --max-restart
 With STEP and RANK, rank RANK SIGKILLs itself after optimizer step STEP (of 12) on the job's first attempt. Rank 0
 prints ``final parameters sha256 <digest>`` of the consolidated state at the end.
 """
+
 import os
 import signal
 import sys
@@ -23,18 +24,37 @@ from paratrain.workloads.gpt import GPT
 def main(fail_step: int | None, fail_rank: int | None) -> None:
     par = paratrain.Parallel("zero3", ep=2, seed=0, monitor=False)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(layers=2, hidden=32, heads=2, seq_len=8, vocab=65, gated=True, bias=False, tied=False,
-                          learned_positions=False, moe=MoE(experts=4, top_k=2, ffn=16)))
+    model = GPT(
+        GPTConfig(
+            layers=2,
+            hidden=32,
+            heads=2,
+            seq_len=8,
+            vocab=65,
+            gated=True,
+            bias=False,
+            tied=False,
+            learned_positions=False,
+            moe=MoE(experts=4, top_k=2, ffn=16),
+        )
+    )
     ids = torch.randint(0, 65, (96, 9), generator=torch.Generator().manual_seed(1))
     loader = DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8, shuffle=True)
     model, optimizer, loader = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader)
     for _ in par.epochs(2):
         for x, y in loader:
             with par.step(model, optimizer):
-                par.forward_backward(model, x.to(par.device), y.to(par.device),
-                                     lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
-            if (par.optimizer_steps == fail_step and par.rank == fail_rank
-                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                par.forward_backward(
+                    model,
+                    x.to(par.device),
+                    y.to(par.device),
+                    lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()),
+                )
+            if (
+                par.optimizer_steps == fail_step
+                and par.rank == fail_rank
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            ):
                 print(f"fault injection: SIGKILL rank {par.rank} after step {fail_step}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
     state = par.full_state_dict(model)

@@ -9,6 +9,7 @@ handler (the stuck one writes it before it blocks), and leaves ``DIR/rank{RANK}.
 unflushed. ``--crash-at-teardown`` makes the interpreter's finalization
 abort the process (SIGABRT), as gloo's threads do at random: a stand-in that always happens.
 """
+
 import argparse
 import atexit
 import os

@@ -4,6 +4,7 @@ Usage: paratrain run -n 2 failing_job.py --fail-rank R --fail-step S --how raise
 Each rank writes its pid to D so a test can check that nothing is left running, and the failing rank writes
 the wall-clock time it fails at to D/failed_at, so a test can time the failure to the job's exit.
 """
+
 import argparse
 import os
 import signal

@@ -9,6 +9,7 @@ rank 0 calls par.mean), ``exit_early`` (rank 1 calls sys.exit(0) while rank 0 ca
 ``zero_steps`` (a drop_last loader with fewer samples than ranks), ``misuse`` (many API mistakes, each caught
 and recorded in OUT_DIR/misuse-<rank>.txt as ``case<TAB>exception class<TAB>message``).
 """
+
 import os
 import sys
 import time

@@ -11,6 +11,7 @@ started. A rank that gets ``--notice`` (``RANK:N`` pairs, read by rank 0) waits 
 process of RANK and writes the value to OUT_DIR/notice-<RANK>-<N>. Each process that finishes its ``--work`` seconds
 writes OUT_DIR/done-<rank>-<rejoin> (holding its attempt).
 """
+
 import argparse
 import os
 import signal
@@ -31,8 +32,12 @@ def main() -> None:
     parser.add_argument("--leave", default="")
     parser.add_argument("--die", default="")
     parser.add_argument("--fail", default="")
-    parser.add_argument("--fail-after", type=int, default=None,
-                        help="--fail waits (working on) until this rank's first replacement has started")
+    parser.add_argument(
+        "--fail-after",
+        type=int,
+        default=None,
+        help="--fail waits (working on) until this rank's first replacement has started",
+    )
     parser.add_argument("--notice", default="")
     parser.add_argument("--work", type=float, default=4.0)
     args = parser.parse_args()
@@ -80,6 +85,7 @@ def _when(spec: str, rank: int, rejoin: int) -> float | None:
         if int(who) == rank and rejoin == 0 and (when or "0") == attempt:
             return float(seconds)
     return None
+
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@
 collective ones stay in step) and writes ``case<TAB>exception class<TAB>message`` per case to
 OUT/misuse-<rank>.txt; "-" as the class means nothing was raised.
 """
+
 from __future__ import annotations
 
 import os
@@ -82,7 +83,8 @@ def cases(out: str, par: paratrain.Parallel) -> dict:
         "prepare of a string": lambda: par.prepare("model"),
         "scheduler on another optimizer": foreign_scheduler,
         "empty loader (drop_last, fewer samples than ranks)": lambda: par.prepare(
-            DataLoader(TensorDataset(torch.randn(1, 4)), batch_size=1, drop_last=True)),
+            DataLoader(TensorDataset(torch.randn(1, 4)), batch_size=1, drop_last=True)
+        ),
         "custom batch sampler": lambda: par.prepare(DataLoader(data, batch_sampler=[[0, 1], [2, 3]])),
         "save into a file": lambda: par.save(a_file),
         "save without a path": lambda: par.save(),
@@ -104,8 +106,10 @@ def run_all(out: str, rank: int) -> None:
             case()
             lines.append(f"{name}\t-\t")
         except Exception as e:  # noqa: BLE001 - recorded for the test
-            lines.append(f"{name}\t{type(e).__module__}.{type(e).__name__}\t{str(e).replace(chr(10), ' / ')}"
-                         f"{' (MULTI-LINE)' if chr(10) in str(e) else ''}")
+            lines.append(
+                f"{name}\t{type(e).__module__}.{type(e).__name__}\t{str(e).replace(chr(10), ' / ')}"
+                f"{' (MULTI-LINE)' if chr(10) in str(e) else ''}"
+            )
         par.barrier()
     with open(os.path.join(out, f"misuse-{rank}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")

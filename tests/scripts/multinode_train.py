@@ -5,6 +5,7 @@ Each rank writes OUT_DIR/rank{R}.json (rank, world size, node rank, master addre
 namespace); rank 0 also writes OUT_DIR/params.pt. The data and the model are seeded, so the parameters depend
 only on the global batch, not on how the ranks are spread over nodes.
 """
+
 import argparse
 import json
 import os
@@ -23,9 +24,14 @@ if __name__ == "__main__":
     p.add_argument("--timeout", type=float, default=60.0)
     a = p.parse_args()
     with paratrain.Parallel("ddp", seed=0, job=paratrain.JobConfig(timeout_s=a.timeout)) as par:
-        info = {"rank": par.rank, "world": par.world_size, "node_rank": int(os.environ["GROUP_RANK"]),
-                "master_addr": os.environ["MASTER_ADDR"], "netns": os.stat("/proc/self/ns/net").st_ino,
-                "pid": os.getpid()}
+        info = {
+            "rank": par.rank,
+            "world": par.world_size,
+            "node_rank": int(os.environ["GROUP_RANK"]),
+            "master_addr": os.environ["MASTER_ADDR"],
+            "netns": os.stat("/proc/self/ns/net").st_ino,
+            "pid": os.getpid(),
+        }
         with open(os.path.join(a.out_dir, f"rank{par.rank}.json"), "w") as f:
             json.dump(info, f)
         g = torch.Generator().manual_seed(0)
@@ -35,8 +41,8 @@ if __name__ == "__main__":
         model, opt = par.prepare(model, opt)
         half = x.shape[1] // par.world_size
         for step in range(a.steps):
-            xb = x[step, par.rank * half:(par.rank + 1) * half]
-            yb = y[step, par.rank * half:(par.rank + 1) * half]
+            xb = x[step, par.rank * half : (par.rank + 1) * half]
+            yb = y[step, par.rank * half : (par.rank + 1) * half]
             with par.step(model, opt):
                 par.backward(nn.functional.mse_loss(model(xb), yb))
             time.sleep(a.step_sleep)

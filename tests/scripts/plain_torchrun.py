@@ -2,6 +2,7 @@
 
 Usage: torchrun --nproc-per-node 2 plain_torchrun.py OUT_DIR [ARGS...]   (each rank writes ARGS back)
 """
+
 import os
 import sys
 
@@ -15,6 +16,8 @@ if __name__ == "__main__":
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(f"{rank} {world} {os.environ['LOCAL_RANK']} {t.item():g} {torch.get_num_threads()} {__name__} "
-                f"{' '.join(sys.argv[2:])}\n")
+        f.write(
+            f"{rank} {world} {os.environ['LOCAL_RANK']} {t.item():g} {torch.get_num_threads()} {__name__} "
+            f"{' '.join(sys.argv[2:])}\n"
+        )
     dist.destroy_process_group()

@@ -14,6 +14,7 @@ its start, of its first pull's answer and of each step's end. A kill writes ``OU
 time. ``PS_ASYNC_LEAVE_SLEEP`` sets the seconds each step sleeps (default 0.02), ``PS_ASYNC_LEAVE_EPOCHS`` the
 epochs (default 3).
 """
+
 import json
 import os
 import signal
@@ -60,9 +61,16 @@ def main() -> None:
                     die(f"SIGKILL rank {rank} after step {step}", out, rank)
             par.print(f"epoch {epoch} loss {par.mean(loss):.4f}")
         state = par.full_state_dict(model, rank0_only=False)
-        result = {"start": start, "end": par.optimizer_steps, "trained": trained, "pulled_version": pulled_version,
-                  "state": {k: v.tolist() for k, v in state.items()}, "started": started, "pulled_at": pulled_at,
-                  "step_ends": ends}
+        result = {
+            "start": start,
+            "end": par.optimizer_steps,
+            "trained": trained,
+            "pulled_version": pulled_version,
+            "state": {k: v.tolist() for k, v in state.items()},
+            "started": started,
+            "pulled_at": pulled_at,
+            "step_ends": ends,
+        }
     with open(os.path.join(out, f"worker-{rank}-{n}.json"), "w") as f:
         json.dump(result, f)
 

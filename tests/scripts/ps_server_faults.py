@@ -14,6 +14,7 @@ The demo's own ``--fail-at-step``/``--fail-rank`` (a worker killed on the first 
 Each planted kill says so on stderr in one line starting ``ps_server_faults:``. With ``PS_SERVER_FAULTS_PIDS=DIR``
 every rank of every attempt writes its pid to ``DIR/<attempt>-<rank>.pid``, so a test can check that none is left.
 """
+
 import os
 import signal
 import sys
@@ -36,8 +37,10 @@ def plant(fault: str) -> None:
         def handle_or_die(self, src, header, payload):
             seen[0] += 1
             if seen[0] == target:
-                _die(f"as its request {target} arrives ({KIND_NAMES.get(header.kind, header.kind)} from rank {src}, "
-                     f"server version {self.version})")
+                _die(
+                    f"as its request {target} arrives ({KIND_NAMES.get(header.kind, header.kind)} from rank {src}, "
+                    f"server version {self.version})"
+                )
             return handle(self, src, header, payload)
 
         Server._handle = handle_or_die

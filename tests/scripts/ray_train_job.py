@@ -5,6 +5,7 @@ Runs the script twice: under ddp with Ray's default ``init_method="env"``, and u
 workers then have no MASTER_ADDR); OUT_DIR/ddp and OUT_DIR/zero3 receive what the script writes. Ray keeps its
 sockets, logs and results under RAY_TEMP_DIR, and the local cluster is shut down at the end, also after a failure.
 """
+
 import os
 import sys
 
@@ -23,10 +24,11 @@ if __name__ == "__main__":
         for strategy, init_method in (("ddp", "env"), ("zero3", "tcp")):
             target = os.path.join(out, strategy)
             os.makedirs(target)
-            TorchTrainer(paratrain.ray_train_loop(SCRIPT, target, "--strategy", strategy),
-                         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                         torch_config=TorchConfig(backend="gloo", init_method=init_method),
-                         run_config=RunConfig(name=f"paratrain-{strategy}",
-                                              storage_path=os.path.join(temp, "results"))).fit()
+            TorchTrainer(
+                paratrain.ray_train_loop(SCRIPT, target, "--strategy", strategy),
+                scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                torch_config=TorchConfig(backend="gloo", init_method=init_method),
+                run_config=RunConfig(name=f"paratrain-{strategy}", storage_path=os.path.join(temp, "results")),
+            ).fit()
     finally:
         ray.shutdown()

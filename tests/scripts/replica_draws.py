@@ -4,6 +4,7 @@ Each case prepares a small model under a strategy with no ``seed=`` (torch's one
 records the first ``torch.randint`` draw after ``prepare``, the ``accumulate`` a global batch gave, and then feeds
 the model either the same first batch on every rank or a batch of its own; rank 0's stderr shows what was warned.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,12 @@ import torch.distributed as dist
 
 import paratrain
 
-CASES = [("ddp", {}, "same"), ("ddp", {}, "own"), ("tp", {"tp_plan": {"0": "colwise", "2": "rowwise"}}, "same"),
-         ("auto", {}, "own")]
+CASES = [
+    ("ddp", {}, "same"),
+    ("ddp", {}, "own"),
+    ("tp", {"tp_plan": {"0": "colwise", "2": "rowwise"}}, "same"),
+    ("auto", {}, "own"),
+]
 
 
 def case(strategy: str, options: dict, batch: str) -> dict:
@@ -28,8 +33,12 @@ def case(strategy: str, options: dict, batch: str) -> dict:
         print(f"case {strategy} {batch}", file=sys.stderr, flush=True)
     with par.step(model, opt):
         par.forward_backward(model, x, torch.zeros(4, dtype=torch.long), torch.nn.functional.cross_entropy)
-    out = {"drawn": par.mean(torch.tensor(drawn, dtype=torch.float64)).tolist(), "mine": drawn,
-           "replica": par.data_parallel_rank, "accumulate": par.accumulate}
+    out = {
+        "drawn": par.mean(torch.tensor(drawn, dtype=torch.float64)).tolist(),
+        "mine": drawn,
+        "replica": par.data_parallel_rank,
+        "accumulate": par.accumulate,
+    }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, out)
     par.close()

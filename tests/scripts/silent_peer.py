@@ -3,6 +3,7 @@
 Usage: paratrain run -n 2 --pg-timeout S silent_peer.py
 Rank 0 creates its process group without a timeout of its own, so only the launcher's default bounds its wait.
 """
+
 import time
 
 import torch

@@ -1,5 +1,6 @@
 """strategy='auto' on a mixture of experts: the planner is let weigh expert parallelism, and the ep degree it picks
 becomes the strategy's ``ep=`` option (the choice only: no process starts, the world comes from a ClusterEnv)."""
+
 import pytest
 import torch
 
@@ -11,10 +12,21 @@ from paratrain.planner.moe import MoE
 from paratrain.strategies import auto
 from paratrain.workloads.gpt import GPT, GPTConfig
 
-MOE = GPTConfig(layers=4, hidden=256, heads=4, seq_len=64, vocab=1000, gated=True, bias=False,
-                learned_positions=False, tied=False, moe=MoE(experts=8, top_k=2, ffn=1024))
-DENSE = GPTConfig(layers=4, hidden=256, heads=4, seq_len=64, vocab=1000, gated=True, bias=False,
-                  learned_positions=False, tied=False)
+MOE = GPTConfig(
+    layers=4,
+    hidden=256,
+    heads=4,
+    seq_len=64,
+    vocab=1000,
+    gated=True,
+    bias=False,
+    learned_positions=False,
+    tied=False,
+    moe=MoE(experts=8, top_k=2, ffn=1024),
+)
+DENSE = GPTConfig(
+    layers=4, hidden=256, heads=4, seq_len=64, vocab=1000, gated=True, bias=False, learned_positions=False, tied=False
+)
 WORLD = ClusterEnv(rank=0, local_rank=0, world_size=8, local_world_size=8, launched=True)
 
 
@@ -58,7 +70,8 @@ def test_a_dense_model_is_never_given_expert_parallelism(monkeypatch):
     assert asked == {"name": "zero2", "options": {}} and "ep=" not in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("tp, ep, options",
-                         [(1, 1, {}), (2, 1, {"tp": 2}), (1, 4, {"ep": 4}), (2, 2, {"tp": 2, "ep": 2})])
+@pytest.mark.parametrize(
+    "tp, ep, options", [(1, 1, {}), (2, 1, {"tp": 2}), (1, 4, {"ep": 4}), (2, 2, {"tp": 2, "ep": 2})]
+)
 def test_strategy_options_carry_the_chosen_degrees(tp, ep, options):
     assert auto.strategy_options(AutoChoice(strategy="zero3", reason="", tp=tp, ep=ep)) == options

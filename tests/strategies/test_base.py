@@ -1,5 +1,6 @@
 """The shape of the strategy base: what every strategy needs on ``Strategy``, the parameter server's own hooks on its
 part (``Strategy.server``), and hooks named for what they return."""
+
 import inspect
 from types import SimpleNamespace
 
@@ -28,8 +29,12 @@ def test_a_strategy_without_servers_holds_the_stateless_part_where_every_rank_tr
         server = create(name).server
         assert type(server) is NoServer and not server.serves, name
     none = create("ddp").server
-    assert (none.close(), none.steps_taken(), none.checkpoint_group(), none.clips_in_step(None, 1.0)) == \
-        (True, 0, None, False)
+    assert (none.close(), none.steps_taken(), none.checkpoint_group(), none.clips_in_step(None, 1.0)) == (
+        True,
+        0,
+        None,
+        False,
+    )
     ps = create("ps").server
     assert isinstance(ps, ServerRole) and ps.serves
 
@@ -53,8 +58,11 @@ def test_the_reasons_name_what_needs_every_rank():
     assert ddp.every_rank_reason() is None and ddp.optimizer_every_rank_reason() is None
     assert zero1.every_rank_reason() is None
     assert zero1.optimizer_every_rank_reason() == "under zero1 each rank holds a shard of the optimizer's state"
-    assert zero3.every_rank_reason() == zero3.optimizer_every_rank_reason() == \
-        "under zero3 each rank holds a shard of every layer"
+    assert (
+        zero3.every_rank_reason()
+        == zero3.optimizer_every_rank_reason()
+        == "under zero3 each rank holds a shard of every layer"
+    )
     assert create("pipeline").every_rank_reason() == "under pipeline each rank holds a stage of the model"
     model, off = nn.Linear(2, 2), SimpleNamespace(enabled=False)
     guard_model(model, zero3, off)  # asks the strategy, then leaves a job without a call watch alone

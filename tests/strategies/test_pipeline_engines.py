@@ -1,6 +1,7 @@
 """A pipeline lays each stage out with the data engine the presets use (``strategies/data_engines.py``), held as an
 object and called for each stage, never chosen by comparing the engine's name (``fsdp`` is zero3's engine): one
 fake rank of a 4-process ``hybrid`` job (dp=2 x pp=2) on the fake process group, no process started."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,8 +23,9 @@ def _hybrid(**options: object) -> paratrain.Parallel:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)  # the autouse fixture destroys it
-    return paratrain.Parallel("hybrid", accelerator="cpu", monitor=False, precision="bf16-mixed",
-                              job=paratrain.JobConfig(env=ENV), **options)
+    return paratrain.Parallel(
+        "hybrid", accelerator="cpu", monitor=False, precision="bf16-mixed", job=paratrain.JobConfig(env=ENV), **options
+    )
 
 
 def _stages(par: paratrain.Parallel) -> tuple[list[torch.nn.Module], torch.optim.Optimizer]:

@@ -48,9 +48,15 @@ def test_every_data_and_tp_strategy_is_a_row_of_the_preset_table():
         built = create(name)
         assert type(built) is strategies.Composed and built.preset is preset
     assert create("fsdp").preset is strategies.PRESETS["zero3"]
-    documented = {"single": strategies.SingleDevice, "ddp": strategies.DDPStrategy, "zero1": strategies.Zero1Strategy,
-                  "zero2": strategies.Zero2Strategy, "zero3": strategies.Zero3Strategy,
-                  "hsdp": strategies.HSDPStrategy, "tp": strategies.TPStrategy}
+    documented = {
+        "single": strategies.SingleDevice,
+        "ddp": strategies.DDPStrategy,
+        "zero1": strategies.Zero1Strategy,
+        "zero2": strategies.Zero2Strategy,
+        "zero3": strategies.Zero3Strategy,
+        "hsdp": strategies.HSDPStrategy,
+        "tp": strategies.TPStrategy,
+    }
     assert set(documented) == set(strategies.PRESETS)
     for name, constructor in documented.items():
         assert constructor().describe() == create(name).describe()
@@ -66,9 +72,15 @@ def test_every_data_and_tp_strategy_is_a_row_of_the_preset_table():
         create("hsdp", tp=2)
 
 
-@pytest.mark.parametrize("kwargs, words", [({"accumulate": 0}, "accumulate"), ({"precision": "fp8"}, "precision"),
-                                           ({"accelerator": "tpu"}, "accelerator"),
-                                           ({"job": {"timeout_s": 60}}, "job= takes a paratrain.JobConfig")])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"accumulate": 0}, "accumulate"),
+        ({"precision": "fp8"}, "precision"),
+        ({"accelerator": "tpu"}, "accelerator"),
+        ({"job": {"timeout_s": 60}}, "job= takes a paratrain.JobConfig"),
+    ],
+)
 def test_bad_parallel_options(kwargs, words):
     with pytest.raises(ConfigError, match=words):
         paratrain.Parallel(**kwargs)
@@ -128,18 +140,21 @@ def _env(world: int) -> ClusterEnv:
     return ClusterEnv(rank=0, world_size=world, local_world_size=world, master_port=1, launched=True)
 
 
-@pytest.mark.parametrize("strategy, options, world, words", [
-    ("dp", {}, 2, "use strategy 'ddp'"),
-    ("hybrid", {"dp": 3}, 4, "cannot split 4 processes into dp=3"),
-    ("hybrid", {}, 2, "needs dp >= 2 and pp >= 2"),
-    ("hsdp", {"shard_size": 3}, 4, "shard groups of 3"),
-    ("hsdp", {}, 2, "at least 4 processes"),
-    ("pipeline", {}, 1, "at least 2 pipeline stages"),
-    ("pipeline", {"schedule": "zigzag"}, 2, "unknown pipeline schedule"),
-    ("pipeline", {"schedule": "gpipe", "stages_per_rank": 2}, 2, "one stage per rank"),
-    ("zero3", {"min_params": 0}, 2, "min_params"),
-    ("ddp", {"comm_hook": "int8"}, 2, "unknown comm_hook"),
-])
+@pytest.mark.parametrize(
+    "strategy, options, world, words",
+    [
+        ("dp", {}, 2, "use strategy 'ddp'"),
+        ("hybrid", {"dp": 3}, 4, "cannot split 4 processes into dp=3"),
+        ("hybrid", {}, 2, "needs dp >= 2 and pp >= 2"),
+        ("hsdp", {"shard_size": 3}, 4, "shard groups of 3"),
+        ("hsdp", {}, 2, "at least 4 processes"),
+        ("pipeline", {}, 1, "at least 2 pipeline stages"),
+        ("pipeline", {"schedule": "zigzag"}, 2, "unknown pipeline schedule"),
+        ("pipeline", {"schedule": "gpipe", "stages_per_rank": 2}, 2, "one stage per rank"),
+        ("zero3", {"min_params": 0}, 2, "min_params"),
+        ("ddp", {"comm_hook": "int8"}, 2, "unknown comm_hook"),
+    ],
+)
 def test_bad_strategy_setups_are_one_line_errors_before_any_process_group(strategy, options, world, words):
     with pytest.raises(ConfigError, match=words) as info:
         paratrain.Parallel(strategy, job=paratrain.JobConfig(env=_env(world)), **options)
@@ -181,8 +196,9 @@ def test_model_parallel_processes_bind_their_first_stage_gpu(monkeypatch):
     assert current == [torch.device("cuda", 2)]  # made current before the group starts, not cuda:1
     assert par.strategy.stage_devices(par._runtime(), 2) == [torch.device("cuda", 2), torch.device("cuda", 3)]
     with pytest.raises(ConfigError, match="2 stages per process on 5 process.*needs 10 GPUs, 8 visible") as info:
-        paratrain.Parallel("model_parallel", stages=2, monitor=False,
-                           job=paratrain.JobConfig(env=replace(env, local_world_size=5)))
+        paratrain.Parallel(
+            "model_parallel", stages=2, monitor=False, job=paratrain.JobConfig(env=replace(env, local_world_size=5))
+        )
     assert "\n" not in str(info.value)
 
 
@@ -202,6 +218,7 @@ def test_lr_scaling_and_warmup():
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3", "model_parallel"])
 def test_distributed_strategies_run_as_one_plain_process_and_equal_single(strategy):
     """`python train.py` with a distributed strategy: a private one-rank group, the same math as 'single'."""
+
     def train(name: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         with paratrain.Parallel(name) as par:
@@ -260,8 +277,12 @@ def test_a_clipped_step_waits_for_no_norm_until_it_is_read():
 
 def test_deterministic_kernels_are_switched_on_when_asked(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
     try:
         paratrain.Parallel("single", job=paratrain.JobConfig(deterministic=True))
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
@@ -289,10 +310,13 @@ def test_prepare_finds_the_models_blocks_and_ties_once(monkeypatch, strategy, op
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return real(*args, **kwargs)
+
         return wrapper
 
-    wrappers = {"find_blocks": counted("find_blocks", structure.find_blocks),
-                "find_ties": counted("find_ties", ties.find_ties)}
+    wrappers = {
+        "find_blocks": counted("find_blocks", structure.find_blocks),
+        "find_ties": counted("find_ties", ties.find_ties),
+    }
     for module in [m for n, m in sys.modules.items() if n.startswith("paratrain")]:
         for name, wrapper in wrappers.items():
             if hasattr(module, name):

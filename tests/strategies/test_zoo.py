@@ -7,6 +7,7 @@ the mean of their losses. Without BatchNorm that is the global-batch step (check
 it is what data parallelism computes — statistics per replica's slice, and the running statistics of rank 0's
 slice (DDP broadcasts rank 0's buffers; the other strategies keep each rank's own, and rank 0's are saved).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,13 @@ SMALL_UNITS = [("gpt2", "zero3"), ("nanogpt", "zero2"), ("lora", "zero3"), ("lla
 PIPELINED = ("cnn", "frozen", "bert", "lora")
 HYBRID_DATA = ("ddp", "zero1", "fsdp")  # how hybrid's replicas hold their stages: DDP, ZeRO-1 or FSDP
 SPLIT = {"frozen": {"split": [3]}}  # by size the first stage would hold only the frozen layer: refused, see below
-CHECKPOINTED = [("gpt2", "zero3", True), ("llama", "ddp", True), ("nanogpt", "zero2", 2), ("bert", "zero1", True),
-                ("lora", "model_parallel", True)]
+CHECKPOINTED = [
+    ("gpt2", "zero3", True),
+    ("llama", "ddp", True),
+    ("nanogpt", "zero2", 2),
+    ("bert", "zero1", True),
+    ("lora", "model_parallel", True),
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +41,7 @@ def world2(tmp_path_factory):
     cases = [(m, s, {}) for m in ZOO for s in WORLD2] + [(m, s, {"min_params": 1}) for m, s in SMALL_UNITS]
     cases += [(m, s, {"activation_checkpointing": k}) for m, s, k in CHECKPOINTED]
     cases += [(m, "pipeline", SPLIT.get(m, {})) for m in PIPELINED] + [("frozen", "pipeline", {})]
-    return spawn(run_cases, 2,
-                 (cases, str(tmp_path_factory.mktemp("zoo2"))), timeout_s=600)[0]
+    return spawn(run_cases, 2, (cases, str(tmp_path_factory.mktemp("zoo2"))), timeout_s=600)[0]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +80,7 @@ def test_zoo_with_embedding_and_head_as_units(world2, references, model_name, st
 @pytest.mark.launched
 @pytest.mark.parametrize("model_name, strategy, every", CHECKPOINTED)
 def test_zoo_with_activation_checkpointing(world2, references, model_name, strategy, every):
-    check(world2[f"{model_name}/{strategy}{{'activation_checkpointing': {every}}}"], references[model_name],
-          model_name)
+    check(world2[f"{model_name}/{strategy}{{'activation_checkpointing': {every}}}"], references[model_name], model_name)
 
 
 @pytest.mark.launched

@@ -6,6 +6,7 @@ One launched job per world size runs every case (tests/helpers/zoo_moe_workers.p
 without the router loss a replica's slice routes as the global batch does. The router loss is not per token: its
 expert shares are the batch's, so the reference for it is the global batch in one forward (``slices=1``).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,13 @@ GLOBAL = {"moe_aux_loss": "global"}
 TP2 = {"tp": 2}
 AUX2 = ("ddp", "zero3")
 SMALL_UNITS = ("mixtral", "qwen2_moe", "gpt_oss", "gpt_experts")  # zero3 with the router and the experts as units
-CHECKPOINTED = [("mixtral", "zero3"), ("gpt_oss", "ddp"), ("olmoe", "zero3"), ("qwen2_moe", "zero2"),
-                ("gpt_experts", "zero3")]
+CHECKPOINTED = [
+    ("mixtral", "zero3"),
+    ("gpt_oss", "ddp"),
+    ("olmoe", "zero3"),
+    ("qwen2_moe", "zero2"),
+    ("gpt_experts", "zero3"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +172,7 @@ def test_with_accumulation_the_router_loss_is_global_per_micro_batch(world2):
     for s in range(2):
         x, y = step_batch(spec, s, 2 * union)
         for m in range(2):
-            (model(x[m * union:(m + 1) * union], labels=y[m * union:(m + 1) * union]).loss / 2).backward()
+            (model(x[m * union : (m + 1) * union], labels=y[m * union : (m + 1) * union]).loss / 2).backward()
         opt.step()
         opt.zero_grad()
     got = world2["/".join(ACCUMULATED[:2]) + str(ACCUMULATED[2])]["state"]

@@ -1,5 +1,6 @@
 """The TensorFlow extra without TensorFlow: TF_CONFIG parsing, the Keras choice, the batch and LR rules, import
 hygiene, and every bad input of ``paratrain run --tf`` answered in one line before anything starts."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,23 +26,27 @@ def test_tf_config_round_trip_and_rank():
     config = TFConfig.for_workers(["a:1", "b:2", "c:3"], 2)
     assert parse_tf_config(config.to_json()) == config
     assert (config.address, config.rank, config.num_workers) == ("c:3", 2, 3)
-    chief = parse_tf_config(json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"]},
-                                        "task": {"type": "worker", "index": 0}}))
+    chief = parse_tf_config(
+        json.dumps({"cluster": {"chief": ["a:1"], "worker": ["b:2"]}, "task": {"type": "worker", "index": 0}})
+    )
     assert (chief.rank, chief.num_workers) == (1, 2)
 
 
-@pytest.mark.parametrize("text, words", [
-    ("{not json", "not valid JSON"),
-    (json.dumps({"task": GOOD["task"]}), 'no "cluster"'),
-    (json.dumps({**GOOD, "task": {"type": "worker", "index": 2}}), "index 2 is out of range"),
-    (json.dumps({**GOOD, "task": {"type": "worker", "index": -1}}), "out of range"),
-    (json.dumps({**GOOD, "task": {"type": "chief", "index": 0}}), "'chief' is not in the cluster"),
-    (json.dumps({"cluster": {"worker": ["nohost"]}, "task": {"type": "worker", "index": 0}}), "not a 'host:port'"),
-    (json.dumps({"cluster": {"worker": ["h:99999"]}, "task": {"type": "worker", "index": 0}}), "port in 1"),
-    (json.dumps({"cluster": {"worker": ["h:1", "h:1"]}, "task": {"type": "worker", "index": 0}}), "share one"),
-    (json.dumps({"cluster": {"boss": ["h:1"]}, "task": {"type": "boss", "index": 0}}), "unknown task type"),
-    (json.dumps({"cluster": GOOD["cluster"]}), 'no "task"'),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps({"task": GOOD["task"]}), 'no "cluster"'),
+        (json.dumps({**GOOD, "task": {"type": "worker", "index": 2}}), "index 2 is out of range"),
+        (json.dumps({**GOOD, "task": {"type": "worker", "index": -1}}), "out of range"),
+        (json.dumps({**GOOD, "task": {"type": "chief", "index": 0}}), "'chief' is not in the cluster"),
+        (json.dumps({"cluster": {"worker": ["nohost"]}, "task": {"type": "worker", "index": 0}}), "not a 'host:port'"),
+        (json.dumps({"cluster": {"worker": ["h:99999"]}, "task": {"type": "worker", "index": 0}}), "port in 1"),
+        (json.dumps({"cluster": {"worker": ["h:1", "h:1"]}, "task": {"type": "worker", "index": 0}}), "share one"),
+        (json.dumps({"cluster": {"boss": ["h:1"]}, "task": {"type": "boss", "index": 0}}), "unknown task type"),
+        (json.dumps({"cluster": GOOD["cluster"]}), 'no "task"'),
+    ],
+)
 def test_bad_tf_config_is_one_line(text, words):
     with pytest.raises(LaunchError, match=words) as err:
         parse_tf_config(text)
@@ -73,8 +78,10 @@ def test_batch_and_lr_rules_follow_the_replicas():
 
 @pytest.mark.launched
 def test_importing_paratrain_tf_imports_neither_tensorflow_nor_torch():
-    code = ("import sys, paratrain, paratrain.tf as t; t.scaled_lr; t.TFConfig; import paratrain.tf.worker; "
-            "print(sorted(m for m in ('tensorflow', 'torch', 'keras') if m in sys.modules))")
+    code = (
+        "import sys, paratrain, paratrain.tf as t; t.scaled_lr; t.TFConfig; import paratrain.tf.worker; "
+        "print(sorted(m for m in ('tensorflow', 'torch', 'keras') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -91,16 +98,19 @@ def test_missing_tensorflow_is_the_install_hint(monkeypatch):
 SCRIPT = str(ROOT / "examples" / "tf" / "multi_worker_keras.py")
 
 
-@pytest.mark.parametrize("tf_config, argv, words", [
-    ("{oops", ["-n", "1"], "TF_CONFIG is not valid JSON"),
-    (json.dumps({**GOOD, "task": {"type": "worker", "index": 5}}), ["-n", "1"], "task index 5 is out of range"),
-    (json.dumps(GOOD), ["-n", "2"], "run `paratrain run --tf -n 1"),
-    (None, ["--nnodes", "2", "--max-restarts", "1"], "restarts the workers of one node"),
-    (None, ["--no-python"], "--no-python cannot be combined"),
-    (None, ["-n", "cpu"], "needs a number of workers"),
-    (None, ["--node-rank", "3", "--nnodes", "2"], "--node-rank 3 is outside"),
-    (None, ["--rdzv-timeout", "0"], "--rdzv-timeout must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "tf_config, argv, words",
+    [
+        ("{oops", ["-n", "1"], "TF_CONFIG is not valid JSON"),
+        (json.dumps({**GOOD, "task": {"type": "worker", "index": 5}}), ["-n", "1"], "task index 5 is out of range"),
+        (json.dumps(GOOD), ["-n", "2"], "run `paratrain run --tf -n 1"),
+        (None, ["--nnodes", "2", "--max-restarts", "1"], "restarts the workers of one node"),
+        (None, ["--no-python"], "--no-python cannot be combined"),
+        (None, ["-n", "cpu"], "needs a number of workers"),
+        (None, ["--node-rank", "3", "--nnodes", "2"], "--node-rank 3 is outside"),
+        (None, ["--rdzv-timeout", "0"], "--rdzv-timeout must be at least 1"),
+    ],
+)
 def test_bad_input_under_tf_is_one_line(tf_config, argv, words, monkeypatch):
     if tf_config is not None:
         monkeypatch.setenv("TF_CONFIG", tf_config)
@@ -114,8 +124,12 @@ def test_a_busy_port_in_tf_config_is_one_line(monkeypatch):
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]},
-                                                    "task": {"type": "worker", "index": 0}}))
+        monkeypatch.setenv(
+            "TF_CONFIG",
+            json.dumps(
+                {"cluster": {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
+            ),
+        )
         rc, stderr = in_process(["run", "--tf", "-n", "1", SCRIPT])
     assert rc == 2 and len(stderr.strip().splitlines()) == 1 and f"port {port} is already in use" in stderr, stderr
 
@@ -146,8 +160,9 @@ def test_nodes_swap_their_workers_addresses_through_node_0():
     port, found = free_port(), {}
 
     def node(rank: int, nproc: int) -> None:
-        found[rank] = multi_node(nproc=nproc, nnodes=2, node_rank=rank, master_addr="127.0.0.1", master_port=port,
-                                 timeout_s=30)
+        found[rank] = multi_node(
+            nproc=nproc, nnodes=2, node_rank=rank, master_addr="127.0.0.1", master_port=port, timeout_s=30
+        )
 
     threads = [threading.Thread(target=node, args=(r, n)) for r, n in ((1, 1), (0, 2))]
     for t in threads:
@@ -190,8 +205,14 @@ def test_doctor_tensorflow_section(tmp_path, monkeypatch):
     from paratrain.tf.doctor import TFFacts, check_tf_config, tf_checks
     from paratrain.tf.install import KerasChoice
 
-    facts = TFFacts(version="2.21.0", keras=KerasChoice(legacy=True, set_by_us=True), keras_version="3.15.1",
-                    tf_keras_version="2.21.0", devices=("CPU:0",), tf_config=json.dumps(GOOD))
+    facts = TFFacts(
+        version="2.21.0",
+        keras=KerasChoice(legacy=True, set_by_us=True),
+        keras_version="3.15.1",
+        tf_keras_version="2.21.0",
+        devices=("CPU:0",),
+        tf_config=json.dumps(GOOD),
+    )
     both = tmp_path / "both.py"
     both.write_text("import torch\nfrom tensorflow import keras\n")
     checks = {c.name: c for c in tf_checks(facts, (str(both),))}
@@ -237,12 +258,15 @@ def test_verify_names_the_cause_from_the_workers_records():
         verify_tf(nproc=1)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["bench", "--tf", "--nproc", "1,x"], "--nproc must be world sizes"),
-    (["bench", "--tf", "--nproc", "1,2", "--steps", "0"], "steps must be >= 1"),
-    (["verify", "--tf", "-n", "1"], "N >= 2 workers"),
-    (["demo", "--tf", "--epochs", "0"], "--epochs must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["bench", "--tf", "--nproc", "1,x"], "--nproc must be world sizes"),
+        (["bench", "--tf", "--nproc", "1,2", "--steps", "0"], "steps must be >= 1"),
+        (["verify", "--tf", "-n", "1"], "N >= 2 workers"),
+        (["demo", "--tf", "--epochs", "0"], "--epochs must be >= 1"),
+    ],
+)
 def test_bad_tf_command_input_is_one_line(argv, words):
     rc, stderr = in_process(argv)
     assert rc == 2 and len(stderr.strip().splitlines()) == 1 and words in stderr, stderr

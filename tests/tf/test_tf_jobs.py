@@ -5,6 +5,7 @@ programs, the demo (accuracy, table) with a SIGKILL noticed at once and a restar
 a partner that never starts, and scripts that are not TensorFlow scripts. Every launch has a hard timeout and
 the test checks that no worker is left behind.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +23,10 @@ from helpers.cli import PARATRAIN, run_cli
 from helpers.paths import ROOT
 
 # The extra (`make test` installs it); looked up, not imported: this process has torch.
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs paratrain[tf]"),
-              pytest.mark.launched]  # every test here starts processes
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs paratrain[tf]"),
+    pytest.mark.launched,
+]  # every test here starts processes
 
 EXAMPLES = ROOT / "examples" / "tf"
 _NOISE = ("cuInit", "oneDNN", "cuda drivers", "absl::InitializeLog")
@@ -52,8 +55,7 @@ def _left_running(marker: str) -> list[str]:
 
 
 def _cli(argv: list[str], marker: Path, timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
-    out = run_cli(*argv,
-                  timeout=timeout, env={**_env(), **env}, cwd=marker)
+    out = run_cli(*argv, timeout=timeout, env={**_env(), **env}, cwd=marker)
     time.sleep(0.2)
     assert not _left_running(str(marker)), _left_running(str(marker))
     return out
@@ -61,8 +63,10 @@ def _cli(argv: list[str], marker: Path, timeout: float = 150, **env: str) -> sub
 
 def test_the_guides_programs_run_unchanged(tmp_path):
     out = tmp_path / "mw.json"
-    run = _cli(["run", "--tf", "-n", "2", str(EXAMPLES / "multi_worker_keras.py"), "--epochs", "3", "--out",
-                str(out)], tmp_path)
+    run = _cli(
+        ["run", "--tf", "-n", "2", str(EXAMPLES / "multi_worker_keras.py"), "--epochs", "3", "--out", str(out)],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     assert result["replicas"] == 2 and "tf_keras" in result["keras"]  # MWMS over both workers, tf-keras
@@ -75,8 +79,11 @@ def test_the_guides_programs_run_unchanged(tmp_path):
     assert "replicas in sync: 1" in one.stdout and "test accuracy" in one.stdout
 
     # Why the extra has tf-keras: TensorFlow 2.21's own Keras 3 cannot run this program's model.fit.
-    keras3 = _cli(["run", "--tf", "-n", "2", str(EXAMPLES / "multi_worker_keras.py"), "--epochs", "1"], tmp_path,
-                  TF_USE_LEGACY_KERAS="0")
+    keras3 = _cli(
+        ["run", "--tf", "-n", "2", str(EXAMPLES / "multi_worker_keras.py"), "--epochs", "1"],
+        tmp_path,
+        TF_USE_LEGACY_KERAS="0",
+    )
     assert keras3.returncode == 1 and "warning: tf.keras is Keras 3" in keras3.stderr
     assert "PerReplica" in keras3.stderr and "failed on" in keras3.stderr
 
@@ -93,9 +100,24 @@ def test_demo_reaches_95_percent_and_a_killed_worker_restarts_bitwise(tmp_path):
     # Worker 1 SIGKILLs itself after epoch 9: the job must notice at once, restart both and resume from the last
     # backup. The chief writes its epoch-9 backup while worker 1 dies, so which one is last is the race's: epoch 9's
     # (resume at 10) or epoch 8's (resume at 9, written before epoch 9's first all-reduce). Never earlier.
-    proc, killed = _watch(["demo", "--tf", "--epochs", "10", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                           "--max-restarts", "1", "--fail-at-step", "9", "--fail-rank", "1"], tmp_path,
-                          "fault injection: SIGKILL worker 1")
+    proc, killed = _watch(
+        [
+            "demo",
+            "--tf",
+            "--epochs",
+            "10",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--max-restarts",
+            "1",
+            "--fail-at-step",
+            "9",
+            "--fail-rank",
+            "1",
+        ],
+        tmp_path,
+        "fault injection: SIGKILL worker 1",
+    )
     restart_line = next(line for line in proc.stdout if "restarting all workers" in line)
     seconds = time.monotonic() - killed
     rest = restart_line + proc.communicate(timeout=120)[0]
@@ -112,8 +134,9 @@ def test_demo_reaches_95_percent_and_a_killed_worker_restarts_bitwise(tmp_path):
 
 def _watch(argv: list[str], marker: Path, until: str, timeout: float = 120) -> tuple[subprocess.Popen, float]:
     """Start the CLI and return once ``until`` appears on its stderr or stdout (and when)."""
-    proc = subprocess.Popen([*PARATRAIN, *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(), cwd=marker)
+    proc = subprocess.Popen(
+        [*PARATRAIN, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=marker
+    )
     deadline = time.monotonic() + timeout
     lines = []
     assert proc.stdout is not None
@@ -147,8 +170,21 @@ def test_a_partner_that_never_starts_and_scripts_that_are_not_tensorflow(tmp_pat
     tf_config["cluster"]["worker"] = [f"127.0.0.1:{p}" for p in free_ports(2)]
     env = {**_env(), "TF_CONFIG": json.dumps(tf_config)}
     start = time.monotonic()
-    alone = run_cli("run", "--tf", "-n", "1", "--rdzv-timeout", "3",
-                    "-m", "paratrain.tf.demo_job", "--out", str(tmp_path / "x"), timeout=120, env=env, cwd=tmp_path)
+    alone = run_cli(
+        "run",
+        "--tf",
+        "-n",
+        "1",
+        "--rdzv-timeout",
+        "3",
+        "-m",
+        "paratrain.tf.demo_job",
+        "--out",
+        str(tmp_path / "x"),
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert alone.returncode == 2, alone.stderr
     assert time.monotonic() - start < 60
     assert alone.stderr.strip().splitlines()[-1].startswith("paratrain: error: worker 1 (127.0.0.1:"), alone.stderr
@@ -159,8 +195,10 @@ def test_a_partner_that_never_starts_and_scripts_that_are_not_tensorflow(tmp_pat
     plain.write_text("try:\n    import torch\nexcept ImportError:\n    print('no torch here')\n")  # optional: skipped
     torchy = tmp_path / "torchy.py"
     torchy.write_text("import torch\n")
-    for script, words in [(plain, "plain.py ended without importing TensorFlow"),
-                          (torchy, "this --tf worker imports torch")]:
+    for script, words in [
+        (plain, "plain.py ended without importing TensorFlow"),
+        (torchy, "this --tf worker imports torch"),
+    ]:
         run = _cli(["run", "--tf", "-n", "2", str(script)], tmp_path, timeout=60)
         assert ("no torch here" in run.stdout) == (script is plain), run.stdout  # an optional torch: skipped
         assert run.returncode == 1, run.stderr
@@ -191,7 +229,8 @@ def test_verify_two_workers_equal_one_on_a_users_model(tmp_path):
         "    y = (x @ rng.normal(size=(12, 1))).astype(np.float32)\n"
         "    model = tf.keras.Sequential([tf.keras.layers.Input(shape=(12,)),\n"
         "                                 tf.keras.layers.Dense(16, activation='tanh'), tf.keras.layers.Dense(1)])\n"
-        "    return model, x, y, tf.keras.losses.MeanSquaredError()\n")
+        "    return model, x, y, tf.keras.losses.MeanSquaredError()\n"
+    )
     run = _cli(["verify", "--tf", "kmodel:build", "-n", "2", "--steps", "4"], tmp_path)
     assert run.returncode == 0, run.stderr
     assert "paratrain verify --tf: kmodel:build" in run.stdout
@@ -201,8 +240,10 @@ def test_verify_two_workers_equal_one_on_a_users_model(tmp_path):
 
 def test_bench_reports_speedup_and_efficiency_as_json_and_png(tmp_path):
     out = tmp_path / "bench.json"
-    run = _cli(["bench", "--tf", "--nproc", "1,2", "--steps", "3", "--rounds", "2", "--warmup", "2", "--json",
-                str(out)], tmp_path)
+    run = _cli(
+        ["bench", "--tf", "--nproc", "1,2", "--steps", "3", "--rounds", "2", "--warmup", "2", "--json", str(out)],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     rows = {r["world"]: r for r in data["rows"]}
@@ -226,12 +267,18 @@ print(json.dumps({"strategy": type(mirrored).__name__, "replicas": mirrored.num_
                   == tf.data.experimental.AutoShardPolicy.OFF,
                   "keras": tf.keras.__name__, "torch": "torch" in sys.modules, "workers": ptf.num_workers()}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**_env(), "TF_CPP_MIN_LOG_LEVEL": "3"}, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_env(), "TF_CPP_MIN_LOG_LEVEL": "3"},
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     facts = json.loads(out.stdout.strip().splitlines()[-1])
     assert facts["strategy"] == "MirroredStrategy" and facts["replicas"] == 2 and facts["batch"] == 32
-    assert facts["lr"] == pytest.approx(0.1 * 2 ** 0.5) and facts["policy_off"] is True
+    assert facts["lr"] == pytest.approx(0.1 * 2**0.5) and facts["policy_off"] is True
     assert "tf_keras" in facts["keras"] and facts["torch"] is False and facts["workers"] == 1
 
 
@@ -240,11 +287,36 @@ def test_two_nodes_from_the_torch_flags(tmp_path):
     from paratrain.launcher.ports import free_port
 
     port = str(free_port())
+
     def node(rank: int) -> subprocess.Popen:
-        return subprocess.Popen([*PARATRAIN, "run", "--tf", "--nnodes", "2", "--node-rank",
-                                 str(rank), "--master-addr", "127.0.0.1", "--master-port", port, "-n", "1", "-m",
-                                 "paratrain.tf.demo_job", "--epochs", "1", "--out", str(tmp_path / f"n{rank}.json")],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+        return subprocess.Popen(
+            [
+                *PARATRAIN,
+                "run",
+                "--tf",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "-n",
+                "1",
+                "-m",
+                "paratrain.tf.demo_job",
+                "--epochs",
+                "1",
+                "--out",
+                str(tmp_path / f"n{rank}.json"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            cwd=tmp_path,
+        )
 
     nodes = [node(1), node(0)]
     outs = [p.communicate(timeout=150) for p in nodes]

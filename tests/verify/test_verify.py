@@ -1,5 +1,6 @@
 """``paratrain verify``: a correct setup passes under every strategy that runs at world 2 on a CPU, and each
 planted bug fails with its own cause named. One job of 2 processes runs every world-2 case."""
+
 from __future__ import annotations
 
 import json
@@ -31,12 +32,15 @@ NOISY = {"adamw": ("ddp", "zero3"), "adadelta": ("ddp",), "scheduled": ("ddp",)}
 @pytest.fixture(scope="module")
 def world2_reports() -> dict[tuple[str, str], object]:
     cases = [Case(factory="helpers.verify_cases:good", strategy=s) for s in WORLD2_STRATEGIES]
-    cases += [Case(factory="helpers.verify_cases:good_accumulating", strategy="zero2"),
-              Case(factory="helpers.verify_cases:global_batch", strategy="ddp"),
-              Case(factory="helpers.verify_cases:rank_seeded", strategy="ddp"),
-              Case(factory="helpers.verify_cases:rank_seeded", strategy="zero3")]
-    cases += [Case(factory=f"helpers.verify_cases:{name}", strategy=strategy)
-              for name, (strategy, _, _) in BUGS.items()]
+    cases += [
+        Case(factory="helpers.verify_cases:good_accumulating", strategy="zero2"),
+        Case(factory="helpers.verify_cases:global_batch", strategy="ddp"),
+        Case(factory="helpers.verify_cases:rank_seeded", strategy="ddp"),
+        Case(factory="helpers.verify_cases:rank_seeded", strategy="zero3"),
+    ]
+    cases += [
+        Case(factory=f"helpers.verify_cases:{name}", strategy=strategy) for name, (strategy, _, _) in BUGS.items()
+    ]
     cases += [Case(factory="helpers.verify_cases:gpt2", strategy=s, steps=4) for s in ("ddp", "zero3", "tp")]
     cases += [Case(factory="helpers.verify_cases:split_tie", strategy="ddp", steps=4)]
     cases += [Case(factory=f"helpers.verify_cases:{name}", strategy=s) for name, names in NOISY.items() for s in names]
@@ -203,8 +207,11 @@ def test_a_transformers_model_computing_its_loss_from_labels_passes(world2_repor
 
 def _record(*weights: float, bias: float = 0.5) -> Record:
     """One step per weight, a loss of 1 and a gradient norm of 1 each."""
-    return Record(losses=[[1.0]] * len(weights), grad_norms=[1.0] * len(weights),
-                  states=[{"w": torch.tensor([w]), "b": torch.tensor([bias])} for w in weights])
+    return Record(
+        losses=[[1.0]] * len(weights),
+        grad_norms=[1.0] * len(weights),
+        states=[{"w": torch.tensor([w]), "b": torch.tensor([bias])} for w in weights],
+    )
 
 
 def test_each_entry_is_judged_against_its_own_floor_at_its_step():
@@ -229,8 +236,23 @@ def test_each_entry_is_judged_against_its_own_floor_at_its_step():
 @pytest.mark.launched
 @pytest.mark.slow
 def test_world4_strategies_pass_through_the_cli(capsys):
-    assert main(["verify", "helpers.verify_cases:good", "--strategy", "hsdp,hybrid", "-n", "4", "--timeout", "170",
-                 "--accelerator", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "verify",
+                "helpers.verify_cases:good",
+                "--strategy",
+                "hsdp,hybrid",
+                "-n",
+                "4",
+                "--timeout",
+                "170",
+                "--accelerator",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("\nPASS: ") == 2 and "strategy hsdp, 4 processes" in out and "strategy hybrid" in out
 
@@ -249,19 +271,29 @@ def test_cli_exits_1_on_a_failure_and_prints_json(world2_reports, monkeypatch, c
     assert json.loads(capsys.readouterr().out)[0]["verdict"] == "PASS"
 
 
-@pytest.mark.parametrize("args, words", [
-    (["helpers.verify_cases:good", "--strategy", "ddpp"], "unknown strategy 'ddpp'"),
-    (["helpers.verify_cases:good", "--strategy", "hybrid"], "hybrid needs dp >= 2 and pp >= 2"),
-    (["helpers.verify_cases:good", "-n", "1"], "use 2 or more processes"),
-    (["helpers.verify_cases:good", "--steps", "0"], "steps must be >= 1"),
-    (["helpers.verify_cases:not_a_spec"], "returned dict; return a paratrain.verify.VerifySpec"),
-    (["no_such_module:build"], "cannot import 'no_such_module'"),
-    (["helpers.verify_cases:no_loss"], "Sequential.forward takes no second argument for them; give a loss function"),
-    (["helpers.verify_cases:tp_in_options", "--strategy", "zero3", "--tp", "4"],
-     "--tp 4 and VerifySpec.options tp=2 disagree"),
-    (["helpers.verify_cases:tp_in_options", "--strategy", "hsdp", "-n", "4"],
-     "the strategy got tp from VerifySpec.options"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["helpers.verify_cases:good", "--strategy", "ddpp"], "unknown strategy 'ddpp'"),
+        (["helpers.verify_cases:good", "--strategy", "hybrid"], "hybrid needs dp >= 2 and pp >= 2"),
+        (["helpers.verify_cases:good", "-n", "1"], "use 2 or more processes"),
+        (["helpers.verify_cases:good", "--steps", "0"], "steps must be >= 1"),
+        (["helpers.verify_cases:not_a_spec"], "returned dict; return a paratrain.verify.VerifySpec"),
+        (["no_such_module:build"], "cannot import 'no_such_module'"),
+        (
+            ["helpers.verify_cases:no_loss"],
+            "Sequential.forward takes no second argument for them; give a loss function",
+        ),
+        (
+            ["helpers.verify_cases:tp_in_options", "--strategy", "zero3", "--tp", "4"],
+            "--tp 4 and VerifySpec.options tp=2 disagree",
+        ),
+        (
+            ["helpers.verify_cases:tp_in_options", "--strategy", "hsdp", "-n", "4"],
+            "the strategy got tp from VerifySpec.options",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_before_anything_starts(capsys, args, words):
     assert main(["verify", *args]) == 2
     err = capsys.readouterr().err
@@ -273,23 +305,31 @@ def _spec_kwargs(**kwargs: object) -> dict:
     from torch.utils.data import DataLoader, TensorDataset
 
     data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-    return {"model": torch.nn.Linear(4, 2), "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
-            "loss": F.cross_entropy, "loader": DataLoader(data, batch_size=2), **kwargs}
+    return {
+        "model": torch.nn.Linear(4, 2),
+        "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
+        "loss": F.cross_entropy,
+        "loader": DataLoader(data, batch_size=2),
+        **kwargs,
+    }
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"options": {"accumulate": 2}}, "cannot set 'accumulate': use VerifySpec.accumulate"),
-    ({"options": {"checkpoint_dir": "ck"}}, "leave checkpoints to the script"),
-    ({"options": {"job": JobConfig(env=ClusterEnv())}}, "cannot set 'env': verify places both runs itself"),
-    ({"options": {"global_batch": 8}, "accumulate": 2}, "give one of them"),
-    ({"options": {"global_batch": 8, "micro_batch": 4}}, "micro_batch=4 but the loader's batch size is 2"),
-    ({"options": {"micro_batch": 2}}, "micro_batch without global_batch"),
-    ({"options": ["seed"]}, "must be a dict of Parallel keywords"),
-    ({"optimizer_from_model": lambda m: torch.optim.SGD(m.parameters(), lr=0.1)}, "takes one of optimizer"),
-    ({"optimizer": None}, "takes one of optimizer"),
-    ({"target_keyword": "labels"}, "for a model that computes its own loss (loss=None)"),
-    ({"loss": None, "target_keyword": "labels"}, "Linear.forward takes no keyword 'labels'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"options": {"accumulate": 2}}, "cannot set 'accumulate': use VerifySpec.accumulate"),
+        ({"options": {"checkpoint_dir": "ck"}}, "leave checkpoints to the script"),
+        ({"options": {"job": JobConfig(env=ClusterEnv())}}, "cannot set 'env': verify places both runs itself"),
+        ({"options": {"global_batch": 8}, "accumulate": 2}, "give one of them"),
+        ({"options": {"global_batch": 8, "micro_batch": 4}}, "micro_batch=4 but the loader's batch size is 2"),
+        ({"options": {"micro_batch": 2}}, "micro_batch without global_batch"),
+        ({"options": ["seed"]}, "must be a dict of Parallel keywords"),
+        ({"optimizer_from_model": lambda m: torch.optim.SGD(m.parameters(), lr=0.1)}, "takes one of optimizer"),
+        ({"optimizer": None}, "takes one of optimizer"),
+        ({"target_keyword": "labels"}, "for a model that computes its own loss (loss=None)"),
+        ({"loss": None, "target_keyword": "labels"}, "Linear.forward takes no keyword 'labels'"),
+    ],
+)
 def test_a_bad_spec_is_one_line(kwargs, words):
     from paratrain.errors import ConfigError
     from paratrain.verify import VerifySpec
@@ -302,11 +342,24 @@ def test_a_bad_spec_is_one_line(kwargs, words):
 def test_the_specs_options_are_sorted_by_the_run_they_reach():
     from paratrain.verify import VerifySpec
 
-    spec = VerifySpec(**_spec_kwargs(options={"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed",
-                                              "global_batch": 8, "tp_plan": {"x": "colwise"}}))
+    spec = VerifySpec(
+        **_spec_kwargs(
+            options={
+                "clip_grad_norm": 1.0,
+                "seed": 3,
+                "precision": "bf16-mixed",
+                "global_batch": 8,
+                "tp_plan": {"x": "colwise"},
+            }
+        )
+    )
     run = spec.run_options
-    assert run.parallel(1, 2) == {"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed",
-                                  "accumulate": GlobalBatch(8, micro=2)}
+    assert run.parallel(1, 2) == {
+        "clip_grad_norm": 1.0,
+        "seed": 3,
+        "precision": "bf16-mixed",
+        "accumulate": GlobalBatch(8, micro=2),
+    }
     assert dict(run.shared) == {"clip_grad_norm": 1.0, "seed": 3, "precision": "bf16-mixed"}  # the reference's
     assert dict(run.strategy) == {"tp_plan": {"x": "colwise"}}  # the parallel run's alone
     assert VerifySpec(**_spec_kwargs(accumulate=2)).run_options.parallel(2, 2) == {"accumulate": 2}
@@ -319,8 +372,11 @@ def test_an_optimizer_factory_gets_the_model_and_must_return_an_optimizer():
     from paratrain.verify import VerifySpec
 
     seen = []
-    spec = VerifySpec(**_spec_kwargs(optimizer=None, optimizer_from_model=lambda m: seen.append(m) or
-                                     torch.optim.SGD(m.parameters(), lr=0.1)))
+    spec = VerifySpec(
+        **_spec_kwargs(
+            optimizer=None, optimizer_from_model=lambda m: seen.append(m) or torch.optim.SGD(m.parameters(), lr=0.1)
+        )
+    )
     assert isinstance(spec.build_optimizer(), torch.optim.SGD) and seen == [spec.model]
     with pytest.raises(ConfigError, match="returned list; return a torch.optim.Optimizer"):
         VerifySpec(**_spec_kwargs(optimizer=lambda p: list(p))).build_optimizer()

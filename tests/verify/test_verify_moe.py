@@ -1,5 +1,6 @@
 """``paratrain verify`` on a mixture of experts whose loss includes its router's load-balancing loss: it passes with
 ``moe_aux_loss="global"``, and without it fails naming the per-rank router loss and the option."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,11 @@ from paratrain.verify import Case, verify_cases
 
 @pytest.fixture(scope="module")
 def reports():
-    cases = [Case(factory=f"helpers.verify_cases:{name}", strategy=s, steps=3)
-             for name in ("mixtral_aux", "mixtral_aux_global") for s in ("ddp", "zero3")]
+    cases = [
+        Case(factory=f"helpers.verify_cases:{name}", strategy=s, steps=3)
+        for name in ("mixtral_aux", "mixtral_aux_global")
+        for s in ("ddp", "zero3")
+    ]
     found = verify_cases(cases, 2, timeout_s=150, accelerator="cpu")
     return {(r.factory.split(":")[1], r.strategy): r for r in found}
 

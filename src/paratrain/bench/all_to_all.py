@@ -7,6 +7,7 @@ the gradients (two more). One forward of the step's batch, with pre-hooks on the
 (:func:`paratrain.model.experts.dispatched_bytes`), gives each layer's bytes; torch's ``all_to_all_single`` of
 that many bytes, split evenly over the ranks (routing in balance), is timed, median of a few, on every rank.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -29,8 +30,10 @@ def dispatch_bytes(model: nn.Module, forward: Callable[[], Any]) -> list[int]:
     sizes: dict[int, int] = {}
     handles = []
     for i, layer in enumerate(find_expert_layers(model)):
+
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i) -> None:
             sizes[i] = sizes.get(i, 0) + dispatched_bytes(args, kwargs)
+
         handles.append(layer.module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():

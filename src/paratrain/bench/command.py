@@ -1,4 +1,5 @@
 """``paratrain bench`` end to end: options → configuration → measurement → table, JSON, CSV and plot."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,13 +23,23 @@ def parse_worlds(text: str | None, machine: Machine) -> tuple[int, ...]:
         raise ConfigError(f"--nproc takes comma-separated world sizes like 1,2,4, got {text!r}") from None
 
 
-def run_bench_cli(*, nproc: str | None, strategies: str, json_path: Path | None, csv_path: Path | None,
-                  plot_path: Path | None, plot: bool, **options: object) -> int:
+def run_bench_cli(
+    *,
+    nproc: str | None,
+    strategies: str,
+    json_path: Path | None,
+    csv_path: Path | None,
+    plot_path: Path | None,
+    plot: bool,
+    **options: object,
+) -> int:
     """Run the benchmark the CLI describes, print the table, write the files asked for."""
     machine = Machine.here(str(options.get("accelerator", "auto")))
-    config = BenchConfig(nprocs=parse_worlds(nproc, machine),
-                         strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
-                         **options)  # type: ignore[arg-type]
+    config = BenchConfig(
+        nprocs=parse_worlds(nproc, machine),
+        strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+        **options,
+    )  # type: ignore[arg-type]
     if plot_path is None and json_path is not None and plot:
         plot_path = json_path.with_suffix(".png")
     if plot_path is not None and plot:

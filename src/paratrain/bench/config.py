@@ -1,4 +1,5 @@
 """What ``paratrain bench`` runs: one validated, keyword-only configuration."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class BenchConfig:
         if self.scaling == "weak":
             return self.batch
         if self.batch % replicas:
-            raise ConfigError(f"strong scaling splits batch {self.batch} over {replicas} replicas; use a multiple of "
-                              f"{replicas}")
+            raise ConfigError(
+                f"strong scaling splits batch {self.batch} over {replicas} replicas; use a multiple of {replicas}"
+            )
         return self.batch // replicas

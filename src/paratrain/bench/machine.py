@@ -1,4 +1,5 @@
 """What this machine offers a benchmark (cores, GPUs) and how much memory a rank used at its peak."""
+
 from __future__ import annotations
 
 import os

@@ -14,6 +14,7 @@ A strategy with serving ranks (``ps``) runs in a job of its own and is built onc
 ``prepare`` until the workers close it and then end their processes, so its rounds follow each other on the same
 model, and only the workers time (and return) anything.
 """
+
 from __future__ import annotations
 
 import gc
@@ -108,7 +109,7 @@ def _measure_all(config: BenchConfig, runs: list[Run], device: torch.device) -> 
     params_by_round: dict[int, dict[str, list[torch.Tensor]]] = {}
     with Progress(config.rounds * len(runs), f"world {dist.get_world_size()}", enabled=dist.get_rank() == 0) as bar:
         for r in range(config.rounds):
-            order = runs[r % len(runs):] + runs[:r % len(runs)]
+            order = runs[r % len(runs) :] + runs[: r % len(runs)]
             for run in order:
                 record = records[run.label]
                 if record.error is None:
@@ -150,15 +151,17 @@ def _measure_served(config: BenchConfig, run: Run, device: torch.device) -> dict
     return {run.label: record}
 
 
-def _subject(config: BenchConfig, workload: Workload, run: Run,
-             device: torch.device) -> ParatrainSubject | TorchDDPSubject:
+def _subject(
+    config: BenchConfig, workload: Workload, run: Run, device: torch.device
+) -> ParatrainSubject | TorchDDPSubject:
     if run.strategy is None:
         return TorchDDPSubject(workload, config.seed, device)
     return ParatrainSubject(workload, run.strategy, run.options, config.seed, config.accelerator)
 
 
-def _block(config: BenchConfig, workload: Workload, run: Run, device: torch.device,
-           record: RankRecord) -> tuple[Block, list[torch.Tensor] | None]:
+def _block(
+    config: BenchConfig, workload: Workload, run: Run, device: torch.device, record: RankRecord
+) -> tuple[Block, list[torch.Tensor] | None]:
     memory = PeakMemory(device)
     gc.collect()
     memory.start()
@@ -174,8 +177,13 @@ def _block(config: BenchConfig, workload: Workload, run: Run, device: torch.devi
     return block, kept
 
 
-def _timed(config: BenchConfig, workload: Workload, subject: ParatrainSubject | TorchDDPSubject,
-           record: RankRecord, memory: PeakMemory) -> Block:
+def _timed(
+    config: BenchConfig,
+    workload: Workload,
+    subject: ParatrainSubject | TorchDDPSubject,
+    record: RankRecord,
+    memory: PeakMemory,
+) -> Block:
     """Warm-up, then the timed steps, then the probes, on one built subject."""
     batch = config.replica_batch(subject.replicas)
     record.replicas, record.replica_batch, record.memory_kind = subject.replicas, batch, memory.kind
@@ -197,9 +205,12 @@ def _timed(config: BenchConfig, workload: Workload, subject: ParatrainSubject | 
     before, before_s = subject.bytes_moved(), subject.seconds_moving()
     steps, waits = zip(*(timed_step() for _ in range(config.steps)))
     after, after_s = subject.bytes_moved(), subject.seconds_moving()
-    block = Block(step_s=list(steps), data_s=list(waits),
-                  moved_bytes=None if before is None or after is None else after - before,
-                  moving_s=None if before_s is None or after_s is None else after_s - before_s)
+    block = Block(
+        step_s=list(steps),
+        data_s=list(waits),
+        moved_bytes=None if before is None or after is None else after - before,
+        moving_s=None if before_s is None or after_s is None else after_s - before_s,
+    )
     if config.comm_probe and subject.can_skip_sync:
         assert isinstance(subject, ParatrainSubject)
         block.local_pass_s, block.synced_pass_s = _probe(subject, workload, batch, config, sync)
@@ -207,8 +218,7 @@ def _timed(config: BenchConfig, workload: Workload, subject: ParatrainSubject | 
     return block
 
 
-def _all_to_all(config: BenchConfig, workload: Workload,
-                subject: ParatrainSubject) -> tuple[float | None, int | None]:
+def _all_to_all(config: BenchConfig, workload: Workload, subject: ParatrainSubject) -> tuple[float | None, int | None]:
     """The step's expert all-to-all (:func:`.all_to_all.step_all_to_all`) on one batch, when the model has experts
     and every rank holds all of them (not a pipeline's stages)."""
     from ..distributed.pipeline import PipelinedModel
@@ -222,8 +232,9 @@ def _all_to_all(config: BenchConfig, workload: Workload,
     return (None, None) if measured is None else measured
 
 
-def _probe(subject: ParatrainSubject, workload: Workload, batch: int, config: BenchConfig,
-           sync: Any) -> tuple[float, float]:
+def _probe(
+    subject: ParatrainSubject, workload: Workload, batch: int, config: BenchConfig, sync: Any
+) -> tuple[float, float]:
     """(median pass without gradient sync, median pass with it), on a fixed batch; no optimizer step."""
     g = torch.Generator().manual_seed(rank_seed(config.seed + 1, subject.replica_rank))
     x, y = workload.make_batch(batch, g)

@@ -1,4 +1,5 @@
 """A benchmark's result as JSON (everything), CSV (one line per configuration) and a PNG plot."""
+
 from __future__ import annotations
 
 import csv
@@ -10,17 +11,46 @@ from typing import Any
 from ..errors import ConfigError
 from .result import BenchResult
 
-CSV_FIELDS = ("name", "label", "world", "threads", "replicas", "servers", "global_batch", "samples_per_s", "step_ms",
-              "step_p90_ms", "speedup", "efficiency", "comm_share", "data_share", "imbalance", "bytes_per_step",
-              "all_to_all_ms", "all_to_all_bytes", "peak_mb_max", "memory_kind", "oversubscribed", "skipped")
+CSV_FIELDS = (
+    "name",
+    "label",
+    "world",
+    "threads",
+    "replicas",
+    "servers",
+    "global_batch",
+    "samples_per_s",
+    "step_ms",
+    "step_p90_ms",
+    "speedup",
+    "efficiency",
+    "comm_share",
+    "data_share",
+    "imbalance",
+    "bytes_per_step",
+    "all_to_all_ms",
+    "all_to_all_bytes",
+    "peak_mb_max",
+    "memory_kind",
+    "oversubscribed",
+    "skipped",
+)
 
 
 def to_json(result: BenchResult) -> dict[str, Any]:
     rows = [{"name": r.name, **asdict(r)} for r in result.rows]
-    return {"config": asdict(result.config), "machine": asdict(result.machine), "workload": result.workload,
-            "versions": result.versions, "rows": rows, "comparisons": [asdict(c) for c in result.comparisons],
-            "fastest": result.fastest.name if result.fastest else None, "notes": result.notes,
-            "wall_s": result.wall_s, "background_share": result.background_share}
+    return {
+        "config": asdict(result.config),
+        "machine": asdict(result.machine),
+        "workload": result.workload,
+        "versions": result.versions,
+        "rows": rows,
+        "comparisons": [asdict(c) for c in result.comparisons],
+        "fastest": result.fastest.name if result.fastest else None,
+        "notes": result.notes,
+        "wall_s": result.wall_s,
+        "background_share": result.background_share,
+    }
 
 
 def write_json(result: BenchResult, path: Path) -> None:
@@ -74,8 +104,14 @@ def write_plot(result: BenchResult, path: Path) -> None:
         left.plot([p[0] for p in points], [p[1] for p in points], **styles.get(key, {"marker": "o"}), label=key)
     over = [r for r in rows if r.oversubscribed and r.speedup is not None]
     if over:
-        left.scatter([r.world for r in over], [r.speedup for r in over], s=140, facecolors="none",
-                     edgecolors="red", label="oversubscribed")
+        left.scatter(
+            [r.world for r in over],
+            [r.speedup for r in over],
+            s=140,
+            facecolors="none",
+            edgecolors="red",
+            label="oversubscribed",
+        )
     left.set_xticks(sorted({x for points in series.values() for x, _ in points} | {1}))
     left.set_xlabel("world size (for threads: ranks' worth of threads)")
     left.set_ylabel("speedup over 1 process")
@@ -83,8 +119,11 @@ def write_plot(result: BenchResult, path: Path) -> None:
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
     names = [r.name + (" *" if r.oversubscribed else "") for r in rows]
-    right.barh(range(len(rows)), [r.samples_per_s for r in rows],
-               color=["tab:red" if r.oversubscribed else "tab:blue" for r in rows])
+    right.barh(
+        range(len(rows)),
+        [r.samples_per_s for r in rows],
+        color=["tab:red" if r.oversubscribed else "tab:blue" for r in rows],
+    )
     right.set_yticks(range(len(rows)), names, fontsize=8)
     right.invert_yaxis()
     right.set_xlabel("samples/s")

@@ -1,4 +1,5 @@
 """What a benchmark found: one row per configuration, the torch-ddp comparison, and the machine it ran on."""
+
 from __future__ import annotations
 
 import statistics
@@ -113,8 +114,9 @@ def summarise(label: str, world: int, threads: int, ranks: list[RankRecord]) -> 
     p90s = [_quantile([s for b in r.blocks for s in b.step_s], 0.9) for r in ranks]
     row.step_ms, row.step_p90_ms = 1e3 * max(medians), 1e3 * max(p90s)
     row.samples_per_s = row.global_batch / max(medians)
-    row.data_share = statistics.fmean(sum(s for b in r.blocks for s in b.data_s)
-                                      / sum(s for b in r.blocks for s in b.step_s) for r in ranks)
+    row.data_share = statistics.fmean(
+        sum(s for b in r.blocks for s in b.data_s) / sum(s for b in r.blocks for s in b.step_s) for r in ranks
+    )
     row.rounds_ms = [1e3 * max(statistics.median(r.blocks[i].step_s) for r in ranks) for i in range(len(first.blocks))]
     row.peak_mb = [max(b.peak_bytes for b in r.blocks) / 2**20 for r in ranks]
     row.bytes_per_step = bytes_per_step(ranks)
@@ -127,8 +129,9 @@ def summarise(label: str, world: int, threads: int, ranks: list[RankRecord]) -> 
         row.comm_share = statistics.fmean(_comm_share(r) for r in ranks)
         row.imbalance = statistics.median(_imbalance([r.blocks[i] for r in ranks]) for i in range(len(first.blocks)))
     elif all(b.moving_s is not None for r in ranks for b in r.blocks):  # timed where sent: a parameter server's
-        row.comm_share = statistics.fmean(sum(b.moving_s for b in r.blocks) / sum(s for b in r.blocks for s in b.step_s)
-                                          for r in ranks)
+        row.comm_share = statistics.fmean(
+            sum(b.moving_s for b in r.blocks) / sum(s for b in r.blocks for s in b.step_s) for r in ranks
+        )
     return row
 
 
@@ -143,8 +146,10 @@ def bytes_per_step(ranks: list[RankRecord]) -> float | None:
 
 def _comm_share(record: RankRecord) -> float:
     """Median over rounds of (synced pass - local pass) / step, on one rank; noise below zero counts as zero."""
-    return statistics.median(max(0.0, b.synced_pass_s - b.local_pass_s) / statistics.median(b.step_s)  # type: ignore[operator]
-                             for b in record.blocks)
+    return statistics.median(
+        max(0.0, b.synced_pass_s - b.local_pass_s) / statistics.median(b.step_s)  # type: ignore[operator]
+        for b in record.blocks
+    )
 
 
 def _imbalance(blocks: list) -> float:
@@ -168,10 +173,14 @@ def compare(world: int, ddp: list[RankRecord], torch_ddp: list[RankRecord]) -> C
         theirs = max(statistics.median(r.blocks[i].step_s) for r in torch_ddp)
         per_round.append(ours / theirs)
     diffs = [r.max_diff_vs_ddp for r in torch_ddp if r.max_diff_vs_ddp is not None]
-    return Comparison(world=world, overhead=statistics.median(per_round), rounds=per_round,
-                      paratrain_ms=1e3 * max(statistics.median(s for b in r.blocks for s in b.step_s) for r in ddp),
-                      torch_ms=1e3 * max(statistics.median(s for b in r.blocks for s in b.step_s) for r in torch_ddp),
-                      max_param_diff=max(diffs) if diffs else None)
+    return Comparison(
+        world=world,
+        overhead=statistics.median(per_round),
+        rounds=per_round,
+        paratrain_ms=1e3 * max(statistics.median(s for b in r.blocks for s in b.step_s) for r in ddp),
+        torch_ms=1e3 * max(statistics.median(s for b in r.blocks for s in b.step_s) for r in torch_ddp),
+        max_param_diff=max(diffs) if diffs else None,
+    )
 
 
 def add_speedups(rows: list[Row]) -> None:

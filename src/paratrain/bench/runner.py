@@ -9,6 +9,7 @@ A strategy whose ranks serve instead of training (``ps``) gets a job of its own 
 serve from ``prepare`` until the workers close and then end their processes, returning nothing; its row is its
 workers'.
 """
+
 from __future__ import annotations
 
 import sys
@@ -48,8 +49,10 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
     notes: list[str] = []
     for world in config.nprocs[1:]:
         if machine.gpus and world > machine.gpus:
-            notes.append(f"world {world} not run: it needs {world} GPUs and {machine.gpus} are visible "
-                         "(use --accelerator cpu to run it on the CPU)")
+            notes.append(
+                f"world {world} not run: it needs {world} GPUs and {machine.gpus} are visible "
+                "(use --accelerator cpu to run it on the CPU)"
+            )
             continue
         runs, served = [], []
         for name in config.strategies:
@@ -62,8 +65,15 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
             if reason:
                 skipped.append(Row(label=label, world=world, threads=threads, skipped=reason))
             else:
-                (served if serving else runs).append(Run(label=label, strategy=name, options=options, serves=serving,
-                                                         host_tensors=sends_host_tensors(name, **options)))
+                (served if serving else runs).append(
+                    Run(
+                        label=label,
+                        strategy=name,
+                        options=options,
+                        serves=serving,
+                        host_tensors=sends_host_tensors(name, **options),
+                    )
+                )
         if config.compare and any(r.label == "ddp" for r in runs):
             runs.append(Run(label=TORCH_DDP, strategy=None))
         if runs:
@@ -75,8 +85,14 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
         else:
             for world in config.nprocs[1:]:
                 batch = config.batch * world if config.scaling == "weak" else config.batch
-                jobs.append(Job(world=1, threads=threads * world, config=replace(config, batch=batch),
-                                runs=(Run(label=BASELINE, strategy=BASELINE),)))
+                jobs.append(
+                    Job(
+                        world=1,
+                        threads=threads * world,
+                        config=replace(config, batch=batch),
+                        runs=(Run(label=BASELINE, strategy=BASELINE),),
+                    )
+                )
     return jobs, skipped, notes
 
 
@@ -116,11 +132,16 @@ def run_bench(config: BenchConfig, *, log: TextIO | None = None) -> BenchResult:
     comparisons: list[Comparison] = []
     for i, job in enumerate(jobs, 1):
         labels = ", ".join(r.label for r in job.runs)
-        print(f"paratrain bench: [{i}/{len(jobs)}] {job.world} process(es) x {job.threads} thread(s): {labels} "
-              f"({config.rounds} rounds of {config.warmup}+{config.steps} steps)", file=log, flush=True)
+        print(
+            f"paratrain bench: [{i}/{len(jobs)}] {job.world} process(es) x {job.threads} thread(s): {labels} "
+            f"({config.rounds} rounds of {config.warmup}+{config.steps} steps)",
+            file=log,
+            flush=True,
+        )
         t0 = time.perf_counter()
-        ranks = launch(run_job, job.world, args=(job.config, list(job.runs)), threads=job.threads,
-                       timeout_s=config.timeout_s)
+        ranks = launch(
+            run_job, job.world, args=(job.config, list(job.runs)), threads=job.threads, timeout_s=config.timeout_s
+        )
         print(f"paratrain bench: [{i}/{len(jobs)}] done in {time.perf_counter() - t0:.1f} s", file=log, flush=True)
         over = machine.oversubscribed(job.world, job.threads)
         for run in job.runs:
@@ -136,11 +157,20 @@ def run_bench(config: BenchConfig, *, log: TextIO | None = None) -> BenchResult:
     add_speedups(rows)
     background = load.share()
     if background > BUSY:
-        notes.append(f"other processes used {100 * background:.0f}% of this machine's CPUs while the bench ran: "
-                     "the timings are suspect; measure on an idle machine")
+        notes.append(
+            f"other processes used {100 * background:.0f}% of this machine's CPUs while the bench ran: "
+            "the timings are suspect; measure on an idle machine"
+        )
     order = [BASELINE, *config.strategies, TORCH_DDP]
     rows.sort(key=lambda r: (r.world * r.threads, r.world, order.index(r.label.split("+tp")[0])))
-    return BenchResult(config=config, machine=machine, workload=workload.description or workload.name, rows=rows,
-                       comparisons=comparisons, notes=notes,
-                       versions={"paratrain": __version__, "torch": torch.__version__},
-                       wall_s=time.perf_counter() - started, background_share=background)
+    return BenchResult(
+        config=config,
+        machine=machine,
+        workload=workload.description or workload.name,
+        rows=rows,
+        comparisons=comparisons,
+        notes=notes,
+        versions={"paratrain": __version__, "torch": torch.__version__},
+        wall_s=time.perf_counter() - started,
+        background_share=background,
+    )

@@ -2,6 +2,7 @@
 
 Both take the same workload, seed and data, so their step times and final parameters can be compared.
 """
+
 from __future__ import annotations
 
 import io

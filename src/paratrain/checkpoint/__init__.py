@@ -9,6 +9,7 @@
 * :mod:`.safety`: loading never unpickles arbitrary objects;
 * :mod:`.export`: a plain single-file state_dict.
 """
+
 from __future__ import annotations
 
 from ..lazy import lazy_getattr

@@ -6,6 +6,7 @@ anything else that touches state or draws random numbers), and nothing of the ne
 resumed from it continues exactly where the uninterrupted one went on. An asynchronous save (:mod:`.background`) is
 staged at that point and published at a later one, once written.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,10 @@ class AutoCheckpoint:
         """Where ``par.save``/``par.load`` go: ``path``, else ``checkpoint_dir``; neither is one line."""
         if path is None:
             if self.config.dir is None:
-                raise CheckpointError("no checkpoint path given and no checkpoint directory set "
-                                      "(Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir)")
+                raise CheckpointError(
+                    "no checkpoint path given and no checkpoint directory set "
+                    "(Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir)"
+                )
             path = self.config.dir
         return Path(path)
 
@@ -91,13 +94,21 @@ class AutoCheckpoint:
         """A checkpoint was loaded by hand: start-up has nothing left to resume."""
         self._started = True
 
-    def save(self, targets: io.Targets, path: str | os.PathLike | None, micro_step: int, accumulate: int,
-             async_save: bool = False) -> Path:
+    def save(
+        self,
+        targets: io.Targets,
+        path: str | os.PathLike | None,
+        micro_step: int,
+        accumulate: int,
+        async_save: bool = False,
+    ) -> Path:
         """Write ``targets`` into ``path`` (else ``checkpoint_dir``), after the save in flight; ``async_save``: in
         the background. Refused inside an accumulation window."""
         if micro_step != 0:
-            raise CheckpointError(f"save() inside an accumulation window (micro-step {micro_step} of {accumulate}); "
-                                  "call it after the optimizer step")
+            raise CheckpointError(
+                f"save() inside an accumulation window (micro-step {micro_step} of {accumulate}); "
+                "call it after the optimizer step"
+            )
         root = self.root(path)
         if async_save:
             folder = self._background.start(targets, root, self.config.keep)

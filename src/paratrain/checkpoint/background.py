@@ -18,6 +18,7 @@
 A script that ends without ``close`` still finishes its save: the interpreter waits for the writing thread before
 it exits, and an ``atexit`` hook then publishes it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -46,8 +47,10 @@ def check_support() -> None:
     import torch.distributed.checkpoint as dcp
 
     if "no_dist" not in inspect.signature(dcp.async_save).parameters:
-        raise ConfigError(f"asynchronous checkpoints need torch >= 2.9 (this is {torch.__version__}); upgrade torch "
-                          "or save without async_save (CheckpointConfig(async_save=False), no --checkpoint-async)")
+        raise ConfigError(
+            f"asynchronous checkpoints need torch >= 2.9 (this is {torch.__version__}); upgrade torch "
+            "or save without async_save (CheckpointConfig(async_save=False), no --checkpoint-async)"
+        )
 
 
 def staging_options(gpus: int) -> Any:
@@ -57,8 +60,9 @@ def staging_options(gpus: int) -> Any:
     on their device's default stream). No shared memory: the writer is a thread of this process."""
     from torch.distributed.checkpoint.staging import StagingOptions
 
-    return StagingOptions(use_pinned_memory=gpus > 0, use_shared_memory=False, use_async_staging=True,
-                          use_non_blocking_copy=gpus == 1)
+    return StagingOptions(
+        use_pinned_memory=gpus > 0, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=gpus == 1
+    )
 
 
 def new_stager(gpus: list[torch.device]) -> Any:
@@ -76,8 +80,9 @@ def new_stager(gpus: list[torch.device]) -> Any:
 
 def state_gpus(models: list[nn.Module]) -> list[torch.device]:
     """The CUDA devices the state to stage lives on: one, or several for a model split over a process's GPUs."""
-    return sorted({p.device for model in models for p in model.parameters() if p.device.type == "cuda"},
-                  key=lambda d: d.index)
+    return sorted(
+        {p.device for model in models for p in model.parameters() if p.device.type == "cuda"}, key=lambda d: d.index
+    )
 
 
 def computed(gpus: list[torch.device]) -> None:
@@ -93,8 +98,11 @@ def buffer_owners(models: list[nn.Module]) -> list[nn.Module]:
     for models without such buffers."""
     owners = []
     for model in models:
-        mine = [m for m in model.modules()
-                if any(b is not None and n not in m._non_persistent_buffers_set for n, b in m._buffers.items())]
+        mine = [
+            m
+            for m in model.modules()
+            if any(b is not None and n not in m._non_persistent_buffers_set for n, b in m._buffers.items())
+        ]
         owners += [model, *mine] if mine else []
     return owners
 
@@ -160,14 +168,27 @@ class BackgroundSaves:
             if group is None:
                 io.quiet_background()
             computed(gpus)
-            response = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0),
-                                      planner=io.rank0_planner(), process_group=group, no_dist=group is None,
-                                      async_stager=self._stager)
+            response = dcp.async_save(
+                state,
+                storage_writer=dcp.FileSystemWriter(tmp, per_thread_copy_ahead=0),
+                planner=io.rank0_planner(),
+                process_group=group,
+                no_dist=group is None,
+                async_stager=self._stager,
+            )
         except io.DCP_ERRORS as e:
             raise io.write_failure(root, tmp, e, io.state_bytes(state), t.rank) from None
         future = self._hold(response, t)
-        self._pending = _InFlight(future=future, strategy=t.strategy, rank=t.rank, root=root, tmp=tmp, keep=keep,
-                                  meta=io.checkpoint_meta(t), nbytes=io.state_bytes(state))
+        self._pending = _InFlight(
+            future=future,
+            strategy=t.strategy,
+            rank=t.rank,
+            root=root,
+            tmp=tmp,
+            keep=keep,
+            meta=io.checkpoint_meta(t),
+            nbytes=io.state_bytes(state),
+        )
         self._unsettled = True
         atexit.register(self._at_exit)
         return root / layout.step_name(t.step)

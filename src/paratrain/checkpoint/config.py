@@ -3,6 +3,7 @@
 ``paratrain run --checkpoint-dir D --checkpoint-every N [--checkpoint-async] [--resume]`` exports these as
 environment variables, so a script that only says ``Parallel()`` checkpoints and resumes without a code change.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,31 +47,51 @@ class CheckpointConfig:
     def checked(self) -> CheckpointConfig:
         """The job's configuration, complete: what needs a directory has one (``paratrain run --checkpoint-dir``
         may give it, so a config of the script's own may lack it)."""
-        for what, needs in (("every", self.every is not None), ("resume", bool(self.resume)),
-                            ("async_save", self.async_save)):
+        for what, needs in (
+            ("every", self.every is not None),
+            ("resume", bool(self.resume)),
+            ("async_save", self.async_save),
+        ):
             if needs and not self.dir:
-                raise ConfigError(f"checkpoint {what} needs a checkpoint directory; give CheckpointConfig(dir=...) "
-                                  "(or paratrain run --checkpoint-dir)")
+                raise ConfigError(
+                    f"checkpoint {what} needs a checkpoint directory; give CheckpointConfig(dir=...) "
+                    "(or paratrain run --checkpoint-dir)"
+                )
         return self
 
     @classmethod
-    def of(cls, spec: CheckpointConfig | str | os.PathLike | None,
-           environ: Mapping[str, str] | None = None) -> CheckpointConfig:
+    def of(
+        cls, spec: CheckpointConfig | str | os.PathLike | None, environ: Mapping[str, str] | None = None
+    ) -> CheckpointConfig:
         """``Parallel(checkpoint=spec)``: a config, a directory (the rest default), or None; what it leaves unset
         (``dir``, ``every``, ``resume`` None; ``keep``, ``async_save`` at their defaults) comes from ``paratrain
         run``'s variables."""
         if spec is None or isinstance(spec, (str, os.PathLike)):
             return cls.from_environ(dir=spec, every=None, keep=None, resume=None, environ=environ)
         if not isinstance(spec, CheckpointConfig):
-            raise ConfigError(f"checkpoint must be a directory or a paratrain.CheckpointConfig, got "
-                              f"{type(spec).__name__}")
-        return cls.from_environ(dir=spec.dir, every=spec.every, keep=None if spec.keep == DEFAULT_KEEP else spec.keep,
-                                resume=spec.resume, async_save=spec.async_save or None, environ=environ)
+            raise ConfigError(
+                f"checkpoint must be a directory or a paratrain.CheckpointConfig, got {type(spec).__name__}"
+            )
+        return cls.from_environ(
+            dir=spec.dir,
+            every=spec.every,
+            keep=None if spec.keep == DEFAULT_KEEP else spec.keep,
+            resume=spec.resume,
+            async_save=spec.async_save or None,
+            environ=environ,
+        )
 
     @classmethod
-    def from_environ(cls, *, dir: str | os.PathLike | None, every: int | None, keep: int | None,
-                     resume: bool | None, async_save: bool | None = None,
-                     environ: Mapping[str, str] | None = None) -> CheckpointConfig:
+    def from_environ(
+        cls,
+        *,
+        dir: str | os.PathLike | None,
+        every: int | None,
+        keep: int | None,
+        resume: bool | None,
+        async_save: bool | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> CheckpointConfig:
         """Explicit arguments first, then the launcher's variables, then the defaults."""
         env = os.environ if environ is None else environ
         if dir is None:
@@ -83,8 +104,9 @@ class CheckpointConfig:
             resume = _yes(env[ENV_RESUME])
         if async_save is None:
             async_save = _yes(env.get(ENV_ASYNC, ""))
-        return cls(dir=None if dir is None else os.fspath(dir), every=every, keep=keep, resume=resume,
-                   async_save=async_save).checked()
+        return cls(
+            dir=None if dir is None else os.fspath(dir), every=every, keep=keep, resume=resume, async_save=async_save
+        ).checked()
 
     def should_resume(self, environ: Mapping[str, str] | None = None) -> bool:
         """Whether the job starts from the latest checkpoint (when one exists)."""
@@ -126,8 +148,9 @@ OLD_KEYWORDS = {"checkpoint_dir": "dir", "checkpoint_every": "every", "keep_chec
 """``Parallel``'s former checkpoint keywords → ``CheckpointConfig``'s fields."""
 
 
-def checkpoint_config(checkpoint: CheckpointConfig | str | os.PathLike | None,
-                      options: dict[str, Any]) -> CheckpointConfig:
+def checkpoint_config(
+    checkpoint: CheckpointConfig | str | os.PathLike | None, options: dict[str, Any]
+) -> CheckpointConfig:
     """``Parallel(checkpoint=...)``'s configuration; the former keywords (taken out of ``options``) still work, with
     one warning each saying what to write instead."""
     old = {OLD_KEYWORDS[k]: options.pop(k) for k in list(options) if k in OLD_KEYWORDS}
@@ -136,7 +159,9 @@ def checkpoint_config(checkpoint: CheckpointConfig | str | os.PathLike | None,
     if checkpoint is not None:
         raise ConfigError(f"checkpoint= given beside {sorted(old)}; put them all in CheckpointConfig")
     fields = ", ".join(f"{k}={v!r}" for k, v in old.items())
-    warnings.warn("Parallel's checkpoint keywords are deprecated; write "
-                  f"checkpoint=paratrain.CheckpointConfig({fields})",
-                  FutureWarning, stacklevel=3)
+    warnings.warn(
+        f"Parallel's checkpoint keywords are deprecated; write checkpoint=paratrain.CheckpointConfig({fields})",
+        FutureWarning,
+        stacklevel=3,
+    )
     return CheckpointConfig.from_environ(**{"dir": None, "every": None, "keep": None, "resume": None, **old})

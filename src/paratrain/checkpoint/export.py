@@ -1,5 +1,6 @@
 """A checkpoint's model as one plain file: ``{name: tensor}`` with full (unsharded) tensors and no wrapper
 prefixes, readable with ``torch.load(path, weights_only=True)`` and loadable into the plain model."""
+
 from __future__ import annotations
 
 import inspect
@@ -15,8 +16,9 @@ from .io import DCP_ERRORS, load_failure, quiet_single_process
 from .safety import SafePlanner, SafeReader
 
 
-def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0,
-           force: bool = False) -> dict[str, object]:
+def export(
+    path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0, force: bool = False
+) -> dict[str, object]:
     """Consolidate model ``model`` of the checkpoint at ``path`` (a ``step-…`` folder or a root) into ``out``.
 
     Runs in one process, whatever world size wrote the checkpoint: torch.distributed.checkpoint reads every
@@ -36,9 +38,10 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0,
     state: dict[str, object] = {}
     for key, item in reader.read_metadata().state_dict_metadata.items():
         if key.startswith(prefix):
-            name = key[len(prefix):]
-            state[name] = (torch.empty(item.size, dtype=item.properties.dtype)
-                           if isinstance(item, TensorStorageMetadata) else None)
+            name = key[len(prefix) :]
+            state[name] = (
+                torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+            )
     single = {"no_dist": True} if "no_dist" in inspect.signature(load).parameters else {}
     try:
         with quiet_single_process():
@@ -55,8 +58,13 @@ def export(path: str | os.PathLike, out: str | os.PathLike, *, model: int = 0,
         out.parent.mkdir(parents=True, exist_ok=True)
     layout.write_file(out, buf.getvalue())
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return {"path": out, "step": meta["step"], "tensors": len(tensors), "bytes": out.stat().st_size,
-            "parameters": sum(t.numel() for t in tensors)}
+    return {
+        "path": out,
+        "step": meta["step"],
+        "tensors": len(tensors),
+        "bytes": out.stat().st_size,
+        "parameters": sum(t.numel() for t in tensors),
+    }
 
 
 def server_shards(folder: Path) -> dict[str, torch.Tensor]:
@@ -74,7 +82,7 @@ def server_shards(folder: Path) -> dict[str, torch.Tensor]:
         for key, value in part.items():
             if not key.startswith("model."):
                 continue
-            name = key[len("model."):]
+            name = key[len("model.") :]
             if f"rows.{name}" in part:
                 rows.setdefault(name, []).append((int(part[f"rows.{name}"][0]), value))
             else:
@@ -86,7 +94,6 @@ def server_shards(folder: Path) -> dict[str, torch.Tensor]:
 
 def _check_out(out: Path, force: bool) -> None:
     if out.is_dir():
-        raise CheckpointError(f"cannot export to {out}: it is a directory; give a file path such as "
-                              f"{out / 'model.pt'}")
+        raise CheckpointError(f"cannot export to {out}: it is a directory; give a file path such as {out / 'model.pt'}")
     if out.exists() and not force:
         raise CheckpointError(f"{out} exists; pass --force (force=True) to replace it, or choose another path")

@@ -10,6 +10,7 @@ What a checkpoint holds (see :mod:`paratrain.checkpoint.layout` for the files):
   generator states;
 * ``meta.json``: format version, world size, strategy, model and optimizer classes, file sizes.
 """
+
 from __future__ import annotations
 
 import errno
@@ -103,8 +104,12 @@ def save(t: Targets, root: Path, keep: int) -> Path:
     try:
         state = tensor_state(t)
         with quiet_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=rank0_planner(),
-                     process_group=t.strategy.server.checkpoint_group())
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(tmp),
+                planner=rank0_planner(),
+                process_group=t.strategy.server.checkpoint_group(),
+            )
         alike(t, lambda: t.strategy.server.save_shards(tmp, t.rank))  # a parameter server's shards
         t.barrier()  # every rank's files are complete
         if t.rank == 0:
@@ -128,10 +133,18 @@ def begin_save(t: Targets, root: Path) -> Path:
         loaders = [loader.state_dict() for loader in t.loaders]
         layout.write_file(tmp / rank_file(t.rank), _serialise({"rng": rng.capture(), "loaders": loaders}))
         if t.rank == 0:
-            layout.write_file(tmp / TRAIN, _serialise({
-                "step": t.step, "epoch": t.epoch, "loaders": loaders,
-                "schedulers": [s.state_dict() for s in t.schedulers], "precision": t.precision.state_dict(),
-            }))
+            layout.write_file(
+                tmp / TRAIN,
+                _serialise(
+                    {
+                        "step": t.step,
+                        "epoch": t.epoch,
+                        "loaders": loaders,
+                        "schedulers": [s.state_dict() for s in t.schedulers],
+                        "precision": t.precision.state_dict(),
+                    }
+                ),
+            )
         written = None
     except OSError as e:
         written = e
@@ -182,16 +195,19 @@ def load(t: Targets, path: str | Path) -> Position:
         mine = load_file(folder / rank_file(t.rank)) if t.rank < meta["world_size"] else None
         same_world = meta["world_size"] == t.world_size
         positions = mine["loaders"] if same_world and mine is not None else train["loaders"]
-        _check_count(folder, "data loader", len(positions), len(t.loaders),
-                     "prepare the same loaders in the same order")
-        _check_count(folder, "LR scheduler", len(train["schedulers"]), len(t.schedulers),
-                     "pass the same schedulers to prepare()")
+        _check_count(
+            folder, "data loader", len(positions), len(t.loaders), "prepare the same loaders in the same order"
+        )
+        _check_count(
+            folder, "LR scheduler", len(train["schedulers"]), len(t.schedulers), "pass the same schedulers to prepare()"
+        )
         for loader, position in zip(t.loaders, positions):
             loader.load_state_dict(position, train["epoch"])  # takes effect at the loader's next pass
     try:
         with quiet_single_process():
-            dcp.load(state, storage_reader=reader, planner=SafePlanner(),
-                     process_group=t.strategy.server.checkpoint_group())
+            dcp.load(
+                state, storage_reader=reader, planner=SafePlanner(), process_group=t.strategy.server.checkpoint_group()
+            )
     except DCP_ERRORS as e:
         raise load_failure(folder, e) from None
     for i, model in enumerate(t.models):
@@ -231,8 +247,9 @@ def _why(err: OSError) -> str:
 
 def state_bytes(state: dict[str, dict[str, Any]]) -> int:
     """The bytes of the tensors ``state`` holds."""
-    return sum(v.numel() * v.element_size() for part in state.values() for v in part.values()
-               if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size() for part in state.values() for v in part.values() if isinstance(v, torch.Tensor)
+    )
 
 
 def _key(kind: str, index: int) -> str:
@@ -259,10 +276,16 @@ def checkpoint_meta(t: Targets) -> dict[str, Any]:
     from ..version import __version__
 
     return {
-        "format": FORMAT, "step": t.step, "epoch": t.epoch, "world_size": t.world_size,
-        "strategy": t.strategy.name, "models": [type(m).__name__ for m in t.models],
-        "optimizers": [_optimizer_class(o) for _, o in t.optimizers], "optimizer_state": t.step > 0,
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "paratrain": __version__,
+        "format": FORMAT,
+        "step": t.step,
+        "epoch": t.epoch,
+        "world_size": t.world_size,
+        "strategy": t.strategy.name,
+        "models": [type(m).__name__ for m in t.models],
+        "optimizers": [_optimizer_class(o) for _, o in t.optimizers],
+        "optimizer_state": t.step > 0,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "paratrain": __version__,
         "torch": torch.__version__,
     }
 
@@ -274,19 +297,24 @@ def _optimizer_class(optimizer: torch.optim.Optimizer) -> str:
 
 def _check_meta(folder: Path, meta: dict[str, Any], t: Targets, weights_only: bool) -> None:
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {folder} has format {meta.get('format')!r}; this paratrain reads "
-                              f"format {FORMAT}")
+        raise CheckpointError(
+            f"checkpoint {folder} has format {meta.get('format')!r}; this paratrain reads format {FORMAT}"
+        )
     _check_count(folder, "model", len(meta["models"]), len(t.models), "prepare the same models")
     if weights_only:
         return
     _check_count(folder, "optimizer", len(meta["optimizers"]), len(t.optimizers), "prepare the same optimizers")
     here = [_optimizer_class(o) for _, o in t.optimizers]
     if meta["optimizers"] != here:
-        raise CheckpointError(f"checkpoint {folder} was saved with optimizer(s) {', '.join(meta['optimizers'])}; "
-                              f"this job uses {', '.join(here)}")
+        raise CheckpointError(
+            f"checkpoint {folder} was saved with optimizer(s) {', '.join(meta['optimizers'])}; "
+            f"this job uses {', '.join(here)}"
+        )
     if not meta["optimizer_state"] and t.step > 0:
-        raise CheckpointError(f"checkpoint {folder} was saved before the first optimizer step and holds no optimizer "
-                              "state; load it before training, not into a job that has stepped")
+        raise CheckpointError(
+            f"checkpoint {folder} was saved before the first optimizer step and holds no optimizer "
+            "state; load it before training, not into a job that has stepped"
+        )
 
 
 def _check_count(folder: Path, what: str, saved: int, here: int, fix: str) -> None:
@@ -306,8 +334,9 @@ def _check_fit(folder: Path, saved: dict[str, Any], state: dict[str, dict[str, A
             key = f"{top}.{name}"
             if key not in saved:
                 missing.append(key)
-            elif (isinstance(value, torch.Tensor)
-                  and tuple(getattr(saved[key], "size", value.shape)) != tuple(value.shape)):
+            elif isinstance(value, torch.Tensor) and tuple(getattr(saved[key], "size", value.shape)) != tuple(
+                value.shape
+            ):
                 shapes.append(f"{key} (saved {tuple(saved[key].size)}, here {tuple(value.shape)})")
     model_keys = [f"{top}.{name}" for top, part in state.items() if top.startswith("model") for name in part]
     gathered = t.gather((model_keys, missing, shapes))  # a rank may hold only part of the model
@@ -325,9 +354,11 @@ def _check_fit(folder: Path, saved: dict[str, Any], state: dict[str, dict[str, A
         if any(k.startswith(part) for k in shapes):
             problems.append(f"different shapes: {_few([k for k in shapes if k.startswith(part)])}")
         if problems:
-            raise CheckpointError(f"checkpoint {folder} does not fit this job's "
-                                  f"{part if part == 'model' else 'optimizer'}"
-                                  f": {'; '.join(problems)}; load it into the model and optimizer it was saved from")
+            raise CheckpointError(
+                f"checkpoint {folder} does not fit this job's "
+                f"{part if part == 'model' else 'optimizer'}"
+                f": {'; '.join(problems)}; load it into the model and optimizer it was saved from"
+            )
 
 
 def _few(items: list[str], n: int = 3) -> str:
@@ -363,8 +394,10 @@ def load_failure(folder: Path, err: BaseException) -> CheckpointError:
     """A failed DCP read: a refusal as it is, anything else (bytes that do not unpickle) as a damaged folder."""
     if isinstance(_inner(err), CheckpointError):
         return CheckpointError(f"could not load checkpoint {folder}: {_inner(err)}")
-    return CheckpointError(f"checkpoint {folder} is damaged or unsafe: a tensor file cannot be read "
-                           f"({first_failure(err)}); load an older checkpoint (delete this folder)")
+    return CheckpointError(
+        f"checkpoint {folder} is damaged or unsafe: a tensor file cannot be read "
+        f"({first_failure(err)}); load an older checkpoint (delete this folder)"
+    )
 
 
 def _inner(err: BaseException) -> BaseException:

@@ -16,6 +16,7 @@ A save writes everything into ``tmp-…``, then rank 0 renames the folder and on
 (write a temporary file, ``os.replace``). A crash at any moment leaves the previous checkpoint and the
 pointer to it intact.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def step_name(step: int) -> str:
 def check_root(root: Path) -> None:
     """A checkpoint directory must be a directory (or not exist yet)."""
     if root.exists() and not root.is_dir():
-        raise CheckpointError(f"cannot save a checkpoint into {root}: it is a file; checkpoints go into a directory "
-                              "(give a folder path, e.g. ckpt/)")
+        raise CheckpointError(
+            f"cannot save a checkpoint into {root}: it is a file; checkpoints go into a directory "
+            "(give a folder path, e.g. ckpt/)"
+        )
 
 
 def begin(root: Path, step: int) -> Path:
@@ -58,8 +61,11 @@ def begin(root: Path, step: int) -> Path:
 def write_meta(folder: Path, meta: dict[str, Any]) -> None:
     """Record every file's size next to ``meta``, so a truncated file is caught before anything is read; files in
     subfolders (a parameter server's shard) by their path inside ``folder``."""
-    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
-             if p.is_file() and p != folder / META}
+    files = {
+        p.relative_to(folder).as_posix(): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p != folder / META
+    }
     write_file(folder / META, json.dumps({**meta, "files": files}, indent=1).encode())
 
 
@@ -126,8 +132,10 @@ def read_meta(folder: Path) -> dict[str, Any]:
         except OSError:
             raise CheckpointError(f"checkpoint {folder} is incomplete: {name} is missing") from None
         if actual != size:
-            raise CheckpointError(f"checkpoint {folder} is damaged: {name} has {actual} bytes, {size} were written; "
-                                  "load an older checkpoint (delete this folder)")
+            raise CheckpointError(
+                f"checkpoint {folder} is damaged: {name} has {actual} bytes, {size} were written; "
+                "load an older checkpoint (delete this folder)"
+            )
     return meta
 
 

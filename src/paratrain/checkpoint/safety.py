@@ -13,6 +13,7 @@ a program unless every unpickling is restricted. What a checkpoint holds and how
 
 The checks run before DCP's own reads, on the same bytes, so DCP only ever unpickles what passed them.
 """
+
 from __future__ import annotations
 
 import io
@@ -26,17 +27,32 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..errors import CheckpointError
 
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                 "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # maps a layout's name ("torch.strided") to the layout
-    ("collections", "OrderedDict"),
-} | {(module, cls) for module in ("pathlib", "pathlib._local")
-     for cls in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
+_METADATA_GLOBALS = (
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # maps a layout's name ("torch.strided") to the layout
+        ("collections", "OrderedDict"),
+    }
+    | {
+        (module, cls)
+        for module in ("pathlib", "pathlib._local")
+        for cls in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -58,8 +74,9 @@ def check_metadata(path: Path) -> None:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path.parent} is incomplete: {path.name} is missing") from None
     except Exception as e:  # truncated or garbage bytes fail in many ways
-        raise CheckpointError(f"checkpoint {path.parent} is damaged: cannot read {path.name} "
-                              f"({torch_reason(e)})") from None
+        raise CheckpointError(
+            f"checkpoint {path.parent} is damaged: cannot read {path.name} ({torch_reason(e)})"
+        ) from None
 
 
 class SafeReader(FileSystemReader):
@@ -77,14 +94,21 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             torch.load(value, weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"refusing to load the value of {read_item.dest_index.fqn!r}: it is damaged or not "
-                                  f"plain data ({torch_reason(e)})") from None
+            raise CheckpointError(
+                f"refusing to load the value of {read_item.dest_index.fqn!r}: it is damaged or not "
+                f"plain data ({torch_reason(e)})"
+            ) from None
         value.seek(0)
         super().load_bytes(read_item, value)
 
 
-_ADVICE = (" In PyTorch 2.6", " Re-running `torch.load`", " This is an internal", " If you are seeing this",
-           " Please file")
+_ADVICE = (
+    " In PyTorch 2.6",
+    " Re-running `torch.load`",
+    " This is an internal",
+    " If you are seeing this",
+    " Please file",
+)
 
 
 def torch_reason(err: BaseException) -> str:
@@ -104,5 +128,7 @@ def load_file(path: Path) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path.parent} is incomplete: {path.name} is missing") from None
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path.parent} is damaged or unsafe: cannot load {path.name} "
-                              f"({torch_reason(e)}); load an older checkpoint (delete this folder)") from None
+        raise CheckpointError(
+            f"checkpoint {path.parent} is damaged or unsafe: cannot load {path.name} "
+            f"({torch_reason(e)}); load an older checkpoint (delete this folder)"
+        ) from None

@@ -4,6 +4,7 @@ cannot join their collective). Read with the same allow-listed reader as every c
 
 A failure is a one-line ``CheckpointError``: DCP's own ``CheckpointException`` derives from ``BaseException``, so a
 caller that serves on after a failed request (``except Exception``) would otherwise die of a damaged file."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -55,9 +56,11 @@ def read_alone(folder: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = SafeReader(folder)
-    state = {key: torch.empty(item.size, dtype=item.properties.dtype)
-             for key, item in reader.read_metadata().state_dict_metadata.items()
-             if isinstance(item, TensorStorageMetadata)}
+    state = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
     try:
         with quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=True)

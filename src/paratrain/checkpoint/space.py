@@ -3,6 +3,7 @@
 A full disk otherwise shows as a C++ error from deep inside torch's writer ("inline_container.cc … unexpected
 pos") and leaves a ``tmp-step-*`` folder that keeps the disk full.
 """
+
 from __future__ import annotations
 
 import errno
@@ -65,9 +66,11 @@ def no_space_message(root: Path, tmp: Path, fallback: int) -> str:
         free = 0
     previous = layout.latest(root) if root.is_dir() else None
     kept = f"the previous checkpoint {previous.name} is kept" if previous else "no earlier checkpoint exists"
-    return (f"no space left on {disk_of(root)} for checkpoint {tmp.name}: it needs about "
-            f"{_size(needed_bytes(root, fallback))}, {_size(free)} is free; the partial folder was removed and {kept}"
-            "; free space there or save elsewhere (Parallel(checkpoint=DIR), --checkpoint-dir)")
+    return (
+        f"no space left on {disk_of(root)} for checkpoint {tmp.name}: it needs about "
+        f"{_size(needed_bytes(root, fallback))}, {_size(free)} is free; the partial folder was removed and {kept}"
+        "; free space there or save elsewhere (Parallel(checkpoint=DIR), --checkpoint-dir)"
+    )
 
 
 def remove_partial(tmp: Path) -> None:

@@ -6,6 +6,7 @@ parameters are grouped or partitioned. Sharded tensors (FSDP's DTensors) stay sh
 holds, and a load onto another world size or strategy takes whatever slice each rank now needs. A rank that
 holds only part of the model (a pipeline stage, a ZeRO-1 partition of the optimizer) saves and loads that part.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -49,5 +50,10 @@ def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, st
 
 def hyperparameters(groups: list[dict[str, Any]], names: dict[int, str]) -> dict[str, Any]:
     """Every parameter's group settings under the flattened keys DCP uses (``param_groups.<name>.<key>``)."""
-    return {f"param_groups.{names[id(p)]}.{k}": v
-            for group in groups for p in group["params"] for k, v in group.items() if k != "params"}
+    return {
+        f"param_groups.{names[id(p)]}.{k}": v
+        for group in groups
+        for p in group["params"]
+        for k, v in group.items()
+        if k != "params"
+    }

@@ -11,6 +11,7 @@ not the head) is found under any name of its tie. Everything is checked on every
 copied, so a file for another model is one line and never a partly loaded model: names missing or unexpected, shapes
 that differ, a truncated file. Values are converted to the dtype the prepared model holds (its precision's).
 """
+
 from __future__ import annotations
 
 import json
@@ -80,8 +81,10 @@ class _Source:
 
 def _unreadable(path: Path, err: BaseException) -> CheckpointError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return CheckpointError(f"cannot read weights from {path} ({first}); the file is truncated or not a safetensors / "
-                           "torch file: write it again")
+    return CheckpointError(
+        f"cannot read weights from {path} ({first}); the file is truncated or not a safetensors / "
+        "torch file: write it again"
+    )
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -102,8 +105,9 @@ def open_source(path: str | os.PathLike) -> _Source:
     torch state-dict file (``.pt``, ``.bin``, ``paratrain export``'s output, a folder's ``pytorch_model.bin``)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"no weights at {path}: give a .safetensors file, a folder of them, or a torch "
-                              "state-dict file")
+        raise CheckpointError(
+            f"no weights at {path}: give a .safetensors file, a folder of them, or a torch state-dict file"
+        )
     source = _Source(path)
     files = _safetensors_files(path) if path.is_dir() or path.suffix == ".safetensors" else []
     if path.is_dir() and not files and (path / "pytorch_model.bin").exists():
@@ -131,8 +135,10 @@ def open_source(path: str | os.PathLike) -> _Source:
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path} is not a state dict ({{name: tensor}}); save one with torch.save(model."
-                              "state_dict(), path) or paratrain export")
+        raise CheckpointError(
+            f"{path} is not a state dict ({{name: tensor}}); save one with torch.save(model."
+            "state_dict(), path) or paratrain export"
+        )
     source._torch = state
     source.files = {k: path for k in state}
     source.shapes = {k: tuple(v.shape) for k, v in state.items()}
@@ -163,7 +169,7 @@ def _candidates(name: str, prefix: str | None, facts: ModelFacts | None) -> Iter
     for n in names:
         yield n
         if prefix:
-            yield n[len(prefix) + 1:] if n.startswith(prefix + ".") else f"{prefix}.{n}"
+            yield n[len(prefix) + 1 :] if n.startswith(prefix + ".") else f"{prefix}.{n}"
 
 
 def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -265,8 +271,9 @@ def load_weights(model: nn.Module, path: str | os.PathLike, facts: ModelFacts | 
     return {"tensors": len(plan), "bytes_read": source.bytes_read, "files": len(set(source.files.values()))}
 
 
-def _plan(source: _Source, held: dict[str, torch.Tensor], prefix: str | None,
-          facts: ModelFacts) -> tuple[dict[str, str], set[str]]:
+def _plan(
+    source: _Source, held: dict[str, torch.Tensor], prefix: str | None, facts: ModelFacts
+) -> tuple[dict[str, str], set[str]]:
     """held name → checkpoint key, and the keys of tied tensors' other names (read once, under the first); a
     ``CheckpointError`` naming the first missing or mis-shaped tensors."""
     plan: dict[str, str] = {}
@@ -286,11 +293,14 @@ def _plan(source: _Source, held: dict[str, torch.Tensor], prefix: str | None,
             planned.add(id(t))
             plan[name] = key
     if missing:
-        raise CheckpointError(f"{source.path} lacks {len(missing)} tensor(s) of the model: {_few(missing)}; is it "
-                              "this model's checkpoint?")
+        raise CheckpointError(
+            f"{source.path} lacks {len(missing)} tensor(s) of the model: {_few(missing)}; is it "
+            "this model's checkpoint?"
+        )
     if shapes:
-        raise CheckpointError(f"{source.path} has tensors of other shapes than the model: {_few(shapes)}; is it "
-                              "this model's?")
+        raise CheckpointError(
+            f"{source.path} has tensors of other shapes than the model: {_few(shapes)}; is it this model's?"
+        )
     return plan, aliases
 
 
@@ -303,5 +313,7 @@ def _agreed_unexpected(source: _Source, used: set[str]) -> str | None:
     unexpected = sorted(set(source.shapes) - used)
     if not unexpected:
         return None
-    return (f"{source.path} holds {len(unexpected)} tensor(s) the model has not: {_few(unexpected)}; is it this "
-            "model's checkpoint?")
+    return (
+        f"{source.path} holds {len(unexpected)} tensor(s) the model has not: {_few(unexpected)}; is it this "
+        "model's checkpoint?"
+    )

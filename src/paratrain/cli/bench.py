@@ -16,6 +16,7 @@ rows that put more ranks (x threads) than there are physical cores or GPUs are m
 servers (ps) runs in a job of its own; its rows time its workers (world minus --ps-servers). --json also writes a PNG
 plot beside the JSON. See docs/bench.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,20 +24,34 @@ from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    return sub.add_parser("bench", help="measure speedup, efficiency, communication and memory per world size",
-                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        "bench",
+        help="measure speedup, efficiency, communication and memory per world size",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="mlp",
-                   help="mlp, cnn, gpt-tiny, gpt-moe-tiny, recommender, recommender-tiny, or module:factory "
-                        "(default: mlp)")
-    p.add_argument("-n", "--nproc", default=None,
-                   help="world sizes, comma-separated (default: 1,2 on a CPU, 1,2,4… up to the GPUs)")
+    p.add_argument(
+        "--workload",
+        default="mlp",
+        help="mlp, cnn, gpt-tiny, gpt-moe-tiny, recommender, recommender-tiny, or module:factory (default: mlp)",
+    )
+    p.add_argument(
+        "-n",
+        "--nproc",
+        default=None,
+        help="world sizes, comma-separated (default: 1,2 on a CPU, 1,2,4… up to the GPUs)",
+    )
     p.add_argument("--strategies", default="ddp", help="comma-separated strategies (default: ddp)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree inside ddp, zero2 and zero3 (and the 'tp' strategy)")
-    p.add_argument("--ps-servers", type=int, metavar="S",
-                   help="serving ranks of the ps strategy (the last S of each world size; default 1)")
+    p.add_argument(
+        "--ps-servers",
+        type=int,
+        metavar="S",
+        help="serving ranks of the ps strategy (the last S of each world size; default 1)",
+    )
     p.add_argument("--scaling", choices=("weak", "strong"), default="weak")
     p.add_argument("--batch", type=int, default=64, help="samples per replica (weak) or per step (strong); default 64")
     p.add_argument("--steps", type=int, default=20, help="timed steps per block (default 20)")
@@ -46,24 +61,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", action="store_true", help="also run 1 process with the threads of k ranks")
     p.add_argument("--threads-per-rank", type=int, help="threads per rank (default: cores / largest world size)")
     p.add_argument("--accelerator", default="auto", help="auto, cpu or cuda (default: auto)")
-    p.add_argument("--no-comm-probe", action="store_true",
-                   help="skip the extra passes that measure communication share and imbalance")
+    p.add_argument(
+        "--no-comm-probe",
+        action="store_true",
+        help="skip the extra passes that measure communication share and imbalance",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, metavar="PATH", help="write every measurement as JSON (and a PNG beside it)")
     p.add_argument("--csv", type=Path, metavar="PATH", help="write one line per configuration as CSV")
     p.add_argument("--plot", type=Path, metavar="PATH", help="write the PNG plot here (default: beside --json)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
-    p.add_argument("--tf", action="store_true",
-                   help="TensorFlow: a Keras job per world size (MultiWorkerMirroredStrategy), weak scaling")
+    p.add_argument(
+        "--tf",
+        action="store_true",
+        help="TensorFlow: a Keras job per world size (MultiWorkerMirroredStrategy), weak scaling",
+    )
 
 
 def execute(args: argparse.Namespace) -> int:
     from ..bench import run_bench_cli
 
-    return run_bench_cli(workload=args.workload, nproc=args.nproc, strategies=args.strategies, tp=args.tp,
-                         servers=args.ps_servers,
-                         scaling=args.scaling,
-                         batch=args.batch, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-                         compare=args.compare, threads=args.threads, threads_per_rank=args.threads_per_rank,
-                         accelerator=args.accelerator, comm_probe=not args.no_comm_probe, seed=args.seed,
-                         json_path=args.json, csv_path=args.csv, plot_path=args.plot, plot=not args.no_plot)
+    return run_bench_cli(
+        workload=args.workload,
+        nproc=args.nproc,
+        strategies=args.strategies,
+        tp=args.tp,
+        servers=args.ps_servers,
+        scaling=args.scaling,
+        batch=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        compare=args.compare,
+        threads=args.threads,
+        threads_per_rank=args.threads_per_rank,
+        accelerator=args.accelerator,
+        comm_probe=not args.no_comm_probe,
+        seed=args.seed,
+        json_path=args.json,
+        csv_path=args.csv,
+        plot_path=args.plot,
+        plot=not args.no_plot,
+    )

@@ -9,14 +9,19 @@ Examples:
 
 Each process runs ``python -m paratrain.demo`` with the same options (``paratrain.demo.config.DemoConfig``).
 """
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    return sub.add_parser("demo", help="train a CNN on the bundled handwritten digits", description=__doc__,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        "demo",
+        help="train a CNN on the bundled handwritten digits",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,9 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..flags import add_flags
 
     add_flags(p, DemoConfig)
-    p.add_argument("--tf", action="store_true",
-                   help="the TensorFlow demo: a Keras CNN under MultiWorkerMirroredStrategy (needs paratrain[tf]; "
-                        "--fail-at-step then counts epochs)")
+    p.add_argument(
+        "--tf",
+        action="store_true",
+        help="the TensorFlow demo: a Keras CNN under MultiWorkerMirroredStrategy (needs paratrain[tf]; "
+        "--fail-at-step then counts epochs)",
+    )
 
 
 def execute(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """Old spellings that still work, each with one line naming the new one: ``plan --dry-run`` (now ``paratrain
 dry-run``) and ``plan --show-tp-plan [auto]`` (now ``paratrain tp-plan [--auto]``). Their flags are hidden from
 ``plan --help``; ``--world`` and ``--strategy`` were ``--dry-run``'s alone."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,10 @@ def run_old_plan_mode(args: argparse.Namespace) -> int | None:
         if value is not None:
             from ..errors import ConfigError
 
-            raise ConfigError(f"{flag} is `paratrain dry-run`'s flag (plan compares every layout); run "
-                              f"`paratrain dry-run {flag} {value} ...`")
+            raise ConfigError(
+                f"{flag} is `paratrain dry-run`'s flag (plan compares every layout); run "
+                f"`paratrain dry-run {flag} {value} ...`"
+            )
     return None
 
 
@@ -34,11 +37,18 @@ def _dry_run(args: argparse.Namespace) -> int:
 
     _note("`paratrain plan --dry-run` is now `paratrain dry-run` (--world N --per-node G for --gpus/--nodes)")
     per_node = args.gpus if args.world is None or args.gpus > 1 else 8
-    config = DryRunConfig(model=args.model, model_config=args.model_config,
-                          world=args.gpus * args.nodes if args.world is None else args.world, per_node=per_node,
-                          strategy=args.strategy or "zero3", tp=args.tp, dp=args.dp,
-                          precision="fp32" if args.precision == "auto" else args.precision, optimizer=args.optimizer,
-                          json=args.json)
+    config = DryRunConfig(
+        model=args.model,
+        model_config=args.model_config,
+        world=args.gpus * args.nodes if args.world is None else args.world,
+        per_node=per_node,
+        strategy=args.strategy or "zero3",
+        tp=args.tp,
+        dp=args.dp,
+        precision="fp32" if args.precision == "auto" else args.precision,
+        optimizer=args.optimizer,
+        json=args.json,
+    )
     return run_dry_run(config)
 
 
@@ -47,8 +57,10 @@ def _tp_plan(args: argparse.Namespace) -> int:
     from ..plan_commands.tp_plan import TpPlanConfig, run_tp_plan
     from ..planner import ModelSpec
 
-    _note(f"`paratrain plan --show-tp-plan{' auto' if args.show_tp_plan == 'auto' else ''}` is now `paratrain "
-          f"tp-plan{' --auto' if args.show_tp_plan == 'auto' else ''}`")
+    _note(
+        f"`paratrain plan --show-tp-plan{' auto' if args.show_tp_plan == 'auto' else ''}` is now `paratrain "
+        f"tp-plan{' --auto' if args.show_tp_plan == 'auto' else ''}`"
+    )
     return run_tp_plan(TpPlanConfig(model_spec=build(ModelSpec, args), tp=args.tp, auto=args.show_tp_plan == "auto"))
 
 

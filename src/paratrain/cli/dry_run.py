@@ -9,14 +9,19 @@ The model is built on the meta device and wrapped by the strategy's own code ove
 nothing is allocated, nothing is launched. Exit code 1 when the layout fails as a launch would.
 See docs/large-models.md.
 """
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    return sub.add_parser("dry-run", help="lay a model out as every rank of a world of N would, without a launch",
-                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        "dry-run",
+        help="lay a model out as every rank of a world of N would, without a launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

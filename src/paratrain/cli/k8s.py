@@ -7,14 +7,19 @@ Examples:
 Each node's container runs `paratrain run`, which reads the PET_* variables the Trainer sets. Submit with
 `kubectl apply -f job.yaml`. See docs/kubernetes.md.
 """
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    return sub.add_parser("k8s", help="write a Kubeflow Trainer TrainJob manifest for a multi-node job",
-                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        "k8s",
+        help="write a Kubeflow Trainer TrainJob manifest for a multi-node job",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,10 +27,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..launcher.trainjob import TrainJobSpec
 
     add_flags(p, TrainJobSpec)
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="a variable for every node's container (repeatable)")
-    p.add_argument("--output", metavar="FILE", help="write the manifest to FILE (JSON if it ends in .json) "
-                                                    "instead of printing it")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a variable for every node's container (repeatable)",
+    )
+    p.add_argument(
+        "--output", metavar="FILE", help="write the manifest to FILE (JSON if it ends in .json) instead of printing it"
+    )
     p.add_argument("target", help="training script (or module with -m), as a path inside the image")
     p.add_argument("target_args", nargs=argparse.REMAINDER, help="arguments for the script")
 

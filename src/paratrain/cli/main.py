@@ -16,6 +16,7 @@ Commands:
 run, demo, bench and verify take --tf: the same command for TensorFlow (Keras tf.distribute; paratrain[tf]).
 Errors print one line; add --debug (before the command) for the full traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,19 @@ from typing import NoReturn
 from ..errors import JobInterrupted, ParatrainError, RankFailedError
 from . import bench, demo, doctor, dry_run, export, k8s, plan, run, slurm, tp_plan, verify
 
-COMMANDS = {"run": run, "demo": demo, "plan": plan, "tp-plan": tp_plan, "dry-run": dry_run, "doctor": doctor,
-            "bench": bench, "verify": verify, "slurm": slurm, "k8s": k8s, "export": export}
+COMMANDS = {
+    "run": run,
+    "demo": demo,
+    "plan": plan,
+    "tp-plan": tp_plan,
+    "dry-run": dry_run,
+    "doctor": doctor,
+    "bench": bench,
+    "verify": verify,
+    "slurm": slurm,
+    "k8s": k8s,
+    "export": export,
+}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -89,7 +101,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         return parser.parse_args(argv)
     # argparse's REMAINDER drops leading options of a sub-command; hand `run`'s arguments over untouched.
     args = parser.parse_args([*argv[:head], "run"])
-    args.argv = argv[head + 1:]
+    args.argv = argv[head + 1 :]
     return args
 
 

@@ -19,14 +19,19 @@ the meta device, called as training calls it (targets to a forward that takes th
 Memory is in GiB (2**30 bytes), bandwidth in GB/s. See docs/planner.md. The tensor-parallel plan a model gets
 is `paratrain tp-plan`; a layout tried for real on a fake process group, `paratrain dry-run`.
 """
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    return sub.add_parser("plan", help="estimate memory and step time per strategy and recommend one",
-                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        "plan",
+        help="estimate memory and step time per strategy and recommend one",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

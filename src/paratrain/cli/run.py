@@ -1,13 +1,18 @@
 """``paratrain run``: torchrun-compatible launcher (see :mod:`paratrain.launcher.torchrun`); with ``--tf`` before the
 script, TensorFlow's (:mod:`paratrain.tf.launcher`)."""
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    return sub.add_parser("run", add_help=False, help="launch a script on N processes (torchrun flags)",
-                          description="torchrun-compatible launcher; `paratrain run --help` lists every flag")
+    return sub.add_parser(
+        "run",
+        add_help=False,
+        help="launch a script on N processes (torchrun flags)",
+        description="torchrun-compatible launcher; `paratrain run --help` lists every flag",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

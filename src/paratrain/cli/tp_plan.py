@@ -8,14 +8,19 @@ Examples:
 The model's own or built-in plan, else one inferred from its blocks (--auto: the inferred one even where a plan is
 built in), with the inferred plan's reasons as comments. See docs/tensor-parallel.md.
 """
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    return sub.add_parser("tp-plan", help="print the tensor-parallel plan a model gets at degree N",
-                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        "tp-plan",
+        help="print the tensor-parallel plan a model gets at degree N",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,36 +17,59 @@ FAIL with the first diverging step and parameter and the causes found (unsharded
 loss not divided under accumulation, unsynchronised BatchNorm). Exit code 0 when
 every strategy passes, 1 otherwise. See docs/verify.md.
 """
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    return sub.add_parser("verify", help="check that a parallel run equals one process on the global batch",
-                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        "verify",
+        help="check that a parallel run equals one process on the global batch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("factory", nargs="?", help="module:function returning a paratrain.verify.VerifySpec")
-    p.add_argument("--tf", action="store_true",
-                   help="TensorFlow: N Keras workers (MultiWorkerMirroredStrategy) vs one; the factory (optional, "
-                        "default the digits CNN) returns (model, x, y[, loss])")
-    p.add_argument("--tf-mistake", choices=("none", "seed", "unsharded", "unscaled"), default="none",
-                   help=argparse.SUPPRESS)  # makes a usual mistake on purpose: the diagnosis is tested with it
-    p.add_argument("--strategy", "--strategies", dest="strategies", default="ddp",
-                   help="strategy, or several comma-separated (default: ddp)")
+    p.add_argument(
+        "--tf",
+        action="store_true",
+        help="TensorFlow: N Keras workers (MultiWorkerMirroredStrategy) vs one; the factory (optional, "
+        "default the digits CNN) returns (model, x, y[, loss])",
+    )
+    p.add_argument(
+        "--tf-mistake", choices=("none", "seed", "unsharded", "unscaled"), default="none", help=argparse.SUPPRESS
+    )  # makes a usual mistake on purpose: the diagnosis is tested with it
+    p.add_argument(
+        "--strategy",
+        "--strategies",
+        dest="strategies",
+        default="ddp",
+        help="strategy, or several comma-separated (default: ddp)",
+    )
     p.add_argument("-n", "--nproc", type=int, default=2, help="processes (default: 2)")
-    p.add_argument("--tp", type=int,
-                   help="tensor-parallel degree inside ddp, zero2 and zero3 (the spec's tp_plan, else the model's "
-                        "built-in plan); a spec whose options give another tp is a one-line error")
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel degree inside ddp, zero2 and zero3 (the spec's tp_plan, else the model's "
+        "built-in plan); a spec whose options give another tp is a one-line error",
+    )
     p.add_argument("--steps", type=int, help="optimizer steps to compare (default: two epochs, at most 50)")
-    p.add_argument("--tolerance", type=float,
-                   help="judge with this fixed tolerance, relative to values above 1, instead of the noise floor "
-                        "measured by a second reference run (default: the floor)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        help="judge with this fixed tolerance, relative to values above 1, instead of the noise floor "
+        "measured by a second reference run (default: the floor)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the parallel job is stopped")
-    p.add_argument("--accelerator", default="auto",
-                   help="auto (a GPU per process when there are enough, else the CPU), cpu or cuda")
+    p.add_argument(
+        "--accelerator",
+        default="auto",
+        help="auto (a GPU per process when there are enough, else the CPU), cpu or cuda",
+    )
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
 
 
@@ -57,6 +80,14 @@ def execute(args: argparse.Namespace) -> int:
         raise ConfigError("verify needs module:function (or --tf) (see `paratrain verify --help`)")
     from ..verify.command import verify_command
 
-    return verify_command(factory=args.factory, strategies=args.strategies, nprocs=args.nproc, steps=args.steps,
-                          tolerance=args.tolerance, timeout_s=args.timeout, accelerator=args.accelerator,
-                          as_json=args.json, tp=args.tp)
+    return verify_command(
+        factory=args.factory,
+        strategies=args.strategies,
+        nprocs=args.nproc,
+        steps=args.steps,
+        tolerance=args.tolerance,
+        timeout_s=args.timeout,
+        accelerator=args.accelerator,
+        as_json=args.json,
+        tp=args.tp,
+    )

@@ -4,6 +4,7 @@
 :mod:`.command` starts the job on N processes, :mod:`.job` is what each process runs (``python -m paratrain.demo``).
 Names load on first use, so importing the config imports no torch.
 """
+
 from __future__ import annotations
 
 from ..lazy import lazy_getattr

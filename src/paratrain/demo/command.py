@@ -1,4 +1,5 @@
 """``paratrain demo``: the demo job (:mod:`.job`) on N processes through ``paratrain run``."""
+
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -12,8 +13,17 @@ def run_demo(config: DemoConfig) -> int:
 
     nproc = config.nproc or (1 if config.strategy == "dp" else default_nproc())  # DataParallel: one process
     check_launch(config, nproc)
-    run(["--nproc-per-node", str(nproc), "--max-restarts", str(config.max_restarts), "-m", "paratrain.demo",
-         *to_argv(config, skip=LAUNCH_FIELDS)])
+    run(
+        [
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts",
+            str(config.max_restarts),
+            "-m",
+            "paratrain.demo",
+            *to_argv(config, skip=LAUNCH_FIELDS),
+        ]
+    )
     return 0
 
 

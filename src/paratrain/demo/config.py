@@ -5,6 +5,7 @@ No torch here: TensorFlow's demo job reads this config in a process torch never 
 whether it runs on the job's processes, are checked against the registry before the launch (``command.check_launch``)
 and again by ``Parallel`` in each process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,8 +58,21 @@ class DemoConfig:
     """Log the training monitor's per-rank figures to this CSV."""
 
     def __post_init__(self) -> None:
-        at_least(self, {"nproc": 1, "tp": 1, "staleness": 0, "epochs": 1, "batch_size": 1, "accumulate": 1,
-                        "checkpoint_every": 1, "max_restarts": 0, "fail_at_step": 1, "fail_rank": 0})
+        at_least(
+            self,
+            {
+                "nproc": 1,
+                "tp": 1,
+                "staleness": 0,
+                "epochs": 1,
+                "batch_size": 1,
+                "accumulate": 1,
+                "checkpoint_every": 1,
+                "max_restarts": 0,
+                "fail_at_step": 1,
+                "fail_rank": 0,
+            },
+        )
         positive(self, ("lr",))
         if (self.checkpoint_every is not None or self.checkpoint_async or self.resume) and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every, --checkpoint-async and --resume need --checkpoint-dir")

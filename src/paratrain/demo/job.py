@@ -7,6 +7,7 @@ With ``--checkpoint-dir D --checkpoint-every N`` it checkpoints itself; ``--fail
 SIGKILLs rank R after optimizer step S on the job's first attempt, so ``paratrain demo --max-restarts 1`` shows
 a restart resuming from the latest checkpoint and ending with the same final SHA-256 as an uninterrupted run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ from .config import LAUNCH_FIELDS, DemoConfig
 
 def parse(argv: list[str] | None = None) -> DemoConfig:
     """This process's options: ``DemoConfig``'s flags, less the launcher's own."""
-    parser = argparse.ArgumentParser(prog="paratrain.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="paratrain.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_flags(parser, DemoConfig, skip=LAUNCH_FIELDS)
     return build(DemoConfig, parser.parse_args(argv))
 
@@ -45,8 +47,10 @@ def micro_batch(config: DemoConfig, par: Parallel) -> int:
 
     parts = par.data_parallel_size * config.accumulate
     if config.batch_size % parts:
-        raise ConfigError(f"--batch-size {config.batch_size} does not split over {par.data_parallel_size} "
-                          f"replica(s) x {config.accumulate} accumulation step(s); use a multiple of {parts}")
+        raise ConfigError(
+            f"--batch-size {config.batch_size} does not split over {par.data_parallel_size} "
+            f"replica(s) x {config.accumulate} accumulation step(s); use a multiple of {parts}"
+        )
     return config.batch_size // parts
 
 
@@ -73,10 +77,21 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     config = parse(argv)
     monitor = MonitorConfig(csv=config.monitor_csv)  # its summary table closes the output
     # deterministic kernels: the final SHA-256 then compares two runs bit for bit on a GPU too
-    checkpoint = CheckpointConfig(dir=config.checkpoint_dir, every=config.checkpoint_every,
-                                  resume=True if config.resume else None, async_save=config.checkpoint_async)
-    with Parallel(config.strategy, accumulate=config.accumulate, seed=config.seed, job=JobConfig(deterministic=True),
-                  checkpoint=checkpoint, monitor=monitor, **config.strategy_options()) as par:
+    checkpoint = CheckpointConfig(
+        dir=config.checkpoint_dir,
+        every=config.checkpoint_every,
+        resume=True if config.resume else None,
+        async_save=config.checkpoint_async,
+    )
+    with Parallel(
+        config.strategy,
+        accumulate=config.accumulate,
+        seed=config.seed,
+        job=JobConfig(deterministic=True),
+        checkpoint=checkpoint,
+        monitor=monitor,
+        **config.strategy_options(),
+    ) as par:
         train_set, test_set = load_digits_split(seed=config.seed)
         model = digits_cnn()
         optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
@@ -88,8 +103,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         steps = config.epochs * -(-len(train) // config.accumulate)
         schedule = par.prepare(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(steps, 1)))
         test = par.prepare_loader(test, even=False, shard=not config.staleness)  # async ps: each worker scores alone
-        par.print(f"paratrain demo: digits CNN, {len(train_set)} train / {len(test_set)} test samples, "
-                  f"{par.world_size} process(es), {par!r}")
+        par.print(
+            f"paratrain demo: digits CNN, {len(train_set)} train / {len(test_set)} test samples, "
+            f"{par.world_size} process(es), {par!r}"
+        )
         start = time.perf_counter()
         seen = 0
         acc = 0.0
@@ -111,25 +128,33 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                     bar.update(loss=loss.item())
             train_loss = float(par.mean(running / max(batches, 1)))
             test_loss, acc = evaluate(par, model, test)
-            par.print(f"epoch {epoch + 1:2d}/{config.epochs}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
-                      f"test acc {acc:6.2%}  ({time.perf_counter() - t0:.2f} s)")
+            par.print(
+                f"epoch {epoch + 1:2d}/{config.epochs}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
+                f"test acc {acc:6.2%}  ({time.perf_counter() - t0:.2f} s)"
+            )
         wall = time.perf_counter() - start
         total = par.sum(float(seen))
         state = par.full_state_dict(model)  # consolidated on rank 0, whatever the sharding
         digest = state_digest(state) if par.is_main else ""
         over = "on rank 0 alone" if config.staleness else f"over {par.world_size} process(es)"  # async ps: no sum
-        par.print(f"done in {wall:.2f} s  ({total / wall:,.0f} samples/s {over})  "
-                  f"final test acc {acc:.2%}")
+        par.print(f"done in {wall:.2f} s  ({total / wall:,.0f} samples/s {over})  final test acc {acc:.2%}")
         par.print(f"final parameters sha256 {digest}")
         return {"test_acc": acc, "wall_s": wall, "samples_per_s": total / wall, "sha256": digest}
 
 
 def inject_fault(config: DemoConfig, par: Parallel) -> None:
     """SIGKILL this rank after optimizer step ``--fail-at-step`` if it is ``--fail-rank``, on the first attempt."""
-    if (config.fail_at_step == par.optimizer_steps and par.rank == config.fail_rank
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not rejoin_count()):
-        print(f"paratrain demo: fault injection: SIGKILL rank {par.rank} after step {par.optimizer_steps}",
-              file=sys.stderr, flush=True)
+    if (
+        config.fail_at_step == par.optimizer_steps
+        and par.rank == config.fail_rank
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        and not rejoin_count()
+    ):
+        print(
+            f"paratrain demo: fault injection: SIGKILL rank {par.rank} after step {par.optimizer_steps}",
+            file=sys.stderr,
+            flush=True,
+        )
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -3,6 +3,7 @@
 They are PyTorch's own hooks, except bf16 on gloo: PyTorch's ``bf16_compress_hook`` refuses any backend but
 NCCL, although gloo sums bf16 fine, so on gloo the same cast-all-reduce-cast runs through ``dist.all_reduce``.
 """
+
 # No `from __future__ import annotations` here: DDP checks a hook's annotations as real objects.
 import torch
 import torch.distributed as dist

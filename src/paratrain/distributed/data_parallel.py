@@ -4,6 +4,7 @@
 The strategies' presets (:mod:`paratrain.strategies.presets`) and the pipelines' stages both call these, so a
 replica or a shard is made one way everywhere.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,15 +88,22 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError:  # added in torch 2.9; the package allows older ones
-        raise ConfigError(f"ddp with tp replicates through FSDP2's replicate, which torch {torch.__version__} does "
-                          "not have (torch >= 2.9 does); use zero2 or zero3 with tp, or a newer torch") from None
+        raise ConfigError(
+            f"ddp with tp replicates through FSDP2's replicate, which torch {torch.__version__} does "
+            "not have (torch >= 2.9 does); use zero2 or zero3 with tp, or a newer torch"
+        ) from None
     ignored = ignored_parameters(model)
     replicate(model, mesh=mesh, **({"ignored_params": ignored} if ignored else {}))
     return model
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy: object | None = None,
-               facts: ModelFacts | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    config: FSDPConfig,
+    mp_policy: object | None = None,
+    facts: ModelFacts | None = None,
+) -> nn.Module:
     """``fully_shard`` every unit of the wrap policy (:func:`paratrain.model.units.shard_units`; ``facts``:
     ``model``'s, when ``prepare`` found them), then the root, over ``mesh`` (1-D: FSDP, 2-D: HSDP).
 
@@ -112,8 +120,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, mp_policy
     if ignored := ignored_parameters(model):
         kwargs["ignored_params"] = ignored
     for unit in shard_units(model, wrap_classes=config.wrap_classes, min_params=config.min_params, facts=facts):
-        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=config.reshard_after_forward,
-                    mp_policy=dataclasses.replace(policy, output_dtype=None), **kwargs)
+        fully_shard(
+            unit if len(unit) > 1 else unit[0],
+            reshard_after_forward=config.reshard_after_forward,
+            mp_policy=dataclasses.replace(policy, output_dtype=None),
+            **kwargs,
+        )
     fully_shard(model, reshard_after_forward=config.reshard_after_forward, mp_policy=policy, **kwargs)
     return model
 
@@ -146,5 +158,7 @@ def unused_parameters_message(module: nn.Module, ddp_message: str) -> str:
     found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", ddp_message)
     unused = [names[int(i)] for i in found.group(1).split()] if found else []
     which = ", ".join(unused) if unused else "some parameters (set TORCH_DISTRIBUTED_DEBUG=INFO to see which)"
-    return (f"ddp: these parameters got no gradient in the last step: {which}; pass find_unused_parameters=True "
-            "if they are used only sometimes, or freeze them with requires_grad_(False)")
+    return (
+        f"ddp: these parameters got no gradient in the last step: {which}; pass find_unused_parameters=True "
+        "if they are used only sometimes, or freeze them with requires_grad_(False)"
+    )

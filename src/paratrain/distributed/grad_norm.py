@@ -1,4 +1,5 @@
 """The global gradient norm over every shard, stage and tensor-parallel slice, and clipping by it."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -11,9 +12,12 @@ from ..tensor_layouts import grouped, mesh_of
 from .tensor_parallel.quiet import quiet_sequential_collectives
 
 
-def clip_grad_norm(parameters: Iterator[nn.Parameter], max_norm: float,
-                   group: dist.ProcessGroup | None = None,
-                   counted: Iterable[nn.Parameter] | None = None) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: Iterator[nn.Parameter],
+    max_norm: float,
+    group: dist.ProcessGroup | None = None,
+    counted: Iterable[nn.Parameter] | None = None,
+) -> torch.Tensor:
     """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping, a 0-d
     tensor on the gradients' device: reading it (``float(norm)``, a format) waits for the device, so the step does
     not unless its caller asks.

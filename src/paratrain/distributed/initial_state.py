@@ -9,6 +9,7 @@ gathered: no weight crosses the network when they agree, the usual case) and bro
 they differ. A model built on the meta device has no values yet: there the random state its initialization replays
 from is rank 0's (:class:`~paratrain.model.materialize.Materializer`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -59,8 +60,9 @@ def agree_rng_state(state: torch.Tensor, device: torch.device) -> torch.Tensor:
     return sent.cpu()
 
 
-def start_alike(model: nn.Module, materializer: object | None, device: torch.device,
-                say: Callable[[str], None]) -> None:
+def start_alike(
+    model: nn.Module, materializer: object | None, device: torch.device, say: Callable[[str], None]
+) -> None:
     """Every rank starts from rank 0's initial state (collective): a model built on the meta device replays its
     initialization from rank 0's random state (``materializer``'s, or torch's where the strategy materializes it),
     any other is checked and, where ranks differ, overwritten with rank 0's, ``say``-ing which ranks differed."""
@@ -73,5 +75,7 @@ def start_alike(model: nn.Module, materializer: object | None, device: torch.dev
     differ = agree_initial_state(model, device)
     if differ:
         ranks = ", ".join(map(str, differ[:8])) + (" …" if len(differ) > 8 else "")
-        say(f"paratrain: rank{'s' if len(differ) > 1 else ''} {ranks} built other initial weights than rank 0 (seeded "
-            "differently before building the model?); every rank starts from rank 0's")
+        say(
+            f"paratrain: rank{'s' if len(differ) > 1 else ''} {ranks} built other initial weights than rank 0 (seeded "
+            "differently before building the model?); every rank starts from rank 0's"
+        )

@@ -1,4 +1,5 @@
 """The parallel degrees of a job (:class:`~paratrain.dims.ParallelDims`) as a named ``DeviceMesh``, validated once."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Numbers a job combines over its ranks: sums and means over the data-parallel replicas, minimums, gathered objects."""
+
 from __future__ import annotations
 
 from numbers import Integral
@@ -8,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 
-def reduce_value(value: torch.Tensor | float, *, mean: bool, size: int, group: dist.ProcessGroup | None,
-                 device: torch.device) -> torch.Tensor | float:
+def reduce_value(
+    value: torch.Tensor | float, *, mean: bool, size: int, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor | float:
     """The sum (or mean) of ``value`` over the ``size`` replicas of ``group``: a tensor stays a tensor on its own
     device, a number stays a number. Integers sum to integers (an int tensor keeps its dtype; a Python or NumPy int
     comes back an int, so a summed count prints ``59/512`` as the one-process script did, not ``59.0/512``) and
@@ -21,8 +23,9 @@ def reduce_value(value: torch.Tensor | float, *, mean: bool, size: int, group: d
         t = value.detach().to(device, torch.float64 if floating or mean else value.dtype, copy=True)
     else:
         integral = isinstance(value, Integral) and not mean
-        t = torch.tensor(int(value) if integral else float(value), dtype=torch.int64 if integral else torch.float64,
-                         device=device)
+        t = torch.tensor(
+            int(value) if integral else float(value), dtype=torch.int64 if integral else torch.float64, device=device
+        )
     if size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     if mean:

@@ -3,6 +3,7 @@
 The stages are the one cutter's (:mod:`paratrain.model.cuts`); the ``model_parallel`` strategy
 (:mod:`paratrain.strategies.model_parallel`) chooses the devices and wraps the staged model in DDP across processes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -17,8 +18,9 @@ from ..model.facts import ModelFacts
 from ..model.materialize import to_device
 
 
-def apply_model_parallel(model: nn.Module, devices: Sequence[torch.device], split: Sequence[int],
-                         facts: ModelFacts | None = None) -> nn.Module:
+def apply_model_parallel(
+    model: nn.Module, devices: Sequence[torch.device], split: Sequence[int], facts: ModelFacts | None = None
+) -> nn.Module:
     """Place each layer on its stage's device and move inputs along with forward pre-hooks.
 
     Layers that share a parameter (a tied embedding and output head) must sit on one device, since one tensor

@@ -8,6 +8,7 @@ re-created optimizer sees each group as one group per layout, holding that group
 the optimizer holds the user's groups unchanged, so what reads or edits them (LR schedulers, ``param_groups[i]["lr"]``,
 ``state_dict()`` and checkpoints at another layout) sees the groups the user built.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,23 +25,27 @@ from ..errors import ConfigError
 from ..tensor_layouts import grouped, layout_of
 
 
-def param_groups_for(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, *,
-                     subset: bool = False) -> list[dict[str, Any]]:
+def param_groups_for(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, *, subset: bool = False
+) -> list[dict[str, Any]]:
     """The optimizer's param groups (same hyper-parameters) pointing at ``model``'s current parameters.
 
     With ``subset`` (a pipeline rank holds only its stages) parameters that ``model`` lacks are left out.
     """
     if any(optimizer.state.values()):
-        raise ConfigError("the optimizer already has state; call prepare() before the first step and before loading "
-                          "optimizer state")
+        raise ConfigError(
+            "the optimizer already has state; call prepare() before the first step and before loading optimizer state"
+        )
     current = dict(model.named_parameters())
     groups = []
     for group in optimizer.param_groups:
         try:
             params = [current[names[id(p)]] for p in group["params"] if not subset or names.get(id(p)) in current]
         except KeyError:
-            raise ConfigError("the optimizer holds parameters that are not in the prepared model; build it from "
-                              "model.parameters() of the model passed to prepare()") from None
+            raise ConfigError(
+                "the optimizer holds parameters that are not in the prepared model; build it from "
+                "model.parameters() of the model passed to prepare()"
+            ) from None
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     return groups
 
@@ -53,14 +58,17 @@ def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
-def rebuild(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, *,
-            subset: bool = False) -> torch.optim.Optimizer:
+def rebuild(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module, *, subset: bool = False
+) -> torch.optim.Optimizer:
     """A new optimizer of the same class and settings over ``model``'s current parameters."""
     groups = [g for g in param_groups_for(optimizer, names, model, subset=subset) if g["params"]]
     if not groups:  # torch refuses an optimizer over nothing ("optimizer got an empty parameter list")
-        raise ConfigError("this rank's part of the model holds no parameter the optimizer trains (a pipeline stage of "
-                          "frozen layers); move the split points so that every stage trains something, or use fewer "
-                          "stages")
+        raise ConfigError(
+            "this rank's part of the model holds no parameter the optimizer trains (a pipeline stage of "
+            "frozen layers); move the split points so that every stage trains something, or use fewer "
+            "stages"
+        )
     return step_by_layout(type(optimizer)(groups, **constructor_defaults(optimizer)))
 
 

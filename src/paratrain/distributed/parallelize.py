@@ -16,6 +16,7 @@ every step before it took meta tensors: after the data step when that step shard
 before the expert and data steps otherwise (DDP and FSDP2's ``replicate`` hold a full replica, and DDP broadcasts real
 tensors). Tensor parallelism always runs on meta, so a rank allocates only its slice.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,17 +39,28 @@ def takes_meta(step: Step) -> Step:
     return step
 
 
-def parallelize(model: nn.Module, *, precision: Precision, facts: ModelFacts, transforms: BlockTransforms,
-                tp: Step | None = None, cp: Step | None = None, ep: Step | None = None, data: Step | None = None,
-                materialize: Callable[[nn.Module], object] | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    *,
+    precision: Precision,
+    facts: ModelFacts,
+    transforms: BlockTransforms,
+    tp: Step | None = None,
+    cp: Step | None = None,
+    ep: Step | None = None,
+    data: Step | None = None,
+    materialize: Callable[[nn.Module], object] | None = None,
+) -> nn.Module:
     """``model`` (or one pipeline stage of it) with every technique applied in the stated order; ``tp`` splits its
     layers, ``cp`` its sequences, ``ep`` its experts, ``data`` places and wraps it for model and data parallelism;
     ``materialize`` (a model built on the meta device) allocates and initializes what this rank holds. Returns the
     module to train."""
     if (tp is not None or cp is not None) and transforms.checkpoint_every and transforms.compile is not None:
-        raise ConfigError(f"activation checkpointing with compile fails under tensor parallelism on torch "
-                          f"{torch.__version__}: its compiler cannot recompute a block of DTensors; drop one of them "
-                          "(compile=True alone, or activation_checkpointing alone)")
+        raise ConfigError(
+            f"activation checkpointing with compile fails under tensor parallelism on torch "
+            f"{torch.__version__}: its compiler cannot recompute a block of DTensors; drop one of them "
+            "(compile=True alone, or activation_checkpointing alone)"
+        )
     model = precision.convert_module(model)
     for step in (tp, cp):
         model = step(model) if step is not None else model

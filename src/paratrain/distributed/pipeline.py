@@ -3,6 +3,7 @@ schedules that run its micro-batches (GPipe, 1F1B, interleaved 1F1B, looped BFS)
 stage and shared with every rank of the pipeline. The ``pipeline`` and ``hybrid`` strategies
 (:mod:`paratrain.strategies.pipeline`) cut the model and build one of these.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -25,11 +26,15 @@ def no_graph(models: list[nn.Module], strategy: str) -> str:
     runs no backward (its schedule runs both, in ``forward_backward``); otherwise the loss was made without
     gradients."""
     if any(isinstance(m, PipelinedModel) for m in models):
-        return (f"par.backward got a loss with no graph: under {strategy!r} the model's forward runs the pipeline "
-                "forward only (its schedule runs backward with it); train with loss = par.forward_backward(model, x, "
-                "y, loss_fn) or par.forward_backward(model, ids, labels=ids)")
-    return ("par.backward got a loss that does not require grad (detached, or computed under torch.no_grad() or "
-            "torch.inference_mode()); compute the training loss with gradients enabled")
+        return (
+            f"par.backward got a loss with no graph: under {strategy!r} the model's forward runs the pipeline "
+            "forward only (its schedule runs backward with it); train with loss = par.forward_backward(model, x, "
+            "y, loss_fn) or par.forward_backward(model, ids, labels=ids)"
+        )
+    return (
+        "par.backward got a loss that does not require grad (detached, or computed under torch.no_grad() or "
+        "torch.inference_mode()); compute the training loss with gradients enabled"
+    )
 
 
 class PipelinedModel(nn.Module):
@@ -84,8 +89,10 @@ class PipelinedModel(nn.Module):
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
 
-            stages = [PipelineStage(part, index, self.num_stages, self.device, group=self.pp_group)
-                      for index, part in self.parts]
+            stages = [
+                PipelineStage(part, index, self.num_stages, self.device, group=self.pp_group)
+                for index, part in self.parts
+            ]
             if kind == "eval":  # forward only: one micro-batch of any size, no bubble to hide
                 self._schedules[key] = _make_schedule("gpipe", stages, 1, None)
             else:
@@ -96,17 +103,21 @@ class PipelinedModel(nn.Module):
         """Forward only, through the whole pipeline; every rank gets the last stage's output (with the loss the
         model computed, when it was given the loss's inputs: ``model(x, y)``, ``model(x, labels=y)``). With
         ``eval_outputs="last"`` the other ranks get the loss alone (no logits), or None for a model without one."""
-        call = ModelCall.of(args[0] if args else kwargs.pop("input_ids", None), args[1] if len(args) > 1 else None,
-                            None, kwargs)
+        call = ModelCall.of(
+            args[0] if args else kwargs.pop("input_ids", None), args[1] if len(args) > 1 else None, None, kwargs
+        )
         if len(args) > 2:
-            raise ConfigError("a pipeline's forward takes the input and the loss's target positionally, the rest by "
-                              "keyword")
+            raise ConfigError(
+                "a pipeline's forward takes the input and the loss's target positionally, the rest by keyword"
+            )
         x, inputs = self._inputs(call)
         schedule = self._schedule("eval", x.shape[0])
         # As in training, the stages hand on (and the last sends) their outputs in the compute dtype; this model's
         # own forward, wrapped by the precision, hands back fp32 outputs on every rank.
-        with nullcontext() if self.precision is None else self.precision.compute_dtype_outputs(), \
-                self._stages_given(inputs):
+        with (
+            nullcontext() if self.precision is None else self.precision.compute_dtype_outputs(),
+            self._stages_given(inputs),
+        ):
             out = schedule.eval(x, **inputs) if self.is_first else schedule.eval(**inputs)
         if self.eval_outputs == "every":
             out = _share_from_last(out, self)
@@ -134,8 +145,10 @@ class PipelinedModel(nn.Module):
         x, inputs = self._inputs(call)
         _check_divisible(x, self.microbatches)
         if call.own_loss and call.target is None and not call.loss_kwargs:
-            raise ConfigError("forward_backward without a loss_fn needs the inputs of the model's own loss: a target "
-                              "(model(x, y)) or labels=")
+            raise ConfigError(
+                "forward_backward without a loss_fn needs the inputs of the model's own loss: a target "
+                "(model(x, y)) or labels="
+            )
         loss_fn = call.loss_fn if call.loss_fn is not None else _OWN_LOSS
         if loss_fn is not self._loss_fn:
             self._loss_fn = loss_fn
@@ -159,8 +172,11 @@ class PipelinedModel(nn.Module):
             kwargs["return_outputs"] = False  # only the losses are read: the last stage keeps no micro-batch logits
         # As forward_backward without stages: the stages hand on (and the loss reads) their outputs in the compute
         # dtype, not cast to fp32 — the same values one process computes, and no fp32 copy of the logits.
-        with nullcontext() if precision is None else precision.compute_dtype_outputs(), self.split_loss(), \
-                self._stages_given(inputs, hand_on_loss=call.own_loss):
+        with (
+            nullcontext() if precision is None else precision.compute_dtype_outputs(),
+            self.split_loss(),
+            self._stages_given(inputs, hand_on_loss=call.own_loss),
+        ):
             if self.is_first:
                 schedule.step(x, **kwargs, **inputs)
             else:
@@ -178,8 +194,10 @@ class PipelinedModel(nn.Module):
         kwargs = dict(call.kwargs)
         x = call.x if call.x is not None else kwargs.pop("input_ids", None)
         if not isinstance(x, torch.Tensor):
-            raise ConfigError("a pipeline needs the batch's input as a tensor: forward_backward(model, x, ...) or an "
-                              "input_ids= keyword")
+            raise ConfigError(
+                "a pipeline needs the batch's input as a tensor: forward_backward(model, x, ...) or an "
+                "input_ids= keyword"
+            )
         own = dict(call.loss_kwargs) if call.own_loss else {}
         if call.own_loss and call.target is not None:
             own[""] = call.target
@@ -237,7 +255,7 @@ def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
     if model.is_last:
         value = value if value.dtype in SENT_DTYPES else value.float()
         header[0] = SENT_DTYPES.index(value.dtype)
-        header[1:1 + value.dim()] = torch.tensor(value.shape)
+        header[1 : 1 + value.dim()] = torch.tensor(value.shape)
     header = header.to(model.device)
     dist.broadcast(header, src=model.last_rank, group=model.pp_group)
     dtype, *dims = [int(d) for d in header.tolist()]
@@ -249,8 +267,9 @@ def _share_from_last(value: Any, model: PipelinedModel) -> torch.Tensor:
     return buf
 
 
-def stage_states(local: dict[str, torch.Tensor], model: PipelinedModel,
-                 dst: int | None) -> list[dict[str, torch.Tensor]]:
+def stage_states(
+    local: dict[str, torch.Tensor], model: PipelinedModel, dst: int | None
+) -> list[dict[str, torch.Tensor]]:
     """The ``local`` states of the pipeline's ranks, in its rank order: on global rank ``dst`` alone (the others get
     ``[]``; a pipeline without it sends nothing) or, when ``dst`` is None, on every rank. One stage is in flight at a
     time, sent to the ranks that need it, so no rank's device holds more than one stage of another rank's state."""

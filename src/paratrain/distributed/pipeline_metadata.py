@@ -4,6 +4,7 @@ uninitialised tensors of the received shapes. That pass must leave no trace: its
 its forward must not move a BatchNorm's running statistics (on torch 2.13 the uninitialised inputs made them
 1e35 and inf). The pass is recognised by the pipelining functions on the call stack.
 """
+
 from __future__ import annotations
 
 import sys

@@ -3,6 +3,7 @@
 ``Parallel`` starts the group unless the script already did (then the script owns it), and only the owner
 destroys it. Ending it takes care on gloo: see :func:`finish_group`.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,14 @@ def group_started() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float, needs_group: bool,
-                        backend: str | None = None, alone: bool = False) -> bool:
+def start_process_group(
+    env: ClusterEnv,
+    device: torch.device,
+    timeout_s: float,
+    needs_group: bool,
+    backend: str | None = None,
+    alone: bool = False,
+) -> bool:
     """Start the default group for this job when it needs one; True when this call started it (and so owns it).
 
     ``python train.py`` with a distributed strategy gets a private one-rank group, so the same code path runs (DDP
@@ -48,20 +55,29 @@ def start_process_group(env: ClusterEnv, device: torch.device, timeout_s: float,
         if (dist.get_world_size(), dist.get_rank()) != (env.world_size, env.rank):
             raise ConfigError(
                 f"the existing process group puts this process at rank {dist.get_rank()} of {dist.get_world_size()} "
-                f"but RANK={env.rank}, WORLD_SIZE={env.world_size}; start the group with the launcher's ranks")
+                f"but RANK={env.rank}, WORLD_SIZE={env.world_size}; start the group with the launcher's ranks"
+            )
         _check_serves_host(backend)
         return False
-    dist.init_process_group(backend=backend, store=attempt_store(timeout), rank=env.rank, world_size=env.world_size,
-                            timeout=timeout, device_id=device if backend == "nccl" else None)
+    dist.init_process_group(
+        backend=backend,
+        store=attempt_store(timeout),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=device if backend == "nccl" else None,
+    )
     return True
 
 
 def _check_serves_host(backend: str) -> None:
     """Refuse a group the script started that cannot carry the host tensors the job's ``backend`` is chosen for."""
     if "cpu:" in backend and "cpu:" not in dist.get_backend_config():
-        raise ConfigError(f"the process group the script started ({dist.get_backend_config()}) serves no host "
-                          f"tensors, which this strategy sends (cpu_offload, parameter servers); start it with "
-                          f"init_process_group({backend!r})")
+        raise ConfigError(
+            f"the process group the script started ({dist.get_backend_config()}) serves no host "
+            f"tensors, which this strategy sends (cpu_offload, parameter servers); start it with "
+            f"init_process_group({backend!r})"
+        )
 
 
 def start_tool_group(accelerator: str, host_tensors: bool, timeout_s: float) -> torch.device:
@@ -70,8 +86,9 @@ def start_tool_group(accelerator: str, host_tensors: bool, timeout_s: float) -> 
     device."""
     device = claim_device(int(os.environ.get("LOCAL_RANK", "0")), accelerator)
     backend = job_backend(accelerator, host_tensors)
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)
+    dist.init_process_group(
+        backend, timeout=timedelta(seconds=timeout_s), device_id=device if backend == "nccl" else None
+    )
     return device
 
 

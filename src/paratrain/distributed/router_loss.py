@@ -18,6 +18,7 @@ The model's own computation stays: a forward hook (ahead of any other) recompute
 ``router_logits`` the model returns and puts it in ``aux_loss``, moving ``loss`` by the coefficient times the
 difference, so the model's code, its loss function and its output are left as they are.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -42,9 +43,14 @@ def router_loss(model: nn.Module) -> str | None:
     return None
 
 
-def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
-                        attention_mask: torch.Tensor | None = None, group: dist.ProcessGroup | None = None,
-                        replicas: int = 1) -> torch.Tensor:
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    replicas: int = 1,
+) -> torch.Tensor:
     """transformers' ``load_balancing_loss_func`` over the ``replicas`` ranks of ``group`` (see the module
     docstring); with ``replicas=1`` and no group, the same number it computes."""
     counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
@@ -69,9 +75,11 @@ def balance_globally(model: nn.Module, group: dist.ProcessGroup | None, replicas
     """Make ``model``'s router loss the global batch's over the ``replicas`` data-parallel ranks of ``group``; a
     one-line ``ConfigError`` when ``model`` computes no such loss."""
     if not hasattr(model, "num_experts_per_tok") or not hasattr(model, "router_aux_loss_coef"):
-        raise ConfigError(f"moe_aux_loss='global' needs a transformers mixture-of-experts model that computes its "
-                          f"router's load-balancing loss (output_router_logits=True); {type(model).__name__} does not; "
-                          "drop the option")
+        raise ConfigError(
+            f"moe_aux_loss='global' needs a transformers mixture-of-experts model that computes its "
+            f"router's load-balancing loss (output_router_logits=True); {type(model).__name__} does not; "
+            "drop the option"
+        )
     if replicas > 1:
         model.register_forward_hook(_global_hook(group, replicas), with_kwargs=True, prepend=True)
 
@@ -79,8 +87,10 @@ def balance_globally(model: nn.Module, group: dist.ProcessGroup | None, replicas
 def _global_hook(group: dist.ProcessGroup | None, replicas: int) -> Any:
     def hook(model: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         if isinstance(out, tuple) and getattr(model.config, "output_router_logits", False):
-            raise ConfigError("moe_aux_loss='global' reads the router logits from the model's output, which came as a "
-                              "tuple (return_dict=False); call the model with return_dict=True")
+            raise ConfigError(
+                "moe_aux_loss='global' reads the router logits from the model's output, which came as a "
+                "tuple (return_dict=False); call the model with return_dict=True"
+            )
         local = getattr(out, "aux_loss", None)
         logits = getattr(out, "router_logits", None)
         if local is None or not isinstance(logits, tuple) or not logits:

@@ -1,5 +1,6 @@
 """What a strategy, and each part it composes (tensor, context and expert parallelism), needs to know about the
 running job and the model being prepared: one object handed down whole."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,9 +35,24 @@ class Runtime:
     """For a model built on the meta device: allocates and initializes what this rank holds of a laid-out module
     (:class:`~paratrain.model.materialize.Materializer`)."""
 
-    def parallelize(self, model: nn.Module, tp: Step | None = None, cp: Step | None = None, ep: Step | None = None,
-                    data: Step | None = None) -> nn.Module:
+    def parallelize(
+        self,
+        model: nn.Module,
+        tp: Step | None = None,
+        cp: Step | None = None,
+        ep: Step | None = None,
+        data: Step | None = None,
+    ) -> nn.Module:
         """:func:`~paratrain.distributed.parallelize.parallelize` with this job's precision and block transforms."""
         assert self.facts is not None, "parallelize needs the model's facts"
-        return parallelize(model, precision=self.precision, facts=self.facts, transforms=self.transforms, tp=tp,
-                           cp=cp, ep=ep, data=data, materialize=self.materialize)
+        return parallelize(
+            model,
+            precision=self.precision,
+            facts=self.facts,
+            transforms=self.transforms,
+            tp=tp,
+            cp=cp,
+            ep=ep,
+            data=data,
+            materialize=self.materialize,
+        )

@@ -1,5 +1,6 @@
 """A prepared model's full, consolidated state dict: plain parameter names, full tensors, whatever the
 strategy (no ``module.`` prefix, no shards)."""
+
 from __future__ import annotations
 
 import torch

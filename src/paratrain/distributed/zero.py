@@ -10,6 +10,7 @@ tensor-parallel group), so broadcasting that shard's local tensor is the whole u
 that. The partition, the local optimizer (stepping the DTensors as a tensor-parallel model's optimizer does) and its
 state are torch's.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,8 +23,9 @@ from torch.distributed.tensor import DTensor
 from .optimizer import constructor_defaults, step_by_layout
 
 
-def zero_redundancy(groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer,
-                    group: dist.ProcessGroup | None) -> ZeroRedundancyOptimizer:
+def zero_redundancy(
+    groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None
+) -> ZeroRedundancyOptimizer:
     """``optimizer``'s class and settings over ``groups`` (param groups holding no state yet), its states sharded
     over ``group``'s ranks (None: the default group)."""
     split = any(isinstance(p, DTensor) for g in groups for p in g["params"])
@@ -43,8 +45,11 @@ class _LocalShards(ZeroRedundancyOptimizer):
 
     def _broadcast_params_from_rank(self, rank: int) -> list[dist.Work]:
         src = dist.get_global_rank(self.process_group, rank)
-        return [dist.broadcast(_local(p.data), src=src, group=self.process_group, async_op=True)
-                for group in self._partition_parameters()[rank] for p in group["params"]]
+        return [
+            dist.broadcast(_local(p.data), src=src, group=self.process_group, async_op=True)
+            for group in self._partition_parameters()[rank]
+            for p in group["params"]
+        ]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ checks with a status, the evidence and a fix (:mod:`.checks`), and times a live 
 processes (:mod:`.bandwidth`). Gathering is injectable (a :class:`~.nvidia.CommandRunner` and prebuilt facts),
 so tests drive every GPU check from recorded nvidia-smi outputs on a machine without a GPU.
 """
+
 from __future__ import annotations
 
 import socket
@@ -62,8 +63,9 @@ class DoctorOptions:
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_bytes <= 1 << 30:
-            raise ConfigError(f"the largest all-reduce buffer must be 1 KiB to 1 GiB (--max-mb 1..1024), "
-                              f"got {self.max_bytes} bytes")
+            raise ConfigError(
+                f"the largest all-reduce buffer must be 1 KiB to 1 GiB (--max-mb 1..1024), got {self.max_bytes} bytes"
+            )
         if self.nproc < 2:
             raise ConfigError(f"an all-reduce needs at least 2 processes, got --nproc {self.nproc}")
         if self.master_addr is not None:
@@ -93,18 +95,41 @@ class DoctorReport:
         bandwidth = None
         if self.bandwidth is not None:
             b = self.bandwidth
-            bandwidth = {"backend": b.backend, "device": b.device, "world_size": b.world_size, "correct": b.correct,
-                         "peak_busbw_gbps": b.peak_busbw_gbps, "expected_busbw_gbps": self.expected_busbw_gbps,
-                         "rows": [{"size_bytes": r.size_bytes, "time_us": r.seconds * 1e6,
-                                   "algbw_gbps": r.algbw_gbps, "busbw_gbps": r.busbw_gbps} for r in b.rows]}
-        return {"title": self.title, "exit_code": self.exit_code, "counts": self.counts(),
-                "checks": [{"name": c.name, "status": c.status.value, "evidence": c.evidence, "fix": c.fix}
-                           for c in self.checks],
-                "bandwidth": bandwidth}
+            bandwidth = {
+                "backend": b.backend,
+                "device": b.device,
+                "world_size": b.world_size,
+                "correct": b.correct,
+                "peak_busbw_gbps": b.peak_busbw_gbps,
+                "expected_busbw_gbps": self.expected_busbw_gbps,
+                "rows": [
+                    {
+                        "size_bytes": r.size_bytes,
+                        "time_us": r.seconds * 1e6,
+                        "algbw_gbps": r.algbw_gbps,
+                        "busbw_gbps": r.busbw_gbps,
+                    }
+                    for r in b.rows
+                ],
+            }
+        return {
+            "title": self.title,
+            "exit_code": self.exit_code,
+            "counts": self.counts(),
+            "checks": [
+                {"name": c.name, "status": c.status.value, "evidence": c.evidence, "fix": c.fix} for c in self.checks
+            ],
+            "bandwidth": bandwidth,
+        }
 
 
-def run_doctor(options: DoctorOptions | None = None, *, runner: CommandRunner = run_command,
-               torch_facts: TorchFacts | None = None, host: HostFacts | None = None) -> DoctorReport:
+def run_doctor(
+    options: DoctorOptions | None = None,
+    *,
+    runner: CommandRunner = run_command,
+    torch_facts: TorchFacts | None = None,
+    host: HostFacts | None = None,
+) -> DoctorReport:
     """Run every check (and the live all-reduce unless skipped); facts not passed in are gathered here."""
     options = options or DoctorOptions()
     torch_facts = torch_facts or gather_torch()
@@ -114,13 +139,20 @@ def run_doctor(options: DoctorOptions | None = None, *, runner: CommandRunner = 
     visible = resolve_visible(cvd, nvidia.gpus)
     gpus = [g for i in visible.indices for g in nvidia.gpus if g.index == i]
     processes = len(gpus) or options.nproc
-    checks = [check_torch(torch_facts, len(nvidia.gpus), len(gpus)),
-              check_visible_gpus(torch_facts, nvidia, cvd, visible)]
+    checks = [
+        check_torch(torch_facts, len(nvidia.gpus), len(gpus)),
+        check_visible_gpus(torch_facts, nvidia, cvd, visible),
+    ]
     if gpus:
         checks += [check_gpu_models(gpus), check_interconnect(gpus, nvidia.links), check_pcie(gpus)]
-    checks += [check_host_memory(host, len(gpus), processes), check_shared_memory(host, processes),
-               check_open_files(host), check_backends(torch_facts, len(gpus)), check_env(host.env, host.interfaces),
-               check_loopback(host.loopback)]
+    checks += [
+        check_host_memory(host, len(gpus), processes),
+        check_shared_memory(host, processes),
+        check_open_files(host),
+        check_backends(torch_facts, len(gpus)),
+        check_env(host.env, host.interfaces),
+        check_loopback(host.loopback),
+    ]
     cuda = torch_facts.cuda_available and torch_facts.device_count > 0
     checks += [c for path in options.scripts for c in (check_script(path), check_cuda(path, cuda))]
     if options.master_addr is not None:
@@ -135,22 +167,27 @@ def run_doctor(options: DoctorOptions | None = None, *, runner: CommandRunner = 
         use_gpus = torch_facts.device_count >= 2 and torch_facts.nccl_available
         bandwidth, check, expected = _bandwidth(options, use_gpus, torch_facts.device_count, gpus, nvidia)
         checks.append(check)
-    return DoctorReport(title=_title(torch_facts, host, gpus), checks=tuple(checks), bandwidth=bandwidth,
-                        expected_busbw_gbps=expected)
+    return DoctorReport(
+        title=_title(torch_facts, host, gpus), checks=tuple(checks), bandwidth=bandwidth, expected_busbw_gbps=expected
+    )
 
 
-def _bandwidth(options: DoctorOptions, use_gpus: bool, gpu_count: int, gpus: list[Gpu], nvidia: NvidiaFacts
-               ) -> tuple[BandwidthResult | None, Check, float | None]:
+def _bandwidth(
+    options: DoctorOptions, use_gpus: bool, gpu_count: int, gpus: list[Gpu], nvidia: NvidiaFacts
+) -> tuple[BandwidthResult | None, Check, float | None]:
     """All-reduce over NCCL on every visible GPU when there are 2+, else over gloo on CPU processes.
 
     CPU processes are forked: they inherit the imported torch and start in milliseconds instead of seconds
     (this process has not initialised CUDA, so forking is safe). GPU processes are spawned, as CUDA requires.
     """
     try:
-        result = measure_allreduce(nprocs=gpu_count if use_gpus else options.nproc,
-                                   accelerator="cuda" if use_gpus else "cpu", max_bytes=options.max_bytes,
-                                   timeout_s=options.bandwidth_timeout_s,
-                                   start_method="spawn" if use_gpus else "fork")
+        result = measure_allreduce(
+            nprocs=gpu_count if use_gpus else options.nproc,
+            accelerator="cuda" if use_gpus else "cpu",
+            max_bytes=options.max_bytes,
+            timeout_s=options.bandwidth_timeout_s,
+            start_method="spawn" if use_gpus else "fork",
+        )
     except ParatrainError as err:
         return None, check_bandwidth_error(err), None
     expected = expected_busbw(result.device, gpus, nvidia.links)
@@ -161,5 +198,6 @@ def _bandwidth(options: DoctorOptions, use_gpus: bool, gpu_count: int, gpus: lis
 def _title(torch: TorchFacts, host: HostFacts, gpus: list[Gpu]) -> str:
     names = sorted({g.name for g in gpus})
     hardware = f"{len(gpus)} GPU(s) ({', '.join(names)})" if gpus else "no GPU"
-    return (f"{socket.gethostname()}: {host.cores} cores, {host.ram_bytes / GB:.1f} GB RAM, {hardware}, "
-            f"torch {torch.torch}")
+    return (
+        f"{socket.gethostname()}: {host.cores} cores, {host.ram_bytes / GB:.1f} GB RAM, {hardware}, torch {torch.torch}"
+    )

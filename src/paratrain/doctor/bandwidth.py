@@ -11,6 +11,7 @@ Ranks are started with :func:`paratrain.launch` (gloo on CPU processes, or NCCL 
 Each size is first checked for a correct sum; the time of a size is the slowest rank's mean over the timed
 iterations.
 """
+
 from __future__ import annotations
 
 import re
@@ -99,8 +100,15 @@ def iterations(size_bytes: int) -> int:
     return 10 if size_bytes < 16 * MIB else 4
 
 
-def measure_allreduce(*, nprocs: int, accelerator: str, max_bytes: int, timeout_s: float = 60.0,
-                      budget_s: float = SWEEP_BUDGET_S, start_method: str = "spawn") -> BandwidthResult:
+def measure_allreduce(
+    *,
+    nprocs: int,
+    accelerator: str,
+    max_bytes: int,
+    timeout_s: float = 60.0,
+    budget_s: float = SWEEP_BUDGET_S,
+    start_method: str = "spawn",
+) -> BandwidthResult:
     """Run the sweep on ``nprocs`` local processes; raises the launcher's errors when a rank fails or hangs.
 
     ``start_method="fork"`` starts CPU ranks in milliseconds (they inherit the imported torch); CUDA needs
@@ -111,10 +119,15 @@ def measure_allreduce(*, nprocs: int, accelerator: str, max_bytes: int, timeout_
     sizes = sweep_sizes(max_bytes)
     results = launch(sweep, nprocs, (sizes, accelerator, budget_s), timeout_s=timeout_s, start_method=start_method)
     backend, device, timings, _ = results[0]
-    rows = tuple(BandwidthRow(size_bytes=size, seconds=t, algbw_gbps=algbw(size, t),
-                              busbw_gbps=allreduce_busbw(algbw(size, t), nprocs)) for size, t in timings)
-    return BandwidthResult(backend=backend, device=device, world_size=nprocs, rows=rows,
-                           correct=all(result[3] for result in results))
+    rows = tuple(
+        BandwidthRow(
+            size_bytes=size, seconds=t, algbw_gbps=algbw(size, t), busbw_gbps=allreduce_busbw(algbw(size, t), nprocs)
+        )
+        for size, t in timings
+    )
+    return BandwidthResult(
+        backend=backend, device=device, world_size=nprocs, rows=rows, correct=all(result[3] for result in results)
+    )
 
 
 def sweep(sizes: list[int], accelerator: str, budget_s: float) -> tuple[str, str, list[tuple[int, float]], bool]:
@@ -165,8 +178,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def expected_busbw(device: str, gpus: Sequence[Gpu], links: Mapping[tuple[int, int], str]
-                   ) -> tuple[float, str] | None:
+def expected_busbw(device: str, gpus: Sequence[Gpu], links: Mapping[tuple[int, int], str]) -> tuple[float, str] | None:
     """Rough all-reduce busbw the slowest path should reach, and what it is based on; None if unknown.
 
     CPU: gloo over loopback. GPUs: NVLink links × per-link speed when every pair has NVLink, else the
@@ -192,18 +204,26 @@ def check_bandwidth(result: BandwidthResult, expected: tuple[float, str] | None)
     else on the machine.
     """
     peak = max(result.rows, key=lambda row: row.busbw_gbps)
-    evidence = (f"busbw {peak.busbw_gbps:.2f} GB/s at {format_bytes(peak.size_bytes, digits=6)}, {result.backend}, "
-                f"{result.world_size} ranks")
+    evidence = (
+        f"busbw {peak.busbw_gbps:.2f} GB/s at {format_bytes(peak.size_bytes, digits=6)}, {result.backend}, "
+        f"{result.world_size} ranks"
+    )
     if not result.correct:
-        return Check.fail("all-reduce", f"{evidence}; WRONG SUM",
-                          "the backend corrupts data: rerun with NCCL_DEBUG=INFO and report it with the --json output")
+        return Check.fail(
+            "all-reduce",
+            f"{evidence}; WRONG SUM",
+            "the backend corrupts data: rerun with NCCL_DEBUG=INFO and report it with the --json output",
+        )
     if expected is None:
         return Check.ok("all-reduce", evidence)
     speed, basis = expected
     warn_at, fail_at = (CPU_WARN_FRACTION, 0.0) if result.device == "cpu" else (GPU_WARN_FRACTION, GPU_FAIL_FRACTION)
     evidence += f" (expect ≈{speed:.3g} for {basis})"
-    fix = ("check the interconnect and env rows above; rerun with NCCL_DEBUG=INFO to see the transport NCCL picked"
-           if result.device == "cuda" else "the machine is busy or slow: close other jobs and rerun")
+    fix = (
+        "check the interconnect and env rows above; rerun with NCCL_DEBUG=INFO to see the transport NCCL picked"
+        if result.device == "cuda"
+        else "the machine is busy or slow: close other jobs and rerun"
+    )
     if peak.busbw_gbps < speed * fail_at:
         return Check.fail("all-reduce", evidence, fix)
     if peak.busbw_gbps < speed * warn_at:

@@ -6,6 +6,7 @@ each check is tested from hand-built facts. Thresholds are module constants; ``d
 each value was chosen. Rule of thumb: **fail** when a job will not start or will break, **warn** when it will
 run slower than the hardware allows.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -70,25 +71,37 @@ def check_torch(torch: TorchFacts, listed: int, visible: int) -> Check:
     build = f"CUDA {torch.cuda}, NCCL {torch.nccl or 'none'}" if torch.cuda else "CPU-only build"
     evidence = f"Python {torch.python}, torch {torch.torch}, {build}"
     if listed and torch.cuda is None:
-        return Check.fail("torch", f"{evidence}; nvidia-smi lists {listed} GPU(s)",
-                          "install a CUDA build of torch (pip install torch --index-url "
-                          "https://download.pytorch.org/whl/cu128, matching your driver's CUDA version)")
+        return Check.fail(
+            "torch",
+            f"{evidence}; nvidia-smi lists {listed} GPU(s)",
+            "install a CUDA build of torch (pip install torch --index-url "
+            "https://download.pytorch.org/whl/cu128, matching your driver's CUDA version)",
+        )
     if visible and not torch.cuda_available:
-        return Check.fail("torch", f"{evidence}; CUDA does not initialise",
-                          f"the driver is probably older than CUDA {torch.cuda} needs: upgrade it, or install torch "
-                          "for an older CUDA; `python -c 'import torch; torch.cuda.init()'` prints the reason")
+        return Check.fail(
+            "torch",
+            f"{evidence}; CUDA does not initialise",
+            f"the driver is probably older than CUDA {torch.cuda} needs: upgrade it, or install torch "
+            "for an older CUDA; `python -c 'import torch; torch.cuda.init()'` prints the reason",
+        )
     return Check.ok("torch", evidence)
 
 
 def check_backends(torch: TorchFacts, gpus: int) -> Check:
     """gloo serves CPU tensors (and object collectives), NCCL serves GPU tensors."""
     if not torch.distributed:
-        return Check.fail("backends", "torch.distributed is not available in this build",
-                          "install an official torch wheel (this one was built without distributed support)")
+        return Check.fail(
+            "backends",
+            "torch.distributed is not available in this build",
+            "install an official torch wheel (this one was built without distributed support)",
+        )
     evidence = f"gloo {'yes' if torch.gloo else 'no'}, nccl {'yes' if torch.nccl_available else 'no'}"
     if gpus and not torch.nccl_available:
-        return Check.fail("backends", evidence, "GPU jobs need NCCL: install the CUDA wheel from download.pytorch.org, "
-                                                "which bundles it")
+        return Check.fail(
+            "backends",
+            evidence,
+            "GPU jobs need NCCL: install the CUDA wheel from download.pytorch.org, which bundles it",
+        )
     if not torch.gloo:
         fix = "install an official torch wheel: gloo ships with every Linux build"
         return Check.warn("backends", evidence, fix) if gpus else Check.fail("backends", evidence, fix)
@@ -113,20 +126,31 @@ _SET_RISKS = (("NCCL_ALGO", "overrides NCCL's tuning"), ("NCCL_PROTO", "override
 
 def check_env(env: Mapping[str, str], interfaces: Sequence[str]) -> Check:
     """NCCL/gloo/CUDA variables that break a job (a socket interface that does not exist) or slow it down."""
-    broken = [_missing_interface(var, env[var], interfaces, exact=var.startswith("GLOO"))
-              for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if var in env]
+    broken = [
+        _missing_interface(var, env[var], interfaces, exact=var.startswith("GLOO"))
+        for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+        if var in env
+    ]
     broken = [b for b in broken if b]
     if broken:
-        return Check.fail("env", "; ".join(broken) + f" (interfaces: {', '.join(interfaces) or 'none'})",
-                          "unset it, or name an interface that exists on every node (NCCL: prefixes, ^ to exclude, "
-                          "= for exact names; gloo: exact names)")
+        return Check.fail(
+            "env",
+            "; ".join(broken) + f" (interfaces: {', '.join(interfaces) or 'none'})",
+            "unset it, or name an interface that exists on every node (NCCL: prefixes, ^ to exclude, "
+            "= for exact names; gloo: exact names)",
+        )
     risky = [f"{var}={env[var]}: {why}" for var, why in _TRUTHY_RISKS if env.get(var, "").strip() not in ("", "0")]
-    risky += [f"{var}={env[var]}: {why}" for var, values, why in _VALUE_RISKS
-              if env.get(var, "").strip().upper() in values]
+    risky += [
+        f"{var}={env[var]}: {why}" for var, values, why in _VALUE_RISKS if env.get(var, "").strip().upper() in values
+    ]
     risky += [f"{var}={env[var]}: {why}" for var, why in _SET_RISKS if env.get(var, "").strip()]
     if risky:
-        return Check.warn("env", "; ".join(risky), "unset these unless you set them on purpose; NCCL_DEBUG=INFO is "
-                                                   "harmless and shows which transport NCCL picked")
+        return Check.warn(
+            "env",
+            "; ".join(risky),
+            "unset these unless you set them on purpose; NCCL_DEBUG=INFO is "
+            "harmless and shows which transport NCCL picked",
+        )
     shown = sorted(f"{k}={v}" for k, v in env.items() if k.startswith(("NCCL_", "GLOO_")))
     return Check.ok("env", "NCCL/gloo variables: " + (", ".join(shown) if shown else "none set (defaults)"))
 
@@ -144,43 +168,55 @@ def _missing_interface(var: str, spec: str, interfaces: Sequence[str], *, exact:
     body = spec.removeprefix("^")
     exact_names = body.startswith("=")
     names = [n.strip() for n in body.removeprefix("=").split(",") if n.strip()]
-    selected = [i for i in interfaces
-                if any(i == n if exact_names else i.startswith(n) for n in names) != exclude]
+    selected = [i for i in interfaces if any(i == n if exact_names else i.startswith(n) for n in names) != exclude]
     return None if selected else f"{var}={spec} matches no interface"
 
 
 def check_host_memory(host: HostFacts, gpus: int, processes: int) -> Check:
     """Host RAM per GPU (or per CPU process): loader workers, pinned buffers and checkpoint loads live there."""
     count, unit = (gpus, "GPU") if gpus else (processes, "process")
-    warn_at, fail_at = ((RAM_PER_GPU_WARN_GB, RAM_PER_GPU_FAIL_GB) if gpus
-                        else (RAM_PER_CPU_PROCESS_WARN_GB, RAM_PER_CPU_PROCESS_FAIL_GB))
+    warn_at, fail_at = (
+        (RAM_PER_GPU_WARN_GB, RAM_PER_GPU_FAIL_GB)
+        if gpus
+        else (RAM_PER_CPU_PROCESS_WARN_GB, RAM_PER_CPU_PROCESS_FAIL_GB)
+    )
     total = host.ram_bytes / GB
     per = total / max(count, 1)
     limit = " (container limit)" if host.ram_limited_by_cgroup else ""
     plural = unit if count == 1 else f"{unit}es" if unit == "process" else f"{unit}s"
     evidence = f"{_gb(total)}{limit}, {_gb(per)} per {unit} ({count} {plural})"
     if per < fail_at:
-        return Check.fail("host memory", evidence,
-                          f"processes will be OOM-killed: run fewer per node or use a host with ≥ {warn_at:g} GB per "
-                          f"{unit}")
+        return Check.fail(
+            "host memory",
+            evidence,
+            f"processes will be OOM-killed: run fewer per node or use a host with ≥ {warn_at:g} GB per {unit}",
+        )
     if per < warn_at:
-        return Check.warn("host memory", evidence,
-                          f"below {warn_at:g} GB per {unit}: use fewer DataLoader workers and load checkpoints "
-                          "sharded, or a bigger host")
+        return Check.warn(
+            "host memory",
+            evidence,
+            f"below {warn_at:g} GB per {unit}: use fewer DataLoader workers and load checkpoints "
+            "sharded, or a bigger host",
+        )
     return Check.ok("host memory", evidence)
 
 
 def check_shared_memory(host: HostFacts, processes: int) -> Check:
     """/dev/shm carries every batch from DataLoader workers to the training process."""
     if host.shm_bytes is None or host.shm_free_bytes is None:
-        return Check.warn("shared memory", "no /dev/shm", "DataLoader workers need shared memory: mount a tmpfs at "
-                                                          "/dev/shm, or use num_workers=0")
+        return Check.warn(
+            "shared memory",
+            "no /dev/shm",
+            "DataLoader workers need shared memory: mount a tmpfs at /dev/shm, or use num_workers=0",
+        )
     free = host.shm_free_bytes / GB
     evidence = f"/dev/shm {_gb(host.shm_bytes / GB)}, {_gb(free)} free"
     if host.shm_bytes == 64 * MIB:
         evidence += " (Docker's default)"
-    fix = ("docker run --shm-size=16g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory at /dev/shm; "
-           "delete stale /dev/shm/torch_* files")
+    fix = (
+        "docker run --shm-size=16g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory at /dev/shm; "
+        "delete stale /dev/shm/torch_* files"
+    )
     if free < SHM_FAIL_GB:
         return Check.fail("shared memory", evidence, f"DataLoader workers will die with 'Bus error': {fix}")
     if free < SHM_PER_PROCESS_WARN_GB * processes:
@@ -206,21 +242,30 @@ def check_open_files(host: HostFacts) -> Check:
 def check_loopback(loopback: LoopbackFacts) -> Check:
     """A local job's rendezvous store listens on 127.0.0.1."""
     if loopback.bound_port is None:
-        return Check.fail("loopback port", f"cannot listen on 127.0.0.1: {loopback.error}",
-                          "bring the loopback interface up (ip link set lo up); check seccomp/firewall rules on bind")
+        return Check.fail(
+            "loopback port",
+            f"cannot listen on 127.0.0.1: {loopback.error}",
+            "bring the loopback interface up (ip link set lo up); check seccomp/firewall rules on bind",
+        )
     evidence = f"listened on 127.0.0.1:{loopback.bound_port}"
     if loopback.default_port_in_use:
-        return Check.warn("loopback port", f"{evidence}; {TORCHRUN_DEFAULT_PORT} (torchrun's default) is taken",
-                          "another job or a stale store holds it: `paratrain run` picks a free port by itself; pass "
-                          "--master-port for multi-node jobs")
+        return Check.warn(
+            "loopback port",
+            f"{evidence}; {TORCHRUN_DEFAULT_PORT} (torchrun's default) is taken",
+            "another job or a stale store holds it: `paratrain run` picks a free port by itself; pass "
+            "--master-port for multi-node jobs",
+        )
     return Check.ok("loopback port", evidence)
 
 
 def check_master(master: MasterFacts) -> Check:
     """The multi-node master address: resolves, and answers on its port (a refusal still proves reachability)."""
     if master.resolve_error:
-        return Check.fail("master", f"{master.host} does not resolve ({master.resolve_error})",
-                          "use the master's IP address, or fix DNS or /etc/hosts so every node resolves it")
+        return Check.fail(
+            "master",
+            f"{master.host} does not resolve ({master.resolve_error})",
+            "use the master's IP address, or fix DNS or /etc/hosts so every node resolves it",
+        )
     address = master.addresses[0]
     route = f"{master.host} → {address}" if master.host != address else address
     if master.connect == "open":
@@ -228,15 +273,24 @@ def check_master(master: MasterFacts) -> Check:
     elif master.connect == "refused":
         evidence = f"{route}: reachable, port {master.port} closed (fine before node 0 starts)"
     elif master.connect == "timeout":
-        return Check.fail("master", f"{route}: no answer on port {master.port} within {master.timeout_s:g} s",
-                          f"a firewall drops the traffic or the address is wrong: open TCP {master.port} and the "
-                          "NCCL/gloo ports between the nodes, and use the master's private-network address")
+        return Check.fail(
+            "master",
+            f"{route}: no answer on port {master.port} within {master.timeout_s:g} s",
+            f"a firewall drops the traffic or the address is wrong: open TCP {master.port} and the "
+            "NCCL/gloo ports between the nodes, and use the master's private-network address",
+        )
     else:
-        return Check.fail("master", f"{route}: {master.connect}", "no route to the master: check the address and "
-                                                                 "this node's network (`ip route`)")
+        return Check.fail(
+            "master",
+            f"{route}: {master.connect}",
+            "no route to the master: check the address and this node's network (`ip route`)",
+        )
     if ipaddress.ip_address(address.split("%")[0]).is_loopback:
-        return Check.warn("master", evidence, "a loopback address only works when every node is this host: use the "
-                                              "master's network address")
+        return Check.warn(
+            "master",
+            evidence,
+            "a loopback address only works when every node is this host: use the master's network address",
+        )
     return Check.ok("master", evidence)
 
 

@@ -2,6 +2,7 @@
 
 Pure functions, driven in tests by recorded nvidia-smi outputs (``tests/fixtures/nvidia_smi/``).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -56,16 +57,25 @@ def check_visible_gpus(torch: TorchFacts, nvidia: NvidiaFacts, cvd: str | None, 
     """GPUs nvidia-smi lists vs GPUs torch sees, explained by CUDA_VISIBLE_DEVICES where it is set."""
     if not nvidia.found:
         if torch.device_count:
-            return Check.warn("gpus", f"torch sees {torch.device_count} GPU(s) but nvidia-smi is not installed",
-                              "install the NVIDIA utilities or put nvidia-smi on PATH: the GPU checks need it")
+            return Check.warn(
+                "gpus",
+                f"torch sees {torch.device_count} GPU(s) but nvidia-smi is not installed",
+                "install the NVIDIA utilities or put nvidia-smi on PATH: the GPU checks need it",
+            )
         return Check.ok("gpus", "no GPU (nvidia-smi not found): jobs run on CPU processes with gloo")
     if nvidia.error:
         if "no devices" in nvidia.error.lower():
-            return Check.warn("gpus", "nvidia-smi found no GPU: jobs run on CPU processes with gloo",
-                              "in a container pass --gpus all (Docker) or request GPUs from the scheduler")
-        return Check.fail("gpus", f"nvidia-smi failed: {nvidia.error}",
-                          "the driver is not loaded or does not match its kernel module: reboot after a driver update, "
-                          "check `dmesg | grep -i nvrm`")
+            return Check.warn(
+                "gpus",
+                "nvidia-smi found no GPU: jobs run on CPU processes with gloo",
+                "in a container pass --gpus all (Docker) or request GPUs from the scheduler",
+            )
+        return Check.fail(
+            "gpus",
+            f"nvidia-smi failed: {nvidia.error}",
+            "the driver is not loaded or does not match its kernel module: reboot after a driver update, "
+            "check `dmesg | grep -i nvrm`",
+        )
     listed, expected, seen = len(nvidia.gpus), len(visible.indices), torch.device_count
     evidence = f"nvidia-smi lists {listed}"
     if cvd is not None:
@@ -76,15 +86,25 @@ def check_visible_gpus(torch: TorchFacts, nvidia: NvidiaFacts, cvd: str | None, 
     if expected and not torch.cuda_available:
         return Check.warn("gpus", evidence, "torch cannot use CUDA: see the torch check")
     if seen != expected:
-        return Check.fail("gpus", evidence, "CUDA misses a GPU: look for Xid / 'fallen off the bus' in dmesg and "
-                                            "`nvidia-smi -q`, and for another process holding it in exclusive mode")
+        return Check.fail(
+            "gpus",
+            evidence,
+            "CUDA misses a GPU: look for Xid / 'fallen off the bus' in dmesg and "
+            "`nvidia-smi -q`, and for another process holding it in exclusive mode",
+        )
     if not expected:
-        return Check.warn("gpus", evidence, "CUDA_VISIBLE_DEVICES hides every GPU, so jobs run on the CPU: unset it "
-                                            "or list the GPUs to use")
+        return Check.warn(
+            "gpus",
+            evidence,
+            "CUDA_VISIBLE_DEVICES hides every GPU, so jobs run on the CPU: unset it or list the GPUs to use",
+        )
     if visible.ignored is not None:
-        return Check.warn("gpus", f"{evidence}; entry {visible.ignored!r} names no GPU",
-                          "CUDA stops reading CUDA_VISIBLE_DEVICES at the first bad entry: use indices or UUIDs "
-                          "from nvidia-smi -L, each once")
+        return Check.warn(
+            "gpus",
+            f"{evidence}; entry {visible.ignored!r} names no GPU",
+            "CUDA stops reading CUDA_VISIBLE_DEVICES at the first bad entry: use indices or UUIDs "
+            "from nvidia-smi -L, each once",
+        )
     if cvd is not None and expected < listed:
         evidence += " (nvidia-smi ignores CUDA_VISIBLE_DEVICES)"
     return Check.ok("gpus", evidence)
@@ -98,9 +118,12 @@ def check_gpu_models(gpus: Sequence[Gpu]) -> Check:
         return Check.ok("gpu models", described)
     (name, memory), _ = kinds.most_common(1)[0]
     group = ",".join(str(g.index) for g in gpus if (g.name, g.memory_mib) == (name, memory))
-    return Check.warn("gpu models", described,
-                      f"a job runs at its slowest GPU and fits its smallest: use one model, e.g. "
-                      f"CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={group}")
+    return Check.warn(
+        "gpu models",
+        described,
+        f"a job runs at its slowest GPU and fits its smallest: use one model, e.g. "
+        f"CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={group}",
+    )
 
 
 def _mib(memory: int | None) -> str:
@@ -123,14 +146,19 @@ def check_interconnect(gpus: Sequence[Gpu], links: Mapping[tuple[int, int], str]
     pairs = list(combinations(indices, 2))
     cells = {p: links.get(p) for p in pairs}
     if any(cell is None for cell in cells.values()):
-        return Check.warn("interconnect", "nvidia-smi topo -m gave no matrix for these GPUs",
-                          "run `nvidia-smi topo -m` by hand; an old driver or a container may hide the topology")
+        return Check.warn(
+            "interconnect",
+            "nvidia-smi topo -m gave no matrix for these GPUs",
+            "run `nvidia-smi topo -m` by hand; an old driver or a container may hide the topology",
+        )
     summary = f"{len(pairs)} pair(s): " + ", ".join(f"{c}×{n}" for c, n in Counter(cells.values()).most_common())
     (a, b), worst = max(cells.items(), key=lambda item: _path_rank(item[1]))
     if _path_rank(worst) <= _PATH_RANK["PXB"]:
         return Check.ok("interconnect", summary)
-    fix = ("all-reduce goes at the slowest path, here through the CPU: use GPUs on NVLink or one PCIe switch, "
-           "or communicate less (accumulate gradients)")
+    fix = (
+        "all-reduce goes at the slowest path, here through the CPU: use GPUs on NVLink or one PCIe switch, "
+        "or communicate less (accumulate gradients)"
+    )
     group = _nvlink_group(indices, cells)
     if group:
         fix += f"; NVLink joins CUDA_VISIBLE_DEVICES={','.join(map(str, group))}"
@@ -171,13 +199,17 @@ def check_pcie(gpus: Sequence[Gpu]) -> Check:
         elif speed < SLOW_PCIE_GBPS:
             problems.append(f"GPU{g.index} gen{g.pcie_gen_max} x{g.pcie_width} ≈{speed:.1f} GB/s")
     links = Counter((g.pcie_gen_max, g.pcie_width) for g in known)
-    evidence = ", ".join(f"{n}× gen{gen} x{width} ({pcie_gbps(gen, width):.0f} GB/s)"
-                         for (gen, width), n in links.most_common())
+    evidence = ", ".join(
+        f"{n}× gen{gen} x{width} ({pcie_gbps(gen, width):.0f} GB/s)" for (gen, width), n in links.most_common()
+    )
     idle = [g for g in known if g.pcie_gen is not None and g.pcie_gen < (g.pcie_gen_max or 0)]
     if idle:
         evidence += f"; {len(idle)} at a lower gen now (idle power saving)"
     if problems:
-        return Check.warn("pcie", "; ".join(problems),
-                          "if it stays so under load, the slot caps host↔GPU copies: move the GPU to an x16 slot, "
-                          "check risers and BIOS bifurcation")
+        return Check.warn(
+            "pcie",
+            "; ".join(problems),
+            "if it stays so under load, the slot caps host↔GPU copies: move the GPU to an x16 slot, "
+            "check risers and BIOS bifurcation",
+        )
     return Check.ok("pcie", evidence)

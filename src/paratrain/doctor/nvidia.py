@@ -5,6 +5,7 @@ Commands run through an injectable :class:`CommandRunner`, so tests replay recor
 a line they do not understand is skipped, never fatal, because a doctor that crashes on an odd driver
 version helps nobody.
 """
+
 from __future__ import annotations
 
 import csv
@@ -16,8 +17,15 @@ from typing import Protocol
 
 LIST_GPUS = ("nvidia-smi", "-L")
 TOPOLOGY = ("nvidia-smi", "topo", "-m")
-QUERY_FIELDS = ("index", "name", "memory.total", "pcie.link.gen.current", "pcie.link.gen.max",
-                "pcie.link.width.current", "pcie.link.width.max")
+QUERY_FIELDS = (
+    "index",
+    "name",
+    "memory.total",
+    "pcie.link.gen.current",
+    "pcie.link.gen.max",
+    "pcie.link.width.current",
+    "pcie.link.width.max",
+)
 QUERY = ("nvidia-smi", f"--query-gpu={','.join(QUERY_FIELDS)}", "--format=csv,noheader,nounits")
 NOT_FOUND = 127
 TIMED_OUT = 124
@@ -102,8 +110,10 @@ def probe(run: CommandRunner) -> NvidiaFacts:
         return NvidiaFacts(found=True)
     query = run(QUERY)
     rows = parse_query(query.stdout) if query.returncode == 0 else {}
-    gpus = tuple(replace(rows[index], uuid=uuid) if index in rows else Gpu(index=index, name=name, uuid=uuid)
-                 for index, (name, uuid) in sorted(names.items()))
+    gpus = tuple(
+        replace(rows[index], uuid=uuid) if index in rows else Gpu(index=index, name=name, uuid=uuid)
+        for index, (name, uuid) in sorted(names.items())
+    )
     topo = run(TOPOLOGY) if len(gpus) > 1 else None
     links = parse_topology(topo.stdout) if topo is not None and topo.returncode == 0 else {}
     return NvidiaFacts(found=True, gpus=gpus, links=links)
@@ -132,8 +142,15 @@ def parse_query(text: str) -> dict[int, Gpu]:
         if len(row) != len(QUERY_FIELDS) or not row[0].strip().isdigit():
             continue
         index, name, memory, gen, gen_max, width, width_max = (cell.strip() for cell in row)
-        gpus[int(index)] = Gpu(index=int(index), name=name, memory_mib=_int(memory), pcie_gen=_int(gen),
-                               pcie_gen_max=_int(gen_max), pcie_width=_int(width), pcie_width_max=_int(width_max))
+        gpus[int(index)] = Gpu(
+            index=int(index),
+            name=name,
+            memory_mib=_int(memory),
+            pcie_gen=_int(gen),
+            pcie_gen_max=_int(gen_max),
+            pcie_width=_int(width),
+            pcie_width_max=_int(width_max),
+        )
     return gpus
 
 
@@ -163,13 +180,13 @@ def parse_topology(text: str) -> dict[tuple[int, int], str]:
                 break
             continue
         if not columns and tokens[0] == "GPU0" and not line[:1].isalnum():
-            columns = tokens[:tokens.index("CPU")] if "CPU" in tokens else tokens
+            columns = tokens[: tokens.index("CPU")] if "CPU" in tokens else tokens
             continue
         row = _DEVICE.match(tokens[0])
         if not columns or row is None:
             continue
         i = int(row.group(1))
-        for column, cell in zip(columns, tokens[1:1 + len(columns)]):
+        for column, cell in zip(columns, tokens[1 : 1 + len(columns)]):
             col = _DEVICE.match(column)
             if col is not None and i < int(col.group(1)):
                 links[(i, int(col.group(1)))] = cell

@@ -1,4 +1,5 @@
 """The doctor's report on one screen (a check/status/evidence/fix table, then the bandwidth table) or as JSON."""
+
 from __future__ import annotations
 
 import json
@@ -27,31 +28,41 @@ def render_text(report: DoctorReport, width: int = 100) -> str:
     evidence_w = text_w * 11 // 20 if any_fix else text_w
     fix_w = text_w - evidence_w - 2
     lines = [f"paratrain doctor — {report.title}", ""]
-    lines.append(f"{'CHECK':<{name_w}}  {'STATUS':<{status_w}}  {'EVIDENCE':<{evidence_w}}  {'FIX' if any_fix else ''}"
-                 .rstrip())
+    lines.append(
+        f"{'CHECK':<{name_w}}  {'STATUS':<{status_w}}  {'EVIDENCE':<{evidence_w}}  {'FIX' if any_fix else ''}".rstrip()
+    )
     for check in report.checks:
         evidence = textwrap.wrap(check.evidence, evidence_w, break_long_words=False) or [""]
         fix = textwrap.wrap(check.fix, fix_w, break_long_words=False) if check.status is not Status.OK else []
         for i in range(max(len(evidence), len(fix))):
             name, status = (check.name, check.status.value) if i == 0 else ("", "")
             cell = evidence[i] if i < len(evidence) else ""
-            lines.append(f"{name:<{name_w}}  {status:<{status_w}}  {cell:<{evidence_w}}  "
-                         f"{fix[i] if i < len(fix) else ''}".rstrip())
+            lines.append(
+                f"{name:<{name_w}}  {status:<{status_w}}  {cell:<{evidence_w}}  "
+                f"{fix[i] if i < len(fix) else ''}".rstrip()
+            )
     if report.bandwidth is not None:
         lines += ["", *_bandwidth_table(report.bandwidth)]
     counts = report.counts()
-    lines += ["", f"{len(report.checks)} checks: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail "
-                  f"→ exit {report.exit_code}"]
+    lines += [
+        "",
+        f"{len(report.checks)} checks: {counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail "
+        f"→ exit {report.exit_code}",
+    ]
     return "\n".join(lines)
 
 
 def _bandwidth_table(b: BandwidthResult) -> list[str]:
     where = f"{b.world_size} GPUs" if b.device == "cuda" else f"{b.world_size} CPU processes"
-    lines = [f"all-reduce over {b.backend}, {where} (algbw = bytes/time; busbw = algbw × 2(n-1)/n)",
-             f"{'size':>9}  {'time':>10}  {'algbw GB/s':>10}  {'busbw GB/s':>10}"]
+    lines = [
+        f"all-reduce over {b.backend}, {where} (algbw = bytes/time; busbw = algbw × 2(n-1)/n)",
+        f"{'size':>9}  {'time':>10}  {'algbw GB/s':>10}  {'busbw GB/s':>10}",
+    ]
     for row in b.rows:
-        lines.append(f"{format_bytes(row.size_bytes, digits=6):>9}  {_duration(row.seconds):>10}  "
-                     f"{row.algbw_gbps:>10.3f}  {row.busbw_gbps:>10.3f}")
+        lines.append(
+            f"{format_bytes(row.size_bytes, digits=6):>9}  {_duration(row.seconds):>10}  "
+            f"{row.algbw_gbps:>10.3f}  {row.busbw_gbps:>10.3f}"
+        )
     return lines
 
 

@@ -10,6 +10,7 @@ Scripts written for one GPU box name CUDA outright (nanoGPT's ``device = 'cuda'`
 the lines first. Code under a test of ``torch.cuda.is_available()`` (or of the device string) is left alone: it
 already picks. The script is parsed, never run.
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,9 +24,11 @@ CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 """A device string naming CUDA: ``cuda``, ``cuda:0``."""
 DEVICE_KEYWORDS = frozenset({"device", "map_location"})
 """Keyword arguments that take a device (``torch.zeros(..., device=)``, ``torch.load(map_location=)``)."""
-CUDA_FIX = ("take the device from Parallel (par.device) or pick it: 'cuda' if torch.cuda.is_available() else "
-            "'cpu'; the backend likewise ('nccl' or 'gloo'), or let Parallel start the process group; settings read "
-            "from the command line can be set to cpu and gloo there")
+CUDA_FIX = (
+    "take the device from Parallel (par.device) or pick it: 'cuda' if torch.cuda.is_available() else "
+    "'cpu'; the backend likewise ('nccl' or 'gloo'), or let Parallel start the process group; settings read "
+    "from the command line can be set to cpu and gloo there"
+)
 
 
 def imported(source: str, filename: str = "<script>") -> list[tuple[str, int]]:
@@ -153,7 +156,10 @@ def check_script(path: str) -> Check:
     if not lines:
         return Check.ok(name, f"no import of {RPC}")
     where = ", ".join(f"line {n}" for n in lines)
-    return Check.warn(name, f"imports {RPC} ({where}): it unpickles what peers send (CVE-2024-7804, unfixed), is in "
-                      "maintenance mode and its TensorPipe backend is deprecated",
-                      "for parameter servers use Parallel('ps', servers=S) (point-to-point, tensor-only messages, "
-                      "docs/parameter-server.md); otherwise send tensors with torch.distributed send/recv")
+    return Check.warn(
+        name,
+        f"imports {RPC} ({where}): it unpickles what peers send (CVE-2024-7804, unfixed), is in "
+        "maintenance mode and its TensorPipe backend is deprecated",
+        "for parameter servers use Parallel('ps', servers=S) (point-to-point, tensor-only messages, "
+        "docs/parameter-server.md); otherwise send tensors with torch.distributed send/recv",
+    )

@@ -4,6 +4,7 @@ Each gatherer reads one thing (``/proc/meminfo``, ``/dev/shm``, the open-file li
 loopback socket, the master's address) and returns a frozen dataclass, so a test builds the same dataclass
 by hand to drive a check into every status.
 """
+
 from __future__ import annotations
 
 import os

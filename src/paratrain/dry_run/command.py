@@ -1,5 +1,6 @@
 """``paratrain dry-run``: lay a model out as ``prepare`` would at any world size, in this process
 (:mod:`.probe`), and print what each rank holds or the error a launch would hit."""
+
 from __future__ import annotations
 
 import json
@@ -72,9 +73,15 @@ class DryRunConfig:
 
 def run_dry_run(config: DryRunConfig) -> int:
     """Lay the model out, print the layout; exit code 1 when the layout fails as a launch would."""
-    result = dry_run(model_builder(config.model, config.model_config), world=config.world, strategy=config.strategy,
-                     options=config.options, precision=config.precision, optimizer=config.optimizer,
-                     per_node=config.per_node)
+    result = dry_run(
+        model_builder(config.model, config.model_config),
+        world=config.world,
+        strategy=config.strategy,
+        options=config.options,
+        precision=config.precision,
+        optimizer=config.optimizer,
+        per_node=config.per_node,
+    )
     steps = first_steps([step_spec(config, r.rank) for r in result.ranks]) if config.step and not result.error else []
     if config.json:
         print(json.dumps({**result.as_dict(), "steps": [asdict(s) for s in steps]}, indent=2))
@@ -85,18 +92,33 @@ def run_dry_run(config: DryRunConfig) -> int:
 
 def step_spec(config: DryRunConfig, rank: int) -> dict[str, object]:
     """What ``--step`` runs for ``rank`` (see :func:`paratrain.cuda_step.first_steps`)."""
-    return {"rank": rank, "world": config.world, "per_node": config.per_node, "strategy": config.strategy,
-            "options": config.options, "precision": config.precision, "model": config.model,
-            "model_config": config.model_config, "input": config.input, "batch": config.micro_batch,
-            "seq_len": config.seq_len, "clip": 1.0}
+    return {
+        "rank": rank,
+        "world": config.world,
+        "per_node": config.per_node,
+        "strategy": config.strategy,
+        "options": config.options,
+        "precision": config.precision,
+        "model": config.model,
+        "model_config": config.model_config,
+        "input": config.input,
+        "batch": config.micro_batch,
+        "seq_len": config.seq_len,
+        "clip": 1.0,
+    }
 
 
 def steps_table(steps: list[StepResult]) -> str:
     """Each probed rank's first step on fake CUDA: passes or fails, its peak memory, then each failure's line."""
-    lines = ["first training step on fake CUDA devices (clipped AdamW, CUDA's foreach path, the job's backend)",
-             f"{'rank':>6} {'device':>8} {'first step':>11} {'peak GiB':>9}"]
-    lines += [f"{s.rank:>6} {s.device:>8} {'passes' if s.passed else 'FAILS' if s.ran else 'not run':>11} "
-              f"{(f'{s.peak / 2 ** 30:.3f}' if s.passed else '-'):>9}" for s in steps]
+    lines = [
+        "first training step on fake CUDA devices (clipped AdamW, CUDA's foreach path, the job's backend)",
+        f"{'rank':>6} {'device':>8} {'first step':>11} {'peak GiB':>9}",
+    ]
+    lines += [
+        f"{s.rank:>6} {s.device:>8} {'passes' if s.passed else 'FAILS' if s.ran else 'not run':>11} "
+        f"{(f'{s.peak / 2**30:.3f}' if s.passed else '-'):>9}"
+        for s in steps
+    ]
     lines += [f"rank {s.rank}: {s.error}" for s in steps if not s.passed]
     lines += [f"rank {s.rank}: note: {s.note}" for s in steps if s.note]
     return "\n".join(lines)

@@ -9,6 +9,7 @@ is raised by the same code, so it shows here in one line instead of after a queu
 
 Ranks probed: rank 0, the last rank (uneven shards end there), and the first rank of every pipeline stage.
 """
+
 from __future__ import annotations
 
 import time
@@ -61,24 +62,43 @@ class DryRun:
         return max(self.ranks, key=lambda r: r.total)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "world": self.world, "layout": self.layout, "error": self.error,
-                "notes": self.notes, "seconds": round(self.seconds, 3),
-                "ranks": [{**asdict(r), "total": r.total} for r in self.ranks]}
+        return {
+            "strategy": self.strategy,
+            "world": self.world,
+            "layout": self.layout,
+            "error": self.error,
+            "notes": self.notes,
+            "seconds": round(self.seconds, 3),
+            "ranks": [{**asdict(r), "total": r.total} for r in self.ranks],
+        }
 
     def table(self) -> str:
         if self.error is not None:
             return f"dry run of {self.strategy} at world {self.world}: {self.error}"
-        gib = 2 ** 30
-        lines = [f"dry run of {self.layout} at world {self.world} ({self.seconds:.1f} s, fake process group)",
-                 f"{'rank':>6} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'total GiB':>10}"]
-        lines += [f"{r.rank:>6} {r.parameters / gib:>11.3f} {r.gradients / gib:>10.3f} "
-                  f"{r.optimizer_states / gib:>10.3f} {r.total / gib:>10.3f}" for r in self.ranks]
+        gib = 2**30
+        lines = [
+            f"dry run of {self.layout} at world {self.world} ({self.seconds:.1f} s, fake process group)",
+            f"{'rank':>6} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'total GiB':>10}",
+        ]
+        lines += [
+            f"{r.rank:>6} {r.parameters / gib:>11.3f} {r.gradients / gib:>10.3f} "
+            f"{r.optimizer_states / gib:>10.3f} {r.total / gib:>10.3f}"
+            for r in self.ranks
+        ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def dry_run(build: Callable[[], nn.Module], *, world: int, strategy: str, options: dict[str, Any] | None = None,
-            precision: str = "fp32", optimizer: str = "adamw", per_node: int = 8) -> DryRun:
+def dry_run(
+    build: Callable[[], nn.Module],
+    *,
+    world: int,
+    strategy: str,
+    options: dict[str, Any] | None = None,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    per_node: int = 8,
+) -> DryRun:
     """Lay ``build()`` (called under ``torch.device("meta")``) out as ``strategy`` over ``world`` ranks of
     ``per_node`` each; see the module's docstring."""
     if optimizer not in OPTIMIZER_STATES:
@@ -94,8 +114,9 @@ def dry_run(build: Callable[[], nn.Module], *, world: int, strategy: str, option
             if rank in done:
                 continue
             done.add(rank)
-            held, more, out.layout, notes = _probe(build, rank, world, strategy, options or {}, precision,
-                                                   optimizer, per_node)
+            held, more, out.layout, notes = _probe(
+                build, rank, world, strategy, options or {}, precision, optimizer, per_node
+            )
             out.ranks.append(held)
             out.notes += [n for n in notes if n not in out.notes]
             if rank == 0:
@@ -109,8 +130,16 @@ def dry_run(build: Callable[[], nn.Module], *, world: int, strategy: str, option
     return out
 
 
-def _probe(build: Callable[[], nn.Module], rank: int, world: int, strategy: str, options: dict[str, Any],
-           precision: str, optimizer: str, per_node: int) -> tuple[RankBytes, list[int], str, list[str]]:
+def _probe(
+    build: Callable[[], nn.Module],
+    rank: int,
+    world: int,
+    strategy: str,
+    options: dict[str, Any],
+    precision: str,
+    optimizer: str,
+    per_node: int,
+) -> tuple[RankBytes, list[int], str, list[str]]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..parallel import Parallel
@@ -120,8 +149,9 @@ def _probe(build: Callable[[], nn.Module], rank: int, world: int, strategy: str,
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         env = ClusterEnv(rank=rank, local_rank=rank % local, world_size=world, local_world_size=local, launched=True)
-        par = Parallel(strategy, job=JobConfig(env=env), accelerator="cpu", precision=precision, monitor=False,
-                       **options)
+        par = Parallel(
+            strategy, job=JobConfig(env=env), accelerator="cpu", precision=precision, monitor=False, **options
+        )
         with torch.device("meta"):
             model = build()
         opt = torch.optim.AdamW(model.parameters()) if any(p.requires_grad for p in model.parameters()) else None
@@ -150,9 +180,12 @@ def _held(model: nn.Module, optimizer: torch.optim.Optimizer | None, states: int
     params = {id(p): p for p in model.parameters()}.values()
     local_optim = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's partition
     trained = {id(p): p for g in (local_optim.param_groups if local_optim is not None else []) for p in g["params"]}
-    return RankBytes(rank=rank, parameters=sum(_bytes(p) for p in params),
-                     gradients=sum(_bytes(p) for p in params if p.requires_grad),
-                     optimizer_states=states * sum(_bytes(p) for p in trained.values()))
+    return RankBytes(
+        rank=rank,
+        parameters=sum(_bytes(p) for p in params),
+        gradients=sum(_bytes(p) for p in params if p.requires_grad),
+        optimizer_states=states * sum(_bytes(p) for p in trained.values()),
+    )
 
 
 def _uneven_tp(model: nn.Module) -> list[str]:
@@ -168,9 +201,11 @@ def _uneven_tp(model: nn.Module) -> list[str]:
         dim = getattr(placement, "dim", None)
         if placement.is_shard() and dim is not None and p.shape[dim] % tp:
             rows = p.shape[dim]
-            notes.append(f"{name} (dimension {dim} of {rows}) splits unevenly over tp={tp}: {-(-rows // tp)} "
-                         f"rows per rank, fewer on the last; it runs (DTensor shards unevenly), a vocabulary padded "
-                         f"to a multiple of {tp} would balance it")
+            notes.append(
+                f"{name} (dimension {dim} of {rows}) splits unevenly over tp={tp}: {-(-rows // tp)} "
+                f"rows per rank, fewer on the last; it runs (DTensor shards unevenly), a vocabulary padded "
+                f"to a multiple of {tp} would balance it"
+            )
     return notes
 
 

@@ -19,6 +19,7 @@ and ``_close`` are the two steps of its ``_poll`` overridden, so torch's poll it
 given its subclass after torch built it (``_start_workers`` builds it from ~60 lines of worker environment that a
 copy would have to follow). tests/launcher/test_leaving.py runs the same jobs on torch 2.11 and 2.13.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -136,12 +137,18 @@ class LeavingAgent(LocalElasticAgent):
         back = self._remaining_restarts > 0
         if back:
             self._remaining_restarts -= 1
-            then = (f"restarting it alone (restart {spec.max_restarts - self._remaining_restarts} "
-                    f"of {spec.max_restarts})")
+            then = (
+                f"restarting it alone (restart {spec.max_restarts - self._remaining_restarts} of {spec.max_restarts})"
+            )
         else:
             then = "the job goes on without it"
-        print(format_leave(worker.global_rank, socket.gethostname(), failure.pid, failure.exitcode,
-                           trace_of(failure), then), file=sys.stderr, flush=True)
+        print(
+            format_leave(
+                worker.global_rank, socket.gethostname(), failure.pid, failure.exitcode, trace_of(failure), then
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         attempt = int(context.envs[local_rank].get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._notify(notice_key(worker.global_rank, n, attempt), BACK if back else GONE)
         self._leaves.record(worker.global_rank, back)
@@ -173,8 +180,9 @@ class LeavingContext(SubprocessContext):
     _closing: bool
 
     @classmethod
-    def adopt(cls, context: SubprocessContext, may_leave: Callable[[int], bool],
-              left: Callable[[int, ProcessFailure], bool]) -> None:
+    def adopt(
+        cls, context: SubprocessContext, may_leave: Callable[[int], bool], left: Callable[[int, ProcessFailure], bool]
+    ) -> None:
         """Give the context torch built (and started) this class's poll steps."""
         context.__class__ = cls
         assert isinstance(context, LeavingContext)
@@ -210,9 +218,14 @@ class LeavingContext(SubprocessContext):
         # Not under a blocked SIGTERM: the child would inherit the mask. A stop signal between the start and the
         # next line leaves the process out of the context; it still dies with the launcher (parent_death).
         handler = _AppendingHandler(
-            entrypoint=self.entrypoint, args=self.args[local_rank], env=self.envs[local_rank],
-            stdout=self.stdouts[local_rank], stderr=self.stderrs[local_rank], local_rank_id=local_rank,
-            numa_options=self._numa_options)
+            entrypoint=self.entrypoint,
+            args=self.args[local_rank],
+            env=self.envs[local_rank],
+            stdout=self.stdouts[local_rank],
+            stderr=self.stderrs[local_rank],
+            local_rank_id=local_rank,
+            numa_options=self._numa_options,
+        )
         self.subprocess_handlers[local_rank] = handler
         return handler.proc.pid
 
@@ -239,4 +252,3 @@ def _tcp_store(store: Any) -> Any:
     while store is not None and not isinstance(store, TCPStore):
         store = getattr(store, "underlying_store", None)
     return store
-

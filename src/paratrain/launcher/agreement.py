@@ -6,6 +6,7 @@ hangs at exit. The launcher exports its ``--nnodes`` to the workers; after the r
 the nodes already share, each node publishes it and compares it with the others', and a mismatch ends the
 job at once on every node with a one-line error.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,9 @@ def check_same_nnodes(environ: Mapping[str, str] | None = None, timeout_s: float
     from torch.distributed import PrefixStore, TCPStore
 
     node, nodes = int(env["GROUP_RANK"]), int(env["GROUP_WORLD_SIZE"])
-    client = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                      timeout=timedelta(seconds=timeout_s))
+    client = TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
     # A new attempt, or a new membership round with another world size, must not read the last one's keys.
     attempt = f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{env.get('WORLD_SIZE', '')}"
     store = PrefixStore(f"paratrain/nnodes/{attempt}", client)
@@ -45,8 +47,10 @@ def check_same_nnodes(environ: Mapping[str, str] | None = None, timeout_s: float
     for other in others:
         theirs = store.get(str(other)).decode()
         if theirs != mine:
-            raise LaunchError(f"node {other} was started with --nnodes {_show(theirs)} but node {node} (this one) "
-                              f"with --nnodes {_show(mine)}; start every node with the same --nnodes")
+            raise LaunchError(
+                f"node {other} was started with --nnodes {_show(theirs)} but node {node} (this one) "
+                f"with --nnodes {_show(mine)}; start every node with the same --nnodes"
+            )
 
 
 def _show(spec: str) -> str:

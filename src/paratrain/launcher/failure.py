@@ -1,4 +1,5 @@
 """The root cause of a failed job, in one screen: rank, host, exit code, traceback."""
+
 from __future__ import annotations
 
 import re
@@ -12,17 +13,26 @@ _OWN_ERROR = re.compile(r"^paratrain\.errors\.\w+: (.*)$")
 """The last line of a traceback that ends in one of paratrain's own (one-line) errors."""
 _SIGNAL_HINTS = {
     signal.SIGKILL: "the process was killed (out of memory? killed by a scheduler?)",
-    signal.SIGABRT: ("the process aborted inside torch's C++ code: gloo and NCCL abort a rank whose peer failed or "
-                     "that called a different collective than its peers (TORCH_DISTRIBUTED_DEBUG=DETAIL names "
-                     "mismatched collectives); the other ranks' errors may say more"),
+    signal.SIGABRT: (
+        "the process aborted inside torch's C++ code: gloo and NCCL abort a rank whose peer failed or "
+        "that called a different collective than its peers (TORCH_DISTRIBUTED_DEBUG=DETAIL names "
+        "mismatched collectives); the other ranks' errors may say more"
+    ),
     signal.SIGSEGV: "the process crashed (segmentation fault) in native code",
     signal.SIGTERM: "the process was terminated (by a scheduler, a user, or its launcher)",
 }
 
 
 # Errors a rank raises because a peer died first: never the root cause when a real one is there.
-_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-              "has been closed", "Socket Timeout", "left the job first")
+_SECONDARY = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "has been closed",
+    "Socket Timeout",
+    "left the job first",
+)
 
 
 def from_child_failed(err: object) -> RankFailedError:
@@ -34,17 +44,36 @@ def from_child_failed(err: object) -> RankFailedError:
     be a second after its peer wrote "Connection closed by peer". Otherwise failures are ordered by time.
     """
     failures = err.failures  # type: ignore[attr-defined]
-    rank = min(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, _is_secondary(failures[r].message),
-                                        failures[r].timestamp, failures[r].exitcode < 0, r))
+    rank = min(
+        failures,
+        key=lambda r: (
+            failures[r].exitcode == -signal.SIGTERM,
+            _is_secondary(failures[r].message),
+            failures[r].timestamp,
+            failures[r].exitcode < 0,
+            r,
+        ),
+    )
     failure = failures[rank]
     trace = trace_of(failure)
     own = own_error(trace)
-    same = tuple(r for r in sorted(failures)
-                 if r != rank and own is not None and own_error(trace_of(failures[r])) == own)
-    stopped = () if failure.exitcode == -signal.SIGTERM else tuple(
-        r for r in sorted(failures) if failures[r].exitcode == -signal.SIGTERM)
-    return RankFailedError(rank=rank, exitcode=failure.exitcode, host=socket.gethostname(), pid=failure.pid,
-                           traceback=trace, ranks=(rank, *same), stopped=stopped)
+    same = tuple(
+        r for r in sorted(failures) if r != rank and own is not None and own_error(trace_of(failures[r])) == own
+    )
+    stopped = (
+        ()
+        if failure.exitcode == -signal.SIGTERM
+        else tuple(r for r in sorted(failures) if failures[r].exitcode == -signal.SIGTERM)
+    )
+    return RankFailedError(
+        rank=rank,
+        exitcode=failure.exitcode,
+        host=socket.gethostname(),
+        pid=failure.pid,
+        traceback=trace,
+        ranks=(rank, *same),
+        stopped=stopped,
+    )
 
 
 def trace_of(failure: object) -> str | None:
@@ -70,8 +99,13 @@ def _is_secondary(message: object) -> bool:
 def user_frames(trace: str) -> str:
     """The traceback without the launcher's own frames (runpy, the worker bootstrap, ``@record``)."""
     lines = trace.rstrip().splitlines()
-    own = ("<frozen runpy>", "paratrain/launcher/worker.py", "paratrain/tf/worker.py",
-           "elastic/multiprocessing/errors/__init__.py", "multiprocessing/spawn.py")
+    own = (
+        "<frozen runpy>",
+        "paratrain/launcher/worker.py",
+        "paratrain/tf/worker.py",
+        "elastic/multiprocessing/errors/__init__.py",
+        "multiprocessing/spawn.py",
+    )
     kept: list[str] = []
     skip_body = False
     for line in lines:
@@ -103,8 +137,10 @@ def format_failure(err: RankFailedError) -> str:
     if stopped:
         lines.append(f"  {_which(stopped)} stopped by the launcher ({err.stopped_by}) after this failure")
     if _is_secondary(last):
-        lines.append("  this rank lost a peer that failed first: on a multi-node job, the root cause is in the "
-                     "report of the node that failed first")
+        lines.append(
+            "  this rank lost a peer that failed first: on a multi-node job, the root cause is in the "
+            "report of the node that failed first"
+        )
     lines.extend(_cause(err.rank, err.exitcode, err.traceback))
     return "\n".join(lines)
 
@@ -112,8 +148,10 @@ def format_failure(err: RankFailedError) -> str:
 def format_leave(rank: int, host: str, pid: int | None, exitcode: int, traceback: str | None, then: str) -> str:
     """The report of a rank that allowed leaving and died (:mod:`paratrain.launcher.leaving`): the failure report's
     shape, saying what happens next (``then``) instead of that the job was stopped."""
-    lines = [f"paratrain: rank {rank} left the job on {host} ({failure_cause(exitcode, traceback)}); {then}",
-             f"  rank {rank}  host {host}  pid {pid}"]
+    lines = [
+        f"paratrain: rank {rank} left the job on {host} ({failure_cause(exitcode, traceback)}); {then}",
+        f"  rank {rank}  host {host}  pid {pid}",
+    ]
     lines.extend(_cause(rank, exitcode, traceback))
     return "\n".join(lines)
 

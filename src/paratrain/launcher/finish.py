@@ -23,6 +23,7 @@ that waits in gloo's destructor. Once the script is over and its threads are don
 code: a finished job stays a success and is never restarted. (A handler that blocks while it holds the GIL
 would stop that thread too; torch releases it in blocking calls and before destroying a process group.)
 """
+
 from __future__ import annotations
 
 import atexit

@@ -8,6 +8,7 @@ parser would name a flag the pod's command never gave). In a pod the master's na
 pod runs: :func:`paratrain.launcher.multinode.prepare_network` waits for it there. Checking is a pure function of a
 mapping, so it is tested with fake environments.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -15,8 +16,13 @@ from collections.abc import Mapping
 from ..errors import LaunchError
 from .multinode import nnodes_range
 
-PET_FLAGS = {"PET_NNODES": "--nnodes", "PET_NPROC_PER_NODE": "--nproc-per-node", "PET_NODE_RANK": "--node-rank",
-             "PET_MASTER_ADDR": "--master-addr", "PET_MASTER_PORT": "--master-port"}
+PET_FLAGS = {
+    "PET_NNODES": "--nnodes",
+    "PET_NPROC_PER_NODE": "--nproc-per-node",
+    "PET_NODE_RANK": "--node-rank",
+    "PET_MASTER_ADDR": "--master-addr",
+    "PET_MASTER_PORT": "--master-port",
+}
 """The variables Kubeflow Trainer's torch runtime sets, and the ``paratrain run`` flag each stands for."""
 _NPROC_WORDS = ("auto", "cpu", "gpu")
 
@@ -26,9 +32,11 @@ def check_pet(environ: Mapping[str, str]) -> None:
     for name in PET_FLAGS:
         value = environ.get(name)
         if value is not None and (problem := _problem(name, value, environ)):
-            raise LaunchError(f"{name}={value!r} {problem}; torchrun and `paratrain run` read PET_* variables "
-                              "(Kubeflow Trainer sets them in each pod) as their flags, this one as "
-                              f"{PET_FLAGS[name]}: correct it or unset it")
+            raise LaunchError(
+                f"{name}={value!r} {problem}; torchrun and `paratrain run` read PET_* variables "
+                "(Kubeflow Trainer sets them in each pod) as their flags, this one as "
+                f"{PET_FLAGS[name]}: correct it or unset it"
+            )
 
 
 def _problem(name: str, value: str, environ: Mapping[str, str]) -> str | None:

@@ -16,6 +16,7 @@ Permission is per process: a replacement runs the same script, which asks again.
 of this node's launcher (``PARATRAIN_LEAVE_DIR``), since each node's launcher only supervises its own ranks.
 This module imports nothing of paratrain beyond its errors, so that any layer can take the contract from here.
 """
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ to (often loopback), the c10d rendezvous host decides whether to run the store b
 misses an address given as an IP), and a node that never shows up is reported as a C++ stack trace after ten
 minutes. Here each node looks up the route to the rendezvous host once and exports what that implies.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,15 +85,19 @@ def prepare_network(args: argparse.Namespace, note: Callable[[str], None]) -> No
         note(f"waiting up to {wait} s for {host} to resolve (Kubernetes names a pod once it runs)")
         address, waited = network.wait_for_address(host, wait), f" within {wait} s"
     if address is None:
-        raise LaunchError(f"the rendezvous host {host!r} does not resolve on this node{waited}; give its IP "
-                          "address or a name this node can resolve (DNS, /etc/hosts)")
+        raise LaunchError(
+            f"the rendezvous host {host!r} does not resolve on this node{waited}; give its IP "
+            "address or a name this node can resolve (DNS, /etc/hosts)"
+        )
     source = network.route_source(address, port)
     if source is None:
         return  # no route now: the rendezvous will time out with a message naming the address
     if network.is_loopback(source):
         if not network.is_loopback(host) and host != "localhost":
-            note(f"the rendezvous host {host} resolves to {address} (loopback) on this node, which other nodes "
-                 "cannot reach; give the master's network address, or set GLOO_SOCKET_IFNAME and --local-addr")
+            note(
+                f"the rendezvous host {host} resolves to {address} (loopback) on this node, which other nodes "
+                "cannot reach; give the master's network address, or set GLOO_SOCKET_IFNAME and --local-addr"
+            )
         return
     iface = network.interface_of(source)
     chosen = []
@@ -104,8 +109,11 @@ def prepare_network(args: argparse.Namespace, note: Callable[[str], None]) -> No
         chosen.append(f"--local-addr {source}")
         _host_the_store_if_mine(args, address, port)
     if chosen:
-        note(f"this node reaches {host}:{port} from {source}" + (f" on {iface}" if iface else "")
-             + f" ({', '.join(chosen)})")
+        note(
+            f"this node reaches {host}:{port} from {source}"
+            + (f" on {iface}" if iface else "")
+            + f" ({', '.join(chosen)})"
+        )
 
 
 def _host_the_store_if_mine(args: argparse.Namespace, address: str, port: int) -> None:
@@ -148,25 +156,35 @@ def rendezvous_error(args: argparse.Namespace, err: BaseException) -> LaunchErro
     where = f"{host}:{port}"
     waited = f"{rendezvous_timeout(args)} s"
     text = f"{err} {err.__cause__ or ''}"
-    same = ("start every node with the same --nnodes and " +
-            ("--master-addr/--master-port" if args.rdzv_backend == "static" else "--rdzv-endpoint/--rdzv-id"))
+    same = "start every node with the same --nnodes and " + (
+        "--master-addr/--master-port" if args.rdzv_backend == "static" else "--rdzv-endpoint/--rdzv-id"
+    )
     joined = _JOINED.search(text)
     if joined:
         present, expected = int(joined[1]), int(joined[2])
-        return LaunchError(f"only {present} of {expected} nodes joined the rendezvous at {where} within {waited}; "
-                           f"{same}, or raise --rdzv-timeout")
+        return LaunchError(
+            f"only {present} of {expected} nodes joined the rendezvous at {where} within {waited}; "
+            f"{same}, or raise --rdzv-timeout"
+        )
     if any(marker in text for marker in _LOST):
-        return LaunchError(f"lost the connection to the rendezvous at {where} before it completed: the node "
-                           f"hosting it stopped (its own error is the cause); {same}")
+        return LaunchError(
+            f"lost the connection to the rendezvous at {where} before it completed: the node "
+            f"hosting it stopped (its own error is the cause); {same}"
+        )
     if type(err).__name__ == "RendezvousTimeoutError":
-        return LaunchError(f"the rendezvous at {where} did not complete within {waited}: fewer than "
-                           f"{nnodes_range(args.nnodes)[0]} nodes joined; {same}, or raise --rdzv-timeout")
+        return LaunchError(
+            f"the rendezvous at {where} did not complete within {waited}: fewer than "
+            f"{nnodes_range(args.nnodes)[0]} nodes joined; {same}, or raise --rdzv-timeout"
+        )
     if type(err).__name__ in ("DistNetworkError", "RendezvousConnectionError"):
         reason = _ERRNO.search(text)
         why = f" ({reason[1]})" if reason else " (no answer)" if "timed out" in text else ""
-        return LaunchError(f"could not reach the rendezvous at {where} within {waited}{why}; check that node 0 "
-                           f"is running and that {host} is its address as seen from this node, with port {port} "
-                           "open; --rdzv-timeout sets the wait")
+        return LaunchError(
+            f"could not reach the rendezvous at {where} within {waited}{why}; check that node 0 "
+            f"is running and that {host} is its address as seen from this node, with port {port} "
+            "open; --rdzv-timeout sets the wait"
+        )
     first = text.strip().splitlines()[0][:160] if text.strip() else type(err).__name__
-    return LaunchError(f"the rendezvous at {where} did not complete within {waited} ({first}); {same}, "
-                       "or raise --rdzv-timeout")
+    return LaunchError(
+        f"the rendezvous at {where} did not complete within {waited} ({first}); {same}, or raise --rdzv-timeout"
+    )

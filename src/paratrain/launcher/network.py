@@ -6,6 +6,7 @@ address (Debian's ``127.0.1.1``, a container's ``/etc/hosts``), so every node te
 ``127.x`` and the job fails with "Connection refused" or waits for its timeout. The route the kernel takes to
 the master is the reliable answer: the local address on that route is one the master can reach back.
 """
+
 from __future__ import annotations
 
 import fcntl

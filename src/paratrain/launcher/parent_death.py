@@ -7,6 +7,7 @@ with a resubmitted job. Linux's ``PR_SET_PDEATHSIG`` has the kernel send a signa
 ``PContext.start``), and ``paratrain.launch`` from the calling thread, so the signal comes when the launcher itself
 ends. On other systems this does nothing.
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ answering: a node that lost power or its network leaves the others hanging that 
 exports ``--pg-timeout`` and each worker makes it torch's default before the script runs; a script (or
 ``paratrain.Parallel(timeout_s=…)``) that passes its own timeout keeps it.
 """
+
 from __future__ import annotations
 
 import os

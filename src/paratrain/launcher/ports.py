@@ -1,4 +1,5 @@
 """Free ports on this host, probed rather than hard-coded."""
+
 from __future__ import annotations
 
 import socket

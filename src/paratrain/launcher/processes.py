@@ -1,4 +1,5 @@
 """Which processes this launcher started are running (Linux ``/proc``; nothing is known elsewhere)."""
+
 from __future__ import annotations
 
 import os

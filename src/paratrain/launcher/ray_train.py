@@ -11,6 +11,7 @@ The script runs as under ``paratrain run``: as ``__main__``, with its own ``sys.
 ran in (Ray Train moves its workers into a directory of the run's, where the script's relative paths would point
 elsewhere). Nothing here imports Ray: it runs inside Ray's workers, which have it.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,12 +36,16 @@ class RayTrainLoop:
 
     def __call__(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise LaunchError("ray_train_loop is the function a Ray Train worker runs after Ray started the process "
-                              "group: pass it to TorchTrainer as train_loop_per_worker")
+            raise LaunchError(
+                "ray_train_loop is the function a Ray Train worker runs after Ray started the process "
+                "group: pass it to TorchTrainer as train_loop_per_worker"
+            )
         where = self.cwd or os.getcwd()
         if not os.path.isdir(where):
-            raise LaunchError(f"the driver's directory {where} does not exist on {socket.gethostname()}: pass "
-                              "ray_train_loop(cwd=…) a directory every node has, or cwd=None for Ray Train's own")
+            raise LaunchError(
+                f"the driver's directory {where} does not exist on {socket.gethostname()}: pass "
+                "ray_train_loop(cwd=…) a directory every node has, or cwd=None for Ray Train's own"
+            )
         script = os.path.join(where, self.argv[0])
         if self.argv[0] != "-m" and not os.path.isfile(script):
             raise LaunchError(f"script {script} not found on {socket.gethostname()}")
@@ -56,8 +61,7 @@ class RayTrainLoop:
             os.chdir(saved[2])
 
 
-def ray_train_loop(target: str, *args: str, module: bool = False,
-                   cwd: str | os.PathLike | None = ".") -> RayTrainLoop:
+def ray_train_loop(target: str, *args: str, module: bool = False, cwd: str | os.PathLike | None = ".") -> RayTrainLoop:
     """The ``train_loop_per_worker`` for Ray Train's ``TorchTrainer`` that runs ``target`` (a script, or a module
     with ``module=True``) with ``args`` on every worker, as ``paratrain run target args…`` would on every rank.
 

@@ -9,6 +9,7 @@ registers this node under a counter of its own, and reports what it sees::
 It stops as soon as this node's workers start (the rendezvous is complete) or the launcher returns. Single-node
 jobs meet on their own host and say nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,17 +60,22 @@ def _report(args: argparse.Namespace, note: Callable[[str], None], done: threadi
         left = max(0.0, deadline - time.monotonic())
         try:
             if store is None:
-                store = TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                 timeout=timedelta(seconds=min(5.0, interval)))
+                store = TCPStore(
+                    host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=min(5.0, interval))
+                )
                 store.set(f"{prefix}/{store.add(f'{prefix}/count', 1)}", me)
             count = store.add(f"{prefix}/count", 0)
             names = [store.get(f"{prefix}/{i}").decode() for i in range(1, count + 1)]
         except Exception:  # noqa: BLE001 - the rendezvous host does not answer yet
-            note(f"waiting for the rendezvous at {host}:{port} to answer (the node that hosts it has not started, "
-                 f"or cannot be reached); {left:.0f} s left")
+            note(
+                f"waiting for the rendezvous at {host}:{port} to answer (the node that hosts it has not started, "
+                f"or cannot be reached); {left:.0f} s left"
+            )
             store = None
             continue
         if done.is_set() or children():
             return
-        note(f"waiting for the other nodes at {host}:{port}: {count} of {expected} joined ({', '.join(names)}); "
-             f"{left:.0f} s left")
+        note(
+            f"waiting for the other nodes at {host}:{port}: {count} of {expected} joined ({', '.join(names)}); "
+            f"{left:.0f} s left"
+        )

@@ -4,6 +4,7 @@ The script asks for one task per node and runs ``srun paratrain run …``: each 
 the allocation (:mod:`paratrain.launcher.slurm`) and starts one process per GPU itself. Several tasks per
 node would each start a full set of processes, so the script never asks for that.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,8 +91,11 @@ def render_sbatch(spec: SbatchSpec) -> str:
         directives.append(f"--gpus-per-node={spec.gpus_per_node}")
     if spec.cpus_per_task:
         directives.append(f"--cpus-per-task={spec.cpus_per_task}")
-    directives += [f"--{flag}={value}" for flag, value in
-                   (("time", spec.time), ("partition", spec.partition), ("account", spec.account)) if value]
+    directives += [
+        f"--{flag}={value}"
+        for flag, value in (("time", spec.time), ("partition", spec.partition), ("account", spec.account))
+        if value
+    ]
     directives.append(f"--output={spec.log}")
     srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     if spec.cpus_per_task:
@@ -100,7 +104,8 @@ def render_sbatch(spec: SbatchSpec) -> str:
     lines = [
         "#!/bin/bash",
         f"# Written by `paratrain slurm`: {spec.nodes} node(s)"
-        + (f" x {nproc} process(es)" if nproc else "") + ". Submit with: sbatch THIS_FILE",
+        + (f" x {nproc} process(es)" if nproc else "")
+        + ". Submit with: sbatch THIS_FILE",
         *(f"#SBATCH {d}" for d in directives),
         "",
         "set -euo pipefail",
@@ -123,8 +128,11 @@ def write_sbatch(spec: SbatchSpec, path: str | None) -> None:
 
     parse_args(spec.run_command()[2:])
     if not spec.module and not os.path.isfile(spec.target):
-        print(f"paratrain slurm: warning: {spec.target} does not exist in {os.getcwd()}; the job runs it from the "
-              "directory you submit from", file=sys.stderr)
+        print(
+            f"paratrain slurm: warning: {spec.target} does not exist in {os.getcwd()}; the job runs it from the "
+            "directory you submit from",
+            file=sys.stderr,
+        )
     text = render_sbatch(spec)
     if path is None:
         sys.stdout.write(text)

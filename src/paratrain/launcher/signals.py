@@ -12,6 +12,7 @@ leaves at once and its workers die with it (:mod:`paratrain.launcher.parent_deat
 SIGHUP, SIGQUIT and whatever else ``--signals-to-handle`` names stay torch's. The workers see
 ``TORCHELASTIC_SIGNALS_TO_HANDLE`` as torchrun would have set it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ class StopRequest:
     def interrupted(self) -> JobInterrupted:
         """The error the CLI prints for it, once the launcher has stopped the workers."""
         assert self.signal is not None
-        return JobInterrupted(self.signal, ranks=self.ranks, seconds=time.monotonic() - self.at,
-                              left=running(self.children))
+        return JobInterrupted(
+            self.signal, ranks=self.ranks, seconds=time.monotonic() - self.at, left=running(self.children)
+        )
 
 
 @contextlib.contextmanager
@@ -94,8 +96,7 @@ def stop_signals(args: argparse.Namespace) -> Iterator[StopRequest]:
     given = getattr(args, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     with caught_stop_signals(unwind) as request:
         os.environ[_SAVED_VAR] = given
-        args.signals_to_handle = ",".join(s.strip() for s in given.split(",")
-                                          if s.strip() not in ("SIGINT", "SIGTERM"))
+        args.signals_to_handle = ",".join(s.strip() for s in given.split(",") if s.strip() not in ("SIGINT", "SIGTERM"))
         try:
             yield request
         except SignalException:

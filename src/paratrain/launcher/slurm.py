@@ -5,6 +5,7 @@
 step) and a port derived from the job id, and starts one process per GPU itself. Everything here is a pure
 function of a mapping, so it is tested with fake environments.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,8 +43,10 @@ class SlurmJob:
         if not self.hosts:
             raise LaunchError(f"SLURM job {self.job_id}: the node list is empty")
         if not 0 <= self.node_rank < len(self.hosts):
-            raise LaunchError(f"SLURM job {self.job_id}: SLURM_NODEID={self.node_rank} is outside "
-                              f"0..{len(self.hosts) - 1} for {len(self.hosts)} nodes")
+            raise LaunchError(
+                f"SLURM job {self.job_id}: SLURM_NODEID={self.node_rank} is outside "
+                f"0..{len(self.hosts) - 1} for {len(self.hosts)} nodes"
+            )
 
     @property
     def nnodes(self) -> int:
@@ -72,17 +75,21 @@ class SlurmJob:
     def problem(self) -> str | None:
         """Why this allocation cannot be used as it is launched, or None."""
         if self.under_srun and self.tasks > self.nnodes:
-            return (f"srun started {self.tasks} tasks on {self.nnodes} node(s) of SLURM job {self.job_id}, but "
-                    "`paratrain run` starts one process per GPU itself: run one task per node "
-                    "(`srun --ntasks-per-node=1 paratrain run …`, or `paratrain slurm` to write the script)")
+            return (
+                f"srun started {self.tasks} tasks on {self.nnodes} node(s) of SLURM job {self.job_id}, but "
+                "`paratrain run` starts one process per GPU itself: run one task per node "
+                "(`srun --ntasks-per-node=1 paratrain run …`, or `paratrain slurm` to write the script)"
+            )
         return None
 
     def warning(self) -> str | None:
         """A note for an allocation of several nodes entered without srun (the job then uses this node only)."""
         if not self.under_srun and self.nnodes > 1:
-            return (f"SLURM job {self.job_id} has {self.nnodes} nodes but this process was not started by srun, "
-                    "so the job runs on this node only; use `srun --ntasks-per-node=1 paratrain run …` "
-                    "to use every node")
+            return (
+                f"SLURM job {self.job_id} has {self.nnodes} nodes but this process was not started by srun, "
+                "so the job runs on this node only; use `srun --ntasks-per-node=1 paratrain run …` "
+                "to use every node"
+            )
         return None
 
 
@@ -94,14 +101,18 @@ def read_slurm(environ: Mapping[str, str]) -> SlurmJob | None:
     step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", ""))
     under_srun = step.isdigit() and int(step) < _BATCH_STEPS
     prefix = "SLURM_STEP_" if under_srun else "SLURM_JOB_"
-    nodelist = (environ.get(f"{prefix}NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                or environ.get("SLURM_NODELIST") or environ.get("SLURMD_NODENAME", ""))
+    nodelist = (
+        environ.get(f"{prefix}NODELIST")
+        or environ.get("SLURM_JOB_NODELIST")
+        or environ.get("SLURM_NODELIST")
+        or environ.get("SLURMD_NODENAME", "")
+    )
     hosts = tuple(expand_hostlist(nodelist)) if nodelist else ()
-    count = (environ.get(f"{prefix}NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES")
-             or environ.get("SLURM_NNODES"))
+    count = environ.get(f"{prefix}NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
     if count is not None and _int(environ, count, "number of nodes") != len(hosts):
-        raise LaunchError(f"SLURM job {job_id}: the node list {nodelist!r} has {len(hosts)} nodes but the "
-                          f"job reports {count}")
+        raise LaunchError(
+            f"SLURM job {job_id}: the node list {nodelist!r} has {len(hosts)} nodes but the job reports {count}"
+        )
     tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or str(len(hosts))
     gpus = environ.get("SLURM_GPUS_ON_NODE")
     return SlurmJob(
@@ -168,8 +179,7 @@ def _expand_ranges(group: str, hostlist: str) -> list[str]:
     for part in group.split(","):
         lo, sep, hi = part.strip().partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise LaunchError(f"cannot parse SLURM host list {hostlist!r}: bad range {part!r} "
-                              "(expected N or N-M)")
+            raise LaunchError(f"cannot parse SLURM host list {hostlist!r}: bad range {part!r} (expected N or N-M)")
         hi = hi if sep else lo
         if int(hi) < int(lo):
             raise LaunchError(f"cannot parse SLURM host list {hostlist!r}: range {part!r} runs backwards")

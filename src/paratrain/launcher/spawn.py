@@ -5,6 +5,7 @@ Each process gets the same environment torchrun would give it (``RANK``, ``WORLD
 the calling process on a port the OS picked, so two jobs never race for a port. When any rank fails the others
 are stopped at once and a ``RankFailedError`` names the rank and carries its traceback.
 """
+
 from __future__ import annotations
 
 import os
@@ -72,29 +73,45 @@ def launch(
         try:
             while not ctx.join(timeout=0.1):
                 if deadline is not None and time.monotonic() > deadline:
-                    raise JobTimeoutError(f"job did not finish within {timeout_s:g} s; all {nprocs} processes "
-                                          "were stopped")
+                    raise JobTimeoutError(
+                        f"job did not finish within {timeout_s:g} s; all {nprocs} processes were stopped"
+                    )
         except tmp.ProcessRaisedException as e:
-            raise RankFailedError(rank=e.error_index, exitcode=1, host=socket.gethostname(), pid=e.error_pid,
-                                  traceback=_strip_header(str(e))) from None
+            raise RankFailedError(
+                rank=e.error_index,
+                exitcode=1,
+                host=socket.gethostname(),
+                pid=e.error_pid,
+                traceback=_strip_header(str(e)),
+            ) from None
         except tmp.ProcessExitedException as e:
-            raise RankFailedError(rank=e.error_index, exitcode=e.exit_code, host=socket.gethostname(),
-                                  pid=e.error_pid, traceback=None) from None
+            raise RankFailedError(
+                rank=e.error_index, exitcode=e.exit_code, host=socket.gethostname(), pid=e.error_pid, traceback=None
+            ) from None
         finally:
             _stop(ctx.processes)
             del store
         return [_load(os.path.join(result_dir, f"{rank}.pt")) for rank in range(nprocs)]
 
 
-def _entry(local_rank: int, fn: Callable[..., Any], args: tuple, base_env: dict[str, str], threads: int,
-           result_dir: str, parent: int | None, spawned: bool) -> None:
+def _entry(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    base_env: dict[str, str],
+    threads: int,
+    result_dir: str,
+    parent: int | None,
+    spawned: bool,
+) -> None:
     import torch
 
     die_with_parent(parent if parent is not None else os.getppid())  # a fork server's child: with the server
     os.environ.clear()  # the caller's environment now, not the one a fork server started in
     os.environ.update(base_env)
-    os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
-                       "TORCHELASTIC_RESTART_COUNT": "0"})
+    os.environ.update(
+        {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    )
     for var in (LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR):  # an outer paratrain run's: no rank here may leave
         os.environ.pop(var, None)
     torch.set_num_threads(threads)

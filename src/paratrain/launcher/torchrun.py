@@ -21,6 +21,7 @@ of processes per node. What paratrain adds:
   checkpoint itself (in the background) and, with ``--max-restarts K``, resume from the latest checkpoint after a
   failure (see docs/checkpoints.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,28 +83,62 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     check_pet(os.environ)
     parser = get_args_parser()
     parser.prog = "paratrain run"
-    parser.add_argument("-n", "--nproc", dest="nproc_per_node", type=str,
-                        help="processes per node (default: visible GPUs, or 2 on CPU)")
-    parser.add_argument("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", type=int, default=None,
-                        help=f"seconds to wait for the other nodes (default {DEFAULT_RDZV_TIMEOUT_S})")
-    parser.add_argument("--pg-timeout", "--pg_timeout", dest="pg_timeout", type=float, default=DEFAULT_PG_TIMEOUT_S,
-                        help="default timeout in seconds of process groups the script creates without one "
-                             f"(default {DEFAULT_PG_TIMEOUT_S:g}; torch's own is 30 min for gloo)")
+    parser.add_argument(
+        "-n", "--nproc", dest="nproc_per_node", type=str, help="processes per node (default: visible GPUs, or 2 on CPU)"
+    )
+    parser.add_argument(
+        "--rdzv-timeout",
+        "--rdzv_timeout",
+        dest="rdzv_timeout",
+        type=int,
+        default=None,
+        help=f"seconds to wait for the other nodes (default {DEFAULT_RDZV_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--pg-timeout",
+        "--pg_timeout",
+        dest="pg_timeout",
+        type=float,
+        default=DEFAULT_PG_TIMEOUT_S,
+        help="default timeout in seconds of process groups the script creates without one "
+        f"(default {DEFAULT_PG_TIMEOUT_S:g}; torch's own is 30 min for gloo)",
+    )
     if "PET_NPROC_PER_NODE" not in os.environ:
         parser.set_defaults(nproc_per_node=None)
     defaults = {dest: parser.get_default(dest) for dest in _SLURM_FILLED if f"PET_{dest.upper()}" not in os.environ}
     parser.set_defaults(**dict.fromkeys(defaults, _UNSET))
-    parser.add_argument("--checkpoint-dir", "--checkpoint_dir", dest="checkpoint_dir", default=None,
-                        help="paratrain: where Parallel saves checkpoints and resumes from")
-    parser.add_argument("--checkpoint-every", "--checkpoint_every", dest="checkpoint_every", type=int, default=None,
-                        help="paratrain: checkpoint every N optimizer steps")
-    parser.add_argument("--checkpoint-async", "--checkpoint_async", dest="checkpoint_async", action="store_true",
-                        help="paratrain: write the automatic checkpoints in the background while training goes on")
-    parser.add_argument("--resume", action="store_true",
-                        help="paratrain: start from the latest checkpoint in --checkpoint-dir (restarts always do)")
-    parser.add_argument("--tf", action="store_true",
-                        help="paratrain: a TensorFlow (Keras tf.distribute) script: each worker gets a TF_CONFIG "
-                             "(docs/tensorflow.md)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        "--checkpoint_dir",
+        dest="checkpoint_dir",
+        default=None,
+        help="paratrain: where Parallel saves checkpoints and resumes from",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        "--checkpoint_every",
+        dest="checkpoint_every",
+        type=int,
+        default=None,
+        help="paratrain: checkpoint every N optimizer steps",
+    )
+    parser.add_argument(
+        "--checkpoint-async",
+        "--checkpoint_async",
+        dest="checkpoint_async",
+        action="store_true",
+        help="paratrain: write the automatic checkpoints in the background while training goes on",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="paratrain: start from the latest checkpoint in --checkpoint-dir (restarts always do)",
+    )
+    parser.add_argument(
+        "--tf",
+        action="store_true",
+        help="paratrain: a TensorFlow (Keras tf.distribute) script: each worker gets a TF_CONFIG (docs/tensorflow.md)",
+    )
 
     def error(message: str) -> None:
         raise LaunchError(f"paratrain run: {message} (see `paratrain run --help`)")
@@ -182,8 +217,13 @@ def resolve(args: argparse.Namespace, note: Callable[[str], None] = _note) -> ar
         # other ranks wait for it, which costs about a second at every launch.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if args.no_python:  # a program of its own: the worker asks to die with the launcher, then becomes that program
-        args.training_script_args = ["-m", "paratrain.launcher.worker", "--exec", args.training_script,
-                                     *args.training_script_args]
+        args.training_script_args = [
+            "-m",
+            "paratrain.launcher.worker",
+            "--exec",
+            args.training_script,
+            *args.training_script_args,
+        ]
         args.training_script = sys.executable
     else:  # --run-path runs the script as the worker does anyway (runpy.run_path)
         target = ["-m", args.training_script] if args.module else [args.training_script]
@@ -253,8 +293,12 @@ def _export_checkpointing(args: argparse.Namespace) -> None:
     from ..errors import ConfigError
 
     try:
-        config = CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
-                                  resume=True if args.resume else None, async_save=args.checkpoint_async).checked()
+        config = CheckpointConfig(
+            dir=args.checkpoint_dir,
+            every=args.checkpoint_every,
+            resume=True if args.resume else None,
+            async_save=args.checkpoint_async,
+        ).checked()
     except ConfigError as e:
         raise LaunchError(f"paratrain run: {e}") from None
     os.environ.update(config.environ())
@@ -278,12 +322,16 @@ def _check_layout(args: argparse.Namespace) -> None:
     """Refuse at once what no rendezvous can satisfy (it would otherwise wait for its whole timeout)."""
     lo, hi = nnodes_range(args.nnodes)
     if args.node_rank < 0 or (lo == hi and args.node_rank >= hi):
-        raise LaunchError(f"--node-rank {args.node_rank} is outside a job of "
-                          f"--nnodes {lo if lo == hi else args.nnodes} "
-                          f"(node ranks are 0 … {hi - 1}); give each node its own rank below --nnodes")
+        raise LaunchError(
+            f"--node-rank {args.node_rank} is outside a job of "
+            f"--nnodes {lo if lo == hi else args.nnodes} "
+            f"(node ranks are 0 … {hi - 1}); give each node its own rank below --nnodes"
+        )
     if args.master_port is not None and not 0 < args.master_port < 65536:
-        raise LaunchError(f"--master-port {args.master_port} is not a TCP port (1 … 65535); omit it to get a free "
-                          "one on a single node")
+        raise LaunchError(
+            f"--master-port {args.master_port} is not a TCP port (1 … 65535); omit it to get a free "
+            "one on a single node"
+        )
 
 
 def _check_target(args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ node, node rank, the first pod as master). Every pod runs ``paratrain run …``,
 (:mod:`paratrain.launcher.kubeflow`), so the manifest names nothing the Trainer already knows. The fields written
 are the ones the Trainer reads from ``spec.trainer``: image, command, env, numNodes, numProcPerNode, resourcesPerNode.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,19 @@ _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _WORD = re.compile(r"^\S+$")
-_TRAINER_SETS = {"--nnodes": "--nodes", "--node-rank": None, "--node_rank": None, "--master-addr": None,
-                 "--master_addr": None, "--master-port": None, "--master_port": None, "-n": "--nproc-per-node",
-                 "--nproc": "--nproc-per-node", "--nproc-per-node": "--nproc-per-node",
-                 "--nproc_per_node": "--nproc-per-node"}
+_TRAINER_SETS = {
+    "--nnodes": "--nodes",
+    "--node-rank": None,
+    "--node_rank": None,
+    "--master-addr": None,
+    "--master_addr": None,
+    "--master-port": None,
+    "--master_port": None,
+    "-n": "--nproc-per-node",
+    "--nproc": "--nproc-per-node",
+    "--nproc-per-node": "--nproc-per-node",
+    "--nproc_per_node": "--nproc-per-node",
+}
 """``paratrain run`` flags the Trainer gives every pod through ``PET_*``, and the ``paratrain k8s`` flag that sets
 each (None: the Trainer alone decides)."""
 
@@ -74,19 +84,25 @@ class TrainJobSpec:
         if not self.target:
             raise ConfigError("give the training script (or -m module) to run")
         if self.gpus_per_node and self.nproc_per_node and self.nproc_per_node > self.gpus_per_node:
-            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} is more than --gpus-per-node "
-                              f"{self.gpus_per_node}: each process needs a GPU of its own")
+            raise ConfigError(
+                f"--nproc-per-node {self.nproc_per_node} is more than --gpus-per-node "
+                f"{self.gpus_per_node}: each process needs a GPU of its own"
+            )
         for name in ("image", "gpu_resource", "runtime"):
             if not _WORD.match(getattr(self, name)):
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be one word")
         for name in ("cpus_per_node", "memory_per_node"):
             value = getattr(self, name)
             if value is not None and not _QUANTITY.match(value):
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r} is not a Kubernetes quantity "
-                                  "(a number, optionally with a suffix: 16, 500m, 64Gi)")
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {value!r} is not a Kubernetes quantity "
+                    "(a number, optionally with a suffix: 16, 500m, 64Gi)"
+                )
         if len(self.job_name) > 63 or not _LABEL.match(self.job_name):
-            raise ConfigError(f"--name {self.job_name!r} is not a TrainJob name: lower-case letters, digits and "
-                              "'-', starting with a letter and ending with a letter or digit, at most 63 characters")
+            raise ConfigError(
+                f"--name {self.job_name!r} is not a TrainJob name: lower-case letters, digits and "
+                "'-', starting with a letter and ending with a letter or digit, at most 63 characters"
+            )
         if self.namespace is not None and (len(self.namespace) > 63 or not _NAMESPACE.match(self.namespace)):
             raise ConfigError(f"--namespace {self.namespace!r} is not a Kubernetes namespace name")
         self.env_vars()
@@ -115,8 +131,10 @@ class TrainJobSpec:
             if not eq or not _ENV_NAME.match(key):
                 raise ConfigError(f"--env {item!r} must be KEY=VALUE with KEY a variable name")
             if key.startswith("PET_"):
-                raise ConfigError(f"--env {key}: Kubeflow Trainer sets the PET_* variables itself and refuses a "
-                                  "TrainJob that sets them; use --nodes and --nproc-per-node")
+                raise ConfigError(
+                    f"--env {key}: Kubeflow Trainer sets the PET_* variables itself and refuses a "
+                    "TrainJob that sets them; use --nodes and --nproc-per-node"
+                )
             out.append({"name": key, "value": value})
         return out
 
@@ -132,8 +150,10 @@ class TrainJobSpec:
                 given = "-n"  # -n4
             if given in _TRAINER_SETS:
                 ours = _TRAINER_SETS[given]
-                raise ConfigError(f"--run-args {word!r}: the Trainer gives every pod that through PET_*; "
-                                  + (f"use `paratrain k8s {ours}` instead" if ours else "leave it out"))
+                raise ConfigError(
+                    f"--run-args {word!r}: the Trainer gives every pod that through PET_*; "
+                    + (f"use `paratrain k8s {ours}` instead" if ours else "leave it out")
+                )
         return words
 
     def run_command(self) -> list[str]:
@@ -144,18 +164,35 @@ class TrainJobSpec:
 
 def trainjob(spec: TrainJobSpec) -> dict[str, Any]:
     """The TrainJob for ``spec``, as the object ``kubectl apply`` reads."""
-    trainer: dict[str, Any] = {"image": spec.image, "command": spec.run_command(), "numNodes": spec.nodes,
-                               "numProcPerNode": spec.processes}
-    limits = {key: value for key, value in ((spec.gpu_resource, spec.gpus_per_node), ("cpu", spec.cpus_per_node),
-                                            ("memory", spec.memory_per_node)) if value is not None}
+    trainer: dict[str, Any] = {
+        "image": spec.image,
+        "command": spec.run_command(),
+        "numNodes": spec.nodes,
+        "numProcPerNode": spec.processes,
+    }
+    limits = {
+        key: value
+        for key, value in (
+            (spec.gpu_resource, spec.gpus_per_node),
+            ("cpu", spec.cpus_per_node),
+            ("memory", spec.memory_per_node),
+        )
+        if value is not None
+    }
     if limits:  # requests default to the limits
         trainer["resourcesPerNode"] = {"limits": limits}
     if spec.env:
         trainer["env"] = spec.env_vars()
     metadata = {"name": spec.job_name, **({"namespace": spec.namespace} if spec.namespace else {})}
-    return {"apiVersion": API_VERSION, "kind": "TrainJob", "metadata": metadata,
-            "spec": {"runtimeRef": {"apiGroup": API_GROUP, "kind": "ClusterTrainingRuntime", "name": spec.runtime},
-                     "trainer": trainer}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "TrainJob",
+        "metadata": metadata,
+        "spec": {
+            "runtimeRef": {"apiGroup": API_GROUP, "kind": "ClusterTrainingRuntime", "name": spec.runtime},
+            "trainer": trainer,
+        },
+    }
 
 
 def render_trainjob(spec: TrainJobSpec, *, as_json: bool = False) -> str:
@@ -163,10 +200,12 @@ def render_trainjob(spec: TrainJobSpec, *, as_json: bool = False) -> str:
     job = trainjob(spec)
     if as_json:
         return json.dumps(job, indent=2) + "\n"
-    header = [f"# Written by `paratrain k8s`: a Kubeflow Trainer TrainJob, {spec.nodes} node(s) x {spec.processes} "
-              "process(es).",
-              "# Submit with: kubectl apply -f THIS_FILE. Each node runs `paratrain run`, which reads the PET_*",
-              "# variables the Trainer sets (node count, node rank, master address and port, processes per node)."]
+    header = [
+        f"# Written by `paratrain k8s`: a Kubeflow Trainer TrainJob, {spec.nodes} node(s) x {spec.processes} "
+        "process(es).",
+        "# Submit with: kubectl apply -f THIS_FILE. Each node runs `paratrain run`, which reads the PET_*",
+        "# variables the Trainer sets (node count, node rank, master address and port, processes per node).",
+    ]
     return "\n".join([*header, *_yaml(job), ""])
 
 

@@ -18,6 +18,7 @@ that:
 The target runs as ``__main__`` with its own ``sys.argv`` and ``sys.path[0]``, exactly as ``python TARGET`` or
 ``python -m TARGET`` would run it.
 """
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@ matters under FSDP, where the weight has been resharded by then. This is how Lig
 cross-entropy works (cut cross-entropy recomputes the logits in the backward instead), written in plain PyTorch
 ops so it runs on any device.
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,9 +25,16 @@ from ..errors import ConfigError
 REDUCTIONS = ("mean", "sum")
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, *, chunk: int = 4096,
-                          ignore_index: int = -100, reduction: str = "mean",
-                          softcap: float | None = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    targets: torch.Tensor,
+    *,
+    chunk: int = 4096,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    softcap: float | None = None,
+) -> torch.Tensor:
     """``F.cross_entropy`` of ``head(hidden)`` against ``targets`` (flattened over every dimension but the last),
     with the logits computed ``chunk`` tokens at a time and never whole.
 
@@ -45,11 +53,15 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ConfigError(f"chunked_cross_entropy: chunk must be a whole number of tokens >= 1, got {chunk!r}")
     if hidden.shape[:-1] != targets.shape:
-        raise ConfigError(f"chunked_cross_entropy: targets of shape {tuple(targets.shape)} do not match hidden states "
-                          f"of shape {tuple(hidden.shape)} (want {tuple(hidden.shape[:-1])})")
+        raise ConfigError(
+            f"chunked_cross_entropy: targets of shape {tuple(targets.shape)} do not match hidden states "
+            f"of shape {tuple(hidden.shape)} (want {tuple(hidden.shape[:-1])})"
+        )
     if _is_dtensor(head.weight):
-        raise ConfigError("chunked_cross_entropy: the head's weight is a DTensor (split by tensor parallelism or "
-                          "sharded by FSDP outside its forward); call it inside the model's forward, without tp")
+        raise ConfigError(
+            "chunked_cross_entropy: the head's weight is a DTensor (split by tensor parallelism or "
+            "sharded by FSDP outside its forward); call it inside the model's forward, without tp"
+        )
     flat, rows = targets.reshape(-1), hidden.reshape(-1, hidden.shape[-1])
     inputs = (rows, head.weight, head.bias, flat, chunk, ignore_index, softcap)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs[:3]):
@@ -63,11 +75,20 @@ class _HeadCrossEntropy(torch.autograd.Function):
     """The summed cross-entropy of ``linear(hidden, weight, bias)``; gradients computed in the forward."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk: int, ignore_index: int, softcap: float | None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+        ignore_index: int,
+        softcap: float | None,
+    ) -> torch.Tensor:
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        total, ctx.grads = _forward(hidden, weight, bias, targets, chunk, ignore_index, softcap,
-                                    need=ctx.needs_input_grad[:3])
+        total, ctx.grads = _forward(
+            hidden, weight, bias, targets, chunk, ignore_index, softcap, need=ctx.needs_input_grad[:3]
+        )
         return total
 
     @staticmethod
@@ -77,9 +98,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return (*scaled, None, None, None, None)
 
 
-def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-             chunk: int, ignore_index: int, softcap: float | None,
-             need: tuple[bool, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+def _forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    chunk: int,
+    ignore_index: int,
+    softcap: float | None,
+    need: tuple[bool, ...],
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
     """The summed loss and its gradients for (hidden, weight, bias) where ``need`` says so. A gradient is kept in
     its input's dtype, except fp16, whose range would flush small gradients before the loss scale reaches them;
     the head's gradients add up over the chunks in fp32."""
@@ -89,16 +117,33 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     g_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need[2] and bias is not None else None
     for start in range(0, hidden.shape[0], chunk):
         rows = slice(start, start + chunk)
-        total += _chunk(hidden[rows], weight, bias, targets[rows], ignore_index, softcap,
-                        None if g_hidden is None else g_hidden[rows], g_weight, g_bias)
+        total += _chunk(
+            hidden[rows],
+            weight,
+            bias,
+            targets[rows],
+            ignore_index,
+            softcap,
+            None if g_hidden is None else g_hidden[rows],
+            g_weight,
+            g_bias,
+        )
     if g_weight is not None:
         g_weight = g_weight.to(_kept(weight))
     return total, (g_hidden, g_weight, g_bias)
 
 
-def _chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ignore_index: int,
-           softcap: float | None, g_hidden: torch.Tensor | None, g_weight: torch.Tensor | None,
-           g_bias: torch.Tensor | None) -> torch.Tensor:
+def _chunk(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    ignore_index: int,
+    softcap: float | None,
+    g_hidden: torch.Tensor | None,
+    g_weight: torch.Tensor | None,
+    g_bias: torch.Tensor | None,
+) -> torch.Tensor:
     """One chunk's summed loss; its gradients written into ``g_hidden`` and added to ``g_weight``, ``g_bias``.
     A function of its own so that its logits are freed on return, before the next chunk's exist."""
     logits = F.linear(h, weight, bias).float()

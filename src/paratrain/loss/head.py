@@ -12,6 +12,7 @@ call only (FSDP gathers the head's weight then and reshards it after), and it le
 the root module, so the wrappers around the root see it: FSDP starts its backward from there and DDP finds the
 parameters it used.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -50,8 +51,12 @@ def find_head(root: nn.Module, run: Callable[[], T]) -> tuple[Head | str, T]:
     def after(module: nn.Module, args: tuple, out: Any) -> None:
         finished.append((module, out))
 
-    handles = [h for m in root.modules() if m is not root
-               for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    handles = [
+        h
+        for m in root.modules()
+        if m is not root
+        for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))
+    ]
     try:
         result = run()
     finally:
@@ -61,8 +66,12 @@ def find_head(root: nn.Module, run: Callable[[], T]) -> tuple[Head | str, T]:
         return "it calls no nn.Linear output layer", result
     layer, seen, at = last[0]
     feeder = next(((m, out) for m, out in reversed(finished[:at]) if isinstance(out, torch.Tensor)), None)
-    if feeder is None or not isinstance(seen, torch.Tensor) or feeder[1].shape != seen.shape or not torch.equal(
-            feeder[1].to(seen.dtype), seen):  # FSDP's mixed precision casts what a unit is handed
+    if (
+        feeder is None
+        or not isinstance(seen, torch.Tensor)
+        or feeder[1].shape != seen.shape
+        or not torch.equal(feeder[1].to(seen.dtype), seen)
+    ):  # FSDP's mixed precision casts what a unit is handed
         return "its output layer does not read a module's output as it is", result
     return Head(layer, feeder[0]), result
 
@@ -80,8 +89,10 @@ class Armed:
         """The loss from what the prepared model returned: ``(output, loss)``, the root's hook having added it (the
         wrappers may have replaced the tensor on the way: DDP does, to find the parameters it used)."""
         if not self.paired:
-            raise ConfigError("loss_chunk: the model never called its output layer when run without its targets; "
-                              "drop loss_chunk for this model")
+            raise ConfigError(
+                "loss_chunk: the model never called its output layer when run without its targets; "
+                "drop loss_chunk for this model"
+            )
         return out[1]
 
 

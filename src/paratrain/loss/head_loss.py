@@ -2,6 +2,7 @@
 ``tokens x vocabulary`` logits never exist whole (:mod:`.chunked`), once it is proven to be the loss the model or
 the ``loss_fn`` computes (:mod:`.proof`).
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -39,8 +40,9 @@ class HeadLoss:
         """The loss is computed at the head (the strategy's own forward-backward is not used)."""
         return self.chunk is not None
 
-    def __call__(self, model: nn.Module, call: ModelCall, strategy: Wrapping, precision: Any,
-                 device: torch.device) -> torch.Tensor:
+    def __call__(
+        self, model: nn.Module, call: ModelCall, strategy: Wrapping, precision: Any, device: torch.device
+    ) -> torch.Tensor:
         """The loss of the micro-batch ``call`` on the prepared ``model``, ready for its backward."""
         if self.chunk is None:
             return precision.loss(model, call, device)

@@ -8,6 +8,7 @@ it, finding the head on the way (:func:`.head.find_head`), and with the loss com
 :class:`~.recipes.Recipe`. The first candidate whose loss equals the model's is kept for every later batch; none
 equal is a one-line error. Both runs draw the same random numbers (dropout) and leave the generators as they were.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -40,8 +41,14 @@ class Proven:
 
     def loss(self, model: nn.Module, root: nn.Module, call: ModelCall, precision: Any, chunk: int) -> torch.Tensor:
         """The loss of ``call``, computed at the head of the prepared ``model`` (whose user module is ``root``)."""
-        return run_at_head(model, root, self.head, self.call_without_targets(call), precision,
-                           lambda hidden, layer: self.recipe.loss(hidden, layer, call, chunk))
+        return run_at_head(
+            model,
+            root,
+            self.head,
+            self.call_without_targets(call),
+            precision,
+            lambda hidden, layer: self.recipe.loss(hidden, layer, call, chunk),
+        )
 
     def call_without_targets(self, call: ModelCall) -> ModelCall:
         """``call`` without what only its loss reads, so the model computes no loss on full logits itself."""
@@ -51,44 +58,58 @@ class Proven:
         return ModelCall(x=call.x, kwargs=kwargs)
 
 
-def run_at_head(model: nn.Module, root: nn.Module, head: Head, call: ModelCall, precision: Any,
-                compute: Compute) -> torch.Tensor:
+def run_at_head(
+    model: nn.Module, root: nn.Module, head: Head, call: ModelCall, precision: Any, compute: Compute
+) -> torch.Tensor:
     """``compute``'s result at ``head`` in a forward of ``model`` on ``call``."""
     with armed(root, head, compute) as state, precision.compute_dtype_outputs():
         out = call.forward(model)
     return state.taken(out)
 
 
-def prove(model: nn.Module, root: nn.Module, call: ModelCall, precision: Any, device: torch.device,
-          chunk: int) -> Proven:
+def prove(
+    model: nn.Module, root: nn.Module, call: ModelCall, precision: Any, device: torch.device, chunk: int
+) -> Proven:
     """The head of ``root`` (the user's module inside the prepared ``model``) and the recipe of ``call``'s loss,
     proven on a window of ``call`` (see the module docstring); a one-line error when there is none."""
     name = type(root).__name__
     key = target_key(call)
     if key is None:
-        raise ConfigError(f"loss_chunk: forward_backward got no targets for {name} (labels=, model(x, y) or a "
-                          "loss_fn's target); pass them, or drop loss_chunk")
+        raise ConfigError(
+            f"loss_chunk: forward_backward got no targets for {name} (labels=, model(x, y) or a "
+            "loss_fn's target); pass them, or drop loss_chunk"
+        )
     probe = window(call, key)
     with _aside(device):
         found, plain = find_head(root, lambda: precision.loss(model, probe, device))
     if isinstance(found, str):
         raise ConfigError(f"loss_chunk: {name} cannot have its loss computed at its head: {found}; drop loss_chunk")
     if not torch.isfinite(plain):
-        raise ConfigError(f"loss_chunk: the loss of {name} on a slice of the first batch is {float(plain)}, nothing to "
-                          "prove the chunked loss against; start with a batch whose first sample has targets")
+        raise ConfigError(
+            f"loss_chunk: the loss of {name} on a slice of the first batch is {float(plain)}, nothing to "
+            "prove the chunked loss against; start with a batch whose first sample has targets"
+        )
     recipes = candidates(probe, root)
     keep_last = "logits_to_keep" in inspect.signature(root.forward).parameters
     first = Proven(found, recipes[0], keep_last)
     with _aside(device):
-        ours = run_at_head(model, root, found, first.call_without_targets(probe), precision,
-                           lambda hidden, layer: torch.stack([_tried(r, hidden, layer, probe, chunk) for r in recipes]))
+        ours = run_at_head(
+            model,
+            root,
+            found,
+            first.call_without_targets(probe),
+            precision,
+            lambda hidden, layer: torch.stack([_tried(r, hidden, layer, probe, chunk) for r in recipes]),
+        )
     exact = getattr(precision, "autocast_dtype", None) is None and found.layer.weight.dtype == torch.float32
     for recipe, value in zip(recipes, ours):
         if torch.isclose(value, plain.float(), rtol=1e-5 if exact else 2e-2, atol=0.0):
             return Proven(found, recipe, keep_last)
-    raise ConfigError(f"loss_chunk: the loss of {name} on a slice of the first batch is {float(plain):.6g}, the "
-                      f"cross-entropy of its head's logits {float(ours[0]):.6g}: it is not a plain token cross-entropy "
-                      "(label smoothing, a z-loss, scaled logits, an auxiliary loss?); drop loss_chunk")
+    raise ConfigError(
+        f"loss_chunk: the loss of {name} on a slice of the first batch is {float(plain):.6g}, the "
+        f"cross-entropy of its head's logits {float(ours[0]):.6g}: it is not a plain token cross-entropy "
+        "(label smoothing, a z-loss, scaled logits, an auxiliary loss?); drop loss_chunk"
+    )
 
 
 def _tried(recipe: Recipe, hidden: torch.Tensor, layer: nn.Linear, call: ModelCall, chunk: int) -> torch.Tensor:
@@ -119,9 +140,13 @@ def window(call: ModelCall, key: str) -> ModelCall:
                 value = value.index_select(dim, keep.to(value.device))
         return value
 
-    return ModelCall(x=tree_map(cut, call.x), kwargs=tree_map(cut, dict(call.kwargs)),
-                     target=tree_map(cut, call.target), loss_kwargs=tree_map(cut, dict(call.loss_kwargs)),
-                     loss_fn=call.loss_fn)
+    return ModelCall(
+        x=tree_map(cut, call.x),
+        kwargs=tree_map(cut, dict(call.kwargs)),
+        target=tree_map(cut, call.target),
+        loss_kwargs=tree_map(cut, dict(call.loss_kwargs)),
+        loss_fn=call.loss_fn,
+    )
 
 
 @contextmanager

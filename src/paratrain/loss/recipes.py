@@ -9,6 +9,7 @@ model's loss is, is proven by running both (:mod:`.proof`), never assumed from t
 Targets below zero are ignored, whatever the model's ``ignore_index`` (transformers' -100, nanoGPT's -1): the plain
 loss fails on any other negative target, so the two agree wherever the plain loss is defined.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,10 +50,13 @@ class Recipe:
         count, or by ``num_items_in_batch`` where the call passes it (transformers' rule for accumulation)."""
         targets = self.targets(call).to(hidden.device)
         if hidden.shape[:-1] != targets.shape:
-            raise ConfigError(f"loss_chunk: the head reads hidden states of shape {tuple(hidden.shape)} but the "
-                              f"targets have shape {tuple(targets.shape)}; drop loss_chunk for this model")
-        total = chunked_cross_entropy(hidden, head, targets, chunk=chunk, ignore_index=IGNORED, reduction="sum",
-                                      softcap=self.softcap)
+            raise ConfigError(
+                f"loss_chunk: the head reads hidden states of shape {tuple(hidden.shape)} but the "
+                f"targets have shape {tuple(targets.shape)}; drop loss_chunk for this model"
+            )
+        total = chunked_cross_entropy(
+            hidden, head, targets, chunk=chunk, ignore_index=IGNORED, reduction="sum", softcap=self.softcap
+        )
         items = call.loss_kwargs.get("num_items_in_batch")
         return total / (items if items is not None else (targets != IGNORED).sum())
 

@@ -5,6 +5,7 @@ A model is read as a list of layers (its top-level children, containers and the 
 opened up, so each block is a layer); a split is a list of cut points into that list, balanced by parameter count
 unless the user gives one. Layers that share a parameter are kept on one stage.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

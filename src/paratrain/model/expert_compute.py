@@ -8,6 +8,7 @@ delimited by offsets that stay on the device. Elsewhere (CPU, fp32, older GPUs) 
 by the counts on the host, one small matmul per expert. Each layer reads its counts on the host at most once, and
 only where the loop needs them: the difference between one device->host sync per layer and one per expert.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -43,14 +44,19 @@ def grouped_mm_fits(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     if torch.cuda.get_device_capability(rows.device) < GROUPED_MM_CAPABILITY:
         return False
     tensors = (rows, *weights)
-    return (all(t.dtype == torch.bfloat16 for t in tensors)
-            and all(t.shape[-1] * t.element_size() % ALIGN_BYTES == 0 and t.shape[-2] * t.element_size() % ALIGN_BYTES
-                    == 0 for t in weights)
-            and rows.shape[-1] * rows.element_size() % ALIGN_BYTES == 0)
+    return (
+        all(t.dtype == torch.bfloat16 for t in tensors)
+        and all(
+            t.shape[-1] * t.element_size() % ALIGN_BYTES == 0 and t.shape[-2] * t.element_size() % ALIGN_BYTES == 0
+            for t in weights
+        )
+        and rows.shape[-1] * rows.element_size() % ALIGN_BYTES == 0
+    )
 
 
-def expert_groups(rows: torch.Tensor, counts: torch.Tensor | list[int], grouped: bool,
-                  host: list[int] | None = None) -> Groups:
+def expert_groups(
+    rows: torch.Tensor, counts: torch.Tensor | list[int], grouped: bool, host: list[int] | None = None
+) -> Groups:
     """``counts`` (``rows`` per expert) as the path needs them: int32 offsets on ``rows``' device for grouped GEMM,
     else a list on the host (``host`` when the caller already holds them there; otherwise one read of ``counts``)."""
     if grouped:
@@ -61,8 +67,9 @@ def expert_groups(rows: torch.Tensor, counts: torch.Tensor | list[int], grouped:
     return counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
 
 
-def expert_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def expert_linear(
+    rows: torch.Tensor, weight: torch.Tensor, groups: Groups, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each expert's rows of ``rows`` (sorted by expert, delimited by ``groups``) times its ``weight[e]``
     (``[experts, out, in]``, as ``F.linear`` takes it) plus its ``bias[e]``."""
     if isinstance(groups, torch.Tensor):
@@ -72,8 +79,9 @@ def expert_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
         expert_of_row = torch.searchsorted(groups, torch.arange(rows.shape[0], device=rows.device), right=True)
         return out + bias[expert_of_row.clamp(max=bias.shape[0] - 1)]
     biases = [None] * len(groups) if bias is None else bias.unbind()
-    return torch.cat([F.linear(part, w, b) for part, w, b in zip(rows.split(groups), weight.unbind(), biases,
-                                                                 strict=True)])
+    return torch.cat(
+        [F.linear(part, w, b) for part, w, b in zip(rows.split(groups), weight.unbind(), biases, strict=True)]
+    )
 
 
 def fused_gate(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -83,8 +91,9 @@ def fused_gate(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | No
     if not hasattr(module, "is_transposed") or not getattr(module, "has_gate", False):
         return None
     if getattr(module, "has_post_expert_norm", False) or not all(
-            isinstance(getattr(module, name, None), torch.Tensor) and getattr(module, name).dim() == 3
-            for name in ("gate_up_proj", "down_proj")):
+        isinstance(getattr(module, name, None), torch.Tensor) and getattr(module, name).dim() == 3
+        for name in ("gate_up_proj", "down_proj")
+    ):
         return None
     apply_gate = getattr(module, "_apply_gate", None)
     if apply_gate is not None:
@@ -97,8 +106,9 @@ def fused_gate(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | No
     return gate
 
 
-def run_fused_experts(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor | list[int],
-                      host: list[int] | None = None) -> torch.Tensor:
+def run_fused_experts(
+    module: nn.Module, rows: torch.Tensor, counts: torch.Tensor | list[int], host: list[int] | None = None
+) -> torch.Tensor:
     """``rows`` sorted by expert (``counts`` of each) through transformers' fused experts ``module`` (one that
     :func:`fused_gate` accepts), each row computed as its expert computes it, without the routing weight."""
     gate = fused_gate(module)

@@ -7,6 +7,7 @@ the model: transformers passes ``(hidden_states, top_k_index, top_k_weights)``, 
 paratrain's GPT passes ``(rows, counts)``, the token copies sorted by expert and how many each expert gets.
 Experts kept as a ``ModuleList`` of separate MLPs (older transformers classes) are not found.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -70,8 +71,11 @@ def routed_choice(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor |
     """What one call of an ``experts`` module routes: transformers' ``top_k_index`` (an integer tensor, tokens x k,
     each slot's expert) or paratrain's GPT's ``counts`` (tokens per expert: a 1-D integer tensor on the device, or a
     list); None when the call carries neither. :func:`is_top_k` tells the two apart."""
-    chosen = args[1] if len(args) > 1 else next(
-        (kwargs[k] for k in ("top_k_index", "router_indices", "selected_experts") if k in kwargs), None)
+    chosen = (
+        args[1]
+        if len(args) > 1
+        else next((kwargs[k] for k in ("top_k_index", "router_indices", "selected_experts") if k in kwargs), None)
+    )
     if isinstance(chosen, torch.Tensor) and not chosen.is_floating_point() and not chosen.is_complex():
         return chosen
     if isinstance(chosen, (list, tuple)) and all(isinstance(c, int) for c in chosen):

@@ -6,6 +6,7 @@ wrapper that replaces parameters (FSDP's DTensors, a pipeline's stages) makes th
 objects; a parameter missed there, or a tie split into two tensors, trains silently wrong (the head never updates)
 instead of failing. So the facts are taken before the model is wrapped and checked after, on every strategy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ class ModelFacts:
             names.setdefault(id(p), []).append(name)
         blocks = find_blocks(model)
         index = {id(m): i for i, m in enumerate(blocks.modules(model))} if blocks is not None else {}
-        return cls(names={k: tuple(v) for k, v in names.items()}, ties=find_ties(model), blocks=blocks,
-                   block_index=index)
+        return cls(
+            names={k: tuple(v) for k, v in names.items()}, ties=find_ties(model), blocks=blocks, block_index=index
+        )
 
     @property
     def first_names(self) -> dict[int, str]:
@@ -51,21 +53,26 @@ class ModelFacts:
         broken = self.ties.broken(prepared)
         if broken:
             a, b = broken[0]
-            raise ConfigError(f"strategy {strategy!r} split the tied parameters {a!r} and {b!r} into two tensors on "
-                              f"torch {torch.__version__}, so one of them would never train; use ddp or zero1 for "
-                              "this model, and report it")
+            raise ConfigError(
+                f"strategy {strategy!r} split the tied parameters {a!r} and {b!r} into two tensors on "
+                f"torch {torch.__version__}, so one of them would never train; use ddp or zero1 for "
+                "this model, and report it"
+            )
 
     def check_source(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise unless every parameter ``optimizer`` holds belongs to the model passed to ``prepare``."""
         foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in self.names)
         if foreign:
             total = sum(len(g["params"]) for g in optimizer.param_groups)
-            raise ConfigError(f"the optimizer holds {foreign} of {total} parameters that are not in the model passed "
-                              "to prepare(), so they would never train; build the optimizer from that model's "
-                              "parameters() and pass the model first")
+            raise ConfigError(
+                f"the optimizer holds {foreign} of {total} parameters that are not in the model passed "
+                "to prepare(), so they would never train; build the optimizer from that model's "
+                "parameters() and pass the model first"
+            )
 
-    def check_kept(self, original: torch.optim.Optimizer, prepared_opt: torch.optim.Optimizer,
-                   prepared: nn.Module, strategy: str) -> None:
+    def check_kept(
+        self, original: torch.optim.Optimizer, prepared_opt: torch.optim.Optimizer, prepared: nn.Module, strategy: str
+    ) -> None:
         """Raise unless every parameter ``original`` trained is trained by ``prepared_opt`` in ``prepared`` (the
         unwrapped module), under any of its names that this rank holds."""
         current = dict(prepared.named_parameters(remove_duplicate=False))
@@ -76,5 +83,7 @@ class ModelFacts:
                     if name in current and id(current[name]) not in held:
                         partner = self.ties.partner(name)
                         tied = f" (tied to {partner!r})" if partner else ""
-                        raise ConfigError(f"after prepare() with strategy {strategy!r} the optimizer no longer trains "
-                                          f"{name!r}{tied}; use ddp or zero1 for this model, and report it")
+                        raise ConfigError(
+                            f"after prepare() with strategy {strategy!r} the optimizer no longer trains "
+                            f"{name!r}{tied}; use ddp or zero1 for this model, and report it"
+                        )

@@ -22,6 +22,7 @@ A tied tensor keeps the value its first owner (``named_parameters``' first name:
 other owners' inits draw into throw-away tensors, as a normal build's head drew into its own weight before
 ``tie_weights`` replaced it. A tensor no init writes is refused, naming it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -68,18 +69,21 @@ class Materializer:
     """The buffers' names."""
 
     @classmethod
-    def of(cls, model: nn.Module, device: torch.device,
-           init_fn: InitFn | str | None = None) -> Materializer | None:
+    def of(cls, model: nn.Module, device: torch.device, init_fn: InitFn | str | None = None) -> Materializer | None:
         """A materializer for ``model`` when it has meta tensors (None otherwise; ``init_fn`` then is refused)."""
         if not is_meta(model):
             if init_fn is not None:
-                raise ConfigError("init_fn initializes a model built on the meta device, but this model's tensors are "
-                                  "already allocated; build it under `with torch.device('meta'):` or drop init_fn")
+                raise ConfigError(
+                    "init_fn initializes a model built on the meta device, but this model's tensors are "
+                    "already allocated; build it under `with torch.device('meta'):` or drop init_fn"
+                )
             return None
         if not all(t.is_meta for t in _tensors(model)):
             real = next(n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta)
-            raise ConfigError(f"the model is partly on the meta device ({real!r} is not): build all of it under "
-                              "`with torch.device('meta'):` (or none of it)")
+            raise ConfigError(
+                f"the model is partly on the meta device ({real!r} is not): build all of it under "
+                "`with torch.device('meta'):` (or none of it)"
+            )
         skeleton = copy.deepcopy(model)
         canonical: dict[str, str] = {}
         for kind in (skeleton.named_parameters, skeleton.named_buffers):
@@ -88,8 +92,13 @@ class Materializer:
                 canonical[name] = first.setdefault(id(t), name)
         if isinstance(init_fn, str) and init_fn != EMPTY:
             raise ConfigError(f"init_fn must be a function of a module or {EMPTY!r}, got {init_fn!r}")
-        return cls(skeleton=skeleton, device=device, init_fn=init_fn, canonical=canonical,
-                   buffers={n for n, _ in skeleton.named_buffers(remove_duplicate=False)})
+        return cls(
+            skeleton=skeleton,
+            device=device,
+            init_fn=init_fn,
+            canonical=canonical,
+            buffers={n for n, _ in skeleton.named_buffers(remove_duplicate=False)},
+        )
 
     def __call__(self, module: nn.Module) -> nn.Module:
         """Allocate ``module``'s tensors on the device and write the init program's values into them."""
@@ -101,8 +110,10 @@ class Materializer:
             torch.__future__.set_swap_module_params_on_conversion(swap)
         held: dict[str, list[torch.Tensor]] = {}
         seen: set[int] = set()
-        for name, t in [*module.named_parameters(remove_duplicate=False),
-                        *module.named_buffers(remove_duplicate=False)]:
+        for name, t in [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]:
             if t is None or id(t) in seen:
                 continue
             seen.add(id(t))
@@ -110,9 +121,11 @@ class Materializer:
         written = self._replay(held)
         missing = [n for n in held if n not in written and (self.init_fn != EMPTY or n in self.buffers)]
         if missing:
-            raise ConfigError(f"after building on the meta device nothing initialized {missing[:3]}"
-                              f"{' …' if len(missing) > 3 else ''}: give their modules a reset_parameters() or "
-                              "pass init_fn= to Parallel")
+            raise ConfigError(
+                f"after building on the meta device nothing initialized {missing[:3]}"
+                f"{' …' if len(missing) > 3 else ''}: give their modules a reset_parameters() or "
+                "pass init_fn= to Parallel"
+            )
         return module
 
     def _user_name(self, name: str) -> str:
@@ -122,8 +135,9 @@ class Materializer:
             candidate = ".".join(parts[i:])
             if candidate in self.canonical:
                 return self.canonical[candidate]
-        raise ConfigError(f"the prepared model holds {name!r}, which the model built on the meta device has not; "
-                          "report it")
+        raise ConfigError(
+            f"the prepared model holds {name!r}, which the model built on the meta device has not; report it"
+        )
 
     def _replay(self, held: dict[str, list[torch.Tensor]]) -> set[str]:
         torch.set_rng_state(self.rng_state)
@@ -179,8 +193,11 @@ def _transformers_init(skeleton: nn.Module, writer: _Writer) -> None:
     for owner_name, module_name, state in events:
         owner, module = skeleton.get_submodule(owner_name), skeleton.get_submodule(module_name)
         torch.set_rng_state(state)
-        writer.run(module, lambda owner=owner, module=module: owner._init_weights(module),
-                   who=f"{type(owner).__name__}._init_weights")
+        writer.run(
+            module,
+            lambda owner=owner, module=module: owner._init_weights(module),
+            who=f"{type(owner).__name__}._init_weights",
+        )
     torch.set_rng_state(final)
 
 
@@ -204,6 +221,7 @@ def _record_init_calls(skeleton: nn.Module) -> tuple[list[tuple[str, str, torch.
                 original(self, module)
             finally:
                 depth[0] -= 1
+
         return _init_weights
 
     home = sys.modules[next(c for c in type(skeleton).__mro__ if "init_weights" in c.__dict__).__module__]
@@ -216,9 +234,11 @@ def _record_init_calls(skeleton: nn.Module) -> tuple[list[tuple[str, str, torch.
         with torch.device("meta"), _DrawOnScratch():
             replay = type(skeleton)(skeleton.config)
     except Exception as err:  # a composite the config alone does not rebuild
-        raise ConfigError(f"cannot rebuild {type(skeleton).__name__} from its config to replay its init on the meta "
-                          f"device ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); pass "
-                          "init_fn= to Parallel, or init_fn='empty' and load weights") from None
+        raise ConfigError(
+            f"cannot rebuild {type(skeleton).__name__} from its config to replay its init on the meta "
+            f"device ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); pass "
+            "init_fn= to Parallel, or init_fn='empty' and load weights"
+        ) from None
     finally:
         for cls, fn in saved.items():
             if fn is None:
@@ -228,14 +248,36 @@ def _record_init_calls(skeleton: nn.Module) -> tuple[list[tuple[str, str, torch.
         if device_check is not None:
             home.get_torch_context_manager_or_global_device = device_check  # type: ignore[attr-defined]
     names = {id(m): n for n, m in reversed(list(replay.named_modules(remove_duplicate=False)))}
-    events = [(names[id(owner)], names[id(module)], state) for owner, module, state in calls
-              if id(owner) in names and id(module) in names]
+    events = [
+        (names[id(owner)], names[id(module)], state)
+        for owner, module, state in calls
+        if id(owner) in names and id(module) in names
+    ]
     return events, torch.get_rng_state()
 
 
-_RANDOM_OPS = frozenset({"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_",
-                         "log_normal_", "randn", "rand", "randint", "randperm", "normal", "bernoulli", "multinomial",
-                         "rand_like", "randn_like", "randint_like"})
+_RANDOM_OPS = frozenset(
+    {
+        "normal_",
+        "uniform_",
+        "random_",
+        "bernoulli_",
+        "exponential_",
+        "geometric_",
+        "cauchy_",
+        "log_normal_",
+        "randn",
+        "rand",
+        "randint",
+        "randperm",
+        "normal",
+        "bernoulli",
+        "multinomial",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+    }
+)
 
 
 class _DrawOnScratch(TorchDispatchMode):
@@ -246,11 +288,14 @@ class _DrawOnScratch(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.__name__.split(".")[0] in _RANDOM_OPS:
-            to_cpu = lambda x: (torch.empty(x.shape, dtype=x.dtype)  # noqa: E731
-                                if isinstance(x, torch.Tensor) and x.is_meta else x)
-            cpu_kwargs = {k: (torch.device("cpu") if k == "device" else to_cpu(v)) for k, v in kwargs.items()}
-            func(*[to_cpu(a) for a in args], **cpu_kwargs)
+            cpu_kwargs = {k: (torch.device("cpu") if k == "device" else _to_cpu(v)) for k, v in kwargs.items()}
+            func(*[_to_cpu(a) for a in args], **cpu_kwargs)
         return out
+
+
+def _to_cpu(x: object) -> object:
+    """A meta tensor's CPU stand-in (uninitialized), for a random op to draw into; anything else as it is."""
+    return torch.empty(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) and x.is_meta else x
 
 
 def _scopes(skeleton: nn.Module) -> dict[int, bool]:
@@ -265,7 +310,7 @@ def _scopes(skeleton: nn.Module) -> dict[int, bool]:
     return {id(m): id(m) not in above for m in skeleton.modules()}
 
 
-_UNTOUCHED_INT = -(2 ** 62)
+_UNTOUCHED_INT = -(2**62)
 
 
 @dataclass
@@ -289,7 +334,7 @@ class _Writer:
     def _scratch(self, module: nn.Module, who: str) -> Iterator[None]:
         slots = []  # (owner, key, is_param, original, scratch, the name it is kept under or None)
         recurse = self.subtree.get(id(module), False)
-        for prefix, owner in (module.named_modules(remove_duplicate=False) if recurse else [("", module)]):
+        for prefix, owner in module.named_modules(remove_duplicate=False) if recurse else [("", module)]:
             for key, original in [*owner._parameters.items(), *owner._buffers.items()]:
                 is_param = key in owner._parameters
                 if original is None or not original.is_meta or (is_param and not self.params):
@@ -308,15 +353,19 @@ class _Writer:
                     continue
                 if now is not value:
                     if now is None or now.is_meta:
-                        raise ConfigError(f"{who} left {keep!r} on the meta device; it must fill the module's own "
-                                          "tensors in place (as nn.init.* does)")
+                        raise ConfigError(
+                            f"{who} left {keep!r} on the meta device; it must fill the module's own "
+                            "tensors in place (as nn.init.* does)"
+                        )
                     value = now
                 state = _state(value)
                 if state == "untouched":
                     continue
                 if state == "partial":
-                    raise ConfigError(f"{who} initialized only part of {keep!r}; with a model built on the meta device "
-                                      "each init must fill a whole tensor (pass init_fn= to Parallel)")
+                    raise ConfigError(
+                        f"{who} initialized only part of {keep!r}; with a model built on the meta device "
+                        "each init must fill a whole tensor (pass init_fn= to Parallel)"
+                    )
                 self._write(keep, value.detach())
         finally:
             for owner, key, is_param, original, _, _ in slots:
@@ -361,8 +410,9 @@ def place(target: torch.Tensor, full: torch.Tensor) -> None:
         if hasattr(target, "device_mesh") and hasattr(target, "placements"):
             from torch.distributed.tensor import distribute_tensor
 
-            local = distribute_tensor(full.to(target.device), target.device_mesh, target.placements,
-                                      src_data_rank=None).to_local()
+            local = distribute_tensor(
+                full.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+            ).to_local()
             target.to_local().copy_(local)
         else:
             target.copy_(full)
@@ -370,11 +420,14 @@ def place(target: torch.Tensor, full: torch.Tensor) -> None:
 
 def check_materialized(model: nn.Module, strategy: str) -> None:
     """Raise when a prepared model still has meta tensors: its strategy laid it out without materializing it."""
-    left = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta),
-                None)
+    left = next(
+        (n for n, t in [*model.named_parameters(), *model.named_buffers()] if t is not None and t.is_meta), None
+    )
     if left is not None:
-        raise ConfigError(f"strategy {strategy!r} cannot materialize a model built on the meta device ({left!r} is "
-                          "still on meta); build the model normally, or use a paratrain strategy (ddp, zero3, tp, …)")
+        raise ConfigError(
+            f"strategy {strategy!r} cannot materialize a model built on the meta device ({left!r} is "
+            "still on meta); build the model normally, or use a paratrain strategy (ddp, zero3, tp, …)"
+        )
 
 
 def to_device(model: nn.Module, device: torch.device) -> nn.Module:

@@ -27,6 +27,7 @@ stage stays a tie. What a stage returns is a tensor (a ``ModelOutput``'s first f
 :class:`OutputKind` rebuilds an object of the model's own kind around the last stage's tensor, so a loss
 written for the plain model's output (``out.logits``) works unchanged.
 """
+
 from __future__ import annotations
 
 import copy
@@ -115,23 +116,32 @@ def _input_embedding(model: nn.Module, before: Sequence[str]) -> str | None:
     return next((n for n in before if _has_params(model.get_submodule(n))), None)
 
 
-def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] | None = None,
-                split: Sequence[int] | None = None, facts: ModelFacts | None = None) -> StagePlan:
+def plan_stages(
+    model: nn.Module,
+    num_stages: int,
+    split_points: Sequence[str] | None = None,
+    split: Sequence[int] | None = None,
+    facts: ModelFacts | None = None,
+) -> StagePlan:
     """Cut ``model`` into ``num_stages`` stages at the named blocks (``split_points``, where stages 2, 3, … begin),
     at block indices (``split``), or balanced by the blocks' parameter counts; one-line ``ConfigError`` when the
     model cannot be split this way. ``facts``: ``model``'s, when ``prepare`` found them."""
     kind = type(model).__name__
     blocks = facts.blocks if facts is not None else find_blocks(model)
     if blocks is None:
-        raise ConfigError(f"pipeline cannot split {kind}: it has no repeated blocks (a ModuleList/Sequential of one "
-                          "block class) to cut between; express it as nn.Sequential(...) or use ddp or fsdp")
+        raise ConfigError(
+            f"pipeline cannot split {kind}: it has no repeated blocks (a ModuleList/Sequential of one "
+            "block class) to cut between; express it as nn.Sequential(...) or use ddp or fsdp"
+        )
     before, after = outer_modules(model, blocks)
     _check_path(model, blocks)
     if getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise ConfigError(f"pipeline cannot train {kind} with its router's load-balancing loss "
-                          "(config.output_router_logits=True): the loss sums over every block's routing and a stage "
-                          "runs only its own; use ddp or zero3 (tp, hsdp), or set "
-                          "output_router_logits=False")
+        raise ConfigError(
+            f"pipeline cannot train {kind} with its router's load-balancing loss "
+            "(config.output_router_logits=True): the loss sums over every block's routing and a stage "
+            "runs only its own; use ddp or zero3 (tp, hsdp), or set "
+            "output_router_logits=False"
+        )
     input_embedding = _input_embedding(model, before)
     for name in before:
         module = model.get_submodule(name)
@@ -143,15 +153,19 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] |
             )
     n = len(blocks.names)
     if num_stages > n:
-        raise ConfigError(f"pipeline needs at least {num_stages} blocks for {num_stages} stages; {kind} has {n} "
-                          f"({blocks.container}); use fewer processes or stages")
+        raise ConfigError(
+            f"pipeline needs at least {num_stages} blocks for {num_stages} stages; {kind} has {n} "
+            f"({blocks.container}); use fewer processes or stages"
+        )
     if split_points is not None and split is not None:
         raise ConfigError("give either split (indices) or split_points (block names), not both")
     if split_points is not None:
         unknown = [p for p in split_points if p not in blocks.names]
         if unknown:
-            raise ConfigError(f"pipeline split points {unknown} are not blocks of {kind}; name blocks such as "
-                              f"{blocks.names[min(1, n - 1)]!r} (the first block of a stage)")
+            raise ConfigError(
+                f"pipeline split points {unknown} are not blocks of {kind}; name blocks such as "
+                f"{blocks.names[min(1, n - 1)]!r} (the first block of a stage)"
+            )
         split = [blocks.names.index(p) for p in split_points]
     if split is None:
         sizes = [sum(p.numel() for p in m.parameters()) for m in blocks.modules(model)]
@@ -160,24 +174,29 @@ def plan_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] |
         starts = [0, *split]
     if len(starts) != num_stages or starts != sorted(set(starts)) or starts[-1] >= n:
         given = list(split_points) if split_points is not None else list(split or [])
-        raise ConfigError(f"pipeline split {given} does not fit: {num_stages} stages need {num_stages - 1} "
-                          f"increasing split points among blocks 1..{n - 1} of {blocks.container}")
+        raise ConfigError(
+            f"pipeline split {given} does not fit: {num_stages} stages need {num_stages - 1} "
+            f"increasing split points among blocks 1..{n - 1} of {blocks.container}"
+        )
     bounds = tuple(zip(starts, [*starts[1:], n]))
     for stage, (start, end) in enumerate(bounds):  # checked on every rank alike, so all refuse together
         outer = (before if stage == 0 else []) + (after if stage == len(bounds) - 1 else [])
         modules = blocks.modules(model)[start:end] + [model.get_submodule(o) for o in outer]
         if not any(p.requires_grad for m in modules for p in m.parameters()):
-            raise ConfigError(f"pipeline stage {stage} ({blocks.names[start]}..{blocks.names[end - 1]}) holds no "
-                              "trainable parameter, so its rank would have nothing to optimise; move the split points "
-                              "or use fewer stages")
-    return StagePlan(blocks=blocks, before=tuple(before), after=tuple(after), bounds=bounds,
-                     input_embedding=input_embedding)
+            raise ConfigError(
+                f"pipeline stage {stage} ({blocks.names[start]}..{blocks.names[end - 1]}) holds no "
+                "trainable parameter, so its rank would have nothing to optimise; move the split points "
+                "or use fewer stages"
+            )
+    return StagePlan(
+        blocks=blocks, before=tuple(before), after=tuple(after), bounds=bounds, input_embedding=input_embedding
+    )
 
 
 def _path(blocks: Blocks) -> list[str]:
     """Qualified names of the modules from the root (``""``) down to the blocks' container."""
     parts = blocks.container.split(".") if blocks.container else []
-    return [""] + [".".join(parts[:i + 1]) for i in range(len(parts))]
+    return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def _check_path(model: nn.Module, blocks: Blocks) -> None:
@@ -186,9 +205,11 @@ def _check_path(model: nn.Module, blocks: Blocks) -> None:
         own = next(iter(module._parameters), None)
         if own is not None:
             where = f"{name}.{own}" if name else own
-            raise ConfigError(f"pipeline cannot split {type(model).__name__}: the parameter {where} sits on a module "
-                              "that every stage runs through, so no single stage can own it; move it into a "
-                              "sub-module, or use ddp or fsdp")
+            raise ConfigError(
+                f"pipeline cannot split {type(model).__name__}: the parameter {where} sits on a module "
+                "that every stage runs through, so no single stage can own it; move it into a "
+                "sub-module, or use ddp or fsdp"
+            )
 
 
 def stand_in(plan: StagePlan, name: str, module: nn.Module) -> nn.Module:
@@ -215,8 +236,11 @@ def build_stage(model: nn.Module, plan: StagePlan, stages: Sequence[int]) -> nn.
             parent, _, child = name.rpartition(".")
             copies[parent]._modules[child] = twin
     container = copies[plan.blocks.container]
-    _keep_layer_types(copies[plan.blocks.container.rpartition(".")[0]],
-                      sorted(i for s in stages for i in range(*plan.bounds[s])), len(plan.blocks.names))
+    _keep_layer_types(
+        copies[plan.blocks.container.rpartition(".")[0]],
+        sorted(i for s in stages for i in range(*plan.bounds[s])),
+        len(plan.blocks.names),
+    )
     prefix = f"{plan.blocks.container}." if plan.blocks.container else ""
     owner = stages[0] if first else None  # parameter-free children go with the block before them
     for key in list(container._modules):
@@ -286,8 +310,10 @@ def split_output(out: Any) -> tuple[torch.Tensor, OutputKind]:
         if tensors and tensors[0] <= 1:
             loss_at = scalars[0] if scalars and scalars[0] <= 1 else None
             return out[tensors[0]], OutputKind(tuple, loss_at=loss_at)
-    raise ConfigError(f"a pipeline stage must produce a tensor, a ModelOutput or a tuple starting with one; the "
-                      f"model returned {type(out).__name__}")
+    raise ConfigError(
+        f"a pipeline stage must produce a tensor, a ModelOutput or a tuple starting with one; the "
+        f"model returned {type(out).__name__}"
+    )
 
 
 LOSS_INPUT = "paratrain_loss__"
@@ -322,7 +348,7 @@ class StageModule(nn.Module):
         """Return that loss, not the logits (a training schedule's loss function reads it)."""
 
     def forward(self, x: torch.Tensor, **inputs: Any) -> torch.Tensor:
-        own = {k[len(LOSS_INPUT):]: inputs.pop(k) for k in list(inputs) if k.startswith(LOSS_INPUT)}
+        own = {k[len(LOSS_INPUT) :]: inputs.pop(k) for k in list(inputs) if k.startswith(LOSS_INPUT)}
         own = own if self.last else {}
         target = own.pop("", None)
         kwargs = {**self.extra, **self.constants, **inputs, **own}
@@ -338,7 +364,8 @@ class StageModule(nn.Module):
                 f"pipeline stage {self.index} cannot run {type(self.stage).__name__}'s forward on the hidden states "
                 f"the stage before hands it ({type(err).__name__}: {str(err).splitlines()[0][:80]}): a model cut "
                 "into stages must take them where its token ids go (transformers models take inputs_embeds=); use "
-                "zero3 or tp for this model") from None
+                "zero3 or tp for this model"
+            ) from None
         tensor, self.kind = split_output(out)
         self.loss = None
         if own or target is not None:

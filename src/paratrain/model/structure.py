@@ -13,6 +13,7 @@ Accelerate's ``_no_split_modules``-based wrapping). The blocks are found, in thi
 A stack of plain layers (an MLP as ``nn.Sequential(Linear, ReLU, Linear)``) has no blocks; callers fall back to
 their size-based rules.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -118,8 +119,7 @@ def forward_pieces(model: nn.Module) -> list[tuple[str, nn.Module]]:
         container = model.get_submodule(blocks.container) if blocks.container else model
         inner = [(prefix + k, c) for k, c in container.named_children()]
         after = sorted(after, key=lambda n: -n.count("."))  # the final norm inside runs before the head outside
-        return ([(n, model.get_submodule(n)) for n in before] + inner
-                + [(n, model.get_submodule(n)) for n in after])
+        return [(n, model.get_submodule(n)) for n in before] + inner + [(n, model.get_submodule(n)) for n in after]
     units: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):

@@ -1,5 +1,6 @@
 """Which embeddings of a model are tables a parameter server holds row-sharded: the one rule the ``ps`` strategy lays
 a model out by and the planner plans it by."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -31,5 +32,11 @@ def auto_tables(model: nn.Module, min_numel: int = TABLE_MIN_NUMEL, *, meta_buil
     ``max_norm`` or ``scale_grad_by_freq``, built on the meta device (``meta_built``: a model traced on meta for a
     plan was not built there by its user) or of at least ``min_numel`` elements."""
     owners = weight_owners(model)
-    return [n for n, m in model.named_modules() if isinstance(m, TABLE_TYPES) and len(owners[id(m.weight)]) == 1
-            and not unsupported(m) and ((meta_built and m.weight.is_meta) or m.weight.numel() >= min_numel)]
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, TABLE_TYPES)
+        and len(owners[id(m.weight)]) == 1
+        and not unsupported(m)
+        and ((meta_built and m.weight.is_meta) or m.weight.numel() >= min_numel)
+    ]

@@ -3,6 +3,7 @@
 Ties must be found before a model is wrapped: sharding or copying breaks them silently on some torch versions
 (FSDP2 on torch 2.11 gives the second owner its own copy, which an optimizer never sees).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -12,6 +12,7 @@ is compiled whole. In place means the module tree — parameter names, state dic
 (``torch.compile(m)`` would add an ``_orig_mod.`` level). Checkpointing comes first, so the recompute is part of what
 is compiled.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,10 @@ def transform_blocks(module: nn.Module, facts: ModelFacts, transforms: BlockTran
     """Checkpoint every k-th and compile each of the blocks ``module`` holds; returns the names (in ``module``) of
     what was compiled (``""``: ``module`` itself, for a model without blocks)."""
     if transforms.checkpoint_every and facts.blocks is None:
-        raise ConfigError(f"activation checkpointing works per repeated block, and {type(module).__name__} has none "
-                          "(no ModuleList/Sequential of one block class); turn it off for this model")
+        raise ConfigError(
+            f"activation checkpointing works per repeated block, and {type(module).__name__} has none "
+            "(no ModuleList/Sequential of one block class); turn it off for this model"
+        )
     held = [(name, m) for name, m in module.named_modules() if id(m) in facts.block_index]
     if transforms.checkpoint_every:
         for _, block in held:

@@ -14,6 +14,7 @@ Two rules keep every model shardable:
 * a container without a forward (``ModuleList``/``ModuleDict``, which PEFT models put in reach) is never a
   unit: ``fully_shard`` refuses it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,8 +31,13 @@ if TYPE_CHECKING:
 _NO_FORWARD = (nn.ModuleList, nn.ModuleDict)
 
 
-def shard_units(model: nn.Module, *, wrap_classes: Sequence[type[nn.Module]] = (),
-                min_params: int = 100_000, facts: ModelFacts | None = None) -> list[list[nn.Module]]:
+def shard_units(
+    model: nn.Module,
+    *,
+    wrap_classes: Sequence[type[nn.Module]] = (),
+    min_params: int = 100_000,
+    facts: ModelFacts | None = None,
+) -> list[list[nn.Module]]:
     """The units of ``model`` (never the root), innermost first; each is one module or a tied group.
 
     ``wrap_classes``: the user's unit classes instead of the found blocks. ``facts``: ``model``'s, found by
@@ -43,8 +49,9 @@ def shard_units(model: nn.Module, *, wrap_classes: Sequence[type[nn.Module]] = (
         blocks = facts.blocks if facts is not None else find_blocks(model)
         fixed = {id(m) for m in blocks.modules(model)} if blocks else set()
     ties = facts.ties if facts is not None else find_ties(model)
-    tie_groups = [list({id(m): m for m in (model.get_submodule(o) for o in owners)}.values())
-                  for owners in ties.owners()]
+    tie_groups = [
+        list({id(m): m for m in (model.get_submodule(o) for o in owners)}.values()) for owners in ties.owners()
+    ]
     tied = {id(m) for group in tie_groups for m in group}
     fixed -= tied  # a tied module is sharded with its partners, never alone
     units: list[list[nn.Module]] = []

@@ -1,4 +1,5 @@
 """What the training monitor measures, how often it compares ranks, and when it warns."""
+
 from __future__ import annotations
 
 import warnings
@@ -56,10 +57,15 @@ class MonitorConfig:
             value = getattr(self, name)
             if not 0 < value < 10:
                 raise ConfigError(f"MonitorConfig.{name} is a fraction (0.2 = 20%), got {value!r}")
-        if isinstance(self.expert_imbalance, bool) or not isinstance(self.expert_imbalance, (int, float)) \
-                or self.expert_imbalance <= 1:
-            raise ConfigError(f"MonitorConfig.expert_imbalance is the busiest expert's tokens over the mean (> 1, e.g. "
-                              f"2.0), got {self.expert_imbalance!r}")
+        if (
+            isinstance(self.expert_imbalance, bool)
+            or not isinstance(self.expert_imbalance, (int, float))
+            or self.expert_imbalance <= 1
+        ):
+            raise ConfigError(
+                f"MonitorConfig.expert_imbalance is the busiest expert's tokens over the mean (> 1, e.g. "
+                f"2.0), got {self.expert_imbalance!r}"
+            )
         if self.memory_min_gib < 0:
             raise ConfigError(f"MonitorConfig.memory_min_gib must be >= 0, got {self.memory_min_gib}")
         for name in ("flops_per_sample", "peak_tflops"):
@@ -67,9 +73,12 @@ class MonitorConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ConfigError(f"MonitorConfig.{name} must be a number > 0 (or None), got {value!r}")
         if self.tensorboard_dir is not None:
-            warnings.warn(f"MonitorConfig(tensorboard_dir=) is deprecated; write log_with=paratrain.TensorBoardConfig("
-                          f"dir={str(self.tensorboard_dir)!r}) and MonitorConfig(per_rank=True)", FutureWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"MonitorConfig(tensorboard_dir=) is deprecated; write log_with=paratrain.TensorBoardConfig("
+                f"dir={str(self.tensorboard_dir)!r}) and MonitorConfig(per_rank=True)",
+                FutureWarning,
+                stacklevel=3,
+            )
 
 
 def tensorboard_moved(config: MonitorConfig | None) -> tuple[MonitorConfig | None, Path | None]:

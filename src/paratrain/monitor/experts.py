@@ -10,6 +10,7 @@ Routing collapse, the failure mixtures of experts are known for, is a window whe
 ``expert_imbalance`` times its fair share or more (the busiest expert over the mean: DeepSeek's MaxVio + 1), or
 where some experts get no token at all; the monitor's persistence turns it into one warning.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,8 +29,10 @@ from .rules import Finding
 LARGEST_SHOWN = 16
 """Up to this many experts a layer's table row shows every count; above, the least, median and most."""
 
-FIX = ("raise the router's load-balancing (aux) loss coefficient (transformers: output_router_logits=True and "
-       "router_aux_loss_coef), add a router z-loss, or lower the learning rate")
+FIX = (
+    "raise the router's load-balancing (aux) loss coefficient (transformers: output_router_logits=True and "
+    "router_aux_loss_coef), add a router z-loss, or lower the learning rate"
+)
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,9 @@ class ExpertCounter:
             counts = torch.zeros(layer.experts, dtype=torch.int64, device=self.device)
             self.layers.append(layer)
             self._counts.append(counts)
-            self._handles.append(layer.module.register_forward_pre_hook(self._hook(counts, layer.experts),
-                                                                        with_kwargs=True))
+            self._handles.append(
+                layer.module.register_forward_pre_hook(self._hook(counts, layer.experts), with_kwargs=True)
+            )
 
     @staticmethod
     def _hook(counts: torch.Tensor, experts: int) -> Any:
@@ -120,7 +124,8 @@ class ExpertCounter:
                 counts.add_(count_per_expert(chosen.detach().to(counts.device), experts))
             else:  # a count per expert: on the device (nothing read), or a list the model already read
                 given = torch.as_tensor(chosen[:experts], dtype=torch.int64).to(counts.device)
-                counts[:given.numel()].add_(given.detach())
+                counts[: given.numel()].add_(given.detach())
+
         return hook
 
     def window(self, group: dist.ProcessGroup | None, copies: int) -> list[ExpertLoad]:
@@ -138,7 +143,7 @@ class ExpertCounter:
         loads, start = [], 0
         for layer, counts in zip(self.layers, self._counts):
             label = layer.label if labels.count(layer.label) == 1 else layer.name
-            loads.append(ExpertLoad(layer.name, label, tuple(totals[start:start + layer.experts])))
+            loads.append(ExpertLoad(layer.name, label, tuple(totals[start : start + layer.experts])))
             start += counts.numel()
         return loads
 
@@ -157,12 +162,24 @@ def find_routing_collapse(loads: Sequence[ExpertLoad], config: MonitorConfig) ->
     worst = max(collapsed, key=lambda x: (x.imbalance, len(x.idle)))
     more = f" and {len(collapsed) - 1} more" if len(collapsed) > 1 else ""
     experts = len(worst.counts)
-    idle = (f", {len(worst.idle)} of its {experts} experts got no token (expert{'s' if len(worst.idle) > 1 else ''} "
-            f"{', '.join(map(str, worst.idle[:8]))}{' …' if len(worst.idle) > 8 else ''})" if worst.idle else "")
-    return [Finding("routing", -1, worst.imbalance, (
-        f"routing collapsed in MoE layer {worst.layer}{more}: expert {worst.busiest} gets "
-        f"{max(worst.counts) / worst.total:.0%} of its routed tokens, {worst.imbalance:.1f}x the mean of its "
-        f"{experts} experts ({config.expert_imbalance:g}x warns){idle}; {FIX}"))]
+    idle = (
+        f", {len(worst.idle)} of its {experts} experts got no token (expert{'s' if len(worst.idle) > 1 else ''} "
+        f"{', '.join(map(str, worst.idle[:8]))}{' …' if len(worst.idle) > 8 else ''})"
+        if worst.idle
+        else ""
+    )
+    return [
+        Finding(
+            "routing",
+            -1,
+            worst.imbalance,
+            (
+                f"routing collapsed in MoE layer {worst.layer}{more}: expert {worst.busiest} gets "
+                f"{max(worst.counts) / worst.total:.0%} of its routed tokens, {worst.imbalance:.1f}x the mean of its "
+                f"{experts} experts ({config.expert_imbalance:g}x warns){idle}; {FIX}"
+            ),
+        )
+    ]
 
 
 def expert_figures(loads: Sequence[ExpertLoad]) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """A window's figures as the scalars trackers take: each rank's (``MonitorConfig.tensorboard_dir``) and the job's
 (``log_with``): step time, data wait, memory, samples and tokens per second over the whole job, the FLOP/s each
 device achieved and that over its peak (MFU), the planner's arithmetic run on measured steps."""
+
 from __future__ import annotations
 
 import re
@@ -26,8 +27,9 @@ def catalogue_peak_flops(device: torch.device, precision: str) -> float | None:
     return None
 
 
-def job_figures(rows: Sequence[RankStats], *, replicas: int, flops_per_sample: float | None = None,
-                peak_flops: float | None = None) -> dict[str, float]:
+def job_figures(
+    rows: Sequence[RankStats], *, replicas: int, flops_per_sample: float | None = None, peak_flops: float | None = None
+) -> dict[str, float]:
     """The figures a window gives the trackers, for the job as a whole.
 
     ``rows`` are the window's ranks (those that train); ``replicas`` how many of them read different data (the
@@ -59,6 +61,14 @@ def job_figures(rows: Sequence[RankStats], *, replicas: int, flops_per_sample: f
 
 def rank_figures(rows: Sequence[RankStats]) -> dict[str, float]:
     """Every rank's figures as scalars ``monitor/<figure>/rank<r>``."""
-    return {f"monitor/{name}/rank{r.rank}": value for r in rows
-            for name, value in (("step_ms", r.step_ms), ("data_share", r.data_share), ("compute_ms", r.compute_ms),
-                                ("sync_ms", r.sync_ms), ("peak_mem_gib", r.peak_mem / GIB))}
+    return {
+        f"monitor/{name}/rank{r.rank}": value
+        for r in rows
+        for name, value in (
+            ("step_ms", r.step_ms),
+            ("data_share", r.data_share),
+            ("compute_ms", r.compute_ms),
+            ("sync_ms", r.sync_ms),
+            ("peak_mem_gib", r.peak_mem / GIB),
+        )
+    }

@@ -5,6 +5,7 @@ figures to the logs and trackers on rank 0, and the end-of-run table.
 Every rank reaches the gather at the same optimizer-step count (the counter advances in ``Parallel.step`` on
 all ranks alike), so it cannot deadlock a job that trains; it waits no longer than the process group's timeout.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -59,11 +60,23 @@ class Monitor:
         peak_flops: one device's peak FLOP/s, for MFU (None: unknown).
     """
 
-    def __init__(self, config: MonitorConfig, *, rank: int, world_size: int, local_world_size: int,
-                 device: torch.device, peer: int = 0, emit: Callable[[str], None] = print,
-                 accumulate: int = 1, group: dist.ProcessGroup | None = None, trackers: Trackers | None = None,
-                 replicas: Callable[[], int] = lambda: 1, same_tokens: Callable[[], int] = lambda: 1,
-                 peak_flops: float | None = None) -> None:
+    def __init__(
+        self,
+        config: MonitorConfig,
+        *,
+        rank: int,
+        world_size: int,
+        local_world_size: int,
+        device: torch.device,
+        peer: int = 0,
+        emit: Callable[[str], None] = print,
+        accumulate: int = 1,
+        group: dist.ProcessGroup | None = None,
+        trackers: Trackers | None = None,
+        replicas: Callable[[], int] = lambda: 1,
+        same_tokens: Callable[[], int] = lambda: 1,
+        peak_flops: float | None = None,
+    ) -> None:
         self.config = config
         self.group = group
         self.trackers = trackers if trackers is not None and trackers.active else None
@@ -71,8 +84,9 @@ class Monitor:
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.device, self.peer, self.emit, self.accumulate = device, peer, emit, accumulate
         # every rank counts its batches when the job is tracked: rank 0 reports their mean over the ranks
-        self.recorder = Recorder(device, track_arrival=world_size > 1,
-                                 counting=trackers is not None and trackers.config is not None)
+        self.recorder = Recorder(
+            device, track_arrival=world_size > 1, counting=trackers is not None and trackers.config is not None
+        )
         self.warnings: list[Finding] = []
         """Warnings raised so far (the same list on every rank)."""
         self.last_window: list[RankStats] = []
@@ -112,9 +126,12 @@ class Monitor:
         stats = self._gather(self.recorder.window(self.rank, self.peer))
         self.last_window = stats
         loads = self._expert_window()
-        due = self._persistence.update([*find_all(stats, self.config, sync_point=self.sync_point_label,
-                                                  data_advice=self._data_advice()),
-                                        *find_routing_collapse(loads, self.config)])
+        due = self._persistence.update(
+            [
+                *find_all(stats, self.config, sync_point=self.sync_point_label, data_advice=self._data_advice()),
+                *find_routing_collapse(loads, self.config),
+            ]
+        )
         self.warnings.extend(due)
         if self.rank == 0:
             for finding in due:
@@ -125,8 +142,12 @@ class Monitor:
         if self._csv is not None:
             self._csv.write(step, stats)
         if self.trackers is not None:
-            figures = job_figures(stats, replicas=self.replicas(), flops_per_sample=self.config.flops_per_sample,
-                                  peak_flops=self.peak_flops)
+            figures = job_figures(
+                stats,
+                replicas=self.replicas(),
+                flops_per_sample=self.config.flops_per_sample,
+                peak_flops=self.peak_flops,
+            )
             per_rank = rank_figures(stats) if self.config.per_rank else {}
             self.trackers.log({**figures, **per_rank, **expert_figures(loads)}, step)
 
@@ -159,8 +180,10 @@ class Monitor:
         cores = max(cpu_count() // max(self.local_world_size, 1), 1)
         tips = []
         if loader.num_workers == 0:
-            tips.append(f"load in background processes with DataLoader(num_workers={max(min(cores - 1, 8), 1)}) "
-                        f"(now 0; {cores} core(s) per rank here)")
+            tips.append(
+                f"load in background processes with DataLoader(num_workers={max(min(cores - 1, 8), 1)}) "
+                f"(now 0; {cores} core(s) per rank here)"
+            )
         else:
             tips.append(f"raise num_workers (now {loader.num_workers}; {cores} core(s) per rank here)")
             if not loader.persistent_workers:
@@ -175,9 +198,15 @@ class Monitor:
         """The whole run per rank (a collective: call it on every rank, like ``close``)."""
         rows = self._gather(self.recorder.run(self.rank, self.peer))
         self._expert_window()
-        return RunSummary(rows=rows, warnings=list(self.warnings), sync_point=self.sync_point_label,
-                          memory="peak alloc" if self.recorder.cuda else "peak RSS", every=self.config.every,
-                          accumulate=self.accumulate, experts=list(self.expert_loads))
+        return RunSummary(
+            rows=rows,
+            warnings=list(self.warnings),
+            sync_point=self.sync_point_label,
+            memory="peak alloc" if self.recorder.cuda else "peak RSS",
+            every=self.config.every,
+            accumulate=self.accumulate,
+            experts=list(self.expert_loads),
+        )
 
     def close(self, print_fn: Callable[[str], Any] = print) -> RunSummary | None:
         """Print the summary table on rank 0 (unless ``summary=False``), close the logs, remove the hooks."""

@@ -14,6 +14,7 @@ The hot path is a few clock reads per step: one hook on the model (the parameter
 last, learned on the first step, or a forward pre-hook) and a wrapper around the prepared loaders' iterator, which
 in a tracked job also counts each batch's samples and tokens (for throughput and MFU).
 """
+
 from __future__ import annotations
 
 import resource
@@ -32,7 +33,7 @@ from .rules import RankStats
 SYNC_POINTS = {
     "grads": "the gradient sync (end of its backward)",
     "forward": "the first collective of its forward (parameter all-gather, buffer broadcast or tensor-parallel "
-               "all-reduce)",
+    "all-reduce)",
     "step": "the start of its step (pipeline stages also wait for each other inside the step)",
     "none": "the end of its step (one process: no sync)",
 }
@@ -240,8 +241,9 @@ class Recorder:
             handles.append(model.register_forward_pre_hook(self._on_forward, prepend=True))
         elif self.sync_point == "grads":
             params = [p for p in model.parameters() if p.requires_grad]
-            self._grad_handles = [p.register_post_accumulate_grad_hook(self._grad_hook(i))
-                                  for i, p in enumerate(params)]
+            self._grad_handles = [
+                p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)
+            ]
             handles.extend(self._grad_handles)
             self._learning = True
 
@@ -251,6 +253,7 @@ class Recorder:
                 self._last_grad = index
                 if not self._learning:
                     self._arrive = self._mark()
+
         return hook
 
     def _on_forward(self, _module: nn.Module, _args: Any) -> None:
@@ -280,8 +283,16 @@ class Recorder:
         now = perf_counter()
         mark = self._mark() if self.cuda else now
         if self._depart is not None:
-            self._pending.append((now - self._depart[0], self.data_s, self.samples, self.tokens, self._depart[1],
-                                  self._arrive if self._arrive is not None else mark))
+            self._pending.append(
+                (
+                    now - self._depart[0],
+                    self.data_s,
+                    self.samples,
+                    self.tokens,
+                    self._depart[1],
+                    self._arrive if self._arrive is not None else mark,
+                )
+            )
         if self._learning:
             self._learned()
         self._depart = (now, mark)
@@ -299,8 +310,13 @@ class Recorder:
         steps = len(self._pending)
         if steps:
             pending = self._pending
-            columns = ([p[0] * 1e3 for p in pending], [self._elapsed_ms(p[4], p[5]) for p in pending],
-                       [p[1] * 1e3 for p in pending], [p[2] for p in pending], [p[3] for p in pending])
+            columns = (
+                [p[0] * 1e3 for p in pending],
+                [self._elapsed_ms(p[4], p[5]) for p in pending],
+                [p[1] * 1e3 for p in pending],
+                [p[2] for p in pending],
+                [p[3] for p in pending],
+            )
             self._windows.append(tuple(float(statistics.median(c)) for c in columns))
         self._pending.clear()
         return self._stats(rank, peer, steps, self._windows[-1] if steps else (0.0,) * 5)
@@ -311,8 +327,9 @@ class Recorder:
             self.window(rank, peer)
         if not self._windows:
             return self._stats(rank, peer, self.steps, (0.0,) * 5)
-        return self._stats(rank, peer, self.steps, tuple(statistics.median(w[i] for w in self._windows)
-                                                          for i in range(5)))
+        return self._stats(
+            rank, peer, self.steps, tuple(statistics.median(w[i] for w in self._windows) for i in range(5))
+        )
 
     def _stats(self, rank: int, peer: int, steps: int, medians: tuple[float, ...]) -> RankStats:
         step, busy, data, samples, tokens = medians

@@ -4,6 +4,7 @@ They take the gathered :class:`RankStats` of every rank and return :class:`Findi
 turns findings into warnings once they hold for several windows in a row. No process group, no clock: the
 rules are tested on made-up numbers.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -88,8 +89,9 @@ def _peer_groups(stats: Sequence[RankStats]) -> list[list[RankStats]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def find_stragglers(stats: Sequence[RankStats], config: MonitorConfig,
-                    sync_point: str = "the sync point") -> list[Finding]:
+def find_stragglers(
+    stats: Sequence[RankStats], config: MonitorConfig, sync_point: str = "the sync point"
+) -> list[Finding]:
     """Ranks that reach the sync point persistently later than their peers.
 
     The gradient all-reduce makes every rank's wall step time equal, so ranks are compared on ``busy_ms``,
@@ -104,12 +106,20 @@ def find_stragglers(stats: Sequence[RankStats], config: MonitorConfig,
             if late <= 0 or late < config.straggler_threshold * ref or late < config.straggler_min_cost * s.step_ms:
                 continue
             ratio = s.busy_ms / ref if ref > 0 else float("inf")
-            found.append(Finding("straggler", s.rank, ratio, (
-                f"rank {s.rank} is a straggler: it reaches {sync_point} {late:.1f} ms after its peers "
-                f"({s.busy_ms:.1f} ms vs a median of {ref:.1f} ms, {ratio:.2f}x), so the others wait "
-                f"{late / s.step_ms:.0%} of every {s.step_ms:.1f} ms step for it; look for what differs on that "
-                "rank: other load on its host, its GPU's clocks and temperature (nvidia-smi -q -d PERFORMANCE), "
-                "its data shard")))
+            found.append(
+                Finding(
+                    "straggler",
+                    s.rank,
+                    ratio,
+                    (
+                        f"rank {s.rank} is a straggler: it reaches {sync_point} {late:.1f} ms after its peers "
+                        f"({s.busy_ms:.1f} ms vs a median of {ref:.1f} ms, {ratio:.2f}x), so the others wait "
+                        f"{late / s.step_ms:.0%} of every {s.step_ms:.1f} ms step for it; look for what differs on "
+                        "that rank: other load on its host, its GPU's clocks and temperature (nvidia-smi -q -d "
+                        "PERFORMANCE), its data shard"
+                    ),
+                )
+            )
     return found
 
 
@@ -119,12 +129,23 @@ def find_data_stalls(stats: Sequence[RankStats], config: MonitorConfig, advice: 
     if not slow:
         return []
     worst = max(slow, key=lambda s: s.data_share)
-    who = (f"rank {worst.rank} waits" if len(slow) == 1
-           else f"{len(slow)} of {len(stats)} ranks wait (worst: rank {worst.rank})")
-    return [Finding("data", worst.rank, worst.data_share, (
-        f"{who} for the next batch {worst.data_ms:.1f} ms of every {worst.step_ms:.1f} ms step "
-        f"({worst.data_share:.0%}): the DataLoader cannot keep up; "
-        + (advice or "load faster (more DataLoader workers, cheaper __getitem__)")))]
+    who = (
+        f"rank {worst.rank} waits"
+        if len(slow) == 1
+        else f"{len(slow)} of {len(stats)} ranks wait (worst: rank {worst.rank})"
+    )
+    return [
+        Finding(
+            "data",
+            worst.rank,
+            worst.data_share,
+            (
+                f"{who} for the next batch {worst.data_ms:.1f} ms of every {worst.step_ms:.1f} ms step "
+                f"({worst.data_share:.0%}): the DataLoader cannot keep up; "
+                + (advice or "load faster (more DataLoader workers, cheaper __getitem__)")
+            ),
+        )
+    ]
 
 
 def find_memory_imbalance(stats: Sequence[RankStats], config: MonitorConfig) -> list[Finding]:
@@ -136,21 +157,38 @@ def find_memory_imbalance(stats: Sequence[RankStats], config: MonitorConfig) -> 
         gap = hi.device_used - lo.device_used
         if hi.device_used <= 0 or gap < config.memory_threshold * hi.device_used or gap < config.memory_min_gib * GIB:
             continue
-        own = (f"; its own tensors peaked at {hi.peak_mem / GIB:.1f} GiB, the rest belongs to other processes or "
-               "CUDA contexts on that GPU" if 0 <= hi.peak_mem < hi.device_used - config.memory_min_gib * GIB else "")
-        found.append(Finding("memory", hi.rank, lo.device_used / hi.device_used, (
-            f"GPU memory is unbalanced: rank {hi.rank}'s GPU holds {hi.device_used / GIB:.1f} GiB, rank {lo.rank}'s "
-            f"{lo.device_used / GIB:.1f} GiB ({gap / hi.device_used:.0%} less){own}; usual causes: every rank "
-            "touching cuda:0 (call torch.cuda.set_device(local_rank) first, torch.load(..., map_location=par.device)), "
-            "rank-0-only work (evaluation, logging, full state dicts), uneven shards")))
+        own = (
+            f"; its own tensors peaked at {hi.peak_mem / GIB:.1f} GiB, the rest belongs to other processes or "
+            "CUDA contexts on that GPU"
+            if 0 <= hi.peak_mem < hi.device_used - config.memory_min_gib * GIB
+            else ""
+        )
+        found.append(
+            Finding(
+                "memory",
+                hi.rank,
+                lo.device_used / hi.device_used,
+                (
+                    f"GPU memory is unbalanced: rank {hi.rank}'s GPU holds {hi.device_used / GIB:.1f} GiB, rank "
+                    f"{lo.rank}'s {lo.device_used / GIB:.1f} GiB ({gap / hi.device_used:.0%} less){own}; usual "
+                    "causes: every rank touching cuda:0 (call torch.cuda.set_device(local_rank) first, "
+                    "torch.load(..., map_location=par.device)), rank-0-only work (evaluation, logging, full state "
+                    "dicts), uneven shards"
+                ),
+            )
+        )
     return found
 
 
-def find_all(stats: Sequence[RankStats], config: MonitorConfig, *, sync_point: str = "the sync point",
-             data_advice: str = "") -> list[Finding]:
+def find_all(
+    stats: Sequence[RankStats], config: MonitorConfig, *, sync_point: str = "the sync point", data_advice: str = ""
+) -> list[Finding]:
     """Every rule over one window."""
-    return [*find_stragglers(stats, config, sync_point), *find_data_stalls(stats, config, data_advice),
-            *find_memory_imbalance(stats, config)]
+    return [
+        *find_stragglers(stats, config, sync_point),
+        *find_data_stalls(stats, config, data_advice),
+        *find_memory_imbalance(stats, config),
+    ]
 
 
 class Persistence:

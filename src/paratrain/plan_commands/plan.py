@@ -1,4 +1,5 @@
 """``paratrain plan``: the model its config names, planned, printed as a table or JSON."""
+
 from __future__ import annotations
 
 import json

@@ -5,6 +5,7 @@ built-in plan, else one inferred from its blocks (``tp_plan="auto"``, each split
 It is printed as Python, ready to paste and edit as ``Parallel(..., tp_plan=tp_plan)``; an inferred plan's
 summary (why each split, what stays whole) in comments above it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,8 +30,10 @@ class TpPlanConfig:
 
     def __post_init__(self) -> None:
         if self.tp is None or self.tp < 2:
-            raise ConfigError(f"tp-plan needs --tp N (N >= 2): the plan depends on the degree"
-                              f"{'' if self.tp is None else f'; got --tp {self.tp}'}")
+            raise ConfigError(
+                f"tp-plan needs --tp N (N >= 2): the plan depends on the degree"
+                f"{'' if self.tp is None else f'; got --tp {self.tp}'}"
+            )
 
 
 def run_tp_plan(config: TpPlanConfig) -> int:
@@ -45,12 +48,16 @@ def tp_plan_lines(model: object, degree: int, infer: bool) -> list[str]:
     from ..distributed.tensor_parallel.infer import choose_plan
 
     if not isinstance(model, RunnableModel):
-        raise ConfigError("tp-plan builds the model: give --model NAME or module:factory, or --model-config, "
-                          "not --params")
+        raise ConfigError(
+            "tp-plan builds the model: give --model NAME or module:factory, or --model-config, not --params"
+        )
     built = model.factory()
     plan = choose_plan(built, "auto" if infer else None, degree)
-    head = (f"# {plan.summary[0].removeprefix('paratrain: ')}" if plan.summary else
-            f"# tp plan {plan.name!r} over tp={degree}" + (" (sequence parallel)" if plan.sequence_parallel else ""))
+    head = (
+        f"# {plan.summary[0].removeprefix('paratrain: ')}"
+        if plan.summary
+        else f"# tp plan {plan.name!r} over tp={degree}" + (" (sequence parallel)" if plan.sequence_parallel else "")
+    )
     notes = [f"#   {line.strip()}" for line in plan.summary[1:]]
     entries = [f"    {pattern!r}: {spec!r}," for pattern, spec in plan.printed().items()]
     return [head, *notes, "tp_plan = {", *entries, "}"]

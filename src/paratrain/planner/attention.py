@@ -8,6 +8,7 @@ the output and the log-sum-exp, as a GPU's flash kernel does. ``FlopCounterMode`
 ``ATTENTION_FLOPS`` counts them as the unfused path's matrix products (the s x s scores and their weighted sum,
 twice that in backward), as the closed forms do (``transformer.transformer_stats``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,14 +26,16 @@ def _forward_flops(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *
     return sdpa_flop_count(q, k, v)
 
 
-def _backward_flops(grad: tuple[int, ...], q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *args: object,
-                    **kwargs: object) -> int:
+def _backward_flops(
+    grad: tuple[int, ...], q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *args: object, **kwargs: object
+) -> int:
     return 2 * sdpa_flop_count(q, k, v)
 
 
-ATTENTION_FLOPS: dict[Any, Callable[..., int]] = {_FUSED: _forward_flops,
-                                                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-                                                   _backward_flops}
+ATTENTION_FLOPS: dict[Any, Callable[..., int]] = {
+    _FUSED: _forward_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _backward_flops,
+}
 """``FlopCounterMode``'s ``custom_mapping`` for the fused CPU kernel (which a real CPU run takes too)."""
 
 
@@ -50,9 +53,16 @@ class FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-           enable_gqa: bool = False) -> torch.Tensor | None:
+def _fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor | None:
     if q.device.type != "meta" or attn_mask is not None or dropout_p or q.dim() != 4:
         return None
     if k.shape[1] != q.shape[1]:

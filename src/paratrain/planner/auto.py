@@ -19,6 +19,7 @@ the experts). When the loader's activations, not the model states, are what does
 context parallelism is weighed before tp (``choose(..., cp=True)``: cp ranks each hold 1/cp of every sequence and
 join the shard group), least cp first.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -79,14 +80,24 @@ class AutoChoice:
 def parameter_stats(model: nn.Module) -> ModelStats:
     """Sizes only (no trace, no batch): enough to decide on model states."""
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    units = (tuple((name, sum(p.numel() for p in m.parameters())) for name, m in forward_pieces(model))
-             or (("model", params),))
-    largest = max(((n, sum(p.numel() for p in m.parameters(recurse=False))) for n, m in model.named_modules()),
-                  key=lambda x: x[1])
-    return ModelStats(name=type(model).__name__, params=params, units=units, largest_layer=largest,
-                      flops_per_sample=0.0, activation_bytes_per_sample=0.0, checkpointed_bytes_per_sample=0.0,
-                      boundary_bytes_per_sample=0.0, source="parameters only (strategy='auto')",
-                      tensors=trainable_sizes(model))
+    units = tuple((name, sum(p.numel() for p in m.parameters())) for name, m in forward_pieces(model)) or (
+        ("model", params),
+    )
+    largest = max(
+        ((n, sum(p.numel() for p in m.parameters(recurse=False))) for n, m in model.named_modules()), key=lambda x: x[1]
+    )
+    return ModelStats(
+        name=type(model).__name__,
+        params=params,
+        units=units,
+        largest_layer=largest,
+        flops_per_sample=0.0,
+        activation_bytes_per_sample=0.0,
+        checkpointed_bytes_per_sample=0.0,
+        boundary_bytes_per_sample=0.0,
+        source="parameters only (strategy='auto')",
+        tensors=trainable_sizes(model),
+    )
 
 
 def expert_shape(model: nn.Module, units: tuple[tuple[str, int], ...], cfg: GPTConfig) -> MoEShape | None:
@@ -96,11 +107,21 @@ def expert_shape(model: nn.Module, units: tuple[tuple[str, int], ...], cfg: GPTC
     if cfg.moe is None:
         return None
     pieces = dict(forward_pieces(model))
-    routed = tuple(sum(p.numel() for n, p in pieces[name].named_parameters() if "experts" in n.split(".")[:-1])
-                   if name in pieces else 0 for name, _ in units)
-    return MoEShape(experts=cfg.moe.experts, top_k=cfg.moe.top_k, hidden=cfg.hidden, seq_len=cfg.seq_len,
-                    layers=sum(1 for i in range(cfg.layers) if moe_block(cfg, i)), unit_experts=routed,
-                    active=transformer_params(cfg)["active"])
+    routed = tuple(
+        sum(p.numel() for n, p in pieces[name].named_parameters() if "experts" in n.split(".")[:-1])
+        if name in pieces
+        else 0
+        for name, _ in units
+    )
+    return MoEShape(
+        experts=cfg.moe.experts,
+        top_k=cfg.moe.top_k,
+        hidden=cfg.hidden,
+        seq_len=cfg.seq_len,
+        layers=sum(1 for i in range(cfg.layers) if moe_block(cfg, i)),
+        unit_experts=routed,
+        active=transformer_params(cfg)["active"],
+    )
 
 
 def closed_form_shape(model: nn.Module) -> GPTConfig | None:
@@ -129,14 +150,20 @@ def with_activations(stats: ModelStats, cfg: GPTConfig, seq_len: int | None) -> 
     if seq_len is not None and 1 <= seq_len and (seq_len < cfg.seq_len or not cfg.learned_positions):
         cfg = replace(cfg, seq_len=seq_len)
     closed = transformer_stats(cfg, name=stats.name)
-    return replace(stats, flops_per_sample=closed.flops_per_sample,
-                   attention_flops_per_sample=closed.attention_flops_per_sample,
-                   activation_bytes_per_sample=closed.activation_bytes_per_sample,
-                   checkpointed_bytes_per_sample=closed.checkpointed_bytes_per_sample,
-                   boundary_bytes_per_sample=closed.boundary_bytes_per_sample, mixed=closed.mixed,
-                   matmul_params=closed.matmul_params, output_bytes_per_sample=closed.output_bytes_per_sample,
-                   largest_activation_bytes_per_sample=closed.largest_activation_bytes_per_sample, cp=closed.cp,
-                   source=f"{closed.source}, at the loader's batch")
+    return replace(
+        stats,
+        flops_per_sample=closed.flops_per_sample,
+        attention_flops_per_sample=closed.attention_flops_per_sample,
+        activation_bytes_per_sample=closed.activation_bytes_per_sample,
+        checkpointed_bytes_per_sample=closed.checkpointed_bytes_per_sample,
+        boundary_bytes_per_sample=closed.boundary_bytes_per_sample,
+        mixed=closed.mixed,
+        matmul_params=closed.matmul_params,
+        output_bytes_per_sample=closed.output_bytes_per_sample,
+        largest_activation_bytes_per_sample=closed.largest_activation_bytes_per_sample,
+        cp=closed.cp,
+        source=f"{closed.source}, at the loader's batch",
+    )
 
 
 def local_cluster(device: torch.device, world_size: int, local_world_size: int) -> Cluster:
@@ -149,8 +176,11 @@ def local_cluster(device: torch.device, world_size: int, local_world_size: int) 
 
 
 def _training(precision: str, optimizer: PlannedOptimizer, batch: int = 1) -> Training:
-    return Training(precision=precision if precision in ("fp32", "bf16-mixed", "fp16-mixed") else "fp32",
-                    optimizer=optimizer.key, micro_batch=batch)
+    return Training(
+        precision=precision if precision in ("fp32", "bf16-mixed", "fp16-mixed") else "fp32",
+        optimizer=optimizer.key,
+        micro_batch=batch,
+    )
 
 
 def _layout(name: str, n: int) -> Layout:
@@ -158,9 +188,17 @@ def _layout(name: str, n: int) -> Layout:
     return Layout.of(name=name, dp=n, zero=zero, shard=n if zero else 1)
 
 
-def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | None = None, ep: bool = False,
-           cp: bool = False, optimizer: torch.optim.Optimizer | None = None,
-           batch: tuple[int, int | None] | None = None) -> AutoChoice:
+def choose(
+    model: nn.Module,
+    cluster: Cluster,
+    precision: str,
+    *,
+    tp: TPShape | None = None,
+    ep: bool = False,
+    cp: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+    batch: tuple[int, int | None] | None = None,
+) -> AutoChoice:
     """The first of ddp, zero1, zero2, zero3 whose model states (and, given the batch, activations) fit one
     rank's memory.
 
@@ -196,9 +234,12 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
     n = cluster.world_size
     opt = planned(optimizer)
     training = _training(precision, opt, samples)
-    what = (f"model states {opt.states}, activations of the loader's {samples} samples, buffers, runtime"
-            if planned_activations else f"model states {opt.states}; buffers, runtime"
-            + ("" if batch is None else "; activations not planned: the model's shape is not known in closed form"))
+    what = (
+        f"model states {opt.states}, activations of the loader's {samples} samples, buffers, runtime"
+        if planned_activations
+        else f"model states {opt.states}; buffers, runtime"
+        + ("" if batch is None else "; activations not planned: the model's shape is not known in closed form")
+    )
     tried = []
     least: tuple[float, str, float] = (float("inf"), "", 0.0)
     for name, _ in CANDIDATES:
@@ -206,8 +247,10 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
         tried.append(f"{name} {e.memory.total / GIB:.2f}")
         least = min(least, (e.memory.total, name, e.capacity))
         if e.fits:
-            why = (f"{stats.params / 1e6:.1f}M parameters need {e.memory.total / GIB:.2f} GiB per rank under {name} "
-                   f"({what}), of {e.capacity / GIB:.1f} GiB")
+            why = (
+                f"{stats.params / 1e6:.1f}M parameters need {e.memory.total / GIB:.2f} GiB per rank under {name} "
+                f"({what}), of {e.capacity / GIB:.1f} GiB"
+            )
             if name != "ddp":
                 why += f" (ddp would need {tried[0].split()[1]} GiB)"
             return AutoChoice(strategy=name, reason=why)
@@ -224,57 +267,90 @@ def choose(model: nn.Module, cluster: Cluster, precision: str, *, tp: TPShape | 
         tried.append(f"zero3 tp={t} {e.memory.total / GIB:.2f}")
         least = min(least, (e.memory.total, f"zero3 with tp={t}", e.capacity))
         if e.fits:
-            return AutoChoice(strategy="zero3", tp=t, reason=(
-                f"zero3 alone needs {tried[3].split()[1]} GiB per rank; tp={t} splits the units it gathers: "
-                f"{e.memory.total / GIB:.2f} GiB of {e.capacity / GIB:.2f}"))
-    return AutoChoice(strategy="zero3", fits=False, reason=f"nothing fits by the planner ({', '.join(tried)} GiB per "
-                                                           "rank); zero3 shards the most — see `paratrain plan`",
-                      needed=least[0], least=least[1], capacity=least[2], planned=what,
-                      activations=planned_activations)
+            return AutoChoice(
+                strategy="zero3",
+                tp=t,
+                reason=(
+                    f"zero3 alone needs {tried[3].split()[1]} GiB per rank; tp={t} splits the units it gathers: "
+                    f"{e.memory.total / GIB:.2f} GiB of {e.capacity / GIB:.2f}"
+                ),
+            )
+    return AutoChoice(
+        strategy="zero3",
+        fits=False,
+        reason=f"nothing fits by the planner ({', '.join(tried)} GiB per "
+        "rank); zero3 shards the most — see `paratrain plan`",
+        needed=least[0],
+        least=least[1],
+        capacity=least[2],
+        planned=what,
+        activations=planned_activations,
+    )
 
 
-def _with_ep(stats: ModelStats, cluster: Cluster, training: Training, tried: list[str],
-             least: tuple[float, str, float]) -> tuple[AutoChoice | None, tuple[float, str, float]]:
+def _with_ep(
+    stats: ModelStats, cluster: Cluster, training: Training, tried: list[str], least: tuple[float, str, float]
+) -> tuple[AutoChoice | None, tuple[float, str, float]]:
     """``choose``'s expert-parallel candidates, least ep first and, for each, the least sharding: the first that
     fits, or None; ``tried`` and ``least`` (bytes, layout, capacity) carried on."""
     n = cluster.world_size
     for e in (d for d in ep_degrees(stats, cluster) if n % d == 0):
         for name, zero in (c for c in CANDIDATES if c[0] in EP_STRATEGIES):
-            est = estimate(stats, Layout.of(name=name, dp=n, zero=zero, shard=n if zero else 1, ep=e), training,
-                           cluster)
+            est = estimate(
+                stats, Layout.of(name=name, dp=n, zero=zero, shard=n if zero else 1, ep=e), training, cluster
+            )
             tried.append(f"{name} ep={e} {est.memory.total / GIB:.2f}")
             least = min(least, (est.memory.total, f"{name} with ep={e}", est.capacity))
             if est.fits:
-                return AutoChoice(strategy=name, ep=e, reason=(
-                    f"zero3 alone needs {tried[3].split()[1]} GiB per rank; ep={e} gives each rank 1/{e} of the "
-                    f"experts: {name} needs {est.memory.total / GIB:.2f} GiB of {est.capacity / GIB:.2f}")), least
+                return AutoChoice(
+                    strategy=name,
+                    ep=e,
+                    reason=(
+                        f"zero3 alone needs {tried[3].split()[1]} GiB per rank; ep={e} gives each rank 1/{e} of the "
+                        f"experts: {name} needs {est.memory.total / GIB:.2f} GiB of {est.capacity / GIB:.2f}"
+                    ),
+                ), least
     return None, least
 
 
 def _states_fit(stats: ModelStats, cluster: Cluster, training: Training) -> bool:
     """Whether zero3's model states (and buffers, runtime) fit without any activation: then the activations are
     what does not fit."""
-    bare = replace(stats, activation_bytes_per_sample=0.0, checkpointed_bytes_per_sample=0.0, mixed={},
-                   output_bytes_per_sample=0.0, largest_activation_bytes_per_sample=0.0, matmul_params=0)
+    bare = replace(
+        stats,
+        activation_bytes_per_sample=0.0,
+        checkpointed_bytes_per_sample=0.0,
+        mixed={},
+        output_bytes_per_sample=0.0,
+        largest_activation_bytes_per_sample=0.0,
+        matmul_params=0,
+    )
     return estimate(bare, _layout("zero3", cluster.world_size), training, cluster).fits
 
 
-def _with_cp(stats: ModelStats, cluster: Cluster, training: Training, tried: list[str],
-             least: tuple[float, str, float]) -> tuple[AutoChoice | None, tuple[float, str, float]]:
+def _with_cp(
+    stats: ModelStats, cluster: Cluster, training: Training, tried: list[str], least: tuple[float, str, float]
+) -> tuple[AutoChoice | None, tuple[float, str, float]]:
     """``choose``'s context-parallel candidates, least cp first and, for each, the least sharding (over dp x cp):
     the first that fits, or None; ``tried`` and ``least`` (bytes, layout, capacity) carried on."""
     n = cluster.world_size
     for c in (c for t, c in cp_pairs(stats, cluster, ()) if t == 1):
         for name, zero in (candidate for candidate in CANDIDATES if takes(candidate[0]).cp):
-            est = estimate(stats, Layout.of(name=name, dp=n // c, zero=zero, shard=n // c if zero else 1, cp=c),
-                           training, cluster)
+            est = estimate(
+                stats, Layout.of(name=name, dp=n // c, zero=zero, shard=n // c if zero else 1, cp=c), training, cluster
+            )
             tried.append(f"{name} cp={c} {est.memory.total / GIB:.2f}")
             least = min(least, (est.memory.total, f"{name} with cp={c}", est.capacity))
             if est.fits:
-                return AutoChoice(strategy=name, cp=c, reason=(
-                    f"the model states fit but the loader's activations do not: zero3 alone needs "
-                    f"{tried[3].split()[1]} GiB per rank; cp={c} gives each rank 1/{c} of every sequence: {name} "
-                    f"needs {est.memory.total / GIB:.2f} GiB of {est.capacity / GIB:.2f}")), least
+                return AutoChoice(
+                    strategy=name,
+                    cp=c,
+                    reason=(
+                        f"the model states fit but the loader's activations do not: zero3 alone needs "
+                        f"{tried[3].split()[1]} GiB per rank; cp={c} gives each rank 1/{c} of every sequence: {name} "
+                        f"needs {est.memory.total / GIB:.2f} GiB of {est.capacity / GIB:.2f}"
+                    ),
+                ), least
     return None, least
 
 
@@ -286,12 +362,18 @@ def settle(choice: AutoChoice, precision: str) -> AutoChoice:
         return choice
     need, have = choice.needed / GIB, choice.capacity / GIB
     if choice.needed <= (1 + MEMORY_MARGIN) * choice.capacity:
-        return replace(choice, reason=(
-            f"nothing fits by the planner, but the least ({choice.least}, {need:.2f} GiB per rank of {have:.2f}) is "
-            f"within its {MEMORY_MARGIN:.0%} memory error, so zero3 (it shards the most) is tried and may run out of "
-            f"memory; {_fixes(choice, precision)} would make room"))
-    raise ConfigError(f"strategy 'auto': nothing fits: the least memory needed is {need:.2f} GiB per rank "
-                      f"({choice.least}; {choice.planned}), {have:.2f} GiB available; use {_fixes(choice, precision)}")
+        return replace(
+            choice,
+            reason=(
+                f"nothing fits by the planner, but the least ({choice.least}, {need:.2f} GiB per rank of {have:.2f}) "
+                f"is within its {MEMORY_MARGIN:.0%} memory error, so zero3 (it shards the most) is tried and may run "
+                f"out of memory; {_fixes(choice, precision)} would make room"
+            ),
+        )
+    raise ConfigError(
+        f"strategy 'auto': nothing fits: the least memory needed is {need:.2f} GiB per rank "
+        f"({choice.least}; {choice.planned}), {have:.2f} GiB available; use {_fixes(choice, precision)}"
+    )
 
 
 def _fixes(choice: AutoChoice, precision: str) -> str:
@@ -303,8 +385,9 @@ def _fixes(choice: AutoChoice, precision: str) -> str:
     return ", ".join(fixes[:-1]) + " or " + fixes[-1] if len(fixes) > 1 else fixes[0]
 
 
-def processes_vs_threads(model: nn.Module, cluster: Cluster, precision: str, strategy: str,
-                         optimizer: torch.optim.Optimizer | None = None) -> str:
+def processes_vs_threads(
+    model: nn.Module, cluster: Cluster, precision: str, strategy: str, optimizer: torch.optim.Optimizer | None = None
+) -> str:
     """On a CPU host: what ``cluster.ranks_per_node`` processes add to a step over one process using every core
     as threads, by the planner's time model (the optimizer as in ``choose``; compute, which they split evenly,
     left out)."""
@@ -315,10 +398,12 @@ def processes_vs_threads(model: nn.Module, cluster: Cluster, precision: str, str
     many = estimate(stats, _layout(strategy, cluster.world_size), training, cluster).time
     n, cores = cluster.ranks_per_node, cluster.device.cores or cluster.ranks_per_node
     shared = f"{n} processes on {cores} cores" + (" time-share them" if n > cores else " split them")
-    return (f"{shared}, so together they compute no faster than one process with {cores} threads, and by the "
-            f"planner each step takes {1e3 * (many.step_s - one.step_s):.1f} ms longer: "
-            f"{1e3 * many.exposed_comm_s:.1f} ms of {strategy}'s gradient traffic over gloo, and every process runs "
-            f"its optimizer step and streams all the weights at its share of the cores ({opt.step}: "
-            f"{1e3 * many.optimizer_s:.1f} ms instead of {1e3 * one.optimizer_s:.1f}). More processes will be slower "
-            f"here than threads: use them to test parallel code (`paratrain plan --gpu cpu --measure` estimates "
-            f"whole steps)")
+    return (
+        f"{shared}, so together they compute no faster than one process with {cores} threads, and by the "
+        f"planner each step takes {1e3 * (many.step_s - one.step_s):.1f} ms longer: "
+        f"{1e3 * many.exposed_comm_s:.1f} ms of {strategy}'s gradient traffic over gloo, and every process runs "
+        f"its optimizer step and streams all the weights at its share of the cores ({opt.step}: "
+        f"{1e3 * many.optimizer_s:.1f} ms instead of {1e3 * one.optimizer_s:.1f}). More processes will be slower "
+        f"here than threads: use them to test parallel code (`paratrain plan --gpu cpu --measure` estimates "
+        f"whole steps)"
+    )

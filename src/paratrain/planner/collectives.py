@@ -7,6 +7,7 @@ what each rank sends), plus the link latency once per ring step; e is the link's
 collective against the all-reduce. Step time (``timing``), tensor parallelism's activation traffic
 (``tensor_parallel``) and expert parallelism's (``expert_parallel``) price their collectives here.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -26,16 +27,18 @@ def all_gather_s(nbytes: float, ranks: int, link: Link) -> float:
     """Ring all-gather of a tensor of ``nbytes`` in total (each rank starts with nbytes/N)."""
     if ranks <= 1:
         return 0.0
-    return ((ranks - 1) * link.latency_us * 1e-6
-            + (ranks - 1) / ranks * nbytes / (link.bytes_per_s * link.all_gather_eff))
+    return (ranks - 1) * link.latency_us * 1e-6 + (ranks - 1) / ranks * nbytes / (
+        link.bytes_per_s * link.all_gather_eff
+    )
 
 
 def reduce_scatter_s(nbytes: float, ranks: int, link: Link) -> float:
     """Ring reduce-scatter of a tensor of ``nbytes`` in total: the all-gather's bytes in the other direction."""
     if ranks <= 1:
         return 0.0
-    return ((ranks - 1) * link.latency_us * 1e-6
-            + (ranks - 1) / ranks * nbytes / (link.bytes_per_s * link.reduce_scatter_eff))
+    return (ranks - 1) * link.latency_us * 1e-6 + (ranks - 1) / ranks * nbytes / (
+        link.bytes_per_s * link.reduce_scatter_eff
+    )
 
 
 def broadcast_s(nbytes: float, ranks: int, link: Link) -> float:
@@ -89,14 +92,19 @@ def measured_link(link: Link, ranks: int, timings: Mapping[str, tuple[float, ...
         moved = 2 * (ranks - 1) / ranks * size
         out = replace(out, bandwidth_gbs=moved / max(seconds - 2 * (ranks - 1) * alpha, 1e-9) / GB)
     unit = out.bytes_per_s
-    for name, factor in (("all_gather", (ranks - 1) / ranks), ("reduce_scatter", (ranks - 1) / ranks),
-                         ("broadcast", 1.0)):
+    for name, factor in (
+        ("all_gather", (ranks - 1) / ranks),
+        ("reduce_scatter", (ranks - 1) / ranks),
+        ("broadcast", 1.0),
+    ):
         if name in timings:
             size, seconds = timings[name]
             out = replace(out, **{f"{name}_eff": factor * size / unit / max(seconds - (ranks - 1) * alpha, 1e-9)})
-    per_call = [(timings[f"{name}_split"][1] - timings[name][1]) / (timings[f"{name}_split"][2] - 1)
-                for name in ("all_gather", "reduce_scatter")
-                if name in timings and f"{name}_split" in timings and timings[f"{name}_split"][2] > 1]
+    per_call = [
+        (timings[f"{name}_split"][1] - timings[name][1]) / (timings[f"{name}_split"][2] - 1)
+        for name in ("all_gather", "reduce_scatter")
+        if name in timings and f"{name}_split" in timings and timings[f"{name}_split"][2] > 1
+    ]
     if per_call:
         out = replace(out, call_us=max(0.0, sum(per_call) / len(per_call)) * 1e6)
     return replace(out, name=f"{link.name} (measured)")

@@ -1,6 +1,7 @@
 """What ``paratrain plan`` plans for, in one validated object: the model named, the cluster, the training setup, the
 layouts searched and the figures that calibrate the plan. Its fields are the command's flags (:mod:`paratrain.flags`):
 a flag added to ``plan`` is a field added here."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -55,8 +56,16 @@ class ModelSpec:
     @property
     def shape(self) -> dict[str, int | bool]:
         """The transformer shape the flags give (the names ``GPTConfig`` takes), the ones not given left out."""
-        given = dict(layers=self.layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len, vocab=self.vocab,
-                     ffn=self.ffn_hidden, kv_heads=self.kv_heads, tied=self.tied)
+        given = dict(
+            layers=self.layers,
+            hidden=self.hidden,
+            heads=self.heads,
+            seq_len=self.seq_len,
+            vocab=self.vocab,
+            ffn=self.ffn_hidden,
+            kv_heads=self.kv_heads,
+            tied=self.tied,
+        )
         return {k: v for k, v in given.items() if v is not None}
 
 
@@ -145,15 +154,29 @@ class PlanConfig:
     """Print the plan as JSON."""
 
     def __post_init__(self) -> None:
-        at_least(self, {"gpus": 1, "nodes": 1, "threads": 1, "tp": 1, "ep": 1, "cp": 1, "dp": 1, "pp": 1,
-                        "ps_servers": 0})
-        positive(self, ("gpu_mem_gb", "tflops", "mfu", "mem_bw_gbs", "intra_bw_gbs", "inter_bw_gbs", "step_time",
-                        "optimizer_time"))
+        at_least(
+            self, {"gpus": 1, "nodes": 1, "threads": 1, "tp": 1, "ep": 1, "cp": 1, "dp": 1, "pp": 1, "ps_servers": 0}
+        )
+        positive(
+            self,
+            (
+                "gpu_mem_gb",
+                "tflops",
+                "mfu",
+                "mem_bw_gbs",
+                "intra_bw_gbs",
+                "inter_bw_gbs",
+                "step_time",
+                "optimizer_time",
+            ),
+        )
         if self.mfu is not None and self.mfu > 1:
             raise ConfigError(f"--mfu is a fraction of peak, at most 1, got {self.mfu:g}")
         if self.training.checkpointing and self.training.recompute not in (None, "full"):
-            raise ConfigError(f"--checkpointing is --recompute full; give one of --checkpointing or --recompute "
-                              f"{self.training.recompute}")
+            raise ConfigError(
+                f"--checkpointing is --recompute full; give one of --checkpointing or --recompute "
+                f"{self.training.recompute}"
+            )
         if self.optimizer_time is not None and self.step_time is None:
             raise ConfigError("--optimizer-time calibrates together with --step-time (the forward+backward alone)")
         _ = self.exact  # the layout flags read now, not when planning
@@ -164,8 +187,9 @@ class PlanConfig:
     @property
     def exact(self) -> ParallelDims | None:
         """The degrees ``--layout`` (or ``--dp``/``--pp`` with ``--tp``, ``--ep``, ``--cp``) pin, or None: search."""
-        return exact_layout(self.layout, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp,
-                            world=self.gpus * self.nodes)
+        return exact_layout(
+            self.layout, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp, world=self.gpus * self.nodes
+        )
 
     @property
     def exact_strategy(self) -> str | None:
@@ -174,7 +198,16 @@ class PlanConfig:
 
     def cluster(self) -> Cluster:
         """The cluster the hardware flags describe."""
-        return make_cluster(self.gpu, gpus=self.gpus, nodes=self.nodes, interconnect=self.interconnect,
-                            inter_node=self.inter_node, gpu_mem_gb=self.gpu_mem_gb, tflops=self.tflops, mfu=self.mfu,
-                            mem_bw_gbs=self.mem_bw_gbs, intra_bw_gbs=self.intra_bw_gbs,
-                            inter_bw_gbs=self.inter_bw_gbs)
+        return make_cluster(
+            self.gpu,
+            gpus=self.gpus,
+            nodes=self.nodes,
+            interconnect=self.interconnect,
+            inter_node=self.inter_node,
+            gpu_mem_gb=self.gpu_mem_gb,
+            tflops=self.tflops,
+            mfu=self.mfu,
+            mem_bw_gbs=self.mem_bw_gbs,
+            intra_bw_gbs=self.intra_bw_gbs,
+            inter_bw_gbs=self.inter_bw_gbs,
+        )

@@ -15,6 +15,7 @@ Per micro-batch of b samples of s tokens, a rank of tp t sends in the queries' a
 b·s/C·a·d/t elements of the compute dtype each, in the keys' and values' b·s/C·kv·d/t each, (C−1)/C of them off
 the rank; none hidden.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -28,8 +29,7 @@ IDS_BYTES_PER_TOKEN = 16.0
 """A sample's token ids and targets (int64 each), kept whole by every rank of a cp group."""
 
 
-def rank_activations(stats: ModelStats, figures: tuple[float, float, float],
-                     cp: int) -> tuple[float, float, float]:
+def rank_activations(stats: ModelStats, figures: tuple[float, float, float], cp: int) -> tuple[float, float, float]:
     """Per-sample (activations, checkpointed, boundary) bytes on one of ``cp`` ranks from one rank's ``figures``
     without cp: 1/cp of them, plus the token ids and targets every rank keeps whole (never more than ``figures``
     hold); the boundary, a block's output, is all sequence-split."""
@@ -37,8 +37,11 @@ def rank_activations(stats: ModelStats, figures: tuple[float, float, float],
         return figures
     ids = IDS_BYTES_PER_TOKEN * _shape(stats).seq_len
     acts, checkpointed, boundary = figures
-    return (min(acts, ids) + (acts - min(acts, ids)) / cp,
-            min(checkpointed, ids) + (checkpointed - min(checkpointed, ids)) / cp, boundary / cp)
+    return (
+        min(acts, ids) + (acts - min(acts, ids)) / cp,
+        min(checkpointed, ids) + (checkpointed - min(checkpointed, ids)) / cp,
+        boundary / cp,
+    )
 
 
 def all_to_all_bytes(stats: ModelStats, mode: str, micro_batch: float, tp: int, cp: int) -> tuple[float, float]:
@@ -57,8 +60,9 @@ def buffer_bytes(stats: ModelStats, mode: str, micro_batch: float, tp: int, cp: 
     return 2 * (q + 2 * kv)
 
 
-def cp_comm_s(stats: ModelStats, mode: str, micro_batch: float, tp: int, cp: int, link: Link,
-              checkpointing: bool) -> float:
+def cp_comm_s(
+    stats: ModelStats, mode: str, micro_batch: float, tp: int, cp: int, link: Link, checkpointing: bool
+) -> float:
     """Seconds of one micro-batch's all-to-alls over ``link``: per layer the queries', keys', values' and output's
     in forward, their gradients' in backward, and a recomputed forward's again."""
     if cp == 1:
@@ -69,25 +73,36 @@ def cp_comm_s(stats: ModelStats, mode: str, micro_batch: float, tp: int, cp: int
     return passes * _shape(stats).layers * layer
 
 
-def cp_pairs(stats: ModelStats, cluster: Cluster, tp_degrees: tuple[int, ...],
-             cp: int | None = None) -> tuple[tuple[int, int], ...]:
+def cp_pairs(
+    stats: ModelStats, cluster: Cluster, tp_degrees: tuple[int, ...], cp: int | None = None
+) -> tuple[tuple[int, int], ...]:
     """(tp, cp) pairs to plan: for tp 1 and each of ``tp_degrees``, ``cp`` when given (1: none), else every power of
     two >= 2 that the model's heads take with that tp and whose tp x cp ranks divide a node (the all-to-alls stay on
     the node's link, as tp's collectives do). A model without a cp shape (a traced one) gets none."""
-    if not degree_to_plan("cp", cp, stats.cp, f"needs a transformer's shape: {stats.name!r} is not a built-in GPT, a "
-                          "config.json or --params"):
+    if not degree_to_plan(
+        "cp",
+        cp,
+        stats.cp,
+        f"needs a transformer's shape: {stats.name!r} is not a built-in GPT, a config.json or --params",
+    ):
         return ()
     shape, per_node = stats.cp, cluster.ranks_per_node
     if cp is not None:
-        why = shape.why_not(cp) or (f"cp={cp} does not divide the {cluster.world_size} ranks"
-                                    if cluster.world_size % cp else None)
+        why = shape.why_not(cp) or (
+            f"cp={cp} does not divide the {cluster.world_size} ranks" if cluster.world_size % cp else None
+        )
         if why is not None:
             fits = [d for d in range(1, per_node + 1) if shape.why_not(d) is None and cluster.world_size % d == 0]
             raise ConfigError(f"--cp {cp}: {why}; use one of {', '.join(map(str, fits))}")
-        return tuple((t, cp) for t in (1, *tp_degrees) if shape.why_not(cp, t) is None
-                     and cluster.world_size % (t * cp) == 0)
-    return tuple((t, c) for t in (1, *tp_degrees) for c in cluster.node_degrees(partial(shape.why_not, tp=t))
-                 if per_node % (t * c) == 0)
+        return tuple(
+            (t, cp) for t in (1, *tp_degrees) if shape.why_not(cp, t) is None and cluster.world_size % (t * cp) == 0
+        )
+    return tuple(
+        (t, c)
+        for t in (1, *tp_degrees)
+        for c in cluster.node_degrees(partial(shape.why_not, tp=t))
+        if per_node % (t * c) == 0
+    )
 
 
 def link_of(cluster: Cluster, tp: int, cp: int) -> Link:

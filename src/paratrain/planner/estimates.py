@@ -1,6 +1,7 @@
 """Every strategy estimated for a model on a cluster: each layout's memory per rank and step time, its throughput and
 speedup over one rank, and the layouts a plan weighs. ``recommend`` chooses among them; ``explain`` says why.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -64,8 +65,9 @@ class Estimate:
         return max(0.0, self.memory.total - self.capacity)
 
 
-def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster,
-             baseline_samples_per_s: float | None = None) -> Estimate:
+def estimate(
+    stats: ModelStats, layout: Layout, training: Training, cluster: Cluster, baseline_samples_per_s: float | None = None
+) -> Estimate:
     """Memory and time of one layout; ``baseline_samples_per_s`` is the single rank's, for the speedup.
 
     Parameter servers read no data: their workers take the share of the global batch as many data-parallel ranks
@@ -83,14 +85,30 @@ def estimate(stats: ModelStats, layout: Layout, training: Training, cluster: Clu
     sps = training.global_for(world) / t.step_s
     base = baseline_samples_per_s or sps
     devices = cluster.nodes if cluster.device.shared_by_ranks else layout.world_size
-    return Estimate(layout=layout, batch=batch, memory=mem, time=t, checkpointing=training.checkpointing,
-                    capacity=cluster.memory_bytes(cluster.ranks_per_node if layout.world_size > 1 else 1),
-                    samples_per_s=sps, speedup=sps / base, efficiency=sps / base / devices, serving=served)
+    return Estimate(
+        layout=layout,
+        batch=batch,
+        memory=mem,
+        time=t,
+        checkpointing=training.checkpointing,
+        capacity=cluster.memory_bytes(cluster.ranks_per_node if layout.world_size > 1 else 1),
+        samples_per_s=sps,
+        speedup=sps / base,
+        efficiency=sps / base / devices,
+        serving=served,
+    )
 
 
-def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: int | None = None,
-                 exact: ParallelDims | None = None, ps_servers: int = 0, ep: int | None = None,
-                 cp: int | None = None) -> list[Estimate]:
+def estimate_all(
+    stats: ModelStats,
+    cluster: Cluster,
+    training: Training,
+    tp: int | None = None,
+    exact: ParallelDims | None = None,
+    ps_servers: int = 0,
+    ep: int | None = None,
+    cp: int | None = None,
+) -> list[Estimate]:
     """One estimate per strategy at ``training``'s micro-batch; the first is the single-rank baseline.
 
     Where a strategy comes in several degree splits (hybrid's dp x pp, model_parallel's GPUs per process, the
@@ -109,8 +127,9 @@ def estimate_all(stats: ModelStats, cluster: Cluster, training: Training, tp: in
     return estimate_layouts(stats, cluster, training, found[0], splits)
 
 
-def estimate_layouts(stats: ModelStats, cluster: Cluster, training: Training, single_layout: Layout,
-               found: list[Layout]) -> list[Estimate]:
+def estimate_layouts(
+    stats: ModelStats, cluster: Cluster, training: Training, single_layout: Layout, found: list[Layout]
+) -> list[Estimate]:
     """``estimate_all``'s estimates of layouts already enumerated and checked against the global batch; the single
     rank's trains the same global batch (``Estimate.speedup``)."""
     single = estimate(stats, single_layout, training, cluster)
@@ -122,9 +141,17 @@ def estimate_layouts(stats: ModelStats, cluster: Cluster, training: Training, si
     return [single, *best.values()]
 
 
-def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None,
-                      exact: ParallelDims | None = None, virtual_stages: int = 1, ps_servers: int = 0,
-                      ep: int | None = None, cp: int | None = None, strategy: str | None = None) -> list[Layout]:
+def candidate_layouts(
+    stats: ModelStats,
+    cluster: Cluster,
+    tp: int | None = None,
+    exact: ParallelDims | None = None,
+    virtual_stages: int = 1,
+    ps_servers: int = 0,
+    ep: int | None = None,
+    cp: int | None = None,
+    strategy: str | None = None,
+) -> list[Layout]:
     """The layouts a plan weighs, ``single`` first: every one the cluster can run (with ``ps_servers`` > 0 also
     ``ps``; a mixture of experts also with ``ep``; a transformer also with ``cp``), or ``exact``'s (only
     ``strategy``'s when named); with
@@ -132,17 +159,20 @@ def candidate_layouts(stats: ModelStats, cluster: Cluster, tp: int | None = None
     units = len(stats.units)
     if exact is None:
         tps = tp_degrees(stats, cluster, tp)
-        found = layouts(cluster, units, tps, ps_servers, ep_degrees(stats, cluster, ep),
-                        cp_pairs(stats, cluster, tps, cp))
+        found = layouts(
+            cluster, units, tps, ps_servers, ep_degrees(stats, cluster, ep), cp_pairs(stats, cluster, tps, cp)
+        )
     else:
         tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
         ep_degrees(stats, cluster, exact.ep)  # and when it has no experts, or they do not divide
         cp_pairs(stats, cluster, (exact.tp,), exact.cp)  # and when its heads do not take cp
         found = exact_layouts(cluster, units, exact, strategy)
         if exact.pp * virtual_stages > units:
-            raise ConfigError(f"--schedule interleaved-1f1b with {virtual_stages} stages per rank cuts the model into "
-                              f"{exact.pp * virtual_stages} stages but it has only {units} units to cut; use "
-                              f"--virtual-stages {max(2, units // exact.pp)} or fewer, or fewer pipeline stages")
+            raise ConfigError(
+                f"--schedule interleaved-1f1b with {virtual_stages} stages per rank cuts the model into "
+                f"{exact.pp * virtual_stages} stages but it has only {units} units to cut; use "
+                f"--virtual-stages {max(2, units // exact.pp)} or fewer, or fewer pipeline stages"
+            )
     return [lay for lay in found if lay.pp * virtual_stages <= units or lay.pp == 1]
 
 
@@ -157,12 +187,14 @@ def _rank(e: Estimate) -> tuple[bool, float]:
     return e.fits, e.samples_per_s if e.fits else -e.memory.total
 
 
-def largest_micro_batch(stats: ModelStats, layout: Layout, training: Training, cluster: Cluster,
-                        share: float = 1.0) -> int:
+def largest_micro_batch(
+    stats: ModelStats, layout: Layout, training: Training, cluster: Cluster, share: float = 1.0
+) -> int:
     """The largest per-GPU micro-batch <= the requested one whose plan uses at most ``share`` of memory (0: none).
 
     Memory grows with the micro-batch (activations), so a binary search finds it.
     """
+
     def ok(b: int) -> bool:
         e = estimate(stats, layout, replace(training, micro_batch=b), cluster)
         return e.memory.total <= share * e.capacity

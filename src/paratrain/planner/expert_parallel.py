@@ -20,6 +20,7 @@ Per micro-batch of b samples of s tokens, a rank sends in each all-to-all b·s·
 (E−1)/E of them off the rank: 4 all-to-alls an MoE block (6 with recomputation), none hidden; a pipeline stage
 those of its own blocks.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,8 +81,9 @@ def dispatch_bytes(stats: ModelStats, mode: str, micro_batch: float) -> float:
     return micro_batch * m.seq_len * m.top_k * m.hidden * ELEMENT_BYTES[mode][1]
 
 
-def ep_comm_s(stats: ModelStats, mode: str, micro_batch: float, ep: int, link: Link, checkpointing: bool,
-              stages: int = 1) -> float:
+def ep_comm_s(
+    stats: ModelStats, mode: str, micro_batch: float, ep: int, link: Link, checkpointing: bool, stages: int = 1
+) -> float:
     """Seconds of one micro-batch's all-to-alls on one rank: per MoE block the dispatch and the combine in forward,
     their gradients in backward, and a recomputed forward's two more; a pipeline stage's 1/``stages`` of the
     blocks."""
@@ -104,8 +106,13 @@ def moe_flops(stats: ModelStats) -> float:
 def ep_degrees(stats: ModelStats, cluster: Cluster, ep: int | None = None) -> tuple[int, ...]:
     """Expert-parallel degrees to plan: ``ep`` when given (1: none), else every power of two >= 2 that divides a
     node's ranks and the experts (the all-to-alls stay on the node's link). A dense model gets none."""
-    if not degree_to_plan("ep", ep, stats.moe, f"splits a mixture of experts' experts: {stats.name!r} has none (plan "
-                          "a preset such as mixtral-8x7b, or an MoE config.json)"):
+    if not degree_to_plan(
+        "ep",
+        ep,
+        stats.moe,
+        f"splits a mixture of experts' experts: {stats.name!r} has none (plan "
+        "a preset such as mixtral-8x7b, or an MoE config.json)",
+    ):
         return ()
     if ep is not None:
         why = stats.moe.why_not(ep)

@@ -8,6 +8,7 @@ bandwidth from them, as ``--step-time`` with ``--optimizer-time`` does. The mode
 come from the closed forms or the meta-device trace (checked against ``max_memory_allocated``,
 benchmarks/GPU-LOG.md); the peak measured here is reported beside the plan's.
 """
+
 from __future__ import annotations
 
 import re
@@ -51,12 +52,22 @@ def check_same_gpu(device: Device, gpu_name: str) -> None:
     H100's rate would be silently wrong."""
     family = re.sub(r"-\d+gb$", "", device.name).replace("-", "")
     if family not in re.sub(r"[^a-z0-9]", "", gpu_name.lower()):
-        raise ConfigError(f"--measure ran on this machine's {gpu_name}, but the plan is for --gpu {device.name}; "
-                          f"plan for this GPU (--gpu {family}) or drop --measure")
+        raise ConfigError(
+            f"--measure ran on this machine's {gpu_name}, but the plan is for --gpu {device.name}; "
+            f"plan for this GPU (--gpu {family}) or drop --measure"
+        )
 
 
-def time_gpu_step(factory: Callable[[], nn.Module], example: InputSpec | TrainingCall, *, batch: int,
-                  precision: str, optimizer: str, steps: int = 5, warmup: int = 3) -> GpuStep:
+def time_gpu_step(
+    factory: Callable[[], nn.Module],
+    example: InputSpec | TrainingCall,
+    *,
+    batch: int,
+    precision: str,
+    optimizer: str,
+    steps: int = 5,
+    warmup: int = 3,
+) -> GpuStep:
     """Build ``factory()`` on the current CUDA device and time ``steps`` training steps of ``batch`` samples, each
     called as training calls the model (``example``: its input, or ``TrainingCall``).
 
@@ -98,5 +109,10 @@ def time_gpu_step(factory: Callable[[], nn.Module], example: InputSpec | Trainin
     peak = torch.cuda.max_memory_allocated(device) - before
     del model, opt, x, targets, loss
     torch.cuda.empty_cache()
-    return GpuStep(gpu=torch.cuda.get_device_name(device), batch=batch, forward_backward_s=statistics.median(fb),
-                   optimizer_s=statistics.median(op), peak_bytes=peak)
+    return GpuStep(
+        gpu=torch.cuda.get_device_name(device),
+        batch=batch,
+        forward_backward_s=statistics.median(fb),
+        optimizer_s=statistics.median(op),
+        peak_bytes=peak,
+    )

@@ -7,6 +7,7 @@ direction, as collectives use it. Every figure can be overridden (``make_cluster
 ``--gpu-mem-gb``, ``--tflops``, ``--mfu``, ``--mem-bw-gbs``, ``--intra-bw-gbs``, ``--inter-bw-gbs``), and a
 link's per-collective figures can be set from a measurement (``measured_link``).
 """
+
 from __future__ import annotations
 
 import os
@@ -189,8 +190,11 @@ class Link:
 
 def _pcie(gen: int, lanes: int) -> Link:
     # ~0.985 GB/s per lane per direction at gen3 (8 GT/s, 128b/130b), doubling each generation.
-    return Link(name=f"pcie{gen}" + ("" if lanes == 16 else f"-x{lanes}"),
-                bandwidth_gbs=round(0.985 * 2 ** (gen - 3) * lanes, 1), latency_us=5.0)
+    return Link(
+        name=f"pcie{gen}" + ("" if lanes == 16 else f"-x{lanes}"),
+        bandwidth_gbs=round(0.985 * 2 ** (gen - 3) * lanes, 1),
+        latency_us=5.0,
+    )
 
 
 def _ethernet(gbit: int, roce: bool) -> Link:
@@ -207,26 +211,66 @@ kernel reads and writes its activation-sized operands, forward and backward). Wi
 fraction of peak falls with the model's width as measured: elementwise traffic grows with h per token, matmul FLOPs
 with h² (GPT-2 on an H100 reaches 0.13-0.3, a 70B model 0.5-0.6: benchmarks/RESULTS.md §19 and §24)."""
 
-DEVICES = MappingProxyType({d.name: d for d in (
-    Device(name="a100-40gb", memory_gib=40, bf16_tflops=312, fp32_tflops=19.5, memory_gbs=1555,
-           intra_link="nvlink3", mfu=MATMUL_EFFICIENCY, activation_passes=ACTIVATION_PASSES,
-           inter_link="ib-hdr"),
-    Device(name="a100-80gb", memory_gib=80, bf16_tflops=312, fp32_tflops=19.5, memory_gbs=2039,
-           intra_link="nvlink3", mfu=MATMUL_EFFICIENCY, activation_passes=ACTIVATION_PASSES,
-           inter_link="ib-hdr"),
-    Device(name="h100-80gb", memory_gib=79.6, bf16_tflops=989, fp32_tflops=67, memory_gbs=3350,
-           intra_link="nvlink4", mfu=MATMUL_EFFICIENCY, activation_passes=ACTIVATION_PASSES,
-           inter_link="ib-ndr"),
-    Device(name="h200-141gb", memory_gib=140.4, bf16_tflops=989, fp32_tflops=67, memory_gbs=4800,
-           intra_link="nvlink4", mfu=MATMUL_EFFICIENCY, activation_passes=ACTIVATION_PASSES,
-           inter_link="ib-ndr"),
-    Device(name="l4", memory_gib=22.5, bf16_tflops=121, fp32_tflops=30.3, memory_gbs=300, overhead_gib=0.6),
-    Device(name="rtx-4090", memory_gib=24, bf16_tflops=165, fp32_tflops=82.6, memory_gbs=1008, overhead_gib=0.6),
-)})
+DEVICES = MappingProxyType(
+    {
+        d.name: d
+        for d in (
+            Device(
+                name="a100-40gb",
+                memory_gib=40,
+                bf16_tflops=312,
+                fp32_tflops=19.5,
+                memory_gbs=1555,
+                intra_link="nvlink3",
+                mfu=MATMUL_EFFICIENCY,
+                activation_passes=ACTIVATION_PASSES,
+                inter_link="ib-hdr",
+            ),
+            Device(
+                name="a100-80gb",
+                memory_gib=80,
+                bf16_tflops=312,
+                fp32_tflops=19.5,
+                memory_gbs=2039,
+                intra_link="nvlink3",
+                mfu=MATMUL_EFFICIENCY,
+                activation_passes=ACTIVATION_PASSES,
+                inter_link="ib-hdr",
+            ),
+            Device(
+                name="h100-80gb",
+                memory_gib=79.6,
+                bf16_tflops=989,
+                fp32_tflops=67,
+                memory_gbs=3350,
+                intra_link="nvlink4",
+                mfu=MATMUL_EFFICIENCY,
+                activation_passes=ACTIVATION_PASSES,
+                inter_link="ib-ndr",
+            ),
+            Device(
+                name="h200-141gb",
+                memory_gib=140.4,
+                bf16_tflops=989,
+                fp32_tflops=67,
+                memory_gbs=4800,
+                intra_link="nvlink4",
+                mfu=MATMUL_EFFICIENCY,
+                activation_passes=ACTIVATION_PASSES,
+                inter_link="ib-ndr",
+            ),
+            Device(name="l4", memory_gib=22.5, bf16_tflops=121, fp32_tflops=30.3, memory_gbs=300, overhead_gib=0.6),
+            Device(
+                name="rtx-4090", memory_gib=24, bf16_tflops=165, fp32_tflops=82.6, memory_gbs=1008, overhead_gib=0.6
+            ),
+        )
+    }
+)
 """GPUs (SXM versions where there is a choice). Memory as ``nvidia-smi`` reports it; bandwidth the vendor's."""
 
-DEVICE_ALIASES = MappingProxyType({"a100": "a100-80gb", "h100": "h100-80gb", "h200": "h200-141gb",
-                                   "4090": "rtx-4090", "rtx4090": "rtx-4090"})
+DEVICE_ALIASES = MappingProxyType(
+    {"a100": "a100-80gb", "h100": "h100-80gb", "h200": "h200-141gb", "4090": "rtx-4090", "rtx4090": "rtx-4090"}
+)
 
 CPU_GFLOPS_PER_CORE = 128.0
 """Peak fp32 GFLOP/s of one x86 core with two 256-bit FMA units (32 FLOP/cycle) at a 4 GHz boost clock. An MLP's
@@ -244,24 +288,37 @@ GLOO_ALL_GATHER_EFF, GLOO_REDUCE_SCATTER_EFF, GLOO_BROADCAST_EFF = 0.4, 0.3, 2.0
 broadcast 6.1 ms (``benchmarks/planner_accuracy.py``'s link calibration and its probe; the larger times under
 load). gloo broadcasts from the root to each peer in turn, so its broadcast efficiency falls as 1/(N-1)."""
 
-LINKS = MappingProxyType({link.name: link for link in (
-    # NVLink: A100 600 GB/s and H100 900 GB/s in total, both directions: half each way.
-    Link(name="nvlink3", bandwidth_gbs=300, latency_us=3.0),
-    Link(name="nvlink4", bandwidth_gbs=450, latency_us=3.0),
-    *(_pcie(gen, lanes) for gen in (3, 4, 5) for lanes in (16, 8, 4)),
-    # InfiniBand, one port per node: HDR 200 Gb/s, NDR 400 Gb/s. Nodes with one NIC per GPU: --inter-bw-gbs.
-    Link(name="ib-hdr", bandwidth_gbs=25, latency_us=2.0),
-    Link(name="ib-ndr", bandwidth_gbs=50, latency_us=2.0),
-    # Eight ports per node, one per GPU (DGX A100 / H100 and the like: NVIDIA's "rail-optimised" nodes).
-    Link(name="ib-hdr-x8", bandwidth_gbs=200, latency_us=2.0),
-    Link(name="ib-ndr-x8", bandwidth_gbs=400, latency_us=2.0),
-    *(_ethernet(g, roce=False) for g in (10, 25, 100, 200, 400)),
-    *(_ethernet(g, roce=True) for g in (10, 25, 100, 200, 400)),
-    # gloo between processes of one host: all-reduce 1.0-1.5 GB/s, point-to-point 3-4 GB/s (FIELD-NOTES);
-    # all-gather, reduce-scatter and broadcast of 15.8 MB at world 2 against the all-reduce (docs/planner-model.md).
-    Link(name="loopback-gloo", bandwidth_gbs=1.2, latency_us=100.0, p2p_gbs=3.5, all_gather_eff=GLOO_ALL_GATHER_EFF,
-         reduce_scatter_eff=GLOO_REDUCE_SCATTER_EFF, broadcast_eff=GLOO_BROADCAST_EFF),
-)})
+LINKS = MappingProxyType(
+    {
+        link.name: link
+        for link in (
+            # NVLink: A100 600 GB/s and H100 900 GB/s in total, both directions: half each way.
+            Link(name="nvlink3", bandwidth_gbs=300, latency_us=3.0),
+            Link(name="nvlink4", bandwidth_gbs=450, latency_us=3.0),
+            *(_pcie(gen, lanes) for gen in (3, 4, 5) for lanes in (16, 8, 4)),
+            # InfiniBand, one port per node: HDR 200 Gb/s, NDR 400 Gb/s. Nodes with one NIC per GPU: --inter-bw-gbs.
+            Link(name="ib-hdr", bandwidth_gbs=25, latency_us=2.0),
+            Link(name="ib-ndr", bandwidth_gbs=50, latency_us=2.0),
+            # Eight ports per node, one per GPU (DGX A100 / H100 and the like: NVIDIA's "rail-optimised" nodes).
+            Link(name="ib-hdr-x8", bandwidth_gbs=200, latency_us=2.0),
+            Link(name="ib-ndr-x8", bandwidth_gbs=400, latency_us=2.0),
+            *(_ethernet(g, roce=False) for g in (10, 25, 100, 200, 400)),
+            *(_ethernet(g, roce=True) for g in (10, 25, 100, 200, 400)),
+            # gloo between processes of one host: all-reduce 1.0-1.5 GB/s, point-to-point 3-4 GB/s (FIELD-NOTES);
+            # all-gather, reduce-scatter and broadcast of 15.8 MB at world 2 against the all-reduce
+            # (docs/planner-model.md).
+            Link(
+                name="loopback-gloo",
+                bandwidth_gbs=1.2,
+                latency_us=100.0,
+                p2p_gbs=3.5,
+                all_gather_eff=GLOO_ALL_GATHER_EFF,
+                reduce_scatter_eff=GLOO_REDUCE_SCATTER_EFF,
+                broadcast_eff=GLOO_BROADCAST_EFF,
+            ),
+        )
+    }
+)
 """Links by name. PCIe names without a lane count are x16 (``pcie4``); others name it (``pcie4-x8``)."""
 
 
@@ -272,9 +329,21 @@ def cpu_host(*, cores: int | None = None, memory_gib: float | None = None) -> De
     if memory_gib is None:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     tflops = cores * CPU_GFLOPS_PER_CORE / 1000
-    return Device(name="cpu", memory_gib=memory_gib, bf16_tflops=tflops, fp32_tflops=tflops, mfu=0.6,
-                  memory_gbs=cores * CPU_MEMORY_GBS_PER_CORE, weight_passes=CPU_WEIGHT_PASSES, overhead_gib=0.25,
-                  intra_link="loopback-gloo", inter_link="eth-10g", overlap=0.0, shared_by_ranks=True, cores=cores)
+    return Device(
+        name="cpu",
+        memory_gib=memory_gib,
+        bf16_tflops=tflops,
+        fp32_tflops=tflops,
+        mfu=0.6,
+        memory_gbs=cores * CPU_MEMORY_GBS_PER_CORE,
+        weight_passes=CPU_WEIGHT_PASSES,
+        overhead_gib=0.25,
+        intra_link="loopback-gloo",
+        inter_link="eth-10g",
+        overlap=0.0,
+        shared_by_ranks=True,
+        cores=cores,
+    )
 
 
 def device_names() -> list[str]:
@@ -288,8 +357,10 @@ def get_device(name: str) -> Device:
     if key == "cpu":
         return cpu_host()
     if key not in DEVICES:
-        raise ConfigError(f"unknown GPU {name!r}; choose one of: {', '.join(device_names())} "
-                          "(or take the closest and override --gpu-mem-gb/--tflops)")
+        raise ConfigError(
+            f"unknown GPU {name!r}; choose one of: {', '.join(device_names())} "
+            "(or take the closest and override --gpu-mem-gb/--tflops)"
+        )
     return DEVICES[key]
 
 
@@ -368,8 +439,12 @@ class Cluster:
         if sharers == 1:
             return self.inter
         p2p = self.inter.p2p_gbs / sharers if self.inter.p2p_gbs else None
-        return replace(self.inter, name=f"{self.inter.name} / {sharers}",
-                       bandwidth_gbs=self.inter.bandwidth_gbs / sharers, p2p_gbs=p2p)
+        return replace(
+            self.inter,
+            name=f"{self.inter.name} / {sharers}",
+            bandwidth_gbs=self.inter.bandwidth_gbs / sharers,
+            p2p_gbs=p2p,
+        )
 
 
 def degree_to_plan(flag: str, value: int | None, shape: object | None, missing: str) -> bool:
@@ -386,10 +461,20 @@ def degree_to_plan(flag: str, value: int | None, shape: object | None, missing: 
     return shape is not None
 
 
-def make_cluster(gpu: str = "h100", *, gpus: int = 1, nodes: int = 1, interconnect: str | None = None,
-                 inter_node: str | None = None, gpu_mem_gb: float | None = None, tflops: float | None = None,
-                 mfu: float | None = None, mem_bw_gbs: float | None = None, intra_bw_gbs: float | None = None,
-                 inter_bw_gbs: float | None = None) -> Cluster:
+def make_cluster(
+    gpu: str = "h100",
+    *,
+    gpus: int = 1,
+    nodes: int = 1,
+    interconnect: str | None = None,
+    inter_node: str | None = None,
+    gpu_mem_gb: float | None = None,
+    tflops: float | None = None,
+    mfu: float | None = None,
+    mem_bw_gbs: float | None = None,
+    intra_bw_gbs: float | None = None,
+    inter_bw_gbs: float | None = None,
+) -> Cluster:
     """A cluster from catalogue names and optional overrides (``tflops`` replaces both peaks)."""
     device = get_device(gpu)
     changes: dict[str, float] = {}
@@ -411,10 +496,19 @@ def make_cluster(gpu: str = "h100", *, gpus: int = 1, nodes: int = 1, interconne
     return Cluster(device=device, ranks_per_node=gpus, nodes=nodes, intra=intra, inter=inter)
 
 
-def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, precision: str,
-               streamed_bytes: float = 0.0, optimizer_bytes: float = 0.0, optimizer_s: float | None = None,
-               threads: int | None = None, micro_step: tuple[float, float] | None = None,
-               host_step: tuple[float, float] | None = None) -> Cluster:
+def calibrated(
+    cluster: Cluster,
+    *,
+    flops_per_step: float,
+    step_time_s: float,
+    precision: str,
+    streamed_bytes: float = 0.0,
+    optimizer_bytes: float = 0.0,
+    optimizer_s: float | None = None,
+    threads: int | None = None,
+    micro_step: tuple[float, float] | None = None,
+    host_step: tuple[float, float] | None = None,
+) -> Cluster:
     """The cluster with its device's MFU (and memory bandwidth) set from one rank's measured step.
 
     The step is modelled as the time model does (docs/planner-model.md): ``flops_per_step`` at the sustained rate plus
@@ -440,12 +534,14 @@ def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, p
     d = cluster.device
     scale = d.cores / threads if d.shared_by_ranks and d.cores and threads else 1.0
     if (micro_step is not None or host_step is not None) and optimizer_s is None:
-        raise ConfigError("a smaller or an all-cores forward+backward calibrates together with the optimizer step "
-                          "timed apart")
+        raise ConfigError(
+            "a smaller or an all-cores forward+backward calibrates together with the optimizer step timed apart"
+        )
     if optimizer_s is not None:
         if optimizer_s <= 0 or optimizer_bytes <= 0:
-            raise ConfigError(f"a measured optimizer step needs its time and bytes > 0, got {optimizer_s} s, "
-                              f"{optimizer_bytes} bytes")
+            raise ConfigError(
+                f"a measured optimizer step needs its time and bytes > 0, got {optimizer_s} s, {optimizer_bytes} bytes"
+            )
         bandwidth = optimizer_bytes / optimizer_s
         fixed_s = streamed_bytes / bandwidth
     else:
@@ -454,20 +550,26 @@ def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, p
     if micro_step is not None:
         micro_flops, micro_s = micro_step
         if not 0 < micro_flops < flops_per_step or not 0 < micro_s < step_time_s or streamed_bytes <= 0:
-            raise ConfigError(f"a smaller forward+backward ({micro_flops:.3g} FLOPs in {micro_s} s) calibrates "
-                              f"against the step ({flops_per_step:.3g} FLOPs in {step_time_s} s): it needs fewer "
-                              "FLOPs and less time")
+            raise ConfigError(
+                f"a smaller forward+backward ({micro_flops:.3g} FLOPs in {micro_s} s) calibrates "
+                f"against the step ({flops_per_step:.3g} FLOPs in {step_time_s} s): it needs fewer "
+                "FLOPs and less time"
+            )
         fitted_s = step_time_s - flops_per_step * (step_time_s - micro_s) / (flops_per_step - micro_flops)
         if fitted_s <= 0:
-            raise ConfigError(f"forward+backward {micro_s} s at {micro_flops:.3g} FLOPs and {step_time_s} s at "
-                              f"{flops_per_step:.3g} leave no batch-independent time; time both again")
+            raise ConfigError(
+                f"forward+backward {micro_s} s at {micro_flops:.3g} FLOPs and {step_time_s} s at "
+                f"{flops_per_step:.3g} leave no batch-independent time; time both again"
+            )
         d = replace(d, weight_passes=d.weight_passes * fitted_s / fixed_s)
         streamed_bytes *= fitted_s / fixed_s
         fixed_s = fitted_s
     compute_s = step_time_s - fixed_s
     if compute_s <= 0:
-        raise ConfigError(f"a {step_time_s} s step is no longer than streaming the weights and optimizer state at "
-                          f"{bandwidth / GB:.3g} GB/s; check --step-time or raise --mem-bw-gbs")
+        raise ConfigError(
+            f"a {step_time_s} s step is no longer than streaming the weights and optimizer state at "
+            f"{bandwidth / GB:.3g} GB/s; check --step-time or raise --mem-bw-gbs"
+        )
     rate, host_bandwidth = flops_per_step / compute_s * scale, bandwidth * scale
     if host_step is not None and d.shared_by_ranks:
         host_fb, host_opt = host_step
@@ -476,14 +578,18 @@ def calibrated(cluster: Cluster, *, flops_per_step: float, step_time_s: float, p
         host_bandwidth = optimizer_bytes / host_opt
         host_compute_s = host_fb - streamed_bytes / host_bandwidth
         if host_compute_s <= 0:
-            raise ConfigError(f"an all-cores forward+backward of {host_fb} s is no longer than streaming the weights "
-                              f"at {host_bandwidth / GB:.3g} GB/s; time it again")
+            raise ConfigError(
+                f"an all-cores forward+backward of {host_fb} s is no longer than streaming the weights "
+                f"at {host_bandwidth / GB:.3g} GB/s; time it again"
+            )
         d = replace(d, core_speedup=compute_s / host_compute_s)
         rate = flops_per_step / host_compute_s
     if optimizer_s is not None:
         d = replace(d, memory_gbs=host_bandwidth / GB)
     peak = d.peak_tflops(precision) * 1e12
     if rate > peak:
-        raise ConfigError(f"a {step_time_s} s step means {rate / 1e12:.1f} TFLOP/s, above "
-                          f"{d.name}'s peak {peak / 1e12:g}; check --step-time or raise --tflops")
+        raise ConfigError(
+            f"a {step_time_s} s step means {rate / 1e12:.1f} TFLOP/s, above "
+            f"{d.name}'s peak {peak / 1e12:g}; check --step-time or raise --tflops"
+        )
     return replace(cluster, device=replace(d, mfu=rate / peak, activation_passes=0.0))

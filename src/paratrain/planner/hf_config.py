@@ -6,6 +6,7 @@ mixtures of experts mixtral, qwen2_moe, qwen3_moe; gpt2: LayerNorm, GELU, biases
 from the file take the defaults of transformers' config class for that model type (``LlamaConfig``,
 ``Qwen3MoeConfig``, ``GPT2Config``, ...), as ``AutoConfig`` would.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,13 +37,17 @@ def config_from_dict(raw: dict[str, Any], path: str | Path) -> GPTConfig:
     errors."""
     kind = raw.get("model_type")
     if kind not in SUPPORTED:
-        raise ConfigError(f"--model-config {path}: model_type {kind!r} is not planned in closed form (supported: "
-                          f"{', '.join(SUPPORTED)}); plan it with --model module:factory")
+        raise ConfigError(
+            f"--model-config {path}: model_type {kind!r} is not planned in closed form (supported: "
+            f"{', '.join(SUPPORTED)}); plan it with --model module:factory"
+        )
     try:
         return _gpt2(raw) if kind == "gpt2" else _rotary(raw, kind, path)
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"--model-config {path}: {kind} config without a usable {e}; "
-                          "give the config.json a checkpoint was saved with") from None
+        raise ConfigError(
+            f"--model-config {path}: {kind} config without a usable {e}; "
+            "give the config.json a checkpoint was saved with"
+        ) from None
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -50,11 +55,13 @@ def _load(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(file.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"--model-config {path}: no such file; give a config.json or the directory holding "
-                          "one") from None
+        raise ConfigError(
+            f"--model-config {path}: no such file; give a config.json or the directory holding one"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--model-config {path}: not a transformers config.json ({type(e).__name__}); "
-                          f"{_GIVE}") from None
+        raise ConfigError(
+            f"--model-config {path}: not a transformers config.json ({type(e).__name__}); {_GIVE}"
+        ) from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ConfigError(f"--model-config {path}: not a transformers config.json (no model_type); {_GIVE}")
     return raw
@@ -66,20 +73,35 @@ def _rotary(raw: dict[str, Any], kind: str, path: str | Path) -> GPTConfig:
     ``tie_word_embeddings`` says otherwise (their config classes default it to False)."""
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise ConfigError(f"--model-config {path}: attention_bias/mlp_bias are not planned in closed form; "
-                          "plan it with --model module:factory")
+        raise ConfigError(
+            f"--model-config {path}: attention_bias/mlp_bias are not planned in closed form; "
+            "plan it with --model module:factory"
+        )
     if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"--model-config {path}: hidden_act {raw['hidden_act']!r}: the closed forms plan a "
-                          "SwiGLU MLP (silu) for this family")
+        raise ConfigError(
+            f"--model-config {path}: hidden_act {raw['hidden_act']!r}: the closed forms plan a "
+            "SwiGLU MLP (silu) for this family"
+        )
     scaling = raw.get("rope_scaling") or {}
     context = scaling.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 2048)
     layers, head_dim = int(raw["num_hidden_layers"]), raw.get("head_dim")
-    return GPTConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=int(raw.get("num_key_value_heads") or heads),
-                     head_dim=None if head_dim is None or int(head_dim) * heads == hidden else int(head_dim),
-                     qk_norm=kind.startswith("qwen3"), seq_len=int(context), vocab=int(raw["vocab_size"]),
-                     ffn=int(raw["intermediate_size"]), gated=True, bias=False, learned_positions=False,
-                     tied=bool(raw.get("tie_word_embeddings", False)), qkv_bias=kind.startswith("qwen2"),
-                     moe=_moe(raw, kind, layers))
+    return GPTConfig(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=None if head_dim is None or int(head_dim) * heads == hidden else int(head_dim),
+        qk_norm=kind.startswith("qwen3"),
+        seq_len=int(context),
+        vocab=int(raw["vocab_size"]),
+        ffn=int(raw["intermediate_size"]),
+        gated=True,
+        bias=False,
+        learned_positions=False,
+        tied=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=kind.startswith("qwen2"),
+        moe=_moe(raw, kind, layers),
+    )
 
 
 def _moe(raw: dict[str, Any], kind: str, layers: int) -> MoE | None:
@@ -95,13 +117,25 @@ def _moe(raw: dict[str, Any], kind: str, layers: int) -> MoE | None:
     shared = int(raw.get("shared_expert_intermediate_size", shared) or 0) if kind == "qwen2_moe" else 0
     step, only = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or ())
     dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
-    return MoE(experts=experts, top_k=int(raw.get("num_experts_per_tok") or top_k), ffn=width, shared=shared,
-               shared_gate=bool(shared), dense_layers=dense)
+    return MoE(
+        experts=experts,
+        top_k=int(raw.get("num_experts_per_tok") or top_k),
+        ffn=width,
+        shared=shared,
+        shared_gate=bool(shared),
+        dense_layers=dense,
+    )
 
 
 def _gpt2(raw: dict[str, Any]) -> GPTConfig:
     """GPT-2's keys and ``GPT2Config``'s defaults (the 124M model)."""
     hidden = int(raw.get("n_embd", 768))
-    return GPTConfig(layers=int(raw.get("n_layer", 12)), hidden=hidden, heads=int(raw.get("n_head", 12)),
-                     seq_len=int(raw.get("n_positions", 1024)), vocab=int(raw.get("vocab_size", 50257)),
-                     ffn=int(raw.get("n_inner") or 4 * hidden), tied=bool(raw.get("tie_word_embeddings", True)))
+    return GPTConfig(
+        layers=int(raw.get("n_layer", 12)),
+        hidden=hidden,
+        heads=int(raw.get("n_head", 12)),
+        seq_len=int(raw.get("n_positions", 1024)),
+        vocab=int(raw.get("vocab_size", 50257)),
+        ffn=int(raw.get("n_inner") or 4 * hidden),
+        tied=bool(raw.get("tie_word_embeddings", True)),
+    )

@@ -10,6 +10,7 @@ the loss the model returns; otherwise on its input alone, with the planner's own
 output is not per token (its sequence shorter than the input's), the figures miss what training computes, and
 :meth:`Forward.warning` says so.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -52,8 +53,9 @@ class InputSpec:
         try:
             shape = tuple(int(d) for d in dims.lower().split("x")) if dims else ()
         except ValueError:
-            raise ConfigError(f"bad input shape {text!r}; write one sample's shape like 3x224x224 "
-                              "or long:1024") from None
+            raise ConfigError(
+                f"bad input shape {text!r}; write one sample's shape like 3x224x224 or long:1024"
+            ) from None
         return cls(shape=shape, dtype=dtype)
 
     @property
@@ -89,10 +91,12 @@ class Forward:
         given, got = x.shape[1], self.output.shape[1]
         if got >= given:
             return None
-        return (f"{name}'s traced output has {got} position{'s' if got > 1 else ''} a sample for {given} input tokens: "
-                "not per token (an inference path?), so its FLOPs and memory are short of training's; let its forward "
-                f"take targets (a parameter named {' or '.join(TARGET_NAMES[:2])}; --targets gives their shape), or "
-                "plan a factory whose forward returns every position")
+        return (
+            f"{name}'s traced output has {got} position{'s' if got > 1 else ''} a sample for {given} input tokens: "
+            "not per token (an inference path?), so its FLOPs and memory are short of training's; let its forward "
+            f"take targets (a parameter named {' or '.join(TARGET_NAMES[:2])}; --targets gives their shape), or "
+            "plan a factory whose forward returns every position"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,15 +136,18 @@ class TrainingCall:
             return InputSpec(shape=self.input.shape, dtype=torch.long, high=self.input.high)
         return InputSpec(shape=(), dtype=torch.long)
 
-    def inputs(self, model: nn.Module, batch: int,
-               device: str | torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def inputs(
+        self, model: nn.Module, batch: int, device: str | torch.device
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The input of ``batch`` samples made on ``device``, and the targets ``model``'s forward takes, by name."""
         x = self.input.make(batch, device)
         name = None if self.plain else target_parameter(model)
         if name is None:
             if self.targets is not None:
-                raise ConfigError(f"--targets: {type(model).__name__}.forward takes no targets (no parameter named "
-                                  f"{', '.join(TARGET_NAMES)}); drop --targets")
+                raise ConfigError(
+                    f"--targets: {type(model).__name__}.forward takes no targets (no parameter named "
+                    f"{', '.join(TARGET_NAMES)}); drop --targets"
+                )
             return x, {}
         return x, {name: self.target_spec().make(batch, device)}
 

@@ -8,6 +8,7 @@ Ranks are placed as paratrain's strategies build their meshes: tensor-parallel r
 process's GPUs innermost (consecutive local GPUs), then pipeline stages (``hybrid``'s mesh is ``(dp, pp)``, with
 tp ``(dp, pp, tp)``), then data parallelism; ``hsdp`` shards within a node and replicates across nodes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,20 @@ class Layout:
     embedding tables, and compute nothing."""
 
     @classmethod
-    def of(cls, name: str, *, dp: int = 1, zero: int = 0, shard: int = 1, pp: int = 1, mp: int = 1, tp: int = 1,
-           ep: int = 1, cp: int = 1, servers: int = 0) -> Layout:
+    def of(
+        cls,
+        name: str,
+        *,
+        dp: int = 1,
+        zero: int = 0,
+        shard: int = 1,
+        pp: int = 1,
+        mp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        cp: int = 1,
+        servers: int = 0,
+    ) -> Layout:
         """A layout in the planner's spelling: ``dp`` data-parallel replicas (workers, beside ``servers``) of which
         ``shard`` ranks share one copy at ZeRO stage ``zero``; ``pp`` pipeline stages, ``mp`` model-parallel stages
         of one process, ``tp`` tensor-parallel ranks, ``ep`` of the data-parallel ranks splitting the experts,
@@ -53,8 +66,20 @@ class Layout:
             raise ConfigError(f"layout {name}: shard {shard} must divide dp {dp}")
         if servers:
             return cls(name=name, dims=ParallelDims(dp_replicate=dp + servers), servers=servers)
-        return cls(name=name, dims=ParallelDims(dp_replicate=dp // shard if zero else dp, dp_shard=shard if zero else 1,
-                                                zero=zero, pp=pp, tp=tp, mp=mp, ep=ep, cp=cp), servers=servers)
+        return cls(
+            name=name,
+            dims=ParallelDims(
+                dp_replicate=dp // shard if zero else dp,
+                dp_shard=shard if zero else 1,
+                zero=zero,
+                pp=pp,
+                tp=tp,
+                mp=mp,
+                ep=ep,
+                cp=cp,
+            ),
+            servers=servers,
+        )
 
     @property
     def dp(self) -> int:
@@ -110,8 +135,17 @@ class Layout:
     def degrees(self) -> dict[str, int]:
         """The degrees in the planner's spelling (a plan's JSON): ``shard`` the data-parallel ranks sharing one copy,
         which ZeRO shards over them and their cp ranks (``shard_ranks``, what ``describe`` shows as shard=)."""
-        return {"dp": self.dp, "zero": self.zero, "shard": self.shard, "pp": self.pp, "mp": self.mp, "tp": self.tp,
-                "ep": self.ep, "cp": self.cp, "servers": self.servers}
+        return {
+            "dp": self.dp,
+            "zero": self.zero,
+            "shard": self.shard,
+            "pp": self.pp,
+            "mp": self.mp,
+            "tp": self.tp,
+            "ep": self.ep,
+            "cp": self.cp,
+            "servers": self.servers,
+        }
 
     @property
     def world_size(self) -> int:
@@ -156,15 +190,32 @@ class Layout:
 _HYBRID_DATA = {1: "+zero1", 3: "+fsdp"}
 """``hybrid``'s ``data=`` options that shard, by ZeRO stage (``ddp`` replicates)."""
 
-STRATEGY_ORDER = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid", "pipeline", "model_parallel", "tp",
-                  "ps")
+STRATEGY_ORDER = (
+    "single",
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "hsdp",
+    "hybrid",
+    "pipeline",
+    "model_parallel",
+    "tp",
+    "ps",
+)
 """Simplest first: when two strategies are about as fast, the earlier one is recommended (and any layout without
 tensor parallelism before one with it). ``ps`` last: a process more per server, and the one strategy that is not
 the same collectives on every rank."""
 
 
-def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_servers: int = 0,
-            ep_degrees: Sequence[int] = (), cp_pairs: Sequence[tuple[int, int]] = ()) -> list[Layout]:
+def layouts(
+    cluster: Cluster,
+    n_units: int,
+    tp_degrees: Sequence[int] = (),
+    ps_servers: int = 0,
+    ep_degrees: Sequence[int] = (),
+    cp_pairs: Sequence[tuple[int, int]] = (),
+) -> list[Layout]:
     """Every strategy (and degree split) the cluster can run, in ``STRATEGY_ORDER``; ``single`` is one rank.
 
     ``hsdp`` needs several nodes of several ranks; ``hybrid`` comes in every dp x pp split with both >= 2, its
@@ -187,8 +238,12 @@ def layouts(cluster: Cluster, n_units: int, tp_degrees: Sequence[int] = (), ps_s
     out = [Layout.of(name="single")]
     if n == 1:
         return out
-    out += [Layout.of(name="ddp", dp=n), Layout.of(name="zero1", dp=n, zero=1, shard=n),
-            Layout.of(name="zero2", dp=n, zero=2, shard=n), Layout.of(name="zero3", dp=n, zero=3, shard=n)]
+    out += [
+        Layout.of(name="ddp", dp=n),
+        Layout.of(name="zero1", dp=n, zero=1, shard=n),
+        Layout.of(name="zero2", dp=n, zero=2, shard=n),
+        Layout.of(name="zero3", dp=n, zero=3, shard=n),
+    ]
     if cluster.nodes > 1 and per_node > 1:
         out.append(Layout.of(name="hsdp", dp=n, zero=3, shard=per_node))
     out += _hybrids(n, 1, n_units)
@@ -224,9 +279,16 @@ def layout_strategy(text: str | None) -> str | None:
     return named[0] if named else None
 
 
-def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | None = None,
-                 tp: int | None = None, ep: int | None = None, cp: int | None = None,
-                 world: int | None = None) -> ParallelDims | None:
+def exact_layout(
+    text: str | None = None,
+    *,
+    dp: int | None = None,
+    pp: int | None = None,
+    tp: int | None = None,
+    ep: int | None = None,
+    cp: int | None = None,
+    world: int | None = None,
+) -> ParallelDims | None:
     """The degrees ``--layout dp=8,pp=12,tp=4`` (or ``--dp``/``--pp`` with ``--tp``, ``--ep``, ``--cp``) pin, or
     None: search. ``ep`` is carved out of dp (``dp=8,ep=8``: 8 ranks); ``cp`` multiplies the ranks
     (``dp=4,cp=2``: 8 ranks, 4 replicas of 2 ranks splitting each sequence). A layout that names its strategy
@@ -244,16 +306,19 @@ def exact_layout(text: str | None = None, *, dp: int | None = None, pp: int | No
             if key in LAYOUT_STRATEGIES and not value:
                 continue
             if key not in degrees or not value.isdigit():
-                raise ConfigError(f"--layout {text!r}: cannot read {part!r}; write degrees as dp=8,pp=12,tp=4 "
-                                  "(keys dp, pp, tp, ep, cp; the ones left out are 1), optionally with one of "
-                                  f"{', '.join(LAYOUT_STRATEGIES)} (zero3,cp=2)")
+                raise ConfigError(
+                    f"--layout {text!r}: cannot read {part!r}; write degrees as dp=8,pp=12,tp=4 "
+                    "(keys dp, pp, tp, ep, cp; the ones left out are 1), optionally with one of "
+                    f"{', '.join(LAYOUT_STRATEGIES)} (zero3,cp=2)"
+                )
             given = {"tp": tp, "ep": ep, "cp": cp}.get(key)
             if given is not None and given != int(value):
                 raise ConfigError(f"--layout says {key}={value} but --{key} {given}; give the degree once")
             degrees[key] = int(value)
         if layout_strategy(text) == "hybrid" and (degrees["pp"] or 1) < 2:
-            raise ConfigError(f"--layout {text!r}: hybrid is a pipeline replicated over dp; give its stages too "
-                              "(hybrid,pp=2,ep=2)")
+            raise ConfigError(
+                f"--layout {text!r}: hybrid is a pipeline replicated over dp; give its stages too (hybrid,pp=2,ep=2)"
+            )
         if degrees["dp"] is None and world is not None and layout_strategy(text) is not None:
             rest = math.prod(v or 1 for k, v in degrees.items() if k in ("pp", "tp", "cp"))
             degrees["dp"] = max(1, world // rest)
@@ -265,34 +330,55 @@ def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims, strategy: 
     ``cp``): one, or for a data-parallel group without pipeline stages each way of running it (ddp, zero1-3, hsdp,
     as ``layouts`` offers them), which the plan compares; only ``strategy``'s when named. One-line errors for
     degrees the cluster or the model cannot take."""
-    given = (f"dp={dims.dp} x pp={dims.pp}" + (f" x cp={dims.cp}" if dims.cp > 1 else "") + f" x tp={dims.tp}"
-             + (f" (ep={dims.ep})" if dims.ep > 1 else ""))
+    given = (
+        f"dp={dims.dp} x pp={dims.pp}"
+        + (f" x cp={dims.cp}" if dims.cp > 1 else "")
+        + f" x tp={dims.tp}"
+        + (f" (ep={dims.ep})" if dims.ep > 1 else "")
+    )
     if dims.world_size != cluster.world_size:
-        raise ConfigError(f"the layout {given} needs {dims.world_size} GPUs but the cluster has "
-                          f"{cluster.world_size} ({cluster.ranks_per_node} per node x {cluster.nodes} nodes); "
-                          "change the degrees or --gpus/--nodes so that dp x pp x cp x tp equals the GPUs")
+        raise ConfigError(
+            f"the layout {given} needs {dims.world_size} GPUs but the cluster has "
+            f"{cluster.world_size} ({cluster.ranks_per_node} per node x {cluster.nodes} nodes); "
+            "change the degrees or --gpus/--nodes so that dp x pp x cp x tp equals the GPUs"
+        )
     if dims.cp > 1 and (dims.pp > 1 or dims.ep > 1):
-        raise ConfigError(f"the layout {given}: context parallelism is planned with data and tensor parallelism "
-                          "only; drop pp and ep, or cp")
+        raise ConfigError(
+            f"the layout {given}: context parallelism is planned with data and tensor parallelism "
+            "only; drop pp and ep, or cp"
+        )
     if dims.pp > 1 and dims.ep > 1 and dims.tp > 1:
-        raise ConfigError(f"the layout {given}: a pipeline's experts are planned split over its dp replicas without "
-                          "tp (Parallel('hybrid', dp=D, ep=E)); drop tp or ep")
+        raise ConfigError(
+            f"the layout {given}: a pipeline's experts are planned split over its dp replicas without "
+            "tp (Parallel('hybrid', dp=D, ep=E)); drop tp or ep"
+        )
     if dims.pp > n_units:
-        raise ConfigError(f"the layout {given} cuts the model into {dims.pp} pipeline stages but it has only "
-                          f"{n_units} units to cut (its blocks, embedding and head); use --pp {n_units} or fewer")
-    found = [lay for lay in layouts(cluster, n_units, (dims.tp,) if dims.tp > 1 else (),
-                                    ep_degrees=(dims.ep,) if dims.ep > 1 else (),
-                                    cp_pairs=((dims.tp, dims.cp),) if dims.cp > 1 else ())
-             if (lay.dims.dp, lay.pp, lay.tp, lay.mp, lay.ep, lay.cp)
-             == (dims.dp, dims.pp, dims.tp, 1, dims.ep, dims.cp)]
+        raise ConfigError(
+            f"the layout {given} cuts the model into {dims.pp} pipeline stages but it has only "
+            f"{n_units} units to cut (its blocks, embedding and head); use --pp {n_units} or fewer"
+        )
+    found = [
+        lay
+        for lay in layouts(
+            cluster,
+            n_units,
+            (dims.tp,) if dims.tp > 1 else (),
+            ep_degrees=(dims.ep,) if dims.ep > 1 else (),
+            cp_pairs=((dims.tp, dims.cp),) if dims.cp > 1 else (),
+        )
+        if (lay.dims.dp, lay.pp, lay.tp, lay.mp, lay.ep, lay.cp) == (dims.dp, dims.pp, dims.tp, 1, dims.ep, dims.cp)
+    ]
     if not found:  # a degree split the search leaves out, e.g. a pipeline of 2 stages replicated once
-        raise ConfigError(f"the layout {given} is not one paratrain's strategies build on {cluster.world_size} "
-                          "GPUs; change the degrees")
+        raise ConfigError(
+            f"the layout {given} is not one paratrain's strategies build on {cluster.world_size} "
+            "GPUs; change the degrees"
+        )
     if strategy is not None and all(lay.name != strategy for lay in found):
-        raise ConfigError(f"the layout {given} is not planned as {strategy}; name one of "
-                          f"{', '.join(sorted({lay.name for lay in found}))} or none (all of them)")
-    return [Layout.of(name="single"), *(lay for lay in found if lay.name != "single"
-                                        and strategy in (None, lay.name))]
+        raise ConfigError(
+            f"the layout {given} is not planned as {strategy}; name one of "
+            f"{', '.join(sorted({lay.name for lay in found}))} or none (all of them)"
+        )
+    return [Layout.of(name="single"), *(lay for lay in found if lay.name != "single" and strategy in (None, lay.name))]
 
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3")
@@ -322,24 +408,29 @@ def _with_ep(data_parallel: list[Layout], ep: int) -> list[Layout]:
     for lay in data_parallel:
         group = lay.shard if lay.zero else lay.dp
         if group % ep == 0 and group > 1:
-            out.append(Layout.of(name=lay.name, dp=lay.dp, zero=lay.zero, shard=lay.shard, pp=lay.pp, tp=lay.tp,
-                                 ep=ep))
+            out.append(Layout.of(name=lay.name, dp=lay.dp, zero=lay.zero, shard=lay.shard, pp=lay.pp, tp=lay.tp, ep=ep))
     return out
 
 
 def _with_cp(d: int, tp: int, cp: int) -> list[Layout]:
     """The data-parallel layouts of ``d`` replicas of ``cp`` x ``tp`` ranks, of the presets that take cp (ZeRO-1
     without tp, as ``_with_tp``)."""
-    return [Layout.of(name=name, dp=d, zero=z, shard=d if z else 1, tp=tp, cp=cp)
-            for z, name in enumerate(DATA_PARALLEL) if takes(name).cp and (z != 1 or tp == 1)]
+    return [
+        Layout.of(name=name, dp=d, zero=z, shard=d if z else 1, tp=tp, cp=cp)
+        for z, name in enumerate(DATA_PARALLEL)
+        if takes(name).cp and (z != 1 or tp == 1)
+    ]
 
 
 def _with_tp(d: int, tp: int, n_units: int) -> list[Layout]:
     """The layouts of ``d`` groups of ``tp`` tensor-parallel ranks."""
     if d == 1:
         return [Layout.of(name="tp", tp=tp)]
-    out = [Layout.of(name="ddp", dp=d, tp=tp), Layout.of(name="zero2", dp=d, zero=2, shard=d, tp=tp),
-           Layout.of(name="zero3", dp=d, zero=3, shard=d, tp=tp)]
+    out = [
+        Layout.of(name="ddp", dp=d, tp=tp),
+        Layout.of(name="zero2", dp=d, zero=2, shard=d, tp=tp),
+        Layout.of(name="zero3", dp=d, zero=3, shard=d, tp=tp),
+    ]
     out += _hybrids(d, tp, n_units)
     if d <= n_units:
         out.append(Layout.of(name="pipeline", pp=d, tp=tp))
@@ -350,8 +441,11 @@ def _hybrids(d: int, tp: int, n_units: int) -> list[Layout]:
     """``hybrid`` over ``d`` groups of ``tp`` ranks: every dp x pp split with both >= 2, replicated by DDP or with the
     optimizer states sharded over dp (ZeRO-1)."""
     splits = [(d // pp, pp) for pp in _divisors(d) if 2 <= pp <= min(d // 2, n_units)]
-    return [Layout.of(name="hybrid", dp=dp, pp=pp, tp=tp, **sharded) for dp, pp in splits
-            for sharded in ({}, {"zero": 1, "shard": dp})]
+    return [
+        Layout.of(name="hybrid", dp=dp, pp=pp, tp=tp, **sharded)
+        for dp, pp in splits
+        for sharded in ({}, {"zero": 1, "shard": dp})
+    ]
 
 
 def _divisors(n: int) -> list[int]:
@@ -366,8 +460,9 @@ def _runs(sizes: tuple[int, ...], stages: int) -> tuple[tuple[int, int], ...]:
     return tuple(zip(starts, [*starts[1:], len(sizes)]))
 
 
-def fullest_stage(units: tuple[tuple[str, int], ...], stages: int, *, between_blocks: bool = False,
-                  copy: int = 0) -> tuple[int, int, int]:
+def fullest_stage(
+    units: tuple[tuple[str, int], ...], stages: int, *, between_blocks: bool = False, copy: int = 0
+) -> tuple[int, int, int]:
     """(first unit, end, parameters) of the fullest stage when ``units`` are cut into ``stages`` contiguous,
     balanced runs, or, ``between_blocks``, when a pipeline cuts only between the blocks (``units`` = embedding,
     blocks…, head; the blocks balanced as the runtime balances them): the embedding on the first stage, the head and

@@ -1,5 +1,6 @@
 """One call from a model and a plan's options (``PlanConfig``) to a Plan: model stats, cluster, training setup,
 calibration, recommendation. The model comes resolved: what a name means is the caller's to say."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -40,23 +41,43 @@ def make_plan(model: ModelStats | RunnableModel, config: PlanConfig | None = Non
     if measured.link_timings:
         cluster = replace(cluster, intra=measured_link(cluster.intra, config.gpus, measured.link_timings))
     on_gpu = config.measure and not cluster.device.shared_by_ranks and torch.cuda.is_available()
-    stats = model if isinstance(model, ModelStats) else model.find_stats(
-        setup.micro_batch if config.measure and not on_gpu else None)
+    stats = (
+        model
+        if isinstance(model, ModelStats)
+        else model.find_stats(setup.micro_batch if config.measure and not on_gpu else None)
+    )
     gpu = _time_on_gpu(model, cluster, setup) if on_gpu else None
     cluster = _calibrated(cluster, stats, setup, config, measured, gpu)
-    plan = recommend(stats, cluster, setup, tp=config.tp, exact=config.exact, ps_servers=config.ps_servers,
-                     ep=config.ep, cp=config.cp, strategy=config.exact_strategy)
+    plan = recommend(
+        stats,
+        cluster,
+        setup,
+        tp=config.tp,
+        exact=config.exact,
+        ps_servers=config.ps_servers,
+        ep=config.ep,
+        cp=config.cp,
+        strategy=config.exact_strategy,
+    )
     if gpu is None:
         return plan
-    return replace(plan, notes=(*plan.notes, (
-        f"measured on this machine's {gpu.gpu} at batch {gpu.batch}: forward+backward "
-        f"{gpu.forward_backward_s * 1e3:.1f} ms, optimizer step {gpu.optimizer_s * 1e3:.1f} ms, peak "
-        f"{gpu.peak_bytes / 2**30:.2f} GiB allocated (the plan's single rank, overhead excluded: "
-        f"{_single_allocated(plan) / 2**30:.2f} GiB)")))
+    return replace(
+        plan,
+        notes=(
+            *plan.notes,
+            (
+                f"measured on this machine's {gpu.gpu} at batch {gpu.batch}: forward+backward "
+                f"{gpu.forward_backward_s * 1e3:.1f} ms, optimizer step {gpu.optimizer_s * 1e3:.1f} ms, peak "
+                f"{gpu.peak_bytes / 2**30:.2f} GiB allocated (the plan's single rank, overhead excluded: "
+                f"{_single_allocated(plan) / 2**30:.2f} GiB)"
+            ),
+        ),
+    )
 
 
-def _calibrated(cluster: Cluster, stats: ModelStats, setup: Training, config: PlanConfig, measured: Measured,
-                gpu: GpuStep | None) -> Cluster:
+def _calibrated(
+    cluster: Cluster, stats: ModelStats, setup: Training, config: PlanConfig, measured: Measured, gpu: GpuStep | None
+) -> Cluster:
     """``cluster`` with its device's rates set from the step times measured (given, timed on this GPU, or traced on
     this CPU), and FSDP's and TP's per-call overheads from ``measured``."""
     step_time, optimizer_time, threads = config.step_time, config.optimizer_time, config.threads
@@ -68,24 +89,35 @@ def _calibrated(cluster: Cluster, stats: ModelStats, setup: Training, config: Pl
     micro, host = measured.micro_step_time, measured.host_step_time
     if step_time is not None:
         executed = executed_flops_per_sample(stats, setup)  # what step_time prices: the calibration inverts it
-        cluster = calibrated(cluster, flops_per_step=executed * setup.micro_batch,
-                             step_time_s=step_time, precision=setup.precision,
-                             streamed_bytes=weight_bytes(stats.params, setup, cluster),
-                             optimizer_bytes=optimizer_step_bytes(stats.params, setup) if with_optimizer else 0.0,
-                             optimizer_s=optimizer_time, threads=threads,
-                             micro_step=None if micro is None else (executed * micro[0], micro[1]), host_step=host)
+        cluster = calibrated(
+            cluster,
+            flops_per_step=executed * setup.micro_batch,
+            step_time_s=step_time,
+            precision=setup.precision,
+            streamed_bytes=weight_bytes(stats.params, setup, cluster),
+            optimizer_bytes=optimizer_step_bytes(stats.params, setup) if with_optimizer else 0.0,
+            optimizer_s=optimizer_time,
+            threads=threads,
+            micro_step=None if micro is None else (executed * micro[0], micro[1]),
+            host_step=host,
+        )
     elif micro is not None or host is not None:
-        raise ConfigError("a smaller or an all-cores forward+backward calibrates together with --step-time and "
-                          "--optimizer-time")
+        raise ConfigError(
+            "a smaller or an all-cores forward+backward calibrates together with --step-time and --optimizer-time"
+        )
     if measured.tp_step_time is not None:
-        cluster = replace(cluster, device=replace(cluster.device, tp_call_s=tp_call_from(
-            measured.tp_step_time, stats, setup, cluster)))
+        cluster = replace(
+            cluster,
+            device=replace(cluster.device, tp_call_s=tp_call_from(measured.tp_step_time, stats, setup, cluster)),
+        )
     if measured.fsdp_overhead:
         if optimizer_time is None:
             raise ConfigError("FSDP's overhead calibrates together with --step-time and --optimizer-time")
         bandwidth = optimizer_step_bytes(stats.params, setup) / optimizer_time  # the measuring thread's
-        cluster = replace(cluster, device=replace(cluster.device, fsdp_call_s=fsdp_call_s(
-            measured.fsdp_overhead, stats, setup, bandwidth)))
+        cluster = replace(
+            cluster,
+            device=replace(cluster.device, fsdp_call_s=fsdp_call_s(measured.fsdp_overhead, stats, setup, bandwidth)),
+        )
     return cluster
 
 
@@ -94,8 +126,9 @@ def _time_on_gpu(model: ModelStats | RunnableModel, cluster: Cluster, setup: Tra
     if isinstance(model, ModelStats):
         raise ConfigError("--measure runs a model: give --model (a built-in or module:factory), not --params")
     check_same_gpu(cluster.device, torch.cuda.get_device_name())
-    return time_gpu_step(model.factory, model.call, batch=setup.micro_batch, precision=setup.precision,
-                         optimizer=setup.optimizer)
+    return time_gpu_step(
+        model.factory, model.call, batch=setup.micro_batch, precision=setup.precision, optimizer=setup.optimizer
+    )
 
 
 def _single_allocated(plan: Plan) -> float:

@@ -12,6 +12,7 @@ they are sharded over the shard group's ranks holding the same experts, so ZeRO'
 what ep saves is the experts FSDP gathers, the all-to-all buffers aside. Context parallelism's ranks join the shard
 group (ZeRO shards over dp x cp) and hold 1/cp of every activation (``context_parallel``).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -133,8 +134,7 @@ def optimizer_params(stats: ModelStats, layout: Layout, *, paper: bool = False) 
     """Parameters whose optimizer states one device keeps: all it holds, its shard of them from ZeRO-1 on
     (``sharded``), and for ZeRO-1 over whole tensors (no stages, no tp or ep, sizes known) the busiest rank's
     (``zero1_busiest``) unless ``paper`` asks for the ZeRO paper's even split."""
-    if (layout.zero == 1 and not paper and stats.tensors and layout.stages == 1 and layout.tp == 1
-            and layout.ep == 1):
+    if layout.zero == 1 and not paper and stats.tensors and layout.stages == 1 and layout.tp == 1 and layout.ep == 1:
         return float(zero1_busiest(stats.tensors, layout.shard_ranks))
     return sharded(stats, layout, 1)
 
@@ -144,8 +144,11 @@ def model_states(stats: ModelStats, layout: Layout, training: Training, *, paper
     3, 2 and 1 on (``sharded``; an ep rank's experts over the shard/ep ranks holding the same ones); a stage holds
     its layers'. ZeRO-1's optimizer states: see ``optimizer_params``."""
     b = training.bytes
-    return ModelStates(parameters=sharded(stats, layout, 3) * b.param, gradients=sharded(stats, layout, 2) * b.grad,
-                       optimizer_states=optimizer_params(stats, layout, paper=paper) * training.optimizer_bytes)
+    return ModelStates(
+        parameters=sharded(stats, layout, 3) * b.param,
+        gradients=sharded(stats, layout, 2) * b.grad,
+        optimizer_states=optimizer_params(stats, layout, paper=paper) * training.optimizer_bytes,
+    )
 
 
 def in_flight(layout: Layout, batch: Batching, training: Training) -> float:
@@ -193,8 +196,9 @@ def fsdp_under_pipeline(psi: float, layout: Layout, training: Training) -> float
     return (psi * training.bytes.param if layout.zero >= 3 else 0.0) + psi * grad_bytes
 
 
-def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training: Training,
-                    cluster: Cluster) -> MemoryBreakdown:
+def memory_per_rank(
+    stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster
+) -> MemoryBreakdown:
     """Peak bytes on the busiest device of ``layout``: the larger of the backward and optimizer-step peaks.
 
     Model states follow ``model_states``. When backward starts a device holds its parameters and optimizer
@@ -231,19 +235,29 @@ def memory_per_rank(stats: ModelStats, layout: Layout, batch: Batching, training
     buffers += 2 * boundary * batch.micro_batch if layout.stages > 1 else 0.0
     if layout.ep > 1:  # one MoE block's all-to-all send and receive buffers
         buffers += 2 * dispatch_bytes(stats, activation_mode(training, layout), batch.micro_batch)
-    buffers += context_parallel.buffer_bytes(stats, activation_mode(training, layout), batch.micro_batch, layout.tp,
-                                             layout.cp)
+    buffers += context_parallel.buffer_bytes(
+        stats, activation_mode(training, layout), batch.micro_batch, layout.tp, layout.cp
+    )
     kept = batch.micro_batches > 1 or ddp_buckets > 0
     overhead = cluster.device.overhead_gib * 2**30
     largest = stats.largest_activation_bytes_per_sample * (1.0 if training.precision == "fp32" else 0.5)
     at_backward = MemoryBreakdown(
-        parameters=states.parameters, gradients=states.gradients if kept else 0.0,
-        optimizer_states=states.optimizer_states, activations=activations,
+        parameters=states.parameters,
+        gradients=states.gradients if kept else 0.0,
+        optimizer_states=states.optimizer_states,
+        activations=activations,
         transient=2 * max(stats.output_bytes_per_sample, largest) * batch.micro_batch / (layout.tp * layout.cp),
         buffers=buffers,
-        overhead=overhead)
+        overhead=overhead,
+    )
     at_step = MemoryBreakdown(
-        parameters=states.parameters, gradients=states.gradients, optimizer_states=states.optimizer_states,
-        activations=0.0, transient=optimizer_params(stats, layout) * training.optimizer_temp_bytes, buffers=ddp_buckets,
-        overhead=overhead, phase="optimizer step")
+        parameters=states.parameters,
+        gradients=states.gradients,
+        optimizer_states=states.optimizer_states,
+        activations=0.0,
+        transient=optimizer_params(stats, layout) * training.optimizer_temp_bytes,
+        buffers=ddp_buckets,
+        overhead=overhead,
+        phase="optimizer step",
+    )
     return max(at_backward, at_step, key=lambda m: m.total)

@@ -13,6 +13,7 @@ Three sources, one result (:class:`ModelStats`):
 A :class:`RunnableModel` is a model the planner may build, to trace it, measure it or time it on a GPU; which
 model a name builds is the caller's to say (``paratrain plan --model``'s names are the application's).
 """
+
 from __future__ import annotations
 
 import time
@@ -75,8 +76,9 @@ class CPShape:
     def why_not(self, cp: int, tp: int = 1) -> str | None:
         """Why ``cp`` ranks (of ``tp``-rank groups) cannot split this model, or None: each rank of tp x cp takes
         whole query and key/value heads in attention, and an equal share of every sequence."""
-        bad = [f"{name} {n}" for name, n in (("heads", self.heads), ("key/value heads", self.kv_heads))
-               if n % (tp * cp)]
+        bad = [
+            f"{name} {n}" for name, n in (("heads", self.heads), ("key/value heads", self.kv_heads)) if n % (tp * cp)
+        ]
         if bad:
             return f"{' and '.join(bad)} {'does' if len(bad) == 1 else 'do'} not divide by tp x cp = {tp * cp}"
         if self.seq_len % cp:
@@ -213,16 +215,26 @@ class ModelStats:
         if not self.units:
             raise ConfigError(f"model {self.name!r}: no units")
         if self.tp is not None and len(self.tp.split) != len(self.units):
-            raise ConfigError(f"model {self.name!r}: {len(self.tp.split)} tensor-parallel splits for "
-                              f"{len(self.units)} units")
+            raise ConfigError(
+                f"model {self.name!r}: {len(self.tp.split)} tensor-parallel splits for {len(self.units)} units"
+            )
         if self.moe is not None and len(self.moe.unit_experts) != len(self.units):
-            raise ConfigError(f"model {self.name!r}: {len(self.moe.unit_experts)} expert counts for "
-                              f"{len(self.units)} units")
+            raise ConfigError(
+                f"model {self.name!r}: {len(self.moe.unit_experts)} expert counts for {len(self.units)} units"
+            )
         if self.unit_flops and len(self.unit_flops) != len(self.units):
-            raise ConfigError(f"model {self.name!r}: {len(self.unit_flops)} unit FLOP counts for "
-                              f"{len(self.units)} units")
-        if min(self.flops_per_sample, self.activation_bytes_per_sample, self.checkpointed_bytes_per_sample,
-               self.boundary_bytes_per_sample) < 0:
+            raise ConfigError(
+                f"model {self.name!r}: {len(self.unit_flops)} unit FLOP counts for {len(self.units)} units"
+            )
+        if (
+            min(
+                self.flops_per_sample,
+                self.activation_bytes_per_sample,
+                self.checkpointed_bytes_per_sample,
+                self.boundary_bytes_per_sample,
+            )
+            < 0
+        ):
             raise ConfigError(f"model {self.name!r}: FLOPs and byte counts must be >= 0")
 
     @property
@@ -246,12 +258,20 @@ class ModelStats:
 
 # --- tracing and measuring ----------------------------------------------------------------------------------
 
+
 def _count(params: object) -> int:
     return sum(p.numel() for p in params if p.requires_grad)  # type: ignore[attr-defined]
 
 
-def _stats(model: nn.Module, name: str, call: TrainingCall, device: str, batch: int,
-           key: Callable[[torch.Tensor], object], source: str) -> ModelStats:
+def _stats(
+    model: nn.Module,
+    name: str,
+    call: TrainingCall,
+    device: str,
+    batch: int,
+    key: Callable[[torch.Tensor], object],
+    source: str,
+) -> ModelStats:
     """Stats from one forward + backward of ``model`` called as training calls it (``call``, ``batch`` samples made
     on ``device``).
 
@@ -291,8 +311,11 @@ def _stats(model: nn.Module, name: str, call: TrainingCall, device: str, batch: 
 
     hooks += [model.get_submodule(n).register_forward_pre_hook(looked_up(n)) for n in table_names]
     try:
-        with (FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as counter, FusedAttention(),
-              torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+        with (
+            FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as counter,
+            FusedAttention(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
             x, forward = call.run(model, batch, device)
             forward.loss.backward()
     finally:
@@ -305,18 +328,23 @@ def _stats(model: nn.Module, name: str, call: TrainingCall, device: str, batch: 
     outside = per_unit.pop("(root)", 0) + (0 if forward.own_loss else 4 * out.numel())
     # Checkpointing every unit keeps each unit's input and, during one unit's recompute, its activations.
     checkpointed = x.numel() * x.element_size() + sum(outputs[:-1]) + outside + max(per_unit.values(), default=0)
-    return ModelStats(name=name, **_parameter_facts(model, units, counter, batch),
-                      activation_bytes_per_sample=sum(per_unit.values(), outside) / batch,
-                      checkpointed_bytes_per_sample=min(checkpointed, sum(per_unit.values(), outside)) / batch,
-                      boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
-                      output_bytes_per_sample=4 * out.numel() / batch,
-                      largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
-                      source=source, tables=_tables(model, table_names, lookups, batch),
-                      warnings=tuple(w for w in (forward.warning(x, name),) if w is not None))
+    return ModelStats(
+        name=name,
+        **_parameter_facts(model, units, counter, batch),
+        activation_bytes_per_sample=sum(per_unit.values(), outside) / batch,
+        checkpointed_bytes_per_sample=min(checkpointed, sum(per_unit.values(), outside)) / batch,
+        boundary_bytes_per_sample=max(outputs[:-1] or outputs or [0]) / batch,
+        output_bytes_per_sample=4 * out.numel() / batch,
+        largest_activation_bytes_per_sample=max((n for n, _ in saved.values()), default=0) / batch,
+        source=source,
+        tables=_tables(model, table_names, lookups, batch),
+        warnings=tuple(w for w in (forward.warning(x, name),) if w is not None),
+    )
 
 
-def _parameter_facts(model: nn.Module, units: list[tuple[str, nn.Module]], counter: FlopCounterMode,
-                     batch: int) -> dict[str, Any]:
+def _parameter_facts(
+    model: nn.Module, units: list[tuple[str, nn.Module]], counter: FlopCounterMode, batch: int
+) -> dict[str, Any]:
     """``ModelStats``' fields that the parameters and the FLOP count give: the units with their sizes and FLOPs
     (a root holding parameters of its own as a unit first), the largest layer, bytes by dtype, the weights autocast
     casts."""
@@ -331,18 +359,31 @@ def _parameter_facts(model: nn.Module, units: list[tuple[str, nn.Module]], count
     for p in model.parameters():
         by_dtype[str(p.dtype).removeprefix("torch.")] += p.numel() * p.element_size()
     layers = [(n or "(root)", _count(m.parameters(recurse=False))) for n, m in model.named_modules()]
-    matmul = {id(m.weight): m.weight.numel() for m in model.modules()
-              if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.weight.requires_grad}
-    return dict(params=_count(model.parameters()), units=tuple(sizes), largest_layer=max(layers, key=lambda x: x[1]),
-                flops_per_sample=counter.get_total_flops() / batch, unit_flops=tuple(unit_flops),
-                matmul_params=sum(matmul.values()), param_bytes=dict(by_dtype), tensors=trainable_sizes(model))
+    matmul = {
+        id(m.weight): m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.weight.requires_grad
+    }
+    return dict(
+        params=_count(model.parameters()),
+        units=tuple(sizes),
+        largest_layer=max(layers, key=lambda x: x[1]),
+        flops_per_sample=counter.get_total_flops() / batch,
+        unit_flops=tuple(unit_flops),
+        matmul_params=sum(matmul.values()),
+        param_bytes=dict(by_dtype),
+        tensors=trainable_sizes(model),
+    )
 
 
 def _tables(model: nn.Module, names: list[str], lookups: Counter[str], batch: int) -> tuple[TableStats, ...]:
     """The trainable tables among ``names``, with the ids each sample looked them up by."""
     weights = [(n, model.get_submodule(n).weight) for n in names]
-    return tuple(TableStats(name=n, rows=w.shape[0], dim=w.shape[1], lookups_per_sample=lookups[n] / batch)
-                 for n, w in weights if w.requires_grad)
+    return tuple(
+        TableStats(name=n, rows=w.shape[0], dim=w.shape[1], lookups_per_sample=lookups[n] / batch)
+        for n, w in weights
+        if w.requires_grad
+    )
 
 
 def trainable_sizes(model: nn.Module) -> tuple[int, ...]:
@@ -358,8 +399,9 @@ def _tensor_bytes(out: object) -> int:
     return t.numel() * t.element_size()
 
 
-def trace_module(factory: Callable[[], nn.Module], example: InputSpec | TrainingCall, *, name: str,
-                 batch: int = 2) -> ModelStats:
+def trace_module(
+    factory: Callable[[], nn.Module], example: InputSpec | TrainingCall, *, name: str, batch: int = 2
+) -> ModelStats:
     """Stats from one forward and backward of ``factory()`` built on the meta device, called as training calls it
     (``example``: the input, or how to call the model, ``TrainingCall``): no weight is allocated.
 
@@ -372,13 +414,20 @@ def trace_module(factory: Callable[[], nn.Module], example: InputSpec | Training
     if not isinstance(model, nn.Module):
         raise ConfigError(f"the factory for {name!r} returned {type(model).__name__}, not an nn.Module")
     model = model.to("meta")  # in case the factory put some tensors on an explicit device
-    return _stats(model, name, TrainingCall.of(example), "meta", batch,
-                  key=lambda t: id(t._base if t._base is not None else t),  # meta tensors have no address
-                  source="traced on the meta device (FlopCounterMode + saved tensors)")
+    return _stats(
+        model,
+        name,
+        TrainingCall.of(example),
+        "meta",
+        batch,
+        key=lambda t: id(t._base if t._base is not None else t),  # meta tensors have no address
+        source="traced on the meta device (FlopCounterMode + saved tensors)",
+    )
 
 
-def measure_module(factory: Callable[[], nn.Module], example: InputSpec | TrainingCall, *, name: str, batch: int,
-                   steps: int = 3) -> ModelStats:
+def measure_module(
+    factory: Callable[[], nn.Module], example: InputSpec | TrainingCall, *, name: str, batch: int, steps: int = 3
+) -> ModelStats:
     """Stats from a real forward and backward on this machine's CPU, and the median time of ``steps`` more.
 
     Activation bytes are the unique storages autograd saves (by address). The model is first built on the
@@ -388,23 +437,30 @@ def measure_module(factory: Callable[[], nn.Module], example: InputSpec | Traini
         size = _count(factory().parameters()) * 16
     ram = cpu_host().memory_gib * GIB
     if size > ram / 2:
-        raise ConfigError(f"measuring {name!r} for real needs ~{size / GIB:.1f} GiB for weights, gradients and "
-                          f"optimizer states, more than half this host's {ram / GIB:.1f} GiB; "
-                          "plan it without --measure")
+        raise ConfigError(
+            f"measuring {name!r} for real needs ~{size / GIB:.1f} GiB for weights, gradients and "
+            f"optimizer states, more than half this host's {ram / GIB:.1f} GiB; "
+            "plan it without --measure"
+        )
     model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"the factory for {name!r} returned {type(model).__name__}, not an nn.Module")
     call = TrainingCall.of(example)
-    stats = _stats(model, name, call, "cpu", batch, key=lambda t: t.untyped_storage().data_ptr(),
-                   source="measured on this machine")
+    stats = _stats(
+        model, name, call, "cpu", batch, key=lambda t: t.untyped_storage().data_ptr(), source="measured on this machine"
+    )
     x, targets = call.inputs(model, batch, "cpu")
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         forward_of(model(x, **targets)).loss.backward()
         times.append(time.perf_counter() - start)
-    return replace(stats, measured_step_s=sorted(times)[len(times) // 2], measured_batch=batch,
-                   measured_threads=torch.get_num_threads())
+    return replace(
+        stats,
+        measured_step_s=sorted(times)[len(times) // 2],
+        measured_batch=batch,
+        measured_threads=torch.get_num_threads(),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ Qwen2-MoE). A model holds every expert but a token computes with k of them, so i
 memory and its *active* ones (total less the experts a token skips) the FLOPs. What expert parallelism does with
 them is :mod:`.expert_parallel`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,10 @@ class MoE:
 
     def __post_init__(self) -> None:
         if self.experts < 2 or self.ffn < 1 or self.shared < 0:
-            raise ConfigError(f"an MoE needs at least 2 experts of width >= 1 (got {self.experts} of {self.ffn}) and "
-                              f"a shared width >= 0 (got {self.shared})")
+            raise ConfigError(
+                f"an MoE needs at least 2 experts of width >= 1 (got {self.experts} of {self.ffn}) and "
+                f"a shared width >= 0 (got {self.shared})"
+            )
         if not 1 <= self.top_k <= self.experts:
             raise ConfigError(f"MoE top_k {self.top_k} must be between 1 and its {self.experts} experts")
         if self.shared_gate and not self.shared:

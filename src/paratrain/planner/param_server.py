@@ -18,6 +18,7 @@ param group's learning rate, the max norm) are left out (under 0.1% of any step 
 Elements travel in fp32: the runtime moves the model's one dtype, and paratrain's mixed precision keeps fp32
 parameters (autocast).
 """
+
 from __future__ import annotations
 
 import math
@@ -58,9 +59,14 @@ class Traffic:
     server_sent: float
 
     def as_dict(self) -> dict[str, object]:
-        return {"dense_bytes": self.dense, "rows_per_step": list(self.rows), "worker_sent_bytes": self.worker_sent,
-                "worker_received_bytes": self.worker_received, "server_received_bytes": self.server_received,
-                "server_sent_bytes": self.server_sent}
+        return {
+            "dense_bytes": self.dense,
+            "rows_per_step": list(self.rows),
+            "worker_sent_bytes": self.worker_sent,
+            "worker_received_bytes": self.worker_received,
+            "server_received_bytes": self.server_received,
+            "server_sent_bytes": self.server_sent,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,10 +91,16 @@ class Serving:
     time: StepTime
 
     def as_dict(self) -> dict[str, object]:
-        return {"worker_memory_bytes": self.worker.as_dict(), "server_memory_bytes": self.server.as_dict(),
-                "server_dense_params": self.dense_share, "server_table_elements": self.table_rows,
-                "requests_per_worker_step": self.requests, "requests_s": self.requests_s, "link": self.link.name,
-                **self.traffic.as_dict()}
+        return {
+            "worker_memory_bytes": self.worker.as_dict(),
+            "server_memory_bytes": self.server.as_dict(),
+            "server_dense_params": self.dense_share,
+            "server_table_elements": self.table_rows,
+            "requests_per_worker_step": self.requests,
+            "requests_s": self.requests_s,
+            "link": self.link.name,
+            **self.traffic.as_dict(),
+        }
 
 
 def rows_touched(table: TableStats, batch: Batching, training: Training) -> float:
@@ -135,20 +147,27 @@ def serving(stats: ModelStats, layout: Layout, batch: Batching, training: Traini
     busiest = tuple(r * c / t.rows for r, c, t in zip(rows, chunks, stats.tables))  # a server's part of them
     dense_b = stats.dense_params * WIRE_BYTES
     traffic = Traffic(
-        dense=dense_b, rows=rows,
+        dense=dense_b,
+        rows=rows,
         worker_sent=dense_b + sum(r * (2 * ID_BYTES + t.dim * WIRE_BYTES) for r, t in zip(rows, stats.tables)),
         worker_received=dense_b + sum(r * t.dim * WIRE_BYTES for r, t in zip(rows, stats.tables)),
-        server_received=w * (share * WIRE_BYTES + sum(r * (2 * ID_BYTES + t.dim * WIRE_BYTES)
-                                                      for r, t in zip(busiest, stats.tables))),
-        server_sent=w * (share * WIRE_BYTES + sum(r * t.dim * WIRE_BYTES for r, t in zip(busiest, stats.tables))))
+        server_received=w
+        * (share * WIRE_BYTES + sum(r * (2 * ID_BYTES + t.dim * WIRE_BYTES) for r, t in zip(busiest, stats.tables))),
+        server_sent=w * (share * WIRE_BYTES + sum(r * t.dim * WIRE_BYTES for r, t in zip(busiest, stats.tables))),
+    )
     held = sum(c * t.dim for c, t in zip(chunks, stats.tables))
     pending = w * sum(r * (ID_BYTES + t.dim * WIRE_BYTES) for r, t in zip(busiest, stats.tables))
     overhead = cluster.device.overhead_gib * 2**30
     server = MemoryBreakdown(
-        parameters=(share + held) * WIRE_BYTES, gradients=share * WIRE_BYTES,
+        parameters=(share + held) * WIRE_BYTES,
+        gradients=share * WIRE_BYTES,
         optimizer_states=share * training.state_bytes + held * 4 * training.table_states,
-        activations=0.0, transient=share * OPTIMIZER_TEMP_BYTES[training.optimizer],
-        buffers=2 * share * WIRE_BYTES + pending, overhead=overhead, phase="optimizer step")
+        activations=0.0,
+        transient=share * OPTIMIZER_TEMP_BYTES[training.optimizer],
+        buffers=2 * share * WIRE_BYTES + pending,
+        overhead=overhead,
+        phase="optimizer step",
+    )
     worker = _worker_memory(stats, layout, batch, training, cluster, rows, share)
 
     link = cluster.link_for(layout.world_size, 1)
@@ -162,14 +181,26 @@ def serving(stats: ModelStats, layout: Layout, batch: Batching, training: Traini
     one_server = _ranks(cluster, s)
     bandwidth = cluster.stream_bytes_per_s(one_server)
     updated = w * sum(r * t.dim for r, t in zip(busiest, stats.tables))
-    server_s = ((SUM_PASSES * w + COPY_PASSES) * share * WIRE_BYTES + optimizer_step_bytes(share, training)
-                + updated * TABLE_STEP_BYTES[training.table_states]) / bandwidth
+    server_s = (
+        (SUM_PASSES * w + COPY_PASSES) * share * WIRE_BYTES
+        + optimizer_step_bytes(share, training)
+        + updated * TABLE_STEP_BYTES[training.table_states]
+    ) / bandwidth
     workers = _ranks(cluster, w)
     comm_s += 2 * COPY_PASSES * dense_b / cluster.stream_bytes_per_s(workers)
     compute = step_time(dense_stats(stats), layout, batch, training, replace(cluster, ranks_per_node=workers))
     time = replace(compute, optimizer_s=server_s, comm_s=comm_s, exposed_comm_s=comm_s)
-    return Serving(worker=worker, server=server, traffic=traffic, link=link, dense_share=share, table_rows=held,
-                   requests=requests, requests_s=requests_s, time=time)
+    return Serving(
+        worker=worker,
+        server=server,
+        traffic=traffic,
+        link=link,
+        dense_share=share,
+        table_rows=held,
+        requests=requests,
+        requests_s=requests_s,
+        time=time,
+    )
 
 
 def _ranks(cluster: Cluster, active: int) -> int:
@@ -181,8 +212,15 @@ def _ranks(cluster: Cluster, active: int) -> int:
     return cluster.ranks_per_node
 
 
-def _worker_memory(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster,
-                   rows: tuple[float, ...], share: float) -> MemoryBreakdown:
+def _worker_memory(
+    stats: ModelStats,
+    layout: Layout,
+    batch: Batching,
+    training: Training,
+    cluster: Cluster,
+    rows: tuple[float, ...],
+    share: float,
+) -> MemoryBreakdown:
     """A worker: the dense model as one process holds it, with no optimizer state (the servers step), plus the rows
     its step pulled and their gradients; at the push, the flat gradients it sends and the parameters coming back."""
     dense = dense_stats(stats)
@@ -190,10 +228,15 @@ def _worker_memory(stats: ModelStats, layout: Layout, batch: Batching, training:
     pulled = sum(r * (2 * t.dim * WIRE_BYTES + ID_BYTES) for r, t in zip(rows, stats.tables))
     computing = replace(alone, buffers=alone.buffers + pulled)
     pushing = MemoryBreakdown(
-        parameters=alone.parameters, gradients=dense.params * training.bytes.grad,
-        optimizer_states=alone.optimizer_states, activations=0.0,
-        transient=(dense.params + share) * WIRE_BYTES, buffers=pulled, overhead=alone.overhead,
-        phase="optimizer step")
+        parameters=alone.parameters,
+        gradients=dense.params * training.bytes.grad,
+        optimizer_states=alone.optimizer_states,
+        activations=0.0,
+        transient=(dense.params + share) * WIRE_BYTES,
+        buffers=pulled,
+        overhead=alone.overhead,
+        phase="optimizer step",
+    )
     return max(computing, pushing, key=lambda m: m.total)
 
 

@@ -11,6 +11,7 @@ collectives to every layer, is chosen when it is the only layout that fits or mo
 layout without it; expert parallelism likewise, after it (its all-to-alls wait on every MoE block), and context
 parallelism likewise, after both: it is what long sequences need when their activations fit nowhere else.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -56,9 +57,18 @@ class Plan:
         return None if base is None else self.global_batch / base
 
 
-def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = None, *,
-              tp: int | None = None, exact: ParallelDims | None = None, ps_servers: int = 0,
-              ep: int | None = None, cp: int | None = None, strategy: str | None = None) -> Plan:
+def recommend(
+    stats: ModelStats,
+    cluster: Cluster,
+    training: Training | None = None,
+    *,
+    tp: int | None = None,
+    exact: ParallelDims | None = None,
+    ps_servers: int = 0,
+    ep: int | None = None,
+    cp: int | None = None,
+    strategy: str | None = None,
+) -> Plan:
     """The plan for training ``stats``' model on ``cluster``: what ``strategy="auto"`` should pick.
 
     A strategy that does not fit at the requested micro-batch is tried at smaller ones (same global batch,
@@ -83,30 +93,61 @@ def recommend(stats: ModelStats, cluster: Cluster, training: Training | None = N
     why_not = [(lay, split_error(training, lay, world)) for lay in found[1:]]
     refused = [(lay, why) for lay, why in why_not if why is not None]
     if refused and len(refused) == len(found) - 1:
-        raise ConfigError(refused[0][1] if exact is not None else
-                          f"--global-batch {global_batch} does not split evenly over the data-parallel replicas of "
-                          f"any layout of {world} GPUs; use a multiple of {world}, e.g. "
-                          f"{max(world, global_batch // world * world)}")
+        raise ConfigError(
+            refused[0][1]
+            if exact is not None
+            else f"--global-batch {global_batch} does not split evenly over the data-parallel replicas of "
+            f"any layout of {world} GPUs; use a multiple of {world}, e.g. "
+            f"{max(world, global_batch // world * world)}"
+        )
     estimates = estimate_layouts(stats, cluster, training, found[0], [lay for lay, why in why_not if why is None])
-    candidates = [e for e in (estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:])
-                  if recommendable(stats, cluster, e.layout)]
+    candidates = [
+        e
+        for e in (estimates if world == 1 or cluster.device.shared_by_ranks else estimates[1:])
+        if recommendable(stats, cluster, e.layout)
+    ]
     fitting = [f for e in candidates for f in _fitting(stats, e, training, cluster, estimates[0].samples_per_s)]
     left_out = [] if not refused else [unsplit_note(global_batch, world, [lay for lay, _ in refused])]
-    plan = Plan(stats=stats, cluster=cluster, training=training, global_batch=global_batch,
-                estimates=tuple(estimates), choice=None, reason="", suggestions=(), notes=tuple(left_out))
+    plan = Plan(
+        stats=stats,
+        cluster=cluster,
+        training=training,
+        global_batch=global_batch,
+        estimates=tuple(estimates),
+        choice=None,
+        reason="",
+        suggestions=(),
+        notes=tuple(left_out),
+    )
     if not fitting:
         if exact is None:
             raise ConfigError(f"no strategy fits: {fits_nowhere(stats, cluster, training, candidates)}")
-        return replace(plan, reason=f"the layout asked for ({exact.describe()}) fits in no way to run it: "
-                                    f"{fits_nowhere(stats, cluster, training, candidates)}")
+        return replace(
+            plan,
+            reason=f"the layout asked for ({exact.describe()}) fits in no way to run it: "
+            f"{fits_nowhere(stats, cluster, training, candidates)}",
+        )
     best = max(e.samples_per_s for e in fitting)
-    choice = min((e for e in fitting if e.samples_per_s >= (1 - TIE) * best),
-                 key=lambda e: (e.checkpointing, e.layout.cp > 1, e.layout.tp > 1, e.layout.ep > 1,
-                                STRATEGY_ORDER.index(e.layout.name), e.layout.zero))
-    return replace(plan, choice=choice, reason=(why_exact(choice, fitting, exact) if exact is not None
-                                                else why_chosen(choice, estimates, fitting, cluster)),
-                   suggestions=tuple(changes(stats, cluster, training, choice, estimates)),
-                   notes=(*plan_notes(stats, cluster, training, choice, estimates), *left_out))
+    choice = min(
+        (e for e in fitting if e.samples_per_s >= (1 - TIE) * best),
+        key=lambda e: (
+            e.checkpointing,
+            e.layout.cp > 1,
+            e.layout.tp > 1,
+            e.layout.ep > 1,
+            STRATEGY_ORDER.index(e.layout.name),
+            e.layout.zero,
+        ),
+    )
+    return replace(
+        plan,
+        choice=choice,
+        reason=(
+            why_exact(choice, fitting, exact) if exact is not None else why_chosen(choice, estimates, fitting, cluster)
+        ),
+        suggestions=tuple(changes(stats, cluster, training, choice, estimates)),
+        notes=(*plan_notes(stats, cluster, training, choice, estimates), *left_out),
+    )
 
 
 def _fitting(stats: ModelStats, e: Estimate, training: Training, cluster: Cluster, baseline: float) -> list[Estimate]:

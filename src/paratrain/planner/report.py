@@ -1,4 +1,5 @@
 """A plan as a table for people or as JSON for programs."""
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,15 @@ from .recommend import Plan
 from .timing import bubble_fraction
 from .training import Training
 
-_BREAKDOWN = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer_states"),
-              ("acts", "activations"), ("temp", "transient"), ("buffers", "buffers"), ("overhead", "overhead"))
+_BREAKDOWN = (
+    ("params", "parameters"),
+    ("grads", "gradients"),
+    ("optim", "optimizer_states"),
+    ("acts", "activations"),
+    ("temp", "transient"),
+    ("buffers", "buffers"),
+    ("overhead", "overhead"),
+)
 
 
 def _count(n: float) -> str:
@@ -60,17 +68,24 @@ def format_plan(plan: Plan, *, breakdown: bool = False) -> str:
         f"{s.largest_unit[0]} ({_count(s.largest_unit[1])}); per sample {_flops(s.flops_per_sample)} forward+backward, "
         f"{format_bytes(act)} of activations",
         *(f"warning:  {text}" for text in s.warnings),
-        f"cluster   {c.world_size} x {d.name}" + (" process" if d.shared_by_ranks else "")
+        f"cluster   {c.world_size} x {d.name}"
+        + (" process" if d.shared_by_ranks else "")
         + f" on {c.nodes} node{'s' if c.nodes > 1 else ''} ({d.memory_gib:.3g} GiB, {d.peak_tflops(t.precision):g} "
         f"TFLOP/s peak x {_efficiency(d)}); intra-node {_link(c.intra)}"
         + (f", inter-node {_link(c.inter)}" if c.nodes > 1 else ""),
         f"training  {t.precision}, {t.optimizer}{_recompute(t)}; "
         f"micro-batch {t.micro_batch} per {rank}, global batch {plan.global_batch}"
-        + (f", pipeline schedule {t.schedule}" + (f" ({t.stages_per_rank} stages per rank)"
-                                                   if t.stages_per_rank > 1 else "")
-           if any(e.layout.pp > 1 for e in plan.estimates) else "")
-        + ("" if t.sequence_parallel or all(e.layout.tp == 1 for e in plan.estimates)
-           else ", tensor parallelism without sequence parallelism"),
+        + (
+            f", pipeline schedule {t.schedule}"
+            + (f" ({t.stages_per_rank} stages per rank)" if t.stages_per_rank > 1 else "")
+            if any(e.layout.pp > 1 for e in plan.estimates)
+            else ""
+        )
+        + (
+            ""
+            if t.sequence_parallel or all(e.layout.tp == 1 for e in plan.estimates)
+            else ", tensor parallelism without sequence parallelism"
+        ),
         "",
     ]
     return "\n".join(lines + _table(plan, breakdown) + _recommended(plan))
@@ -94,9 +109,11 @@ def _table(plan: Plan, breakdown: bool) -> list[str]:
             row += "".join(f" {getattr(e.memory, key) / GIB:>8.2f}" for _, key in _BREAKDOWN)
             row += f" {'bwd' if e.memory.phase == 'backward' else 'opt':>4}"
         step_ms = e.time.step_s * 1e3
-        row += (f" {f'{e.batch.micro_batch:g} x {e.batch.micro_batches}':>10} "
-                f"{f'{step_ms:.1f}' if step_ms < 1e6 else f'{step_ms:.3g}':>9} "
-                f"{e.samples_per_s:>10,.1f} {e.speedup:>7.2f}x {e.efficiency:>5.0%}")
+        row += (
+            f" {f'{e.batch.micro_batch:g} x {e.batch.micro_batches}':>10} "
+            f"{f'{step_ms:.1f}' if step_ms < 1e6 else f'{step_ms:.3g}':>9} "
+            f"{e.samples_per_s:>10,.1f} {e.speedup:>7.2f}x {e.efficiency:>5.0%}"
+        )
         if with_cp:  # context parallelism's all-to-alls per step (its degree is in the layout column)
             row += f" {f'{e.time.cp_comm_s * 1e3:.1f}' if e.layout.cp > 1 else '-':>9}"
         lines.append(row)
@@ -128,15 +145,17 @@ def _ps_line(e: Estimate) -> str:
     sv, tr, lay = e.serving, e.serving.traffic, e.layout
     rows = ", ".join(f"{r:,.0f}" for r in tr.rows)
     touched = f" and the {rows} table rows it touches" if tr.rows else ""
-    return (f"  ps: a worker {sv.worker.total / GIB:.2f} GiB (no table, no optimizer state), the busiest server "
-            f"{sv.server.total / GIB:.2f} GiB ({_count(sv.dense_share)} dense parameters, {_count(sv.table_rows)} "
-            f"table elements, their optimizer states); per step a worker sends {format_bytes(tr.worker_sent)} and "
-            f"receives {format_bytes(tr.worker_received)} (dense {format_bytes(tr.dense)} each way{touched}); "
-            f"the busiest server receives {format_bytes(tr.server_received)} and sends "
-            f"{format_bytes(tr.server_sent)} from and to "
-            f"{lay.dp} workers over {_link(sv.link)} in {lay.dp * sv.requests} requests: its link and its serving "
-            f"loop are the bottleneck ({e.time.exposed_comm_s * 1e3:.3g} ms, of which {sv.requests_s * 1e3:.3g} ms "
-            f"the requests' host work; its optimizer step {e.time.optimizer_s * 1e3:.3g} ms)")
+    return (
+        f"  ps: a worker {sv.worker.total / GIB:.2f} GiB (no table, no optimizer state), the busiest server "
+        f"{sv.server.total / GIB:.2f} GiB ({_count(sv.dense_share)} dense parameters, {_count(sv.table_rows)} "
+        f"table elements, their optimizer states); per step a worker sends {format_bytes(tr.worker_sent)} and "
+        f"receives {format_bytes(tr.worker_received)} (dense {format_bytes(tr.dense)} each way{touched}); "
+        f"the busiest server receives {format_bytes(tr.server_received)} and sends "
+        f"{format_bytes(tr.server_sent)} from and to "
+        f"{lay.dp} workers over {_link(sv.link)} in {lay.dp * sv.requests} requests: its link and its serving "
+        f"loop are the bottleneck ({e.time.exposed_comm_s * 1e3:.3g} ms, of which {sv.requests_s * 1e3:.3g} ms "
+        f"the requests' host work; its optimizer step {e.time.optimizer_s * 1e3:.3g} ms)"
+    )
 
 
 def _efficiency(d: Device) -> str:
@@ -146,54 +165,97 @@ def _efficiency(d: Device) -> str:
 
 
 def _recompute(t: Training) -> str:
-    return {"full": ", activation checkpointing", "selective": ", selective recomputation (attention core)",
-            "op": ", per-operation selective recomputation"}.get(t.recompute_mode, "")
+    return {
+        "full": ", activation checkpointing",
+        "selective": ", selective recomputation (attention core)",
+        "op": ", per-operation selective recomputation",
+    }.get(t.recompute_mode, "")
 
 
 def _lr_line(plan: Plan) -> str:
     """How to scale the user's LR, from the global batch it was tuned at; without that batch, how to ask."""
     k, t = plan.lr_factor, plan.training
     if k is None:
-        return (f"LR: an LR tuned at another global batch than {plan.global_batch} wants scaling: --base-batch N "
-                "(that batch) says how")
+        return (
+            f"LR: an LR tuned at another global batch than {plan.global_batch} wants scaling: --base-batch N "
+            "(that batch) says how"
+        )
     if k == 1:
         return f"LR: the global batch {plan.global_batch} is the one the LR was tuned at: keep it"
     if t.base_lr is None:
         rates = f"by {k:.3g} (linear rule, with warmup) or {math.sqrt(k):.3g} (sqrt rule, safer for Adam)"
     else:
-        rates = (f"{t.base_lr:g} → {scale_lr(t.base_lr, k, 'linear'):.3g} (linear rule, with warmup) or "
-                 f"{scale_lr(t.base_lr, k, 'sqrt'):.3g} (sqrt rule, safer for Adam)")
-    return (f"LR: global batch {plan.global_batch} is {k:.3g}x the {t.base_batch} the LR was tuned at: scale it "
-            f"{rates}; paratrain.lr.scale_lr does this")
+        rates = (
+            f"{t.base_lr:g} → {scale_lr(t.base_lr, k, 'linear'):.3g} (linear rule, with warmup) or "
+            f"{scale_lr(t.base_lr, k, 'sqrt'):.3g} (sqrt rule, safer for Adam)"
+        )
+    return (
+        f"LR: global batch {plan.global_batch} is {k:.3g}x the {t.base_batch} the LR was tuned at: scale it "
+        f"{rates}; paratrain.lr.scale_lr does this"
+    )
 
 
 def _estimate_json(e: Estimate) -> dict[str, Any]:
-    return {"name": e.name, "strategy": e.layout.name, "layout": e.layout.degrees(), "fits": e.fits,
-            "tight": e.tight, "checkpointing": e.checkpointing, "micro_batch": e.batch.micro_batch,
-            "micro_batches": e.batch.micro_batches, "memory_bytes": e.memory.as_dict(), "memory_peak": e.memory.phase,
-            "capacity_bytes": e.capacity, "over_bytes": e.over, "time": e.time.as_dict(),
-            "samples_per_s": e.samples_per_s, "speedup": e.speedup, "efficiency": e.efficiency,
-            **({"ps": e.serving.as_dict()} if e.serving is not None else {})}
+    return {
+        "name": e.name,
+        "strategy": e.layout.name,
+        "layout": e.layout.degrees(),
+        "fits": e.fits,
+        "tight": e.tight,
+        "checkpointing": e.checkpointing,
+        "micro_batch": e.batch.micro_batch,
+        "micro_batches": e.batch.micro_batches,
+        "memory_bytes": e.memory.as_dict(),
+        "memory_peak": e.memory.phase,
+        "capacity_bytes": e.capacity,
+        "over_bytes": e.over,
+        "time": e.time.as_dict(),
+        "samples_per_s": e.samples_per_s,
+        "speedup": e.speedup,
+        "efficiency": e.efficiency,
+        **({"ps": e.serving.as_dict()} if e.serving is not None else {}),
+    }
 
 
 def plan_to_json(plan: Plan) -> dict[str, Any]:
     """The plan as plain data: per strategy the per-rank memory breakdown in bytes and the step times."""
     s, c, t = plan.stats, plan.cluster, plan.training
     return {
-        "model": {"name": s.name, "params": s.params, "param_bytes": dict(s.param_bytes), "source": s.source,
-                  "largest_layer": {"name": s.largest_layer[0], "params": s.largest_layer[1]},
-                  "largest_unit": {"name": s.largest_unit[0], "params": s.largest_unit[1]}, "units": len(s.units),
-                  "flops_per_sample": s.flops_per_sample, "warnings": list(s.warnings),
-                  "moe": None if s.moe is None else {"experts": s.moe.experts, "top_k": s.moe.top_k,
-                                                     "layers": s.moe.layers, "active_params": s.moe.active,
-                                                     "expert_params": s.moe.expert_params},
-                  "activation_bytes_per_sample": activation_figures(s, t, Layout.of(name="single"))[0]},
-        "cluster": {"device": asdict(c.device), "ranks_per_node": c.ranks_per_node, "nodes": c.nodes,
-                    "world_size": c.world_size, "intra": asdict(c.intra), "inter": asdict(c.inter)},
+        "model": {
+            "name": s.name,
+            "params": s.params,
+            "param_bytes": dict(s.param_bytes),
+            "source": s.source,
+            "largest_layer": {"name": s.largest_layer[0], "params": s.largest_layer[1]},
+            "largest_unit": {"name": s.largest_unit[0], "params": s.largest_unit[1]},
+            "units": len(s.units),
+            "flops_per_sample": s.flops_per_sample,
+            "warnings": list(s.warnings),
+            "moe": None
+            if s.moe is None
+            else {
+                "experts": s.moe.experts,
+                "top_k": s.moe.top_k,
+                "layers": s.moe.layers,
+                "active_params": s.moe.active,
+                "expert_params": s.moe.expert_params,
+            },
+            "activation_bytes_per_sample": activation_figures(s, t, Layout.of(name="single"))[0],
+        },
+        "cluster": {
+            "device": asdict(c.device),
+            "ranks_per_node": c.ranks_per_node,
+            "nodes": c.nodes,
+            "world_size": c.world_size,
+            "intra": asdict(c.intra),
+            "inter": asdict(c.inter),
+        },
         "training": {**asdict(t), "global_batch": plan.global_batch},
         "strategies": [_estimate_json(e) for e in plan.estimates],
-        "recommendation": {**({"name": None} if plan.choice is None else _estimate_json(plan.choice)),
-                           "reason": plan.reason},
+        "recommendation": {
+            **({"name": None} if plan.choice is None else _estimate_json(plan.choice)),
+            "reason": plan.reason,
+        },
         "suggestions": list(plan.suggestions),
         "notes": list(plan.notes),
         "lr_scaling": _lr_json(plan),
@@ -207,6 +269,5 @@ def _lr_json(plan: Plan) -> dict[str, Any] | None:
         return None
     lr: dict[str, Any] = {"base_batch": t.base_batch, "factor": k, "linear": k, "sqrt": math.sqrt(k)}
     if t.base_lr is not None:
-        lr.update(base_lr=t.base_lr, linear_lr=scale_lr(t.base_lr, k, "linear"),
-                  sqrt_lr=scale_lr(t.base_lr, k, "sqrt"))
+        lr.update(base_lr=t.base_lr, linear_lr=scale_lr(t.base_lr, k, "linear"), sqrt_lr=scale_lr(t.base_lr, k, "sqrt"))
     return lr

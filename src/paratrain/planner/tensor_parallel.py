@@ -16,6 +16,7 @@ and the loss on vocab-sharded logits. What that costs per micro-batch of b sampl
 - activations are 1/t except each column-parallel linear's input, which autograd saves as gathered (whole:
   torch does not re-gather it in backward, unlike Megatron), and the token ids and targets.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,9 @@ def rank_params(stats: ModelStats, tp: int) -> int:
     return stats.params if tp == 1 else sum(n for _, n in rank_units(stats, tp))
 
 
-def rank_activations(stats: ModelStats, figures: tuple[float, float, float], mode: str,
-                     tp: int, sequence_parallel: bool = True) -> tuple[float, float, float]:
+def rank_activations(
+    stats: ModelStats, figures: tuple[float, float, float], mode: str, tp: int, sequence_parallel: bool = True
+) -> tuple[float, float, float]:
     """Per-sample (activations, checkpointed, boundary) bytes on one of ``tp`` ranks, from the whole model's
     ``figures`` under ``mode`` (``ELEMENT_BYTES``' keys): 1/tp, except the column-parallel linears' gathered inputs
     (two per block, one for the head) and the token ids and targets (16 bytes a token), which every rank keeps
@@ -67,11 +69,15 @@ def rank_activations(stats: ModelStats, figures: tuple[float, float, float], mod
     moe_block = moe / stats.moe.layers if moe else 0.0
     acts, checkpointed, boundary = figures
     if sequence_parallel:
-        whole = (min(acts, shape.layers * 2 * c * sh + c * sh + ids + moe),
-                 min(checkpointed, 3 * c * sh + ids + moe_block))
+        whole = (
+            min(acts, shape.layers * 2 * c * sh + c * sh + ids + moe),
+            min(checkpointed, 3 * c * sh + ids + moe_block),
+        )
         return (whole[0] + (acts - whole[0]) / tp, whole[1] + (checkpointed - whole[1]) / tp, boundary / tp)
-    whole = (min(acts, shape.layers * 2 * (c + r) * sh + c * sh + ids + moe),
-             min(checkpointed, shape.layers * r * sh + 2 * (c + r) * sh + c * sh + ids + moe_block))
+    whole = (
+        min(acts, shape.layers * 2 * (c + r) * sh + c * sh + ids + moe),
+        min(checkpointed, shape.layers * r * sh + 2 * (c + r) * sh + c * sh + ids + moe_block),
+    )
     return (whole[0] + (acts - whole[0]) / tp, whole[1] + (checkpointed - whole[1]) / tp, boundary)
 
 
@@ -95,8 +101,9 @@ def tp_comm_s(stats: ModelStats, mode: str, micro_batch: float, tp: int, link: L
     shape = _shape(stats)
     residual, compute = collective_bytes(stats, mode, micro_batch)
     passes = 2 if checkpointing else 1
-    block = (passes * 2 * (all_gather_s(residual, tp, link) + reduce_scatter_s(compute, tp, link))
-             + 2 * (reduce_scatter_s(residual, tp, link) + all_gather_s(compute, tp, link)))
+    block = passes * 2 * (all_gather_s(residual, tp, link) + reduce_scatter_s(compute, tp, link)) + 2 * (
+        reduce_scatter_s(residual, tp, link) + all_gather_s(compute, tp, link)
+    )
     ends = 2 * (all_gather_s(residual, tp, link) + reduce_scatter_s(residual, tp, link))
     loss = LOSS_ALL_REDUCES * all_reduce_s(4 * micro_batch * shape.seq_len, tp, link)
     return shape.layers * block + ends + loss
@@ -111,8 +118,9 @@ def collectives_per_micro_batch(stats: ModelStats, checkpointing: bool) -> int:
 def tp_degrees(stats: ModelStats, cluster: Cluster, tp: int | None = None) -> tuple[int, ...]:
     """Tensor-parallel degrees to plan: ``tp`` when given (1: none), else every power of two >= 2 that divides a
     node's ranks and the model (``TPShape.why_not``). Models without a TP shape (traced ones) get none."""
-    if not degree_to_plan("tp", tp, stats.tp, f"needs a transformer's shape: {stats.name!r} is not a built-in GPT or "
-                          "--params"):
+    if not degree_to_plan(
+        "tp", tp, stats.tp, f"needs a transformer's shape: {stats.name!r} is not a built-in GPT or --params"
+    ):
         return ()
     if tp is not None:
         why = stats.tp.why_not(tp)

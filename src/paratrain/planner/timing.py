@@ -5,6 +5,7 @@ memory (``device.weight_passes`` passes, whatever the batch: what makes small mi
 optimizer step streams ``Training.optimizer_step_bytes`` per parameter of the rank's shard. Each collective
 takes its ring-algorithm time over its link (``collectives``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -76,9 +77,17 @@ class StepTime:
         return self.compute_s + self.bubble_s + self.optimizer_s + self.exposed_comm_s
 
     def as_dict(self) -> dict[str, float]:
-        return {"compute_s": self.compute_s, "bubble_s": self.bubble_s, "optimizer_s": self.optimizer_s,
-                "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "tp_comm_s": self.tp_comm_s,
-                "ep_comm_s": self.ep_comm_s, "cp_comm_s": self.cp_comm_s, "step_s": self.step_s}
+        return {
+            "compute_s": self.compute_s,
+            "bubble_s": self.bubble_s,
+            "optimizer_s": self.optimizer_s,
+            "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "tp_comm_s": self.tp_comm_s,
+            "ep_comm_s": self.ep_comm_s,
+            "cp_comm_s": self.cp_comm_s,
+            "step_s": self.step_s,
+        }
 
 
 def weight_bytes(params: float, training: Training, cluster: Cluster) -> float:
@@ -217,8 +226,11 @@ def rank_flops_per_sample(s: StepInputs) -> float:
     stats, layout, training = s.stats, s.layout, s.training
     traced = layout.pp > 1 and stats.unit_flops
     per_sample = executed_flops_per_sample(stats, training)
-    stage_flops_per_sample = (stage_flops(stats.units, stats.unit_flops, layout.pp) * per_sample
-                              / stats.flops_per_sample if traced else per_sample / layout.pp)
+    stage_flops_per_sample = (
+        stage_flops(stats.units, stats.unit_flops, layout.pp) * per_sample / stats.flops_per_sample
+        if traced
+        else per_sample / layout.pp
+    )
     whole = min(moe_flops(stats) * training.flops_factor / layout.pp, stage_flops_per_sample)
     return (stage_flops_per_sample - whole) / layout.tp + whole
 
@@ -246,10 +258,16 @@ def micro_batch_s(s: StepInputs) -> float:
     rate = cluster.flops_per_s(training.precision, s.ranks_per_node)
     streamed = s.stats.params if layout.mp > 1 else s.psi
     copies = fsdp_copy_bytes(s.psi, layout.zero, training) if layout.zero >= 2 else 0.0
-    return (rank_flops_per_sample(s) * s.batch.micro_batch / layout.cp / rate
-            + (weight_bytes(streamed, training, cluster) + copies
-               + activation_stream_bytes(s.stats, layout, training, cluster) * s.batch.micro_batch) / s.bandwidth
-            + machinery_s(s))
+    return (
+        rank_flops_per_sample(s) * s.batch.micro_batch / layout.cp / rate
+        + (
+            weight_bytes(streamed, training, cluster)
+            + copies
+            + activation_stream_bytes(s.stats, layout, training, cluster) * s.batch.micro_batch
+        )
+        / s.bandwidth
+        + machinery_s(s)
+    )
 
 
 def optimizer_step_s(s: StepInputs) -> float:
@@ -267,8 +285,10 @@ def _sync_groups(s: StepInputs, ranks: int) -> list[tuple[float, int, Link]]:
     ranks, or under ep the experts over the ranks holding the same ones (``expert_parallel.sync_groups``), each over
     the link of its ranks' spacing."""
     dense, experts = ranked_split(s.stats, s.layout)
-    return [(n, size, s.cluster.link_for(size, s.inner * apart))
-            for n, size, apart in sync_groups(dense, experts, ranks, s.layout)]
+    return [
+        (n, size, s.cluster.link_for(size, s.inner * apart))
+        for n, size, apart in sync_groups(dense, experts, ranks, s.layout)
+    ]
 
 
 def _hidden_in_backward(s: StepInputs, micro_s: float) -> float:
@@ -282,8 +302,10 @@ def dp_all_reduce(s: StepInputs, micro_s: float) -> Comm:
     if not s.ddp:
         return Comm()
     groups = _sync_groups(s, s.layout.grad_ranks)
-    return Comm(seconds=sum(all_reduce_s(n * s.training.bytes.grad, ranks, link) for n, ranks, link in groups),
-                window=_hidden_in_backward(s, micro_s))
+    return Comm(
+        seconds=sum(all_reduce_s(n * s.training.bytes.grad, ranks, link) for n, ranks, link in groups),
+        window=_hidden_in_backward(s, micro_s),
+    )
 
 
 def zero1_broadcast(s: StepInputs) -> Comm:
@@ -306,10 +328,16 @@ def fsdp_gather_scatter(s: StepInputs, micro_s: float) -> Comm:
     calls = (unit_count(s.stats) - 1) * fsdp_calls(layout.zero) * groups[0][2].call_s(layout.shard_ranks)
     once = layout.pp > 1
     gathers = 1 if once else 2 if layout.zero == 3 else 1
-    return Comm(seconds=sum(gathers * all_gather_s(n * training.bytes.param, ranks, link)
-                            + reduce_scatter_s(n * training.bytes.grad, ranks, link) for n, ranks, link in groups)
-                + calls,
-                window=s.cluster.device.overlap * micro_s, times=1 if once else s.micro_batches)
+    return Comm(
+        seconds=sum(
+            gathers * all_gather_s(n * training.bytes.param, ranks, link)
+            + reduce_scatter_s(n * training.bytes.grad, ranks, link)
+            for n, ranks, link in groups
+        )
+        + calls,
+        window=s.cluster.device.overlap * micro_s,
+        times=1 if once else s.micro_batches,
+    )
 
 
 def hsdp_all_reduce(s: StepInputs, micro_s: float) -> Comm:
@@ -319,8 +347,10 @@ def hsdp_all_reduce(s: StepInputs, micro_s: float) -> Comm:
     if layout.zero < 2:
         return Comm()
     link = s.cluster.link_for(layout.replicas, s.inner * layout.shard_ranks)
-    return Comm(seconds=all_reduce_s(sharded(s.stats, layout, 2) * s.training.bytes.grad, layout.replicas, link),
-                window=_hidden_in_backward(s, micro_s))
+    return Comm(
+        seconds=all_reduce_s(sharded(s.stats, layout, 2) * s.training.bytes.grad, layout.replicas, link),
+        window=_hidden_in_backward(s, micro_s),
+    )
 
 
 def _boundary_bytes(s: StepInputs) -> float:
@@ -352,8 +382,12 @@ def tp_comm(s: StepInputs) -> Comm:
     """Tensor parallelism's activation collectives (``tensor_parallel.tp_comm_s``), not hidden, over the link of tp
     consecutive ranks: a pipeline stage runs its 1/p share of them in every slot, as it sends its activations."""
     layout, training = s.layout, s.training
-    seconds = tp_comm_s(s.stats, s.mode, s.batch.micro_batch, layout.tp, s.cluster.link_for(layout.tp, 1),
-                        training.checkpointing) / layout.pp
+    seconds = (
+        tp_comm_s(
+            s.stats, s.mode, s.batch.micro_batch, layout.tp, s.cluster.link_for(layout.tp, 1), training.checkpointing
+        )
+        / layout.pp
+    )
     return Comm(seconds=seconds, times=s.slots)
 
 
@@ -361,8 +395,9 @@ def ep_comm(s: StepInputs) -> Comm:
     """Expert parallelism's all-to-alls (``expert_parallel.ep_comm_s``), not hidden, over the link of ep
     data-parallel neighbours: a pipeline stage those of its blocks in every slot."""
     layout = s.layout
-    seconds = ep_comm_s(s.stats, s.mode, s.batch.micro_batch, layout.ep, ep_link(s.cluster, layout),
-                        s.training.checkpointing, layout.pp)
+    seconds = ep_comm_s(
+        s.stats, s.mode, s.batch.micro_batch, layout.ep, ep_link(s.cluster, layout), s.training.checkpointing, layout.pp
+    )
     return Comm(seconds=seconds, times=s.slots)
 
 
@@ -370,18 +405,31 @@ def cp_comm(s: StepInputs) -> Comm:
     """Context parallelism's all-to-alls around attention (``context_parallel.cp_comm_s``), not hidden, over the link
     of cp ranks a tp group apart, every micro-batch."""
     layout = s.layout
-    seconds = context_parallel.cp_comm_s(s.stats, s.mode, s.batch.micro_batch, layout.tp, layout.cp,
-                                         context_parallel.link_of(s.cluster, layout.tp, layout.cp),
-                                         s.training.checkpointing)
+    seconds = context_parallel.cp_comm_s(
+        s.stats,
+        s.mode,
+        s.batch.micro_batch,
+        layout.tp,
+        layout.cp,
+        context_parallel.link_of(s.cluster, layout.tp, layout.cp),
+        s.training.checkpointing,
+    )
     return Comm(seconds=seconds, times=s.micro_batches)
 
 
 def comm_terms(s: StepInputs, micro_s: float) -> dict[str, Comm]:
     """Every communication term of a step, by name, in the order ``step_time`` adds them."""
-    return {"dp_all_reduce": dp_all_reduce(s, micro_s), "zero1_broadcast": zero1_broadcast(s),
-            "fsdp_gather_scatter": fsdp_gather_scatter(s, micro_s), "hsdp_all_reduce": hsdp_all_reduce(s, micro_s),
-            "pipeline_p2p": pipeline_p2p(s), "model_parallel_p2p": model_parallel_p2p(s), "tp": tp_comm(s),
-            "ep": ep_comm(s), "cp": cp_comm(s)}
+    return {
+        "dp_all_reduce": dp_all_reduce(s, micro_s),
+        "zero1_broadcast": zero1_broadcast(s),
+        "fsdp_gather_scatter": fsdp_gather_scatter(s, micro_s),
+        "hsdp_all_reduce": hsdp_all_reduce(s, micro_s),
+        "pipeline_p2p": pipeline_p2p(s),
+        "model_parallel_p2p": model_parallel_p2p(s),
+        "tp": tp_comm(s),
+        "ep": ep_comm(s),
+        "cp": cp_comm(s),
+    }
 
 
 def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Training, cluster: Cluster) -> StepTime:
@@ -397,6 +445,13 @@ def step_time(stats: ModelStats, layout: Layout, batch: Batching, training: Trai
     for comm in comms.values():
         total += comm.total_s
         exposed += comm.exposed_s
-    return StepTime(compute_s=s.micro_batches * micro_s + ddp_bucket_s(s), bubble_s=s.fill * micro_s,
-                    optimizer_s=optimizer_step_s(s), comm_s=total, exposed_comm_s=exposed,
-                    tp_comm_s=comms["tp"].total_s, ep_comm_s=comms["ep"].total_s, cp_comm_s=comms["cp"].total_s)
+    return StepTime(
+        compute_s=s.micro_batches * micro_s + ddp_bucket_s(s),
+        bubble_s=s.fill * micro_s,
+        optimizer_s=optimizer_step_s(s),
+        comm_s=total,
+        exposed_comm_s=exposed,
+        tp_comm_s=comms["tp"].total_s,
+        ep_comm_s=comms["ep"].total_s,
+        cp_comm_s=comms["cp"].total_s,
+    )

@@ -1,4 +1,5 @@
 """How the model is trained: precision, optimizer and batch sizes, and the bytes per parameter they imply."""
+
 from __future__ import annotations
 
 import math
@@ -24,11 +25,13 @@ class PrecisionBytes:
     master: int
 
 
-PRECISIONS = MappingProxyType({
-    "fp32": PrecisionBytes(param=4, grad=4, master=0),
-    "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4),
-    "fp16-mixed": PrecisionBytes(param=2, grad=2, master=4),
-})
+PRECISIONS = MappingProxyType(
+    {
+        "fp32": PrecisionBytes(param=4, grad=4, master=0),
+        "bf16-mixed": PrecisionBytes(param=2, grad=2, master=4),
+        "fp16-mixed": PrecisionBytes(param=2, grad=2, master=4),
+    }
+)
 
 OPTIMIZER_STATES = MappingProxyType({"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2})
 """Parameter-sized state tensors each optimizer the planner knows keeps: none for plain SGD, a momentum buffer, or
@@ -122,12 +125,17 @@ class Training:
             object.__setattr__(self, "checkpointing", True)
         if self.virtual_stages is not None:
             if self.schedule != "interleaved-1f1b" and self.virtual_stages != 1:
-                raise ConfigError(f"--virtual-stages {self.virtual_stages} needs --schedule interleaved-1f1b (the "
-                                  f"{self.schedule} schedule runs one stage per rank)")
+                raise ConfigError(
+                    f"--virtual-stages {self.virtual_stages} needs --schedule interleaved-1f1b (the "
+                    f"{self.schedule} schedule runs one stage per rank)"
+                )
             if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
                 raise ConfigError(f"--virtual-stages must be >= 2 with interleaved-1f1b, got {self.virtual_stages}")
-        for name, option in (("micro_batch", "--batch"), ("global_batch", "--global-batch"),
-                           ("micro_batches", "--micro-batches")):
+        for name, option in (
+            ("micro_batch", "--batch"),
+            ("global_batch", "--global-batch"),
+            ("micro_batches", "--micro-batches"),
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{option} must be >= 1, got {value}")
@@ -137,8 +145,9 @@ class Training:
             raise ConfigError(f"--ps-rows-per-step must be >= 0, got {self.rows_per_step}")
         self._check_lr_base()
         if self.table_optimizer is not None and self.table_optimizer not in TABLE_STATES:
-            raise ConfigError(f"unknown table optimizer {self.table_optimizer!r}; choose one of: "
-                              f"{', '.join(TABLE_STATES)}")
+            raise ConfigError(
+                f"unknown table optimizer {self.table_optimizer!r}; choose one of: {', '.join(TABLE_STATES)}"
+            )
 
     def _check_lr_base(self) -> None:
         if self.base_batch is not None and self.base_batch < 1:
@@ -146,14 +155,18 @@ class Training:
         if self.base_lr is not None and not self.base_lr > 0:
             raise ConfigError(f"--base-lr must be > 0, got {self.base_lr}")
         if self.base_lr is not None and self.base_batch is None:
-            raise ConfigError(f"--base-lr {self.base_lr:g} is scaled from the global batch it was tuned at; give that "
-                              "batch too (--base-batch N)")
+            raise ConfigError(
+                f"--base-lr {self.base_lr:g} is scaled from the global batch it was tuned at; give that "
+                "batch too (--base-batch N)"
+            )
 
     @property
     def bytes(self) -> PrecisionBytes:
         if self.precision == "auto":
-            raise ConfigError("precision auto is decided by the plan's device (PlanConfig); give fp32, bf16-mixed or "
-                              "fp16-mixed to a Training planned alone")
+            raise ConfigError(
+                "precision auto is decided by the plan's device (PlanConfig); give fp32, bf16-mixed or "
+                "fp16-mixed to a Training planned alone"
+            )
         return PRECISIONS[self.precision]
 
     @property
@@ -238,6 +251,8 @@ def batch_split_error(training: Training, *, dp: int, pp: int, world_size: int) 
         return None
     lower, upper = g // (dp * m) * dp * m, (g // (dp * m) + 1) * dp * m
     split = f"dp={dp} replicas" + (f" x {m} micro-batches" if m > 1 else "")
-    return (f"--global-batch {g} does not split evenly over {split} ({g / (dp * m):g} samples each); use a "
-            f"multiple of {dp * m}, e.g. {f'{lower} or {upper}' if lower else upper}"
-            + (", or change --micro-batches" if m > 1 else ""))
+    return (
+        f"--global-batch {g} does not split evenly over {split} ({g / (dp * m):g} samples each); use a "
+        f"multiple of {dp * m}, e.g. {f'{lower} or {upper}' if lower else upper}"
+        + (", or change --micro-batches" if m > 1 else "")
+    )

@@ -5,6 +5,7 @@ The shapes are pure data, so the planner plans GPT-2 or a 7B model without impor
 ``workloads.gpt.GPT`` builds the same shapes for real, and tests/planner/test_planner_stats.py holds the counts here
 equal to that module's.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,11 +61,15 @@ class GPTConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"transformer {name} must be >= 1, got {value}")
         if self.head_dim is None and self.hidden % self.heads:
-            raise ConfigError(f"hidden {self.hidden} is not divisible by heads {self.heads}: each head takes "
-                              "hidden / heads of the width; give --heads that divides --hidden")
+            raise ConfigError(
+                f"hidden {self.hidden} is not divisible by heads {self.heads}: each head takes "
+                "hidden / heads of the width; give --heads that divides --hidden"
+            )
         if self.heads % self.key_value_heads:
-            raise ConfigError(f"heads {self.heads} is not divisible by kv_heads {self.key_value_heads}: each key/value "
-                              "head serves a whole group of query heads; give --kv-heads that divides --heads")
+            raise ConfigError(
+                f"heads {self.heads} is not divisible by kv_heads {self.key_value_heads}: each key/value "
+                "head serves a whole group of query heads; give --kv-heads that divides --heads"
+            )
         if self.moe is not None and any(i >= self.layers for i in self.moe.dense_layers):
             raise ConfigError(f"MoE dense_layers {self.moe.dense_layers} name blocks beyond the {self.layers} layers")
 
@@ -110,45 +115,87 @@ def _llama_ffn(hidden: int) -> int:
 _ROTARY = dict(gated=True, bias=False, learned_positions=False, tied=False)
 """LLaMA-family blocks: RMSNorm, SwiGLU, no biases, rotary positions, an untied head."""
 
-TRANSFORMERS = MappingProxyType({
-    "gpt2": GPTConfig(layers=12, hidden=768, heads=12),                  # 124M
-    "gpt2-medium": GPTConfig(layers=24, hidden=1024, heads=16),          # 355M
-    "gpt2-large": GPTConfig(layers=36, hidden=1280, heads=20),           # 774M
-    "gpt2-xl": GPTConfig(layers=48, hidden=1600, heads=25),              # 1.56B
-    "llama-7b": GPTConfig(layers=32, hidden=4096, heads=32, seq_len=2048, vocab=32000, ffn=_llama_ffn(4096),
-                          **_ROTARY),  # 6.74B
-    # Brown et al. 2020, table 2.1: GPT-2's blocks at 96 x 12288, 2048 tokens
-    "gpt3-175b": GPTConfig(layers=96, hidden=12288, heads=96, seq_len=2048),  # 174.6B
-    # Dubey et al. 2024 ("The Llama 3 Herd of Models"), table 3; vocabulary 128256 as in the released config.json
-    "llama3-8b": GPTConfig(layers=32, hidden=4096, heads=32, kv_heads=8, seq_len=8192, vocab=128256, ffn=14336,
-                           **_ROTARY),  # 8.03B
-    "llama3-70b": GPTConfig(layers=80, hidden=8192, heads=64, kv_heads=8, seq_len=8192, vocab=128256, ffn=28672,
-                            **_ROTARY),  # 70.6B
-    "llama3-405b": GPTConfig(layers=126, hidden=16384, heads=128, kv_heads=8, seq_len=8192, vocab=128256,
-                             ffn=53248, **_ROTARY),  # 405.9B
-    # Jiang et al. 2023 ("Mistral 7B"), table 1 (its 4096-token sliding window is not modelled: full attention)
-    "mistral-7b": GPTConfig(layers=32, hidden=4096, heads=32, kv_heads=8, seq_len=8192, vocab=32000, ffn=14336,
-                            **_ROTARY),  # 7.24B
-    # Yang et al. 2024 ("Qwen2 Technical Report"), table 1; Qwen2-7B's config.json: biases on q, k, v alone
-    "qwen2-7b": GPTConfig(layers=28, hidden=3584, heads=28, kv_heads=4, seq_len=4096, vocab=152064, ffn=18944,
-                          qkv_bias=True, **_ROTARY),  # 7.62B
-    # Jiang et al. 2024 ("Mixtral of Experts"), table 1, and mistralai/Mixtral-8x7B-v0.1's config.json: Mistral 7B's
-    # blocks with 8 experts of SwiGLU 14336, top 2, trained at 32k tokens
-    "mixtral-8x7b": GPTConfig(layers=32, hidden=4096, heads=32, kv_heads=8, seq_len=32768, vocab=32000,
-                              moe=MoE(experts=8, top_k=2, ffn=14336), **_ROTARY),  # 46.7B, 12.9B active
-    # Qwen/Qwen3-30B-A3B's config.json (Qwen3 Technical Report, 2025, table 2): 128 experts of 768, top 8, no shared
-    # expert; 32 query heads of 128 over a 2048-wide stream, query/key norms; its 4096-token general pre-training
-    "qwen3-30b-a3b": GPTConfig(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, qk_norm=True,
-                               seq_len=4096, vocab=151936, moe=MoE(experts=128, top_k=8, ffn=768),
-                               **_ROTARY),  # 30.5B, 3.3B active
-    # openai/gpt-oss-20b's config.json (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card", table 1): 32 experts
-    # of 2880, top 4, biases on q, k, v, the router and the experts; 64 heads of 64 over 2880; the 4096-token
-    # pre-training context (rope_scaling's original_max_position_embeddings). Not modelled: the alternating
-    # 128-token sliding window, the attention output's bias and the attention sinks (71K parameters)
-    "gpt-oss-20b": GPTConfig(layers=24, hidden=2880, heads=64, kv_heads=8, head_dim=64, seq_len=4096, vocab=201088,
-                             qkv_bias=True, moe=MoE(experts=32, top_k=4, ffn=2880, bias=True),
-                             **_ROTARY),  # 20.9B, 3.6B active
-})
+TRANSFORMERS = MappingProxyType(
+    {
+        "gpt2": GPTConfig(layers=12, hidden=768, heads=12),  # 124M
+        "gpt2-medium": GPTConfig(layers=24, hidden=1024, heads=16),  # 355M
+        "gpt2-large": GPTConfig(layers=36, hidden=1280, heads=20),  # 774M
+        "gpt2-xl": GPTConfig(layers=48, hidden=1600, heads=25),  # 1.56B
+        "llama-7b": GPTConfig(
+            layers=32, hidden=4096, heads=32, seq_len=2048, vocab=32000, ffn=_llama_ffn(4096), **_ROTARY
+        ),  # 6.74B
+        # Brown et al. 2020, table 2.1: GPT-2's blocks at 96 x 12288, 2048 tokens
+        "gpt3-175b": GPTConfig(layers=96, hidden=12288, heads=96, seq_len=2048),  # 174.6B
+        # Dubey et al. 2024 ("The Llama 3 Herd of Models"), table 3; vocabulary 128256 as in the released config.json
+        "llama3-8b": GPTConfig(
+            layers=32, hidden=4096, heads=32, kv_heads=8, seq_len=8192, vocab=128256, ffn=14336, **_ROTARY
+        ),  # 8.03B
+        "llama3-70b": GPTConfig(
+            layers=80, hidden=8192, heads=64, kv_heads=8, seq_len=8192, vocab=128256, ffn=28672, **_ROTARY
+        ),  # 70.6B
+        "llama3-405b": GPTConfig(
+            layers=126, hidden=16384, heads=128, kv_heads=8, seq_len=8192, vocab=128256, ffn=53248, **_ROTARY
+        ),  # 405.9B
+        # Jiang et al. 2023 ("Mistral 7B"), table 1 (its 4096-token sliding window is not modelled: full attention)
+        "mistral-7b": GPTConfig(
+            layers=32, hidden=4096, heads=32, kv_heads=8, seq_len=8192, vocab=32000, ffn=14336, **_ROTARY
+        ),  # 7.24B
+        # Yang et al. 2024 ("Qwen2 Technical Report"), table 1; Qwen2-7B's config.json: biases on q, k, v alone
+        "qwen2-7b": GPTConfig(
+            layers=28,
+            hidden=3584,
+            heads=28,
+            kv_heads=4,
+            seq_len=4096,
+            vocab=152064,
+            ffn=18944,
+            qkv_bias=True,
+            **_ROTARY,
+        ),  # 7.62B
+        # Jiang et al. 2024 ("Mixtral of Experts"), table 1, and mistralai/Mixtral-8x7B-v0.1's config.json: Mistral 7B's
+        # blocks with 8 experts of SwiGLU 14336, top 2, trained at 32k tokens
+        "mixtral-8x7b": GPTConfig(
+            layers=32,
+            hidden=4096,
+            heads=32,
+            kv_heads=8,
+            seq_len=32768,
+            vocab=32000,
+            moe=MoE(experts=8, top_k=2, ffn=14336),
+            **_ROTARY,
+        ),  # 46.7B, 12.9B active
+        # Qwen/Qwen3-30B-A3B's config.json (Qwen3 Technical Report, 2025, table 2): 128 experts of 768, top 8, no shared
+        # expert; 32 query heads of 128 over a 2048-wide stream, query/key norms; its 4096-token general pre-training
+        "qwen3-30b-a3b": GPTConfig(
+            layers=48,
+            hidden=2048,
+            heads=32,
+            kv_heads=4,
+            head_dim=128,
+            qk_norm=True,
+            seq_len=4096,
+            vocab=151936,
+            moe=MoE(experts=128, top_k=8, ffn=768),
+            **_ROTARY,
+        ),  # 30.5B, 3.3B active
+        # openai/gpt-oss-20b's config.json (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card", table 1): 32 experts
+        # of 2880, top 4, biases on q, k, v, the router and the experts; 64 heads of 64 over 2880; the 4096-token
+        # pre-training context (rope_scaling's original_max_position_embeddings). Not modelled: the alternating
+        # 128-token sliding window, the attention output's bias and the attention sinks (71K parameters)
+        "gpt-oss-20b": GPTConfig(
+            layers=24,
+            hidden=2880,
+            heads=64,
+            kv_heads=8,
+            head_dim=64,
+            seq_len=4096,
+            vocab=201088,
+            qkv_bias=True,
+            moe=MoE(experts=32, top_k=4, ffn=2880, bias=True),
+            **_ROTARY,
+        ),  # 20.9B, 3.6B active
+    }
+)
 """The named sizes planned in closed form: GPT-2's four published sizes, a LLaMA-7B-like shape, GPT-3 175B, the
 grouped-query families (Llama 3, Mistral, Qwen2) and three mixtures of experts (Mixtral 8x7B, Qwen3-30B-A3B,
 GPT-OSS-20B) at their published shapes, each with its pre-training context. tests/planner/test_planner_presets.py
@@ -166,8 +213,15 @@ def transformer_params(cfg: GPTConfig) -> dict[str, int]:
     head = (2 * cfg.hidden if cfg.bias else cfg.hidden) + (0 if cfg.tied else cfg.vocab * cfg.hidden)
     total = embedding + sum(n for n, _, _ in blocks) + head
     idle = 0 if cfg.moe is None else idle_params(cfg.moe, cfg.hidden, cfg.gated)
-    return {"embedding": embedding, "block": blocks[0][0], "head": head, "total": total, "block_split": blocks[0][1],
-            "experts": sum(x for _, _, x in blocks), "active": total - idle * sum(1 for _, _, x in blocks if x)}
+    return {
+        "embedding": embedding,
+        "block": blocks[0][0],
+        "head": head,
+        "total": total,
+        "block_split": blocks[0][1],
+        "experts": sum(x for _, _, x in blocks),
+        "active": total - idle * sum(1 for _, _, x in blocks if x),
+    }
 
 
 def moe_block(cfg: GPTConfig, index: int) -> bool:
@@ -184,8 +238,9 @@ def block_params(cfg: GPTConfig) -> tuple[tuple[int, int, int], ...]:
     attention = h * q + q * cfg.has_qkv_bias + att * h + h * b
     fc = 2 * f if cfg.gated else f
     dense = (h * fc + fc * b + f * h + h * b, h * fc + fc * b + f * h, 0)
-    sparse = dense if cfg.moe is None else (lambda r, o, sp: (r + o, sp, r))(*mlp_params(cfg.moe, h, cfg.gated,
-                                                                                          cfg.bias))
+    sparse = (
+        dense if cfg.moe is None else (lambda r, o, sp: (r + o, sp, r))(*mlp_params(cfg.moe, h, cfg.gated, cfg.bias))
+    )
     out = []
     for i in range(cfg.layers):
         mlp, split, routed = sparse if moe_block(cfg, i) else dense
@@ -205,8 +260,15 @@ def transformer_tensors(cfg: GPTConfig, block: int | None = None) -> tuple[int, 
     norm = (h, h) if cfg.bias else (h,)
     fc = 2 * f if cfg.gated else f
     attention = (h * q,) if cfg.key_value_heads == cfg.heads else (h * att, h * (q - att))
-    attend = (*norm, *attention, *(q,) * cfg.has_qkv_bias, *(cfg.head_width,) * (2 * cfg.qk_norm), att * h,
-              *(h,) * b, *norm)
+    attend = (
+        *norm,
+        *attention,
+        *(q,) * cfg.has_qkv_bias,
+        *(cfg.head_width,) * (2 * cfg.qk_norm),
+        att * h,
+        *(h,) * b,
+        *norm,
+    )
     dense = (h * fc, *(fc,) * b, f * h, *(h,) * b)
     sparse = dense if cfg.moe is None else mlp_tensors(cfg.moe, h, cfg.gated, cfg.bias)
     if block is not None:
@@ -243,8 +305,19 @@ def transformer_activations(cfg: GPTConfig, *, residual: int, act: int, experts:
         mlp = act * s * f * (4 if cfg.gated else 2)
     heads = a + cfg.key_value_heads
     qk_norms = act * s * (2 * cfg.head_width * heads + heads) if cfg.qk_norm else 0
-    block = (residual * s * h + norm + act * s * h + act * s * cfg.qkv_width + qk_norms
-             + act * s * cfg.attention_width + 4 * a * s + residual * s * h + norm + act * s * h + mlp)
+    block = (
+        residual * s * h
+        + norm
+        + act * s * h
+        + act * s * cfg.qkv_width
+        + qk_norms
+        + act * s * cfg.attention_width
+        + 4 * a * s
+        + residual * s * h
+        + norm
+        + act * s * h
+        + mlp
+    )
     outside = residual * s * h + norm + act * s * h + 4 * s * v + 16 * s
     return float(block), float(outside)
 
@@ -275,62 +348,99 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
     total = counts["total"] if params is None else params
     if params is not None:
         if cfg.moe is not None:
-            raise ConfigError("--params sizes a dense transformer; a mixture of experts is counted from its shape: "
-                              "drop --params")
+            raise ConfigError(
+                "--params sizes a dense transformer; a mixture of experts is counted from its shape: drop --params"
+            )
         block = (params - counts["embedding"] - counts["head"]) // n_layers
         if block < 1:
-            raise ConfigError(f"--params {params:,} leaves nothing for {n_layers} layers after the "
-                              f"{counts['embedding'] + counts['head']:,}-parameter embedding and head; "
-                              "lower --vocab/--hidden or raise --params")
+            raise ConfigError(
+                f"--params {params:,} leaves nothing for {n_layers} layers after the "
+                f"{counts['embedding'] + counts['head']:,}-parameter embedding and head; "
+                "lower --vocab/--hidden or raise --params"
+            )
         sizes, splits = (block,) * n_layers, (counts["block_split"] * block // counts["block"],) * n_layers
     non_matmul = (s * h if cfg.learned_positions else 0) + (0 if cfg.tied else v * h)
     attention_flops = 12 * n_layers * cfg.attention_width * s * s
     flops = 6 * (total - (counts["total"] - counts["active"]) - non_matmul) * s + attention_flops
     experts = [i for i in range(n_layers) if moe_block(cfg, i)]
-    units = (("embedding", counts["embedding"]), *((f"blocks.{i}", n) for i, n in enumerate(sizes)),
-             ("head", counts["head"]))
+    units = (
+        ("embedding", counts["embedding"]),
+        *((f"blocks.{i}", n) for i, n in enumerate(sizes)),
+        ("head", counts["head"]),
+    )
 
     def figures(residual: int, act: int) -> tuple[float, float, float]:
         (dense, sparse), outside = _block_activations(cfg, residual, act)
         per_block = [sparse if i in experts else dense for i in range(n_layers)]
-        return (sum(per_block) + outside, n_layers * residual * s * h + max(per_block) + outside,
-                float(residual * s * h))
+        return (
+            sum(per_block) + outside,
+            n_layers * residual * s * h + max(per_block) + outside,
+            float(residual * s * h),
+        )
 
     def op_saved(residual: int, act: int) -> float:
         """Per-sample bytes kept under per-operation selective AC (torchtitan's "op" policy): each block's input,
         every other matrix product's output (half of QKV, attention-out, MLP-in and MLP-out's outputs) and the
         attention kernel's output and log-sum-exp; outside the blocks as without AC."""
         _, outside = transformer_activations(cfg, residual=residual, act=act)
-        kept = sum(residual * s * h + act * s * (cfg.qkv_width + h + _mlp_outputs(cfg, i in experts)) / 2
-                   + act * s * cfg.attention_width + 4 * cfg.heads * s for i in range(n_layers))
+        kept = sum(
+            residual * s * h
+            + act * s * (cfg.qkv_width + h + _mlp_outputs(cfg, i in experts)) / 2
+            + act * s * cfg.attention_width
+            + 4 * cfg.heads * s
+            for i in range(n_layers)
+        )
         return kept + outside
 
     fp32 = figures(*ELEMENT_BYTES["fp32"])
-    tp = TPShape(layers=n_layers, hidden=h, seq_len=s, divides=_tp_divides(cfg),
-                 split=(v * h, *splits, 0 if cfg.tied else v * h))
-    moe = None if cfg.moe is None else MoEShape(
-        experts=cfg.moe.experts, top_k=cfg.moe.top_k, layers=len(experts), hidden=h, seq_len=s,
-        unit_experts=(0, *(x for _, _, x in blocks), 0), active=counts["active"],
-        whole=len(experts) * mlp_params(cfg.moe, h, cfg.gated, cfg.bias)[1],
-        mlp_activations={mode: len(experts) * s * mlp_activations(cfg.moe, h, cfg.gated, act=ELEMENT_BYTES[mode][1])
-                         for mode in ("fp32", "autocast", "param_dtype")})
-    return ModelStats(name=name, params=total, units=units, largest_layer=_largest_layer(cfg, blocks),
-                      flops_per_sample=float(flops), attention_flops_per_sample=float(attention_flops),
-                      activation_bytes_per_sample=fp32[0],
-                      checkpointed_bytes_per_sample=fp32[1], boundary_bytes_per_sample=fp32[2],
-                      mixed={mode: figures(*ELEMENT_BYTES[mode]) for mode in ("autocast", "param_dtype")},
-                      op_checkpointed={mode: op_saved(*ELEMENT_BYTES[mode])
-                                       for mode in ("fp32", "autocast", "param_dtype")},
-                      matmul_params=_matmul_params(cfg), tp=tp, cut_between_blocks=True,
-                      cp=CPShape(layers=n_layers, seq_len=s, heads=cfg.heads, kv_heads=cfg.key_value_heads,
-                                 head_dim=cfg.head_width),
-                      pipeline_copy=v * h if cfg.tied else 0, output_bytes_per_sample=4.0 * s * v,
-                      largest_activation_bytes_per_sample=4.0 * s * _widest(cfg, bool(experts)),
-                      param_bytes={"float32": 4 * total},
-                      tensors=transformer_tensors(cfg, None if params is None else sizes[0]), moe=moe,
-                      tables=(TableStats(name="wte", rows=v, dim=h, lookups_per_sample=s),)
-                      if not cfg.tied and v * h >= TABLE_MIN_NUMEL else (),
-                      source=f"closed-form transformer ({_describe(cfg)})")
+    tp = TPShape(
+        layers=n_layers, hidden=h, seq_len=s, divides=_tp_divides(cfg), split=(v * h, *splits, 0 if cfg.tied else v * h)
+    )
+    moe = (
+        None
+        if cfg.moe is None
+        else MoEShape(
+            experts=cfg.moe.experts,
+            top_k=cfg.moe.top_k,
+            layers=len(experts),
+            hidden=h,
+            seq_len=s,
+            unit_experts=(0, *(x for _, _, x in blocks), 0),
+            active=counts["active"],
+            whole=len(experts) * mlp_params(cfg.moe, h, cfg.gated, cfg.bias)[1],
+            mlp_activations={
+                mode: len(experts) * s * mlp_activations(cfg.moe, h, cfg.gated, act=ELEMENT_BYTES[mode][1])
+                for mode in ("fp32", "autocast", "param_dtype")
+            },
+        )
+    )
+    return ModelStats(
+        name=name,
+        params=total,
+        units=units,
+        largest_layer=_largest_layer(cfg, blocks),
+        flops_per_sample=float(flops),
+        attention_flops_per_sample=float(attention_flops),
+        activation_bytes_per_sample=fp32[0],
+        checkpointed_bytes_per_sample=fp32[1],
+        boundary_bytes_per_sample=fp32[2],
+        mixed={mode: figures(*ELEMENT_BYTES[mode]) for mode in ("autocast", "param_dtype")},
+        op_checkpointed={mode: op_saved(*ELEMENT_BYTES[mode]) for mode in ("fp32", "autocast", "param_dtype")},
+        matmul_params=_matmul_params(cfg),
+        tp=tp,
+        cut_between_blocks=True,
+        cp=CPShape(layers=n_layers, seq_len=s, heads=cfg.heads, kv_heads=cfg.key_value_heads, head_dim=cfg.head_width),
+        pipeline_copy=v * h if cfg.tied else 0,
+        output_bytes_per_sample=4.0 * s * v,
+        largest_activation_bytes_per_sample=4.0 * s * _widest(cfg, bool(experts)),
+        param_bytes={"float32": 4 * total},
+        tensors=transformer_tensors(cfg, None if params is None else sizes[0]),
+        moe=moe,
+        tables=(TableStats(name="wte", rows=v, dim=h, lookups_per_sample=s),)
+        if not cfg.tied and v * h >= TABLE_MIN_NUMEL
+        else (),
+        source=f"closed-form transformer ({_describe(cfg)})",
+    )
 
 
 def _block_activations(cfg: GPTConfig, residual: int, act: int) -> tuple[tuple[float, float], float]:
@@ -356,9 +466,16 @@ def _matmul_params(cfg: GPTConfig) -> int:
     h, g = cfg.hidden, 2 if cfg.gated else 1
     attention = h * cfg.qkv_width + cfg.attention_width * h
     dense = (g + 1) * cfg.ffn_width * h
-    sparse = dense if cfg.moe is None else (
-        cfg.moe.experts * h + cfg.moe.experts * (g + 1) * cfg.moe.ffn * h + (g + 1) * cfg.moe.shared * h
-        + h * cfg.moe.shared_gate)
+    sparse = (
+        dense
+        if cfg.moe is None
+        else (
+            cfg.moe.experts * h
+            + cfg.moe.experts * (g + 1) * cfg.moe.ffn * h
+            + (g + 1) * cfg.moe.shared * h
+            + h * cfg.moe.shared_gate
+        )
+    )
     return sum(attention + (sparse if moe_block(cfg, i) else dense) for i in range(cfg.layers)) + cfg.vocab * h
 
 
@@ -392,14 +509,25 @@ def _largest_layer(cfg: GPTConfig, blocks: tuple[tuple[int, int, int], ...]) -> 
 def _describe(cfg: GPTConfig) -> str:
     """The shape in words, for a plan's model line."""
     kv, m = cfg.key_value_heads, cfg.moe
-    experts = "" if m is None else (
-        f", MoE {m.experts} experts (top {m.top_k}, width {m.ffn})" + (f" + shared {m.shared}" if m.shared else "")
-        + (f" in {cfg.layers - len(m.dense_layers)} of {cfg.layers} blocks" if m.dense_layers else ""))
-    return (f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads" + (f" ({kv} key/value)" if kv != cfg.heads
-                                                                            else "")
-            + (f" of {cfg.head_dim}" if cfg.head_dim is not None else "")
-            + f", seq {cfg.seq_len}, vocab {cfg.vocab}" + (f", MLP {cfg.ffn_width}" if cfg.ffn is not None else "")
-            + (", SwiGLU" if cfg.gated else "") + experts + ("" if cfg.tied else ", untied head"))
+    experts = (
+        ""
+        if m is None
+        else (
+            f", MoE {m.experts} experts (top {m.top_k}, width {m.ffn})"
+            + (f" + shared {m.shared}" if m.shared else "")
+            + (f" in {cfg.layers - len(m.dense_layers)} of {cfg.layers} blocks" if m.dense_layers else "")
+        )
+    )
+    return (
+        f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads"
+        + (f" ({kv} key/value)" if kv != cfg.heads else "")
+        + (f" of {cfg.head_dim}" if cfg.head_dim is not None else "")
+        + f", seq {cfg.seq_len}, vocab {cfg.vocab}"
+        + (f", MLP {cfg.ffn_width}" if cfg.ffn is not None else "")
+        + (", SwiGLU" if cfg.gated else "")
+        + experts
+        + ("" if cfg.tied else ", untied head")
+    )
 
 
 def _tp_divides(cfg: GPTConfig) -> tuple[tuple[str, int], ...]:
@@ -413,8 +541,15 @@ def _tp_divides(cfg: GPTConfig) -> tuple[tuple[str, int], ...]:
     return (("heads", cfg.heads), *kv, *mlp, *shared)
 
 
-def transformer_shape(params: float, *, layers: int | None = None, hidden: int | None = None,
-                      heads: int | None = None, seq_len: int = 2048, vocab: int = 50257) -> GPTConfig:
+def transformer_shape(
+    params: float,
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    seq_len: int = 2048,
+    vocab: int = 50257,
+) -> GPTConfig:
     """A plausible GPT shape for ``params`` parameters when only some figures are known.
 
     Uses N ≈ 12·L·h² (a block's four h×h-equivalent matrices and its 4h MLP) for the missing one, and when

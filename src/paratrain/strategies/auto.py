@@ -11,6 +11,7 @@ zero3 over groups of tp ranks when even zero3 does not fit and the model's tenso
 A model with mixture-of-experts layers (:func:`paratrain.model.experts.has_experts`) lets the planner weigh expert
 parallelism; when it picks ep ranks, the strategy is asked for them with its ``ep=`` option.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -35,9 +36,11 @@ from .base import Strategy
 from .registry import create
 from .tp_shape import model_shape
 
-BEFORE_THE_MODEL = ("strategy 'auto' chooses the layout when prepare() sees the model, and the data's shards and "
-                    "metrics follow that layout; prepare the model first (par.prepare(model, optimizer, loader)), "
-                    "then loaders, mean and sum")
+BEFORE_THE_MODEL = (
+    "strategy 'auto' chooses the layout when prepare() sees the model, and the data's shards and "
+    "metrics follow that layout; prepare the model first (par.prepare(model, optimizer, loader)), "
+    "then loaders, mean and sum"
+)
 
 
 def loader_batch(loader: Any) -> tuple[int, int | None] | None:
@@ -59,9 +62,15 @@ def loader_batch(loader: Any) -> tuple[int, int | None] | None:
     return size, tokens
 
 
-def choose_strategy(model: nn.Module, env: ClusterEnv, device: torch.device, precision: str,
-                    least: Callable[[float], float], optimizer: torch.optim.Optimizer | None = None,
-                    loader: Any = None) -> tuple[Strategy, list[str]]:
+def choose_strategy(
+    model: nn.Module,
+    env: ClusterEnv,
+    device: torch.device,
+    precision: str,
+    least: Callable[[float], float],
+    optimizer: torch.optim.Optimizer | None = None,
+    loader: Any = None,
+) -> tuple[Strategy, list[str]]:
     """The strategy ``auto`` picks for ``model`` on this job, and the lines that say which and why (rank 0 prints
     them). ``least(x)``: the minimum of ``x`` over the ranks. ``optimizer``: the user's, when ``prepare`` was
     given it with the model; its states are planned, else AdamW's are assumed (and the lines say so). ``loader``:
@@ -90,12 +99,20 @@ def strategy_options(choice: AutoChoice) -> dict[str, int]:
     return {name: degree for name, degree in (("tp", choice.tp), ("ep", choice.ep), ("cp", choice.cp)) if degree > 1}
 
 
-def agree_on_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None, env: ClusterEnv, device: torch.device,
-                      precision: str, say: Callable[[str], None], loader: Any = None) -> Strategy:
+def agree_on_strategy(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    env: ClusterEnv,
+    device: torch.device,
+    precision: str,
+    say: Callable[[str], None],
+    loader: Any = None,
+) -> Strategy:
     """:func:`choose_strategy` from the least memory over the ranks, checked to be the same choice on every rank
     (collective); ``say`` prints which and why."""
-    strategy, lines = choose_strategy(model, env, device, precision, lambda value: least(value, device), optimizer,
-                                      loader)
+    strategy, lines = choose_strategy(
+        model, env, device, precision, lambda value: least(value, device), optimizer, loader
+    )
     check_ranks_agree({"strategy 'auto' chose": strategy.describe()}, env.rank, env.world_size)
     for line in lines:
         say(line)

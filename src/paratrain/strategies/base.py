@@ -3,6 +3,7 @@
 The real work lives in free functions over a model and a ``DeviceMesh`` (:mod:`paratrain.distributed`) so hybrid
 strategies compose them instead of copying them.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -4,6 +4,7 @@ A named strategy is decided at construction. ``auto`` at several processes is no
 first sees the model (:mod:`.auto`), by every rank alike, and only then is the mesh built. Until that moment the
 data-parallel view (loaders, ``mean``) has no layout to follow and refuses in one line.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,8 +27,9 @@ from .registry import strategy_for
 class ChosenStrategy:
     """``Parallel(strategy=spec, **options)``'s strategy and mesh, with ``auto``'s choice deferred to the model."""
 
-    def __init__(self, spec: str | Strategy, env: ClusterEnv, options: dict[str, Any], moe_aux_loss: str = "local"
-                 ) -> None:
+    def __init__(
+        self, spec: str | Strategy, env: ClusterEnv, options: dict[str, Any], moe_aux_loss: str = "local"
+    ) -> None:
         self.env = env
         self.moe_aux_loss = moe_aux_loss
         """How a mixture of experts' router loss is computed (:mod:`paratrain.distributed.router_loss`)."""
@@ -43,11 +45,13 @@ class ChosenStrategy:
         sends host tensors of its own (then the group serves them beside the accelerator's), whether this rank
         starts a private group instead of joining the job's (a parameter-server worker that came back), and which
         device it binds given the one its local rank selects (``model_parallel``: its first stage's)."""
-        return {"needs_group": self.pending or self.strategy.uses_group(self.env),
-                "on_host": not self.pending and self.strategy.server.on_host(self.env),
-                "host_tensors": self.strategy.host_tensors,
-                "alone": not self.pending and self.strategy.server.joins_alone(self.env),
-                "device_of": self.process_device}
+        return {
+            "needs_group": self.pending or self.strategy.uses_group(self.env),
+            "on_host": not self.pending and self.strategy.server.on_host(self.env),
+            "host_tensors": self.strategy.host_tensors,
+            "alone": not self.pending and self.strategy.server.joins_alone(self.env),
+            "device_of": self.process_device,
+        }
 
     def process_device(self, selected: torch.device) -> torch.device:
         """The device this rank binds its group to and makes current, given ``selected``, its local rank's: the
@@ -60,17 +64,31 @@ class ChosenStrategy:
         same everywhere."""
         if self.pending:
             return {"strategy": "auto", "mesh": "auto", "moe_aux_loss": self.moe_aux_loss}
-        return {"strategy": self.strategy.describe(), "mesh": str(self.strategy.dims(self.env).mesh_shape()),
-                "moe_aux_loss": self.moe_aux_loss}
+        return {
+            "strategy": self.strategy.describe(),
+            "mesh": str(self.strategy.dims(self.env).mesh_shape()),
+            "moe_aux_loss": self.moe_aux_loss,
+        }
 
     def build_mesh(self, device: torch.device) -> None:
         """The mesh of the decided strategy, when it runs on a process group (none while ``auto`` waits)."""
-        if (not self.pending and self.strategy.uses_group(self.env) and dist.is_initialized()
-                and dist.get_world_size() == self.env.world_size):  # not on a rank that joined alone
+        if (
+            not self.pending
+            and self.strategy.uses_group(self.env)
+            and dist.is_initialized()
+            and dist.get_world_size() == self.env.world_size
+        ):  # not on a rank that joined alone
             self.mesh = build_mesh(device, self.strategy.dims(self.env), self.env.world_size)
 
-    def decide(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, loader: Any, device: torch.device,
-               precision: str, say: Callable[[str], None]) -> None:
+    def decide(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        loader: Any,
+        device: torch.device,
+        precision: str,
+        say: Callable[[str], None],
+    ) -> None:
         """Choose ``auto``'s layout for ``model`` (collective, agreed by every rank), then build its mesh; nothing
         when the strategy was already decided. ``optimizer`` and ``loader`` (if given) are planned with it."""
         if self.pending:

@@ -3,6 +3,7 @@ and its options ask for them), then the preset's data-parallel engine, in the or
 :func:`~paratrain.distributed.parallelize.parallelize` states. What differs between ``ddp``, ``zero1``, ``zero2``,
 ``zero3``, ``hsdp``, ``tp`` and ``single`` is data: the preset's row and the options given.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,8 +37,9 @@ class Composed(Strategy):
         self.cp = context_parallel(_cp_config(preset, options))
         self.ep = expert_parallel(EPConfig.pop(options, preset.name, preset.takes.ep))
         if config is not None and options:
-            raise ConfigError(f"strategy {preset.name!r} got options {sorted(options)} beside a config object; set "
-                              "them on the config")
+            raise ConfigError(
+                f"strategy {preset.name!r} got options {sorted(options)} beside a config object; set them on the config"
+            )
         engine_options = {**preset.defaults, **options} if config is None else {}
         self.data = preset.engine(engine_options, split=self.tp.splits, config=config)  # type: ignore[arg-type]
         self.native_precision = self.data.native_precision  # type: ignore[misc]
@@ -51,8 +53,10 @@ class Composed(Strategy):
 
     def validate(self, env: ClusterEnv) -> None:
         if not self.preset.groups and env.world_size > 1:
-            raise ConfigError(f"strategy {self.name!r} would train {env.world_size} independent copies "
-                              f"(WORLD_SIZE={env.world_size}); use strategy='ddp' or launch one process")
+            raise ConfigError(
+                f"strategy {self.name!r} would train {env.world_size} independent copies "
+                f"(WORLD_SIZE={env.world_size}); use strategy='ddp' or launch one process"
+            )
         self.dims(env)
 
     def dims(self, env: ClusterEnv) -> ParallelDims:
@@ -61,8 +65,11 @@ class Composed(Strategy):
         if self.preset.hierarchical:
             return _hierarchical(self.name, env, self.data.config.shard_size, cp)  # type: ignore[attr-defined]
         dp, zero, ep = env.world_size // (tp * cp), self.data.zero, self.ep.degree
-        return (ParallelDims(dp_shard=dp, zero=zero, cp=cp, tp=tp, ep=ep) if zero else
-                ParallelDims(dp_replicate=dp, cp=cp, tp=tp, ep=ep))
+        return (
+            ParallelDims(dp_shard=dp, zero=zero, cp=cp, tp=tp, ep=ep)
+            if zero
+            else ParallelDims(dp_replicate=dp, cp=cp, tp=tp, ep=ep)
+        )
 
     def tp_degree(self, env: ClusterEnv) -> int:
         if self.preset.takes.tp != "all":
@@ -70,9 +77,11 @@ class Composed(Strategy):
         degree = self.tp.config.degree  # type: ignore[union-attr]
         if degree is not None and degree != env.world_size:
             replicas = env.world_size // degree if env.world_size % degree == 0 else "k"
-            raise ConfigError(f"strategy {self.name!r} splits each layer over all {env.world_size} processes, not "
-                              f"tp={degree}; for {replicas} replicas of tp={degree} use Parallel('ddp', tp={degree}) "
-                              f"or Parallel('zero3', tp={degree})")
+            raise ConfigError(
+                f"strategy {self.name!r} splits each layer over all {env.world_size} processes, not "
+                f"tp={degree}; for {replicas} replicas of tp={degree} use Parallel('ddp', tp={degree}) "
+                f"or Parallel('zero3', tp={degree})"
+            )
         return env.world_size
 
     def wrap_model(self, model: nn.Module, rt: Runtime) -> nn.Module:
@@ -81,9 +90,13 @@ class Composed(Strategy):
         data_mesh = mesh["dp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else mesh
         # the cp ranks' gradients are reduced with the data-parallel ranks' (dp x cp)
         data_mesh = self.cp.gradient_mesh(mesh, data_mesh)
-        return rt.parallelize(model, tp=self.tp.splitter(rt, self.ep.modules), cp=self.cp.step(mesh),
-                              ep=self.ep.step(data_mesh, rt.device, self.data.zero, self.data.expert_shard_options(rt)),
-                              data=self.data.step(rt, data_mesh))
+        return rt.parallelize(
+            model,
+            tp=self.tp.splitter(rt, self.ep.modules),
+            cp=self.cp.step(mesh),
+            ep=self.ep.step(data_mesh, rt.device, self.data.zero, self.data.expert_shard_options(rt)),
+            data=self.data.step(rt, data_mesh),
+        )
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         if self.data.swaps_parameters or self.tp.splits or self.ep.splits:  # it must hold the new parameter objects
@@ -133,8 +146,9 @@ class Composed(Strategy):
     def describe(self) -> str:
         if self.preset.takes.tp == "all":
             return self.tp.describe()  # type: ignore[return-value]
-        parts = [part for part in (self.data.detail(), self.tp.describe(), self.cp.describe(), self.ep.describe())
-                 if part]
+        parts = [
+            part for part in (self.data.detail(), self.tp.describe(), self.cp.describe(), self.ep.describe()) if part
+        ]
         return f"{self.name}({', '.join(parts)})" if parts else self.name
 
 
@@ -162,16 +176,22 @@ def _hierarchical(name: str, env: ClusterEnv, shard: int | None, cp: int = 1) ->
     the data-parallel ones."""
     world_size = env.world_size // cp
     if world_size < 4:
-        raise ConfigError(f"{name} shards within groups and replicates across them: it needs at least 4 "
-                          f"processes, got {world_size}; use zero3 or ddp, or launch more (-n 4)")
+        raise ConfigError(
+            f"{name} shards within groups and replicates across them: it needs at least 4 "
+            f"processes, got {world_size}; use zero3 or ddp, or launch more (-n 4)"
+        )
     if shard is None:
         shard = env.local_world_size // cp if env.local_world_size < env.world_size else world_size // 2
     if shard < 1 or world_size % shard:
-        raise ConfigError(f"{name} cannot split {world_size} processes into shard groups of {shard}; "
-                          "set shard_size to a divisor of the world size")
+        raise ConfigError(
+            f"{name} cannot split {world_size} processes into shard groups of {shard}; "
+            "set shard_size to a divisor of the world size"
+        )
     if shard == world_size or shard == 1:
-        raise ConfigError(f"{name} with shard groups of {shard} out of {world_size} processes is plain "
-                          f"{'zero3' if shard == world_size else 'ddp'}; use that, or more processes (e.g. -n 4)")
+        raise ConfigError(
+            f"{name} with shard groups of {shard} out of {world_size} processes is plain "
+            f"{'zero3' if shard == world_size else 'ddp'}; use that, or more processes (e.g. -n 4)"
+        )
     return ParallelDims(dp_replicate=world_size // shard, dp_shard=shard, zero=3, cp=cp)
 
 

@@ -7,6 +7,7 @@ strategy (:mod:`paratrain.strategies.composed`) puts one engine after tensor par
 (:mod:`paratrain.strategies.pipeline`) the same engine on each of their stages; the wrappers themselves are
 :mod:`paratrain.distributed.data_parallel`'s free functions.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +63,7 @@ class OneReplica:
         whole model."""
         return lambda m: to_device(m, rt.device)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module,
-                       rt: Runtime) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         return optimizer
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager:
@@ -104,8 +104,10 @@ class Replicas(OneReplica):
         self.config = config if config is not None else DDPConfig(**options)
         self.split = split
         if split and self.config != DDPConfig():
-            raise ConfigError("ddp with tp replicates through FSDP2's replicate, which takes none of "
-                              "DistributedDataParallel's options; drop them (bucket_cap_mb, comm_hook, …) or drop tp")
+            raise ConfigError(
+                "ddp with tp replicates through FSDP2's replicate, which takes none of "
+                "DistributedDataParallel's options; drop them (bucket_cap_mb, comm_hook, …) or drop tp"
+            )
         self.swaps_parameters = split
         self._synced_once = False
 
@@ -151,8 +153,7 @@ class ShardedOptimizer(Replicas):
     def traffic_bytes(self, model: nn.Module, steps: int) -> int | None:
         return None  # the all-reduce, and the broadcast of every rank's updated parameters besides: not counted
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module,
-                       rt: Runtime) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, inner: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         names = {id(p): n for n, p in inner.named_parameters()}
         groups = param_groups_for(optimizer, names, inner)
         from ..distributed.zero import zero_redundancy  # imports FSDP and DTensor: 1-2 s, when used
@@ -212,9 +213,11 @@ class Shards(OneReplica):
         return no_gradient_sync(model)
 
     def expert_shard_options(self, rt: Runtime) -> dict[str, Any]:
-        return {"reshard_after_forward": self.config.reshard_after_forward,
-                "mp_policy": rt.precision.fsdp_policy(cast_output=False),
-                "offload_policy": offload_policy(self.config.cpu_offload, rt.device.type)}
+        return {
+            "reshard_after_forward": self.config.reshard_after_forward,
+            "mp_policy": rt.precision.fsdp_policy(cast_output=False),
+            "offload_policy": offload_policy(self.config.cpu_offload, rt.device.type),
+        }
 
     def detail(self) -> str | None:
         return f"reshard_after_forward={self.config.reshard_after_forward}"

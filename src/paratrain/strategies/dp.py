@@ -3,6 +3,7 @@
 Kept for users who have it today. DDP is faster even on one machine (no per-step model replication, no
 single-process GIL bottleneck); on CPU or one GPU DataParallel just calls the module, so ``dp`` says so.
 """
+
 from __future__ import annotations
 
 import warnings

@@ -10,6 +10,7 @@ model is wrapped in DDP (data x model parallel).
 
 The root module's own parameters (those not inside a layer) stay on the first stage.
 """
+
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
@@ -84,8 +85,9 @@ class ModelParallelStrategy(Strategy):
         if self.config.split is not None:
             split = list(self.config.split)
         else:
-            n_stages = min(self.gpus_per_process(rt.env) if rt.device.type == "cuda" else self.config.stages or 2,
-                           len(named))
+            n_stages = min(
+                self.gpus_per_process(rt.env) if rt.device.type == "cuda" else self.config.stages or 2, len(named)
+            )
             split = balance([sum(p.numel() for p in m.parameters()) for _, m in named], n_stages)
         self.devices = devices = self.stage_devices(rt, len(split) + 1)
         mesh = rt.mesh

@@ -14,6 +14,7 @@ its own, pulls the current parameters and continues at the step its rank had rea
 every worker to the end instead (a checkpoint is a collective of the workers): there a death stops the job, and a
 restart resumes from the last checkpoint, as in synchronous mode.
 """
+
 from __future__ import annotations
 
 import functools
@@ -78,9 +79,11 @@ class ParameterServer(Strategy):
         if self.server.worker is not None or self._model is not None:
             raise ConfigError("strategy 'ps' prepares one model per Parallel object")
         if dist.is_initialized() and "gloo" not in str(dist.get_backend()):
-            raise ConfigError(f"ps sends its messages as host tensors received from any worker, which the "
-                              f"{dist.get_backend()} backend cannot; let Parallel start the group, or start it with "
-                              "backend='cpu:gloo,cuda:nccl'")
+            raise ConfigError(
+                f"ps sends its messages as host tensors received from any worker, which the "
+                f"{dist.get_backend()} backend cannot; let Parallel start the group, or start it with "
+                "backend='cpu:gloo,cuda:nccl'"
+            )
         layout = plan_holdings(model, rt.env.world_size, self.config)
         if self.server.is_server(rt.env):
             self._layout, self._model = layout, model  # served once the optimizer is known
@@ -94,8 +97,10 @@ class ParameterServer(Strategy):
         it comes back)."""
         store = notice_store(_timeout())
         if store is None:
-            raise ConfigError("a returning parameter-server worker needs paratrain run's notice store "
-                              "(PARATRAIN_NOTICE_STORE); launch the job with paratrain run")
+            raise ConfigError(
+                "a returning parameter-server worker needs paratrain run's notice store "
+                "(PARATRAIN_NOTICE_STORE); launch the job with paratrain run"
+            )
         group = return_group(store, env.rank, rejoin_count(), 0, self.config.servers, _timeout())
         return [Peer(group, 1 + i) for i in range(self.config.servers)]
 
@@ -227,9 +232,11 @@ class ServerRole(NoServer):
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """The workers save and load together; the servers, serving, take part through their messages."""
         if self.may_leave or (self.env is not None and self.joins_alone(self.env)):
-            raise ConfigError("asynchronous ps workers may leave the job, so they cannot save or load together; set "
-                              "a checkpoint directory (Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir) to "
-                              "checkpoint an asynchronous job: its workers then stay to the end")
+            raise ConfigError(
+                "asynchronous ps workers may leave the job, so they cannot save or load together; set "
+                "a checkpoint directory (Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir) to "
+                "checkpoint an asynchronous job: its workers then stay to the end"
+            )
         return self._workers(self.env)
 
     def save_shards(self, folder: Path, rank: int, background: bool = False) -> None:
@@ -262,15 +269,18 @@ class ServerRole(NoServer):
     def check_shards(self, folder: Path) -> None:
         saved = len([p for p in folder.iterdir() if p.is_dir() and p.name.startswith("server-")])
         if saved != self.config.servers or any(not Path(f).is_dir() for f in self._shard_folders(folder)):
-            raise CheckpointError(f"checkpoint {folder} holds the shards of {saved} parameter server(s), this job has "
-                                  f"{self.config.servers}; load it with servers={saved} (shards are cut per server)")
+            raise CheckpointError(
+                f"checkpoint {folder} holds the shards of {saved} parameter server(s), this job has "
+                f"{self.config.servers}; load it with servers={saved} (shards are cut per server)"
+            )
 
     def _servers_do(self, folder: Path, kind: int, background: bool = False) -> None:
         try:
             self.worker.client.checkpoint(self._shard_folders(folder), kind, background)
         except ProtocolError as err:
-            raise CheckpointError(f"a parameter server could not {'read' if kind == LOAD else 'write'} its shard: "
-                                  f"{err}") from None
+            raise CheckpointError(
+                f"a parameter server could not {'read' if kind == LOAD else 'write'} its shard: {err}"
+            ) from None
 
     def _shard_folders(self, folder: Path) -> list[str]:
         return [str((folder / shard_folder(i)).absolute()) for i in range(self.config.servers)]
@@ -286,8 +296,14 @@ class ServerRole(NoServer):
         worker = self.worker
         loads = worker.client.finish() if worker is not None else []
         if self.config.synchronous:
-            table = report(self.config.servers, self.config, env.rank, worker.client.stats if worker else None,
-                           self._workers(env), loads)
+            table = report(
+                self.config.servers,
+                self.config,
+                env.rank,
+                worker.client.stats if worker else None,
+                self._workers(env),
+                loads,
+            )
             if table:
                 print(table, flush=True)
         return self.config.synchronous

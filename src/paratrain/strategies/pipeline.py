@@ -30,6 +30,7 @@ exchanged within the group, as ``Parallel("ddp"|"zero3", ep=E)`` splits them ove
 Training runs through ``par.forward_backward(model, x, y, loss_fn)``; calling the prepared model runs a
 forward-only pass and gives every rank of the pipeline the last stage's output.
 """
+
 from __future__ import annotations
 
 import math
@@ -138,23 +139,28 @@ class PipelineStrategy(Strategy):
 
     def _wrap_sequential(self, model: nn.Sequential, rt: Runtime, total: int, mine: list[int]) -> PipelinedModel:
         if len(model) < total:
-            raise ConfigError(f"{self.name} needs at least {total} layers for {total} stages; the model has "
-                              f"{len(model)}")
+            raise ConfigError(
+                f"{self.name} needs at least {total} layers for {total} stages; the model has {len(model)}"
+            )
         names = list(model._modules)
         split = self.config.split
         if self.config.split_points is not None:
             unknown = [p for p in self.config.split_points if p not in names]
             if unknown:
-                raise ConfigError(f"pipeline split points {unknown} are not layers of this nn.Sequential; name "
-                                  f"layers such as {names[min(1, len(names) - 1)]!r}")
+                raise ConfigError(
+                    f"pipeline split points {unknown} are not layers of this nn.Sequential; name "
+                    f"layers such as {names[min(1, len(names) - 1)]!r}"
+                )
             split = [names.index(p) for p in self.config.split_points]
         starts = cut_points(model, total, split)
         bounds = list(zip(starts, [*starts[1:], len(model)]))
         assert rt.facts is not None
         owned = [(names[i], model[i]) for s in mine for i in range(*bounds[s])]
         out = PipelinedModel(owned)
-        out.parts = [(s, rt.parallelize(model[bounds[s][0]:bounds[s][1]], ep=self._experts(rt),
-                                        data=self._stage_step(rt, ()))) for s in mine]
+        out.parts = [
+            (s, rt.parallelize(model[bounds[s][0] : bounds[s][1]], ep=self._experts(rt), data=self._stage_step(rt, ())))
+            for s in mine
+        ]
         self._names[id(out)] = rt.facts.first_names
         return out
 
@@ -176,8 +182,9 @@ class PipelineStrategy(Strategy):
             stage = StageModule(build_stage(model, plan, [s]), s, last=s == total - 1)
             split = self._stage_split(model, plan, s, total, rt)
             out.stage_modules[s] = stage
-            out.parts.append((s, rt.parallelize(stage, tp=split, ep=self._experts(rt),
-                                                data=self._stage_step(rt, units))))
+            out.parts.append(
+                (s, rt.parallelize(stage, tp=split, ep=self._experts(rt), data=self._stage_step(rt, units)))
+            )
         self._names[id(out)] = names
         return out
 
@@ -206,8 +213,12 @@ class PipelineStrategy(Strategy):
     def _stage_split(self, model: nn.Module, plan: StagePlan, s: int, total: int, rt: Runtime) -> Step | None:
         """Tensor parallelism of stage ``s`` by the whole model's plan, its boundaries whole (None without tp)."""
         (start, end), blocks = plan.bounds[s], plan.blocks.names
-        return self.tp.stage_splitter(model, rt, first_block=blocks[start] if s > 0 else None,
-                                      last_block=blocks[end - 1] if s < total - 1 else None)
+        return self.tp.stage_splitter(
+            model,
+            rt,
+            first_block=blocks[start] if s > 0 else None,
+            last_block=blocks[end - 1] if s < total - 1 else None,
+        )
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, rt: Runtime) -> torch.optim.Optimizer:
         """The optimizer over this rank's stages, as the data engine wraps it: under ``data="zero1"`` its states
@@ -269,8 +280,10 @@ class PipelineStrategy(Strategy):
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
         assert isinstance(model, PipelinedModel)
-        local = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                 for k, v in model.state_dict().items()}
+        local = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+            for k, v in model.state_dict().items()
+        }
         parts = stage_states(local, model, 0 if rank0_only else None)
         if not parts:
             return {}
@@ -280,16 +293,16 @@ class PipelineStrategy(Strategy):
         return OrderedDict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
 
     def describe(self) -> str:
-        return self._described(f"{self.name}(schedule={self.config.schedule}, "
-                               f"microbatches={self.config.microbatches}")
+        return self._described(f"{self.name}(schedule={self.config.schedule}, microbatches={self.config.microbatches}")
 
     def _described(self, opening: str) -> str:
         """``opening`` (a name and its settings, the bracket open) with the tp and ep parts, closed."""
         return opening + "".join(f", {d}" for d in (self.tp.describe(), self.ep.describe()) if d) + ")"
 
 
-def _tie_groups(model: nn.Module, plan: StagePlan, rt: Runtime,
-                mine: list[int]) -> tuple[list[tuple[dist.ProcessGroup, str]], set[str]]:
+def _tie_groups(
+    model: nn.Module, plan: StagePlan, rt: Runtime, mine: list[int]
+) -> tuple[list[tuple[dist.ProcessGroup, str]], set[str]]:
     """For each weight tied across stages, one process group per pipeline of the ranks holding it.
 
     Returns this rank's (group, parameter name) pairs and the names whose gradient another rank of the group
@@ -314,8 +327,10 @@ def _tie_groups(model: nn.Module, plan: StagePlan, rt: Runtime,
             continue  # on one stage: still one tensor there
         holders = sorted({s % pp for s in by_stage})
         if len(holders) < len(by_stage):
-            raise ConfigError(f"{', '.join(names)} are one tensor used by stages {sorted(by_stage)}, two of which "
-                              "run on one rank; choose split points that put its users on different ranks")
+            raise ConfigError(
+                f"{', '.join(names)} are one tensor used by stages {sorted(by_stage)}, two of which "
+                "run on one rank; choose split points that put its users on different ranks"
+            )
         for row in grid:
             ranks = [row[h] for h in holders]
             group = dist.new_group(ranks)
@@ -337,7 +352,7 @@ def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
         section, _, rest = key.partition(".")
         for old, new in names.items():
             if rest.startswith(old + "."):
-                key = f"{section}.{new}{rest[len(old):]}"
+                key = f"{section}.{new}{rest[len(old) :]}"
                 break
         out[key] = value
     return out

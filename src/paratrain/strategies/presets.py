@@ -5,6 +5,7 @@ dimension. One class (:class:`~paratrain.strategies.composed.Composed`) runs eve
 The pipelines, in-process model parallelism and ``nn.DataParallel`` are engines of their own
 (:mod:`.pipeline`, :mod:`.model_parallel`, :mod:`.dp`), registered beside these names.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -36,15 +37,18 @@ class Preset:
         return takes(self.name)
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("single", OneReplica, groups=False),
-    Preset("ddp", Replicas),
-    Preset("zero1", ShardedOptimizer),
-    Preset("zero2", Shards, defaults={"reshard_after_forward": False}),
-    Preset("zero3", Shards, aliases=("fsdp",)),
-    Preset("hsdp", Shards, hierarchical=True),
-    Preset("tp", OneReplica),
-)}
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("single", OneReplica, groups=False),
+        Preset("ddp", Replicas),
+        Preset("zero1", ShardedOptimizer),
+        Preset("zero2", Shards, defaults={"reshard_after_forward": False}),
+        Preset("zero3", Shards, aliases=("fsdp",)),
+        Preset("hsdp", Shards, hierarchical=True),
+        Preset("tp", OneReplica),
+    )
+}
 
 
 def preset_named(name: str) -> Preset:

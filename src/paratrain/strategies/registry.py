@@ -1,4 +1,5 @@
 """Strategy names → factories. Unknown names are answered with the list of valid ones."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -106,9 +107,11 @@ def check_every_rank_trains(name: str, **options: Any) -> None:
     except TypeError as err:
         raise ConfigError(_bad_option(name, options, err)) from None
     if strategy.server.serves:
-        raise ConfigError(f"strategy {name!r} has ranks that serve instead of training, and this tool compares "
-                          "every rank's steps; tests prove it equal to one process, and 'paratrain bench "
-                          "--strategies ddp,ps' measures it against ddp")
+        raise ConfigError(
+            f"strategy {name!r} has ranks that serve instead of training, and this tool compares "
+            "every rank's steps; tests prove it equal to one process, and 'paratrain bench "
+            "--strategies ddp,ps' measures it against ddp"
+        )
 
 
 def _own(options: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ every rank training, gives the answers of such a job at each; the parameter serv
 (:class:`~paratrain.strategies.param_server.ServerRole`) splits the job into servers and workers. So the
 strategy base carries only what every strategy needs, and no caller asks which strategy it holds.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

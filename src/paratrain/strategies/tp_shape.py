@@ -4,6 +4,7 @@ The planner sizes tensor parallelism from a :class:`~paratrain.planner.model_sta
 model's plan splits only the runtime's plans know (``distributed.tensor_parallel.plans``). This module, above
 both, reads one into the other.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -31,12 +32,15 @@ def model_shape(model: nn.Module) -> TPShape | None:
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
             whole = "bias" if isinstance(style, RowwiseParallel) else None
             split[name] = sum(p.numel() for n, p in model.get_submodule(name).named_parameters() if n != whole)
-    per_unit = tuple(sum(n for name, n in split.items() if name == unit or name.startswith(f"{unit}."))
-                     for unit, _ in forward_pieces(model))
+    per_unit = tuple(
+        sum(n for name, n in split.items() if name == unit or name.startswith(f"{unit}."))
+        for unit, _ in forward_pieces(model)
+    )
     cfg = getattr(model, "config", None)
     if cfg is not None:  # transformers
         layers, hidden, seq_len = cfg.num_hidden_layers, cfg.hidden_size, cfg.max_position_embeddings
     else:
         layers, hidden, seq_len = model.cfg.layers, model.cfg.hidden, model.cfg.seq_len
-    return TPShape(layers=layers, hidden=hidden, seq_len=seq_len, split=per_unit,
-                   divides=tuple(plan.divisible(model).items()))
+    return TPShape(
+        layers=layers, hidden=hidden, seq_len=seq_len, split=per_unit, divides=tuple(plan.divisible(model).items())
+    )

@@ -5,6 +5,7 @@ paratrain once (``preload`` adds a suite's own heavy modules); ``max_abs_diff`` 
 ``alive`` tells whether processes are still running (to check that nothing was left behind);
 ``host_syncs.HostSyncs`` counts, on CPU, the reads of device values that would make a GPU's host wait.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -27,8 +28,15 @@ def preload(*modules: str) -> None:
     PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
-          start_method: str = "forkserver", **kwargs: Any) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float = 120.0,
+    start_method: str = "forkserver",
+    **kwargs: Any,
+) -> list[Any]:
     """``paratrain.launch`` with a hard timeout by default, so a hung collective fails the test instead of CI; the
     ranks fork from a server that imported ``PRELOAD`` once (0.3 s a job, against seconds for each rank to import
     torch under ``start_method="spawn"``; the ranks still start in this process's environment and directory)."""

@@ -8,6 +8,7 @@ size CUDA learns only by reading the device (``nonzero``, ``bincount``, ``unique
 a boolean mask, ``repeat_interleave`` without ``output_size``). Imports only torch, so it can be loaded by path
 beside another checkout of paratrain.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -17,10 +18,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
-SIZE_FROM_DEVICE = frozenset({
-    _aten.nonzero.default, _aten.bincount.default, _aten.masked_select.default, _aten._unique2.default,
-    _aten.unique_dim.default, _aten.unique_consecutive.default,
-})
+SIZE_FROM_DEVICE = frozenset(
+    {
+        _aten.nonzero.default,
+        _aten.bincount.default,
+        _aten.masked_select.default,
+        _aten._unique2.default,
+        _aten.unique_dim.default,
+        _aten.unique_consecutive.default,
+    }
+)
 """Operators whose output size CUDA reads on the host."""
 
 
@@ -59,7 +66,6 @@ class HostSyncs(TorchDispatchMode):
             self.calls[str(func.overloadpacket.__name__)] += 1
         elif func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             self.calls["repeat_interleave"] += 1
-        elif func is _aten.index.Tensor and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                                 for i in args[1]):
+        elif func is _aten.index.Tensor and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
             self.calls["boolean index"] += 1
         return func(*args, **kwargs)

@@ -12,6 +12,7 @@ Importing this package imports neither TensorFlow nor torch: names load on first
 imported only after the Keras choice is in the environment (:mod:`paratrain.tf.install`). TensorFlow never runs in
 a process that imports torch: the launcher, doctor, verify and bench start TensorFlow in processes of their own.
 """
+
 from __future__ import annotations
 
 from ..lazy import lazy_getattr

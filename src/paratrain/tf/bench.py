@@ -7,6 +7,7 @@ and the 90th percentile over rounds. Every worker gets the same intra-op threads
 world size), so efficiency compares equal hardware per worker. The rows are the torch bench's
 (:class:`paratrain.bench.result.Row`): the same JSON and PNG (:mod:`paratrain.bench.output`).
 """
+
 from __future__ import annotations
 
 import os
@@ -53,13 +54,23 @@ class TFBenchConfig:
             raise ConfigError(f"warmup must be >= 1 (the first steps trace the graph), got {self.warmup}")
 
 
-def bench_tf(*, nprocs: tuple[int, ...] = (1, 2), batch: int = 64, steps: int = 20, warmup: int = 5, rounds: int = 5,
-             json_path: Path | None = None, plot_path: Path | None = None, plot: bool = True) -> BenchResult:
+def bench_tf(
+    *,
+    nprocs: tuple[int, ...] = (1, 2),
+    batch: int = 64,
+    steps: int = 20,
+    warmup: int = 5,
+    rounds: int = 5,
+    json_path: Path | None = None,
+    plot_path: Path | None = None,
+    plot: bool = True,
+) -> BenchResult:
     from .launcher import run
 
     threads = max(1, cpu_count() // max(nprocs or (1,)))
-    config = TFBenchConfig(nprocs=nprocs, batch=batch, steps=steps, warmup=warmup, rounds=rounds,
-                           threads_per_rank=threads)
+    config = TFBenchConfig(
+        nprocs=nprocs, batch=batch, steps=steps, warmup=warmup, rounds=rounds, threads_per_rank=threads
+    )
     if plot and (json_path or plot_path):
         require_matplotlib()
     machine = Machine(cores=cpu_count(), physical_cores=cpu_count(), gpus=0)
@@ -68,16 +79,38 @@ def bench_tf(*, nprocs: tuple[int, ...] = (1, 2), batch: int = 64, steps: int = 
     with tempfile.TemporaryDirectory(prefix="paratrain-tf-bench-") as tmp:
         for n in nprocs:
             out = os.path.join(tmp, f"world{n}.json")
-            run(["-n", str(n), "-m", "paratrain.tf.bench_job", "--batch", str(batch * n), "--steps",
-                 str(steps), "--warmup", str(warmup), "--rounds", str(rounds), "--threads", str(threads),
-                 "--out", out])
+            run(
+                [
+                    "-n",
+                    str(n),
+                    "-m",
+                    "paratrain.tf.bench_job",
+                    "--batch",
+                    str(batch * n),
+                    "--steps",
+                    str(steps),
+                    "--warmup",
+                    str(warmup),
+                    "--rounds",
+                    str(rounds),
+                    "--threads",
+                    str(threads),
+                    "--out",
+                    out,
+                ]
+            )
             rows.append(_row(out, n, threads, machine))
     add_speedups(rows)
-    result = BenchResult(config=config, machine=machine, workload=DESCRIPTION,  # type: ignore[arg-type]
-                         rows=rows, comparisons=[],
-                         notes=["TensorFlow workers: one job per world size, run one after the other"],
-                         versions={"paratrain": __version__, "tensorflow": metadata.version("tensorflow")},
-                         wall_s=time.perf_counter() - start)
+    result = BenchResult(
+        config=config,
+        machine=machine,
+        workload=DESCRIPTION,  # type: ignore[arg-type]
+        rows=rows,
+        comparisons=[],
+        notes=["TensorFlow workers: one job per world size, run one after the other"],
+        versions={"paratrain": __version__, "tensorflow": metadata.version("tensorflow")},
+        wall_s=time.perf_counter() - start,
+    )
     if json_path:
         write_json(result, json_path)
     if plot and (plot_path or json_path):
@@ -94,26 +127,39 @@ def _row(path: str, world: int, threads: int, machine: Machine) -> Row:
     if not steps:
         raise ConfigError("the TensorFlow bench job measured no step")
     step = statistics.median(steps)
-    return Row(label="single" if world == 1 else "mwms", world=world, threads=threads, replicas=data["replicas"],
-               global_batch=data["global_batch"], samples_per_s=data["global_batch"] / step, step_ms=1000 * step,
-               step_p90_ms=1000 * steps[round(0.9 * (len(steps) - 1))],
-               rounds_ms=[1000 * r for r in data["rounds"]],
-               oversubscribed=machine.oversubscribed(world, threads), memory_kind="")
+    return Row(
+        label="single" if world == 1 else "mwms",
+        world=world,
+        threads=threads,
+        replicas=data["replicas"],
+        global_batch=data["global_batch"],
+        samples_per_s=data["global_batch"] / step,
+        step_ms=1000 * step,
+        step_p90_ms=1000 * steps[round(0.9 * (len(steps) - 1))],
+        rounds_ms=[1000 * r for r in data["rounds"]],
+        oversubscribed=machine.oversubscribed(world, threads),
+        memory_kind="",
+    )
 
 
 def format_tf_report(result: BenchResult) -> str:
     cfg = result.config
-    lines = [f"paratrain bench --tf: {result.workload}",
-             f"weak scaling: {cfg.batch} samples per worker; {cfg.rounds} rounds of {cfg.steps} timed steps after "
-             f"{cfg.warmup} warm-up; {result.machine.describe()}; paratrain {result.versions['paratrain']}, "
-             f"TensorFlow {result.versions['tensorflow']}", "",
-             f"{'config':<22}{'world':>5}{'thr':>4}{'batch':>7}{'samples/s':>11}{'step ms':>9}{'p90 ms':>8}"
-             f"{'speedup':>9}{'eff':>6}"]
+    lines = [
+        f"paratrain bench --tf: {result.workload}",
+        f"weak scaling: {cfg.batch} samples per worker; {cfg.rounds} rounds of {cfg.steps} timed steps after "
+        f"{cfg.warmup} warm-up; {result.machine.describe()}; paratrain {result.versions['paratrain']}, "
+        f"TensorFlow {result.versions['tensorflow']}",
+        "",
+        f"{'config':<22}{'world':>5}{'thr':>4}{'batch':>7}{'samples/s':>11}{'step ms':>9}{'p90 ms':>8}"
+        f"{'speedup':>9}{'eff':>6}",
+    ]
     for r in result.rows:
         speed = "-" if r.speedup is None else f"{r.speedup:.2f}x"
         eff = "-" if r.efficiency is None else f"{r.efficiency:.2f}"
-        lines.append(f"{r.name + (' *' if r.oversubscribed else ''):<22}{r.world:>5}{r.threads:>4}{r.global_batch:>7}"
-                     f"{r.samples_per_s:>11.0f}{r.step_ms:>9.2f}{r.step_p90_ms:>8.2f}{speed:>9}{eff:>6}")
+        lines.append(
+            f"{r.name + (' *' if r.oversubscribed else ''):<22}{r.world:>5}{r.threads:>4}{r.global_batch:>7}"
+            f"{r.samples_per_s:>11.0f}{r.step_ms:>9.2f}{r.step_p90_ms:>8.2f}{speed:>9}{eff:>6}"
+        )
     if any(r.oversubscribed for r in result.rows):
         lines.append("* oversubscribed: workers share cores, so these rows understate what enough cores would do")
     lines += result.notes

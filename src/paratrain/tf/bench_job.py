@@ -4,6 +4,7 @@ One untimed epoch of ``--warmup`` steps (graph tracing, the first collectives), 
 ``--steps`` steps, each round timed whole by a Keras callback (its end waits for the round's last step; a step's
 own callback may fire while TensorFlow still runs it). Worker 0 writes the seconds per step of every round.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,19 +39,29 @@ def main(argv: list[str] | None = None) -> None:
     data = runtime.auto_shard(tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat().prefetch(2))
     with strategy.scope():
         model = digits_model(tf)
-        model.compile(optimizer=tf.keras.optimizers.SGD(0.01),
-                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=tf.keras.optimizers.SGD(0.01),
+            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     model.fit(data, epochs=1, steps_per_epoch=args.warmup, verbose=0)
     timer = _timer_class(tf)()
     model.fit(data, epochs=args.rounds, steps_per_epoch=args.steps, verbose=0, callbacks=[timer])
     if runtime.is_chief():
         with open(args.out, "w") as f:
-            json.dump({"world": runtime.num_workers(), "replicas": strategy.num_replicas_in_sync,
-                       "global_batch": args.batch, "rounds": timer.rounds}, f)
+            json.dump(
+                {
+                    "world": runtime.num_workers(),
+                    "replicas": strategy.num_replicas_in_sync,
+                    "global_batch": args.batch,
+                    "rounds": timer.rounds,
+                },
+                f,
+            )
 
 
 def _timer_class(tf):  # type: ignore[no-untyped-def]
     """The timing callback's class (it needs TensorFlow, imported late)."""
+
     class Timer(tf.keras.callbacks.Callback):
         """Per round (epoch): its wall time over its steps."""
 

@@ -6,6 +6,7 @@ master, and the launchers swap them through a ``torch.distributed.TCPStore`` tha
 ``--master-addr:--master-port``, the rendezvous torch jobs use. The workers themselves never see torch: they get
 the finished ``TF_CONFIG``.
 """
+
 from __future__ import annotations
 
 import socket
@@ -51,8 +52,16 @@ def single_node(nproc: int) -> NodeSlots:
     return NodeSlots([f"{LOOPBACK}:{port}" for port in free_ports(nproc)], first=0, local=nproc)
 
 
-def multi_node(*, nproc: int, nnodes: int, node_rank: int, master_addr: str, master_port: int | None,
-               timeout_s: float, attempt: int = 0) -> NodeSlots:
+def multi_node(
+    *,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int | None,
+    timeout_s: float,
+    attempt: int = 0,
+) -> NodeSlots:
     """Swap every node's worker addresses through node 0's store; wait at most ``timeout_s`` for the others."""
     from torch.distributed import TCPStore
 
@@ -63,8 +72,7 @@ def multi_node(*, nproc: int, nnodes: int, node_rank: int, master_addr: str, mas
     port = master_port or DEFAULT_MASTER_PORT
     own = ",".join(f"{host}:{p}" for p in free_ports(nproc))
     try:
-        store = TCPStore(master, port, nnodes, node_rank == 0, timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+        store = TCPStore(master, port, nnodes, node_rank == 0, timedelta(seconds=timeout_s), wait_for_workers=False)
         key = f"paratrain-tf/{attempt}/node"
         store.set(f"{key}/{node_rank}", own)
         store.wait([f"{key}/{r}" for r in range(nnodes)], timedelta(seconds=timeout_s))
@@ -72,8 +80,10 @@ def multi_node(*, nproc: int, nnodes: int, node_rank: int, master_addr: str, mas
     except (RuntimeError, OSError) as e:
         if "Address already in use" in str(e) or "EADDRINUSE" in str(e):
             raise LaunchError(f"--master-port {port} is already in use on {master}; pick another port") from None
-        raise LaunchError(f"the {nnodes} nodes did not all meet at {master}:{port} within {timeout_s:g} s (node 0 "
-                          "hosts the meeting point: start it, check --master-addr/--master-port and the firewall, "
-                          "or raise --rdzv-timeout)") from None
+        raise LaunchError(
+            f"the {nnodes} nodes did not all meet at {master}:{port} within {timeout_s:g} s (node 0 "
+            "hosts the meeting point: start it, check --master-addr/--master-port and the firewall, "
+            "or raise --rdzv-timeout)"
+        ) from None
     first = sum(len(n) for n in nodes[:node_rank])
     return NodeSlots([a for n in nodes for a in n], first=first, local=nproc, store=store)

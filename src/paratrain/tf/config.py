@@ -6,6 +6,7 @@ an index out of range or a malformed address dies deep inside the strategy, and 
 makes the others wait forever. So the launcher builds it from the same flags as a torch job, and a ``TF_CONFIG``
 the user wrote is parsed here before anything starts. Pure Python: no TensorFlow, no torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,12 @@ class TFConfig:
         return self.task_index
 
     def to_json(self) -> str:
-        return json.dumps({"cluster": {k: list(v) for k, v in self.cluster.items()},
-                           "task": {"type": self.task_type, "index": self.task_index}})
+        return json.dumps(
+            {
+                "cluster": {k: list(v) for k, v in self.cluster.items()},
+                "task": {"type": self.task_type, "index": self.task_index},
+            }
+        )
 
 
 def parse_tf_config(text: str) -> TFConfig:
@@ -59,11 +64,15 @@ def parse_tf_config(text: str) -> TFConfig:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise LaunchError(f"{where} is not valid JSON ({e.msg} at character {e.pos}); it should look like "
-                          '{"cluster": {"worker": ["host:port", …]}, "task": {"type": "worker", "index": 0}}') from None
+        raise LaunchError(
+            f"{where} is not valid JSON ({e.msg} at character {e.pos}); it should look like "
+            '{"cluster": {"worker": ["host:port", …]}, "task": {"type": "worker", "index": 0}}'
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("cluster"), dict) or not data["cluster"]:
-        raise LaunchError(f'{where} has no "cluster" mapping of task types to address lists, e.g. '
-                          '{"cluster": {"worker": ["host:port", …]}, …}')
+        raise LaunchError(
+            f'{where} has no "cluster" mapping of task types to address lists, e.g. '
+            '{"cluster": {"worker": ["host:port", …]}, …}'
+        )
     cluster: dict[str, tuple[str, ...]] = {}
     for kind, addresses in data["cluster"].items():
         if kind not in _TASK_TYPES:
@@ -75,14 +84,17 @@ def parse_tf_config(text: str) -> TFConfig:
         cluster[kind] = tuple(addresses)
     task = data.get("task")
     if not isinstance(task, dict) or "type" not in task or "index" not in task:
-        raise LaunchError(f'{where} has no "task" with a "type" and an "index", e.g. '
-                          '"task": {"type": "worker", "index": 0}')
+        raise LaunchError(
+            f'{where} has no "task" with a "type" and an "index", e.g. "task": {{"type": "worker", "index": 0}}'
+        )
     kind, index = task["type"], task["index"]
     if kind not in cluster:
         raise LaunchError(f"{where}: task type {kind!r} is not in the cluster (it lists {', '.join(cluster)})")
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[kind]):
-        raise LaunchError(f"{where}: task index {index!r} is out of range: cluster[{kind!r}] has "
-                          f"{len(cluster[kind])} address(es), so the index is 0 … {len(cluster[kind]) - 1}")
+        raise LaunchError(
+            f"{where}: task index {index!r} is out of range: cluster[{kind!r}] has "
+            f"{len(cluster[kind])} address(es), so the index is 0 … {len(cluster[kind]) - 1}"
+        )
     if len(set(a for v in cluster.values() for a in v)) != sum(len(v) for v in cluster.values()):
         raise LaunchError(f"{where}: two tasks share one address; give every task its own host:port")
     return TFConfig(cluster=cluster, task_type=kind, task_index=index)

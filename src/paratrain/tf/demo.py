@@ -1,6 +1,7 @@
 """``paratrain demo --tf``: the TensorFlow demo job (:mod:`paratrain.tf.demo_job`) on N workers through
 ``paratrain run --tf``, then a summary table: per worker its optimizer steps and median step time, and the job's
 accuracy, wall time and throughput. Its options are the torch demo's (``DemoConfig``), those TensorFlow's job has."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,11 +51,14 @@ def summary_table(out: str) -> str:
     for path in sorted(glob.glob(f"{out}.worker*")):
         with open(path) as f:
             rows.append(json.load(f))
-    lines = [f"paratrain demo --tf: {job['workers']} worker(s), {job['replicas']} replica(s), {job['strategy']}, "
-             f"tf.keras = {job['keras']} (medians over each worker's steps of this attempt)",
-             f"{'worker':>6}  {'steps':>6}  {'step ms':>8}"]
+    lines = [
+        f"paratrain demo --tf: {job['workers']} worker(s), {job['replicas']} replica(s), {job['strategy']}, "
+        f"tf.keras = {job['keras']} (medians over each worker's steps of this attempt)",
+        f"{'worker':>6}  {'steps':>6}  {'step ms':>8}",
+    ]
     lines += [f"{r['rank']:>6}  {r['steps']:>6}  {r['step_ms']:>8.1f}" for r in sorted(rows, key=lambda r: r["rank"])]
     resumed = f", resumed at epoch {job['first_epoch']} after {job['restart']} restart(s)" if job["restart"] else ""
-    lines.append(f"test acc {job['test_acc']:.2%}  wall {job['wall_s']:.1f} s  {job['samples_per_s']:,.0f} samples/s"
-                 f"{resumed}")
+    lines.append(
+        f"test acc {job['test_acc']:.2%}  wall {job['wall_s']:.1f} s  {job['samples_per_s']:,.0f} samples/s{resumed}"
+    )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ With ``--checkpoint-dir`` (``paratrain run --tf --checkpoint-dir D``) it keeps `
 ``--fail-at-step E --fail-rank R`` SIGKILLs worker R after epoch E on the job's first attempt, so
 ``--max-restarts 1`` shows a restart resuming after the last epoch backed up, with the same final weights.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ from .demo import JOB_FIELDS
 
 def parse(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
     """The demo's options this job has, and where worker 0 writes the run's figures (``--out``, JSON)."""
-    parser = argparse.ArgumentParser(prog="paratrain.tf.demo_job", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="paratrain.tf.demo_job", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_flags(parser, DemoConfig, only=JOB_FIELDS)
     parser.add_argument("--out", help="worker 0 writes the run's figures here (JSON)")
     args = parser.parse_args(argv)
@@ -55,14 +57,16 @@ def digits_arrays(seed: int = 0, test_fraction: float = 0.2):  # type: ignore[no
 
 def digits_model(tf):  # type: ignore[no-untyped-def]
     keras = tf.keras
-    return keras.Sequential([
-        keras.layers.Input(shape=(8, 8, 1)),
-        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.layers.Input(shape=(8, 8, 1)),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def weights_digest(model) -> str:  # type: ignore[no-untyped-def]
@@ -86,14 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     # Every epoch reads the same (seeded) order and ends on a batch boundary of the repeated stream: a job
     # BackupAndRestore resumes at epoch k then sees exactly the batches an uninterrupted one does.
     steps = len(x_train) // args.batch_size
-    x_train, y_train = x_train[:steps * args.batch_size], y_train[:steps * args.batch_size]
-    train = runtime.auto_shard(tf.data.Dataset.from_tensor_slices((x_train, y_train))
-                               .batch(args.batch_size).repeat())
+    x_train, y_train = x_train[: steps * args.batch_size], y_train[: steps * args.batch_size]
+    train = runtime.auto_shard(tf.data.Dataset.from_tensor_slices((x_train, y_train)).batch(args.batch_size).repeat())
     test = runtime.auto_shard(tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(args.batch_size))
     with strategy.scope():
         model = digits_model(tf)
-        model.compile(optimizer=tf.keras.optimizers.Adam(args.lr),
-                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        model.compile(
+            optimizer=tf.keras.optimizers.Adam(args.lr),
+            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
     callbacks = []
     backup = runtime.backup_dir()
     if backup:
@@ -101,12 +107,15 @@ def main(argv: list[str] | None = None) -> None:
     report = _report_callback(tf, args, steps, chief)
     callbacks.append(report)
     if chief:
-        print(f"paratrain demo --tf: digits CNN, {len(x_train)} train / {len(x_test)} test samples, {workers} "
-              f"worker(s), {replicas} replica(s), {_strategy_name(strategy)}, tf.keras = {_keras_name(tf)}",
-              flush=True)
+        print(
+            f"paratrain demo --tf: digits CNN, {len(x_train)} train / {len(x_test)} test samples, {workers} "
+            f"worker(s), {replicas} replica(s), {_strategy_name(strategy)}, tf.keras = {_keras_name(tf)}",
+            flush=True,
+        )
     start = time.perf_counter()
-    history = model.fit(train, epochs=args.epochs, steps_per_epoch=steps, validation_data=test, verbose=0,
-                        callbacks=callbacks)
+    history = model.fit(
+        train, epochs=args.epochs, steps_per_epoch=steps, validation_data=test, verbose=0, callbacks=callbacks
+    )
     wall = time.perf_counter() - start
     _, acc = model.evaluate(test, verbose=0)
     trained = len(history.epoch)
@@ -114,19 +123,39 @@ def main(argv: list[str] | None = None) -> None:
     if out:  # every worker: its own step times, for the summary table
         config = runtime.tf_config()
         with open(f"{out}.worker{config.rank if config else 0}", "w") as f:
-            json.dump({"rank": config.rank if config else 0, "steps": len(report.step_ms),
-                       "step_ms": statistics.median(report.step_ms) if report.step_ms else 0.0}, f)
+            json.dump(
+                {
+                    "rank": config.rank if config else 0,
+                    "steps": len(report.step_ms),
+                    "step_ms": statistics.median(report.step_ms) if report.step_ms else 0.0,
+                },
+                f,
+            )
     if chief:
-        print(f"done in {wall:.2f} s  ({trained * steps * args.batch_size / wall:,.0f} samples/s over {workers} "
-              f"worker(s))  final test acc {acc:.2%}", flush=True)
+        print(
+            f"done in {wall:.2f} s  ({trained * steps * args.batch_size / wall:,.0f} samples/s over {workers} "
+            f"worker(s))  final test acc {acc:.2%}",
+            flush=True,
+        )
         print(f"final weights sha256 {digest}", flush=True)
         if out:
             with open(out, "w") as f:
-                json.dump({"test_acc": float(acc), "wall_s": wall, "epochs_run": trained, "first_epoch":
-                           history.epoch[0] + 1 if history.epoch else None, "workers": workers,
-                           "replicas": replicas, "strategy": _strategy_name(strategy), "keras": _keras_name(tf),
-                           "samples_per_s": trained * steps * args.batch_size / wall, "sha256": digest,
-                           "restart": runtime.restart_count()}, f)
+                json.dump(
+                    {
+                        "test_acc": float(acc),
+                        "wall_s": wall,
+                        "epochs_run": trained,
+                        "first_epoch": history.epoch[0] + 1 if history.epoch else None,
+                        "workers": workers,
+                        "replicas": replicas,
+                        "strategy": _strategy_name(strategy),
+                        "keras": _keras_name(tf),
+                        "samples_per_s": trained * steps * args.batch_size / wall,
+                        "sha256": digest,
+                        "restart": runtime.restart_count(),
+                    },
+                    f,
+                )
 
 
 def _report_callback(tf, args, steps, chief):  # type: ignore[no-untyped-def]
@@ -149,14 +178,20 @@ def _report_callback(tf, args, steps, chief):  # type: ignore[no-untyped-def]
             self.bar.__exit__()
             logs = logs or {}
             if chief:
-                print(f"epoch {epoch + 1:2d}/{args.epochs}  train loss {logs.get('loss', 0):.4f}  test loss "
-                      f"{logs.get('val_loss', 0):.4f}  test acc {logs.get('val_accuracy', 0):6.2%}  "
-                      f"({time.perf_counter() - self.t0:.2f} s)", flush=True)
+                print(
+                    f"epoch {epoch + 1:2d}/{args.epochs}  train loss {logs.get('loss', 0):.4f}  test loss "
+                    f"{logs.get('val_loss', 0):.4f}  test acc {logs.get('val_accuracy', 0):6.2%}  "
+                    f"({time.perf_counter() - self.t0:.2f} s)",
+                    flush=True,
+                )
             config = runtime.tf_config()
             rank = config.rank if config else 0
             if args.fail_at_step == epoch + 1 and rank == args.fail_rank and runtime.restart_count() == 0:
-                print(f"paratrain demo --tf: fault injection: SIGKILL worker {rank} after epoch {epoch + 1}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"paratrain demo --tf: fault injection: SIGKILL worker {rank} after epoch {epoch + 1}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
 
     report = Report()

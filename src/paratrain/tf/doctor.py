@@ -4,6 +4,7 @@
 The doctor itself imports torch, so TensorFlow is imported only in a child process (a few seconds); versions
 and the Keras choice are read without importing anything (:mod:`paratrain.tf.install`).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,10 @@ from ..launcher.ports import port_in_use
 from .config import TF_CONFIG_VAR, parse_tf_config, split_address
 from .install import INSTALL_HINT, LEGACY_KERAS_VAR, KerasChoice, installed, keras_choice
 
-_PROBE = ("import json, tensorflow as tf; "
-          "print(json.dumps([d.name.replace('/physical_device:', '') for d in tf.config.list_physical_devices()]))")
+_PROBE = (
+    "import json, tensorflow as tf; "
+    "print(json.dumps([d.name.replace('/physical_device:', '') for d in tf.config.list_physical_devices()]))"
+)
 
 
 @dataclass(frozen=True)
@@ -50,17 +53,24 @@ def gather_tf(environ: Mapping[str, str] | None = None, timeout_s: float = 90.0)
         probe_env[LEGACY_KERAS_VAR] = "1"
     devices, error = None, None
     try:
-        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s,
-                             env=probe_env)
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s, env=probe_env
+        )
         if out.returncode == 0:
             devices = tuple(json.loads(out.stdout.strip().splitlines()[-1]))
         else:
             error = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
     except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
         error = f"{type(e).__name__}: {e}"
-    return TFFacts(version=_version("tensorflow") or "?", keras=choice, keras_version=_version("keras"),
-                   tf_keras_version=_version("tf-keras"), devices=devices, probe_error=error,
-                   tf_config=env.get(TF_CONFIG_VAR) or None)
+    return TFFacts(
+        version=_version("tensorflow") or "?",
+        keras=choice,
+        keras_version=_version("keras"),
+        tf_keras_version=_version("tf-keras"),
+        devices=devices,
+        probe_error=error,
+        tf_config=env.get(TF_CONFIG_VAR) or None,
+    )
 
 
 def tf_checks(facts: TFFacts | None, scripts: tuple[str, ...] = ()) -> list[Check]:
@@ -87,21 +97,32 @@ def _imports_or_none(path: str) -> set[str]:
 
 def _check_tensorflow(facts: TFFacts) -> Check:
     if facts.devices is None:
-        return Check.fail("tensorflow", f"TensorFlow {facts.version} installed but does not start: {facts.probe_error}",
-                          "reinstall it: pip install --force-reinstall 'paratrain[tf]'")
+        return Check.fail(
+            "tensorflow",
+            f"TensorFlow {facts.version} installed but does not start: {facts.probe_error}",
+            "reinstall it: pip install --force-reinstall 'paratrain[tf]'",
+        )
     gpus = [d for d in facts.devices if d.startswith("GPU")]
-    return Check.ok("tensorflow", f"TensorFlow {facts.version}, sees {', '.join(facts.devices)}"
-                    + ("" if gpus else " (no GPU: CPU workers)"))
+    return Check.ok(
+        "tensorflow",
+        f"TensorFlow {facts.version}, sees {', '.join(facts.devices)}" + ("" if gpus else " (no GPU: CPU workers)"),
+    )
 
 
 def _check_keras(facts: TFFacts) -> Check:
     if facts.keras.legacy:
         how = "paratrain run --tf sets TF_USE_LEGACY_KERAS=1" if facts.keras.set_by_us else "your TF_USE_LEGACY_KERAS"
-        return Check.ok("keras", f"tf.keras = tf-keras {facts.tf_keras_version or '?'} ({how}): model.fit works "
-                        "under MultiWorkerMirroredStrategy")
-    return Check.warn("keras", f"tf.keras = Keras {facts.keras_version or '?'}: its model.fit fails under "
-                      "MultiWorkerMirroredStrategy (keras#20585)",
-                      "pip install 'paratrain[tf]' (tf-keras), or unset TF_USE_LEGACY_KERAS=0")
+        return Check.ok(
+            "keras",
+            f"tf.keras = tf-keras {facts.tf_keras_version or '?'} ({how}): model.fit works "
+            "under MultiWorkerMirroredStrategy",
+        )
+    return Check.warn(
+        "keras",
+        f"tf.keras = Keras {facts.keras_version or '?'}: its model.fit fails under "
+        "MultiWorkerMirroredStrategy (keras#20585)",
+        "pip install 'paratrain[tf]' (tf-keras), or unset TF_USE_LEGACY_KERAS=0",
+    )
 
 
 def check_tf_config(text: str) -> Check:
@@ -116,11 +137,17 @@ def check_tf_config(text: str) -> Check:
     where = f"{config.task_type} {config.task_index} of {config.num_workers}, {config.address}"
     address = address_of(host)
     if address is None or not is_own_address(address):
-        return Check.warn("TF_CONFIG", f"{where}: {host} is not an address of this machine",
-                          "run this task on the machine its address names, or fix the task index")
+        return Check.warn(
+            "TF_CONFIG",
+            f"{where}: {host} is not an address of this machine",
+            "run this task on the machine its address names, or fix the task index",
+        )
     if port_in_use("0.0.0.0", port):
-        return Check.fail("TF_CONFIG", f"{where}: port {port} is already in use here",
-                          "stop what listens there or give this task another port")
+        return Check.fail(
+            "TF_CONFIG",
+            f"{where}: port {port} is already in use here",
+            "stop what listens there or give this task another port",
+        )
     return Check.ok("TF_CONFIG", f"{where}: valid, the address is here and the port free")
 
 
@@ -132,10 +159,12 @@ def check_script(path: str) -> Check:
         return Check.warn("script imports", f"cannot read {path}: {e}", "check the path")
     frameworks = sorted(found & {"torch", "tensorflow", "keras", "tf_keras"})
     if "torch" in found and found & {"tensorflow", "keras", "tf_keras"}:
-        return Check.warn("script imports", f"{path} imports {' and '.join(frameworks)}: both frameworks in one "
-                          "process (they fight over threads and GPU memory; `paratrain run --tf` refuses torch)",
-                          "split it: the TensorFlow part under `paratrain run --tf`, the torch part under "
-                          "`paratrain run`")
+        return Check.warn(
+            "script imports",
+            f"{path} imports {' and '.join(frameworks)}: both frameworks in one "
+            "process (they fight over threads and GPU memory; `paratrain run --tf` refuses torch)",
+            "split it: the TensorFlow part under `paratrain run --tf`, the torch part under `paratrain run`",
+        )
     return Check.ok("script imports", f"{path} imports {', '.join(frameworks) or 'neither torch nor TensorFlow'}")
 
 

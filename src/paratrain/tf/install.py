@@ -6,6 +6,7 @@ tf-keras, the Keras 2 that TensorFlow still ships separately, can, and gives the
 process. TensorFlow switches ``tf.keras`` to tf-keras when ``TF_USE_LEGACY_KERAS=1`` is set *before* it is
 imported, so the launcher sets it in the workers' environment (never a user's explicit value) and says so once.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -49,11 +50,15 @@ class KerasChoice:
     def note(self, workers: int) -> str | None:
         """The one line the launcher prints about it, or None when there is nothing to say."""
         if self.legacy and self.set_by_us:
-            return ("TF_USE_LEGACY_KERAS=1 for the workers: tf.keras is tf-keras, since Keras 3's model.fit fails "
-                    "under MultiWorkerMirroredStrategy (keras#20585); set TF_USE_LEGACY_KERAS=0 to keep Keras 3")
+            return (
+                "TF_USE_LEGACY_KERAS=1 for the workers: tf.keras is tf-keras, since Keras 3's model.fit fails "
+                "under MultiWorkerMirroredStrategy (keras#20585); set TF_USE_LEGACY_KERAS=0 to keep Keras 3"
+            )
         if not self.legacy and workers > 1:
-            return ("warning: tf.keras is Keras 3, whose model.fit fails under MultiWorkerMirroredStrategy "
-                    "(keras#20585); pip install 'paratrain[tf]' (tf-keras) or unset TF_USE_LEGACY_KERAS=0")
+            return (
+                "warning: tf.keras is Keras 3, whose model.fit fails under MultiWorkerMirroredStrategy "
+                "(keras#20585); pip install 'paratrain[tf]' (tf-keras) or unset TF_USE_LEGACY_KERAS=0"
+            )
         return None
 
 

@@ -19,6 +19,7 @@ assumptions, and the launcher covers each (measured on TensorFlow 2.21, CPU):
 failure; a script whose ``BackupAndRestore`` keeps its state in :func:`paratrain.tf.backup_dir` resumes at the
 epoch it lost. Ctrl-C stops every worker and prints one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,10 @@ from .worker import ERROR_FILE_VAR, RANK_VAR
 
 STOP_GRACE_S = 2.0
 """SIGINT, then SIGKILL this much later: a worker blocked in a collective only sees SIGINT when it returns."""
-_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] "
-                    r"|Additional GRPC error information from remote target|:UNKNOWN:Error received from peer)")
+_NOISE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog|[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] "
+    r"|Additional GRPC error information from remote target|:UNKNOWN:Error received from peer)"
+)
 """TensorFlow's C++ log lines (absl format), absl's preamble, and the coordination service's heartbeat errors a
 worker logs when its partner has finished first."""
 _HARMLESS = re.compile(r"absl::InitializeLog|\] oneDNN custom operations|cudart_stub\.cc|cuInit")
@@ -107,8 +110,10 @@ def launch(args: argparse.Namespace, *, debug: bool = False) -> None:
         except RankFailedError as err:
             if attempt == job.max_restarts:
                 raise
-            note(f"rank {err.rank} failed ({failure_cause(err.exitcode, err.traceback)}); "
-                 f"restarting all workers (restart {attempt + 1} of {job.max_restarts})")
+            note(
+                f"rank {err.rank} failed ({failure_cause(err.exitcode, err.traceback)}); "
+                f"restarting all workers (restart {attempt + 1} of {job.max_restarts})"
+            )
 
 
 def plan(args: argparse.Namespace, *, debug: bool = False) -> TFJob:
@@ -131,12 +136,23 @@ def plan(args: argparse.Namespace, *, debug: bool = False) -> TFJob:
     if args.rdzv_timeout is not None and args.rdzv_timeout < 1:
         raise LaunchError(f"--rdzv-timeout must be at least 1 second, got {args.rdzv_timeout}")
     if args.max_restarts and nnodes > 1:
-        raise LaunchError("--max-restarts with --tf restarts the workers of one node; on several nodes, restart "
-                          "the job (every node) and let BackupAndRestore resume it")
+        raise LaunchError(
+            "--max-restarts with --tf restarts the workers of one node; on several nodes, restart "
+            "the job (every node) and let BackupAndRestore resume it"
+        )
     target = (["-m", args.training_script] if args.module else [args.training_script]) + args.training_script_args
-    job = TFJob(target=target, nproc=nproc, nnodes=nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                master_port=args.master_port, max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir,
-                startup_timeout_s=args.rdzv_timeout or DEFAULT_RDZV_TIMEOUT_S, debug=debug)
+    job = TFJob(
+        target=target,
+        nproc=nproc,
+        nnodes=nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        checkpoint_dir=args.checkpoint_dir,
+        startup_timeout_s=args.rdzv_timeout or DEFAULT_RDZV_TIMEOUT_S,
+        debug=debug,
+    )
     text = os.environ.get(TF_CONFIG_VAR, "").strip()
     if text:
         job.user_config = _check_user_config(text, nproc, nnodes, args)
@@ -146,12 +162,16 @@ def plan(args: argparse.Namespace, *, debug: bool = False) -> TFJob:
 def _check_user_config(text: str, nproc: int, nnodes: int, args: argparse.Namespace) -> TFConfig:
     config = parse_tf_config(text)
     if nproc != 1 or nnodes != 1 or args.explicit & {"nnodes", "node_rank"}:
-        raise LaunchError("TF_CONFIG is set and describes this process's one task: run `paratrain run --tf -n 1 …` "
-                          "on each machine, or unset TF_CONFIG and let paratrain build it from -n/--nnodes")
+        raise LaunchError(
+            "TF_CONFIG is set and describes this process's one task: run `paratrain run --tf -n 1 …` "
+            "on each machine, or unset TF_CONFIG and let paratrain build it from -n/--nnodes"
+        )
     host, port = split_address(config.address)
     if _is_own(host) and port_in_use("0.0.0.0", port):
-        raise LaunchError(f"TF_CONFIG gives this task {config.address}, but port {port} is already in use here "
-                          "(TensorFlow's server binds it on every interface); pick a free port")
+        raise LaunchError(
+            f"TF_CONFIG gives this task {config.address}, but port {port} is already in use here "
+            "(TensorFlow's server binds it on every interface); pick a free port"
+        )
     return config
 
 
@@ -163,8 +183,7 @@ def run_attempt(job: TFJob, attempt: int) -> None:
         slots = _slots(job, attempt)
         configs = [TFConfig.for_workers(slots.addresses, i) for i in slots.indices]
     with tempfile.TemporaryDirectory(prefix="paratrain-tf-") as tmp, caught_stop_signals() as stop:
-        workers = [_start(job, config, attempt, os.path.join(tmp, f"error-{config.rank}.json"))
-                   for config in configs]
+        workers = [_start(job, config, attempt, os.path.join(tmp, f"error-{config.rank}.json")) for config in configs]
         try:
             _supervise(job, workers, configs, stop)
         finally:
@@ -187,14 +206,28 @@ class _Worker:
 def _slots(job: TFJob, attempt: int) -> NodeSlots:
     if job.nnodes == 1:
         return single_node(job.nproc)
-    return multi_node(nproc=job.nproc, nnodes=job.nnodes, node_rank=job.node_rank, master_addr=job.master_addr,
-                      master_port=job.master_port, timeout_s=job.startup_timeout_s, attempt=attempt)
+    return multi_node(
+        nproc=job.nproc,
+        nnodes=job.nnodes,
+        node_rank=job.node_rank,
+        master_addr=job.master_addr,
+        master_port=job.master_port,
+        timeout_s=job.startup_timeout_s,
+        attempt=attempt,
+    )
 
 
 def _start(job: TFJob, config: TFConfig, attempt: int, error_file: str) -> _Worker:
     env = dict(os.environ)
-    env.update({TF_CONFIG_VAR: config.to_json(), RANK_VAR: str(config.rank), ERROR_FILE_VAR: error_file,
-                RESTART_VAR: str(attempt), LAUNCHER_PID_VAR: str(os.getpid())})
+    env.update(
+        {
+            TF_CONFIG_VAR: config.to_json(),
+            RANK_VAR: str(config.rank),
+            ERROR_FILE_VAR: error_file,
+            RESTART_VAR: str(attempt),
+            LAUNCHER_PID_VAR: str(os.getpid()),
+        }
+    )
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     threads = str(max(1, cpu_count() // job.nproc))
     for var in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS"):
@@ -202,8 +235,12 @@ def _start(job: TFJob, config: TFConfig, attempt: int, error_file: str) -> _Work
     if job.checkpoint_dir:
         env[CHECKPOINT_DIR_VAR] = os.path.abspath(job.checkpoint_dir)
     # A session of its own: a terminal's Ctrl-C reaches the launcher only, which stops the workers itself.
-    process = subprocess.Popen([sys.executable, "-m", "paratrain.tf.worker", *job.target], env=env,
-                               stderr=subprocess.PIPE, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "paratrain.tf.worker", *job.target],
+        env=env,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     worker = _Worker(rank=config.rank, process=process, error_file=error_file)
     worker.pump = threading.Thread(target=_pump, args=(worker, job.debug), daemon=True)
     worker.pump.start()
@@ -256,8 +293,15 @@ def _failure(worker: _Worker, others: list[_Worker]) -> RankFailedError:
         trace = "\n".join(worker.tail)
     code = worker.process.returncode
     stopped = tuple(w.rank for w in others if w.process.returncode not in (0,))
-    return RankFailedError(rank=worker.rank, exitcode=code, host=socket.gethostname(), pid=worker.process.pid,
-                           traceback=trace, stopped=stopped, stopped_by=f"SIGINT, SIGKILL after {STOP_GRACE_S:g} s")
+    return RankFailedError(
+        rank=worker.rank,
+        exitcode=code,
+        host=socket.gethostname(),
+        pid=worker.process.pid,
+        traceback=trace,
+        stopped=stopped,
+        stopped_by=f"SIGINT, SIGKILL after {STOP_GRACE_S:g} s",
+    )
 
 
 def _stop(workers: list[_Worker]) -> None:
@@ -298,9 +342,11 @@ class _StartupWatch:
 
     def message(self) -> str:
         silent = [f"{i} ({a})" for i, a in enumerate(self.addresses) if a not in self.up]
-        return (f"worker {', '.join(silent)} of the TF_CONFIG cluster never started its TensorFlow server within "
-                f"{self.timeout_s:g} s of the first (TensorFlow would wait for it forever); start every worker the "
-                "cluster lists, or raise --rdzv-timeout")
+        return (
+            f"worker {', '.join(silent)} of the TF_CONFIG cluster never started its TensorFlow server within "
+            f"{self.timeout_s:g} s of the first (TensorFlow would wait for it forever); start every worker the "
+            "cluster lists, or raise --rdzv-timeout"
+        )
 
 
 def _listening(address: str) -> bool:

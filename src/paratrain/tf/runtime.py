@@ -5,6 +5,7 @@ Each reads what the launcher handed over (``TF_CONFIG``), so one script runs unc
 process over several GPUs, and as N workers under ``paratrain run --tf``. TensorFlow is imported on first use only,
 after :func:`~paratrain.tf.install.apply_keras_choice` has picked the Keras.
 """
+
 from __future__ import annotations
 
 import os

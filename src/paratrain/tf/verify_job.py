@@ -9,6 +9,7 @@ the usual mistakes on purpose, so the diagnosis is tested: ``seed`` (a seed per 
 ``MultiWorkerMirroredStrategy``, which copies worker 0's initial values to every worker), ``unsharded`` (auto-shard
 OFF on data that is not split), ``unscaled`` (the dataset batched with the per-worker batch, not the global one).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,17 @@ def main(argv: list[str] | None = None) -> None:
     model.fit(pipeline(x, y), epochs=1, steps_per_epoch=args.steps, verbose=0)
     np.savez(f"{args.out}.worker{rank}.npz", *model.get_weights())
     with open(f"{args.out}.worker{rank}.json", "w") as f:
-        json.dump({"rank": rank, "workers": workers, "initial": initial, "seen": seen, "batch": batch,
-                   "replicas": strategy.num_replicas_in_sync}, f)
+        json.dump(
+            {
+                "rank": rank,
+                "workers": workers,
+                "initial": initial,
+                "seen": seen,
+                "batch": batch,
+                "replicas": strategy.num_replicas_in_sync,
+            },
+            f,
+        )
 
 
 def _build(factory: str | None, tf):  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ The launcher starts ``python -m paratrain.tf.worker [-m] TARGET ARGS…`` with t
 * a script that ends without ever importing TensorFlow is reported as one (it was not a TensorFlow script);
 * the script's end is the worker's end (:func:`paratrain.launcher.finish.leave`), without the interpreter teardown.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -38,9 +39,11 @@ class _NoTorch(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> None:
         if name == "torch" or name.startswith("torch."):
-            raise TorchInTFWorker("this --tf worker imports torch: TensorFlow and torch never share a process; run a "
-                              "PyTorch script with `paratrain run` without --tf, and keep TensorFlow scripts "
-                              "free of torch")
+            raise TorchInTFWorker(
+                "this --tf worker imports torch: TensorFlow and torch never share a process; run a "
+                "PyTorch script with `paratrain run` without --tf, and keep TensorFlow scripts "
+                "free of torch"
+            )
         return None
 
 
@@ -51,8 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_target(argv)
         if "tensorflow" not in sys.modules:
-            raise LaunchError(f"{argv[1] if argv[0] == '-m' else argv[0]} ended without importing TensorFlow: "
-                              "`paratrain run --tf` runs TensorFlow scripts; drop --tf for a PyTorch script")
+            raise LaunchError(
+                f"{argv[1] if argv[0] == '-m' else argv[0]} ended without importing TensorFlow: "
+                "`paratrain run --tf` runs TensorFlow scripts; drop --tf for a PyTorch script"
+            )
     except SystemExit as e:
         leave(exit_code(e.code))
     except BaseException as e:  # noqa: BLE001 - written for the launcher, which reports it once

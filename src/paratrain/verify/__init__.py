@@ -7,6 +7,7 @@ compared step by step, against the noise floor that the reference measures by tr
 its sums in another order (or a fixed ``tolerance``). The verdict is PASS, or FAIL with the first diverging step
 and parameter and the causes the evidence points at. See docs/verify.md.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -23,9 +24,17 @@ from .spec import VerifySpec, build_spec, paratrain_loop
 __all__ = ["Case", "VerifyReport", "VerifySpec", "format_report", "paratrain_loop", "verify", "verify_cases"]
 
 
-def verify(factory: str, strategies: str | Sequence[str] = "ddp", nprocs: int = 2, *, steps: int | None = None,
-           options: dict[str, Any] | None = None, tolerance: float | None = None, timeout_s: float = 300.0,
-           accelerator: str = "auto") -> list[VerifyReport]:
+def verify(
+    factory: str,
+    strategies: str | Sequence[str] = "ddp",
+    nprocs: int = 2,
+    *,
+    steps: int | None = None,
+    options: dict[str, Any] | None = None,
+    tolerance: float | None = None,
+    timeout_s: float = 300.0,
+    accelerator: str = "auto",
+) -> list[VerifyReport]:
     """Check ``factory``'s setup under each of ``strategies`` on ``nprocs`` processes (one job for all).
     ``options``: strategy options besides the spec's own ``options`` (as the command's ``--tp`` gives)."""
     names = [strategies] if isinstance(strategies, str) else list(strategies)
@@ -33,8 +42,14 @@ def verify(factory: str, strategies: str | Sequence[str] = "ddp", nprocs: int = 
     return verify_cases(cases, nprocs, tolerance=tolerance, timeout_s=timeout_s, accelerator=accelerator)
 
 
-def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float | None = None, timeout_s: float = 300.0,
-                 accelerator: str = "auto") -> list[VerifyReport]:
+def verify_cases(
+    cases: Sequence[Case],
+    nprocs: int,
+    *,
+    tolerance: float | None = None,
+    timeout_s: float = 300.0,
+    accelerator: str = "auto",
+) -> list[VerifyReport]:
     """Run every case in one job of ``nprocs`` processes, then each reference here (on the CPU); one report per
     case. ``accelerator``: where the parallel run trains (``auto``: one GPU per process when there are enough).
     ``tolerance``: judge with this fixed tolerance instead of the measured noise floor (no second reference)."""
@@ -49,8 +64,10 @@ def verify_cases(cases: Sequence[Case], nprocs: int, *, tolerance: float | None 
     if accelerator == "auto":
         accelerator = "cuda" if gpus >= nprocs else "cpu"
     elif accelerator == "cuda" and gpus < nprocs:
-        raise ConfigError(f"{nprocs} processes on the GPU need {nprocs} GPUs, {gpus} visible; use fewer processes or "
-                          "--accelerator cpu")
+        raise ConfigError(
+            f"{nprocs} processes on the GPU need {nprocs} GPUs, {gpus} visible; use fewer processes or "
+            "--accelerator cpu"
+        )
 
     if tolerance is not None and tolerance <= 0:
         raise ConfigError(f"tolerance must be > 0, got {tolerance}")
@@ -86,8 +103,10 @@ def _check_cases(cases: Sequence[Case], nprocs: int) -> None:
             if not spec.run_options.strategy:
                 raise
             given = ", ".join(sorted(spec.run_options.strategy))
-            raise ConfigError(f"{err} (the strategy got {given} from VerifySpec.options: keywords that are not "
-                              "Parallel's own go to the strategy)") from None
+            raise ConfigError(
+                f"{err} (the strategy got {given} from VerifySpec.options: keywords that are not "
+                "Parallel's own go to the strategy)"
+            ) from None
         if case.steps is not None and case.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {case.steps}")
 
@@ -98,8 +117,18 @@ def _reference(main: RankEvidence, cache: dict[tuple, Record], order: str) -> Re
     if main.error is not None or main.data is None or main.init_state is None:
         return None
     d = main.data
-    key = (main.case.factory, main.init_digest, d.replicas, d.seed, d.shuffle, d.drop_last, d.micro_batch,
-           main.accumulate, main.record.steps, order)
+    key = (
+        main.case.factory,
+        main.init_digest,
+        d.replicas,
+        d.seed,
+        d.shuffle,
+        d.drop_last,
+        d.micro_batch,
+        main.accumulate,
+        main.record.steps,
+        order,
+    )
     if key not in cache:
         cache[key] = reference_run(main.case.factory, main.init_state, d, main.accumulate, main.record.steps, order)
     return cache[key]

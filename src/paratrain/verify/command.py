@@ -1,4 +1,5 @@
 """``paratrain verify`` end to end: run the checks, print each verdict (or JSON), exit 0 only when all pass."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,27 @@ from .distributed import Case
 from .report import format_report
 
 
-def verify_command(*, factory: str, strategies: str, nprocs: int, steps: int | None, tolerance: float | None,
-                   timeout_s: float, accelerator: str, as_json: bool, tp: int | None = None) -> int:
+def verify_command(
+    *,
+    factory: str,
+    strategies: str,
+    nprocs: int,
+    steps: int | None,
+    tolerance: float | None,
+    timeout_s: float,
+    accelerator: str,
+    as_json: bool,
+    tp: int | None = None,
+) -> int:
     """Check ``factory`` under each comma-separated strategy on ``nprocs`` processes; 0 when every one passes.
     ``tp``: the tensor-parallel degree inside ddp/zero2/zero3 (the ``tp`` strategy splits over every rank)."""
     from ..distributed.tensor_parallel.degrees import cli_options
 
     names = [s.strip() for s in strategies.split(",") if s.strip()]
-    cases = [Case(factory=factory, strategy=name, steps=steps,
-                  options=cli_options(name, None if name == "tp" else tp)) for name in names]
+    cases = [
+        Case(factory=factory, strategy=name, steps=steps, options=cli_options(name, None if name == "tp" else tp))
+        for name in names
+    ]
     reports = verify_cases(cases, nprocs, tolerance=tolerance, timeout_s=timeout_s, accelerator=accelerator)
     if as_json:
         print(json.dumps([{"verdict": r.verdict, **asdict(r)} for r in reports], indent=1))

@@ -1,6 +1,7 @@
 """Where the parallel run left the single-process one, and why: each cause is named from evidence gathered in
 the run (which samples each rank read, the gradient scale, BatchNorm statistics, initial-weight digests),
 not guessed from the symptom."""
+
 from __future__ import annotations
 
 import statistics
@@ -51,8 +52,9 @@ def parallel_losses(ranks: list[RankEvidence], steps: int) -> list[float | None]
     return out
 
 
-def _entries_apart(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], step: int,
-                   judge: Judge) -> tuple[Divergence | None, float]:
+def _entries_apart(
+    mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], step: int, judge: Judge
+) -> tuple[Divergence | None, float]:
     """(the entry furthest beyond what ``judge`` allows, if any; the largest |difference| of any entry)."""
     worst: tuple[float, Divergence] | None = None
     largest = 0.0
@@ -64,9 +66,19 @@ def _entries_apart(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], 
         largest = max(largest, diff)
         bound = judge.entry(step, key, float(theirs.abs().max()))
         if diff > bound.allowed and (worst is None or diff / bound.allowed > worst[0]):
-            worst = (diff / bound.allowed, Divergence(step=step, what="parameters", parallel=diff, reference=0.0,
-                                                      parameter=key, max_diff=diff, allowed=bound.allowed,
-                                                      floor=bound.floor))
+            worst = (
+                diff / bound.allowed,
+                Divergence(
+                    step=step,
+                    what="parameters",
+                    parallel=diff,
+                    reference=0.0,
+                    parameter=key,
+                    max_diff=diff,
+                    allowed=bound.allowed,
+                    floor=bound.floor,
+                ),
+            )
     return (worst[1] if worst else None), largest
 
 
@@ -74,12 +86,20 @@ def _scalar_apart(what: str, step: int, mine: float, theirs: float, judge: Judge
     bound = judge.scalar(what, step, theirs)
     if abs(mine - theirs) <= bound.allowed:
         return None
-    return Divergence(step=step, what=what, parallel=mine, reference=theirs, max_diff=abs(mine - theirs),
-                      allowed=bound.allowed, floor=bound.floor)
+    return Divergence(
+        step=step,
+        what=what,
+        parallel=mine,
+        reference=theirs,
+        max_diff=abs(mine - theirs),
+        allowed=bound.allowed,
+        floor=bound.floor,
+    )
 
 
-def first_divergence(ranks: list[RankEvidence], ref: Record,
-                     judge: Judge) -> tuple[Divergence | None, Divergence | None, float]:
+def first_divergence(
+    ranks: list[RankEvidence], ref: Record, judge: Judge
+) -> tuple[Divergence | None, Divergence | None, float]:
     """(the first step where loss, gradient norm or parameters differ by more than ``judge`` allows; the first
     step where parameters do; the largest parameter difference seen)."""
     main = ranks[0].record
@@ -105,8 +125,14 @@ def first_divergence(ranks: list[RankEvidence], ref: Record,
 # ----------------------------------------------------------------------------------------------- evidence
 def expected_order(data: DataSetup, replica: int, length: int, *, reshuffle: bool = True) -> list[int]:
     """The first ``length`` indices a distributed sampler hands ``replica``, epoch after epoch."""
-    sampler = ShardSampler(range(data.size), num_replicas=data.replicas, rank=replica, shuffle=data.shuffle,
-                           seed=data.seed, drop_last=data.drop_last)
+    sampler = ShardSampler(
+        range(data.size),
+        num_replicas=data.replicas,
+        rank=replica,
+        shuffle=data.shuffle,
+        seed=data.seed,
+        drop_last=data.drop_last,
+    )
     usable = sampler.num_samples - (sampler.num_samples % data.micro_batch if data.drop_last else 0)
     out: list[int] = []
     epoch = 0
@@ -126,8 +152,10 @@ def data_findings(ranks: list[RankEvidence], data: DataSetup) -> tuple[list[Find
     per_epoch = data.per_replica
     longest = max(len(f) for f in fetched.values())
     if data.shuffle and longest <= per_epoch:
-        notes.append("the per-epoch reshuffle was not checked: the steps compared stay inside the first epoch "
-                     "(pass more --steps or use a smaller dataset)")
+        notes.append(
+            "the per-epoch reshuffle was not checked: the steps compared stay inside the first epoch "
+            "(pass more --steps or use a smaller dataset)"
+        )
     expected = {rep: expected_order(data, rep, len(f)) for rep, f in fetched.items()}
     if all(f == expected[rep] for rep, f in fetched.items()):
         return [], notes
@@ -135,12 +163,15 @@ def data_findings(ranks: list[RankEvidence], data: DataSetup) -> tuple[list[Find
     if data.shuffle and all(f == stale[rep] for rep, f in fetched.items()):
         rep = next(iter(fetched))
         first = next(i for i, (a, b) in enumerate(zip(fetched[rep], expected[rep])) if a != b)
-        return [Finding(
-            cause="missing per-epoch reshuffle",
-            evidence=f"epoch 1 repeated epoch 0's sample order on every rank (replica {rep}, sample {first}: index "
-                     f"{fetched[rep][first]}, a reshuffled epoch gives {expected[rep][first]})",
-            hint="loop over epochs with `for epoch in par.epochs(n)`, which sets the epoch of every prepared loader's "
-                 "sampler, or call loader.sampler.set_epoch(epoch) at the start of each epoch")], notes
+        return [
+            Finding(
+                cause="missing per-epoch reshuffle",
+                evidence=f"epoch 1 repeated epoch 0's sample order on every rank (replica {rep}, sample {first}: index "
+                f"{fetched[rep][first]}, a reshuffled epoch gives {expected[rep][first]})",
+                hint="loop over epochs with `for epoch in par.epochs(n)`, which sets the epoch of every prepared "
+                "loader's sampler, or call loader.sampler.set_epoch(epoch) at the start of each epoch",
+            )
+        ], notes
     if len(fetched) > 1:
         window = {rep: set(f[:per_epoch]) for rep, f in fetched.items()}
         reps = sorted(window)
@@ -148,22 +179,30 @@ def data_findings(ranks: list[RankEvidence], data: DataSetup) -> tuple[list[Find
             evidence = f"every rank read the same samples in the same order (first: {fetched[reps[0]][:4]})"
         else:
             shared = len(window[reps[0]] & window[reps[1]])
-            evidence = (f"ranks of replicas {reps[0]} and {reps[1]} read {shared} of the same samples within one "
-                        f"epoch's share ({per_epoch} samples each); a distributed sampler gives each a disjoint shard")
+            evidence = (
+                f"ranks of replicas {reps[0]} and {reps[1]} read {shared} of the same samples within one "
+                f"epoch's share ({per_epoch} samples each); a distributed sampler gives each a disjoint shard"
+            )
         if len(set().union(*window.values())) < sum(len(w) for w in window.values()):
-            return [Finding(
-                cause="data loader without distributed sampling",
-                evidence=evidence,
-                hint="shard the loader: par.prepare(model, optimizer, loader) or par.prepare_loader(loader) (not "
-                     "shard=False), or give it a DistributedSampler(dataset) yourself")], notes
+            return [
+                Finding(
+                    cause="data loader without distributed sampling",
+                    evidence=evidence,
+                    hint="shard the loader: par.prepare(model, optimizer, loader) or par.prepare_loader(loader) (not "
+                    "shard=False), or give it a DistributedSampler(dataset) yourself",
+                )
+            ], notes
     rep = next(rep for rep, f in fetched.items() if f != expected[rep])
     first = next((i for i, (a, b) in enumerate(zip(fetched[rep], expected[rep])) if a != b), len(expected[rep]))
-    return [Finding(
-        cause="data order",
-        evidence=f"replica {rep} read other samples than a distributed sampler (seed {data.seed}) gives it, from "
-                 f"sample {first} on",
-        hint="let paratrain shard the loader (par.prepare_loader), or use a DistributedSampler with the same seed on "
-             "every rank, and call set_epoch each epoch")], notes
+    return [
+        Finding(
+            cause="data order",
+            evidence=f"replica {rep} read other samples than a distributed sampler (seed {data.seed}) gives it, from "
+            f"sample {first} on",
+            hint="let paratrain shard the loader (par.prepare_loader), or use a DistributedSampler with the same "
+            "seed on every rank, and call set_epoch each epoch",
+        )
+    ], notes
 
 
 def _apart_from_rank0(digests: list[str]) -> str | None:
@@ -184,16 +223,20 @@ def gradient_scale_finding(ranks: list[RankEvidence], ref: Record, accumulate: i
         return None
     ratio = ranks[0].record.grad_norms[0] / ref.grad_norms[0]
     if accumulate > 1 and abs(ratio / accumulate - 1) < 0.02:
-        return Finding(cause="accumulation without loss division",
-                       evidence=f"the first step's gradient norm is {ratio:.3f}x the single-process one: the "
-                                f"accumulation count is {accumulate}",
-                       hint="divide each micro-batch's loss by the accumulation count: par.backward(loss) and "
-                            "par.forward_backward(...) do; loss.backward() inside par.step does not")
+        return Finding(
+            cause="accumulation without loss division",
+            evidence=f"the first step's gradient norm is {ratio:.3f}x the single-process one: the "
+            f"accumulation count is {accumulate}",
+            hint="divide each micro-batch's loss by the accumulation count: par.backward(loss) and "
+            "par.forward_backward(...) do; loss.backward() inside par.step does not",
+        )
     if replicas > 1 and abs(ratio * replicas - 1) < 0.02:
-        return Finding(cause="summed loss",
-                       evidence=f"the first step's gradient norm is 1/{replicas} of the single-process one",
-                       hint="the loss sums over the batch while gradients are averaged over ranks: use a mean loss "
-                            "(reduction='mean') or multiply the loss by par.data_parallel_size")
+        return Finding(
+            cause="summed loss",
+            evidence=f"the first step's gradient norm is 1/{replicas} of the single-process one",
+            hint="the loss sums over the batch while gradients are averaged over ranks: use a mean loss "
+            "(reduction='mean') or multiply the loss by par.data_parallel_size",
+        )
     return None
 
 
@@ -211,18 +254,22 @@ def batchnorm_finding(ranks: list[RankEvidence], ref: Record, tolerance: float, 
     if worst is None:
         return None
     if window > 1:
-        return Finding(cause="BatchNorm under gradient accumulation",
-                       evidence=f"BatchNorm '{worst[1]}' normalised each micro-batch with its own statistics, one "
-                                f"process normalises the global batch of {window} micro-batches at once (channel "
-                                f"means apart by up to {worst[0]:.3g}): accumulation is not the global batch's math",
-                       hint="verify with accumulate=1, or use GroupNorm or LayerNorm, which do not mix samples")
-    return Finding(cause="BatchNorm without synchronisation",
-                   evidence=f"BatchNorm '{worst[1]}' normalised each rank's micro-batch with that rank's own "
-                            f"statistics: its input's channel means differ from the global batch's by up to "
-                            f"{worst[0]:.3g}",
-                   hint="convert it before prepare: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) "
-                        "(torch's SyncBatchNorm runs on GPUs only; on a CPU use GroupNorm or LayerNorm, or accept "
-                        "per-rank statistics)")
+        return Finding(
+            cause="BatchNorm under gradient accumulation",
+            evidence=f"BatchNorm '{worst[1]}' normalised each micro-batch with its own statistics, one "
+            f"process normalises the global batch of {window} micro-batches at once (channel "
+            f"means apart by up to {worst[0]:.3g}): accumulation is not the global batch's math",
+            hint="verify with accumulate=1, or use GroupNorm or LayerNorm, which do not mix samples",
+        )
+    return Finding(
+        cause="BatchNorm without synchronisation",
+        evidence=f"BatchNorm '{worst[1]}' normalised each rank's micro-batch with that rank's own "
+        f"statistics: its input's channel means differ from the global batch's by up to "
+        f"{worst[0]:.3g}",
+        hint="convert it before prepare: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) "
+        "(torch's SyncBatchNorm runs on GPUs only; on a CPU use GroupNorm or LayerNorm, or accept "
+        "per-rank statistics)",
+    )
 
 
 def router_loss_finding(ranks: list[RankEvidence], replicas: int) -> Finding | None:
@@ -230,20 +277,25 @@ def router_loss_finding(ranks: list[RankEvidence], replicas: int) -> Finding | N
     local = ranks[0].router_loss
     if local is None or replicas < 2:
         return None
-    return Finding(cause="router load-balancing loss per rank",
-                   evidence=f"the model adds its router's load-balancing loss ({local}) computed on each rank's slice: "
-                            "its expert shares are that slice's, where one process takes the global batch's",
-                   hint="Parallel(..., moe_aux_loss='global') (in a VerifySpec: options={'moe_aux_loss': 'global'}) "
-                        "sums the expert counts over the data-parallel ranks, as one process computes the loss")
+    return Finding(
+        cause="router load-balancing loss per rank",
+        evidence=f"the model adds its router's load-balancing loss ({local}) computed on each rank's slice: "
+        "its expert shares are that slice's, where one process takes the global batch's",
+        hint="Parallel(..., moe_aux_loss='global') (in a VerifySpec: options={'moe_aux_loss': 'global'}) "
+        "sums the expert counts over the data-parallel ranks, as one process computes the loss",
+    )
 
 
 def replicas_finding(ranks: list[RankEvidence]) -> Finding | None:
     apart = _apart_from_rank0([r.final_digest for r in ranks])
     if apart is None:
         return None
-    return Finding(cause="replicas drifted apart", evidence=f"at the end, {apart} hold other parameters than rank 0",
-                   hint="gradients or parameters changed on one rank outside paratrain's step (a second optimizer over "
-                        "the unwrapped model, a no_sync block left open, rank-dependent code)")
+    return Finding(
+        cause="replicas drifted apart",
+        evidence=f"at the end, {apart} hold other parameters than rank 0",
+        hint="gradients or parameters changed on one rank outside paratrain's step (a second optimizer over "
+        "the unwrapped model, a no_sync block left open, rank-dependent code)",
+    )
 
 
 def _changed(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -256,17 +308,23 @@ def untrained_finding(ranks: list[RankEvidence], ref: Record) -> Finding | None:
     mine = ranks[0].record.states
     if len(mine) < 2 or len(ref.states) < 2:
         return None
-    stuck = [k for k in ref.states[0].keys() & mine[0].keys()
-             if ref.states[0][k].is_floating_point() and _changed(ref.states[0][k], ref.states[-1][k])
-             and not _changed(mine[0][k], mine[-1][k])]
+    stuck = [
+        k
+        for k in ref.states[0].keys() & mine[0].keys()
+        if ref.states[0][k].is_floating_point()
+        and _changed(ref.states[0][k], ref.states[-1][k])
+        and not _changed(mine[0][k], mine[-1][k])
+    ]
     if not stuck:
         return None
-    return Finding(cause="parameters never trained",
-                   evidence=f"{len(stuck)} parameter(s) changed in the single-process run but not in the parallel one "
-                            f"({', '.join(sorted(stuck)[:3])}{', …' if len(stuck) > 3 else ''})",
-                   hint="every trainable parameter must be in the prepared optimizer: build the optimizer from the "
-                        "model passed to prepare() and pass both to prepare(); do not re-tie or replace parameters "
-                        "after prepare()")
+    return Finding(
+        cause="parameters never trained",
+        evidence=f"{len(stuck)} parameter(s) changed in the single-process run but not in the parallel one "
+        f"({', '.join(sorted(stuck)[:3])}{', …' if len(stuck) > 3 else ''})",
+        hint="every trainable parameter must be in the prepared optimizer: build the optimizer from the "
+        "model passed to prepare() and pass both to prepare(); do not re-tie or replace parameters "
+        "after prepare()",
+    )
 
 
 def tie_finding(ranks: list[RankEvidence], ref: Record) -> Finding | None:
@@ -278,13 +336,14 @@ def tie_finding(ranks: list[RankEvidence], ref: Record) -> Finding | None:
     first, last = theirs[0], theirs[-1]
     keys = sorted(k for k in first.keys() & mine[-1].keys() if first[k].is_floating_point())
     for i, a in enumerate(keys):
-        for b in keys[i + 1:]:
-            tied = (not _changed(first[a], first[b]) and not _changed(last[a], last[b])
-                    and _changed(first[a], last[a]))
+        for b in keys[i + 1 :]:
+            tied = not _changed(first[a], first[b]) and not _changed(last[a], last[b]) and _changed(first[a], last[a])
             if tied and _changed(mine[-1][a], mine[-1][b]):
-                return Finding(cause="tied parameters split",
-                               evidence=f"'{a}' and '{b}' are one tensor in the single-process run but ended with "
-                                        "different values in the parallel one",
-                               hint="keep ties through prepare(): tie the weights before prepare() and never re-tie or "
-                                    "resize embeddings after it; report it if prepare() itself split them")
+                return Finding(
+                    cause="tied parameters split",
+                    evidence=f"'{a}' and '{b}' are one tensor in the single-process run but ended with "
+                    "different values in the parallel one",
+                    hint="keep ties through prepare(): tie the weights before prepare() and never re-tie or "
+                    "resize embeddings after it; report it if prepare() itself split them",
+                )
     return None

@@ -3,6 +3,7 @@
 Several cases (factory x strategy) run one after the other in the same processes, on one process group.
 The loop runs until the optimizer has stepped ``steps`` times; a hook after that step stops it.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,9 @@ class DataSetup:
     @property
     def per_replica(self) -> int:
         """Samples each replica reads per epoch."""
-        return ShardSampler(range(self.size), num_replicas=self.replicas, rank=0, shuffle=False,
-                            drop_last=self.drop_last).num_samples
+        return ShardSampler(
+            range(self.size), num_replicas=self.replicas, rank=0, shuffle=False, drop_last=self.drop_last
+        ).num_samples
 
     def steps_per_epoch(self, accumulate: int) -> float:
         per_rank = self.per_replica
@@ -117,8 +119,13 @@ def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
     strategy_options = case_options(case, spec)
     ev.options = spec.run_options.described(strategy_options)
     ev.router_loss = router_loss(spec.model) if strategy_options.get("moe_aux_loss", "local") == "local" else None
-    par = Parallel(case.strategy, accelerator=accelerator, monitor=False,  # the monitor's table would only add noise
-                   **spec.run_options.parallel(spec.accumulate, spec.loader.batch_size), **strategy_options)
+    par = Parallel(
+        case.strategy,
+        accelerator=accelerator,
+        monitor=False,  # the monitor's table would only add noise
+        **spec.run_options.parallel(spec.accumulate, spec.loader.batch_size),
+        **strategy_options,
+    )
     loader, recording = recording_loader(spec.loader)
     model, optimizer = par.prepare(spec.model, spec.build_optimizer())
     ev.replica, ev.accumulate = par.data_parallel_rank, par.accumulate  # a global batch is resolved by prepare
@@ -140,12 +147,20 @@ def _data_setup(loader: Any, par: Parallel) -> DataSetup:
     shuffle, batch, drop_last = describe_sampler(loader)
     own = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
     seed = own.seed if own is not None else par.data_seed
-    setup = DataSetup(size=len(loader.dataset), micro_batch=batch, shuffle=shuffle, drop_last=drop_last, seed=seed,
-                      replicas=par.data_parallel_size)
+    setup = DataSetup(
+        size=len(loader.dataset),
+        micro_batch=batch,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        seed=seed,
+        replicas=par.data_parallel_size,
+    )
     if not drop_last and setup.size % setup.replicas:
-        raise ConfigError(f"verify: the dataset has {setup.size} samples, not a multiple of the {setup.replicas} "
-                          "data-parallel ranks, so a distributed sampler repeats samples that one process never reads; "
-                          "use drop_last=True or a dataset size divisible by the ranks")
+        raise ConfigError(
+            f"verify: the dataset has {setup.size} samples, not a multiple of the {setup.replicas} "
+            "data-parallel ranks, so a distributed sampler repeats samples that one process never reads; "
+            "use drop_last=True or a dataset size divisible by the ranks"
+        )
     return setup
 
 

@@ -9,6 +9,7 @@ two correct runs drift apart, per step and per entry of the state dict, is the f
 where its distance from the reference stays within ``MARGIN`` times the floor plus a few float32 ulps of the value
 (so an exact-zero floor does not fail one rounding). A bug moves the numbers by orders of magnitude more.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -120,11 +121,17 @@ class NoiseFloor:
         first = _mean(ref.losses[0])
         if self.losses[0] <= REPEATABLE * max(1.0, abs(first)):
             return None
-        return (f"two one-process runs on the same samples, from the same weights, computed first losses "
-                f"{self.losses[0]:.3g} apart ({first:.6g}): far more than rounding (under {REPEATABLE:g} relative)")
+        return (
+            f"two one-process runs on the same samples, from the same weights, computed first losses "
+            f"{self.losses[0]:.3g} apart ({first:.6g}): far more than rounding (under {REPEATABLE:g} relative)"
+        )
 
     def summary(self) -> FloorSummary:
         by_step = [max(e.values(), default=0.0) for e in self.entries]
-        return FloorSummary(margin=self.margin, loss=max(self.losses, default=0.0),
-                            grad_norm=max(self.grad_norms, default=0.0), parameters=max(by_step, default=0.0),
-                            parameters_by_step=by_step)
+        return FloorSummary(
+            margin=self.margin,
+            loss=max(self.losses, default=0.0),
+            grad_norm=max(self.grad_norms, default=0.0),
+            parameters=max(by_step, default=0.0),
+            parameters_by_step=by_step,
+        )

@@ -12,6 +12,7 @@ its global batch. So a spec takes any keyword the script gives ``Parallel`` and 
   something only across ranks, so the parallel run alone gets it, merged with the command's own (``--tp``).
 * The keywords verify sets itself are refused, each with where to say it instead.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -24,8 +25,11 @@ from ..loop import GlobalBatch
 from ..parallel import Parallel
 from ..settings import MOVED, regroup
 
-OWN_KEYWORDS = frozenset(name for name, p in inspect.signature(Parallel.__init__).parameters.items()
-                         if p.kind is inspect.Parameter.KEYWORD_ONLY) | frozenset(MOVED)
+OWN_KEYWORDS = frozenset(
+    name
+    for name, p in inspect.signature(Parallel.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+) | frozenset(MOVED)
 """``Parallel``'s own keywords, also as formerly spelled: the rest of what it takes are strategy options."""
 BATCH_KEYWORDS = ("global_batch", "micro_batch")
 SET_BY_VERIFY = {
@@ -34,8 +38,10 @@ SET_BY_VERIFY = {
     "accelerator": "pass --accelerator (accelerator= from Python)",
     "env": "verify places both runs itself",
     "monitor": "verify turns the monitor off: it compares the arithmetic",
-    **dict.fromkeys(("checkpoint", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume"),
-                    "verify trains a few steps from the factory's weights; leave checkpoints to the script"),
+    **dict.fromkeys(
+        ("checkpoint", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume"),
+        "verify trains a few steps from the factory's weights; leave checkpoints to the script",
+    ),
     "init_fn": "verify starts both runs from the weights the factory built; build the model off the meta device",
 }
 """Keywords verify decides, and where the user says them instead."""
@@ -56,23 +62,29 @@ class RunOptions:
     def of(cls, options: Mapping[str, Any], *, accumulate: int, micro_batch: int) -> RunOptions:
         """Sort ``options``; one line for a keyword verify sets itself or a batch that contradicts the spec's."""
         if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-            raise ConfigError("VerifySpec.options must be a dict of Parallel keywords, e.g. "
-                              "{'clip_grad_norm': 1.0, 'seed': 1337}")
+            raise ConfigError(
+                "VerifySpec.options must be a dict of Parallel keywords, e.g. {'clip_grad_norm': 1.0, 'seed': 1337}"
+            )
         options = dict(options)
         if isinstance(options.get("accumulate"), GlobalBatch):  # the global batch, not an accumulation count
             given = options.pop("accumulate")
             options.update({"global_batch": given.size, **({"micro_batch": given.micro} if given.micro else {})})
         grouped = regroup({k: v for k, v in options.items() if k not in BATCH_KEYWORDS})
         job, model = grouped["job"], grouped["model"]
-        for key in [*options, *(["env"] if job is not None and job.env is not None else []),
-                    *(["init_fn"] if model is not None and model.init_fn is not None else [])]:
+        for key in [
+            *options,
+            *(["env"] if job is not None and job.env is not None else []),
+            *(["init_fn"] if model is not None and model.init_fn is not None else []),
+        ]:
             if key in SET_BY_VERIFY:
                 raise ConfigError(f"VerifySpec.options cannot set {key!r}: {SET_BY_VERIFY[key]}")
         batch = {k: options[k] for k in BATCH_KEYWORDS if k in options}
         _check_batch(batch, accumulate, micro_batch)
-        return cls(shared={k: v for k, v in grouped.items() if k in OWN_KEYWORDS and k != "accumulate"
-                           and v is not None}, batch=batch,
-                   strategy={k: v for k, v in grouped.items() if k not in OWN_KEYWORDS})
+        return cls(
+            shared={k: v for k, v in grouped.items() if k in OWN_KEYWORDS and k != "accumulate" and v is not None},
+            batch=batch,
+            strategy={k: v for k, v in grouped.items() if k not in OWN_KEYWORDS},
+        )
 
     def parallel(self, accumulate: int, micro_batch: int) -> dict[str, Any]:
         """``Parallel``'s keywords in the parallel run, strategy options aside: the global batch, when given, with
@@ -90,12 +102,16 @@ def _check_batch(batch: Mapping[str, Any], accumulate: int, micro_batch: int) ->
     if "micro_batch" in batch and "global_batch" not in batch:
         raise ConfigError("VerifySpec.options has micro_batch without global_batch; give both, or neither")
     if "global_batch" in batch and accumulate != 1:
-        raise ConfigError(f"VerifySpec.accumulate={accumulate} given with options global_batch="
-                          f"{batch['global_batch']}; give one of them (with global_batch, accumulate follows from "
-                          "the layout)")
+        raise ConfigError(
+            f"VerifySpec.accumulate={accumulate} given with options global_batch="
+            f"{batch['global_batch']}; give one of them (with global_batch, accumulate follows from "
+            "the layout)"
+        )
     if batch.get("micro_batch", micro_batch) != micro_batch:
-        raise ConfigError(f"VerifySpec.options micro_batch={batch['micro_batch']} but the loader's batch size is "
-                          f"{micro_batch}: the loader is built at the per-rank micro-batch; make them equal")
+        raise ConfigError(
+            f"VerifySpec.options micro_batch={batch['micro_batch']} but the loader's batch size is "
+            f"{micro_batch}: the loader is built at the per-rank micro-batch; make them equal"
+        )
 
 
 def merged_strategy_options(spec: Mapping[str, Any], command: Mapping[str, Any]) -> dict[str, Any]:

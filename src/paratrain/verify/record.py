@@ -6,6 +6,7 @@ means each non-synchronised BatchNorm saw at its first call. And which samples t
 dataset wrapper that notes every index fetched. Both runs train through the user's loop with a ``Parallel``;
 :func:`run_loop` hooks the optimizer and stops the loop after K steps.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class RecordHooks:
             if name not in self.record.batchnorm_means and module.training:
                 x = args[0].detach().float()
                 self.record.batchnorm_means[name] = x.transpose(0, 1).reshape(x.shape[1], -1).mean(1).cpu()
+
         return hook
 
     def _own_loss_hook(self, module: nn.Module, args: tuple, out: object) -> None:
@@ -81,6 +83,7 @@ class RecordHooks:
             if not inside(LOSS_FRAMES):  # pipelining's shape pass calls the loss on placeholders
                 self._pending.append(float(value.detach()))
             return value
+
         return recorded
 
     def end_step(self, grad_norm: float, state: dict[str, torch.Tensor] | None) -> None:
@@ -109,9 +112,16 @@ class RecordingDataset(Dataset):
 def recording_loader(loader: DataLoader) -> tuple[DataLoader, RecordingDataset]:
     """``loader`` over a :class:`RecordingDataset`: same sampler, batch size and collation, no worker processes."""
     dataset = RecordingDataset(loader.dataset)
-    rebuilt = DataLoader(dataset, batch_size=loader.batch_size, sampler=loader.sampler, num_workers=0,
-                         collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-                         generator=loader.generator)
+    rebuilt = DataLoader(
+        dataset,
+        batch_size=loader.batch_size,
+        sampler=loader.sampler,
+        num_workers=0,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        generator=loader.generator,
+    )
     return rebuilt, dataset
 
 
@@ -119,8 +129,17 @@ class _Stop(Exception):
     """Raised by the optimizer hook once enough steps ran: ends the user's loop wherever it is."""
 
 
-def run_loop(spec: VerifySpec, par: Parallel, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
-             recorder: RecordHooks, steps: int, *, keep_states: bool) -> None:
+def run_loop(
+    spec: VerifySpec,
+    par: Parallel,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    recorder: RecordHooks,
+    steps: int,
+    *,
+    keep_states: bool,
+) -> None:
     """The user's loop (or :func:`~paratrain.verify.spec.paratrain_loop`) on the prepared ``model`` and
     ``optimizer`` until the optimizer has stepped ``steps`` times, recording the global gradient norm before each
     step and (with ``keep_states``) the full state after it. Collective in the parallel run: every rank calls it."""

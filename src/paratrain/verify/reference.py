@@ -12,6 +12,7 @@ accumulates the ranks' micro-batches the way the parallel run does.
 
 The same run a second time, its batches in another order, measures the noise floor (:mod:`.floor`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -46,11 +47,17 @@ class GlobalBatches:
         d = self.data
         out = []
         for replica in range(d.replicas):
-            sampler = ShardSampler(range(d.size), num_replicas=d.replicas, rank=replica, shuffle=d.shuffle,
-                                   seed=d.seed, drop_last=d.drop_last)
+            sampler = ShardSampler(
+                range(d.size),
+                num_replicas=d.replicas,
+                rank=replica,
+                shuffle=d.shuffle,
+                seed=d.seed,
+                drop_last=d.drop_last,
+            )
             sampler.set_epoch(epoch)
             order = list(sampler)
-            batches = [order[i:i + d.micro_batch] for i in range(0, len(order), d.micro_batch)]
+            batches = [order[i : i + d.micro_batch] for i in range(0, len(order), d.micro_batch)]
             out.append([b for b in batches if len(b) == d.micro_batch or not d.drop_last])
         return out
 
@@ -58,7 +65,7 @@ class GlobalBatches:
         epoch, self.epoch = self.epoch, self.epoch + 1
         shards = self._micro_batches(epoch)
         for i in range(0, len(shards[0]), self.group):
-            parts = [sum(micro[i:i + self.group], []) for micro in shards]
+            parts = [sum(micro[i : i + self.group], []) for micro in shards]
             if self.order == "global":
                 yield [index for column in zip(*parts) for index in column]
             else:
@@ -76,8 +83,14 @@ def whole_windows(data: DataSetup, accumulate: int) -> bool:
     return accumulate == 1 or (full and (per_replica // data.micro_batch) % accumulate == 0)
 
 
-def reference_run(factory: str, init_state: dict[str, torch.Tensor], data: DataSetup, accumulate: int, steps: int,
-                  order: str = "global") -> Record:
+def reference_run(
+    factory: str,
+    init_state: dict[str, torch.Tensor],
+    data: DataSetup,
+    accumulate: int,
+    steps: int,
+    order: str = "global",
+) -> Record:
     """``steps`` optimizer steps of the factory's setup in one process on the global batches of ``data``;
     ``accumulate``: the parallel run's micro-batches per step (from the spec's ``accumulate`` or global batch)."""
     spec = build_spec(factory)

@@ -1,4 +1,5 @@
 """A verify verdict, built from both runs' evidence, and its text for the terminal."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -27,8 +28,9 @@ UNREPEATABLE = Finding(
     cause="randomness in the training step",
     evidence="",
     hint="verify with dropout and random augmentation off (p=0, not only model.eval() if the loop calls "
-         "model.train()): after prepare each rank draws its own random numbers, so no parallel run can equal one "
-         "process; and make the loss independent of the order of the samples in a batch")
+    "model.train()): after prepare each rank draws its own random numbers, so no parallel run can equal one "
+    "process; and make the loss independent of the order of the samples in a batch",
+)
 GENERIC_CAUSES = (
     "randomness that differs per rank: dropout or augmentation draw from per-rank random streams after prepare "
     "(verify with dropout off)",
@@ -76,19 +78,27 @@ class VerifyReport:
         return "ERROR" if self.error else ("PASS" if self.passed else "FAIL")
 
 
-def build_report(ranks: list[RankEvidence], ref: Record | None, twin: Record | None, *, world: int,
-                 tolerance: float | None) -> VerifyReport:
+def build_report(
+    ranks: list[RankEvidence], ref: Record | None, twin: Record | None, *, world: int, tolerance: float | None
+) -> VerifyReport:
     """The verdict on one case: ``ref`` is the reference run, ``twin`` the same in another summation order (the
     noise floor; None with a fixed ``tolerance``)."""
     main = ranks[0]
-    report = VerifyReport(factory=main.case.factory, strategy=main.case.strategy, world=world,
-                          accumulate=main.accumulate, options=main.options, tolerance=tolerance)
+    report = VerifyReport(
+        factory=main.case.factory,
+        strategy=main.case.strategy,
+        world=world,
+        accumulate=main.accumulate,
+        options=main.options,
+        tolerance=tolerance,
+    )
     if main.error is not None or ref is None or main.data is None or (twin is None and tolerance is None):
         report.error = main.error or "the parallel run recorded nothing"
         return report
     if main.record.steps == 0:
-        report.error = ("the training loop ended before its first optimizer step; give it more data or fewer "
-                        "accumulation steps")
+        report.error = (
+            "the training loop ended before its first optimizer step; give it more data or fewer accumulation steps"
+        )
         return report
     report.steps = min(main.record.steps, ref.steps)
     report.epochs = report.steps / max(main.data.steps_per_epoch(main.accumulate), 1e-9)
@@ -110,12 +120,16 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, twin: Record | N
     report.findings += data
     apart = ranks_apart(ranks)
     if apart is not None:  # prepare started every rank from rank 0's weights: worth knowing, no fault
-        report.notes.append(f"the model {apart} built differs from rank 0's before prepare; every rank started from "
-                            "rank 0's weights, as the reference did")
+        report.notes.append(
+            f"the model {apart} built differs from rank 0's before prepare; every rank started from "
+            "rank 0's weights, as the reference did"
+        )
     window = main.accumulate if whole_windows(main.data, main.accumulate) else 1
     if not data:  # the first step saw the reference's weights and samples
-        for finding in (gradient_scale_finding(ranks, ref, main.accumulate, main.data.replicas),
-                        batchnorm_finding(ranks, ref, max(tolerance or 0.0, 1e-4), window)):
+        for finding in (
+            gradient_scale_finding(ranks, ref, main.accumulate, main.data.replicas),
+            batchnorm_finding(ranks, ref, max(tolerance or 0.0, 1e-4), window),
+        ):
             if finding is not None:
                 report.findings.append(finding)
     routed = router_loss_finding(ranks, main.data.replicas) if report.divergence is not None else None
@@ -131,33 +145,46 @@ def build_report(ranks: list[RankEvidence], ref: Record | None, twin: Record | N
 
 def format_report(report: VerifyReport) -> str:
     options = "".join(f", {k}={v}" for k, v in report.options.items())
-    head = (f"paratrain verify {report.factory}: strategy {report.strategy}{options}, {report.world} processes, "
-            f"accumulate {report.accumulate}")
+    head = (
+        f"paratrain verify {report.factory}: strategy {report.strategy}{options}, {report.world} processes, "
+        f"accumulate {report.accumulate}"
+    )
     if report.error:
         return f"{head}\nERROR: {report.error}"
     lines = [f"{head}, {report.steps} steps ({report.epochs:.1f} epochs) against one process on the global batch"]
     d = report.divergence
     if report.passed:
-        lines.append(f"PASS: losses, gradient norms and parameters equal the single-process run at every step "
-                     f"(max |parameter diff| {report.max_param_diff:.2g}, {_judged(report)})")
+        lines.append(
+            f"PASS: losses, gradient norms and parameters equal the single-process run at every step "
+            f"(max |parameter diff| {report.max_param_diff:.2g}, {_judged(report)})"
+        )
     elif d is None:
         lines.append("FAIL: the numbers agree within what is allowed, but the run is not equivalent:")
     elif d.what == "parameters":
-        lines.append(f"FAIL: diverges at step {d.step}: after the update, parameter '{d.parameter}' differs by "
-                     f"{d.max_diff:.3g} ({_allowed(d)})")
+        lines.append(
+            f"FAIL: diverges at step {d.step}: after the update, parameter '{d.parameter}' differs by "
+            f"{d.max_diff:.3g} ({_allowed(d)})"
+        )
     else:
         p = report.parameters_apart
-        apart = (f"first parameter apart: '{p.parameter}' after step {p.step} (|diff| {p.max_diff:.3g})" if p else
-                 "the parameters stay within what is allowed")
-        lines.append(f"FAIL: diverges at step {d.step}: {d.what} {d.parallel:.6g} in parallel vs {d.reference:.6g} in "
-                     f"one process (|diff| {d.max_diff:.3g}, {_allowed(d)}); {apart}")
+        apart = (
+            f"first parameter apart: '{p.parameter}' after step {p.step} (|diff| {p.max_diff:.3g})"
+            if p
+            else "the parameters stay within what is allowed"
+        )
+        lines.append(
+            f"FAIL: diverges at step {d.step}: {d.what} {d.parallel:.6g} in parallel vs {d.reference:.6g} in "
+            f"one process (|diff| {d.max_diff:.3g}, {_allowed(d)}); {apart}"
+        )
     if report.findings:
         lines.append("likely cause" + ("s:" if len(report.findings) > 1 else ":"))
         for f in report.findings:
             lines += [f"  - {f.cause}: {f.evidence}", f"    fix: {f.hint}"]
     elif not report.passed:
-        lines.append("no cause found in the evidence (samples read, gradient scale, BatchNorm statistics, initial "
-                     "weights all match); other likely causes:")
+        lines.append(
+            "no cause found in the evidence (samples read, gradient scale, BatchNorm statistics, initial "
+            "weights all match); other likely causes:"
+        )
         lines += [f"  - {c}" for c in GENERIC_CAUSES]
     for w in report.warnings:
         lines += [f"warning: {w.cause}: {w.evidence}", f"    fix: {w.hint}"]
@@ -169,8 +196,10 @@ def _judged(report: VerifyReport) -> str:
     """How the verdict was judged, for the PASS line."""
     if report.floor is None:
         return f"tolerance {report.tolerance:g}"
-    return (f"noise floor {report.floor.parameters:.2g}: two correct one-process runs summing in other orders "
-            f"differ by that much; allowed {report.floor.margin:g}x the floor")
+    return (
+        f"noise floor {report.floor.parameters:.2g}: two correct one-process runs summing in other orders "
+        f"differ by that much; allowed {report.floor.margin:g}x the floor"
+    )
 
 
 def _allowed(d: Divergence) -> str:

@@ -17,6 +17,7 @@ A model that computes its own loss (nanoGPT's ``model(x, y) -> (logits, loss)``,
 ``loss=None``; an optimizer built from the model (nanoGPT's ``configure_optimizers``) comes through
 ``optimizer_from_model``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,15 @@ Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 TrainLoop = Callable[[Parallel, nn.Module, torch.optim.Optimizer, DataLoader, Loss | None], None]
 
 
-def paratrain_loop(par: Parallel, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader,
-                   loss: Loss | None, *, target_keyword: str | None = None) -> None:
+def paratrain_loop(
+    par: Parallel,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    loss: Loss | None,
+    *,
+    target_keyword: str | None = None,
+) -> None:
     """The canonical loop: a sharded loader, reshuffled every epoch, ``par.step`` around ``forward_backward``.
     With ``loss`` None the model computes its own loss: from ``model(x, y)``, or with ``target_keyword`` from
     ``model(x, **{target_keyword: y})`` (transformers' ``labels=``)."""
@@ -100,34 +108,45 @@ class VerifySpec:
         if not isinstance(self.loader, DataLoader):
             raise ConfigError(f"VerifySpec.loader must be a torch DataLoader, got {type(self.loader).__name__}")
         if not hasattr(self.loader.dataset, "__len__") or not hasattr(self.loader.dataset, "__getitem__"):
-            raise ConfigError("verify needs a map-style dataset (with __len__ and __getitem__) to know which samples "
-                              "each rank read")
+            raise ConfigError(
+                "verify needs a map-style dataset (with __len__ and __getitem__) to know which samples each rank read"
+            )
         if self.loader.batch_size is None:
             raise ConfigError("verify needs a DataLoader with a batch_size (not a custom batch_sampler)")
 
     def _check_callables(self) -> None:
         if (self.optimizer is None) == (self.optimizer_from_model is None):
-            raise ConfigError("VerifySpec takes one of optimizer (built over the parameters) and optimizer_from_model "
-                              "(built from the model, e.g. its configure_optimizers)")
+            raise ConfigError(
+                "VerifySpec takes one of optimizer (built over the parameters) and optimizer_from_model "
+                "(built from the model, e.g. its configure_optimizers)"
+            )
         for name in ("optimizer", "optimizer_from_model", "loss", "train"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ConfigError(f"VerifySpec.{name} must be callable")
         if self.target_keyword is not None and (self.loss is not None or not str(self.target_keyword).isidentifier()):
-            raise ConfigError(f"VerifySpec.target_keyword={self.target_keyword!r}: a keyword of the model's forward "
-                              "(e.g. 'labels') for a model that computes its own loss (loss=None)")
+            raise ConfigError(
+                f"VerifySpec.target_keyword={self.target_keyword!r}: a keyword of the model's forward "
+                "(e.g. 'labels') for a model that computes its own loss (loss=None)"
+            )
         if self.loss is None and not _takes_targets(self.model, self.target_keyword):
             where = f"no keyword {self.target_keyword!r}" if self.target_keyword else "no second argument"
-            raise ConfigError(f"VerifySpec(loss=None) has the model compute its loss from the targets, but "
-                              f"{type(self.model).__name__}.forward takes {where} for them; give a loss function, "
-                              "or target_keyword= naming the forward's keyword for the targets")
+            raise ConfigError(
+                f"VerifySpec(loss=None) has the model compute its loss from the targets, but "
+                f"{type(self.model).__name__}.forward takes {where} for them; give a loss function, "
+                "or target_keyword= naming the forward's keyword for the targets"
+            )
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer over ``model`` as it is now (before ``prepare``), from whichever factory was given."""
-        made = (self.optimizer(self.model.parameters()) if self.optimizer is not None
-                else self.optimizer_from_model(self.model))  # type: ignore[misc]
+        made = (
+            self.optimizer(self.model.parameters())
+            if self.optimizer is not None
+            else self.optimizer_from_model(self.model)
+        )  # type: ignore[misc]
         if not isinstance(made, torch.optim.Optimizer):
-            raise ConfigError(f"the VerifySpec's optimizer factory returned {type(made).__name__}; return a "
-                              "torch.optim.Optimizer")
+            raise ConfigError(
+                f"the VerifySpec's optimizer factory returned {type(made).__name__}; return a torch.optim.Optimizer"
+            )
         return made
 
     @property
@@ -158,8 +177,10 @@ def build_spec(factory: str) -> VerifySpec:
     except ParatrainError:
         raise
     except Exception as err:  # the user's own code: one line saying so; --debug shows where
-        raise ConfigError(f"{factory}() raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-                          "(run it alone, or paratrain --debug verify, for its traceback)") from err
+        raise ConfigError(
+            f"{factory}() raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+            "(run it alone, or paratrain --debug verify, for its traceback)"
+        ) from err
     if not isinstance(spec, VerifySpec):
         raise ConfigError(f"{factory} returned {type(spec).__name__}; return a paratrain.verify.VerifySpec")
     return spec

@@ -1,4 +1,5 @@
 """scikit-learn's bundled handwritten digits (1,797 8x8 images; no download) and a small CNN for them."""
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,13 @@ def digits_cnn(channels: int = 16, hidden: int = 128, classes: int = 10) -> nn.S
     every strategy can run it, pipelines included.
     """
     return nn.Sequential(
-        nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(),
-        nn.MaxPool2d(2), nn.Flatten(),
-        nn.Linear(2 * channels * 16, hidden), nn.ReLU(), nn.Linear(hidden, classes),
+        nn.Conv2d(1, channels, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(channels, 2 * channels, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * channels * 16, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, classes),
     )

@@ -6,6 +6,7 @@ module named ``experts`` as two fused 3-D tensors (``[experts, out, in]``, as tr
 parallelism splits on its first dimension), optional shared experts and their gate. Each token is computed by
 exactly its top k experts (no capacity, no token dropped); there is no load-balancing loss.
 """
+
 from __future__ import annotations
 
 import math

@@ -7,6 +7,7 @@ against the planner's closed-form counts, and so that a tiny one can train for r
 what changes parameter counts, FLOPs and activation memory: no dropout, no weight-init scheme, and the
 LLaMA-like configuration leaves out rotary position embeddings (they add no parameters and negligible FLOPs).
 """
+
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -25,12 +26,15 @@ if TYPE_CHECKING:
     from ..distributed.tensor_parallel.plans import TPPlan
 
 
-GPT_CONFIGS = MappingProxyType({
-    **TRANSFORMERS,
-    "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),  # 0.17M, for tests
-    "gpt-moe-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512, bias=False,
-                              moe=MoE(experts=4, top_k=2, ffn=128)),  # 0.20M: 4 experts of top 2 per block
-})
+GPT_CONFIGS = MappingProxyType(
+    {
+        **TRANSFORMERS,
+        "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, seq_len=64, vocab=512),  # 0.17M, for tests
+        "gpt-moe-tiny": GPTConfig(
+            layers=2, hidden=64, heads=4, seq_len=64, vocab=512, bias=False, moe=MoE(experts=4, top_k=2, ffn=128)
+        ),  # 0.20M: 4 experts of top 2 per block
+    }
+)
 """Built-in sizes: the planner's named shapes (``planner.transformer.TRANSFORMERS``) and a tiny one that trains for
 real in the demos and tests."""
 
@@ -160,20 +164,31 @@ class GPT(nn.Module):
         styles: dict[str, object] = {"wte": style("rowwise(output=sequence)")}
         if self.wpe is not None:
             styles["wpe"] = style("replicate(output_shard=0)")
-        styles.update({
-            "blocks.*.norm1": style("sequence_parallel"),
-            **{f"blocks.*.{name}": style("colwise(input=sequence)")  # grouped: q and kv each gather the input
-               for name in (("q", "kv") if self.cfg.key_value_heads != self.cfg.heads else ("qkv",))},
-            "blocks.*.proj": style("rowwise(output=sequence)"),
-            "blocks.*.norm2": style("sequence_parallel"),
-        })
+        styles.update(
+            {
+                "blocks.*.norm1": style("sequence_parallel"),
+                **{
+                    f"blocks.*.{name}": style("colwise(input=sequence)")  # grouped: q and kv each gather the input
+                    for name in (("q", "kv") if self.cfg.key_value_heads != self.cfg.heads else ("qkv",))
+                },
+                "blocks.*.proj": style("rowwise(output=sequence)"),
+                "blocks.*.norm2": style("sequence_parallel"),
+            }
+        )
         if any(b.moe is not None for b in self.blocks):
             styles["blocks.*.moe"] = style("whole_sequence")
         if any(b.moe is None for b in self.blocks):
-            styles.update({"blocks.*.fc": style("colwise(input=sequence)"),
-                           "blocks.*.out": style("rowwise(output=sequence)")})
+            styles.update(
+                {"blocks.*.fc": style("colwise(input=sequence)"), "blocks.*.out": style("rowwise(output=sequence)")}
+            )
         styles.update({"norm": style("sequence_parallel"), "head": head()})
-        return TPPlan(name="paratrain GPT", sequence_parallel=True, styles=styles,
-                    divisible=lambda m: {"heads": m.cfg.heads, "kv_heads": m.cfg.key_value_heads,
-                                         **({"ffn": m.cfg.ffn_width} if "blocks.*.fc" in styles else {})})
-
+        return TPPlan(
+            name="paratrain GPT",
+            sequence_parallel=True,
+            styles=styles,
+            divisible=lambda m: {
+                "heads": m.cfg.heads,
+                "kv_heads": m.cfg.key_value_heads,
+                **({"ffn": m.cfg.ffn_width} if "blocks.*.fc" in styles else {}),
+            },
+        )

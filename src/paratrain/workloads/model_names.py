@@ -4,6 +4,7 @@
 The planner plans what it is handed (``planner.make_plan``: stats, or a model it may build) and never imports the
 demo models; the names that build one are this layer's to resolve.
 """
+
 from __future__ import annotations
 
 import re
@@ -58,13 +59,17 @@ def resolve_model(spec: ModelSpec | str) -> ModelStats | RunnableModel:
     called, as ``planner.TrainingCall.parse`` reads it.
     """
     spec = ModelSpec(model=spec) if isinstance(spec, str) else spec
-    given = [flag for flag, value in (("--model", spec.model), ("--model-config", spec.model_config),
-                                      ("--params", spec.params)) if value is not None]
+    given = [
+        flag
+        for flag, value in (("--model", spec.model), ("--model-config", spec.model_config), ("--params", spec.params))
+        if value is not None
+    ]
     if len(given) > 1:
         raise ConfigError(f"give {' or '.join(given)}, not {'both' if len(given) == 2 else 'all three'}")
     if not given:
-        raise ConfigError(f"give --model (one of {', '.join(model_names())}, or module:factory), --model-config "
-                          "or --params")
+        raise ConfigError(
+            f"give --model (one of {', '.join(model_names())}, or module:factory), --model-config or --params"
+        )
     shape = spec.shape
     if spec.params is not None:
         n = parse_count(spec.params)
@@ -101,19 +106,27 @@ def _from_config(spec: ModelSpec) -> RunnableModel:
     cfg = replace(read_model_config(spec.model_config), **spec.shape)
     path = Path(spec.model_config)
     name = path.parent.name if path.name == "config.json" else path.name
-    example = replace(InputSpec.parse(spec.input_spec or f"long:{cfg.seq_len}"),
-                      high=None if spec.input_spec else cfg.vocab)
-    return RunnableModel(name=name, factory=lambda: GPT(cfg), call=TrainingCall.parse(example, spec.targets),
-                         stats=transformer_stats(cfg, name=name))
+    example = replace(
+        InputSpec.parse(spec.input_spec or f"long:{cfg.seq_len}"), high=None if spec.input_spec else cfg.vocab
+    )
+    return RunnableModel(
+        name=name,
+        factory=lambda: GPT(cfg),
+        call=TrainingCall.parse(example, spec.targets),
+        stats=transformer_stats(cfg, name=name),
+    )
 
 
-def model_input(model: str, *, shape: dict[str, int | bool] | None = None,
-                input_spec: str | None = None) -> tuple[Callable[[], nn.Module], InputSpec]:
+def model_input(
+    model: str, *, shape: dict[str, int | bool] | None = None, input_spec: str | None = None
+) -> tuple[Callable[[], nn.Module], InputSpec]:
     """The factory of a model the CLI names and one sample's input (``--input``, or the built-in's own)."""
     shape, high = shape or {}, None
     if shape and model not in GPT_CONFIGS:
-        raise ConfigError(f"--layers/--hidden/--heads/--kv-heads/--ffn-hidden/--seq-len/--vocab/--tied shape "
-                          f"transformers; {model!r} is not one: drop them or plan a built-in GPT")
+        raise ConfigError(
+            f"--layers/--hidden/--heads/--kv-heads/--ffn-hidden/--seq-len/--vocab/--tied shape "
+            f"transformers; {model!r} is not one: drop them or plan a built-in GPT"
+        )
     if model in GPT_CONFIGS:
         cfg = replace(GPT_CONFIGS[model], **shape)
         factory, default_input, high = (lambda: GPT(cfg)), f"long:{cfg.seq_len}", cfg.vocab

@@ -5,6 +5,7 @@
 (:mod:`paratrain.workloads.recommender`) are built in; anything else is ``module:factory``, a function of the user's
 that returns a :class:`~paratrain.workloads.workload.Workload` or a ``(model, loss, make_batch)`` tuple.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,10 +24,14 @@ from .synthetic import (
 )
 from .workload import Workload
 
-_BUILT_IN: dict[str, Callable[[], Workload]] = {"mlp": mlp_workload, "cnn": cnn_workload,
-                                                "gpt-tiny": gpt_tiny_workload, "gpt-moe-tiny": gpt_moe_tiny_workload,
-                                                "recommender": recommender_workload,
-                                                "recommender-tiny": recommender_tiny_workload}
+_BUILT_IN: dict[str, Callable[[], Workload]] = {
+    "mlp": mlp_workload,
+    "cnn": cnn_workload,
+    "gpt-tiny": gpt_tiny_workload,
+    "gpt-moe-tiny": gpt_moe_tiny_workload,
+    "recommender": recommender_workload,
+    "recommender-tiny": recommender_tiny_workload,
+}
 
 
 def workload_names() -> list[str]:
@@ -45,8 +50,10 @@ def get_workload(name: str) -> Workload:
     if isinstance(made, tuple) and len(made) == 3:
         model, loss, make_batch = made
         return Workload(name=name, model=_builder(model), loss=loss, make_batch=make_batch)
-    raise ConfigError(f"workload {name!r} returned {type(made).__name__}; return a paratrain.workloads.Workload or a "
-                      "(model, loss, make_batch) tuple")
+    raise ConfigError(
+        f"workload {name!r} returned {type(made).__name__}; return a paratrain.workloads.Workload or a "
+        "(model, loss, make_batch) tuple"
+    )
 
 
 def _builder(model: nn.Module | Callable[[], nn.Module]) -> Callable[[], nn.Module]:

@@ -1,4 +1,5 @@
 """What a workload is: a model builder, a loss and a seeded batch maker (named in :mod:`.registry`)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping

@@ -12,6 +12,7 @@ Two kinds are known, each wrapped per module (the process's other models are unt
 
 Heads and key/value heads must divide by the ranks that split them (tp x cp); a model with neither kind is one line.
 """
+
 from __future__ import annotations
 
 import sys
@@ -37,16 +38,34 @@ class HFUlysses:
     def __init__(self, implementation: str, split: SequenceSplit) -> None:
         self.implementation, self.split = implementation, split
 
-    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    def __call__(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
         group = self.split.group
         q, k, v = (sequence_to_heads(t, group) for t in (query, key, value))
         padding = self.split.padding
         if padding is not None and self.implementation not in _MASK_FORMS:
-            raise ConfigError(f"cp masks padding for sdpa and eager attention, not {self.implementation!r}; load "
-                              "the model with attn_implementation='sdpa' or drop the padding (attention_mask of ones)")
-        out, weights = attend(self.kernel(module), module, q, k, v, padding, bool(getattr(module, "is_causal", True)),
-                              _MASK_FORMS.get(self.implementation, "bool"), kwargs)  # out: [b, s, h/C, d]
+            raise ConfigError(
+                f"cp masks padding for sdpa and eager attention, not {self.implementation!r}; load "
+                "the model with attn_implementation='sdpa' or drop the padding (attention_mask of ones)"
+            )
+        out, weights = attend(
+            self.kernel(module),
+            module,
+            q,
+            k,
+            v,
+            padding,
+            bool(getattr(module, "is_causal", True)),
+            _MASK_FORMS.get(self.implementation, "bool"),
+            kwargs,
+        )  # out: [b, s, h/C, d]
         return heads_to_sequence(out.transpose(1, 2), group).transpose(1, 2).contiguous(), weights
 
     def kernel(self, module: nn.Module) -> Callable[..., Any]:
@@ -54,8 +73,10 @@ class HFUlysses:
         if self.implementation == "eager":
             found = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
             if found is None:
-                raise ConfigError(f"cp found no eager_attention_forward beside {type(module).__name__}; load the "
-                                  "model with attn_implementation='sdpa'")
+                raise ConfigError(
+                    f"cp found no eager_attention_forward beside {type(module).__name__}; load the "
+                    "model with attn_implementation='sdpa'"
+                )
             return found
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -66,8 +87,10 @@ def _dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tenso
     """The registered attention function: the :class:`HFUlysses` of ``module``."""
     ulysses = getattr(module, "paratrain_ulysses", None)
     if ulysses is None:
-        raise ConfigError(f"{type(module).__name__} asks for attention {DISPATCH_NAME!r} but was not prepared with "
-                          "cp; prepare the model with Parallel(..., cp=N), or set another attn_implementation")
+        raise ConfigError(
+            f"{type(module).__name__} asks for attention {DISPATCH_NAME!r} but was not prepared with "
+            "cp; prepare the model with Parallel(..., cp=N), or set another attn_implementation"
+        )
     return ulysses(module, *args, **kwargs)
 
 
@@ -79,8 +102,11 @@ def _register() -> None:
 
 def _is_hf_attention(module: nn.Module) -> bool:
     config = getattr(module, "config", None)
-    return (type(module).__name__.endswith("Attention") and hasattr(module, "is_causal")
-            and isinstance(getattr(config, "_attn_implementation", None), str))
+    return (
+        type(module).__name__.endswith("Attention")
+        and hasattr(module, "is_causal")
+        and isinstance(getattr(config, "_attn_implementation", None), str)
+    )
 
 
 def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int) -> int:
@@ -98,17 +124,21 @@ def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int) -> 
             if implementation == DISPATCH_NAME:
                 raise ConfigError(f"{name} was already prepared with cp; prepare a model once")
             if getattr(module, "reorder_and_upcast_attn", False):
-                raise ConfigError(f"{name}: GPT-2's reorder_and_upcast_attn bypasses the attention function cp "
-                                  "wraps; set it False in the config")
+                raise ConfigError(
+                    f"{name}: GPT-2's reorder_and_upcast_attn bypasses the attention function cp "
+                    "wraps; set it False in the config"
+                )
             module.paratrain_ulysses = HFUlysses(implementation, split)
             found += 1
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "paratrain_ulysses")}.values():
         _register()
         config._attn_implementation = DISPATCH_NAME
     if not found:
-        raise ConfigError(f"cp found no attention in {type(model).__name__} to split the sequence around (a "
-                          "transformers attention module, or a module with is_attention_kernel = True mapping q, k, v "
-                          "[b, h, s, d] to [b, h, s, d]); train it without cp")
+        raise ConfigError(
+            f"cp found no attention in {type(model).__name__} to split the sequence around (a "
+            "transformers attention module, or a module with is_attention_kernel = True mapping q, k, v "
+            "[b, h, s, d] to [b, h, s, d]); train it without cp"
+        )
     return found
 
 
@@ -117,5 +147,7 @@ def _check_heads(config: Any, ranks: int, name: str) -> None:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
         if isinstance(count, int) and count % ranks:
-            raise ConfigError(f"{name}: {count} {what} do not divide over the {ranks} ranks that split them "
-                              f"(tp x cp); choose cp (and tp) whose product divides {count}")
+            raise ConfigError(
+                f"{name}: {count} {what} do not divide over the {ranks} ranks that split them "
+                f"(tp x cp); choose cp (and tp) whose product divides {count}"
+            )

@@ -11,6 +11,7 @@ or, where there are none (left padding), is the kernel's row with every key mask
 mask to its scores, so it gets one for one sample's valid tokens at a time, ``[1, 1, n, n]``: its own scores are
 heads times that.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,8 +66,17 @@ def _sample(row: torch.Tensor, device: torch.device) -> Sample:
     return Sample(valid.to(device), runs, rows.argsort().to(device))
 
 
-def attend(kernel: Kernel, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: Padding | None,
-           causal: bool, form: str, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+def attend(
+    kernel: Kernel,
+    module: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    padding: Padding | None,
+    causal: bool,
+    form: str,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, Any]:
     """``kernel`` on whole sequences ``[b, h, s, d]``, causal where the module is and padded keys masked, as one
     dense mask would have it. ``form``: ``"bool"`` (True attends: SDPA, which masks causally by itself) or
     ``"additive"`` (eager attention, which does not)."""
@@ -75,15 +85,25 @@ def attend(kernel: Kernel, module: Any, q: torch.Tensor, k: torch.Tensor, v: tor
         return kernel(module, q, k, v, mask, **kwargs)
     if not causal:
         return kernel(module, q, k, v, key_mask(padding.keys[:, None, None, :], form, q.dtype), **kwargs)
-    parts = [_causal_sample(kernel, module, q[i:i + 1], k[i:i + 1], v[i:i + 1], sample, form, kwargs)
-             for i, sample in enumerate(padding.samples)]
+    parts = [
+        _causal_sample(kernel, module, q[i : i + 1], k[i : i + 1], v[i : i + 1], sample, form, kwargs)
+        for i, sample in enumerate(padding.samples)
+    ]
     out = torch.cat([o for o, _ in parts])
     weights = [w for _, w in parts]
     return out, None if any(w is None for w in weights) else torch.cat(weights)
 
 
-def _causal_sample(kernel: Kernel, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sample: Sample,
-                   form: str, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+def _causal_sample(
+    kernel: Kernel,
+    module: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sample: Sample,
+    form: str,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, Any]:
     """One sample's rows: its valid tokens gathered and run causally, then each run of padding over the valid tokens
     before it (none: every key masked, the row a dense mask gives)."""
     s, n = q.shape[2], sample.valid.numel()

@@ -6,6 +6,7 @@ The cp ranks of a job read the same samples (they are one data-parallel replica:
 random streams use the ``dp`` coordinate) but hold different tokens, so their gradients are reduced together with
 the data-parallel ranks': DDP or FSDP2 run over ``dp x cp`` flattened (torchtitan's ``dp_shard_cp``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,8 +77,10 @@ class ContextParallel(WholeSequences):
     def degree(self, strategy: str, ranks: int) -> int:
         cp = self.config.degree
         if ranks % cp:
-            raise ConfigError(f"{strategy} with cp={cp} needs a number of processes (beside tp) that cp divides, "
-                              f"got {ranks}; launch a multiple of cp x tp processes, or choose another cp")
+            raise ConfigError(
+                f"{strategy} with cp={cp} needs a number of processes (beside tp) that cp divides, "
+                f"got {ranks}; launch a multiple of cp x tp processes, or choose another cp"
+            )
         return cp
 
     def step(self, mesh: DeviceMesh | None) -> Step:
@@ -90,9 +93,11 @@ class ContextParallel(WholeSequences):
         from .sequence import SequenceSplit
 
         if getattr(getattr(model, "config", None), "output_router_logits", False):
-            raise ConfigError(f"cp cannot train {type(model).__name__} with its router's load-balancing loss "
-                              "(config.output_router_logits=True): each rank would add the loss of its slice of the "
-                              "sequences; set output_router_logits=False, or drop cp")
+            raise ConfigError(
+                f"cp cannot train {type(model).__name__} with its router's load-balancing loss "
+                "(config.output_router_logits=True): each rank would add the loss of its slice of the "
+                "sequences; set output_router_logits=False, or drop cp"
+            )
         names = mesh.mesh_dim_names or ()
         self.split = SequenceSplit(model, mesh["cp"].get_group())
         wrap_attention(model, self.split, self.config.degree * (mesh["tp"].size() if "tp" in names else 1))
@@ -109,7 +114,7 @@ class ContextParallel(WholeSequences):
         if inner == "dp":
             return flat
         concatenate = getattr(DeviceMesh, "_concatenate", None)  # torch 2.13; slicing a flattened dim from the root
-        if concatenate is None:                                    # mesh warns of its deprecation there
+        if concatenate is None:  # mesh warns of its deprecation there
             return mesh["replicate", "shard_cp"]
         return concatenate([mesh["replicate"], flat])
 
@@ -134,12 +139,15 @@ class ContextParallel(WholeSequences):
         if call.own_loss or target is None or split is None:
             return call
         if not hasattr(target, "dim") or target.dim() < 2:
-            raise ConfigError("cp splits loss_fn's target along the sequence (dimension 1) as it does the inputs; "
-                              "pass targets shaped [batch, seq, ...]")
+            raise ConfigError(
+                "cp splits loss_fn's target along the sequence (dimension 1) as it does the inputs; "
+                "pass targets shaped [batch, seq, ...]"
+            )
         share, loss_fn = split.counted_share(target), call.loss_fn
         assert loss_fn is not None
-        return dataclasses.replace(call, target=split.local(target),
-                                   loss_fn=lambda out, t: split.whole_loss(loss_fn(out, t), share))
+        return dataclasses.replace(
+            call, target=split.local(target), loss_fn=lambda out, t: split.whole_loss(loss_fn(out, t), share)
+        )
 
     def head_loss_refusal(self) -> str:
         return "cp hands the head a slice of each sequence and sums the loss over the cp ranks itself"

@@ -13,6 +13,7 @@ group): every rank returns the loss over all tokens, and its backward hands each
 times C, which the data-parallel mean over dp x cp divides back. Outputs other than the loss (logits) stay the
 rank's slice of the sequence.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -56,9 +57,11 @@ class SequenceSplit:
     def check_positions(self, model: nn.Module) -> None:
         """A one-line error when ``model`` cannot be told the global positions of a slice."""
         if self.positions is None:
-            raise ConfigError(f"cp hands each rank the global positions of its slice through position_ids= or "
-                              f"positions=, but {type(model).__name__}.forward takes neither; add one (an offset into "
-                              "the position table or rotary angles), or train without cp")
+            raise ConfigError(
+                f"cp hands each rank the global positions of its slice through position_ids= or "
+                f"positions=, but {type(model).__name__}.forward takes neither; add one (an offset into "
+                "the position table or rotary angles), or train without cp"
+            )
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``t`` along the sequence (dimension 1)."""
@@ -85,17 +88,23 @@ class SequenceSplit:
         """The forward pre-hook: the call's inputs, positions and targets cut to this rank's slice."""
         first = args[0] if args else next((kwargs[k] for k in _FIRST_INPUTS if kwargs.get(k) is not None), None)
         if not isinstance(first, torch.Tensor) or first.dim() < 2:
-            raise ConfigError("cp splits the sequence of the model's first input (input_ids, inputs_embeds or the "
-                              "first positional argument, [batch, seq, ...]); call the model with one")
+            raise ConfigError(
+                "cp splits the sequence of the model's first input (input_ids, inputs_embeds or the "
+                "first positional argument, [batch, seq, ...]); call the model with one"
+            )
         length = first.shape[1]
         if length % self.ranks:
-            raise ConfigError(f"cp={self.ranks} cuts each sequence into {self.ranks} equal slices, but this batch's "
-                              f"sequences have {length} tokens; pad them to a multiple of {self.ranks}")
+            raise ConfigError(
+                f"cp={self.ranks} cuts each sequence into {self.ranks} equal slices, but this batch's "
+                f"sequences have {length} tokens; pad them to a multiple of {self.ranks}"
+            )
         kwargs = {**kwargs, **self.no_cache}
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() != 2:
-            raise ConfigError(f"cp takes a 2-D attention_mask [batch, seq] (padding) and builds the whole sequence's "
-                              f"mask itself; got {mask.dim()}-D: pass the padding mask instead")
+            raise ConfigError(
+                f"cp takes a 2-D attention_mask [batch, seq] (padding) and builds the whole sequence's "
+                f"mask itself; got {mask.dim()}-D: pass the padding mask instead"
+            )
         self.padding = read_padding(mask, first.device)
         self.share = None
         self.pending = self._targets(args, kwargs, first.device)

@@ -8,6 +8,7 @@ slice of the sequence for head group ``j`` and receives head group ``i`` for eve
 exchange back restores ``[b, h, s/C, d]``. Both are torch's functional ``all_to_all_single_autograd``, whose
 backward is the reverse exchange, so autograd needs nothing of ours.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,10 @@ def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     ranks = dist.get_world_size(group)
     b, h, s, d = x.shape
     if h % ranks:
-        raise ConfigError(f"cp={ranks} splits the {h} heads attention sees on this rank into {ranks} groups, which "
-                          f"does not divide; choose a cp that divides {h}")
+        raise ConfigError(
+            f"cp={ranks} splits the {h} heads attention sees on this rank into {ranks} groups, which "
+            f"does not divide; choose a cp that divides {h}"
+        )
     chunks = x.reshape(b, ranks, h // ranks, s, d).transpose(0, 1).contiguous()  # chunk j goes to rank j
     out = _exchange(chunks, group)  # chunk i: rank i's slice, my heads
     return out.permute(1, 2, 0, 3, 4).reshape(b, h // ranks, ranks * s, d)

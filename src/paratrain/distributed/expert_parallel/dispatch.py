@@ -7,6 +7,7 @@ variable splits, autograd-aware (``all_to_all_single_autograd`` of torch's funct
 names in place of the deprecated ``torch.distributed.nn.functional.all_to_all_single``: its backward sends the
 gradients the opposite way). No row is dropped: there is no capacity, every row is computed by its expert.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,11 +35,14 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
     sent_host, received_host = torch.stack((sent, received)).tolist()  # the layer's one device->host read
     send_splits, recv_splits = [sum(r) for r in sent_host], [sum(r) for r in received_host]
     local_host = [sum(column) for column in zip(*received_host)]
-    arrived = _all_to_all(rows[:sum(send_splits)], recv_splits, send_splits, group)
+    arrived = _all_to_all(rows[: sum(send_splits)], recv_splits, send_splits, group)
     n_local = sent.shape[1]
     # arrived rows are grouped by source rank, each source's sorted by local expert: regroup them by local expert
-    expert_of_row = torch.arange(n_local, device=rows.device).repeat(ranks).repeat_interleave(
-        received.flatten(), output_size=sum(recv_splits))  # its size given: CUDA would read it on the host
+    expert_of_row = (
+        torch.arange(n_local, device=rows.device)
+        .repeat(ranks)
+        .repeat_interleave(received.flatten(), output_size=sum(recv_splits))
+    )  # its size given: CUDA would read it on the host
     order = expert_of_row.argsort(stable=True)
     computed = run(arrived[order], received.sum(0), local_host)
     back = computed[order.argsort()]
@@ -48,8 +52,9 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
     return returned.clone() if returned._is_view() else returned
 
 
-def _all_to_all(rows: torch.Tensor, recv_splits: list[int], send_splits: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all(
+    rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """``rows`` cut by ``send_splits`` to each rank of ``group``; what arrives, ``recv_splits`` from each, waited."""
     out = all_to_all_single_autograd(rows.contiguous(), recv_splits, send_splits, group)
     return out.wait() if hasattr(out, "wait") else out

@@ -15,6 +15,7 @@ the host once per forward (the all-to-all's splits), nothing more. Two interface
   original forward computes it); an index equal to ``num_experts`` is a sentinel and skipped, as there.
 - ours: ``forward(rows sorted by expert, counts)``: the rows are sent as they are.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -52,12 +53,16 @@ def find_experts(model: nn.Module, degree: int, required: bool = True) -> list[E
     experts that do not divide, is one line."""
     layers = [_layer(found) for found in find_expert_layers(model)]
     if not layers and required:
-        raise ConfigError(f"ep={degree} splits a mixture of experts' routed experts, but {type(model).__name__} has "
-                          "no module named 'experts' with 3-D [experts, out, in] parameters; drop ep for a dense model")
+        raise ConfigError(
+            f"ep={degree} splits a mixture of experts' routed experts, but {type(model).__name__} has "
+            "no module named 'experts' with 3-D [experts, out, in] parameters; drop ep for a dense model"
+        )
     for layer in layers:
         if layer.experts % degree:
-            raise ConfigError(f"ep={degree} must divide the {layer.experts} experts of {layer.name}; give an ep that "
-                              f"divides {layer.experts}")
+            raise ConfigError(
+                f"ep={degree} must divide the {layer.experts} experts of {layer.name}; give an ep that "
+                f"divides {layer.experts}"
+            )
     return layers
 
 
@@ -67,16 +72,20 @@ def _layer(found: ExpertLayer) -> ExpertsLayer:
     split = tuple(n for n, p in params.items() if p.dim() >= 1 and p.shape[0] == experts)
     whole = sorted(set(params) - set(split))
     if whole:
-        raise ConfigError(f"ep cannot split {name}: its parameters {whole} have no expert dimension (dimension 0 of "
-                          f"size {experts}); keep only per-expert tensors in an 'experts' module")
+        raise ConfigError(
+            f"ep cannot split {name}: its parameters {whole} have no expert dimension (dimension 0 of "
+            f"size {experts}); keep only per-expert tensors in an 'experts' module"
+        )
     arguments = list(inspect.signature(module.forward).parameters)
     if "counts" in arguments:
         interface = "rows"
     elif len(arguments) >= 3:
         interface = "topk"
     else:
-        raise ConfigError(f"ep does not know how to call {name} ({type(module).__name__}.forward{tuple(arguments)}); "
-                          "it takes (hidden_states, top_k_index, top_k_weights) or (rows, counts)")
+        raise ConfigError(
+            f"ep does not know how to call {name} ({type(module).__name__}.forward{tuple(arguments)}); "
+            "it takes (hidden_states, top_k_index, top_k_weights) or (rows, counts)"
+        )
     return ExpertsLayer(name, module, experts, split, interface)
 
 
@@ -111,26 +120,34 @@ def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch
     module.forward = forward
 
 
-def _rows_forward(run: Callable, experts: int, group: dist.ProcessGroup, rows: torch.Tensor,
-                  counts: torch.Tensor | list[int]) -> torch.Tensor:
+def _rows_forward(
+    run: Callable, experts: int, group: dist.ProcessGroup, rows: torch.Tensor, counts: torch.Tensor | list[int]
+) -> torch.Tensor:
     return exchange(rows, torch.as_tensor(counts, device=rows.device), group, run)
 
 
-def _topk_forward(run: Callable, experts: int, group: dist.ProcessGroup, hidden_states: torch.Tensor,
-                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def _topk_forward(
+    run: Callable,
+    experts: int,
+    group: dist.ProcessGroup,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
     chosen = top_k_index.flatten()
     slots = chosen.argsort(stable=True)  # index == experts, the sentinel the original forward skips, sorts last
     counts = count_per_expert(chosen, experts)
     routed = exchange(hidden_states[slots // top_k_index.shape[-1]], counts, group, run)
-    slots = slots[:len(routed)]  # the sentinels' slots left out
+    slots = slots[: len(routed)]  # the sentinels' slots left out
     routed = routed * top_k_weights.flatten()[slots, None].to(routed.dtype)
     tokens = slots // top_k_index.shape[-1]
     return torch.zeros_like(hidden_states).index_add(0, tokens, routed.to(hidden_states.dtype))
 
 
 @contextmanager
-def _local(module: nn.Module, names: tuple[str, ...], n_local: int,
-           dtype: torch.dtype | None) -> Iterator[list[torch.Tensor]]:
+def _local(
+    module: nn.Module, names: tuple[str, ...], n_local: int, dtype: torch.dtype | None
+) -> Iterator[list[torch.Tensor]]:
     """Within it, ``module``'s split parameters are their local tensors (autograd-aware ``to_local``, and cast to
     ``dtype``: gradients flow back into the DTensors in theirs; yielded) and its ``num_experts`` counts the local
     experts."""

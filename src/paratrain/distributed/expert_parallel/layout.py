@@ -15,6 +15,7 @@ DDP, which is told to ignore them, one all-reduce per step over ``ep_dp`` does i
 its buffers and back around every forward and backward (1.12x the hand-written step at world 2 with it, 1.01x
 without: benchmarks/RESULTS.md §28), so the sharding leaves the experts alone and the division is all that remains.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,8 +68,12 @@ def shard_experts(layers: list[ExpertsLayer], mesh: DeviceMesh, dp: int, **fully
         return Shard(1) if local.shape[0] % ranks and local.dim() > 1 else None  # None: FSDP2's own, Shard(0)
 
     for layer in layers:
-        fully_shard(layer.module, mesh=mesh["ep_dp"], shard_placement_fn=placement,  # type: ignore[arg-type]
-                    **fully_shard_kwargs)
+        fully_shard(
+            layer.module,
+            mesh=mesh["ep_dp"],
+            shard_placement_fn=placement,  # type: ignore[arg-type]
+            **fully_shard_kwargs,
+        )
         layer.module.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
         # gloo has no PREMUL_SUM, which a divide factor uses: sum, then divide. Not over one rank, where torch 2.13
         # would divide twice (its copy for a single rank divides, and so does the post-division of a forced sum).

@@ -5,6 +5,7 @@ Every composed strategy holds one and calls its hooks unconditionally: :class:`W
 its own, which :func:`~paratrain.distributed.parallelize.parallelize` runs just before the data-parallel one (DDP or
 FSDP2) so the experts get their own layout first, and completes their gradients where no data engine does.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,8 +25,7 @@ class WholeExperts:
     """Parameters become DTensors split over ranks (the optimizer is then rebuilt over them)."""
     degree = 1
 
-    def step(self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any],
-             stage: bool = False) -> Step | None:
+    def step(self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any], stage: bool = False) -> Step | None:
         """:func:`~paratrain.distributed.parallelize.parallelize`'s ``ep``: the step that lays the experts out over
         the 1-D data mesh ``mesh`` before the data engine's step (``zero``: that engine's ZeRO stage;
         ``fsdp_kwargs``: its ``fully_shard`` options, which the experts take too; ``stage``: the module is one
@@ -57,8 +57,10 @@ class ExpertParallel(WholeExperts):
         from torch.distributed.device_mesh import DeviceMesh
 
         if not hasattr(DeviceMesh, "_unflatten"):  # what the expert groups are carved out of the data mesh with
-            raise ConfigError(f"ep={degree} needs torch 2.10 or later (DeviceMesh._unflatten), this is torch "
-                              f"{torch.__version__}; upgrade torch or train without ep")
+            raise ConfigError(
+                f"ep={degree} needs torch 2.10 or later (DeviceMesh._unflatten), this is torch "
+                f"{torch.__version__}; upgrade torch or train without ep"
+            )
         self.degree = degree
         self._layers: list[Any] = []
         self._mesh: Any = None
@@ -66,8 +68,7 @@ class ExpertParallel(WholeExperts):
         self._reduces = False
         """Whether :meth:`sync_gradients` completes the experts' gradients (no data engine reduces them)."""
 
-    def step(self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any],
-             stage: bool = False) -> Step:
+    def step(self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any], stage: bool = False) -> Step:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         from ...model.materialize import is_meta, to_device
@@ -88,8 +89,11 @@ class ExpertParallel(WholeExperts):
             split_experts(layers, self._mesh, replicate=self._reduces)
             policy = fsdp_kwargs.get("mp_policy")
             for layer in layers:  # their own compute dtype where no FSDP unit casts them
-                dispatch_experts(layer, self._mesh.get_group("ep"),
-                                 getattr(policy, "param_dtype", None) if zero and self._reduces else None)
+                dispatch_experts(
+                    layer,
+                    self._mesh.get_group("ep"),
+                    getattr(policy, "param_dtype", None) if zero and self._reduces else None,
+                )
             if self._reduces:
                 ignored_by_data_parallel(model, layers)
             else:

@@ -6,6 +6,7 @@ split over them by rows, each part with its optimizer and that optimizer's state
 :mod:`.messages` is the wire format, :mod:`.holdings` who holds what, :mod:`.server` the serving loop,
 :mod:`.client` a worker's side of it, :mod:`.tables` a worker's stand-in for a table, :mod:`.worker` its optimizer.
 """
+
 from .config import PSConfig
 from .holdings import Holdings, plan_holdings
 from .messages import ProtocolError

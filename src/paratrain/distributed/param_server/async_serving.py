@@ -11,6 +11,7 @@ When a worker's connection closes, its thread asks the launcher (:class:`Returns
 place: if so, it meets that process in a group of their own (:func:`~.peers.return_group`) and serves it there,
 from the parameters the servers hold now; if not, the worker is gone and the others finish without it.
 """
+
 from __future__ import annotations
 
 import sys
@@ -60,8 +61,11 @@ class Attendance:
     departures: list[Departure] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        return [f"  rank {d.rank} left after {d.pushes} push(es) ({d.reason}); "
-                f"{'a new process took its place' if d.back else 'it did not come back'}" for d in self.departures]
+        return [
+            f"  rank {d.rank} left after {d.pushes} push(es) ({d.reason}); "
+            f"{'a new process took its place' if d.back else 'it did not come back'}"
+            for d in self.departures
+        ]
 
 
 def serve_each_worker(server: Server, returns: Returns | None, index: int, servers: int) -> Attendance:
@@ -77,8 +81,9 @@ def serve_each_worker(server: Server, returns: Returns | None, index: int, serve
         except BaseException as err:  # noqa: BLE001 - raised in the server's main thread below
             errors.append(err)
 
-    threads = [threading.Thread(target=run, args=(w,), name=f"ps-worker-{w}", daemon=True)
-               for w in server.layout.workers]
+    threads = [
+        threading.Thread(target=run, args=(w,), name=f"ps-worker-{w}", daemon=True) for w in server.layout.workers
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -88,13 +93,22 @@ def serve_each_worker(server: Server, returns: Returns | None, index: int, serve
             raise errors[0]
     server.finish_sends()
     if not server.finished:  # the servers alone would end with exit code 0: the job must not pass for finished
-        raise ParatrainError(f"parameter server rank {server.rank}: every worker left and none came back, so "
-                             "training did not finish (the launcher's report of each above says why)")
+        raise ParatrainError(
+            f"parameter server rank {server.rank}: every worker left and none came back, so "
+            "training did not finish (the launcher's report of each above says why)"
+        )
     return attendance
 
 
-def _serve_worker(server: Server, worker: int, lock: threading.Lock, returns: Returns | None, index: int,
-                  servers: int, attendance: Attendance) -> None:
+def _serve_worker(
+    server: Server,
+    worker: int,
+    lock: threading.Lock,
+    returns: Returns | None,
+    index: int,
+    servers: int,
+    attendance: Attendance,
+) -> None:
     deaths = 0
     while (gone := _serve_until_gone(server, worker, lock)) is not None:
         deaths += 1
@@ -132,8 +146,12 @@ def _depart(server: Server, worker: int, err: BaseException, attendance: Attenda
     reason = "its connection closed" if "closed" in str(err).lower() else str(err).splitlines()[0][:120]
     departure = Departure(worker, server.clock[worker], reason)
     attendance.departures.append(departure)
-    print(f"paratrain ps: server rank {server.rank}: worker rank {worker} left after {departure.pushes} push(es) "
-          f"({reason}); serving the others", file=sys.stderr, flush=True)
+    print(
+        f"paratrain ps: server rank {server.rank}: worker rank {worker} left after {departure.pushes} push(es) "
+        f"({reason}); serving the others",
+        file=sys.stderr,
+        flush=True,
+    )
     return departure
 
 

@@ -1,6 +1,7 @@
 """A worker's side of the parameter server: pull the dense parameters, pull the rows a batch touches, push the
 gradients of a step and take the parameters that come back. Every request goes to every server it concerns at
 once (``isend``), then the answers are read in turn."""
+
 from __future__ import annotations
 
 import time
@@ -54,8 +55,19 @@ class ClientStats:
 
     def words(self, rank: int) -> torch.Tensor:
         """This worker's row of the closing table, as a goodbye carries it (``REPORT_WORDS`` float64)."""
-        return torch.tensor([rank, self.steps, self.pull_s, self.push_s, self.pull_bytes, self.push_bytes,
-                             self.max_staleness, self.dropped], dtype=torch.float64)
+        return torch.tensor(
+            [
+                rank,
+                self.steps,
+                self.pull_s,
+                self.push_s,
+                self.pull_bytes,
+                self.push_bytes,
+                self.max_staleness,
+                self.dropped,
+            ],
+            dtype=torch.float64,
+        )
 
 
 @dataclass(frozen=True)
@@ -71,8 +83,14 @@ class ServerLoad:
 
 
 class Client:
-    def __init__(self, layout: Holdings, rank: int, params: dict[str, nn.Parameter], max_rows: int,
-                 peers: list[Peer] | None = None) -> None:
+    def __init__(
+        self,
+        layout: Holdings,
+        rank: int,
+        params: dict[str, nn.Parameter],
+        max_rows: int,
+        peers: list[Peer] | None = None,
+    ) -> None:
         """``peers``: how to reach each server (default: in the job's group; a worker back after it died has a
         group of its own with them)."""
         self.layout, self.rank, self.max_rows = layout, rank, max_rows
@@ -97,8 +115,9 @@ class Client:
         self._answers(works, PULL_DENSE)
         self.stats.pull_s += time.perf_counter() - start
 
-    def push(self, rows: list[list[tuple[int, torch.Tensor, torch.Tensor]]], lrs: list[float],
-             max_norm: float = 0.0) -> None:
+    def push(
+        self, rows: list[list[tuple[int, torch.Tensor, torch.Tensor]]], lrs: list[float], max_norm: float = 0.0
+    ) -> None:
         """Push this step's gradients (dense, and ``rows[server]``'s (table, ids, grads)), each param group's
         learning rate ``lrs`` and the norm synchronous servers clip the step's mean gradient to (0: none); take the
         new parameters."""
@@ -109,14 +128,22 @@ class Client:
         for s, params in enumerate(self.params):
             for table, ids, grads in rows[s]:
                 for i in range(0, ids.numel(), self.max_rows):
-                    part, g = ids[i:i + self.max_rows], grads[i:i + self.max_rows]
-                    works += self._request(s, Header(PUSH_ROWS, self.step_no, table, part.numel(), g.shape[1], dtype),
-                                           pack(part, g.to(self.layout.dtype)))
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                             ).cpu() if params else torch.empty(0, dtype=self.layout.dtype)
-            works += self._request(s, Header(PUSH_DENSE, self.versions[s], count=flat.numel(), width=len(lrs),
-                                             dtype=dtype),
-                                   pack(torch.tensor([*lrs, max_norm], dtype=torch.float64), flat))
+                    part, g = ids[i : i + self.max_rows], grads[i : i + self.max_rows]
+                    works += self._request(
+                        s,
+                        Header(PUSH_ROWS, self.step_no, table, part.numel(), g.shape[1], dtype),
+                        pack(part, g.to(self.layout.dtype)),
+                    )
+            flat = (
+                torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]).cpu()
+                if params
+                else torch.empty(0, dtype=self.layout.dtype)
+            )
+            works += self._request(
+                s,
+                Header(PUSH_DENSE, self.versions[s], count=flat.numel(), width=len(lrs), dtype=dtype),
+                pack(torch.tensor([*lrs, max_norm], dtype=torch.float64), flat),
+            )
         self.stats.push_s += time.perf_counter() - start
         start = time.perf_counter()
         self._answers(works, PUSH_DENSE)
@@ -156,7 +183,7 @@ class Client:
         for s in range(len(self.layout.servers)):
             where = (owner == s).nonzero().flatten()
             for i in range(0, where.numel(), self.max_rows):
-                part = where[i:i + self.max_rows]
+                part = where[i : i + self.max_rows]
                 works += self._request(s, Header(PULL_ROWS, self.step_no, table, part.numel()), pack(ids[part]))
                 plan.append((s, part))
         for s, part in plan:
@@ -198,14 +225,21 @@ class Client:
             return []
         self.done = True
         words = self.stats.words(self.rank)
-        works = [w for s in range(len(self.layout.servers))
-                 for w in self._request(s, Header(DONE, self.step_no, count=REPORT_WORDS,
-                                                  dtype=DTYPE_CODES[torch.float64]), pack(words))]
+        works = [
+            w
+            for s in range(len(self.layout.servers))
+            for w in self._request(
+                s, Header(DONE, self.step_no, count=REPORT_WORDS, dtype=DTYPE_CODES[torch.float64]), pack(words)
+            )
+        ]
         loads = []
         for s, rank in enumerate(self.layout.servers):
             h = self._answer(s, DONE)
-            loads.append(ServerLoad(rank, requests=h.step, dropped=h.table, bytes_in=h.count, bytes_out=h.width,
-                                    busy_s=h.dtype / 1e3))
+            loads.append(
+                ServerLoad(
+                    rank, requests=h.step, dropped=h.table, bytes_in=h.count, bytes_out=h.width, busy_s=h.dtype / 1e3
+                )
+            )
         for w in works:
             w.wait()
         return loads
@@ -228,8 +262,10 @@ class Client:
         if w[0] != MAGIC or w[1] not in (OK, REFUSED):
             raise ProtocolError(f"rank {self.rank} got a malformed answer from server rank {src}")
         if w[1] == REFUSED:
-            raise ProtocolError(f"server rank {src} refused rank {self.rank}'s {KIND_NAMES[kind]}: "
-                                f"{REASONS.get(w[6], 'unknown reason')} (its log has the details)")
+            raise ProtocolError(
+                f"server rank {src} refused rank {self.rank}'s {KIND_NAMES[kind]}: "
+                f"{REASONS.get(w[6], 'unknown reason')} (its log has the details)"
+            )
         return Header(*w[1:7])
 
 

@@ -5,6 +5,7 @@ lookup of it. Here the rows arrive as (ids, gradients) with repeats (several loo
 workers), so a row's repeats are summed before it counts: the norm is the one that process would compute. The
 coefficient is ``clip_grad_norm_``'s: ``min(1, max_norm / (norm + 1e-6))``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -1,4 +1,5 @@
 """The options of the ``ps`` strategy, checked before anything starts."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -35,8 +36,9 @@ class PSConfig:
         if not isinstance(self.staleness, int) or self.staleness < 0:
             raise ConfigError(f"ps staleness must be an integer >= 0 (0: synchronous), got {self.staleness!r}")
         if self.table_optimizer is not None and self.table_optimizer not in TABLE_OPTIMIZERS:
-            raise ConfigError(f"ps table_optimizer must be one of {', '.join(TABLE_OPTIMIZERS)}, "
-                              f"got {self.table_optimizer!r}")
+            raise ConfigError(
+                f"ps table_optimizer must be one of {', '.join(TABLE_OPTIMIZERS)}, got {self.table_optimizer!r}"
+            )
         if self.max_rows < 1:
             raise ConfigError(f"ps max_rows must be >= 1, got {self.max_rows}")
         if isinstance(self.tables, str) and self.tables != "auto":
@@ -44,8 +46,10 @@ class PSConfig:
 
     def check_world(self, world_size: int) -> None:
         if self.servers >= world_size:
-            raise ConfigError(f"ps with servers={self.servers} leaves no worker among {world_size} processes; "
-                              f"launch more (-n {self.servers + 1} or more) or use fewer servers")
+            raise ConfigError(
+                f"ps with servers={self.servers} leaves no worker among {world_size} processes; "
+                f"launch more (-n {self.servers + 1} or more) or use fewer servers"
+            )
 
     @property
     def synchronous(self) -> bool:

@@ -2,6 +2,7 @@
 and the rows of each table each holds. A pure function of the model and the options, so every rank computes the same
 holdings without talking.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,12 +68,16 @@ def plan_holdings(model: nn.Module, world_size: int, config: PSConfig) -> Holdin
     dense = [(n, p) for n, p in model.named_parameters() if n not in table_weights and p.requires_grad]
     dtypes = {p.dtype for _, p in dense}
     if len(dtypes) > 1:
-        raise ConfigError(f"ps moves dense parameters of one dtype, the model has {sorted(map(str, dtypes))}; "
-                          "cast it to one (precision='bf16-mixed' keeps fp32 parameters)")
+        raise ConfigError(
+            f"ps moves dense parameters of one dtype, the model has {sorted(map(str, dtypes))}; "
+            "cast it to one (precision='bf16-mixed' keeps fp32 parameters)"
+        )
     for n, p in dense:
         if p.is_meta:
-            raise ConfigError(f"dense parameter {n!r} is on the meta device; only the tables the servers hold may be "
-                              "built there (ps tables=...)")
+            raise ConfigError(
+                f"dense parameter {n!r} is on the meta device; only the tables the servers hold may be "
+                "built there (ps tables=...)"
+            )
     loads, owned = [0] * len(servers), [[] for _ in servers]  # biggest first onto the least loaded server
     for i, (_, p) in sorted(enumerate(dense), key=lambda e: (-e[1][1].numel(), e[0])):
         s = loads.index(min(loads))
@@ -87,8 +92,13 @@ def plan_holdings(model: nn.Module, world_size: int, config: PSConfig) -> Holdin
             offset += p.numel()
         slots.append(tuple(mine))
     dtype = dtypes.pop() if dtypes else torch.float32
-    return Holdings(servers=servers, workers=tuple(range(world_size - config.servers)), dense=tuple(slots),
-                  tables=tables, dtype=dtype)
+    return Holdings(
+        servers=servers,
+        workers=tuple(range(world_size - config.servers)),
+        dense=tuple(slots),
+        tables=tables,
+        dtype=dtype,
+    )
 
 
 def _tables(model: nn.Module, config: PSConfig, servers: int) -> tuple[Table, ...]:
@@ -104,11 +114,15 @@ def _tables(model: nn.Module, config: PSConfig, servers: int) -> tuple[Table, ..
         for n in chosen:
             m = named.get(n)
             if not isinstance(m, TABLE_TYPES):
-                raise ConfigError(f"ps table {n!r} is not an nn.Embedding or nn.EmbeddingBag of the model; name one "
-                                  f"of: {', '.join(k for k, v in named.items() if isinstance(v, TABLE_TYPES)) or '-'}")
+                raise ConfigError(
+                    f"ps table {n!r} is not an nn.Embedding or nn.EmbeddingBag of the model; name one "
+                    f"of: {', '.join(k for k, v in named.items() if isinstance(v, TABLE_TYPES)) or '-'}"
+                )
             if len(owners[id(m.weight)]) > 1:
-                raise ConfigError(f"ps table {n!r} shares its weight with {owners[id(m.weight)][1:]} (a tied head "
-                                  "reads every row): leave it dense")
+                raise ConfigError(
+                    f"ps table {n!r} shares its weight with {owners[id(m.weight)][1:]} (a tied head "
+                    "reads every row): leave it dense"
+                )
             if unsupported(m):
                 raise ConfigError(f"ps table {n!r} uses {unsupported(m)}, which needs every row; leave it dense")
     out = []
@@ -119,4 +133,3 @@ def _tables(model: nn.Module, config: PSConfig, servers: int) -> tuple[Table, ..
         bounds = tuple(TableBounds(min(s * per, rows), min((s + 1) * per, rows), dim) for s in range(servers))
         out.append(Table(i, n, rows, dim, bounds))
     return tuple(out)
-

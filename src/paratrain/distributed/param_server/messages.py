@@ -11,6 +11,7 @@ A push of dense gradients carries, before the gradients, each param group's lear
 step clips to (float64 words; 0: no clipping). An answer to a push carries the gradient norm before clipping in its
 last word, as the bits of a float64 (:func:`float_word`).
 """
+
 from __future__ import annotations
 
 import struct
@@ -30,10 +31,18 @@ server never reads cannot be taken for the next header."""
 
 PULL_DENSE, PUSH_DENSE, PULL_ROWS, PUSH_ROWS, DONE, SAVE, LOAD, SAVED = 1, 2, 3, 4, 5, 6, 7, 8
 OK, REFUSED = 16, 17
-KIND_NAMES = {PULL_DENSE: "pull of dense parameters", PUSH_DENSE: "push of dense gradients",
-              PULL_ROWS: "pull of table rows", PUSH_ROWS: "push of row gradients", DONE: "done",
-              SAVE: "checkpoint save", LOAD: "checkpoint load", SAVED: "wait for a checkpoint write", OK: "reply",
-              REFUSED: "refusal"}
+KIND_NAMES = {
+    PULL_DENSE: "pull of dense parameters",
+    PUSH_DENSE: "push of dense gradients",
+    PULL_ROWS: "pull of table rows",
+    PUSH_ROWS: "push of row gradients",
+    DONE: "done",
+    SAVE: "checkpoint save",
+    LOAD: "checkpoint load",
+    SAVED: "wait for a checkpoint write",
+    OK: "reply",
+    REFUSED: "refusal",
+}
 BACKGROUND = 1
 """A SAVE's ``table`` word when the server is to stage its shard, answer, and write it in the background; a SAVED
 of the same folder then answers once that write is complete."""
@@ -48,9 +57,18 @@ shard."""
 DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.bfloat16, 4: torch.float16, 5: torch.int64}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
-REASONS = {1: "malformed header", 2: "unknown message kind", 3: "wrong size", 4: "wrong dtype", 5: "unknown table",
-           6: "oversized message", 7: "row index out of range", 8: "truncated payload",
-           9: "sender refused earlier (a message that could not be read)", 10: "checkpoint shard failed"}
+REASONS = {
+    1: "malformed header",
+    2: "unknown message kind",
+    3: "wrong size",
+    4: "wrong dtype",
+    5: "unknown table",
+    6: "oversized message",
+    7: "row index out of range",
+    8: "truncated payload",
+    9: "sender refused earlier (a message that could not be read)",
+    10: "checkpoint shard failed",
+}
 
 
 class ProtocolError(ParatrainError):
@@ -75,16 +93,21 @@ class Header:
     dtype: int = 0
 
     def tensor(self) -> torch.Tensor:
-        return torch.tensor([MAGIC, self.kind, self.step, self.table, self.count, self.width, self.dtype, END],
-                            dtype=torch.int64)
+        return torch.tensor(
+            [MAGIC, self.kind, self.step, self.table, self.count, self.width, self.dtype, END], dtype=torch.int64
+        )
 
     @property
     def payload_bytes(self) -> int:
         """Bytes that follow a request (trailer included), from the header alone: 0 for none."""
         item = DTYPES[self.dtype].itemsize if self.dtype in DTYPES else 0
-        body = {PUSH_DENSE: self.count * item + (self.width + 1) * 8, PULL_ROWS: self.count * 8,
-                PUSH_ROWS: self.count * 8 + self.count * self.width * item, DONE: self.count * item,
-                **dict.fromkeys(FOLDER_KINDS, self.count)}.get(self.kind, 0)
+        body = {
+            PUSH_DENSE: self.count * item + (self.width + 1) * 8,
+            PULL_ROWS: self.count * 8,
+            PUSH_ROWS: self.count * 8 + self.count * self.width * item,
+            DONE: self.count * item,
+            **dict.fromkeys(FOLDER_KINDS, self.count),
+        }.get(self.kind, 0)
         return body + TRAILER.numel() if self.kind in (PUSH_DENSE, PULL_ROWS, PUSH_ROWS, DONE, *FOLDER_KINDS) else 0
 
 
@@ -137,8 +160,12 @@ class Schema:
             if h.dtype != DTYPE_CODES[self.dense_dtype]:
                 raise Refused(4, f"{_dtype_name(h.dtype)} gradients, expected {self.dense_dtype}", drain=True)
             if h.count != self.dense_numel or h.width != self.groups:
-                raise Refused(3, f"{h.count} values and {h.width} learning rates pushed, this server holds "
-                              f"{self.dense_numel} in {self.groups} group(s)", drain=True)
+                raise Refused(
+                    3,
+                    f"{h.count} values and {h.width} learning rates pushed, this server holds "
+                    f"{self.dense_numel} in {self.groups} group(s)",
+                    drain=True,
+                )
         elif h.kind in (PULL_ROWS, PUSH_ROWS):
             if not 0 <= h.table < len(self.tables):
                 raise Refused(5, f"table {h.table} (there are {len(self.tables)})", drain=True)
@@ -155,8 +182,11 @@ class Schema:
                 raise Refused(6, f"a folder name of {h.count} bytes, at most {PATH_BYTES}", drain=False)
         elif h.kind == DONE:
             if (h.count, h.dtype) != (REPORT_WORDS, DTYPE_CODES[torch.float64]):
-                raise Refused(3, f"a goodbye of {h.count} {_dtype_name(h.dtype)} words, expected {REPORT_WORDS} "
-                              "float64", drain=True)
+                raise Refused(
+                    3,
+                    f"a goodbye of {h.count} {_dtype_name(h.dtype)} words, expected {REPORT_WORDS} float64",
+                    drain=True,
+                )
         elif h.kind != PULL_DENSE:
             raise Refused(2, f"{KIND_NAMES[h.kind]} is not a request", drain=True)
 
@@ -169,20 +199,20 @@ def pack(*parts: torch.Tensor) -> torch.Tensor:
 def unpack(buffer: torch.Tensor, h: Header) -> tuple[torch.Tensor, ...]:
     """The typed parts of a payload received into ``buffer`` (views); raises Refused when it was cut short."""
     n = h.payload_bytes
-    if not torch.equal(buffer[n - TRAILER.numel():n], TRAILER):
+    if not torch.equal(buffer[n - TRAILER.numel() : n], TRAILER):
         raise Refused(8, f"{n} bytes announced, fewer arrived", drain=False)
-    body = buffer[:n - TRAILER.numel()]
+    body = buffer[: n - TRAILER.numel()]
     if h.kind == PUSH_DENSE:  # (gradients, learning rates, max norm); the float64 words first keep every part aligned
-        words = body[:(h.width + 1) * 8].view(torch.float64)
-        return body[(h.width + 1) * 8:].view(DTYPES[h.dtype]), words[:h.width], words[h.width:]
+        words = body[: (h.width + 1) * 8].view(torch.float64)
+        return body[(h.width + 1) * 8 :].view(DTYPES[h.dtype]), words[: h.width], words[h.width :]
     if h.kind in FOLDER_KINDS:
         return (body,)
     if h.kind == DONE:
         return (body.view(torch.float64),)
-    ids = body[:h.count * 8].view(torch.int64)
+    ids = body[: h.count * 8].view(torch.int64)
     if h.kind == PULL_ROWS:
         return (ids,)
-    return ids, body[h.count * 8:].view(DTYPES[h.dtype]).view(h.count, h.width)
+    return ids, body[h.count * 8 :].view(DTYPES[h.dtype]).view(h.count, h.width)
 
 
 def float_word(x: float) -> int:

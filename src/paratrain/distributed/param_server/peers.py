@@ -7,6 +7,7 @@ the worker as rank 0, server ``i`` as rank ``1 + i``, set up through the launche
 with ``ProcessGroupGloo`` itself (not ``new_group``, which every member of the job's group would have to call).
 A :class:`Peer` hides which group a peer sits in, so the client and the server speak the same calls to both.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,9 @@ def job_peer(rank: int) -> Peer:
     return Peer(dist.group.WORLD, rank)
 
 
-def return_group(store: dist.Store, worker: int, returns: int, member: int, servers: int,
-                 timeout: timedelta) -> dist.ProcessGroup:
+def return_group(
+    store: dist.Store, worker: int, returns: int, member: int, servers: int, timeout: timedelta
+) -> dist.ProcessGroup:
     """The group in which worker ``worker``, back for the ``returns``-th time, meets the ``servers`` servers;
     ``member``: 0 for the worker, ``1 + i`` for server ``i``. Blocks until every member has called it."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

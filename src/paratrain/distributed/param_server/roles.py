@@ -1,6 +1,7 @@
 """The two roles a rank of a ``ps`` job plays: a server serves from ``prepare`` until training ends and then ends
 its process (the job's result is the workers'); a worker trains with its tables and optimizer swapped for
 stand-ins that talk to the servers."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,8 +23,15 @@ from .tables import RemoteTable, replace_tables
 from .worker import PushingOptimizer
 
 
-def serve(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Holdings, rank: int,
-          config: PSConfig, store: ShardStore | None = None, returns: Returns | None = None) -> ServerStats:
+def serve(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout: Holdings,
+    rank: int,
+    config: PSConfig,
+    store: ShardStore | None = None,
+    returns: Returns | None = None,
+) -> ServerStats:
     """Hold this server's shards and serve until every worker is done (``store``: how a checkpoint holds them).
 
     Synchronous servers (more than one) first make a group of their own, among themselves while the workers make
@@ -42,8 +50,16 @@ def serve(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Holdings, 
     attendance = serve_each_worker(server, returns, index, len(layout.servers))
     if index == 0:
         rows = [server.reports[w] for w in sorted(server.reports)]
-        loads = [ServerLoad(rank, server.stats.requests, server.stats.dropped, server.stats.bytes_in,
-                            server.stats.bytes_out, server.stats.busy_s)]
+        loads = [
+            ServerLoad(
+                rank,
+                server.stats.requests,
+                server.stats.dropped,
+                server.stats.bytes_in,
+                server.stats.bytes_out,
+                server.stats.busy_s,
+            )
+        ]
         print("\n".join(table(len(layout.servers), config, rows, loads) + attendance.lines()), flush=True)
     return server.stats
 
@@ -56,8 +72,15 @@ def shard_folder(index: int) -> str:
 class WorkerSide:
     """A worker's connection to the servers and the stand-ins it put into the model."""
 
-    def __init__(self, model: nn.Module, layout: Holdings, rank: int, config: PSConfig, device: torch.device,
-                 peers: list[Peer] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Holdings,
+        rank: int,
+        config: PSConfig,
+        device: torch.device,
+        peers: list[Peer] | None = None,
+    ) -> None:
         """``peers``: how to reach each server (default: in the job's group)."""
         self.layout, self.config = layout, config
         self.names = {id(p): n for n, p in model.named_parameters()}  # before the tables leave the model
@@ -75,8 +98,9 @@ class WorkerSide:
         for t in self.layout.tables:
             if f"{t.name}.weight" in settings:
                 table_kind(optimizer, t.name, settings[f"{t.name}.weight"], self.config.table_optimizer)
-        return PushingOptimizer(optimizer, {id(p) for p in model.parameters()}, self.client, self.tables,
-                                self.config.synchronous)
+        return PushingOptimizer(
+            optimizer, {id(p) for p in model.parameters()}, self.client, self.tables, self.config.synchronous
+        )
 
     def full_state(self, model: nn.Module, chunk: int = 1 << 16) -> dict[str, torch.Tensor]:
         """The model's whole state as the servers hold it now (asynchronous workers may hold older parameters)."""
@@ -95,8 +119,14 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n / 2**10:.1f} KiB"
 
 
-def report(layout_servers: int, config: PSConfig, rank: int, stats: ClientStats | None,
-           group: dist.ProcessGroup | None, servers: Sequence[ServerLoad] = ()) -> str:
+def report(
+    layout_servers: int,
+    config: PSConfig,
+    rank: int,
+    stats: ClientStats | None,
+    group: dist.ProcessGroup | None,
+    servers: Sequence[ServerLoad] = (),
+) -> str:
     """Every worker's pull/push time and bytes per step and staleness, and ``servers``' load, as a table (a
     collective over ``group``, the workers; ``stats`` None: a worker rank that trained nothing). Rank 0 gets the
     table, the others ''."""
@@ -106,19 +136,27 @@ def report(layout_servers: int, config: PSConfig, rank: int, stats: ClientStats 
     return "\n".join(table(layout_servers, config, rows, servers)) if rank == 0 else ""
 
 
-def table(layout_servers: int, config: PSConfig, rows: Sequence[torch.Tensor],
-          servers: Sequence[ServerLoad] = ()) -> list[str]:
+def table(
+    layout_servers: int, config: PSConfig, rows: Sequence[torch.Tensor], servers: Sequence[ServerLoad] = ()
+) -> list[str]:
     """The closing table's lines: a row per worker (:meth:`ClientStats.words`), a line per server."""
     mode = "synchronous" if config.synchronous else f"staleness <= {config.staleness}"
-    lines = [f"paratrain ps: {layout_servers} server(s), {len(rows)} worker(s), {mode}",
-             "rank   steps  pull ms/step  push ms/step  pulled/step  pushed/step  max staleness  dropped"]
+    lines = [
+        f"paratrain ps: {layout_servers} server(s), {len(rows)} worker(s), {mode}",
+        "rank   steps  pull ms/step  push ms/step  pulled/step  pushed/step  max staleness  dropped",
+    ]
     for r in rows:
         rank_, steps, pull, push, pulled, pushed, stale, dropped = r.tolist()
         n = max(steps, 1)
-        lines.append(f"{int(rank_):>4}  {int(steps):>6}  {1e3 * pull / n:>12.2f}  {1e3 * push / n:>12.2f}  "
-                     f"{_mib(pulled / n):>11}  {_mib(pushed / n):>11}  {int(stale):>13}  {int(dropped):>7}")
+        lines.append(
+            f"{int(rank_):>4}  {int(steps):>6}  {1e3 * pull / n:>12.2f}  {1e3 * push / n:>12.2f}  "
+            f"{_mib(pulled / n):>11}  {_mib(pushed / n):>11}  {int(stale):>13}  {int(dropped):>7}"
+        )
     if servers:
         lines.append("server  requests  received   sent       busy s  dropped")
-        lines += [f"{s.rank:>6}  {s.requests:>8}  {_mib(s.bytes_in):>9}  {_mib(s.bytes_out):>9}  {s.busy_s:>7.2f}  "
-                  f"{s.dropped:>7}" for s in servers]
+        lines += [
+            f"{s.rank:>6}  {s.requests:>8}  {_mib(s.bytes_in):>9}  {_mib(s.bytes_out):>9}  {s.busy_s:>7.2f}  "
+            f"{s.dropped:>7}"
+            for s in servers
+        ]
     return lines

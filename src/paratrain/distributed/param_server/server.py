@@ -16,6 +16,7 @@ so a slow worker never holds the others back (bounding the clock difference betw
 stale-synchronous schemes do, makes every worker wait for the slowest once it is tau steps behind). Replies go out
 with ``isend`` so a slow reader never holds the server up.
 """
+
 from __future__ import annotations
 
 import math
@@ -77,16 +78,28 @@ class ServerStats:
 
 
 class Server:
-    def __init__(self, shards: ServerShards, layout: Holdings, rank: int, staleness: int, max_rows: int,
-                 store: ShardStore | None = None, servers: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        shards: ServerShards,
+        layout: Holdings,
+        rank: int,
+        staleness: int,
+        max_rows: int,
+        store: ShardStore | None = None,
+        servers: dist.ProcessGroup | None = None,
+    ) -> None:
         """``servers``: the servers' own group, over which a synchronous step's clipping norm adds up (None: this
         server is the only one)."""
         self.shards, self.layout, self.rank, self.staleness, self.store = shards, layout, rank, staleness, store
         self.servers = servers
         self.index = layout.servers.index(rank)
-        self.schema = Schema(dense_numel=layout.dense_numel(self.index), dense_dtype=layout.dtype,
-                             tables=tuple(t.bounds[self.index] for t in layout.tables), max_rows=max_rows,
-                             groups=shards.group_count)
+        self.schema = Schema(
+            dense_numel=layout.dense_numel(self.index),
+            dense_dtype=layout.dtype,
+            tables=tuple(t.bounds[self.index] for t in layout.tables),
+            max_rows=max_rows,
+            groups=shards.group_count,
+        )
         self.buffer = torch.zeros(self.schema.max_payload, dtype=torch.uint8)
         self.clock = {w: 0 for w in layout.workers}
         """Pushes per worker."""
@@ -154,7 +167,7 @@ class Server:
     # ----------------------------------------------------------------- requests
     def _receive(self, src: int, h: Header) -> tuple[torch.Tensor, ...]:
         n = h.payload_bytes
-        self.buffer[n - TRAILER.numel():n].zero_()
+        self.buffer[n - TRAILER.numel() : n].zero_()
         try:
             self.peers[src].recv(self.buffer, PAYLOAD_TAG)
         except RuntimeError as err:
@@ -167,13 +180,17 @@ class Server:
 
     def _handle(self, src: int, h: Header, payload: tuple[torch.Tensor, ...]) -> None:
         if h.kind == PULL_DENSE:
-            self._reply(src, Header(OK, self.version, table=self.clock[src], count=self.shards.flat.numel()),
-                        self.shards.flat.clone())
+            self._reply(
+                src,
+                Header(OK, self.version, table=self.clock[src], count=self.shards.flat.numel()),
+                self.shards.flat.clone(),
+            )
         elif h.kind == PULL_ROWS:
             (ids,) = payload
             shard = self._rows_of(h.table, ids)
-            self._reply(src, Header(OK, h.step, h.table, ids.numel(), shard.table.dim),
-                        shard.weight.detach()[ids - shard.lo])
+            self._reply(
+                src, Header(OK, h.step, h.table, ids.numel(), shard.table.dim), shard.weight.detach()[ids - shard.lo]
+            )
         elif h.kind == PUSH_ROWS:
             ids, grads = payload
             self._rows_of(h.table, ids)
@@ -262,8 +279,12 @@ class Server:
     def _rows_of(self, table: int, ids: torch.Tensor):
         shard = self.shards.tables[table]
         if ids.numel() and (int(ids.min()) < shard.lo or int(ids.max()) >= shard.lo + shard.weight.shape[0]):
-            raise Refused(7, f"table {table} rows {int(ids.min())}..{int(ids.max())}, this server holds "
-                          f"{shard.lo}..{shard.lo + shard.weight.shape[0] - 1}", drain=False)
+            raise Refused(
+                7,
+                f"table {table} rows {int(ids.min())}..{int(ids.max())}, this server holds "
+                f"{shard.lo}..{shard.lo + shard.weight.shape[0] - 1}",
+                drain=False,
+            )
         return shard
 
     def _apply(self, src: int | None, scale: float, max_norm: float = 0.0) -> None:
@@ -319,8 +340,7 @@ class Server:
     def _refuse(self, src: int, r: Refused) -> None:
         if not r.drain:
             self.banned.add(src)
-        line = (f"paratrain ps: server rank {self.rank} refused a message from rank {src}: {r}; "
-                "still serving the others")
+        line = f"paratrain ps: server rank {self.rank} refused a message from rank {src}: {r}; still serving the others"
         self.stats.refused.append(line)
         print(line, file=sys.stderr, flush=True)
         self._reply(src, Header(REFUSED, dtype=r.code))

@@ -1,5 +1,6 @@
 """What one server holds: its dense parameters (views of one flat buffer, which is what a pull sends) and its rows
 of every table, each with the optimizer that steps it and that optimizer's state beside it."""
+
 from __future__ import annotations
 
 import zlib
@@ -35,8 +36,14 @@ class TableShard:
 class ServerShards:
     """Server ``index``'s part of the model and of its optimizer."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Holdings, index: int,
-                 table_optimizer: str | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        layout: Holdings,
+        index: int,
+        table_optimizer: str | None,
+    ) -> None:
         names = {id(p): n for n, p in model.named_parameters()}
         settings = group_of(optimizer, names)
         current = dict(model.named_parameters())
@@ -45,17 +52,24 @@ class ServerShards:
         self.grad = torch.zeros_like(self.flat)
         self.params: dict[str, nn.Parameter] = {}
         for slot in slots:
-            view = self.flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            view = self.flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
             view.copy_(current[slot.name].detach())
             p = nn.Parameter(view)
-            p.grad = self.grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            p.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
             self.params[slot.name] = p
         self.optimizer, self.groups = dense_optimizer(optimizer, self.params, settings)
         self.group_count = len(optimizer.param_groups)
         self.tables = [self._shard(model, t, index, settings, optimizer, table_optimizer) for t in layout.tables]
 
-    def _shard(self, model: nn.Module, table: Table, index: int, settings: dict, optimizer: torch.optim.Optimizer,
-               choice: str | None) -> TableShard:
+    def _shard(
+        self,
+        model: nn.Module,
+        table: Table,
+        index: int,
+        settings: dict,
+        optimizer: torch.optim.Optimizer,
+        choice: str | None,
+    ) -> TableShard:
         module = model.get_submodule(table.name)
         name = f"{table.name}.weight"
         trained = name in settings
@@ -68,7 +82,7 @@ class ServerShards:
             if pad is not None and b.lo <= pad < b.hi:
                 rows[pad - b.lo].zero_()
         else:
-            rows = module.weight.detach()[b.lo:b.hi].clone()
+            rows = module.weight.detach()[b.lo : b.hi].clone()
         weight = nn.Parameter(rows, requires_grad=trained)
         if not trained:
             return TableShard(table, b.lo, weight, None, 0)

@@ -6,6 +6,7 @@ Keys: ``model.<name>`` for the dense parameters it owns and for its rows of each
 state tensor beside them (``optim_int.``/``optim_float.`` for a plain number, such as SparseAdam's step), and
 ``version``: the optimizer steps this server has taken. Plain tensors only: nothing to unpickle but DCP's metadata.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

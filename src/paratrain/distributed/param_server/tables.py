@@ -1,6 +1,7 @@
 """A worker's stand-in for a table the servers hold: its forward pulls the rows the batch touches (each once) into
 a small leaf tensor and looks them up there; after backward that tensor's gradient is what the step pushes. The
 worker never holds more of the table than its batches touch."""
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ class RemoteTable(nn.Module):
         self.trained = original.weight.requires_grad
         self.pulled: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if input.numel() and (int(input.min()) < 0 or int(input.max()) >= self.table.rows):
             raise IndexError(f"index out of range in table {self.table.name!r} of {self.table.rows} rows")
         ids, inverse = torch.unique(input, sorted=True, return_inverse=True)
@@ -39,8 +41,15 @@ class RemoteTable(nn.Module):
             hit = (ids == self.padding_idx).nonzero().flatten()
             pad = int(hit[0]) if hit.numel() else None
         if self.bag:
-            return F.embedding_bag(inverse, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
-                                   include_last_offset=self.include_last_offset, padding_idx=pad)
+            return F.embedding_bag(
+                inverse,
+                rows,
+                offsets,
+                mode=self.mode,
+                per_sample_weights=per_sample_weights,
+                include_last_offset=self.include_last_offset,
+                padding_idx=pad,
+            )
         return F.embedding(inverse, rows, padding_idx=pad)
 
     def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,8 +77,9 @@ def replace_tables(model: nn.Module, tables: tuple[Table, ...], client: Client) 
     return out
 
 
-def split_by_server(table: Table, ids: torch.Tensor, grads: torch.Tensor, servers: int
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def split_by_server(
+    table: Table, ids: torch.Tensor, grads: torch.Tensor, servers: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each server's part of a table's (ids, grads)."""
     owner = table.owner(ids)
     return [(ids[owner == s], grads[owner == s]) for s in range(servers)]

@@ -5,6 +5,7 @@ Clipping (``max_norm``) happens where the step's gradient is whole: synchronous 
 worker's gradient (the push carries the max norm); an asynchronous push is applied alone, so the worker clips its
 own gradient, dense and rows, before pushing it.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,10 +21,18 @@ from .tables import RemoteTable, split_by_server
 class PushingOptimizer(torch.optim.Optimizer):
     """Stands where the user's optimizer stood; same param groups over the worker's dense parameters."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dense: set[int], client: Client,
-                 tables: list[RemoteTable], synchronous: bool) -> None:
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [p for p in g["params"] if id(p) in dense]} for g in optimizer.param_groups]
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        dense: set[int],
+        client: Client,
+        tables: list[RemoteTable],
+        synchronous: bool,
+    ) -> None:
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in dense]}
+            for g in optimizer.param_groups
+        ]
         super().__init__(groups, dict(optimizer.defaults))
         self.client, self.tables, self.synchronous = client, tables, synchronous
         self.trains = type(optimizer).__name__
@@ -50,8 +59,7 @@ class PushingOptimizer(torch.optim.Optimizer):
             for s, (i, g) in enumerate(split_by_server(table, ids, grads, servers)):
                 if i.numel():
                     rows[s].append((table.index, i, g))
-        self.client.push(rows, [float(g["lr"]) for g in self.param_groups],
-                         self.max_norm if self.synchronous else 0.0)
+        self.client.push(rows, [float(g["lr"]) for g in self.param_groups], self.max_norm if self.synchronous else 0.0)
         if self.max_norm and self.synchronous:
             self.grad_norm = self.client.grad_norm
         if self.after_first_push is not None:

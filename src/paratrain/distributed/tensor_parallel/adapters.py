@@ -15,6 +15,7 @@ with everything inside it, as are LoRA embeddings. LoRA dropout on a row-split l
 ``lora_dropout > 0`` the ranks of a tp group drop alike (one RNG stream) but on different features than one
 process would; the adapter still trains, not bitwise as one process.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -26,8 +27,11 @@ from .probe import Split
 
 def is_lora(module: nn.Module) -> bool:
     """A PEFT LoRA layer of any kind (it wraps a ``base_layer`` and holds ``lora_A``/``lora_B`` adapters)."""
-    return isinstance(getattr(module, "base_layer", None), nn.Module) and isinstance(
-        getattr(module, "lora_A", None), nn.ModuleDict) and isinstance(getattr(module, "lora_B", None), nn.ModuleDict)
+    return (
+        isinstance(getattr(module, "base_layer", None), nn.Module)
+        and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+        and isinstance(getattr(module, "lora_B", None), nn.ModuleDict)
+    )
 
 
 def plain_lora_base(module: nn.Module) -> nn.Module | None:
@@ -58,6 +62,9 @@ def with_adapters(block: nn.Module, split: Split) -> Split:
         columns.update({f"{name}.lora_B.{a}": parts for a in layer.lora_B})
     for name in split.rows:
         layer = block.get_submodule(name)
-        rows.extend([name] if plain_lora_base(layer) is None else
-                    [f"{name}.base_layer", *(f"{name}.lora_A.{a}" for a in layer.lora_A)])
+        rows.extend(
+            [name]
+            if plain_lora_base(layer) is None
+            else [f"{name}.base_layer", *(f"{name}.lora_A.{a}" for a in layer.lora_A)]
+        )
     return replace(split, columns=columns, rows=tuple(rows))

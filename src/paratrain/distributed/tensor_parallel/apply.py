@@ -1,4 +1,5 @@
 """Splitting a model's layers over a tensor-parallel mesh with PyTorch's ``parallelize_module``."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,9 +18,15 @@ from .plans import TPPlan
 from .styles import Replicated, VocabHead
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedOutputs,
-             styles: list[tuple[str, ParallelStyle]] | None = None, ties: Ties | None = None,
-             leave: Sequence[nn.Module] = ()) -> nn.Module:
+def apply_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: TPPlan,
+    outputs: ShardedOutputs,
+    styles: list[tuple[str, ParallelStyle]] | None = None,
+    ties: Ties | None = None,
+    leave: Sequence[nn.Module] = (),
+) -> nn.Module:
     """Split ``model`` in place over the 1-D ``mesh`` by ``plan`` (or by ``styles``, the plan resolved for a
     pipeline stage: :func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`); every parameter ends a
     DTensor on ``mesh`` but those of ``leave``, modules another part lays out (the routed experts expert parallelism
@@ -31,8 +38,9 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan, outputs: ShardedO
     degree = mesh.size()
     for what, size in plan.divisible(model).items():
         if size % degree:
-            raise ConfigError(f"{plan.name}: {what}={size} does not split over tp={degree}; choose a tp that divides "
-                              f"{size}")
+            raise ConfigError(
+                f"{plan.name}: {what}={size} does not split over tp={degree}; choose a tp that divides {size}"
+            )
     ties = ties if ties is not None else find_ties(model)
     left = {id(module) for module in leave}
     for name, style in plan.per_module(model) if styles is None else styles:
@@ -61,11 +69,15 @@ def _check_ties(model: nn.Module, groups: tuple[tuple[str, ...], ...]) -> None:
         whole = [n for n, p in params if not isinstance(p, DTensor)]
         owner = lambda n: n.rpartition(".")[0]  # noqa: E731
         if split and whole:
-            raise ConfigError(f"tp_plan splits {owner(split[0][0])!r} but not {owner(whole[0])!r}, which shares its "
-                              f"weight; name both (an embedding 'rowwise', a head 'colwise') or neither")
+            raise ConfigError(
+                f"tp_plan splits {owner(split[0][0])!r} but not {owner(whole[0])!r}, which shares its "
+                f"weight; name both (an embedding 'rowwise', a head 'colwise') or neither"
+            )
         if len({p for _, p in split}) > 1:
-            raise ConfigError(f"tp plan splits the tied weights {split[0][0]!r} ({split[0][1]}) and {split[1][0]!r} "
-                              f"({split[1][1]}) differently; give both modules styles with one sharding")
+            raise ConfigError(
+                f"tp plan splits the tied weights {split[0][0]!r} ({split[0][1]}) and {split[1][0]!r} "
+                f"({split[1][1]}) differently; give both modules styles with one sharding"
+            )
 
 
 def _retie(model: nn.Module, groups: tuple[tuple[str, ...], ...]) -> None:
@@ -80,5 +92,7 @@ def _retie(model: nn.Module, groups: tuple[tuple[str, ...], ...]) -> None:
 def _check_sequence(args: tuple[Any, ...], degree: int) -> None:
     x = args[0] if args else None
     if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % degree:
-        raise ConfigError(f"a sequence of {x.shape[1]} tokens does not split over tp={degree} (sequence parallel); "
-                          f"use a length divisible by {degree}")
+        raise ConfigError(
+            f"a sequence of {x.shape[1]} tokens does not split over tp={degree} (sequence parallel); "
+            f"use a length divisible by {degree}"
+        )

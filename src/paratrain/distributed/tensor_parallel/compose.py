@@ -7,6 +7,7 @@ The strategy builds the ``(dp, tp)`` mesh from its :class:`~paratrain.dims.Paral
 replication on the parameters TP made). The ranks of one tp group read the same batch and keep one RNG stream
 (``rng_rank``), so dropout on replicated activations drops the same units on all of them.
 """
+
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
@@ -63,8 +64,10 @@ class TensorParallel(WholeLayers):
 
     def check_stages(self, model: nn.Module, strategy: str) -> None:
         if isinstance(model, nn.Sequential):
-            raise ConfigError(f"{strategy} with tp cuts a model between its repeated blocks, not an nn.Sequential; "
-                              "drop tp, or use Parallel('ddp', tp=...) for a tensor-parallel nn.Sequential")
+            raise ConfigError(
+                f"{strategy} with tp cuts a model between its repeated blocks, not an nn.Sequential; "
+                "drop tp, or use Parallel('ddp', tp=...) for a tensor-parallel nn.Sequential"
+            )
 
     def apply(self, model: nn.Module, rt: Runtime, leave: Leave | None = None) -> nn.Module:
         """Split ``model`` (moved to ``rt.device``) over ``rt.mesh["tp"]``, but the modules ``leave`` names; a mesh
@@ -78,8 +81,14 @@ class TensorParallel(WholeLayers):
         # The router's load-balancing loss is added to the vocabulary-split loss inside the model's forward, a plain
         # tensor beside a DTensor (failing in the backward): such a model's logits are gathered at the head.
         self.outputs.gather_heads |= bool(getattr(getattr(model, "config", None), "output_router_logits", False))
-        return apply_tp(to_device(model, rt.device), mesh["tp"], plan, self.outputs,
-                        ties=facts.ties if facts is not None else None, leave=leave(model) if leave else ())
+        return apply_tp(
+            to_device(model, rt.device),
+            mesh["tp"],
+            plan,
+            self.outputs,
+            ties=facts.ties if facts is not None else None,
+            leave=leave(model) if leave else (),
+        )
 
     def plan(self, model: nn.Module, facts: ModelFacts | None = None) -> TPPlan:
         """The plan for ``model``, checked against the whole model before a pipeline cuts it into stages (a stage
@@ -96,14 +105,14 @@ class TensorParallel(WholeLayers):
         if not plan.summary:
             return plan
         if dist.is_initialized():
-            check_ranks_agree({"tp_plan='auto' splits": ", ".join(plan.styles)}, dist.get_rank(),
-                              dist.get_world_size())
+            check_ranks_agree({"tp_plan='auto' splits": ", ".join(plan.styles)}, dist.get_rank(), dist.get_world_size())
         if not dist.is_initialized() or dist.get_rank() == 0:
             print("\n".join(plan.summary), flush=True)
         return plan
 
-    def apply_stage(self, stage: nn.Module, plan: TPPlan, rt: Runtime, first_block: str | None,
-                    last_block: str | None) -> nn.Module:
+    def apply_stage(
+        self, stage: nn.Module, plan: TPPlan, rt: Runtime, first_block: str | None, last_block: str | None
+    ) -> nn.Module:
         """Split a pipeline stage (the model with other stages' pieces swapped out) over ``rt.mesh["tp"]`` by the
         whole model's ``plan``, its boundaries whole
         (:func:`~paratrain.distributed.tensor_parallel.stage_styles.stage_styles`)."""
@@ -128,8 +137,9 @@ class TensorParallel(WholeLayers):
         for p in model.parameters():
             grad = p.grad
             if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
-                p.grad = grad.redistribute(grad.device_mesh,
-                                           [Replicate() if pl.is_partial() else pl for pl in grad.placements])
+                p.grad = grad.redistribute(
+                    grad.device_mesh, [Replicate() if pl.is_partial() else pl for pl in grad.placements]
+                )
 
     @staticmethod
     def optimizer_stepping(optimizer: torch.optim.Optimizer) -> AbstractContextManager:
@@ -143,8 +153,10 @@ class TensorParallel(WholeLayers):
         return forward_backward(self.outputs, model, call, scale, self._precision, self._device)
 
     def head_loss_refusal(self) -> str:
-        return ("tp splits the head over the vocabulary, and its loss_parallel already keeps each rank to its "
-                "slice of the logits")
+        return (
+            "tp splits the head over the vocabulary, and its loss_parallel already keeps each rank to its "
+            "slice of the logits"
+        )
 
     def split_loss(self) -> AbstractContextManager:
         return self.outputs.split_loss()
@@ -157,5 +169,6 @@ class TensorParallel(WholeLayers):
 
     def describe(self) -> str:
         plan = self.config.plan
-        return f"tp={self.config.degree or 'all'}" + ("" if plan is None else f", tp_plan={plan!r}" if
-                                                      isinstance(plan, str) else ", tp_plan")
+        return f"tp={self.config.degree or 'all'}" + (
+            "" if plan is None else f", tp_plan={plan!r}" if isinstance(plan, str) else ", tp_plan"
+        )

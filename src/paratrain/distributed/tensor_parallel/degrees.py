@@ -7,6 +7,7 @@ the ones joined by NVLink), since they talk inside every layer. Pipelines put th
 ``Parallel("pipeline", tp=2)`` on ``(pp, tp)``, ``Parallel("hybrid", dp=2, tp=2)`` on ``(dp, pp, tp)``
 (:mod:`paratrain.strategies.pipeline`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -25,8 +26,10 @@ def tp_degree(strategy: str, degree: int | None, world_size: int) -> int:
     tp = world_size if degree is None else degree
     if world_size % tp:
         fits = [f"{strategy} tp={d} ({world_size // d} x {d})" for d in range(2, world_size + 1) if world_size % d == 0]
-        raise ConfigError(f"{strategy} with tp={tp} does not fit {world_size} processes (tp must divide them); "
-                          f"valid layouts: {', '.join(fits) or 'none, launch an even number of processes'}")
+        raise ConfigError(
+            f"{strategy} with tp={tp} does not fit {world_size} processes (tp must divide them); "
+            f"valid layouts: {', '.join(fits) or 'none, launch an even number of processes'}"
+        )
     return tp
 
 

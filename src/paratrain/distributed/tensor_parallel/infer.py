@@ -10,6 +10,7 @@ their shapes, and every split of a block is tried on one process before it is ke
 not compute what the unsplit block computes stays replicated, and the plan's summary says so. No sequence
 parallelism: the norms and the residual stream stay whole on every rank, which asks nothing of the model's code.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -31,15 +32,32 @@ QUERY = {"q_proj", "q", "query", "wq", "to_q", "q_lin", "query_proj"}
 KEY = {"k_proj", "k", "key", "wk", "to_k", "k_lin", "key_proj"}
 VALUE = {"v_proj", "v", "value", "wv", "to_v", "v_lin", "value_proj"}
 FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "to_qkv", "att_proj", "in_proj", "attn_proj"}
-OUTPUT = {"o_proj", "out_proj", "c_proj", "proj", "dense", "wo", "o", "out", "to_out", "out_lin", "attn_out",
-          "output", "proj_out"}
+OUTPUT = {
+    "o_proj",
+    "out_proj",
+    "c_proj",
+    "proj",
+    "dense",
+    "wo",
+    "o",
+    "out",
+    "to_out",
+    "out_lin",
+    "attn_out",
+    "output",
+    "proj_out",
+}
 HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nheads")
 KV_HEADS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 WIDTHS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim", "d_model", "dim")
 
 
-def choose_plan(model: nn.Module, user: Mapping[str, str | ParallelStyle] | str | None, degree: int | None,
-                facts: ModelFacts | None = None) -> TPPlan:
+def choose_plan(
+    model: nn.Module,
+    user: Mapping[str, str | ParallelStyle] | str | None,
+    degree: int | None,
+    facts: ModelFacts | None = None,
+) -> TPPlan:
     """The plan a job over ``degree`` tp ranks uses: inferred for ``user="auto"``, and for a model with no plan
     when the user gave none; else :func:`~.plans.plan_for`'s (the user's, the model's own, the built-in one)."""
     if isinstance(user, str) and user != "auto":
@@ -71,23 +89,37 @@ def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -
     if head is not None:  # after the blocks' entries, as the model runs them
         styles[head] = names.head()
     if not styles:
-        raise ConfigError(f"tp_plan='auto' found nothing in {kind} it can split safely ({'; '.join(whole)}); give a "
-                          "tp_plan={'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise', ...}")
-    summary = (f"paratrain: tp_plan='auto' for {kind} over tp={degree} (no sequence parallelism):",
-               *(f"  {line}" for line in said), *(f"  replicated: {w}" for w in [*whole, "everything else"]))
-    return TPPlan(name=f"tp_plan='auto' for {kind}", styles=styles, summary=summary,
-                  divisible=lambda m: dict(sizes), adjust=lambda m, d: _adjust(m, adjust, d))
+        raise ConfigError(
+            f"tp_plan='auto' found nothing in {kind} it can split safely ({'; '.join(whole)}); give a "
+            "tp_plan={'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise', ...}"
+        )
+    summary = (
+        f"paratrain: tp_plan='auto' for {kind} over tp={degree} (no sequence parallelism):",
+        *(f"  {line}" for line in said),
+        *(f"  replicated: {w}" for w in [*whole, "everything else"]),
+    )
+    return TPPlan(
+        name=f"tp_plan='auto' for {kind}",
+        styles=styles,
+        summary=summary,
+        divisible=lambda m: dict(sizes),
+        adjust=lambda m, d: _adjust(m, adjust, d),
+    )
 
 
-def _vocabulary(model: nn.Module, blocks: Blocks | None, ties: Ties, styles: dict, said: list[str],
-                whole: list[str]) -> tuple[int, str | None]:
+def _vocabulary(
+    model: nn.Module, blocks: Blocks | None, ties: Ties, styles: dict, said: list[str], whole: list[str]
+) -> tuple[int, str | None]:
     """Split the token embedding over the vocabulary; returns the vocabulary size (for the probe's token ids) and
     the output head to split with it (both when they are tied, or neither), which the plan names after the
     blocks."""
     before, after = outer_modules(model, blocks) if blocks is not None else ([""], [])
     wrappers = {n for n, m in model.named_modules() if is_lora(m)}
-    embeddings = {n: m for n, m in _under(model, before) if isinstance(m, nn.Embedding)
-                  and n not in wrappers and not inside_lora(n, wrappers)}
+    embeddings = {
+        n: m
+        for n, m in _under(model, before)
+        if isinstance(m, nn.Embedding) and n not in wrappers and not inside_lora(n, wrappers)
+    }
     if not embeddings:
         whole.append("no token embedding before the blocks")
         return 2, None
@@ -110,8 +142,13 @@ def _vocabulary(model: nn.Module, blocks: Blocks | None, ties: Ties, styles: dic
     return vocab, head
 
 
-def _token_embedding(model: nn.Module, blocks: Blocks | None, embeddings: dict[str, nn.Embedding],
-                     linears: list[tuple[str, nn.Linear]], ties: Ties) -> str:
+def _token_embedding(
+    model: nn.Module,
+    blocks: Blocks | None,
+    embeddings: dict[str, nn.Embedding],
+    linears: list[tuple[str, nn.Linear]],
+    ties: Ties,
+) -> str:
     """The embedding that holds the vocabulary, found by what it is rather than by its size (a character-level
     model's position table is larger than its vocabulary): the one tied to a layer after the blocks; else, among
     those that look up the model's own token ids, one as large as a layer's output after the blocks, else the
@@ -137,8 +174,16 @@ def _under(model: nn.Module, names: Iterable[str]) -> list[tuple[str, nn.Module]
     return out
 
 
-def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, styles: dict, said: list[str],
-                  whole: list[str], sizes: dict[str, int]) -> list[tuple[str, str]]:
+def _split_blocks(
+    model: nn.Module,
+    blocks: Blocks,
+    degree: int,
+    vocab: int,
+    styles: dict,
+    said: list[str],
+    whole: list[str],
+    sizes: dict[str, int],
+) -> list[tuple[str, str]]:
     """Find attention and the MLP in the first block, keep each split the probe confirms, and give the patterns
     for every block; returns the (module pattern, attribute) pairs to divide by the degree."""
     block = model.get_submodule(blocks.names[0])
@@ -146,8 +191,10 @@ def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, sty
     layers = _layers(block)
     kept = sorted(n for n, m in block.named_modules() if is_lora(m) and plain_lora_base(m) is None)
     if kept:
-        whole.append(f"{pattern}.{kept[0]}{f' and {len(kept) - 1} more' if len(kept) > 1 else ''} (a LoRA variant "
-                     "such as DoRA: only plain LoRA layers are split)")
+        whole.append(
+            f"{pattern}.{kept[0]}{f' and {len(kept) - 1} more' if len(kept) > 1 else ''} (a LoRA variant "
+            "such as DoRA: only plain LoRA layers are split)"
+        )
     attention = _attention(block, layers, degree, pattern, sizes)
     taken = set() if isinstance(attention, str) else {n for s in attention for n in (*s.columns, *s.rows)}
     hidden = None if isinstance(attention, str) else dims(layers[next(iter(attention[0].columns))])[0]  # type: ignore
@@ -179,8 +226,10 @@ def _split_blocks(model: nn.Module, blocks: Blocks, degree: int, vocab: int, sty
         for name in split.rows:
             styles[f"{pattern}.{name}"] = style("rowwise")
             said.append(f"{pattern}.{name} -> rowwise ({what})")
-        for names_, spec, why in ((split.heads, "heads", "its per-head parameters split with the heads"),
-                                  (split.summed, "replicate(grad=sum)", "sees this rank's heads")):
+        for names_, spec, why in (
+            (split.heads, "heads", "its per-head parameters split with the heads"),
+            (split.summed, "replicate(grad=sum)", "sees this rank's heads"),
+        ):
             for name in names_:
                 styles[f"{pattern}.{name}"] = style(spec)
                 said.append(f"{pattern}.{name} -> {spec} ({what}: {why})")
@@ -212,8 +261,9 @@ def _child(layers: dict[str, nn.Module], owner: str, role: set[str]) -> str | No
     return next((n for n in layers if n.rpartition(".")[0] == owner and n.rpartition(".")[2].lower() in role), None)
 
 
-def _attention(block: nn.Module, layers: dict[str, nn.Module], degree: int, pattern: str,
-               sizes: dict[str, int]) -> list[Split] | str:
+def _attention(
+    block: nn.Module, layers: dict[str, nn.Module], degree: int, pattern: str, sizes: dict[str, int]
+) -> list[Split] | str:
     """The ways attention's layers may split, best first, or why there are none; a one-line error when its heads
     do not divide by ``degree``."""
     for owner in dict.fromkeys(n.rpartition(".")[0] for n in layers):
@@ -238,16 +288,22 @@ def _attention(block: nn.Module, layers: dict[str, nn.Module], degree: int, patt
         attr, count = _count(module, attrs)
         if count is not None:
             if count % degree:
-                raise ConfigError(f"tp_plan='auto': {where} has {attr}={count} heads, which do not split over "
-                                  f"tp={degree}; choose a tp that divides {count}")
+                raise ConfigError(
+                    f"tp_plan='auto': {where} has {attr}={count} heads, which do not split over "
+                    f"tp={degree}; choose a tp that divides {count}"
+                )
             sizes[f"{where}.{attr}"] = count
     if any(w % degree for w in widths):
         return f"its widths {widths} do not split over tp={degree}"
     adjust = tuple((owner, a) for a in (*HEADS, *KV_HEADS) if _int(module, a) is not None) + tuple(
-        (owner, a) for a in WIDTHS if _int(module, a) in widths)
+        (owner, a) for a in WIDTHS if _int(module, a) in widths
+    )
     heads, summed = _per_head(module, owner, {*columns[0], out})
-    return [Split(columns=c, rows=(out,), adjust=a, heads=heads, summed=summed)
-            for c in columns for a in dict.fromkeys((adjust, ()))]
+    return [
+        Split(columns=c, rows=(out,), adjust=a, heads=heads, summed=summed)
+        for c in columns
+        for a in dict.fromkeys((adjust, ()))
+    ]
 
 
 def _per_head(module: nn.Module, owner: str, split: set[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -260,23 +316,31 @@ def _per_head(module: nn.Module, owner: str, split: set[str]) -> tuple[tuple[str
     own = list(module.parameters(recurse=False))
     heads = (owner,) if own and all(p.dim() and p.shape[0] == count for p in own) else ()
     prefix = f"{owner}." if owner else ""
-    summed = tuple(f"{prefix}{n}" for n, m in module.named_modules() if n and f"{prefix}{n}" not in split
-                   and not any(f"{prefix}{n}".startswith(f"{s}.") for s in split)
-                   and any(True for _ in m.parameters(recurse=False)))
+    summed = tuple(
+        f"{prefix}{n}"
+        for n, m in module.named_modules()
+        if n
+        and f"{prefix}{n}" not in split
+        and not any(f"{prefix}{n}".startswith(f"{s}.") for s in split)
+        and any(True for _ in m.parameters(recurse=False))
+    )
     return heads, summed
 
 
 def _output(layers: dict[str, nn.Module], owner: str, columns: set[str], width: int) -> str | None:
     """Attention's output projection: beside the q/k/v layers, or else beside the module holding them (BERT's
     ``attention.output.dense`` next to ``attention.self``)."""
+
     def takes(n: str) -> bool:
         return n not in columns and n.rpartition(".")[2].lower() in OUTPUT and dims(layers[n])[0] == width  # type: ignore
 
     found = next((n for n in layers if n.rpartition(".")[0] == owner and takes(n)), None)
     if found is None and owner:
         up = owner.rpartition(".")[0]
-        found = next((n for n in layers if (not up or n.startswith(f"{up}.")) and not n.startswith(f"{owner}.")
-                      and takes(n)), None)
+        found = next(
+            (n for n in layers if (not up or n.startswith(f"{up}.")) and not n.startswith(f"{owner}.") and takes(n)),
+            None,
+        )
     return found
 
 

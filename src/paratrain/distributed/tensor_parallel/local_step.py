@@ -15,6 +15,7 @@ Only where that is safe: torch's own optimizers on their per-parameter path (``f
 it as DTensors) whose gradient and state tensors are replicated too. A multi-tensor path (``foreach``, ``fused``)
 takes all parameters in a few ops, where plain tensors among DTensors would be refused; it costs little there.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -72,8 +73,12 @@ def _replicated(t: object) -> bool:
 def _swap_group(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], swaps: list[_Swap]) -> None:
     for i, param in enumerate(params):
         state = optimizer.state.get(param)
-        if not state or not _replicated(param) or not _replicated(param.grad) or any(
-                isinstance(v, DTensor) and not _replicated(v) for v in state.values()):
+        if (
+            not state
+            or not _replicated(param)
+            or not _replicated(param.grad)
+            or any(isinstance(v, DTensor) and not _replicated(v) for v in state.values())
+        ):
             continue
         local = param.to_local()
         local.grad = param.grad.to_local()

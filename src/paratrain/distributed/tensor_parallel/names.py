@@ -20,6 +20,7 @@ built from a name remembers it, so a printed plan is valid ``tp_plan=`` input as
 
 A ``ParallelStyle`` object of torch's own may stand in any plan as well; it prints as its class name.
 """  # noqa: E501
+
 from __future__ import annotations
 
 import re
@@ -54,10 +55,14 @@ def _sequence(value: str | None, what: str) -> Any:
 
 def _gather_sequence(keyword: str | None = None) -> ParallelStyle:
     if keyword is None:
-        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                  use_local_output=True)
-    return PrepareModuleInput(input_kwarg_layouts={keyword: Shard(1)},
-                              desired_input_kwarg_layouts={keyword: Replicate()}, use_local_output=True)
+        return PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    return PrepareModuleInput(
+        input_kwarg_layouts={keyword: Shard(1)},
+        desired_input_kwarg_layouts={keyword: Replicate()},
+        use_local_output=True,
+    )
 
 
 def _replicate(output_shard: str | None = None, grad: str | None = None) -> ParallelStyle:
@@ -70,9 +75,14 @@ def _whole_sequence() -> ParallelStyle:
     """A module run whole on every rank over the whole sequence (a mixture of experts under sequence parallelism):
     its input gathered from slices, its output cut back to this rank's slice (the backward gathers the gradient,
     so every rank's parameters get the whole one)."""
-    return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                    use_local_input=True, output_layouts=(Replicate(),),
-                                    desired_output_layouts=(Shard(1),), use_local_output=True)
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+        use_local_output=True,
+    )
 
 
 def _split_sequence() -> ParallelStyle:
@@ -99,8 +109,10 @@ def style(spec: str) -> ParallelStyle:
     """The style ``spec`` names (``"rowwise(output=sequence)"``), remembering the name."""
     match = _SPEC.match(spec)
     if match is None or match.group(1) not in STYLES:
-        raise ConfigError(f"{spec!r} is not a style; use one of {', '.join(STYLES)} (docs/tensor-parallel.md lists "
-                          "what each does) or a torch.distributed.tensor.parallel ParallelStyle")
+        raise ConfigError(
+            f"{spec!r} is not a style; use one of {', '.join(STYLES)} (docs/tensor-parallel.md lists "
+            "what each does) or a torch.distributed.tensor.parallel ParallelStyle"
+        )
     args: list[str] = []
     kwargs: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in (match.group(2) or "").split(","))):

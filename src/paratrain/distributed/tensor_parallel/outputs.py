@@ -9,6 +9,7 @@ evaluation — the logits are gathered into a plain full tensor right at the hea
 and the code that reads its outputs get the values one process computes (and a correct gradient: every rank of the
 group computes the same loss from the same logits).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -80,8 +81,9 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return full.clone() if full._base is not None else full
 
 
-def forward_backward(outputs: ShardedOutputs, model: nn.Module, call: ModelCall, scale: float, precision: Any,
-                     device: torch.device) -> torch.Tensor:
+def forward_backward(
+    outputs: ShardedOutputs, model: nn.Module, call: ModelCall, scale: float, precision: Any, device: torch.device
+) -> torch.Tensor:
     """The micro-batch ``call``'s loss and its backward with the logits left split (see the module docstring);
     returns the loss as a plain tensor.
 
@@ -98,8 +100,9 @@ def forward_backward(outputs: ShardedOutputs, model: nn.Module, call: ModelCall,
     return plain(loss)
 
 
-def _split_own_loss(outputs: ShardedOutputs, model: nn.Module, call: ModelCall, precision: Any,
-                    device: torch.device) -> torch.Tensor | None:
+def _split_own_loss(
+    outputs: ShardedOutputs, model: nn.Module, call: ModelCall, precision: Any, device: torch.device
+) -> torch.Tensor | None:
     """The model's own loss on split logits, or None when its code failed on them (from then on they are
     gathered)."""
     if outputs.gather_heads:

@@ -5,6 +5,7 @@ whole on every rank, does nothing at each; :class:`~paratrain.distributed.tensor
 splits them. So no strategy branches on whether tensor parallelism is on, and this module stays light to import
 (``torch.distributed.tensor`` takes a second; only the splitting part imports it).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -43,8 +44,9 @@ class WholeLayers:
         nothing to split."""
         return None
 
-    def stage_splitter(self, model: nn.Module, rt: Runtime, first_block: str | None,
-                       last_block: str | None) -> Step | None:
+    def stage_splitter(
+        self, model: nn.Module, rt: Runtime, first_block: str | None, last_block: str | None
+    ) -> Step | None:
         """The same for one pipeline stage of ``model``, its boundaries whole (``first_block``, ``last_block``: the
         blocks where the stage begins and ends inside the model, None at the model's own ends)."""
         return None

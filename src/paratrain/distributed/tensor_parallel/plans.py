@@ -17,6 +17,7 @@ A pattern matches a module's qualified name part by part, ``*`` standing for one
 plan replaces the built-in one; parameters it does not split are replicated. A model with no plan gets one
 inferred from its blocks (``tp_plan="auto"``, :mod:`.infer`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -59,8 +60,10 @@ class TPPlan:
         for pattern, value in self.styles.items():
             matched = [n for n in names if matches(pattern, n)]
             if not matched:
-                raise ConfigError(f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} "
-                                  f"(modules are named like {names[min(len(names) - 1, 3)]!r}); fix the pattern")
+                raise ConfigError(
+                    f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} "
+                    f"(modules are named like {names[min(len(names) - 1, 3)]!r}); fix the pattern"
+                )
             out.extend((n, self.style(value, pattern, n)) for n in matched)
         return out
 
@@ -68,8 +71,10 @@ class TPPlan:
         """The style the entry ``pattern: value`` gives the module ``name``."""
         if not isinstance(value, str):
             if not isinstance(value, ParallelStyle):
-                raise ConfigError(f"tp_plan entry {pattern!r}: {value!r} is neither a style name nor a "
-                                  "torch.distributed.tensor.parallel ParallelStyle")
+                raise ConfigError(
+                    f"tp_plan entry {pattern!r}: {value!r} is neither a style name nor a "
+                    "torch.distributed.tensor.parallel ParallelStyle"
+                )
             return value
         return head() if value.strip() == "colwise" and name in self.heads else style(value)
 
@@ -92,8 +97,7 @@ def sequence_shards() -> ParallelStyle:
 
 def whole_sequence() -> ParallelStyle:
     """A pipeline stage's last block's output: the sequence slices all-gathered into a plain tensor."""
-    return PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
-                               use_local_output=True)
+    return PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
 
 
 def heads_of(model: nn.Module, styles: Mapping[str, str | ParallelStyle]) -> frozenset[str]:
@@ -106,10 +110,10 @@ def heads_of(model: nn.Module, styles: Mapping[str, str | ParallelStyle]) -> fro
         after = outer_modules(model, blocks)[1]
         return frozenset(n for n in names if any(n == a or n.startswith(f"{a}.") for a in after))
     values = list(styles.items())
-    last_row = max((i for i, (_, v) in enumerate(values) if isinstance(v, str) and v.startswith("rowwise")),
-                   default=-1)
-    return frozenset(n for i, (p, v) in enumerate(values) if i > last_row and v == "colwise"
-                     for n in names if matches(p, n))
+    last_row = max((i for i, (_, v) in enumerate(values) if isinstance(v, str) and v.startswith("rowwise")), default=-1)
+    return frozenset(
+        n for i, (p, v) in enumerate(values) if i > last_row and v == "colwise" for n in names if matches(p, n)
+    )
 
 
 def gpt2_plan() -> TPPlan:
@@ -121,46 +125,61 @@ def gpt2_plan() -> TPPlan:
             if type(module).__name__ == "GPT2Attention":
                 module.split_size = module.embed_dim // degree  # its c_attn output is now this rank's q, k, v
 
-    return TPPlan(name="GPT-2", sequence_parallel=True, adjust=adjust, styles={
-        "transformer.wte": style("rowwise"),
-        "transformer.wpe": style("replicate"),
-        "transformer.drop": style("split_sequence"),
-        f"{block}.ln_1": style("sequence_parallel"),
-        f"{block}.attn": style("gather_sequence"),
-        f"{block}.attn.c_attn": style("fused_colwise(3)"),
-        f"{block}.attn.c_proj": style("rowwise(output=sequence)"),
-        f"{block}.ln_2": style("sequence_parallel"),
-        f"{block}.mlp": style("gather_sequence"),
-        f"{block}.mlp.c_fc": style("colwise"),
-        f"{block}.mlp.c_proj": style("rowwise(output=sequence)"),
-        "transformer.ln_f": style("sequence_parallel"),
-        "lm_head": head(),
-    }, divisible=lambda model: {"n_head": model.config.n_head, "n_inner": model.config.n_inner or
-                                4 * model.config.n_embd})
+    return TPPlan(
+        name="GPT-2",
+        sequence_parallel=True,
+        adjust=adjust,
+        styles={
+            "transformer.wte": style("rowwise"),
+            "transformer.wpe": style("replicate"),
+            "transformer.drop": style("split_sequence"),
+            f"{block}.ln_1": style("sequence_parallel"),
+            f"{block}.attn": style("gather_sequence"),
+            f"{block}.attn.c_attn": style("fused_colwise(3)"),
+            f"{block}.attn.c_proj": style("rowwise(output=sequence)"),
+            f"{block}.ln_2": style("sequence_parallel"),
+            f"{block}.mlp": style("gather_sequence"),
+            f"{block}.mlp.c_fc": style("colwise"),
+            f"{block}.mlp.c_proj": style("rowwise(output=sequence)"),
+            "transformer.ln_f": style("sequence_parallel"),
+            "lm_head": head(),
+        },
+        divisible=lambda model: {
+            "n_head": model.config.n_head,
+            "n_inner": model.config.n_inner or 4 * model.config.n_embd,
+        },
+    )
 
 
 def llama_plan() -> TPPlan:
     """transformers' ``LlamaForCausalLM`` (grouped-query attention: key/value heads split too)."""
     layer = "model.layers.*"
-    return TPPlan(name="Llama", sequence_parallel=True, styles={
-        "model.embed_tokens": style("rowwise"),
-        "model.layers.0": style("split_sequence"),
-        f"{layer}.input_layernorm": style("sequence_parallel"),
-        f"{layer}.self_attn": style("gather_sequence(hidden_states)"),
-        f"{layer}.self_attn.q_proj": style("colwise"),
-        f"{layer}.self_attn.k_proj": style("colwise"),
-        f"{layer}.self_attn.v_proj": style("colwise"),
-        f"{layer}.self_attn.o_proj": style("rowwise(output=sequence)"),
-        f"{layer}.post_attention_layernorm": style("sequence_parallel"),
-        f"{layer}.mlp": style("gather_sequence"),
-        f"{layer}.mlp.gate_proj": style("colwise"),
-        f"{layer}.mlp.up_proj": style("colwise"),
-        f"{layer}.mlp.down_proj": style("rowwise(output=sequence)"),
-        "model.norm": style("sequence_parallel"),
-        "lm_head": head(),
-    }, divisible=lambda model: {"num_attention_heads": model.config.num_attention_heads,
-                                "num_key_value_heads": model.config.num_key_value_heads,
-                                "intermediate_size": model.config.intermediate_size})
+    return TPPlan(
+        name="Llama",
+        sequence_parallel=True,
+        styles={
+            "model.embed_tokens": style("rowwise"),
+            "model.layers.0": style("split_sequence"),
+            f"{layer}.input_layernorm": style("sequence_parallel"),
+            f"{layer}.self_attn": style("gather_sequence(hidden_states)"),
+            f"{layer}.self_attn.q_proj": style("colwise"),
+            f"{layer}.self_attn.k_proj": style("colwise"),
+            f"{layer}.self_attn.v_proj": style("colwise"),
+            f"{layer}.self_attn.o_proj": style("rowwise(output=sequence)"),
+            f"{layer}.post_attention_layernorm": style("sequence_parallel"),
+            f"{layer}.mlp": style("gather_sequence"),
+            f"{layer}.mlp.gate_proj": style("colwise"),
+            f"{layer}.mlp.up_proj": style("colwise"),
+            f"{layer}.mlp.down_proj": style("rowwise(output=sequence)"),
+            "model.norm": style("sequence_parallel"),
+            "lm_head": head(),
+        },
+        divisible=lambda model: {
+            "num_attention_heads": model.config.num_attention_heads,
+            "num_key_value_heads": model.config.num_key_value_heads,
+            "intermediate_size": model.config.intermediate_size,
+        },
+    )
 
 
 _BUILT_IN: dict[str, Callable[[nn.Module], TPPlan]] = {
@@ -180,8 +199,10 @@ def plan_for(model: nn.Module, user: Mapping[str, str | ParallelStyle] | None) -
     infers one then: :func:`~paratrain.distributed.tensor_parallel.infer.choose_plan`)."""
     if user is not None:
         if not isinstance(user, Mapping) or not user:
-            raise ConfigError("tp_plan must be 'auto' or a non-empty dict of module-name patterns to styles, e.g. "
-                              "{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}")
+            raise ConfigError(
+                "tp_plan must be 'auto' or a non-empty dict of module-name patterns to styles, e.g. "
+                "{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}"
+            )
         return TPPlan(name="tp_plan", styles=dict(user), heads=heads_of(model, user))
     own = getattr(model, "paratrain_tp_plan", None)
     if callable(own):
@@ -189,7 +210,9 @@ def plan_for(model: nn.Module, user: Mapping[str, str | ParallelStyle] | None) -
     kind = type(model).__name__
     build = _BUILT_IN.get(kind)
     if build is None:
-        raise ConfigError(f"tensor parallelism has no plan for {kind} (built in: GPT-2, Llama, paratrain's GPT); "
-                          "infer one (tp_plan='auto') or give one: Parallel('tp', tp_plan={'layers.*.mlp.up': "
-                          "'colwise', 'layers.*.mlp.down': 'rowwise', ...})")
+        raise ConfigError(
+            f"tensor parallelism has no plan for {kind} (built in: GPT-2, Llama, paratrain's GPT); "
+            "infer one (tp_plan='auto') or give one: Parallel('tp', tp_plan={'layers.*.mlp.up': "
+            "'colwise', 'layers.*.mlp.down': 'rowwise', ...})"
+        )
     return build(model)

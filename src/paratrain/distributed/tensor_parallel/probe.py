@@ -8,6 +8,7 @@ masks, rotary angles), and that block is run as each tensor-parallel rank would 
 the rank's slices, its bookkeeping adjusted — with the all-reduce after each row-split layer emulated by summing
 the ranks' partial outputs. A split is kept only when every rank's output equals the unsplit block's.
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,9 +43,13 @@ class Split:
     """Modules left whole that see this rank's heads only (per-head norms): their gradients summed over the ranks."""
 
     def __add__(self, other: Split) -> Split:
-        return Split(columns={**self.columns, **other.columns}, rows=self.rows + other.rows,
-                     adjust=self.adjust + other.adjust, heads=self.heads + other.heads,
-                     summed=self.summed + other.summed)
+        return Split(
+            columns={**self.columns, **other.columns},
+            rows=self.rows + other.rows,
+            adjust=self.adjust + other.adjust,
+            heads=self.heads + other.heads,
+            summed=self.summed + other.summed,
+        )
 
 
 def dims(layer: nn.Module) -> tuple[int, int] | None:
@@ -115,9 +120,14 @@ def token_readers(model: nn.Module, embeddings: dict[str, nn.Embedding], stop_at
 
     def record(name: str) -> Callable[..., None]:
         def hook(_: nn.Module, args: tuple) -> None:
-            if args and isinstance(args[0], torch.Tensor) and args[0].shape[-1:] == ids.shape[-1:] and bool(
-                    (args[0].reshape(-1, _TOKENS) == ids).all()):
+            if (
+                args
+                and isinstance(args[0], torch.Tensor)
+                and args[0].shape[-1:] == ids.shape[-1:]
+                and bool((args[0].reshape(-1, _TOKENS) == ids).all())
+            ):
                 fed.add(name)
+
         return hook
 
     def stop(*_: Any) -> None:
@@ -178,10 +188,10 @@ def _first(out: Any) -> torch.Tensor:
     return leaves[0]
 
 
-def _run(local: nn.Module, rows: tuple[str, ...], totals: dict, partials: dict, order: list, args: tuple,
-         kwargs: dict) -> torch.Tensor:
-    handles = [local.get_submodule(n).register_forward_hook(partial(_reduce, n, totals, partials, order))
-               for n in rows]
+def _run(
+    local: nn.Module, rows: tuple[str, ...], totals: dict, partials: dict, order: list, args: tuple, kwargs: dict
+) -> torch.Tensor:
+    handles = [local.get_submodule(n).register_forward_hook(partial(_reduce, n, totals, partials, order)) for n in rows]
     try:
         return _first(local(*args, **kwargs))
     finally:
@@ -189,8 +199,9 @@ def _run(local: nn.Module, rows: tuple[str, ...], totals: dict, partials: dict, 
             h.remove()
 
 
-def _reduce(name: str, totals: dict, partials: dict, order: list, _: nn.Module, args: Any,
-            out: torch.Tensor) -> torch.Tensor:
+def _reduce(
+    name: str, totals: dict, partials: dict, order: list, _: nn.Module, args: Any, out: torch.Tensor
+) -> torch.Tensor:
     """A row-split layer's output: the emulated all-reduce once known, else this rank's partial sum."""
     if name in totals:
         return totals[name]

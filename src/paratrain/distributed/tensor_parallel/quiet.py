@@ -5,6 +5,7 @@ reduce or gather one mesh dimension after the other, and torch logs a warning on
 scalar norm once a step and a state dict once a run the cost is nothing, while the warning (one per rank and call)
 buried the training output; the user's own redistributions still warn.
 """
+
 from __future__ import annotations
 
 import logging

@@ -13,6 +13,7 @@ first block of every stage but the first slices it again, as the first stage's e
 micro-batch per boundary. Keeping sequence parallelism inside the stages costs less than dropping it under pipelines,
 which would need a second plan per model and keep every norm and dropout on the whole sequence on every rank.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -22,14 +23,19 @@ from ...model.stages import AddsNothing, PassThrough
 from .plans import TPPlan, matches, sequence_shards, whole_sequence
 
 
-def stage_styles(plan: TPPlan, stage: nn.Module, first_block: str | None,
-                 last_block: str | None) -> list[tuple[str, ParallelStyle]]:
+def stage_styles(
+    plan: TPPlan, stage: nn.Module, first_block: str | None, last_block: str | None
+) -> list[tuple[str, ParallelStyle]]:
     """(module name, style) for the modules ``stage`` runs, in plan order; under sequence parallelism the
     sequence is sliced before ``first_block`` and gathered after ``last_block`` (None: the stage holds the model's
     own beginning, or end, which the plan handles)."""
     runs = [n for n, m in stage.named_modules() if n and not isinstance(m, (PassThrough, AddsNothing))]
-    styles = [(n, plan.style(value, pattern, n)) for pattern, value in plan.styles.items() for n in runs
-              if matches(pattern, n)]
+    styles = [
+        (n, plan.style(value, pattern, n))
+        for pattern, value in plan.styles.items()
+        for n in runs
+        if matches(pattern, n)
+    ]
     if plan.sequence_parallel:
         if first_block is not None:
             styles.append((first_block, sequence_shards()))

@@ -19,6 +19,7 @@ three small extensions of them for layers PyTorch's styles do not take.
 * ``heads`` splits a module's own parameters indexed by attention head (GPT-OSS's attention sinks) with the heads
   its column-split projections give each rank (``Shard(0)``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -42,8 +43,17 @@ def is_conv1d(module: nn.Module) -> bool:
 
 def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Any], src: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
-        module.register_parameter(name, nn.Parameter(
-            distribute_tensor(param, mesh, [placements[name]], src_data_rank=src), requires_grad=param.requires_grad))
+        module.register_parameter(
+            name,
+            nn.Parameter(
+                distribute_tensor(param, mesh, [placements[name]], src_data_rank=src), requires_grad=param.requires_grad
+            ),
+        )
+
+
+def _conv1d_partition(_: str, module: nn.Module, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+    """A ``Conv1D``'s weight split on its output dimension (its columns), its bias alike."""
+    _shard_params(module, mesh, {"weight": Shard(1), "bias": Shard(0)}, src_data_rank)
 
 
 class Colwise(ColwiseParallel):
@@ -51,17 +61,20 @@ class Colwise(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if is_conv1d(module):
-            partition = lambda _, m, mesh: _shard_params(m, mesh, {"weight": Shard(1), "bias": Shard(0)},  # noqa: E731
-                                                         self.src_data_rank)
+            partition = partial(_conv1d_partition, src_data_rank=self.src_data_rank)
         elif isinstance(module, nn.Embedding):
             partition = self._partition_embedding_fn
         elif isinstance(module, nn.Linear):
             partition = self._partition_linear_fn
         else:
             raise ConfigError(f"colwise splits nn.Linear, nn.Embedding and Conv1D layers, not {type(module).__name__}")
-        return distribute_module(module, device_mesh, partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 self._output())
+        return distribute_module(
+            module,
+            device_mesh,
+            partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            self._output(),
+        )
 
     def _output(self) -> Callable[..., Any]:
         return partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
@@ -79,18 +92,24 @@ class Rowwise(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
             if not isinstance(module, (nn.Linear, nn.Embedding)):
-                raise ConfigError(f"rowwise splits nn.Linear, nn.Embedding and Conv1D layers, not "
-                                  f"{type(module).__name__}")
+                raise ConfigError(
+                    f"rowwise splits nn.Linear, nn.Embedding and Conv1D layers, not {type(module).__name__}"
+                )
             if isinstance(module, nn.Embedding) and not self._input_given:  # a copy: one style may serve many
-                return Rowwise(input_layouts=Replicate(), output_layouts=self.output_layouts[0],
-                               use_local_output=self.use_local_output)._apply(module, device_mesh)
+                return Rowwise(
+                    input_layouts=Replicate(),
+                    output_layouts=self.output_layouts[0],
+                    use_local_output=self.use_local_output,
+                )._apply(module, device_mesh)
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
-            module, device_mesh,
+            module,
+            device_mesh,
             lambda _, m, mesh: _shard_params(m, mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class VocabHead(Colwise):
@@ -102,8 +121,9 @@ class VocabHead(Colwise):
         super().__init__(output_layouts=Shard(-1), use_local_output=False)
 
     @staticmethod
-    def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
-                          device_mesh: DeviceMesh) -> Any:
+    def _prepare_input_fn(
+        input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any, device_mesh: DeviceMesh
+    ) -> Any:
         x = inputs[0]
         if not isinstance(x, DTensor):
             return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
@@ -160,20 +180,29 @@ class Replicated(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh)  # every parameter and buffer a Replicate DTensor; no hooks
         leaf = not any(True for _ in module.buffers()) and all(
-            not any(True for _ in m.parameters(recurse=False)) for m in module.modules() if m is not module)
+            not any(True for _ in m.parameters(recurse=False)) for m in module.modules() if m is not module
+        )
         if self.summed and not leaf:
-            raise ConfigError(f"replicate(grad=sum) takes a module holding parameters only itself and no buffers (a "
-                              f"norm), not {type(module).__name__}; name its parameter-holding children instead")
+            raise ConfigError(
+                f"replicate(grad=sum) takes a module holding parameters only itself and no buffers (a "
+                f"norm), not {type(module).__name__}; name its parameter-holding children instead"
+            )
         swapped: list[dict[str, DTensor] | None] = []  # one entry per call in flight (a module may nest in itself)
 
         def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if not leaf or torch.compiler.is_compiling() or _holds_dtensor(args, kwargs):
                 swapped.append(None)
-                return tuple(DTensor.from_local(a, device_mesh, [Replicate()], run_check=False)
-                             if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
-                             for a in args), kwargs
-            params = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)
-                      and all(pl.is_replicate() for pl in p.placements)}
+                return tuple(
+                    DTensor.from_local(a, device_mesh, [Replicate()], run_check=False)
+                    if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+                    else a
+                    for a in args
+                ), kwargs
+            params = {
+                n: p
+                for n, p in mod._parameters.items()
+                if isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)
+            }
             for name, param in params.items():
                 mod._parameters[name] = _summed_grad(param) if self.summed else param.to_local()
             swapped.append(params)
@@ -188,8 +217,11 @@ class Replicated(ParallelStyle):
                 out = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
             if not isinstance(out, DTensor):
                 return out
-            return out.to_local() if self.output_shard is None else out.redistribute(
-                placements=[Shard(self.output_shard)]).to_local()
+            return (
+                out.to_local()
+                if self.output_shard is None
+                else out.redistribute(placements=[Shard(self.output_shard)]).to_local()
+            )
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, always_call=True)

@@ -1,5 +1,6 @@
 """What every tracker is and what it receives: the run it belongs to, the metrics and step ``par.log`` checked, and
 the run's configuration as flat key/value pairs (the one shape TensorBoard, W&B and MLflow all take)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -59,8 +60,10 @@ def require(module: str, extra: str, what: str) -> None:
 def checked_step(step: object) -> int:
     """``par.log``'s step: an optimizer step count."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ConfigError(f"par.log: step must be an integer >= 0 (an optimizer step, as par.optimizer_steps counts "
-                          f"them), got {step!r}")
+        raise ConfigError(
+            f"par.log: step must be an integer >= 0 (an optimizer step, as par.optimizer_steps counts "
+            f"them), got {step!r}"
+        )
     return int(step)
 
 
@@ -74,8 +77,10 @@ def checked_metrics(metrics: object) -> Mapping[str, Any]:
             raise ConfigError(f"par.log: metric names are non-empty strings, got {name!r}")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ConfigError(f"par.log: {name!r} is a tensor of {value.numel()} elements; log one number "
-                                  "(loss.item(), or par.mean(loss) for the mean over replicas)")
+                raise ConfigError(
+                    f"par.log: {name!r} is a tensor of {value.numel()} elements; log one number "
+                    "(loss.item(), or par.mean(loss) for the mean over replicas)"
+                )
         elif not isinstance(value, numbers.Real):
             raise ConfigError(f"par.log: {name!r} is a {type(value).__name__}, not a number")
     return metrics

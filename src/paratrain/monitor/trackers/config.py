@@ -1,4 +1,5 @@
 """``Parallel(log_with=...)``: which trackers a job logs to, the run they share, and the configuration logged once."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -13,8 +14,9 @@ from .mlflow import MLflowConfig
 from .tensorboard import TensorBoardConfig
 from .wandb import WandbConfig
 
-TRACKERS: Mapping[str, Callable[[], TrackerSpec]] = MappingProxyType({
-    "tensorboard": TensorBoardConfig, "wandb": WandbConfig, "mlflow": MLflowConfig})
+TRACKERS: Mapping[str, Callable[[], TrackerSpec]] = MappingProxyType(
+    {"tensorboard": TensorBoardConfig, "wandb": WandbConfig, "mlflow": MLflowConfig}
+)
 """Trackers by name; a name stands for its configuration's defaults."""
 SPECS = (TensorBoardConfig, WandbConfig, MLflowConfig)
 
@@ -30,8 +32,10 @@ def tracker_spec(item: object) -> TrackerSpec:
         if item.lower() not in TRACKERS:
             raise ConfigError(f"unknown tracker {item!r}; choose from: {', '.join(TRACKERS)}")
         return TRACKERS[item.lower()]()
-    raise ConfigError(f"a tracker is a name ({', '.join(TRACKERS)}) or paratrain.TensorBoardConfig, WandbConfig or "
-                      f"MLflowConfig, got {type(item).__name__}")
+    raise ConfigError(
+        f"a tracker is a name ({', '.join(TRACKERS)}) or paratrain.TensorBoardConfig, WandbConfig or "
+        f"MLflowConfig, got {type(item).__name__}"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

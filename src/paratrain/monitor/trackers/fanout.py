@@ -1,5 +1,6 @@
 """``Trackers``: the trackers of one ``Parallel``, open on rank 0 only, each receiving the same metrics at the same
 steps: the script's (``par.log``) and the monitor's figures."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -21,8 +22,9 @@ class Trackers:
             strategy by then).
     """
 
-    def __init__(self, config: TrackerConfig | None, *, active: bool,
-                 describe: Callable[[], Mapping[str, Any]] = dict) -> None:
+    def __init__(
+        self, config: TrackerConfig | None, *, active: bool, describe: Callable[[], Mapping[str, Any]] = dict
+    ) -> None:
         self.config = config
         self._describe = describe
         self._described = False

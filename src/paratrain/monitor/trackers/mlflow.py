@@ -1,5 +1,6 @@
 """MLflow: one MLflow run per job in the experiment named after the project, through an ``MlflowClient`` of its own
 (MLflow's module-level active run is left alone: the script may use it for something else)."""
+
 from __future__ import annotations
 
 import os
@@ -62,14 +63,15 @@ class MLflowTracker:
 
         params = [Param(key, str(value)[:PARAM_VALUE_LIMIT]) for key, value in config.items()]
         for start in range(0, len(params), PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=params[start:start + PARAMS_PER_BATCH])
+            self.client.log_batch(self.run_id, params=params[start : start + PARAMS_PER_BATCH])
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in metrics.items()],
-                              synchronous=False)
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(key, value, now, step) for key, value in metrics.items()], synchronous=False
+        )
 
     def close(self, ok: bool) -> None:
         self.client.set_terminated(self.run_id, status="FINISHED" if ok else "FAILED")

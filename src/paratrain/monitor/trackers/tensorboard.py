@@ -4,6 +4,7 @@ The events are written with TensorBoard's record writer and protocol buffers alo
 ``SummaryWriter`` is not used: it reaches ``tensorboard.compat.tf``, which imports TensorFlow wherever TensorFlow
 is installed (seconds of start-up, and TensorFlow inside a torch process, which paratrain keeps apart).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,11 @@ class TensorBoardConfig:
         require("tensorboard", "tensorboard", "TensorBoard")
 
     def open(self, run: RunInfo) -> TensorBoardTracker:
-        folder = self.dir if self.dir is not None else (
-            run.dir / "tensorboard" / run.project / (run.run_name or time.strftime("%Y%m%d-%H%M%S")))
+        folder = (
+            self.dir
+            if self.dir is not None
+            else (run.dir / "tensorboard" / run.project / (run.run_name or time.strftime("%Y%m%d-%H%M%S")))
+        )
         return TensorBoardTracker(folder)
 
 
@@ -64,8 +68,11 @@ class TensorBoardTracker:
         from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
         text = f"```\n{json.dumps(config, indent=2)}\n```".encode()
-        tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[text],
-                             tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+        tensor = TensorProto(
+            dtype=types_pb2.DT_STRING,
+            string_val=[text],
+            tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]),
+        )
         plugin = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))
         value = Summary.Value(tag="config", metadata=plugin, tensor=tensor)
         self._write(Event(wall_time=time.time(), step=0, summary=Summary(value=[value])))

@@ -1,5 +1,6 @@
 """Weights & Biases: one W&B run per job, started on rank 0. ``mode="offline"`` (or ``WANDB_MODE=offline``) keeps it
 on this machine, for ``wandb sync`` later."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -40,8 +41,14 @@ class WandbConfig:
 
         folder = Path(self.dir if self.dir is not None else run.dir)
         folder.mkdir(parents=True, exist_ok=True)
-        kwargs: dict[str, Any] = {"project": run.project, "name": run.run_name, "dir": str(folder),
-                                  "entity": self.entity, "tags": list(self.tags) or None, **self.init}
+        kwargs: dict[str, Any] = {
+            "project": run.project,
+            "name": run.run_name,
+            "dir": str(folder),
+            "entity": self.entity,
+            "tags": list(self.tags) or None,
+            **self.init,
+        }
         if self.mode is not None:
             kwargs["mode"] = self.mode
         return WandbTracker(wandb.init(**kwargs))
