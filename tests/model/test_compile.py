@@ -14,10 +14,9 @@ from paratrain.testing import max_abs_diff
 from paratrain.workloads.gpt import GPT, GPTConfig
 
 
-def _train(strategy: str, **kwargs) -> dict[str, torch.Tensor]:
-    par = paratrain.Parallel(
-        strategy, monitor=False, model=paratrain.ModelConfig(activation_checkpointing=True), **kwargs
-    )
+def _train(strategy: str, compile: bool = False) -> dict[str, torch.Tensor]:
+    model_config = paratrain.ModelConfig(activation_checkpointing=True, compile=compile)
+    par = paratrain.Parallel(strategy, monitor=False, model=model_config)
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=2, hidden=16, heads=2, seq_len=8, vocab=32))
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -28,7 +27,7 @@ def _train(strategy: str, **kwargs) -> dict[str, torch.Tensor]:
             par.forward_backward(
                 model, ids[:, :-1], ids[:, 1:], lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
             )
-    if kwargs:
+    if compile:
         assert all(getattr(b, "_compiled_call_impl", None) is not None for b in par.unwrap(model).blocks)
     state = par.full_state_dict(model, rank0_only=False)
     par.close()

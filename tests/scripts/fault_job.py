@@ -34,7 +34,7 @@ def _model(par: paratrain.Parallel):
 def main(case: str, out: str) -> None:
     _pid(out)
     rank = int(os.environ["RANK"])
-    fast = {"timeout_s": 6.0, "wait_report_s": 2.0, "monitor": False}
+    fast = {"job": paratrain.JobConfig(timeout_s=6.0, wait_report_s=2.0), "monitor": False}
     if case == "sleep":
         par = paratrain.Parallel("ddp", monitor=False)
         open(os.path.join(out, f"ready-{rank}"), "w").close()
