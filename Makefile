@@ -27,8 +27,10 @@ install: $(TEST_STAMP)
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/paratrain demo
 
+# two workers, a test file each (a file's launched jobs and its module fixtures stay on one worker): the launched
+# tests spend half their time waiting (rendezvous, restarts, planted hangs), so two cores do 1.2x the work
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # the unit lane: no test here starts a process (tests/helpers/unit_lane.py fails one that does)
 test-fast: $(TEST_STAMP)
