@@ -91,7 +91,7 @@ def die_inside_push(rank: int, push: int, out: str) -> None:
 
     def header_then_die(self, server, h, payload=None):
         if h.kind == PUSH_DENSE and self.step_no == push:
-            self.links[server].isend(h.tensor(), REQUEST_TAG).wait()
+            self.peers[server].isend(h.tensor(), REQUEST_TAG).wait()
             time.sleep(0.2)
             die(f"SIGKILL rank {rank} inside push {push} (header sent, gradients not)", out, rank)
         return request(self, server, h, payload)
