@@ -151,6 +151,8 @@ def regroup(options: Mapping[str, Any]) -> dict[str, Any]:
             out[keyword] = config(**mine)
     if "global_batch" in moved or "micro_batch" in moved:
         batch = GlobalBatch.of(moved.get("global_batch"), moved.get("micro_batch"))
+        if batch is None:  # global_batch=None: no global batch, as before
+            return out
         if out["accumulate"] != 1:
             raise ConfigError(
                 f"accumulate={out['accumulate']!r} given with global_batch={batch.size}; give one of "
