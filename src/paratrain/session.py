@@ -16,7 +16,6 @@ from .call_watch import CallWatch
 from .devices import claim_device, job_backend
 from .distributed.process_group import finish_group, start_process_group
 from .env import ClusterEnv
-from .errors import ConfigError
 from .precision import Precision
 from .rank_agreement import check_ranks_agree
 
@@ -49,9 +48,7 @@ class Session:
         alone: bool = False,
         device_of: Callable[[torch.device], torch.device] | None = None,
     ) -> None:
-        if timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
-        self.env = env
+        self.env = env  # timeout_s was checked where it was given: JobConfig
         backend = job_backend(accelerator, host_tensors)
         self.device = torch.device("cpu") if on_host else claim_device(env.local_rank, accelerator, device_of)
         if not on_host:

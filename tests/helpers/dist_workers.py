@@ -351,8 +351,8 @@ def unused_parameter_error() -> str:
 
 
 def where_started(name: str) -> tuple[str | None, str, bool]:
-    """A variable of the caller's environment, the working directory and whether torch was imported before the rank's
-    own code ran (true under a fork server that preloaded it)."""
+    """A variable of the caller's environment, the working directory and whether a module the test suite preloads
+    (transformers' Llama) was imported before the rank's own code ran (true under the fork server)."""
     import os
     import sys
 
