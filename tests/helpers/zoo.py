@@ -253,5 +253,19 @@ MOE_ZOO: dict[str, ZooModel] = _moe_zoo()
 """Mixtures of experts (tests/helpers/moe_models.py): transformers Mixtral, Qwen3-MoE (a dense first block),
 Qwen2-MoE (a shared expert), GPT-OSS (expert biases, attention sinks), OLMoE, our GPT with experts; ``mixtral_aux``
 adds the router's load-balancing loss to ``labels=``'s loss."""
-SPECS: dict[str, ZooModel] = {**ZOO, **MOE_ZOO}
-"""Every model of the zoo by name, the dense and the mixtures of experts."""
+
+
+def _shapes() -> dict[str, ZooModel]:
+    from helpers import shapes
+
+    return {
+        n: ZooModel(n, getattr(shapes, n), _tokens, _lm_loss, _sgd)
+        for n in ("titan_llama", "titan_qwen3", "titan_dsv3")
+    }
+
+
+SHAPES: dict[str, ZooModel] = _shapes()
+"""Shapes found by what their modules do (tests/helpers/shapes.py): blocks in a ModuleDict, attention behind a
+wrapper with 2-D positions, experts not named ``experts`` called with tensor counts, latent attention."""
+SPECS: dict[str, ZooModel] = {**ZOO, **MOE_ZOO, **SHAPES}
+"""Every model of the zoo by name: the dense, the mixtures of experts and the shapes."""
