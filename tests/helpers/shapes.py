@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-VOCAB, HIDDEN = 64, 32
+VOCAB, HIDDEN = 65, 32  # the zoo's vocabulary
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,18 @@
 """A model's repeated blocks: the unit that sharding, checkpointing, compiling and pipeline stages work on.
 
 Everyone who shards transformers uses the same unit: one transformer block (PyTorch's FSDP notes, torchtitan,
-Accelerate's ``_no_split_modules``-based wrapping). The blocks are found, in this order:
+Accelerate's ``_no_split_modules``-based wrapping). Blocks are found by what they are, in whatever holds them: a
+``ModuleList`` or ``Sequential`` (transformers, nanoGPT), a ``ModuleDict`` keyed by index (torchtitan, whose keys
+survive a pipeline's cut), or plain attributes of one parent (``self.block0``, ``self.block1``). In this order:
 
 1. a transformers model says which classes must not be split (``_no_split_modules``, also on a PEFT model's
-   base model): the blocks are the modules of those classes that repeat inside one ``ModuleList`` or
-   ``Sequential``;
-2. otherwise, the container (``ModuleList``/``Sequential``) whose children with parameters are two or more
-   instances of one *composite* class (a module with children of its own: a block, not a bare ``nn.Linear``),
-   the one holding the most parameters if several qualify.
+   base model): the blocks are the modules of those classes that repeat inside one parent;
+2. otherwise, the parent whose children with parameters include two or more instances of one *composite* class (a
+   module with children of its own: a block, not a bare ``nn.Linear``). A container (``ModuleList``,
+   ``Sequential``, ``ModuleDict``) must hold nothing else with parameters; among plain attributes the repeated
+   class is taken alone. Containers come first; among several candidates, the one holding the most parameters.
 
+Blocks need not have one shape: DeepSeek-V3's first blocks are dense and the rest mixtures of experts, one class.
 A stack of plain layers (an MLP as ``nn.Sequential(Linear, ReLU, Linear)``) has no blocks; callers fall back to
 their size-based rules.
 """
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential)
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,8 @@ class Blocks:
     """Where a model's repeated blocks live."""
 
     container: str
-    """Qualified name of the ``ModuleList``/``Sequential`` that holds them (``""`` for the root itself)."""
+    """Qualified name of the module that holds them (a ``ModuleList``/``Sequential``/``ModuleDict``, or the parent
+    whose attributes they are; ``""`` for the root itself)."""
     names: tuple[str, ...]
     """Qualified names of the blocks, in order."""
     cls: type[nn.Module]
@@ -51,31 +55,40 @@ def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def _candidates(model: nn.Module, allowed: set[str] | None) -> list[Blocks]:
+def _composite(module: nn.Module) -> bool:
+    return next(module.children(), None) is not None
+
+
+def _candidates(model: nn.Module, allowed: set[str] | None, containers: bool) -> list[Blocks]:
+    """Blocks held by a container (``containers``) or as attributes of any other module."""
     found = []
-    for qual, container in model.named_modules():
-        if not isinstance(container, _CONTAINERS):
+    for qual, parent in model.named_modules():
+        if isinstance(parent, _CONTAINERS) != containers:
             continue
-        weighted = [(name, child) for name, child in container.named_children() if _has_params(child)]
-        classes = {type(child) for _, child in weighted}
-        if len(weighted) < 2 or len(classes) != 1:
+        weighted = [(name, child) for name, child in parent.named_children() if _has_params(child)]
+        by_class: dict[type[nn.Module], list[str]] = {}
+        for name, child in weighted:
+            by_class.setdefault(type(child), []).append(name)
+        if containers and len(by_class) != 1:
             continue
-        cls = classes.pop()
-        if allowed is not None and cls.__name__ not in allowed:
-            continue
-        if allowed is None and not any(True for _ in next(iter(weighted))[1].children()):
-            continue  # a stack of plain layers, not blocks
-        prefix = f"{qual}." if qual else ""
-        found.append(Blocks(container=qual, names=tuple(prefix + name for name, _ in weighted), cls=cls))
+        for cls, names in by_class.items():
+            if len(names) < 2 or (allowed is not None and cls.__name__ not in allowed):
+                continue
+            if allowed is None and not _composite(parent.get_submodule(names[0])):
+                continue  # a stack of plain layers, not blocks
+            prefix = f"{qual}." if qual else ""
+            found.append(Blocks(container=qual, names=tuple(prefix + name for name in names), cls=cls))
     return found
 
 
 def find_blocks(model: nn.Module) -> Blocks | None:
     """The model's repeated blocks (see the module docstring), or None when it has none."""
-    allowed = _no_split_classes(model)
-    found = _candidates(model, allowed) if allowed else []
-    if not found:
-        found = _candidates(model, None)
+    allowed = _no_split_classes(model) or None
+    found = []
+    for rule in ((allowed, True), (allowed, False)) if allowed else ():
+        found = found or _candidates(model, *rule)
+    for rule in ((None, True), (None, False)):
+        found = found or _candidates(model, *rule)
     if not found:
         return None
 
