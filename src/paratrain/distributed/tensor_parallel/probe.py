@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .styles import is_conv1d
@@ -41,6 +42,9 @@ class Split:
     """Modules whose own parameters are indexed by head along dimension 0 (attention sinks): split with the heads."""
     summed: tuple[str, ...] = ()
     """Modules left whole that see this rank's heads only (per-head norms): their gradients summed over the ranks."""
+    latent: tuple[str, ...] = ()
+    """Layers left whole whose output every rank's heads read (DeepSeek-V3's ``wkv_a``): the gradient of their output
+    summed over the ranks."""
 
     def __add__(self, other: Split) -> Split:
         return Split(
@@ -49,7 +53,12 @@ class Split:
             adjust=self.adjust + other.adjust,
             heads=self.heads + other.heads,
             summed=self.summed + other.summed,
+            latent=self.latent + other.latent,
         )
+
+    def layers(self) -> set[str]:
+        """Every layer the split names."""
+        return {*self.columns, *self.rows, *self.heads, *self.latent}
 
 
 def dims(layer: nn.Module) -> tuple[int, int] | None:
@@ -106,6 +115,42 @@ def block_call(model: nn.Module, block: nn.Module, vocab: int) -> tuple[tuple, d
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     return args, kwargs
+
+
+def attention_owners(block: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The modules of ``block`` (names relative to it) inside which an attention kernel runs when it is called with
+    ``args``, ``kwargs``: scaled-dot-product or flex attention, or a softmax over scores of four dimensions (eager
+    attention's ``[batch, heads, query, key]``; a router's softmax has two), innermost module first, outermost last,
+    for each call; empty when the block's forward fails."""
+    active: list[str] = []
+    calls: list[list[str]] = []
+
+    def enter(name: str) -> Callable[..., None]:
+        return lambda *_: active.append(name)
+
+    def leave(*_: Any) -> None:
+        active.pop()
+
+    class Kernels(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, a: tuple = (), kw: dict | None = None) -> Any:
+            name = getattr(func, "__name__", "")
+            four_d = bool(a) and isinstance(a[0], torch.Tensor) and a[0].dim() >= 4
+            if name in ("scaled_dot_product_attention", "flex_attention") or (name == "softmax" and four_d):
+                calls.append(active[::-1])
+            return func(*a, **(kw or {}))
+
+    modules = list(block.named_modules())
+    handles = [m.register_forward_pre_hook(enter(n)) for n, m in modules]
+    handles += [m.register_forward_hook(leave, always_call=True) for _, m in modules]
+    try:
+        with Kernels():
+            block(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - any model: a block that cannot run has no attention found this way
+        return []
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [name for call in calls for name in call]
 
 
 def token_readers(model: nn.Module, embeddings: dict[str, nn.Embedding], stop_at: nn.Module | None) -> set[str] | None:
