@@ -6,9 +6,12 @@ projection) column-split and its output projection row-split; the MLP's up (and 
 and its down projection row-split; the token embedding and the output head split over the vocabulary, a tie kept.
 Counts the attention module keeps for its reshapes (``n_head``, ``num_heads``, ``n_embd``, ``split_size`` ...) are
 divided by the degree on every rank; ``head_dim`` stays. Layers are found by their usual names and checked by
-their shapes, and every split of a block is tried on one process before it is kept (:mod:`.probe`): what does
-not compute what the unsplit block computes stays replicated, and the plan's summary says so. No sequence
-parallelism: the norms and the residual stream stay whole on every rank, which asks nothing of the model's code.
+their shapes; attention without such names is the module around an attention kernel's call (DeepSeek-V3's latent
+attention: its latent projection stays whole, the layers it feeds split with the heads). Each shape of block (a
+dense first block, then mixtures of experts, whose routed experts stay whole on every rank) is read on its own, and
+every split of a block is tried on one process before it is kept (:mod:`.probe`): what does not compute what the
+unsplit block computes stays replicated, and the plan's warning says so on every rank. No sequence parallelism:
+the norms and the residual stream stay whole on every rank, which asks nothing of the model's code.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -
     whole: list[str] = []
     sizes: dict[str, int] = {}
     vocab, head = _vocabulary(model, blocks, ties, styles, said, whole)
+    around = len(whole)
     adjust: list[tuple[str, str]] = []
     if blocks is None:
         whole.append("no repeated blocks found")
@@ -103,12 +107,20 @@ def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -
         *(f"  {line}" for line in said),
         *(f"  replicated: {w}" for w in [*whole, "everything else"]),
     )
+    left = whole[around:]
+    warning = (
+        f"tp_plan='auto' for {kind} over tp={degree} leaves whole on every rank (no memory saved, no "
+        f"compute split there): {'; '.join(left)}; give tp_plan= to split them"
+        if left
+        else None
+    )
     return TPPlan(
         name=f"tp_plan='auto' for {kind}",
         styles=styles,
         summary=summary,
         divisible=lambda m: dict(sizes),
         adjust=lambda m, d: _adjust(m, adjust, d),
+        warning=warning,
     )
 
 
