@@ -16,7 +16,7 @@ built from a name remembers it, so a printed plan is valid ``tp_plan=`` input as
 | ``replicate`` / ``replicate(output_shard=D)`` | whole on every rank (keeping its slice of the output along D) |
 | ``replicate(grad=sum)`` | whole on every rank, seeing this rank's heads only (a per-head norm): its gradient summed over the ranks |
 | ``replicate(output_grad=sum)`` | whole on every rank, its output read by this rank's heads only (a latent projection): the output's gradient summed over the ranks |
-| ``heads`` | its own parameters indexed by head (attention sinks) split with the heads |
+| ``heads`` | its own parameters indexed by head (attention sinks; a layer fed by a latent) split with the heads |
 | ``whole_sequence`` | run whole on every rank over the gathered sequence, its output cut back to this rank's slice (a mixture of experts) |
 
 A ``ParallelStyle`` object of torch's own may stand in any plan as well; it prints as its class name.
