@@ -22,7 +22,7 @@ import torch
 from helpers.shapes import titan_dsv3, titan_llama, titan_qwen3
 from helpers.tp_auto_workers import MODELS, NanoGPT, nano, run_auto, train
 from helpers.tp_workers import STEPS
-from helpers.zoo import HIDDEN, ZOO
+from helpers.zoo import HIDDEN, MOE_ZOO, ZOO
 from helpers.zoo_workers import TOL
 from torch import nn
 
@@ -279,3 +279,12 @@ def test_a_plan_leaving_block_parts_whole_warns_on_every_rank_and_tp_plan_prints
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a plan splitting all of every block warns nothing
         TensorParallel._say(choose_plan(nano(), "auto", 2))
+
+
+def test_a_mixture_with_no_dense_mlp_keeps_its_experts_whole_without_a_warning():
+    """Mixtral's blocks have routed experts and no shared expert: whole by design, said in the summary, not warned."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = choose_plan(MOE_ZOO["mixtral"].build(), "auto", 2)
+    assert plan.warning is None and "  model.layers.*.mlp.experts: whole on every rank (routed experts)" in plan.summary
+    assert not any("MLP" in line for line in plan.summary), plan.summary

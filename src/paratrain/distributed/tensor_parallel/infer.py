@@ -55,6 +55,7 @@ OUTPUT = {
 }
 HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nheads")
 KV_HEADS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
+_NO_MLP = "no up and down projections recognised"
 _TRIED = 8
 """At most this many splits of an attention found by what it does are tried."""
 WIDTHS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim", "d_model", "dim")
@@ -286,7 +287,8 @@ def _split_block(
     sizes: dict[str, int],
 ) -> Found:
     """Attention's and the MLP's splits in the block ``name`` that the probe confirms (``where`` names the blocks of
-    its shape in messages); the routed experts of a mixture stay whole on every rank."""
+    its shape in messages); the routed experts of a mixture stay whole on every rank, and a mixture with no dense
+    MLP beside them (no shared expert) is no MLP left whole."""
     block = model.get_submodule(name)
     layers = _layers(block)
     kept = sorted(n for n, m in block.named_modules() if is_lora(m) and plain_lora_base(m) is None)
@@ -304,6 +306,8 @@ def _split_block(
     for what, variants in (("attention", attention), ("MLP", mlp)):
         if not isinstance(variants, str):
             variants = [with_adapters(block, v) for v in variants]
+        if variants == _NO_MLP and _experts(block):
+            continue  # a mixture's routed experts, whole by design (said with the plan)
         if isinstance(variants, str):
             whole.append(f"{where} {what} ({variants})")
         elif isinstance(call, str):
@@ -557,7 +561,7 @@ def _mlp(layers: dict[str, nn.Module], hidden: int | None, degree: int) -> list[
         if fused:
             return [Split(columns={fused[0]: 2}, rows=(down,)), Split(columns={fused[0]: 1}, rows=(down,))]
         return [Split(columns=dict.fromkeys(ups, 1), rows=(down,))]
-    return "no up and down projections recognised"
+    return _NO_MLP
 
 
 def _adjust(model: nn.Module, adjust: list[tuple[str, str]], degree: int) -> None:
