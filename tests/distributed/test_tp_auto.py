@@ -15,6 +15,7 @@ and what it refuses — is checked in this process, without a process group (the
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -30,6 +31,7 @@ import paratrain
 from paratrain.cli.main import main
 from paratrain.distributed.tensor_parallel.compose import TensorParallel
 from paratrain.distributed.tensor_parallel.infer import choose_plan
+from paratrain.distributed.tensor_parallel.probe import Split, _gradients, block_call, evaluating, verify
 from paratrain.distributed.tensor_parallel.styles import Colwise, FusedColwise, PerHead, Replicated, Rowwise
 from paratrain.testing import max_abs_diff, spawn
 
@@ -288,3 +290,25 @@ def test_a_mixture_with_no_dense_mlp_keeps_its_experts_whole_without_a_warning()
         plan = choose_plan(MOE_ZOO["mixtral"].build(), "auto", 2)
     assert plan.warning is None and "  model.layers.*.mlp.experts: whole on every rank (routed experts)" in plan.summary
     assert not any("MLP" in line for line in plan.summary), plan.summary
+
+
+def test_the_probe_runs_a_latent_split_backward_and_refuses_wrong_gradients():
+    """A latent every rank's heads read: splits whose output is right can still give wrong gradients (a norm between
+    latent and heads not summed; the latent's output not summed, its gradient then this rank's heads' only)."""
+    model = titan_dsv3()
+    block = model.layers["1"]
+    call = block_call(model, block, 65)
+    right = Split(
+        columns={"attention.wq": 1},
+        rows=("attention.wo",),
+        heads=("attention.wkv_b",),
+        summed=("attention.kv_norm",),
+        latent=("attention.wkv_a",),
+    )
+    plain = Split(columns={"attention.wq": 1, "attention.wkv_b": 1}, rows=("attention.wo",))
+    with evaluating(model):
+        assert verify(block, right, 2, *call) is None
+        unsummed = verify(block, dataclasses.replace(right, summed=()), 2, *call)
+        assert unsummed == "split, the gradient of attention.kv_norm.weight differs from one process's", unsummed
+        assert verify(block, plain, 2, *call) is None, "its output is right"
+        assert _gradients(block, plain, 2, *call) == "split, the gradient of its input differs from one process's"
