@@ -8,7 +8,8 @@ GPT-2 with PEFT LoRA adapters on every block layer (each adapter split with its 
 trains zero3 x tp=2 (two replicas of two tp ranks) on the nanoGPT-style GPT, GPT-2, Mistral, Qwen2, BERT and LoRA
 over GPT-2 and Qwen2, and ``tp`` over all four ranks on the nanoGPT-style GPT with 4 heads and a Qwen2 with 8 query
 and 4 key/value heads. Both jobs also train tests/helpers/shapes.py's torchtitan-shaped Llama 3, Qwen3 (tied) and
-DeepSeek-V3 (latent attention, mixtures of experts) with no plan given. Each equal to one plain process (fp32 and SGD:
+DeepSeek-V3 (latent attention, mixtures of experts) with no plan given; the first job also DeepSeek-V3 with its
+queries from a latent too. Each equal to one plain process (fp32 and SGD:
 ``TOL``, as tests/distributed/test_tensor_parallel.py). The inference itself — what it splits, adjusts and leaves whole,
 and what it refuses — is checked in this process, without a process group (the probe runs on one process).
 """
@@ -21,7 +22,7 @@ import warnings
 import pytest
 import torch
 from helpers.shapes import titan_dsv3, titan_llama, titan_qwen3
-from helpers.tp_auto_workers import MODELS, NanoGPT, nano, run_auto, train
+from helpers.tp_auto_workers import MODELS, NanoGPT, nano, run_auto, titan_dsv3_query_latent, train
 from helpers.tp_workers import STEPS
 from helpers.zoo import HIDDEN, MOE_ZOO, ZOO
 from helpers.zoo_workers import TOL
@@ -46,6 +47,7 @@ CASES = [
     ("titan_llama", None),
     ("titan_qwen3", None),
     ("titan_dsv3", None),
+    ("titan_dsv3_query_latent", None),
 ]
 ZERO3_TP = [
     ("nano", "auto"),
@@ -234,6 +236,16 @@ def test_latent_attention_is_found_by_its_kernel_call_and_split_around_its_laten
     assert not any("routed" in k or "gate" in k for k in styles), styles
     assert "  layers.{1,2}.moe.routed: whole on every rank (routed experts)" in plan.summary
     assert plan.warning is None and plan.per_module(titan_dsv3())
+    printed = choose_plan(titan_dsv3_query_latent(), None, 2).printed()  # queries from a latent too: no colwise
+    assert {k.rpartition(".")[2]: v for k, v in printed.items() if ".attention." in k} == {
+        "wo": "rowwise",
+        "wkv_b": "heads",
+        "wq_b": "heads",
+        "kv_norm": "replicate(grad=sum)",
+        "q_norm": "replicate(grad=sum)",
+        "wkv_a": "replicate(output_grad=sum)",
+        "wq_a": "replicate(output_grad=sum)",
+    }
 
 
 def test_torchtitan_shaped_llama_and_qwen3_split_every_block_layer():

@@ -27,6 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 import paratrain
+from helpers.shapes import HIDDEN as SHAPE_HIDDEN
+from helpers.shapes import LatentAttention, RMSNorm, ShapeConfig, titan_dsv3
 from helpers.tp_workers import STEPS, step_batch
 from helpers.zoo import HIDDEN, SEQ, SHAPES, VOCAB, ZOO, ZooModel, _lm_loss, _sgd, _tokens
 from paratrain.distributed.process_group import finish_group
@@ -123,6 +125,31 @@ def _gqa(kind: str, heads: int = 4, kv_heads: int = 2) -> nn.Module:
     return getattr(transformers, model)(cfg)
 
 
+class QueryLatentAttention(LatentAttention):
+    """DeepSeek-V3's latent attention with its queries from a latent too (``q_lora_rank`` > 0): ``wq_a``, a norm,
+    ``wq_b``; the key/value latent as before."""
+
+    def __init__(self, cfg: ShapeConfig) -> None:
+        super().__init__(cfg)
+        del self.wq
+        self.wq_a = nn.Linear(SHAPE_HIDDEN, self.RANK, bias=False)
+        self.q_norm = RMSNorm(self.RANK)
+        self.wq_b = nn.Linear(self.RANK, cfg.heads * (self.NOPE + self.ROPE), bias=False)
+
+    def wq(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wq_b(self.q_norm(self.wq_a(x)))
+
+
+def titan_dsv3_query_latent() -> nn.Module:
+    """tests/helpers/shapes.py's DeepSeek-V3 with :class:`QueryLatentAttention` in every block."""
+    model = titan_dsv3()
+    torch.manual_seed(1)
+    cfg = ShapeConfig(layers=3, latent=True, experts=4)
+    for block in model.layers.values():
+        block.attention = QueryLatentAttention(cfg)
+    return model
+
+
 def with_lora(base: nn.Module, targets: list[str], conv1d: bool = False) -> nn.Module:
     """``base`` with LoRA adapters (rank 4) on ``targets``, their ``B`` non-zero."""
     import warnings
@@ -155,6 +182,7 @@ MODELS: dict[str, ZooModel] = {
     "nano_input_heads": _spec("nano_input_heads", nano_input_heads),
     **{name: dataclasses.replace(ZOO[name], optimizer=_PER_PARAMETER) for name in ("gpt2", "llama", "bert")},
     **{name: dataclasses.replace(spec, optimizer=_PER_PARAMETER) for name, spec in SHAPES.items()},
+    "titan_dsv3_query_latent": _spec("titan_dsv3_query_latent", titan_dsv3_query_latent),
     "mistral": _spec("mistral", lambda: _gqa("mistral")),
     "qwen": _spec("qwen", lambda: _gqa("qwen")),
     "nano4": _spec("nano4", lambda: (torch.manual_seed(0), NanoGPT(n_head=4))[1]),  # tp=4 splits whole heads

@@ -300,7 +300,7 @@ def _split_block(
     call = block_call(model, block, vocab)
     attention = _attention(block, layers, degree, where, sizes, call)
     taken = set() if isinstance(attention, str) else {n for s in attention for n in s.layers()}
-    hidden = None if isinstance(attention, str) else dims(layers[next(iter(attention[0].columns))])[0]  # type: ignore
+    hidden = None if isinstance(attention, str) else dims(layers[attention[0].rows[0]])[1]  # type: ignore[index]
     mlp = _mlp({n: m for n, m in layers.items() if n not in taken}, hidden, degree)
     chosen: list[tuple[str, Split]] = []
     for what, variants in (("attention", attention), ("MLP", mlp)):
@@ -457,7 +457,7 @@ def _latent_attention(
     widths = tuple(dims(layers[n])[1] for n in rest) + (dims(layers[out])[0],)  # type: ignore[index]
     adjust = _heads(module, owner, degree, where, sizes, widths)
     splits = []
-    for kept in (c for k in range(len(reads)) for c in combinations(reads, k)):
+    for kept in (c for k in range(len(reads) + 1) for c in combinations(reads, k)):
         split = [n for n in rest if n not in kept]
         fed = tuple(n for n in split if n not in reads)
         if (fed and not kept) or any(dims(layers[n])[1] % degree for n in split):  # type: ignore[index]
