@@ -6,7 +6,9 @@
 input's width, which no split of the attention can keep right), ``False`` reshapes by ``n_embd`` instead. Mistral
 (sliding window) and Qwen2 (query/key/value biases, tied head) have grouped-query attention; the LoRA models put PEFT
 adapters on every linear layer of GPT-2's blocks (``Conv1D``, fused ``c_attn``) and of Qwen2's (separate q/k/v,
-SwiGLU), their ``B`` made non-zero so the adapters matter from the first step.
+SwiGLU), their ``B`` made non-zero so the adapters matter from the first step. The ``titan_*`` models are
+tests/helpers/shapes.py's (blocks in a ModuleDict, attention behind a wrapper; Qwen3's query/key norms and tied head;
+DeepSeek-V3's latent attention, a dense first block, then mixtures of experts).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import warnings
 from typing import Any
 
 import torch
@@ -24,8 +27,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 import paratrain
+from helpers.shapes import HIDDEN as SHAPE_HIDDEN
+from helpers.shapes import LatentAttention, RMSNorm, ShapeConfig, titan_dsv3
 from helpers.tp_workers import STEPS, step_batch
-from helpers.zoo import HIDDEN, SEQ, VOCAB, ZOO, ZooModel, _lm_loss, _sgd, _tokens
+from helpers.zoo import HIDDEN, SEQ, SHAPES, VOCAB, ZOO, ZooModel, _lm_loss, _sgd, _tokens
 from paratrain.distributed.process_group import finish_group
 
 
@@ -91,6 +96,11 @@ def nano(heads_from_input: bool = False) -> NanoGPT:
     return NanoGPT(heads_from_input=heads_from_input)
 
 
+def nano_input_heads() -> NanoGPT:
+    """nanoGPT's own reshape (``paratrain tp-plan --model helpers.tp_auto_workers:nano_input_heads``)."""
+    return nano(heads_from_input=True)
+
+
 def _gqa(kind: str, heads: int = 4, kv_heads: int = 2) -> nn.Module:
     """A Mistral- or Qwen2-shaped causal LM: ``heads`` query heads sharing ``kv_heads`` key/value heads."""
     import transformers
@@ -113,6 +123,31 @@ def _gqa(kind: str, heads: int = 4, kv_heads: int = 2) -> nn.Module:
         **extra,
     )
     return getattr(transformers, model)(cfg)
+
+
+class QueryLatentAttention(LatentAttention):
+    """DeepSeek-V3's latent attention with its queries from a latent too (``q_lora_rank`` > 0): ``wq_a``, a norm,
+    ``wq_b``; the key/value latent as before."""
+
+    def __init__(self, cfg: ShapeConfig) -> None:
+        super().__init__(cfg)
+        del self.wq
+        self.wq_a = nn.Linear(SHAPE_HIDDEN, self.RANK, bias=False)
+        self.q_norm = RMSNorm(self.RANK)
+        self.wq_b = nn.Linear(self.RANK, cfg.heads * (self.NOPE + self.ROPE), bias=False)
+
+    def wq(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wq_b(self.q_norm(self.wq_a(x)))
+
+
+def titan_dsv3_query_latent() -> nn.Module:
+    """tests/helpers/shapes.py's DeepSeek-V3 with :class:`QueryLatentAttention` in every block."""
+    model = titan_dsv3()
+    torch.manual_seed(1)
+    cfg = ShapeConfig(layers=3, latent=True, experts=4)
+    for block in model.layers.values():
+        block.attention = QueryLatentAttention(cfg)
+    return model
 
 
 def with_lora(base: nn.Module, targets: list[str], conv1d: bool = False) -> nn.Module:
@@ -144,8 +179,10 @@ def _spec(name: str, build: Any) -> ZooModel:
 
 MODELS: dict[str, ZooModel] = {
     "nano": _spec("nano", nano),
-    "nano_input_heads": _spec("nano_input_heads", lambda: nano(True)),
+    "nano_input_heads": _spec("nano_input_heads", nano_input_heads),
     **{name: dataclasses.replace(ZOO[name], optimizer=_PER_PARAMETER) for name in ("gpt2", "llama", "bert")},
+    **{name: dataclasses.replace(spec, optimizer=_PER_PARAMETER) for name, spec in SHAPES.items()},
+    "titan_dsv3_query_latent": _spec("titan_dsv3_query_latent", titan_dsv3_query_latent),
     "mistral": _spec("mistral", lambda: _gqa("mistral")),
     "qwen": _spec("qwen", lambda: _gqa("qwen")),
     "nano4": _spec("nano4", lambda: (torch.manual_seed(0), NanoGPT(n_head=4))[1]),  # tp=4 splits whole heads
@@ -210,8 +247,8 @@ def _holds_dtensors(opt: torch.optim.Optimizer) -> bool:
 
 def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = None) -> dict[str, Any]:
     """Each case (model, ``tp_plan``) under ``Parallel(strategy, **options)``, or (model, ``tp_plan``, (strategy,
-    options)) under its own layout, keyed ``model/strategy`` then: the final full state and what this rank printed
-    while preparing; a paratrain error as its one line."""
+    options)) under its own layout, keyed ``model/strategy`` then: the final full state, what this rank printed
+    and the paratrain warnings it raised while preparing; a paratrain error as its one line."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out: dict[str, Any] = {}
@@ -223,13 +260,15 @@ def run_auto(cases: list[tuple], strategy: str = "tp", options: dict | None = No
         try:
             par = paratrain.Parallel(how, monitor=False, **kwargs, **({} if plan is None else {"tp_plan": plan}))
             model = spec.build()
-            with contextlib.redirect_stdout(printed):
+            with contextlib.redirect_stdout(printed), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 model, opt = par.prepare(model, spec.optimizer(model))
             norms, local_steps = _watch_norms(model), _watch_optimizer(opt)
             train(spec, model, opt, par)
             out[key] = {
                 "state": par.full_state_dict(model, rank0_only=False),
                 "printed": printed.getvalue(),
+                "warned": [str(w.message) for w in caught if "tp_plan='auto'" in str(w.message)],
                 "norms": {
                     "local": all(norms["local"]) and bool(norms["local"]),
                     "dtensors": all(

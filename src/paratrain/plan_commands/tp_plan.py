@@ -3,12 +3,14 @@
 The same choice as at run time (:func:`paratrain.distributed.tensor_parallel.infer.choose_plan`): the model's own or
 built-in plan, else one inferred from its blocks (``tp_plan="auto"``, each split checked on this process first).
 It is printed as Python, ready to paste and edit as ``Parallel(..., tp_plan=tp_plan)``; an inferred plan's
-summary (why each split, what stays whole) in comments above it.
+summary (why each split, what stays whole) and its warning (what it leaves whole of the blocks, as ``prepare``
+warns it) in comments above it. No ``--input`` is needed: the plan reads none (the probe runs the model on token ids
+of its own).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
 from ..flags import flag
@@ -36,9 +38,15 @@ class TpPlanConfig:
             )
 
 
+_NO_INPUT = "long:8"
+"""The sample a ``module:factory`` model is resolved with where ``--input`` is not given: the plan never reads it."""
+
+
 def run_tp_plan(config: TpPlanConfig) -> int:
     """Print the plan ``config`` asks for; the exit code."""
-    print("\n".join(tp_plan_lines(resolve_model(config.model_spec), config.tp, infer=config.auto)))
+    spec = config.model_spec
+    model = resolve_model(spec if spec.input_spec else replace(spec, input_spec=_NO_INPUT))
+    print("\n".join(tp_plan_lines(model, config.tp, infer=config.auto)))
     return 0
 
 
@@ -58,6 +66,7 @@ def tp_plan_lines(model: object, degree: int, infer: bool) -> list[str]:
         if plan.summary
         else f"# tp plan {plan.name!r} over tp={degree}" + (" (sequence parallel)" if plan.sequence_parallel else "")
     )
+    warned = [f"# warning: {plan.warning}"] if plan.warning else []
     notes = [f"#   {line.strip()}" for line in plan.summary[1:]]
     entries = [f"    {pattern!r}: {spec!r}," for pattern, spec in plan.printed().items()]
-    return [head, *notes, "tp_plan = {", *entries, "}"]
+    return [head, *warned, *notes, "tp_plan = {", *entries, "}"]

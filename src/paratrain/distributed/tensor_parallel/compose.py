@@ -10,6 +10,7 @@ replication on the parameters TP made). The ranks of one tp group read the same 
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -101,13 +102,15 @@ class TensorParallel(WholeLayers):
     def _say(plan: TPPlan) -> TPPlan:
         """An inferred plan (``tp_plan="auto"``): checked to be the same on every rank (each inferred it from its
         own copy of the model, with a probe whose numbers could differ on another device), its summary printed
-        on global rank 0, so the user sees what was split."""
+        on global rank 0, so the user sees what was split; what it leaves whole of the blocks warned on every rank."""
         if not plan.summary:
             return plan
         if dist.is_initialized():
             check_ranks_agree({"tp_plan='auto' splits": ", ".join(plan.styles)}, dist.get_rank(), dist.get_world_size())
         if not dist.is_initialized() or dist.get_rank() == 0:
             print("\n".join(plan.summary), flush=True)
+        if plan.warning is not None:
+            warnings.warn(plan.warning, stacklevel=2)
         return plan
 
     def apply_stage(

@@ -6,17 +6,23 @@ projection) column-split and its output projection row-split; the MLP's up (and 
 and its down projection row-split; the token embedding and the output head split over the vocabulary, a tie kept.
 Counts the attention module keeps for its reshapes (``n_head``, ``num_heads``, ``n_embd``, ``split_size`` ...) are
 divided by the degree on every rank; ``head_dim`` stays. Layers are found by their usual names and checked by
-their shapes, and every split of a block is tried on one process before it is kept (:mod:`.probe`): what does
-not compute what the unsplit block computes stays replicated, and the plan's summary says so. No sequence
-parallelism: the norms and the residual stream stay whole on every rank, which asks nothing of the model's code.
+their shapes; attention without such names is the module around an attention kernel's call (DeepSeek-V3's latent
+attention: its latent projection stays whole, the layers it feeds split with the heads). Each shape of block (a
+dense first block, then mixtures of experts, whose routed experts stay whole on every rank) is read on its own, and
+every split of a block is tried on one process before it is kept (:mod:`.probe`): what does not compute what the
+unsplit block computes stays replicated, and the plan's warning says so on every rank. No sequence parallelism:
+the norms and the residual stream stay whole on every rank, which asks nothing of the model's code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from itertools import combinations
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils._pytree import tree_flatten
 
 from ...errors import ConfigError
 from ...model.facts import ModelFacts
@@ -26,7 +32,7 @@ from . import names
 from .adapters import inside_lora, is_lora, plain_lora_base, with_adapters
 from .names import style
 from .plans import TPPlan, has_plan, matches, plan_for
-from .probe import Split, block_call, dims, evaluating, token_readers, verify
+from .probe import Split, attention_owners, block_call, dims, evaluating, token_readers, verify
 
 QUERY = {"q_proj", "q", "query", "wq", "to_q", "q_lin", "query_proj"}
 KEY = {"k_proj", "k", "key", "wk", "to_k", "k_lin", "key_proj"}
@@ -49,6 +55,9 @@ OUTPUT = {
 }
 HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nheads")
 KV_HEADS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
+_NO_MLP = "no up and down projections recognised"
+_TRIED = 8
+"""At most this many splits of an attention found by what it does are tried."""
 WIDTHS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim", "d_model", "dim")
 
 
@@ -80,6 +89,7 @@ def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -
     whole: list[str] = []
     sizes: dict[str, int] = {}
     vocab, head = _vocabulary(model, blocks, ties, styles, said, whole)
+    around = len(whole)
     adjust: list[tuple[str, str]] = []
     if blocks is None:
         whole.append("no repeated blocks found")
@@ -98,12 +108,20 @@ def infer_plan(model: nn.Module, degree: int, facts: ModelFacts | None = None) -
         *(f"  {line}" for line in said),
         *(f"  replicated: {w}" for w in [*whole, "everything else"]),
     )
+    left = whole[around:]
+    warning = (
+        f"tp_plan='auto' for {kind} over tp={degree} leaves whole on every rank (no memory saved, no "
+        f"compute split there): {'; '.join(left)}; give tp_plan= to split them"
+        if left
+        else None
+    )
     return TPPlan(
         name=f"tp_plan='auto' for {kind}",
         styles=styles,
         summary=summary,
         divisible=lambda m: dict(sizes),
         adjust=lambda m, d: _adjust(m, adjust, d),
+        warning=warning,
     )
 
 
@@ -184,59 +202,147 @@ def _split_blocks(
     whole: list[str],
     sizes: dict[str, int],
 ) -> list[tuple[str, str]]:
-    """Find attention and the MLP in the first block, keep each split the probe confirms, and give the patterns
-    for every block; returns the (module pattern, attribute) pairs to divide by the degree."""
-    block = model.get_submodule(blocks.names[0])
+    """Find attention and the MLP in the first block of each shape (DeepSeek-V3's dense first block, then mixtures
+    of experts), keep each split the probe confirms, and give the patterns for every block; returns the (module
+    pattern, attribute) pairs to divide by the degree."""
     pattern = f"{blocks.container}.*" if blocks.container else "*"
+    shapes = _shapes(model, blocks)
+    found = []
+    experts = []
+    for group in shapes:
+        where = pattern if len(shapes) == 1 else _label(blocks, group)
+        found.append((group, _split_block(model, group[0], degree, vocab, where, whole, sizes)))
+        routed = _experts(model.get_submodule(group[0]))
+        experts.extend(f"{where}.{n}: whole on every rank (routed experts)" for n in routed)
+    adjust: list[tuple[str, str]] = []
+    for group, (entries, owners) in found:
+        for entry in entries:
+            name, spec, why = entry
+            for key in _keys(model, pattern, found, group, name, lambda f, e=entry: e in f[0]):
+                if key not in styles:
+                    styles[key] = style(spec)
+                    said.append(f"{key} -> {spec} ({why})")
+        for owner, attr in owners:
+            for key in _keys(model, pattern, found, group, owner, lambda f, o=(owner, attr): o in f[1]):
+                if (key, attr) not in adjust:
+                    adjust.append((key, attr))
+    said.extend(experts)
+    if adjust:
+        said.append(f"per rank, divided by {degree}: {', '.join(f'{o}.{a}' for o, a in adjust)}")
+    return adjust
+
+
+Found = tuple[list[tuple[str, str, str]], list[tuple[str, str]]]
+"""What one shape of block splits: (layer name in the block, style, why) and (module, attribute) to divide."""
+
+
+def _shapes(model: nn.Module, blocks: Blocks) -> list[tuple[str, ...]]:
+    """The blocks grouped by shape (their parameters' names and sizes), in model order."""
+    groups: dict[tuple, list[str]] = {}
+    for name in blocks.names:
+        shape = tuple((n, tuple(p.shape)) for n, p in model.get_submodule(name).named_parameters())
+        groups.setdefault(shape, []).append(name)
+    return [tuple(names) for names in groups.values()]
+
+
+def _label(blocks: Blocks, names: tuple[str, ...]) -> str:
+    """``layers.{1,2}``: some of the blocks, as messages name them."""
+    if len(names) == 1:
+        return names[0]
+    prefix = f"{blocks.container}." if blocks.container else ""
+    return f"{prefix}{{{','.join(n.removeprefix(prefix) for n in names)}}}"
+
+
+def _keys(
+    model: nn.Module,
+    pattern: str,
+    found: list[tuple[tuple[str, ...], Found]],
+    names: tuple[str, ...],
+    name: str,
+    chosen: Callable[[Found], bool],
+) -> list[str]:
+    """The plan's keys for ``name`` in the blocks ``names``: one pattern for every block where each block holding
+    such a module splits it alike, else one key per block."""
+    holding = [f for blocks_, f in found if _holds(model.get_submodule(blocks_[0]), name)]
+    if all(chosen(f) for f in holding):
+        return [f"{pattern}.{name}" if name else pattern]
+    return [f"{n}.{name}" if name else n for n in names]
+
+
+def _holds(block: nn.Module, name: str) -> bool:
+    try:
+        block.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _split_block(
+    model: nn.Module,
+    name: str,
+    degree: int,
+    vocab: int,
+    where: str,
+    whole: list[str],
+    sizes: dict[str, int],
+) -> Found:
+    """Attention's and the MLP's splits in the block ``name`` that the probe confirms (``where`` names the blocks of
+    its shape in messages); the routed experts of a mixture stay whole on every rank, and a mixture with no dense
+    MLP beside them (no shared expert) is no MLP left whole."""
+    block = model.get_submodule(name)
     layers = _layers(block)
     kept = sorted(n for n, m in block.named_modules() if is_lora(m) and plain_lora_base(m) is None)
     if kept:
         whole.append(
-            f"{pattern}.{kept[0]}{f' and {len(kept) - 1} more' if len(kept) > 1 else ''} (a LoRA variant "
+            f"{where}.{kept[0]}{f' and {len(kept) - 1} more' if len(kept) > 1 else ''} (a LoRA variant "
             "such as DoRA: only plain LoRA layers are split)"
         )
-    attention = _attention(block, layers, degree, pattern, sizes)
-    taken = set() if isinstance(attention, str) else {n for s in attention for n in (*s.columns, *s.rows)}
-    hidden = None if isinstance(attention, str) else dims(layers[next(iter(attention[0].columns))])[0]  # type: ignore
+    call = block_call(model, block, vocab)
+    attention = _attention(block, layers, degree, where, sizes, call)
+    taken = set() if isinstance(attention, str) else {n for s in attention for n in s.layers()}
+    hidden = None if isinstance(attention, str) else dims(layers[attention[0].rows[0]])[1]  # type: ignore[index]
     mlp = _mlp({n: m for n, m in layers.items() if n not in taken}, hidden, degree)
-    found = [(what, v) for what, v in (("attention", attention), ("MLP", mlp)) if not isinstance(v, str)]
-    call = block_call(model, block, vocab) if found else ""
     chosen: list[tuple[str, Split]] = []
     for what, variants in (("attention", attention), ("MLP", mlp)):
         if not isinstance(variants, str):
             variants = [with_adapters(block, v) for v in variants]
+        if variants == _NO_MLP and _experts(block):
+            continue  # a mixture's routed experts, whole by design (said with the plan)
         if isinstance(variants, str):
-            whole.append(f"{pattern} {what} ({variants})")
+            whole.append(f"{where} {what} ({variants})")
         elif isinstance(call, str):
-            whole.append(f"{pattern} {what} (a split cannot be checked: {call})")
+            whole.append(f"{where} {what} (a split cannot be checked: {call})")
         elif None in (reasons := [verify(block, v, degree, *call) for v in variants]):
             chosen.append((what, variants[reasons.index(None)]))
         else:
-            whole.append(f"{pattern} {what} ({_names(variants[0])}: {reasons[0]})")
+            whole.append(f"{where} {what} ({_names(variants[0])}: {reasons[0]})")
     if len(chosen) == 2 and not isinstance(call, str):
         why = verify(block, chosen[0][1] + chosen[1][1], degree, *call)
         if why is not None:
-            whole.append(f"{pattern} MLP (with attention split too: {why})")
+            whole.append(f"{where} MLP (with attention split too: {why})")
             chosen.pop()
-    adjust = []
+    entries: list[tuple[str, str, str]] = []
+    owners: list[tuple[str, str]] = []
     for what, split in chosen:
-        for name, parts in split.columns.items():
-            styles[f"{pattern}.{name}"] = style(f"fused_colwise({parts})" if parts > 1 else "colwise")
-            said.append(f"{pattern}.{name} -> {f'fused_colwise({parts})' if parts > 1 else 'colwise'} ({what})")
-        for name in split.rows:
-            styles[f"{pattern}.{name}"] = style("rowwise")
-            said.append(f"{pattern}.{name} -> rowwise ({what})")
+        entries.extend(
+            (n, f"fused_colwise({parts})" if parts > 1 else "colwise", what) for n, parts in split.columns.items()
+        )
+        entries.extend((n, "rowwise", what) for n in split.rows)
+        for n in split.heads:
+            why = "fed by a latent," if n in layers else "its per-head parameters"
+            entries.append((n, "heads", f"{what}: {why} split with the heads"))
         for names_, spec, why in (
-            (split.heads, "heads", "its per-head parameters split with the heads"),
             (split.summed, "replicate(grad=sum)", "sees this rank's heads"),
+            (split.latent, "replicate(output_grad=sum)", "its output read by every rank's heads"),
         ):
-            for name in names_:
-                styles[f"{pattern}.{name}"] = style(spec)
-                said.append(f"{pattern}.{name} -> {spec} ({what}: {why})")
-        adjust.extend((f"{pattern}.{owner}" if owner else pattern, attr) for owner, attr in split.adjust)
-    if adjust:
-        said.append(f"per rank, divided by {degree}: {', '.join(f'{o}.{a}' for o, a in adjust)}")
-    return adjust
+            entries.extend((n, spec, f"{what}: {why}") for n in names_)
+        owners.extend((owner, attr) for owner, attr in split.adjust)
+    return entries, owners
+
+
+def _experts(block: nn.Module) -> list[str]:
+    """Modules holding one weight per expert stacked (``[experts, ...]``: three dimensions or more)."""
+    return [n for n, m in block.named_modules() if any(p.dim() >= 3 for p in m.parameters(recurse=False))]
 
 
 def _layers(block: nn.Module) -> dict[str, nn.Module]:
@@ -262,10 +368,16 @@ def _child(layers: dict[str, nn.Module], owner: str, role: set[str]) -> str | No
 
 
 def _attention(
-    block: nn.Module, layers: dict[str, nn.Module], degree: int, pattern: str, sizes: dict[str, int]
+    block: nn.Module,
+    layers: dict[str, nn.Module],
+    degree: int,
+    where: str,
+    sizes: dict[str, int],
+    call: tuple[tuple, dict] | str,
 ) -> list[Split] | str:
     """The ways attention's layers may split, best first, or why there are none; a one-line error when its heads
-    do not divide by ``degree``."""
+    do not divide by ``degree``. Query/key/value projections are known by their usual names; without them,
+    attention is the module around an attention kernel's call (:func:`.probe.attention_owners`)."""
     for owner in dict.fromkeys(n.rpartition(".")[0] for n in layers):
         q, k, v = (_child(layers, owner, role) for role in (QUERY, KEY, VALUE))
         fused = _child(layers, owner, FUSED)
@@ -278,32 +390,103 @@ def _attention(
             widths = (dims(layers[fused])[1] // 3,) * 2  # type: ignore[index]
             break
     else:
-        return "no query/key/value projections recognised"
+        return _latent_attention(block, layers, degree, where, sizes, call)
     out = _output(layers, owner, set(columns[0]), widths[0])
     if out is None:
         return f"no output projection taking {widths[0]} features next to {', '.join(columns[0])}"
     module = block.get_submodule(owner)
-    where = f"{pattern}.{owner}" if owner else pattern
-    for attrs in (HEADS, KV_HEADS):
-        attr, count = _count(module, attrs)
-        if count is not None:
-            if count % degree:
-                raise ConfigError(
-                    f"tp_plan='auto': {where} has {attr}={count} heads, which do not split over "
-                    f"tp={degree}; choose a tp that divides {count}"
-                )
-            sizes[f"{where}.{attr}"] = count
+    adjust = _heads(module, owner, degree, where, sizes, widths)
     if any(w % degree for w in widths):
         return f"its widths {widths} do not split over tp={degree}"
-    adjust = tuple((owner, a) for a in (*HEADS, *KV_HEADS) if _int(module, a) is not None) + tuple(
-        (owner, a) for a in WIDTHS if _int(module, a) in widths
-    )
     heads, summed = _per_head(module, owner, {*columns[0], out})
     return [
         Split(columns=c, rows=(out,), adjust=a, heads=heads, summed=summed)
         for c in columns
         for a in dict.fromkeys((adjust, ()))
     ]
+
+
+def _heads(
+    module: nn.Module, owner: str, degree: int, where: str, sizes: dict[str, int], widths: tuple[int, ...]
+) -> tuple[tuple[str, str], ...]:
+    """The head counts and widths attention keeps (to divide by ``degree`` on every rank); a one-line error when
+    its heads do not divide by ``degree``."""
+    at = f"{where}.{owner}" if owner else where
+    for attrs in (HEADS, KV_HEADS):
+        attr, count = _count(module, attrs)
+        if count is not None:
+            if count % degree:
+                raise ConfigError(
+                    f"tp_plan='auto': {at} has {attr}={count} heads, which do not split over "
+                    f"tp={degree}; choose a tp that divides {count}"
+                )
+            sizes[f"{at}.{attr}"] = count
+    return tuple((owner, a) for a in (*HEADS, *KV_HEADS) if _int(module, a) is not None) + tuple(
+        (owner, a) for a in WIDTHS if _int(module, a) in widths
+    )
+
+
+def _latent_attention(
+    block: nn.Module,
+    layers: dict[str, nn.Module],
+    degree: int,
+    where: str,
+    sizes: dict[str, int],
+    call: tuple[tuple, dict] | str,
+) -> list[Split] | str:
+    """Attention found by what it does: the innermost module around an attention kernel's call that holds linear
+    layers, its output projection the one giving the block's width back. Its other layers are column-split, but
+    for those left whole as a latent every rank's heads read (DeepSeek-V3's ``wkv_a``: its output's gradient summed
+    over the ranks, the layers it feeds split with the heads); the splits, fewest layers left whole first, are
+    the probe's to try."""
+    unknown = "no query/key/value projections recognised"
+    if isinstance(call, str):
+        return f"{unknown} ({call})"
+    owner = next((o for o in attention_owners(block, *call) if len(_direct(layers, o)) >= 2), None)
+    if owner is None:
+        return f"{unknown}, and no attention kernel called next to linear layers"
+    direct = _direct(layers, owner)
+    hidden = _width(call)
+    outs = [n for n in direct if dims(layers[n])[1] == hidden]  # type: ignore[index]
+    out = next((n for n in outs if n.rpartition(".")[2].lower() in OUTPUT), outs[0] if len(outs) == 1 else None)
+    if out is None:
+        return f"{unknown}; {where}.{owner} calls attention but has no one output projection to {hidden} features"
+    rest = [n for n in direct if n != out]
+    reads = [n for n in rest if dims(layers[n])[0] == hidden]  # type: ignore[index]
+    module = block.get_submodule(owner)
+    widths = tuple(dims(layers[n])[1] for n in rest) + (dims(layers[out])[0],)  # type: ignore[index]
+    adjust = _heads(module, owner, degree, where, sizes, widths)
+    splits = []
+    for kept in (c for k in range(len(reads) + 1) for c in combinations(reads, k)):
+        split = [n for n in rest if n not in kept]
+        fed = tuple(n for n in split if n not in reads)
+        if (fed and not kept) or any(dims(layers[n])[1] % degree for n in split):  # type: ignore[index]
+            continue
+        heads, summed = _per_head(module, owner, {*split, *kept, out})
+        splits.append(
+            Split(
+                columns={n: 1 for n in split if n in reads},
+                rows=(out,),
+                adjust=adjust,
+                heads=heads + fed,
+                summed=summed,
+                latent=kept,
+            )
+        )
+    if dims(layers[out])[0] % degree or not splits:  # type: ignore[index]
+        return f"{where}.{owner}'s projections do not split over tp={degree}"
+    return splits[:_TRIED]
+
+
+def _direct(layers: dict[str, nn.Module], owner: str) -> list[str]:
+    """The layers directly under ``owner``."""
+    return [n for n in layers if n.rpartition(".")[0] == owner]
+
+
+def _width(call: tuple[tuple, dict]) -> int | None:
+    """The block's width: the last dimension of the first floating-point tensor it is called with."""
+    tensors = [t for t in tree_flatten(call)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return tensors[0].shape[-1] if tensors else None
 
 
 def _per_head(module: nn.Module, owner: str, split: set[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -378,7 +561,7 @@ def _mlp(layers: dict[str, nn.Module], hidden: int | None, degree: int) -> list[
         if fused:
             return [Split(columns={fused[0]: 2}, rows=(down,)), Split(columns={fused[0]: 1}, rows=(down,))]
         return [Split(columns=dict.fromkeys(ups, 1), rows=(down,))]
-    return "no up and down projections recognised"
+    return _NO_MLP
 
 
 def _adjust(model: nn.Module, adjust: list[tuple[str, str]], degree: int) -> None:

@@ -15,7 +15,8 @@ built from a name remembers it, so a printed plan is valid ``tp_plan=`` input as
 | ``gather_sequence`` / ``gather_sequence(KEYWORD)`` | its first input (or keyword input) gathered from slices of the sequence |
 | ``replicate`` / ``replicate(output_shard=D)`` | whole on every rank (keeping its slice of the output along D) |
 | ``replicate(grad=sum)`` | whole on every rank, seeing this rank's heads only (a per-head norm): its gradient summed over the ranks |
-| ``heads`` | its own parameters indexed by head (attention sinks) split with the heads |
+| ``replicate(output_grad=sum)`` | whole on every rank, its output read by this rank's heads only (a latent projection): the output's gradient summed over the ranks |
+| ``heads`` | its own parameters indexed by head (attention sinks; a layer fed by a latent) split with the heads |
 | ``whole_sequence`` | run whole on every rank over the gathered sequence, its output cut back to this rank's slice (a mixture of experts) |
 
 A ``ParallelStyle`` object of torch's own may stand in any plan as well; it prints as its class name.
@@ -65,10 +66,17 @@ def _gather_sequence(keyword: str | None = None) -> ParallelStyle:
     )
 
 
-def _replicate(output_shard: str | None = None, grad: str | None = None) -> ParallelStyle:
-    if grad not in (None, "sum"):
-        raise ConfigError(f"replicate(grad={grad!r}): the only gradient a plan names is 'sum' (summed over the ranks)")
-    return Replicated(None if output_shard is None else int(output_shard), summed=grad == "sum")
+def _replicate(
+    output_shard: str | None = None, grad: str | None = None, output_grad: str | None = None
+) -> ParallelStyle:
+    for key, value in (("grad", grad), ("output_grad", output_grad)):
+        if value not in (None, "sum"):
+            raise ConfigError(
+                f"replicate({key}={value!r}): the only gradient a plan names is 'sum' (summed over the ranks)"
+            )
+    return Replicated(
+        None if output_shard is None else int(output_shard), summed=grad == "sum", output_summed=output_grad == "sum"
+    )
 
 
 def _whole_sequence() -> ParallelStyle:

@@ -49,6 +49,8 @@ class TPPlan:
     """Changes to the model's own bookkeeping once split (GPT-2's attention splits its output by width)."""
     summary: tuple[str, ...] = ()
     """What an inferred plan splits and leaves whole, as lines printed once on rank 0 (``tp_plan="auto"``)."""
+    warning: str | None = None
+    """One line, warned on every rank: the parts of the blocks an inferred plan leaves whole, and why."""
     heads: frozenset[str] = frozenset()
     """Modules where ``"colwise"`` means the output head, split over the vocabulary (:func:`heads_of`)."""
 

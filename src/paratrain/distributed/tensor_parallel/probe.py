@@ -6,7 +6,9 @@ width of its input (nanoGPT's ``C // n_head``) and then run silently wrong or fa
 tried: the model runs on a few token ids until its first block is called (those are the block's real arguments:
 masks, rotary angles), and that block is run as each tensor-parallel rank would run it — its split layers cut to
 the rank's slices, its bookkeeping adjusted — with the all-reduce after each row-split layer emulated by summing
-the ranks' partial outputs. A split is kept only when every rank's output equals the unsplit block's.
+the ranks' partial outputs. A split is kept only when every rank's output equals the unsplit block's; one that keeps
+a latent whole (a layer whose output every rank's heads read) is also run backward, and kept only when every rank's
+gradients equal the unsplit block's too (:func:`_gradients`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .styles import is_conv1d
@@ -41,6 +44,9 @@ class Split:
     """Modules whose own parameters are indexed by head along dimension 0 (attention sinks): split with the heads."""
     summed: tuple[str, ...] = ()
     """Modules left whole that see this rank's heads only (per-head norms): their gradients summed over the ranks."""
+    latent: tuple[str, ...] = ()
+    """Layers left whole whose output every rank's heads read (DeepSeek-V3's ``wkv_a``): the gradient of their output
+    summed over the ranks."""
 
     def __add__(self, other: Split) -> Split:
         return Split(
@@ -49,7 +55,12 @@ class Split:
             adjust=self.adjust + other.adjust,
             heads=self.heads + other.heads,
             summed=self.summed + other.summed,
+            latent=self.latent + other.latent,
         )
+
+    def layers(self) -> set[str]:
+        """Every layer the split names."""
+        return {*self.columns, *self.rows, *self.heads, *self.latent}
 
 
 def dims(layer: nn.Module) -> tuple[int, int] | None:
@@ -106,6 +117,42 @@ def block_call(model: nn.Module, block: nn.Module, vocab: int) -> tuple[tuple, d
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     return args, kwargs
+
+
+def attention_owners(block: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The modules of ``block`` (names relative to it) inside which an attention kernel runs when it is called with
+    ``args``, ``kwargs``: scaled-dot-product or flex attention, or a softmax over scores of four dimensions (eager
+    attention's ``[batch, heads, query, key]``; a router's softmax has two), innermost module first, outermost last,
+    for each call; empty when the block's forward fails."""
+    active: list[str] = []
+    calls: list[list[str]] = []
+
+    def enter(name: str) -> Callable[..., None]:
+        return lambda *_: active.append(name)
+
+    def leave(*_: Any) -> None:
+        active.pop()
+
+    class Kernels(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, a: tuple = (), kw: dict | None = None) -> Any:
+            name = getattr(func, "__name__", "")
+            four_d = bool(a) and isinstance(a[0], torch.Tensor) and a[0].dim() >= 4
+            if name in ("scaled_dot_product_attention", "flex_attention") or (name == "softmax" and four_d):
+                calls.append(active[::-1])
+            return func(*a, **(kw or {}))
+
+    modules = list(block.named_modules())
+    handles = [m.register_forward_pre_hook(enter(n)) for n, m in modules]
+    handles += [m.register_forward_hook(leave, always_call=True) for _, m in modules]
+    try:
+        with Kernels():
+            block(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - any model: a block that cannot run has no attention found this way
+        return []
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [name for call in calls for name in call]
 
 
 def token_readers(model: nn.Module, embeddings: dict[str, nn.Embedding], stop_at: nn.Module | None) -> set[str] | None:
@@ -172,13 +219,120 @@ def verify(block: nn.Module, split: Split, degree: int, args: tuple, kwargs: dic
             return "its row-split layers do not run once each"
     except Exception as err:  # the block's own code failing on its split weights: the split is not for it
         return f"split, its forward fails ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
-    tol = 1e-4 if want.dtype in (torch.float32, torch.float64) else 2e-2
     for out in outs:
         if out.shape != want.shape:
             return f"split, its output has shape {tuple(out.shape)}, not {tuple(want.shape)}"
-        if not torch.allclose(out, want, rtol=tol, atol=tol * float(want.abs().max())):
+        if not _close(out, want):
             return f"split, its output differs from one process's by {float((out - want).abs().max()):.2g}"
-    return None
+    return _gradients(block, split, degree, args, kwargs) if split.latent else None
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    tol = 1e-4 if want.dtype in (torch.float32, torch.float64) else 2e-2
+    return torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def _gradients(block: nn.Module, split: Split, degree: int, args: tuple, kwargs: dict) -> str | None:
+    """None when each rank's gradients, as the split's styles make them, equal the unsplit block's: of the block's
+    input and of the parameters it keeps whole (summed over the ranks for ``summed`` modules); else why not. A
+    latent layer's output read by the heads of every rank (:attr:`Split.latent`) is where a split can compute the
+    right output and still the wrong gradient, so such splits are also run backward: for each rank in turn, the
+    others read that rank's tensors where a style sums the gradient over the ranks on the way back (a column-split
+    layer's input, a latent's output), so its backward gets every rank's part there, as the all-reduce gives it."""
+    if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+        return None
+    with torch.enable_grad():
+        whole = copy.deepcopy(block)
+        x = args[0].detach().clone().requires_grad_()
+        out = _first(whole(x, *args[1:], **kwargs))
+        back = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
+        (out * back).sum().backward()
+        want = {n: p.grad.clone() for n, p in whole.named_parameters() if p.grad is not None}
+        ranks = [_rank_copy(block, split, degree, r) for r in range(degree)]
+        cut = (*split.columns, *split.rows, *split.heads)
+        summed: dict[str, torch.Tensor] = {}
+        for rank in range(degree):
+            leaves = [args[0].detach().clone().requires_grad_() for _ in ranks]
+            (_emulated(block, ranks, rank, split, leaves, args[1:], kwargs) * back).sum().backward()
+            if not _close(leaves[rank].grad, x.grad):  # type: ignore[arg-type]
+                return "split, the gradient of its input differs from one process's"
+            for name, param in ranks[rank].named_parameters():
+                if name not in want or param.grad is None or _inside(name, cut):
+                    continue
+                if _inside(name, split.summed):
+                    summed[name] = summed.get(name, 0) + param.grad
+                elif not _close(param.grad, want[name]):
+                    return f"split, the gradient of {name} differs from one process's"
+            for local in ranks:
+                local.zero_grad(set_to_none=True)
+    wrong = next((n for n, g in summed.items() if not _close(g, want[n])), None)
+    return None if wrong is None else f"split, the gradient of {wrong} summed over the ranks differs from one process's"
+
+
+def _inside(name: str, modules: tuple[str, ...]) -> bool:
+    return any(name.startswith(f"{m}.") for m in modules)
+
+
+def _emulated(
+    block: nn.Module, ranks: list[nn.Module], first: int, split: Split, leaves: list, args: tuple, kwargs: dict
+) -> torch.Tensor:
+    """Rank ``first``'s output, every rank's forward kept for the backward (the all-reduce after a row-split layer
+    summing their partial outputs); the others read rank ``first``'s input of each column-split layer and output of
+    each latent one."""
+    totals: dict[str, torch.Tensor] = {}
+    order_ranks = [first, *(r for r in range(len(ranks)) if r != first)]
+    for _ in range(len(split.rows) + 1):
+        partials: dict[str, list[torch.Tensor]] = {}
+        order: list[str] = []
+        seen: dict[tuple[str, int], torch.Tensor] = {}
+        outs = {}
+        for r in order_ranks:
+            handles = _sharing(ranks[r], split, seen, r == first)
+            try:
+                outs[r] = _run(ranks[r], split.rows, totals, partials, order, (leaves[r], *args), kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        pending = [n for n in order if n not in totals]
+        if not pending:
+            break
+        bias = _bias(block.get_submodule(pending[0]))
+        totals[pending[0]] = sum(partials[pending[0]]) + (bias.detach() if isinstance(bias, torch.Tensor) else bias)
+    return outs[first]
+
+
+def _sharing(local: nn.Module, split: Split, seen: dict, first: bool) -> list:
+    """Hooks on one rank's copy: rank ``first`` records its column-split layers' inputs and its latents' outputs,
+    by call; the others read those instead of their own."""
+    calls: dict[str, int] = {}
+
+    def key(name: str) -> tuple[str, int]:
+        calls[name] = calls.get(name, -1) + 1
+        return name, calls[name]
+
+    def inputs(name: str) -> Callable[..., Any]:
+        def hook(_: nn.Module, a: tuple) -> tuple | None:
+            k = key(name)
+            if first:
+                seen[k] = a[0]
+                return None
+            return (seen[k], *a[1:]) if k in seen else None
+
+        return hook
+
+    def outputs(name: str) -> Callable[..., Any]:
+        def hook(_: nn.Module, a: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            k = key(f"{name}/out")
+            if first:
+                seen[k] = out
+                return None
+            return seen.get(k)
+
+        return hook
+
+    return [local.get_submodule(n).register_forward_pre_hook(inputs(n)) for n in split.columns] + [
+        local.get_submodule(n).register_forward_hook(outputs(n)) for n in split.latent
+    ]
 
 
 def _first(out: Any) -> torch.Tensor:

@@ -16,6 +16,10 @@ three small extensions of them for layers PyTorch's styles do not take.
   parallel model is a DTensor on one mesh (clipping and FSDP need that); inputs and outputs stay plain tensors.
   ``replicate(grad=sum)``: a module inside split attention (Qwen3's per-head query/key norms) sees only this rank's
   heads, so each rank's gradient is a part of the whole one: it is summed over the ranks on the way back.
+  ``replicate(output_grad=sum)``: a layer whose output every rank's heads read (DeepSeek-V3's latent projection
+  ``wkv_a``) gets from each rank the gradient of that rank's heads only: it is summed over the ranks where the
+  output leaves the layer (Megatron's "copy to the tensor-parallel region"), so the layer and its input get the whole
+  one.
 * ``heads`` splits a module's own parameters indexed by attention head (GPT-OSS's attention sinks) with the heads
   its column-split projections give each rank (``Shard(0)``).
 """
@@ -172,10 +176,11 @@ class Replicated(ParallelStyle):
     its plain inputs made ``Replicate`` ones. The optimizer's step updates these parameters on their local tensors
     too (:mod:`.local_step`)."""
 
-    def __init__(self, output_shard: int | None = None, summed: bool = False) -> None:
+    def __init__(self, output_shard: int | None = None, summed: bool = False, output_summed: bool = False) -> None:
         super().__init__()
         self.output_shard = output_shard
         self.summed = summed
+        self.output_summed = output_summed
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh)  # every parameter and buffer a Replicate DTensor; no hooks
@@ -212,16 +217,14 @@ class Replicated(ParallelStyle):
             params = swapped.pop()
             if params is not None:
                 mod._parameters.update(params)
-                if self.output_shard is None or not isinstance(out, torch.Tensor):
+                if self.output_shard is None and not (self.output_summed and isinstance(out, torch.Tensor)):
                     return out
                 out = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
             if not isinstance(out, DTensor):
                 return out
-            return (
-                out.to_local()
-                if self.output_shard is None
-                else out.redistribute(placements=[Shard(self.output_shard)]).to_local()
-            )
+            if self.output_shard is not None:
+                return out.redistribute(placements=[Shard(self.output_shard)]).to_local()
+            return out.to_local(grad_placements=[Partial()] if self.output_summed else None)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, always_call=True)
