@@ -22,6 +22,7 @@ all-to-all's splits), nothing more. Each call's convention is read from what it 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -104,11 +105,11 @@ def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch
                 out = run_fused_experts(module, rows, counts, host)
             elif given.top_k:
                 index = torch.arange(n_local, device=rows.device).repeat_interleave(counts, output_size=len(rows))
-                index = index.to(torch.as_tensor(given.chosen).dtype)[:, None]
+                index = index.to(torch.as_tensor(given.chosen).dtype)[:, None]  # the model's own index dtype
                 out = original(rows, index, torch.ones((len(rows), 1), dtype=rows.dtype, device=rows.device))
             else:
-                weights = [t for t in held if t.dim() == 3]
-                on_host = isinstance(given.chosen, list) or (host_counts and not grouped_mm_fits(rows, *weights))
+                matrices = [t for t in held if t.dim() == 3]
+                on_host = isinstance(given.chosen, list) or (host_counts and not grouped_mm_fits(rows, *matrices))
                 out = original(rows, host if on_host else _like(counts, given.chosen))
         # Every parameter gets a gradient, zeros where no row came: one process's experts tensor always gets one (some
         # expert of the layer is hit), and an optimizer skips a parameter without one (no weight decay, no momentum).
@@ -122,7 +123,10 @@ def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch
                 f"its call carries neither counts per expert (rows, a tensor or list of {layer.experts}) nor each "
                 "token's experts (hidden_states, index [tokens, k], weights); call it so, or drop ep"
             )
-        return (_topk_forward if given.top_k else _rows_forward)(given, run, layer.experts, group)
+        computed = functools.partial(run, given)
+        if given.top_k:
+            return _topk_forward(given, computed, layer.experts, group)
+        return exchange(given.rows, torch.as_tensor(given.chosen, device=given.rows.device), group, computed)
 
     forward.__signature__ = layer.found.signature  # type: ignore[attr-defined]  # hooks read calls as the model's
     module.forward = forward
@@ -135,19 +139,13 @@ def _like(counts: torch.Tensor, given: torch.Tensor | list[int]) -> torch.Tensor
     return counts.to(device=given.device, dtype=given.dtype)
 
 
-def _rows_forward(given: Routing, run: Callable, experts: int, group: dist.ProcessGroup) -> torch.Tensor:
-    rows = given.rows
-    counts = torch.as_tensor(given.chosen, device=rows.device)
-    return exchange(rows, counts, group, lambda *a: run(given, *a))
-
-
 def _topk_forward(given: Routing, run: Callable, experts: int, group: dist.ProcessGroup) -> torch.Tensor:
     hidden_states, top_k_index, top_k_weights = given.rows, given.chosen, given.weights
     assert isinstance(top_k_index, torch.Tensor) and top_k_weights is not None
     chosen = top_k_index.flatten()
     slots = chosen.argsort(stable=True)  # index == experts, the sentinel the original forward skips, sorts last
     counts = count_per_expert(chosen, experts)
-    routed = exchange(hidden_states[slots // top_k_index.shape[-1]], counts, group, lambda *a: run(given, *a))
+    routed = exchange(hidden_states[slots // top_k_index.shape[-1]], counts, group, run)
     slots = slots[: len(routed)]  # the sentinels' slots left out
     routed = routed * top_k_weights.flatten()[slots, None].to(routed.dtype)
     tokens = slots // top_k_index.shape[-1]
