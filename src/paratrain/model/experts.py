@@ -12,8 +12,8 @@ The router's choice reaches that module as an argument, so a forward pre-hook se
 - each token's k experts: ``(hidden_states [tokens, h], index [tokens, k] integers, weights [tokens, k])``
   (transformers);
 - counts per expert: ``(rows sorted by expert, counts)``, the counts a 1-D tensor of ``E`` entries of any numeric
-  dtype (torchtitan's ``histc`` gives floats; on the device, never read here) or a list of ``E`` numbers summing to
-  the rows (torchtitan's ``GroupedExperts``, paratrain's GPT).
+  dtype (torchtitan's ``GroupedExperts``, given ``torch.histc``'s counts, floats where its input is; paratrain's
+  GPT; on the device, never read here) or a list of ``E`` numbers summing to the rows.
 
 Experts kept as a ``ModuleList`` of separate MLPs (older transformers classes) are not found.
 """
