@@ -4,8 +4,10 @@ all-to-all splits by, read together (``.tolist()``), nothing else (no ``nonzero`
 
 Each model's experts are dispatched over a one-rank group in this process (the same code as over ``ep`` ranks), and
 its forward counted with :class:`paratrain.testing.host_syncs.HostSyncs`; its output and gradients stay those of
-the model before. The equality over several ranks is tests/distributed/test_expert_parallel.py's. On a GPU,
-CUDA's own sync check counts inside the experts modules.
+the model before. Experts that read their counts on the host themselves (torchtitan's loop) keep that read: the
+layer adds its one. The counts reach the local experts as the model gave them (a tensor of its dtype, or a list).
+The equality over several ranks is tests/distributed/test_expert_parallel.py's. On a GPU, CUDA's own sync check
+counts inside the experts modules.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.ep_workers import MODELS
+from torch import nn
 
 from paratrain.distributed.expert_parallel.experts import dispatch_experts, find_experts
+from paratrain.errors import ConfigError
 from paratrain.model.experts import find_expert_layers
 from paratrain.monitor.experts import ExpertCounter
 from paratrain.testing.host_syncs import HostSyncs
@@ -58,6 +62,80 @@ def test_one_host_read_per_moe_layer_per_forward(name, one_rank_group):
     for key, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[key], rtol=0, atol=1e-6, msg=key)
     assert sum(load.total for load in counter.window(None, 1)) == TOKENS.numel() * 2 * len(layers)  # top 2
+
+
+def test_ep_adds_one_host_read_per_layer_to_the_models_own(one_rank_group):
+    """torchtitan's shape (experts named ``routed`` reading their float counts on the host themselves): the layer's
+    one read for the all-to-all's splits, and the model's own, nothing more; the output and gradients unchanged."""
+    model = MODELS["titan_dsv3"].build()
+    expected, plain, expected_grads = _forward(model)
+    model.zero_grad(set_to_none=True)
+    layers = find_experts(model, 1)
+    for layer in layers:
+        dispatch_experts(layer, one_rank_group)
+    out, syncs, grads = _forward(model)
+    assert len(layers) == 2 and syncs.count == plain.count + len(layers), (dict(plain.calls), dict(syncs.calls))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], rtol=0, atol=1e-6, msg=key)
+
+
+class Recorded(nn.Module):
+    """Experts (any name) that keep the counts they are given and take them as a tensor or a list, as they come."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(0)))
+        self.given: list[torch.Tensor | list[int]] = []
+
+    def forward(self, rows: torch.Tensor, per_expert: torch.Tensor | list[int]) -> torch.Tensor:
+        self.given.append(per_expert)
+        sizes = per_expert.tolist() if isinstance(per_expert, torch.Tensor) else per_expert
+        return torch.cat([part @ w.T for part, w in zip(rows.split([int(c) for c in sizes]), self.w, strict=True)])
+
+
+class Sorted(nn.Module):
+    """A router that sends token i to expert i % 4 and hands its experts the counts as ``kind`` says."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.anything = kind, Recorded()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = torch.arange(len(x)) % 4
+        counts = torch.histc(chosen.float(), bins=4, min=0, max=4)  # floats, as torchtitan's router gives them
+        given = {"float": counts, "int32": counts.to(torch.int32), "list": [int(c) for c in counts.tolist()]}
+        order = chosen.argsort(stable=True)
+        out = torch.empty_like(x)
+        out[order] = self.anything(x[order], given[self.kind])
+        return out
+
+
+@pytest.mark.parametrize("kind", ["float", "int32", "list"])
+def test_the_experts_get_their_counts_as_the_model_gave_them(kind, one_rank_group):
+    model, x = Sorted(kind), torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
+    expected = model(x)
+    (layer,) = find_experts(model, 1)
+    dispatch_experts(layer, one_rank_group)
+    model.anything.given.clear()
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-6)
+    (given,) = model.anything.given
+    if kind == "list":
+        assert given == [3, 3, 2, 2]
+    else:
+        dtype = {"float": torch.float32, "int32": torch.int32}[kind]
+        assert isinstance(given, torch.Tensor) and given.dtype == dtype and given.device == x.device
+        assert given.tolist() == [3, 3, 2, 2]
+
+
+def test_a_call_without_the_routers_choice_is_one_line(one_rank_group):
+    """3-D weights of one first dimension and two arguments, but the second is no routing: refused at the call."""
+    model = Sorted("list")
+    (layer,) = find_experts(model, 1)
+    dispatch_experts(layer, one_rank_group)
+    with pytest.raises(ConfigError, match=r"ep split anything \(Recorded: 3-D parameters of 4 experts\), but") as err:
+        model.anything(torch.zeros(10, 8), torch.zeros(10, 8))
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
-"""Expert parallelism (``Parallel(strategy, ep=E)``) on transformers Mixtral, Qwen3-MoE, GPT-OSS, OLMoE and Qwen2-MoE
-and our GPT with experts: equal to one plain process on the same global batch, resumed from a save as it ran,
-loaded at another ``ep`` (or none), and bad layouts refused in one line.
+"""Expert parallelism (``Parallel(strategy, ep=E)``) on transformers Mixtral, Qwen3-MoE, GPT-OSS, OLMoE and Qwen2-MoE,
+our GPT with experts and a torchtitan-shaped DeepSeek-V3 (experts named ``routed``, float counts): equal to one plain
+process on the same global batch, resumed from a save as it ran, loaded at another ``ep`` (or none), and bad layouts
+refused in one line.
 
 One launched job per world size runs every case (tests/helpers/ep_workers.py); the references are plain PyTorch in
 this process, the global batch split into the replicas' slices.
@@ -55,6 +56,9 @@ WORLD2 = [
     ("mixtral_adamw", "ddp", {"ep": 2}, (("ddp", {"ep": 2}), ("ddp", {}))),
     ("mixtral_fused", "ddp", {"ep": 2}, ()),
     ("mixtral", "ddp", {"ep": 2, "precision": "fp16-mixed", "clip_grad_norm": 0.5}, ()),
+    # experts found by what they are (a module named routed, 3-D weights), given their float counts as a tensor
+    ("titan_dsv3", "ddp", {"ep": 2}, (("ddp", {"ep": 2}),)),
+    ("titan_dsv3", "zero3", {"ep": 2}, (("zero3", {}),)),
 ]
 # beside cp (world 2: one replica, its 2 cp ranks the expert group) and tp (world 4: 2 replicas x tp=2, each tp rank
 # with its own expert group of the 2 replicas): loads keep the replicas, with and without ep
@@ -67,6 +71,7 @@ BESIDE_TP = [
     ("mixtral", "zero3", {"ep": 2, "tp": 2}, (("zero3", {"ep": 2, "tp": 2}), ("zero3", {"tp": 2}))),
     ("gpt_moe", "ddp", {"ep": 2, "tp": 2}, (("ddp", {"ep": 2, "tp": 2}),)),  # sequence parallel: the MoE whole_sequence
     ("gpt_moe", "zero2", {"ep": 2, "tp": 2, "accumulate": 2, "clip_grad_norm": 0.5}, ()),
+    ("titan_dsv3", "zero3", {"ep": 2, "tp": 2}, ()),
 ]
 EXPORTED = WORLD2[1]  # gpt_moe, zero3 x ep=2: its save is exported by the CLI
 BUILT = [("mixtral", "zero3", {"ep": 2}, "built"), ("mixtral", "ddp", {"ep": 2}, "built")]
@@ -228,21 +233,26 @@ def test_compile_with_ep_compiles_the_blocks(world2):
 @pytest.mark.timeout(480)
 def test_a_dense_model_is_refused_inside_every_rank(world2):
     error = world2["dense/ddp{'ep': 2}"]["error"]
-    assert "no module named 'experts'" in error and "\n" not in error
+    assert "has no module with 3-D [experts, out, in] parameters" in error and "\n" not in error
 
 
 def test_experts_are_found_with_their_expert_dimension():
     layers = find_experts(mixtral(), 2)
-    assert [(layer.name, layer.experts, layer.split, layer.interface) for layer in layers] == [
-        (f"model.layers.{i}.mlp.experts", 4, ("gate_up_proj", "down_proj"), "topk") for i in range(2)
+    assert [(layer.name, layer.experts, layer.split) for layer in layers] == [
+        (f"model.layers.{i}.mlp.experts", 4, ("gate_up_proj", "down_proj")) for i in range(2)
     ]
-    assert {layer.interface for layer in find_experts(gpt_moe(), 4)} == {"rows"}
+    assert [(layer.name, layer.split) for layer in find_experts(gpt_moe(), 4)] == [
+        (f"blocks.{i}.moe.experts", ("gate_up", "down")) for i in range(2)
+    ]
+    assert [(layer.name, layer.split) for layer in find_experts(MODELS["titan_dsv3"].build(), 2)] == [
+        (f"layers.{i}.moe.routed", ("w1", "w2", "w3")) for i in (1, 2)
+    ]
 
 
 @pytest.mark.parametrize(
     ("build", "degree", "says"),
     [
-        (dense, 2, "no module named 'experts'"),
+        (dense, 2, "GPT has no module with 3-D .experts, out, in. parameters called with the router's choice"),
         (mixtral, 3, "ep=3 must divide the 4 experts of model.layers.0.mlp.experts"),
     ],
 )

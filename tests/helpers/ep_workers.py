@@ -1,6 +1,7 @@
 """What the expert-parallel suite's launched jobs run (``tests/distributed/test_expert_parallel.py``), and their
 one-process references: tiny transformers Mixtral, Qwen3-MoE, GPT-OSS (expert biases), OLMoE and Qwen2-MoE (a
-shared expert) and our GPT with experts, trained a few steps under ``Parallel(strategy, ep=E)``, saved, resumed, and
+shared expert), our GPT with experts and a DeepSeek-V3 shape as torchtitan writes it (experts named ``routed``,
+given float counts), trained a few steps under ``Parallel(strategy, ep=E)``, saved, resumed, and
 loaded at another ``ep``.
 """
 
@@ -17,7 +18,8 @@ from torch import nn
 
 import paratrain
 from helpers.cases import each_case
-from helpers.zoo import ZooModel, _lm_loss, _quiet_transformers, _sgd, _tokens
+from helpers.zoo import SHAPES, ZooModel, _lm_loss, _quiet_transformers, _sgd, _tokens
+from paratrain.model.experts import find_expert_layers
 from paratrain.testing import max_abs_diff
 
 STEPS, PER_RANK = 3, 4
@@ -188,6 +190,7 @@ MODELS = {
         ZooModel("gpt_oss", gpt_oss, _tokens, _lm_loss, _sgd),
         ZooModel("olmoe", olmoe, _tokens, _lm_loss, _sgd),
         ZooModel("qwen2_moe", qwen2_moe, _tokens, _lm_loss, _sgd),
+        SHAPES["titan_dsv3"],
     )
 }
 
@@ -225,8 +228,8 @@ def expert_elements(model: nn.Module) -> int:
     """Elements of the routed experts' parameters this rank holds (a DTensor's local part)."""
     return sum(
         p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-        for n, p in model.named_parameters()
-        if ".experts." in f".{n}"
+        for layer in find_expert_layers(model)
+        for p in layer.module.parameters()
     )
 
 

@@ -5,10 +5,11 @@ import pytest
 import torch
 from helpers.moe_models import routed_mixtral
 from helpers.routing_workers import BATCH, SEQ, gpt_experts, routing_job, train
+from helpers.zoo import SHAPES
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.model.experts import dispatched_bytes, find_expert_layers, has_experts
+from paratrain.model.experts import dispatched_bytes, find_expert_layers, has_experts, routing
 from paratrain.monitor import MonitorConfig, RunSummary
 from paratrain.monitor.experts import (
     ExpertCounter,
@@ -142,9 +143,28 @@ def test_counts_are_the_routers_choices_and_a_checkpointed_recompute_is_not_coun
 
 def test_the_dispatched_bytes_are_each_token_once_per_expert():
     hidden = torch.zeros(10, 32)
-    assert dispatched_bytes((hidden, torch.zeros(10, 2, dtype=torch.long), torch.zeros(10, 2)), {}) == 10 * 2 * 32 * 4
-    assert dispatched_bytes((torch.zeros(20, 32), [5, 0, 15]), {}) == 20 * 32 * 4  # the GPT's rows: one per slot
-    assert dispatched_bytes((hidden,), {}) == 0
+    assert dispatched_bytes(routing((hidden, torch.zeros(10, 2, dtype=torch.long), torch.zeros(10, 2)), 3)) == (
+        10 * 2 * 32 * 4
+    )
+    assert dispatched_bytes(routing((torch.zeros(20, 32), [5, 0, 15]), 3)) == 20 * 32 * 4  # rows: one per slot
+    assert dispatched_bytes(routing((torch.zeros(20, 32), torch.tensor([5.0, 0, 15])), 3)) == 20 * 32 * 4
+    assert dispatched_bytes(routing((hidden,), 3)) == 0
+
+
+def test_float_counts_given_to_experts_named_otherwise_are_counted_on_the_device():
+    """torchtitan's shape: the experts a module named ``routed``, given ``torch.histc``'s float counts."""
+    model = SHAPES["titan_dsv3"].build()
+    given = []
+    for layer in find_expert_layers(model):
+        layer.module.register_forward_pre_hook(lambda _m, args: given.append(args[1].clone()))
+    counter = ExpertCounter(torch.device("cpu"))
+    counter.watch(model)
+    model(torch.randint(0, 65, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)))
+    loads = counter.window(None, copies=1)
+    assert [x.layer for x in loads] == ["layers.1.moe.routed", "layers.2.moe.routed"]
+    assert all(g.dtype == torch.float32 for g in given)
+    assert [x.counts for x in loads] == [tuple(int(c) for c in g.tolist()) for g in given]
+    assert [x.total for x in loads] == [BATCH * SEQ * 2] * 2  # top 2
 
 
 # ----------------------------------------------------------------- 2 ranks

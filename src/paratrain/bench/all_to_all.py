@@ -3,7 +3,7 @@
 The bench's rows run without ``ep=``: this is the all-to-all ``ep=`` would add to them, measured on the same ranks. In
 each MoE layer the forward sends every token copy (each token once per expert it is routed to: tokens x top_k x
 hidden) to its expert's rank and brings the results back (two all-to-alls), and the backward does the same with
-the gradients (two more). One forward of the step's batch, with pre-hooks on the ``experts`` modules
+the gradients (two more). One forward of the step's batch, with pre-hooks on the routed-experts modules
 (:func:`paratrain.model.experts.dispatched_bytes`), gives each layer's bytes; torch's ``all_to_all_single`` of
 that many bytes, split evenly over the ranks (routing in balance), is timed, median of a few, on every rank.
 """
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model.experts import dispatched_bytes, find_expert_layers
+from ..model.experts import ExpertLayer, dispatched_bytes, find_expert_layers
 
 PER_LAYER = 4
 """All-to-alls per MoE layer and step: dispatch and combine, in the forward and again in the backward."""
@@ -31,8 +31,10 @@ def dispatch_bytes(model: nn.Module, forward: Callable[[], Any]) -> list[int]:
     handles = []
     for i, layer in enumerate(find_expert_layers(model)):
 
-        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i) -> None:
-            sizes[i] = sizes.get(i, 0) + dispatched_bytes(args, kwargs)
+        def hook(
+            _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i, layer: ExpertLayer = layer
+        ) -> None:
+            sizes[i] = sizes.get(i, 0) + dispatched_bytes(layer.routing(args, kwargs))
 
         handles.append(layer.module.register_forward_pre_hook(hook, with_kwargs=True))
     try:

@@ -1,10 +1,10 @@
 """Tokens per expert, seen while training: how a mixture of experts routes the global batch, and when it collapses.
 
-A forward pre-hook on each MoE layer's ``experts`` module (:mod:`paratrain.model.experts`) adds the experts the
-router chose for this rank's tokens into a counter on the rank's device (no host sync, no collective). At the
-monitor's window the counters of every layer go into one all-reduce over the training ranks, so every rank holds
-the routing of the global batch; ranks that see the same tokens (a tensor-parallel group) are counted once. A model
-without such layers gets no hook and no all-reduce.
+A forward pre-hook on each MoE layer's routed-experts module (:mod:`paratrain.model.experts`: any name) adds the
+experts the router chose for this rank's tokens into a counter on the rank's device (no host sync, no collective).
+At the monitor's window the counters of every layer go into one all-reduce over the training ranks, so every rank
+holds the routing of the global batch; ranks that see the same tokens (a tensor-parallel group) are counted once.
+A model without such layers gets no hook and no all-reduce.
 
 Routing collapse, the failure mixtures of experts are known for, is a window where one expert gets
 ``expert_imbalance`` times its fair share or more (the busiest expert over the mean: DeepSeek's MaxVio + 1), or
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..model.expert_compute import count_per_expert
-from ..model.experts import ExpertLayer, find_expert_layers, is_top_k, routed_choice
+from ..model.experts import ExpertLayer, find_expert_layers
 from .config import MonitorConfig
 from .rules import Finding
 
@@ -40,7 +40,7 @@ class ExpertLoad:
     """One MoE layer's routing over a window: the tokens each expert was given, over every data-parallel rank."""
 
     layer: str
-    """The ``experts`` module's name."""
+    """The routed-experts module's name."""
     label: str
     """Its short name in the trackers' figures (``layer3``)."""
     counts: tuple[int, ...]
@@ -87,7 +87,7 @@ def _pipelined(model: nn.Module) -> bool:
 
 
 class ExpertCounter:
-    """One rank's tokens per expert since the last window, counted by hooks on the models' ``experts`` modules."""
+    """One rank's tokens per expert since the last window, counted by hooks on the models' routed-experts modules."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -109,22 +109,21 @@ class ExpertCounter:
             self.layers.append(layer)
             self._counts.append(counts)
             self._handles.append(
-                layer.module.register_forward_pre_hook(self._hook(counts, layer.experts), with_kwargs=True)
+                layer.module.register_forward_pre_hook(self._hook(counts, layer), with_kwargs=True)
             )
 
     @staticmethod
-    def _hook(counts: torch.Tensor, experts: int) -> Any:
+    def _hook(counts: torch.Tensor, layer: ExpertLayer) -> Any:
         def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if not torch.is_grad_enabled() or _in_backward():  # evaluation, or a checkpointed block's recompute
                 return
-            chosen = routed_choice(args, kwargs)
-            if chosen is None:
+            routed = layer.routing(args, kwargs)
+            if routed is None:
                 return
-            if is_top_k(chosen):
-                counts.add_(count_per_expert(chosen.detach().to(counts.device), experts))
-            else:  # a count per expert: on the device (nothing read), or a list the model already read
-                given = torch.as_tensor(chosen[:experts], dtype=torch.int64).to(counts.device)
-                counts[: given.numel()].add_(given.detach())
+            if routed.top_k:
+                counts.add_(count_per_expert(torch.as_tensor(routed.chosen).detach().to(counts.device), layer.experts))
+            else:  # a count per expert of any dtype: on the device (nothing read), or a list the model already read
+                counts.add_(torch.as_tensor(routed.chosen).detach().to(counts.device, torch.int64))
 
         return hook
 

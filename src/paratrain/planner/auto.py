@@ -29,6 +29,7 @@ from torch import nn
 
 from ..composition import takes
 from ..errors import ConfigError
+from ..model.experts import find_expert_layers
 from ..model.structure import forward_pieces
 from ..sizes import GIB
 from .context_parallel import cp_pairs
@@ -102,13 +103,13 @@ def parameter_stats(model: nn.Module) -> ModelStats:
 
 def expert_shape(model: nn.Module, units: tuple[tuple[str, int], ...], cfg: GPTConfig) -> MoEShape | None:
     """``cfg``'s experts as ``model`` holds them (None for a dense shape): per forward piece (``units``' order) the
-    parameters under its modules named ``experts``, where transformers' MoE classes and paratrain's GPT keep the
-    routed experts (shared experts are named otherwise)."""
+    parameters of its routed-experts modules (:func:`paratrain.model.experts.find_expert_layers`: shared experts are
+    dense layers, not among them)."""
     if cfg.moe is None:
         return None
     pieces = dict(forward_pieces(model))
     routed = tuple(
-        sum(p.numel() for n, p in pieces[name].named_parameters() if "experts" in n.split(".")[:-1])
+        sum(p.numel() for layer in find_expert_layers(pieces[name]) for p in layer.module.parameters())
         if name in pieces
         else 0
         for name, _ in units

@@ -32,6 +32,10 @@ class Experts(nn.Module):
     """The routed experts of one block: their two matrices fused over the experts (``[experts, out, in]``, dimension
     0 the expert, as transformers' ``experts`` modules hold them: what expert parallelism splits)."""
 
+    takes_host_counts = True
+    """Its counts may come as a host list (:data:`paratrain.model.experts.TAKES_HOST_COUNTS`): expert parallelism
+    then hands it the list it has read, and the loop of matmuls reads nothing more."""
+
     def __init__(self, experts: int, hidden: int, ffn: int, gated: bool, bias: bool) -> None:
         super().__init__()
         inner = (2 if gated else 1) * ffn

@@ -1,24 +1,28 @@
 """The routed experts of a mixture-of-experts model, found and made to run over an expert group.
 
-A routed-experts module is one named ``experts`` holding fused 3-D parameters whose dimension 0 is the expert (as
-transformers' Mixtral, Qwen-MoE, OLMoE and GPT-OSS hold them, and :class:`paratrain.workloads.experts.Experts`).
-Its block's routing code stays as it is: only the module's ``forward`` is replaced, on the instance, by one that
-sends each row to the rank holding its expert (:func:`.dispatch.exchange`), computes it there with the local slice
-of the experts (local expert indices), and brings the outputs back. The computation is the module's ORIGINAL
-forward, except for transformers' fused experts (``gate_up_proj``/``down_proj``, marked by transformers 5's
-``use_experts_implementation``), which :func:`paratrain.model.expert_compute.run_fused_experts` runs as they do,
-with grouped GEMM where the device has it and without the host reads of their own loop. A layer reads its counts on
-the host once per forward (the all-to-all's splits), nothing more. Two interfaces:
+A routed-experts module is found by what it is (:func:`paratrain.model.experts.find_expert_layers`: fused 3-D
+parameters whose dimension 0 is the expert, a forward that takes the router's choice; any name), as transformers'
+Mixtral, Qwen-MoE, OLMoE and GPT-OSS, torchtitan's ``GroupedExperts`` and :class:`paratrain.workloads.experts.Experts`
+hold them. Its block's routing code stays as it is: only the module's ``forward`` is replaced, on the instance, by
+one that sends each row to the rank holding its expert (:func:`.dispatch.exchange`), computes it there with the
+local slice of the experts (local expert indices), and brings the outputs back. The computation is the module's
+ORIGINAL forward, called in the model's own convention, except for transformers' fused experts
+(``gate_up_proj``/``down_proj``, marked by transformers 5's ``use_experts_implementation``), which
+:func:`paratrain.model.expert_compute.run_fused_experts` runs as they do, with grouped GEMM where the device has it
+and without the host reads of their own loop. A layer reads its counts on the host once per forward (the
+all-to-all's splits), nothing more. Each call's convention is read from what it carries
+(:class:`paratrain.model.experts.Routing`), not from argument names:
 
-- transformers': ``forward(hidden_states, top_k_index, top_k_weights)``; each (token, k) slot is sent, computed with
+- ``(hidden_states, index [tokens, k], weights)`` (transformers): each (token, k) slot is sent, computed with
   weight 1, and weighted and added in token order on its own rank (the expert's output times the weight, as the
   original forward computes it); an index equal to ``num_experts`` is a sentinel and skipped, as there.
-- ours: ``forward(rows sorted by expert, counts)``: the rows are sent as they are.
+- ``(rows sorted by expert, counts)``: the rows are sent as they are, and the local experts get their counts as the
+  model gave them: a tensor of its dtype on its device (torchtitan's float ``histc`` counts stay floats), or a list.
 """
 
 from __future__ import annotations
 
-import inspect
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ...errors import ConfigError
 from ...model.expert_compute import count_per_expert, fused_gate, grouped_mm_fits, run_fused_experts
-from ...model.experts import ExpertLayer, find_expert_layers
+from ...model.experts import TAKES_HOST_COUNTS, ExpertLayer, Routing, find_expert_layers
 from .dispatch import exchange
 
 
@@ -38,13 +42,21 @@ from .dispatch import exchange
 class ExpertsLayer:
     """One routed-experts module of a model and what expert parallelism splits of it."""
 
-    name: str
-    module: nn.Module
-    experts: int
+    found: ExpertLayer
     split: tuple[str, ...]
     """Its own parameters whose dimension 0 is the expert: each rank holds a slice of them."""
-    interface: str
-    """``"topk"`` (transformers: hidden_states, top_k_index, top_k_weights) or ``"rows"`` (rows, counts)."""
+
+    @property
+    def name(self) -> str:
+        return self.found.name
+
+    @property
+    def module(self) -> nn.Module:
+        return self.found.module
+
+    @property
+    def experts(self) -> int:
+        return self.found.experts
 
 
 def find_experts(model: nn.Module, degree: int, required: bool = True) -> list[ExpertsLayer]:
@@ -54,8 +66,8 @@ def find_experts(model: nn.Module, degree: int, required: bool = True) -> list[E
     layers = [_layer(found) for found in find_expert_layers(model)]
     if not layers and required:
         raise ConfigError(
-            f"ep={degree} splits a mixture of experts' routed experts, but {type(model).__name__} has "
-            "no module named 'experts' with 3-D [experts, out, in] parameters; drop ep for a dense model"
+            f"ep={degree} splits a mixture of experts' routed experts, but {type(model).__name__} has no module "
+            "with 3-D [experts, out, in] parameters called with the router's choice; drop ep for a dense model"
         )
     for layer in layers:
         if layer.experts % degree:
@@ -67,26 +79,15 @@ def find_experts(model: nn.Module, degree: int, required: bool = True) -> list[E
 
 
 def _layer(found: ExpertLayer) -> ExpertsLayer:
-    name, module, experts = found.name, found.module, found.experts
-    params = dict(module.named_parameters(recurse=False))
-    split = tuple(n for n, p in params.items() if p.dim() >= 1 and p.shape[0] == experts)
+    params = dict(found.module.named_parameters(recurse=False))
+    split = tuple(n for n, p in params.items() if p.dim() >= 1 and p.shape[0] == found.experts)
     whole = sorted(set(params) - set(split))
     if whole:
         raise ConfigError(
-            f"ep cannot split {name}: its parameters {whole} have no expert dimension (dimension 0 of "
-            f"size {experts}); keep only per-expert tensors in an 'experts' module"
+            f"ep cannot split {found.name}: its parameters {whole} have no expert dimension (dimension 0 of "
+            f"size {found.experts}); keep only per-expert tensors in the routed-experts module"
         )
-    arguments = list(inspect.signature(module.forward).parameters)
-    if "counts" in arguments:
-        interface = "rows"
-    elif len(arguments) >= 3:
-        interface = "topk"
-    else:
-        raise ConfigError(
-            f"ep does not know how to call {name} ({type(module).__name__}.forward{tuple(arguments)}); "
-            "it takes (hidden_states, top_k_index, top_k_weights) or (rows, counts)"
-        )
-    return ExpertsLayer(name, module, experts, split, interface)
+    return ExpertsLayer(found, split)
 
 
 def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch.dtype | None = None) -> None:
@@ -95,45 +96,52 @@ def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch
     when given: the compute dtype of mixed precision, where no FSDP unit casts them)."""
     module, original = layer.module, layer.module.forward
     n_local = layer.experts // dist.get_world_size(group)
+    fused = fused_gate(module) is not None
+    host_counts = getattr(module, TAKES_HOST_COUNTS, False)
 
-    fused = layer.interface == "topk" and fused_gate(module) is not None
-
-    def run(rows: torch.Tensor, counts: torch.Tensor, host: list[int]) -> torch.Tensor:
+    def run(given: Routing, rows: torch.Tensor, counts: torch.Tensor, host: list[int]) -> torch.Tensor:
         with _local(module, layer.split, n_local, dtype) as held:
-            if fused:  # transformers' fused experts, computed here from the counts: no host read of their own
+            if given.top_k and fused:  # transformers' fused experts, computed here: no host read of their own
                 out = run_fused_experts(module, rows, counts, host)
-            elif layer.interface == "rows":  # the device counts where grouped GEMM takes them, else the host's
-                out = original(rows, counts if grouped_mm_fits(rows, *(t for t in held if t.dim() == 3)) else host)
-            else:
+            elif given.top_k:
                 index = torch.arange(n_local, device=rows.device).repeat_interleave(counts, output_size=len(rows))
-                out = original(rows, index[:, None], torch.ones((len(rows), 1), dtype=rows.dtype, device=rows.device))
+                index = index.to(torch.as_tensor(given.chosen).dtype)[:, None]  # the model's own index dtype
+                out = original(rows, index, torch.ones((len(rows), 1), dtype=rows.dtype, device=rows.device))
+            else:
+                matrices = [t for t in held if t.dim() == 3]
+                on_host = isinstance(given.chosen, list) or (host_counts and not grouped_mm_fits(rows, *matrices))
+                out = original(rows, host if on_host else _like(counts, given.chosen))
         # Every parameter gets a gradient, zeros where no row came: one process's experts tensor always gets one (some
         # expert of the layer is hit), and an optimizer skips a parameter without one (no weight decay, no momentum).
         return out + sum(t[:0].sum() for t in held).to(out.dtype)
 
-    route = _rows_forward if layer.interface == "rows" else _topk_forward
-    signature = inspect.signature(original)
+    def forward(*args: object, **kwargs: object) -> torch.Tensor:  # read by position, whatever the model names them
+        given = layer.found.routing(args, kwargs)
+        if given is None:
+            raise ConfigError(
+                f"ep split {layer.name} ({type(module).__name__}: 3-D parameters of {layer.experts} experts), but "
+                f"its call carries neither counts per expert (rows, a tensor or list of {layer.experts}) nor each "
+                "token's experts (hidden_states, index [tokens, k], weights); call it so, or drop ep"
+            )
+        computed = functools.partial(run, given)
+        if given.top_k:
+            return _topk_forward(given, computed, layer.experts, group)
+        return exchange(given.rows, torch.as_tensor(given.chosen, device=given.rows.device), group, computed)
 
-    def forward(*args: object, **kwargs: object) -> torch.Tensor:  # by position, whatever the model names them
-        return route(run, layer.experts, group, *signature.bind(*args, **kwargs).arguments.values())
-
+    forward.__signature__ = layer.found.signature  # type: ignore[attr-defined]  # hooks read calls as the model's
     module.forward = forward
 
 
-def _rows_forward(
-    run: Callable, experts: int, group: dist.ProcessGroup, rows: torch.Tensor, counts: torch.Tensor | list[int]
-) -> torch.Tensor:
-    return exchange(rows, torch.as_tensor(counts, device=rows.device), group, run)
+def _like(counts: torch.Tensor, given: torch.Tensor | list[int]) -> torch.Tensor:
+    """The local experts' ``counts`` (int64, on the rows' device) in the dtype the model gave its own, on its
+    device (a copy on the device: nothing read)."""
+    assert isinstance(given, torch.Tensor)
+    return counts.to(device=given.device, dtype=given.dtype)
 
 
-def _topk_forward(
-    run: Callable,
-    experts: int,
-    group: dist.ProcessGroup,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-) -> torch.Tensor:
+def _topk_forward(given: Routing, run: Callable, experts: int, group: dist.ProcessGroup) -> torch.Tensor:
+    hidden_states, top_k_index, top_k_weights = given.rows, given.chosen, given.weights
+    assert isinstance(top_k_index, torch.Tensor) and top_k_weights is not None
     chosen = top_k_index.flatten()
     slots = chosen.argsort(stable=True)  # index == experts, the sentinel the original forward skips, sorts last
     counts = count_per_expert(chosen, experts)
