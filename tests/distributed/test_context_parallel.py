@@ -33,6 +33,13 @@ WORLD2 = [
     ("gpt2", "zero2", {"cp": 2}, "batch"),
     ("gpt_loss", "ddp", {"cp": 2}, "own"),
     ("llama", "ddp", {"cp": 2, "activation_checkpointing": True}, "batch"),
+    # torchtitan's shapes: attention found by its SDPA call, 2-D positions, latent attention (v narrower than q, k)
+    ("titan_llama", "ddp", {"cp": 2}, "loss_fn"),
+    ("titan_llama", "zero3", {"cp": 2}, "loss_fn"),
+    ("titan_qwen3", "ddp", {"cp": 2}, "loss_fn"),
+    ("titan_qwen3", "zero3", {"cp": 2}, "loss_fn"),
+    ("titan_dsv3", "ddp", {"cp": 2}, "loss_fn"),
+    ("titan_dsv3", "zero3", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),
 ]
 WORLD4 = [
     ("llama", "zero3", {"cp": 2}, "batch"),
@@ -41,12 +48,18 @@ WORLD4 = [
     ("gpt2", "zero3", {"cp": 4}, "labels"),
     ("gpt", "ddp", {"cp": 4}, "loss_fn"),
     ("gpt", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
+    ("titan_llama_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
+    ("titan_qwen3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
+    ("titan_dsv3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
 ]
 REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",
     "4-D mask": "cp takes a 2-D attention_mask",
     "heads": "1 key/value heads do not divide over the 2 ranks that split them (tp x cp)",
-    "no attention": "cp found no attention in Sequential",
+    "no attention": "cp found no attention in NoAttention",
+    "attn_mask": "MaskedAttention calls scaled_dot_product_attention with an explicit attn_mask, which cp cannot",
+    "sdpa heads": "attention sees 4 query and 1 key/value heads on this rank, which cp=2 cannot split",
+    "positions shape": "cp cuts positions= along the sequence as it does the inputs: [seq] or [batch or 1, seq], got",
     "loss_chunk": "loss_chunk does not run here: cp hands the head a slice",
     "zero1 cp=2": "strategy 'zero1' does not take cp",
     "pipeline cp=2": "'pipeline' does not take cp",
