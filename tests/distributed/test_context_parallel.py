@@ -40,6 +40,7 @@ WORLD2 = [
     ("titan_qwen3", "zero3", {"cp": 2}, "loss_fn"),
     ("titan_dsv3", "ddp", {"cp": 2}, "loss_fn"),
     ("titan_dsv3", "zero3", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),
+    ("inline", "ddp", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),  # SDPA in the checkpointed block
 ]
 WORLD4 = [
     ("llama", "zero3", {"cp": 2}, "batch"),

@@ -122,6 +122,36 @@ def titan(**config: object) -> Callable[[], nn.Module]:
     return build
 
 
+class InlineBlock(nn.Module):
+    """A block that calls SDPA in its own forward (no attention module of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.qkv = nn.Linear(32, 96)
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 4, 24).transpose(1, 2).chunk(3, dim=-1)
+        return x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+class InlineDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.layers = nn.ModuleList(InlineBlock() for _ in range(2))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 class MaskedAttention(nn.Module):
     """Attention calling SDPA with a mask it built for the sequence it sees: one cp cannot rebuild."""
 
@@ -158,6 +188,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "titan_llama_h8": titan(heads=8, kv_heads=4),
     "titan_qwen3_h8": titan(heads=8, kv_heads=4, qk_norm=True, tied=True),
     "titan_dsv3_h8": titan(heads=8, layers=3, latent=True, experts=4),
+    "inline": InlineDecoder,
 }
 
 

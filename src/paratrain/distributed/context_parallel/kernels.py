@@ -75,11 +75,19 @@ class KernelCalls(TorchFunctionMode):
         self.callers: dict[str, nn.Module] = {}
         self.learning = True
         self.depth = 0
+        self.exchanging = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func not in KERNELS:
+        if func not in KERNELS or self.exchanging:  # the kernel this mode calls, where it is entered twice
             return func(*args, **kwargs)
+        self.exchanging = True
+        try:
+            return self._exchanged(args, kwargs)
+        finally:
+            self.exchanging = False
+
+    def _exchanged(self, args: tuple, kwargs: dict) -> torch.Tensor:
         where = "attention"
         if self.learning:  # the first call: whose call is it (every later call comes from a module noted here)
             caller = self._caller()
