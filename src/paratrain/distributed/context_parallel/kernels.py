@@ -6,7 +6,8 @@ whole forward runs under a :class:`~torch.overrides.TorchFunctionMode` that sees
 (:func:`ulysses_sdpa`) and notes the innermost module of the model whose method made it. From then on the mode is
 active only while those modules run (a pre-hook enters it, a forward hook that runs even when the forward raises
 leaves it), so the rest of the forward pays nothing for it, and activation checkpointing's recompute, which calls the
-modules again in backward, sees whole sequences as the forward did.
+modules again in backward, sees whole sequences as the forward did (a block that calls SDPA in its own checkpointed
+forward is recomputed under the function modes its forward ran under: :mod:`paratrain.model.transforms`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class KernelCalls(TorchFunctionMode):
 
     def _caller(self) -> nn.Module | None:
         """The innermost module of the model on the call stack (a method of it is running)."""
-        frame = sys._getframe(2)
+        frame = sys._getframe(3)  # past this mode's own methods
         while frame is not None:
             found = self.modules.get(id(frame.f_locals.get("self")))
             if found is not None:
@@ -140,7 +141,7 @@ class KernelCalls(TorchFunctionMode):
                 "scaled_dot_product_attention call, a transformers attention module, or a module with "
                 "is_attention_kernel = True mapping q, k, v [b, h, s, d] to [b, h, s, d]); train it without cp"
             )
-        self.learning = False
+        self.learning, self.modules, self.names = False, {}, {}
         for handle in first:
             handle.remove()
         for module in self.callers.values():
