@@ -66,6 +66,7 @@ REFUSED = {
     "pipeline cp=2": "'pipeline' does not take cp",
     "ddp cp=3": "ddp with cp=3 needs a number of processes (beside tp) that cp divides, got 2",
 }
+REFUSED4 = {"tp x cp heads": "inner_attention: attention sees 2 query and 1 key/value heads on this rank, which cp=2"}
 LONG = 256  # tokens of the sequence whose activations are measured
 
 
@@ -81,7 +82,7 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    cases = [*WORLD4, ("activations", LONG)]
+    cases = [*WORLD4, ("activations", LONG), *(("refuse", r) for r in REFUSED4)]
     return spawn(w.run_cases, 4, (cases, str(tmp_path_factory.mktemp("cp4"))), timeout_s=300)[0]
 
 
@@ -121,6 +122,13 @@ def test_cp_under_hsdp_world8_equals_one_process(tmp_path):
 def test_cp_bad_input_is_one_line(world2, case):
     error = world2[key(("refuse", case))]["error"]
     assert error is not None and REFUSED[case] in error and "\n" not in error
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("case", list(REFUSED4))
+def test_cp_bad_input_under_tp_is_one_line(world4, case):
+    error = world4[key(("refuse", case))]["error"]
+    assert error is not None and REFUSED4[case] in error and "\n" not in error
 
 
 @pytest.mark.launched

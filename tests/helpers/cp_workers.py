@@ -309,6 +309,9 @@ def refusal(case: str) -> dict:
     elif case == "heads":
         par = paratrain.Parallel("ddp", monitor=False, cp=2)
         par.prepare(llama(kv_heads=1))
+    elif case == "tp x cp heads":
+        model = paratrain.Parallel("zero3", monitor=False, cp=2, tp=2).prepare(shapes.titan_llama())
+        model(torch.zeros(1, SEQ, dtype=torch.long))
     elif case in KERNEL_REFUSALS:
         build, kwargs = KERNEL_REFUSALS[case]
         model = paratrain.Parallel("ddp", monitor=False, cp=2).prepare(build())
