@@ -33,6 +33,14 @@ WORLD2 = [
     ("gpt2", "zero2", {"cp": 2}, "batch"),
     ("gpt_loss", "ddp", {"cp": 2}, "own"),
     ("llama", "ddp", {"cp": 2, "activation_checkpointing": True}, "batch"),
+    # torchtitan's shapes: attention found by its SDPA call, 2-D positions, latent attention (v narrower than q, k)
+    ("titan_llama", "ddp", {"cp": 2}, "loss_fn"),
+    ("titan_llama", "zero3", {"cp": 2}, "loss_fn"),
+    ("titan_qwen3", "ddp", {"cp": 2}, "loss_fn"),
+    ("titan_qwen3", "zero3", {"cp": 2}, "loss_fn"),
+    ("titan_dsv3", "ddp", {"cp": 2}, "loss_fn"),
+    ("titan_dsv3", "zero3", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),
+    ("inline", "ddp", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),  # SDPA in the checkpointed block
 ]
 WORLD4 = [
     ("llama", "zero3", {"cp": 2}, "batch"),
@@ -41,17 +49,24 @@ WORLD4 = [
     ("gpt2", "zero3", {"cp": 4}, "labels"),
     ("gpt", "ddp", {"cp": 4}, "loss_fn"),
     ("gpt", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
+    ("titan_llama_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
+    ("titan_qwen3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
+    ("titan_dsv3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
 ]
 REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",
     "4-D mask": "cp takes a 2-D attention_mask",
     "heads": "1 key/value heads do not divide over the 2 ranks that split them (tp x cp)",
-    "no attention": "cp found no attention in Sequential",
+    "no attention": "cp found no attention in NoAttention",
+    "attn_mask": "MaskedAttention calls scaled_dot_product_attention with an explicit attn_mask, which cp cannot",
+    "sdpa heads": "attention sees 4 query and 1 key/value heads on this rank, which cp=2 cannot split",
+    "positions shape": "cp cuts positions= along the sequence as it does the inputs: [seq] or [batch or 1, seq], got",
     "loss_chunk": "loss_chunk does not run here: cp hands the head a slice",
     "zero1 cp=2": "strategy 'zero1' does not take cp",
     "pipeline cp=2": "'pipeline' does not take cp",
     "ddp cp=3": "ddp with cp=3 needs a number of processes (beside tp) that cp divides, got 2",
 }
+REFUSED4 = {"tp x cp heads": "inner_attention: attention sees 2 query and 1 key/value heads on this rank, which cp=2"}
 LONG = 256  # tokens of the sequence whose activations are measured
 
 
@@ -67,7 +82,7 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    cases = [*WORLD4, ("activations", LONG)]
+    cases = [*WORLD4, ("activations", LONG), *(("refuse", r) for r in REFUSED4)]
     return spawn(w.run_cases, 4, (cases, str(tmp_path_factory.mktemp("cp4"))), timeout_s=300)[0]
 
 
@@ -107,6 +122,13 @@ def test_cp_under_hsdp_world8_equals_one_process(tmp_path):
 def test_cp_bad_input_is_one_line(world2, case):
     error = world2[key(("refuse", case))]["error"]
     assert error is not None and REFUSED[case] in error and "\n" not in error
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("case", list(REFUSED4))
+def test_cp_bad_input_under_tp_is_one_line(world4, case):
+    error = world4[key(("refuse", case))]["error"]
+    assert error is not None and REFUSED4[case] in error and "\n" not in error
 
 
 @pytest.mark.launched

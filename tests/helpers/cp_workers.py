@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
+from helpers import shapes
 from helpers.activations import saved_bytes
 from helpers.cases import each_case
 from paratrain.testing import max_abs_diff
@@ -111,12 +112,83 @@ class GPTWithLoss(nn.Module):
         return logits, lm_loss(logits, targets)
 
 
+def titan(**config: object) -> Callable[[], nn.Module]:
+    """A torchtitan-shaped model (helpers/shapes.py): attention found by its SDPA call, 2-D ``positions``."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return shapes.Decoder(shapes.ShapeConfig(**config))
+
+    return build
+
+
+class InlineBlock(nn.Module):
+    """A block that calls SDPA in its own forward (no attention module of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.qkv = nn.Linear(32, 96)
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 4, 24).transpose(1, 2).chunk(3, dim=-1)
+        return x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+class InlineDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.layers = nn.ModuleList(InlineBlock() for _ in range(2))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class MaskedAttention(nn.Module):
+    """Attention calling SDPA with a mask it built for the sequence it sees: one cp cannot rebuild."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        b, s = idx.shape
+        q = self.emb(idx).view(b, s, 2, 4).transpose(1, 2)
+        mask = torch.ones(s, s, dtype=torch.bool, device=idx.device).tril()
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+class NoAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.emb(idx)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "llama": llama,
     "qwen2": qwen2,
     "gpt2": gpt2,
     "gpt": gpt,
     "gpt_loss": GPTWithLoss,
+    "titan_llama": shapes.titan_llama,
+    "titan_qwen3": shapes.titan_qwen3,
+    "titan_dsv3": shapes.titan_dsv3,
+    # heads (and key/value heads) that tp=2 x cp=2 divide
+    "titan_llama_h8": titan(heads=8, kv_heads=4),
+    "titan_qwen3_h8": titan(heads=8, kv_heads=4, qk_norm=True, tied=True),
+    "titan_dsv3_h8": titan(heads=8, layers=3, latent=True, experts=4),
+    "inline": InlineDecoder,
 }
 
 
@@ -217,6 +289,15 @@ def reference(name: str, mode: str, replicas: int) -> tuple[dict[str, torch.Tens
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
+KERNEL_REFUSALS: dict[str, tuple[Callable[[], nn.Module], dict]] = {
+    "no attention": (NoAttention, {}),
+    "attn_mask": (MaskedAttention, {}),
+    "sdpa heads": (titan(kv_heads=1), {}),
+    "positions shape": (titan(), {"positions": torch.arange(SEQ)[None, None]}),
+}
+"""Models whose attention cp finds by its kernel call, called once (what cp refuses shows on the first call)."""
+
+
 def refusal(case: str) -> dict:
     """A bad input under cp: the one line it raises (each_case reports it)."""
     if case == "uneven sequence":
@@ -228,8 +309,13 @@ def refusal(case: str) -> dict:
     elif case == "heads":
         par = paratrain.Parallel("ddp", monitor=False, cp=2)
         par.prepare(llama(kv_heads=1))
-    elif case == "no attention":
-        paratrain.Parallel("ddp", monitor=False, cp=2).prepare(nn.Sequential(nn.Embedding(VOCAB, 8)))
+    elif case == "tp x cp heads":
+        model = paratrain.Parallel("zero3", monitor=False, cp=2, tp=2).prepare(shapes.titan_llama())
+        model(torch.zeros(1, SEQ, dtype=torch.long))
+    elif case in KERNEL_REFUSALS:
+        build, kwargs = KERNEL_REFUSALS[case]
+        model = paratrain.Parallel("ddp", monitor=False, cp=2).prepare(build())
+        model(torch.zeros(1, SEQ, dtype=torch.long), **kwargs)
     elif case == "loss_chunk":
         par = paratrain.Parallel("ddp", monitor=False, cp=2, model=paratrain.ModelConfig(loss_chunk=8))
         model = par.prepare(llama())

@@ -156,6 +156,12 @@ def layouts(world: int, accelerator: str, folder: str) -> list[Case]:
             ("llama", "ddp", {"cp": 2, **acc}, "labels", at("cp")),
             verdict=equals(cp_state, "llama", "labels", 1, tol=TOL),
         ),
+        Case(  # attention found by its SDPA call (CUDA's flash/cuDNN kernels under the exchange), latent attention
+            "titan_dsv3 zero3 cp=2",
+            cp_workers.run_case,
+            ("titan_dsv3", "zero3", {"cp": 2, **acc}, "loss_fn", at("cp-sdpa")),
+            verdict=equals(cp_state, "titan_dsv3", "loss_fn", 1, tol=TOL),
+        ),
         _mlp("pipeline 1f1b", "pipeline", 2, 1, {**acc, "schedule": "1f1b", "microbatches": 4}, per_rank=2 * BATCH),
         _async("ddp", acc, at("async-ddp")),
         _async("zero3", acc, at("async-zero3")),

@@ -202,8 +202,10 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:
             cos, sin = self.cos[: tokens.shape[1]], self.sin[: tokens.shape[1]]
-        else:
+        elif positions.dim() == 2:  # [1 or b, s]: torchtitan's rotary asserts this shape
             cos, sin = self.cos[positions], self.sin[positions]
+        else:
+            raise ValueError(f"positions must be [1 or batch, seq], got {list(positions.shape)}")
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

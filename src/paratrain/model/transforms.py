@@ -15,10 +15,14 @@ is compiled.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
@@ -69,4 +73,22 @@ def _checkpointed(forward, *args, **kwargs):
     causal SDPA the doubled keys happen to give the same result). transformers' own checkpointing drops it alike."""
     if torch.is_grad_enabled():
         kwargs = {k: None if k in CACHES else False if k == "use_cache" else v for k, v in kwargs.items()}
+    modes = () if torch.compiler.is_compiling() else _function_modes()
+    if modes:
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _entered(modes))
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _function_modes() -> tuple[TorchFunctionMode, ...]:
+    """The torch function modes active now, but the device context (the recompute restores that one itself)."""
+    return tuple(m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext))
+
+
+@contextlib.contextmanager
+def _entered(modes: tuple[TorchFunctionMode, ...]) -> Iterator[None]:
+    """The recompute under the function modes its forward ran under: context parallelism's exchange around the
+    attention kernels a block calls in its own forward (:mod:`paratrain.distributed.context_parallel.kernels`)."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield

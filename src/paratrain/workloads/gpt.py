@@ -139,9 +139,11 @@ class GPT(nn.Module):
             self.head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions``: the global positions of ``idx``'s tokens (default ``0 … seq-1``); a rank that holds a slice
-        of the sequence (context parallelism) passes its slice's."""
+        """``positions``: the global positions of ``idx``'s tokens, ``[seq]`` or ``[1, seq]`` (default ``0 … seq-1``);
+        a rank that holds a slice of the sequence (context parallelism) passes its slice's."""
         x = self.wte(idx)
+        if positions is not None and positions.dim() == 2 and positions.shape[0] == 1:
+            positions = positions[0]  # one row for the batch: the position table's rows are the sequence's
         if self.wpe is not None:
             x = x + self.wpe(positions if positions is not None else torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:

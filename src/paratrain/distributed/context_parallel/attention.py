@@ -1,6 +1,6 @@
 """Finding a model's attention by what it is, and making each one see whole sequences (:mod:`.ulysses`).
 
-Two kinds are known, each wrapped per module (the process's other models are untouched):
+Two kinds are known by what they are, each wrapped per module (the process's other models are untouched):
 
 * transformers' attention modules (Llama, Qwen2, GPT-2, … in transformers 5) call the function
   ``ALL_ATTENTION_FUNCTIONS`` names in ``config._attn_implementation`` with q, k, v ``[b, h, s, d]`` and a mask.
@@ -10,7 +10,8 @@ Two kinds are known, each wrapped per module (the process's other models are unt
 * an attention kernel module (``is_attention_kernel = True``, as paratrain's GPT has): its forward maps q, k, v
   ``[b, h, s, d]`` to ``[b, h, s, d]`` on whole sequences, causal by itself; hooks exchange around it.
 
-Heads and key/value heads must divide by the ranks that split them (tp x cp); a model with neither kind is one line.
+Heads and key/value heads must divide by the ranks that split them (tp x cp). A model with neither kind has its
+attention found by what it does, the module around a ``scaled_dot_product_attention`` call (:mod:`.kernels`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from .kernels import find_by_calls
 from .masks import attend
 from .sequence import SequenceSplit
 from .ulysses import heads_to_sequence, sequence_to_heads
@@ -110,7 +112,8 @@ def _is_hf_attention(module: nn.Module) -> bool:
 
 
 def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int) -> int:
-    """Make every attention of ``model`` see whole sequences over ``split``'s group; returns how many were found.
+    """Make every attention of ``model`` see whole sequences over ``split``'s group; returns how many were found
+    (0: none of the two kinds, attention is found by its kernel calls on the first call, :mod:`.kernels`).
     ``heads_split``: the ranks that split the heads (tp x cp)."""
     found = 0
     for name, module in model.named_modules():
@@ -134,11 +137,7 @@ def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int) -> 
         _register()
         config._attn_implementation = DISPATCH_NAME
     if not found:
-        raise ConfigError(
-            f"cp found no attention in {type(model).__name__} to split the sequence around (a "
-            "transformers attention module, or a module with is_attention_kernel = True mapping q, k, v "
-            "[b, h, s, d] to [b, h, s, d]); train it without cp"
-        )
+        find_by_calls(model, split)
     return found
 
 

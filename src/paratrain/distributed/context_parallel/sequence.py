@@ -2,8 +2,8 @@
 
 The script hands the model whole sequences, as without cp. A forward pre-hook on the model (:meth:`SequenceSplit.
 before`) gives it this rank's 1/C of each along dimension 1: the inputs (``input_ids``, ``inputs_embeds``, the
-first positional input, a 2-D ``attention_mask``), the global positions of the slice (``position_ids=`` for
-transformers models, ``positions=`` for paratrain's GPT: rotary angles and learned positions are the whole
+first positional input, a 2-D ``attention_mask``), the global positions of the slice (``position_ids=`` or
+``positions=``, ``[1, seq/C]`` unless the call gave its own: rotary angles and learned positions are the whole
 sequence's), and the loss's targets. A causal LM's ``labels=`` are shifted before the split (``shift_labels=``:
 the last token of a slice predicts the first of the next), and the whole sequence's token count is handed to the
 model as ``num_items_in_batch``, so each rank's loss is its tokens' sum over the whole count; other targets are
@@ -118,15 +118,19 @@ class SequenceSplit:
         return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
 
     def _positions(self, given: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
-        """The global positions of the call's tokens: ``[1, seq]`` for ``position_ids`` (cut with the inputs below),
-        and for a 1-D ``positions`` (paratrain's GPT, whose tensor-parallel plan splits the position table's output
-        by rows) this rank's slice of them."""
+        """The global positions of the call's tokens: none given, ``[1, seq]`` (transformers' ``position_ids``,
+        torchtitan's ``positions``: a row broadcast over the batch), cut with the inputs below; a given tensor keeps
+        its shape, a 1-D one (``[seq]``) sliced here, ``[batch or 1, seq, ...]`` cut below."""
         if given is None:
-            given = torch.arange(length, device=device)
-            given = given[None] if self.positions == "position_ids" else given
-        if given.dim() == 1:
+            return torch.arange(length, device=device)[None]
+        if given.dim() == 1 and given.shape[0] == length:
             size = length // self.ranks
             return given.narrow(0, self.rank * size, size)
+        if given.dim() < 2 or given.shape[1] != length:
+            raise ConfigError(
+                f"cp cuts {self.positions}= along the sequence as it does the inputs: [seq] or [batch or 1, seq], "
+                f"got {list(given.shape)} for sequences of {length} tokens; pass one of those shapes"
+            )
         return given
 
     def _targets(self, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> bool:
