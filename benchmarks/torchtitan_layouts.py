@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import types
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,7 +81,7 @@ def build(name: str) -> torch.nn.Module:
         from torchtitan.models.llama3.model.model import Transformer
 
         args = TransformerModelArgs(
-            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=16, max_seq_len=32
+            dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, multiple_of=16, max_seq_len=32
         )
         return _initialised(Transformer(args))
     if name == "qwen3":
@@ -93,9 +91,9 @@ def build(name: str) -> torch.nn.Module:
         args = Qwen3ModelArgs(
             dim=64,
             n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=16,
+            n_heads=8,
+            n_kv_heads=4,
+            head_dim=8,
             hidden_dim=96,
             vocab_size=VOCAB,
             max_seq_len=32,
@@ -107,7 +105,12 @@ def build(name: str) -> torch.nn.Module:
     from torchtitan.models.moe import MoEArgs
 
     moe = MoEArgs(
-        num_experts=4, num_shared_experts=1, top_k=2, use_grouped_mm=False, score_func="softmax", load_balance_coeff=None
+        num_experts=4,
+        num_shared_experts=1,
+        top_k=2,
+        use_grouped_mm=False,
+        score_func="softmax",
+        load_balance_coeff=None,
     )
     args = DeepSeekV3ModelArgs(
         vocab_size=VOCAB,
@@ -226,7 +229,7 @@ def main() -> None:
         cases = [c for c in cases_for(world) if not args.only or args.only in layout_name(c[1], c[2])]
         print(f"world {world}: {len(cases)} cases in one job", flush=True)
         results = spawn(run_job, world, (root, cases), timeout_s=1200)[0]
-        for (name, strategy, options), (key, result) in zip(cases, results.items(), strict=True):
+        for (name, strategy, options), result in zip(cases, results.values(), strict=True):
             row = {"world": world, "model": name, "layout": layout_name(strategy, options)}
             if "error" in result:
                 row.update(verdict="refused", detail=result["error"])

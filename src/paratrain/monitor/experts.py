@@ -108,9 +108,7 @@ class ExpertCounter:
             counts = torch.zeros(layer.experts, dtype=torch.int64, device=self.device)
             self.layers.append(layer)
             self._counts.append(counts)
-            self._handles.append(
-                layer.module.register_forward_pre_hook(self._hook(counts, layer), with_kwargs=True)
-            )
+            self._handles.append(layer.module.register_forward_pre_hook(self._hook(counts, layer), with_kwargs=True))
 
     @staticmethod
     def _hook(counts: torch.Tensor, layer: ExpertLayer) -> Any:
