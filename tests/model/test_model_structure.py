@@ -116,3 +116,49 @@ def test_model_parallel_opens_a_transformers_model_to_its_blocks_and_keeps_ties_
 def test_a_tied_module_of_a_user_class_is_sharded_only_with_its_partner():
     units = _unit_names(ZOO["nanogpt"].build(), wrap_classes=[nn.Linear, nn.Embedding], min_params=10**9)
     assert units[-1] == ["wte", "head"] and sum(u.count("head") for u in units) == 1
+
+
+class _Pair(nn.Module):
+    """Blocks as plain attributes, beside a norm of another class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block0 = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.block1 = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.norm = nn.LayerNorm(4)
+
+
+@pytest.mark.parametrize(
+    "name, container, count",
+    [("titan_llama", "layers", 2), ("titan_qwen3", "layers", 2), ("titan_dsv3", "layers", 3)],
+)
+def test_blocks_in_a_module_dict_and_of_several_shapes(name, container, count):
+    """torchtitan's layout: blocks keyed "0", "1", … in a ModuleDict; DeepSeek-V3's dense first block and its
+    mixture-of-experts blocks are one class of two shapes, all blocks."""
+    from helpers.zoo import SHAPES
+
+    model = SHAPES[name].build()
+    blocks = find_blocks(model)
+    assert (blocks.container, blocks.names) == (container, tuple(f"layers.{i}" for i in range(count)))
+    assert _unit_names(model) == [[n] for n in blocks.names] + (
+        [["tok_embeddings", "output"]] if "qwen3" in name else []
+    )
+
+
+def test_blocks_as_plain_attributes():
+    blocks = find_blocks(_Pair())
+    assert (blocks.container, blocks.names) == ("", ("block0", "block1"))
+
+
+def test_module_dict_blocks_are_cut_checkpointed_and_compiled_one_by_one():
+    from helpers.zoo import SHAPES
+
+    from paratrain.model.cuts import layers
+    from paratrain.model.transforms import transform_blocks
+    from paratrain.options import BlockTransforms
+
+    model = SHAPES["titan_llama"].build()
+    assert [n for n, _ in layers(model)] == ["tok_embeddings", "layers.0", "layers.1", "norm", "output"]
+    compiled = transform_blocks(model, ModelFacts.of(model), BlockTransforms.of(True, True))
+    assert compiled == ["layers.0", "layers.1"]
+    assert all("forward" in vars(b) and b._compiled_call_impl is not None for b in model.layers.values())

@@ -36,7 +36,7 @@ def transform_blocks(module: nn.Module, facts: ModelFacts, transforms: BlockTran
     if transforms.checkpoint_every and facts.blocks is None:
         raise ConfigError(
             f"activation checkpointing works per repeated block, and {type(module).__name__} has none "
-            "(no ModuleList/Sequential of one block class); turn it off for this model"
+            "(no two modules of one class with layers of their own, in one parent); turn it off for this model"
         )
     held = [(name, m) for name, m in module.named_modules() if id(m) in facts.block_index]
     if transforms.checkpoint_every:
