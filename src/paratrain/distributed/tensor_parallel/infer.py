@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils._pytree import tree_flatten
 
 from ...errors import ConfigError
+from ...model.experts import find_expert_layers
 from ...model.facts import ModelFacts
 from ...model.structure import Blocks, find_blocks, outer_modules
 from ...model.ties import Ties, find_ties
@@ -341,8 +342,9 @@ def _split_block(
 
 
 def _experts(block: nn.Module) -> list[str]:
-    """Modules holding one weight per expert stacked (``[experts, ...]``: three dimensions or more)."""
-    return [n for n, m in block.named_modules() if any(p.dim() >= 3 for p in m.parameters(recurse=False))]
+    """The block's routed experts (:func:`~paratrain.model.experts.find_expert_layers`: stacked per-expert weights
+    called with the router's choice), by name in the block."""
+    return [layer.name for layer in find_expert_layers(block)]
 
 
 def _layers(block: nn.Module) -> dict[str, nn.Module]:
