@@ -163,15 +163,31 @@ def train(name: str, strategy: str, options: dict) -> dict:
     try:
         model = build(name)
         model, opt = par.prepare(model, optimizer(model))
+        split = tp_split(par.unwrap(model))
         size, rank = par.data_parallel_size, par.data_parallel_rank
         for step in range(STEPS):
             x, y = batch(step, size * PER_RANK)
             x, y = x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK]
             with par.step(model, opt):
                 par.forward_backward(model, x.to(par.device), y.to(par.device), loss_fn)
-        return {"replicas": size, "state": par.full_state_dict(model, rank0_only=False)}
+        return {"replicas": size, "tp_split": split, "state": par.full_state_dict(model, rank0_only=False)}
     finally:
         par.close()
+
+
+def tp_split(model: torch.nn.Module) -> float | None:
+    """The share of the blocks' parameters (by elements) that tensor parallelism splits; None without tp."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def split(p: torch.Tensor) -> bool:
+        if not isinstance(p, DTensor) or "tp" not in (p.device_mesh.mesh_dim_names or ()):
+            return False
+        return isinstance(p.placements[p.device_mesh.mesh_dim_names.index("tp")], Shard)
+
+    params = [p for n, p in model.named_parameters() if n.startswith("layers.")]
+    if not any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) for p in params):
+        return None
+    return sum(p.numel() for p in params if split(p)) / sum(p.numel() for p in params)
 
 
 def run_job(root: str, cases: list[tuple[str, str, dict]]) -> dict[str, dict]:
@@ -237,7 +253,11 @@ def main() -> None:
                 diff = max_abs_diff(result["state"], reference(name, result["replicas"]))
                 row.update(verdict="equal" if diff <= TOL else "DIFFERS", max_diff=diff)
             rows.append(row)
+            if result.get("tp_split") is not None:
+                row["tp_split"] = result["tp_split"]
             detail = row.get("detail") or f"max |diff| {row['max_diff']:.1e}"
+            if "tp_split" in row:
+                detail += f", tp splits {row['tp_split']:.0%} of the blocks' parameters"
             print(f"  {world}  {name:12} {row['layout']:24} {row['verdict']:8} {detail}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
