@@ -130,8 +130,8 @@ def plan_stages(
     blocks = facts.blocks if facts is not None else find_blocks(model)
     if blocks is None:
         raise ConfigError(
-            f"pipeline cannot split {kind}: it has no repeated blocks (two or more modules of one "
-            "class with layers of their own, in one parent) to cut between; express it as nn.Sequential(...) or use ddp or fsdp"
+            f"pipeline cannot split {kind}: it has no repeated blocks (two or more modules of one class with "
+            "layers of their own, in one parent) to cut between; express it as nn.Sequential(...) or use ddp or fsdp"
         )
     before, after = outer_modules(model, blocks)
     _check_path(model, blocks)
