@@ -20,10 +20,12 @@ Subjects, each on the same weights, batch and optimizer, one after the other in 
 * ``every-linear``: a unit per ``nn.Linear``/``nn.Embedding`` (``wrap_classes``), what zero3's size rule made of
   this model while blocks in a ModuleDict were not found (each linear layer holds over ``min_params``=100K).
 
-Reported: the FSDP units each way (``fully_shard`` calls, the root's included), step time (each round's median on
-the slowest rank, then the median over rounds) and peak memory (the most tensor bytes alive at once on a rank
-during one more step, from torch's ``MemTracker``: parameters, gradients, optimizer state, activations,
-temporaries), with ratios to ``one-unit``, and each subject's loss after its steps (the same math: equal).
+Reported: the FSDP units each way (``fully_shard`` calls, the root's included), step time (each round's median on the
+slowest rank, then the median over rounds; ``paired``: the median of each round's ratio to ``one-unit`` in the same
+round, which a busy machine's drift between rounds cancels out of) and peak memory (the most tensor bytes alive at
+once on a rank during one more step, from torch's ``MemTracker``: parameters, gradients, optimizer state,
+activations, temporaries), with ratios to ``one-unit``, and each subject's loss after its steps (the same math:
+equal).
 """
 
 from __future__ import annotations
@@ -188,17 +190,21 @@ def main() -> None:
             }
         )
     one = next(r for r in rows if r["subject"] == "one-unit")
+    for r in rows:  # each round's ratio to one-unit in that round: what a busy machine's drift cancels out of
+        r["paired"] = statistics.median(t / o for t, o in zip(r["rounds_ms"], one["rounds_ms"], strict=True))
     params = sum(p.numel() for p in Decoder().parameters())
     print(
         f"model: {LAYERS} blocks in a ModuleDict, hidden {HIDDEN}, {params / 1e6:.1f}M parameters, seq {SEQ}, "
         f"{PER_RANK} samples per rank, AdamW, fp32, zero3 at world 2 (gloo); {a.rounds} rounds x {a.steps} steps"
     )
     print(
-        f"{'subject':<14} {'units':>5} {'step ms':>8} {'x one':>6} {'peak MiB':>9} {'x one':>6} {'loss':>8}  rounds ms"
+        f"{'subject':<14} {'units':>5} {'step ms':>8} {'x one':>6} {'paired':>6} {'peak MiB':>9} {'x one':>6} "
+        f"{'loss':>8}  rounds ms"
     )
     for r in rows:
         print(
             f"{r['subject']:<14} {r['units']:>5} {r['step_ms']:>8.1f} {r['step_ms'] / one['step_ms']:>6.3f} "
+            f"{r['paired']:>6.3f} "
             f"{r['peak_mib']:>9.1f} {r['peak_mib'] / one['peak_mib']:>6.3f} {r['loss']:>8.5f}  {r['rounds_ms']}"
         )
     if a.json:
