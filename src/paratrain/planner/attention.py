@@ -4,13 +4,13 @@ On the meta device ``F.scaled_dot_product_attention`` always takes its unfused p
 weights for backward: 576 MiB a sample in nanoGPT's 124M model at 1024 tokens (12 layers x 12 heads x 1024² x 4
 bytes), 74% more than the whole model's activations as training on a GPU (or torch's fused CPU kernel) keeps them.
 :class:`FusedAttention` sends those calls to torch's fused CPU kernel, which runs on the meta device and saves only
-the output and the log-sum-exp, as a GPU's flash kernel does. That kernel takes one head size for queries, keys
-and values; where the values' differs (DeepSeek-V3's multi-head latent attention: 192-wide query and key heads,
-128-wide value heads) a GPU runs the memory-efficient kernel, whose meta function gives the value-wide output and
-which saves the same tensors: the planner runs that one. ``FlopCounterMode`` counts no FLOP in the CPU kernel, and
-counts a recomputation of the scores in the memory-efficient one's backward: ``ATTENTION_FLOPS`` counts both as the
-unfused path's matrix products (the s x s scores and their weighted sum, twice that in backward), as the closed
-forms do (``transformer.transformer_stats``).
+the output and the log-sum-exp, as a GPU's flash kernel does. That kernel takes one head size for queries, keys and
+values; where the values' differs (DeepSeek-V3's multi-head latent attention: 192-wide query and key heads, 128-wide
+value heads) a GPU runs another fused kernel (memory-efficient or cuDNN attention), which saves the same tensors:
+the planner runs the memory-efficient one, whose meta function gives the value-wide output. ``FlopCounterMode``
+counts no FLOP in the CPU kernel, and counts a recomputation of the scores in the memory-efficient one's backward:
+``ATTENTION_FLOPS`` counts both as the unfused path's matrix products (the s x s scores and their weighted sum,
+twice that in backward), as the closed forms do (``transformer.transformer_stats``).
 """
 
 from __future__ import annotations
