@@ -4,8 +4,12 @@ On the meta device ``F.scaled_dot_product_attention`` always takes its unfused p
 weights for backward: 576 MiB a sample in nanoGPT's 124M model at 1024 tokens (12 layers x 12 heads x 1024² x 4
 bytes), 74% more than the whole model's activations as training on a GPU (or torch's fused CPU kernel) keeps them.
 :class:`FusedAttention` sends those calls to torch's fused CPU kernel, which runs on the meta device and saves only
-the output and the log-sum-exp, as a GPU's flash kernel does. ``FlopCounterMode`` counts no FLOP in that kernel:
-``ATTENTION_FLOPS`` counts them as the unfused path's matrix products (the s x s scores and their weighted sum,
+the output and the log-sum-exp, as a GPU's flash kernel does. That kernel takes one head size for queries, keys and
+values; where the values' differs (DeepSeek-V3's multi-head latent attention: 192-wide query and key heads, 128-wide
+value heads) a GPU runs another fused kernel (memory-efficient or cuDNN attention), which saves the same tensors:
+the planner runs the memory-efficient one, whose meta function gives the value-wide output. ``FlopCounterMode``
+counts no FLOP in the CPU kernel, and counts a recomputation of the scores in the memory-efficient one's backward:
+``ATTENTION_FLOPS`` counts both as the unfused path's matrix products (the s x s scores and their weighted sum,
 twice that in backward), as the closed forms do (``transformer.transformer_stats``).
 """
 
@@ -20,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import sdpa_flop_count
 
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
 
 
 def _forward_flops(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *args: object, **kwargs: object) -> int:
@@ -35,14 +40,18 @@ def _backward_flops(
 ATTENTION_FLOPS: dict[Any, Callable[..., int]] = {
     _FUSED: _forward_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _backward_flops,
+    _EFFICIENT: _forward_flops,
+    torch.ops.aten._scaled_dot_product_efficient_attention_backward: _backward_flops,
 }
-"""``FlopCounterMode``'s ``custom_mapping`` for the fused CPU kernel (which a real CPU run takes too)."""
+"""``FlopCounterMode``'s ``custom_mapping`` for the fused kernels (the CPU one, which a real CPU run takes too, and
+the memory-efficient one for differing value heads)."""
 
 
 class FusedAttention(TorchFunctionMode):
-    """Within it, ``F.scaled_dot_product_attention`` on meta tensors without a mask or dropout runs the fused kernel;
-    grouped key/value heads are repeated to the query's (the kernel takes equal heads; the copies are a head's
-    sequence each, not s x s)."""
+    """Within it, ``F.scaled_dot_product_attention`` on meta tensors without a mask or dropout runs a fused kernel
+    (the memory-efficient one where the value heads are narrower or wider than the query heads); grouped key/value
+    heads are repeated to the query's (the kernels take equal heads; the copies are a head's sequence each, not
+    s x s)."""
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -67,4 +76,6 @@ def _fused(
         return None
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if v.shape[-1] != q.shape[-1]:
+        return _EFFICIENT(q, k, v, None, True, 0.0, is_causal, scale=scale)[0]
     return _FUSED(q, k, v, 0.0, is_causal, scale=scale)[0]

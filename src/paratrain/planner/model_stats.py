@@ -408,21 +408,96 @@ def trace_module(
     Activation bytes are the storages autograd saves for backward (views counted once, through their base),
     excluding parameters and buffers. ``batch`` is 2 so that batch-statistics layers see more than one
     sample; figures are divided back to one sample.
+
+    A forward that reads tensor values (a router's counts per expert turned into split sizes, ``.item()``,
+    ``nonzero``) cannot run on the meta device, which holds none: such a model is traced on this CPU instead when
+    it fits here (:func:`_host_trace`). Any other failure of the model's own code is one line, as is a model too
+    large for the host.
     """
-    with torch.device("meta"):
+    model = _built(factory, name, device="meta")
+    call = TrainingCall.of(example)
+    try:
+        return _stats(
+            model,
+            name,
+            call,
+            "meta",
+            batch,
+            key=lambda t: id(t._base if t._base is not None else t),  # meta tensors have no address
+            source="traced on the meta device (FlopCounterMode + saved tensors)",
+        )
+    except ConfigError:
+        raise
+    except Exception as err:  # the model's own code: its error as one line (--debug shows the traceback)
+        if not _needs_values(err):
+            raise _forward_failed(name, err) from err
+        return _host_trace(factory, call, name=name, batch=batch, why=_one_line(err))
+
+
+def _needs_values(err: Exception) -> bool:
+    """Whether ``err`` is the meta device's: an op that needs tensor values, or that has no meta kernel."""
+    return isinstance(err, NotImplementedError) or "meta" in str(err).lower()
+
+
+def _one_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
+def _forward_failed(name: str, err: Exception) -> ConfigError:
+    return ConfigError(f"tracing {name!r} failed in its forward ({_one_line(err)}); check --input and --targets")
+
+
+def _host_trace(factory: Callable[[], nn.Module], call: TrainingCall, *, name: str, batch: int, why: str) -> ModelStats:
+    """``trace_module`` on real tensors on this CPU, for a model whose forward the meta device cannot run (``why``).
+    What the figures miss: attention whose value heads differ from its query heads runs torch's unfused CPU path,
+    which saves the s x s scores a GPU's kernel does not."""
+    _check_fits_host(
+        factory,
+        name,
+        why=f"its forward cannot run on the meta device ({why}) and tracing it on this CPU",
+        instead="plan its shape instead (--model-config or --params)",
+    )
+    model = _built(factory, name, device=None)
+    try:
+        return _stats(
+            model,
+            name,
+            call,
+            "cpu",
+            batch,
+            key=lambda t: t.untyped_storage().data_ptr(),
+            source=f"traced on this CPU: its forward cannot run on the meta device ({why})",
+        )
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise _forward_failed(name, err) from err
+
+
+def _built(factory: Callable[[], nn.Module], name: str, device: str | None) -> nn.Module:
+    """``factory()`` on ``device`` (None: where the factory puts it), checked to be a module."""
+    if device is None:
         model = factory()
+    else:
+        with torch.device(device):
+            model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"the factory for {name!r} returned {type(model).__name__}, not an nn.Module")
-    model = model.to("meta")  # in case the factory put some tensors on an explicit device
-    return _stats(
-        model,
-        name,
-        TrainingCall.of(example),
-        "meta",
-        batch,
-        key=lambda t: id(t._base if t._base is not None else t),  # meta tensors have no address
-        source="traced on the meta device (FlopCounterMode + saved tensors)",
-    )
+    return model if device is None else model.to(device)  # in case the factory put some tensors elsewhere
+
+
+def _check_fits_host(factory: Callable[[], nn.Module], name: str, *, why: str, instead: str) -> None:
+    """Refuse to build ``factory()`` for real unless its weights, gradients and Adam states (16 bytes a parameter,
+    counted on the meta device) fit in half this host's RAM."""
+    with torch.device("meta"):
+        size = _count(factory().parameters()) * 16
+    ram = cpu_host().memory_gib * GIB
+    if size > ram / 2:
+        raise ConfigError(
+            f"{name!r}: {why} needs ~{size / GIB:.1f} GiB for weights, gradients and optimizer states, more than "
+            f"half this host's {ram / GIB:.1f} GiB; {instead}"
+        )
 
 
 def measure_module(
@@ -433,18 +508,8 @@ def measure_module(
     Activation bytes are the unique storages autograd saves (by address). The model is first built on the
     meta device to check that its weights, gradients and Adam states fit in half the host's RAM.
     """
-    with torch.device("meta"):
-        size = _count(factory().parameters()) * 16
-    ram = cpu_host().memory_gib * GIB
-    if size > ram / 2:
-        raise ConfigError(
-            f"measuring {name!r} for real needs ~{size / GIB:.1f} GiB for weights, gradients and "
-            f"optimizer states, more than half this host's {ram / GIB:.1f} GiB; "
-            "plan it without --measure"
-        )
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"the factory for {name!r} returned {type(model).__name__}, not an nn.Module")
+    _check_fits_host(factory, name, why="measuring it for real", instead="plan it without --measure")
+    model = _built(factory, name, device=None)
     call = TrainingCall.of(example)
     stats = _stats(
         model, name, call, "cpu", batch, key=lambda t: t.untyped_storage().data_ptr(), source="measured on this machine"
