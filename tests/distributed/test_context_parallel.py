@@ -35,8 +35,6 @@ WORLD2 = [
     ("llama", "ddp", {"cp": 2, "activation_checkpointing": True}, "batch"),
     # torchtitan's shapes: attention found by its SDPA call, 2-D positions, latent attention (v narrower than q, k)
     ("titan_llama", "ddp", {"cp": 2}, "loss_fn"),
-    ("titan_llama", "zero3", {"cp": 2}, "loss_fn"),
-    ("titan_qwen3", "ddp", {"cp": 2}, "loss_fn"),
     ("titan_qwen3", "zero3", {"cp": 2}, "loss_fn"),
     ("titan_dsv3", "ddp", {"cp": 2}, "loss_fn"),
     ("titan_dsv3", "zero3", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),

@@ -18,13 +18,8 @@ from helpers.zoo_workers import MICRO, TOL, reference, run_cases
 
 from paratrain.testing import max_abs_diff, spawn
 
-WORLD2 = [
-    ("ddp", {}),
-    ("zero3", {}),
-    ("zero2", {"activation_checkpointing": True}),
-    ("pipeline", {}),
-]
-WORLD4 = [("hybrid", {"data": "fsdp"}), ("hsdp", {})]
+WORLD2 = [("ddp", {}), ("zero3", {"activation_checkpointing": True}), ("pipeline", {})]
+WORLD4 = [("hybrid", {"data": "fsdp"})]
 
 
 @pytest.fixture(scope="module")
