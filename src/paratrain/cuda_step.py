@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import ConfigError
+from .model.attention import SDPACall
 
 SHIM_SOURCE = r"""
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -384,22 +385,16 @@ class FusedAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention and args[0].device.type == "cuda":
             try:
-                return _fused_attention(*args, **kwargs)
+                return _fused_attention(SDPACall(*args, **kwargs))
             except (RuntimeError, ValueError, TypeError):
                 pass
         return func(*args, **kwargs)
 
 
-def _fused_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
+def _fused_attention(call: SDPACall) -> torch.Tensor:
+    """What a fused CUDA kernel returns for ``call`` (flash attention in half precision without a mask, else
+    memory-efficient attention)."""
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = call
     if enable_gqa and key.size(-3) != query.size(-3):
         repeat = query.size(-3) // key.size(-3)
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)

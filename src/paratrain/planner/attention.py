@@ -23,6 +23,8 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import sdpa_flop_count
 
+from ..model.attention import SDPACall
+
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
 
@@ -56,22 +58,15 @@ class FusedAttention(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            fused = _fused(*args, **kwargs)
+            fused = _fused(SDPACall(*args, **kwargs))
             if fused is not None:
                 return fused
         return func(*args, **kwargs)
 
 
-def _fused(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor | None:
+def _fused(call: SDPACall) -> torch.Tensor | None:
+    """The fused kernel's output for ``call`` on meta tensors; None for a call it cannot take."""
+    q, k, v, attn_mask, dropout_p, is_causal, scale, _ = call
     if q.device.type != "meta" or attn_mask is not None or dropout_p or q.dim() != 4:
         return None
     if k.shape[1] != q.shape[1]:

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from ...errors import ConfigError
+from ...model.attention import SDPACall
 from .sequence import SequenceSplit
 from .ulysses import heads_to_sequence, sequence_to_heads
 
@@ -28,26 +29,12 @@ KERNELS = (F.scaled_dot_product_attention,)
 """The attention kernels whose calls mark a module as attention."""
 
 
-def _sdpa_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None, dict[str, Any]]:
-    """An SDPA call's arguments as SDPA binds them: q, k, v; the mask; the rest."""
-    rest = {"dropout_p": dropout_p, "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
-    return (query, key, value), attn_mask, rest
-
-
 def ulysses_sdpa(split: SequenceSplit, where: str, *args: Any, **kwargs: Any) -> torch.Tensor:
     """One SDPA call on q, k, v ``[b, h, s/C, d]`` (this rank's slice), run on whole sequences for ``1/C`` of the
     heads with the call's own causality, scale and grouping; ``where``: the calling module, for errors."""
-    (q, k, v), mask, rest = _sdpa_arguments(*args, **kwargs)
-    if mask is not None:
+    call = SDPACall(*args, **kwargs)
+    q, k, v = call.query, call.key, call.value
+    if call.attn_mask is not None:
         raise ConfigError(
             f"{where} calls scaled_dot_product_attention with an explicit attn_mask, which cp cannot rebuild for "
             "whole sequences (it was made for this rank's slice); use is_causal=True (padding: pass a 2-D "
@@ -61,7 +48,7 @@ def ulysses_sdpa(split: SequenceSplit, where: str, *args: Any, **kwargs: Any) ->
             "key/value heads"
         )
     whole = (sequence_to_heads(t, split.group) for t in (q, k, v))
-    return heads_to_sequence(F.scaled_dot_product_attention(*whole, **rest), split.group)
+    return heads_to_sequence(F.scaled_dot_product_attention(*whole, **call.options()), split.group)
 
 
 class KernelCalls(TorchFunctionMode):
