@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from paratrain.workloads.gpt import RMSNorm
+
 VOCAB, HIDDEN = 65, 32  # the zoo's vocabulary
 
 
@@ -40,15 +42,6 @@ class ShapeConfig:
     experts: int = 0
     """Routed experts per block after the first (0: every block dense)."""
     top_k: int = 2
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

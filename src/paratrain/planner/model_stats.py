@@ -452,27 +452,37 @@ def _host_trace(factory: Callable[[], nn.Module], call: TrainingCall, *, name: s
     """``trace_module`` on real tensors on this CPU, for a model whose forward the meta device cannot run (``why``).
     What the figures miss: attention whose value heads differ from its query heads runs torch's unfused CPU path,
     which saves the s x s scores a GPU's kernel does not."""
-    _check_fits_host(
-        factory,
-        name,
-        why=f"its forward cannot run on the meta device ({why}) and tracing it on this CPU",
-        instead="plan its shape instead (--model-config or --params)",
-    )
-    model = _built(factory, name, device=None)
     try:
-        return _stats(
-            model,
-            name,
+        return _host_stats(
+            factory,
             call,
-            "cpu",
-            batch,
-            key=lambda t: t.untyped_storage().data_ptr(),
+            name=name,
+            batch=batch,
+            why=f"its forward cannot run on the meta device ({why}) and tracing it on this CPU",
+            instead="plan its shape instead (--model-config or --params)",
             source=f"traced on this CPU: its forward cannot run on the meta device ({why})",
-        )
+        )[1]
     except ConfigError:
         raise
     except Exception as err:
         raise _forward_failed(name, err) from err
+
+
+def _host_stats(
+    factory: Callable[[], nn.Module],
+    call: TrainingCall,
+    *,
+    name: str,
+    batch: int,
+    why: str,
+    instead: str,
+    source: str,
+) -> tuple[nn.Module, ModelStats]:
+    """The model built for real on this CPU, once it is known to fit (``why``/``instead``: the refusal's words), and
+    its stats from a real forward and backward (activation bytes: the unique storages autograd saves, by address)."""
+    _check_fits_host(factory, name, why=why, instead=instead)
+    model = _built(factory, name, device=None)
+    return model, _stats(model, name, call, "cpu", batch, key=lambda t: t.untyped_storage().data_ptr(), source=source)
 
 
 def _built(factory: Callable[[], nn.Module], name: str, device: str | None) -> nn.Module:
@@ -508,11 +518,15 @@ def measure_module(
     Activation bytes are the unique storages autograd saves (by address). The model is first built on the
     meta device to check that its weights, gradients and Adam states fit in half the host's RAM.
     """
-    _check_fits_host(factory, name, why="measuring it for real", instead="plan it without --measure")
-    model = _built(factory, name, device=None)
     call = TrainingCall.of(example)
-    stats = _stats(
-        model, name, call, "cpu", batch, key=lambda t: t.untyped_storage().data_ptr(), source="measured on this machine"
+    model, stats = _host_stats(
+        factory,
+        call,
+        name=name,
+        batch=batch,
+        why="measuring it for real",
+        instead="plan it without --measure",
+        source="measured on this machine",
     )
     x, targets = call.inputs(model, batch, "cpu")
     times = []
