@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from .collectives import all_to_all_s
 from .hardware import Cluster, Link, degree_to_plan
 from .model_stats import ELEMENT_BYTES, CPShape, ModelStats
+from .tensor_parallel import missing_shape
 
 IDS_BYTES_PER_TOKEN = 16.0
 """A sample's token ids and targets (int64 each), kept whole by every rank of a cp group."""
@@ -79,12 +80,7 @@ def cp_pairs(
     """(tp, cp) pairs to plan: for tp 1 and each of ``tp_degrees``, ``cp`` when given (1: none), else every power of
     two >= 2 that the model's heads take with that tp and whose tp x cp ranks divide a node (the all-to-alls stay on
     the node's link, as tp's collectives do). A model without a cp shape (a traced one) gets none."""
-    if not degree_to_plan(
-        "cp",
-        cp,
-        stats.cp,
-        f"needs a transformer's shape: {stats.name!r} is not a built-in GPT, a config.json or --params",
-    ):
+    if not degree_to_plan("cp", cp, stats.cp, missing_shape(stats, "cp", "a built-in GPT, a config.json or --params")):
         return ()
     shape, per_node = stats.cp, cluster.ranks_per_node
     if cp is not None:

@@ -44,7 +44,7 @@ def make_plan(model: ModelStats | RunnableModel, config: PlanConfig | None = Non
     stats = (
         model
         if isinstance(model, ModelStats)
-        else model.find_stats(setup.micro_batch if config.measure and not on_gpu else None)
+        else model.find_stats(setup.micro_batch if config.measure and not on_gpu else None, config.tp, config.cp)
     )
     gpu = _time_on_gpu(model, cluster, setup) if on_gpu else None
     cluster = _calibrated(cluster, stats, setup, config, measured, gpu)

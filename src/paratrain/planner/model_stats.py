@@ -46,14 +46,26 @@ class TPShape:
     hidden: int
     seq_len: int
     split: tuple[int, ...]
-    """Parameters each wrap unit (``ModelStats.units``' order) shards over the tensor-parallel ranks."""
+    """Parameters each wrap unit (``ModelStats.units``' order) shards over the tensor-parallel ranks; a weight two
+    units share (a tied head) in the first only."""
     divides: tuple[tuple[str, int], ...]
     """Sizes every degree must divide, by name: the heads (query and key/value), the MLP width."""
+    sequence_parallel: bool = True
+    """The plan shards the activations between its split regions over the sequence (the built-in plans); False:
+    they stay whole on every rank (an inferred plan, ``tp_plan="auto"``)."""
+    splits_activations: bool = True
+    """The plan splits attention and the MLP of every block, so the activations inside them are 1/tp; False: it
+    leaves a part of the blocks whole, and their activations are counted whole (only the parameters split)."""
+    largest: int | None = None
+    """The largest degree the runtime splits the model this way (its plan inferred for larger ones differs or is
+    refused); None: any degree the sizes divide."""
 
     def why_not(self, tp: int) -> str | None:
         """Why ``tp`` ranks cannot split this model, or None. A vocabulary that ``tp`` does not divide is split
         unevenly (DTensor's ``Shard``: the first ranks hold one row more), as the runtime does it
         (tests/distributed/test_tensor_parallel.py trains GPT-2 with an odd vocabulary)."""
+        if self.largest is not None and tp > self.largest:
+            return f"the plan the runtime infers splits it this way up to tp={self.largest} only"
         bad = [f"{name} {n}" for name, n in self.divides if n % tp]
         if not bad:
             return None
@@ -203,6 +215,9 @@ class ModelStats:
     """What context parallelism splits (closed-form transformers); None: the model is not planned with cp."""
     moe: MoEShape | None = None
     """The routed experts (closed-form mixtures of experts); None: a dense model, planned without ``ep``."""
+    refused: Mapping[str, str] = field(default_factory=dict)
+    """Why the runtime would not split this model, by degree flag (``tp``, ``cp``): the plan leaves those rows out
+    and says why (``RunnableModel.splits``)."""
     tables: tuple[TableStats, ...] = ()
     """The embeddings a parameter server holds row-sharded (``Parallel("ps")``'s ``tables="auto"``); their weights
     are counted in ``params`` and, one tensor each, in ``tensors``."""
@@ -480,7 +495,7 @@ def _host_stats(
 ) -> tuple[nn.Module, ModelStats]:
     """The model built for real on this CPU, once it is known to fit (``why``/``instead``: the refusal's words), and
     its stats from a real forward and backward (activation bytes: the unique storages autograd saves, by address)."""
-    _check_fits_host(factory, name, why=why, instead=instead)
+    check_fits_host(factory, name, why=why, instead=instead)
     model = _built(factory, name, device=None)
     return model, _stats(model, name, call, "cpu", batch, key=lambda t: t.untyped_storage().data_ptr(), source=source)
 
@@ -497,7 +512,7 @@ def _built(factory: Callable[[], nn.Module], name: str, device: str | None) -> n
     return model if device is None else model.to(device)  # in case the factory put some tensors elsewhere
 
 
-def _check_fits_host(factory: Callable[[], nn.Module], name: str, *, why: str, instead: str) -> None:
+def check_fits_host(factory: Callable[[], nn.Module], name: str, *, why: str, instead: str) -> None:
     """Refuse to build ``factory()`` for real unless its weights, gradients and Adam states (16 bytes a parameter,
     counted on the meta device) fit in half this host's RAM."""
     with torch.device("meta"):
@@ -553,11 +568,19 @@ class RunnableModel:
     """How training calls it: one sample's input, and its targets."""
     stats: ModelStats | None = None
     """Its closed-form stats, when its shape is known (a transformer): exact, and found without building it."""
+    splits: Callable[[ModelStats, int | None, int | None], ModelStats] | None = None
+    """``splits(stats, tp, cp)``: ``stats`` with what the runtime's tensor and context parallelism would split of
+    this model at the degrees asked (None: the planner's search), or why they would refuse it
+    (``ModelStats.refused``). Given by the caller, which may ask the runtime; None: planned without them, unless
+    the closed forms know its shape."""
 
-    def find_stats(self, measure_batch: int | None = None) -> ModelStats:
-        """Measured on this CPU at ``measure_batch`` samples; else the closed-form stats, or a meta-device trace."""
+    def find_stats(self, measure_batch: int | None = None, tp: int | None = None, cp: int | None = None) -> ModelStats:
+        """Measured on this CPU at ``measure_batch`` samples; else the closed-form stats, or a meta-device trace;
+        with what tp and cp split of it (``splits``) where the closed forms do not say."""
         if measure_batch is not None:
-            return measure_module(self.factory, self.call, name=self.name, batch=measure_batch)
-        if self.stats is not None:
+            stats = measure_module(self.factory, self.call, name=self.name, batch=measure_batch)
+        elif self.stats is not None:
             return self.stats
-        return trace_module(self.factory, self.call, name=self.name)
+        else:
+            stats = trace_module(self.factory, self.call, name=self.name)
+        return stats if self.splits is None else self.splits(stats, tp, cp)

@@ -108,6 +108,7 @@ def recommend(
     ]
     fitting = [f for e in candidates for f in _fitting(stats, e, training, cluster, estimates[0].samples_per_s)]
     left_out = [] if not refused else [unsplit_note(global_batch, world, [lay for lay, _ in refused])]
+    left_out += [f"no {f} rows: the runtime refuses {f} on this model ({why})" for f, why in stats.refused.items()]
     plan = Plan(
         stats=stats,
         cluster=cluster,

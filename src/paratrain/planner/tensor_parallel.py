@@ -40,8 +40,9 @@ def rank_units(stats: ModelStats, tp: int) -> tuple[tuple[str, int], ...]:
 
 
 def rank_params(stats: ModelStats, tp: int) -> int:
-    """Parameters one tensor-parallel rank holds of the whole model."""
-    return stats.params if tp == 1 else sum(n for _, n in rank_units(stats, tp))
+    """Parameters one tensor-parallel rank holds of the whole model: all but what its split leaves to the other
+    ranks (a weight shared by two units, a tied head, is split once: ``TPShape.split``)."""
+    return stats.params if tp == 1 else stats.params - sum(s - math.ceil(s / tp) for s in _shape(stats).split)
 
 
 def rank_activations(
@@ -63,6 +64,9 @@ def rank_activations(
     if tp == 1:
         return figures
     shape = _shape(stats)
+    if not shape.splits_activations:
+        return figures
+    sequence_parallel = sequence_parallel and shape.sequence_parallel
     r, c = ELEMENT_BYTES[mode]
     sh, ids = shape.seq_len * shape.hidden, 16.0 * shape.seq_len
     moe = stats.moe.mlp_activations.get(mode, 0.0) if stats.moe is not None else 0.0
@@ -117,10 +121,9 @@ def collectives_per_micro_batch(stats: ModelStats, checkpointing: bool) -> int:
 
 def tp_degrees(stats: ModelStats, cluster: Cluster, tp: int | None = None) -> tuple[int, ...]:
     """Tensor-parallel degrees to plan: ``tp`` when given (1: none), else every power of two >= 2 that divides a
-    node's ranks and the model (``TPShape.why_not``). Models without a TP shape (traced ones) get none."""
-    if not degree_to_plan(
-        "tp", tp, stats.tp, f"needs a transformer's shape: {stats.name!r} is not a built-in GPT or --params"
-    ):
+    node's ranks and the model (``TPShape.why_not``). Models without a TP shape get none: those the runtime
+    refuses (``ModelStats.refused``), and traced ones planned without the runtime's view."""
+    if not degree_to_plan("tp", tp, stats.tp, missing_shape(stats, "tp", "a built-in GPT or --params")):
         return ()
     if tp is not None:
         why = stats.tp.why_not(tp)
@@ -132,6 +135,15 @@ def tp_degrees(stats: ModelStats, cluster: Cluster, tp: int | None = None) -> tu
             raise ConfigError(f"--tp {tp}: {why}; use a degree that divides them: {', '.join(map(str, fits))}")
         return (tp,)
     return cluster.node_degrees(stats.tp.why_not)
+
+
+def missing_shape(stats: ModelStats, flag: str, shaped: str) -> str:
+    """The rest of ``--tp``'s or ``--cp``'s one line for a model without the shape: the runtime's refusal, else that
+    the planner knows no shape for it."""
+    why = stats.refused.get(flag)
+    if why is not None:
+        return f"for {stats.name!r} is refused by the runtime: {why}"
+    return f"needs a transformer's shape: {stats.name!r} is not {shaped}"
 
 
 def _shape(stats: ModelStats) -> TPShape:

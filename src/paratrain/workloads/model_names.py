@@ -29,6 +29,7 @@ from ..planner import (
 )
 from ..planner.auto import closed_form_shape
 from ..planner.hf_config import read_model_config
+from ..strategies.split_shapes import runtime_splits
 from .digits import digits_cnn
 from .gpt import GPT, GPT_CONFIGS
 from .synthetic import mlp
@@ -84,7 +85,9 @@ def resolve_model(spec: ModelSpec | str) -> ModelStats | RunnableModel:
         stats = transformer_stats(replace(GPT_CONFIGS[spec.model], **shape), name=spec.model)
     else:
         stats = experts_in_closed_form(factory, spec.model, example) if ":" in spec.model else None
-    return RunnableModel(name=spec.model, factory=factory, call=TrainingCall.parse(example, spec.targets), stats=stats)
+    call = TrainingCall.parse(example, spec.targets)
+    splits = runtime_splits(factory, call) if stats is None else None  # traced: tp and cp as the runtime splits it
+    return RunnableModel(name=spec.model, factory=factory, call=call, stats=stats, splits=splits)
 
 
 def experts_in_closed_form(factory: Callable[[], nn.Module], name: str, example: InputSpec) -> ModelStats | None:

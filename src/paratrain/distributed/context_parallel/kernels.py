@@ -123,17 +123,24 @@ class KernelCalls(TorchFunctionMode):
         if out is None:  # the call raised (its own error stands); the next one learns
             return
         if not self.callers:
-            raise ConfigError(
-                f"cp found no attention in {type(model).__name__} to split the sequence around (a "
-                "scaled_dot_product_attention call, a transformers attention module, or a module with "
-                "is_attention_kernel = True mapping q, k, v [b, h, s, d] to [b, h, s, d]); train it without cp"
-            )
+            raise ConfigError(no_attention(model))
         self.learning, self.modules, self.names = False, {}, {}
         for handle in first:
             handle.remove()
         for module in self.callers.values():
             module.register_forward_pre_hook(self.enter)
             module.register_forward_hook(self.leave, always_call=True)
+
+
+def no_attention(model: nn.Module) -> str:
+    """Why cp refuses a model in which it finds no attention, and how to mark attention written by hand."""
+    return (
+        f"cp found no attention in {type(model).__name__} to split the sequence around (it finds a "
+        "scaled_dot_product_attention call or a transformers attention module); call F.scaled_dot_product_attention, "
+        "or move hand-written attention (q @ k.transpose(-2, -1), softmax, @ v) into a module of its own whose "
+        "forward(q, k, v) maps [b, h, s, d] to [b, h, s, d] and set is_attention_kernel = True on it "
+        "(docs/context-parallel.md#hand-written-attention); or train without cp"
+    )
 
 
 def find_by_calls(model: nn.Module, split: SequenceSplit) -> KernelCalls:

@@ -34,6 +34,21 @@ _FIRST_INPUTS = ("input_ids", "inputs_embeds", "idx", "x")
 _TARGETS = ("labels", "targets", "target")
 
 
+def positions_keyword(model: nn.Module) -> str | None:
+    """The keyword of ``model``'s forward for the global positions of its tokens (None: it takes none)."""
+    params = inspect.signature(model.forward).parameters
+    return next((p for p in ("position_ids", "positions") if p in params), None)
+
+
+def no_positions(model: nn.Module) -> str:
+    """Why cp refuses a model whose forward takes no positions (``positions_keyword`` None)."""
+    return (
+        f"cp hands each rank the global positions of its slice through position_ids= or positions=, but "
+        f"{type(model).__name__}.forward takes neither; add one (an offset into the position table or rotary "
+        "angles), or train without cp"
+    )
+
+
 class SequenceSplit:
     """The sequence split of one prepared model over a cp group, and what the current call's attention and loss
     need of the whole sequence."""
@@ -42,7 +57,7 @@ class SequenceSplit:
         self.group = group
         self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
         params = inspect.signature(model.forward).parameters
-        self.positions = next((p for p in ("position_ids", "positions") if p in params), None)
+        self.positions = positions_keyword(model)
         """The forward's keyword for the global positions of its tokens (None: it takes none)."""
         self.no_cache = {"use_cache": False} if "use_cache" in params else {}
         """A key/value cache would hold only this rank's slice of the keys: a split forward runs without one."""
@@ -57,11 +72,7 @@ class SequenceSplit:
     def check_positions(self, model: nn.Module) -> None:
         """A one-line error when ``model`` cannot be told the global positions of a slice."""
         if self.positions is None:
-            raise ConfigError(
-                f"cp hands each rank the global positions of its slice through position_ids= or "
-                f"positions=, but {type(model).__name__}.forward takes neither; add one (an offset into "
-                "the position table or rotary angles), or train without cp"
-            )
+            raise ConfigError(no_positions(model))
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``t`` along the sequence (dimension 1)."""
