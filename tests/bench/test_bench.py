@@ -8,12 +8,15 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from paratrain import ConfigError
 from paratrain.bench import BenchConfig, BenchResult, Row, format_report
 from paratrain.bench.machine import Machine
 from paratrain.bench.runner import plan_jobs
+from paratrain.bench.subjects import ParatrainSubject, TorchDDPSubject
 from paratrain.cli.main import main
+from paratrain.testing import max_abs_diff
 from paratrain.workloads import get_workload, workload_names
 
 TWO_CORES = Machine(cores=2, physical_cores=2, gpus=0)
@@ -154,6 +157,30 @@ def test_a_user_factory_may_return_a_tuple():
     assert first is not second and torch.equal(first.weight, second.weight)  # a fresh, equal copy each time
     with pytest.raises(ConfigError, match="return a paratrain.workloads.Workload"):
         get_workload("helpers.bench_workloads:wrong")
+
+
+@pytest.mark.parametrize("name", ["own_loss_nanogpt", "own_loss_labels"])
+def test_a_model_that_computes_its_own_loss_is_benched_as_forward_backward_reads_it(name, tmp_path):
+    """``loss=None``: nanoGPT's ``model(x, targets) -> (logits, loss)`` and a ``labels=`` model's ``.loss``; both
+    subjects take the very step one process takes by hand (the hand-written DDP loop on a 1-rank group)."""
+    w = get_workload(f"helpers.bench_workloads:{name}")
+    x, y = w.batch(4, torch.Generator().manual_seed(0), torch.device("cpu"))
+    ref = w.model()
+    out = ref(x, **y) if isinstance(y, dict) else ref(x, y)
+    (out.loss if isinstance(y, dict) else out[1]).backward()
+    w.optimizer(ref.parameters()).step()
+    ours = ParatrainSubject(w, "single", {}, 0, "cpu")
+    ours.step(x, y)
+    ours.forward_backward(x, y, sync=True)  # the probe's pass: gradients dropped, parameters kept
+    assert max_abs_diff(dict(ours.model.named_parameters()), dict(ref.named_parameters())) == 0.0
+    ours.close()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        theirs = TorchDDPSubject(w, 0, torch.device("cpu"))
+        theirs.step(x, y)
+        assert max_abs_diff(dict(theirs.model.module.named_parameters()), dict(ref.named_parameters())) == 0.0
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.launched

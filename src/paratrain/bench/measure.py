@@ -192,8 +192,7 @@ def _timed(
 
     def timed_step() -> tuple[float, float]:
         t0 = time.perf_counter()
-        x, y = workload.make_batch(batch, data)
-        x, y = x.to(subject.device), y.to(subject.device)
+        x, y = workload.batch(batch, data, subject.device)
         t1 = time.perf_counter()
         subject.step(x, y)
         sync()
@@ -226,8 +225,7 @@ def _all_to_all(config: BenchConfig, workload: Workload, subject: ParatrainSubje
     if isinstance(subject.model, PipelinedModel):
         return None, None
     g = torch.Generator().manual_seed(rank_seed(config.seed + 2, subject.replica_rank))
-    x, _ = workload.make_batch(config.replica_batch(subject.replicas), g)
-    x = x.to(subject.device)
+    x, _ = workload.batch(config.replica_batch(subject.replicas), g, subject.device)
     measured = step_all_to_all(subject.model, lambda: subject.model(x), subject.device)
     return (None, None) if measured is None else measured
 
@@ -237,8 +235,7 @@ def _probe(
 ) -> tuple[float, float]:
     """(median pass without gradient sync, median pass with it), on a fixed batch; no optimizer step."""
     g = torch.Generator().manual_seed(rank_seed(config.seed + 1, subject.replica_rank))
-    x, y = workload.make_batch(batch, g)
-    x, y = x.to(subject.device), y.to(subject.device)
+    x, y = workload.batch(batch, g, subject.device)
     passes = max(config.steps // 2, 3)
     medians = []
     for synced in (False, True):  # without first: FSDP's held-back gradients go out in the first synced pass

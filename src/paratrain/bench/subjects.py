@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import io
 from contextlib import nullcontext, redirect_stdout
+from typing import Any
 
 import torch
 
+from ..batch import ModelCall
 from ..monitor import MonitorConfig
 from ..parallel import Parallel
 from ..strategies.data_engines import all_reduce_traffic
@@ -29,7 +31,7 @@ class ParatrainSubject:
         self.device = self.par.device
         self.replicas, self.replica_rank = self.par.data_parallel_size, self.par.data_parallel_rank
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def step(self, x: torch.Tensor, y: Any) -> None:
         with self.par.step(self.model, self.optimizer):
             self.par.forward_backward(self.model, x, y, self.loss)
 
@@ -50,7 +52,7 @@ class ParatrainSubject:
         """Seconds this rank has spent in its strategy's own messages so far, as the strategy times them."""
         return self.par.strategy.server.traffic_seconds()
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> None:
+    def forward_backward(self, x: torch.Tensor, y: Any, *, sync: bool) -> None:
         """A forward and backward with or without gradient synchronisation; gradients are dropped, the
         parameters stay as they are (FSDP's gradients kept back by ``no_sync`` go out with the next synced pass)."""
         with nullcontext() if sync else self.par.strategy.no_sync(self.model):
@@ -79,8 +81,9 @@ class TorchDDPSubject:
         self.can_skip_sync = False  # only paratrain's runs are probed
         self.steps = 0
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.loss(self.model(x), y).backward()
+    def step(self, x: torch.Tensor, y: Any) -> None:
+        call = ModelCall.of(x, y, self.loss, {})  # the model's own loss read as forward_backward reads it
+        call.loss(call.forward(self.model)).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
