@@ -39,6 +39,7 @@ WORLD2 = [
     ("titan_dsv3", "ddp", {"cp": 2}, "loss_fn"),
     ("titan_dsv3", "zero3", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),
     ("inline", "ddp", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),  # SDPA in the checkpointed block
+    ("nanogpt_kernel", "ddp", {"cp": 2}, "own"),  # nanoGPT's hand-written attention marked is_attention_kernel
 ]
 WORLD4 = [
     ("llama", "zero3", {"cp": 2}, "batch"),
@@ -55,7 +56,10 @@ REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",
     "4-D mask": "cp takes a 2-D attention_mask",
     "heads": "1 key/value heads do not divide over the 2 ranks that split them (tp x cp)",
-    "no attention": "cp found no attention in NoAttention",
+    "no attention": "cp found no attention in NoAttention to split the sequence around (it finds a "
+    "scaled_dot_product_attention call or a transformers attention module); call F.scaled_dot_product_attention, "
+    "or move hand-written attention (q @ k.transpose(-2, -1), softmax, @ v) into a module of its own whose "
+    "forward(q, k, v) maps [b, h, s, d] to [b, h, s, d] and set is_attention_kernel = True on it",
     "attn_mask": "MaskedAttention calls scaled_dot_product_attention with an explicit attn_mask, which cp cannot",
     "sdpa heads": "attention sees 4 query and 1 key/value heads on this rank, which cp=2 cannot split",
     "positions shape": "cp cuts positions= along the sequence as it does the inputs: [seq] or [batch or 1, seq], got",

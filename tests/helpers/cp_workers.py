@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -25,11 +27,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
-from helpers import shapes
+from helpers import nanogpt_shaped, shapes
 from helpers.activations import saved_bytes
 from helpers.cases import each_case
 from paratrain.testing import max_abs_diff
 
+nanogpt_model = sys.modules[nanogpt_shaped.GPT.__module__]  # tests/realcode/nanogpt_model.py
 VOCAB, SEQ, STEPS, PER_RANK = 64, 16, 3, 2
 
 
@@ -175,6 +178,64 @@ class NoAttention(nn.Module):
         return self.emb(idx)
 
 
+class CausalAttention(nn.Module):
+    """nanoGPT's slow path made cp-ready (docs/context-parallel.md#hand-written-attention): its matmul, mask and
+    softmax as an attention kernel module, q, k, v ``[b, h, s, d]`` -> ``[b, h, s, d]``, causal by itself."""
+
+    is_attention_kernel = True
+
+    def __init__(self, config: nanogpt_model.GPTConfig) -> None:
+        super().__init__()
+        self.attn_dropout = nn.Dropout(config.dropout)
+        causal = torch.tril(torch.ones(config.block_size, config.block_size))
+        self.register_buffer("bias", causal.view(1, 1, config.block_size, config.block_size), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        return self.attn_dropout(F.softmax(att, dim=-1)) @ v
+
+
+class KernelSelfAttention(nanogpt_model.CausalSelfAttention):
+    """nanoGPT's ``CausalSelfAttention`` calling the kernel module where its slow path computed inline."""
+
+    def __init__(self, config: nanogpt_model.GPTConfig) -> None:
+        super().__init__(config)
+        self.attention = CausalAttention(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = self.attention(q, k, v)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class NanoGPTForCP(nanogpt_model.GPT):
+    """nanoGPT's GPT with that attention and the forward's ``positions=`` cp hands each rank its slice's by (its loss
+    ignoring -100, as cp counts ignored targets)."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        config = nanogpt_model.GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32)
+        super().__init__(config)
+        for block in self.transformer.h:
+            slow = KernelSelfAttention(config)
+            slow.load_state_dict(block.attn.state_dict())
+            block.attn = slow
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> tuple:
+        pos = torch.arange(0, idx.size(1), device=idx.device) if positions is None else positions
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, None if targets is None else lm_loss(logits, targets)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "llama": llama,
     "qwen2": qwen2,
@@ -189,6 +250,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "titan_qwen3_h8": titan(heads=8, kv_heads=4, qk_norm=True, tied=True),
     "titan_dsv3_h8": titan(heads=8, layers=3, latent=True, experts=4),
     "inline": InlineDecoder,
+    "nanogpt_kernel": NanoGPTForCP,
 }
 
 

@@ -107,3 +107,11 @@ def test_a_model_tp_cannot_split_gets_no_tp_rows_and_the_runtimes_reason():
 def test_tp_and_cp_at_one_ask_the_runtime_nothing():
     stats = stats_of(NANOGPT, 64, tp=1, cp=1)
     assert stats.tp is None and stats.cp is None and stats.refused == {}
+
+
+def test_hand_written_attention_marked_as_a_kernel_gets_cp_rows():
+    """nanoGPT's slow path moved into an ``is_attention_kernel`` module, its forward taking ``positions=``
+    (docs/context-parallel.md#hand-written-attention): cp finds the module, and so does the plan."""
+    stats = stats_of("helpers.cp_workers:NanoGPTForCP", 16)
+    assert "cp" not in stats.refused
+    assert (stats.cp.layers, stats.cp.heads, stats.cp.kv_heads, stats.cp.head_dim, stats.cp.seq_len) == (2, 4, 4, 8, 16)
