@@ -77,8 +77,9 @@ def tp_shape_of(factory: Callable[[], nn.Module], call: TrainingCall, stats: Mod
         why="inferring its tensor-parallel plan (each split tried on this process)",
         instead="plan its shape instead (--model-config or --params)",
     )
-    torch.manual_seed(0)
-    model = factory()
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+        torch.manual_seed(0)
+        model = factory()
     degrees = (tp,) if tp is not None else SEARCHED
     plan = choose_plan(model, None, degrees[0])  # the runtime's refusal, as prepare would raise it
     largest = degrees[0]
