@@ -79,7 +79,8 @@ def cp_pairs(
 ) -> tuple[tuple[int, int], ...]:
     """(tp, cp) pairs to plan: for tp 1 and each of ``tp_degrees``, ``cp`` when given (1: none), else every power of
     two >= 2 that the model's heads take with that tp and whose tp x cp ranks divide a node (the all-to-alls stay on
-    the node's link, as tp's collectives do). A model without a cp shape (a traced one) gets none."""
+    the node's link, as tp's collectives do). A model without a cp shape gets none: one the runtime refuses
+    (``ModelStats.refused``), or one traced without the runtime's view."""
     if not degree_to_plan("cp", cp, stats.cp, missing_shape(stats, "cp", "a built-in GPT, a config.json or --params")):
         return ()
     shape, per_node = stats.cp, cluster.ranks_per_node

@@ -37,7 +37,12 @@ def model_shape(model: nn.Module) -> TPShape | None:
     else:
         layers, hidden, seq_len = model.cfg.layers, model.cfg.hidden, model.cfg.seq_len
     return TPShape(
-        layers=layers, hidden=hidden, seq_len=seq_len, split=per_unit, divides=tuple(plan.divisible(model).items())
+        layers=layers,
+        hidden=hidden,
+        seq_len=seq_len,
+        split=per_unit,
+        divides=tuple(plan.divisible(model).items()),
+        sequence_parallel=plan.sequence_parallel,
     )
 
 
