@@ -4,6 +4,8 @@ its kernel call), none where the runtime refuses, with the runtime's line (``str
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from helpers import shapes
 from helpers.nanogpt_shaped import tiny
@@ -18,12 +20,14 @@ NANOGPT = "helpers.nanogpt_shaped:tiny"  # 2 blocks of 64 wide, 4 heads, vocabul
 TITAN = "helpers.shapes:titan_llama"  # 2 blocks of 32 wide, 4 heads, 2 key/value heads, 16 tokens
 
 
+@functools.cache
 def stats_of(model: str, tokens: int, tp: int | None = None, cp: int | None = None):
     runnable = resolve_model(ModelSpec(model=model, input_spec=f"long:{tokens}"))
     assert isinstance(runnable, RunnableModel) and runnable.stats is None  # traced, no closed forms
     return runnable.find_stats(tp=tp, cp=cp)
 
 
+@functools.cache
 def rows(model: str, tokens: int, **config) -> tuple[Plan, set[tuple[int, int]]]:
     """The plan of ``model`` on ``tokens``-token samples, and its (tp, cp) degrees."""
     plan = make_plan(resolve_model(ModelSpec(model=model, input_spec=f"long:{tokens}")), PlanConfig(**config))
@@ -115,3 +119,10 @@ def test_hand_written_attention_marked_as_a_kernel_gets_cp_rows():
     stats = stats_of("helpers.cp_workers:NanoGPTForCP", 16)
     assert "cp" not in stats.refused
     assert (stats.cp.layers, stats.cp.heads, stats.cp.kv_heads, stats.cp.head_dim, stats.cp.seq_len) == (2, 4, 4, 8, 16)
+
+
+def test_a_mixture_whose_routing_needs_values_has_its_attention_found_on_this_cpu():
+    """DeepSeek-V3's shape routes by counts per expert, which the meta device does not hold: cp's attention is found
+    by a forward on this CPU instead (the runtime trains it with cp: tests/distributed/test_context_parallel.py)."""
+    stats = stats_of("helpers.shapes:titan_dsv3", 16, tp=1)
+    assert stats.refused == {} and (stats.cp.layers, stats.cp.heads, stats.cp.seq_len) == (3, 4, 16)

@@ -11,7 +11,8 @@ transformer's shape:
   whole. The plan is inferred for the degree asked, or for 2, 4 and 8: the largest degree it splits alike bounds
   the degrees planned. Trying the splits needs the model's weights, so it is built on this CPU where it fits.
 * cp: attention as cp finds it, the attention kernel calls (``F.scaled_dot_product_attention``, an
-  ``is_attention_kernel`` module) of one forward on the meta device, read through
+  ``is_attention_kernel`` module) of one forward on the meta device (on this CPU where the meta device cannot run
+  it: a router's counts), read through
   :class:`~paratrain.model.attention.SDPACall`: their count, heads, key/value heads, head size and sequence length.
 
 Where the runtime would refuse (nothing tp can split; no attention found, or a forward that takes no positions),
@@ -121,11 +122,26 @@ def cp_shape_of(factory: Callable[[], nn.Module], call: TrainingCall) -> CPShape
         model = factory()
     if positions_keyword(model) is None:
         raise ConfigError(no_positions(model))
-    calls = _attention_calls(model, call)
+    try:
+        calls = _attention_calls(model, call, "meta")
+    except Exception:  # noqa: BLE001 - a forward that reads tensor values (a router's counts): run it on this CPU
+        calls = _attention_calls(_on_host(factory), call, "cpu")
     if not calls:
         raise ConfigError(no_attention(model))
     q, k = calls[0]
     return CPShape(layers=len(calls), seq_len=q[-2], heads=q[1], kv_heads=k[1], head_dim=q[-1])
+
+
+def _on_host(factory: Callable[[], nn.Module]) -> nn.Module:
+    """The model built on this CPU, once it is known to fit, for a forward the meta device cannot run."""
+    check_fits_host(
+        factory,
+        "the model",
+        why="finding its attention (its forward cannot run on the meta device)",
+        instead="plan its shape instead (--model-config or --params)",
+    )
+    with torch.random.fork_rng(devices=[]):
+        return factory()
 
 
 class _KernelCalls(TorchFunctionMode):
@@ -143,9 +159,10 @@ class _KernelCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _attention_calls(model: nn.Module, call: TrainingCall) -> list[tuple[torch.Size, torch.Size]]:
-    """(q, k) shapes ``[b, h, s, d]`` of each attention of one forward: an ``is_attention_kernel`` module's inputs
-    (nothing inside it is noted again), else each SDPA call; empty when the forward fails on the meta device."""
+def _attention_calls(model: nn.Module, call: TrainingCall, device: str) -> list[tuple[torch.Size, torch.Size]]:
+    """(q, k) shapes ``[b, h, s, d]`` of each attention of one forward of a sample made on ``device``: an
+    ``is_attention_kernel`` module's inputs (nothing inside it is noted again), else each SDPA call. The forward's
+    own error, if any, is raised."""
     calls: list[tuple[torch.Size, torch.Size]] = []
     inside = [0]
 
@@ -161,11 +178,9 @@ def _attention_calls(model: nn.Module, call: TrainingCall) -> list[tuple[torch.S
     handles = [h for m in kernels for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     mode = _KernelCalls([])
     try:
-        x, targets = call.inputs(model, 1, "meta")
+        x, targets = call.inputs(model, 1, device)
         with torch.no_grad(), mode:
             model(x, **targets)
-    except Exception:  # noqa: BLE001 - any model: a forward that cannot run on meta finds no attention this way
-        return []
     finally:
         for handle in handles:
             handle.remove()
