@@ -316,7 +316,11 @@ def _token_model() -> nn.Module:
     """A tiny language model: embedding, an MLP, the head (cheap; the loader is what is being checked)."""
     width = 32
     return nn.Sequential(
-        nn.Embedding(OWN_VOCAB, 16), nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+        nn.Embedding(OWN_VOCAB, 16),
+        nn.Linear(16, width),
+        nn.Tanh(),
+        nn.Linear(width, width),
+        nn.Tanh(),
         nn.Linear(width, OWN_VOCAB),
     )
 
