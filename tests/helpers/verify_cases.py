@@ -363,7 +363,7 @@ def _own(bug: str | None = None, accumulate: int = 2, clip: bool = True) -> Veri
         model=_token_model(),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
         loss=_lm_sum if bug == "summed" else _lm_mean,
-        loader=DataLoader(_data(8), batch_size=OWN_BATCH),  # never read: the loop has a loader of its own
+        loader=None,  # the loop has a loader of its own
         accumulate=accumulate,
         train=_own_loop(bug, accumulate),
         options={"clip_grad_norm": 1.0} if clip else {},

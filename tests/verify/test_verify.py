@@ -64,6 +64,7 @@ def world2_reports() -> dict[tuple[str, str], object]:
     cases += [Case(factory="helpers.verify_cases:clipped_in_parallel_only", strategy="ddp", steps=2)]
     cases += [Case(factory=f"helpers.verify_cases:{name}", strategy=s, steps=3) for name, s in OWN_GOOD]
     cases += [Case(factory="helpers.verify_cases:own_rank_seeded", strategy="zero3", steps=3)]
+    cases += [Case(factory="helpers.verify_cases:own_loader_a1", strategy="ddp")]  # the default step count
     cases += [Case(factory=f"helpers.verify_cases:{name}", strategy=s, steps=3) for name, (s, _, _) in OWN_BUGS.items()]
     reports = verify_cases(cases, 2, timeout_s=150, accelerator="cpu")
     return {(c.factory.split(":")[1], c.strategy): r for c, r in zip(cases, reports)}
@@ -270,6 +271,14 @@ def test_a_double_division_shows_though_the_one_process_loop_divides_alike(world
 
 
 @pytest.mark.launched
+def test_a_loop_without_the_specs_loader_compares_a_fixed_number_of_steps_by_default(world2_reports):
+    from paratrain.verify.distributed import FED_DEFAULT_STEPS
+
+    report = world2_reports[("own_loader_a1", "ddp")]  # loader=None: no epochs to count
+    assert report.passed and report.steps == FED_DEFAULT_STEPS and report.epochs == 0.0, format_report(report)
+
+
+@pytest.mark.launched
 def test_a_loop_with_a_loader_of_its_own_seeded_per_rank_starts_from_rank0s_weights(world2_reports):
     report = world2_reports[("own_rank_seeded", "zero3")]
     assert report.passed and not report.findings, format_report(report)
@@ -435,6 +444,8 @@ def _spec_kwargs(**kwargs: object) -> dict:
         ({"optimizer": None}, "takes one of optimizer"),
         ({"target_keyword": "labels"}, "for a model that computes its own loss (loss=None)"),
         ({"loss": None, "target_keyword": "labels"}, "Linear.forward takes no keyword 'labels'"),
+        ({"loader": None}, "VerifySpec(loader=None) needs train=: your loop"),
+        ({"loader": None, "train": print, "options": {"global_batch": 8}}, "without a loader needs micro_batch"),
     ],
 )
 def test_a_bad_spec_is_one_line(kwargs, words):

@@ -116,12 +116,12 @@ def _reference(ranks: list[RankEvidence], cache: dict[tuple, Record], order: str
     strategies with the same data split): the spec's loader's samples when the loop read through it, else the
     batches the parallel run fed its model, replayed."""
     main = ranks[0]
-    if main.error is not None or main.data is None or main.init_state is None:
+    if main.error is not None or main.init_state is None:
         return None
     d = main.data
-    feeds = None if any(r.fetched for r in ranks) else fed(ranks)
+    feeds = None if d is not None and any(r.fetched for r in ranks) else fed(ranks)
     split = (d.seed, d.shuffle, d.drop_last, d.micro_batch) if feeds is None else (feeds.digest(),)
-    key = (main.case.factory, main.init_digest, d.replicas, *split, main.accumulate, main.record.steps, order)
+    key = (main.case.factory, main.init_digest, main.replicas, *split, main.accumulate, main.record.steps, order)
     if key not in cache:
         cache[key] = reference_run(
             main.case.factory, main.init_state, d, main.accumulate, main.record.steps, order, feeds

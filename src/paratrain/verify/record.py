@@ -200,13 +200,13 @@ def run_loop(
     optimizer: torch.optim.Optimizer,
     loader: DataLoader | None,
     recorder: RecordHooks,
-    steps: int,
+    steps: Callable[[], int],
     *,
     keep_states: bool,
     replay: Replay | None = None,
 ) -> None:
     """The user's loop (or :func:`~paratrain.verify.spec.paratrain_loop`) on the prepared ``model`` and
-    ``optimizer`` until the optimizer has stepped ``steps`` times, recording the global gradient norm before each
+    ``optimizer`` until the optimizer has stepped ``steps()`` times, recording the global gradient norm before each
     step (before clipping) and (with ``keep_states``) the full state after it. ``replay``: feed the model and the
     loss the recorded batches instead of the loop's. Collective in the parallel run: every rank calls it."""
     group = par.strategy.grad_norm_group(model)
@@ -223,7 +223,7 @@ def run_loop(
         state = par.full_state_dict(model)  # collective; rank 0 keeps a copy (it may alias the live tensors)
         recorder.end_step(norms[-1], {k: v.clone() for k, v in state.items()} if keep_states else None)
         norms.clear()
-        if recorder.record.steps >= steps:
+        if recorder.record.steps >= steps():
             raise _Stop
 
     _before_clipping(par, lambda: norms.append(norm()))

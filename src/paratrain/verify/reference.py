@@ -210,7 +210,7 @@ def whole_windows(data: DataSetup, accumulate: int) -> bool:
 def reference_run(
     factory: str,
     init_state: dict[str, torch.Tensor],
-    data: DataSetup,
+    data: DataSetup | None,
     accumulate: int,
     steps: int,
     order: str = "global",
@@ -222,6 +222,7 @@ def reference_run(
     with them, the batches the parallel run fed its model and loss, replayed (see the module docstring)."""
     if feeds is not None:
         return _replay_run(factory, init_state, feeds, accumulate, steps, order)
+    assert data is not None, "a run that read through the spec's loader has its split"
     spec = build_spec(factory)
     group = accumulate if whole_windows(data, accumulate) else 1
     batches = GlobalBatches(data, group, order)
@@ -284,7 +285,7 @@ def _replay_loop(
 def _train(
     spec: VerifySpec,
     init_state: dict[str, torch.Tensor],
-    loader: DataLoader,
+    loader: DataLoader | None,
     accumulate: int,
     steps: int,
     replay: Replay | None = None,
@@ -298,7 +299,7 @@ def _train(
     par = Parallel("single", accumulate=accumulate, accelerator="cpu", monitor=False, job=job, **shared)
     model, optimizer = par.prepare(model, spec.build_optimizer())
     try:
-        run_loop(spec, par, model, optimizer, loader, recorder, steps, keep_states=True, replay=replay)
+        run_loop(spec, par, model, optimizer, loader, recorder, lambda: steps, keep_states=True, replay=replay)
     finally:
         par.close()
     return recorder.record

@@ -94,7 +94,7 @@ def build_report(
         options=main.options,
         tolerance=tolerance,
     )
-    if main.error is not None or ref is None or main.data is None or (twin is None and tolerance is None):
+    if main.error is not None or ref is None or (twin is None and tolerance is None):
         report.error = main.error or "the parallel run recorded nothing"
         return report
     if ref.error is not None:
@@ -107,7 +107,7 @@ def build_report(
         return report
     report.steps = min(main.record.steps, ref.steps)
     report.replayed = ref.replayed
-    if not ref.replayed:
+    if main.data is not None and not ref.replayed:
         report.epochs = report.steps / max(main.data.steps_per_epoch(main.accumulate), 1e-9)
     if main.record.steps < main.steps:
         report.notes.append(f"the training loop ended after {main.record.steps} of {main.steps} steps")
@@ -122,7 +122,7 @@ def build_report(
             report.findings.append(replace(UNREPEATABLE, evidence=unrepeatable))
             report.tolerance = FALLBACK_TOLERANCE
     report.divergence, report.parameters_apart, report.max_param_diff = first_divergence(ranks, ref, judge)
-    data, notes = fed_findings(ranks) if ref.replayed else data_findings(ranks, main.data)
+    data, notes = fed_findings(ranks) if ref.replayed or main.data is None else data_findings(ranks, main.data)
     report.notes += notes
     report.findings += data
     apart = ranks_apart(ranks)
@@ -133,12 +133,12 @@ def build_report(
         )
     if not data:  # the first step saw the reference's weights and samples
         for finding in (
-            gradient_scale_finding(ranks, ref, main.accumulate, main.data.replicas),
+            gradient_scale_finding(ranks, ref, main.accumulate, main.replicas),
             batchnorm_finding(ranks, ref, max(tolerance or 0.0, 1e-4), ref.window),
         ):
             if finding is not None:
                 report.findings.append(finding)
-    routed = router_loss_finding(ranks, main.data.replicas) if report.divergence is not None else None
+    routed = router_loss_finding(ranks, main.replicas) if report.divergence is not None else None
     for finding in (tie_finding(ranks, ref), untrained_finding(ranks, ref), routed):
         if finding is not None:
             report.findings.append(finding)
