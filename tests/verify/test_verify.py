@@ -310,6 +310,29 @@ def test_the_gradient_scale_names_each_cause_for_any_ratio_of_accumulation_to_re
     assert (finding.cause if finding else None) == cause
 
 
+def test_the_replicas_micro_batches_are_joined_per_window_or_per_micro_step():
+    from paratrain.verify.reference import Feeds
+
+    def call(*rows: int) -> list[torch.Tensor]:
+        return [torch.tensor([[r, r] for r in rows]), torch.tensor(7)]  # a batch, and a 0-d tensor
+
+    feeds = Feeds(inputs=[[[call(0, 1), call(2, 3)]], [[call(4, 5), call(6, 7)]]], targets=[[[]], [[]]])
+    assert feeds.every_step_calls(2) and not feeds.every_step_calls(1)
+    (window,) = feeds.joined("inputs", 2, "global")[0]  # one call a step: both micro-steps of both replicas
+    assert window[0][:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7] and window[1].item() == 7
+    first, second = feeds.joined("inputs", 1, "global")[0]  # a call per micro-step: the replicas' joined
+    assert first[0][:, 0].tolist() == [0, 1, 4, 5] and second[0][:, 0].tolist() == [2, 3, 6, 7]
+    (twin,) = feeds.joined("inputs", 2, "shards")[0]  # the same samples, summed in another order
+    assert twin[0][:, 0].tolist() == [7, 6, 5, 4, 3, 2, 1, 0]
+
+
+def test_a_run_that_fed_the_model_nothing_recordable_is_one_line_not_a_replay():
+    from paratrain.verify.reference import NOTHING_FED, Feeds, reference_run
+
+    record = reference_run("f:g", {}, None, 2, 3, feeds=Feeds(inputs=[[[], []]], targets=[[[], []]]))
+    assert record.error == NOTHING_FED and "VerifySpec.loader" in NOTHING_FED
+
+
 def test_samples_read_are_claimed_only_when_read_through_the_loader():
     from paratrain.verify.diagnose import Divergence
     from paratrain.verify.report import VerifyReport

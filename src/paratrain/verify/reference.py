@@ -50,6 +50,12 @@ ORDERS = ("global", "shards")
 shards one after the other, the last replica first and each one reversed (every sum then adds in another order)."""
 
 
+NOTHING_FED = (
+    "the parallel run's loop fed the prepared model nothing verify could record (a pipeline takes its batches in "
+    "par.forward_backward's schedule): to check a pipeline, have the loop read through VerifySpec.loader"
+)
+
+
 class ReplayMismatch(Exception):
     """The reference's loop fed the model or the loss other than the parallel run's recording allows."""
 
@@ -237,8 +243,10 @@ def reference_run(
 def _replay_run(
     factory: str, init_state: dict[str, torch.Tensor], feeds: Feeds, accumulate: int, steps: int, order: str
 ) -> Record:
+    if not any(calls for replica in feeds.inputs for calls in replica):
+        return Record(error=NOTHING_FED, replayed=True)
     record = _replay_loop(factory, init_state, feeds, accumulate, steps, order)
-    if record.error is None and feeds.first_call is not None and feeds.inputs[0]:
+    if record.error is None and feeds.first_call is not None:
         record.global_first = global_first(build_spec(factory), init_state, feeds)
     return record
 
