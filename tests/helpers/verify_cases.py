@@ -6,6 +6,7 @@ model, the seeding), not in a flag.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -288,3 +289,120 @@ def mixtral_aux(moe_aux_loss: str = "local") -> VerifySpec:
 
 def mixtral_aux_global() -> VerifySpec:
     return mixtral_aux("global")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A GPT-2 script's shape: a loader class of its own (random offsets into one token tensor, no DataLoader), micro-steps
+# in `range(par.accumulate)`, the gradient norm clipped at 1.0. The correct loop, and each bug users plant in it.
+OWN_VOCAB, OWN_BLOCK, OWN_BATCH = 32, 8, 4
+
+
+class TokenLoader:
+    """Draws ``batch`` windows of ``block`` tokens at random offsets (``torch.randint``) into one token tensor, as
+    GPT-2 training scripts do; ``seed`` makes each replica's draws its own."""
+
+    def __init__(self, tokens: torch.Tensor, seed: int) -> None:
+        self.tokens = tokens
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = torch.randint(len(self.tokens) - OWN_BLOCK - 1, (OWN_BATCH,), generator=self.generator)
+        x = torch.stack([self.tokens[i : i + OWN_BLOCK] for i in offsets.tolist()])
+        y = torch.stack([self.tokens[i + 1 : i + OWN_BLOCK + 1] for i in offsets.tolist()])
+        return x, y
+
+
+def _token_model() -> nn.Module:
+    """A tiny language model: embedding, an MLP, the head (cheap; the loader is what is being checked)."""
+    width = 32
+    return nn.Sequential(
+        nn.Embedding(OWN_VOCAB, 16),
+        nn.Linear(16, width),
+        nn.Tanh(),
+        nn.Linear(width, width),
+        nn.Tanh(),
+        nn.Linear(width, OWN_VOCAB),
+    )
+
+
+def _lm_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _lm_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def _own_loop(bug: str | None, accumulate: int):
+    """The script's loop: each replica seeds its draws with its data-parallel rank (``same_offsets``: it does not);
+    ``par.backward`` divides by the accumulation count (``undivided``: a bare backward; ``double``: the script's
+    own ``/ grad_accum_steps`` kept beside it)."""
+    grad_accum_steps = accumulate
+
+    def train(par, model, optimizer, loader, loss):
+        tokens = torch.randint(0, OWN_VOCAB, (4096,), generator=torch.Generator().manual_seed(7))
+        data = TokenLoader(tokens, seed=1234 + (0 if bug == "same_offsets" else par.data_parallel_rank))
+        while True:
+            for _micro_step in range(par.accumulate):
+                x, y = data.next_batch()
+                with par.step(model, optimizer):
+                    value = loss(model(x.to(par.device)), y.to(par.device))
+                    if bug == "double":
+                        value = value / grad_accum_steps
+                    if bug == "undivided":
+                        value.backward()
+                    else:
+                        par.backward(value)
+
+    return train
+
+
+def _own(bug: str | None = None, accumulate: int = 2, clip: bool = True) -> VerifySpec:
+    torch.manual_seed(100 + int(os.environ.get("RANK", "0")) if bug == "rank_seeded" else 0)
+    return VerifySpec(
+        model=_token_model(),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        loss=_lm_sum if bug == "summed" else _lm_mean,
+        loader=None,  # the loop has a loader of its own
+        accumulate=accumulate,
+        train=_own_loop(bug, accumulate),
+        options={"clip_grad_norm": 1.0} if clip else {},
+    )
+
+
+OWN_CASES = {  # factory -> (bug, accumulate, clip)
+    "own_loader": (None, 2, True),
+    "own_loader_a4": (None, 4, True),
+    "own_loader_a1": (None, 1, True),
+    "own_undivided": ("undivided", 2, True),
+    "own_undivided_a4": ("undivided", 4, True),
+    "own_undivided_unclipped": ("undivided", 2, False),
+    "own_double": ("double", 4, True),
+    "own_double_a2": ("double", 2, True),
+    "own_summed": ("summed", 2, True),
+    "own_summed_a1": ("summed", 1, True),
+    "own_summed_a4_unclipped": ("summed", 4, False),
+    "own_same_offsets": ("same_offsets", 2, True),
+    "own_rank_seeded": ("rank_seeded", 2, True),
+}
+for _name, (_bug, _accumulate, _clip) in OWN_CASES.items():
+    globals()[_name] = functools.partial(_own, _bug, _accumulate, _clip)
+
+
+def own_unsharded() -> VerifySpec:
+    """The same shape reading a DataLoader the loop never shards: micro-steps in ``range(par.accumulate)``."""
+
+    def batches(loader):
+        while True:
+            yield from loader
+
+    def train(par, model, optimizer, loader, loss):
+        data = batches(loader)
+        while True:
+            for _micro_step in range(par.accumulate):
+                x, y = next(data)
+                with par.step(model, optimizer):
+                    par.backward(loss(model(x), y))
+
+    torch.manual_seed(0)
+    return _spec(_model(), accumulate=2, train=train, options={"clip_grad_norm": 1.0})

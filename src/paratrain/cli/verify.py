@@ -7,14 +7,15 @@ Examples:
 
 ``build()`` returns a paratrain.verify.VerifySpec: the model as your script builds it, an optimizer factory
 (over its parameters, or from the model), the loss (None when the model computes it), the training DataLoader
-(per-rank batch size), the options your script gives Parallel (clip_grad_norm, seed, tp_plan...) and optionally
-your own loop. Each strategy trains K
+(per-rank batch size; None for your own loop reading its own data: the batches it fed are replayed), the options
+your script gives Parallel (clip_grad_norm, seed, tp_plan...) and optionally your own loop. Each strategy trains K
 steps on N processes (two epochs by default); the same setup then trains K steps here on the global batch,
 from rank 0's initial weights, through the same loop, twice: the second time with its sums in another order,
 which measures the noise floor. Losses, gradient norms and parameters are compared at every step, each
 against 10x its floor (or a fixed --tolerance): PASS, or
-FAIL with the first diverging step and parameter and the causes found (unsharded data, missing reshuffle,
-loss not divided under accumulation, unsynchronised BatchNorm). Exit code 0 when
+FAIL with the first diverging step and parameter and the causes found (unsharded data, the same data on every
+rank, missing reshuffle, loss not divided or divided twice under accumulation, a summed loss, unsynchronised
+BatchNorm). Exit code 0 when
 every strategy passes, 1 otherwise. See docs/verify.md.
 """
 

@@ -17,7 +17,7 @@ from ..launcher.spawn import launch
 from ..strategies import check_every_rank_trains, check_name, check_world
 from .distributed import Case, RankEvidence, case_options, run_cases
 from .record import Record
-from .reference import reference_run
+from .reference import Feeds, reference_run
 from .report import VerifyReport, build_report, format_report
 from .spec import VerifySpec, build_spec, paratrain_loop
 
@@ -79,8 +79,8 @@ def verify_cases(
     reports = []
     for i in range(len(cases)):
         evidence = [rank[i] for rank in ranks]
-        ref = _reference(evidence[0], references, "global")
-        twin = _reference(evidence[0], references, "shards") if tolerance is None else None
+        ref = _reference(evidence, references, "global")
+        twin = _reference(evidence, references, "shards") if tolerance is None else None
         reports.append(build_report(evidence, ref, twin, world=nprocs, tolerance=tolerance))
     return reports
 
@@ -111,24 +111,33 @@ def _check_cases(cases: Sequence[Case], nprocs: int) -> None:
             raise ConfigError(f"steps must be >= 1, got {case.steps}")
 
 
-def _reference(main: RankEvidence, cache: dict[tuple, Record], order: str) -> Record | None:
-    """The single-process run matching ``main``'s setup, its global batches in ``order`` (shared by strategies
-    with the same data split)."""
-    if main.error is not None or main.data is None or main.init_state is None:
+def _reference(ranks: list[RankEvidence], cache: dict[tuple, Record], order: str) -> Record | None:
+    """The single-process run matching the parallel run's setup, its global batches in ``order`` (shared by
+    strategies with the same data split): the spec's loader's samples when the loop read through it, else the
+    batches the parallel run fed its model, replayed."""
+    main = ranks[0]
+    if main.error is not None or main.init_state is None:
         return None
     d = main.data
-    key = (
-        main.case.factory,
-        main.init_digest,
-        d.replicas,
-        d.seed,
-        d.shuffle,
-        d.drop_last,
-        d.micro_batch,
-        main.accumulate,
-        main.record.steps,
-        order,
-    )
+    feeds = None if d is not None and any(r.fetched for r in ranks) else _fed(ranks)
+    split = (d.seed, d.shuffle, d.drop_last, d.micro_batch) if feeds is None else (feeds.digest(),)
+    key = (main.case.factory, main.init_digest, main.replicas, *split, main.accumulate, main.record.steps, order)
     if key not in cache:
-        cache[key] = reference_run(main.case.factory, main.init_state, d, main.accumulate, main.record.steps, order)
+        cache[key] = reference_run(
+            main.case.factory, main.init_state, d, main.accumulate, main.record.steps, order, feeds
+        )
     return cache[key]
+
+
+def _fed(ranks: list[RankEvidence]) -> Feeds:
+    """What each data-parallel replica fed its model and loss (its first rank's record)."""
+    first = {}
+    for r in ranks:
+        first.setdefault(r.replica, r.record)
+    replicas = [first[k] for k in sorted(first)]
+    return Feeds(
+        inputs=[r.inputs for r in replicas],
+        targets=[r.targets for r in replicas],
+        first_call=replicas[0].first_call,
+        first_targets=replicas[0].first_targets,
+    )

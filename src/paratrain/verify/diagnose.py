@@ -12,7 +12,7 @@ import torch
 from ..data import ShardSampler
 from .distributed import DataSetup, RankEvidence
 from .floor import Judge
-from .record import Record
+from .record import Record, feed_digest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,6 +205,32 @@ def data_findings(ranks: list[RankEvidence], data: DataSetup) -> tuple[list[Find
     ], notes
 
 
+def fed_findings(ranks: list[RankEvidence]) -> tuple[list[Finding], list[str]]:
+    """Causes in what each replica fed its model (the loop read from something other than the spec's loader):
+    every replica feeding the same batch in a micro-step, compared by digest."""
+    first: dict[int, list[list[str]]] = {}
+    for r in ranks:
+        if r.replica not in first:
+            first[r.replica] = [[feed_digest(call) for call in step] for step in r.record.inputs]
+    if len(first) < 2:
+        return [], []
+    fed = list(first.values())
+    for step in range(min(len(f) for f in fed)):
+        for call in range(min(len(f[step]) for f in fed)):
+            if len({f[step][call] for f in fed}) == 1:
+                return [
+                    Finding(
+                        cause="every rank reads the same data",
+                        evidence=f"all {len(fed)} replicas fed the model the same batch in step {step}, "
+                        f"micro-step {call} (compared by digest)",
+                        hint="give each replica its own data: offset the reads by par.data_parallel_rank (of "
+                        "par.data_parallel_size), or seed the draws per replica (seed + par.data_parallel_rank), or "
+                        "read through a loader prepared with par.prepare_loader",
+                    )
+                ], []
+    return [], []
+
+
 def _apart_from_rank0(digests: list[str]) -> str | None:
     """'rank 1' / 'ranks 1, 3': the ranks whose digest differs from rank 0's, or None when all agree."""
     others = [str(i) for i, d in enumerate(digests) if d != digests[0]]
@@ -217,12 +243,23 @@ def ranks_apart(ranks: list[RankEvidence]) -> str | None:
 
 
 def gradient_scale_finding(ranks: list[RankEvidence], ref: Record, accumulate: int, replicas: int) -> Finding | None:
-    """The first step's gradient norm against the reference's: a factor of the accumulation count (loss not
-    divided) or of 1/replicas (a summed loss, which data parallelism averages over the ranks)."""
-    if not ranks[0].record.steps or not ref.steps or ref.grad_norms[0] == 0:
+    """The first step's gradient norm (before clipping) against one process's on the global batch: ``accumulate``
+    times it (the loss not divided by the accumulation count), 1/``accumulate`` with the same loss (divided twice:
+    the loop's own division and ``par.backward``'s), or 1 over the micro-batches that make the global batch, the loss
+    too (a loss summed over the batch: each piece's sum is averaged). One process's numbers: one backward outside
+    the loop on the first global batch when the reference replayed (whatever the loop divides by); else the
+    reference's first step, which takes ``ref.window`` micro-batches of every replica as one batch."""
+    if not ranks[0].record.steps or not ref.steps:
         return None
-    ratio = ranks[0].record.grad_norms[0] / ref.grad_norms[0]
-    if accumulate > 1 and abs(ratio / accumulate - 1) < 0.02:
+    loss, norm = ref.global_first or (statistics.fmean(ref.losses[0]) if ref.losses[0] else None, ref.grad_norms[0])
+    if not norm:
+        return None
+    ratio = ranks[0].record.grad_norms[0] / norm
+    mine = parallel_losses(ranks, 1)[0]
+    loss_ratio = mine / loss if mine is not None and loss else None
+    window = accumulate if ref.global_first else ref.window
+    parts = replicas * window
+    if accumulate > 1 and _near(ratio, accumulate):
         return Finding(
             cause="accumulation without loss division",
             evidence=f"the first step's gradient norm is {ratio:.3f}x the single-process one: the "
@@ -230,14 +267,28 @@ def gradient_scale_finding(ranks: list[RankEvidence], ref: Record, accumulate: i
             hint="divide each micro-batch's loss by the accumulation count: par.backward(loss) and "
             "par.forward_backward(...) do; loss.backward() inside par.step does not",
         )
-    if replicas > 1 and abs(ratio * replicas - 1) < 0.02:
+    if accumulate > 1 and window == accumulate and _near(ratio, 1 / accumulate) and _near(loss_ratio or 1, 1):
+        return Finding(
+            cause="loss divided twice",
+            evidence=f"the first step's gradient norm is 1/{accumulate} of the single-process one, its loss the "
+            f"same: the accumulation count is {accumulate}",
+            hint="drop the loop's own division of the loss by the accumulation count (loss / grad_accum_steps): "
+            "par.backward(loss) and par.forward_backward(...) divide it already",
+        )
+    if parts > 1 and _near(ratio, 1 / parts) and _near(loss_ratio or 1 / parts, 1 / parts):
+        counted = f"{replicas} replicas x {window} micro-batches" if window > 1 else f"{replicas} replicas"
         return Finding(
             cause="summed loss",
-            evidence=f"the first step's gradient norm is 1/{replicas} of the single-process one",
-            hint="the loss sums over the batch while gradients are averaged over ranks: use a mean loss "
-            "(reduction='mean') or multiply the loss by par.data_parallel_size",
+            evidence=f"the first step's loss and gradient norm are 1/{parts} of the single-process ones ({counted} "
+            "make one step's batch): each piece's sum is averaged where one process sums the whole batch",
+            hint="use a loss that averages over the batch (reduction='mean'): paratrain averages gradients over the "
+            "replicas and the micro-steps, as one process averages over the global batch",
         )
     return None
+
+
+def _near(ratio: float, expected: float) -> bool:
+    return abs(ratio / expected - 1) < 0.02
 
 
 def batchnorm_finding(ranks: list[RankEvidence], ref: Record, tolerance: float, window: int = 1) -> Finding | None:

@@ -25,6 +25,8 @@ from .record import Record, RecordHooks, recording_loader, run_loop
 from .spec import VerifySpec, build_spec
 
 MAX_DEFAULT_STEPS = 50
+FED_DEFAULT_STEPS = 10
+"""Steps compared by default when the loop reads from something other than the spec's loader (no epochs to count)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +84,9 @@ class RankEvidence:
     replica: int = 0
     """This rank's data-parallel index."""
     data: DataSetup | None = None
+    """How the spec's loader would be split (None without one)."""
+    replicas: int = 1
+    """Data-parallel replicas."""
     accumulate: int = 1
     steps: int = 0
     """Steps asked for (the record holds how many ran)."""
@@ -123,17 +128,27 @@ def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
         case.strategy,
         accelerator=accelerator,
         monitor=False,  # the monitor's table would only add noise
-        **spec.run_options.parallel(spec.accumulate, spec.loader.batch_size),
+        **spec.run_options.parallel(spec.accumulate, micro_batch(spec)),
         **strategy_options,
     )
-    loader, recording = recording_loader(spec.loader)
+    loader, recording = recording_loader(spec.loader) if spec.loader is not None else (None, None)
     model, optimizer = par.prepare(spec.model, spec.build_optimizer())
-    ev.replica, ev.accumulate = par.data_parallel_rank, par.accumulate  # a global batch is resolved by prepare
+    ev.replica, ev.replicas = par.data_parallel_rank, par.data_parallel_size
+    ev.accumulate = par.accumulate  # a global batch is resolved by prepare
     ev.data = _data_setup(spec.loader, par)
-    ev.steps = case.steps or _default_steps(ev.data, ev.accumulate)
-    run_loop(spec, par, model, optimizer, loader, recorder, ev.steps, keep_states=rank == 0)
+
+    def steps() -> int:  # known once the loop has shown whether it reads the spec's loader
+        if case.steps:
+            return case.steps
+        read = ev.data is not None and recording is not None and recording.fetched
+        return _default_steps(ev.data, ev.accumulate) if read else FED_DEFAULT_STEPS
+
+    run_loop(spec, par, model, optimizer, loader, recorder, steps, keep_states=rank == 0)
+    ev.steps = steps()
     ev.data = _data_setup(spec.loader, par)  # again: the loop may have seeded the data order
-    ev.record, ev.fetched = recorder.record, recording.fetched
+    ev.record, ev.fetched = recorder.record, recording.fetched if recording is not None else []
+    if ev.fetched:  # the reference reads the spec's loader: what the model was fed is not replayed
+        ev.record.inputs, ev.record.targets, ev.record.first_call, ev.record.first_targets = [], [], None, None
     ev.final_digest = state_digest(par.full_state_dict(model, rank0_only=False))
     par.close()
 
@@ -143,7 +158,14 @@ def case_options(case: Case, spec: VerifySpec) -> dict[str, Any]:
     return merged_strategy_options(spec.run_options.strategy, case.options)
 
 
-def _data_setup(loader: Any, par: Parallel) -> DataSetup:
+def micro_batch(spec: VerifySpec) -> int | None:
+    """The per-rank micro-batch: the spec's loader's batch size (None without a loader)."""
+    return spec.loader.batch_size if spec.loader is not None else None
+
+
+def _data_setup(loader: Any, par: Parallel) -> DataSetup | None:
+    if loader is None:
+        return None
     shuffle, batch, drop_last = describe_sampler(loader)
     own = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
     seed = own.seed if own is not None else par.data_seed

@@ -59,7 +59,7 @@ class RunOptions:
     """Strategy options: the parallel run alone."""
 
     @classmethod
-    def of(cls, options: Mapping[str, Any], *, accumulate: int, micro_batch: int) -> RunOptions:
+    def of(cls, options: Mapping[str, Any], *, accumulate: int, micro_batch: int | None) -> RunOptions:
         """Sort ``options``; one line for a keyword verify sets itself or a batch that contradicts the spec's."""
         if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
             raise ConfigError(
@@ -86,11 +86,12 @@ class RunOptions:
             strategy={k: v for k, v in grouped.items() if k not in OWN_KEYWORDS},
         )
 
-    def parallel(self, accumulate: int, micro_batch: int) -> dict[str, Any]:
+    def parallel(self, accumulate: int, micro_batch: int | None) -> dict[str, Any]:
         """``Parallel``'s keywords in the parallel run, strategy options aside: the global batch, when given, with
         the loader's batch as its micro-batch (what ``prepare_loader`` would read), else ``accumulate``."""
         if "global_batch" in self.batch:
-            return {**self.shared, "accumulate": GlobalBatch(self.batch["global_batch"], micro_batch)}
+            micro = self.batch.get("micro_batch", micro_batch)  # without a loader: the options' micro_batch
+            return {**self.shared, "accumulate": GlobalBatch(self.batch["global_batch"], micro)}
         return {**self.shared, "accumulate": accumulate}
 
     def described(self, strategy_options: Mapping[str, Any]) -> dict[str, str]:
@@ -98,7 +99,7 @@ class RunOptions:
         return {k: repr(v) for k, v in {**self.shared, **self.batch, **strategy_options}.items()}
 
 
-def _check_batch(batch: Mapping[str, Any], accumulate: int, micro_batch: int) -> None:
+def _check_batch(batch: Mapping[str, Any], accumulate: int, micro_batch: int | None) -> None:
     if "micro_batch" in batch and "global_batch" not in batch:
         raise ConfigError("VerifySpec.options has micro_batch without global_batch; give both, or neither")
     if "global_batch" in batch and accumulate != 1:
@@ -107,7 +108,12 @@ def _check_batch(batch: Mapping[str, Any], accumulate: int, micro_batch: int) ->
             f"{batch['global_batch']}; give one of them (with global_batch, accumulate follows from "
             "the layout)"
         )
-    if batch.get("micro_batch", micro_batch) != micro_batch:
+    if micro_batch is None and "global_batch" in batch and "micro_batch" not in batch:
+        raise ConfigError(
+            f"VerifySpec.options global_batch={batch['global_batch']} without a loader needs micro_batch: the "
+            "per-rank batch your loop draws"
+        )
+    if micro_batch is not None and batch.get("micro_batch", micro_batch) != micro_batch:
         raise ConfigError(
             f"VerifySpec.options micro_batch={batch['micro_batch']} but the loader's batch size is "
             f"{micro_batch}: the loader is built at the per-rank micro-batch; make them equal"

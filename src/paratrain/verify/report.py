@@ -9,6 +9,7 @@ from .diagnose import (
     Finding,
     batchnorm_finding,
     data_findings,
+    fed_findings,
     first_divergence,
     gradient_scale_finding,
     ranks_apart,
@@ -20,7 +21,6 @@ from .diagnose import (
 from .distributed import RankEvidence
 from .floor import FloorSummary, Judge, NoiseFloor, Tolerance
 from .record import Record
-from .reference import whole_windows
 
 FALLBACK_TOLERANCE = 1e-5
 """The tolerance when no floor could be measured (the reference is not repeatable): fp32 rounding, relative."""
@@ -54,7 +54,9 @@ class VerifyReport:
     steps: int = 0
     """Optimizer steps compared."""
     epochs: float = 0.0
-    """How many epochs those steps span."""
+    """How many epochs of the spec's loader those steps span (0 when the loop read from something else)."""
+    replayed: bool = False
+    """The loop read from something other than the spec's loader: the reference replayed what it fed the model."""
     tolerance: float | None = None
     """The user's fixed tolerance; None: judged against the measured noise floor."""
     floor: FloorSummary | None = None
@@ -92,8 +94,11 @@ def build_report(
         options=main.options,
         tolerance=tolerance,
     )
-    if main.error is not None or ref is None or main.data is None or (twin is None and tolerance is None):
+    if main.error is not None or ref is None or (twin is None and tolerance is None):
         report.error = main.error or "the parallel run recorded nothing"
+        return report
+    if ref.error is not None:
+        report.error = f"the one-process run could not replay the parallel run's batches: {ref.error}"
         return report
     if main.record.steps == 0:
         report.error = (
@@ -101,7 +106,9 @@ def build_report(
         )
         return report
     report.steps = min(main.record.steps, ref.steps)
-    report.epochs = report.steps / max(main.data.steps_per_epoch(main.accumulate), 1e-9)
+    report.replayed = ref.replayed
+    if main.data is not None and not ref.replayed:
+        report.epochs = report.steps / max(main.data.steps_per_epoch(main.accumulate), 1e-9)
     if main.record.steps < main.steps:
         report.notes.append(f"the training loop ended after {main.record.steps} of {main.steps} steps")
     judge: Judge = Tolerance(tolerance or FALLBACK_TOLERANCE)
@@ -115,7 +122,7 @@ def build_report(
             report.findings.append(replace(UNREPEATABLE, evidence=unrepeatable))
             report.tolerance = FALLBACK_TOLERANCE
     report.divergence, report.parameters_apart, report.max_param_diff = first_divergence(ranks, ref, judge)
-    data, notes = data_findings(ranks, main.data)
+    data, notes = fed_findings(ranks) if ref.replayed or main.data is None else data_findings(ranks, main.data)
     report.notes += notes
     report.findings += data
     apart = ranks_apart(ranks)
@@ -124,15 +131,14 @@ def build_report(
             f"the model {apart} built differs from rank 0's before prepare; every rank started from "
             "rank 0's weights, as the reference did"
         )
-    window = main.accumulate if whole_windows(main.data, main.accumulate) else 1
     if not data:  # the first step saw the reference's weights and samples
         for finding in (
-            gradient_scale_finding(ranks, ref, main.accumulate, main.data.replicas),
-            batchnorm_finding(ranks, ref, max(tolerance or 0.0, 1e-4), window),
+            gradient_scale_finding(ranks, ref, main.accumulate, main.replicas),
+            batchnorm_finding(ranks, ref, max(tolerance or 0.0, 1e-4), ref.window),
         ):
             if finding is not None:
                 report.findings.append(finding)
-    routed = router_loss_finding(ranks, main.data.replicas) if report.divergence is not None else None
+    routed = router_loss_finding(ranks, main.replicas) if report.divergence is not None else None
     for finding in (tie_finding(ranks, ref), untrained_finding(ranks, ref), routed):
         if finding is not None:
             report.findings.append(finding)
@@ -151,7 +157,8 @@ def format_report(report: VerifyReport) -> str:
     )
     if report.error:
         return f"{head}\nERROR: {report.error}"
-    lines = [f"{head}, {report.steps} steps ({report.epochs:.1f} epochs) against one process on the global batch"]
+    span = "on the batches the loop fed" if report.replayed else f"({report.epochs:.1f} epochs)"
+    lines = [f"{head}, {report.steps} steps {span} against one process on the global batch"]
     d = report.divergence
     if report.passed:
         lines.append(
@@ -181,10 +188,13 @@ def format_report(report: VerifyReport) -> str:
         for f in report.findings:
             lines += [f"  - {f.cause}: {f.evidence}", f"    fix: {f.hint}"]
     elif not report.passed:
-        lines.append(
-            "no cause found in the evidence (samples read, gradient scale, BatchNorm statistics, initial "
-            "weights all match); other likely causes:"
+        matched = "gradient scale, BatchNorm statistics, initial weights"
+        checked = (
+            f"each replica fed the model batches of its own; {matched} match"
+            if report.replayed
+            else f"samples read, {matched} all match"
         )
+        lines.append(f"no cause found in the evidence ({checked}); other likely causes:")
         lines += [f"  - {c}" for c in GENERIC_CAUSES]
     for w in report.warnings:
         lines += [f"warning: {w.cause}: {w.evidence}", f"    fix: {w.hint}"]

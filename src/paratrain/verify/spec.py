@@ -69,9 +69,10 @@ class VerifySpec:
     loss: Loss | None
     """``loss(outputs, targets)``, a mean over the batch; None: the model computes its own loss from the targets
     (``model(x, y)`` returning it, or ``target_keyword``) and returns it (:func:`paratrain.batch.find_loss`)."""
-    loader: DataLoader
+    loader: DataLoader | None
     """The training loader over a map-style dataset, at the per-rank micro-batch size, as the script builds it
-    (the loop decides whether to shard it)."""
+    (the loop decides whether to shard it); None for a ``train`` loop that reads from something else (a loader class
+    of its own): verify then replays what the loop fed the model (:mod:`paratrain.verify.reference`)."""
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
     """Builds the optimizer over the model's parameters, e.g. ``lambda p: torch.optim.AdamW(p, lr=1e-3)``."""
     optimizer_from_model: Callable[[nn.Module], torch.optim.Optimizer] | None = None
@@ -102,9 +103,17 @@ class VerifySpec:
         self._check_callables()
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ConfigError(f"VerifySpec.accumulate must be an integer >= 1, got {self.accumulate!r}")
-        self.run_options = RunOptions.of(self.options, accumulate=self.accumulate, micro_batch=self.loader.batch_size)
+        micro_batch = self.loader.batch_size if self.loader is not None else None
+        self.run_options = RunOptions.of(self.options, accumulate=self.accumulate, micro_batch=micro_batch)
 
     def _check_loader(self) -> None:
+        if self.loader is None:
+            if self.train is None:
+                raise ConfigError(
+                    "VerifySpec(loader=None) needs train=: your loop, reading from your own data (the canonical loop "
+                    "reads the loader)"
+                )
+            return
         if not isinstance(self.loader, DataLoader):
             raise ConfigError(f"VerifySpec.loader must be a torch DataLoader, got {type(self.loader).__name__}")
         if not hasattr(self.loader.dataset, "__len__") or not hasattr(self.loader.dataset, "__getitem__"):
