@@ -257,6 +257,7 @@ def _update_error(state: dict, reference: dict) -> float:
 
 
 @pytest.mark.launched
+@pytest.mark.timeout(300)  # the first case's setup runs both launches and the reference
 @pytest.mark.parametrize(
     "world, case",
     [(2, c) for c in GPT2_2] + [(4, c) for c in GPT2_4],
