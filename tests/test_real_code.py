@@ -270,8 +270,9 @@ def test_build_nanogpt_port_equals_one_process_under_bf16(gpt2_runs, gpt2_refere
     assert result["accumulate"] == gpt2_train.total_batch_size // (gpt2_train.T * gpt2_train.B * replicas)
     assert _update_error(result["state"], reference["state"]) <= 0.15  # observed 0.05-0.07; 0.9 on wrong data
     assert np.allclose(result["norms"], reference["norms"], atol=2e-3), (result["norms"], reference["norms"])
-    # zero3 hands back a bfloat16 loss under bf16-mixed, in steps of 1/32 at this loss: within half a step
-    loss_tol = 1 / 64 if case["strategy"] == "zero3" else 2e-3
+    # zero3 hands back a bfloat16 loss under bf16-mixed, in steps of 1/32 at this loss (observed 0.009 in training,
+    # 0.013 in validation; ddp and tp: 6e-5)
+    loss_tol = 1 / 32 if case["strategy"] == "zero3" else 2e-3
     assert np.allclose(result["losses"], reference["losses"], atol=loss_tol), (result["losses"], reference["losses"])
     assert np.allclose(result["val"], reference["val"], atol=loss_tol), (result["val"], reference["val"])
     assert result["hellaswag"] == reference["hellaswag"]  # (correct, evaluated) summed over the replicas
