@@ -268,7 +268,7 @@ def test_build_nanogpt_port_equals_one_process_under_bf16(gpt2_runs, gpt2_refere
     tp = case.get("options", {}).get("tp") or (world if case["strategy"] == "tp" else 1)
     replicas = world // tp
     assert result["accumulate"] == gpt2_train.total_batch_size // (gpt2_train.T * gpt2_train.B * replicas)
-    assert _update_error(result["state"], reference["state"]) <= 0.15  # observed 0.05-0.07; 0.9 on wrong data
+    assert _update_error(result["state"], reference["state"]) <= 0.15  # observed 0.05-0.08; 0.9 on wrong data
     assert np.allclose(result["norms"], reference["norms"], atol=2e-3), (result["norms"], reference["norms"])
     # zero3 hands back a bfloat16 loss under bf16-mixed, in steps of 1/32 at this loss (observed 0.009 in training,
     # 0.013 in validation; ddp and tp: 6e-5)
