@@ -227,6 +227,19 @@ def plan_stages(
     )
 
 
+def most_stages(model: nn.Module) -> tuple[int, str | None]:
+    """The most pipeline stages ``pipeline`` and ``hybrid`` cut ``model`` into (an ``nn.Sequential``'s layers, any
+    other model's repeated blocks), and when that is none, the line ``prepare`` refuses the model with: what the
+    planner offers pipelines by, so that it offers none the runtime refuses."""
+    if isinstance(model, nn.Sequential):
+        return len(model), None
+    try:
+        plan = plan_stages(model, 2)
+    except ConfigError as err:
+        return 0, str(err)
+    return len(plan.blocks.names), None
+
+
 def _path(blocks: Blocks) -> list[str]:
     """Qualified names of the modules from the root (``""``) down to the blocks' container."""
     parts = blocks.container.split(".") if blocks.container else []
