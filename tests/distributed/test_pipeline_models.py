@@ -19,7 +19,7 @@ from paratrain.testing import max_abs_diff, spawn
 
 transformers = pytest.importorskip("transformers")
 
-from helpers.pipeline_model_workers import HIDDEN, OWN_LOSS, build, run_cases, serial  # noqa: E402
+from helpers.pipeline_model_workers import HIDDEN, OWN_LOSS, batches, build, run_cases, serial  # noqa: E402
 
 BOUND = 1e-5
 BF16_BOUND = 2e-3  # bf16 autocast rounds each matmul's output; a split matmul rounds its partial sums first
@@ -253,3 +253,23 @@ def test_an_embedding_block_without_the_input_embedding_is_refused_in_one_line()
     with pytest.raises(ConfigError, match=r"transformer.proj \(Linear\) runs before the blocks, holds no input") as e:
         plan_stages(model, 2)
     assert "\n" not in str(e.value)
+
+
+def test_the_stages_of_a_model_reading_its_inputs_shape_compose_to_the_model():
+    """nanoGPT's forward reads its input's shape (``b, t = idx.size()``) and keeps only the last position without
+    targets: stage 1 runs it on the token ids, its embedding handing back the received hidden states; stage 0 hands
+    on its blocks' output, every position. Together they are the plain model, with targets and without."""
+    import torch
+
+    from paratrain.model.stages import LOSS_INPUT, TOKEN_IDS, StageModule, build_stage, plan_stages
+
+    model = build("nanogpt")
+    plan = plan_stages(model, 2)
+    first, last = (StageModule(build_stage(model, plan, [s]), s, last=s == 1) for s in (0, 1))
+    x, y = (t[:4] for t in batches(1))
+    hidden = first(x, **{TOKEN_IDS: x})
+    assert hidden.shape == (4, x.shape[1], HIDDEN)
+    torch.testing.assert_close(last(hidden, **{TOKEN_IDS: x}), model(x)[0], rtol=0, atol=1e-6)
+    last(hidden, **{TOKEN_IDS: x, LOSS_INPUT: y})
+    torch.testing.assert_close(last.loss, model(x, y)[1], rtol=0, atol=1e-6)
+    assert len(last.kind.wrap(hidden)) == 2  # (logits, None), as the plain model returns
