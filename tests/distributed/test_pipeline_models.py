@@ -97,7 +97,7 @@ TP4 = [
     ("gpt2 tp 1f1b clip", "gpt2", "pipeline", {"tp": 2, "schedule": "1f1b"}, 1, 0.5, False),
     ("llama tp gpipe", "llama", "pipeline", {"tp": 2, "schedule": "gpipe"}, 1, None, False),
     ("gpt tp 1f1b resume", "gpt", "pipeline", {"tp": 2}, 1, None, True),
-    ("nanogpt tp 1f1b clip", "nanogpt", "pipeline", {"tp": 2, "schedule": "1f1b"}, 1, 0.5, False),
+    ("nanogpt tp interleaved clip", "nanogpt", "pipeline", {"tp": 2, "schedule": "interleaved-1f1b"}, 1, 0.5, False),
     (
         "llama tp 1f1b accumulate checkpointed",
         "llama",
