@@ -169,7 +169,7 @@ def candidate_layouts(
         cp_pairs(stats, cluster, (exact.tp,), exact.cp)  # and when its heads do not take cp
         if exact.pp > 1 and stats.pipeline_refusal:
             raise ConfigError(stats.pipeline_refusal)
-        if stats.pipeline_stages is not None and exact.pp > stages:
+        if exact.pp > stages:
             raise ConfigError(
                 f"--pp {exact.pp} cuts {stats.name} into {exact.pp} pipeline stages but paratrain's pipelines cut "
                 f"it into {stages} at most; use --pp {stages} or fewer"
@@ -178,7 +178,7 @@ def candidate_layouts(
         if exact.pp * virtual_stages > stages:
             raise ConfigError(
                 f"--schedule interleaved-1f1b with {virtual_stages} stages per rank cuts the model into "
-                f"{exact.pp * virtual_stages} stages but it has only {stages} units to cut; use "
+                f"{exact.pp * virtual_stages} stages but paratrain's pipelines cut it into {stages} at most; use "
                 f"--virtual-stages {max(2, stages // exact.pp)} or fewer, or fewer pipeline stages"
             )
     return [lay for lay in found if lay.pp * virtual_stages <= stages or lay.pp == 1]
