@@ -441,9 +441,10 @@ class StageModule(nn.Module):
         finally:
             for receiver in self.receivers:
                 receiver.value = None
-        tensor, self.kind = split_output(out)
         if self.kept:  # a stage before the last: its blocks' output, not what the model made of it
             tensor = self.kept.pop()
+        else:
+            tensor, self.kind = split_output(out)
         self.loss = None
         if own or target is not None:
             self.loss = loss_of(out)
