@@ -1,7 +1,9 @@
 """``pipeline`` and ``hybrid`` on real models: transformers' GPT-2 (tied head), Llama (GQA, rotary embeddings) and
 BERT (an embedding block that adds positions and token types and normalises; a pooled classifier), GPT-2 with PEFT
-LoRA adapters in every block (frozen base; cut between the base model's blocks, adapters with them) and our GPT (tied
-head), cut between their blocks, also with each stage tensor-parallel (``tp=2``:
+LoRA adapters in every block (frozen base; cut between the base model's blocks, adapters with them), our GPT (tied
+head) and nanoGPT's GPT (tied head; its forward reads its input's shape, ``b, t = idx.size()``, computes its own loss
+and keeps only the last position without targets), cut between their blocks, also with each stage tensor-parallel
+(``tp=2``:
 ``pipeline`` at world 4 on a (pp, tp) mesh, ``hybrid`` at world 8 on (dp, pp, tp)); ``hybrid`` replicates its stages
 with DDP, shards their optimizer states with ZeRO-1 (``data="zero1"``: each rank steps a share) or shards them with
 FSDP. Each equals one plain process
@@ -17,7 +19,7 @@ from paratrain.testing import max_abs_diff, spawn
 
 transformers = pytest.importorskip("transformers")
 
-from helpers.pipeline_model_workers import HIDDEN, build, run_cases, serial  # noqa: E402
+from helpers.pipeline_model_workers import HIDDEN, OWN_LOSS, batches, build, run_cases, serial  # noqa: E402
 
 BOUND = 1e-5
 BF16_BOUND = 2e-3  # bf16 autocast rounds each matmul's output; a split matmul rounds its partial sums first
@@ -53,6 +55,8 @@ WORLD2 = [
     ("bert gpipe resume", "bert", "pipeline", {"schedule": "gpipe"}, 1, None, True),
     ("lora 1f1b clip", "lora", "pipeline", {"schedule": "1f1b"}, 1, 0.1, False),
     ("lora gpipe resume", "lora", "pipeline", {"schedule": "gpipe"}, 1, None, True),
+    ("nanogpt 1f1b clip", "nanogpt", "pipeline", {"schedule": "1f1b"}, 1, 0.5, False),
+    ("nanogpt gpipe resume", "nanogpt", "pipeline", {"schedule": "gpipe"}, 1, None, True),
 ]
 WORLD4 = [
     ("gpt2 hybrid ddp", "gpt2", "hybrid", {}, 1, None, False),
@@ -83,6 +87,7 @@ WORLD4 = [
     ("gpt hybrid zero1 resume", "gpt", "hybrid", {"data": "zero1"}, 1, None, True),
     ("gpt2 hybrid zero1 clip", "gpt2", "hybrid", {"data": "zero1"}, 1, 0.5, False),
     ("llama hybrid zero1 accumulate", "llama", "hybrid", {"data": "zero1"}, 2, None, False),
+    ("nanogpt hybrid fsdp accumulate", "nanogpt", "hybrid", {"data": "fsdp"}, 2, None, False),
 ]
 # tp x pp at world 4: every schedule (interleaved: two stages per rank), clipping over tp shards and stages, bitwise
 # resumes, accumulation with activation checkpointing
@@ -92,6 +97,7 @@ TP4 = [
     ("gpt2 tp 1f1b clip", "gpt2", "pipeline", {"tp": 2, "schedule": "1f1b"}, 1, 0.5, False),
     ("llama tp gpipe", "llama", "pipeline", {"tp": 2, "schedule": "gpipe"}, 1, None, False),
     ("gpt tp 1f1b resume", "gpt", "pipeline", {"tp": 2}, 1, None, True),
+    ("nanogpt tp interleaved clip", "nanogpt", "pipeline", {"tp": 2, "schedule": "interleaved-1f1b"}, 1, 0.5, False),
     (
         "llama tp 1f1b accumulate checkpointed",
         "llama",
@@ -128,6 +134,7 @@ TIED = {
     "gpt2": ("transformer.wte.weight", "lm_head.weight"),
     "gpt": ("wte.weight", "head.weight"),
     "lora": ("base_model.model.transformer.wte.weight", "base_model.model.lm_head.weight"),
+    "nanogpt": ("transformer.wte.weight", "lm_head.weight"),
 }
 
 
@@ -159,14 +166,17 @@ def check(ranks: list[dict], cases: list[tuple]) -> None:
             if resume is True:
                 assert max_abs_diff(got["state"], got["uninterrupted"]) == 0.0, where
             else:  # forward only: the plain model's kind of output (a ModelOutput with logits) on every rank
-                out = got["output"]
-                assert type(out) is type(ref["output"]), where
+                out, expected = got["output"], ref["output"]
+                assert type(out) is type(expected), where
+                if isinstance(out, tuple):  # nanoGPT's (logits, None)
+                    assert len(out) == len(expected) and out[1:] == expected[1:], where
+                    out, expected = out[0], expected[0]
                 logits = out.logits if hasattr(out, "logits") else out
-                expected = ref["output"].logits if hasattr(ref["output"], "logits") else ref["output"]
-                assert (logits - expected).abs().max() <= BOUND, where
+                expected = expected.logits if hasattr(expected, "logits") else expected
+                assert logits.shape == expected.shape and (logits - expected).abs().max() <= BOUND, where
             if not resume:  # the two-line form: one line naming the verb that runs the schedule's backward
                 assert "par.forward_backward(model" in got["two_line"] and "\n" not in got["two_line"], where
-        if "tp" in options and not resume:  # the last stage's loss got the logits split over the vocabulary
+        if "tp" in options and not resume and family not in OWN_LOSS:  # the loss got vocabulary-split logits
             assert {s for results in ranks for s in results[name]["seen"]} == {SPLIT_LOGITS}, name
         plain = build(family)  # the gathered state dict loads into the plain model, ties intact
         plain.load_state_dict(ranks[0][name]["state"])
@@ -243,3 +253,23 @@ def test_an_embedding_block_without_the_input_embedding_is_refused_in_one_line()
     with pytest.raises(ConfigError, match=r"transformer.proj \(Linear\) runs before the blocks, holds no input") as e:
         plan_stages(model, 2)
     assert "\n" not in str(e.value)
+
+
+def test_the_stages_of_a_model_reading_its_inputs_shape_compose_to_the_model():
+    """nanoGPT's forward reads its input's shape (``b, t = idx.size()``) and keeps only the last position without
+    targets: stage 1 runs it on the token ids, its embedding handing back the received hidden states; stage 0 hands
+    on its blocks' output, every position. Together they are the plain model, with targets and without."""
+    import torch
+
+    from paratrain.model.stages import LOSS_INPUT, TOKEN_IDS, StageModule, build_stage, plan_stages
+
+    model = build("nanogpt")
+    plan = plan_stages(model, 2)
+    first, last = (StageModule(build_stage(model, plan, [s]), s, last=s == 1) for s in (0, 1))
+    x, y = (t[:4] for t in batches(1))
+    hidden = first(x, **{TOKEN_IDS: x})
+    assert hidden.shape == (4, x.shape[1], HIDDEN)
+    torch.testing.assert_close(last(hidden, **{TOKEN_IDS: x}), model(x)[0], rtol=0, atol=1e-6)
+    last(hidden, **{TOKEN_IDS: x, LOSS_INPUT: y})
+    torch.testing.assert_close(last.loss, model(x, y)[1], rtol=0, atol=1e-6)
+    assert len(last.kind.wrap(hidden)) == 2  # (logits, None), as the plain model returns

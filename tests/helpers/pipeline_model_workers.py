@@ -1,6 +1,6 @@
 """Workers for test_pipeline_models.py: real models (transformers' GPT-2, Llama and BERT, GPT-2 with PEFT LoRA adapters,
-our tied GPT) cut into pipeline stages, many cases per launched job, and the same training in one plain process for
-reference."""
+our tied GPT, nanoGPT's GPT with its own loss) cut into pipeline stages, many cases per launched job, and the same
+training in one plain process for reference."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from paratrain.distributed.process_group import finish_group
 from paratrain.model import find_ties
 
 VOCAB, SEQ, HIDDEN, GLOBAL_BATCH, STEPS, LR, CLASSES = 65, 8, 32, 16, 3, 0.1, 3
+OWN_LOSS = {"nanogpt"}
+"""Families trained on the loss their forward computes (``model(x, y) -> (logits, loss)``), not on :func:`loss_fn`."""
 
 
 def build(family: str, layers: int = 4) -> nn.Module:
@@ -96,6 +98,11 @@ def build(family: str, layers: int = 4) -> nn.Module:
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.02)
         return model
+    if family == "nanogpt":  # reads its input's shape (``b, t = idx.size()``); keeps the last position without targets
+        from helpers.nanogpt_shaped import GPT as NanoGPT
+        from helpers.nanogpt_shaped import GPTConfig as NanoConfig
+
+        return NanoGPT(NanoConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=layers, n_head=4, n_embd=HIDDEN))
     if family == "seq":  # an nn.Sequential, cut between its layers as before
         return nn.Sequential(
             nn.Embedding(VOCAB, HIDDEN),
@@ -119,6 +126,13 @@ def loss_fn(out: object, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+def family_loss(family: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss ``family`` trains on, from a forward of ``model`` (the plain model, or a pipeline's forward)."""
+    if family in OWN_LOSS:
+        return model(x, y)[1]
+    return loss_fn(model(x), y)
+
+
 def batches(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, VOCAB, (steps * GLOBAL_BATCH, SEQ), generator=g)
@@ -138,7 +152,7 @@ def serial(family: str, accumulate: int = 1, clip: float | None = None, steps: i
         for a in range(accumulate):
             lo = s * GLOBAL_BATCH + a * micro
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = loss_fn(model(x[lo : lo + micro]), y[lo : lo + micro])
+                loss = family_loss(family, model, x[lo : lo + micro], y[lo : lo + micro])
             (loss / accumulate).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -155,9 +169,10 @@ def _train(
     opt: torch.optim.Optimizer,
     first: int,
     last: int,
-    loss: Callable = loss_fn,
+    loss: Callable | None = loss_fn,
 ) -> None:
-    """Optimizer steps ``first`` … ``last``-1; each replica reads its slice of each micro-batch."""
+    """Optimizer steps ``first`` … ``last``-1; each replica reads its slice of each micro-batch (``loss`` None: the
+    model's own)."""
     x, y = batches(last)
     replicas, r = par.data_parallel_size, par.data_parallel_rank
     micro = GLOBAL_BATCH // par.accumulate
@@ -166,7 +181,10 @@ def _train(
         for a in range(par.accumulate):
             lo = s * GLOBAL_BATCH + a * micro + r * share
             with par.step(model, opt):
-                par.forward_backward(model, x[lo : lo + share], y[lo : lo + share], loss)
+                if loss is None:
+                    par.forward_backward(model, x[lo : lo + share], y[lo : lo + share])
+                else:
+                    par.forward_backward(model, x[lo : lo + share], y[lo : lo + share], loss)
 
 
 def _case(
@@ -185,30 +203,31 @@ def _case(
         seen.add(f"{type(logits).__name__}{tuple(getattr(logits, 'placements', ()))}")
         return loss_fn(out, y)
 
+    loss = None if family in OWN_LOSS else loss_fn
     if resume:  # two steps, save, one more; then a fresh job loads and takes the third step again
         if isinstance(resume, str):  # the first two steps under another strategy (ddp), the last under this one
             par.close()
             par = paratrain.Parallel(resume, accumulate=accumulate, clip_grad_norm=clip, monitor=False)
             plain = build(family)
             model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9, foreach=True))
-        _train(par, model, opt, 0, 2)
+        _train(par, model, opt, 0, 2, loss)
         folder = par.save(ckpt)
-        _train(par, model, opt, 2, STEPS)
+        _train(par, model, opt, 2, STEPS, loss)
         uninterrupted = par.full_state_dict(model, rank0_only=False)
         par.close()
         par = paratrain.Parallel(strategy, accumulate=accumulate, clip_grad_norm=clip, monitor=False, **options)
         plain = build(family)
         model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9, foreach=True))
         par.load(folder)
-        _train(par, model, opt, 2, STEPS)
+        _train(par, model, opt, 2, STEPS, loss)
     else:
         uninterrupted = None
         for s in range(STEPS):
-            _train(par, model, opt, s, s + 1, watched)
+            _train(par, model, opt, s, s + 1, loss and watched)
             norms.append(par.last_grad_norm)
     state = par.full_state_dict(model, rank0_only=False)
     stepped = sum(1 for s in getattr(opt, "optim", opt).state.values() if s)  # ZeRO-1: its partition's
-    two_line = _two_line(par, model) if not resume else None
+    two_line = _two_line(par, model, family) if not resume else None
     broken = find_ties(build(family)).broken(model)
     model.eval()  # reaches the stages' copies of the model's root too
     evaluating = not any(m.training for _, part in model.parts for m in part.modules())
@@ -229,12 +248,12 @@ def _case(
     }
 
 
-def _two_line(par: paratrain.Parallel, model: nn.Module) -> str:
+def _two_line(par: paratrain.Parallel, model: nn.Module, family: str) -> str:
     """What the two-line form (``loss = loss_fn(model(x), y); par.backward(loss)``) does under a pipeline: the
     one-line error naming ``forward_backward``, or ``"ran"``."""
     x, y = batches(1)
     try:
-        par.backward(loss_fn(model(x[:4]), y[:4]))
+        par.backward(family_loss(family, model, x[:4], y[:4]))
     except paratrain.ConfigError as err:
         return str(err)
     return "ran"

@@ -133,8 +133,8 @@ def test_breakdown_and_base_lr_in_process(capsys):
         ),
         (
             ["--model", "gpt2", "--gpus", "8", "--nodes", "4", "--layout", "dp=1,pp=32"],
-            "cuts the model into 32 pipeline stages but it has only 14 units to cut (its blocks, embedding and head); "
-            "use --pp 14 or fewer",
+            "--pp 32 cuts gpt2 into 32 pipeline stages but paratrain's pipelines cut it into 12 at most; "
+            "use --pp 12 or fewer",
         ),
         (["--model", "gpt2", "--gpus", "8", "--layout", "dp=8,sp=2"], "--layout 'dp=8,sp=2': cannot read 'sp=2'"),
         (["--model", "gpt2", "--layout", "dp=1", "--pp", "2"], "give the layout once"),

@@ -1,20 +1,29 @@
 """Cluster-scale options of the planner against their sources: the interleaved 1F1B schedule's bubble and memory
 (Narayanan et al. 2021), activations without sequence parallelism (Korthikanti et al. 2022), causal attention and
-selective recomputation in the step time."""
+selective recomputation in the step time; pipelines planned only as the runtime cuts the model."""
 
 import pytest
+import torch
+from helpers.nanogpt_shaped import tiny
+from torch import nn
 
+from paratrain.dims import ParallelDims
 from paratrain.errors import ConfigError
 from paratrain.planner import (
     TRANSFORMERS,
+    InputSpec,
     Layout,
     Training,
     batching,
     make_cluster,
     memory_per_rank,
+    recommend,
     step_time,
+    trace_module,
     transformer_stats,
 )
+from paratrain.planner.auto import parameter_stats
+from paratrain.planner.estimates import candidate_layouts
 from paratrain.planner.memory import activation_figures
 from paratrain.planner.timing import bubble_fraction, executed_flops_per_sample
 
@@ -133,16 +142,16 @@ def test_per_op_selective_ac_keeps_half_the_matmul_outputs_and_recomputes_half_t
     assert executed - plain == pytest.approx((stats.flops_per_sample - stats.attention_flops_per_sample) / 6)
 
 
-def test_interleaving_needs_p_times_v_units_to_cut():
+def test_interleaving_needs_p_times_v_blocks_to_cut():
     from paratrain.planner import recommend
     from paratrain.planner.layout import exact_layout
 
     cluster = make_cluster("h100", gpus=8)
     deep = Training(micro_batch=1, global_batch=64, schedule="interleaved-1f1b", virtual_stages=4)
-    with pytest.raises(ConfigError, match="cuts the model into 32 stages but it has only 26 units"):
-        recommend(STATS, cluster, deep, exact=exact_layout(pp=8))  # gpt2-medium: 24 blocks, embedding, head
+    with pytest.raises(ConfigError, match="cuts the model into 32 stages but paratrain's pipelines cut it into 24"):
+        recommend(STATS, cluster, deep, exact=exact_layout(pp=8))  # gpt2-medium: 24 blocks
     plan = recommend(STATS, cluster, deep)
-    assert all(e.layout.pp * 4 <= 26 for e in plan.estimates)
+    assert all(e.layout.pp * 4 <= 24 for e in plan.estimates)
 
 
 def test_fsdp_under_a_pipeline_keeps_its_stage_gathered_and_syncs_once():
@@ -176,3 +185,36 @@ def test_a_step_time_calibration_reproduces_itself_for_a_causal_transformer():
     single = next(e for e in plan.estimates if e.name == "single")
     assert single.time.step_s == pytest.approx(0.25)
     assert plan.cluster.device.activation_passes == 0  # the measured step holds the elementwise work
+
+
+class _RootScale(nn.Module):
+    """nanoGPT's tiny GPT with a parameter of its own on the root, which every pipeline stage would run through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = tiny()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits, loss = self.gpt(idx, targets)
+        return logits * self.scale, loss
+
+
+def test_pipelines_are_planned_as_the_runtime_cuts_the_model():
+    """The planner offers a pipeline only where ``prepare`` cuts the model (``model.stages.most_stages``): nanoGPT's
+    two-block GPT (whose forward reads its input's shape) into two stages, not four, though it has seven units; a
+    model the cutter refuses into none, with the runtime's line as the note and as ``--pp``'s error."""
+    cluster = make_cluster("h100", gpus=4)
+    two = trace_module(tiny, InputSpec.parse("long:64"), name="tiny")
+    assert (two.pipeline_stages, len(two.units)) == (2, 7)
+    assert {lay.pp for lay in candidate_layouts(two, cluster)} == {1, 2}
+    with pytest.raises(ConfigError, match="paratrain's pipelines cut it into 2 at most; use --pp 2 or fewer"):
+        candidate_layouts(two, cluster, exact=ParallelDims(pp=4))
+    refused = trace_module(_RootScale, InputSpec.parse("long:64"), name="scaled")
+    assert refused.pipeline_stages == 0 and "the parameter scale sits on a module" in refused.pipeline_refusal
+    assert {lay.pp for lay in candidate_layouts(refused, cluster)} == {1}
+    with pytest.raises(ConfigError, match="^pipeline cannot split _RootScale: the parameter scale"):
+        candidate_layouts(refused, cluster, exact=ParallelDims(dp_replicate=2, pp=2))
+    plan = recommend(refused, cluster, Training(micro_batch=1, global_batch=4))
+    assert f"no pipeline or hybrid rows: {refused.pipeline_refusal}" in plan.notes
+    assert (parameter_stats(_RootScale()).pipeline_stages, parameter_stats(tiny()).pipeline_stages) == (0, 2)

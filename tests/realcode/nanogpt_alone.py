@@ -1,9 +1,8 @@
 """nanoGPT's rank-0 habits under strategies that need every rank, for the real-code suite's one-line errors.
 
 ``paratrain run -n 2 nanogpt_alone.py DATA_DIR STRATEGY WHAT``: trains the nanoGPT-shaped model and, at iteration 1,
-does ``WHAT`` as nanoGPT does it: ``eval`` (``if iter_num % eval_interval == 0 and master_process:`` evaluation),
-``state_dict`` (``checkpoint = {'model': raw_model.state_dict()}; torch.save(...)`` on rank 0), or ``train``
-(nothing: the strategy itself is what fails, a pipeline cutting a model whose forward cannot take hidden states).
+does ``WHAT`` as nanoGPT does it: ``eval`` (``if iter_num % eval_interval == 0 and master_process:`` evaluation) or
+``state_dict`` (``checkpoint = {'model': raw_model.state_dict()}; torch.save(...)`` on rank 0).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import paratrain
 
 
 def main(data_dir: str, strategy: str, what: str) -> None:
-    par = paratrain.Parallel(strategy, monitor=False, **({"microbatches": 2} if strategy == "pipeline" else {}))
+    par = paratrain.Parallel(strategy, monitor=False)
     master_process = par.rank == 0
     torch.manual_seed(1337 + par.rank)
     model = GPT(GPTConfig(n_layer=2))

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..batch import ModelCall
 from ..errors import ConfigError
-from ..model.stages import LOSS_INPUT, OutputKind, StageModule
+from ..model.stages import LOSS_INPUT, TOKEN_IDS, OutputKind, StageModule
 from ..precision import Precision
 
 
@@ -189,8 +189,9 @@ class PipelinedModel(nn.Module):
 
     def _inputs(self, call: ModelCall) -> tuple[torch.Tensor, dict[str, Any]]:
         """The first stage's input and the keyword tensors every stage gets (the loss's own under
-        :data:`~paratrain.model.stages.LOSS_INPUT`); keyword inputs that are no tensors are handed to the stages
-        directly (:meth:`_stages_given`)."""
+        :data:`~paratrain.model.stages.LOSS_INPUT`, the input itself under
+        :data:`~paratrain.model.stages.TOKEN_IDS` where a later stage runs the model's forward on it); keyword
+        inputs that are no tensors are handed to the stages directly (:meth:`_stages_given`)."""
         kwargs = dict(call.kwargs)
         x = call.x if call.x is not None else kwargs.pop("input_ids", None)
         if not isinstance(x, torch.Tensor):
@@ -204,6 +205,8 @@ class PipelinedModel(nn.Module):
         if own and not self.stage_modules:
             raise ConfigError("an nn.Sequential pipeline computes no loss of its own; give forward_backward a loss_fn")
         inputs = {**kwargs, **{LOSS_INPUT + k: v for k, v in own.items()}}
+        if any(stage.takes_ids for stage in self.stage_modules.values()):
+            inputs[TOKEN_IDS] = x  # every rank of a pipeline reads the same batch
         return x, inputs
 
     @contextmanager

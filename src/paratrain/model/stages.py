@@ -6,14 +6,18 @@ a stage is the model with everything it does not run swapped out:
 
 * the blocks container keeps only this stage's blocks, under their own keys (``transformer.h`` holding ``"6"``
   and ``"7"``), so parameter names, the optimizer's mapping and checkpoints stay the user's;
-* on every stage but the first, the modules before the blocks become stand-ins: the input embedding a
-  pass-through (or it is not called at all: a transformers model gets the hidden states as ``inputs_embeds=``),
-  an embedding that is *added* (GPT-2's positions ``wpe``) a zero, dropout a pass-through (it ran on the first
-  stage already); an embedding block that does more than a lookup (BERT's ``embeddings``: word, position and
-  token-type tables, a norm, dropout; it holds the input embedding) runs whole on the first stage and is a
-  pass-through of the hidden states on the others, which hand them to it as ``inputs_embeds=``;
-* on every stage but the last, the modules after the blocks (final norm, head) become pass-throughs, so the
-  stage's "logits" are its hidden states;
+* on every stage but the first, the modules before the blocks become stand-ins: the input embedding hands back
+  the hidden states the stage received (:class:`Received`), an embedding that is *added* (GPT-2's positions
+  ``wpe``) a zero, dropout a pass-through (it ran on the first stage already); an embedding block that does more
+  than a lookup (BERT's ``embeddings``: word, position and token-type tables, a norm, dropout; it holds the input
+  embedding) runs whole on the first stage and hands back the received hidden states on the others. The model's
+  own forward still gets inputs of the model's shapes: a transformers model the hidden states as
+  ``inputs_embeds=`` (its embedding is then not called), any other model the batch's token ids themselves, which
+  every stage is handed besides (they are small), so code that reads its input's shape (nanoGPT's
+  ``b, t = idx.size()``) runs on every stage as in one process;
+* on every stage but the last, the modules after the blocks (final norm, head) become stand-ins that hand on what
+  they are given (:class:`HandsOn`): what the first of them is called with, the blocks' output, is the stage's
+  output, whatever the model's code does after it (nanoGPT without targets keeps the last position only);
 * parameter-free pieces other than dropout (Llama's ``rotary_emb``, computed from the positions) stay on every
   stage.
 
@@ -48,16 +52,46 @@ if TYPE_CHECKING:
     from .facts import ModelFacts
 
 
-class PassThrough(nn.Module):
+class StandIn(nn.Module):
+    """Stands in for a module of another stage: holds no parameter and takes no tensor-parallel style."""
+
+
+class PassThrough(StandIn):
     """Stands in for a module this stage does not run: gives back its input (the hidden states)."""
 
-    def forward(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if x is None:  # an embedding block called by keyword (BERT's ``embeddings(input_ids=None, inputs_embeds=h)``)
-            return kwargs.get("inputs_embeds")
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return x
 
 
-class AddsNothing(nn.Module):
+class Received(StandIn):
+    """Stands in for the input embedding (or the block holding it) on a stage past the first: whatever the model
+    calls it with (the token ids, or ``inputs_embeds=``), it gives back the hidden states the stage received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value: torch.Tensor | None = None
+        """Set by :class:`StageModule` around each forward."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        return self.value
+
+
+class HandsOn(PassThrough):
+    """Stands in for a module after the blocks on a stage before the last: gives back its input, and the first
+    input it is given in a forward (the blocks' output) is kept as the stage's output."""
+
+    def __init__(self, kept: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.kept = kept
+        """Shared by the stage's ``HandsOn`` modules: empty at the start of each forward, then the first input."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.kept and isinstance(x, torch.Tensor):
+            self.kept.append(x)
+        return x
+
+
+class AddsNothing(StandIn):
     """Stands in for an embedding whose output is *added* to the hidden states (positions): a zero, so a later
     stage does not add it a second time."""
 
@@ -193,6 +227,19 @@ def plan_stages(
     )
 
 
+def most_stages(model: nn.Module) -> tuple[int, str | None]:
+    """The most pipeline stages ``pipeline`` and ``hybrid`` cut ``model`` into (an ``nn.Sequential``'s layers, any
+    other model's repeated blocks), and when that is none, the line ``prepare`` refuses the model with: what the
+    planner offers pipelines by, so that it offers none the runtime refuses."""
+    if isinstance(model, nn.Sequential):
+        return len(model), None
+    try:
+        plan = plan_stages(model, 2)
+    except ConfigError as err:
+        return 0, str(err)
+    return len(plan.blocks.names), None
+
+
 def _path(blocks: Blocks) -> list[str]:
     """Qualified names of the modules from the root (``""``) down to the blocks' container."""
     parts = blocks.container.split(".") if blocks.container else []
@@ -212,11 +259,17 @@ def _check_path(model: nn.Module, blocks: Blocks) -> None:
             )
 
 
-def stand_in(plan: StagePlan, name: str, module: nn.Module) -> nn.Module:
-    """What a stage that does not run the outer module ``name`` puts in its place (see the module docstring)."""
+def stand_in(plan: StagePlan, name: str, module: nn.Module, kept: list[torch.Tensor]) -> nn.Module:
+    """What a stage that does not run the outer module ``name`` puts in its place (see the module docstring);
+    ``kept``: where the stand-ins after the blocks keep the stage's output."""
+    if name in plan.after:
+        return HandsOn(kept) if _has_params(module) or isinstance(module, nn.Dropout) else module
     if not _has_params(module):
         return PassThrough() if isinstance(module, nn.Dropout) else module
-    if name in plan.before and name != plan.input_embedding and isinstance(module, nn.Embedding):
+    embedding = plan.input_embedding
+    if embedding is not None and (name == embedding or embedding.startswith(f"{name}.")):
+        return Received()
+    if isinstance(module, nn.Embedding):
         return AddsNothing()
     return PassThrough()
 
@@ -249,12 +302,13 @@ def build_stage(model: nn.Module, plan: StagePlan, stages: Sequence[int]) -> nn.
             owner = qual if qual in kept else None
         if owner is None:
             del container._modules[key]
+    kept: list[torch.Tensor] = []
     for names, keep in ((plan.before, first), (plan.after, last)):
         if keep:
             continue
         for name in names:
             parent, _, child = name.rpartition(".")
-            copies[parent]._modules[child] = stand_in(plan, name, model.get_submodule(name))
+            copies[parent]._modules[child] = stand_in(plan, name, model.get_submodule(name), kept)
     return copies[""]
 
 
@@ -282,16 +336,21 @@ class OutputKind:
     field: str | None = None
     """The ``ModelOutput`` field holding the tensor (``logits``)."""
     loss_at: int | None = None
-    """Where a tuple holds the loss the model computed (nanoGPT's ``(logits, loss)``: 1)."""
+    """Where a tuple holds the loss the model computed, or its place when it computed none (nanoGPT's
+    ``(logits, loss)`` and ``(logits, None)``: 1)."""
+    at: int = 0
+    """Where a tuple holds the tensor."""
 
     def wrap(self, tensor: torch.Tensor, loss: torch.Tensor | None = None) -> Any:
         """The model's kind of output around ``tensor`` (and the ``loss`` it computed, when it did)."""
         if self.cls is None:
             return tensor
         if self.field is None:
-            if self.loss_at is None:
-                return self.cls((tensor,))
-            return self.cls((loss, tensor) if self.loss_at == 0 else (tensor, loss))
+            items: list[Any] = [None] * (max(self.at, -1 if self.loss_at is None else self.loss_at) + 1)
+            items[self.at] = tensor
+            if self.loss_at is not None:
+                items[self.loss_at] = loss
+            return self.cls(items)
         return self.cls(**{self.field: tensor}, **({} if loss is None else {"loss": loss}))
 
 
@@ -306,10 +365,9 @@ def split_output(out: Any) -> tuple[torch.Tensor, OutputKind]:
             return out[field], OutputKind(type(out), field)
     if isinstance(out, tuple) and out:
         tensors = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and t.dim() > 0]
-        scalars = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and t.dim() == 0]
+        losses = [i for i, t in enumerate(out[:2]) if t is None or isinstance(t, torch.Tensor) and t.dim() == 0]
         if tensors and tensors[0] <= 1:
-            loss_at = scalars[0] if scalars and scalars[0] <= 1 else None
-            return out[tensors[0]], OutputKind(tuple, loss_at=loss_at)
+            return out[tensors[0]], OutputKind(tuple, loss_at=losses[0] if losses else None, at=tensors[0])
     raise ConfigError(
         f"a pipeline stage must produce a tensor, a ModelOutput or a tuple starting with one; the "
         f"model returned {type(out).__name__}"
@@ -319,13 +377,18 @@ def split_output(out: Any) -> tuple[torch.Tensor, OutputKind]:
 LOSS_INPUT = "paratrain_loss__"
 """The prefix under which a model's own loss inputs (``labels=``; ``""``: its positional target) travel through a
 pipeline schedule to the stages; only the last stage hands them to the model."""
+TOKEN_IDS = "paratrain_ids__"
+"""The keyword under which the batch's input reaches the stages past the first of a model that takes no
+``inputs_embeds=``: they run the model's forward on it (:class:`StageModule`)."""
 
 
 class StageModule(nn.Module):
     """One pipeline stage: tensor in, tensor out, through the model's own forward on a stage copy.
 
     A transformers model takes a later stage's input as ``inputs_embeds=`` (its embedding is then not called) and
-    runs without a key/value cache (``use_cache=False``: training needs none, and a cache is no tensor to pass).
+    runs without a key/value cache (``use_cache=False``: training needs none, and a cache is no tensor to pass); any
+    other model takes the batch's input (:data:`TOKEN_IDS`), its input embedding handing back the received hidden
+    states (:class:`Received`). A stage before the last hands on its blocks' output (:class:`HandsOn`).
     Keyword inputs (an attention mask) reach every stage; the inputs of a loss the model computes itself reach the
     last stage only, which then hands on the loss (:func:`paratrain.batch.loss_of`) instead of the logits.
     """
@@ -337,6 +400,10 @@ class StageModule(nn.Module):
         base = stage.get_base_model() if callable(getattr(stage, "get_base_model", None)) else stage  # PEFT
         accepted = inspect.signature(type(base).forward).parameters
         self.embeds_keyword = "inputs_embeds" in accepted
+        self.takes_ids = not self.first and not self.embeds_keyword
+        """The model's forward runs on the batch's input here (handed in as :data:`TOKEN_IDS`)."""
+        self.receivers = [m for m in stage.modules() if isinstance(m, Received)]
+        self.kept = next((m.kept for m in stage.modules() if isinstance(m, HandsOn)), [])
         self.extra = {"use_cache": False} if "use_cache" in accepted else {}
         self.constants: dict[str, Any] = {}
         """Keyword inputs of this batch that are no tensors (a schedule splits only tensors into micro-batches)."""
@@ -348,6 +415,7 @@ class StageModule(nn.Module):
         """Return that loss, not the logits (a training schedule's loss function reads it)."""
 
     def forward(self, x: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        ids = inputs.pop(TOKEN_IDS, None)
         own = {k[len(LOSS_INPUT) :]: inputs.pop(k) for k in list(inputs) if k.startswith(LOSS_INPUT)}
         own = own if self.last else {}
         target = own.pop("", None)
@@ -355,18 +423,28 @@ class StageModule(nn.Module):
         args: tuple[Any, ...] = (x,)
         if not self.first and self.embeds_keyword:
             args, kwargs["inputs_embeds"] = (), x
+        elif self.takes_ids:
+            args = (ids,)
+        for receiver in self.receivers:
+            receiver.value = x
+        self.kept.clear()
         try:
             out = self.stage(*args, *(() if target is None else (target,)), **kwargs)
         except (ValueError, TypeError, RuntimeError, IndexError) as err:
             if self.first:
                 raise
             raise ConfigError(
-                f"pipeline stage {self.index} cannot run {type(self.stage).__name__}'s forward on the hidden states "
-                f"the stage before hands it ({type(err).__name__}: {str(err).splitlines()[0][:80]}): a model cut "
-                "into stages must take them where its token ids go (transformers models take inputs_embeds=); use "
-                "zero3 or tp for this model"
+                f"pipeline stage {self.index} cannot run {type(self.stage).__name__}'s forward with the other "
+                f"stages' modules stood in for ({type(err).__name__}: {str(err).splitlines()[0][:80]}); use zero3 "
+                "or tp for this model"
             ) from None
-        tensor, self.kind = split_output(out)
+        finally:
+            for receiver in self.receivers:
+                receiver.value = None
+        if self.kept:  # a stage before the last: its blocks' output, not what the model made of it
+            tensor = self.kept.pop()
+        else:
+            tensor, self.kind = split_output(out)
         self.loss = None
         if own or target is not None:
             self.loss = loss_of(out)

@@ -38,7 +38,7 @@ from .expert_parallel import ep_degrees
 from .hardware import Cluster, make_cluster
 from .hf_config import config_from_dict
 from .layout import EP_STRATEGIES, Layout
-from .model_stats import ModelStats, MoEShape, TPShape, trainable_sizes
+from .model_stats import ModelStats, MoEShape, TPShape, pipeline_facts, trainable_sizes
 from .optimizers import PlannedOptimizer, planned
 from .tensor_parallel import tp_degrees
 from .training import Training
@@ -98,6 +98,7 @@ def parameter_stats(model: nn.Module) -> ModelStats:
         boundary_bytes_per_sample=0.0,
         source="parameters only (strategy='auto')",
         tensors=trainable_sizes(model),
+        **pipeline_facts(model),
     )
 
 

@@ -155,8 +155,9 @@ def candidate_layouts(
     """The layouts a plan weighs, ``single`` first: every one the cluster can run (with ``ps_servers`` > 0 also
     ``ps``; a mixture of experts also with ``ep``; a transformer also with ``cp``), or ``exact``'s (only
     ``strategy``'s when named); with
-    ``virtual_stages`` per rank (interleaved 1F1B) only pipelines whose p·v stages the model's units can fill."""
-    units = len(stats.units)
+    ``virtual_stages`` per rank (interleaved 1F1B) only pipelines whose p·v stages the model can be cut into
+    (``ModelStats.stage_bound``: the runtime's cutter's, for a model the planner built)."""
+    units, stages = len(stats.units), stats.stage_bound
     if exact is None:
         tps = tp_degrees(stats, cluster, tp)
         found = layouts(
@@ -166,14 +167,21 @@ def candidate_layouts(
         tp_degrees(stats, cluster, exact.tp)  # a one-line error when the model's heads or the GPUs do not divide
         ep_degrees(stats, cluster, exact.ep)  # and when it has no experts, or they do not divide
         cp_pairs(stats, cluster, (exact.tp,), exact.cp)  # and when its heads do not take cp
+        if exact.pp > 1 and stats.pipeline_refusal:
+            raise ConfigError(stats.pipeline_refusal)
+        if exact.pp > stages:
+            raise ConfigError(
+                f"--pp {exact.pp} cuts {stats.name} into {exact.pp} pipeline stages but paratrain's pipelines cut "
+                f"it into {stages} at most; use --pp {stages} or fewer"
+            )
         found = exact_layouts(cluster, units, exact, strategy)
-        if exact.pp * virtual_stages > units:
+        if exact.pp * virtual_stages > stages:
             raise ConfigError(
                 f"--schedule interleaved-1f1b with {virtual_stages} stages per rank cuts the model into "
-                f"{exact.pp * virtual_stages} stages but it has only {units} units to cut; use "
-                f"--virtual-stages {max(2, units // exact.pp)} or fewer, or fewer pipeline stages"
+                f"{exact.pp * virtual_stages} stages but paratrain's pipelines cut it into {stages} at most; use "
+                f"--virtual-stages {max(2, stages // exact.pp)} or fewer, or fewer pipeline stages"
             )
-    return [lay for lay in found if lay.pp * virtual_stages <= units or lay.pp == 1]
+    return [lay for lay in found if lay.pp * virtual_stages <= stages or lay.pp == 1]
 
 
 def split_error(training: Training, layout: Layout, world: int) -> str | None:

@@ -222,7 +222,8 @@ def _cut(layout: Layout, batch: Batching, cluster: Cluster) -> str:
 def plan_notes(
     stats: ModelStats, cluster: Cluster, training: Training, choice: Estimate, estimates: list[Estimate]
 ) -> list[str]:
-    """What the rows beside the choice say about speed, tp, cp and ps (nothing on one rank)."""
+    """What the rows beside the choice say about speed, tp, cp and ps, and why pipelines are missing (nothing on one
+    rank)."""
     if cluster.world_size == 1:
         return []
     return (
@@ -230,6 +231,7 @@ def plan_notes(
         + _tp_notes(stats, cluster, training, estimates)
         + _cp_notes(stats, estimates)
         + _ps_notes(stats, cluster, estimates)
+        + ([f"no pipeline or hybrid rows: {stats.pipeline_refusal}"] if stats.pipeline_refusal else [])
     )
 
 

@@ -352,11 +352,6 @@ def exact_layouts(cluster: Cluster, n_units: int, dims: ParallelDims, strategy: 
             f"the layout {given}: a pipeline's experts are planned split over its dp replicas without "
             "tp (Parallel('hybrid', dp=D, ep=E)); drop tp or ep"
         )
-    if dims.pp > n_units:
-        raise ConfigError(
-            f"the layout {given} cuts the model into {dims.pp} pipeline stages but it has only "
-            f"{n_units} units to cut (its blocks, embedding and head); use --pp {n_units} or fewer"
-        )
     found = [
         lay
         for lay in layouts(

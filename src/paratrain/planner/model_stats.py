@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..errors import ConfigError
+from ..model.stages import most_stages
 from ..model.structure import forward_pieces
 from .attention import ATTENTION_FLOPS, FusedAttention
 from .hardware import GIB, cpu_host
@@ -223,6 +224,11 @@ class ModelStats:
     are counted in ``params`` and, one tensor each, in ``tensors``."""
     warnings: tuple[str, ...] = ()
     """What the figures may miss of training, one line each (a traced output that is not per token)."""
+    pipeline_stages: int | None = None
+    """The most stages paratrain's pipelines cut the model into (:func:`paratrain.model.stages.most_stages`; 0: they
+    cannot cut it), when the model was built; None (closed forms): its units bound the stages."""
+    pipeline_refusal: str = ""
+    """Why pipelines cannot cut the model, when ``pipeline_stages`` is 0: the line ``prepare`` refuses it with."""
 
     def __post_init__(self) -> None:
         if self.params < 1:
@@ -251,6 +257,11 @@ class ModelStats:
             < 0
         ):
             raise ConfigError(f"model {self.name!r}: FLOPs and byte counts must be >= 0")
+
+    @property
+    def stage_bound(self) -> int:
+        """The most pipeline stages the model is planned in."""
+        return len(self.units) if self.pipeline_stages is None else self.pipeline_stages
 
     @property
     def largest_unit(self) -> tuple[str, int]:
@@ -388,7 +399,14 @@ def _parameter_facts(
         matmul_params=sum(matmul.values()),
         param_bytes=dict(by_dtype),
         tensors=trainable_sizes(model),
+        **pipeline_facts(model),
     )
+
+
+def pipeline_facts(model: nn.Module) -> dict[str, Any]:
+    """``ModelStats``' pipeline fields, from the runtime's own cutter."""
+    stages, refusal = most_stages(model)
+    return dict(pipeline_stages=stages, pipeline_refusal=refusal or "")
 
 
 def _tables(model: nn.Module, names: list[str], lookups: Counter[str], batch: int) -> tuple[TableStats, ...]:

@@ -429,6 +429,7 @@ def transformer_stats(cfg: GPTConfig, *, name: str, params: int | None = None) -
         matmul_params=_matmul_params(cfg),
         tp=tp,
         cut_between_blocks=True,
+        pipeline_stages=n_layers,
         cp=CPShape(layers=n_layers, seq_len=s, heads=cfg.heads, kv_heads=cfg.key_value_heads, head_dim=cfg.head_width),
         pipeline_copy=v * h if cfg.tied else 0,
         output_bytes_per_sample=4.0 * s * v,

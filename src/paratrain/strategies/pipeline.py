@@ -178,12 +178,14 @@ class PipelineStrategy(Strategy):
         out.key_order = list(model.state_dict())
         out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)  # before FSDP swaps the parameters
         units = (plan.blocks.cls,)  # one sharding unit per block, never a bare container
+        # Every stage's tensor-parallel plan is read off the whole model before any stage is split in place (an
+        # inferred plan probes the model's first block, which an earlier stage of this rank may hold).
+        splits = {s: self._stage_split(model, plan, s, total, rt) for s in mine}
         for s in mine:
             stage = StageModule(build_stage(model, plan, [s]), s, last=s == total - 1)
-            split = self._stage_split(model, plan, s, total, rt)
             out.stage_modules[s] = stage
             out.parts.append(
-                (s, rt.parallelize(stage, tp=split, ep=self._experts(rt), data=self._stage_step(rt, units)))
+                (s, rt.parallelize(stage, tp=splits[s], ep=self._experts(rt), data=self._stage_step(rt, units)))
             )
         self._names[id(out)] = names
         return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ...model.stages import AddsNothing, PassThrough
+from ...model.stages import StandIn
 from .plans import TPPlan, matches, sequence_shards, whole_sequence
 
 
@@ -29,7 +29,7 @@ def stage_styles(
     """(module name, style) for the modules ``stage`` runs, in plan order; under sequence parallelism the
     sequence is sliced before ``first_block`` and gathered after ``last_block`` (None: the stage holds the model's
     own beginning, or end, which the plan handles)."""
-    runs = [n for n, m in stage.named_modules() if n and not isinstance(m, (PassThrough, AddsNothing))]
+    runs = [n for n, m in stage.named_modules() if n and not isinstance(m, StandIn)]
     styles = [
         (n, plan.style(value, pattern, n))
         for pattern, value in plan.styles.items()
