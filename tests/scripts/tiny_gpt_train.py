@@ -71,7 +71,7 @@ def main() -> None:
     val = TokenLoader(tokens, seed=99)
 
     for it in range(args.iters):
-        for micro_step in range(par.accumulate):
+        for _micro_step in range(par.accumulate):
             x, y = train.next_batch()
             with par.step(model, optimizer):
                 _, loss = model(x.to(par.device), y.to(par.device))
@@ -82,7 +82,8 @@ def main() -> None:
                 xv, yv = val.next_batch()
                 _, val_loss = model(xv.to(par.device), yv.to(par.device))
             model.train()
-            par.print(f"iter {it}: loss {loss.item():.4f} val {float(par.mean(val_loss)):.4f}")
+            _, probe = model(xv.to(par.device), yv.to(par.device))  # in training mode, never backpropagated
+            par.print(f"iter {it}: loss {loss.item():.4f} val {float(par.mean(val_loss)):.4f} probe {probe.item():.4f}")
             state = par.full_state_dict(model)  # every rank; rank 0 writes
             if par.is_main and args.out:
                 torch.save(state, os.path.join(args.out, "ckpt.pt"))

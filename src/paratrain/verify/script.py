@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import runpy
@@ -36,16 +37,15 @@ from torch import nn
 from ..digest import state_digest
 from ..env import ClusterEnv
 from ..errors import ConfigError
-from ..script_verify import VAR
+from ..script_verify import VAR, hold
 from ..settings import JobConfig
+from ..strategies import check_name
 from . import fed_feeds
 from .distributed import FED_DEFAULT_STEPS, Case, RankEvidence
 from .options import OWN_KEYWORDS
 from .record import Record, RecordHooks, watch_steps
 from .reference import ORDERS, Replay, global_first, replay_run
 from .report import VerifyReport, build_report
-
-REFERENCE_SETTING = json.dumps({"mode": "reference"})
 
 
 @dataclass(kw_only=True)
@@ -61,29 +61,24 @@ class _Reference:
     """A copy of the script's model at the initial weights, before ``prepare`` (for :func:`global_first`)."""
 
 
-_reference: _Reference | None = None
-"""The reference under way in this process (set around :func:`_run_here`)."""
-
-
 class _Finished(Exception):
     """Ends the reference's run of the script after its K steps."""
 
 
-def take_over(init: Callable[..., None], par: Any, setting: str, args: tuple, kwargs: dict[str, Any]) -> None:
-    """Build ``par`` for the run ``setting`` describes (the parallel run's, or the reference's) and hook it."""
-    plan = json.loads(setting)
+def take_over_launched(init: Callable[..., None], par: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Build ``par`` on a rank of the launched script, with the strategy :data:`VAR` names, and hook it."""
+    plan = json.loads(os.environ[VAR])
     strategy = args[0] if args else kwargs.pop("strategy", "auto")
-    kwargs = {**kwargs, "monitor": False}  # the monitor's table would only add noise
-    if plan["mode"] == "parallel":
-        init(par, plan.get("strategy") or strategy, **{**kwargs, **plan.get("options", {})})
-        _Hooks(par, _RankSide(par, plan))
-        return
-    ref = _reference
-    if ref is None:
-        raise ConfigError(f"{VAR} is set by paratrain verify for the scripts it runs; unset it")
+    kwargs = {**kwargs, **plan.get("options", {}), "monitor": False}  # the monitor's table would only add noise
+    init(par, plan.get("strategy") or strategy, **kwargs)
+    _Hooks(par, _RankSide(par, plan))
+
+
+def _take_over_here(ref: _Reference, init: Callable[..., None], par: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Build ``par`` for the reference: one process, the script's own ``Parallel`` keywords, no strategy options."""
     own = {k: v for k, v in kwargs.items() if k in OWN_KEYWORDS}
     job = replace(own.pop("job", None) or JobConfig(), env=ClusterEnv())  # one process, whatever the script's
-    init(par, "single", **{**own, "accelerator": "cpu", "accumulate": ref.accumulate, "job": job})
+    init(par, "single", **{**own, "accelerator": "cpu", "accumulate": ref.accumulate, "job": job, "monitor": False})
     _Hooks(par, _ReferenceSide(par, ref))
 
 
@@ -157,7 +152,7 @@ class _RankSide(_Side):
         self.steps = int(plan["steps"])
         self.keep_states = par.rank == 0
         self.evidence = RankEvidence(
-            case=Case(factory=plan["label"], strategy=plan.get("strategy") or "", steps=self.steps),
+            case=Case(factory=plan["label"], strategy="", steps=self.steps),
             options={k: repr(v) for k, v in plan.get("options", {}).items()},
             steps=self.steps,
         )
@@ -169,7 +164,7 @@ class _RankSide(_Side):
 
     def done(self, prepared: nn.Module, recorder: RecordHooks) -> None:
         par, ev = self.par, self.evidence
-        ev.case = replace(ev.case, strategy=ev.case.strategy or par.strategy.name)
+        ev.case = replace(ev.case, strategy=par.strategy.name)  # what ran: the command's, else the script's
         ev.record, ev.replica, ev.replicas, ev.accumulate = recorder.record, *_layout(par)
         ev.final_digest = state_digest(par.full_state_dict(prepared, rank0_only=False))
         torch.save(ev, Path(self.plan["dir"]) / f"rank{par.rank}.pt")
@@ -222,7 +217,10 @@ def verify_script(
         raise ConfigError(f"verify: no script {script!r}; give a training script (train.py) or module:function")
     if nprocs < 2:
         raise ConfigError(f"verify compares a parallel run with one process: use 2 or more processes, got {nprocs}")
-    steps = steps or FED_DEFAULT_STEPS
+    for strategy in strategies:
+        if strategy is not None:
+            check_name(strategy)
+    steps = FED_DEFAULT_STEPS if steps is None else steps
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
     if tolerance is not None and tolerance <= 0:
@@ -284,24 +282,18 @@ def _reference_of(script: str, argv: Sequence[str], ranks: list[RankEvidence], o
 
 def _run_here(script: str, argv: Sequence[str], ref: _Reference) -> None:
     """Run ``script`` as ``__main__`` in this process until :class:`_Finished`; its prints go to stderr."""
-    global _reference
-    saved = sys.argv, list(sys.path), os.environ.get(VAR)
+    saved = sys.argv, list(sys.path)
     sys.argv = [script, *argv]
     sys.path.insert(0, str(Path(script).resolve().parent))
-    os.environ[VAR] = REFERENCE_SETTING
-    _reference = ref
+    held = hold(functools.partial(_take_over_here, ref))
     try:
         with contextlib.redirect_stdout(sys.stderr):
             runpy.run_path(script, run_name="__main__")
     except _Finished:
         pass
     finally:
-        _reference = None
-        sys.argv, sys.path[:] = saved[0], saved[1]
-        if saved[2] is None:
-            os.environ.pop(VAR, None)
-        else:
-            os.environ[VAR] = saved[2]
+        hold(held)
+        sys.argv, sys.path[:] = saved
     if ref.record is None:
         raise ConfigError(
             f"verify: {script} in one process ended before {ref.steps} optimizer steps (the parallel run took them)"
