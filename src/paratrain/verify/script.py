@@ -1,11 +1,12 @@
 """``paratrain verify train.py [args]``: an unchanged training script, checked for K optimizer steps, no spec file.
 
-The parallel run launches the script on N processes as ``paratrain run`` does, with :data:`~paratrain.script_verify.VAR`
-set; every ``Parallel`` it builds comes here (:func:`take_over`): the strategy is the command's (else the script's),
-and its ``prepare(model, optimizer)`` installs the hooks the spec path uses (:mod:`.record`): initial weights, losses
-(the model's own), gradient norms before clipping, what every micro-step inside ``par.step`` fed the prepared model
-(forwards outside it, such as an evaluation, are not training), the state after each step. After K steps each rank
-writes its evidence to the folder the variable names and the script ends (exit 0).
+The parallel run launches the script on N processes as ``paratrain run`` does, with
+:data:`~paratrain.script_verify.VAR` set; every ``Parallel`` it builds comes here (:func:`take_over_launched`): the
+strategy is the command's (else the script's), and its ``prepare(model, optimizer)`` installs the hooks the spec
+path uses (:mod:`.record`): initial weights, losses (the model's own), gradient norms before clipping, what every
+micro-step inside ``par.step`` fed the prepared model (forwards outside it, such as an evaluation, are not
+training), the state after each step. After K steps each rank writes its evidence to the folder the variable names
+and the script ends (exit 0).
 
 The reference runs the same script here, in one process, with ``Parallel("single")`` and the script's own
 ``Parallel`` keywords (strategy options dropped), from rank 0's initial weights: its model calls inside ``par.step``
@@ -31,7 +32,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..digest import state_digest
@@ -44,7 +44,7 @@ from . import fed_feeds
 from .distributed import FED_DEFAULT_STEPS, Case, RankEvidence
 from .options import OWN_KEYWORDS
 from .record import Record, RecordHooks, watch_steps
-from .reference import ORDERS, Replay, global_first, replay_run
+from .reference import ORDERS, Replay, ReplayMismatch, global_first, replay_run
 from .report import VerifyReport, build_report
 
 
@@ -168,8 +168,6 @@ class _RankSide(_Side):
         ev.record, ev.replica, ev.replicas, ev.accumulate = recorder.record, *_layout(par)
         ev.final_digest = state_digest(par.full_state_dict(prepared, rank0_only=False))
         torch.save(ev, Path(self.plan["dir"]) / f"rank{par.rank}.pt")
-        if dist.is_initialized():
-            dist.barrier()
         par.close()
         raise SystemExit(0)
 
@@ -291,6 +289,14 @@ def _run_here(script: str, argv: Sequence[str], ref: _Reference) -> None:
             runpy.run_path(script, run_name="__main__")
     except _Finished:
         pass
+    except ReplayMismatch:
+        raise
+    except Exception as err:  # the script's own: one line; --debug shows where
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ConfigError(
+            f"verify: {script} raised {type(err).__name__} in one process: {first} (run it alone, or "
+            "paratrain --debug verify, for its traceback)"
+        ) from err
     finally:
         hold(held)
         sys.argv, sys.path[:] = saved
