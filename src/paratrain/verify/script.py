@@ -47,6 +47,10 @@ from .record import Record, RecordHooks, watch_steps
 from .reference import ORDERS, Replay, ReplayMismatch, global_first, replay_run
 from .report import VerifyReport, build_report
 
+NOT_IN_REFERENCE = frozenset({"accumulate", "global_batch", "micro_batch", "accelerator", "env", "monitor", "log_with"})
+"""The script's ``Parallel`` keywords the reference sets itself (its accumulation, one process on the CPU) or goes
+without (the monitor, trackers: in both runs, verify's numbers are not the script's to log)."""
+
 
 @dataclass(kw_only=True)
 class _Reference:
@@ -69,14 +73,14 @@ def take_over_launched(init: Callable[..., None], par: Any, args: tuple, kwargs:
     """Build ``par`` on a rank of the launched script, with the strategy :data:`VAR` names, and hook it."""
     plan = json.loads(os.environ[VAR])
     strategy = args[0] if args else kwargs.pop("strategy", "auto")
-    kwargs = {**kwargs, **plan.get("options", {}), "monitor": False}  # the monitor's table would only add noise
+    kwargs = {k: v for k, v in kwargs.items() if k != "log_with"} | {**plan.get("options", {}), "monitor": False}
     init(par, plan.get("strategy") or strategy, **kwargs)
     _Hooks(par, _RankSide(par, plan))
 
 
 def _take_over_here(ref: _Reference, init: Callable[..., None], par: Any, args: tuple, kwargs: dict[str, Any]) -> None:
     """Build ``par`` for the reference: one process, the script's own ``Parallel`` keywords, no strategy options."""
-    own = {k: v for k, v in kwargs.items() if k in OWN_KEYWORDS}
+    own = {k: v for k, v in kwargs.items() if k in OWN_KEYWORDS and k not in NOT_IN_REFERENCE}
     job = replace(own.pop("job", None) or JobConfig(), env=ClusterEnv())  # one process, whatever the script's
     init(par, "single", **{**own, "accelerator": "cpu", "accumulate": ref.accumulate, "job": job, "monitor": False})
     _Hooks(par, _ReferenceSide(par, ref))
