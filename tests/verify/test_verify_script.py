@@ -8,7 +8,6 @@ import pytest
 from helpers.paths import SCRIPTS
 
 from paratrain.cli.main import _parse, main
-from paratrain.cli.verify import _read_flags
 
 SCRIPT = str(SCRIPTS / "tiny_gpt_train.py")
 
@@ -37,8 +36,11 @@ def test_every_rank_reading_the_same_data_is_named(capsys):
 
 def test_verify_flags_are_read_among_the_script_arguments():
     args = _parse(["verify", "t.py", "--same-data", "--out", "D", "--strategy", "ddp,zero3", "-n", "4", "--steps", "3"])
-    assert _read_flags(args) == ["--same-data", "--out", "D"]
+    assert args.script_args == ["--same-data", "--out", "D"]
     assert (args.factory, args.strategies, args.nproc, args.steps) == ("t.py", "ddp,zero3", 4, 3)
+    args = _parse(["verify", "--tf", "kmodel:build", "-n", "3", "--steps", "4"])  # a factory's flags after it too
+    assert (args.tf, args.nproc, args.steps, args.script_args) == (True, 3, 4, [])
+    assert _parse(["verify", "kmodel:build", "--tf", "--steps", "4"]).tf
 
 
 @pytest.mark.parametrize(

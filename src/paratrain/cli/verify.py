@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "factory", nargs="?", help="module:function returning a paratrain.verify.VerifySpec, or a script (train.py)"
     )
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments (and verify's flags)")
+    p.add_argument(
+        "script_args", nargs=argparse.REMAINDER, action=_ScriptArgs, help="the script's arguments (and verify's flags)"
+    )
     add_flags(p)
 
 
@@ -97,7 +99,7 @@ def execute(args: argparse.Namespace) -> int:
 
     if args.factory is None:
         raise ConfigError("verify needs module:function or a script (or --tf) (see `paratrain verify --help`)")
-    script_args = _read_flags(args)
+    script_args = args.script_args
     script = args.factory.endswith(".py")
     if script_args and not script:
         raise ConfigError(f"verify: unknown arguments {' '.join(script_args)} (see `paratrain verify --help`)")
@@ -117,8 +119,11 @@ def execute(args: argparse.Namespace) -> int:
     )
 
 
-def _read_flags(args: argparse.Namespace) -> list[str]:
-    """verify's flags among the arguments after the factory or script, into ``args``; the rest are the script's."""
-    flags = argparse.ArgumentParser(prog="paratrain verify", add_help=False)
-    add_flags(flags)
-    return flags.parse_known_args(list(args.script_args), namespace=args)[1]
+class _ScriptArgs(argparse.Action):
+    """The arguments after the factory or script: verify's flags among them are read into the namespace as they are
+    parsed (``--tf``, ``--steps``… count wherever they stand); the rest are the script's."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, *_: object):
+        flags = argparse.ArgumentParser(prog="paratrain verify", add_help=False)
+        add_flags(flags)
+        setattr(namespace, self.dest, flags.parse_known_args(list(values), namespace=namespace)[1])  # type: ignore[call-overload]
