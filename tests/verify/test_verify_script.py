@@ -57,3 +57,11 @@ def test_bad_input_is_one_line_before_anything_starts(capsys, args, words):
     assert main(["verify", *args]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_failed_launch_is_named_by_the_script_s_last_line_and_the_launcher_s():
+    from paratrain.verify.script import _why
+
+    stderr = "usage: t.py [-h]\nt.py: error: unrecognized arguments: --bogus\nparatrain: rank 0 failed (exit code 2)\n  rank 1"
+    assert _why(stderr) == "t.py: error: unrecognized arguments: --bogus; paratrain: rank 0 failed (exit code 2)"
+    assert _why("") == "no output" and _why("a\nb\n") == "b"

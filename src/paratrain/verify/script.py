@@ -249,13 +249,21 @@ def _launch(script: str, argv: Sequence[str], nprocs: int, plan: dict[str, Any],
             raise ConfigError(f"verify: {script} did not reach {plan['steps']} steps within {timeout_s:g} s") from None
         files = [Path(folder) / f"rank{r}.pt" for r in range(nprocs)]
         if done.returncode != 0 or not all(f.is_file() for f in files):
-            tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise ConfigError(
                 f"verify: {script} under {plan['strategy'] or 'its own strategy'} ended before {plan['steps']} "
-                f"optimizer steps of a model and optimizer given to par.prepare (exit {done.returncode}: {tail}); "
-                "lower --steps, or see `paratrain run` on the script"
+                f"optimizer steps of a model and optimizer given to par.prepare (exit {done.returncode}: "
+                f"{_why(done.stderr)}); lower --steps, or see `paratrain run` on the script"
             )
         return [torch.load(f, weights_only=False) for f in files]
+
+
+def _why(stderr: str) -> str:
+    """The launcher's line naming the failed rank, after the script's own last line before it (its error)."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    said = next((i for i, line in enumerate(lines) if line.startswith("paratrain: ")), None)
+    if said is None:
+        return lines[-1] if lines else "no output"
+    return "; ".join(lines[max(0, said - 1) : said + 1])
 
 
 def _reference_of(script: str, argv: Sequence[str], ranks: list[RankEvidence], order: str) -> Record:
