@@ -62,6 +62,6 @@ def test_bad_input_is_one_line_before_anything_starts(capsys, args, words):
 def test_a_failed_launch_is_named_by_the_script_s_last_line_and_the_launcher_s():
     from paratrain.verify.script import _why
 
-    stderr = "usage: t.py [-h]\nt.py: error: unrecognized arguments: --bogus\nparatrain: rank 0 failed (exit code 2)\n  rank 1"
+    stderr = "usage: t.py\nt.py: error: unrecognized arguments: --bogus\nparatrain: rank 0 failed (exit code 2)\nr1"
     assert _why(stderr) == "t.py: error: unrecognized arguments: --bogus; paratrain: rank 0 failed (exit code 2)"
     assert _why("") == "no output" and _why("a\nb\n") == "b"
