@@ -55,8 +55,22 @@ _DEPRECATED = {
     ),
 }
 
+from os import environ as _environ  # noqa: E402
+
+from . import script_verify as _script_verify  # noqa: E402
 from .launcher.spawn import launch as launch  # noqa: E402  (imports nothing heavy)
 from .lazy import lazy_getattr  # noqa: E402
 
 __all__ = sorted([*_EXPORTS, "launch"])
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals(), _DEPRECATED)
+
+
+def _verify_takes_over(*call: object) -> None:
+    """A rank of a script ``paratrain verify`` launched: verify builds each ``Parallel`` (imported at the first)."""
+    from .verify.script import take_over_launched
+
+    take_over_launched(*call)
+
+
+if _environ.get(_script_verify.VAR):
+    _script_verify.hold(_verify_takes_over)

@@ -41,6 +41,7 @@ from .precision import Precision, create_precision
 from .prepared import Prepared, prepare_each
 from .rank_log import rank_logger
 from .replicas import Replicas
+from .script_verify import verified
 from .seeding import seed_all, use_deterministic_kernels
 from .session import Session
 from .settings import JobConfig, ModelConfig, Settings
@@ -70,6 +71,7 @@ class Parallel:
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp, ``tp=2``).
     """
 
+    @verified
     def __init__(
         self,
         strategy: str | Strategy = "auto",

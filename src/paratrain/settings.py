@@ -113,7 +113,7 @@ class Settings:
             warnings.warn(
                 f"Parallel({', '.join(f'{k}=' for k in former)}) is deprecated; write {_spelling(former)}",
                 FutureWarning,
-                stacklevel=3,
+                stacklevel=4,  # parse, Parallel.__init__, its paratrain.script_verify wrapper, the user
             )
         for name, value, config in (("model", model, ModelConfig), ("job", job, JobConfig)):
             if value is not None and not isinstance(value, config):

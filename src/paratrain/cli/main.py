@@ -9,6 +9,7 @@ Commands:
   paratrain doctor [--json] [--skip-bandwidth]              check the environment, measure all-reduce bandwidth
   paratrain bench [--workload W] [-n 1,2] [--compare torch-ddp]  speedup, efficiency and their causes, measured
   paratrain verify module:factory [--strategy S] [-n N]     does the parallel run equal one process?
+  paratrain verify train.py [ARGS] [--strategy S] [-n N]    the same for an unchanged script, its first K steps
   paratrain slurm --nodes 4 --gpus-per-node 8 train.py      write an sbatch script (srun paratrain run …)
   paratrain k8s --image I --nodes 4 --gpus-per-node 8 train.py   write a Kubeflow Trainer TrainJob manifest
   paratrain export CKPT OUT.pt                              a checkpoint's model as one plain state_dict file

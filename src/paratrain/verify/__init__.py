@@ -119,7 +119,7 @@ def _reference(ranks: list[RankEvidence], cache: dict[tuple, Record], order: str
     if main.error is not None or main.init_state is None:
         return None
     d = main.data
-    feeds = None if d is not None and any(r.fetched for r in ranks) else _fed(ranks)
+    feeds = None if d is not None and any(r.fetched for r in ranks) else fed_feeds(ranks)
     split = (d.seed, d.shuffle, d.drop_last, d.micro_batch) if feeds is None else (feeds.digest(),)
     key = (main.case.factory, main.init_digest, main.replicas, *split, main.accumulate, main.record.steps, order)
     if key not in cache:
@@ -129,7 +129,7 @@ def _reference(ranks: list[RankEvidence], cache: dict[tuple, Record], order: str
     return cache[key]
 
 
-def _fed(ranks: list[RankEvidence]) -> Feeds:
+def fed_feeds(ranks: list[RankEvidence]) -> Feeds:
     """What each data-parallel replica fed its model and loss (its first rank's record)."""
     first = {}
     for r in ranks:

@@ -92,6 +92,8 @@ class RecordHooks:
         self._pending: list[float] = []
         self._inputs: list[Feed] = []
         self._targets: list[Feed] = []
+        self.recording: Callable[[], bool] = lambda: True
+        """Whether a training call now is one of a step's (a script's own evaluation forwards are not)."""
         if own_loss:
             model.register_forward_hook(self._own_loss_hook)
         for name, module in model.named_modules():
@@ -111,6 +113,8 @@ class RecordHooks:
         this hook: the last one returns the loss, the others hidden states; its shape pass is left out)."""
         if not module.training or not torch.is_grad_enabled() or inside(FORWARD_FRAMES, depth=24):
             return
+        if not self.recording():
+            return
         loss = find_loss(out)
         if loss is not None:
             self._pending.append(float(plain(loss).detach()))
@@ -120,7 +124,7 @@ class RecordHooks:
         prepared.register_forward_pre_hook(self._input_hook, prepend=True, with_kwargs=True)
 
     def _input_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if training_call(module):
+        if training_call(module) and self.recording():
             self._inputs.append(tensors_of((args, kwargs)))
             if self.record.first_call is None:
                 self.record.first_call = tree_map(_on_cpu, (args, kwargs))
@@ -209,6 +213,34 @@ def run_loop(
     ``optimizer`` until the optimizer has stepped ``steps()`` times, recording the global gradient norm before each
     step (before clipping) and (with ``keep_states``) the full state after it. ``replay``: feed the model and the
     loss the recorded batches instead of the loop's. Collective in the parallel run: every rank calls it."""
+    watch_steps(par, model, optimizer, recorder, steps, keep_states=keep_states, done=_stop)
+    loss = recorder.wrap_loss(spec.loss)
+    if replay is not None:
+        replay.attach(model, recorder.record)
+        loss = replay.wrap_loss(loss)
+    recorder.watch_inputs(model)
+    try:
+        spec.loop(par, model, optimizer, loader, loss)
+    except _Stop:
+        pass
+
+
+def _stop() -> None:
+    raise _Stop
+
+
+def watch_steps(
+    par: Parallel,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    recorder: RecordHooks,
+    steps: Callable[[], int],
+    *,
+    keep_states: bool,
+    done: Callable[[], None],
+) -> None:
+    """Hook the prepared ``optimizer``: record the global gradient norm before each step (before clipping) and
+    (with ``keep_states``) the full state after it; call ``done`` once ``steps()`` steps are recorded."""
     group = par.strategy.grad_norm_group(model)
     norms: list[float] = []
 
@@ -224,20 +256,11 @@ def run_loop(
         recorder.end_step(norms[-1], {k: v.clone() for k, v in state.items()} if keep_states else None)
         norms.clear()
         if recorder.record.steps >= steps():
-            raise _Stop
+            done()
 
     _before_clipping(par, lambda: norms.append(norm()))
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)
-    loss = recorder.wrap_loss(spec.loss)
-    if replay is not None:
-        replay.attach(model, recorder.record)
-        loss = replay.wrap_loss(loss)
-    recorder.watch_inputs(model)
-    try:
-        spec.loop(par, model, optimizer, loader, loss)
-    except _Stop:
-        pass
 
 
 def _before_clipping(par: Parallel, note: Callable[[], None]) -> None:

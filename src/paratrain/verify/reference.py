@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -119,6 +119,8 @@ class Replay:
         self.inputs, self.targets = inputs, targets
         self._record = Record()
         self._calls: Counter[tuple[str, int]] = Counter()
+        self.replaying: Callable[[], bool] = lambda: True
+        """Whether a training call now is one of a step's (a script's own evaluation forwards are not)."""
 
     def attach(self, model: nn.Module, record: Record) -> None:
         """Replay into the prepared ``model``'s training calls, reading the step from ``record``."""
@@ -126,7 +128,7 @@ class Replay:
         model.register_forward_pre_hook(self._forward, prepend=True, with_kwargs=True)
 
     def _forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not training_call(module):
+        if not training_call(module) or not self.replaying():
             return None
         return _substitute((args, kwargs), self._next("model", self.inputs))
 
@@ -243,12 +245,40 @@ def reference_run(
 def _replay_run(
     factory: str, init_state: dict[str, torch.Tensor], feeds: Feeds, accumulate: int, steps: int, order: str
 ) -> Record:
+    def train(group: int, replay: Replay) -> Record:
+        spec = build_spec(factory)
+        return _train(spec, init_state, spec.loader, accumulate // group, steps, replay)
+
+    return replay_run(train, feeds, accumulate, order, lambda: global_first(build_spec(factory), init_state, feeds))
+
+
+def replay_run(
+    train: Callable[[int, Replay], Record],
+    feeds: Feeds,
+    accumulate: int,
+    order: str,
+    first: Callable[[], tuple[float, float]],
+) -> Record:
+    """The reference on the replayed batches: ``train(group, replay)`` runs the user's loop with ``par.accumulate``
+    ``accumulate // group``, fed by ``replay``. A whole window as one batch when every step of the parallel run fed
+    ``accumulate`` micro-batches and the loop, given ``par.accumulate`` 1, calls the model once a step; else each
+    micro-step's batch of every replica, accumulating as the parallel run did. ``first``: :func:`global_first`."""
     if not any(calls for replica in feeds.inputs for calls in replica):
         return Record(error=NOTHING_FED, replayed=True)
-    record = _replay_loop(factory, init_state, feeds, accumulate, steps, order)
-    if record.error is None and feeds.first_call is not None:
-        record.global_first = global_first(build_spec(factory), init_state, feeds)
-    return record
+    windows = [accumulate] if accumulate > 1 and feeds.every_step_calls(accumulate) else []
+    for group in [*windows, 1]:
+        replay = Replay(feeds.joined("inputs", group, order), feeds.joined("targets", group, order))
+        try:
+            record = train(group, replay)
+        except ReplayMismatch as err:
+            if group == 1:
+                return Record(error=str(err), replayed=True)
+            continue
+        record.window, record.replayed = group, True
+        if record.error is None and feeds.first_call is not None:
+            record.global_first = first()
+        return record
+    raise AssertionError("unreachable: the last try accumulates and returns")
 
 
 def global_first(spec: VerifySpec, init_state: dict[str, torch.Tensor], feeds: Feeds) -> tuple[float, float]:
@@ -267,27 +297,6 @@ def global_first(spec: VerifySpec, init_state: dict[str, torch.Tensor], feeds: F
     loss.backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     return float(loss.detach()), float(norm)
-
-
-def _replay_loop(
-    factory: str, init_state: dict[str, torch.Tensor], feeds: Feeds, accumulate: int, steps: int, order: str
-) -> Record:
-    """The reference on the replayed batches: a whole window as one batch when every step of the parallel run fed
-    ``accumulate`` micro-batches and the loop, given ``par.accumulate`` 1, calls the model once a step; else each
-    micro-step's batch of every replica, accumulating as the parallel run did."""
-    windows = [accumulate] if accumulate > 1 and feeds.every_step_calls(accumulate) else []
-    for group in [*windows, 1]:
-        spec = build_spec(factory)
-        replay = Replay(feeds.joined("inputs", group, order), feeds.joined("targets", group, order))
-        try:
-            record = _train(spec, init_state, spec.loader, accumulate // group, steps, replay)
-        except ReplayMismatch as err:
-            if group == 1:
-                return Record(error=str(err), replayed=True)
-            continue
-        record.window, record.replayed = group, True
-        return record
-    raise AssertionError("unreachable: the last try accumulates and returns")
 
 
 def _train(
