@@ -357,7 +357,12 @@ def _own_loop(bug: str | None, accumulate: int):
     return train
 
 
-def _own(bug: str | None = None, accumulate: int = 2, clip: bool = True) -> VerifySpec:
+def _options(clip: bool, precision: str) -> dict[str, object]:
+    """The script's Parallel keywords: its clip, and its precision unless fp32."""
+    return {**({"clip_grad_norm": 1.0} if clip else {}), **({} if precision == "fp32" else {"precision": precision})}
+
+
+def _own(bug: str | None = None, accumulate: int = 2, clip: bool = True, precision: str = "fp32") -> VerifySpec:
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")) if bug == "rank_seeded" else 0)
     return VerifySpec(
         model=_token_model(),
@@ -366,7 +371,7 @@ def _own(bug: str | None = None, accumulate: int = 2, clip: bool = True) -> Veri
         loader=None,  # the loop has a loader of its own
         accumulate=accumulate,
         train=_own_loop(bug, accumulate),
-        options={"clip_grad_norm": 1.0} if clip else {},
+        options=_options(clip, precision),
     )
 
 
@@ -387,9 +392,21 @@ OWN_CASES = {  # factory -> (bug, accumulate, clip)
 }
 for _name, (_bug, _accumulate, _clip) in OWN_CASES.items():
     globals()[_name] = functools.partial(_own, _bug, _accumulate, _clip)
+    globals()[f"{_name}_bf16"] = functools.partial(_own, _bug, _accumulate, _clip, "bf16-mixed")
 
 
-def own_unsharded() -> VerifySpec:
+def good_bf16(accumulate: int = 2) -> VerifySpec:
+    """Correct, under bf16 autocast (the precision of GPT-2 scripts): each rank's micro-batches round otherwise than
+    one process's global batch, by far more than fp32's rounding."""
+    torch.manual_seed(0)
+    return _spec(_model(), accumulate=accumulate, options={"precision": "bf16-mixed"})
+
+
+def good_bf16_a1() -> VerifySpec:
+    return good_bf16(1)
+
+
+def own_unsharded(precision: str = "fp32") -> VerifySpec:
     """The same shape reading a DataLoader the loop never shards: micro-steps in ``range(par.accumulate)``."""
 
     def batches(loader):
@@ -405,4 +422,8 @@ def own_unsharded() -> VerifySpec:
                     par.backward(loss(model(x), y))
 
     torch.manual_seed(0)
-    return _spec(_model(), accumulate=2, train=train, options={"clip_grad_norm": 1.0})
+    return _spec(_model(), accumulate=2, train=train, options=_options(True, precision))
+
+
+def own_unsharded_bf16() -> VerifySpec:
+    return own_unsharded("bf16-mixed")

@@ -8,17 +8,29 @@ batch in another order (:data:`~paratrain.verify.reference.ORDERS`): the same ma
 two correct runs drift apart, per step and per entry of the state dict, is the floor; the parallel run passes
 where its distance from the reference stays within ``MARGIN`` times the floor plus a few float32 ulps of the value
 (so an exact-zero floor does not fail one rounding). A bug moves the numbers by orders of magnitude more.
+
+Under a 16-bit compute dtype (bf16-mixed, fp16-mixed, bf16-true) reordering is not where the rounding is: each
+rank's matmuls round their micro-batch's gradient to the compute dtype (relative 4e-3 in bf16) before the ranks and
+micro-steps add them in fp32, where one process rounds the global batch's gradient once. A twin that only reorders
+rounds exactly like the reference (a floor of 0 at the first step), so correct code failed by 1e-4. The twin then
+also runs every training forward on the parallel run's micro-batches (:func:`split_forward`): the same math
+(samples are independent: a model with BatchNorm is not split), the parallel run's rounding, so the floor holds it
+per entry, Adam's amplification included. The user's loop and loss stay as they are, so no planted bug moves into
+the floor (a bare backward, a summed loss, the data read: the twin's loop computes what the reference's does).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .record import Record
+from .record import Record, training_call
 
 MARGIN = 10.0
 """How many times the floor a parallel run may differ from the reference."""
@@ -135,3 +147,51 @@ class NoiseFloor:
             parameters=max(by_step, default=0.0),
             parameters_by_step=by_step,
         )
+
+
+def rounds_per_micro_batch(model: nn.Module, precision: Any) -> bool:
+    """True when splitting the global batch into the parallel run's micro-batches rounds otherwise (a 16-bit
+    compute dtype: ``precision`` is the run's :class:`~paratrain.precision.Precision`) and is the same math (no
+    BatchNorm, whose training statistics are the batch's)."""
+    low = precision.autocast_dtype is not None or precision.input_dtype is not None
+    return low and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def split_forward(model: nn.Module, size: int) -> None:
+    """Run each training forward of the prepared ``model`` on micro-batches of ``size`` samples, one call each (so
+    each rounds its gradient to the compute dtype as a rank does), joining the outputs: batch tensors along dim 0,
+    a scalar (a loss the model computes) as the mean weighted by the micro-batches' sizes."""
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        n = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()), 0)
+        if n <= size or not training_call(model):
+            return inner(*args, **kwargs)
+        outs = []
+        for start in range(0, n, size):
+            part = [t[start : start + size] if _batched(t, n) else t for t in leaves]
+            call_args, call_kwargs = tree_unflatten(part, spec)
+            outs.append(inner(*call_args, **call_kwargs))
+        return _join_outputs(outs, [min(size, n - start) for start in range(0, n, size)])
+
+    model.forward = forward  # type: ignore[method-assign]
+
+
+def _batched(x: Any, n: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == n
+
+
+def _join_outputs(outs: list[Any], sizes: list[int]) -> Any:
+    flat = [tree_flatten(out) for out in outs]
+    leaves = []
+    for parts in zip(*(leaves for leaves, _ in flat)):
+        first = parts[0]
+        if isinstance(first, torch.Tensor) and first.dim() and first.shape[0] == sizes[0]:
+            leaves.append(torch.cat(parts))
+        elif isinstance(first, torch.Tensor) and first.is_floating_point():
+            leaves.append(sum(p * k for p, k in zip(parts, sizes)) / sum(sizes))
+        else:
+            leaves.append(first)
+    return tree_unflatten(leaves, flat[0][1])
