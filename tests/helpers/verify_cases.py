@@ -187,6 +187,11 @@ def gpt2() -> VerifySpec:
     return _gpt2_spec()
 
 
+def gpt2_bf16() -> VerifySpec:
+    """GPT-2 under bf16 autocast, accumulating 2 micro-batches (a model tensor parallelism splits)."""
+    return _gpt2_spec(accumulate=2, options={"precision": "bf16-mixed"})
+
+
 def split_tie() -> VerifySpec:
     """GPT-2 whose head gets a weight of its own after prepare in the parallel run only — what FSDP2 on torch 2.11
     did to tied weights: the head is no longer the embedding and no optimizer trains it."""

@@ -13,10 +13,22 @@ Under a 16-bit compute dtype (bf16-mixed, fp16-mixed, bf16-true) reordering is n
 rank's matmuls round their micro-batch's gradient to the compute dtype (relative 4e-3 in bf16) before the ranks and
 micro-steps add them in fp32, where one process rounds the global batch's gradient once. A twin that only reorders
 rounds exactly like the reference (a floor of 0 at the first step), so correct code failed by 1e-4. The twin then
-also runs every training forward on the parallel run's micro-batches (:func:`split_forward`): the same math
-(samples are independent: a model with BatchNorm is not split), the parallel run's rounding, so the floor holds it
-per entry, Adam's amplification included. The user's loop and loss stay as they are, so no planted bug moves into
-the floor (a bare backward, a summed loss, the data read: the twin's loop computes what the reference's does).
+also runs every training forward on the parallel run's micro-batches, its parameters cast to the compute dtype
+(:func:`split_forward`, as FSDP's mixed precision casts them: embeddings and norms too, where autocast casts only
+matmuls): the same math (samples are independent: a model with BatchNorm is not split), rounded where any strategy
+rounds. The user's loop and loss stay as they are, so no planted bug moves into the floor (a bare backward, a
+summed loss, the data read: the twin's loop computes what the reference's does). Where each rounding is 4e-3, which
+entries an optimizer amplifies is chance (Adam moves an entry whose gradient is rounding noise by up to lr, in one
+run and not in the other): the twin shows how far that goes, not where, so each entry's floor is the largest of the
+state's at that step.
+
+Roundings no one-process twin reproduces are allowed by the compute dtype instead (:func:`compute_rounding`):
+tensor parallelism splits matmuls along the hidden dimension and rounds each rank's partial sums to the compute
+dtype before adding them (GPT-2, tp=2, bf16: losses 5e-6 apart, relative, at the first step); FSDP runs norms in
+the compute dtype where the twin's autocast runs them in fp32; bf16-true hands back a bf16 loss, one
+ulp (4e-3) off for another batch split. So the loss and gradient norm may differ by a fraction of an ulp of the
+compute dtype (two ulps of a 16-bit loss), and each entry by a few ulps of the largest update the reference made
+to it so far: far below every scale a bug moves the numbers by (a missing division: 2x at least).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .record import Record, training_call
@@ -36,6 +49,15 @@ MARGIN = 10.0
 """How many times the floor a parallel run may differ from the reference."""
 ULPS = 8 * torch.finfo(torch.float32).eps
 """The absolute allowance, relative to values above 1: 8 float32 ulps (about 1e-6)."""
+COMPUTE_ULPS = 1 / 32
+"""The loss and gradient norm under a 16-bit compute dtype may differ by this many of its ulps, relative, beyond
+the floor (2.4e-4 in bf16, 50x the tensor-parallel rounding measured on GPT-2)."""
+OWN_LOSS_ULPS = 2.0
+"""With 16-bit parameters (bf16-true) the loss itself is 16-bit: two of its ulps."""
+UPDATE_ULPS = 4.0
+"""Each entry may differ by this many ulps of the compute dtype of the largest update the reference made to it so
+far (3% in bf16): a 16-bit gradient summed over a batch is off by a few ulps (GPT-2's final LayerNorm weight under
+zero3: one ulp and a fifth)."""
 REPEATABLE = 1e-4
 """Before the first update both reference runs hold the same weights and the same samples: their first losses may
 differ by rounding only, far less than this (relative). More means the step draws random numbers or depends on
@@ -93,17 +115,59 @@ def _running_max(values: list[float]) -> list[float]:
     return out
 
 
+def _largest_updates(states: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Per step after the first state: each floating entry's largest max-|change| of a step so far."""
+    out: list[dict[str, float]] = []
+    top: dict[str, float] = {}
+    for before, after in zip(states, states[1:]):
+        for key in before.keys() & after.keys():
+            if after[key].is_floating_point() and after[key].numel():
+                change = float((after[key].double() - before[key].double()).abs().max())
+                top[key] = max(top.get(key, 0.0), change)
+        out.append(dict(top))
+    return out
+
+
 def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else 0.0
 
 
+@dataclass(frozen=True)
+class Rounding:
+    """What a precision rounds that the measured floor cannot hold (0 in fp32), relative."""
+
+    scalars: float = 0.0
+    """Of the loss and the gradient norm."""
+    updates: float = 0.0
+    """Of each entry's largest update so far."""
+
+
+def compute_rounding(precision: Any) -> Rounding:
+    """The rounding of the parallel run under ``precision`` (a :class:`~paratrain.precision.Precision`) that the
+    measured floor does not hold; see the module docstring."""
+    dtype = precision.input_dtype or precision.autocast_dtype
+    if dtype is None:
+        return Rounding()
+    eps = torch.finfo(dtype).eps
+    return Rounding(scalars=(OWN_LOSS_ULPS if precision.input_dtype else COMPUTE_ULPS) * eps, updates=UPDATE_ULPS * eps)
+
+
 class NoiseFloor:
     """The floor between the reference and its twin in another summation order, per step as a running maximum
-    (noise grows as training goes on; a step where it happened to cancel proves nothing)."""
+    (noise grows as training goes on; a step where it happened to cancel proves nothing); ``rounding``: the
+    compute dtype's allowance (:func:`compute_rounding`), on the updates the reference made from ``start``."""
 
-    def __init__(self, ref: Record, twin: Record, margin: float = MARGIN) -> None:
+    def __init__(
+        self,
+        ref: Record,
+        twin: Record,
+        margin: float = MARGIN,
+        rounding: Rounding = Rounding(),
+        start: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         steps = min(ref.steps, twin.steps)
-        self.margin = margin
+        self.margin, self.rounding = margin, rounding
+        self.updates = _largest_updates([start or {}, *ref.states[:steps]]) if rounding.updates else []
         self.losses = _running_max([abs(_mean(ref.losses[s]) - _mean(twin.losses[s])) for s in range(steps)])
         self.grad_norms = _running_max([abs(ref.grad_norms[s] - twin.grad_norms[s]) for s in range(steps)])
         self.entries: list[dict[str, float]] = []
@@ -120,11 +184,14 @@ class NoiseFloor:
 
     def scalar(self, what: str, step: int, reference: float) -> Bound:
         floor = self._at(self.losses if what == "loss" else self.grad_norms, step) or 0.0
-        return Bound(allowed=self.margin * floor + ULPS * max(1.0, abs(reference)), floor=floor)
+        allowed = self.margin * floor + ULPS * max(1.0, abs(reference)) + self.rounding.scalars * abs(reference)
+        return Bound(allowed=allowed, floor=floor)
 
     def entry(self, step: int, key: str, scale: float) -> Bound:
-        floor = (self._at(self.entries, step) or {}).get(key, 0.0)
-        return Bound(allowed=self.margin * floor + ULPS * max(1.0, scale), floor=floor)
+        entries = self._at(self.entries, step) or {}
+        floor = max(entries.values(), default=0.0) if self.rounding.updates else entries.get(key, 0.0)
+        update = (self._at(self.updates, step) or {}).get(key, 0.0)
+        return Bound(allowed=self.margin * floor + ULPS * max(1.0, scale) + self.rounding.updates * update, floor=floor)
 
     def unrepeatable(self, ref: Record) -> str | None:
         """Why the floor is not rounding (the first losses apart beyond :data:`REPEATABLE`), or None."""
@@ -149,18 +216,20 @@ class NoiseFloor:
         )
 
 
-def rounds_per_micro_batch(model: nn.Module, precision: Any) -> bool:
-    """True when splitting the global batch into the parallel run's micro-batches rounds otherwise (a 16-bit
-    compute dtype: ``precision`` is the run's :class:`~paratrain.precision.Precision`) and is the same math (no
-    BatchNorm, whose training statistics are the batch's)."""
-    low = precision.autocast_dtype is not None or precision.input_dtype is not None
-    return low and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+def rounding_dtype(model: nn.Module, precision: Any) -> torch.dtype | None:
+    """The 16-bit compute dtype of ``precision`` (the run's :class:`~paratrain.precision.Precision`) when splitting
+    the global batch into the parallel run's micro-batches is the same math for ``model`` (no BatchNorm, whose
+    training statistics are the batch's); None: the twin only reorders."""
+    dtype = precision.input_dtype or precision.autocast_dtype
+    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return None if batchnorm else dtype
 
 
-def split_forward(model: nn.Module, size: int) -> None:
-    """Run each training forward of the prepared ``model`` on micro-batches of ``size`` samples, one call each (so
-    each rounds its gradient to the compute dtype as a rank does), joining the outputs: batch tensors along dim 0,
-    a scalar (a loss the model computes) as the mean weighted by the micro-batches' sizes."""
+def split_forward(model: nn.Module, size: int, dtype: torch.dtype) -> None:
+    """Run each training forward of the prepared ``model`` on micro-batches of ``size`` samples, one call each, its
+    parameters cast to ``dtype`` (as FSDP's mixed precision casts them; autocast casts only a matmul's), so each
+    rounds every gradient to the compute dtype as a rank does. The outputs are joined: batch tensors along dim 0, a
+    scalar (a loss the model computes) as the mean weighted by the micro-batches' sizes."""
     inner = model.forward
 
     @functools.wraps(inner)
@@ -173,7 +242,9 @@ def split_forward(model: nn.Module, size: int) -> None:
         for start in range(0, n, size):
             part = [t[start : start + size] if _batched(t, n) else t for t in leaves]
             call_args, call_kwargs = tree_unflatten(part, spec)
-            outs.append(inner(*call_args, **call_kwargs))
+            cast = {name: p.to(dtype) if p.is_floating_point() else p for name, p in model.named_parameters()}
+            with _reparametrize_module(model, cast, tie_weights=True):
+                outs.append(inner(*call_args, **call_kwargs))
         return _join_outputs(outs, [min(size, n - start) for start in range(0, n, size)])
 
     model.forward = forward  # type: ignore[method-assign]
