@@ -411,6 +411,12 @@ def good_bf16_a1() -> VerifySpec:
     return good_bf16(1)
 
 
+def good_bf16_true() -> VerifySpec:
+    """Correct, with bf16 parameters: par.forward_backward hands back a bf16 loss."""
+    torch.manual_seed(0)
+    return _spec(_model(), accumulate=2, options={"precision": "bf16-true"})
+
+
 def own_unsharded(precision: str = "fp32") -> VerifySpec:
     """The same shape reading a DataLoader the loop never shards: micro-steps in ``range(par.accumulate)``."""
 

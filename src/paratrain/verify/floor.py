@@ -22,13 +22,14 @@ entries an optimizer amplifies is chance (Adam moves an entry whose gradient is 
 run and not in the other): the twin shows how far that goes, not where, so each entry's floor is the largest of the
 state's at that step.
 
-Roundings no one-process twin reproduces are allowed by the compute dtype instead (:func:`compute_rounding`):
-tensor parallelism splits matmuls along the hidden dimension and rounds each rank's partial sums to the compute
-dtype before adding them (GPT-2, tp=2, bf16: losses 5e-6 apart, relative, at the first step); FSDP runs norms in
-the compute dtype where the twin's autocast runs them in fp32; bf16-true hands back a bf16 loss, one
-ulp (4e-3) off for another batch split. So the loss and gradient norm may differ by a fraction of an ulp of the
-compute dtype (two ulps of a 16-bit loss), and each entry by a few ulps of the largest update the reference made
-to it so far: far below every scale a bug moves the numbers by (a missing division: 2x at least).
+Roundings no one-process twin reproduces at their source are allowed by the compute dtype instead
+(:func:`compute_rounding`): tensor parallelism splits matmuls along the hidden dimension and rounds each rank's
+partial sums to the compute dtype before adding them (GPT-2, tp=2, bf16: losses 5e-6 apart, relative, at the first
+step; the twin's floor held that by its size, a wider split need not be); FSDP runs norms in the compute dtype
+where the twin's autocast runs them in fp32; bf16-true hands back a bf16 loss, one ulp (4e-3) off for another batch
+split, which no twin on the reference's batches shows. So the loss and gradient norm may differ by a fraction of an
+ulp of the compute dtype (two ulps of a 16-bit loss), and each entry by a few ulps of the largest update the
+reference made to it so far: far below every scale a bug moves the numbers by (a missing division: 2x at least).
 """
 
 from __future__ import annotations
