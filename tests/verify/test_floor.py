@@ -90,3 +90,6 @@ def test_a_16bit_compute_dtype_allows_its_rounding_beyond_the_measured_floor():
     assert b.allowed == pytest.approx(10 * 1e-4 + 8 * 1.19e-7 + 4 * 2**-7 * 0.05, rel=1e-3)
     bf16_true = compute_rounding(create_precision("bf16-true"))  # its loss itself is bf16: two of its ulps
     assert bf16_true.scalars == pytest.approx(2 * 2**-7)
+    ulp_apart = NoiseFloor(_run(0.1, loss=1.5), _run(0.1, loss=1.5 + 2**-7), rounding=bf16_true)
+    assert ulp_apart.unrepeatable(_run(0.1, loss=1.5)) is None  # one bf16 ulp: rounding, not randomness
+    assert NoiseFloor(_run(0.1, loss=1.5), _run(0.1, loss=1.5 + 2**-7)).unrepeatable(_run(0.1)) is not None

@@ -308,7 +308,7 @@ def test_correct_code_under_bf16_passes_against_the_ranks_rounding(world2_report
     report = world2_reports[(factory, strategy)]
     text = format_report(report)
     assert report.passed and report.findings == [] and report.options["precision"].startswith("'bf16-"), text
-    assert report.floor.grad_norm > 0 and report.floor.parameters_by_step[0] > 0, text
+    assert report.floor.parameters_by_step[0] > 0, text  # the reordering twin's was 0
 
 
 @pytest.mark.launched
