@@ -187,6 +187,11 @@ def gpt2() -> VerifySpec:
     return _gpt2_spec()
 
 
+def gpt2_bf16() -> VerifySpec:
+    """GPT-2 under bf16 autocast, accumulating 2 micro-batches (a model tensor parallelism splits)."""
+    return _gpt2_spec(accumulate=2, options={"precision": "bf16-mixed"})
+
+
 def split_tie() -> VerifySpec:
     """GPT-2 whose head gets a weight of its own after prepare in the parallel run only — what FSDP2 on torch 2.11
     did to tied weights: the head is no longer the embedding and no optimizer trains it."""
@@ -357,7 +362,12 @@ def _own_loop(bug: str | None, accumulate: int):
     return train
 
 
-def _own(bug: str | None = None, accumulate: int = 2, clip: bool = True) -> VerifySpec:
+def _options(clip: bool, precision: str) -> dict[str, object]:
+    """The script's Parallel keywords: its clip, and its precision unless fp32."""
+    return {**({"clip_grad_norm": 1.0} if clip else {}), **({} if precision == "fp32" else {"precision": precision})}
+
+
+def _own(bug: str | None = None, accumulate: int = 2, clip: bool = True, precision: str = "fp32") -> VerifySpec:
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")) if bug == "rank_seeded" else 0)
     return VerifySpec(
         model=_token_model(),
@@ -366,7 +376,7 @@ def _own(bug: str | None = None, accumulate: int = 2, clip: bool = True) -> Veri
         loader=None,  # the loop has a loader of its own
         accumulate=accumulate,
         train=_own_loop(bug, accumulate),
-        options={"clip_grad_norm": 1.0} if clip else {},
+        options=_options(clip, precision),
     )
 
 
@@ -387,9 +397,27 @@ OWN_CASES = {  # factory -> (bug, accumulate, clip)
 }
 for _name, (_bug, _accumulate, _clip) in OWN_CASES.items():
     globals()[_name] = functools.partial(_own, _bug, _accumulate, _clip)
+    globals()[f"{_name}_bf16"] = functools.partial(_own, _bug, _accumulate, _clip, "bf16-mixed")
 
 
-def own_unsharded() -> VerifySpec:
+def good_bf16(accumulate: int = 2) -> VerifySpec:
+    """Correct, under bf16 autocast (the precision of GPT-2 scripts): each rank's micro-batches round otherwise than
+    one process's global batch, by far more than fp32's rounding."""
+    torch.manual_seed(0)
+    return _spec(_model(), accumulate=accumulate, options={"precision": "bf16-mixed"})
+
+
+def good_bf16_a1() -> VerifySpec:
+    return good_bf16(1)
+
+
+def good_bf16_true() -> VerifySpec:
+    """Correct, with bf16 parameters: par.forward_backward hands back a bf16 loss."""
+    torch.manual_seed(0)
+    return _spec(_model(), accumulate=2, options={"precision": "bf16-true"})
+
+
+def own_unsharded(precision: str = "fp32") -> VerifySpec:
     """The same shape reading a DataLoader the loop never shards: micro-steps in ``range(par.accumulate)``."""
 
     def batches(loader):
@@ -405,4 +433,8 @@ def own_unsharded() -> VerifySpec:
                     par.backward(loss(model(x), y))
 
     torch.manual_seed(0)
-    return _spec(_model(), accumulate=2, train=train, options={"clip_grad_norm": 1.0})
+    return _spec(_model(), accumulate=2, train=train, options=_options(True, precision))
+
+
+def own_unsharded_bf16() -> VerifySpec:
+    return own_unsharded("bf16-mixed")

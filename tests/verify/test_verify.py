@@ -39,6 +39,19 @@ OWN_BUGS = {  # a loop with a loader class of its own: factory -> (strategy, the
 """Each bug in the shape of a GPT-2 script (tests/helpers/verify_cases.py): accumulation 1, 2 and 4 at world 2,
 the gradient norm clipped at 1.0 (unclipped where the name says)."""
 OWN_GOOD = [("own_loader", "ddp"), ("own_loader", "zero3"), ("own_loader", "tp"), ("own_loader_a4", "ddp")]
+BF16_GOOD = [
+    ("good_bf16", "ddp"),
+    ("gpt2_bf16", "tp"),
+    ("good_bf16_a1", "zero3"),
+    ("own_loader_bf16", "zero3"),
+    ("own_loader_bf16", "tp"),
+    ("own_loader_a1_bf16", "ddp"),
+    ("good_bf16_true", "ddp"),
+]
+"""Correct code under bf16-mixed, accumulation 2 and 1, through a DataLoader and through a loader class of its own;
+bf16-true, whose loss is bf16."""
+BF16_BUGS = ("own_undivided", "own_summed", "own_same_offsets", "own_unsharded")
+"""Planted bugs that must keep their cause under bf16-mixed (``<name>_bf16`` in tests/helpers/verify_cases.py)."""
 NOISY = {"adamw": ("ddp", "zero3"), "adadelta": ("ddp",), "scheduled": ("ddp",)}
 """Correct setups whose rounding an optimizer amplifies, or whose loop steps a scheduler: they must pass."""
 
@@ -66,6 +79,8 @@ def world2_reports() -> dict[tuple[str, str], object]:
     cases += [Case(factory="helpers.verify_cases:own_rank_seeded", strategy="zero3", steps=3)]
     cases += [Case(factory="helpers.verify_cases:own_loader_a1", strategy="ddp")]  # the default step count
     cases += [Case(factory=f"helpers.verify_cases:{name}", strategy=s, steps=3) for name, (s, _, _) in OWN_BUGS.items()]
+    cases += [Case(factory=f"helpers.verify_cases:{name}", strategy=s, steps=2) for name, s in BF16_GOOD]
+    cases += [Case(factory=f"helpers.verify_cases:{name}_bf16", strategy="ddp", steps=1) for name in BF16_BUGS]
     reports = verify_cases(cases, 2, timeout_s=150, accelerator="cpu")
     return {(c.factory.split(":")[1], c.strategy): r for c, r in zip(cases, reports)}
 
@@ -283,6 +298,28 @@ def test_a_loop_with_a_loader_of_its_own_seeded_per_rank_starts_from_rank0s_weig
     report = world2_reports[("own_rank_seeded", "zero3")]
     assert report.passed and not report.findings, format_report(report)
     assert any("every rank started from rank 0's weights" in n for n in report.notes)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("factory, strategy", BF16_GOOD)
+def test_correct_code_under_bf16_passes_against_the_ranks_rounding(world2_reports, factory, strategy):
+    """Each rank rounds its micro-batch's gradient to bf16: a twin that only reorders rounds like the reference (a
+    floor of 0, so this failed by 1e-4); one that runs the ranks' micro-batches measures that rounding."""
+    report = world2_reports[(factory, strategy)]
+    text = format_report(report)
+    assert report.passed and report.findings == [] and report.options["precision"].startswith("'bf16-"), text
+    assert report.floor.parameters_by_step[0] > 0, text  # the reordering twin's was 0
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("bug", BF16_BUGS)
+def test_each_bug_under_bf16_keeps_its_cause(world2_reports, bug):
+    _, cause, fix = OWN_BUGS[bug]
+    report = world2_reports[(f"{bug}_bf16", "ddp")]
+    text = format_report(report)
+    assert not report.passed and [f.cause for f in report.findings] == [cause] and fix in report.findings[0].hint, text
+    if bug != "own_same_offsets":  # the replicas' joined batch is one batch twice: the same math, named by evidence
+        assert report.divergence is not None and report.divergence.step == 0, text
 
 
 @pytest.mark.parametrize(

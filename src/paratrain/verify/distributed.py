@@ -20,6 +20,7 @@ from ..distributed.process_group import finish_group, start_tool_group
 from ..distributed.router_loss import router_loss
 from ..errors import ConfigError
 from ..parallel import Parallel
+from .floor import Rounding, compute_rounding
 from .options import merged_strategy_options
 from .record import Record, RecordHooks, recording_loader, run_loop
 from .spec import VerifySpec, build_spec
@@ -92,6 +93,8 @@ class RankEvidence:
     """Steps asked for (the record holds how many ran)."""
     options: dict[str, str] = field(default_factory=dict)
     """The options the parallel run got besides the strategy (``repr`` of each value), for the report."""
+    rounding: Rounding = field(default_factory=Rounding)
+    """What its precision rounds beyond the measured floor (:func:`~paratrain.verify.floor.compute_rounding`)."""
     router_loss: str | None = None
     """How the model adds a router load-balancing loss that each rank computes on its own slice (no
     ``moe_aux_loss="global"``), in words; None when it adds none or the option makes it the global batch's."""
@@ -134,6 +137,7 @@ def _run_case(case: Case, ev: RankEvidence, accelerator: str) -> None:
     loader, recording = recording_loader(spec.loader) if spec.loader is not None else (None, None)
     model, optimizer = par.prepare(spec.model, spec.build_optimizer())
     ev.replica, ev.replicas = par.data_parallel_rank, par.data_parallel_size
+    ev.rounding = compute_rounding(par.precision)
     ev.accumulate = par.accumulate  # a global batch is resolved by prepare
     ev.data = _data_setup(spec.loader, par)
 

@@ -20,7 +20,8 @@ joined along dim 0, so the reference computes on the global batch whatever fed t
 loop that forgets to divide, or divides twice, shows); a loop that then still calls the model more than once a
 step (its micro-steps counted by a number of its own) is replayed micro-step by micro-step instead.
 
-The same run a second time, its batches in another order, measures the noise floor (:mod:`.floor`).
+The same run a second time, its batches in another order (and, under a 16-bit compute dtype, each forward on the
+parallel run's micro-batches), measures the noise floor (:mod:`.floor`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ..env import ClusterEnv
 from ..parallel import Parallel
 from ..settings import JobConfig
 from .distributed import DataSetup
+from .floor import rounding_dtype, split_forward
 from .record import Feed, Record, RecordHooks, feed_digest, run_loop, training_call
 from .spec import Loss, VerifySpec, build_spec
 
@@ -78,6 +80,11 @@ class Feeds:
         return all(len(calls) == n for replica in self.inputs for calls in replica) and all(
             len(calls) in (0, n) for replica in self.targets for calls in replica
         )
+
+    def micro_batch(self) -> int:
+        """The samples of one replica's first call (the parallel run's micro-batch)."""
+        first = self.inputs[0][0][0] if self.inputs[0] and self.inputs[0][0] else []
+        return next((t.shape[0] for t in first if t.dim()), 0)
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -237,7 +244,8 @@ def reference_run(
     if len(batches) == 0:
         return Record(window=group)
     loader = DataLoader(spec.loader.dataset, batch_sampler=batches, collate_fn=spec.loader.collate_fn)
-    record = _train(spec, init_state, loader, accumulate // group, steps)
+    split = data.micro_batch if order != ORDERS[0] else None
+    record = _train(spec, init_state, loader, accumulate // group, steps, split=split)
     record.window = group
     return record
 
@@ -245,9 +253,11 @@ def reference_run(
 def _replay_run(
     factory: str, init_state: dict[str, torch.Tensor], feeds: Feeds, accumulate: int, steps: int, order: str
 ) -> Record:
+    split = feeds.micro_batch() if order != ORDERS[0] else None
+
     def train(group: int, replay: Replay) -> Record:
         spec = build_spec(factory)
-        return _train(spec, init_state, spec.loader, accumulate // group, steps, replay)
+        return _train(spec, init_state, spec.loader, accumulate // group, steps, replay, split)
 
     return replay_run(train, feeds, accumulate, order, lambda: global_first(build_spec(factory), init_state, feeds))
 
@@ -306,8 +316,10 @@ def _train(
     accumulate: int,
     steps: int,
     replay: Replay | None = None,
+    split: int | None = None,
 ) -> Record:
-    """The spec's loop in this process with ``Parallel("single")`` from ``init_state``."""
+    """The spec's loop in this process with ``Parallel("single")`` from ``init_state``; ``split``: the parallel
+    run's micro-batch, each forward's size under a 16-bit compute dtype (the noise floor's twin, :mod:`.floor`)."""
     model = spec.model.cpu()
     model.load_state_dict(init_state)
     recorder = RecordHooks(model, own_loss=spec.loss is None)
@@ -315,6 +327,9 @@ def _train(
     job = replace(shared.pop("job", None) or JobConfig(), env=ClusterEnv())  # one process, whatever the script's
     par = Parallel("single", accumulate=accumulate, accelerator="cpu", monitor=False, job=job, **shared)
     model, optimizer = par.prepare(model, spec.build_optimizer())
+    dtype = rounding_dtype(model, par.precision)
+    if split and dtype is not None:
+        split_forward(model, split, dtype)
     try:
         run_loop(spec, par, model, optimizer, loader, recorder, lambda: steps, keep_states=True, replay=replay)
     finally:

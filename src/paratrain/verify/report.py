@@ -113,7 +113,7 @@ def build_report(
         report.notes.append(f"the training loop ended after {main.record.steps} of {main.steps} steps")
     judge: Judge = Tolerance(tolerance or FALLBACK_TOLERANCE)
     if tolerance is None:
-        floor = NoiseFloor(ref, twin)
+        floor = NoiseFloor(ref, twin, rounding=main.rounding, start=main.init_state)
         report.floor = floor.summary()
         unrepeatable = floor.unrepeatable(ref)
         if unrepeatable is None:

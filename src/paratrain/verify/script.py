@@ -42,6 +42,7 @@ from ..settings import JobConfig
 from ..strategies import check_name
 from . import fed_feeds
 from .distributed import FED_DEFAULT_STEPS, Case, RankEvidence
+from .floor import rounding_dtype, split_forward
 from .options import OWN_KEYWORDS
 from .record import Record, RecordHooks, watch_steps
 from .reference import ORDERS, Replay, ReplayMismatch, global_first, replay_run
@@ -60,6 +61,8 @@ class _Reference:
     steps: int
     accumulate: int
     replay: Replay
+    split: int | None = None
+    """The parallel run's micro-batch for the noise floor's twin under a 16-bit compute dtype (:mod:`.floor`)."""
     record: Record | None = None
     model: nn.Module | None = None
     """A copy of the script's model at the initial weights, before ``prepare`` (for :func:`global_first`)."""
@@ -193,6 +196,9 @@ class _ReferenceSide(_Side):
         self.ref.model = copy.deepcopy(model)
 
     def after(self, prepared: nn.Module, recorder: RecordHooks, inside: Callable[[], bool]) -> None:
+        dtype = rounding_dtype(prepared, self.par.precision)
+        if self.ref.split and dtype is not None:
+            split_forward(prepared, self.ref.split, dtype)
         self.ref.replay.replaying = inside
         self.ref.replay.attach(prepared, recorder.record)
 
@@ -274,10 +280,15 @@ def _reference_of(script: str, argv: Sequence[str], ranks: list[RankEvidence], o
     assert main.init_state is not None, "rank 0 keeps the initial weights"
     init_state = main.init_state
     model: list[nn.Module] = []
+    split = feeds.micro_batch() if order != ORDERS[0] else None
 
     def train(group: int, replay: Replay) -> Record:
         ref = _Reference(
-            init_state=init_state, steps=main.record.steps, accumulate=main.accumulate // group, replay=replay
+            init_state=init_state,
+            steps=main.record.steps,
+            accumulate=main.accumulate // group,
+            replay=replay,
+            split=split,
         )
         _run_here(script, argv, ref)
         model[:] = [ref.model] if ref.model is not None else []
