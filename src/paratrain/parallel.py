@@ -304,16 +304,17 @@ class Parallel:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """One micro-batch's forward and backward, for every strategy; the detached loss on every rank:
-        ``loss_fn(model(x, **kwargs), target)``, or without ``loss_fn`` the loss the model computes itself from
-        ``model(x, target, **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
+        """One micro-batch's forward and backward, for every strategy; the detached loss on every rank, in float32
+        whatever the precision (a sharded strategy's policy computes a model's own loss in bf16): ``loss_fn(model(x,
+        **kwargs), target)``, or without ``loss_fn`` the loss the model computes itself from ``model(x, target,
+        **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
         call = self.strategy.batch(ModelCall.of(x, target, loss_fn, kwargs))
         self._replicas.first_batch(call.first_tensor())
         loss = None if self._loss.on else self.strategy.forward_backward(model, call, 1.0 / self.accumulate)
         if loss is None:
             loss = self._loss(model, call, self.strategy, self.precision, self.device)
             self.backward(loss)
-        return loss.detach()
+        return loss.detach().float()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided by the accumulation count so accumulated gradients are a mean."""

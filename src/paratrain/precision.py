@@ -15,7 +15,8 @@ logits loses accuracy. ``Parallel.forward_backward`` owns the loss call, so ther
 dtype and the loss runs under autocast, whose fp32 ops (log-softmax, cross-entropy, norms) upcast what they read
 as a hand-written autocast loop does, instead of the model's whole output being cast to fp32 first. Whether
 that lowers the peak depends on where the step's peak lies: at the CPU sizes measured (benchmarks/RESULTS.md §9)
-it did not; the large-vocabulary case on a GPU is not measured yet.
+it did not; the large-vocabulary case on a GPU is not measured yet. Whatever the compute dtype, the loss
+``forward_backward`` hands back is float32 (FSDP's policy computes a model's own loss in bf16, autocast in fp32).
 """
 
 from __future__ import annotations
