@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from .checkpoint.auto import AutoCheckpoint
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.io import Targets
 from .checkpoint.weights import load_weights
-from .data import ShardedLoader, prepare_loader
+from .data import ShardedLoader, map_evenly, prepare_loader
 from .distributed.metrics import gather_object, reduce_value
 from .distributed.process_group import group_started
 from .env import ClusterEnv
@@ -336,6 +336,15 @@ class Parallel:
     def _reduce(self, value: torch.Tensor | float, mean: bool) -> torch.Tensor | float:
         size, group = self._chosen.metrics(self._runtime())  # a pipeline's stages hold one replica's value
         return reduce_value(value, mean=mean, size=size, group=group, device=self.device)
+
+    @collective("par.map_evenly")
+    def map_evenly(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """``[fn(item) for item in items]`` on this rank's items, ``fn`` called equally often on every rank (a rank
+        with fewer repeats its last item and drops the result): an evaluation split unevenly over the ranks
+        (``i % world == rank``, a loader prepared with ``even=False``) under a strategy whose every forward needs
+        every rank (collective)."""
+        joined, group = self._session.distributed, self.strategy.server.training_group(self.env)
+        return map_evenly(fn, items, joined=joined, group=group, device=self.device)
 
     @collective("par.barrier")
     def barrier(self) -> None:
