@@ -260,19 +260,19 @@ def shard_loader(
 
 
 def map_evenly(
-    fn: Callable[[T], R], items: Iterable[T], *, joined: bool, group: dist.ProcessGroup | None, device: torch.device
+    fn: Callable[[T], R], items: Iterable[T], *, group: dist.ProcessGroup | None, device: torch.device
 ) -> list[R]:
     """``[fn(item) for item in items]``, with ``fn`` called on every rank of ``group`` as often as on the rank with
     the most items: a rank with fewer calls it again on its last item and drops the result, so a model whose every
     forward needs every rank evaluates items split unevenly over the ranks (collective: one all-reduce of the
-    counts over ``group`` when ``joined``, else a plain map)."""
+    counts over ``group``; with no process group, a plain map)."""
     try:
         count = len(items)  # type: ignore[arg-type]
     except TypeError:
         items = list(items)
         count = len(items)
     most = fewest = count
-    if joined:
+    if dist.is_initialized():
         counts = torch.tensor([count, -count], device=device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
         most, minus_fewest = counts.tolist()

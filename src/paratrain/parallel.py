@@ -123,7 +123,7 @@ class Parallel:
         self._prepared = Prepared()
         self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print, timeout_s=settings.job.timeout_s)
         self._size_batch()
-        self._replicas = Replicas(self._session, self.world_size, lambda: self._chosen.data_parallel(self._runtime()))
+        self._replicas = Replicas(self._session, self.world_size, self._chosen, self._runtime)
         self.logger = rank_logger(self.env)
         self.trackers = Trackers(
             tracking,
@@ -155,6 +155,7 @@ class Parallel:
     is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0.")
     accumulate = property(lambda self: self._loop.accumulate, doc="Micro-batches per optimizer step.")
     optimizer_steps = property(lambda self: self._loop.optimizer_steps, doc="Optimizer steps taken (restored by load).")
+    epoch = property(lambda self: self._loop.epoch, doc="The epoch epochs() is in (its end once done); None before.")
 
     @property
     def strategy(self) -> Strategy:
@@ -165,11 +166,6 @@ class Parallel:
     def mesh(self) -> DeviceMesh | None:
         """The device mesh the strategy runs on (None in one process, and while ``auto`` waits for the model)."""
         return self._chosen.mesh
-
-    @property
-    def epoch(self) -> int | None:
-        """The epoch ``epochs()`` is in (its end value once it is done); None before it starts."""
-        return self._loop.epoch
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
@@ -304,10 +300,9 @@ class Parallel:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """One micro-batch's forward and backward, for every strategy; the detached loss on every rank, in float32
-        whatever the precision (a sharded strategy's policy computes a model's own loss in bf16): ``loss_fn(model(x,
-        **kwargs), target)``, or without ``loss_fn`` the loss the model computes itself from ``model(x, target,
-        **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
+        """One micro-batch's forward and backward, for every strategy; the detached loss on every rank, float32 under
+        any precision: ``loss_fn(model(x, **kwargs), target)``, or without ``loss_fn`` the loss the model computes
+        itself from ``model(x, target, **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
         call = self.strategy.batch(ModelCall.of(x, target, loss_fn, kwargs))
         self._replicas.first_batch(call.first_tensor())
         loss = None if self._loss.on else self.strategy.forward_backward(model, call, 1.0 / self.accumulate)
@@ -339,12 +334,8 @@ class Parallel:
 
     @collective("par.map_evenly")
     def map_evenly(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
-        """``[fn(item) for item in items]`` on this rank's items, ``fn`` called equally often on every rank (a rank
-        with fewer repeats its last item and drops the result): an evaluation split unevenly over the ranks
-        (``i % world == rank``, a loader prepared with ``even=False``) under a strategy whose every forward needs
-        every rank (collective)."""
-        joined, group = self._session.distributed, self.strategy.server.training_group(self.env)
-        return map_evenly(fn, items, joined=joined, group=group, device=self.device)
+        """``[fn(item) for item in items]``, ``fn`` run as often on every rank (:func:`paratrain.data.map_evenly`)."""
+        return map_evenly(fn, items, group=self.strategy.server.training_group(self.env), device=self.device)
 
     @collective("par.barrier")
     def barrier(self) -> None:

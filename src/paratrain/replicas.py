@@ -12,25 +12,25 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .distributed.initial_state import start_alike
-from .draws import FirstBatch, agreed_seed, replica_stream
+from .draws import FirstBatch, agreed_seed, replica_stream, shared_by
 from .rank_alone import guard_model, guard_optimizer
 from .seeding import rank_seed, seed_all
 from .session import Session
-from .strategies.base import Strategy
-
-DataParallel = Callable[[], tuple[int, int, "dist.ProcessGroup | None"]]
+from .strategies.base import Runtime, Strategy
+from .strategies.chosen import ChosenStrategy
 
 
 class Replicas:
-    """The rules above for one ``Parallel``; ``data_parallel`` gives (rank, size, group) of the replicas that read
-    different data, once the layout is known."""
+    """The rules above for one ``Parallel``, whose ``chosen`` strategy and ``runtime`` give the replicas that read
+    different data and the mesh, once the layout is known."""
 
-    def __init__(self, session: Session, world_size: int, data_parallel: DataParallel) -> None:
-        self.session, self.data_parallel = session, data_parallel
+    def __init__(
+        self, session: Session, world_size: int, chosen: ChosenStrategy, runtime: Callable[[], Runtime]
+    ) -> None:
+        self.session, self.chosen, self.runtime = session, chosen, runtime
         self.joined = session.distributed and not session.alone and world_size > 1
         """This rank shares a process group with others (not one process, nor a rank that came back alone)."""
         self._first = FirstBatch()
@@ -51,7 +51,9 @@ class Replicas:
         guard_model(wrapped, strategy, self.session.calls)
         if strategy.server.serves:  # parameter servers: workers may train apart (asynchronously), nothing to compare
             self._first.done = True
-        wrapped.register_forward_pre_hook(lambda _, args: self.first_batch(args[0] if args else None, in_step=True))
+        wrapped.register_forward_pre_hook(  # first: the input whole, before cp cuts it
+            lambda _, args: self.first_batch(args[0] if args else None, in_step=True), prepend=True
+        )
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer, strategy: Strategy) -> torch.optim.Optimizer:
         guard_optimizer(optimizer, strategy, self.session.calls)
@@ -65,8 +67,9 @@ class Replicas:
             seed_all(rank_seed(seed, rank))
 
     def first_batch(self, batch: Any, in_step: bool = False) -> None:
-        """Warn once when two replicas feed the model the same first batch (from ``forward_backward``, or a forward
-        inside ``par.step``)."""
+        """Warn once when two replicas feed the model the same first batch, or the ranks of one replica different
+        ones (from ``forward_backward``, or a forward inside ``par.step``)."""
         if self.joined and not self._first.done and (not in_step or self.session.calls.inside):
-            _, size, group = self.data_parallel()
-            self._first.check(batch, group, size, self.session.device)
+            mesh, replica = self.chosen.mesh, self.chosen.data_parallel(self.runtime())[0]
+            names, sizes = (mesh.mesh_dim_names or (), tuple(mesh.shape)) if mesh is not None else ((), ())
+            self._first.check(batch, replica, shared_by(names, sizes), self.session.device)
