@@ -39,8 +39,9 @@ def test_data_parallel_replicas_draw_apart_without_a_seed(job, case):
     assert ranks[0]["mine"] != ranks[1]["mine"]
 
 
-def test_the_ranks_of_one_tp_group_draw_alike(job):
-    ranks = job[0]["tp same"]["ranks"]
+@pytest.mark.parametrize("case", ["tp same", "pipeline rank"])
+def test_the_ranks_of_one_tp_group_or_pipeline_draw_alike(job, case):
+    ranks = job[0][case]["ranks"]
     assert ranks[0]["replica"] == ranks[1]["replica"] == 0
     assert ranks[0]["mine"] == ranks[1]["mine"]
 
@@ -54,14 +55,16 @@ def test_identical_first_batches_on_two_replicas_warn_once(job):
 
 
 def test_different_inputs_inside_a_tp_group_or_a_pipeline_warn_naming_the_seed(job):
-    """A tp group's ranks (a pipeline's stages) must read one batch: seeded with ``par.rank`` they do not."""
+    """A tp group's ranks (a pipeline's stages) must read one batch, in training and in generation after it: seeded
+    with ``par.rank`` they do not."""
     _, stderr = job
-    apart = "got different inputs at the first step"
-    assert _warned(stderr, "tp rank", f"ranks 0 and 1 of a tp group {apart}")
+    apart = "got different inputs at"
+    assert _warned(stderr, "tp rank", f"ranks 0 and 1 of a tp group {apart} the first step")
     assert "seed per data-parallel replica (par.data_parallel_rank), not par.rank" in stderr
-    assert _warned(stderr, "pipeline rank", f"ranks 0 and 1 of a pp group {apart}")
+    assert _warned(stderr, "pipeline rank", f"ranks 0 and 1 of a pp group {apart} the first step")
+    assert _warned(stderr, "tp generate", f"ranks 0 and 1 of a tp group {apart} their first forward outside par.step")
     assert not any(_warned(stderr, c, apart) for c in ("tp same", "ddp own", "ddp same", "auto own", "zero3-cp same"))
-    assert stderr.count(apart) == 2
+    assert stderr.count(apart) == 3
 
 
 @pytest.mark.parametrize("case, accumulate", [("ddp own", 2), ("tp same", 4), ("auto own", 2)])

@@ -10,8 +10,9 @@ every rank (its own index-based sharding) uses a ``torch.Generator`` of its own,
 
 As a last guard the first batch each rank feeds the model is compared across the job (a checksum of its input,
 gathered once): identical batches on two replicas are a warning on rank 0, and so are different batches on the
-ranks of one replica (a tp, cp or pp group), which must read the same: a script that seeds its own draws with
-``par.rank`` (generation, evaluation) feeds a tp group's ranks different tokens.
+ranks of one replica (a tp, cp or pp group), which must read the same; so is the first forward outside ``par.step``
+(generation, evaluation) where every forward needs every rank: a script that seeds its sampling with ``par.rank``
+feeds a tp group's ranks different tokens.
 """
 
 from __future__ import annotations
@@ -49,17 +50,18 @@ class FirstBatch:
     def __init__(self) -> None:
         self.done = False
 
-    def check(self, batch: Any, replica: int, shared_by: str, device: torch.device) -> None:
+    def check(self, batch: Any, replica: int, shared_by: str, device: torch.device, *, when: str, across: bool) -> None:
         """On the first call only (collective over every rank): warn on rank 0 when the ranks of one data-parallel
-        replica (``shared_by``: its tp, cp or pp group) feed the model different first batches, or two replicas
-        the same one; ``replica``: this rank's index among them."""
+        replica (``shared_by``: its tp, cp or pp group) feed the model different batches at ``when``, or, with
+        ``across``, two replicas the same one; ``replica``: this rank's index among them."""
         if self.done:
             return
         self.done = True
         mine = torch.tensor([*_digest(batch), replica], dtype=torch.int64, device=device)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
-        line = _disagreement([tuple(t.tolist()) for t in every], shared_by) if dist.get_rank() == 0 else None
+        digests = [tuple(t.tolist()) for t in every]
+        line = _disagreement(digests, shared_by, when, across) if dist.get_rank() == 0 else None
         if line is not None:
             print(f"paratrain: warning: {line}", file=sys.stderr, flush=True)
 
@@ -72,8 +74,9 @@ def _digest(batch: Any) -> tuple[int, int]:
     return zlib.crc32(data), batch.numel()
 
 
-def _disagreement(digests: list[tuple[int, int, int]], shared_by: str) -> str | None:
-    """What is wrong with every rank's (crc, count, replica) of its first batch, or None."""
+def _disagreement(digests: list[tuple[int, int, int]], shared_by: str, when: str, across: bool) -> str | None:
+    """What is wrong with every rank's (crc, count, replica) of its batch at ``when``, or None; ``across``: two
+    replicas reading one batch is wrong too."""
     first: dict[int, tuple[int, tuple[int, int]]] = {}  # replica -> its first rank given a batch, and its digest
     for rank, (crc, count, replica) in enumerate(digests):
         if crc < 0:
@@ -81,10 +84,12 @@ def _disagreement(digests: list[tuple[int, int, int]], shared_by: str) -> str | 
         known = first.setdefault(replica, (rank, (crc, count)))
         if known[1] != (crc, count):
             return (
-                f"ranks {known[0]} and {rank} of {shared_by} got different inputs at the first step: their batches "
-                "must be the same; seed per data-parallel replica (par.data_parallel_rank), not par.rank "
+                f"ranks {known[0]} and {rank} of {shared_by} got different inputs at {when}: their batches must be "
+                "the same; seed per data-parallel replica (par.data_parallel_rank), not par.rank "
                 "(docs/porting.md, randomness per rank)"
             )
+    if not across:
+        return None
     seen: dict[tuple[int, int], int] = {}
     for replica, (_, digest) in sorted(first.items()):
         if digest in seen:
@@ -97,7 +102,11 @@ def _disagreement(digests: list[tuple[int, int, int]], shared_by: str) -> str | 
     return None
 
 
+ONE_REPLICA = "one replica"
+"""What :func:`shared_by` says where each rank is a replica of its own."""
+
+
 def shared_by(names: tuple[str, ...], sizes: tuple[int, ...]) -> str:
     """The group of ranks inside one data-parallel replica, in words (``a tp group``), from the mesh's dimensions."""
     inner = [n for n, size in zip(names, sizes) if n in ("pp", "cp", "tp") and size > 1]
-    return f"a {' x '.join(inner)} group" if inner else "one replica"
+    return f"a {' x '.join(inner)} group" if inner else ONE_REPLICA

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .distributed.initial_state import start_alike
-from .draws import FirstBatch, agreed_seed, replica_stream, shared_by
+from .draws import ONE_REPLICA, FirstBatch, agreed_seed, replica_stream, shared_by
 from .rank_alone import guard_model, guard_optimizer
 from .seeding import rank_seed, seed_all
 from .session import Session
@@ -33,7 +33,7 @@ class Replicas:
         self.session, self.chosen, self.runtime = session, chosen, runtime
         self.joined = session.distributed and not session.alone and world_size > 1
         """This rank shares a process group with others (not one process, nor a rank that came back alone)."""
-        self._first = FirstBatch()
+        self._first, self._outside = FirstBatch(), FirstBatch()
         self._base: int | None = None
 
     def start(
@@ -46,14 +46,24 @@ class Replicas:
             self._base = agreed_seed(seed, self.session.device)
 
     def watch(self, wrapped: nn.Module, strategy: Strategy) -> None:
-        """Once ``wrapped`` is prepared: its first batch inside ``par.step`` is compared across replicas, and its
-        forwards and state outside any paratrain call meet the other ranks where ``strategy`` needs them."""
+        """Once ``wrapped`` is prepared: its forwards and state outside any paratrain call meet the other ranks where
+        ``strategy`` needs them; its first batch inside ``par.step`` is compared across the job, and there its first
+        forward outside any call (generation, evaluation) across each replica's ranks, once they have met."""
+        wrapped.register_forward_pre_hook(  # runs after the meeting registered next, before cp cuts the input
+            lambda _, args, kwargs: self._forward(args, kwargs), prepend=True, with_kwargs=True
+        )
         guard_model(wrapped, strategy, self.session.calls)
         if strategy.server.serves:  # parameter servers: workers may train apart (asynchronously), nothing to compare
             self._first.done = True
-        wrapped.register_forward_pre_hook(  # first: the input whole, before cp cuts it
-            lambda _, args: self.first_batch(args[0] if args else None, in_step=True), prepend=True
-        )
+        if strategy.server.serves or strategy.every_rank_reason() is None or not self.session.calls.enabled:
+            self._outside.done = True  # no meeting brings every rank to a forward outside par.step
+
+    def _forward(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        batch = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        if self.session.calls.inside:
+            self.first_batch(batch)
+        elif self.joined:
+            self._compare(self._outside, batch, "their first forward outside par.step", across=False)
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer, strategy: Strategy) -> torch.optim.Optimizer:
         guard_optimizer(optimizer, strategy, self.session.calls)
@@ -66,10 +76,17 @@ class Replicas:
         elif seed is not None:
             seed_all(rank_seed(seed, rank))
 
-    def first_batch(self, batch: Any, in_step: bool = False) -> None:
+    def first_batch(self, batch: Any) -> None:
         """Warn once when two replicas feed the model the same first batch, or the ranks of one replica different
         ones (from ``forward_backward``, or a forward inside ``par.step``)."""
-        if self.joined and not self._first.done and (not in_step or self.session.calls.inside):
-            mesh, replica = self.chosen.mesh, self.chosen.data_parallel(self.runtime())[0]
-            names, sizes = (mesh.mesh_dim_names or (), tuple(mesh.shape)) if mesh is not None else ((), ())
-            self._first.check(batch, replica, shared_by(names, sizes), self.session.device)
+        if self.joined:
+            self._compare(self._first, batch, "the first step", across=True)
+
+    def _compare(self, first: FirstBatch, batch: Any, when: str, across: bool) -> None:
+        if first.done:
+            return
+        mesh, replica = self.chosen.mesh, self.chosen.data_parallel(self.runtime())[0]
+        names, sizes = (mesh.mesh_dim_names or (), tuple(mesh.shape)) if mesh is not None else ((), ())
+        group = shared_by(names, sizes)
+        if across or group != ONE_REPLICA:  # alike on every rank: all of them gather, or none
+            first.check(batch, replica, group, self.session.device, when=when, across=across)

@@ -2,8 +2,8 @@
 
 Each case prepares a small model under a strategy with no ``seed=`` (torch's one default seed on every rank) and
 records the first ``torch.randint`` draw after ``prepare``, the ``accumulate`` a global batch gave, and then feeds
-the model the same first batch on every rank, a batch of each replica's own, or one seeded with ``par.rank``;
-rank 0's stderr shows what was warned.
+the model the same first batch on every rank, a batch of each replica's own, or one seeded with ``par.rank``
+(``generate``: a forward after the step, outside it, seeded so); rank 0's stderr shows what was warned.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ CASES = [
     ("ddp", {}, "own"),
     ("tp", {"tp_plan": {"0": "colwise", "2": "rowwise"}}, "same"),
     ("tp", {"tp_plan": {"0": "colwise", "2": "rowwise"}}, "rank"),
+    ("tp", {"tp_plan": {"0": "colwise", "2": "rowwise"}}, "generate"),
     ("pipeline", {}, "rank"),
     ("auto", {}, "own"),
 ]
@@ -31,12 +32,15 @@ def case(strategy: str, options: dict, batch: str) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     drawn = torch.randint(0, 1 << 30, (4,)).tolist()
-    seed = {"same": 0, "own": par.data_parallel_rank, "rank": par.rank}[batch]  # "rank": a tp group's ranks apart
+    seed = {"same": 0, "own": par.data_parallel_rank, "rank": par.rank}.get(batch, par.data_parallel_rank)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
     if par.rank == 0:
         print(f"case {strategy} {batch}", file=sys.stderr, flush=True)
     with par.step(model, opt):
         par.forward_backward(model, x, torch.zeros(4, dtype=torch.long), torch.nn.functional.cross_entropy)
+    if strategy == "tp" and batch in ("same", "generate"):  # sampling after training: "generate" seeds by par.rank
+        with torch.no_grad():
+            model(torch.randn(2, 8, generator=torch.Generator().manual_seed(par.rank if batch == "generate" else 1)))
     out = {
         "drawn": par.mean(torch.tensor(drawn, dtype=torch.float64)).tolist(),
         "mine": drawn,
