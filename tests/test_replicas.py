@@ -51,6 +51,7 @@ def test_identical_first_batches_on_two_replicas_warn_once(job):
     assert _warned(stderr, "ddp same")
     assert not _warned(stderr, "ddp own")
     assert not _warned(stderr, "tp same")  # one replica: its two ranks read one batch by design
+    assert not _warned(stderr, "ddp evaluate")  # an evaluation before the first step is no training batch
     assert stderr.count("fed the model identical first batches") == 1
 
 

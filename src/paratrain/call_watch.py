@@ -165,6 +165,10 @@ class CallWatch:
         """Inside a paratrain call now (``par.step``, ``par.save`` …)."""
         return self._current.active
 
+    def within(self, name: str) -> bool:
+        """Inside the paratrain call ``name`` now."""
+        return self._current.active and self._current.name == name
+
     def meet(self, name: str, why: str, uneven: str | None = None) -> None:
         """Before work every rank must do together that no paratrain call holds — a model's forward outside
         ``par.step`` under a strategy whose forward communicates, a ``state_dict()`` of shards — wait until every

@@ -60,7 +60,7 @@ class Replicas:
 
     def _forward(self, args: tuple, kwargs: dict[str, Any]) -> None:
         batch = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-        if self.session.calls.inside:
+        if self.session.calls.within("par.step"):
             self.first_batch(batch)
         elif self.joined:
             self._compare(self._outside, batch, "their first forward outside par.step", across=False)

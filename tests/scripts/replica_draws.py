@@ -3,7 +3,8 @@
 Each case prepares a small model under a strategy with no ``seed=`` (torch's one default seed on every rank) and
 records the first ``torch.randint`` draw after ``prepare``, the ``accumulate`` a global batch gave, and then feeds
 the model the same first batch on every rank, a batch of each replica's own, or one seeded with ``par.rank``
-(``generate``: a forward after the step, outside it, seeded so); rank 0's stderr shows what was warned.
+(``generate``: a forward after the step, outside it, seeded so), or (``evaluate``) one batch on every replica in an
+evaluation before its own; rank 0's stderr shows what was warned.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ CASES = [
     ("tp", {"tp_plan": {"0": "colwise", "2": "rowwise"}}, "generate"),
     ("pipeline", {}, "rank"),
     ("auto", {}, "own"),
+    ("ddp", {}, "evaluate"),
 ]
 
 
@@ -36,6 +38,9 @@ def case(strategy: str, options: dict, batch: str) -> dict:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
     if par.rank == 0:
         print(f"case {strategy} {batch}", file=sys.stderr, flush=True)
+    if batch == "evaluate":  # one batch on every replica, before training: no first step of theirs
+        with torch.no_grad():
+            par.map_evenly(model, [torch.ones(2, 8)])
     with par.step(model, opt):
         par.forward_backward(model, x, torch.zeros(4, dtype=torch.long), torch.nn.functional.cross_entropy)
     if strategy == "tp" and batch in ("same", "generate"):  # sampling after training: "generate" seeds by par.rank
