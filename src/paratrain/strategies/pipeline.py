@@ -198,8 +198,7 @@ class PipelineStrategy(Strategy):
         def place(part: nn.Module) -> nn.Module:
             keep_buffers_through_metadata_pass(part)
             part = data(to_device(part, rt.device))
-            if not self.data.native_precision:  # else the engine took the precision as its policy
-                rt.precision.wrap_forward(part, rt.device)
+            rt.precision.wrap_forward(part, rt.device, cast_inputs=not self.data.native_precision)
             return part
 
         return takes_meta(place) if getattr(data, "takes_meta", False) else place
