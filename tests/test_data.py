@@ -11,7 +11,7 @@ from torch.utils.data import (
 )
 
 from paratrain import ConfigError
-from paratrain.data import ShardSampler, shard_loader
+from paratrain.data import ShardSampler, map_evenly, shard_loader
 
 
 def _dataset(n):
@@ -107,3 +107,30 @@ def test_sequential_sampler_is_not_shuffled():
     loader = DataLoader(_dataset(8), sampler=SequentialSampler(range(8)), batch_size=2)
     out = shard_loader(loader, rank=0, world_size=2, seed=0)
     assert [b[0].tolist() for b in out] == [[0, 2], [4, 6]]
+
+
+def test_map_evenly_without_a_process_group_is_a_plain_map():
+    assert map_evenly(lambda i: i * 10, [1, 2], group=None, device="cpu") == [10, 20]
+
+
+def _peer_holds(monkeypatch, peer: int) -> None:
+    """The all-reduce of ``map_evenly`` as on two ranks, the other holding ``peer`` items."""
+
+    def all_reduce(counts, op, group):
+        counts.copy_(torch.maximum(counts, torch.tensor([peer, -peer])))
+
+    monkeypatch.setattr("paratrain.data.dist.is_initialized", lambda: True)
+    monkeypatch.setattr("paratrain.data.dist.all_reduce", all_reduce)
+
+
+def test_map_evenly_repeats_the_last_item_up_to_the_most_any_rank_holds_and_drops_the_repeats(monkeypatch):
+    _peer_holds(monkeypatch, 3)
+    calls = []
+    results = map_evenly(lambda i: calls.append(i) or i * 10, iter([1, 2]), group=None, device="cpu")
+    assert results == [10, 20] and calls == [1, 2, 2]
+
+
+def test_map_evenly_refuses_a_rank_with_nothing_to_repeat(monkeypatch):
+    _peer_holds(monkeypatch, 3)
+    with pytest.raises(ConfigError, match="a rank has no item where another has 3"):
+        map_evenly(lambda i: i, [], group=None, device="cpu")

@@ -136,10 +136,11 @@ class CallWatch:
 
     # ----------------------------------------------------------------- the training thread
     @contextmanager
-    def call(self, name: str, meet: str | None = None) -> Iterator[None]:
+    def call(self, name: str, meet: str | None = None, uneven: str | None = None) -> Iterator[None]:
         """Mark a collective paratrain call; a peer lost or a timeout inside it becomes a ``CollectiveError``.
         ``meet``: first wait until every rank has made this call, failing at once when a peer went on without it
-        (:meth:`meet`); the text says why every rank must make it."""
+        (:meth:`meet`); the text says why every rank must make it, ``uneven`` what to do when every rank made it
+        before but not equally often."""
         outer = self._current if self._current.active else None  # a save inside a step, say
         if outer is not None:
             yield
@@ -148,7 +149,7 @@ class CallWatch:
         self._current = Call(name, nth, _user_line(), time.time(), active=True)
         try:
             if meet is not None and self.enabled and self.every_rank:
-                self._meet(self._current, meet)
+                self._meet(self._current, meet, uneven)
             yield
         except Exception as e:
             better = self._explain(e) if self.enabled else None
@@ -164,16 +165,21 @@ class CallWatch:
         """Inside a paratrain call now (``par.step``, ``par.save`` …)."""
         return self._current.active
 
-    def meet(self, name: str, why: str) -> None:
+    def within(self, name: str) -> bool:
+        """Inside the paratrain call ``name`` now."""
+        return self._current.active and self._current.name == name
+
+    def meet(self, name: str, why: str, uneven: str | None = None) -> None:
         """Before work every rank must do together that no paratrain call holds — a model's forward outside
         ``par.step`` under a strategy whose forward communicates, a ``state_dict()`` of shards — wait until every
         rank is there, or fail at once in one line naming the rank that went on without it; ``why`` says why every
-        rank must do it (and what to do instead)."""
+        rank must do it (and what to do instead). ``uneven``: what the line says instead when every rank did it
+        before, so the ranks do it unequally often (an evaluation split unevenly over them)."""
         if self.enabled and not self._current.active:
-            with self.call(name, meet=why):
+            with self.call(name, meet=why, uneven=uneven):
                 pass
 
-    def _meet(self, call: Call, why: str) -> None:
+    def _meet(self, call: Call, why: str, uneven: str | None = None) -> None:
         """Count this rank in at ``call`` (a key of the job's store per call) and wait for the others; while
         waiting, a peer that has made a call this rank has not made is one that went on without it."""
         store = self._meeting_store()
@@ -192,7 +198,7 @@ class CallWatch:
                 # meeting completed between the two looks like a peer that went on without it.
                 if store.check([f"{key}/all"]):
                     return
-                line = self._went_on(call, why, calls)
+                line = self._went_on(call, why, calls, uneven)
                 if line is not None or time.monotonic() > deadline:
                     raise CollectiveError(
                         line
@@ -200,14 +206,22 @@ class CallWatch:
                         f"({call.where}) for the other ranks; {why}"
                     )
 
-    def _went_on(self, call: Call, why: str, calls: dict[int, Call]) -> str | None:
-        """The line naming a peer that made a call this rank has not (so will never come to ``call``), or left."""
+    def _went_on(self, call: Call, why: str, calls: dict[int, Call], uneven: str | None = None) -> str | None:
+        """The line naming a peer that made a call this rank has not (so will never come to ``call``), or left.
+        Every rank met at ``call``'s earlier counts, so past the first (and with ``uneven``) the peer made it
+        ``call.nth - 1`` times."""
         now = time.time()
         for r, c in sorted(calls.items()):
             if r == self.rank or (c.name, c.nth) == (call.name, call.nth):
                 continue
             if c.exited or (c.name and c.nth > self._counts.get(c.name, 0)):
                 went = c.describe(now) if c.exited else f"went on to {c.name} #{c.nth} ({c.where})"
+                if uneven is not None and call.nth > 1:
+                    return (
+                        f"rank {self.rank} ran {call.name} more times than rank {r}: rank {r} ran it "
+                        f"{call.nth - 1} times and {went}, rank {self.rank} is in its #{call.nth} ({call.where}); "
+                        f"{uneven}"
+                    )
                 return f"rank {self.rank} is alone in {call.name} ({call.where}): rank {r} {went}; {why}"
         return None
 

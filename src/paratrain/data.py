@@ -10,7 +10,8 @@ The tail, when the dataset size N does not divide by the world size W:
   number of steps, which collective training needs. With the loader's ``drop_last=True`` the tail of up to
   W-1 samples is dropped instead, and nothing is seen twice.
 * ``even=False`` (evaluation): every sample is seen exactly once; ranks differ by at most one sample.
-  Use it for metrics, where a rank with one batch fewer does no harm.
+  Use it for metrics, where a rank with one batch fewer does no harm, unless each forward needs every rank
+  (zero3, tp, pipelines): :func:`map_evenly` then repeats a batch on the ranks with fewer and drops its result.
 
 A prepared loader also knows where its current pass stands (:class:`ShardedLoader`), so a checkpoint taken in
 the middle of an epoch resumes with exactly the batches that were not trained yet.
@@ -20,15 +21,18 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .errors import CheckpointError, ConfigError
 from .seeding import rank_seed
+
+T, R = TypeVar("T"), TypeVar("R")
 
 
 class ShardSampler(DistributedSampler):
@@ -253,3 +257,34 @@ def shard_loader(
         pin_memory_device=loader.pin_memory_device,
         **extra,
     )
+
+
+def map_evenly(
+    fn: Callable[[T], R], items: Iterable[T], *, group: dist.ProcessGroup | None, device: torch.device
+) -> list[R]:
+    """``[fn(item) for item in items]``, with ``fn`` called on every rank of ``group`` as often as on the rank with
+    the most items: a rank with fewer calls it again on its last item and drops the result, so a model whose every
+    forward needs every rank evaluates items split unevenly over the ranks (collective: one all-reduce of the
+    counts over ``group``; with no process group, a plain map)."""
+    try:
+        count = len(items)  # type: ignore[arg-type]
+    except TypeError:
+        items = list(items)
+        count = len(items)
+    most = fewest = count
+    if dist.is_initialized():
+        counts = torch.tensor([count, -count], device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+        most, minus_fewest = counts.tolist()
+        fewest = -minus_fewest
+    if fewest == 0 < most:
+        raise ConfigError(
+            f"par.map_evenly: a rank has no item where another has {most}, and needs one to repeat: give every rank "
+            "at least one (more items or fewer ranks)"
+        )
+    results, last = [], None
+    for last in items:
+        results.append(fn(last))
+    for _ in range(most - len(results)):
+        fn(last)  # type: ignore[arg-type]
+    return results

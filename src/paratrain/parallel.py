@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from .checkpoint.auto import AutoCheckpoint
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.io import Targets
 from .checkpoint.weights import load_weights
-from .data import ShardedLoader, prepare_loader
+from .data import ShardedLoader, map_evenly, prepare_loader
 from .distributed.metrics import gather_object, reduce_value
 from .distributed.process_group import group_started
 from .env import ClusterEnv
@@ -125,7 +125,7 @@ class Parallel:
         self._prepared = Prepared()
         self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print, timeout_s=settings.job.timeout_s)
         self._size_batch()
-        self._replicas = Replicas(self._session, self.world_size, lambda: self._chosen.data_parallel(self._runtime()))
+        self._replicas = Replicas(self._session, self.world_size, self._chosen, self._runtime)
         self.logger = rank_logger(self.env)
         self.trackers = Trackers(
             tracking,
@@ -157,6 +157,7 @@ class Parallel:
     is_main = property(lambda self: self.env.rank == 0, doc="True on global rank 0.")
     accumulate = property(lambda self: self._loop.accumulate, doc="Micro-batches per optimizer step.")
     optimizer_steps = property(lambda self: self._loop.optimizer_steps, doc="Optimizer steps taken (restored by load).")
+    epoch = property(lambda self: self._loop.epoch, doc="The epoch epochs() is in (its end once done); None before.")
 
     @property
     def strategy(self) -> Strategy:
@@ -167,11 +168,6 @@ class Parallel:
     def mesh(self) -> DeviceMesh | None:
         """The device mesh the strategy runs on (None in one process, and while ``auto`` waits for the model)."""
         return self._chosen.mesh
-
-    @property
-    def epoch(self) -> int | None:
-        """The epoch ``epochs()`` is in (its end value once it is done); None before it starts."""
-        return self._loop.epoch
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
@@ -222,7 +218,7 @@ class Parallel:
         if rt.materialize is not None:  # nothing may be left on meta
             check_materialized(self.strategy.unwrap(wrapped), self.strategy.name)
         facts.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
-        self.precision.wrap_forward(wrapped, rt.device, autocast=not self.strategy.native_precision)
+        self.precision.wrap_forward(wrapped, rt.device, cast_inputs=not self.strategy.native_precision)
         self._replicas.watch(wrapped, self.strategy)
         self.device = self.strategy.output_device(rt)
         self._replicas.streams(self._seed, self.strategy.rng_rank(rt), self.rank)
@@ -306,16 +302,16 @@ class Parallel:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """One micro-batch's forward and backward, for every strategy; the detached loss on every rank:
-        ``loss_fn(model(x, **kwargs), target)``, or without ``loss_fn`` the loss the model computes itself from
-        ``model(x, target, **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
+        """One micro-batch's forward and backward, for every strategy; the detached loss on every rank, float32 under
+        any precision: ``loss_fn(model(x, **kwargs), target)``, or without ``loss_fn`` the loss the model computes
+        itself from ``model(x, target, **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
         call = self.strategy.batch(ModelCall.of(x, target, loss_fn, kwargs))
         self._replicas.first_batch(call.first_tensor())
         loss = None if self._loss.on else self.strategy.forward_backward(model, call, 1.0 / self.accumulate)
         if loss is None:
             loss = self._loss(model, call, self.strategy, self.precision, self.device)
             self.backward(loss)
-        return loss.detach()
+        return loss.detach().float()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided by the accumulation count so accumulated gradients are a mean."""
@@ -337,6 +333,11 @@ class Parallel:
     def _reduce(self, value: torch.Tensor | float, mean: bool) -> torch.Tensor | float:
         size, group = self._chosen.metrics(self._runtime())  # a pipeline's stages hold one replica's value
         return reduce_value(value, mean=mean, size=size, group=group, device=self.device)
+
+    @collective("par.map_evenly")
+    def map_evenly(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """``[fn(item) for item in items]``, ``fn`` run as often on every rank (:func:`paratrain.data.map_evenly`)."""
+        return map_evenly(fn, items, group=self.strategy.server.training_group(self.env), device=self.device)
 
     @collective("par.barrier")
     def barrier(self) -> None:

@@ -7,15 +7,18 @@
 | fp16-mixed   | fp32       | autocast to fp16, outputs fp32 | GradScaler (CUDA only)      |
 | bf16-true    | bf16       | inputs cast to bf16, outputs fp32 | plain                    |
 
-Sharded strategies (FSDP) take the same choice as a ``MixedPrecisionPolicy`` (bf16/fp16 compute, fp32 gradient
-reduction) instead of autocast; every other strategy gets autocast around the model's forward.
+Sharded strategies (FSDP) also take the choice as a ``MixedPrecisionPolicy`` (bf16/fp16 parameters gathered, fp32
+gradient reduction); autocast runs around the model's forward under every strategy, so the ops autocast keeps in
+fp32 (softmax, log-softmax, cross-entropy, norms) run in fp32 under FSDP too, as Lightning's and Accelerate's
+FSDP mixed precision do.
 
 Outputs: a model called directly hands the loss fp32 outputs, since a loss computed outside autocast on 16-bit
 logits loses accuracy. ``Parallel.forward_backward`` owns the loss call, so there the outputs stay in the compute
 dtype and the loss runs under autocast, whose fp32 ops (log-softmax, cross-entropy, norms) upcast what they read
 as a hand-written autocast loop does, instead of the model's whole output being cast to fp32 first. Whether
 that lowers the peak depends on where the step's peak lies: at the CPU sizes measured (benchmarks/RESULTS.md §9)
-it did not; the large-vocabulary case on a GPU is not measured yet.
+it did not; the large-vocabulary case on a GPU is not measured yet. Whatever the compute dtype, the loss
+``forward_backward`` hands back is float32.
 """
 
 from __future__ import annotations
@@ -68,10 +71,12 @@ class Precision:
             return nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
-    def wrap_forward(self, model: nn.Module, device: torch.device, *, autocast: bool = True) -> None:
+    def wrap_forward(self, model: nn.Module, device: torch.device, *, cast_inputs: bool = True) -> None:
         """Run ``model``'s forward under autocast (or on cast inputs) and hand fp32 outputs to the loss, except
-        inside ``compute_dtype_outputs``. ``autocast=False``: the strategy casts (FSDP's policy); only the
-        outputs are handled here."""
+        inside ``compute_dtype_outputs``. Autocast runs under every strategy, FSDP's policy included: the policy
+        casts parameters, autocast still computes its fp32 ops (softmax, cross-entropy, norms) in fp32, so a loss
+        the model computes itself has one value whatever the strategy. ``cast_inputs=False``: the strategy's
+        policy casts the inputs."""
         if self.autocast_dtype is None and self.input_dtype is None:
             return
         inner = model.forward
@@ -79,9 +84,9 @@ class Precision:
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if autocast and self.input_dtype is not None:
+            if cast_inputs and self.input_dtype is not None:
                 args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-            with self.forward_context(device) if autocast else nullcontext():
+            with self.forward_context(device):
                 out = inner(*args, **kwargs)
             if self._compute_outputs:
                 return out

@@ -32,7 +32,11 @@ def guard_model(model: nn.Module, strategy: Strategy, calls: CallWatch) -> None:
         f"{reason}, so one rank's state_dict() is no checkpoint: save with par.save(path), or take the whole "
         "model with par.full_state_dict(model), on every rank"
     )
-    model.register_forward_pre_hook(lambda *_: calls.meet("the model's forward", forward), prepend=True)
+    uneven = (
+        f"{reason}, so every forward needs every rank: give every rank the same number of evaluation batches, or "
+        "run them through par.map_evenly(fn, batches)"
+    )
+    model.register_forward_pre_hook(lambda *_: calls.meet("the model's forward", forward, uneven), prepend=True)
     model.register_state_dict_pre_hook(lambda *_: calls.meet("model.state_dict()", state))
 
 

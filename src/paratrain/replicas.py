@@ -12,28 +12,28 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .distributed.initial_state import start_alike
-from .draws import FirstBatch, agreed_seed, replica_stream
+from .draws import ONE_REPLICA, FirstBatch, agreed_seed, replica_stream, shared_by
 from .rank_alone import guard_model, guard_optimizer
 from .seeding import rank_seed, seed_all
 from .session import Session
-from .strategies.base import Strategy
-
-DataParallel = Callable[[], tuple[int, int, "dist.ProcessGroup | None"]]
+from .strategies.base import Runtime, Strategy
+from .strategies.chosen import ChosenStrategy
 
 
 class Replicas:
-    """The rules above for one ``Parallel``; ``data_parallel`` gives (rank, size, group) of the replicas that read
-    different data, once the layout is known."""
+    """The rules above for one ``Parallel``, whose ``chosen`` strategy and ``runtime`` give the replicas that read
+    different data and the mesh, once the layout is known."""
 
-    def __init__(self, session: Session, world_size: int, data_parallel: DataParallel) -> None:
-        self.session, self.data_parallel = session, data_parallel
+    def __init__(
+        self, session: Session, world_size: int, chosen: ChosenStrategy, runtime: Callable[[], Runtime]
+    ) -> None:
+        self.session, self.chosen, self.runtime = session, chosen, runtime
         self.joined = session.distributed and not session.alone and world_size > 1
         """This rank shares a process group with others (not one process, nor a rank that came back alone)."""
-        self._first = FirstBatch()
+        self._first, self._outside = FirstBatch(), FirstBatch()
         self._base: int | None = None
 
     def start(
@@ -46,12 +46,24 @@ class Replicas:
             self._base = agreed_seed(seed, self.session.device)
 
     def watch(self, wrapped: nn.Module, strategy: Strategy) -> None:
-        """Once ``wrapped`` is prepared: its first batch inside ``par.step`` is compared across replicas, and its
-        forwards and state outside any paratrain call meet the other ranks where ``strategy`` needs them."""
+        """Once ``wrapped`` is prepared: its forwards and state outside any paratrain call meet the other ranks where
+        ``strategy`` needs them; its first batch inside ``par.step`` is compared across the job, and there its first
+        forward outside any call (generation, evaluation) across each replica's ranks, once they have met."""
+        wrapped.register_forward_pre_hook(  # runs after the meeting registered next, before cp cuts the input
+            lambda _, args, kwargs: self._forward(args, kwargs), prepend=True, with_kwargs=True
+        )
         guard_model(wrapped, strategy, self.session.calls)
         if strategy.server.serves:  # parameter servers: workers may train apart (asynchronously), nothing to compare
             self._first.done = True
-        wrapped.register_forward_pre_hook(lambda _, args: self.first_batch(args[0] if args else None, in_step=True))
+        if strategy.server.serves or strategy.every_rank_reason() is None or not self.session.calls.enabled:
+            self._outside.done = True  # no meeting brings every rank to a forward outside par.step
+
+    def _forward(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        batch = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        if self.session.calls.within("par.step"):
+            self.first_batch(batch)
+        elif self.joined:
+            self._compare(self._outside, batch, "their first forward outside par.step", across=False)
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer, strategy: Strategy) -> torch.optim.Optimizer:
         guard_optimizer(optimizer, strategy, self.session.calls)
@@ -64,9 +76,17 @@ class Replicas:
         elif seed is not None:
             seed_all(rank_seed(seed, rank))
 
-    def first_batch(self, batch: Any, in_step: bool = False) -> None:
-        """Warn once when two replicas feed the model the same first batch (from ``forward_backward``, or a forward
-        inside ``par.step``)."""
-        if self.joined and not self._first.done and (not in_step or self.session.calls.inside):
-            _, size, group = self.data_parallel()
-            self._first.check(batch, group, size, self.session.device)
+    def first_batch(self, batch: Any) -> None:
+        """Warn once when two replicas feed the model the same first batch, or the ranks of one replica different
+        ones (from ``forward_backward``, or a forward inside ``par.step``)."""
+        if self.joined:
+            self._compare(self._first, batch, "the first step", across=True)
+
+    def _compare(self, first: FirstBatch, batch: Any, when: str, across: bool) -> None:
+        if first.done:
+            return
+        mesh, replica = self.chosen.mesh, self.chosen.data_parallel(self.runtime())[0]
+        names, sizes = (mesh.mesh_dim_names or (), tuple(mesh.shape)) if mesh is not None else ((), ())
+        group = shared_by(names, sizes)
+        if across or group != ONE_REPLICA:  # alike on every rank: all of them gather, or none
+            first.check(batch, replica, group, self.session.device, when=when, across=across)

@@ -6,8 +6,9 @@ training the small model.
 """
 
 import pytest
+import torch
 from helpers.cases import each_call
-from helpers.dist_workers import state_bytes, train_params
+from helpers.dist_workers import build_model, global_batches, split_evaluation, state_bytes, train_params
 
 from paratrain.planner import ModelSpec, PlanConfig, Training, make_plan
 from paratrain.planner.memory import model_states
@@ -48,6 +49,7 @@ def _calls(world: int) -> list[tuple]:
             (f"hook {h}", train_params, ("ddp", 1, STEPS, BATCH, 2, {"comm_hook": h, "powersgd_start_iter": 2}), {})
             for h, _ in HOOKS
         ]
+        calls += [(f"evaluation evenly={e}", split_evaluation, (e, SMALL_UNITS), {}) for e in (True, False)]
     return calls
 
 
@@ -148,3 +150,24 @@ def test_zero_stages_shrink_per_rank_state_by_the_zero_accounting_and_the_planne
 def _largest(ranks: list[dict[str, int]]) -> dict[str, int]:
     """Per key, the largest count over ranks (ZeRO-1 can shard unevenly)."""
     return {key: max(r[key] for r in ranks) for key in ranks[0]}
+
+
+@pytest.mark.launched
+def test_an_evaluation_split_unevenly_runs_through_map_evenly_and_equals_one_process(world2):
+    """3 examples on rank 0, 2 on rank 1: rank 1 repeats one forward and drops it; the sum is one process's."""
+    x, y = global_batches(1, 5)
+    with torch.no_grad():
+        one = float(torch.nn.functional.cross_entropy(build_model()(x), y, reduction="sum"))
+    for results in world2:
+        assert results["evaluation evenly=True"]["line"] is None
+        assert results["evaluation evenly=True"]["total"] == pytest.approx(one, abs=1e-5)
+
+
+@pytest.mark.launched
+def test_an_evaluation_split_unevenly_stops_in_one_line_saying_so(world2):
+    line = world2[0]["evaluation evenly=False"]["line"]
+    assert line is not None
+    assert line.startswith("rank 0 ran the model's forward more times than rank 1: rank 1 ran it 2 times and went on")
+    assert "par.sum #1" in line and "is in its #3 (dist_workers.py:" in line, line
+    assert "under zero3" in line and "par.map_evenly(fn, batches)" in line, line
+    assert world2[1]["evaluation evenly=False"]["line"] is None

@@ -160,6 +160,22 @@ def test_a_rank_alone_in_work_every_rank_must_do_fails_at_once_naming_the_peer_t
     watch.close()
 
 
+def test_a_rank_that_runs_more_forwards_than_a_peer_is_told_so_not_that_it_is_alone(store):
+    """Both ranks met at two forwards (an evaluation on every rank), rank 0 runs a third: uneven, not alone."""
+    watch = CallWatch(0, 2, timeout_s=30, report_after_s=10)
+    for nth in (1, 2):  # rank 1 is at each meeting first
+        store.add(f"paratrain/calls/0/1/meet/the model's forward/{nth}", 1)
+        watch.meet("the model's forward", "evaluate everywhere", "even them out")
+    _publish(store, 1, Call("par.mean", 1, "eval.py:9", time.time(), active=True))
+    with pytest.raises(
+        CollectiveError,
+        match=r"^rank 0 ran the model's forward more times than rank 1: rank 1 ran it 2 times and went on to "
+        r"par.mean #1 \(eval.py:9\), rank 0 is in its #3 \(test_faults_units.py:\d+\); even them out$",
+    ):
+        watch.meet("the model's forward", "evaluate everywhere", "even them out")
+    watch.close()
+
+
 def test_ranks_that_all_come_meet_and_a_peer_still_behind_is_waited_for(store):
     import threading
 

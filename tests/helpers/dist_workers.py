@@ -59,6 +59,34 @@ def train_params(
     return out
 
 
+def split_evaluation(evenly: bool, options: dict, examples: int = 5) -> dict[str, object]:
+    """An evaluation split over the ranks as scripts split it (``i % world == rank``: 3 and 2 examples at 2 ranks)
+    under zero3: through ``par.map_evenly`` (``evenly``), or a plain loop, whose one line is kept before the ranks
+    meet again in ``par.sum``; the loss summed over every example."""
+    par = paratrain.Parallel("zero3", monitor=False, **options)
+    model = build_model()
+    model, _ = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    x, y = global_batches(1, examples)
+    mine = [i for i in range(examples) if i % par.world_size == par.rank]
+
+    def score(i: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1], reduction="sum")
+
+    line, total = None, torch.zeros(())
+    with torch.no_grad():
+        if evenly:
+            total = sum(par.map_evenly(score, mine), total)
+        else:
+            try:
+                for i in mine:
+                    total = total + score(i)
+            except paratrain.ParatrainError as err:
+                line = str(err)
+    out = {"total": float(par.sum(total)), "line": line}
+    par.close()
+    return out
+
+
 def epoch_indices(n: int, epochs: int, batch: int, even: bool) -> list[list[int]]:
     """The sample indices this rank read in each epoch through a prepared loader."""
     par = paratrain.Parallel("ddp")

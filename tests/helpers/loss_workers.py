@@ -98,3 +98,24 @@ def reference(model_name: str, call: str, replicas: int) -> dict[str, torch.Tens
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def handed_back(model_name: str, call: str, strategy: str) -> dict[str, tuple[str, float]]:
+    """Under bf16-mixed, the model's own loss as a script logs it: from a direct call (then ``par.backward``), and
+    from ``forward_backward`` on the next step; each as (dtype, the replicas' mean), every replica taking its slice
+    of one batch."""
+    par = paratrain.Parallel(strategy, precision="bf16-mixed", monitor=False)
+    model = build(model_name)
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    size, rank = par.data_parallel_size, par.data_parallel_rank
+    x, y = batch(0, 4, call)
+    x, y = x[rank * 4 // size : (rank + 1) * 4 // size], y[rank * 4 // size : (rank + 1) * 4 // size]
+    with par.step(model, opt):
+        direct = micro_loss(model, x, y, call)
+        par.backward(direct)
+    with par.step(model, opt):
+        returned = micro_loss(model, x, y, call, par)
+    out = {"direct": direct, "returned": returned}
+    out = {how: (str(loss.dtype), float(par.mean(loss.detach()))) for how, loss in out.items()}
+    par.close()
+    return out

@@ -276,8 +276,9 @@ def run_cases(cases: list[tuple]) -> dict[str, dict]:
 
 
 def lean_precision(family: str, strategy: str) -> dict:
-    """``family`` trained under bf16-mixed by ``strategy``: the dtype and autocast state each loss call saw, and the
-    parameters after ``STEPS`` steps; inside a job's group (``helpers.cases.each_call``)."""
+    """``family`` trained under bf16-mixed by ``strategy``: the dtype and autocast state each loss call saw, the
+    parameters after ``STEPS`` steps and the dtype of the loss handed back; inside a job's group
+    (``helpers.cases.each_call``)."""
     par = paratrain.Parallel(strategy, precision="bf16-mixed", monitor=False)
     plain = build(family)
     model, opt = par.prepare(plain, torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9, foreach=True))
@@ -291,7 +292,7 @@ def lean_precision(family: str, strategy: str) -> dict:
     x, y = batches(STEPS)
     for s in range(STEPS):
         with par.step(model, opt):
-            par.forward_backward(
+            loss = par.forward_backward(
                 model,
                 x[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH],
                 y[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH],
@@ -299,4 +300,4 @@ def lean_precision(family: str, strategy: str) -> dict:
             )
     state = par.full_state_dict(model, rank0_only=False)
     par.close()
-    return {"seen": sorted(set(seen), key=str), "state": state}
+    return {"seen": sorted(set(seen), key=str), "state": state, "loss": str(loss.dtype)}

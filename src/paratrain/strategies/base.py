@@ -33,7 +33,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     native_precision: ClassVar[bool] = False
-    """True when the strategy applies mixed precision itself (FSDP's policy) instead of autocast."""
+    """True when the strategy casts parameters and inputs itself (FSDP's policy); autocast runs beside it."""
     tp: WholeLayers = WholeLayers()
     """The part that splits layers over ranks (``tp=``: :mod:`paratrain.distributed.tensor_parallel`); by default
     none, whose hooks give the strategy's own answers back (stateless, so one serves every strategy)."""

@@ -46,7 +46,7 @@ class OneReplica:
     zero = 0
     """The ZeRO stage the engine shards at (0: nothing sharded)."""
     native_precision = False
-    """True when the wrapper applies mixed precision itself (FSDP's policy) instead of autocast."""
+    """True when the wrapper casts parameters and inputs itself (FSDP's policy); autocast runs beside it."""
     swaps_parameters = False
     """True when the wrapper makes new parameter objects, so the optimizer is rebuilt over them."""
     host_tensors = False

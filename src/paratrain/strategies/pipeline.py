@@ -104,9 +104,9 @@ class PipelineStrategy(Strategy):
             raise ConfigError(f"{self.name} needs at least 2 pipeline stages ({need}); launch more with -n")
 
     def rng_rank(self, rt: Runtime) -> int:
-        """Each stage of each replica its own random stream; the ranks of one tp group share theirs."""
-        assert rt.mesh is not None
-        return rt.mesh["dp"].get_local_rank() * rt.mesh["pp"].size() + rt.mesh["pp"].get_local_rank()
+        """The replica's index: its stages (and tp ranks) share a stream, so a script's own draws (nanoGPT's
+        ``get_batch``) give every stage one batch, the first stage its inputs and the last their targets."""
+        return self.data_parallel(rt)[0]
 
     def data_parallel(self, rt: Runtime) -> tuple[int, int, dist.ProcessGroup | None]:
         assert rt.mesh is not None
@@ -200,8 +200,7 @@ class PipelineStrategy(Strategy):
         def place(part: nn.Module) -> nn.Module:
             keep_buffers_through_metadata_pass(part)
             part = data(to_device(part, rt.device))
-            if not self.data.native_precision:  # else the engine took the precision as its policy
-                rt.precision.wrap_forward(part, rt.device)
+            rt.precision.wrap_forward(part, rt.device, cast_inputs=not self.data.native_precision)
             return part
 
         return takes_meta(place) if getattr(data, "takes_meta", False) else place
