@@ -12,8 +12,8 @@ Three scripts in ``tests/realcode/``, each launched once per world size with eve
   model's own ``labels=`` (or ``shift_labels=``) loss;
 * ``gpt2_train.py``: build-nanogpt's ``train_gpt2.py`` ported — its own loader class offset by the rank, accumulation
   in ``for micro_step in range(grad_accum_steps)``, clipping, bf16-mixed, a validation loss, an evaluation whose
-  examples are split ``i % world == rank`` (unevenly under ddp) and counted with ``par.sum``, and generation seeded
-  per data-parallel rank.
+  examples are split ``i % world == rank`` (3 and 2, through ``par.map_evenly``) and counted with ``par.sum``, and
+  generation seeded per data-parallel rank.
 
 The reference is each script's own ``train`` in this process (one process, the same global batches, accumulated
 as the layout needs); nanoGPT's model, whose forward reads its input's shape (``b, t = idx.size()``), is cut into
@@ -82,11 +82,8 @@ HF_2 = [
     {"name": "llama-pipeline", "family": "llama", "strategy": "pipeline", "options": {"microbatches": 2}},
     {"name": "gpt2-pipeline", "family": "gpt2", "strategy": "pipeline", "options": {"microbatches": 2}},
 ]
-GPT2_2 = [
-    {"name": "ddp-uneven-eval", "strategy": "ddp", "examples": 5},  # the ranks evaluate 3 and 2 examples
-    # zero3 and zero3 x tp evaluate 6 examples, 3 a replica: with 5, rank 0 runs a forward its peer does not and
-    # the job stops in one line advising to evaluate on every rank, which it does (uneven evaluation is not
-    # supported there yet)
+GPT2_2 = [  # every case evaluates 5 examples, 3 and 2 a replica, through par.map_evenly
+    {"name": "ddp", "strategy": "ddp"},
     {"name": "zero3", "strategy": "zero3"},
     {"name": "tp", "strategy": "tp"},
 ]
@@ -250,8 +247,8 @@ def gpt2_runs(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def gpt2_reference() -> dict:
-    """One process per number of evaluation examples, drawing the samples of each of two replicas."""
-    return {n: gpt2_train.train("single", {}, examples=n, sample_as=range(2)) for n in (5, 6)}
+    """One process, drawing the samples of each of two replicas."""
+    return gpt2_train.train("single", {}, sample_as=range(2))
 
 
 def _update_error(state: dict, reference: dict) -> float:
@@ -273,17 +270,15 @@ def _update_error(state: dict, reference: dict) -> float:
     ids=lambda v: v["name"] if isinstance(v, dict) else str(v),
 )
 def test_build_nanogpt_port_equals_one_process_under_bf16(gpt2_runs, gpt2_reference, world, case):
-    result, reference = gpt2_runs[world][case["name"]], gpt2_reference[case.get("examples", 6)]
+    result, reference = gpt2_runs[world][case["name"]], gpt2_reference
     tp = case.get("options", {}).get("tp") or (world if case["strategy"] == "tp" else 1)
     replicas = world // tp
     assert result["accumulate"] == gpt2_train.total_batch_size // (gpt2_train.T * gpt2_train.B * replicas)
     assert _update_error(result["state"], reference["state"]) <= 0.15  # observed 0.05-0.08; 0.9 on wrong data
     assert np.allclose(result["norms"], reference["norms"], atol=2e-3), (result["norms"], reference["norms"])
-    # zero3 hands back a bfloat16 loss under bf16-mixed, in steps of 1/32 at this loss (observed 0.009 in training,
-    # 0.013 in validation; ddp and tp: 6e-5)
-    loss_tol = 1 / 32 if case["strategy"] == "zero3" else 2e-3
-    assert np.allclose(result["losses"], reference["losses"], atol=loss_tol), (result["losses"], reference["losses"])
-    assert np.allclose(result["val"], reference["val"], atol=loss_tol), (result["val"], reference["val"])
+    # the logged losses agree under every strategy (a bf16 loss under zero3 was 0.009 off, 0.013 in validation)
+    assert np.allclose(result["losses"], reference["losses"], atol=2e-3), (result["losses"], reference["losses"])
+    assert np.allclose(result["val"], reference["val"], atol=2e-3), (result["val"], reference["val"])
     assert result["hellaswag"] == reference["hellaswag"]  # (correct, evaluated) summed over the replicas
     drawn: dict[int, list] = {}
     for samples in result["samples"]:  # each rank's, keyed by its data-parallel rank

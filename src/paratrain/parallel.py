@@ -169,10 +169,9 @@ class Parallel:
         """The device mesh the strategy runs on (None in one process, and while ``auto`` waits for the model)."""
         return self._chosen.mesh
 
-    @property
-    def last_grad_norm(self) -> torch.Tensor | None:
-        """The global gradient norm before the last clipping, a 0-d tensor (reading it waits); None before."""
-        return self._loop.last_grad_norm
+    last_grad_norm = property(
+        lambda self: self._loop.last_grad_norm, doc="The gradient norm before the last clip, a 0-d tensor; None before."
+    )
 
     @property
     def data_parallel_rank(self) -> int:

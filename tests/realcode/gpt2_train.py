@@ -15,8 +15,9 @@ accumulate=GlobalBatch(...))`` replaces the setup block, the ``torch.autocast`` 
 ``grad_accum_steps`` is ``par.accumulate``; the loaders take ``par.data_parallel_rank``/``par.data_parallel_size``
 (a tensor-parallel group reads one replica's batch); ``par.step`` and ``par.backward`` replace ``loss /
 grad_accum_steps`` and ``loss.backward()``; ``par.mean``/``par.sum`` replace ``dist.all_reduce``; the validation
-steps are stated for the whole job, so a run equals one process on the same batches; evaluation and generation
-run on every rank and rank 0 prints.
+steps are stated for the whole job, so a run equals one process on the same batches; the evaluation's uneven split
+runs through ``par.map_evenly`` (every rank runs as many forwards); evaluation and generation run on every rank and
+rank 0 prints.
 
 Run as a script (``paratrain run -n 2 gpt2_train.py OUT_DIR CASES_JSON``) it trains each case in turn on one process
 group, which it starts itself as the original does; :func:`train` runs one case (one process: the reference).
@@ -207,7 +208,7 @@ B, T = 2, 16
 total_batch_size = 8 * T
 max_lr, min_lr, warmup_steps, max_steps = 6e-4, 6e-5, 1, 3
 val_batches = 4  # validation micro-batches of the whole job (the original: 20 on every rank)
-hellaswag_examples = 6
+hellaswag_examples = 5  # uneven over two replicas
 num_return_sequences, max_length = 2, 12
 
 
@@ -239,7 +240,7 @@ def generate(model: nn.Module, device: torch.device, seed: int) -> list[list[int
     return xgen.tolist()
 
 
-def train(strategy: str, options: dict, *, examples: int = hellaswag_examples, sample_as: range | None = None) -> dict:
+def train(strategy: str, options: dict, *, sample_as: range | None = None) -> dict:
     """One run; returns what it logged, this rank's samples and, on rank 0, the final full state dict.
     ``sample_as``: the data-parallel ranks whose samples this process draws (its own by default; the one-process
     reference draws each replica's)."""
@@ -279,16 +280,20 @@ def train(strategy: str, options: dict, *, examples: int = hellaswag_examples, s
             par.print(f"validation loss: {val_loss_accum.item():.4f}")
             log["val"].append(val_loss_accum.item())
 
-            num_correct_norm, num_total = 0, 0
-            for i, (tokens, mask, label) in enumerate(iterate_examples(examples)):
-                if i % par.data_parallel_size != par.data_parallel_rank:
-                    continue
+            def correct(example: tuple[torch.Tensor, torch.Tensor, int]) -> int:
+                tokens, mask, label = example
                 tokens, mask = tokens.to(par.device), mask.to(par.device)
                 with torch.no_grad():
                     logits, loss = model(tokens)
-                    pred_norm = get_most_likely_row(tokens, mask, logits)
-                num_total += 1
-                num_correct_norm += int(pred_norm == label)
+                return int(get_most_likely_row(tokens, mask, logits) == label)
+
+            mine = [
+                e
+                for i, e in enumerate(iterate_examples(hellaswag_examples))
+                if i % par.data_parallel_size == par.data_parallel_rank
+            ]
+            scores = par.map_evenly(correct, mine)  # the replicas evaluate 3 and 2: every rank runs 3 forwards
+            num_total, num_correct_norm = len(scores), sum(scores)
             num_total = par.sum(torch.tensor(num_total, dtype=torch.long, device=par.device)).item()
             num_correct_norm = par.sum(torch.tensor(num_correct_norm, dtype=torch.long, device=par.device)).item()
             par.print(f"HellaSwag accuracy: {num_correct_norm}/{num_total}={num_correct_norm / num_total:.4f}")
@@ -327,7 +332,7 @@ def main(out_dir: str, cases: list[dict]) -> None:
     dist.init_process_group("gloo")  # as the original does; each case's Parallel joins it
     results = {}
     for case in cases:
-        result = train(case["strategy"], case.get("options", {}), examples=case.get("examples", hellaswag_examples))
+        result = train(case["strategy"], case.get("options", {}))
         every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, result.pop("samples"))  # each rank's own generation
         results[case["name"]] = {**result, "samples": every_rank}
