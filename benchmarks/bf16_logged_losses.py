@@ -1,10 +1,10 @@
 """The losses a script logs under bf16-mixed, strategy by strategy, and zero3's step time.
 
 nanoGPT's ``model.py`` (tests/realcode; its own ``F.cross_entropy`` inside the forward) trains 4 SGD steps on one
-global batch of 8 under ``single`` (one process) and, at world 2, ``ddp``, ``zero2``, ``zero3`` and ``tp``; each
-step's loss is ``forward_backward``'s, averaged over the replicas as a script logs it (``par.mean``). Printed: one
-row a strategy, one column a step, and each row's largest distance from ddp's. Pipelines are left out: they do not
-take a model whose forward reads its input's shape (``b, t = idx.size()``).
+global batch of 8 under ``single`` (one process) and, at world 2, ``ddp``, ``zero2``, ``zero3``, ``tp`` and a
+two-stage ``pipeline`` (the forward reads its input's shape: ``b, t = idx.size()``); each step's loss is
+``forward_backward``'s, averaged over the replicas as a script logs it (``par.mean``). Printed: one row a strategy,
+one column a step, and each row's largest distance from ddp's.
 
 ``--time``: zero3 bf16-mixed step time instead, a larger nanoGPT at world 2, the median of ``--steps`` steps after
 2 warm-up steps (rank 0's clock, between barriers); run it once per tree to compare two trees, interleaved.
@@ -29,7 +29,7 @@ import paratrain
 
 REALCODE = Path(__file__).resolve().parents[1] / "tests" / "realcode"
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 4, 8, 32, 256
-STRATEGIES = (("single", 1), ("ddp", 2), ("zero2", 2), ("zero3", 2), ("tp", 2))
+STRATEGIES = (("single", 1), ("ddp", 2), ("zero2", 2), ("zero3", 2), ("tp", 2), ("pipeline", 2))
 
 
 def nanogpt(n_layer: int, n_embd: int, seq: int) -> torch.nn.Module:
