@@ -34,7 +34,7 @@ test: $(TEST_STAMP)
 
 # the unit lane: no test here starts a process (tests/helpers/unit_lane.py fails one that does)
 test-fast: $(TEST_STAMP)
-	PARATRAIN_UNIT_LANE=1 $(PY) -m pytest -q -m "not launched and not slow"
+	PARATRAIN_UNIT_LANE=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not launched and not slow"
 
 # ruff's checks and its formatter's verdict (CI runs it before the tests); `ruff format .` fixes what it finds
 lint: $(TEST_STAMP)
