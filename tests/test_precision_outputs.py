@@ -82,6 +82,8 @@ HANDED_BACK = [("nanogpt_real", "targets", s) for s in ("ddp", "zero2", "zero3",
     ("gpt2", "labels", s) for s in ("ddp", "zero3")
 ]
 """A model's own loss (nanoGPT's ``model(x, y)``, transformers' ``labels=``) read by a script at world 2."""
+BF16_TRUE = ["single", "ddp", "zero3"]
+"""bf16-true on float inputs: in one process, and at world 2."""
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +91,23 @@ def lean() -> dict[str, list[dict]]:
     """Every family under bf16-mixed: pipelined over 2 ranks, and in one process; and the loss each strategy of
     ``HANDED_BACK`` hands back, at 2 ranks and in one process; one launch each."""
     from helpers.cases import each_call
-    from helpers.loss_workers import handed_back
+    from helpers.loss_workers import bf16_true_float_inputs, handed_back
     from helpers.pipeline_model_workers import lean_precision
 
     from paratrain.testing import spawn
 
     def calls(strategy: str) -> list[tuple]:
         handed = sorted({(m, c, s if strategy != "single" else "single") for m, c, s in HANDED_BACK})
-        return [(f, lean_precision, (f, strategy), {}) for f in FAMILIES] + [
-            (" ".join(h), handed_back, h, {}) for h in handed
+        true = [
+            (f"bf16-true {s}", bf16_true_float_inputs, (s,), {})
+            for s in BF16_TRUE
+            if (s == "single") == (strategy == "single")
         ]
+        return (
+            [(f, lean_precision, (f, strategy), {}) for f in FAMILIES]
+            + [(" ".join(h), handed_back, h, {}) for h in handed]
+            + true
+        )
 
     return {
         strategy: spawn(each_call, world, (calls(strategy),), timeout_s=180)
@@ -136,3 +145,13 @@ def test_the_loss_a_script_logs_is_float32_under_every_strategy(lean, model_name
             assert dtype == "torch.float32", (how, dtype)
             assert value == pytest.approx(ddp[how][1], abs=BF16_LOSS_BOUND), (how, value, ddp[how][1])
             assert ddp[how][1] == pytest.approx(one[how][1], abs=BF16_LOSS_BOUND)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("strategy", BF16_TRUE[1:])
+def test_bf16_true_takes_float_inputs_under_every_strategy(lean, strategy):
+    """bf16-true casts float inputs to the bf16 weights under FSDP too (its policy casts none there): the losses of
+    two steps, handed back and from a direct call, equal one process's within bf16 rounding."""
+    one = lean["single"][0]["bf16-true single"]
+    for ranks in lean["pipeline"]:
+        assert ranks[f"bf16-true {strategy}"] == pytest.approx(one, rel=2e-2)

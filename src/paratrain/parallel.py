@@ -217,7 +217,7 @@ class Parallel:
         if rt.materialize is not None:  # nothing may be left on meta
             check_materialized(self.strategy.unwrap(wrapped), self.strategy.name)
         facts.check_ties(self.strategy.unwrap(wrapped), self.strategy.name)
-        self.precision.wrap_forward(wrapped, rt.device, cast_inputs=not self.strategy.native_precision)
+        self.precision.wrap_forward(wrapped, rt.device)
         self._replicas.watch(wrapped, self.strategy)
         self.device = self.strategy.output_device(rt)
         self._replicas.streams(self._seed, self.strategy.rng_rank(rt), self.rank)

@@ -71,12 +71,13 @@ class Precision:
             return nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
-    def wrap_forward(self, model: nn.Module, device: torch.device, *, cast_inputs: bool = True) -> None:
+    def wrap_forward(self, model: nn.Module, device: torch.device) -> None:
         """Run ``model``'s forward under autocast (or on cast inputs) and hand fp32 outputs to the loss, except
         inside ``compute_dtype_outputs``. Autocast runs under every strategy, FSDP's policy included: the policy
         casts parameters, autocast still computes its fp32 ops (softmax, cross-entropy, norms) in fp32, so a loss
-        the model computes itself has one value whatever the strategy. ``cast_inputs=False``: the strategy's
-        policy casts the inputs."""
+        the model computes itself has one value whatever the strategy. Inputs are cast here under every strategy
+        too: FSDP's policy casts them only with a ``param_dtype``, which bf16-true (parameters already bf16) has
+        not."""
         if self.autocast_dtype is None and self.input_dtype is None:
             return
         inner = model.forward
@@ -84,7 +85,7 @@ class Precision:
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if cast_inputs and self.input_dtype is not None:
+            if self.input_dtype is not None:
                 args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
             with self.forward_context(device):
                 out = inner(*args, **kwargs)

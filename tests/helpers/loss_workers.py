@@ -12,6 +12,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import paratrain
 from helpers.cases import each_case
@@ -117,5 +118,28 @@ def handed_back(model_name: str, call: str, strategy: str) -> dict[str, tuple[st
         returned = micro_loss(model, x, y, call, par)
     out = {"direct": direct, "returned": returned}
     out = {how: (str(loss.dtype), float(par.mean(loss.detach()))) for how, loss in out.items()}
+    par.close()
+    return out
+
+
+def bf16_true_float_inputs(strategy: str) -> list[float]:
+    """bf16-true on a model fed float inputs (not token ids): the replicas' mean loss of two steps, from
+    ``forward_backward`` and from a direct call; the inputs must reach the bf16 weights in bf16 under every strategy
+    (FSDP's policy casts none under bf16-true)."""
+    par = paratrain.Parallel(strategy, precision="bf16-true", monitor=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    rows = slice(
+        par.data_parallel_rank * 4 // par.data_parallel_size, (par.data_parallel_rank + 1) * 4 // par.data_parallel_size
+    )
+    with par.step(model, opt):
+        returned = par.forward_backward(model, x[rows], y[rows], F.mse_loss)
+    with par.step(model, opt):
+        direct = F.mse_loss(model(x[rows]), y[rows])
+        par.backward(direct)
+    out = [float(par.mean(loss.detach().float())) for loss in (returned, direct)]
     par.close()
     return out

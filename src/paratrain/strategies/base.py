@@ -32,8 +32,6 @@ class Strategy(ABC):
     """Base class of every registered strategy."""
 
     name: ClassVar[str]
-    native_precision: ClassVar[bool] = False
-    """True when the strategy casts parameters and inputs itself (FSDP's policy); autocast runs beside it."""
     tp: WholeLayers = WholeLayers()
     """The part that splits layers over ranks (``tp=``: :mod:`paratrain.distributed.tensor_parallel`); by default
     none, whose hooks give the strategy's own answers back (stateless, so one serves every strategy)."""

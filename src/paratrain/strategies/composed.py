@@ -42,7 +42,6 @@ class Composed(Strategy):
             )
         engine_options = {**preset.defaults, **options} if config is None else {}
         self.data = preset.engine(engine_options, split=self.tp.splits, config=config)  # type: ignore[arg-type]
-        self.native_precision = self.data.native_precision  # type: ignore[misc]
 
     def uses_group(self, env: ClusterEnv) -> bool:
         return self.preset.groups

@@ -45,8 +45,6 @@ class OneReplica:
 
     zero = 0
     """The ZeRO stage the engine shards at (0: nothing sharded)."""
-    native_precision = False
-    """True when the wrapper casts parameters and inputs itself (FSDP's policy); autocast runs beside it."""
     swaps_parameters = False
     """True when the wrapper makes new parameter objects, so the optimizer is rebuilt over them."""
     host_tensors = False
@@ -179,7 +177,6 @@ class Shards(OneReplica):
     before its forward and its gradients reduce-scattered after its backward; re-sharded after the forward (ZeRO-3)
     or kept gathered until the backward (ZeRO-2)."""
 
-    native_precision = True
     swaps_parameters = True
 
     def __init__(self, options: dict[str, Any], split: bool, config: FSDPConfig | None = None) -> None:

@@ -65,7 +65,6 @@ class PipelineStrategy(Strategy):
     """Shared by ``pipeline`` (pp = world) and ``hybrid`` (dp x pp)."""
 
     name = "pipeline"
-    native_precision = True  # applied to each stage, not to the prepared model
 
     def __init__(self, config: PipelineConfig | None = None, **options: object) -> None:
         cp = CPConfig.pop(options)
@@ -200,7 +199,7 @@ class PipelineStrategy(Strategy):
         def place(part: nn.Module) -> nn.Module:
             keep_buffers_through_metadata_pass(part)
             part = data(to_device(part, rt.device))
-            rt.precision.wrap_forward(part, rt.device, cast_inputs=not self.data.native_precision)
+            rt.precision.wrap_forward(part, rt.device)
             return part
 
         return takes_meta(place) if getattr(data, "takes_meta", False) else place
