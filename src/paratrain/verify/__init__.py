@@ -69,10 +69,7 @@ def verify_cases(
             "--accelerator cpu"
         )
 
-    if tolerance is not None and tolerance <= 0:
-        raise ConfigError(f"tolerance must be > 0, got {tolerance}")
-    if nprocs < 2:
-        raise ConfigError(f"verify compares a parallel run with one process: use 2 or more processes, got {nprocs}")
+    check_comparison(nprocs, tolerance)
     _check_cases(cases, nprocs)
     ranks = launch(run_cases, nprocs, args=(list(cases), timeout_s, accelerator), timeout_s=timeout_s)
     references: dict[tuple, Record] = {}
@@ -83,6 +80,17 @@ def verify_cases(
         twin = _reference(evidence, references, "shards") if tolerance is None else None
         reports.append(build_report(evidence, ref, twin, world=nprocs, tolerance=tolerance))
     return reports
+
+
+def check_comparison(nprocs: int, tolerance: float | None) -> None:
+    """One line for a comparison verify cannot make: fewer than 2 processes, or a tolerance that is not positive
+    (a spec's cases and an unchanged script alike)."""
+    from ..errors import ConfigError
+
+    if tolerance is not None and tolerance <= 0:
+        raise ConfigError(f"tolerance must be > 0, got {tolerance}")
+    if nprocs < 2:
+        raise ConfigError(f"verify compares a parallel run with one process: use 2 or more processes, got {nprocs}")
 
 
 def _check_cases(cases: Sequence[Case], nprocs: int) -> None:

@@ -232,6 +232,15 @@ def rounding_dtype(model: nn.Module, precision: Any) -> torch.dtype | None:
     return None if batchnorm else dtype
 
 
+def split_like_ranks(model: nn.Module, size: int | None, precision: Any) -> None:
+    """The noise floor's twin: under a 16-bit compute dtype (:func:`rounding_dtype`), run the prepared ``model``'s
+    training forwards on the parallel run's micro-batches of ``size`` (:func:`split_forward`); else, or without a
+    ``size`` (the reference itself), leave it as it is."""
+    dtype = rounding_dtype(model, precision)
+    if size and dtype is not None:
+        split_forward(model, size, dtype)
+
+
 def split_forward(model: nn.Module, size: int, dtype: torch.dtype) -> None:
     """Run each training forward of the prepared ``model`` on micro-batches of ``size`` samples, one call each, its
     parameters cast to ``dtype`` (as FSDP's mixed precision casts them; autocast casts only a matmul's), so each

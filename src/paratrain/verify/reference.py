@@ -43,7 +43,7 @@ from ..env import ClusterEnv
 from ..parallel import Parallel
 from ..settings import JobConfig
 from .distributed import DataSetup
-from .floor import rounding_dtype, split_forward
+from .floor import split_like_ranks
 from .record import Feed, Record, RecordHooks, feed_digest, run_loop, training_call
 from .spec import Loss, VerifySpec, build_spec
 
@@ -327,9 +327,7 @@ def _train(
     job = replace(shared.pop("job", None) or JobConfig(), env=ClusterEnv())  # one process, whatever the script's
     par = Parallel("single", accumulate=accumulate, accelerator="cpu", monitor=False, job=job, **shared)
     model, optimizer = par.prepare(model, spec.build_optimizer())
-    dtype = rounding_dtype(model, par.precision)
-    if split and dtype is not None:
-        split_forward(model, split, dtype)
+    split_like_ranks(model, split, par.precision)
     try:
         run_loop(spec, par, model, optimizer, loader, recorder, lambda: steps, keep_states=True, replay=replay)
     finally:

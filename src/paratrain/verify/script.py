@@ -40,9 +40,9 @@ from ..errors import ConfigError
 from ..script_verify import VAR, hold
 from ..settings import JobConfig
 from ..strategies import check_name
-from . import fed_feeds
+from . import check_comparison, fed_feeds
 from .distributed import FED_DEFAULT_STEPS, Case, RankEvidence
-from .floor import rounding_dtype, split_forward
+from .floor import split_like_ranks
 from .options import OWN_KEYWORDS
 from .record import Record, RecordHooks, watch_steps
 from .reference import ORDERS, Replay, ReplayMismatch, global_first, replay_run
@@ -196,9 +196,7 @@ class _ReferenceSide(_Side):
         self.ref.model = copy.deepcopy(model)
 
     def after(self, prepared: nn.Module, recorder: RecordHooks, inside: Callable[[], bool]) -> None:
-        dtype = rounding_dtype(prepared, self.par.precision)
-        if self.ref.split and dtype is not None:
-            split_forward(prepared, self.ref.split, dtype)
+        split_like_ranks(prepared, self.ref.split, self.par.precision)
         self.ref.replay.replaying = inside
         self.ref.replay.attach(prepared, recorder.record)
 
@@ -223,20 +221,17 @@ def verify_script(
     ``nprocs`` processes, ``steps`` optimizer steps each, against one process on the same global batches."""
     if not script.endswith(".py") or not Path(script).is_file():
         raise ConfigError(f"verify: no script {script!r}; give a training script (train.py) or module:function")
-    if nprocs < 2:
-        raise ConfigError(f"verify compares a parallel run with one process: use 2 or more processes, got {nprocs}")
+    check_comparison(nprocs, tolerance)
     for strategy in strategies:
         if strategy is not None:
             check_name(strategy)
     steps = FED_DEFAULT_STEPS if steps is None else steps
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
-    if tolerance is not None and tolerance <= 0:
-        raise ConfigError(f"tolerance must be > 0, got {tolerance}")
     label = " ".join([script, *argv])
     reports = []
     for strategy in strategies:
-        plan = {"mode": "parallel", "label": label, "strategy": strategy, "options": options or {}, "steps": steps}
+        plan = {"label": label, "strategy": strategy, "options": options or {}, "steps": steps}
         evidence = _launch(script, argv, nprocs, plan, timeout_s)
         ref = _reference_of(script, argv, evidence, "global")
         twin = _reference_of(script, argv, evidence, "shards") if tolerance is None else None
