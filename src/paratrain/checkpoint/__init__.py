@@ -7,7 +7,7 @@
 * :mod:`.background`: saves written in the background while training goes on;
 * :mod:`.auto`: save every N steps, resume at start-up;
 * :mod:`.safety`: loading never unpickles arbitrary objects;
-* :mod:`.export`: a plain single-file state_dict.
+* :mod:`.export`: a plain single-file state_dict, or (:mod:`.hf`) a Hugging Face folder.
 """
 
 from __future__ import annotations

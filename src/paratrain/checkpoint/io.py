@@ -8,6 +8,8 @@ What a checkpoint holds (see :mod:`paratrain.checkpoint.layout` for the files):
   data-loader positions;
 * ``rank-NNNNN.pt``: that rank's RNG states (Python, NumPy, torch, CUDA) and its loaders' positions and
   generator states;
+* ``hf-model/``: a transformers model's ``config.json`` (and ``generation_config.json``), for an export to Hugging
+  Face (``hf-model_1/`` for the second model…);
 * ``meta.json``: format version, world size, strategy, model and optimizer classes, file sizes.
 """
 
@@ -28,7 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
-from . import layout, rng, space
+from . import hf, layout, rng, space
 from .safety import SafePlanner, SafeReader, load_file, torch_reason
 from .space import out_of_space
 
@@ -145,6 +147,8 @@ def begin_save(t: Targets, root: Path) -> Path:
                     }
                 ),
             )
+            for i, model in enumerate(t.models):  # a transformers model's config, for an export to Hugging Face
+                hf.write_config(t.strategy.unwrap(model), hf.config_folder(tmp, i))
         written = None
     except OSError as e:
         written = e

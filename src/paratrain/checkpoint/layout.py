@@ -9,6 +9,7 @@
         __0_0.distcp …        … and each rank's shard of the tensors
         train.pt              step, epoch, LR schedulers, grad scaler (written by rank 0)
         rank-00000.pt …       each rank's RNG states and data-loader positions
+        hf-model/             a transformers model's config.json (for an export to Hugging Face)
         meta.json             who saved it and every file's size (subfolders' too); written last
       tmp-step-00000060/      a save in progress, or one that crashed: never read, removed by the next save
 

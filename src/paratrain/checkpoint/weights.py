@@ -2,8 +2,11 @@
 
 Three ways in, one reader each: a safetensors file, a folder of them with transformers' index
 (``model.safetensors.index.json``, as ``save_pretrained`` writes it), or a torch state-dict file (``torch.save``,
-``pytorch_model.bin``, what ``paratrain export`` writes). safetensors files are memory-mapped and read by slice
-(``safe_open(...).get_slice``); a torch file is loaded with ``mmap=True``, so slicing it touches only its pages.
+``pytorch_model.bin``, what ``paratrain export`` writes; ``export --format hf`` writes the second kind). safetensors
+files are memory-mapped and read by slice (``safe_open(...).get_slice``); a torch file is loaded with ``mmap=True``, so
+slicing it touches only its pages. A tensor transformers builds on load from several of the hub's (Mixtral's fused
+experts from one matrix per expert) is built whole by its own conversion, then cut: the one read of more than a rank
+holds.
 
 Names are the user's (``named_parameters``): a checkpoint of a transformers base model loads into the model with a
 head and the other way round (``base_model_prefix``), and a tied weight saved once (transformers saves the embedding,
@@ -28,6 +31,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..model.facts import ModelFacts
+from .hf import Derived, hub_tensors
 
 INDEX = "model.safetensors.index.json"
 
@@ -40,6 +44,8 @@ class _Source:
     files: dict[str, Path] = field(default_factory=dict)
     """name → the file holding it."""
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    derived: dict[str, Derived] = field(default_factory=dict)
+    """model name → how transformers builds it from hub tensors of this source (:func:`.hf.hub_tensors`)."""
     _open: dict[Path, Any] = field(default_factory=dict)
     _torch: dict[str, torch.Tensor] | None = None
     bytes_read: int = 0
@@ -65,7 +71,11 @@ class _Source:
                 del self._open[file]
 
     def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
-        """The tensor ``name``, or its ``index`` part (one slice per dimension); its file must be ``reading``."""
+        """The tensor ``name``, or its ``index`` part (one slice per dimension); its file must be ``reading``. A derived
+        tensor is built whole from the hub tensors it needs (each opened for the read), then cut."""
+        if name in self.derived:
+            whole = self.derived[name].build(self._whole)
+            return whole[index] if index is not None else whole
         try:
             if self._torch is not None:
                 t = self._torch[name]
@@ -77,6 +87,13 @@ class _Source:
             raise _unreadable(self.files.get(name, self.path), err) from None
         self.bytes_read += out.numel() * out.element_size()
         return out
+
+
+    def _whole(self, key: str) -> torch.Tensor:
+        if self._torch is not None or self.files[key] in self._open:
+            return self.read(key, None)
+        with self.reading(self.files[key]):
+            return self.read(key, None)
 
 
 def _unreadable(path: Path, err: BaseException) -> CheckpointError:
@@ -245,20 +262,24 @@ def load_weights(model: nn.Module, path: str | os.PathLike, facts: ModelFacts | 
     source, plan, aliases, problem = None, {}, set(), None
     try:
         source = open_source(path)
-        plan, aliases = _plan(source, held, _prefix(model), facts)
+        plan, aliases = _plan(source, held, model, facts)
     except CheckpointError as err:
         problem = str(err)
     problem = _agreed(problem)
     if problem is None:
         assert source is not None
-        problem = _agreed_unexpected(source, set(plan.values()) | aliases)
+        used = set(plan.values()) | aliases | {k for d in source.derived.values() for k in d.keys}
+        problem = _agreed_unexpected(source, used)
     if problem is not None:
         raise CheckpointError(problem)
     assert source is not None
     try:
         by_file: dict[Path, list[tuple[str, str]]] = {}
         for name, key in plan.items():
-            by_file.setdefault(source.files[key], []).append((name, key))
+            if key in source.derived:
+                _read_into(source, key, held[name])
+            else:
+                by_file.setdefault(source.files[key], []).append((name, key))
         for file, items in by_file.items():
             with source.reading(file):
                 for name, key in items:
@@ -272,15 +293,26 @@ def load_weights(model: nn.Module, path: str | os.PathLike, facts: ModelFacts | 
 
 
 def _plan(
-    source: _Source, held: dict[str, torch.Tensor], prefix: str | None, facts: ModelFacts
+    source: _Source, held: dict[str, torch.Tensor], model: nn.Module, facts: ModelFacts
 ) -> tuple[dict[str, str], set[str]]:
     """held name → checkpoint key, and the keys of tied tensors' other names (read once, under the first); a
-    ``CheckpointError`` naming the first missing or mis-shaped tensors."""
+    ``CheckpointError`` naming the first missing or mis-shaped tensors. A transformers model's tensors that the file
+    holds in the hub's layout (per-expert matrices of a fused expert tensor) are derived from it."""
     plan: dict[str, str] = {}
     aliases: set[str] = set()
     missing, shapes, planned = [], [], set()
+    prefix = _prefix(model)
+    absent = [n for n, t in held.items() if not any(k in source.shapes for k in _candidates(n, prefix, facts))]
+    renamed, derived = hub_tensors(model, source.shapes, absent) if absent else ({}, {})
     for name, t in held.items():
-        key = next((k for k in _candidates(name, prefix, facts) if k in source.shapes), None)
+        if name in derived:
+            source.derived[name], shape = derived[name]
+            if shape != _global_shape(t):
+                shapes.append(f"{name} {list(shape)} in the file, {list(_global_shape(t))} here")
+            plan[name] = name
+            planned.add(id(t))
+            continue
+        key = next((k for k in _candidates(name, prefix, facts) if k in source.shapes), renamed.get(name))
         if key is None and id(t) in planned:
             continue  # a tied tensor, read under another of its names
         if key is None:

@@ -13,6 +13,7 @@ Commands:
   paratrain slurm --nodes 4 --gpus-per-node 8 train.py      write an sbatch script (srun paratrain run …)
   paratrain k8s --image I --nodes 4 --gpus-per-node 8 train.py   write a Kubeflow Trainer TrainJob manifest
   paratrain export CKPT OUT.pt                              a checkpoint's model as one plain state_dict file
+  paratrain export --format hf CKPT OUT/                    … or as a Hugging Face folder (from_pretrained)
 
 run, demo, bench and verify take --tf: the same command for TensorFlow (Keras tf.distribute; paratrain[tf]).
 Errors print one line; add --debug (before the command) for the full traceback.
