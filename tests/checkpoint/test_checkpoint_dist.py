@@ -9,6 +9,8 @@ import pytest
 import torch
 from helpers.cases import each_call
 from helpers.checkpoint_workers import dropout_model, train
+from helpers.hf_export_workers import export_round, same_as_pretrained
+from helpers.zoo import SPECS
 
 from paratrain.checkpoint import export
 from paratrain.testing import alive, child_pids, spawn
@@ -16,6 +18,16 @@ from paratrain.testing import alive, child_pids, spawn
 pytestmark = pytest.mark.launched  # every test here starts processes
 
 HYBRID = {"schedule": "gpipe", "microbatches": 2}
+HF_EXPORTS = {
+    4: [("llama", "zero3", {"tp": 2}), ("mixtral", "zero3", {"tp": 2})],
+    2: [("mixtral", "ddp", {"ep": 2})],
+}
+"""Per world size, the transformers models trained, saved and exported to Hugging Face in that job."""
+
+
+def _hf_calls(world: int, folder) -> list[tuple]:
+    cases = HF_EXPORTS[world]
+    return [(f"hf {m} {s} {o}", export_round, (m, s, o, str(folder / f"hf-{m}-{world}")), {}) for m, s, o in cases]
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -31,7 +43,7 @@ def folder(tmp_path_factory):
 def saved2(folder) -> list[dict]:
     """40 steps of ddp and of zero3, each saving at step 20 (inside epoch 1)."""
     calls = [(s, train, (s, 40, str(folder / s)), {"save_at": 20}) for s in ("ddp", "zero3")]
-    return spawn(each_call, 2, (calls,), timeout_s=180)
+    return spawn(each_call, 2, (calls + _hf_calls(2, folder),), timeout_s=180)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +53,7 @@ def saved4(folder) -> list[dict]:
         ("hybrid", train, ("hybrid", 6, str(folder / "hybrid")), {"save_at": 4, "options": HYBRID}),
         ("zero3", train, ("zero3", 20, str(folder / "zero3-4")), {"save_at": 20}),
     ]
-    return spawn(each_call, 4, (calls,), timeout_s=240)
+    return spawn(each_call, 4, (calls + _hf_calls(4, folder),), timeout_s=240)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +105,18 @@ def test_zero3_checkpoint_of_4_ranks_loads_onto_2_and_exports(folder, saved4, re
     plain = torch.load(tmp_path / "model.pt", weights_only=True)
     assert info["step"] == 20 and _equal(plain, saved[0]["params"])
     dropout_model().load_state_dict(plain)
+
+
+@pytest.mark.parametrize("world, case", [(w, c) for w, cases in HF_EXPORTS.items() for c in cases])
+def test_hf_export_of_a_layout_loads_with_from_pretrained_and_into_any_layout(saved2, saved4, world, case):
+    """A transformers Llama and a Mixtral trained under zero3 x tp (world 4) and a Mixtral under ep (world 2), exported
+    with --format hf: from_pretrained gives the trained model's logits; load_weights of the export under ddp, zero3 and
+    the layout it was trained in gives its tensors on every rank."""
+    model, strategy, options = case
+    every = [results[f"hf {model} {strategy} {options}"] for results in (saved4 if world == 4 else saved2)]
+    assert all("error" not in r for r in every), every[0].get("error")
+    trained = every[0]["trained"]
+    for rank, result in enumerate(every):
+        for layout, state in result["loaded"].items():
+            assert _equal(state, trained), f"rank {rank}: the export loaded under {layout} differs"
+    same_as_pretrained(every[0]["out"], SPECS[model].build, trained)

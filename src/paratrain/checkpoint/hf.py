@@ -83,7 +83,7 @@ def skeleton(config_dir: Path) -> Any:
     if cls is None:
         raise ConfigError(
             f"{config_dir / 'config.json'} names no transformers model class in 'architectures' ({names}); "
-            "write the class there, e.g. [\"LlamaForCausalLM\"]"
+            'write the class there, e.g. ["LlamaForCausalLM"]'
         )
     with torch.device("meta"):
         return cls._from_config(config)
