@@ -31,9 +31,15 @@ def export_round(model_name: str, strategy: str, options: dict, folder: str) -> 
     trained = par.full_state_dict(model, rank0_only=False)
     par.close()
     out = os.path.join(folder, "hf")
+    problem = [None]
     if dist.get_rank() == 0:
-        export(folder, out, format="hf", shard_bytes=2**14)  # several shards even for a tiny model
-    dist.barrier()
+        try:
+            export(folder, out, format="hf", shard_bytes=2**14)  # several shards even for a tiny model
+        except paratrain.ParatrainError as err:
+            problem = [str(err)]
+    dist.broadcast_object_list(problem)  # a failed export fails every rank alike, and the job's next case runs
+    if problem[0] is not None:
+        raise paratrain.ParatrainError(problem[0])
     loaded = {}
     for name, layout, opts in [(s, s, {}) for s in LOADED] + [("trained", strategy, options)]:
         par = paratrain.Parallel(layout, monitor=False, **opts)
