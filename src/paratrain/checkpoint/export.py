@@ -76,7 +76,8 @@ def _export_hf(
         )
     state = hf.hub_state(read_model(folder, meta, model), hf.skeleton(config_dir))
     _check_new_folder(out)  # again: the read took a while
-    hf.write_folder(state, out, config_dir, shard_bytes or hf.SHARD_BYTES)
+    with quiet_single_process():
+        hf.write_folder(state, out, config_dir, shard_bytes or hf.SHARD_BYTES)
     return _written(out, meta, state, sum(p.stat().st_size for p in out.iterdir()))
 
 

@@ -143,10 +143,7 @@ def write_folder(state: dict[str, torch.Tensor], out: Path, config_dir: Path, li
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        from .io import quiet_single_process
-
-        with quiet_single_process():
-            save(state, storage_writer=writer(str(tmp), fqn_to_index_mapping=shard_plan(state, limit)), no_dist=True)
+        save(state, storage_writer=writer(str(tmp), fqn_to_index_mapping=shard_plan(state, limit)), no_dist=True)
         for name in CONFIG_FILES:
             if (config_dir / name).is_file():
                 shutil.copyfile(config_dir / name, tmp / name)
