@@ -67,6 +67,13 @@ def test_a_tied_llama_exports_as_save_pretrained_writes_it(tied):
     same_as_pretrained(out, tied_llama, state)
 
 
+def test_the_cli_writes_the_folder(tied, tmp_path):
+    code, err = in_process(["export", "--format", "hf", str(tied[0] / "ckpt"), str(tmp_path / "hf")])
+    assert code == 0, err
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) == 1  # 5 GiB shards by default
+
+
 def test_load_weights_of_the_export_equals_the_trained_model(tied):
     folder, state, _ = tied
     model = tied_llama()

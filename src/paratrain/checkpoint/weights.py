@@ -88,7 +88,6 @@ class _Source:
         self.bytes_read += out.numel() * out.element_size()
         return out
 
-
     def _whole(self, key: str) -> torch.Tensor:
         if self._torch is not None or self.files[key] in self._open:
             return self.read(key, None)
