@@ -114,6 +114,20 @@ def test_bad_input_is_one_line(tied, tmp_path):
     assert code != 0 and "give --config DIR" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_config_transformers_refuses_to_write_leaves_the_save_whole(tmp_path):
+    """save_pretrained refuses generation settings in a model's config; the job's save goes on without the config."""
+    model = SPECS["llama"].build()
+    model.config.temperature = 0.5
+    par = paratrain.Parallel("single", monitor=False)
+    par.prepare(model)
+    with pytest.warns(UserWarning, match="holds no Hugging Face config: transformers refuses to write it"):
+        folder = par.save(tmp_path / "ckpt")
+    par.close()
+    assert not (folder / "hf-model").exists()
+    with pytest.raises(ConfigError, match="give --config DIR"):
+        export(folder, tmp_path / "hf", format="hf")
+
+
 def test_a_torch_without_the_writer_is_one_line(tied, tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 

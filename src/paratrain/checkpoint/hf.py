@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +52,18 @@ def write_config(module: nn.Module, folder: Path) -> None:
         return
     config = copy.deepcopy(model.config)
     config.architectures = [next(c for c in type(model).__mro__ if not c.__module__.startswith("torch.")).__name__]
-    config.save_pretrained(folder)
     generation = getattr(model, "generation_config", None)
-    if generation is not None and model.can_generate():
-        generation.save_pretrained(folder)
+    try:
+        config.save_pretrained(folder)
+        if generation is not None and model.can_generate():
+            generation.save_pretrained(folder)
+    except ValueError as err:  # what save_pretrained refuses too (generation settings in the config); the save goes on
+        shutil.rmtree(folder, ignore_errors=True)
+        warnings.warn(
+            f"this checkpoint holds no Hugging Face config: transformers refuses to write it ({_first(err)}); "
+            "export --format hf will need --config DIR",
+            stacklevel=2,
+        )
 
 
 def writer_class() -> type:
