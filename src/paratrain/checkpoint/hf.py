@@ -57,7 +57,7 @@ def write_config(module: nn.Module, folder: Path) -> None:
         config.save_pretrained(folder)
         if generation is not None and model.can_generate():
             generation.save_pretrained(folder)
-    except ValueError as err:  # what save_pretrained refuses too (generation settings in the config); the save goes on
+    except (ValueError, TypeError) as err:  # what save_pretrained refuses too (generation settings in the config)
         shutil.rmtree(folder, ignore_errors=True)
         warnings.warn(
             f"this checkpoint holds no Hugging Face config: transformers refuses to write it ({_first(err)}); "
