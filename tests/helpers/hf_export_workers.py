@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 import paratrain
 from helpers.zoo import SPECS
-from helpers.zoo_workers import STEPS, _prepared, _train
+from helpers.zoo_workers import _prepared, _train
 from paratrain.checkpoint import export
 
+STEPS = 2
 LOADED = ("ddp", "zero3")
 """The layouts the export is loaded back into, besides the one it was trained in."""
 
