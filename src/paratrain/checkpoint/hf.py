@@ -112,8 +112,8 @@ def hub_state(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Ten
         if name in state:
             state[name] = state[first.setdefault(id(t), name)]
     state = remove_tied_weights_from_state_dict(state, model)
-    for pattern in model._keys_to_ignore_on_save or []:
-        state.pop(pattern, None)
+    for key in model._keys_to_ignore_on_save or []:
+        state.pop(key, None)
     return {k: v.contiguous() for k, v in revert_weight_conversion(model, state).items()}
 
 
@@ -122,9 +122,9 @@ def _check_names(state: dict[str, torch.Tensor], model: Any, expected: dict[str,
     missing = sorted(persistent - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        problem = f"lacks {_few(missing)}" if missing else f"has {_few(unexpected)}, which it has not"
+        problem = f"it lacks {_few(missing)}" if missing else f"it has {_few(unexpected)}, which the config's has not"
         raise CheckpointError(
-            f"the checkpoint's model is not the {type(model).__name__} its config describes: it {problem}; "
+            f"the checkpoint's model is not the {type(model).__name__} its config describes ({problem}); "
             "pass --config with the model's own config folder"
         )
 
@@ -200,7 +200,10 @@ def hub_tensors(
     for target, (converter, sources) in groups.items():
         convert = _conversion(model, converter, target, sources)
         keys = tuple(k for k, _ in sources)
-        meta = convert(lambda k: torch.empty(shapes[k], device="meta"))
+        try:
+            meta = convert(lambda k: torch.empty(shapes[k], device="meta"))
+        except (RuntimeError, NotImplementedError, ValueError):  # a conversion meta tensors cannot run: left missing
+            continue
         for name in wanted & set(meta):
             derived[name] = (Derived(keys, lambda read, c=convert, n=name: c(read)[n]), tuple(meta[name].shape))
     return renamed, derived
