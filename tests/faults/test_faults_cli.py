@@ -147,3 +147,19 @@ def test_export_refuses_to_overwrite_or_write_a_directory(tmp_path):
     assert list(folder.iterdir()) == [] and not list(tmp_path.glob(".*tmp*"))
     rc, stderr = in_process(["export", "--force", str(ckpt), str(existing)])
     assert rc == 0 and existing.read_bytes() != b"precious", stderr
+
+
+def test_export_to_hugging_face_refuses_in_one_line(tmp_path):
+    from helpers.faults_checkpoint import small_checkpoint
+
+    ckpt = small_checkpoint(tmp_path / "ck")  # a plain torch model: no config travels with it
+    rc, stderr = in_process(["export", "--format", "hf", str(ckpt), str(tmp_path / "out")])
+    check("cli: export --format hf without a config", rc=rc, stderr=stderr, words=["give --config DIR"])
+    rc, stderr = in_process(["export", "--format", "hf", "--config", str(tmp_path), str(ckpt), str(tmp_path / "out")])
+    check("cli: export --format hf, --config without config.json", rc=rc, stderr=stderr, words=["holds no config.json"])
+    rc, stderr = in_process(["export", "--format", "hf", "--max-shard-size", "0", str(ckpt), str(tmp_path / "out")])
+    check("cli: export --format hf, a shard of 0 GiB", rc=rc, stderr=stderr, words=["must be positive"])
+    existing = tmp_path / "ck"
+    rc, stderr = in_process(["export", "--format", "hf", str(ckpt), str(existing)])
+    check("cli: export --format hf onto an existing folder", rc=rc, stderr=stderr, words=["goes into a new folder"])
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*tmp*"))
