@@ -102,6 +102,12 @@ def test_stop_check_every_is_checked():
     assert CheckpointConfig.of(CheckpointConfig(stop_check_every=3), environ={}).stop_check_every == 3
 
 
+def test_a_job_slurm_requeued_resumes():
+    config = CheckpointConfig(dir="ckpt")
+    assert config.should_resume({"SLURM_RESTART_COUNT": "1"}) and not config.should_resume({"SLURM_RESTART_COUNT": "0"})
+    assert not CheckpointConfig(dir="ckpt", resume=False).should_resume({"SLURM_RESTART_COUNT": "1"})
+
+
 def test_the_launcher_reports_a_preemption_only_when_every_rank_saved(tmp_path):
     with preemption_note() as path:
         assert os.environ[NOTE_VAR] == path

@@ -52,7 +52,7 @@ def train(
         get_optimizer_state_dict,
     )
 
-    par = paratrain.Parallel(strategy, seed=0, checkpoint=checkpoint, **(options or {}))
+    par = paratrain.Parallel(strategy, seed=0, **{"checkpoint": checkpoint, **(options or {})})
     model = dropout_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     loader = DataLoader(dataset(), batch_size=global_batch // par.data_parallel_size, shuffle=True)

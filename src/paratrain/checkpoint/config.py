@@ -35,7 +35,8 @@ class CheckpointConfig:
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete."""
     resume: bool | None = None
     """True: start from ``dir``'s latest checkpoint when there is one; None: only when torchrun restarted the job
-    after a failure (``TORCHELASTIC_RESTART_COUNT`` > 0); False: never."""
+    after a failure (``TORCHELASTIC_RESTART_COUNT`` > 0) or SLURM requeued it (``SLURM_RESTART_COUNT`` > 0: after a
+    preemption, :mod:`paratrain.preemption`); False: never."""
     async_save: bool = False
     """Write the automatic saves in the background while training goes on (``par.save(async_save=True)``)."""
     stop_check_every: int = DEFAULT_CHECK_EVERY
@@ -128,7 +129,7 @@ class CheckpointConfig:
         if self.resume:
             return True
         env = os.environ if environ is None else environ
-        return env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+        return any(env.get(var, "0") not in ("", "0") for var in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
     def environ(self) -> dict[str, str]:
         """The variables that hand this configuration to every rank of a launched job."""
