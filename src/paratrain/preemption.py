@@ -49,7 +49,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 DEFAULT_CHECK_EVERY = 10
 """Optimizer steps between two checks: one tiny collective per ten steps, a stop at most ten steps late."""
 NOTE_VAR = "PARATRAIN_PREEMPT_NOTE"
-"""A file ``paratrain run`` names for its ranks: the first rank of each node writes where it saved (a :class:`Note`)."""
+"""A file ``paratrain run`` names for its ranks: they write where they saved into it (a :class:`Note`)."""
 
 
 class Preempted(SystemExit):

@@ -86,13 +86,13 @@ class AutoCheckpoint:
         if self._stopping and not finishing:
             raise self._preempted(save, step)
         if self._due or self._stopping:
-            self._due = False
+            self._due = self._stopping = False
             if self.config.dir is not None and self._saved != (Path(self.config.dir).absolute(), step):
                 save(async_save=self.config.async_save)
 
     def _preempted(self, save: Callable[..., object], step: int) -> Preempted:
-        """Write (or finish writing) the checkpoint of ``step`` and publish it, tell the launcher where (each rank
-        alike: the first of every node would do), say it; the exception the rank leaves with."""
+        """Write (or finish writing) the checkpoint of ``step`` and publish it, tell the launcher where (every rank
+        alike, so that each node's launcher hears it), say it; the exception the rank leaves with."""
         root = Path(self.root(None))
         self._due = self._stopping = False
         if self._saved != (root.absolute(), step):
