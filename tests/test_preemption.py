@@ -14,7 +14,7 @@ from helpers.paths import SCRIPTS
 
 from paratrain import CheckpointConfig, ConfigError
 from paratrain.errors import PREEMPTED_EXIT_CODE
-from paratrain.launcher.signals import preempted, preemption_note
+from paratrain.launcher.signals import MARK_VAR, marked, preempted, preemption_note
 from paratrain.preemption import NOTE_VAR, Note, StopSignals, ask_to_stop, flag_device
 from paratrain.testing import alive, child_pids, spawn
 
@@ -108,7 +108,9 @@ def test_a_job_slurm_requeued_resumes():
     assert not CheckpointConfig(dir="ckpt", resume=False).should_resume({"SLURM_RESTART_COUNT": "1"})
 
 
-def test_the_launcher_reports_a_preemption_only_when_every_rank_saved(tmp_path):
+def test_the_launcher_reports_a_preemption_only_when_every_rank_saved(tmp_path, monkeypatch):
+    """And leaves the mark paratrain slurm's script requeues on."""
+    monkeypatch.setenv(MARK_VAR, str(tmp_path / "mark"))
     with preemption_note() as path:
         assert os.environ[NOTE_VAR] == path
         assert preempted([PREEMPTED_EXIT_CODE] * 2, path) is None  # no rank said where it saved
@@ -117,6 +119,7 @@ def test_the_launcher_reports_a_preemption_only_when_every_rank_saved(tmp_path):
         assert done is not None and done.exit_code == 75
         assert str(done).startswith(f"preempted at step 40, saved to {tmp_path / 'step-00000040'}; exit code 75")
         assert preempted([PREEMPTED_EXIT_CODE, 1], path) is None  # a rank failed of its own
+        assert marked(done) is done and (tmp_path / "mark").exists()
     assert NOTE_VAR not in os.environ and not os.path.exists(path)
 
 

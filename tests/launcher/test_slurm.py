@@ -235,7 +235,8 @@ def test_a_module_target_and_minimal_options():
 @pytest.mark.launched
 def test_the_script_warns_the_ranks_before_the_time_limit_and_requeues_once_they_saved(tmp_path):
     """SIGUSR1 ``grace`` s before the limit to every process of the step; paratrain run waits that long for its
-    ranks to save; exit code 75 requeues the job, any other is the job's; bash runs it as written."""
+    ranks to save; exit code 75 requeues the job, and so does the mark of a preempted paratrain run whatever srun's
+    code (``--kill-on-bad-exit`` may kill another node's launcher first); any other is the job's."""
     text = render_sbatch(SbatchSpec(target="train.py", nodes=2, grace=300))
     lines = text.splitlines()
     for line in ("#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
@@ -245,16 +246,18 @@ def test_the_script_warns_the_ranks_before_the_time_limit_and_requeues_once_they
     assert parse_args(shlex.split(srun.split(" paratrain run ", 1)[1].split(" || ")[0])).shutdown_timeout == 300
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/bash\nexit "$SRUN_STATUS"\n')
+    fake_srun = '#!/bin/bash\n[ -z "$MARK" ] || touch "$PARATRAIN_PREEMPTED_MARK"\nexit "$SRUN_STATUS"\n'
+    (bin_dir / "srun").write_text(fake_srun)  # a preempted paratrain run leaves the mark; srun ends with $SRUN_STATUS
     (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/requeued\n')
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     script = tmp_path / "job.sbatch"
     script.write_text(text)
-    for status, requeued in ((75, True), (1, False), (0, False)):
+    for status, mark, requeued in ((75, "", True), (137, "1", True), (1, "", False), (0, "", False)):
         (tmp_path / "requeued").unlink(missing_ok=True)
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_STATUS": str(status)}
-        res = subprocess.run(["bash", str(script)], env={**env, "SLURM_JOB_ID": "42"}, timeout=20)
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_STATUS": str(status), "MARK": mark}
+        env.update(SLURM_JOB_ID="42", TMPDIR=str(tmp_path))
+        res = subprocess.run(["bash", str(script)], env=env, timeout=20)
         assert res.returncode == status
         assert (tmp_path / "requeued").exists() == requeued
         assert not requeued or (tmp_path / "requeued").read_text() == "requeue 42\n"

@@ -7,7 +7,9 @@ node would each start a full set of processes, so the script never asks for that
 Preemption (:mod:`paratrain.preemption`): ``--signal=USR1@GRACE`` has SLURM send SIGUSR1 to every process of the
 step ``GRACE`` seconds before the time limit; ``paratrain run`` waits up to ``--shutdown-timeout GRACE`` for its
 ranks to save, and ends with exit code 75, on which the script requeues the job (``--requeue``; the log is appended
-to, ``--open-mode=append``). The requeued job resumes from the latest checkpoint (``SLURM_RESTART_COUNT`` > 0).
+to, ``--open-mode=append``); or when the first node's ``paratrain run`` marked the file ``PARATRAIN_PREEMPTED_MARK``
+names, since srun's own exit code may be that of a node ``--kill-on-bad-exit`` killed just after the first ended
+with 75. The requeued job resumes from the latest checkpoint (``SLURM_RESTART_COUNT`` > 0).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import shlex
 from dataclasses import dataclass
 
 from ..errors import PREEMPTED_EXIT_CODE, ConfigError
+from .signals import MARK_VAR
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$")
 _WORD = re.compile(r"^[^\s'\"\\]+$")
@@ -136,13 +139,19 @@ def render_sbatch(spec: SbatchSpec) -> str:
 
 
 def _requeued(srun: list[str], spec: SbatchSpec) -> list[str]:
-    """The srun line, and the requeue when the ranks saved on SLURM's warning (or a preemption's SIGTERM)."""
+    """The srun line, and the requeue when the ranks saved on SLURM's warning (or a preemption's SIGTERM): on exit
+    code 75, or when this node's ``paratrain run`` left its mark (srun may end with another node's code)."""
     return [
         f"# SIGUSR1 {spec.grace} s before the time limit: every rank saves at a step they agree on, and paratrain run",
         f"# ends with exit code {PREEMPTED_EXIT_CODE}; the job then goes back into the queue and resumes from there.",
+        f'export {MARK_VAR}="${{TMPDIR:-/tmp}}/paratrain-preempted-$SLURM_JOB_ID"',
+        f'rm -f "${MARK_VAR}"',
         "status=0",
         " ".join([*srun, shlex.join(spec.run_command()), "|| status=$?"]),
-        f'if [ "$status" -eq {PREEMPTED_EXIT_CODE} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        f'if [ "$status" -eq {PREEMPTED_EXIT_CODE} ] || [ -e "${MARK_VAR}" ]; then',
+        f'    rm -f "${MARK_VAR}"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
         'exit "$status"',
     ]
 

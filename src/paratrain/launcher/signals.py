@@ -42,6 +42,8 @@ SIGNALS_VAR = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 """Which signals torchrun's agent handles itself (``--signals-to-handle``; torchrun exports it to the workers)."""
 _SAVED_VAR = "PARATRAIN_SIGNALS_TO_HANDLE"
 _OURS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+MARK_VAR = "PARATRAIN_PREEMPTED_MARK"
+"""A file a preempted ``paratrain run`` creates, for the batch script that started it (:func:`marked`)."""
 
 
 @dataclass
@@ -121,13 +123,13 @@ def stop_signals(args: argparse.Namespace) -> Iterator[StopRequest]:
                 raise
             saved = Note.read(note)
             if saved is not None:
-                raise JobPreempted(saved.step, saved.folder, request.signal.name) from None
+                raise marked(JobPreempted(saved.step, saved.folder, request.signal.name)) from None
             raise request.interrupted() from None
         except ChildFailedError as err:  # the scheduler signalled the ranks only; they saved and left restartable
             done = preempted([failure.exitcode for failure in err.failures.values()], note)
             if done is None:
                 raise
-            raise done from None
+            raise marked(done) from None
         finally:
             args.signals_to_handle = given
             os.environ.pop(_SAVED_VAR, None)
@@ -158,6 +160,17 @@ def preempted(exitcodes: list[int], note: str) -> JobPreempted | None:
         return None
     saved = Note.read(note)
     return None if saved is None else JobPreempted(saved.step, saved.folder)
+
+
+def marked(done: JobPreempted) -> JobPreempted:
+    """Touch the file ``PARATRAIN_PREEMPTED_MARK`` names, if any: ``paratrain slurm``'s script requeues the job when
+    it exists, whatever exit code srun ends with (``--kill-on-bad-exit`` may kill another node's launcher that was
+    about to exit 75 too)."""
+    mark = os.environ.get(MARK_VAR)
+    if mark:
+        with contextlib.suppress(OSError):
+            open(mark, "w").close()
+    return done
 
 
 def restore_worker_signals(environ: MutableMapping[str, str] | None = None) -> None:
