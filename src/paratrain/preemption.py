@@ -27,6 +27,7 @@ and outside ``paratrain run`` (torchrun, ``srun`` alone) so does SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -71,14 +72,16 @@ class Note:
     folder: str
 
     def write(self, environ: Mapping[str, str] | None = None) -> None:
-        """Into the launcher's file, when there is one (atomically: the launcher may read it at any moment)."""
+        """Into the launcher's file, when there is one (atomically: the launcher may read it at any moment; a
+        launcher already gone is no reason to fail a rank that saved)."""
         path = (os.environ if environ is None else environ).get(NOTE_VAR)
         if not path:
             return
         tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"step": self.step, "folder": self.folder}, f)
-        os.replace(tmp, path)
+        with contextlib.suppress(OSError):
+            with open(tmp, "w") as f:
+                json.dump({"step": self.step, "folder": self.folder}, f)
+            os.replace(tmp, path)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> Note | None:
