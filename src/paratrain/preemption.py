@@ -45,7 +45,16 @@ if TYPE_CHECKING:  # torch is imported where used: the launcher imports this mod
     import torch
     import torch.distributed as dist
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Note", "Preempted", "StopSignals", "any_rank", "ask_to_stop", "flag_device"]
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "Note",
+    "Preempted",
+    "StopSignals",
+    "any_rank",
+    "ask_to_stop",
+    "flag_device",
+    "stop_asked",
+]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 DEFAULT_CHECK_EVERY = 10
 """Optimizer steps between two checks: one tiny collective per ten steps, a stop at most ten steps late."""
@@ -98,10 +107,15 @@ def ask_to_stop(note: str) -> None:
     Path(f"{note}.stop").touch()
 
 
+def stop_asked(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this job's ``paratrain run`` has asked its ranks to stop (:func:`ask_to_stop`)."""
+    note = (os.environ if environ is None else environ).get(NOTE_VAR)
+    return bool(note) and os.path.exists(f"{note}.stop")
+
+
 def _asked_to_stop(sig: signal.Signals, environ: Mapping[str, str]) -> bool:
     """Whether ``sig`` asks this rank to stop (and save), rather than its launcher ending it after another failed."""
-    note = environ.get(NOTE_VAR)
-    return sig != signal.SIGTERM or not note or os.path.exists(f"{note}.stop")
+    return sig != signal.SIGTERM or not environ.get(NOTE_VAR) or stop_asked(environ)
 
 
 def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
@@ -140,11 +154,15 @@ class StopSignals:
         self.received: signal.Signals | None = None
         """The first stop signal this rank got."""
         self._previous: dict[signal.Signals, Any] = {}
+        self._pid = os.getpid()
 
     def install(self) -> None:
-        """Catch the stop signals from now on (in the main thread, where Python runs handlers; once)."""
+        """Catch the stop signals from now on (in the main thread, where Python runs handlers; once). Processes
+        forked later (a DataLoader's workers) inherit the handler: SLURM signals them too, and a loader worker
+        that died of it would end its rank before the save."""
         if self._previous or threading.current_thread() is not threading.main_thread():
             return
+        self._pid = os.getpid()
         self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def uninstall(self) -> None:
@@ -171,10 +189,11 @@ class StopSignals:
         elif self.saves:
             self.received = self.received or sig
         else:
-            self._warn(
-                f"paratrain: warning: got {sig.name} but the job has no checkpoint directory "
-                "(Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir): stopping without a save"
-            )
+            if os.getpid() == self._pid:  # the rank itself, not a process it forked
+                self._warn(
+                    f"paratrain: warning: got {sig.name} but the job has no checkpoint directory "
+                    "(Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir): stopping without a save"
+                )
             self._as_before(sig, frame)
 
     def _as_before(self, sig: signal.Signals, frame: FrameType | None) -> None:
