@@ -41,6 +41,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "factory",
         "batch",
         "draws",
+        "preemption",
     ),
     2: ("model", "loss"),
     3: ("distributed", "planner", "checkpoint"),

@@ -85,6 +85,24 @@ class JobInterrupted(LaunchError):
         )
 
 
+PREEMPTED_EXIT_CODE = 75
+"""``EX_TEMPFAIL`` of sysexits.h ("temporary failure; the user is invited to retry"): what a rank that saved on a stop
+signal exits with, and ``paratrain run`` after it (:mod:`paratrain.preemption`)."""
+
+
+class JobPreempted(LaunchError):
+    """Every rank saved at the step they agreed on after a stop signal and exited restartable (``exit_code`` 75)."""
+
+    def __init__(self, step: int, folder: str, signal: str | None = None) -> None:
+        self.step, self.folder = step, folder
+        self.exit_code = PREEMPTED_EXIT_CODE
+        got = f" ({signal})" if signal else ""
+        super().__init__(
+            f"preempted{got} at step {step}, saved to {folder}; exit code {PREEMPTED_EXIT_CODE}: restart the job "
+            "to resume from there"
+        )
+
+
 class CollectiveError(ParatrainError):
     """Ranks that did not meet in a collective: one left early, or they called different things."""
 

@@ -123,7 +123,7 @@ class Parallel:
         self._chosen.build_mesh(self.device)
         self._seed: int | None = None
         self._prepared = Prepared()
-        self._checkpoints = AutoCheckpoint(self.checkpoint_config, say=self.print, timeout_s=settings.job.timeout_s)
+        self._checkpoints = AutoCheckpoint(self.checkpoint_config, self.print, settings.job.timeout_s, self.env)
         self._size_batch()
         self._replicas = Replicas(self._session, self.world_size, self._chosen, self._runtime)
         self.logger = rank_logger(self.env)
@@ -289,7 +289,7 @@ class Parallel:
             yield info
         self._loop.stepped(info, self.strategy, model, optimizer, self.precision)
         if info.sync:
-            self._checkpoints.stepped(self.optimizer_steps)
+            self._checkpoints.stepped(self.optimizer_steps, self.strategy.server.training_group(self.env))
             if self.monitor is not None:
                 self.monitor.stepped(self.optimizer_steps)
 
@@ -402,7 +402,7 @@ class Parallel:
     @collective("par.close")
     def close(self) -> None:
         """Flush a due checkpoint, wait for one being written, print the monitor's table, end trackers and our group."""
-        self._flush_checkpoint()
+        self._checkpoints.flush(self.save, self.optimizer_steps, finishing=True)  # a stop agreed now: merely due
         self._checkpoints.close(self.barrier)
         if self.monitor is not None:
             self.monitor.close(self.print)  # the summary table (a small all-gather) while every peer is here
@@ -415,8 +415,8 @@ class Parallel:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             self.close()
-        else:  # the peers may be gone or stuck mid-collective (the launcher stops them); this rank's runs end failed
-            self.trackers.close(ok=False)
+        else:  # preempted (saved, to resume), or the peers may be gone or stuck mid-collective: this rank's runs failed
+            self.trackers.close(ok=self._checkpoints.preempted)
 
     def __repr__(self) -> str:
         return (

@@ -87,6 +87,7 @@ def test_sigkill_of_the_launcher_leaves_no_worker(tmp_path, program):
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_and_sigterm_stop_every_rank_in_one_line(tmp_path, sig, code):
+    """SIGTERM is a preemption: a job without a checkpoint directory says, once, that it stops without a save."""
     proc = _start_sleeping_job(tmp_path)
     pids = _pids(tmp_path)
     sent = time.monotonic()
@@ -99,10 +100,13 @@ def test_ctrl_c_and_sigterm_stop_every_rank_in_one_line(tmp_path, sig, code):
         stderr=stderr,
         kind="interrupted",
         words=[f"paratrain: interrupted ({sig.name}), 2 ranks stopped in"],
+        lines=1 if sig == signal.SIGINT else 2,
         seconds=time.monotonic() - sent,
         max_s=35,
         pids=pids,
     )
+    if sig == signal.SIGTERM:
+        assert stderr.startswith("paratrain: warning: got SIGTERM but the job has no checkpoint directory"), stderr
 
 
 def test_a_user_exception_is_one_report_with_one_traceback(tmp_path):

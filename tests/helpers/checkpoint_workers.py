@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 import numpy as np
 import torch
@@ -33,45 +35,58 @@ def train(
     global_batch: int = 8,
     options: dict | None = None,
     async_save: bool = False,
+    checkpoint: paratrain.CheckpointConfig | None = None,
+    signal_at: dict[int, tuple[int, signal.Signals]] | None = None,
 ) -> dict[str, object]:
     """Train ``steps`` optimizer steps of a dropout MLP with Adam, a scheduler, shuffled data and random noise
     from torch, NumPy and Python; save at step ``save_at`` (``async_save``: in the background) and/or start by
-    loading ``ckpt``.
+    loading ``ckpt``. ``checkpoint``: the job's checkpoint configuration; ``signal_at``: rank -> (step, signal) it
+    sends itself after that step (the run then ends where the ranks save on it).
 
     Returns the full parameters, the optimizer's full state and what the run did, from every rank
-    (``published_on_return``: whether the save's folder was there when ``save`` returned).
+    (``published_on_return``: whether the save's folder was there when ``save`` returned; ``preempted``: the step
+    and folder name the ranks stopped at).
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
     )
 
-    par = paratrain.Parallel(strategy, seed=0, **(options or {}))
+    par = paratrain.Parallel(strategy, seed=0, **{"checkpoint": checkpoint, **(options or {})})
     model = dropout_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     loader = DataLoader(dataset(), batch_size=global_batch // par.data_parallel_size, shuffle=True)
     model, optimizer, loader = par.prepare(model, optimizer, loader)
     scheduler = par.prepare(torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7))
-    resumed_at, published_on_return = None, None
+    resumed_at, published_on_return, preempted = None, None, None
     if load:
         par.load(ckpt)
         resumed_at = (par.optimizer_steps, par.epoch)
+    elif checkpoint is not None and checkpoint.resume:
+        par.resume()  # what epochs() does first
+        resumed_at = (par.optimizer_steps, par.epoch)
     batches: list[int] = []
-    for _ in par.epochs(100 if par.optimizer_steps < steps else 0):
-        for x, y in loader:
-            x = x + 0.01 * torch.randn_like(x) + 0.01 * float(np.random.rand()) + 0.01 * random.random()
-            with par.step(model, optimizer) as step:
-                par.forward_backward(model, x.to(par.device), y.to(par.device), nn.functional.cross_entropy)
-            batches.append(int(y.sum()))
-            if not step.sync:
-                continue
-            scheduler.step()
-            if par.optimizer_steps == save_at:
-                published_on_return = par.save(ckpt, async_save=async_save).exists()
+    signal_step, sig = (signal_at or {}).get(par.rank, (None, None))
+    try:
+        for _ in par.epochs(100 if par.optimizer_steps < steps else 0):
+            for x, y in loader:
+                x = x + 0.01 * torch.randn_like(x) + 0.01 * float(np.random.rand()) + 0.01 * random.random()
+                with par.step(model, optimizer) as step:
+                    par.forward_backward(model, x.to(par.device), y.to(par.device), nn.functional.cross_entropy)
+                batches.append(int(y.sum()))
+                if not step.sync:
+                    continue
+                scheduler.step()
+                if par.optimizer_steps == save_at:
+                    published_on_return = par.save(ckpt, async_save=async_save).exists()
+                if par.optimizer_steps == signal_step:
+                    os.kill(os.getpid(), sig)
+                if par.optimizer_steps == steps:
+                    break
             if par.optimizer_steps == steps:
                 break
-        if par.optimizer_steps == steps:
-            break
+    except paratrain.Preempted as stop:
+        preempted = (stop.step, stop.folder.name)
     params = par.full_state_dict(model, rank0_only=False)
     full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
     optim_state = (
@@ -91,6 +106,7 @@ def train(
         "batches": batches,
         "step": par.optimizer_steps,
         "published_on_return": published_on_return,
+        "preempted": preempted,
     }
     par.close()
     return out

@@ -220,16 +220,49 @@ def test_the_sbatch_script_asks_for_one_task_per_node_and_runs_paratrain(tmp_pat
     assert res.returncode == 0, res.stderr
     [srun] = [line for line in text.splitlines() if line.startswith("srun ")]
     assert "--ntasks-per-node=1" in srun and '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in srun
-    run_argv = shlex.split(srun.split(" paratrain run ", 1)[1])
+    run_argv = shlex.split(srun.split(" paratrain run ", 1)[1].removesuffix(" || status=$?"))
     args = parse_args(run_argv)  # our own parser reads the line the script runs
     assert (args.nproc_per_node, args.rdzv_timeout, args.training_script) == ("8", 900, "train.py")
     assert args.training_script_args == ["--lr", "3e-4", "--name", "my run"]
 
 
 def test_a_module_target_and_minimal_options():
-    text = render_sbatch(SbatchSpec(target="pkg.train", module=True, nodes=2))
-    assert "#SBATCH --job-name=train" in text and "--gpus-per-node" not in text
+    text = render_sbatch(SbatchSpec(target="pkg.train", module=True, nodes=2, grace=0))
+    assert "#SBATCH --job-name=train" in text and "--gpus-per-node" not in text and "--signal" not in text
     assert text.rstrip().endswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 paratrain run -m pkg.train")
+
+
+@pytest.mark.launched
+def test_the_script_warns_the_ranks_before_the_time_limit_and_requeues_once_they_saved(tmp_path):
+    """SIGUSR1 ``grace`` s before the limit to every process of the step; paratrain run waits that long for its
+    ranks to save; exit code 75 requeues the job, and so does the mark of a preempted paratrain run whatever srun's
+    code (``--kill-on-bad-exit`` may kill another node's launcher first); any other is the job's."""
+    text = render_sbatch(SbatchSpec(target="train.py", nodes=2, grace=300))
+    lines = text.splitlines()
+    for line in ("#SBATCH --signal=USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append"):
+        assert line in lines
+    [srun] = [line for line in lines if line.startswith("srun ")]
+    assert srun.endswith("paratrain run --shutdown-timeout 300 train.py || status=$?")
+    assert parse_args(shlex.split(srun.split(" paratrain run ", 1)[1].split(" || ")[0])).shutdown_timeout == 300
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_srun = '#!/bin/bash\n[ -z "$MARK" ] || touch "$PARATRAIN_PREEMPTED_MARK"\nexit "$SRUN_STATUS"\n'
+    (bin_dir / "srun").write_text(fake_srun)  # a preempted paratrain run leaves the mark; srun ends with $SRUN_STATUS
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/requeued\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    for status, mark, requeued in ((75, "", True), (137, "1", True), (1, "", False), (0, "", False)):
+        (tmp_path / "requeued").unlink(missing_ok=True)
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_STATUS": str(status), "MARK": mark}
+        env.update(SLURM_JOB_ID="42", TMPDIR=str(tmp_path))
+        res = subprocess.run(["bash", str(script)], env=env, timeout=20)
+        assert res.returncode == status
+        assert (tmp_path / "requeued").exists() == requeued
+        assert not requeued or (tmp_path / "requeued").read_text() == "requeue 42\n"
+    with pytest.raises(ConfigError, match="--grace must be a whole number of seconds >= 0"):
+        SbatchSpec(target="train.py", grace=-1)
 
 
 @pytest.mark.parametrize(
@@ -252,7 +285,8 @@ def test_paratrain_slurm_prints_or_writes_the_script(tmp_path, capsys):
         main(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--output", str(out), "train.py", "--epochs", "3"]) == 0
     )
     assert f"sbatch {out}" in capsys.readouterr().err
-    assert os.access(out, os.X_OK) and "paratrain run --nproc-per-node 4 train.py --epochs 3" in out.read_text()
+    written = out.read_text()
+    assert os.access(out, os.X_OK) and "run --nproc-per-node 4 --shutdown-timeout 120 train.py --epochs 3" in written
     assert main(["slurm", "-N", "2", "train.py"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("#!/bin/bash") and "--nodes=2" in printed

@@ -159,6 +159,26 @@ def test_bad_trainjob_options_are_one_line_errors(kw, words):
     assert "\n" not in str(info.value)
 
 
+def test_the_pods_get_the_grace_period_the_ranks_save_in_and_the_launcher_waits_less():
+    """terminationGracePeriodSeconds through the one patch a TrainJob may make to its pods, valid against the CRD;
+    ``paratrain run`` waits 10 s less for its ranks, so it reports and exits before the kill; 0 leaves both alone."""
+    job = trainjob(_spec(grace=300))
+    assert problems(job, CRD) == []
+    [patch] = job["spec"]["runtimePatches"]
+    [node] = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert patch["manager"] == "paratrain" and node["name"] == "node"
+    assert node["template"]["spec"]["template"]["spec"] == {"terminationGracePeriodSeconds": 300}
+    assert job["spec"]["trainer"]["command"][2:4] == ["--shutdown-timeout", "290"]
+    node["template"]["spec"]["template"]["spec"]["restartPolicy"] = "Always"  # not a field a TrainJob may patch
+    assert any("restartPolicy: unknown field" in line for line in problems(job, CRD))
+    plain = trainjob(_spec(grace=0))
+    assert "runtimePatches" not in plain["spec"] and "--shutdown-timeout" not in plain["spec"]["trainer"]["command"]
+    given = trainjob(_spec(run_args="--shutdown-timeout 60"))["spec"]["trainer"]["command"]
+    assert given.count("--shutdown-timeout") == 1 and "60" in given
+    with pytest.raises(ConfigError, match="--grace 5 leaves no time to save"):
+        _spec(grace=5)
+
+
 def test_paratrain_k8s_prints_or_writes_the_manifest(tmp_path, capsys):
     out = tmp_path / "job.json"
     assert (
@@ -187,7 +207,8 @@ def test_paratrain_k8s_prints_or_writes_the_manifest(tmp_path, capsys):
     assert f"kubectl apply -f {out}" in capsys.readouterr().err
     job = json.loads(out.read_text())
     assert problems(job, CRD) == []
-    assert job["spec"]["trainer"]["command"] == ["paratrain", "run", "train.py", "--epochs", "3"]
+    command = ["paratrain", "run", "--shutdown-timeout", "110", "train.py", "--epochs", "3"]
+    assert job["spec"]["trainer"]["command"] == command
     assert (job["spec"]["trainer"]["numNodes"], job["spec"]["trainer"]["numProcPerNode"]) == (2, 4)
     assert main(["k8s", "--image", "img:1", "train.py"]) == 0
     assert 'kind: "TrainJob"' in capsys.readouterr().out

@@ -4,7 +4,8 @@ A save is due after the N-th optimizer step but is written just before the next 
 step begins, or the job closes): by then the user's loop has finished that step (``scheduler.step()``, logging,
 anything else that touches state or draws random numbers), and nothing of the next step has happened yet. A job
 resumed from it continues exactly where the uninterrupted one went on. An asynchronous save (:mod:`.background`) is
-staged at that point and published at a later one, once written.
+staged at that point and published at a later one, once written. A stop the ranks agreed on after a stop signal
+(:mod:`paratrain.preemption`) is written at that same point, then the rank leaves.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
+
+from ..env import ClusterEnv
 from ..errors import CheckpointError
+from ..preemption import Note, Preempted, StopSignals
 from . import io, layout
 from .background import BackgroundSaves, check_support
 from .config import CheckpointConfig
@@ -21,16 +26,30 @@ from .config import CheckpointConfig
 
 class AutoCheckpoint:
     """The checkpoints of one ``Parallel``: ``par.save``/``par.load`` where asked or in ``checkpoint_dir``, the
-    save every N steps, and the resume at start-up. ``say`` prints a line on rank 0."""
+    save every N steps, the save on a stop signal, and the resume at start-up. ``say`` prints a line on rank 0."""
 
-    def __init__(self, config: CheckpointConfig, say: Callable[[str], None] = print, timeout_s: float = 300.0) -> None:
-        """``timeout_s``: how long the collectives of a background write wait for a peer."""
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        say: Callable[[str], None] = print,
+        timeout_s: float = 300.0,
+        env: ClusterEnv | None = None,
+    ) -> None:
+        """``timeout_s``: how long the collectives of a background write wait for a peer. ``env``: where this process
+        sits; a rank of a launched job catches its scheduler's stop signals (:mod:`paratrain.preemption`)."""
         if config.async_save:
             check_support()  # before any training, not at the first save
         self.config = config
         self._say = say
         self._background = BackgroundSaves(timeout_s)
         self._due = False
+        self._stopping = False
+        self.preempted = False
+        """True once this rank saved on a stop signal and raised :class:`~paratrain.preemption.Preempted`."""
+        main = env is None or env.is_main
+        self.stop_signals = StopSignals(config.stop_check_every, saves=self.on, warn=_stderr if main else _silent)
+        if env is not None and env.launched:
+            self.stop_signals.install()
         self._started = False
         self._saved: tuple[Path, int] | None = None
 
@@ -50,26 +69,50 @@ class AutoCheckpoint:
         """True when the job has a checkpoint folder of its own (``checkpoint_dir``): then every rank must stay."""
         return self.config.dir is not None
 
-    def stepped(self, step: int) -> None:
-        """Called after each optimizer step (``step`` counts them): marks a save as due every N steps."""
+    def stepped(self, step: int, group: dist.ProcessGroup | None = None) -> None:
+        """Called after each optimizer step (``step`` counts them) on every rank of ``group`` (those that train):
+        marks a save as due every N steps, and the stop the ranks agree on after a stop signal."""
         if self.config.every is not None and step % self.config.every == 0:
             self._due = True
+        if self.stop_signals.agreed_on(step, group):
+            self._stopping = True
 
-    def flush(self, save: Callable[..., object], step: int) -> None:
+    def flush(self, save: Callable[..., object], step: int, *, finishing: bool = False) -> None:
         """Publish a background save whose write is complete; write the due save (``par.save``, in the background
-        when so configured), if any and unless an explicit ``par.save`` already wrote this step there."""
+        when so configured), if any and unless an explicit ``par.save`` already wrote this step there. After an
+        agreed stop: save this step, wait until it is published and raise :class:`~paratrain.preemption.Preempted`
+        (``finishing``: the job closes anyway, so the save is merely due)."""
         self._background.poll()
-        if self._due:
-            self._due = False
+        if self._stopping and not finishing:
+            raise self._preempted(save, step)
+        if self._due or self._stopping:
+            self._due = self._stopping = False
             if self.config.dir is not None and self._saved != (Path(self.config.dir).absolute(), step):
                 save(async_save=self.config.async_save)
+
+    def _preempted(self, save: Callable[..., object], step: int) -> Preempted:
+        """Write (or finish writing) the checkpoint of ``step`` and publish it, tell the launcher where (every rank
+        alike, so that each node's launcher hears it), say it; the exception the rank leaves with."""
+        root = Path(self.root(None))
+        self._due = self._stopping = False
+        if self._saved != (root.absolute(), step):
+            save(async_save=False)
+        self._background.finish()  # an explicit background save of this step
+        self.stop_signals.uninstall()
+        self.preempted = True
+        stop = Preempted(step, root / layout.step_name(step))
+        Note(step, str(stop.folder)).write()
+        self._say(f"paratrain: {stop}")
+        return stop
 
     def settle(self, barrier: Callable[[], None]) -> None:
         """Collective (``close``): wait until every rank's background save in flight is published."""
         self._background.settle(barrier)
 
     def close(self, barrier: Callable[[], None]) -> None:
-        """Collective (``close``): ``settle``, then free the background saves' staging buffers."""
+        """Collective (``close``): ``settle``, then free the background saves' staging buffers; the stop signals
+        are the script's again."""
+        self.stop_signals.uninstall()
         self.settle(barrier)
         self._background.close()
 
@@ -140,3 +183,12 @@ class AutoCheckpoint:
         if found is None:
             self._say(f"paratrain: no checkpoint in {self.config.dir} yet; starting from the beginning")
         return found
+
+
+def _stderr(line: str) -> None:
+    """A line written at once, safe inside a signal handler (``print`` is not: it may interrupt a ``print``)."""
+    os.write(2, f"{line}\n".encode())
+
+
+def _silent(line: str) -> None:
+    """Where other ranks' copies of rank 0's warnings go."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..preemption import DEFAULT_CHECK_EVERY
 
 ENV_DIR = "PARATRAIN_CHECKPOINT_DIR"
 ENV_EVERY = "PARATRAIN_CHECKPOINT_EVERY"
@@ -34,15 +35,21 @@ class CheckpointConfig:
     """How many of the newest checkpoints to keep; older ones are deleted once a newer one is complete."""
     resume: bool | None = None
     """True: start from ``dir``'s latest checkpoint when there is one; None: only when torchrun restarted the job
-    after a failure (``TORCHELASTIC_RESTART_COUNT`` > 0); False: never."""
+    after a failure (``TORCHELASTIC_RESTART_COUNT`` > 0) or SLURM requeued it (``SLURM_RESTART_COUNT`` > 0: after a
+    preemption, :mod:`paratrain.preemption`); False: never."""
     async_save: bool = False
     """Write the automatic saves in the background while training goes on (``par.save(async_save=True)``)."""
+    stop_check_every: int = DEFAULT_CHECK_EVERY
+    """Optimizer steps between the ranks' checks for a stop signal (SIGTERM, SIGUSR1): on one, every rank saves at
+    the same step and exits restartable (:mod:`paratrain.preemption`)."""
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every < 1:
             raise ConfigError(f"checkpoint every must be >= 1, got {self.every}")
         if self.keep < 1:
             raise ConfigError(f"checkpoint keep must be >= 1, got {self.keep}")
+        if not isinstance(self.stop_check_every, int) or self.stop_check_every < 1:
+            raise ConfigError(f"checkpoint stop_check_every must be an integer >= 1, got {self.stop_check_every!r}")
 
     def checked(self) -> CheckpointConfig:
         """The job's configuration, complete: what needs a directory has one (``paratrain run --checkpoint-dir``
@@ -79,6 +86,7 @@ class CheckpointConfig:
             resume=spec.resume,
             async_save=spec.async_save or None,
             environ=environ,
+            stop_check_every=spec.stop_check_every,
         )
 
     @classmethod
@@ -91,6 +99,7 @@ class CheckpointConfig:
         resume: bool | None,
         async_save: bool | None = None,
         environ: Mapping[str, str] | None = None,
+        stop_check_every: int = DEFAULT_CHECK_EVERY,
     ) -> CheckpointConfig:
         """Explicit arguments first, then the launcher's variables, then the defaults."""
         env = os.environ if environ is None else environ
@@ -105,7 +114,12 @@ class CheckpointConfig:
         if async_save is None:
             async_save = _yes(env.get(ENV_ASYNC, ""))
         return cls(
-            dir=None if dir is None else os.fspath(dir), every=every, keep=keep, resume=resume, async_save=async_save
+            dir=None if dir is None else os.fspath(dir),
+            every=every,
+            keep=keep,
+            resume=resume,
+            async_save=async_save,
+            stop_check_every=stop_check_every,
         ).checked()
 
     def should_resume(self, environ: Mapping[str, str] | None = None) -> bool:
@@ -115,7 +129,7 @@ class CheckpointConfig:
         if self.resume:
             return True
         env = os.environ if environ is None else environ
-        return env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+        return any(env.get(var, "0") not in ("", "0") for var in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
     def environ(self) -> dict[str, str]:
         """The variables that hand this configuration to every rank of a launched job."""

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ..errors import JobInterrupted, ParatrainError, RankFailedError
+from ..errors import JobInterrupted, JobPreempted, ParatrainError, RankFailedError
 from . import bench, demo, doctor, dry_run, export, k8s, plan, run, slurm, tp_plan, verify
 
 COMMANDS = {
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return _execute(args)
-    except JobInterrupted as err:
+    except (JobInterrupted, JobPreempted) as err:
         print(f"paratrain: {err}", file=sys.stderr)
         return err.exit_code
     except RankFailedError as err:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from ..launcher.sbatch import DEFAULT_GRACE_S
+
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return sub.add_parser(
@@ -25,6 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--account", "-A", help="account to charge")
     p.add_argument("--job-name", "-J", help="job name (default: the script's name)")
     p.add_argument("--log", default="%x-%j.out", help="sbatch --output: the job's log (default %%x-%%j.out)")
+    p.add_argument(
+        "--grace",
+        type=int,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="SIGUSR1 this long before the time limit: the ranks save, the job requeues itself and resumes "
+        f"(default {DEFAULT_GRACE_S}; 0: off)",
+    )
     p.add_argument(
         "--setup",
         action="append",
@@ -64,6 +74,7 @@ def execute(args: argparse.Namespace) -> int:
         job_name=args.job_name,
         log=args.log,
         setup=tuple(args.setup),
+        grace=args.grace,
         run_args=(*(("--tf",) if args.tf_script else ()), *shlex.split(args.run_args)),
     )
     write_sbatch(spec, args.output)

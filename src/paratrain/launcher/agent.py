@@ -28,8 +28,10 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,7 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from ..preemption import stop_asked
 from .failure import format_leave, trace_of
 from .leaving import BACK, GONE, LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR, marker_path, notice_key
 
@@ -199,7 +202,24 @@ class LeavingContext(SubprocessContext):
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         self._closing = True
+        if stop_asked():  # a preemption: the ranks save first, and their DataLoader workers must live until then
+            timeout = self._ranks_first(death_sig, timeout)
         super()._close(death_sig, timeout)
+
+    def _ranks_first(self, death_sig: signal.Signals, timeout: int) -> int:
+        """Send ``death_sig`` to each running rank alone and wait up to ``timeout`` s for them; the seconds left.
+
+        torch's close signals each rank's process group, which holds its DataLoader workers; torch's workers die of
+        SIGTERM (a handler of its own), and the rank then fails on the lost worker before it can save."""
+        end = time.monotonic() + timeout
+        for handler in self.subprocess_handlers.values():
+            if handler.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(handler.proc.pid, death_sig)
+        for handler in self.subprocess_handlers.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                handler.proc.wait(max(0.0, end - time.monotonic()))
+        return max(0, int(end - time.monotonic()))
 
     def replace(self, local_rank: int, env: dict[str, str], n: int) -> int:
         """Start the n-th replacement of ``local_rank`` with its command and environment plus ``env`` and an error

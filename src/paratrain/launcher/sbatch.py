@@ -3,6 +3,13 @@
 The script asks for one task per node and runs ``srun paratrain run …``: each node's ``paratrain run`` reads
 the allocation (:mod:`paratrain.launcher.slurm`) and starts one process per GPU itself. Several tasks per
 node would each start a full set of processes, so the script never asks for that.
+
+Preemption (:mod:`paratrain.preemption`): ``--signal=USR1@GRACE`` has SLURM send SIGUSR1 to every process of the
+step ``GRACE`` seconds before the time limit; ``paratrain run`` waits up to ``--shutdown-timeout GRACE`` for its
+ranks to save, and ends with exit code 75, on which the script requeues the job (``--requeue``; the log is appended
+to, ``--open-mode=append``); or when the first node's ``paratrain run`` marked the file ``PARATRAIN_PREEMPTED_MARK``
+names, since srun's own exit code may be that of a node ``--kill-on-bad-exit`` killed just after the first ended
+with 75. The requeued job resumes from the latest checkpoint (``SLURM_RESTART_COUNT`` > 0).
 """
 
 from __future__ import annotations
@@ -12,10 +19,13 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import PREEMPTED_EXIT_CODE, ConfigError
+from .signals import MARK_VAR
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$")
 _WORD = re.compile(r"^[^\s'\"\\]+$")
+DEFAULT_GRACE_S = 120
+"""Seconds between SLURM's warning and the time limit: some steps and a save, with room to spare."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,8 +60,13 @@ class SbatchSpec:
     """Shell lines run before srun on the first node (``module load …``, ``source .venv/bin/activate``)."""
     run_args: tuple[str, ...] = ()
     """Further ``paratrain run`` flags (``--max-restarts 3``, ``--rdzv-timeout 900``)."""
+    grace: int = DEFAULT_GRACE_S
+    """Seconds before the time limit at which the ranks are told to save and stop (``--signal=USR1@grace``); the
+    job requeues itself once they have. 0: neither."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.grace, int) or self.grace < 0:
+            raise ConfigError(f"--grace must be a whole number of seconds >= 0, got {self.grace!r}")
         for name in ("nodes", "gpus_per_node", "nproc_per_node", "cpus_per_task"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -79,6 +94,8 @@ class SbatchSpec:
         nproc = self.nproc_per_node or self.gpus_per_node
         if nproc:
             cmd += ["--nproc-per-node", str(nproc)]
+        if self.grace and not any(a.startswith(("--shutdown-timeout", "--shutdown_timeout")) for a in self.run_args):
+            cmd += ["--shutdown-timeout", str(self.grace)]  # how long the launcher waits for its ranks to save
         cmd += list(self.run_args)
         cmd += ["-m", self.target] if self.module else [self.target]
         return cmd + list(self.target_args)
@@ -97,6 +114,8 @@ def render_sbatch(spec: SbatchSpec) -> str:
         if value
     ]
     directives.append(f"--output={spec.log}")
+    if spec.grace:
+        directives += [f"--signal=USR1@{spec.grace}", "--requeue", "--open-mode=append"]
     srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     if spec.cpus_per_task:
         srun.append('--cpus-per-task="$SLURM_CPUS_PER_TASK"')  # srun does not inherit it from sbatch
@@ -113,10 +132,28 @@ def render_sbatch(spec: SbatchSpec) -> str:
         "",
         "# One task per node: each node's `paratrain run` reads the allocation (node count, SLURM_NODEID as",
         "# node rank, the first node as master, a port derived from the job id) and starts its processes.",
-        " ".join([*srun, shlex.join(spec.run_command())]),
+        *(_requeued(srun, spec) if spec.grace else [" ".join([*srun, shlex.join(spec.run_command())])]),
         "",
     ]
     return "\n".join(lines)
+
+
+def _requeued(srun: list[str], spec: SbatchSpec) -> list[str]:
+    """The srun line, and the requeue when the ranks saved on SLURM's warning (or a preemption's SIGTERM): on exit
+    code 75, or when this node's ``paratrain run`` left its mark (srun may end with another node's code)."""
+    return [
+        f"# SIGUSR1 {spec.grace} s before the time limit: every rank saves at a step they agree on, and paratrain run",
+        f"# ends with exit code {PREEMPTED_EXIT_CODE}; the job then goes back into the queue and resumes from there.",
+        f'export {MARK_VAR}="${{TMPDIR:-/tmp}}/paratrain-preempted-$SLURM_JOB_ID"',
+        f'rm -f "${MARK_VAR}"',
+        "status=0",
+        " ".join([*srun, shlex.join(spec.run_command()), "|| status=$?"]),
+        f'if [ "$status" -eq {PREEMPTED_EXIT_CODE} ] || [ -e "${MARK_VAR}" ]; then',
+        f'    rm -f "${MARK_VAR}"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
+    ]
 
 
 def write_sbatch(spec: SbatchSpec, path: str | None) -> None:

@@ -19,7 +19,10 @@ of processes per node. What paratrain adds:
 * a process group the script creates without a timeout gets ``--pg-timeout`` (600 s), not torch's 30 min;
 * ``--checkpoint-dir D --checkpoint-every N [--checkpoint-async] [--resume]`` make every ``Parallel`` of the job
   checkpoint itself (in the background) and, with ``--max-restarts K``, resume from the latest checkpoint after a
-  failure (see docs/checkpoints.md).
+  failure (see docs/checkpoints.md);
+* SIGTERM or SIGUSR1 (a scheduler's warning) is forwarded to the ranks, which save at a step they agree on when they
+  have a checkpoint directory; the job then ends ``preempted at step N, saved to …`` with exit code 75
+  (:mod:`paratrain.launcher.signals`, :mod:`paratrain.preemption`).
 """
 
 from __future__ import annotations

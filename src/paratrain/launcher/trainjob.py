@@ -5,6 +5,11 @@ Kubeflow Trainer (v2, ``trainer.kubeflow.org/v1alpha1``) runs a ``TrainJob`` on 
 node, node rank, the first pod as master). Every pod runs ``paratrain run …``, which reads them as its flags
 (:mod:`paratrain.launcher.kubeflow`), so the manifest names nothing the Trainer already knows. The fields written
 are the ones the Trainer reads from ``spec.trainer``: image, command, env, numNodes, numProcPerNode, resourcesPerNode.
+
+Preemption (:mod:`paratrain.preemption`): Kubernetes stops a pod with SIGTERM to its first process, ``paratrain
+run``, and kills it ``terminationGracePeriodSeconds`` later. The manifest sets that grace period on the pods of the
+runtime's ``node`` job (``spec.runtimePatches``, the one place a TrainJob may change its pods) and has ``paratrain
+run`` wait up to 10 s less for its ranks to save, so that it ends, with exit code 75, before the kill.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..flags import NO_FLAG, at_least, flag
+from .sbatch import DEFAULT_GRACE_S
 
 API_GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -42,6 +48,12 @@ _TRAINER_SETS = {
 }
 """``paratrain run`` flags the Trainer gives every pod through ``PET_*``, and the ``paratrain k8s`` flag that sets
 each (None: the Trainer alone decides)."""
+RUNTIME_JOB = "node"
+"""The replicated job of Kubeflow Trainer's ``torch-distributed`` runtime whose pods run the nodes."""
+MANAGER = "paratrain"
+"""Who owns the manifest's runtime patch (``spec.runtimePatches[].manager``)."""
+_LAUNCHER_MARGIN_S = 10
+"""Seconds of the grace period left to ``paratrain run`` itself, after its ranks' save, to report and exit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,9 +90,13 @@ class TrainJobSpec:
     """Arguments for the script."""
     env: tuple[str, ...] = field(default=(), metadata=NO_FLAG)
     """``KEY=VALUE`` variables for every node's container."""
+    grace: int = field(default=DEFAULT_GRACE_S, metadata=flag("--grace", metavar="SECONDS"))
+    """Seconds between a pod's SIGTERM and its kill: the ranks save and stop in them (0: leave Kubernetes' 30 s)."""
 
     def __post_init__(self) -> None:
-        at_least(self, {"nodes": 1, "nproc_per_node": 1, "gpus_per_node": 1})
+        at_least(self, {"nodes": 1, "nproc_per_node": 1, "gpus_per_node": 1, "grace": 0})
+        if 0 < self.grace <= _LAUNCHER_MARGIN_S:
+            raise ConfigError(f"--grace {self.grace} leaves no time to save; give more than {_LAUNCHER_MARGIN_S} s")
         if not self.target:
             raise ConfigError("give the training script (or -m module) to run")
         if self.gpus_per_node and self.nproc_per_node and self.nproc_per_node > self.gpus_per_node:
@@ -159,7 +175,10 @@ class TrainJobSpec:
     def run_command(self) -> list[str]:
         """The ``paratrain run`` command every node's container runs."""
         target = ["-m", self.target] if self.module else [self.target]
-        return ["paratrain", "run", *self.run_argv(), *target, *self.target_args]
+        words = self.run_argv()
+        if self.grace and not any(w.startswith(("--shutdown-timeout", "--shutdown_timeout")) for w in words):
+            words = ["--shutdown-timeout", str(self.grace - _LAUNCHER_MARGIN_S), *words]
+        return ["paratrain", "run", *words, *target, *self.target_args]
 
 
 def trainjob(spec: TrainJobSpec) -> dict[str, Any]:
@@ -184,15 +203,20 @@ def trainjob(spec: TrainJobSpec) -> dict[str, Any]:
     if spec.env:
         trainer["env"] = spec.env_vars()
     metadata = {"name": spec.job_name, **({"namespace": spec.namespace} if spec.namespace else {})}
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "TrainJob",
-        "metadata": metadata,
-        "spec": {
-            "runtimeRef": {"apiGroup": API_GROUP, "kind": "ClusterTrainingRuntime", "name": spec.runtime},
-            "trainer": trainer,
-        },
+    job_spec: dict[str, Any] = {
+        "runtimeRef": {"apiGroup": API_GROUP, "kind": "ClusterTrainingRuntime", "name": spec.runtime},
+        "trainer": trainer,
     }
+    if spec.grace:
+        job_spec["runtimePatches"] = [_grace_patch(spec.grace)]
+    return {"apiVersion": API_VERSION, "kind": "TrainJob", "metadata": metadata, "spec": job_spec}
+
+
+def _grace_patch(seconds: int) -> dict[str, Any]:
+    """The runtime patch that gives the pods of the runtime's node job ``seconds`` between SIGTERM and the kill."""
+    pods = {"spec": {"template": {"spec": {"terminationGracePeriodSeconds": seconds}}}}
+    jobs = [{"name": RUNTIME_JOB, "template": pods}]
+    return {"manager": MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": jobs}}}}
 
 
 def render_trainjob(spec: TrainJobSpec, *, as_json: bool = False) -> str:
