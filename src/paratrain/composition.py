@@ -44,6 +44,24 @@ TAKES: dict[str, Takes] = {
 
 PIPELINES = ("pipeline", "hybrid")
 
+CP_METHODS = ("auto", "ulysses", "allgather")
+"""How ``cp`` ranks run attention over whole sequences (``cp_method=``): ``ulysses``, an all-to-all trading the
+sequence split for a head split (heads and key/value heads must divide by tp x cp); ``allgather``, every rank
+gathers the keys and values and computes its own queries' rows (any head count; the sequence head-tail balanced);
+``auto``, Ulysses where the heads divide, else the all-gather."""
+
+
+def cp_method(requested: str, heads: int | None, kv_heads: int | None, ranks: int) -> str:
+    """The method ``cp`` runs for ``requested`` (one of :data:`CP_METHODS`) on attention with ``heads`` query and
+    ``kv_heads`` key/value heads (None: not known before the first call) split over ``ranks`` (tp x cp). Ulysses
+    sends each rank 1/cp of the queries, keys, values and output; the all-gather sends it all keys and values, so it
+    is chosen only where Ulysses cannot split the heads."""
+    if requested != "auto":
+        return requested
+    if heads is None or all(n % ranks == 0 for n in (heads, kv_heads or heads)):
+        return "ulysses"
+    return "allgather"
+
 
 def takes(name: str) -> Takes:
     """What strategy ``name`` takes (``fsdp`` is ``zero3``)."""

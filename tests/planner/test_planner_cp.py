@@ -24,8 +24,16 @@ from paratrain.planner import (
     transformer_stats,
 )
 from paratrain.planner.auto import choose
-from paratrain.planner.collectives import all_to_all_s
-from paratrain.planner.context_parallel import IDS_BYTES_PER_TOKEN, cp_comm_s, cp_pairs
+from paratrain.planner.collectives import all_gather_s, all_to_all_s, reduce_scatter_s
+from paratrain.planner.context_parallel import (
+    IDS_BYTES_PER_TOKEN,
+    all_gather_bytes,
+    all_to_all_bytes,
+    buffer_bytes,
+    cp_comm_s,
+    cp_pairs,
+    method,
+)
 from paratrain.planner.estimates import estimate
 from paratrain.planner.layout import exact_layout, layout_strategy
 from paratrain.planner.memory import activation_figures, model_states
@@ -80,6 +88,27 @@ def test_parameters_shard_over_dp_x_cp_and_gradients_reduce_over_it():
     t = step_time(short, ddp, batching(MIXED, dp=2, pp=1, world_size=8), MIXED, H100x8)
     alone = step_time(short, Layout.of(name="ddp", dp=8), batching(MIXED, dp=8, pp=1, world_size=8), MIXED, H100x8)
     assert t.comm_s - t.cp_comm_s == pytest.approx(alone.comm_s)  # the same all-reduce over 8 ranks
+
+
+def test_past_the_key_value_heads_the_all_gather_s_bytes_in_closed_form():
+    """8 key/value heads at cp=16: the runtime's auto runs the all-gather; per layer the whole sequence's keys and
+    values, b·s·8·128 bf16 elements each, gathered in forward and reduce-scattered in backward, C·kv/(a+kv) = 3.2
+    times the bytes Ulysses' all-to-alls would send (at cp=4: 0.8 times)."""
+    link, s = H100x8.intra, 32768
+    assert (method(LLAMA_32K, 1, 8), method(LLAMA_32K, 1, 16), method(LLAMA_32K, 4, 4)) == (
+        "ulysses",
+        "allgather",
+        "allgather",
+    )
+    kv = s * 8 * 128 * 2
+    assert all_gather_bytes(LLAMA_32K, "param_dtype", 1, 1) == kv
+    assert cp_comm_s(LLAMA_32K, "param_dtype", 1, 1, 16, link, False) == pytest.approx(
+        32 * 2 * (all_gather_s(kv, 16, link) + reduce_scatter_s(kv, 16, link))
+    )
+    assert buffer_bytes(LLAMA_32K, "param_dtype", 1, 1, 16) == 2 * kv
+    for cp, ratio in ((16, 3.2), (4, 0.8)):
+        q, ulysses_kv = all_to_all_bytes(LLAMA_32K, "param_dtype", 1, 1, cp)
+        assert 2 * kv / (2 * q + 2 * ulysses_kv) == pytest.approx(ratio)
 
 
 def test_all_to_all_time_and_compute_per_cp_rank_in_closed_form():
