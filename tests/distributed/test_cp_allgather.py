@@ -164,3 +164,10 @@ def test_cp_method_is_an_option_of_cp():
         preset("ddp")(cp=2, cp_method="ring")
     with pytest.raises(ConfigError, match="cp_method='allgather' chooses how cp runs attention; add cp=N"):
         preset("ddp")(cp_method="allgather")
+
+
+def test_row_masks_are_built_on_the_inputs_device():
+    """On CUDA the kernel refuses a host mask beside device inputs: the rows' masks are made where q lives."""
+    keys = padding("left").to("meta")
+    masks = list(row_masks(split_of(1, 2, True), S, keys, True, "additive", torch.float32, torch.device("meta")))
+    assert {m.device.type for _, _, m in masks} == {"meta"}
