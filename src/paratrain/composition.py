@@ -54,8 +54,10 @@ gathers the keys and values and computes its own queries' rows (any head count; 
 def cp_method(requested: str, heads: int | None, kv_heads: int | None, ranks: int) -> str:
     """The method ``cp`` runs for ``requested`` (one of :data:`CP_METHODS`) on attention with ``heads`` query and
     ``kv_heads`` key/value heads (None: not known before the first call) split over ``ranks`` (tp x cp). Ulysses
-    sends each rank 1/cp of the queries, keys, values and output; the all-gather sends it all keys and values, so it
-    is chosen only where Ulysses cannot split the heads."""
+    runs the kernel on whole sequences with its own causal flag (flash kernels take it); the all-gather hands the
+    kernel a mask of its rows (which keeps SDPA off its flash kernels) and holds a layer's whole keys and values, so
+    it is chosen only where Ulysses cannot split the heads (its bytes are no reason: under GQA fewer below cp =
+    heads / kv_heads + 1)."""
     if requested != "auto":
         return requested
     if heads is None or all(n % ranks == 0 for n in (heads, kv_heads or heads)):

@@ -37,16 +37,23 @@ IDS_BYTES_PER_TOKEN = 16.0
 """A sample's token ids and targets (int64 each), kept whole by every rank of a cp group."""
 
 
-def rank_activations(stats: ModelStats, figures: tuple[float, float, float], cp: int) -> tuple[float, float, float]:
+def rank_activations(
+    stats: ModelStats, figures: tuple[float, float, float], cp: int, mode: str = "fp32", tp: int = 1
+) -> tuple[float, float, float]:
     """Per-sample (activations, checkpointed, boundary) bytes on one of ``cp`` ranks from one rank's ``figures``
     without cp: 1/cp of them, plus the token ids and targets every rank keeps whole (never more than ``figures``
-    hold); the boundary, a block's output, is all sequence-split."""
+    hold); the boundary, a block's output, is all sequence-split. Under the all-gather (:func:`method`) autograd
+    saves every layer's whole keys and values where it saved the rank's slice of them."""
     if cp == 1:
         return figures
-    ids = IDS_BYTES_PER_TOKEN * _shape(stats).seq_len
+    shape = _shape(stats)
+    ids = IDS_BYTES_PER_TOKEN * shape.seq_len
     acts, checkpointed, boundary = figures
+    gathered = 0.0
+    if method(stats, tp, cp) == "allgather":
+        gathered = shape.layers * 2 * all_gather_bytes(stats, mode, 1, tp) * (1 - 1 / cp)
     return (
-        min(acts, ids) + (acts - min(acts, ids)) / cp,
+        min(acts, ids) + (acts - min(acts, ids)) / cp + gathered,
         min(checkpointed, ids) + (checkpointed - min(checkpointed, ids)) / cp,
         boundary / cp,
     )
