@@ -58,6 +58,7 @@ WORLD4 = [
     ("titan_qwen3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
     ("titan_dsv3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
     ("llama_kv2", "zero3", {"cp": 4}, "batch"),  # 2 key/value heads at cp=4: the all-gather
+    ("titan_llama", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),  # 1 key/value head a tp rank: the all-gather per call
 ]
 REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",

@@ -150,10 +150,12 @@ def test_cp_degrees_divide_the_heads_with_tp_within_a_node():
     assert cp_pairs(twelve, H100x8, (2, 4)) == ((1, 2), (1, 4), (2, 2))  # 12 heads: not tp 4 x cp 2
     with pytest.raises(
         ConfigError,
-        match=r"--cp 3: heads 32 and key/value heads 8 do not divide by tp x cp = 3; "
-        r"use one of 1, 2, 4, 8",
+        match=r"--cp 3: sequence length 32768 does not divide by 2 x cp = 6 \(the all-gather's: heads 32 and "
+        r"key/value heads 8 do not divide by tp x cp = 3\); use one of 1, 2, 4, 8",
     ):
         cp_pairs(LLAMA_32K, H100x8, (), 3)
+    # an explicit cp past the 8 key/value heads plans the all-gather; the search keeps to Ulysses' degrees
+    assert cp_pairs(LLAMA_32K, make_cluster("h100", gpus=16), (2,), 16) == ((1, 16),)
     assert cp_pairs(LLAMA_32K, H100x8, (), 1) == ()
     with pytest.raises(ConfigError, match="--cp needs a transformer's shape"):
         cp_pairs(replace(LLAMA_32K, cp=None), H100x8, (), 2)

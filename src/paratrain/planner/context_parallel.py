@@ -112,22 +112,28 @@ def cp_comm_s(
 def cp_pairs(
     stats: ModelStats, cluster: Cluster, tp_degrees: tuple[int, ...], cp: int | None = None
 ) -> tuple[tuple[int, int], ...]:
-    """(tp, cp) pairs to plan: for tp 1 and each of ``tp_degrees``, ``cp`` when given (1: none), else every power of
-    two >= 2 that the model's heads take with that tp and whose tp x cp ranks divide a node (the all-to-alls stay on
-    the node's link, as tp's collectives do). A model without a cp shape gets none: one the runtime refuses
-    (``ModelStats.refused``), or one traced without the runtime's view."""
+    """(tp, cp) pairs to plan: for tp 1 and each of ``tp_degrees``, ``cp`` when given (1: none; past the heads: the
+    all-gather), else every power of two >= 2 that the model's heads take with that tp (Ulysses) and whose tp x cp
+    ranks divide a node (the all-to-alls stay on the node's link, as tp's collectives do). A model without a cp shape
+    gets none: one the runtime refuses (``ModelStats.refused``), or one traced without the runtime's view."""
     if not degree_to_plan("cp", cp, stats.cp, missing_shape(stats, "cp", "a built-in GPT, a config.json or --params")):
         return ()
     shape, per_node = stats.cp, cluster.ranks_per_node
     if cp is not None:
-        why = shape.why_not(cp) or (
+        why = shape.why_not(cp, past_heads=True) or (
             f"cp={cp} does not divide the {cluster.world_size} ranks" if cluster.world_size % cp else None
         )
         if why is not None:
-            fits = [d for d in range(1, per_node + 1) if shape.why_not(d) is None and cluster.world_size % d == 0]
+            fits = [
+                d
+                for d in range(1, per_node + 1)
+                if shape.why_not(d, past_heads=True) is None and cluster.world_size % d == 0
+            ]
             raise ConfigError(f"--cp {cp}: {why}; use one of {', '.join(map(str, fits))}")
         return tuple(
-            (t, cp) for t in (1, *tp_degrees) if shape.why_not(cp, t) is None and cluster.world_size % (t * cp) == 0
+            (t, cp)
+            for t in (1, *tp_degrees)
+            if shape.why_not(cp, t, past_heads=True) is None and cluster.world_size % (t * cp) == 0
         )
     return tuple(
         (t, c)
