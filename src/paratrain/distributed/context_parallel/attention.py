@@ -124,7 +124,7 @@ class HFAllGather(HFUlysses):
 
 
 def _dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """The registered attention function: the :class:`HFUlysses` of ``module``."""
+    """The registered attention function: the exchange ``module`` carries (:class:`HFUlysses`, :class:`HFAllGather`)."""
     exchange = getattr(module, "paratrain_cp", None)
     if exchange is None:
         raise ConfigError(
@@ -179,6 +179,11 @@ def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int, met
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "paratrain_cp")}.values():
         _register()
         config._attn_implementation = DISPATCH_NAME
+    if found and kernels:
+        raise ConfigError(
+            f"cp_method='allgather' runs an attention kernel module through its SDPA call, which it cannot find beside "
+            f"the transformers attention of {type(model).__name__}; use cp_method='ulysses'"
+        )
     if not found:
         find_by_calls(model, split, method, kernels)
     return found
