@@ -8,8 +8,7 @@ Model: paratrain's GPT, Llama-shaped (RMSNorm, gated MLP, grouped-query attentio
 so that Ulysses runs at cp 2 and 4 too), one sequence of ``--seq`` tokens, fp32, SGD. In each launched job of ``C``
 ranks (cp = C, one replica), ``Parallel("ddp", cp=C, cp_method=m)`` for each method takes turns in every round (the
 order alternating), ``par.forward_backward(model, x, y, loss_fn)`` on the whole sequence. Step time: the median of
-each round's median, on the slowest rank; ``spread``: the slowest rank's step time over the fastest's (the head-tail
-cut evens the all-gather's causal work). Bytes: :mod:`paratrain.planner.context_parallel`'s per layer and forward,
+each round's median, on the slowest rank. Bytes: :mod:`paratrain.planner.context_parallel`'s per layer and forward,
 sent by one rank, for this model and sequence and for Llama-3-70B (64 heads, 8 key/value heads) at 128k tokens.
 """
 
@@ -88,7 +87,6 @@ def job(seq: int, rounds: int, steps: int) -> dict | None:
 
     losses = {m: step(m) for m in METHODS}  # warm-up; the same first loss under both
     times: dict[str, list[float]] = {m: [] for m in METHODS}
-    spread: dict[str, list[float]] = {m: [] for m in METHODS}
     for r in range(rounds):
         for method in METHODS if r % 2 == 0 else tuple(reversed(METHODS)):
             per = []
@@ -97,11 +95,9 @@ def job(seq: int, rounds: int, steps: int) -> dict | None:
                 start = time.perf_counter()
                 step(method)
                 per.append(time.perf_counter() - start)
-            mine = torch.tensor(statistics.median(per))
-            every = [torch.zeros(()) for _ in range(world)]
-            dist.all_gather(every, mine)
-            times[method].append(float(max(every)))
-            spread[method].append(float(max(every) / min(every)))
+            slowest = torch.tensor(statistics.median(per))
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times[method].append(float(slowest))
     for par, _, _ in runs.values():
         par.close()
     finish_group()
@@ -112,7 +108,6 @@ def job(seq: int, rounds: int, steps: int) -> dict | None:
         "seq": seq,
         "first_loss": losses,
         "step_s": {m: statistics.median(v) for m, v in times.items()},
-        "spread": {m: statistics.median(v) for m, v in spread.items()},
         "rounds_s": times,
     }
 
@@ -138,8 +133,8 @@ def main() -> None:
         print(f"cp={world}, seq {args.seq} (first loss {res['first_loss']}):")
         for m in METHODS:
             print(
-                f"  {m:10s} step {step[m]:.3f} s  {args.seq / step[m]:8.0f} tok/s  slowest/fastest rank "
-                f"{res['spread'][m]:.2f}  sent per layer {res['bytes_per_layer'][m] / 2**20:.2f} MiB "
+                f"  {m:10s} step {step[m]:.3f} s  {args.seq / step[m]:8.0f} tok/s  "
+                f"sent per layer {res['bytes_per_layer'][m] / 2**20:.2f} MiB "
                 f"(Llama-3-70B at 128k: {res['bytes_per_layer_llama70b_128k'][m] / 2**20:.0f} MiB)"
             )
         print(f"  allgather / ulysses step time: {res['allgather_over_ulysses']:.3f}")

@@ -171,3 +171,16 @@ def test_row_masks_are_built_on_the_inputs_device():
     keys = padding("left").to("meta")
     masks = list(row_masks(split_of(1, 2, True), S, keys, True, "additive", torch.float32, torch.device("meta")))
     assert {m.device.type for _, _, m in masks} == {"meta"}
+
+
+def test_a_kernel_module_beside_transformers_attention_is_one_line():
+    """The all-gather runs a kernel module through its SDPA call, found by the model's first call, which does not
+    run where transformers attention is wrapped: refused at prepare, not left unexchanged."""
+    from helpers.cp_workers import CausalAttention, NanoGPTForCP, llama
+
+    from paratrain.distributed.context_parallel.attention import wrap_attention
+
+    model = llama(kv_heads=1)
+    model.extra = CausalAttention(NanoGPTForCP().config)
+    with pytest.raises(ConfigError, match="cp_method='allgather' runs an attention kernel module through its SDPA"):
+        wrap_attention(model, split_of(0, 2, True), 2, "allgather")
