@@ -44,6 +44,26 @@ TAKES: dict[str, Takes] = {
 
 PIPELINES = ("pipeline", "hybrid")
 
+CP_METHODS = ("auto", "ulysses", "allgather")
+"""How ``cp`` ranks run attention over whole sequences (``cp_method=``): ``ulysses``, an all-to-all trading the
+sequence split for a head split (heads and key/value heads must divide by tp x cp); ``allgather``, every rank
+gathers the keys and values and computes its own queries' rows (any head count; the sequence head-tail balanced);
+``auto``, Ulysses where the heads divide, else the all-gather."""
+
+
+def cp_method(requested: str, heads: int | None, kv_heads: int | None, ranks: int) -> str:
+    """The method ``cp`` runs for ``requested`` (one of :data:`CP_METHODS`) on attention with ``heads`` query and
+    ``kv_heads`` key/value heads (None: not known before the first call) split over ``ranks`` (tp x cp). Ulysses
+    runs the kernel on whole sequences with its own causal flag (flash kernels take it); the all-gather hands the
+    kernel a mask of its rows (which keeps SDPA off its flash kernels) and holds a layer's whole keys and values, so
+    it is chosen only where Ulysses cannot split the heads (its bytes are no reason: under GQA fewer below cp =
+    heads / kv_heads + 1)."""
+    if requested != "auto":
+        return requested
+    if heads is None or all(n % ranks == 0 for n in (heads, kv_heads or heads)):
+        return "ulysses"
+    return "allgather"
+
 
 def takes(name: str) -> Takes:
     """What strategy ``name`` takes (``fsdp`` is ``zero3``)."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .composition import refuse_degree
+from .composition import CP_METHODS, refuse_degree
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -177,17 +177,27 @@ class CPConfig:
     """Context parallelism as a strategy option (``cp=``): each sequence split over ``degree`` ranks."""
 
     degree: int
-    """Ranks that each hold 1/degree of every sequence of the same samples (Ulysses: an all-to-all around attention
-    trades the sequence split for a head split)."""
+    """Ranks that each hold 1/degree of every sequence of the same samples."""
+    method: str = "auto"
+    """How attention sees whole sequences (``cp_method=``, :data:`~paratrain.composition.CP_METHODS`): ``ulysses``
+    (an all-to-all trades the sequence split for a head split), ``allgather`` (keys and values gathered, any head
+    count) or ``auto`` (Ulysses where the heads divide by tp x cp)."""
 
     def __post_init__(self) -> None:
         check_degree("cp", self.degree, "ranks that split each sequence")
+        if self.method not in CP_METHODS:
+            raise ConfigError(f"cp_method must be one of {', '.join(CP_METHODS)}, got {self.method!r}")
 
     @classmethod
     def pop(cls, options: dict[str, Any]) -> CPConfig | None:
-        """The ``cp`` option taken out of a strategy's options; None when context parallelism is off."""
-        degree = options.pop("cp", None)
-        return None if degree in (None, 1) else cls(degree=degree)
+        """The ``cp`` and ``cp_method`` options taken out of a strategy's options; None when context parallelism is
+        off (a ``cp_method`` without ``cp`` is one line)."""
+        degree, method = options.pop("cp", None), options.pop("cp_method", None)
+        if degree in (None, 1):
+            if method is not None and degree is None:
+                raise ConfigError(f"cp_method={method!r} chooses how cp runs attention; add cp=N (ranks a sequence)")
+            return None
+        return cls(degree=degree, method="auto" if method is None else method)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,5 +39,8 @@ def test_plan_seq_len_as_json_and_the_default_length(capsys):
 def test_a_bad_cp_is_one_line(capsys):
     assert main([*LLAMA_32K, "--cp", "3"]) != 0
     err = capsys.readouterr().err.strip()
-    assert err.endswith("--cp 3: heads 32 and key/value heads 8 do not divide by tp x cp = 3; use one of 1, 2, 4, 8")
+    assert err.endswith(
+        "--cp 3: sequence length 32768 does not divide by 2 x cp = 6 (the all-gather's: heads 32 and key/value heads "
+        "8 do not divide by tp x cp = 3); use one of 1, 2, 4, 8"
+    )
     assert len(err.splitlines()) == 1

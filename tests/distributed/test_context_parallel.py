@@ -1,6 +1,7 @@
-"""Context parallelism (``cp=``, Ulysses): a sequence split over ranks trains equal to one process on the same
-global batch, on transformers Llama (GQA, rotary), Qwen2 (eager attention), GPT-2 (learned positions, tied head)
-and paratrain's GPT, under ddp, zero3 and tp; save and resume; bad input as one line.
+"""Context parallelism (``cp=``, Ulysses or the all-gather): a sequence split over ranks trains equal to one process
+on the same global batch, on transformers Llama (GQA, rotary; fewer key/value heads than cp), Qwen2 (eager
+attention), GPT-2 (learned positions, tied head) and paratrain's GPT, under ddp, zero3 and tp; save and resume; bad
+input as one line.
 
 One launched job per world size runs every case (tests/helpers/cp_workers.py); the reference is plain PyTorch in
 this process: each replica's slice of the global batch one forward on whole sequences, the mean of their losses.
@@ -40,6 +41,11 @@ WORLD2 = [
     ("titan_dsv3", "zero3", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),
     ("inline", "ddp", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),  # SDPA in the checkpointed block
     ("nanogpt_kernel", "ddp", {"cp": 2}, "own"),  # nanoGPT's hand-written attention marked is_attention_kernel
+    # the all-gather: 1 key/value head at cp=2 (auto chooses it; head-tail pieces, padding in the rows' masks), a
+    # kernel module's SDPA call, and a call found by what it does (auto per call: contiguous pieces)
+    ("llama_kv1", "ddp", {"cp": 2}, "batch"),
+    ("gpt", "zero3", {"cp": 2, "cp_method": "allgather"}, "loss_fn"),
+    ("titan_llama_kv1", "ddp", {"cp": 2}, "loss_fn"),
 ]
 WORLD4 = [
     ("llama", "zero3", {"cp": 2}, "batch"),
@@ -51,6 +57,8 @@ WORLD4 = [
     ("titan_llama_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
     ("titan_qwen3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
     ("titan_dsv3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
+    ("llama_kv2", "zero3", {"cp": 4}, "batch"),  # 2 key/value heads at cp=4: the all-gather
+    ("titan_llama", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),  # 1 key/value head a tp rank: the all-gather per call
 ]
 REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",
@@ -67,6 +75,10 @@ REFUSED = {
     "zero1 cp=2": "strategy 'zero1' does not take cp",
     "pipeline cp=2": "'pipeline' does not take cp",
     "ddp cp=3": "ddp with cp=3 needs a number of processes (beside tp) that cp divides, got 2",
+    "allgather kernel": "cp_method='allgather' hands attention this rank's rows of the mask, and "
+    "transformer.h.0.attn.attention (is_attention_kernel) computes attention without a scaled_dot_product_attention",
+    "allgather uneven": "cp=2 cuts each sequence into 4 equal slices (two a rank, head and tail, for the all-gather's "
+    "balance), but this batch's sequences have 14 tokens; pad them to a multiple of 4",
 }
 REFUSED4 = {"tp x cp heads": "inner_attention: attention sees 2 query and 1 key/value heads on this rank, which cp=2"}
 LONG = 256  # tokens of the sequence whose activations are measured

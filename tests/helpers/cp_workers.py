@@ -251,6 +251,10 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "titan_dsv3_h8": titan(heads=8, layers=3, latent=True, experts=4),
     "inline": InlineDecoder,
     "nanogpt_kernel": NanoGPTForCP,
+    # fewer key/value heads than cp: the all-gather (cp_method="auto" chooses it)
+    "llama_kv1": functools.partial(llama, kv_heads=1),
+    "llama_kv2": functools.partial(llama, kv_heads=2),
+    "titan_llama_kv1": titan(kv_heads=1),
 }
 
 
@@ -352,9 +356,11 @@ def reference(name: str, mode: str, replicas: int) -> tuple[dict[str, torch.Tens
 
 
 KERNEL_REFUSALS: dict[str, tuple[Callable[[], nn.Module], dict]] = {
+    "allgather kernel": (NanoGPTForCP, {"cp_method": "allgather"}),
+    "allgather uneven": (titan(), {"cp_method": "allgather", "length": SEQ - 2}),
     "no attention": (NoAttention, {}),
     "attn_mask": (MaskedAttention, {}),
-    "sdpa heads": (titan(kv_heads=1), {}),
+    "sdpa heads": (titan(kv_heads=1), {"cp_method": "ulysses"}),
     "positions shape": (titan(), {"positions": torch.arange(SEQ)[None, None]}),
 }
 """Models whose attention cp finds by its kernel call, called once (what cp refuses shows on the first call)."""
@@ -369,15 +375,18 @@ def refusal(case: str) -> dict:
         _, model, _ = _prepared("llama", "ddp", {"cp": 2})
         model(input_ids=torch.zeros(1, SEQ, dtype=torch.long), attention_mask=torch.ones(1, 1, SEQ, SEQ))
     elif case == "heads":
-        par = paratrain.Parallel("ddp", monitor=False, cp=2)
+        par = paratrain.Parallel("ddp", monitor=False, cp=2, cp_method="ulysses")
         par.prepare(llama(kv_heads=1))
     elif case == "tp x cp heads":
-        model = paratrain.Parallel("zero3", monitor=False, cp=2, tp=2).prepare(shapes.titan_llama())
-        model(torch.zeros(1, SEQ, dtype=torch.long))
+        par = paratrain.Parallel("zero3", monitor=False, cp=2, tp=2, cp_method="ulysses")
+        par.prepare(shapes.titan_llama())(torch.zeros(1, SEQ, dtype=torch.long))
     elif case in KERNEL_REFUSALS:
         build, kwargs = KERNEL_REFUSALS[case]
-        model = paratrain.Parallel("ddp", monitor=False, cp=2).prepare(build())
-        model(torch.zeros(1, SEQ, dtype=torch.long), **kwargs)
+        kwargs = dict(kwargs)
+        method = kwargs.pop("cp_method", "auto")
+        length = kwargs.pop("length", SEQ)
+        model = paratrain.Parallel("ddp", monitor=False, cp=2, cp_method=method).prepare(build())
+        model(torch.zeros(1, length, dtype=torch.long), **kwargs)
     elif case == "loss_chunk":
         par = paratrain.Parallel("ddp", monitor=False, cp=2, model=paratrain.ModelConfig(loss_chunk=8))
         model = par.prepare(llama())

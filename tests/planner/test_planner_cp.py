@@ -24,8 +24,17 @@ from paratrain.planner import (
     transformer_stats,
 )
 from paratrain.planner.auto import choose
-from paratrain.planner.collectives import all_to_all_s
-from paratrain.planner.context_parallel import IDS_BYTES_PER_TOKEN, cp_comm_s, cp_pairs
+from paratrain.planner.collectives import all_gather_s, all_to_all_s, reduce_scatter_s
+from paratrain.planner.context_parallel import (
+    IDS_BYTES_PER_TOKEN,
+    all_gather_bytes,
+    all_to_all_bytes,
+    buffer_bytes,
+    cp_comm_s,
+    cp_pairs,
+    method,
+    rank_activations,
+)
 from paratrain.planner.estimates import estimate
 from paratrain.planner.layout import exact_layout, layout_strategy
 from paratrain.planner.memory import activation_figures, model_states
@@ -82,6 +91,31 @@ def test_parameters_shard_over_dp_x_cp_and_gradients_reduce_over_it():
     assert t.comm_s - t.cp_comm_s == pytest.approx(alone.comm_s)  # the same all-reduce over 8 ranks
 
 
+def test_past_the_key_value_heads_the_all_gather_s_bytes_in_closed_form():
+    """8 key/value heads at cp=16: the runtime's auto runs the all-gather; per layer the whole sequence's keys and
+    values, b·s·8·128 bf16 elements each, gathered in forward and reduce-scattered in backward, C·kv/(a+kv) = 3.2
+    times the bytes Ulysses' all-to-alls would send (at cp=4: 0.8 times); autograd saves each layer's whole keys and
+    values."""
+    link, s = H100x8.intra, 32768
+    assert (method(LLAMA_32K, 1, 8), method(LLAMA_32K, 1, 16), method(LLAMA_32K, 4, 4)) == (
+        "ulysses",
+        "allgather",
+        "allgather",
+    )
+    kv = s * 8 * 128 * 2
+    assert all_gather_bytes(LLAMA_32K, "param_dtype", 1, 1) == kv
+    assert cp_comm_s(LLAMA_32K, "param_dtype", 1, 1, 16, link, False) == pytest.approx(
+        32 * 2 * (all_gather_s(kv, 16, link) + reduce_scatter_s(kv, 16, link))
+    )
+    assert buffer_bytes(LLAMA_32K, "param_dtype", 1, 1, 16) == 2 * kv
+    figures, divisible = (1e12, 1e11, 1e9), replace(LLAMA_32K, cp=replace(LLAMA_32K.cp, kv_heads=32))
+    saved = rank_activations(LLAMA_32K, figures, 16, "param_dtype")[0] - rank_activations(divisible, figures, 16)[0]
+    assert saved == pytest.approx(32 * 2 * kv * 15 / 16)  # every layer's whole keys and values, not 1/16 of them
+    for cp, ratio in ((16, 3.2), (4, 0.8)):
+        q, ulysses_kv = all_to_all_bytes(LLAMA_32K, "param_dtype", 1, 1, cp)
+        assert 2 * kv / (2 * q + 2 * ulysses_kv) == pytest.approx(ratio)
+
+
 def test_all_to_all_time_and_compute_per_cp_rank_in_closed_form():
     """Per layer 4 all-to-alls forward and 4 backward: queries and output b·s/cp·32·128 bf16 elements, keys and
     values b·s/cp·8·128; a cp rank computes 1/cp of each micro-batch's FLOPs (at 32k tokens the weights it streams
@@ -116,10 +150,12 @@ def test_cp_degrees_divide_the_heads_with_tp_within_a_node():
     assert cp_pairs(twelve, H100x8, (2, 4)) == ((1, 2), (1, 4), (2, 2))  # 12 heads: not tp 4 x cp 2
     with pytest.raises(
         ConfigError,
-        match=r"--cp 3: heads 32 and key/value heads 8 do not divide by tp x cp = 3; "
-        r"use one of 1, 2, 4, 8",
+        match=r"--cp 3: sequence length 32768 does not divide by 2 x cp = 6 \(the all-gather's: heads 32 and "
+        r"key/value heads 8 do not divide by tp x cp = 3\); use one of 1, 2, 4, 8",
     ):
         cp_pairs(LLAMA_32K, H100x8, (), 3)
+    # an explicit cp past the 8 key/value heads plans the all-gather; the search keeps to Ulysses' degrees
+    assert cp_pairs(LLAMA_32K, make_cluster("h100", gpus=16), (2,), 16) == ((1, 16),)
     assert cp_pairs(LLAMA_32K, H100x8, (), 1) == ()
     with pytest.raises(ConfigError, match="--cp needs a transformer's shape"):
         cp_pairs(replace(LLAMA_32K, cp=None), H100x8, (), 2)
@@ -187,10 +223,13 @@ def test_the_activation_model_against_what_autograd_saves_on_a_long_sequence():
     fp32 = Training(precision="fp32", micro_batch=1)
     one = activation_figures(stats, fp32, Layout.of(name="ddp", dp=4))[0]
     assert one == pytest.approx(saved_bytes(model, torch.randint(0, 300, (1, 2048)), False), rel=0.02)
-    for cp in (2, 4):
-        split = activation_figures(stats, fp32, Layout.of(name="ddp", dp=4 // cp, cp=cp))[0]
-        assert split == (one - 16 * 2048) / cp + 16 * 2048
-        assert split == pytest.approx(saved_bytes(model, torch.randint(0, 300, (1, 2048 // cp)), False), rel=0.02)
+    split = activation_figures(stats, fp32, Layout.of(name="ddp", dp=2, cp=2))[0]
+    assert split == (one - 16 * 2048) / 2 + 16 * 2048
+    assert split == pytest.approx(saved_bytes(model, torch.randint(0, 300, (1, 1024)), False), rel=0.02)
+    # cp=4 is past the 2 key/value heads: the all-gather, whose layers save the whole sequence's keys and values
+    gathered = 2 * 2 * 2048 * 2 * 8 * 4 * 3 / 4
+    split = activation_figures(stats, fp32, Layout.of(name="ddp", dp=1, cp=4))[0]
+    assert split == (one - 16 * 2048) / 4 + 16 * 2048 + gathered
 
 
 LONG = GPTConfig(

@@ -90,7 +90,7 @@ def test_torchtitan_shapes_get_tp_and_cp_rows():
     _, found = rows(TITAN, 16, gpus=4, gpu="h100")
     assert found == {(1, 1), (1, 2), (2, 1)}  # each rank of tp x cp takes whole key/value heads: 2 of them
     _, asked = rows(TITAN, 16, gpus=4, gpu="h100", tp=2, cp=2)
-    assert (2, 2) not in asked and {(2, 1), (1, 2)} <= asked
+    assert {(2, 2), (2, 1), (1, 2)} <= asked  # asked past the key/value heads: the all-gather, as the runtime runs it
 
 
 def test_a_model_tp_cannot_split_gets_no_tp_rows_and_the_runtimes_reason():

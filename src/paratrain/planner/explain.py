@@ -142,7 +142,7 @@ def _cp_reason(choice: Estimate, fitting: list[Estimate], cluster: Cluster, mem:
     t, lay = choice.time, choice.layout
     link = cp_link(cluster, lay.tp, lay.cp)
     cost = (
-        f"for {1e3 * t.cp_comm_s:.3g} ms of all-to-alls around attention per step over {link.name} "
+        f"for {1e3 * t.cp_comm_s:.3g} ms of exchanges around attention per step over {link.name} "
         f"({link.bandwidth_gbs:g} GB/s, {t.cp_comm_s / t.step_s:.0%} of the step)"
     )
     plain = [e for e in fitting if e.layout.cp == 1]

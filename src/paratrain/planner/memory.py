@@ -183,7 +183,7 @@ def activation_figures(stats: ModelStats, training: Training, layout: Layout) ->
     if training.recompute_mode == "op" and mode in stats.op_checkpointed:  # what per-op selective AC keeps
         figures = (stats.op_checkpointed[mode], *figures[1:])
     figures = rank_activations(stats, figures, mode, layout.tp, training.sequence_parallel)
-    return context_parallel.rank_activations(stats, figures, layout.cp)
+    return context_parallel.rank_activations(stats, figures, layout.cp, mode, layout.tp)
 
 
 def fsdp_under_pipeline(psi: float, layout: Layout, training: Training) -> float:

@@ -86,14 +86,18 @@ class CPShape:
     """Key/value heads, split as the query heads (Ulysses does not repeat them)."""
     head_dim: int
 
-    def why_not(self, cp: int, tp: int = 1) -> str | None:
-        """Why ``cp`` ranks (of ``tp``-rank groups) cannot split this model, or None: each rank of tp x cp takes
-        whole query and key/value heads in attention, and an equal share of every sequence."""
+    def why_not(self, cp: int, tp: int = 1, past_heads: bool = False) -> str | None:
+        """Why ``cp`` ranks (of ``tp``-rank groups) cannot split this model, or None: under Ulysses each rank of tp x
+        cp takes whole query and key/value heads in attention, and an equal share of every sequence. ``past_heads``:
+        heads that do not divide run the all-gather, whose ranks take two head-tail pieces of every sequence."""
         bad = [
             f"{name} {n}" for name, n in (("heads", self.heads), ("key/value heads", self.kv_heads)) if n % (tp * cp)
         ]
-        if bad:
-            return f"{' and '.join(bad)} {'does' if len(bad) == 1 else 'do'} not divide by tp x cp = {tp * cp}"
+        heads = f"{' and '.join(bad)} {'does' if len(bad) == 1 else 'do'} not divide by tp x cp = {tp * cp}"
+        if bad and not past_heads:
+            return heads
+        if bad and self.seq_len % (2 * cp):
+            return f"sequence length {self.seq_len} does not divide by 2 x cp = {2 * cp} (the all-gather's: {heads})"
         if self.seq_len % cp:
             return f"sequence length {self.seq_len} does not divide by cp={cp}"
         return None

@@ -70,7 +70,8 @@ class StepTime:
     ep_comm_s: float = 0.0
     """Of ``comm_s`` (never hidden): expert parallelism's all-to-alls of the tokens to their experts and back."""
     cp_comm_s: float = 0.0
-    """Of ``comm_s`` (never hidden): context parallelism's all-to-alls around attention."""
+    """Of ``comm_s`` (never hidden): context parallelism's exchanges around attention (all-to-alls, or all-gathers
+    of the keys and values past the heads)."""
 
     @property
     def step_s(self) -> float:
@@ -402,7 +403,7 @@ def ep_comm(s: StepInputs) -> Comm:
 
 
 def cp_comm(s: StepInputs) -> Comm:
-    """Context parallelism's all-to-alls around attention (``context_parallel.cp_comm_s``), not hidden, over the link
+    """Context parallelism's exchanges around attention (``context_parallel.cp_comm_s``), not hidden, over the link
     of cp ranks a tp group apart, every micro-batch."""
     layout = s.layout
     seconds = context_parallel.cp_comm_s(

@@ -1,4 +1,5 @@
-"""Finding a model's attention by what it is, and making each one see whole sequences (:mod:`.ulysses`).
+"""Finding a model's attention by what it is, and making each one see whole sequences (:mod:`.ulysses`, or
+:mod:`.allgather` where the heads do not divide: ``cp_method``).
 
 Two kinds are known by what they are, each wrapped per module (the process's other models are untouched):
 
@@ -6,12 +7,15 @@ Two kinds are known by what they are, each wrapped per module (the process's oth
   ``ALL_ATTENTION_FUNCTIONS`` names in ``config._attn_implementation`` with q, k, v ``[b, h, s, d]`` and a mask.
   The model's config is pointed at one registered name whose function hands the call to the :class:`HFUlysses`
   its module carries, which exchanges q, k, v, calls the module's original kernel (SDPA, eager, …) with the whole
-  sequence's mask, and exchanges the output back.
+  sequence's mask, and exchanges the output back (:class:`HFAllGather`: gathers k, v and calls the kernel with its
+  rows' mask).
 * an attention kernel module (``is_attention_kernel = True``, as paratrain's GPT has): its forward maps q, k, v
   ``[b, h, s, d]`` to ``[b, h, s, d]`` on whole sequences, causal by itself; hooks exchange around it.
 
-Heads and key/value heads must divide by the ranks that split them (tp x cp). A model with neither kind has its
-attention found by what it does, the module around a ``scaled_dot_product_attention`` call (:mod:`.kernels`).
+Under Ulysses heads and key/value heads must divide by the ranks that split them (tp x cp). A model with neither
+kind has its attention found by what it does, the module around a ``scaled_dot_product_attention`` call
+(:mod:`.kernels`); so does an attention kernel module under the all-gather (its kernel is causal by itself on whole
+sequences, and the all-gather hands the kernel its rows' mask).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...composition import cp_method
 from ...errors import ConfigError
+from .allgather import attend_rows, gather_sequence
 from .kernels import find_by_calls
 from .masks import attend
 from .sequence import SequenceSplit
@@ -85,15 +91,47 @@ class HFUlysses:
         return ALL_ATTENTION_FUNCTIONS[self.implementation]
 
 
+class HFAllGather(HFUlysses):
+    """One transformers attention module's kernel on this rank's queries over the whole sequence's keys and values
+    (any head count), with the mask of its rows (sdpa: bool, eager: additive)."""
+
+    def __call__(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        form = _MASK_FORMS.get(self.implementation)
+        if form is None:
+            raise ConfigError(
+                f"cp_method='allgather' hands the attention kernel its rows' mask, which sdpa and eager take, not "
+                f"{self.implementation!r}; load the model with attn_implementation='sdpa', or use cp_method='ulysses'"
+            )
+        kernel, padding = self.kernel(module), self.split.padding
+        k, v = (gather_sequence(t, self.split) for t in (key, value))
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple:
+            out, weights = kernel(module, q, k, v, mask, **{**kwargs, "is_causal": False})
+            return out.transpose(1, 2), weights  # [b, rows, h, d] -> [b, h, rows, d]
+
+        causal = bool(getattr(module, "is_causal", True))
+        keys = None if padding is None else padding.keys
+        out, weights = attend_rows(run, query, k, v, self.split, keys, causal, form)
+        return out.transpose(1, 2).contiguous(), weights
+
+
 def _dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """The registered attention function: the :class:`HFUlysses` of ``module``."""
-    ulysses = getattr(module, "paratrain_ulysses", None)
-    if ulysses is None:
+    """The registered attention function: the exchange ``module`` carries (:class:`HFUlysses`, :class:`HFAllGather`)."""
+    exchange = getattr(module, "paratrain_cp", None)
+    if exchange is None:
         raise ConfigError(
             f"{type(module).__name__} asks for attention {DISPATCH_NAME!r} but was not prepared with "
             "cp; prepare the model with Parallel(..., cp=N), or set another attn_implementation"
         )
-    return ulysses(module, *args, **kwargs)
+    return exchange(module, *args, **kwargs)
 
 
 def _register() -> None:
@@ -111,18 +149,23 @@ def _is_hf_attention(module: nn.Module) -> bool:
     )
 
 
-def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int) -> int:
-    """Make every attention of ``model`` see whole sequences over ``split``'s group; returns how many were found
-    (0: none of the two kinds, attention is found by its kernel calls on the first call, :mod:`.kernels`).
-    ``heads_split``: the ranks that split the heads (tp x cp)."""
-    found = 0
+def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int, method: str) -> int:
+    """Make every attention of ``model`` see whole sequences over ``split``'s group by ``method`` (``ulysses``,
+    ``allgather``, or ``auto`` where no transformers module declares the heads); returns how many were found (0: none
+    of the two kinds, or kernel modules under the all-gather: attention is found by its kernel calls on the first
+    call, :mod:`.kernels`). ``heads_split``: the ranks that split the heads (tp x cp)."""
+    found, kernels = 0, []
+    wrapper = HFAllGather if method == "allgather" else HFUlysses
     for name, module in model.named_modules():
-        if getattr(module, "is_attention_kernel", False):
+        if getattr(module, "is_attention_kernel", False) and method == "allgather":
+            kernels.append(module)
+        elif getattr(module, "is_attention_kernel", False):
             module.register_forward_pre_hook(lambda m, args: tuple(sequence_to_heads(t, split.group) for t in args))
             module.register_forward_hook(lambda m, args, out: heads_to_sequence(out, split.group))
             found += 1
         elif _is_hf_attention(module):
-            _check_heads(module.config, heads_split, name)
+            if method == "ulysses":
+                _check_heads(module.config, heads_split, name)
             implementation = module.config._attn_implementation
             if implementation == DISPATCH_NAME:
                 raise ConfigError(f"{name} was already prepared with cp; prepare a model once")
@@ -131,22 +174,41 @@ def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int) -> 
                     f"{name}: GPT-2's reorder_and_upcast_attn bypasses the attention function cp "
                     "wraps; set it False in the config"
                 )
-            module.paratrain_ulysses = HFUlysses(implementation, split)
+            module.paratrain_cp = wrapper(implementation, split)
             found += 1
-    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "paratrain_ulysses")}.values():
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "paratrain_cp")}.values():
         _register()
         config._attn_implementation = DISPATCH_NAME
+    if found and kernels:
+        raise ConfigError(
+            f"cp_method='allgather' runs an attention kernel module through its SDPA call, which it cannot find beside "
+            f"the transformers attention of {type(model).__name__}; use cp_method='ulysses'"
+        )
     if not found:
-        find_by_calls(model, split)
+        find_by_calls(model, split, method, kernels)
     return found
 
 
-def _check_heads(config: Any, ranks: int, name: str) -> None:
+def choose_method(model: nn.Module, requested: str, heads_split: int) -> str:
+    """The method ``cp`` runs ``model``'s attention with (:func:`~paratrain.composition.cp_method`): under ``auto``,
+    the heads of its transformers attention modules decide; a model without any stays ``auto``, each SDPA call
+    choosing by the heads it sees (an attention kernel module's: Ulysses, which says when they do not divide)."""
+    config = next((m.config for m in model.modules() if _is_hf_attention(m)), None)
+    if config is None and requested == "auto":
+        return "auto"
+    heads, kv_heads = _heads(config) if config is not None else (None, None)
+    return cp_method(requested, heads, kv_heads, heads_split)
+
+
+def _heads(config: Any) -> tuple[int | None, int | None]:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def _check_heads(config: Any, ranks: int, name: str) -> None:
+    for what, count in zip(("attention heads", "key/value heads"), _heads(config), strict=True):
         if isinstance(count, int) and count % ranks:
             raise ConfigError(
                 f"{name}: {count} {what} do not divide over the {ranks} ranks that split them "
-                f"(tp x cp); choose cp (and tp) whose product divides {count}"
+                f"(tp x cp); choose cp (and tp) whose product divides {count}, or cp_method='allgather'"
             )

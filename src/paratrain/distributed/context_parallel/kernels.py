@@ -3,11 +3,12 @@ wraps them (torchtitan's inner attention module on ``[b, s, h, d]``, an attentio
 
 A model with neither a transformers attention module nor an ``is_attention_kernel`` is found on its first call: the
 whole forward runs under a :class:`~torch.overrides.TorchFunctionMode` that sees every SDPA call, exchanges around it
-(:func:`ulysses_sdpa`) and notes the innermost module of the model whose method made it. From then on the mode is
-active only while those modules run (a pre-hook enters it, a forward hook that runs even when the forward raises
-leaves it), so the rest of the forward pays nothing for it, and activation checkpointing's recompute, which calls the
-modules again in backward, sees whole sequences as the forward did (a block that calls SDPA in its own checkpointed
-forward is recomputed under the function modes its forward ran under: :mod:`paratrain.model.transforms`).
+(:func:`ulysses_sdpa`, or :func:`~.allgather.allgather_sdpa` under the all-gather) and notes the innermost module of
+the model whose method made it. From then on the mode is active only while those modules run (a pre-hook enters it,
+a forward hook that runs even when the forward raises leaves it), so the rest of the forward pays nothing for it,
+and activation checkpointing's recompute, which calls the modules again in backward, sees whole sequences as the
+forward did (a block that calls SDPA in its own checkpointed forward is recomputed under the function modes its
+forward ran under: :mod:`paratrain.model.transforms`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from ...composition import cp_method
 from ...errors import ConfigError
 from ...model.attention import SDPACall
+from .allgather import allgather_sdpa
 from .sequence import SequenceSplit
 from .ulysses import heads_to_sequence, sequence_to_heads
 
@@ -45,19 +48,35 @@ def ulysses_sdpa(split: SequenceSplit, where: str, *args: Any, **kwargs: Any) ->
         raise ConfigError(
             f"{where}: attention sees {q.shape[1]} query and {k.shape[1]} key/value heads on this rank, which "
             f"cp={ranks} cannot split into {ranks} groups; choose cp (x tp) dividing the model's heads and "
-            "key/value heads"
+            "key/value heads, or cp_method='allgather'"
         )
     whole = (sequence_to_heads(t, split.group) for t in (q, k, v))
     return heads_to_sequence(F.scaled_dot_product_attention(*whole, **call.options()), split.group)
+
+
+def auto_sdpa(split: SequenceSplit, where: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """One SDPA call by the method :func:`~paratrain.composition.cp_method` chooses for its heads on this rank (the
+    model declared none before its first call; the sequence is cut contiguously, so an all-gather here is not
+    head-tail balanced)."""
+    call = SDPACall(*args, **kwargs)
+    method = cp_method("auto", call.query.shape[1], call.key.shape[1], split.ranks)
+    return EXCHANGES[method](split, where, *args, **kwargs)
+
+
+EXCHANGES = {"ulysses": ulysses_sdpa, "allgather": allgather_sdpa, "auto": auto_sdpa}
+"""What runs an SDPA call under each ``cp_method``."""
 
 
 class KernelCalls(TorchFunctionMode):
     """Exchanges around every attention kernel call while active; while ``learning``, notes the modules of the model
     whose methods make them (``callers``)."""
 
-    def __init__(self, model: nn.Module, split: SequenceSplit) -> None:
+    def __init__(self, model: nn.Module, split: SequenceSplit, method: str, kernels: list[nn.Module]) -> None:
         super().__init__()
         self.split = split
+        self.exchange = EXCHANGES[method]
+        self.kernels = kernels
+        """Attention kernel modules whose SDPA calls must be found (the all-gather cannot run them whole)."""
         self.names = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
         self.modules = {id(m): m for m in model.modules()}
         self.callers: dict[str, nn.Module] = {}
@@ -86,7 +105,7 @@ class KernelCalls(TorchFunctionMode):
                 )
             where = self.names[id(caller)]
             self.callers[where] = caller
-        return ulysses_sdpa(self.split, where, *args, **kwargs)
+        return self.exchange(self.split, where, *args, **kwargs)
 
     def _caller(self) -> nn.Module | None:
         """The innermost module of the model on the call stack (a method of it is running)."""
@@ -122,6 +141,14 @@ class KernelCalls(TorchFunctionMode):
         self.leave()
         if out is None:  # the call raised (its own error stands); the next one learns
             return
+        found = {id(m) for m in self.callers.values()}
+        blind = [self.names[id(m)] for m in self.kernels if id(m) not in found]
+        if blind:
+            raise ConfigError(
+                f"cp_method='allgather' hands attention this rank's rows of the mask, and {blind[0]} "
+                "(is_attention_kernel) computes attention without a scaled_dot_product_attention call it could "
+                "hand them to; call F.scaled_dot_product_attention there, or use cp_method='ulysses'"
+            )
         if not self.callers:
             raise ConfigError(no_attention(model))
         self.learning, self.modules, self.names = False, {}, {}
@@ -143,9 +170,11 @@ def no_attention(model: nn.Module) -> str:
     )
 
 
-def find_by_calls(model: nn.Module, split: SequenceSplit) -> KernelCalls:
+def find_by_calls(
+    model: nn.Module, split: SequenceSplit, method: str = "ulysses", kernels: list[nn.Module] | None = None
+) -> KernelCalls:
     """Hook ``model`` so that its first call finds the modules calling an attention kernel, and every call sees
-    whole sequences there."""
-    mode = KernelCalls(model, split)
+    whole sequences there by ``method``; ``kernels``: attention kernel modules that must be among them."""
+    mode = KernelCalls(model, split, method, kernels or [])
     mode.learn(model)
     return mode

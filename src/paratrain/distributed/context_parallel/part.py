@@ -65,13 +65,16 @@ class WholeSequences:
 
 
 class ContextParallel(WholeSequences):
-    """Sequences split over ``mesh["cp"]`` (Ulysses), attention whole per head group."""
+    """Sequences split over ``mesh["cp"]``, attention whole per head group (Ulysses) or per rank's rows (the
+    all-gather of keys and values)."""
 
     splits = True
 
     def __init__(self, config: CPConfig) -> None:
         self.config = config
         self.split: SequenceSplit | None = None
+        self.method: str | None = None
+        """The method the prepared model runs (``config.method`` with ``auto`` resolved)."""
         self._flat: dict[str, DeviceMesh] = {}
 
     def degree(self, strategy: str, ranks: int) -> int:
@@ -89,7 +92,7 @@ class ContextParallel(WholeSequences):
 
     def apply(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         """Hook ``model`` so that its calls are cut to this rank's slice and its attention sees whole sequences."""
-        from .attention import wrap_attention
+        from .attention import choose_method, wrap_attention
         from .sequence import SequenceSplit
 
         if getattr(getattr(model, "config", None), "output_router_logits", False):
@@ -99,8 +102,10 @@ class ContextParallel(WholeSequences):
                 "sequences; set output_router_logits=False, or drop cp"
             )
         names = mesh.mesh_dim_names or ()
-        self.split = SequenceSplit(model, mesh["cp"].get_group())
-        wrap_attention(model, self.split, self.config.degree * (mesh["tp"].size() if "tp" in names else 1))
+        heads_split = self.config.degree * (mesh["tp"].size() if "tp" in names else 1)
+        self.method = choose_method(model, self.config.method, heads_split)
+        self.split = SequenceSplit(model, mesh["cp"].get_group(), balanced=self.method == "allgather")
+        wrap_attention(model, self.split, heads_split, self.method)
         self.split.check_positions(model)
         model.register_forward_pre_hook(self.split.before, with_kwargs=True)
         model.register_forward_hook(self.split.after, with_kwargs=True)
@@ -153,7 +158,8 @@ class ContextParallel(WholeSequences):
         return "cp hands the head a slice of each sequence and sums the loss over the cp ranks itself"
 
     def describe(self) -> str:
-        return f"cp={self.config.degree}"
+        method = self.method or self.config.method
+        return f"cp={self.config.degree}" + ("" if method in ("auto", "ulysses") else f", cp_method={method}")
 
 
 def context_parallel(config: CPConfig | None) -> WholeSequences:

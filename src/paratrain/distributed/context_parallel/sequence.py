@@ -1,10 +1,12 @@
 """Each rank's slice of the sequences a context-parallel model is called with, and its loss over every token.
 
 The script hands the model whole sequences, as without cp. A forward pre-hook on the model (:meth:`SequenceSplit.
-before`) gives it this rank's 1/C of each along dimension 1: the inputs (``input_ids``, ``inputs_embeds``, the
-first positional input, a 2-D ``attention_mask``), the global positions of the slice (``position_ids=`` or
-``positions=``, ``[1, seq/C]`` unless the call gave its own: rotary angles and learned positions are the whole
-sequence's), and the loss's targets. A causal LM's ``labels=`` are shifted before the split (``shift_labels=``:
+before`) gives it this rank's 1/C of each along dimension 1 (contiguous under Ulysses; under the all-gather, whose
+causal work grows along the sequence, head-tail balanced: of 2C chunks rank i holds chunks i and 2C-1-i): the
+inputs (``input_ids``, ``inputs_embeds``, the first positional input, a 2-D ``attention_mask``), the global
+positions of the slice (``position_ids=`` or ``positions=``, ``[1, seq/C]`` unless the call gave its own: rotary
+angles and learned positions are the whole sequence's, in the order the rank holds its tokens), and the loss's
+targets. A causal LM's ``labels=`` are shifted before the split (``shift_labels=``:
 the last token of a slice predicts the first of the next), and the whole sequence's token count is handed to the
 model as ``num_items_in_batch``, so each rank's loss is its tokens' sum over the whole count; other targets are
 split as they are, each rank's mean weighted by its share of the counted tokens (``ignore_index=-100`` is not
@@ -53,9 +55,13 @@ class SequenceSplit:
     """The sequence split of one prepared model over a cp group, and what the current call's attention and loss
     need of the whole sequence."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup) -> None:
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, balanced: bool = False) -> None:
         self.group = group
         self.rank, self.ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.balanced = balanced
+        """Head-tail chunks (the all-gather's layout) instead of one contiguous slice (Ulysses')."""
+        self.pieces = 2 * self.ranks if balanced else self.ranks
+        """Equal pieces each sequence is cut into."""
         params = inspect.signature(model.forward).parameters
         self.positions = positions_keyword(model)
         """The forward's keyword for the global positions of its tokens (None: it takes none)."""
@@ -74,10 +80,18 @@ class SequenceSplit:
         if self.positions is None:
             raise ConfigError(no_positions(model))
 
+    def chunks(self, length: int) -> tuple[int, ...]:
+        """Where this rank's pieces of a sequence of ``length`` tokens start, in the order it holds them (each
+        ``length // pieces`` long)."""
+        size = length // self.pieces
+        if not self.balanced:
+            return (self.rank * size,)
+        return (self.rank * size, (self.pieces - 1 - self.rank) * size)
+
     def local(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``t`` along the sequence (dimension 1)."""
-        size = t.shape[1] // self.ranks
-        return t.narrow(1, self.rank * size, size).contiguous()
+        """This rank's slice of ``t`` along the sequence (dimension 1): its pieces, in :meth:`chunks`' order."""
+        size = t.shape[1] // self.pieces
+        return torch.cat([t.narrow(1, start, size) for start in self.chunks(t.shape[1])], dim=1).contiguous()
 
     def counted_share(self, target: torch.Tensor) -> torch.Tensor:
         """This rank's share of ``target``'s counted tokens (every element of a floating target)."""
@@ -104,10 +118,11 @@ class SequenceSplit:
                 "first positional argument, [batch, seq, ...]); call the model with one"
             )
         length = first.shape[1]
-        if length % self.ranks:
+        if length % self.pieces:
+            how = " (two a rank, head and tail, for the all-gather's balance)" if self.balanced else ""
             raise ConfigError(
-                f"cp={self.ranks} cuts each sequence into {self.ranks} equal slices, but this batch's "
-                f"sequences have {length} tokens; pad them to a multiple of {self.ranks}"
+                f"cp={self.ranks} cuts each sequence into {self.pieces} equal slices{how}, but this batch's "
+                f"sequences have {length} tokens; pad them to a multiple of {self.pieces}"
             )
         kwargs = {**kwargs, **self.no_cache}
         mask = kwargs.get("attention_mask")
@@ -135,8 +150,7 @@ class SequenceSplit:
         if given is None:
             return torch.arange(length, device=device)[None]
         if given.dim() == 1 and given.shape[0] == length:
-            size = length // self.ranks
-            return given.narrow(0, self.rank * size, size)
+            return self.local(given[None])[0]
         if given.dim() < 2 or given.shape[1] != length:
             raise ConfigError(
                 f"cp cuts {self.positions}= along the sequence as it does the inputs: [seq] or [batch or 1, seq], "

@@ -29,7 +29,7 @@ def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     if h % ranks:
         raise ConfigError(
             f"cp={ranks} splits the {h} heads attention sees on this rank into {ranks} groups, which "
-            f"does not divide; choose a cp that divides {h}"
+            f"does not divide; choose a cp that divides {h}, or cp_method='allgather'"
         )
     chunks = x.reshape(b, ranks, h // ranks, s, d).transpose(0, 1).contiguous()  # chunk j goes to rank j
     out = _exchange(chunks, group)  # chunk i: rank i's slice, my heads
