@@ -184,3 +184,28 @@ def test_a_kernel_module_beside_transformers_attention_is_one_line():
     model.extra = CausalAttention(NanoGPTForCP().config)
     with pytest.raises(ConfigError, match="cp_method='allgather' runs an attention kernel module through its SDPA"):
         wrap_attention(model, split_of(0, 2, True), 2, "allgather")
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_one_line():
+    """cp's kernels mask causally over the whole sequence: a window the model's own mask carried would be lost
+    (a silent wrong result), so a transformers model whose attention is windowed over the sequence is refused at the
+    call; a window at least as long as the sequence attends as full attention does and runs."""
+    transformers = pytest.importorskip("transformers")
+    from paratrain.distributed.context_parallel import attention
+
+    config = transformers.Qwen2Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, use_sliding_window=True, sliding_window=4, max_window_layers=0,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    calls = []
+    for module in model.modules():
+        if attention._is_hf_attention(module):
+            module.paratrain_cp = lambda m, q, *a, **k: calls.append(q.shape) or (q.transpose(1, 2), None)
+            module.paratrain_cp.split = SimpleNamespace(ranks=2)
+    attention._register()
+    model.config._attn_implementation = attention.DISPATCH_NAME
+    with pytest.raises(ConfigError, match="sliding window of 4 tokens"):
+        model(torch.zeros(1, 3, dtype=torch.long))  # 3 tokens a rank: 6 in all
+    model(torch.zeros(1, 2, dtype=torch.long))  # 4 in all: within the window
+    assert len(calls) == 1

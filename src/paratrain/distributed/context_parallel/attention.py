@@ -131,7 +131,19 @@ def _dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tenso
             f"{type(module).__name__} asks for attention {DISPATCH_NAME!r} but was not prepared with "
             "cp; prepare the model with Parallel(..., cp=N), or set another attn_implementation"
         )
+    _check_window(module, kwargs.get("sliding_window"), args[0].shape[-2] * exchange.split.ranks)
     return exchange(module, *args, **kwargs)
+
+
+def _check_window(module: nn.Module, window: int | None, length: int) -> None:
+    """A one-line error for a sliding window shorter than the whole sequence: cp calls the kernel with masks of
+    its own, which are causal over the whole sequence; the window the model's mask carried would be lost."""
+    if window is not None and window < length:
+        raise ConfigError(
+            f"{type(module).__name__} attends through a sliding window of {window} tokens, which cp does not "
+            f"apply, over {length}-token sequences; run cp on sequences of at most {window} tokens, or train "
+            "this model without cp"
+        )
 
 
 def _register() -> None:
