@@ -4,7 +4,7 @@ reloads its last checkpoint and reads on past the batches that caused them (docs
 
 Every rank must take the same decision, or the replicas part ways (or a collective waits forever). It is therefore
 taken only from values already reduced over the job: the global gradient norm (over every shard, stage and
-tensor-parallel slice, as clipping takes it) and the step's loss averaged over the data-parallel replicas (a
+tensor-parallel slice, as clipping takes it) and the step's loss averaged over every rank that trains (a
 pipeline's last stage hands its loss to every stage first). A NaN or inf on one rank reaches both through the
 reduction, so every rank sees the same flag.
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import layout
-from .distributed.metrics import gather_object
+from .distributed.metrics import gather_object, reduce_value
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -84,8 +84,8 @@ class Guard:
         """Steps skipped since the last kept one (or reload)."""
         self.reloads = 0
         """Checkpoints reloaded after ``reload_after`` skips in a row."""
-        self.last_line: str | None = None
-        """The line said about the last skip (the same on every rank; rank 0 prints it)."""
+        self.lines: list[str] = []
+        """The lines said about each skip (the same on every rank; rank 0 prints them)."""
         self._losses: dict[int, torch.Tensor] = {}
         self._history: torch.Tensor | None = None
         self._kept = 0
@@ -119,11 +119,16 @@ class Guard:
         return True
 
     def _step_loss(self) -> torch.Tensor | None:
-        """The step's loss, the mean of its micro-steps' and over the data-parallel replicas (None: none given)."""
+        """The step's loss: its micro-steps' mean, averaged over every rank that trains (None: none given). The
+        ranks of a pipeline or a tensor-parallel group hold their replica's loss alike, so this is the mean over the
+        replicas; and were one of them to hold another value, every rank would still decide on the same one."""
         losses, self._losses = list(self._losses.values()), {}
         if not losses:
             return None
-        return self._par._reduce(torch.stack(losses).float().mean(), mean=True)
+        par = self._par
+        group = par.strategy.server.training_group(par.env)
+        size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        return reduce_value(torch.stack(losses).float().mean(), mean=True, size=size, group=group, device=par.device)
 
     def _flag(self, norm: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor | None:
         """A 0-d bool on the device: skip this step."""
@@ -158,10 +163,10 @@ class Guard:
         self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
         step = par.optimizer_steps + 1
         why = self._reason(strategy, model, norm, loss)
-        self.last_line = (
+        self.lines.append(
             f"paratrain: guard: skipped optimizer step {step} ({why}); {self.in_a_row} in a row, {self.skipped} in all"
         )
-        par.print(self.last_line)
+        par.print(self.lines[-1])
         par.trackers.log({"guard/skipped_steps": self.skipped}, step)
         if par.monitor is not None:
             par.monitor.skipped_steps = self.skipped
