@@ -32,7 +32,7 @@ def train(
     ckpt: str | None = None,
 ) -> dict[str, Any]:
     """Adam steps on the batches ``feed`` (indices); batches in ``nan`` get a NaN target on rank 1 only, those in
-    ``spike`` targets 1000 times larger on every rank; ``save_after``: ``par.save()`` after that many steps. Returns
+    ``spike`` targets 1000 times larger on rank 1 only (every rank must still skip them); ``save_after``: ``par.save()`` after that many steps. Returns
     the full model state, this rank's optimizer state, and what the guard saw and said (its lines)."""
     par = paratrain.Parallel(strategy, monitor=False, guard=guard, checkpoint=ckpt, **options)
     model = build_model()
@@ -45,7 +45,7 @@ def train(
         x, y = xs[b][r * per : (r + 1) * per].clone(), ys[b][r * per : (r + 1) * per].clone()
         if b in nan and par.rank == 1:
             y[0, 0] = float("nan")
-        if b in spike:
+        if b in spike and par.rank == 1:
             y = y * 1000
         with par.step(model, opt):
             par.forward_backward(model, x.to(par.device), y.to(par.device), nn.functional.mse_loss)
@@ -77,7 +77,7 @@ def _local(state: Any) -> Any:
 
 def guard_case(strategy: str, options: dict[str, Any], ckpt: str) -> dict[str, Any]:
     """Every run the test compares, for one layout: a run saved after batch 0 in which batch 2 holds a NaN on rank 1
-    and batch 3 spikes (two skips in a row: the save is reloaded, undoing batch 1), and the run that reads only
+    and batch 3 spikes there (two skips in a row: the save is reloaded, undoing batch 1), and the run that reads only
     batches 0, 4 and 5, with the guard on and off."""
     bad = paratrain.GuardConfig(spike=4.0, window=2, reload_after=2)
     return {
