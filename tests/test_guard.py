@@ -136,3 +136,23 @@ def test_config_is_checked_in_one_line():
 def test_a_run_of_skips_without_a_checkpoint_is_one_line():
     with pytest.raises(paratrain.ConfigError, match="2 optimizer steps skipped in a row and no checkpoint directory"):
         _run([0, 1, 2], nan=(1, 2), guard=GuardConfig(reload_after=2))
+
+
+def test_loss_scaling_keeps_its_own_overflow_skips():
+    """fp16-mixed (CUDA): an overflow is the grad scaler's to skip (it lowers its scale and goes on), not a guard skip
+    that would reload after a few; a step the guard skips for its loss still ends the scaler's step (its update), or
+    the next unscale would refuse. Run here on the CPU scaler torch has."""
+    from paratrain.precision import FP16Mixed, ScalerByLayout
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    par = paratrain.Parallel("single", monitor=False, guard=GuardConfig(reload_after=None))
+    model, opt = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    par.precision = FP16Mixed()
+    par.precision.scaler = ScalerByLayout("cpu")
+    x = torch.randn(5, 4)
+    for scale in (1e36, 1.0, float("nan"), 1.0):  # a loss that overflows once scaled, a clean step, a NaN, a clean one
+        with par.step(model, opt):
+            par.forward_backward(model, x, torch.zeros(5, 1), lambda out, y: nn.functional.mse_loss(out, y) * scale)
+    assert par.precision.scaler.get_scale() == 2.0**14  # the overflow and the NaN halved it
+    assert par._loop.guard.skipped == 1 and "loss nan" in par._loop.guard.lines[0]
