@@ -5,7 +5,8 @@ one with ``guard=False``, one with ``guard=True`` (or ``--spike``: ``GuardConfig
 of the same MLP, AdamW and an in-memory batch list. Timed blocks of N steps alternate between them, the order flipped
 every round; rank 0's wall time per step is reported, and the median of the per-round ratios on/off. Nothing is
 wrong in the data, so the guard only decides: the global gradient norm (no collective under DDP, whose gradients
-are already averaged), the step's loss averaged over the ranks (one all-reduce of one number) and one host read of the flag.
+are already averaged), the step's loss averaged over the ranks (one all-reduce of one number) and one host read of
+the flag.
 
 On a GPU the read is the cost to watch: the host waits for the backward before it queues the optimizer step. This
 CPU run cannot show that; it shows the rest.

@@ -69,11 +69,11 @@ def test_every_rank_skips_alike_and_reloads(world2, layout):
     assert "x the median" in spike and "2 in a row, 2 in all" in spike
 
 
-def _run(feed, *, guard=True, nan=(), accumulate=1, optimizer=torch.optim.Adam, syncs=None, **kwargs):
+def _run(feed, *, guard=True, nan=(), accumulate=1, optimizer=torch.optim.Adam, syncs=None, monitor=False, **kwargs):
     """One process: ``feed`` batch indices (``accumulate`` micro-batches each); NaN in the micro-batches ``nan``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    par = paratrain.Parallel("single", monitor=False, guard=guard, accumulate=accumulate, **kwargs)
+    par = paratrain.Parallel("single", monitor=monitor, guard=guard, accumulate=accumulate, **kwargs)
     model, opt = par.prepare(model, optimizer(model.parameters(), lr=0.1))
     xs = torch.randn(16, 5, 4, generator=torch.Generator().manual_seed(1))
     for b in feed:
@@ -85,6 +85,11 @@ def _run(feed, *, guard=True, nan=(), accumulate=1, optimizer=torch.optim.Adam, 
                 par.forward_backward(model, x, torch.zeros(5, 1), nn.functional.mse_loss)
     state = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
     guard_state = par._loop.guard
+    if monitor:
+        assert par.monitor.skipped_steps == guard_state.skipped
+        assert (
+            f"skipped by the numerics guard: {guard_state.skipped} optimizer step(s)" in par.monitor.summary().table()
+        )
     par.close()
     return state, guard_state
 
@@ -102,7 +107,7 @@ def _same_state(a, b) -> bool:
 
 
 def test_an_inf_in_one_micro_batch_skips_its_whole_window():
-    (bad, guard) = _run([0, 1, 2], nan=(3,), accumulate=2)  # micro-batch 3: the second of step 2
+    (bad, guard) = _run([0, 1, 2], nan=(3,), accumulate=2, monitor=True)  # micro-batch 3: the second of step 2
     (clean, _) = _run([0, 2], accumulate=2)
     assert _same_state(bad, clean)
     assert (
@@ -153,6 +158,8 @@ def test_loss_scaling_keeps_its_own_overflow_skips():
     x = torch.randn(5, 4)
     for scale in (1e36, 1.0, float("nan"), 1.0):  # a loss that overflows once scaled, a clean step, a NaN, a clean one
         with par.step(model, opt):
-            par.forward_backward(model, x, torch.zeros(5, 1), lambda out, y: nn.functional.mse_loss(out, y) * scale)
+            par.forward_backward(
+                model, x, torch.zeros(5, 1), lambda out, y, s=scale: nn.functional.mse_loss(out, y) * s
+            )
     assert par.precision.scaler.get_scale() == 2.0**14  # the overflow and the NaN halved it
     assert par._loop.guard.skipped == 1 and "loss nan" in par._loop.guard.lines[0]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,6 @@ from torch import nn
 from .checkpoint import layout
 from .distributed.metrics import gather_object, reduce_value
 from .errors import ConfigError
-
-if TYPE_CHECKING:
-    from .parallel import Parallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,10 +70,10 @@ def guard_config(value: bool | GuardConfig | None) -> GuardConfig | None:
 
 
 class Guard:
-    """The guard of one ``Parallel``: it reads the job's reductions, logger, trackers, monitor and checkpoints
-    through ``par``."""
+    """The guard of one ``Parallel`` (``par``, typed ``Any``: the façade imports this module), whose strategy,
+    trackers, monitor and checkpoints it reads."""
 
-    def __init__(self, config: GuardConfig, par: Parallel) -> None:
+    def __init__(self, config: GuardConfig, par: Any) -> None:
         self.config, self._par = config, par
         self.skipped = 0
         """Optimizer steps skipped so far."""
@@ -91,7 +88,7 @@ class Guard:
         self._kept = 0
 
     @classmethod
-    def of(cls, config: GuardConfig | None, par: Parallel) -> Guard | None:
+    def of(cls, config: GuardConfig | None, par: Any) -> Guard | None:
         """``par``'s guard, None when ``config`` is (the guard is off)."""
         return None if config is None else cls(config, par)
 

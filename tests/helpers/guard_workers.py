@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from helpers.dist_workers import build_model
 from torch import nn
 
 import paratrain
+from helpers.dist_workers import build_model
 
 BATCH = 8
 """Samples of one global batch (each data-parallel replica reads its slice)."""
@@ -32,8 +32,9 @@ def train(
     ckpt: str | None = None,
 ) -> dict[str, Any]:
     """Adam steps on the batches ``feed`` (indices); batches in ``nan`` get a NaN target on rank 1 only, those in
-    ``spike`` targets 1000 times larger on rank 1 only (every rank must still skip them); ``save_after``: ``par.save()`` after that many steps. Returns
-    the full model state, this rank's optimizer state, and what the guard saw and said (its lines)."""
+    ``spike`` targets 1000 times larger on rank 1 only (every rank must still skip them); ``save_after``:
+    ``par.save()`` after that many steps. Returns the full model state and this rank's optimizer state after each
+    step, and what the guard counted and said."""
     par = paratrain.Parallel(strategy, monitor=False, guard=guard, checkpoint=ckpt, **options)
     model = build_model()
     model, opt = par.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01))
