@@ -1,12 +1,15 @@
-"""What the numerics guard costs on a training step, on CPU/gloo.
+"""What the numerics guard costs on a training step, on CPU/gloo, measured two ways.
 
-One job of 2 processes (1 thread each) holds two ``Parallel("ddp", monitor=False)`` objects on one shared gloo group,
-one with ``guard=False``, one with ``guard=True`` (or ``--spike``: ``GuardConfig(spike=10)``), each with its own copy
-of the same MLP, AdamW and an in-memory batch list. Timed blocks of N steps alternate between them, the order flipped
-every round; rank 0's wall time per step is reported, and the median of the per-round ratios on/off. Nothing is
-wrong in the data, so the guard only decides: the global gradient norm (no collective under DDP, whose gradients
-are already averaged), the step's loss averaged over the ranks (one all-reduce of one number) and one host read of
-the flag.
+1. End to end, world size 2: one job of 2 processes (1 thread each) holds two ``Parallel("ddp", monitor=False)``
+   objects on one shared gloo group, one with ``guard=False``, one with ``guard=True`` (or ``--spike``:
+   ``GuardConfig(spike=10)``), each with its own copy of the same MLP, AdamW and an in-memory batch list. Timed
+   blocks of N steps alternate between them, the order flipped every round; rank 0's wall time per step is
+   reported, and the median of the per-round ratios on/off. Nothing is wrong in the data, so the guard only
+   decides: the global gradient norm (no collective under DDP, whose gradients are already averaged), the step's
+   loss averaged over the ranks (one all-reduce of one number) and one host read of the flag.
+2. The same step in one process (``Parallel("single")``: no all-reduce), in this thread's CPU time
+   (``time.thread_time``, which other processes taking the cores inflate less than wall time); loops alternate and
+   the fastest of each kind is compared, as ``timeit`` does. Less noisy than part 1 on a shared machine.
 
 On a GPU the read is the cost to watch: the host waits for the backward before it queues the optimizer step. This
 CPU run cannot show that; it shows the rest.
@@ -21,6 +24,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,8 +39,8 @@ from paratrain.workloads.synthetic import mlp
 BATCH_PER_RANK = 64
 
 
-def _job(guard: bool | paratrain.GuardConfig, steps: int) -> tuple:
-    par = paratrain.Parallel("ddp", monitor=False, guard=guard)
+def _job(guard: bool | paratrain.GuardConfig, steps: int, strategy: str = "ddp") -> tuple:
+    par = paratrain.Parallel(strategy, monitor=False, guard=guard)
     torch.manual_seed(0)
     model = mlp()
     model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -47,14 +51,21 @@ def _job(guard: bool | paratrain.GuardConfig, steps: int) -> tuple:
     return par, model, optimizer, data
 
 
-def _block(par: paratrain.Parallel, model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> float:
+def _block(
+    par: paratrain.Parallel,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Seconds per step over ``data``."""
-    dist.barrier()
-    t0 = time.perf_counter()
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = clock()
     for x, y in data:
         with par.step(model, optimizer):
             par.forward_backward(model, x, y, F.cross_entropy)
-    return (time.perf_counter() - t0) / len(data)
+    return (clock() - t0) / len(data)
 
 
 def worker(rounds: int, steps: int, spike: bool) -> dict[str, list[float]]:
@@ -83,6 +94,26 @@ def bench(rounds: int, steps: int, spike: bool) -> dict:
     }
 
 
+def bench_one_process(rounds: int, steps: int, spike: bool) -> dict:
+    torch.set_num_threads(1)
+    on = paratrain.GuardConfig(spike=10.0) if spike else True
+    jobs = {"off": _job(False, steps, "single"), "on": _job(on, steps, "single")}
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(rounds + 1):
+        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            t = _block(*jobs[name], clock=time.thread_time)
+            if r:  # the first round warms up
+                times[name].append(t)
+    for par, *_ in jobs.values():
+        par.close()
+    fastest = {k: min(v) for k, v in times.items()}
+    return {
+        "loop_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
+        "fastest_ms": {k: 1e3 * t for k, t in fastest.items()},
+        "ratio": fastest["on"] / fastest["off"],
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=9)
@@ -93,11 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     rounds, steps = (3, 10) if args.quick else (args.rounds, args.steps)
     result = audited(lambda: bench(rounds, steps, args.spike))
+    alone = audited(lambda: bench_one_process(rounds, steps, args.spike))
     print(
         f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; MLP 784-1024-1024-10, "
         f"AdamW, batch {BATCH_PER_RANK}/rank, world 2, ddp, guard={'GuardConfig(spike=10)' if args.spike else True}, "
         f"rounds={rounds} steps={steps}"
     )
+    print("1. End to end, world 2")
     print(f"   {'round':<8}{'off':>9}{'on':>9}{'ratio':>9}   (ms per step, rank 0)")
     per = result["per_round_ms"]
     for i, (off, on) in enumerate(zip(per["off"], per["on"]), 1):
@@ -108,10 +141,17 @@ def main(argv: list[str] | None = None) -> dict:
         "(median of the per-round ratios)"
     )
     print(background_line(result))
+    fastest = alone["fastest_ms"]
+    print(
+        f"2. One process, fastest loop of {rounds}, thread CPU ms per step: off {fastest['off']:.2f}, "
+        f"on {fastest['on']:.2f}, ratio {alone['ratio']:.3f}"
+    )
+    print(background_line(alone))
+    out = {"end_to_end": result, "one_process": alone}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":
