@@ -133,7 +133,8 @@ class Guard:
         if loss is not None and self._armed:
             assert self._history is not None and self.config.spike is not None
             flags.append(loss > self.config.spike * self._history.median())
-        return torch.stack(flags).any() if flags else None
+        device = self._par.device  # a norm over CPU-offloaded gradients lives on the host
+        return torch.stack([flag.to(device) for flag in flags]).any() if flags else None
 
     @property
     def _armed(self) -> bool:
