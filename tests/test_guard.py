@@ -75,6 +75,8 @@ def _run(feed, *, guard=True, nan=(), accumulate=1, optimizer=torch.optim.Adam, 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     par = paratrain.Parallel("single", monitor=monitor, guard=guard, accumulate=accumulate, **kwargs)
     model, opt = par.prepare(model, optimizer(model.parameters(), lr=0.1))
+    logged = []
+    par.trackers.log = lambda metrics, step: logged.append((metrics, step))
     xs = torch.randn(16, 5, 4, generator=torch.Generator().manual_seed(1))
     for b in feed:
         for m in range(accumulate):
@@ -86,6 +88,7 @@ def _run(feed, *, guard=True, nan=(), accumulate=1, optimizer=torch.optim.Adam, 
     state = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
     guard_state = par._loop.guard
     if monitor:
+        assert logged == [({"guard/skipped_steps": 1}, 2)]  # the trackers' count, at the step skipped
         assert par.monitor.skipped_steps == guard_state.skipped
         assert (
             f"skipped by the numerics guard: {guard_state.skipped} optimizer step(s)" in par.monitor.summary().table()
