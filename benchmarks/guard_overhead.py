@@ -15,7 +15,7 @@ On a GPU the read is the cost to watch: the host waits for the backward before i
 CPU run cannot show that; it shows the rest.
 
 Run (about 1 minute on 2 cores):
-    .venv/bin/python benchmarks/guard_overhead.py [--rounds 9] [--steps 50] [--spike] [--quick] [--json PATH]
+    .venv/bin/python benchmarks/guard_overhead.py [--rounds 9] [--steps 50] [--spike] [--clip 1.0] [--quick] [--json P]
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from paratrain.workloads.synthetic import mlp
 BATCH_PER_RANK = 64
 
 
-def _job(guard: bool | paratrain.GuardConfig, steps: int, strategy: str = "ddp") -> tuple:
-    par = paratrain.Parallel(strategy, monitor=False, guard=guard)
+def _job(guard: bool | paratrain.GuardConfig, steps: int, clip: float | None, strategy: str = "ddp") -> tuple:
+    par = paratrain.Parallel(strategy, monitor=False, guard=guard, clip_grad_norm=clip)
     torch.manual_seed(0)
     model = mlp()
     model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -68,10 +68,10 @@ def _block(
     return (clock() - t0) / len(data)
 
 
-def worker(rounds: int, steps: int, spike: bool) -> dict[str, list[float]]:
+def worker(rounds: int, steps: int, spike: bool, clip: float | None) -> dict[str, list[float]]:
     dist.init_process_group("gloo")
     on = paratrain.GuardConfig(spike=10.0) if spike else True
-    jobs = {"off": _job(False, steps), "on": _job(on, steps)}
+    jobs = {"off": _job(False, steps, clip), "on": _job(on, steps, clip)}
     for job in jobs.values():
         _block(*job)  # warm-up pass
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -84,8 +84,8 @@ def worker(rounds: int, steps: int, spike: bool) -> dict[str, list[float]]:
     return times
 
 
-def bench(rounds: int, steps: int, spike: bool) -> dict:
-    times = paratrain.launch(worker, 2, args=(rounds, steps, spike), threads=1, timeout_s=900)[0]
+def bench(rounds: int, steps: int, spike: bool, clip: float | None) -> dict:
+    times = paratrain.launch(worker, 2, args=(rounds, steps, spike, clip), threads=1, timeout_s=900)[0]
     ratios = [on / off for on, off in zip(times["on"], times["off"])]
     return {
         "per_round_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
@@ -94,10 +94,10 @@ def bench(rounds: int, steps: int, spike: bool) -> dict:
     }
 
 
-def bench_one_process(rounds: int, steps: int, spike: bool) -> dict:
+def bench_one_process(rounds: int, steps: int, spike: bool, clip: float | None) -> dict:
     torch.set_num_threads(1)
     on = paratrain.GuardConfig(spike=10.0) if spike else True
-    jobs = {"off": _job(False, steps, "single"), "on": _job(on, steps, "single")}
+    jobs = {"off": _job(False, steps, clip, "single"), "on": _job(on, steps, clip, "single")}
     times: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(rounds + 1):
         for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
@@ -119,16 +119,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--steps", type=int, default=50, help="steps per timed block")
     p.add_argument("--spike", action="store_true", help="guard=GuardConfig(spike=10): the loss median too")
+    p.add_argument("--clip", type=float, help="clip_grad_norm in both runs (then the norm is taken anyway)")
     p.add_argument("--quick", action="store_true", help="3 rounds of 10 steps: checks that it runs, measures little")
     p.add_argument("--json", help="write every number here")
     args = p.parse_args(argv)
     rounds, steps = (3, 10) if args.quick else (args.rounds, args.steps)
-    result = audited(lambda: bench(rounds, steps, args.spike))
-    alone = audited(lambda: bench_one_process(rounds, steps, args.spike))
+    result = audited(lambda: bench(rounds, steps, args.spike, args.clip))
+    alone = audited(lambda: bench_one_process(rounds, steps, args.spike, args.clip))
     print(
         f"paratrain {paratrain.__version__}, torch {torch.__version__}, {CORES} cores, gloo; MLP 784-1024-1024-10, "
         f"AdamW, batch {BATCH_PER_RANK}/rank, world 2, ddp, guard={'GuardConfig(spike=10)' if args.spike else True}, "
-        f"rounds={rounds} steps={steps}"
+        f"clip_grad_norm={args.clip}, rounds={rounds} steps={steps}"
     )
     print("1. End to end, world 2")
     print(f"   {'round':<8}{'off':>9}{'on':>9}{'ratio':>9}   (ms per step, rank 0)")
