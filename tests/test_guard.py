@@ -134,7 +134,7 @@ def test_one_host_read_per_step(fused):
 
 def test_config_is_checked_in_one_line():
     assert guard_config(True) == GuardConfig() and guard_config(False) is None
-    for bad in ({"spike": 1.0}, {"window": 0}, {"reload_after": 0}, {"spike": True}):
+    for bad in ({"spike": 1.0}, {"window": 0}, {"reload_after": 0}, {"spike": True}, {"spike": "10"}):
         with pytest.raises(paratrain.ConfigError, match="GuardConfig"):
             GuardConfig(**bad)
     with pytest.raises(paratrain.ConfigError, match="guard= takes"):

@@ -48,7 +48,8 @@ class GuardConfig:
     """Skipped steps in a row after which the job reloads its last checkpoint (None: never)."""
 
     def __post_init__(self) -> None:
-        if self.spike is not None and (isinstance(self.spike, bool) or not self.spike > 1):
+        spike = self.spike
+        if spike is not None and (isinstance(spike, bool) or not isinstance(spike, (int, float)) or not spike > 1):
             raise ConfigError(f"GuardConfig.spike must be a ratio > 1 (or None), got {self.spike!r}")
         for name in ("window", "reload_after"):
             value = getattr(self, name)
