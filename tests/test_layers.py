@@ -46,7 +46,18 @@ LAYERS: dict[int, tuple[str, ...]] = {
     2: ("model", "loss"),
     3: ("distributed", "planner", "checkpoint"),
     4: ("strategies", "launcher"),
-    5: ("parallel", "settings", "prepared", "session", "loop", "monitor", "replicas", "rank_alone", "script_verify"),
+    5: (
+        "parallel",
+        "settings",
+        "prepared",
+        "session",
+        "loop",
+        "guard",
+        "monitor",
+        "replicas",
+        "rank_alone",
+        "script_verify",
+    ),
     6: ("workloads", "demo", "bench", "verify", "doctor", "testing", "dry_run", "cuda_step", "plan_commands", "tf"),
     7: ("cli", "__main__", ""),  # "": the package's own __init__, the façade over everything
 }

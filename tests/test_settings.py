@@ -29,6 +29,7 @@ def test_the_constructor_takes_the_common_case_flat_and_the_rest_grouped():
         "checkpoint",
         "log_with",
         "monitor",
+        "guard",
         "model",
         "job",
     ]

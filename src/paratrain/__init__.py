@@ -30,6 +30,7 @@ _EXPORTS = {
     "CheckpointConfig": ".checkpoint.config",
     "ModelConfig": ".settings",
     "JobConfig": ".settings",
+    "GuardConfig": ".guard",
     "GlobalBatch": ".loop",
     "MonitorConfig": ".monitor",
     "TrackerConfig": ".monitor.trackers",

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from .data import ShardedLoader, ShardSampler
-from .distributed.grad_norm import clip_grad_norm
+from .distributed.grad_norm import clip_grads_with_norm, global_grad_norm
 from .errors import ConfigError
+from .guard import Guard
 from .precision import Precision
 from .strategies.base import Strategy
 
@@ -77,25 +78,31 @@ class StepInfo:
 
 
 def finish_step(
-    strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, max_norm: float | None
+    strategy: Strategy,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    max_norm: float | None,
+    guard: Guard | None = None,
 ) -> torch.Tensor | None:
     """End an accumulation window: the strategy completes the gradients (a weight tied across pipeline stages,
-    tensor parallelism's partial sums), the global norm over every shard is clipped to ``max_norm`` when given, the
-    optimizer steps (through the grad scaler, inside the strategy's ``optimizer_stepping``) and the gradients are
-    freed. Where only the step sees the whole gradient (parameter servers), the step clips it instead. Returns the
-    norm before clipping, a 0-d tensor nobody waits for until it is read (None when not clipped)."""
+    tensor parallelism's partial sums), the global norm over every shard is taken when clipping to ``max_norm`` or
+    when the numerics ``guard`` reads it, the guard may skip the step, the gradients are clipped, the optimizer
+    steps (through the grad scaler, inside the strategy's ``optimizer_stepping``) and the gradients are freed. Where
+    only the step sees the whole gradient (parameter servers), the step clips it instead. Returns the norm before
+    clipping, a 0-d tensor nobody waits for until it is read (None when not taken)."""
     strategy.sync_gradients(model)
     norm, in_step = None, False
-    if max_norm is not None:
+    if max_norm is not None or guard is not None:
         precision.unscale(optimizer)
-        in_step = strategy.server.clips_in_step(optimizer, max_norm)
+        in_step = max_norm is not None and strategy.server.clips_in_step(optimizer, max_norm)
         if not in_step:
-            norm = clip_grad_norm(
-                model.parameters(),
-                max_norm,
-                group=strategy.grad_norm_group(model),
-                counted=strategy.grad_norm_parameters(model),
-            )
+            norm = global_grad_norm(strategy.grad_norm_parameters(model), strategy.grad_norm_group(model)).detach()
+    if guard is not None and guard.skips(strategy, model, optimizer, None if precision.skips_overflow else norm):
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+    if norm is not None and max_norm is not None:
+        clip_grads_with_norm(model.parameters(), max_norm, norm)
     with strategy.optimizer_stepping(optimizer):
         precision.step(optimizer)
     if in_step:
@@ -127,7 +134,13 @@ class Loop:
     ``Parallel``'s verbs advance it; it is kept apart from them so the façade holds no counting rules.
     """
 
-    def __init__(self, accumulate: int, clip_grad_norm: float | None, batch: GlobalBatch | None = None) -> None:
+    def __init__(
+        self,
+        accumulate: int,
+        clip_grad_norm: float | None,
+        batch: GlobalBatch | None = None,
+        guard: Guard | None = None,
+    ) -> None:
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ConfigError(f"accumulate must be an integer >= 1, got {accumulate!r}")
         if batch is not None and accumulate != 1:
@@ -145,6 +158,8 @@ class Loop:
         self.epoch: int | None = None
         self.resume_epoch: int | None = None  # the epoch a load resumes inside, until epochs() starts it
         self.last_grad_norm: torch.Tensor | None = None
+        self.guard = guard
+        """The numerics guard (:mod:`paratrain.guard`), when on."""
 
     def epochs(
         self, n: int, start: int, loaders: Iterable[object], training: Callable[[], bool], warn: Callable[[str], None]
@@ -171,6 +186,10 @@ class Loop:
             return
         self.accumulate, self.batch = batch.accumulate(replicas, micro), None
 
+    def saw_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss``, the current micro-step's, kept for the numerics guard when there is one."""
+        return loss if self.guard is None else self.guard.saw(self.micro_step, loss)
+
     def next_step(self) -> StepInfo:
         """What the coming micro-step is."""
         if self.batch is not None:
@@ -189,7 +208,7 @@ class Loop:
         """After the user's block of micro-step ``info`` exited cleanly: the optimizer step when it ends a window."""
         self.micro_step = (self.micro_step + 1) % self.accumulate
         if info.sync:
-            norm = finish_step(strategy, model, optimizer, precision, self.clip_grad_norm)
+            norm = finish_step(strategy, model, optimizer, precision, self.clip_grad_norm, self.guard)
             self.last_grad_norm = norm if norm is not None else self.last_grad_norm
             self.optimizer_steps += 1
 

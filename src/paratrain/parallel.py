@@ -31,6 +31,7 @@ from .data import ShardedLoader, map_evenly, prepare_loader
 from .distributed.metrics import gather_object, reduce_value
 from .distributed.process_group import group_started
 from .env import ClusterEnv
+from .guard import Guard, GuardConfig
 from .loop import GlobalBatch, Loop, StepInfo
 from .loss import HeadLoss
 from .model.facts import ModelFacts
@@ -66,6 +67,7 @@ class Parallel:
             ``CheckpointConfig(dir=, every=, keep=, resume=)`` (docs/checkpoints.md).
         log_with: trackers for ``par.log`` and the monitor's figures (rank 0): names, configs, ``TrackerConfig``.
         monitor: ``par.monitor`` (step time, data wait, stragglers, memory); ``False`` or a ``MonitorConfig``.
+        guard: skip optimizer steps whose loss or gradient norm is not finite (or spikes): ``True``, a ``GuardConfig``.
         model: a ``ModelConfig``: activation checkpointing, compilation, meta init, chunked loss.
         job: a ``JobConfig``: collective timeout, where this process sits, deterministic kernels.
         **strategy_options: options of the named strategy (e.g. ``bucket_cap_mb`` for ddp, ``tp=2``).
@@ -84,14 +86,15 @@ class Parallel:
         checkpoint: CheckpointConfig | str | os.PathLike | None = None,
         log_with: TrackerConfig | LogWith | None = None,
         monitor: bool | MonitorConfig = True,
+        guard: bool | GuardConfig = False,
         model: ModelConfig | None = None,
         job: JobConfig | None = None,
         **strategy_options: Any,
     ) -> None:
         settings = Settings.parse(
-            accumulate=accumulate, model=model, job=job, checkpoint=checkpoint, options=strategy_options
+            accumulate=accumulate, model=model, job=job, checkpoint=checkpoint, options=strategy_options, guard=guard
         )
-        self._loop = Loop(settings.accumulate, clip_grad_norm, settings.batch)
+        self._loop = Loop(settings.accumulate, clip_grad_norm, settings.batch, Guard.of(settings.guard, self))
         watching, tracking = monitor_and_trackers(monitor, log_with)
         self._loss, self.init_fn = HeadLoss(settings.model.loss_chunk), settings.model.init_fn
         self.transforms = settings.model.transforms
@@ -121,8 +124,7 @@ class Parallel:
             }
         )
         self._chosen.build_mesh(self.device)
-        self._seed: int | None = None
-        self._prepared = Prepared()
+        self._prepared, self._seed = Prepared(), None  # the seed: seed_everything's (int | None)
         self._checkpoints = AutoCheckpoint(self.checkpoint_config, self.print, settings.job.timeout_s, self.env)
         self._size_batch()
         self._replicas = Replicas(self._session, self.world_size, self._chosen, self._runtime)
@@ -169,9 +171,7 @@ class Parallel:
         """The device mesh the strategy runs on (None in one process, and while ``auto`` waits for the model)."""
         return self._chosen.mesh
 
-    last_grad_norm = property(
-        lambda self: self._loop.last_grad_norm, doc="The gradient norm before the last clip, a 0-d tensor; None before."
-    )
+    last_grad_norm = property(lambda self: self._loop.last_grad_norm, doc="The last step's global gradient norm.")
 
     @property
     def data_parallel_rank(self) -> int:
@@ -310,11 +310,11 @@ class Parallel:
         if loss is None:
             loss = self._loss(model, call, self.strategy, self.precision, self.device)
             self.backward(loss)
-        return loss.detach().float()
+        return self._loop.saw_loss(loss.detach().float())
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided by the accumulation count so accumulated gradients are a mean."""
-        self._prepared.check_graph(loss, self.strategy.name)
+        self._prepared.check_graph(self._loop.saw_loss(loss), self.strategy.name)  # the numerics guard reads it
         self.precision.backward(loss / self.accumulate if self.accumulate > 1 else loss)
 
     @collective("par.sum")

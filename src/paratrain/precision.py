@@ -123,6 +123,12 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
+    skips_overflow = False
+    """True where the precision skips steps with non-finite gradients itself (loss scaling lowers its scale)."""
+
+    def skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step after ``unscale`` was skipped (the numerics guard): settle what the step would have."""
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this plugin (the grad scaler's state, if it has one)."""
         return {}
@@ -167,6 +173,13 @@ class FP16Mixed(Precision):
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.scaler is not None
         self.scaler.step(optimizer)
+        self.scaler.update()
+
+    skips_overflow = True
+
+    def skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        """The scaler's update ends the step its ``unscale_`` began (the next one would refuse to unscale again)."""
+        assert self.scaler is not None
         self.scaler.update()
 
     def state_dict(self) -> dict[str, Any]:

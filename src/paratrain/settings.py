@@ -21,6 +21,7 @@ from .checkpoint.config import CheckpointConfig, checkpoint_config
 from .distributed.router_loss import MODES
 from .env import ClusterEnv
 from .errors import ConfigError
+from .guard import GuardConfig, guard_config
 from .loop import GlobalBatch
 from .loss import HeadLoss
 from .options import BlockTransforms
@@ -93,6 +94,8 @@ class Settings:
     checkpoint: CheckpointConfig
     moe_aux_loss: str
     """How a mixture of experts' router loss is computed (:mod:`paratrain.distributed.router_loss`)."""
+    guard: GuardConfig | None = None
+    """The numerics guard's settings (:mod:`paratrain.guard`), None when off."""
     strategy_options: dict[str, Any] = field(default_factory=dict)
     """What is left: the strategy's own options (``bucket_cap_mb``, ``tp``, ``config``…), for its spec alone."""
 
@@ -105,6 +108,7 @@ class Settings:
         job: JobConfig | None,
         checkpoint: CheckpointConfig | str | os.PathLike | None,
         options: dict[str, Any],
+        guard: bool | GuardConfig | None = None,
     ) -> Settings:
         """``Parallel``'s grouped keywords and its ``**options``, where the former flat spellings may still be
         (one warning naming what to write instead)."""
@@ -131,6 +135,7 @@ class Settings:
             moe_aux_loss=moe_aux_loss,
             accumulate=1 if batch is not None else accumulate,
             checkpoint=checkpoint_config(checkpoint, options),
+            guard=guard_config(guard),
             strategy_options=options,
         )
 

@@ -242,7 +242,7 @@ def test_hsdp_needs_four_processes():
 
 def test_clipping_matches_torch_clip_grad_norm():
     """The reference is torch's own clip_grad_norm_: once, to exactly max_norm."""
-    from paratrain.distributed.grad_norm import clip_grad_norm
+    from paratrain.distributed.grad_norm import clip_grads_with_norm, global_grad_norm
 
     def grads() -> list[nn.Parameter]:
         torch.manual_seed(0)
@@ -253,7 +253,8 @@ def test_clipping_matches_torch_clip_grad_norm():
 
     ours, ref = grads(), grads()
     with HostSyncs() as syncs:
-        norm = clip_grad_norm(iter(ours), 1.0)
+        norm = global_grad_norm(ours).detach()
+        clip_grads_with_norm(ours, 1.0, norm)
     assert syncs.count == 0, f"clipping read the device on the host: {dict(syncs.calls)}"
     ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
     assert isinstance(norm, torch.Tensor) and norm.dim() == 0 and not norm.requires_grad

@@ -65,6 +65,9 @@ class Targets:
     """Waits for every rank (no-op in one process)."""
     gather: Callable[[Any], list[Any]]
     """Every rank's value of a small object, in rank order."""
+    data: bool = True
+    """Restore the loaders' positions on load (False: they read on from where they are, past the batches the
+    numerics guard skipped)."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ def load(t: Targets, path: str | Path) -> Position:
         _check_count(
             folder, "LR scheduler", len(train["schedulers"]), len(t.schedulers), "pass the same schedulers to prepare()"
         )
-        for loader, position in zip(t.loaders, positions):
+        for loader, position in zip(t.loaders if t.data else [], positions):
             loader.load_state_dict(position, train["epoch"])  # takes effect at the loader's next pass
     try:
         with quiet_single_process():

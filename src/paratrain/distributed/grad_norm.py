@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -12,29 +12,22 @@ from ..tensor_layouts import grouped, mesh_of
 from .tensor_parallel.quiet import quiet_sequential_collectives
 
 
-def clip_grad_norm(
-    parameters: Iterator[nn.Parameter],
-    max_norm: float,
-    group: dist.ProcessGroup | None = None,
-    counted: Iterable[nn.Parameter] | None = None,
-) -> torch.Tensor:
-    """Clip the global gradient norm, sharded (DTensor) gradients included; returns the norm before clipping, a 0-d
-    tensor on the gradients' device: reading it (``float(norm)``, a format) waits for the device, so the step does
-    not unless its caller asks.
-
-    ``group``: ranks whose local norms make up the global one (the stages of a pipeline). ``counted``: the
-    parameters whose gradients this rank adds to the norm, when not all of ``parameters`` (a tied weight that
-    another stage counts).
-    """
+def clip_grads_with_norm(parameters: Iterable[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Clip the gradients, sharded (DTensor) ones included, by their global ``norm`` (:func:`global_grad_norm`, the
+    norm before clipping) to ``max_norm``; nothing waits for the device: the scale stays a tensor."""
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params if counted is None else counted, group)
     for part in grouped(params, lambda p: mesh_of(p.grad)):  # one kind of tensor a multi-tensor op (tensor_layouts.py)
         torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
-    return norm.detach()
 
 
 def global_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The 2-norm of every gradient of the model (collective for sharded gradients and with ``group``)."""
+    """The 2-norm of every gradient of the model (collective for sharded gradients and with ``group``), a 0-d
+    tensor on the gradients' device: reading it (``float(norm)``, a format) waits for the device, so the step does
+    not unless its caller asks.
+
+    ``parameters``: those whose gradients this rank adds to the norm (not a tied weight that another stage counts).
+    ``group``: ranks whose local norms make up the global one (the stages of a pipeline).
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     with quiet_sequential_collectives():  # a norm over (dp, tp) shards reduces one dimension after the other
         norm = _norm(grads)

@@ -94,6 +94,8 @@ class Monitor:
         self.experts = ExpertCounter(device) if config.experts else None
         self.expert_loads: list[ExpertLoad] = []
         """Each MoE layer's tokens per expert over the last window, every data-parallel rank's (the same on all)."""
+        self.skipped_steps = 0
+        """Optimizer steps the numerics guard skipped (:mod:`paratrain.guard`; the same on every rank)."""
         self._persistence = Persistence(config.persist)
         self._block = _Block(self.recorder)
         on_rank0 = rank == 0
@@ -206,6 +208,7 @@ class Monitor:
             every=self.config.every,
             accumulate=self.accumulate,
             experts=list(self.expert_loads),
+            skipped_steps=self.skipped_steps,
         )
 
     def close(self, print_fn: Callable[[str], Any] = print) -> RunSummary | None:

@@ -49,6 +49,8 @@ class RunSummary:
     accumulate: int = 1
     experts: list[ExpertLoad] = field(default_factory=list)
     """Each MoE layer's tokens per expert over the last window (empty for a dense model)."""
+    skipped_steps: int = 0
+    """Optimizer steps the numerics guard skipped."""
 
     def table(self) -> str:
         steps = max((r.steps for r in self.rows), default=0)
@@ -69,6 +71,8 @@ class RunSummary:
                 f"{r.sync_ms:>8.1f}  {_bytes(r.peak_mem):>10}" + (f"  {_bytes(r.device_used):>10}" if gpu else "")
             )
         lines.extend(_expert_lines(self.experts))
+        if self.skipped_steps:
+            lines.append(f"skipped by the numerics guard: {self.skipped_steps} optimizer step(s)")
         if self.warnings:
             lines.append(f"warnings ({len(self.warnings)}):")
             lines.extend(f"  - {w.message}" for w in self.warnings)
@@ -91,6 +95,7 @@ class RunSummary:
                 {"kind": w.kind, "rank": w.rank, "value": w.value, "message": w.message} for w in self.warnings
             ],
             "experts": [x.to_dict() for x in self.experts],
+            "skipped_steps": self.skipped_steps,
         }
 
 
