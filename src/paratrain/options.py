@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .composition import refuse_degree
+from .composition import ZERO_BUBBLE, refuse_degree
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -20,15 +20,12 @@ if TYPE_CHECKING:
 
 COMM_HOOKS = ("fp16", "bf16", "powersgd")
 """DDP's gradient-compression hooks by name (:mod:`paratrain.distributed.comm_hooks`)."""
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", *ZERO_BUBBLE)
 """Pipeline schedules by name."""
 MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb")
 """Schedules that run two or more stages per rank, placed in a loop (rank r: stages r, r + p, …)."""
 V_SHAPED = ("zbv", "dualpipev")
 """Schedules that run exactly two stages per rank, placed in a V (rank r: stages r and 2p - 1 - r)."""
-ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
-"""Schedules that split each backward into its input and weight gradients, the latter run later to fill the
-bubble (torch's ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``)."""
 
 
 def stages_per_rank_of(schedule: str, given: int | None) -> int:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..batch import ModelCall
-from ..composition import refusal, refuse_degree
+from ..composition import ZERO_BUBBLE, refusal, refuse_degree, schedule_refusal
 from ..dims import ParallelDims
 from ..distributed.optimizer import rebuild
 from ..distributed.parallelize import Step, takes_meta
@@ -54,7 +54,7 @@ from ..errors import ConfigError
 from ..model.cuts import cut_points
 from ..model.materialize import to_device
 from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
-from ..options import ZERO_BUBBLE, CPConfig, EPConfig, PipelineConfig, TPConfig, rank_of_stage, stages_of
+from ..options import CPConfig, EPConfig, PipelineConfig, TPConfig, rank_of_stage, stages_of
 from .base import Runtime, Strategy, expert_parallel, tensor_parallel
 from .data_engines import OneReplica, Shards, Units
 from .presets import preset_named
@@ -74,7 +74,7 @@ class PipelineStrategy(Strategy):
         self.ep = expert_parallel(EPConfig.pop(options, self.name, takes_ep=True))  # refused below where not taken
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
         tp = self.tp.config.degree if self.tp.splits else 1  # type: ignore[union-attr]
-        refused = refusal(self.name, tp=tp, ep=self.ep.degree, data=self.config.data)
+        refused = refusal(self.name, tp=tp, ep=self.ep.degree, data=self.config.data, schedule=self.config.schedule)
         if refused:
             raise ConfigError(refused)
         self.data = self._engine()
@@ -129,6 +129,9 @@ class PipelineStrategy(Strategy):
         self.ep.check(model)
         if rt.precision.name == "fp16-mixed":
             raise ConfigError(f"{self.name} does not support fp16-mixed (loss scaling across stages); use bf16-mixed")
+        refused = schedule_refusal(self.config.schedule, compiled=rt.transforms.compile is not None)
+        if refused:
+            raise ConfigError(refused)
         assert rt.mesh is not None
         pp_mesh = rt.mesh["pp"]
         pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
