@@ -247,3 +247,18 @@ def test_the_zero_bubble_schedules_fill_their_bubble_with_weight_gradients():
     )
     with pytest.raises(ConfigError, match="runs exactly 2 stages per rank"):
         Training(schedule="zbv", virtual_stages=4)
+
+
+def test_no_layout_is_planned_that_a_zero_bubble_schedule_refuses():
+    """The runtime refuses ep beside a zero-bubble schedule (the composition table): the planner offers no such
+    hybrid layout under it, and the same layouts otherwise."""
+    from paratrain.planner import GPTConfig
+    from paratrain.planner.moe import MoE
+
+    moe = GPTConfig(layers=8, hidden=256, heads=4, seq_len=64, vocab=1000, moe=MoE(experts=4, top_k=2, ffn=512))
+    stats, cluster = transformer_stats(moe, name="moe"), make_cluster("h100", gpus=8)
+    looped = candidate_layouts(stats, cluster, virtual_stages=2)
+    zero_bubble = candidate_layouts(stats, cluster, virtual_stages=2, schedule="zbv")
+    dropped = [lay for lay in looped if lay not in zero_bubble]
+    assert dropped and all(lay.name == "hybrid" and lay.ep > 1 for lay in dropped)
+    assert [lay for lay in looped if lay not in dropped] == zero_bubble
