@@ -50,6 +50,23 @@ def stages_of(schedule: str, pp_rank: int, pp: int, per_rank: int) -> list[int]:
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
+def check_microbatches(schedule: str, microbatches: int, pp: int, stages: int) -> None:
+    """One-line ``ConfigError`` where torch's ``schedule`` cannot run ``microbatches`` over ``pp`` ranks holding
+    ``stages`` stages: DualPipeV needs one per stage at least; the interleaved ones run them in rounds of
+    m // p, which must divide m."""
+    if schedule == "dualpipev" and microbatches < stages:
+        raise ConfigError(
+            f"the dualpipev schedule needs at least as many micro-batches as stages ({stages}), got microbatches="
+            f"{microbatches}; raise microbatches to {stages} or more"
+        )
+    rounds = max(1, microbatches // pp)
+    if schedule in MULTI_STAGE and microbatches % rounds:
+        raise ConfigError(
+            f"the {schedule} schedule runs its micro-batches in {rounds} equal rounds over {pp} ranks, which "
+            f"microbatches={microbatches} does not make; use a multiple of {pp} (or fewer than {2 * pp})"
+        )
+
+
 def rank_of_stage(schedule: str, stage: int, pp: int) -> int:
     """The pipeline rank holding ``stage`` (the inverse of :func:`stages_of`)."""
     if schedule in V_SHAPED and stage >= pp:

@@ -11,7 +11,7 @@ import paratrain
 from paratrain.composition import ZERO_BUBBLE, refusal, schedule_refusal
 from paratrain.distributed.pipeline import _make_schedule
 from paratrain.errors import ConfigError
-from paratrain.options import PipelineConfig, rank_of_stage, stages_of
+from paratrain.options import PipelineConfig, check_microbatches, rank_of_stage, stages_of
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
@@ -88,3 +88,13 @@ def test_what_a_split_backward_cannot_run_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="under the zbv schedule is not supported") as err:
         paratrain.Parallel("hybrid", dp=2, ep=2, schedule="zbv")
     assert "\n" not in str(err.value)
+
+
+def test_micro_batches_torchs_schedules_cannot_run_are_one_line():
+    """DualPipeV needs a micro-batch per stage; the interleaved schedules run m // p equal rounds."""
+    with pytest.raises(ConfigError, match=r"at least as many micro-batches as stages \(8\)"):
+        check_microbatches("dualpipev", 4, 4, 8)
+    with pytest.raises(ConfigError, match="in 2 equal rounds over 2 ranks"):
+        check_microbatches("interleaved-zb", 5, 2, 4)
+    for ok in [("dualpipev", 8, 4, 8), ("interleaved-zb", 12, 4, 8), ("interleaved-zb", 3, 2, 4), ("zbv", 3, 2, 4)]:
+        check_microbatches(*ok)

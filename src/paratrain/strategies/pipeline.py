@@ -54,7 +54,7 @@ from ..errors import ConfigError
 from ..model.cuts import cut_points
 from ..model.materialize import to_device
 from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
-from ..options import CPConfig, EPConfig, PipelineConfig, TPConfig, rank_of_stage, stages_of
+from ..options import CPConfig, EPConfig, PipelineConfig, TPConfig, check_microbatches, rank_of_stage, stages_of
 from .base import Runtime, Strategy, expert_parallel, tensor_parallel
 from .data_engines import OneReplica, Shards, Units
 from .presets import preset_named
@@ -137,6 +137,7 @@ class PipelineStrategy(Strategy):
         pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
         per_rank = self.config.stages_per_rank or 1
         total, schedule = pp * per_rank, self.config.schedule
+        check_microbatches(schedule, self.config.microbatches, pp, total)
         mine = stages_of(schedule, pp_rank, pp, per_rank)  # a loop, or a V for zbv and dualpipev
         if isinstance(model, nn.Sequential):
             out = self._wrap_sequential(model, rt, total, mine)
