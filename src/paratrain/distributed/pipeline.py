@@ -335,8 +335,7 @@ def _forward_first(stages: list[Any], microbatches: int, placement: Callable[[in
     from torch.distributed.pipelining import ScheduleLoopedBFS
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-    kept = (_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F)
-    kept += (_ComputationType.UNSHARD, _ComputationType.RESHARD)
+    backward = {"FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD"}
 
     class ForwardFirst(ScheduleLoopedBFS):
         def _calculate_single_rank_operations(self, rank: int) -> list[Any]:
@@ -348,6 +347,8 @@ def _forward_first(stages: list[Any], microbatches: int, placement: Callable[[in
         def _prepare_schedule_with_comms(self, actions: dict, format: str = "compute_only") -> None:
             super()._prepare_schedule_with_comms(actions, format)
             lowered = self.pipeline_order_with_comms.items()
-            self.pipeline_order_with_comms = {r: [a for a in ops if a.computation_type in kept] for r, ops in lowered}
+            self.pipeline_order_with_comms = {
+                r: [a for a in ops if a.computation_type.name not in backward] for r, ops in lowered
+            }
 
     return ForwardFirst(stages, microbatches, scale_grads=False)
