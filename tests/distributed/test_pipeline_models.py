@@ -107,7 +107,6 @@ TP4 = [
     ("gpt tp 1f1b resume", "gpt", "pipeline", {"tp": 2}, 1, None, True),
     ("nanogpt tp interleaved clip", "nanogpt", "pipeline", {"tp": 2, "schedule": "interleaved-1f1b"}, 1, 0.5, False),
     ("llama tp zbv", "llama", "pipeline", {"tp": 2, "schedule": "zbv"}, 1, None, False),
-    ("gpt tp interleaved-zb clip", "gpt", "pipeline", {"tp": 2, "schedule": "interleaved-zb"}, 1, 0.5, False),
     (
         "llama tp 1f1b accumulate checkpointed",
         "llama",
