@@ -54,11 +54,14 @@ def test_torchs_schedule_runs_the_stages_where_the_cutter_put_them(fake_group, s
         return stages_of(schedule, rank, pp, per_rank)
 
     trained = _make_schedule(schedule, stages, 4, lambda out, y: out.sum(), placement)
-    assert type(trained).__name__ == {
-        "zbv": "ScheduleZBVZeroBubble",
-        "dualpipev": "ScheduleDualPipeV",
-        "interleaved-zb": "ScheduleInterleavedZeroBubble",
-    }[schedule]
+    assert (
+        type(trained).__name__
+        == {
+            "zbv": "ScheduleZBVZeroBubble",
+            "dualpipev": "ScheduleDualPipeV",
+            "interleaved-zb": "ScheduleInterleavedZeroBubble",
+        }[schedule]
+    )
     assert trained.stage_index_to_group_rank == {s: rank_of_stage(schedule, s, pp) for s in range(pp * per_rank)}
     evaluated = _make_schedule("gpipe", stages, 1, None, placement)
     assert evaluated.stage_index_to_group_rank == trained.stage_index_to_group_rank
