@@ -113,6 +113,12 @@ class PipelineStrategy(Strategy):
             tp = self.tp_degree(env)
             need = f"{2 * tp} processes with tp={tp}" if tp > 1 else "processes"
             raise ConfigError(f"{self.name} needs at least 2 pipeline stages ({need}); launch more with -n")
+        self._check_microbatches(pp)
+
+    def _check_microbatches(self, pp: int) -> None:
+        """Before any process group: the micro-batches the schedule runs over ``pp`` ranks."""
+        per_rank = self.config.stages_per_rank or 1
+        check_microbatches(self.config.schedule, self.config.microbatches, pp, pp * per_rank)
 
     def rng_rank(self, rt: Runtime) -> int:
         """The replica's index: its stages (and tp ranks) share a stream, so a script's own draws (nanoGPT's
@@ -137,7 +143,6 @@ class PipelineStrategy(Strategy):
         pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
         per_rank = self.config.stages_per_rank or 1
         total, schedule = pp * per_rank, self.config.schedule
-        check_microbatches(schedule, self.config.microbatches, pp, total)
         mine = stages_of(schedule, pp_rank, pp, per_rank)  # a loop, or a V for zbv and dualpipev
         if isinstance(model, nn.Sequential):
             out = self._wrap_sequential(model, rt, total, mine)
@@ -429,6 +434,7 @@ class HybridPipeline(PipelineStrategy):
                 f"hybrid needs dp >= 2 and pp >= 2 (got dp={dp} x pp={pp}{of} from {env.world_size} processes); "
                 f"launch {4 * tp} processes, or use 'pipeline' or 'ddp'"
             )
+        self._check_microbatches(pp)
 
     def describe(self) -> str:
         return self._described(f"hybrid({self.config.data} x pipeline, schedule={self.config.schedule}")
