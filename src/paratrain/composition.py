@@ -43,6 +43,11 @@ TAKES: dict[str, Takes] = {
 """Every strategy by name (aliases are their preset's); a strategy missing here takes nothing beside its own."""
 
 PIPELINES = ("pipeline", "hybrid")
+ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
+"""Pipeline schedules that split each backward into its input and its weight gradients, the latter run later to
+fill the bubble (torch's ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``). The
+weight half runs through ``torch.autograd.grad``: no ``DistributedDataParallel`` hook fires (a pipeline's ``ddp``
+replicates with FSDP2's ``replicate`` under them), and FSDP keeps each stage gathered through the step."""
 
 CP_METHODS = ("auto", "ulysses", "allgather")
 """How ``cp`` ranks run attention over whole sequences (``cp_method=``): ``ulysses``, an all-to-all trading the
@@ -75,9 +80,11 @@ def names_taking(degree: Literal["tp", "cp", "ep"]) -> list[str]:
     return [n for n, t in TAKES.items() if (t.tp == "option" if degree == "tp" else getattr(t, degree))]
 
 
-def refusal(name: str, *, tp: int = 1, cp: int = 1, ep: int = 1, data: str = "ddp") -> str | None:
+def refusal(
+    name: str, *, tp: int = 1, cp: int = 1, ep: int = 1, data: str = "ddp", schedule: str = "1f1b"
+) -> str | None:
     """Why strategy ``name`` cannot take these degrees together (one line), or None when it can. ``data``: a
-    pipeline's data engine (``ddp``, ``zero1``, ``fsdp``)."""
+    pipeline's data engine (``ddp``, ``zero1``, ``fsdp``); ``schedule``: its schedule."""
     rule = takes(name)
     if tp > 1 and rule.tp == "never":
         return refuse_degree(name, "tp", tp)
@@ -95,10 +102,26 @@ def refusal(name: str, *, tp: int = 1, cp: int = 1, ep: int = 1, data: str = "dd
             f"{name} with both tp and ep is not supported yet; split the experts (ep) or every layer (tp) of its "
             "stages, or use Parallel('zero3', tp=2, ep=2) without stages"
         )
+    if name in PIPELINES and ep > 1 and schedule in ZERO_BUBBLE:
+        return (
+            f"{name} with ep under the {schedule} schedule is not supported: torch's split backward (input, then "
+            "weight gradients) cannot run the experts' token exchange; use schedule='1f1b' or 'interleaved-1f1b' "
+            "with ep"
+        )
     if name in PIPELINES and ep > 1 and data == "zero1":
         return (
             f"{name} with data='zero1' and ep is not supported: ZeroRedundancyOptimizer cannot checkpoint split "
             "experts' state; use data='ddp' or data='fsdp' with ep"
+        )
+    return None
+
+
+def schedule_refusal(schedule: str, *, compiled: bool) -> str | None:
+    """Why pipeline ``schedule`` cannot run blocks compiled by ``torch.compile`` (one line), or None when it can."""
+    if compiled and schedule in ZERO_BUBBLE:
+        return (
+            f"the {schedule} schedule splits each backward into input and weight gradients, which compiled blocks "
+            "cannot run (a compiled backward runs once); drop compile or use schedule='1f1b' or 'interleaved-1f1b'"
         )
     return None
 

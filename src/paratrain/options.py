@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .composition import CP_METHODS, refuse_degree
+from .composition import CP_METHODS, ZERO_BUBBLE, refuse_degree
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -20,8 +20,58 @@ if TYPE_CHECKING:
 
 COMM_HOOKS = ("fp16", "bf16", "powersgd")
 """DDP's gradient-compression hooks by name (:mod:`paratrain.distributed.comm_hooks`)."""
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", *ZERO_BUBBLE)
 """Pipeline schedules by name."""
+MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb")
+"""Schedules that run two or more stages per rank, placed in a loop (rank r: stages r, r + p, …)."""
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules that run exactly two stages per rank, placed in a V (rank r: stages r and 2p - 1 - r)."""
+
+
+def stages_per_rank_of(schedule: str, given: int | None) -> int:
+    """The stages each rank holds under ``schedule`` (``given``: asked for, None for its default); one-line
+    ``ConfigError`` when the schedule cannot run that many."""
+    default = 2 if schedule in MULTI_STAGE + V_SHAPED else 1
+    v = default if given is None else given
+    if schedule in MULTI_STAGE and v < 2:
+        raise ConfigError(f"the {schedule} schedule needs stages_per_rank >= 2")
+    if schedule in V_SHAPED and v != 2:
+        raise ConfigError(f"the {schedule} schedule runs exactly 2 stages per rank (a V), got stages_per_rank={v}")
+    if schedule not in MULTI_STAGE + V_SHAPED and v != 1:
+        raise ConfigError(f"schedule {schedule!r} runs one stage per rank; use interleaved-1f1b for more")
+    return v
+
+
+def stages_of(schedule: str, pp_rank: int, pp: int, per_rank: int) -> list[int]:
+    """The stage indices pipeline rank ``pp_rank`` of ``pp`` holds: a V (``zbv``, ``dualpipev``: stages r and
+    2p - 1 - r, so the first and last stages share rank 0) or a loop (r, r + p, …), as torch's schedules place them."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def check_microbatches(schedule: str, microbatches: int, pp: int, stages: int) -> None:
+    """One-line ``ConfigError`` where torch's ``schedule`` cannot run ``microbatches`` over ``pp`` ranks holding
+    ``stages`` stages: DualPipeV needs one per stage at least; the interleaved ones run them in rounds of
+    m // p, which must divide m."""
+    if schedule == "dualpipev" and microbatches < stages:
+        raise ConfigError(
+            f"the dualpipev schedule needs at least as many micro-batches as stages ({stages}), got microbatches="
+            f"{microbatches}; raise microbatches to {stages} or more"
+        )
+    rounds = max(1, microbatches // pp)
+    if schedule in MULTI_STAGE and microbatches % rounds:
+        raise ConfigError(
+            f"the {schedule} schedule runs its micro-batches in {rounds} equal rounds over {pp} ranks, which "
+            f"microbatches={microbatches} does not make; use a multiple of {pp} (or fewer than {2 * pp})"
+        )
+
+
+def rank_of_stage(schedule: str, stage: int, pp: int) -> int:
+    """The pipeline rank holding ``stage`` (the inverse of :func:`stages_of`)."""
+    if schedule in V_SHAPED and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
 
 
 @dataclass(kw_only=True)
@@ -83,7 +133,8 @@ class PipelineConfig:
     """How the model is cut and scheduled."""
 
     schedule: str = "1f1b"
-    """``gpipe``, ``1f1b`` or ``interleaved-1f1b``."""
+    """``gpipe``, ``1f1b``, ``interleaved-1f1b``, or a zero-bubble schedule that splits each backward into its input
+    and weight gradients: ``interleaved-zb`` (looped stages), ``zbv`` or ``dualpipev`` (two stages per rank in a V)."""
     microbatches: int = 4
     """Micro-batches per batch; the batch size must divide by it."""
     split: Sequence[int] | None = None
@@ -93,7 +144,7 @@ class PipelineConfig:
     """Names of the modules where stages 2, 3, … begin (``["transformer.h.6"]``; an ``nn.Sequential``'s are
     ``"0"``, ``"1"``, …); instead of ``split``."""
     stages_per_rank: int | None = None
-    """Stages each rank holds (default 1, or 2 for the interleaved schedule)."""
+    """Stages each rank holds (default 1; 2 for the interleaved schedules; exactly 2 for ``zbv`` and ``dualpipev``)."""
     dp: int | None = None
     """hybrid only: data-parallel degree (default: half the processes, so 4 processes = 2 x 2)."""
     data: str = "ddp"
@@ -109,12 +160,7 @@ class PipelineConfig:
             raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if self.microbatches < 1:
             raise ConfigError(f"microbatches must be >= 1, got {self.microbatches}")
-        if self.stages_per_rank is None:
-            self.stages_per_rank = 2 if self.schedule == "interleaved-1f1b" else 1
-        if self.schedule == "interleaved-1f1b" and self.stages_per_rank < 2:
-            raise ConfigError("the interleaved-1f1b schedule needs stages_per_rank >= 2")
-        if self.schedule != "interleaved-1f1b" and self.stages_per_rank != 1:
-            raise ConfigError(f"schedule {self.schedule!r} runs one stage per rank; use interleaved-1f1b for more")
+        self.stages_per_rank = stages_per_rank_of(self.schedule, self.stages_per_rank)
         if self.eval_outputs not in ("every", "last"):
             raise ConfigError(f"eval_outputs must be 'every' or 'last', got {self.eval_outputs!r}")
         if self.data not in ("ddp", "zero1", "zero3", "fsdp"):

@@ -406,3 +406,15 @@ def test_tp_runs_inside_the_strategies_that_take_it_with_the_workloads_plan():
     assert runs[(2, "zero3+tp2")] == {"tp": 2, "tp_plan": plan} == runs[(4, "zero1+tp2")]
     assert {r.label for r in skipped} == {"hsdp+tp2"}  # refused in its own words
     assert all("does not take tp" in r.skipped for r in skipped)
+
+
+def test_schedules_time_each_pipeline_strategy_under_each_schedule_in_one_job():
+    cfg = BenchConfig(nprocs=(1, 2), strategies=("ddp", "pipeline"), schedules=("1f1b", "zbv", "dualpipev"))
+    jobs, skipped, _ = plan_jobs(cfg, TWO_CORES)
+    assert [r.label for r in jobs[1].runs] == ["ddp", "pipeline/1f1b", "pipeline/zbv", "pipeline/dualpipev"]
+    assert [r.options.get("schedule") for r in jobs[1].runs] == [None, "1f1b", "zbv", "dualpipev"]
+    assert skipped == []
+    with pytest.raises(ConfigError, match="add pipeline or hybrid"):
+        BenchConfig(strategies=("ddp",), schedules=("zbv",))
+    with pytest.raises(ConfigError, match="schedules must be distinct names among"):
+        BenchConfig(strategies=("pipeline",), schedules=("zbv", "zero-bubble"))

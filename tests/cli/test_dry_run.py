@@ -139,16 +139,20 @@ def test_dry_run_command(models, paratrain_cmd):
 
 def test_a_tie_across_pipeline_stages_is_laid_out_and_one_on_one_rank_is_an_error():
     """A launch keeps a weight tied across stages on both (gradients summed over the stages that hold it:
-    ``strategies.pipeline._tie_groups``), so the dry run lays it out; it refuses only a tie whose users two stages
-    of one rank hold (interleaved), as a launch does."""
+    ``strategies.pipeline._tie_groups``), so the dry run lays it out; a tie whose users are two stages of one rank
+    (interleaved; a V's first and last stage) stays one tensor there, and is refused where tp or data-parallel
+    replicas lay out each stage on its own, as a launch does."""
     small = GPTConfig(layers=8, hidden=64, heads=4, seq_len=64, vocab=1000)
     embedding = small.vocab * small.hidden * 4
-    for options, world in [({}, 8), ({"schedule": "interleaved-1f1b"}, 4), ({"tp": 2}, 8)]:
+    for options, world in [({}, 8), ({"schedule": "interleaved-1f1b"}, 4), ({"tp": 2}, 8), ({"schedule": "zbv"}, 4)]:
         result = dry_run(lambda: GPT(small), world=world, strategy="pipeline", options=options)
         assert result.error is None, (options, result.error)
         first, middle, last = result.ranks[0], result.ranks[1], result.ranks[-1]
-        assert last.rank == world - 1
         tp = options.get("tp", 1)
+        if options.get("schedule") == "zbv":  # the V: embedding and head on rank 0, one tensor
+            assert first.parameters - middle.parameters == pytest.approx(embedding, rel=0.1), result.ranks
+            continue
+        assert last.rank == world - 1
         for end in (first, last):  # the embedding on the first stage, its tied copy (the head) on the last
             assert end.parameters - middle.parameters >= 0.9 * embedding / tp, (options, result.ranks)
 
@@ -157,9 +161,13 @@ def test_a_tie_across_pipeline_stages_is_laid_out_and_one_on_one_rank_is_an_erro
         model.blocks[4].fc.weight = model.blocks[0].fc.weight  # stages 0 and 2 of 4: both on rank 0 of 2
         return model
 
-    result = dry_run(shared_blocks, world=2, strategy="pipeline", options={"schedule": "interleaved-1f1b"})
+    options = {"schedule": "interleaved-1f1b"}
+    assert dry_run(shared_blocks, world=2, strategy="pipeline", options=options).error is None
+    result = dry_run(shared_blocks, world=4, strategy="pipeline", options={**options, "tp": 2})
     assert "one tensor used by stages [0, 2], two of which run on one rank" in (result.error or ""), result.error
     assert "\n" not in result.error
+    result = dry_run(lambda: GPT(small), world=4, strategy="hybrid", options={"schedule": "zbv"})
+    assert "zbv and dualpipev hold the first and last stage on one" in (result.error or ""), result.error
 
 
 def test_an_uneven_vocabulary_is_a_note_not_an_error(models):

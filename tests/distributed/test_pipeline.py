@@ -29,6 +29,7 @@ EQUAL = [
     ("hybrid", 4, 1, {}),  # 2 DDP replicas x 2 stages
     ("hybrid", 4, 2, {"schedule": "gpipe"}),  # DDP stages run every backward before a forward
     ("hybrid", 4, 2, {"data": "fsdp"}),  # 2 FSDP shards x 2 stages, accumulating
+    ("pipeline", 2, 2, {"schedule": "zbv"}),  # 4 stages in a V: rank 0 holds the first and the last
 ]
 
 

@@ -6,7 +6,8 @@ and keeps only the last position without targets), cut between their blocks, als
 (``tp=2``:
 ``pipeline`` at world 4 on a (pp, tp) mesh, ``hybrid`` at world 8 on (dp, pp, tp)); ``hybrid`` replicates its stages
 with DDP, shards their optimizer states with ZeRO-1 (``data="zero1"``: each rank steps a share) or shards them with
-FSDP. Each equals one plain process
+FSDP; the zero-bubble schedules (``zbv``, ``dualpipev``: two stages per rank in a V; ``interleaved-zb``) with each
+engine and with tp. Each equals one plain process
 on the same global batches after 3 SGD (momentum) steps, in fp32: measured ≤ 2.4e-7 for our GPT (its default init
 gives it larger weights than the transformers models, ≤ 1.2e-8), with or without tp; asserted ≤ 1e-5.
 
@@ -57,6 +58,10 @@ WORLD2 = [
     ("lora gpipe resume", "lora", "pipeline", {"schedule": "gpipe"}, 1, None, True),
     ("nanogpt 1f1b clip", "nanogpt", "pipeline", {"schedule": "1f1b"}, 1, 0.5, False),
     ("nanogpt gpipe resume", "nanogpt", "pipeline", {"schedule": "gpipe"}, 1, None, True),
+    # zero-bubble: a V holds the first and last stage on rank 0, GPT-2's tied weight one tensor there
+    ("gpt2 zbv clip", "gpt2", "pipeline", {"schedule": "zbv"}, 1, 0.5, False),
+    ("llama dualpipev resume", "llama", "pipeline", {"schedule": "dualpipev"}, 1, None, True),
+    ("nanogpt interleaved-zb accumulate", "nanogpt", "pipeline", {"schedule": "interleaved-zb"}, 2, None, False),
 ]
 WORLD4 = [
     ("gpt2 hybrid ddp", "gpt2", "hybrid", {}, 1, None, False),
@@ -88,6 +93,9 @@ WORLD4 = [
     ("gpt2 hybrid zero1 clip", "gpt2", "hybrid", {"data": "zero1"}, 1, 0.5, False),
     ("llama hybrid zero1 accumulate", "llama", "hybrid", {"data": "zero1"}, 2, None, False),
     ("nanogpt hybrid fsdp accumulate", "nanogpt", "hybrid", {"data": "fsdp"}, 2, None, False),
+    # zero-bubble: weight gradients by autograd.grad, reduced by FSDP2 (replicate for ddp) at the step's end
+    ("llama hybrid ddp zbv", "llama", "hybrid", {"schedule": "zbv"}, 1, None, False),
+    ("llama hybrid fsdp dualpipev resume", "llama", "hybrid", {"data": "fsdp", "schedule": "dualpipev"}, 1, None, True),
 ]
 # tp x pp at world 4: every schedule (interleaved: two stages per rank), clipping over tp shards and stages, bitwise
 # resumes, accumulation with activation checkpointing
@@ -98,6 +106,7 @@ TP4 = [
     ("llama tp gpipe", "llama", "pipeline", {"tp": 2, "schedule": "gpipe"}, 1, None, False),
     ("gpt tp 1f1b resume", "gpt", "pipeline", {"tp": 2}, 1, None, True),
     ("nanogpt tp interleaved clip", "nanogpt", "pipeline", {"tp": 2, "schedule": "interleaved-1f1b"}, 1, 0.5, False),
+    ("llama tp zbv", "llama", "pipeline", {"tp": 2, "schedule": "zbv"}, 1, None, False),
     (
         "llama tp 1f1b accumulate checkpointed",
         "llama",

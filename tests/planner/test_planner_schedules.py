@@ -218,3 +218,47 @@ def test_pipelines_are_planned_as_the_runtime_cuts_the_model():
     plan = recommend(refused, cluster, Training(micro_batch=1, global_batch=4))
     assert f"no pipeline or hybrid rows: {refused.pipeline_refusal}" in plan.notes
     assert (parameter_stats(_RootScale()).pipeline_stages, parameter_stats(tiny()).pipeline_stages) == (0, 2)
+
+
+def test_the_zero_bubble_schedules_fill_their_bubble_with_weight_gradients():
+    """A forward, an input gradient and a weight gradient costing alike (Qi et al. 2023): ZB-H1 looped idles a third
+    of interleaved 1F1B's fill, ZB-V none, DualPipeV a third of 1F1B's (DeepSeek-AI 2024, table 2); each holds its
+    twin's micro-batches in flight (DualPipeV half a stage's more), and plans a step that much shorter."""
+    p, m = 4, 16
+    assert bubble_fraction(p, m, 2, "interleaved-zb") == pytest.approx((3 / 2 / 3) / (m + 3 / 2 / 3))
+    assert bubble_fraction(p, m, 2, "zbv") == 0.0
+    assert bubble_fraction(p, m, 2, "dualpipev") == pytest.approx(1 / (m + 1))  # (p - 1) / 3 = 1
+    cluster = make_cluster("h100", gpus=p, mfu=0.4)
+    layout = Layout.of(name="pipeline", pp=p)
+    per_micro = STATS.activation_bytes_per_sample / p
+    times, held = {}, {}
+    for schedule in ("1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"):
+        t = Training(micro_batch=1, global_batch=m, schedule=schedule, precision="fp32")
+        assert t.stages_per_rank == (1 if schedule == "1f1b" else 2)
+        batch = batching(t, dp=1, pp=p, world_size=p)
+        times[schedule] = step_time(STATS, layout, batch, t, cluster)
+        held[schedule] = memory_per_rank(STATS, layout, batch, t, cluster).activations / per_micro
+    assert times["interleaved-zb"].bubble_s == pytest.approx(times["interleaved-1f1b"].bubble_s / 3)
+    assert times["dualpipev"].bubble_s == pytest.approx(times["1f1b"].bubble_s / 3)
+    assert times["zbv"].bubble_s == 0.0
+    looped = p + (p - 1) / 2
+    assert held == pytest.approx(
+        {"1f1b": p, "interleaved-1f1b": looped, "interleaved-zb": looped, "zbv": p, "dualpipev": p + 0.5}
+    )
+    with pytest.raises(ConfigError, match="runs exactly 2 stages per rank"):
+        Training(schedule="zbv", virtual_stages=4)
+
+
+def test_no_layout_is_planned_that_a_zero_bubble_schedule_refuses():
+    """The runtime refuses ep beside a zero-bubble schedule (the composition table): the planner offers no such
+    hybrid layout under it, and the same layouts otherwise."""
+    from paratrain.planner import GPTConfig
+    from paratrain.planner.moe import MoE
+
+    moe = GPTConfig(layers=8, hidden=256, heads=4, seq_len=64, vocab=1000, moe=MoE(experts=4, top_k=2, ffn=512))
+    stats, cluster = transformer_stats(moe, name="moe"), make_cluster("h100", gpus=8)
+    looped = candidate_layouts(stats, cluster, virtual_stages=2)
+    zero_bubble = candidate_layouts(stats, cluster, virtual_stages=2, schedule="zbv")
+    dropped = [lay for lay in looped if lay not in zero_bubble]
+    assert dropped and all(lay.name == "hybrid" and lay.ep > 1 for lay in dropped)
+    assert [lay for lay in looped if lay not in dropped] == zero_bubble

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..composition import PIPELINES
 from ..errors import ConfigError
+from ..options import SCHEDULES
 
 SCALING = ("weak", "strong")
 COMPARE = ("torch-ddp",)
@@ -25,6 +27,9 @@ class BenchConfig:
     """Strategies to run at each world size above 1 (world 1 runs 'single')."""
     strategy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Options per strategy name, passed to ``Parallel`` (e.g. ``{"pipeline": {"microbatches": 8}}``)."""
+    schedules: tuple[str, ...] = ()
+    """Pipeline schedules each pipeline strategy (``pipeline``, ``hybrid``) is timed under, side by side in the same
+    job (``--schedules 1f1b,zbv``): a row each, labelled ``pipeline/zbv``; empty: the strategy's own schedule."""
     tp: int | None = None
     """Tensor-parallel degree inside ddp, zero2 and zero3 (``--tp``); the ``tp`` strategy splits over every rank.
     Models without a built-in plan use the workload's ``tp_plan``."""
@@ -72,6 +77,11 @@ class BenchConfig:
         for name in self.strategy_options:
             if name not in self.strategies:
                 raise ConfigError(f"options given for strategy {name!r}, which is not among {list(self.strategies)}")
+        unknown = [s for s in self.schedules if s not in SCHEDULES]
+        if unknown or len(set(self.schedules)) != len(self.schedules):
+            raise ConfigError(f"schedules must be distinct names among {', '.join(SCHEDULES)}, got {self.schedules}")
+        if self.schedules and not set(self.strategies) & set(PIPELINES):
+            raise ConfigError("--schedules times the pipeline strategies; add pipeline or hybrid to the strategies")
         if self.servers is not None and (not isinstance(self.servers, int) or self.servers < 1):
             raise ConfigError(f"servers must be >= 1, got {self.servers!r}")
         if self.scaling not in SCALING:

@@ -28,13 +28,17 @@ def _bytes(value: float | None) -> str:
     return f"{value:.0f}"
 
 
-def _line(row: Row) -> str:
-    name = row.name + (" *" if row.oversubscribed else "")
+def _name(row: Row) -> str:
+    return row.name + (" *" if row.oversubscribed else "")
+
+
+def _line(row: Row, width: int) -> str:
+    name = _name(row)
     if row.skipped:
-        return f"{name:<22} skipped: {row.skipped}"
+        return f"{name:<{width}} skipped: {row.skipped}"
     eff = "-" if row.efficiency is None else f"{row.efficiency:.2f}"
     return (
-        f"{name:<22}{row.world:>5}{row.threads:>4}{row.global_batch:>7}{row.samples_per_s:>11.0f}"
+        f"{name:<{width}}{row.world:>5}{row.threads:>4}{row.global_batch:>7}{row.samples_per_s:>11.0f}"
         f"{row.step_ms:>9.2f}{row.step_p90_ms:>8.2f}{_times(row.speedup):>9}{eff:>6}{_pct(row.comm_share):>6}"
         f"{_pct(row.data_share):>6}{_pct(row.imbalance):>7}{_bytes(row.bytes_per_step):>11}"
         f"{max(row.peak_mb, default=0):>14.0f}"
@@ -43,6 +47,7 @@ def _line(row: Row) -> str:
 
 def format_report(result: BenchResult) -> str:
     cfg = result.config
+    width = max([22, *(len(_name(r)) + 1 for r in result.rows)])  # pipeline/interleaved-1f1b x2: longer
     kinds = {r.memory_kind for r in result.rows if r.memory_kind}
     memory = _MEMORY.get(next(iter(kinds), "rss_peak"), "peak MiB")
     scaling = (
@@ -55,10 +60,10 @@ def format_report(result: BenchResult) -> str:
         f"{scaling}; {cfg.rounds} rounds of {cfg.warmup} warm-up + {cfg.steps} timed steps; "
         f"{result.machine.describe()}; paratrain {result.versions['paratrain']}, torch {result.versions['torch']}",
         "",
-        f"{'config':<22}{'world':>5}{'thr':>4}{'batch':>7}{'samples/s':>11}{'step ms':>9}{'p90 ms':>8}"
+        f"{'config':<{width}}{'world':>5}{'thr':>4}{'batch':>7}{'samples/s':>11}{'step ms':>9}{'p90 ms':>8}"
         f"{'speedup':>9}{'eff':>6}{'comm':>6}{'data':>6}{'imbal':>7}{'bytes/step':>11}{memory:>14}",
     ]
-    lines += [_line(row) for row in result.rows]
+    lines += [_line(row, width) for row in result.rows]
     over = sorted({r.oversubscribed for r in result.rows if r.oversubscribed})
     if over:
         lines.append(

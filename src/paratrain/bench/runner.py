@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TextIO
 
+from ..composition import PIPELINES
 from ..devices import select_device
 from ..errors import ConfigError
 from ..launcher.spawn import launch
@@ -55,12 +56,14 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
             )
             continue
         runs, served = [], []
-        for name in config.strategies:
+        for name, schedule in _configurations(config):
             serving = serves(name)
             options = {**config.strategy_options.get(name, {}), **_tp_options(config, name)}
             if serving and config.servers is not None:
                 options["servers"] = config.servers
             label = f"{name}+tp{config.tp}" if "tp" in options and name != "tp" else name
+            if schedule is not None:
+                options["schedule"], label = schedule, f"{label}/{schedule}"
             reason = _cannot_run(name, options, world)
             if reason:
                 skipped.append(Row(label=label, world=world, threads=threads, skipped=reason))
@@ -94,6 +97,21 @@ def plan_jobs(config: BenchConfig, machine: Machine) -> tuple[list[Job], list[Ro
                     )
                 )
     return jobs, skipped, notes
+
+
+def _configurations(config: BenchConfig) -> list[tuple[str, str | None]]:
+    """(strategy, pipeline schedule) of each run at a world size: a pipeline strategy once per ``--schedules``
+    entry, the others (and a pipeline without ``--schedules``) once, under their own options."""
+    return [
+        (name, schedule)
+        for name in config.strategies
+        for schedule in (config.schedules if name in PIPELINES and config.schedules else (None,))
+    ]
+
+
+def _strategy_of(label: str) -> str:
+    """The strategy a row's label names (``pipeline+tp2/zbv``: ``pipeline``)."""
+    return label.split("/")[0].split("+tp")[0]
 
 
 def _tp_options(config: BenchConfig, strategy: str) -> dict:
@@ -162,7 +180,7 @@ def run_bench(config: BenchConfig, *, log: TextIO | None = None) -> BenchResult:
             "the timings are suspect; measure on an idle machine"
         )
     order = [BASELINE, *config.strategies, TORCH_DDP]
-    rows.sort(key=lambda r: (r.world * r.threads, r.world, order.index(r.label.split("+tp")[0])))
+    rows.sort(key=lambda r: (r.world * r.threads, r.world, order.index(_strategy_of(r.label))))
     return BenchResult(
         config=config,
         machine=machine,

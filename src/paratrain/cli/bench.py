@@ -6,6 +6,7 @@ Examples:
   paratrain bench --workload cnn --nproc 1,2,4 --strategies ddp,zero1,fsdp --scaling strong --batch 256
   paratrain bench --workload recommender --nproc 2,3 --strategies ddp,ps --batch 256   # a big table: ps vs ddp
   paratrain bench --workload mymodels:build_workload --nproc 1,2
+  paratrain bench --workload mymodels:deep_gpt --nproc 2 --strategies pipeline --schedules 1f1b,zbv,dualpipev
 
 Each world size is one job of that many processes; the strategies (and the hand-written DDP loop of
 --compare) take turns in timed blocks inside it. Weak scaling (default) keeps --batch samples per replica,
@@ -45,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="world sizes, comma-separated (default: 1,2 on a CPU, 1,2,4… up to the GPUs)",
     )
     p.add_argument("--strategies", default="ddp", help="comma-separated strategies (default: ddp)")
+    p.add_argument(
+        "--schedules",
+        default="",
+        help="pipeline schedules to time pipeline and hybrid under, side by side (e.g. 1f1b,zbv,dualpipev)",
+    )
     p.add_argument("--tp", type=int, help="tensor-parallel degree inside ddp, zero2 and zero3 (and the 'tp' strategy)")
     p.add_argument(
         "--ps-servers",
@@ -85,6 +91,7 @@ def execute(args: argparse.Namespace) -> int:
         workload=args.workload,
         nproc=args.nproc,
         strategies=args.strategies,
+        schedules=tuple(s.strip() for s in args.schedules.split(",") if s.strip()),
         tp=args.tp,
         servers=args.ps_servers,
         scaling=args.scaling,

@@ -89,8 +89,8 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         from torch.distributed._composable.replicate_with_fsdp import replicate
     except ImportError:  # added in torch 2.9; the package allows older ones
         raise ConfigError(
-            f"ddp with tp replicates through FSDP2's replicate, which torch {torch.__version__} does "
-            "not have (torch >= 2.9 does); use zero2 or zero3 with tp, or a newer torch"
+            f"ddp with tp (or a zero-bubble pipeline schedule) replicates through FSDP2's replicate, which torch "
+            f"{torch.__version__} does not have (torch >= 2.9 does); use zero2 or zero3 there, or a newer torch"
         ) from None
     ignored = ignored_parameters(model)
     replicate(model, mesh=mesh, **({"ignored_params": ignored} if ignored else {}))

@@ -18,6 +18,7 @@ from torch import nn
 from ..batch import ModelCall
 from ..errors import ConfigError
 from ..model.stages import LOSS_INPUT, TOKEN_IDS, OutputKind, StageModule
+from ..options import stages_of
 from ..precision import Precision
 
 
@@ -93,10 +94,16 @@ class PipelinedModel(nn.Module):
                 PipelineStage(part, index, self.num_stages, self.device, group=self.pp_group)
                 for index, part in self.parts
             ]
+            per_rank = len(self.parts)
+            pp = self.num_stages // per_rank
+
+            def placement(rank: int) -> list[int]:
+                return stages_of(self.schedule_name, rank, pp, per_rank)
+
             if kind == "eval":  # forward only: one micro-batch of any size, no bubble to hide
-                self._schedules[key] = _make_schedule("gpipe", stages, 1, None)
+                self._schedules[key] = _make_schedule("gpipe", stages, 1, None, placement)
             else:
-                self._schedules[key] = _make_schedule(self.schedule_name, stages, self.microbatches, loss_fn)
+                self._schedules[key] = _make_schedule(self.schedule_name, stages, self.microbatches, loss_fn, placement)
         return self._schedules[key]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -293,11 +300,55 @@ def stage_states(
     return parts if dst is None or me == dst else []
 
 
-def _make_schedule(name: str, stages: list[Any], microbatches: int, loss_fn: Callable | None) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
+def _make_schedule(
+    name: str, stages: list[Any], microbatches: int, loss_fn: Callable | None, placement: Callable[[int], list[int]]
+) -> Any:
+    """Torch's schedule called ``name`` over this rank's ``stages`` (``placement``: the stages each pipeline rank
+    holds). Several stages per rank under ``gpipe`` (a forward-only run) take :func:`_forward_first`."""
+    from torch.distributed.pipelining import schedules
 
-    if len(stages) > 1:  # several stages per rank: interleaved 1F1B, or its all-forward-first twin
-        multi = ScheduleInterleaved1F1B if name == "interleaved-1f1b" else ScheduleLoopedBFS
-        return multi(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+    if len(stages) > 1 and name == "gpipe":
+        return _forward_first(stages, microbatches, placement)
+    if len(stages) > 1:
+        cls = getattr(schedules, _MULTI[name], None)
+        if cls is None:  # torch < 2.9
+            raise ConfigError(f"schedule {name!r} needs a newer torch: {torch.__version__} lacks {_MULTI[name]}")
+        return cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = schedules.ScheduleGPipe if name == "gpipe" else schedules.Schedule1F1B
     return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+_MULTI = {
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""Torch's classes of the schedules that run several stages per rank, by our name."""
+
+
+def _forward_first(stages: list[Any], microbatches: int, placement: Callable[[int], list[int]]) -> Any:
+    """A forward-only run of several stages per rank: each local stage's micro-batches at once, earlier stages first
+    (looped BFS, whose torch class assumes a loop), over any placement, a V (``zbv``, ``dualpipev``: stages r and
+    2p - 1 - r) included. Its backward actions, which torch's checks ask for, are dropped once it is lowered: with two
+    adjacent stages on one rank, a backward hands a gradient between them even when the schedule runs none."""
+    from torch.distributed.pipelining import ScheduleLoopedBFS
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    backward = {"FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_B", "RECV_B", "REDUCE_GRAD"}
+
+    class ForwardFirst(ScheduleLoopedBFS):
+        def _calculate_single_rank_operations(self, rank: int) -> list[Any]:
+            mine, micro = sorted(placement(rank)), range(self._n_microbatches)
+            ops: list[Any] = [None] * rank + [_Action(s, _ComputationType.FORWARD, m) for s in mine for m in micro]
+            ops += [None] * (2 * (self.pp_group_size - 1 - rank))
+            return ops + [_Action(s, _ComputationType.FULL_BACKWARD, m) for s in mine[::-1] for m in micro[::-1]]
+
+        def _prepare_schedule_with_comms(self, actions: dict, format: str = "compute_only") -> None:
+            super()._prepare_schedule_with_comms(actions, format)
+            lowered = self.pipeline_order_with_comms.items()
+            self.pipeline_order_with_comms = {
+                r: [a for a in ops if a.computation_type.name not in backward] for r, ops in lowered
+            }
+
+    return ForwardFirst(stages, microbatches, scale_grads=False)

@@ -413,6 +413,9 @@ class StageModule(nn.Module):
         """The loss the model computed on the last forward, on the last stage given the loss's inputs."""
         self.hands_on_loss = False
         """Return that loss, not the logits (a training schedule's loss function reads it)."""
+        self.copy_views = False
+        """Hand on a copy of an output that is a view: a zero-bubble schedule detaches a stage's outputs in place
+        once their input gradients are computed, which a view refuses."""
 
     def forward(self, x: torch.Tensor, **inputs: Any) -> torch.Tensor:
         ids = inputs.pop(TOKEN_IDS, None)
@@ -450,7 +453,7 @@ class StageModule(nn.Module):
             self.loss = loss_of(out)
             if self.hands_on_loss:
                 return self.loss
-        if tensor._base is not None and _sharded(self):
+        if tensor._base is not None and (self.copy_views or _sharded(self)):
             # A middle stage's hidden states come out as a view (GPT-2's ``view``, the logits slice); FSDP warns
             # on every such root output, since an in-place op on it would skip its hooks. A copy is one activation.
             tensor = tensor.clone()

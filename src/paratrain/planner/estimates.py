@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from .context_parallel import cp_pairs
 from .expert_parallel import ep_degrees
 from .hardware import Cluster
-from .layout import Layout, exact_layouts, layouts
+from .layout import Layout, composes, exact_layouts, layouts
 from .memory import MemoryBreakdown, memory_per_rank
 from .model_stats import ModelStats
 from .param_server import Serving, serving
@@ -121,7 +121,9 @@ def estimate_all(
     context-parallel degree to plan (``context_parallel.cp_pairs``: None every one that fits the heads and a node
     with each tp, 1 none).
     """
-    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep, cp)
+    found = candidate_layouts(
+        stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep, cp, schedule=training.schedule
+    )
     world = cluster.world_size
     splits = [lay for lay in found[1:] if split_error(training, lay, world) is None]
     return estimate_layouts(stats, cluster, training, found[0], splits)
@@ -151,6 +153,7 @@ def candidate_layouts(
     ep: int | None = None,
     cp: int | None = None,
     strategy: str | None = None,
+    schedule: str = "1f1b",
 ) -> list[Layout]:
     """The layouts a plan weighs, ``single`` first: every one the cluster can run (with ``ps_servers`` > 0 also
     ``ps``; a mixture of experts also with ``ep``; a transformer also with ``cp``), or ``exact``'s (only
@@ -181,7 +184,8 @@ def candidate_layouts(
                 f"{exact.pp * virtual_stages} stages but paratrain's pipelines cut it into {stages} at most; use "
                 f"--virtual-stages {max(2, stages // exact.pp)} or fewer, or fewer pipeline stages"
             )
-    return [lay for lay in found if lay.pp * virtual_stages <= stages or lay.pp == 1]
+    fits = [lay for lay in found if lay.pp * virtual_stages <= stages or lay.pp == 1]
+    return [lay for lay in fits if lay.pp == 1 or composes(lay, schedule)]  # ep beside a zero-bubble schedule
 
 
 def split_error(training: Training, layout: Layout, world: int) -> str | None:

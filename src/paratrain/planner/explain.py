@@ -184,12 +184,12 @@ def _suggestions(stats: ModelStats, cluster: Cluster, training: Training, choice
     lay, m = choice.layout, choice.batch.micro_batches
     if lay.pp > 1:
         v = training.stages_per_rank
-        bubble = bubble_fraction(lay.pp, m, v)
+        bubble = bubble_fraction(lay.pp, m, v, training.schedule)
         if bubble > 0.2:
             better = 4 * lay.pp
             out.append(
                 f"pipeline bubble {bubble:.0%} with {m} micro-batches: --micro-batches {better} brings it to "
-                f"{bubble_fraction(lay.pp, better, v):.0%} (micro-batch "
+                f"{bubble_fraction(lay.pp, better, v, training.schedule):.0%} (micro-batch "
                 f"{choice.batch.micro_batch * m / better:g})"
             )
     if choice.tight:

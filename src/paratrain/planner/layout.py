@@ -262,10 +262,12 @@ def layouts(
     return [lay for lay in out if composes(lay)]
 
 
-def composes(layout: Layout) -> bool:
-    """Whether ``layout``'s strategy takes its tp, cp and ep together (:func:`paratrain.composition.refusal`): the
-    runtime's own rule, so that no layout is planned that the runtime refuses."""
-    return refusal(layout.name, tp=layout.tp, cp=layout.cp, ep=layout.ep, data=_DATA[layout.zero]) is None
+def composes(layout: Layout, schedule: str = "1f1b") -> bool:
+    """Whether ``layout``'s strategy takes its tp, cp and ep together, its pipeline under ``schedule``
+    (:func:`paratrain.composition.refusal`): the runtime's own rule, so that no layout is planned that the runtime
+    refuses."""
+    data = _DATA[layout.zero]
+    return refusal(layout.name, tp=layout.tp, cp=layout.cp, ep=layout.ep, data=data, schedule=schedule) is None
 
 
 LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "hybrid")

@@ -154,14 +154,20 @@ def model_states(stats: ModelStats, layout: Layout, training: Training, *, paper
 def in_flight(layout: Layout, batch: Batching, training: Training) -> float:
     """Micro-batches whose activations a rank holds at once, in whole-stage units: GPipe all m, 1F1B at most p
     (the first stage), interleaved 1F1B with v stages per rank p·(1 + (p−1)/(p·v)) = p + (p−1)/v (Korthikanti et
-    al. 2022, section 4.2.3: its warm-up runs (p−1)/v more micro-batches' worth of chunks), never more than m."""
+    al. 2022, section 4.2.3: its warm-up runs (p−1)/v more micro-batches' worth of chunks), never more than m. The
+    zero-bubble schedules hold what their twins hold (Qi et al. 2023: ZB-H1 and ZB-V within 1F1B's memory; the
+    weight gradients they defer keep their inputs, which the forward kept anyway): ``interleaved-zb`` interleaved
+    1F1B's, ``zbv`` p (2p half-stage chunks), ``dualpipev`` 2p + 1 chunks, p + 1/2 (DeepSeek-AI's DualPipe
+    table)."""
     if layout.pp == 1:
         return 1
     m, p = batch.micro_batches, layout.pp
     if training.schedule == "gpipe":
         return m
-    if training.schedule == "interleaved-1f1b":
+    if training.schedule in ("interleaved-1f1b", "interleaved-zb"):
         return min(m, p + (p - 1) / training.stages_per_rank)
+    if training.schedule == "dualpipev":
+        return min(m, p + 0.5)
     return min(m, p)
 
 

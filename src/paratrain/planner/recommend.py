@@ -89,7 +89,9 @@ def recommend(
     world = cluster.world_size
     global_batch = training.global_for(world)
     training = replace(training, global_batch=global_batch)
-    found = candidate_layouts(stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep, cp, strategy)
+    found = candidate_layouts(
+        stats, cluster, tp, exact, training.stages_per_rank, ps_servers, ep, cp, strategy, training.schedule
+    )
     why_not = [(lay, split_error(training, lay, world)) for lay in found[1:]]
     refused = [(lay, why) for lay, why in why_not if why is not None]
     if refused and len(refused) == len(found) - 1:

@@ -133,7 +133,8 @@ def _recommended(plan: Plan) -> list[str]:
         if ch is not next(e for e in plan.estimates if e.name == ch.name):  # re-planned to fit
             how += f"; {ch.memory.total / GIB:.1f} GiB, {ch.samples_per_s:,.1f} samples/s"
         if ch.layout.pp > 1:
-            how += f", bubble {bubble_fraction(ch.layout.pp, ch.batch.micro_batches, t.stages_per_rank):.0%}"
+            bubble = bubble_fraction(ch.layout.pp, ch.batch.micro_batches, t.stages_per_rank, t.schedule)
+            how += f", bubble {bubble:.0%}"
         lines = ["", f"recommended: {ch.name} ({how}) — {plan.reason}"]
     lines += [f"  - {text}" for text in plan.suggestions]
     lines.append(_lr_line(plan))

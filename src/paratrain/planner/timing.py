@@ -29,13 +29,27 @@ DDP_BUCKET_PASSES = 6
 default): copy into the bucket, divide by the world size, copy back out, each a read and a write."""
 
 
-def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle share of a pipeline step, (p−1)/v over m + (p−1)/v, for GPipe and 1F1B alike (v = 1: Huang et al. 2019;
-    Narayanan et al. 2021) and interleaved 1F1B with v stages per rank (Narayanan et al. 2021, section 2.2.2):
-    filling and draining p stages costs p−1 slots of a rank's share of a micro-batch, v times smaller chunks when
-    each rank holds v stages."""
-    fill = (stages - 1) / virtual_stages
-    return fill / (micro_batches + fill)
+def pipeline_fill(stages: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
+    """A rank's micro-batch times of filling and draining a pipeline of p ranks: p−1 for GPipe and 1F1B (Huang et
+    al. 2019; Narayanan et al. 2021), (p−1)/v for interleaved 1F1B with v stages per rank (Narayanan et al. 2021,
+    section 2.2.2). The zero-bubble schedules fill part of it with weight gradients, taking a forward, an input
+    gradient and a weight gradient to cost alike (a matrix product's three products; Qi et al. 2023):
+    ``interleaved-zb`` (ZB-H1, looped) idles (p−1)(F + B − W) of the 3 units of a micro-batch, a third of
+    interleaved 1F1B's; ``zbv`` (ZB-V) (p−1)(F + B − 2W) per half-stage chunk, none; ``dualpipev``
+    (p−1)(F&B + B_full − 3W) per chunk (DeepSeek-AI 2024, table 2; without overlap F&B = F + B_full), 2 of a
+    micro-batch's 6 chunk units: (p−1)/3, a third of 1F1B's."""
+    return (stages - 1) / virtual_stages * ZERO_BUBBLE_FILL.get(schedule, 1.0)
+
+
+ZERO_BUBBLE_FILL = {"interleaved-zb": 1 / 3, "zbv": 0.0, "dualpipev": 2 / 3}
+"""The share of its looped twin's fill, (p−1)/v, a zero-bubble schedule leaves idle (:func:`pipeline_fill`;
+``dualpipev`` holds v = 2 stages per rank)."""
+
+
+def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
+    """Idle share of a pipeline step: :func:`pipeline_fill` over m plus it."""
+    fill = pipeline_fill(stages, virtual_stages, schedule)
+    return fill / (micro_batches + fill) if fill else 0.0
 
 
 def executed_flops_per_sample(stats: ModelStats, training: Training) -> float:
@@ -179,13 +193,14 @@ class StepInputs:
 
     @property
     def virtual_stages(self) -> int:
-        """Pipeline stages per rank (interleaved 1F1B), 1 without a pipeline."""
+        """Pipeline stages per rank (interleaved schedules, a V), 1 without a pipeline."""
         return self.training.stages_per_rank if self.layout.pp > 1 else 1
 
     @property
     def fill(self) -> float:
-        """Slots of the pipeline's fill and drain, (p − 1)/v."""
-        return (self.layout.pp - 1) / self.virtual_stages
+        """Slots of the pipeline's fill and drain, (p − 1)/v, less what a zero-bubble schedule fills
+        (:func:`pipeline_fill`)."""
+        return pipeline_fill(self.layout.pp, self.virtual_stages, self.training.schedule)
 
     @property
     def slots(self) -> float:

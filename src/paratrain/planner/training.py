@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 from ..errors import ConfigError
 from ..flags import NO_FLAG, flag
-from ..options import SCHEDULES
+from ..options import MULTI_STAGE, SCHEDULES, V_SHAPED, stages_per_rank_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,10 +83,12 @@ class Training:
     schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b`` keeps at most p micro-batches in flight, ``gpipe`` all m, ``interleaved-1f1b``
     (Narayanan et al. 2021) gives each rank ``virtual_stages`` stages in a loop: a bubble v times smaller for v
-    times the stage-to-stage sends."""
+    times the stage-to-stage sends. The zero-bubble ones run weight gradients in the bubble: ``interleaved-zb``
+    (looped, a third of interleaved 1F1B's bubble), ``zbv`` (two stages per rank in a V, none when forward, input
+    and weight gradients cost alike) and ``dualpipev`` (a V, a third of 1F1B's)."""
     virtual_stages: int | None = None
-    """Stages each pipeline rank holds under ``interleaved-1f1b`` (default 2, as the runtime's
-    ``stages_per_rank``); 1 for the other schedules."""
+    """Stages each pipeline rank holds under ``interleaved-1f1b`` or ``interleaved-zb`` (default 2, as the runtime's
+    ``stages_per_rank``); 2 under ``zbv`` and ``dualpipev``, 1 for the other schedules."""
     checkpointing: bool = False
     """Activation checkpointing of every wrap unit: far less activation memory for one more forward pass (recompute
     full)."""
@@ -124,13 +126,15 @@ class Training:
         if self.recompute == "full" and not self.checkpointing:
             object.__setattr__(self, "checkpointing", True)
         if self.virtual_stages is not None:
-            if self.schedule != "interleaved-1f1b" and self.virtual_stages != 1:
+            if self.schedule in V_SHAPED and self.virtual_stages != 2:
+                raise ConfigError(f"--virtual-stages: the {self.schedule} schedule runs exactly 2 stages per rank")
+            if self.schedule not in MULTI_STAGE + V_SHAPED and self.virtual_stages != 1:
                 raise ConfigError(
-                    f"--virtual-stages {self.virtual_stages} needs --schedule interleaved-1f1b (the "
-                    f"{self.schedule} schedule runs one stage per rank)"
+                    f"--virtual-stages {self.virtual_stages} needs --schedule interleaved-1f1b or interleaved-zb "
+                    f"(the {self.schedule} schedule runs one stage per rank)"
                 )
-            if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
-                raise ConfigError(f"--virtual-stages must be >= 2 with interleaved-1f1b, got {self.virtual_stages}")
+            if self.schedule in MULTI_STAGE and self.virtual_stages < 2:
+                raise ConfigError(f"--virtual-stages must be >= 2 with {self.schedule}, got {self.virtual_stages}")
         for name, option in (
             ("micro_batch", "--batch"),
             ("global_batch", "--global-batch"),
@@ -176,8 +180,9 @@ class Training:
 
     @property
     def stages_per_rank(self) -> int:
-        """Pipeline stages one rank holds: ``virtual_stages`` (default 2) under interleaved 1F1B, else 1."""
-        return (self.virtual_stages or 2) if self.schedule == "interleaved-1f1b" else 1
+        """Pipeline stages one rank holds: ``virtual_stages`` (default 2) under the interleaved schedules, 2 in a V,
+        else 1 (the runtime's :func:`~paratrain.options.stages_per_rank_of`)."""
+        return stages_per_rank_of(self.schedule, self.virtual_stages if self.schedule in MULTI_STAGE else None)
 
     @property
     def flops_factor(self) -> float:

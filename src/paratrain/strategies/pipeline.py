@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..batch import ModelCall
-from ..composition import refusal, refuse_degree
+from ..composition import ZERO_BUBBLE, refusal, refuse_degree, schedule_refusal
 from ..dims import ParallelDims
 from ..distributed.optimizer import rebuild
 from ..distributed.parallelize import Step, takes_meta
@@ -54,9 +54,9 @@ from ..errors import ConfigError
 from ..model.cuts import cut_points
 from ..model.materialize import to_device
 from ..model.stages import StageModule, StagePlan, build_stage, plan_stages
-from ..options import CPConfig, EPConfig, PipelineConfig, TPConfig
+from ..options import CPConfig, EPConfig, PipelineConfig, TPConfig, check_microbatches, rank_of_stage, stages_of
 from .base import Runtime, Strategy, expert_parallel, tensor_parallel
-from .data_engines import OneReplica, Units
+from .data_engines import OneReplica, Shards, Units
 from .presets import preset_named
 from .registry import register
 
@@ -74,16 +74,28 @@ class PipelineStrategy(Strategy):
         self.ep = expert_parallel(EPConfig.pop(options, self.name, takes_ep=True))  # refused below where not taken
         self.config = config if config is not None else PipelineConfig(**options)  # type: ignore[arg-type]
         tp = self.tp.config.degree if self.tp.splits else 1  # type: ignore[union-attr]
-        refused = refusal(self.name, tp=tp, ep=self.ep.degree, data=self.config.data)
+        refused = refusal(self.name, tp=tp, ep=self.ep.degree, data=self.config.data, schedule=self.config.schedule)
         if refused:
             raise ConfigError(refused)
         self.data = self._engine()
         self._names: dict[int, dict[int, str]] = {}
 
     def _engine(self) -> OneReplica:
-        """What lays each stage out across the ``dp`` ranks: the engine of the preset ``config.data`` names."""
+        """What lays each stage out across the ``dp`` ranks: the engine of the preset ``config.data`` names.
+
+        A zero-bubble schedule runs a stage's weight gradients apart from its input gradients, through
+        ``torch.autograd.grad`` over the parameters the stage holds when its input gradients are computed. So its
+        ``ddp`` replicates with FSDP2's ``replicate``, as beside tp (autograd.grad fires no
+        ``DistributedDataParallel`` hook: each replica would keep its own gradients), whose reduction the schedule
+        runs itself; and FSDP keeps each stage's parameters gathered from the first forward to the last backward
+        (ZeRO-2 within a step), since a block re-sharded after its forward would be left out of its weight
+        gradients."""
         preset = preset_named(self.config.data)
-        return preset.engine(dict(preset.defaults), split=self.tp.splits)
+        options = dict(preset.defaults)
+        zero_bubble = self.config.schedule in ZERO_BUBBLE
+        if zero_bubble and preset.engine is Shards:
+            options["reshard_after_forward"] = False
+        return preset.engine(options, split=self.tp.splits or zero_bubble)
 
     def degrees(self, env: ClusterEnv) -> tuple[int, int]:
         """(dp, pp)."""
@@ -101,6 +113,12 @@ class PipelineStrategy(Strategy):
             tp = self.tp_degree(env)
             need = f"{2 * tp} processes with tp={tp}" if tp > 1 else "processes"
             raise ConfigError(f"{self.name} needs at least 2 pipeline stages ({need}); launch more with -n")
+        self._check_microbatches(pp)
+
+    def _check_microbatches(self, pp: int) -> None:
+        """Before any process group: the micro-batches the schedule runs over ``pp`` ranks."""
+        per_rank = self.config.stages_per_rank or 1
+        check_microbatches(self.config.schedule, self.config.microbatches, pp, pp * per_rank)
 
     def rng_rank(self, rt: Runtime) -> int:
         """The replica's index: its stages (and tp ranks) share a stream, so a script's own draws (nanoGPT's
@@ -117,18 +135,22 @@ class PipelineStrategy(Strategy):
         self.ep.check(model)
         if rt.precision.name == "fp16-mixed":
             raise ConfigError(f"{self.name} does not support fp16-mixed (loss scaling across stages); use bf16-mixed")
+        refused = schedule_refusal(self.config.schedule, compiled=rt.transforms.compile is not None)
+        if refused:
+            raise ConfigError(refused)
         assert rt.mesh is not None
         pp_mesh = rt.mesh["pp"]
         pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-        total = pp * (self.config.stages_per_rank or 1)
-        mine = [pp_rank + k * pp for k in range(self.config.stages_per_rank or 1)]  # interleaved: loop placement
+        per_rank = self.config.stages_per_rank or 1
+        total, schedule = pp * per_rank, self.config.schedule
+        mine = stages_of(schedule, pp_rank, pp, per_rank)  # a loop, or a V for zbv and dualpipev
         if isinstance(model, nn.Sequential):
             out = self._wrap_sequential(model, rt, total, mine)
         else:
             out = self._wrap_blocks(model, rt, total, mine)
         out.num_stages, out.device = total, rt.device
         out.pp_group = pp_mesh.get_group()
-        out.last_rank = dist.get_global_rank(out.pp_group, (total - 1) % pp)
+        out.last_rank = dist.get_global_rank(out.pp_group, rank_of_stage(schedule, total - 1, pp))
         out.microbatches = self.config.microbatches
         out.eval_outputs = self.config.eval_outputs
         out.schedule_name = self.config.schedule
@@ -175,13 +197,16 @@ class PipelineStrategy(Strategy):
         names = {**first, **{id(p): n for n, p in here.named_parameters()}}
         out.aliases = {n: first[i] for i, n in names.items() if n != first.get(i, n)}
         out.key_order = list(model.state_dict())
-        out.tied, out.uncounted = _tie_groups(model, plan, rt, mine)  # before FSDP swaps the parameters
+        apart = self.tp.splits or self.data_parallel(rt)[1] > 1  # a rank's stages get parameters of their own
+        # before FSDP swaps the parameters
+        out.tied, out.uncounted = _tie_groups(model, plan, rt, mine, self.config.schedule, apart)
         units = (plan.blocks.cls,)  # one sharding unit per block, never a bare container
         # Every stage's tensor-parallel plan is read off the whole model before any stage is split in place (an
         # inferred plan probes the model's first block, which an earlier stage of this rank may hold).
         splits = {s: self._stage_split(model, plan, s, total, rt) for s in mine}
         for s in mine:
             stage = StageModule(build_stage(model, plan, [s]), s, last=s == total - 1)
+            stage.copy_views = self.config.schedule in ZERO_BUBBLE
             out.stage_modules[s] = stage
             out.parts.append(
                 (s, rt.parallelize(stage, tp=splits[s], ep=self._experts(rt), data=self._stage_step(rt, units)))
@@ -301,9 +326,12 @@ class PipelineStrategy(Strategy):
 
 
 def _tie_groups(
-    model: nn.Module, plan: StagePlan, rt: Runtime, mine: list[int]
+    model: nn.Module, plan: StagePlan, rt: Runtime, mine: list[int], schedule: str, apart: bool
 ) -> tuple[list[tuple[dist.ProcessGroup, str]], set[str]]:
     """For each weight tied across stages, one process group per pipeline of the ranks holding it.
+
+    Stages of one rank that use it share the one tensor (a V's first and last stage: its gradient is their sum) unless
+    ``apart``: tensor parallelism or a data engine lays out each stage on its own, giving each its own parameter.
 
     Returns this rank's (group, parameter name) pairs and the names whose gradient another rank of the group
     counts in the global norm (the group's first rank counts it, so it is counted once). Every rank creates every
@@ -325,12 +353,16 @@ def _tie_groups(
                 by_stage.setdefault(stage, name)
         if len(by_stage) < 2:
             continue  # on one stage: still one tensor there
-        holders = sorted({s % pp for s in by_stage})
-        if len(holders) < len(by_stage):
+        holders = sorted({rank_of_stage(schedule, s, pp) for s in by_stage})
+        if len(holders) < len(by_stage) and apart:
             raise ConfigError(
-                f"{', '.join(names)} are one tensor used by stages {sorted(by_stage)}, two of which "
-                "run on one rank; choose split points that put its users on different ranks"
+                f"{', '.join(names)} are one tensor used by stages {sorted(by_stage)}, two of which run on one rank "
+                f"and are laid out apart there (by tp or data-parallel replicas); choose split points or a "
+                "schedule that put its users on different ranks (zbv and dualpipev hold the first and last stage on "
+                "one), or untie them"
             )
+        if len(holders) == 1:
+            continue  # one tensor on one rank
         for row in grid:
             ranks = [row[h] for h in holders]
             group = dist.new_group(ranks)
@@ -402,6 +434,7 @@ class HybridPipeline(PipelineStrategy):
                 f"hybrid needs dp >= 2 and pp >= 2 (got dp={dp} x pp={pp}{of} from {env.world_size} processes); "
                 f"launch {4 * tp} processes, or use 'pipeline' or 'ddp'"
             )
+        self._check_microbatches(pp)
 
     def describe(self) -> str:
         return self._described(f"hybrid({self.config.data} x pipeline, schedule={self.config.schedule}")
