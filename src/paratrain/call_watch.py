@@ -304,7 +304,9 @@ class CallWatch:
 
         print(f"paratrain: {line}", file=sys.stderr, flush=True)
         try:
-            get_error_handler().record_exception(CollectiveError(line))
+            raise CollectiveError(line)  # raised, so that the record holds its traceback, as for an uncaught one
+        except CollectiveError as err:
+            get_error_handler().record_exception(err)
         finally:
             if self._dumps is not None:
                 self._dumps.request()

@@ -128,8 +128,10 @@ class TraceDumps:
             return None
         return cls(folder, env)
 
-    def start(self) -> None:
-        threading.Thread(target=self._serve, name="paratrain-trace-dumps", daemon=True).start()
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._serve, name="paratrain-trace-dumps", daemon=True)
+        thread.start()
+        return thread
 
     def dump(self) -> None:
         """Write this rank's trace now (a rank that ends: its peers may still wait for it)."""
@@ -147,16 +149,23 @@ class TraceDumps:
             ask_for_traces(self._environ, peers, wait_s)
 
     def _serve(self) -> None:
+        """Answer requests until the store goes away (the job is ending); until it first answers, keep trying (a
+        store rank 0 hosts starts with its process group)."""
         prefix, served = _prefix(self._environ), 0
-        while True:
+        store = None
+        while store is None:
             try:
                 store = _connect(self._environ)
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(1.0)
+        try:
+            while True:
                 store.wait([f"{prefix}/request/{served + 1}"], timedelta(days=1))
                 served = int(store.add(f"{prefix}/requests", 0))
                 dump_trace(self.folder, self.rank)
                 store.set(f"{prefix}/done/{self.rank}", str(served))
-            except Exception:  # noqa: BLE001 - no store (yet, or any more): try again
-                time.sleep(1.0)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to ask
+            return
 
 
 def ask_for_traces(environ: Mapping[str, str], ranks: list[int], wait_s: float = DUMP_WAIT_S) -> None:
