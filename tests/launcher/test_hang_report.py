@@ -1,14 +1,13 @@
 """The flight recorder's report of a stalled collective: from traces written here (unit), and read back from jobs
 that hang in four ways (launched, one short job each: timeouts of 2 s, so each hang ends in seconds)."""
 
-import itertools
 import os
 import pickle
 import time
 
 import pytest
 from helpers.cli import run_cli
-from helpers.faults import kill_alive, pids_in
+from helpers.faults import kill_alive, pids_in, split_hang_report
 from helpers.paths import SCRIPTS
 
 from paratrain.hang_trace import TRACE_DIR_VAR
@@ -136,9 +135,8 @@ def test_a_stalled_job_reports_which_rank_waits_in_which_collective_and_which_ne
         kill_alive(pids_in(tmp_path, "*.pid"))
     seconds = time.monotonic() - start
     assert res.returncode == 1, res.stderr
-    lines = res.stderr.splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("paratrain: flight recorder: traces of rank"))
-    report = [lines[first], *itertools.takewhile(lambda line: line.startswith("  "), lines[first + 1 :])]
+    _, report = split_hang_report(res.stderr)
+    assert report and report[0].startswith("paratrain: flight recorder: traces of rank"), res.stderr
     for words in CASES[case]:
         assert any(words in line for line in report), f"{words!r} not in\n{res.stderr}"
     assert sorted(os.listdir(traces)) == (["rank_1"] if case == "sizes" else ["rank_0", "rank_1"])
