@@ -85,8 +85,8 @@ def test_ranks_in_different_collectives_and_a_rank_that_died_without_a_trace(tmp
     os.remove(tmp_path / "rank_0")
     lines = hang_report(str(tmp_path), {0: "killed by SIGABRT"}).splitlines()
     assert lines[1] == (
-        "  rank 0 ended (killed by SIGABRT) and left no trace (gloo aborts a rank sent more than its tensor holds: "
-        "sizes differ between ranks)"
+        "  rank 0 ended (killed by SIGABRT) and left no trace (gloo aborts a rank that is sent more than its tensor "
+        "holds: sizes differ between ranks)"
     )
     assert hang_report(str(tmp_path / "none")) is None
 
@@ -105,7 +105,7 @@ CASES = {
         "rank 1 is in no collective; last completed group default_pg #11",
     ],
     "sizes": [
-        "rank 0 ended (killed by SIGABRT) and left no trace (gloo aborts a rank sent more than its tensor holds",
+        "rank 0 ended (killed by SIGABRT) and left no trace (gloo aborts a rank that is sent more than its tensor",
         f"rank 1 is in no collective; last completed group default_pg #2 all_reduce (sizes [[8]], "
         f"{_line('4 if rank == 0 else 8')})",
     ],

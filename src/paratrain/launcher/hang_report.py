@@ -108,9 +108,7 @@ def _analyse(traces: dict[int, dict[str, Any]]) -> list[Any]:
     with _quiet_analyser():
         from torch.distributed.flight_recorder.components.builder import build_db
 
-        args = argparse.Namespace(
-            verbose=False, just_print_entries=False, allow_incomplete_ranks=True, mismatch_cap=10
-        )
+        args = argparse.Namespace(verbose=False, just_print_entries=False, allow_incomplete_ranks=True, mismatch_cap=10)
         details = {f"{FILE_PREFIX}{r}": {**t, "entries": list(t["entries"])} for r, t in traces.items()}
         version = str(next(iter(traces.values()))["version"])
         return list(build_db(details, args, version).collectives)
@@ -129,7 +127,8 @@ def _quiet_analyser() -> Iterator[None]:
 def _doing(trace: dict[str, Any] | None, verdict: Verdict | None, ended: str | None) -> str:
     """``waits in default_pg #3 all_reduce (sizes [[4]], train.py:22)``, or the last one it completed."""
     if trace is None and ended:
-        why = " (gloo aborts a rank sent more than its tensor holds: sizes differ between ranks)" * ("SIGABRT" in ended)
+        why = " (gloo aborts a rank that is sent more than its tensor holds: sizes differ between ranks)"
+        why *= "SIGABRT" in ended
         return f"ended ({ended}) and left no trace{why}"
     if trace is None:
         return "left no trace (it had exited, died, or was stuck holding the interpreter)"
