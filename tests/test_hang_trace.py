@@ -58,6 +58,10 @@ def test_a_rank_keeps_the_trace_taken_while_it_waited_over_one_taken_after_its_t
     recorder[:] = [_trace(6, retired=True)]  # the job went on: a newer trace replaces it
     assert dump_trace(str(tmp_path), 0)
     assert pickle.loads(path.read_bytes())["entries"][-1]["record_id"] == 6
+    restarted = {**pickle.loads(path.read_bytes()), "pid": -1}  # an earlier attempt's process wrote it
+    path.write_bytes(pickle.dumps(restarted))
+    recorder[:] = [_trace(0, retired=True)]
+    assert dump_trace(str(tmp_path), 0)
 
 
 def test_a_collective_gloo_has_not_yet_marked_completed_is_waited_for_a_moment(tmp_path, recorder):

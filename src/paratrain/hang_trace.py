@@ -60,8 +60,9 @@ def recorder_environ(folder: str, environ: Mapping[str, str]) -> dict[str, str]:
 def dump_trace(folder: str, rank: int) -> bool:
     """Write this rank's trace to ``folder/rank_<rank>`` (whole, or not at all); False when there is none.
 
-    A trace with no newer collective than the one already there is not written: once a collective has timed out,
-    gloo marks it completed, and the trace taken while it waited is the one that says where the rank is stuck.
+    A trace with no newer collective than the one this process wrote there before is not written: once a
+    collective has timed out, gloo marks it completed, and the trace taken while it waited is the one that says
+    where the rank is stuck. A trace of an earlier attempt's process (``--max-restarts``) is always replaced.
     """
     try:
         from torch._C._distributed_c10d import _dump_fr_trace
@@ -73,9 +74,10 @@ def dump_trace(folder: str, rank: int) -> bool:
             break
         time.sleep(0.01)
     path = os.path.join(folder, f"{FILE_PREFIX}{rank}")
-    if not trace.get("entries") or _last_record(trace) <= _last_record(_read(path)):
+    if not trace.get("entries") or _last_record(trace) <= _last_record(_read(path), os.getpid()):
         return False
     trace["pg_config"] = {**trace.get("pg_config", {}), **_process_groups()}
+    trace["pid"] = os.getpid()
     with open(f"{path}.{os.getpid()}.tmp", "wb") as f:
         pickle.dump(trace, f)
     os.replace(f"{path}.{os.getpid()}.tmp", path)
@@ -90,9 +92,10 @@ def _read(path: str) -> dict[str, Any]:
         return {}
 
 
-def _last_record(trace: dict[str, Any]) -> int:
+def _last_record(trace: dict[str, Any], pid: int | None = None) -> int:
+    """The newest collective's record id (-1: none, or written by another process than ``pid``)."""
     entries = trace.get("entries") or [{"record_id": -1}]
-    return int(entries[-1]["record_id"])
+    return int(entries[-1]["record_id"]) if pid is None or trace.get("pid") == pid else -1
 
 
 def _process_groups() -> dict[str, dict[str, str]]:
