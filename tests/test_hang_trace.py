@@ -76,6 +76,7 @@ def test_a_request_has_every_rank_write_its_trace_and_waits_for_them(tmp_path, r
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), TRACE_DIR_VAR: str(tmp_path)}
     recorder.append(_trace(4, retired=True))
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)  # the thread waits for a process group
     peer = TraceDumps.from_environ({**env, "RANK": "1"})
     serving = peer.start()  # rank 1's thread, waiting on the store
     start = time.monotonic()

@@ -152,15 +152,17 @@ class TraceDumps:
             ask_for_traces(self._environ, peers, wait_s)
 
     def _serve(self) -> None:
-        """Answer requests until the store goes away (the job is ending); until it first answers, keep trying (a
-        store rank 0 hosts starts with its process group)."""
+        """Answer requests from the first process group on (no collective is recorded before it, and the store
+        may start with it: a failed connection is a C++ warning on stderr) until the store goes away."""
+        import torch.distributed as dist
+
         prefix, served = _prefix(self._environ), 0
         store = None
         while store is None:
-            try:
-                store = _connect(self._environ)
-            except Exception:  # noqa: BLE001 - not up yet
-                time.sleep(1.0)
+            time.sleep(0.5)
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    store = _connect(self._environ)
         try:
             while True:
                 store.wait([f"{prefix}/request/{served + 1}"], timedelta(days=1))
