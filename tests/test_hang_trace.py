@@ -34,6 +34,9 @@ def recorder(monkeypatch):
 def test_the_recorder_is_on_unless_the_user_set_its_size_and_nccl_dumps_where_the_report_reads(tmp_path, recorder):
     env = recorder_environ(str(tmp_path), {})
     assert env[BUFFER_VAR] == "2000" and env[TRACE_DIR_VAR] == str(tmp_path)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "rank_")
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in recorder_environ(str(tmp_path), {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
     assert BUFFER_VAR not in recorder_environ(str(tmp_path), {BUFFER_VAR: "0"})
     assert BUFFER_VAR not in recorder_environ(str(tmp_path), {"TORCH_NCCL_TRACE_BUFFER_SIZE": "100"})
     # NCCL's watchdog writes <TORCH_FR_DUMP_TEMP_FILE><rank> on a timeout: the report must read those files too.

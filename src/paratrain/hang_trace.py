@@ -37,6 +37,8 @@ DUMP_WAIT_S = 3.0
 _SETTLE_TRIES = 20
 """Dumps 10 ms apart while the newest collective is not completed: 0.2 s for a rank that does wait in one."""
 _USER_BUFFER_VARS = (BUFFER_VAR, "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_DUMP_FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+"""The dump file's prefix under torch 2.9's name and the one before it (torch reads either)."""
 
 
 def recorder_available() -> bool:
@@ -52,8 +54,10 @@ def recorder_environ(folder: str, environ: Mapping[str, str]) -> dict[str, str]:
     env = {TRACE_DIR_VAR: folder}
     if not any(var in environ for var in _USER_BUFFER_VARS):
         env[BUFFER_VAR] = str(DEFAULT_BUFFER_SIZE)
-    if "TORCH_FR_DUMP_TEMP_FILE" not in environ and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in environ:
-        env["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, FILE_PREFIX)  # NCCL's watchdog: <prefix><rank>
+    if not any(var in environ for var in _DUMP_FILE_VARS):  # NCCL's watchdog writes <prefix><rank> on a timeout
+        env.update(dict.fromkeys(_DUMP_FILE_VARS, os.path.join(folder, FILE_PREFIX)))
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ:
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     return env
 
 
