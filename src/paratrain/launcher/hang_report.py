@@ -49,8 +49,11 @@ def hang_report(folder: str, ended: dict[int, str] | None = None) -> str | None:
 
 
 def read_traces(folder: str) -> dict[int, dict[str, Any]]:
-    """Rank -> its trace, as torch's loader reads it (``read_dump``)."""
-    from torch.distributed.flight_recorder.components.loader import read_dump
+    """Rank -> its trace, as torch's loader reads it (``read_dump``); none on a torch without that loader."""
+    try:
+        from torch.distributed.flight_recorder.components.loader import read_dump
+    except ImportError:
+        return {}
 
     traces: dict[int, dict[str, Any]] = {}
     names = os.listdir(folder) if os.path.isdir(folder) else []
