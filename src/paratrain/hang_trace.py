@@ -32,8 +32,9 @@ BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"
 DEFAULT_BUFFER_SIZE = 2000
 """Collectives kept per rank: a few training steps of a model sharded per block."""
 FILE_PREFIX = "rank_"
-DUMP_WAIT_S = 3.0
-"""How long a rank that asked for the traces waits for its peers' before it fails."""
+DUMP_WAIT_S = 10.0
+"""How long a rank that asked for the traces waits for its peers' before it fails (a first dump with stacks takes
+seconds on a busy machine); a peer that answers ends the wait."""
 _SETTLE_TRIES = 20
 """Dumps 10 ms apart while the newest collective is not completed: 0.2 s for a rank that does wait in one."""
 _USER_BUFFER_VARS = (BUFFER_VAR, "TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -61,19 +62,21 @@ def recorder_environ(folder: str, environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def dump_trace(folder: str, rank: int) -> bool:
+def dump_trace(folder: str, rank: int, *, stacks: bool = True) -> bool:
     """Write this rank's trace to ``folder/rank_<rank>`` (whole, or not at all); False when there is none.
 
     A trace with no newer collective than the one this process wrote there before is not written: once a
     collective has timed out, gloo marks it completed, and the trace taken while it waited is the one that says
     where the rank is stuck. A trace of an earlier attempt's process (``--max-restarts``) is always replaced.
+    ``stacks``: each collective's Python stack (the user's line in the report); torch's first dump with stacks
+    takes seconds (0.1 s without), so a rank that merely ends writes none.
     """
     try:
         from torch._C._distributed_c10d import _dump_fr_trace
     except ImportError:
         return False
     for _ in range(_SETTLE_TRIES):  # gloo marks a finished collective completed a moment later, from its thread
-        trace = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False))
+        trace = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=stacks, onlyActive=False))
         if not trace.get("entries") or trace["entries"][-1].get("retired", True):
             break
         time.sleep(0.01)
@@ -140,10 +143,10 @@ class TraceDumps:
         thread.start()
         return thread
 
-    def dump(self) -> None:
-        """Write this rank's trace now (a rank that ends: its peers may still wait for it)."""
+    def dump(self, *, stacks: bool = True) -> None:
+        """Write this rank's trace now (``stacks=False``: a rank that ends, whose peers may still wait for it)."""
         try:
-            dump_trace(self.folder, self.rank)
+            dump_trace(self.folder, self.rank, stacks=stacks)
         except Exception:  # noqa: BLE001 - diagnostics never fail the rank
             pass
 

@@ -77,7 +77,7 @@ def _dump(dumps: TraceDumps | None) -> None:
     """A rank that ends writes its trace: peers that still wait in a collective it never made fail next, and the
     report says what this rank completed last."""
     if dumps is not None:
-        dumps.dump()
+        dumps.dump(stacks=False)
 
 
 def _exec(argv: list[str]) -> None:
