@@ -3,6 +3,7 @@ that hang in four ways (launched, one short job each: timeouts of 2 s, so each h
 
 import os
 import pickle
+import signal
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from helpers.faults import kill_alive, pids_in, split_hang_report
 from helpers.paths import SCRIPTS
 
 from paratrain.hang_trace import TRACE_DIR_VAR
+from paratrain.launcher.failure import collective_failure
 from paratrain.launcher.hang_report import hang_report
 from paratrain.testing import alive
 
@@ -89,6 +91,14 @@ def test_ranks_in_different_collectives_and_a_rank_that_died_without_a_trace(tmp
         "holds: sizes differ between ranks)"
     )
     assert hang_report(str(tmp_path / "none")) is None
+
+
+def test_the_report_is_for_a_collective_s_failure_not_the_user_s_own_error():
+    assert collective_failure(-signal.SIGABRT, None)
+    assert collective_failure(1, "RuntimeError: [..unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation")
+    assert collective_failure(1, "paratrain.errors.CollectiveError: rank 1 left the job first (exited …)")
+    assert not collective_failure(1, "ValueError: bad batch")
+    assert not collective_failure(-signal.SIGKILL, None)
 
 
 # ----------------------------------------------------------------------------------------------- launched jobs

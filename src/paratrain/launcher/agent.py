@@ -41,7 +41,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from ..hang_trace import TRACE_DIR_VAR, ask_for_traces
-from .failure import format_leave, trace_of
+from .failure import collective_failure, format_leave, trace_of
 from .leaving import BACK, GONE, LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR, marker_path, notice_key
 
 
@@ -219,7 +219,8 @@ class LeavingContext(SubprocessContext):
                 done_local_ranks.discard(local_rank)
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
-        if not self._closing and self._failures:  # a failure stops the others: their traces first
+        stalled = any(collective_failure(f.exitcode, trace_of(f)) for f in self._failures.values())
+        if not self._closing and stalled:  # a collective's failure stops the others: their traces first
             handlers = self.subprocess_handlers.items()
             self._ask_traces([r for r, h in handlers if r not in self._failures and h.proc.poll() is None])
         self._closing = True

@@ -33,18 +33,16 @@ import importlib.util
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..call_watch import mentions_stall
 from ..env import cpu_count
 from ..errors import LaunchError, RankFailedError, describe_exitcode
 from ..hang_trace import TRACE_DIR_VAR, recorder_available, recorder_environ
 from .agreement import NNODES_VAR
-from .failure import from_child_failed
+from .failure import collective_failure, from_child_failed
 from .hang_report import hang_report
 from .kubeflow import check_pet
 from .multinode import (
@@ -266,17 +264,11 @@ def launch(args: argparse.Namespace, *, quiet_agent: bool = True) -> None:
             _launch_resolved(args, quiet_agent=quiet_agent)
         except RankFailedError as err:
             ended = {err.rank: describe_exitcode(err.exitcode)}
-            if traces.folder is not None and stalled(err) and (report := hang_report(traces.folder, ended)):
+            stalled = collective_failure(err.exitcode, err.traceback)  # a user's own error: no traces
+            if traces.folder is not None and stalled and (report := hang_report(traces.folder, ended)):
                 print(report, file=sys.stderr, flush=True)
                 traces.keep = True
             raise
-
-
-def stalled(err: RankFailedError) -> bool:
-    """The failure is a collective's: a timeout, a lost peer, a paratrain collective error, or a rank that torch's
-    C++ code aborted (gloo aborts a rank whose peer sent more than its tensor holds). A user's own error is
-    reported without the ranks' traces."""
-    return err.exitcode == -signal.SIGABRT or mentions_stall(err.traceback or "")
 
 
 def _launch_resolved(args: argparse.Namespace, *, quiet_agent: bool) -> None:
