@@ -273,7 +273,7 @@ class CallWatch:
             return
         self._reports += 1
         if self._reports == 1 and self._dumps is not None:
-            self._dumps.request(wait_s=0.0)  # while it waits: once torch's timeout passes, gloo marks it done
+            self._dumps.request()  # while it waits: once torch's timeout passes, gloo marks it done
         calls = self._read_all()
         missing = {r: c for r, c in calls.items() if r != self.rank and not current.same_call(c)}
         if missing and now - current.since >= self.timeout_s + self.report_after_s:

@@ -33,8 +33,8 @@ DEFAULT_BUFFER_SIZE = 2000
 """Collectives kept per rank: a few training steps of a model sharded per block."""
 FILE_PREFIX = "rank_"
 DUMP_WAIT_S = 10.0
-"""How long a rank that asked for the traces waits for its peers' before it fails (a first dump with stacks takes
-seconds on a busy machine); a peer that answers ends the wait."""
+"""How long the launcher waits for the traces of the ranks a failure left before it stops them (a first dump with
+stacks takes seconds on a busy machine); the last answer ends the wait."""
 _SETTLE_TRIES = 20
 """Dumps 10 ms apart while the newest collective is not completed: 0.2 s for a rank that does wait in one."""
 _USER_BUFFER_VARS = (BUFFER_VAR, "TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -150,13 +150,12 @@ class TraceDumps:
         except Exception:  # noqa: BLE001 - diagnostics never fail the rank
             pass
 
-    def request(self, wait_s: float = DUMP_WAIT_S) -> None:
-        """Ask every rank for its trace and write this one's; wait at most ``wait_s`` for the others (a rank that
-        died or hangs holding the GIL never answers)."""
+    def request(self) -> None:
+        """Write this rank's trace and ask every other rank for theirs, without waiting for them: the launcher
+        waits for the ranks still alive before it stops them (:func:`ask_for_traces`)."""
         self.dump()
-        peers = [r for r in range(self.world_size) if r != self.rank]
         with contextlib.suppress(Exception):  # diagnostics never replace the error that brought us here
-            ask_for_traces(self._environ, peers, wait_s)
+            ask_for_traces(self._environ, [], wait_s=0.0)
 
     def _serve(self) -> None:
         """Answer requests from the first process group on (no collective is recorded before it, and the store

@@ -11,10 +11,12 @@ distributed checkpoint). Every timeout is a few seconds, so each hang ends quick
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import TCPStore
 from torch.utils.data import DataLoader, Dataset
 
 import paratrain
@@ -79,10 +81,22 @@ def dcp_save(rank: int, out: str) -> None:
     time.sleep(60)  # rank 1 goes on to work of its own
 
 
+def _all_started() -> None:
+    """Both ranks here before a group with a 2 s timeout starts (on a busy machine their imports end seconds
+    apart)."""
+    store = TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    store.add("hang_job/started", 1)
+    while store.add("hang_job/started", 0) < 2:
+        time.sleep(0.05)
+
+
 def main(case: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     with open(os.path.join(out, f"{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
+    _all_started()
     if case == "dcp_save":
         dcp_save(rank, out)
     else:
