@@ -173,7 +173,7 @@ class TraceDumps:
             while True:
                 store.wait([f"{prefix}/request/{served + 1}"], timedelta(days=1))
                 served = int(store.add(f"{prefix}/requests", 0))
-                dump_trace(self.folder, self.rank)
+                self.dump()
                 store.set(f"{prefix}/done/{self.rank}", str(served))
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to ask
             return
