@@ -38,6 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "rank_agreement",
         "rank_log",
         "call_watch",
+        "hang_trace",
         "factory",
         "batch",
         "draws",

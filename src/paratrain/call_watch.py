@@ -15,6 +15,11 @@ the process exits. From it:
   and the last paratrain call of each;
 * a call that fails because a peer left or because the timeout passed is re-raised as a one-line
   :class:`~paratrain.errors.CollectiveError` naming the rank that left first, or the calls that did not match;
+* a call still waiting a report period past its timeout (a peer caught a paratrain error and carried on, so the
+  collective that would time out was never made) ends the job (:meth:`CallWatch._end_job`) naming the ranks not
+  in it, instead of waiting on;
+* under ``paratrain run``, the first wait report asks every rank for its flight-recorder trace
+  (:mod:`paratrain.hang_trace`), so the launcher's report can name the collective torch is stuck in;
 * a rare call, and work outside any call that every rank must do together (:mod:`paratrain.rank_alone`), first
   meets the others (:meth:`CallWatch.meet`): a rank that does it alone fails within a second or two, naming the
   peer that went on to another call.
@@ -41,6 +46,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from .errors import CollectiveError
+from .hang_trace import TraceDumps
 
 F = TypeVar("F", bound=Callable[..., Any])
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -126,6 +132,7 @@ class CallWatch:
         self._reports = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._dumps = TraceDumps.from_environ(env) if self.enabled else None
         if self.enabled:
             # A process may hold several Parallel objects in turn (one per case of a test job): each watch publishes
             # under its own number, so a peer's state from an earlier object never reads as where it is now.
@@ -265,11 +272,45 @@ class CallWatch:
         if now - current.since < self.report_after_s * (self._reports + 1):
             return
         self._reports += 1
+        if self._reports == 1 and self._dumps is not None:
+            self._dumps.request()  # while it waits: once torch's timeout passes, gloo marks it done
         calls = self._read_all()
+        missing = {r: c for r, c in calls.items() if r != self.rank and not current.same_call(c)}
+        if missing and now - current.since >= self.timeout_s + self.report_after_s:
+            self._end_job(self._past_deadline_line(current, missing, now))
+            return
         waiting = [r for r, c in calls.items() if c.active and now - c.since >= self.report_after_s]
         if waiting and min(waiting) != self.rank:
             return  # the lowest waiting rank speaks for all
         print(f"paratrain: {self._waiting_line(current, calls, now)}", file=sys.stderr, flush=True)
+
+    def _past_deadline_line(self, mine: Call, missing: dict[int, Call], now: float) -> str:
+        """Every rank in the same call for that long may be computing (a long step): only a wait for ranks that
+        are elsewhere ends the job."""
+        head = (
+            f"rank {self.rank} waited {now - mine.since:.0f} s in {mine.name} #{mine.nth} ({mine.where}), past its "
+            f"{self.timeout_s:g} s timeout"
+        )
+        return (
+            f"{head}, for rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}: "
+            + "; ".join(f"rank {r} {c.describe(now)}" for r, c in sorted(missing.items())[:8])
+            + "; ended the job (a rank that catches a paratrain error must stop, not carry on alone)"
+        )
+
+    def _end_job(self, line: str) -> None:
+        """End this process as a failed rank whose error is ``line`` (the watch's thread cannot raise in the
+        training thread, blocked in torch): recorded for the launcher's report as an uncaught error would be."""
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        print(f"paratrain: {line}", file=sys.stderr, flush=True)
+        try:
+            raise CollectiveError(line)  # raised, so that the record holds its traceback, as for an uncaught one
+        except CollectiveError as err:
+            get_error_handler().record_exception(err)
+        finally:
+            if self._dumps is not None:
+                self._dumps.request()
+            os._exit(1)
 
     def _waiting_line(self, mine: Call, calls: dict[int, Call], now: float) -> str:
         missing = {r: c for r, c in calls.items() if r != self.rank and not mine.same_call(c)}
@@ -278,12 +319,13 @@ class CallWatch:
         if not missing:
             return (
                 f"{head}; every rank is in it (a collective inside it does not complete; "
-                f"TORCH_DISTRIBUTED_DEBUG=DETAIL names mismatched collectives); it fails in {left:.0f} s"
+                f"TORCH_DISTRIBUTED_DEBUG=DETAIL names mismatched collectives); "
+                + (f"it fails in {left:.0f} s" if left > 0 else "its timeout has passed")
             )
         return (
             f"{head} for rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}: "
             + "; ".join(f"rank {r} {c.describe(now)}" for r, c in sorted(missing.items())[:8])
-            + f"; it fails in {left:.0f} s"
+            + (f"; it fails in {left:.0f} s" if left > 0 else "; its timeout has passed")
         )
 
     def _publish(self, call: Call) -> None:
@@ -370,6 +412,16 @@ def collective(name: str, meet: str | None = None) -> Callable[[F], F]:
         return method  # type: ignore[return-value]
 
     return wrap
+
+
+def collective_stalled(err: BaseException) -> bool:
+    """``err`` says a collective timed out or lost its peer (torch's words, or a paratrain error made of them)."""
+    return isinstance(err, CollectiveError) or mentions_stall(str(err))
+
+
+def mentions_stall(text: str) -> bool:
+    """``text`` (an error, a traceback) says a collective timed out, lost its peer, or did not match."""
+    return CollectiveError.__name__ in text or any(m in text for m in (*_PEER_LOST, *_TIMED_OUT))
 
 
 def poll_min(report_after_s: float) -> float:

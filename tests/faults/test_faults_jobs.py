@@ -15,7 +15,7 @@ import time
 
 import pytest
 from helpers.cli import PARATRAIN, run_cli
-from helpers.faults import check, kill_alive, pids_in, wait_for
+from helpers.faults import check, kill_alive, pids_in, split_hang_report, wait_for
 from helpers.paths import ROOT, SCRIPTS
 
 from paratrain.testing import alive
@@ -139,7 +139,8 @@ def test_ranks_that_disagree_are_refused_at_construction_in_one_line(tmp_path):
 def test_a_collective_only_one_rank_calls_speaks_while_it_waits_and_names_the_calls(tmp_path):
     for _ in range(2):  # the two ranks' equal timeouts race; a rare exit abort of gloo's gets one more try
         res, seconds = _launch("mismatch", tmp_path)
-        lines = res.stderr.strip().splitlines()
+        stderr, report = split_hang_report(res.stderr)
+        lines = stderr.strip().splitlines()
         if "terminate called" not in res.stderr:
             break
     waits = [line for line in lines if "has waited" in line]
@@ -154,7 +155,7 @@ def test_a_collective_only_one_rank_calls_speaks_while_it_waits_and_names_the_ca
         "job: only rank 0 calls par.mean",
         rc=res.returncode,
         expect_rc=1,
-        stderr=res.stderr,
+        stderr=stderr,
         kind="wait report",
         lines=len(waits) + 1,
         words=["par.mean #1 (fault_job.py:", "par.close #1"],
@@ -164,18 +165,22 @@ def test_a_collective_only_one_rank_calls_speaks_while_it_waits_and_names_the_ca
     )
     last = lines[-1]
     assert "made different paratrain calls" in last or "rank 1 left the job first" in last, res.stderr
+    # and the flight recorder's report: rank 0's all-reduce against rank 1's barrier, at the same sequence number
+    assert any("all_reduce" in line for line in report) and any("barrier" in line for line in report), res.stderr
 
 
 def test_the_rank_that_left_first_is_named(tmp_path):
     res, _ = _launch("exit_early", tmp_path)
+    stderr, report = split_hang_report(res.stderr)
     check(
         "job: rank 1 calls sys.exit(0) early",
         rc=res.returncode,
         expect_rc=1,
-        stderr=res.stderr,
+        stderr=stderr,
         words=["rank 1 left the job first", "while rank 0 was in par.mean #1"],
         pids=_pids(tmp_path),
     )
+    assert any("rank 0 entered it, rank 1 never did" in line for line in report), res.stderr
 
 
 def test_api_misuse_inside_a_job_is_one_paratrain_error_each(tmp_path):

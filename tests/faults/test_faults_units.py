@@ -4,6 +4,7 @@ store, the launcher's signal settings, the epoch without a step."""
 import io
 import json
 import os
+import re
 import signal
 import time
 from contextlib import redirect_stderr
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 from paratrain.call_watch import Call, CallWatch
 from paratrain.errors import CollectiveError, RankFailedError
-from paratrain.launcher.failure import format_failure, from_child_failed
+from paratrain.launcher.failure import format_failure, from_child_failed, own_error, trace_of
 from paratrain.launcher.finish import (
     DEFAULT_EXIT_TIMEOUT_S,
     EXIT_TIMEOUT_VAR,
@@ -251,6 +252,39 @@ def test_a_long_wait_names_the_rank_not_arrived_and_its_last_call(store):
         ],
     )
     assert 1 <= len(lines) <= 3
+
+
+def test_a_wait_past_its_timeout_for_a_rank_that_carried_on_ends_the_job_naming_that_rank(store, tmp_path, monkeypatch):
+    """Rank 1 caught a paratrain error and carried on outside any call: rank 0's wait said "it fails in 0 s" for
+    ten minutes. A report period past the timeout, the watch ends the job as a failed rank, naming rank 1."""
+    _publish(store, 1, Call("par.mean", 3, "train.py:9", time.time() - 3, active=False))
+    watch = CallWatch(0, 2, timeout_s=0.6, report_after_s=0.2)
+    ended: list[str] = []
+    watch._end_job = ended.append
+    with redirect_stderr(io.StringIO()), watch.call("par.step"):
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    watch.close()
+    assert ended and re.fullmatch(
+        r"rank 0 waited \d+ s in par.step #1 \(test_faults_units.py:\d+\), past its 0.6 s timeout, for rank 1: "
+        r"rank 1 last called par.mean #3 \(train.py:9\), \d+ s ago, and is not in a paratrain call; ended the job "
+        r"\(a rank that catches a paratrain error must stop, not carry on alone\)",
+        ended[0],
+    ), ended
+    now = time.time()
+    late = watch._waiting_line(Call("par.step", 1, "t.py:1", now - 5, active=True), {1: Call("par.mean", 3)}, now)
+    assert late.endswith("; its timeout has passed") and "fails in" not in late
+
+    # The real ending: the line recorded as the rank's error (the launcher's one-line report), then the exit.
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setattr(os, "_exit", lambda code: ended.append(f"exit {code}"))
+    with redirect_stderr(io.StringIO()):
+        CallWatch._end_job(watch, "rank 0 waited 9 s in par.step #1 (t.py:1), past its 0.6 s timeout")
+    assert ended[-1] == "exit 1"
+    failure = SimpleNamespace(error_file_data=json.loads(error_file.read_text()))
+    assert own_error(trace_of(failure)) == "rank 0 waited 9 s in par.step #1 (t.py:1), past its 0.6 s timeout"
 
 
 def test_a_peer_that_exited_first_is_named_in_place_of_a_lost_connection(store):

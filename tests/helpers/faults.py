@@ -87,6 +87,21 @@ def watch_stderr(
     )  # type: ignore[arg-type]
 
 
+HANG_REPORT = "paratrain: flight recorder: "
+
+
+def split_hang_report(stderr: str) -> tuple[str, list[str]]:
+    """``stderr`` without the launcher's flight-recorder report of a stalled collective (its header line and the
+    indented lines under it), and that report's lines."""
+    kept: list[str] = []
+    report: list[str] = []
+    inside = False
+    for line in stderr.splitlines():
+        inside = line.startswith(HANG_REPORT) or (inside and line.startswith("  "))
+        (report if inside else kept).append(line)
+    return "\n".join(kept), report
+
+
 def check(
     case: str,
     *,

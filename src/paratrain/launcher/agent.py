@@ -42,8 +42,9 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
+from ..hang_trace import TRACE_DIR_VAR, ask_for_traces
 from ..preemption import stop_asked
-from .failure import format_leave, trace_of
+from .failure import collective_failure, format_leave, trace_of
 from .leaving import BACK, GONE, LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR, marker_path, notice_key
 
 
@@ -123,7 +124,7 @@ class LeavingAgent(LocalElasticAgent):
         pids = super()._start_workers(worker_group)
         self._process_number = dict.fromkeys(pids, 1)
         if type(self._pcontext) is SubprocessContext:  # always, for paratrain run: it starts a program
-            LeavingContext.adopt(self._pcontext, self._may_leave, self._left)
+            LeavingContext.adopt(self._pcontext, self._may_leave, self._left, self._ask_traces)
         return pids
 
     def _may_leave(self, local_rank: int) -> bool:
@@ -160,6 +161,20 @@ class LeavingAgent(LocalElasticAgent):
             self._process_number[local_rank] = n + 1
         return back
 
+    def _ask_traces(self, alive: list[int]) -> None:
+        """Before the ranks a failure left are stopped: each writes its flight-recorder trace
+        (:mod:`paratrain.hang_trace`), waited for a few seconds at most. ``alive``: their local ranks."""
+        context = self._pcontext
+        assert isinstance(context, LeavingContext)
+        env = {**os.environ, **context.envs[0]}  # what a worker sees: the launcher's environment and torchrun's
+        if not alive or not env.get(TRACE_DIR_VAR) or not env.get("MASTER_PORT"):
+            return
+        ranks = [self._worker_group.workers[r].global_rank for r in alive]
+        try:
+            ask_for_traces(env, ranks)
+        except Exception:  # noqa: BLE001 - the store is gone with the failed rank: stop the job as it is
+            pass
+
     def _notify(self, key: str, value: bytes) -> None:
         if self._notices is None:
             return
@@ -180,16 +195,22 @@ class LeavingContext(SubprocessContext):
 
     _may_leave: Callable[[int], bool]
     _left: Callable[[int, ProcessFailure], bool]
+    _ask_traces: Callable[[list[int]], None]
     _closing: bool
 
     @classmethod
     def adopt(
-        cls, context: SubprocessContext, may_leave: Callable[[int], bool], left: Callable[[int, ProcessFailure], bool]
+        cls,
+        context: SubprocessContext,
+        may_leave: Callable[[int], bool],
+        left: Callable[[int, ProcessFailure], bool],
+        ask_traces: Callable[[list[int]], None],
     ) -> None:
         """Give the context torch built (and started) this class's poll steps."""
         context.__class__ = cls
         assert isinstance(context, LeavingContext)
         context._may_leave, context._left, context._closing = may_leave, left, False
+        context._ask_traces = ask_traces
 
     def _capture_process_failures(self, done_local_ranks: set[int]) -> None:
         super()._capture_process_failures(done_local_ranks)
@@ -201,6 +222,10 @@ class LeavingContext(SubprocessContext):
                 done_local_ranks.discard(local_rank)
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+        stalled = any(collective_failure(f.exitcode, trace_of(f)) for f in self._failures.values())
+        if not self._closing and stalled:  # a collective's failure stops the others: their traces first
+            handlers = self.subprocess_handlers.items()
+            self._ask_traces([r for r, h in handlers if r not in self._failures and h.proc.poll() is None])
         self._closing = True
         if stop_asked():  # a preemption: the ranks save first, and their DataLoader workers must live until then
             timeout = self._ranks_first(death_sig, timeout)

@@ -6,6 +6,7 @@ import re
 import signal
 import socket
 
+from ..call_watch import mentions_stall
 from ..errors import RankFailedError, _last_line, describe_exitcode
 
 _MAX_TRACE_LINES = 30
@@ -74,6 +75,12 @@ def from_child_failed(err: object) -> RankFailedError:
         ranks=(rank, *same),
         stopped=stopped,
     )
+
+
+def collective_failure(exitcode: int, traceback: str | None) -> bool:
+    """A rank ended by a collective: a timeout, a lost peer, a paratrain collective error, or an abort in torch's
+    C++ code (gloo aborts a rank that is sent more than its tensor holds), not by the user's own error."""
+    return exitcode == -signal.SIGABRT or mentions_stall(traceback or "")
 
 
 def trace_of(failure: object) -> str | None:

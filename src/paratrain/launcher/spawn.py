@@ -18,6 +18,7 @@ from typing import Any
 
 from ..env import cpu_count
 from ..errors import JobTimeoutError, LaunchError, RankFailedError
+from ..hang_trace import TRACE_DIR_VAR
 from ..preemption import NOTE_VAR
 from .finish import leave
 from .leaving import LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR
@@ -113,7 +114,8 @@ def _entry(
     os.environ.update(
         {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
     )
-    for var in (LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR, NOTE_VAR):  # an outer paratrain run's, not this job's
+    # an outer paratrain run's: no rank here may leave, nor write over the outer ranks' flight-recorder traces
+    for var in (LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR, NOTE_VAR, TRACE_DIR_VAR):
         os.environ.pop(var, None)
     torch.set_num_threads(threads)
     result = fn(*args)

@@ -17,6 +17,9 @@ of processes per node. What paratrain adds:
 * in a Kubeflow Trainer pod the ``PET_*`` variables are the flags (as for torchrun), checked first, and a node
   waits for the master's name to resolve (:mod:`paratrain.launcher.kubeflow`);
 * a process group the script creates without a timeout gets ``--pg-timeout`` (600 s), not torch's 30 min;
+* torch's flight recorder is on (``TORCH_FR_BUFFER_SIZE``, unless set): when a collective stalls every live rank
+  writes its trace, and a failed job's report says which ranks wait in which collective and which rank never
+  entered it (:mod:`paratrain.launcher.hang_report`);
 * ``--checkpoint-dir D --checkpoint-every N [--checkpoint-async] [--resume]`` make every ``Parallel`` of the job
   checkpoint itself (in the background) and, with ``--max-restarts K``, resume from the latest checkpoint after a
   failure (see docs/checkpoints.md);
@@ -28,16 +31,22 @@ of processes per node. What paratrain adds:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
+import shutil
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from ..env import cpu_count
-from ..errors import LaunchError
+from ..errors import LaunchError, RankFailedError, describe_exitcode
+from ..hang_trace import TRACE_DIR_VAR, recorder_available, recorder_environ
 from .agreement import NNODES_VAR
-from .failure import from_child_failed
+from .failure import collective_failure, from_child_failed
+from .hang_report import hang_report
 from .kubeflow import check_pet
 from .multinode import (
     DEFAULT_RDZV_TIMEOUT_S,
@@ -250,13 +259,27 @@ def parse_launch(argv: Sequence[str], *, quiet_agent: bool = True) -> argparse.N
 
 
 def launch(args: argparse.Namespace, *, quiet_agent: bool = True) -> None:
-    """Launch the job of ``paratrain run``'s parsed flags (``parse_launch``); see ``run``."""
+    """Launch the job of ``paratrain run``'s parsed flags (``parse_launch``); see ``run``. A failed job's
+    flight-recorder report (when a collective stalled) is printed before the failure is raised."""
+    args = resolve(args)
+    with flight_recorder() as traces:
+        try:
+            _launch_resolved(args, quiet_agent=quiet_agent)
+        except RankFailedError as err:
+            ended = {err.rank: describe_exitcode(err.exitcode)}
+            stalled = collective_failure(err.exitcode, err.traceback)  # a user's own error: no traces
+            if traces.folder is not None and stalled and (report := hang_report(traces.folder, ended)):
+                print(report, file=sys.stderr, flush=True)
+                traces.keep = True
+            raise
+
+
+def _launch_resolved(args: argparse.Namespace, *, quiet_agent: bool) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun
 
     from .agent import leaving_agent
 
-    args = resolve(args)
     os.environ[LAUNCHER_PID_VAR] = str(os.getpid())  # each worker dies with this process
     if quiet_agent:  # our own report replaces the agent's warnings, its "failed (exitcode …)" line and its dump
         for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
@@ -276,6 +299,41 @@ def launch(args: argparse.Namespace, *, quiet_agent: bool = True) -> None:
         raise from_child_failed(err) from None
     except rendezvous_errors() as err:
         raise rendezvous_error(args, err) from None
+
+
+@dataclass
+class TraceFolder:
+    """Where the workers write their flight-recorder traces (None: this torch cannot dump them)."""
+
+    folder: str | None
+    keep: bool = False
+    """A report points at it (or the user named it): not removed at the end."""
+
+
+@contextlib.contextmanager
+def flight_recorder() -> Iterator[TraceFolder]:
+    """The workers' flight recorder on, their traces in a folder of this job's: ``PARATRAIN_TRACE_DIR`` when the
+    user names one, otherwise a temporary one, removed at the end unless a report points at it."""
+    if not recorder_available():
+        yield TraceFolder(None)
+        return
+    given = os.environ.get(TRACE_DIR_VAR)
+    traces = TraceFolder(given or tempfile.mkdtemp(prefix="paratrain-trace-"), keep=bool(given))
+    assert traces.folder is not None
+    os.makedirs(traces.folder, exist_ok=True)
+    env = recorder_environ(traces.folder, os.environ)
+    saved = {var: os.environ.get(var) for var in env}
+    os.environ.update(env)
+    try:
+        yield traces
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        if not traces.keep:
+            shutil.rmtree(traces.folder, ignore_errors=True)
 
 
 def _import_torch(*, quiet: bool) -> None:

@@ -13,7 +13,9 @@ that:
   handlers (:mod:`paratrain.launcher.finish`);
 * no faulthandler dump of every thread when a rank dies of a signal, unless ``paratrain --debug run``;
 * the default process-group timeout is bounded (:mod:`paratrain.launcher.pg_timeout`) and the nodes of a multi-node
-  job check that they agree (:mod:`paratrain.launcher.agreement`).
+  job check that they agree (:mod:`paratrain.launcher.agreement`);
+* every rank dumps its flight-recorder trace when any rank's collective stalls, and a rank whose collective timed
+  out or lost its peer asks for them before it fails (:mod:`paratrain.hang_trace`).
 
 The target runs as ``__main__`` with its own ``sys.argv`` and ``sys.path[0]``, exactly as ``python TARGET`` or
 ``python -m TARGET`` would run it.
@@ -26,6 +28,8 @@ import runpy
 import sys
 import traceback
 
+from paratrain.call_watch import collective_stalled
+from paratrain.hang_trace import TraceDumps
 from paratrain.launcher.agreement import check_same_nnodes
 from paratrain.launcher.finish import exit_code, leave
 from paratrain.launcher.parent_death import die_with_parent, launcher_pid
@@ -48,18 +52,32 @@ def main(argv: list[str] | None = None) -> None:
     debug = bool(os.environ.get(DEBUG_VAR))
     if debug:  # torchelastic's handler enables faulthandler: a dump of every thread on each signal exit
         errors.initialize()
+    dumps = TraceDumps.from_environ()
+    if dumps is not None:
+        dumps.start()
     try:
         apply_default_pg_timeout()
         check_same_nnodes()
         run_target(argv)
     except SystemExit as e:
+        _dump(dumps)
         leave(exit_code(e.code))
     except BaseException as e:  # noqa: BLE001 - recorded for the launcher, which reports it once
+        if dumps is not None and collective_stalled(e):
+            dumps.request()
         errors.record_exception(e)
         if debug:
             traceback.print_exc()
         leave(1)
+    _dump(dumps)
     leave(0)
+
+
+def _dump(dumps: TraceDumps | None) -> None:
+    """A rank that ends writes its trace: peers that still wait in a collective it never made fail next, and the
+    report says what this rank completed last."""
+    if dumps is not None:
+        dumps.dump(stacks=False)
 
 
 def _exec(argv: list[str]) -> None:
