@@ -334,7 +334,8 @@ class Parallel:
         count = counted_targets(call)
         if count is None or call.loss_kwargs.get("num_items_in_batch") is not None:
             return call
-        total = self.sum(count.to(self.device)) / self.data_parallel_size
+        _, size, group = self._chosen.data_parallel(self._runtime())  # tp ranks share a replica's batch
+        total = reduce_value(count.to(self.device), mean=False, size=size, group=group, device=self.device) / size
         return replace(call, loss_kwargs={**call.loss_kwargs, "num_items_in_batch": total})
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -45,9 +45,11 @@ BUILD = {"llama": llama, "qwen2": functools.partial(_qwen, "qwen2"), "qwen3": fu
 
 
 def documents(step: int, replica: int) -> list[list[int]]:
-    """Replica ``replica``'s documents at ``step``: ``DOCS`` of 2 to 8 tokens, so replicas hold uneven counts."""
+    """Replica ``replica``'s documents at ``step``: ``DOCS`` of 2 to 9 tokens, so replicas hold uneven counts; an
+    even total, as tp's sequence parallelism asks of a row."""
     g = torch.Generator().manual_seed(1000 * step + replica)
     lengths = torch.randint(2, 9, (DOCS,), generator=g).tolist()
+    lengths[-1] += sum(lengths) % 2
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
