@@ -10,7 +10,13 @@ from helpers import packed
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.model.packed import PACKED_ATTENTION, document_starts, is_packed, use_packed_attention
+from paratrain.model.packed import (
+    PACKED_ATTENTION,
+    document_starts,
+    is_packed,
+    packed_attention_forward,
+    use_packed_attention,
+)
 from paratrain.testing import max_abs_diff
 
 DOCS = [[3, 9, 4, 1, 5], [2, 6], [7, 7, 1, 8, 2, 8, 1], [5, 3, 2]]
@@ -81,3 +87,12 @@ def test_attention_that_would_cross_documents_is_refused():
     model.config._attn_implementation = "flex_attention"
     use_packed_attention(model)  # isolates documents itself: left alone
     assert model.config._attn_implementation == "flex_attention"
+
+
+def test_a_document_longer_than_the_sliding_window_is_refused():
+    q = torch.randn(1, 2, 6, 4)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    out, _ = packed_attention_forward(nn.Module(), q, q, q, None, position_ids=positions, sliding_window=3)
+    assert out.shape == (1, 6, 2, 4)
+    with pytest.raises(ConfigError, match="longer than this layer's sliding window"):
+        packed_attention_forward(nn.Module(), q, q, q, None, position_ids=positions, sliding_window=2)

@@ -99,8 +99,15 @@ def packed_attention_forward(
 
     if attention_mask is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    found = _row_lengths(kwargs, query.shape[0], query.shape[2])
+    window = kwargs.get("sliding_window")
+    if window and max(max(row) for row in found) > window:
+        raise ConfigError(
+            f"a packed document is longer than this layer's sliding window ({window} tokens), which per-document "
+            "attention does not apply; use attn_implementation='flash_attention_2' or shorter documents"
+        )
     rows = []
-    for r, lengths in enumerate(_row_lengths(kwargs, query.shape[0], query.shape[2])):
+    for r, lengths in enumerate(found):
         parts, at = [], 0
         for n in lengths:
             doc = slice(at, at + n)
