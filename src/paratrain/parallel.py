@@ -12,7 +12,6 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,10 @@ from .data import ShardedLoader, map_evenly, prepare_loader
 from .distributed.metrics import gather_object, reduce_value
 from .distributed.process_group import group_started
 from .env import ClusterEnv
-from .errors import ConfigError
 from .loop import GlobalBatch, Loop, StepInfo
 from .loss import HeadLoss
-from .loss.recipes import counted_targets
 from .model.facts import ModelFacts
 from .model.materialize import Materializer, check_materialized
-from .model.packed import is_packed, use_packed_attention
 from .monitor import LogWith, MonitorConfig, TrackerConfig, Trackers, monitor_and_trackers, monitor_for
 from .monitor.trackers import run_description
 from .precision import Precision, create_precision
@@ -308,35 +304,13 @@ class Parallel:
         """One micro-batch's forward and backward, for every strategy; the detached loss on every rank, float32 under
         any precision: ``loss_fn(model(x, **kwargs), target)``, or without ``loss_fn`` the loss the model computes
         itself from ``model(x, target, **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
-        call = ModelCall.of(x, target, loss_fn, kwargs)
-        if is_packed(call.kwargs):
-            call = self._packed(model, call)
-        call = self.strategy.batch(call)
+        call = self.strategy.batch(self._chosen.pack(self._runtime(), model, ModelCall.of(x, target, loss_fn, kwargs)))
         self._replicas.first_batch(call.first_tensor())
         loss = None if self._loss.on else self.strategy.forward_backward(model, call, 1.0 / self.accumulate)
         if loss is None:
             loss = self._loss(model, call, self.strategy, self.precision, self.device)
             self.backward(loss)
         return loss.detach().float()
-
-    def _packed(self, model: nn.Module, call: ModelCall) -> ModelCall:
-        """A packed micro-batch (documents found from restarting ``position_ids`` or ``cu_seq_lens_q``): attention
-        kept within each document, and the model's own loss divided by the real targets of the global micro-batch
-        (over the replicas) instead of this rank's, so replicas holding more real tokens weigh more, as in one
-        process that runs every document."""
-        dims = self.strategy.dims(self.env)
-        if dims.cp > 1 or dims.pp > 1:
-            raise ConfigError(
-                f"packed batches (position_ids restarting inside a row) are not supported with "
-                f"{'cp' if dims.cp > 1 else 'a pipeline'} yet; pad each document to its own row there"
-            )
-        use_packed_attention(self.unwrap(model))
-        count = counted_targets(call)
-        if count is None or call.loss_kwargs.get("num_items_in_batch") is not None:
-            return call
-        _, size, group = self._chosen.data_parallel(self._runtime())  # tp ranks share a replica's batch
-        total = reduce_value(count.to(self.device), mean=False, size=size, group=group, device=self.device) / size
-        return replace(call, loss_kwargs={**call.loss_kwargs, "num_items_in_batch": total})
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss``, divided by the accumulation count so accumulated gradients are a mean."""

@@ -96,3 +96,8 @@ def test_a_document_longer_than_the_sliding_window_is_refused():
     assert out.shape == (1, 6, 2, 4)
     with pytest.raises(ConfigError, match="longer than this layer's sliding window"):
         packed_attention_forward(nn.Module(), q, q, q, None, position_ids=positions, sliding_window=2)
+
+
+def test_forward_backward_trains_a_collated_batch_as_each_document_alone():
+    result = packed.run_packed("llama", "single", {}, "")
+    assert max_abs_diff(result["state"], packed.reference("llama", 1)) <= 1e-6
