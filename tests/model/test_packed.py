@@ -76,13 +76,16 @@ def test_packed_batches_are_found_from_restarting_positions():
     assert is_packed({"position_ids": torch.tensor([[0, 1, 0, 1]])})
     assert not is_packed({"position_ids": torch.arange(4)[None].expand(2, 4)})
     assert not is_packed({"position_ids": torch.tensor([[5, 6, 7, 8]])})  # a continuing row, not a restart
+    assert is_packed({"positions": torch.tensor([[0, 1, 2, 0]])})  # our GPT's keyword: refused below
     assert is_packed({"cu_seq_lens_q": torch.tensor([0, 2, 4])})
     assert not is_packed({"attention_mask": torch.ones(1, 4)})
 
 
 def test_attention_that_would_cross_documents_is_refused():
-    with pytest.raises(ConfigError, match="not transformers.*attention would cross documents"):
-        use_packed_attention(nn.Linear(2, 2))
+    from paratrain.workloads.gpt import GPT, GPTConfig
+
+    with pytest.raises(ConfigError, match="GPT \\(not transformers\\).*attention would cross documents"):
+        use_packed_attention(GPT(GPTConfig(layers=1, hidden=8, heads=2, seq_len=8, vocab=16)))
     model = packed.BUILD["llama"]()
     model.config._attn_implementation = "flex_attention"
     use_packed_attention(model)  # isolates documents itself: left alone
