@@ -9,8 +9,8 @@ The same documents (lengths drawn uniformly from ``--min-len`` to ``--max-len``)
   tokens (``position_ids`` restarting per document; attention within each document).
 
 Both variants take ``--budget`` tokens a step; the packed one spends them on real tokens. Rounds interleave one step
-of each after a warm-up step each. Reported: medians over the rounds of the step time and of real (non-padding)
-tokens per second.
+of each after a warm-up step each. Reported: medians over the rounds of the step time, wall and this process's CPU
+time (steadier on a shared machine), and of real (non-padding) tokens per second of each.
 
     PYTHONPATH=src .venv/bin/python benchmarks/packed.py [--budget 2048] [--min-len 16] [--max-len 256]
         [--rounds 6] [--threads 2]
@@ -69,11 +69,12 @@ def _packed(docs: list[list[int]]) -> dict[str, torch.Tensor]:
     return DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d} for d in docs])
 
 
-def _step(par: paratrain.Parallel, model, opt, batch: dict[str, torch.Tensor]) -> float:
-    start = time.perf_counter()
+def _step(par: paratrain.Parallel, model, opt, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """Wall and CPU seconds of one step."""
+    wall, cpu = time.perf_counter(), time.process_time()
     with par.step(model, opt):
         par.forward_backward(model, batch)
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
@@ -92,7 +93,7 @@ def main() -> None:
         model = _model()
         runs[name] = par.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(0)
-    times: dict[str, list[float]] = {"padded": [], "packed": []}
+    times: dict[str, list[tuple[float, float]]] = {"padded": [], "packed": []}
     real: dict[str, list[int]] = {"padded": [], "packed": []}
     for r in range(args.rounds + 1):
         rows = _documents(g, 0, args.min_len, args.max_len, count=args.budget // args.max_len)
@@ -106,10 +107,12 @@ def main() -> None:
                 real[name].append(sum(len(d) for d in held))
     print(f"budget {args.budget} tokens/step, documents {args.min_len}..{args.max_len} tokens, {args.rounds} rounds")
     for name in ("padded", "packed"):
-        rates = [n / t for n, t in zip(real[name], times[name])]
+        wall, cpu = (statistics.median(t[i] for t in times[name]) for i in (0, 1))
+        rates = [(n / w, n / c) for n, (w, c) in zip(real[name], times[name])]
         print(
-            f"{name:7s} step {statistics.median(times[name]) * 1e3:7.1f} ms  real tokens/step "
-            f"{statistics.median(real[name]):6.0f}  real tokens/s {statistics.median(rates):8.0f}"
+            f"{name:7s} step {wall * 1e3:7.1f} ms wall {cpu * 1e3:7.1f} ms cpu  real tokens/step "
+            f"{statistics.median(real[name]):6.0f}  real tokens/s {statistics.median(r[0] for r in rates):7.0f} wall "
+            f"{statistics.median(r[1] for r in rates):7.0f} per cpu-s"
         )
     par.close()
 
