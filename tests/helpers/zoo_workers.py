@@ -88,10 +88,10 @@ def run_cases(cases: list[tuple[str, str, dict]], tmp: str) -> dict[str, dict]:
     """Every case in order; a case that raises is reported with its one-line error instead of stopping the rest
     (all ranks raise alike in prepare, where refusals happen). A model named ``packed_<name>`` trains on packed
     documents (:mod:`helpers.packed`)."""
-    return each_case(cases, lambda i, c: _runner(c[0])(*c, os.path.join(tmp, str(i))), key=case_key)
+    return each_case(cases, lambda i, c: _runner(c[0])(*c, os.path.join(tmp, str(i))), key=_case_key)
 
 
-def case_key(case: tuple[str, str, dict]) -> str:
+def _case_key(case: tuple[str, str, dict]) -> str:
     return f"{case[0]}/{case[1]}{case[2] or ''}"
 
 
