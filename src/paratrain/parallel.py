@@ -304,7 +304,7 @@ class Parallel:
         """One micro-batch's forward and backward, for every strategy; the detached loss on every rank, float32 under
         any precision: ``loss_fn(model(x, **kwargs), target)``, or without ``loss_fn`` the loss the model computes
         itself from ``model(x, target, **kwargs)`` (:mod:`paratrain.batch` says how it is called and read)."""
-        call = self.strategy.batch(ModelCall.of(x, target, loss_fn, kwargs))
+        call = self.strategy.batch(self._chosen.pack(self._runtime(), model, ModelCall.of(x, target, loss_fn, kwargs)))
         self._replicas.first_batch(call.first_tensor())
         loss = None if self._loss.on else self.strategy.forward_backward(model, call, 1.0 / self.accumulate)
         if loss is None:

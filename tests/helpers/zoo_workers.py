@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import paratrain
+from helpers import packed
 from helpers.cases import each_case
 from helpers.zoo import SPECS
 from paratrain.model import find_ties
@@ -85,10 +86,19 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str) -> dict
 
 def run_cases(cases: list[tuple[str, str, dict]], tmp: str) -> dict[str, dict]:
     """Every case in order; a case that raises is reported with its one-line error instead of stopping the rest
-    (all ranks raise alike in prepare, where refusals happen)."""
-    return each_case(
-        cases, lambda i, c: run_case(*c, os.path.join(tmp, str(i))), key=lambda c: f"{c[0]}/{c[1]}{c[2] or ''}"
-    )
+    (all ranks raise alike in prepare, where refusals happen). A model named ``packed_<name>`` trains on packed
+    documents (:mod:`helpers.packed`)."""
+    return each_case(cases, lambda i, c: _runner(c[0])(*c, os.path.join(tmp, str(i))), key=_case_key)
+
+
+def _case_key(case: tuple[str, str, dict]) -> str:
+    return f"{case[0]}/{case[1]}{case[2] or ''}"
+
+
+def _runner(model_name: str):
+    if model_name.startswith("packed_"):
+        return lambda name, *rest: packed.run_packed(name.removeprefix("packed_"), *rest)
+    return run_case
 
 
 # fp32 tolerance: the parallel runs sum the same gradients in another order (all-reduce, reduce-scatter); over 3

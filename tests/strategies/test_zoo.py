@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import packed
 from helpers.zoo import ZOO
 from helpers.zoo_workers import MICRO, TOL, reference, run_case, run_cases
 
@@ -27,6 +28,8 @@ SMALL_UNITS = [("gpt2", "zero3"), ("nanogpt", "zero2"), ("lora", "zero3"), ("lla
 PIPELINED = ("cnn", "frozen", "bert", "lora")
 HYBRID_DATA = ("ddp", "zero1", "fsdp")  # how hybrid's replicas hold their stages: DDP, ZeRO-1 or FSDP
 SPLIT = {"frozen": {"split": [3]}}  # by size the first stage would hold only the frozen layer: refused, see below
+# Packed documents (tests/helpers/packed.py): Llama and Qwen3 under each data layout and tp, Qwen2 under ddp.
+PACKED = [(m, s) for m in ("llama", "qwen3") for s in ("ddp", "zero3", "tp")] + [("qwen2", "zero2")]
 CHECKPOINTED = [
     ("gpt2", "zero3", True),
     ("llama", "ddp", True),
@@ -41,6 +44,7 @@ def world2(tmp_path_factory):
     cases = [(m, s, {}) for m in ZOO for s in WORLD2] + [(m, s, {"min_params": 1}) for m, s in SMALL_UNITS]
     cases += [(m, s, {"activation_checkpointing": k}) for m, s, k in CHECKPOINTED]
     cases += [(m, "pipeline", SPLIT.get(m, {})) for m in PIPELINED] + [("frozen", "pipeline", {})]
+    cases += [(f"packed_{m}", s, {}) for m, s in PACKED] + [("packed_llama", "pipeline", {})]
     return spawn(run_cases, 2, (cases, str(tmp_path_factory.mktemp("zoo2"))), timeout_s=600)[0]
 
 
@@ -95,6 +99,21 @@ def test_zoo_pipeline_world2(world2, model_name):
     result = world2[f"{model_name}/pipeline{SPLIT.get(model_name, '')}"]
     # one replica: the global batch is PER_RANK samples, in MICRO micro-batches
     check(result, reference(model_name, 1, microbatches=MICRO), model_name)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("model_name, strategy", PACKED)
+def test_packed_documents_equal_each_document_alone(world2, model_name, strategy):
+    """Replicas with uneven real tokens: attention within each document, the loss over the global batch's."""
+    result = world2[f"packed_{model_name}/{strategy}"]
+    assert "error" not in result, result.get("error")
+    replicas = 1 if strategy == "tp" else 2  # tp's two ranks are one replica
+    assert max_abs_diff(result["state"], packed.reference(model_name, replicas)) <= TOL
+
+
+@pytest.mark.launched
+def test_packed_documents_under_a_pipeline_are_refused(world2):
+    assert world2["packed_llama/pipeline"]["error"].startswith("packed batches (position_ids restarting")
 
 
 @pytest.mark.launched

@@ -68,6 +68,16 @@ def target_key(call: ModelCall) -> str | None:
     return next((k for k in ("shift_labels", "labels", "targets") if call.loss_kwargs.get(k) is not None), None)
 
 
+def counted_targets(call: ModelCall) -> torch.Tensor | None:
+    """How many targets the model's own ``labels=``/``shift_labels=`` loss averages over (``labels`` are shifted
+    first, as transformers' causal-LM loss does), or None where the call has a ``loss_fn`` or no such targets."""
+    key = target_key(call)
+    if call.loss_fn is not None or key not in ("labels", "shift_labels"):
+        return None
+    found = call.loss_kwargs[key]
+    return (found[..., 1:] if key == "labels" else found).ge(0).sum()
+
+
 def candidates(call: ModelCall, model: nn.Module) -> list[Recipe]:
     """The recipes ``call``'s loss may be, most likely first (the first one proven is kept)."""
     key = target_key(call)

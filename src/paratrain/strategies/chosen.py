@@ -8,6 +8,7 @@ data-parallel view (loaders, ``mean``) has no layout to follow and refuses in on
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,10 +16,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..batch import ModelCall
 from ..distributed.mesh import build_mesh
+from ..distributed.metrics import reduce_value
 from ..distributed.router_loss import balance_globally
 from ..env import ClusterEnv
 from ..errors import ConfigError
+from ..loss.recipes import counted_targets
+from ..model.packed import is_packed, use_packed_attention
 from .auto import BEFORE_THE_MODEL, agree_on_strategy
 from .base import Runtime, Strategy
 from .registry import strategy_for
@@ -109,6 +114,27 @@ class ChosenStrategy:
         if self.pending:
             raise ConfigError(BEFORE_THE_MODEL)
         return self.strategy.data_parallel(runtime) if dist.is_initialized() else (0, 1, None)
+
+    def pack(self, runtime: Runtime, model: nn.Module, call: ModelCall) -> ModelCall:
+        """``call`` as the model runs it when it is a packed micro-batch (documents found from restarting
+        ``position_ids`` or ``cu_seq_lens_q``): attention kept within each document, and the model's own loss divided
+        by the real targets of the global micro-batch (over the replicas) instead of this rank's, so replicas holding
+        more real tokens weigh more, as in one process that runs every document. Other calls pass unchanged."""
+        if not is_packed(call.kwargs):
+            return call
+        dims = self.strategy.dims(runtime.env)
+        if dims.cp > 1 or dims.pp > 1:
+            raise ConfigError(
+                f"packed batches (position_ids restarting inside a row) are not supported with "
+                f"{'cp' if dims.cp > 1 else 'a pipeline'} yet; pad each document to its own row there"
+            )
+        use_packed_attention(self.strategy.unwrap(model))
+        count = counted_targets(call)
+        if count is None or call.loss_kwargs.get("num_items_in_batch") is not None:
+            return call
+        _, size, group = self.data_parallel(runtime)  # the ranks of a tp group share their replica's batch
+        total = reduce_value(count.to(runtime.device), mean=False, size=size, group=group, device=runtime.device)
+        return replace(call, loss_kwargs={**call.loss_kwargs, "num_items_in_batch": total / size})
 
     def metrics(self, runtime: Runtime) -> tuple[int, dist.ProcessGroup | None]:
         """(size, group) over which ``par.mean`` and ``par.sum`` reduce."""

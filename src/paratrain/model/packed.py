@@ -1,0 +1,157 @@
+"""Packed batches: many documents in one row, attention kept within each document.
+
+transformers' ``DataCollatorWithFlattening`` packs documents into one row and marks where each starts by
+``position_ids`` that restart at 0 (and, where asked, by ``cu_seq_lens_q``). Only its flash-attention and flex paths
+keep attention within each document without a dense ``s x s`` mask; ``sdpa`` and ``eager`` either build that mask
+(``s^2`` memory per row) or, given a padding mask too, attend across documents. :data:`PACKED_ATTENTION` is an
+attention function registered in transformers' ``AttentionInterface`` that runs the model's own SDPA call once per
+document (causal, no mask): any SDPA backend, memory linear in the row. :func:`use_packed_attention` switches a
+model to it when a packed batch arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+PACKED_ATTENTION = "paratrain_packed"
+"""The ``attn_implementation`` name of the per-document attention."""
+
+_SWITCHED = ("sdpa", "eager")
+"""Implementations that would attend across documents or build a dense mask: switched to :data:`PACKED_ATTENTION`."""
+_ISOLATING = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention", PACKED_ATTENTION)
+"""Implementations that keep a packed row's documents apart themselves (varlen kernels, block masks)."""
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` bool: True where a document starts (position 0 of a row, and wherever the positions do not go
+    on by one: the collator's restarts)."""
+    step = torch.diff(position_ids, dim=-1) != 1
+    return torch.cat([torch.ones_like(position_ids[..., :1], dtype=torch.bool), step], dim=-1)
+
+
+def is_packed(kwargs: Mapping[str, Any]) -> bool:
+    """Whether a forward's keyword inputs are a packed batch: ``cu_seq_lens_q`` given, or ``position_ids``
+    (transformers') or ``positions`` (torchtitan's, our GPT's) that restart inside a row (a host sync: the answer
+    decides the attention path)."""
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return True
+    positions = kwargs.get("position_ids", kwargs.get("positions"))
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] < 2:
+        return False
+    return bool(document_starts(positions)[:, 1:].any())
+
+
+def _row_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list[int]]:
+    """Each row's document lengths, from ``cu_seq_lens_q`` (cumulative over the flattened batch) or the
+    ``position_ids`` restarts; one document per row when neither is given."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        bounds = [int(b) for b in cu.tolist()]
+        flat = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return _split_rows(flat, rows, length)
+    positions = kwargs.get("position_ids")
+    if not isinstance(positions, torch.Tensor):
+        return [[length]] * rows
+    starts = document_starts(positions.expand(rows, -1))
+    out = []
+    for row in starts.tolist():
+        begin = [i for i, s in enumerate(row) if s] + [length]
+        out.append([b - a for a, b in zip(begin[:-1], begin[1:])])
+    return out
+
+
+def _split_rows(flat: list[int], rows: int, length: int) -> list[list[int]]:
+    """Document lengths over the flattened batch, cut back into rows of ``length`` (a document never spans rows)."""
+    out, row, used = [], [], 0
+    for n in flat:
+        row.append(n)
+        used += n
+        if used == length:
+            out.append(row)
+            row, used = [], 0
+    if len(out) != rows or row:
+        raise ConfigError(
+            f"cu_seq_lens_q describes documents that do not fill {rows} rows of {length} tokens; give "
+            "position_ids that restart at each document instead"
+        )
+    return out
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (``query`` ``[b, heads, s, d]``, output ``[b, s, heads, d]``):
+    causal SDPA within each document of each row. A padding mask (an unpacked batch) goes to transformers' SDPA
+    unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    found = _row_lengths(kwargs, query.shape[0], query.shape[2])
+    window = kwargs.get("sliding_window")
+    if window and max(max(row) for row in found) > window:
+        raise ConfigError(
+            f"a packed document is longer than this layer's sliding window ({window} tokens), which per-document "
+            "attention does not apply; use attn_implementation='flash_attention_2' or shorter documents"
+        )
+    rows = []
+    for r, lengths in enumerate(found):
+        parts, at = [], 0
+        for n in lengths:
+            doc = slice(at, at + n)
+            q, k, v = query[r : r + 1, :, doc], key[r : r + 1, :, doc], value[r : r + 1, :, doc]
+            parts.append(sdpa_attention_forward(module, q, k, v, None, dropout, scaling, is_causal=True)[0])
+            at += n
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0), None
+
+
+def _packed_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """No mask for a packed row (the documents are found from the positions); SDPA's padding mask otherwise."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if kwargs.get("attention_mask") is None else sdpa_mask(*args, **kwargs)
+
+
+def register_packed_attention() -> None:
+    """Register :data:`PACKED_ATTENTION` with transformers (idempotent: the registry is transformers' own)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _packed_mask)
+
+
+def use_packed_attention(model: nn.Module) -> None:
+    """Before a packed batch's forward: a transformers model on ``sdpa``/``eager`` switches to
+    :data:`PACKED_ATTENTION` (every sub-config that names an implementation); a model that isolates documents
+    itself is left alone; anything else is a one-line error."""
+    config = getattr(model, "config", None)
+    found = getattr(config, "_attn_implementation", None)
+    if found in _ISOLATING:
+        return
+    if found not in _SWITCHED:
+        what = f"attn_implementation={found!r}" if config is not None else f"{type(model).__name__} (not transformers)"
+        raise ConfigError(
+            f"packed batch (position_ids restart inside a row) given to {what}: its attention would cross "
+            f"documents; build the model with attn_implementation='sdpa', 'eager', 'flash_attention_2' or "
+            f"'flex_attention', or pad each document to its own row"
+        )
+    register_packed_attention()
+    for sub in model.modules():
+        cfg = getattr(sub, "config", None)
+        if getattr(cfg, "_attn_implementation", None) in _SWITCHED:
+            cfg._attn_implementation = PACKED_ATTENTION

@@ -1,0 +1,96 @@
+"""Packed batches on transformers models: documents of uneven lengths packed by transformers'
+``DataCollatorWithFlattening`` (one row per replica, ``position_ids`` restarting at each document, -100 labels at
+each document's first token), trained under a strategy, against one plain process that runs each document as a
+row of its own and divides the summed loss by the real tokens of the global batch.
+
+The replicas hold different numbers of real tokens, so a loss averaged per replica would differ from the reference;
+the attention of a document that saw its neighbours would too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import paratrain
+from helpers.zoo import HIDDEN, VOCAB, _quiet_transformers, _sgd, llama
+
+STEPS, DOCS = 3, 3
+MODELS = ("llama", "qwen2", "qwen3")
+
+
+def _qwen(kind: str) -> nn.Module:
+    import transformers
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{kind.capitalize()}Config")(
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    return getattr(transformers, f"{kind.capitalize()}ForCausalLM")(config)
+
+
+BUILD = {"llama": llama, "qwen2": functools.partial(_qwen, "qwen2"), "qwen3": functools.partial(_qwen, "qwen3")}
+
+
+def documents(step: int, replica: int) -> list[list[int]]:
+    """Replica ``replica``'s documents at ``step``: ``DOCS`` of 2 to 9 tokens, so replicas hold uneven counts; an
+    even total, as tp's sequence parallelism asks of a row."""
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    lengths = torch.randint(2, 9, (DOCS,), generator=g).tolist()
+    lengths[-1] += sum(lengths) % 2
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def packed(docs: list[list[int]]) -> dict[str, torch.Tensor]:
+    """The documents as transformers' flattening collator packs them."""
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d} for d in docs])
+
+
+def alone_loss(model: nn.Module, docs: list[list[int]]) -> torch.Tensor:
+    """Each document as a row of its own: the summed next-token loss over the real tokens, divided by their count."""
+    total = 0.0
+    for doc in docs:
+        ids = torch.tensor([doc])
+        total = total + F.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:], reduction="sum")
+    return total / sum(len(d) - 1 for d in docs)
+
+
+@functools.cache
+def reference(model_name: str, replicas: int) -> dict[str, torch.Tensor]:
+    """One process: ``STEPS`` SGD steps, each on every replica's documents, each document alone. Read, never
+    change: cached for every case of a model."""
+    model = BUILD[model_name]()
+    opt = _sgd(model)
+    for s in range(STEPS):
+        alone_loss(model, [d for r in range(replicas) for d in documents(s, r)]).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_packed(model_name: str, strategy: str, options: dict, folder: str) -> dict:
+    """``STEPS`` steps of packed batches under ``strategy``; the full state dict (``folder`` unused: no resume)."""
+    par = paratrain.Parallel(strategy, monitor=False, **options)
+    model = BUILD[model_name]()
+    model, opt = par.prepare(model, _sgd(model))
+    for s in range(STEPS):
+        with par.step(model, opt):
+            batch = packed(documents(s, par.data_parallel_rank))
+            par.forward_backward(model, {k: v.to(par.device) for k, v in batch.items()})
+    state = par.full_state_dict(model, rank0_only=False)
+    par.close()
+    return {"state": state, "resumed": 0.0, "problems": []}
