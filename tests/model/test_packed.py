@@ -104,3 +104,17 @@ def test_a_document_longer_than_the_sliding_window_is_refused():
 def test_forward_backward_trains_a_collated_batch_as_each_document_alone():
     result = packed.run_packed("llama", "single", {}, "")
     assert max_abs_diff(result["state"], packed.reference("llama", 1)) <= 1e-6
+
+
+def test_one_host_read_per_packed_forward():
+    """The document lengths are read to the host once a forward (every layer is handed the same positions), not once
+    an attention layer: each read waits for the GPU's queue."""
+    from paratrain.testing.host_syncs import HostSyncs
+
+    model = packed.BUILD["llama"]()
+    use_packed_attention(model)
+    batch = packed.packed(DOCS)
+    assert model.config.num_hidden_layers > 1
+    with HostSyncs() as syncs:
+        model(**batch)
+    assert syncs.count == 1, dict(syncs.calls)

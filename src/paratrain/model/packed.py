@@ -47,18 +47,36 @@ def is_packed(kwargs: Mapping[str, Any]) -> bool:
     return bool(document_starts(positions)[:, 1:].any())
 
 
+class _LastRead:
+    """The document lengths read for the last forward's positions: every attention layer of one forward is handed
+    the same tensor, so the lengths are read to the host once a forward, not once a layer."""
+
+    source: torch.Tensor | None = None
+    shape: tuple[int, int, int] = (-1, 0, 0)
+    lengths: list[list[int]] = []
+
+
 def _row_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list[int]]:
+    """Each row's document lengths (one host read per forward: :class:`_LastRead`)."""
+    source = kwargs.get("cu_seq_lens_q", kwargs.get("position_ids"))
+    if not isinstance(source, torch.Tensor):
+        return [[length]] * rows
+    shape = (source._version, rows, length)
+    if source is not _LastRead.source or shape != _LastRead.shape:
+        _LastRead.lengths = _read_lengths(kwargs, rows, length)
+        _LastRead.source, _LastRead.shape = source, shape
+    return _LastRead.lengths
+
+
+def _read_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list[int]]:
     """Each row's document lengths, from ``cu_seq_lens_q`` (cumulative over the flattened batch) or the
-    ``position_ids`` restarts; one document per row when neither is given."""
+    ``position_ids`` restarts."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         bounds = [int(b) for b in cu.tolist()]
         flat = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         return _split_rows(flat, rows, length)
-    positions = kwargs.get("position_ids")
-    if not isinstance(positions, torch.Tensor):
-        return [[length]] * rows
-    starts = document_starts(positions.expand(rows, -1))
+    starts = document_starts(kwargs["position_ids"].expand(rows, -1))
     out = []
     for row in starts.tolist():
         begin = [i for i, s in enumerate(row) if s] + [length]
