@@ -227,30 +227,33 @@ def test_a_hybrid_ep_stage_waits_for_its_blocks_all_to_alls_in_every_slot():
     assert per_slot > 0 and t.ep_comm_s == pytest.approx((4 + 1) * per_slot)  # m + p - 1 slots
 
 
-def test_tp_ep_sends_every_token_over_the_dp_link_and_computes_the_experts_unsplit():
+def test_tp_ep_sends_each_tp_ranks_share_over_the_dp_link_and_divides_the_routed_experts_by_tp():
     """zero3 tp=8 ep=2 on 2 nodes of 8: the ep pair is one rank of each node (8 apart), so its all-to-alls cross the
-    inter-node link, shared by the node's 8 pairs; each tp rank sends its micro-batch's tokens whole. The MoE MLPs'
-    FLOPs R are not divided by tp: against the same model without them counted, a step computes R(1 - 1/8) more a
-    sample."""
+    inter-node link, shared by the node's 8 pairs; each tp rank sends its 1/8 share of its micro-batch's tokens. The
+    MoE MLPs' FLOPs (routed experts R, routers W) are not divided by tp alone: against the same model without them
+    counted, a ddp tp=8 step computes (R + W)(1 - 1/8) more a sample; beside ep the tp ranks divide the routed
+    experts' tokens, and only the routers' W(1 - 1/8) remain."""
     cluster = make_cluster("h100", gpus=8, nodes=2, inter_node="ib-ndr-x8")
     layout = Layout.of(name="zero3", dp=2, zero=3, shard=2, tp=8, ep=2)
     link = ep_link(cluster, layout)
     assert link == cluster.link_for(2, 8) and link.name == f"{cluster.inter.name} / 8"
     batch = batching(MIXED, dp=2, pp=1, world_size=16)
     t = step_time(MIXTRAL, layout, batch, MIXED, cluster)
-    assert t.ep_comm_s == pytest.approx(
-        batch.micro_batches * ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False)
-    )
-    plain = Layout.of(name="ddp", dp=2, tp=8)
-    whole = moe_flops(MIXTRAL)
-    assert whole == 6 * 32768 * (X * 2 / 8 + 32 * 8 * 4096)  # 2 of 8 experts, and the routers (no shared experts)
+    share = ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False, tp=8)
+    assert share < ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False)
+    assert t.ep_comm_s == pytest.approx(batch.micro_batches * share)
+    assert dispatch_bytes(MIXTRAL, "param_dtype", 1, tp=8) * 8 == dispatch_bytes(MIXTRAL, "param_dtype", 1)
+    whole, router = moe_flops(MIXTRAL), 6 * 32768 * 32 * 8 * 4096
+    assert whole == 6 * 32768 * X * 2 / 8 + router  # 2 of 8 experts, and the routers (no shared experts)
+    assert moe_flops(MIXTRAL, 8) == 6 * 32768 * X * 2 / 8 / 8 + router
     blind = replace(MIXTRAL, moe=replace(MIXTRAL.moe, top_k=0, whole=0))
-    extra = (
-        step_time(MIXTRAL, plain, batch, MIXED, cluster).compute_s
-        - step_time(blind, plain, batch, MIXED, cluster).compute_s
-    )
     rate = cluster.flops_per_s("bf16-mixed", cluster.ranks_per_node)
-    assert extra == pytest.approx(batch.micro_batches * batch.micro_batch * whole * (1 - 1 / 8) / rate)
+    for plain, kept in ((Layout.of(name="ddp", dp=2, tp=8), whole), (layout, router)):
+        extra = (
+            step_time(MIXTRAL, plain, batch, MIXED, cluster).compute_s
+            - step_time(blind, plain, batch, MIXED, cluster).compute_s
+        )
+        assert extra == pytest.approx(batch.micro_batches * batch.micro_batch * kept * (1 - 1 / 8) / rate)
 
 
 @pytest.mark.parametrize(
