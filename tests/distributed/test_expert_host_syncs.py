@@ -80,6 +80,45 @@ def test_ep_adds_one_host_read_per_layer_to_the_models_own(one_rank_group):
         torch.testing.assert_close(grad, expected_grads[key], rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("name", ["gpt_moe", "mixtral", "titan_dsv3"])
+def test_a_tp_ranks_share_of_the_rows_adds_no_host_read(name, one_rank_group):
+    """Beside tp each rank cuts its share of the rows (and their counts or choices) and gathers the outputs over tp
+    (a one-rank tp mesh here: the same DTensor redistributions): the host reads of ep alone (one a layer, beside the
+    model's own), the output and gradients those of ep alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    runs = []
+    for beside in (None, tp):
+        model = MODELS[name].build()
+        for layer in find_experts(model, 1):
+            dispatch_experts(layer, one_rank_group, tp=beside)
+        runs.append(_forward(model))
+    (expected, alone, expected_grads), (out, syncs, grads) = runs
+    assert dict(syncs.calls) == dict(alone.calls) and alone.count >= len(find_expert_layers(model))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_a_share_of_rows_sorted_by_expert_counts_its_own_rows_on_the_device():
+    """Rows sorted by expert cut into tp chunks (``torch.chunk``'s, uneven): each chunk's counts per expert, clamped
+    on the device in the counts' dtype, sum to the chunk and, over the chunks, to the counts."""
+    from paratrain.distributed.expert_parallel.tp_share import _within, share_bounds
+
+    counts = torch.tensor([3.0, 0.0, 5.0, 2.0])  # 10 rows; 3 ranks: chunks of 4, 4, 2
+    shares = []
+    for rank in range(3):
+        lo, hi = share_bounds(10, rank, 3)
+        with HostSyncs() as syncs:
+            share = _within(counts.cumsum(0), counts, lo, hi)
+        assert syncs.count == 0 and share.dtype == counts.dtype and share.sum() == hi - lo
+        shares.append(share.tolist())
+    assert shares == [[3, 0, 1, 0], [0, 0, 4, 0], [0, 0, 0, 2]]
+    assert [share_bounds(5, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]  # torch.chunk's cut
+
+
 class Recorded(nn.Module):
     """Experts (any name) that keep the counts they are given and take them as a tensor or a list, as they come."""
 
