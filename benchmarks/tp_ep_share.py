@@ -4,27 +4,30 @@ half of them and gathering the outputs over tp (``share``: :mod:`paratrain.distr
 
     .venv/bin/python benchmarks/tp_ep_share.py                       # 5 interleaved rounds of 4 steps
     .venv/bin/python benchmarks/tp_ep_share.py --rounds 1 --steps 2  # a quick look
+    .venv/bin/python benchmarks/tp_ep_share.py --width 1024          # wider experts: more of the step is theirs
 
-Model and batch: benchmarks/expert_parallel.py's (our GPT, 2 blocks x 128, 8 experts of top 2, width 256, each tp
-group a batch of 8 x 128 tokens; fp32, AdamW). Both subjects are built in one job and run in every round, their
-order rotating. Figures, each the median over rounds of the slowest rank's median step: the time inside the
-experts modules (forward: from their call to their output, the all-to-alls and, under ``share``, the gather over
-tp included; backward: from their output's gradient to their inputs'), the whole step, and the rows a rank sends to
-its experts per call (the planner's ``tokens_per_rank`` beside it).
+Model and batch: benchmarks/expert_parallel.py's (our GPT, 2 blocks x 128, 8 experts of top 2, width 256 unless
+``--width``, each tp group a batch of 8 x 128 tokens; fp32, AdamW). Both subjects are built in one job and run in
+every round, their order rotating. Figures, each the median over rounds of the slowest rank's median step: the time
+inside the experts modules (forward: from their call to their output, the all-to-alls and, under ``share``, the
+gather over tp included; backward: from their output's gradient to their inputs'), the whole step, and the rows a
+rank sends to its experts per call (the planner's ``tokens_per_rank`` beside it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import Iterator
 from unittest import mock
 
+import expert_parallel
 import torch
 import torch.distributed as dist
-from expert_parallel import BATCH, CFG, _loss, build, one_step
+from expert_parallel import BATCH, build, one_step
 from torch import nn
 
 import paratrain
@@ -94,11 +97,19 @@ def prepared(subject: str) -> tuple[object, nn.Module, torch.optim.Optimizer, Ex
     return par, model, opt, ExpertClock(par.unwrap(model))
 
 
-def job(rounds: int, steps: int, warmup: int) -> dict:
+def widen(width: int) -> None:
+    """The model's experts ``width`` wide (benchmarks/expert_parallel.py's model otherwise)."""
+    cfg = expert_parallel.CFG
+    expert_parallel.CFG = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ffn=width))
+
+
+def job(rounds: int, steps: int, warmup: int, width: int) -> dict:
+    widen(width)
+    cfg = expert_parallel.CFG
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     g = torch.Generator().manual_seed(dist.get_rank() // 2)  # a tp group reads one batch
-    ids = torch.randint(0, CFG.vocab, (BATCH, CFG.seq_len + 1), generator=g)
+    ids = torch.randint(0, cfg.vocab, (BATCH, cfg.seq_len + 1), generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
     subjects = {s: prepared(s) for s in SUBJECTS}
     out: dict = {s: {"expert_ms": [], "forward_ms": [], "backward_ms": [], "step_ms": []} for s in SUBJECTS}
@@ -134,15 +145,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
+    p.add_argument("--width", type=int, default=expert_parallel.CFG.moe.ffn, help="the experts' width")
     a = p.parse_args()
     from paratrain.planner.expert_parallel import tokens_per_rank
     from paratrain.planner.transformer import transformer_stats
 
-    ranks = paratrain.launch(job, 4, (a.rounds, a.steps, a.warmup), timeout_s=1800)
-    stats = transformer_stats(CFG, name="gpt-moe")
+    ranks = paratrain.launch(job, 4, (a.rounds, a.steps, a.warmup, a.width), timeout_s=1800)
+    widen(a.width)
+    cfg = expert_parallel.CFG
+    stats = transformer_stats(cfg, name="gpt-moe")
     print(
-        f"world 4, zero3 tp=2 ep=2: GPT {CFG.layers} x {CFG.hidden}, {CFG.moe.experts} experts top {CFG.moe.top_k} "
-        f"(width {CFG.moe.ffn}), {BATCH} x {CFG.seq_len} tokens a tp group, fp32, AdamW; {a.rounds} rounds x "
+        f"world 4, zero3 tp=2 ep=2: GPT {cfg.layers} x {cfg.hidden}, {cfg.moe.experts} experts top {cfg.moe.top_k} "
+        f"(width {cfg.moe.ffn}), {BATCH} x {cfg.seq_len} tokens a tp group, fp32, AdamW; {a.rounds} rounds x "
         f"{a.steps} steps; ms: median over rounds of the slowest rank's median step"
     )
     print(

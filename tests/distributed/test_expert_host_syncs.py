@@ -180,14 +180,19 @@ def test_a_call_without_the_routers_choice_is_one_line(one_rank_group):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["gpt_moe", "mixtral"])
-def test_on_cuda_an_ep_layer_synchronizes_once_per_forward(name):
-    """A one-rank NCCL group; ``torch.cuda.set_sync_debug_mode("warn")`` within each experts module's call."""
+@pytest.mark.parametrize("beside_tp", [False, True], ids=["ep", "tp-share"])
+def test_on_cuda_an_ep_layer_synchronizes_once_per_forward(name, beside_tp):
+    """A one-rank NCCL group; ``torch.cuda.set_sync_debug_mode("warn")`` within each experts module's call; beside tp
+    (a one-rank tp mesh) the share and the gather over tp add none."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    tp = init_device_mesh("cuda", (1,), mesh_dim_names=("tp",)) if beside_tp else None
     model = MODELS[name].build().cuda()
     layers = find_experts(model, 1)
     for layer in layers:
-        dispatch_experts(layer, dist.group.WORLD)
+        dispatch_experts(layer, dist.group.WORLD, tp=tp)
         layer.module.register_forward_pre_hook(lambda *_: torch.cuda.set_sync_debug_mode("warn"))
         layer.module.register_forward_hook(lambda *_: torch.cuda.set_sync_debug_mode("default"))
     with warnings.catch_warnings(record=True) as caught:
