@@ -112,7 +112,7 @@ def test_a_share_of_rows_sorted_by_expert_counts_its_own_rows_on_the_device():
     for rank in range(3):
         lo, hi = share_bounds(10, rank, 3)
         with HostSyncs() as syncs:
-            share = _within(counts.cumsum(0), counts, lo, hi)
+            share = _within(counts, lo, hi)
         assert syncs.count == 0 and share.dtype == counts.dtype and share.sum() == hi - lo
         shares.append(share.tolist())
     assert shares == [[3, 0, 1, 0], [0, 0, 4, 0], [0, 0, 0, 2]]
@@ -150,12 +150,16 @@ class Sorted(nn.Module):
         return out
 
 
+@pytest.mark.parametrize("beside_tp", [False, True], ids=["ep", "tp-share"])
 @pytest.mark.parametrize("kind", ["float", "int32", "list"])
-def test_the_experts_get_their_counts_as_the_model_gave_them(kind, one_rank_group):
+def test_the_experts_get_their_counts_as_the_model_gave_them(kind, beside_tp, one_rank_group):
+    """With ep alone and beside tp (a one-rank tp mesh: the share's counts, cut from the model's, keep their type)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     model, x = Sorted(kind), torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
     expected = model(x)
     (layer,) = find_experts(model, 1)
-    dispatch_experts(layer, one_rank_group)
+    dispatch_experts(layer, one_rank_group, tp=init_device_mesh("cpu", (1,)) if beside_tp else None)
     model.anything.given.clear()
     torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-6)
     (given,) = model.anything.given

@@ -15,6 +15,8 @@ the device.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,16 +40,17 @@ def own_share(given: Routing, tp: DeviceMesh) -> Routing:
     if given.top_k:
         assert isinstance(given.chosen, torch.Tensor) and given.weights is not None
         return Routing(rows, given.chosen[lo:hi], _cut(given.weights, tp))
-    if isinstance(given.chosen, list):
-        ends = torch.tensor(given.chosen).cumsum(0)
-        return Routing(rows, _within(ends, given.chosen, lo, hi).tolist())
-    return Routing(rows, _within(given.chosen.cumsum(0), given.chosen, lo, hi))
+    if isinstance(given.chosen, list):  # on the host already: counted there
+        ends = itertools.accumulate(given.chosen)
+        within = [min(max(e, lo), hi) - min(max(e - c, lo), hi) for e, c in zip(ends, given.chosen, strict=True)]
+        return Routing(rows, within)
+    return Routing(rows, _within(given.chosen, lo, hi))
 
 
-def _within(ends: torch.Tensor, counts: torch.Tensor | list[int], lo: int, hi: int) -> torch.Tensor:
-    """How many of each expert's rows (rows sorted by expert: expert e's end at ``ends[e]``) lie in ``[lo, hi)``,
-    in the counts' dtype."""
-    counts = torch.as_tensor(counts, device=ends.device)
+def _within(counts: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """How many of each expert's rows (rows sorted by expert, ``counts`` of each) lie in ``[lo, hi)``, on the
+    counts' device, in their dtype."""
+    ends = counts.cumsum(0)
     return (ends.clamp(lo, hi) - (ends - counts).clamp(lo, hi)).to(counts.dtype)
 
 
