@@ -15,8 +15,8 @@ import pytest
 from paratrain.cli.main import main
 from paratrain.errors import ConfigError
 from paratrain.planner import TRANSFORMERS, Layout, PlanConfig, Training, make_cluster, make_plan, transformer_stats
-from paratrain.planner.collectives import all_reduce_s, all_to_all_s
-from paratrain.planner.expert_parallel import dispatch_bytes, ep_comm_s, moe_flops
+from paratrain.planner.collectives import all_gather_s, all_reduce_s, all_to_all_s
+from paratrain.planner.expert_parallel import dispatch_bytes, ep_comm_s, moe_flops, tp_share_comm_s
 from paratrain.planner.expert_parallel import link_of as ep_link
 from paratrain.planner.layout import layouts
 from paratrain.planner.memory import memory_per_rank, model_states, ranked_split
@@ -89,7 +89,7 @@ def test_all_to_all_time_in_closed_form():
     each sends b·s·k·h elements of the compute dtype, (E-1)/E of them off the rank; a pipeline stage those of its
     blocks."""
     link = CLUSTER.intra
-    sent = 2 * 32768 * 2 * 4096 * 2  # micro-batch 2, whatever the tp
+    sent = 2 * 32768 * 2 * 4096 * 2  # micro-batch 2, without tp (beside it: 1/tp of it, each tp rank its share)
     assert dispatch_bytes(MIXTRAL, "autocast", 2) == sent
     one = (8 - 1) * link.latency_us * 1e-6 + 7 / 8 * sent / link.bytes_per_s
     assert all_to_all_s(sent, 8, link) == pytest.approx(one)
@@ -241,7 +241,15 @@ def test_tp_ep_sends_each_tp_ranks_share_over_the_dp_link_and_divides_the_routed
     t = step_time(MIXTRAL, layout, batch, MIXED, cluster)
     share = ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False, tp=8)
     assert share < ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False)
-    assert t.ep_comm_s == pytest.approx(batch.micro_batches * share)
+    # and over the tp link: per MoE block the outputs and the rows' gradients gathered, the experts' gradients summed
+    tp_link, rows = cluster.link_for(8, 1), batch.micro_batch * 32768 * 4096 * 2
+    gathers = 2 * MIXTRAL.moe.layers * all_gather_s(rows, 8, tp_link)
+    summed = all_reduce_s(X / 2 * 2, 8, tp_link)
+    assert tp_share_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 8, 2, tp_link, False) == pytest.approx(
+        gathers + summed
+    )
+    assert tp_share_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 8, 1, tp_link, False) == 0.0
+    assert t.ep_comm_s == pytest.approx(batch.micro_batches * (share + gathers + summed))
     assert dispatch_bytes(MIXTRAL, "param_dtype", 1, tp=8) * 8 == dispatch_bytes(MIXTRAL, "param_dtype", 1)
     whole, router = moe_flops(MIXTRAL), 6 * 32768 * 32 * 8 * 4096
     assert whole == 6 * 32768 * X * 2 / 8 + router  # 2 of 8 experts, and the routers (no shared experts)

@@ -20,7 +20,8 @@ is made of data-parallel ranks, one per tp group, so the all-to-alls cross the l
 
 Per micro-batch of b samples of s tokens, a rank sends in each all-to-all b·s·k·h/tp elements of the compute dtype
 (its tp share of the tokens), (E−1)/E of them off the rank: 4 all-to-alls an MoE block (6 with recomputation),
-none hidden; a pipeline stage those of its own blocks.
+none hidden; a pipeline stage those of its own blocks. Beside tp the share costs collectives over the tp link too
+(``tp_share_comm_s``): the outputs and the rows' gradients gathered, the experts' gradients summed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ConfigError
-from .collectives import all_to_all_s
+from .collectives import all_gather_s, all_reduce_s, all_to_all_s
 from .hardware import Cluster, Link, degree_to_plan
 from .layout import Layout
 from .model_stats import ELEMENT_BYTES, ModelStats
@@ -107,6 +108,29 @@ def ep_comm_s(
         return 0.0
     calls = (6 if checkpointing else 4) * stats.moe.layers / stages
     return calls * all_to_all_s(dispatch_bytes(stats, mode, micro_batch, tp), ep, link)
+
+
+def tp_share_comm_s(
+    stats: ModelStats,
+    mode: str,
+    micro_batch: float,
+    tp: int,
+    ep: int,
+    link: Link,
+    checkpointing: bool,
+    stages: int = 1,
+) -> float:
+    """Seconds of one micro-batch's collectives over tp that dividing the tokens costs beside ep
+    (``distributed.expert_parallel.tp_share``), on the tp link: per MoE block the outputs gathered in forward (again
+    in a recomputed one) and the rows' gradients gathered in backward (b·s·h each, the compute dtype), and the
+    rank's experts' gradients summed over tp (X/ep of the stage, the parameters' dtype), every micro-batch; none
+    without both tp and ep."""
+    if tp == 1 or ep == 1 or stats.moe is None:
+        return 0.0
+    m, (param, compute) = stats.moe, ELEMENT_BYTES[mode]
+    rows = micro_batch * m.seq_len * m.hidden * compute
+    gathers = (3 if checkpointing else 2) * m.layers / stages * all_gather_s(rows, tp, link)
+    return gathers + all_reduce_s(m.expert_params / ep / stages * param, tp, link)
 
 
 def moe_flops(stats: ModelStats, tp_share: int = 1) -> float:

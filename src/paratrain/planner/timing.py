@@ -13,7 +13,7 @@ from functools import cached_property
 
 from . import context_parallel
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
-from .expert_parallel import ep_comm_s, moe_flops, sync_groups
+from .expert_parallel import ep_comm_s, moe_flops, sync_groups, tp_share_comm_s
 from .expert_parallel import link_of as ep_link
 from .hardware import Cluster, Link
 from .layout import Layout, stage_flops
@@ -395,9 +395,14 @@ def tp_comm(s: StepInputs) -> Comm:
 
 def ep_comm(s: StepInputs) -> Comm:
     """Expert parallelism's all-to-alls (``expert_parallel.ep_comm_s``), not hidden, over the link of ep
-    data-parallel neighbours: a pipeline stage those of its blocks in every slot."""
+    data-parallel neighbours: a pipeline stage those of its blocks in every slot; beside tp, the tp share's gathers
+    and gradient sums over the tp link (``expert_parallel.tp_share_comm_s``)."""
     layout = s.layout
-    seconds = ep_comm_s(
+    tp_link = s.cluster.link_for(layout.tp, 1)
+    share = tp_share_comm_s(
+        s.stats, s.mode, s.batch.micro_batch, layout.tp, layout.ep, tp_link, s.training.checkpointing, layout.pp
+    )
+    seconds = share + ep_comm_s(
         s.stats,
         s.mode,
         s.batch.micro_batch,
