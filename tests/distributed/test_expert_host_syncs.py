@@ -80,6 +80,45 @@ def test_ep_adds_one_host_read_per_layer_to_the_models_own(one_rank_group):
         torch.testing.assert_close(grad, expected_grads[key], rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("name", ["gpt_moe", "mixtral", "titan_dsv3"])
+def test_a_tp_ranks_share_of_the_rows_adds_no_host_read(name, one_rank_group):
+    """Beside tp each rank cuts its share of the rows (and their counts or choices) and gathers the outputs over tp
+    (a one-rank tp mesh here: the same DTensor redistributions): the host reads of ep alone (one a layer, beside the
+    model's own), the output and gradients those of ep alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    runs = []
+    for beside in (None, tp):
+        model = MODELS[name].build()
+        for layer in find_experts(model, 1):
+            dispatch_experts(layer, one_rank_group, tp=beside)
+        runs.append(_forward(model))
+    (expected, alone, expected_grads), (out, syncs, grads) = runs
+    assert dict(syncs.calls) == dict(alone.calls) and alone.count >= len(find_expert_layers(model))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_a_share_of_rows_sorted_by_expert_counts_its_own_rows_on_the_device():
+    """Rows sorted by expert cut into tp chunks (``torch.chunk``'s, uneven): each chunk's counts per expert, clamped
+    on the device in the counts' dtype, sum to the chunk and, over the chunks, to the counts."""
+    from paratrain.distributed.expert_parallel.tp_share import _within, share_bounds
+
+    counts = torch.tensor([3.0, 0.0, 5.0, 2.0])  # 10 rows; 3 ranks: chunks of 4, 4, 2
+    shares = []
+    for rank in range(3):
+        lo, hi = share_bounds(10, rank, 3)
+        with HostSyncs() as syncs:
+            share = _within(counts, lo, hi)
+        assert syncs.count == 0 and share.dtype == counts.dtype and share.sum() == hi - lo
+        shares.append(share.tolist())
+    assert shares == [[3, 0, 1, 0], [0, 0, 4, 0], [0, 0, 0, 2]]
+    assert [share_bounds(5, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]  # torch.chunk's cut
+
+
 class Recorded(nn.Module):
     """Experts (any name) that keep the counts they are given and take them as a tensor or a list, as they come."""
 
@@ -111,12 +150,16 @@ class Sorted(nn.Module):
         return out
 
 
+@pytest.mark.parametrize("beside_tp", [False, True], ids=["ep", "tp-share"])
 @pytest.mark.parametrize("kind", ["float", "int32", "list"])
-def test_the_experts_get_their_counts_as_the_model_gave_them(kind, one_rank_group):
+def test_the_experts_get_their_counts_as_the_model_gave_them(kind, beside_tp, one_rank_group):
+    """With ep alone and beside tp (a one-rank tp mesh: the share's counts, cut from the model's, keep their type)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     model, x = Sorted(kind), torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
     expected = model(x)
     (layer,) = find_experts(model, 1)
-    dispatch_experts(layer, one_rank_group)
+    dispatch_experts(layer, one_rank_group, tp=init_device_mesh("cpu", (1,)) if beside_tp else None)
     model.anything.given.clear()
     torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-6)
     (given,) = model.anything.given
@@ -141,14 +184,19 @@ def test_a_call_without_the_routers_choice_is_one_line(one_rank_group):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["gpt_moe", "mixtral"])
-def test_on_cuda_an_ep_layer_synchronizes_once_per_forward(name):
-    """A one-rank NCCL group; ``torch.cuda.set_sync_debug_mode("warn")`` within each experts module's call."""
+@pytest.mark.parametrize("beside_tp", [False, True], ids=["ep", "tp-share"])
+def test_on_cuda_an_ep_layer_synchronizes_once_per_forward(name, beside_tp):
+    """A one-rank NCCL group; ``torch.cuda.set_sync_debug_mode("warn")`` within each experts module's call; beside tp
+    (a one-rank tp mesh) the share and the gather over tp add none."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    tp = init_device_mesh("cuda", (1,), mesh_dim_names=("tp",)) if beside_tp else None
     model = MODELS[name].build().cuda()
     layers = find_experts(model, 1)
     for layer in layers:
-        dispatch_experts(layer, dist.group.WORLD)
+        dispatch_experts(layer, dist.group.WORLD, tp=tp)
         layer.module.register_forward_pre_hook(lambda *_: torch.cuda.set_sync_debug_mode("warn"))
         layer.module.register_forward_hook(lambda *_: torch.cuda.set_sync_debug_mode("default"))
     with warnings.catch_warnings(record=True) as caught:

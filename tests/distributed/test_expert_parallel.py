@@ -17,6 +17,7 @@ import torch
 from helpers.cli import run_cli
 from helpers.ep_workers import (
     MODELS,
+    PER_RANK,
     TOL,
     dense,
     expert_elements,
@@ -180,8 +181,32 @@ def test_a_router_loss_inside_forward_under_cp_is_one_line(world2):
 @pytest.mark.parametrize("case", BESIDE_TP, ids=key)
 def test_ep_beside_tp_splits_attention_by_tp_and_experts_by_ep(world4, case):
     """tp=2 x ep=2 at world 4 (2 replicas): attention and dense layers split over tp, the experts whole to tp and split
-    over each tp rank's group of replicas; equal to one process (accumulation, clipping), resumed, loaded without ep."""
+    over each tp rank's group of replicas, each tp rank computing the experts of its half of the rows; equal to one
+    process (accumulation, clipping), resumed, loaded without ep."""
     check(world4[key(case)], case, 2, reference(case[0], 2, case[2].get("clip_grad_norm")))
+
+
+@pytest.mark.launched
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_each_tp_rank_sends_its_share_of_the_rows_as_the_planner_counts(world4):
+    """Rows a rank sends to its experts per call (counted in the job): under tp=2 x ep=2 half of what a rank of the
+    same micro-batch sends under ep alone (our GPT), and what the planner's ``tokens_per_rank`` says (Mixtral)."""
+    from dataclasses import replace
+
+    from helpers.zoo import SEQ
+
+    from paratrain.planner import transformer_stats
+    from paratrain.planner.expert_parallel import tokens_per_rank
+    from paratrain.planner.hf_config import config_from_dict
+
+    alone = world4[key(WORLD4[0])]["sent"]
+    shared = world4[key(BESIDE_TP[1])]["sent"]
+    assert len(set(alone)) == 1 and shared == [alone[0] // 2] * len(alone)
+    config = replace(config_from_dict(mixtral().config.to_dict(), "mixtral"), seq_len=SEQ)
+    planned = tokens_per_rank(transformer_stats(config, name="mixtral"), PER_RANK, tp=2)
+    sent = world4[key(BESIDE_TP[0])]["sent"]
+    assert sent and all(n == planned for n in sent), (sent, planned)
 
 
 @pytest.mark.launched

@@ -233,6 +233,23 @@ def expert_elements(model: nn.Module) -> int:
     )
 
 
+@contextlib.contextmanager
+def counted_rows() -> Iterator[list[int]]:
+    """Within it, the rows each call of an experts module on this rank sends to its experts (those it computes the
+    experts of: its tp share), one entry a call."""
+    from paratrain.distributed.expert_parallel import experts
+
+    sent: list[int] = []
+
+    def exchange(rows: torch.Tensor, counts: torch.Tensor, *rest: object) -> torch.Tensor:
+        sent.append(len(rows))
+        return original(rows, counts, *rest)
+
+    original = experts.exchange
+    with mock.patch.object(experts, "exchange", exchange):
+        yield sent
+
+
 def run_case(model_name: str, strategy: str, options: dict, folder: str, loads: tuple) -> dict:
     """Train 2 steps, save (and the full state dict saved; graphs compiled by then), train step 3: the final state.
     Then for each layout (strategy, options) of ``loads``: a new ``Parallel`` of that layout loads the save and
@@ -242,14 +259,15 @@ def run_case(model_name: str, strategy: str, options: dict, folder: str, loads: 
     graphs = _graphs()
     par, model, opt = _prepared(spec, strategy, options)
     held = expert_elements(par.unwrap(model))
-    _train(par, spec, model, opt, range(STEPS - 1))
+    with counted_rows() as sent:
+        _train(par, spec, model, opt, range(STEPS - 1))
     graphs = _graphs() - graphs
     par.save(folder)
     saved = par.full_state_dict(model, rank0_only=False)  # what `paratrain export` of the save must give
     _train(par, spec, model, opt, range(STEPS - 1, STEPS))
     final = par.full_state_dict(model, rank0_only=False)
     par.close()
-    out = {"state": final, "saved": saved, "held": held, "graphs": graphs, "loads": {}}
+    out = {"state": final, "saved": saved, "held": held, "graphs": graphs, "sent": sent, "loads": {}}
     for s, o in loads:
         par, model, opt = _prepared(spec, s, o)
         par.load(folder)

@@ -15,8 +15,8 @@ import pytest
 from paratrain.cli.main import main
 from paratrain.errors import ConfigError
 from paratrain.planner import TRANSFORMERS, Layout, PlanConfig, Training, make_cluster, make_plan, transformer_stats
-from paratrain.planner.collectives import all_reduce_s, all_to_all_s
-from paratrain.planner.expert_parallel import dispatch_bytes, ep_comm_s, moe_flops
+from paratrain.planner.collectives import all_gather_s, all_reduce_s, all_to_all_s
+from paratrain.planner.expert_parallel import dispatch_bytes, ep_comm_s, moe_flops, tp_share_comm_s
 from paratrain.planner.expert_parallel import link_of as ep_link
 from paratrain.planner.layout import layouts
 from paratrain.planner.memory import memory_per_rank, model_states, ranked_split
@@ -89,7 +89,7 @@ def test_all_to_all_time_in_closed_form():
     each sends b·s·k·h elements of the compute dtype, (E-1)/E of them off the rank; a pipeline stage those of its
     blocks."""
     link = CLUSTER.intra
-    sent = 2 * 32768 * 2 * 4096 * 2  # micro-batch 2, whatever the tp
+    sent = 2 * 32768 * 2 * 4096 * 2  # micro-batch 2, without tp (beside it: 1/tp of it, each tp rank its share)
     assert dispatch_bytes(MIXTRAL, "autocast", 2) == sent
     one = (8 - 1) * link.latency_us * 1e-6 + 7 / 8 * sent / link.bytes_per_s
     assert all_to_all_s(sent, 8, link) == pytest.approx(one)
@@ -227,30 +227,41 @@ def test_a_hybrid_ep_stage_waits_for_its_blocks_all_to_alls_in_every_slot():
     assert per_slot > 0 and t.ep_comm_s == pytest.approx((4 + 1) * per_slot)  # m + p - 1 slots
 
 
-def test_tp_ep_sends_every_token_over_the_dp_link_and_computes_the_experts_unsplit():
+def test_tp_ep_sends_each_tp_ranks_share_over_the_dp_link_and_divides_the_routed_experts_by_tp():
     """zero3 tp=8 ep=2 on 2 nodes of 8: the ep pair is one rank of each node (8 apart), so its all-to-alls cross the
-    inter-node link, shared by the node's 8 pairs; each tp rank sends its micro-batch's tokens whole. The MoE MLPs'
-    FLOPs R are not divided by tp: against the same model without them counted, a step computes R(1 - 1/8) more a
-    sample."""
+    inter-node link, shared by the node's 8 pairs; each tp rank sends its 1/8 share of its micro-batch's tokens. The
+    MoE MLPs' FLOPs (routed experts R, routers W) are not divided by tp alone: against the same model without them
+    counted, a ddp tp=8 step computes (R + W)(1 - 1/8) more a sample; beside ep the tp ranks divide the routed
+    experts' tokens, and only the routers' W(1 - 1/8) remain."""
     cluster = make_cluster("h100", gpus=8, nodes=2, inter_node="ib-ndr-x8")
     layout = Layout.of(name="zero3", dp=2, zero=3, shard=2, tp=8, ep=2)
     link = ep_link(cluster, layout)
     assert link == cluster.link_for(2, 8) and link.name == f"{cluster.inter.name} / 8"
     batch = batching(MIXED, dp=2, pp=1, world_size=16)
     t = step_time(MIXTRAL, layout, batch, MIXED, cluster)
-    assert t.ep_comm_s == pytest.approx(
-        batch.micro_batches * ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False)
+    share = ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False, tp=8)
+    assert share < ep_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 2, link, False)
+    # and over the tp link: per MoE block the outputs and the rows' gradients gathered, the experts' gradients summed
+    tp_link, rows = cluster.link_for(8, 1), batch.micro_batch * 32768 * 4096 * 2
+    gathers = 2 * MIXTRAL.moe.layers * all_gather_s(rows, 8, tp_link)
+    summed = all_reduce_s(X / 2 * 2, 8, tp_link)
+    assert tp_share_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 8, 2, tp_link, False) == pytest.approx(
+        gathers + summed
     )
-    plain = Layout.of(name="ddp", dp=2, tp=8)
-    whole = moe_flops(MIXTRAL)
-    assert whole == 6 * 32768 * (X * 2 / 8 + 32 * 8 * 4096)  # 2 of 8 experts, and the routers (no shared experts)
+    assert tp_share_comm_s(MIXTRAL, "param_dtype", batch.micro_batch, 8, 1, tp_link, False) == 0.0
+    assert t.ep_comm_s == pytest.approx(batch.micro_batches * (share + gathers + summed))
+    assert dispatch_bytes(MIXTRAL, "param_dtype", 1, tp=8) * 8 == dispatch_bytes(MIXTRAL, "param_dtype", 1)
+    whole, router = moe_flops(MIXTRAL), 6 * 32768 * 32 * 8 * 4096
+    assert whole == 6 * 32768 * X * 2 / 8 + router  # 2 of 8 experts, and the routers (no shared experts)
+    assert moe_flops(MIXTRAL, 8) == 6 * 32768 * X * 2 / 8 / 8 + router
     blind = replace(MIXTRAL, moe=replace(MIXTRAL.moe, top_k=0, whole=0))
-    extra = (
-        step_time(MIXTRAL, plain, batch, MIXED, cluster).compute_s
-        - step_time(blind, plain, batch, MIXED, cluster).compute_s
-    )
     rate = cluster.flops_per_s("bf16-mixed", cluster.ranks_per_node)
-    assert extra == pytest.approx(batch.micro_batches * batch.micro_batch * whole * (1 - 1 / 8) / rate)
+    for plain, kept in ((Layout.of(name="ddp", dp=2, tp=8), whole), (layout, router)):
+        extra = (
+            step_time(MIXTRAL, plain, batch, MIXED, cluster).compute_s
+            - step_time(blind, plain, batch, MIXED, cluster).compute_s
+        )
+        assert extra == pytest.approx(batch.micro_batches * batch.micro_batch * kept * (1 - 1 / 8) / rate)
 
 
 @pytest.mark.parametrize(

@@ -11,14 +11,17 @@ parameters are synced over every data-parallel rank as without ep.
 The compositions planned (``layout.layouts``, the runtime's): ddp, zero2 and zero3 with ep; the same over groups of tp
 ranks with ep (``Parallel("zero3", tp=T, ep=E)``); and ``hybrid`` with ep (``Parallel("hybrid", dp=D, ep=E)``: each
 pipeline stage's experts split over groups of E of its D replicas). Tensor parallelism splits attention and the
-dense MLPs, not the routed experts: every rank of a tp group holds its ep slice of the experts whole and computes
-the experts of the same tokens (``moe_flops``, not divided by tp; nor are the router and shared experts, nor what
-the MoE blocks save for backward: tp runs each MoE block whole); its ep group is made of data-parallel ranks,
-one per tp group, so the all-to-alls cross the link the dp dimension uses (``link_of``).
+dense MLPs, not the routed experts: every rank of a tp group holds its ep slice of the experts whole, but beside ep
+the ranks of a tp group, given the same tokens, divide them: each computes the routed experts of its 1/tp share
+(``moe_flops(stats, tp)``: routed-expert FLOPs per rank divided by tp x ep's balanced routing; the router and
+shared experts, and what the MoE blocks save for backward, stay whole: tp runs each MoE block whole); its ep group
+is made of data-parallel ranks, one per tp group, so the all-to-alls cross the link the dp dimension uses
+(``link_of``).
 
-Per micro-batch of b samples of s tokens, a rank sends in each all-to-all b·s·k·h elements of the compute dtype,
-(E−1)/E of them off the rank: 4 all-to-alls an MoE block (6 with recomputation), none hidden; a pipeline stage
-those of its own blocks.
+Per micro-batch of b samples of s tokens, a rank sends in each all-to-all b·s·k·h/tp elements of the compute dtype
+(its tp share of the tokens), (E−1)/E of them off the rank: 4 all-to-alls an MoE block (6 with recomputation),
+none hidden; a pipeline stage those of its own blocks. Beside tp the share costs collectives over the tp link too
+(``tp_share_comm_s``): the outputs and the rows' gradients gathered, the experts' gradients summed.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ConfigError
-from .collectives import all_to_all_s
+from .collectives import all_gather_s, all_reduce_s, all_to_all_s
 from .hardware import Cluster, Link, degree_to_plan
 from .layout import Layout
 from .model_stats import ELEMENT_BYTES, ModelStats
@@ -71,36 +74,74 @@ def sync_groups(dense: float, experts: float, ranks: int, layout: Layout) -> lis
     return [(dense, ranks, 1), (experts, ranks // layout.ep, layout.ep)]
 
 
-def dispatch_bytes(stats: ModelStats, mode: str, micro_batch: float) -> float:
-    """Bytes one rank sends in one all-to-all of an MoE block: its micro-batch's tokens' k copies of the hidden
-    state, in the compute dtype of ``mode`` (``ELEMENT_BYTES``); every rank of a tp group sends its tokens whole
-    (each computes the same tokens' experts)."""
+def tokens_per_rank(stats: ModelStats, micro_batch: float, tp: int = 1) -> float:
+    """Token rows one rank sends to its experts per micro-batch and MoE block (each token once per expert it goes
+    to): a tp rank's share, 1/``tp`` of its group's tokens (``distributed.expert_parallel.tp_share``)."""
     if stats.moe is None:
         return 0.0
-    m = stats.moe
-    return micro_batch * m.seq_len * m.top_k * m.hidden * ELEMENT_BYTES[mode][1]
+    return micro_batch * stats.moe.seq_len * stats.moe.top_k / tp
+
+
+def dispatch_bytes(stats: ModelStats, mode: str, micro_batch: float, tp: int = 1) -> float:
+    """Bytes one rank sends in one all-to-all of an MoE block: its share of its micro-batch's tokens' k copies of
+    the hidden state (``tokens_per_rank``: 1/tp of them beside ``tp``), in the compute dtype of ``mode``
+    (``ELEMENT_BYTES``)."""
+    if stats.moe is None:
+        return 0.0
+    return tokens_per_rank(stats, micro_batch, tp) * stats.moe.hidden * ELEMENT_BYTES[mode][1]
 
 
 def ep_comm_s(
-    stats: ModelStats, mode: str, micro_batch: float, ep: int, link: Link, checkpointing: bool, stages: int = 1
+    stats: ModelStats,
+    mode: str,
+    micro_batch: float,
+    ep: int,
+    link: Link,
+    checkpointing: bool,
+    stages: int = 1,
+    tp: int = 1,
 ) -> float:
     """Seconds of one micro-batch's all-to-alls on one rank: per MoE block the dispatch and the combine in forward,
     their gradients in backward, and a recomputed forward's two more; a pipeline stage's 1/``stages`` of the
-    blocks."""
+    blocks; a tp rank's share of the tokens."""
     if ep == 1 or stats.moe is None:
         return 0.0
     calls = (6 if checkpointing else 4) * stats.moe.layers / stages
-    return calls * all_to_all_s(dispatch_bytes(stats, mode, micro_batch), ep, link)
+    return calls * all_to_all_s(dispatch_bytes(stats, mode, micro_batch, tp), ep, link)
 
 
-def moe_flops(stats: ModelStats) -> float:
-    """FLOPs per sample of the MoE blocks' MLPs (6 a weight, forward and backward, for each of the s tokens: the k
-    of the E routed experts a token goes through, the router and the shared experts): the share of a step tensor
-    parallelism does not divide, as it runs each MoE block whole on every rank."""
+def tp_share_comm_s(
+    stats: ModelStats,
+    mode: str,
+    micro_batch: float,
+    tp: int,
+    ep: int,
+    link: Link,
+    checkpointing: bool,
+    stages: int = 1,
+) -> float:
+    """Seconds of one micro-batch's collectives over tp that dividing the tokens costs beside ep
+    (``distributed.expert_parallel.tp_share``), on the tp link: per MoE block the outputs gathered in forward (again
+    in a recomputed one) and the rows' gradients gathered in backward (b·s·h each, the compute dtype), and the
+    rank's experts' gradients summed over tp (X/ep of the stage, the parameters' dtype), every micro-batch; none
+    without both tp and ep."""
+    if tp == 1 or ep == 1 or stats.moe is None:
+        return 0.0
+    m, (param, compute) = stats.moe, ELEMENT_BYTES[mode]
+    rows = micro_batch * m.seq_len * m.hidden * compute
+    gathers = (3 if checkpointing else 2) * m.layers / stages * all_gather_s(rows, tp, link)
+    return gathers + all_reduce_s(m.expert_params / ep / stages * param, tp, link)
+
+
+def moe_flops(stats: ModelStats, tp_share: int = 1) -> float:
+    """FLOPs per sample of the MoE blocks' MLPs on one rank (6 a weight, forward and backward, for each of the s
+    tokens: the k of the E routed experts a token goes through, the router and the shared experts): the share of a
+    step tensor parallelism does not split, as it runs each MoE block whole on every rank. Beside ep the ranks of a
+    tp group divide its tokens' routed experts: ``tp_share`` = tp divides that part."""
     if stats.moe is None:
         return 0.0
     m = stats.moe
-    return 6.0 * m.seq_len * (m.expert_params * m.top_k / m.experts + m.whole)
+    return 6.0 * m.seq_len * (m.expert_params * m.top_k / m.experts / tp_share + m.whole)
 
 
 def ep_degrees(stats: ModelStats, cluster: Cluster, ep: int | None = None) -> tuple[int, ...]:

@@ -240,7 +240,7 @@ def memory_per_rank(
         buffers = ddp_buckets
     buffers += 2 * boundary * batch.micro_batch if layout.stages > 1 else 0.0
     if layout.ep > 1:  # one MoE block's all-to-all send and receive buffers
-        buffers += 2 * dispatch_bytes(stats, activation_mode(training, layout), batch.micro_batch)
+        buffers += 2 * dispatch_bytes(stats, activation_mode(training, layout), batch.micro_batch, layout.tp)
     buffers += context_parallel.buffer_bytes(
         stats, activation_mode(training, layout), batch.micro_batch, layout.tp, layout.cp
     )

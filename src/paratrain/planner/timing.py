@@ -13,7 +13,7 @@ from functools import cached_property
 
 from . import context_parallel
 from .collectives import all_gather_s, all_reduce_s, broadcast_s, p2p_s, reduce_scatter_s
-from .expert_parallel import ep_comm_s, moe_flops, sync_groups
+from .expert_parallel import ep_comm_s, moe_flops, sync_groups, tp_share_comm_s
 from .expert_parallel import link_of as ep_link
 from .hardware import Cluster, Link
 from .layout import Layout, stage_flops
@@ -237,8 +237,8 @@ def rank_flops_per_sample(s: StepInputs) -> float:
 
     The FLOPs are those the step executes (``executed_flops_per_sample``); a pipeline stage's share is its units'
     FLOPs when the model was traced, else 1/p. Tensor-parallel ranks compute 1/tp of them, except a mixture of
-    experts' MoE blocks, which tp does not split: every rank of a tp group computes them whole for all its tokens
-    (``expert_parallel.moe_flops``)."""
+    experts' MoE blocks, which tp does not split: every rank of a tp group computes them whole for all its tokens,
+    or beside ep the routed experts of its 1/tp share of them (``expert_parallel.moe_flops``)."""
     stats, layout, training = s.stats, s.layout, s.training
     traced = layout.pp > 1 and stats.unit_flops
     per_sample = executed_flops_per_sample(stats, training)
@@ -247,8 +247,10 @@ def rank_flops_per_sample(s: StepInputs) -> float:
         if traced
         else per_sample / layout.pp
     )
-    whole = min(moe_flops(stats) * training.flops_factor / layout.pp, stage_flops_per_sample)
-    return (stage_flops_per_sample - whole) / layout.tp + whole
+    moe = moe_flops(stats)
+    whole = min(moe * training.flops_factor / layout.pp, stage_flops_per_sample)
+    kept = whole * moe_flops(stats, layout.tp if layout.ep > 1 else 1) / moe if moe else 0.0
+    return (stage_flops_per_sample - whole) / layout.tp + kept
 
 
 def machinery_s(s: StepInputs) -> float:
@@ -409,10 +411,22 @@ def tp_comm(s: StepInputs) -> Comm:
 
 def ep_comm(s: StepInputs) -> Comm:
     """Expert parallelism's all-to-alls (``expert_parallel.ep_comm_s``), not hidden, over the link of ep
-    data-parallel neighbours: a pipeline stage those of its blocks in every slot."""
+    data-parallel neighbours: a pipeline stage those of its blocks in every slot; beside tp, the tp share's gathers
+    and gradient sums over the tp link (``expert_parallel.tp_share_comm_s``)."""
     layout = s.layout
-    seconds = ep_comm_s(
-        s.stats, s.mode, s.batch.micro_batch, layout.ep, ep_link(s.cluster, layout), s.training.checkpointing, layout.pp
+    tp_link = s.cluster.link_for(layout.tp, 1)
+    share = tp_share_comm_s(
+        s.stats, s.mode, s.batch.micro_batch, layout.tp, layout.ep, tp_link, s.training.checkpointing, layout.pp
+    )
+    seconds = share + ep_comm_s(
+        s.stats,
+        s.mode,
+        s.batch.micro_batch,
+        layout.ep,
+        ep_link(s.cluster, layout),
+        s.training.checkpointing,
+        layout.pp,
+        layout.tp,
     )
     return Comm(seconds=seconds, times=s.slots)
 

@@ -89,11 +89,12 @@ class Composed(Strategy):
         data_mesh = mesh["dp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else mesh
         # the cp ranks' gradients are reduced with the data-parallel ranks' (dp x cp)
         data_mesh = self.cp.gradient_mesh(mesh, data_mesh)
+        tp_mesh = mesh["tp"] if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else None
         return rt.parallelize(
             model,
             tp=self.tp.splitter(rt, self.ep.modules),
             cp=self.cp.step(mesh),
-            ep=self.ep.step(data_mesh, rt.device, self.data.zero, self.data.expert_shard_options(rt)),
+            ep=self.ep.step(data_mesh, rt.device, self.data.zero, self.data.expert_shard_options(rt), tp=tp_mesh),
             data=self.data.step(rt, data_mesh),
         )
 

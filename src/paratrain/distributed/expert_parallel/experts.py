@@ -18,6 +18,12 @@ all-to-all's splits), nothing more. Each call's convention is read from what it 
   original forward computes it); an index equal to ``num_experts`` is a sentinel and skipped, as there.
 - ``(rows sorted by expert, counts)``: the rows are sent as they are, and the local experts get their counts as the
   model gave them: a tensor of its dtype on its device (torchtitan's float ``histc`` counts stay floats), or a list.
+
+Beside tensor parallelism every rank of a tp group is given the same rows (the experts are whole to tp). Each then
+keeps its 1/tp of them (:mod:`.tp_share`: the rows, and with them their counts or their tokens' choices), sends
+only those over its expert group, and the outputs are gathered over tp: the experts' work of a tp group is divided
+among its ranks (torchtitan's token split of a tp group), and each rank's expert gradient, from its share of the
+rows, is summed over tp in the backward.
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ...errors import ConfigError
 from ...model.expert_compute import count_per_expert, fused_gate, grouped_mm_fits, run_fused_experts
 from ...model.experts import TAKES_HOST_COUNTS, ExpertLayer, Routing, find_expert_layers
 from .dispatch import exchange
+from .tp_share import gather_over_tp, own_share, summed_over_tp
 
 
 @dataclass(frozen=True)
@@ -90,17 +98,20 @@ def _layer(found: ExpertLayer) -> ExpertsLayer:
     return ExpertsLayer(found, split)
 
 
-def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch.dtype | None = None) -> None:
+def dispatch_experts(
+    layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch.dtype | None = None, tp: DeviceMesh | None = None
+) -> None:
     """Replace ``layer.module``'s forward (on the instance) by one that runs over ``group``; its parameters must
     already hold this rank's slice (DTensors, whose local tensors the original forward is given, cast to ``dtype``
-    when given: the compute dtype of mixed precision, where no FSDP unit casts them)."""
+    when given: the compute dtype of mixed precision, where no FSDP unit casts them). ``tp``: the rank's tp group,
+    whose ranks are given the same rows and each compute their share of them (the module docstring)."""
     module, original = layer.module, layer.module.forward
     n_local = layer.experts // dist.get_world_size(group)
     fused = fused_gate(module) is not None
     host_counts = getattr(module, TAKES_HOST_COUNTS, False)
 
     def run(given: Routing, rows: torch.Tensor, counts: torch.Tensor, host: list[int]) -> torch.Tensor:
-        with _local(module, layer.split, n_local, dtype) as held:
+        with _local(module, layer.split, n_local, dtype, tp) as held:
             if given.top_k and fused:  # transformers' fused experts, computed here: no host read of their own
                 out = run_fused_experts(module, rows, counts, host)
             elif given.top_k:
@@ -123,13 +134,21 @@ def dispatch_experts(layer: ExpertsLayer, group: dist.ProcessGroup, dtype: torch
                 f"its call carries neither counts per expert (rows, a tensor or list of {layer.experts}) nor each "
                 "token's experts (hidden_states, index [tokens, k], weights); call it so, or drop ep"
             )
-        computed = functools.partial(run, given)
-        if given.top_k:
-            return _topk_forward(given, computed, layer.experts, group)
-        return exchange(given.rows, torch.as_tensor(given.chosen, device=given.rows.device), group, computed)
+        if tp is None:
+            return _routed(given, run, layer.experts, group)
+        share = own_share(given, tp)
+        return gather_over_tp(_routed(share, run, layer.experts, group), given, share, tp)
 
     forward.__signature__ = layer.found.signature  # type: ignore[attr-defined]  # hooks read calls as the model's
     module.forward = forward
+
+
+def _routed(given: Routing, run: Callable, experts: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """``given``'s rows through their experts over ``group``: one output row per row (per counted row)."""
+    computed = functools.partial(run, given)
+    if given.top_k:
+        return _topk_forward(given, computed, experts, group)
+    return exchange(given.rows, torch.as_tensor(given.chosen, device=given.rows.device), group, computed)
 
 
 def _like(counts: torch.Tensor, given: torch.Tensor | list[int]) -> torch.Tensor:
@@ -154,17 +173,18 @@ def _topk_forward(given: Routing, run: Callable, experts: int, group: dist.Proce
 
 @contextmanager
 def _local(
-    module: nn.Module, names: tuple[str, ...], n_local: int, dtype: torch.dtype | None
+    module: nn.Module, names: tuple[str, ...], n_local: int, dtype: torch.dtype | None, tp: DeviceMesh | None
 ) -> Iterator[list[torch.Tensor]]:
     """Within it, ``module``'s split parameters are their local tensors (autograd-aware ``to_local``, and cast to
-    ``dtype``: gradients flow back into the DTensors in theirs; yielded) and its ``num_experts`` counts the local
-    experts."""
+    ``dtype``: gradients flow back into the DTensors in theirs; yielded; summed over ``tp`` on their way back, each
+    tp rank having computed its share of the rows) and its ``num_experts`` counts the local experts."""
     params = {n: module._parameters[n] for n in names}
     had = "num_experts" in vars(module)
     count = getattr(module, "num_experts", None)
     try:
         for n, p in params.items():
             local = p.to_local() if isinstance(p, DTensor) else p  # compiled, hasattr left the DTensor in the graph
+            local = summed_over_tp(local, tp) if tp is not None else local
             module._parameters[n] = local.to(dtype) if dtype is not None else local  # type: ignore[assignment]
         if count is not None:
             module.num_experts = n_local

@@ -25,12 +25,15 @@ class WholeExperts:
     """Parameters become DTensors split over ranks (the optimizer is then rebuilt over them)."""
     degree = 1
 
-    def step(self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any], stage: bool = False) -> Step | None:
+    def step(
+        self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any], stage: bool = False, tp: Any = None
+    ) -> Step | None:
         """:func:`~paratrain.distributed.parallelize.parallelize`'s ``ep``: the step that lays the experts out over
         the 1-D data mesh ``mesh`` before the data engine's step (``zero``: that engine's ZeRO stage;
         ``fsdp_kwargs``: its ``fully_shard`` options, which the experts take too; ``stage``: the module is one
-        pipeline stage, which may hold no experts, the whole model having been checked by :meth:`check`); None:
-        every expert stays whole."""
+        pipeline stage, which may hold no experts, the whole model having been checked by :meth:`check`; ``tp``:
+        the tp mesh beside it, whose ranks, given the same rows, divide them for their experts); None: every
+        expert stays whole."""
         return None
 
     def modules(self, model: nn.Module) -> list[nn.Module]:
@@ -68,7 +71,9 @@ class ExpertParallel(WholeExperts):
         self._reduces = False
         """Whether :meth:`sync_gradients` completes the experts' gradients (no data engine reduces them)."""
 
-    def step(self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any], stage: bool = False) -> Step:
+    def step(
+        self, mesh: Any, device: Any, zero: int, fsdp_kwargs: dict[str, Any], stage: bool = False, tp: Any = None
+    ) -> Step:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         from ...model.materialize import is_meta, to_device
@@ -93,6 +98,7 @@ class ExpertParallel(WholeExperts):
                     layer,
                     self._mesh.get_group("ep"),
                     getattr(policy, "param_dtype", None) if zero and self._reduces else None,
+                    tp if tp is not None and tp.size() > 1 else None,
                 )
             if self._reduces:
                 ignored_by_data_parallel(model, layers)
