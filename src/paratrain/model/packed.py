@@ -63,12 +63,12 @@ def _row_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list
         return [[length]] * rows
     shape = (source._version, rows, length)
     if source is not _LastRead.source or shape != _LastRead.shape:
-        _LastRead.lengths = _read_lengths(kwargs, rows, length)
+        _LastRead.lengths = read_lengths(kwargs, rows, length)
         _LastRead.source, _LastRead.shape = source, shape
     return _LastRead.lengths
 
 
-def _read_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list[int]]:
+def read_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list[int]]:
     """Each row's document lengths, from ``cu_seq_lens_q`` (cumulative over the flattened batch) or the
     ``position_ids`` restarts."""
     cu = kwargs.get("cu_seq_lens_q")

@@ -123,12 +123,13 @@ class ChosenStrategy:
         if not is_packed(call.kwargs):
             return call
         dims = self.strategy.dims(runtime.env)
-        if dims.cp > 1 or dims.pp > 1:
+        if dims.pp > 1:
             raise ConfigError(
-                f"packed batches (position_ids restarting inside a row) are not supported with "
-                f"{'cp' if dims.cp > 1 else 'a pipeline'} yet; pad each document to its own row there"
+                "packed batches (position_ids restarting inside a row) are not supported with a pipeline yet; pad "
+                "each document to its own row there"
             )
-        use_packed_attention(self.strategy.unwrap(model))
+        if dims.cp == 1:  # cp's attention keeps the documents apart itself (distributed/context_parallel)
+            use_packed_attention(self.strategy.unwrap(model))
         count = counted_targets(call)
         if count is None or call.loss_kwargs.get("num_items_in_batch") is not None:
             return call

@@ -29,7 +29,7 @@ from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
 from ...batch import find_loss
 from ...errors import ConfigError
-from .masks import Padding, read_padding
+from .masks import Documents, Padding, read_documents, read_padding
 
 IGNORE_INDEX = -100
 _FIRST_INPUTS = ("input_ids", "inputs_embeds", "idx", "x")
@@ -70,6 +70,11 @@ class SequenceSplit:
         self.shifts_labels = _causal_lm(model)
         self.padding: Padding | None = None
         """The padding of the current call's whole sequences (None: nothing padded)."""
+        self.documents: Documents | None = None
+        """The packed documents of the current call's whole sequences (None: one sequence a row)."""
+        self.keeps_documents = False
+        """Whether every attention of the model keeps a packed row's documents apart (transformers attention
+        modules: :mod:`.attention`); packed calls are refused otherwise."""
         self.share: torch.Tensor | None = None
         """This rank's share of the current call's counted target tokens; None where the model's loss is already a
         sum over the whole count (``num_items_in_batch``)."""
@@ -132,6 +137,7 @@ class SequenceSplit:
                 f"mask itself; got {mask.dim()}-D: pass the padding mask instead"
             )
         self.padding = read_padding(mask, first.device)
+        self.documents = self._documents(kwargs, first.shape[0], length, first.device)
         self.share = None
         self.pending = self._targets(args, kwargs, first.device)
         if self.positions is not None:
@@ -142,6 +148,23 @@ class SequenceSplit:
             return self.local(value) if sequence else value
 
         return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
+
+    def _documents(self, kwargs: dict[str, Any], rows: int, length: int, device: torch.device) -> Documents | None:
+        """The call's packed documents, found from the whole sequences' positions before they are cut (or the
+        collator's ``cu_seq_lens_q``): one host read when positions are given."""
+        given = kwargs.get(self.positions) if self.positions is not None else None
+        found = read_documents(given, kwargs.get("cu_seq_lens_q"), rows, length, device)
+        if found is not None and not self.keeps_documents:
+            raise ConfigError(
+                "packed batch (positions restarting inside a row) under cp, which keeps documents apart in "
+                "transformers attention modules only; pad each document to its own row, or train without cp"
+            )
+        if found is not None and self.padding is not None:
+            raise ConfigError(
+                "cp takes a packed batch (position_ids restarting at each document) or a padding mask, not both; "
+                "fill a packed row with one more document whose labels are -100 instead of padding it"
+            )
+        return found
 
     def _positions(self, given: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
         """The global positions of the call's tokens: none given, ``[1, seq]`` (transformers' ``position_ids``,
