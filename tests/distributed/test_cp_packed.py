@@ -11,7 +11,9 @@ import torch.distributed as dist
 from helpers import packed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from paratrain.distributed.context_parallel.masks import read_documents
 from paratrain.distributed.context_parallel.part import ContextParallel
 from paratrain.errors import ConfigError
 from paratrain.options import CPConfig
@@ -50,7 +52,8 @@ def test_a_packed_row_under_cp_equals_each_document_alone(cp_group, method):
     assert max_abs_diff(_grads(model), _grads(alone)) <= 1e-6
 
 
-def test_the_collators_cu_seq_lens_are_read_too(cp_group):
+@pytest.mark.parametrize("method", ["ulysses", "allgather"])
+def test_the_collators_cu_seq_lens_are_read_too(cp_group, method):
     from transformers import DataCollatorWithFlattening
 
     expected = packed.alone_loss(packed.BUILD["llama"](), DOCS)
@@ -58,7 +61,7 @@ def test_the_collators_cu_seq_lens_are_read_too(cp_group):
         [{"input_ids": d} for d in DOCS]
     )
     del batch["position_ids"]
-    model = _with_cp(packed.BUILD["llama"](), cp_group, "ulysses")
+    model = _with_cp(packed.BUILD["llama"](), cp_group, method)
     assert torch.allclose(model(**batch).loss, expected, atol=1e-6)
 
 
@@ -77,3 +80,32 @@ def test_attention_that_cannot_keep_documents_apart_is_one_line(cp_group):
     model = _with_cp(GPT(GPTConfig(layers=1, hidden=8, heads=2, seq_len=8, vocab=16)), cp_group, "ulysses")
     with pytest.raises(ConfigError, match="packed batch .* under cp, which keeps documents apart in transformers"):
         model(torch.zeros(1, 8, dtype=torch.long), positions=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))
+
+
+class _Made(TorchDispatchMode):
+    """Records the tensors made from host values (``torch.tensor(list)``): on a GPU, a copy that waits for its
+    queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("given", ["position_ids", "cu_seq_lens_q"])
+def test_document_ids_are_computed_where_the_positions_are(given):
+    """The all-gather's document ids come from the positions on their device, not from the host's lengths."""
+    from transformers import DataCollatorWithFlattening
+
+    batch = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True)(
+        [{"input_ids": d} for d in DOCS]
+    )
+    positions, cu = (batch["position_ids"], None) if given == "position_ids" else (None, batch["cu_seq_lens_q"])
+    with _Made() as made:
+        found = read_documents(positions, cu, 1, 18, torch.device("cpu"))
+    assert made.count == 0
+    assert found.lengths == ((5, 2, 7, 4),)
+    assert found.ids.tolist() == [[0] * 5 + [1] * 2 + [2] * 7 + [3] * 4]

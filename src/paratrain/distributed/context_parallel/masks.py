@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...model.packed import read_lengths
+from ...model.packed import document_starts, read_lengths
 
 Kernel = Callable[..., tuple[torch.Tensor, Any]]
 """A transformers attention function: ``(module, q, k, v, mask, **kwargs) -> (out [b, s, h, d], weights)``."""
@@ -77,14 +77,22 @@ def read_documents(
     positions: torch.Tensor | None, cu_seq_lens: torch.Tensor | None, rows: int, length: int, device: torch.device
 ) -> Documents | None:
     """The documents of a packed call from its whole sequences' ``positions`` ``[b or 1, s]`` (restarting at each
-    document) or ``cu_seq_lens`` (the flattening collator's), or None where no row holds more than one."""
-    if cu_seq_lens is None and (positions is None or positions.dim() != 2):
+    document) or ``cu_seq_lens`` (the flattening collator's), or None where no row holds more than one. The ids are
+    computed where the positions are (no copy between host and device, which would wait for the device's queue),
+    and moved to ``device`` (the inputs') only where the call gave them elsewhere."""
+    if cu_seq_lens is not None:
+        starts = torch.zeros(rows * length, dtype=torch.bool, device=cu_seq_lens.device)
+        starts = starts.index_fill_(0, cu_seq_lens[:-1].long(), True).view(
+            rows, length
+        )  # rows' first tokens among them
+    elif positions is not None and positions.dim() == 2:
+        starts = document_starts(positions.expand(rows, -1))
+    else:
         return None
     lengths = read_lengths({"position_ids": positions, "cu_seq_lens_q": cu_seq_lens}, rows, length)
     if all(len(row) == 1 for row in lengths):
         return None
-    ids = [[i for i, n in enumerate(row) for _ in range(n)] for row in lengths]
-    return Documents(tuple(tuple(row) for row in lengths), torch.tensor(ids, device=device))
+    return Documents(tuple(tuple(row) for row in lengths), (starts.long().cumsum(-1) - 1).to(device))
 
 
 def _sample(row: torch.Tensor, device: torch.device) -> Sample:
