@@ -63,11 +63,7 @@ WORLD4 = [
 ]
 # packed documents (tests/helpers/packed.py), each row filled up to the 2 x cp pieces: Ulysses and the all-gather;
 # at world 4 two replicas hold different numbers of real tokens
-PACKED = [
-    ("llama", "ddp", {"cp": 2}),
-    ("llama", "zero3", {"cp": 2, "cp_method": "allgather"}),
-    ("qwen3", "zero3", {"cp": 2}),
-]
+PACKED = [("llama", "ddp", {"cp": 2}), ("llama", "zero3", {"cp": 2, "cp_method": "allgather"})]
 PACKED4 = [("llama", "ddp", {"cp": 2, "cp_method": "allgather"})]
 REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",
