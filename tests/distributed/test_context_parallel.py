@@ -123,7 +123,7 @@ def test_cp_world2_equals_one_process(world2, case):
 
 @pytest.mark.launched
 @pytest.mark.parametrize(
-    "world, case", [pytest.param(w, c, id=f"world{w}/{key(c)}") for w, cs in ((2, PACKED), (4, PACKED4)) for c in cs]
+    "world, case", [pytest.param(n, c, id=f"world{n}/{key(c)}") for n, cs in ((2, PACKED), (4, PACKED4)) for c in cs]
 )
 def test_cp_packed_documents_equal_each_document_alone(request, world, case):
     """A packed row (position_ids restarting at each document) trains as one process that runs each document alone,
