@@ -30,10 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grace",
         type=int,
-        default=DEFAULT_GRACE_S,
         metavar="SECONDS",
         help="SIGUSR1 this long before the time limit: the ranks save, the job requeues itself and resumes "
-        f"(default {DEFAULT_GRACE_S}; 0: off)",
+        f"(default {DEFAULT_GRACE_S}; 0: off, the default with --tf, whose workers do not save on a signal)",
     )
     p.add_argument(
         "--setup",
@@ -74,7 +73,7 @@ def execute(args: argparse.Namespace) -> int:
         job_name=args.job_name,
         log=args.log,
         setup=tuple(args.setup),
-        grace=args.grace,
+        grace=args.grace if args.grace is not None else 0 if args.tf_script else DEFAULT_GRACE_S,
         run_args=(*(("--tf",) if args.tf_script else ()), *shlex.split(args.run_args)),
     )
     write_sbatch(spec, args.output)
