@@ -289,7 +289,7 @@ class Parallel:
             yield info
         self._loop.stepped(info, self.strategy, model, optimizer, self.precision)
         if info.sync:
-            self._checkpoints.stepped(self.optimizer_steps, self.strategy.server.training_group(self.env))
+            self._checkpoints.stepped(self.optimizer_steps, lambda: self.strategy.server.training_group(self.env))
             if self.monitor is not None:
                 self.monitor.stepped(self.optimizer_steps)
 

@@ -28,7 +28,6 @@ and outside ``paratrain run`` (torchrun, ``srun`` alone) so does SIGTERM.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -178,9 +177,10 @@ class StopSignals:
             return False
         return meet(self.received is not None)
 
-    def agreed_on(self, step: int, group: dist.ProcessGroup | None) -> bool:
-        """:meth:`agreed` among the ranks of ``group``, whose flags travel as :func:`flag_device` says."""
-        return self.agreed(step, functools.partial(any_rank, group=group))
+    def agreed_on(self, step: int, group: Callable[[], dist.ProcessGroup | None]) -> bool:
+        """:meth:`agreed` among the ranks of ``group()`` (asked only at a check), whose flags travel as
+        :func:`flag_device` says."""
+        return self.agreed(step, lambda flag: any_rank(flag, group()))
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)

@@ -69,9 +69,10 @@ class AutoCheckpoint:
         """True when the job has a checkpoint folder of its own (``checkpoint_dir``): then every rank must stay."""
         return self.config.dir is not None
 
-    def stepped(self, step: int, group: dist.ProcessGroup | None = None) -> None:
-        """Called after each optimizer step (``step`` counts them) on every rank of ``group`` (those that train):
-        marks a save as due every N steps, and the stop the ranks agree on after a stop signal."""
+    def stepped(self, step: int, group: Callable[[], dist.ProcessGroup | None] = lambda: None) -> None:
+        """Called after each optimizer step (``step`` counts them) on every rank of ``group()`` (those that train):
+        marks a save as due every N steps, and the stop the ranks agree on after a stop signal. ``group`` is called
+        only at a check (making a parameter server's workers' group is collective: not in a job that never checks)."""
         if self.config.every is not None and step % self.config.every == 0:
             self._due = True
         if self.stop_signals.agreed_on(step, group):
