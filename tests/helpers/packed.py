@@ -19,7 +19,7 @@ import paratrain
 from helpers.zoo import HIDDEN, VOCAB, _quiet_transformers, _sgd, llama
 
 STEPS, DOCS = 3, 3
-MODELS = ("llama", "qwen2", "qwen3")
+MODELS = ("llama", "qwen2", "qwen3", "mixtral")
 
 
 def _qwen(kind: str) -> nn.Module:
@@ -41,7 +41,36 @@ def _qwen(kind: str) -> nn.Module:
     return getattr(transformers, f"{kind.capitalize()}ForCausalLM")(config)
 
 
-BUILD = {"llama": llama, "qwen2": functools.partial(_qwen, "qwen2"), "qwen3": functools.partial(_qwen, "qwen3")}
+def mixtral() -> nn.Module:
+    """A tiny Mixtral: 4 experts, top 2, no router auxiliary loss (its load-balancing term is a replica's own,
+    not the global batch's)."""
+    import transformers
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=False,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+BUILD = {
+    "llama": llama,
+    "qwen2": functools.partial(_qwen, "qwen2"),
+    "qwen3": functools.partial(_qwen, "qwen3"),
+    "mixtral": mixtral,
+}
 
 
 def documents(step: int, replica: int) -> list[list[int]]:

@@ -28,7 +28,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("model_name", ["llama", "qwen3"])  # qwen2: tests/strategies/test_zoo.py
+@pytest.mark.parametrize("model_name", ["llama", "qwen3", "mixtral"])  # qwen2: tests/strategies/test_zoo.py
 def test_packed_rows_equal_each_document_alone(model_name):
     model = packed.BUILD[model_name]()
     packed.alone_loss(model, DOCS).backward()

@@ -28,8 +28,10 @@ SMALL_UNITS = [("gpt2", "zero3"), ("nanogpt", "zero2"), ("lora", "zero3"), ("lla
 PIPELINED = ("cnn", "frozen", "bert", "lora")
 HYBRID_DATA = ("ddp", "zero1", "fsdp")  # how hybrid's replicas hold their stages: DDP, ZeRO-1 or FSDP
 SPLIT = {"frozen": {"split": [3]}}  # by size the first stage would hold only the frozen layer: refused, see below
-# Packed documents (tests/helpers/packed.py): Llama and Qwen3 under each data layout and tp, Qwen2 under ddp.
+# Packed documents (tests/helpers/packed.py): Llama and Qwen3 under each data layout and tp, Qwen2 under zero2,
+# Mixtral under ddp and zero3.
 PACKED = [(m, s) for m in ("llama", "qwen3") for s in ("ddp", "zero3", "tp")] + [("qwen2", "zero2")]
+PACKED += [("mixtral", "ddp"), ("mixtral", "zero3")]  # MoE: experts that get no token of a replica
 CHECKPOINTED = [
     ("gpt2", "zero3", True),
     ("llama", "ddp", True),
