@@ -89,6 +89,20 @@ def packed(docs: list[list[int]]) -> dict[str, torch.Tensor]:
     return DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d} for d in docs])
 
 
+def rows_of(step: int, replica: int, rows: int) -> dict[str, torch.Tensor]:
+    """Replica ``replica``'s batch at ``step``: one collated row, or (a pipeline's micro-batches) ``rows`` rows,
+    row ``i`` holding ``documents(step, rows * replica + i)``, each filled to the longest with one-token documents
+    (position 0, no target: they change no loss or gradient)."""
+    if rows == 1:
+        return packed(documents(step, replica))
+    found = [packed(documents(step, rows * replica + i)) for i in range(rows)]
+    width = max(row["input_ids"].shape[1] for row in found)
+    fill = {"input_ids": 0, "labels": -100, "position_ids": 0}
+    return {
+        k: torch.cat([F.pad(row[k], (0, width - row[k].shape[1]), value=fill[k]) for row in found]) for k in fill
+    }
+
+
 def alone_loss(model: nn.Module, docs: list[list[int]]) -> torch.Tensor:
     """Each document as a row of its own: the summed next-token loss over the real tokens, divided by their count."""
     total = 0.0
@@ -116,9 +130,10 @@ def run_packed(model_name: str, strategy: str, options: dict, folder: str) -> di
     par = paratrain.Parallel(strategy, monitor=False, **options)
     model = BUILD[model_name]()
     model, opt = par.prepare(model, _sgd(model))
+    rows = options.get("microbatches", 1)
     for s in range(STEPS):
         with par.step(model, opt):
-            batch = packed(documents(s, par.data_parallel_rank))
+            batch = rows_of(s, par.data_parallel_rank, rows)
             par.forward_backward(model, {k: v.to(par.device) for k, v in batch.items()})
     state = par.full_state_dict(model, rank0_only=False)
     par.close()

@@ -184,10 +184,11 @@ def register_packed_attention() -> None:
 
 def use_packed_attention(model: nn.Module) -> None:
     """Before a packed batch's forward: a transformers model on ``sdpa``/``eager`` switches to
-    :data:`PACKED_ATTENTION` (every sub-config that names an implementation); a model that isolates documents
+    :data:`PACKED_ATTENTION` (every sub-config that names an implementation; the first found is the model's own, or
+    under a pipeline its blocks' attention's: the same object); a model that isolates documents
     itself is left alone (a transformers kernel that does, or an attention module marked ``packs_documents``, as
     paratrain's GPT's is: it reads the documents from its ``positions``); anything else is a one-line error."""
-    config = getattr(model, "config", None)
+    config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")), None)
     found = getattr(config, "_attn_implementation", None)
     if found in _ISOLATING or (config is None and any(getattr(m, "packs_documents", False) for m in model.modules())):
         return

@@ -123,10 +123,10 @@ class ChosenStrategy:
         if not is_packed(call.kwargs):
             return call
         dims = self.strategy.dims(runtime.env)
-        if dims.cp > 1 or dims.pp > 1:
+        if dims.cp > 1:
             raise ConfigError(
-                f"packed batches (position_ids restarting inside a row) are not supported with "
-                f"{'cp' if dims.cp > 1 else 'a pipeline'} yet; pad each document to its own row there"
+                "packed batches (position_ids restarting inside a row) are not supported with cp yet; pad each "
+                "document to its own row there"
             )
         use_packed_attention(self.strategy.unwrap(model))
         count = counted_targets(call)
