@@ -188,7 +188,8 @@ def use_packed_attention(model: nn.Module) -> None:
     under a pipeline its blocks' attention's: the same object); a model that isolates documents
     itself is left alone (a transformers kernel that does, or an attention module marked ``packs_documents``, as
     paratrain's GPT's is: it reads the documents from its ``positions``); anything else is a one-line error."""
-    config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")), None)
+    configs = (getattr(m, "config", None) for m in model.modules())
+    config = next((c for c in configs if hasattr(c, "_attn_implementation")), None)
     found = getattr(config, "_attn_implementation", None)
     if found in _ISOLATING or (config is None and any(getattr(m, "packs_documents", False) for m in model.modules())):
         return
