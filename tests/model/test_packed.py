@@ -77,6 +77,7 @@ def test_packed_batches_are_found_from_restarting_positions():
     assert is_packed({"position_ids": torch.tensor([[0, 1, 0, 1]])})
     assert not is_packed({"position_ids": torch.arange(4)[None].expand(2, 4)})
     assert not is_packed({"position_ids": torch.tensor([[5, 6, 7, 8]])})  # a continuing row, not a restart
+    assert not is_packed({"position_ids": torch.tensor([[0, 1, 6, 7]])})  # a cp rank's head and tail chunks
     assert is_packed({"positions": torch.tensor([[0, 1, 2, 0]])})  # our GPT's keyword
     assert is_packed({"cu_seq_lens_q": torch.tensor([0, 2, 4])})
     assert not is_packed({"attention_mask": torch.ones(1, 4)})
@@ -165,7 +166,8 @@ def test_our_gpt_attends_within_each_document_of_packed_positions(monkeypatch):
 
 def test_our_gpt_reads_packed_positions_once_a_forward():
     """Packed: one host read a forward, not one a layer. A context-parallel slice's ``[1, seq]`` positions (going on
-    by one from its offset) are one read too and keep whole-row attention."""
+    by one from its offset, or jumping forward between its head and tail chunks) are one read too and keep whole-row
+    attention."""
     from paratrain.testing.host_syncs import HostSyncs
 
     model = _gpt(learned_positions=False)
@@ -175,7 +177,8 @@ def test_our_gpt_reads_packed_positions_once_a_forward():
     assert syncs.count == 1, dict(syncs.calls)
     ids = ids[:, :6]
     expected = model(ids)
-    with HostSyncs() as syncs:
-        sliced = model(ids, positions=torch.arange(8, 14)[None])
-    assert syncs.count == 1, dict(syncs.calls)
-    assert torch.allclose(sliced, expected)  # no learned positions: the same attention over the whole slice
+    for positions in (torch.arange(8, 14), torch.tensor([0, 1, 2, 9, 10, 11])):  # Ulysses', all-gather's slices
+        with HostSyncs() as syncs:
+            sliced = model(ids, positions=positions[None])
+        assert syncs.count == 1, dict(syncs.calls)
+        assert torch.allclose(sliced, expected)  # no learned positions: the same attention over the whole slice

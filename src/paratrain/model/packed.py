@@ -30,8 +30,9 @@ _ISOLATING = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "fl
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """``[b, s]`` bool: True where a document starts (position 0 of a row, and wherever the positions do not go
-    on by one: the collator's restarts)."""
-    step = torch.diff(position_ids, dim=-1) != 1
+    forward: the collator's restarts). A jump forward is no new document: a context-parallel rank's head-tail
+    slice (chunks ``i`` and ``2C-1-i``) jumps so."""
+    step = torch.diff(position_ids, dim=-1) <= 0
     return torch.cat([torch.ones_like(position_ids[..., :1], dtype=torch.bool), step], dim=-1)
 
 
