@@ -1,7 +1,7 @@
 """Context parallelism (``cp=``, Ulysses or the all-gather): a sequence split over ranks trains equal to one process
 on the same global batch, on transformers Llama (GQA, rotary; fewer key/value heads than cp), Qwen2 (eager
-attention), GPT-2 (learned positions, tied head) and paratrain's GPT, under ddp, zero3 and tp; save and resume; bad
-input as one line.
+attention), GPT-2 (learned positions, tied head) and paratrain's GPT, under ddp, zero3 and tp; save and resume; packed
+documents equal to each document alone; bad input as one line.
 
 One launched job per world size runs every case (tests/helpers/cp_workers.py); the reference is plain PyTorch in
 this process: each replica's slice of the global batch one forward on whole sequences, the mean of their losses.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import cp_workers as w
+from helpers import packed
 from helpers.activations import saved_bytes
 
 from paratrain.env import ClusterEnv
@@ -60,6 +61,10 @@ WORLD4 = [
     ("llama_kv2", "zero3", {"cp": 4}, "batch"),  # 2 key/value heads at cp=4: the all-gather
     ("titan_llama", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),  # 1 key/value head a tp rank: the all-gather per call
 ]
+# packed documents (tests/helpers/packed.py), each row filled up to the 2 x cp pieces: Ulysses and the all-gather;
+# at world 4 two replicas hold different numbers of real tokens
+PACKED = [("llama", "ddp", {"cp": 2}), ("llama", "zero3", {"cp": 2, "cp_method": "allgather"})]
+PACKED4 = [("llama", "ddp", {"cp": 2, "cp_method": "allgather"})]
 REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",
     "4-D mask": "cp takes a 2-D attention_mask",
@@ -90,13 +95,13 @@ def key(case: tuple) -> str:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    cases = WORLD2 + [("refuse", r) for r in REFUSED]
+    cases = WORLD2 + [("refuse", r) for r in REFUSED] + [("packed", *c) for c in PACKED]
     return spawn(w.run_cases, 2, (cases, str(tmp_path_factory.mktemp("cp2"))), timeout_s=300)[0]
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    cases = [*WORLD4, ("activations", LONG), *(("refuse", r) for r in REFUSED4)]
+    cases = [*WORLD4, ("activations", LONG), *(("refuse", r) for r in REFUSED4), *(("packed", *c) for c in PACKED4)]
     return spawn(w.run_cases, 4, (cases, str(tmp_path_factory.mktemp("cp4"))), timeout_s=300)[0]
 
 
@@ -114,6 +119,18 @@ def check(result: dict, case: tuple, world: int) -> None:
 @pytest.mark.parametrize("case", WORLD2, ids=key)
 def test_cp_world2_equals_one_process(world2, case):
     check(world2[key(case)], case, 2)
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize(
+    "world, case", [pytest.param(n, c, id=f"world{n}/{key(c)}") for n, cs in ((2, PACKED), (4, PACKED4)) for c in cs]
+)
+def test_cp_packed_documents_equal_each_document_alone(request, world, case):
+    """A packed row (position_ids restarting at each document) trains as one process that runs each document alone,
+    the loss over the global batch's real tokens (the cp ranks of a replica read the same documents)."""
+    result = request.getfixturevalue(f"world{world}")[key(("packed", *case))]
+    assert "error" not in result, result.get("error")
+    assert max_abs_diff(result["state"], packed.reference(case[0], world // case[2]["cp"])) <= TOL
 
 
 @pytest.mark.launched

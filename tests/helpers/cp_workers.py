@@ -11,6 +11,8 @@ checkpoint and takes the last step again. How a step feeds the model (``mode``):
   and ignored labels, so the ranks of a cp group count different numbers of tokens;
 * ``loss_fn``: ``par.forward_backward(model, x, y, loss_fn)`` with targets aligned to the inputs (some ignored);
 * ``own``: ``par.forward_backward(model, x, y)`` on a model that computes its loss itself, nanoGPT's ``model(x, y)``.
+
+A ``packed`` case trains packed documents instead (:func:`helpers.packed.run_packed`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
-from helpers import nanogpt_shaped, shapes
+from helpers import nanogpt_shaped, packed, shapes
 from helpers.activations import saved_bytes
 from helpers.cases import each_case
 from paratrain.testing import max_abs_diff
@@ -419,6 +421,9 @@ def run_cases(cases: list[tuple], tmp: str) -> dict:
             return refusal(case[1])
         if case[0] == "activations":
             return {"bytes": activation_bytes(case[1])}
+        if case[0] == "packed":  # a packed row filled up to cp's pieces (2 x cp: the all-gather's head and tail)
+            _, name, strategy, options = case
+            return packed.run_packed(name, strategy, options, os.path.join(tmp, str(i)), 2 * options["cp"])
         return run_case(*case, os.path.join(tmp, str(i)))
 
     return each_case(cases, run, key=lambda c: "/".join(str(x) for x in c))

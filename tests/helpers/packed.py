@@ -82,20 +82,30 @@ def documents(step: int, replica: int) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def packed(docs: list[list[int]]) -> dict[str, torch.Tensor]:
-    """The documents as transformers' flattening collator packs them."""
+def packed(docs: list[list[int]], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """The documents as transformers' flattening collator packs them, the row filled up to a length ``multiple``
+    divides (cp's pieces) with one more document that holds no targets (labels -100)."""
     from transformers import DataCollatorWithFlattening
 
-    return DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d} for d in docs])
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d} for d in docs])
+    fill = -batch["input_ids"].shape[1] % multiple
+    if not fill:
+        return batch
+    extra = {
+        "input_ids": torch.zeros(1, fill),
+        "labels": torch.full((1, fill), -100),
+        "position_ids": torch.arange(fill),
+    }
+    return {k: torch.cat([v, extra[k].view(1, fill).to(v.dtype)], dim=1) for k, v in batch.items()}
 
 
-def rows_of(step: int, replica: int, rows: int) -> dict[str, torch.Tensor]:
+def rows_of(step: int, replica: int, rows: int, multiple: int = 1) -> dict[str, torch.Tensor]:
     """Replica ``replica``'s batch at ``step``: one collated row, or (a pipeline's micro-batches) ``rows`` rows,
     row ``i`` holding ``documents(step, rows * replica + i)``, each filled to the longest with one-token documents
-    (position 0, no target: they change no loss or gradient)."""
+    (position 0, no target: they change no loss or gradient); a length ``multiple`` divides (:func:`packed`)."""
     if rows == 1:
-        return packed(documents(step, replica))
-    found = [packed(documents(step, rows * replica + i)) for i in range(rows)]
+        return packed(documents(step, replica), multiple)
+    found = [packed(documents(step, rows * replica + i), multiple) for i in range(rows)]
     width = max(row["input_ids"].shape[1] for row in found)
     fill = {"input_ids": 0, "labels": -100, "position_ids": 0}
     return {
@@ -125,15 +135,16 @@ def reference(model_name: str, replicas: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_packed(model_name: str, strategy: str, options: dict, folder: str) -> dict:
-    """``STEPS`` steps of packed batches under ``strategy``; the full state dict (``folder`` unused: no resume)."""
+def run_packed(model_name: str, strategy: str, options: dict, folder: str, multiple: int = 1) -> dict:
+    """``STEPS`` steps of packed batches under ``strategy``, each row filled up to a length ``multiple`` divides;
+    the full state dict (``folder`` unused: no resume)."""
     par = paratrain.Parallel(strategy, monitor=False, **options)
     model = BUILD[model_name]()
     model, opt = par.prepare(model, _sgd(model))
     rows = options.get("microbatches", 1)
     for s in range(STEPS):
         with par.step(model, opt):
-            batch = rows_of(s, par.data_parallel_rank, rows)
+            batch = rows_of(s, par.data_parallel_rank, rows, multiple)
             par.forward_backward(model, {k: v.to(par.device) for k, v in batch.items()})
     state = par.full_state_dict(model, rank0_only=False)
     par.close()

@@ -64,12 +64,12 @@ def _row_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list
         return [[length]] * rows
     shape = (source._version, rows, length)
     if source is not _LastRead.source or shape != _LastRead.shape:
-        _LastRead.lengths = _read_lengths(kwargs, rows, length)
+        _LastRead.lengths = read_lengths(kwargs, rows, length)
         _LastRead.source, _LastRead.shape = source, shape
     return _LastRead.lengths
 
 
-def _read_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list[int]]:
+def read_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list[int]]:
     """Each row's document lengths, from ``cu_seq_lens_q`` (cumulative over the flattened batch) or the
     ``position_ids`` restarts."""
     cu = kwargs.get("cu_seq_lens_q")
@@ -162,7 +162,7 @@ def document_lengths(positions: torch.Tensor, rows: int) -> list[list[int]] | No
     if positions.device.type == "meta":
         return None  # a shape-only forward (the planner's): nothing to read
     positions = positions.reshape(-1, positions.shape[-1])
-    found = _read_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])
+    found = read_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])
     found = found * rows if positions.shape[0] == 1 else found  # one row's read serves a batch that shares it
     return found if any(len(row) > 1 for row in found) else None
 

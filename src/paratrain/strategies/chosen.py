@@ -123,12 +123,8 @@ class ChosenStrategy:
         if not is_packed(call.kwargs):
             return call
         dims = self.strategy.dims(runtime.env)
-        if dims.cp > 1:
-            raise ConfigError(
-                "packed batches (position_ids restarting inside a row) are not supported with cp yet; pad each "
-                "document to its own row there"
-            )
-        use_packed_attention(self.strategy.unwrap(model))
+        if dims.cp == 1:  # cp's attention keeps the documents apart itself (distributed/context_parallel)
+            use_packed_attention(self.strategy.unwrap(model))
         count = counted_targets(call)
         if count is None or call.loss_kwargs.get("num_items_in_batch") is not None:
             return call

@@ -56,20 +56,32 @@ def row_masks(
     form: str,
     dtype: torch.dtype,
     device: torch.device,
+    documents: torch.Tensor | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
     """For each piece this rank holds of a sequence of ``length`` tokens: where its rows sit in the rank's slice,
     how many keys they are given (causal SDPA: up to the piece's end), and their mask in ``form`` (``[b or 1, 1, rows,
-    keys]``; None where every key is seen). ``keys``: ``[b, s]`` bool, True for a valid token (None: no padding).
-    Eager attention gets every key: a row with every key masked (left padding) is its mean over all of them, as
-    the dense mask gives it."""
+    keys]``; None where every key is seen). ``keys``: ``[b, s]`` bool, True for a valid token (None: no padding);
+    ``documents``: ``[b, s]``, each token's document in a packed row, whose rows see their own document's keys only
+    (None: not packed). Eager attention gets every key: a row with every key masked (left padding) is its mean over
+    all of them, as the dense mask gives it."""
     size = length // split.pieces
     for at, start in enumerate(split.chunks(length)):
         seen = start + size if causal and form == "bool" else length
         allowed = torch.ones(size, seen, dtype=torch.bool, device=device).tril(start)[None, None] if causal else None
-        if keys is not None:
-            valid = keys[:, None, None, :seen]
-            allowed = valid if allowed is None else allowed & valid
+        for within in _within(keys, documents, start, size, seen):
+            allowed = within if allowed is None else allowed & within
         yield at * size, seen, None if allowed is None else key_mask(allowed, form, dtype)
+
+
+def _within(
+    keys: torch.Tensor | None, documents: torch.Tensor | None, start: int, size: int, seen: int
+) -> Iterator[torch.Tensor]:
+    """The ``[b, 1, rows or 1, seen]`` conditions besides causality a piece's rows attend under: valid keys, and
+    keys of the row's own document."""
+    if keys is not None:
+        yield keys[:, None, None, :seen]
+    if documents is not None:
+        yield documents[:, None, start : start + size, None] == documents[:, None, None, :seen]
 
 
 def attend_rows(
@@ -81,14 +93,15 @@ def attend_rows(
     keys: torch.Tensor | None,
     causal: bool,
     form: str,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's rows of attention: ``q`` ``[b, h, s/C, d]`` (its pieces) over ``k``, ``v`` ``[b, kv, s, d]``
-    (the whole sequence); ``out`` ``[b, h, s/C, d]`` and the weights ``[b, h, s/C, s]`` (None if the kernel gives
-    none)."""
+    (the whole sequence), ``keys`` and ``documents`` as :func:`row_masks` takes them; ``out`` ``[b, h, s/C, d]``
+    and the weights ``[b, h, s/C, s]`` (None if the kernel gives none)."""
     length = k.shape[2]
     size = length // split.pieces
     outs, weights = [], []
-    for row, seen, mask in row_masks(split, length, keys, causal, form, q.dtype, q.device):
+    for row, seen, mask in row_masks(split, length, keys, causal, form, q.dtype, q.device, documents):
         out, w = run(q[:, :, row : row + size], k[:, :, :seen], v[:, :, :seen], mask)
         outs.append(out)
         weights.append(None if w is None else F.pad(w, (0, length - seen)))

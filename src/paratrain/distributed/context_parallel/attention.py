@@ -31,7 +31,7 @@ from ...composition import cp_method
 from ...errors import ConfigError
 from .allgather import attend_rows, gather_sequence
 from .kernels import find_by_calls
-from .masks import attend
+from .masks import attend, attend_documents
 from .sequence import SequenceSplit
 from .ulysses import heads_to_sequence, sequence_to_heads
 
@@ -41,7 +41,8 @@ _MASK_FORMS = {"sdpa": "bool", "eager": "additive"}
 
 
 class HFUlysses:
-    """One transformers attention module's kernel, run on whole sequences for this rank's heads."""
+    """One transformers attention module's kernel, run on whole sequences for this rank's heads (a packed row: once
+    per document, :func:`~.masks.attend_documents`)."""
 
     def __init__(self, implementation: str, split: SequenceSplit) -> None:
         self.implementation, self.split = implementation, split
@@ -63,17 +64,14 @@ class HFUlysses:
                 f"cp masks padding for sdpa and eager attention, not {self.implementation!r}; load "
                 "the model with attn_implementation='sdpa' or drop the padding (attention_mask of ones)"
             )
-        out, weights = attend(
-            self.kernel(module),
-            module,
-            q,
-            k,
-            v,
-            padding,
-            bool(getattr(module, "is_causal", True)),
-            _MASK_FORMS.get(self.implementation, "bool"),
-            kwargs,
-        )  # out: [b, s, h/C, d]
+        causal, form = bool(getattr(module, "is_causal", True)), _MASK_FORMS.get(self.implementation, "bool")
+        if self.split.documents is not None:
+            out, weights = attend_documents(
+                self.kernel(module), module, q, k, v, self.split.documents, causal, form, kwargs
+            )
+        else:
+            out, weights = attend(self.kernel(module), module, q, k, v, padding, causal, form, kwargs)
+        # out: [b, s, h/C, d]
         return heads_to_sequence(out.transpose(1, 2), group).transpose(1, 2).contiguous(), weights
 
     def kernel(self, module: nn.Module) -> Callable[..., Any]:
@@ -93,7 +91,8 @@ class HFUlysses:
 
 class HFAllGather(HFUlysses):
     """One transformers attention module's kernel on this rank's queries over the whole sequence's keys and values
-    (any head count), with the mask of its rows (sdpa: bool, eager: additive)."""
+    (any head count), with the mask of its rows (sdpa: bool, eager: additive; a packed row's: keys of each row's own
+    document only)."""
 
     def __call__(
         self,
@@ -119,7 +118,8 @@ class HFAllGather(HFUlysses):
 
         causal = bool(getattr(module, "is_causal", True))
         keys = None if padding is None else padding.keys
-        out, weights = attend_rows(run, query, k, v, self.split, keys, causal, form)
+        documents = None if self.split.documents is None else self.split.documents.ids
+        out, weights = attend_rows(run, query, k, v, self.split, keys, causal, form, documents)
         return out.transpose(1, 2).contiguous(), weights
 
 
@@ -166,7 +166,7 @@ def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int, met
     ``allgather``, or ``auto`` where no transformers module declares the heads); returns how many were found (0: none
     of the two kinds, or kernel modules under the all-gather: attention is found by its kernel calls on the first
     call, :mod:`.kernels`). ``heads_split``: the ranks that split the heads (tp x cp)."""
-    found, kernels = 0, []
+    found, kernels, hooked = 0, [], 0
     wrapper = HFAllGather if method == "allgather" else HFUlysses
     for name, module in model.named_modules():
         if getattr(module, "is_attention_kernel", False) and method == "allgather":
@@ -174,7 +174,7 @@ def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int, met
         elif getattr(module, "is_attention_kernel", False):
             module.register_forward_pre_hook(lambda m, args: tuple(sequence_to_heads(t, split.group) for t in args))
             module.register_forward_hook(lambda m, args, out: heads_to_sequence(out, split.group))
-            found += 1
+            found, hooked = found + 1, hooked + 1
         elif _is_hf_attention(module):
             if method == "ulysses":
                 _check_heads(module.config, heads_split, name)
@@ -191,6 +191,7 @@ def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int, met
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "paratrain_cp")}.values():
         _register()
         config._attn_implementation = DISPATCH_NAME
+    split.keeps_documents = found > 0 and not hooked  # transformers attention modules only
     if found and kernels:
         raise ConfigError(
             f"cp_method='allgather' runs an attention kernel module through its SDPA call, which it cannot find beside "

@@ -9,7 +9,8 @@ its flash kernel. Instead each sample's valid tokens are gathered into one seque
 dense mask gives it, with no mask larger than ``[b, 1, 1, s]``: a padded token attends to the valid tokens before it,
 or, where there are none (left padding), is the kernel's row with every key masked. Eager attention adds its causal
 mask to its scores, so it gets one for one sample's valid tokens at a time, ``[1, 1, n, n]``: its own scores are
-heads times that.
+heads times that. A packed row (many documents, :mod:`paratrain.model.packed`) is run the same way, one document at
+a time (:func:`attend_documents`), so attention never crosses documents and no mask is larger than one document's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ...model.packed import document_starts, read_lengths
 
 Kernel = Callable[..., tuple[torch.Tensor, Any]]
 """A transformers attention function: ``(module, q, k, v, mask, **kwargs) -> (out [b, s, h, d], weights)``."""
@@ -54,6 +57,42 @@ def read_padding(mask: torch.Tensor | None, device: torch.device) -> Padding | N
     if bool(host.all()):
         return None
     return Padding(host.to(device), tuple(_sample(row, device) for row in host))
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """The current call's packed documents, read once per forward (one copy to the host), for every attention."""
+
+    lengths: tuple[tuple[int, ...], ...]
+    """Each row's document lengths, in order."""
+    ids: torch.Tensor
+    """``[b, s]`` the index of each token's document in its row (the all-gather's rows' masks compare them)."""
+
+
+_DOCUMENT_KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""What a kernel is handed that describes the rank's slice or the whole packed row, not the one document it runs."""
+
+
+def read_documents(
+    positions: torch.Tensor | None, cu_seq_lens: torch.Tensor | None, rows: int, length: int, device: torch.device
+) -> Documents | None:
+    """The documents of a packed call from its whole sequences' ``positions`` ``[b or 1, s]`` (restarting at each
+    document) or ``cu_seq_lens`` (the flattening collator's), or None where no row holds more than one. The ids are
+    computed where the positions are (no copy between host and device, which would wait for the device's queue),
+    and moved to ``device`` (the inputs') only where the call gave them elsewhere."""
+    if cu_seq_lens is not None:
+        starts = torch.zeros(rows * length, dtype=torch.bool, device=cu_seq_lens.device)
+        starts = starts.index_fill_(0, cu_seq_lens[:-1].long(), True).view(
+            rows, length
+        )  # rows' first tokens among them
+    elif positions is not None and positions.dim() == 2:
+        starts = document_starts(positions.expand(rows, -1))
+    else:
+        return None
+    lengths = read_lengths({"position_ids": positions, "cu_seq_lens_q": cu_seq_lens}, rows, length)
+    if all(len(row) == 1 for row in lengths):
+        return None
+    return Documents(tuple(tuple(row) for row in lengths), (starts.long().cumsum(-1) - 1).to(device))
 
 
 def _sample(row: torch.Tensor, device: torch.device) -> Sample:
@@ -92,6 +131,31 @@ def attend(
     out = torch.cat([o for o, _ in parts])
     weights = [w for _, w in parts]
     return out, None if any(w is None for w in weights) else torch.cat(weights)
+
+
+def attend_documents(
+    kernel: Kernel,
+    module: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: Documents,
+    causal: bool,
+    form: str,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """``kernel`` on whole packed rows ``[b, h, s, d]``, once per document (as :func:`attend` runs one unpadded
+    sequence): out ``[b, s, h, d]``; no weights (each document's are its own)."""
+    kwargs = {key: value for key, value in kwargs.items() if key not in _DOCUMENT_KEYS}
+    rows = []
+    for r, lengths in enumerate(documents.lengths):
+        parts, at = [], 0
+        for n in lengths:
+            one = (t[r : r + 1, :, at : at + n] for t in (q, k, v))
+            parts.append(attend(kernel, module, *one, None, causal, form, kwargs)[0])
+            at += n
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows), None
 
 
 def _causal_sample(

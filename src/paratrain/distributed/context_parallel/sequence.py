@@ -10,7 +10,9 @@ targets. A causal LM's ``labels=`` are shifted before the split (``shift_labels=
 the last token of a slice predicts the first of the next), and the whole sequence's token count is handed to the
 model as ``num_items_in_batch``, so each rank's loss is its tokens' sum over the whole count; other targets are
 split as they are, each rank's mean weighted by its share of the counted tokens (``ignore_index=-100`` is not
-counted). A forward hook (:meth:`SequenceSplit.after`) sums the ranks' parts (an autograd all-reduce over the cp
+counted). A packed row's documents (positions restarting at each, :mod:`paratrain.model.packed`) are found from the
+whole sequences' positions before the cut, for attention to stay within each (:attr:`SequenceSplit.documents`). A
+forward hook (:meth:`SequenceSplit.after`) sums the ranks' parts (an autograd all-reduce over the cp
 group): every rank returns the loss over all tokens, and its backward hands each rank the gradient of its part
 times C, which the data-parallel mean over dp x cp divides back. Outputs other than the loss (logits) stay the
 rank's slice of the sequence.
@@ -29,7 +31,7 @@ from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
 from ...batch import find_loss
 from ...errors import ConfigError
-from .masks import Padding, read_padding
+from .masks import Documents, Padding, read_documents, read_padding
 
 IGNORE_INDEX = -100
 _FIRST_INPUTS = ("input_ids", "inputs_embeds", "idx", "x")
@@ -70,6 +72,11 @@ class SequenceSplit:
         self.shifts_labels = _causal_lm(model)
         self.padding: Padding | None = None
         """The padding of the current call's whole sequences (None: nothing padded)."""
+        self.documents: Documents | None = None
+        """The packed documents of the current call's whole sequences (None: one sequence a row)."""
+        self.keeps_documents = False
+        """Whether every attention of the model keeps a packed row's documents apart (transformers attention
+        modules: :mod:`.attention`); packed calls are refused otherwise."""
         self.share: torch.Tensor | None = None
         """This rank's share of the current call's counted target tokens; None where the model's loss is already a
         sum over the whole count (``num_items_in_batch``)."""
@@ -134,14 +141,34 @@ class SequenceSplit:
         self.padding = read_padding(mask, first.device)
         self.share = None
         self.pending = self._targets(args, kwargs, first.device)
+        given = kwargs.get(self.positions) if self.positions is not None else None
         if self.positions is not None:
-            kwargs[self.positions] = self._positions(kwargs.get(self.positions), length, first.device)
+            kwargs[self.positions] = self._positions(given, length, first.device)
+        self.documents = self._documents(given, kwargs.get("cu_seq_lens_q"), first.shape[0], length, first.device)
 
         def split(value: Any) -> Any:  # a tensor along the sequence: this rank's slice of it
             sequence = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length
             return self.local(value) if sequence else value
 
         return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
+
+    def _documents(
+        self, given: torch.Tensor | None, cu_seq_lens: torch.Tensor | None, rows: int, length: int, device: torch.device
+    ) -> Documents | None:
+        """The call's packed documents, found from the positions the call ``given`` for its whole sequences (checked,
+        not yet cut) or the collator's ``cu_seq_lens_q``: one host read where either is given."""
+        found = read_documents(given, cu_seq_lens, rows, length, device)
+        if found is not None and not self.keeps_documents:
+            raise ConfigError(
+                "packed batch (positions restarting inside a row) under cp, which keeps documents apart in "
+                "transformers attention modules only; pad each document to its own row, or train without cp"
+            )
+        if found is not None and self.padding is not None:
+            raise ConfigError(
+                "cp takes a packed batch (position_ids restarting at each document) or a padding mask, not both; "
+                "fill a packed row with one more document whose labels are -100 instead of padding it"
+            )
+        return found
 
     def _positions(self, given: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
         """The global positions of the call's tokens: none given, ``[1, seq]`` (transformers' ``position_ids``,
