@@ -157,8 +157,9 @@ def each_document(
 
 def document_lengths(positions: torch.Tensor, rows: int) -> list[list[int]] | None:
     """Each of ``rows`` rows' document lengths from ``positions`` (``[seq]``, ``[1, seq]`` for every row, or ``[rows,
-    seq]``) that restart at each document; None when no row restarts (a whole sequence, or a context-parallel slice
-    that goes on by one). One host read, for a model to make once a forward and hand to every attention layer."""
+    seq]``) that restart at each document; None when no row restarts (a whole sequence, or a context-parallel slice:
+    on by one, or jumping forward from its head chunk to its tail). One host read, for a model to make once a forward
+    and hand to every attention layer."""
     if positions.device.type == "meta":
         return None  # a shape-only forward (the planner's): nothing to read
     positions = positions.reshape(-1, positions.shape[-1])
