@@ -19,7 +19,7 @@ import paratrain
 from helpers.zoo import HIDDEN, VOCAB, _quiet_transformers, _sgd, llama
 
 STEPS, DOCS = 3, 3
-MODELS = ("llama", "qwen2", "qwen3")
+MODELS = ("llama", "qwen2", "qwen3", "mixtral")
 
 
 def _qwen(kind: str) -> nn.Module:
@@ -41,7 +41,36 @@ def _qwen(kind: str) -> nn.Module:
     return getattr(transformers, f"{kind.capitalize()}ForCausalLM")(config)
 
 
-BUILD = {"llama": llama, "qwen2": functools.partial(_qwen, "qwen2"), "qwen3": functools.partial(_qwen, "qwen3")}
+def mixtral() -> nn.Module:
+    """A tiny Mixtral: 4 experts, top 2, no router auxiliary loss (its load-balancing term is a replica's own,
+    not the global batch's)."""
+    import transformers
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=False,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+BUILD = {
+    "llama": llama,
+    "qwen2": functools.partial(_qwen, "qwen2"),
+    "qwen3": functools.partial(_qwen, "qwen3"),
+    "mixtral": mixtral,
+}
 
 
 def documents(step: int, replica: int) -> list[list[int]]:
@@ -68,6 +97,20 @@ def packed(docs: list[list[int]], multiple: int = 1) -> dict[str, torch.Tensor]:
         "position_ids": torch.arange(fill),
     }
     return {k: torch.cat([v, extra[k].view(1, fill).to(v.dtype)], dim=1) for k, v in batch.items()}
+
+
+def rows_of(step: int, replica: int, rows: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Replica ``replica``'s batch at ``step``: one collated row, or (a pipeline's micro-batches) ``rows`` rows,
+    row ``i`` holding ``documents(step, rows * replica + i)``, each filled to the longest with one-token documents
+    (position 0, no target: they change no loss or gradient); a length ``multiple`` divides (:func:`packed`)."""
+    if rows == 1:
+        return packed(documents(step, replica), multiple)
+    found = [packed(documents(step, rows * replica + i), multiple) for i in range(rows)]
+    width = max(row["input_ids"].shape[1] for row in found)
+    fill = {"input_ids": 0, "labels": -100, "position_ids": 0}
+    return {
+        k: torch.cat([F.pad(row[k], (0, width - row[k].shape[1]), value=fill[k]) for row in found]) for k in fill
+    }
 
 
 def alone_loss(model: nn.Module, docs: list[list[int]]) -> torch.Tensor:
@@ -98,9 +141,10 @@ def run_packed(model_name: str, strategy: str, options: dict, folder: str, multi
     par = paratrain.Parallel(strategy, monitor=False, **options)
     model = BUILD[model_name]()
     model, opt = par.prepare(model, _sgd(model))
+    rows = options.get("microbatches", 1)
     for s in range(STEPS):
         with par.step(model, opt):
-            batch = packed(documents(s, par.data_parallel_rank), multiple)
+            batch = rows_of(s, par.data_parallel_rank, rows, multiple)
             par.forward_backward(model, {k: v.to(par.device) for k, v in batch.items()})
     state = par.full_state_dict(model, rank0_only=False)
     par.close()

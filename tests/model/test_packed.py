@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import packed
 from torch import nn
+from torch.nn import functional as F
 
 from paratrain.errors import ConfigError
 from paratrain.model.packed import (
@@ -28,7 +29,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("model_name", ["llama", "qwen3"])  # qwen2: tests/strategies/test_zoo.py
+@pytest.mark.parametrize("model_name", ["llama", "qwen3", "mixtral"])  # qwen2: tests/strategies/test_zoo.py
 def test_packed_rows_equal_each_document_alone(model_name):
     model = packed.BUILD[model_name]()
     packed.alone_loss(model, DOCS).backward()
@@ -76,16 +77,16 @@ def test_packed_batches_are_found_from_restarting_positions():
     assert is_packed({"position_ids": torch.tensor([[0, 1, 0, 1]])})
     assert not is_packed({"position_ids": torch.arange(4)[None].expand(2, 4)})
     assert not is_packed({"position_ids": torch.tensor([[5, 6, 7, 8]])})  # a continuing row, not a restart
-    assert is_packed({"positions": torch.tensor([[0, 1, 2, 0]])})  # our GPT's keyword: refused below
+    assert not is_packed({"position_ids": torch.tensor([[0, 1, 6, 7]])})  # a cp rank's head and tail chunks
+    assert is_packed({"positions": torch.tensor([[0, 1, 2, 0]])})  # our GPT's keyword
     assert is_packed({"cu_seq_lens_q": torch.tensor([0, 2, 4])})
     assert not is_packed({"attention_mask": torch.ones(1, 4)})
 
 
 def test_attention_that_would_cross_documents_is_refused():
-    from paratrain.workloads.gpt import GPT, GPTConfig
-
-    with pytest.raises(ConfigError, match="GPT \\(not transformers\\).*attention would cross documents"):
-        use_packed_attention(GPT(GPTConfig(layers=1, hidden=8, heads=2, seq_len=8, vocab=16)))
+    with pytest.raises(ConfigError, match="Sequential \\(not transformers\\).*attention would cross documents"):
+        use_packed_attention(nn.Sequential(nn.Embedding(16, 8), nn.MultiheadAttention(8, 2)))
+    use_packed_attention(_gpt())  # paratrain's GPT reads the documents from its positions: left alone
     model = packed.BUILD["llama"]()
     model.config._attn_implementation = "flex_attention"
     use_packed_attention(model)  # isolates documents itself: left alone
@@ -118,3 +119,66 @@ def test_one_host_read_per_packed_forward():
     with HostSyncs() as syncs:
         model(**batch)
     assert syncs.count == 1, dict(syncs.calls)
+
+
+def _gpt(learned_positions: bool = True) -> nn.Module:
+    """paratrain's GPT, grouped-query and gated; a position table restarts with each document."""
+    from paratrain.workloads.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    shape = dict(layers=2, hidden=16, heads=4, kv_heads=2, seq_len=32, vocab=16, bias=False, gated=True)
+    return GPT(GPTConfig(**shape, learned_positions=learned_positions))
+
+
+def _gpt_batch(rows: list[list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of packed documents: token ids and positions restarting at each document, ``[rows, seq]`` each."""
+    ids = torch.tensor([[t for doc in row for t in doc] for row in rows])
+    positions = torch.tensor([[p for doc in row for p in range(len(doc))] for row in rows])
+    return ids, positions
+
+
+def _gpt_loss(logits: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Next-token loss summed over the targets within each document (not across a document's end)."""
+    same = positions[:, 1:] != 0
+    return F.cross_entropy(logits[:, :-1][same], ids[:, 1:][same], reduction="sum")
+
+
+def test_our_gpt_attends_within_each_document_of_packed_positions(monkeypatch):
+    """Restarting ``positions=`` run paratrain's GPT's attention once per document, no mask: gradients equal each
+    document alone; the same ids without positions attend across documents."""
+    model = _gpt()
+    rows = [[DOCS[0], DOCS[1], DOCS[3]], [DOCS[2], [4, 4, 6]]]  # two rows of 10 tokens, 3 and 2 documents
+    for doc in (d for row in rows for d in row):
+        ids, positions = _gpt_batch([[doc]])
+        _gpt_loss(model(ids), ids, positions).backward()
+    alone = _grads(model)
+    ids, positions = _gpt_batch(rows)
+    _gpt_loss(model(ids), ids, positions).backward()
+    assert max_abs_diff(_grads(model), alone) > 1e-2  # whole rows: attention crosses documents
+    masks, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda *a, **k: masks.append(k.get("attn_mask")) or sdpa(*a, **k)
+    )
+    _gpt_loss(model(ids, positions=positions), ids, positions).backward()
+    assert max_abs_diff(_grads(model), alone) <= 1e-5  # summed over 15 targets: float32 rounding
+    assert len(masks) == 2 * 5 and all(m is None for m in masks)  # 2 layers, one call per document
+
+
+def test_our_gpt_reads_packed_positions_once_a_forward():
+    """Packed: one host read a forward, not one a layer. A context-parallel slice's ``[1, seq]`` positions (going on
+    by one from its offset, or jumping forward between its head and tail chunks) are one read too and keep whole-row
+    attention."""
+    from paratrain.testing.host_syncs import HostSyncs
+
+    model = _gpt(learned_positions=False)
+    ids, positions = _gpt_batch([[DOCS[0], DOCS[1], DOCS[3]]] * 2)
+    with HostSyncs() as syncs:
+        model(ids, positions=positions)
+    assert syncs.count == 1, dict(syncs.calls)
+    ids = ids[:, :6]
+    expected = model(ids)
+    for positions in (torch.arange(8, 14), torch.tensor([0, 1, 2, 9, 10, 11])):  # Ulysses', all-gather's slices
+        with HostSyncs() as syncs:
+            sliced = model(ids, positions=positions[None])
+        assert syncs.count == 1, dict(syncs.calls)
+        assert torch.allclose(sliced, expected)  # no learned positions: the same attention over the whole slice

@@ -28,8 +28,11 @@ SMALL_UNITS = [("gpt2", "zero3"), ("nanogpt", "zero2"), ("lora", "zero3"), ("lla
 PIPELINED = ("cnn", "frozen", "bert", "lora")
 HYBRID_DATA = ("ddp", "zero1", "fsdp")  # how hybrid's replicas hold their stages: DDP, ZeRO-1 or FSDP
 SPLIT = {"frozen": {"split": [3]}}  # by size the first stage would hold only the frozen layer: refused, see below
-# Packed documents (tests/helpers/packed.py): Llama and Qwen3 under each data layout and tp, Qwen2 under ddp.
+# Packed documents (tests/helpers/packed.py): Llama and Qwen3 under each data layout and tp, Qwen2 under zero2,
+# Mixtral under ddp and zero3.
 PACKED = [(m, s) for m in ("llama", "qwen3") for s in ("ddp", "zero3", "tp")] + [("qwen2", "zero2")]
+PACKED += [("mixtral", "ddp"), ("mixtral", "zero3")]  # MoE: experts that get no token of a replica
+PACKED_PIPELINE = {"microbatches": 2}  # two rows, each a micro-batch, of a new length at every step
 CHECKPOINTED = [
     ("gpt2", "zero3", True),
     ("llama", "ddp", True),
@@ -44,7 +47,7 @@ def world2(tmp_path_factory):
     cases = [(m, s, {}) for m in ZOO for s in WORLD2] + [(m, s, {"min_params": 1}) for m, s in SMALL_UNITS]
     cases += [(m, s, {"activation_checkpointing": k}) for m, s, k in CHECKPOINTED]
     cases += [(m, "pipeline", SPLIT.get(m, {})) for m in PIPELINED] + [("frozen", "pipeline", {})]
-    cases += [(f"packed_{m}", s, {}) for m, s in PACKED] + [("packed_llama", "pipeline", {})]
+    cases += [(f"packed_{m}", s, {}) for m, s in PACKED] + [("packed_llama", "pipeline", PACKED_PIPELINE)]
     return spawn(run_cases, 2, (cases, str(tmp_path_factory.mktemp("zoo2"))), timeout_s=600)[0]
 
 
@@ -52,6 +55,7 @@ def world2(tmp_path_factory):
 def world4(tmp_path_factory):
     cases = [(m, "hsdp", {}) for m in ZOO]
     cases += [(m, "hybrid", {"data": d, **SPLIT.get(m, {})}) for m in PIPELINED for d in HYBRID_DATA]
+    cases += [("packed_llama", "hybrid", {"data": "ddp", **PACKED_PIPELINE})]
     return spawn(run_cases, 4, (cases, str(tmp_path_factory.mktemp("zoo4"))), timeout_s=600)[0]
 
 
@@ -112,8 +116,12 @@ def test_packed_documents_equal_each_document_alone(world2, model_name, strategy
 
 
 @pytest.mark.launched
-def test_packed_documents_under_a_pipeline_are_refused(world2):
-    assert world2["packed_llama/pipeline"]["error"].startswith("packed batches (position_ids restarting")
+def test_packed_documents_under_a_pipeline_equal_each_document_alone(world2):
+    """Every stage sees the positions; the last stage's micro-batch losses are each divided by the batch's real
+    tokens and summed."""
+    result = world2[f"packed_llama/pipeline{PACKED_PIPELINE}"]
+    assert "error" not in result, result.get("error")
+    assert max_abs_diff(result["state"], packed.reference("llama", 2)) <= TOL  # 2 rows: the documents of 2 groups
 
 
 @pytest.mark.launched
@@ -127,6 +135,14 @@ def test_a_pipeline_stage_of_frozen_layers_is_refused(world2):
 def test_zoo_hybrid_world4(world4, model_name, data):
     result = world4[f"{model_name}/hybrid{ {'data': data, **SPLIT.get(model_name, {})} }"]
     check(result, reference(model_name, 2, microbatches=MICRO), model_name)  # 2 replicas x 2 stages
+
+
+@pytest.mark.launched
+def test_packed_documents_under_hybrid_equal_each_document_alone(world4):
+    """2 replicas x 2 stages: the loss over both replicas' real tokens."""
+    result = world4[f"packed_llama/hybrid{ {'data': 'ddp', **PACKED_PIPELINE} }"]
+    assert "error" not in result, result.get("error")
+    assert max_abs_diff(result["state"], packed.reference("llama", 4)) <= TOL  # 2 replicas x 2 rows
 
 
 @pytest.mark.filterwarnings("ignore:strategy 'dp' on the CPU")

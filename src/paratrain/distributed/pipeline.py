@@ -41,9 +41,10 @@ def no_graph(models: list[nn.Module], strategy: str) -> str:
 class PipelinedModel(nn.Module):
     """This rank's layers of the pipeline, under their original names, and the schedules that run them.
 
-    A pipeline stage fixes its communication buffers to the shapes of the first batch it sees, so each batch
-    size (and each of training and evaluation) gets stages and a schedule of its own, made on first use. All
-    ranks of a pipeline read the same batch, so they agree on the size without talking.
+    A pipeline stage fixes its communication buffers to the shapes of the first batch it sees, so each input shape
+    (batch size and sequence length: packed rows vary in length) of training and of evaluation gets stages and a
+    schedule of their own, made on first use; only the last shape's are kept, so varying lengths do not pile up
+    buffers. All ranks of a pipeline read the same batch, so they agree on the shape without talking.
     """
 
     def __init__(self, owned: list[tuple[str, nn.Module]]) -> None:
@@ -58,7 +59,7 @@ class PipelinedModel(nn.Module):
         self.microbatches = 1
         self.eval_outputs = "every"  # or "last": a forward-only call's output stays on the last stage
         self.schedule_name = "1f1b"
-        self._schedules: dict[tuple[str, int], Any] = {}
+        self._schedules: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._loss_fn: Callable | None = None
         self.stage_modules: dict[int, StageModule] = {}  # a model cut at its blocks: this rank's stages
         self.key_order: list[str] | None = None  # the plain model's state-dict order
@@ -85,9 +86,10 @@ class PipelinedModel(nn.Module):
     def is_last(self) -> bool:
         return any(index == self.num_stages - 1 for index, _ in self.parts)
 
-    def _schedule(self, kind: str, batch: int, loss_fn: Callable | None = None) -> Any:
-        key = (kind, batch)
+    def _schedule(self, kind: str, shape: torch.Size, loss_fn: Callable | None = None) -> Any:
+        key = (kind, tuple(shape))
         if key not in self._schedules:
+            self._schedules = {k: v for k, v in self._schedules.items() if k[0] != kind}
             from torch.distributed.pipelining import PipelineStage
 
             stages = [
@@ -118,7 +120,7 @@ class PipelinedModel(nn.Module):
                 "a pipeline's forward takes the input and the loss's target positionally, the rest by keyword"
             )
         x, inputs = self._inputs(call)
-        schedule = self._schedule("eval", x.shape[0])
+        schedule = self._schedule("eval", x.shape)
         # As in training, the stages hand on (and the last sends) their outputs in the compute dtype; this model's
         # own forward, wrapped by the precision, hands back fp32 outputs on every rank.
         with (
@@ -161,8 +163,11 @@ class PipelinedModel(nn.Module):
             self._loss_fn = loss_fn
             self._schedules = {k: v for k, v in self._schedules.items() if k[0] == "eval"}
         # Each micro-batch's loss is divided here, not by the schedule's scale_grads: that rescales every
-        # gradient in place and would shrink gradients accumulated over earlier steps again.
-        factor = scale / self.microbatches
+        # gradient in place and would shrink gradients accumulated over earlier steps again. A model's own loss
+        # divided by the batch's target count (num_items_in_batch: a packed batch's real tokens) is each
+        # micro-batch's share already: summed, not averaged.
+        counted = call.own_loss and call.loss_kwargs.get("num_items_in_batch") is not None
+        factor = scale if counted else scale / self.microbatches
         precision = self.precision
 
         def loss(out: Any, tgt: torch.Tensor) -> torch.Tensor:
@@ -171,7 +176,7 @@ class PipelinedModel(nn.Module):
             with nullcontext() if precision is None else precision.forward_context(self.device):
                 return loss_fn(self.output_kind().wrap(out), tgt) * factor
 
-        schedule = self._schedule("train", x.shape[0], loss)
+        schedule = self._schedule("train", x.shape, loss)
         losses: list[torch.Tensor] = []
         target = call.target if call.loss_fn is not None else torch.zeros(x.shape[0], device=self.device)
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
@@ -218,9 +223,12 @@ class PipelinedModel(nn.Module):
 
     @contextmanager
     def _stages_given(self, inputs: dict[str, Any], hand_on_loss: bool = False) -> Iterator[None]:
-        """Inside: this rank's stages take ``inputs``' non-tensors as constants (popped from ``inputs``), and the
-        last stage hands on the model's own loss when ``hand_on_loss``."""
-        constants = {k: inputs.pop(k) for k in list(inputs) if not isinstance(inputs[k], torch.Tensor)}
+        """Inside: this rank's stages take ``inputs``' non-tensors and single values (``num_items_in_batch``: no
+        batch dimension to split into micro-batches) as constants (popped from ``inputs``), and the last stage hands
+        on the model's own loss when ``hand_on_loss``."""
+        constants = {
+            k: inputs.pop(k) for k in list(inputs) if not isinstance(inputs[k], torch.Tensor) or inputs[k].dim() == 0
+        }
         for stage in self.stage_modules.values():
             stage.constants, stage.hands_on_loss = constants, hand_on_loss
         try:

@@ -11,7 +11,7 @@ model to it when a packed batch arrives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,8 +30,9 @@ _ISOLATING = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "fl
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """``[b, s]`` bool: True where a document starts (position 0 of a row, and wherever the positions do not go
-    on by one: the collator's restarts)."""
-    step = torch.diff(position_ids, dim=-1) != 1
+    forward: the collator's restarts). A jump forward is no new document: a context-parallel rank's head-tail
+    slice (chunks ``i`` and ``2C-1-i``) jumps so."""
+    step = torch.diff(position_ids, dim=-1) <= 0
     return torch.cat([torch.ones_like(position_ids[..., :1], dtype=torch.bool), step], dim=-1)
 
 
@@ -125,16 +126,46 @@ def packed_attention_forward(
             f"a packed document is longer than this layer's sliding window ({window} tokens), which per-document "
             "attention does not apply; use attn_implementation='flash_attention_2' or shorter documents"
         )
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa_attention_forward(module, q, k, v, None, dropout, scaling, is_causal=True)[0]
+
+    return each_document(attend, query, key, value, found, out_dim=1), None
+
+
+def each_document(
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: list[list[int]],
+    out_dim: int,
+) -> torch.Tensor:
+    """``attend`` (causal, no mask) on each document of each row of ``query``/``key``/``value`` (``[b, heads, s,
+    d]``), the outputs put back in order along their sequence dimension ``out_dim``: attention never crosses a
+    document and no ``s x s`` mask exists."""
     rows = []
-    for r, lengths in enumerate(found):
+    for r, row in enumerate(lengths):
         parts, at = [], 0
-        for n in lengths:
+        for n in row:
             doc = slice(at, at + n)
-            q, k, v = query[r : r + 1, :, doc], key[r : r + 1, :, doc], value[r : r + 1, :, doc]
-            parts.append(sdpa_attention_forward(module, q, k, v, None, dropout, scaling, is_causal=True)[0])
+            parts.append(attend(query[r : r + 1, :, doc], key[r : r + 1, :, doc], value[r : r + 1, :, doc]))
             at += n
-        rows.append(torch.cat(parts, dim=1))
-    return torch.cat(rows, dim=0), None
+        rows.append(torch.cat(parts, dim=out_dim))
+    return torch.cat(rows, dim=0)
+
+
+def document_lengths(positions: torch.Tensor, rows: int) -> list[list[int]] | None:
+    """Each of ``rows`` rows' document lengths from ``positions`` (``[seq]``, ``[1, seq]`` for every row, or ``[rows,
+    seq]``) that restart at each document; None when no row restarts (a whole sequence, or a context-parallel slice:
+    on by one, or jumping forward from its head chunk to its tail). One host read, for a model to make once a forward
+    and hand to every attention layer."""
+    if positions.device.type == "meta":
+        return None  # a shape-only forward (the planner's): nothing to read
+    positions = positions.reshape(-1, positions.shape[-1])
+    found = read_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])
+    found = found * rows if positions.shape[0] == 1 else found  # one row's read serves a batch that shares it
+    return found if any(len(row) > 1 for row in found) else None
 
 
 def _packed_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -155,11 +186,14 @@ def register_packed_attention() -> None:
 
 def use_packed_attention(model: nn.Module) -> None:
     """Before a packed batch's forward: a transformers model on ``sdpa``/``eager`` switches to
-    :data:`PACKED_ATTENTION` (every sub-config that names an implementation); a model that isolates documents
-    itself is left alone; anything else is a one-line error."""
-    config = getattr(model, "config", None)
+    :data:`PACKED_ATTENTION` (every sub-config that names an implementation; the first found is the model's own, or
+    under a pipeline its blocks' attention's: the same object); a model that isolates documents
+    itself is left alone (a transformers kernel that does, or an attention module marked ``packs_documents``, as
+    paratrain's GPT's is: it reads the documents from its ``positions``); anything else is a one-line error."""
+    configs = (getattr(m, "config", None) for m in model.modules())
+    config = next((c for c in configs if hasattr(c, "_attn_implementation")), None)
     found = getattr(config, "_attn_implementation", None)
-    if found in _ISOLATING:
+    if found in _ISOLATING or (config is None and any(getattr(m, "packs_documents", False) for m in model.modules())):
         return
     if found not in _SWITCHED:
         what = f"attn_implementation={found!r}" if config is not None else f"{type(model).__name__} (not transformers)"

@@ -418,11 +418,12 @@ class StageModule(nn.Module):
         once their input gradients are computed, which a view refuses."""
 
     def forward(self, x: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        inputs = {**self.constants, **inputs}
         ids = inputs.pop(TOKEN_IDS, None)
         own = {k[len(LOSS_INPUT) :]: inputs.pop(k) for k in list(inputs) if k.startswith(LOSS_INPUT)}
         own = own if self.last else {}
         target = own.pop("", None)
-        kwargs = {**self.extra, **self.constants, **inputs, **own}
+        kwargs = {**self.extra, **inputs, **own}
         args: tuple[Any, ...] = (x,)
         if not self.first and self.embeds_keyword:
             args, kwargs["inputs_embeds"] = (), x

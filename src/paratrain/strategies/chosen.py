@@ -123,11 +123,6 @@ class ChosenStrategy:
         if not is_packed(call.kwargs):
             return call
         dims = self.strategy.dims(runtime.env)
-        if dims.pp > 1:
-            raise ConfigError(
-                "packed batches (position_ids restarting inside a row) are not supported with a pipeline yet; pad "
-                "each document to its own row there"
-            )
         if dims.cp == 1:  # cp's attention keeps the documents apart itself (distributed/context_parallel)
             use_packed_attention(self.strategy.unwrap(model))
         count = counted_targets(call)

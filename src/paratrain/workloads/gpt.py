@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import ConfigError
+from ..model.packed import document_lengths, each_document
 from ..planner.moe import MoE
 from ..planner.transformer import TRANSFORMERS, GPTConfig, moe_block
 from .experts import MixtureOfExperts, activate
@@ -53,15 +54,29 @@ class RMSNorm(nn.Module):
 
 class CausalAttention(nn.Module):
     """The attention kernel: q, k, v ``[b, h, s, d]`` -> ``[b, h, s, d]``, causal, on whole sequences. A module of its
-    own so that context parallelism finds it by what it is (``is_attention_kernel``) and exchanges around it."""
+    own so that context parallelism finds it by what it is (``is_attention_kernel``) and exchanges around it.
+    ``documents`` (a packed batch: each row's document lengths) runs it once per document, no mask."""
 
     is_attention_kernel = True
+    packs_documents = True
 
     def __init__(self, grouped: bool) -> None:
         super().__init__()
         self.grouped = grouped
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: list[list[int]] | None = None
+    ) -> torch.Tensor:
+        if documents is None:
+            return self._attend(q, k, v)
+        if sum(documents[0]) != q.shape[2]:
+            raise ConfigError(
+                f"packed positions describe {sum(documents[0])} tokens a row but attention sees {q.shape[2]} "
+                "(a sequence split over ranks, cp); pad each document to its own row there"
+            )
+        return each_document(self._attend, q, k, v, documents, out_dim=2)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
 
 
@@ -98,7 +113,8 @@ class Block(nn.Module):
             self.fc = nn.Linear(h, 2 * f if cfg.gated else f, bias=cfg.bias)
             self.out = nn.Linear(f, h, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: list[list[int]] | None = None) -> torch.Tensor:
+        """``documents``: a packed batch's document lengths per row (:class:`CausalAttention`)."""
         # Shapes come from the projections' outputs, not from x: under tensor parallelism x holds a slice of the
         # sequence and qkv this rank's heads.
         n = self.norm1(x)
@@ -117,7 +133,7 @@ class Block(nn.Module):
             q, k, v = qkv.view(b, t, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        y = self.attention(q, k, v)
+        y = self.attention(q, k, v) if documents is None else self.attention(q, k, v, documents=documents)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if self.moe is not None:
             return x + self.moe(self.norm2(x))
@@ -139,15 +155,18 @@ class GPT(nn.Module):
             self.head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions``: the global positions of ``idx``'s tokens, ``[seq]`` or ``[1, seq]`` (default ``0 … seq-1``);
-        a rank that holds a slice of the sequence (context parallelism) passes its slice's."""
+        """``positions``: the global positions of ``idx``'s tokens, ``[seq]``, ``[1, seq]`` or ``[batch, seq]``
+        (default ``0 … seq-1``); a rank that holds a slice of the sequence (context parallelism) passes its slice's.
+        Positions that restart inside a row mark packed documents: each attends only within itself (their lengths
+        are read to the host once here, not once a layer)."""
         x = self.wte(idx)
+        documents = None if positions is None else document_lengths(positions, idx.shape[0])
         if positions is not None and positions.dim() == 2 and positions.shape[0] == 1:
             positions = positions[0]  # one row for the batch: the position table's rows are the sequence's
         if self.wpe is not None:
             x = x + self.wpe(positions if positions is not None else torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if documents is None else block(x, documents)
         return self.head(self.norm(x))
 
     def paratrain_tp_plan(self) -> TPPlan:
