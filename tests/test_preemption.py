@@ -15,7 +15,7 @@ from helpers.paths import SCRIPTS
 from paratrain import CheckpointConfig, ConfigError
 from paratrain.errors import PREEMPTED_EXIT_CODE
 from paratrain.launcher.signals import MARK_VAR, marked, preempted, preemption_note
-from paratrain.preemption import NOTE_VAR, Note, StopSignals, ask_to_stop, flag_device
+from paratrain.preemption import NOTE_VAR, SPAWNED_VAR, Note, StopSignals, caught_signals, flag_device
 from paratrain.testing import alive, child_pids, spawn
 
 
@@ -70,30 +70,31 @@ def test_without_a_checkpoint_directory_a_stop_signal_warns_once_and_acts_as_bef
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
         assert got == [signal.SIGTERM, signal.SIGTERM] and stop.received is None
-        assert len(warned) == 1 and "got SIGTERM but the job has no checkpoint directory" in warned[0]
+        assert (
+            len(warned) == 1
+            and "asked to stop (SIGTERM or SIGUSR1) but the job has no checkpoint directory" in warned[0]
+        )
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_under_paratrain_run_sigterm_saves_only_once_the_launcher_asked_to_stop(tmp_path, monkeypatch):
-    """The launcher's SIGTERM to the ranks left after a failure must end them at once, as before; its forwarded
-    preemption (the note marked first) is a stop; SIGUSR1 always is."""
-    note = str(tmp_path / "note.json")
-    monkeypatch.setenv(NOTE_VAR, note)
-    got, warned = [], []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
-    stop = StopSignals(every=1, saves=True, warn=warned.append)
+@pytest.mark.parametrize("var", [NOTE_VAR, SPAWNED_VAR])
+def test_under_a_paratrain_launcher_sigterm_is_left_to_end_the_rank(tmp_path, monkeypatch, var):
+    """A Python handler runs only once the main thread is back in the interpreter: a rank blocked in a collective
+    whose peer died would outlive its launcher's SIGTERM until the kill. So where a paratrain launcher started the
+    rank (``paratrain run``, which hands a stop on as SIGUSR1; ``paratrain.launch``), SIGTERM keeps its handler;
+    SIGUSR1 is the stop. Under torchrun or srun alone both are."""
+    monkeypatch.setenv(var, str(tmp_path / "note.json"))
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignals(every=1, saves=True, warn=print)
     try:
         stop.install()
-        os.kill(os.getpid(), signal.SIGTERM)  # a teardown: the handler before, no warning
-        assert got == [signal.SIGTERM] and stop.received is None and not warned
-        stop.install()
-        ask_to_stop(note)
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert got == [signal.SIGTERM] and stop.received == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGUSR1) == stop._handle
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.received == signal.SIGUSR1
     finally:
         stop.uninstall()
-        signal.signal(signal.SIGTERM, previous)
+    assert caught_signals({}) == (signal.SIGTERM, signal.SIGUSR1)
 
 
 def test_stop_check_every_is_checked():

@@ -19,10 +19,12 @@ between two checks communicates or waits for anything more than it did. The pric
 Without a checkpoint directory there is nothing to save: the first such signal prints one warning and the rank ends
 as it would have without paratrain (the handler that was there before, or the signal's default action).
 
-``paratrain run`` also sends SIGTERM to the ranks left when one failed; that is no preemption, and those ranks must
-end at once, as before. So under ``paratrain run`` a SIGTERM counts as a stop only once the launcher has marked
-its note file as asked to stop (:func:`ask_to_stop`, before it forwards the signal it got); SIGUSR1 always counts,
-and outside ``paratrain run`` (torchrun, ``srun`` alone) so does SIGTERM.
+Which signals a rank catches: a Python handler runs only once the main thread is back in the interpreter, so a rank
+blocked in a collective whose peer died would not end on a launcher's SIGTERM until the launcher's kill, seconds
+later. Where a paratrain launcher started the rank, SIGTERM is that launcher's teardown and is left alone: ``paratrain
+run`` hands a stop it gets (SIGTERM or SIGUSR1) to its ranks as SIGUSR1 (:func:`ask_to_stop` first), and
+``paratrain.launch`` stops its ranks with SIGTERM. A rank started by torchrun or ``srun`` alone, whose scheduler's
+SIGTERM is the warning, catches both (:func:`caught_signals`).
 """
 
 from __future__ import annotations
@@ -51,10 +53,13 @@ __all__ = [
     "StopSignals",
     "any_rank",
     "ask_to_stop",
+    "caught_signals",
     "flag_device",
     "stop_asked",
 ]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SPAWNED_VAR = "PARATRAIN_SPAWNED"
+"""Set in the ranks of ``paratrain.launch``, whose SIGTERM ends them."""
 DEFAULT_CHECK_EVERY = 10
 """Optimizer steps between two checks: one tiny collective per ten steps, a stop at most ten steps late."""
 NOTE_VAR = "PARATRAIN_PREEMPT_NOTE"
@@ -112,9 +117,12 @@ def stop_asked(environ: Mapping[str, str] | None = None) -> bool:
     return bool(note) and os.path.exists(f"{note}.stop")
 
 
-def _asked_to_stop(sig: signal.Signals, environ: Mapping[str, str]) -> bool:
-    """Whether ``sig`` asks this rank to stop (and save), rather than its launcher ending it after another failed."""
-    return sig != signal.SIGTERM or not environ.get(NOTE_VAR) or stop_asked(environ)
+def caught_signals(environ: Mapping[str, str]) -> tuple[signal.Signals, ...]:
+    """The stop signals a rank catches: SIGUSR1 alone where a paratrain launcher started it (``paratrain run``'s
+    note, ``paratrain.launch``'s mark: there SIGTERM ends a rank at once), both under torchrun or ``srun``."""
+    if environ.get(NOTE_VAR) or environ.get(SPAWNED_VAR):
+        return (signal.SIGUSR1,)
+    return STOP_SIGNALS
 
 
 def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
@@ -162,7 +170,7 @@ class StopSignals:
         if self._previous or threading.current_thread() is not threading.main_thread():
             return
         self._pid = os.getpid()
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in caught_signals(os.environ)}
 
     def uninstall(self) -> None:
         """Give the stop signals back to the handlers they had before :meth:`install`."""
@@ -184,14 +192,12 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
-        if not _asked_to_stop(sig, os.environ):
-            self._as_before(sig, frame)
-        elif self.saves:
+        if self.saves:
             self.received = self.received or sig
         else:
             if os.getpid() == self._pid:  # the rank itself, not a process it forked
                 self._warn(
-                    f"paratrain: warning: got {sig.name} but the job has no checkpoint directory "
+                    "paratrain: warning: asked to stop (SIGTERM or SIGUSR1) but the job has no checkpoint directory "
                     "(Parallel(checkpoint=DIR) or paratrain run --checkpoint-dir): stopping without a save"
                 )
             self._as_before(sig, frame)

@@ -106,7 +106,9 @@ def test_ctrl_c_and_sigterm_stop_every_rank_in_one_line(tmp_path, sig, code):
         pids=pids,
     )
     if sig == signal.SIGTERM:
-        assert stderr.startswith("paratrain: warning: got SIGTERM but the job has no checkpoint directory"), stderr
+        assert stderr.startswith(
+            "paratrain: warning: asked to stop (SIGTERM or SIGUSR1) but the job has no checkpoint directory"
+        ), stderr
 
 
 def test_a_user_exception_is_one_report_with_one_traceback(tmp_path):

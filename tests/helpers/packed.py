@@ -108,9 +108,7 @@ def rows_of(step: int, replica: int, rows: int, multiple: int = 1) -> dict[str, 
     found = [packed(documents(step, rows * replica + i), multiple) for i in range(rows)]
     width = max(row["input_ids"].shape[1] for row in found)
     fill = {"input_ids": 0, "labels": -100, "position_ids": 0}
-    return {
-        k: torch.cat([F.pad(row[k], (0, width - row[k].shape[1]), value=fill[k]) for row in found]) for k in fill
-    }
+    return {k: torch.cat([F.pad(row[k], (0, width - row[k].shape[1]), value=fill[k]) for row in found]) for k in fill}
 
 
 def alone_loss(model: nn.Module, docs: list[list[int]]) -> torch.Tensor:

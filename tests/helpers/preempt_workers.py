@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 import paratrain
 from helpers.cases import each_case
 from helpers.checkpoint_workers import train
+from paratrain.preemption import SPAWNED_VAR
 
 STEPS, EVERY = 6, 2
 SIGNALS = {0: (3, signal.SIGUSR1), 1: (4, signal.SIGTERM)}
@@ -23,7 +25,9 @@ CASES = [
 
 def run_cases(root: str) -> dict:
     """Each case on every rank: the uninterrupted run, the run the signals stop, and a fresh ``Parallel`` that
-    resumes from what it saved and trains to the end."""
+    resumes from what it saved and trains to the end. The ranks stand for torchrun's (or srun's), which catch SIGTERM
+    too: ``paratrain.launch``'s mark is dropped."""
+    os.environ.pop(SPAWNED_VAR, None)
     return each_case(CASES, lambda i, case: _case(Path(root) / case[0], *case), key=lambda c: c[0], every_rank=True)
 
 

@@ -228,11 +228,12 @@ class LeavingContext(SubprocessContext):
             self._ask_traces([r for r, h in handlers if r not in self._failures and h.proc.poll() is None])
         self._closing = True
         if stop_asked():  # a preemption: the ranks save first, and their DataLoader workers must live until then
-            timeout = self._ranks_first(death_sig, timeout)
+            timeout = self._ranks_first(timeout)
         super()._close(death_sig, timeout)
 
-    def _ranks_first(self, death_sig: signal.Signals, timeout: int) -> int:
-        """Send ``death_sig`` to each running rank alone and wait up to ``timeout`` s for them; the seconds left.
+    def _ranks_first(self, timeout: int) -> int:
+        """Send SIGUSR1 (the ranks' stop: :func:`paratrain.preemption.caught_signals`) to each running rank alone and
+        wait up to ``timeout`` s for them; the seconds left.
 
         torch's close signals each rank's process group, which holds its DataLoader workers; torch's workers die of
         SIGTERM (a handler of its own), and the rank then fails on the lost worker before it can save."""
@@ -240,7 +241,7 @@ class LeavingContext(SubprocessContext):
         for handler in self.subprocess_handlers.values():
             if handler.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(handler.proc.pid, death_sig)
+                    os.kill(handler.proc.pid, signal.SIGUSR1)
         for handler in self.subprocess_handlers.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 handler.proc.wait(max(0.0, end - time.monotonic()))

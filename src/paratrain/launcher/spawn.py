@@ -19,7 +19,7 @@ from typing import Any
 from ..env import cpu_count
 from ..errors import JobTimeoutError, LaunchError, RankFailedError
 from ..hang_trace import TRACE_DIR_VAR
-from ..preemption import NOTE_VAR
+from ..preemption import NOTE_VAR, SPAWNED_VAR
 from .finish import leave
 from .leaving import LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR
 from .network import LOOPBACK
@@ -114,6 +114,7 @@ def _entry(
     os.environ.update(
         {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
     )
+    os.environ[SPAWNED_VAR] = "1"  # torch's spawn ends the ranks left after a failure with SIGTERM
     # an outer paratrain run's: no rank here may leave, nor write over the outer ranks' flight-recorder traces
     for var in (LEAVE_DIR_VAR, NOTICE_STORE_VAR, REJOIN_VAR, NOTE_VAR, TRACE_DIR_VAR):
         os.environ.pop(var, None)
