@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...model.packed import document_starts, read_lengths
+from ...model.packed import document_starts, each_document, read_lengths
 
 Kernel = Callable[..., tuple[torch.Tensor, Any]]
 """A transformers attention function: ``(module, q, k, v, mask, **kwargs) -> (out [b, s, h, d], weights)``."""
@@ -147,15 +147,11 @@ def attend_documents(
     """``kernel`` on whole packed rows ``[b, h, s, d]``, once per document (as :func:`attend` runs one unpadded
     sequence): out ``[b, s, h, d]``; no weights (each document's are its own)."""
     kwargs = {key: value for key, value in kwargs.items() if key not in _DOCUMENT_KEYS}
-    rows = []
-    for r, lengths in enumerate(documents.lengths):
-        parts, at = [], 0
-        for n in lengths:
-            one = (t[r : r + 1, :, at : at + n] for t in (q, k, v))
-            parts.append(attend(kernel, module, *one, None, causal, form, kwargs)[0])
-            at += n
-        rows.append(torch.cat(parts, dim=1))
-    return torch.cat(rows), None
+
+    def one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend(kernel, module, q, k, v, None, causal, form, kwargs)[0]
+
+    return each_document(one, q, k, v, documents.lengths, out_dim=1), None
 
 
 def _causal_sample(
