@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import pytest
 from helpers import unit_lane
@@ -28,14 +27,6 @@ _LAUNCH_VARS = (
     "OMP_NUM_THREADS",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
 )
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with the most launched tests first, each file's tests in their order: `make test`'s two workers take
-    whole files (``--dist loadfile``) in this order, so the long files start early and the short ones fill the end,
-    instead of one worker running a long file alone while the other waits."""
-    launched = Counter(item.path for item in items if item.get_closest_marker("launched"))
-    items.sort(key=lambda item: -launched[item.path])  # stable: the order within a file stays
 
 
 @pytest.hookimpl(wrapper=True)
