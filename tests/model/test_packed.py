@@ -182,3 +182,17 @@ def test_our_gpt_reads_packed_positions_once_a_forward():
             sliced = model(ids, positions=positions[None])
         assert syncs.count == 1, dict(syncs.calls)
         assert torch.allclose(sliced, expected)  # no learned positions: the same attention over the whole slice
+
+
+def test_finding_a_packed_batch_reads_what_its_forward_then_reuses():
+    """``is_packed`` (before the forward, in ``forward_backward``) and the attention read the same positions once."""
+    from paratrain.testing.host_syncs import HostSyncs
+
+    model = packed.BUILD["llama"]()
+    use_packed_attention(model)
+    batch = packed.packed(DOCS)
+    batch.pop("cu_seq_lens_q", None)
+    with HostSyncs() as syncs:
+        assert is_packed(batch)
+        model(**batch)
+    assert syncs.count == 1, dict(syncs.calls)
