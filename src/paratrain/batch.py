@@ -38,6 +38,11 @@ class ModelCall:
     loss_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Keyword inputs only the model's own loss reads (``labels=``)."""
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    items: torch.Tensor | None = None
+    """Set on a packed batch with a ``loss_fn`` (:meth:`ChosenStrategy.pack`): the global batch's counted targets a
+    replica (their count over the replicas, divided by the replicas). The ``loss_fn``'s mean over its own counted
+    targets is then made their sum over ``items`` (:meth:`weigh`), so a replica holding more real tokens weighs
+    more, as in one process that averages over every document of the global batch."""
 
     @classmethod
     def of(cls, x: Any, target: Any, loss_fn: Callable | None, kwargs: Mapping[str, Any]) -> ModelCall:
@@ -73,12 +78,30 @@ class ModelCall:
     def loss(self, out: Any) -> torch.Tensor:
         """The loss of ``out``, what ``model`` returned for this batch."""
         if self.loss_fn is not None:
-            return self.loss_fn(out, self.target)
+            return self.weigh(self.loss_fn(out, self.target), self.target)
         return loss_of(out)
+
+    def weigh(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``loss_fn``'s ``loss`` on ``target`` (a part of this call's, or all of it), a mean over its counted
+        targets, as its share of the replica's loss: their sum over :attr:`items`; unchanged where ``items`` is
+        None. A target with none counted adds 0 (its mean is nan)."""
+        if self.items is None:
+            return loss
+        count = counted(target)
+        return torch.where(count > 0, loss * count / self.items, torch.zeros_like(loss))
 
     def first_tensor(self) -> torch.Tensor | None:
         """The first tensor of the inputs (``x``'s, else the keyword inputs'), None when they hold none."""
         return next((t for t in tree_leaves((self.x, dict(self.kwargs))) if isinstance(t, torch.Tensor)), None)
+
+
+def counted(target: torch.Tensor) -> torch.Tensor:
+    """How many of a token loss's integer ``target`` it averages over: those not below zero (torch's cross-entropy
+    ignores -100 by default, nanoGPT's -1; any other negative target fails that loss, so the two agree wherever it
+    is defined). A floating target counts every element."""
+    if target.is_floating_point():
+        return torch.tensor(target.numel(), device=target.device)
+    return target.ge(0).sum()
 
 
 def find_loss(out: Any) -> torch.Tensor | None:

@@ -64,7 +64,8 @@ WORLD4 = [
 # packed documents (tests/helpers/packed.py), each row filled up to the 2 x cp pieces: Ulysses and the all-gather;
 # at world 4 two replicas hold different numbers of real tokens
 PACKED = [("llama", "ddp", {"cp": 2}), ("llama", "zero3", {"cp": 2, "cp_method": "allgather"})]
-PACKED4 = [("llama", "ddp", {"cp": 2, "cp_method": "allgather"})]
+PACKED += [("gpt", "zero3", {"cp": 2})]  # paratrain's GPT: its attention kernel module handed the whole documents
+PACKED4 = [("llama", "ddp", {"cp": 2, "cp_method": "allgather"}), ("gpt", "ddp", {"cp": 2, "cp_method": "allgather"})]
 REFUSED = {
     "uneven sequence": "cp=2 cuts each sequence into 2 equal slices, but this batch's sequences have 15 tokens",
     "4-D mask": "cp takes a 2-D attention_mask",

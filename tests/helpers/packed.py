@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 import paratrain
 from helpers.zoo import HIDDEN, VOCAB, _quiet_transformers, _sgd, llama
+from paratrain.workloads.gpt import GPT
 
 STEPS, DOCS = 3, 3
 MODELS = ("llama", "qwen2", "qwen3", "mixtral")
@@ -65,7 +66,34 @@ def mixtral() -> nn.Module:
     return transformers.MixtralForCausalLM(config)
 
 
+def gpt() -> nn.Module:
+    """paratrain's GPT: learned positions (restarting with each document), a tied head, a loss_fn over its logits."""
+    from paratrain.workloads.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(layers=2, hidden=HIDDEN, heads=2, seq_len=32, vocab=VOCAB))
+
+
+def gpt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A script's loss over the logits: the mean over the targets (-100: none, a document's last token)."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class OwnLossGPT(nn.Module):
+    """paratrain's GPT computing its own loss from ``model(x, y)`` (nanoGPT's way): a mean over one replica's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = gpt()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> tuple:
+        logits = self.gpt(idx, positions=positions)
+        return logits, gpt_loss(logits, targets)
+
+
 BUILD = {
+    "gpt": gpt,
+    "gpt_own": OwnLossGPT,
     "llama": llama,
     "qwen2": functools.partial(_qwen, "qwen2"),
     "qwen3": functools.partial(_qwen, "qwen3"),
@@ -116,7 +144,8 @@ def alone_loss(model: nn.Module, docs: list[list[int]]) -> torch.Tensor:
     total = 0.0
     for doc in docs:
         ids = torch.tensor([doc])
-        total = total + F.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:], reduction="sum")
+        logits = model(ids) if isinstance(model, GPT) else model(input_ids=ids).logits
+        total = total + F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
     return total / sum(len(d) - 1 for d in docs)
 
 
@@ -142,8 +171,13 @@ def run_packed(model_name: str, strategy: str, options: dict, folder: str, multi
     rows = options.get("microbatches", 1)
     for s in range(STEPS):
         with par.step(model, opt):
-            batch = rows_of(s, par.data_parallel_rank, rows, multiple)
-            par.forward_backward(model, {k: v.to(par.device) for k, v in batch.items()})
+            batch = {k: v.to(par.device) for k, v in rows_of(s, par.data_parallel_rank, rows, multiple).items()}
+            if model_name.startswith("gpt"):  # next-token targets, aligned (-100 past each document's end)
+                target = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+                loss_fn = gpt_loss if model_name == "gpt" else None
+                par.forward_backward(model, batch["input_ids"], target, loss_fn, positions=batch["position_ids"])
+            else:
+                par.forward_backward(model, batch)
     state = par.full_state_dict(model, rank0_only=False)
     par.close()
     return {"state": state, "resumed": 0.0, "problems": []}

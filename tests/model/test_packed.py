@@ -196,3 +196,9 @@ def test_finding_a_packed_batch_reads_what_its_forward_then_reuses():
         assert is_packed(batch)
         model(**batch)
     assert syncs.count == 1, dict(syncs.calls)
+    model = _gpt()  # paratrain's GPT, given positions= (a loss_fn's call)
+    ids, positions = _gpt_batch([[DOCS[0], DOCS[1], DOCS[3]]] * 2)
+    with HostSyncs() as syncs:
+        assert is_packed({"positions": positions})
+        model(ids, positions=positions)
+    assert syncs.count == 1, dict(syncs.calls)

@@ -29,10 +29,13 @@ PIPELINED = ("cnn", "frozen", "bert", "lora")
 HYBRID_DATA = ("ddp", "zero1", "fsdp")  # how hybrid's replicas hold their stages: DDP, ZeRO-1 or FSDP
 SPLIT = {"frozen": {"split": [3]}}  # by size the first stage would hold only the frozen layer: refused, see below
 # Packed documents (tests/helpers/packed.py): Llama and Qwen3 under each data layout and tp, Qwen2 under zero2,
-# Mixtral under ddp and zero3.
+# Mixtral under ddp and zero3, paratrain's GPT (positions=, a loss_fn's mean weighed by the real tokens) under ddp
+# and tp (its cp cases: tests/distributed/test_context_parallel.py).
 PACKED = [(m, s) for m in ("llama", "qwen3") for s in ("ddp", "zero3", "tp")] + [("qwen2", "zero2")]
 PACKED += [("mixtral", "ddp"), ("mixtral", "zero3")]  # MoE: experts that get no token of a replica
+PACKED += [("gpt", "ddp"), ("gpt", "tp")]
 PACKED_PIPELINE = {"microbatches": 2}  # two rows, each a micro-batch, of a new length at every step
+PACKED_PIPELINED = ("llama", "gpt")
 CHECKPOINTED = [
     ("gpt2", "zero3", True),
     ("llama", "ddp", True),
@@ -47,7 +50,8 @@ def world2(tmp_path_factory):
     cases = [(m, s, {}) for m in ZOO for s in WORLD2] + [(m, s, {"min_params": 1}) for m, s in SMALL_UNITS]
     cases += [(m, s, {"activation_checkpointing": k}) for m, s, k in CHECKPOINTED]
     cases += [(m, "pipeline", SPLIT.get(m, {})) for m in PIPELINED] + [("frozen", "pipeline", {})]
-    cases += [(f"packed_{m}", s, {}) for m, s in PACKED] + [("packed_llama", "pipeline", PACKED_PIPELINE)]
+    cases += [(f"packed_{m}", s, {}) for m, s in PACKED] + [("packed_gpt_own", "ddp", {})]
+    cases += [(f"packed_{m}", "pipeline", PACKED_PIPELINE) for m in PACKED_PIPELINED]
     return spawn(run_cases, 2, (cases, str(tmp_path_factory.mktemp("zoo2"))), timeout_s=600)[0]
 
 
@@ -116,12 +120,21 @@ def test_packed_documents_equal_each_document_alone(world2, model_name, strategy
 
 
 @pytest.mark.launched
-def test_packed_documents_under_a_pipeline_equal_each_document_alone(world2):
+def test_packed_documents_with_a_models_own_mean_loss_are_refused(world2):
+    """A model's own ``model(x, y)`` loss is one replica's mean, which nothing can weigh by the global real tokens."""
+    error = world2["packed_gpt_own/ddp"].get("error", "")
+    assert "a packed batch with OwnLossGPT's own loss from its targets" in error
+    assert "give forward_backward a loss_fn over the logits" in error
+
+
+@pytest.mark.launched
+@pytest.mark.parametrize("model_name", PACKED_PIPELINED)
+def test_packed_documents_under_a_pipeline_equal_each_document_alone(world2, model_name):
     """Every stage sees the positions; the last stage's micro-batch losses are each divided by the batch's real
-    tokens and summed."""
-    result = world2[f"packed_llama/pipeline{PACKED_PIPELINE}"]
+    tokens and summed (a loss_fn's micro-batch means weighed by their real tokens)."""
+    result = world2[f"packed_{model_name}/pipeline{PACKED_PIPELINE}"]
     assert "error" not in result, result.get("error")
-    assert max_abs_diff(result["state"], packed.reference("llama", 2)) <= TOL  # 2 rows: the documents of 2 groups
+    assert max_abs_diff(result["state"], packed.reference(model_name, 2)) <= TOL  # 2 rows: the documents of 2 groups
 
 
 @pytest.mark.launched

@@ -61,6 +61,7 @@ class PipelinedModel(nn.Module):
         self.schedule_name = "1f1b"
         self._schedules: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._loss_fn: Callable | None = None
+        self._call: tuple[ModelCall, float] | None = None  # the training call in flight and its loss factor
         self.stage_modules: dict[int, StageModule] = {}  # a model cut at its blocks: this rank's stages
         self.key_order: list[str] | None = None  # the plain model's state-dict order
         self.tied: list[tuple[dist.ProcessGroup, str]] = []  # (ranks holding it, its name here) per tied weight
@@ -163,18 +164,21 @@ class PipelinedModel(nn.Module):
             self._loss_fn = loss_fn
             self._schedules = {k: v for k, v in self._schedules.items() if k[0] == "eval"}
         # Each micro-batch's loss is divided here, not by the schedule's scale_grads: that rescales every
-        # gradient in place and would shrink gradients accumulated over earlier steps again. A model's own loss
-        # divided by the batch's target count (num_items_in_batch: a packed batch's real tokens) is each
-        # micro-batch's share already: summed, not averaged.
-        counted = call.own_loss and call.loss_kwargs.get("num_items_in_batch") is not None
-        factor = scale if counted else scale / self.microbatches
+        # gradient in place and would shrink gradients accumulated over earlier steps again. A loss divided by the
+        # batch's target count (a model's own given num_items_in_batch, a loss_fn's weighed by ModelCall.items: a
+        # packed batch's real tokens) is each micro-batch's share already: summed, not averaged. The schedule keeps
+        # the first call's `loss` for its shape, so what changes between calls is read from `self._call`.
+        counted = call.items is not None or (call.own_loss and call.loss_kwargs.get("num_items_in_batch") is not None)
+        self._call = (call, scale if counted else scale / self.microbatches)
         precision = self.precision
 
         def loss(out: Any, tgt: torch.Tensor) -> torch.Tensor:
+            assert self._call is not None
+            now, factor = self._call
             if loss_fn is _OWN_LOSS:
                 return out * factor  # the last stage handed on the model's own loss
             with nullcontext() if precision is None else precision.forward_context(self.device):
-                return loss_fn(self.output_kind().wrap(out), tgt) * factor
+                return now.weigh(loss_fn(self.output_kind().wrap(out), tgt), tgt) * factor
 
         schedule = self._schedule("train", x.shape, loss)
         losses: list[torch.Tensor] = []

@@ -47,7 +47,8 @@ class Recipe:
 
     def loss(self, hidden: torch.Tensor, head: nn.Linear, call: ModelCall, chunk: int) -> torch.Tensor:
         """The loss of ``call``, from the hidden states the head reads: summed over the targets, divided by their
-        count, or by ``num_items_in_batch`` where the call passes it (transformers' rule for accumulation)."""
+        count, or by ``num_items_in_batch`` where the call passes it (transformers' rule for accumulation), or by
+        the replica's share of a packed global batch's count (:attr:`ModelCall.items`)."""
         targets = self.targets(call).to(hidden.device)
         if hidden.shape[:-1] != targets.shape:
             raise ConfigError(
@@ -58,6 +59,7 @@ class Recipe:
             hidden, head, targets, chunk=chunk, ignore_index=IGNORED, reduction="sum", softcap=self.softcap
         )
         items = call.loss_kwargs.get("num_items_in_batch")
+        items = call.items if items is None else items
         return total / (items if items is not None else (targets != IGNORED).sum())
 
 

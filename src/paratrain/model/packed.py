@@ -39,16 +39,15 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
 def is_packed(kwargs: Mapping[str, Any]) -> bool:
     """Whether a forward's keyword inputs are a packed batch: ``cu_seq_lens_q`` given, or ``position_ids``
     (transformers') or ``positions`` (torchtitan's, our GPT's) that restart inside a row (a host sync: the answer
-    decides the attention path). ``position_ids`` are read as the attention reads them (:func:`_row_lengths`), so
-    the forward that follows finds their document lengths already read."""
+    decides the attention path). They are read as the attention reads them (:func:`_row_lengths`), so the forward
+    that follows finds their document lengths already read."""
     if kwargs.get("cu_seq_lens_q") is not None:
         return True
     positions = kwargs.get("position_ids", kwargs.get("positions"))
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] < 2:
         return False
-    if "position_ids" in kwargs:
-        return any(len(row) > 1 for row in _row_lengths(kwargs, positions.shape[0], positions.shape[-1]))
-    return bool(document_starts(positions)[:, 1:].any())
+    found = _row_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])
+    return any(len(row) > 1 for row in found)
 
 
 class _LastRead:
@@ -165,8 +164,8 @@ def document_lengths(positions: torch.Tensor, rows: int) -> list[list[int]] | No
     and hand to every attention layer."""
     if positions.device.type == "meta":
         return None  # a shape-only forward (the planner's): nothing to read
-    positions = positions.reshape(-1, positions.shape[-1])
-    found = read_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])
+    positions = positions if positions.dim() == 2 else positions.reshape(1, -1)
+    found = _row_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])  # is_packed's read
     found = found * rows if positions.shape[0] == 1 else found  # one row's read serves a batch that shares it
     return found if any(len(row) > 1 for row in found) else None
 

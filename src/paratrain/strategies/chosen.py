@@ -16,13 +16,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..batch import ModelCall
+from ..batch import ModelCall, counted
 from ..distributed.mesh import build_mesh
 from ..distributed.metrics import reduce_value
 from ..distributed.router_loss import balance_globally
 from ..env import ClusterEnv
 from ..errors import ConfigError
-from ..loss.recipes import counted_targets
+from ..loss.recipes import counted_targets, target_key
 from ..model.packed import is_packed, use_packed_attention
 from .auto import BEFORE_THE_MODEL, agree_on_strategy
 from .base import Runtime, Strategy
@@ -117,19 +117,34 @@ class ChosenStrategy:
 
     def pack(self, runtime: Runtime, model: nn.Module, call: ModelCall) -> ModelCall:
         """``call`` as the model runs it when it is a packed micro-batch (documents found from restarting
-        ``position_ids`` or ``cu_seq_lens_q``): attention kept within each document, and the model's own loss divided
-        by the real targets of the global micro-batch (over the replicas) instead of this rank's, so replicas holding
-        more real tokens weigh more, as in one process that runs every document. Other calls pass unchanged."""
+        ``position_ids`` or ``cu_seq_lens_q``): attention kept within each document, and its loss made the sum over
+        its real targets divided by the real targets of the global micro-batch (over the replicas), not its own mean,
+        so replicas holding more real tokens weigh more, as in one process that runs every document. A transformers
+        loss (``labels=``) is given ``num_items_in_batch``; a ``loss_fn``'s mean over its target's counted elements
+        (:func:`~paratrain.batch.counted`) is weighed (:attr:`ModelCall.items`); a model's own ``model(x, y)`` mean
+        cannot be, and is refused over several replicas. Other calls pass unchanged."""
         if not is_packed(call.kwargs):
             return call
         dims = self.strategy.dims(runtime.env)
         if dims.cp == 1:  # cp's attention keeps the documents apart itself (distributed/context_parallel)
             use_packed_attention(self.strategy.unwrap(model))
-        count = counted_targets(call)
-        if count is None or call.loss_kwargs.get("num_items_in_batch") is not None:
+        if call.loss_kwargs.get("num_items_in_batch") is not None:
             return call
+        count = counted_targets(call)
+        if count is None and call.loss_fn is not None and isinstance(call.target, torch.Tensor):
+            count = counted(call.target)
         _, size, group = self.data_parallel(runtime)  # the ranks of a tp group share their replica's batch
+        if count is None:
+            if size > 1 and call.own_loss and target_key(call) in ("target", "targets"):
+                raise ConfigError(
+                    f"a packed batch with {type(self.strategy.unwrap(model)).__name__}'s own loss from its "
+                    "targets: its mean over one replica's tokens cannot be weighed by the global batch's; give "
+                    "forward_backward a loss_fn over the logits (a mean over the targets not below 0), or labels="
+                )
+            return call
         total = reduce_value(count.to(runtime.device), mean=False, size=size, group=group, device=runtime.device)
+        if call.loss_fn is not None:
+            return replace(call, items=total / size)
         return replace(call, loss_kwargs={**call.loss_kwargs, "num_items_in_batch": total / size})
 
     def metrics(self, runtime: Runtime) -> tuple[int, dist.ProcessGroup | None]:

@@ -55,7 +55,9 @@ class RMSNorm(nn.Module):
 class CausalAttention(nn.Module):
     """The attention kernel: q, k, v ``[b, h, s, d]`` -> ``[b, h, s, d]``, causal, on whole sequences. A module of its
     own so that context parallelism finds it by what it is (``is_attention_kernel``) and exchanges around it.
-    ``documents`` (a packed batch: each row's document lengths) runs it once per document, no mask."""
+    ``documents`` (a packed batch: each row's document lengths) runs it once per document, no mask
+    (``packs_documents``: context parallelism hands it the whole rows' documents, or under its all-gather none and
+    masks the SDPA call per document itself)."""
 
     is_attention_kernel = True
     packs_documents = True

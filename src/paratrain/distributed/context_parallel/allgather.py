@@ -124,4 +124,5 @@ def allgather_sdpa(split: SequenceSplit, where: str, *args: Any, **kwargs: Any) 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **options), None
 
-    return attend_rows(run, call.query, k, v, split, None, call.is_causal, "bool")[0]
+    documents = None if split.documents is None else split.documents.ids  # a packed row's, kept apart
+    return attend_rows(run, call.query, k, v, split, None, call.is_causal, "bool", documents)[0]

@@ -20,6 +20,7 @@ sequences, and the all-gather hands the kernel its rows' mask).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -123,6 +124,23 @@ class HFAllGather(HFUlysses):
         return out.transpose(1, 2).contiguous(), weights
 
 
+def _whole_sequences(split: SequenceSplit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An attention kernel module's pre-hook under Ulysses: q, k, v exchanged to whole sequences for this rank's
+    heads; one that takes ``documents=`` (``packs_documents``) is handed the whole rows' documents of a packed call
+    (the ones its model read from this rank's slice of the positions describe the slice)."""
+    args = tuple(sequence_to_heads(t, split.group) for t in args)
+    if split.documents is not None and getattr(module, "packs_documents", False):
+        kwargs = {**kwargs, "documents": [list(row) for row in split.documents.lengths]}
+    return args, kwargs
+
+
+def _whole_rows(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An attention kernel module's pre-hook under the all-gather: no ``documents=`` (those its model read from
+    this rank's pieces of the positions); its one SDPA call is masked to each row's own document
+    (:func:`~.allgather.allgather_sdpa`)."""
+    return args, {**kwargs, "documents": None}
+
+
 def _dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The registered attention function: the exchange ``module`` carries (:class:`HFUlysses`, :class:`HFAllGather`)."""
     exchange = getattr(module, "paratrain_cp", None)
@@ -171,10 +189,14 @@ def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int, met
     for name, module in model.named_modules():
         if getattr(module, "is_attention_kernel", False) and method == "allgather":
             kernels.append(module)
+            if getattr(module, "packs_documents", False):  # its SDPA call is masked per document instead
+                module.register_forward_pre_hook(_whole_rows, with_kwargs=True)
+            else:
+                hooked += 1
         elif getattr(module, "is_attention_kernel", False):
-            module.register_forward_pre_hook(lambda m, args: tuple(sequence_to_heads(t, split.group) for t in args))
+            module.register_forward_pre_hook(functools.partial(_whole_sequences, split), with_kwargs=True)
             module.register_forward_hook(lambda m, args, out: heads_to_sequence(out, split.group))
-            found, hooked = found + 1, hooked + 1
+            found, hooked = found + 1, hooked + (not getattr(module, "packs_documents", False))
         elif _is_hf_attention(module):
             if method == "ulysses":
                 _check_heads(module.config, heads_split, name)
@@ -191,7 +213,8 @@ def wrap_attention(model: nn.Module, split: SequenceSplit, heads_split: int, met
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "paratrain_cp")}.values():
         _register()
         config._attn_implementation = DISPATCH_NAME
-    split.keeps_documents = found > 0 and not hooked  # transformers attention modules only
+    # transformers attention, kernel modules taking documents=
+    split.keeps_documents = (found > 0 or bool(kernels)) and not hooked
     if found and kernels:
         raise ConfigError(
             f"cp_method='allgather' runs an attention kernel module through its SDPA call, which it cannot find beside "

@@ -148,8 +148,16 @@ class ContextParallel(WholeSequences):
                 "cp splits loss_fn's target along the sequence (dimension 1) as it does the inputs; "
                 "pass targets shaped [batch, seq, ...]"
             )
-        share, loss_fn = split.counted_share(target), call.loss_fn
+        loss_fn = call.loss_fn
         assert loss_fn is not None
+        if call.items is not None:  # a packed batch's: each slice's sum over the replica's count, summed as it is
+            return dataclasses.replace(
+                call,
+                target=split.local(target),
+                loss_fn=lambda out, t: split.whole_loss(call.weigh(loss_fn(out, t), t), None),
+                items=None,
+            )
+        share = split.counted_share(target)
         return dataclasses.replace(
             call, target=split.local(target), loss_fn=lambda out, t: split.whole_loss(loss_fn(out, t), share)
         )

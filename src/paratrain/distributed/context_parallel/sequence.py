@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
-from ...batch import find_loss
+from ...batch import counted, find_loss
 from ...errors import ConfigError
 from .masks import Documents, Padding, read_documents, read_padding
 
@@ -101,11 +101,8 @@ class SequenceSplit:
         return torch.cat([t.narrow(1, start, size) for start in self.chunks(t.shape[1])], dim=1).contiguous()
 
     def counted_share(self, target: torch.Tensor) -> torch.Tensor:
-        """This rank's share of ``target``'s counted tokens (every element of a floating target)."""
-        if target.is_floating_point():
-            return torch.tensor(1.0 / self.ranks, device=target.device)
-        whole = (target != IGNORE_INDEX).sum()
-        return (self.local(target) != IGNORE_INDEX).sum() / whole.clamp(min=1)
+        """This rank's share of ``target``'s counted tokens (:func:`~paratrain.batch.counted`)."""
+        return counted(self.local(target)) / counted(target).clamp(min=1)
 
     def whole_loss(self, loss: torch.Tensor, share: torch.Tensor | None) -> torch.Tensor:
         """The loss over every token of the cp group from this rank's ``loss``: its mean weighted by ``share``, or
@@ -161,7 +158,8 @@ class SequenceSplit:
         if found is not None and not self.keeps_documents:
             raise ConfigError(
                 "packed batch (positions restarting inside a row) under cp, which keeps documents apart in "
-                "transformers attention modules only; pad each document to its own row, or train without cp"
+                "transformers attention modules and attention kernel modules that take documents= "
+                "(packs_documents); pad each document to its own row, or train without cp"
             )
         if found is not None and self.padding is not None:
             raise ConfigError(
