@@ -14,7 +14,7 @@ from paratrain.cli.main import main
 from paratrain.errors import ConfigError
 from paratrain.model.units import shard_units
 from paratrain.planner import InputSpec, measure_module, trace_module
-from paratrain.planner.attention import ATTENTION_FLOPS, FusedAttention
+from paratrain.planner.attention import FusedAttention, attention_flops
 
 IDS = InputSpec.parse("long:16")
 
@@ -33,7 +33,7 @@ def test_value_heads_narrower_than_query_heads_run_a_fused_kernel_on_meta():
     v = torch.randn(b, h, s, dv, device="meta", requires_grad=True)
     saved: list[int] = []
     with (
-        FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as counter,
+        FlopCounterMode(display=False, custom_mapping=attention_flops()) as counter,
         FusedAttention(),
         torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t),
     ):

@@ -9,7 +9,7 @@ values; where the values' differs (DeepSeek-V3's multi-head latent attention: 19
 value heads) a GPU runs another fused kernel (memory-efficient or cuDNN attention), which saves the same tensors:
 the planner runs the memory-efficient one, whose meta function gives the value-wide output. ``FlopCounterMode``
 counts no FLOP in the CPU kernel, and counts a recomputation of the scores in the memory-efficient one's backward:
-``ATTENTION_FLOPS`` counts both as the unfused path's matrix products (the s x s scores and their weighted sum,
+``attention_flops`` counts both as the unfused path's matrix products (the s x s scores and their weighted sum,
 twice that in backward), as the closed forms do (``transformer.transformer_stats``).
 """
 
@@ -24,29 +24,30 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import sdpa_flop_count
 
 from ..model.attention import SDPACall
+from .packing import document_share
 
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
 
 
-def _forward_flops(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *args: object, **kwargs: object) -> int:
-    return sdpa_flop_count(q, k, v)
+def attention_flops(document_tokens: int | None = None) -> dict[Any, Callable[..., int | float]]:
+    """``FlopCounterMode``'s ``custom_mapping`` for the fused kernels (the CPU one, which a real CPU run takes too,
+    and the memory-efficient one for differing value heads): forward the scores and their weighted sum, backward
+    twice that; with ``document_tokens``, each call's for rows packed with documents of that many tokens
+    (:func:`.packing.document_share` of its keys' sequence)."""
 
+    def forward(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *args: object, **kwargs: object) -> float:
+        return sdpa_flop_count(q, k, v) * document_share(k[-2], document_tokens)
 
-def _backward_flops(
-    grad: tuple[int, ...], q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *args: object, **kwargs: object
-) -> int:
-    return 2 * sdpa_flop_count(q, k, v)
+    def backward(grad: tuple[int, ...], *inputs: tuple[int, ...], **kwargs: object) -> float:
+        return 2 * forward(*inputs[:3])  # the query's, key's and value's shapes
 
-
-ATTENTION_FLOPS: dict[Any, Callable[..., int]] = {
-    _FUSED: _forward_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _backward_flops,
-    _EFFICIENT: _forward_flops,
-    torch.ops.aten._scaled_dot_product_efficient_attention_backward: _backward_flops,
-}
-"""``FlopCounterMode``'s ``custom_mapping`` for the fused kernels (the CPU one, which a real CPU run takes too, and
-the memory-efficient one for differing value heads)."""
+    return {
+        _FUSED: forward,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+        _EFFICIENT: forward,
+        torch.ops.aten._scaled_dot_product_efficient_attention_backward: backward,
+    }
 
 
 class FusedAttention(TorchFunctionMode):

@@ -177,6 +177,10 @@ class PlanConfig:
                 f"--checkpointing is --recompute full; give one of --checkpointing or --recompute "
                 f"{self.training.recompute}"
             )
+        if self.measure and self.training.document_tokens is not None:
+            raise ConfigError(
+                "--measure times unpacked rows; with --document-tokens give --step-time of a packed step instead"
+            )
         if self.optimizer_time is not None and self.step_time is None:
             raise ConfigError("--optimizer-time calibrates together with --step-time (the forward+backward alone)")
         _ = self.exact  # the layout flags read now, not when planning

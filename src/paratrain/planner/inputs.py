@@ -111,6 +111,9 @@ class TrainingCall:
     vocabulary), else one class id a sample."""
     plain: bool = False
     """Call the model on its input alone (``--targets none``), even when its forward takes targets."""
+    document_tokens: int | None = None
+    """The input's rows are packed with documents of this many tokens (``Training.document_tokens``): a trace counts
+    each attention call's FLOPs per document (:func:`.attention.attention_flops`); the call itself is unchanged."""
 
     def __post_init__(self) -> None:
         if self.plain and self.targets is not None:

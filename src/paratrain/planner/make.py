@@ -16,6 +16,7 @@ from .gpu_step import GpuStep, check_same_gpu, time_gpu_step
 from .hardware import Cluster, calibrated
 from .layout import Layout
 from .model_stats import ModelStats, RunnableModel
+from .packing import packed
 from .recommend import Plan, recommend
 from .tensor_parallel import collectives_per_micro_batch
 from .timing import executed_flops_per_sample, fsdp_call_from, optimizer_step_bytes, weight_bytes
@@ -41,11 +42,7 @@ def make_plan(model: ModelStats | RunnableModel, config: PlanConfig | None = Non
     if measured.link_timings:
         cluster = replace(cluster, intra=measured_link(cluster.intra, config.gpus, measured.link_timings))
     on_gpu = config.measure and not cluster.device.shared_by_ranks and torch.cuda.is_available()
-    stats = (
-        model
-        if isinstance(model, ModelStats)
-        else model.find_stats(setup.micro_batch if config.measure and not on_gpu else None, config.tp, config.cp)
-    )
+    stats = _stats(model, config, measure_batch=setup.micro_batch if config.measure and not on_gpu else None)
     gpu = _time_on_gpu(model, cluster, setup) if on_gpu else None
     cluster = _calibrated(cluster, stats, setup, config, measured, gpu)
     plan = recommend(
@@ -73,6 +70,17 @@ def make_plan(model: ModelStats | RunnableModel, config: PlanConfig | None = Non
             ),
         ),
     )
+
+
+def _stats(model: ModelStats | RunnableModel, config: PlanConfig, measure_batch: int | None) -> ModelStats:
+    """``model``'s stats (found when not given: measured at ``measure_batch`` samples, else closed forms or a trace)
+    for rows packed with documents of ``Training.document_tokens`` tokens: a trace counts its attention calls so, the
+    closed forms' attention is scaled after (:mod:`.packing`)."""
+    documents = config.training.document_tokens
+    if isinstance(model, ModelStats):
+        return packed(model, documents)
+    runnable = replace(model, call=replace(model.call, document_tokens=documents))
+    return packed(runnable.find_stats(measure_batch, config.tp, config.cp), documents)
 
 
 def _calibrated(

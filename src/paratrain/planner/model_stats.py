@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..errors import ConfigError
 from ..model.stages import most_stages
 from ..model.structure import forward_pieces
-from .attention import ATTENTION_FLOPS, FusedAttention
+from .attention import FusedAttention, attention_flops
 from .hardware import GIB, cpu_host
 from .inputs import InputSpec, TrainingCall, forward_of, output_tensor
 
@@ -342,7 +342,7 @@ def _stats(
     hooks += [model.get_submodule(n).register_forward_pre_hook(looked_up(n)) for n in table_names]
     try:
         with (
-            FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as counter,
+            FlopCounterMode(display=False, custom_mapping=attention_flops(call.document_tokens)) as counter,
             FusedAttention(),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):

@@ -75,6 +75,7 @@ def format_plan(plan: Plan, *, breakdown: bool = False) -> str:
         + (f", inter-node {_link(c.inter)}" if c.nodes > 1 else ""),
         f"training  {t.precision}, {t.optimizer}{_recompute(t)}; "
         f"micro-batch {t.micro_batch} per {rank}, global batch {plan.global_batch}"
+        + (f", rows packed with documents of {t.document_tokens} tokens" if t.document_tokens is not None else "")
         + (
             f", pipeline schedule {t.schedule}"
             + (f" ({t.stages_per_rank} stages per rank)" if t.stages_per_rank > 1 else "")

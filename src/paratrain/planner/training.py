@@ -113,6 +113,10 @@ class Training:
     since a script's LR may already be tuned for the batch it runs."""
     base_lr: float | None = None
     """With --base-batch: that learning rate, printed scaled."""
+    document_tokens: int | None = field(default=None, metadata=flag("--document-tokens", metavar="L"))
+    """Each row (sample) is packed with documents of L tokens, attention kept within each: a row of S tokens
+    computes S·L of attention, not S² (documents of different lengths: the sum of their squares over the sum of
+    their lengths). None, or L >= S: one sequence a row."""
 
     def __post_init__(self) -> None:
         if self.precision not in (*PRECISIONS, "auto"):
@@ -148,6 +152,7 @@ class Training:
         if self.rows_per_step is not None and self.rows_per_step < 0:
             raise ConfigError(f"--ps-rows-per-step must be >= 0, got {self.rows_per_step}")
         self._check_lr_base()
+        self._check_document_tokens()
         if self.table_optimizer is not None and self.table_optimizer not in TABLE_STATES:
             raise ConfigError(
                 f"unknown table optimizer {self.table_optimizer!r}; choose one of: {', '.join(TABLE_STATES)}"
@@ -162,6 +167,13 @@ class Training:
             raise ConfigError(
                 f"--base-lr {self.base_lr:g} is scaled from the global batch it was tuned at; give that "
                 "batch too (--base-batch N)"
+            )
+
+    def _check_document_tokens(self) -> None:
+        tokens = self.document_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ConfigError(
+                f"--document-tokens is the tokens of a packed row's documents, a whole number >= 1; got {tokens!r}"
             )
 
     @property
