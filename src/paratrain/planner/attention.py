@@ -24,17 +24,24 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import sdpa_flop_count
 
 from ..model.attention import SDPACall
-from .packing import document_share
 
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
+
+
+def document_share(seq_len: int, document_tokens: int | None) -> float:
+    """The share of a sequence's attention FLOPs that documents of ``document_tokens`` tokens packed in it compute:
+    L/S; 1 when not packed (None) or when a document is as long as the sequence."""
+    if document_tokens is None or document_tokens >= seq_len:
+        return 1.0
+    return document_tokens / seq_len
 
 
 def attention_flops(document_tokens: int | None = None) -> dict[Any, Callable[..., int | float]]:
     """``FlopCounterMode``'s ``custom_mapping`` for the fused kernels (the CPU one, which a real CPU run takes too,
     and the memory-efficient one for differing value heads): forward the scores and their weighted sum, backward
     twice that; with ``document_tokens``, each call's for rows packed with documents of that many tokens
-    (:func:`.packing.document_share` of its keys' sequence)."""
+    (:func:`document_share` of its keys' sequence)."""
 
     def forward(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *args: object, **kwargs: object) -> float:
         return sdpa_flop_count(q, k, v) * document_share(k[-2], document_tokens)

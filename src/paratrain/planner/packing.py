@@ -1,12 +1,12 @@
 """Packed rows as the planner prices them: documents laid end to end in a row, attention kept within each.
 
 A row of S tokens holding documents of L tokens computes each document's L x L attention, S/L of them: S·L of the
-S x S scores and weighted sums one sequence of S tokens computes, a share L/S (:func:`document_share`). What else a
-token computes (its products with the weights, elementwise work) does not depend on where its document ends, and
-neither does memory: the planner counts attention as the fused kernels keep it (a log-sum-exp a token, no s x s
-tensor), so packing changes the attention FLOPs alone. The closed forms' are scaled here (:func:`packed`), a trace's
-call by call (:func:`.attention.attention_flops`); context parallelism's exchanges move every token's queries, keys
-and values whatever the documents, and its ranks compute 1/cp of the FLOPs so scaled.
+S x S scores and weighted sums one sequence of S tokens computes, a share L/S (:func:`.attention.document_share`,
+the one rule). What else a token computes (its products with the weights, elementwise work) does not depend on where
+its document ends, and neither does memory: the planner counts attention as the fused kernels keep it (a log-sum-exp
+a token, no s x s tensor), so packing changes the attention FLOPs alone. The closed forms' are scaled here
+(:func:`packed`), a trace's call by call (:func:`.attention.attention_flops`); context parallelism's exchanges move
+every token's queries, keys and values whatever the documents, and its ranks compute 1/cp of the FLOPs so scaled.
 """
 
 from __future__ import annotations
@@ -14,16 +14,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from .attention import document_share
+
 if TYPE_CHECKING:
     from .model_stats import ModelStats
-
-
-def document_share(seq_len: int, document_tokens: int | None) -> float:
-    """The share of a sequence's attention FLOPs that documents of ``document_tokens`` tokens packed in it compute:
-    L/S; 1 when not packed (None) or when a document is as long as the sequence."""
-    if document_tokens is None or document_tokens >= seq_len:
-        return 1.0
-    return document_tokens / seq_len
 
 
 def packed(stats: ModelStats, document_tokens: int | None) -> ModelStats:
