@@ -179,6 +179,9 @@ def test_a_model_that_computes_its_own_loss_is_benched_as_forward_backward_reads
         theirs = TorchDDPSubject(w, 0, torch.device("cpu"))
         theirs.step(x, y)
         assert max_abs_diff(dict(theirs.model.module.named_parameters()), dict(ref.named_parameters())) == 0.0
+        # DDP's reducer goes first: were it the group's last holder, its destructor (which keeps the GIL) would join
+        # gloo's threads, one of which may wait for the GIL to free its last work (pytorch/pytorch#56297): a hang
+        del theirs
     finally:
         dist.destroy_process_group()
 
