@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from paratrain.distributed.context_parallel.masks import read_documents
 from paratrain.distributed.context_parallel.part import ContextParallel
 from paratrain.errors import ConfigError
+from paratrain.model.packed import is_packed
 from paratrain.options import CPConfig
 from paratrain.testing import max_abs_diff
 from paratrain.testing.host_syncs import HostSyncs
@@ -44,9 +45,11 @@ def test_a_packed_row_under_cp_equals_each_document_alone(cp_group, method):
     expected = packed.alone_loss(alone, DOCS)
     expected.backward()
     model = _with_cp(packed.BUILD["llama"](), cp_group, method)
+    batch = packed.packed(DOCS)
     with HostSyncs() as syncs:
-        loss = model(**packed.packed(DOCS)).loss
-    assert syncs.count == 1, dict(syncs.calls)  # the document lengths, once for every layer
+        assert is_packed(batch)  # forward_backward's look, before the forward
+        loss = model(**batch).loss
+    assert syncs.count == 1, dict(syncs.calls)  # the document lengths, once for the look, cp's cut and every layer
     loss.backward()
     assert torch.allclose(loss, expected, atol=1e-6)
     assert max_abs_diff(_grads(model), _grads(alone)) <= 1e-6
@@ -75,9 +78,12 @@ def test_packing_and_padding_together_are_one_line(cp_group):
 
 
 def test_attention_that_cannot_keep_documents_apart_is_one_line(cp_group):
+    """An attention kernel module that takes no ``documents=`` (paratrain's GPT's, unmarked)."""
     from paratrain.workloads.gpt import GPT, GPTConfig
 
-    model = _with_cp(GPT(GPTConfig(layers=1, hidden=8, heads=2, seq_len=8, vocab=16)), cp_group, "ulysses")
+    model = GPT(GPTConfig(layers=1, hidden=8, heads=2, seq_len=8, vocab=16))
+    model.blocks[0].attention.packs_documents = False
+    model = _with_cp(model, cp_group, "ulysses")
     with pytest.raises(ConfigError, match="packed batch .* under cp, which keeps documents apart in transformers"):
         model(torch.zeros(1, 8, dtype=torch.long), positions=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))
 

@@ -39,14 +39,14 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
 def is_packed(kwargs: Mapping[str, Any]) -> bool:
     """Whether a forward's keyword inputs are a packed batch: ``cu_seq_lens_q`` given, or ``position_ids``
     (transformers') or ``positions`` (torchtitan's, our GPT's) that restart inside a row (a host sync: the answer
-    decides the attention path). They are read as the attention reads them (:func:`_row_lengths`), so the forward
+    decides the attention path). They are read as the attention reads them (:func:`row_lengths`), so the forward
     that follows finds their document lengths already read."""
     if kwargs.get("cu_seq_lens_q") is not None:
         return True
     positions = kwargs.get("position_ids", kwargs.get("positions"))
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] < 2:
         return False
-    found = _row_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])
+    found = row_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])
     return any(len(row) > 1 for row in found)
 
 
@@ -59,9 +59,11 @@ class _LastRead:
     lengths: list[list[int]] = []
 
 
-def _row_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list[int]]:
-    """Each row's document lengths (one host read per forward: :class:`_LastRead`)."""
-    source = kwargs.get("cu_seq_lens_q", kwargs.get("position_ids"))
+def row_lengths(kwargs: Mapping[str, Any], rows: int, length: int) -> list[list[int]]:
+    """Each row's document lengths (one host read per forward: :class:`_LastRead`, shared by finding the batch
+    packed, context parallelism's cut and the attention)."""
+    source = kwargs.get("cu_seq_lens_q")
+    source = kwargs.get("position_ids") if source is None else source
     if not isinstance(source, torch.Tensor):
         return [[length]] * rows
     shape = (source._version, rows, length)
@@ -121,7 +123,7 @@ def packed_attention_forward(
 
     if attention_mask is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    found = _row_lengths(kwargs, query.shape[0], query.shape[2])
+    found = row_lengths(kwargs, query.shape[0], query.shape[2])
     window = kwargs.get("sliding_window")
     if window and max(max(row) for row in found) > window:
         raise ConfigError(
@@ -165,7 +167,7 @@ def document_lengths(positions: torch.Tensor, rows: int) -> list[list[int]] | No
     if positions.device.type == "meta":
         return None  # a shape-only forward (the planner's): nothing to read
     positions = positions if positions.dim() == 2 else positions.reshape(1, -1)
-    found = _row_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])  # is_packed's read
+    found = row_lengths({"position_ids": positions}, positions.shape[0], positions.shape[-1])  # is_packed's read
     found = found * rows if positions.shape[0] == 1 else found  # one row's read serves a batch that shares it
     return found if any(len(row) > 1 for row in found) else None
 

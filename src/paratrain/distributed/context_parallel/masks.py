@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...model.packed import document_starts, each_document, read_lengths
+from ...model.packed import document_starts, each_document, row_lengths
 
 Kernel = Callable[..., tuple[torch.Tensor, Any]]
 """A transformers attention function: ``(module, q, k, v, mask, **kwargs) -> (out [b, s, h, d], weights)``."""
@@ -89,7 +89,7 @@ def read_documents(
         starts = document_starts(positions.expand(rows, -1))
     else:
         return None
-    lengths = read_lengths({"position_ids": positions, "cu_seq_lens_q": cu_seq_lens}, rows, length)
+    lengths = row_lengths({"position_ids": positions, "cu_seq_lens_q": cu_seq_lens}, rows, length)
     if all(len(row) == 1 for row in lengths):
         return None
     return Documents(tuple(tuple(row) for row in lengths), (starts.long().cumsum(-1) - 1).to(device))
