@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import runpy
 from collections.abc import Iterator
 from unittest import mock
 
@@ -336,3 +337,9 @@ def reference(model_name: str, replicas: int, clip: float | None = None) -> dict
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def restart_job(script: str) -> str:
+    """The restart test's job (tests/scripts/ep_restart_job.py) whole, with no fault, as this job's ranks: its final
+    parameters' digest on rank 0 (the uninterrupted run, without starting a launcher and importing torch anew)."""
+    return runpy.run_path(script)["main"](None, None)

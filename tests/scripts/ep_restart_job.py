@@ -3,7 +3,7 @@
 
 Usage: paratrain run -n 2 [--checkpoint-dir D --checkpoint-every N --max-restarts 1] ep_restart_job.py [STEP RANK]
 With STEP and RANK, rank RANK SIGKILLs itself after optimizer step STEP (of 12) on the job's first attempt. Rank 0
-prints ``final parameters sha256 <digest>`` of the consolidated state at the end.
+prints ``final parameters sha256 <digest>`` of the consolidated state at the end; ``main`` returns it (on rank 0).
 """
 
 import os
@@ -21,7 +21,7 @@ from paratrain.planner.transformer import GPTConfig
 from paratrain.workloads.gpt import GPT
 
 
-def main(fail_step: int | None, fail_rank: int | None) -> None:
+def main(fail_step: int | None, fail_rank: int | None) -> str:
     par = paratrain.Parallel("zero3", ep=2, seed=0, monitor=False)
     torch.manual_seed(0)
     model = GPT(
@@ -58,8 +58,10 @@ def main(fail_step: int | None, fail_rank: int | None) -> None:
                 print(f"fault injection: SIGKILL rank {par.rank} after step {fail_step}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
     state = par.full_state_dict(model)
-    par.print(f"final parameters sha256 {state_digest(state) if par.is_main else ''}")
+    digest = state_digest(state) if par.is_main else ""
+    par.print(f"final parameters sha256 {digest}")
     par.close()
+    return digest
 
 
 if __name__ == "__main__":
