@@ -50,11 +50,12 @@ def assert_clipped_alike(got: list, expected: list[float], clip: float | None) -
 @pytest.mark.launched
 @pytest.mark.parametrize(
     "model_name,world,servers,micro,clip",
-    [("gpt2", 4, 2, 1, None), ("nanogpt", 3, 1, 2, None), ("nanogpt", 3, 1, 2, 1.0)],
-    ids=["gpt2", "nanogpt", "nanogpt-clipped"],
+    [("gpt2", 4, 2, 1, None), ("nanogpt", 3, 1, 2, 1.0)],
+    ids=["gpt2", "nanogpt-clipped"],
 )
 def test_sync_equals_one_process_on_zoo_models(model_name, world, servers, micro, clip):
-    """With ``clip_grad_norm`` the servers clip the step's mean gradient (not each worker its own)."""
+    """With ``clip_grad_norm`` the servers clip the step's mean gradient (not each worker its own). nanoGPT runs
+    clipped only: its AdamW groups and accumulation are checked there; an unclipped step is GPT-2's."""
     options = {"servers": servers, "accumulate": micro, **({"clip_grad_norm": clip} if clip else {})}
     results = spawn(run_zoo, world, (model_name, options), timeout_s=180)
     assert results[world - servers :] == [None] * servers  # the servers ended their processes cleanly
@@ -68,12 +69,12 @@ def test_sync_equals_one_process_on_zoo_models(model_name, world, servers, micro
 @pytest.mark.launched
 @pytest.mark.parametrize(
     "kind,world,servers,clip",
-    [("sgd", 4, 2, None), ("adagrad", 3, 1, None), ("adam", 4, 2, None), ("sgd", 4, 2, 0.1)],
-    ids=["sgd", "adagrad", "adam", "sgd-clipped"],
+    [("adagrad", 3, 1, None), ("adam", 4, 2, None), ("sgd", 4, 2, 0.1)],
+    ids=["adagrad", "adam", "sgd-clipped"],
 )
 def test_sync_equals_one_process_on_sparse_tables(tmp_path, kind, world, servers, clip):
     """Clipped: the norm over both servers' dense parts and rows, a row looked up several times (by one worker or
-    several) counted once with its summed gradient."""
+    several) counted once with its summed gradient. SGD runs clipped only (unclipped tables: Adagrad's and Adam's)."""
     options = {"servers": servers, "tables": ["bag", "emb"], **({"clip_grad_norm": clip} if clip else {})}
     if kind == "adam":
         options["table_optimizer"] = "adam"
@@ -118,10 +119,26 @@ def test_sync_save_and_load_resume_bitwise_and_export(tmp_path, case, world, ser
         layout.read_meta(Path(got["path"]))
 
 
+PS_DEMO = ["--strategy", "ps", "--epochs", "1"]  # the digits demo: 22 synchronous steps, 2 workers and 1 server
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_digest() -> str:
+    """The final parameters of the demo run without a fault: where every job below that is killed and restarted must
+    end, bit for bit (one run for them all)."""
+    import re
+
+    clean = run_cli("demo", "-n", "3", *PS_DEMO, timeout=120)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    digest = re.search(r"sha256 ([0-9a-f]{64})", clean.stdout)
+    assert digest, clean.stdout
+    return digest.group(1)
+
+
 @pytest.mark.launched
 @pytest.mark.slow
 @pytest.mark.timeout(360)
-def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_cmd, tmp_path):
+def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_cmd, tmp_path, uninterrupted_digest):
     """One job, `paratrain run --max-restarts 2` (the digits demo, 2 workers and 1 server), killed twice: worker rank
     1 SIGKILLed after step 10 of 22, then, on the restart, the server SIGKILLed at a random moment: as a random one
     of its requests arrives (a pull, a push in the middle of a step, a LOAD or a SAVE), or inside its shard write (a
@@ -141,8 +158,6 @@ def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_c
     server_fault = random.choice([f"request:{random.randint(1, 30)}", "save"])
     ckpt, pids = tmp_path / "ckpt", tmp_path / "pids"
     pids.mkdir()
-    demo = ["--strategy", "ps", "--epochs", "1"]
-    clean = run_cli("demo", "-n", "3", *demo, timeout=120)
     killed = subprocess.run(
         [
             *paratrain_cmd,
@@ -153,7 +168,7 @@ def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_c
             "2",
             str(SCRIPTS / "ps_server_faults.py"),
             f"none,{server_fault}",
-            *demo,
+            *PS_DEMO,
             "--checkpoint-dir",
             str(ckpt),
             "--checkpoint-every",
@@ -170,7 +185,7 @@ def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_c
         env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)},
     )
     why = f"server fault {server_fault} on the restart\n{killed.stderr[-3000:]}"
-    assert clean.returncode == 0 and killed.returncode == 0, clean.stderr[-2000:] + why
+    assert killed.returncode == 0, why
     planted = (
         f"as its request {server_fault.partition(':')[2]} arrives"
         if server_fault != "save"
@@ -184,8 +199,8 @@ def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_c
     assert len(resumed) in ((1, 2) if in_resume else (2,)) and resumed[0] == f"{ckpt}/step-00000008", why
     if server_fault == "save" or in_resume:  # the save of step 12 was never published
         assert resumed[-1] == f"{ckpt}/step-00000008", why
-    digest = [re.search(r"sha256 ([0-9a-f]{64})", r.stdout) for r in (clean, killed)]
-    assert all(digest) and digest[0].group(1) == digest[1].group(1), why
+    digest = re.search(r"sha256 ([0-9a-f]{64})", killed.stdout)
+    assert digest and digest.group(1) == uninterrupted_digest, why
     assert sorted(p.name for p in (ckpt / "step-00000020" / "server-000").iterdir()) == [".metadata", "__0_0.distcp"]
     started = [int(p.read_text()) for p in pids.iterdir()]
     assert len(started) == 9 and not alive(started), why  # 3 attempts x 3 ranks, all gone
@@ -194,7 +209,7 @@ def test_sync_a_killed_worker_then_server_restart_and_resume_bitwise(paratrain_c
 @pytest.mark.launched
 @pytest.mark.slow
 @pytest.mark.timeout(360)
-def test_sync_kills_during_asynchronous_saves_resume_bitwise(paratrain_cmd, tmp_path):
+def test_sync_kills_during_asynchronous_saves_resume_bitwise(paratrain_cmd, tmp_path, uninterrupted_digest):
     """`paratrain run --max-restarts 2 … --checkpoint-async` (the digits demo, 2 workers and 1 server): a random worker
     SIGKILLed after a random step, then, on the restart, the server SIGKILLed inside its first shard write, which
     runs in the background while the workers train. Each restart resumes from the latest published checkpoint (a
@@ -211,8 +226,6 @@ def test_sync_kills_during_asynchronous_saves_resume_bitwise(paratrain_cmd, tmp_
     step, rank = random.randint(1, 17), random.randint(0, 1)  # the restart then saves again before step 22
     ckpt, pids = tmp_path / "ckpt", tmp_path / "pids"
     pids.mkdir()
-    demo = ["--strategy", "ps", "--epochs", "1"]
-    clean = run_cli("demo", "-n", "3", *demo, timeout=120)
     killed = subprocess.run(
         [
             *paratrain_cmd,
@@ -223,7 +236,7 @@ def test_sync_kills_during_asynchronous_saves_resume_bitwise(paratrain_cmd, tmp_
             "2",
             str(SCRIPTS / "ps_server_faults.py"),
             "none,save",
-            *demo,
+            *PS_DEMO,
             "--checkpoint-dir",
             str(ckpt),
             "--checkpoint-every",
@@ -241,14 +254,14 @@ def test_sync_kills_during_asynchronous_saves_resume_bitwise(paratrain_cmd, tmp_
         env={**os.environ, "PS_SERVER_FAULTS_PIDS": str(pids)},
     )
     why = f"rank {rank} killed after step {step}\n{killed.stderr[-3000:]}"
-    assert clean.returncode == 0 and killed.returncode == 0, clean.stderr[-2000:] + why
+    assert killed.returncode == 0, why
     assert f"SIGKILL rank {rank} after step {step}" in killed.stderr, why
     assert "SIGKILL server rank 2 inside its shard write into" in killed.stderr, why
     resumed = [int(n) for n in re.findall(r"resumed from \S+/step-(\d{8}) \(step", killed.stdout)]
     last = (step - 1) // 4 * 4
     assert all(n % 4 == 0 and n <= last for n in resumed) and (not resumed or resumed[0] >= last - 4), why
-    digest = [re.search(r"sha256 ([0-9a-f]{64})", r.stdout) for r in (clean, killed)]
-    assert all(digest) and digest[0].group(1) == digest[1].group(1), why
+    digest = re.search(r"sha256 ([0-9a-f]{64})", killed.stdout)
+    assert digest and digest.group(1) == uninterrupted_digest, why
     started = [int(p.read_text()) for p in pids.iterdir()]
     assert len(started) == 9 and not alive(started), why  # 3 attempts x 3 ranks, all gone
 
@@ -638,11 +651,15 @@ def test_the_demo_takes_staleness_for_ps_only():
         DemoConfig(strategy="ddp", staleness=4)
 
 
-@pytest.mark.launched
-def test_ps_without_a_worker_is_one_line_before_the_demo_starts(paratrain_cmd):
+def test_ps_without_a_worker_is_one_line_before_the_demo_starts(monkeypatch):
+    from helpers.cli import in_process
 
-    res = run_cli("demo", "-n", "1", "--strategy", "ps", timeout=60)
-    assert res.returncode != 0
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "leaves no worker among 1 processes" in lines[0], res.stderr
-    assert "paratrain demo:" not in res.stdout  # nothing was launched
+    from paratrain.launcher import torchrun
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(torchrun, "run", launched.append)
+    rc, stderr = in_process(["demo", "-n", "1", "--strategy", "ps"])
+    assert rc != 0
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "leaves no worker among 1 processes" in lines[0], stderr
+    assert launched == []  # nothing was launched

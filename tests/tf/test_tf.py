@@ -17,7 +17,7 @@ from helpers.paths import ROOT
 from paratrain.cli.main import main
 from paratrain.errors import ConfigError, LaunchError
 from paratrain.tf.config import TFConfig, parse_tf_config
-from paratrain.tf.install import INSTALL_HINT, keras_choice, require_tensorflow
+from paratrain.tf.install import INSTALL_HINT, apply_keras_choice, keras_choice, require_tensorflow
 
 GOOD = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "task": {"type": "worker", "index": 1}}
 
@@ -59,6 +59,10 @@ def test_keras_choice():
     assert keras_choice({"TF_USE_LEGACY_KERAS": "1"}).note(2) is None  # the user's own choice: nothing to say
     ours = keras_choice({})
     assert ours.legacy and ours.set_by_us and "TF_USE_LEGACY_KERAS=1" in ours.note(2)  # tf-keras is installed
+    # what the launcher writes into the environment its workers inherit: a user's own choice is kept
+    kept, set_here = {"TF_USE_LEGACY_KERAS": "0"}, {}
+    assert not apply_keras_choice(kept).legacy and kept == {"TF_USE_LEGACY_KERAS": "0"}
+    assert apply_keras_choice(set_here).legacy and set_here == {"TF_USE_LEGACY_KERAS": "1"}
 
 
 def test_batch_and_lr_rules_follow_the_replicas():

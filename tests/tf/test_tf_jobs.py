@@ -77,41 +77,35 @@ def test_the_guides_programs_run_unchanged(tmp_path):
     one = _cli(["run", "--tf", "-n", "1", str(EXAMPLES / "mirrored_keras.py"), "--epochs", "1"], tmp_path)
     assert one.returncode == 0, one.stderr
     assert "replicas in sync: 1" in one.stdout and "test accuracy" in one.stdout
-
-    # Why the extra has tf-keras: TensorFlow 2.21's own Keras 3 cannot run this program's model.fit.
-    keras3 = _cli(
-        ["run", "--tf", "-n", "2", str(EXAMPLES / "multi_worker_keras.py"), "--epochs", "1"],
-        tmp_path,
-        TF_USE_LEGACY_KERAS="0",
-    )
-    assert keras3.returncode == 1 and "warning: tf.keras is Keras 3" in keras3.stderr
-    assert "PerReplica" in keras3.stderr and "failed on" in keras3.stderr
+    # A user's TF_USE_LEGACY_KERAS=0 (Keras 3) is kept and warned about: test_tf.py's test_keras_choice, the note
+    # printed as above; a worker's failure is reported as test_a_partner_that_never_starts_and_scripts_… shows.
 
 
 def test_demo_reaches_95_percent_and_a_killed_worker_restarts_bitwise(tmp_path):
-    demo = _cli(["demo", "--tf", "--epochs", "10"], tmp_path)
+    """6 epochs, not the demo's 10: the training is deterministic and passes 95% at its 5th (96.7% at the 6th)."""
+    demo = _cli(["demo", "--tf", "--epochs", "6"], tmp_path)
     assert demo.returncode == 0, demo.stderr
     assert "MultiWorkerMirroredStrategy" in demo.stdout and "tf.keras = tf-keras" in demo.stdout
     acc = float(demo.stdout.split("final test acc ")[1].split("%")[0]) / 100
     assert acc >= 0.95, demo.stdout
-    assert "worker   steps   step ms" in demo.stdout and demo.stdout.count("epoch ") >= 10
+    assert "worker   steps   step ms" in demo.stdout and demo.stdout.count("epoch ") >= 6
     digest = demo.stdout.split("final weights sha256 ")[1].split()[0]
 
-    # Worker 1 SIGKILLs itself after epoch 9: the job must notice at once, restart both and resume from the last
-    # backup. The chief writes its epoch-9 backup while worker 1 dies, so which one is last is the race's: epoch 9's
-    # (resume at 10) or epoch 8's (resume at 9, written before epoch 9's first all-reduce). Never earlier.
+    # Worker 1 SIGKILLs itself after epoch 5: the job must notice at once, restart both and resume from the last
+    # backup. The chief writes its epoch-5 backup while worker 1 dies, so which one is last is the race's: epoch 5's
+    # (resume at 6) or epoch 4's (resume at 5, written before epoch 5's first all-reduce). Never earlier.
     proc, killed = _watch(
         [
             "demo",
             "--tf",
             "--epochs",
-            "10",
+            "6",
             "--checkpoint-dir",
             str(tmp_path / "ckpt"),
             "--max-restarts",
             "1",
             "--fail-at-step",
-            "9",
+            "5",
             "--fail-rank",
             "1",
         ],
@@ -125,9 +119,9 @@ def test_demo_reaches_95_percent_and_a_killed_worker_restarts_bitwise(tmp_path):
     assert seconds < 8, f"the job took {seconds:.1f} s to stop after the kill"
     assert "rank 1 failed (killed by SIGKILL" in rest and "restart 1 of 1" in rest
     resumed = re.search(r"resumed at epoch (\d+) after 1 restart\(s\)", rest)
-    assert resumed and int(resumed[1]) in (9, 10), rest  # BackupAndRestore: at most the killed epoch again
-    again = [int(e) for e in re.findall(r"^epoch +(\d+)/10 ", rest, re.M)]
-    assert again == list(range(int(resumed[1]), 11)), rest  # the restart trained from there on, not from scratch
+    assert resumed and int(resumed[1]) in (5, 6), rest  # BackupAndRestore: at most the killed epoch again
+    again = [int(e) for e in re.findall(r"^epoch +(\d+)/6 ", rest, re.M)]
+    assert again == list(range(int(resumed[1]), 7)), rest  # the restart trained from there on, not from scratch
     assert rest.split("final weights sha256 ")[-1].split()[0] == digest  # as if never interrupted
     assert not _left_running(str(tmp_path))
 
