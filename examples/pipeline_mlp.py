@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 
-# test-launch: paratrain run -n 2 --schedule gpipe | paratrain run -n 2 --schedule interleaved-1f1b
+# test-launch: paratrain run -n 2 --schedule gpipe --epochs 1 |paratrain run -n 2 --schedule interleaved-1f1b --epochs 1
 
 
 def main() -> None:
@@ -21,6 +21,7 @@ def main() -> None:
     p.add_argument("--strategy", default="pipeline", choices=["pipeline", "hybrid"])
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=3)
     args = p.parse_args()
     par = paratrain.Parallel(args.strategy, schedule=args.schedule, microbatches=args.microbatches, seed=0)
     # an nn.Sequential: the pipeline cuts it into stages, balanced by parameter count
@@ -30,7 +31,7 @@ def main() -> None:
     # the ranks of one pipeline read the same batches: prepare shards by data-parallel replica only
     loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True, drop_last=True)
     model, optimizer, loader = par.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3), loader)
-    for epoch in par.epochs(3):
+    for epoch in par.epochs(args.epochs):
         for xb, yb in loader:
             with par.step(model, optimizer):
                 loss = par.forward_backward(model, xb.to(par.device), yb.to(par.device), nn.functional.cross_entropy)

@@ -12,7 +12,7 @@ from torch import nn
 
 import paratrain
 
-# test-launch: paratrain run -n 2 --strategy zero3 | paratrain run -n 2 --strategy zero1 --precision bf16-mixed
+# test-launch: paratrain run -n 2 --steps 4 | paratrain run -n 2 --strategy zero1 --precision bf16-mixed --steps 4
 
 
 class Block(nn.Module):

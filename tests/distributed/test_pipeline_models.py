@@ -25,7 +25,10 @@ from helpers.pipeline_model_workers import HIDDEN, OWN_LOSS, batches, build, run
 BOUND = 1e-5
 BF16_BOUND = 2e-3  # bf16 autocast rounds each matmul's output; a split matmul rounds its partial sums first
 # name, family, strategy, options, accumulate, clip_grad_norm, save -> load -> continue (a name: saved by that
-# strategy, loaded by this one)
+# strategy, loaded by this one). Each family, schedule and engine once where another case does not already prove it:
+# BERT's, LoRA's and our GPT's resumes run under hybrid (fsdp, fsdp, zero1) at world 4, hybrid ddp on GPT-2's tied
+# head under LoRA, hybrid fsdp with accumulation on nanoGPT's GPT, tp x pp resumes on Llama, clipping on GPT-2's and
+# nanoGPT's tied heads.
 WORLD2 = [
     ("gpt2 1f1b clip", "gpt2", "pipeline", {"schedule": "1f1b"}, 1, 0.5, False),
     (
@@ -48,14 +51,11 @@ WORLD2 = [
         False,
     ),
     ("gpt interleaved clip", "gpt", "pipeline", {"schedule": "interleaved-1f1b"}, 1, 0.5, False),
-    ("gpt 1f1b resume", "gpt", "pipeline", {"schedule": "1f1b"}, 1, None, True),
     ("gpt 1f1b compiled", "gpt", "pipeline", {"schedule": "1f1b", "compile": True}, 1, None, False),
     ("gpt2 1f1b resumes a ddp checkpoint", "gpt2", "pipeline", {"schedule": "1f1b"}, 1, None, "ddp"),
     ("sequential split_points", "seq", "pipeline", {"schedule": "1f1b", "split_points": ["3"]}, 1, None, False),
     ("bert 1f1b clip", "bert", "pipeline", {"schedule": "1f1b"}, 1, 0.1, False),
-    ("bert gpipe resume", "bert", "pipeline", {"schedule": "gpipe"}, 1, None, True),
     ("lora 1f1b clip", "lora", "pipeline", {"schedule": "1f1b"}, 1, 0.1, False),
-    ("lora gpipe resume", "lora", "pipeline", {"schedule": "gpipe"}, 1, None, True),
     ("nanogpt 1f1b clip", "nanogpt", "pipeline", {"schedule": "1f1b"}, 1, 0.5, False),
     ("nanogpt gpipe resume", "nanogpt", "pipeline", {"schedule": "gpipe"}, 1, None, True),
     # zero-bubble: a V holds the first and last stage on rank 0, GPT-2's tied weight one tensor there
@@ -64,7 +64,6 @@ WORLD2 = [
     ("nanogpt interleaved-zb accumulate", "nanogpt", "pipeline", {"schedule": "interleaved-zb"}, 2, None, False),
 ]
 WORLD4 = [
-    ("gpt2 hybrid ddp", "gpt2", "hybrid", {}, 1, None, False),
     (
         "gpt2 hybrid fsdp interleaved clip",
         "gpt2",
@@ -74,7 +73,6 @@ WORLD4 = [
         0.5,
         False,
     ),
-    ("llama hybrid fsdp", "llama", "hybrid", {"data": "fsdp"}, 1, None, False),
     (
         "llama hybrid ddp gpipe checkpointed",
         "llama",
@@ -84,8 +82,6 @@ WORLD4 = [
         None,
         False,
     ),
-    ("gpt hybrid fsdp accumulate", "gpt", "hybrid", {"data": "fsdp"}, 2, None, False),
-    ("gpt hybrid fsdp resume", "gpt", "hybrid", {"data": "fsdp"}, 1, None, True),
     ("bert hybrid fsdp resume", "bert", "hybrid", {"data": "fsdp"}, 1, None, True),
     ("lora hybrid ddp", "lora", "hybrid", {}, 1, None, False),
     ("lora hybrid fsdp resume", "lora", "hybrid", {"data": "fsdp"}, 1, None, True),
@@ -100,11 +96,9 @@ WORLD4 = [
 # tp x pp at world 4: every schedule (interleaved: two stages per rank), clipping over tp shards and stages, bitwise
 # resumes, accumulation with activation checkpointing
 TP4 = [
-    ("gpt tp interleaved clip", "gpt", "pipeline", {"tp": 2, "schedule": "interleaved-1f1b"}, 1, 0.5, False),
     ("llama tp interleaved resume", "llama", "pipeline", {"tp": 2, "schedule": "interleaved-1f1b"}, 1, None, True),
     ("gpt2 tp 1f1b clip", "gpt2", "pipeline", {"tp": 2, "schedule": "1f1b"}, 1, 0.5, False),
     ("llama tp gpipe", "llama", "pipeline", {"tp": 2, "schedule": "gpipe"}, 1, None, False),
-    ("gpt tp 1f1b resume", "gpt", "pipeline", {"tp": 2}, 1, None, True),
     ("nanogpt tp interleaved clip", "nanogpt", "pipeline", {"tp": 2, "schedule": "interleaved-1f1b"}, 1, 0.5, False),
     ("llama tp zbv", "llama", "pipeline", {"tp": 2, "schedule": "zbv"}, 1, None, False),
     (

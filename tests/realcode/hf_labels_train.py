@@ -22,7 +22,7 @@ import torch
 
 import paratrain
 
-VOCAB, SEQ, PER_REPLICA, STEPS = 64, 16, 4, 3
+VOCAB, SEQ, PER_REPLICA, STEPS = 64, 16, 4, 2  # two AdamW steps: the second reads the first's state
 GLOBAL_BATCH = 8
 
 

@@ -36,7 +36,7 @@ batch_size = 4  # micro-batch per replica
 global_batch = 16  # samples per optimizer step, every replica and micro-step together
 eval_batch = 8
 learning_rate, weight_decay, beta1, beta2, grad_clip = 1e-3, 1e-1, 0.9, 0.99, 1.0
-max_iters, warmup_iters, lr_decay_iters, min_lr = 4, 2, 4, 1e-4
+max_iters, warmup_iters, lr_decay_iters, min_lr = 3, 2, 4, 1e-4
 eval_interval, eval_iters = 2, 2
 # -----------------------------------------------------------------------------
 
