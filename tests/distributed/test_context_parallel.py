@@ -22,14 +22,14 @@ from paratrain.strategies.composed import preset
 from paratrain.testing import max_abs_diff, spawn
 
 TOL = 2e-5
-# (model, strategy, options, mode): every model with labels= and forward_backward, under ddp and zero3
+# (model, strategy, options, mode): every model under ddp or zero3, every mode, each mode under both (not every model
+# under every mode and strategy: Qwen2, whose eager attention is what differs, takes a batch under ddp; GPT-2 a batch
+# under zero2, labels= under zero3 and at cp=4; torchtitan's DeepSeek-V3 trains under zero3 with checkpointing)
 WORLD2 = [
     ("llama", "ddp", {"cp": 2}, "labels"),
     ("llama", "zero3", {"cp": 2}, "batch"),
     ("qwen2", "ddp", {"cp": 2}, "batch"),
-    ("qwen2", "zero3", {"cp": 2}, "labels"),
     ("gpt2", "zero3", {"cp": 2}, "labels"),
-    ("gpt2", "ddp", {"cp": 2}, "batch"),
     ("gpt", "zero3", {"cp": 2}, "loss_fn"),
     ("llama", "ddp", {"cp": 2}, "loss_fn"),
     ("gpt2", "zero2", {"cp": 2}, "batch"),
@@ -38,7 +38,6 @@ WORLD2 = [
     # torchtitan's shapes: attention found by its SDPA call, 2-D positions, latent attention (v narrower than q, k)
     ("titan_llama", "ddp", {"cp": 2}, "loss_fn"),
     ("titan_qwen3", "zero3", {"cp": 2}, "loss_fn"),
-    ("titan_dsv3", "ddp", {"cp": 2}, "loss_fn"),
     ("titan_dsv3", "zero3", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),
     ("inline", "ddp", {"cp": 2, "activation_checkpointing": True}, "loss_fn"),  # SDPA in the checkpointed block
     ("nanogpt_kernel", "ddp", {"cp": 2}, "own"),  # nanoGPT's hand-written attention marked is_attention_kernel
@@ -55,9 +54,8 @@ WORLD4 = [
     ("gpt2", "zero3", {"cp": 4}, "labels"),
     ("gpt", "ddp", {"cp": 4}, "loss_fn"),
     ("gpt", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
-    ("titan_llama_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
-    ("titan_qwen3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
-    ("titan_dsv3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),
+    ("titan_dsv3_h8", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),  # torchtitan's shapes under tp x cp: the one with
+    # latent attention and experts (its Llama 3 below, with the all-gather; Qwen3's query/key norms at world 2)
     ("llama_kv2", "zero3", {"cp": 4}, "batch"),  # 2 key/value heads at cp=4: the all-gather
     ("titan_llama", "zero3", {"cp": 2, "tp": 2}, "loss_fn"),  # 1 key/value head a tp rank: the all-gather per call
 ]

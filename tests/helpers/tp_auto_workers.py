@@ -29,7 +29,7 @@ from torch.nn import functional as F
 import paratrain
 from helpers.shapes import HIDDEN as SHAPE_HIDDEN
 from helpers.shapes import LatentAttention, RMSNorm, ShapeConfig, titan_dsv3
-from helpers.tp_workers import STEPS, step_batch
+from helpers.tp_workers import step_batch
 from helpers.zoo import HIDDEN, SEQ, SHAPES, VOCAB, ZOO, ZooModel, _lm_loss, _sgd, _tokens
 from paratrain.distributed.process_group import finish_group
 
@@ -167,6 +167,10 @@ def with_lora(base: nn.Module, targets: list[str], conv1d: bool = False) -> nn.M
             nn.init.normal_(p, std=0.02)
     return model
 
+
+STEPS = 2
+"""Optimizer steps a case trains: the first makes the optimizer's state, the second updates the replicated parameters
+on their local tensors (what the tests watch)."""
 
 _PER_PARAMETER = functools.partial(_sgd, foreach=None)
 """SGD on CPU's default path, one parameter at a time: the one where replicated parameters step on their local
