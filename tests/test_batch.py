@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
-from paratrain.batch import ModelCall, loss_of
+from paratrain.batch import ModelCall, counted, loss_of
 from paratrain.errors import ConfigError
 
 
@@ -88,3 +88,30 @@ def test_a_model_returning_no_loss_is_one_line():
     with pytest.raises(ConfigError, match="without a loss"):
         par.forward_backward(model, torch.zeros(1, 2, dtype=torch.long))
     par.close()
+
+
+def test_a_loss_fns_mean_is_weighed_by_its_counted_targets():
+    """A packed batch's ``loss_fn`` mean (``ModelCall.items`` set): its sum over the replica's share of the global
+    count; targets below 0 count for nothing (torch's -100, nanoGPT's -1); a part with none counted adds 0, not nan;
+    a floating target counts every element without a copy from the host (which would wait for a GPU's queue)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    logits, target = torch.randn(1, 6, 5), torch.tensor([[1, 2, -100, 3, -100, 4]])
+    assert int(counted(torch.tensor([[1, 2, -100, 3, -1, 4]]))) == 4
+    loss_fn = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    assert torch.equal(ModelCall(x=None, target=target, loss_fn=loss_fn).loss(logits), loss_fn(logits, target))
+    weighed = ModelCall(x=None, target=target, loss_fn=loss_fn, items=torch.tensor(8.0))
+    assert torch.allclose(weighed.loss(logits), loss_fn(logits, target) * 4 / 8)
+    none = torch.full((1, 6), -100)
+    assert float(weighed.weigh(F.cross_entropy(logits[0], none[0]), none)) == 0.0
+
+    class Lifted(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Lifted.count += func is torch.ops.aten.lift_fresh.default
+            return func(*args, **(kwargs or {}))
+
+    with Lifted():
+        assert int(counted(torch.randn(2, 3))) == 6
+    assert Lifted.count == 0

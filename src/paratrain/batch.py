@@ -98,9 +98,9 @@ class ModelCall:
 def counted(target: torch.Tensor) -> torch.Tensor:
     """How many of a token loss's integer ``target`` it averages over: those not below zero (torch's cross-entropy
     ignores -100 by default, nanoGPT's -1; any other negative target fails that loss, so the two agree wherever it
-    is defined). A floating target counts every element."""
+    is defined). A floating target counts every element (a fill on its device: no copy from the host)."""
     if target.is_floating_point():
-        return torch.tensor(target.numel(), device=target.device)
+        return torch.full((), target.numel(), dtype=torch.long, device=target.device)
     return target.ge(0).sum()
 
 
