@@ -89,6 +89,7 @@ def test_input_specs_read_one_value_a_sample():
         InputSpec.parse("cheese:4")
 
 
+@pytest.mark.slow
 def test_plan_traces_nanogpt_as_training_and_gives_no_lr_advice_unasked(capsys):
     """nanoGPT's own run: 480 samples a step, 12 a GPU, on 8 GPUs; its LR is tuned for that batch already."""
     argv = [

@@ -34,6 +34,7 @@ def rows(model: str, tokens: int, **config) -> tuple[Plan, set[tuple[int, int]]]
     return plan, {(e.layout.tp, e.layout.cp) for e in plan.estimates}
 
 
+@pytest.mark.slow
 def test_nanogpt_gets_tp_rows_counting_what_the_inferred_plan_splits():
     """The runtime's plan for nanoGPT splits the MLPs and the tied vocabulary; attention stays whole (its forward
     reads the head size from the input's width): exactly those parameters are split, activations counted whole."""
@@ -74,6 +75,7 @@ def test_nanogpt_gets_no_cp_rows_the_runtime_refuses_them_for_want_of_positions(
         rows(NANOGPT, 64, gpus=4, gpu="h100", cp=2)
 
 
+@pytest.mark.slow
 def test_torchtitan_shapes_get_tp_and_cp_rows():
     stats = stats_of(TITAN, 16)
     assert stats.refused == {}

@@ -95,6 +95,7 @@ def test_units_of_a_moduledict_model_are_zero3s_one_per_block():
     assert stats.largest_unit[0] in ("layers.0", "layers.1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", ["titan_llama", "titan_qwen3", "titan_dsv3"])
 def test_plan_model_plans_every_shape(factory, capsys):
     rc = main(["plan", "--model", f"helpers.shapes:{factory}", "--input", "long:16", "--gpus", "2", "--json"])
