@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..batch import ModelCall
+from ..batch import ModelCall, counted
 from ..errors import ConfigError
 from .chunked import chunked_cross_entropy
 
@@ -77,7 +77,7 @@ def counted_targets(call: ModelCall) -> torch.Tensor | None:
     if call.loss_fn is not None or key not in ("labels", "shift_labels"):
         return None
     found = call.loss_kwargs[key]
-    return (found[..., 1:] if key == "labels" else found).ge(0).sum()
+    return counted(found[..., 1:] if key == "labels" else found)
 
 
 def candidates(call: ModelCall, model: nn.Module) -> list[Recipe]:
